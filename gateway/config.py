@@ -1,0 +1,203 @@
+"""Configuration: TOML file + ``UOMP_*`` environment -> frozen dataclasses.
+
+Precedence, lowest first: the defaults below, ``$UOMP_HOME/config.toml`` (or ``--config``), the
+environment (``UOMP_GUARD_<FIELD>``, ``UOMP_GATEWAY_<FIELD>``), command-line flags. Every limit is
+named, with its unit in the name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from gateway.errors import UompError
+
+DEFAULT_HOME = "~/.uomp"
+LOCAL_PORT = 9374
+
+
+def resolve_home(cli_home: str | None = None) -> Path:
+    raw = cli_home or os.environ.get("UOMP_HOME") or DEFAULT_HOME
+    return Path(raw).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where everything lives under the data directory (created 0700 by ``uomp init``)."""
+
+    home: Path
+
+    @property
+    def secrets(self) -> Path:
+        return self.home / ".secrets"
+
+    @property
+    def private_jwk(self) -> Path:
+        return self.secrets / "ed25519-private.jwk"
+
+    @property
+    def public_jwk(self) -> Path:
+        return self.secrets / "ed25519-public.jwk"
+
+    @property
+    def jwks(self) -> Path:
+        """Every public key still accepted (current + rotated-out, until their tokens are dead)."""
+        return self.secrets / "jwks.json"
+
+    @property
+    def admin_credential(self) -> Path:
+        return self.secrets / "admin-token"
+
+    @property
+    def memory_db(self) -> Path:
+        return self.home / "memory.db"
+
+    @property
+    def auth_db(self) -> Path:
+        return self.home / "auth.db"
+
+    @property
+    def audit_db(self) -> Path:
+        return self.home / "audit.db"
+
+    @property
+    def guard_sock(self) -> Path:
+        return self.home / "guard.sock"
+
+    @property
+    def config_file(self) -> Path:
+        return self.home / "config.toml"
+
+    @property
+    def ca_dir(self) -> Path:
+        return self.home / "ca"
+
+    @property
+    def gateway_dir(self) -> Path:
+        return self.home / "gateway"
+
+    @property
+    def agents_dir(self) -> Path:
+        return self.home / "agents"
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Auth Service + Memory Guard (``[guard]``, ``UOMP_GUARD_*``)."""
+
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int = LOCAL_PORT
+    serve_tcp: bool = True
+    allow_non_loopback: bool = False
+    token_lifetime_seconds: int = 30 * 60
+    remote_token_lifetime_seconds: int = 10 * 60
+    refresh_lifetime_seconds: int = 7 * 24 * 3600
+    refresh_reuse_grace_seconds: int = 10
+    default_max_read_queries: int = 100
+    aggregate_min_items: int = 3
+    audit_retention_days: int = 90
+    max_body_bytes: int = 64 * 1024
+    max_tag_results: int = 1000
+    token_cache_entries: int = 4096
+    session_max_minutes: int = 24 * 60
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Remote gateway (``[gateway]``, ``UOMP_GATEWAY_*``)."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 9443
+    allow_non_loopback: bool = False
+    tunnel_origin_host: str = "127.0.0.1"
+    tunnel_origin_port: int = 0  # 0 = no tunnel-origin (DPoP) listener
+    metrics_port: int = 0  # 0 = no metrics listener; always loopback
+    upstream: str = ""  # "" = unix:$UOMP_HOME/guard.sock; or http://127.0.0.1:9374
+    server_cert: str = ""  # "" = $UOMP_HOME/ca/gateway.crt
+    server_key: str = ""
+    agent_ca: str = ""
+    agent_crl: str = ""
+    endpoints: list[str] = field(default_factory=list)  # audiences; "" -> https://localhost:<port>
+    max_header_bytes: int = 8 * 1024
+    max_body_bytes: int = 1024 * 1024
+    max_connections: int = 1024
+    upstream_timeout_seconds: float = 10.0
+    client_timeout_seconds: float = 30.0
+    keepalive_timeout_seconds: float = 75.0
+    status_cache_seconds: float = 0.5
+    dpop_window_seconds: int = 60
+    dpop_replay_cache_entries: int = 100_000
+
+
+T = TypeVar("T")
+
+
+def _coerce(value: Any, typ: Any, name: str) -> Any:
+    origin = get_origin(typ)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(typ) if a is not type(None)]
+        return _coerce(value, args[0], name)
+    if origin is list:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise UompError("CONFIG_ERROR", f"{name} must be a list of strings")
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return value.lower() in ("1", "true", "yes", "on")
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError) as exc:
+        raise UompError("CONFIG_ERROR", f"{name} has the wrong type (want {typ.__name__})") from exc
+    raise UompError("CONFIG_ERROR", f"{name}: unsupported type")
+
+
+def _read_toml(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UompError("CONFIG_ERROR", f"cannot read config file {path}: {exc}") from exc
+
+
+def load_section(cls: type[T], section: str, *, file: Path | None, overrides: dict[str, Any] | None = None) -> T:
+    """Build ``cls`` from defaults, the TOML ``[section]``, ``UOMP_<SECTION>_<FIELD>`` and overrides."""
+    data = _read_toml(file).get(section, {})
+    if not isinstance(data, dict):
+        raise UompError("CONFIG_ERROR", f"[{section}] must be a table")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - names
+    if unknown:
+        raise UompError("CONFIG_ERROR", f"unknown setting(s) in [{section}]: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    for name in names:
+        env = os.environ.get(f"UOMP_{section.upper()}_{name.upper()}")
+        if name in data:
+            values[name] = _coerce(data[name], hints[name], f"{section}.{name}")
+        if env is not None:
+            values[name] = _coerce(env, hints[name], f"UOMP_{section.upper()}_{name.upper()}")
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _coerce(value, hints[name], f"--{name.replace('_', '-')}")
+    return cls(**values)

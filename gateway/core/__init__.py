@@ -1,0 +1,1 @@
+"""Pure logic: no aiohttp, asyncio, sqlite or socket imports (tested as bytes in, objects out)."""

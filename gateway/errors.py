@@ -1,0 +1,88 @@
+"""The one error type of the project.
+
+Every refusal carries a stable ``code`` (the spec §8.4 names, plus a few of ours) and an HTTP
+status. The mapping code -> status lives here and nowhere else; the HTTP layers turn a
+:class:`UompError` into the §8.4 body with :meth:`UompError.body`, the CLI prints
+``code: message`` and exits non-zero.
+
+Messages are written for people and must never contain a token, a key or a memory value:
+callers pass fixed sentences and identifiers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# code -> HTTP status. Spec §8.4 codes first, then ours (documented in README "Error codes").
+STATUS: dict[str, int] = {
+    # spec §8.4
+    "INVALID_TOKEN": 401,
+    "TOKEN_EXPIRED": 401,
+    "SESSION_REVOKED": 401,
+    "ACCESS_DENIED": 403,
+    "QUOTA_EXCEEDED": 429,
+    "WRITE_NOT_AVAILABLE": 403,
+    "STORE_UNAVAILABLE": 503,
+    "SESSION_NOT_FOUND": 404,
+    "INVALID_REQUEST": 400,
+    # ours
+    "UNAUTHORIZED": 401,  # management API without the user's admin credential
+    "CERT_REQUIRED": 401,  # mTLS listener: no (acceptable) client certificate
+    "AGENT_MISMATCH": 403,  # token agent != certificate agent != X-UOMP-Agent-Id
+    "TOKEN_BINDING_MISMATCH": 401,  # cnf x5t#S256 / jkt does not match the presented key
+    "DPOP_INVALID": 401,  # RFC 9449 proof missing or wrong
+    "REFRESH_REUSED": 401,  # a spent refresh token came back: family revoked
+    "NOT_FOUND": 404,  # no such route (never used for memory keys: those answer ACCESS_DENIED)
+    "METHOD_NOT_ALLOWED": 405,
+    "PAYLOAD_TOO_LARGE": 413,
+    "NOT_IMPLEMENTED": 501,
+    "INVALID_STATE": 409,  # session transition not allowed from its current state
+    "UPSTREAM_ERROR": 502,
+    "UPSTREAM_TIMEOUT": 504,
+    "CONFIG_ERROR": 500,
+    "KEY_ERROR": 500,  # a key file is missing, unreadable or malformed
+    "IMPORT_INVALID": 400,
+    "MANIFEST_INVALID": 400,
+    "CA_ERROR": 400,
+    "INTERNAL": 500,
+}
+
+
+class UompError(Exception):
+    """A refusal or failure with a stable code.
+
+    ``session_id`` is echoed in the §8.4 body when known; ``details`` carries extra,
+    non-secret, machine-readable facts (row numbers of a bad import, for example).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        session_id: str | None = None,
+        details: dict[str, Any] | None = None,
+        status: int | None = None,
+    ) -> None:
+        if code not in STATUS:
+            raise ValueError(f"unknown error code {code!r}")
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.session_id = session_id
+        self.details = details
+        self.status = status if status is not None else STATUS[code]
+
+    def body(self) -> dict[str, Any]:
+        """The spec §8.4 error body."""
+        err: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.session_id:
+            err["session_id"] = self.session_id
+        if self.details:
+            err["details"] = self.details
+        return {"error": err}
+
+
+def error_body(code: str, message: str, session_id: str | None = None) -> dict[str, Any]:
+    """Shortcut for places that build a body without raising."""
+    return UompError(code, message, session_id=session_id).body()

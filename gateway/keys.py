@@ -1,0 +1,199 @@
+"""The Auth Service signing keys and the user's admin credential, on disk.
+
+Files under ``$UOMP_HOME/.secrets`` (0700):
+
+* ``ed25519-private.jwk`` (0600): the current signing key, ``{kty, crv, x, d, kid, alg}`` as the
+  TypeScript reference writes it;
+* ``ed25519-public.jwk``: its public half (what the reference gateway reads);
+* ``jwks.json``: ``{"keys": [...]}``, every public key still accepted, each with ``kid`` and, once
+  rotated out, ``retired_at`` (epoch seconds). A retired key is dropped once no token it signed
+  can still be alive (``max_token_lifetime`` after retirement);
+* ``admin-token`` (0600): the credential the ``uomp`` CLI presents to the management API.
+
+Nothing here regenerates a key silently: a file that exists but cannot be read or parsed is a
+``KEY_ERROR`` telling the user which file, never a new key that would orphan every live token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from gateway.config import Paths
+from gateway.core import jose
+from gateway.errors import UompError
+from gateway.fsutil import atomic_write, ensure_private_dir
+
+
+def _new_kid() -> str:
+    return "uomp-" + time.strftime("%Y%m%d", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise UompError("KEY_ERROR", f"{path} exists but cannot be read as JSON ({type(exc).__name__}); "
+                        "fix or restore it: keys are never regenerated silently") from exc
+
+
+def _dump(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    kid: str
+    key: ed25519.Ed25519PrivateKey
+
+
+def init_keys(paths: Paths) -> bool:
+    """Create the signing key and JWKS if absent. Returns True when a key was made."""
+    ensure_private_dir(paths.secrets)
+    if paths.private_jwk.exists():
+        load_signing_key(paths)  # validates; raises KEY_ERROR if broken
+        if not paths.jwks.exists():
+            _write_jwks(paths, [jose.public_jwk(load_signing_key(paths).key, kid=load_signing_key(paths).kid)])
+        return False
+    if paths.jwks.exists() or paths.public_jwk.exists():
+        raise UompError("KEY_ERROR", f"{paths.private_jwk} is missing but public keys exist; "
+                        "restore the private key or remove the .secrets directory deliberately")
+    key = ed25519.Ed25519PrivateKey.generate()
+    kid = _new_kid()
+    _install(paths, key, kid, previous=[])
+    return True
+
+
+def _write_jwks(paths: Paths, keys: list[dict[str, Any]]) -> None:
+    atomic_write(paths.jwks, _dump({"keys": keys}), mode=0o644)
+
+
+def _install(paths: Paths, key: ed25519.Ed25519PrivateKey, kid: str, previous: list[dict[str, Any]]) -> None:
+    pub = jose.public_jwk(key, kid=kid)
+    pub["alg"] = "EdDSA"
+    # Order matters for a crash: the JWKS (what verifiers trust) first, then the private key, so a
+    # crash in between leaves an extra trusted key, never a signing key nobody trusts.
+    _write_jwks(paths, [pub, *previous])
+    atomic_write(paths.private_jwk, _dump(jose.private_jwk(key, kid=kid)), mode=0o600)
+    atomic_write(paths.public_jwk, _dump(pub), mode=0o644)
+
+
+def load_signing_key(paths: Paths) -> SigningKey:
+    try:
+        st = paths.private_jwk.stat()
+    except FileNotFoundError as exc:
+        raise UompError("KEY_ERROR", f"no signing key at {paths.private_jwk}; run 'uomp init'") from exc
+    if st.st_mode & 0o077:
+        raise UompError("KEY_ERROR", f"{paths.private_jwk} is readable by others (mode {st.st_mode & 0o777:o}); "
+                        "chmod 600 it")
+    jwk = _read_json(paths.private_jwk)
+    try:
+        key = jose.load_private_jwk(jwk)
+    except ValueError as exc:
+        raise UompError("KEY_ERROR", f"{paths.private_jwk} is not a valid Ed25519 private JWK: {exc}") from exc
+    kid = jwk.get("kid")
+    if not isinstance(kid, str) or not kid:
+        raise UompError("KEY_ERROR", f"{paths.private_jwk} has no kid")
+    return SigningKey(kid, key)
+
+
+def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifetime: float | None = None
+                     ) -> dict[str, jose.PublicKey]:
+    """kid -> public key for every key still accepted.
+
+    Reads ``jwks.json``; a data directory written by the TypeScript reference has only
+    ``ed25519-public.jwk``, which is then the one trusted key.
+    """
+    if paths.jwks.exists():
+        doc = _read_json(paths.jwks)
+        entries = doc.get("keys") if isinstance(doc, dict) else None
+        if not isinstance(entries, list):
+            raise UompError("KEY_ERROR", f"{paths.jwks} has no 'keys' list")
+    elif paths.public_jwk.exists():
+        entries = [_read_json(paths.public_jwk)]
+    else:
+        raise UompError("KEY_ERROR", f"no public keys in {paths.secrets}; run 'uomp init'")
+    out: dict[str, jose.PublicKey] = {}
+    for jwk in entries:
+        kid = jwk.get("kid") if isinstance(jwk, dict) else None
+        if not isinstance(kid, str):
+            raise UompError("KEY_ERROR", f"a key in {paths.secrets} has no kid")
+        retired = jwk.get("retired_at")
+        if retired is not None and now is not None and max_token_lifetime is not None \
+                and now > float(retired) + max_token_lifetime:
+            continue
+        try:
+            out[kid] = jose.load_public_jwk(jwk)
+        except ValueError as exc:
+            raise UompError("KEY_ERROR", f"public key {kid} is invalid: {exc}") from exc
+    if not out:
+        raise UompError("KEY_ERROR", "no usable public key")
+    return out
+
+
+def rotate(paths: Paths, *, max_token_lifetime: float, now: float | None = None) -> str:
+    """Make a new signing key; keep the old public key until its tokens are dead. Returns the new kid."""
+    now = time.time() if now is None else now
+    current = load_signing_key(paths)
+    doc = _read_json(paths.jwks) if paths.jwks.exists() else {"keys": []}
+    kept: list[dict[str, Any]] = []
+    for jwk in doc.get("keys", []):
+        if jwk.get("kid") == current.kid:
+            jwk = {**jwk, "retired_at": int(now)}
+        retired = jwk.get("retired_at")
+        if retired is not None and now > float(retired) + max_token_lifetime:
+            continue  # nothing it signed can still be valid
+        kept.append(jwk)
+    if not any(j.get("kid") == current.kid for j in kept):
+        kept.append({**jose.public_jwk(current.key, kid=current.kid), "alg": "EdDSA", "retired_at": int(now)})
+    kid = _new_kid()
+    _install(paths, ed25519.Ed25519PrivateKey.generate(), kid, previous=kept)
+    return kid
+
+
+# ------------------------------------------------------------------------- admin credential
+
+
+def init_admin(paths: Paths) -> bool:
+    ensure_private_dir(paths.secrets)
+    if paths.admin_credential.exists():
+        load_admin(paths)
+        return False
+    atomic_write(paths.admin_credential, ("uadm_" + secrets.token_urlsafe(32) + "\n").encode(), mode=0o600)
+    return True
+
+
+def load_admin(paths: Paths) -> str:
+    try:
+        st = paths.admin_credential.stat()
+        text = paths.admin_credential.read_text().strip()
+    except FileNotFoundError as exc:
+        raise UompError("KEY_ERROR", f"no admin credential at {paths.admin_credential}; run 'uomp init'") from exc
+    except OSError as exc:
+        raise UompError("KEY_ERROR", f"cannot read {paths.admin_credential}: {exc.strerror}") from exc
+    if st.st_mode & 0o077:
+        raise UompError("KEY_ERROR", f"{paths.admin_credential} is readable by others; chmod 600 it")
+    if not text.startswith("uadm_") or len(text) < 40:
+        raise UompError("KEY_ERROR", f"{paths.admin_credential} is malformed")
+    return text
+
+
+def admin_matches(presented: str | None, expected: str) -> bool:
+    return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
+
+
+def init_home(paths: Paths) -> dict[str, bool]:
+    """``uomp init``: data dir 0700, signing key, admin credential. Idempotent."""
+    ensure_private_dir(paths.home)
+    os.chmod(paths.home, 0o700)
+    return {"signing_key": init_keys(paths), "admin_credential": init_admin(paths)}

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: set up, lint, type-check, test.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --dev || { echo "setup failed"; exit 1; }
+status=0
+echo "== ruff"; .venv/bin/ruff check gateway tests scripts benchmarks examples || status=1
+echo "== mypy (strict, gateway/)"; .venv/bin/mypy || status=1
+echo "== pytest"
+.venv/bin/python -m pytest -q "$@"
+rc=$?
+# pytest exit 5 = no tests collected: that is a failure of the suite, not a pass.
+if [ $rc -eq 5 ]; then echo "pytest collected no tests"; rc=1; fi
+[ $rc -ne 0 ] && status=1
+exit $status
