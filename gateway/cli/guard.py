@@ -1,9 +1,115 @@
-"""``uomp`` commands: guard (being built)."""
+"""``uomp guard serve``, ``uomp sessions …``, ``uomp audit``: the local side, for the user."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+from typing import Any
+
+from gateway.cli.main import paths_from
+from gateway.config import GuardConfig, Paths, load_section
+from gateway.guard.audit import AuditLog
+from gateway.guard.auth import AuthService
+
+
+def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
+    overrides: dict[str, Any] = {}
+    for name in ("tcp_host", "tcp_port"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
+    if getattr(args, "force_non_loopback", False):
+        overrides["allow_non_loopback"] = True
+    return load_section(GuardConfig, "guard", file=paths.config_file, overrides=overrides)
+
+
+def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
+    return AuthService(paths, cfg, AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.guard.server import run_guard
+
+    paths = paths_from(args)
+    cfg = guard_config(args, paths)
+    asyncio.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
+    return 0
+
+
+def _print(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    auth = open_auth(paths, guard_config(args, paths))
+    try:
+        if args.sessions_command == "list":
+            rows = auth.list_sessions(status=args.status)
+            if args.json:
+                _print(rows)
+            else:
+                print(f"{'SESSION':<24} {'AGENT':<24} {'STATUS':<8} {'PROFILE':<7} EXPIRES")
+                for r in rows:
+                    print(f"{r['session_id']:<24} {r['agent_id']:<24} {r['status']:<8} "
+                          f"{r.get('profile', '-'):<7} {r['expires_at']}")
+        elif args.sessions_command == "show":
+            _print(auth.session(args.session_id).public())
+        elif args.sessions_command == "revoke":
+            _print(auth.revoke(args.session_id))
+        elif args.sessions_command == "close":
+            _print(auth.close(args.session_id))
+    finally:
+        auth.close_db()
+        auth.audit.close()
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    cfg = guard_config(args, paths)
+    audit = AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days)
+    try:
+        rows = audit.recent(limit=args.limit, session_id=args.session)
+        if args.json:
+            _print(rows)
+        else:
+            for r in reversed(rows):
+                what = r.get("key") or ",".join(r.get("tags") or []) or "-"
+                verdict = "ALLOW" if r["allowed"] else "DENY "
+                print(f"{r['timestamp']} {verdict} {r['session_id']} {r['agent_id']} {r['action']} {what}: "
+                      f"{r['reason']}" + (f" [{r['detail']}]" if r.get("detail") else ""))
+    finally:
+        audit.close()
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    return None
+    g = sub.add_parser("guard", help="the local Auth Service + Memory Guard")
+    gsub = g.add_subparsers(dest="guard_command", metavar="ACTION", required=True)
+    s = gsub.add_parser("serve", help="serve on $UOMP_HOME/guard.sock (0600) and, for the Local Profile, "
+                        "http://127.0.0.1:9374")
+    s.add_argument("--no-tcp", action="store_true", help="serve only the Unix socket (no Local Profile port)")
+    s.add_argument("--tcp-host", help="Local Profile listen address (default 127.0.0.1)")
+    s.add_argument("--tcp-port", type=int, help="Local Profile port (default 9374; 0 picks a free port)")
+    s.add_argument("--force-non-loopback", action="store_true",
+                   help="allow a non-loopback --tcp-host (exposes the guard beyond this machine)")
+    s.set_defaults(func=_serve)
+
+    ss = sub.add_parser("sessions", help="see, close and revoke sessions (spec §21)")
+    ssub = ss.add_subparsers(dest="sessions_command", metavar="ACTION", required=True)
+    ls = ssub.add_parser("list", help="list sessions, newest first")
+    ls.add_argument("--status", choices=["created", "active", "closed", "expired", "revoked"])
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_sessions)
+    for name, helptext in (("show", "show one session"), ("revoke", "revoke a session: its tokens stop working "
+                           "at once and are blacklisted"), ("close", "close a session normally")):
+        p = ssub.add_parser(name, help=helptext)
+        p.add_argument("session_id")
+        p.set_defaults(func=_sessions)
+
+    a = sub.add_parser("audit", help="what agents asked for and what they got (newest last)")
+    a.add_argument("--session", help="only this session")
+    a.add_argument("--limit", type=int, default=50)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_audit)

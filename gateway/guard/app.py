@@ -1,0 +1,482 @@
+"""HTTP face of the Auth Service and the Memory Guard (spec §9, §10, §18, §19).
+
+Two listeners share one set of services:
+
+* ``unix`` — ``$UOMP_HOME/guard.sock`` (0600): the CLI, and the remote gateway forwarding verified
+  remote-profile requests; the only place the internal refresh route exists;
+* ``tcp`` — ``127.0.0.1:9374``, the Local Profile: local-profile tokens only (§14.1, §7.3).
+
+Management routes (create/grant/close/revoke/list) need the user's admin credential; a capability
+token never suffices. Every response to an agent is either data it was granted or a §8.4 error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway import keys as keyfiles
+from gateway.config import GuardConfig, Paths
+from gateway.core import deletion, jose, policy
+from gateway.core.tokens import Capability
+from gateway.errors import UompError
+from gateway.guard.audit import AuditLog
+from gateway.guard.auth import AuthService, SessionRow
+from gateway.guard.store import MemoryStore
+
+log = logging.getLogger("uomp.guard")
+
+# Headers the gateway sets on forwarded requests (it strips any copy a client sent).
+VERIFIED_AGENT_HEADER = "X-UOMP-Verified-Agent"
+VERIFIED_VIA_HEADER = "X-UOMP-Verified-Via"
+VERIFIED_X5T_HEADER = "X-UOMP-Verified-X5t"
+VERIFIED_JKT_HEADER = "X-UOMP-Verified-Jkt"
+QUOTA_HEADER = "X-UOMP-Quota-Remaining"
+MAX_QUERY_PARAM = 256
+
+
+@dataclass
+class GuardServices:
+    paths: Paths
+    cfg: GuardConfig
+    audit: AuditLog
+    auth: AuthService
+    store: MemoryStore
+    admin_credential: str
+
+    @classmethod
+    def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
+        audit = AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days)
+        auth = AuthService(paths, cfg, audit)
+        store = MemoryStore(paths.memory_db)
+        return cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths))
+
+    def close(self) -> None:
+        self.auth.close_db()
+        self.store.close()
+        self.audit.close()
+
+
+SERVICES = web.AppKey("services", GuardServices)
+LISTENER = web.AppKey("listener", str)
+
+
+def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(text=json.dumps(body, separators=(",", ":"), ensure_ascii=False), status=status,
+                        content_type="application/json", headers=headers)
+
+
+def error_response(exc: UompError) -> web.Response:
+    headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if exc.status == 401 else None
+    return _json_response(exc.body(), exc.status, headers)
+
+
+_HTTP_CODES = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "PAYLOAD_TOO_LARGE"}
+
+
+@web.middleware
+async def errors_middleware(request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except UompError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, "INVALID_REQUEST")
+        msg = {"NOT_FOUND": "no such endpoint", "METHOD_NOT_ALLOWED": "method not allowed on this endpoint",
+               "PAYLOAD_TOO_LARGE": "request body too large"}.get(code, "invalid request")
+        return error_response(UompError(code, msg, status=exc.status if code == "INVALID_REQUEST" else None))
+    except Exception as exc:  # never leak internals; never 500 with a stack trace to a client
+        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path)
+        return error_response(UompError("INTERNAL", "internal error"))
+
+
+def _bearer(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() not in ("bearer", "dpop") or not value.strip():
+        raise UompError("INVALID_TOKEN", "missing Authorization: Bearer token")
+    return value.strip()
+
+
+def _admin(request: web.Request) -> None:
+    svc = request.app[SERVICES]
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not keyfiles.admin_matches(value.strip(), svc.admin_credential):
+        raise UompError("UNAUTHORIZED", "the management API needs the user's admin credential")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    svc = request.app[SERVICES]
+    if request.content_length is not None and request.content_length > svc.cfg.max_body_bytes:
+        raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {svc.cfg.max_body_bytes} bytes")
+    raw = await request.content.read(svc.cfg.max_body_bytes + 1)
+    if len(raw) > svc.cfg.max_body_bytes:
+        raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {svc.cfg.max_body_bytes} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UompError("INVALID_REQUEST", "request body is not valid JSON") from exc
+    if not isinstance(body, dict):
+        raise UompError("INVALID_REQUEST", "request body must be a JSON object")
+    return body
+
+
+def _param(request: web.Request, name: str, *, required: bool = True) -> str | None:
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise UompError("INVALID_REQUEST", f"query parameter {name} given more than once")
+    if not values or not values[0]:
+        if required:
+            raise UompError("INVALID_REQUEST", f"query parameter {name} is required")
+        return None
+    if len(values[0]) > MAX_QUERY_PARAM:
+        raise UompError("INVALID_REQUEST", f"query parameter {name} is too long")
+    return values[0]
+
+
+class AgentCall:
+    """One authenticated agent request: runs §10.4 steps 1-4 and records the audit event."""
+
+    def __init__(self, request: web.Request, action: str, *, key: str | None = None,
+                 tags: list[str] | None = None) -> None:
+        self.request = request
+        self.svc = request.app[SERVICES]
+        self.action = action
+        self.key = key
+        self.tags = tags
+        self.cap: Capability | None = None
+        self.row: SessionRow | None = None
+        self.remaining: int | None = None
+
+    def authenticate(self) -> Capability:
+        listener = self.request.app[LISTENER]
+        try:
+            cap, row = self.svc.auth.authenticate(_bearer(self.request))
+            if listener == "tcp":
+                # Local Profile listener (§7.3, §14.1): local tokens bound to this endpoint only.
+                if cap.profile != "local":
+                    raise UompError("INVALID_TOKEN", "a remote-profile token must come through the gateway",
+                                    session_id=cap.session_id)
+                expected = f"http://127.0.0.1:{self.svc.cfg.tcp_port}"
+                if cap.audience is not None and cap.audience.rstrip("/") not in (
+                        expected, f"http://localhost:{self.svc.cfg.tcp_port}"):
+                    raise UompError("INVALID_TOKEN", "token audience is not this guard", session_id=cap.session_id)
+            else:
+                forwarded = self.request.headers.get(VERIFIED_AGENT_HEADER)
+                if forwarded is not None and forwarded != cap.agent_id:
+                    raise UompError("AGENT_MISMATCH", "verified agent does not match the token",
+                                    session_id=cap.session_id)
+        except UompError as exc:
+            self.deny(exc, agent_id="unknown")
+            raise
+        self.cap, self.row = cap, row
+        return cap
+
+    def consume_read(self) -> None:
+        assert self.cap is not None
+        try:
+            self.remaining = self.svc.auth.consume_read(self.cap)
+        except UompError as exc:
+            self.remaining = 0
+            self.deny(exc)
+            raise
+
+    def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None) -> None:
+        cap = self.cap
+        self.svc.audit.record(
+            session_id=cap.session_id if cap else "unknown", agent_id=cap.agent_id if cap else "unknown",
+            action=self.action, key=self.key, tags=self.tags, allowed=allowed, reason=reason, detail=detail,
+            request_size=self.request.content_length or 0, response_size=response_size,
+            query_count_remaining=self.remaining,
+            via=self.request.headers.get(VERIFIED_VIA_HEADER) if self.request.app[LISTENER] == "unix" else "local")
+
+    def deny(self, exc: UompError, *, agent_id: str | None = None) -> None:
+        cap = self.cap
+        self.svc.audit.record(
+            session_id=cap.session_id if cap else (exc.session_id or "unknown"),
+            agent_id=cap.agent_id if cap else (agent_id or "unknown"), action=self.action, key=self.key,
+            tags=self.tags, allowed=False, reason=exc.message, detail=exc.code, query_count_remaining=self.remaining,
+            via=self.request.headers.get(VERIFIED_VIA_HEADER) if self.request.app[LISTENER] == "unix" else "local")
+
+    async def respond(self, body: Any) -> web.Response:
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        self.record(True, self._reason, self._detail, response_size=len(text.encode()))
+        await self.svc.audit.flush()
+        headers = {QUOTA_HEADER: str(self.remaining)} if self.remaining is not None else None
+        return web.Response(text=text, content_type="application/json", headers=headers)
+
+    async def refuse(self, exc: UompError, detail: str | None = None) -> web.Response:
+        self.record(False, exc.message, detail or exc.code)
+        await self.svc.audit.flush()
+        resp = error_response(exc)
+        if self.remaining is not None:
+            resp.headers[QUOTA_HEADER] = str(self.remaining)
+        return resp
+
+    _reason = "scope matched"
+    _detail: str | None = None
+
+    def allow(self, reason: str, detail: str | None = None) -> None:
+        self._reason, self._detail = reason, detail
+
+
+async def _flush_then_raise(call: AgentCall, exc: UompError) -> web.Response:
+    """The refusal was audited by AgentCall; make it durable, then answer (with the quota header)."""
+    await call.svc.audit.flush()
+    resp = error_response(exc)
+    if call.remaining is not None:
+        resp.headers[QUOTA_HEADER] = str(call.remaining)
+    return resp
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+async def get_key(request: web.Request) -> web.Response:
+    key = request.match_info["key"]
+    call = AgentCall(request, "read", key=key)
+    try:
+        cap = call.authenticate()
+        call.consume_read()
+    except UompError as exc:
+        return await _flush_then_raise(call, exc)
+    if cap.aggregation_only:  # §10.4 step 5b, §19.2
+        return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
+    item = call.svc.store.get(key)
+    d = policy.key_decision(cap.read, key, list(item.tags) if item else None, item.sensitivity if item else None)
+    if not d.allowed or item is None:
+        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+    call.tags = list(item.tags)
+    call.allow(d.reason, d.detail)
+    return await call.respond(policy.filter_fields(item.to_dict(), cap.allowed_fields))
+
+
+def _tag_items(call: AgentCall, cap: Capability, tag: str) -> tuple[policy.Decision, list[Any]]:
+    d = policy.tag_decision(cap.read, tag)
+    if not d.allowed:
+        return d, []
+    items = call.svc.store.by_tag(tag, limit=call.svc.cfg.max_tag_results)
+    kept = [it for it in items
+            if policy.key_decision(cap.read, it.key, list(it.tags), it.sensitivity).allowed]
+    return d, kept
+
+
+async def get_by_tag(request: web.Request) -> web.Response:
+    call = AgentCall(request, "read")
+    try:
+        tag = _param(request, "tag")
+        assert tag is not None
+        call.tags = [tag]
+        cap = call.authenticate()
+        call.consume_read()
+    except UompError as exc:
+        return await _flush_then_raise(call, exc)
+    if cap.aggregation_only:
+        return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
+    d, items = _tag_items(call, cap, tag)
+    if not d.allowed:
+        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+    call.allow(d.reason, f"{len(items)} items after key rules")
+    return await call.respond({"items": [policy.filter_fields(it.to_dict(), cap.allowed_fields) for it in items]})
+
+
+async def aggregate(request: web.Request) -> web.Response:
+    call = AgentCall(request, "aggregate")
+    try:
+        tag = _param(request, "tag")
+        op = _param(request, "op")
+        field = _param(request, "field", required=False)
+        assert tag is not None and op is not None
+        call.tags = [tag]
+        if op not in policy.OPS:
+            raise UompError("INVALID_REQUEST", "op must be one of sum, avg, count, min, max")
+        if op != "count" and (field is None or not (field == "value" or field.startswith("value."))):
+            raise UompError("INVALID_REQUEST", "field is required for numeric ops and must start with value.")
+        cap = call.authenticate()
+        call.consume_read()
+    except UompError as exc:
+        return await _flush_then_raise(call, exc)
+    d, items = _tag_items(call, cap, tag)
+    if not d.allowed:
+        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+    res = policy.aggregate([it.value for it in items], op=op, field_path=field, tag=tag,
+                           min_items=call.svc.cfg.aggregate_min_items)
+    if not res.ok:
+        return await call.refuse(UompError(
+            "ACCESS_DENIED", f"aggregation needs at least {call.svc.cfg.aggregate_min_items} contributing items",
+            session_id=cap.session_id), res.detail)
+    call.allow("aggregate over granted items", f"{res.contributing} items")
+    return await call.respond(res.body)
+
+
+async def write_refused(request: web.Request) -> web.Response:
+    call = AgentCall(request, "write" if request.method == "PUT" else "delete", key=request.match_info.get("key"))
+    try:
+        cap = call.authenticate()
+    except UompError as exc:
+        return await _flush_then_raise(call, exc)
+    return await call.refuse(UompError("WRITE_NOT_AVAILABLE", "agent writes are not available (spec §20.4)",
+                                       session_id=cap.session_id))
+
+
+async def query_refused(request: web.Request) -> web.Response:
+    call = AgentCall(request, "query")
+    try:
+        cap = call.authenticate()
+    except UompError as exc:
+        return await _flush_then_raise(call, exc)
+    return await call.refuse(UompError("NOT_IMPLEMENTED", "semantic query is not implemented (spec §22)",
+                                       session_id=cap.session_id))
+
+
+async def get_audit(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    cap, _ = svc.auth.authenticate(_bearer(request))
+    sid = _param(request, "session_id", required=False)
+    if sid is not None and sid != cap.session_id:
+        raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
+                        session_id=cap.session_id)
+    raw_limit = _param(request, "limit", required=False)
+    try:
+        limit = int(raw_limit) if raw_limit is not None else 100
+    except ValueError as exc:
+        raise UompError("INVALID_REQUEST", "limit must be an integer") from exc
+    if not 1 <= limit <= 1000:
+        raise UompError("INVALID_REQUEST", "limit must be between 1 and 1000")
+    await svc.audit.flush()
+    return _json_response({"logs": svc.audit.for_session(cap.session_id, limit=limit)})
+
+
+# ---------------------------------------------------------------------------- sessions
+
+
+async def create_session(request: web.Request) -> web.Response:
+    _admin(request)
+    return _json_response(request.app[SERVICES].auth.create_session(await _json_body(request)), 201)
+
+
+async def grant_session(request: web.Request) -> web.Response:
+    _admin(request)
+    body = await _json_body(request)
+    return _json_response(request.app[SERVICES].auth.grant(request.match_info["sid"], body))
+
+
+async def close_session(request: web.Request) -> web.Response:
+    _admin(request)
+    return _json_response(request.app[SERVICES].auth.close(request.match_info["sid"]))
+
+
+async def revoke_session(request: web.Request) -> web.Response:
+    _admin(request)
+    return _json_response(request.app[SERVICES].auth.revoke(request.match_info["sid"]))
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    _admin(request)
+    status = _param(request, "status", required=False)
+    return _json_response({"sessions": request.app[SERVICES].auth.list_sessions(status=status)})
+
+
+async def get_session(request: web.Request) -> web.Response:
+    _admin(request)
+    return _json_response(request.app[SERVICES].auth.session(request.match_info["sid"]).public())
+
+
+async def validate_token(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    return _json_response(request.app[SERVICES].auth.validate(body.get("token")))
+
+
+async def deletion_proof(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    sid = request.match_info["sid"]
+    call = AgentCall(request, "deletion_proof")
+    try:
+        cap = call.authenticate()
+        if cap.session_id != sid:
+            raise UompError("ACCESS_DENIED", "token is for another session", session_id=cap.session_id)
+        body = await _json_body(request)
+        proof = deletion.parse_deletion_proof(body)
+        row = call.row
+        assert row is not None
+        key = None
+        if row.identity_jwk:
+            loaded = jose.load_public_jwk(row.identity_jwk)
+            from cryptography.hazmat.primitives.asymmetric import ed25519
+
+            key = loaded if isinstance(loaded, ed25519.Ed25519PublicKey) else None
+        deletion.verify_deletion_proof(
+            proof, path_session_id=sid, token_session_id=cap.session_id, token_agent_id=cap.agent_id,
+            token_expires_at=cap.expires_at, agent_public_key=key,
+            declared_method=(row.retention or {}).get("deletion_method"), now=time.time())
+    except UompError as exc:
+        if call.cap is not None:
+            call.record(False, exc.message, exc.code)
+        await svc.audit.flush()
+        raise
+    svc.auth.db.execute("UPDATE sessions SET deletion_proof_id=? WHERE session_id=?", (proof.deletion_proof_id, sid))
+    call.allow("deletion proof verified", proof.deletion_proof_id)
+    if cap.task_bound and row.status == "active":
+        svc.auth.close(sid, reason="task-bound session closed after its deletion proof")
+    return await call.respond({"status": "accepted", "deletion_proof_id": proof.deletion_proof_id})
+
+
+async def refresh_internal(request: web.Request) -> web.Response:
+    """Only on the Unix socket, called by the gateway after it checked the transport (cert or DPoP)."""
+    svc = request.app[SERVICES]
+    sid = request.match_info["sid"]
+    try:
+        answer = svc.auth.refresh(_bearer(request), session_id=sid,
+                                  presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
+                                  presented_jkt=request.headers.get(VERIFIED_JKT_HEADER))
+    except UompError as exc:
+        svc.audit.record(session_id=exc.session_id or sid, agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
+                         action="refresh", allowed=False, reason=exc.message, detail=exc.code)
+        await svc.audit.flush()
+        raise
+    await svc.audit.flush()
+    return _json_response(answer)
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json_response({"status": "ok"})
+
+
+def create_app(services: GuardServices, *, listener: str) -> web.Application:
+    if listener not in ("unix", "tcp"):
+        raise ValueError("listener must be unix or tcp")
+    app = web.Application(middlewares=[errors_middleware], client_max_size=services.cfg.max_body_bytes)
+    app[SERVICES] = services
+    app[LISTENER] = listener
+    r = app.router
+    r.add_get("/v1/health", health)
+    r.add_get("/v1/memory/aggregate", aggregate)
+    r.add_post("/v1/memory/query", query_refused)
+    r.add_get("/v1/memory/{key}", get_key)
+    r.add_put("/v1/memory/{key}", write_refused)
+    r.add_delete("/v1/memory/{key}", write_refused)
+    r.add_get("/v1/memory", get_by_tag)
+    r.add_get("/v1/audit", get_audit)
+    r.add_post("/v1/sessions", create_session)
+    r.add_get("/v1/sessions", list_sessions)
+    r.add_get("/v1/sessions/{sid}", get_session)
+    r.add_post("/v1/sessions/{sid}/grant", grant_session)
+    r.add_post("/v1/sessions/{sid}/close", close_session)
+    r.add_post("/v1/sessions/{sid}/revoke", revoke_session)
+    r.add_post("/v1/sessions/{sid}/deletion-proof", deletion_proof)
+    r.add_post("/v1/tokens/validate", validate_token)
+    if listener == "unix":
+        r.add_post("/v1/sessions/{sid}/refresh", refresh_internal)
+    return app

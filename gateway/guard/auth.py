@@ -1,0 +1,586 @@
+"""Auth Service (spec §9, §13, §15.5, §19.4): sessions, tokens, blacklist, quotas, refresh families.
+
+State lives in ``auth.db`` (WAL, synchronous=FULL): a revocation is durable before it is
+acknowledged. Session states (§13.1)::
+
+    created --grant--> active --close / timeout / revoke / deletion proof--> closed | expired | revoked
+
+Every token this service issues is recorded by hash; closing or revoking a session copies all of
+them into the persistent blacklist (§13.4), and the session status itself is checked on every
+request, so a revoked session's tokens fail on the very next request.
+
+Refresh tokens (§15.5, RFC 9700 §4.14.2): each refresh spends the presented refresh token and
+returns a new one of the same family. A spent token presented again revokes the family and the
+session, except within ``refresh_reuse_grace_seconds`` for the same bound key (the client never
+received the answer), where the already-issued successor pair is handed out again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway import keys as keyfiles
+from gateway.config import GuardConfig, Paths
+from gateway.core import jose, tokens
+from gateway.core.policy import is_subset
+from gateway.core.quota import QuotaLedger
+from gateway.core.tokens import Capability, Scope
+from gateway.errors import UompError
+from gateway.guard.audit import AuditLog
+from gateway.guard.db import connect, transaction
+
+log = logging.getLogger("uomp.auth")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+  session_id TEXT PRIMARY KEY,
+  agent_id TEXT NOT NULL,
+  agent_name TEXT,
+  status TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  expires_at REAL NOT NULL,
+  closed_at REAL,
+  requested_scopes TEXT NOT NULL,
+  granted_scopes TEXT,
+  grant_options TEXT,
+  token_hash TEXT,
+  identity_jwk TEXT,
+  retention TEXT,
+  deletion_proof_id TEXT,
+  missing_proof_recorded INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS idx_sessions_status ON sessions(status, expires_at);
+CREATE TABLE IF NOT EXISTS issued_tokens (
+  token_hash TEXT PRIMARY KEY,
+  session_id TEXT NOT NULL,
+  jti TEXT NOT NULL,
+  kind TEXT NOT NULL,
+  expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS idx_issued_session ON issued_tokens(session_id);
+CREATE TABLE IF NOT EXISTS token_blacklist (
+  token_hash TEXT PRIMARY KEY,
+  session_id TEXT NOT NULL,
+  expires_at REAL NOT NULL,
+  reason TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS quota (
+  session_id TEXT PRIMARY KEY,
+  reserved INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS refresh_tokens (
+  jti TEXT PRIMARY KEY,
+  family_id TEXT NOT NULL,
+  session_id TEXT NOT NULL,
+  status TEXT NOT NULL,
+  expires_at REAL NOT NULL,
+  spent_at REAL,
+  successor TEXT
+);
+CREATE INDEX IF NOT EXISTS idx_refresh_family ON refresh_tokens(family_id);
+"""
+
+LIVE = ("created", "active")
+MAX_DURATION_MINUTES_FLOOR = 1
+ID_ALPHABET_MAX = 128
+
+
+def token_hash(token: str) -> str:
+    return "sha256:" + hashlib.sha256(token.encode("ascii", "replace")).hexdigest()
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_urlsafe(12)}"
+
+
+def _req_str(body: Mapping[str, Any], name: str, *, max_len: int = ID_ALPHABET_MAX) -> str:
+    v = body.get(name)
+    if not isinstance(v, str) or not v.strip() or len(v) > max_len:
+        raise UompError("INVALID_REQUEST", f"{name} must be a non-empty string of at most {max_len} characters")
+    return v
+
+
+def _scope_from_body(obj: Any, name: str) -> Scope:
+    try:
+        return tokens.parse_scope(obj, name)
+    except UompError as exc:
+        raise UompError("INVALID_REQUEST", exc.message.replace("claim ", "")) from exc
+
+
+def _scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
+    if obj is None:
+        obj = {}
+    if not isinstance(obj, dict):
+        raise UompError("INVALID_REQUEST", f"{name} must be an object with read/write scopes")
+    unknown = set(obj) - {"read", "write"}
+    if unknown:
+        raise UompError("INVALID_REQUEST", f"{name} has unknown members: {', '.join(sorted(unknown))}")
+    return _scope_from_body(obj.get("read"), f"{name}.read"), _scope_from_body(obj.get("write"), f"{name}.write")
+
+
+def _scopes_json(read: Scope, write: Scope) -> str:
+    return json.dumps({"read": read.to_claim(), "write": write.to_claim()})
+
+
+def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name, False)
+    if not isinstance(v, bool):
+        raise UompError("INVALID_REQUEST", f"{name} must be a boolean")
+    return v
+
+
+def _opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > 256 or not all(isinstance(x, str) and 0 < len(x) <= 512 for x in v):
+        raise UompError("INVALID_REQUEST", f"{name} must be a list of non-empty strings")
+    return list(v)
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    session_id: str
+    agent_id: str
+    agent_name: str | None
+    status: str
+    created_at: float
+    expires_at: float
+    closed_at: float | None
+    requested: dict[str, Any]
+    granted: dict[str, Any] | None
+    options: dict[str, Any]
+    identity_jwk: dict[str, Any] | None
+    retention: dict[str, Any] | None
+    deletion_proof_id: str | None
+
+    def public(self) -> dict[str, Any]:
+        """§13.2 view for the user (never token material)."""
+        out: dict[str, Any] = {
+            "session_id": self.session_id,
+            "agent_id": self.agent_id,
+            "agent_name": self.agent_name,
+            "status": self.status,
+            "created_at": tokens.iso(self.created_at),
+            "expires_at": tokens.iso(self.expires_at),
+            "closed_at": tokens.iso(self.closed_at) if self.closed_at else None,
+            "requested_scopes": self.requested,
+            "granted_scopes": self.granted,
+        }
+        if self.options:
+            out["profile"] = self.options.get("profile", "local")
+            if self.options.get("audience"):
+                out["audience"] = self.options["audience"]
+        if self.retention:
+            out["data_retention_policy"] = self.retention
+        if self.deletion_proof_id:
+            out["deletion_proof_id"] = self.deletion_proof_id
+        return out
+
+
+class AuthService:
+    def __init__(self, paths: Paths, cfg: GuardConfig, audit: AuditLog, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.paths = paths
+        self.cfg = cfg
+        self.audit = audit
+        self.clock = clock
+        self.db = connect(paths.auth_db, schema=SCHEMA, what="session database")
+        self.reload_keys()
+        self.quota = QuotaLedger(self._quota_load, self._quota_persist)
+        self._verified: dict[str, Capability] = {}
+
+    # ------------------------------------------------------------------------------ keys
+
+    def reload_keys(self) -> None:
+        lifetime = max(self.cfg.token_lifetime_seconds, self.cfg.refresh_lifetime_seconds)
+        self.signing = keyfiles.load_signing_key(self.paths)
+        self.public_keys = keyfiles.load_public_keys(self.paths, now=self.clock(), max_token_lifetime=lifetime)
+        self._verified = {}
+
+    # ------------------------------------------------------------------------- sessions
+
+    def _row(self, session_id: str) -> SessionRow | None:
+        try:
+            r = self.db.execute("SELECT * FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        except sqlite3.Error as exc:
+            raise UompError("STORE_UNAVAILABLE", "the session database is unavailable") from exc
+        if r is None:
+            return None
+        row = SessionRow(
+            session_id=r["session_id"], agent_id=r["agent_id"], agent_name=r["agent_name"], status=r["status"],
+            created_at=r["created_at"], expires_at=r["expires_at"], closed_at=r["closed_at"],
+            requested=json.loads(r["requested_scopes"]),
+            granted=json.loads(r["granted_scopes"]) if r["granted_scopes"] else None,
+            options=json.loads(r["grant_options"]) if r["grant_options"] else {},
+            identity_jwk=json.loads(r["identity_jwk"]) if r["identity_jwk"] else None,
+            retention=json.loads(r["retention"]) if r["retention"] else None,
+            deletion_proof_id=r["deletion_proof_id"],
+        )
+        if row.status in LIVE and self.clock() >= row.expires_at:
+            self._expire(row)
+            return self._row(session_id)
+        return row
+
+    def session(self, session_id: str) -> SessionRow:
+        row = self._row(session_id)
+        if row is None:
+            raise UompError("SESSION_NOT_FOUND", "session does not exist", session_id=session_id)
+        return row
+
+    def _expire(self, row: SessionRow) -> None:
+        now = self.clock()
+        with transaction(self.db, what="session database"):
+            self.db.execute("UPDATE sessions SET status='expired', closed_at=? WHERE session_id=? AND status IN "
+                            "('created','active')", (now, row.session_id))
+            self._blacklist_session(row.session_id, "expired")
+        self._record_missing_proof(row)
+
+    def _record_missing_proof(self, row: SessionRow) -> None:
+        if not (row.retention or {}).get("proof_required") or row.deletion_proof_id:
+            return
+        cur = self.db.execute("UPDATE sessions SET missing_proof_recorded=1 WHERE session_id=? AND "
+                              "missing_proof_recorded=0", (row.session_id,))
+        if cur.rowcount:
+            self.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="deletion_proof_missing",
+                              allowed=False, reason="session ended without the required deletion proof")
+            self.audit.flush_sync()
+
+    def expire_due(self) -> int:
+        """Sweep sessions past their expiry (called periodically by the server)."""
+        now = self.clock()
+        ids = [r[0] for r in self.db.execute(
+            "SELECT session_id FROM sessions WHERE status IN ('created','active') AND expires_at <= ?", (now,))]
+        for sid in ids:
+            self._row(sid)
+        return len(ids)
+
+    def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        agent_id = _req_str(body, "agent_id")
+        agent_name = body.get("agent_name")
+        if agent_name is not None and (not isinstance(agent_name, str) or len(agent_name) > 256):
+            raise UompError("INVALID_REQUEST", "agent_name must be a string of at most 256 characters")
+        read, write = _scopes_from_body(body.get("requested_scopes"), "requested_scopes")
+        minutes = body.get("duration_minutes", 30)
+        if isinstance(minutes, bool) or not isinstance(minutes, int | float) or not (
+                MAX_DURATION_MINUTES_FLOOR <= minutes <= self.cfg.session_max_minutes):
+            raise UompError("INVALID_REQUEST",
+                            f"duration_minutes must be a number from 1 to {self.cfg.session_max_minutes}")
+        identity = body.get("identity_public_jwk")
+        if identity is not None:
+            try:
+                key = jose.load_public_jwk(identity)
+            except ValueError as exc:
+                raise UompError("INVALID_REQUEST", f"identity_public_jwk is invalid: {exc}") from exc
+            identity = jose.public_jwk(key)
+        retention = body.get("data_retention_policy")
+        if retention is not None and not isinstance(retention, dict):
+            raise UompError("INVALID_REQUEST", "data_retention_policy must be an object")
+        now = self.clock()
+        sid = _new_id("sess")
+        expires = now + float(minutes) * 60
+        with transaction(self.db, what="session database"):
+            self.db.execute(
+                "INSERT INTO sessions (session_id, agent_id, agent_name, status, created_at, expires_at, "
+                "requested_scopes, identity_jwk, retention) VALUES (?,?,?,?,?,?,?,?,?)",
+                (sid, agent_id, agent_name, "created", now, expires, _scopes_json(read, write),
+                 json.dumps(identity) if identity else None, json.dumps(retention) if retention else None))
+        self.audit.record(session_id=sid, agent_id=agent_id, action="session_created", allowed=True,
+                          reason="created by the user")
+        self.audit.flush_sync()
+        return {"session_id": sid, "status": "created", "agent_id": agent_id,
+                "requested_scopes": json.loads(_scopes_json(read, write)), "expires_at": tokens.iso(expires)}
+
+    def grant(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        row = self.session(session_id)
+        if row.status != "created":
+            raise UompError("INVALID_STATE", f"session is {row.status}; only a created session can be granted",
+                            session_id=session_id)
+        read, write = _scopes_from_body(body.get("granted_scopes"), "granted_scopes")
+        req_read = tokens.parse_scope(row.requested.get("read"), "read")
+        req_write = tokens.parse_scope(row.requested.get("write"), "write")
+        widen = _opt_bool(body, "widen")
+        if not widen and not (is_subset(read, req_read) and is_subset(write, req_write)):
+            raise UompError("INVALID_REQUEST", "granted scopes exceed the requested ones; pass \"widen\": true "
+                            "to grant more than the agent asked for", session_id=session_id)
+        if not write.is_empty():
+            # §20.4: agents MUST NOT write in this version; a write grant would be a lie.
+            raise UompError("WRITE_NOT_AVAILABLE", "write scopes cannot be granted: agent writes are not "
+                            "available", session_id=session_id)
+        profile = body.get("profile", "local")
+        if profile not in ("local", "remote"):
+            raise UompError("INVALID_REQUEST", "profile must be local or remote")
+        audience = body.get("audience")
+        if audience is not None and (not isinstance(audience, str) or not audience or len(audience) > 512):
+            raise UompError("INVALID_REQUEST", "audience must be a URL string")
+        if profile == "remote" and not audience:
+            raise UompError("INVALID_REQUEST", "a remote-profile grant needs the gateway endpoint as audience")
+        if profile == "local" and audience is None:
+            audience = f"http://127.0.0.1:{self.cfg.tcp_port}"
+        limits = body.get("limits") or {}
+        if not isinstance(limits, dict):
+            raise UompError("INVALID_REQUEST", "limits must be an object")
+        mrq = limits.get("max_read_queries", limits.get("maxReadQueries", self.cfg.default_max_read_queries))
+        if isinstance(mrq, bool) or not isinstance(mrq, int) or mrq < 0:
+            raise UompError("INVALID_REQUEST", "limits.max_read_queries must be a non-negative integer")
+        cnf = body.get("cnf")
+        if cnf is not None:
+            if not isinstance(cnf, dict) or not set(cnf) <= {"x5t#S256", "jkt"} or not all(
+                    isinstance(v, str) and len(v) == 43 for v in cnf.values()):
+                raise UompError("INVALID_REQUEST", "cnf must hold x5t#S256 and/or jkt SHA-256 thumbprints")
+        issue_refresh = _opt_bool(body, "refresh")
+        if issue_refresh and (profile != "remote" or not cnf):
+            raise UompError("INVALID_REQUEST", "refresh tokens are issued only for remote, key-bound grants")
+        options: dict[str, Any] = {
+            "profile": profile, "audience": audience,
+            "allowed_endpoints": _opt_str_list(body, "allowed_endpoints"),
+            "allowed_fields": _opt_str_list(body, "allowed_fields"),
+            "aggregation_only": _opt_bool(body, "aggregation_only"),
+            "task_bound": _opt_bool(body, "task_bound"),
+            "max_read_queries": mrq, "cnf": cnf,
+            "lifetime": self._lifetime(profile, body.get("token_lifetime_seconds")),
+        }
+        granted = _scopes_json(read, write)
+        with transaction(self.db, what="session database"):
+            cur = self.db.execute("UPDATE sessions SET status='active', granted_scopes=?, grant_options=? "
+                                  "WHERE session_id=? AND status='created'", (granted, json.dumps(options), session_id))
+            if cur.rowcount != 1:
+                raise UompError("INVALID_STATE", "session changed state during the grant", session_id=session_id)
+        row = self.session(session_id)
+        access, exp = self._issue_access(row)
+        out: dict[str, Any] = {"token": access, "token_type": "Bearer", "expires_at": tokens.iso(exp),
+                               "session_id": session_id}
+        if issue_refresh:
+            rt, rexp = self._issue_refresh(row, family_id=_new_id("fam"))
+            out["refresh_token"] = rt
+            out["refresh_expires_at"] = tokens.iso(rexp)
+        self.audit.record(session_id=session_id, agent_id=row.agent_id, action="session_granted", allowed=True,
+                          reason="granted by the user", tags=list(read.tags))
+        self.audit.flush_sync()
+        return out
+
+    def _lifetime(self, profile: str, requested: Any) -> int:
+        cap = self.cfg.remote_token_lifetime_seconds if profile == "remote" else self.cfg.token_lifetime_seconds
+        if requested is None:
+            return cap
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 10:
+            raise UompError("INVALID_REQUEST", "token_lifetime_seconds must be an integer >= 10")
+        return min(requested, cap)
+
+    def _issue_access(self, row: SessionRow) -> tuple[str, float]:
+        now = self.clock()
+        o = row.options
+        exp = min(now + o["lifetime"], row.expires_at)  # never past the session's expiry
+        assert row.granted is not None
+        claims = tokens.capability_claims(
+            session_id=row.session_id, agent_id=row.agent_id, now=now, expires=exp,
+            read=tokens.parse_scope(row.granted.get("read"), "read"),
+            write=tokens.parse_scope(row.granted.get("write"), "write"),
+            max_read_queries=o["max_read_queries"], max_write_queries=0, profile=o["profile"],
+            audience=o["audience"], allowed_endpoints=o["allowed_endpoints"], allowed_fields=o["allowed_fields"],
+            aggregation_only=o["aggregation_only"], task_bound=o["task_bound"], cnf=o["cnf"])
+        tok = tokens.sign_token(claims, self.signing.key, self.signing.kid)
+        th = token_hash(tok)
+        with transaction(self.db, what="session database"):
+            self.db.execute("INSERT INTO issued_tokens VALUES (?,?,?,?,?)",
+                            (th, row.session_id, claims["jti"], "access", exp))
+            self.db.execute("UPDATE sessions SET token_hash=? WHERE session_id=?", (th, row.session_id))
+        return tok, exp
+
+    def _issue_refresh(self, row: SessionRow, *, family_id: str) -> tuple[str, float]:
+        now = self.clock()
+        exp = min(now + self.cfg.refresh_lifetime_seconds, row.expires_at)
+        claims = tokens.refresh_claims(session_id=row.session_id, agent_id=row.agent_id, now=now, expires=exp,
+                                       family_id=family_id, audience=row.options.get("audience"),
+                                       cnf=row.options.get("cnf"))
+        tok = tokens.sign_token(claims, self.signing.key, self.signing.kid, refresh=True)
+        with transaction(self.db, what="session database"):
+            self.db.execute("INSERT INTO issued_tokens VALUES (?,?,?,?,?)",
+                            (token_hash(tok), row.session_id, claims["jti"], "refresh", exp))
+            self.db.execute("INSERT INTO refresh_tokens (jti, family_id, session_id, status, expires_at) "
+                            "VALUES (?,?,?,?,?)", (claims["jti"], family_id, row.session_id, "active", exp))
+        return tok, exp
+
+    def _blacklist_session(self, session_id: str, reason: str) -> None:
+        """Copy every token issued for the session into the persistent blacklist (§13.4). In a transaction."""
+        self.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
+                        "SELECT token_hash, session_id, expires_at, ? FROM issued_tokens WHERE session_id=?",
+                        (reason, session_id))
+        self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE session_id=? AND status!='revoked'",
+                        (session_id,))
+
+    def _end(self, session_id: str, status: str, *, reason: str) -> dict[str, Any]:
+        row = self.session(session_id)
+        if row.status not in LIVE:
+            if row.status == status:
+                return {"session_id": session_id, "status": status}
+            raise UompError("INVALID_STATE", f"session is already {row.status}", session_id=session_id)
+        now = self.clock()
+        with transaction(self.db, what="session database"):
+            self.db.execute("UPDATE sessions SET status=?, closed_at=? WHERE session_id=?", (status, now, session_id))
+            self._blacklist_session(session_id, status)
+        self._verified = {}
+        self.quota.forget(session_id)
+        self.audit.record(session_id=session_id, agent_id=row.agent_id,
+                          action="session_revoked" if status == "revoked" else "session_closed",
+                          allowed=True, reason=reason)
+        self.audit.flush_sync()
+        self._record_missing_proof(row)
+        return {"session_id": session_id, "status": status}
+
+    def close(self, session_id: str, *, reason: str = "closed by the user") -> dict[str, Any]:
+        return self._end(session_id, "closed", reason=reason)
+
+    def revoke(self, session_id: str, *, reason: str = "revoked by the user") -> dict[str, Any]:
+        return self._end(session_id, "revoked", reason=reason)
+
+    def list_sessions(self, *, status: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        self.expire_due()
+        sql = "SELECT session_id FROM sessions"
+        args: tuple[Any, ...] = ()
+        if status:
+            sql += " WHERE status = ?"
+            args = (status,)
+        sql += " ORDER BY created_at DESC LIMIT ?"
+        args += (max(1, min(limit, 1000)),)
+        return [self.session(r[0]).public() for r in self.db.execute(sql, args).fetchall()]
+
+    # --------------------------------------------------------------------------- tokens
+
+    def verify(self, token: str) -> Capability:
+        """Signature + exp/expires_at, cached by token hash. Session status is NOT checked here."""
+        now = self.clock()
+        th = token_hash(token)
+        cap = self._verified.get(th)
+        if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
+            return cap
+        cap = tokens.verify_token(token, self.public_keys, now=now)
+        if len(self._verified) >= self.cfg.token_cache_entries:
+            self._verified.clear()  # simple bound; refilled on demand
+        self._verified[th] = cap
+        return cap
+
+    def authenticate(self, token: str, *, allow_refresh: bool = False) -> tuple[Capability, SessionRow]:
+        """§10.4 steps 1-4: signature, expiry, session status (every request), blacklist."""
+        cap = self.verify(token)
+        if cap.is_refresh and not allow_refresh:
+            raise UompError("INVALID_TOKEN", "a refresh token cannot be used here", session_id=cap.session_id)
+        if not cap.is_refresh and allow_refresh:
+            raise UompError("INVALID_TOKEN", "an access token cannot be used to refresh", session_id=cap.session_id)
+        row = self._row(cap.session_id)
+        if row is None:
+            raise UompError("SESSION_NOT_FOUND", "session does not exist", session_id=cap.session_id)
+        if row.agent_id != cap.agent_id:
+            raise UompError("INVALID_TOKEN", "token agent does not match the session", session_id=cap.session_id)
+        if row.status == "expired":
+            raise UompError("TOKEN_EXPIRED", "session has expired", session_id=cap.session_id)
+        if row.status != "active":
+            raise UompError("SESSION_REVOKED", f"session is {row.status}", session_id=cap.session_id)
+        if self.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (token_hash(token),)).fetchone():
+            raise UompError("SESSION_REVOKED", "token has been revoked", session_id=cap.session_id)
+        return cap, row
+
+    def validate(self, token: Any) -> dict[str, Any]:
+        """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a bad token."""
+        if not isinstance(token, str):
+            raise UompError("INVALID_REQUEST", "token must be a string")
+        try:
+            cap, row = self.authenticate(token, allow_refresh=False)
+        except UompError as exc:
+            if exc.code in ("STORE_UNAVAILABLE",):
+                raise
+            out: dict[str, Any] = {"valid": False, "code": exc.code}
+            if exc.session_id:
+                out["session_id"] = exc.session_id
+            return out
+        return {"valid": True, "session_id": cap.session_id, "agent_id": cap.agent_id,
+                "expires_at": tokens.iso(cap.expires_at), "status": row.status}
+
+    def session_status(self, session_id: str) -> str:
+        row = self._row(session_id)
+        return row.status if row else "not_found"
+
+    # ---------------------------------------------------------------------------- quota
+
+    def _quota_load(self, session_id: str) -> int:
+        r = self.db.execute("SELECT reserved FROM quota WHERE session_id=?", (session_id,)).fetchone()
+        return int(r[0]) if r else 0
+
+    def _quota_persist(self, session_id: str, mark: int) -> None:
+        with transaction(self.db, what="session database"):
+            self.db.execute("INSERT INTO quota (session_id, reserved) VALUES (?,?) ON CONFLICT(session_id) "
+                            "DO UPDATE SET reserved=excluded.reserved", (session_id, mark))
+
+    def consume_read(self, cap: Capability) -> int | None:
+        """§10.4 step 5 (enforced here, though the draft leaves it optional). Returns the remaining count."""
+        remaining = self.quota.consume(cap.session_id, cap.max_read_queries)
+        if remaining == -1:
+            raise UompError("QUOTA_EXCEEDED", "read query quota is exhausted", session_id=cap.session_id)
+        return remaining
+
+    # ------------------------------------------------------------------------- refresh
+
+    def refresh(self, refresh_token: str, *, session_id: str, presented_x5t: str | None,
+                presented_jkt: str | None) -> dict[str, Any]:
+        """§15.5 with rotation and reuse detection. The caller has checked transport binding inputs."""
+        cap, row = self.authenticate(refresh_token, allow_refresh=True)
+        if cap.session_id != session_id:
+            raise UompError("INVALID_TOKEN", "refresh token is for another session", session_id=session_id)
+        self._check_binding(cap, presented_x5t, presented_jkt)
+        now = self.clock()
+        r = self.db.execute("SELECT * FROM refresh_tokens WHERE jti=?", (cap.jti,)).fetchone()
+        if r is None:
+            raise UompError("INVALID_TOKEN", "refresh token is unknown", session_id=session_id)
+        if r["status"] == "spent":
+            within_grace = r["spent_at"] is not None and now - r["spent_at"] <= self.cfg.refresh_reuse_grace_seconds
+            if within_grace and r["successor"]:
+                # Same key (binding checked above), answer lost in transit: hand out the same successor.
+                return dict(json.loads(r["successor"]))
+            self._revoke_family(row, r["family_id"])
+            raise UompError("REFRESH_REUSED", "a spent refresh token was presented again; the session and all its "
+                            "refresh tokens are revoked", session_id=session_id)
+        if r["status"] != "active":
+            raise UompError("SESSION_REVOKED", "refresh token has been revoked", session_id=session_id)
+        access, exp = self._issue_access(row)
+        new_rt, rexp = self._issue_refresh(row, family_id=r["family_id"])
+        answer = {"access_token": access, "token": access, "token_type": "Bearer", "expires_at": tokens.iso(exp),
+                  "refresh_token": new_rt, "refresh_expires_at": tokens.iso(rexp), "session_id": session_id}
+        with transaction(self.db, what="session database"):
+            cur = self.db.execute("UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? "
+                                  "WHERE jti=? AND status='active'", (now, json.dumps(answer), cap.jti))
+            if cur.rowcount != 1:
+                raise UompError("REFRESH_REUSED", "refresh token was spent concurrently", session_id=session_id)
+        self.audit.record(session_id=session_id, agent_id=row.agent_id, action="refresh", allowed=True,
+                          reason="refresh token rotated")
+        return answer
+
+    @staticmethod
+    def _check_binding(cap: Capability, x5t: str | None, jkt: str | None) -> None:
+        if cap.cnf_x5t is None and cap.cnf_jkt is None:
+            return
+        ok = (x5t is not None and cap.cnf_x5t is not None and secrets.compare_digest(x5t, cap.cnf_x5t)) or (
+            jkt is not None and cap.cnf_jkt is not None and secrets.compare_digest(jkt, cap.cnf_jkt))
+        if not ok:
+            raise UompError("TOKEN_BINDING_MISMATCH", "token is bound to another key", session_id=cap.session_id)
+
+    def _revoke_family(self, row: SessionRow, family_id: str) -> None:
+        with transaction(self.db, what="session database"):
+            self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE family_id=?", (family_id,))
+        self.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="refresh_reuse", allowed=False,
+                          reason="spent refresh token reused: family and session revoked")
+        if row.status in LIVE:
+            self.revoke(row.session_id, reason="refresh token reuse detected")
+        else:
+            self.audit.flush_sync()
+
+    def close_db(self) -> None:
+        self.quota.flush()
+        self.db.close()

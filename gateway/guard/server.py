@@ -1,0 +1,153 @@
+"""Serving the guard: the Unix socket (0600) and, for the Local Profile, 127.0.0.1:9374."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.config import GuardConfig, Paths
+from gateway.errors import UompError
+from gateway.guard.app import GuardServices, create_app
+
+log = logging.getLogger("uomp.guard")
+SWEEP_INTERVAL_SECONDS = 5.0
+PURGE_INTERVAL_SECONDS = 3600.0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, allow_non_loopback: bool, what: str) -> None:
+    if not is_loopback(host) and not allow_non_loopback:
+        raise UompError("CONFIG_ERROR", f"{what} would listen on {host}, which is not loopback; "
+                        "pass the explicit force flag if you really mean to expose it")
+
+
+def claim_socket_path(path: Path) -> None:
+    """Remove a stale socket file; refuse if a live server answers on it."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise UompError("CONFIG_ERROR", f"a server is already listening on {path}")
+
+
+class GuardRunner:
+    """Starts both listeners; ``stop()`` closes them and the databases."""
+
+    def __init__(self, paths: Paths, cfg: GuardConfig, *, serve_tcp: bool | None = None) -> None:
+        self.paths = paths
+        self.cfg = cfg
+        self.serve_tcp = cfg.serve_tcp if serve_tcp is None else serve_tcp
+        self.services: GuardServices | None = None
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.tcp_port: int | None = None
+
+    async def start(self) -> None:
+        if self.serve_tcp:
+            check_bind(self.cfg.tcp_host, self.cfg.allow_non_loopback, "the guard's Local Profile listener")
+        self.services = GuardServices.open(self.paths, self.cfg)
+        self.services.audit.purge()
+        sock = self.paths.guard_sock
+        claim_socket_path(sock)
+        unix_runner = web.AppRunner(create_app(self.services, listener="unix"), access_log=None)
+        await unix_runner.setup()
+        old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
+        try:
+            await web.UnixSite(unix_runner, str(sock)).start()
+        finally:
+            os.umask(old)
+        os.chmod(sock, 0o600)
+        self._runners.append(unix_runner)
+        if self.serve_tcp:
+            tcp_runner = web.AppRunner(create_app(self.services, listener="tcp"), access_log=None)
+            await tcp_runner.setup()
+            site = web.TCPSite(tcp_runner, self.cfg.tcp_host, self.cfg.tcp_port)
+            await site.start()
+            self._runners.append(tcp_runner)
+            sockets = getattr(site._server, "sockets", None)
+            if sockets:
+                self.tcp_port = sockets[0].getsockname()[1]
+        self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper()))
+        log.info("guard listening on unix:%s%s", sock,
+                 f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
+
+    async def _sweeper(self) -> None:
+        assert self.services is not None
+        since_purge = 0.0
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_SECONDS)
+            try:
+                self.services.auth.expire_due()
+                since_purge += SWEEP_INTERVAL_SECONDS
+                if since_purge >= PURGE_INTERVAL_SECONDS:
+                    self.services.audit.purge()
+                    since_purge = 0.0
+            except UompError as exc:
+                log.warning("sweeper: %s", exc.code)
+
+    def reload_keys(self) -> None:
+        if self.services is not None:
+            self.services.auth.reload_keys()
+            log.info("signing keys reloaded")
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for r in self._runners:
+            await r.cleanup()
+        self._runners.clear()
+        if self.services is not None:
+            self.services.close()
+            self.services = None
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.guard_sock.unlink()
+
+
+def install_signals(loop: asyncio.AbstractEventLoop, stop_event: asyncio.Event,
+                    on_hup: list[object] | None = None) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_event.set)
+    if on_hup:
+        def _hup() -> None:
+            for cb in on_hup or []:
+                try:
+                    cb()  # type: ignore[operator]
+                except UompError as exc:
+                    log.error("reload failed: %s", exc.message)
+        loop.add_signal_handler(signal.SIGHUP, _hup)
+
+
+async def run_guard(paths: Paths, cfg: GuardConfig, *, serve_tcp: bool | None = None) -> None:
+    runner = GuardRunner(paths, cfg, serve_tcp=serve_tcp)
+    await runner.start()
+    stop = asyncio.Event()
+    install_signals(asyncio.get_running_loop(), stop, [runner.reload_keys])
+    try:
+        await stop.wait()
+    finally:
+        await runner.stop()
