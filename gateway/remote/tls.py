@@ -1,0 +1,398 @@
+"""TLS for the gateway: one function builds the server context, one the client context.
+
+Spec §15.2: gateway and remote agent MUST use TLS 1.3, and the gateway SHOULD use mTLS with a
+client certificate issued by the user. The user's own CA (:mod:`gateway.ca_store`) issues those
+certificates; this module turns its files (``ca.crt``, ``crl.pem``, ``gateway.crt``/``.key``) into
+``ssl.SSLContext`` objects that aiohttp (asyncio SSL transports) can use, and reloads them without
+a restart.
+
+Who enforces what on a client certificate:
+
+* OpenSSL, during the handshake: chain to the user CA (and only it), signature, validity period,
+  CRL (leaf), RFC 5280 strictness, and the ``sslclient`` purpose: OpenSSL sets that purpose itself
+  when a server verifies a client, so a certificate whose EKU lacks clientAuth (the gateway's own
+  server certificate, say) fails the handshake with "unsuitable certificate purpose";
+* :func:`check_client_cert`, per connection, in the gateway: a certificate with *no* EKU extension
+  passes OpenSSL's purpose check, and Python cannot set ``X509_PURPOSE`` on a context, so the
+  gateway itself requires clientAuth, exactly one ``uomp://agent/<id>`` URI SAN, a supported key
+  type, and re-checks the validity period (a long-lived keep-alive connection outlives a 24 h
+  certificate). It yields the agent id, the serial and the RFC 8705 ``x5t#S256`` thumbprint.
+
+Reload without dropping connections (:class:`TLSReloader`): the listening socket keeps one
+"front" context for its whole life; its SNI callback (which OpenSSL runs for every ClientHello,
+with or without a server name) points each new handshake at the *current* inner context, whose
+certificate, key, CA and CRL are then the ones used. Connections already established keep the
+context they were made with, so nothing live is dropped. ``watch()`` reloads when a file changes
+(``uomp agent revoke`` writes a new CRL), ``install_sighup()`` reloads on SIGHUP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import logging
+import os
+import signal
+import ssl
+from collections import OrderedDict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+from gateway.core import ca, jose
+from gateway.errors import UompError
+
+log = logging.getLogger(__name__)
+
+StrPath = str | os.PathLike[str]
+
+# How often watch() looks at the file stamps, in seconds.
+WATCH_INTERVAL_SECONDS = 2.0
+# Parsed client certificates kept per checker (keyed by SHA-256 of the DER).
+CLIENT_CERT_CACHE_ENTRIES = 4096
+
+
+# ------------------------------------------------------------------------------- contexts
+
+
+def build_server_context(
+    cert_file: StrPath,
+    key_file: StrPath,
+    ca_file: StrPath,
+    crl_file: StrPath,
+    *,
+    require_client_cert: bool = False,
+) -> ssl.SSLContext:
+    """The gateway's server context. Every setting is here and nowhere else."""
+    # Server side only; PROTOCOL_TLS_SERVER refuses to be used as a client by mistake.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # Spec §15.2: "Gateway and remote Agent MUST use TLS 1.3" (RFC 8446). Pinning both ends means a
+    # TLS 1.2 ClientHello is refused with protocol_version, never downgraded.
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    # Our certificate (issued by the user CA, EKU serverAuth) and its key.
+    ctx.load_cert_chain(certfile=os.fspath(cert_file), keyfile=os.fspath(key_file))
+    # Trust anchors for CLIENT certificates: the user's agent CA and nothing else. A server context
+    # starts with an empty store; we never call load_default_certs(), so a certificate from any
+    # public CA is "unable to get local issuer certificate".
+    ctx.load_verify_locations(cafile=os.fspath(ca_file))
+    # RFC 5280 §6.3: check the leaf against the CA's CRL. The CRL goes into the same store (PEM file
+    # with an X509 CRL). With this flag a missing or expired CRL fails every client handshake
+    # (fail closed), which is why ca_store always writes one and keeps it fresh.
+    ctx.load_verify_locations(cafile=os.fspath(crl_file))
+    ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+    # RFC 5280 strictness in OpenSSL (AKI/SKI present, positive serials, well-formed extensions...):
+    # our CA builds conforming certificates, so anything non-conforming is not ours.
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    # CERT_OPTIONAL (default): the server asks for a certificate (RFC 8446 §4.3.2 CertificateRequest);
+    # a client that sends none still completes the handshake so the gateway can answer a JSON 401
+    # CERT_REQUIRED and audit it; a client that sends one gets it verified in full (chain, time,
+    # CRL, purpose) and the handshake fails if it is bad. CERT_REQUIRED refuses certificate-less
+    # clients at the TLS layer (alert certificate_required, RFC 8446 §6.2).
+    ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
+    # No TLS compression (CRIME); TLS 1.3 has none anyway (RFC 8446 §4.1.2), stated for older libs.
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    # No renegotiation: TLS 1.3 removed it (RFC 8446 §4.1.2 note); set so nothing changes if the
+    # version pin is ever relaxed.
+    ctx.options |= ssl.OP_NO_RENEGOTIATION
+    # Session tickets OFF (RFC 8446 §4.6.1, §2.2): a resumed session skips client certificate
+    # verification, so a certificate revoked (new CRL) or expired since the first handshake would
+    # still get in, and identity would come from the cached session rather than a checked chain.
+    # Agents hold few long keep-alive connections, so a full handshake per connection is cheap
+    # (see benchmarks/bench_ca.py); 0 tickets means no PSK resumption at all.
+    ctx.num_tickets = 0
+    return ctx
+
+
+def build_client_context(
+    ca_file: StrPath,
+    cert_file: StrPath | None = None,
+    key_file: StrPath | None = None,
+) -> ssl.SSLContext:
+    """Client context for the agent SDK and tests: TLS 1.3 only, trusts ``ca_file`` only."""
+    # PROTOCOL_TLS_CLIENT: verify_mode CERT_REQUIRED and check_hostname on (RFC 9525 / RFC 6125).
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3  # spec §15.2
+    # The gateway's certificate comes from the user's CA: trust that and no system root.
+    ctx.load_verify_locations(cafile=os.fspath(ca_file))
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    if cert_file is not None:
+        ctx.load_cert_chain(
+            certfile=os.fspath(cert_file), keyfile=os.fspath(key_file) if key_file is not None else None
+        )
+    return ctx
+
+
+# -------------------------------------------------------------------- client certificates
+
+
+@dataclass(frozen=True)
+class ClientIdentity:
+    """What the gateway learns from a verified client certificate."""
+
+    agent_id: str
+    serial: str  # lower-case hex, ca.serial_hex
+    x5t_s256: str  # RFC 8705 certificate thumbprint (token cnf binding)
+    jkt: str  # RFC 7638 thumbprint of the certificate's public key (token cnf / DPoP binding)
+    not_before: dt.datetime
+    not_after: dt.datetime
+
+
+def _static_identity(der: bytes) -> ClientIdentity:
+    """Everything that does not depend on the clock; raises CERT_REQUIRED."""
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError as exc:
+        raise UompError("CERT_REQUIRED", "the client certificate cannot be parsed") from exc
+    if not ca.has_client_auth(cert):
+        raise UompError(
+            "CERT_REQUIRED",
+            "the client certificate is not for client authentication (no clientAuth extended key usage)",
+        )
+    agent_id = ca.agent_id_from_cert(cert)
+    if agent_id is None:
+        raise UompError(
+            "CERT_REQUIRED", "the client certificate names no agent (needs one uomp://agent/<id> URI SAN)"
+        )
+    pub = cert.public_key()
+    unsupported = "the client certificate key type is not supported (P-256 or Ed25519)"
+    if not isinstance(pub, ed25519.Ed25519PublicKey | ec.EllipticCurvePublicKey):
+        raise UompError("CERT_REQUIRED", unsupported)
+    try:
+        jkt = jose.key_thumbprint(pub)
+    except UompError as exc:
+        raise UompError("CERT_REQUIRED", unsupported) from exc
+    return ClientIdentity(
+        agent_id=agent_id,
+        serial=ca.serial_hex(cert.serial_number),
+        x5t_s256=jose.cert_thumbprint(der),
+        jkt=jkt,
+        not_before=cert.not_valid_before_utc,
+        not_after=cert.not_valid_after_utc,
+    )
+
+
+def _check_time(ident: ClientIdentity, now: dt.datetime | None) -> None:
+    now = ca.utcnow() if now is None else now
+    if now < ident.not_before:
+        raise UompError("CERT_REQUIRED", "the client certificate is not valid yet")
+    if now > ident.not_after:
+        raise UompError("CERT_REQUIRED", "the client certificate has expired")
+
+
+def check_client_cert(der: bytes | None, *, now: dt.datetime | None = None) -> ClientIdentity:
+    """Identity from the peer certificate OpenSSL already verified; CERT_REQUIRED if unusable.
+
+    ``der`` is ``ssl_object.getpeercert(binary_form=True)``: None means no certificate was sent.
+    """
+    if not der:
+        raise UompError("CERT_REQUIRED", "no client certificate was presented")
+    ident = _static_identity(der)
+    _check_time(ident, now)
+    return ident
+
+
+class ClientCertChecker:
+    """:func:`check_client_cert` with a bounded LRU cache keyed by the DER's SHA-256.
+
+    Parsing and thumbprints are cached (successes and refusals alike); the validity period is
+    checked again on every call, so a cached certificate still expires on time.
+    """
+
+    def __init__(self, max_entries: int = CLIENT_CERT_CACHE_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._cache: OrderedDict[bytes, ClientIdentity | UompError] = OrderedDict()
+
+    def check(self, der: bytes | None, *, now: dt.datetime | None = None,
+              revoked: Collection[str] = ()) -> ClientIdentity:
+        """``revoked``: serials (hex) to refuse even on a connection made before they were revoked,
+        e.g. :attr:`TLSReloader.revoked` (opt-in defence in depth: the TLS layer only checks the CRL
+        at handshake time)."""
+        if not der:
+            raise UompError("CERT_REQUIRED", "no client certificate was presented")
+        digest = hashlib.sha256(der).digest()
+        hit = self._cache.get(digest)
+        if hit is None:
+            try:
+                hit = _static_identity(der)
+            except UompError as exc:
+                hit = exc
+            self._cache[digest] = hit
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(digest)
+        if isinstance(hit, UompError):
+            raise UompError(hit.code, hit.message)
+        _check_time(hit, now)
+        if hit.serial in revoked:
+            raise UompError("CERT_REQUIRED", "the client certificate has been revoked")
+        return hit
+
+    def peer(self, ssl_object: ssl.SSLObject | ssl.SSLSocket | None, *, now: dt.datetime | None = None,
+             revoked: Collection[str] = ()) -> ClientIdentity:
+        """Identity of a connection: ``transport.get_extra_info("ssl_object")`` in aiohttp/asyncio."""
+        if ssl_object is None:
+            raise UompError("CERT_REQUIRED", "the connection is not TLS")
+        return self.check(ssl_object.getpeercert(binary_form=True), now=now, revoked=revoked)
+
+
+# ------------------------------------------------------------------------------- reloading
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    crl_file: Path
+
+
+_Stamp = tuple[tuple[int, int, int] | None, ...]
+
+
+class TLSReloader:
+    """A stable listening context whose handshakes use the most recently loaded files.
+
+    Give :attr:`context` to aiohttp / ``loop.create_server``. :meth:`reload` builds a fresh inner
+    context from the files and swaps it in; only handshakes that start afterwards see it.
+    A reload that fails (unreadable key, key/cert mismatch, bad CRL) raises and keeps the previous
+    context, so a bad file never takes the listener down.
+    """
+
+    def __init__(
+        self,
+        cert_file: StrPath,
+        key_file: StrPath,
+        ca_file: StrPath,
+        crl_file: StrPath,
+        *,
+        require_client_cert: bool = False,
+    ) -> None:
+        self.files = TLSFiles(Path(cert_file), Path(key_file), Path(ca_file), Path(crl_file))
+        self.require_client_cert = require_client_cert
+        self.generation = 0
+        self._stamp = self._stamps()
+        self._inner = self._build()
+        # Serials (hex) on the CRL last loaded: for ClientCertChecker.peer(revoked=...).
+        self.revoked: frozenset[str] = self._read_revoked()
+        # The front context must carry the same protocol settings as the inner ones: OpenSSL copies
+        # verify mode, verify flags, versions, options and ticket count into each connection when
+        # it is created (before the SNI callback); switching context later swaps certificate, key
+        # and trust store (CA + CRL) only.
+        self._front = self._build()
+        self._front.sni_callback = self._select
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        """The listening context (stable for the life of the listener)."""
+        return self._front
+
+    @property
+    def current(self) -> ssl.SSLContext:
+        """The context new handshakes are switched to."""
+        return self._inner
+
+    def _build(self) -> ssl.SSLContext:
+        f = self.files
+        return build_server_context(
+            f.cert_file, f.key_file, f.ca_file, f.crl_file, require_client_cert=self.require_client_cert
+        )
+
+    def _read_revoked(self) -> frozenset[str]:
+        crl = x509.load_pem_x509_crl(self.files.crl_file.read_bytes())
+        return frozenset(ca.serial_hex(r.serial_number) for r in crl)
+
+    def _select(self, ssl_object: ssl.SSLObject, server_name: str | None, _ctx: ssl.SSLContext) -> None:
+        # Runs inside the handshake, after ClientHello, for every connection (server_name None when
+        # the client sent no SNI, e.g. connecting to an IP address). Must not raise.
+        ssl_object.context = self._inner
+
+    def _stamps(self) -> _Stamp:
+        out: list[tuple[int, int, int] | None] = []
+        for p in (self.files.cert_file, self.files.key_file, self.files.ca_file, self.files.crl_file):
+            try:
+                st = p.stat()
+            except OSError:
+                out.append(None)
+                continue
+            # inode catches os.replace (atomic writes) even within one mtime tick.
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def reload(self) -> None:
+        """Load the files again and switch new handshakes to them; UompError (old context kept) on failure."""
+        stamp = self._stamps()  # before reading: a change during the build triggers another reload
+        try:
+            fresh = self._build()
+            revoked = self._read_revoked()
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            self._stamp = stamp  # do not retry the same broken files on every tick
+            raise UompError(
+                "CONFIG_ERROR",
+                f"TLS reload failed, keeping the previous certificates: {type(exc).__name__}: {exc}",
+            ) from exc
+        self._inner = fresh
+        self.revoked = revoked
+        self._stamp = stamp
+        self.generation += 1
+        log.info("TLS certificates, CA and CRL reloaded (generation %d)", self.generation)
+
+    def changed(self) -> bool:
+        return self._stamps() != self._stamp
+
+    def reload_if_changed(self) -> bool:
+        """Reload when any of the four files changed since the last (attempted) load."""
+        if not self.changed():
+            return False
+        self.reload()
+        return True
+
+    def reload_logged(self) -> None:
+        """reload(), logging instead of raising (for signal handlers)."""
+        try:
+            self.reload()
+        except UompError as exc:
+            log.warning("%s", exc.message)
+
+    async def watch(
+        self,
+        interval: float = WATCH_INTERVAL_SECONDS,
+        *,
+        tick: Callable[[], object] | None = None,
+    ) -> None:
+        """Reload whenever a file changes; runs until cancelled.
+
+        ``tick`` (blocking, run in a worker thread before each look) is where the gateway refreshes
+        the CRL before it goes stale, e.g. ``lambda: ca_store.refresh_crl(paths)``; its errors are
+        logged, never fatal.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            if tick is not None:
+                try:
+                    await loop.run_in_executor(None, tick)
+                except Exception as exc:  # a failing refresh must not stop the watcher
+                    log.warning("TLS watch tick failed: %s: %s", type(exc).__name__, exc)
+            try:
+                self.reload_if_changed()
+            except UompError as exc:
+                log.warning("%s", exc.message)
+            await asyncio.sleep(interval)
+
+
+def install_sighup(loop: asyncio.AbstractEventLoop, reloader: TLSReloader) -> bool:
+    """Reload TLS files on SIGHUP. False where signals cannot be handled (non-main thread, Windows)."""
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reloader.reload_logged)
+    except (NotImplementedError, RuntimeError, ValueError, AttributeError):
+        return False
+    return True
+

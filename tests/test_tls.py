@@ -1,0 +1,569 @@
+"""gateway.remote.tls against real sockets on 127.0.0.1, with certificates made here (no ssl mocks).
+
+The harness server accepts TCP and upgrades with ``start_tls`` so the server side of a failed
+handshake is observable (the reason OpenSSL gave); the aiohttp test runs the real listener shape
+(``TCPSite(ssl_context=reloader.context)``). In TLS 1.3 the client finishes its handshake before the
+server has judged the client certificate, so a refused client sees an EOF/reset on its first read,
+and the assertion that matters is the server's reason and that no application data flowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway import ca_store
+from gateway.config import Paths
+from gateway.core import ca, jose
+from gateway.errors import UompError
+from gateway.remote.tls import (
+    ClientCertChecker,
+    TLSReloader,
+    build_client_context,
+    build_server_context,
+    check_client_cert,
+    install_sighup,
+)
+from tests.certutil import CertSet, make_cert_set
+
+TIMEOUT = 5.0
+
+
+class Harness:
+    """An asyncio TLS server: greets with ``OK <agent> <serial>`` or ``ERR <code> <message>``,
+    then answers each ``PING`` with ``PONG``."""
+
+    def __init__(self, ctx: ssl.SSLContext, reloader: TLSReloader | None = None) -> None:
+        self.ctx = ctx
+        self.reloader = reloader  # when set, PING re-checks the peer against reloader.revoked
+        self.failures: list[BaseException] = []
+        self.checker = ClientCertChecker()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> Harness:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await writer.start_tls(self.ctx)
+        except (ssl.SSLError, OSError) as exc:
+            self.failures.append(exc)
+            writer.close()
+            return
+        try:
+            ident = self.checker.peer(writer.get_extra_info("ssl_object"))
+            writer.write(f"OK {ident.agent_id} {ident.serial} {ident.x5t_s256}\n".encode())
+        except UompError as exc:
+            writer.write(f"ERR {exc.code} {exc.message}\n".encode())
+        try:
+            await writer.drain()
+            while line := await reader.readline():
+                if line.strip() == b"PING":
+                    writer.write(b"PONG\n")
+                elif line.strip() == b"WHO" and self.reloader is not None:
+                    try:
+                        ident = self.checker.peer(writer.get_extra_info("ssl_object"),
+                                                  revoked=self.reloader.revoked)
+                        writer.write(f"OK {ident.agent_id}\n".encode())
+                    except UompError as exc:
+                        writer.write(f"ERR {exc.code} {exc.message}\n".encode())
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    async def failure(self) -> BaseException:
+        for _ in range(200):
+            if self.failures:
+                return self.failures[-1]
+            await asyncio.sleep(0.01)
+        raise AssertionError("the server recorded no handshake failure")
+
+
+class Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, greeting: str) -> None:
+        self.reader, self.writer, self.greeting = reader, writer, greeting
+
+    async def ping(self, word: str = "PING") -> str:
+        self.writer.write(word.encode() + b"\n")
+        await self.writer.drain()
+        return (await asyncio.wait_for(self.reader.readline(), TIMEOUT)).decode().strip()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def connect(ctx: ssl.SSLContext, port: int, server_hostname: str = "127.0.0.1") -> Conn:
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=server_hostname), TIMEOUT
+    )
+    greeting = (await asyncio.wait_for(reader.readline(), TIMEOUT)).decode().strip()
+    return Conn(reader, writer, greeting)
+
+
+async def refused(ctx: ssl.SSLContext, port: int) -> None:
+    """The connection must not get a greeting: it fails in the handshake or reads EOF."""
+    try:
+        conn = await connect(ctx, port)
+    except (ssl.SSLError, ConnectionError):
+        return
+    conn.close()
+    assert conn.greeting == "", f"expected a refused connection, got {conn.greeting!r}"
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> CertSet:
+    return make_cert_set(tmp_path / "certs")
+
+
+@pytest.fixture
+async def harness(certs: CertSet) -> AsyncIterator[Harness]:
+    ctx = build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl)
+    h = await Harness(ctx).start()
+    yield h
+    await h.stop()
+
+
+# ------------------------------------------------------------------------------- accepted
+
+
+@pytest.mark.parametrize("variant", ["good", "ed25519"])
+async def test_good_cert_is_accepted_and_identified(certs: CertSet, harness: Harness, variant: str) -> None:
+    conn = await connect(certs.client_context(variant), harness.port)
+    a = certs.agents[variant]
+    assert conn.greeting == f"OK agent-1 {a.serial} {jose.cert_thumbprint(a.der)}"
+    assert await conn.ping() == "PONG"
+    conn.close()
+    assert harness.failures == []
+
+
+async def test_longest_agent_id_works_over_tls(tmp_path: Path) -> None:
+    """128-character id: empty subject + critical SAN must pass OpenSSL's strict checks."""
+    long_id = "x" * 128
+    certs = make_cert_set(tmp_path / "long", agent_id=long_id, variants=("good",))
+    h = await Harness(build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl)).start()
+    try:
+        conn = await connect(certs.client_context("good"), h.port)
+        assert conn.greeting.startswith(f"OK {long_id} ")
+        conn.close()
+    finally:
+        await h.stop()
+
+
+async def test_sni_and_ip_clients_both_work_through_reloader(certs: CertSet) -> None:
+    reloader = TLSReloader(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl)
+    h = await Harness(reloader.context).start()
+    try:
+        for name in ("localhost", "127.0.0.1"):  # SNI sent / no SNI (IP address)
+            conn = await connect(certs.client_context("good"), h.port, server_hostname=name)
+            assert conn.greeting.startswith("OK agent-1 ")
+            conn.close()
+    finally:
+        await h.stop()
+
+
+async def test_no_client_cert_under_cert_optional_reaches_app_as_cert_required(
+    certs: CertSet, harness: Harness
+) -> None:
+    conn = await connect(certs.client_context(None), harness.port)
+    assert conn.greeting == "ERR CERT_REQUIRED no client certificate was presented"
+    conn.close()
+    assert harness.failures == []
+
+
+async def test_no_client_cert_under_cert_required_fails_handshake(certs: CertSet) -> None:
+    ctx = build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl,
+                               require_client_cert=True)
+    h = await Harness(ctx).start()
+    try:
+        await refused(certs.client_context(None), h.port)
+        exc = await h.failure()
+        assert isinstance(exc, ssl.SSLError) and exc.reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE"
+        ok = await connect(certs.client_context("good"), h.port)
+        assert ok.greeting.startswith("OK agent-1 ")
+        ok.close()
+    finally:
+        await h.stop()
+
+
+# -------------------------------------------------------------------------------- refused
+
+
+async def test_tls12_only_client_is_refused(certs: CertSet, harness: Harness) -> None:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(certs.ca_cert)
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    a = certs.agents["good"]
+    ctx.load_cert_chain(a.cert_file, a.key_file)
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        await connect(ctx, harness.port)
+    exc = await harness.failure()
+    assert isinstance(exc, ssl.SSLError) and exc.reason == "UNSUPPORTED_PROTOCOL"
+
+
+HANDSHAKE_REFUSALS = [
+    # (variant, OpenSSL's verify message on the server)
+    ("wrong_ca", "unable to get local issuer certificate"),
+    ("expired", "certificate has expired"),
+    ("not_yet_valid", "certificate is not yet valid"),
+    ("server_eku", "unsuitable certificate purpose"),
+]
+
+
+@pytest.mark.parametrize(("variant", "reason"), HANDSHAKE_REFUSALS, ids=[v for v, _ in HANDSHAKE_REFUSALS])
+async def test_bad_client_cert_fails_handshake(certs: CertSet, harness: Harness, variant: str, reason: str) -> None:
+    await refused(certs.client_context(variant), harness.port)
+    exc = await harness.failure()
+    assert isinstance(exc, ssl.SSLCertVerificationError)
+    assert exc.verify_message == reason
+
+
+async def test_certutil_revoke_helper(certs: CertSet) -> None:
+    certs.revoke("good")
+    h = await Harness(build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl)).start()
+    try:
+        await refused(certs.client_context("good"), h.port)
+        exc = await h.failure()
+        assert isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message == "certificate revoked"
+        ok = await connect(certs.client_context("ed25519"), h.port)
+        assert ok.greeting.startswith("OK agent-1 ")
+        ok.close()
+    finally:
+        await h.stop()
+
+
+async def test_gateway_server_cert_cannot_be_used_as_client_cert(certs: CertSet, harness: Harness) -> None:
+    ctx = build_client_context(certs.ca_cert, certs.server_cert, certs.server_key)
+    await refused(ctx, harness.port)
+    exc = await harness.failure()
+    assert isinstance(exc, ssl.SSLCertVerificationError)
+    assert exc.verify_message == "unsuitable certificate purpose"
+
+
+APP_REFUSALS = [
+    # (variant, message from check_client_cert): OpenSSL accepts these, the gateway does not.
+    ("no_eku", "the client certificate is not for client authentication (no clientAuth extended key usage)"),
+    ("no_san", "the client certificate names no agent (needs one uomp://agent/<id> URI SAN)"),
+]
+
+
+@pytest.mark.parametrize(("variant", "message"), APP_REFUSALS, ids=[v for v, _ in APP_REFUSALS])
+async def test_cert_refused_by_check_client_cert(certs: CertSet, harness: Harness, variant: str,
+                                                 message: str) -> None:
+    conn = await connect(certs.client_context(variant), harness.port)
+    assert conn.greeting == f"ERR CERT_REQUIRED {message}"
+    conn.close()
+
+
+async def test_client_refuses_server_with_wrong_name(certs: CertSet, harness: Harness) -> None:
+    with pytest.raises(ssl.SSLCertVerificationError, match="Hostname mismatch"):
+        await connect(certs.client_context("good"), harness.port, server_hostname="not-the-gateway.example")
+
+
+async def test_client_refuses_server_from_another_ca(certs: CertSet, harness: Harness) -> None:
+    a = certs.agents["good"]
+    ctx = build_client_context(certs.other_ca_cert, a.cert_file, a.key_file)
+    with pytest.raises(ssl.SSLCertVerificationError, match="certificate verify failed"):
+        await connect(ctx, harness.port)
+
+
+# ----------------------------------------------------------------- revocation and reloading
+
+
+@pytest.fixture
+def ca_home(tmp_path: Path) -> Paths:
+    paths = Paths(tmp_path / "home")
+    ca_store.init_all(paths)
+    return paths
+
+
+def _reloader(paths: Paths) -> TLSReloader:
+    return TLSReloader(
+        ca_store.server_cert_path(paths), ca_store.server_key_path(paths),
+        ca_store.ca_cert_path(paths), ca_store.crl_path(paths),
+    )
+
+
+def _agent_ctx(paths: Paths, out: Path) -> ssl.SSLContext:
+    return build_client_context(ca_store.ca_cert_path(paths), out / "agent.crt", out / "agent.key")
+
+
+async def _until(pred: object, what: str) -> None:
+    assert callable(pred)
+    for _ in range(300):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_revoked_cert_refused_after_crl_reload_while_live_connection_survives(
+    ca_home: Paths, tmp_path: Path
+) -> None:
+    ca_store.issue_with_key(ca_home, "bot", tmp_path / "bot")
+    ca_store.issue_with_key(ca_home, "other", tmp_path / "other")
+    reloader = _reloader(ca_home)
+    h = await Harness(reloader.context, reloader).start()
+    watcher = asyncio.create_task(reloader.watch(0.02))
+    try:
+        live = await connect(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        assert live.greeting.startswith("OK bot ")
+
+        revoked = ca_store.revoke(ca_home, "bot")  # the CLI's path: new CRL written atomically
+        assert len(revoked) == 1
+        await _until(lambda: reloader.generation >= 1, "the watcher to reload the CRL")
+
+        await refused(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        exc = await h.failure()
+        assert isinstance(exc, ssl.SSLCertVerificationError)
+        assert exc.verify_message == "certificate revoked"
+
+        assert await live.ping() == "PONG"  # the connection made before the reload is untouched
+        # ...and the application layer can still refuse the revoked agent on it (opt-in re-check)
+        assert await live.ping("WHO") == "ERR CERT_REQUIRED the client certificate has been revoked"
+        assert reloader.revoked == set(revoked)
+        other = await connect(_agent_ctx(ca_home, tmp_path / "other"), h.port)
+        assert other.greeting.startswith("OK other ")  # unrelated agents keep working
+        assert await other.ping("WHO") == "OK other"
+        other.close()
+        live.close()
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await h.stop()
+
+
+async def test_without_reload_the_old_crl_still_applies(ca_home: Paths, tmp_path: Path) -> None:
+    """The partner of the test above: proves the reload is what made the difference."""
+    ca_store.issue_with_key(ca_home, "bot", tmp_path / "bot")
+    reloader = _reloader(ca_home)
+    h = await Harness(reloader.context).start()
+    try:
+        ca_store.revoke(ca_home, "bot")
+        assert reloader.changed()
+        conn = await connect(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        assert conn.greeting.startswith("OK bot ")
+        conn.close()
+        assert reloader.reload_if_changed() is True
+        await refused(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        assert reloader.reload_if_changed() is False
+    finally:
+        await h.stop()
+
+
+async def test_failed_reload_keeps_serving_with_previous_context(ca_home: Paths, tmp_path: Path) -> None:
+    ca_store.issue_with_key(ca_home, "bot", tmp_path / "bot")
+    reloader = _reloader(ca_home)
+    h = await Harness(reloader.context).start()
+    try:
+        crl = ca_store.crl_path(ca_home)
+        good = crl.read_bytes()
+        crl.write_bytes(b"-----BEGIN X509 CRL-----\nnot a crl\n-----END X509 CRL-----\n")
+        with pytest.raises(UompError) as err:
+            reloader.reload()
+        assert err.value.code == "CONFIG_ERROR" and "keeping the previous certificates" in err.value.message
+        assert reloader.generation == 0
+        conn = await connect(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        assert conn.greeting.startswith("OK bot ")
+        conn.close()
+        crl.write_bytes(good)
+        reloader.reload()
+        assert reloader.generation == 1
+    finally:
+        await h.stop()
+
+
+async def test_server_cert_reload_is_picked_up(ca_home: Paths, tmp_path: Path) -> None:
+    """A re-issued gateway certificate (new host name) is served to new handshakes."""
+    ca_store.issue_with_key(ca_home, "bot", tmp_path / "bot")
+    reloader = _reloader(ca_home)
+    h = await Harness(reloader.context).start()
+    try:
+        ctx = _agent_ctx(ca_home, tmp_path / "bot")
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await connect(ctx, h.port, server_hostname="gw.example.org")
+        ca_store.init_all(ca_home, ["gw.example.org"])
+        assert reloader.reload_if_changed()
+        conn = await connect(ctx, h.port, server_hostname="gw.example.org")
+        assert conn.greeting.startswith("OK bot ")
+        conn.close()
+    finally:
+        await h.stop()
+
+
+async def test_sighup_reloads(ca_home: Paths) -> None:
+    reloader = _reloader(ca_home)
+    loop = asyncio.get_running_loop()
+    assert install_sighup(loop, reloader)
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        await _until(lambda: reloader.generation == 1, "SIGHUP reload")
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+
+async def test_watch_tick_errors_are_not_fatal(ca_home: Paths) -> None:
+    reloader = _reloader(ca_home)
+    calls: list[int] = []
+
+    def tick() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        ca_store.refresh_crl(ca_home, min_remaining=dt.timedelta(days=30))  # forces a re-sign
+
+    task = asyncio.create_task(reloader.watch(0.01, tick=tick))
+    try:
+        await _until(lambda: reloader.generation >= 1, "reload after the CRL refresh")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert len(calls) >= 2
+
+
+# ------------------------------------------------------------------------------- aiohttp
+
+
+async def test_aiohttp_listener_with_reloader(ca_home: Paths, tmp_path: Path) -> None:
+    """The gateway's shape: aiohttp on the reloader's front context, identity checked per request."""
+    ca_store.issue_with_key(ca_home, "bot", tmp_path / "bot")
+    reloader = _reloader(ca_home)
+    checker = ClientCertChecker()
+
+    async def whoami(request: web.Request) -> web.Response:
+        try:
+            ident = checker.peer(request.transport.get_extra_info("ssl_object") if request.transport else None)
+        except UompError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        return web.json_response({"agent_id": ident.agent_id, "serial": ident.serial})
+
+    app = web.Application()
+    app.router.add_get("/whoami", whoami)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=reloader.context)
+    await site.start()
+    assert site._server is not None
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"https://localhost:{port}/whoami"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url, ssl=_agent_ctx(ca_home, tmp_path / "bot")) as r:
+                assert r.status == 200
+                assert (await r.json())["agent_id"] == "bot"
+            async with s.get(url, ssl=build_client_context(ca_store.ca_cert_path(ca_home))) as r:
+                assert r.status == 401
+                assert (await r.json())["error"]["code"] == "CERT_REQUIRED"
+        # keep one connection open across the revocation
+        live = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        live_ctx = _agent_ctx(ca_home, tmp_path / "bot")  # same context object = same pooled connection
+        try:
+            async with live.get(url, ssl=live_ctx) as r:
+                assert r.status == 200
+            ca_store.revoke(ca_home, "bot")
+            reloader.reload()
+            async with aiohttp.ClientSession() as fresh:
+                with pytest.raises(aiohttp.ClientError):
+                    async with fresh.get(url, ssl=_agent_ctx(ca_home, tmp_path / "bot")) as r:
+                        await r.read()
+            async with live.get(url, ssl=live_ctx) as r:
+                assert r.status == 200  # pooled keep-alive connection, made before the reload
+        finally:
+            await live.close()
+    finally:
+        await runner.cleanup()
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_server_context_settings(certs: CertSet) -> None:
+    ctx = build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl)
+    assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3
+    assert ctx.maximum_version == ssl.TLSVersion.TLSv1_3
+    assert ctx.verify_mode == ssl.CERT_OPTIONAL
+    assert ctx.verify_flags & ssl.VERIFY_CRL_CHECK_LEAF
+    assert ctx.verify_flags & ssl.VERIFY_X509_STRICT
+    assert ctx.options & ssl.OP_NO_COMPRESSION
+    assert ctx.num_tickets == 0
+    stats = ctx.cert_store_stats()
+    assert stats["x509_ca"] == 1 and stats["crl"] == 1  # the user CA only, no system roots
+    strict = build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl,
+                                  require_client_cert=True)
+    assert strict.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_client_context_settings(certs: CertSet) -> None:
+    ctx = build_client_context(certs.ca_cert)
+    assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3
+    assert ctx.check_hostname and ctx.verify_mode == ssl.CERT_REQUIRED
+    assert ctx.cert_store_stats()["x509_ca"] == 1
+
+
+def test_missing_crl_is_an_error(certs: CertSet, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, tmp_path / "nope.pem")
+
+
+# ------------------------------------------------------------------- check_client_cert unit
+
+
+def test_check_client_cert_messages(certs: CertSet) -> None:
+    good = certs.agents["good"]
+    ident = check_client_cert(good.der)
+    assert ident.agent_id == "agent-1"
+    assert ident.serial == good.serial
+    assert ident.x5t_s256 == jose.cert_thumbprint(good.der)
+    assert ident.jkt == jose.key_thumbprint(good.cert.public_key())  # type: ignore[arg-type]
+    cases: list[tuple[bytes | None, dt.datetime | None, str]] = [
+        (None, None, "no client certificate was presented"),
+        (b"", None, "no client certificate was presented"),
+        (b"\x30\x03garbage", None, "the client certificate cannot be parsed"),
+        (good.der, ident.not_after + dt.timedelta(seconds=1), "the client certificate has expired"),
+        (good.der, ident.not_before - dt.timedelta(seconds=1), "the client certificate is not valid yet"),
+        (certs.agents["no_eku"].der, None, APP_REFUSALS[0][1]),
+        (certs.agents["server_eku"].der, None, APP_REFUSALS[0][1]),
+        (certs.agents["no_san"].der, None, APP_REFUSALS[1][1]),
+    ]
+    for der, now, message in cases:
+        with pytest.raises(UompError) as err:
+            check_client_cert(der, now=now)
+        assert err.value.code == "CERT_REQUIRED" and err.value.message == message
+
+
+def test_checker_cache_still_checks_time(certs: CertSet) -> None:
+    checker = ClientCertChecker(max_entries=2)
+    good = certs.agents["good"]
+    first = checker.check(good.der)
+    assert checker.check(good.der) is first
+    with pytest.raises(UompError, match="has expired"):
+        checker.check(good.der, now=first.not_after + dt.timedelta(minutes=1))
+    for _ in range(2):  # cached refusals raise the same error each time
+        with pytest.raises(UompError, match="names no agent"):
+            checker.check(certs.agents["no_san"].der)
+    checker.check(certs.agents["ed25519"].der)
+    assert len(checker._cache) == 2  # bounded
+
+
+def test_expiry_is_rechecked_on_long_lived_connections(certs: CertSet) -> None:
+    """check_client_cert takes ``now``: the gateway re-checks per request on keep-alive connections."""
+    ident = check_client_cert(certs.agents["good"].der)
+    assert ident.not_after - ident.not_before == ca.AGENT_CERT_LIFETIME + ca.CLOCK_SKEW
