@@ -1,0 +1,253 @@
+"""Gateway metrics in the Prometheus text exposition format 0.0.4, without a client library.
+
+Four families (names prefixed by ``namespace``, default ``uomp_gateway``):
+
+* ``<ns>_requests_total{route, code}`` counter: requests answered;
+* ``<ns>_request_duration_seconds{route}`` histogram with fixed buckets;
+* ``<ns>_open_connections`` gauge: client connections currently open;
+* ``<ns>_upstream_up`` gauge: 1 when the guard behind the gateway answered its last check.
+
+Label values are bounded by construction, so a scrape can never leak a path, a memory key or a
+token and the series count cannot grow with traffic: ``route`` is one of the route *names* given
+at construction or added with :meth:`Metrics.add_route` (``[a-z][a-z0-9_]*``, never a path);
+``code`` is ``OK`` or an error code of :data:`gateway.errors.STATUS` (preferred), or, when only
+an HTTP status is at hand, ``OK`` for 1xx-3xx and ``HTTP_<status>`` for 4xx/5xx. Anything else is
+counted under ``other``. Values are escaped anyway (``\\``, ``"``, newline) as the format requires.
+
+:func:`create_metrics_app` serves ``GET /metrics``. It carries no authentication: mount it on a
+loopback-only listener, never on the agent-facing one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Iterable, Sequence
+
+from aiohttp import web
+
+from gateway.errors import STATUS
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+OK = "OK"  # the code label of a request answered without an error
+OTHER = "other"  # the label for a route or code outside the fixed sets
+
+# Route names of the gateway API (spec §15.4), as gateway.remote.app names them.
+DEFAULT_ROUTES: tuple[str, ...] = (
+    "health",  # GET /v1/health
+    "refresh",  # POST /v1/sessions/{id}/refresh
+    "read_key",  # GET /v1/memory/{key}
+    "read_tag",  # GET /v1/memory?tag=
+    "aggregate",  # GET /v1/memory/aggregate
+    "audit",  # GET /v1/audit
+    "payload_upload",  # POST /v1/payload/upload
+    "payload_get",  # GET /v1/payload/{id}
+    "deletion_proof",  # POST /v1/sessions/{id}/deletion-proof
+    "unknown",  # no route matched (NOT_FOUND / METHOD_NOT_ALLOWED / refused request-target)
+)
+GAUGES = ("open_connections", "upstream_up")
+
+# Seconds. Upper bounds of the histogram buckets; +Inf is implicit.
+DEFAULT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_CODES = frozenset(STATUS) | {OK}
+
+
+def escape_label_value(value: str) -> str:
+    """Escape a label value for the text format: backslash, double quote, line feed."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def escape_help(text: str) -> str:
+    """Escape HELP text: backslash and line feed."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    """A sample value (or ``le``) as the text format writes it: ``+Inf``, ``-Inf``, ``NaN``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _labels(pairs: Sequence[tuple[str, str]]) -> str:
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in pairs) + "}"
+
+
+class _Histogram:
+    __slots__ = ("counts", "sum", "total")
+
+    def __init__(self, nbuckets: int) -> None:
+        self.counts = [0] * nbuckets  # per bucket, not cumulative; the last one is +Inf
+        self.sum = 0.0
+        self.total = 0
+
+
+class Metrics:
+    """Counters, a histogram and two gauges for the gateway. Thread-safe; cheap to update."""
+
+    def __init__(self, *, routes: Iterable[str] = DEFAULT_ROUTES,
+                 buckets: Sequence[float] = DEFAULT_BUCKETS, namespace: str = "uomp_gateway") -> None:
+        self.routes = frozenset(routes)
+        for r in self.routes | {namespace}:
+            if not _NAME.fullmatch(r):
+                raise ValueError(f"metric/route name must match {_NAME.pattern}: {r!r}")
+        bounds = tuple(float(b) for b in buckets)
+        if not bounds or any(not math.isfinite(b) for b in bounds) or list(bounds) != sorted(set(bounds)):
+            raise ValueError("histogram buckets must be finite, distinct and increasing")
+        self.buckets = bounds
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[str, str], int] = {}
+        self._durations: dict[str, _Histogram] = {}
+        self._open_connections = 0
+        self._upstream_up = 0
+
+    # ---------------------------------------------------------------------------- labels
+
+    def add_route(self, name: str) -> None:
+        """Extend the fixed route set (a route registered at start-up by another module)."""
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"route name must match {_NAME.pattern}: {name!r}")
+        with self._lock:
+            self.routes = self.routes | {name}
+
+    def route_label(self, route: str) -> str:
+        return route if route in self.routes else OTHER
+
+    @staticmethod
+    def code_label(code: str | int | None) -> str:
+        """``OK``, an error code of errors.STATUS, ``HTTP_4xx``/``HTTP_5xx``, or ``other``."""
+        if code is None:
+            return OK
+        if isinstance(code, int) and not isinstance(code, bool):
+            if 100 <= code < 400:
+                return OK
+            return f"HTTP_{code}" if 400 <= code <= 599 else OTHER
+        return code if code in _CODES else OTHER
+
+    # ---------------------------------------------------------------------------- updates
+
+    def observe_request(self, route: str, code: str | int | None, seconds: float) -> None:
+        """Count one answered request and its duration.
+
+        ``code``: the error code (``UompError.code``), or None / ``"OK"`` for success; an HTTP
+        status is accepted too (coarser: ``OK`` or ``HTTP_<status>``).
+        """
+        r, c = self.route_label(route), self.code_label(code)
+        if not math.isfinite(seconds):
+            seconds = 0.0
+        seconds = max(0.0, seconds)
+        # index of the first bucket whose upper bound holds the value (len(buckets) is +Inf)
+        idx = next((i for i, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))
+        with self._lock:
+            self._requests[(r, c)] = self._requests.get((r, c), 0) + 1
+            h = self._durations.get(r)
+            if h is None:
+                h = self._durations[r] = _Histogram(len(self.buckets) + 1)
+            h.counts[idx] += 1
+            h.sum += seconds
+            h.total += 1
+
+    def observe(self, route: str, code: str | int | None, seconds: float) -> None:
+        """Same as :meth:`observe_request`."""
+        self.observe_request(route, code, seconds)
+
+    def connection_opened(self) -> None:
+        with self._lock:
+            self._open_connections += 1
+
+    def connection_closed(self) -> None:
+        with self._lock:
+            self._open_connections = max(0, self._open_connections - 1)
+
+    def set_upstream_up(self, up: bool) -> None:
+        with self._lock:
+            self._upstream_up = 1 if up else 0
+
+    def set_gauge(self, name: str, value: float) -> None:
+        """Set a gauge by name: ``open_connections`` (a count) or ``upstream_up`` (truthy = 1)."""
+        if name == "open_connections":
+            with self._lock:
+                self._open_connections = max(0, int(value))
+        elif name == "upstream_up":
+            self.set_upstream_up(bool(value))
+        else:
+            raise ValueError(f"no gauge named {name!r}; gauges are {GAUGES}")
+
+    # ---------------------------------------------------------------------------- reading
+
+    def requests_total(self, route: str, code: str | int | None) -> int:
+        with self._lock:
+            return self._requests.get((self.route_label(route), self.code_label(code)), 0)
+
+    @property
+    def open_connections(self) -> int:
+        return self._open_connections
+
+    @property
+    def upstream_up(self) -> int:
+        return self._upstream_up
+
+    def render(self) -> str:
+        """The text exposition format 0.0.4: HELP and TYPE for each family, series sorted."""
+        ns = self.namespace
+        with self._lock:
+            requests = sorted(self._requests.items())
+            durations = sorted((r, list(h.counts), h.sum, h.total) for r, h in self._durations.items())
+            open_conns, up = self._open_connections, self._upstream_up
+        out: list[str] = []
+
+        def family(name: str, kind: str, help_text: str) -> None:
+            out.append(f"# HELP {name} {escape_help(help_text)}")
+            out.append(f"# TYPE {name} {kind}")
+
+        name = f"{ns}_requests_total"
+        family(name, "counter", "Requests answered by the gateway, by route name and result code.")
+        for (r, c), n in requests:
+            out.append(f"{name}{_labels((('route', r), ('code', c)))} {n}")
+
+        name = f"{ns}_request_duration_seconds"
+        family(name, "histogram", "Time from request received to response ready, by route name.")
+        for r, counts, total_s, total_n in durations:
+            cumulative = 0
+            for bound, count in zip((*self.buckets, math.inf), counts, strict=True):
+                cumulative += count
+                out.append(f"{name}_bucket{_labels((('route', r), ('le', format_value(bound))))} {cumulative}")
+            out.append(f"{name}_sum{_labels((('route', r),))} {format_value(total_s)}")
+            out.append(f"{name}_count{_labels((('route', r),))} {total_n}")
+
+        name = f"{ns}_open_connections"
+        family(name, "gauge", "Client connections currently open.")
+        out.append(f"{name} {open_conns}")
+
+        name = f"{ns}_upstream_up"
+        family(name, "gauge", "1 if the upstream guard answered its last health check, else 0.")
+        out.append(f"{name} {up}")
+        return "\n".join(out) + "\n"
+
+
+METRICS_KEY = web.AppKey("uomp_metrics", Metrics)
+
+
+async def _serve_metrics(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS_KEY]
+    return web.Response(body=metrics.render().encode("utf-8"),
+                        headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
+
+
+def create_metrics_app(metrics: Metrics) -> web.Application:
+    """An aiohttp app serving ``GET /metrics`` (and HEAD). Bind it to loopback only."""
+    app = web.Application()
+    app[METRICS_KEY] = metrics
+    app.router.add_get("/metrics", _serve_metrics)
+    return app
