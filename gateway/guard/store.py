@@ -1,0 +1,544 @@
+"""The Memory Store: the user's Memory Items (spec §11) in one SQLite file.
+
+Layout (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
+
+    items(key PRIMARY KEY, value JSON text, tags JSON text (item order), sensitivity, source,
+          created_at, updated_at, description)
+    item_tags(tag, item_key) WITHOUT ROWID, primary key (tag, item_key)   -- by_tag is a range scan
+    index item_tags_by_key(item_key)                                       -- delete / replace
+
+Durability and concurrency: WAL journal (readers never wait for the writer), ``synchronous=FULL``
+(a write that returned is on disk), a busy timeout so a second writer waits a few seconds before
+giving up, ``secure_delete`` so a deleted item's bytes are overwritten in the file. The file is
+created 0600; SQLite gives its ``-wal``/``-shm`` companions the same mode. One connection per store,
+usable from any thread (``check_same_thread=False``), serialised by a lock.
+
+Failures: every ``sqlite3`` error (file missing with ``create=False``, locked past the timeout,
+not a database, corrupt, disk full, I/O error, closed) becomes
+``UompError("STORE_UNAVAILABLE", <fixed sentence>)`` with the SQLite error name in
+``details["reason"]``; no message ever carries a key or a value. A bad item (invalid key, tag,
+sensitivity, source, timestamp or a value that is not JSON) is ``INVALID_REQUEST``, and so is a
+``put`` on an existing key without ``replace``.
+
+A file written by a newer schema version is refused (``STORE_UNAVAILABLE``) rather than
+misread; a SQLite file that holds tables but no UOMP schema is refused rather than adopted.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import unicodedata
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from gateway.errors import UompError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+SENSITIVITIES = ("low", "medium", "high")
+SOURCES = ("user", "agent")
+
+MAX_KEY_CHARS = 256
+MAX_TAG_CHARS = 128
+MAX_TAGS = 64
+MAX_DESCRIPTION_CHARS = 4096
+MAX_TIMESTAMP_CHARS = 64
+MAX_VALUE_BYTES = 1024 * 1024  # serialised JSON, UTF-8
+MAX_LIST_LIMIT = 100_000
+DEFAULT_BUSY_TIMEOUT_SECONDS = 5.0
+
+# Chunk size for ``key IN (...)`` look-ups: far below SQLite's bound-variable limit.
+_IN_CHUNK = 500
+
+_SCHEMA = f"""
+CREATE TABLE items (
+    key         TEXT NOT NULL PRIMARY KEY,
+    value       TEXT NOT NULL,
+    tags        TEXT NOT NULL,
+    sensitivity TEXT NOT NULL CHECK (sensitivity IN ('low', 'medium', 'high')),
+    source      TEXT NOT NULL CHECK (source IN ('user', 'agent')),
+    created_at  TEXT NOT NULL,
+    updated_at  TEXT NOT NULL,
+    description TEXT
+);
+CREATE TABLE item_tags (
+    tag      TEXT NOT NULL,
+    item_key TEXT NOT NULL REFERENCES items(key) ON DELETE CASCADE,
+    PRIMARY KEY (tag, item_key)
+) WITHOUT ROWID;
+CREATE INDEX item_tags_by_key ON item_tags(item_key);
+PRAGMA user_version = {SCHEMA_VERSION};
+"""
+
+_SQL_GET = ("SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
+            "FROM items WHERE key = ?")
+_SQL_LIST = ("SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
+             "FROM items ORDER BY key LIMIT ? OFFSET ?")
+_SQL_BY_TAG = ("SELECT i.key, i.value, i.tags, i.sensitivity, i.source, i.created_at, i.updated_at, "
+               "i.description FROM item_tags t JOIN items i ON i.key = t.item_key "
+               "WHERE t.tag = ? ORDER BY t.item_key LIMIT ? OFFSET ?")
+_SQL_INSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
+               "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
+_SQL_UPSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
+               "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+               "ON CONFLICT(key) DO UPDATE SET value = excluded.value, tags = excluded.tags, "
+               "sensitivity = excluded.sensitivity, source = excluded.source, "
+               "created_at = excluded.created_at, updated_at = excluded.updated_at, "
+               "description = excluded.description")
+
+# SQLite error name (prefix) -> the fixed sentence the user sees.
+_REASONS: tuple[tuple[str, str], ...] = (
+    ("SQLITE_BUSY", "the memory store is locked by another process; try again"),
+    ("SQLITE_LOCKED", "the memory store is locked by another process; try again"),
+    ("SQLITE_NOTADB", "the memory store file is not a SQLite database"),
+    ("SQLITE_CORRUPT", "the memory store file is corrupt"),
+    ("SQLITE_CANTOPEN", "the memory store file cannot be opened"),
+    ("SQLITE_FULL", "the disk holding the memory store is full"),
+    ("SQLITE_READONLY", "the memory store is read-only"),
+    ("SQLITE_IOERR", "disk I/O error on the memory store"),
+    ("SQLITE_CONSTRAINT", "the memory store refused the write"),
+)
+
+
+def utc_now() -> str:
+    """The current time as the store writes it: ``2026-07-12T10:00:00Z``."""
+    return datetime.now(UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    """One Memory Item (spec §11.1). ``value`` is any JSON value."""
+
+    key: str
+    value: Any
+    tags: tuple[str, ...]
+    sensitivity: str
+    source: str
+    created_at: str
+    updated_at: str
+    description: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec §11.1 object: tags as a list, ``description`` left out when None."""
+        out: dict[str, Any] = {
+            "key": self.key,
+            "value": self.value,
+            "tags": list(self.tags),
+            "sensitivity": self.sensitivity,
+            "source": self.source,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+        if self.description is not None:
+            out["description"] = self.description
+        return out
+
+
+# --------------------------------------------------------------------------- validation
+# Each ``*_problem`` returns None when the input is fine, else a fixed sentence that names the
+# field but never repeats the offending text (it may be a misplaced secret).
+
+
+def _has_control(text: str, *, allow_newlines: bool = False) -> bool:
+    for ch in text:
+        if allow_newlines and ch in "\n\t":
+            continue
+        if unicodedata.category(ch) in ("Cc", "Cs") or ch in "\u2028\u2029":
+            return True
+    return False
+
+
+def key_problem(key: object) -> str | None:
+    if not isinstance(key, str):
+        return "key must be a string"
+    if not key:
+        return "key is empty"
+    if len(key) > MAX_KEY_CHARS:
+        return f"key is longer than {MAX_KEY_CHARS} characters"
+    if key != key.strip():
+        return "key has leading or trailing white space"
+    if _has_control(key):
+        return "key contains control characters"
+    return None
+
+
+def tag_problem(tag: object) -> str | None:
+    if not isinstance(tag, str):
+        return "each tag must be a string"
+    if not tag:
+        return "a tag is empty"
+    if len(tag) > MAX_TAG_CHARS:
+        return f"a tag is longer than {MAX_TAG_CHARS} characters"
+    if tag != tag.strip():
+        return "a tag has leading or trailing white space"
+    if _has_control(tag):
+        return "a tag contains control characters"
+    return None
+
+
+def tags_problem(tags: object) -> str | None:
+    if not isinstance(tags, tuple | builtins.list):
+        return "tags must be a list of strings"
+    if len(tags) > MAX_TAGS:
+        return f"more than {MAX_TAGS} tags"
+    for tag in tags:
+        problem = tag_problem(tag)
+        if problem:
+            return problem
+    if len(set(tags)) != len(tags):
+        return "a tag is repeated"
+    return None
+
+
+def sensitivity_problem(sensitivity: object) -> str | None:
+    if sensitivity not in SENSITIVITIES:
+        return "sensitivity must be low, medium or high"
+    return None
+
+
+def source_problem(source: object) -> str | None:
+    if source not in SOURCES:
+        return "source must be user or agent"
+    return None
+
+
+def timestamp_problem(value: object, field: str) -> str | None:
+    """``value`` must be an ISO 8601 date-time with a time zone (the store writes UTC ``Z``)."""
+    if not isinstance(value, str) or not value or len(value) > MAX_TIMESTAMP_CHARS:
+        return f"{field} must be an ISO 8601 timestamp"
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return f"{field} must be an ISO 8601 timestamp"
+    if "T" not in value.upper() or parsed.tzinfo is None:
+        return f"{field} must be an ISO 8601 timestamp with a time zone"
+    return None
+
+
+def description_problem(description: object) -> str | None:
+    if description is None:
+        return None
+    if not isinstance(description, str):
+        return "description must be a string"
+    if len(description) > MAX_DESCRIPTION_CHARS:
+        return f"description is longer than {MAX_DESCRIPTION_CHARS} characters"
+    if _has_control(description, allow_newlines=True):
+        return "description contains control characters"
+    return None
+
+
+def encode_value(value: Any) -> str:
+    """``value`` as the JSON text the store keeps; INVALID_REQUEST if it is not JSON or too big."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UompError("INVALID_REQUEST", "value is not a JSON value") from exc
+    if len(text) > MAX_VALUE_BYTES // 4 and len(text.encode("utf-8")) > MAX_VALUE_BYTES:
+        raise UompError("INVALID_REQUEST", f"value is larger than {MAX_VALUE_BYTES} bytes")
+    return text
+
+
+def item_problem(item: MemoryItem) -> str | None:
+    """The first thing wrong with ``item`` (value excepted: see :func:`encode_value`), or None."""
+    return (
+        key_problem(item.key)
+        or tags_problem(item.tags)
+        or sensitivity_problem(item.sensitivity)
+        or source_problem(item.source)
+        or timestamp_problem(item.created_at, "created_at")
+        or timestamp_problem(item.updated_at, "updated_at")
+        or description_problem(item.description)
+    )
+
+
+def _row_of(item: MemoryItem) -> tuple[str, str, str, str, str, str, str, str | None]:
+    problem = item_problem(item)
+    if problem:
+        raise UompError("INVALID_REQUEST", problem)
+    return (
+        item.key,
+        encode_value(item.value),
+        json.dumps(list(item.tags), ensure_ascii=False, separators=(",", ":")),
+        item.sensitivity,
+        item.source,
+        item.created_at,
+        item.updated_at,
+        item.description,
+    )
+
+
+def _item_of(row: tuple[Any, ...]) -> MemoryItem:
+    key, value, tags, sensitivity, source, created_at, updated_at, description = row
+    try:
+        decoded_value = json.loads(value)
+        decoded_tags = json.loads(tags)
+    except (TypeError, ValueError) as exc:
+        raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt",
+                        details={"reason": "BAD_JSON"}) from exc
+    if not isinstance(decoded_tags, builtins.list):
+        raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt",
+                        details={"reason": "BAD_TAGS"})
+    return MemoryItem(key=key, value=decoded_value, tags=tuple(decoded_tags), sensitivity=sensitivity,
+                      source=source, created_at=created_at, updated_at=updated_at, description=description)
+
+
+def _unavailable(exc: BaseException) -> UompError:
+    if isinstance(exc, sqlite3.ProgrammingError):
+        return UompError("STORE_UNAVAILABLE", "the memory store is closed", details={"reason": "CLOSED"})
+    if isinstance(exc, OSError):
+        return UompError("STORE_UNAVAILABLE", "the memory store file cannot be created or opened",
+                         details={"reason": "OS_ERROR"})
+    name = str(getattr(exc, "sqlite_errorname", "") or type(exc).__name__)
+    sentence = "the memory store is unavailable"
+    for prefix, text in _REASONS:
+        if name.startswith(prefix):
+            sentence = text
+            break
+    else:
+        # No error name (older SQLite bindings): fall back on the exception text's usual phrases.
+        lowered = str(exc).lower()
+        if "locked" in lowered or "busy" in lowered:
+            sentence = _REASONS[0][1]
+        elif "not a database" in lowered:
+            sentence = _REASONS[2][1]
+    log.warning("memory store failure: %s", name)
+    return UompError("STORE_UNAVAILABLE", sentence, details={"reason": name})
+
+
+_ItemList = list[MemoryItem]
+
+
+class MemoryStore:
+    """The Memory Store (see the module docstring). Every method may raise STORE_UNAVAILABLE."""
+
+    def __init__(self, path: Path, *, create: bool = True,
+                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._closed = False
+        if not create and not self.path.exists():
+            raise UompError("STORE_UNAVAILABLE", "the memory store file does not exist",
+                            details={"reason": "MISSING"})
+        conn: sqlite3.Connection | None = None
+        try:
+            if create:
+                self._create_file()
+            # mode=rw: SQLite never creates the file itself (that is done above, 0600).
+            uri = self.path.resolve().as_uri() + "?mode=rw"
+            conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None,
+                                   check_same_thread=False)
+            self._conn = conn
+            self._setup(busy_timeout, create=create)
+        except UompError:
+            if conn is not None:
+                conn.close()
+            raise
+        except (sqlite3.Error, OSError) as exc:
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            raise _unavailable(exc) from exc
+
+    # ----------------------------------------------------------------- opening
+
+    def _create_file(self) -> None:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if os.fstat(fd).st_mode & 0o777 != 0o600:
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+
+    def _setup(self, busy_timeout: float, *, create: bool) -> None:
+        conn = self._conn
+        conn.execute(f"PRAGMA busy_timeout = {max(0, int(busy_timeout * 1000))}")
+        # Look before changing anything: a newer schema or someone else's database is refused
+        # while the file is still exactly as we found it.
+        self._refuse_foreign(self._version())
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise UompError("STORE_UNAVAILABLE", "the memory store cannot use write-ahead logging",
+                            details={"reason": "NO_WAL"})
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA secure_delete = ON")
+        conn.execute("PRAGMA trusted_schema = OFF")
+        if self._version() == SCHEMA_VERSION:
+            return
+        # Version 0: a new, empty file. Create the schema unless another process just did.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = self._version()
+            self._refuse_foreign(version)
+            if version == 0:
+                if not create:
+                    raise UompError("STORE_UNAVAILABLE", "the memory store has not been initialised",
+                                    details={"reason": "EMPTY"})
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+
+    def _refuse_foreign(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise UompError(
+                "STORE_UNAVAILABLE",
+                f"the memory store was written by a newer uomp (schema version {version}, this one "
+                f"understands up to {SCHEMA_VERSION}); upgrade uomp, the file is left untouched",
+                details={"reason": "SCHEMA_TOO_NEW", "schema_version": version})
+        if version < 0:
+            raise UompError("STORE_UNAVAILABLE", "the memory store has an unknown schema version",
+                            details={"reason": "SCHEMA_UNKNOWN"})
+        if version == 0 and self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            raise UompError("STORE_UNAVAILABLE", "the file is a SQLite database but not a UOMP memory "
+                            "store; it is left untouched", details={"reason": "FOREIGN_DB"})
+
+    def _version(self) -> int:
+        return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+
+    # ----------------------------------------------------------------- plumbing
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[sqlite3.Connection]:
+        """Hold the lock; turn every sqlite3 failure into STORE_UNAVAILABLE."""
+        with self._lock:
+            try:
+                if self._closed:
+                    raise sqlite3.ProgrammingError("closed")
+                yield self._conn
+            except (sqlite3.Error, OSError) as exc:
+                raise _unavailable(exc) from exc
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One IMMEDIATE transaction: committed on success, rolled back on any exception."""
+        with self._guard() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                raise
+
+    @staticmethod
+    def _check_limit(limit: int, offset: int = 0) -> None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= MAX_LIST_LIMIT:
+            raise UompError("INVALID_REQUEST", f"limit must be between 1 and {MAX_LIST_LIMIT}")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise UompError("INVALID_REQUEST", "offset must be zero or more")
+
+    # ----------------------------------------------------------------- reads
+
+    def get(self, key: str) -> MemoryItem | None:
+        with self._guard() as conn:
+            row = conn.execute(_SQL_GET, (key,)).fetchone()
+        return _item_of(row) if row is not None else None
+
+    def by_tag(self, tag: str, *, limit: int = 1000) -> _ItemList:
+        """Items carrying ``tag``, ordered by key (an index range scan on item_tags)."""
+        return self.list(tag=tag, limit=limit)
+
+    def list(self, *, tag: str | None = None, limit: int = 100, offset: int = 0) -> _ItemList:
+        """Items ordered by key, optionally only those carrying ``tag``."""
+        self._check_limit(limit, offset)
+        with self._guard() as conn:
+            if tag is None:
+                rows = conn.execute(_SQL_LIST, (limit, offset)).fetchall()
+            else:
+                rows = conn.execute(_SQL_BY_TAG, (tag, limit, offset)).fetchall()
+        return [_item_of(r) for r in rows]
+
+    def existing_keys(self, keys: Iterable[str]) -> set[str]:
+        """The subset of ``keys`` already in the store."""
+        found: set[str] = set()
+        chunk: builtins.list[str] = []
+        with self._guard() as conn:
+            def flush() -> None:
+                marks = ",".join("?" * len(chunk))
+                found.update(r[0] for r in conn.execute(
+                    f"SELECT key FROM items WHERE key IN ({marks})", chunk))  # only "?" marks
+                chunk.clear()
+            for key in keys:
+                chunk.append(key)
+                if len(chunk) >= _IN_CHUNK:
+                    flush()
+            if chunk:
+                flush()
+        return found
+
+    def count(self) -> int:
+        with self._guard() as conn:
+            return int(conn.execute("SELECT count(*) FROM items").fetchone()[0])
+
+    # ----------------------------------------------------------------- writes
+
+    def put(self, item: MemoryItem, *, replace: bool = False) -> None:
+        """Store one item. An existing key is INVALID_REQUEST unless ``replace``."""
+        self.put_many([item], replace=replace)
+
+    def put_many(self, items: Sequence[MemoryItem], *, replace: bool = False) -> int:
+        """Store ``items`` in ONE transaction: all of them or none. Returns how many were written."""
+        rows = [_row_of(item) for item in items]
+        if len({r[0] for r in rows}) != len(rows):
+            raise UompError("INVALID_REQUEST", "the same key appears twice in one write")
+        if not rows:
+            return 0
+        tag_rows = [(tag, item.key) for item in items for tag in item.tags]
+        with self._write() as conn:
+            if replace:
+                conn.executemany("DELETE FROM item_tags WHERE item_key = ?", [(r[0],) for r in rows])
+                conn.executemany(_SQL_UPSERT, rows)
+            else:
+                try:
+                    conn.executemany(_SQL_INSERT, rows)
+                except sqlite3.IntegrityError as exc:
+                    name = str(getattr(exc, "sqlite_errorname", ""))
+                    if name in ("SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"):
+                        raise UompError("INVALID_REQUEST", "an item with this key already exists "
+                                        "(replace it explicitly)") from exc
+                    raise
+            conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", tag_rows)
+        return len(rows)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; False when there was no such item."""
+        with self._write() as conn:
+            conn.execute("DELETE FROM item_tags WHERE item_key = ?", (key,))
+            cur = conn.execute("DELETE FROM items WHERE key = ?", (key,))
+            return cur.rowcount > 0
+
+    # ----------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+
+    def __enter__(self) -> MemoryStore:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

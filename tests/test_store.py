@@ -1,0 +1,403 @@
+"""Memory Store: real SQLite files under tmp_path; every refusal is a UompError, never sqlite3."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.errors import UompError
+from gateway.guard.store import (
+    MAX_KEY_CHARS,
+    MAX_TAG_CHARS,
+    MAX_TAGS,
+    MAX_VALUE_BYTES,
+    SCHEMA_VERSION,
+    MemoryItem,
+    MemoryStore,
+)
+
+TS = "2026-07-12T10:00:00Z"
+
+
+def item(key: str = "preference.theme", value: Any = "dark", tags: tuple[str, ...] = ("preference", "ui"),
+         sensitivity: str = "low", **kw: Any) -> MemoryItem:
+    fields: dict[str, Any] = {"source": "user", "created_at": "2026-07-01T10:00:00Z", "updated_at": TS}
+    fields.update(kw)
+    return MemoryItem(key=key, value=value, tags=tags, sensitivity=sensitivity, **fields)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> MemoryStore:
+    s = MemoryStore(tmp_path / "memory.db")
+    yield s
+    s.close()
+
+
+def unavailable(excinfo: pytest.ExceptionInfo[UompError]) -> UompError:
+    err = excinfo.value
+    assert err.code == "STORE_UNAVAILABLE"
+    assert err.status == 503
+    assert "sqlite3" not in err.message and "Error" not in err.message
+    return err
+
+
+# ------------------------------------------------------------------------------------ basics
+
+def test_round_trip_and_spec_shape(store: MemoryStore) -> None:
+    it = item(description="User interface theme preference")
+    store.put(it)
+    got = store.get("preference.theme")
+    assert got == it
+    assert got is not None and got.to_dict() == {
+        "key": "preference.theme",
+        "value": "dark",
+        "tags": ["preference", "ui"],
+        "sensitivity": "low",
+        "source": "user",
+        "created_at": "2026-07-01T10:00:00Z",
+        "updated_at": TS,
+        "description": "User interface theme preference",
+    }
+    assert "description" not in item().to_dict()
+    assert store.get("missing") is None
+
+
+@pytest.mark.parametrize("value", ["dark", 42, 3.5, None, True, [1, "two", None],
+                                   {"a": {"b": [1, 2]}, "ü": "ñ ✓"}, ""])
+def test_any_json_value_round_trips(store: MemoryStore, value: Any) -> None:
+    store.put(item(value=value))
+    got = store.get("preference.theme")
+    assert got is not None and got.value == value
+
+
+def test_tags_keep_their_order(store: MemoryStore) -> None:
+    store.put(item(tags=("zeta", "alpha", "mid")))
+    got = store.get("preference.theme")
+    assert got is not None and got.tags == ("zeta", "alpha", "mid")
+
+
+def test_by_tag_ordered_by_key_and_limited(store: MemoryStore) -> None:
+    store.put_many([item(key=k, tags=("t",) if k != "c" else ("other",)) for k in ("d", "b", "a", "c", "e")])
+    assert [i.key for i in store.by_tag("t")] == ["a", "b", "d", "e"]
+    assert [i.key for i in store.by_tag("t", limit=2)] == ["a", "b"]
+    assert [i.key for i in store.by_tag("other")] == ["c"]
+    assert store.by_tag("nope") == []
+
+
+def test_by_tag_is_an_index_lookup(store: MemoryStore) -> None:
+    plan = " ".join(str(r) for r in store._conn.execute(
+        "EXPLAIN QUERY PLAN SELECT i.key FROM item_tags t JOIN items i ON i.key = t.item_key "
+        "WHERE t.tag = ? ORDER BY t.item_key LIMIT 10", ("x",)).fetchall())
+    assert "SEARCH t USING PRIMARY KEY (tag=?)" in plan
+    assert "SCAN" not in plan and "TEMP B-TREE" not in plan
+
+
+def test_list_with_tag_limit_offset(store: MemoryStore) -> None:
+    store.put_many([item(key=f"k{i:02d}", tags=("even",) if i % 2 == 0 else ("odd",)) for i in range(10)])
+    assert [i.key for i in store.list()] == [f"k{i:02d}" for i in range(10)]
+    assert [i.key for i in store.list(limit=3, offset=2)] == ["k02", "k03", "k04"]
+    assert [i.key for i in store.list(tag="odd", limit=2, offset=1)] == ["k03", "k05"]
+    assert store.count() == 10
+    for bad in ({"limit": 0}, {"limit": -1}, {"offset": -1}, {"limit": 10**9}):
+        with pytest.raises(UompError) as e:
+            store.list(**bad)
+        assert e.value.code == "INVALID_REQUEST"
+
+
+def test_put_existing_key_needs_replace(store: MemoryStore) -> None:
+    store.put(item())
+    with pytest.raises(UompError) as e:
+        store.put(item(value="light"))
+    assert e.value.code == "INVALID_REQUEST"
+    got = store.get("preference.theme")
+    assert got is not None and got.value == "dark"
+    store.put(item(value="light", tags=("new",)), replace=True)
+    got = store.get("preference.theme")
+    assert got is not None and got.value == "light" and got.tags == ("new",)
+    assert store.by_tag("preference") == []
+    assert [i.key for i in store.by_tag("new")] == ["preference.theme"]
+    assert store.count() == 1
+
+
+def test_put_many_is_all_or_nothing(store: MemoryStore) -> None:
+    store.put(item(key="b"))
+    with pytest.raises(UompError) as e:
+        store.put_many([item(key="a"), item(key="b"), item(key="c")])
+    assert e.value.code == "INVALID_REQUEST"
+    assert store.count() == 1 and store.get("a") is None and store.by_tag("ui")[0].key == "b"
+    with pytest.raises(UompError) as e:
+        store.put_many([item(key="x"), item(key="y", sensitivity="secret")])
+    assert e.value.code == "INVALID_REQUEST"
+    with pytest.raises(UompError) as e:
+        store.put_many([item(key="x"), item(key="x")], replace=True)
+    assert e.value.code == "INVALID_REQUEST"
+    assert store.count() == 1
+    assert store.put_many([]) == 0
+    assert store.put_many([item(key="a"), item(key="c")]) == 2
+    assert store.count() == 3
+
+
+def test_delete(store: MemoryStore) -> None:
+    store.put(item())
+    assert store.delete("preference.theme") is True
+    assert store.delete("preference.theme") is False
+    assert store.get("preference.theme") is None
+    assert store.by_tag("ui") == []
+    assert store._conn.execute("SELECT count(*) FROM item_tags").fetchone()[0] == 0
+
+
+def test_existing_keys_in_chunks(store: MemoryStore) -> None:
+    store.put_many([item(key=f"k{i}") for i in range(0, 1500, 3)])
+    asked = (f"k{i}" for i in range(1500))  # a generator, longer than one IN chunk
+    assert store.existing_keys(asked) == {f"k{i}" for i in range(0, 1500, 3)}
+    assert store.existing_keys([]) == set()
+
+
+BAD_ITEMS: list[tuple[str, dict[str, Any]]] = [
+    ("empty key", {"key": ""}),
+    ("long key", {"key": "k" * (MAX_KEY_CHARS + 1)}),
+    ("key with newline", {"key": "a\nb"}),
+    ("key with NUL", {"key": "a\x00b"}),
+    ("key padded", {"key": " a"}),
+    ("key not str", {"key": 5}),
+    ("empty tag", {"tags": ("",)}),
+    ("long tag", {"tags": ("t" * (MAX_TAG_CHARS + 1),)}),
+    ("too many tags", {"tags": tuple(f"t{i}" for i in range(MAX_TAGS + 1))}),
+    ("repeated tag", {"tags": ("a", "a")}),
+    ("tag control", {"tags": ("a\tb",)}),
+    ("tags not list", {"tags": "a"}),
+    ("sensitivity", {"sensitivity": "secret"}),
+    ("sensitivity case", {"sensitivity": "LOW"}),
+    ("source", {"source": "robot"}),
+    ("created not iso", {"created_at": "yesterday"}),
+    ("updated no zone", {"updated_at": "2026-07-12T10:00:00"}),
+    ("created date only", {"created_at": "2026-07-12"}),
+    ("description control", {"description": "a\x1bb"}),
+    ("description type", {"description": 5}),
+    ("value not json", {"value": {1, 2}}),
+    ("value NaN", {"value": float("nan")}),
+    ("value too big", {"value": "x" * (MAX_VALUE_BYTES + 1)}),
+]
+
+
+@pytest.mark.parametrize(("name", "change"), BAD_ITEMS, ids=[n for n, _ in BAD_ITEMS])
+def test_invalid_items_refused(store: MemoryStore, name: str, change: dict[str, Any]) -> None:
+    with pytest.raises(UompError) as e:
+        store.put(item(**change))
+    assert e.value.code == "INVALID_REQUEST"
+    assert "x" * 50 not in e.value.message
+    assert store.count() == 0
+
+
+def test_limits_accepted_at_the_edge(store: MemoryStore) -> None:
+    store.put(item(key="k" * MAX_KEY_CHARS, tags=tuple(f"t{i}" for i in range(MAX_TAGS)),
+                   description="line one\nline two", created_at="2026-07-01T10:00:00+02:00"))
+    assert store.count() == 1
+
+
+# ------------------------------------------------------------------------------------ durability, files
+
+def test_wal_full_sync_and_schema_version(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    with MemoryStore(path) as s:
+        s.put(item())
+        assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        assert s._conn.execute("PRAGMA busy_timeout").fetchone()[0] >= 1000
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    finally:
+        conn.close()
+
+
+def test_files_are_private_even_with_a_loose_umask(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    old = os.umask(0)
+    try:
+        with MemoryStore(path) as s:
+            s.put(item())
+            modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    finally:
+        os.umask(old)
+    assert modes["memory.db"] == 0o600
+    assert modes.get("memory.db-wal", 0o600) == 0o600
+    assert modes.get("memory.db-shm", 0o600) == 0o600
+
+
+def test_existing_file_mode_is_tightened(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    MemoryStore(path).close()
+    path.chmod(0o644)
+    MemoryStore(path).close()
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_data_survives_reopen_and_is_seen_by_a_second_store(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    a = MemoryStore(path)
+    b = MemoryStore(path, create=False)
+    try:
+        a.put(item())
+        assert b.get("preference.theme") == item()
+    finally:
+        a.close()
+        b.close()
+    with MemoryStore(path, create=False) as c:
+        assert c.get("preference.theme") == item()
+
+
+def test_usable_from_another_thread(store: MemoryStore) -> None:
+    store.put(item())
+    seen: list[Any] = []
+    t = threading.Thread(target=lambda: seen.append(store.get("preference.theme")))
+    t.start()
+    t.join()
+    assert seen == [item()]
+
+
+# ------------------------------------------------------------------------------------ STORE_UNAVAILABLE
+
+def test_missing_file_without_create(tmp_path: Path) -> None:
+    with pytest.raises(UompError) as e:
+        MemoryStore(tmp_path / "nope.db", create=False)
+    unavailable(e)
+    assert not (tmp_path / "nope.db").exists()
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(UompError) as e:
+        MemoryStore(tmp_path / "no" / "such" / "memory.db")
+    unavailable(e)
+
+
+def test_empty_file_without_create_is_not_a_store(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    path.touch()
+    with pytest.raises(UompError) as e:
+        MemoryStore(path, create=False)
+    unavailable(e)
+
+
+def test_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    junk = b"these are not the bytes of a SQLite database " * 100
+    path.write_bytes(junk)
+    for create in (True, False):
+        with pytest.raises(UompError) as e:
+            MemoryStore(path, create=create)
+        assert unavailable(e).details == {"reason": "SQLITE_NOTADB"}
+    assert path.read_bytes() == junk
+
+
+def test_someone_elses_database_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (a)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(UompError) as e:
+        MemoryStore(path)
+    unavailable(e)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not switched to WAL
+    conn.close()
+
+
+def test_newer_schema_refused_loudly(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    with MemoryStore(path) as s:
+        s.put(item())
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(UompError) as e:
+        MemoryStore(path)
+    err = unavailable(e)
+    assert "newer" in err.message and err.details is not None and err.details["reason"] == "SCHEMA_TOO_NEW"
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+    conn.close()
+
+
+def test_write_locked_by_another_connection(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    store = MemoryStore(path, busy_timeout=0.2)
+    store.put(item(key="before"))
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN EXCLUSIVE")
+        other.execute("DELETE FROM item_tags")
+        t0 = time.monotonic()
+        with pytest.raises(UompError) as e:
+            store.put(item(key="during"))
+        assert unavailable(e).details == {"reason": "SQLITE_BUSY"}
+        assert time.monotonic() - t0 >= 0.15  # it waited for the busy timeout first
+        with pytest.raises(UompError) as e:
+            store.delete("before")
+        unavailable(e)
+        # WAL: readers are not blocked by the writer, and see the last committed state.
+        assert store.get("before") is not None and [i.key for i in store.by_tag("ui")] == ["before"]
+        other.execute("ROLLBACK")
+        store.put(item(key="after"))
+        assert store.count() == 2
+    finally:
+        other.close()
+        store.close()
+
+
+def test_exclusive_lock_blocks_opening(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    MemoryStore(path).close()
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("PRAGMA locking_mode = EXCLUSIVE")
+        other.execute("BEGIN EXCLUSIVE")
+        other.execute("DELETE FROM items")
+        with pytest.raises(UompError) as e:
+            MemoryStore(path, busy_timeout=0.2)
+        unavailable(e)
+    finally:
+        other.close()
+
+
+def test_closed_store(tmp_path: Path) -> None:
+    s = MemoryStore(tmp_path / "memory.db")
+    s.close()
+    s.close()  # idempotent
+    for call in (lambda: s.get("a"), lambda: s.put(item()), lambda: s.count(), lambda: s.by_tag("t")):
+        with pytest.raises(UompError) as e:
+            call()
+        unavailable(e)
+
+
+def test_disk_full_mid_batch_leaves_the_store_as_it_was(store: MemoryStore) -> None:
+    store.put_many([item(key=f"old{i}", value={"n": i}) for i in range(5)])
+    pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+    store._conn.execute(f"PRAGMA max_page_count = {pages + 3}")
+    big = [item(key=f"new{i}", value="v" * 2000) for i in range(200)]
+    with pytest.raises(UompError) as e:
+        store.put_many(big)
+    assert unavailable(e).details == {"reason": "SQLITE_FULL"}
+    assert store.count() == 5 and store.get("new0") is None
+    assert [i.key for i in store.by_tag("ui")] == [f"old{i}" for i in range(5)]
+
+
+def test_failure_on_the_last_row_rolls_back_everything(store: MemoryStore) -> None:
+    store.put_many([item(key=f"k{i}", value="old") for i in range(3)])
+    store._conn.execute("CREATE TRIGGER fail_last BEFORE INSERT ON items WHEN NEW.key = 'k9' "
+                        "BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    batch = [item(key=f"k{i}", value="new", tags=("new",)) for i in range(10)]
+    with pytest.raises(UompError) as e:
+        store.put_many(batch, replace=True)
+    unavailable(e)
+    assert store.count() == 3
+    assert [i.value for i in store.list()] == ["old", "old", "old"]
+    assert store.by_tag("new") == []
