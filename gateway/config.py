@@ -115,8 +115,8 @@ class GatewayConfig:
     listen_port: int = 9443
     allow_non_loopback: bool = False
     tunnel_origin_host: str = "127.0.0.1"
-    tunnel_origin_port: int = 0  # 0 = no tunnel-origin (DPoP) listener
-    metrics_port: int = 0  # 0 = no metrics listener; always loopback
+    tunnel_origin_port: int = -1  # -1 = no tunnel-origin (DPoP) listener; 0 = any free port
+    metrics_port: int = -1  # -1 = no Prometheus listener; 0 = any free port; always 127.0.0.1
     upstream: str = ""  # "" = unix:$UOMP_HOME/guard.sock; or http://127.0.0.1:9374
     server_cert: str = ""  # "" = $UOMP_HOME/ca/gateway.crt
     server_key: str = ""

@@ -23,8 +23,10 @@ ITEMS = [
     MemoryItem("user.display_name", "Alice", ("identity:public",), "medium", "user", NOW, NOW),
     MemoryItem("user.passport", "X1234567", ("identity", "preference"), "high", "user", NOW, NOW),
     MemoryItem("user.password", "hunter2", ("identity",), "high", "user", NOW, NOW),
-    MemoryItem("h.aapl", {"symbol": "AAPL", "market_value": 12000}, ("portfolio:holdings",), "medium", "user", NOW, NOW),
-    MemoryItem("h.msft", {"symbol": "MSFT", "market_value": 20000}, ("portfolio:holdings",), "medium", "user", NOW, NOW),
+    MemoryItem("h.aapl", {"symbol": "AAPL", "market_value": 12000}, ("portfolio:holdings",), "medium", "user",
+               NOW, NOW),
+    MemoryItem("h.msft", {"symbol": "MSFT", "market_value": 20000}, ("portfolio:holdings",), "medium", "user",
+               NOW, NOW),
     MemoryItem("h.nvda", {"symbol": "NVDA", "market_value": 7000}, ("portfolio:holdings",), "medium", "user", NOW, NOW),
     MemoryItem("h.tiny", {"symbol": "TINY", "market_value": 5}, ("portfolio:tiny",), "medium", "user", NOW, NOW),
 ]

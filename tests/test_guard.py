@@ -11,11 +11,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from guardkit import admin_headers, call, grant, guard_config, running_guard, seed, unix_session
 
 from gateway import keys
 from gateway.config import Paths
 from gateway.core import tokens
-from guardkit import admin_headers, call, grant, guard_config, running_guard, seed, unix_session
 
 READ_PREFS = {"tags": ["preference"], "keys": ["user.passport"], "deny_keys": ["preference.lang"],
               "deny_tags": ["private"]}
@@ -86,8 +86,8 @@ async def test_aggregate_and_aggregation_only(seeded: Paths) -> None:
         status, body, _ = await call(s, "GET", "/v1/memory/aggregate?tag=portfolio:holdings&op=count", token=tok)
         assert body == {"op": "count", "tag": "portfolio:holdings", "result": 3}
         # fewer than 3 items: refused so min/max cannot single out a value
-        status, body, _ = await call(s, "GET", "/v1/memory/aggregate?tag=portfolio:tiny&op=max&field=value.market_value",
-                                     token=tok)
+        status, body, _ = await call(
+            s, "GET", "/v1/memory/aggregate?tag=portfolio:tiny&op=max&field=value.market_value", token=tok)
         assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
         # aggregation_only: raw reads refused
         for path in ("/v1/memory/h.aapl", "/v1/memory?tag=portfolio:holdings"):
@@ -362,4 +362,4 @@ async def test_typescript_shaped_token_is_accepted_and_enforced(seeded: Paths) -
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=tok)
         assert status == 403  # denyTags ["ui"] honoured
         status, body, _ = await call(s, "GET", "/v1/memory/preference.secret_hobby", token=tok)
-        assert status == 200
+        assert status == 200 and body["value"] == "lockpicking"

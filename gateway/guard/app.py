@@ -442,7 +442,8 @@ async def refresh_internal(request: web.Request) -> web.Response:
                                   presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
                                   presented_jkt=request.headers.get(VERIFIED_JKT_HEADER))
     except UompError as exc:
-        svc.audit.record(session_id=exc.session_id or sid, agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
+        svc.audit.record(session_id=exc.session_id or sid,
+                         agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
                          action="refresh", allowed=False, reason=exc.message, detail=exc.code)
         await svc.audit.flush()
         raise

@@ -7,6 +7,8 @@ wrapped here:
 * at most ``max_connections`` at once: one over the cap is closed straight after accept;
 * a request's headers must arrive within ``header_timeout`` of its first byte, else the
   connection is closed (the handler marks a request as started through :func:`request_started`);
+* requests aiohttp cannot parse get a §8.4 JSON error and an audit callback instead of aiohttp's
+  text/plain answer (which could echo request bytes into the log).
 * the TLS handshake itself is bounded by ``ssl_handshake_timeout``.
 """
 
@@ -19,117 +21,112 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
-GUARD_ATTR = "_uomp_conn_guard"
 
+class GuardedHandler(RequestHandler):
+    """aiohttp's RequestHandler plus the connection cap and the header deadline."""
 
-class ConnectionGuard(asyncio.Protocol):
-    """Delegates to aiohttp's RequestHandler; adds the connection cap and the header deadline."""
+    __slots__ = ("_uomp_admitted", "_uomp_in_request", "_uomp_registry", "_uomp_timer")
 
-    def __init__(self, inner: Any, registry: ConnectionRegistry) -> None:
-        self.inner = inner
-        self.registry = registry
-        self.transport: asyncio.BaseTransport | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._in_request = False
-        setattr(inner, GUARD_ATTR, self)
+    def __init__(self, manager: web.Server, registry: ConnectionRegistry, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._uomp_registry = registry
+        self._uomp_timer: asyncio.TimerHandle | None = None
+        self._uomp_in_request = False
+        self._uomp_admitted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._uomp_registry.admit(self):
+            transport.close()
+            return
+        self._uomp_admitted = True
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_deadline()
+        if self._uomp_admitted:
+            self._uomp_admitted = False
+            self._uomp_registry.release(self)
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._uomp_in_request and self._uomp_timer is None:
+            self._uomp_timer = asyncio.get_running_loop().call_later(self._uomp_registry.header_timeout,
+                                                                     self._deadline_passed)
+        super().data_received(data)
+
+    def request_started(self) -> None:
+        self._uomp_in_request = True
+        self._cancel_deadline()
+
+    def request_finished(self) -> None:
+        self._uomp_in_request = False
+
+    def _cancel_deadline(self) -> None:
+        if self._uomp_timer is not None:
+            self._uomp_timer.cancel()
+            self._uomp_timer = None
+
+    def _deadline_passed(self) -> None:
+        self._uomp_timer = None
+        if not self._uomp_in_request and self.transport is not None:
+            self._uomp_registry.slow_closed += 1
+            self.transport.close()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
         # aiohttp answers unparsable requests (oversized header, bad request line) itself with a
-        # text/plain body and logs the exception, which can quote the request. Replace both with
-        # a §8.4 JSON error and an audit event that carries no request bytes.
-        inner.handle_error = self._handle_error
-
-    def _handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                      message: str | None = None) -> web.StreamResponse:
+        # text/plain body and logs the exception, which can quote the request. Replace both with a
+        # §8.4 JSON error and an audit event that carries no request bytes.
         code = "INVALID_REQUEST" if status < 500 else "INTERNAL"
         text = "malformed or oversized request" if status < 500 else "internal error"
-        if self.registry.on_rejected is not None:
-            self.registry.on_rejected(status, code, text)
+        if self._uomp_registry.on_rejected is not None:
+            self._uomp_registry.on_rejected(status, code, text)
         resp = web.json_response({"error": {"code": code, "message": text}}, status=status)
         resp.force_close()
         return resp
-
-    # asyncio.Protocol ------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        if not self.registry.admit(self):
-            transport.close()
-            return
-        self.inner.connection_made(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel()
-        if self.registry.release(self):
-            self.inner.connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if not self._in_request and self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.registry.header_timeout, self._expired)
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        result: bool | None = self.inner.eof_received()
-        return result
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-    # request bookkeeping ------------------------------------------------------------------
-    def request_started(self) -> None:
-        self._in_request = True
-        self._cancel()
-
-    def request_finished(self) -> None:
-        self._in_request = False
-
-    def _cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expired(self) -> None:
-        self._timer = None
-        if not self._in_request and self.transport is not None:
-            self.registry.slow_closed += 1
-            self.transport.close()
 
 
 class ConnectionRegistry:
     def __init__(self, *, max_connections: int, header_timeout: float) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
-        self.active: set[ConnectionGuard] = set()
+        self.active: set[GuardedHandler] = set()
         self.refused = 0
         self.slow_closed = 0
         # called (status, code, message) when aiohttp itself rejects a request before routing
         self.on_rejected: Callable[[int, str, str], None] | None = None
+        # told about connections opening and closing (the metrics' open_connections gauge)
+        self.on_open: Callable[[], None] | None = None
+        self.on_close: Callable[[], None] | None = None
 
-    def admit(self, guard: ConnectionGuard) -> bool:
+    def admit(self, guard: GuardedHandler) -> bool:
         if len(self.active) >= self.max_connections:
             self.refused += 1
             return False
         self.active.add(guard)
+        if self.on_open is not None:
+            self.on_open()
         return True
 
-    def release(self, guard: ConnectionGuard) -> bool:
+    def release(self, guard: GuardedHandler) -> bool:
         if guard in self.active:
             self.active.discard(guard)
+            if self.on_close is not None:
+                self.on_close()
             return True
         return False
 
 
 def request_started(request: web.BaseRequest) -> None:
-    guard = getattr(request.protocol, GUARD_ATTR, None)
-    if guard is not None:
-        guard.request_started()
+    if isinstance(request.protocol, GuardedHandler):
+        request.protocol.request_started()
 
 
 def request_finished(request: web.BaseRequest) -> None:
-    guard = getattr(request.protocol, GUARD_ATTR, None)
-    if guard is not None:
-        guard.request_finished()
+    if isinstance(request.protocol, GuardedHandler):
+        request.protocol.request_finished()
 
 
 async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ssl.SSLContext | None,
@@ -139,7 +136,11 @@ async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ss
     loop = asyncio.get_running_loop()
     server = runner.server
     assert server is not None
-    factory: Callable[[], asyncio.Protocol] = lambda: ConnectionGuard(server(), registry)  # noqa: E731
+    kwargs_h = dict(server._kwargs)
+
+    def factory() -> asyncio.Protocol:
+        return GuardedHandler(server, registry, loop=loop, **kwargs_h)
+
     kwargs: dict[str, Any] = {}
     if ssl_context is not None:
         kwargs["ssl"] = ssl_context

@@ -1,0 +1,458 @@
+"""The remote gateway (spec §15): who may in, what may pass, and the record of both.
+
+One catch-all aiohttp route receives every request, so the raw request-target is normalised once
+(:mod:`gateway.remote.pathnorm`) before any routing decision. Then, in order:
+
+1. route lookup in :data:`ROUTES` (unknown: 404 NOT_FOUND, §8.4 shape);
+2. ``/v1/health`` answers at once, without authentication or detail;
+3. transport identity: on the mTLS listener the client certificate (chain, validity and CRL were
+   checked in the handshake; the URI SAN ``uomp://agent/<id>`` and EKU clientAuth here). A
+   listener without client certificates (the tunnel origin) plugs in its own authenticator;
+4. the token (§7.3, §15.2, §15.4): ``Authorization: Bearer`` and ``X-UOMP-Agent-Id``; EdDSA with a
+   known ``kid``; ``exp``/``expires_at``; ``profile`` remote; ``audience`` one of this gateway's
+   endpoints; ``allowed_endpoints`` contains the host the request came in on; token agent ==
+   certificate agent == header agent; ``cnf`` binding; a refresh token never reads memory;
+5. session status from the Auth Service (cached for at most ``status_cache_seconds`` <= 1 s);
+6. the quota (reads only), atomically, persisted;
+7. the route's handler: forward to the guard (default), or a handler registered by another part
+   of the gateway (refresh, payloads) through :func:`register_route`.
+
+Every request, allowed or refused, becomes one ``gateway_access`` event in the durable access log
+before its response is sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from gateway import keys as keyfiles
+from gateway.config import GatewayConfig, Paths
+from gateway.core import tokens
+from gateway.core.quota import QuotaLedger
+from gateway.core.tokens import Capability
+from gateway.errors import UompError
+from gateway.guard.db import connect, transaction
+from gateway.remote import pathnorm, transport
+from gateway.remote.access_log import AccessLog
+from gateway.remote.forward import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS, Forwarder
+from gateway.remote.metrics import Metrics
+from gateway.remote.tls import ClientCertChecker, ClientIdentity
+
+log = logging.getLogger("uomp.gateway")
+
+VERIFIED_AGENT_HEADER = "X-UOMP-Verified-Agent"
+VERIFIED_VIA_HEADER = "X-UOMP-Verified-Via"
+VERIFIED_X5T_HEADER = "X-UOMP-Verified-X5t"
+VERIFIED_JKT_HEADER = "X-UOMP-Verified-Jkt"
+QUOTA_HEADER = "X-UOMP-Quota-Remaining"
+AGENT_HEADER = "X-UOMP-Agent-Id"
+STATUS_CACHE_ENTRIES = 16384
+MAX_STATUS_CACHE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    pattern: re.Pattern[str]
+    name: str
+    reads: bool = False  # counts against max_read_queries
+    auth: bool = True
+    token_use: str = "access"  # "access" or "refresh"
+
+
+Handler = Callable[["Call"], Awaitable[web.StreamResponse]]
+
+# §15.4. Session create, grant, close, revoke and list are deliberately absent: never reachable here.
+ROUTES: list[Route] = [
+    Route("GET", re.compile(r"/v1/health"), "health", auth=False),
+    Route("GET", re.compile(r"/v1/memory/aggregate"), "aggregate", reads=True),
+    Route("GET", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "read_key", reads=True),
+    Route("GET", re.compile(r"/v1/memory"), "read_tag", reads=True),
+    Route("GET", re.compile(r"/v1/audit"), "audit"),
+    Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/deletion-proof"), "deletion_proof"),
+]
+
+
+@dataclass
+class Call:
+    """One request as it goes through the checks; becomes the ``gateway_access`` event."""
+
+    request: web.Request
+    route: Route | None = None
+    target: pathnorm.Target | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    identity: ClientIdentity | None = None
+    via: str = "mtls"
+    cap: Capability | None = None
+    token: str | None = None
+    remaining: int | None = None
+    key: str | None = None
+    tag: str | None = None
+    jkt: str | None = None
+    recorded: bool = False
+
+    def event(self, *, status: int, allowed: bool, reason: str, code: str | None) -> dict[str, Any]:
+        cap = self.cap
+        return {
+            "type": "gateway_access",
+            "session_id": cap.session_id if cap else None,
+            "agent_id": cap.agent_id if cap else (self.identity.agent_id if self.identity else None),
+            "action": self.route.name if self.route else "unknown",
+            "key": self.key,
+            "tag": self.tag,
+            "allowed": allowed,
+            "reason": reason,
+            "code": code,
+            "method": self.request.method,
+            "path": self.target.path if self.target else None,
+            "status": status,
+            "cert_serial": self.identity.serial if self.identity else None,
+            "listener": self.via,
+            "query_count_remaining": self.remaining,
+        }
+
+
+class StatusCache:
+    """Session status from the Auth Service, remembered for at most ``ttl`` seconds per token."""
+
+    def __init__(self, forwarder: Forwarder, ttl: float) -> None:
+        self.forwarder = forwarder
+        self.ttl = min(max(ttl, 0.0), MAX_STATUS_CACHE_SECONDS)
+        self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    async def check(self, token: str, cap: Capability) -> None:
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = time.monotonic()
+        hit = self._cache.get(key)
+        if hit is None or hit[0] <= now:
+            _status, body = await self.forwarder.json_call("POST", "/v1/tokens/validate", body={"token": token})
+            if len(self._cache) >= STATUS_CACHE_ENTRIES:
+                self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+                if len(self._cache) >= STATUS_CACHE_ENTRIES:
+                    self._cache.clear()
+            self._cache[key] = (now + self.ttl, body)
+            hit = self._cache[key]
+        body = hit[1]
+        if body.get("valid") is True:
+            return
+        code = body.get("code")
+        if code not in ("TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND", "INVALID_TOKEN"):
+            code = "SESSION_REVOKED"
+        raise UompError(str(code), "the Auth Service reports this session is no longer active",
+                        session_id=cap.session_id)
+
+
+class QuotaStore:
+    """Gateway-side quota counters in ``$UOMP_HOME/gateway/quota.db`` (survive restarts)."""
+
+    SCHEMA = "CREATE TABLE IF NOT EXISTS quota (session_id TEXT PRIMARY KEY, reserved INTEGER NOT NULL);"
+
+    def __init__(self, path: Path) -> None:
+        self.db = connect(path, schema=self.SCHEMA, what="gateway quota database")
+        self.ledger = QuotaLedger(self._load, self._persist)
+
+    def _load(self, sid: str) -> int:
+        r = self.db.execute("SELECT reserved FROM quota WHERE session_id=?", (sid,)).fetchone()
+        return int(r[0]) if r else 0
+
+    def _persist(self, sid: str, mark: int) -> None:
+        with transaction(self.db, what="gateway quota database"):
+            self.db.execute("INSERT INTO quota VALUES (?,?) ON CONFLICT(session_id) DO UPDATE SET "
+                            "reserved=excluded.reserved", (sid, mark))
+
+    def close(self) -> None:
+        self.ledger.flush()
+        self.db.close()
+
+
+def _norm_endpoint(url: str) -> str:
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    port = parts.port
+    default = {"https": 443, "http": 80}.get(scheme)
+    netloc = host if port in (None, default) else f"{host}:{port}"
+    if ":" in host and not host.startswith("["):
+        netloc = f"[{host}]" if port in (None, default) else f"[{host}]:{port}"
+    return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
+
+
+class GatewayState:
+    def __init__(self, paths: Paths, cfg: GatewayConfig, *, forwarder: Forwarder, access: AccessLog,
+                 metrics: Metrics, endpoints: list[str]) -> None:
+        self.paths = paths
+        self.cfg = cfg
+        self.forwarder = forwarder
+        self.access = access
+        self.metrics = metrics
+        self.endpoints = {_norm_endpoint(e) for e in endpoints}
+        self.status = StatusCache(forwarder, cfg.status_cache_seconds)
+        paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.quota = QuotaStore(paths.gateway_dir / "quota.db")
+        self.handlers: dict[str, Handler] = {}
+        self.routes: list[Route] = list(ROUTES)
+        self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {"mtls": mtls_identity}
+        self.certs = ClientCertChecker()
+        self.reload_keys()
+
+    def reload_keys(self) -> None:
+        self.public_keys = keyfiles.load_public_keys(self.paths)
+
+    def add_endpoint(self, url: str) -> None:
+        self.endpoints.add(_norm_endpoint(url))
+
+    async def close(self) -> None:
+        await self.forwarder.close()
+        self.quota.close()
+        self.access.close()
+
+
+STATE = web.AppKey("gateway_state", GatewayState)
+LISTENER = web.AppKey("gateway_listener", str)
+
+
+def register_route(state: GatewayState, route: Route, handler: Handler) -> None:
+    """Add a gateway-served route (refresh, payloads) without touching the forwarding path."""
+    state.routes.insert(0, route)
+    state.handlers[route.name] = handler
+
+
+def _error(exc: UompError) -> web.Response:
+    headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if exc.status == 401 else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+async def mtls_identity(call: Call) -> None:
+    ssl_obj = call.request.transport.get_extra_info("ssl_object") if call.request.transport else None
+    der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
+    if not der:
+        raise UompError("CERT_REQUIRED", "a client certificate issued by the user's agent CA is required")
+    call.identity = call.request.app[STATE].certs.check(der)
+
+
+def _bearer(request: web.Request) -> str:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() not in ("bearer", "dpop") or not value.strip():
+        raise UompError("INVALID_TOKEN", "missing Authorization: Bearer token")
+    return value.strip()
+
+
+def _host_matches(allowed: tuple[str, ...], host_header: str) -> bool:
+    host = host_header.strip().lower()
+    bare = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    for entry in allowed:
+        e = entry.strip().lower()
+        if "://" in e:
+            parts = urlsplit(e)
+            e = parts.netloc
+        if e in (host, bare):
+            return True
+    return False
+
+
+def check_token(state: GatewayState, call: Call, token: str) -> Capability:
+    request = call.request
+    cap = tokens.verify_token(token, state.public_keys, now=time.time())
+    call.cap = cap
+    route = call.route
+    assert route is not None
+    if route.token_use == "access" and cap.is_refresh:
+        raise UompError("INVALID_TOKEN", "a refresh token never reads memory", session_id=cap.session_id)
+    if route.token_use == "refresh" and not cap.is_refresh:
+        raise UompError("INVALID_TOKEN", "this route needs a refresh token", session_id=cap.session_id)
+    if cap.profile != "remote":
+        raise UompError("INVALID_TOKEN", "token profile is not remote", session_id=cap.session_id)
+    if cap.audience is None or _norm_endpoint(cap.audience) not in state.endpoints:
+        raise UompError("INVALID_TOKEN", "token audience is not this gateway", session_id=cap.session_id)
+    if cap.allowed_endpoints is not None and not _host_matches(cap.allowed_endpoints, request.host):
+        raise UompError("ACCESS_DENIED", "token is not allowed on this endpoint", session_id=cap.session_id)
+    header_agent = request.headers.get(AGENT_HEADER)
+    if not header_agent:
+        raise UompError("INVALID_REQUEST", "X-UOMP-Agent-Id header is required", session_id=cap.session_id)
+    transport_agent = call.identity.agent_id if call.identity else None
+    if header_agent != cap.agent_id or (transport_agent is not None and transport_agent != cap.agent_id):
+        raise UompError("AGENT_MISMATCH", "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
+                        session_id=cap.session_id)
+    # RFC 8705 / RFC 9449 sender constraint.
+    if call.identity is not None:
+        bound_ok = True
+        if cap.cnf_x5t is not None:
+            bound_ok = cap.cnf_x5t == call.identity.x5t_s256
+        elif cap.cnf_jkt is not None:
+            bound_ok = cap.cnf_jkt == call.identity.jkt
+        if not bound_ok:
+            raise UompError("TOKEN_BINDING_MISMATCH", "token is bound to another certificate",
+                            session_id=cap.session_id)
+    elif call.jkt is not None:
+        if cap.cnf_jkt is None or cap.cnf_jkt != call.jkt:
+            raise UompError("TOKEN_BINDING_MISMATCH", "token is not bound to the DPoP key", session_id=cap.session_id)
+    else:
+        raise UompError("CERT_REQUIRED", "no proof of possession for this token", session_id=cap.session_id)
+    return cap
+
+
+def _route_params(call: Call) -> None:
+    """Key/tag for the audit event, and the own-session rule for the audit route."""
+    request, route = call.request, call.route
+    assert route is not None
+    if route.name == "read_key":
+        call.key = call.params.get("key")
+    elif route.name in ("read_tag", "aggregate"):
+        tags = request.query.getall("tag", [])
+        call.tag = tags[0][:128] if len(tags) == 1 else None
+    elif route.name == "audit":
+        sids = request.query.getall("session_id", [])
+        if call.cap is not None and any(s != call.cap.session_id for s in sids):
+            raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
+                            session_id=call.cap.session_id)
+    elif route.name == "deletion_proof" and call.cap is not None and call.params.get("sid") != call.cap.session_id:
+        raise UompError("ACCESS_DENIED", "token is for another session", session_id=call.cap.session_id)
+
+
+# ---------------------------------------------------------------------------- forwarding
+
+
+async def forward(call: Call) -> web.StreamResponse:
+    state = call.request.app[STATE]
+    request = call.request
+    assert call.target is not None and call.cap is not None and call.token is not None
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
+    headers[VERIFIED_AGENT_HEADER] = call.cap.agent_id
+    headers[VERIFIED_VIA_HEADER] = (f"gateway:mtls:{call.identity.serial}" if call.identity
+                                    else f"gateway:{call.via}")
+    body: bytes | None = None
+    if request.method in ("POST", "PUT"):
+        if request.content_length is not None and request.content_length > state.cfg.max_body_bytes:
+            raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                            session_id=call.cap.session_id)
+        body = await request.content.read(state.cfg.max_body_bytes + 1)
+        if len(body) > state.cfg.max_body_bytes:
+            raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                            session_id=call.cap.session_id)
+    path = call.target.upstream_path + (f"?{call.target.query}" if call.target.query else "")
+    upstream = await state.forwarder.request(request.method, path, headers, body=body)
+    try:
+        if upstream.status >= 500 and upstream.content_type != "application/json":
+            raise UompError("UPSTREAM_ERROR", "the memory guard answered with an invalid response")
+        resp = web.StreamResponse(status=upstream.status)
+        for k, v in upstream.headers.items():
+            if k.lower() in FORWARD_RESPONSE_HEADERS and k.lower() != QUOTA_HEADER.lower():
+                resp.headers[k] = v
+        if call.remaining is not None:
+            resp.headers[QUOTA_HEADER] = str(call.remaining)
+        if upstream.content_length is not None:
+            resp.content_length = upstream.content_length
+        allowed = upstream.status < 400
+        await _record(call, status=upstream.status, allowed=allowed,
+                      reason="forwarded" if allowed else "refused by the memory guard",
+                      code=None if allowed else f"upstream_{upstream.status}")
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_chunked(CHUNK):
+                await resp.write(chunk)
+        except TimeoutError:
+            log.warning("upstream timed out mid-response on %s", call.route.name if call.route else "?")
+            resp.force_close()
+            return resp
+        await resp.write_eof()
+        return resp
+    finally:
+        upstream.release()
+
+
+async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: str | None) -> None:
+    state = call.request.app[STATE]
+    if call.recorded:
+        return
+    call.recorded = True
+    state.access.append(call.event(status=status, allowed=allowed, reason=reason, code=code))
+    await state.access.flush()
+
+
+async def entry(request: web.Request) -> web.StreamResponse:
+    transport.request_started(request)
+    state = request.app[STATE]
+    listener = request.app[LISTENER]
+    started = time.perf_counter()
+    call = Call(request, via=listener)
+    resp: web.StreamResponse
+    code: str | None = None
+    try:
+        resp = await _dispatch(state, call)
+        state.metrics.set_upstream_up(True)
+    except UompError as exc:
+        code = exc.code
+        if exc.session_id is None and call.cap is not None:
+            exc.session_id = call.cap.session_id
+        if code == "STORE_UNAVAILABLE":
+            state.metrics.set_upstream_up(False)
+        resp = _error(exc)
+        if call.remaining is not None:
+            resp.headers[QUOTA_HEADER] = str(call.remaining)
+        await _record(call, status=exc.status, allowed=False, reason=exc.message, code=exc.code)
+    except Exception as exc:
+        code = "INTERNAL"
+        log.error("unhandled %s in gateway handler", type(exc).__name__)
+        resp = _error(UompError("INTERNAL", "internal error"))
+        await _record(call, status=500, allowed=False, reason="internal error", code="INTERNAL")
+    finally:
+        transport.request_finished(request)
+    state.metrics.observe_request(call.route.name if call.route else "unknown", code,
+                                  time.perf_counter() - started)
+    return resp
+
+
+async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
+    request = call.request
+    call.target = pathnorm.normalize_target(request.raw_path)
+    for route in state.routes:
+        m = route.pattern.fullmatch(call.target.path)
+        if m and route.method == request.method:
+            call.route = route
+            call.params = {k: v for k, v in m.groupdict().items() if v is not None}
+            break
+    else:
+        if any(r.pattern.fullmatch(call.target.path) for r in state.routes):
+            raise UompError("METHOD_NOT_ALLOWED", "method not allowed on this endpoint")
+        raise UompError("NOT_FOUND", "no such endpoint")
+    route = call.route
+    assert route is not None
+    if not route.auth:
+        resp = web.json_response({"status": "ok"})
+        await _record(call, status=200, allowed=True, reason="health", code=None)
+        return resp
+    await state.transport_auth[request.app[LISTENER]](call)
+    call.token = _bearer(request)
+    cap = check_token(state, call, call.token)
+    _route_params(call)
+    await state.status.check(call.token, cap)
+    if route.reads:
+        remaining = state.quota.ledger.consume(cap.session_id, cap.max_read_queries)
+        if remaining == -1:
+            call.remaining = 0
+            raise UompError("QUOTA_EXCEEDED", "read query quota is exhausted", session_id=cap.session_id)
+        call.remaining = remaining
+    handler = state.handlers.get(route.name, forward)
+    return await handler(call)
+
+
+def create_gateway_app(state: GatewayState, *, listener: str) -> web.Application:
+    app = web.Application(client_max_size=state.cfg.max_body_bytes)
+    app[STATE] = state
+    app[LISTENER] = listener
+    app.router.add_route("*", "/{tail:.*}", entry)
+    return app

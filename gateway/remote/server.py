@@ -1,0 +1,144 @@
+"""Running the gateway: the mTLS listener, the optional tunnel-origin and metrics listeners,
+TLS reloads (SIGHUP and file changes), and clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gateway import ca_store
+from gateway.config import GatewayConfig, Paths
+from gateway.errors import UompError
+from gateway.guard.server import check_bind
+from gateway.remote import transport
+from gateway.remote.access_log import AccessLog
+from gateway.remote.app import GatewayState, create_gateway_app
+from gateway.remote.forward import Forwarder, Upstream
+from gateway.remote.metrics import Metrics, create_metrics_app
+from gateway.remote.tls import TLSReloader
+
+log = logging.getLogger("uomp.gateway")
+
+
+def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]:
+    return (Path(cfg.server_cert) if cfg.server_cert else ca_store.server_cert_path(paths),
+            Path(cfg.server_key) if cfg.server_key else ca_store.server_key_path(paths),
+            Path(cfg.agent_ca) if cfg.agent_ca else ca_store.ca_cert_path(paths),
+            Path(cfg.agent_crl) if cfg.agent_crl else ca_store.crl_path(paths))
+
+
+class GatewayRunner:
+    def __init__(self, paths: Paths, cfg: GatewayConfig) -> None:
+        self.paths = paths
+        self.cfg = cfg
+        self.state: GatewayState | None = None
+        self.reloader: TLSReloader | None = None
+        self.registry = transport.ConnectionRegistry(max_connections=cfg.max_connections,
+                                                     header_timeout=cfg.client_timeout_seconds)
+        self._servers: list[asyncio.Server] = []
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.port: int | None = None
+        self.tunnel_port: int | None = None
+        self.metrics_port: int | None = None
+        # Other parts of the gateway (refresh, payloads, DPoP listener) hook in here before start().
+        self.setup_hooks: list[Callable[[GatewayState], None]] = []
+
+    def _runner_kwargs(self) -> dict[str, Any]:
+        return {"access_log": None, "max_line_size": self.cfg.max_header_bytes,
+                "max_field_size": self.cfg.max_header_bytes, "max_headers": 64,
+                "keepalive_timeout": self.cfg.keepalive_timeout_seconds}
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        check_bind(cfg.listen_host, cfg.allow_non_loopback, "the gateway")
+        cert, key, ca, crl = tls_paths(self.paths, cfg)
+        for p in (cert, key, ca, crl):
+            if not p.exists():
+                raise UompError("CONFIG_ERROR", f"{p} is missing; run 'uomp init' (or 'uomp ca init') first")
+        self.reloader = TLSReloader(cert, key, ca, crl)
+        upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
+        forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
+        self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        access = AccessLog(self.paths.gateway_dir / "access.jsonl")
+        metrics = Metrics()
+        endpoints = list(cfg.endpoints) or [f"https://localhost:{cfg.listen_port}",
+                                            f"https://127.0.0.1:{cfg.listen_port}"]
+        self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
+                                          endpoints=endpoints)
+        for hook in self.setup_hooks:
+            hook(state)
+
+        def rejected(status: int, code: str, message: str) -> None:
+            access.append({"type": "gateway_access", "action": "malformed", "allowed": False, "reason": message,
+                           "code": code, "status": status, "session_id": None, "agent_id": None})
+        self.registry.on_rejected = rejected
+        self.registry.on_open = metrics.connection_opened
+        self.registry.on_close = metrics.connection_closed
+
+        runner = web.AppRunner(create_gateway_app(state, listener="mtls"), **self._runner_kwargs())
+        await runner.setup()
+        self._runners.append(runner)
+        srv = await transport.listen(runner, cfg.listen_host, cfg.listen_port, ssl_context=self.reloader.context,
+                                     registry=self.registry, handshake_timeout=cfg.client_timeout_seconds)
+        self._servers.append(srv)
+        self.port = srv.sockets[0].getsockname()[1]
+        if cfg.listen_port == 0:
+            # the audience of a test gateway on an ephemeral port
+            state.add_endpoint(f"https://localhost:{self.port}")
+            state.add_endpoint(f"https://127.0.0.1:{self.port}")
+        if cfg.tunnel_origin_port >= 0:
+            if "tunnel" not in state.transport_auth:
+                raise UompError("CONFIG_ERROR", "the tunnel-origin listener needs DPoP support, which is not loaded")
+            # cloudflared runs on this host: the origin listener is loopback-only, no override.
+            check_bind(cfg.tunnel_origin_host, False, "the tunnel-origin listener")
+            trunner = web.AppRunner(create_gateway_app(state, listener="tunnel"), **self._runner_kwargs())
+            await trunner.setup()
+            self._runners.append(trunner)
+            tsrv = await transport.listen(trunner, cfg.tunnel_origin_host, cfg.tunnel_origin_port, ssl_context=None,
+                                          registry=self.registry)
+            self._servers.append(tsrv)
+            self.tunnel_port = tsrv.sockets[0].getsockname()[1]
+        if cfg.metrics_port >= 0:
+            mrunner = web.AppRunner(create_metrics_app(metrics), access_log=None)
+            await mrunner.setup()
+            self._runners.append(mrunner)
+            site = web.TCPSite(mrunner, "127.0.0.1", cfg.metrics_port)
+            await site.start()
+            sockets = getattr(site._server, "sockets", None)
+            self.metrics_port = sockets[0].getsockname()[1] if sockets else None
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self.reloader.watch(tick=lambda: ca_store.refresh_crl(self.paths))))
+        log.info("gateway listening on https://%s:%s (TLS 1.3, mTLS), upstream %s", cfg.listen_host, self.port,
+                 upstream.kind)
+
+    def reload(self) -> None:
+        if self.reloader is not None:
+            self.reloader.reload_logged()
+        if self.state is not None:
+            try:
+                self.state.reload_keys()
+            except UompError as exc:
+                log.error("key reload failed: %s", exc.message)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for srv in self._servers:
+            srv.close()
+        for runner in self._runners:
+            await runner.cleanup()
+        for srv in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(srv.wait_closed(), 5)
+        if self.state is not None:
+            await self.state.close()
+            self.state = None
