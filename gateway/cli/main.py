@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "gateway.cli.home",
     "gateway.cli.memory",
     "gateway.cli.guard",
+    "gateway.cli.authorize",
     "gateway.cli.agent",
     "gateway.cli.gateway",
 )

@@ -39,6 +39,7 @@ from aiohttp import web
 from gateway import keys as keyfiles
 from gateway.config import GatewayConfig, Paths
 from gateway.core import tokens
+from gateway.core.dpop import ReplayCache
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
 from gateway.errors import UompError
@@ -59,6 +60,7 @@ QUOTA_HEADER = "X-UOMP-Quota-Remaining"
 AGENT_HEADER = "X-UOMP-Agent-Id"
 STATUS_CACHE_ENTRIES = 16384
 MAX_STATUS_CACHE_SECONDS = 1.0
+VERIFIED_CACHE_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ class Route:
     name: str
     reads: bool = False  # counts against max_read_queries
     auth: bool = True
-    token_use: str = "access"  # "access" or "refresh"
+    token_use: str = "access"  # "access", "refresh", or "none" (transport identity alone)
+    status_check: bool = True  # ask the Auth Service about the session before the handler
+    transports: tuple[str, ...] = ("mtls", "tunnel")  # listeners the route exists on
 
 
 Handler = Callable[["Call"], Awaitable[web.StreamResponse]]
@@ -204,10 +208,26 @@ class GatewayState:
         self.routes: list[Route] = list(ROUTES)
         self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {"mtls": mtls_identity}
         self.certs = ClientCertChecker()
+        self._verified: dict[str, Capability] = {}
+        self.replay = ReplayCache(cfg.dpop_replay_cache_entries)
         self.reload_keys()
 
     def reload_keys(self) -> None:
         self.public_keys = keyfiles.load_public_keys(self.paths)
+        self._verified = {}
+
+    def verify(self, token: str) -> Capability:
+        """tokens.verify_token with a bounded cache of verified tokens (expiry re-checked on every hit)."""
+        now = time.time()
+        key = hashlib.sha256(token.encode("ascii", "replace")).hexdigest()
+        cap = self._verified.get(key)
+        if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
+            return cap
+        cap = tokens.verify_token(token, self.public_keys, now=now)
+        if len(self._verified) >= VERIFIED_CACHE_ENTRIES:
+            self._verified = {}
+        self._verified[key] = cap
+        return cap
 
     def add_endpoint(self, url: str) -> None:
         self.endpoints.add(_norm_endpoint(url))
@@ -266,7 +286,7 @@ def _host_matches(allowed: tuple[str, ...], host_header: str) -> bool:
 
 def check_token(state: GatewayState, call: Call, token: str) -> Capability:
     request = call.request
-    cap = tokens.verify_token(token, state.public_keys, now=time.time())
+    cap = state.verify(token)
     call.cap = cap
     route = call.route
     assert route is not None
@@ -319,7 +339,8 @@ def _route_params(call: Call) -> None:
         if call.cap is not None and any(s != call.cap.session_id for s in sids):
             raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
                             session_id=call.cap.session_id)
-    elif route.name == "deletion_proof" and call.cap is not None and call.params.get("sid") != call.cap.session_id:
+    elif (route.name in ("deletion_proof", "refresh") and call.cap is not None
+          and call.params.get("sid") != call.cap.session_id):
         raise UompError("ACCESS_DENIED", "token is for another session", session_id=call.cap.session_id)
 
 
@@ -419,14 +440,16 @@ async def entry(request: web.Request) -> web.StreamResponse:
 async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     request = call.request
     call.target = pathnorm.normalize_target(request.raw_path)
-    for route in state.routes:
+    listener = request.app[LISTENER]
+    routes = [r for r in state.routes if listener in r.transports]
+    for route in routes:
         m = route.pattern.fullmatch(call.target.path)
         if m and route.method == request.method:
             call.route = route
             call.params = {k: v for k, v in m.groupdict().items() if v is not None}
             break
     else:
-        if any(r.pattern.fullmatch(call.target.path) for r in state.routes):
+        if any(r.pattern.fullmatch(call.target.path) for r in routes):
             raise UompError("METHOD_NOT_ALLOWED", "method not allowed on this endpoint")
         raise UompError("NOT_FOUND", "no such endpoint")
     route = call.route
@@ -435,11 +458,14 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
         resp = web.json_response({"status": "ok"})
         await _record(call, status=200, allowed=True, reason="health", code=None)
         return resp
-    await state.transport_auth[request.app[LISTENER]](call)
+    await state.transport_auth[listener](call)
+    if route.token_use == "none":
+        return await state.handlers[route.name](call)
     call.token = _bearer(request)
     cap = check_token(state, call, call.token)
     _route_params(call)
-    await state.status.check(call.token, cap)
+    if route.status_check:
+        await state.status.check(call.token, cap)
     if route.reads:
         remaining = state.quota.ledger.consume(cap.session_id, cap.max_read_queries)
         if remaining == -1:

@@ -16,7 +16,7 @@ from gateway import ca_store
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import UompError
 from gateway.guard.server import check_bind
-from gateway.remote import transport
+from gateway.remote import agent_routes, transport
 from gateway.remote.access_log import AccessLog
 from gateway.remote.app import GatewayState, create_gateway_app
 from gateway.remote.forward import Forwarder, Upstream
@@ -72,6 +72,7 @@ class GatewayRunner:
                                             f"https://127.0.0.1:{cfg.listen_port}"]
         self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
                                           endpoints=endpoints)
+        agent_routes.install(state)
         for hook in self.setup_hooks:
             hook(state)
 

@@ -1,0 +1,139 @@
+"""Gateway-served routes for agents, plugged into the router without touching the forwarding path:
+
+* ``POST /v1/sessions/{id}/refresh`` (spec §15.5) — a refresh token, bound to the presenting key
+  (client certificate or DPoP key), buys a new access token and a new refresh token from the Auth
+  Service over the Unix socket. Rotation and reuse detection live in the Auth Service, atomically.
+* ``POST /v1/certificates/renew`` — the agent's current, still valid certificate buys a new one
+  for the same agent id (like ``step ca renew``): mTLS listener only, no token.
+* the tunnel-origin transport: requests that arrive through the Cloudflare quick tunnel carry no
+  client certificate (TLS ends at Cloudflare's edge), so each must carry an RFC 9449 DPoP proof
+  by the key the token is bound to (``cnf.jkt``). Tunnel traffic is never treated as mTLS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+import time
+
+from aiohttp import web
+
+from gateway import ca_store
+from gateway.core import ca, dpop
+from gateway.errors import UompError
+from gateway.remote.app import (
+    STATE,
+    VERIFIED_AGENT_HEADER,
+    VERIFIED_JKT_HEADER,
+    VERIFIED_VIA_HEADER,
+    VERIFIED_X5T_HEADER,
+    Call,
+    GatewayState,
+    Route,
+    _bearer,
+    _record,
+    register_route,
+)
+
+MAX_CSR_BYTES = 16 * 1024
+
+
+async def refresh(call: Call) -> web.StreamResponse:
+    state = call.request.app[STATE]
+    assert call.cap is not None and call.token is not None
+    headers = {"Authorization": f"Bearer {call.token}", VERIFIED_AGENT_HEADER: call.cap.agent_id,
+               VERIFIED_VIA_HEADER: f"gateway:{call.via}"}
+    if call.identity is not None:
+        headers[VERIFIED_X5T_HEADER] = call.identity.x5t_s256
+        headers[VERIFIED_JKT_HEADER] = call.identity.jkt
+    elif call.jkt is not None:
+        headers[VERIFIED_JKT_HEADER] = call.jkt
+    status, body = await state.forwarder.json_call("POST", f"/v1/sessions/{call.cap.session_id}/refresh",
+                                                   headers=headers)
+    if status >= 400:
+        raw_err = body.get("error")
+        err: dict[str, object] = raw_err if isinstance(raw_err, dict) else {}
+        code = str(err.get("code", "UPSTREAM_ERROR"))
+        if code not in ("INVALID_TOKEN", "TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND",
+                        "REFRESH_REUSED", "TOKEN_BINDING_MISMATCH", "STORE_UNAVAILABLE"):
+            code = "UPSTREAM_ERROR"
+        raise UompError(code, str(err.get("message", "refresh refused"))[:200], session_id=call.cap.session_id)
+    await _record(call, status=200, allowed=True, reason="refresh token rotated", code=None)
+    return web.json_response(body)
+
+
+async def renew_certificate(call: Call) -> web.StreamResponse:
+    state = call.request.app[STATE]
+    request = call.request
+    ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
+    der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
+    if not der or call.identity is None:
+        raise UompError("CERT_REQUIRED", "renewal needs the current client certificate")
+    csr: bytes | None = None
+    if request.can_read_body:
+        raw = await request.content.read(MAX_CSR_BYTES + 1)
+        if len(raw) > MAX_CSR_BYTES:
+            raise UompError("PAYLOAD_TOO_LARGE", "renewal request too large")
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise UompError("INVALID_REQUEST", "renewal body must be JSON") from exc
+            csr_text = body.get("csr") if isinstance(body, dict) else None
+            if csr_text is not None:
+                if not isinstance(csr_text, str):
+                    raise UompError("INVALID_REQUEST", "csr must be a PEM string")
+                csr = csr_text.encode()
+    lifetime = ca.AGENT_CERT_LIFETIME
+    pem = ca_store.renew(state.paths, der, csr, lifetime)
+    cert = ca.load_cert(pem)
+    await _record(call, status=200, allowed=True, reason="certificate renewed", code=None)
+    return web.json_response({"certificate": pem.decode(), "serial": ca.serial_hex(cert.serial_number),
+                              "not_after": cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")})
+
+
+def _public_url(state: GatewayState, request: web.Request, path: str) -> str:
+    """The URL the agent addressed, as it must appear in the proof's ``htu``.
+
+    Behind cloudflared the Host header is the public tunnel host name; it must be one of this
+    gateway's endpoints (the same list tokens' ``audience`` is checked against).
+    """
+    host = request.host.lower()
+    base = f"https://{host}"
+    if base not in state.endpoints:
+        raise UompError("DPOP_INVALID", "request host is not one of this gateway's endpoints")
+    return base + path
+
+
+async def dpop_identity(call: Call) -> None:
+    state = call.request.app[STATE]
+    request = call.request
+    assert call.target is not None
+    if call.route is not None and call.route.token_use == "none":
+        raise UompError("CERT_REQUIRED", "this route needs a client certificate (mTLS listener)")
+    cap = state.verify(_bearer(request))  # signature first: a proof is only checked for a real token
+    if cap.cnf_jkt is None:
+        raise UompError("TOKEN_BINDING_MISMATCH", "tokens used through the tunnel must be bound to a DPoP key",
+                        session_id=cap.session_id)
+    result = dpop.verify_dpop(request.headers.getall("DPoP", []), method=request.method,
+                              url=_public_url(state, request, call.target.path), access_token=_bearer(request),
+                              now=time.time(), window_seconds=state.cfg.dpop_window_seconds,
+                              replay=state.replay, expected_jkt=cap.cnf_jkt)
+    call.jkt = result.jkt
+
+
+ROUTES = (
+    (Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/refresh"), "refresh", token_use="refresh",
+           status_check=False), refresh),
+    (Route("POST", re.compile(r"/v1/certificates/renew"), "renew", token_use="none", transports=("mtls",)),
+     renew_certificate),
+)
+
+
+def install(state: GatewayState) -> None:
+    for route, handler in ROUTES:
+        register_route(state, route, handler)
+    state.transport_auth["tunnel"] = dpop_identity
+    for route, _ in ROUTES:
+        state.metrics.add_route(route.name)
