@@ -61,6 +61,7 @@ async def test_granted_reads_pass_and_are_audited(app: Appliance) -> None:
         status, body, _ = await agent_call(s, app.base, "/v1/health", token=None, agent_id=None)
         assert (status, body) == (200, {"status": "ok"})
     events = access_events(app.paths)
+    assert hdrs["Server"] == "uomp-gateway"
     reads = [e for e in events if e["action"] == "read_key"]
     assert reads and reads[0]["allowed"] is True and reads[0]["key"] == "preference.theme"
     assert reads[0]["cert_serial"] == a.files.serial and reads[0]["session_id"] == g["session_id"]
@@ -150,7 +151,8 @@ async def test_revocation_is_seen_within_one_second(app: Appliance) -> None:
         status, body, _ = await agent_call(s, app.base, "/v1/audit", token=g["token"], agent_id=a.agent_id)
         assert status == 401 and body["error"]["code"] == "SESSION_REVOKED"
         ev = access_events(app.paths)[-1]
-        assert ev["code"] == "SESSION_REVOKED"  # refused by the gateway itself, not only the guard
+        assert ev["code"] == "SESSION_REVOKED"
+        assert ev["reason"] != "refused by the memory guard"  # the gateway itself refused, not only the guard
 
 
 async def test_gateway_quota_atomic_and_persisted(home: Paths) -> None:

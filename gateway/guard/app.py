@@ -455,12 +455,17 @@ async def health(request: web.Request) -> web.Response:
     return _json_response({"status": "ok"})
 
 
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = "uomp-guard"
+
+
 def create_app(services: GuardServices, *, listener: str) -> web.Application:
     if listener not in ("unix", "tcp"):
         raise ValueError("listener must be unix or tcp")
     app = web.Application(middlewares=[errors_middleware], client_max_size=services.cfg.max_body_bytes)
     app[SERVICES] = services
     app[LISTENER] = listener
+    app.on_response_prepare.append(_server_header)
     r = app.router
     r.add_get("/v1/health", health)
     r.add_get("/v1/memory/aggregate", aggregate)

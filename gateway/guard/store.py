@@ -31,9 +31,9 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
-import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -151,13 +151,14 @@ class MemoryItem:
 # field but never repeats the offending text (it may be a misplaced secret).
 
 
+# Unicode category Cc (C0, DEL, C1), lone surrogates (Cs) and the line/paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+_CONTROL_BUT_NEWLINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+
+
 def _has_control(text: str, *, allow_newlines: bool = False) -> bool:
-    for ch in text:
-        if allow_newlines and ch in "\n\t":
-            continue
-        if unicodedata.category(ch) in ("Cc", "Cs") or ch in "\u2028\u2029":
-            return True
-    return False
+    pattern = _CONTROL_BUT_NEWLINES if allow_newlines else _CONTROL
+    return pattern.search(text) is not None
 
 
 def key_problem(key: object) -> str | None:
@@ -496,16 +497,21 @@ class MemoryStore:
         self.put_many([item], replace=replace)
 
     def put_many(self, items: Sequence[MemoryItem], *, replace: bool = False) -> int:
-        """Store ``items`` in ONE transaction: all of them or none. Returns how many were written."""
-        rows = [_row_of(item) for item in items]
-        if len({r[0] for r in rows}) != len(rows):
+        """Store ``items`` in ONE transaction: all of them or none. Returns how many were written.
+
+        Rows are validated and encoded while they stream into SQLite (no second copy of a large
+        batch); a bad item anywhere rolls the whole transaction back.
+        """
+        keys = {item.key for item in items}
+        if len(keys) != len(items):
             raise UompError("INVALID_REQUEST", "the same key appears twice in one write")
-        if not rows:
+        if not items:
             return 0
-        tag_rows = [(tag, item.key) for item in items for tag in item.tags]
+        rows = (_row_of(item) for item in items)
+        tag_rows = ((tag, item.key) for item in items for tag in item.tags)
         with self._write() as conn:
             if replace:
-                conn.executemany("DELETE FROM item_tags WHERE item_key = ?", [(r[0],) for r in rows])
+                conn.executemany("DELETE FROM item_tags WHERE item_key = ?", ((item.key,) for item in items))
                 conn.executemany(_SQL_UPSERT, rows)
             else:
                 try:
@@ -517,7 +523,7 @@ class MemoryStore:
                                         "(replace it explicitly)") from exc
                     raise
             conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", tag_rows)
-        return len(rows)
+        return len(items)
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; False when there was no such item."""

@@ -24,6 +24,7 @@ before its response is sent.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import ssl
@@ -42,7 +43,7 @@ from gateway.core import tokens
 from gateway.core.dpop import ReplayCache
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
-from gateway.errors import UompError
+from gateway.errors import STATUS, UompError
 from gateway.guard.db import connect, transaction
 from gateway.remote import pathnorm, transport
 from gateway.remote.access_log import AccessLog
@@ -61,6 +62,7 @@ AGENT_HEADER = "X-UOMP-Agent-Id"
 STATUS_CACHE_ENTRIES = 16384
 MAX_STATUS_CACHE_SECONDS = 1.0
 VERIFIED_CACHE_ENTRIES = 4096
+MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -369,18 +371,21 @@ async def forward(call: Call) -> web.StreamResponse:
     try:
         if upstream.status >= 500 and upstream.content_type != "application/json":
             raise UompError("UPSTREAM_ERROR", "the memory guard answered with an invalid response")
-        resp = web.StreamResponse(status=upstream.status)
-        for k, v in upstream.headers.items():
-            if k.lower() in FORWARD_RESPONSE_HEADERS and k.lower() != QUOTA_HEADER.lower():
-                resp.headers[k] = v
+        headers_out = {k: v for k, v in upstream.headers.items()
+                       if k.lower() in FORWARD_RESPONSE_HEADERS and k.lower() != QUOTA_HEADER.lower()}
         if call.remaining is not None:
-            resp.headers[QUOTA_HEADER] = str(call.remaining)
+            headers_out[QUOTA_HEADER] = str(call.remaining)
+        if upstream.status >= 400:
+            # A refusal is small: read it whole (bounded) so the access log records the guard's code.
+            raw = await upstream.content.read(MAX_UPSTREAM_ERROR_BYTES)
+            code = _error_code(raw) or f"HTTP_{upstream.status}"
+            await _record(call, status=upstream.status, allowed=False, reason="refused by the memory guard",
+                          code=code)
+            return web.Response(body=raw, status=upstream.status, headers=headers_out)
+        resp = web.StreamResponse(status=upstream.status, headers=headers_out)
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length
-        allowed = upstream.status < 400
-        await _record(call, status=upstream.status, allowed=allowed,
-                      reason="forwarded" if allowed else "refused by the memory guard",
-                      code=None if allowed else f"upstream_{upstream.status}")
+        await _record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)
         await resp.prepare(request)
         try:
             async for chunk in upstream.content.iter_chunked(CHUNK):
@@ -393,6 +398,15 @@ async def forward(call: Call) -> web.StreamResponse:
         return resp
     finally:
         upstream.release()
+
+
+def _error_code(raw: bytes) -> str | None:
+    try:
+        doc = json.loads(raw)
+        code = doc["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) and code in STATUS else None
 
 
 async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: str | None) -> None:
@@ -481,4 +495,10 @@ def create_gateway_app(state: GatewayState, *, listener: str) -> web.Application
     app[STATE] = state
     app[LISTENER] = listener
     app.router.add_route("*", "/{tail:.*}", entry)
+    app.on_response_prepare.append(_server_header)
     return app
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # No library or Python version advertised to the internet.
+    response.headers["Server"] = "uomp-gateway"
