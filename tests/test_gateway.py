@@ -435,3 +435,24 @@ def test_loopback_default_and_refusal_of_public_bind(home: Paths) -> None:
 
 def _unused() -> None:  # keep imports honest for linters
     _ = (base64, os, socket)
+
+
+async def test_metrics_on_separate_loopback_port(home: Paths) -> None:
+    async with appliance(home, metrics_port=0) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a)
+        async with agent_session(a, app.paths) as s:
+            await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id)
+            await agent_call(s, app.base, "/v1/memory/preference.theme", token=None, agent_id=a.agent_id)
+        assert app.gateway.metrics_port
+        async with aiohttp.ClientSession() as plain, \
+                plain.get(f"http://127.0.0.1:{app.gateway.metrics_port}/metrics") as resp:
+            text = await resp.text()
+        assert resp.status == 200 and resp.content_type == "text/plain"
+        assert 'uomp_gateway_requests_total{route="read_key",code="OK"} 1' in text
+        assert 'uomp_gateway_requests_total{route="read_key",code="INVALID_TOKEN"} 1' in text
+        assert g["token"] not in text and "preference.theme" not in text
+        # the metrics are not served on the agents' port
+        async with agent_session(a, app.paths) as s:
+            status, body, _ = await agent_call(s, app.base, "/metrics", token=g["token"], agent_id=a.agent_id)
+        assert status == 404

@@ -1,0 +1,54 @@
+"""Configuration precedence: defaults < TOML < UOMP_* environment < flags; bad settings refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewayConfig, GuardConfig, load_section, resolve_home
+from gateway.errors import UompError
+
+
+def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "config.toml"
+    f.write_text('[gateway]\nlisten_port = 10443\nendpoints = ["https://a.example"]\nmax_body_bytes = 5\n'
+                 '[guard]\naggregate_min_items = 5\n')
+    assert load_section(GatewayConfig, "gateway", file=None) == GatewayConfig()
+    cfg = load_section(GatewayConfig, "gateway", file=f)
+    assert (cfg.listen_port, cfg.endpoints, cfg.max_body_bytes) == (10443, ["https://a.example"], 5)
+    monkeypatch.setenv("UOMP_GATEWAY_LISTEN_PORT", "11443")
+    monkeypatch.setenv("UOMP_GATEWAY_ENDPOINTS", "https://b.example, https://c.example")
+    cfg = load_section(GatewayConfig, "gateway", file=f)
+    assert cfg.listen_port == 11443 and cfg.endpoints == ["https://b.example", "https://c.example"]
+    cfg = load_section(GatewayConfig, "gateway", file=f, overrides={"listen_port": 12443})
+    assert cfg.listen_port == 12443
+    assert load_section(GuardConfig, "guard", file=f).aggregate_min_items == 5
+    assert GatewayConfig().listen_host == "127.0.0.1" and GuardConfig().tcp_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("text", "env", "fragment"), [
+    ("[gateway]\nlisten_prot = 1\n", None, "unknown setting"),
+    ("[gateway]\nlisten_port = \"many\"\n", None, "wrong type"),
+    ("[gateway]\nallow_non_loopback = \"maybe\"\n", None, "wrong type"),
+    ("[gateway\n", None, "cannot read config"),
+    ("gateway = 3\n", None, "must be a table"),
+    ("", ("UOMP_GATEWAY_LISTEN_PORT", "x"), "wrong type"),
+])
+def test_bad_settings_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
+                              env: tuple[str, str] | None, fragment: str) -> None:
+    f = tmp_path / "config.toml"
+    f.write_text(text)
+    if env:
+        monkeypatch.setenv(*env)
+    with pytest.raises(UompError) as exc:
+        load_section(GatewayConfig, "gateway", file=f)
+    assert exc.value.code == "CONFIG_ERROR" and fragment in exc.value.message
+
+
+def test_home_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("UOMP_HOME", str(tmp_path / "h"))
+    assert resolve_home() == (tmp_path / "h").resolve()
+    assert resolve_home(str(tmp_path / "cli")) == (tmp_path / "cli").resolve()
+    monkeypatch.delenv("UOMP_HOME")
+    assert resolve_home() == (Path.home() / ".uomp").resolve()
