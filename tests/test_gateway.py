@@ -455,4 +455,4 @@ async def test_metrics_on_separate_loopback_port(home: Paths) -> None:
         # the metrics are not served on the agents' port
         async with agent_session(a, app.paths) as s:
             status, body, _ = await agent_call(s, app.base, "/metrics", token=g["token"], agent_id=a.agent_id)
-        assert status == 404
+        assert status == 404 and body["error"]["code"] == "NOT_FOUND"
