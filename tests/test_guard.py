@@ -363,3 +363,25 @@ async def test_typescript_shaped_token_is_accepted_and_enforced(seeded: Paths) -
         assert status == 403  # denyTags ["ui"] honoured
         status, body, _ = await call(s, "GET", "/v1/memory/preference.secret_hobby", token=tok)
         assert status == 200 and body["value"] == "lockpicking"
+
+
+async def test_non_loopback_bind_refused_unless_forced(seeded: Paths) -> None:
+    from gateway.errors import UompError
+    from gateway.guard.server import GuardRunner
+
+    runner = GuardRunner(seeded, guard_config(tcp_host="0.0.0.0"))
+    with pytest.raises(UompError) as exc:
+        await runner.start()
+    assert exc.value.code == "CONFIG_ERROR" and "not loopback" in exc.value.message
+    assert not seeded.guard_sock.exists()
+
+
+async def test_second_guard_on_same_socket_refused(seeded: Paths) -> None:
+    from gateway.errors import UompError
+    from gateway.guard.server import GuardRunner
+
+    async with running_guard(seeded, serve_tcp=False), unix_session(seeded) as s:
+        with pytest.raises(UompError) as exc:
+            await GuardRunner(seeded, guard_config(), serve_tcp=False).start()
+        assert "already listening" in exc.value.message
+        assert (await call(s, "GET", "/v1/health"))[0] == 200  # the first one is untouched

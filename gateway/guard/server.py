@@ -68,10 +68,10 @@ class GuardRunner:
     async def start(self) -> None:
         if self.serve_tcp:
             check_bind(self.cfg.tcp_host, self.cfg.allow_non_loopback, "the guard's Local Profile listener")
+        sock = self.paths.guard_sock
+        claim_socket_path(sock)  # before opening anything: a second guard must not touch the databases
         self.services = GuardServices.open(self.paths, self.cfg)
         self.services.audit.purge()
-        sock = self.paths.guard_sock
-        claim_socket_path(sock)
         unix_runner = web.AppRunner(create_app(self.services, listener="unix"), access_log=None)
         await unix_runner.setup()
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
