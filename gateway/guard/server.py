@@ -64,12 +64,21 @@ class GuardRunner:
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.tcp_port: int | None = None
+        self._claimed = False  # True once the socket path is ours (only then do we remove it)
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # nothing half-started is left behind (databases, socket file)
+            raise
+
+    async def _start(self) -> None:
         if self.serve_tcp:
             check_bind(self.cfg.tcp_host, self.cfg.allow_non_loopback, "the guard's Local Profile listener")
         sock = self.paths.guard_sock
         claim_socket_path(sock)  # before opening anything: a second guard must not touch the databases
+        self._claimed = True
         self.services = GuardServices.open(self.paths, self.cfg)
         self.services.audit.purge()
         unix_runner = web.AppRunner(create_app(self.services, listener="unix"), access_log=None)
@@ -124,8 +133,10 @@ class GuardRunner:
         if self.services is not None:
             self.services.close()
             self.services = None
-        with contextlib.suppress(FileNotFoundError):
-            self.paths.guard_sock.unlink()
+        if self._claimed:
+            with contextlib.suppress(FileNotFoundError):
+                self.paths.guard_sock.unlink()
+            self._claimed = False
 
 
 def install_signals(loop: asyncio.AbstractEventLoop, stop_event: asyncio.Event,

@@ -56,6 +56,13 @@ class GatewayRunner:
                 "keepalive_timeout": self.cfg.keepalive_timeout_seconds}
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # close whatever was opened (access log lock, databases, listeners)
+            raise
+
+    async def _start(self) -> None:
         cfg = self.cfg
         check_bind(cfg.listen_host, cfg.allow_non_loopback, "the gateway")
         cert, key, ca, crl = tls_paths(self.paths, cfg)
