@@ -15,7 +15,7 @@ agent that restarts with a spent one would revoke its own session (reuse detecti
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,13 @@ class AgentBundle:
     agent_id: str
     session_id: str
     gateway_url: str
-    access_token: str
+    access_token: str = field(repr=False)
     access_expires_at: str
-    refresh_token: str | None
+    refresh_token: str | None = field(repr=False)
     refresh_expires_at: str | None
     ca_cert: str
     agent_cert: str | None = None
-    agent_key: str | None = None
+    agent_key: str | None = field(default=None, repr=False)
     agent_key_file: str | None = None
     payload_public_key: str | None = None
 

@@ -230,6 +230,9 @@ async def test_tcp_listener_takes_local_tokens_only(seeded: Paths) -> None:
         # acceptance with a token minted for that same configured port
         status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=local["token"], base=base)
         assert status == 200, body
+        bound = await grant(s, seeded, read={"tags": ["preference"], "keys": []}, audience=base)
+        status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=bound["token"], base=base)
+        assert status == 200, body  # the port actually bound is an audience too
         remote = await grant(s, seeded, read={"tags": ["preference"], "keys": []}, profile="remote",
                              audience="https://gw.example:9443")
         status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=remote["token"], base=base)

@@ -170,10 +170,12 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
     agent_key: str | None = None
     agent_key_file: str | None = None
     lifetime = dt.timedelta(hours=args.cert_hours)
-    if args.cert:
-        cert_pem = Path(args.cert).read_bytes()
-    elif args.csr:
-        cert_pem = ca_store.issue_from_csr(paths, m.agent.id, Path(args.csr).read_bytes(), lifetime)
+    if args.cert or args.csr:
+        if args.cert:
+            cert_pem = Path(args.cert).read_bytes()
+        else:
+            cert_pem = ca_store.issue_from_csr(paths, m.agent.id, Path(args.csr).read_bytes(), lifetime)
+        # the agent keeps its own key; the bundle only says where (never the key itself)
         if args.key_file:
             agent_key_file = str(Path(args.key_file).resolve())
     else:
@@ -230,7 +232,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "(becomes the token audience)")
     r.add_argument("--cert", help="the agent's certificate, already issued (uomp agent issue)")
     r.add_argument("--csr", help="sign this CSR from the agent (its private key never leaves the agent)")
-    r.add_argument("--key-file", help="with --csr: where the agent keeps its key (recorded in the bundle)")
+    r.add_argument("--key-file", help="with --csr or --cert: where the agent keeps its key (path recorded in "
+                   "the bundle)")
     r.add_argument("--out", help="make key and certificate for the agent in this directory (key in the bundle)")
     r.add_argument("--cert-hours", type=float, default=24, help="agent certificate lifetime in hours (default 24)")
     r.add_argument("--bundle", help="where to write the agent bundle (default $UOMP_HOME/agents/<id>/bundle.json)")

@@ -1,1 +1,36 @@
-"""client package."""
+"""The UOMP agent SDK (Python): mTLS or DPoP to the gateway, automatic refresh and renewal.
+
+See :mod:`gateway.client.sdk` for the transports, the refresh and renewal rules, and what is
+written back to the agent bundle; :mod:`gateway.client.errors` for the error classes.
+"""
+
+from gateway.client.errors import (
+    AccessDenied,
+    AuthError,
+    CertificateError,
+    ConfigError,
+    InvalidRequest,
+    ProtocolError,
+    QuotaExceeded,
+    Unavailable,
+    UompClientError,
+)
+from gateway.client.sdk import AGGREGATE_OPS, ClientOptions, Mode, RenewedCertificate, UompClient, memory_hash
+
+__all__ = [
+    "AGGREGATE_OPS",
+    "AccessDenied",
+    "AuthError",
+    "CertificateError",
+    "ClientOptions",
+    "ConfigError",
+    "InvalidRequest",
+    "Mode",
+    "ProtocolError",
+    "QuotaExceeded",
+    "RenewedCertificate",
+    "Unavailable",
+    "UompClient",
+    "UompClientError",
+    "memory_hash",
+]

@@ -12,6 +12,7 @@ token never suffices. Every response to an agent is either data it was granted o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -49,13 +50,20 @@ class GuardServices:
     auth: AuthService
     store: MemoryStore
     admin_credential: str
+    # Local Profile audiences this guard answers to (the configured port, and the bound one)
+    local_audiences: set[str] = dataclasses.field(default_factory=set)
+
+    def add_local_port(self, port: int) -> None:
+        self.local_audiences.update({f"http://127.0.0.1:{port}", f"http://localhost:{port}"})
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
         audit = AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days)
         auth = AuthService(paths, cfg, audit)
         store = MemoryStore(paths.memory_db)
-        return cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths))
+        svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths))
+        svc.add_local_port(cfg.tcp_port)
+        return svc
 
     def close(self) -> None:
         self.auth.close_db()
@@ -169,9 +177,7 @@ class AgentCall:
                 if cap.profile != "local":
                     raise UompError("INVALID_TOKEN", "a remote-profile token must come through the gateway",
                                     session_id=cap.session_id)
-                expected = f"http://127.0.0.1:{self.svc.cfg.tcp_port}"
-                if cap.audience is not None and cap.audience.rstrip("/") not in (
-                        expected, f"http://localhost:{self.svc.cfg.tcp_port}"):
+                if cap.audience is not None and cap.audience.rstrip("/") not in self.svc.local_audiences:
                     raise UompError("INVALID_TOKEN", "token audience is not this guard", session_id=cap.session_id)
             else:
                 forwarded = self.request.headers.get(VERIFIED_AGENT_HEADER)

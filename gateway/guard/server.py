@@ -99,6 +99,7 @@ class GuardRunner:
             sockets = getattr(site._server, "sockets", None)
             if sockets:
                 self.tcp_port = sockets[0].getsockname()[1]
+                self.services.add_local_port(self.tcp_port)
         self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper()))
         log.info("guard listening on unix:%s%s", sock,
                  f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")

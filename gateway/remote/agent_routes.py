@@ -117,7 +117,8 @@ async def dpop_identity(call: Call) -> None:
         raise UompError("TOKEN_BINDING_MISMATCH", "tokens used through the tunnel must be bound to a DPoP key",
                         session_id=cap.session_id)
     result = dpop.verify_dpop(request.headers.getall("DPoP", []), method=request.method,
-                              url=_public_url(state, request, call.target.path), access_token=_bearer(request),
+                              url=_public_url(state, request, call.target.upstream_path),
+                              access_token=_bearer(request),
                               now=time.time(), window_seconds=state.cfg.dpop_window_seconds,
                               replay=state.replay, expected_jkt=cap.cnf_jkt)
     call.jkt = result.jkt

@@ -212,6 +212,8 @@ class GatewayState:
         self.certs = ClientCertChecker()
         self._verified: dict[str, Capability] = {}
         self.replay = ReplayCache(cfg.dpop_replay_cache_entries)
+        # serials (hex) on the CRL last loaded; the server points this at its TLS reloader
+        self.revoked_serials: Callable[[], frozenset[str]] = frozenset
         self.reload_keys()
 
     def reload_keys(self) -> None:
@@ -263,7 +265,10 @@ async def mtls_identity(call: Call) -> None:
     der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
     if not der:
         raise UompError("CERT_REQUIRED", "a client certificate issued by the user's agent CA is required")
-    call.identity = call.request.app[STATE].certs.check(der)
+    state = call.request.app[STATE]
+    # The CRL is checked at the handshake; a keep-alive connection made before a revocation is
+    # refused here too, on its next request.
+    call.identity = state.certs.check(der, revoked=state.revoked_serials())
 
 
 def _bearer(request: web.Request) -> str:
@@ -311,11 +316,13 @@ def check_token(state: GatewayState, call: Call, token: str) -> Capability:
                         session_id=cap.session_id)
     # RFC 8705 / RFC 9449 sender constraint.
     if call.identity is not None:
-        bound_ok = True
-        if cap.cnf_x5t is not None:
-            bound_ok = cap.cnf_x5t == call.identity.x5t_s256
-        elif cap.cnf_jkt is not None:
-            bound_ok = cap.cnf_jkt == call.identity.jkt
+        # Either thumbprint proves possession: x5t#S256 names this certificate, jkt its key, so a
+        # certificate renewed for the same key keeps the token usable (the Auth Service agrees).
+        bound_ok = cap.cnf_x5t is None and cap.cnf_jkt is None
+        if cap.cnf_x5t is not None and cap.cnf_x5t == call.identity.x5t_s256:
+            bound_ok = True
+        if cap.cnf_jkt is not None and cap.cnf_jkt == call.identity.jkt:
+            bound_ok = True
         if not bound_ok:
             raise UompError("TOKEN_BINDING_MISMATCH", "token is bound to another certificate",
                             session_id=cap.session_id)

@@ -79,6 +79,8 @@ class GatewayRunner:
                                             f"https://127.0.0.1:{cfg.listen_port}"]
         self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
                                           endpoints=endpoints)
+        reloader = self.reloader
+        state.revoked_serials = lambda: reloader.revoked
         agent_routes.install(state)
         for hook in self.setup_hooks:
             hook(state)
