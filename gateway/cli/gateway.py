@@ -32,6 +32,8 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
         overrides["allow_non_loopback"] = True
     if args.metrics_port is not None:
         overrides["metrics_port"] = args.metrics_port
+    if args.tunnel_origin_port is not None:
+        overrides["tunnel_origin_port"] = args.tunnel_origin_port
     return load_section(GatewayConfig, "gateway", file=paths.config_file, overrides=overrides)
 
 
@@ -68,6 +70,8 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
               flush=True)
     if gw.metrics_port:
         print(f"metrics: http://127.0.0.1:{gw.metrics_port}/metrics", flush=True)
+    if gw.tunnel_port:
+        print(f"tunnel origin: http://127.0.0.1:{gw.tunnel_port} (DPoP required)", flush=True)
     print("Ctrl-C stops; SIGHUP reloads certificates, CRL and keys.", flush=True)
     try:
         await stop.wait()
@@ -103,6 +107,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream", help="guard to forward to: unix:/path/guard.sock (default $UOMP_HOME/guard.sock) "
                    "or http://127.0.0.1:PORT")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument("--tunnel-origin-port", type=int, metavar="PORT",
+                   help="also listen on 127.0.0.1:PORT (plain HTTP) for a tunnel such as cloudflared; every request "
+                   "there needs a DPoP proof; the tunnel's public URL must be an --endpoint")
     p.add_argument("--force-non-loopback", action="store_true",
                    help="allow --listen on a non-loopback address (needed to accept agents from other hosts)")
 
