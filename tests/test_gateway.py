@@ -456,3 +456,51 @@ async def test_metrics_on_separate_loopback_port(home: Paths) -> None:
         async with agent_session(a, app.paths) as s:
             status, body, _ = await agent_call(s, app.base, "/metrics", token=g["token"], agent_id=a.agent_id)
         assert status == 404 and body["error"]["code"] == "NOT_FOUND"
+
+
+async def test_fronts_another_guard_over_loopback_http(home: Paths) -> None:
+    """upstream = http://127.0.0.1:PORT (e.g. the TypeScript reference server): same checks, then forwarded."""
+    from aiohttp import web
+
+    from gateway.config import GatewayConfig
+    from gateway.remote.server import GatewayRunner
+
+    seen: list[dict[str, str]] = []
+
+    async def validate(request: web.Request) -> web.Response:
+        return web.json_response({"valid": True, "session_id": "s"})
+
+    async def read(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        return web.json_response({"key": request.match_info["key"], "value": "from-other-guard"})
+
+    other = web.Application()
+    other.router.add_post("/v1/tokens/validate", validate)
+    other.router.add_get("/v1/memory/{key}", read)
+    runner = web.AppRunner(other)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    async with appliance(home) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a)
+    gw = GatewayRunner(home, GatewayConfig(listen_port=0, endpoints=[app.base], upstream=f"http://127.0.0.1:{port}"))
+    await gw.start()
+    try:
+        async with agent_session(a, home) as s:
+            status, body, _ = await agent_call(s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme",
+                                               token=g["token"], agent_id=a.agent_id,
+                                               headers={"X-UOMP-Verified-Agent": "forged", "Cookie": "x=1"})
+            assert (status, body["value"]) == (200, "from-other-guard")
+            # still refused before forwarding: wrong agent header
+            status, body, _ = await agent_call(s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme",
+                                               token=g["token"], agent_id="someone")
+            assert status == 403 and body["error"]["code"] == "AGENT_MISMATCH"
+    finally:
+        await gw.stop()
+        await runner.cleanup()
+    assert len(seen) == 1
+    h = {k.lower(): v for k, v in seen[0].items()}
+    assert h["x-uomp-verified-agent"] == "agent_a" and "cookie" not in h
+    assert h["authorization"] == f"Bearer {g['token']}"

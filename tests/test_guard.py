@@ -388,3 +388,17 @@ async def test_second_guard_on_same_socket_refused(seeded: Paths) -> None:
             await GuardRunner(seeded, guard_config(), serve_tcp=False).start()
         assert "already listening" in exc.value.message
         assert (await call(s, "GET", "/v1/health"))[0] == 200  # the first one is untouched
+
+
+def test_audit_retention_purges_old_rows(home: Paths) -> None:
+    from gateway.guard.audit import AuditLog
+
+    log = AuditLog(home.audit_db, retention_days=90)
+    now = time.time()
+    log.record(session_id="s1", agent_id="a", action="read", allowed=True, reason="r", now=now - 91 * 86400)
+    log.record(session_id="s1", agent_id="a", action="read", allowed=False, reason="r", now=now - 89 * 86400)
+    log.flush_sync()
+    assert log.purge(now=now) == 1
+    rows = log.for_session("s1")
+    assert len(rows) == 1 and rows[0]["allowed"] is False
+    log.close()
