@@ -401,3 +401,160 @@ def test_failure_on_the_last_row_rolls_back_everything(store: MemoryStore) -> No
     assert store.count() == 3
     assert [i.value for i in store.list()] == ["old", "old", "old"]
     assert store.by_tag("new") == []
+
+
+# ------------------------------------------------------------------------------------ bulk writer
+
+def test_bulk_writer_commits_only_when_asked(store: MemoryStore) -> None:
+    store.put(item(key="old"))
+    with store.bulk_writer(chunk=7) as w:
+        for i in range(50):
+            w.add(item(key=f"k{i:02d}"))
+        w.flush()
+        assert w.written == 50
+    assert store.count() == 1 and store.get("k00") is None  # left without commit(): rolled back
+    with store.bulk_writer(chunk=7) as w:
+        for i in range(50):
+            w.add(item(key=f"k{i:02d}"))
+        assert w.commit() == 50
+        with pytest.raises(RuntimeError):
+            w.add(item(key="late"))
+    assert store.count() == 51 and [i.key for i in store.by_tag("ui", limit=3)] == ["k00", "k01", "k02"]
+
+
+def test_bulk_writer_rolls_back_on_an_exception(store: MemoryStore) -> None:
+    store.put(item(key="old", value="old"))
+    with pytest.raises(KeyError), store.bulk_writer(replace=True, chunk=3) as w:
+        for i in range(10):
+            w.add(item(key=f"k{i}"))
+        w.add(item(key="old", value="new", tags=("new",)))
+        w.flush()
+        raise KeyError("the caller failed")
+    assert store.count() == 1 and store.by_tag("new") == []
+    got = store.get("old")
+    assert got is not None and got.value == "old"
+    store.put(item(key="after"))  # the store is usable again
+    assert store.count() == 2
+
+
+def test_bulk_writer_is_invisible_to_other_connections_until_commit(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    a = MemoryStore(path)
+    b = MemoryStore(path, create=False, busy_timeout=0.2)
+    try:
+        a.put(item(key="old", value="old"))
+        with a.bulk_writer(replace=True, chunk=10) as w:
+            for i in range(100):
+                w.add(item(key=f"k{i:03d}", tags=("new",)))
+            w.add(item(key="old", value="new"))
+            w.flush()
+            assert b.count() == 1 and b.by_tag("new") == []  # WAL: the last committed state
+            got = b.get("old")
+            assert got is not None and got.value == "old"
+            t0 = time.monotonic()
+            with pytest.raises(UompError) as e:  # a second writer waits for the busy timeout, then fails
+                b.put(item(key="other"))
+            assert unavailable(e).details == {"reason": "SQLITE_BUSY"}
+            assert time.monotonic() - t0 >= 0.15
+            w.commit()
+        assert b.count() == 101 and len(b.by_tag("new")) == 100
+        got = b.get("old")
+        assert got is not None and got.value == "new"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bulk_writer_existing_sees_the_store_and_its_own_writes(store: MemoryStore) -> None:
+    store.put(item(key="a", created_at="2020-01-01T00:00:00Z"))
+    with store.bulk_writer(chunk=100) as w:
+        w.add(item(key="b", created_at="2021-01-01T00:00:00Z"))  # still queued: existing() flushes first
+        asked = (f"{c}" for c in "abcdefg" * 200)  # a generator, longer than one IN chunk
+        assert w.existing(asked) == {"a": "2020-01-01T00:00:00Z", "b": "2021-01-01T00:00:00Z"}
+        assert w.existing([]) == {}
+
+
+def test_bulk_writer_existing_or_repeated_keys(store: MemoryStore) -> None:
+    store.put(item(key="a", value="old"))
+    with store.bulk_writer(replace=True) as w:  # replace: the last one wins, tags follow it
+        w.add(item(key="x", value=1, tags=("one", "two")))
+        w.add(item(key="x", value=2, tags=("two", "three")))
+        w.add(item(key="a", value="new", tags=("three",)))
+        w.commit()
+    x = store.get("x")
+    assert x is not None and x.value == 2 and x.tags == ("two", "three")
+    assert store.by_tag("one") == [] and [i.key for i in store.by_tag("three")] == ["a", "x"]
+    for keys in (["n1", "a"], ["n1", "n2", "n1"]):  # without replace: refused, all rolled back
+        with pytest.raises(UompError) as e, store.bulk_writer() as w:
+            for k in keys:
+                w.add(item(key=k))
+            w.commit()
+        assert e.value.code == "INVALID_REQUEST" and "already exists" in e.value.message
+        with pytest.raises(RuntimeError):
+            w.add(item(key="n9"))  # the failed writer is closed
+    assert store.count() == 2 and store.get("n1") is None
+
+
+def test_bulk_writer_refuses_a_bad_item_and_stays_open(store: MemoryStore) -> None:
+    with store.bulk_writer() as w:
+        with pytest.raises(UompError) as e:
+            w.add(item(key="bad", sensitivity="secret"))
+        assert e.value.code == "INVALID_REQUEST"
+        w.add(item(key="good"))
+        assert w.commit() == 1
+    assert [i.key for i in store.list()] == ["good"]
+
+
+def test_bulk_writer_dry_run_writes_nothing_and_locks_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    a = MemoryStore(path)
+    b = MemoryStore(path, create=False, busy_timeout=0.2)
+    try:
+        a.put(item(key="a", created_at="2020-01-01T00:00:00Z"))
+        with a.bulk_writer(dry_run=True) as w:
+            w.add(item(key="new"))
+            with pytest.raises(UompError):
+                w.add(item(key="bad", sensitivity="secret"))  # still validated
+            b.put(item(key="b"))  # another writer is not blocked
+            assert w.existing(["a", "b", "new"]) == {"a": "2020-01-01T00:00:00Z"}  # one snapshot
+            assert w.written == 1
+            with pytest.raises(RuntimeError):
+                w.commit()
+        assert sorted(i.key for i in a.list()) == ["a", "b"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_writes_through_the_store_while_a_bulk_writer_is_open_are_refused(store: MemoryStore) -> None:
+    with store.bulk_writer() as w:
+        w.add(item(key="a"))
+        for call in (lambda: store.put(item(key="b")), lambda: store.delete("a"),
+                     lambda: store.bulk_writer().__enter__()):
+            with pytest.raises(RuntimeError):
+                call()
+        w.commit()
+    store.put(item(key="b"))
+    assert store.count() == 2
+
+
+def test_other_threads_wait_for_the_bulk_writer(store: MemoryStore) -> None:
+    seen: list[int] = []
+    with store.bulk_writer() as w:
+        w.add(item(key="a"))
+        w.flush()
+        t = threading.Thread(target=lambda: seen.append(store.count()))
+        t.start()
+        t.join(0.2)
+        assert t.is_alive() and seen == []  # blocked on the store's lock, not reading half a batch
+        w.commit()
+    t.join(5)
+    assert seen == [1]
+
+
+def test_bulk_writer_on_a_closed_store(tmp_path: Path) -> None:
+    s = MemoryStore(tmp_path / "memory.db")
+    s.close()
+    with pytest.raises(UompError) as e, s.bulk_writer():
+        pass
+    unavailable(e)

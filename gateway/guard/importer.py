@@ -1,8 +1,9 @@
 """Import Memory Items from CSV or JSON files (spec §12).
 
-Entry point: :func:`import_file`. Nothing is written unless every row is valid; then all rows are
-written by ONE :meth:`MemoryStore.put_many` call, i.e. one SQLite transaction, so an import that
-fails or is killed half-way leaves the store exactly as it was.
+Entry point: :func:`import_file`. Nothing is written unless every row is valid: the rows stream into
+ONE SQLite transaction (:meth:`MemoryStore.bulk_writer`) that is committed only after the last row
+has been read and no row was bad, so an import that fails or is killed half-way leaves the store
+exactly as it was. Memory does not grow with the number of rows (see "Memory" below).
 
 Input
 -----
@@ -75,24 +76,48 @@ file line the record starts on; JSON: the 0-based array index) in
 "lines": ["row 3: key is empty", ...]}`` (the first :attr:`ImportLimits.max_reported_errors`).
 Messages name fields and rows, never the values in them.
 
+Memory and the transaction
+--------------------------
+CSV files are read twice from disk (pass 1: header and the per-column profile that settles date
+order and text columns; pass 2: conversion) and never held whole; JSON is parsed one array element
+at a time (an element is bounded by ``max_line_bytes``). In pass 2 / the JSON pass, each valid row
+is queued; every :data:`~gateway.guard.store.BULK_CHUNK` rows the queue's keys are looked up in the
+store inside the import transaction (existing key: an error unless ``replace``; with ``replace``
+the old ``created_at`` is kept), then the rows are handed to the store's bulk writer, which
+inserts them into the open ``BEGIN IMMEDIATE`` transaction. Once any row is bad nothing more is
+written, but every later row is still checked, so every bad row is reported; then the transaction
+is rolled back. ``dry_run`` does the same with a read-only snapshot and never writes.
+Duplicate keys within the file are found with an index of the keys seen so far (and the row that
+gave each) kept in a private temporary SQLite database (an unnamed file in the temporary directory
+that SQLite unlinks at once and deletes on close; only a keyed hash of each key goes there, never a
+key or a value; its page cache is bounded). So memory is bounded by one chunk of rows, one CSV record / JSON element and the
+reported errors, not by the row count (benchmarks/bench_import.py, tests/test_import.py).
+While the import transaction is open the running guard (another connection) keeps reading the
+store as it was before the import (WAL); another writer (``uomp memory add``) waits up to the
+store's busy timeout and then fails with STORE_UNAVAILABLE, so run large imports when nothing else
+writes. The transaction is opened after CSV pass 1, when the first chunk of rows is ready.
+
 Bounds: :class:`ImportLimits` (file size, value size, line / JSON element size, row count,
-reported errors). CSV files are read twice from disk (profile, then conversion) and never held
-whole; JSON is parsed one array element at a time. The parsed rows are kept (once) until the
-single ``put_many``, which encodes them as they stream into SQLite.
+reported errors).
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import csv
+import hashlib
+import hmac
 import itertools
 import json
 import os
 import re
+import secrets
+import sqlite3
 import stat
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -100,9 +125,11 @@ from typing import IO, Any, BinaryIO, ClassVar
 
 from gateway.errors import UompError
 from gateway.guard.store import (
+    BULK_CHUNK,
     MAX_TAGS,
     MAX_VALUE_BYTES,
     SENSITIVITIES,
+    BulkWriter,
     MemoryItem,
     MemoryStore,
     description_problem,
@@ -132,8 +159,8 @@ _TAG_SPLIT = re.compile(r"[,;|]")
 
 @dataclass(frozen=True)
 class ImportLimits:
-    """Bounds on one import. Every row is held in memory until the single write (about 1.2 KiB per
-    row of an 8-column CSV, see benchmarks/bench_import.py), so ``max_rows`` bounds the memory."""
+    """Bounds on one import. Memory does not depend on ``max_rows`` (rows stream into the store's
+    transaction); it bounds how big, and how long, one import transaction can get."""
 
     max_file_bytes: int = 1024 * 1024 * 1024
     max_value_bytes: int = MAX_VALUE_BYTES  # one item's value, as JSON
@@ -418,6 +445,15 @@ class _Notices:
             if extra not in seen:
                 seen.append(extra)
 
+    def merge(self, other: _Notices) -> None:
+        """Add ``other``'s counts after this one's (its new kinds come last, in its order)."""
+        for k, n in other.counts.items():
+            self.counts[k] = self.counts.get(k, 0) + n
+        for k, extras in other.extra.items():
+            seen = self.extra.setdefault(k, [])
+            seen.extend(e for e in extras if e not in seen)
+        self.plain.extend(other.plain)
+
     def render(self) -> list[str]:
         """Plain notices, then per field (fields in first-seen order) each kind of change."""
         by_label: dict[str, list[tuple[str, int]]] = {}
@@ -444,11 +480,17 @@ class _Errors:
         self.limit = limit
         self.json_rows = json_rows
         self.items: list[dict[str, Any]] = []
-        self.bad_rows: set[int] = set()
+        self.bad_count = 0  # distinct bad rows
+        self._last_bad: int | None = None
         self.total = 0
 
     def add(self, row: int, field_name: str, message: str) -> None:
-        self.bad_rows.add(row)
+        # Rows are checked in file order and a row's errors are added together while it is read; the
+        # one later error (key already in the store) only ever goes to a row that had none before.
+        # So a row number other than the last one is a new bad row: no set that grows with the file.
+        if row != self._last_bad:
+            self._last_bad = row
+            self.bad_count += 1
         self.total += 1
         if len(self.items) < self.limit:
             self.items.append({"row": row, "field": field_name, "message": message})
@@ -472,7 +514,7 @@ class _Errors:
         lines = [f"{self.where(e['row'])}: {e['message']}" for e in errors]
         if self.total > len(self.items):
             lines.append(f"... and {self.total - len(self.items)} more problems")
-        n = len(self.bad_rows)
+        n = self.bad_count
         if n:
             message = f"{n} rows are invalid" if n != 1 else "1 row is invalid"
             message += "; nothing was written"
@@ -726,12 +768,60 @@ class _JsonElements:
 
 # ============================================================================ the import
 
-class _Rec:
-    __slots__ = ("created_at", "created_given", "description", "key", "row", "sensitivity", "source",
-                 "tags", "updated_at", "value")
+class _KeyIndex:
+    """The keys seen so far in the file, each with the row that first gave it, for the duplicate-key
+    check. Kept in a private temporary SQLite database (``sqlite3.connect("")``: an unnamed file in
+    the temporary directory, unlinked by SQLite when opened and gone on close; page cache bounded,
+    no journal, no fsync), so memory does not grow with the number of rows. Not even the keys go
+    there: only an HMAC-SHA-256 of each key under a random per-import secret that never leaves
+    memory, so pages that reach the temporary file reveal nothing about the user's keys."""
 
-    def __init__(self, row: int) -> None:
+    CACHE_KIB = 2048
+
+    def __init__(self) -> None:
+        try:
+            self.conn = sqlite3.connect("", isolation_level=None)
+            self.conn.execute("PRAGMA journal_mode = OFF")
+            self.conn.execute("PRAGMA synchronous = OFF")
+            self.conn.execute(f"PRAGMA cache_size = -{self.CACHE_KIB}")
+            self.conn.execute("CREATE TABLE seen (key BLOB NOT NULL PRIMARY KEY, row INTEGER NOT NULL) "
+                              "WITHOUT ROWID")
+            self._secret = secrets.token_bytes(32)
+            self.conn.execute("BEGIN")  # one transaction for the whole file
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from exc
+
+    @staticmethod
+    def _failed(exc: sqlite3.Error) -> UompError:
+        name = str(getattr(exc, "sqlite_errorname", "") or type(exc).__name__)
+        return UompError("INTERNAL", "the import's temporary key index failed (is the temporary "
+                         "directory full or not writable?)", details={"reason": name})
+
+    def claim(self, key: str, row: int) -> int | None:
+        """Record that ``row`` gives ``key``; None if no earlier row did, else that row."""
+        digest = hmac.new(self._secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
+        try:
+            cur = self.conn.execute("INSERT INTO seen (key, row) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                                    (digest, row))
+            if cur.rowcount == 1:
+                return None
+            found = self.conn.execute("SELECT row FROM seen WHERE key = ?", (digest,)).fetchone()
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from exc
+        return int(found[0])
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.conn.close()
+
+
+class _Rec:
+    __slots__ = ("created_at", "created_given", "description", "key", "mark", "row", "sensitivity",
+                 "source", "tags", "updated_at", "value")
+
+    def __init__(self, row: int, mark: int = 0) -> None:
         self.row = row
+        self.mark = mark  # the error count when the row was started: more at the end = a bad row
         self.key = ""
         self.value: Any = None
         self.tags: list[str] = []
@@ -756,10 +846,10 @@ class _Column:
 
 
 class _Importer:
-    def __init__(self, store: MemoryStore, *, mappings: dict[str, str] | None, extra_tags: Sequence[str],
+    def __init__(self, *, mappings: dict[str, str] | None, extra_tags: Sequence[str],
                  sensitivity: str | None, replace: bool, date_order: str | None,
-                 keep_text: Sequence[str], limits: ImportLimits, json_rows: bool) -> None:
-        self.store = store
+                 keep_text: Sequence[str], limits: ImportLimits, json_rows: bool, keys: _KeyIndex,
+                 open_writer: Callable[[], BulkWriter]) -> None:
         self.mappings: dict[str, Dest] = {}
         for src, dst in (mappings or {}).items():
             if not isinstance(src, str) or not src.strip():
@@ -785,8 +875,14 @@ class _Importer:
         self.notices = _Notices()
         self.errors = _Errors(limits.max_reported_errors, json_rows)
         self.now = utc_now()
-        self.records: list[_Rec] = []
-        self.first_row: dict[str, int] = {}
+        self.keys = keys
+        self.open_writer = open_writer
+        self.writer: BulkWriter | None = None  # opened when the first chunk of rows is ready
+        self.pending: list[_Rec] = []  # valid rows not yet checked against the store and written
+        self.late_notices = _Notices()  # defaults decided when writing: announced after the others
+        self.rows = 0
+        self.valid = 0
+        self.replaced = 0
         self.mapped_seen: set[str] = set()
 
     # ------------------------------------------------------------------ naming
@@ -820,12 +916,11 @@ class _Importer:
         if problem:
             self.errors.add(rec.row, "key", problem)
             return
-        first = self.first_row.get(key)
+        first = self.keys.claim(key, rec.row)
         if first is not None:
             where = self.errors.where(first)
             self.errors.add(rec.row, "key", f"key repeats the key of {where}")
             return
-        self.first_row[key] = rec.row
         rec.key = key
 
     def set_tags(self, rec: _Rec, raw: Any) -> None:
@@ -964,10 +1059,60 @@ class _Importer:
         if size > limit:
             self.errors.add(rec.row, "value", f"value is larger than {limit} bytes")
 
+    def new_rec(self, row: int) -> _Rec:
+        return _Rec(row, self.errors.total)
+
     def add_record(self, rec: _Rec) -> None:
-        if len(self.records) >= self.limits.max_rows:
+        """The row has been read: queue it for writing if it had no error."""
+        if self.rows >= self.limits.max_rows:
             raise _FileError(f"the file has more than {self.limits.max_rows} rows")
-        self.records.append(rec)
+        self.rows += 1
+        if self.errors.total == rec.mark:
+            self.pending.append(rec)
+            if len(self.pending) >= BULK_CHUNK:
+                self.flush_pending()
+
+    def flush_pending(self) -> None:
+        """Check the queued rows' keys against the store (inside the import transaction), then hand
+        them to the bulk writer, unless some row was bad: then only check, write nothing more."""
+        if not self.pending:
+            return
+        if self.writer is None:
+            self.writer = self.open_writer()
+        pending, self.pending = self.pending, []
+        existing = self.writer.existing(r.key for r in pending)
+        for r in pending:
+            old_created = existing.get(r.key)
+            if old_created is not None:
+                if not self.replace:
+                    self.errors.add(r.row, "key", "an item with this key is already in the store "
+                                    "(--replace overwrites it)")
+                    continue
+                self.replaced += 1
+            self.valid += 1
+            if self.errors.total:
+                continue  # the import will be refused: keep checking, stop writing
+            self.writer.add(self.item_of(r, old_created))
+
+    def item_of(self, r: _Rec, old_created: str | None) -> MemoryItem:
+        """The Memory Item for a valid row, with its timestamps defaulted (and announced)."""
+        updated = r.updated_at
+        if updated is None:
+            updated = self.now
+            self.late_notices.add("updated_at", "ts_default_now")
+        created = r.created_at
+        if created is None:
+            if old_created is not None:
+                created = old_created
+                self.late_notices.add("created_at", "ts_kept_existing")
+            elif r.updated_at is not None:
+                created = r.updated_at
+                self.late_notices.add("created_at", "ts_default_updated")
+            else:
+                created = self.now
+                self.late_notices.add("created_at", "ts_default_now")
+        return MemoryItem(key=r.key, value=r.value, tags=tuple(r.tags), sensitivity=r.sensitivity,
+                          source=r.source, created_at=created, updated_at=updated, description=r.description)
 
     # ------------------------------------------------------------------ CSV
 
@@ -1111,7 +1256,7 @@ class _Importer:
         return True, cell
 
     def csv_row(self, columns: list[_Column], cells: list[str], row: int) -> None:
-        rec = _Rec(row)
+        rec = self.new_rec(row)
         if len(cells) != len(columns):
             self.errors.add(row, "row", f"the row has {len(cells)} fields, the header has {len(columns)}")
             return
@@ -1156,7 +1301,7 @@ class _Importer:
         for row, cells in records:
             self.csv_profile(profiled, cells, row)
         self.csv_settle_dates(columns, header_line)
-        # Pass 2: build the records.
+        # Pass 2: build the records and stream the valid ones into the import transaction.
         src.rewind()
         blank = [0]
         records = _csv_records(src, delimiter, progress, blank)
@@ -1169,7 +1314,7 @@ class _Importer:
     # ------------------------------------------------------------------ JSON
 
     def json_item(self, obj: Any, index: int, flags: dict[str, bool]) -> None:
-        rec = _Rec(index)
+        rec = self.new_rec(index)
         if not isinstance(obj, dict):
             self.errors.add(index, "item", "the item is not a JSON object")
             return
@@ -1250,44 +1395,15 @@ class _Importer:
 
     # ------------------------------------------------------------------ finishing
 
-    def finish(self, dry_run: bool) -> tuple[int, int, int]:
-        """Check against the store, then write. Returns (valid, written, replaced)."""
-        good = [r for r in self.records if r.row not in self.errors.bad_rows]
-        existing = self.store.existing_keys(r.key for r in good)
-        if existing and not self.replace:
-            for r in good:
-                if r.key in existing:
-                    self.errors.add(r.row, "key", "an item with this key is already in the store "
-                                    "(--replace overwrites it)")
+    def finish(self, dry_run: bool) -> int:
+        """After the last row: check the last chunk, refuse the import if any row was bad (the
+        transaction is then rolled back by the caller), else commit. Returns how many were written."""
+        self.flush_pending()
         self.errors.raise_if_any()
-        items: list[MemoryItem] = []
-        records, self.records = self.records, []
-        records.reverse()
-        while records:  # consume the records as the items are made: one copy of the data at a time
-            r = records.pop()
-            updated = r.updated_at
-            if updated is None:
-                updated = self.now
-                self.notices.add("updated_at", "ts_default_now")
-            created = r.created_at
-            if created is None:
-                old = self.store.get(r.key) if r.key in existing else None
-                if old is not None:
-                    created = old.created_at
-                    self.notices.add("created_at", "ts_kept_existing")
-                elif r.updated_at is not None:
-                    created = r.updated_at
-                    self.notices.add("created_at", "ts_default_updated")
-                else:
-                    created = self.now
-                    self.notices.add("created_at", "ts_default_now")
-            items.append(MemoryItem(key=r.key, value=r.value, tags=tuple(r.tags), sensitivity=r.sensitivity,
-                                    source=r.source, created_at=created, updated_at=updated,
-                                    description=r.description))
-        if dry_run:
-            return len(items), 0, len(existing)
-        written = self.store.put_many(items, replace=self.replace)
-        return len(items), written, len(existing)
+        self.notices.merge(self.late_notices)
+        if dry_run or self.writer is None:
+            return 0
+        return self.writer.commit()
 
 
 class _MultiFileError(Exception):
@@ -1353,7 +1469,8 @@ def import_file(
     limits: ImportLimits | None = None,
     progress_stream: IO[str] | None = None,
 ) -> ImportReport:
-    """Validate the whole file, then write every row in one transaction (see the module docstring).
+    """Validate the whole file while streaming its rows into one transaction, committed only if every
+    row is valid (see the module docstring).
 
     Raises ``UompError("IMPORT_INVALID")`` listing every bad row (nothing written),
     ``INVALID_REQUEST`` for bad options or an unreadable file, ``STORE_UNAVAILABLE`` from the store.
@@ -1364,31 +1481,36 @@ def import_file(
     if kind == "json" and delimiter is not None:
         raise UompError("INVALID_REQUEST", "--delimiter applies to CSV files only")
     delim = _pick_delimiter(path, delimiter) if kind == "csv" else ","
-    imp = _Importer(store, mappings=mappings, extra_tags=extra_tags, sensitivity=sensitivity, replace=replace,
-                    date_order=date_order, keep_text=keep_text, limits=limits, json_rows=kind == "json")
-    src = _Source(path, limits)
-    old_limit = csv.field_size_limit()
-    try:
+    with contextlib.ExitStack() as stack:  # closed in reverse: the transaction is rolled back first
+        def open_writer() -> BulkWriter:
+            return stack.enter_context(store.bulk_writer(replace=replace, dry_run=dry_run))
+
+        keys = _KeyIndex()
+        stack.callback(keys.close)
+        imp = _Importer(mappings=mappings, extra_tags=extra_tags, sensitivity=sensitivity,
+                        replace=replace, date_order=date_order, keep_text=keep_text, limits=limits,
+                        json_rows=kind == "json", keys=keys, open_writer=open_writer)
+        src = _Source(path, limits)
+        stack.callback(src.close)
+        old_limit = csv.field_size_limit()
         csv.field_size_limit(max(old_limit, limits.max_value_bytes))
+        stack.callback(csv.field_size_limit, old_limit)
         bar = _Progress(src.size * (2 if kind == "csv" else 1), progress, progress_stream)
         try:
-            if kind == "csv":
-                imp.read_csv(src, delim, bar)
-            else:
-                imp.read_json(src, bar)
+            try:
+                if kind == "csv":
+                    imp.read_csv(src, delim, bar)
+                else:
+                    imp.read_json(src, bar)
+            finally:
+                bar.finish()
         except (_FileError, _MultiFileError) as exc:
             problems = exc.problems if isinstance(exc, _MultiFileError) else [exc]
             err = _Errors(1, kind == "json").error(problems)
             assert err is not None
             raise err from None
-        finally:
-            bar.finish()
-    finally:
-        csv.field_size_limit(old_limit)
-        src.close()
-    if imp.extra_tags:
-        imp.notices.plain.append(f"tags: added {', '.join(imp.extra_tags)} (--tag) to every row")
-    valid, written, replaced = imp.finish(dry_run)
-    return ImportReport(rows_written=written, notices=imp.notices.render(), rows_valid=valid,
-                        replaced=replaced, dry_run=dry_run, format=kind)
-
+        if imp.extra_tags:
+            imp.notices.plain.append(f"tags: added {', '.join(imp.extra_tags)} (--tag) to every row")
+        written = imp.finish(dry_run)
+    return ImportReport(rows_written=written, notices=imp.notices.render(), rows_valid=imp.valid,
+                        replaced=imp.replaced, dry_run=dry_run, format=kind)

@@ -22,6 +22,16 @@ sensitivity, source, timestamp or a value that is not JSON) is ``INVALID_REQUEST
 
 A file written by a newer schema version is refused (``STORE_UNAVAILABLE``) rather than
 misread; a SQLite file that holds tables but no UOMP schema is refused rather than adopted.
+
+Bulk writes: :meth:`MemoryStore.bulk_writer` streams any number of items into ONE ``BEGIN
+IMMEDIATE`` transaction, in chunks, so memory does not grow with the number of items; nothing is
+visible to anyone else until :meth:`BulkWriter.commit`, and leaving the ``with`` block without it
+(or on any exception, or a crash / SIGKILL of the process) leaves the store exactly as it was.
+While it is open: other connections (the running guard) keep reading the last committed state
+(WAL); another writer waits up to the busy timeout and then gets STORE_UNAVAILABLE (SQLITE_BUSY);
+other threads using this same ``MemoryStore`` wait for the writer to finish (the store's lock is
+held); a write through this store from the writer's own thread is a programming error
+(``RuntimeError``). :meth:`MemoryStore.put_many` is a bulk writer over a sequence.
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ DEFAULT_BUSY_TIMEOUT_SECONDS = 5.0
 
 # Chunk size for ``key IN (...)`` look-ups: far below SQLite's bound-variable limit.
 _IN_CHUNK = 500
+# Items a BulkWriter buffers before handing them to SQLite in one executemany.
+BULK_CHUNK = 1000
 
 _SCHEMA = f"""
 CREATE TABLE items (
@@ -319,6 +331,170 @@ def _unavailable(exc: BaseException) -> UompError:
 
 
 _ItemList = list[MemoryItem]
+_Row = tuple[str, str, str, str, str, str, str, str | None]
+
+
+def _integrity(exc: sqlite3.IntegrityError) -> UompError | None:
+    """The INVALID_REQUEST for an insert over an existing key; None for any other constraint."""
+    name = str(getattr(exc, "sqlite_errorname", ""))
+    if name in ("SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"):
+        return UompError("INVALID_REQUEST", "an item with this key already exists (replace it explicitly)")
+    return None
+
+
+class BulkWriter:
+    """Items streamed into one transaction; made by :meth:`MemoryStore.bulk_writer` (see there)."""
+
+    def __init__(self, store: MemoryStore, *, replace: bool, dry_run: bool, chunk: int) -> None:
+        self._store = store
+        self.replace = replace
+        self.dry_run = dry_run
+        self._chunk = max(1, chunk)
+        self._rows: builtins.list[_Row] = []
+        self._tags: builtins.list[tuple[str, str]] = []
+        self._buffered_keys: set[str] = set()
+        self._state = "new"  # new -> open -> committed | rolled_back
+        self.written = 0  # items added (written when committed; validated only in a dry run)
+
+    # ----------------------------------------------------------------- lifetime
+
+    def __enter__(self) -> BulkWriter:
+        if self._state != "new":
+            raise RuntimeError("a BulkWriter is entered once")
+        store = self._store
+        store._lock.acquire()
+        try:
+            if store._bulk is not None:
+                raise RuntimeError("a bulk writer is already open on this memory store")
+            with store._guard() as conn:
+                if self.dry_run:
+                    # A read transaction: one consistent snapshot for the look-ups, no write lock.
+                    conn.execute("BEGIN")
+                    conn.execute("SELECT count(*) FROM items WHERE key = ''").fetchone()
+                else:
+                    conn.execute("BEGIN IMMEDIATE")
+            store._bulk = self
+            self._state = "open"
+        except BaseException:
+            store._lock.release()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        store = self._store
+        try:
+            if self._state == "open":
+                self._rollback()
+        finally:
+            if store._bulk is self:
+                store._bulk = None
+                store._lock.release()
+
+    def _rollback(self) -> None:
+        self._state = "rolled_back"
+        self._drop_buffer()
+        with contextlib.suppress(sqlite3.Error):
+            self._store._conn.execute("ROLLBACK")
+
+    def _drop_buffer(self) -> None:
+        self._rows.clear()
+        self._tags.clear()
+        self._buffered_keys.clear()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"the bulk writer is {self._state.replace('_', ' ')}, not open")
+
+    # ----------------------------------------------------------------- writing
+
+    def add(self, item: MemoryItem) -> None:
+        """Validate and queue one item. A bad item is INVALID_REQUEST and is not queued (the writer
+        stays open: the caller decides whether to go on). Without ``replace`` an existing key, or one
+        added twice, is INVALID_REQUEST when its chunk is written (see :meth:`flush`); with
+        ``replace`` it is overwritten, the last one wins. In a dry run the item is only validated
+        (use :meth:`existing` to look keys up)."""
+        self._check_open()
+        row = _row_of(item)
+        if self.dry_run:
+            self.written += 1
+            return
+        if item.key in self._buffered_keys:
+            self.flush()  # one key twice in one executemany would trip over its own tag rows
+        self._rows.append(row)
+        self._tags.extend((tag, item.key) for tag in item.tags)
+        self._buffered_keys.add(item.key)
+        self.written += 1
+        if len(self._rows) >= self._chunk:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the queued items to SQLite now (still inside the open transaction). Any failure
+        here (an existing key without ``replace``, disk full, ...) rolls the whole transaction back
+        and ends the writer: a half-written chunk is never left behind to be committed."""
+        self._check_open()
+        if not self._rows:
+            return
+        rows, tags, keys = self._rows, self._tags, self._buffered_keys
+        try:
+            with self._store._guard() as conn:
+                if self.replace:
+                    conn.executemany("DELETE FROM item_tags WHERE item_key = ?", ((k,) for k in keys))
+                    conn.executemany(_SQL_UPSERT, rows)
+                else:
+                    try:
+                        conn.executemany(_SQL_INSERT, rows)
+                    except sqlite3.IntegrityError as exc:
+                        refusal = _integrity(exc)
+                        if refusal is not None:
+                            raise refusal from exc
+                        raise
+                conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", tags)
+        except BaseException:
+            self._rollback()
+            raise
+        self._drop_buffer()
+
+    def existing(self, keys: Iterable[str]) -> dict[str, str]:
+        """Those of ``keys`` already in the store as this transaction sees it (the snapshot taken
+        when the writer opened, plus what it has written), each with its ``created_at``."""
+        self._check_open()
+        if not self.dry_run:
+            self.flush()
+        found: dict[str, str] = {}
+        with self._store._guard() as conn:
+            for chunk in _chunks(keys, _IN_CHUNK):
+                marks = ",".join("?" * len(chunk))
+                found.update(conn.execute(  # only "?" marks in the text
+                    f"SELECT key, created_at FROM items WHERE key IN ({marks})", chunk).fetchall())
+        return found
+
+    def commit(self) -> int:
+        """Write what is queued and COMMIT; returns how many items were written. On failure the
+        transaction is rolled back and STORE_UNAVAILABLE (or INVALID_REQUEST) raised."""
+        self._check_open()
+        if self.dry_run:
+            raise RuntimeError("a dry-run bulk writer never commits")
+        try:
+            self.flush()
+            with self._store._guard() as conn:
+                conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+        self._state = "committed"
+        return self.written
+
+
+def _chunks(items: Iterable[str], size: int) -> Iterator[builtins.list[str]]:
+    chunk: builtins.list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 class MemoryStore:
@@ -329,6 +505,7 @@ class MemoryStore:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._closed = False
+        self._bulk: BulkWriter | None = None
         if not create and not self.path.exists():
             raise UompError("STORE_UNAVAILABLE", "the memory store file does not exist",
                             details={"reason": "MISSING"})
@@ -431,6 +608,8 @@ class MemoryStore:
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction: committed on success, rolled back on any exception."""
         with self._guard() as conn:
+            if self._bulk is not None:
+                raise RuntimeError("a bulk writer is open on this memory store: write through it")
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -471,19 +650,11 @@ class MemoryStore:
     def existing_keys(self, keys: Iterable[str]) -> set[str]:
         """The subset of ``keys`` already in the store."""
         found: set[str] = set()
-        chunk: builtins.list[str] = []
         with self._guard() as conn:
-            def flush() -> None:
+            for chunk in _chunks(keys, _IN_CHUNK):
                 marks = ",".join("?" * len(chunk))
                 found.update(r[0] for r in conn.execute(
                     f"SELECT key FROM items WHERE key IN ({marks})", chunk))  # only "?" marks
-                chunk.clear()
-            for key in keys:
-                chunk.append(key)
-                if len(chunk) >= _IN_CHUNK:
-                    flush()
-            if chunk:
-                flush()
         return found
 
     def count(self) -> int:
@@ -499,31 +670,35 @@ class MemoryStore:
     def put_many(self, items: Sequence[MemoryItem], *, replace: bool = False) -> int:
         """Store ``items`` in ONE transaction: all of them or none. Returns how many were written.
 
-        Rows are validated and encoded while they stream into SQLite (no second copy of a large
-        batch); a bad item anywhere rolls the whole transaction back.
+        A :meth:`bulk_writer` over the sequence: rows are validated and encoded as they stream into
+        SQLite (no second copy of a large batch); a bad item anywhere rolls everything back.
         """
         keys = {item.key for item in items}
         if len(keys) != len(items):
             raise UompError("INVALID_REQUEST", "the same key appears twice in one write")
         if not items:
             return 0
-        rows = (_row_of(item) for item in items)
-        tag_rows = ((tag, item.key) for item in items for tag in item.tags)
-        with self._write() as conn:
-            if replace:
-                conn.executemany("DELETE FROM item_tags WHERE item_key = ?", ((item.key,) for item in items))
-                conn.executemany(_SQL_UPSERT, rows)
-            else:
-                try:
-                    conn.executemany(_SQL_INSERT, rows)
-                except sqlite3.IntegrityError as exc:
-                    name = str(getattr(exc, "sqlite_errorname", ""))
-                    if name in ("SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"):
-                        raise UompError("INVALID_REQUEST", "an item with this key already exists "
-                                        "(replace it explicitly)") from exc
-                    raise
-            conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", tag_rows)
-        return len(items)
+        with self.bulk_writer(replace=replace) as writer:
+            for item in items:
+                writer.add(item)
+            return writer.commit()
+
+    def bulk_writer(self, *, replace: bool = False, dry_run: bool = False,
+                    chunk: int = BULK_CHUNK) -> BulkWriter:
+        """A context manager streaming items into ONE transaction (``BEGIN IMMEDIATE`` on entry)::
+
+            with store.bulk_writer(replace=False) as w:
+                for item in items:
+                    w.add(item)        # queued; every ``chunk`` items go to SQLite (executemany)
+                w.commit()             # without this, leaving the block rolls everything back
+
+        Memory is one chunk, whatever the number of items. Leaving the block without ``commit()``,
+        an exception, or the process dying leaves the store exactly as it was. ``existing(keys)``
+        looks keys up inside the transaction. ``dry_run``: items are validated but never written,
+        the transaction is a read snapshot (no write lock taken), ``commit()`` is refused.
+        Concurrency while it is open: see the module docstring.
+        """
+        return BulkWriter(self, replace=replace, dry_run=dry_run, chunk=chunk)
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; False when there was no such item."""
