@@ -51,9 +51,19 @@ async def test_refresh_rotates_and_reuse_revokes_family(home: Paths) -> None:
             # an access token cannot refresh
             status, err = await refresh(s, app, a, sid, latest_access)
             assert status == 401 and err["error"]["code"] == "INVALID_TOKEN"
-            # within the grace window the same key gets the same answer again (lost response)
+            # within the grace window the same key may retry (its answer was lost): it gets a fresh pair,
+            # and the pair it never received is dead (no token is kept at rest to hand out twice)
             status, again = await refresh(s, app, a, sid, spent[-1])
-            assert status == 200 and again["refresh_token"] == rt
+            assert status == 200 and again["refresh_token"] != rt
+            st, err, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=latest_access,
+                                          agent_id=a.agent_id)
+            assert st == 401 and err["error"]["code"] == "SESSION_REVOKED"
+            status, err = await refresh(s, app, a, sid, rt)
+            assert status == 401 and err["error"]["code"] == "SESSION_REVOKED"
+            rt = again["refresh_token"]
+            st, item, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=again["access_token"],
+                                           agent_id=a.agent_id)
+            assert st == 200
         # another agent's certificate with a's refresh token: refused (binding + agent)
         b = app.agent("agent_b")
         async with agent_session(b, home) as s:

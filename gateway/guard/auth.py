@@ -25,6 +25,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from gateway import keys as keyfiles
@@ -144,6 +145,17 @@ def _opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
     if not isinstance(v, list) or len(v) > 256 or not all(isinstance(x, str) and 0 < len(x) <= 512 for x in v):
         raise UompError("INVALID_REQUEST", f"{name} must be a list of non-empty strings")
     return list(v)
+
+
+@dataclass(frozen=True)
+class Minted:
+    """A freshly signed token, before it is recorded (hash, jti) in the same transaction as its use."""
+
+    token: str = dataclass_field(repr=False)
+    exp: float = 0.0
+    jti: str = ""
+    kind: str = "access"
+    family_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -355,13 +367,17 @@ class AuthService:
             if cur.rowcount != 1:
                 raise UompError("INVALID_STATE", "session changed state during the grant", session_id=session_id)
         row = self.session(session_id)
-        access, exp = self._issue_access(row)
-        out: dict[str, Any] = {"token": access, "token_type": "Bearer", "expires_at": tokens.iso(exp),
+        access = self._mint_access(row)
+        out: dict[str, Any] = {"token": access.token, "token_type": "Bearer", "expires_at": tokens.iso(access.exp),
                                "session_id": session_id}
+        minted = [access]
         if issue_refresh:
-            rt, rexp = self._issue_refresh(row, family_id=_new_id("fam"))
-            out["refresh_token"] = rt
-            out["refresh_expires_at"] = tokens.iso(rexp)
+            rt = self._mint_refresh(row, family_id=_new_id("fam"))
+            minted.append(rt)
+            out["refresh_token"] = rt.token
+            out["refresh_expires_at"] = tokens.iso(rt.exp)
+        with transaction(self.db, what="session database"):
+            self._record_minted(row, minted)
         self.audit.record(session_id=session_id, agent_id=row.agent_id, action="session_granted", allowed=True,
                           reason="granted by the user", tags=list(read.tags))
         self.audit.flush_sync()
@@ -375,7 +391,8 @@ class AuthService:
             raise UompError("INVALID_REQUEST", "token_lifetime_seconds must be an integer >= 10")
         return min(requested, cap)
 
-    def _issue_access(self, row: SessionRow) -> tuple[str, float]:
+    def _mint_access(self, row: SessionRow) -> Minted:
+        """Sign an access token for an active session (not yet recorded: see _record_minted)."""
         now = self.clock()
         o = row.options
         exp = min(now + o["lifetime"], row.expires_at)  # never past the session's expiry
@@ -388,26 +405,29 @@ class AuthService:
             audience=o["audience"], allowed_endpoints=o["allowed_endpoints"], allowed_fields=o["allowed_fields"],
             aggregation_only=o["aggregation_only"], task_bound=o["task_bound"], cnf=o["cnf"])
         tok = tokens.sign_token(claims, self.signing.key, self.signing.kid)
-        th = token_hash(tok)
-        with transaction(self.db, what="session database"):
-            self.db.execute("INSERT INTO issued_tokens VALUES (?,?,?,?,?)",
-                            (th, row.session_id, claims["jti"], "access", exp))
-            self.db.execute("UPDATE sessions SET token_hash=? WHERE session_id=?", (th, row.session_id))
-        return tok, exp
+        return Minted(tok, exp, claims["jti"], "access", None)
 
-    def _issue_refresh(self, row: SessionRow, *, family_id: str) -> tuple[str, float]:
+    def _mint_refresh(self, row: SessionRow, *, family_id: str) -> Minted:
         now = self.clock()
         exp = min(now + self.cfg.refresh_lifetime_seconds, row.expires_at)
         claims = tokens.refresh_claims(session_id=row.session_id, agent_id=row.agent_id, now=now, expires=exp,
                                        family_id=family_id, audience=row.options.get("audience"),
                                        cnf=row.options.get("cnf"))
         tok = tokens.sign_token(claims, self.signing.key, self.signing.kid, refresh=True)
-        with transaction(self.db, what="session database"):
-            self.db.execute("INSERT INTO issued_tokens VALUES (?,?,?,?,?)",
-                            (token_hash(tok), row.session_id, claims["jti"], "refresh", exp))
-            self.db.execute("INSERT INTO refresh_tokens (jti, family_id, session_id, status, expires_at) "
-                            "VALUES (?,?,?,?,?)", (claims["jti"], family_id, row.session_id, "active", exp))
-        return tok, exp
+        return Minted(tok, exp, claims["jti"], "refresh", family_id)
+
+    def _record_minted(self, row: SessionRow, minted: list[Minted]) -> None:
+        """Record tokens by hash (for the blacklist) and refresh tokens by jti. Inside a transaction.
+
+        Only hashes and ids are stored: no token is ever kept at rest."""
+        for m in minted:
+            th = token_hash(m.token)
+            self.db.execute("INSERT INTO issued_tokens VALUES (?,?,?,?,?)", (th, row.session_id, m.jti, m.kind, m.exp))
+            if m.kind == "access":
+                self.db.execute("UPDATE sessions SET token_hash=? WHERE session_id=?", (th, row.session_id))
+            else:
+                self.db.execute("INSERT INTO refresh_tokens (jti, family_id, session_id, status, expires_at) "
+                                "VALUES (?,?,?,?,?)", (m.jti, m.family_id, row.session_id, "active", m.exp))
 
     def _blacklist_session(self, session_id: str, reason: str) -> None:
         """Copy every token issued for the session into the persistent blacklist (§13.4). In a transaction."""
@@ -539,25 +559,41 @@ class AuthService:
         r = self.db.execute("SELECT * FROM refresh_tokens WHERE jti=?", (cap.jti,)).fetchone()
         if r is None:
             raise UompError("INVALID_TOKEN", "refresh token is unknown", session_id=session_id)
+        retry = False
         if r["status"] == "spent":
             within_grace = r["spent_at"] is not None and now - r["spent_at"] <= self.cfg.refresh_reuse_grace_seconds
-            if within_grace and r["successor"]:
-                # Same key (binding checked above), answer lost in transit: hand out the same successor.
-                return dict(json.loads(r["successor"]))
-            self._revoke_family(row, r["family_id"])
-            raise UompError("REFRESH_REUSED", "a spent refresh token was presented again; the session and all its "
-                            "refresh tokens are revoked", session_id=session_id)
-        if r["status"] != "active":
+            if not (within_grace and r["successor"]):
+                self._revoke_family(row, r["family_id"])
+                raise UompError("REFRESH_REUSED", "a spent refresh token was presented again; the session and all "
+                                "its refresh tokens are revoked", session_id=session_id)
+            # Same key (the binding was checked above) within the grace window: the client never got
+            # our answer. Issue a fresh pair and kill the pair it never received (not stored, so it
+            # cannot be handed out again).
+            retry = True
+        elif r["status"] != "active":
             raise UompError("SESSION_REVOKED", "refresh token has been revoked", session_id=session_id)
-        access, exp = self._issue_access(row)
-        new_rt, rexp = self._issue_refresh(row, family_id=r["family_id"])
-        answer = {"access_token": access, "token": access, "token_type": "Bearer", "expires_at": tokens.iso(exp),
-                  "refresh_token": new_rt, "refresh_expires_at": tokens.iso(rexp), "session_id": session_id}
-        with transaction(self.db, what="session database"):
-            cur = self.db.execute("UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? "
-                                  "WHERE jti=? AND status='active'", (now, json.dumps(answer), cap.jti))
+        access = self._mint_access(row)
+        new_rt = self._mint_refresh(row, family_id=r["family_id"])
+        answer = {"access_token": access.token, "token": access.token, "token_type": "Bearer",
+                  "expires_at": tokens.iso(access.exp), "refresh_token": new_rt.token,
+                  "refresh_expires_at": tokens.iso(new_rt.exp), "session_id": session_id}
+        successor = json.dumps({"access_jti": access.jti, "refresh_jti": new_rt.jti})
+        with transaction(self.db, what="session database"):  # one durable write for the whole rotation
+            if retry:
+                lost = json.loads(r["successor"])
+                # spent_at stays: the grace window runs from the first spend, however many retries
+                cur = self.db.execute("UPDATE refresh_tokens SET successor=? WHERE jti=? AND status='spent' "
+                                      "AND successor=?", (successor, cap.jti, r["successor"]))
+                self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE jti=?", (lost["refresh_jti"],))
+                self.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
+                                "SELECT token_hash, session_id, expires_at, 'superseded' FROM issued_tokens "
+                                "WHERE jti IN (?, ?)", (lost["access_jti"], lost["refresh_jti"]))
+            else:
+                cur = self.db.execute("UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? "
+                                      "WHERE jti=? AND status='active'", (now, successor, cap.jti))
             if cur.rowcount != 1:
                 raise UompError("REFRESH_REUSED", "refresh token was spent concurrently", session_id=session_id)
+            self._record_minted(row, [access, new_rt])
         self.audit.record(session_id=session_id, agent_id=row.agent_id, action="refresh", allowed=True,
                           reason="refresh token rotated")
         return answer
