@@ -327,24 +327,25 @@ async def aggregate(request: web.Request) -> web.Response:
     return await call.respond(res.body)
 
 
-async def write_refused(request: web.Request) -> web.Response:
-    call = AgentCall(request, "write" if request.method == "PUT" else "delete", key=request.match_info.get("key"))
+async def _refuse_authenticated(request: web.Request, action: str, code: str, message: str) -> web.Response:
+    """Routes that exist but never serve an agent: authenticate (so the refusal is audited with who
+    asked), then refuse with ``code``."""
+    call = AgentCall(request, action, key=request.match_info.get("key"))
     try:
         cap = call.authenticate()
     except UompError as exc:
         return await _flush_then_raise(call, exc)
-    return await call.refuse(UompError("WRITE_NOT_AVAILABLE", "agent writes are not available (spec §20.4)",
-                                       session_id=cap.session_id))
+    return await call.refuse(UompError(code, message, session_id=cap.session_id))
+
+
+async def write_refused(request: web.Request) -> web.Response:
+    return await _refuse_authenticated(request, "write" if request.method == "PUT" else "delete",
+                                       "WRITE_NOT_AVAILABLE", "agent writes are not available (spec §20.4)")
 
 
 async def query_refused(request: web.Request) -> web.Response:
-    call = AgentCall(request, "query")
-    try:
-        cap = call.authenticate()
-    except UompError as exc:
-        return await _flush_then_raise(call, exc)
-    return await call.refuse(UompError("NOT_IMPLEMENTED", "semantic query is not implemented (spec §22)",
-                                       session_id=cap.session_id))
+    return await _refuse_authenticated(request, "query", "NOT_IMPLEMENTED",
+                                       "semantic query is not implemented (spec §22)")
 
 
 async def get_audit(request: web.Request) -> web.Response:
