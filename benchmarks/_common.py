@@ -7,7 +7,10 @@ run and the ratios between figures of that same run.
   (:func:`seed_store`) and, for the gateway, the user CA and an agent certificate;
 * the server under test in a **child process** (:class:`ServerProc`: ``python _common.py serve``),
   so the load generator never shares its event loop or GIL, and its RSS and CPU time can be read
-  from ``/proc/<pid>``;
+  from ``/proc/<pid>``. With the gateway it is laid out like ``uomp gateway start``: the gateway in
+  that process and the guard in a supervised child of it (``GuardProcess``), both processes'
+  CPU time counted; ``--layout one-process`` runs both in one asyncio loop instead (the layout
+  before the guard got its own process);
 * session create + grant through the real admin API on the guard's Unix socket (:func:`grant`);
 * a load generator in **another child process** (``python _common.py load``): N workers, each with
   its own keep-alive HTTP/1.1 connection over raw asyncio streams (Unix socket, TCP or TLS 1.3 with a
@@ -181,6 +184,19 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def cpu_by_role(pids: dict[str, int] | None) -> dict[str, float] | None:
+    return {role: proc_cpu_seconds(pid) for role, pid in pids.items()} if pids else None
+
+
+def cpu_shares(cpu0: dict[str, float] | None, cpu1: dict[str, float] | None, elapsed: float
+               ) -> tuple[float | None, dict[str, float]]:
+    """(total share of one core, share per role) between two :func:`cpu_by_role` readings."""
+    if cpu0 is None or cpu1 is None or elapsed <= 0:
+        return None, {}
+    parts = {role: (cpu1[role] - cpu0[role]) / elapsed for role in cpu0}
+    return sum(parts.values()), parts
+
+
 def proc_status_kib(pid: int, field: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status", encoding="ascii") as fh:
         for line in fh:
@@ -202,6 +218,13 @@ class ServerProc:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Every process of the server under test, by role (their CPU time is summed)."""
+        if self.info.get("guard_pid"):
+            return {"gateway": self.pid, "guard": int(self.info["guard_pid"])}
+        return {"server": self.pid}
 
     def rss_kib(self) -> int:
         return proc_status_kib(self.pid)
@@ -245,15 +268,19 @@ def _read_json_line(proc: subprocess.Popen[str], timeout: float, what: str) -> d
 
 def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = None,
                  max_connections: int | None = None, ssl_read_buffer_kib: int | None = None,
-                 quota_block: int | None = None, profile: str | None = None, what: str = "server") -> ServerProc:
-    """Start ``GuardRunner`` (+ ``GatewayRunner``) in one asyncio loop in a child process.
+                 quota_block: int | None = None, profile: str | None = None, what: str = "server",
+                 layout: str = "split") -> ServerProc:
+    """Start the guard alone (``GuardRunner``), or the appliance, in a child process.
 
-    ``tcp_port``: also serve the Local Profile on 127.0.0.1:tcp_port. ``ssl_read_buffer_kib`` (asyncio's
-    per-connection TLS read buffer) and ``quota_block`` (QuotaLedger's reservation block) are
-    experiment knobs of the benchmark, never set by default, to measure a suggested product change."""
+    The appliance (``gateway=True``) is laid out like ``uomp gateway start``: ``GatewayRunner`` in the
+    child and the guard in a supervised grandchild (``layout="split"``), or, for comparison, both in
+    one asyncio loop (``layout="one-process"``). ``tcp_port``: also serve the Local Profile on
+    127.0.0.1:tcp_port. ``ssl_read_buffer_kib`` (asyncio's per-connection TLS read buffer; the
+    product sets 32) and ``quota_block`` (a fixed QuotaLedger reservation block instead of the
+    product's adaptive one) are experiment knobs of the benchmark, never set by default."""
     cmd = [PYTHON, str(Path(__file__).resolve()), "serve", "--home", str(paths.home)]
     if gateway:
-        cmd.append("--gateway")
+        cmd += ["--gateway", "--layout", layout]
     if tcp_port is not None:
         cmd += ["--tcp-port", str(tcp_port)]
     if max_connections is not None:
@@ -277,28 +304,46 @@ def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = No
 async def _serve(args: argparse.Namespace) -> None:
     import logging
 
+    from gateway.cli.gateway import GuardProcess
     from gateway.config import GatewayConfig, GuardConfig, Paths
     from gateway.guard.server import GuardRunner
     from gateway.remote.server import GatewayRunner
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.ssl_read_buffer_kib:
-        # Experiment only (bench_gateway --rss-experiment): asyncio's SSLProtocol allocates and
-        # zero-fills a read buffer of max_size bytes (256 KiB in CPython 3.11) per connection.
+        # Experiment only (bench_gateway --experiments): asyncio's SSLProtocol allocates and zero-fills
+        # a read buffer of max_size bytes per connection (256 KiB in CPython 3.11; the gateway lowers
+        # it to transport.TLS_READ_BUFFER_BYTES, and never raises it: so set both).
         from asyncio import sslproto
 
-        sslproto.SSLProtocol.max_size = args.ssl_read_buffer_kib * 1024
-    if args.quota_block:
-        # Experiment only: a larger reservation block = fewer synchronous SQLite commits on the loop.
-        from gateway.core.quota import QuotaLedger
+        from gateway.remote import transport
 
-        QuotaLedger.__init__.__kwdefaults__["block"] = args.quota_block
+        transport.TLS_READ_BUFFER_BYTES = args.ssl_read_buffer_kib * 1024
+        sslproto.SSLProtocol.max_size = args.ssl_read_buffer_kib * 1024
+    _quota_knob(args.quota_block)
     paths = Paths(Path(args.home))
     serve_tcp = args.tcp_port is not None
-    gcfg = GuardConfig(tcp_port=args.tcp_port if serve_tcp else 0, serve_tcp=serve_tcp)
-    guard = GuardRunner(paths, gcfg, serve_tcp=serve_tcp)
-    await guard.start()
-    info: dict[str, Any] = {"pid": os.getpid(), "guard_sock": str(paths.guard_sock), "tcp_port": guard.tcp_port}
+    info: dict[str, Any] = {"pid": os.getpid(), "guard_sock": str(paths.guard_sock)}
+    guard: GuardRunner | None = None
+    child: GuardProcess | None = None
+    if args.gateway and args.layout == "split":
+        # like `uomp gateway start`: the guard in a supervised child process (see _guard_child)
+        cmd = [PYTHON, str(Path(__file__).resolve()), "guard-child", "--parent", str(os.getpid()),
+               "--home", str(paths.home)]
+        if serve_tcp:
+            cmd += ["--tcp-port", str(args.tcp_port)]
+        if args.quota_block:
+            cmd += ["--quota-block", str(args.quota_block)]
+        child = GuardProcess(paths, cmd)
+        await child.start()
+        child.supervise()
+        info.update(guard_pid=child.pid, tcp_port=args.tcp_port)
+    else:
+        gcfg = GuardConfig(tcp_port=args.tcp_port if serve_tcp else 0, serve_tcp=serve_tcp)
+        guard = GuardRunner(paths, gcfg, serve_tcp=serve_tcp)
+        await guard.start()
+        info["tcp_port"] = guard.tcp_port
+    info["layout"] = args.layout if args.gateway else "guard"
     gw: GatewayRunner | None = None
     try:
         if args.gateway:
@@ -329,7 +374,38 @@ async def _serve(args: argparse.Namespace) -> None:
     finally:
         if gw is not None:
             await gw.stop()
-        await guard.stop()
+        if guard is not None:
+            await guard.stop()
+        if child is not None:
+            await child.stop()
+
+
+def _quota_knob(block: int | None) -> None:
+    if block:
+        # Experiment only: a fixed reservation block (the product adapts it to each session's limit).
+        from gateway.core.quota import QuotaLedger
+
+        kwdefaults = QuotaLedger.__init__.__kwdefaults__
+        assert kwdefaults is not None
+        kwdefaults["block"] = block
+
+
+def _guard_child(args: argparse.Namespace) -> None:
+    """The guard as the appliance's child process: what ``uomp guard serve`` runs (``run_guard``), with
+    the benchmark's knob applied first and logging at WARNING like the rest of the benchmark."""
+    import logging
+
+    from gateway.cli.gateway import die_with_parent
+    from gateway.config import GuardConfig, Paths
+    from gateway.guard.server import run_guard
+
+    if not die_with_parent(args.parent):
+        raise SystemExit(1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _quota_knob(args.quota_block)
+    serve_tcp = args.tcp_port is not None
+    cfg = GuardConfig(tcp_port=args.tcp_port if serve_tcp else 0, serve_tcp=serve_tcp)
+    asyncio.run(run_guard(Paths(Path(args.home)), cfg, serve_tcp=serve_tcp))
 
 
 # ----------------------------------------------------------------------------- HTTP over streams
@@ -428,7 +504,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
     reqs = [r.encode("latin-1") for r in spec["requests"]]
     clients, duration, warmup = int(spec["clients"]), float(spec["duration"]), float(spec["warmup"])
     max_requests = min(int(spec.get("max_requests") or HARD_CAP_REQUESTS), HARD_CAP_REQUESTS)
-    server_pid = spec.get("server_pid")
+    server_pids = spec.get("server_pids")
     statuses: Counter[int] = Counter()
     errors: Counter[str] = Counter()
     lat: list[float] = []
@@ -500,14 +576,14 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
 
     tasks = [asyncio.ensure_future(worker(i)) for i in range(clients)]
     await asyncio.sleep(warmup)
-    cpu0 = proc_cpu_seconds(server_pid) if server_pid else None
+    cpu0 = cpu_by_role(server_pids)
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     t_end[0] = t0 + duration
     state["phase"] = "timed"
     done, pending = await asyncio.wait(tasks, timeout=duration + 30)
     elapsed = time.perf_counter() - t0
-    cpu1 = proc_cpu_seconds(server_pid) if server_pid else None
+    cpu1 = cpu_by_role(server_pids)
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     state["phase"] = "done"
     for t in pending:
@@ -520,11 +596,12 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         if c is not None:
             c[1].transport.abort()
     out = summarize(lat, len(lat), elapsed)
+    server_cpu, parts = cpu_shares(cpu0, cpu1, elapsed)
     out.update(count=len(lat), elapsed=elapsed, statuses={str(k): v for k, v in sorted(statuses.items())},
                non200=sum(v for k, v in statuses.items() if k != 200), errors=dict(errors),
                reconnects=state["reconnects"], clients=clients,
                client_cpu=((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)) / elapsed,
-               server_cpu=(cpu1 - cpu0) / elapsed if cpu0 is not None and cpu1 is not None else None)
+               server_cpu=server_cpu, server_cpu_parts=parts)
     return out
 
 
@@ -535,7 +612,7 @@ async def _handshakes(spec: dict[str, Any]) -> dict[str, Any]:
     req = spec["requests"][0].encode("latin-1")
     clients, duration, warmup = int(spec["clients"]), float(spec["duration"]), float(spec["warmup"])
     max_requests = min(int(spec.get("max_requests") or HARD_CAP_REQUESTS), HARD_CAP_REQUESTS)
-    server_pid = spec.get("server_pid")
+    server_pids = spec.get("server_pids")
     statuses: Counter[int] = Counter()
     errors: Counter[str] = Counter()
     lat: list[float] = []
@@ -576,24 +653,25 @@ async def _handshakes(spec: dict[str, Any]) -> dict[str, Any]:
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(clients)]
     await asyncio.sleep(warmup)
-    cpu0 = proc_cpu_seconds(server_pid) if server_pid else None
+    cpu0 = cpu_by_role(server_pids)
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     t_end[0] = t0 + duration
     state["timed"] = True
     _done, pending = await asyncio.wait(tasks, timeout=duration + 30)
     elapsed = time.perf_counter() - t0
-    cpu1 = proc_cpu_seconds(server_pid) if server_pid else None
+    cpu1 = cpu_by_role(server_pids)
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     for t in pending:
         t.cancel()
         errors["worker_timed_out"] += 1
     elapsed = min(elapsed, duration) if lat else elapsed
     out = summarize(lat, len(lat), elapsed)
+    server_cpu, parts = cpu_shares(cpu0, cpu1, elapsed)
     out.update(count=len(lat), elapsed=elapsed, statuses={str(k): v for k, v in sorted(statuses.items())},
                non200=sum(v for k, v in statuses.items() if k != 200), errors=dict(errors), clients=clients,
                client_cpu=((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)) / elapsed,
-               server_cpu=(cpu1 - cpu0) / elapsed if cpu0 is not None and cpu1 is not None else None)
+               server_cpu=server_cpu, server_cpu_parts=parts)
     return out
 
 
@@ -649,12 +727,16 @@ def _load_main() -> None:
 
 
 def run_load(target: Target, requests: Sequence[bytes], *, clients: int, duration: float, warmup: float = 1.0,
-             max_requests: int | None = None, server_pid: int | None = None, mode: str = "keepalive"
-             ) -> dict[str, Any]:
-    """Run one load phase in a separate Python process; returns its result dict."""
+             max_requests: int | None = None, server_pid: int | dict[str, int] | None = None,
+             mode: str = "keepalive") -> dict[str, Any]:
+    """Run one load phase in a separate Python process; returns its result dict.
+
+    ``server_pid``: the server's pid, or {role: pid} of all its processes (``ServerProc.pids``):
+    ``server_cpu`` is their sum, ``server_cpu_parts`` each one's share."""
+    pids = {"server": server_pid} if isinstance(server_pid, int) else server_pid
     spec = {"mode": mode, "target": dataclasses.asdict(target), "requests": [r.decode("latin-1") for r in requests],
             "clients": clients, "duration": duration, "warmup": warmup, "max_requests": max_requests,
-            "server_pid": server_pid}
+            "server_pids": pids}
     proc = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "load"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None
@@ -717,6 +799,10 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["max_ms"] = max(r["max_ms"] for r in results)
     cpus = [r["server_cpu"] for r in results if r.get("server_cpu") is not None]
     out["server_cpu"] = statistics.median(cpus) if cpus else None
+    roles = {role for r in results for role in r.get("server_cpu_parts", {})}
+    out["server_cpu_parts"] = {role: statistics.median(r["server_cpu_parts"][role] for r in results
+                                                       if role in r.get("server_cpu_parts", {}))
+                               for role in sorted(roles)}
     st: Counter[str] = Counter()
     er: Counter[str] = Counter()
     for r in results:
@@ -820,6 +906,12 @@ def print_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> None:
         extra = []
         if r.get("rounds") and len(r["rounds"]) > 1:
             extra.append(f"rounds req/s {r['rounds']}")
+        parts = r.get("server_cpu_parts") or {}
+        if len(parts) > 1:
+            extra.append("srv cpu " + " + ".join(f"{role} {share * 100:.0f}%" for role, share in parts.items()))
+            if r.get("rps"):
+                extra.append("cpu/request " + " + ".join(f"{role} {share / r['rps'] * 1e6:.0f} µs"
+                                                         for role, share in parts.items()))
         if r.get("errors"):
             extra.append(f"errors {r['errors']}")
         if r.get("non200"):
@@ -887,6 +979,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     s = sub.add_parser("serve", help="run the guard (+ gateway) until SIGTERM")
     s.add_argument("--home", required=True)
     s.add_argument("--gateway", action="store_true")
+    s.add_argument("--layout", choices=["split", "one-process"], default="split",
+                   help="with --gateway: the guard in a child process (like uomp gateway start) or in the same loop")
     s.add_argument("--tcp-port", type=int)
     s.add_argument("--max-connections", type=int)
     s.add_argument("--ssl-read-buffer-kib", type=int)
@@ -894,8 +988,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     s.add_argument("--max-lifetime", type=float, default=1800.0)
     s.add_argument("--profile", metavar="FILE", help="cProfile the server, dump stats to FILE on exit")
     sub.add_parser("load", help="a load generator; JSON spec on stdin, JSON result on stdout")
+    gc = sub.add_parser("guard-child", help="the guard as the appliance's child process (started by serve)")
+    gc.add_argument("--parent", type=int, required=True)
+    gc.add_argument("--home", required=True)
+    gc.add_argument("--tcp-port", type=int)
+    gc.add_argument("--quota-block", type=int)
     args = p.parse_args(argv)
-    if args.cmd == "serve":
+    if args.cmd == "guard-child":
+        _guard_child(args)
+    elif args.cmd == "serve":
         if args.profile:  # diagnostics: cProfile the whole server process, stats written on SIGTERM
             import cProfile
 

@@ -3,10 +3,14 @@
     .venv/bin/python benchmarks/bench_gateway.py [--duration S] [--clients N] [--rounds R]
         [--handshake-clients N] [--idle N] [--experiments]
 
-The appliance runs in ONE child process, like ``uomp gateway start``: ``GuardRunner(serve_tcp=False)``
-on ``$UOMP_HOME/guard.sock`` and ``GatewayRunner`` (TLS 1.3, client certificates from the user's CA,
-forwarding over that Unix socket) in one asyncio loop, on a throwaway UOMP_HOME under /tmp with the
-CA, the gateway certificate, a CRL, one agent certificate (P-256) and 1,200 memory items. The
+The appliance is laid out like ``uomp gateway start``: ``GatewayRunner`` (TLS 1.3, client
+certificates from the user's CA, forwarding over the Unix socket) in a child process of this
+script, and the guard (``run_guard``, Unix socket only, on ``$UOMP_HOME/guard.sock``) in a child
+of that one, started and supervised by the product's ``GuardProcess``; on a throwaway UOMP_HOME
+under /tmp with the CA, the gateway certificate, a CRL, one agent certificate (P-256) and 1,200
+memory items. ``srv cpu`` is both processes together; the line under a row splits it (and the
+CPU time per request of each). The RSS figures are the gateway process's (where the TLS
+connections live). The
 session is granted through the admin API: remote profile, audience ``https://localhost:<port>``,
 ``cnf`` = the agent certificate's ``x5t#S256`` and ``jkt``, ``max_read_queries`` 10,000,000.
 
@@ -24,12 +28,14 @@ full TLS 1.3 handshake with client certificate (the gateway issues no session ti
 process's RSS (VmRSS from /proc) before and while ``--idle`` keep-alive mTLS connections are open
 and idle (each made one ``GET /v1/health`` first).
 
-``--experiments`` starts two more appliances next to the baseline one, each with one knob of this
-script changed (not product settings; each measures a suggested product change), and interleaves
-their rounds with the baseline's so that machine drift hits all alike: (1) ``QuotaLedger``
-reservation block 1024 instead of 16 (fewer synchronous SQLite commits on the event loop): the
-keep-alive phases; (2) asyncio's per-connection TLS read buffer 32 KiB instead of CPython's 256 KiB
-(``asyncio.sslproto.SSLProtocol.max_size``): new connections per second and RSS.
+``--experiments`` starts three more appliances next to the baseline one, each with one thing put
+back the way it was before the gateway's performance work (benchmark knobs, not product
+settings: each measures what one change buys), and interleaves their rounds with the baseline's
+so that machine drift hits all alike: (1) guard and gateway in ONE process and asyncio loop: the
+keep-alive phases; (2) a fixed ``QuotaLedger`` reservation block of 16 instead of the adaptive one
+(4096 for this session's limit): the keep-alive phases; (3) asyncio's per-connection TLS read
+buffer at CPython's 256 KiB instead of the gateway's 32 KiB (``asyncio.sslproto.SSLProtocol.max_size``):
+new connections per second and RSS.
 
 Every phase counts answers by status; under 99 % of 200s stops the script (a run of 429s measures
 nothing). The issue's aims are printed with the measured figures: gateway/direct req/s >= 0.6,
@@ -53,14 +59,16 @@ class Appliance:
     """One appliance: its own throwaway UOMP_HOME (items, CA, agent certificate), the child process,
     a session granted for it, and the request bytes."""
 
-    def __init__(self, *, label: str, max_connections: int | None, keep: bool = False, **knobs: Any) -> None:
+    def __init__(self, *, label: str, max_connections: int | None, keep: bool = False, layout: str = "split",
+                 **knobs: Any) -> None:
         self.label = label
         self.keep = keep
         self.paths = paths = c.make_home()
         try:
             self.keys = keys = c.seed_store(paths)
             self.agent = agent = c.issue_agent(paths)
-            self.srv = c.start_server(paths, gateway=True, max_connections=max_connections, what=label, **knobs)
+            self.srv = c.start_server(paths, gateway=True, max_connections=max_connections, what=label,
+                                      layout=layout, **knobs)
         except BaseException:
             c.remove_home(paths, keep)
             raise
@@ -84,13 +92,13 @@ class Appliance:
                   duration: float | None = None, warmup: float | None = None) -> dict[str, Any]:
         r = c.run_load(self.targets[kind], self.reqs[kind], clients=clients or args.clients,
                        duration=duration or args.duration, warmup=args.warmup if warmup is None else warmup,
-                       max_requests=args.max_requests, server_pid=self.srv.pid)
+                       max_requests=args.max_requests, server_pid=self.srv.pids)
         c.check_ok(f"{self.label}: {kind} GET by key ({clients or args.clients} clients)", r)
         return r
 
     def handshakes(self, args: argparse.Namespace) -> dict[str, Any]:
         r = c.run_load(self.targets["gateway"], [self.health_close], clients=args.handshake_clients,
-                       duration=args.handshake_duration or args.duration, warmup=1.0, server_pid=self.srv.pid,
+                       duration=args.handshake_duration or args.duration, warmup=1.0, server_pid=self.srv.pids,
                        mode="handshakes")
         c.check_ok(f"{self.label}: new mTLS connections", r)
         return r
@@ -146,7 +154,7 @@ def main() -> None:
     ap.add_argument("--max-connections", type=int, default=None,
                     help="gateway max_connections (default: GatewayConfig's, raised only if --idle needs it)")
     ap.add_argument("--experiments", action="store_true",
-                    help="also run the quota block 1024 and 32 KiB TLS buffer appliances (see above)")
+                    help="also run the one-process, quota block 16 and 256 KiB TLS buffer appliances (see above)")
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
     args = ap.parse_args()
     if not (1 <= args.clients <= 1000 and 0 < args.duration <= 600 and 1 <= args.rounds <= 10
@@ -166,20 +174,23 @@ def main() -> None:
     try:
         apps["base"] = Appliance(label="appliance", max_connections=max_conn, keep=args.keep)
         if args.experiments:
-            apps["quota"] = Appliance(label="experiment quota block 1024", max_connections=max_conn,
-                                      keep=args.keep, quota_block=1024)
-            apps["buf"] = Appliance(label="experiment 32 KiB TLS buffer", max_connections=max_conn,
-                                    keep=args.keep, ssl_read_buffer_kib=32)
+            apps["one"] = Appliance(label="experiment one process", max_connections=max_conn, keep=args.keep,
+                                    layout="one-process")
+            apps["quota"] = Appliance(label="experiment quota block 16", max_connections=max_conn,
+                                      keep=args.keep, quota_block=16)
+            apps["buf"] = Appliance(label="experiment 256 KiB TLS buffer", max_connections=max_conn,
+                                    keep=args.keep, ssl_read_buffer_kib=256)
         base = apps["base"]
         info = base.srv.info
-        print(f"appliance pid {base.srv.pid}: gateway 127.0.0.1:{info['gateway_port']} (max_connections "
+        print(f"appliance: gateway pid {base.srv.pid} on 127.0.0.1:{info['gateway_port']} (max_connections "
               f"{info['max_connections']}, GatewayConfig default {default_max}; keep-alive "
-              f"{info['keepalive_timeout_seconds']:.0f} s), guard unix:{info['guard_sock']}")
+              f"{info['keepalive_timeout_seconds']:.0f} s), guard pid {info.get('guard_pid')} (its child) on "
+              f"unix:{info['guard_sock']}")
         print(f"{len(base.keys)} keys cycled; {args.clients} clients; {args.rounds} rounds x {args.duration:g} s per "
               f"path; new connections: {args.handshake_clients} clients, {args.rounds} x "
               f"{args.handshake_duration:g} s; {args.idle} idle connections"
               + ("; experiments interleaved" if args.experiments else ""))
-        ka_apps = [a for k, a in apps.items() if k in ("base", "quota")]
+        ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota")]
         hs_apps = [a for k, a in apps.items() if k in ("base", "buf")]
         for _ in range(args.rounds):
             for app in ka_apps:
@@ -206,17 +217,20 @@ def main() -> None:
         (f"new mTLS conn + GET /v1/health, {args.handshake_clients} cl.", hs),
     ])
     print("load generator: python raw asyncio streams in a separate process (wrk/ab cannot present a client "
-          "certificate\nor use a Unix socket); srv cpu = the appliance process (guard + gateway + writer threads), "
-          "100% = one core")
+          "certificate\nor use a Unix socket); srv cpu = the appliance's processes (gateway + guard, with their "
+          "writer threads), 100% = one core")
     if "base" in rss:
         print(_rss_line("\nbaseline", rss["base"]))
     if args.experiments:
-        print("\nexperiments (benchmark knobs, not product settings; rounds interleaved with the baseline's):")
-        c.print_table([("quota block 1024: (a) direct", res["quota"]["direct"]),
-                       ("quota block 1024: (b) gateway", res["quota"]["gateway"]),
-                       ("32 KiB TLS buffer: new mTLS conn/s", res["buf"]["handshakes"])])
+        print("\nexperiments: one change undone each (benchmark knobs, not product settings; rounds interleaved "
+              "with the baseline's):")
+        c.print_table([("one process: (a) direct", res["one"]["direct"]),
+                       ("one process: (b) gateway", res["one"]["gateway"]),
+                       ("quota block 16: (a) direct", res["quota"]["direct"]),
+                       ("quota block 16: (b) gateway", res["quota"]["gateway"]),
+                       ("256 KiB TLS buffer: new mTLS conn/s", res["buf"]["handshakes"])])
         if "buf" in rss:
-            print(_rss_line("32 KiB TLS buffer", rss["buf"]))
+            print(_rss_line("256 KiB TLS buffer", rss["buf"]))
 
     d, gw = m["direct"], m["gateway"]
     ratio = gw["rps"] / d["rps"]
@@ -233,11 +247,13 @@ def main() -> None:
     if "base" in rss:
         line += f", {rss['base']['per_conn']:.0f} KiB RSS per idle mTLS connection"
     if args.experiments:
-        q = res["quota"]
-        q_ratio = q["gateway"]["rps"] / q["direct"]["rps"]
-        line += (f"; experiments: quota block 1024 direct x{q['direct']['rps'] / d['rps']:.2f}, gateway "
-                 f"x{q['gateway']['rps'] / gw['rps']:.2f} (gateway/direct {q_ratio:.2f})"
-                 f"; 32 KiB TLS buffer new conn/s x{res['buf']['handshakes']['rps'] / hs['rps']:.2f}")
+        line += "; experiments (each / baseline):"
+        for key, name in (("one", "one process"), ("quota", "quota block 16")):
+            e = res[key]
+            line += (f" {name} direct x{e['direct']['rps'] / d['rps']:.2f}, "
+                     f"gateway x{e['gateway']['rps'] / gw['rps']:.2f} "
+                     f"(gateway/direct {e['gateway']['rps'] / e['direct']['rps']:.2f});")
+        line += f" 256 KiB TLS buffer new conn/s x{res['buf']['handshakes']['rps'] / hs['rps']:.2f}"
         if "buf" in rss:
             line += f", {rss['buf']['per_conn']:.0f} KiB/conn"
     print(line)

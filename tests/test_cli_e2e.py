@@ -102,8 +102,12 @@ async def test_appliance_end_to_end(fresh_home: Path, tmp_path: Path) -> None:
             async with s.get(f"https://localhost:{port}/v1/memory/preference.theme", headers=headers) as resp:
                 assert resp.status == 401 and (await resp.json())["error"]["code"] == "SESSION_REVOKED"
         audit = run(fresh_home, "audit", "--session", b.session_id).stdout
-        assert "ALLOW" in audit and "DENY" in audit
+        assert "ALLOW" in audit and "session_revoked" in audit
         assert b.access_token not in audit
+        # the refusal after the revocation is recorded by whoever refused it first: the gateway's own
+        # status check (access log) or, within its status-cache period, the guard (audit log)
+        events = [json.loads(line) for line in (fresh_home / "gateway" / "access.jsonl").read_text().splitlines()]
+        assert events[-1]["code"] == "SESSION_REVOKED" and events[-1]["allowed"] is False
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)

@@ -37,20 +37,31 @@ def check_bind(host: str, allow_non_loopback: bool, what: str) -> None:
                         "pass the explicit force flag if you really mean to expose it")
 
 
-def claim_socket_path(path: Path) -> None:
-    """Remove a stale socket file; refuse if a live server answers on it."""
-    if not path.exists():
-        return
+def socket_is_live(path: Path) -> bool:
+    """True when something accepts connections on the Unix socket ``path``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(0.5)
     try:
         probe.connect(str(path))
     except OSError:
-        path.unlink()
-        return
+        return False
     finally:
         probe.close()
-    raise UompError("CONFIG_ERROR", f"a server is already listening on {path}")
+    return True
+
+
+def remove_dead_socket(path: Path) -> None:
+    """Remove ``path`` if it is a socket file nobody listens on (left by a killed guard)."""
+    if path.exists() and not socket_is_live(path):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def claim_socket_path(path: Path) -> None:
+    """Remove a stale socket file; refuse if a live server answers on it."""
+    if path.exists() and socket_is_live(path):
+        raise UompError("CONFIG_ERROR", f"a server is already listening on {path}")
+    remove_dead_socket(path)
 
 
 class GuardRunner:

@@ -369,36 +369,45 @@ async def forward(call: Call) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > state.cfg.max_body_bytes:
             raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {state.cfg.max_body_bytes} bytes",
                             session_id=call.cap.session_id)
-        body = await request.content.read(state.cfg.max_body_bytes + 1)
-        if len(body) > state.cfg.max_body_bytes:
-            raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {state.cfg.max_body_bytes} bytes",
-                            session_id=call.cap.session_id)
+        # The whole body (one read() returns only what has arrived so far), bounded.
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > state.cfg.max_body_bytes:
+                raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                                session_id=call.cap.session_id)
+            parts.append(chunk)
+        body = b"".join(parts)
     path = call.target.upstream_path + (f"?{call.target.query}" if call.target.query else "")
     upstream = await state.forwarder.request(request.method, path, headers, body=body)
     try:
         if upstream.status >= 500 and upstream.content_type != "application/json":
             raise UompError("UPSTREAM_ERROR", "the memory guard answered with an invalid response")
-        headers_out = {k: v for k, v in upstream.headers.items()
+        headers_out = {k: v for k, v in upstream.headers
                        if k.lower() in FORWARD_RESPONSE_HEADERS and k.lower() != QUOTA_HEADER.lower()}
         if call.remaining is not None:
             headers_out[QUOTA_HEADER] = str(call.remaining)
         if upstream.status >= 400:
             # A refusal is small: read it whole (bounded) so the access log records the guard's code.
-            raw = await upstream.content.read(MAX_UPSTREAM_ERROR_BYTES)
+            raw = await upstream.read(MAX_UPSTREAM_ERROR_BYTES)
             code = _error_code(raw) or f"HTTP_{upstream.status}"
             await _record(call, status=upstream.status, allowed=False, reason="refused by the memory guard",
                           code=code)
             return web.Response(body=raw, status=upstream.status, headers=headers_out)
+        if upstream.body is not None:  # read whole already (every JSON answer of the guard)
+            await _record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)
+            return web.Response(body=upstream.body, status=upstream.status, headers=headers_out)
         resp = web.StreamResponse(status=upstream.status, headers=headers_out)
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length
         await _record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)
         await resp.prepare(request)
         try:
-            async for chunk in upstream.content.iter_chunked(CHUNK):
+            async for chunk in upstream.iter_chunks(CHUNK):
                 await resp.write(chunk)
-        except TimeoutError:
-            log.warning("upstream timed out mid-response on %s", call.route.name if call.route else "?")
+        except UompError as exc:  # timed out or broken mid-response: the status line is already sent
+            log.warning("upstream %s mid-response on %s", exc.code, call.route.name if call.route else "?")
             resp.force_close()
             return resp
         await resp.write_eof()

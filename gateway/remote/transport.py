@@ -9,7 +9,9 @@ wrapped here:
   connection is closed (the handler marks a request as started through :func:`request_started`);
 * requests aiohttp cannot parse get a §8.4 JSON error and an audit callback instead of aiohttp's
   text/plain answer (which could echo request bytes into the log).
-* the TLS handshake itself is bounded by ``ssl_handshake_timeout``.
+* the TLS handshake itself is bounded by ``ssl_handshake_timeout``;
+* asyncio's per-connection TLS read buffer is cut from 256 KiB to :data:`TLS_READ_BUFFER_BYTES`
+  (see :func:`shrink_tls_read_buffer`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,30 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+
+# CPython's asyncio.sslproto.SSLProtocol allocates and zero-fills a read buffer of ``max_size`` bytes
+# (256 KiB in 3.11) for every TLS connection: ~266 KiB of RSS per idle mTLS connection, ~270 MiB at
+# the default max_connections. TLS records carry at most 16 KiB of plaintext, so 32 KiB costs
+# nothing (measured: same new connections/s, 65-71 KiB per idle connection; benchmarks/README.md).
+TLS_READ_BUFFER_BYTES = 32 * 1024
+
+
+def shrink_tls_read_buffer(size: int | None = None) -> bool:
+    """Lower ``asyncio.sslproto.SSLProtocol.max_size`` (never raise it); True if it was changed.
+
+    ``max_size`` is a private class attribute, so: only if it exists and is an int. It is process
+    wide: every TLS transport asyncio makes in this process (client ones too: the SDK, aiohttp's
+    client) reads and decrypts at most this much per call, which only means more, smaller reads
+    for a large body (tests/test_forward.py checks a 900 KiB body over TLS both ways in one process).
+    """
+    from asyncio import sslproto
+
+    want = TLS_READ_BUFFER_BYTES if size is None else size
+    current = getattr(sslproto.SSLProtocol, "max_size", None)
+    if not isinstance(current, int) or isinstance(current, bool) or current <= want or want < 16 * 1024 + 256:
+        return False
+    sslproto.SSLProtocol.max_size = want
+    return True
 
 
 class GuardedHandler(RequestHandler):
@@ -143,6 +169,7 @@ async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ss
 
     kwargs: dict[str, Any] = {}
     if ssl_context is not None:
+        shrink_tls_read_buffer()
         kwargs["ssl"] = ssl_context
         kwargs["ssl_handshake_timeout"] = handshake_timeout
     srv = await loop.create_server(factory, host, port, backlog=backlog, reuse_address=True,

@@ -1,0 +1,661 @@
+"""A lean HTTP/1.1 client for the gateway's one hop to the Memory Guard (Unix socket or loopback TCP).
+
+Why not aiohttp's client: in a profile of the gateway it was the largest single cost of a request
+(~350 µs of the gateway's CPU per forwarded read, more than TLS). This hop talks to one known
+server over a local socket, so a small strict client does the job: a pool of keep-alive
+connections, one request at a time on each (no pipelining), every step bounded.
+
+Request (RFC 9112 §3): ``METHOD <target> HTTP/1.1``, where the target is the gateway's canonical
+spelling (:mod:`gateway.remote.pathnorm`) sent byte for byte; ``Host``; the caller's headers
+minus every header that frames or routes a message (:data:`HOP_HEADERS`: a client's
+``Transfer-Encoding``, ``Connection``, ``Content-Length``, ``Host`` ... never cross), and a header
+name that is not an RFC 9110 token or a value holding CR, LF or NUL is refused, not sent. A
+request body is always sent with ``Content-Length`` (never chunked); POST and PUT always carry
+one, even ``0``. So the guard sees one unambiguous message per request: nothing to smuggle.
+
+Response, parsed strictly: a status line ``HTTP/1.x DDD ...``; at most :data:`MAX_HEAD_BYTES` of
+head and :data:`MAX_HEADERS` fields; field names are tokens, no obs-fold, no CR/LF/NUL in
+values; the body framed by one ``Content-Length`` value or ``Transfer-Encoding: chunked``
+(exactly that coding; chunk extensions ignored, trailers read and dropped) or, failing both, by
+the connection's close; ``Content-Length`` together with ``Transfer-Encoding``, two different
+lengths, any other coding, or a 1xx answer is garbage; at most :data:`MAX_BODY_BYTES` of body. A
+``Content-Length`` body of at most :data:`BUFFER_BODY_BYTES` (every JSON answer of the guard) is
+read whole before the caller sees the status; a larger or chunked one is streamed.
+
+Failures map to the gateway's stable codes:
+
+* socket missing, connection refused, or a connection closed before a single byte of an answer:
+  ``STORE_UNAVAILABLE`` (503): the guard is down or restarting;
+* anything unparsable, an answer cut short, a body over the cap: ``UPSTREAM_ERROR`` (502);
+* no complete answer within the request's deadline (``timeout_seconds`` for the whole exchange:
+  waiting for a pool slot, connect, send, head and body): ``UPSTREAM_TIMEOUT`` (504).
+
+Connections: a connection is reused only after a complete, well-framed exchange that left no
+stray byte behind and did not say ``Connection: close`` (nor was HTTP/1.0); one that errors, times
+out or is cancelled mid-exchange is closed, never reused. An idle connection is dropped when the
+guard has closed it, when it holds unexpected bytes, or after :data:`IDLE_SECONDS`. If a *reused*
+connection turns out to be closed before any byte of the answer (the guard closed it while idle,
+or restarted), the exchange is retried once on a new connection, but only for ``GET`` (idempotent
+here); a POST is never replayed. At most ``max_connections`` exchanges run at once (others wait
+for a slot within their deadline), at most :data:`MAX_IDLE` idle connections are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from gateway.errors import UompError
+
+MAX_HEAD_BYTES = 32 * 1024  # status line + header fields of one answer
+MAX_HEADERS = 100  # header fields of one answer
+MAX_CHUNK_LINE = 1024  # one chunk-size line (with extensions) or trailer line
+MAX_TRAILERS = 32
+MAX_BODY_BYTES = 1 << 30  # 1 GiB: a tag read may return up to 1,000 items of up to 1 MiB
+BUFFER_BODY_BYTES = 256 * 1024  # Content-Length bodies up to this size are read whole at once
+READ_HIGH_WATER = 256 * 1024  # stop reading the socket while this much is buffered and unread
+IDLE_SECONDS = 10.0  # an idle pooled connection older than this is closed (the guard keeps 75 s)
+MAX_IDLE = 64  # idle connections kept in the pool
+DEFAULT_MAX_CONNECTIONS = 256  # exchanges at once
+
+# Never taken from a caller: framing and routing are this client's business (RFC 9110 §7.6.1).
+HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
+                         "trailer", "upgrade", "proxy-connection", "proxy-authorization", "expect"})
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_METHOD = re.compile(r"[A-Z]{1,16}")
+_BAD_VALUE = re.compile(r"[\r\n\x00]")
+_BAD_TARGET = re.compile(r"[^\x21-\x7e]")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,12})[ \t]*(?:;[^\r\n]*)?")
+_BODYLESS = (204, 304)
+
+_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
+_NAMES: dict[str, str] = {}  # field names already checked -> lower case (bounded: see _field_name)
+MAX_NAME_CACHE = 512
+
+
+def _field_name(name: str) -> str | None:
+    """``name`` lower-cased if it is an RFC 9110 token, else None (results remembered, bounded)."""
+    low = _NAMES.get(name)
+    if low is None:
+        if _TOKEN.fullmatch(name) is None:
+            return None
+        low = name.lower()
+        if len(_NAMES) < MAX_NAME_CACHE:
+            _NAMES[name] = low
+    return low
+
+
+def _garbage(what: str) -> UompError:
+    # ``what`` is a fixed phrase: never the upstream's bytes (they may hold a memory value)
+    return UompError("UPSTREAM_ERROR", f"the memory guard answered with an invalid response ({what})")
+
+
+def _timeout() -> UompError:
+    return UompError("UPSTREAM_TIMEOUT", "the memory guard did not answer in time")
+
+
+def _unavailable() -> UompError:
+    return UompError("STORE_UNAVAILABLE", "the memory guard is unavailable")
+
+
+class _NoAnswer(Exception):
+    """The connection closed before a single byte of the answer arrived."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    kind: str  # "unix" or "http"
+    target: str  # socket path or base URL
+
+    @classmethod
+    def parse(cls, spec: str) -> Upstream:
+        if spec.startswith("unix:"):
+            return cls("unix", spec[len("unix:"):])
+        if spec.startswith("http://"):
+            return cls("http", spec.rstrip("/"))
+        raise UompError("CONFIG_ERROR", "upstream must be unix:/path/to/guard.sock or http://127.0.0.1:PORT")
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class _Conn(asyncio.Protocol):
+    """One upstream connection: a byte buffer fed by the event loop, read by one exchange at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.eof = False
+        self.closed = False
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.drain_waiter: asyncio.Future[None] | None = None
+        self.write_paused = False
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > READ_HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self.closed = True
+        self._wake()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        w = self.drain_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- used by the client
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self, deadline: float) -> None:
+        """Until more bytes (or EOF) arrive; TimeoutError at ``deadline`` (loop time)."""
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        fut = self.loop.create_future()
+        self.waiter = fut
+        handle = self.loop.call_at(deadline, _expire, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self.waiter = None
+
+    async def send(self, data: bytes, deadline: float) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+        if self.write_paused and not self.closed:
+            fut = self.loop.create_future()
+            self.drain_waiter = fut
+            handle = self.loop.call_at(deadline, _expire, fut)
+            try:
+                await fut
+            finally:
+                handle.cancel()
+                self.drain_waiter = None
+
+    def usable(self, now: float) -> bool:
+        return (not self.eof and not self.buf and self.transport is not None
+                and not self.transport.is_closing() and now - self.idle_since < IDLE_SECONDS)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def read_head(self, deadline: float) -> bytes:
+        start = 0
+        while True:
+            i = self.buf.find(b"\r\n\r\n", start)
+            if i >= 0:
+                if i > MAX_HEAD_BYTES:
+                    raise _garbage("header section too large")
+                head = bytes(self.buf[:i])
+                del self.buf[:i + 4]
+                return head
+            if len(self.buf) > MAX_HEAD_BYTES:
+                raise _garbage("header section too large")
+            if self.eof:
+                if not self.buf:
+                    raise _NoAnswer
+                raise _garbage("connection closed inside the header section")
+            start = max(0, len(self.buf) - 3)
+            await self.wait(deadline)
+
+    async def read_exact(self, n: int, deadline: float) -> bytes:
+        while len(self.buf) < n:
+            if self.eof:
+                raise _garbage("connection closed inside the body")
+            await self.wait(deadline)
+        if n == len(self.buf):
+            out = bytes(self.buf)
+            self.buf.clear()
+        else:
+            out = bytes(self.buf[:n])
+            del self.buf[:n]
+        return out
+
+    async def read_some(self, n: int, deadline: float) -> bytes:
+        """Up to ``n`` bytes (at least one), or b"" at EOF."""
+        while not self.buf:
+            if self.eof:
+                return b""
+            await self.wait(deadline)
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    async def read_line(self, deadline: float) -> bytes:
+        start = 0
+        while True:
+            i = self.buf.find(b"\r\n", start)
+            if i >= 0:
+                if i > MAX_CHUNK_LINE:
+                    raise _garbage("chunk line too long")
+                line = bytes(self.buf[:i])
+                del self.buf[:i + 2]
+                return line
+            if len(self.buf) > MAX_CHUNK_LINE:
+                raise _garbage("chunk line too long")
+            if self.eof:
+                raise _garbage("connection closed inside a chunked body")
+            start = max(0, len(self.buf) - 1)
+            await self.wait(deadline)
+
+
+def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[str, str]], dict[str, list[str]]]:
+    """(status, keep_alive, headers, framing fields by lower-case name); UPSTREAM_ERROR on anything not
+    strictly HTTP/1.x."""
+    lines = head.split(b"\r\n")
+    m = _STATUS_LINE.fullmatch(lines[0])
+    if m is None:
+        raise _garbage("bad status line")
+    if len(lines) - 1 > MAX_HEADERS:
+        raise _garbage("too many header fields")
+    crlfs = len(lines) - 1
+    if head.count(b"\r") != crlfs or head.count(b"\n") != crlfs or b"\x00" in head:
+        raise _garbage("bad header field value")  # a CR, LF or NUL that does not end a line
+    headers: list[tuple[str, str]] = []
+    framing: dict[str, list[str]] = {}
+    for raw in lines[1:]:
+        name, sep, value = raw.decode("latin-1").partition(":")
+        if not sep:
+            raise _garbage("header field without a colon")
+        low = _field_name(name)  # a token: also refuses obs-fold (a leading space) and space before ':'
+        if low is None:
+            raise _garbage("bad header field name")
+        value = value.strip(" \t")
+        headers.append((name, value))
+        if low in _FRAMING:
+            framing.setdefault(low, []).append(value)
+    return int(m.group(2)), m.group(1) == b"1", headers, framing
+
+
+class UpstreamResponse:
+    """The guard's answer. ``body`` is set when it was read whole already; else stream it with
+    :meth:`iter_chunks` or :meth:`read`. Always :meth:`release` it (returns or closes the connection)."""
+
+    def __init__(self, client: UpstreamClient, conn: _Conn, status: int, headers: list[tuple[str, str]],
+                 mode: int, length: int, keep_alive: bool, deadline: float) -> None:
+        self.status = status
+        self.headers = headers
+        self.body: bytes | None = None
+        self._client = client
+        self._conn: _Conn | None = conn
+        self._mode = mode
+        self._length = length  # _LENGTH: bytes still to read
+        self._keep_alive = keep_alive
+        self._deadline = deadline
+        self._received = 0
+        self._done = mode == _NONE
+        self._chunk_left = 0  # _CHUNKED: bytes left in the current chunk
+        self._framed_length = length if mode == _LENGTH else (0 if mode == _NONE else None)
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k.lower() == name:
+                return v
+        return None
+
+    @property
+    def content_type(self) -> str:
+        """The media type, lower case, without parameters ("" when absent)."""
+        value = self.header("content-type") or ""
+        return value.split(";", 1)[0].strip().lower()
+
+    @property
+    def content_length(self) -> int | None:
+        """The body's length when the guard framed it by length (or it has none)."""
+        return self._framed_length
+
+    async def _next(self, size: int) -> bytes:
+        """The next piece of the body (at most ``size`` bytes), b"" once it is complete."""
+        conn = self._conn
+        if self._done or conn is None:
+            return b""
+        dl = self._deadline
+        try:
+            if self._mode == _LENGTH:
+                if self._length == 0:
+                    self._done = True
+                    return b""
+                data = await conn.read_some(min(size, self._length), dl)
+                if not data:
+                    raise _garbage("connection closed inside the body")
+                self._length -= len(data)
+                if self._length == 0:
+                    self._done = True
+                return data
+            if self._mode == _UNTIL_CLOSE:
+                data = await conn.read_some(size, dl)
+                if not data:
+                    self._done = True
+                    self._keep_alive = False
+                    return b""
+                self._count(len(data))
+                return data
+            # chunked
+            if self._chunk_left == 0:
+                line = await conn.read_line(dl)
+                m = _CHUNK_SIZE.fullmatch(line)
+                if m is None:
+                    raise _garbage("bad chunk size")
+                n = int(m.group(1), 16)
+                if n == 0:
+                    for _ in range(MAX_TRAILERS + 1):
+                        if not await conn.read_line(dl):
+                            self._done = True
+                            return b""
+                    raise _garbage("too many trailer fields")
+                self._count(n)
+                self._chunk_left = n
+            data = await conn.read_some(min(size, self._chunk_left), dl)
+            if not data:
+                raise _garbage("connection closed inside a chunk")
+            self._chunk_left -= len(data)
+            if self._chunk_left == 0 and await conn.read_exact(2, dl) != b"\r\n":
+                raise _garbage("chunk not followed by CRLF")
+            return data
+        except TimeoutError as exc:
+            self._abort()
+            raise _timeout() from exc
+        except BaseException:
+            self._abort()
+            raise
+
+    def _count(self, n: int) -> None:
+        self._received += n
+        if self._received > MAX_BODY_BYTES:
+            raise _garbage("body larger than the gateway accepts")
+
+    async def read(self, limit: int) -> bytes:
+        """The body, or its first ``limit`` bytes (the rest is not read: the connection is closed)."""
+        if self.body is not None:
+            return self.body[:limit]
+        parts: list[bytes] = []
+        got = 0
+        while got < limit:
+            piece = await self._next(min(64 * 1024, limit - got))
+            if not piece:
+                break
+            parts.append(piece)
+            got += len(piece)
+        return b"".join(parts)
+
+    async def iter_chunks(self, size: int = 64 * 1024) -> AsyncIterator[bytes]:
+        if self.body is not None:
+            for i in range(0, len(self.body), size):
+                yield self.body[i:i + size]
+            return
+        while True:
+            piece = await self._next(size)
+            if not piece:
+                return
+            yield piece
+
+    def _abort(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            self._client._finished(None)
+
+    def release(self) -> None:
+        """Give the connection back (if the exchange ended cleanly) or close it; idempotent."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._done and self._keep_alive and not conn.buf:
+            self._client._finished(conn)
+        else:
+            conn.close()
+            self._client._finished(None)
+
+
+class UpstreamClient:
+    """A bounded pool of keep-alive HTTP/1.1 connections to one upstream (see the module doc)."""
+
+    def __init__(self, upstream: Upstream, *, timeout_seconds: float,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_idle: int = MAX_IDLE) -> None:
+        self.upstream = upstream
+        self.timeout = float(timeout_seconds)
+        self.max_idle = max_idle
+        self._slots = asyncio.Semaphore(max_connections)
+        self._idle: list[_Conn] = []
+        self.opened = 0  # connections opened so far (tests and diagnostics)
+        self.retries = 0  # GETs replayed after a reused connection turned out closed
+        self._closed = False
+        if upstream.kind == "unix":
+            self._host = "uomp-guard"
+            self._prefix = ""
+            self._addr: tuple[str, int] | None = None
+        elif upstream.kind == "http":
+            parts = urlsplit(upstream.target)
+            try:
+                port = parts.port or 80
+            except ValueError:
+                port = -1
+            if (not parts.hostname or parts.username or parts.password or parts.query or parts.fragment
+                    or port < 0):
+                raise UompError("CONFIG_ERROR", "upstream must be http://HOST:PORT (optionally /prefix)")
+            host = parts.hostname
+            self._addr = (host, port)
+            shown = f"[{host}]" if ":" in host else host
+            self._host = shown if port == 80 else f"{shown}:{port}"
+            self._prefix = parts.path.rstrip("/")
+            if _BAD_TARGET.search(self._prefix):
+                raise UompError("CONFIG_ERROR", "upstream URL path has characters that cannot be sent")
+        else:
+            raise UompError("CONFIG_ERROR", f"unknown upstream kind {upstream.kind!r}")
+
+    # ------------------------------------------------------------------------------ request
+
+    def _serialize(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
+        if _METHOD.fullmatch(method) is None:
+            raise UompError("INVALID_REQUEST", "method cannot be forwarded")
+        if not target.startswith("/") or _BAD_TARGET.search(target):
+            raise UompError("INVALID_REQUEST", "request target cannot be forwarded")
+        parts = [f"{method} {self._prefix}{target} HTTP/1.1\r\nHost: {self._host}\r\n"]
+        values = []
+        for k, v in headers.items():
+            low = _field_name(k)
+            if low is None:
+                raise UompError("INVALID_REQUEST", "a request header cannot be forwarded")
+            if low in HOP_HEADERS:
+                continue
+            parts.append(f"{k}: {v}\r\n")
+            values.append(v)
+        if _BAD_VALUE.search("".join(values)):  # one scan for CR, LF or NUL in any value
+            raise UompError("INVALID_REQUEST", "a request header cannot be forwarded")
+        if body is not None or method in ("POST", "PUT", "PATCH"):
+            parts.append(f"Content-Length: {len(body) if body else 0}\r\n")
+        parts.append("\r\n")
+        # aiohttp hands header values over as UTF-8 with surrogateescape: send the original bytes
+        head = "".join(parts).encode("utf-8", "surrogateescape")
+        return head + body if body else head
+
+    async def request(self, method: str, target: str, headers: Mapping[str, str], *,
+                      body: bytes | None = None) -> UpstreamResponse:
+        """Send one request; returns once the status and headers (and a small body) are in."""
+        if self._closed:
+            raise _unavailable()
+        data = self._serialize(method, target, headers, body)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        slots = self._slots
+        if slots.locked():
+            try:
+                await asyncio.wait_for(slots.acquire(), max(0.0, deadline - loop.time()))
+            except TimeoutError as exc:
+                raise _timeout() from exc
+        else:
+            await slots.acquire()
+        try:
+            return await self._exchange(loop, method, data, deadline)
+        except BaseException:
+            slots.release()
+            raise
+
+    async def _exchange(self, loop: asyncio.AbstractEventLoop, method: str, data: bytes,
+                        deadline: float) -> UpstreamResponse:
+        for attempt in (0, 1):
+            conn = self._pop_idle(loop.time()) if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(loop, deadline)
+            try:
+                await conn.send(data, deadline)
+                head = await conn.read_head(deadline)
+                status, keep_alive, headers, framing = _parse_head(head)
+                resp = self._response(conn, method, status, keep_alive, headers, framing, deadline)
+                if resp._mode == _LENGTH and resp._length <= BUFFER_BODY_BYTES:
+                    resp.body = await conn.read_exact(resp._length, deadline)
+                    resp._length = 0
+                    resp._done = True
+                    resp.release()
+                elif resp._mode == _NONE:
+                    resp.body = b""
+                    resp.release()
+                return resp
+            except _NoAnswer:
+                conn.close()
+                if reused:
+                    self._drop_idle()  # the guard closed or restarted: the other idle ones are stale too
+                    if method == "GET" and attempt == 0:
+                        self.retries += 1
+                        continue
+                raise _unavailable() from None
+            except TimeoutError as exc:
+                conn.close()
+                raise _timeout() from exc
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _response(self, conn: _Conn, method: str, status: int, keep_alive: bool, headers: list[tuple[str, str]],
+                  framing: dict[str, list[str]], deadline: float) -> UpstreamResponse:
+        if status < 200:
+            raise _garbage("interim (1xx) response")
+        length: str | None = None
+        coding: str | None = None
+        if "content-length" in framing:
+            lengths = framing["content-length"]
+            if any(v != lengths[0] for v in lengths):
+                raise _garbage("conflicting Content-Length")
+            length = lengths[0]
+        if "transfer-encoding" in framing:
+            if len(framing["transfer-encoding"]) > 1:
+                raise _garbage("repeated Transfer-Encoding")
+            coding = framing["transfer-encoding"][0]
+        for v in framing.get("connection", ()):
+            if "close" in {t.strip().lower() for t in v.split(",")}:
+                keep_alive = False
+        if coding is not None:
+            if length is not None:
+                raise _garbage("both Content-Length and Transfer-Encoding")
+            if coding.lower() != "chunked":
+                raise _garbage("unsupported Transfer-Encoding")
+        n = 0
+        if length is not None:
+            if not (length.isascii() and length.isdigit()) or len(length) > 12:
+                raise _garbage("bad Content-Length")
+            n = int(length)
+            if n > MAX_BODY_BYTES:
+                raise _garbage("body larger than the gateway accepts")
+        if method == "HEAD" or status in _BODYLESS:
+            mode, n = _NONE, 0
+        elif coding is not None:
+            mode = _CHUNKED
+        elif length is not None:
+            mode = _LENGTH
+        else:
+            mode, keep_alive = _UNTIL_CLOSE, False
+        return UpstreamResponse(self, conn, status, headers, mode, n, keep_alive, deadline)
+
+    # ------------------------------------------------------------------------------ pool
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, deadline: float) -> _Conn:
+        def factory() -> _Conn:
+            return _Conn(loop)
+
+        try:
+            async with asyncio.timeout_at(deadline):
+                if self._addr is None:
+                    _t, conn = await loop.create_unix_connection(factory, self.upstream.target)
+                else:
+                    _t, conn = await loop.create_connection(factory, *self._addr)
+        except TimeoutError as exc:
+            raise _timeout() from exc
+        except OSError as exc:  # missing socket, refused, permission, unreachable
+            raise _unavailable() from exc
+        self.opened += 1
+        return conn
+
+    def _pop_idle(self, now: float) -> _Conn | None:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now):
+                return conn
+            conn.close()
+        return None
+
+    def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _finished(self, conn: _Conn | None) -> None:
+        """An exchange ended: free its slot; pool its connection if given (and there is room)."""
+        self._slots.release()
+        if conn is None:
+            return
+        if self._closed or len(self._idle) >= self.max_idle or conn.eof or conn.closed:
+            conn.close()
+            return
+        conn.idle_since = conn.loop.time()
+        self._idle.append(conn)
+
+    @property
+    def idle_connections(self) -> int:
+        return len(self._idle)
+
+    async def close(self) -> None:
+        """Close the idle connections; exchanges in flight finish and then close theirs. No await inside."""
+        self._closed = True
+        self._drop_idle()
