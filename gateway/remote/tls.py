@@ -392,7 +392,7 @@ def install_sighup(loop: asyncio.AbstractEventLoop, reloader: TLSReloader) -> bo
     """Reload TLS files on SIGHUP. False where signals cannot be handled (non-main thread, Windows)."""
     try:
         loop.add_signal_handler(signal.SIGHUP, reloader.reload_logged)
-    except (RuntimeError, ValueError, AttributeError):  # RuntimeError includes NotImplementedError
+    except (RuntimeError, ValueError, AttributeError):  # RuntimeError covers "not implemented" too
         return False
     return True
 
