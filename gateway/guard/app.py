@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
@@ -238,7 +239,7 @@ class AgentCall:
         self._reason, self._detail = reason, detail
 
 
-async def _flush_then_raise(call: AgentCall, exc: UompError) -> web.Response:
+async def _answer_refusal(call: AgentCall, exc: UompError) -> web.Response:
     """The refusal was audited by AgentCall; make it durable, then answer (with the quota header)."""
     await call.svc.audit.flush()
     resp = error_response(exc)
@@ -257,7 +258,7 @@ async def get_key(request: web.Request) -> web.Response:
         cap = call.authenticate()
         call.consume_read()
     except UompError as exc:
-        return await _flush_then_raise(call, exc)
+        return await _answer_refusal(call, exc)
     if cap.aggregation_only:  # §10.4 step 5b, §19.2
         return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
     item = call.svc.store.get(key)
@@ -288,7 +289,7 @@ async def get_by_tag(request: web.Request) -> web.Response:
         cap = call.authenticate()
         call.consume_read()
     except UompError as exc:
-        return await _flush_then_raise(call, exc)
+        return await _answer_refusal(call, exc)
     if cap.aggregation_only:
         return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
     d, items = _tag_items(call, cap, tag)
@@ -313,7 +314,7 @@ async def aggregate(request: web.Request) -> web.Response:
         cap = call.authenticate()
         call.consume_read()
     except UompError as exc:
-        return await _flush_then_raise(call, exc)
+        return await _answer_refusal(call, exc)
     d, items = _tag_items(call, cap, tag)
     if not d.allowed:
         return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
@@ -334,7 +335,7 @@ async def _refuse_authenticated(request: web.Request, action: str, code: str, me
     try:
         cap = call.authenticate()
     except UompError as exc:
-        return await _flush_then_raise(call, exc)
+        return await _answer_refusal(call, exc)
     return await call.refuse(UompError(code, message, session_id=cap.session_id))
 
 
@@ -421,8 +422,6 @@ async def deletion_proof(request: web.Request) -> web.Response:
         key = None
         if row.identity_jwk:
             loaded = jose.load_public_jwk(row.identity_jwk)
-            from cryptography.hazmat.primitives.asymmetric import ed25519
-
             key = loaded if isinstance(loaded, ed25519.Ed25519PublicKey) else None
         deletion.verify_deletion_proof(
             proof, path_session_id=sid, token_session_id=cap.session_id, token_agent_id=cap.agent_id,
@@ -433,7 +432,7 @@ async def deletion_proof(request: web.Request) -> web.Response:
             call.record(False, exc.message, exc.code)
         await svc.audit.flush()
         raise
-    svc.auth.db.execute("UPDATE sessions SET deletion_proof_id=? WHERE session_id=?", (proof.deletion_proof_id, sid))
+    svc.auth.record_deletion_proof(sid, proof.deletion_proof_id)
     call.allow("deletion proof verified", proof.deletion_proof_id)
     if cap.task_bound and row.status == "active":
         svc.auth.close(sid, reason="task-bound session closed after its deletion proof")

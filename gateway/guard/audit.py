@@ -64,7 +64,6 @@ class AuditLog:
         self._seq = 0  # records appended
         self._committed = 0  # records durable
         self._writer: asyncio.Task[None] | None = None
-        self._done: asyncio.Event | None = None
 
     def record(self, *, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
                key: str | None = None, tags: list[str] | None = None, detail: str | None = None,

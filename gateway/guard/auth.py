@@ -475,10 +475,11 @@ class AuthService:
 
     # --------------------------------------------------------------------------- tokens
 
-    def verify(self, token: str) -> Capability:
-        """Signature + exp/expires_at, cached by token hash. Session status is NOT checked here."""
+    def verify(self, token: str, th: str | None = None) -> Capability:
+        """Signature + exp/expires_at, cached by token hash (``th``, computed if not given).
+        Session status is NOT checked here."""
         now = self.clock()
-        th = token_hash(token)
+        th = th or token_hash(token)
         cap = self._verified.get(th)
         if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
             return cap
@@ -490,7 +491,8 @@ class AuthService:
 
     def authenticate(self, token: str, *, allow_refresh: bool = False) -> tuple[Capability, SessionRow]:
         """§10.4 steps 1-4: signature, expiry, session status (every request), blacklist."""
-        cap = self.verify(token)
+        th = token_hash(token)
+        cap = self.verify(token, th)
         if cap.is_refresh and not allow_refresh:
             raise UompError("INVALID_TOKEN", "a refresh token cannot be used here", session_id=cap.session_id)
         if not cap.is_refresh and allow_refresh:
@@ -504,7 +506,7 @@ class AuthService:
             raise UompError("TOKEN_EXPIRED", "session has expired", session_id=cap.session_id)
         if row.status != "active":
             raise UompError("SESSION_REVOKED", f"session is {row.status}", session_id=cap.session_id)
-        if self.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (token_hash(token),)).fetchone():
+        if self.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (th,)).fetchone():
             raise UompError("SESSION_REVOKED", "token has been revoked", session_id=cap.session_id)
         return cap, row
 
@@ -523,6 +525,12 @@ class AuthService:
             return out
         return {"valid": True, "session_id": cap.session_id, "agent_id": cap.agent_id,
                 "expires_at": tokens.iso(cap.expires_at), "status": row.status}
+
+    def record_deletion_proof(self, session_id: str, deletion_proof_id: str) -> None:
+        """Remember the accepted proof (§19.4); a session with one records no deletion_proof_missing."""
+        with transaction(self.db, what="session database"):
+            self.db.execute("UPDATE sessions SET deletion_proof_id=? WHERE session_id=?",
+                            (deletion_proof_id, session_id))
 
     def session_status(self, session_id: str) -> str:
         row = self._row(session_id)
