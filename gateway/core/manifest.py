@@ -45,11 +45,14 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core import jose
 from gateway.core.canonical import canonical_json
+from gateway.core.didkey import b58btc_decode as b58btc_decode  # re-exported for callers of this module
+from gateway.core.didkey import b58btc_encode as b58btc_encode
+from gateway.core.didkey import did_key_from_public as did_key_from_public
+from gateway.core.didkey import public_key_from_did_key as public_key_from_did_key
 from gateway.core.tokens import Scope, parse_iso
 from gateway.errors import UompError
 
@@ -86,6 +89,11 @@ _DID = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._:%-]+")
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _UNSAFE_MULTILINE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _MISSING: Any = object()
+
+
+def is_display_safe(text: str) -> bool:
+    """No control or bidirectional-override character: safe to print on one terminal line."""
+    return not _UNSAFE.search(text)
 
 
 # ------------------------------------------------------------------------------ data model
@@ -540,57 +548,6 @@ def retention_level(policy: RetentionPolicy | None) -> RetentionLevel:
     if seconds <= SESSION_RETENTION_MAX:
         return "session"
     return "no_guarantee"
-
-
-# ------------------------------------------------------------------------------ base58 / did:key
-
-_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-_B58_INDEX = {c: i for i, c in enumerate(_B58)}
-_MAX_B58 = 512  # characters; bounds the big-integer work
-_ED25519_PUB_MULTICODEC = b"\xed\x01"  # varint(0xed), multicodec "ed25519-pub"
-
-
-def b58btc_encode(data: bytes) -> str:
-    """Bitcoin-alphabet base58: one '1' per leading zero byte, then the big-endian number."""
-    zeros = len(data) - len(data.lstrip(b"\x00"))
-    n = int.from_bytes(data, "big")
-    digits: list[str] = []
-    while n:
-        n, r = divmod(n, 58)
-        digits.append(_B58[r])
-    return "1" * zeros + "".join(reversed(digits))
-
-
-def b58btc_decode(text: str) -> bytes:
-    """Inverse of :func:`b58btc_encode`; ValueError on any character outside the alphabet."""
-    if not isinstance(text, str) or len(text) > _MAX_B58:
-        raise ValueError("not base58btc")
-    n = 0
-    for c in text:
-        idx = _B58_INDEX.get(c)
-        if idx is None:
-            raise ValueError("not base58btc")
-        n = n * 58 + idx
-    zeros = len(text) - len(text.lstrip("1"))
-    body = n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b""
-    return b"\x00" * zeros + body
-
-
-def did_key_from_public(pub: ed25519.Ed25519PublicKey) -> str:
-    """``did:key:z…`` for an Ed25519 public key (multibase base58btc of 0xed01 || 32 bytes)."""
-    raw = pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return "did:key:z" + b58btc_encode(_ED25519_PUB_MULTICODEC + raw)
-
-
-def public_key_from_did_key(did: str) -> ed25519.Ed25519PublicKey:
-    """The Ed25519 key inside a ``did:key``; ValueError for any other shape or key type."""
-    prefix = "did:key:z"
-    if not isinstance(did, str) or not did.startswith(prefix):
-        raise ValueError("not a base58btc did:key")
-    decoded = b58btc_decode(did[len(prefix) :])
-    if len(decoded) != 34 or not decoded.startswith(_ED25519_PUB_MULTICODEC):
-        raise ValueError("did:key is not an Ed25519 public key")
-    return ed25519.Ed25519PublicKey.from_public_bytes(decoded[2:])
 
 
 # ------------------------------------------------------------------------------ identity
