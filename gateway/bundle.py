@@ -4,6 +4,7 @@
 
     {"uomp_bundle": 1, "agent_id": ..., "session_id": ..., "gateway_url": "https://...",
      "access_token": ..., "access_expires_at": ISO, "refresh_token": ..., "refresh_expires_at": ISO,
+     "session_expires_at": ISO (when the session ends: no refresh goes past it),
      "ca_cert": PEM (the gateway's CA), "agent_cert": PEM,
      "agent_key": PEM (only when the user made the key: ``--out``) or "agent_key_file": path,
      "payload_public_key": null (the user's payload key, once payloads land)}
@@ -40,6 +41,7 @@ class AgentBundle:
     agent_key: str | None = field(default=None, repr=False)
     agent_key_file: str | None = None
     payload_public_key: str | None = None
+    session_expires_at: str | None = None
 
     def with_tokens(self, answer: dict[str, Any]) -> AgentBundle:
         return replace(self, access_token=answer["access_token"], access_expires_at=answer["expires_at"],

@@ -85,6 +85,11 @@ class Paths:
     def agents_dir(self) -> Path:
         return self.home / "agents"
 
+    @property
+    def trust_file(self) -> Path:
+        """The user's trust list of publisher identities (spec §16.4), see gateway/trust.py."""
+        return self.home / "trust.json"
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -104,7 +109,8 @@ class GuardConfig:
     max_body_bytes: int = 64 * 1024
     max_tag_results: int = 1000
     token_cache_entries: int = 4096
-    session_max_minutes: int = 24 * 60
+    session_max_minutes: int = 24 * 60  # Local Profile sessions
+    remote_session_max_minutes: int = 30 * 24 * 60  # Remote Profile sessions (they live on refresh tokens)
 
 
 @dataclass(frozen=True)

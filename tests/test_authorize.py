@@ -87,9 +87,10 @@ def test_verified_identity_and_remote_bundle(home: Paths, tmp_path: Path, capsys
     ca_store.init_all(home)
     bundle_path = tmp_path / "bundle.json"
     assert cli(home, "authorize", str(agent), "--yes", "--remote", "--gateway-url", "https://gw.example:9443",
-               "--out", str(tmp_path / "agentfiles"), "--bundle", str(bundle_path)) == 0
+               "--out", str(tmp_path / "agentfiles"), "--bundle", str(bundle_path),
+               "--trust-publisher", "Example Org") == 0
     out = capsys.readouterr().out
-    assert "Identity:  verified (did:key" in out
+    assert "Publisher: Example Org (signed by did:key" in out  # verified, and trusted by the user's word
     assert stat.S_IMODE(os.stat(bundle_path).st_mode) == 0o600
     b = load_bundle(bundle_path)
     assert b.refresh_token and b.agent_key and b.agent_cert and b.gateway_url == "https://gw.example:9443"

@@ -6,13 +6,32 @@ Local Profile: the token goes into a 0600 env file (``UOM_TOKEN``, ``UOMP_BASE_U
 Remote Profile (``--remote``): a short access token (<= 10 min) bound to the agent's certificate key
 (``cnf.x5t#S256`` and ``cnf.jkt``), a refresh token bound to the same key, and one 0600 bundle
 file with everything the remote agent needs (see :mod:`gateway.bundle`).
+
+Publisher identity (§16.4) is shown in one of three states: signed by a key in the user's trust
+list (named by the name the user gave it), signed by a key the user has never trusted (its DID and
+fingerprint shown, the manifest's publisher name marked as its own claim), or not verified at all.
+``--require-verified`` accepts only the first. Trusting a new key is offered, never assumed: an
+explicit question on a terminal, or ``--trust-publisher NAME``.
+
+Every limit the manifest asks for reaches the grant (see :mod:`gateway.core.restrictions`); the
+user may narrow further, widening needs ``--widen``. ``requires_remote: true`` is refused on the
+Local Profile unless ``--allow-local``.
+
+Session length (``--session-ttl``/``--duration``, e.g. ``90m``, ``12h``, ``7d``; a bare number is
+minutes): local sessions default to 30 minutes (at most ``session_max_minutes``); remote sessions
+default to ``remote_session_max_minutes`` (30 days) and live on refresh tokens of
+``refresh_lifetime_seconds`` (7 days, never past the session end) and access tokens of at most 10
+minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,17 +39,43 @@ from urllib.parse import urlsplit
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from gateway import ca_store
+from gateway import ca_store, trust
 from gateway.bundle import AgentBundle, write_bundle
 from gateway.cli.guard import guard_config, open_auth
 from gateway.cli.main import paths_from
-from gateway.core import jose, manifest
+from gateway.config import GuardConfig
+from gateway.core import didkey, jose, manifest, restrictions, tokens
 from gateway.core.tokens import Scope
 from gateway.errors import UompError
 from gateway.fsutil import atomic_write
+from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
 
 RED = "\033[1;31m"
 RESET = "\033[0m"
+
+
+LOCAL_DEFAULT_SESSION_SECONDS = 30 * 60  # §20.1's 30 minutes, as before
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", re.ASCII | re.IGNORECASE)
+_UNIT_SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86_400}
+MAX_DURATION_SECONDS = 10 * 365 * 86_400  # parsing bound only; the config's maxima decide
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``12h``, ``7d`` (a bare number is minutes) -> seconds; ValueError otherwise."""
+    match = _DURATION.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError("a duration is a number with an optional unit s, m, h or d (a bare number is minutes)")
+    seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2).lower()]
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_DURATION_SECONDS:
+        raise ValueError("a duration must be more than zero and at most ten years")
+    return seconds
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _warn(text: str) -> None:
@@ -44,22 +89,102 @@ def _scope_line(name: str, scope: Scope) -> str:
         parts.append(f"deny_tags={list(scope.deny_tags)}")
     if scope.deny_keys:
         parts.append(f"deny_keys={list(scope.deny_keys)}")
+    if scope.allowed_fields is not None:
+        parts.append(f"allowed_fields={list(scope.allowed_fields)}")
     return f"  {name:<5} " + " ".join(parts)
 
 
-def _show(m: manifest.Manifest, ident: manifest.IdentityResult) -> None:
-    a = m.agent
-    print(f"Agent:     {a.name} ({a.id}) version {a.version}" + (f", publisher {a.publisher}" if a.publisher else ""))
-    if a.description:
-        print(f"           {a.description}")
-    if ident.verified:
-        print(f"Identity:  verified ({ident.method} {ident.did})")
+# ------------------------------------------------------------------------------ identity
+
+
+def _identity_state(ident: manifest.IdentityResult, trusted: trust.TrustList) -> trust.TrustEntry | None:
+    """The trust entry that names this manifest's publisher: only for a verified signature by a key in the list."""
+    return trusted.find_did(ident.did) if ident.verified else None
+
+
+def _show_identity(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
+    claim = m.agent.publisher
+    entry = _identity_state(ident, trusted)
+    if entry is not None:
+        print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        if claim and claim != entry.name:
+            print(f'           "{claim}" (the manifest\'s own claim)')
+        return
+    if ident.verified and ident.public_key is not None:
+        _warn(f"SIGNED BY A KEY YOU HAVE NEVER TRUSTED: {ident.did}")
+        print(f"           key fingerprint {didkey.fingerprint(ident.public_key)}")
+        print("           anyone can make such a key: compare the DID with the one the publisher gives you, then")
+        print("           trust it with --trust-publisher NAME (or uomp trust add DID --name NAME)")
     else:
         _warn(f"UNVERIFIED PUBLISHER: {ident.reason}")
+        named = trusted.find_did(ident.did)
+        if named is not None:
+            _warn(f"this manifest names the key you trust as {named.name!r}, but that key did NOT sign it: "
+                  f"it is not from {named.name!r}")
+    print(f'Publisher: "{claim}" (the manifest\'s own claim, not verified)' if claim
+          else "Publisher: (none named)")
+
+
+def _offer_trust(args: argparse.Namespace, paths: Any, ident: manifest.IdentityResult,
+                 trusted: trust.TrustList) -> trust.TrustList:
+    """Trust-on-first-use, only on the user's explicit word: --trust-publisher NAME or a typed name."""
+    if args.trust_publisher is not None:
+        if not ident.verified or not ident.did:
+            raise UompError("INVALID_REQUEST", "--trust-publisher: the manifest has no verified signature, so "
+                            "there is no key to trust")
+        name = args.trust_publisher
+    elif ident.verified and ident.did and _identity_state(ident, trusted) is None and _interactive(args):
+        name = input("Trust this key as a publisher from now on? Type the name to remember it by "
+                     "(empty: do not trust): ").strip()
+        if not name:
+            return trusted
+    else:
+        return trusted
+    entry, old = trust.add(paths, ident.did, name, how="authorize")
+    if old is None:
+        done = f"added to your trust list as {entry.name!r}"
+    elif old is entry:
+        done = "already in your trust list under that name"
+    else:
+        done = f"renamed in your trust list from {old.name!r} to {entry.name!r}"
+    print(f"Publisher: {entry.name} (signed by {entry.id}, {done})")
+    return trust.load(paths)
+
+
+def _interactive(args: argparse.Namespace) -> bool:
+    return not args.yes and sys.stdin.isatty()
+
+
+# ------------------------------------------------------------------------------ the panel
+
+
+def _show_capabilities(m: manifest.Manifest) -> None:
+    def described(names: tuple[str, ...]) -> str:
+        return ", ".join(f"{n} ({restrictions.CAPABILITIES.get(n, 'unknown to this gateway')})" for n in names)
+
+    parts = []
+    if m.required_capabilities:
+        parts.append("required " + described(m.required_capabilities))
+    if m.optional_capabilities:
+        parts.append("optional " + described(m.optional_capabilities))
+    print("Capabilities: " + ("; ".join(parts) if parts else "none declared"))
+    if "memory.write" in m.required_capabilities:
+        _warn("the agent REQUIRES memory.write, which this gateway does not provide: it may not work")
+
+
+def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
+    a = m.agent
+    print(f"Agent:     {a.name} ({a.id}) version {a.version}")
+    if a.description:
+        print(f"           {a.description}")
+    _show_identity(m, ident, trusted)
     print("Requests:")
     print(_scope_line("read", m.read) + (f"  - {m.read_description}" if m.read_description else ""))
     if not m.write.is_empty():
         print(_scope_line("write", m.write) + "  (writes are not available; they will not be granted)")
+    _show_capabilities(m)
+    print(f"Remote:    requires_remote: {'true' if m.requires_remote else 'false'}"
+          + (" (the agent runs on another machine, through the gateway)" if m.requires_remote else ""))
     level = manifest.retention_level(m.retention)
     r = m.retention
     if r is None:
@@ -73,6 +198,41 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult) -> None:
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
 
 
+def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace) -> None:
+    extras = []
+    if plan.aggregation_only:
+        extras.append("aggregates only (sum/avg/count/min/max), never items")
+    if args.task_bound:
+        extras.append("one task")
+    print("Grant:     " + _scope_line("read", plan.scope).strip()[len("read"):].strip()
+          + (f"; {'; '.join(extras)}" if extras else ""))
+    if plan.widened:
+        _warn("WIDER THAN REQUESTED (--widen): " + "; ".join(plan.widened))
+
+
+def _session_seconds(args: argparse.Namespace, cfg: GuardConfig) -> float:
+    most_minutes = cfg.remote_session_max_minutes if args.remote else cfg.session_max_minutes
+    if args.duration is None:
+        return most_minutes * 60.0 if args.remote else float(min(LOCAL_DEFAULT_SESSION_SECONDS, most_minutes * 60))
+    if args.duration > most_minutes * 60:
+        setting = "remote_session_max_minutes" if args.remote else "session_max_minutes"
+        raise UompError("INVALID_REQUEST", f"--session-ttl: a {'remote' if args.remote else 'local'} session lasts "
+                        f"at most {minutes_text(most_minutes)} (the {setting} setting in [guard])")
+    if args.duration < 60:
+        raise UompError("INVALID_REQUEST", "--session-ttl: a session lasts at least one minute")
+    return float(args.duration)
+
+
+def _show_session(seconds: float, args: argparse.Namespace, cfg: GuardConfig) -> None:
+    until = tokens.iso(time.time() + seconds)
+    print(f"Session:   {minutes_text(seconds / 60)}, until about {until} (shorten with --session-ttl, e.g. 7d or 12h)")
+    if args.remote:
+        access = min(cfg.remote_token_lifetime_seconds, REMOTE_ACCESS_MAX_SECONDS)
+        refresh = min(cfg.refresh_lifetime_seconds, seconds)
+        print(f"           access tokens last {minutes_text(access / 60)}; the agent renews them with a refresh "
+              f"token of {minutes_text(refresh / 60)}, itself renewed on each use, never past the session end")
+
+
 def _confirm(args: argparse.Namespace) -> None:
     if args.yes:
         return
@@ -84,18 +244,16 @@ def _confirm(args: argparse.Namespace) -> None:
         raise UompError("ACCESS_DENIED", "authorization declined by the user")
 
 
-def _granted_scope(m: manifest.Manifest, args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
-    """The read scope to grant: the request, optionally narrowed (or, with --widen, widened)."""
-    tags = list(args.tag) if args.tag else list(m.read.tags)
-    keys = list(args.key) if args.key else list(m.read.keys)
-    scope = {"tags": tags, "keys": keys,
-             "deny_tags": sorted(set(m.read.deny_tags) | set(args.deny_tag or [])),
-             "deny_keys": sorted(set(m.read.deny_keys) | set(args.deny_key or []))}
-    widen = not (set(tags) <= set(m.read.tags) and set(keys) <= set(m.read.keys))
-    if widen and not args.widen:
-        raise UompError("INVALID_REQUEST", "--tag/--key grant more than the agent requested; add --widen to "
-                        "confirm you want that")
-    return scope, widen
+def _plan(m: manifest.Manifest, args: argparse.Namespace) -> restrictions.ReadGrant:
+    """The read grant: every limit the manifest asks for, narrowed by the user (widening needs --widen)."""
+    plan = restrictions.plan_read_grant(
+        m.read, capabilities=(*m.required_capabilities, *m.optional_capabilities), tags=args.tag, keys=args.key,
+        deny_tags=args.deny_tag or (), deny_keys=args.deny_key or (), allowed_fields=args.allowed_field,
+        aggregation_only=args.aggregation_only)
+    if plan.widened and not args.widen:
+        raise UompError("INVALID_REQUEST", "this grants more than the agent requested (" + "; ".join(plan.widened)
+                        + "); add --widen to confirm you want that")
+    return plan
 
 
 def _cert_binding(cert_pem: bytes) -> dict[str, str]:
@@ -115,19 +273,30 @@ def _authorize(args: argparse.Namespace) -> int:
         raise UompError("MANIFEST_INVALID", f"cannot read {path}: {exc.strerror}") from exc
     m = manifest.parse_manifest(raw)
     ident = manifest.verify_identity(m.raw)
-    _show(m, ident)
-    if args.require_verified and not ident.verified:
-        raise UompError("ACCESS_DENIED", "the publisher's identity could not be verified and --require-verified "
-                        "is set")
-    scope, widen = _granted_scope(m, args)
+    trusted = trust.load(paths)
+    cfg = guard_config(args, paths)
+    _show(m, ident, trusted)
+    plan = _plan(m, args)
+    _show_grant(plan, args)
+    seconds = _session_seconds(args, cfg)
+    _show_session(seconds, args, cfg)
+    if m.requires_remote and not args.remote:
+        if not args.allow_local:
+            raise UompError("INVALID_REQUEST", "this agent declares requires_remote: true (it runs on another "
+                            "machine); authorize it with --remote, or pass --allow-local to run it on this one")
+        _warn("the agent runs on this machine although it declares requires_remote: true (--allow-local)")
+    trusted = _offer_trust(args, paths, ident, trusted)
+    if args.require_verified and _identity_state(ident, trusted) is None:
+        raise UompError("ACCESS_DENIED", "the publisher could not be verified against your trust list (§16.4) and "
+                        "--require-verified is set; see uomp trust")
     _confirm(args)
 
-    cfg = guard_config(args, paths)
     auth = open_auth(paths, cfg)
     try:
         create: dict[str, Any] = {"agent_id": m.agent.id, "agent_name": m.agent.name,
                                   "requested_scopes": {"read": m.read.to_claim()},
-                                  "duration_minutes": args.duration}
+                                  "duration_minutes": seconds / 60,
+                                  "profile": "remote" if args.remote else "local"}
         if ident.verified and ident.public_key is not None:
             create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
         if m.retention is not None:
@@ -135,10 +304,10 @@ def _authorize(args: argparse.Namespace) -> int:
                                                "deletion_method": m.retention.deletion_method,
                                                "proof_required": m.retention.proof_required}
         session = auth.create_session(create)
-        grant: dict[str, Any] = {"granted_scopes": {"read": scope}, "widen": widen,
-                                 "aggregation_only": args.aggregation_only, "task_bound": args.task_bound}
-        if args.allowed_field:
-            grant["allowed_fields"] = list(args.allowed_field)
+        grant: dict[str, Any] = {"granted_scopes": {"read": plan.scope.to_claim()}, "widen": bool(plan.widened),
+                                 "aggregation_only": plan.aggregation_only, "task_bound": args.task_bound}
+        if plan.allowed_fields is not None:
+            grant["allowed_fields"] = list(plan.allowed_fields)
         if args.max_reads is not None:
             grant["limits"] = {"max_read_queries": args.max_reads}
         if args.remote:
@@ -195,14 +364,14 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
     bundle = AgentBundle(
         agent_id=m.agent.id, session_id=session_id, gateway_url=url, access_token=answer["token"],
         access_expires_at=answer["expires_at"], refresh_token=answer.get("refresh_token"),
-        refresh_expires_at=answer.get("refresh_expires_at"),
+        refresh_expires_at=answer.get("refresh_expires_at"), session_expires_at=answer.get("session_expires_at"),
         ca_cert=ca_store.ca_cert_path(paths).read_text(), agent_cert=cert_pem.decode(), agent_key=agent_key,
         agent_key_file=agent_key_file)
     out_path = Path(args.bundle or (paths.agents_dir / m.agent.id / "bundle.json"))
     out_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_bundle(out_path, bundle)
-    print(f"Remote session {session_id} active until {answer['expires_at']} (access token), refresh token "
-          f"until {answer.get('refresh_expires_at')}.")
+    print(f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
+          f"{answer['expires_at']}, refresh token until {answer.get('refresh_expires_at')} (renewed on each refresh).")
     print(f"Agent bundle written to {out_path} (mode 0600): hand it to the agent over a private channel.")
     return 0
 
@@ -211,7 +380,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
     p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask; grant what is shown (for scripts)")
-    p.add_argument("--duration", type=float, default=30, help="session length in minutes (default 30)")
+    p.add_argument("--session-ttl", "--duration", dest="duration", type=_duration_arg, metavar="DURATION",
+                   help="session length: 90m, 12h, 7d (a bare number is minutes); default 30m locally, "
+                   "remote_session_max_minutes (30 days) with --remote")
     p.add_argument("--tag", action="append", help="grant only these tags (repeatable; default: as requested)")
     p.add_argument("--key", action="append", help="grant only these keys (repeatable; default: as requested)")
     p.add_argument("--deny-tag", action="append", help="add a denied tag (repeatable)")
@@ -221,7 +392,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--aggregation-only", action="store_true", help="only sum/avg/count/min/max, never items")
     p.add_argument("--task-bound", action="store_true", help="one task; the session closes on its deletion proof")
     p.add_argument("--max-reads", type=int, help="read query quota (default 100)")
-    p.add_argument("--require-verified", action="store_true", help="refuse agents whose publisher is unverified")
+    p.add_argument("--require-verified", action="store_true",
+                   help="refuse agents not signed by a key in your trust list (uomp trust)")
+    p.add_argument("--trust-publisher", metavar="NAME", help="trust the key that signed this manifest from now "
+                   "on, under NAME (add it to your trust list)")
+    p.add_argument("--allow-local", action="store_true", help="authorize on this machine an agent that declares "
+                   "requires_remote: true")
     p.add_argument("--env-file", help="local profile: where to write UOM_TOKEN/UOMP_BASE_URL "
                    "(default $UOMP_HOME/agents/<id>/uomp.env, mode 0600)")
     p.add_argument("--print", dest="print_token", action="store_true",

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "gateway.cli.memory",
     "gateway.cli.guard",
     "gateway.cli.authorize",
+    "gateway.cli.trust",
     "gateway.cli.agent",
     "gateway.cli.gateway",
 )

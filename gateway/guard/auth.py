@@ -17,6 +17,7 @@ received the answer), where the already-issued successor pair is handed out agai
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,8 +31,7 @@ from typing import Any
 
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
-from gateway.core import jose, tokens
-from gateway.core.policy import is_subset
+from gateway.core import jose, restrictions, tokens
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability, Scope
 from gateway.errors import UompError
@@ -90,7 +90,20 @@ CREATE INDEX IF NOT EXISTS idx_refresh_family ON refresh_tokens(family_id);
 """
 
 LIVE = ("created", "active")
+PROFILES = ("local", "remote")
 MAX_DURATION_MINUTES_FLOOR = 1
+DEFAULT_SESSION_MINUTES = 30  # §9.1's example; the CLI picks its own defaults per profile
+REMOTE_ACCESS_MAX_SECONDS = 600  # §15.2: remote access tokens SHOULD NOT exceed 10 minutes; a config cannot
+_MAX_SETTING = {"local": "session_max_minutes", "remote": "remote_session_max_minutes"}
+
+
+def minutes_text(minutes: float) -> str:
+    """``30 days``, ``1 day``, ``12 hours``, ``90 minutes``: a length as people say it."""
+    for unit, size in (("day", 1440), ("hour", 60)):
+        if minutes >= size and minutes % size == 0:
+            n = int(minutes // size)
+            return f"{n} {unit}{'s' if n != 1 else ''}"
+    return f"{minutes:g} minute{'s' if minutes != 1 else ''}"
 ID_ALPHABET_MAX = 128
 
 
@@ -281,11 +294,15 @@ class AuthService:
         if agent_name is not None and (not isinstance(agent_name, str) or len(agent_name) > 256):
             raise UompError("INVALID_REQUEST", "agent_name must be a string of at most 256 characters")
         read, write = _scopes_from_body(body.get("requested_scopes"), "requested_scopes")
-        minutes = body.get("duration_minutes", 30)
+        profile = body.get("profile", "local")
+        if profile not in PROFILES:
+            raise UompError("INVALID_REQUEST", "profile must be local or remote")
+        most = self._session_max_minutes(profile)
+        minutes = body.get("duration_minutes", DEFAULT_SESSION_MINUTES)
         if isinstance(minutes, bool) or not isinstance(minutes, int | float) or not (
-                MAX_DURATION_MINUTES_FLOOR <= minutes <= self.cfg.session_max_minutes):
-            raise UompError("INVALID_REQUEST",
-                            f"duration_minutes must be a number from 1 to {self.cfg.session_max_minutes}")
+                MAX_DURATION_MINUTES_FLOOR <= minutes <= most):
+            raise UompError("INVALID_REQUEST", f"duration_minutes must be a number from 1 to {most} for a {profile} "
+                            f"session ({minutes_text(most)}; the {_MAX_SETTING[profile]} setting)")
         identity = body.get("identity_public_jwk")
         if identity is not None:
             try:
@@ -320,16 +337,27 @@ class AuthService:
         req_read = tokens.parse_scope(row.requested.get("read"), "read")
         req_write = tokens.parse_scope(row.requested.get("write"), "write")
         widen = _opt_bool(body, "widen")
-        if not widen and not (is_subset(read, req_read) and is_subset(write, req_write)):
-            raise UompError("INVALID_REQUEST", "granted scopes exceed the requested ones; pass \"widen\": true "
-                            "to grant more than the agent asked for", session_id=session_id)
+        # The fields a token returns: the narrower of the scope's and the top-level claim's, written
+        # into both so that every reader of the token sees the same limit.
+        fields = restrictions.effective_fields(read.allowed_fields, _opt_str_list(body, "allowed_fields"))
+        read = dataclasses.replace(read, allowed_fields=fields)
+        wider = restrictions.widenings(read, req_read) + [
+            "write " + w for w in restrictions.widenings(write, req_write)]
+        if wider and not widen:
+            raise UompError("INVALID_REQUEST", "the grant is wider than the agent asked for (" + "; ".join(wider)
+                            + "); pass \"widen\": true to grant that", session_id=session_id)
         if not write.is_empty():
             # §20.4: agents MUST NOT write in this version; a write grant would be a lie.
             raise UompError("WRITE_NOT_AVAILABLE", "write scopes cannot be granted: agent writes are not "
                             "available", session_id=session_id)
         profile = body.get("profile", "local")
-        if profile not in ("local", "remote"):
+        if profile not in PROFILES:
             raise UompError("INVALID_REQUEST", "profile must be local or remote")
+        most = self._session_max_minutes(profile)
+        if row.expires_at - row.created_at > most * 60 + 1e-3:
+            raise UompError("INVALID_REQUEST", f"this session lasts longer than a {profile} session may "
+                            f"({minutes_text(most)}); create it with a shorter duration_minutes"
+                            + (' or "profile": "remote"' if profile == "local" else ""), session_id=session_id)
         audience = body.get("audience")
         if audience is not None and (not isinstance(audience, str) or not audience or len(audience) > 512):
             raise UompError("INVALID_REQUEST", "audience must be a URL string")
@@ -354,7 +382,7 @@ class AuthService:
         options: dict[str, Any] = {
             "profile": profile, "audience": audience,
             "allowed_endpoints": _opt_str_list(body, "allowed_endpoints"),
-            "allowed_fields": _opt_str_list(body, "allowed_fields"),
+            "allowed_fields": None if fields is None else list(fields),
             "aggregation_only": _opt_bool(body, "aggregation_only"),
             "task_bound": _opt_bool(body, "task_bound"),
             "max_read_queries": mrq, "cnf": cnf,
@@ -369,7 +397,7 @@ class AuthService:
         row = self.session(session_id)
         access = self._mint_access(row)
         out: dict[str, Any] = {"token": access.token, "token_type": "Bearer", "expires_at": tokens.iso(access.exp),
-                               "session_id": session_id}
+                               "session_id": session_id, "session_expires_at": tokens.iso(row.expires_at)}
         minted = [access]
         if issue_refresh:
             rt = self._mint_refresh(row, family_id=_new_id("fam"))
@@ -383,8 +411,15 @@ class AuthService:
         self.audit.flush_sync()
         return out
 
+    def _session_max_minutes(self, profile: str) -> int:
+        return self.cfg.remote_session_max_minutes if profile == "remote" else self.cfg.session_max_minutes
+
     def _lifetime(self, profile: str, requested: Any) -> int:
-        cap = self.cfg.remote_token_lifetime_seconds if profile == "remote" else self.cfg.token_lifetime_seconds
+        """Access token lifetime: the config's, or shorter on request; remote never over 10 minutes (§15.2)."""
+        if profile == "remote":
+            cap = min(self.cfg.remote_token_lifetime_seconds, REMOTE_ACCESS_MAX_SECONDS)
+        else:
+            cap = self.cfg.token_lifetime_seconds
         if requested is None:
             return cap
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 10:
