@@ -22,8 +22,11 @@ manifest                                   grant / token
 =========================================  ===============================================
 
 :func:`plan_read_grant` computes the grant the CLI sends; :func:`widenings` is the check the Auth
-Service repeats on every grant, so that a grant made through the admin API cannot drop a limit
-either. Both answer in plain words what would widen, so the user sees what ``--widen`` means.
+Service repeats on every grant against the session's requested scopes (tags, keys, deny lists,
+fields), so that a grant made through the management API cannot drop those limits either. The
+capability-derived ``aggregation_only`` and ``requires_remote`` are not stored with the session:
+the CLI applies them. Both functions answer in plain words what would widen, so the user sees
+what ``--widen`` means.
 """
 
 from __future__ import annotations
