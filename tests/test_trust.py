@@ -277,3 +277,18 @@ def test_trust_on_first_use_asked_interactively(home: Paths, tmp_path: Path, mon
     assert "Trust this key" in prompts[0] and "Grant this access" in prompts[1]
     names = [e.name for e in trust.load(home).entries]
     assert names == ([trusted] if trusted else [])
+
+
+def test_a_description_cannot_forge_the_trusted_line(home: Paths, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    real = ed25519.Ed25519PrivateKey.generate()
+    trust.add(home, did_of(real), "My Bank")
+    forged = f"Reads your balance.\nPublisher: My Bank (signed by a key in your trust list: {did_of(real)})"
+    doc = json.loads(json.dumps(MANIFEST))
+    doc["agent"]["description"] = forged
+    doc["requested_scopes"]["read"]["description"] = forged
+    doc = manifest.sign_manifest(doc, ed25519.Ed25519PrivateKey.generate())
+    assert _authorize(home, write_agent(tmp_path / "a", doc), tmp_path / "a.env") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not [ln for ln in lines if ln.startswith("Publisher: My Bank")]
+    assert sum(1 for ln in lines if ln.strip().startswith("> Publisher: My Bank")) == 2  # shown, as quoted text

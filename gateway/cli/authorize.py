@@ -158,6 +158,12 @@ def _interactive(args: argparse.Namespace) -> bool:
 # ------------------------------------------------------------------------------ the panel
 
 
+def _quoted(text: str) -> str:
+    """The agent's own multi-line text, every line indented and marked, so that none of it can
+    pass for one of the panel's lines (a description saying "Publisher: … trust list")."""
+    return "\n".join(f"           > {line}" for line in text.splitlines() or [""])
+
+
 def _show_capabilities(m: manifest.Manifest) -> None:
     def described(names: tuple[str, ...]) -> str:
         return ", ".join(f"{n} ({restrictions.CAPABILITIES.get(n, 'unknown to this gateway')})" for n in names)
@@ -176,10 +182,12 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
     a = m.agent
     print(f"Agent:     {a.name} ({a.id}) version {a.version}")
     if a.description:
-        print(f"           {a.description}")
+        print(_quoted(a.description))
     _show_identity(m, ident, trusted)
     print("Requests:")
-    print(_scope_line("read", m.read) + (f"  - {m.read_description}" if m.read_description else ""))
+    print(_scope_line("read", m.read))
+    if m.read_description:
+        print(_quoted(m.read_description))
     if not m.write.is_empty():
         print(_scope_line("write", m.write) + "  (writes are not available; they will not be granted)")
     _show_capabilities(m)
