@@ -82,6 +82,16 @@ class Paths:
         return self.home / "gateway"
 
     @property
+    def gateway_status(self) -> Path:
+        """The running gateway's health report (upstream guard reachable, supervisor), JSON."""
+        return self.gateway_dir / "status.json"
+
+    @property
+    def crl_state(self) -> Path:
+        """The highest CRL Number and thisUpdate the gateway has accepted (refuses older CRLs)."""
+        return self.gateway_dir / "crl-state.json"
+
+    @property
     def agents_dir(self) -> Path:
         return self.home / "agents"
 

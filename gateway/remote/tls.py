@@ -23,7 +23,10 @@ Reload without dropping connections (:class:`TLSReloader`): the listening socket
 with or without a server name) points each new handshake at the *current* inner context, whose
 certificate, key, CA and CRL are then the ones used. Connections already established keep the
 context they were made with, so nothing live is dropped. ``watch()`` reloads when a file changes
-(``uomp agent revoke`` writes a new CRL), ``install_sighup()`` reloads on SIGHUP.
+(``uomp agent revoke`` writes a new CRL), ``install_sighup()`` reloads on SIGHUP. A CRL older than
+the newest one accepted (lower CRL Number or earlier thisUpdate: a pre-revocation backup put back)
+is refused, on reload and at start; the newest (number, thisUpdate) is kept in a state file
+(``$UOMP_HOME/gateway/crl-state.json``) so a restart remembers it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -45,6 +49,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from gateway.core import ca, jose
 from gateway.errors import UompError
+from gateway.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +253,39 @@ class ClientCertChecker:
 
 
 @dataclass(frozen=True)
+class CRLMark:
+    """How new a CRL is: its CRL Number (RFC 5280 §5.2.3) and thisUpdate (§5.1.2.4)."""
+
+    number: int
+    this_update: dt.datetime
+
+
+def read_crl_state(path: Path | None) -> CRLMark | None:
+    """The newest CRL recorded in ``path`` (JSON), or None if there is none (or it is unreadable: logged)."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_bytes())
+        number = doc["crl_number"]
+        this_update = dt.datetime.fromisoformat(doc["this_update"])
+        if isinstance(number, bool) or not isinstance(number, int) or this_update.tzinfo is None:
+            raise ValueError("bad field")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring the unreadable CRL state file %s (%s)", path, type(exc).__name__)
+        return None
+    return CRLMark(number, this_update)
+
+
+def write_crl_state(path: Path, mark: CRLMark) -> None:
+    """Record ``mark`` atomically (temp file, fsync, rename; 0600)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    doc = {"crl_number": mark.number, "this_update": mark.this_update.isoformat()}
+    atomic_write(path, json.dumps(doc).encode() + b"\n", mode=0o600)
+
+
+@dataclass(frozen=True)
 class TLSFiles:
     cert_file: Path
     key_file: Path
@@ -275,14 +313,20 @@ class TLSReloader:
         crl_file: StrPath,
         *,
         require_client_cert: bool = False,
+        crl_state: StrPath | None = None,
     ) -> None:
         self.files = TLSFiles(Path(cert_file), Path(key_file), Path(ca_file), Path(crl_file))
         self.require_client_cert = require_client_cert
         self.generation = 0
+        # The newest CRL accepted so far (number, thisUpdate), remembered across restarts in
+        # ``crl_state`` when given: an older CRL is refused (see _load).
+        self.crl_state = Path(crl_state) if crl_state is not None else None
+        self.crl_mark: CRLMark | None = read_crl_state(self.crl_state)
         self._stamp = self._stamps()
-        self._inner = self._build()
         # Serials (hex) on the CRL last loaded: for ClientCertChecker.peer(revoked=...).
-        self.revoked: frozenset[str] = self._read_revoked()
+        self.revoked: frozenset[str]
+        self._inner, self.revoked, mark = self._load()
+        self._accept(mark)
         # The front context must carry the same protocol settings as the inner ones: OpenSSL copies
         # verify mode, verify flags, versions, options and ticket count into each connection when
         # it is created (before the SNI callback); switching context later swaps certificate, key
@@ -306,9 +350,40 @@ class TLSReloader:
             f.cert_file, f.key_file, f.ca_file, f.crl_file, require_client_cert=self.require_client_cert
         )
 
-    def _read_revoked(self) -> frozenset[str]:
-        crl = x509.load_pem_x509_crl(self.files.crl_file.read_bytes())
-        return frozenset(ca.serial_hex(r.serial_number) for r in crl)
+    def _load(self) -> tuple[ssl.SSLContext, frozenset[str], CRLMark]:
+        """A fresh inner context, the CRL's revoked serials and its (number, thisUpdate).
+
+        A CRL older than the newest one accepted (lower CRL Number, RFC 5280 §5.2.3, or earlier
+        thisUpdate, §5.1.2.4) is refused: a validly signed backup from before a revocation must not
+        let the revoked agent back in. The CRL bytes checked are the ones the context loaded (read
+        again after the build; a file replaced in between is a failed load, retried next tick)."""
+        raw = self.files.crl_file.read_bytes()
+        crl = x509.load_pem_x509_crl(raw)
+        mark = CRLMark(ca.crl_number(crl), crl.last_update_utc)
+        last = self.crl_mark
+        if last is not None and (mark.number < last.number or mark.this_update < last.this_update):
+            raise UompError(
+                "CONFIG_ERROR",
+                f"refusing an older CRL (CRL Number {mark.number}, thisUpdate {mark.this_update:%Y-%m-%dT%H:%M:%SZ}) "
+                f"than the one already accepted (CRL Number {last.number}, thisUpdate "
+                f"{last.this_update:%Y-%m-%dT%H:%M:%SZ}); keeping the previous CRL. Put the current CRL back "
+                f"(the gateway re-signs {self.files.crl_file.name} from the CA registry when it is the CA's own)",
+            )
+        ctx = self._build()
+        if self.files.crl_file.read_bytes() != raw:
+            raise ValueError("the CRL file changed while it was being loaded")
+        return ctx, frozenset(ca.serial_hex(r.serial_number) for r in crl), mark
+
+    def _accept(self, mark: CRLMark) -> None:
+        """Remember ``mark`` as the newest CRL seen (durably, when a state file is configured)."""
+        if mark == self.crl_mark:
+            return
+        self.crl_mark = mark
+        if self.crl_state is not None:
+            try:
+                write_crl_state(self.crl_state, mark)
+            except OSError as exc:
+                log.warning("cannot record the CRL number in %s: %s", self.crl_state, exc.strerror)
 
     def _select(self, ssl_object: ssl.SSLObject, server_name: str | None, _ctx: ssl.SSLContext) -> None:
         # Runs inside the handshake, after ClientHello, for every connection (server_name None when
@@ -331,8 +406,10 @@ class TLSReloader:
         """Load the files again and switch new handshakes to them; UompError (old context kept) on failure."""
         stamp = self._stamps()  # before reading: a change during the build triggers another reload
         try:
-            fresh = self._build()
-            revoked = self._read_revoked()
+            fresh, revoked, mark = self._load()
+        except UompError:
+            self._stamp = stamp  # an older CRL: refused once, not on every tick
+            raise
         except (OSError, ssl.SSLError, ValueError) as exc:
             self._stamp = stamp  # do not retry the same broken files on every tick
             raise UompError(
@@ -341,6 +418,7 @@ class TLSReloader:
             ) from exc
         self._inner = fresh
         self.revoked = revoked
+        self._accept(mark)
         self._stamp = stamp
         self.generation += 1
         log.info("TLS certificates, CA and CRL reloaded (generation %d)", self.generation)
