@@ -121,6 +121,11 @@ class GuardConfig:
     token_cache_entries: int = 4096
     session_max_minutes: int = 24 * 60  # Local Profile sessions
     remote_session_max_minutes: int = 30 * 24 * 60  # Remote Profile sessions (they live on refresh tokens)
+    # Bounded waits on the guard's SQLite files (another process may hold a lock): one statement
+    # waits at most db_busy_timeout_seconds for it; a call queued behind others on a database's
+    # worker thread waits at most db_queue_timeout_seconds for its turn. Past either: 503 STORE_BUSY.
+    db_busy_timeout_seconds: float = 2.0
+    db_queue_timeout_seconds: float = 5.0
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ STATUS: dict[str, int] = {
     "PAYLOAD_TOO_LARGE": 413,
     "NOT_IMPLEMENTED": 501,
     "INVALID_STATE": 409,  # session transition not allowed from its current state
+    "STORE_BUSY": 503,  # a database stayed locked by another process past its bounded wait: retry shortly
     "UPSTREAM_ERROR": 502,
     "UPSTREAM_TIMEOUT": 504,
     "CONFIG_ERROR": 500,

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from guardkit import grant, running_guard, seed, unix_session
 
 from gateway import ca_store
-from gateway.config import GatewayConfig, Paths
+from gateway.config import GatewayConfig, GuardConfig, Paths
 from gateway.core import jose
 from gateway.remote.server import GatewayRunner
 from gateway.remote.tls import build_client_context
@@ -69,11 +69,12 @@ def ca_file(paths: Paths) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def appliance(paths: Paths, **gateway_overrides: Any) -> AsyncIterator[Appliance]:
+async def appliance(paths: Paths, *, guard_cfg: GuardConfig | None = None,
+                    **gateway_overrides: Any) -> AsyncIterator[Appliance]:
     ca_store.init_all(paths)
     seed(paths)
     cfg = dataclasses.replace(GatewayConfig(listen_port=0), **gateway_overrides)
-    async with running_guard(paths, serve_tcp=False), unix_session(paths) as admin:
+    async with running_guard(paths, guard_cfg, serve_tcp=False), unix_session(paths) as admin:
         gw = GatewayRunner(paths, cfg)
         await gw.start()
         try:

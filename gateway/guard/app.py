@@ -8,17 +8,24 @@ Two listeners share one set of services:
 
 Management routes (create/grant/close/revoke/list) need the user's admin credential; a capability
 token never suffices. Every response to an agent is either data it was granted or a §8.4 error.
+
+SQLite is never waited for on the event loop: every call into the Auth Service (``auth.db``) runs
+on its worker thread through :meth:`GuardServices.authdb`, audit-log reads on the audit log's
+reader thread, and audit writes are group-committed on the audit writer thread (see
+:mod:`gateway.guard.db`); a database locked by another process past the bounded wait is 503
+STORE_BUSY while other requests keep being served.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -30,9 +37,11 @@ from gateway.core.tokens import Capability
 from gateway.errors import UompError
 from gateway.guard.audit import AuditLog
 from gateway.guard.auth import AuthService, SessionRow
+from gateway.guard.db import DbWorker
 from gateway.guard.store import MemoryStore
 
 log = logging.getLogger("uomp.guard")
+T = TypeVar("T")
 
 # Headers the gateway sets on forwarded requests (it strips any copy a client sent).
 VERIFIED_AGENT_HEADER = "X-UOMP-Verified-Agent"
@@ -51,6 +60,8 @@ class GuardServices:
     auth: AuthService
     store: MemoryStore
     admin_credential: str
+    # the one thread that runs every Auth Service call (auth.db), off the event loop
+    auth_worker: DbWorker
     # Local Profile audiences this guard answers to (the configured port, and the bound one)
     local_audiences: set[str] = dataclasses.field(default_factory=set)
 
@@ -59,14 +70,22 @@ class GuardServices:
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
-        audit = AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days)
+        audit = AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days,
+                         busy_timeout=cfg.db_busy_timeout_seconds)
         auth = AuthService(paths, cfg, audit)
-        store = MemoryStore(paths.memory_db)
-        svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths))
+        store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
+        worker = DbWorker("auth", what="session database", queue_timeout=cfg.db_queue_timeout_seconds)
+        svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths), worker)
         svc.add_local_port(cfg.tcp_port)
         return svc
 
+    async def authdb(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (an Auth Service method) on the auth.db worker thread: the event loop never
+        waits for a lock on auth.db (or for the audit flush the Auth Service does itself)."""
+        return await self.auth_worker.run(fn, *args)
+
     def close(self) -> None:
+        self.auth_worker.close()
         self.auth.close_db()
         self.store.close()
         self.audit.close()
@@ -169,10 +188,10 @@ class AgentCall:
         self.row: SessionRow | None = None
         self.remaining: int | None = None
 
-    def authenticate(self) -> Capability:
+    async def authenticate(self) -> Capability:
         listener = self.request.app[LISTENER]
         try:
-            cap, row = self.svc.auth.authenticate(_bearer(self.request))
+            cap, row = await self.svc.authdb(self.svc.auth.authenticate, _bearer(self.request))
             if listener == "tcp":
                 # Local Profile listener (§7.3, §14.1): local tokens bound to this endpoint only.
                 if cap.profile != "local":
@@ -191,10 +210,10 @@ class AgentCall:
         self.cap, self.row = cap, row
         return cap
 
-    def consume_read(self) -> None:
+    async def consume_read(self) -> None:
         assert self.cap is not None
         try:
-            self.remaining = self.svc.auth.consume_read(self.cap)
+            self.remaining = await self.svc.authdb(self.svc.auth.consume_read, self.cap)
         except UompError as exc:
             self.remaining = 0
             self.deny(exc)
@@ -255,8 +274,8 @@ async def get_key(request: web.Request) -> web.Response:
     key = request.match_info["key"]
     call = AgentCall(request, "read", key=key)
     try:
-        cap = call.authenticate()
-        call.consume_read()
+        cap = await call.authenticate()
+        await call.consume_read()
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:  # §10.4 step 5b, §19.2
@@ -286,8 +305,8 @@ async def get_by_tag(request: web.Request) -> web.Response:
         tag = _param(request, "tag")
         assert tag is not None
         call.tags = [tag]
-        cap = call.authenticate()
-        call.consume_read()
+        cap = await call.authenticate()
+        await call.consume_read()
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:
@@ -311,8 +330,8 @@ async def aggregate(request: web.Request) -> web.Response:
             raise UompError("INVALID_REQUEST", "op must be one of sum, avg, count, min, max")
         if op != "count" and (field is None or not (field == "value" or field.startswith("value."))):
             raise UompError("INVALID_REQUEST", "field is required for numeric ops and must start with value.")
-        cap = call.authenticate()
-        call.consume_read()
+        cap = await call.authenticate()
+        await call.consume_read()
     except UompError as exc:
         return await _answer_refusal(call, exc)
     d, items = _tag_items(call, cap, tag)
@@ -333,7 +352,7 @@ async def _refuse_authenticated(request: web.Request, action: str, code: str, me
     asked), then refuse with ``code``."""
     call = AgentCall(request, action, key=request.match_info.get("key"))
     try:
-        cap = call.authenticate()
+        cap = await call.authenticate()
     except UompError as exc:
         return await _answer_refusal(call, exc)
     return await call.refuse(UompError(code, message, session_id=cap.session_id))
@@ -351,7 +370,7 @@ async def query_refused(request: web.Request) -> web.Response:
 
 async def get_audit(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    cap, _ = svc.auth.authenticate(_bearer(request))
+    cap, _ = await svc.authdb(svc.auth.authenticate, _bearer(request))
     sid = _param(request, "session_id", required=False)
     if sid is not None and sid != cap.session_id:
         raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
@@ -364,7 +383,8 @@ async def get_audit(request: web.Request) -> web.Response:
     if not 1 <= limit <= 1000:
         raise UompError("INVALID_REQUEST", "limit must be between 1 and 1000")
     await svc.audit.flush()
-    return _json_response({"logs": svc.audit.for_session(cap.session_id, limit=limit)})
+    return _json_response({"logs": await svc.audit.reader.run(functools.partial(
+        svc.audit.for_session, cap.session_id, limit=limit))})
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -372,39 +392,46 @@ async def get_audit(request: web.Request) -> web.Response:
 
 async def create_session(request: web.Request) -> web.Response:
     _admin(request)
-    return _json_response(request.app[SERVICES].auth.create_session(await _json_body(request)), 201)
+    svc = request.app[SERVICES]
+    return _json_response(await svc.authdb(svc.auth.create_session, await _json_body(request)), 201)
 
 
 async def grant_session(request: web.Request) -> web.Response:
     _admin(request)
     body = await _json_body(request)
-    return _json_response(request.app[SERVICES].auth.grant(request.match_info["sid"], body))
+    svc = request.app[SERVICES]
+    return _json_response(await svc.authdb(svc.auth.grant, request.match_info["sid"], body))
 
 
 async def close_session(request: web.Request) -> web.Response:
     _admin(request)
-    return _json_response(request.app[SERVICES].auth.close(request.match_info["sid"]))
+    svc = request.app[SERVICES]
+    return _json_response(await svc.authdb(svc.auth.close, request.match_info["sid"]))
 
 
 async def revoke_session(request: web.Request) -> web.Response:
     _admin(request)
-    return _json_response(request.app[SERVICES].auth.revoke(request.match_info["sid"]))
+    svc = request.app[SERVICES]
+    return _json_response(await svc.authdb(svc.auth.revoke, request.match_info["sid"]))
 
 
 async def list_sessions(request: web.Request) -> web.Response:
     _admin(request)
     status = _param(request, "status", required=False)
-    return _json_response({"sessions": request.app[SERVICES].auth.list_sessions(status=status)})
+    svc = request.app[SERVICES]
+    return _json_response({"sessions": await svc.authdb(functools.partial(svc.auth.list_sessions, status=status))})
 
 
 async def get_session(request: web.Request) -> web.Response:
     _admin(request)
-    return _json_response(request.app[SERVICES].auth.session(request.match_info["sid"]).public())
+    svc = request.app[SERVICES]
+    return _json_response((await svc.authdb(svc.auth.session, request.match_info["sid"])).public())
 
 
 async def validate_token(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    return _json_response(request.app[SERVICES].auth.validate(body.get("token")))
+    svc = request.app[SERVICES]
+    return _json_response(await svc.authdb(svc.auth.validate, body.get("token")))
 
 
 async def deletion_proof(request: web.Request) -> web.Response:
@@ -412,7 +439,7 @@ async def deletion_proof(request: web.Request) -> web.Response:
     sid = request.match_info["sid"]
     call = AgentCall(request, "deletion_proof")
     try:
-        cap = call.authenticate()
+        cap = await call.authenticate()
         if cap.session_id != sid:
             raise UompError("ACCESS_DENIED", "token is for another session", session_id=cap.session_id)
         body = await _json_body(request)
@@ -432,10 +459,11 @@ async def deletion_proof(request: web.Request) -> web.Response:
             call.record(False, exc.message, exc.code)
         await svc.audit.flush()
         raise
-    svc.auth.record_deletion_proof(sid, proof.deletion_proof_id)
+    await svc.authdb(svc.auth.record_deletion_proof, sid, proof.deletion_proof_id)
     call.allow("deletion proof verified", proof.deletion_proof_id)
     if cap.task_bound and row.status == "active":
-        svc.auth.close(sid, reason="task-bound session closed after its deletion proof")
+        await svc.authdb(functools.partial(svc.auth.close, sid,
+                                           reason="task-bound session closed after its deletion proof"))
     return await call.respond({"status": "accepted", "deletion_proof_id": proof.deletion_proof_id})
 
 
@@ -444,9 +472,10 @@ async def refresh_internal(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
     try:
-        answer = svc.auth.refresh(_bearer(request), session_id=sid,
-                                  presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
-                                  presented_jkt=request.headers.get(VERIFIED_JKT_HEADER))
+        answer = await svc.authdb(functools.partial(
+            svc.auth.refresh, _bearer(request), session_id=sid,
+            presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
+            presented_jkt=request.headers.get(VERIFIED_JKT_HEADER)))
     except UompError as exc:
         svc.audit.record(session_id=exc.session_id or sid,
                          agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),

@@ -8,13 +8,21 @@ Durability without an fsync per request: records are group-committed. A request 
 :meth:`AuditLog.record` then ``await`` :meth:`AuditLog.flush`; every record pending at that moment
 is written in one transaction (synchronous=FULL) on a single writer thread, and the handler answers
 only once its record is durable. Under load one fsync covers many requests.
+
+A batch that cannot be written (another process holds a lock on ``audit.db`` past the busy
+timeout, a full disk) raises STORE_BUSY / STORE_UNAVAILABLE to the requests waiting for it, which
+answer 503 rather than unaudited data; its records go back to the front of the queue and are
+written with the next batch, so a later flush neither hangs nor loses them. Reads of the log run
+on their own thread (:attr:`AuditLog.reader`), never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.core.tokens import iso
-from gateway.guard.db import connect
+from gateway.guard.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_logs (
@@ -53,12 +61,14 @@ MAX_AUDIT_PAGE = 1000
 
 
 class AuditLog:
-    def __init__(self, path: Path, *, retention_days: int = 90) -> None:
+    def __init__(self, path: Path, *, retention_days: int = 90,
+                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
         self.path = path
         self.retention_days = retention_days
-        self._read = connect(path, schema=SCHEMA, what="audit log")
-        self._write = connect(path, schema=SCHEMA, what="audit log")
+        self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
+        self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-writer")
+        self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, ...]] = []
         self._seq = 0  # records appended
@@ -81,22 +91,36 @@ class AuditLog:
 
     def _write_batch(self, rows: list[tuple[Any, ...]]) -> None:
         conn = self._write
-        conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.executemany(
-                f"INSERT INTO audit_logs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", rows
-            )
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(
+                    f"INSERT INTO audit_logs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                    rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise db_error(exc, what="audit log") from exc
+
+    def _requeue(self, rows: list[tuple[Any, ...]]) -> None:
+        """A batch failed: its rows go back to the front, to be written with the next batch."""
+        with self._lock:
+            self._pending[:0] = rows
 
     def flush_sync(self) -> None:
+        """flush() for threads other than the event loop's (the Auth Service's worker, shutdown)."""
         with self._lock:
             rows, self._pending = self._pending, []
             upto = self._seq
         if rows:
-            self._executor.submit(self._write_batch, rows).result()
+            try:
+                self._executor.submit(self._write_batch, rows).result()
+            except BaseException:
+                self._requeue(rows)
+                raise
         self._committed = max(self._committed, upto)
 
     async def flush(self) -> None:
@@ -115,8 +139,12 @@ class AuditLog:
                 upto = self._seq
             if not rows:
                 return
-            await loop.run_in_executor(self._executor, self._write_batch, rows)
-            self._committed = upto
+            try:
+                await loop.run_in_executor(self._executor, self._write_batch, rows)
+            except BaseException:
+                self._requeue(rows)
+                raise
+            self._committed = max(self._committed, upto)
 
     # ----------------------------------------------------------------------------- reading
 
@@ -157,7 +185,10 @@ class AuditLog:
         return int(cur.rowcount)
 
     def close(self) -> None:
-        self.flush_sync()
-        self._executor.shutdown(wait=True)
+        try:
+            self.flush_sync()
+        finally:
+            self.reader.close()
+            self._executor.shutdown(wait=True)
         self._read.close()
         self._write.close()

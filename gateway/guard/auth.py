@@ -218,7 +218,8 @@ class AuthService:
         self.cfg = cfg
         self.audit = audit
         self.clock = clock
-        self.db = connect(paths.auth_db, schema=SCHEMA, what="session database")
+        self.db = connect(paths.auth_db, schema=SCHEMA, what="session database",
+                          busy_timeout=cfg.db_busy_timeout_seconds)
         self.reload_keys()
         self.quota = QuotaLedger(self._quota_load, self._quota_persist)
         self._verified: dict[str, Capability] = {}

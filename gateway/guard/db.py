@@ -1,29 +1,80 @@
-"""Opening the guard's SQLite files: WAL, a busy timeout, 0600, errors mapped to stable codes."""
+"""The guard's SQLite files: opening them (WAL, a busy timeout, 0600), mapping their errors to stable
+codes, and keeping every wait for a lock off the event loop.
+
+Another process may hold a write lock on a database at any time (a user's ``sqlite3`` shell with
+``BEGIN IMMEDIATE``, a backup tool). SQLite then makes a writer wait (its busy handler) up to the
+busy timeout. That wait must never run on the guard's event loop, or every agent stalls behind it.
+So each database the request path writes is owned by one :class:`DbWorker`: a single thread that
+runs every call on that database in order (which also keeps in-memory state such as the quota
+ledger single-threaded), while the event loop goes on serving other requests.
+
+Bounded waits, each a config field (``[guard]``):
+
+* ``db_busy_timeout_seconds``: how long one statement waits for another process's lock;
+* ``db_queue_timeout_seconds``: how long a call may wait for its turn on the worker; a call still
+  queued after that is refused without touching the database, so a long lock cannot build an
+  ever longer queue.
+
+A database that stays locked is ``STORE_BUSY`` (503, retry later); any other SQLite failure is
+``STORE_UNAVAILABLE`` (503). A call that has started always runs to its end (a transaction that
+committed is never reported as failed because its caller gave up waiting).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sqlite3
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 from gateway.errors import UompError
 
-BUSY_TIMEOUT_MS = 5000
+DEFAULT_BUSY_TIMEOUT_SECONDS = 2.0
+DEFAULT_QUEUE_TIMEOUT_SECONDS = 5.0
+
+T = TypeVar("T")
+
+_BUSY_NAMES = ("SQLITE_BUSY", "SQLITE_LOCKED")
+
+
+def is_busy(exc: BaseException) -> bool:
+    """True when ``exc`` is SQLite saying another connection holds a lock (busy / locked)."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    name = str(getattr(exc, "sqlite_errorname", "") or "")
+    if name:
+        return name.startswith(_BUSY_NAMES)
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+def db_error(exc: BaseException, *, code: str = "STORE_UNAVAILABLE", what: str = "database") -> UompError:
+    """The stable error for a SQLite (or OS) failure: STORE_BUSY for a lock held too long, else ``code``.
+    The message names the database and the SQLite error name only (never a statement or a value)."""
+    if is_busy(exc):
+        return UompError("STORE_BUSY", f"the {what} is locked by another process; try again shortly",
+                         details={"reason": str(getattr(exc, "sqlite_errorname", "") or "SQLITE_BUSY")})
+    if isinstance(exc, OSError):
+        return UompError(code, f"the {what} is unavailable ({exc.strerror})")
+    return UompError(code, f"the {what} is unavailable ({type(exc).__name__})")
 
 
 def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: str = "STORE_UNAVAILABLE",
-            what: str = "database") -> sqlite3.Connection:
-    """Open (creating 0600 if absent) and apply ``schema``. Any sqlite failure is ``code``."""
+            what: str = "database", busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> sqlite3.Connection:
+    """Open (creating 0600 if absent) and apply ``schema``. Any sqlite failure is ``code`` (or STORE_BUSY)."""
     try:
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             os.close(fd)
-        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False,
-                               isolation_level=None)
+        conn = sqlite3.connect(path, timeout=busy_timeout, check_same_thread=False, isolation_level=None)
         conn.row_factory = sqlite3.Row
-        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise sqlite3.OperationalError("cannot enable WAL")
@@ -34,20 +85,18 @@ def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: str = "
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(str(path) + suffix, 0o600)
         return conn
-    except sqlite3.Error as exc:
-        raise UompError(code, f"the {what} is unavailable ({type(exc).__name__})") from exc
-    except OSError as exc:
-        raise UompError(code, f"the {what} is unavailable ({exc.strerror})") from exc
+    except (sqlite3.Error, OSError) as exc:
+        raise db_error(exc, code=code, what=what) from exc
 
 
 @contextlib.contextmanager
 def transaction(conn: sqlite3.Connection, *, code: str = "STORE_UNAVAILABLE", what: str = "database"
                 ) -> Iterator[sqlite3.Connection]:
-    """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any error; sqlite errors become ``code``."""
+    """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any error; sqlite errors become ``code`` (or STORE_BUSY)."""
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.Error as exc:
-        raise UompError(code, f"the {what} is unavailable ({type(exc).__name__})") from exc
+        raise db_error(exc, code=code, what=what) from exc
     try:
         yield conn
         conn.execute("COMMIT")
@@ -55,5 +104,49 @@ def transaction(conn: sqlite3.Connection, *, code: str = "STORE_UNAVAILABLE", wh
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
-            raise UompError(code, f"the {what} is unavailable ({type(exc).__name__})") from exc
+            raise db_error(exc, code=code, what=what) from exc
         raise
+
+
+class DbWorker:
+    """One thread that runs every call on one database, in order (see the module docstring).
+
+    ``await worker.run(fn, *args)`` from the event loop; ``worker.call(fn, *args)`` from any other
+    thread (or the worker's own: then it runs inline). A ``sqlite3.Error`` escaping ``fn`` becomes
+    STORE_BUSY / STORE_UNAVAILABLE; a call still queued after ``queue_timeout`` seconds is refused
+    with STORE_BUSY without running.
+    """
+
+    def __init__(self, name: str, *, what: str, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_SECONDS) -> None:
+        self.what = what
+        self.queue_timeout = float(queue_timeout)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"db-{name}")
+        self._thread: threading.Thread | None = None
+        self.refused = 0  # calls refused because they waited in the queue too long (diagnostics)
+
+    def _job(self, deadline: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        self._thread = threading.current_thread()
+        if time.monotonic() > deadline:
+            self.refused += 1
+            raise UompError("STORE_BUSY", f"the {self.what} is busy (another process holds a lock); try again "
+                            "shortly", details={"reason": "QUEUE_TIMEOUT"})
+        try:
+            return fn(*args)
+        except sqlite3.Error as exc:
+            raise db_error(exc, what=self.what) from exc
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the worker thread; the event loop is free meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.queue_timeout
+        return await loop.run_in_executor(self._executor, self._job, deadline, fn, args)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the worker thread, waiting for it (for threads other than the event loop's)."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        return self._executor.submit(self._job, time.monotonic() + self.queue_timeout, fn, args).result()
+
+    def close(self) -> None:
+        """Finish queued calls, then stop the thread."""
+        self._executor.shutdown(wait=True)

@@ -116,15 +116,17 @@ class GuardRunner:
                  f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
 
     async def _sweeper(self) -> None:
-        assert self.services is not None
+        svc = self.services
+        assert svc is not None
+        loop = asyncio.get_running_loop()
         since_purge = 0.0
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_SECONDS)
-            try:
-                self.services.auth.expire_due()
+            try:  # both off the event loop: another process may hold a lock on either database
+                await svc.authdb(svc.auth.expire_due)
                 since_purge += SWEEP_INTERVAL_SECONDS
                 if since_purge >= PURGE_INTERVAL_SECONDS:
-                    self.services.audit.purge()
+                    await loop.run_in_executor(None, svc.audit.purge)
                     since_purge = 0.0
             except UompError as exc:
                 log.warning("sweeper: %s", exc.code)

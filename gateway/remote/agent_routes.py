@@ -56,7 +56,8 @@ async def refresh(call: Call) -> web.StreamResponse:
         err: dict[str, object] = raw_err if isinstance(raw_err, dict) else {}
         code = str(err.get("code", "UPSTREAM_ERROR"))
         if code not in ("INVALID_TOKEN", "TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND",
-                        "REFRESH_REUSED", "TOKEN_BINDING_MISMATCH", "STORE_UNAVAILABLE"):
+                        "REFRESH_REUSED", "TOKEN_BINDING_MISMATCH", "STORE_UNAVAILABLE",
+                        "STORE_BUSY"):
             code = "UPSTREAM_ERROR"
         raise UompError(code, str(err.get("message", "refresh refused"))[:200], session_id=call.cap.session_id)
     await _record(call, status=200, allowed=True, reason="refresh token rotated", code=None)

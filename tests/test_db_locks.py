@@ -1,0 +1,136 @@
+"""Issue 9 defect 4: another process holding a write lock on one of the guard's SQLite files.
+
+A real second process (``python -c`` with the stdlib sqlite3) runs ``BEGIN IMMEDIATE`` on
+``audit.db``, ``auth.db`` or ``memory.db`` and holds it, while agents go through the real gateway
+(TLS 1.3 on 127.0.0.1) to the real guard (Unix socket); gateway and guard share this test's event
+loop, so a wait for the lock on that loop would stall everything here too. Checked per database:
+
+* the event loop stays responsive: while a request is stuck behind the lock, ``GET /v1/health`` on
+  the guard is answered first (an ordering, not a timing);
+* the codes: 503 STORE_BUSY where the locked database must be written (never a 500, never a 502),
+  200 where it need not be (memory reads are unaffected by a lock on auth.db or memory.db; a lock
+  on audit.db refuses them because each read's audit row cannot be made durable);
+* everything recovers when the lock is released, and a refresh refused during the lock can be
+  retried with the same refresh token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
+from guardkit import admin_headers, call, guard_config
+
+from gateway.config import Paths
+
+pytestmark = pytest.mark.timeout(120)
+
+LOCKER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+conn.close()
+"""
+
+
+@contextlib.contextmanager
+def held_lock(db: Path) -> Iterator[None]:
+    """Another process holds ``BEGIN IMMEDIATE`` on ``db`` until the block ends."""
+    proc = subprocess.Popen([sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write("\n")
+            proc.stdin.close()
+        proc.wait(30)
+
+
+async def read(app: Appliance, agent: Agent, token: str) -> tuple[int, Any]:
+    async with agent_session(agent, app.paths) as s:
+        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=token,
+                                           agent_id=agent.agent_id)
+        return status, body
+
+
+async def refresh(app: Appliance, agent: Agent, sid: str, rt: str) -> tuple[int, Any]:
+    async with agent_session(agent, app.paths) as s:
+        status, body, _ = await agent_call(s, app.base, f"/v1/sessions/{sid}/refresh", token=rt,
+                                           agent_id=agent.agent_id, method="POST")
+        return status, body
+
+
+async def create_session(app: Appliance) -> tuple[int, Any]:
+    status, body, _ = await call(app.admin, "POST", "/v1/sessions", headers=admin_headers(app.paths),
+                                 json_body={"agent_id": "another_agent", "requested_scopes": {"read": {
+                                     "tags": ["preference"], "keys": []}}})
+    return status, body
+
+
+def code(result: tuple[int, Any]) -> str | int:
+    status, body = result
+    if status < 400:
+        return status
+    assert isinstance(body, dict) and "error" in body, body  # the §8.4 shape, never a bare 500 page
+    return f"{status} {body['error']['code']}"
+
+
+BUSY = "503 STORE_BUSY"
+
+# database locked -> (a memory read, a refresh, a write of the management API) while it is held
+CASES = {
+    "audit": (BUSY, BUSY, BUSY),  # every decision needs its durable audit row
+    "auth": (200, BUSY, BUSY),  # reads within the quota block reserved before the lock need no write
+    "memory": (200, 200, 201),  # the guard never writes memory.db; WAL readers do not wait for writers
+}
+
+
+@pytest.mark.parametrize("db", list(CASES))
+async def test_a_database_locked_by_another_process(home: Paths, db: str) -> None:
+    want_read, want_refresh, want_write = CASES[db]
+    cfg = guard_config(db_busy_timeout_seconds=1.5, db_queue_timeout_seconds=4.0)
+    async with appliance(home, guard_cfg=cfg) as app:
+        agent = app.agent("calendar_agent")
+        g = await app.grant(agent, refresh=True)
+        sid, token, rt = g["session_id"], g["token"], g["refresh_token"]
+        assert code(await read(app, agent, token)) == 200  # reserves a block of the read quota
+
+        with held_lock(home.home / f"{db}.db"):
+            # A request that has to wait for the lock (or, for memory.db, need not) ...
+            slow = asyncio.ensure_future(create_session(app))
+            await asyncio.sleep(0.05)
+            # ... does not hold up the event loop: the guard answers its health check meanwhile.
+            status, body, _ = await call(app.admin, "GET", "/v1/health")
+            assert status == 200 and body == {"status": "ok"}
+            if db != "memory":
+                assert not slow.done(), "the health check waited for the locked database"
+
+            reads = await asyncio.gather(*(read(app, agent, token) for _ in range(4)))
+            assert [code(r) for r in reads] == [want_read] * 4
+            refreshed = await refresh(app, agent, sid, rt)
+            assert code(refreshed) == want_refresh
+            assert code(await slow) == want_write
+
+        # Released: everything works again, the refresh refused during the lock included.
+        assert code(await read(app, agent, token)) == 200
+        if want_refresh != 200:
+            refreshed = await refresh(app, agent, sid, rt)
+            assert code(refreshed) == 200, refreshed
+        new_access = refreshed[1]["access_token"]
+        assert code(await read(app, agent, new_access)) == 200
+        assert code(await create_session(app)) == 201
+        status, logs, _ = await call(app.admin, "GET", f"/v1/audit?session_id={sid}", token=new_access)
+        assert status == 200 and any(r["action"] == "read" and r["allowed"] for r in logs["logs"])
