@@ -304,10 +304,10 @@ def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = No
 async def _serve(args: argparse.Namespace) -> None:
     import logging
 
-    from gateway.cli.gateway import GuardProcess
     from gateway.config import GatewayConfig, GuardConfig, Paths
     from gateway.guard.server import GuardRunner
     from gateway.remote.server import GatewayRunner
+    from gateway.supervisor import GuardProcess
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.ssl_read_buffer_kib:
@@ -395,9 +395,9 @@ def _guard_child(args: argparse.Namespace) -> None:
     the benchmark's knob applied first and logging at WARNING like the rest of the benchmark."""
     import logging
 
-    from gateway.cli.gateway import die_with_parent
     from gateway.config import GuardConfig, Paths
     from gateway.guard.server import run_guard
+    from gateway.supervisor import die_with_parent
 
     if not die_with_parent(args.parent):
         raise SystemExit(1)

@@ -153,6 +153,18 @@ class GatewayConfig:
     status_cache_seconds: float = 0.5
     dpop_window_seconds: int = 60
     dpop_replay_cache_entries: int = 100_000
+    # The gateway's own check of the guard behind it: GET /v1/health on a new connection every
+    # interval (a removed or dead socket is noticed even while pooled connections still work);
+    # /v1/health answers 503 while it fails. Upstream failures are logged at most once per
+    # upstream_failure_log_seconds (with a count of those not logged).
+    upstream_health_interval_seconds: float = 2.0
+    upstream_health_timeout_seconds: float = 2.0
+    upstream_failure_log_seconds: float = 30.0
+    # `uomp gateway start` only: the supervisor's health check of its guard child; after
+    # guard_health_failures failures in a row the child is stopped and restarted.
+    guard_health_interval_seconds: float = 1.0
+    guard_health_timeout_seconds: float = 2.0
+    guard_health_failures: int = 3
 
 
 T = TypeVar("T")

@@ -71,8 +71,11 @@ def test_empty_render_has_all_families() -> None:
         f"{NS}_request_duration_seconds": "histogram",
         f"{NS}_open_connections": "gauge",
         f"{NS}_upstream_up": "gauge",
+        f"{NS}_upstream_failures_total": "counter",
+        f"{NS}_guard_restarts_total": "counter",
     }
     assert value(samples, f"{NS}_open_connections") == 0
+    assert value(samples, f"{NS}_guard_restarts_total") == 0
     assert value(samples, f"{NS}_upstream_up") == 0
     assert not [s for s in samples if s[0].startswith(f"{NS}_requests_total")]
 
@@ -255,3 +258,15 @@ def test_set_gauge_and_add_route() -> None:
     assert value(parse(m.render())[1], f"{NS}_requests_total", route="other", code="OK") == 1
     with pytest.raises(ValueError):
         m.add_route("/v1/payload")
+
+
+def test_upstream_failures_and_guard_restarts_are_counted() -> None:
+    m = Metrics()
+    for code in ("STORE_UNAVAILABLE", "STORE_UNAVAILABLE", "UPSTREAM_TIMEOUT", "not a code"):
+        m.upstream_failure(code)
+    m.guard_restarted()
+    _types, samples = parse(m.render())
+    assert value(samples, f"{NS}_upstream_failures_total", code="STORE_UNAVAILABLE") == 2
+    assert value(samples, f"{NS}_upstream_failures_total", code="UPSTREAM_TIMEOUT") == 1
+    assert value(samples, f"{NS}_upstream_failures_total", code="other") == 1  # bounded label values
+    assert value(samples, f"{NS}_guard_restarts_total") == 1

@@ -4,7 +4,8 @@ One catch-all aiohttp route receives every request, so the raw request-target is
 (:mod:`gateway.remote.pathnorm`) before any routing decision. Then, in order:
 
 1. route lookup in :data:`ROUTES` (unknown: 404 NOT_FOUND, §8.4 shape);
-2. ``/v1/health`` answers at once, without authentication or detail;
+2. ``/v1/health`` answers at once, without authentication or detail: 200, or 503 STORE_UNAVAILABLE
+   while the guard behind the gateway fails its health checks (``GatewayState.upstream_ok``);
 3. transport identity: on the mTLS listener the client certificate (chain, validity and CRL were
    checked in the handshake; the URI SAN ``uomp://agent/<id>`` and EKU clientAuth here). A
    listener without client certificates (the tunnel origin) plugs in its own authenticator;
@@ -214,6 +215,8 @@ class GatewayState:
         self.replay = ReplayCache(cfg.dpop_replay_cache_entries)
         # serials (hex) on the CRL last loaded; the server points this at its TLS reloader
         self.revoked_serials: Callable[[], frozenset[str]] = frozenset
+        # False while the guard is known to be unreachable; the server points this at its upstream monitor
+        self.upstream_ok: Callable[[], bool] = lambda: True
         self.reload_keys()
 
     def reload_keys(self) -> None:
@@ -444,13 +447,10 @@ async def entry(request: web.Request) -> web.StreamResponse:
     code: str | None = None
     try:
         resp = await _dispatch(state, call)
-        state.metrics.set_upstream_up(True)
     except UompError as exc:
         code = exc.code
         if exc.session_id is None and call.cap is not None:
             exc.session_id = call.cap.session_id
-        if code == "STORE_UNAVAILABLE":
-            state.metrics.set_upstream_up(False)
         resp = _error(exc)
         if call.remaining is not None:
             resp.headers[QUOTA_HEADER] = str(call.remaining)
@@ -485,6 +485,8 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     route = call.route
     assert route is not None
     if not route.auth:
+        if not state.upstream_ok():
+            raise UompError("STORE_UNAVAILABLE", "the memory guard is unreachable")
         resp = web.json_response({"status": "ok"})
         await _record(call, status=200, allowed=True, reason="health", code=None)
         return resp

@@ -7,13 +7,15 @@ Only an allow-list of headers crosses in either direction, so hop-by-hop headers
 identity headers never reach the guard; the request is re-framed by the client (``Content-Length``
 only, never the agent's framing). Failures map to stable codes: the guard unreachable is 503
 STORE_UNAVAILABLE (the gateway stays up and recovers by itself on the next request), garbage is
-502 UPSTREAM_ERROR, a hang is 504 UPSTREAM_TIMEOUT.
+502 UPSTREAM_ERROR, a hang is 504 UPSTREAM_TIMEOUT. Each such failure is reported to
+``on_failure`` (the gateway's :class:`~gateway.remote.upstream_health.UpstreamMonitor`: it logs,
+counts and re-checks the guard).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.errors import UompError
@@ -36,6 +38,11 @@ class Forwarder:
         self.upstream = upstream
         self.max_connections = max_connections
         self.client = UpstreamClient(upstream, timeout_seconds=timeout_seconds, max_connections=max_connections)
+        self.on_failure: Callable[[str], None] | None = None  # called with the code of a failed exchange
+
+    def _failed(self, exc: UompError) -> None:
+        if self.on_failure is not None and exc.code in ("STORE_UNAVAILABLE", "UPSTREAM_ERROR", "UPSTREAM_TIMEOUT"):
+            self.on_failure(exc.code)
 
     async def close(self) -> None:
         await self.client.close()
@@ -43,7 +50,11 @@ class Forwarder:
     async def request(self, method: str, path_and_query: str, headers: Mapping[str, str], *,
                       body: bytes | None = None) -> UpstreamResponse:
         """Send one request; the caller reads (``body`` or ``iter_chunks``) and ``release()``s the answer."""
-        return await self.client.request(method, path_and_query, headers, body=body)
+        try:
+            return await self.client.request(method, path_and_query, headers, body=body)
+        except UompError as exc:
+            self._failed(exc)
+            raise
 
     async def json_call(self, method: str, path: str, *, body: Any = None,
                         headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
@@ -55,12 +66,16 @@ class Forwarder:
             raw = await resp.read(MAX_JSON_BYTES + 1)
         finally:
             resp.release()
-        if len(raw) > MAX_JSON_BYTES:
-            raise UompError("UPSTREAM_ERROR", "the memory guard answered with an oversized response")
         try:
-            parsed = json.loads(raw) if raw else {}
-        except ValueError as exc:
-            raise UompError("UPSTREAM_ERROR", "the memory guard answered with invalid JSON") from exc
-        if not isinstance(parsed, dict):
-            raise UompError("UPSTREAM_ERROR", "the memory guard answered with an unexpected shape")
+            if len(raw) > MAX_JSON_BYTES:
+                raise UompError("UPSTREAM_ERROR", "the memory guard answered with an oversized response")
+            try:
+                parsed = json.loads(raw) if raw else {}
+            except ValueError as exc:
+                raise UompError("UPSTREAM_ERROR", "the memory guard answered with invalid JSON") from exc
+            if not isinstance(parsed, dict):
+                raise UompError("UPSTREAM_ERROR", "the memory guard answered with an unexpected shape")
+        except UompError as exc:
+            self._failed(exc)
+            raise
         return resp.status, parsed

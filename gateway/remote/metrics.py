@@ -1,11 +1,15 @@
 """Gateway metrics in the Prometheus text exposition format 0.0.4, without a client library.
 
-Four families (names prefixed by ``namespace``, default ``uomp_gateway``):
+Six families (names prefixed by ``namespace``, default ``uomp_gateway``):
 
 * ``<ns>_requests_total{route, code}`` counter: requests answered;
 * ``<ns>_request_duration_seconds{route}`` histogram with fixed buckets;
 * ``<ns>_open_connections`` gauge: client connections currently open;
-* ``<ns>_upstream_up`` gauge: 1 when the guard behind the gateway answered its last check.
+* ``<ns>_upstream_up`` gauge: 1 when the guard behind the gateway answered its last health check
+  (on a new connection, see :mod:`gateway.remote.upstream_health`);
+* ``<ns>_upstream_failures_total{code}`` counter: exchanges with the guard that failed
+  (``STORE_UNAVAILABLE``, ``UPSTREAM_ERROR``, ``UPSTREAM_TIMEOUT``);
+* ``<ns>_guard_restarts_total`` counter: guard child restarts by the appliance's supervisor.
 
 Label values are bounded by construction, so a scrape can never leak a path, a memory key or a
 token and the series count cannot grow with traffic: ``route`` is one of the route *names* given
@@ -111,6 +115,8 @@ class Metrics:
         self._durations: dict[str, _Histogram] = {}
         self._open_connections = 0
         self._upstream_up = 0
+        self._upstream_failures: dict[str, int] = {}
+        self._guard_restarts = 0
 
     # ---------------------------------------------------------------------------- labels
 
@@ -174,6 +180,20 @@ class Metrics:
         with self._lock:
             self._upstream_up = 1 if up else 0
 
+    def upstream_failure(self, code: str) -> None:
+        """Count one failed exchange with the guard (``code``: a stable error code)."""
+        c = self.code_label(code)
+        with self._lock:
+            self._upstream_failures[c] = self._upstream_failures.get(c, 0) + 1
+
+    def guard_restarted(self) -> None:
+        with self._lock:
+            self._guard_restarts += 1
+
+    def upstream_failures(self, code: str) -> int:
+        with self._lock:
+            return self._upstream_failures.get(self.code_label(code), 0)
+
     def set_gauge(self, name: str, value: float) -> None:
         """Set a gauge by name: ``open_connections`` (a count) or ``upstream_up`` (truthy = 1)."""
         if name == "open_connections":
@@ -205,6 +225,8 @@ class Metrics:
             requests = sorted(self._requests.items())
             durations = sorted((r, list(h.counts), h.sum, h.total) for r, h in self._durations.items())
             open_conns, up = self._open_connections, self._upstream_up
+            failures = sorted(self._upstream_failures.items())
+            restarts = self._guard_restarts
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
@@ -233,6 +255,15 @@ class Metrics:
         name = f"{ns}_upstream_up"
         family(name, "gauge", "1 if the upstream guard answered its last health check, else 0.")
         out.append(f"{name} {up}")
+
+        name = f"{ns}_upstream_failures_total"
+        family(name, "counter", "Exchanges with the upstream guard that failed, by error code.")
+        for c, n in failures:
+            out.append(f"{name}{_labels((('code', c),))} {n}")
+
+        name = f"{ns}_guard_restarts_total"
+        family(name, "counter", "Guard child processes restarted by the appliance's supervisor.")
+        out.append(f"{name} {restarts}")
         return "\n".join(out) + "\n"
 
 

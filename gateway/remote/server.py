@@ -22,6 +22,7 @@ from gateway.remote.app import GatewayState, create_gateway_app
 from gateway.remote.forward import Forwarder, Upstream
 from gateway.remote.metrics import Metrics, create_metrics_app
 from gateway.remote.tls import TLSReloader
+from gateway.remote.upstream_health import UpstreamMonitor
 
 log = logging.getLogger("uomp.gateway")
 
@@ -49,6 +50,9 @@ class GatewayRunner:
         self.metrics_port: int | None = None
         # Other parts of the gateway (refresh, payloads, DPoP listener) hook in here before start().
         self.setup_hooks: list[Callable[[GatewayState], None]] = []
+        # Extra sections of the status file ($UOMP_HOME/gateway/status.json), e.g. "guard" (supervisor).
+        self.status_sources: dict[str, Callable[[], dict[str, Any]]] = {}
+        self.monitor: UpstreamMonitor | None = None
 
     def _runner_kwargs(self) -> dict[str, Any]:
         return {"access_log": None, "max_line_size": self.cfg.max_header_bytes,
@@ -75,12 +79,18 @@ class GatewayRunner:
         self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         access = AccessLog(self.paths.gateway_dir / "access.jsonl")
         metrics = Metrics()
+        self.monitor = monitor = UpstreamMonitor(
+            upstream, metrics=metrics, status_file=self.paths.gateway_status,
+            interval=cfg.upstream_health_interval_seconds, timeout=cfg.upstream_health_timeout_seconds,
+            log_seconds=cfg.upstream_failure_log_seconds, sources=self.status_sources)
+        forwarder.on_failure = monitor.request_failed
         endpoints = list(cfg.endpoints) or [f"https://localhost:{cfg.listen_port}",
                                             f"https://127.0.0.1:{cfg.listen_port}"]
         self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
                                           endpoints=endpoints)
         reloader = self.reloader
         state.revoked_serials = lambda: reloader.revoked
+        state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
         for hook in self.setup_hooks:
             hook(state)
@@ -125,8 +135,17 @@ class GatewayRunner:
             self.metrics_port = sockets[0].getsockname()[1] if sockets else None
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.reloader.watch(tick=lambda: ca_store.refresh_crl(self.paths))))
+        await monitor.check()  # /v1/health tells the truth from the first request on
+        self._tasks.append(loop.create_task(monitor.run()))
         log.info("gateway listening on https://%s:%s (TLS 1.3, mTLS), upstream %s", cfg.listen_host, self.port,
                  upstream.kind)
+
+    def guard_restarted(self, reason: str) -> None:
+        """The supervisor restarted the guard child (counted; the monitor checks it at once)."""
+        if self.state is not None:
+            self.state.metrics.guard_restarted()
+        if self.monitor is not None:
+            self.monitor.wake()
 
     def reload(self) -> None:
         if self.reloader is not None:
@@ -152,3 +171,7 @@ class GatewayRunner:
         if self.state is not None:
             await self.state.close()
             self.state = None
+        if self.monitor is not None:  # the status file says the gateway stopped
+            self.monitor.running = False
+            await self.monitor.write_status(force=True)
+            self.monitor = None
