@@ -134,3 +134,20 @@ async def test_a_database_locked_by_another_process(home: Paths, db: str) -> Non
         assert code(await create_session(app)) == 201
         status, logs, _ = await call(app.admin, "GET", f"/v1/audit?session_id={sid}", token=new_access)
         assert status == 200 and any(r["action"] == "read" and r["allowed"] for r in logs["logs"])
+
+
+async def test_the_gateway_quota_database_locked(home: Paths) -> None:
+    """The gateway's own quota.db: a read that must raise its quota reservation waits off the gateway's
+    event loop (its /v1/health answers meanwhile), then gets 503 STORE_BUSY; others recover."""
+    async with appliance(home) as app:
+        agent = app.agent("calendar_agent")
+        g = await app.grant(agent)
+        with held_lock(home.gateway_dir / "quota.db"):
+            slow = asyncio.ensure_future(read(app, agent, g["token"]))  # the first read reserves a block
+            await asyncio.sleep(0.05)
+            async with agent_session(agent, app.paths) as s:
+                status, body, _ = await agent_call(s, app.base, "/v1/health", token=None, agent_id=None)
+            assert status == 200 and body == {"status": "ok"}
+            assert not slow.done(), "the gateway's health check waited for the locked quota database"
+            assert code(await slow) == BUSY
+        assert code(await read(app, agent, g["token"])) == 200

@@ -45,7 +45,7 @@ from gateway.core.dpop import ReplayCache
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
 from gateway.errors import STATUS, UompError
-from gateway.guard.db import connect, transaction
+from gateway.guard.db import DbWorker, connect, transaction
 from gateway.remote import pathnorm, transport
 from gateway.remote.access_log import AccessLog
 from gateway.remote.forward import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS, Forwarder
@@ -161,13 +161,22 @@ class StatusCache:
 
 
 class QuotaStore:
-    """Gateway-side quota counters in ``$UOMP_HOME/gateway/quota.db`` (survive restarts)."""
+    """Gateway-side quota counters in ``$UOMP_HOME/gateway/quota.db`` (survive restarts).
+
+    The ledger runs on the database's own worker thread (:meth:`consume`), so a lock held on
+    quota.db by another process never stalls the gateway's event loop: past the bounded wait the
+    read is 503 STORE_BUSY."""
 
     SCHEMA = "CREATE TABLE IF NOT EXISTS quota (session_id TEXT PRIMARY KEY, reserved INTEGER NOT NULL);"
 
     def __init__(self, path: Path) -> None:
         self.db = connect(path, schema=self.SCHEMA, what="gateway quota database")
         self.ledger = QuotaLedger(self._load, self._persist)
+        self.worker = DbWorker("gateway-quota", what="gateway quota database")
+
+    async def consume(self, session_id: str, limit: int | None) -> int | None:
+        """:meth:`QuotaLedger.consume` on the worker thread."""
+        return await self.worker.run(self.ledger.consume, session_id, limit)
 
     def _load(self, sid: str) -> int:
         r = self.db.execute("SELECT reserved FROM quota WHERE session_id=?", (sid,)).fetchone()
@@ -179,6 +188,7 @@ class QuotaStore:
                             "reserved=excluded.reserved", (sid, mark))
 
     def close(self) -> None:
+        self.worker.close()
         self.ledger.flush()
         self.db.close()
 
@@ -499,7 +509,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     if route.status_check:
         await state.status.check(call.token, cap)
     if route.reads:
-        remaining = state.quota.ledger.consume(cap.session_id, cap.max_read_queries)
+        remaining = await state.quota.consume(cap.session_id, cap.max_read_queries)
         if remaining == -1:
             call.remaining = 0
             raise UompError("QUOTA_EXCEEDED", "read query quota is exhausted", session_id=cap.session_id)
