@@ -334,7 +334,7 @@ async def _serve(args: argparse.Namespace) -> None:
             cmd += ["--tcp-port", str(args.tcp_port)]
         if args.quota_block:
             cmd += ["--quota-block", str(args.quota_block)]
-        child = GuardProcess(paths, cmd)
+        child = GuardProcess(paths, cmd, output=lambda line: print(line, file=sys.stderr, flush=True))
         await child.start()
         child.supervise()
         info.update(guard_pid=child.pid, tcp_port=args.tcp_port)
