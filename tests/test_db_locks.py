@@ -151,3 +151,42 @@ async def test_the_gateway_quota_database_locked(home: Paths) -> None:
             assert not slow.done(), "the gateway's health check waited for the locked quota database"
             assert code(await slow) == BUSY
         assert code(await read(app, agent, g["token"])) == 200
+
+
+async def test_a_call_queued_too_long_is_refused_without_running(tmp_path: Path) -> None:
+    """The queue bound: while one call waits for a lock, calls queued past db_queue_timeout_seconds are
+    refused (STORE_BUSY, reason QUEUE_TIMEOUT) and never touch the database; later calls run."""
+    import sqlite3
+
+    from gateway.errors import UompError
+    from gateway.guard.db import DbWorker, connect, transaction
+
+    db = tmp_path / "x.db"
+    conn = connect(db, schema="CREATE TABLE IF NOT EXISTS t (v INTEGER);", busy_timeout=1.0)
+    worker = DbWorker("test", what="test database", queue_timeout=0.3)
+    ran: list[str] = []
+
+    def write(tag: str) -> None:
+        ran.append(tag)
+        with transaction(conn, what="test database"):
+            conn.execute("INSERT INTO t VALUES (1)")
+
+    try:
+        with held_lock(db):
+            first = asyncio.ensure_future(worker.run(write, "first"))  # waits the busy timeout, then fails
+            await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(worker.run(write, "second"))  # queued behind it for > 0.3 s
+            results = await asyncio.gather(first, second, return_exceptions=True)
+        assert all(isinstance(r, UompError) and r.code == "STORE_BUSY" for r in results), results
+        assert [r.details for r in results if isinstance(r, UompError)] == [
+            {"reason": "SQLITE_BUSY"}, {"reason": "QUEUE_TIMEOUT"}]
+        assert ran == ["first"]  # the second never ran
+        await worker.run(write, "third")  # released: works again
+        assert ran == ["first", "third"]
+        with pytest.raises(UompError) as exc:  # any other SQLite failure is STORE_UNAVAILABLE, never a 500
+            await worker.run(conn.execute, "SELECT * FROM no_such_table")
+        assert exc.value.code == "STORE_UNAVAILABLE"
+        assert isinstance(exc.value.__cause__, sqlite3.Error)
+    finally:
+        worker.close()
+        conn.close()

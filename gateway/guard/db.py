@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -111,8 +110,7 @@ def transaction(conn: sqlite3.Connection, *, code: str = "STORE_UNAVAILABLE", wh
 class DbWorker:
     """One thread that runs every call on one database, in order (see the module docstring).
 
-    ``await worker.run(fn, *args)`` from the event loop; ``worker.call(fn, *args)`` from any other
-    thread (or the worker's own: then it runs inline). A ``sqlite3.Error`` escaping ``fn`` becomes
+    ``await worker.run(fn, *args)`` from the event loop. A ``sqlite3.Error`` escaping ``fn`` becomes
     STORE_BUSY / STORE_UNAVAILABLE; a call still queued after ``queue_timeout`` seconds is refused
     with STORE_BUSY without running.
     """
@@ -121,11 +119,9 @@ class DbWorker:
         self.what = what
         self.queue_timeout = float(queue_timeout)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"db-{name}")
-        self._thread: threading.Thread | None = None
         self.refused = 0  # calls refused because they waited in the queue too long (diagnostics)
 
     def _job(self, deadline: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        self._thread = threading.current_thread()
         if time.monotonic() > deadline:
             self.refused += 1
             raise UompError("STORE_BUSY", f"the {self.what} is busy (another process holds a lock); try again "
@@ -140,12 +136,6 @@ class DbWorker:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.queue_timeout
         return await loop.run_in_executor(self._executor, self._job, deadline, fn, args)
-
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the worker thread, waiting for it (for threads other than the event loop's)."""
-        if threading.current_thread() is self._thread:
-            return fn(*args)
-        return self._executor.submit(self._job, time.monotonic() + self.queue_timeout, fn, args).result()
 
     def close(self) -> None:
         """Finish queued calls, then stop the thread."""
