@@ -188,36 +188,54 @@ class AgentCall:
         self.row: SessionRow | None = None
         self.remaining: int | None = None
 
-    async def authenticate(self) -> Capability:
+    def _check_listener(self, cap: Capability, listener: str, forwarded: str | None) -> None:
+        if listener == "tcp":
+            # Local Profile listener (§7.3, §14.1): local tokens bound to this endpoint only.
+            if cap.profile != "local":
+                raise UompError("INVALID_TOKEN", "a remote-profile token must come through the gateway",
+                                session_id=cap.session_id)
+            if cap.audience is not None and cap.audience.rstrip("/") not in self.svc.local_audiences:
+                raise UompError("INVALID_TOKEN", "token audience is not this guard", session_id=cap.session_id)
+        elif forwarded is not None and forwarded != cap.agent_id:
+            raise UompError("AGENT_MISMATCH", "verified agent does not match the token", session_id=cap.session_id)
+
+    def _authenticate_on_worker(self, token: str, listener: str, forwarded: str | None, read: bool
+                                ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None]:
+        """Runs on the auth.db worker: steps 1-4, then (``read``) step 5. Returns (cap, row, remaining,
+        refusal): a refusal with no cap failed authentication; with a cap, the quota."""
+        try:
+            cap, row = self.svc.auth.authenticate(token)
+            self._check_listener(cap, listener, forwarded)
+        except UompError as exc:
+            return None, None, None, exc
+        if not read:
+            return cap, row, None, None
+        try:
+            return cap, row, self.svc.auth.consume_read(cap), None
+        except UompError as exc:
+            return cap, row, 0, exc
+
+    async def authenticate(self, *, read: bool = False) -> Capability:
+        """§10.4 steps 1-4 and, with ``read``, step 5 (the read quota): one trip to the auth.db worker.
+        A refusal is audited (``deny``) and raised."""
         listener = self.request.app[LISTENER]
         try:
-            cap, row = await self.svc.authdb(self.svc.auth.authenticate, _bearer(self.request))
-            if listener == "tcp":
-                # Local Profile listener (§7.3, §14.1): local tokens bound to this endpoint only.
-                if cap.profile != "local":
-                    raise UompError("INVALID_TOKEN", "a remote-profile token must come through the gateway",
-                                    session_id=cap.session_id)
-                if cap.audience is not None and cap.audience.rstrip("/") not in self.svc.local_audiences:
-                    raise UompError("INVALID_TOKEN", "token audience is not this guard", session_id=cap.session_id)
-            else:
-                forwarded = self.request.headers.get(VERIFIED_AGENT_HEADER)
-                if forwarded is not None and forwarded != cap.agent_id:
-                    raise UompError("AGENT_MISMATCH", "verified agent does not match the token",
-                                    session_id=cap.session_id)
+            cap, row, remaining, refusal = await self.svc.authdb(
+                self._authenticate_on_worker, _bearer(self.request), listener,
+                self.request.headers.get(VERIFIED_AGENT_HEADER), read)
+            if cap is None:
+                assert refusal is not None
+                raise refusal
         except UompError as exc:
             self.deny(exc, agent_id="unknown")
             raise
         self.cap, self.row = cap, row
+        if read:
+            self.remaining = remaining
+        if refusal is not None:
+            self.deny(refusal)
+            raise refusal
         return cap
-
-    async def consume_read(self) -> None:
-        assert self.cap is not None
-        try:
-            self.remaining = await self.svc.authdb(self.svc.auth.consume_read, self.cap)
-        except UompError as exc:
-            self.remaining = 0
-            self.deny(exc)
-            raise
 
     def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None) -> None:
         cap = self.cap
@@ -274,8 +292,7 @@ async def get_key(request: web.Request) -> web.Response:
     key = request.match_info["key"]
     call = AgentCall(request, "read", key=key)
     try:
-        cap = await call.authenticate()
-        await call.consume_read()
+        cap = await call.authenticate(read=True)
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:  # §10.4 step 5b, §19.2
@@ -305,8 +322,7 @@ async def get_by_tag(request: web.Request) -> web.Response:
         tag = _param(request, "tag")
         assert tag is not None
         call.tags = [tag]
-        cap = await call.authenticate()
-        await call.consume_read()
+        cap = await call.authenticate(read=True)
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:
@@ -330,8 +346,7 @@ async def aggregate(request: web.Request) -> web.Response:
             raise UompError("INVALID_REQUEST", "op must be one of sum, avg, count, min, max")
         if op != "count" and (field is None or not (field == "value" or field.startswith("value."))):
             raise UompError("INVALID_REQUEST", "field is required for numeric ops and must start with value.")
-        cap = await call.authenticate()
-        await call.consume_read()
+        cap = await call.authenticate(read=True)
     except UompError as exc:
         return await _answer_refusal(call, exc)
     d, items = _tag_items(call, cap, tag)
