@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +39,8 @@ DEFAULT_BUSY_TIMEOUT_SECONDS = 2.0
 DEFAULT_QUEUE_TIMEOUT_SECONDS = 5.0
 
 T = TypeVar("T")
+# (loop, future, deadline, function, arguments): one call queued for a DbWorker
+_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", float, Callable[..., Any], tuple[Any, ...]]
 
 _BUSY_NAMES = ("SQLITE_BUSY", "SQLITE_LOCKED")
 
@@ -107,19 +110,47 @@ def transaction(conn: sqlite3.Connection, *, code: str = "STORE_UNAVAILABLE", wh
         raise
 
 
+def _deliver(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.cancelled():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
 class DbWorker:
     """One thread that runs every call on one database, in order (see the module docstring).
 
     ``await worker.run(fn, *args)`` from the event loop. A ``sqlite3.Error`` escaping ``fn`` becomes
     STORE_BUSY / STORE_UNAVAILABLE; a call still queued after ``queue_timeout`` seconds is refused
     with STORE_BUSY without running.
+
+    A plain thread fed by a ``queue.SimpleQueue`` rather than a ``ThreadPoolExecutor``: each request
+    makes a trip here, and this costs about a third of ``run_in_executor``'s (25 vs 70 us measured).
     """
 
     def __init__(self, name: str, *, what: str, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_SECONDS) -> None:
         self.what = what
         self.queue_timeout = float(queue_timeout)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"db-{name}")
         self.refused = 0  # calls refused because they waited in the queue too long (diagnostics)
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=f"db-{name}", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _main(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            loop, fut, deadline, fn, args = job
+            try:
+                result: tuple[bool, Any] = (True, self._job(deadline, fn, args))
+            except BaseException as exc:  # handed to the caller, whatever it is
+                result = (False, exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                loop.call_soon_threadsafe(_deliver, fut, *result)
 
     def _job(self, deadline: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if time.monotonic() > deadline:
@@ -132,11 +163,18 @@ class DbWorker:
             raise db_error(exc, what=self.what) from exc
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the worker thread; the event loop is free meanwhile."""
+        """``fn(*args)`` on the worker thread; the event loop is free meanwhile. A call that has started
+        runs to its end even if the caller stops waiting."""
+        if self._closed:
+            raise UompError("STORE_UNAVAILABLE", f"the {self.what} is closed")
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.queue_timeout
-        return await loop.run_in_executor(self._executor, self._job, deadline, fn, args)
+        fut: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, fut, time.monotonic() + self.queue_timeout, fn, args))
+        return await fut
 
     def close(self) -> None:
         """Finish queued calls, then stop the thread."""
-        self._executor.shutdown(wait=True)
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
