@@ -239,3 +239,12 @@ def _mth(hashes: list[bytes]) -> bytes:
         return hashes[0]
     k = merkle.split_point(len(hashes))
     return merkle.node_hash(_mth(hashes[:k]), _mth(hashes[k:]))
+
+
+def test_compact_range_roots_match_every_prefix() -> None:
+    tree = tree_of(140)
+    cr = merkle.CompactRange()
+    assert cr.root() == merkle.EMPTY_ROOT
+    for i in range(140):
+        cr.append(tree.node(0, i))
+        assert cr.root() == tree.root(i + 1)

@@ -257,6 +257,35 @@ def complete_nodes_after_append(index: int, leaf: bytes, node: NodeReader) -> li
     return out
 
 
+class CompactRange:
+    """The right edge of a growing tree: O(log n) memory, the root of every prefix on demand.
+
+    What a verifier uses to recompute a million-event log's roots without keeping the tree.
+    """
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._edge: list[tuple[int, bytes]] = []  # (level, hash), largest subtree first
+
+    def append(self, leaf: bytes) -> None:
+        _check_hashes(leaf)
+        level, h = 0, leaf
+        while self._edge and self._edge[-1][0] == level:
+            _, left = self._edge.pop()
+            h = node_hash(left, h)
+            level += 1
+        self._edge.append((level, h))
+        self.size += 1
+
+    def root(self) -> bytes:
+        if not self._edge:
+            return EMPTY_ROOT
+        acc = self._edge[-1][1]
+        for _, left in reversed(self._edge[:-1]):
+            acc = node_hash(left, acc)
+        return acc
+
+
 class MemoryTree:
     """An in-memory append-only tree that keeps every complete subtree hash (level by level)."""
 

@@ -1,0 +1,212 @@
+"""The verifiable event log: append-only events, their Merkle tree and signed checkpoints, in one
+SQLite file so that an event, its tree nodes and its checkpoint commit together.
+
+* Every event gets the next sequence number (1, 2, 3, ... without gaps); its leaf is
+  ``SHA-256(0x00 || JCS(event))`` (RFC 8785 canonical JSON of the event *including* ``seq``), its
+  leaf index is ``seq - 1``.
+* A checkpoint is a C2SP signed note (``gateway.core.checkpoint``) over ``(origin, size, root,
+  timestamp)``, signed with the appliance's audit key; each new one is checked consistent with the
+  previous one before it is stored.
+* Retention prunes an event's *body* (set to NULL) and keeps its leaf hash and tree nodes, so every
+  proof issued before still verifies and the tree never changes shape.
+
+This class does no locking and no asyncio: the caller owns the connection, runs each method
+inside its own transaction (``append`` and ``checkpoint`` must be inside ``BEGIN IMMEDIATE``), and
+calls :meth:`EventLog.reload` after a rollback. Verification lives in :mod:`gateway.ledger.verify`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sqlite3
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from gateway.core import merkle
+from gateway.core.canonical import canonical_json
+from gateway.core.checkpoint import Checkpoint, verifier_key
+from gateway.ledger.tree import TreeStore
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger_events (
+  seq INTEGER PRIMARY KEY,
+  id TEXT NOT NULL UNIQUE,
+  ts REAL NOT NULL,
+  action TEXT NOT NULL,
+  session_id TEXT,
+  agent_id TEXT,
+  allowed INTEGER,
+  code TEXT,
+  body TEXT,
+  leaf BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS idx_ledger_session ON ledger_events(session_id, seq);
+CREATE INDEX IF NOT EXISTS idx_ledger_ts ON ledger_events(ts);
+CREATE TABLE IF NOT EXISTS ledger_checkpoints (
+  size INTEGER PRIMARY KEY,
+  ts REAL NOT NULL,
+  note TEXT NOT NULL
+);
+"""
+
+BUNDLE_VERSION = 1
+
+
+class LedgerError(Exception):
+    """A request the log cannot answer (unknown event, event not yet in a checkpoint)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Appended:
+    seq: int
+    id: str
+    leaf: bytes
+
+
+def event_leaf(body: Mapping[str, Any]) -> tuple[bytes, bytes]:
+    """(canonical bytes, leaf hash) of an event body that already carries its ``seq``."""
+    raw = canonical_json(dict(body))
+    return raw, merkle.leaf_hash(raw)
+
+
+def checkpoint_hash(note: str) -> bytes:
+    """What an anchor commits to: SHA-256 of the signed note's UTF-8 bytes."""
+    return hashlib.sha256(note.encode()).digest()
+
+
+class EventLog:
+    def __init__(self, conn: sqlite3.Connection, *, origin: str, key: Ed25519PrivateKey | None) -> None:
+        self.conn = conn
+        self.origin = origin
+        self.key = key
+        conn.executescript(SCHEMA)
+        self.tree = TreeStore(conn)
+        self.reload()
+
+    # --------------------------------------------------------------------------- state
+
+    def reload(self) -> None:
+        self.tree.reload()
+        row = self.conn.execute("SELECT MAX(seq) FROM ledger_events").fetchone()
+        events = 0 if row[0] is None else int(row[0])
+        if events != self.tree.size:
+            raise LedgerError("LOG_CORRUPT", f"the log has {events} events but its tree has {self.tree.size} leaves")
+
+    @property
+    def size(self) -> int:
+        return self.tree.size
+
+    @property
+    def public_key(self) -> Ed25519PublicKey | None:
+        return None if self.key is None else self.key.public_key()
+
+    def verifier_key(self) -> str:
+        if self.key is None:
+            raise LedgerError("KEY_ERROR", "no audit signing key")
+        return verifier_key(self.origin, self.key.public_key())
+
+    # --------------------------------------------------------------------------- writing
+
+    def append(self, events: list[Mapping[str, Any]]) -> list[Appended]:
+        """Append events (each with at least ``id``, ``ts`` and ``action``) in the caller's transaction."""
+        out: list[Appended] = []
+        rows: list[tuple[Any, ...]] = []
+        seq = self.tree.size
+        for event in events:
+            seq += 1
+            body = {**event, "seq": seq}
+            raw, leaf = event_leaf(body)
+            allowed = body.get("allowed")
+            rows.append((seq, str(body["id"]), float(body["ts"]), str(body["action"]), body.get("session_id"),
+                         body.get("agent_id"), None if allowed is None else int(bool(allowed)), body.get("code"),
+                         raw.decode(), leaf))
+            out.append(Appended(seq, str(body["id"]), leaf))
+        self.conn.executemany(
+            "INSERT INTO ledger_events (seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        self.tree.append([a.leaf for a in out])
+        return out
+
+    def checkpoint(self, now: float) -> str | None:
+        """Sign and store a checkpoint of the current size (in the caller's transaction).
+
+        ``None`` when nothing was appended since the last one. The new tree is proven consistent
+        with the last checkpoint before anything is signed.
+        """
+        if self.key is None:
+            raise LedgerError("KEY_ERROR", "no audit signing key")
+        last = self.latest_checkpoint()
+        size = self.tree.size
+        if last is not None and last[0].size >= size:
+            return None
+        root = self.tree.root(size)
+        if last is not None:
+            merkle.verify_consistency(last[0].size, size, last[0].root, root,
+                                      self.tree.consistency_proof(last[0].size, size))
+        note = Checkpoint(self.origin, size, root, int(now)).sign(self.origin, self.key)
+        self.conn.execute("INSERT INTO ledger_checkpoints (size, ts, note) VALUES (?, ?, ?)", (size, now, note))
+        return note
+
+    def prune_bodies(self, before_ts: float) -> int:
+        """Retention: forget event bodies older than ``before_ts``; leaves and nodes stay."""
+        cur = self.conn.execute("UPDATE ledger_events SET body = NULL WHERE ts < ? AND body IS NOT NULL",
+                                (before_ts,))
+        return int(cur.rowcount)
+
+    # --------------------------------------------------------------------------- reading
+
+    def latest_checkpoint(self) -> tuple[Checkpoint, str] | None:
+        row = self.conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size DESC LIMIT 1").fetchone()
+        if row is None:
+            return None
+        note = str(row[0])
+        return Checkpoint.parse(note.split("\n\n")[0] + "\n"), note
+
+    def checkpoint_covering(self, seq: int) -> tuple[Checkpoint, str] | None:
+        row = self.conn.execute("SELECT note FROM ledger_checkpoints WHERE size >= ? ORDER BY size LIMIT 1",
+                                (seq,)).fetchone()
+        if row is None:
+            return None
+        note = str(row[0])
+        return Checkpoint.parse(note.split("\n\n")[0] + "\n"), note
+
+    def checkpoints(self) -> Iterator[str]:
+        for row in self.conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size"):
+            yield str(row[0])
+
+    def event(self, event_id: str) -> tuple[int, dict[str, Any] | None]:
+        row = self.conn.execute("SELECT seq, body FROM ledger_events WHERE id = ?", (event_id,)).fetchone()
+        if row is None:
+            raise LedgerError("NOT_FOUND", "no such event")
+        return int(row[0]), (None if row[1] is None else json.loads(row[1]))
+
+    def proof_bundle(self, event_id: str, *, anchor: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A self-contained proof that the event is in the log: event, path, signed checkpoint."""
+        seq, body = self.event(event_id)
+        if body is None:
+            raise LedgerError("NOT_FOUND", "the event's body is past retention; its leaf is still in the tree")
+        found = self.checkpoint_covering(seq)
+        if found is None:
+            raise LedgerError("PROOF_PENDING", "the event is not in a signed checkpoint yet; try again shortly")
+        cp, note = found
+        path = self.tree.inclusion_proof(seq - 1, cp.size)
+        return {
+            "version": BUNDLE_VERSION,
+            "event": body,
+            "leaf_index": seq - 1,
+            "tree_size": cp.size,
+            "inclusion_path": [base64.b64encode(h).decode() for h in path],
+            "checkpoint": note,
+            "verifier_key": self.verifier_key(),
+            "checkpoint_hash": checkpoint_hash(note).hex(),
+            "anchor": dict(anchor) if anchor else None,
+        }
