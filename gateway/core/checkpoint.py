@@ -56,7 +56,7 @@ def verifier_key(name: str, public_key: Ed25519PublicKey) -> str:
 
 
 def parse_verifier_key(vkey: str) -> tuple[str, Ed25519PublicKey]:
-    parts = vkey.strip().split("+")
+    parts = vkey.strip().split("+", 2)  # the base64 key may itself contain '+'
     if len(parts) != 3:
         raise NoteError("a verifier key is name+keyid+key")
     name, kid_hex, b64 = parts
