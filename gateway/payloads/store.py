@@ -1,0 +1,366 @@
+"""The payload relay's store: sealed payloads on disk, an index in SQLite, single-use upload URLs.
+
+Only ciphertext ever reaches this module; it cannot decrypt (the user's private key is not here).
+
+Layout under ``$UOMP_HOME/payloads/`` (0700): ``index.db`` (WAL), ``blobs/<payload_id>`` (0600, the
+sealed bytes), ``tmp/`` (uploads in flight).
+
+Durability and crash safety, in the order an upload commits:
+
+1. the body streams into ``tmp/<random>`` (O_EXCL, 0600) while its length and SHA-256 are counted
+   and the size cap is enforced;
+2. ``fsync`` the file, check the hash the agent declared, ``rename`` it to ``blobs/<payload_id>``,
+   ``fsync`` the directory;
+3. insert the index row in one transaction (re-checking the per-session caps there).
+
+A payload exists for readers only once its row exists. A crash before step 3 leaves a blob or a
+temporary file without a row: :meth:`PayloadStore.open` removes those, so a killed upload never
+leaves a visible partial payload nor an index row without its blob. A full disk fails the upload
+with ``PAYLOAD_STORE_FULL`` and removes what it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gateway.fsutil import ensure_private_dir, fsync_dir
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS payloads (
+  payload_id TEXT PRIMARY KEY,
+  session_id TEXT NOT NULL,
+  agent_id TEXT NOT NULL,
+  format TEXT NOT NULL,
+  size INTEGER NOT NULL,
+  hash TEXT NOT NULL,
+  encryption TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  expires_at REAL NOT NULL,
+  opened_at REAL
+);
+CREATE INDEX IF NOT EXISTS idx_payloads_session ON payloads(session_id);
+CREATE INDEX IF NOT EXISTS idx_payloads_expiry ON payloads(expires_at);
+CREATE TABLE IF NOT EXISTS upload_urls (
+  token_hash TEXT PRIMARY KEY,
+  session_id TEXT NOT NULL,
+  agent_id TEXT NOT NULL,
+  max_size INTEGER NOT NULL,
+  expires_at REAL NOT NULL,
+  used_at REAL
+);
+"""
+
+PAYLOAD_ID = re.compile(r"pay_[A-Za-z0-9_-]{8,64}")
+HASH = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_UPLOAD_URL_TTL = 600.0
+
+
+class PayloadError(Exception):
+    """A refused or failed payload operation with a stable code (spec §8.4 names where they exist)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_bytes: int = 64 << 20  # one payload's ciphertext
+    max_per_session: int = 100  # payloads kept per session
+    max_bytes_per_session: int = 256 << 20
+    ttl_seconds: float = 7 * 86400.0
+
+
+@dataclass(frozen=True)
+class PayloadMeta:
+    payload_id: str
+    session_id: str
+    agent_id: str
+    format: str
+    size: int
+    hash: str
+    encryption: dict[str, Any]
+    created_at: float
+    expires_at: float
+    opened_at: float | None
+
+    def public(self) -> dict[str, Any]:
+        return {"payload_id": self.payload_id, "session_id": self.session_id, "agent_id": self.agent_id,
+                "format": self.format, "size": self.size, "hash": self.hash, "encryption": self.encryption,
+                "created_at": self.created_at, "expires_at": self.expires_at, "opened": self.opened_at is not None}
+
+
+def new_payload_id() -> str:
+    return "pay_" + secrets.token_urlsafe(18)
+
+
+def _full(exc: OSError) -> PayloadError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PayloadError("PAYLOAD_STORE_FULL", "the payload store's disk is full; nothing was kept")
+    return PayloadError("STORE_UNAVAILABLE", f"the payload store is unavailable ({exc.strerror})")
+
+
+class Upload:
+    """One upload in flight: write ciphertext pieces, then :meth:`commit` or :meth:`abort`."""
+
+    def __init__(self, store: PayloadStore, meta: Mapping[str, Any], max_bytes: int) -> None:
+        self.store = store
+        self.meta = dict(meta)
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._hash = hashlib.sha256()
+        self.path = store.tmp / f"{secrets.token_hex(12)}.part"
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise _full(exc) from exc
+        self._fh: BinaryIO | None = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._fh is None:
+            raise PayloadError("INVALID_REQUEST", "upload already finished")
+        if self.size + len(data) > self.max_bytes:
+            self.abort()
+            raise PayloadError("PAYLOAD_TOO_LARGE", f"payload exceeds {self.max_bytes} bytes")
+        try:
+            self._fh.write(data)
+        except OSError as exc:
+            self.abort()
+            raise _full(exc) from exc
+        self.size += len(data)
+        self._hash.update(data)
+
+    @property
+    def hash(self) -> str:
+        return "sha256:" + self._hash.hexdigest()
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.close()
+            self._fh = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def commit(self, *, declared_hash: str | None = None, declared_size: int | None = None,
+               now: float | None = None) -> PayloadMeta:
+        if self._fh is None:
+            raise PayloadError("INVALID_REQUEST", "upload already finished")
+        if declared_size is not None and declared_size != self.size:
+            self.abort()
+            raise PayloadError("PAYLOAD_SIZE_MISMATCH", f"declared {declared_size} bytes, received {self.size}")
+        if declared_hash is not None and not secrets.compare_digest(declared_hash, self.hash):
+            self.abort()
+            raise PayloadError("PAYLOAD_HASH_MISMATCH", "the ciphertext does not match the declared hash")
+        pid = str(self.meta["payload_id"])
+        final = self.store.blobs / pid
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            self._fh = None
+            if final.exists():
+                raise PayloadError("PAYLOAD_EXISTS", "a payload with this id already exists")
+            os.rename(self.path, final)
+            fsync_dir(self.store.blobs)
+        except PayloadError:
+            self.abort()
+            raise
+        except OSError as exc:
+            self.abort()
+            raise _full(exc) from exc
+        try:
+            return self.store._index(self.meta, size=self.size, digest=self.hash, now=now)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final)
+            raise
+
+
+class PayloadStore:
+    def __init__(self, root: Path, *, limits: Limits | None = None) -> None:
+        self.root = ensure_private_dir(root)
+        self.blobs = ensure_private_dir(root / "blobs")
+        self.tmp = ensure_private_dir(root / "tmp")
+        self.limits = limits or Limits()
+        db = root / "index.db"
+        if not db.exists():
+            os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
+        self.conn = sqlite3.connect(db, isolation_level=None, check_same_thread=False, timeout=2.0)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.executescript(SCHEMA)
+
+    @classmethod
+    def open(cls, root: Path, *, limits: Limits | None = None) -> PayloadStore:
+        store = cls(root, limits=limits)
+        store.recover()
+        return store
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # ------------------------------------------------------------------ crash recovery and expiry
+
+    def recover(self) -> int:
+        """Remove uploads a crash left behind: temporary files, and blobs that never got a row."""
+        removed = 0
+        for p in self.tmp.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed += 1
+        known = {r[0] for r in self.conn.execute("SELECT payload_id FROM payloads")}
+        for p in self.blobs.iterdir():
+            if p.name not in known:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    removed += 1
+        # Rows whose blob vanished (deleted by hand) are not payloads any more.
+        for pid in known:
+            if not (self.blobs / pid).exists():
+                self.conn.execute("DELETE FROM payloads WHERE payload_id = ?", (pid,))
+        return removed
+
+    def gc(self, *, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        gone = [r[0] for r in self.conn.execute("SELECT payload_id FROM payloads WHERE expires_at <= ?", (now,))]
+        for pid in gone:
+            self.delete(pid)
+        self.conn.execute("DELETE FROM upload_urls WHERE expires_at <= ?", (now - 86400,))
+        return len(gone)
+
+    # ------------------------------------------------------------------ writing
+
+    def begin(self, *, payload_id: str, session_id: str, agent_id: str, format: str,
+              encryption: Mapping[str, Any], max_bytes: int | None = None) -> Upload:
+        if not PAYLOAD_ID.fullmatch(payload_id):
+            raise PayloadError("INVALID_REQUEST", "payload_id must be pay_ followed by 8-64 URL-safe characters")
+        self._check_caps(session_id, extra_bytes=0)
+        cap = self.limits.max_bytes if max_bytes is None else min(max_bytes, self.limits.max_bytes)
+        return Upload(self, {"payload_id": payload_id, "session_id": session_id, "agent_id": agent_id,
+                             "format": format, "encryption": dict(encryption)}, cap)
+
+    def _check_caps(self, session_id: str, *, extra_bytes: int) -> None:
+        row = self.conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM payloads WHERE session_id = ?",
+                                (session_id,)).fetchone()
+        if row[0] >= self.limits.max_per_session:
+            raise PayloadError("PAYLOAD_QUOTA_EXCEEDED", f"this session already has {row[0]} payloads waiting "
+                                                         f"(limit {self.limits.max_per_session})")
+        if row[1] + extra_bytes > self.limits.max_bytes_per_session:
+            raise PayloadError("PAYLOAD_QUOTA_EXCEEDED",
+                               f"this session's payloads would exceed {self.limits.max_bytes_per_session} bytes")
+
+    def _index(self, meta: Mapping[str, Any], *, size: int, digest: str, now: float | None) -> PayloadMeta:
+        now = time.time() if now is None else now
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._check_caps(str(meta["session_id"]), extra_bytes=size)
+            self.conn.execute(
+                "INSERT INTO payloads (payload_id, session_id, agent_id, format, size, hash, encryption, created_at,"
+                " expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (meta["payload_id"], meta["session_id"], meta["agent_id"], meta["format"], size, digest,
+                 json.dumps(meta["encryption"], sort_keys=True), now, now + self.limits.ttl_seconds))
+            self.conn.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.IntegrityError):
+                raise PayloadError("PAYLOAD_EXISTS", "a payload with this id already exists") from exc
+            if isinstance(exc, sqlite3.Error):
+                raise PayloadError("STORE_UNAVAILABLE", f"the payload index is unavailable ({type(exc).__name__})"
+                                   ) from exc
+            raise
+        return self.get(str(meta["payload_id"]))
+
+    # ------------------------------------------------------------------ single-use upload URLs
+
+    def issue_upload_url(self, *, session_id: str, agent_id: str, max_size: int, ttl: float,
+                         now: float | None = None) -> tuple[str, float]:
+        """A one-time upload token bound to the session, agent, a size and an expiry (<= 10 min)."""
+        now = time.time() if now is None else now
+        if not 0 < ttl <= MAX_UPLOAD_URL_TTL:
+            raise PayloadError("INVALID_REQUEST", "an upload URL lives at most 600 seconds")
+        if not 0 < max_size <= self.limits.max_bytes:
+            raise PayloadError("PAYLOAD_TOO_LARGE", f"an upload is at most {self.limits.max_bytes} bytes")
+        token = secrets.token_urlsafe(32)
+        self.conn.execute("INSERT INTO upload_urls (token_hash, session_id, agent_id, max_size, expires_at)"
+                          " VALUES (?, ?, ?, ?, ?)", (_token_hash(token), session_id, agent_id, max_size, now + ttl))
+        return token, now + ttl
+
+    def consume_upload_url(self, token: str, *, now: float | None = None) -> tuple[str, str, int]:
+        """Spend a token once: (session_id, agent_id, max_size). Late, reused or unknown: refused alike."""
+        now = time.time() if now is None else now
+        th = _token_hash(token)
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            cur = self.conn.execute(
+                "UPDATE upload_urls SET used_at = ? WHERE token_hash = ? AND used_at IS NULL AND expires_at > ?",
+                (now, th, now))
+            row = self.conn.execute("SELECT session_id, agent_id, max_size FROM upload_urls WHERE token_hash = ?",
+                                    (th,)).fetchone() if cur.rowcount == 1 else None
+            self.conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
+            raise
+        if row is None:
+            raise PayloadError("UPLOAD_URL_INVALID", "this upload URL is unknown, used or expired")
+        return str(row[0]), str(row[1]), int(row[2])
+
+    # ------------------------------------------------------------------ reading
+
+    def _meta(self, row: sqlite3.Row) -> PayloadMeta:
+        return PayloadMeta(row["payload_id"], row["session_id"], row["agent_id"], row["format"], int(row["size"]),
+                           row["hash"], json.loads(row["encryption"]), float(row["created_at"]),
+                           float(row["expires_at"]), row["opened_at"])
+
+    def get(self, payload_id: str) -> PayloadMeta:
+        row = self.conn.execute("SELECT * FROM payloads WHERE payload_id = ?", (payload_id,)).fetchone()
+        if row is None:
+            raise PayloadError("NOT_FOUND", "no such payload")
+        return self._meta(row)
+
+    def list(self, *, session_id: str | None = None) -> list[PayloadMeta]:
+        if session_id:
+            rows = self.conn.execute("SELECT * FROM payloads WHERE session_id = ? ORDER BY created_at", (session_id,))
+        else:
+            rows = self.conn.execute("SELECT * FROM payloads ORDER BY created_at")
+        return [self._meta(r) for r in rows]
+
+    def read(self, payload_id: str, *, block: int = 1 << 20) -> Iterator[bytes]:
+        """The sealed bytes, in blocks (constant memory)."""
+        self.get(payload_id)
+        try:
+            fh = open(self.blobs / payload_id, "rb")  # closed by the generator's `with`
+        except FileNotFoundError:
+            raise PayloadError("NOT_FOUND", "no such payload") from None
+        with fh:
+            while chunk := fh.read(block):
+                yield chunk
+
+    def mark_opened(self, payload_id: str, *, now: float | None = None) -> None:
+        self.conn.execute("UPDATE payloads SET opened_at = ? WHERE payload_id = ? AND opened_at IS NULL",
+                          (time.time() if now is None else now, payload_id))
+
+    def delete(self, payload_id: str) -> bool:
+        cur = self.conn.execute("DELETE FROM payloads WHERE payload_id = ?", (payload_id,))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.blobs / payload_id)
+        return cur.rowcount == 1
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
