@@ -10,13 +10,19 @@ Files:
   gateway's TLS context checks every client certificate against it and fails closed without one.
   Re-signed on every revocation and whenever it gets within :data:`CRL_REFRESH_BEFORE` of its
   ``nextUpdate`` (:func:`refresh_crl`; the gateway calls it from its TLS watcher);
-* ``issued.json`` (0600): the registry of issued agent certificates (serial hex, agent id,
-  validity, status ``active``/``revoked``, ``revoked_at``) and the last CRL number;
+* ``issued.db`` (0600, SQLite WAL): the registry of issued agent certificates (serial hex, agent
+  id, validity, status ``active``/``revoked``, ``revoked_at``, the serial it was renewed from and
+  its lineage, the key and certificate thumbprints tokens are bound to) and the last CRL number.
+  Indexed, so an issuance or renewal adds one row instead of rewriting the file; renewal chains
+  whose every certificate expired more than :data:`REGISTRY_RETENTION` ago are pruned. A
+  ``issued.json`` of earlier versions is migrated into it once (and renamed ``.migrated``);
 * ``.lock``: an ``fcntl`` lock held around every read-modify-write of the registry and the CRL,
   so two ``uomp`` processes (or the CLI and the gateway's renewal route) never lose an update.
 
-Every write is atomic (:func:`gateway.fsutil.atomic_write`). The registry is written before the CRL:
-the registry is the truth, and :func:`refresh_crl` rebuilds a CRL that disagrees with it.
+Every write is atomic (:func:`gateway.fsutil.atomic_write`, SQLite transactions). The registry is
+committed before the CRL is written: the registry is the truth, and :func:`refresh_crl` rebuilds a
+CRL that disagrees with it. Before a CA file is trusted, the data directory and ``ca/`` must be the
+user's and not group/other-writable (UNSAFE_PERMISSIONS otherwise).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import datetime as dt
 import fcntl
 import json
 import os
+import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +40,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from gateway.config import Paths
-from gateway.core import ca
+from gateway.core import ca, jose
 from gateway.errors import UompError
-from gateway.fsutil import atomic_write, ensure_private_dir
+from gateway.fsutil import atomic_write, check_private_dir, ensure_output_dir, ensure_private_dir
 
 REGISTRY_VERSION = 1
 # Re-sign the CRL when less than this is left before its nextUpdate (CRL validity is 7 days).
@@ -49,6 +57,14 @@ SERVER_CERT_RENEW_BEFORE = dt.timedelta(days=30)
 REGISTRY_RETENTION = dt.timedelta(days=30)
 # A revoked certificate stays on the CRL until this long after its notAfter (clock skew margin).
 CRL_KEEP_AFTER_EXPIRY = dt.timedelta(days=1)
+# Renewal: only in the last third of a certificate's life (the SDK renews at 2/3), and at most
+# RENEW_MAX_PER_AGENT renewals per agent per RENEW_RATE_WINDOW. The gateway passes its
+# configured values ([gateway] renew_window_fraction, renew_max_per_agent, renew_rate_window_seconds).
+RENEW_WINDOW_FRACTION = 1 / 3
+RENEW_MAX_PER_AGENT = 12
+RENEW_RATE_WINDOW = dt.timedelta(hours=1)
+# How long a registry operation waits for another process's write transaction.
+REGISTRY_BUSY_TIMEOUT_SECONDS = 10.0
 _RESTORE_KEY = (
     "restore the CA key (or remove the ca directory deliberately: every certificate it issued dies)"
 )
@@ -78,15 +94,22 @@ def crl_path(paths: Paths) -> Path:
 
 
 def registry_path(paths: Paths) -> Path:
+    return paths.ca_dir / "issued.db"
+
+
+def legacy_registry_path(paths: Paths) -> Path:
+    """The JSON registry of earlier versions: migrated into :func:`registry_path` when first seen."""
     return paths.ca_dir / "issued.json"
 
 
 @contextlib.contextmanager
 def _locked(paths: Paths) -> Iterator[None]:
-    ensure_private_dir(paths.ca_dir)
+    ensure_private_dir(paths.ca_dir, "CA directory")
     fd = os.open(paths.ca_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        if legacy_registry_path(paths).exists():
+            _migrate_json(paths)
         yield
     finally:
         os.close(fd)  # closing releases the flock
@@ -127,8 +150,14 @@ def _load_cert_file(path: Path, what: str) -> x509.Certificate:
         raise UompError("CA_ERROR", f"{path} exists but is not a readable PEM certificate ({what})") from exc
 
 
+def _check_dirs(paths: Paths) -> None:
+    check_private_dir(paths.home, "data directory")
+    check_private_dir(paths.ca_dir, "CA directory")
+
+
 def load_ca(paths: Paths) -> tuple[ca.CAPrivateKey, x509.Certificate]:
     """The CA key and certificate; CA_ERROR/KEY_ERROR naming the file when missing or broken."""
+    _check_dirs(paths)
     kp, cp = ca_key_path(paths), ca_cert_path(paths)
     if not kp.exists() and not cp.exists():
         raise UompError("CA_ERROR", f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')")
@@ -149,6 +178,7 @@ def load_ca(paths: Paths) -> tuple[ca.CAPrivateKey, x509.Certificate]:
 
 def load_ca_cert(paths: Paths) -> x509.Certificate:
     """The CA certificate alone (no private key read)."""
+    _check_dirs(paths)
     try:
         return _load_cert_file(ca_cert_path(paths), "CA certificate")
     except FileNotFoundError as exc:
@@ -156,6 +186,27 @@ def load_ca_cert(paths: Paths) -> x509.Certificate:
 
 
 # --------------------------------------------------------------------------------- registry
+
+_REGISTRY_SCHEMA = """
+CREATE TABLE IF NOT EXISTS certs (
+    serial       TEXT PRIMARY KEY,       -- lower-case hex (ca.serial_hex)
+    agent_id     TEXT NOT NULL,
+    not_before   INTEGER NOT NULL,       -- epoch seconds
+    not_after    INTEGER NOT NULL,
+    issued_at    INTEGER NOT NULL,
+    status       TEXT NOT NULL CHECK (status IN ('active', 'revoked')),
+    revoked_at   INTEGER,
+    renewed_from TEXT,                   -- the serial this certificate was renewed from
+    lineage      TEXT NOT NULL,          -- serial of the first certificate of its renewal chain
+    jkt          TEXT,                   -- RFC 7638 thumbprint of its key (tokens bound to it: cnf.jkt)
+    x5t          TEXT                    -- RFC 8705 certificate thumbprint (cnf.x5t#S256)
+);
+CREATE INDEX IF NOT EXISTS certs_agent ON certs (agent_id, issued_at);
+CREATE INDEX IF NOT EXISTS certs_parent ON certs (renewed_from);
+CREATE INDEX IF NOT EXISTS certs_lineage ON certs (lineage, not_after);
+CREATE INDEX IF NOT EXISTS certs_revoked ON certs (status, not_after);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
 
 
 def _ts(value: dt.datetime) -> str:
@@ -171,41 +222,165 @@ def _parse_ts(value: Any) -> dt.datetime:
     return parsed
 
 
+def _epoch(value: dt.datetime) -> int:
+    return int(value.timestamp())
+
+
+def _from_epoch(value: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(value, dt.UTC)
+
+
 @dataclass
 class _Entry:
     serial: str
     agent_id: str
-    not_before: str
-    not_after: str
-    issued_at: str
+    not_before: int
+    not_after: int
+    issued_at: int
     status: str  # "active" | "revoked"
-    revoked_at: str | None = None
+    revoked_at: int | None = None
     renewed_from: str | None = None
+    lineage: str = ""
+    jkt: str | None = None
+    x5t: str | None = None
 
 
-@dataclass
+_COLUMNS = ("serial", "agent_id", "not_before", "not_after", "issued_at", "status", "revoked_at", "renewed_from",
+            "lineage", "jkt", "x5t")
+_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM certs"
+
+
 class _Registry:
-    crl_number: int
-    entries: list[_Entry]
+    """The issued-certificate registry: one SQLite file (WAL, synchronous=FULL), indexed by serial,
+    agent, parent and lineage, so an issuance writes one row instead of rewriting every row."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        self.db = db
+        self.path = path
+
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[_Entry]:
+        try:
+            return [_Entry(*r) for r in self.db.execute(sql, tuple(args)).fetchall()]
+        except sqlite3.Error as exc:
+            raise _corrupt(self.path) from exc
+
+    @property
+    def crl_number(self) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE name = 'crl_number'").fetchone()
+        return int(row[0]) if row else 0
+
+    @crl_number.setter
+    def crl_number(self, value: int) -> None:
+        self.db.execute("INSERT INTO meta (name, value) VALUES ('crl_number', ?) "
+                        "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (value,))
 
     def by_serial(self, serial: str) -> _Entry | None:
-        for e in self.entries:
-            if e.serial == serial:
-                return e
-        return None
+        rows = self._rows(_SELECT + " WHERE serial = ?", (serial,))
+        return rows[0] if rows else None
+
+    def add(self, e: _Entry) -> None:
+        self.db.execute("INSERT INTO certs (" + ", ".join(_COLUMNS) + ") VALUES (" + ", ".join("?" * len(_COLUMNS))
+                        + ")", tuple(getattr(e, c) for c in _COLUMNS))
+
+    def all(self) -> list[_Entry]:
+        return self._rows(_SELECT)
+
+    def of_agent(self, agent_id: str) -> list[_Entry]:
+        return self._rows(_SELECT + " WHERE agent_id = ?", (agent_id,))
+
+    def descendants(self, serial: str) -> list[_Entry]:
+        """``serial`` and every certificate renewed from it, transitively."""
+        return self._rows(
+            "WITH RECURSIVE sub(s) AS (SELECT ? UNION SELECT c.serial FROM certs c JOIN sub ON c.renewed_from = sub.s) "
+            + _SELECT + " WHERE serial IN (SELECT s FROM sub)", (serial,))
+
+    def renewals_since(self, agent_id: str, since: int) -> int:
+        row = self.db.execute("SELECT COUNT(*) FROM certs WHERE agent_id = ? AND issued_at >= ? "
+                              "AND renewed_from IS NOT NULL", (agent_id, since)).fetchone()
+        return int(row[0])
+
+    def revoke(self, serials: Iterable[str], at: int) -> None:
+        self.db.executemany("UPDATE certs SET status = 'revoked', revoked_at = ? "
+                            "WHERE serial = ? AND status = 'active'", [(at, s) for s in serials])
+
+    def revoked_for_crl(self, now: dt.datetime) -> list[tuple[int, dt.datetime]]:
+        keep_from = _epoch(now - CRL_KEEP_AFTER_EXPIRY)
+        rows = self._rows(_SELECT + " WHERE status = 'revoked' AND not_after >= ?", (keep_from,))
+        return [(ca.parse_serial(e.serial), _from_epoch(e.revoked_at or e.issued_at)) for e in rows]
+
+    def prune(self, now: dt.datetime) -> int:
+        """Drop whole renewal chains whose every certificate expired more than REGISTRY_RETENTION ago.
+
+        A chain with one live certificate keeps all its ancestors, so revoking a leaked ancestor
+        by serial still reaches every certificate renewed from it.
+        """
+        cutoff = _epoch(now - REGISTRY_RETENTION)
+        cur = self.db.execute("DELETE FROM certs WHERE lineage IN "
+                              "(SELECT lineage FROM certs GROUP BY lineage HAVING MAX(not_after) < ?)", (cutoff,))
+        return cur.rowcount
 
 
-def _load_registry(paths: Paths) -> _Registry:
-    path = registry_path(paths)
+def _corrupt(path: Path) -> UompError:
+    return UompError("CA_ERROR", f"{path} is not a valid certificate registry; fix or restore it")
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    if not path.exists():
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     try:
-        raw = path.read_bytes()
+        db = sqlite3.connect(path, isolation_level=None, timeout=REGISTRY_BUSY_TIMEOUT_SECONDS)
+    except sqlite3.Error as exc:
+        raise _corrupt(path) from exc
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_REGISTRY_SCHEMA)
+    except sqlite3.Error as exc:
+        db.close()
+        raise _corrupt(path) from exc
+    return db
+
+
+@contextlib.contextmanager
+def _registry(paths: Paths, *, write: bool = False) -> Iterator[_Registry]:
+    """The registry; with ``write``, one IMMEDIATE transaction committed when the block ends.
+
+    Writers hold :func:`_locked` too (the CRL is written from the same transaction's data)."""
+    if legacy_registry_path(paths).exists():
+        with _locked(paths):
+            pass  # taking the lock migrates it
+    path = registry_path(paths)
+    db = _connect(path)
+    try:
+        if write:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield _Registry(db, path)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        else:
+            yield _Registry(db, path)
+    except sqlite3.Error as exc:
+        raise _corrupt(path) from exc
+    finally:
+        db.close()
+
+
+def _migrate_json(paths: Paths) -> None:
+    """Move the rows of a version-1 ``issued.json`` into the SQLite registry (called under the lock)."""
+    legacy = legacy_registry_path(paths)
+    try:
+        raw = legacy.read_bytes()
     except FileNotFoundError:
-        return _Registry(0, [])
+        return  # another process migrated it first
     except OSError as exc:
-        raise UompError("CA_ERROR", f"cannot read {path}: {exc.strerror}") from exc
+        raise UompError("CA_ERROR", f"cannot read {legacy}: {exc.strerror}") from exc
     try:
         doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("version") != REGISTRY_VERSION:
+        if not isinstance(doc, dict) or doc.get("version") != 1:
             raise ValueError("unknown registry version")
         number = doc.get("crl_number", 0)
         certs = doc.get("certs", [])
@@ -213,49 +388,54 @@ def _load_registry(paths: Paths) -> _Registry:
             raise ValueError("bad registry shape")
         entries: list[_Entry] = []
         for row in certs:
-            if not isinstance(row, dict):
-                raise ValueError("registry row is not an object")
-            entry = _Entry(**row)
-            if entry.status not in ("active", "revoked"):
-                raise ValueError("bad status")
-            ca.parse_serial(entry.serial)
-            _parse_ts(entry.not_after)
-            entries.append(entry)
-    except (ValueError, TypeError, UompError) as exc:
-        raise UompError("CA_ERROR", f"{path} is not a valid certificate registry; fix or restore it") from exc
-    return _Registry(number, entries)
+            if not isinstance(row, dict) or row.get("status") not in ("active", "revoked"):
+                raise ValueError("bad registry row")
+            revoked_at = row.get("revoked_at")
+            entries.append(_Entry(
+                serial=ca.serial_hex(ca.parse_serial(str(row["serial"]))), agent_id=str(row["agent_id"]),
+                not_before=_epoch(_parse_ts(row["not_before"])), not_after=_epoch(_parse_ts(row["not_after"])),
+                issued_at=_epoch(_parse_ts(row["issued_at"])), status=row["status"],
+                revoked_at=_epoch(_parse_ts(revoked_at)) if revoked_at else None,
+                renewed_from=row.get("renewed_from")))
+    except (ValueError, TypeError, KeyError, UompError) as exc:
+        raise UompError("CA_ERROR", f"{legacy} is not a valid certificate registry; fix or restore it") from exc
+    by_serial = {e.serial: e for e in entries}
+    for e in entries:
+        root, seen = e, {e.serial}
+        while root.renewed_from in by_serial and root.renewed_from not in seen:
+            root = by_serial[root.renewed_from]
+            seen.add(root.serial)
+        e.lineage = root.serial
+    db = _connect(registry_path(paths))
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        reg = _Registry(db, registry_path(paths))
+        for e in entries:
+            if reg.by_serial(e.serial) is None:
+                reg.add(e)
+        reg.crl_number = max(reg.crl_number, number)
+        db.execute("COMMIT")
+    except sqlite3.Error as exc:
+        raise _corrupt(registry_path(paths)) from exc
+    finally:
+        db.close()
+    os.replace(legacy, legacy.with_name(legacy.name + ".migrated"))
 
 
-def _save_registry(paths: Paths, reg: _Registry, now: dt.datetime) -> None:
-    cutoff = now - REGISTRY_RETENTION
-    reg.entries = [e for e in reg.entries if _parse_ts(e.not_after) >= cutoff]
-    doc = {
-        "version": REGISTRY_VERSION,
-        "crl_number": reg.crl_number,
-        "certs": [e.__dict__ for e in reg.entries],
-    }
-    atomic_write(registry_path(paths), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o600)
+def _prepare_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg: _Registry,
+                 now: dt.datetime) -> bytes:
+    """A new CRL (PEM) from the registry; the CRL number only ever goes up.
 
-
-def _revoked_for_crl(reg: _Registry, now: dt.datetime) -> list[tuple[int, dt.datetime]]:
-    out: list[tuple[int, dt.datetime]] = []
-    for e in reg.entries:
-        if e.status == "revoked" and _parse_ts(e.not_after) + CRL_KEEP_AFTER_EXPIRY >= now:
-            out.append((ca.parse_serial(e.serial), _parse_ts(e.revoked_at or e.issued_at)))
-    return out
-
-
-def _write_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg: _Registry,
-               now: dt.datetime) -> None:
-    """Sign and write a new CRL from the registry; the CRL number only ever goes up."""
+    Called inside the registry's write transaction (the new CRL number and the pruning commit with
+    it); the caller writes the returned CRL after the commit, still under :func:`_locked`: the
+    registry is the truth, and :func:`refresh_crl` repairs a CRL that is behind it."""
     number = reg.crl_number + 1
     with contextlib.suppress(OSError, ValueError):
         current = x509.load_pem_x509_crl(crl_path(paths).read_bytes())
         number = max(number, ca.crl_number(current) + 1)
     reg.crl_number = number
-    crl = ca.build_crl(key, cert, _revoked_for_crl(reg, now), now, number=number)
-    _save_registry(paths, reg, now)
-    atomic_write(crl_path(paths), ca.crl_pem(crl), mode=0o644)
+    reg.prune(now)
+    return ca.crl_pem(ca.build_crl(key, cert, reg.revoked_for_crl(now), now, number=number))
 
 
 def _crl_needs_refresh(paths: Paths, cert: x509.Certificate, reg: _Registry, now: dt.datetime,
@@ -273,7 +453,7 @@ def _crl_needs_refresh(paths: Paths, cert: x509.Certificate, reg: _Registry, now
     if next_update is None or next_update - now < min_remaining:
         return True
     listed = {r.serial_number for r in crl}
-    wanted = {serial for serial, _ in _revoked_for_crl(reg, now)}
+    wanted = {serial for serial, _ in reg.revoked_for_crl(now)}
     return not wanted <= listed  # a revocation the CRL does not show yet (crash between writes)
 
 
@@ -281,19 +461,21 @@ def refresh_crl(paths: Paths, *, now: dt.datetime | None = None,
                 min_remaining: dt.timedelta = CRL_REFRESH_BEFORE) -> bool:
     """Re-sign the CRL if it is missing, stale-soon, or behind the registry. True when re-signed.
 
-    Cheap when nothing is due (reads two small files, one signature check), so the gateway can call
+    Cheap when nothing is due (one indexed query, one signature check), so the gateway can call
     it from its TLS watcher every few seconds.
     """
     now = ca.aware_utc(now)
     cert = load_ca_cert(paths)
-    if not _crl_needs_refresh(paths, cert, _load_registry(paths), now, min_remaining):
-        return False
-    with _locked(paths):
-        key, cert = load_ca(paths)
-        reg = _load_registry(paths)
+    with _registry(paths) as reg:
         if not _crl_needs_refresh(paths, cert, reg, now, min_remaining):
             return False
-        _write_crl(paths, key, cert, reg, now)
+    with _locked(paths):
+        key, cert = load_ca(paths)
+        with _registry(paths, write=True) as reg:
+            if not _crl_needs_refresh(paths, cert, reg, now, min_remaining):
+                return False
+            pem = _prepare_crl(paths, key, cert, reg, now)
+        atomic_write(crl_path(paths), pem, mode=0o644)
     return True
 
 
@@ -339,7 +521,7 @@ def init_all(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | 
     """
     now = ca.aware_utc(now)
     ca.wanted_server_names(hostnames)  # validate before touching anything
-    ensure_private_dir(paths.home)
+    ensure_private_dir(paths.home, "data directory")
     with _locked(paths):
         kp, cp = ca_key_path(paths), ca_cert_path(paths)
         created = False
@@ -358,13 +540,13 @@ def init_all(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | 
             atomic_write(cp, ca.cert_pem(cert), mode=0o644)
             created = True
         server = _ensure_server_cert(paths, key, cert, hostnames, now)
-        reg = _load_registry(paths)
-        crl_new = False
-        if _crl_needs_refresh(paths, cert, reg, now, CRL_REFRESH_BEFORE):
-            _write_crl(paths, key, cert, reg, now)
-            crl_new = True
-        elif not registry_path(paths).exists():
-            _save_registry(paths, reg, now)
+        pem: bytes | None = None
+        with _registry(paths, write=True) as reg:  # creates the registry when missing
+            if _crl_needs_refresh(paths, cert, reg, now, CRL_REFRESH_BEFORE):
+                pem = _prepare_crl(paths, key, cert, reg, now)
+        if pem is not None:
+            atomic_write(crl_path(paths), pem, mode=0o644)
+        crl_new = pem is not None
     return {"agent CA": created, "gateway server certificate": server, "CRL": crl_new}
 
 
@@ -376,27 +558,30 @@ def init_ca(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | N
 # ---------------------------------------------------------------------------------- issuing
 
 
+def _bindings(issued: x509.Certificate) -> tuple[str | None, str | None]:
+    """(jkt, x5t#S256) of a certificate: what a token bound to it carries in ``cnf``."""
+    pub = issued.public_key()
+    jkt = jose.key_thumbprint(pub) if isinstance(pub, ca.AgentPublicKey) else None
+    return jkt, jose.cert_thumbprint(issued.public_bytes(serialization.Encoding.DER))
+
+
 def _issue(paths: Paths, agent_id: str, subject_key: x509.CertificateSigningRequest | ca.AgentPublicKey,
            lifetime: dt.timedelta, now: dt.datetime, renewed_from: str | None = None,
-           precheck: Callable[[_Registry], None] | None = None) -> x509.Certificate:
+           precheck: Callable[[_Registry], _Entry | None] | None = None) -> x509.Certificate:
     with _locked(paths):
         key, cert = load_ca(paths)
-        reg = _load_registry(paths)
-        if precheck is not None:
-            precheck(reg)  # under the lock: a revocation cannot slip in between check and issue
-        issued = ca.issue_agent_cert(key, cert, subject_key, agent_id, lifetime, now)
-        reg.entries.append(
-            _Entry(
-                serial=ca.serial_hex(issued.serial_number),
-                agent_id=agent_id,
-                not_before=_ts(issued.not_valid_before_utc),
-                not_after=_ts(issued.not_valid_after_utc),
-                issued_at=_ts(now),
-                status="active",
-                renewed_from=renewed_from,
-            )
-        )
-        _save_registry(paths, reg, now)
+        with _registry(paths, write=True) as reg:
+            parent = None
+            if precheck is not None:
+                parent = precheck(reg)  # under the lock: a revocation cannot slip in between check and issue
+            issued = ca.issue_agent_cert(key, cert, subject_key, agent_id, lifetime, now)
+            serial = ca.serial_hex(issued.serial_number)
+            jkt, x5t = _bindings(issued)
+            reg.add(_Entry(serial=serial, agent_id=agent_id, not_before=_epoch(issued.not_valid_before_utc),
+                           not_after=_epoch(issued.not_valid_after_utc), issued_at=_epoch(now), status="active",
+                           renewed_from=renewed_from, lineage=parent.lineage if parent else serial,
+                           jkt=jkt, x5t=x5t))
+            reg.prune(now)
     return issued
 
 
@@ -424,20 +609,76 @@ class IssuedFiles:
     serial: str
     not_after: dt.datetime
     new_key: bool  # False when an existing agent.key in out_dir was reused
+    reused_cert: bool = False  # True when the valid agent.crt already there was kept (no new certificate)
+
+
+def renewal_opens(cert: x509.Certificate, window_fraction: float = RENEW_WINDOW_FRACTION) -> dt.datetime:
+    """When renewal of ``cert`` becomes possible: the last ``window_fraction`` of its life."""
+    life = cert.not_valid_after_utc - cert.not_valid_before_utc
+    return cert.not_valid_after_utc - life * window_fraction
+
+
+def check_renewal_window(not_before: dt.datetime, not_after: dt.datetime, now: dt.datetime,
+                         window_fraction: float = RENEW_WINDOW_FRACTION) -> None:
+    """RENEWAL_TOO_EARLY unless ``now`` is in the last ``window_fraction`` of the validity period.
+
+    Pure (no I/O), so the gateway can refuse early renewals on its event loop before any work."""
+    if not 0 < window_fraction <= 1:
+        raise UompError("CONFIG_ERROR", "the renewal window fraction must lie in (0, 1]")
+    life = not_after - not_before
+    opens = not_after - life * window_fraction
+    # a little slack for an agent whose clock runs slightly ahead (at most the clock skew allowance)
+    if now < opens - min(ca.CLOCK_SKEW, life / 50):
+        raise UompError("RENEWAL_TOO_EARLY",
+                        f"renewal refused: a certificate renews only in the last {window_fraction:.0%} of its life; "
+                        f"this one from {_ts(opens)}")
+
+
+def _reusable(paths: Paths, agent_id: str, kf: Path, cf: Path, now: dt.datetime,
+              window_fraction: float) -> x509.Certificate | None:
+    """The certificate in ``cf`` if it can serve as is: this CA's, for ``agent_id`` and the key in
+    ``kf``, active in the registry, and not yet in its renewal window."""
+    if not (kf.exists() and cf.exists()):
+        return None
+    try:
+        current = ca.load_cert(cf.read_bytes())
+    except (OSError, UompError):
+        return None
+    agent_key = _load_key_file(kf, "agent key")
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if (not ca.is_issued_by(current, load_ca_cert(paths)) or ca.agent_id_from_cert(current) != agent_id
+            or current.public_key().public_bytes(*spki) != agent_key.public_key().public_bytes(*spki)
+            or not current.not_valid_before_utc <= now < renewal_opens(current, window_fraction)):
+        return None
+    with _registry(paths) as reg:
+        entry = reg.by_serial(ca.serial_hex(current.serial_number))
+    if entry is None or entry.status != "active" or entry.agent_id != agent_id:
+        return None
+    return current
 
 
 def issue_with_key(paths: Paths, agent_id: str, out_dir: Path | str,
                    lifetime: dt.timedelta = ca.AGENT_CERT_LIFETIME, *, key_type: ca.KeyType = "p256",
-                   now: dt.datetime | None = None) -> IssuedFiles:
-    """Make (or reuse) ``out_dir/agent.key`` and write ``agent.crt`` and ``ca.crt`` beside it.
+                   now: dt.datetime | None = None, reuse: bool = False,
+                   window_fraction: float = RENEW_WINDOW_FRACTION) -> IssuedFiles:
+    """Make (or reuse) ``out_dir/agent.key`` and write ``agent.crt`` and ``ca.crt`` beside it (all 0600).
 
     An existing ``agent.key`` is reused, so running this again renews the certificate for the same
-    key; an unreadable one is a KEY_ERROR, never silently replaced.
+    key; an unreadable one is a KEY_ERROR, never silently replaced. ``reuse``: an ``agent.crt``
+    already there that is still good (see :func:`_reusable`) is kept instead of issuing another.
+    An existing ``out_dir`` keeps its mode; one that is not the user's or is group/other-writable
+    is refused (UNSAFE_PERMISSIONS): the key file would be replaceable.
     """
     now = ca.aware_utc(now)
     ca.validate_agent_id(agent_id)
-    out = ensure_private_dir(Path(out_dir))
+    out = ensure_output_dir(Path(out_dir), "agent output directory")
     kf, cf, caf = out / "agent.key", out / "agent.crt", out / "ca.crt"
+    if reuse:
+        kept = _reusable(paths, agent_id, kf, cf, now, window_fraction)
+        if kept is not None:
+            atomic_write(caf, ca.cert_pem(load_ca_cert(paths)), mode=0o600)
+            return IssuedFiles(out, kf, cf, caf, ca.serial_hex(kept.serial_number), kept.not_valid_after_utc,
+                               new_key=False, reused_cert=True)
     new_key = not kf.exists()
     if new_key:
         agent_key = ca.new_key(key_type)
@@ -446,30 +687,42 @@ def issue_with_key(paths: Paths, agent_id: str, out_dir: Path | str,
     cert = _issue(paths, agent_id, agent_key.public_key(), lifetime, now)
     if new_key:
         atomic_write(kf, ca.key_pem(agent_key), mode=0o600)
-    atomic_write(cf, ca.cert_pem(cert), mode=0o644)
-    atomic_write(caf, ca.cert_pem(load_ca_cert(paths)), mode=0o644)
+    atomic_write(cf, ca.cert_pem(cert), mode=0o600)
+    atomic_write(caf, ca.cert_pem(load_ca_cert(paths)), mode=0o600)
     return IssuedFiles(out, kf, cf, caf, ca.serial_hex(cert.serial_number), cert.not_valid_after_utc, new_key)
 
 
 def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
-          lifetime: dt.timedelta = ca.AGENT_CERT_LIFETIME, now: dt.datetime | None = None) -> bytes:
+          lifetime: dt.timedelta = ca.AGENT_CERT_LIFETIME, now: dt.datetime | None = None, *,
+          window_fraction: float = RENEW_WINDOW_FRACTION, max_per_agent: int = RENEW_MAX_PER_AGENT,
+          rate_window: dt.timedelta = RENEW_RATE_WINDOW) -> bytes:
     """A new certificate for the agent of ``presented`` (PEM or DER): the certificate, PEM.
 
-    ``presented`` must be an agent certificate issued by this CA, in the registry, not revoked and
-    valid now. The new certificate has the same agent id and, without a CSR, the same public key;
-    with a CSR (signature verified) the CSR's key (key rotation).
+    ``presented`` must be an agent certificate issued by this CA, in the registry, not revoked,
+    valid now and in the last ``window_fraction`` of its life (else RENEWAL_TOO_EARLY); the agent
+    may have had at most ``max_per_agent`` renewals in the last ``rate_window`` (else
+    RATE_LIMITED). The new certificate has the same agent id and, without a CSR, the same public
+    key; with a CSR (signature verified) the CSR's key (key rotation). It records the serial it was
+    renewed from (revoking that serial revokes it too). Blocking (file lock, fsync): call it from a
+    worker thread in a server.
     """
     now = ca.aware_utc(now)
     old = ca.load_cert(presented)
-    _, ca_cert = load_ca(paths)
-    if not ca.is_issued_by(old, ca_cert):
-        raise UompError("CA_ERROR", "renewal refused: the presented certificate was not issued by this CA")
     agent_id = ca.agent_id_from_cert(old)
     if agent_id is None or not ca.has_client_auth(old):
         raise UompError("CA_ERROR", "renewal refused: the presented certificate is not an agent certificate")
+    if now < old.not_valid_before_utc:
+        raise UompError("CA_ERROR", "renewal refused: the presented certificate is not valid yet")
+    if now > old.not_valid_after_utc:
+        raise UompError("CA_ERROR", "renewal refused: the presented certificate has expired; "
+                        "issue a new one with 'uomp agent issue'")
+    check_renewal_window(old.not_valid_before_utc, old.not_valid_after_utc, now, window_fraction)
+    _, ca_cert = load_ca(paths)
+    if not ca.is_issued_by(old, ca_cert):
+        raise UompError("CA_ERROR", "renewal refused: the presented certificate was not issued by this CA")
     serial = ca.serial_hex(old.serial_number)
 
-    def registered_and_not_revoked(reg: _Registry) -> None:
+    def allowed(reg: _Registry) -> _Entry:
         entry = reg.by_serial(serial)
         if entry is None:
             raise UompError("CA_ERROR", f"renewal refused: certificate {serial} is not in this CA's registry")
@@ -477,13 +730,13 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
             raise UompError("CA_ERROR", f"renewal refused: certificate {serial} does not match the registry")
         if entry.status == "revoked":
             raise UompError("CA_ERROR", f"renewal refused: certificate {serial} was revoked")
+        if reg.renewals_since(agent_id, _epoch(now - rate_window)) >= max_per_agent:
+            raise UompError("RATE_LIMITED", f"renewal refused: agent {agent_id} already renewed {max_per_agent} "
+                            f"times in the last {int(rate_window.total_seconds())} s")
+        return entry
 
-    registered_and_not_revoked(_load_registry(paths))  # fail early, before parsing a CSR
-    if now < old.not_valid_before_utc:
-        raise UompError("CA_ERROR", "renewal refused: the presented certificate is not valid yet")
-    if now > old.not_valid_after_utc:
-        raise UompError("CA_ERROR", "renewal refused: the presented certificate has expired; "
-                        "issue a new one with 'uomp agent issue'")
+    with _registry(paths) as reg:
+        allowed(reg)  # fail early, without the lock, before parsing a CSR
     subject_key: x509.CertificateSigningRequest | ca.AgentPublicKey
     if csr is not None:
         subject_key = ca.load_csr(csr)
@@ -493,14 +746,28 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
             raise UompError("CA_ERROR", "renewal refused: unsupported key type")
         subject_key = pub
     return ca.cert_pem(_issue(paths, agent_id, subject_key, lifetime, now, renewed_from=serial,
-                              precheck=registered_and_not_revoked))
+                              precheck=allowed))
 
 
 # --------------------------------------------------------------------------------- revoking
 
 
-def revoke(paths: Paths, target: str, *, now: dt.datetime | None = None) -> list[str]:
-    """Revoke by agent id (all its active certificates) or serial; the serials revoked (hex).
+@dataclass(frozen=True)
+class Revocation:
+    """What ``revoke`` did: the serials revoked now, and every certificate the target covers (already
+    revoked ones included) with the key bindings tokens carry, so their sessions can be found."""
+
+    revoked: list[str]
+    serials: list[str]
+    agent_ids: list[str]
+    jkts: list[str]
+    x5ts: list[str]
+
+
+def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) -> Revocation:
+    """Revoke by agent id (all its certificates) or by serial (that certificate and every
+    certificate renewed from it, transitively: a thief who renewed a leaked certificate loses the
+    renewals too).
 
     ``target`` may be prefixed ``agent:`` or ``serial:`` to remove any doubt; bare, it is an agent
     id if some certificate was issued to that id, else a serial. A new CRL is signed and written on
@@ -514,31 +781,36 @@ def revoke(paths: Paths, target: str, *, now: dt.datetime | None = None) -> list
             kind, value = prefix[:-1], value[len(prefix):]
     with _locked(paths):
         key, cert = load_ca(paths)
-        reg = _load_registry(paths)
-        agent_rows = [e for e in reg.entries if e.agent_id == value] if kind != "serial" else []
-        serial_rows: list[_Entry] = []
-        if kind != "agent":
-            try:
-                wanted = ca.serial_hex(ca.parse_serial(value))
-            except UompError:
-                if kind == "serial":
-                    raise
-            else:
-                serial_rows = [e for e in reg.entries if e.serial == wanted]
-        if agent_rows and serial_rows:
-            raise UompError("CA_ERROR", f"{value!r} is both an agent id and a serial; "
-                            f"say 'agent:{value}' or 'serial:{value}'")
-        rows = agent_rows or serial_rows
-        if not rows:
-            raise UompError("CA_ERROR", f"no certificate issued to agent or with serial {value!r}")
-        done: list[str] = []
-        for e in rows:
-            if e.status == "active":
-                e.status = "revoked"
-                e.revoked_at = _ts(now)
-                done.append(e.serial)
-        _write_crl(paths, key, cert, reg, now)
-    return done
+        with _registry(paths, write=True) as reg:
+            agent_rows = reg.of_agent(value) if kind != "serial" else []
+            serial_rows: list[_Entry] = []
+            if kind != "agent":
+                try:
+                    wanted = ca.serial_hex(ca.parse_serial(value))
+                except UompError:
+                    if kind == "serial":
+                        raise
+                else:
+                    if reg.by_serial(wanted) is not None:
+                        serial_rows = reg.descendants(wanted)
+            if agent_rows and serial_rows:
+                raise UompError("CA_ERROR", f"{value!r} is both an agent id and a serial; "
+                                f"say 'agent:{value}' or 'serial:{value}'")
+            rows = agent_rows or serial_rows
+            if not rows:
+                raise UompError("CA_ERROR", f"no certificate issued to agent or with serial {value!r}")
+            done = [e.serial for e in rows if e.status == "active"]
+            reg.revoke(done, _epoch(now))
+            pem = _prepare_crl(paths, key, cert, reg, now)
+        atomic_write(crl_path(paths), pem, mode=0o644)
+    return Revocation(revoked=done, serials=[e.serial for e in rows],
+                      agent_ids=sorted({e.agent_id for e in rows}),
+                      jkts=sorted({e.jkt for e in rows if e.jkt}), x5ts=sorted({e.x5t for e in rows if e.x5t}))
+
+
+def revoke(paths: Paths, target: str, *, now: dt.datetime | None = None) -> list[str]:
+    """:func:`revoke_target`; the serials revoked now (hex)."""
+    return revoke_target(paths, target, now=now).revoked
 
 
 # ---------------------------------------------------------------------------------- listing
@@ -551,6 +823,7 @@ class AgentRow:
     not_after: dt.datetime
     status: str  # "active", "revoked", or "expired" (active in the registry but past notAfter)
     revoked_at: dt.datetime | None
+    renewed_from: str | None = None
 
 
 def list_agents(paths: Paths, *, now: dt.datetime | None = None) -> list[AgentRow]:
@@ -558,13 +831,15 @@ def list_agents(paths: Paths, *, now: dt.datetime | None = None) -> list[AgentRo
     now = ca.aware_utc(now)
     load_ca_cert(paths)
     rows: list[AgentRow] = []
-    for e in _load_registry(paths).entries:
-        not_after = _parse_ts(e.not_after)
+    with _registry(paths) as reg:
+        entries = reg.all()
+    for e in entries:
+        not_after = _from_epoch(e.not_after)
         status = e.status
         if status == "active" and not_after < now:
             status = "expired"
         rows.append(AgentRow(e.agent_id, e.serial, not_after, status,
-                             _parse_ts(e.revoked_at) if e.revoked_at else None))
+                             _from_epoch(e.revoked_at) if e.revoked_at is not None else None, e.renewed_from))
     rows.sort(key=lambda r: (r.agent_id, r.not_after))
     return rows
 

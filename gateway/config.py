@@ -165,6 +165,12 @@ class GatewayConfig:
     guard_health_interval_seconds: float = 1.0
     guard_health_timeout_seconds: float = 2.0
     guard_health_failures: int = 3
+    # Certificate renewal (POST /v1/certificates/renew): only in the last renew_window_fraction of
+    # the presented certificate's life (the SDK renews at 2/3), at most renew_max_per_agent
+    # renewals per agent per renew_rate_window_seconds, one at a time per agent.
+    renew_window_fraction: float = 1 / 3
+    renew_max_per_agent: int = 12
+    renew_rate_window_seconds: int = 3600
 
 
 T = TypeVar("T")

@@ -45,6 +45,9 @@ STATUS: dict[str, int] = {
     "IMPORT_INVALID": 400,
     "MANIFEST_INVALID": 400,
     "CA_ERROR": 400,
+    "RENEWAL_TOO_EARLY": 409,  # certificate renewal before the last part of the certificate's life
+    "RATE_LIMITED": 429,  # too many certificate renewals for one agent in the configured window
+    "UNSAFE_PERMISSIONS": 500,  # data directory owned by someone else or group/other-writable
     "INTERNAL": 500,
 }
 

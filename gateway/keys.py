@@ -8,7 +8,16 @@ Files under ``$UOMP_HOME/.secrets`` (0700):
 * ``jwks.json``: ``{"keys": [...]}``, every public key still accepted, each with ``kid`` and, once
   rotated out, ``retired_at`` (epoch seconds). A retired key is dropped once no token it signed
   can still be alive (``max_token_lifetime`` after retirement);
+* ``revoked-keys.json``: keys distrusted at once by ``uomp keys rotate --revoke-old``
+  (``{"keys": [{"kid", "jkt", "revoked_at"}]}``). A *retired* key (in ``jwks.json`` with
+  ``retired_at``) still verifies the tokens it signed until they expire; a *revoked* key verifies
+  nothing, even if it reappears in ``jwks.json``;
 * ``admin-token`` (0600): the credential the ``uomp`` CLI presents to the management API.
+
+Before a key file is read, the data directory and ``.secrets`` must be owned by the user and not
+group/other-writable (:func:`check_home`): keys found in a directory someone else controls are not
+trusted. A running guard and gateway notice changed key files within :data:`KEY_WATCH_INTERVAL_SECONDS`
+(:class:`KeyWatch`) and on SIGHUP.
 
 Nothing here regenerates a key silently: a file that exists but cannot be read or parsed is a
 ``KEY_ERROR`` telling the user which file, never a new key that would orphan every live token.
@@ -30,7 +39,30 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from gateway.config import Paths
 from gateway.core import jose
 from gateway.errors import UompError
-from gateway.fsutil import atomic_write, ensure_private_dir
+from gateway.fsutil import atomic_write, check_parents, check_private_dir, ensure_private_dir
+
+# How often a running guard / gateway looks at the key files for a rotation or revocation.
+KEY_WATCH_INTERVAL_SECONDS = 1.0
+
+
+def revoked_keys_path(paths: Paths) -> Path:
+    return paths.secrets / "revoked-keys.json"
+
+
+def check_home(paths: Paths, *, parents: bool = True) -> None:
+    """UNSAFE_PERMISSIONS when the data directory, ``.secrets`` or ``ca/`` (those that exist) is
+    owned by another user or writable by group/others, or (``parents``) a parent directory lets
+    another user replace the data directory. Like ssh's StrictModes."""
+    if parents:
+        check_parents(paths.home)
+    check_private_dir(paths.home, "data directory")
+    check_private_dir(paths.secrets, "secrets directory")
+    check_private_dir(paths.ca_dir, "CA directory")
+
+
+def _check_secrets(paths: Paths) -> None:
+    check_private_dir(paths.home, "data directory")
+    check_private_dir(paths.secrets, "secrets directory")
 
 
 def _new_kid() -> str:
@@ -59,7 +91,8 @@ class SigningKey:
 
 def init_keys(paths: Paths) -> bool:
     """Create the signing key and JWKS if absent. Returns True when a key was made."""
-    ensure_private_dir(paths.secrets)
+    ensure_private_dir(paths.home, "data directory")
+    ensure_private_dir(paths.secrets, "secrets directory")
     if paths.private_jwk.exists():
         load_signing_key(paths)  # validates; raises KEY_ERROR if broken
         if not paths.jwks.exists():
@@ -89,6 +122,7 @@ def _install(paths: Paths, key: ed25519.Ed25519PrivateKey, kid: str, previous: l
 
 
 def load_signing_key(paths: Paths) -> SigningKey:
+    _check_secrets(paths)
     try:
         st = paths.private_jwk.stat()
     except FileNotFoundError as exc:
@@ -104,7 +138,30 @@ def load_signing_key(paths: Paths) -> SigningKey:
     kid = jwk.get("kid")
     if not isinstance(kid, str) or not kid:
         raise UompError("KEY_ERROR", f"{paths.private_jwk} has no kid")
+    kids, jkts = _revoked(paths)
+    if kid in kids or jose.key_thumbprint(key.public_key()) in jkts:
+        raise UompError("KEY_ERROR", f"the signing key {kid} in {paths.private_jwk} was revoked; "
+                        "run 'uomp keys rotate' to make a new one")
     return SigningKey(kid, key)
+
+
+def _revoked(paths: Paths) -> tuple[set[str], set[str]]:
+    """(kids, RFC 7638 thumbprints) of revoked signing keys."""
+    path = revoked_keys_path(paths)
+    try:
+        doc = _read_json(path)
+    except FileNotFoundError:
+        return set(), set()
+    entries = doc.get("keys") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise UompError("KEY_ERROR", f"{path} has no 'keys' list; fix or restore it")
+    kids = {e["kid"] for e in entries if isinstance(e.get("kid"), str)}
+    jkts = {e["jkt"] for e in entries if isinstance(e.get("jkt"), str)}
+    return kids, jkts
+
+
+def revoked_kids(paths: Paths) -> set[str]:
+    return _revoked(paths)[0]
 
 
 def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifetime: float | None = None
@@ -112,8 +169,10 @@ def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifeti
     """kid -> public key for every key still accepted.
 
     Reads ``jwks.json``; a data directory written by the TypeScript reference has only
-    ``ed25519-public.jwk``, which is then the one trusted key.
+    ``ed25519-public.jwk``, which is then the one trusted key. Revoked keys are never returned.
     """
+    _check_secrets(paths)
+    revoked_kids_, revoked_jkts = _revoked(paths)
     if paths.jwks.exists():
         doc = _read_json(paths.jwks)
         entries = doc.get("keys") if isinstance(doc, dict) else None
@@ -133,19 +192,37 @@ def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifeti
                 and now > float(retired) + max_token_lifetime:
             continue
         try:
-            out[kid] = jose.load_public_jwk(jwk)
+            pub = jose.load_public_jwk(jwk)
         except ValueError as exc:
             raise UompError("KEY_ERROR", f"public key {kid} is invalid: {exc}") from exc
+        if kid in revoked_kids_ or jose.key_thumbprint(pub) in revoked_jkts:
+            continue  # revoked: distrusted at once, whatever jwks.json says
+        out[kid] = pub
     if not out:
         raise UompError("KEY_ERROR", "no usable public key")
     return out
 
 
-def rotate(paths: Paths, *, max_token_lifetime: float, now: float | None = None) -> str:
-    """Make a new signing key; keep the old public key until its tokens are dead. Returns the new kid."""
+def rotate(paths: Paths, *, max_token_lifetime: float, now: float | None = None,
+           revoke_old: bool = False) -> str:
+    """Make a new signing key. Returns the new kid.
+
+    By default the old public key stays trusted (retired) until no token it signed can be alive.
+    ``revoke_old``: every earlier key (the current one and any retired one) is revoked instead:
+    dropped from ``jwks.json`` and listed in ``revoked-keys.json``, so every token they signed is
+    refused as soon as the guard and gateway reload their keys (they watch the files).
+    """
     now = time.time() if now is None else now
     current = load_signing_key(paths)
     doc = _read_json(paths.jwks) if paths.jwks.exists() else {"keys": []}
+    if revoke_old:
+        old: list[dict[str, Any]] = [j for j in doc.get("keys", []) if isinstance(j, dict)]
+        old.append(jose.public_jwk(current.key, kid=current.kid))
+        kid = _new_kid()
+        # The new JWKS (the new key alone) first: from that instant nothing old verifies here.
+        _install(paths, ed25519.Ed25519PrivateKey.generate(), kid, previous=[])
+        _record_revoked(paths, old, now)
+        return kid
     kept: list[dict[str, Any]] = []
     for jwk in doc.get("keys", []):
         if jwk.get("kid") == current.kid:
@@ -161,11 +238,59 @@ def rotate(paths: Paths, *, max_token_lifetime: float, now: float | None = None)
     return kid
 
 
+def _record_revoked(paths: Paths, jwks: list[dict[str, Any]], now: float) -> None:
+    path = revoked_keys_path(paths)
+    try:
+        doc = _read_json(path)
+    except FileNotFoundError:
+        doc = {"keys": []}
+    entries: list[dict[str, Any]] = [e for e in doc.get("keys", []) if isinstance(e, dict)]
+    have = {e.get("kid") for e in entries}
+    for jwk in jwks:
+        kid = jwk.get("kid")
+        if not isinstance(kid, str) or kid in have:
+            continue
+        try:
+            jkt = jose.key_thumbprint(jose.load_public_jwk(jwk))
+        except ValueError:
+            jkt = None
+        entries.append({"kid": kid, "jkt": jkt, "revoked_at": int(now)})
+        have.add(kid)
+    atomic_write(path, _dump({"keys": entries}), mode=0o644)
+
+
+class KeyWatch:
+    """Notices a change of the key files (rotation, revocation) by their stat stamps; cheap to poll."""
+
+    def __init__(self, paths: Paths) -> None:
+        self.paths = paths
+        self._stamp = self._read()
+
+    def _read(self) -> tuple[tuple[int, int, int] | None, ...]:
+        out: list[tuple[int, int, int] | None] = []
+        for p in (self.paths.jwks, self.paths.public_jwk, self.paths.private_jwk, revoked_keys_path(self.paths)):
+            try:
+                st = os.stat(p)
+            except OSError:
+                out.append(None)
+            else:
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        return tuple(out)
+
+    def changed(self) -> bool:
+        """True once after each change (the next call compares with what this one saw)."""
+        stamp = self._read()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+
 # ------------------------------------------------------------------------- admin credential
 
 
 def init_admin(paths: Paths) -> bool:
-    ensure_private_dir(paths.secrets)
+    ensure_private_dir(paths.secrets, "secrets directory")
     if paths.admin_credential.exists():
         load_admin(paths)
         return False
@@ -174,6 +299,7 @@ def init_admin(paths: Paths) -> bool:
 
 
 def load_admin(paths: Paths) -> str:
+    _check_secrets(paths)
     try:
         st = paths.admin_credential.stat()
         text = paths.admin_credential.read_text().strip()
@@ -194,6 +320,6 @@ def admin_matches(presented: str | None, expected: str) -> bool:
 
 def init_home(paths: Paths) -> dict[str, bool]:
     """``uomp init``: data dir 0700, signing key, admin credential. Idempotent."""
-    ensure_private_dir(paths.home)
-    os.chmod(paths.home, 0o700)
+    check_home(paths)
+    ensure_private_dir(paths.home, "data directory")
     return {"signing_key": init_keys(paths), "admin_credential": init_admin(paths)}

@@ -425,7 +425,8 @@ def test_issue_with_unreadable_existing_agent_key_is_key_error(ready: Paths, tmp
 def test_renew_keeps_agent_and_key(ready: Paths) -> None:
     _, csr = csr_for("bot")
     old = ca_store.issue_from_csr(ready, "bot", csr)
-    new_pem = ca_store.renew(ready, old, None, dt.timedelta(hours=1))
+    due = ca.utcnow() + dt.timedelta(hours=17)  # in the last third of its 24 h
+    new_pem = ca_store.renew(ready, old, None, dt.timedelta(hours=1), now=due)
     new = x509.load_pem_x509_certificate(new_pem)
     old_cert = x509.load_pem_x509_certificate(old)
     assert ca.agent_id_from_cert(new) == "bot"
@@ -434,11 +435,11 @@ def test_renew_keeps_agent_and_key(ready: Paths) -> None:
     # DER works too, and a CSR rotates the key
     key2, csr2 = csr_for("whatever-the-csr-says")
     rotated = x509.load_pem_x509_certificate(
-        ca_store.renew(ready, old_cert.public_bytes(serialization.Encoding.DER), csr2)
+        ca_store.renew(ready, old_cert.public_bytes(serialization.Encoding.DER), csr2, now=due)
     )
     assert rotated.public_key() == key2.public_key() and ca.agent_id_from_cert(rotated) == "bot"
-    reg = json.loads(ca_store.registry_path(ready).read_text())
-    assert {r["renewed_from"] for r in reg["certs"]} == {None, ca.serial_hex(old_cert.serial_number)}
+    rows = ca_store.list_agents(ready, now=due)
+    assert {r.renewed_from for r in rows} == {None, ca.serial_hex(old_cert.serial_number)}
 
 
 def test_renew_refusals(ready: Paths, tmp_path: Path) -> None:
@@ -462,7 +463,7 @@ def test_renew_refusals(ready: Paths, tmp_path: Path) -> None:
     ]
     for presented, message in cases:
         with pytest.raises(UompError) as err:
-            ca_store.renew(ready, presented, None, now=now)
+            ca_store.renew(ready, presented, None, now=now + dt.timedelta(hours=20))
         assert code_of(err) == "CA_ERROR", message
         assert message in err.value.message
 

@@ -84,22 +84,40 @@ def _issue(args: argparse.Namespace) -> int:
     files = ca_store.issue_with_key(paths, args.agent_id, Path(args.out), lifetime, key_type=args.key_type)
     print(f"agent {args.agent_id}: {'new key' if files.new_key else 'existing key reused'}")
     print(f"  key:         {files.key_file} (0600)")
-    print(f"  certificate: {files.cert_file} (serial {files.serial}, valid until "
+    print(f"  certificate: {files.cert_file} (0600, serial {files.serial}, valid until "
           f"{files.not_after:%Y-%m-%d %H:%M:%S}Z)")
-    print(f"  CA:          {files.ca_file}")
+    print(f"  CA:          {files.ca_file} (0600)")
     return 0
 
 
 def _revoke(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    serials = ca_store.revoke(paths, args.target)
-    if serials:
-        for s in serials:
+    done = ca_store.revoke_target(paths, args.target)
+    if done.revoked:
+        for s in done.revoked:
             print(f"revoked {s}")
     else:
         print(f"nothing new to revoke for {args.target} (already revoked)")
-    print(f"CRL re-signed: {ca_store.crl_path(paths)}; a gateway that watches it or gets SIGHUP "
-          "refuses these certificates on new connections")
+    if len(done.serials) > 1 and not args.target.startswith("agent:") and args.target not in done.agent_ids:
+        print(f"  (serial {args.target} and the {len(done.serials) - 1} certificate(s) renewed from it)")
+    print(f"CRL re-signed: {ca_store.crl_path(paths)}; a running gateway reloads it within seconds (or on "
+          "SIGHUP) and refuses these certificates, on open connections too")
+    by_agent = [a for a in done.agent_ids if args.target in (a, f"agent:{a}")]
+    sweep = home.revoke_sessions(paths, reason=f"agent certificate revoked ('uomp agent revoke {args.target}')",
+                                 agent_ids=by_agent, jkts=done.jkts, x5ts=done.x5ts, keep=args.keep_sessions)
+    if args.keep_sessions:
+        print(f"{len(sweep.matched)} live session(s) bound to these certificates kept (--keep-sessions); none of "
+              "their requests can succeed with a revoked certificate")
+    else:
+        print(f"{len(sweep.matched)} live session(s) bound to these certificates revoked too (their tokens and "
+              "refresh tokens stop working at once; --keep-sessions to keep them)")
+    for sid, agent in sweep.matched:
+        print(f"  {sid}  {agent}")
+    if sweep.unbound:
+        print(f"{len(sweep.unbound)} Local Profile session(s) of this agent need no certificate and stay active "
+              "('uomp sessions revoke SESSION' to end them):")
+        for sid, agent in sweep.unbound:
+            print(f"  {sid}  {agent}")
     return 0
 
 
@@ -109,7 +127,7 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([
             {"agent_id": r.agent_id, "serial": r.serial, "not_after": f"{r.not_after:%Y-%m-%dT%H:%M:%S}Z",
-             "status": r.status,
+             "status": r.status, "renewed_from": r.renewed_from,
              "revoked_at": f"{r.revoked_at:%Y-%m-%dT%H:%M:%S}Z" if r.revoked_at else None}
             for r in rows
         ], indent=1))
@@ -154,7 +172,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      help="PEM or DER certificate signing request ('-' = stdin); its signature is "
                      "checked and only its public key is used")
     src.add_argument("--out", metavar="DIR",
-                     help="write agent.key (0600; an existing one is reused), agent.crt and ca.crt here")
+                     help="write agent.key (an existing one is reused), agent.crt and ca.crt here, all 0600; "
+                     "DIR is created 0700, an existing DIR keeps its mode but must be yours and not "
+                     "group/other-writable")
     ai.add_argument("--cert-out", metavar="FILE",
                     help="with --csr: write the certificate here instead of stdout")
     ai.add_argument("--lifetime-hours", type=float, default=24.0, metavar="N",
@@ -165,11 +185,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     ar = asub.add_parser(
         "revoke",
-        help="revoke every active certificate of an agent, or one certificate by serial, and re-sign the CRL",
+        help="revoke every certificate of an agent, or one certificate by serial together with every "
+        "certificate renewed from it, re-sign the CRL, and revoke the sessions bound to them",
     )
     ar.add_argument("target", metavar="AGENT_ID|SERIAL",
                     help="agent id or hex serial; prefix 'agent:' or 'serial:' if one could be read as "
                     "the other")
+    ar.add_argument("--keep-sessions", action="store_true",
+                    help="do not revoke the live sessions whose tokens are bound to these certificates (by "
+                    "default they are revoked: with the certificate gone none of their requests can succeed)")
     ar.set_defaults(func=_revoke)
 
     al = asub.add_parser("list", help="certificates issued by the CA: agent, serial, expiry, status")

@@ -357,7 +357,10 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
             agent_key_file = str(Path(args.key_file).resolve())
     else:
         out = Path(args.out or (paths.agents_dir / m.agent.id))
-        files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime)
+        # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
+        files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
+        print(f"Agent certificate {files.serial} ({'reused' if files.reused_cert else 'new'}), valid until "
+              f"{files.not_after:%Y-%m-%d %H:%M:%S}Z" + ("; --new-cert to issue another" if files.reused_cert else ""))
         cert_pem = files.cert_file.read_bytes()
         agent_key = files.key_file.read_text()
     cert = x509.load_pem_x509_certificate(cert_pem)
@@ -420,5 +423,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "the bundle)")
     r.add_argument("--out", help="make key and certificate for the agent in this directory (key in the bundle)")
     r.add_argument("--cert-hours", type=float, default=24, help="agent certificate lifetime in hours (default 24)")
+    r.add_argument("--new-cert", action="store_true", help="issue a new agent certificate even if the one in the "
+                   "output directory is still good (by default it is reused)")
     r.add_argument("--bundle", help="where to write the agent bundle (default $UOMP_HOME/agents/<id>/bundle.json)")
     p.set_defaults(func=_authorize)

@@ -1,12 +1,17 @@
-"""``uomp init`` and ``uomp keys rotate``."""
+"""``uomp init`` and ``uomp keys rotate``; revoking the sessions a revoked credential leaves behind."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from gateway import keys
+from gateway.cli.guard import open_auth
 from gateway.cli.main import paths_from
-from gateway.config import GuardConfig, load_section
+from gateway.config import GuardConfig, Paths, load_section
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -20,13 +25,72 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class SessionSweep:
+    """Live sessions found by :func:`revoke_sessions`: revoked, or (``keep``) only listed."""
+
+    matched: list[tuple[str, str]] = field(default_factory=list)  # (session id, agent id)
+    unbound: list[tuple[str, str]] = field(default_factory=list)  # same agent, not certificate-bound: untouched
+
+
+def revoke_sessions(paths: Paths, *, reason: str, agent_ids: Iterable[str] = (), jkts: Iterable[str] = (),
+                    x5ts: Iterable[str] = (), every_active: bool = False, keep: bool = False) -> SessionSweep:
+    """Revoke (unless ``keep``) the live sessions whose tokens can no longer work.
+
+    A session matches when its tokens are bound (``cnf``) to one of ``jkts`` / ``x5ts``, or it is a
+    certificate-bound session of one of ``agent_ids``, or (``every_active``) it holds tokens at all.
+    Sessions of those agents that are not certificate-bound (Local Profile) are reported in
+    ``unbound`` and left alone. Revoking blacklists their tokens and refresh tokens at once.
+    """
+    sweep = SessionSweep()
+    if not paths.auth_db.exists():
+        return sweep
+    agents, jk, x5 = set(agent_ids), set(jkts), set(x5ts)
+    auth = open_auth(paths, load_section(GuardConfig, "guard", file=paths.config_file))
+    try:
+        auth.expire_due()
+        rows = auth.db.execute("SELECT session_id, agent_id, status, grant_options FROM sessions "
+                               "WHERE status IN ('created', 'active') ORDER BY created_at").fetchall()
+        for r in rows:
+            options: dict[str, Any] = json.loads(r["grant_options"]) if r["grant_options"] else {}
+            cnf = options.get("cnf") if isinstance(options.get("cnf"), dict) else None
+            bound = cnf is not None and (cnf.get("jkt") in jk or cnf.get("x5t#S256") in x5)
+            if bound or (every_active and r["status"] == "active") or (cnf is not None and r["agent_id"] in agents):
+                sweep.matched.append((r["session_id"], r["agent_id"]))
+            elif r["agent_id"] in agents:
+                sweep.unbound.append((r["session_id"], r["agent_id"]))
+        if not keep:
+            for sid, _ in sweep.matched:
+                auth.revoke(sid, reason=reason)
+    finally:
+        auth.close_db()
+        auth.audit.close()
+    return sweep
+
+
 def _rotate(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
     lifetime = max(cfg.token_lifetime_seconds, cfg.refresh_lifetime_seconds)
-    kid = keys.rotate(paths, max_token_lifetime=lifetime)
-    print(f"new signing key {kid}; old public keys stay trusted for {lifetime} s so live tokens keep working")
-    print("a running guard and gateway pick the new key up on their next key reload (SIGHUP) or restart")
+    before = set(keys.load_public_keys(paths))
+    kid = keys.rotate(paths, max_token_lifetime=lifetime, revoke_old=args.revoke_old)
+    print(f"new signing key {kid}")
+    if not args.revoke_old:
+        print(f"old public keys stay trusted (retired) for {lifetime} s so live tokens keep working; "
+              "'uomp keys rotate --revoke-old' distrusts them at once")
+        print(f"a running guard and gateway pick the new key up within {keys.KEY_WATCH_INTERVAL_SECONDS:g} s "
+              "(they watch the key files) or on SIGHUP")
+        return 0
+    print(f"REVOKED: {', '.join(sorted(before))}; every token they signed is refused by a running guard and "
+          "gateway within about 2 s (they watch the key files), at once after a SIGHUP")
+    sweep = revoke_sessions(paths, reason="signing key revoked ('uomp keys rotate --revoke-old')", every_active=True,
+                            keep=args.keep_sessions)
+    verb = "left active (--keep-sessions), though their tokens no longer work" if args.keep_sessions else "revoked"
+    print(f"{len(sweep.matched)} active session(s) held only tokens signed by the revoked keys: {verb}")
+    for sid, agent in sweep.matched:
+        print(f"  {sid}  {agent}")
+    if sweep.matched:
+        print("authorize those agents again ('uomp authorize') to give them new tokens")
     return 0
 
 
@@ -39,5 +103,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=_init)
     k = sub.add_parser("keys", help="Auth Service signing keys")
     ksub = k.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
-    r = ksub.add_parser("rotate", help="make a new signing key, keep old public keys until their tokens expire")
+    r = ksub.add_parser("rotate", help="make a new signing key, keep old public keys until their tokens expire "
+                        "(or, with --revoke-old, distrust them at once)")
+    r.add_argument("--revoke-old", action="store_true",
+                   help="revoke every earlier signing key now: tokens they signed stop working at once, and the "
+                   "sessions holding them are revoked (their agents must be authorized again)")
+    r.add_argument("--keep-sessions", action="store_true",
+                   help="with --revoke-old: leave those sessions marked active (their tokens still fail)")
     r.set_defaults(func=_rotate)

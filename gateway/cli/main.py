@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from gateway import __version__
 from gateway.config import Paths, resolve_home
 from gateway.errors import UompError
+from gateway.keys import check_home
 
 # Each module has ``register(subparsers)``; its commands set ``func(args) -> int``.
 COMMAND_MODULES = (
@@ -25,7 +27,11 @@ COMMAND_MODULES = (
 
 
 def paths_from(args: argparse.Namespace) -> Paths:
-    return Paths(resolve_home(getattr(args, "home", None)))
+    """The data directory of this command, refused (UNSAFE_PERMISSIONS) when it, ``.secrets`` or
+    ``ca/`` is another user's or group/other-writable, or a parent lets another user replace it."""
+    paths = Paths(resolve_home(getattr(args, "home", None)))
+    check_home(paths)
+    return paths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.verbose)
+    # Whatever the caller's umask, nothing this command creates is readable or writable by others
+    # (files meant to be shared, like certificates, get their mode set explicitly).
+    old_umask = os.umask(0o077)
+    os.umask(old_umask | 0o077)
     try:
         rc: int = args.func(args)
         return rc
@@ -70,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        os.umask(old_umask)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.config import GuardConfig, Paths
 from gateway.errors import UompError
 from gateway.guard.app import GuardServices, create_app
+from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
 
 log = logging.getLogger("uomp.guard")
 SWEEP_INTERVAL_SECONDS = 5.0
@@ -90,6 +91,7 @@ class GuardRunner:
         sock = self.paths.guard_sock
         claim_socket_path(sock)  # before opening anything: a second guard must not touch the databases
         self._claimed = True
+        key_watch = KeyWatch(self.paths)  # before the keys are read: no change goes unseen
         self.services = GuardServices.open(self.paths, self.cfg)
         self.services.audit.purge()
         unix_runner = web.AppRunner(create_app(self.services, listener="unix"), access_log=None)
@@ -112,6 +114,7 @@ class GuardRunner:
                 self.tcp_port = sockets[0].getsockname()[1]
                 self.services.add_local_port(self.tcp_port)
         self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._key_watcher(key_watch)))
         log.info("guard listening on unix:%s%s", sock,
                  f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
 
@@ -135,6 +138,16 @@ class GuardRunner:
         if self.services is not None:
             self.services.auth.reload_keys()
             log.info("signing keys reloaded")
+
+    async def _key_watcher(self, watch: KeyWatch) -> None:
+        """Reload the keys when their files change (`uomp keys rotate [--revoke-old]`), no SIGHUP needed."""
+        while True:
+            await asyncio.sleep(KEY_WATCH_INTERVAL_SECONDS)
+            try:
+                if await asyncio.to_thread(watch.changed):
+                    self.reload_keys()
+            except UompError as exc:
+                log.error("key reload failed, keeping the previous keys: %s", exc.message)
 
     async def stop(self) -> None:
         for t in self._tasks:

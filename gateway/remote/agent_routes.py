@@ -4,7 +4,12 @@
   (client certificate or DPoP key), buys a new access token and a new refresh token from the Auth
   Service over the Unix socket. Rotation and reuse detection live in the Auth Service, atomically.
 * ``POST /v1/certificates/renew`` — the agent's current, still valid certificate buys a new one
-  for the same agent id (like ``step ca renew``): mTLS listener only, no token.
+  for the same agent id (like ``step ca renew``): mTLS listener only, no token. Only in the last
+  ``renew_window_fraction`` of the certificate's life (``RENEWAL_TOO_EARLY`` before, decided on
+  the event loop from the verified certificate, before any work), one renewal at a time per agent
+  and at most ``renew_max_per_agent`` per ``renew_rate_window_seconds`` (``RATE_LIMITED``); the
+  signing, registry write and fsync run in a worker thread. Every outcome is a
+  ``gateway_access`` event (``action: renew``), the new serial in its reason.
 * the tunnel-origin transport: requests that arrive through the Cloudflare quick tunnel carry no
   client certificate (TLS ends at Cloudflare's edge), so each must carry an RFC 9449 DPoP proof
   by the key the token is bound to (``cnf.jkt``). Tunnel traffic is never treated as mTLS.
@@ -12,10 +17,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import json
 import re
 import ssl
 import time
+import weakref
 
 from aiohttp import web
 
@@ -64,34 +72,60 @@ async def refresh(call: Call) -> web.StreamResponse:
     return web.json_response(body)
 
 
+# Agents with a renewal in progress, per gateway: a second concurrent renewal is refused at once.
+_RENEWING: weakref.WeakKeyDictionary[GatewayState, set[str]] = weakref.WeakKeyDictionary()
+
+
 async def renew_certificate(call: Call) -> web.StreamResponse:
     state = call.request.app[STATE]
+    cfg = state.cfg
     request = call.request
     ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
     der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
-    if not der or call.identity is None:
+    ident = call.identity
+    if not der or ident is None:
         raise UompError("CERT_REQUIRED", "renewal needs the current client certificate")
-    csr: bytes | None = None
-    if request.can_read_body:
-        raw = await request.content.read(MAX_CSR_BYTES + 1)
-        if len(raw) > MAX_CSR_BYTES:
-            raise UompError("PAYLOAD_TOO_LARGE", "renewal request too large")
-        if raw.strip():
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                raise UompError("INVALID_REQUEST", "renewal body must be JSON") from exc
-            csr_text = body.get("csr") if isinstance(body, dict) else None
-            if csr_text is not None:
-                if not isinstance(csr_text, str):
-                    raise UompError("INVALID_REQUEST", "csr must be a PEM string")
-                csr = csr_text.encode()
-    lifetime = ca.AGENT_CERT_LIFETIME
-    pem = ca_store.renew(state.paths, der, csr, lifetime)
+    now = dt.datetime.now(dt.UTC)
+    # Pure checks first, on the event loop: an early renewal costs no thread, lock or disk.
+    ca_store.check_renewal_window(ident.not_before, ident.not_after, now, cfg.renew_window_fraction)
+    busy = _RENEWING.setdefault(state, set())
+    if ident.agent_id in busy:
+        raise UompError("RATE_LIMITED", "a renewal for this agent is already in progress")
+    busy.add(ident.agent_id)
+    try:
+        csr = await _read_csr(request)
+        pem = await asyncio.to_thread(
+            ca_store.renew, state.paths, der, csr, ca.AGENT_CERT_LIFETIME, now,
+            window_fraction=cfg.renew_window_fraction, max_per_agent=cfg.renew_max_per_agent,
+            rate_window=dt.timedelta(seconds=cfg.renew_rate_window_seconds))
+    finally:
+        busy.discard(ident.agent_id)
     cert = ca.load_cert(pem)
-    await _record(call, status=200, allowed=True, reason="certificate renewed", code=None)
-    return web.json_response({"certificate": pem.decode(), "serial": ca.serial_hex(cert.serial_number),
-                              "not_after": cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")})
+    serial = ca.serial_hex(cert.serial_number)
+    not_after = cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
+    await _record(call, status=200, allowed=True, code=None,
+                  reason=f"certificate renewed: new serial {serial}, valid until {not_after}")
+    return web.json_response({"certificate": pem.decode(), "serial": serial, "not_after": not_after})
+
+
+async def _read_csr(request: web.Request) -> bytes | None:
+    if not request.can_read_body:
+        return None
+    raw = await request.content.read(MAX_CSR_BYTES + 1)
+    if len(raw) > MAX_CSR_BYTES:
+        raise UompError("PAYLOAD_TOO_LARGE", "renewal request too large")
+    if not raw.strip():
+        return None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise UompError("INVALID_REQUEST", "renewal body must be JSON") from exc
+    csr_text = body.get("csr") if isinstance(body, dict) else None
+    if csr_text is None:
+        return None
+    if not isinstance(csr_text, str):
+        raise UompError("INVALID_REQUEST", "csr must be a PEM string")
+    return csr_text.encode()
 
 
 def _public_url(state: GatewayState, request: web.Request, path: str) -> str:

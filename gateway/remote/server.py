@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import ca_store
+from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import UompError
 from gateway.guard.server import check_bind
@@ -86,6 +86,7 @@ class GatewayRunner:
         forwarder.on_failure = monitor.request_failed
         endpoints = list(cfg.endpoints) or [f"https://localhost:{cfg.listen_port}",
                                             f"https://127.0.0.1:{cfg.listen_port}"]
+        key_watch = keys.KeyWatch(self.paths)  # before the keys are read: no change goes unseen
         self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
                                           endpoints=endpoints)
         reloader = self.reloader
@@ -134,7 +135,13 @@ class GatewayRunner:
             sockets = getattr(site._server, "sockets", None)
             self.metrics_port = sockets[0].getsockname()[1] if sockets else None
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self.reloader.watch(tick=lambda: ca_store.refresh_crl(self.paths))))
+
+        def tick() -> None:  # in a worker thread, every TLS watch interval
+            if key_watch.changed():  # `uomp keys rotate [--revoke-old]`: reload without a SIGHUP
+                loop.call_soon_threadsafe(self.reload_keys)
+            ca_store.refresh_crl(self.paths)
+
+        self._tasks.append(loop.create_task(self.reloader.watch(tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
         self._tasks.append(loop.create_task(monitor.run()))
         log.info("gateway listening on https://%s:%s (TLS 1.3, mTLS), upstream %s", cfg.listen_host, self.port,
@@ -150,6 +157,9 @@ class GatewayRunner:
     def reload(self) -> None:
         if self.reloader is not None:
             self.reloader.reload_logged()
+        self.reload_keys()
+
+    def reload_keys(self) -> None:
         if self.state is not None:
             try:
                 self.state.reload_keys()
