@@ -86,7 +86,8 @@ def check_parents(path: Path) -> None:
             raise UompError(
                 "UNSAFE_PERMISSIONS",
                 f"{parent} (a parent of {path}) is owned by uid {st.st_uid}, who could replace the data "
-                f"directory; use a data directory under a directory only you (or root) control",
+                f"directory; move the data directory (--home, UOMP_HOME) under a directory only you or root "
+                f"control, or 'chown {me} {parent}'",
             )
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o022 and not mode & stat.S_ISVTX:
