@@ -3,6 +3,7 @@ spoken on the wire (no SDK), against the real appliance on 127.0.0.1."""
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
 from guardkit import admin_headers, call
 
+from gateway import ca_store
 from gateway.config import Paths
 from gateway.core import ca, dpop
 
@@ -109,7 +111,10 @@ async def test_revoked_session_kills_refresh(home: Paths) -> None:
 
 async def test_certificate_renewal_over_mtls(home: Paths) -> None:
     async with appliance(home) as app:
-        a = app.agent("agent_a")
+        # renewal opens in the last third of a certificate's life: one hour, 50 minutes old
+        files = ca_store.issue_with_key(home, "agent_a", home.home / "agents-test" / "agent_a", dt.timedelta(hours=1),
+                                        now=ca.utcnow() - dt.timedelta(minutes=50))
+        a = Agent("agent_a", files)
         async with agent_session(a, home) as s:
             status, body, _ = await agent_call(s, app.base, "/v1/certificates/renew", token=None, agent_id=None,
                                                method="POST", json_body={})

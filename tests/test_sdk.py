@@ -470,7 +470,15 @@ async def test_renewal_at_two_thirds_of_lifetime_over_the_real_route(app: Applia
         assert len(renews) == 1 and renews[0]["cert_serial"] == files.serial
         await c.get("preference.lang")  # not due any more
         assert c.certificate_serial == new_serial
-        # explicit renewal with key rotation: the new key lands in the bundle
+        # the certificate just renewed is fresh: renewing it again is refused (last third only)
+        with pytest.raises(UompClientError) as early:
+            await c.renew_certificate()
+        assert early.value.code == "RENEWAL_TOO_EARLY"
+    # explicit renewal with key rotation, from a certificate due for renewal: the new key lands in the bundle
+    files = ca_store.issue_with_key(app.paths, "calendar_agent", tmp_path / "old", dt.timedelta(hours=1),
+                                    now=now - dt.timedelta(minutes=50))
+    bundle = await bundle_for_files(app, files, tmp_path / "b.json", agent_id="calendar_agent", cnf={"jkt": jkt})
+    async with UompClient.from_bundle(bundle) as c:
         new_key = ca.new_key("ed25519")
         renewed = await c.renew_certificate(csr_key=new_key)
         assert renewed.new_key and renewed.serial not in (files.serial, new_serial)
@@ -487,8 +495,14 @@ async def test_renewal_at_two_thirds_of_lifetime_over_the_real_route(app: Applia
 
 async def test_renewed_certificate_keeps_cli_granted_tokens_usable(app: Appliance, tmp_path: Path) -> None:
     bundle = authorize_csr(app, tmp_path)
+    # the CA renews it for the same key (window_fraction=1: any time; the gateway only allows the last third)
+    cert = x509.load_pem_x509_certificate((load_bundle(bundle).agent_cert or "").encode())
+    renewed = ca_store.renew(app.paths, ca.cert_pem(cert), window_fraction=1.0)
+    doc = json.loads(bundle.read_text())
+    doc["agent_cert"] = renewed.decode()
+    bundle.write_text(json.dumps(doc))
     async with UompClient.from_bundle(bundle) as c:
-        await c.renew_certificate()
+        assert c.certificate_serial == ca.serial_hex(x509.load_pem_x509_certificate(renewed).serial_number)
         assert (await c.get("preference.theme"))["value"] == "dark"
 
 
