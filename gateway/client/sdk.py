@@ -51,7 +51,8 @@ next call first renews it over ``POST /v1/certificates/renew`` (same key), write
 An expired certificate cannot be renewed (the renewal is authenticated by the certificate
 itself): the call fails with :class:`CertificateError` ``CERT_EXPIRED`` and the user must issue a
 new one. The gateway renews only in the last third of a certificate's life (``RENEWAL_TOO_EARLY``
-before; ``renew_at_fraction`` must stay >= 2/3) and a few times per hour per agent (``RATE_LIMITED``). :meth:`UompClient.renew_certificate` with ``csr_key`` rotates the key (the new key is then
+before; ``renew_at_fraction`` must stay >= 2/3) and a few times per hour per agent (``RATE_LIMITED``).
+:meth:`UompClient.renew_certificate` with ``csr_key`` rotates the key (the new key is then
 stored in the bundle, ``agent_key``); note that tokens are bound to the key they were granted for,
 so after a key rotation the user must authorize the agent again.
 
