@@ -74,6 +74,12 @@ async def refresh(call: Call) -> web.StreamResponse:
 
 # Agents with a renewal in progress, per gateway: a second concurrent renewal is refused at once.
 _RENEWING: weakref.WeakKeyDictionary[GatewayState, set[str]] = weakref.WeakKeyDictionary()
+# Agents the CA found over their renewal rate, per gateway: agent id -> monotonic time until which
+# further requests are refused on the event loop without asking the CA again (bounded: agents
+# need a certificate from the user's CA, and the map is cleared if it ever gets this big).
+_LIMITED: weakref.WeakKeyDictionary[GatewayState, dict[str, float]] = weakref.WeakKeyDictionary()
+RATE_LIMIT_MEMORY_SECONDS = 60.0
+MAX_LIMITED_AGENTS = 10_000
 
 
 async def renew_certificate(call: Call) -> web.StreamResponse:
@@ -88,6 +94,9 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
     now = dt.datetime.now(dt.UTC)
     # Pure checks first, on the event loop: an early renewal costs no thread, lock or disk.
     ca_store.check_renewal_window(ident.not_before, ident.not_after, now, cfg.renew_window_fraction)
+    limited = _LIMITED.setdefault(state, {})
+    if limited.get(ident.agent_id, 0.0) > time.monotonic():
+        raise UompError("RATE_LIMITED", "too many certificate renewals for this agent; try again later")
     busy = _RENEWING.setdefault(state, set())
     if ident.agent_id in busy:
         raise UompError("RATE_LIMITED", "a renewal for this agent is already in progress")
@@ -98,6 +107,13 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
             ca_store.renew, state.paths, der, csr, ca.AGENT_CERT_LIFETIME, now,
             window_fraction=cfg.renew_window_fraction, max_per_agent=cfg.renew_max_per_agent,
             rate_window=dt.timedelta(seconds=cfg.renew_rate_window_seconds))
+    except UompError as exc:
+        if exc.code == "RATE_LIMITED":
+            if len(limited) >= MAX_LIMITED_AGENTS:
+                limited.clear()
+            limited[ident.agent_id] = time.monotonic() + min(RATE_LIMIT_MEMORY_SECONDS,
+                                                             float(cfg.renew_rate_window_seconds))
+        raise
     finally:
         busy.discard(ident.agent_id)
     cert = ca.load_cert(pem)
