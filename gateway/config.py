@@ -66,6 +66,11 @@ class Paths:
         return self.home / "audit.db"
 
     @property
+    def reads_db(self) -> Path:
+        """The guard's state about agents' reads: cursor key, per-session aggregate history."""
+        return self.home / "reads.db"
+
+    @property
     def guard_sock(self) -> Path:
         return self.home / "guard.sock"
 
@@ -115,9 +120,17 @@ class GuardConfig:
     refresh_reuse_grace_seconds: int = 10
     default_max_read_queries: int = 100
     aggregate_min_items: int = 3
+    # k: no combination of one session's aggregates may isolate fewer than this many items (the
+    # effective value is never below aggregate_min_items); docs/aggregates.md
+    aggregate_min_group: int = 3
+    aggregate_max_sets_per_session: int = 32  # distinct (field, tag) sets one session may aggregate
+    aggregate_max_groups: int = 4096  # overlap groups of a session's aggregated tags, then refused
+    aggregate_history_max_rows: int = 100_000  # recorded sets, all sessions (expired ones pruned)
     audit_retention_days: int = 90
     max_body_bytes: int = 64 * 1024
-    max_tag_results: int = 1000
+    max_tag_results: int = 1000  # items per tag-read page at most (the agent may ask fewer: limit=)
+    tag_page_max_bytes: int = 4 * 1024 * 1024  # value+tag text per page; a page ends early past it
+    tag_cursor_lifetime_seconds: int = 3600  # a tag-read cursor (next) is refused after this
     token_cache_entries: int = 4096
     session_max_minutes: int = 24 * 60  # Local Profile sessions
     remote_session_max_minutes: int = 30 * 24 * 60  # Remote Profile sessions (they live on refresh tokens)

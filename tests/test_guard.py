@@ -76,8 +76,9 @@ async def test_allowed_fields_filter_every_item(seeded: Paths) -> None:
 
 async def test_aggregate_and_aggregation_only(seeded: Paths) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
+        # min/max single out one value: they need the user's explicit grant (docs/aggregates.md)
         tok = (await grant(s, seeded, read={"tags": ["portfolio:holdings", "portfolio:tiny"], "keys": []},
-                           aggregation_only=True))["token"]
+                           aggregation_only=True, aggregate_min_max=True))["token"]
         q = "/v1/memory/aggregate?tag=portfolio:holdings&field=value.market_value&op="
         expected = {"sum": 39000, "avg": 13000, "min": 7000, "max": 20000}
         for op, result in expected.items():

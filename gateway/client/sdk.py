@@ -594,9 +594,37 @@ class UompClient:
         return self._object(await self._call("GET", "/v1/memory/" + quote(key, safe=SEGMENT_SAFE)))
 
     async def by_tag(self, tag: str) -> list[JSONObject]:
-        """§10.3 ``GET /v1/memory?tag=``: the items with ``tag`` the grant lets through."""
-        answer = self._object(await self._call("GET", "/v1/memory", query={"tag": tag}))
-        return self._list(answer, "items")
+        """§10.3 ``GET /v1/memory?tag=``: every item with ``tag`` the grant lets through, following
+        the pages' ``next`` cursors (one read query per page). For large tags use
+        :meth:`iter_by_tag` (one page in memory) or :meth:`by_tag_page`."""
+        return [item async for item in self.iter_by_tag(tag)]
+
+    async def iter_by_tag(self, tag: str, *, limit: int | None = None) -> AsyncIterator[JSONObject]:
+        """The items of :meth:`by_tag`, fetched a page (at most ``limit`` items) at a time."""
+        cursor: str | None = None
+        while True:
+            items, nxt = await self.by_tag_page(tag, cursor=cursor, limit=limit)
+            if nxt is not None and (nxt == cursor or not items):
+                raise ProtocolError("BAD_RESPONSE", "the gateway's paging does not advance")
+            for item in items:
+                yield item
+            if nxt is None:
+                return
+            cursor = nxt
+
+    async def by_tag_page(self, tag: str, *, cursor: str | None = None, limit: int | None = None
+                          ) -> tuple[list[JSONObject], str | None]:
+        """One page: its items and the opaque cursor of the next page (None after the last one)."""
+        query = {"tag": tag}
+        if cursor is not None:
+            query["cursor"] = cursor
+        if limit is not None:
+            query["limit"] = str(int(limit))
+        answer = self._object(await self._call("GET", "/v1/memory", query=query))
+        nxt = answer.get("next")
+        if nxt is not None and (not isinstance(nxt, str) or not nxt):
+            raise ProtocolError("BAD_RESPONSE", "the gateway's answer has a malformed 'next' cursor")
+        return self._list(answer, "items"), nxt
 
     async def aggregate(self, tag: str, op: str, field: str | None = None) -> JSONObject:
         """§10.5 ``GET /v1/memory/aggregate``: ``{"op", "result", ...}``, never item values."""

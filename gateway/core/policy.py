@@ -89,12 +89,56 @@ def value_at(value: Any, field_path: str) -> Any:
     return cur
 
 
-def _number(x: Any) -> float | None:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int | float):
-        return float(x) if math.isfinite(float(x)) else None
+# ------------------------------------------------------------------------------ aggregates
+# The threat model and the reasons for each rule: docs/aggregates.md.
+
+MIN_MAX_NOT_GRANTED = "min and max reveal a single item's value; the user has not granted them"
+FIELD_NOT_ALLOWED = "field is not within the token's allowed_fields"
+
+
+@dataclass(frozen=True)
+class AggregateGrant:
+    """What the user granted about aggregates for a session (``uomp authorize --aggregate-*``).
+
+    ``min_max``: min/max may be answered (each is one item's value). ``exact``: the per-session
+    differencing check is off (the user accepts that comparing aggregates may isolate values)."""
+
+    min_max: bool = False
+    exact: bool = False
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> AggregateGrant:
+        return cls(min_max=options.get("aggregate_min_max") is True, exact=options.get("aggregate_exact") is True)
+
+
+def aggregate_field_allowed(field_path: str, allowed_fields: Sequence[str] | None) -> bool:
+    """§19.2 ``allowed_fields`` bounds what can be aggregated: ``value`` allows every path in the
+    value; ``value.a`` allows ``value.a`` and below; anything else (``key``, ``tags``...) allows no
+    numeric aggregate. None (no restriction) allows all; an empty list allows none."""
+    if allowed_fields is None:
+        return True
+    for allowed in allowed_fields:
+        if allowed == "value" or field_path == allowed or field_path.startswith(allowed + "."):
+            if allowed == "value" or allowed.startswith("value."):
+                return True
+    return False
+
+
+def aggregate_refusal(op: str, field_path: str | None, allowed_fields: Sequence[str] | None,
+                      grant: AggregateGrant) -> Decision | None:
+    """Refusals that depend only on the request and the grant (no data read): min/max without the
+    explicit grant, a field outside ``allowed_fields``. None when the query may go on."""
+    if op in ("min", "max") and not grant.min_max:
+        return Decision(False, MIN_MAX_NOT_GRANTED, f"{op} needs the user's min/max grant")
+    if field_path is not None and not aggregate_field_allowed(field_path, allowed_fields):
+        return Decision(False, FIELD_NOT_ALLOWED, "field outside allowed_fields")
     return None
+
+
+def _number(x: Any) -> int | float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return x if math.isfinite(float(x)) else None
 
 
 @dataclass(frozen=True)
@@ -105,32 +149,73 @@ class AggregateResult:
     detail: str
 
 
-def aggregate(values: Iterable[Any], *, op: str, field_path: str | None, tag: str, min_items: int) -> AggregateResult:
-    """Aggregate the item values already filtered by key rules.
-
-    Refused (``ok=False``) when fewer than ``min_items`` items contribute, so min/max/sum cannot
-    single out one value. Only JSON numbers contribute (strings are not guessed at).
-    """
-    vals = list(values)
+def aggregate_result(*, op: str, field_path: str | None, tag: str, count: int, total: Any = None,
+                     minimum: Any = None, maximum: Any = None, min_items: int) -> AggregateResult:
+    """The §10.5 answer from what the store computed over every authorized item (``count``
+    contributing items and their ``total``/``minimum``/``maximum``). Refused (``ok=False``) when
+    fewer than ``min_items`` items contribute."""
+    if count < min_items:
+        what = "items" if op == "count" else "numeric values"
+        return AggregateResult(False, {}, count, f"{count} {what} < {min_items}")
     if op == "count":
-        n = len(vals)
-        if n < min_items:
-            return AggregateResult(False, {}, n, f"count over {n} < {min_items} items")
-        return AggregateResult(True, {"op": "count", "tag": tag, "result": n}, n, "ok")
-    assert field_path is not None
-    nums = [n for n in (_number(value_at(v, field_path)) for v in vals) if n is not None]
-    if len(nums) < min_items:
-        return AggregateResult(False, {}, len(nums), f"{len(nums)} numeric values < {min_items}")
-    if op == "sum":
-        result: float = math.fsum(nums)
-    elif op == "avg":
-        result = math.fsum(nums) / len(nums)
-    elif op == "min":
-        result = min(nums)
-    else:
-        result = max(nums)
-    out: int | float = int(result) if result.is_integer() and abs(result) < 2**53 else result
-    return AggregateResult(True, {"op": op, "field": field_path, "result": out}, len(nums), "ok")
+        return AggregateResult(True, {"op": "count", "tag": tag, "result": count}, count, "ok")
+    picked = {"sum": total, "min": minimum, "max": maximum, "avg": total}[op]
+    value = _number(picked)
+    if value is None:
+        return AggregateResult(False, {}, count, "no finite numeric result")
+    result: int | float = value / count if op == "avg" else value
+    if isinstance(result, float) and result.is_integer() and abs(result) < 2**53:
+        result = int(result)
+    return AggregateResult(True, {"op": op, "field": field_path, "result": result}, count, "ok")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A recorded aggregate's item set: how many items, and keyed sums over their ids and values."""
+
+    count: int
+    h1: int
+    h2: int
+
+
+@dataclass(frozen=True)
+class AtomCheck:
+    ok: bool
+    detail: str
+    fingerprints: dict[str, Fingerprint]  # each tag's set as it is now
+
+
+def check_atoms(recorded: Mapping[str, Fingerprint], tags: Sequence[str],
+                atoms: Iterable[tuple[int, int, int, int]], *, min_group: int) -> AtomCheck:
+    """May one more aggregate over ``tags[-1]`` be answered, given the sets already aggregated in
+    this session over the same field (``recorded``, by tag; ``tags`` lists them, bit j = tags[j])?
+
+    ``atoms`` partition every item those tags reach by the exact subset of tags carrying it
+    (pattern, count, h1, h2). Any linear combination of the answers (sums, averages with their
+    counts) is constant on each atom, so if every non-empty atom holds at least ``min_group`` items,
+    no combination of this session's aggregates can isolate fewer than ``min_group`` items:
+    differences of overlapping tags, three-way or longer combinations alike. Refused also when a
+    recorded set has changed since it was answered (an item added, removed or its value updated):
+    comparing then and now would isolate the change.
+    """
+    now: dict[str, list[int]] = {t: [0, 0, 0] for t in tags}
+    small: int | None = None
+    for pattern, count, h1, h2 in atoms:
+        if 0 < count < min_group:
+            small = count if small is None else min(small, count)
+        for j, tag in enumerate(tags):
+            if pattern >> j & 1:
+                acc = now[tag]
+                acc[0] += count
+                acc[1] += h1
+                acc[2] += h2
+    fingerprints = {t: Fingerprint(v[0], v[1], v[2]) for t, v in now.items()}
+    for tag, then in recorded.items():
+        if fingerprints.get(tag) != then:
+            return AtomCheck(False, "an earlier aggregated set has changed since", fingerprints)
+    if small is not None:
+        return AtomCheck(False, f"would isolate a group of {small} item(s) (< {min_group})", fingerprints)
+    return AtomCheck(True, "ok", fingerprints)
 
 
 def is_subset(granted: Scope, requested: Scope) -> bool:

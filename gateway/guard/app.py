@@ -18,6 +18,7 @@ STORE_BUSY while other requests keep being served.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -32,13 +33,14 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
-from gateway.core import deletion, jose, policy
+from gateway.core import deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.errors import UompError
 from gateway.guard.audit import AuditLog
 from gateway.guard.auth import AuthService, SessionRow
 from gateway.guard.db import DbWorker
-from gateway.guard.store import MemoryStore
+from gateway.guard.reads import ReadState
+from gateway.guard.store import AggregateRow, MemoryStore, ReadFilter, json_path
 
 log = logging.getLogger("uomp.guard")
 T = TypeVar("T")
@@ -62,6 +64,7 @@ class GuardServices:
     admin_credential: str
     # the one thread that runs every Auth Service call (auth.db), off the event loop
     auth_worker: DbWorker
+    reads: ReadState
     # Local Profile audiences this guard answers to (the configured port, and the bound one)
     local_audiences: set[str] = dataclasses.field(default_factory=set)
 
@@ -75,7 +78,9 @@ class GuardServices:
         auth = AuthService(paths, cfg, audit)
         store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
         worker = DbWorker("auth", what="session database", queue_timeout=cfg.db_queue_timeout_seconds)
-        svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths), worker)
+        reads = ReadState(paths.reads_db, max_sets_per_session=cfg.aggregate_max_sets_per_session,
+                          max_rows=cfg.aggregate_history_max_rows)
+        svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths), worker, reads)
         svc.add_local_port(cfg.tcp_port)
         return svc
 
@@ -88,6 +93,7 @@ class GuardServices:
         self.auth_worker.close()
         self.auth.close_db()
         self.store.close()
+        self.reads.close()
         self.audit.close()
 
 
@@ -161,7 +167,8 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _param(request: web.Request, name: str, *, required: bool = True) -> str | None:
+def _param(request: web.Request, name: str, *, required: bool = True, max_len: int = MAX_QUERY_PARAM
+           ) -> str | None:
     values = request.query.getall(name, [])
     if len(values) > 1:
         raise UompError("INVALID_REQUEST", f"query parameter {name} given more than once")
@@ -169,7 +176,7 @@ def _param(request: web.Request, name: str, *, required: bool = True) -> str | N
         if required:
             raise UompError("INVALID_REQUEST", f"query parameter {name} is required")
         return None
-    if len(values[0]) > MAX_QUERY_PARAM:
+    if len(values[0]) > max_len:
         raise UompError("INVALID_REQUEST", f"query parameter {name} is too long")
     return values[0]
 
@@ -289,6 +296,8 @@ async def _answer_refusal(call: AgentCall, exc: UompError) -> web.Response:
 
 
 async def get_key(request: web.Request) -> web.Response:
+    """§10.2. The decision is made on metadata alone (:meth:`MemoryStore.get_meta`, never the value);
+    the value is loaded only after an allow, so a denied item and a missing key do the same work."""
     key = request.match_info["key"]
     call = AgentCall(request, "read", key=key)
     try:
@@ -297,7 +306,13 @@ async def get_key(request: web.Request) -> web.Response:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:  # §10.4 step 5b, §19.2
         return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
-    item = call.svc.store.get(key)
+    store = call.svc.store
+    meta = await asyncio.to_thread(store.get_meta, key)
+    d = policy.key_decision(cap.read, key, list(meta.tags) if meta else None, meta.sensitivity if meta else None)
+    if not d.allowed or meta is None:
+        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+    item = await asyncio.to_thread(store.get, key)
+    # decide again on what was loaded: the item may have changed (or gone) between the two reads
     d = policy.key_decision(cap.read, key, list(item.tags) if item else None, item.sensitivity if item else None)
     if not d.allowed or item is None:
         return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
@@ -306,36 +321,73 @@ async def get_key(request: web.Request) -> web.Response:
     return await call.respond(policy.filter_fields(item.to_dict(), cap.allowed_fields))
 
 
-def _tag_items(call: AgentCall, cap: Capability, tag: str) -> tuple[policy.Decision, list[Any]]:
-    d = policy.tag_decision(cap.read, tag)
-    if not d.allowed:
-        return d, []
-    items = call.svc.store.by_tag(tag, limit=call.svc.cfg.max_tag_results)
-    kept = [it for it in items
-            if policy.key_decision(cap.read, it.key, list(it.tags), it.sensitivity).allowed]
-    return d, kept
+def _read_filter(cap: Capability) -> ReadFilter:
+    return ReadFilter(keys=cap.read.keys, deny_keys=cap.read.deny_keys, deny_tags=cap.read.deny_tags)
+
+
+def _page_limit(request: web.Request, maximum: int) -> int | None:
+    raw = _param(request, "limit", required=False)
+    if raw is None:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= maximum:
+        raise UompError("INVALID_REQUEST", f"limit must be an integer from 1 to {maximum}")
+    return int(raw)
 
 
 async def get_by_tag(request: web.Request) -> web.Response:
+    """§10.3, paged: ``{"items": [...], "next": <cursor> | null}``. ``next`` is null only when the
+    page holds the last authorized item; otherwise ``?tag=<tag>&cursor=<next>`` gives the next page.
+    A page holds at most ``limit`` (default and maximum ``max_tag_results``) items and ends early
+    once it reaches ``tag_page_max_bytes``. Cursors are sealed and bound to the session, the agent
+    and the tag (:mod:`gateway.core.paging`)."""
     call = AgentCall(request, "read")
+    svc = call.svc
     try:
         tag = _param(request, "tag")
         assert tag is not None
         call.tags = [tag]
+        cursor = _param(request, "cursor", required=False, max_len=paging.MAX_CURSOR_CHARS)
+        limit = _page_limit(request, svc.cfg.max_tag_results)
         cap = await call.authenticate(read=True)
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:
         return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
-    d, items = _tag_items(call, cap, tag)
+    d = policy.tag_decision(cap.read, tag)
     if not d.allowed:
         return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
-    call.allow(d.reason, f"{len(items)} items after key rules")
-    return await call.respond({"items": [policy.filter_fields(it.to_dict(), cap.allowed_fields) for it in items]})
+    now = time.time()
+    after: str | None = None
+    if cursor is not None:
+        try:
+            state = paging.open_cursor(svc.reads.cursor_key, cursor, session_id=cap.session_id,
+                                       agent_id=cap.agent_id, tag=tag, now=now)
+        except UompError as exc:
+            return await call.refuse(exc)
+        after = state.after
+        if limit is None:
+            limit = min(state.limit, svc.cfg.max_tag_results)
+    page_size = limit or svc.cfg.max_tag_results
+    items, more = await asyncio.to_thread(svc.store.tag_page, tag, _read_filter(cap), after=after,
+                                          limit=page_size, max_bytes=svc.cfg.tag_page_max_bytes)
+    nxt = None
+    if more and items:
+        nxt = paging.seal(svc.reads.cursor_key, session_id=cap.session_id, agent_id=cap.agent_id, tag=tag,
+                          after=items[-1].key, limit=page_size,
+                          expires_at=int(now) + svc.cfg.tag_cursor_lifetime_seconds)
+    call.allow(d.reason, f"{len(items)} items after key rules" + ("; more follow" if nxt else ""))
+    return await call.respond({"items": [policy.filter_fields(it.to_dict(), cap.allowed_fields) for it in items],
+                               "next": nxt})
 
 
 async def aggregate(request: web.Request) -> web.Response:
+    """§10.5 over every authorized item, computed in SQL. What may be answered (docs/aggregates.md):
+    min/max only with the user's min/max grant; a field only within ``allowed_fields``; at least
+    ``aggregate_min_items`` contributing items; and, unless the user granted exact aggregates, sums
+    and averages only while no combination of this session's aggregates of the field isolates fewer
+    than ``aggregate_min_group`` items (the history survives restarts, ``reads.db``)."""
     call = AgentCall(request, "aggregate")
+    svc = call.svc
     try:
         tag = _param(request, "tag")
         op = _param(request, "op")
@@ -344,21 +396,54 @@ async def aggregate(request: web.Request) -> web.Response:
         call.tags = [tag]
         if op not in policy.OPS:
             raise UompError("INVALID_REQUEST", "op must be one of sum, avg, count, min, max")
-        if op != "count" and (field is None or not (field == "value" or field.startswith("value."))):
-            raise UompError("INVALID_REQUEST", "field is required for numeric ops and must start with value.")
+        path: str | None = None
+        if op != "count":
+            path = json_path(field) if field is not None else None
+            if path is None:
+                raise UompError("INVALID_REQUEST", "field is required for numeric ops: value or "
+                                "value.<name>[.<name>...] with names of letters, digits, _ - : @")
         cap = await call.authenticate(read=True)
     except UompError as exc:
         return await _answer_refusal(call, exc)
-    d, items = _tag_items(call, cap, tag)
+    d = policy.tag_decision(cap.read, tag)
     if not d.allowed:
         return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
-    res = policy.aggregate([it.value for it in items], op=op, field_path=field, tag=tag,
-                           min_items=call.svc.cfg.aggregate_min_items)
+    row = call.row
+    assert row is not None
+    grant = policy.AggregateGrant.from_options(row.options)
+    refusal = policy.aggregate_refusal(op, field if op != "count" else None, cap.allowed_fields, grant)
+    if refusal is not None:
+        return await call.refuse(UompError("ACCESS_DENIED", refusal.reason, session_id=cap.session_id),
+                                 refusal.detail)
+    flt = _read_filter(cap)
+    min_items = svc.cfg.aggregate_min_items
+    tracked = op in ("sum", "avg") and not grant.exact
+
+    def compute() -> tuple[policy.AggregateResult, str | None, str | None]:
+        store = svc.store
+        with store.read_snapshot():  # the answer and the history check see the same items
+            agg: AggregateRow = store.aggregate(tag, flt, path=path)
+            res = policy.aggregate_result(op=op, field_path=field, tag=tag, count=agg.count, total=agg.total,
+                                          minimum=agg.minimum, maximum=agg.maximum, min_items=min_items)
+            if not res.ok or not tracked:
+                return res, None, None
+            assert path is not None and field is not None
+            keys = svc.reads.keys4()
+            hd = svc.reads.check_and_record(
+                session_id=cap.session_id, session_expires_at=row.expires_at, field=field, tag=tag,
+                min_group=max(svc.cfg.aggregate_min_group, min_items), max_tags=62,
+                atoms=lambda tags: store.atoms(tags, flt, path=path, keys=keys,
+                                               max_atoms=svc.cfg.aggregate_max_groups))
+            return res, (None if hd.ok else hd.reason), hd.detail
+
+    res, refused, detail = await asyncio.to_thread(compute)
     if not res.ok:
         return await call.refuse(UompError(
-            "ACCESS_DENIED", f"aggregation needs at least {call.svc.cfg.aggregate_min_items} contributing items",
+            "ACCESS_DENIED", f"aggregation needs at least {min_items} contributing items",
             session_id=cap.session_id), res.detail)
-    call.allow("aggregate over granted items", f"{res.contributing} items")
+    if refused is not None:
+        return await call.refuse(UompError("ACCESS_DENIED", refused, session_id=cap.session_id), detail)
+    call.allow("aggregate over granted items", f"{res.contributing} items" + (f"; {detail}" if detail else ""))
     return await call.respond(res.body)
 
 

@@ -204,6 +204,8 @@ class SessionRow:
             out["profile"] = self.options.get("profile", "local")
             if self.options.get("audience"):
                 out["audience"] = self.options["audience"]
+            out["aggregates"] = {"min_max": self.options.get("aggregate_min_max") is True,
+                                 "exact": self.options.get("aggregate_exact") is True}
         if self.retention:
             out["data_retention_policy"] = self.retention
         if self.deletion_proof_id:
@@ -386,6 +388,9 @@ class AuthService:
             "allowed_fields": None if fields is None else list(fields),
             "aggregation_only": _opt_bool(body, "aggregation_only"),
             "task_bound": _opt_bool(body, "task_bound"),
+            # docs/aggregates.md: both off unless the user grants them knowingly
+            "aggregate_min_max": _opt_bool(body, "aggregate_min_max"),
+            "aggregate_exact": _opt_bool(body, "aggregate_exact"),
             "max_read_queries": mrq, "cnf": cnf,
             "lifetime": self._lifetime(profile, body.get("token_lifetime_seconds")),
         }

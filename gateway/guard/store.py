@@ -6,6 +6,15 @@ Layout (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
           created_at, updated_at, description)
     item_tags(tag, item_key) WITHOUT ROWID, primary key (tag, item_key)   -- by_tag is a range scan
     index item_tags_by_key(item_key)                                       -- delete / replace
+    index items_meta(key, sensitivity, tags)    -- covering: a policy decision never reads a value
+
+Reads for the Memory Guard (spec §10, §21) decide on metadata before any value is loaded:
+:meth:`MemoryStore.get_meta` answers from the covering index ``items_meta`` alone (the value, which may
+be a megabyte in overflow pages, is never touched), so a denied item and a missing key cost the same;
+:meth:`MemoryStore.get` (the value) is called only after an allow and is counted in ``value_loads``.
+Tag pages (:meth:`MemoryStore.tag_page`) and aggregates (:meth:`MemoryStore.aggregate`) apply the key
+rules of a grant in SQL (:class:`ReadFilter`), so only authorized rows are read and nothing is
+collected in Python lists: an aggregate over a million items runs in constant memory.
 
 Durability and concurrency: WAL journal (readers never wait for the writer), ``synchronous=FULL``
 (a write that returned is on disk), a busy timeout so a second writer waits a few seconds before
@@ -55,7 +64,7 @@ from gateway.errors import UompError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SENSITIVITIES = ("low", "medium", "high")
 SOURCES = ("user", "agent")
@@ -91,16 +100,38 @@ CREATE TABLE item_tags (
     PRIMARY KEY (tag, item_key)
 ) WITHOUT ROWID;
 CREATE INDEX item_tags_by_key ON item_tags(item_key);
+CREATE INDEX items_meta ON items(key, sensitivity, tags);
 PRAGMA user_version = {SCHEMA_VERSION};
 """
+# Version 1 -> 2: the covering metadata index (decide on metadata before loading a value).
+_MIGRATE_1_TO_2 = "CREATE INDEX IF NOT EXISTS items_meta ON items(key, sensitivity, tags)"
 
 _SQL_GET = ("SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
             "FROM items WHERE key = ?")
+_SQL_META = "SELECT tags, sensitivity FROM items INDEXED BY items_meta WHERE key = ?"
 _SQL_LIST = ("SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
              "FROM items ORDER BY key LIMIT ? OFFSET ?")
 _SQL_BY_TAG = ("SELECT i.key, i.value, i.tags, i.sensitivity, i.source, i.created_at, i.updated_at, "
                "i.description FROM item_tags t JOIN items i ON i.key = t.item_key "
                "WHERE t.tag = ? ORDER BY t.item_key LIMIT ? OFFSET ?")
+# Items carrying :tag after :after, for a tag page (the grant's filter is appended).
+_SQL_PAGE = ("SELECT i.key, i.value, i.tags, i.sensitivity, i.source, i.created_at, i.updated_at, "
+             "i.description FROM item_tags t JOIN items i ON i.key = t.item_key "
+             "WHERE t.tag = :tag AND t.item_key > :after")
+_SQL_AGG_FROM = "SELECT count(*) FROM item_tags t JOIN items i ON i.key = t.item_key WHERE t.tag = :tag"
+_SQL_AGG_NUM_FROM = ("FROM (SELECT json_extract(i.value, :path) AS x FROM item_tags t JOIN items i "
+                     "ON i.key = t.item_key WHERE t.tag = :tag "
+                     "AND json_type(i.value, :path) IN ('integer', 'real')")
+_P = "2147483647"  # HASH_PRIME
+_SQL_ATOMS_HEAD = (
+    "WITH q AS (SELECT key AS bit, value AS tag FROM json_each(:tags)), "
+    "m AS (SELECT t.item_key AS k, sum(1 << q.bit) AS pattern FROM q JOIN item_tags t ON t.tag = q.tag "
+    "GROUP BY t.item_key) "
+    f"SELECT m.pattern, count(*), sum(((i.rowid % {_P}) * :a + :b) % {_P}), "
+    f"sum((((CAST(json_extract(i.value, :path) * 1000000 AS INTEGER) % {_P}) + {_P}) % {_P} "
+    f"* (((i.rowid % {_P}) * :c + :d) % {_P})) % {_P}) "
+    "FROM m JOIN items i ON i.key = m.k WHERE json_type(i.value, :path) IN ('integer', 'real')")
+_SQL_ATOMS_TAIL = " GROUP BY m.pattern LIMIT :max"
 _SQL_INSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
                "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
 _SQL_UPSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
@@ -331,6 +362,81 @@ def _unavailable(exc: BaseException) -> UompError:
 
 
 _ItemList = list[MemoryItem]
+
+
+@dataclass(frozen=True)
+class ItemMeta:
+    """What a policy decision needs about an item, and nothing else (no value)."""
+
+    tags: tuple[str, ...]
+    sensitivity: str
+
+
+@dataclass(frozen=True)
+class ReadFilter:
+    """The key rules of a grant (spec §10.4 steps 6-8) for items reached through a tag that is
+    itself granted, as SQL: not in ``deny_keys``; no tag in ``deny_tags``; ``sensitivity=high``
+    only when the key is in ``keys``. Equivalent to :func:`gateway.core.policy.key_decision` for
+    such items (a test checks the two agree)."""
+
+    keys: tuple[str, ...] = ()
+    deny_keys: tuple[str, ...] = ()
+    deny_tags: tuple[str, ...] = ()
+
+    def sql(self) -> tuple[str, dict[str, Any]]:
+        """A WHERE fragment over ``items i`` (fixed text, named parameters only) and its parameters."""
+        parts = []
+        params: dict[str, Any] = {}
+        if self.deny_keys:
+            parts.append("i.key NOT IN (SELECT value FROM json_each(:f_deny_keys))")
+            params["f_deny_keys"] = json.dumps(list(self.deny_keys))
+        if self.deny_tags:
+            parts.append("NOT EXISTS (SELECT 1 FROM item_tags d WHERE d.item_key = i.key "
+                         "AND d.tag IN (SELECT value FROM json_each(:f_deny_tags)))")
+            params["f_deny_tags"] = json.dumps(list(self.deny_tags))
+        parts.append("(i.sensitivity != 'high' OR i.key IN (SELECT value FROM json_each(:f_keys)))")
+        params["f_keys"] = json.dumps(list(self.keys))
+        return " AND ".join(parts), params
+
+
+@dataclass(frozen=True)
+class AggregateRow:
+    """count of contributing items and, for a numeric field, their sum, min and max (None if none)."""
+
+    count: int
+    total: int | float | None = None
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+
+
+@dataclass(frozen=True)
+class Atom:
+    """One group of items that the same tags of an aggregate history select: ``pattern`` has bit j
+    set for the j-th tag. ``h1``/``h2`` are keyed sums over the members (their row ids, and row ids
+    with the field's value) that change when membership or a value changes."""
+
+    pattern: int
+    count: int
+    h1: int
+    h2: int
+
+
+# A prime below 2**31: every product in the keyed sums stays below 2**62 (SQLite integers).
+HASH_PRIME = 2_147_483_647
+MAX_FIELD_SEGMENTS = 16
+_FIELD_SEGMENT = re.compile(r"[A-Za-z0-9_\-:@]{1,128}")
+
+
+def json_path(field_path: str) -> str | None:
+    """``value`` -> ``$``, ``value.a.b`` -> ``$."a"."b"``; None for a path this store will not address
+    (a segment outside ``[A-Za-z0-9_-:@]``, an empty one, too many)."""
+    parts = field_path.split(".")
+    if not parts or parts[0] != "value":
+        return None
+    segments = parts[1:]
+    if len(segments) > MAX_FIELD_SEGMENTS or not all(_FIELD_SEGMENT.fullmatch(p) for p in segments):
+        return None
+    return "$" + "".join(f'."{p}"' for p in segments)
 _Row = tuple[str, str, str, str, str, str, str, str | None]
 
 
@@ -506,6 +612,7 @@ class MemoryStore:
         self._lock = threading.RLock()
         self._closed = False
         self._bulk: BulkWriter | None = None
+        self.value_loads = 0  # calls that read an item's value by key (see get_meta)
         if not create and not self.path.exists():
             raise UompError("STORE_UNAVAILABLE", "the memory store file does not exist",
                             details={"reason": "MISSING"})
@@ -557,6 +664,7 @@ class MemoryStore:
         if self._version() == SCHEMA_VERSION:
             return
         # Version 0: a new, empty file. Create the schema unless another process just did.
+        # Version 1: add the covering metadata index.
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = self._version()
@@ -568,6 +676,9 @@ class MemoryStore:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
+            elif version == 1:
+                conn.execute(_MIGRATE_1_TO_2)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
@@ -629,9 +740,104 @@ class MemoryStore:
     # ----------------------------------------------------------------- reads
 
     def get(self, key: str) -> MemoryItem | None:
+        """The whole item, value included (counted in ``value_loads``)."""
         with self._guard() as conn:
+            self.value_loads += 1
             row = conn.execute(_SQL_GET, (key,)).fetchone()
         return _item_of(row) if row is not None else None
+
+    @contextlib.contextmanager
+    def read_snapshot(self) -> Iterator[None]:
+        """Hold the store (lock + one read transaction): every read inside sees the same state."""
+        with self._guard() as conn:
+            conn.execute("BEGIN")
+            try:
+                yield
+            finally:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("COMMIT")
+
+    def get_meta(self, key: str) -> ItemMeta | None:
+        """Tags and sensitivity from the covering index ``items_meta``: the value is never read, so
+        the work is the same for a small and a large item, and close to that for a missing key."""
+        with self._guard() as conn:
+            row = conn.execute(_SQL_META, (key,)).fetchone()
+        if row is None:
+            return None
+        try:
+            tags = json.loads(row[0])
+        except (TypeError, ValueError) as exc:
+            raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt",
+                            details={"reason": "BAD_JSON"}) from exc
+        if not isinstance(tags, builtins.list):
+            raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
+        return ItemMeta(tuple(tags), str(row[1]))
+
+    def tag_page(self, tag: str, flt: ReadFilter, *, after: str | None, limit: int,
+                 max_bytes: int) -> tuple[_ItemList, bool]:
+        """Up to ``limit`` items carrying ``tag`` that pass ``flt``, in key order, after the key
+        ``after`` (keyset paging: stable while items come and go), stopping early once the page holds
+        ``max_bytes`` of value and tag text (always at least one item). Returns the items and whether
+        more follow. Memory: one page."""
+        self._check_limit(limit)
+        where, params = flt.sql()
+        sql = (_SQL_PAGE + " AND " + where + " ORDER BY t.item_key LIMIT :lim")  # fixed text only
+        params.update({"tag": tag, "after": after if after is not None else "", "lim": limit + 1})
+        out: _ItemList = []
+        size = 0
+        more = False
+        with self._guard() as conn:
+            cur = conn.execute(sql, params)
+            try:
+                for row in cur:
+                    row_size = len(row[1]) + len(row[2])
+                    if len(out) >= limit or (out and size + row_size > max_bytes):
+                        more = True
+                        break
+                    out.append(_item_of(row))
+                    size += row_size
+            finally:
+                cur.close()
+        return out, more
+
+    def aggregate(self, tag: str, flt: ReadFilter, *, path: str | None) -> AggregateRow:
+        """Over the items carrying ``tag`` that pass ``flt``, in SQL: their count (``path`` None), or
+        count/sum/min/max of the JSON numbers at ``path`` (see :func:`json_path`; booleans, strings
+        and absent fields do not contribute). Integer sums are exact; one past 64 bits falls back to
+        a floating-point total. Constant memory whatever the number of items."""
+        where, params = flt.sql()
+        params["tag"] = tag
+        if path is None:
+            with self._guard() as conn:
+                n = conn.execute(_SQL_AGG_FROM + " AND " + where, params).fetchone()[0]  # fixed text
+            return AggregateRow(int(n))
+        params["path"] = path
+        body = _SQL_AGG_NUM_FROM + " AND " + where + ")"
+        with self._guard() as conn:
+            try:
+                row = conn.execute("SELECT count(*), sum(x), min(x), max(x) " + body, params).fetchone()
+            except sqlite3.OperationalError as exc:
+                if "overflow" not in str(exc).lower():
+                    raise
+                row = conn.execute("SELECT count(*), total(x), min(x), max(x) " + body, params).fetchone()
+        return AggregateRow(int(row[0]), row[1], row[2], row[3])
+
+    def atoms(self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int],
+              max_atoms: int) -> builtins.list[Atom] | None:
+        """Partition the items that ``tags`` (at most 62) reach through ``flt`` and that hold a number
+        at ``path`` by which of the tags they carry (see :class:`Atom`); ``keys`` are the secret
+        multipliers of the keyed sums. None when there are more than ``max_atoms`` groups."""
+        if not 0 < len(tags) <= 62:
+            raise ValueError("between 1 and 62 tags")
+        where, params = flt.sql()
+        a, b, c, d = keys
+        params.update({"tags": json.dumps(list(tags)), "path": path, "a": a, "b": b, "c": c, "d": d,
+                       "max": max_atoms + 1})
+        with self._guard() as conn:
+            rows = conn.execute(_SQL_ATOMS_HEAD + " AND " + where + _SQL_ATOMS_TAIL, params).fetchall()
+        if len(rows) > max_atoms:
+            return None
+        return [Atom(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows]
 
     def by_tag(self, tag: str, *, limit: int = 1000) -> _ItemList:
         """Items carrying ``tag``, ordered by key (an index range scan on item_tags)."""

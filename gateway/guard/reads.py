@@ -1,0 +1,148 @@
+"""State the Memory Guard keeps about agents' reads, in ``$UOMP_HOME/reads.db`` (0600, WAL):
+
+* the key that seals tag-read cursors (:mod:`gateway.core.paging`), made once, so cursors outlive a
+  restart of the guard;
+* the secret multipliers of the keyed sums that fingerprint aggregated item sets;
+* each session's aggregate history (docs/aggregates.md): per session and field, the tags already
+  aggregated with their set's fingerprint, so that a later aggregate can be checked against all of
+  them (:func:`gateway.core.policy.check_atoms`), across restarts.
+
+Bounded: at most ``aggregate_max_sets_per_session`` recorded sets per session (a new one past that
+is refused, never an old one forgotten: forgetting would reopen the differencing it guards against),
+rows of sessions past their expiry are pruned, and at most ``aggregate_history_max_rows`` rows in
+all (then new records are refused until sessions expire). A check and its record happen under one
+lock, in one transaction: two concurrent aggregates of a session cannot both pass against a
+history that lacks the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.core import paging
+from gateway.core.policy import AtomCheck, Fingerprint, check_atoms
+from gateway.errors import UompError
+from gateway.guard.db import connect, transaction
+from gateway.guard.store import HASH_PRIME, Atom
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS aggregate_sets (
+  session_id TEXT NOT NULL,
+  field TEXT NOT NULL,
+  tag TEXT NOT NULL,
+  n INTEGER NOT NULL,
+  h1 INTEGER NOT NULL,
+  h2 INTEGER NOT NULL,
+  recorded_at REAL NOT NULL,
+  session_expires_at REAL NOT NULL,
+  PRIMARY KEY (session_id, field, tag)
+);
+CREATE INDEX IF NOT EXISTS aggregate_sets_expiry ON aggregate_sets(session_expires_at);
+"""
+
+WHAT = "read-state database"
+
+
+@dataclass(frozen=True)
+class HistoryDecision:
+    ok: bool
+    reason: str  # for the agent
+    detail: str  # for the user's audit view
+
+
+HISTORY_FULL = "this session has aggregated too many different item sets; ask the user for a new session"
+HISTORY_STORE_FULL = "the guard's aggregate history is full; try again later"
+WOULD_ISOLATE = "aggregate refused: together with this session's earlier aggregates it would isolate too few items"
+CHANGED = ("aggregate refused: the items behind an earlier aggregate of this field have changed since; "
+           "ask the user for a new session")
+TOO_MANY_GROUPS = "aggregate refused: the tags aggregated in this session overlap in too many ways"
+
+
+class ReadState:
+    def __init__(self, path: Path, *, max_sets_per_session: int, max_rows: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_sets_per_session = max_sets_per_session
+        self.max_rows = max_rows
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.db = connect(path, schema=SCHEMA, what=WHAT)
+        self.cursor_key = self._secret("cursor_key", paging.KEY_BYTES)
+        raw = self._secret("fingerprint_keys", 16)
+        # four multipliers in [1, HASH_PRIME): keyed, so nobody can arrange collisions
+        self.fingerprint_keys = tuple(1 + int.from_bytes(raw[i:i + 4], "big") % (HASH_PRIME - 1)
+                                      for i in range(0, 16, 4))
+
+    def _secret(self, name: str, size: int) -> bytes:
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+            if row is not None and isinstance(row[0], bytes) and len(row[0]) == size:
+                return bytes(row[0])
+            value = secrets.token_bytes(size)
+            db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", (name, value))
+            return value
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with transaction(self.db, what=WHAT) as db:
+            yield db
+
+    def keys4(self) -> tuple[int, int, int, int]:
+        a, b, c, d = self.fingerprint_keys
+        return a, b, c, d
+
+    def check_and_record(self, *, session_id: str, session_expires_at: float, field: str, tag: str,
+                         min_group: int, max_tags: int,
+                         atoms: Callable[[Sequence[str]], list[Atom] | None]) -> HistoryDecision:
+        """Check one aggregate of ``field`` over ``tag`` against the session's history and, when it
+        passes, record it (durably) before returning. ``atoms(tags)`` asks the store."""
+        with self._lock:
+            try:
+                rows = self.db.execute(
+                    "SELECT tag, n, h1, h2 FROM aggregate_sets WHERE session_id = ? AND field = ?",
+                    (session_id, field)).fetchall()
+                in_session = int(self.db.execute("SELECT count(*) FROM aggregate_sets WHERE session_id = ?",
+                                                 (session_id,)).fetchone()[0])
+            except sqlite3.Error as exc:
+                raise UompError("STORE_UNAVAILABLE", f"the {WHAT} is unavailable") from exc
+            recorded = {str(r[0]): Fingerprint(int(r[1]), int(r[2]), int(r[3])) for r in rows}
+            is_new = tag not in recorded
+            if is_new and (in_session >= self.max_sets_per_session or len(recorded) + 1 > max_tags):
+                return HistoryDecision(False, HISTORY_FULL, f"{in_session} sets already recorded")
+            tags = [t for t in recorded if t != tag] + [tag]
+            found = atoms(tags)
+            if found is None:
+                return HistoryDecision(False, TOO_MANY_GROUPS, "too many atoms")
+            check: AtomCheck = check_atoms(recorded, tags, ((a.pattern, a.count, a.h1, a.h2) for a in found),
+                                           min_group=min_group)
+            if not check.ok:
+                reason = CHANGED if "changed" in check.detail else WOULD_ISOLATE
+                return HistoryDecision(False, reason, check.detail)
+            if is_new:
+                fp = check.fingerprints[tag]
+                now = self.clock()
+                with self._tx() as db:
+                    db.execute("DELETE FROM aggregate_sets WHERE session_expires_at < ?", (now,))
+                    total = int(db.execute("SELECT count(*) FROM aggregate_sets").fetchone()[0])
+                    if total >= self.max_rows:
+                        return HistoryDecision(False, HISTORY_STORE_FULL, f"{total} rows recorded")
+                    db.execute("INSERT INTO aggregate_sets (session_id, field, tag, n, h1, h2, recorded_at, "
+                               "session_expires_at) VALUES (?,?,?,?,?,?,?,?)",
+                               (session_id, field, tag, fp.count, fp.h1, fp.h2, now, session_expires_at))
+            return HistoryDecision(True, "ok", f"{len(tags)} set(s) in this session's history of the field")
+
+    def recorded(self, session_id: str) -> list[tuple[str, str, int]]:
+        """(field, tag, items) recorded for a session (for tests and the user's view)."""
+        return [(str(r[0]), str(r[1]), int(r[2])) for r in self.db.execute(
+            "SELECT field, tag, n FROM aggregate_sets WHERE session_id = ? ORDER BY recorded_at", (session_id,))]
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.db.close()

@@ -1,0 +1,443 @@
+"""Reads of the Memory Guard past 1,000 items, aggregates that leak nothing individual, and reads
+that decide on metadata before any value is loaded. Real guard on a real Unix socket, real SQLite.
+
+Issue 8 defect 1 (silent cut at max_tag_results), issue 15 defects 3 (aggregate inference) and 8
+(existence through timing)."""
+
+from __future__ import annotations
+
+import base64
+import random
+from typing import Any
+
+import pytest
+from guardkit import NOW, admin_headers, call, grant, guard_config, running_guard, seed, unix_session
+
+from gateway.client import UompClient
+from gateway.config import Paths
+from gateway.core import policy
+from gateway.core.tokens import Scope
+from gateway.guard.store import MemoryItem, MemoryStore
+
+pytestmark = pytest.mark.timeout(120)
+
+AGG = "/v1/memory/aggregate"
+
+
+def item(key: str, value: Any, *tags: str, sensitivity: str = "medium") -> MemoryItem:
+    return MemoryItem(key, value, tuple(tags), sensitivity, "user", NOW, NOW)
+
+
+def bulk(n: int, tag: str = "bulk") -> list[MemoryItem]:
+    return [item(f"b{i:05d}", {"mv": i, "qty": 2}, tag) for i in range(n)]
+
+
+# ------------------------------------------------------------------ issue 8: no silent cut
+
+
+async def test_aggregates_count_and_sum_every_item_past_the_page_limit(home: Paths) -> None:
+    seed(home, bulk(1500))
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": []}, aggregation_only=True))["token"]
+        status, body, _ = await call(s, "GET", f"{AGG}?tag=bulk&op=count", token=tok)
+        assert (status, body) == (200, {"op": "count", "tag": "bulk", "result": 1500})
+        status, body, _ = await call(s, "GET", f"{AGG}?tag=bulk&op=sum&field=value.mv", token=tok)
+        assert (status, body) == (200, {"op": "sum", "field": "value.mv", "result": sum(range(1500))})
+        status, body, _ = await call(s, "GET", f"{AGG}?tag=bulk&op=avg&field=value.mv", token=tok)
+        assert (status, body) == (200, {"op": "avg", "field": "value.mv", "result": sum(range(1500)) / 1500})
+
+
+async def read_all(s: Any, tok: str, tag: str, limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    keys: list[dict[str, Any]] = []
+    pages = 0
+    cursor: str | None = None
+    while True:
+        q = f"/v1/memory?tag={tag}" + (f"&limit={limit}" if limit else "") + (f"&cursor={cursor}" if cursor else "")
+        status, body, _ = await call(s, "GET", q, token=tok)
+        assert status == 200, body
+        assert set(body) == {"items", "next"}
+        pages += 1
+        keys.extend(body["items"])
+        cursor = body["next"]
+        if cursor is None:
+            return keys, pages
+        assert body["items"], "a page with a next cursor is never empty"
+
+
+async def test_tag_read_pages_through_every_item_with_a_next_cursor(home: Paths) -> None:
+    seed(home, bulk(1500))
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": []}, limits={"max_read_queries": 1000}))["token"]
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=bulk", token=tok)
+        # the first page keeps the §10.3 shape, says more follow
+        assert status == 200 and len(body["items"]) == 1000 and isinstance(body["next"], str)
+        items, pages = await read_all(s, tok, "bulk")
+        assert pages == 2 and [i["key"] for i in items] == [f"b{i:05d}" for i in range(1500)]
+        items, pages = await read_all(s, tok, "bulk", limit=128)
+        assert pages == 12 and len({i["key"] for i in items}) == 1500
+
+
+async def test_pages_apply_every_key_rule_in_the_database(home: Paths) -> None:
+    rows = bulk(300)
+    rows[10] = item(rows[10].key, 1, "bulk", "private")          # deny_tags
+    rows[20] = item(rows[20].key, 1, "bulk", sensitivity="high")  # high, not granted by key
+    rows[30] = item(rows[30].key, 1, "bulk", sensitivity="high")  # high, granted by key
+    seed(home, rows)
+    denied = {rows[10].key, rows[20].key, rows[40].key}
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": [rows[30].key], "deny_tags": ["private"],
+                                          "deny_keys": [rows[40].key]}, limits={"max_read_queries": 1000}))["token"]
+        items, _ = await read_all(s, tok, "bulk", limit=7)
+        assert {i["key"] for i in items} == {r.key for r in rows} - denied
+
+
+async def test_page_ends_early_at_the_byte_budget(home: Paths) -> None:
+    seed(home, [item(f"k{i}", "x" * 3000, "big") for i in range(10)])
+    async with running_guard(home, guard_config(tag_page_max_bytes=7000)), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["big"], "keys": []}))["token"]
+        items, pages = await read_all(s, tok, "big")
+        assert len(items) == 10 and pages == 5
+
+
+async def test_cursor_is_opaque_when_keys_are_hidden(home: Paths) -> None:
+    seed(home, bulk(20))
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": []}, allowed_fields=["value"]))["token"]
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=bulk&limit=5", token=tok)
+        assert status == 200 and all(set(i) == {"value"} for i in body["items"])
+        raw = base64.urlsafe_b64decode(body["next"] + "=" * (-len(body["next"]) % 4))
+        assert b"b00004" not in raw and "b00004" not in body["next"]
+
+
+def _flip(cursor: str) -> str:
+    i = len(cursor) // 2
+    return cursor[:i] + ("A" if cursor[i] != "A" else "B") + cursor[i + 1:]
+
+
+CURSOR_ATTACKS = [
+    ("tampered", "flip"),
+    ("other session", "session"),
+    ("other tag", "tag"),
+    ("garbage", "garbage"),
+    ("truncated", "truncated"),
+    ("too long", "long"),
+    ("empty-ish padding", "pad"),
+]
+
+
+@pytest.mark.parametrize(("case", "how"), CURSOR_ATTACKS, ids=[c[0] for c in CURSOR_ATTACKS])
+async def test_cursor_attacks_are_refused(home: Paths, case: str, how: str) -> None:
+    seed(home, bulk(30) + [item(f"o{i}", 1, "other") for i in range(30)])
+    async with running_guard(home), unix_session(home) as s:
+        read = {"tags": ["bulk", "other"], "keys": []}
+        tok = (await grant(s, home, read=read))["token"]
+        tok2 = (await grant(s, home, read=read))["token"]
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=bulk&limit=10", token=tok)
+        cursor = body["next"]
+        tag, who = "bulk", tok
+        if how == "flip":
+            cursor = _flip(cursor)
+        elif how == "session":
+            who = tok2
+        elif how == "tag":
+            tag = "other"
+        elif how == "garbage":
+            cursor = "not-a-cursor"
+        elif how == "truncated":
+            cursor = cursor[:20]
+        elif how == "long":
+            cursor = "A" * 5000
+        elif how == "pad":
+            cursor = "===="
+        status, body, _ = await call(s, "GET", f"/v1/memory?tag={tag}&cursor={cursor}", token=who)
+        assert status == 400 and body["error"]["code"] == "INVALID_REQUEST", body
+        # the allowed partner: the real cursor, same session and tag, gives the next page
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=bulk&limit=10", token=tok)
+        status, body, _ = await call(s, "GET", f"/v1/memory?tag=bulk&cursor={body['next']}", token=tok)
+        assert status == 200 and body["items"][0]["key"] == "b00010"
+
+
+async def test_cursor_expires(home: Paths) -> None:
+    seed(home, bulk(30))
+    async with running_guard(home, guard_config(tag_cursor_lifetime_seconds=0)), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": []}))["token"]
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=bulk&limit=10", token=tok)
+        status, body, _ = await call(s, "GET", f"/v1/memory?tag=bulk&cursor={body['next']}", token=tok)
+        assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "1001", "x", "1.5"], ids=["zero", "negative", "over-max", "word",
+                                                                      "fraction"])
+async def test_bad_page_limits_are_refused(home: Paths, limit: str) -> None:
+    seed(home, bulk(5))
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": []}))["token"]
+        status, body, _ = await call(s, "GET", f"/v1/memory?tag=bulk&limit={limit}", token=tok)
+        assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=bulk&limit=1000", token=tok)
+        assert status == 200 and len(body["items"]) == 5 and body["next"] is None
+
+
+async def test_cursor_survives_a_guard_restart(home: Paths) -> None:
+    seed(home, bulk(30))
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": []}))["token"]
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=bulk&limit=10", token=tok)
+    async with running_guard(home), unix_session(home) as s:
+        status, body, _ = await call(s, "GET", f"/v1/memory?tag=bulk&cursor={body['next']}", token=tok)
+        assert status == 200 and [i["key"] for i in body["items"]] == [f"b{i:05d}" for i in range(10, 20)]
+
+
+async def test_sdk_by_tag_follows_every_page(home: Paths) -> None:
+    seed(home, bulk(1500))
+    async with running_guard(home) as guard, unix_session(home) as s:
+        g = await grant(s, home, read={"tags": ["bulk"], "keys": []}, limits={"max_read_queries": 100})
+        env = {"UOM_TOKEN": g["token"], "UOMP_BASE_URL": f"http://127.0.0.1:{guard.tcp_port}"}
+        async with UompClient.from_env(env) as c:
+            assert [i["key"] for i in await c.by_tag("bulk")] == [f"b{i:05d}" for i in range(1500)]
+            seen = [i["key"] async for i in c.iter_by_tag("bulk", limit=400)]
+            assert len(seen) == 1500
+            page, nxt = await c.by_tag_page("bulk", limit=600)
+            assert len(page) == 600 and nxt is not None
+            page, nxt = await c.by_tag_page("bulk", cursor=nxt)
+            assert page[0]["key"] == "b00600" and len(page) == 600 and nxt is not None
+
+
+def test_sql_key_rules_agree_with_the_policy(home: Paths) -> None:
+    """ReadFilter (SQL) against policy.key_decision (Python) on random items and grants."""
+    from gateway.guard.store import ReadFilter
+
+    rng = random.Random(7)
+    tags = ["t", "a", "b", "c"]
+    rows = []
+    for i in range(300):
+        extra = rng.sample(tags[1:], rng.randint(0, 2))
+        rows.append(item(f"k{i:03d}", i, "t", *extra, sensitivity=rng.choice(["low", "medium", "high"])))
+    store = MemoryStore(home.memory_db)
+    try:
+        store.put_many(rows)
+        for _ in range(40):
+            keys = tuple(r.key for r in rng.sample(rows, 30))
+            scope = Scope(tags=("t",), keys=keys, deny_tags=tuple(rng.sample(tags[1:], rng.randint(0, 2))),
+                          deny_keys=tuple(r.key for r in rng.sample(rows, rng.randint(0, 20))))
+            expected = [r.key for r in rows if policy.key_decision(scope, r.key, list(r.tags), r.sensitivity).allowed]
+            flt = ReadFilter(keys=scope.keys, deny_keys=scope.deny_keys, deny_tags=scope.deny_tags)
+            got, more = store.tag_page("t", flt, after=None, limit=1000, max_bytes=1 << 20)
+            assert [r.key for r in got] == expected and not more
+            assert store.aggregate("t", flt, path=None).count == len(expected)
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------- issue 15.3: aggregate inference
+
+
+def holdings() -> list[MemoryItem]:
+    out = []
+    for i in range(1, 7):   # all = a1..a6, all_but_one = a1..a5
+        out.append(item(f"a{i}", {"mv": 100 * i, "qty": i}, "all", *(("all_but_one",) if i < 6 else ())))
+    for i in range(1, 4):   # three = b1..b3
+        out.append(item(f"b{i}", {"mv": 1000 * i}, "three"))
+    for i in range(1, 8):   # whole = c1..c7, part1 = c1..c3, part2 = c4..c6: whole - part1 - part2 = c7
+        part = ("part1",) if i <= 3 else ("part2",) if i <= 6 else ()
+        out.append(item(f"c{i}", {"mv": 10 * i}, "whole", *part))
+    for i in range(1, 7):   # big = d1..d6, big_half = d1..d3: every group keeps 3 items
+        out.append(item(f"d{i}", {"mv": i}, "big", *(("big_half",) if i <= 3 else ())))
+    for i in range(1, 5):
+        out.append(item(f"g{i}", {"mv": i}, "grow"))
+    return out
+
+
+AGG_TAGS = ["all", "all_but_one", "three", "whole", "part1", "part2", "big", "big_half", "grow"]
+
+
+def q(tag: str, op: str, field: str | None = "value.mv") -> str:
+    return f"{AGG}?tag={tag}&op={op}" + (f"&field={field}" if field and op != "count" else "")
+
+
+# (id, grant options, queries that must be answered, the query that must be refused)
+INFERENCE_ATTACKS: list[tuple[str, dict[str, Any], list[str], str]] = [
+    ("min-by-default", {}, [], q("all", "min")),
+    ("max-by-default", {}, [], q("all", "max")),
+    ("sum-min-max-of-three", {}, [q("three", "sum")], q("three", "min")),
+    ("difference-of-overlapping-tags", {}, [q("all_but_one", "sum")], q("all", "sum")),
+    ("difference-reversed-order", {}, [q("all", "sum")], q("all_but_one", "sum")),
+    ("difference-through-avg", {}, [q("all_but_one", "avg")], q("all", "avg")),
+    ("difference-sum-then-avg", {}, [q("all", "sum")], q("all_but_one", "avg")),
+    ("three-way-combination", {}, [q("whole", "sum"), q("part1", "sum")], q("part2", "sum")),
+    ("three-way-any-order", {}, [q("part1", "sum"), q("part2", "sum")], q("whole", "sum")),
+    ("field-outside-allowed-fields", {"allowed_fields": ["key", "tags"]}, [], q("all", "sum")),
+    ("sibling-of-allowed-subfield", {"allowed_fields": ["value.qty"]}, [q("all", "sum", "value.qty")],
+     q("all", "sum")),
+    ("min-max-grant-is-not-exact", {"aggregate_min_max": True}, [q("all_but_one", "sum")], q("all", "sum")),
+    ("exact-grant-is-not-min-max", {"aggregate_exact": True}, [], q("all", "max")),
+]
+
+# (id, grant options, queries that must all be answered)
+ALLOWED_PARTNERS: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("sum-avg-count-same-set", {}, [q("all", "sum"), q("all", "avg"), q("all", "count"), q("all", "sum")]),
+    ("counts-of-overlapping-tags", {}, [q("all", "count"), q("all_but_one", "count")]),
+    ("groups-of-three-or-more", {}, [q("big", "sum"), q("big_half", "sum"), q("big", "avg")]),
+    ("other-field-is-its-own-history", {}, [q("all_but_one", "sum"), q("all", "sum", "value.qty")]),
+    ("min-max-granted", {"aggregate_min_max": True}, [q("all", "min"), q("all", "max")]),
+    ("exact-granted-difference", {"aggregate_exact": True}, [q("all_but_one", "sum"), q("all", "sum")]),
+    ("exact-granted-three-way", {"aggregate_exact": True}, [q("whole", "sum"), q("part1", "sum"),
+                                                            q("part2", "sum")]),
+    ("allowed-fields-value", {"allowed_fields": ["key", "value"]}, [q("all", "sum")]),
+    ("allowed-fields-subfield", {"allowed_fields": ["value.mv"]}, [q("all", "sum")]),
+    ("count-without-value-field", {"allowed_fields": ["key"]}, [q("all", "count")]),
+]
+
+
+@pytest.mark.parametrize(("case", "options", "before", "attack"), INFERENCE_ATTACKS,
+                         ids=[a[0] for a in INFERENCE_ATTACKS])
+async def test_aggregate_inference_is_refused(home: Paths, case: str, options: dict[str, Any], before: list[str],
+                                              attack: str) -> None:
+    seed(home, holdings())
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregation_only=True, **options))["token"]
+        for path in before:
+            status, body, _ = await call(s, "GET", path, token=tok)
+            assert status == 200, (path, body)
+        status, body, _ = await call(s, "GET", attack, token=tok)
+        assert status == 403 and body["error"]["code"] == "ACCESS_DENIED", body
+        assert "result" not in body
+
+
+@pytest.mark.parametrize(("case", "options", "queries"), ALLOWED_PARTNERS, ids=[a[0] for a in ALLOWED_PARTNERS])
+async def test_aggregate_allowed_partners(home: Paths, case: str, options: dict[str, Any], queries: list[str]) -> None:
+    seed(home, holdings())
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregation_only=True, **options))["token"]
+        for path in queries:
+            status, body, _ = await call(s, "GET", path, token=tok)
+            assert status == 200 and "result" in body, (path, body)
+
+
+CHANGES = [
+    ("item-added", lambda st: st.put(item("g9", {"mv": 7}, "grow"))),
+    ("item-removed", lambda st: st.delete("g1")),
+    ("value-updated", lambda st: st.put(item("g1", {"mv": 55}, "grow"), replace=True)),
+]
+
+
+@pytest.mark.parametrize(("case", "change"), CHANGES, ids=[c[0] for c in CHANGES])
+async def test_aggregate_differencing_over_time_is_refused(home: Paths, case: str, change: Any) -> None:
+    seed(home, holdings())
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregation_only=True))["token"]
+        assert (await call(s, "GET", q("grow", "sum"), token=tok))[0] == 200
+        assert (await call(s, "GET", q("grow", "sum"), token=tok))[0] == 200  # unchanged: the same answer again
+        store = MemoryStore(home.memory_db)
+        try:
+            change(store)
+        finally:
+            store.close()
+        status, body, _ = await call(s, "GET", q("grow", "sum"), token=tok)
+        assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
+        # a fresh session granted by the user starts a new history
+        tok2 = (await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregation_only=True))["token"]
+        assert (await call(s, "GET", q("grow", "sum"), token=tok2))[0] == 200
+
+
+async def test_aggregate_history_survives_a_restart(home: Paths) -> None:
+    seed(home, holdings())
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregation_only=True))["token"]
+        assert (await call(s, "GET", q("all_but_one", "sum"), token=tok))[0] == 200
+    async with running_guard(home), unix_session(home) as s:
+        status, body, _ = await call(s, "GET", q("all", "sum"), token=tok)
+        assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
+
+
+async def test_aggregate_history_is_bounded_per_session(home: Paths) -> None:
+    seed(home, holdings())
+    cfg = guard_config(aggregate_max_sets_per_session=2)
+    async with running_guard(home, cfg), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregation_only=True))["token"]
+        assert (await call(s, "GET", q("big", "sum"), token=tok))[0] == 200
+        assert (await call(s, "GET", q("three", "sum"), token=tok))[0] == 200
+        status, body, _ = await call(s, "GET", q("all", "sum"), token=tok)
+        assert status == 403 and "new session" in body["error"]["message"]
+        assert (await call(s, "GET", q("big", "avg"), token=tok))[0] == 200  # a recorded set stays answerable
+
+
+async def test_the_user_sees_the_aggregate_grant(home: Paths) -> None:
+    seed(home, holdings())
+    async with running_guard(home), unix_session(home) as s:
+        g = await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregate_min_max=True)
+        status, body, _ = await call(s, "GET", f"/v1/sessions/{g['session_id']}", headers=admin_headers(home))
+        assert body["aggregates"] == {"min_max": True, "exact": False}
+        status, body, _ = await call(s, "POST", "/v1/sessions", headers=admin_headers(home), json_body={
+            "agent_id": "x", "requested_scopes": {"read": {"tags": ["all"]}}})
+        status, body, _ = await call(s, "POST", f"/v1/sessions/{body['session_id']}/grant",
+                                     headers=admin_headers(home), json_body={
+                                         "granted_scopes": {"read": {"tags": ["all"]}}, "aggregate_exact": "yes"})
+        assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
+
+
+# ------------------------------------------------------------- issue 15.8: existence and timing
+
+TIMING_ITEMS = [
+    item("big.denied", {"blob": "x" * 900_000}, "vault"),
+    item("big.high", {"blob": "y" * 900_000}, "open", sensitivity="high"),
+    item("big.denytag", {"blob": "z" * 900_000}, "open", "private"),
+    item("small.ok", 1, "open"),
+]
+
+
+@pytest.mark.parametrize("key", ["big.denied", "big.high", "big.denytag", "no.such.key"],
+                         ids=["not-granted", "high-by-tag", "deny-tag", "missing"])
+async def test_a_refused_read_never_loads_the_value(home: Paths, key: str) -> None:
+    seed(home, TIMING_ITEMS)
+    async with running_guard(home) as guard, unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["open"], "keys": [], "deny_tags": ["private"]}))["token"]
+        assert guard.services is not None
+        store = guard.services.store
+        before = store.value_loads
+        status, body, _ = await call(s, "GET", f"/v1/memory/{key}", token=tok)
+        assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
+        assert store.value_loads == before
+        # the allowed partner loads exactly one value
+        assert (await call(s, "GET", "/v1/memory/small.ok", token=tok))[0] == 200
+        assert store.value_loads == before + 1
+
+
+async def test_denied_and_missing_answer_alike(home: Paths) -> None:
+    seed(home, TIMING_ITEMS)
+    async with running_guard(home), unix_session(home) as s:
+        tok = (await grant(s, home, read={"tags": ["open"], "keys": []}))["token"]
+        answers = [await call(s, "GET", f"/v1/memory/{k}", token=tok) for k in ("big.denied", "no.such.key")]
+        assert answers[0][1] == answers[1][1] and answers[0][0] == answers[1][0] == 403
+
+
+def test_metadata_reads_use_only_the_covering_index(home: Paths) -> None:
+    from gateway.guard import store as store_mod
+
+    st = MemoryStore(home.memory_db)
+    try:
+        with st._guard() as conn:
+            plan = " ".join(str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + store_mod._SQL_META, ("k",)))
+        assert "COVERING INDEX items_meta" in plan
+    finally:
+        st.close()
+
+
+def test_a_version_1_store_gains_the_metadata_index(home: Paths) -> None:
+    import sqlite3
+
+    st = MemoryStore(home.memory_db)
+    st.put(item("a", 1, "t"))
+    st.close()
+    conn = sqlite3.connect(home.memory_db)
+    conn.execute("DROP INDEX items_meta")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    st = MemoryStore(home.memory_db, create=False)
+    try:
+        meta = st.get_meta("a")
+        assert meta is not None and meta.tags == ("t",)
+        assert st.get("a") is not None
+    finally:
+        st.close()
