@@ -441,3 +441,82 @@ def test_a_version_1_store_gains_the_metadata_index(home: Paths) -> None:
         assert st.get("a") is not None
     finally:
         st.close()
+
+
+def test_cursor_unit_cases() -> None:
+    """Sealing and opening, pure: bound to session, agent and tag; a long non-ASCII key fits."""
+    from gateway.core import paging
+    from gateway.errors import UompError
+
+    key = paging.new_key()
+    long_key = "ключ" * 64  # 256 characters, 512 bytes of UTF-8
+    c = paging.seal(key, session_id="s1", agent_id="a1", tag="t", after=long_key, limit=10, expires_at=2000)
+    assert len(c) <= paging.MAX_CURSOR_CHARS
+    assert paging.open_cursor(key, c, session_id="s1", agent_id="a1", tag="t", now=1000) == paging.CursorState(
+        long_key, 10)
+    for kwargs in ({"session_id": "s2"}, {"agent_id": "a2"}, {"tag": "u"}):
+        args = {"session_id": "s1", "agent_id": "a1", "tag": "t", **kwargs}
+        with pytest.raises(UompError) as err:
+            paging.open_cursor(key, c, now=1000, **args)
+        assert err.value.code == "INVALID_REQUEST" and long_key not in err.value.message
+    with pytest.raises(UompError):
+        paging.open_cursor(paging.new_key(), c, session_id="s1", agent_id="a1", tag="t", now=1000)
+    with pytest.raises(UompError):
+        paging.open_cursor(key, c + "!", session_id="s1", agent_id="a1", tag="t", now=1000)
+    with pytest.raises(UompError) as err:
+        paging.open_cursor(key, c, session_id="s1", agent_id="a1", tag="t", now=2000)
+    assert "expired" in err.value.message
+
+
+async def test_paging_through_the_gateway_over_mtls(home: Paths) -> None:
+    """The whole path: TLS 1.3 + client certificate, the gateway forwards cursor and limit."""
+    from gatewaykit import agent_call, agent_session, appliance
+
+    async with appliance(home) as app:
+        seed(home, bulk(1500))
+        alice, bob = app.agent("alice_agent"), app.agent("bob_agent")
+        read = {"tags": ["bulk"], "keys": []}
+        tok_a = (await app.grant(alice, read=read))["token"]
+        tok_b = (await app.grant(bob, read=read))["token"]
+        async with agent_session(alice, home) as sa, agent_session(bob, home) as sb:
+            keys: list[str] = []
+            cursor = None
+            while True:
+                path = "/v1/memory?tag=bulk&limit=600" + (f"&cursor={cursor}" if cursor else "")
+                status, body, _ = await agent_call(sa, app.base, path, token=tok_a, agent_id="alice_agent")
+                assert status == 200, body
+                keys += [i["key"] for i in body["items"]]
+                if body["next"] is None:
+                    break
+                cursor = body["next"]
+                # another agent replaying alice's cursor through the gateway is refused
+                status, body, _ = await agent_call(sb, app.base, f"/v1/memory?tag=bulk&cursor={cursor}",
+                                                   token=tok_b, agent_id="bob_agent")
+                assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
+            assert keys == [f"b{i:05d}" for i in range(1500)]
+
+
+@pytest.mark.parametrize(("flags", "max_status", "shown"), [
+    ((), 403, "no min/max"),
+    (("--aggregate-min-max",), 200, "MIN/MAX GRANTED"),
+    (("--aggregate-exact",), 403, "EXACT AGGREGATES GRANTED"),
+], ids=["default", "min-max", "exact-only"])
+async def test_uomp_authorize_grants_and_shows_aggregate_flags(home: Paths, tmp_path: Any,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               flags: tuple[str, ...], max_status: int,
+                                                               shown: str) -> None:
+    import json
+
+    from gateway.cli.main import main
+
+    seed(home, holdings())
+    doc = {"uomp_version": "1.0", "agent": {"id": "calc_agent", "name": "Calc", "version": "1.0.0"},
+           "requested_scopes": {"read": {"tags": ["all"], "keys": []}}}
+    (tmp_path / "uom.json").write_text(json.dumps(doc))
+    assert main(["--home", str(home.home), "authorize", str(tmp_path), "--yes", "--print", *flags]) == 0
+    out = capsys.readouterr().out
+    assert shown in out
+    token = next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("export UOM_TOKEN="))
+    async with running_guard(home), unix_session(home) as s:
+        status, body, _ = await call(s, "GET", q("all", "max"), token=token)
+        assert status == max_status, body

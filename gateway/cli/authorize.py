@@ -241,6 +241,17 @@ def _show_session(seconds: float, args: argparse.Namespace, cfg: GuardConfig) ->
               f"token of {minutes_text(refresh / 60)}, itself renewed on each use, never past the session end")
 
 
+def _show_aggregates(args: argparse.Namespace) -> None:
+    """The aggregate grants (docs/aggregates.md), said plainly before the user confirms."""
+    if args.aggregate_min_max:
+        _warn("MIN/MAX GRANTED: each min or max answer is the exact value of one of your items")
+    if args.aggregate_exact:
+        _warn("EXACT AGGREGATES GRANTED: comparing sums over overlapping tags, or over time, can reveal "
+              "single values")
+    if not (args.aggregate_min_max or args.aggregate_exact):
+        print("Aggregates: sum/avg/count protected against isolating single values; no min/max")
+
+
 def _confirm(args: argparse.Namespace) -> None:
     if args.yes:
         return
@@ -288,6 +299,7 @@ def _authorize(args: argparse.Namespace) -> int:
     _show_grant(plan, args)
     seconds = _session_seconds(args, cfg)
     _show_session(seconds, args, cfg)
+    _show_aggregates(args)
     if m.requires_remote and not args.remote:
         if not args.allow_local:
             raise UompError("INVALID_REQUEST", "this agent declares requires_remote: true (it runs on another "
@@ -313,7 +325,8 @@ def _authorize(args: argparse.Namespace) -> int:
                                                "proof_required": m.retention.proof_required}
         session = auth.create_session(create)
         grant: dict[str, Any] = {"granted_scopes": {"read": plan.scope.to_claim()}, "widen": bool(plan.widened),
-                                 "aggregation_only": plan.aggregation_only, "task_bound": args.task_bound}
+                                 "aggregation_only": plan.aggregation_only, "task_bound": args.task_bound,
+                                 "aggregate_min_max": args.aggregate_min_max, "aggregate_exact": args.aggregate_exact}
         if plan.allowed_fields is not None:
             grant["allowed_fields"] = list(plan.allowed_fields)
         if args.max_reads is not None:
@@ -401,6 +414,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--widen", action="store_true", help="allow --tag/--key beyond what the agent requested")
     p.add_argument("--allowed-field", action="append", help="return only these item fields (repeatable)")
     p.add_argument("--aggregation-only", action="store_true", help="only sum/avg/count/min/max, never items")
+    p.add_argument("--aggregate-min-max", action="store_true",
+                   help="also answer min/max aggregates (each reveals one item's value)")
+    p.add_argument("--aggregate-exact", action="store_true", help="answer sums/averages without the check that "
+                   "stops comparing aggregates from isolating single values (docs/aggregates.md)")
     p.add_argument("--task-bound", action="store_true", help="one task; the session closes on its deletion proof")
     p.add_argument("--max-reads", type=int, help="read query quota (default 100)")
     p.add_argument("--require-verified", action="store_true",

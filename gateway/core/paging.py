@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
+import struct
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -30,7 +30,9 @@ from gateway.errors import UompError
 CURSOR_VERSION = 1
 KEY_BYTES = 32
 NONCE_BYTES = 12
-MAX_CURSOR_CHARS = 1024
+# version + nonce + (limit, expiry) + a 256-character key in UTF-8 (<= 1024 bytes) + tag, in base64url
+MAX_CURSOR_CHARS = 1600
+_HEAD = struct.Struct(">IQ")  # limit, expiry (seconds since the epoch)
 _AAD_PREFIX = b"uomp-tag-cursor-v1\x00"
 INVALID_CURSOR = "cursor is not valid for this session and tag; start the read again without it"
 EXPIRED_CURSOR = "cursor has expired; start the read again without it"
@@ -52,7 +54,7 @@ def _aad(session_id: str, agent_id: str, tag: str) -> bytes:
 
 def seal(key: bytes, *, session_id: str, agent_id: str, tag: str, after: str, limit: int, expires_at: int) -> str:
     nonce = os.urandom(NONCE_BYTES)
-    payload = json.dumps({"k": after, "l": limit, "e": int(expires_at)}, separators=(",", ":")).encode()
+    payload = _HEAD.pack(limit, max(0, int(expires_at))) + after.encode("utf-8")
     box = AESGCM(key).encrypt(nonce, payload, _aad(session_id, agent_id, tag))
     return base64.urlsafe_b64encode(bytes([CURSOR_VERSION]) + nonce + box).rstrip(b"=").decode("ascii")
 
@@ -64,20 +66,17 @@ def open_cursor(key: bytes, cursor: str, *, session_id: str, agent_id: str, tag:
     if not isinstance(cursor, str) or not 0 < len(cursor) <= MAX_CURSOR_CHARS:
         raise bad
     try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        raw = base64.b64decode(cursor + "=" * (-len(cursor) % 4), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError) as exc:
         raise bad from exc
     if len(raw) < 1 + NONCE_BYTES + 16 or raw[0] != CURSOR_VERSION:
         raise bad
     try:
         payload = AESGCM(key).decrypt(raw[1:1 + NONCE_BYTES], raw[1 + NONCE_BYTES:], _aad(session_id, agent_id, tag))
-        state = json.loads(payload)
-    except (InvalidTag, ValueError) as exc:
+        limit, expires = _HEAD.unpack_from(payload)
+        after = payload[_HEAD.size:].decode("utf-8")
+    except (InvalidTag, struct.error, UnicodeDecodeError) as exc:
         raise bad from exc
-    after, limit, expires = (state.get("k"), state.get("l"), state.get("e")) if isinstance(state, dict) else (
-        None, None, None)
-    if not isinstance(after, str) or not isinstance(limit, int) or not isinstance(expires, int):
-        raise bad
     if now >= expires:
         raise UompError("INVALID_REQUEST", EXPIRED_CURSOR, session_id=session_id)
     return CursorState(after, limit)
