@@ -520,3 +520,88 @@ async def test_uomp_authorize_grants_and_shows_aggregate_flags(home: Paths, tmp_
     async with running_guard(home), unix_session(home) as s:
         status, body, _ = await call(s, "GET", q("all", "max"), token=token)
         assert status == max_status, body
+
+
+# ----------------------------------------------------------------- the rules, pure
+
+
+@pytest.mark.parametrize(("field", "allowed", "ok"), [
+    ("value.mv", None, True),
+    ("value.mv", ["value"], True),
+    ("value.mv", ["key", "value"], True),
+    ("value.mv", ["value.mv"], True),
+    ("value.mv.x", ["value.mv"], True),
+    ("value.mvx", ["value.mv"], False),
+    ("value", ["value.mv"], False),
+    ("value.qty", ["value.mv"], False),
+    ("value.mv", ["key", "tags", "sensitivity"], False),
+    ("value.mv", [], False),
+    ("value.mv", ["mv"], False),
+], ids=lambda x: str(x))
+def test_allowed_fields_bound_aggregated_fields(field: str, allowed: list[str] | None, ok: bool) -> None:
+    assert policy.aggregate_field_allowed(field, allowed) is ok
+
+
+def _rank(rows: list[list[int]]) -> int:
+    from fractions import Fraction
+
+    m = [[Fraction(x) for x in r] for r in rows]
+    rank, cols = 0, len(m[0]) if m else 0
+    for col in range(cols):
+        pivot = next((r for r in range(rank, len(m)) if m[r][col] != 0), None)
+        if pivot is None:
+            continue
+        m[rank], m[pivot] = m[pivot], m[rank]
+        for r in range(len(m)):
+            if r != rank and m[r][col] != 0:
+                f = m[r][col] / m[rank][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[rank], strict=True)]
+        rank += 1
+    return rank
+
+
+def test_history_rule_never_lets_a_combination_isolate_a_small_group() -> None:
+    """The theorem behind check_atoms, checked by brute force: over random tags on 10 items, after
+    every accepted sequence of sums, no vector in the span of the answered sets is supported on fewer
+    than k items (so no linear combination of answers says anything about 1 or 2 items alone)."""
+    import itertools
+
+    rng = random.Random(11)
+    n, k = 10, 3
+    for _ in range(150):
+        tags = {f"t{j}": {i for i in range(n) if rng.random() < 0.55} for j in range(6)}
+        recorded: dict[str, policy.Fingerprint] = {}
+        answered: list[set[int]] = []
+        for _ in range(6):
+            tag = rng.choice(sorted(tags))
+            order = [t for t in recorded if t != tag] + [tag]
+            groups: dict[int, list[int]] = {}
+            for i in range(n):
+                pattern = sum(1 << j for j, t in enumerate(order) if i in tags[t])
+                if pattern:
+                    groups.setdefault(pattern, []).append(i)
+            atoms = [(p, len(m), sum(m), 0) for p, m in groups.items()]
+            if len(tags[tag]) < k:
+                continue  # aggregate_min_items refuses it first
+            check = policy.check_atoms(recorded, order, atoms, min_group=k)
+            if not check.ok:
+                continue
+            recorded[tag] = check.fingerprints[tag]
+            answered.append(tags[tag])
+        if not answered:
+            continue
+        rows = [[1 if i in s else 0 for i in range(n)] for s in answered]
+        base = _rank(rows)
+        for size in range(1, k):
+            for support in itertools.combinations(range(n), size):
+                unit = [[1 if i == s else 0 for i in range(n)] for s in support]
+                assert _rank(rows + unit) == base + size, (answered, support)
+
+
+def test_a_changed_set_is_seen_by_its_fingerprint() -> None:
+    then = policy.check_atoms({}, ["t"], [(1, 4, 100, 7)], min_group=3)
+    assert then.ok
+    recorded = {"t": then.fingerprints["t"]}
+    assert policy.check_atoms(recorded, ["t"], [(1, 4, 100, 7)], min_group=3).ok
+    for changed in [(1, 5, 130, 9), (1, 4, 101, 7), (1, 4, 100, 8)]:
+        assert not policy.check_atoms(recorded, ["t"], [changed], min_group=3).ok
