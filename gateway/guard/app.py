@@ -23,8 +23,9 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,7 +40,7 @@ from gateway.errors import UompError
 from gateway.guard.audit import AuditLog
 from gateway.guard.auth import AuthService, SessionRow
 from gateway.guard.db import DbWorker
-from gateway.guard.reads import ReadState
+from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
 from gateway.guard.store import AggregateRow, MemoryStore, ReadFilter, json_path
 
 log = logging.getLogger("uomp.guard")
@@ -321,6 +322,14 @@ async def get_key(request: web.Request) -> web.Response:
     return await call.respond(policy.filter_fields(item.to_dict(), cap.allowed_fields))
 
 
+def _exact_sum(parts: Iterable[int | float]) -> int | float:
+    """Integers summed exactly; any float makes it a correctly rounded float sum."""
+    values = list(parts)
+    if all(isinstance(v, int) for v in values):
+        return sum(values)
+    return math.fsum(values)
+
+
 def _read_filter(cap: Capability) -> ReadFilter:
     return ReadFilter(keys=cap.read.keys, deny_keys=cap.read.deny_keys, deny_tags=cap.read.deny_tags)
 
@@ -420,21 +429,35 @@ async def aggregate(request: web.Request) -> web.Response:
     tracked = op in ("sum", "avg") and not grant.exact
 
     def compute() -> tuple[policy.AggregateResult, str | None, str | None]:
-        store = svc.store
-        with store.read_snapshot():  # the answer and the history check see the same items
+        store, reads = svc.store, svc.reads
+        if not tracked:
             agg: AggregateRow = store.aggregate(tag, flt, path=path)
-            res = policy.aggregate_result(op=op, field_path=field, tag=tag, count=agg.count, total=agg.total,
-                                          minimum=agg.minimum, maximum=agg.maximum, min_items=min_items)
-            if not res.ok or not tracked:
+            return policy.aggregate_result(op=op, field_path=field, tag=tag, count=agg.count, total=agg.total,
+                                           minimum=agg.minimum, maximum=agg.maximum, min_items=min_items), None, None
+        assert path is not None and field is not None
+        # One pass answers and checks: the overlap groups of the session's tags of this field (the new
+        # tag last) carry their sums; the answer, the check and the record see the same items.
+        with store.read_snapshot(), reads.history(cap.session_id, field) as history:
+            full = history.full_for(tag, max_tags=62)
+            if full is not None:
+                return policy.AggregateResult(True, {}, 0, ""), full.reason, full.detail
+            tags = history.tags_with(tag)
+            atoms = store.atoms(tags, flt, path=path, keys=reads.keys4(), max_atoms=svc.cfg.aggregate_max_groups)
+            if atoms is None:
+                return policy.AggregateResult(True, {}, 0, ""), TOO_MANY_GROUPS, "too many overlap groups"
+            bit = 1 << (len(tags) - 1)
+            mine = [a for a in atoms if a.pattern & bit]
+            res = policy.aggregate_result(op=op, field_path=field, tag=tag, count=sum(a.count for a in mine),
+                                          total=_exact_sum(a.total for a in mine), min_items=min_items)
+            if not res.ok:
                 return res, None, None
-            assert path is not None and field is not None
-            keys = svc.reads.keys4()
-            hd = svc.reads.check_and_record(
-                session_id=cap.session_id, session_expires_at=row.expires_at, field=field, tag=tag,
-                min_group=max(svc.cfg.aggregate_min_group, min_items), max_tags=62,
-                atoms=lambda tags: store.atoms(tags, flt, path=path, keys=keys,
-                                               max_atoms=svc.cfg.aggregate_max_groups))
-            return res, (None if hd.ok else hd.reason), hd.detail
+            verdict, check = history.check(tags, atoms, min_group=max(svc.cfg.aggregate_min_group, min_items))
+            if not verdict.ok:
+                return res, verdict.reason, verdict.detail
+            saved = history.record(tag, check.fingerprints[tag], session_expires_at=row.expires_at)
+            if not saved.ok:
+                return res, saved.reason, saved.detail
+            return res, None, verdict.detail
 
     res, refused, detail = await asyncio.to_thread(compute)
     if not res.ok:

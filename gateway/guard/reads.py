@@ -66,6 +66,47 @@ CHANGED = ("aggregate refused: the items behind an earlier aggregate of this fie
 TOO_MANY_GROUPS = "aggregate refused: the tags aggregated in this session overlap in too many ways"
 
 
+@dataclass
+class History:
+    """One session's recorded sets for one field (see :meth:`ReadState.history`)."""
+
+    state: ReadState
+    session_id: str
+    field: str
+    recorded: dict[str, Fingerprint]
+    in_session: int  # recorded sets of the session, all fields
+
+    def tags_with(self, tag: str) -> list[str]:
+        """The recorded tags and ``tag``, ``tag`` last (bit j of an atom's pattern = j-th tag)."""
+        return [t for t in self.recorded if t != tag] + [tag]
+
+    def full_for(self, tag: str, *, max_tags: int) -> HistoryDecision | None:
+        """A refusal when recording one more set would pass a bound; None otherwise."""
+        if tag in self.recorded:
+            return None
+        if self.in_session >= self.state.max_sets_per_session or len(self.recorded) + 1 > max_tags:
+            return HistoryDecision(False, HISTORY_FULL, f"{self.in_session} sets already recorded")
+        return None
+
+    def check(self, tags: Sequence[str], atoms: Sequence[Atom], *, min_group: int) -> tuple[HistoryDecision, AtomCheck]:
+        check = check_atoms(self.recorded, tags, ((a.pattern, a.count, a.h1, a.h2) for a in atoms),
+                            min_group=min_group)
+        if check.ok:
+            return HistoryDecision(True, "ok", f"{len(tags)} set(s) in this session's history of the field"), check
+        reason = CHANGED if "changed" in check.detail else WOULD_ISOLATE
+        return HistoryDecision(False, reason, check.detail), check
+
+    def record(self, tag: str, fp: Fingerprint, *, session_expires_at: float) -> HistoryDecision:
+        """Durably record ``tag``'s set (no-op when already recorded: its fingerprint was checked)."""
+        if tag in self.recorded:
+            return HistoryDecision(True, "ok", "already recorded")
+        out = self.state._record(self, tag, fp, session_expires_at)
+        if out.ok:
+            self.recorded[tag] = fp
+            self.in_session += 1
+        return out
+
+
 class ReadState:
     def __init__(self, path: Path, *, max_sets_per_session: int, max_rows: int,
                  clock: Callable[[], float] = time.time) -> None:
@@ -98,11 +139,10 @@ class ReadState:
         a, b, c, d = self.fingerprint_keys
         return a, b, c, d
 
-    def check_and_record(self, *, session_id: str, session_expires_at: float, field: str, tag: str,
-                         min_group: int, max_tags: int,
-                         atoms: Callable[[Sequence[str]], list[Atom] | None]) -> HistoryDecision:
-        """Check one aggregate of ``field`` over ``tag`` against the session's history and, when it
-        passes, record it (durably) before returning. ``atoms(tags)`` asks the store."""
+    @contextlib.contextmanager
+    def history(self, session_id: str, field: str) -> Iterator[History]:
+        """The session's aggregate history of ``field``, held under the lock until the block ends:
+        check against it, then :meth:`History.record`, with no other aggregate in between."""
         with self._lock:
             try:
                 rows = self.db.execute(
@@ -113,30 +153,19 @@ class ReadState:
             except sqlite3.Error as exc:
                 raise UompError("STORE_UNAVAILABLE", f"the {WHAT} is unavailable") from exc
             recorded = {str(r[0]): Fingerprint(int(r[1]), int(r[2]), int(r[3])) for r in rows}
-            is_new = tag not in recorded
-            if is_new and (in_session >= self.max_sets_per_session or len(recorded) + 1 > max_tags):
-                return HistoryDecision(False, HISTORY_FULL, f"{in_session} sets already recorded")
-            tags = [t for t in recorded if t != tag] + [tag]
-            found = atoms(tags)
-            if found is None:
-                return HistoryDecision(False, TOO_MANY_GROUPS, "too many atoms")
-            check: AtomCheck = check_atoms(recorded, tags, ((a.pattern, a.count, a.h1, a.h2) for a in found),
-                                           min_group=min_group)
-            if not check.ok:
-                reason = CHANGED if "changed" in check.detail else WOULD_ISOLATE
-                return HistoryDecision(False, reason, check.detail)
-            if is_new:
-                fp = check.fingerprints[tag]
-                now = self.clock()
-                with self._tx() as db:
-                    db.execute("DELETE FROM aggregate_sets WHERE session_expires_at < ?", (now,))
-                    total = int(db.execute("SELECT count(*) FROM aggregate_sets").fetchone()[0])
-                    if total >= self.max_rows:
-                        return HistoryDecision(False, HISTORY_STORE_FULL, f"{total} rows recorded")
-                    db.execute("INSERT INTO aggregate_sets (session_id, field, tag, n, h1, h2, recorded_at, "
-                               "session_expires_at) VALUES (?,?,?,?,?,?,?,?)",
-                               (session_id, field, tag, fp.count, fp.h1, fp.h2, now, session_expires_at))
-            return HistoryDecision(True, "ok", f"{len(tags)} set(s) in this session's history of the field")
+            yield History(self, session_id, field, recorded, in_session)
+
+    def _record(self, h: History, tag: str, fp: Fingerprint, session_expires_at: float) -> HistoryDecision:
+        now = self.clock()
+        with self._tx() as db:
+            db.execute("DELETE FROM aggregate_sets WHERE session_expires_at < ?", (now,))
+            total = int(db.execute("SELECT count(*) FROM aggregate_sets").fetchone()[0])
+            if total >= self.max_rows:
+                return HistoryDecision(False, HISTORY_STORE_FULL, f"{total} rows recorded")
+            db.execute("INSERT INTO aggregate_sets (session_id, field, tag, n, h1, h2, recorded_at, "
+                       "session_expires_at) VALUES (?,?,?,?,?,?,?,?)",
+                       (h.session_id, h.field, tag, fp.count, fp.h1, fp.h2, now, session_expires_at))
+        return HistoryDecision(True, "ok", "recorded")
 
     def recorded(self, session_id: str) -> list[tuple[str, str, int]]:
         """(field, tag, items) recorded for a session (for tests and the user's view)."""

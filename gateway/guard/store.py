@@ -127,7 +127,7 @@ _SQL_ATOMS_HEAD = (
     "WITH q AS (SELECT key AS bit, value AS tag FROM json_each(:tags)), "
     "m AS (SELECT t.item_key AS k, sum(1 << q.bit) AS pattern FROM q JOIN item_tags t ON t.tag = q.tag "
     "GROUP BY t.item_key) "
-    f"SELECT m.pattern, count(*), sum(((i.rowid % {_P}) * :a + :b) % {_P}), "
+    f"SELECT m.pattern, count(*), sum(((i.rowid % {_P}) * :a + :b) % {_P}), @TOTAL@, "
     f"sum((((CAST(json_extract(i.value, :path) * 1000000 AS INTEGER) % {_P}) + {_P}) % {_P} "
     f"* (((i.rowid % {_P}) * :c + :d) % {_P})) % {_P}) "
     "FROM m JOIN items i ON i.key = m.k WHERE json_type(i.value, :path) IN ('integer', 'real')")
@@ -413,12 +413,14 @@ class AggregateRow:
 class Atom:
     """One group of items that the same tags of an aggregate history select: ``pattern`` has bit j
     set for the j-th tag. ``h1``/``h2`` are keyed sums over the members (their row ids, and row ids
-    with the field's value) that change when membership or a value changes."""
+    with the field's value) that change when membership or a value changes; ``total`` is the sum
+    of the members' values at the field (the aggregate is answered from the same pass)."""
 
     pattern: int
     count: int
     h1: int
     h2: int
+    total: int | float = 0
 
 
 # A prime below 2**31: every product in the keyed sums stays below 2**62 (SQLite integers).
@@ -833,11 +835,18 @@ class MemoryStore:
         a, b, c, d = keys
         params.update({"tags": json.dumps(list(tags)), "path": path, "a": a, "b": b, "c": c, "d": d,
                        "max": max_atoms + 1})
+        sql = _SQL_ATOMS_HEAD + " AND " + where + _SQL_ATOMS_TAIL  # fixed text only
         with self._guard() as conn:
-            rows = conn.execute(_SQL_ATOMS_HEAD + " AND " + where + _SQL_ATOMS_TAIL, params).fetchall()
+            try:
+                rows = conn.execute(sql.replace("@TOTAL@", "sum(json_extract(i.value, :path))"), params).fetchall()
+            except sqlite3.OperationalError as exc:
+                if "overflow" not in str(exc).lower():
+                    raise
+                rows = conn.execute(sql.replace("@TOTAL@", "total(json_extract(i.value, :path))"),
+                                    params).fetchall()
         if len(rows) > max_atoms:
             return None
-        return [Atom(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows]
+        return [Atom(int(r[0]), int(r[1]), int(r[2]), int(r[4]), r[3]) for r in rows]
 
     def by_tag(self, tag: str, *, limit: int = 1000) -> _ItemList:
         """Items carrying ``tag``, ordered by key (an index range scan on item_tags)."""
