@@ -7,9 +7,9 @@ What it does, on a throwaway UOMP_HOME under /tmp:
 1. seeds ``--items`` items under the tag ``bulk`` (``{"mv": i % 1000, "qty": 2}``; every other item
    also carries ``odd``) through the store's bulk writer, one transaction;
 2. **in this process, the store alone**: ``MemoryStore.aggregate`` (count, sum) and the history
-   check's overlap query (``MemoryStore.atoms``, one and two tags), then a walk through every item
-   with ``MemoryStore.tag_page`` (``--page`` items per page), each under ``tracemalloc`` (peak of
-   Python allocations) with the process RSS before and after;
+   check's overlap query, which also answers tracked sums (``MemoryStore.atoms``, one and two
+   tags), then a walk through every item with ``MemoryStore.tag_page`` (``--page`` items per page),
+   each under ``tracemalloc`` (peak of Python allocations) with the process RSS before and after;
 3. **end to end**: the guard (``GuardRunner``) in a child process, a session granted through the
    admin API, then over its Unix socket ``GET /v1/memory/aggregate`` count, sum (protected: the
    session's aggregate history is checked and recorded), sum again, and every page of
@@ -87,10 +87,10 @@ def store_alone(paths: Any, n: int, page: int) -> None:
         row = measured("sum of value.mv (SQL)", lambda: store.aggregate("bulk", flt, path='$."mv"'))
         print(f"    count {row.count:,}, sum {row.total:,}")
         keys = (12345, 678, 91011, 1213)
-        atoms = measured("history check, 1 tag (overlap groups)",
+        atoms = measured("sum + history check, 1 tag (one pass)",
                          lambda: store.atoms(["bulk"], flt, path='$."mv"', keys=keys, max_atoms=4096))
         assert atoms is not None and len(atoms) == 1
-        atoms = measured("history check, 2 tags (overlap groups)",
+        atoms = measured("sum + history check, 2 tags (one pass)",
                          lambda: store.atoms(["bulk", "odd"], flt, path='$."mv"', keys=keys, max_atoms=4096))
         assert atoms is not None and len(atoms) == 2
 
