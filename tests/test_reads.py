@@ -605,3 +605,24 @@ def test_a_changed_set_is_seen_by_its_fingerprint() -> None:
     assert policy.check_atoms(recorded, ["t"], [(1, 4, 100, 7)], min_group=3).ok
     for changed in [(1, 5, 130, 9), (1, 4, 101, 7), (1, 4, 100, 8)]:
         assert not policy.check_atoms(recorded, ["t"], [changed], min_group=3).ok
+
+
+def test_a_long_scan_does_not_hold_up_reads_by_key(home: Paths) -> None:
+    """Scans run on their own connection: while one holds a read snapshot, key reads and writes from
+    another thread go through (they would wait for the scan if both shared the store's lock)."""
+    import concurrent.futures
+
+    from gateway.guard.store import ReadFilter
+
+    st = MemoryStore(home.memory_db)
+    try:
+        st.put_many(bulk(50))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, st.read_snapshot():
+            assert st.aggregate("bulk", ReadFilter(), path=None).count == 50
+            got = pool.submit(lambda: (st.get_meta("b00001"), st.get("b00002"), st.put(item("new", 1, "bulk"))))
+            meta, value, _ = got.result(timeout=30)
+            assert meta is not None and value is not None
+            assert st.aggregate("bulk", ReadFilter(), path=None).count == 50  # the snapshot holds
+        assert st.aggregate("bulk", ReadFilter(), path=None).count == 51
+    finally:
+        st.close()

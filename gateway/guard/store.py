@@ -20,7 +20,9 @@ Durability and concurrency: WAL journal (readers never wait for the writer), ``s
 (a write that returned is on disk), a busy timeout so a second writer waits a few seconds before
 giving up, ``secure_delete`` so a deleted item's bytes are overwritten in the file. The file is
 created 0600; SQLite gives its ``-wal``/``-shm`` companions the same mode. One connection per store,
-usable from any thread (``check_same_thread=False``), serialised by a lock.
+usable from any thread (``check_same_thread=False``), serialised by a lock; long reads (tag pages,
+aggregates) use a second, query-only connection with its own lock, so a scan of a million items
+never holds up a read by key or a write.
 
 Failures: every ``sqlite3`` error (file missing with ``create=False``, locked past the timeout,
 not a database, corrupt, disk full, I/O error, closed) becomes
@@ -615,6 +617,9 @@ class MemoryStore:
         self._closed = False
         self._bulk: BulkWriter | None = None
         self.value_loads = 0  # calls that read an item's value by key (see get_meta)
+        self._busy_timeout = busy_timeout
+        self._scan_lock = threading.RLock()
+        self._scanner: sqlite3.Connection | None = None
         if not create and not self.path.exists():
             raise UompError("STORE_UNAVAILABLE", "the memory store file does not exist",
                             details={"reason": "MISSING"})
@@ -718,6 +723,27 @@ class MemoryStore:
                 raise _unavailable(exc) from exc
 
     @contextlib.contextmanager
+    def _scan(self) -> Iterator[sqlite3.Connection]:
+        """A second, read-only connection for long reads (tag pages, aggregates), opened on first
+        use: a scan over a million items holds it for seconds while key reads and writes go on on
+        the main connection (WAL: readers never wait for the writer, nor it for them)."""
+        with self._scan_lock:
+            try:
+                if self._closed:
+                    raise sqlite3.ProgrammingError("closed")
+                if self._scanner is None:
+                    uri = self.path.resolve().as_uri() + "?mode=rw"
+                    conn = sqlite3.connect(uri, uri=True, timeout=self._busy_timeout, isolation_level=None,
+                                           check_same_thread=False)
+                    conn.execute(f"PRAGMA busy_timeout = {max(0, int(self._busy_timeout * 1000))}")
+                    conn.execute("PRAGMA query_only = ON")
+                    conn.execute("PRAGMA trusted_schema = OFF")
+                    self._scanner = conn
+                yield self._scanner
+            except (sqlite3.Error, OSError) as exc:
+                raise _unavailable(exc) from exc
+
+    @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction: committed on success, rolled back on any exception."""
         with self._guard() as conn:
@@ -750,8 +776,8 @@ class MemoryStore:
 
     @contextlib.contextmanager
     def read_snapshot(self) -> Iterator[None]:
-        """Hold the store (lock + one read transaction): every read inside sees the same state."""
-        with self._guard() as conn:
+        """One read transaction on the scan connection: every scan inside sees the same state."""
+        with self._scan() as conn:
             conn.execute("BEGIN")
             try:
                 yield
@@ -788,7 +814,7 @@ class MemoryStore:
         out: _ItemList = []
         size = 0
         more = False
-        with self._guard() as conn:
+        with self._scan() as conn:
             cur = conn.execute(sql, params)
             try:
                 for row in cur:
@@ -810,12 +836,12 @@ class MemoryStore:
         where, params = flt.sql()
         params["tag"] = tag
         if path is None:
-            with self._guard() as conn:
+            with self._scan() as conn:
                 n = conn.execute(_SQL_AGG_FROM + " AND " + where, params).fetchone()[0]  # fixed text
             return AggregateRow(int(n))
         params["path"] = path
         body = _SQL_AGG_NUM_FROM + " AND " + where + ")"
-        with self._guard() as conn:
+        with self._scan() as conn:
             try:
                 row = conn.execute("SELECT count(*), sum(x), min(x), max(x) " + body, params).fetchone()
             except sqlite3.OperationalError as exc:
@@ -836,7 +862,7 @@ class MemoryStore:
         params.update({"tags": json.dumps(list(tags)), "path": path, "a": a, "b": b, "c": c, "d": d,
                        "max": max_atoms + 1})
         sql = _SQL_ATOMS_HEAD + " AND " + where + _SQL_ATOMS_TAIL  # fixed text only
-        with self._guard() as conn:
+        with self._scan() as conn:
             try:
                 rows = conn.execute(sql.replace("@TOTAL@", "sum(json_extract(i.value, :path))"), params).fetchall()
             except sqlite3.OperationalError as exc:
@@ -931,6 +957,11 @@ class MemoryStore:
             self._closed = True
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
+        with self._scan_lock:
+            if self._scanner is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._scanner.close()
+                self._scanner = None
 
     def __enter__(self) -> MemoryStore:
         return self
