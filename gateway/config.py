@@ -159,13 +159,29 @@ class GatewayConfig:
     endpoints: list[str] = field(default_factory=list)  # audiences; "" -> https://localhost:<port>
     max_header_bytes: int = 8 * 1024
     max_body_bytes: int = 1024 * 1024
-    max_connections: int = 1024
+    # Connection limits (gateway/remote/transport.py, docs/security.md "Limits"). A connection is
+    # counted from accept, before any TLS byte. "Unverified": no verified client certificate yet
+    # (mTLS listener) / no authenticated request yet (tunnel-origin listener); oldest evicted first.
+    max_connections: int = 1024  # mTLS listener: connections with a verified client certificate
+    max_unverified_connections: int = 128  # mTLS listener: handshaking or certificate-less connections
+    max_unverified_connections_per_ip: int = 32  # mTLS listener: unverified connections from one address
+    tunnel_max_connections: int = 256  # tunnel-origin listener: connections that carried an authenticated request
+    tunnel_max_unverified_connections: int = 64  # tunnel-origin listener: not (yet) authenticated
+    fd_reserve: int = 256  # file descriptors kept free for everything but client connections
     upstream_timeout_seconds: float = 10.0
-    client_timeout_seconds: float = 30.0
-    keepalive_timeout_seconds: float = 75.0
+    # Deadlines (seconds). The first three count from accept.
+    tls_handshake_timeout_seconds: float = 10.0  # accept -> TLS handshake complete
+    tls_shutdown_timeout_seconds: float = 5.0  # wait for the peer's close_notify before dropping
+    first_byte_timeout_seconds: float = 10.0  # accept -> first request byte; also unverified keep-alive idle
+    client_timeout_seconds: float = 30.0  # accept (or a keep-alive request's first byte) -> headers complete
+    body_timeout_seconds: float = 60.0  # end of headers -> whole request body received
+    min_body_bytes_per_second: int = 1024  # average body rate a client must keep up after the grace
+    body_rate_grace_seconds: float = 5.0  # how long the body may lag behind the minimum rate at first
+    keepalive_timeout_seconds: float = 75.0  # idle keep-alive of a verified connection
     status_cache_seconds: float = 0.5
     dpop_window_seconds: int = 60
-    dpop_replay_cache_entries: int = 100_000
+    dpop_replay_cache_entries: int = 100_000  # all DPoP keys together
+    dpop_max_proofs_per_second_per_key: int = 50  # sizes one key's replay partition (x 2 windows)
     # The gateway's own check of the guard behind it: GET /v1/health on a new connection every
     # interval (a removed or dead socket is noticed even while pooled connections still work);
     # /v1/health answers 503 while it fails. Upstream failures are logged at most once per

@@ -508,6 +508,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     _route_params(call)
     if route.status_check:
         await state.status.check(call.token, cap)
+    transport.authenticated(request)  # the connection leaves the unverified budget (tunnel listener)
     if route.reads:
         remaining = await state.quota.consume(cap.session_id, cap.max_read_queries)
         if remaining == -1:

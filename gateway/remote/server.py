@@ -40,8 +40,12 @@ class GatewayRunner:
         self.cfg = cfg
         self.state: GatewayState | None = None
         self.reloader: TLSReloader | None = None
-        self.registry = transport.ConnectionRegistry(max_connections=cfg.max_connections,
-                                                     header_timeout=cfg.client_timeout_seconds)
+        # One registry (budgets, deadlines, counters) per listener; the budgets are fitted under the
+        # file descriptor limit at start.
+        self.registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "mtls"), name="mtls")
+        self.tunnel_registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "tunnel"),
+                                                            name="tunnel")
+        self.fd_limit: int | None = None
         self._servers: list[asyncio.Server] = []
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -99,15 +103,21 @@ class GatewayRunner:
         def rejected(status: int, code: str, message: str) -> None:
             access.append({"type": "gateway_access", "action": "malformed", "allowed": False, "reason": message,
                            "code": code, "status": status, "session_id": None, "agent_id": None})
-        self.registry.on_rejected = rejected
-        self.registry.on_open = metrics.connection_opened
-        self.registry.on_close = metrics.connection_closed
+        registries = [self.registry]
+        if cfg.tunnel_origin_port >= 0:
+            registries.append(self.tunnel_registry)
+        self._fit_limits(registries)
+        for reg in registries:
+            reg.on_rejected = rejected
+            reg.on_open = metrics.connection_opened
+            reg.on_close = metrics.connection_closed
+        backlog = transport.backlog_for(self.fd_limit or transport.MAX_BACKLOG * 16)
 
         runner = web.AppRunner(create_gateway_app(state, listener="mtls"), **self._runner_kwargs())
         await runner.setup()
         self._runners.append(runner)
         srv = await transport.listen(runner, cfg.listen_host, cfg.listen_port, ssl_context=self.reloader.context,
-                                     registry=self.registry, handshake_timeout=cfg.client_timeout_seconds)
+                                     registry=self.registry, backlog=backlog)
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
         if cfg.listen_port == 0:
@@ -123,7 +133,7 @@ class GatewayRunner:
             await trunner.setup()
             self._runners.append(trunner)
             tsrv = await transport.listen(trunner, cfg.tunnel_origin_host, cfg.tunnel_origin_port, ssl_context=None,
-                                          registry=self.registry)
+                                          registry=self.tunnel_registry, backlog=backlog)
             self._servers.append(tsrv)
             self.tunnel_port = tsrv.sockets[0].getsockname()[1]
         if cfg.metrics_port >= 0:
@@ -154,6 +164,18 @@ class GatewayRunner:
         if self.monitor is not None:
             self.monitor.wake()
 
+    def _fit_limits(self, registries: list[transport.ConnectionRegistry]) -> None:
+        """Raise the soft file-descriptor limit to the hard one and shrink the budgets to fit under it."""
+        self.fd_limit = fd_limit = transport.raise_fd_limit()
+        wanted = [reg.limits for reg in registries]
+        fitted = transport.fit_limits(wanted, fd_limit, self.cfg.fd_reserve)
+        for reg, lim in zip(registries, fitted, strict=True):
+            if lim != reg.limits:
+                log.warning("%s listener: connection budgets lowered to %d verified / %d unverified to fit the "
+                            "file descriptor limit %d (fd_reserve %d)", reg.name, lim.max_verified,
+                            lim.max_unverified, fd_limit, self.cfg.fd_reserve)
+            reg.limits = lim
+
     def reload(self) -> None:
         if self.reloader is not None:
             self.reloader.reload_logged()
@@ -175,6 +197,8 @@ class GatewayRunner:
             srv.close()
         for runner in self._runners:
             await runner.cleanup()
+        for reg in (self.registry, self.tunnel_registry):
+            reg.close_all()  # what aiohttp does not know about: connections still in their handshake
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 5)

@@ -1,35 +1,69 @@
 """Listening sockets for the gateway, with the limits aiohttp does not have on its own.
 
-aiohttp's server bounds header sizes and idle keep-alive time but has no cap on connections and no
-deadline for a client that trickles its request headers (slowloris). Each connection's protocol is
-wrapped here:
+aiohttp's server bounds header sizes and idle keep-alive time, but it has no cap on connections,
+and asyncio only hands a TLS connection to it after the handshake, so connections that never
+finish (or never start) a handshake are invisible to it. Here every connection is counted and
+timed from the moment it is **accepted**, before any TLS byte is read:
 
-* at most ``max_connections`` at once: one over the cap is closed straight after accept;
-* a request's headers must arrive within ``header_timeout`` of its first byte, else the
-  connection is closed (the handler marks a request as started through :func:`request_started`);
+* **Two budgets per listener.** A connection starts *unverified*. On the mTLS listener it becomes
+  *verified* when its handshake completes with a client certificate OpenSSL verified against the
+  agent CA and CRL; on the tunnel-origin listener when one of its requests passed token, DPoP and
+  session checks (:func:`authenticated`). Unverified connections have their own small budget
+  (``max_unverified``) and a per-source-address budget (``max_unverified_per_ip``); when either is
+  full the **oldest** unverified connection is evicted (closed at once), never the new one, so a
+  flood cannot keep an agent from reaching its handshake. Verified connections have their own
+  budget (``max_verified``) which unverified ones never touch; a verified connection over it is
+  refused (closed) after its handshake.
+* **Deadlines from accept.** The TLS handshake (``handshake_timeout``) and the first request byte
+  (``first_byte_timeout``) count from accept; the first request's headers must be complete within
+  ``header_timeout`` of accept, a keep-alive request's within ``header_timeout`` of its first byte;
+  a request body must arrive whole within ``body_timeout`` of the end of its headers and keep an
+  average of ``min_body_rate`` bytes/s once ``body_rate_grace`` has passed. An unverified
+  connection may idle between requests for ``first_byte_timeout`` only (a verified one for
+  aiohttp's keep-alive time). A connection past a deadline is aborted (no TLS close_notify wait).
 * requests aiohttp cannot parse get a §8.4 JSON error and an audit callback instead of aiohttp's
-  text/plain answer (which could echo request bytes into the log).
-* the TLS handshake itself is bounded by ``ssl_handshake_timeout``;
+  text/plain answer (which could echo request bytes into the log);
 * asyncio's per-connection TLS read buffer is cut from 256 KiB to :data:`TLS_READ_BUFFER_BYTES`
   (see :func:`shrink_tls_read_buffer`).
+
+:func:`raise_fd_limit` and :func:`fit_limits` make the budgets fit under the process's file
+descriptor limit, so the budgets (not EMFILE) decide who is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import resource
 import socket
 import ssl
-from collections.abc import Callable
+from asyncio import sslproto
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+
+from gateway.config import GatewayConfig
+from gateway.errors import UompError
+
+log = logging.getLogger("uomp.gateway")
 
 # CPython's asyncio.sslproto.SSLProtocol allocates and zero-fills a read buffer of ``max_size`` bytes
 # (256 KiB in 3.11) for every TLS connection: ~266 KiB of RSS per idle mTLS connection, ~270 MiB at
 # the default max_connections. TLS records carry at most 16 KiB of plaintext, so 32 KiB costs
 # nothing (measured: same new connections/s, 65-71 KiB per idle connection; benchmarks/README.md).
 TLS_READ_BUFFER_BYTES = 32 * 1024
+# How often a request body's progress is looked at (at most; shorter when the deadlines are).
+BODY_CHECK_SECONDS = 1.0
+# The listen backlog never exceeds this; asyncio accepts up to a backlog's worth per wake-up.
+MAX_BACKLOG = 1024
+# Upper bound for the soft file-descriptor limit when the hard limit is "unlimited".
+FD_SOFT_CEILING = 1 << 20
 
 
 def shrink_tls_read_buffer(size: int | None = None) -> bool:
@@ -40,8 +74,6 @@ def shrink_tls_read_buffer(size: int | None = None) -> bool:
     client) reads and decrypts at most this much per call, which only means more, smaller reads
     for a large body (tests/test_forward.py checks a 900 KiB body over TLS both ways in one process).
     """
-    from asyncio import sslproto
-
     want = TLS_READ_BUFFER_BYTES if size is None else size
     current = getattr(sslproto.SSLProtocol, "max_size", None)
     if not isinstance(current, int) or isinstance(current, bool) or current <= want or want < 16 * 1024 + 256:
@@ -50,55 +82,386 @@ def shrink_tls_read_buffer(size: int | None = None) -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------------ limits
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One listener's connection budgets (counts) and deadlines (seconds)."""
+
+    max_verified: int
+    max_unverified: int
+    max_unverified_per_ip: int  # 0: no per-address budget (the tunnel origin: every peer is cloudflared)
+    handshake_timeout: float
+    shutdown_timeout: float
+    first_byte_timeout: float
+    header_timeout: float
+    body_timeout: float
+    min_body_rate: int  # bytes/s
+    body_rate_grace: float
+
+    def __post_init__(self) -> None:
+        if self.max_verified < 1 or self.max_unverified < 1 or self.max_unverified_per_ip < 0:
+            raise UompError("CONFIG_ERROR", "connection budgets must be positive")
+        for name in ("handshake_timeout", "shutdown_timeout", "first_byte_timeout", "header_timeout",
+                     "body_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise UompError("CONFIG_ERROR", f"{name} must be a positive number of seconds")
+        if self.min_body_rate < 0 or not (math.isfinite(self.body_rate_grace) and self.body_rate_grace >= 0):
+            raise UompError("CONFIG_ERROR", "min_body_bytes_per_second and body_rate_grace_seconds must be >= 0")
+
+    @property
+    def total(self) -> int:
+        return self.max_verified + self.max_unverified
+
+    @classmethod
+    def for_listener(cls, cfg: GatewayConfig, listener: str) -> Limits:
+        common: dict[str, Any] = {
+            "handshake_timeout": cfg.tls_handshake_timeout_seconds,
+            "shutdown_timeout": cfg.tls_shutdown_timeout_seconds,
+            "first_byte_timeout": cfg.first_byte_timeout_seconds,
+            "header_timeout": cfg.client_timeout_seconds,
+            "body_timeout": cfg.body_timeout_seconds,
+            "min_body_rate": cfg.min_body_bytes_per_second,
+            "body_rate_grace": cfg.body_rate_grace_seconds,
+        }
+        if listener == "tunnel":
+            return cls(max_verified=cfg.tunnel_max_connections, max_unverified=cfg.tunnel_max_unverified_connections,
+                       max_unverified_per_ip=0, **common)
+        return cls(max_verified=cfg.max_connections, max_unverified=cfg.max_unverified_connections,
+                   max_unverified_per_ip=cfg.max_unverified_connections_per_ip, **common)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (never lower it); the soft limit after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = FD_SOFT_CEILING if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:  # e.g. above fs.nr_open: keep what we have
+            log.warning("could not raise the file descriptor limit from %d to %d: %s", soft, target, exc)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return FD_SOFT_CEILING if soft == resource.RLIM_INFINITY else soft
+
+
+def backlog_for(fd_limit: int) -> int:
+    return max(16, min(MAX_BACKLOG, fd_limit // 16))
+
+
+def fit_limits(limits: Sequence[Limits], fd_limit: int, reserve: int) -> list[Limits]:
+    """The budgets, scaled down (proportionally, each at least 1) so that every budget, a backlog's
+    worth of just-accepted sockets per listener and ``reserve`` fit under ``fd_limit``.
+
+    CONFIG_ERROR when not even one connection of each kind fits.
+    """
+    backlog = backlog_for(fd_limit)
+    fixed = reserve + backlog * len(limits)
+    wanted = sum(lim.total for lim in limits)
+    if fixed + wanted <= fd_limit:
+        return list(limits)
+    room = fd_limit - fixed
+    if room < 2 * len(limits):
+        raise UompError("CONFIG_ERROR", f"the file descriptor limit ({fd_limit}) leaves no room for connections "
+                                        f"after fd_reserve ({reserve}); raise 'ulimit -n' or lower fd_reserve")
+    scale = room / wanted
+    out: list[Limits] = []
+    for lim in limits:
+        unverified = max(1, math.floor(lim.max_unverified * scale))
+        per_ip = min(lim.max_unverified_per_ip, unverified)
+        out.append(dataclasses.replace(lim, max_verified=max(1, math.floor(lim.max_verified * scale)),
+                                       max_unverified=unverified, max_unverified_per_ip=per_ip))
+    return out
+
+
+# ---------------------------------------------------------------------------- accounting
+
+
+class Conn:
+    """One accepted connection's budget membership, phase and deadline timer."""
+
+    __slots__ = ("accepted_at", "body_bytes", "body_started", "bytes_in", "closed", "handler", "handshaken",
+                 "ip", "payload", "pending", "phase", "raw", "registry", "requests", "timer", "verified")
+
+    def __init__(self, registry: ConnectionRegistry, handler: GuardedHandler) -> None:
+        self.registry = registry
+        self.handler = handler
+        self.raw: asyncio.BaseTransport | None = None
+        self.ip = ""
+        self.accepted_at = 0.0
+        self.verified = False
+        self.closed = False
+        self.handshaken = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.phase = "accepted"  # accepted, headers, body, handling, idle
+        self.bytes_in = 0
+        self.body_started = 0.0
+        self.body_bytes = 0
+        self.payload: Any = None
+        self.pending = False  # bytes of a next request arrived while this one was handled
+        self.requests = 0
+
+    # -- timer
+
+    def _arm(self, when: float, phase: str) -> None:
+        self._cancel()
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_at(when, self._expired, phase)
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expired(self, phase: str) -> None:
+        self.timer = None
+        if not self.closed:
+            self.registry.deadline(self, phase)
+
+    def abort(self) -> None:
+        self._cancel()
+        if self.raw is not None and not self.raw.is_closing():
+            self.raw.abort()  # type: ignore[attr-defined]
+
+    # -- events
+
+    def opened(self, raw: asyncio.BaseTransport) -> None:
+        self.raw = raw
+        self.accepted_at = asyncio.get_running_loop().time()
+        peer = raw.get_extra_info("peername")
+        self.ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self._arm(self.accepted_at + self.registry.limits.first_byte_timeout, "first_byte")
+        self.registry.open(self)
+
+    def lost(self, exc: BaseException | None) -> None:
+        self._cancel()
+        if self.closed:
+            return
+        self.closed = True
+        self.registry.release(self, exc)
+
+    def data(self, n: int) -> None:
+        self.bytes_in += n
+        if self.phase in ("accepted", "idle"):
+            lim = self.registry.limits
+            now = asyncio.get_running_loop().time()
+            # The first request's headers count from accept; a keep-alive request's from its first byte.
+            start = self.accepted_at if self.requests == 0 else now
+            self.phase = "headers"
+            self._arm(start + lim.header_timeout, "headers")
+        elif self.phase == "handling":
+            self.pending = True
+
+    def request_started(self, payload: Any) -> None:
+        self.requests += 1
+        self.phase = "body"
+        self.payload = payload
+        self.pending = False
+        self.body_started = asyncio.get_running_loop().time()
+        self.body_bytes = self.bytes_in
+        self._check_body()
+
+    def _body_done(self) -> bool:
+        p = self.payload
+        return p is None or bool(p.is_eof())
+
+    def _check_body(self) -> None:
+        self.timer = None
+        if self.closed or self.phase != "body":
+            return
+        if self._body_done():
+            self.payload = None
+            self.phase = "handling"
+            return
+        lim = self.registry.limits
+        now = asyncio.get_running_loop().time()
+        elapsed = now - self.body_started
+        if elapsed >= lim.body_timeout:
+            self.registry.deadline(self, "body")
+            return
+        if elapsed > lim.body_rate_grace and lim.min_body_rate > 0:
+            got = self.bytes_in - self.body_bytes
+            if got < lim.min_body_rate * (elapsed - lim.body_rate_grace):
+                self.registry.deadline(self, "body_rate")
+                return
+        step = min(BODY_CHECK_SECONDS, lim.body_timeout / 4, max(lim.body_rate_grace, 0.05))
+        self.timer = asyncio.get_running_loop().call_at(min(now + step, self.body_started + lim.body_timeout),
+                                                        self._check_body)
+
+    def request_finished(self) -> None:
+        if self.phase == "body":
+            if not self._body_done():
+                return  # aiohttp may still read (linger on) the body: the body deadline keeps running
+            self.payload = None
+        self._cancel()
+        if self.pending:
+            self.pending = False
+            self.phase = "headers"
+            self._arm(asyncio.get_running_loop().time() + self.registry.limits.header_timeout, "headers")
+            return
+        self.phase = "idle"
+        if not self.verified:
+            self._arm(asyncio.get_running_loop().time() + self.registry.limits.first_byte_timeout, "idle")
+
+
+class ConnectionRegistry:
+    """The connections of one listener: two budgets, eviction, deadlines, counters."""
+
+    def __init__(self, limits: Limits, *, name: str = "mtls") -> None:
+        self.limits = limits
+        self.name = name
+        self.verified: set[Conn] = set()
+        # insertion order is accept order: the first key is the oldest connection
+        self.unverified: dict[Conn, None] = {}
+        self.per_ip: dict[str, dict[Conn, None]] = {}
+        self.accepted = 0
+        self.refused = 0  # verified connections over max_verified, closed after the handshake
+        self.evicted = 0  # unverified connections closed to make room for a newer one
+        self.closed_by_deadline: collections.Counter[str] = collections.Counter()
+        self.closed_before_handshake: collections.Counter[str] = collections.Counter()
+        # called (status, code, message) when aiohttp itself rejects a request before routing
+        self.on_rejected: Callable[[int, str, str], None] | None = None
+        # told about connections opening and closing (the metrics' open_connections gauge)
+        self.on_open: Callable[[], None] | None = None
+        self.on_close: Callable[[], None] | None = None
+
+    @property
+    def slow_closed(self) -> int:
+        return sum(self.closed_by_deadline.values())
+
+    @property
+    def active(self) -> int:
+        return len(self.verified) + len(self.unverified)
+
+    def stats(self) -> dict[str, Any]:
+        return {"listener": self.name, "verified": len(self.verified), "unverified": len(self.unverified),
+                "accepted": self.accepted, "refused": self.refused, "evicted": self.evicted,
+                "closed_by_deadline": dict(self.closed_by_deadline),
+                "closed_before_handshake": dict(self.closed_before_handshake)}
+
+    def open(self, conn: Conn) -> None:
+        self.accepted += 1
+        self.unverified[conn] = None
+        bucket = self.per_ip.setdefault(conn.ip, {})
+        bucket[conn] = None
+        if self.on_open is not None:
+            self.on_open()
+        lim = self.limits
+        if lim.max_unverified_per_ip and len(bucket) > lim.max_unverified_per_ip:
+            self._evict(next(iter(bucket)))
+        while len(self.unverified) > lim.max_unverified:
+            self._evict(next(iter(self.unverified)))
+
+    def _forget_unverified(self, conn: Conn) -> bool:
+        if conn not in self.unverified:
+            return False
+        del self.unverified[conn]
+        bucket = self.per_ip.get(conn.ip)
+        if bucket is not None:
+            bucket.pop(conn, None)
+            if not bucket:
+                del self.per_ip[conn.ip]
+        return True
+
+    def _drop(self, conn: Conn) -> bool:
+        was = self._forget_unverified(conn)
+        if conn in self.verified:
+            self.verified.discard(conn)
+            was = True
+        if was and self.on_close is not None:
+            self.on_close()
+        return was
+
+    def _evict(self, conn: Conn) -> None:
+        self.evicted += 1
+        self._close(conn)
+
+    def _close(self, conn: Conn) -> None:
+        self._drop(conn)
+        conn.closed = True
+        conn.abort()
+
+    def promote(self, conn: Conn) -> bool:
+        """Move ``conn`` to the verified budget; False (it stays unverified) when that is full."""
+        if conn.verified:
+            return True
+        if conn.closed or len(self.verified) >= self.limits.max_verified:
+            return False
+        self._forget_unverified(conn)
+        self.verified.add(conn)
+        conn.verified = True
+        return True
+
+    def refuse(self, conn: Conn) -> None:
+        self.refused += 1
+        self._close(conn)
+
+    def deadline(self, conn: Conn, phase: str) -> None:
+        self.closed_by_deadline[phase] += 1
+        self._close(conn)
+
+    def release(self, conn: Conn, exc: BaseException | None) -> None:
+        if not conn.handshaken and conn.handler.tls:
+            if isinstance(exc, ConnectionAbortedError):
+                reason = "timeout"
+            elif isinstance(exc, ssl.SSLError):
+                reason = "failed"
+            else:
+                reason = "dropped"
+            self.closed_before_handshake[reason] += 1
+        self._drop(conn)
+
+    def close_all(self) -> None:
+        for conn in [*self.unverified, *self.verified]:
+            self._close(conn)
+
+
+# ------------------------------------------------------------------------------ protocols
+
+
 class GuardedHandler(RequestHandler):
-    """aiohttp's RequestHandler plus the connection cap and the header deadline."""
+    """aiohttp's RequestHandler plus the budgets and deadlines of :class:`ConnectionRegistry`."""
 
-    __slots__ = ("_uomp_admitted", "_uomp_in_request", "_uomp_registry", "_uomp_timer")
+    __slots__ = ("_uomp_admitted", "_uomp_conn", "tls")
 
-    def __init__(self, manager: web.Server, registry: ConnectionRegistry, **kwargs: Any) -> None:
+    def __init__(self, manager: web.Server, registry: ConnectionRegistry, *, tls: bool, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
-        self._uomp_registry = registry
-        self._uomp_timer: asyncio.TimerHandle | None = None
-        self._uomp_in_request = False
+        self._uomp_conn = Conn(registry, self)
         self._uomp_admitted = False
+        self.tls = tls
+
+    @property
+    def conn(self) -> Conn:
+        return self._uomp_conn
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._uomp_registry.admit(self):
-            transport.close()
+        conn = self._uomp_conn
+        if not self.tls:
+            conn.opened(transport)
+        else:
+            # The handshake is done; a certificate here passed OpenSSL's verification (chain to the
+            # agent CA, validity, CRL) or the handshake would have failed.
+            conn.handshaken = True
+            ssl_obj = transport.get_extra_info("ssl_object")
+            der = ssl_obj.getpeercert(binary_form=True) if ssl_obj is not None else None
+            if der and not conn.registry.promote(conn):
+                conn.registry.refuse(conn)
+        if conn.closed:
             return
         self._uomp_admitted = True
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._cancel_deadline()
+        if not self.tls:
+            self._uomp_conn.lost(exc)
         if self._uomp_admitted:
             self._uomp_admitted = False
-            self._uomp_registry.release(self)
             super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._uomp_in_request and self._uomp_timer is None:
-            self._uomp_timer = asyncio.get_running_loop().call_later(self._uomp_registry.header_timeout,
-                                                                     self._deadline_passed)
+        self._uomp_conn.data(len(data))
         super().data_received(data)
-
-    def request_started(self) -> None:
-        self._uomp_in_request = True
-        self._cancel_deadline()
-
-    def request_finished(self) -> None:
-        self._uomp_in_request = False
-
-    def _cancel_deadline(self) -> None:
-        if self._uomp_timer is not None:
-            self._uomp_timer.cancel()
-            self._uomp_timer = None
-
-    def _deadline_passed(self) -> None:
-        self._uomp_timer = None
-        if not self._uomp_in_request and self.transport is not None:
-            self._uomp_registry.slow_closed += 1
-            self.transport.close()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -107,71 +470,76 @@ class GuardedHandler(RequestHandler):
         # §8.4 JSON error and an audit event that carries no request bytes.
         code = "INVALID_REQUEST" if status < 500 else "INTERNAL"
         text = "malformed or oversized request" if status < 500 else "internal error"
-        if self._uomp_registry.on_rejected is not None:
-            self._uomp_registry.on_rejected(status, code, text)
+        registry = self._uomp_conn.registry
+        if registry.on_rejected is not None:
+            registry.on_rejected(status, code, text)
         resp = web.json_response({"error": {"code": code, "message": text}}, status=status)
         resp.force_close()
         return resp
 
 
-class ConnectionRegistry:
-    def __init__(self, *, max_connections: int, header_timeout: float) -> None:
-        self.max_connections = max_connections
-        self.header_timeout = header_timeout
-        self.active: set[GuardedHandler] = set()
-        self.refused = 0
-        self.slow_closed = 0
-        # called (status, code, message) when aiohttp itself rejects a request before routing
-        self.on_rejected: Callable[[int, str, str], None] | None = None
-        # told about connections opening and closing (the metrics' open_connections gauge)
-        self.on_open: Callable[[], None] | None = None
-        self.on_close: Callable[[], None] | None = None
+class CountedSSLProtocol(sslproto.SSLProtocol):
+    """asyncio's TLS protocol, told about the raw connection: counted at accept, not at handshake end."""
 
-    def admit(self, guard: GuardedHandler) -> bool:
-        if len(self.active) >= self.max_connections:
-            self.refused += 1
-            return False
-        self.active.add(guard)
-        if self.on_open is not None:
-            self.on_open()
-        return True
+    def __init__(self, loop: asyncio.AbstractEventLoop, handler: GuardedHandler, context: ssl.SSLContext,
+                 limits: Limits) -> None:
+        # No waiter: nobody awaits the handshake (asyncio's own accept path would); SSLProtocol
+        # checks for None. typeshed types the timeouts as int; asyncio takes any positive number.
+        super().__init__(loop, handler, context, None, server_side=True,  # type: ignore[arg-type]
+                         ssl_handshake_timeout=limits.handshake_timeout,  # type: ignore[arg-type]
+                         ssl_shutdown_timeout=limits.shutdown_timeout)
+        self._uomp_conn = handler.conn
 
-    def release(self, guard: GuardedHandler) -> bool:
-        if guard in self.active:
-            self.active.discard(guard)
-            if self.on_close is not None:
-                self.on_close()
-            return True
-        return False
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._uomp_conn.opened(transport)
+        if self._uomp_conn.closed:  # pragma: no cover - only with a per-address budget of 0
+            transport.close()
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._uomp_conn.lost(exc)
+        super().connection_lost(exc)
 
 
 def request_started(request: web.BaseRequest) -> None:
     if isinstance(request.protocol, GuardedHandler):
-        request.protocol.request_started()
+        request.protocol.conn.request_started(request.content)
 
 
 def request_finished(request: web.BaseRequest) -> None:
     if isinstance(request.protocol, GuardedHandler):
-        request.protocol.request_finished()
+        request.protocol.conn.request_finished()
+
+
+def authenticated(request: web.BaseRequest) -> None:
+    """The request's connection carried an authenticated request: it leaves the unverified budget
+    (if the verified one has room). For the tunnel-origin listener; a no-op where already verified."""
+    if isinstance(request.protocol, GuardedHandler):
+        conn = request.protocol.conn
+        conn.registry.promote(conn)
 
 
 async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ssl.SSLContext | None,
-                 registry: ConnectionRegistry, handshake_timeout: float = 10.0,
-                 backlog: int = 1024) -> asyncio.Server:
-    """Start serving ``runner`` (already set up) on host:port with the wrapped protocol."""
+                 registry: ConnectionRegistry, backlog: int = MAX_BACKLOG) -> asyncio.Server:
+    """Start serving ``runner`` (already set up) on host:port with the wrapped protocols."""
     loop = asyncio.get_running_loop()
     server = runner.server
     assert server is not None
     kwargs_h = dict(server._kwargs)
 
-    def factory() -> asyncio.Protocol:
-        return GuardedHandler(server, registry, loop=loop, **kwargs_h)
-
-    kwargs: dict[str, Any] = {}
-    if ssl_context is not None:
+    if ssl_context is None:
+        def factory() -> asyncio.BaseProtocol:
+            return GuardedHandler(server, registry, tls=False, loop=loop, **kwargs_h)
+    else:
         shrink_tls_read_buffer()
-        kwargs["ssl"] = ssl_context
-        kwargs["ssl_handshake_timeout"] = handshake_timeout
+        ctx = ssl_context
+
+        def factory() -> asyncio.BaseProtocol:
+            handler = GuardedHandler(server, registry, tls=True, loop=loop, **kwargs_h)
+            return CountedSSLProtocol(loop, handler, ctx, registry.limits)
+
+    # TLS is done by the protocol, so asyncio sees a plain server and calls connection_made at accept.
     srv = await loop.create_server(factory, host, port, backlog=backlog, reuse_address=True,
-                                   family=socket.AF_INET6 if ":" in host else socket.AF_INET, **kwargs)
+                                   family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     return srv
