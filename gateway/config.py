@@ -181,7 +181,7 @@ class GatewayConfig:
     status_cache_seconds: float = 0.5
     dpop_window_seconds: int = 60
     dpop_replay_cache_entries: int = 100_000  # all DPoP keys together
-    dpop_max_proofs_per_second_per_key: int = 50  # sizes one key's replay partition (x 2 windows)
+    dpop_max_proofs_per_second_per_key: float = 50.0  # sizes one key's replay partition (x 2 windows)
     # The gateway's own check of the guard behind it: GET /v1/health on a new connection every
     # interval (a removed or dead socket is noticed even while pooled connections still work);
     # /v1/health answers 503 while it fails. Upstream failures are logged at most once per

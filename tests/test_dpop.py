@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from gateway.core import jose
+from gateway.core import dpop, jose
 from gateway.core.dpop import (
     DpopResult,
     ReplayCache,
@@ -389,3 +389,73 @@ def test_replay_cache_ignores_already_expired_entries() -> None:
 def test_replay_cache_rejects_bad_size() -> None:
     with pytest.raises(ValueError):
         ReplayCache(0)
+
+
+# ------------------------------------------------------------- partitions (issue 15, defect 6)
+
+
+def test_partition_size_comes_from_the_proof_lifetime() -> None:
+    cache = ReplayCache.sized(window_seconds=60, max_entries=100_000, proofs_per_second_per_key=50)
+    assert cache.per_key_entries == 50 * 2 * 60  # an entry lives up to two windows
+    assert ReplayCache.sized(window_seconds=60, max_entries=10, proofs_per_second_per_key=50).per_key_entries == 10
+
+
+def test_one_key_filling_its_partition_does_not_lock_out_another() -> None:
+    cache = ReplayCache(1000, per_key_entries=3)
+    for jti in "abc":
+        verify(craft(claims={"jti": jti}), replay=cache)
+    with pytest.raises(UompError) as e:
+        verify(craft(claims={"jti": "d"}), replay=cache)
+    assert e.value.message == "DPoP replay cache is full; proof refused, retry shortly"
+    # another key is untouched, and a replay is still a replay on both
+    other = make_dpop_proof(ED_OTHER, method=METHOD, url=URL, access_token=TOKEN, now=NOW)
+    verify(other, replay=cache, expected_jkt=jose.key_thumbprint(ED_OTHER))
+    for proof, jkt in ((craft(claims={"jti": "a"}), jose.key_thumbprint(ED)),
+                       (other, jose.key_thumbprint(ED_OTHER))):
+        with pytest.raises(UompError) as e:
+            verify(proof, replay=cache, expected_jkt=jkt)
+        assert e.value.message == "DPoP proof jti was already used"
+
+
+@pytest.mark.parametrize(("held", "newcomer_size", "accepted"), [
+    pytest.param({"a": 5, "b": 5}, 0, True, id="new key below its share takes the oldest of the largest"),
+    pytest.param({"a": 6, "b": 4}, 4, True, id="small key below its share"),
+    pytest.param({"a": 5, "b": 5}, 5, False, id="key at its fair share is refused"),
+])
+def test_global_bound_is_shared_fairly(held: dict[str, int], newcomer_size: int, accepted: bool) -> None:
+    cache = ReplayCache(10 + newcomer_size, per_key_entries=10)
+    for part, n in held.items():
+        for i in range(n):
+            assert cache.check_and_add(f"{part}{i}", 100.0 + i, now=0.0, partition=part)
+    for i in range(newcomer_size):
+        assert cache.check_and_add(f"c{i}", 100.0, now=0.0, partition="c")
+    assert len(cache) == cache.max_entries
+    if accepted:
+        assert cache.check_and_add("new", 100.0, now=0.0, partition="c")
+        assert len(cache) == cache.max_entries and cache.evicted == 1
+        assert cache.partition_size("a") == held["a"] - 1  # the largest partition gave its soonest entry
+        assert cache.seen("a1", now=0.0, partition="a") and not cache.seen("a0", now=0.0, partition="a")
+    else:
+        with pytest.raises(UompError):
+            cache.check_and_add("new", 100.0, now=0.0, partition="c")
+
+
+def test_verify_without_recording_refuses_a_replay_but_records_nothing() -> None:
+    cache = ReplayCache(10)
+    result = verify(craft(), replay=cache, record=False)
+    assert len(cache) == 0
+    dpop.record_proof(cache, result, now=NOW)
+    with pytest.raises(UompError) as e:
+        verify(craft(), replay=cache, record=False)
+    assert e.value.message == "DPoP proof jti was already used"
+    with pytest.raises(UompError):  # two requests racing with one proof: the second to record loses
+        dpop.record_proof(cache, result, now=NOW)
+
+
+def test_partitions_disappear_when_their_entries_expire() -> None:
+    cache = ReplayCache(100, per_key_entries=10)
+    for p in ("a", "b", "c"):
+        cache.check_and_add("k", 10.0, now=0.0, partition=p)
+    assert cache.partitions == 3
+    cache.check_and_add("k", 50.0, now=11.0, partition="d")
+    assert (cache.partitions, len(cache)) == (1, 1)

@@ -321,3 +321,48 @@ def test_bad_limits_are_config_errors(field: str, value: Any) -> None:
     with pytest.raises(UompError) as err:
         _limits(**{field: value})
     assert err.value.code == "CONFIG_ERROR"
+
+
+# ------------------------------------------------------- DPoP replay cache (issue 15, defect 6)
+
+
+@pytest.mark.parametrize("attacker", ["revoked_agent", "active_agent"])
+async def test_dpop_replay_cache_cannot_lock_out_another_agent(home: Paths, attacker: str) -> None:
+    per_key = 6  # 0.05 proofs/s x 2 windows of 60 s
+    async with appliance(home, tunnel_origin_port=0, endpoints=[TUNNEL], dpop_replay_cache_entries=100,
+                         dpop_max_proofs_per_second_per_key=0.05) as app:
+        a, b = app.agent("agent_a"), app.agent("agent_b")
+        ga, gb = await app.grant(a, audience=TUNNEL), await app.grant(b, audience=TUNNEL)
+        if attacker == "revoked_agent":
+            from guardkit import admin_headers, call
+
+            await call(app.admin, "POST", f"/v1/sessions/{gb['session_id']}/revoke", headers=admin_headers(home))
+        port = app.gateway.tunnel_port
+        path = "/v1/memory/preference.theme"
+
+        async def tunnel_get(agent: Agent, token: str, proof: str | None = None) -> tuple[int, Any, str]:
+            key = serialization.load_pem_private_key(agent.files.key_file.read_bytes(), password=None)
+            proof = proof or dpop.make_dpop_proof(key, method="GET", url=TUNNEL + path,  # type: ignore[arg-type]
+                                                  access_token=token, now=time.time())
+            hdrs = {"Host": "tunnel.example", "X-UOMP-Agent-Id": agent.agent_id, "Authorization": f"DPoP {token}",
+                    "DPoP": proof}
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}{path}", headers=hdrs) as r:
+                return r.status, await r.json(content_type=None), proof
+
+        codes = []
+        for _ in range(per_key + 4):
+            status, body, _ = await tunnel_get(b, gb["token"])
+            codes.append(body.get("error", {}).get("code") if status != 200 else 200)
+        # the other agent is served, and its proofs are still single-use
+        status, body, proof = await tunnel_get(a, ga["token"])
+        assert status == 200 and body["value"] == "dark", body
+        status, body, _ = await tunnel_get(a, ga["token"], proof)
+        assert status == 401 and body["error"]["code"] == "DPOP_INVALID"
+        replay = app.gateway.state.replay if app.gateway.state else None
+        assert replay is not None
+        if attacker == "revoked_agent":
+            assert set(codes) == {"SESSION_REVOKED"}
+            assert len(replay) == 1  # agent_a's one proof: the refused ones were never recorded
+        else:
+            assert codes[:per_key] == [200] * per_key and set(codes[per_key:]) == {"DPOP_INVALID"}
+            assert replay.partition_size(b.jkt) == per_key

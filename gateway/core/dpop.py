@@ -26,11 +26,17 @@ echoed):
 10. ``jti`` has not been seen for this key within the window (:class:`ReplayCache`).
 
 Replay state is recorded only for proofs that passed every other check, so garbage cannot
-fill the cache; a key that holds a valid token can, which is why callers pass ``expected_jkt``
-whenever a token is presented.
+fill the cache. The gateway goes further: it verifies with ``record=False`` and records the proof
+(:func:`record_proof`) only after the access token and the session passed their checks, so a
+revoked agent records nothing. The cache is partitioned per key (``jkt``) with a per-key bound
+sized from the proof lifetime, so a key that holds a valid token can fill only its own partition.
 
-Out of scope: server-provided nonces (RFC 9449 §8/§9, ``DPoP-Nonce``) are neither issued nor
-checked; the ``iat`` window plus the ``jti`` cache is the replay defence. The cache lives in
+Server-provided nonces (RFC 9449 §8, ``DPoP-Nonce``) are neither issued nor checked; the ``iat``
+window plus the per-key ``jti`` cache is the replay defence. Nonces would bound how far ahead a
+stolen key could pre-make proofs, but they cost every agent a ``use_dpop_nonce`` 401 and a retry
+on its first request and after each rotation, need retry logic in both SDKs (ours and the
+TypeScript reference one, which does not send nonces), and would not change replay protection:
+a proof is already single-use and bound to one token, method, URI and minute. The cache lives in
 memory, so a restart forgets it: a proof captured before a restart could be replayed within its
 remaining window (at most ``2 * window_seconds`` after it was made).
 
@@ -76,55 +82,137 @@ def _fail(message: str) -> UompError:
 # ------------------------------------------------------------------------------ replay cache
 
 
-class ReplayCache:
-    """A bounded in-memory set of ``key -> expires_at`` for DPoP ``jti`` values.
+class _Partition:
+    """One key's live entries: ``key -> expires_at`` and a min-heap of expiry times."""
 
-    ``check_and_add`` first drops every entry whose ``expires_at`` has passed, then answers
-    ``False`` when ``key`` is still live (a replay) and ``True`` after recording a new key.
+    __slots__ = ("expiry", "heap")
 
-    When ``max_entries`` live entries are held and a new key arrives, the cache FAILS CLOSED:
-    it raises ``DPOP_INVALID`` ("replay cache is full") instead of forgetting a live entry,
-    because forgetting one would let that proof be replayed. :func:`verify_dpop` records a
-    proof until ``iat + window``, and ``iat`` may be up to one window ahead of ``now``, so an
-    entry lives at most two windows and a refusal lasts no longer than that. Size
-    ``max_entries`` for the peak proof rate times two windows (config
-    ``dpop_replay_cache_entries``). Each entry is a fixed-size hash, whatever the ``jti`` length.
-
-    Not thread-safe: meant for one asyncio event loop. Work per call is O(log n) amortised
-    (a min-heap orders the expiry times).
-    """
-
-    def __init__(self, max_entries: int) -> None:
-        if max_entries < 1:
-            raise ValueError("max_entries must be positive")
-        self.max_entries = max_entries
-        self._expiry: dict[str, float] = {}
-        self._heap: list[tuple[float, str]] = []
+    def __init__(self) -> None:
+        self.expiry: dict[str, float] = {}
+        self.heap: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
-        return len(self._expiry)
+        return len(self.expiry)
+
+    def drop_stale_top(self) -> None:
+        heap, expiry = self.heap, self.expiry
+        while heap and expiry.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+
+    def pop_soonest(self) -> tuple[str, float] | None:
+        self.drop_stale_top()
+        if not self.heap:
+            return None
+        exp, key = heapq.heappop(self.heap)
+        del self.expiry[key]
+        return key, exp
+
+
+class ReplayCache:
+    """Bounded in-memory ``key -> expires_at`` sets for DPoP ``jti`` values, one per partition.
+
+    A partition is one DPoP key (its RFC 7638 thumbprint ``jkt``), so one agent's proofs can never
+    crowd out another's. ``check_and_add`` first drops every entry whose ``expires_at`` has
+    passed, then answers ``False`` when ``key`` is still live in its partition (a replay) and
+    ``True`` after recording it.
+
+    Bounds, both failing closed for the key that hits them and for no one else:
+
+    * ``per_key_entries`` live entries per partition: a new proof from a key whose partition is
+      full is refused ("replay cache is full") rather than forgetting a live entry (which would let
+      that proof be replayed). :func:`verify_dpop` records a proof until ``iat + window`` and
+      ``iat`` may be up to one window ahead of ``now``, so an entry lives at most two windows: size
+      it as the highest proof rate one key needs times two windows (:meth:`sized`).
+    * ``max_entries`` live entries in all partitions together. When that is reached, a key holding
+      at least its fair share (``max_entries`` / live partitions) is refused; a key below its
+      share takes the place of the soonest-expiring entry of the largest partition. So a few keys
+      at their limit never lock a quiet key out; the price is that the heaviest key's oldest
+      proofs may be forgotten a little early (a replay of one of those still needs its access
+      token, which is bound to that same key).
+
+    Each entry is a fixed-size hash, whatever the ``jti`` length. Not thread-safe: meant for one
+    asyncio event loop. Work per call is O(log n) amortised, plus O(live partitions) when the
+    global bound is reached.
+    """
+
+    def __init__(self, max_entries: int, *, per_key_entries: int | None = None) -> None:
+        if max_entries < 1 or (per_key_entries is not None and per_key_entries < 1):
+            raise ValueError("max_entries must be positive")
+        self.max_entries = max_entries
+        self.per_key_entries = min(per_key_entries or max_entries, max_entries)
+        self._parts: dict[str, _Partition] = {}
+        self._total = 0
+        self._heap: list[tuple[float, str, str]] = []  # (expires_at, partition, key), for purging
+        self.evicted = 0  # live entries forgotten early under the global bound
+
+    @classmethod
+    def sized(cls, *, window_seconds: float, max_entries: int, proofs_per_second_per_key: float) -> ReplayCache:
+        """A cache whose partitions hold ``proofs_per_second_per_key`` for an entry's whole life
+        (two windows, see the class docstring), within ``max_entries`` in all."""
+        per_key = max(1, math.ceil(proofs_per_second_per_key * 2 * window_seconds))
+        return cls(max_entries, per_key_entries=per_key)
+
+    def __len__(self) -> int:
+        return self._total
+
+    def partition_size(self, partition: str) -> int:
+        part = self._parts.get(partition)
+        return len(part) if part is not None else 0
+
+    @property
+    def partitions(self) -> int:
+        return len(self._parts)
 
     def _purge(self, now: float) -> None:
-        heap, expiry = self._heap, self._expiry
+        heap = self._heap
         while heap and heap[0][0] < now:
-            exp, key = heapq.heappop(heap)
-            if expiry.get(key) == exp:
-                del expiry[key]
+            exp, pname, key = heapq.heappop(heap)
+            part = self._parts.get(pname)
+            if part is None or part.expiry.get(key) != exp:
+                continue
+            del part.expiry[key]
+            self._total -= 1
+            part.drop_stale_top()
+            if not part.expiry:
+                del self._parts[pname]
 
-    def check_and_add(self, key: str, expires_at: float, *, now: float) -> bool:
+    def seen(self, key: str, *, now: float, partition: str = "") -> bool:
+        """True when ``key`` is live in ``partition`` (a replay); records nothing."""
+        self._purge(now)
+        part = self._parts.get(partition)
+        return part is not None and key in part.expiry
+
+    def check_and_add(self, key: str, expires_at: float, *, now: float, partition: str = "") -> bool:
         """True: ``key`` was new and is now recorded until ``expires_at``. False: a live replay.
 
-        Raises ``DPOP_INVALID`` when the cache is full of live entries (fail closed).
+        Raises ``DPOP_INVALID`` when ``partition`` may not hold another live entry (fail closed).
         """
         self._purge(now)
-        if key in self._expiry:
+        part = self._parts.get(partition)
+        if part is not None and key in part.expiry:
             return False
         if expires_at < now:  # already outside the window: nothing to remember
             return True
-        if len(self._expiry) >= self.max_entries:
+        size = len(part) if part is not None else 0
+        if size >= self.per_key_entries:
             raise _fail("DPoP replay cache is full; proof refused, retry shortly")
-        self._expiry[key] = expires_at
-        heapq.heappush(self._heap, (expires_at, key))
+        if self._total >= self.max_entries:
+            live = len(self._parts) + (0 if part is not None else 1)
+            if size >= self.max_entries / live:
+                raise _fail("DPoP replay cache is full; proof refused, retry shortly")
+            largest_name = max(self._parts, key=lambda n: len(self._parts[n]))
+            largest = self._parts[largest_name]
+            if largest.pop_soonest() is not None:
+                self._total -= 1
+                self.evicted += 1
+            if not largest.expiry:
+                del self._parts[largest_name]
+        if part is None:
+            part = self._parts[partition] = _Partition()
+        part.expiry[key] = expires_at
+        heapq.heappush(part.heap, (expires_at, key))
+        heapq.heappush(self._heap, (expires_at, partition, key))
+        self._total += 1
         return True
 
 
@@ -202,11 +290,16 @@ def htu_matches(htu: str, url: str) -> bool:
 
 @dataclass(frozen=True)
 class DpopResult:
-    """A verified proof: the key's RFC 7638 thumbprint, the proof's ``jti`` and ``iat``."""
+    """A verified proof: the key's RFC 7638 thumbprint, the proof's ``jti`` and ``iat``.
+
+    ``replay_key`` and ``expires_at`` are what :func:`record_proof` stores in the replay cache.
+    """
 
     jkt: str
     jti: str
     iat: float
+    replay_key: str = ""
+    expires_at: float = 0.0
 
 
 def access_token_hash(access_token: str) -> str:
@@ -269,12 +362,17 @@ def verify_dpop(
     window_seconds: int,
     replay: ReplayCache,
     expected_jkt: str | None,
+    record: bool = True,
 ) -> DpopResult:
     """Verify one DPoP proof for one request; see the module docstring for the checks.
 
     ``proof`` is the ``DPoP`` header value, or the list of all of them (exactly one allowed).
     ``url`` is the request URI as the agent addressed it (query and fragment are ignored).
     Returns the verified :class:`DpopResult`; raises ``UompError("DPOP_INVALID")`` otherwise.
+
+    ``record=False`` refuses a known replay but records nothing: the caller records the proof with
+    :func:`record_proof` once the token and the session behind it have passed their checks too, so
+    a revoked agent (or a token that fails any later check) cannot fill the cache.
     """
     token = _single_proof(proof)
     parsed = jose.parse_compact(token, what="DPoP proof", code="DPOP_INVALID")
@@ -321,9 +419,20 @@ def verify_dpop(
     # so every entry has the same small size whatever the jti length. The entry lives until the
     # proof would be refused as too old anyway.
     replay_key = jose.b64u_encode(hashlib.sha256(f"{jkt}|{jti}".encode()).digest())
-    if not replay.check_and_add(replay_key, iat + window_seconds, now=now):
+    result = DpopResult(jkt=jkt, jti=jti, iat=iat, replay_key=replay_key, expires_at=iat + window_seconds)
+    if record:
+        record_proof(replay, result, now=now)
+    elif replay.seen(replay_key, now=now, partition=jkt):
         raise _fail("DPoP proof jti was already used")
-    return DpopResult(jkt=jkt, jti=jti, iat=iat)
+    return result
+
+
+def record_proof(replay: ReplayCache, result: DpopResult, *, now: float) -> None:
+    """Remember a verified proof in its key's partition; DPOP_INVALID if it was used meanwhile
+    (two requests racing with one proof: only the first to get here passes) or the key's
+    partition is full."""
+    if not replay.check_and_add(result.replay_key, result.expires_at, now=now, partition=result.jkt):
+        raise _fail("DPoP proof jti was already used")
 
 
 # ------------------------------------------------------------------------------ creation

@@ -171,8 +171,10 @@ async def dpop_identity(call: Call) -> None:
                               url=_public_url(state, request, call.target.upstream_path),
                               access_token=_bearer(request),
                               now=time.time(), window_seconds=state.cfg.dpop_window_seconds,
-                              replay=state.replay, expected_jkt=cap.cnf_jkt)
+                              replay=state.replay, expected_jkt=cap.cnf_jkt, record=False)
     call.jkt = result.jkt
+    # recorded only once the token and the session passed their checks (a revoked agent records nothing)
+    call.on_authenticated.append(lambda: dpop.record_proof(state.replay, result, now=time.time()))
 
 
 ROUTES = (

@@ -108,6 +108,8 @@ class Call:
     tag: str | None = None
     jkt: str | None = None
     recorded: bool = False
+    # run once the token and the session passed their checks (the DPoP proof is recorded then)
+    on_authenticated: list[Callable[[], None]] = field(default_factory=list)
 
     def event(self, *, status: int, allowed: bool, reason: str, code: str | None) -> dict[str, Any]:
         cap = self.cap
@@ -222,7 +224,9 @@ class GatewayState:
         self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {"mtls": mtls_identity}
         self.certs = ClientCertChecker()
         self._verified: dict[str, Capability] = {}
-        self.replay = ReplayCache(cfg.dpop_replay_cache_entries)
+        self.replay = ReplayCache.sized(window_seconds=cfg.dpop_window_seconds,
+                                        max_entries=cfg.dpop_replay_cache_entries,
+                                        proofs_per_second_per_key=cfg.dpop_max_proofs_per_second_per_key)
         # serials (hex) on the CRL last loaded; the server points this at its TLS reloader
         self.revoked_serials: Callable[[], frozenset[str]] = frozenset
         # False while the guard is known to be unreachable; the server points this at its upstream monitor
@@ -508,6 +512,8 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     _route_params(call)
     if route.status_check:
         await state.status.check(call.token, cap)
+    for done in call.on_authenticated:
+        done()
     transport.authenticated(request)  # the connection leaves the unverified budget (tunnel listener)
     if route.reads:
         remaining = await state.quota.consume(cap.session_id, cap.max_read_queries)
