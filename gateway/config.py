@@ -167,6 +167,7 @@ class GatewayConfig:
     max_unverified_connections_per_ip: int = 32  # mTLS listener: unverified connections from one address
     tunnel_max_connections: int = 256  # tunnel-origin listener: connections that carried an authenticated request
     tunnel_max_unverified_connections: int = 64  # tunnel-origin listener: not (yet) authenticated
+    metrics_max_connections: int = 16  # metrics listener (loopback, unauthenticated)
     fd_reserve: int = 256  # file descriptors kept free for everything but client connections
     upstream_timeout_seconds: float = 10.0
     # Deadlines (seconds). The first three count from accept.

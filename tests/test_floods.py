@@ -229,6 +229,19 @@ async def test_tunnel_origin_flood_does_not_starve_a_dpop_agent(home: Paths) -> 
         assert app.gateway.registry.accepted == 0
 
 
+async def test_metrics_listener_flood_is_bounded(home: Paths) -> None:
+    """The metrics listener shares the process's file descriptors: its flood is bounded too."""
+    async with appliance(home, metrics_port=0, metrics_max_connections=4, **LIMITS) as app:
+        port = app.gateway.metrics_port
+        assert port is not None
+        async with flood_of(raw_tcp(port), n=100) as flood:
+            assert flood.held <= 4 + 1
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                assert resp.status == 200
+            assert await flood.all_closed(timeout=DEADLINE * 10)
+        assert app.gateway.metrics_registry.evicted >= 100 - 4 - 1
+
+
 async def _trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes) -> tuple[bool, float]:
     """Send ``head`` then one body byte every 0.2 s; (closed by the gateway, seconds it took)."""
     started = time.monotonic()

@@ -45,6 +45,9 @@ class GatewayRunner:
         self.registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "mtls"), name="mtls")
         self.tunnel_registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "tunnel"),
                                                             name="tunnel")
+        # the metrics listener (loopback, no authentication): every connection is unverified
+        self.metrics_registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "metrics"),
+                                                             name="metrics")
         self.fd_limit: int | None = None
         self._servers: list[asyncio.Server] = []
         self._runners: list[web.AppRunner] = []
@@ -106,8 +109,10 @@ class GatewayRunner:
         registries = [self.registry]
         if cfg.tunnel_origin_port >= 0:
             registries.append(self.tunnel_registry)
+        if cfg.metrics_port >= 0:
+            registries.append(self.metrics_registry)
         self._fit_limits(registries)
-        for reg in registries:
+        for reg in (self.registry, self.tunnel_registry):
             reg.on_rejected = rejected
             reg.on_open = metrics.connection_opened
             reg.on_close = metrics.connection_closed
@@ -137,13 +142,15 @@ class GatewayRunner:
             self._servers.append(tsrv)
             self.tunnel_port = tsrv.sockets[0].getsockname()[1]
         if cfg.metrics_port >= 0:
-            mrunner = web.AppRunner(create_metrics_app(metrics), access_log=None)
+            mapp = create_metrics_app(metrics)
+            mapp.middlewares.append(transport.phase_middleware)
+            mrunner = web.AppRunner(mapp, **self._runner_kwargs())
             await mrunner.setup()
             self._runners.append(mrunner)
-            site = web.TCPSite(mrunner, "127.0.0.1", cfg.metrics_port)
-            await site.start()
-            sockets = getattr(site._server, "sockets", None)
-            self.metrics_port = sockets[0].getsockname()[1] if sockets else None
+            msrv = await transport.listen(mrunner, "127.0.0.1", cfg.metrics_port, ssl_context=None,
+                                          registry=self.metrics_registry, backlog=backlog)
+            self._servers.append(msrv)
+            self.metrics_port = msrv.sockets[0].getsockname()[1]
         loop = asyncio.get_running_loop()
 
         def tick() -> None:  # in a worker thread, every TLS watch interval
@@ -197,7 +204,7 @@ class GatewayRunner:
             srv.close()
         for runner in self._runners:
             await runner.cleanup()
-        for reg in (self.registry, self.tunnel_registry):
+        for reg in (self.registry, self.tunnel_registry, self.metrics_registry):
             reg.close_all()  # what aiohttp does not know about: connections still in their handshake
         for srv in self._servers:
             with contextlib.suppress(Exception):

@@ -126,6 +126,8 @@ class Limits:
             "min_body_rate": cfg.min_body_bytes_per_second,
             "body_rate_grace": cfg.body_rate_grace_seconds,
         }
+        if listener == "metrics":  # no authentication at all: one small budget
+            return cls(max_verified=1, max_unverified=cfg.metrics_max_connections, max_unverified_per_ip=0, **common)
         if listener == "tunnel":
             return cls(max_verified=cfg.tunnel_max_connections, max_unverified=cfg.tunnel_max_unverified_connections,
                        max_unverified_per_ip=0, **common)
@@ -510,6 +512,18 @@ def request_started(request: web.BaseRequest) -> None:
 def request_finished(request: web.BaseRequest) -> None:
     if isinstance(request.protocol, GuardedHandler):
         request.protocol.conn.request_finished()
+
+
+@web.middleware
+async def phase_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """For apps other than the gateway's (whose entry point calls these itself): tell the
+    connection when a request's headers are in and when it has been handled."""
+    request_started(request)
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    finally:
+        request_finished(request)
 
 
 def authenticated(request: web.BaseRequest) -> None:
