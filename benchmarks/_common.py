@@ -269,7 +269,7 @@ def _read_json_line(proc: subprocess.Popen[str], timeout: float, what: str) -> d
 def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = None,
                  max_connections: int | None = None, ssl_read_buffer_kib: int | None = None,
                  quota_block: int | None = None, profile: str | None = None, what: str = "server",
-                 layout: str = "split") -> ServerProc:
+                 layout: str = "split", gateway_config: dict[str, Any] | None = None) -> ServerProc:
     """Start the guard alone (``GuardRunner``), or the appliance, in a child process.
 
     The appliance (``gateway=True``) is laid out like ``uomp gateway start``: ``GatewayRunner`` in the
@@ -277,7 +277,9 @@ def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = No
     one asyncio loop (``layout="one-process"``). ``tcp_port``: also serve the Local Profile on
     127.0.0.1:tcp_port. ``ssl_read_buffer_kib`` (asyncio's per-connection TLS read buffer; the
     product sets 32) and ``quota_block`` (a fixed QuotaLedger reservation block instead of the
-    product's adaptive one) are experiment knobs of the benchmark, never set by default."""
+    product's adaptive one) are experiment knobs of the benchmark, never set by default.
+    ``gateway_config``: GatewayConfig fields to set (e.g. ``tunnel_origin_port=0``); the info line
+    then also carries ``tunnel_port``."""
     cmd = [PYTHON, str(Path(__file__).resolve()), "serve", "--home", str(paths.home)]
     if gateway:
         cmd += ["--gateway", "--layout", layout]
@@ -291,6 +293,8 @@ def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = No
         cmd += ["--quota-block", str(quota_block)]
     if profile:
         cmd += ["--profile", profile]
+    if gateway_config:
+        cmd += ["--gateway-config", json.dumps(gateway_config)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
         info = _read_json_line(proc, 60, what)
@@ -350,10 +354,13 @@ async def _serve(args: argparse.Namespace) -> None:
             cfg = GatewayConfig(listen_port=0)
             if args.max_connections:
                 cfg = dataclasses.replace(cfg, max_connections=args.max_connections)
+            if args.gateway_config:
+                cfg = dataclasses.replace(cfg, **json.loads(args.gateway_config))
             gw = GatewayRunner(paths, cfg)
             await gw.start()
             info.update(gateway_port=gw.port, max_connections=cfg.max_connections,
-                        keepalive_timeout_seconds=cfg.keepalive_timeout_seconds)
+                        keepalive_timeout_seconds=cfg.keepalive_timeout_seconds, tunnel_port=gw.tunnel_port,
+                        metrics_port=gw.metrics_port, fd_limit=getattr(gw, "fd_limit", None))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -986,6 +993,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     s.add_argument("--ssl-read-buffer-kib", type=int)
     s.add_argument("--quota-block", type=int)
     s.add_argument("--max-lifetime", type=float, default=1800.0)
+    s.add_argument("--gateway-config", metavar="JSON", help="GatewayConfig fields to set, as a JSON object")
     s.add_argument("--profile", metavar="FILE", help="cProfile the server, dump stats to FILE on exit")
     sub.add_parser("load", help="a load generator; JSON spec on stdin, JSON result on stdout")
     gc = sub.add_parser("guard-child", help="the guard as the appliance's child process (started by serve)")

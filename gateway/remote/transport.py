@@ -10,10 +10,12 @@ timed from the moment it is **accepted**, before any TLS byte is read:
   agent CA and CRL; on the tunnel-origin listener when one of its requests passed token, DPoP and
   session checks (:func:`authenticated`). Unverified connections have their own small budget
   (``max_unverified``) and a per-source-address budget (``max_unverified_per_ip``); when either is
-  full the **oldest** unverified connection is evicted (closed at once), never the new one, so a
-  flood cannot keep an agent from reaching its handshake. Verified connections have their own
-  budget (``max_verified``) which unverified ones never touch; a verified connection over it is
-  refused (closed) after its handshake.
+  full an older unverified connection is evicted (closed at once), never the new one: first those
+  that sit still (a finished certificate-less handshake, a silent socket), then, among those
+  receiving, the one whose last byte is oldest (:meth:`Conn.eviction_key`). So a flood cannot keep
+  an agent from reaching the end of its handshake. Verified connections have their own budget
+  (``max_verified``) which unverified ones never touch; a verified connection over it is refused
+  (closed) after its handshake.
 * **Deadlines from accept.** The TLS handshake (``handshake_timeout``) and the first request byte
   (``first_byte_timeout``) count from accept; the first request's headers must be complete within
   ``header_timeout`` of accept, a keep-alive request's within ``header_timeout`` of its first byte;
@@ -35,11 +37,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import fcntl
 import logging
 import math
 import resource
 import socket
 import ssl
+import sys
+import termios
 from asyncio import sslproto
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -184,7 +189,8 @@ class Conn:
     """One accepted connection's budget membership, phase and deadline timer."""
 
     __slots__ = ("accepted_at", "body_bytes", "body_started", "bytes_in", "closed", "handler", "handshaken",
-                 "ip", "payload", "pending", "phase", "raw", "registry", "requests", "timer", "verified")
+                 "ip", "last_progress", "loop", "payload", "pending", "phase", "queued", "raw", "raw_bytes",
+                 "registry", "requests", "timer", "verified")
 
     def __init__(self, registry: ConnectionRegistry, handler: GuardedHandler) -> None:
         self.registry = registry
@@ -203,6 +209,51 @@ class Conn:
         self.payload: Any = None
         self.pending = False  # bytes of a next request arrived while this one was handled
         self.requests = 0
+        self.raw_bytes = 0  # bytes read from the socket (TLS records included)
+        self.queued = False  # a whole request head has arrived and waits for its handler
+        self.last_progress = 0.0  # loop time of the last bytes received (accept time before any)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def eviction_key(self) -> tuple[int, float]:
+        """Lowest first: which unverified connection to close when a budget is full.
+
+        Class 0: ready for a request and sending none (a finished handshake without a
+        certificate, an idle plain connection); 1: a connection that has sent no byte yet;
+        2: receiving (handshake, headers or body); 3: a whole request received and waiting for
+        or in its handler. Within a class,
+        the connection whose last byte is oldest. A client that is getting somewhere (an agent's
+        handshake, a request on its way) outlives ones that sit still, whatever their age.
+        """
+        phase = self.phase
+        if phase == "handling" or self.queued:
+            cls = 3
+        elif phase in ("headers", "body"):
+            cls = 2
+        elif phase == "accepted" and not (self.handler.tls and self.handshaken):
+            cls = 2 if self.raw_bytes else 1  # TLS handshake under way, or a plain connection's first bytes
+        else:
+            cls = 0
+        return cls, self.last_progress
+
+    def bytes_waiting(self) -> bool:
+        """True when the kernel holds bytes from this peer that asyncio has not read yet (FIONREAD).
+
+        Connections accepted in one burst are all silent to us until the loop gets round to
+        reading them; an agent's ClientHello or request is already here, a flooder's is not."""
+        raw = self.raw
+        sock = raw.get_extra_info("socket") if raw is not None else None
+        if sock is None:
+            return False
+        try:
+            buf = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except (OSError, ValueError):
+            return False
+        return int.from_bytes(buf, sys.byteorder) > 0
+
+    def progress(self, n: int) -> None:
+        self.raw_bytes += n
+        if self.loop is not None:
+            self.last_progress = self.loop.time()
 
     # -- timer
 
@@ -230,7 +281,8 @@ class Conn:
 
     def opened(self, raw: asyncio.BaseTransport) -> None:
         self.raw = raw
-        self.accepted_at = asyncio.get_running_loop().time()
+        self.loop = asyncio.get_running_loop()
+        self.accepted_at = self.last_progress = self.loop.time()
         peer = raw.get_extra_info("peername")
         self.ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         self._arm(self.accepted_at + self.registry.limits.first_byte_timeout, "first_byte")
@@ -245,6 +297,8 @@ class Conn:
 
     def data(self, n: int) -> None:
         self.bytes_in += n
+        if not self.handler.tls:
+            self.progress(n)
         if self.phase in ("accepted", "idle"):
             lim = self.registry.limits
             now = asyncio.get_running_loop().time()
@@ -257,6 +311,7 @@ class Conn:
 
     def request_started(self, payload: Any) -> None:
         self.requests += 1
+        self.queued = False
         self.phase = "body"
         self.payload = payload
         self.pending = False
@@ -351,9 +406,34 @@ class ConnectionRegistry:
             self.on_open()
         lim = self.limits
         if lim.max_unverified_per_ip and len(bucket) > lim.max_unverified_per_ip:
-            self._evict(next(iter(bucket)))
+            self._evict(self._victim(bucket, conn))
         while len(self.unverified) > lim.max_unverified:
-            self._evict(next(iter(self.unverified)))
+            # from the address holding the most unverified connections: a flood from one address
+            # does not push out another address's clients
+            largest = max(self.per_ip.values(), key=len)
+            self._evict(self._victim(largest if len(largest) > 1 else self.unverified, conn))
+
+    @staticmethod
+    def _victim(pool: dict[Conn, None], newcomer: Conn) -> Conn:
+        """The unverified connection to close (lowest :meth:`Conn.eviction_key`); never the one
+        just accepted, which has had no chance to show progress yet. A silent candidate whose
+        bytes are already waiting in the kernel counts as receiving. O(budget); budgets are small,
+        and each connection is looked at with FIONREAD at most once while it has bytes waiting."""
+        while True:
+            best: Conn | None = None
+            best_key: tuple[int, float] | None = None
+            for c in pool:
+                if c is newcomer:
+                    continue
+                key = c.eviction_key()
+                if best_key is None or key < best_key:
+                    best, best_key = c, key
+            if best is None:
+                return newcomer
+            if best_key is not None and best_key[0] == 1 and best.bytes_waiting():
+                best.progress(1)  # its bytes are here: no longer silent
+                continue
+            return best
 
     def _forget_unverified(self, conn: Conn) -> bool:
         if conn not in self.unverified:
@@ -462,8 +542,11 @@ class GuardedHandler(RequestHandler):
             super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        self._uomp_conn.data(len(data))
+        conn = self._uomp_conn
+        conn.data(len(data))
         super().data_received(data)
+        if self._messages and not conn.verified:
+            conn.queued = True  # aiohttp parsed a whole request head: it waits for its handler
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -502,6 +585,10 @@ class CountedSSLProtocol(sslproto.SSLProtocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._uomp_conn.lost(exc)
         super().connection_lost(exc)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._uomp_conn.progress(nbytes)
+        super().buffer_updated(nbytes)
 
 
 def request_started(request: web.BaseRequest) -> None:
