@@ -266,7 +266,9 @@ def _run_flood(kind: str, args: argparse.Namespace, info: dict[str, Any], agent:
     try:
         with RssSampler(info["pid"], info.get("metrics_port")) as rss:
             time.sleep(args.ramp)
+            cpu0, t0 = c.proc_cpu_seconds(info["pid"]), time.perf_counter()
             probes = asyncio.run(agent.probes(listener, args.duration))
+            cpu_share = (c.proc_cpu_seconds(info["pid"]) - cpu0) / (time.perf_counter() - t0)
         proc.wait(args.duration + 60)
     finally:
         if proc.poll() is None:
@@ -277,13 +279,14 @@ def _run_flood(kind: str, args: argparse.Namespace, info: dict[str, Any], agent:
     return {"kind": kind, "listener": listener, "probes": probes, "held_max": max(held, default=0),
             "held_mean": statistics.fmean(held) if held else 0.0, "timeline": held,
             "opened": done.get("opened", timeline[-1]["opened"] if timeline else 0),
-            "rss_max_kib": max(rss.samples, default=0), "gw_open_max": max(rss.open_conns, default=-1),
+            "rss_max_kib": max(rss.samples, default=0), "cpu": cpu_share,
+            "gw_open_max": max(rss.open_conns, default=-1),
             "gw_open_mean": statistics.fmean(rss.open_conns) if rss.open_conns else -1.0}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--conns", type=int, default=1000, help="hostile connections kept open (default 1000)")
+    p.add_argument("--conns", type=int, default=2000, help="hostile connections kept open (default 2000)")
     p.add_argument("--rate", type=float, default=1000.0, help="attacker's new connections per second (default 1000)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of agent probing per phase (default 15)")
     p.add_argument("--ramp", type=float, default=3.0, help="seconds of flooding before the agent starts (default 3)")
@@ -325,8 +328,10 @@ def main() -> None:
             agent = Agent(info, ag, mt["token"], tt["token"])
             rss0 = max(srv.rss_kib(), 1)
             base: dict[str, dict[str, dict[str, Any]]] = {}
+            cpu0, t0 = c.proc_cpu_seconds(info["pid"]), time.perf_counter()
             for listener in ("mtls", "tunnel"):
                 base[listener] = asyncio.run(agent.probes(listener, args.duration))
+            base_cpu = (c.proc_cpu_seconds(info["pid"]) - cpu0) / (time.perf_counter() - t0)
             rss_base = srv.rss_kib()
             results = []
             for kind in args.kinds:
@@ -334,17 +339,18 @@ def main() -> None:
                 results.append(r)
                 time.sleep(3)  # let the last flood connections go
             print()
-            print(f"gateway RSS before any flood: {rss0 / 1024:.1f} MiB; after the baseline: {rss_base / 1024:.1f} MiB")
+            print(f"gateway RSS before any flood: {rss0 / 1024:.1f} MiB; after the baseline: "
+                  f"{rss_base / 1024:.1f} MiB; gateway CPU during the baseline: {base_cpu * 100:.0f}% of a core")
             print("held: connections the attacker saw open (max/mean of its per-second counts); gw open: the "
                   "gateway's open_connections gauge (max/mean, every 0.25 s, agent included)")
-            print(f"{'flood':<17} {'held':>9} {'gw open':>9} {'opened':>7} {'RSS max':>8}  {'agent':<15} "
+            print(f"{'flood':<17} {'held':>9} {'gw open':>9} {'opened':>7} {'RSS max':>8} {'gw CPU':>6}  {'agent':<15} "
                   f"{'p50 ms base→flood':>19} {'x':>5} {'p99 ms base→flood':>19} {'x':>5} {'fails':>7}")
             for r in results:
                 for mode, got in r["probes"].items():
                     b = base[r["listener"]][mode]
                     print(f"{r['kind']:<17} {r['held_max']:>4}/{r['held_mean']:<4.0f} "
                           f"{r['gw_open_max']:>4}/{r['gw_open_mean']:<4.0f} {r['opened']:>7} "
-                          f"{r['rss_max_kib'] / 1024:>6.1f}Mi  {mode:<15} "
+                          f"{r['rss_max_kib'] / 1024:>6.1f}Mi {r['cpu'] * 100:>5.0f}%  {mode:<15} "
                           f"{b['p50']:>8.1f} → {got['p50']:>8.1f} {got['p50'] / b['p50']:>5.2f} "
                           f"{b['p99']:>8.1f} → {got['p99']:>8.1f} {got['p99'] / b['p99']:>5.2f} "
                           f"{got['fails']:>3}/{got['n'] + got['fails']:<4}")

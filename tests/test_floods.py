@@ -229,6 +229,44 @@ async def test_tunnel_origin_flood_does_not_starve_a_dpop_agent(home: Paths) -> 
         assert app.gateway.registry.accepted == 0
 
 
+async def test_eviction_order_silent_then_stalled_never_the_request(home: Paths) -> None:
+    """With room for two unverified connections: a silent one goes first, then a stalled half
+    request; a whole request (already in the kernel or being handled) is never the one closed."""
+    async with appliance(home, tunnel_origin_port=0, endpoints=[TUNNEL],
+                         **dict(LIMITS, tunnel_max_unverified_connections=2)) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a, audience=TUNNEL)
+        key = serialization.load_pem_private_key(a.files.key_file.read_bytes(), password=None)
+        port = app.gateway.tunnel_port
+        assert port is not None
+        reg = app.gateway.tunnel_registry
+        silent = Flood()
+        await silent.add(raw_tcp(port))
+        stalled = Flood()
+        await stalled.add(raw_tcp(port), b"GET /v1/health HT")
+        assert await wait_for(lambda: any(c.phase == "headers" for c in reg.unverified))
+        proof = dpop.make_dpop_proof(key, method="GET", url=TUNNEL + "/v1/memory/preference.theme",  # type: ignore[arg-type]
+                                     access_token=g["token"], now=time.time())
+        request = ("GET /v1/memory/preference.theme HTTP/1.1\r\nHost: tunnel.example\r\n"
+                   f"Authorization: DPoP {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nDPoP: {proof}\r\n"
+                   "Connection: close\r\n\r\n").encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        answer = await asyncio.wait_for(reader.read(), 30)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+        assert await silent.all_closed(timeout=30)
+        assert stalled.held == 1  # the half request outlived the silent connection
+        # two newer half requests: the stalled one, now the stalest receiver, is closed
+        later = Flood()
+        await later.add(raw_tcp(port), b"GET /v1/health HT")
+        await later.add(raw_tcp(port), b"GET /v1/health HT")
+        assert await stalled.all_closed(timeout=30)
+        assert later.held >= 1
+        for f in (silent, stalled, later):
+            f.close()
+        writer.transport.abort()
+
+
 async def test_metrics_listener_flood_is_bounded(home: Paths) -> None:
     """The metrics listener shares the process's file descriptors: its flood is bounded too."""
     async with appliance(home, metrics_port=0, metrics_max_connections=4, **LIMITS) as app:

@@ -190,7 +190,7 @@ class Conn:
 
     __slots__ = ("accepted_at", "body_bytes", "body_started", "bytes_in", "closed", "handler", "handshaken",
                  "ip", "last_progress", "loop", "payload", "pending", "phase", "queued", "raw", "raw_bytes",
-                 "registry", "requests", "timer", "verified")
+                 "registry", "requests", "timer", "verified", "waiting")
 
     def __init__(self, registry: ConnectionRegistry, handler: GuardedHandler) -> None:
         self.registry = registry
@@ -211,6 +211,9 @@ class Conn:
         self.requests = 0
         self.raw_bytes = 0  # bytes read from the socket (TLS records included)
         self.queued = False  # a whole request head has arrived and waits for its handler
+        # what the kernel holds for us before asyncio has read anything (see peek_waiting):
+        # 0 unknown/nothing, 2 part of a first message, 3 a whole ClientHello record / request head
+        self.waiting = 0
         self.last_progress = 0.0  # loop time of the last bytes received (accept time before any)
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -220,38 +223,55 @@ class Conn:
         Class 0: ready for a request and sending none (a finished handshake without a
         certificate, an idle plain connection); 1: a connection that has sent no byte yet;
         2: receiving (handshake, headers or body); 3: a whole request received and waiting for
-        or in its handler. Within a class,
-        the connection whose last byte is oldest. A client that is getting somewhere (an agent's
-        handshake, a request on its way) outlives ones that sit still, whatever their age.
+        or in its handler. Within a class, the connection whose last byte is oldest. A client
+        that is getting somewhere (an agent's handshake, a request on its way) outlives ones that
+        sit still, whatever their age.
         """
         phase = self.phase
-        if phase == "handling" or self.queued:
+        if phase == "handling" or self.queued or self.waiting == 3:
             cls = 3
         elif phase in ("headers", "body"):
             cls = 2
         elif phase == "accepted" and not (self.handler.tls and self.handshaken):
-            cls = 2 if self.raw_bytes else 1  # TLS handshake under way, or a plain connection's first bytes
+            # TLS handshake under way, or a plain connection's first bytes
+            cls = 2 if self.raw_bytes or self.waiting else 1
         else:
             cls = 0
         return cls, self.last_progress
 
-    def bytes_waiting(self) -> bool:
-        """True when the kernel holds bytes from this peer that asyncio has not read yet (FIONREAD).
+    def peek_waiting(self) -> int:
+        """Classify what the kernel holds from this peer that asyncio has not read yet.
 
         Connections accepted in one burst are all silent to us until the loop gets round to
-        reading them; an agent's ClientHello or request is already here, a flooder's is not."""
+        reading them, but an agent's ClientHello or request is already in the socket buffer. 0:
+        nothing; 2: part of a first message; 3: a whole TLS record (the ClientHello) on the TLS
+        listener, a whole request head (up to the blank line) on a plain one. FIONREAD, then a
+        MSG_PEEK read of at most 16 KiB, nothing consumed."""
         raw = self.raw
-        sock = raw.get_extra_info("socket") if raw is not None else None
-        if sock is None:
-            return False
+        tsock = raw.get_extra_info("socket") if raw is not None else None
+        if tsock is None:
+            return 0
         try:
-            buf = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+            fd = tsock.fileno()
+            avail = int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+            if avail <= 0:
+                return 0
+            peeker = socket.socket(fileno=fd)  # the same descriptor, detached again below (not closed)
+            try:
+                head = peeker.recv(min(avail, 16 * 1024), socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            finally:
+                peeker.detach()
         except (OSError, ValueError):
-            return False
-        return int.from_bytes(buf, sys.byteorder) > 0
+            return 0
+        if self.handler.tls:
+            whole = len(head) >= 5 and head[0] == 0x16 and len(head) >= 5 + int.from_bytes(head[3:5], "big")
+        else:
+            whole = b"\r\n\r\n" in head
+        return 3 if whole else 2
 
     def progress(self, n: int) -> None:
         self.raw_bytes += n
+        self.waiting = 0
         if self.loop is not None:
             self.last_progress = self.loop.time()
 
@@ -274,8 +294,8 @@ class Conn:
 
     def abort(self) -> None:
         self._cancel()
-        if self.raw is not None and not self.raw.is_closing():
-            self.raw.abort()  # type: ignore[attr-defined]
+        if self.raw is not None:
+            self.raw.abort()  # type: ignore[attr-defined]  # at once, even if a graceful close had begun
 
     # -- events
 
@@ -417,8 +437,9 @@ class ConnectionRegistry:
     def _victim(pool: dict[Conn, None], newcomer: Conn) -> Conn:
         """The unverified connection to close (lowest :meth:`Conn.eviction_key`); never the one
         just accepted, which has had no chance to show progress yet. A silent candidate whose
-        bytes are already waiting in the kernel counts as receiving. O(budget); budgets are small,
-        and each connection is looked at with FIONREAD at most once while it has bytes waiting."""
+        bytes are already waiting in the kernel counts as receiving, or as a whole request when
+        they are one (:meth:`Conn.peek_waiting`). O(budget); budgets are small, and a connection is
+        peeked at most once while its bytes wait."""
         while True:
             best: Conn | None = None
             best_key: tuple[int, float] | None = None
@@ -430,9 +451,13 @@ class ConnectionRegistry:
                     best, best_key = c, key
             if best is None:
                 return newcomer
-            if best_key is not None and best_key[0] == 1 and best.bytes_waiting():
-                best.progress(1)  # its bytes are here: no longer silent
-                continue
+            if best_key is not None and best_key[0] == 1:
+                waiting = best.peek_waiting()
+                if waiting:  # its bytes are here: no longer silent
+                    best.waiting = waiting
+                    if best.loop is not None:
+                        best.last_progress = best.loop.time()
+                    continue
             return best
 
     def _forget_unverified(self, conn: Conn) -> bool:
