@@ -161,7 +161,8 @@ class GatewayConfig:
     max_body_bytes: int = 1024 * 1024
     # Connection limits (gateway/remote/transport.py, docs/security.md "Limits"). A connection is
     # counted from accept, before any TLS byte. "Unverified": no verified client certificate yet
-    # (mTLS listener) / no authenticated request yet (tunnel-origin listener); oldest evicted first.
+    # (mTLS listener) / no authenticated request yet (tunnel-origin listener); when their budget is
+    # full the unverified connection getting least far (idle, then silent, then stalled) is closed.
     max_connections: int = 1024  # mTLS listener: connections with a verified client certificate
     max_unverified_connections: int = 128  # mTLS listener: handshaking or certificate-less connections
     max_unverified_connections_per_ip: int = 32  # mTLS listener: unverified connections from one address
