@@ -405,7 +405,8 @@ class ConnectionRegistry:
 
     @property
     def slow_closed(self) -> int:
-        return sum(self.closed_by_deadline.values())
+        """Connections closed by a deadline, the TLS handshake's included."""
+        return sum(self.closed_by_deadline.values()) + self.closed_before_handshake["timeout"]
 
     @property
     def active(self) -> int:
