@@ -48,6 +48,9 @@ STATUS: dict[str, int] = {
     "RENEWAL_TOO_EARLY": 409,  # certificate renewal before the last part of the certificate's life
     "RATE_LIMITED": 429,  # too many certificate renewals for one agent in the configured window
     "UNSAFE_PERMISSIONS": 500,  # data directory owned by someone else or group/other-writable
+    "ANCHOR_UNAVAILABLE": 503,  # chain RPC unreachable, timed out or not final yet: retry later
+    "ANCHOR_REJECTED": 502,  # the chain refused or reverted the anchor (not retryable as is)
+    "ANCHOR_MISMATCH": 409,  # the chain does not show the anchor that was claimed
     "INTERNAL": 500,
 }
 
