@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev || { echo "setup failed"; exit 1; }
 # npm `jose` for the TypeScript-reference interop test (node/npm ship with the machine image).
 bash scripts/setup-interop.sh || { echo "interop setup failed"; exit 1; }
+# npm anvil (a real local EVM chain) and solc-js for the anchoring tests, pinned by anchor-tools/.
+bash scripts/setup-anvil.sh || { echo "anvil setup failed"; exit 1; }
 status=0
 echo "== ruff"; .venv/bin/ruff check gateway tests scripts benchmarks examples || status=1
 echo "== mypy (strict, gateway/)"; .venv/bin/mypy || status=1

@@ -32,7 +32,8 @@ from gateway.anchor.base import (
 
 ROOT = Path(__file__).resolve().parent.parent
 ANVIL = ROOT / "anchor-tools" / "node_modules" / "@foundry-rs" / "anvil-linux-amd64" / "bin" / "anvil"
-ANVIL_MISSING = f"anvil not installed at {ANVIL.relative_to(ROOT)} (run scripts/setup-anvil.sh; needs node/npm, linux-x64)"
+ANVIL_MISSING = (f"anvil not installed at {ANVIL.relative_to(ROOT)} "
+                 "(run scripts/setup-anvil.sh; needs node/npm on linux-x64)")
 START_DEADLINE_S = 60.0  # generous: seven test runs share two cores
 
 
@@ -98,7 +99,7 @@ class Anvil:
     def rpc(self, method: str, *params: Any) -> Any:
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": list(params)}).encode()
         req = urllib.request.Request(self.url, data=body, headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback http
+        with urllib.request.urlopen(req, timeout=10) as resp:
             out = json.loads(resp.read())
         if "error" in out:
             raise RuntimeError(f"anvil {method}: {out['error']}")

@@ -247,6 +247,8 @@ def redact_url(url: str) -> str:
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
         port = f":{parts.port}" if parts.port else ""
     except ValueError:
         return "<invalid url>"

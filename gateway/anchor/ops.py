@@ -1,0 +1,84 @@
+"""Plain functions behind ``uomp anchor deploy`` and ``uomp anchor status`` (the CLI wires them).
+
+Each returns a JSON-serialisable dict (never a key) or raises an :class:`AnchorError`
+(a UompError: the CLI prints ``code: message`` and exits non-zero). docs/anchoring.md shows usage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from gateway.anchor.base import AnchorBackend, AnchorRejected, Submitted
+from gateway.anchor.none import NoneBackend
+
+BACKENDS = ("none", "evm", "starknet")
+
+
+def make_backend(
+    kind: str,
+    *,
+    rpc_url: str | None = None,
+    contract: str | None = None,
+    chain_id: int | None = None,
+    key_file: Path | None = None,
+    account: str | None = None,
+    confirmations: int | None = None,
+) -> AnchorBackend:
+    """A backend from plain settings. ``key_file`` absent: read-only (status, find, verify).
+
+    evm: ``contract`` 0x address, ``chain_id`` optional (pinned from the node otherwise),
+    ``key_file`` a 0600 file with the 0x-hex private key.
+    starknet: ``contract`` and ``account`` 0x felts, ``chain_id`` required, ``key_file`` the
+    account's 0x-hex Stark private key (0600).
+    """
+    if kind == "none":
+        return NoneBackend()
+    if kind not in BACKENDS:
+        raise AnchorRejected(f"unknown anchor backend {kind!r} (one of {', '.join(BACKENDS)})")
+    if not rpc_url:
+        raise AnchorRejected(f"the {kind} backend needs an RPC URL")
+    extra: dict[str, Any] = {} if confirmations is None else {"confirmations": confirmations}
+    if kind == "evm":
+        from gateway.anchor.evm import EvmBackend, EvmSettings, load_private_key
+
+        acct = load_private_key(key_file) if key_file is not None else None
+        return EvmBackend(EvmSettings(rpc_url=rpc_url, contract=contract, chain_id=chain_id, **extra), acct)
+    from gateway.anchor.starknet import StarknetBackend, StarknetSettings, load_stark_key
+
+    if not contract or not account or chain_id is None:
+        raise AnchorRejected("the starknet backend needs a contract, an account and a chain id")
+    try:
+        settings = StarknetSettings(rpc_url=rpc_url, account=int(account, 16), contract=int(contract, 16),
+                                    chain_id=chain_id, **extra)
+    except ValueError:
+        raise AnchorRejected("starknet contract, account or chain id is not a felt") from None
+    key = load_stark_key(key_file) if key_file is not None else None
+    return StarknetBackend(settings, key)
+
+
+async def anchor_deploy(rpc_url: str, key_file: Path, *, chain_id: int | None = None) -> dict[str, Any]:
+    """``uomp anchor deploy``: deploy UompAnchor (EVM) owned by the key file's account.
+
+    Returns ``{"contract", "chain_id", "owner", "tx", "block"}``; put ``contract`` and
+    ``chain_id`` in the appliance's anchoring settings. (Starknet: declare and deploy the Cairo
+    contract with Starknet tooling; this project cannot compile it.)
+    """
+    from gateway.anchor.evm import EvmBackend, EvmSettings, load_private_key
+
+    backend = EvmBackend(EvmSettings(rpc_url=rpc_url, chain_id=chain_id), load_private_key(key_file))
+    try:
+        return await backend.deploy()
+    finally:
+        await backend.close()
+
+
+async def anchor_status(backend: AnchorBackend, submitted: Submitted | None = None) -> dict[str, Any]:
+    """``uomp anchor status``: the backend's description and, for chains, the live view (chain id,
+    head, contract check, owner, balance or nonce); with ``submitted``, that anchor's confirmation."""
+    report = getattr(backend, "report", None)
+    out: dict[str, Any] = await report() if report is not None else backend.describe()
+    if submitted is not None:
+        out["anchor"] = {"anchor_id": submitted.anchor_id.hex(), **asdict(await backend.status(submitted))}
+    return out
