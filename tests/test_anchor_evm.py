@@ -243,6 +243,48 @@ async def test_rpc_down_is_retryable_and_the_same_anchor_goes_through_after(
     await backend.verify(anchor, sub.ref)
 
 
+async def test_transient_http_errors_are_retried_with_backoff(backend: EvmBackend, anvil: Anvil,
+                                                               owner: LocalAccount) -> None:
+    """A proxy in front of anvil answers every fourth request 503 (or drops the connection):
+    each RPC call is retried and the anchor goes through, verified, with no error surfacing."""
+    import aiohttp
+    from aiohttp import web
+
+    seen = {"n": 0, "failed": 0}
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        seen["n"] += 1
+        if seen["n"] % 4 == 0:
+            seen["failed"] += 1
+            if seen["n"] % 8 == 0:
+                assert request.transport is not None
+                request.transport.close()  # connection reset mid-request
+                return web.Response()
+            return web.Response(status=503, text="busy")
+        body = await request.read()
+        async with aiohttp.ClientSession() as s, s.post(anvil.url, data=body,
+                                                         headers={"content-type": "application/json"}) as r:
+            return web.Response(body=await r.read(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    flaky = EvmBackend(dataclasses.replace(backend.settings, rpc_url=f"http://127.0.0.1:{port}/"), owner)
+    try:
+        anchor = sample_anchor(15)
+        sub = await flaky.submit(anchor)
+        anvil.mine(1)
+        await flaky.verify(anchor, sub.ref)
+    finally:
+        await flaky.close()
+        await runner.cleanup()
+    assert seen["failed"] >= 3
+
+
 async def test_closed_port_is_retryable(owner: LocalAccount) -> None:
     b = EvmBackend(EvmSettings(rpc_url=f"http://127.0.0.1:{closed_port()}/secret-api-key",
                                contract="0x" + "11" * 20, **FAST), owner)

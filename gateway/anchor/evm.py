@@ -150,6 +150,9 @@ class EvmBackend:
         self._w3 = AsyncWeb3(
             AsyncHTTPProvider(settings.rpc_url, request_kwargs={"timeout": timeout}, exception_retry_configuration=None)
         )
+        # We sign locally and check the chain id ourselves; web3's validation middleware would add
+        # an eth_chainId round trip to every call.
+        self._w3.middleware_onion.remove("validation")
         self._contract: AsyncContract | None = None
         if settings.contract is not None:
             if not AsyncWeb3.is_address(settings.contract):
