@@ -214,6 +214,23 @@ async def test_read_only_backend_cannot_submit(backend: EvmBackend) -> None:
         await ro.close()
 
 
+async def test_pending_dropped_and_resubmitted_with_the_same_bytes(backend: EvmBackend, anvil: Anvil,
+                                                                    owner: LocalAccount) -> None:
+    anvil.rpc("evm_setAutomine", False)
+    anchor = sample_anchor(16)
+    sub = await backend.submit(anchor)
+    assert (await backend.status(sub)).state == "pending"
+    assert (await backend.submit(anchor)).ref == sub.ref  # still pending: nothing new is sent
+    anvil.rpc("anvil_dropTransaction", sub.ref)
+    assert (await backend.status(sub)).state == "dropped"
+    again = await backend.submit(anchor)  # re-broadcasts the signed bytes: same hash, same nonce
+    assert (again.ref, again.nonce) == (sub.ref, sub.nonce)
+    assert (await backend.status(sub)).state == "pending"
+    anvil.mine(2)
+    assert (await backend.status(sub)).final
+    await backend.verify(anchor, sub.ref)
+
+
 async def test_status_of_an_unknown_transaction_is_dropped(backend: EvmBackend) -> None:
     st = await backend.status(Submitted("evm", b"\x00" * 32, "0x" + "cd" * 32))
     assert st.state == "dropped"

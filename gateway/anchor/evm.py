@@ -331,16 +331,20 @@ class EvmBackend:
             if existing is not None:
                 self._inflight.pop(anchor.anchor_id, None)
                 return Submitted(self.name, anchor.anchor_id, existing, found_on_chain=True)
-            sent = self._inflight.get(anchor.anchor_id)
+            sent = self._inflight.pop(anchor.anchor_id, None)
             if sent is not None:
                 prev, raw = sent
-                if await self._known(bytes.fromhex(prev.ref[2:])):
+                state = (await self.status(prev)).state
+                if state == "dropped":  # gone from the pool: the same bytes again, if the nonce is still free
+                    try:
+                        await self._send_raw(raw, _parse_ref(prev.ref))
+                        state = "pending"
+                    except AnchorUnavailable:
+                        pass
+                if state in ("pending", "confirmed"):
+                    self._inflight[anchor.anchor_id] = sent
                     return prev
-                try:  # dropped from the pool: the same bytes again, if the nonce is still free
-                    await self._send_raw(raw, bytes.fromhex(prev.ref[2:]))
-                    return prev
-                except AnchorUnavailable:
-                    del self._inflight[anchor.anchor_id]
+                # failed (reverted) or unrecoverable: build a new transaction
             tx = {"to": contract.address, "data": self._calldata(anchor), "value": 0}
             try:
                 tx_hash, raw, nonce = await self._sign_and_send(tx)
