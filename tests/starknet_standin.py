@@ -102,6 +102,7 @@ class StandIn:
     head: int = 100
     auto_mine: bool = True
     l1_accepted_upto: int = -1  # blocks <= this are ACCEPTED_ON_L1
+    endless_paging: bool = False  # a hostile node: getEvents always says "there is more"
     txs: dict[int, Tx] = field(default_factory=dict)
     pending: list[int] = field(default_factory=list)
     anchored: dict[int, int] = field(default_factory=dict)  # checkpoint hash (as int) -> block
@@ -265,6 +266,8 @@ class StandIn:
 
     def events(self, params: dict[str, Any]) -> dict[str, Any]:
         flt = params["filter"]
+        if self.endless_paging:
+            return {"events": [], "continuation_token": "more"}
         lo = flt.get("from_block", {}).get("block_number", 0)
         hi = flt.get("to_block", {}).get("block_number", self.head)
         keys = [[felt(k, "key") for k in alt] for alt in flt.get("keys", [])]

@@ -141,6 +141,16 @@ async def test_tampered_anchor_fails_verify(backend: StarknetBackend, chain: Sta
             await backend.verify(anchor, ref)
 
 
+async def test_a_node_that_pages_forever_is_refused(backend: StarknetBackend, chain: StandInServer) -> None:
+    anchor = sample_anchor(11)
+    sub = await backend.submit(anchor)
+    chain.node.mine(1)
+    chain.node.endless_paging = True
+    with pytest.raises(AnchorUnavailable, match="kept paging"):
+        await backend.verify(anchor, sub.ref)
+    assert chain.node.calls.count("starknet_getEvents") <= backend.settings.events_max_pages + 2
+
+
 async def test_resubmission_is_found_not_resent(backend: StarknetBackend, chain: StandInServer) -> None:
     anchor = sample_anchor(6)
     first = await backend.submit(anchor)

@@ -240,6 +240,20 @@ class AnchorBackend(Protocol):
     async def close(self) -> None: ...
 
 
+def check_rpc_url(url: str) -> None:
+    """An http(s) URL with a host, or ValueError (never echoing the URL: it may carry a key)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        _ = parts.port  # raises on a malformed port
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError("rpc_url must be an http:// or https:// URL with a host")
+
+
 def redact_url(url: str) -> str:
     """``scheme://host:port`` of an RPC URL: paths and queries often carry API keys."""
     from urllib.parse import urlsplit

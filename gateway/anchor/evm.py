@@ -52,6 +52,7 @@ from gateway.anchor.base import (
     SessionGranted,
     SessionRevoked,
     Submitted,
+    check_rpc_url,
     redact_url,
 )
 from gateway.anchor.encoding import keccak256
@@ -87,6 +88,7 @@ class EvmSettings:
     receipt_poll_s: float = 0.25  # deploy: receipt polling interval
 
     def __post_init__(self) -> None:
+        check_rpc_url(self.rpc_url)
         if self.confirmations < 1 or self.rpc_attempts < 1 or self.rpc_timeout_s <= 0:
             raise ValueError("confirmations and rpc_attempts must be >= 1 and rpc_timeout_s > 0")
         if self.backoff_initial_s < 0 or self.backoff_max_s < self.backoff_initial_s or self.gas_margin_pct < 0:

@@ -43,17 +43,25 @@ def make_backend(
     if kind == "evm":
         from gateway.anchor.evm import EvmBackend, EvmSettings, load_private_key
 
+        try:
+            evm_settings = EvmSettings(rpc_url=rpc_url, contract=contract, chain_id=chain_id, **extra)
+        except ValueError as exc:  # our own messages: they never echo the URL
+            raise AnchorRejected(str(exc)) from None
         acct = load_private_key(key_file) if key_file is not None else None
-        return EvmBackend(EvmSettings(rpc_url=rpc_url, contract=contract, chain_id=chain_id, **extra), acct)
+        return EvmBackend(evm_settings, acct)
     from gateway.anchor.starknet import StarknetBackend, StarknetSettings, load_stark_key
 
     if not contract or not account or chain_id is None:
         raise AnchorRejected("the starknet backend needs a contract, an account and a chain id")
     try:
-        settings = StarknetSettings(rpc_url=rpc_url, account=int(account, 16), contract=int(contract, 16),
-                                    chain_id=chain_id, **extra)
+        account_felt, contract_felt = int(account, 16), int(contract, 16)
     except ValueError:
-        raise AnchorRejected("starknet contract, account or chain id is not a felt") from None
+        raise AnchorRejected("starknet contract or account is not a 0x-hex felt") from None
+    try:
+        settings = StarknetSettings(rpc_url=rpc_url, account=account_felt, contract=contract_felt,
+                                    chain_id=chain_id, **extra)
+    except ValueError as exc:  # our own messages: they never echo the URL
+        raise AnchorRejected(str(exc)) from None
     key = load_stark_key(key_file) if key_file is not None else None
     return StarknetBackend(settings, key)
 

@@ -44,6 +44,7 @@ from gateway.anchor.base import (
     AnchorUnavailable,
     Confirmation,
     Submitted,
+    check_rpc_url,
     redact_url,
 )
 
@@ -130,8 +131,10 @@ class StarknetSettings:
     l1_data_gas_max_amount: int = 2_000
     l1_data_gas_max_price_fri: int = 10**12
     events_chunk: int = 100  # starknet_getEvents page size
+    events_max_pages: int = 10  # a node that keeps paging beyond this (for one block) is refused
 
     def __post_init__(self) -> None:
+        check_rpc_url(self.rpc_url)
         if self.confirmations < 1 or self.rpc_attempts < 1 or self.rpc_timeout_s <= 0:
             raise ValueError("confirmations and rpc_attempts must be >= 1 and rpc_timeout_s > 0")
         for name in ("account", "contract", "chain_id"):
@@ -338,13 +341,20 @@ class StarknetBackend:
     async def _checkpoint_events(self, checkpoint_hash: bytes, block: int) -> list[Any]:
         lo, hi = _u256(checkpoint_hash)
         keys: list[list[int | str]] = [[SELECTORS["CheckpointAnchored"]], [lo], [hi]]
-        chunk = await self._rpc(
-            "starknet_getEvents",
-            lambda c: c.get_events(address=self.settings.contract, keys=keys, from_block_number=block,
-                                   to_block_number=block, follow_continuation_token=True,
-                                   chunk_size=self.settings.events_chunk),
-        )
-        return list(chunk.events)
+        events: list[Any] = []
+        token: str | None = None
+        for _ in range(self.settings.events_max_pages):
+            def page(c: FullNodeClient, after: str | None = token) -> Awaitable[Any]:
+                return c.get_events(address=self.settings.contract, keys=keys, from_block_number=block,
+                                    to_block_number=block, continuation_token=after,
+                                    chunk_size=self.settings.events_chunk)
+
+            chunk = await self._rpc("starknet_getEvents", page)
+            events += chunk.events
+            token = chunk.continuation_token
+            if token is None:
+                return events
+        raise AnchorUnavailable("Starknet RPC kept paging the events of one block; refusing to read on")
 
     async def find(self, anchor: Anchor) -> str | None:
         block = await self._anchored_block(anchor.checkpoint_hash)
