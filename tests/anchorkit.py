@@ -112,6 +112,22 @@ class Anvil:
         self.rpc("anvil_setBalance", address, hex(wei))
 
 
+async def included(backend: Any, submitted: Any, *, deadline_s: float = 60.0) -> Any:
+    """Poll ``status`` until the transaction is in a block (anvil's auto-mining is asynchronous:
+    the hash comes back before the block exists)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while True:
+        st = await backend.status(submitted)
+        if st.state != "pending":
+            return st
+        if loop.time() > end:
+            raise AssertionError("transaction not mined before the deadline")
+        await asyncio.sleep(0.02)
+
+
 def signed_note(size: int, root: bytes, *, origin: str = "uomp.test/log", sig: bytes = b"") -> str:
     """A note in the C2SP signed-checkpoint shape (the signature bytes are opaque here)."""
     text = f"{origin}\n{size}\n{base64.b64encode(root).decode()}\ntimestamp 1790000000\n"

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from anchorkit import ANVIL, ANVIL_MISSING, Anvil, sample_anchor
+from anchorkit import ANVIL, ANVIL_MISSING, Anvil, included, sample_anchor
 from eth_account import Account
 from starknet_py.net.models import StarknetChainId
 from starknet_py.net.signer.stark_curve_signer import KeyPair
@@ -67,6 +67,8 @@ async def test_backend_contract(subject: tuple[AnchorBackend, Advance]) -> None:
     assert await backend.find(anchor) is None
     sub = await backend.submit(anchor)
     assert isinstance(sub, Submitted) and sub.backend == backend.name and sub.anchor_id == anchor.checkpoint_hash
+    if on_chain:
+        await included(backend, sub)
     again = await backend.submit(anchor)  # idempotent
     assert again.ref == sub.ref
     advance(1)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from anchorkit import ANVIL, ANVIL_MISSING, ROOT, Anvil, closed_port, sample_anchor
+from anchorkit import ANVIL, ANVIL_MISSING, ROOT, Anvil, closed_port, included, sample_anchor
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
@@ -57,6 +57,12 @@ async def backend(anvil: Anvil, owner: LocalAccount) -> AsyncIterator[EvmBackend
     await b.close()
 
 
+async def submit_mined(b: EvmBackend, anchor: Anchor) -> Submitted:
+    sub = await b.submit(anchor)
+    await included(b, sub)
+    return sub
+
+
 def reader(b: EvmBackend, **changes: object) -> EvmBackend:
     """A read-only backend on the same chain and contract (what a verifier holds)."""
     settings = dataclasses.replace(b.settings, **changes)  # type: ignore[arg-type]
@@ -65,7 +71,7 @@ def reader(b: EvmBackend, **changes: object) -> EvmBackend:
 
 async def test_anchor_is_final_after_confirmations_and_verifies(backend: EvmBackend, anvil: Anvil) -> None:
     anchor = sample_anchor(1)
-    sub = await backend.submit(anchor)
+    sub = await submit_mined(backend, anchor)
     assert sub.backend == "evm" and sub.anchor_id == anchor.checkpoint_hash and not sub.found_on_chain
     st = await backend.status(sub)
     assert (st.state, st.confirmations, st.final) == ("confirmed", 1, False)
@@ -86,7 +92,7 @@ async def test_anchor_is_final_after_confirmations_and_verifies(backend: EvmBack
 
 async def test_checkpoint_only_anchor(backend: EvmBackend, anvil: Anvil) -> None:
     anchor = sample_anchor(2, events=False)
-    sub = await backend.submit(anchor)
+    sub = await submit_mined(backend, anchor)
     anvil.mine(1)
     await backend.verify(anchor, sub.ref)
 
@@ -125,7 +131,7 @@ TAMPER = ["root", "tree_size", "checkpoint_hash", "granted_expiry", "access_allo
 
 async def test_tampered_anchor_fails_verify(backend: EvmBackend, anvil: Anvil) -> None:
     anchor = sample_anchor(3)
-    sub = await backend.submit(anchor)
+    sub = await submit_mined(backend, anchor)
     anvil.mine(1)
     await backend.verify(anchor, sub.ref)
     for case in TAMPER:  # one chain, one transaction, every forgery refused
@@ -137,8 +143,8 @@ async def test_tampered_anchor_fails_verify(backend: EvmBackend, anvil: Anvil) -
 @pytest.mark.parametrize("case", ["unknown_tx", "other_anchors_tx", "malformed", "no_0x", "short"])
 async def test_wrong_reference_fails_verify(backend: EvmBackend, anvil: Anvil, case: str) -> None:
     anchor, other = sample_anchor(4), sample_anchor(5)
-    sub = await backend.submit(anchor)
-    sub_other = await backend.submit(other)
+    sub = await submit_mined(backend, anchor)
+    sub_other = await submit_mined(backend, other)
     anvil.mine(2)
     ref = {"unknown_tx": "0x" + "ab" * 32, "other_anchors_tx": sub_other.ref, "malformed": "0x" + "zz" * 32,
            "no_0x": sub.ref[2:], "short": sub.ref[:-2]}[case]
@@ -149,7 +155,7 @@ async def test_wrong_reference_fails_verify(backend: EvmBackend, anvil: Anvil, c
 async def test_verify_refuses_a_contract_that_is_not_ours(backend: EvmBackend, anvil: Anvil,
                                                           owner: LocalAccount) -> None:
     anchor = sample_anchor(6)
-    sub = await backend.submit(anchor)
+    sub = await submit_mined(backend, anchor)
     anvil.mine(1)
     impostor = reader(backend, contract=owner.address)  # an address without our code
     try:
@@ -161,7 +167,7 @@ async def test_verify_refuses_a_contract_that_is_not_ours(backend: EvmBackend, a
 
 async def test_verify_refuses_another_chain(backend: EvmBackend, anvil: Anvil) -> None:
     anchor = sample_anchor(7)
-    sub = await backend.submit(anchor)
+    sub = await submit_mined(backend, anchor)
     anvil.mine(1)
     wrong = reader(backend, chain_id=1)
     try:
@@ -174,7 +180,7 @@ async def test_verify_refuses_another_chain(backend: EvmBackend, anvil: Anvil) -
 async def test_resubmission_finds_the_anchor_instead_of_sending_again(backend: EvmBackend, anvil: Anvil,
                                                                        owner: LocalAccount) -> None:
     anchor = sample_anchor(8)
-    first = await backend.submit(anchor)
+    first = await submit_mined(backend, anchor)
     again = await backend.submit(anchor)
     assert again.ref == first.ref and again.found_on_chain
     # a "restarted" process (new backend, empty memory) finds it on chain too, sending nothing
@@ -231,6 +237,20 @@ async def test_pending_dropped_and_resubmitted_with_the_same_bytes(backend: EvmB
     await backend.verify(anchor, sub.ref)
 
 
+async def test_a_transaction_the_node_lost_leaves_no_nonce_gap(backend: EvmBackend, anvil: Anvil) -> None:
+    """The node forgets a pending anchor (restart, eviction); the next anchor must take its nonce,
+    not the one after it, or it would wait forever behind a hole."""
+    anvil.rpc("evm_setAutomine", False)
+    lost = await backend.submit(sample_anchor(17))
+    anvil.rpc("anvil_dropTransaction", lost.ref)
+    anchor = sample_anchor(18)
+    sub = await backend.submit(anchor)
+    assert sub.nonce == lost.nonce
+    anvil.mine(2)
+    assert (await backend.status(sub)).final
+    await backend.verify(anchor, sub.ref)
+
+
 async def test_status_of_an_unknown_transaction_is_dropped(backend: EvmBackend) -> None:
     st = await backend.status(Submitted("evm", b"\x00" * 32, "0x" + "cd" * 32))
     assert st.state == "dropped"
@@ -242,7 +262,7 @@ async def test_rpc_down_is_retryable_and_the_same_anchor_goes_through_after(
     """anvil is stopped (its --state file keeps the chain: contract, balances, nonces), then
     started again on the same port; the backend object lives through it, as the appliance would."""
     anchor = sample_anchor(11)
-    await backend.submit(sample_anchor(12))  # the backend has a cached nonce from before the outage
+    await submit_mined(backend, sample_anchor(12))  # the backend talked to the node before the outage
     anvil.stop()
     with pytest.raises(AnchorUnavailable) as info:
         await backend.submit(anchor)
@@ -253,7 +273,7 @@ async def test_rpc_down_is_retryable_and_the_same_anchor_goes_through_after(
     with pytest.raises(AnchorUnavailable):
         await backend.find(anchor)
     anvil.start()
-    sub = await backend.submit(anchor)
+    sub = await submit_mined(backend, anchor)
     assert not sub.found_on_chain
     anvil.mine(1)
     assert (await backend.status(sub)).final
@@ -293,7 +313,7 @@ async def test_transient_http_errors_are_retried_with_backoff(backend: EvmBacken
     flaky = EvmBackend(dataclasses.replace(backend.settings, rpc_url=f"http://127.0.0.1:{port}/"), owner)
     try:
         anchor = sample_anchor(15)
-        sub = await flaky.submit(anchor)
+        sub = await submit_mined(flaky, anchor)
         anvil.mine(1)
         await flaky.verify(anchor, sub.ref)
     finally:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from anchorkit import ANVIL, ANVIL_MISSING, Anvil, sample_anchor
+from anchorkit import ANVIL, ANVIL_MISSING, Anvil, included, sample_anchor
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
@@ -85,6 +85,7 @@ async def test_deploy_then_status_from_key_files(tmp_path: Path) -> None:
                          key_file=key)
         try:
             sub = await b.submit(sample_anchor(2))
+            await included(b, sub)
             report = await anchor_status(b, sub)
         finally:
             await b.close()

@@ -4,8 +4,8 @@ web3.py's async client on any EVM JSON-RPC node.
 * One transaction per anchor: ``anchor(root, treeSize, checkpointHash, granted[], revoked[],
   access[], payloads[], deletions[])`` emits the §18.4.1 events, then ``CheckpointAnchored``.
 * Transactions are EIP-1559 (type 2), signed locally with the configured account (the key never
-  leaves this process): nonce from the node's pending count and our own counter, whichever is
-  higher; gas from ``eth_estimateGas`` plus a margin; fees from the node (``2 * baseFee + tip``,
+  leaves this process): nonce from the node's pending count (authoritative: no gap if the node
+  loses a transaction); gas from ``eth_estimateGas`` plus a margin; fees from the node (``2 * baseFee + tip``,
   tip from ``eth_maxPriorityFeePerGas``), refused above an optional cap.
 * Every RPC call is retried with exponential backoff on transport failures (refused, reset, timed
   out, HTTP 5xx/429); when the attempts run out it raises :class:`AnchorUnavailable` (retryable),
@@ -163,7 +163,6 @@ class EvmBackend:
                 address=AsyncWeb3.to_checksum_address(settings.contract), abi=self._art["abi"]
             )
         self._chain_id = settings.chain_id
-        self._next_nonce: int | None = None
         self._lock = asyncio.Lock()
         # anchor id -> Submitted of a transaction this process signed and sent, not yet seen mined
         self._inflight: dict[bytes, tuple[Submitted, bytes]] = {}
@@ -242,9 +241,10 @@ class EvmBackend:
         pending = await self._rpc(
             "eth_getTransactionCount", lambda: self._w3.eth.get_transaction_count(address, "pending")
         )
-        if self._next_nonce is None or pending > self._next_nonce:
-            self._next_nonce = pending
-        return self._next_nonce
+        # The node's pending count is authoritative: it already counts our transactions in its pool,
+        # and never running ahead of it means a transaction the node lost leaves no nonce gap that
+        # would stall every later anchor. submit() is serialised by a lock, so we do not race ourselves.
+        return int(pending)
 
     async def _send_raw(self, raw: bytes, tx_hash: bytes) -> None:
         """Broadcast signed bytes; a node that already has them (or mined them) counts as success."""
@@ -257,7 +257,6 @@ class EvmBackend:
                 return
             msg = _rpc_message(exc).lower()
             if "nonce too low" in msg:
-                self._next_nonce = None
                 raise AnchorUnavailable("account nonce moved on (another sender?); resubmit") from None
             if "insufficient funds" in msg:
                 raise AnchorRejected("anchoring account has insufficient funds") from None
@@ -303,7 +302,6 @@ class EvmBackend:
         )
         raw, tx_hash = bytes(signed.raw_transaction), bytes(signed.hash)
         await self._send_raw(raw, tx_hash)
-        self._next_nonce = nonce + 1
         return tx_hash, raw, nonce
 
     # --- the backend contract ----------------------------------------------------------------
