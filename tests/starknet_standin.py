@@ -98,7 +98,7 @@ class StandIn:
     public_key: int
     contract: int
     owner: int
-    nonce: int = 0
+    nonce: int = 0  # the account's nonce as of the latest block (executed transactions)
     head: int = 100
     auto_mine: bool = True
     l1_accepted_upto: int = -1  # blocks <= this are ACCEPTED_ON_L1
@@ -118,7 +118,13 @@ class StandIn:
                 self._execute(self.txs[h], self.head)
             self.pending.clear()
 
+    def drop(self, tx_hash: int) -> None:
+        """The node forgets a pooled transaction (restart, eviction)."""
+        self.pending.remove(tx_hash)
+        del self.txs[tx_hash]
+
     def _execute(self, tx: Tx, block: int) -> None:
+        self.nonce += 1  # the account's nonce moves on execution, reverted or not
         tx.block = block
         args = tx.events  # decoded anchor call stashed here until execution
         self.txs[tx.hash] = tx
@@ -206,7 +212,7 @@ class StandIn:
         sig = [felt(x, "signature") for x in tx["signature"]]
         if len(sig) != 2 or not verify_message_signature(h, sig, self.public_key):
             raise RpcError(55, "Account validation failed: invalid signature")
-        if felt(tx["nonce"], "nonce") != self.nonce:
+        if felt(tx["nonce"], "nonce") != self.nonce + len(self.pending):  # no gaps, no duplicates
             raise RpcError(52, "Invalid transaction nonce")
         cd = [felt(x, "calldata") for x in tx["calldata"]]
         if len(cd) < 4 or cd[0] != 1 or cd[1] != self.contract or cd[2] != get_selector_from_name("anchor"):
@@ -214,7 +220,6 @@ class StandIn:
         if cd[3] != len(cd) - 4:
             raise RpcError(-32602, "inner calldata length is wrong")
         decoded = self.decode_anchor(cd[4:])
-        self.nonce += 1
         self.received.append(tx)
         record = Tx(hash=h, block=None, events=decoded,
                     reverted=None if self.account == self.owner else "NOT_OWNER")

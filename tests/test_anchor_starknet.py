@@ -115,6 +115,20 @@ async def test_pending_then_confirmed_and_dropped(backend: StarknetBackend, chai
     assert (await backend.status(Submitted("starknet", b"\x00" * 32, "0x1234"))).state == "dropped"
 
 
+async def test_nonces_follow_pooled_transactions_but_never_leave_a_gap(backend: StarknetBackend,
+                                                                       chain: StandInServer) -> None:
+    chain.node.auto_mine = False
+    first = await backend.submit(sample_anchor(12))
+    second = await backend.submit(sample_anchor(13))  # the first is still pooled: the next nonce
+    assert (first.nonce, second.nonce) == (0, 1)
+    chain.node.drop(int(second.ref, 16))  # the node loses the newest one
+    third = await backend.submit(sample_anchor(14))
+    assert third.nonce == 1  # takes the lost one's nonce, no gap
+    chain.node.mine(2)
+    assert (await backend.status(first)).final and (await backend.status(third)).final
+    assert (await backend.status(second)).state == "dropped"
+
+
 TAMPER = ["root", "tree_size", "checkpoint_hash", "event_dropped", "access_flipped"]
 
 

@@ -33,6 +33,7 @@ from gateway.errors import UompError
 MAX_TREE_SIZE = (1 << 64) - 1  # uint64 on chain
 MAX_EXPIRES_AT = (1 << 64) - 1  # Unix seconds; the contract field is uint256, we bound it lower
 MAX_EVENTS_PER_ANCHOR = 256  # all kinds together; more must be split over checkpoints
+MAX_INFLIGHT = 1024  # transactions a backend remembers for resubmission (oldest forgotten first)
 
 
 class AnchorError(UompError):

@@ -41,6 +41,7 @@ from web3.contract import AsyncContract
 from web3.exceptions import ContractLogicError, TransactionNotFound, Web3Exception, Web3RPCError
 
 from gateway.anchor.base import (
+    MAX_INFLIGHT,
     Anchor,
     AnchorMismatch,
     AnchorRejected,
@@ -361,6 +362,8 @@ class EvmBackend:
                 raise AnchorRejected("the contract rejected the anchor") from None
             submitted = Submitted(self.name, anchor.anchor_id, "0x" + tx_hash.hex(), nonce=nonce)
             self._inflight[anchor.anchor_id] = (submitted, raw)
+            while len(self._inflight) > MAX_INFLIGHT:  # forgetting only loses the same-bytes resend
+                del self._inflight[next(iter(self._inflight))]
             return submitted
 
     async def status(self, submitted: Submitted) -> Confirmation:

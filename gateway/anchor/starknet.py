@@ -38,6 +38,7 @@ from starknet_py.net.signer.key_pair import KeyPair
 from starknet_py.net.signer.stark_curve_signer import StarkCurveSigner
 
 from gateway.anchor.base import (
+    MAX_INFLIGHT,
     Anchor,
     AnchorMismatch,
     AnchorRejected,
@@ -188,7 +189,6 @@ class StarknetBackend:
         self._key = key_pair
         self._session: aiohttp.ClientSession | None = None
         self._client: FullNodeClient | None = None
-        self._next_nonce: int | None = None
         self._lock = asyncio.Lock()
         self._inflight: dict[bytes, Submitted] = {}
 
@@ -273,9 +273,7 @@ class StarknetBackend:
             if prev is not None and (await self.status(prev)).state in ("pending", "confirmed"):
                 return prev
             await self._check_chain()
-            chain_nonce = await self._rpc("starknet_getNonce",
-                                          lambda c: c.get_contract_nonce(self.settings.account, block_number="latest"))
-            nonce = max(chain_nonce, self._next_nonce or 0) if prev is None else chain_nonce
+            nonce = await self._nonce()
             tx = self.build_invoke(anchor, nonce)
             try:
                 sent = await self._rpc("starknet_addInvokeTransaction", lambda c: c.send_transaction(tx),
@@ -283,7 +281,6 @@ class StarknetBackend:
             except ClientError as exc:
                 msg = str(exc.message or "").lower()
                 if "nonce" in msg:
-                    self._next_nonce = None
                     raise AnchorUnavailable("account nonce moved on (another sender?); resubmit") from None
                 if "balance" in msg or "fee" in msg or "resource" in msg:
                     raise AnchorRejected("the account cannot pay the configured resource bounds") from None
@@ -292,10 +289,26 @@ class StarknetBackend:
                 raise AnchorRejected(f"node refused the transaction (code {exc.code})") from None
             if int(sent.transaction_hash) != self.tx_hash(tx):
                 raise AnchorMismatch("the node returned a different transaction hash than we signed")
-            self._next_nonce = nonce + 1
             submitted = Submitted(self.name, anchor.anchor_id, _hex(sent.transaction_hash), nonce=nonce)
             self._inflight[anchor.anchor_id] = submitted
             return submitted
+
+    async def _nonce(self) -> int:
+        """The account's nonce in the latest block, or one past our newest transaction that the
+        node still holds (the latest block does not count pooled transactions). Never further
+        ahead: a transaction the node lost must not leave a gap that stalls later ones."""
+        latest = int(await self._rpc(
+            "starknet_getNonce", lambda c: c.get_contract_nonce(self.settings.account, block_number="latest")))
+        for key in [k for k, s in self._inflight.items() if s.nonce is not None and s.nonce < latest]:
+            del self._inflight[key]  # executed: find() locates it on chain from now on
+        while len(self._inflight) > MAX_INFLIGHT:
+            del self._inflight[next(iter(self._inflight))]
+        ours = sorted((s for s in self._inflight.values() if s.nonce is not None and s.nonce >= latest),
+                      key=lambda s: s.nonce or 0, reverse=True)
+        for sub in ours:
+            if (await self.status(sub)).state in ("pending", "confirmed"):
+                return (sub.nonce or 0) + 1
+        return latest
 
     async def status(self, submitted: Submitted) -> Confirmation:
         ref = submitted.ref
