@@ -103,6 +103,7 @@ class StandIn:
     auto_mine: bool = True
     l1_accepted_upto: int = -1  # blocks <= this are ACCEPTED_ON_L1
     endless_paging: bool = False  # a hostile node: getEvents always says "there is more"
+    garble: str = ""  # a broken node: "receipt" (fields missing), "events" (non-hex keys), "call" (two felts)
     txs: dict[int, Tx] = field(default_factory=dict)
     pending: list[int] = field(default_factory=list)
     anchored: dict[int, int] = field(default_factory=dict)  # checkpoint hash (as int) -> block
@@ -292,6 +293,16 @@ class StandIn:
 
     def dispatch(self, method: str, params: Any) -> Any:
         self.calls.append(method)
+        result = self._dispatch(method, params)
+        if self.garble == "receipt" and method == "starknet_getTransactionReceipt":
+            return {"transaction_hash": result["transaction_hash"]}
+        if self.garble == "events" and method == "starknet_getEvents":
+            return {"events": [{**e, "keys": ["banana"]} for e in result["events"]] or [{"keys": ["banana"]}]}
+        if self.garble == "call" and method == "starknet_call":
+            return [*result, "0x1"]
+        return result
+
+    def _dispatch(self, method: str, params: Any) -> Any:
         if method == "starknet_specVersion":
             return SPEC_VERSION
         if method == "starknet_chainId":

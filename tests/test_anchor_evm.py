@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from anchorkit import ANVIL, ANVIL_MISSING, ROOT, Anvil, closed_port, included, sample_anchor
@@ -320,6 +321,63 @@ async def test_transient_http_errors_are_retried_with_backoff(backend: EvmBacken
         await flaky.close()
         await runner.cleanup()
     assert seen["failed"] >= 3
+
+
+def _hostile(case: str, method: str, answer: dict[str, Any]) -> dict[str, Any] | str:
+    """How a broken or hostile node rewrites anvil's answer."""
+    result = answer.get("result")
+    if case == "receipt-missing-fields" and method == "eth_getTransactionReceipt" and result:
+        return {**answer, "result": {"status": "0x1"}}
+    if case == "log-data-truncated" and method == "eth_getTransactionReceipt" and result:
+        logs = [dict(log) for log in result["logs"]]
+        logs[-1]["data"] = logs[-1]["data"][:40]
+        return {**answer, "result": {**result, "logs": logs}}
+    if case == "block-number-not-hex" and method == "eth_blockNumber":
+        return {**answer, "result": "banana"}
+    if case == "html-instead-of-json" and method == "eth_getLogs":
+        return "<html>gateway timeout</html>"
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [("receipt-missing-fields", AnchorUnavailable), ("log-data-truncated", AnchorMismatch),
+     ("block-number-not-hex", AnchorUnavailable), ("html-instead-of-json", AnchorUnavailable)],
+)
+async def test_a_malformed_node_answer_is_a_clear_error(backend: EvmBackend, anvil: Anvil, owner: LocalAccount,
+                                                        case: str, error: type[Exception]) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    anchor = sample_anchor(19)
+    sub = await submit_mined(backend, anchor)
+    anvil.mine(1)
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with aiohttp.ClientSession() as s, s.post(anvil.url, data=body,
+                                                         headers={"content-type": "application/json"}) as r:
+            answer = json.loads(await r.read())
+        out = _hostile(case, json.loads(body)["method"], answer)
+        if isinstance(out, str):
+            return web.Response(text=out, content_type="text/html")
+        return web.json_response(out)
+
+    app = web.Application()
+    app.router.add_post("/", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    hostile = EvmBackend(dataclasses.replace(backend.settings, rpc_url=f"http://127.0.0.1:{port}/"), owner)
+    try:
+        with pytest.raises(error) as info:
+            await hostile.verify(anchor, sub.ref)
+        assert info.value.code in ("ANCHOR_UNAVAILABLE", "ANCHOR_MISMATCH")  # type: ignore[attr-defined]
+    finally:
+        await hostile.close()
+        await runner.cleanup()
 
 
 async def test_closed_port_is_retryable(owner: LocalAccount) -> None:

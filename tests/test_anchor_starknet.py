@@ -165,6 +165,17 @@ async def test_a_node_that_pages_forever_is_refused(backend: StarknetBackend, ch
     assert chain.node.calls.count("starknet_getEvents") <= backend.settings.events_max_pages + 2
 
 
+@pytest.mark.parametrize("garble", ["receipt", "events", "call"])
+async def test_a_malformed_node_answer_is_a_clear_error(backend: StarknetBackend, chain: StandInServer,
+                                                        garble: str) -> None:
+    anchor = sample_anchor(15)
+    sub = await backend.submit(anchor)
+    chain.node.mine(1)
+    chain.node.garble = garble
+    with pytest.raises(AnchorUnavailable, match=r"unusable answer|unexpected shape"):
+        await backend.verify(anchor, sub.ref)
+
+
 async def test_resubmission_is_found_not_resent(backend: StarknetBackend, chain: StandInServer) -> None:
     anchor = sample_anchor(6)
     first = await backend.submit(anchor)

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from gateway.anchor.encoding import HASH_SIZE, checkpoint_hash
 from gateway.errors import UompError
@@ -239,6 +241,36 @@ class AnchorBackend(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _HasWhere(Protocol):
+    @property
+    def _where(self) -> str: ...
+
+
+_S = TypeVar("_S", bound=_HasWhere)
+
+
+def answers_checked(
+    fn: Callable[Concatenate[_S, _P], Coroutine[Any, Any, _R]],
+) -> Callable[Concatenate[_S, _P], Coroutine[Any, Any, _R]]:
+    """A node's malformed answer (missing fields, wrong types, undecodable values) becomes
+    AnchorUnavailable naming the node, never a stray KeyError/TypeError from a backend method."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await fn(self, *args, **kwargs)
+        except AnchorError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise AnchorUnavailable(f"chain RPC {self._where} gave an unusable answer ({type(exc).__name__})") from None
+
+    return wrapper
 
 
 def check_rpc_url(url: str) -> None:

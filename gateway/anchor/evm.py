@@ -53,6 +53,7 @@ from gateway.anchor.base import (
     SessionGranted,
     SessionRevoked,
     Submitted,
+    answers_checked,
     check_rpc_url,
     redact_url,
 )
@@ -324,6 +325,7 @@ class EvmBackend:
         )
         return data
 
+    @answers_checked
     async def submit(self, anchor: Anchor) -> Submitted:
         contract = self._need_contract()
         self._need_account()
@@ -366,6 +368,7 @@ class EvmBackend:
                 del self._inflight[next(iter(self._inflight))]
             return submitted
 
+    @answers_checked
     async def status(self, submitted: Submitted) -> Confirmation:
         ref = submitted.ref
         tx_hash = _parse_ref(ref)
@@ -389,6 +392,7 @@ class EvmBackend:
             detail={"required": self.settings.confirmations},
         )
 
+    @answers_checked
     async def find(self, anchor: Anchor) -> str | None:
         contract = self._need_contract()
         block = int(
@@ -414,6 +418,7 @@ class EvmBackend:
         logs: list[Any] = list(await self._rpc("eth_getLogs", lambda: self._w3.eth.get_logs(flt)))
         return logs
 
+    @answers_checked
     async def verify(self, anchor: Anchor, receipt_ref: str) -> None:
         contract = self._need_contract()
         tx_hash = _parse_ref(receipt_ref)
@@ -429,7 +434,7 @@ class EvmBackend:
             raise AnchorMismatch("the chain has no receipt for this transaction") from None
         if int(receipt["status"]) != 1:
             raise AnchorMismatch("the anchoring transaction reverted")
-        if str(receipt.get("to") or "").lower() != contract.address.lower():
+        if str(receipt["to"] or "").lower() != contract.address.lower():
             raise AnchorMismatch("the transaction was not sent to the anchor contract")
         block = int(receipt["blockNumber"])
         depth = await self._head() - block + 1
@@ -468,7 +473,10 @@ class EvmBackend:
         for event in ("SessionGranted", "SessionRevoked", "GatewayAccess", "PayloadAnchored",
                       "DataDeletionProofSubmitted", "CheckpointAnchored", "OwnershipTransferred"):
             if topic0 == _TOPICS[event]:
-                decoded = getattr(contract.events, event)().process_log(log)
+                try:
+                    decoded = getattr(contract.events, event)().process_log(log)
+                except Exception:
+                    raise AnchorMismatch(f"a {event} log of the anchor contract does not decode") from None
                 return event, dict(decoded["args"])
         return "unknown", {}
 
@@ -489,6 +497,7 @@ class EvmBackend:
 
     # --- operator functions (uomp anchor deploy / status) ------------------------------------
 
+    @answers_checked
     async def deploy(self) -> dict[str, Any]:
         """Deploy a new UompAnchor owned by the configured account; wait for its receipt."""
         acct = self._need_account()
@@ -517,6 +526,7 @@ class EvmBackend:
             "block": int(receipt["blockNumber"]),
         }
 
+    @answers_checked
     async def report(self) -> dict[str, Any]:
         """What ``uomp anchor status`` prints: chain, head, contract, owner, account balance."""
         out = self.describe()

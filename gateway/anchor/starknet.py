@@ -45,6 +45,7 @@ from gateway.anchor.base import (
     AnchorUnavailable,
     Confirmation,
     Submitted,
+    answers_checked,
     check_rpc_url,
     redact_url,
 )
@@ -262,6 +263,7 @@ class StarknetBackend:
 
     # --- the backend contract ----------------------------------------------------------------
 
+    @answers_checked
     async def submit(self, anchor: Anchor) -> Submitted:
         self._need_key()
         async with self._lock:
@@ -310,6 +312,7 @@ class StarknetBackend:
                 return (sub.nonce or 0) + 1
         return latest
 
+    @answers_checked
     async def status(self, submitted: Submitted) -> Confirmation:
         ref = submitted.ref
         tx_hash = _parse_ref(ref)
@@ -369,6 +372,7 @@ class StarknetBackend:
                 return events
         raise AnchorUnavailable("Starknet RPC kept paging the events of one block; refusing to read on")
 
+    @answers_checked
     async def find(self, anchor: Anchor) -> str | None:
         block = await self._anchored_block(anchor.checkpoint_hash)
         if block == 0:
@@ -377,6 +381,7 @@ class StarknetBackend:
             return _hex(event.transaction_hash)
         return None
 
+    @answers_checked
     async def verify(self, anchor: Anchor, receipt_ref: str) -> None:
         tx_hash = _parse_ref(receipt_ref)
         await self._check_chain()
@@ -419,6 +424,7 @@ class StarknetBackend:
             "tested_against": "a local stand-in JSON-RPC server only, never a real Starknet node",
         }
 
+    @answers_checked
     async def report(self) -> dict[str, Any]:
         out = self.describe()
         await self._check_chain()
