@@ -207,6 +207,25 @@ async def test_only_the_owner_may_anchor(backend: EvmBackend, anvil: Anvil) -> N
         await other.close()
 
 
+async def test_fee_cap(backend: EvmBackend, anvil: Anvil, owner: LocalAccount) -> None:
+    base = int(anvil.rpc("eth_getBlockByNumber", "latest", False)["baseFeePerGas"], 16)
+    tip = int(anvil.rpc("eth_maxPriorityFeePerGas"), 16)
+    low = EvmBackend(dataclasses.replace(backend.settings, max_fee_per_gas_wei=base + tip - 1), owner)
+    try:
+        with pytest.raises(AnchorUnavailable, match="above the configured cap") as info:
+            await low.submit(sample_anchor(20))
+        assert info.value.retryable
+    finally:
+        await low.close()
+    capped = EvmBackend(dataclasses.replace(backend.settings, max_fee_per_gas_wei=base + tip), owner)
+    try:
+        sub = await submit_mined(capped, sample_anchor(21))
+        tx = anvil.rpc("eth_getTransactionByHash", sub.ref)
+        assert int(tx["maxFeePerGas"], 16) == base + tip
+    finally:
+        await capped.close()
+
+
 async def test_unfunded_account_is_a_clear_refusal(anvil: Anvil) -> None:
     with pytest.raises(AnchorRejected, match="insufficient funds"):
         await deploy(anvil.url, Account.create())
