@@ -117,7 +117,7 @@ class GuardConfig:
     token_lifetime_seconds: int = 30 * 60
     remote_token_lifetime_seconds: int = 10 * 60
     refresh_lifetime_seconds: int = 7 * 24 * 3600
-    refresh_reuse_grace_seconds: int = 10
+    refresh_reuse_grace_seconds: int = 10  # no longer used (kept so old config files load): see guard/auth.py
     default_max_read_queries: int = 100
     aggregate_min_items: int = 3
     # k: no combination of one session's aggregates may isolate fewer than this many items (the
@@ -202,6 +202,12 @@ class GatewayConfig:
     renew_window_fraction: float = 1 / 3
     renew_max_per_agent: int = 12
     renew_rate_window_seconds: int = 3600
+    access_log_segment_bytes: int = 64 * 1024 * 1024  # access.jsonl is closed into a segment beyond this
+    access_log_max_total_bytes: int = 4 * 1024 * 1024 * 1024  # kept segments + active file, oldest go first
+    access_log_retention_days: float = 90.0  # closed segments older than this go (index lines stay)
+    access_log_unauth_events_per_second: float = 2.0  # events without a verified session, per source
+    access_log_unauth_burst: int = 20
+    access_log_summary_interval_seconds: float = 60.0  # one access_log_suppressed event at most this often
 
 
 T = TypeVar("T")

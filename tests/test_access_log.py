@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import UompError
+from gateway.remote import access_chain
 from gateway.remote import access_log as al
 from gateway.remote.access_log import (
     GENESIS_PREV,
@@ -179,7 +180,7 @@ def test_damaged_last_complete_line_refuses_to_open(logpath: Path) -> None:
 
 
 def test_large_last_line_recovered(logpath: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(al, "_TAIL_CHUNK", 16)  # the backwards scan crosses many chunks
+    monkeypatch.setattr(access_chain, "_TAIL_CHUNK", 16)  # the backwards scan crosses many chunks
     with AccessLog(logpath) as log:
         log.append(ev(1))
         log.append(ev(2, note="x" * 500))
@@ -341,7 +342,9 @@ def test_threads_append_and_flush_sync(logpath: Path) -> None:
     assert verify_chain(logpath) == 400
 
 
-async def test_failed_write_is_rolled_back_and_retried(logpath: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_failed_write_is_rolled_back_and_counted(logpath: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed batch is cut back; its events are not retried as they were (their clients got 503):
+    one access_log_gap event saying so heads the next batch that fits, and the chain has no gap."""
     log = AccessLog(logpath)
     log.append(ev(1))
     await log.flush()
@@ -354,19 +357,29 @@ async def test_failed_write_is_rolled_back_and_retried(logpath: Path, monkeypatc
         real_fsync(fd)
 
     monkeypatch.setattr(al.os, "fsync", flaky_fsync)
-    log.append(ev(2))
+    t2 = log.append(ev(2))
     log.append(ev(3))
     with pytest.raises(UompError) as exc:
-        await log.flush()
+        await log.flush(t2)
     assert exc.value.code == "STORE_UNAVAILABLE"
     assert log.durable_seq == 1
     assert len(lines(logpath)) == 1  # the unsynced batch was cut back
+    assert log.failing == "i/o error"
+    with pytest.raises(UompError):  # fail-closed: refused and counted, not queued
+        log.append(ev(4))
+    assert log.pending == 0
     fail["on"] = False
-    log.append(ev(4))
-    await log.flush()
-    assert log.durable_seq == 4
+    await log.ready()  # the next small write fits: writing again
+    t = log.append(ev(5))
+    await log.flush(t)
     log.close()
-    assert verify_chain(logpath) == 4
+    assert verify_chain(logpath) == 3
+    recs = [json.loads(x) for x in lines(logpath)]
+    assert [r["seq"] for r in recs] == [1, 2, 3]
+    gap = recs[1]
+    assert gap["type"] == "access_log_gap" and gap["count"] == 3 and gap["status"] == 503
+    assert gap["code"] == "STORE_UNAVAILABLE" and "i/o error" in gap["reason"]
+    assert recs[2]["n"] == 5
 
 
 # ------------------------------------------------------------------------------------- bounds
@@ -379,9 +392,9 @@ def test_pending_bound(logpath: Path) -> None:
     with pytest.raises(UompError) as exc:
         log.append(ev(11))
     assert exc.value.code == "STORE_UNAVAILABLE"
-    assert log.last_seq == 10  # the refused event took no seq
     log.flush_sync()
-    assert log.append(ev(11)) == 11
+    assert log.last_seq == 10  # the refused event took no seq
+    log.append(ev(11))
     log.close()
     assert verify_chain(logpath) == 11
 
@@ -468,7 +481,7 @@ def test_caller_dict_not_mutated(logpath: Path) -> None:
 
 @pytest.mark.parametrize("window", [64, 4096, 64 * 1024])
 def test_read_by_seq(logpath: Path, monkeypatch: pytest.MonkeyPatch, window: int) -> None:
-    monkeypatch.setattr(al, "_SCAN_WINDOW", window)  # small windows exercise the bisection
+    monkeypatch.setattr(access_chain, "_SCAN_WINDOW", window)  # small windows exercise the bisection
     rng = random.Random(1)
     n = 1500
     with AccessLog(logpath) as log:
@@ -507,3 +520,101 @@ def test_read_page_through_everything(logpath: Path) -> None:
             seen.extend(e["seq"] for e in page)
             after = page[-1]["seq"]
         assert seen == list(range(1, 2346))
+
+
+# ------------------------------------------------------------------------- rotation, retention
+
+
+def segment_files(logpath: Path) -> list[str]:
+    return sorted(p.name for p in logpath.parent.glob("access-*.jsonl"))
+
+
+def test_rotation_continues_the_chain_across_segments(logpath: Path) -> None:
+    with AccessLog(logpath, segment_bytes=4096) as log:
+        for i in range(1, 101):
+            log.append(ev(i, pad="x" * 100))
+            log.flush_sync()
+    segs = segment_files(logpath)
+    assert len(segs) >= 3
+    assert verify_chain(logpath) == 100
+    # every line of every file, in order, is one chain
+    recs = [json.loads(x) for name in segs for x in (logpath.parent / name).read_bytes().splitlines()]
+    recs += [json.loads(x) for x in lines(logpath)]
+    assert [r["seq"] for r in recs] == list(range(1, 101))
+    with AccessLog(logpath, segment_bytes=4096) as log:  # reopen continues seq and prev
+        assert log.last_seq == 100
+        assert [r["n"] for r in log.read(after_seq=0, limit=1000)] == list(range(1, 101))
+        assert [r["seq"] for r in log.read(after_seq=57, limit=5)] == [58, 59, 60, 61, 62]
+        log.append(ev(101))
+    assert verify_chain(logpath) == 101
+
+
+def test_retention_by_total_size_keeps_the_chain_verifiable(logpath: Path) -> None:
+    with AccessLog(logpath, segment_bytes=4096, max_total_bytes=12 * 1024) as log:
+        for i in range(1, 301):
+            log.append(ev(i, pad="x" * 100))
+            log.flush_sync()
+        oldest = log.read(after_seq=0, limit=1)[0]["seq"]
+    total = sum(p.stat().st_size for p in logpath.parent.glob("access*.jsonl") if "index" not in p.name)
+    assert total <= 12 * 1024 + 4096
+    assert oldest > 1  # the oldest events are gone
+    n = verify_chain(logpath)  # from the oldest kept segment, anchored at the index's hashes
+    assert n == 300 - oldest + 1
+    index = [json.loads(x) for x in (logpath.parent / "access.index.jsonl").read_bytes().splitlines()]
+    assert any("pruned" in x for x in index) and all("last_hash" in x for x in index if "pruned" not in x)
+
+
+def test_retention_by_age(logpath: Path) -> None:
+    now = [1_000_000.0]
+    with AccessLog(logpath, segment_bytes=4096, retention_days=1, clock=lambda: now[0]) as log:
+        for i in range(1, 61):
+            log.append(ev(i, pad="x" * 100))
+            log.flush_sync()
+        before = segment_files(logpath)
+        now[0] += 2 * 86400
+        for i in range(61, 121):
+            log.append(ev(i, pad="x" * 100))
+            log.flush_sync()
+    after = segment_files(logpath)
+    assert before and not set(before) & set(after)
+    verify_chain(logpath)
+
+
+@pytest.mark.parametrize("tamper", ["delete-kept-segment", "edit-kept-segment", "edit-index-hash"])
+def test_segment_tampering_is_detected(logpath: Path, tamper: str) -> None:
+    with AccessLog(logpath, segment_bytes=4096) as log:
+        for i in range(1, 101):
+            log.append(ev(i, pad="x" * 100))
+            log.flush_sync()
+    seg = logpath.parent / segment_files(logpath)[1]
+    index = logpath.parent / "access.index.jsonl"
+    if tamper == "delete-kept-segment":
+        seg.unlink()
+    elif tamper == "edit-kept-segment":
+        seg.write_bytes(seg.read_bytes().replace(b'"status":200', b'"status":201', 1))
+    else:
+        rows = index.read_bytes().splitlines()
+        rec = json.loads(rows[0])
+        rec["last_hash"] = "0" * 64
+        rows[0] = al.encode_record(rec)
+        index.write_bytes(b"\n".join(rows) + b"\n")
+    with pytest.raises(ChainError):
+        verify_chain(logpath)
+
+
+def test_crash_between_index_line_and_rename_is_finished_on_open(logpath: Path) -> None:
+    with AccessLog(logpath, segment_bytes=1 << 30) as log:
+        for i in range(1, 11):
+            log.append(ev(i))
+        log.flush_sync()
+        first = log.read(limit=1)[0]
+        last_line = log.read_raw(after_seq=9, limit=1)[0]
+    # the index line of a rotation is durable, the rename did not happen (killed in between)
+    al._append_index(logpath.parent / "access.index.jsonl", {
+        "file": "access-000000000001.jsonl", "first_seq": 1, "last_seq": 10, "first_prev": first["prev"],
+        "last_hash": al.line_hash(last_line), "bytes": logpath.stat().st_size, "closed": 1.0})
+    with AccessLog(logpath) as log:
+        assert (logpath.parent / "access-000000000001.jsonl").exists()
+        assert log.last_seq == 10
+        log.append(ev(11))
+    assert verify_chain(logpath) == 11

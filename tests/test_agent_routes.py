@@ -4,10 +4,12 @@ spoken on the wire (no SDK), against the real appliance on 127.0.0.1."""
 from __future__ import annotations
 
 import datetime as dt
+import sqlite3
 import time
 from typing import Any
 
 import aiohttp
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
@@ -30,6 +32,25 @@ async def refresh(s: aiohttp.ClientSession, app: Appliance, agent: Agent, sid: s
     return status, body
 
 
+async def read_theme(s: aiohttp.ClientSession, app: Appliance, agent: Agent, token: str) -> tuple[int, Any]:
+    st, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=token, agent_id=agent.agent_id)
+    return st, body
+
+
+async def session_row(app: Appliance, sid: str) -> dict[str, Any]:
+    status, body, _ = await call(app.admin, "GET", f"/v1/sessions/{sid}", headers=admin_headers(app.paths))
+    assert status == 200, body
+    return dict(body)
+
+
+def age_spent_records(home: Paths, seconds: float) -> None:
+    """Pretend the spend happened long ago (far beyond the old 10 s grace), in the real database."""
+    db = sqlite3.connect(home.auth_db)
+    db.execute("UPDATE refresh_tokens SET spent_at = spent_at - ? WHERE status='spent'", (seconds,))
+    db.commit()
+    db.close()
+
+
 async def test_refresh_rotates_and_reuse_revokes_family(home: Paths) -> None:
     async with appliance(home) as app:
         a = app.agent("agent_a")
@@ -43,37 +64,38 @@ async def test_refresh_rotates_and_reuse_revokes_family(home: Paths) -> None:
                 spent.append(rt)
                 rt = body["refresh_token"]
                 assert body["access_token"] != g["token"] and body["session_id"] == sid
-                st, item, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=body["access_token"],
-                                               agent_id=a.agent_id)
+                st, item = await read_theme(s, app, a, body["access_token"])
                 assert st == 200 and item["value"] == "dark"
             latest_access = body["access_token"]
             # a refresh token never reads memory
-            st, err, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=rt, agent_id=a.agent_id)
+            st, err = await read_theme(s, app, a, rt)
             assert st == 401 and err["error"]["code"] == "INVALID_TOKEN"
             # an access token cannot refresh
             status, err = await refresh(s, app, a, sid, latest_access)
             assert status == 401 and err["error"]["code"] == "INVALID_TOKEN"
-            # within the grace window the same key may retry (its answer was lost): it gets a fresh pair,
-            # and the pair it never received is dead (no token is kept at rest to hand out twice)
-            status, again = await refresh(s, app, a, sid, spent[-1])
-            assert status == 200 and again["refresh_token"] != rt
-            st, err, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=latest_access,
-                                          agent_id=a.agent_id)
-            assert st == 401 and err["error"]["code"] == "SESSION_REVOKED"
+            # another agent's certificate with a's refresh token: refused (binding + agent)
+            b = app.agent("agent_b")
+            async with agent_session(b, home) as sb:
+                status, err = await refresh(sb, app, b, sid, rt)
+                assert status in (401, 403) and err["error"]["code"] in ("AGENT_MISMATCH", "TOKEN_BINDING_MISMATCH")
+            # the fork (issue 15 #10): the successor of spent[-1] was used, so even right away (inside
+            # the old 10 s grace) presenting spent[-1] again is reuse, not a second live chain
+            status, err = await refresh(s, app, a, sid, spent[-1])
+            assert status == 401 and err["error"]["code"] == "REFRESH_REUSED"
+            assert "spent refresh token was presented again" in err["error"]["message"]
+            for tok in (latest_access,):
+                st, err = await read_theme(s, app, a, tok)
+                assert st == 401 and err["error"]["code"] == "SESSION_REVOKED"
+                assert "spent refresh token was presented again" in err["error"]["message"]
             status, err = await refresh(s, app, a, sid, rt)
             assert status == 401 and err["error"]["code"] == "SESSION_REVOKED"
-            rt = again["refresh_token"]
-            st, item, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=again["access_token"],
-                                           agent_id=a.agent_id)
-            assert st == 200
-        # another agent's certificate with a's refresh token: refused (binding + agent)
-        b = app.agent("agent_b")
-        async with agent_session(b, home) as s:
-            status, err = await refresh(s, app, b, sid, rt)
-            assert status in (401, 403) and err["error"]["code"] in ("AGENT_MISMATCH", "TOKEN_BINDING_MISMATCH")
+        row = await session_row(app, sid)
+        assert row["status"] == "revoked" and "spent refresh token" in row["status_reason"]
 
 
-async def test_reuse_after_grace_revokes_session(home: Paths) -> None:
+@pytest.mark.parametrize("presented", ["old refresh token", "successor access token", "successor refresh token"])
+async def test_spent_token_after_successor_used_is_reuse(home: Paths, presented: str) -> None:
+    """Once either token of the successor pair was presented, the spent token is reuse, at any delay."""
     async with appliance(home) as app:
         a = app.agent("agent_a")
         g = await app.grant(a, refresh=True)
@@ -81,22 +103,68 @@ async def test_reuse_after_grace_revokes_session(home: Paths) -> None:
         async with agent_session(a, home) as s:
             status, first = await refresh(s, app, a, sid, g["refresh_token"])
             assert status == 200
-        # let the reuse grace (10 s) pass: age the spent record in the real session database
-        import sqlite3
-
-        db = sqlite3.connect(home.auth_db)
-        db.execute("UPDATE refresh_tokens SET spent_at = spent_at - 3600 WHERE status='spent'")
-        db.commit()
-        db.close()
-        async with agent_session(a, home) as s:
+            if presented == "successor access token":
+                assert (await read_theme(s, app, a, first["access_token"]))[0] == 200
+            elif presented == "successor refresh token":
+                status, _ = await refresh(s, app, a, sid, first["refresh_token"])
+                assert status == 200
+            else:  # the successor is unused: the old token may be retried (its answer was "lost")
+                status, again = await refresh(s, app, a, sid, g["refresh_token"])
+                assert status == 200
+                assert (await read_theme(s, app, a, again["access_token"]))[0] == 200
             status, err = await refresh(s, app, a, sid, g["refresh_token"])
             assert status == 401 and err["error"]["code"] == "REFRESH_REUSED"
-            # the whole family is dead, and so is the session
-            status, err = await refresh(s, app, a, sid, first["refresh_token"])
-            assert status == 401 and err["error"]["code"] == "SESSION_REVOKED"
-            st, err, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=first["access_token"],
-                                          agent_id=a.agent_id)
+        assert (await session_row(app, sid))["status"] == "revoked"
+
+
+async def test_retry_long_after_a_lost_answer_keeps_the_agent_working(home: Paths) -> None:
+    """Issue 9 #1: the answer to a refresh was lost; the agent retries an hour later (far past the
+    old 10 s grace): it gets a fresh pair, the pair it never received is dead, and it keeps working."""
+    async with appliance(home) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a, refresh=True)
+        sid = g["session_id"]
+        async with agent_session(a, home) as s:
+            status, lost = await refresh(s, app, a, sid, g["refresh_token"])
+            assert status == 200
+            age_spent_records(home, 3600)
+            status, again = await refresh(s, app, a, sid, g["refresh_token"])
+            assert status == 200, again
+            age_spent_records(home, 3600)
+            status, third = await refresh(s, app, a, sid, g["refresh_token"])  # any number of retries
+            assert status == 200, third
+            assert len({lost["refresh_token"], again["refresh_token"], third["refresh_token"]}) == 3
+            assert (await read_theme(s, app, a, third["access_token"]))[0] == 200
+            status, nxt = await refresh(s, app, a, sid, third["refresh_token"])
+            assert status == 200
+            assert (await read_theme(s, app, a, nxt["access_token"]))[0] == 200
+        assert (await session_row(app, sid))["status"] == "active"
+
+
+async def test_copied_bundle_racing_the_agent_revokes_with_a_clear_reason(home: Paths) -> None:
+    """A copy of the bundle presents the spent token before the agent used its successor: the copy
+    gets a pair and the agent's pair is superseded. When the agent (or anyone) presents a superseded
+    token, two holders of one chain exist: the session is revoked, the message and the session's
+    status say so (never "active" while the agent is told SESSION_REVOKED), and the copy's pair dies."""
+    async with appliance(home) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a, refresh=True)
+        sid = g["session_id"]
+        async with agent_session(a, home) as s:
+            status, agents = await refresh(s, app, a, sid, g["refresh_token"])
+            assert status == 200
+            status, copys = await refresh(s, app, a, sid, g["refresh_token"])  # the copy, same key
+            assert status == 200
+            st, err = await read_theme(s, app, a, agents["access_token"])
+            assert st == 401 and err["error"]["code"] == "REFRESH_REUSED"
+            assert "possibly a copy of the bundle" in err["error"]["message"]
+            row = await session_row(app, sid)
+            assert row["status"] == "revoked" and "bundle" in row["status_reason"]
+            st, err = await read_theme(s, app, a, copys["access_token"])
             assert st == 401 and err["error"]["code"] == "SESSION_REVOKED"
+            assert "copy of the bundle" in err["error"]["message"]
+            status, err = await refresh(s, app, a, sid, copys["refresh_token"])
+            assert status == 401 and err["error"]["code"] == "SESSION_REVOKED"
 
 
 async def test_revoked_session_kills_refresh(home: Paths) -> None:

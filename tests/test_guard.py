@@ -254,7 +254,8 @@ async def test_validate_endpoint(seeded: Paths) -> None:
         assert status == 200 and body["valid"] is True and body["session_id"] == g["session_id"]
         await call(s, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(seeded))
         status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": g["token"]})
-        assert body == {"valid": False, "code": "SESSION_REVOKED", "session_id": g["session_id"]}
+        assert body == {"valid": False, "code": "SESSION_REVOKED", "session_id": g["session_id"],
+                        "message": "session is revoked: revoked by the user"}
         status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": "x.y.z"})
         assert body["valid"] is False and body["code"] == "INVALID_TOKEN"
 

@@ -78,7 +78,7 @@ async def sdk_appliance(paths: Paths, *, guard: dict[str, Any] | None = None, **
 
 @pytest.fixture
 async def app(home: Paths) -> AsyncIterator[Appliance]:
-    # grace 0: a spent refresh token presented again is reuse at once; status cache 0: revocation at once
+    # refresh_reuse_grace_seconds is no longer used (the successor-used rule); status cache 0: revocation at once
     async with sdk_appliance(home, guard={"refresh_reuse_grace_seconds": 0}, status_cache_seconds=0) as a:
         yield a
 
@@ -831,3 +831,39 @@ async def test_example_agent_cli(app: Appliance, tmp_path: Path) -> None:
     assert code == 2 and "CONFIG_ERROR" in err
     for t in (load_bundle(bundle).access_token, load_bundle(tunnel_bundle).access_token):
         assert t not in out and t not in err
+
+
+async def test_refresh_is_retried_on_503_and_keeps_working(app: Appliance, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 9 #1: the SDK retries a refresh that got 503 (here: the access log cannot be written for
+    the first two tries) with bounded back-off, and the session survives."""
+    import errno
+
+    from gateway.client import ClientOptions
+    from gateway.remote import access_log as al
+
+    bundle = authorize_csr(app, tmp_path)
+    real = al._pwrite_all
+    fails = {"left": 0}
+
+    def hook(fd: int, data: bytes, offset: int) -> None:
+        if fails["left"] > 0:
+            fails["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(al, "_pwrite_all", hook)
+    opts = ClientOptions(refresh_retry_attempts=5, refresh_retry_initial_seconds=0.05, refresh_retry_max_seconds=0.2)
+    async with UompClient.from_bundle(bundle, options=opts) as c:
+        assert (await c.get("preference.theme"))["value"] == "dark"
+        fails["left"] = 2
+        await c.refresh()
+        assert fails["left"] == 0 and c.refresh_count == 1
+        assert (await c.get("preference.theme"))["value"] == "dark"
+    async with UompClient.from_bundle(bundle, options=ClientOptions(refresh_retry_attempts=1)) as c:
+        fails["left"] = 1
+        with pytest.raises(UompClientError) as exc:
+            await c.refresh()
+        assert exc.value.code == "STORE_UNAVAILABLE" and exc.value.status == 503
+        await c.refresh()  # the spent token's successor was never used: a later retry works
+        assert (await c.get("preference.theme"))["value"] == "dark"

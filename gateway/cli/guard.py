@@ -49,10 +49,10 @@ def _sessions(args: argparse.Namespace) -> int:
             if args.json:
                 _print(rows)
             else:
-                print(f"{'SESSION':<24} {'AGENT':<24} {'STATUS':<8} {'PROFILE':<7} EXPIRES")
+                print(f"{'SESSION':<24} {'AGENT':<24} {'STATUS':<8} {'PROFILE':<7} {'EXPIRES':<20} REASON")
                 for r in rows:
                     print(f"{r['session_id']:<24} {r['agent_id']:<24} {r['status']:<8} "
-                          f"{r.get('profile', '-'):<7} {r['expires_at']}")
+                          f"{r.get('profile', '-'):<7} {r['expires_at']:<20} {r.get('status_reason', '')}")
         elif args.sessions_command == "show":
             _print(auth.session(args.session_id).public())
         elif args.sessions_command == "revoke":

@@ -23,7 +23,9 @@ class                      codes
 :class:`InvalidRequest`    INVALID_REQUEST, NOT_FOUND, METHOD_NOT_ALLOWED, PAYLOAD_TOO_LARGE,
                            NOT_IMPLEMENTED, INVALID_STATE, and any other 4xx
 :class:`Unavailable`       STORE_UNAVAILABLE, UPSTREAM_ERROR, UPSTREAM_TIMEOUT, INTERNAL, any
-                           other 5xx; SDK: TIMEOUT, CONNECTION_FAILED, LOCK_TIMEOUT
+                           other 5xx; SDK: TIMEOUT, CONNECTION_FAILED, CONNECTION_CLOSED
+                           (the gateway closed the connection before answering: it
+                           stopped or restarted; not a certificate refusal), LOCK_TIMEOUT
 :class:`ProtocolError`     SDK: BAD_RESPONSE, RESPONSE_TOO_LARGE
 :class:`ConfigError`       CONFIG_ERROR (bundle, URL, mode, key file)
 =========================  =====================================================================
@@ -97,7 +99,7 @@ CODE_CLASSES: dict[str, type[UompClientError]] = {
     **dict.fromkeys(("INVALID_REQUEST", "NOT_FOUND", "METHOD_NOT_ALLOWED", "PAYLOAD_TOO_LARGE", "NOT_IMPLEMENTED",
                      "INVALID_STATE"), InvalidRequest),
     **dict.fromkeys(("STORE_UNAVAILABLE", "UPSTREAM_ERROR", "UPSTREAM_TIMEOUT", "INTERNAL", "TIMEOUT",
-                     "CONNECTION_FAILED", "LOCK_TIMEOUT"), Unavailable),
+                     "CONNECTION_FAILED", "CONNECTION_CLOSED", "LOCK_TIMEOUT"), Unavailable),
     **dict.fromkeys(("BAD_RESPONSE", "RESPONSE_TOO_LARGE"), ProtocolError),
     "CONFIG_ERROR": ConfigError,
 }

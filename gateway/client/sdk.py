@@ -123,6 +123,9 @@ LOCAL_BASE_URL = "http://127.0.0.1:9374"
 SEGMENT_SAFE = "!$&'()*+,;=:@-._~"
 AGGREGATE_OPS = ("sum", "avg", "count", "min", "max")
 READ_CHUNK = 64 * 1024
+# A refresh that got no answer is tried again on these (see _post_refresh).
+RETRY_REFRESH_CODES = ("TIMEOUT", "CONNECTION_FAILED", "CONNECTION_CLOSED")
+RETRY_REFRESH_STATUSES = (502, 503, 504)
 # Recently held tokens, scrubbed from any message the gateway sends back.
 REMEMBERED_SECRETS = 8
 
@@ -140,12 +143,19 @@ class ClientOptions:
     renew_retry_seconds: float = 60.0  # after a failed automatic renewal, wait this long before the next try
     lock_timeout_seconds: float = 30.0  # wait at most this long for another process refreshing the bundle
     max_connections: int = 16  # connection pool size
+    refresh_retry_attempts: int = 6  # a refresh that got no answer (closed, timed out, 502/503/504) is tried again
+    refresh_retry_initial_seconds: float = 0.5  # first back-off, doubled after each try ...
+    refresh_retry_max_seconds: float = 8.0  # ... up to this (a spent token may be retried: see README "Refresh")
 
     def __post_init__(self) -> None:
         if self.timeout_seconds <= 0 or self.connect_timeout_seconds <= 0 or self.max_response_bytes <= 0:
             raise ConfigError("CONFIG_ERROR", "time-outs and the response size limit must be positive")
         if not 0 < self.renew_at_fraction < 1 or not 0 <= self.refresh_before_fraction < 1:
             raise ConfigError("CONFIG_ERROR", "renew_at_fraction and refresh_before_fraction must lie in (0, 1)")
+        if self.refresh_retry_attempts < 1 or not 0 <= self.refresh_retry_initial_seconds <= \
+                self.refresh_retry_max_seconds:
+            raise ConfigError("CONFIG_ERROR", "refresh_retry_attempts must be >= 1 and the back-off "
+                              "0 <= initial <= max")
 
 
 @dataclass(frozen=True)
@@ -792,8 +802,14 @@ class UompClient:
             # the server checks the certificate, so the refusal arrives as an alert or a closed/reset
             # connection on the first read (aiohttp already retried idempotent calls once on a fresh
             # connection). Connection refused / DNS failures are ClientConnectorError: unavailable.
-            refused = self._mode == "mtls" and not isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
-                exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+            closed = not isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
+                exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError) and not _ssl_in_chain(exc)
+            # A plain close is also what a gateway that stopped or restarted mid-request looks like:
+            # one fresh handshake tells the two apart (refused again, or the gateway is fine / down).
+            refused = self._mode == "mtls" and closed and not await self._handshake_ok()
+            if closed and not refused:
+                raise Unavailable("CONNECTION_CLOSED", "the gateway closed the connection before answering (it "
+                                  f"stopped or restarted; {_describe(exc)})", None, self._session_id) from exc
             if _ssl_in_chain(exc) or refused:
                 raise CertificateError("TLS_HANDSHAKE_FAILED", "the gateway closed the TLS connection; in mTLS this "
                                        "is how it refuses a client certificate that is revoked, expired or not from "
@@ -813,6 +829,27 @@ class UompClient:
             if status >= 400:
                 return status, None
             raise ProtocolError("BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id) from None
+
+    async def _handshake_ok(self) -> bool:
+        """After a closed connection in mTLS: does a fresh handshake with our certificate hold (or is
+        the gateway simply not there)? False when it is refused again: a certificate refusal."""
+        o = self._opts
+        timeout = aiohttp.ClientTimeout(total=o.connect_timeout_seconds * 2, connect=o.connect_timeout_seconds)
+        headers = {"Host": self._host_header} if self._host_header is not None else None
+        try:
+            async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(ssl=self._ssl_context(), force_close=True), timeout=timeout,
+                    cookie_jar=aiohttp.DummyCookieJar(), trust_env=False) as probe, \
+                    probe.get(URL(self._base + "/v1/health", encoded=True), headers=headers,
+                              allow_redirects=False) as resp:
+                await resp.read()
+                return True
+        except aiohttp.ClientConnectorCertificateError:
+            return False
+        except aiohttp.ClientConnectorError as exc:
+            return not _ssl_in_chain(exc)  # not listening (stopped, restarting): a closed connection
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
         limit = self._opts.max_response_bytes
@@ -867,15 +904,28 @@ class UompClient:
             raise AuthError("TOKEN_EXPIRED", f"the refresh token expired at {iso(self._refresh_exp)}; ask the user "
                             "to authorize the agent again", None, self._session_id)
         path = f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}/refresh"
-        try:
-            status, answer = await self._send("POST", path, None, None, rt)
-        except Unavailable as exc:
-            if exc.code not in ("TIMEOUT", "CONNECTION_FAILED"):
-                raise
-            # The answer may have been lost after the token was spent: within its grace window the
-            # Auth Service hands the same successor out again to the same key, so one retry is safe.
-            log.warning("refresh for session %s failed (%s); retrying once", self._session_id, exc.code)
-            status, answer = await self._send("POST", path, None, None, rt)
+        # The answer may be lost after the token was spent (gateway or guard killed, network cut). The
+        # Auth Service lets the same key retry a spent token until its successor pair is first used,
+        # so retrying with bounded back-off is safe, as is a later refresh by a restarted agent.
+        o = self._opts
+        delay = o.refresh_retry_initial_seconds
+        for attempt in range(1, max(1, o.refresh_retry_attempts) + 1):
+            last = attempt >= o.refresh_retry_attempts
+            try:
+                status, answer = await self._send("POST", path, None, None, rt)
+            except Unavailable as exc:
+                if exc.code not in RETRY_REFRESH_CODES or last:
+                    raise
+                reason = exc.code
+            else:
+                code = error_from_answer(status, answer, session_id=self._session_id).code if status >= 300 else ""
+                if status not in RETRY_REFRESH_STATUSES or last:
+                    break
+                reason = f"{code} (HTTP {status})"
+            log.warning("refresh for session %s got no answer (%s); retrying in %.1f s (try %d of %d)",
+                        self._session_id, reason, delay, attempt + 1, o.refresh_retry_attempts)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, o.refresh_retry_max_seconds)
         if status >= 300:
             err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
             if err.code == "REFRESH_REUSED":

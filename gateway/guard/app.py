@@ -195,6 +195,7 @@ class AgentCall:
         self.cap: Capability | None = None
         self.row: SessionRow | None = None
         self.remaining: int | None = None
+        self.ticket: int | None = None  # the audit row to wait for before answering
 
     def _check_listener(self, cap: Capability, listener: str, forwarded: str | None) -> None:
         if listener == "tcp":
@@ -247,7 +248,7 @@ class AgentCall:
 
     def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None) -> None:
         cap = self.cap
-        self.svc.audit.record(
+        self.ticket = self.svc.audit.record(
             session_id=cap.session_id if cap else "unknown", agent_id=cap.agent_id if cap else "unknown",
             action=self.action, key=self.key, tags=self.tags, allowed=allowed, reason=reason, detail=detail,
             request_size=self.request.content_length or 0, response_size=response_size,
@@ -256,7 +257,7 @@ class AgentCall:
 
     def deny(self, exc: UompError, *, agent_id: str | None = None) -> None:
         cap = self.cap
-        self.svc.audit.record(
+        self.ticket = self.svc.audit.record(
             session_id=cap.session_id if cap else (exc.session_id or "unknown"),
             agent_id=cap.agent_id if cap else (agent_id or "unknown"), action=self.action, key=self.key,
             tags=self.tags, allowed=False, reason=exc.message, detail=exc.code, query_count_remaining=self.remaining,
@@ -265,13 +266,13 @@ class AgentCall:
     async def respond(self, body: Any) -> web.Response:
         text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
         self.record(True, self._reason, self._detail, response_size=len(text.encode()))
-        await self.svc.audit.flush()
+        await self.svc.audit.flush(self.ticket)
         headers = {QUOTA_HEADER: str(self.remaining)} if self.remaining is not None else None
         return web.Response(text=text, content_type="application/json", headers=headers)
 
     async def refuse(self, exc: UompError, detail: str | None = None) -> web.Response:
         self.record(False, exc.message, detail or exc.code)
-        await self.svc.audit.flush()
+        await self.svc.audit.flush(self.ticket)
         resp = error_response(exc)
         if self.remaining is not None:
             resp.headers[QUOTA_HEADER] = str(self.remaining)
@@ -286,7 +287,7 @@ class AgentCall:
 
 async def _answer_refusal(call: AgentCall, exc: UompError) -> web.Response:
     """The refusal was audited by AgentCall; make it durable, then answer (with the quota header)."""
-    await call.svc.audit.flush()
+    await call.svc.audit.flush(call.ticket)
     resp = error_response(exc)
     if call.remaining is not None:
         resp.headers[QUOTA_HEADER] = str(call.remaining)
@@ -580,7 +581,7 @@ async def deletion_proof(request: web.Request) -> web.Response:
     except UompError as exc:
         if call.cap is not None:
             call.record(False, exc.message, exc.code)
-        await svc.audit.flush()
+        await svc.audit.flush(call.ticket)
         raise
     await svc.authdb(svc.auth.record_deletion_proof, sid, proof.deletion_proof_id)
     call.allow("deletion proof verified", proof.deletion_proof_id)
@@ -595,17 +596,17 @@ async def refresh_internal(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
     try:
-        answer = await svc.authdb(functools.partial(
-            svc.auth.refresh, _bearer(request), session_id=sid,
+        answer, ticket = await svc.authdb(functools.partial(
+            svc.auth.refresh_audited, _bearer(request), session_id=sid,
             presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
             presented_jkt=request.headers.get(VERIFIED_JKT_HEADER)))
     except UompError as exc:
-        svc.audit.record(session_id=exc.session_id or sid,
-                         agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
-                         action="refresh", allowed=False, reason=exc.message, detail=exc.code)
-        await svc.audit.flush()
+        ticket = svc.audit.record(session_id=exc.session_id or sid,
+                                  agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
+                                  action="refresh", allowed=False, reason=exc.message, detail=exc.code)
+        await svc.audit.flush(ticket)
         raise
-    await svc.audit.flush()
+    await svc.audit.flush(ticket)  # the rotation's row (also in auth.db's outbox: see AuthService)
     return _json_response(answer)
 
 

@@ -4,33 +4,42 @@ Every decision, allowed or not, becomes a row with the §18.2 fields plus ``quer
 ``reason`` is what the agent may see in ``GET /v1/audit`` (no existence leak, see core.policy);
 ``detail`` is for the user only.
 
-Durability without an fsync per request: records are group-committed. A request handler calls
-:meth:`AuditLog.record` then ``await`` :meth:`AuditLog.flush`; every record pending at that moment
-is written in one transaction (synchronous=FULL) on a single writer thread, and the handler answers
-only once its record is durable. Under load one fsync covers many requests.
+Durability without an fsync per request: records are group-committed by the shared writer
+(:mod:`gateway.durable`). A request handler takes the ticket :meth:`AuditLog.record` returns and
+``await`` :meth:`AuditLog.flush` with it; every record pending at that moment is written in one
+transaction (synchronous=FULL) on the writer thread, and the handler answers only once its record
+is durable. Under load one fsync covers many requests.
 
-A batch that cannot be written (another process holds a lock on ``audit.db`` past the busy
-timeout, a full disk) raises STORE_BUSY / STORE_UNAVAILABLE to the requests waiting for it, which
-answer 503 rather than unaudited data; its records go back to the front of the queue and are
-written with the next batch, so a later flush neither hangs nor loses them. Reads of the log run
-on their own thread (:attr:`AuditLog.reader`), never on the event loop.
+Fail-closed, and true to what the agent got: when a batch cannot be written (``audit.db`` or the
+disk full, an I/O error) its waiters get ``STORE_UNAVAILABLE`` (503) and the rows are not kept
+one by one: they are *counted* per session, and the next batch that fits carries one
+``audit_gap`` row per session saying how many requests were refused with 503 and why. Recovery is
+as soon as that small batch fits. Rows are inserted with ``INSERT OR IGNORE`` on their unique id,
+so a row replayed from the Auth Service's outbox after a crash is never doubled.
+
+A lock held by another process past the busy timeout makes a batch fail with STORE_BUSY (503, retry
+shortly) in the same way. Reads of the log run on their own thread (:attr:`AuditLog.reader`),
+never on the event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import sqlite3
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from gateway.core.tokens import iso
+from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
+from gateway.errors import UompError
 from gateway.guard.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
+
+log = logging.getLogger("uomp.audit")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_logs (
@@ -60,91 +69,118 @@ COLUMNS = ("id", "ts", "timestamp", "session_id", "agent_id", "action", "key", "
 MAX_AUDIT_PAGE = 1000
 
 
+MAX_PENDING_ROWS = 100_000  # rows waiting for the writer (beyond: STORE_UNAVAILABLE)
+GAP_ACTION = "audit_gap"
+
+Row = tuple[Any, ...]
+
+
+def make_row(*, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
+             key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
+             request_size: int | None = None, response_size: int | None = None,
+             query_count_remaining: int | None = None, via: str | None = None,
+             now: float | None = None) -> Row:
+    """One audit row in :data:`COLUMNS` order, with a fresh unique id."""
+    ts = time.time() if now is None else now
+    return ("log_" + secrets.token_hex(8), ts, iso(ts), session_id or "unknown", agent_id or "unknown", action,
+            key, json.dumps(tags) if tags is not None else None, int(allowed), reason, detail,
+            request_size, response_size, query_count_remaining, via)
+
+
 class AuditLog:
-    def __init__(self, path: Path, *, retention_days: int = 90,
+    def __init__(self, path: Path, *, retention_days: int = 90, max_pending: int = MAX_PENDING_ROWS,
                  busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
         self.path = path
         self.retention_days = retention_days
         self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
         self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-writer")
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
-        self._lock = threading.Lock()
-        self._pending: list[tuple[Any, ...]] = []
-        self._seq = 0  # records appended
-        self._committed = 0  # records durable
-        self._writer: asyncio.Task[None] | None = None
+        self._maint = threading.Lock()  # the write connection: writer thread vs purge/replay
+        self.lost = RefusalTally()  # rows of failed batches, per session|agent, not yet summarised
+        self.writer: GroupCommitWriter[Row] = GroupCommitWriter(
+            "audit log", self._write_batch, max_pending=max_pending, on_failed=self._count_failed)
 
     def record(self, *, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
                key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
                request_size: int | None = None, response_size: int | None = None,
                query_count_remaining: int | None = None, via: str | None = None,
                now: float | None = None) -> int:
-        ts = time.time() if now is None else now
-        row = ("log_" + secrets.token_hex(8), ts, iso(ts), session_id or "unknown", agent_id or "unknown", action,
-               key, json.dumps(tags) if tags is not None else None, int(allowed), reason, detail,
-               request_size, response_size, query_count_remaining, via)
-        with self._lock:
-            self._pending.append(row)
-            self._seq += 1
-            return self._seq
+        """Queue one row; return its ticket for :meth:`flush`."""
+        return self.submit(make_row(
+            session_id=session_id, agent_id=agent_id, action=action, allowed=allowed, reason=reason, key=key,
+            tags=tags, detail=detail, request_size=request_size, response_size=response_size,
+            query_count_remaining=query_count_remaining, via=via, now=now))
 
-    def _write_batch(self, rows: list[tuple[Any, ...]]) -> None:
-        conn = self._write
-        try:
-            conn.execute("BEGIN IMMEDIATE")
+    def submit(self, row: Row) -> int:
+        return self.writer.submit(row)
+
+    @property
+    def failing(self) -> str | None:
+        return self.writer.failing
+
+    def _count_failed(self, rows: list[Row], exc: BaseException) -> None:
+        reason = describe_failure(exc)
+        for r in rows:
+            if r[5] == GAP_ACTION:
+                continue  # a summary that did not make it: its counts are still in the tally
+            self.lost.add(f"{r[3]}|{r[4]}", reason=reason, now=r[1])
+
+    def _gap_rows(self, snap: dict[str, Any]) -> list[Row]:
+        rows = []
+        for bucket, n in sorted(snap["counts"].items()):
+            sid, _, agent = bucket.partition("|")
+            rows.append(make_row(
+                session_id=sid if agent else "unknown", agent_id=agent or "unknown", action=GAP_ACTION,
+                allowed=False, detail="STORE_UNAVAILABLE",
+                reason=f"{n} request(s) between {iso(snap['first'])} and {iso(snap['last'])} were refused with "
+                       f"503 STORE_UNAVAILABLE: the audit log could not be written ({snap['reason'] or 'failed'})"))
+        return rows
+
+    def _write_batch(self, rows: list[Row]) -> None:
+        snap = self.lost.take()
+        if snap is not None:
+            rows = self._gap_rows(snap) + rows
+        if not rows:
+            return
+        self._insert(rows)
+        if snap is not None:
+            self.lost.done(snap)
+            log.warning("audit log: writing again; %d refused request(s) recorded as audit_gap rows",
+                        sum(snap["counts"].values()))
+
+    def _insert(self, rows: list[Row]) -> None:
+        """One transaction; a SQLite failure is STORE_BUSY (a lock held too long) or STORE_UNAVAILABLE."""
+        with self._maint:
+            conn = self._write
             try:
-                conn.executemany(
-                    f"INSERT INTO audit_logs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
-                    rows)
-                conn.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise db_error(exc, what="audit log") from exc
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.executemany(
+                        f"INSERT OR IGNORE INTO audit_logs ({', '.join(COLUMNS)}) "
+                        f"VALUES ({', '.join('?' * len(COLUMNS))})", rows)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                err = db_error(exc, what="audit log")
+                if err.code == "STORE_UNAVAILABLE":
+                    err = UompError("STORE_UNAVAILABLE", f"the audit log could not be written "
+                                    f"({describe_failure(exc)})")
+                raise err from exc
 
-    def _requeue(self, rows: list[tuple[Any, ...]]) -> None:
-        """A batch failed: its rows go back to the front, to be written with the next batch."""
-        with self._lock:
-            self._pending[:0] = rows
-
-    def flush_sync(self) -> None:
-        """flush() for threads other than the event loop's (the Auth Service's worker, shutdown)."""
-        with self._lock:
-            rows, self._pending = self._pending, []
-            upto = self._seq
+    def write_now(self, rows: list[Row]) -> None:
+        """Write rows at once, bypassing the queue (replaying an outbox); idempotent on the row ids."""
         if rows:
-            try:
-                self._executor.submit(self._write_batch, rows).result()
-            except BaseException:
-                self._requeue(rows)
-                raise
-        self._committed = max(self._committed, upto)
+            self._insert(rows)
 
-    async def flush(self) -> None:
-        """Return once every record appended before this call is durable (group commit)."""
-        target = self._seq
-        while self._committed < target:
-            if self._writer is None or self._writer.done():
-                self._writer = asyncio.get_running_loop().create_task(self._drain())
-            await asyncio.shield(self._writer)
+    def flush_sync(self, ticket: int | None = None) -> None:
+        self.writer.flush_sync(ticket)
 
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._lock:
-                rows, self._pending = self._pending, []
-                upto = self._seq
-            if not rows:
-                return
-            try:
-                await loop.run_in_executor(self._executor, self._write_batch, rows)
-            except BaseException:
-                self._requeue(rows)
-                raise
-            self._committed = max(self._committed, upto)
+    async def flush(self, ticket: int | None = None) -> None:
+        """Return once ``ticket`` (default: every record appended before this call) is durable."""
+        await self.writer.flush(ticket)
 
     # ----------------------------------------------------------------------------- reading
 
@@ -177,18 +213,17 @@ class AuditLog:
     def purge(self, *, now: float | None = None) -> int:
         """Drop rows older than the retention (default 90 days, §18.3)."""
         cutoff = (time.time() if now is None else now) - self.retention_days * 86400
-        cur = self._executor.submit(self._purge, cutoff).result()
-        return cur
-
-    def _purge(self, cutoff: float) -> int:
-        cur = self._write.execute("DELETE FROM audit_logs WHERE ts < ?", (cutoff,))
+        with self._maint:
+            cur = self._write.execute("DELETE FROM audit_logs WHERE ts < ?", (cutoff,))
         return int(cur.rowcount)
 
     def close(self) -> None:
         try:
-            self.flush_sync()
+            if self.lost.total:
+                with contextlib.suppress(UompError):
+                    self.writer.probe_sync()
         finally:
+            self.writer.close()
             self.reader.close()
-            self._executor.shutdown(wait=True)
         self._read.close()
         self._write.close()

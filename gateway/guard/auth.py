@@ -10,9 +10,29 @@ them into the persistent blacklist (§13.4), and the session status itself is ch
 request, so a revoked session's tokens fail on the very next request.
 
 Refresh tokens (§15.5, RFC 9700 §4.14.2): each refresh spends the presented refresh token and
-returns a new one of the same family. A spent token presented again revokes the family and the
-session, except within ``refresh_reuse_grace_seconds`` for the same bound key (the client never
-received the answer), where the already-issued successor pair is handed out again.
+returns a new pair (access + refresh) of the same family. The rotation commits before the answer
+reaches the agent, so a crash (gateway, guard, network) can lose the answer. The rule:
+
+* a spent refresh token whose successor pair has *never been used* (neither the successor access
+  token nor the successor refresh token was ever presented) may be retried, by the same bound key,
+  for as long as it is valid: each retry revokes the never-used successor pair (``superseded``)
+  and issues a fresh one. No token is stored at rest to be handed out twice;
+* once the successor has been used, any presentation of the old token is **reuse**
+  (``REFRESH_REUSED``): the family and the session are revoked. Presenting a ``superseded`` token
+  is reuse too: two holders of one chain exist (a copied bundle), so the chain stops there;
+* the session then shows ``revoked`` with the reason in ``uomp sessions list``, and every later
+  ``SESSION_REVOKED`` says why.
+
+The first use of every access token is recorded (``issued_tokens.used_at``, durable before the
+request is answered), which is what "used" means above.
+
+The rotation and its audit row are durable together: the row is written into ``audit_outbox``
+in the rotation's own transaction, then queued to the audit log as usual (the request is answered
+after it is durable); on the next open, outbox rows are replayed into ``audit.db`` (idempotent on
+the row id) and dropped. A crash between the two commits loses nothing.
+
+Pruning (:meth:`AuthService.prune`): rows of tokens past their ``exp`` (issued, refresh,
+blacklist: a blacklisted token past its exp fails on its own) are deleted periodically.
 """
 
 from __future__ import annotations
@@ -34,8 +54,9 @@ from gateway.config import GuardConfig, Paths
 from gateway.core import jose, restrictions, tokens
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability, Scope
+from gateway.durable import fault_point
 from gateway.errors import UompError
-from gateway.guard.audit import AuditLog
+from gateway.guard.audit import AuditLog, make_row
 from gateway.guard.db import connect, transaction
 
 log = logging.getLogger("uomp.auth")
@@ -87,7 +108,25 @@ CREATE TABLE IF NOT EXISTS refresh_tokens (
   successor TEXT
 );
 CREATE INDEX IF NOT EXISTS idx_refresh_family ON refresh_tokens(family_id);
+CREATE TABLE IF NOT EXISTS audit_outbox (
+  id TEXT PRIMARY KEY,
+  row TEXT NOT NULL
+);
 """
+
+# Columns added after the first release: (table, column, declaration). Added on open if missing.
+MIGRATIONS = (
+    ("sessions", "status_reason", "TEXT"),
+    ("issued_tokens", "used_at", "REAL"),
+)
+USED_CACHE_ENTRIES = 65536  # access tokens known to be used (saves a write per request)
+PRUNE_BATCH_ROWS = 10_000  # rows per table per prune call
+PRUNE_MARGIN_SECONDS = 3600  # kept this long past a token's exp (clock leeway, investigations)
+
+REUSE_MESSAGE = ("the session was revoked because a spent refresh token was presented again after its "
+                 "successor had been used (two holders of one token chain: possibly a copy of the bundle)")
+SUPERSEDED_MESSAGE = ("the session was revoked because a token replaced by a refresh retry was presented "
+                      "(two holders of one token chain: possibly a copy of the bundle)")
 
 LIVE = ("created", "active")
 PROFILES = ("local", "remote")
@@ -105,6 +144,11 @@ def minutes_text(minutes: float) -> str:
             return f"{n} {unit}{'s' if n != 1 else ''}"
     return f"{minutes:g} minute{'s' if minutes != 1 else ''}"
 ID_ALPHABET_MAX = 128
+
+
+def ended_message(row: SessionRow) -> str:
+    """What SESSION_REVOKED says for a session that is no longer active: its state and why."""
+    return f"session is {row.status}: {row.status_reason}" if row.status_reason else f"session is {row.status}"
 
 
 def token_hash(token: str) -> str:
@@ -186,6 +230,7 @@ class SessionRow:
     identity_jwk: dict[str, Any] | None
     retention: dict[str, Any] | None
     deletion_proof_id: str | None
+    status_reason: str | None = None
 
     def public(self) -> dict[str, Any]:
         """§13.2 view for the user (never token material)."""
@@ -210,6 +255,8 @@ class SessionRow:
             out["data_retention_policy"] = self.retention
         if self.deletion_proof_id:
             out["deletion_proof_id"] = self.deletion_proof_id
+        if self.status_reason:
+            out["status_reason"] = self.status_reason
         return out
 
 
@@ -222,9 +269,32 @@ class AuthService:
         self.clock = clock
         self.db = connect(paths.auth_db, schema=SCHEMA, what="session database",
                           busy_timeout=cfg.db_busy_timeout_seconds)
+        self._migrate()
+        self._used: set[str] = set()
+        try:
+            self.replay_outbox()
+        except UompError as exc:  # audit.db unwritable (full disk): start anyway, the rows stay in the outbox
+            log.warning("auth: audit outbox not replayed yet (%s)", exc.message)
         self.reload_keys()
         self.quota = QuotaLedger(self._quota_load, self._quota_persist)
         self._verified: dict[str, Capability] = {}
+
+    def _migrate(self) -> None:
+        for table, column, decl in MIGRATIONS:
+            cols = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in cols:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+    def replay_outbox(self) -> int:
+        """Write audit rows whose rotation committed but whose audit write may not have (a crash)."""
+        rows = self.db.execute("SELECT id, row FROM audit_outbox").fetchall()
+        if not rows:
+            return 0
+        self.audit.write_now([tuple(json.loads(r["row"])) for r in rows])
+        with transaction(self.db, what="session database"):
+            self.db.executemany("DELETE FROM audit_outbox WHERE id=?", [(r["id"],) for r in rows])
+        log.info("auth: %d audit row(s) replayed from the outbox", len(rows))
+        return len(rows)
 
     # ------------------------------------------------------------------------------ keys
 
@@ -251,7 +321,7 @@ class AuthService:
             options=json.loads(r["grant_options"]) if r["grant_options"] else {},
             identity_jwk=json.loads(r["identity_jwk"]) if r["identity_jwk"] else None,
             retention=json.loads(r["retention"]) if r["retention"] else None,
-            deletion_proof_id=r["deletion_proof_id"],
+            deletion_proof_id=r["deletion_proof_id"], status_reason=r["status_reason"],
         )
         if row.status in LIVE and self.clock() >= row.expires_at:
             self._expire(row)
@@ -267,8 +337,9 @@ class AuthService:
     def _expire(self, row: SessionRow) -> None:
         now = self.clock()
         with transaction(self.db, what="session database"):
-            self.db.execute("UPDATE sessions SET status='expired', closed_at=? WHERE session_id=? AND status IN "
-                            "('created','active')", (now, row.session_id))
+            self.db.execute("UPDATE sessions SET status='expired', closed_at=?, status_reason=? WHERE session_id=? "
+                            "AND status IN ('created','active')", (now, "the session reached its expiry",
+                                                                   row.session_id))
             self._blacklist_session(row.session_id, "expired")
         self._record_missing_proof(row)
 
@@ -463,7 +534,8 @@ class AuthService:
         Only hashes and ids are stored: no token is ever kept at rest."""
         for m in minted:
             th = token_hash(m.token)
-            self.db.execute("INSERT INTO issued_tokens VALUES (?,?,?,?,?)", (th, row.session_id, m.jti, m.kind, m.exp))
+            self.db.execute("INSERT INTO issued_tokens (token_hash, session_id, jti, kind, expires_at) "
+                            "VALUES (?,?,?,?,?)", (th, row.session_id, m.jti, m.kind, m.exp))
             if m.kind == "access":
                 self.db.execute("UPDATE sessions SET token_hash=? WHERE session_id=?", (th, row.session_id))
             else:
@@ -486,7 +558,8 @@ class AuthService:
             raise UompError("INVALID_STATE", f"session is already {row.status}", session_id=session_id)
         now = self.clock()
         with transaction(self.db, what="session database"):
-            self.db.execute("UPDATE sessions SET status=?, closed_at=? WHERE session_id=?", (status, now, session_id))
+            self.db.execute("UPDATE sessions SET status=?, closed_at=?, status_reason=? WHERE session_id=?",
+                            (status, now, reason, session_id))
             self._blacklist_session(session_id, status)
         self._verified = {}
         self.quota.forget(session_id)
@@ -546,10 +619,28 @@ class AuthService:
         if row.status == "expired":
             raise UompError("TOKEN_EXPIRED", "session has expired", session_id=cap.session_id)
         if row.status != "active":
-            raise UompError("SESSION_REVOKED", f"session is {row.status}", session_id=cap.session_id)
-        if self.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (th,)).fetchone():
+            raise UompError("SESSION_REVOKED", ended_message(row), session_id=cap.session_id)
+        hit = self.db.execute("SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
+        if hit:
+            if hit[0] == "superseded":
+                self._chain_forked(row)
             raise UompError("SESSION_REVOKED", "token has been revoked", session_id=cap.session_id)
+        if not cap.is_refresh:
+            self._note_use(th)
         return cap, row
+
+    def _note_use(self, th: str) -> None:
+        """Record an access token's first use, durably, before the request is answered (refresh rule)."""
+        if th in self._used:
+            return
+        try:
+            self.db.execute("UPDATE issued_tokens SET used_at=? WHERE token_hash=? AND used_at IS NULL",
+                            (self.clock(), th))
+        except sqlite3.Error as exc:
+            raise UompError("STORE_UNAVAILABLE", "the session database is unavailable") from exc
+        if len(self._used) >= USED_CACHE_ENTRIES:
+            self._used.clear()
+        self._used.add(th)
 
     def validate(self, token: Any) -> dict[str, Any]:
         """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a bad token."""
@@ -560,7 +651,7 @@ class AuthService:
         except UompError as exc:
             if exc.code in ("STORE_UNAVAILABLE",):
                 raise
-            out: dict[str, Any] = {"valid": False, "code": exc.code}
+            out: dict[str, Any] = {"valid": False, "code": exc.code, "message": exc.message}
             if exc.session_id:
                 out["session_id"] = exc.session_id
             return out
@@ -599,7 +690,15 @@ class AuthService:
 
     def refresh(self, refresh_token: str, *, session_id: str, presented_x5t: str | None,
                 presented_jkt: str | None) -> dict[str, Any]:
-        """§15.5 with rotation and reuse detection. The caller has checked transport binding inputs."""
+        answer, _ = self.refresh_audited(refresh_token, session_id=session_id, presented_x5t=presented_x5t,
+                                         presented_jkt=presented_jkt)
+        return answer
+
+    def refresh_audited(self, refresh_token: str, *, session_id: str, presented_x5t: str | None,
+                        presented_jkt: str | None) -> tuple[dict[str, Any], int]:
+        """§15.5 with rotation and reuse detection (the rule in the module docstring). Returns the
+        answer and the audit ticket to wait for before answering. The caller has checked the transport
+        binding inputs."""
         cap, row = self.authenticate(refresh_token, allow_refresh=True)
         if cap.session_id != session_id:
             raise UompError("INVALID_TOKEN", "refresh token is for another session", session_id=session_id)
@@ -610,14 +709,12 @@ class AuthService:
             raise UompError("INVALID_TOKEN", "refresh token is unknown", session_id=session_id)
         retry = False
         if r["status"] == "spent":
-            within_grace = r["spent_at"] is not None and now - r["spent_at"] <= self.cfg.refresh_reuse_grace_seconds
-            if not (within_grace and r["successor"]):
-                self._revoke_family(row, r["family_id"])
-                raise UompError("REFRESH_REUSED", "a spent refresh token was presented again; the session and all "
-                                "its refresh tokens are revoked", session_id=session_id)
-            # Same key (the binding was checked above) within the grace window: the client never got
-            # our answer. Issue a fresh pair and kill the pair it never received (not stored, so it
-            # cannot be handed out again).
+            if not r["successor"] or self._successor_used(json.loads(r["successor"])):
+                self._revoke_family(row, r["family_id"], REUSE_MESSAGE)
+                raise UompError("REFRESH_REUSED", REUSE_MESSAGE, session_id=session_id)
+            # Same key (the binding was checked above) and the successor pair was never used: the
+            # client never got our answer. Issue a fresh pair and kill the pair it never received
+            # (not stored, so it cannot be handed out again).
             retry = True
         elif r["status"] != "active":
             raise UompError("SESSION_REVOKED", "refresh token has been revoked", session_id=session_id)
@@ -627,25 +724,52 @@ class AuthService:
                   "expires_at": tokens.iso(access.exp), "refresh_token": new_rt.token,
                   "refresh_expires_at": tokens.iso(new_rt.exp), "session_id": session_id}
         successor = json.dumps({"access_jti": access.jti, "refresh_jti": new_rt.jti})
+        audit_row = make_row(session_id=session_id, agent_id=row.agent_id, action="refresh", allowed=True,
+                             reason="refresh retried: the never-used successor pair was replaced" if retry
+                             else "refresh token rotated", now=now)
         with transaction(self.db, what="session database"):  # one durable write for the whole rotation
             if retry:
                 lost = json.loads(r["successor"])
-                # spent_at stays: the grace window runs from the first spend, however many retries
+                # the successor must still be unused at commit (nothing else runs between, but say so)
                 cur = self.db.execute("UPDATE refresh_tokens SET successor=? WHERE jti=? AND status='spent' "
                                       "AND successor=?", (successor, cap.jti, r["successor"]))
-                self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE jti=?", (lost["refresh_jti"],))
+                used = self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE jti=? AND status='active'",
+                                       (lost["refresh_jti"],)).rowcount != 1
                 self.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
                                 "SELECT token_hash, session_id, expires_at, 'superseded' FROM issued_tokens "
                                 "WHERE jti IN (?, ?)", (lost["access_jti"], lost["refresh_jti"]))
+                if used:
+                    raise UompError("REFRESH_REUSED", "refresh token was spent concurrently", session_id=session_id)
             else:
                 cur = self.db.execute("UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? "
                                       "WHERE jti=? AND status='active'", (now, successor, cap.jti))
             if cur.rowcount != 1:
                 raise UompError("REFRESH_REUSED", "refresh token was spent concurrently", session_id=session_id)
             self._record_minted(row, [access, new_rt])
-        self.audit.record(session_id=session_id, agent_id=row.agent_id, action="refresh", allowed=True,
-                          reason="refresh token rotated")
-        return answer
+            # the audit row is durable with the rotation (replayed on open if audit.db missed it)
+            self.db.execute("INSERT INTO audit_outbox (id, row) VALUES (?, ?)", (audit_row[0], json.dumps(audit_row)))
+        ticket = self.audit.submit(audit_row)
+        fault_point("refresh_committed")
+        return answer, ticket
+
+    def _successor_used(self, succ: Mapping[str, Any]) -> bool:
+        """Was either token of a successor pair ever presented (or is it dead)?"""
+        rt = self.db.execute("SELECT status FROM refresh_tokens WHERE jti=?", (succ.get("refresh_jti"),)).fetchone()
+        if rt is None or rt["status"] != "active":
+            return True
+        at = self.db.execute("SELECT used_at FROM issued_tokens WHERE jti=? AND kind='access'",
+                             (succ.get("access_jti"),)).fetchone()
+        return at is None or at["used_at"] is not None
+
+    def _chain_forked(self, row: SessionRow) -> None:
+        """A superseded token came back: revoke the session and say why (raises REFRESH_REUSED)."""
+        self.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="refresh_reuse", allowed=False,
+                          reason="a superseded token was presented: session revoked")
+        if row.status in LIVE:
+            self.revoke(row.session_id, reason=SUPERSEDED_MESSAGE)
+        else:
+            self.audit.flush_sync()
+        raise UompError("REFRESH_REUSED", SUPERSEDED_MESSAGE, session_id=row.session_id)
 
     @staticmethod
     def _check_binding(cap: Capability, x5t: str | None, jkt: str | None) -> None:
@@ -656,15 +780,34 @@ class AuthService:
         if not ok:
             raise UompError("TOKEN_BINDING_MISMATCH", "token is bound to another key", session_id=cap.session_id)
 
-    def _revoke_family(self, row: SessionRow, family_id: str) -> None:
+    def _revoke_family(self, row: SessionRow, family_id: str, reason: str) -> None:
         with transaction(self.db, what="session database"):
             self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE family_id=?", (family_id,))
         self.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="refresh_reuse", allowed=False,
                           reason="spent refresh token reused: family and session revoked")
         if row.status in LIVE:
-            self.revoke(row.session_id, reason="refresh token reuse detected")
+            self.revoke(row.session_id, reason=reason)
         else:
             self.audit.flush_sync()
+
+    # --------------------------------------------------------------------------- pruning
+
+    def prune(self, *, now: float | None = None, batch: int = PRUNE_BATCH_ROWS) -> dict[str, int]:
+        """Drop rows nothing can need any more (called periodically by the guard and at open).
+
+        A token past its ``exp`` (plus :data:`PRUNE_MARGIN_SECONDS` of clock leeway) fails signature
+        verification on its own, so its issued/refresh/blacklist rows can go; outbox rows are replayed
+        (idempotent) and dropped. At most ``batch`` rows per table per call, so a sweep never stalls."""
+        cutoff = (self.clock() if now is None else now) - PRUNE_MARGIN_SECONDS
+        out = {"audit_outbox": self.replay_outbox()}
+        with transaction(self.db, what="session database"):
+            for table in ("token_blacklist", "issued_tokens", "refresh_tokens"):
+                cur = self.db.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} "
+                                      "WHERE expires_at < ? LIMIT ?)", (cutoff, batch))
+                out[table] = int(cur.rowcount)
+        if any(out.values()):
+            log.info("auth: pruned %s", ", ".join(f"{n} {t}" for t, n in out.items() if n))
+        return out
 
     def close_db(self) -> None:
         self.quota.flush()

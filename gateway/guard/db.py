@@ -65,6 +65,20 @@ def db_error(exc: BaseException, *, code: str = "STORE_UNAVAILABLE", what: str =
     if isinstance(exc, OSError):
         return UompError(code, f"the {what} is unavailable ({exc.strerror})")
     return UompError(code, f"the {what} is unavailable ({type(exc).__name__})")
+WAL_TRUNCATE_AT_OPEN_BYTES = 4 * 1024 * 1024  # a -wal larger than this at open is checkpointed away
+WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024  # journal_size_limit: what a -wal is cut back to after a checkpoint
+
+
+def trim_wal(conn: sqlite3.Connection, path: Path) -> None:
+    """Bound the -wal file: a large one left by a killed writer (an import) is checkpointed and
+    truncated at open, and later checkpoints cut it back to ``WAL_SIZE_LIMIT_BYTES``."""
+    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
+    try:
+        size = os.stat(str(path) + "-wal").st_size
+    except FileNotFoundError:
+        return
+    if size > WAL_TRUNCATE_AT_OPEN_BYTES:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: str = "STORE_UNAVAILABLE",
@@ -82,6 +96,7 @@ def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: str = "
             raise sqlite3.OperationalError("cannot enable WAL")
         conn.execute(f"PRAGMA synchronous={synchronous}")
         conn.execute("PRAGMA foreign_keys=ON")
+        trim_wal(conn, path)
         conn.executescript(schema)
         for suffix in ("-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):

@@ -16,11 +16,12 @@ from aiohttp import web
 from gateway.config import GuardConfig, Paths
 from gateway.errors import UompError
 from gateway.guard.app import GuardServices, create_app
+from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
 
 log = logging.getLogger("uomp.guard")
 SWEEP_INTERVAL_SECONDS = 5.0
-PURGE_INTERVAL_SECONDS = 3600.0
+PURGE_INTERVAL_SECONDS = 3600.0  # audit retention and auth.db pruning
 
 
 def is_loopback(host: str) -> bool:
@@ -94,6 +95,7 @@ class GuardRunner:
         key_watch = KeyWatch(self.paths)  # before the keys are read: no change goes unseen
         self.services = GuardServices.open(self.paths, self.cfg)
         self.services.audit.purge()
+        self.services.auth.prune()
         unix_runner = web.AppRunner(create_app(self.services, listener="unix"), access_log=None)
         await unix_runner.setup()
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
@@ -130,6 +132,8 @@ class GuardRunner:
                 since_purge += SWEEP_INTERVAL_SECONDS
                 if since_purge >= PURGE_INTERVAL_SECONDS:
                     await loop.run_in_executor(None, svc.audit.purge)
+                    while max((await svc.authdb(svc.auth.prune)).values()) >= PRUNE_BATCH_ROWS:
+                        pass  # a large backlog goes in slices, each its own trip to the auth.db worker
                     since_purge = 0.0
             except UompError as exc:
                 log.warning("sweeper: %s", exc.code)

@@ -63,6 +63,7 @@ from types import TracebackType
 from typing import Any
 
 from gateway.errors import UompError
+from gateway.guard.db import trim_wal
 
 log = logging.getLogger(__name__)
 
@@ -665,6 +666,7 @@ class MemoryStore:
             raise UompError("STORE_UNAVAILABLE", "the memory store cannot use write-ahead logging",
                             details={"reason": "NO_WAL"})
         conn.execute("PRAGMA synchronous = FULL")
+        trim_wal(conn, self.path)  # a killed import can leave a large -wal behind
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA secure_delete = ON")
         conn.execute("PRAGMA trusted_schema = OFF")

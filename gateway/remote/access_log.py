@@ -4,7 +4,8 @@ Every request the gateway answers becomes one event of type ``gateway_access``. 
 batches events into RFC 9162 Merkle trees and anchors the roots on a chain (§18.4.2), so the log
 is built to be read back by sequence number and to make tampering evident on its own.
 
-File format (one file, created 0600 in a 0700 directory):
+File format (files created 0600 in a 0700 directory; the format helpers, the segment index and
+:func:`verify_chain` live in :mod:`gateway.remote.access_chain`, re-exported here):
 
 * one event per line, UTF-8 JSON in canonical form: keys sorted, no whitespace
   (``separators=(",", ":")``), non-ASCII kept as UTF-8, no NaN/Infinity; each line ends in ``\\n``;
@@ -18,18 +19,38 @@ canonical form; it raises :class:`ChainError` naming the first bad seq. What the
 cannot show is a cut-off tail (drop the last lines and the rest still verifies) or a rewritten
 last line: the anchored Merkle roots cover that.
 
-Durability without an fsync per request (group commit, as :mod:`gateway.guard.audit` does):
-:meth:`AccessLog.append` is synchronous and cheap (it assigns seq, timestamp and prev and
-buffers the encoded line); ``await`` :meth:`AccessLog.flush` returns once every event appended
-before the call is written and fsynced. One writer thread takes *everything* pending, writes it
-with ``pwrite`` at the end of the durable part and fsyncs once, so under load one fsync covers
-many requests (``batches_written`` counts them). Batches are taken on the writer thread itself,
-so file order is seq order whoever triggers the write. A failed write is rolled back (truncate
-to the durable size) and kept for the next attempt; waiters get ``STORE_UNAVAILABLE``.
+Durability without an fsync per request: the shared group-commit writer
+(:mod:`gateway.durable`). :meth:`AccessLog.append` is synchronous and cheap (it checks and
+encodes the event and returns a *ticket*); ``await`` :meth:`AccessLog.flush` with that ticket
+returns once the event is written and fsynced. ``seq`` and ``prev`` are assigned by the writer
+thread when the batch is written, so file order is seq order and a failed batch leaves no gap.
+
+Fail-closed, and true to what clients got: when a batch cannot be written (disk full, I/O
+error) it is cut back (truncate to the durable size), its waiters get ``STORE_UNAVAILABLE`` (503)
+and its events are *counted*, not kept: they become part of one ``access_log_gap`` event
+(``status`` 503, how many, by action, why) written at the head of the first batch that fits.
+While the log is failing (:attr:`AccessLog.failing`) the gateway refuses requests before doing
+anything (:meth:`AccessLog.ready` tries one small write first, so recovery is as soon as that
+fits) and each refusal is counted the same way. Nothing queues up while full.
+
+Unauthenticated traffic does not fill the disk: an event without a verified session, appended
+with a ``source``, passes a per-source token bucket (``unauth_events_per_second``, ``unauth_burst``);
+the excess is counted per (source, code) and written as one ``access_log_suppressed`` event at
+most every ``summary_interval_seconds``.
+
+Rotation and retention: when the active file (``access.jsonl``) would pass ``segment_bytes``,
+it is closed into ``access-<first seq>.jsonl`` and a new active file continues the chain (its first
+``prev`` is the hash of the closed segment's last line). Each closed segment gets one line in
+``access.index.jsonl`` (first/last seq, first ``prev``, last line hash, size, close time).
+Segments are deleted oldest first beyond ``max_total_bytes`` or ``retention_days``; their index
+lines stay (plus a ``pruned`` line), so :func:`verify_chain` checks every kept segment and the
+links between them, starting from the oldest kept one, and a segment missing without a ``pruned``
+line is reported as tampering. Rotation is crash-safe: the index line is durable before the
+rename, and a rename cut short is finished on open.
 
 Crash recovery on open: a crash mid-write can leave a torn last line (no ``\\n``); no flush ever
 reported it durable, so it is truncated away, and seq and prev continue from the last complete
-line. An exclusive ``flock`` keeps a second writer (another process or another instance) out.
+line. An exclusive ``flock`` on ``access.lock`` keeps a second writer out.
 
 Bounded: at most ``max_pending`` events / ``max_pending_bytes`` bytes wait for the writer
 (beyond that, ``append`` raises ``STORE_UNAVAILABLE`` instead of growing), one line is at most
@@ -42,135 +63,46 @@ at any depth, named like one (:data:`FORBIDDEN_FIELDS`, or ending in ``_token``)
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import fcntl
-import hashlib
 import json
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
+from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
 from gateway.errors import UompError
 from gateway.fsutil import ensure_private_dir, fsync_dir
+from gateway.remote.access_chain import EVENT_TYPE as EVENT_TYPE
+from gateway.remote.access_chain import FORBIDDEN_FIELDS as FORBIDDEN_FIELDS
+from gateway.remote.access_chain import GENESIS_PREV as GENESIS_PREV
+from gateway.remote.access_chain import MAX_EVENT_BYTES as MAX_EVENT_BYTES
+from gateway.remote.access_chain import ChainError as ChainError
+from gateway.remote.access_chain import (
+    _append_index,
+    _finish_rotation,
+    _first_of,
+    _iso_ms,
+    _load_index,
+    _locate,
+    _parse_line,
+    _prepare,
+    _rfind_newline,
+)
+from gateway.remote.access_chain import encode_record as encode_record
+from gateway.remote.access_chain import line_hash as line_hash
+from gateway.remote.access_chain import verify_chain as verify_chain
 
 log = logging.getLogger(__name__)
 
-GENESIS_PREV = "0" * 64
-EVENT_TYPE = "gateway_access"
-MAX_EVENT_BYTES = 64 * 1024  # one encoded line, without its newline
 MAX_PENDING_EVENTS = 100_000  # events appended but not yet handed to the writer
 MAX_PENDING_BYTES = 64 * 1024 * 1024  # bytes of those events
 MAX_READ = 1000  # events per read
-MAX_DEPTH = 8  # nesting of dicts/lists inside one event
-MAX_TYPE_LENGTH = 64
-
-RESERVED_FIELDS = frozenset({"seq", "timestamp", "prev"})
-FORBIDDEN_FIELDS = frozenset({
-    "token", "access_token", "refresh_token", "id_token", "bearer", "authorization",
-    "proxy_authorization", "cookie", "set_cookie", "dpop", "value", "values", "ciphertext",
-    "plaintext", "password", "passphrase", "secret", "private_key", "key_material",
-})
-
-_SCAN_WINDOW = 64 * 1024  # below this many bytes, read() stops bisecting and scans lines
-_TAIL_CHUNK = 64 * 1024
-
-
-class ChainError(UompError, ValueError):
-    """The access log file is damaged or was altered.
-
-    A :class:`UompError` (code ``INTERNAL``) so the CLI reports it like any other failure, and a
-    ``ValueError`` for callers that treat it as bad data. ``seq`` is the first sequence number
-    that does not verify (``None`` when it cannot be known).
-    """
-
-    def __init__(self, reason: str, *, seq: int | None = None) -> None:
-        where = f"at seq {seq}" if seq is not None else "at its last line"
-        super().__init__("INTERNAL", f"access log chain broken {where}: {reason}",
-                         details={"seq": seq} if seq is not None else None)
-        self.seq = seq
-        self.reason = reason
-
-
-# ------------------------------------------------------------------------------------ format
-
-
-def line_hash(line: bytes) -> str:
-    """Hex SHA-256 of one line's bytes, without its trailing newline (the next line's ``prev``)."""
-    return hashlib.sha256(line).hexdigest()
-
-
-def encode_record(record: Mapping[str, Any]) -> bytes:
-    """The canonical bytes of one line (no newline)."""
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
-
-
-def _iso_ms(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _check_value(value: Any, depth: int) -> None:
-    if depth > MAX_DEPTH:
-        raise ValueError("access log event nested too deeply")
-    if value is None or isinstance(value, bool | int | str):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError("access log event holds a non-finite number")
-        return
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ValueError("access log event field names must be strings")
-            norm = k.lower().replace("-", "_")
-            if norm in FORBIDDEN_FIELDS or norm.endswith("_token"):
-                raise ValueError(f"access log event must not carry a field named {k!r} "
-                                 "(no tokens, key material or memory values)")
-            _check_value(v, depth + 1)
-        return
-    if isinstance(value, list | tuple):
-        for v in value:
-            _check_value(v, depth + 1)
-        return
-    raise ValueError(f"access log event holds a value of type {type(value).__name__}")
-
-
-def _prepare(event: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(event, Mapping):
-        raise ValueError("access log event must be a mapping")
-    reserved = RESERVED_FIELDS.intersection(event)
-    if reserved:
-        raise ValueError(f"access log event must not set {sorted(reserved)}: the log assigns them")
-    _check_value(event, 0)
-    record = dict(event)
-    kind = record.setdefault("type", EVENT_TYPE)
-    if not isinstance(kind, str) or not kind or len(kind) > MAX_TYPE_LENGTH:
-        raise ValueError("access log event type must be a short non-empty string")
-    return record
-
-
-# ---------------------------------------------------------------------------- file helpers
-
-
-def _rfind_newline(fd: int, end: int) -> int:
-    """Offset of the last ``\\n`` before ``end``, or -1."""
-    pos = end
-    while pos > 0:
-        start = max(0, pos - _TAIL_CHUNK)
-        chunk = os.pread(fd, pos - start, start)
-        i = chunk.rfind(b"\n")
-        if i >= 0:
-            return start + i
-        pos = start
-    return -1
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -181,90 +113,98 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         offset += n
 
 
-def _parse_line(line: bytes, *, seq: int | None) -> dict[str, Any]:
-    try:
-        rec = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise ChainError("line is not UTF-8 JSON", seq=seq) from None
-    if not isinstance(rec, dict):
-        raise ChainError("line is not a JSON object", seq=seq)
-    found = rec.get("seq")
-    if type(found) is not int or found < 1:
-        raise ChainError("line has no valid seq", seq=seq)
-    return rec
+SEGMENT_BYTES = 64 * 1024 * 1024  # the active file is closed into a segment beyond this
+MAX_TOTAL_BYTES = 4 * 1024 * 1024 * 1024  # kept segments + active file; oldest segments go first
+RETENTION_DAYS = 90  # closed segments older than this go
+UNAUTH_EVENTS_PER_SECOND = 2.0  # logged events without a verified session, per source
+UNAUTH_BURST = 20
+SUMMARY_INTERVAL_SECONDS = 60.0  # at most one access_log_suppressed event per interval
+MAX_SOURCES = 4096  # token buckets kept; beyond, sources share one
+LINE_OVERHEAD = 128  # bytes seq + prev add to an event's line
+GAP_TYPE = "access_log_gap"
+SUPPRESSED_TYPE = "access_log_suppressed"
 
 
-def _locate(f: IO[bytes], size: int, after_seq: int) -> int:
-    """A line start at or before the first line whose seq > ``after_seq`` (lines are in seq order).
+class _Buckets:
+    """Per-source token buckets (bounded map)."""
 
-    Bisects on byte offsets (O(log n) reads) until the window is small, then the caller scans.
-    Invariant: ``lo`` is a line start and every line before it has seq <= after_seq; ``hi`` is a
-    line start (or ``size``) at which seq > after_seq.
-    """
-    lo, hi = 0, size
-    while hi - lo > _SCAN_WINDOW:
-        mid = (lo + hi) // 2
-        f.seek(mid)
-        f.readline()  # skip to the next line start
-        start = f.tell()
-        if start >= hi:
-            break
-        line = f.readline()
-        if _parse_line(line.rstrip(b"\n"), seq=None)["seq"] <= after_seq:
-            lo = start + len(line)
-        else:
-            hi = start
-    return lo
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._b: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
 
-
-def _consume_exception(task: asyncio.Task[None]) -> None:
-    # Every waiter sees the writer's error; this only keeps asyncio from warning when none is left.
-    if not task.cancelled():
-        task.exception()
-
-
-# ---------------------------------------------------------------------------------- the log
+    def take(self, source: str, now: float) -> bool:
+        with self._lock:
+            if source not in self._b and len(self._b) >= MAX_SOURCES:
+                self._b = {k: v for k, v in self._b.items() if v[0] + (now - v[1]) * self.rate < self.burst}
+                if len(self._b) >= MAX_SOURCES:
+                    source = "other"
+            tokens, last = self._b.get(source, (self.burst, now))
+            tokens = min(self.burst, tokens + max(0.0, now - last) * self.rate)
+            ok = tokens >= 1.0
+            self._b[source] = (tokens - 1.0 if ok else tokens, now)
+            return ok
 
 
 class AccessLog:
-    """Append-only, hash-chained, group-committed access log. See the module docstring."""
+    """Append-only, hash-chained, group-committed, rotated access log. See the module docstring."""
 
     def __init__(self, path: Path, *, max_pending: int = MAX_PENDING_EVENTS,
-                 max_pending_bytes: int = MAX_PENDING_BYTES,
-                 clock: Callable[[], float] = time.time) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, clock: Callable[[], float] = time.time,
+                 segment_bytes: int = SEGMENT_BYTES, max_total_bytes: int = MAX_TOTAL_BYTES,
+                 retention_days: float = RETENTION_DAYS, unauth_events_per_second: float = UNAUTH_EVENTS_PER_SECOND,
+                 unauth_burst: float = UNAUTH_BURST, summary_interval_seconds: float = SUMMARY_INTERVAL_SECONDS
+                 ) -> None:
         self.path = Path(path)
-        self._max_pending = max_pending
-        self._max_pending_bytes = max_pending_bytes
         self._clock = clock
+        self.segment_bytes = max(4096, int(segment_bytes))
+        self.max_total_bytes = int(max_total_bytes)
+        self.retention_seconds = float(retention_days) * 86400
+        self.summary_interval = float(summary_interval_seconds)
+        self.index_path = self.path.with_name(self.path.stem + ".index.jsonl")
         ensure_private_dir(self.path.parent)
-        existed = self.path.exists()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock_fd = os.open(self.path.with_name(self.path.stem + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise UompError("STORE_UNAVAILABLE", "access log is in use by another writer") from None
-            os.fchmod(fd, 0o600)
-            size, last_seq, prev, torn = self._recover(fd)
+            self._index = _load_index(self.index_path)
+            _finish_rotation(self.path, self._index)
+            existed = self.path.exists()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                size, last_seq, prev, torn = self._recover(fd)
+            except BaseException:
+                os.close(fd)
+                raise
         except BaseException:
-            os.close(fd)
+            os.close(lock_fd)
             raise
         if not existed:
             fsync_dir(self.path.parent)
+        if size == 0 and self._index.segments:
+            last = self._index.segments[-1]
+            last_seq, prev = int(last["last_seq"]), str(last["last_hash"])
+        self._lock_fd = lock_fd
         self._fd = fd
         self.recovered_bytes = torn  # bytes of a torn last line cut off on open
-        self.batches_written = 0  # write + fsync rounds (one per group commit)
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="access-log-writer")
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._last_seq = last_seq  # appended (assigned)
-        self._prev = prev  # hash of the last appended line
-        self._durable_seq = last_seq  # written and fsynced
-        self._durable_size = size
-        self._writer: asyncio.Task[None] | None = None
+        self._size = size  # durable bytes of the active file
+        self._last_seq = last_seq  # written and fsynced
+        self._prev = prev  # hash of the last written line
+        self._active_first: tuple[int, str] | None = _first_of(fd, size)
         self._closed = False
-        self._broken = False  # a failed write could not be rolled back: refuse everything
+        self._broken = False  # a failed write could not be cut back: refuse everything
+        self.lost = RefusalTally()  # events clients got 503 for, not yet summarised
+        self.suppressed = RefusalTally(max_buckets=MAX_SOURCES)  # rate-limited unauthenticated events
+        self._buckets = _Buckets(unauth_events_per_second, unauth_burst)
+        self._last_summary = self._clock()
+        self.events_counted = 0  # events counted instead of written (lost + suppressed), for metrics
+        self.writer: GroupCommitWriter[dict[str, Any]] = GroupCommitWriter(
+            "access log", self._write_batch, max_pending=max_pending, max_pending_bytes=max_pending_bytes,
+            size=lambda rec: int(rec.pop("_size", 0)), on_failed=self._count_failed, first_ticket=last_seq)
 
     @staticmethod
     def _recover(fd: int) -> tuple[int, int, str, int]:
@@ -285,124 +225,233 @@ class AccessLog:
 
     # ----------------------------------------------------------------------------- writing
 
-    def append(self, event: Mapping[str, Any]) -> int:
-        """Buffer one event; return its seq. Durable only once a later :meth:`flush` returns."""
-        record = _prepare(event)
-        with self._lock:
-            if self._closed or self._broken:
-                raise UompError("STORE_UNAVAILABLE", "access log is closed")
-            if len(self._pending) >= self._max_pending or self._pending_bytes >= self._max_pending_bytes:
-                raise UompError("STORE_UNAVAILABLE", "access log writer is behind: too many pending events")
-            seq = self._last_seq + 1
-            record["seq"] = seq
-            record["timestamp"] = _iso_ms(self._clock())
-            record["prev"] = self._prev
-            try:
-                line = encode_record(record)
-            except (UnicodeEncodeError, TypeError, ValueError):
-                raise ValueError("access log event cannot be encoded as UTF-8 JSON") from None
-            if len(line) > MAX_EVENT_BYTES:
-                raise ValueError(f"access log event larger than {MAX_EVENT_BYTES} bytes")
-            self._pending.append(line + b"\n")
-            self._pending_bytes += len(line) + 1
-            self._last_seq = seq
-            self._prev = line_hash(line)
-            return seq
+    def append(self, event: Mapping[str, Any], *, source: str | None = None) -> int:
+        """Check and queue one event; return its ticket for :meth:`flush` (0: counted, nothing to wait for).
 
-    def _commit(self) -> None:
-        """Write and fsync everything pending: one batch. Runs on the writer thread only."""
-        with self._lock:
-            if self._broken:
-                raise UompError("STORE_UNAVAILABLE", "access log is unusable after a failed write")
-            if not self._pending:
-                return
-            batch, self._pending = self._pending, []
-            nbytes, self._pending_bytes = self._pending_bytes, 0
-            upto = self._last_seq
-            offset = self._durable_size
-        data = b"".join(batch)
+        ``source`` marks an event without a verified session: it is rate-limited per source.
+        Raises ``STORE_UNAVAILABLE`` while the log cannot be written (the event is counted as a 503)."""
+        record = _prepare(event)
+        now = self._clock()
+        record["timestamp"] = _iso_ms(now)
+        try:
+            size = len(encode_record(record)) + LINE_OVERHEAD
+        except (UnicodeEncodeError, TypeError, ValueError):
+            raise ValueError("access log event cannot be encoded as UTF-8 JSON") from None
+        if size > MAX_EVENT_BYTES:
+            raise ValueError(f"access log event larger than {MAX_EVENT_BYTES} bytes")
+        if self._closed or self._broken:
+            raise UompError("STORE_UNAVAILABLE", "access log is closed")
+        failing = self.writer.failing
+        if failing is not None:
+            self._count_lost(record, failing)
+            raise UompError("STORE_UNAVAILABLE", f"the access log cannot be written ({failing}); "
+                            "requests are refused until it can")
+        if source is not None and not self._buckets.take(source, now):
+            self.suppressed.add(f"{source} {record.get('code') or record.get('action') or '-'}", now=now)
+            self.events_counted += 1
+            if now - self._last_summary >= self.summary_interval:
+                self.writer.kick()
+            return 0
+        record["_size"] = size
+        return self.writer.submit(record)
+
+    def _count_lost(self, record: Mapping[str, Any], reason: str) -> None:
+        self.lost.add(str(record.get("action") or record.get("type") or "unknown"), reason=reason)
+        self.events_counted += 1
+
+    def _count_failed(self, batch: list[dict[str, Any]], exc: BaseException) -> None:
+        reason = describe_failure(exc)
+        for rec in batch:
+            self._count_lost(rec, reason)
+
+    @property
+    def failing(self) -> str | None:
+        """Why the last write failed, while the log is in fail-closed mode; else None."""
+        return "unusable after a failed write" if self._broken else self.writer.failing
+
+    async def ready(self) -> None:
+        """Raise ``STORE_UNAVAILABLE`` if the log cannot be written; while failing, try one small
+        write (the pending summary) first, so the gateway recovers as soon as it fits."""
+        if self.writer.failing is None and not self._broken:
+            return
+        if not self._broken:
+            with contextlib.suppress(UompError):
+                await self.writer.probe()
+        if self.failing is not None:
+            raise UompError("STORE_UNAVAILABLE", f"the access log cannot be written ({self.failing}); "
+                            "requests are refused until it can")
+
+    def _summaries(self, now: float, *, force: bool) -> tuple[list[dict[str, Any]], list[tuple[RefusalTally, Any]]]:
+        out: list[dict[str, Any]] = []
+        taken: list[tuple[RefusalTally, Any]] = []
+        snap = self.lost.take()
+        if snap is not None:
+            out.append({"type": GAP_TYPE, "allowed": False, "status": 503, "code": "STORE_UNAVAILABLE",
+                        "count": sum(snap["counts"].values()), "by_action": snap["counts"],
+                        "reason": f"the access log could not be written ({snap['reason'] or 'failed'}); "
+                                  "these requests were refused with 503",
+                        "first": _iso_ms(snap["first"]), "last": _iso_ms(snap["last"]),
+                        "timestamp": _iso_ms(now)})
+            taken.append((self.lost, snap))
+        if force or now - self._last_summary >= self.summary_interval:
+            snap = self.suppressed.take()
+            if snap is not None:
+                out.append({"type": SUPPRESSED_TYPE, "allowed": False, "count": sum(snap["counts"].values()),
+                            "by_source_code": snap["counts"],
+                            "reason": "unauthenticated requests beyond the per-source logging rate, counted",
+                            "first": _iso_ms(snap["first"]), "last": _iso_ms(snap["last"]),
+                            "timestamp": _iso_ms(now)})
+                taken.append((self.suppressed, snap))
+        return out, taken
+
+    def _write_batch(self, batch: list[dict[str, Any]], *, force_summary: bool = False) -> None:
+        """Write and fsync one batch (with any due summary first). Runs on the writer thread only."""
+        if self._broken:
+            raise UompError("STORE_UNAVAILABLE", "access log is unusable after a failed write")
+        now = self._clock()
+        summaries, taken = self._summaries(now, force=force_summary or self._closed)
+        records = summaries + batch
+        if not records:
+            return
+        seq, prev = self._last_seq, self._prev
+        first: tuple[int, str] | None = None
+        lines = []
+        for rec in records:
+            seq += 1
+            rec.pop("_size", None)
+            full = dict(rec, seq=seq, prev=prev)
+            line = encode_record(full)
+            if first is None:
+                first = (seq, prev)
+            prev = line_hash(line)
+            lines.append(line + b"\n")
+        data = b"".join(lines)
+        if self._size > 0 and self._size + len(data) > self.segment_bytes:
+            self._rotate(now)
+        offset = self._size
         try:
             _pwrite_all(self._fd, data, offset)
             os.fsync(self._fd)
-        except OSError as exc:
+        except OSError:
             try:
                 os.ftruncate(self._fd, offset)
             except OSError:
                 self._broken = True
-            with self._lock:
-                self._pending[:0] = batch  # keep them, in order, for the next attempt
-                self._pending_bytes += nbytes
-            log.error("access log: write failed (%s)", type(exc).__name__)
-            raise UompError("STORE_UNAVAILABLE", "access log write failed") from exc
+            raise
         with self._lock:
-            self._durable_size = offset + len(data)
-            self._durable_seq = upto
-            self.batches_written += 1
+            self._size = offset + len(data)
+            self._last_seq, self._prev = seq, prev
+            if self._active_first is None:
+                self._active_first = first
+        for tally, snap in taken:
+            tally.done(snap)
+        if any(t is self.suppressed for t, _ in taken):
+            self._last_summary = now
+        if summaries and summaries[0]["type"] == GAP_TYPE:
+            log.warning("access log: writing again; %d refused request(s) recorded in one %s event",
+                        summaries[0]["count"], GAP_TYPE)
 
-    async def flush(self) -> None:
-        """Return once every event appended before this call is written and fsynced."""
-        target = self._last_seq
-        while self._durable_seq < target:
-            writer = self._writer
-            loop = asyncio.get_running_loop()
-            if writer is None or writer.done() or writer.get_loop() is not loop:
-                writer = self._writer = loop.create_task(self._drain())
-                writer.add_done_callback(_consume_exception)
-            try:
-                await asyncio.shield(writer)
-            except UompError:
-                if self._durable_seq >= target:  # ours made it; a later batch failed
-                    return
-                raise
+    def _rotate(self, now: float) -> None:
+        """Close the active file into a segment (index line durable first), start a new one."""
+        assert self._active_first is not None
+        first_seq, first_prev = self._active_first
+        name = f"{self.path.stem}-{first_seq:012d}{self.path.suffix}"
+        entry = {"file": name, "first_seq": first_seq, "last_seq": self._last_seq, "first_prev": first_prev,
+                 "last_hash": self._prev, "bytes": self._size, "closed": now}
+        _append_index(self.index_path, entry)
+        self._index.segments.append(entry)
+        os.rename(self.path, self.path.with_name(name))
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fsync_dir(self.path.parent)
+        old, self._fd = self._fd, fd
+        os.close(old)
+        with self._lock:
+            self._size = 0
+            self._active_first = None
+        self._apply_retention(now)
 
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            await loop.run_in_executor(self._executor, self._commit)
+    def _apply_retention(self, now: float) -> None:
+        kept = [e for e in self._index.segments if e["file"] not in self._index.pruned]
+        total = sum(int(e["bytes"]) for e in kept) + self._size
+        for e in kept:
+            if total <= self.max_total_bytes and now - float(e["closed"]) <= self.retention_seconds:
+                break
+            _append_index(self.index_path, {"pruned": e["file"], "at": now})
+            self._index.pruned.add(e["file"])
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path.with_name(e["file"]))
+            total -= int(e["bytes"])
+            log.info("access log: pruned segment %s (seq %s-%s)", e["file"], e["first_seq"], e["last_seq"])
 
-    def flush_sync(self) -> None:
+    async def flush(self, ticket: int | None = None) -> None:
+        """Return once ``ticket`` (default: every event appended before this call) is written and fsynced."""
+        if ticket == 0:
+            return
+        await self.writer.flush(ticket)
+
+    def flush_sync(self, ticket: int | None = None) -> None:
         """Blocking :meth:`flush` (shutdown paths, threads, tests)."""
-        target = self._last_seq
-        if self._durable_seq < target:
-            self._executor.submit(self._commit).result()
+        if ticket == 0:
+            return
+        self.writer.flush_sync(ticket)
 
     # ----------------------------------------------------------------------------- reading
 
     @property
     def last_seq(self) -> int:
-        """The seq of the last appended event (durable or not); 0 for an empty log."""
+        """The seq of the last written event; 0 for an empty log."""
         return self._last_seq
 
     @property
     def durable_seq(self) -> int:
         """Every event up to this seq is on disk."""
-        return self._durable_seq
+        return self._last_seq
+
+    @property
+    def batches_written(self) -> int:
+        return self.writer.batches_written
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return self.writer.pending
+
+    def _files(self) -> list[tuple[Path, int, int]]:
+        """(path, first seq, byte size to read) of every kept segment and the active file, in order."""
+        with self._lock:
+            size = self._size
+            first = self._active_first
+            segs = [e for e in self._index.segments if e["file"] not in self._index.pruned]
+        out = [(self.path.with_name(e["file"]), int(e["first_seq"]), int(e["bytes"])) for e in segs]
+        if first is not None:
+            out.append((self.path, first[0], size))
+        return out
 
     def read_raw(self, *, after_seq: int = 0, limit: int = MAX_READ) -> list[bytes]:
         """The exact bytes (no newline) of durable events with seq > ``after_seq``, in order.
 
         These bytes are what a Merkle leaf is computed over. ``limit`` is clamped to 1..MAX_READ.
-        """
+        Events in pruned segments are gone: reading starts at the oldest kept one."""
         limit = max(1, min(int(limit), MAX_READ))
         after_seq = max(0, int(after_seq))
-        with self._lock:
-            size, durable = self._durable_size, self._durable_seq
-        if after_seq >= durable:
+        if after_seq >= self._last_seq:
             return []
+        files = self._files()
         out: list[bytes] = []
-        with open(self.path, "rb") as f:
-            f.seek(_locate(f, size, after_seq))
-            while len(out) < limit and f.tell() < size:
-                raw = f.readline()
-                if not raw.endswith(b"\n"):
-                    break
-                line = raw[:-1]
-                if out or _parse_line(line, seq=None)["seq"] > after_seq:
-                    out.append(line)
+        for i, (path, first_seq, size) in enumerate(files):
+            nxt = files[i + 1][1] if i + 1 < len(files) else None
+            if nxt is not None and nxt <= after_seq + 1:
+                continue  # everything wanted is later
+            with open(path, "rb") as f:
+                f.seek(_locate(f, size, after_seq) if first_seq <= after_seq else 0)
+                while len(out) < limit and f.tell() < size:
+                    raw = f.readline()
+                    if not raw.endswith(b"\n"):
+                        break
+                    line = raw[:-1]
+                    if out or _parse_line(line, seq=None)["seq"] > after_seq:
+                        out.append(line)
+            if len(out) >= limit:
+                break
         return out
 
     def read(self, *, after_seq: int = 0, limit: int = MAX_READ) -> list[dict[str, Any]]:
@@ -412,16 +461,18 @@ class AccessLog:
     # ----------------------------------------------------------------------------- closing
 
     def close(self) -> None:
-        """Flush what is pending, stop the writer thread, release the file (and its lock)."""
+        """Flush what is pending (and any summary), stop the writer thread, release the files."""
         if self._closed:
             return
+        self._closed = True
         try:
-            self.flush_sync()
+            if self.lost.total or self.suppressed.total:
+                with contextlib.suppress(UompError):
+                    self.writer.probe_sync()
         finally:
-            with self._lock:
-                self._closed = True
-            self._executor.shutdown(wait=True)
+            self.writer.close()
             os.close(self._fd)
+            os.close(self._lock_fd)
 
     def __enter__(self) -> AccessLog:
         return self
@@ -429,33 +480,3 @@ class AccessLog:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------------------ verification
-
-
-def verify_chain(path: Path) -> int:
-    """Check a whole access log file; return the number of events.
-
-    Raises :class:`ChainError` at the first line whose seq is not the next one, whose ``prev`` is
-    not the hash of the line before, that is not canonical JSON, or that has no newline.
-    """
-    prev = GENESIS_PREV
-    expected = 1
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                raise ChainError("last line is torn (no newline)", seq=expected)
-            line = raw[:-1]
-            rec = _parse_line(line, seq=expected)
-            if rec["seq"] != expected:
-                raise ChainError(f"seq is {rec['seq']}, expected {expected}", seq=expected)
-            if rec.get("prev") != prev:
-                raise ChainError("prev does not match the hash of the previous line", seq=expected)
-            if not isinstance(rec.get("timestamp"), str):
-                raise ChainError("timestamp missing", seq=expected)
-            if encode_record(rec) != line:
-                raise ChainError("line is not in canonical form", seq=expected)
-            prev = line_hash(line)
-            expected += 1
-    return expected - 1

@@ -44,6 +44,7 @@ from gateway.core import tokens
 from gateway.core.dpop import ReplayCache
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
+from gateway.durable import fault_point
 from gateway.errors import STATUS, UompError
 from gateway.guard.db import DbWorker, connect, transaction
 from gateway.remote import pathnorm, transport
@@ -156,10 +157,12 @@ class StatusCache:
         if body.get("valid") is True:
             return
         code = body.get("code")
-        if code not in ("TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND", "INVALID_TOKEN"):
+        if code not in ("TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND", "INVALID_TOKEN", "REFRESH_REUSED"):
             code = "SESSION_REVOKED"
-        raise UompError(str(code), "the Auth Service reports this session is no longer active",
-                        session_id=cap.session_id)
+        message = body.get("message")  # what happened, as the Auth Service says it (fixed sentences)
+        if not isinstance(message, str) or not message or len(message) > 300:
+            message = "the Auth Service reports this session is no longer active"
+        raise UompError(str(code), message, session_id=cap.session_id)
 
 
 class QuotaStore:
@@ -443,12 +446,23 @@ def _error_code(raw: bytes) -> str | None:
 
 
 async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: str | None) -> None:
+    """Make the request's event durable before its answer; STORE_UNAVAILABLE if it cannot be.
+
+    An event without a verified session is rate-limited per source (counted beyond the rate)."""
     state = call.request.app[STATE]
     if call.recorded:
         return
     call.recorded = True
-    state.access.append(call.event(status=status, allowed=allowed, reason=reason, code=code))
-    await state.access.flush()
+    source = None if call.cap is not None else (call.request.remote or "unknown")
+    ticket = state.access.append(call.event(status=status, allowed=allowed, reason=reason, code=code),
+                                 source=source)
+    await state.access.flush(ticket)
+    fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
+
+
+def _unrecorded(exc: UompError) -> web.Response:
+    """The answer when the event could not be made durable: 503, as the counted event says."""
+    return _error(exc if exc.code == "STORE_UNAVAILABLE" else UompError("STORE_UNAVAILABLE", "access log failed"))
 
 
 async def entry(request: web.Request) -> web.StreamResponse:
@@ -468,12 +482,18 @@ async def entry(request: web.Request) -> web.StreamResponse:
         resp = _error(exc)
         if call.remaining is not None:
             resp.headers[QUOTA_HEADER] = str(call.remaining)
-        await _record(call, status=exc.status, allowed=False, reason=exc.message, code=exc.code)
+        try:
+            await _record(call, status=exc.status, allowed=False, reason=exc.message, code=exc.code)
+        except UompError as log_exc:  # the event could not be written: the client gets 503, not 500
+            code, resp = "STORE_UNAVAILABLE", _unrecorded(log_exc)
     except Exception as exc:
         code = "INTERNAL"
         log.error("unhandled %s in gateway handler", type(exc).__name__)
         resp = _error(UompError("INTERNAL", "internal error"))
-        await _record(call, status=500, allowed=False, reason="internal error", code="INTERNAL")
+        try:
+            await _record(call, status=500, allowed=False, reason="internal error", code="INTERNAL")
+        except UompError as log_exc:
+            code, resp = "STORE_UNAVAILABLE", _unrecorded(log_exc)
     finally:
         transport.request_finished(request)
     state.metrics.observe_request(call.route.name if call.route else "unknown", code,
@@ -498,6 +518,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
         raise UompError("NOT_FOUND", "no such endpoint")
     route = call.route
     assert route is not None
+    await state.access.ready()  # fail closed while the access log cannot be written (tries one write)
     if not route.auth:
         if not state.upstream_ok():
             raise UompError("STORE_UNAVAILABLE", "the memory guard is unreachable")

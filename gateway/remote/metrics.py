@@ -1,6 +1,6 @@
 """Gateway metrics in the Prometheus text exposition format 0.0.4, without a client library.
 
-Six families (names prefixed by ``namespace``, default ``uomp_gateway``):
+Families (names prefixed by ``namespace``, default ``uomp_gateway``):
 
 * ``<ns>_requests_total{route, code}`` counter: requests answered;
 * ``<ns>_request_duration_seconds{route}`` histogram with fixed buckets;
@@ -10,6 +10,8 @@ Six families (names prefixed by ``namespace``, default ``uomp_gateway``):
 * ``<ns>_upstream_failures_total{code}`` counter: exchanges with the guard that failed
   (``STORE_UNAVAILABLE``, ``UPSTREAM_ERROR``, ``UPSTREAM_TIMEOUT``);
 * ``<ns>_guard_restarts_total`` counter: guard child restarts by the appliance's supervisor.
+* ``<ns>_access_log_writable`` gauge and ``<ns>_access_log_events_counted_total`` counter, when
+  the gateway connects its access log (fail-closed mode and summarised events).
 
 Label values are bounded by construction, so a scrape can never leak a path, a memory key or a
 token and the series count cannot grow with traffic: ``route`` is one of the route *names* given
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from aiohttp import web
 
@@ -117,6 +119,8 @@ class Metrics:
         self._upstream_up = 0
         self._upstream_failures: dict[str, int] = {}
         self._guard_restarts = 0
+        # the access log's state, read at scrape time (set by the gateway; None in bare tests)
+        self.access_log_state: Callable[[], tuple[bool, int]] | None = None
 
     # ---------------------------------------------------------------------------- labels
 
@@ -264,6 +268,15 @@ class Metrics:
         name = f"{ns}_guard_restarts_total"
         family(name, "counter", "Guard child processes restarted by the appliance's supervisor.")
         out.append(f"{name} {restarts}")
+        if self.access_log_state is not None:
+            writable, counted = self.access_log_state()
+            name = f"{ns}_access_log_writable"
+            family(name, "gauge", "0 while the access log cannot be written (requests refused with 503).")
+            out.append(f"{name} {int(writable)}")
+            name = f"{ns}_access_log_events_counted_total"
+            family(name, "counter", "Events counted into summary events instead of written one by one "
+                   "(refused while the log could not be written, or rate-limited unauthenticated events).")
+            out.append(f"{name} {counted}")
         return "\n".join(out) + "\n"
 
 

@@ -84,13 +84,19 @@ class GatewayRunner:
         upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
         forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
         self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        access = AccessLog(self.paths.gateway_dir / "access.jsonl")
+        access = AccessLog(self.paths.gateway_dir / "access.jsonl", segment_bytes=cfg.access_log_segment_bytes,
+                           max_total_bytes=cfg.access_log_max_total_bytes,
+                           retention_days=cfg.access_log_retention_days,
+                           unauth_events_per_second=cfg.access_log_unauth_events_per_second,
+                           unauth_burst=cfg.access_log_unauth_burst,
+                           summary_interval_seconds=cfg.access_log_summary_interval_seconds)
         metrics = Metrics()
         self.monitor = monitor = UpstreamMonitor(
             upstream, metrics=metrics, status_file=self.paths.gateway_status,
             interval=cfg.upstream_health_interval_seconds, timeout=cfg.upstream_health_timeout_seconds,
             log_seconds=cfg.upstream_failure_log_seconds, sources=self.status_sources)
         forwarder.on_failure = monitor.request_failed
+        metrics.access_log_state = lambda: (access.failing is None, access.events_counted)
         endpoints = list(cfg.endpoints) or [f"https://localhost:{cfg.listen_port}",
                                             f"https://127.0.0.1:{cfg.listen_port}"]
         key_watch = keys.KeyWatch(self.paths)  # before the keys are read: no change goes unseen
@@ -104,8 +110,10 @@ class GatewayRunner:
             hook(state)
 
         def rejected(status: int, code: str, message: str) -> None:
-            access.append({"type": "gateway_access", "action": "malformed", "allowed": False, "reason": message,
-                           "code": code, "status": status, "session_id": None, "agent_id": None})
+            with contextlib.suppress(UompError):  # counted by the log when it cannot write
+                access.append({"type": "gateway_access", "action": "malformed", "allowed": False, "reason": message,
+                               "code": code, "status": status, "session_id": None, "agent_id": None},
+                              source="malformed")
         registries = [self.registry]
         if cfg.tunnel_origin_port >= 0:
             registries.append(self.tunnel_registry)

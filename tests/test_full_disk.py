@@ -1,0 +1,207 @@
+"""Issue 9 defect 3 / issue 15 defect 11: a full disk fails closed with a clear error, nothing queues
+up one by one while full, writing resumes as soon as the next small batch fits, and every event says
+what the client actually got. First with an injected write hook (ENOSPC), then, as root, with a real
+small tmpfs filling up."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
+
+from gateway.config import Paths
+from gateway.remote import access_log as al
+from gateway.remote.access_log import verify_chain
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def events(paths: Paths) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (paths.gateway_dir / "access.jsonl").read_text().splitlines() if x.strip()]
+
+
+async def read(s: aiohttp.ClientSession, app: Appliance, a: Agent, token: str | None) -> tuple[int, Any]:
+    st, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=token, agent_id=a.agent_id)
+    return st, body
+
+
+def audit_reads(paths: Paths, sid: str) -> list[tuple[int, str]]:
+    import sqlite3
+
+    db = sqlite3.connect(paths.audit_db)
+    try:
+        return list(db.execute("SELECT allowed, action FROM audit_logs WHERE session_id=? AND action='read'",
+                               (sid,)))
+    finally:
+        db.close()
+
+
+async def test_enospc_on_the_access_log_fails_closed_and_recovers(home: Paths,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    full = {"on": False, "attempts": 0}
+    real = al._pwrite_all
+
+    def hook(fd: int, data: bytes, offset: int) -> None:
+        if full["on"]:
+            full["attempts"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(al, "_pwrite_all", hook)
+    async with appliance(home) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a)
+        access = app.gateway.state.access
+        async with agent_session(a, home) as s:
+            assert (await read(s, app, a, g["token"]))[0] == 200
+            ok_before = len(events(home))
+            full["on"] = True
+            refused = 0
+            for i in range(30):
+                # allowed reads, and refusals that go through the gateway's error path
+                st, body = await read(s, app, a, g["token"] if i % 2 == 0 else "not-a-token")
+                assert st == 503, body  # never 500 INTERNAL, never the intended 200/401
+                assert body["error"]["code"] == "STORE_UNAVAILABLE"
+                assert "disk full" in body["error"]["message"]
+                refused += 1
+                assert access.pending == 0  # counted, not queued one by one
+            assert access.lost.total == refused
+            scrape = app.gateway.state.metrics.render()
+            assert "uomp_gateway_access_log_writable 0" in scrape
+            assert f"uomp_gateway_access_log_events_counted_total {refused}" in scrape
+            assert 'code="STORE_UNAVAILABLE"' in scrape
+            assert full["attempts"] <= refused + 1  # one small write attempt per request at most
+            full["on"] = False
+            st, body = await read(s, app, a, g["token"])  # the next small batch fits: back at once
+            assert st == 200, body
+            assert "uomp_gateway_access_log_writable 1" in app.gateway.state.metrics.render()
+        evs = events(home)
+        assert verify_chain(home.gateway_dir / "access.jsonl") == len(evs)
+        new = evs[ok_before:]
+        assert [e["type"] for e in new] == ["access_log_gap", "gateway_access"]
+        gap = new[0]
+        assert gap["count"] == refused and gap["status"] == 503 and gap["code"] == "STORE_UNAVAILABLE"
+        assert "disk full" in gap["reason"] and new[1]["status"] == 200
+        # The gateway refused while failing before forwarding: the guard audited at most the one
+        # read that was forwarded before the failure was known (both logs become one in issue 10).
+        allowed = [r for r in audit_reads(home, g["session_id"]) if r[0] == 1]
+        assert len(allowed) <= 2 + 1
+
+
+async def test_unauthenticated_refusals_are_rate_limited_and_summarised(home: Paths) -> None:
+    async with appliance(home, access_log_unauth_burst=5, access_log_unauth_events_per_second=0.001,
+                         access_log_summary_interval_seconds=0.0) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a)
+        async with agent_session(a, home) as s:
+            for _ in range(50):
+                st, body = await read(s, app, a, "garbage")
+                assert st == 401 and body["error"]["code"] == "INVALID_TOKEN"  # the client gets its answer
+            assert (await read(s, app, a, g["token"]))[0] == 200  # authenticated: always logged
+        app.gateway.state.access.close()  # writes the pending summary
+        evs = events(home)
+        refusals = [e for e in evs if e.get("code") == "INVALID_TOKEN"]
+        summaries = [e for e in evs if e["type"] == "access_log_suppressed"]
+        assert len(refusals) == 5
+        assert sum(e["count"] for e in summaries) == 45
+        assert all(k.endswith(" INVALID_TOKEN") for e in summaries for k in e["by_source_code"])
+        assert any(e.get("status") == 200 and e.get("session_id") == g["session_id"] for e in evs)
+        assert verify_chain(home.gateway_dir / "access.jsonl") == len(evs)
+
+
+# ---------------------------------------------------------------------- a real small filesystem
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+                       capture_output=True, check=False)
+    if r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(where: Path) -> Path:
+    """Fill the filesystem to the last byte."""
+    filler = where / "filler"
+    for chunk in (65536, 4096, 1):
+        try:
+            with open(filler, "ab") as fh:
+                while True:
+                    fh.write(b"\0" * chunk)
+                    fh.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+async def test_real_full_filesystem_under_the_access_log(home: Paths) -> None:
+    with tmpfs(home.gateway_dir, "4m") as gw_dir:
+        async with appliance(home) as app:
+            a = app.agent("agent_a")
+            g = await app.grant(a)
+            async with agent_session(a, home) as s:
+                assert (await read(s, app, a, g["token"]))[0] == 200
+                filler = fill(gw_dir)
+                # a write may still fit in the last allocated page; once it does not: 503, never 500
+                answers = [await read(s, app, a, g["token"]) for _ in range(60)]
+                assert {st for st, _ in answers} <= {200, 503}, answers
+                refused = [b for st, b in answers if st == 503]
+                assert len(refused) >= 40 and all(b["error"]["code"] == "STORE_UNAVAILABLE" for b in refused)
+                assert app.gateway.state.access.pending == 0
+                filler.unlink()
+                st, body = await read(s, app, a, g["token"])
+                assert st == 200, body
+        evs = events(home)
+        assert verify_chain(gw_dir / "access.jsonl") == len(evs)
+        gap = [e for e in evs if e["type"] == "access_log_gap"]
+        assert sum(e["count"] for e in gap) == len(refused) and all(e["status"] == 503 for e in gap)
+        assert sum(1 for e in evs if e.get("status") == 200) == 2 + len(answers) - len(refused)
+
+
+async def test_real_full_filesystem_under_the_guard_databases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """audit.db (and auth.db) on a full filesystem: the agent gets 503 STORE_UNAVAILABLE, not 500,
+    and reads work again once space returns."""
+    import shutil
+    import tempfile
+
+    from gateway.keys import init_home
+
+    base = Path(tempfile.mkdtemp(prefix="uomp-fs-", dir="/tmp"))  # short: Unix socket path limit
+    with tmpfs(base / "h", "24m") as root:
+        home = Paths(root)
+        init_home(home)
+        monkeypatch.setenv("UOMP_HOME", str(root))
+        async with appliance(home) as app:
+            a = app.agent("agent_a")
+            g = await app.grant(a)
+            async with agent_session(a, home) as s:
+                assert (await read(s, app, a, g["token"]))[0] == 200
+                filler = fill(root)
+                for _ in range(5):
+                    st, body = await read(s, app, a, g["token"])
+                    assert st == 503 and body["error"]["code"] == "STORE_UNAVAILABLE", body
+                filler.unlink()
+                st, body = await read(s, app, a, g["token"])
+                assert st == 200, body
+                st, body, _ = await agent_call(s, app.base, f"/v1/audit?session_id={g['session_id']}",
+                                               token=g["token"], agent_id=a.agent_id)
+                assert st == 200
+                gaps = [r for r in body["logs"] if r["action"] == "audit_gap"]
+                assert gaps and "503" in gaps[0]["reason"], body["logs"]
+    shutil.rmtree(base, ignore_errors=True)
