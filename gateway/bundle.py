@@ -7,7 +7,8 @@
      "session_expires_at": ISO (when the session ends: no refresh goes past it),
      "ca_cert": PEM (the gateway's CA), "agent_cert": PEM,
      "agent_key": PEM (only when the user made the key: ``--out``) or "agent_key_file": path,
-     "payload_public_key": null (the user's payload key, once payloads land)}
+     "payload_public_key": the user's X25519 payload key, base64 of 32 bytes (agents seal payloads to it;
+     gateway/payloads/userkey.py, docs/payloads.md)}
 
 The SDK rewrites the token fields atomically after every refresh: refresh tokens rotate, and an
 agent that restarts with a spent one would revoke its own session (reuse detection).

@@ -101,6 +101,20 @@ class Paths:
         return self.home / "agents"
 
     @property
+    def payload_dir(self) -> Path:
+        """Sealed payloads the gateway relays (ciphertext only), see gateway/payloads/store.py."""
+        return self.home / "payloads"
+
+    @property
+    def payload_private_key(self) -> Path:
+        """The user's X25519 payload key (0600, never leaves this machine), see gateway/payloads/userkey.py."""
+        return self.secrets / "payload-x25519.key"
+
+    @property
+    def payload_public_key(self) -> Path:
+        return self.secrets / "payload-x25519.pub"
+
+    @property
     def trust_file(self) -> Path:
         """The user's trust list of publisher identities (spec §16.4), see gateway/trust.py."""
         return self.home / "trust.json"
@@ -208,6 +222,15 @@ class GatewayConfig:
     access_log_unauth_events_per_second: float = 2.0  # events without a verified session, per source
     access_log_unauth_burst: int = 20
     access_log_summary_interval_seconds: float = 60.0  # one access_log_suppressed event at most this often
+    # Payload relay (spec §15.6; docs/payloads.md). Sizes are of the sealed bytes (ciphertext).
+    payload_max_bytes: int = 64 * 1024 * 1024  # one payload
+    payload_max_json_bytes: int = 1024 * 1024  # the JSON envelope form (parsed in memory); larger: streaming form
+    payload_max_per_session: int = 100  # payloads waiting per session
+    payload_max_bytes_per_session: int = 256 * 1024 * 1024  # bytes waiting per session
+    payload_ttl_seconds: float = 7 * 86400.0  # a payload not removed by the user is deleted after this
+    payload_gc_interval_seconds: float = 600.0  # how often expired payloads are collected (off the event loop)
+    payload_upload_url_seconds: float = 600.0  # lifetime of a single-use upload URL (at most 600)
+    payload_body_idle_timeout_seconds: float = 30.0  # an upload body that sends nothing this long is dropped
 
 
 T = TypeVar("T")

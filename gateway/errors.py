@@ -52,6 +52,14 @@ STATUS: dict[str, int] = {
     "ANCHOR_REJECTED": 502,  # the chain refused or reverted the anchor (not retryable as is)
     "ANCHOR_MISMATCH": 409,  # the chain does not show the anchor that was claimed
     "INTERNAL": 500,
+    # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
+    "PAYLOAD_HASH_MISMATCH": 400,  # the ciphertext received is not what the envelope's hash names
+    "PAYLOAD_SIZE_MISMATCH": 400,  # the ciphertext received is not as long as the envelope's size
+    "PAYLOAD_EXISTS": 409,  # a payload with this payload_id is already stored
+    "PAYLOAD_QUOTA_EXCEEDED": 429,  # this session already has too many payloads (or bytes) waiting
+    "PAYLOAD_STORE_FULL": 507,  # the payload store's disk is full; nothing was kept
+    "UPLOAD_URL_INVALID": 403,  # a single-use upload URL that is unknown, spent or expired
+    "PAYLOAD_INVALID": 400,  # a sealed payload that does not open: wrong key, tampered, truncated
 }
 
 

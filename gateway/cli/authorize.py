@@ -49,6 +49,7 @@ from gateway.core.tokens import Scope
 from gateway.errors import UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.payloads import userkey
 
 RED = "\033[1;31m"
 RESET = "\033[0m"
@@ -390,7 +391,7 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
         access_expires_at=answer["expires_at"], refresh_token=answer.get("refresh_token"),
         refresh_expires_at=answer.get("refresh_expires_at"), session_expires_at=answer.get("session_expires_at"),
         ca_cert=ca_store.ca_cert_path(paths).read_text(), agent_cert=cert_pem.decode(), agent_key=agent_key,
-        agent_key_file=agent_key_file)
+        agent_key_file=agent_key_file, payload_public_key=userkey.public_b64(paths))
     out_path = Path(args.bundle or (paths.agents_dir / m.agent.id / "bundle.json"))
     out_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_bundle(out_path, bundle)

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "gateway.cli.trust",
     "gateway.cli.agent",
     "gateway.cli.gateway",
+    "gateway.cli.payload",
 )
 
 

@@ -26,6 +26,9 @@ class                      codes
                            other 5xx; SDK: TIMEOUT, CONNECTION_FAILED, CONNECTION_CLOSED
                            (the gateway closed the connection before answering: it
                            stopped or restarted; not a certificate refusal), LOCK_TIMEOUT
+:class:`PayloadRejected`   PAYLOAD_HASH_MISMATCH, PAYLOAD_SIZE_MISMATCH, PAYLOAD_EXISTS,
+(an InvalidRequest)        UPLOAD_URL_INVALID (an upload refused for what was sent);
+                           PAYLOAD_QUOTA_EXCEEDED is a QuotaExceeded, PAYLOAD_STORE_FULL Unavailable
 :class:`ProtocolError`     SDK: BAD_RESPONSE, RESPONSE_TOO_LARGE
 :class:`ConfigError`       CONFIG_ERROR (bundle, URL, mode, key file)
 =========================  =====================================================================
@@ -77,6 +80,11 @@ class InvalidRequest(UompClientError):
     """The request was malformed or names no endpoint."""
 
 
+class PayloadRejected(InvalidRequest):
+    """A payload upload refused for what was sent: hash or size not as declared, id taken, upload URL
+    spent or expired."""
+
+
 class Unavailable(UompClientError):
     """The gateway or the store behind it could not answer (or did not answer in time)."""
 
@@ -102,6 +110,10 @@ CODE_CLASSES: dict[str, type[UompClientError]] = {
                      "CONNECTION_FAILED", "CONNECTION_CLOSED", "LOCK_TIMEOUT"), Unavailable),
     **dict.fromkeys(("BAD_RESPONSE", "RESPONSE_TOO_LARGE"), ProtocolError),
     "CONFIG_ERROR": ConfigError,
+    **dict.fromkeys(("PAYLOAD_HASH_MISMATCH", "PAYLOAD_SIZE_MISMATCH", "PAYLOAD_EXISTS", "UPLOAD_URL_INVALID"),
+                    PayloadRejected),
+    "PAYLOAD_QUOTA_EXCEEDED": QuotaExceeded,
+    "PAYLOAD_STORE_FULL": Unavailable,
 }
 
 

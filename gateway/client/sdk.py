@@ -94,6 +94,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from yarl import URL
 
 from gateway.bundle import AgentBundle, load_bundle, write_bundle
+from gateway.client import payloads
 from gateway.client.errors import (
     AuthError,
     CertificateError,
@@ -107,6 +108,8 @@ from gateway.core import ca, jose
 from gateway.core.canonical import canonical_json
 from gateway.core.deletion import sign_deletion_proof
 from gateway.core.dpop import make_dpop_proof
+from gateway.core.envelope import HEADER_NAME, encode_header, parse_public_key
+from gateway.core.sealing import Binding
 from gateway.core.tokens import iso, parse_iso
 from gateway.errors import UompError
 from gateway.remote.tls import build_client_context
@@ -146,6 +149,7 @@ class ClientOptions:
     refresh_retry_attempts: int = 6  # a refresh that got no answer (closed, timed out, 502/503/504) is tried again
     refresh_retry_initial_seconds: float = 0.5  # first back-off, doubled after each try ...
     refresh_retry_max_seconds: float = 8.0  # ... up to this (a spent token may be retried: see README "Refresh")
+    payload_timeout_seconds: float = 1800.0  # one streamed payload upload, start to answer
 
     def __post_init__(self) -> None:
         if self.timeout_seconds <= 0 or self.connect_timeout_seconds <= 0 or self.max_response_bytes <= 0:
@@ -688,6 +692,123 @@ class UompClient:
         proof = sign_deletion_proof(fields, identity_key)
         path = f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}/deletion-proof"
         return self._object(await self._call("POST", path, body=proof))
+
+    async def upload_payload(self, data: bytes | os.PathLike[str], *, format: str, presigned: bool = False) -> str:
+        """§15.6: seal ``data`` to the user's payload key (the bundle's ``payload_public_key``) and upload
+        it; returns the ``payload_id``. Only the user can open it (``uomp payload pull``).
+
+        ``bytes`` up to :data:`gateway.client.payloads.JSON_MAX_SEALED` go as the JSON envelope; a
+        path (or larger bytes) is sealed into a private temporary file first and streamed from it, so
+        memory stays constant. ``presigned``: ask for a single-use upload URL first and upload to it.
+        Refusals raise the usual errors (``PAYLOAD_TOO_LARGE``, ``PAYLOAD_QUOTA_EXCEEDED`` ...); the
+        gateway checked the hash it answers against ours (:class:`ProtocolError` if not).
+        """
+        payloads.check_format(format)
+        key_text = self._bundle.payload_public_key if self._bundle is not None else None
+        if not key_text:
+            raise ConfigError("CONFIG_ERROR", "the bundle has no payload_public_key (it predates payloads): ask the "
+                              "user to authorize the agent again", None, self._session_id)
+        try:
+            recipient = parse_public_key(key_text)
+        except ValueError:
+            raise ConfigError("CONFIG_ERROR", "the bundle's payload_public_key is not an X25519 key", None,
+                              self._session_id) from None
+        binding = Binding(payloads.new_payload_id(), self._session_id, self._agent_id, format)
+        if isinstance(data, bytes | bytearray) and not presigned and len(data) <= payloads.JSON_MAX_SEALED - 256:
+            doc = await asyncio.to_thread(payloads.seal_small, recipient, binding, bytes(data))
+            answer = self._object(await self._call("POST", "/v1/payload/upload", body=doc))
+            return self._payload_answer(answer, binding.payload_id, str(doc["hash"]))
+        sealed = await asyncio.to_thread(payloads.seal_to_file, recipient, binding,
+                                         data if isinstance(data, bytes | bytearray) else Path(data))
+        try:
+            path, query, method = "/v1/payload/upload", None, "POST"
+            if presigned:
+                grant = self._object(await self._call("POST", "/v1/payload/upload-url",
+                                                      body={"size": sealed.envelope.size}))
+                url = grant.get("upload_url")
+                token = urlsplit(url).query.partition("t=")[2] if isinstance(url, str) else ""
+                if not token:
+                    raise ProtocolError("BAD_RESPONSE", "the upload-url answer has no upload_url", None,
+                                        self._session_id)
+                path, query, method = "/v1/payload/presigned", {"t": token}, "PUT"
+            answer = self._object(await self._stream_payload(method, path, query, sealed))
+            return self._payload_answer(answer, binding.payload_id, sealed.envelope.hash)
+        finally:
+            await asyncio.to_thread(sealed.remove)
+
+    def _payload_answer(self, answer: JSONObject, payload_id: str, digest: str) -> str:
+        if answer.get("payload_id") != payload_id or answer.get("hash") != digest:
+            raise ProtocolError("BAD_RESPONSE", "the gateway's answer does not name the payload and hash sent",
+                                None, self._session_id)
+        return payload_id
+
+    async def _stream_payload(self, method: str, path: str, query: Mapping[str, str] | None,
+                              sealed: payloads.SealedFile, *, retried: bool = False) -> Any:
+        """The streaming form of an upload (its own exchange: a body from a file, a longer time-out)."""
+        await self.open()
+        if self._mode == "mtls":
+            await self._ensure_certificate()
+        if self._refresh_token and self._refresh_due():
+            await self._refresh(stale=None, force=False)
+        conn = self._conn
+        if conn is None:
+            raise ConfigError("CONFIG_ERROR", "this client is closed")
+        token = self._access_token
+        headers = {"Accept": "application/json", AGENT_HEADER: self._agent_id,
+                   "Content-Type": "application/octet-stream", "Content-Length": str(sealed.envelope.size),
+                   HEADER_NAME: encode_header(sealed.envelope)}
+        if self._host_header is not None:
+            headers["Host"] = self._host_header
+        if self._mode == "dpop":
+            assert self._key is not None
+            headers["Authorization"] = f"DPoP {token}"
+            headers["DPoP"] = make_dpop_proof(self._key, method=method, url=self._public + path, access_token=token,
+                                              now=time.time())
+        else:
+            headers["Authorization"] = f"Bearer {token}"
+        target = path + ("?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query.items())
+                         if query else "")
+
+        async def body() -> AsyncIterator[bytes]:
+            fh = await asyncio.to_thread(open, sealed.path, "rb")
+            try:
+                while block := await asyncio.to_thread(fh.read, payloads.READ_BLOCK):
+                    yield block
+            finally:
+                await asyncio.to_thread(fh.close)
+
+        o = self._opts
+        timeout = aiohttp.ClientTimeout(total=o.payload_timeout_seconds, connect=o.connect_timeout_seconds,
+                                        sock_connect=o.connect_timeout_seconds, sock_read=o.timeout_seconds)
+        conn.inflight += 1
+        try:
+            async with conn.session.request(method, URL(self._base + target, encoded=True), headers=headers,
+                                            data=body(), allow_redirects=False, timeout=timeout) as resp:
+                status = resp.status
+                raw = await self._read_capped(resp)
+        except UompClientError:
+            raise
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise Unavailable("TIMEOUT", "the payload upload did not finish in time", None,
+                              self._session_id) from exc
+        except aiohttp.ClientError as exc:
+            raise Unavailable("CONNECTION_FAILED", f"the payload upload broke off ({_describe(exc)})", None,
+                              self._session_id) from exc
+        finally:
+            await conn.release()
+        try:
+            answer = json.loads(raw) if raw else None
+        except ValueError:
+            answer = None
+        if status < 300:
+            if answer is None:
+                raise ProtocolError("BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id)
+            return answer
+        err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
+        if err.code == "TOKEN_EXPIRED" and not retried and self._refresh_token and query is None:
+            await self._refresh(stale=token, force=True)
+            return await self._stream_payload(method, path, query, sealed, retried=True)
+        raise err
 
     async def refresh(self) -> None:
         """Rotate the tokens now (normally automatic), and save them to the bundle."""

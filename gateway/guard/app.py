@@ -644,4 +644,7 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     r.add_post("/v1/tokens/validate", validate_token)
     if listener == "unix":
         r.add_post("/v1/sessions/{sid}/refresh", refresh_internal)
+    from gateway.guard import payload_routes  # imported here: it imports this module
+
+    payload_routes.add_routes(app, listener)
     return app

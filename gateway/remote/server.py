@@ -16,7 +16,7 @@ from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import UompError
 from gateway.guard.server import check_bind
-from gateway.remote import agent_routes, transport
+from gateway.remote import agent_routes, payload_routes, transport
 from gateway.remote.access_log import AccessLog
 from gateway.remote.app import GatewayState, create_gateway_app
 from gateway.remote.forward import Forwarder, Upstream
@@ -60,6 +60,7 @@ class GatewayRunner:
         # Extra sections of the status file ($UOMP_HOME/gateway/status.json), e.g. "guard" (supervisor).
         self.status_sources: dict[str, Callable[[], dict[str, Any]]] = {}
         self.monitor: UpstreamMonitor | None = None
+        self.payloads: payload_routes.PayloadService | None = None
 
     def _runner_kwargs(self) -> dict[str, Any]:
         return {"access_log": None, "max_line_size": self.cfg.max_header_bytes,
@@ -106,6 +107,8 @@ class GatewayRunner:
         state.revoked_serials = lambda: reloader.revoked
         state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
+        self.payloads = payload_routes.install(state)
+        self.payloads.start()
         for hook in self.setup_hooks:
             hook(state)
 
@@ -217,6 +220,9 @@ class GatewayRunner:
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 5)
+        if self.payloads is not None:
+            await self.payloads.close()
+            self.payloads = None
         if self.state is not None:
             await self.state.close()
             self.state = None

@@ -1,0 +1,226 @@
+"""``uomp payload pubkey|list|pull|rm``: the user's side of the encrypted payload relay.
+
+These commands talk to the running guard over its Unix socket (``$UOMP_HOME/guard.sock``, 0600) with
+the admin credential, rather than opening ``$UOMP_HOME/payloads`` themselves: the guard is the one
+place where the user's payload actions are written to the audit log (``payload_opened``,
+``payload_removed``), the same credential gates them as every other management call, and the CLI
+never races the gateway's crash recovery or expiry sweep on the store's files.
+
+``pull`` opens the payload here, with the private key that never leaves this machine, in constant
+memory: the sealed bytes stream from the socket in 1 MiB blocks through
+:func:`gateway.core.sealing.open_stream`; plaintext goes to a temporary file (0600) next to
+``--out`` and is renamed to ``--out`` only once the whole stream authenticated and the ciphertext's
+SHA-256 matched the index, so a tampered, truncated or foreign payload leaves no output at all.
+
+``uomp init`` makes the payload key (:data:`gateway.cli.home.INIT_HOOKS`); any command that needs it
+makes it when an older data directory has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import hashlib
+import http.client
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from gateway import keys
+from gateway.cli import home
+from gateway.cli.main import paths_from
+from gateway.config import Paths
+from gateway.core import sealing
+from gateway.errors import STATUS, UompError
+from gateway.fsutil import fsync_dir
+from gateway.payloads import userkey
+
+READ_BLOCK = 1024 * 1024
+SOCKET_TIMEOUT_SECONDS = 60.0
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+class GuardClient:
+    """Admin calls to the guard over its Unix socket (sync; one connection per call)."""
+
+    def __init__(self, paths: Paths, *, timeout: float = SOCKET_TIMEOUT_SECONDS) -> None:
+        self.paths = paths
+        self.timeout = timeout
+        self.credential = keys.load_admin(paths)
+
+    @contextlib.contextmanager
+    def request(self, method: str, path: str) -> Iterator[http.client.HTTPResponse]:
+        conn = _UnixConnection(self.paths.guard_sock, self.timeout)
+        try:
+            try:
+                conn.request(method, path, headers={"Authorization": f"Bearer {self.credential}"})
+                resp = conn.getresponse()
+            except OSError as exc:
+                raise UompError("STORE_UNAVAILABLE", f"cannot reach the guard on {self.paths.guard_sock} "
+                                f"({exc.strerror or type(exc).__name__}); is 'uomp gateway start' running?"
+                                ) from None
+            if resp.status >= 400:
+                raise _error(resp)
+            yield resp
+        finally:
+            conn.close()
+
+    def json(self, method: str, path: str) -> Any:
+        with self.request(method, path) as resp:
+            try:
+                return json.loads(resp.read(16 * 1024 * 1024))
+            except ValueError:
+                raise UompError("UPSTREAM_ERROR", "the guard answered with invalid JSON") from None
+
+
+def _error(resp: http.client.HTTPResponse) -> UompError:
+    try:
+        err = json.loads(resp.read(64 * 1024))["error"]
+        code, message = str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return UompError("UPSTREAM_ERROR", f"the guard answered HTTP {resp.status}")
+    return UompError(code if code in STATUS else "UPSTREAM_ERROR", message)
+
+
+def _ago(ts: float) -> str:
+    s = max(0, int(time.time() - ts))
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s // n}{unit}"
+    return f"{s}s"
+
+
+def _pubkey(args: argparse.Namespace) -> int:
+    print(userkey.public_b64(paths_from(args)))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    client = GuardClient(paths_from(args))
+    path = "/v1/payloads" + (f"?session_id={quote(args.session, safe='')}" if args.session else "")
+    payloads = client.json("GET", path)["payloads"]
+    if args.json:
+        print(json.dumps(payloads, indent=2))
+        return 0
+    if not payloads:
+        print("no payloads waiting")
+        return 0
+    print(f"{'PAYLOAD':<30} {'SESSION':<28} {'AGENT':<20} {'FORMAT':<18} {'SIZE':>12} {'AGE':>5}  OPENED")
+    for p in payloads:
+        print(f"{p['payload_id']:<30} {p['session_id']:<28} {p['agent_id'][:20]:<20} {p['format'][:18]:<18} "
+              f"{p['size']:>12} {_ago(p['created_at']):>5}  {'yes' if p['opened'] else 'no'}")
+    return 0
+
+
+def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> dict[str, Any]:
+    """Fetch, check and open one payload into ``out`` (see the module docstring). Returns its index entry."""
+    if not payload_id.startswith("pay_"):
+        raise UompError("INVALID_REQUEST", "a payload id starts with pay_")
+    out = Path(out)
+    if out.exists() and not force:
+        raise UompError("INVALID_REQUEST", f"{out} exists; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise UompError("INVALID_REQUEST", f"{out.parent} is not a directory")
+    private = userkey.load_private(paths)
+    client = GuardClient(paths)
+    pid = quote(payload_id, safe="")
+    meta = client.json("GET", f"/v1/payloads/{pid}")
+    binding = sealing.Binding(meta["payload_id"], meta["session_id"], meta["agent_id"], meta["format"])
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.part")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    digest = hashlib.sha256()
+    received = 0
+    try:
+        with os.fdopen(fd, "wb") as fh, client.request("GET", f"/v1/payloads/{pid}/ciphertext") as resp:
+            def blocks() -> Iterator[bytes]:
+                nonlocal received
+                while block := resp.read(READ_BLOCK):
+                    received += len(block)
+                    digest.update(block)
+                    yield block
+            try:
+                for plain in sealing.open_stream(private, binding, meta["encryption"], blocks()):
+                    fh.write(plain)
+            except sealing.SealError as exc:
+                raise UompError("PAYLOAD_INVALID", f"payload {payload_id} does not open: {exc}; nothing was "
+                                "written") from None
+            except (OSError, http.client.HTTPException):
+                raise UompError("STORE_UNAVAILABLE", "the guard's answer broke off; nothing was written") from None
+            if received != meta["size"] or "sha256:" + digest.hexdigest() != meta["hash"]:
+                raise UompError("PAYLOAD_INVALID", f"payload {payload_id}'s ciphertext does not match its recorded "
+                                "hash; nothing was written")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(out.parent)
+    client.json("POST", f"/v1/payloads/{pid}/opened")
+    return dict(meta)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    meta = pull(paths, args.payload_id, Path(args.out), force=args.force)
+    created = dt.datetime.fromtimestamp(meta["created_at"], dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    print(f"opened {meta['payload_id']} ({meta['format']}, from {meta['agent_id']}, session {meta['session_id']}, "
+          f"uploaded {created}) -> {args.out}", file=sys.stderr)
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    client = GuardClient(paths_from(args))
+    client.json("DELETE", f"/v1/payloads/{quote(args.payload_id, safe='')}")
+    print(f"removed {args.payload_id}")
+    return 0
+
+
+def _init_key(paths: Paths) -> dict[str, bool]:
+    return {"payload key": userkey.ensure(paths)}
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    if _init_key not in home.INIT_HOOKS:
+        home.INIT_HOOKS.append(_init_key)
+    p = sub.add_parser("payload", help="encrypted payloads agents sent you: list, pull (decrypt), remove")
+    psub = p.add_subparsers(dest="payload_command", metavar="ACTION", required=True)
+    k = psub.add_parser("pubkey", help="print your payload public key (what agents seal to; in every agent bundle)")
+    k.set_defaults(func=_pubkey)
+    ls = psub.add_parser("list", help="payloads waiting: session, agent, format, size, age, opened")
+    ls.add_argument("--session", help="only this session's payloads")
+    ls.add_argument("--json", action="store_true", help="the index as JSON")
+    ls.set_defaults(func=_list)
+    pl = psub.add_parser("pull", help="fetch, check and decrypt a payload into a file (nothing written unless "
+                         "every byte authenticates)")
+    pl.add_argument("payload_id", metavar="ID")
+    pl.add_argument("--out", required=True, metavar="FILE", help="where the plaintext goes")
+    pl.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    pl.set_defaults(func=_pull)
+    rm = psub.add_parser("rm", help="remove a payload from the relay")
+    rm.add_argument("payload_id", metavar="ID")
+    rm.set_defaults(func=_rm)

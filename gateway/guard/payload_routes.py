@@ -1,0 +1,192 @@
+"""The user's side of the payload relay, on the guard's Unix socket only (never the Local Profile port,
+never reachable through the gateway, which has no forwarding route for ``/v1/payloads``).
+
+Every route but the audit one needs the user's admin credential (``Authorization: Bearer``):
+
+* ``GET /v1/payloads[?session_id=]``: the index (``{"payloads": [...]}``: ids, session, agent,
+  format, size, hash, encryption header, created/expires, opened);
+* ``GET /v1/payloads/{id}``: one entry;
+* ``GET /v1/payloads/{id}/ciphertext``: the sealed bytes, streamed from disk in 1 MiB blocks read
+  in a thread (``Content-Length`` = size, ``X-UOMP-Payload-Hash`` = hash). The guard never holds the
+  private key: ``uomp payload pull`` opens the bytes in the CLI;
+* ``POST /v1/payloads/{id}/opened``: the CLI opened it (audited ``payload_opened``);
+* ``DELETE /v1/payloads/{id}``: remove it (audited ``payload_removed``).
+
+``POST /v1/payload/audit`` is the gateway's: it records ``payload_uploaded`` / ``payload_refused``
+in this guard's audit log and answers once the record is durable. Like the forwarded requests it
+trusts what arrives on the 0600 socket (only the user's processes can connect); it accepts
+nothing but those two actions, with bounded, typed fields.
+
+The store is the one the gateway writes (``$UOMP_HOME/payloads``), opened here *without* the crash
+recovery (which would remove an upload the gateway has in flight); its SQLite calls run on one
+worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import UompError
+from gateway.guard.app import SERVICES, VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, _admin, _json_body, _param
+from gateway.guard.db import DbWorker
+from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStore
+
+READ_BLOCK = 1024 * 1024
+HASH = re.compile(r"sha256:[0-9a-f]{64}")
+CODE = re.compile(r"[A-Z_]{1,64}")
+MAX_FIELD = 256
+
+
+class GuardPayloads:
+    def __init__(self, store: PayloadStore) -> None:
+        self.store = store
+        self.worker = DbWorker("guard-payloads", what="payload store")
+
+    def close(self) -> None:
+        self.worker.close()
+        self.store.close()
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        try:
+            return await self.worker.run(fn, *args)
+        except PayloadError as exc:
+            raise UompError(exc.code, str(exc)) from None
+
+
+PAYLOADS = web.AppKey("payloads", GuardPayloads)
+
+
+def _pid(request: web.Request) -> str:
+    pid = request.match_info["pid"]
+    if not PAYLOAD_ID.fullmatch(pid):
+        raise UompError("NOT_FOUND", "no such payload")
+    return pid
+
+
+async def list_payloads(request: web.Request) -> web.Response:
+    _admin(request)
+    sid = _param(request, "session_id", required=False)
+    metas = await request.app[PAYLOADS].run(functools.partial(request.app[PAYLOADS].store.list, session_id=sid))
+    return web.json_response({"payloads": [m.public() for m in metas]})
+
+
+async def get_payload(request: web.Request) -> web.Response:
+    _admin(request)
+    meta = await request.app[PAYLOADS].run(request.app[PAYLOADS].store.get, _pid(request))
+    return web.json_response(meta.public())
+
+
+async def get_ciphertext(request: web.Request) -> web.StreamResponse:
+    _admin(request)
+    p = request.app[PAYLOADS]
+    pid = _pid(request)
+    meta = await p.run(p.store.get, pid)
+    try:
+        fh = await asyncio.to_thread(open, p.store.blobs / pid, "rb")
+    except FileNotFoundError:
+        raise UompError("NOT_FOUND", "no such payload") from None
+    try:
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                           "X-UOMP-Payload-Hash": meta.hash})
+        resp.content_length = meta.size
+        await resp.prepare(request)
+        while block := await asyncio.to_thread(fh.read, READ_BLOCK):
+            await resp.write(block)
+        await resp.write_eof()
+        return resp
+    finally:
+        await asyncio.to_thread(fh.close)
+
+
+async def opened(request: web.Request) -> web.Response:
+    _admin(request)
+    p = request.app[PAYLOADS]
+    pid = _pid(request)
+    meta = await p.run(p.store.get, pid)
+    await p.run(p.store.mark_opened, pid)
+    _user_event(request, "payload_opened", meta.session_id, meta.agent_id, pid, meta.hash)
+    await request.app[SERVICES].audit.flush()
+    return web.json_response({"payload_id": pid, "opened": True})
+
+
+async def remove(request: web.Request) -> web.Response:
+    _admin(request)
+    p = request.app[PAYLOADS]
+    pid = _pid(request)
+    meta = await p.run(p.store.get, pid)
+    await p.run(p.store.delete, pid)
+    _user_event(request, "payload_removed", meta.session_id, meta.agent_id, pid, meta.hash)
+    await request.app[SERVICES].audit.flush()
+    return web.json_response({"payload_id": pid, "removed": True})
+
+
+def _user_event(request: web.Request, action: str, sid: str, aid: str, pid: str, digest: str) -> None:
+    request.app[SERVICES].audit.record(session_id=sid, agent_id=aid, action=action, key=pid, allowed=True,
+                                       reason="by the user", detail=digest, via="cli")
+
+
+def _field(body: dict[str, Any], name: str, pattern: re.Pattern[str] | None = None, *,
+           required: bool = True) -> str | None:
+    v = body.get(name)
+    if v is None and not required:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_FIELD or not v.isprintable() or (
+            pattern is not None and not pattern.fullmatch(v)):
+        raise UompError("INVALID_REQUEST", f"audit event field {name} is missing or malformed")
+    return v
+
+
+async def audit_event(request: web.Request) -> web.Response:
+    """The gateway's payload events (see the module docstring)."""
+    svc = request.app[SERVICES]
+    body = await _json_body(request)
+    action = body.get("action")
+    if action not in ("payload_uploaded", "payload_refused"):
+        raise UompError("INVALID_REQUEST", "action must be payload_uploaded or payload_refused")
+    sid = _field(body, "session_id")
+    aid = _field(body, "agent_id")
+    if request.headers.get(VERIFIED_AGENT_HEADER) != aid:
+        raise UompError("AGENT_MISMATCH", "verified agent does not match the event")
+    assert sid is not None and aid is not None
+    via = request.headers.get(VERIFIED_VIA_HEADER)
+    if action == "payload_uploaded":
+        pid = _field(body, "payload_id", PAYLOAD_ID)
+        digest = _field(body, "hash", HASH)
+        size = body.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise UompError("INVALID_REQUEST", "audit event field size is missing or malformed")
+        svc.audit.record(session_id=sid, agent_id=aid, action="payload_uploaded", key=pid, allowed=True,
+                         reason="sealed payload stored", detail=digest, request_size=size, via=via)
+    else:
+        pid = _field(body, "payload_id", PAYLOAD_ID, required=False)
+        code = _field(body, "code", CODE)
+        reason = _field(body, "reason", required=False) or "payload refused"
+        svc.audit.record(session_id=sid, agent_id=aid, action="payload_refused", key=pid, allowed=False,
+                         reason=reason, detail=code, via=via)
+    await svc.audit.flush()
+    return web.json_response({"recorded": True})
+
+
+async def _close(app: web.Application) -> None:
+    app[PAYLOADS].close()
+
+
+def add_routes(app: web.Application, listener: str) -> None:
+    """Register the routes above on the Unix-socket app (nothing on the Local Profile listener)."""
+    if listener != "unix":
+        return
+    paths = app[SERVICES].paths
+    app[PAYLOADS] = GuardPayloads(PayloadStore(paths.payload_dir))
+    app.on_cleanup.append(_close)
+    r = app.router
+    r.add_post("/v1/payload/audit", audit_event)
+    r.add_get("/v1/payloads", list_payloads)
+    r.add_get("/v1/payloads/{pid}", get_payload)
+    r.add_get("/v1/payloads/{pid}/ciphertext", get_ciphertext)
+    r.add_post("/v1/payloads/{pid}/opened", opened)
+    r.add_delete("/v1/payloads/{pid}", remove)

@@ -1,0 +1,89 @@
+"""The user's X25519 payload key (spec §15.6): agents seal payloads to its public half.
+
+One file, ``$UOMP_HOME/.secrets/payload-x25519.key`` (0600, in the 0700 ``.secrets``): the private
+key as unencrypted PKCS#8 PEM. It never leaves this machine; the public key is derived from it and
+travels in every remote agent bundle as ``payload_public_key`` (standard base64 of the 32 raw bytes).
+
+Made by ``uomp init``; a data directory from before payloads gets one the first time a command
+needs it (:func:`ensure`). Creation is atomic and never replaces a key: the new key is written to a
+temporary file (0600, fsync) and *linked* to the final name, which fails if another process got
+there first; then both use the key on disk. Nothing here regenerates a key that exists but cannot
+be read: payloads sealed to it would become unreadable, so that is a ``KEY_ERROR`` naming the file.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import secrets
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+from gateway.config import Paths
+from gateway.errors import UompError
+from gateway.fsutil import ensure_private_dir, fsync_dir
+
+MAX_KEY_FILE_BYTES = 4096
+
+
+def ensure(paths: Paths) -> bool:
+    """Create the payload key pair if it is missing. True when this call made it."""
+    path = paths.payload_private_key
+    if path.exists():
+        load_private(paths)  # validates (mode, format); never replaced
+        return False
+    ensure_private_dir(paths.secrets)
+    pem = X25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption())
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pem)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)  # atomic, and refuses to replace a key another process just made
+            made = True
+        except FileExistsError:
+            made = False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_dir(path.parent)
+    load_private(paths)
+    return made
+
+
+def load_private(paths: Paths) -> X25519PrivateKey:
+    path = paths.payload_private_key
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise UompError("KEY_ERROR", f"no payload key at {path}; run 'uomp init'") from None
+    if st.st_mode & 0o077:
+        raise UompError("KEY_ERROR", f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+    if st.st_size > MAX_KEY_FILE_BYTES:
+        raise UompError("KEY_ERROR", f"{path} is too large to be a payload key")
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UompError("KEY_ERROR", f"{path} is not a readable X25519 private key ({type(exc).__name__}); restore "
+                        "it: a new key could not open the payloads sealed to this one") from None
+    if not isinstance(key, X25519PrivateKey):
+        raise UompError("KEY_ERROR", f"{path} is not an X25519 private key")
+    return key
+
+
+def public_raw(key: X25519PrivateKey | X25519PublicKey) -> bytes:
+    pub = key.public_key() if isinstance(key, X25519PrivateKey) else key
+    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def public_b64(paths: Paths) -> str:
+    """The bundle's ``payload_public_key``; creates the key pair first if this home has none yet."""
+    ensure(paths)
+    return base64.b64encode(public_raw(load_private(paths))).decode()
+

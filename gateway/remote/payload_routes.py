@@ -1,0 +1,362 @@
+"""The payload relay's routes on the gateway (spec §15.4, §15.6; docs/payloads.md for the bytes).
+
+Plugged in with :func:`gateway.remote.app.register_route`, so the request path up to the handler is
+the gateway's usual one: transport identity (client certificate, or DPoP on the tunnel listener),
+the access token with its binding, the session's status from the Auth Service. Then:
+
+* ``POST /v1/payload/upload``: one sealed payload. Either the JSON envelope (``Content-Type:
+  application/json``, at most ``payload_max_json_bytes``) or the streaming form
+  (``Content-Type: application/octet-stream``, the envelope without ``ciphertext`` in the
+  ``X-UOMP-Payload-Envelope`` header, the sealed bytes as the body). Checked before a byte is
+  stored: the envelope's shape, ``session_id`` and ``agent_id`` against the token, the declared
+  size against the caps. The body streams to a temporary file in bounded pieces (never whole in
+  memory; an upload that sends more than it declared is cut off at once), then its size and
+  SHA-256 are checked against the envelope. Answers ``201 {payload_id, hash, size, expires_at}``.
+* ``POST /v1/payload/upload-url`` ``{"size": N}``: a single-use upload URL bound to this session
+  and agent, at most N bytes, valid ``payload_upload_url_seconds`` (<= 10 min).
+* ``PUT /v1/payload/presigned?t=<token>``: uses such a URL (streaming form only). Like every route
+  here it still needs the agent's certificate or DPoP proof and access token: a leaked URL alone is
+  worth nothing. Spent, late, unknown, or for another session: ``403 UPLOAD_URL_INVALID`` alike.
+  The token travels in the query, which the access log never records.
+* ``GET /v1/payload/{id}``: agents never read payloads (the user pulls them over the guard's Unix
+  socket): the same ``404 NOT_FOUND`` for a payload of another session, the agent's own, and one
+  that does not exist, so nothing can be learnt from it.
+
+The store (:mod:`gateway.payloads.store`) is opened here, at start-up, which removes what a crash
+left behind (temporary files, blobs without an index row). Every SQLite call on it runs on one
+worker thread; file writes run in threads; the periodic expiry sweep too. Nothing of a payload
+is ever logged: not its bytes, not the upload-URL token.
+
+Audit: every accepted payload is one ``payload_uploaded`` event in the guard's audit log (its hash
+in ``detail``, its id in ``key``, its size in ``request_size``); every upload refused after the
+token was accepted is a ``payload_refused`` event with the code. The event of an accepted payload
+is made durable *before* the payload becomes visible (its index row), so no payload can be pulled
+without its event; if the store then fails, a ``payload_refused`` event for the same id follows.
+(Requests refused before that, by the transport or token checks, are ``gateway_access`` events in
+the gateway's access log, like every request.) All of it goes through :class:`PayloadAudit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import re
+from typing import Any
+
+from aiohttp import web
+
+from gateway.core import envelope
+from gateway.core.envelope import Envelope
+from gateway.core.tokens import Capability, iso
+from gateway.errors import UompError
+from gateway.guard.db import DbWorker
+from gateway.payloads.store import MAX_UPLOAD_URL_TTL, Limits, PayloadError, PayloadMeta, PayloadStore, Upload
+from gateway.remote.app import (
+    VERIFIED_AGENT_HEADER,
+    VERIFIED_VIA_HEADER,
+    Call,
+    GatewayState,
+    Route,
+    _record,
+    register_route,
+)
+
+log = logging.getLogger("uomp.gateway.payloads")
+
+WRITE_BLOCK = 1024 * 1024  # body bytes gathered before one write to the temporary file
+AUDIT_PATH = "/v1/payload/audit"  # the guard's internal route (Unix socket)
+MAX_URL_BODY = 1024
+
+
+def _as_uomp(exc: PayloadError) -> UompError:
+    return UompError(exc.code, str(exc))
+
+
+class PayloadAudit:
+    """The one place payload events are written (today: the guard's audit log over its socket)."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def _send(self, call: Call, body: dict[str, Any]) -> None:
+        headers = {VERIFIED_AGENT_HEADER: body["agent_id"],
+                   VERIFIED_VIA_HEADER: (f"gateway:mtls:{call.identity.serial}" if call.identity
+                                         else f"gateway:{call.via}")}
+        status, answer = await self.state.forwarder.json_call("POST", AUDIT_PATH, body=body, headers=headers)
+        if status != 200 or answer.get("recorded") is not True:
+            raise UompError("STORE_UNAVAILABLE", "the audit log did not record the payload event; nothing was kept")
+
+    async def uploaded(self, call: Call, cap: Capability, env: Envelope, size: int, digest: str) -> None:
+        await self._send(call, {"action": "payload_uploaded", "session_id": cap.session_id,
+                                "agent_id": cap.agent_id, "payload_id": env.payload_id, "hash": digest,
+                                "size": size, "format": env.format})
+
+    async def refused(self, call: Call, cap: Capability, payload_id: str | None, exc: UompError) -> None:
+        """Best effort: a refusal is answered even when the guard cannot record it (the gateway's
+        access log has it in any case)."""
+        body = {"action": "payload_refused", "session_id": cap.session_id, "agent_id": cap.agent_id,
+                "payload_id": payload_id, "code": exc.code, "reason": exc.message[:200]}
+        try:
+            await self._send(call, body)
+        except UompError as err:
+            log.warning("a refused payload upload could not be audited in the guard (%s)", err.code)
+
+
+class PayloadService:
+    def __init__(self, state: GatewayState) -> None:
+        cfg = state.cfg
+        self.state = state
+        self.cfg = cfg
+        self.limits = Limits(max_bytes=cfg.payload_max_bytes, max_per_session=cfg.payload_max_per_session,
+                             max_bytes_per_session=cfg.payload_max_bytes_per_session,
+                             ttl_seconds=cfg.payload_ttl_seconds)
+        self.store = PayloadStore.open(state.paths.payload_dir, limits=self.limits)  # + crash recovery
+        self.worker = DbWorker("payloads", what="payload store")
+        self.audit = PayloadAudit(state)
+        self._gc_task: asyncio.Task[None] | None = None
+        self.gc_runs = 0
+
+    # ----------------------------------------------------------------------- life cycle
+
+    def start(self) -> None:
+        if self._gc_task is None:
+            self._gc_task = asyncio.get_running_loop().create_task(self._gc_loop())
+
+    async def _gc_loop(self) -> None:
+        interval = max(self.cfg.payload_gc_interval_seconds, 0.05)
+        while True:
+            try:
+                removed = await self.worker.run(self.store.gc)
+                self.gc_runs += 1
+                if removed:
+                    log.info("removed %d expired payload(s)", removed)
+            except Exception as exc:  # keep sweeping; the next round retries
+                log.warning("payload expiry sweep failed (%s)", type(exc).__name__)
+            await asyncio.sleep(interval)
+
+    async def close(self) -> None:
+        if self._gc_task is not None:
+            self._gc_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._gc_task
+            self._gc_task = None
+        self.worker.close()
+        self.store.close()
+
+    # ---------------------------------------------------------------------- receiving
+
+    def _check_binding(self, cap: Capability, env: Envelope) -> None:
+        if env.session_id != cap.session_id:
+            raise UompError("ACCESS_DENIED", "the envelope's session_id is not the token's session")
+        if env.agent_id != cap.agent_id:
+            raise UompError("AGENT_MISMATCH", "the envelope's agent_id is not the token's agent")
+
+    async def _begin(self, cap: Capability, env: Envelope, max_bytes: int) -> Upload:
+        if env.size > max_bytes:
+            raise UompError("PAYLOAD_TOO_LARGE", f"the payload's declared size exceeds {max_bytes} bytes")
+        try:
+            return await self.worker.run(lambda: self.store.begin(
+                payload_id=env.payload_id, session_id=cap.session_id, agent_id=cap.agent_id, format=env.format,
+                encryption=env.encryption, max_bytes=env.size))
+        except PayloadError as exc:
+            raise _as_uomp(exc) from None
+
+    async def _stream(self, request: web.Request, upload: Upload) -> None:
+        """The body into ``upload``, in blocks of at most WRITE_BLOCK bytes, each written in a thread."""
+        idle = self.cfg.payload_body_idle_timeout_seconds
+        pending: list[bytes] = []
+        held = 0
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                raise UompError("INVALID_REQUEST", f"the upload sent nothing for {idle:g} s") from None
+            if chunk:
+                if upload.size + held + len(chunk) > upload.max_bytes:
+                    raise UompError("PAYLOAD_TOO_LARGE", "the body is longer than the envelope's size")
+                pending.append(chunk)
+                held += len(chunk)
+            if held >= WRITE_BLOCK or (not chunk and held):
+                block = b"".join(pending)
+                pending, held = [], 0
+                try:
+                    await asyncio.to_thread(upload.write, block)
+                except PayloadError as exc:
+                    raise _as_uomp(exc) from None
+            if not chunk:
+                return
+
+    async def receive(self, call: Call, env: Envelope, *, max_bytes: int, body: bytes | None) -> PayloadMeta:
+        """Store one payload (body given, or streamed from the request); see the module docstring."""
+        cap = call.cap
+        assert cap is not None
+        self._check_binding(cap, env)
+        request = call.request
+        if body is None and request.content_length is not None and request.content_length != env.size:
+            raise UompError("PAYLOAD_SIZE_MISMATCH", "Content-Length is not the envelope's size")
+        upload = await self._begin(cap, env, max_bytes)
+        try:
+            if body is not None:
+                if len(body) > env.size:
+                    raise UompError("PAYLOAD_TOO_LARGE", "the ciphertext is longer than the envelope's size")
+                await asyncio.to_thread(upload.write, body)
+            else:
+                await self._stream(request, upload)
+            if upload.size != env.size:
+                raise UompError("PAYLOAD_SIZE_MISMATCH", f"the envelope declared {env.size} bytes, "
+                                f"{upload.size} arrived")
+            digest = upload.hash
+            if digest != env.hash:
+                raise UompError("PAYLOAD_HASH_MISMATCH", "the ciphertext does not match the envelope's hash")
+            # durable audit event first: no payload becomes visible without it
+            await self.audit.uploaded(call, cap, env, upload.size, digest)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(upload.abort))
+            raise
+        try:
+            return await self.worker.run(lambda: upload.commit(declared_hash=env.hash, declared_size=env.size))
+        except PayloadError as exc:
+            raise _as_uomp(exc) from None  # commit removed what it wrote
+        except UompError:
+            upload.abort()  # the worker refused the call before commit ran (STORE_BUSY)
+            raise
+
+
+def _cap(call: Call) -> Capability:
+    assert call.cap is not None
+    return call.cap
+
+
+async def _json(request: web.Request, limit: int) -> Any:
+    if request.content_length is not None and request.content_length > limit:
+        raise UompError("PAYLOAD_TOO_LARGE", f"the JSON body exceeds {limit} bytes; use the streaming form")
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise UompError("PAYLOAD_TOO_LARGE", f"the JSON body exceeds {limit} bytes; use the streaming form")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise UompError("INVALID_REQUEST", "the body is not valid JSON") from None
+
+
+def _header_envelope(request: web.Request) -> Envelope:
+    values = request.headers.getall(envelope.HEADER_NAME, [])
+    if len(values) != 1:
+        raise UompError("INVALID_REQUEST", f"the streaming form needs exactly one {envelope.HEADER_NAME} header")
+    return envelope.decode_header(values[0].strip())
+
+
+async def _answer(call: Call, meta: PayloadMeta) -> web.Response:
+    await _record(call, status=201, allowed=True, reason=f"payload {meta.payload_id} stored ({meta.hash})",
+                  code=None)
+    return web.json_response({"payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size,
+                              "expires_at": iso(meta.expires_at)}, status=201)
+
+
+async def _audited(service: PayloadService, call: Call, work: Any) -> web.StreamResponse:
+    """Run ``work(holder)``; a refusal is audited in the guard, then raised (the access log has it too)."""
+    holder: dict[str, str | None] = {"payload_id": None}
+    try:
+        meta = await work(holder)
+    except UompError as exc:
+        await service.audit.refused(call, _cap(call), holder["payload_id"], exc)
+        raise
+    return await _answer(call, meta)
+
+
+async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
+    request = call.request
+
+    async def work(holder: dict[str, str | None]) -> PayloadMeta:
+        ctype = request.content_type
+        if ctype == "application/json":
+            env, text = envelope.parse(await _json(request, service.cfg.payload_max_json_bytes), streaming=False)
+            holder["payload_id"] = env.payload_id
+            assert text is not None
+            body = envelope.decode_ciphertext(text)
+            if len(body) != env.size:
+                raise UompError("PAYLOAD_SIZE_MISMATCH", "the ciphertext's length is not the envelope's size")
+            return await service.receive(call, env, max_bytes=service.cfg.payload_max_bytes, body=body)
+        if ctype == "application/octet-stream":
+            env = _header_envelope(request)
+            holder["payload_id"] = env.payload_id
+            return await service.receive(call, env, max_bytes=service.cfg.payload_max_bytes, body=None)
+        raise UompError("INVALID_REQUEST", "Content-Type must be application/json (the envelope) or "
+                        "application/octet-stream (the streaming form)")
+
+    return await _audited(service, call, work)
+
+
+async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
+    cap = _cap(call)
+    doc = await _json(call.request, MAX_URL_BODY)
+    size = doc.get("size") if isinstance(doc, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < envelope.MIN_SEALED_BYTES:
+        raise UompError("INVALID_REQUEST", "the body must be {\"size\": <bytes of the sealed payload>}")
+    if size > service.cfg.payload_max_bytes:
+        raise UompError("PAYLOAD_TOO_LARGE", f"a payload is at most {service.cfg.payload_max_bytes} bytes")
+    ttl = min(service.cfg.payload_upload_url_seconds, MAX_UPLOAD_URL_TTL)
+    try:
+        token, expires = await service.worker.run(lambda: service.store.issue_upload_url(
+            session_id=cap.session_id, agent_id=cap.agent_id, max_size=size, ttl=ttl))
+    except PayloadError as exc:
+        raise _as_uomp(exc) from None
+    url = f"https://{call.request.host}/v1/payload/presigned?t={token}"
+    await _record(call, status=201, allowed=True, reason="single-use upload URL issued", code=None)
+    return web.json_response({"upload_url": url, "method": "PUT", "max_size": size, "expires_at": iso(expires)},
+                             status=201)
+
+
+_URL_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
+
+
+async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
+    request = call.request
+
+    async def work(holder: dict[str, str | None]) -> PayloadMeta:
+        cap = _cap(call)
+        tokens = request.query.getall("t", [])
+        if len(tokens) != 1 or not _URL_TOKEN.fullmatch(tokens[0]):
+            raise UompError("UPLOAD_URL_INVALID", "this upload URL is unknown, used or expired")
+        if request.content_type != "application/octet-stream":
+            raise UompError("INVALID_REQUEST", "an upload URL takes the streaming form (application/octet-stream)")
+        env = _header_envelope(request)
+        holder["payload_id"] = env.payload_id
+        try:
+            sid, aid, max_size = await service.worker.run(service.store.consume_upload_url, tokens[0])
+        except PayloadError as exc:
+            raise _as_uomp(exc) from None
+        if sid != cap.session_id or aid != cap.agent_id:
+            raise UompError("UPLOAD_URL_INVALID", "this upload URL is unknown, used or expired")
+        return await service.receive(call, env, max_bytes=min(max_size, service.cfg.payload_max_bytes), body=None)
+
+    return await _audited(service, call, work)
+
+
+async def agent_get(service: PayloadService, call: Call) -> web.StreamResponse:
+    # Agents never read payloads. One answer whatever the id: no existence leak, no store lookup.
+    raise UompError("NOT_FOUND", "no such payload")
+
+
+ROUTES = (
+    (Route("POST", re.compile(r"/v1/payload/upload"), "payload_upload"), upload),
+    (Route("POST", re.compile(r"/v1/payload/upload-url"), "payload_upload_url"), upload_url),
+    (Route("PUT", re.compile(r"/v1/payload/presigned"), "payload_presigned"), presigned),
+    (Route("GET", re.compile(r"/v1/payload/(?P<pid>[^/]+)"), "payload_get"), agent_get),
+)
+
+
+def install(state: GatewayState) -> PayloadService:
+    """Open the store (removing crash leftovers) and register the routes; the caller starts and closes it."""
+    service = PayloadService(state)
+    for route, handler in ROUTES:
+        register_route(state, route, functools.partial(handler, service))
+        state.metrics.add_route(route.name)
+    return service
+
+
+__all__ = ["PayloadAudit", "PayloadService", "install"]
