@@ -198,3 +198,455 @@ async def test_dpop_upload_through_the_tunnel_origin(app: Appliance, tmp_path: P
         assert rc == 0, err
         assert (tmp_path / p).read_bytes() == want
     assert {e["listener"] for e in access_events(app.paths) if e["action"] == "payload_upload"} == {"tunnel"}
+
+
+# ------------------------------------------------------------------------- raw uploads
+
+CAP = 64 * 1024  # payload_max_bytes of the small appliance below
+
+
+@pytest.fixture
+async def small(home: Paths) -> AsyncIterator[Appliance]:
+    async with sdk_appliance(home, status_cache_seconds=0, payload_max_bytes=CAP, payload_max_json_bytes=32 * 1024,
+                             payload_max_per_session=3) as a:
+        yield a
+
+
+@dataclasses.dataclass
+class Sealed:
+    doc: dict[str, Any]  # the JSON envelope (with ciphertext)
+    sealed: bytes
+
+    def header(self) -> dict[str, Any]:
+        return {k: v for k, v in self.doc.items() if k != "ciphertext"}
+
+
+def seal(paths: Paths, sid: str, aid: str, data: bytes = SECRET, *, fmt: str = "text/plain",
+         recipient: Any = None) -> Sealed:
+    pub = recipient or envelope.parse_public_key(userkey.public_b64(paths))
+    binding = sealing.Binding(sdk_payloads.new_payload_id(), sid, aid, fmt)
+    return Sealed(sdk_payloads.seal_small(pub, binding, data), sealing.seal_bytes(pub, binding, data)[1])
+
+
+def seal_consistent(paths: Paths, sid: str, aid: str, data: bytes = SECRET) -> Sealed:
+    doc = sdk_payloads.seal_small(envelope.parse_public_key(userkey.public_b64(paths)),
+                                  sealing.Binding(sdk_payloads.new_payload_id(), sid, aid, "text/plain"), data)
+    return Sealed(doc, base64.b64decode(doc["ciphertext"]))
+
+
+def b64h(doc: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(doc).encode()).rstrip(b"=").decode()
+
+
+async def chunks(data: bytes, size: int = 4096) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+@dataclasses.dataclass
+class Agent:
+    session: aiohttp.ClientSession
+    base: str
+    token: str
+    agent_id: str
+    session_id: str
+
+    async def send(self, method: str, path: str, *, headers: dict[str, str] | None = None, data: Any = None,
+                   json_body: Any = None) -> tuple[int, Any]:
+        hdrs = {"Authorization": f"Bearer {self.token}", "X-UOMP-Agent-Id": self.agent_id, **(headers or {})}
+        async with self.session.request(method, self.base + path, headers=hdrs, data=data, json=json_body) as r:
+            raw = await r.read()
+            try:
+                return r.status, json.loads(raw)
+            except ValueError:
+                return r.status, raw
+
+    async def stream(self, s: Sealed, body: Any = None, *, header: dict[str, Any] | None = None,
+                     path: str = "/v1/payload/upload", method: str = "POST") -> tuple[int, Any]:
+        return await self.send(method, path, data=s.sealed if body is None else body,
+                               headers={"Content-Type": "application/octet-stream",
+                                        envelope.HEADER_NAME: b64h(header or s.header())})
+
+
+@contextlib.asynccontextmanager
+async def agent_for(app: Appliance, agent_id: str = "calendar_agent") -> AsyncIterator[Agent]:
+    agent = app.agent(agent_id)
+    g = await app.grant(agent)
+    async with agent_session(agent, app.paths) as session:
+        yield Agent(session, app.base, g["token"], agent_id, g["session_id"])
+
+
+def _doc(**changes: Any) -> Callable[[Sealed], tuple[str, Any]]:
+    def make(s: Sealed) -> tuple[str, Any]:
+        doc = dict(s.doc)
+        for k, v in changes.items():
+            if v is KeyError:
+                doc.pop(k)
+            else:
+                doc[k] = v
+        return "json", doc
+    return make
+
+
+def _enc(**changes: Any) -> Callable[[Sealed], tuple[str, Any]]:
+    def make(s: Sealed) -> tuple[str, Any]:
+        return "json", {**s.doc, "encryption": {**s.doc["encryption"], **changes}}
+    return make
+
+
+def _flip(s: Sealed) -> tuple[str, Any]:
+    ct = bytearray(s.sealed)
+    ct[100] ^= 1
+    return "json", {**s.doc, "ciphertext": base64.b64encode(bytes(ct)).decode()}
+
+
+OTHER_HASH = "sha256:" + "ab" * 32
+JSON_ATTACKS: list[tuple[str, Callable[[Sealed], tuple[str, Any]], int, str]] = [
+    ("wrong-session", _doc(session_id="sess_someone_else"), 403, "ACCESS_DENIED"),
+    ("wrong-agent", _doc(agent_id="stock-analyst"), 403, "AGENT_MISMATCH"),
+    ("hash-mismatch", _doc(hash=OTHER_HASH), 400, "PAYLOAD_HASH_MISMATCH"),
+    ("ciphertext-changed-after-hashing", _flip, 400, "PAYLOAD_HASH_MISMATCH"),
+    ("size-not-ciphertext-length", lambda s: ("json", {**s.doc, "size": s.doc["size"] + 1}), 400,
+     "PAYLOAD_SIZE_MISMATCH"),
+    ("declared-oversize", _doc(size=CAP + 1), 400, "PAYLOAD_SIZE_MISMATCH"),
+    ("missing-hash", _doc(hash=KeyError), 400, "INVALID_REQUEST"),
+    ("extra-field", _doc(note="hi"), 400, "INVALID_REQUEST"),
+    ("bad-payload-id", _doc(payload_id="../../etc/passwd"), 400, "INVALID_REQUEST"),
+    ("bad-format", _doc(format="text/markdown\r\nX: y"), 400, "INVALID_REQUEST"),
+    ("size-is-bool", _doc(size=True), 400, "INVALID_REQUEST"),
+    ("size-below-minimum", _doc(size=10), 400, "INVALID_REQUEST"),
+    ("bad-timestamp", _doc(timestamp="yesterday"), 400, "INVALID_REQUEST"),
+    ("spec-example-algorithm", _enc(algorithm="ECDH-X25519-AES256GCM"), 400, "INVALID_REQUEST"),
+    ("short-sender-key", _enc(sender_public_key=base64.b64encode(b"k" * 31).decode()), 400, "INVALID_REQUEST"),
+    ("encryption-extra-field", _enc(iv="AAAA"), 400, "INVALID_REQUEST"),
+    ("ciphertext-not-base64", _doc(ciphertext="%%%"), 400, "INVALID_REQUEST"),
+    ("not-an-object", lambda s: ("json", [s.doc]), 400, "INVALID_REQUEST"),
+    ("oversize-json-body", lambda s: ("json", {**s.doc, "ciphertext": "A" * (40 * 1024)}), 413,
+     "PAYLOAD_TOO_LARGE"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "status", "code"), [a[1:] for a in JSON_ATTACKS],
+                         ids=[a[0] for a in JSON_ATTACKS])
+async def test_json_envelope_refusals_leave_nothing(small: Appliance, mutate: Callable[[Sealed], tuple[str, Any]],
+                                                    status: int, code: str) -> None:
+    async with agent_for(small) as a:
+        s = seal_consistent(small.paths, a.session_id, a.agent_id)
+        _, doc = mutate(s)
+        got = await a.send("POST", "/v1/payload/upload", json_body=doc)
+        assert (got[0], got[1]["error"]["code"]) == (status, code), got
+        assert store_state(small.paths) == ([], [], [])
+        refused = audit_rows(small.paths, "payload_refused")
+        assert [r["detail"] for r in refused] == [code] and refused[0]["session_id"] == a.session_id
+        assert audit_rows(small.paths, "payload_uploaded") == []
+        # the partner: the same agent's honest envelope is stored
+        ok = await a.send("POST", "/v1/payload/upload", json_body=s.doc)
+        assert ok[0] == 201 and ok[1]["hash"] == s.doc["hash"] and ok[1]["payload_id"] == s.doc["payload_id"]
+
+
+STREAM_ATTACKS: list[tuple[str, Callable[[Sealed], tuple[dict[str, Any], Any, dict[str, str]]], int, str]] = [
+    ("wrong-session", lambda s: ({**s.header(), "session_id": "sess_x"}, s.sealed, {}), 403, "ACCESS_DENIED"),
+    ("wrong-agent", lambda s: ({**s.header(), "agent_id": "x"}, s.sealed, {}), 403, "AGENT_MISMATCH"),
+    ("hash-mismatch", lambda s: ({**s.header(), "hash": OTHER_HASH}, s.sealed, {}), 400, "PAYLOAD_HASH_MISMATCH"),
+    ("declared-oversize", lambda s: ({**s.header(), "size": CAP + 1}, s.sealed, {}), 413, "PAYLOAD_TOO_LARGE"),
+    ("actual-oversize-chunked", lambda s: (s.header(), chunks(s.sealed + b"x" * (CAP + 10)), {}), 413,
+     "PAYLOAD_TOO_LARGE"),
+    ("longer-than-declared-chunked", lambda s: (s.header(), chunks(s.sealed + b"x"), {}), 413, "PAYLOAD_TOO_LARGE"),
+    ("shorter-than-declared-chunked", lambda s: (s.header(), chunks(s.sealed[:-1]), {}), 400,
+     "PAYLOAD_SIZE_MISMATCH"),
+    ("content-length-not-size", lambda s: (s.header(), s.sealed[:-1], {}), 400, "PAYLOAD_SIZE_MISMATCH"),
+    ("ciphertext-in-header", lambda s: ({**s.header(), "ciphertext": "AAAA"}, s.sealed, {}), 400,
+     "INVALID_REQUEST"),
+    ("header-not-base64url", lambda s: (s.header(), s.sealed, {envelope.HEADER_NAME: "{not base64}"}), 400,
+     "INVALID_REQUEST"),
+    ("wrong-content-type", lambda s: (s.header(), s.sealed, {"Content-Type": "text/plain"}), 400,
+     "INVALID_REQUEST"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "status", "code"), [a[1:] for a in STREAM_ATTACKS],
+                         ids=[a[0] for a in STREAM_ATTACKS])
+async def test_streaming_refusals_leave_nothing(small: Appliance, mutate: Any, status: int, code: str) -> None:
+    async with agent_for(small) as a:
+        s = seal_consistent(small.paths, a.session_id, a.agent_id, os.urandom(20000))
+        header, body, extra = mutate(s)
+        headers = {"Content-Type": "application/octet-stream", envelope.HEADER_NAME: b64h(header), **extra}
+        got = await a.send("POST", "/v1/payload/upload", headers=headers, data=body)
+        assert (got[0], got[1]["error"]["code"]) == (status, code), got
+        assert store_state(small.paths) == ([], [], [])
+        assert [r["detail"] for r in audit_rows(small.paths, "payload_refused")] == [code]
+        ok = await a.stream(s, chunks(s.sealed))  # chunked, honest
+        assert ok[0] == 201, ok
+        assert store_state(small.paths)[0] == [s.doc["payload_id"]]
+
+
+async def test_header_given_twice_and_duplicate_ids_and_session_caps(small: Appliance) -> None:
+    async with agent_for(small) as a:
+        s = seal_consistent(small.paths, a.session_id, a.agent_id)
+        h = b64h(s.header())
+        got = await a.send("POST", "/v1/payload/upload", data=s.sealed, headers={
+            "Content-Type": "application/octet-stream", envelope.HEADER_NAME: f"{h}, {h}"})
+        assert got[0] == 400
+        assert (await a.stream(s))[0] == 201
+        again = await a.stream(s)
+        assert (again[0], again[1]["error"]["code"]) == (409, "PAYLOAD_EXISTS")
+        for _ in range(2):
+            assert (await a.stream(seal_consistent(small.paths, a.session_id, a.agent_id)))[0] == 201
+        full = await a.stream(seal_consistent(small.paths, a.session_id, a.agent_id))
+        assert (full[0], full[1]["error"]["code"]) == (429, "PAYLOAD_QUOTA_EXCEEDED")
+        rows, blobs, tmp = store_state(small.paths)
+        assert len(rows) == 3 and sorted(rows) == blobs and tmp == []
+    # another session of the same agent has its own cap
+    async with agent_for(small) as b:
+        assert (await b.stream(seal_consistent(small.paths, b.session_id, b.agent_id)))[0] == 201
+
+
+async def test_refresh_token_and_revoked_session_cannot_upload(small: Appliance) -> None:
+    agent = small.agent("calendar_agent")
+    g = await small.grant(agent, refresh=True)
+    async with agent_session(agent, small.paths) as session:
+        a = Agent(session, small.base, g["refresh_token"], agent.agent_id, g["session_id"])
+        s = seal_consistent(small.paths, a.session_id, a.agent_id)
+        got = await a.stream(s)
+        assert (got[0], got[1]["error"]["code"]) == (401, "INVALID_TOKEN")
+        a.token = g["token"]
+        status, _, _ = await call(small.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke",
+                                  headers=admin_headers(small.paths))
+        assert status == 200
+        got = await a.stream(s)
+        assert (got[0], got[1]["error"]["code"]) == (401, "SESSION_REVOKED")
+    async with agent_session(None, small.paths) as anon:  # no client certificate
+        got = await Agent(anon, small.base, g["token"], agent.agent_id, g["session_id"]).stream(s)
+        assert got[0] == 401
+    assert store_state(small.paths) == ([], [], [])
+
+
+# ---------------------------------------------------------------------- single-use URLs
+
+
+async def test_upload_urls_are_single_use_bound_and_short_lived(home: Paths) -> None:
+    async with sdk_appliance(home, status_cache_seconds=0, payload_max_bytes=CAP,
+                             payload_upload_url_seconds=1.0) as app:
+        async with agent_for(app) as a, agent_for(app) as other:
+            s = seal_consistent(app.paths, a.session_id, a.agent_id)
+
+            async def url(agent: Agent, size: int) -> str:
+                st, body = await agent.send("POST", "/v1/payload/upload-url", json_body={"size": size})
+                assert st == 201, body
+                assert body["method"] == "PUT" and body["max_size"] == size
+                return str(body["upload_url"]).split(app.base, 1)[1] if app.base in body["upload_url"] else \
+                    "/v1/payload/presigned?" + body["upload_url"].split("?", 1)[1]
+
+            # refused partners first: bigger than bound, another session's URL, spent, late, malformed
+            u_small = await url(a, s.doc["size"] - 1)
+            got = await a.stream(s, path=u_small, method="PUT")
+            assert (got[0], got[1]["error"]["code"]) == (413, "PAYLOAD_TOO_LARGE")
+            u = await url(a, s.doc["size"])
+            got = await other.stream(seal_consistent(app.paths, other.session_id, other.agent_id), path=u,
+                                     method="PUT")
+            assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID")
+            got = await a.stream(s, path=u, method="PUT")  # spent by the refused attempt: one use only
+            assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID")
+            u = await url(a, s.doc["size"])
+            assert (await a.stream(s, path=u, method="PUT"))[0] == 201
+            s2 = seal_consistent(app.paths, a.session_id, a.agent_id)
+            got = await a.stream(s2, path=u, method="PUT")  # reused
+            assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID")
+            late = await url(a, s2.doc["size"])
+            await asyncio.sleep(1.3)
+            got = await a.stream(s2, path=late, method="PUT")
+            assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID")
+            for bad in ("/v1/payload/presigned", "/v1/payload/presigned?t=short", "/v1/payload/presigned?t=" +
+                        "A" * 43):
+                got = await a.stream(s2, path=bad, method="PUT")
+                assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID"), bad
+            st, body = await a.send("POST", "/v1/payload/upload-url", json_body={"size": CAP + 1})
+            assert (st, body["error"]["code"]) == (413, "PAYLOAD_TOO_LARGE")
+            st, body = await a.send("POST", "/v1/payload/upload-url", json_body={"size": "big"})
+            assert (st, body["error"]["code"]) == (400, "INVALID_REQUEST")
+        rows, blobs, tmp = store_state(app.paths)
+        assert rows == [s.doc["payload_id"]] == blobs and tmp == []
+
+
+# --------------------------------------------------------------------- agents never read
+
+
+async def test_agent_get_is_always_the_same_404(small: Appliance) -> None:
+    async with agent_for(small) as a, agent_for(small, "stock-analyst") as b:
+        own = seal_consistent(small.paths, a.session_id, a.agent_id)
+        theirs = seal_consistent(small.paths, b.session_id, b.agent_id)
+        assert (await a.stream(own))[0] == 201 and (await b.stream(theirs))[0] == 201
+        answers = set()
+        for pid in (own.doc["payload_id"], theirs.doc["payload_id"], "pay_doesnotexist123", "x"):
+            st, body = await a.send("GET", f"/v1/payload/{pid}")
+            answers.add((st, json.dumps(body, sort_keys=True)))
+        assert len(answers) == 1 and next(iter(answers))[0] == 404
+        # the guard's user routes are not reachable through the gateway at all
+        for path in ("/v1/payloads", f"/v1/payloads/{own.doc['payload_id']}/ciphertext"):
+            st, _ = await a.send("GET", path)
+            assert st == 404
+    # nor on the guard's socket without the admin credential
+    st, _, _ = await call(small.admin, "GET", "/v1/payloads")
+    assert st == 401
+
+
+# --------------------------------------------------------------------------- faults
+
+
+async def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def tmp_bytes(paths: Paths) -> int:
+    return sum(p.stat().st_size for p in (paths.payload_dir / "tmp").iterdir())
+
+
+async def open_raw_upload(app_port: int, agent_ssl: ssl.SSLContext, a: Agent, s: Sealed, sent: int
+                          ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Headers of an honest streaming upload and its first ``sent`` body bytes, on a raw TLS socket."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", app_port, ssl=agent_ssl, server_hostname="localhost")
+    head = (f"POST /v1/payload/upload HTTP/1.1\r\nHost: localhost:{app_port}\r\n"
+            f"Authorization: Bearer {a.token}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\n"
+            f"Content-Type: application/octet-stream\r\n{envelope.HEADER_NAME}: {b64h(s.header())}\r\n"
+            f"Content-Length: {len(s.sealed)}\r\n\r\n").encode()
+    writer.write(head + s.sealed[:sent])
+    await writer.drain()
+    return reader, writer
+
+
+async def test_upload_dropped_mid_body_leaves_nothing(home: Paths) -> None:
+    async with sdk_appliance(home, status_cache_seconds=0) as app:
+        agent = app.agent("calendar_agent")
+        g = await app.grant(agent)
+        a = Agent(None, app.base, g["token"], agent.agent_id, g["session_id"])  # type: ignore[arg-type]
+        s = seal_consistent(app.paths, a.session_id, a.agent_id, os.urandom(3 * 1024 * 1024))
+        assert app.gateway.port is not None
+        _, writer = await open_raw_upload(app.gateway.port, agent.ssl(), a, s, 2 * 1024 * 1024)
+        await wait_for(lambda: tmp_bytes(app.paths) > 0, "the upload to reach the temporary file")
+        writer.transport.abort()  # the connection drops mid-body
+        await wait_for(lambda: store_state(app.paths) == ([], [], []), "the partial upload to be removed")
+        await wait_for(lambda: bool(audit_rows(app.paths, "payload_refused")), "the refusal to be audited")
+        assert audit_rows(app.paths, "payload_uploaded") == []
+        # the gateway still serves the next upload of the same payload
+        async with agent_session(agent, app.paths) as session:
+            a.session = session
+            assert (await a.stream(s))[0] == 201
+
+
+@pytest.mark.parametrize("tamper", [
+    pytest.param(lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], id="bit-flipped-in-body"),
+    pytest.param(lambda b: b[:10] + bytes([b[10] ^ 1]) + b[11:], id="bit-flipped-in-key-block"),
+    pytest.param(lambda b: b[:-16], id="truncated"),
+    pytest.param(lambda b: b + b"\x00" * 16, id="bytes-appended"),
+])
+async def test_tampered_ciphertext_does_not_open_and_writes_nothing(app: Appliance, tmp_path: Path,
+                                                                    tamper: Callable[[bytes], bytes]) -> None:
+    small = app
+    async with agent_for(small) as a:
+        s = seal_consistent(small.paths, a.session_id, a.agent_id, SECRET * 3000)
+        assert (await a.stream(s))[0] == 201
+    blob = small.paths.payload_dir / "blobs" / s.doc["payload_id"]
+    blob.write_bytes(tamper(blob.read_bytes()))  # changed on the relay's disk
+    out = tmp_path / "report.md"
+    rc, _, err = await acli(small.paths, "payload", "pull", s.doc["payload_id"], "--out", str(out))
+    assert rc == 1 and "PAYLOAD_INVALID" in err, err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    rc, listing, _ = await acli(small.paths, "payload", "list", "--json")
+    assert not json.loads(listing)[0]["opened"]
+
+
+async def test_payload_sealed_for_another_users_key_does_not_open(small: Appliance, tmp_path: Path) -> None:
+    stranger = X25519PrivateKey.generate().public_key()
+    async with agent_for(small) as a:
+        s = seal(small.paths, a.session_id, a.agent_id, SECRET, recipient=stranger)
+        assert (await a.send("POST", "/v1/payload/upload", json_body=s.doc))[0] == 201  # the relay cannot tell
+    out = tmp_path / "report.md"
+    rc, _, err = await acli(small.paths, "payload", "pull", s.doc["payload_id"], "--out", str(out))
+    assert rc == 1 and "PAYLOAD_INVALID" in err and "not sealed to this key" in err, err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    # and a bundle whose payload key is not the user's: same (an agent given a forged bundle)
+    bundle = authorize_csr(small, tmp_path / "b")
+    b = load_bundle(bundle)
+    write_bundle(bundle, dataclasses.replace(b, payload_public_key=base64.b64encode(
+        userkey.public_raw(stranger)).decode()))
+    async with UompClient.from_bundle(bundle) as c:
+        pid = await c.upload_payload(SECRET, format="text/plain")
+    rc, _, err = await acli(small.paths, "payload", "pull", pid, "--out", str(out))
+    assert rc == 1 and "PAYLOAD_INVALID" in err and not out.exists()
+
+
+async def test_sdk_refusals_are_typed(small: Appliance, tmp_path: Path) -> None:
+    bundle = authorize_csr(small, tmp_path)
+    big = tmp_path / "big"
+    big.write_bytes(b"\x00" * (CAP + 1))
+    async with UompClient.from_bundle(bundle) as c:
+        with pytest.raises(InvalidRequest) as e:
+            await c.upload_payload(big, format="application/octet-stream")
+        assert e.value.code == "PAYLOAD_TOO_LARGE" and e.value.status == 413
+        with pytest.raises(ValueError):
+            await c.upload_payload(b"x", format="not a media type")
+        for _ in range(3):
+            await c.upload_payload(b"x", format="text/plain")
+        with pytest.raises(QuotaExceeded) as q:
+            await c.upload_payload(b"x", format="text/plain")
+        assert q.value.code == "PAYLOAD_QUOTA_EXCEEDED"
+        with pytest.raises(QuotaExceeded):
+            await c.upload_payload(b"x", format="text/plain", presigned=True)
+    assert not [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("uomp-payload-*.sealed")
+                if p.stat().st_mtime > time.time() - 120]  # the SDK's sealed temp files are gone
+    b = load_bundle(bundle)
+    write_bundle(bundle, dataclasses.replace(b, payload_public_key=None))
+    async with UompClient.from_bundle(bundle) as c:
+        with pytest.raises(ConfigError):
+            await c.upload_payload(b"x", format="text/plain")
+    _ = (AccessDenied, PayloadRejected)
+
+
+async def test_expired_payloads_are_collected(home: Paths) -> None:
+    async with sdk_appliance(home, status_cache_seconds=0, payload_ttl_seconds=1.0,
+                             payload_gc_interval_seconds=0.2) as app:
+        async with agent_for(app) as a:
+            s = seal_consistent(app.paths, a.session_id, a.agent_id)
+            assert (await a.stream(s))[0] == 201
+        assert store_state(app.paths)[0] == [s.doc["payload_id"]]
+        await wait_for(lambda: store_state(app.paths) == ([], [], []), "the expired payload to be collected")
+
+
+async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG")
+    bundle = authorize_csr(app, tmp_path)
+    b = load_bundle(bundle)
+    report = tmp_path / "report.md"
+    report.write_bytes(SECRET * 50000)
+    async with UompClient.from_bundle(bundle) as c:
+        pids = [await c.upload_payload(SECRET, format="text/markdown"),
+                await c.upload_payload(report, format="text/markdown"),
+                await c.upload_payload(SECRET, format="text/markdown", presigned=True)]
+        st, grant_answer = 0, await c._call("POST", "/v1/payload/upload-url", body={"size": 500})
+        url_token = grant_answer["upload_url"].split("t=", 1)[1]
+    async with agent_for(app) as a:  # refusals too
+        s = seal_consistent(app.paths, a.session_id, a.agent_id)
+        await a.send("POST", "/v1/payload/upload", json_body={**s.doc, "hash": OTHER_HASH})
+        await a.stream(s, chunks(s.sealed[:-5]))
+    rc, _, err = await acli(app.paths, "-v", "payload", "pull", pids[1], "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    private_pem = app.paths.payload_private_key.read_bytes()
+    secrets_ = [SECRET.strip(), b.access_token.encode(), (b.refresh_token or "").encode(), url_token.encode(),
+                private_pem.split(b"\n")[1], base64.b64encode(SECRET)[:40],
+                envelope.HEADER_NAME.encode() + b":"]
+    sources = {
+        "gateway access log": (app.paths.gateway_dir / "access.jsonl").read_bytes(),
+        "guard audit log": json.dumps(audit_rows(app.paths)).encode(),
+        "python logging": caplog.text.encode(),
+        "cli stderr": err.encode(),
+        "payload index": (app.paths.payload_dir / "index.db").read_bytes(),
+    }
+    for name, text in sources.items():
+        for secret in secrets_:
+            assert secret not in text, f"{secret[:12]!r}... in the {name}"
+    assert (app.paths.gateway_dir / "access.jsonl").read_bytes().count(b"payload_upload") >= 3

@@ -144,6 +144,7 @@ def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> di
         raise UompError("INVALID_REQUEST", f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise UompError("INVALID_REQUEST", f"{out.parent} is not a directory")
+    userkey.ensure(paths)  # a home from before payloads gets its key here too
     private = userkey.load_private(paths)
     client = GuardClient(paths)
     pid = quote(payload_id, safe="")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import re
 from typing import Any
 
@@ -91,11 +92,16 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
     except FileNotFoundError:
         raise UompError("NOT_FOUND", "no such payload") from None
     try:
+        if (await asyncio.to_thread(os.fstat, fh.fileno())).st_size != meta.size:
+            raise UompError("PAYLOAD_INVALID", "the stored ciphertext's length is not the one recorded at upload "
+                            "(changed on disk); it cannot be trusted")
+        remaining = meta.size
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
                                            "X-UOMP-Payload-Hash": meta.hash})
         resp.content_length = meta.size
         await resp.prepare(request)
-        while block := await asyncio.to_thread(fh.read, READ_BLOCK):
+        while remaining > 0 and (block := await asyncio.to_thread(fh.read, min(READ_BLOCK, remaining))):
+            remaining -= len(block)
             await resp.write(block)
         await resp.write_eof()
         return resp

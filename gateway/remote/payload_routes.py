@@ -46,7 +46,9 @@ import logging
 import re
 from typing import Any
 
+import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.core import envelope
 from gateway.core.envelope import Envelope
@@ -154,9 +156,7 @@ class PayloadService:
         if env.agent_id != cap.agent_id:
             raise UompError("AGENT_MISMATCH", "the envelope's agent_id is not the token's agent")
 
-    async def _begin(self, cap: Capability, env: Envelope, max_bytes: int) -> Upload:
-        if env.size > max_bytes:
-            raise UompError("PAYLOAD_TOO_LARGE", f"the payload's declared size exceeds {max_bytes} bytes")
+    async def _begin(self, cap: Capability, env: Envelope) -> Upload:
         try:
             return await self.worker.run(lambda: self.store.begin(
                 payload_id=env.payload_id, session_id=cap.session_id, agent_id=cap.agent_id, format=env.format,
@@ -175,6 +175,8 @@ class PayloadService:
                     chunk = await request.content.readany()
             except TimeoutError:
                 raise UompError("INVALID_REQUEST", f"the upload sent nothing for {idle:g} s") from None
+            except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
+                raise UompError("INVALID_REQUEST", f"the upload broke off ({type(exc).__name__})") from None
             if chunk:
                 if upload.size + held + len(chunk) > upload.max_bytes:
                     raise UompError("PAYLOAD_TOO_LARGE", "the body is longer than the envelope's size")
@@ -196,9 +198,11 @@ class PayloadService:
         assert cap is not None
         self._check_binding(cap, env)
         request = call.request
+        if env.size > max_bytes:
+            raise UompError("PAYLOAD_TOO_LARGE", f"the payload's declared size exceeds {max_bytes} bytes")
         if body is None and request.content_length is not None and request.content_length != env.size:
             raise UompError("PAYLOAD_SIZE_MISMATCH", "Content-Length is not the envelope's size")
-        upload = await self._begin(cap, env, max_bytes)
+        upload = await self._begin(cap, env)
         try:
             if body is not None:
                 if len(body) > env.size:
