@@ -9,13 +9,10 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
-import socket
 import sqlite3
 import ssl
-import subprocess
 import sys
 import threading
 import time
@@ -35,7 +32,6 @@ from gateway.bundle import load_bundle, write_bundle
 from gateway.cli.main import main as uomp
 from gateway.client import (
     AccessDenied,
-    ClientOptions,
     ConfigError,
     InvalidRequest,
     PayloadRejected,
@@ -45,9 +41,7 @@ from gateway.client import (
 from gateway.client import payloads as sdk_payloads
 from gateway.config import Paths
 from gateway.core import envelope, sealing
-from gateway.core.tokens import iso
 from gateway.payloads import userkey
-from gateway.remote.tls import build_client_context
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -627,7 +621,7 @@ async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Pa
         pids = [await c.upload_payload(SECRET, format="text/markdown"),
                 await c.upload_payload(report, format="text/markdown"),
                 await c.upload_payload(SECRET, format="text/markdown", presigned=True)]
-        st, grant_answer = 0, await c._call("POST", "/v1/payload/upload-url", body={"size": 500})
+        grant_answer = await c._call("POST", "/v1/payload/upload-url", body={"size": 500})
         url_token = grant_answer["upload_url"].split("t=", 1)[1]
     async with agent_for(app) as a:  # refusals too
         s = seal_consistent(app.paths, a.session_id, a.agent_id)
@@ -650,3 +644,89 @@ async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Pa
         for secret in secrets_:
             assert secret not in text, f"{secret[:12]!r}... in the {name}"
     assert (app.paths.gateway_dir / "access.jsonl").read_bytes().count(b"payload_upload") >= 3
+
+
+async def _read_line(proc: asyncio.subprocess.Process, prefix: str, timeout: float = 60.0) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = (await asyncio.wait_for(proc.stdout.readline(), max(0.1, deadline - time.monotonic()))).decode()
+        if line.startswith(prefix):
+            return line
+        if not line:
+            break
+    raise AssertionError(f"no {prefix!r} line from the gateway")
+
+
+async def _gateway_process(paths: Paths) -> tuple[asyncio.subprocess.Process, int]:
+    proc = await asyncio.create_subprocess_exec(*UOMP, "--home", str(paths.home), "gateway", "serve", "--listen",
+                                                "127.0.0.1:0", stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.DEVNULL)
+    line = await _read_line(proc, "gateway: https://")
+    return proc, int(line.split()[1].rsplit(":", 1)[1])
+
+
+async def test_kill_9_of_the_gateway_mid_upload_leaves_nothing_after_restart(home: Paths) -> None:
+    ca_store.init_all(home)
+    seed(home)
+    async with running_guard(home, guard_config(), serve_tcp=False), unix_session(home) as admin:
+        proc, port = await _gateway_process(home)
+        try:
+            base = f"https://localhost:{port}"
+            agent_files = ca_store.issue_with_key(home, "calendar_agent", home.home / "agent-files")
+            from gatewaykit import Agent as KitAgent
+
+            agent = KitAgent("calendar_agent", agent_files)
+            g = await grant(admin, home, read={"tags": ["preference"], "keys": []}, agent_id="calendar_agent",
+                            profile="remote", audience=base, cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt})
+            a = Agent(None, base, g["token"], agent.agent_id, g["session_id"])  # type: ignore[arg-type]
+            s = seal_consistent(home, a.session_id, a.agent_id, os.urandom(4 * 1024 * 1024))
+            _, writer = await open_raw_upload(port, agent.ssl(), a, s, 3 * 1024 * 1024)
+            await wait_for(lambda: tmp_bytes(home) >= 1024 * 1024, "the upload to reach the temporary file")
+            proc.kill()  # SIGKILL: no clean-up code runs
+            await proc.wait()
+            writer.transport.abort()
+            rows, blobs, tmp = store_state(home)
+            assert rows == [] and blobs == [] and len(tmp) == 1  # the crash left a partial temporary file
+            # and a crash after the rename, before the index row, would leave a blob without a row
+            (home.payload_dir / "blobs" / s.doc["payload_id"]).write_bytes(s.sealed[:1000])
+            st, listed, _ = await call(admin, "GET", "/v1/payloads", headers=admin_headers(home))
+            assert st == 200 and listed["payloads"] == []  # never visible: no index row
+            proc, port = await _gateway_process(home)  # restart: the store's recovery runs at open
+            assert store_state(home) == ([], [], [])
+            assert audit_rows(home, "payload_uploaded") == []
+            a.base = f"https://localhost:{port}"
+            g = await grant(admin, home, read={"tags": ["preference"], "keys": []}, agent_id="calendar_agent",
+                            profile="remote", audience=a.base, cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt})
+            a.token, a.session_id = g["token"], g["session_id"]
+            s = seal_consistent(home, a.session_id, a.agent_id, os.urandom(100_000))
+            async with agent_session(agent, home) as session:
+                a.session = session
+                got = await a.stream(s)
+            assert got[0] == 201, got
+            st, listed, _ = await call(admin, "GET", "/v1/payloads", headers=admin_headers(home))
+            assert [p["payload_id"] for p in listed["payloads"]] == [s.doc["payload_id"]]
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 30)
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+
+
+async def test_json_envelope_arriving_in_slow_pieces_is_read_whole(small: Appliance) -> None:
+    """A JSON envelope whose body arrives in several TCP segments (read(n) returns only what has
+    arrived; the relay must read to the end)."""
+    async with agent_for(small) as a:
+        s = seal_consistent(small.paths, a.session_id, a.agent_id, os.urandom(20_000))
+        raw = json.dumps(s.doc).encode()
+
+        async def slow() -> AsyncIterator[bytes]:
+            for i in range(0, len(raw), 5000):
+                yield raw[i:i + 5000]
+                await asyncio.sleep(0.05)
+
+        got = await a.send("POST", "/v1/payload/upload", data=slow(), headers={"Content-Type": "application/json"})
+        assert got[0] == 201, got

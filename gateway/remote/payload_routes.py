@@ -170,13 +170,7 @@ class PayloadService:
         pending: list[bytes] = []
         held = 0
         while True:
-            try:
-                async with asyncio.timeout(idle):
-                    chunk = await request.content.readany()
-            except TimeoutError:
-                raise UompError("INVALID_REQUEST", f"the upload sent nothing for {idle:g} s") from None
-            except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
-                raise UompError("INVALID_REQUEST", f"the upload broke off ({type(exc).__name__})") from None
+            chunk = await read_chunk(request, idle)
             if chunk:
                 if upload.size + held + len(chunk) > upload.max_bytes:
                     raise UompError("PAYLOAD_TOO_LARGE", "the body is longer than the envelope's size")
@@ -230,19 +224,35 @@ class PayloadService:
             raise
 
 
+async def read_chunk(request: web.Request, idle: float) -> bytes:
+    """The next piece of the body (b"" at its end); a stall of ``idle`` seconds or a dropped
+    connection is INVALID_REQUEST (so the refusal is audited like any other)."""
+    try:
+        async with asyncio.timeout(idle):
+            return await request.content.readany()
+    except TimeoutError:
+        raise UompError("INVALID_REQUEST", f"the upload sent nothing for {idle:g} s") from None
+    except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
+        raise UompError("INVALID_REQUEST", f"the upload broke off ({type(exc).__name__})") from None
+
+
 def _cap(call: Call) -> Capability:
     assert call.cap is not None
     return call.cap
 
 
-async def _json(request: web.Request, limit: int) -> Any:
+async def _json(request: web.Request, limit: int, idle: float) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise UompError("PAYLOAD_TOO_LARGE", f"the JSON body exceeds {limit} bytes; use the streaming form")
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise UompError("PAYLOAD_TOO_LARGE", f"the JSON body exceeds {limit} bytes; use the streaming form")
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await read_chunk(request, idle):  # (read(n) returns only what has arrived so far)
+        size += len(chunk)
+        if size > limit:
+            raise UompError("PAYLOAD_TOO_LARGE", f"the JSON body exceeds {limit} bytes; use the streaming form")
+        parts.append(chunk)
     try:
-        return json.loads(raw)
+        return json.loads(b"".join(parts))
     except (ValueError, UnicodeDecodeError):
         raise UompError("INVALID_REQUEST", "the body is not valid JSON") from None
 
@@ -278,7 +288,8 @@ async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
     async def work(holder: dict[str, str | None]) -> PayloadMeta:
         ctype = request.content_type
         if ctype == "application/json":
-            env, text = envelope.parse(await _json(request, service.cfg.payload_max_json_bytes), streaming=False)
+            env, text = envelope.parse(await _json(request, service.cfg.payload_max_json_bytes,
+                                                service.cfg.payload_body_idle_timeout_seconds), streaming=False)
             holder["payload_id"] = env.payload_id
             assert text is not None
             body = envelope.decode_ciphertext(text)
@@ -297,7 +308,7 @@ async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
 
 async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
     cap = _cap(call)
-    doc = await _json(call.request, MAX_URL_BODY)
+    doc = await _json(call.request, MAX_URL_BODY, service.cfg.payload_body_idle_timeout_seconds)
     size = doc.get("size") if isinstance(doc, dict) else None
     if not isinstance(size, int) or isinstance(size, bool) or size < envelope.MIN_SEALED_BYTES:
         raise UompError("INVALID_REQUEST", "the body must be {\"size\": <bytes of the sealed payload>}")

@@ -1,0 +1,194 @@
+"""The payload relay with a large payload, end to end, in one run (issue 11):
+
+    .venv/bin/python benchmarks/bench_payload.py [--mib 1024] [--seal-mib 256]
+
+* the appliance as users run it: ``uomp gateway start`` in a child process (gateway there, guard in
+  its supervised child), on 127.0.0.1 with a throwaway ``UOMP_HOME``; the agent bundle from the real
+  ``uomp authorize --remote``;
+* upload: the SDK (``UompClient.upload_payload`` over mTLS, in its own process) seals a ``--mib``
+  file of random bytes to the user's key into a temporary file, then streams it to
+  ``POST /v1/payload/upload``; timed as a whole and per phase;
+* pull: ``uomp payload pull ID --out FILE`` (its own process): streams the ciphertext from the
+  guard's socket, checks every chunk and the hash, writes and renames; timed; the output's SHA-256
+  is compared with the input's;
+* peak RSS (VmHWM / ``wait4`` ru_maxrss) of the gateway process, the guard process, the SDK
+  process and the CLI process;
+* then ``bench_sealing.py`` (seal and open beside raw AES-256-GCM over the same data) in the same run.
+
+Nothing here asserts a timing; it prints what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PYTHON = sys.executable
+UOMP = [PYTHON, "-m", "gateway.cli.main"]
+BLOCK = 16 << 20
+
+
+def vm_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out.extend(int(x) for x in text)
+    return out
+
+
+def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS KiB of that process, stdout) via wait4 on the child itself."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = b"", b""
+    assert proc.stdout is not None and proc.stderr is not None
+    out = proc.stdout.read()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[3:6]} failed: {err.decode()[-2000:]}")
+    return wall, usage.ru_maxrss, out.decode()
+
+
+def upload_child(bundle: str, path: str) -> None:
+    """Runs in its own process: the SDK seals and uploads; prints JSON timings."""
+    sys.path.insert(0, str(ROOT))
+    from gateway.client import UompClient
+    from gateway.client import payloads as sdk_payloads
+
+    async def go() -> dict[str, object]:
+        async with UompClient.from_bundle(bundle) as c:
+            t0 = time.perf_counter()
+            # the same call the agent makes; the seal phase is timed apart by sealing once more below
+            pid = await c.upload_payload(Path(path), format="application/octet-stream")
+            total = time.perf_counter() - t0
+        return {"payload_id": pid, "upload_total_s": total}
+
+    res = asyncio.run(go())
+    # seal alone (to a temp file, as upload_payload does first), for the split
+    from gateway.bundle import load_bundle
+    from gateway.core import envelope, sealing
+
+    b = load_bundle(Path(bundle))
+    assert b.payload_public_key
+    t0 = time.perf_counter()
+    sealed = sdk_payloads.seal_to_file(envelope.parse_public_key(b.payload_public_key),
+                                       sealing.Binding("pay_benchsealonly", b.session_id, b.agent_id,
+                                                       "application/octet-stream"), Path(path))
+    res["seal_to_file_s"] = time.perf_counter() - t0
+    sealed.remove()
+    print(json.dumps(res), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--seal-mib", type=int, default=256, help="data size for the bench_sealing.py part")
+    ap.add_argument("--keep", action="store_true", help="keep the throwaway home")
+    ap.add_argument("--upload-child", nargs=2, metavar=("BUNDLE", "FILE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.upload_child:
+        upload_child(*args.upload_child)
+        return
+
+    top = Path(tempfile.mkdtemp(prefix="uomp-bpay-", dir="/tmp"))
+    home = top / "home"
+    env = {**os.environ, "UOMP_HOME": str(home), "PYTHONPATH": str(ROOT),
+           "UOMP_GATEWAY_PAYLOAD_MAX_BYTES": str((args.mib + 64) << 20),
+           "UOMP_GATEWAY_PAYLOAD_MAX_BYTES_PER_SESSION": str((args.mib + 64) << 20)}
+    gw: subprocess.Popen[str] | None = None
+    try:
+        subprocess.run([*UOMP, "--home", str(home), "init"], env=env, check=True, capture_output=True)
+        gw = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
+                               "--no-local-port"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+        assert gw.stdout is not None
+        port = 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = gw.stdout.readline()
+            if line.startswith("gateway: https://"):
+                port = int(line.split()[1].rsplit(":", 1)[1])
+            if line.startswith("guard:"):
+                break
+            if not line and gw.poll() is not None:
+                raise SystemExit("the appliance did not start")
+        agent_dir = top / "agent"
+        agent_dir.mkdir()
+        shutil.copy(ROOT / "examples" / "calendar_agent" / "uom.json", agent_dir / "uom.json")
+        bundle = top / "bundle.json"
+        subprocess.run([*UOMP, "--home", str(home), "authorize", str(agent_dir), "--remote", "--gateway-url",
+                        f"https://localhost:{port}", "--out", str(top / "agent-files"), "--bundle", str(bundle),
+                        "--yes"], env=env, check=True, capture_output=True)
+        src = top / "input.bin"
+        digest = hashlib.sha256()
+        with open(src, "wb") as fh:
+            for _ in range(args.mib * (1 << 20) // BLOCK):
+                block = os.urandom(BLOCK)
+                digest.update(block)
+                fh.write(block)
+        guard_pid = children(gw.pid)[0]
+        gw_before, guard_before = vm_kib(gw.pid, "VmRSS"), vm_kib(guard_pid, "VmRSS")
+
+        up_s, up_rss, out = run_measured([PYTHON, str(HERE / "bench_payload.py"), "--upload-child", str(bundle),
+                                          str(src)], env)
+        up = json.loads(out.strip().splitlines()[-1])
+        pid = up["payload_id"]
+        dst = top / "output.bin"
+        pull_s, pull_rss, _ = run_measured([*UOMP, "--home", str(home), "payload", "pull", pid, "--out", str(dst)],
+                                           env)
+        out_digest = hashlib.sha256()
+        with open(dst, "rb") as fh:
+            while block := fh.read(BLOCK):
+                out_digest.update(block)
+        gw_peak, guard_peak = vm_kib(gw.pid, "VmHWM"), vm_kib(guard_pid, "VmHWM")
+        mib = args.mib
+        send_s = up["upload_total_s"] - up["seal_to_file_s"]
+        print(f"payload relay, {mib} MiB of random bytes, gateway + guard + SDK + CLI on one 2-core host")
+        print(f"  upload (SDK: seal to temp file + stream over mTLS): {up['upload_total_s']:7.1f} s  "
+              f"{mib / up['upload_total_s']:7.1f} MiB/s")
+        print(f"    of which seal to file ~{up['seal_to_file_s']:.1f} s, send + store ~{send_s:.1f} s "
+              f"({mib / max(send_s, 1e-9):.1f} MiB/s)")
+        print(f"  pull + open (CLI over the guard's socket):          {pull_s:7.1f} s  {mib / pull_s:7.1f} MiB/s")
+        print(f"  plaintext identical: {out_digest.digest() == digest.digest()}")
+        print(f"  peak RSS: gateway {gw_peak / 1024:6.1f} MiB (idle before {gw_before / 1024:.1f}), "
+              f"guard {guard_peak / 1024:6.1f} MiB (before {guard_before / 1024:.1f}), "
+              f"SDK process {up_rss / 1024:6.1f} MiB, CLI pull {pull_rss / 1024:6.1f} MiB "
+              f"(whole upload child process {up_s:.1f} s)")
+        sys.stdout.flush()
+    finally:
+        if gw is not None and gw.poll() is None:
+            gw.terminate()
+            try:
+                gw.wait(60)
+            except subprocess.TimeoutExpired:
+                gw.kill()
+                gw.wait()
+        if not args.keep:
+            shutil.rmtree(top, ignore_errors=True)
+    print()
+    subprocess.run([PYTHON, str(HERE / "bench_sealing.py"), "--mib", str(args.seal_mib)], check=True)
+
+
+if __name__ == "__main__":
+    main()
