@@ -730,3 +730,33 @@ async def test_json_envelope_arriving_in_slow_pieces_is_read_whole(small: Applia
 
         got = await a.send("POST", "/v1/payload/upload", data=slow(), headers={"Content-Type": "application/json"})
         assert got[0] == 201, got
+
+
+@pytest.mark.parametrize(("body", "agent_header", "code"), [
+    ({"action": "payload_deleted", "session_id": "s", "agent_id": "a"}, "a", "INVALID_REQUEST"),
+    ({"action": "payload_uploaded", "session_id": "s", "agent_id": "a", "payload_id": "pay_abcdefgh12",
+      "hash": "md5:00", "size": 10}, "a", "INVALID_REQUEST"),
+    ({"action": "payload_uploaded", "session_id": "s", "agent_id": "a", "payload_id": "../x",
+      "hash": OTHER_HASH, "size": 10}, "a", "INVALID_REQUEST"),
+    ({"action": "payload_uploaded", "session_id": "s", "agent_id": "a", "payload_id": "pay_abcdefgh12",
+      "hash": OTHER_HASH, "size": -1}, "a", "INVALID_REQUEST"),
+    ({"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "lower"}, "a", "INVALID_REQUEST"),
+    ({"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "X"}, "b", "AGENT_MISMATCH"),
+], ids=["unknown-action", "bad-hash", "bad-payload-id", "negative-size", "bad-code", "agent-not-verified-one"])
+async def test_guard_audit_route_takes_only_well_formed_payload_events(home: Paths, body: dict[str, Any],
+                                                                      agent_header: str, code: str) -> None:
+    async with running_guard(home, guard_config(), serve_tcp=False), unix_session(home) as s:
+        st, answer, _ = await call(s, "POST", "/v1/payload/audit", json_body=body,
+                                   headers={"X-UOMP-Verified-Agent": agent_header})
+        assert (st, answer["error"]["code"]) in ((400, code), (403, code)), answer
+        ok = {"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "X"}
+        st, answer, _ = await call(s, "POST", "/v1/payload/audit", json_body=ok,
+                                   headers={"X-UOMP-Verified-Agent": "a"})
+        assert st == 200 and answer == {"recorded": True}
+    assert [r["action"] for r in audit_rows(home)] == ["payload_refused"]
+    # the route does not exist on the Local Profile port
+    async with running_guard(home, guard_config(), serve_tcp=True) as g, aiohttp.ClientSession() as tcp:
+        st, _, _ = await call(tcp, "POST", "/v1/payload/audit", json_body=ok, base=f"http://127.0.0.1:{g.tcp_port}")
+        assert st == 404
+        st, _, _ = await call(tcp, "GET", "/v1/payloads", headers=admin_headers(home), base=f"http://127.0.0.1:{g.tcp_port}")
+        assert st == 404
