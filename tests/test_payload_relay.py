@@ -760,3 +760,26 @@ async def test_guard_audit_route_takes_only_well_formed_payload_events(home: Pat
         assert st == 404
         st, _, _ = await call(tcp, "GET", "/v1/payloads", headers=admin_headers(home), base=f"http://127.0.0.1:{g.tcp_port}")
         assert st == 404
+
+
+async def test_in_front_of_a_guard_without_the_audit_route_nothing_is_kept(home: Paths) -> None:
+    """The gateway in front of a guard over loopback HTTP (as with the TypeScript reference): the
+    Local Profile listener has no payload audit route, so uploads are refused, never kept unaudited."""
+    from gateway.config import GatewayConfig
+    from gateway.remote.server import GatewayRunner
+
+    ca_store.init_all(home)
+    seed(home)
+    async with running_guard(home, guard_config(), serve_tcp=True) as g, unix_session(home) as admin:
+        gw = GatewayRunner(home, dataclasses.replace(GatewayConfig(listen_port=0),
+                                                     upstream=f"http://127.0.0.1:{g.tcp_port}"))
+        await gw.start()
+        try:
+            app = Appliance(home, gw, admin)
+            async with agent_for(app) as a:
+                s = seal_consistent(home, a.session_id, a.agent_id)
+                got = await a.stream(s)
+                assert (got[0], got[1]["error"]["code"]) == (503, "STORE_UNAVAILABLE"), got
+        finally:
+            await gw.stop()
+    assert store_state(home) == ([], [], [])
