@@ -384,10 +384,13 @@ async def test_header_given_twice_and_duplicate_ids_and_session_caps(small: Appl
         assert (await a.stream(s))[0] == 201
         again = await a.stream(s)
         assert (again[0], again[1]["error"]["code"]) == (409, "PAYLOAD_EXISTS")
+        # one payload_uploaded event per stored payload: the refused duplicate is only a refusal
+        assert [r["key"] for r in audit_rows(small.paths, "payload_uploaded")] == [s.doc["payload_id"]]
         for _ in range(2):
             assert (await a.stream(seal_consistent(small.paths, a.session_id, a.agent_id)))[0] == 201
         full = await a.stream(seal_consistent(small.paths, a.session_id, a.agent_id))
         assert (full[0], full[1]["error"]["code"]) == (429, "PAYLOAD_QUOTA_EXCEEDED")
+        assert len(audit_rows(small.paths, "payload_uploaded")) == 3
         rows, blobs, tmp = store_state(small.paths)
         assert len(rows) == 3 and sorted(rows) == blobs and tmp == []
     # another session of the same agent has its own cap

@@ -186,6 +186,17 @@ class PayloadService:
             if not chunk:
                 return
 
+    def _precheck(self, payload_id: str, session_id: str, size: int) -> None:
+        """On the worker: refuse now what the commit would refuse (commit checks again, atomically)."""
+        try:
+            self.store.get(payload_id)
+        except PayloadError as exc:
+            if exc.code != "NOT_FOUND":
+                raise
+        else:
+            raise PayloadError("PAYLOAD_EXISTS", "a payload with this id already exists")
+        self.store._check_caps(session_id, extra_bytes=size)
+
     async def receive(self, call: Call, env: Envelope, *, max_bytes: int, body: bytes | None) -> PayloadMeta:
         """Store one payload (body given, or streamed from the request); see the module docstring."""
         cap = call.cap
@@ -210,6 +221,11 @@ class PayloadService:
             digest = upload.hash
             if digest != env.hash:
                 raise UompError("PAYLOAD_HASH_MISMATCH", "the ciphertext does not match the envelope's hash")
+            # what commit would refuse (id taken, caps), checked before the event is written
+            try:
+                await self.worker.run(self._precheck, env.payload_id, cap.session_id, upload.size)
+            except PayloadError as exc:
+                raise _as_uomp(exc) from None
             # durable audit event first: no payload becomes visible without it
             await self.audit.uploaded(call, cap, env, upload.size, digest)
         except BaseException:
