@@ -579,7 +579,7 @@ async def test_payload_sealed_for_another_users_key_does_not_open(small: Applian
 async def test_sdk_refusals_are_typed(small: Appliance, tmp_path: Path) -> None:
     bundle = authorize_csr(small, tmp_path)
     big = tmp_path / "big"
-    big.write_bytes(b"\x00" * (CAP + 1))
+    big.write_bytes(b"\x00" * (16 << 20))  # far over the cap: refused from the header, before the body
     async with UompClient.from_bundle(bundle) as c:
         with pytest.raises(InvalidRequest) as e:
             await c.upload_payload(big, format="application/octet-stream")

@@ -792,6 +792,10 @@ class UompClient:
             raise Unavailable("TIMEOUT", "the payload upload did not finish in time", None,
                               self._session_id) from exc
         except aiohttp.ClientError as exc:
+            if _ssl_in_chain(exc):
+                raise CertificateError("TLS_HANDSHAKE_FAILED", "the gateway refused the TLS connection (certificate "
+                                       f"revoked, expired or not from the user's CA?) ({_describe(exc)})", None,
+                                       self._session_id) from exc
             raise Unavailable("CONNECTION_FAILED", f"the payload upload broke off ({_describe(exc)})", None,
                               self._session_id) from exc
         finally:
