@@ -154,6 +154,9 @@ class GuardConfig:
     db_busy_timeout_seconds: float = 2.0
     db_queue_timeout_seconds: float = 5.0
 
+    def __post_init__(self) -> None:
+        _check_port(self.tcp_port, "guard.tcp_port", low=0)
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -231,6 +234,39 @@ class GatewayConfig:
     payload_gc_interval_seconds: float = 600.0  # how often expired payloads are collected (off the event loop)
     payload_upload_url_seconds: float = 600.0  # lifetime of a single-use upload URL (at most 600)
     payload_body_idle_timeout_seconds: float = 30.0  # an upload body that sends nothing this long is dropped
+
+    def __post_init__(self) -> None:
+        _check_port(self.listen_port, "gateway.listen_port", low=0)
+        _check_port(self.tunnel_origin_port, "gateway.tunnel_origin_port", low=-1)
+        _check_port(self.metrics_port, "gateway.metrics_port", low=-1)
+
+
+@dataclass(frozen=True)
+class TunnelSettings:
+    """``uomp gateway start --tunnel`` (``[tunnel]``, ``UOMP_TUNNEL_*``). The named-tunnel token is
+    never a setting here: it comes from ``token_file`` (mode 0600) or the ``UOMP_TUNNEL_TOKEN``
+    environment variable, and reaches cloudflared in its environment, never on a command line."""
+
+    mode: str = "none"  # quick | named | tcp | none
+    cloudflared: str = ""  # "" = cloudflared on PATH
+    token_file: str = ""  # named / tcp: a file (0600) holding the tunnel token
+    hostname: str = ""  # named / tcp: the tunnel's public host name
+    url_timeout_seconds: float = 45.0  # quick: no URL printed within this -> restart cloudflared
+    ready_wait_seconds: float = 20.0  # start waits this long for the first URL before printing the banner
+    backoff_initial_seconds: float = 1.0  # restarts of a dead tunnel: first delay, doubling...
+    backoff_max_seconds: float = 60.0  # ...up to this
+    rate_limit_backoff_seconds: float = 300.0  # Cloudflare said 429 / error 1015: wait at least this
+    stop_timeout_seconds: float = 5.0  # SIGTERM, then SIGKILL after this
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("quick", "named", "tcp", "none"):
+            raise UompError("CONFIG_ERROR", f"tunnel.mode must be quick, named, tcp or none, not {self.mode!r}")
+
+
+def _check_port(value: int, name: str, *, low: int) -> None:
+    if not (low <= value <= 65535):
+        raise UompError("CONFIG_ERROR", f"{name} = {value} is out of range; use 1-65535"
+                        + (" (0 = any free port)" if low <= 0 else "") + (" or -1 (off)" if low < 0 else ""))
 
 
 T = TypeVar("T")

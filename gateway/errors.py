@@ -60,6 +60,13 @@ STATUS: dict[str, int] = {
     "PAYLOAD_STORE_FULL": 507,  # the payload store's disk is full; nothing was kept
     "UPLOAD_URL_INVALID": 403,  # a single-use upload URL that is unknown, spent or expired
     "PAYLOAD_INVALID": 400,  # a sealed payload that does not open: wrong key, tampered, truncated
+    # CLI-side (``uomp`` prints ``error CODE: what happened; what to do``)
+    "ALREADY_RUNNING": 409,  # an appliance already holds this data directory's lock
+    "PORT_IN_USE": 500,  # a listener's port is taken (or not allowed)
+    "HOME_UNWRITABLE": 500,  # the data directory cannot be created or written
+    "IO_ERROR": 500,  # a file could not be read or written
+    "USAGE": 400,  # bad command-line arguments
+    "TUNNEL_ERROR": 500,  # the tunnel cannot be set up as configured
 }
 
 

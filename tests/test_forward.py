@@ -577,15 +577,27 @@ def _wait_dead(pid: int, timeout: float = 5.0) -> None:
 def test_guard_dying_at_startup_is_a_clear_error(sv_home: Path) -> None:
     home = sv_home
     _uomp(home, "init")
-    with socket.socket() as busy:  # the Local Profile port is taken: the guard child exits
+    # a damaged auth.db (only the guard child opens it): the child exits during startup
+    (home / "auth.db").write_bytes(b"not a database" * 400)
+    res = _uomp(home, "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port", check=False)
+    assert res.returncode == 1
+    assert "error STORE_UNAVAILABLE: the guard process exited during startup (exit code 1)" in res.stderr
+    assert "the session database is unavailable" in res.stderr  # the child's own words, in the error
+    assert "gateway:" not in res.stdout  # the gateway never started
+    assert not (home / "guard.sock").exists()
+
+
+def test_local_profile_port_taken_is_refused_before_anything_starts(sv_home: Path) -> None:
+    home = sv_home
+    _uomp(home, "init")
+    with socket.socket() as busy:  # the Local Profile port is taken
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         env = {**os.environ, "UOMP_GUARD_TCP_PORT": str(busy.getsockname()[1])}
         res = _uomp(home, "gateway", "start", "--listen", "127.0.0.1:0", check=False, env=env)
     assert res.returncode == 1
-    assert "error STORE_UNAVAILABLE: the guard process exited during startup (exit code 1)" in res.stderr
-    assert "address already in use" in res.stderr  # the child's own words, in the error
-    assert "gateway:" not in res.stdout  # the gateway never started
+    assert res.stderr.startswith("error PORT_IN_USE: the guard's Local Profile listener cannot listen on")
+    assert "Traceback" not in res.stderr and "gateway:" not in res.stdout
     assert not (home / "guard.sock").exists()
 
 

@@ -21,9 +21,12 @@ from gateway.fsutil import atomic_write
 
 
 def _hostnames(paths: Paths, extra: list[str]) -> list[str]:
-    """Host names for the gateway certificate: the configured listen host and endpoints, plus ``extra``."""
+    """Host names for the gateway certificate: the listen host and the public addresses
+    (:func:`gateway.appliance.cert_hostnames`), plus ``extra``."""
+    from gateway import appliance
+
     cfg = load_section(GatewayConfig, "gateway", file=paths.config_file)
-    return ca_store.hostnames_from([cfg.listen_host, *cfg.endpoints, *extra])
+    return appliance.cert_hostnames(paths, cfg, extra)
 
 
 def init_hook(paths: Paths) -> dict[str, bool]:

@@ -295,6 +295,8 @@ def _authorize(args: argparse.Namespace) -> int:
     ident = manifest.verify_identity(m.raw)
     trusted = trust.load(paths)
     cfg = guard_config(args, paths)
+    if args.remote:
+        _check_gateway_url(args, paths)
     _show(m, ident, trusted)
     plan = _plan(m, args)
     _show_grant(plan, args)
@@ -352,6 +354,25 @@ def _authorize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
+    """The one source of truth for where the gateway is (gateway/appliance.py): the default
+    --gateway-url comes from it; another URL is refused while the appliance runs and warned about
+    otherwise when the gateway would not accept it or its certificate does not name it."""
+    from gateway import appliance
+    from gateway.config import GatewayConfig, load_section
+
+    gcfg = load_section(GatewayConfig, "gateway", file=paths.config_file)
+    if not args.gateway_url:
+        args.gateway_url = appliance.default_gateway_url(paths, gcfg)
+        return
+    problems = appliance.check_gateway_url(paths, gcfg, args.gateway_url)
+    if problems and appliance.is_running(paths) and not args.any_gateway_url:
+        raise UompError("INVALID_REQUEST", " ".join(problems) + " (or pass --any-gateway-url if a proxy in front "
+                        "answers for it)")
+    for p in problems:
+        _warn(p)
+
+
 def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m: manifest.Manifest,
             grant: dict[str, Any]) -> int:
     url = args.gateway_url.rstrip("/")
@@ -392,7 +413,9 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
         refresh_expires_at=answer.get("refresh_expires_at"), session_expires_at=answer.get("session_expires_at"),
         ca_cert=ca_store.ca_cert_path(paths).read_text(), agent_cert=cert_pem.decode(), agent_key=agent_key,
         agent_key_file=agent_key_file, payload_public_key=userkey.public_b64(paths))
-    out_path = Path(args.bundle or (paths.agents_dir / m.agent.id / "bundle.json"))
+    # with --out, everything for the agent (key, certificate, CA, bundle) is in that one directory
+    out_path = Path(args.bundle or (Path(args.out) / "bundle.json" if args.out and not (args.cert or args.csr)
+                                    else paths.agents_dir / m.agent.id / "bundle.json"))
     out_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_bundle(out_path, bundle)
     print(f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
@@ -433,8 +456,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="local profile: print export lines instead of writing the env file")
     r = p.add_argument_group("remote profile")
     r.add_argument("--remote", action="store_true", help="authorize an agent on another machine (via the gateway)")
-    r.add_argument("--gateway-url", default="https://localhost:9443", help="the gateway URL the agent uses "
-                   "(becomes the token audience)")
+    r.add_argument("--gateway-url", help="the gateway URL the agent uses (becomes the token audience); default: "
+                   "the recorded public URL (uomp init --hostname / gateway start --public-url), else "
+                   "https://localhost:<listen port>")
+    r.add_argument("--any-gateway-url", action="store_true", help="accept a --gateway-url the running gateway "
+                   "does not list (a proxy in front answers for it)")
     r.add_argument("--cert", help="the agent's certificate, already issued (uomp agent issue)")
     r.add_argument("--csr", help="sign this CSR from the agent (its private key never leaves the agent)")
     r.add_argument("--key-file", help="with --csr or --cert: where the agent keeps its key (path recorded in "
@@ -443,5 +469,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--cert-hours", type=float, default=24, help="agent certificate lifetime in hours (default 24)")
     r.add_argument("--new-cert", action="store_true", help="issue a new agent certificate even if the one in the "
                    "output directory is still good (by default it is reused)")
-    r.add_argument("--bundle", help="where to write the agent bundle (default $UOMP_HOME/agents/<id>/bundle.json)")
+    r.add_argument("--bundle", help="where to write the agent bundle (default: DIR/bundle.json with --out DIR, "
+                   "else $UOMP_HOME/agents/<id>/bundle.json)")
     p.set_defaults(func=_authorize)

@@ -1,5 +1,12 @@
 """``uomp gateway serve`` (the gateway alone) and ``uomp gateway start`` (the appliance).
 
+``start`` is one supervised process tree: this process (the gateway and the supervisors), the
+guard child and, with ``--tunnel``, the ``cloudflared`` child (:mod:`gateway.tunnel`). It holds
+the data directory's appliance lock (a second start is refused, naming the first), prints what a
+first run created, and once ready the local and public URLs, the endpoints it accepts and the next
+commands. Each new tunnel URL is accepted at once, recorded in ``gateway/addresses.json`` (see
+:mod:`gateway.appliance`), and announced.
+
 ``start`` runs the guard in a child process, supervised by :class:`gateway.supervisor.GuardProcess`
 (health-checked over its socket, restarted with backoff if it dies or stops answering; see that
 module), and the gateway in this one, so each gets its own core and event loop. Here:
@@ -18,15 +25,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import signal
+import stat
 import sys
+from pathlib import Path
 from typing import Any
 
+from gateway import appliance
 from gateway.cli.guard import guard_config
 from gateway.cli.main import paths_from
-from gateway.config import GatewayConfig, GuardConfig, Paths, load_section
+from gateway.config import GatewayConfig, GuardConfig, Paths, TunnelSettings, load_section
 from gateway.errors import UompError
 from gateway.supervisor import GuardProcess, guard_command
+
+
+def _port_flag(value: int | None, flag: str, *, low: int) -> None:
+    if value is not None and not (low <= value <= 65535):
+        raise UompError("CONFIG_ERROR", f"{flag} {value} is out of range; use 1-65535"
+                        + (" (0 = any free port)" if low <= 0 else ""))
 
 
 def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
@@ -34,7 +52,8 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
     if args.listen:
         host, _, port = args.listen.rpartition(":")
         if not host or not port.isdigit():
-            raise UompError("CONFIG_ERROR", "--listen takes HOST:PORT")
+            raise UompError("CONFIG_ERROR", f"--listen {args.listen!r} is not HOST:PORT; use e.g. 127.0.0.1:9443")
+        _port_flag(int(port), "--listen port", low=0)
         overrides["listen_host"] = host.strip("[]")
         overrides["listen_port"] = int(port)
     if args.upstream:
@@ -43,11 +62,56 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
         overrides["endpoints"] = list(args.endpoint)
     if args.force_non_loopback:
         overrides["allow_non_loopback"] = True
+    _port_flag(args.metrics_port, "--metrics-port", low=0)
+    _port_flag(args.tunnel_origin_port, "--tunnel-origin-port", low=0)
     if args.metrics_port is not None:
         overrides["metrics_port"] = args.metrics_port
     if args.tunnel_origin_port is not None:
         overrides["tunnel_origin_port"] = args.tunnel_origin_port
     return load_section(GatewayConfig, "gateway", file=paths.config_file, overrides=overrides)
+
+
+def tunnel_settings(args: argparse.Namespace, paths: Paths) -> TunnelSettings:
+    overrides: dict[str, Any] = {}
+    if getattr(args, "tunnel", None):
+        overrides["mode"] = args.tunnel
+    if getattr(args, "cloudflared", None):
+        overrides["cloudflared"] = args.cloudflared
+    if getattr(args, "tunnel_hostname", None):
+        overrides["hostname"] = args.tunnel_hostname
+    return load_section(TunnelSettings, "tunnel", file=paths.config_file, overrides=overrides)
+
+
+def tunnel_token(t: TunnelSettings) -> str:
+    """A named tunnel's token: ``UOMP_TUNNEL_TOKEN`` or ``token_file`` (0600), never argv or config."""
+    env = os.environ.get("UOMP_TUNNEL_TOKEN", "").strip()
+    if env:
+        return env
+    if not t.token_file:
+        raise UompError("TUNNEL_ERROR", f"a {t.mode} tunnel needs its token; put it in a file readable only by "
+                        "you and set [tunnel] token_file = \"/path\" (chmod 600), or set UOMP_TUNNEL_TOKEN")
+    p = Path(t.token_file).expanduser()
+    try:
+        st = p.stat()
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise UompError("TUNNEL_ERROR", f"the tunnel token file {p} is readable by others (mode "
+                            f"{st.st_mode & 0o777:o}); run chmod 600 {p}")
+        token = p.read_text().strip()
+    except OSError as exc:
+        raise UompError("TUNNEL_ERROR", f"cannot read the tunnel token file {p} ({exc.strerror}); check "
+                        "[tunnel] token_file") from None
+    if not token:
+        raise UompError("TUNNEL_ERROR", f"the tunnel token file {p} is empty; paste the token from the "
+                        "Cloudflare dashboard (Zero Trust > Networks > Tunnels) into it")
+    return token
+
+
+def check_tunnel(t: TunnelSettings) -> None:
+    if t.mode in ("named", "tcp"):
+        if not t.hostname:
+            raise UompError("TUNNEL_ERROR", f"a {t.mode} tunnel needs its public host name; pass --tunnel-hostname "
+                            "or set [tunnel] hostname")
+        tunnel_token(t)
 
 
 # ----------------------------------------------------------------------------- running
@@ -58,23 +122,39 @@ def preflight(paths: Paths, gcfg: GatewayConfig, guard_cfg: GuardConfig | None, 
     from gateway.guard.server import check_bind, claim_socket_path
 
     check_bind(gcfg.listen_host, gcfg.allow_non_loopback, "the gateway")
+    appliance.check_port_free(gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT")
     if gcfg.tunnel_origin_port >= 0:
         check_bind(gcfg.tunnel_origin_host, False, "the tunnel-origin listener")
+        appliance.check_port_free(gcfg.tunnel_origin_host, gcfg.tunnel_origin_port, "the tunnel-origin listener",
+                                  "--tunnel-origin-port PORT")
+    if gcfg.metrics_port > 0:
+        appliance.check_port_free("127.0.0.1", gcfg.metrics_port, "the metrics listener", "--metrics-port PORT")
     if guard_cfg is not None:
         if serve_tcp:
             check_bind(guard_cfg.tcp_host, guard_cfg.allow_non_loopback, "the guard's Local Profile listener")
+            appliance.check_port_free(guard_cfg.tcp_host, guard_cfg.tcp_port, "the guard's Local Profile listener",
+                                      "[guard] tcp_port (or --no-local-port)")
         claim_socket_path(paths.guard_sock)  # a live guard there: refuse; a stale file: removed
 
 
-async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: argparse.Namespace) -> None:
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: argparse.Namespace,
+               tunnel: TunnelSettings | None = None, lock: appliance.ApplianceLock | None = None) -> None:
     from gateway.remote.server import GatewayRunner
+    from gateway.tunnel import TunnelConfig, TunnelSupervisor
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     guard: GuardProcess | None = None
     serve_tcp = not getattr(args, "no_local_port", False)
+    tmode = tunnel.mode if tunnel is not None else "none"
+    if tmode in ("quick", "named") and gcfg.tunnel_origin_port < 0:
+        gcfg = dataclasses.replace(gcfg, tunnel_origin_port=0)  # the tunnel's origin: any free loopback port
+    gcfg_guard = guard_config(args, paths) if with_guard else None
     if with_guard:
-        gcfg_guard = guard_config(args, paths)
         preflight(paths, gcfg, gcfg_guard, serve_tcp=serve_tcp)
         command = guard_command(paths, serve_tcp=serve_tcp, verbose=bool(getattr(args, "verbose", False)),
                                 force_non_loopback=bool(args.force_non_loopback))
@@ -86,9 +166,29 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
     if guard is not None:
         gw.status_sources["guard"] = guard.status  # into $UOMP_HOME/gateway/status.json
         guard.on_restart = gw.guard_restarted  # metrics and the status file
+    sup: TunnelSupervisor | None = None
     try:
-        await gw.start()
+        try:
+            await gw.start()
+        except OSError as exc:
+            raise appliance.port_error(gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT",
+                                       exc) from None
+        assert gw.state is not None and gw.port is not None
+        state = gw.state
+        if gcfg.listen_port == 0:  # the placeholder audiences of "any free port" are not addresses
+            state.endpoints -= {e.rstrip("/") for e in appliance.local_urls(0)}
+        # one source of truth: everything recorded for this home is accepted
+        for url in appliance.accepted_endpoints(paths, gcfg, gw.port):
+            state.add_endpoint(url)
+        if tunnel is not None and tmode != "none":
+            sup = _tunnel_supervisor(paths, gw, tunnel, lock, TunnelConfig, TunnelSupervisor)
+            gw.status_sources["tunnel"] = sup.state.as_dict
+            sup.start()
+            await _wait_tunnel(sup, tunnel.ready_wait_seconds)
     except BaseException:
+        if sup is not None:
+            await sup.stop()
+        await gw.stop()
         if guard is not None:
             await guard.stop()
         raise
@@ -106,27 +206,123 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
         if guard is not None:
             guard.send_hup()
     loop.add_signal_handler(signal.SIGHUP, _hup)
-    print(f"gateway: https://{gcfg.listen_host}:{gw.port} (TLS 1.3, client certificates from your agent CA)",
-          flush=True)
     if guard is not None:
         guard.supervise()
-        local = ""
-        if serve_tcp:
-            local = f" and {guard.tcp_url or f'http://127.0.0.1:{gcfg_guard.tcp_port}'} (Local Profile)"
-        print(f"guard:   unix:{paths.guard_sock}{local} (process {guard.pid}, restarted if it dies)", flush=True)
-    if gw.metrics_port:
-        print(f"metrics: http://127.0.0.1:{gw.metrics_port}/metrics", flush=True)
-    if gw.tunnel_port:
-        print(f"tunnel origin: http://127.0.0.1:{gw.tunnel_port} (DPoP required)", flush=True)
-    print("Ctrl-C stops; SIGHUP reloads certificates, CRL and keys.", flush=True)
+    info = _run_info(paths, gcfg, gw, guard, sup)
+    if lock is not None:
+        lock.write(info)
+    _banner(paths, gcfg, gw, guard, sup, info, with_guard=with_guard)
     try:
         await stop.wait()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
-        await gw.stop()
+        _say("stopping: finishing in-flight requests, then the tunnel and the guard")
+        if sup is not None:
+            await sup.stop()  # no new requests through the tunnel
+        await gw.stop()  # in-flight requests finish
         if guard is not None:
             await guard.stop()
+
+
+def _tunnel_supervisor(paths: Paths, gw: Any, t: TunnelSettings, lock: appliance.ApplianceLock | None,
+                       config_cls: Any, sup_cls: Any) -> Any:
+    origin = f"http://127.0.0.1:{gw.tunnel_port}" if gw.tunnel_port else ""
+    token = tunnel_token(t) if t.mode in ("named", "tcp") else None
+    tc = config_cls(mode=t.mode, origin_url=origin, cloudflared=t.cloudflared or None, token=token,
+                    hostname=t.hostname or None, url_timeout_seconds=t.url_timeout_seconds,
+                    backoff_initial_seconds=t.backoff_initial_seconds, backoff_max_seconds=t.backoff_max_seconds,
+                    rate_limit_backoff_seconds=t.rate_limit_backoff_seconds,
+                    stop_timeout_seconds=t.stop_timeout_seconds, private_home=paths.gateway_dir / "cloudflared-home")
+    holder: dict[str, Any] = {}
+
+    async def on_url(new: str, old: str | None) -> None:
+        if gw.state is not None:
+            gw.state.add_endpoint(new)  # accepted before anyone can learn the URL from us
+        await asyncio.to_thread(appliance.set_tunnel, paths, t.mode, new)
+        if lock is not None and "sup" in holder:
+            info = _run_info(paths, gw.cfg, gw, None, holder["sup"])
+            await asyncio.to_thread(lock.write, info)
+        if gw.monitor is not None:
+            await gw.monitor.write_status(force=True)  # uomp status sees the new URL at once
+        if old is not None:
+            _say(f"tunnel: the public URL changed: {new} (was {old}). It is accepted now. Agents that used the "
+                 f"old URL must be given the new one: uomp authorize AGENT_DIR --remote --gateway-url {new} --yes "
+                 "(a named tunnel keeps one URL: --tunnel named)")
+
+    sup = sup_cls(tc, on_url=on_url)
+    holder["sup"] = sup
+    return sup
+
+
+async def _wait_tunnel(sup: Any, seconds: float) -> None:
+    """Until the tunnel has a URL, is known missing, or ``seconds`` pass (it keeps trying after)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, seconds)
+    while loop.time() < deadline:
+        if sup.state.public_url or sup.state.status == "missing":
+            return
+        await asyncio.sleep(0.05)
+
+
+def _run_info(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | None, sup: Any) -> dict[str, Any]:
+    import time
+
+    listeners = {"mtls": f"https://{gcfg.listen_host}:{gw.port}"}
+    if gw.tunnel_port:
+        listeners["tunnel_origin"] = f"http://{gcfg.tunnel_origin_host}:{gw.tunnel_port}"
+    if gw.metrics_port:
+        listeners["metrics"] = f"http://127.0.0.1:{gw.metrics_port}/metrics"
+    listeners["guard_socket"] = f"unix:{paths.guard_sock}"
+    if guard is not None and guard.tcp_url:
+        listeners["local_profile"] = guard.tcp_url
+    endpoints = sorted(gw.state.endpoints) if gw.state is not None else []
+    return {"pid": os.getpid(), "started_at": appliance.iso(time.time()), "home": str(paths.home),
+            "listeners": listeners, "local_urls": appliance.local_urls(gw.port),
+            "public_urls": appliance.public_urls(paths, gcfg),
+            "tunnel": sup.state.as_dict() if sup is not None else None, "endpoints": endpoints}
+
+
+def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | None, sup: Any,
+            info: dict[str, Any], *, with_guard: bool) -> None:
+    # Lines start with a fixed label ("gateway: ", "guard: ", ...): scripts and tests read them.
+    _say(f"UOMP {'appliance' if with_guard else 'gateway'} ready (pid {os.getpid()}, data {paths.home})")
+    _say(f"gateway: https://{gcfg.listen_host}:{gw.port} (TLS 1.3, client certificates from your agent CA); "
+         f"local URL https://localhost:{gw.port}")
+    for url in info["public_urls"]:
+        _say(f"public URL: {url} (mTLS)")
+    tunnel_public: str | None = None
+    if sup is not None:
+        st = sup.state
+        tunnel_public = st.public_url
+        if st.status == "missing":
+            _say(f"tunnel: {sup.cfg.mode}: NOT RUNNING ({st.last_error}); install cloudflared or set "
+                 "[tunnel] cloudflared = /path; the gateway keeps serving locally")
+        elif tunnel_public:
+            kind = {"quick": "quick tunnel, DPoP; the URL changes on every restart",
+                    "named": "named tunnel, DPoP", "tcp": "TCP tunnel, end-to-end mTLS via cloudflared access tcp"}
+            _say(f"public URL: {tunnel_public} ({kind.get(sup.cfg.mode, sup.cfg.mode)})")
+        else:
+            _say(f"tunnel: {sup.cfg.mode}: {st.status}, no public URL yet ({st.last_error or 'waiting'}); "
+                 "it is announced here when it comes")
+    if gw.tunnel_port:
+        _say(f"tunnel origin: http://127.0.0.1:{gw.tunnel_port} (plain HTTP on loopback, DPoP required)")
+    if guard is not None:
+        local = f" and {guard.tcp_url} (Local Profile)" if guard.tcp_url else ""
+        _say(f"guard:   unix:{paths.guard_sock}{local} (process {guard.pid}, restarted if it dies)")
+    if gw.metrics_port:
+        _say(f"metrics: http://127.0.0.1:{gw.metrics_port}/metrics")
+    _say(f"endpoints (token audiences accepted): {', '.join(info['endpoints'])}")
+    home = "" if os.environ.get("UOMP_HOME") == str(paths.home) or str(paths.home) == str(
+        Path("~/.uomp").expanduser().resolve()) else f" --home {paths.home}"
+    url = tunnel_public if tunnel_public and sup is not None and sup.cfg.mode != "tcp" else \
+        (info["public_urls"][0] if info["public_urls"] else f"https://localhost:{gw.port}")
+    _say("next, in another terminal:")
+    _say(f"  uomp{home} authorize examples/calendar_agent --remote --gateway-url {url} --out agent-files --yes")
+    _say("      # the agent's key, certificate and bundle in agent-files/ (README: the agent side)")
+    _say(f"  uomp{home} status                 # what runs, where, and its health")
+    _say(f"  uomp{home} audit --limit 20       # what agents asked for and what they got")
+    _say("Ctrl-C (or SIGTERM) stops everything; SIGHUP reloads certificates, CRL and keys.")
 
 
 def _relay_line(line: str) -> None:
@@ -143,25 +339,42 @@ def _start(args: argparse.Namespace) -> int:
     from gateway import keys
 
     paths = paths_from(args)
-    keys.init_home(paths)
-    from gateway.cli import home
+    gcfg = gateway_config(args, paths)  # bad flags and config refused before anything is written
+    tcfg = tunnel_settings(args, paths)
+    check_tunnel(tcfg)
+    appliance.check_home_writable(paths.home)
+    lock = appliance.ApplianceLock(paths)
+    lock.acquire()
+    try:
+        if args.public_url:
+            urls = [appliance.normalize_public_url(u, default_port=gcfg.listen_port) for u in args.public_url]
+            for url in appliance.add_public_urls(paths, urls):
+                _say(f"public URL recorded: {url} (gateway certificate, endpoints and authorize follow it)")
+        made = keys.init_home(paths)
+        from gateway.cli import home
 
-    for hook in home.INIT_HOOKS:
-        hook(paths)
-    asyncio.run(_run(paths, gateway_config(args, paths), with_guard=True, args=args))
+        for hook in home.INIT_HOOKS:
+            made.update(hook(paths))
+        created = [what for what, new in made.items() if new]
+        if created:
+            _say(f"first run: created in {paths.home}: {', '.join(created).replace('_', ' ')}")
+        asyncio.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
+    finally:
+        lock.release()
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="mTLS listener (default 127.0.0.1:9443)")
     p.add_argument("--endpoint", action="append", metavar="URL",
-                   help="a URL agents use to reach this gateway; tokens must name one as audience (repeatable)")
+                   help="a URL agents use to reach this gateway; tokens must name one as audience (repeatable; "
+                   "for a lasting address use --public-url with 'start')")
     p.add_argument("--upstream", help="guard to forward to: unix:/path/guard.sock (default $UOMP_HOME/guard.sock) "
                    "or http://127.0.0.1:PORT")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--tunnel-origin-port", type=int, metavar="PORT",
                    help="also listen on 127.0.0.1:PORT (plain HTTP) for a tunnel such as cloudflared; every request "
-                   "there needs a DPoP proof; the tunnel's public URL must be an --endpoint")
+                   "there needs a DPoP proof (start --tunnel quick|named picks a free port when this is not set)")
     p.add_argument("--force-non-loopback", action="store_true",
                    help="allow --listen on a non-loopback address (needed to accept agents from other hosts)")
 
@@ -173,8 +386,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _common(s)
     s.set_defaults(func=_serve)
     st = gsub.add_parser("start", help="run the appliance: init if needed, then the guard (in a child process, "
-                         "restarted if it dies) and the gateway")
+                         "restarted if it dies), the gateway and, with --tunnel, cloudflared")
     _common(st)
     st.add_argument("--no-local-port", action="store_true",
                     help="do not serve the Local Profile on 127.0.0.1:9374 (Unix socket only)")
+    st.add_argument("--public-url", action="append", metavar="URL",
+                    help="an address agents use to reach this gateway over mTLS, e.g. https://my-box.example:9443 "
+                    "(recorded: the gateway certificate, accepted endpoints and authorize's default follow it)")
+    st.add_argument("--tunnel", choices=("quick", "named", "tcp", "none"),
+                    help="run cloudflared: quick (a trycloudflare.com URL, DPoP), named (your tunnel's stable host "
+                    "name, DPoP), tcp (end-to-end mTLS for agents using cloudflared access tcp), none (default; "
+                    "or [tunnel] mode)")
+    st.add_argument("--cloudflared", metavar="PATH", help="the cloudflared binary (default: on PATH)")
+    st.add_argument("--tunnel-hostname", metavar="HOST", help="named/tcp tunnels: the tunnel's public host name")
     st.set_defaults(func=_start)

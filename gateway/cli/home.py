@@ -15,7 +15,20 @@ from gateway.config import GuardConfig, Paths, load_section
 
 
 def _init(args: argparse.Namespace) -> int:
+    from gateway import appliance
+    from gateway.config import GatewayConfig
+
     paths = paths_from(args)
+    appliance.check_home_writable(paths.home)
+    if args.hostname:
+        gcfg = load_section(GatewayConfig, "gateway", file=paths.config_file)
+        urls = [appliance.normalize_public_url(h, default_port=gcfg.listen_port) for h in args.hostname]
+        from gateway.fsutil import ensure_private_dir
+
+        ensure_private_dir(paths.home)
+        for url in appliance.add_public_urls(paths, urls):
+            print(f"public URL recorded: {url} (gateway certificate, accepted endpoints and authorize's default "
+                  "follow it)")
     made = keys.init_home(paths)
     for hook in INIT_HOOKS:
         made.update(hook(paths))
@@ -100,6 +113,10 @@ INIT_HOOKS: list = []  # type: ignore[type-arg]
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("init", help="create the data directory, signing key, admin credential and CA")
+    p.add_argument("--hostname", action="append", default=[], metavar="HOST|URL",
+                   help="the name (or https:// URL) agents use to reach this gateway, e.g. my-box.example "
+                   "(port: the listen port) or https://my-box.example:9443; repeatable. Recorded once for the "
+                   "gateway certificate, the accepted endpoints and authorize's default --gateway-url")
     p.set_defaults(func=_init)
     k = sub.add_parser("keys", help="Auth Service signing keys")
     ksub = k.add_subparsers(dest="keys_command", metavar="ACTION", required=True)

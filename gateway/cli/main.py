@@ -1,13 +1,21 @@
-"""``uomp``: the user's command line. The only place that installs log handlers and catches UompError."""
+"""``uomp``: the user's command line. The only place that installs log handlers and catches errors.
+
+Every failure is one line on stderr, ``error CODE: what happened; what to do``, and exit status 1
+(2 for a command line argparse refuses). No traceback unless ``-v``. A closed output pipe
+(``uomp audit --json | head``) ends the command silently.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from gateway import __version__
 from gateway.config import Paths, resolve_home
@@ -24,6 +32,8 @@ COMMAND_MODULES = (
     "gateway.cli.agent",
     "gateway.cli.gateway",
     "gateway.cli.payload",
+    "gateway.cli.status",
+    "gateway.cli.doctor",
 )
 
 
@@ -35,8 +45,16 @@ def paths_from(args: argparse.Namespace) -> Paths:
     return paths
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's refusals as one line in the CLI's shape (exit 2); subcommand parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error USAGE: {self.prog}: {message}; see '{self.prog} --help'", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="uomp",
         description="User-Owned Memory Protocol appliance: your memory store, its guard, and the "
         "mTLS gateway that lets remote agents read exactly what you granted.",
@@ -72,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.umask(old_umask | 0o077)
     try:
         rc: int = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
         return rc
     except UompError as exc:
         print(f"error {exc.code}: {exc.message}", file=sys.stderr)
@@ -81,8 +100,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            return _closed_pipe()
+        _unexpected(exc, args.verbose, code="IO_ERROR", what=_os_error_text(exc),
+                    fix="check that path and its permissions")
+        return 1
+    except Exception as exc:  # the one place that turns any failure into one line
+        _unexpected(exc, args.verbose, code="INTERNAL", what=f"{type(exc).__name__}: {exc}"[:300],
+                    fix="this is a bug; run again with -v and report the traceback")
+        return 1
     finally:
         os.umask(old_umask)
+
+
+def _os_error_text(exc: OSError) -> str:
+    where = f" {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or type(exc).__name__}:{where}" if where else (exc.strerror or str(exc))
+
+
+def _unexpected(exc: BaseException, verbose: bool, *, code: str, what: str, fix: str) -> None:
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"error {code}: {what}; {fix}" + ("" if verbose else " (-v shows details)"), file=sys.stderr)
+
+
+def _closed_pipe() -> int:
+    """The reader went away (``| head``): say nothing, and keep Python's exit-time flush quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 if __name__ == "__main__":

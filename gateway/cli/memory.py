@@ -175,7 +175,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("--replace", action="store_true", help="overwrite an existing item with this key")
     a.set_defaults(func=_add)
 
-    g = msub.add_parser("get", help="print one Memory Item as JSON",
+    g = msub.add_parser("get", aliases=["show"], help="print one Memory Item as JSON",
                         description="Print one Memory Item (spec §11.1 JSON), value included.")
     g.add_argument("key", metavar="KEY")
     g.set_defaults(func=_get)

@@ -1,0 +1,233 @@
+"""``uomp doctor``: check the data directory, keys, CA, config, addresses, ports and cloudflared.
+
+Each check prints ``ok`` or ``PROBLEM`` with what to do; the exit status is 1 when any problem was
+found (0 otherwise). Nothing is changed: the fixes are commands for the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway import appliance, ca_store
+from gateway.cli.main import paths_from
+from gateway.config import GatewayConfig, GuardConfig, Paths, TunnelSettings, load_section
+from gateway.errors import UompError
+
+CERT_WARN_DAYS = 7
+
+
+class Report:
+    def __init__(self) -> None:
+        self.problems = 0
+        self.lines: list[str] = []
+
+    def ok(self, text: str) -> None:
+        self.lines.append(f"ok       {text}")
+
+    def problem(self, text: str, fix: str) -> None:
+        self.problems += 1
+        self.lines.append(f"PROBLEM  {text}\n         fix: {fix}")
+
+    def note(self, text: str) -> None:
+        self.lines.append(f"note     {text}")
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def _check_private(r: Report, p: Path, what: str, *, dir_: bool = False) -> bool:
+    if not p.exists():
+        r.problem(f"{what} {p} is missing", "run: uomp init (never replaces existing keys)")
+        return False
+    want = 0o700 if dir_ else 0o600
+    m = _mode(p)
+    if m & 0o077:
+        r.problem(f"{what} {p} is readable by others (mode {m:o})", f"chmod {want:o} {p}")
+        return False
+    if p.stat().st_uid != os.getuid():
+        r.problem(f"{what} {p} belongs to uid {p.stat().st_uid}, not to this user ({os.getuid()})",
+                  f"chown {os.getuid()} {p}")
+        return False
+    r.ok(f"{what} {p} (mode {m:o})")
+    return True
+
+
+def _configs(r: Report, paths: Paths) -> tuple[GatewayConfig | None, GuardConfig | None, TunnelSettings | None]:
+    out: list[Any] = []
+    for cls, section in ((GatewayConfig, "gateway"), (GuardConfig, "guard"), (TunnelSettings, "tunnel")):
+        try:
+            out.append(load_section(cls, section, file=paths.config_file))
+        except UompError as exc:
+            r.problem(f"config [{section}]: {exc.message}", f"edit {paths.config_file} (every setting: "
+                      "config/uomp.example.toml)")
+            out.append(None)
+    if all(x is not None for x in out):
+        r.ok(f"config {paths.config_file if paths.config_file.exists() else '(defaults, no config.toml)'}")
+    return out[0], out[1], out[2]
+
+
+def _ca(r: Report, paths: Paths, gcfg: GatewayConfig | None) -> None:
+    from cryptography import x509
+
+    from gateway.core import ca
+
+    _check_private(r, ca_store.ca_key_path(paths), "CA key")
+    _check_private(r, ca_store.server_key_path(paths), "gateway key")
+    for p, what in ((ca_store.ca_cert_path(paths), "CA certificate"), (ca_store.crl_path(paths), "CRL")):
+        if not p.exists():
+            r.problem(f"{what} {p} is missing", "run: uomp init")
+        else:
+            r.ok(f"{what} {p}")
+    cp = ca_store.server_cert_path(paths)
+    try:
+        cert = x509.load_pem_x509_certificate(cp.read_bytes())
+    except FileNotFoundError:
+        r.problem(f"gateway certificate {cp} is missing", "run: uomp init")
+        return
+    except (OSError, ValueError) as exc:
+        r.problem(f"gateway certificate {cp} cannot be read ({exc})", f"delete {cp} and run: uomp init")
+        return
+    left = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
+    if left.total_seconds() <= 0:
+        r.problem(f"gateway certificate expired on {cert.not_valid_after_utc:%Y-%m-%d}", "run: uomp init (renews it)")
+    elif left.days < CERT_WARN_DAYS:
+        r.problem(f"gateway certificate expires in {left.days} days", "run: uomp init (renews it)")
+    else:
+        r.ok(f"gateway certificate valid until {cert.not_valid_after_utc:%Y-%m-%d}")
+    if gcfg is None:
+        return
+    names = ca.server_cert_names(cert)
+    try:
+        urls = appliance.public_urls(paths, gcfg)
+    except UompError as exc:
+        r.problem(exc.message, f"fix or delete {appliance.addresses_path(paths)}")
+        return
+    for url in urls:
+        host = (urlsplit(url).hostname or "").lower()
+        if host not in names:
+            r.problem(f"public URL {url}: the gateway certificate does not name {host} "
+                      f"(names: {', '.join(sorted(names))}); agents would fail the TLS name check",
+                      f"run: uomp init --hostname {url}, then restart the gateway (or send it SIGHUP)")
+        else:
+            r.ok(f"public URL {url} is an accepted endpoint and named by the gateway certificate")
+    if not urls:
+        r.note(f"no public URL recorded: agents reach this gateway as https://localhost:{gcfg.listen_port} only "
+               "(set one with uomp init --hostname HOST, or use --tunnel)")
+
+
+def _ports(r: Report, paths: Paths, gcfg: GatewayConfig | None, guard: GuardConfig | None) -> None:
+    if appliance.is_running(paths):
+        info = appliance.read_run(paths) or {}
+        r.ok(f"the appliance runs (pid {info.get('pid', '?')}): its ports are its own")
+        return
+    checks: list[tuple[str, int, str, str]] = []
+    if gcfg is not None:
+        checks.append((gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT"))
+        if gcfg.tunnel_origin_port > 0:
+            checks.append((gcfg.tunnel_origin_host, gcfg.tunnel_origin_port, "the tunnel origin",
+                           "--tunnel-origin-port"))
+    if guard is not None and guard.serve_tcp:
+        checks.append((guard.tcp_host, guard.tcp_port, "the Local Profile", "[guard] tcp_port or --no-local-port"))
+    for host, port, what, flag in checks:
+        try:
+            appliance.check_port_free(host, port, what, flag)
+        except UompError as exc:
+            r.problem(exc.message.split(";")[0], exc.message.split(";", 1)[-1].strip())
+        else:
+            r.ok(f"{what}: {host}:{port} is free")
+    from gateway.guard.server import socket_is_live
+
+    if paths.guard_sock.exists():
+        if socket_is_live(paths.guard_sock):
+            r.problem(f"a guard answers on {paths.guard_sock} although no appliance runs on this home",
+                      "stop that guard (uomp guard serve) before uomp gateway start")
+        else:
+            r.note(f"stale socket file {paths.guard_sock} (removed at the next start)")
+
+
+def _tunnel(r: Report, t: TunnelSettings | None) -> None:
+    from gateway.tunnel import INSTALL_HINT, find_cloudflared, user_configs
+
+    binary = find_cloudflared(t.cloudflared if t and t.cloudflared else None)
+    mode = t.mode if t else "none"
+    if binary is None:
+        if mode != "none":
+            r.problem(f"[tunnel] mode = {mode} but cloudflared is not found "
+                      f"({t.cloudflared if t and t.cloudflared else 'on PATH'})", INSTALL_HINT)
+        else:
+            r.note("cloudflared not found (only needed for --tunnel)")
+        return
+    r.ok(f"cloudflared: {binary}")
+    if mode in ("named", "tcp") and t is not None:
+        from gateway.cli.gateway import check_tunnel
+
+        try:
+            check_tunnel(t)
+        except UompError as exc:
+            r.problem(exc.message.split(";")[0], exc.message.split(";", 1)[-1].strip())
+    if mode == "quick":
+        for p in user_configs():
+            r.note(f"{p} can stop a quick tunnel (the supervisor hides ~/ configs from cloudflared; others: move "
+                   "it aside)")
+
+
+def _guard_health(r: Report, paths: Paths) -> None:
+    if not appliance.is_running(paths):
+        return
+    from gateway.cli.status import collect
+
+    s = collect(paths)
+    if s["guard"].get("reachable"):
+        r.ok("the running gateway reaches its guard")
+    else:
+        r.problem(f"the running gateway cannot reach its guard ({s['guard'].get('last_error')})",
+                  "see the appliance's log; the supervisor restarts the guard; uomp status shows restarts")
+
+
+def run_checks(paths: Paths) -> Report:
+    r = Report()
+    steps: list[Callable[[], None]] = []
+    if not paths.home.exists():
+        r.problem(f"data directory {paths.home} does not exist", "run: uomp init (or uomp gateway start)")
+        return r
+    try:
+        appliance.check_home_writable(paths.home)
+    except UompError as exc:
+        r.problem(exc.message.split(";")[0], exc.message.split(";", 1)[-1].strip())
+    _check_private(r, paths.home, "data directory", dir_=True)
+    _check_private(r, paths.private_jwk, "signing key")
+    _check_private(r, paths.admin_credential, "admin credential")
+    gcfg, guard, tunnel = _configs(r, paths)
+    steps += [lambda: _ca(r, paths, gcfg), lambda: _ports(r, paths, gcfg, guard), lambda: _tunnel(r, tunnel),
+              lambda: _guard_health(r, paths)]
+    for step in steps:
+        try:
+            step()
+        except UompError as exc:
+            r.problem(exc.message, "see the message")
+    return r
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    r = run_checks(paths)
+    print("\n".join(r.lines))
+    if r.problems:
+        print(f"{r.problems} problem(s) found")
+        return 1
+    print("no problems found")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("doctor", help="check permissions, keys, CA, config, addresses vs certificate, ports and "
+                       "cloudflared; each problem with its fix (exit 1 when any)")
+    p.set_defaults(func=_doctor)

@@ -1,0 +1,172 @@
+"""``uomp status [--json]``: is the appliance running, where, and is it healthy.
+
+Reads only what the running appliance and the data directory say: the appliance lock and
+``gateway/appliance.json`` (pid, listeners), ``gateway/status.json`` (guard health, tunnel state,
+written by the running gateway), ``gateway/addresses.json`` (public URLs), the CA registry
+(certificate expiries) and ``auth.db`` (active sessions). Exit status 0 when the appliance runs
+and its guard answers, 3 when it is not running, 1 when it runs but something is unhealthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from typing import Any
+
+from gateway import appliance, ca_store
+from gateway.cli.main import paths_from
+from gateway.config import GatewayConfig, Paths, load_section
+
+STALE_STATUS_SECONDS = 30.0  # status.json older than this while "running": the gateway is hung
+
+
+def _cert_expiry(paths: Paths) -> dict[str, Any] | None:
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(ca_store.server_cert_path(paths).read_bytes())
+    except (OSError, ValueError):
+        return None
+    from gateway.core import ca
+
+    left = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
+    return {"not_after": f"{cert.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}", "days_left": left.days,
+            "names": sorted(ca.server_cert_names(cert))}
+
+
+def _agents(paths: Paths) -> list[dict[str, Any]]:
+    try:
+        rows = ca_store.list_agents(paths)
+    except Exception:  # no CA yet, or a registry problem (uomp doctor says which)
+        return []
+    return [{"agent_id": r.agent_id, "serial": r.serial, "not_after": f"{r.not_after:%Y-%m-%dT%H:%M:%SZ}",
+             "status": r.status} for r in rows]
+
+
+def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
+    if not paths.auth_db.exists():
+        return []
+    from gateway.cli.guard import open_auth
+    from gateway.config import GuardConfig
+
+    try:
+        auth = open_auth(paths, load_section(GuardConfig, "guard", file=paths.config_file))
+    except Exception:
+        return None
+    try:
+        return [{"session_id": s["session_id"], "agent_id": s["agent_id"], "profile": s.get("profile"),
+                 "expires_at": s["expires_at"]} for s in auth.list_sessions(status="active")]
+    except Exception:
+        return None
+    finally:
+        auth.close_db()
+        auth.audit.close()
+
+
+def collect(paths: Paths) -> dict[str, Any]:
+    gcfg = load_section(GatewayConfig, "gateway", file=paths.config_file)
+    running = appliance.is_running(paths)
+    run = appliance.read_run(paths) if running else None
+    status: dict[str, Any] | None = None
+    try:
+        status = json.loads(paths.gateway_status.read_text())
+    except (OSError, ValueError):
+        status = None
+    if status is not None and not running:
+        status = None  # left by a stopped gateway
+    guard = (status or {}).get("guard")
+    upstream = (status or {}).get("upstream")
+    stale = False
+    if status and status.get("updated_at"):
+        try:
+            updated = dt.datetime.strptime(status["updated_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+            stale = time.time() - updated.timestamp() > STALE_STATUS_SECONDS
+        except ValueError:
+            stale = False
+    healthy = bool(running and upstream and upstream.get("up") and not stale)
+    return {
+        "home": str(paths.home),
+        "running": running,
+        "pid": run.get("pid") if run else None,
+        "started_at": run.get("started_at") if run else None,
+        "listeners": run.get("listeners") if run else {},
+        "healthy": healthy,
+        "status_file_stale": stale,
+        "guard": {"reachable": upstream.get("up") if upstream else None,
+                  "last_error": upstream.get("last_error") if upstream else None,
+                  **({"pid": guard.get("pid"), "restarts": guard.get("restarts"),
+                      "last_restart_reason": guard.get("last_restart_reason")} if guard else {})},
+        "public_urls": appliance.public_urls(paths, gcfg),
+        "tunnel": ((status or {}).get("tunnel") or (run or {}).get("tunnel")
+                   or appliance.load_addresses(paths)["tunnel"]),
+        "endpoints": (run or {}).get("endpoints") or appliance.accepted_endpoints(paths, gcfg),
+        "gateway_certificate": _cert_expiry(paths),
+        "agent_certificates": _agents(paths),
+        "active_sessions": _sessions(paths),
+        "anchoring": {"configured": False, "backlog": None,
+                      "note": "not configured (chain anchoring of the access log is not built yet)"},
+    }
+
+
+def _text(s: dict[str, Any]) -> None:
+    if s["running"]:
+        print(f"appliance: running (pid {s['pid']}, since {s['started_at']}), data {s['home']}")
+    else:
+        print(f"appliance: not running (data {s['home']}); start it with: uomp gateway start")
+    for name, url in (s["listeners"] or {}).items():
+        print(f"  {name:<14} {url}")
+    g = s["guard"]
+    if s["running"]:
+        state = "answers" if g.get("reachable") else f"NOT REACHABLE ({g.get('last_error') or 'unknown'})"
+        extra = f", pid {g['pid']}, restarts {g.get('restarts', 0)}" if g.get("pid") else ""
+        print(f"guard: {state}{extra}" + (f"; last restart: {g['last_restart_reason']}"
+                                           if g.get("last_restart_reason") else ""))
+        if s["status_file_stale"]:
+            print("  !! the status file has not been updated for a while: the gateway may be hung")
+    for u in s["public_urls"]:
+        print(f"public URL: {u} (mTLS)")
+    t = s["tunnel"]
+    if t:
+        print(f"tunnel: {t.get('mode')} {t.get('status', 'recorded')} {t.get('public_url') or t.get('url') or ''}"
+              + (f" ({t['last_error']})" if t.get("last_error") else ""))
+    else:
+        print("tunnel: none")
+    print(f"accepted endpoints: {', '.join(s['endpoints'])}")
+    c = s["gateway_certificate"]
+    if c:
+        print(f"gateway certificate: until {c['not_after']} ({c['days_left']} days), names {', '.join(c['names'])}")
+    else:
+        print("gateway certificate: none yet (uomp init)")
+    active = [a for a in s["agent_certificates"] if a["status"] == "active"]
+    print(f"agent certificates: {len(active)} active of {len(s['agent_certificates'])}")
+    for a in active:
+        print(f"  {a['agent_id']:<24} until {a['not_after']}  serial {a['serial']}")
+    sessions = s["active_sessions"]
+    if sessions is None:
+        print("active sessions: unknown (auth.db could not be read; uomp doctor)")
+    else:
+        print(f"active sessions: {len(sessions)}")
+        for x in sessions[:20]:
+            print(f"  {x['session_id']:<24} {x['agent_id']:<24} {x.get('profile') or '-':<7} until {x['expires_at']}")
+    print(f"anchoring: {s['anchoring']['note']}")
+
+
+def _status(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    s = collect(paths)
+    if args.json:
+        print(json.dumps(s, indent=1))
+    else:
+        _text(s)
+    if not s["running"]:
+        return 3
+    return 0 if s["healthy"] else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("status", help="is the appliance running, where, its tunnel, guard health, certificates, "
+                       "sessions (exit 0 healthy, 1 unhealthy, 3 not running)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_status)
