@@ -314,12 +314,12 @@ def check_gateway_url(paths: Paths, cfg: GatewayConfig, url: str) -> list[str]:
                         f"the agent's requests would be refused as 'token audience is not this gateway'. Use one of "
                         f"those, or record it: uomp init --hostname {url} (then restart the gateway)")
         return problems
-    if url == tunnel and (tunnel or "").endswith(".trycloudflare.com"):
-        return problems  # TLS ends at Cloudflare's edge: our certificate is not involved
-    t = load_addresses(paths)["tunnel"]
-    if t and t.get("url") == url and t.get("mode") == "named":
-        return problems
     host = (urlsplit(url).hostname or "").lower()
+    if host.endswith(".trycloudflare.com"):
+        return problems  # a quick tunnel: TLS ends at Cloudflare's edge, our certificate is not involved
+    t = load_addresses(paths)["tunnel"]
+    if url == tunnel and t and t.get("mode") == "named":
+        return problems
     try:
         cert = x509.load_pem_x509_certificate(ca_store.server_cert_path(paths).read_bytes())
     except (OSError, ValueError):

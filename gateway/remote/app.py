@@ -323,10 +323,16 @@ def check_token(state: GatewayState, call: Call, token: str) -> Capability:
         raise UompError("INVALID_TOKEN", "this route needs a refresh token", session_id=cap.session_id)
     if cap.profile != "remote":
         raise UompError("INVALID_TOKEN", "token profile is not remote", session_id=cap.session_id)
+    # The refusals name what was expected (issue 12: a user must be able to tell a wrong
+    # --gateway-url from an attack); the token's signature has been checked, so these are our names.
     if cap.audience is None or _norm_endpoint(cap.audience) not in state.endpoints:
-        raise UompError("INVALID_TOKEN", "token audience is not this gateway", session_id=cap.session_id)
+        raise UompError("INVALID_TOKEN", f"token audience {str(cap.audience)[:200]!r} is not this gateway (it "
+                        f"accepts {', '.join(sorted(state.endpoints)[:8])}); authorize the agent with one of those "
+                        "as --gateway-url", session_id=cap.session_id)
     if cap.allowed_endpoints is not None and not _host_matches(cap.allowed_endpoints, request.host):
-        raise UompError("ACCESS_DENIED", "token is not allowed on this endpoint", session_id=cap.session_id)
+        raise UompError("ACCESS_DENIED", f"token is not allowed on this endpoint: it is for "
+                        f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host "
+                        f"{request.host[:100]!r}", session_id=cap.session_id)
     header_agent = request.headers.get(AGENT_HEADER)
     if not header_agent:
         raise UompError("INVALID_REQUEST", "X-UOMP-Agent-Id header is required", session_id=cap.session_id)
