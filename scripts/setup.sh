@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating the virtualenv .venv" >&2
   "$PY" -m venv .venv
 fi
 extras=""
@@ -15,9 +16,11 @@ want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import gateway" 2>/dev/null; then
   exit 0
 fi
+echo "setup: installing uomp${extras} and its dependencies into .venv (first run: about a minute)..." >&2
 log=$(mktemp)
 if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}" >"$log" 2>&1; then
   cat "$log"; rm -f "$log"; echo "setup: pip install failed" >&2; exit 1
 fi
 rm -f "$log"
 echo "$want" > "$stamp"
+echo "setup: done" >&2

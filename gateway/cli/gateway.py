@@ -350,6 +350,8 @@ def _start(args: argparse.Namespace) -> int:
             urls = [appliance.normalize_public_url(u, default_port=gcfg.listen_port) for u in args.public_url]
             for url in appliance.add_public_urls(paths, urls):
                 _say(f"public URL recorded: {url} (gateway certificate, endpoints and authorize follow it)")
+        if appliance.tunnel_url(paths):
+            appliance.set_tunnel(paths, tcfg.mode, None)  # the last run's tunnel URL is gone with it
         made = keys.init_home(paths)
         from gateway.cli import home
 
@@ -361,6 +363,33 @@ def _start(args: argparse.Namespace) -> int:
         asyncio.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
     finally:
         lock.release()
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """SIGTERM the appliance of this home and wait until it has let go of its lock."""
+    import time
+
+    paths = paths_from(args)
+    if not appliance.is_running(paths):
+        _say(f"the appliance is not running on {paths.home}")
+        return 0
+    info = appliance.read_run(paths) or {}
+    pid = info.get("pid")
+    if not isinstance(pid, int) or pid <= 1:
+        raise UompError("INVALID_STATE", f"the appliance on {paths.home} runs but {appliance.run_path(paths)} names "
+                        "no pid; stop it with Ctrl-C where it runs")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + args.timeout
+    while appliance.is_running(paths):
+        if time.monotonic() > deadline:
+            raise UompError("INVALID_STATE", f"the appliance (pid {pid}) is still stopping after {args.timeout:.0f} s "
+                            f"(in-flight requests draining); wait, or kill -KILL {pid}")
+        time.sleep(0.1)
+    _say(f"stopped the appliance (pid {pid})")
     return 0
 
 
@@ -400,3 +429,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     st.add_argument("--cloudflared", metavar="PATH", help="the cloudflared binary (default: on PATH)")
     st.add_argument("--tunnel-hostname", metavar="HOST", help="named/tcp tunnels: the tunnel's public host name")
     st.set_defaults(func=_start)
+    sp = gsub.add_parser("stop", help="stop the appliance running on this data directory (SIGTERM: in-flight "
+                         "requests finish, then the tunnel and the guard stop)")
+    sp.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to finish (default 60)")
+    sp.set_defaults(func=_stop)
