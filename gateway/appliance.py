@@ -167,9 +167,14 @@ def cert_hostnames(paths: Paths, cfg: GatewayConfig, extra: list[str] | None = N
 
 
 def default_gateway_url(paths: Paths, cfg: GatewayConfig) -> str:
-    """``authorize --remote``'s default: the first public URL, else this host on the listen port."""
+    """``authorize --remote``'s default: the first public URL, else this host on the port the
+    running appliance listens on (else the configured listen port)."""
     urls = public_urls(paths, cfg)
-    return urls[0] if urls else f"https://localhost:{cfg.listen_port}"
+    if urls:
+        return urls[0]
+    run = read_run(paths) if is_running(paths) else None
+    local = (run or {}).get("local_urls") or []
+    return str(local[0]) if local else f"https://localhost:{cfg.listen_port}"
 
 
 # ----------------------------------------------------------------------------- running

@@ -91,6 +91,18 @@ class TunnelState:
                 "restarts": self.restarts, "last_error": self.last_error, "since": self.since}
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the appliance dies, even by SIGKILL (Linux
+    ``PR_SET_PDEATHSIG``); its own session means no SIGINT from the terminal reaches it."""
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+
+
 def find_cloudflared(configured: str | None) -> str | None:
     if configured:
         p = Path(configured).expanduser()
@@ -213,7 +225,8 @@ class TunnelSupervisor:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self._argv(binary), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=self._env(), start_new_session=True, limit=MAX_LINE * 4)
+                stderr=asyncio.subprocess.STDOUT, env=self._env(), start_new_session=True, limit=MAX_LINE * 4,
+                preexec_fn=_die_with_parent)
         except OSError as exc:
             return f"could not start cloudflared ({exc.strerror})"
         self._set(pid=self._proc.pid)

@@ -364,3 +364,66 @@ def test_memory_show_is_get(home: Path) -> None:
     uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
          "--sensitivity", "low")
     assert json.loads(uomp(home, "memory", "show", "preference.theme").stdout)["value"] == "dark"
+
+
+# ----------------------------------------------------------------------------- SIGTERM under load
+
+
+async def test_sigterm_under_load_drains_and_loses_no_acknowledged_event(home: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    import aiohttp
+
+    from gateway.bundle import load_bundle
+    from gateway.remote.tls import build_client_context
+
+    uomp(home, "init")
+    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
+         "--sensitivity", "low")
+    app = Running(home)
+    port = app.port
+    files = tmp_path / "files"
+    uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--out", str(files), "--yes",
+         "--max-reads", "100000")
+    b = load_bundle(files / "bundle.json")
+    ctx = build_client_context(files / "ca.crt", files / "agent.crt", files / "agent.key")
+    headers = {"Authorization": f"Bearer {b.access_token}", "X-UOMP-Agent-Id": "calendar_agent"}
+    statuses: list[int] = []
+    errors: list[str] = []
+    sent_after_term = asyncio.Event()
+
+    async def worker() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=1)) as s:
+            while True:
+                try:
+                    async with s.get(f"https://localhost:{port}/v1/memory/preference.theme", headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                        await resp.read()
+                        statuses.append(resp.status)
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    errors.append(type(exc).__name__)  # refused or closed by the stopping gateway: never acked
+                    if sent_after_term.is_set():
+                        return
+
+    workers = [asyncio.create_task(worker()) for _ in range(8)]
+    try:
+        until_n = time.monotonic() + 60
+        while len(statuses) < 200 and time.monotonic() < until_n:
+            await asyncio.sleep(0.05)
+        assert len(statuses) >= 200, (statuses[-5:], errors[-5:])
+        app.proc.send_signal(signal.SIGTERM)
+        sent_after_term.set()
+        await asyncio.wait_for(asyncio.gather(*workers), 90)
+    finally:
+        for w in workers:
+            w.cancel()
+        rc = app.stop()
+    assert rc == 0, "".join(app.err)
+    assert all(st == 200 for st in statuses), sorted(set(statuses))  # no 5xx, during the drain or before
+    # every acknowledged read has its audit event (acknowledged means durable)
+    log = json.loads(uomp(home, "audit", "--session", b.session_id, "--json", "--limit", "1000000").stdout)
+    rows = log if isinstance(log, list) else log.get("logs", [])
+    reads = [r for r in rows if r.get("action") in ("read", "read_key", "memory.read") or
+             "preference.theme" in json.dumps(r)]
+    assert len(reads) >= len(statuses), (len(reads), len(statuses), rows[:2])
+    assert not (home / "guard.sock").exists()

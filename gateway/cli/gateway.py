@@ -194,6 +194,9 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
         raise
 
     def _stop() -> None:
+        if stop.is_set():  # a second Ctrl-C / SIGTERM while draining: say so, keep draining
+            _say("already stopping: in-flight requests are finishing (SIGKILL aborts them)")
+            return
         if guard is not None:
             guard.stopping = True  # at once: a child that exits from the same Ctrl-C is not restarted
         stop.set()
@@ -215,14 +218,17 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
     try:
         await stop.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        loop.remove_signal_handler(signal.SIGHUP)
         _say("stopping: finishing in-flight requests, then the tunnel and the guard")
-        if sup is not None:
-            await sup.stop()  # no new requests through the tunnel
-        await gw.stop()  # in-flight requests finish
-        if guard is not None:
-            await guard.stop()
+        try:
+            if sup is not None:
+                await sup.stop()  # no new requests through the tunnel
+            await gw.stop()  # in-flight requests finish
+            if guard is not None:
+                await guard.stop()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a signal during the drain only says so (above)
+                loop.remove_signal_handler(sig)
 
 
 def _tunnel_supervisor(paths: Paths, gw: Any, t: TunnelSettings, lock: appliance.ApplianceLock | None,
