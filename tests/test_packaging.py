@@ -91,7 +91,8 @@ def test_entrypoint_unwritable_volume_is_one_clear_line(tmp_path: Path) -> None:
     res = subprocess.run(["sh", str(ENTRY), "gateway", "start"], env=env_for(blocker / "data"), capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 1
-    assert res.stderr.startswith("error HOME_UNWRITABLE: ") and len(res.stderr.strip().splitlines()) == 1
+    assert res.stderr.startswith(("error HOME_UNWRITABLE: ", "error UNSAFE_PERMISSIONS: ")), res.stderr
+    assert "--home or UOMP_HOME" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_systemd_unit_installs_as_documented() -> None:
