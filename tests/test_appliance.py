@@ -428,3 +428,39 @@ async def test_sigterm_under_load_drains_and_loses_no_acknowledged_event(home: P
              "preference.theme" in json.dumps(r)]
     assert len(reads) >= len(statuses), (len(reads), len(statuses), rows[:2])
     assert not (home / "guard.sock").exists()
+
+
+# ----------------------------------------------------------------------------- named tunnels
+
+
+def test_named_tunnel_token_from_a_private_file_never_on_a_command_line(home: Path, tmp_path: Path) -> None:
+    token_file = tmp_path / "tunnel-token"
+    token_file.write_text("eyJhIjoiZmFrZS10dW5uZWwtdG9rZW4ifQ\n")
+    os.chmod(token_file, 0o600)
+    write_config(home, f'[tunnel]\ntoken_file = "{token_file}"\nhostname = "gw.example.test"\n')
+    app = Running(home, "--tunnel", "named", "--cloudflared", FAKE,
+                  env={**os.environ, "FAKE_CF_HOSTNAME": "gw.example.test"})
+    try:
+        app.wait_line(r"^public URL: https://gw\.example\.test \(named tunnel, DPoP\)")
+        s = status(home)
+        assert "https://gw.example.test" in s["endpoints"]  # type: ignore[operator]
+        cf_pid = s["tunnel"]["pid"]  # type: ignore[index]
+        argv = Path(f"/proc/{cf_pid}/cmdline").read_bytes().split(b"\0")
+        assert b"run" in argv and not any(b"fake-tunnel-token" in a or b"eyJhIjoi" in a for a in argv)
+        assert not any("eyJhIjoi" in x for x in app.out + app.err)
+    finally:
+        assert app.stop() == 0
+
+
+@pytest.mark.parametrize(("mode", "content", "words"), [
+    (0o644, "tok", "is readable by others (mode 644); run chmod 600"),
+    (0o600, "", "is empty"),
+], ids=["group-readable", "empty"])
+def test_named_tunnel_token_file_refused(home: Path, tmp_path: Path, mode: int, content: str, words: str) -> None:
+    token_file = tmp_path / "tunnel-token"
+    token_file.write_text(content)
+    os.chmod(token_file, mode)
+    write_config(home, f'[tunnel]\nmode = "named"\ntoken_file = "{token_file}"\nhostname = "gw.example.test"\n')
+    res = uomp(home, "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port", check=False)
+    assert res.returncode == 1 and res.stderr.startswith("error TUNNEL_ERROR: ") and words in res.stderr
+    assert not (home / "gateway" / "appliance.json").exists()
