@@ -106,7 +106,7 @@ def collect(paths: Paths) -> dict[str, Any]:
         "agent_certificates": _agents(paths),
         "active_sessions": _sessions(paths),
         "anchoring": {"configured": False, "backlog": None,
-                      "note": "not configured (chain anchoring of the access log is not built yet)"},
+                      "note": "not configured (no anchoring worker runs in the appliance yet; docs/anchoring.md)"},
     }
 
 
