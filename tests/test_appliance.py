@@ -464,3 +464,16 @@ def test_named_tunnel_token_file_refused(home: Path, tmp_path: Path, mode: int, 
     res = uomp(home, "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port", check=False)
     assert res.returncode == 1 and res.stderr.startswith("error TUNNEL_ERROR: ") and words in res.stderr
     assert not (home / "gateway" / "appliance.json").exists()
+
+
+def test_tcp_tunnel_runs_without_an_origin_listener(home: Path) -> None:
+    env = {**os.environ, "FAKE_CF_HOSTNAME": "gw.example.test", "UOMP_TUNNEL_TOKEN": "eyJ0Y3AtdG9rZW4ifQ"}
+    app = Running(home, "--tunnel", "tcp", "--tunnel-hostname", "gw.example.test", "--cloudflared", FAKE, env=env)
+    try:
+        app.wait_line(r"^public URL: https://gw\.example\.test \(TCP tunnel, end-to-end mTLS")
+        app.wait_line(r"^next, in another terminal:")
+        assert not any(x.startswith("tunnel origin:") for x in app.out)  # agents come in on the mTLS port
+        s = status(home)
+        assert "tunnel_origin" not in s["listeners"] and s["tunnel"]["mode"] == "tcp"  # type: ignore[index,operator]
+    finally:
+        assert app.stop() == 0
