@@ -235,6 +235,11 @@ class GatewayConfig:
     payload_upload_url_seconds: float = 600.0  # lifetime of a single-use upload URL (at most 600)
     payload_body_idle_timeout_seconds: float = 30.0  # an upload body that sends nothing this long is dropped
 
+    # Refused TLS handshakes: each counted; logged at most this many lines a second after a burst
+    # (remote/handshake_log.py).
+    handshake_log_per_second: float = 5.0
+    handshake_log_burst: int = 20
+
     def __post_init__(self) -> None:
         _check_port(self.listen_port, "gateway.listen_port", low=0)
         _check_port(self.tunnel_origin_port, "gateway.tunnel_origin_port", low=-1)

@@ -73,6 +73,7 @@ def test_empty_render_has_all_families() -> None:
         f"{NS}_upstream_up": "gauge",
         f"{NS}_upstream_failures_total": "counter",
         f"{NS}_guard_restarts_total": "counter",
+        f"{NS}_tls_handshakes_rejected_total": "counter",
     }
     assert value(samples, f"{NS}_open_connections") == 0
     assert value(samples, f"{NS}_guard_restarts_total") == 0

@@ -10,6 +10,8 @@ Families (names prefixed by ``namespace``, default ``uomp_gateway``):
 * ``<ns>_upstream_failures_total{code}`` counter: exchanges with the guard that failed
   (``STORE_UNAVAILABLE``, ``UPSTREAM_ERROR``, ``UPSTREAM_TIMEOUT``);
 * ``<ns>_guard_restarts_total`` counter: guard child restarts by the appliance's supervisor.
+* ``<ns>_tls_handshakes_rejected_total{listener, reason}`` counter: handshakes OpenSSL refused
+  (reasons: ``gateway.remote.handshake_log.REASONS``).
 * ``<ns>_access_log_writable`` gauge and ``<ns>_access_log_events_counted_total`` counter, when
   the gateway connects its access log (fail-closed mode and summarised events).
 
@@ -119,6 +121,7 @@ class Metrics:
         self._upstream_up = 0
         self._upstream_failures: dict[str, int] = {}
         self._guard_restarts = 0
+        self._handshakes_rejected: dict[tuple[str, str], int] = {}
         # the access log's state, read at scrape time (set by the gateway; None in bare tests)
         self.access_log_state: Callable[[], tuple[bool, int]] | None = None
 
@@ -194,6 +197,12 @@ class Metrics:
         with self._lock:
             self._guard_restarts += 1
 
+    def tls_handshake_rejected(self, listener: str, reason: str) -> None:
+        """Count one TLS handshake refused on ``listener`` (reason: gateway.remote.handshake_log.REASONS)."""
+        key = (listener if _NAME.fullmatch(listener) else "other", reason if _NAME.fullmatch(reason) else "other")
+        with self._lock:
+            self._handshakes_rejected[key] = self._handshakes_rejected.get(key, 0) + 1
+
     def upstream_failures(self, code: str) -> int:
         with self._lock:
             return self._upstream_failures.get(self.code_label(code), 0)
@@ -231,6 +240,7 @@ class Metrics:
             open_conns, up = self._open_connections, self._upstream_up
             failures = sorted(self._upstream_failures.items())
             restarts = self._guard_restarts
+            handshakes = sorted(self._handshakes_rejected.items())
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
@@ -268,6 +278,12 @@ class Metrics:
         name = f"{ns}_guard_restarts_total"
         family(name, "counter", "Guard child processes restarted by the appliance's supervisor.")
         out.append(f"{name} {restarts}")
+
+        name = f"{ns}_tls_handshakes_rejected_total"
+        family(name, "counter", "TLS handshakes refused (bad, revoked or foreign certificate, old TLS, plain HTTP), "
+               "by listener and reason.")
+        for (lst, why), n in handshakes:
+            out.append(f"{name}{_labels((('listener', lst), ('reason', why)))} {n}")
         if self.access_log_state is not None:
             writable, counted = self.access_log_state()
             name = f"{ns}_access_log_writable"

@@ -123,6 +123,10 @@ class GatewayRunner:
         if cfg.metrics_port >= 0:
             registries.append(self.metrics_registry)
         self._fit_limits(registries)
+        from gateway.remote.handshake_log import HandshakeLog
+
+        self.registry.on_handshake_failed = HandshakeLog(metrics, "mtls", per_second=cfg.handshake_log_per_second,
+                                                         burst=cfg.handshake_log_burst)
         for reg in (self.registry, self.tunnel_registry):
             reg.on_rejected = rejected
             reg.on_open = metrics.connection_opened

@@ -397,6 +397,8 @@ class ConnectionRegistry:
         self.evicted = 0  # unverified connections closed to make room for a newer one
         self.closed_by_deadline: collections.Counter[str] = collections.Counter()
         self.closed_before_handshake: collections.Counter[str] = collections.Counter()
+        # called (exception, client address) for each handshake OpenSSL refused (remote/handshake_log.py)
+        self.on_handshake_failed: Callable[[BaseException, str], None] | None = None
         # called (status, code, message) when aiohttp itself rejects a request before routing
         self.on_rejected: Callable[[int, str, str], None] | None = None
         # told about connections opening and closing (the metrics' open_connections gauge)
@@ -515,6 +517,8 @@ class ConnectionRegistry:
                 reason = "timeout"
             elif isinstance(exc, ssl.SSLError):
                 reason = "failed"
+                if self.on_handshake_failed is not None:
+                    self.on_handshake_failed(exc, conn.ip)
             else:
                 reason = "dropped"
             self.closed_before_handshake[reason] += 1

@@ -1,0 +1,104 @@
+"""Refused TLS handshakes: one log line each (rate-limited) and a labelled counter.
+
+A client that fails the handshake (revoked, expired or foreign certificate, TLS 1.2 or older,
+plain HTTP sent to the TLS port) used to get an empty reply and leave the operator nothing.
+:class:`HandshakeLog` is told of each by the listener's
+:class:`gateway.remote.transport.ConnectionRegistry` (``on_handshake_failed``) and
+
+* counts it in ``uomp_gateway_tls_handshakes_rejected_total{listener, reason}``;
+* logs one line: ``TLS handshake refused on mtls from 203.0.113.7: revoked (certificate revoked)``,
+  at most ``per_second`` lines a second after a burst of ``burst`` (a handshake flood must not
+  become a log flood); the lines not written are counted and reported in the next line written.
+
+``reason`` is one of :data:`REASONS`. The certificate's serial cannot be logged: Python's ``ssl``
+module gives no access to a peer certificate whose verification failed (no verify callback, and
+``getpeercert`` needs a finished handshake); ``uomp agent list`` maps a revoked agent's serials.
+Plain HTTP on the TLS port is a logged close (OpenSSL has consumed the request line by then).
+No log line carries bytes the client sent: only the address, the label and OpenSSL's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from typing import Protocol
+
+log = logging.getLogger("uomp.gateway")
+
+REASONS = ("revoked", "expired", "not_yet_valid", "unknown_ca", "bad_purpose", "cert_invalid", "tls_version",
+           "plain_http", "no_certificate", "client_refused_server_cert", "other")
+
+_VERIFY = {
+    "certificate revoked": "revoked",
+    "certificate has expired": "expired",
+    "certificate is not yet valid": "not_yet_valid",
+    "unable to get local issuer certificate": "unknown_ca",
+    "unable to get issuer certificate": "unknown_ca",
+    "self-signed certificate": "unknown_ca",
+    "self signed certificate": "unknown_ca",
+    "self-signed certificate in certificate chain": "unknown_ca",
+    "self signed certificate in certificate chain": "unknown_ca",
+    "unsuitable certificate purpose": "bad_purpose",
+}
+_REASON = {
+    "UNSUPPORTED_PROTOCOL": "tls_version",
+    "WRONG_VERSION_NUMBER": "tls_version",
+    "NO_PROTOCOLS_AVAILABLE": "tls_version",
+    "TLSV1_ALERT_PROTOCOL_VERSION": "tls_version",
+    "HTTP_REQUEST": "plain_http",
+    "HTTPS_PROXY_REQUEST": "plain_http",
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE": "no_certificate",
+    "TLSV1_ALERT_UNKNOWN_CA": "client_refused_server_cert",
+    "SSLV3_ALERT_BAD_CERTIFICATE": "client_refused_server_cert",
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN": "client_refused_server_cert",
+}
+_HINTS = {
+    "plain_http": "; plain HTTP on the TLS port: the client must use https://",
+    "tls_version": "; this gateway speaks TLS 1.3 only",
+    "unknown_ca": "; the certificate is not from this appliance's agent CA",
+    "revoked": "; the agent's certificate is on the CRL (uomp agent list)",
+}
+
+
+class Counter(Protocol):
+    def tls_handshake_rejected(self, listener: str, reason: str) -> None: ...
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """``(reason label, OpenSSL's words)`` for a failed server-side handshake."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        msg = str(exc.verify_message or exc.reason or "certificate verification failed")
+        return _VERIFY.get(msg, "cert_invalid"), msg
+    reason = str(getattr(exc, "reason", "") or "")
+    return _REASON.get(reason, "other"), (reason or type(exc).__name__)
+
+
+class HandshakeLog:
+    """The ``on_handshake_failed`` hook of one listener (see the module docstring)."""
+
+    def __init__(self, metrics: Counter, listener: str, *, per_second: float = 5.0, burst: int = 20) -> None:
+        self.metrics = metrics
+        self.listener = listener
+        self.per_second = max(0.0, float(per_second))
+        self.burst = max(1, int(burst))
+        self._tokens = float(self.burst)
+        self._last = time.monotonic()
+        self.suppressed = 0
+
+    def __call__(self, exc: BaseException, ip: str) -> None:
+        label, detail = classify(exc)
+        self.metrics.tls_handshake_rejected(self.listener, label)
+        now = time.monotonic()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.per_second)
+        self._last = now
+        if self._tokens < 1.0:
+            self.suppressed += 1
+            return
+        self._tokens -= 1.0
+        more = ""
+        if self.suppressed:
+            more = f" ({self.suppressed} more refused handshakes not logged; see the metric)"
+            self.suppressed = 0
+        log.warning("TLS handshake refused on %s from %s: %s (%s)%s%s", self.listener, ip or "?", label,
+                    detail[:200], _HINTS.get(label, ""), more)
