@@ -56,15 +56,16 @@ async def _handshake(port: int, ctx: ssl.SSLContext) -> None:
         pass
 
 
-async def _plain_http(port: int) -> None:
+async def _plain_http(port: int) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     await writer.drain()
     try:
-        await asyncio.wait_for(reader.read(100), 10)
+        answer = await asyncio.wait_for(reader.read(1000), 10)
     except (ConnectionError, TimeoutError):
-        pass
+        answer = b""
     writer.close()
+    return answer
 
 
 CASES = [
@@ -85,7 +86,8 @@ async def test_refused_handshake_is_logged_and_counted(home: Paths, tmp_path: Pa
         port = app.gateway.port
         assert port is not None
         if variant == "plain_http":
-            await _plain_http(port)
+            answer = await _plain_http(port)
+            assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") and answer.endswith(b"use https://\n")
         else:
             if variant == "revoked":
                 files = ca_store.issue_with_key(home, "bot", tmp_path / "revoked")

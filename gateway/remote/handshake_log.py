@@ -13,7 +13,7 @@ plain HTTP sent to the TLS port) used to get an empty reply and leave the operat
 ``reason`` is one of :data:`REASONS`. The certificate's serial cannot be logged: Python's ``ssl``
 module gives no access to a peer certificate whose verification failed (no verify callback, and
 ``getpeercert`` needs a finished handshake); ``uomp agent list`` maps a revoked agent's serials.
-Plain HTTP on the TLS port is a logged close (OpenSSL has consumed the request line by then).
+Plain HTTP on the TLS port also gets a short plain-text 400 answer saying "use https://" (transport.py).
 No log line carries bytes the client sent: only the address, the label and OpenSSL's message.
 """
 

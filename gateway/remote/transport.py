@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -593,6 +594,10 @@ class GuardedHandler(RequestHandler):
         return resp
 
 
+USE_HTTPS = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+             b"Content-Length: 73\r\n\r\nThis port speaks HTTPS (TLS 1.3 with a client certificate): use https://\n")
+
+
 class CountedSSLProtocol(sslproto.SSLProtocol):
     """asyncio's TLS protocol, told about the raw connection: counted at accept, not at handshake end."""
 
@@ -619,6 +624,15 @@ class CountedSSLProtocol(sslproto.SSLProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._uomp_conn.progress(nbytes)
         super().buffer_updated(nbytes)
+
+    def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
+        # Plain HTTP sent to the TLS port: a short plain-text answer saying so, then the close.
+        if isinstance(handshake_exc, ssl.SSLError) and handshake_exc.reason == "HTTP_REQUEST":
+            raw = self._transport
+            if isinstance(raw, asyncio.WriteTransport) and not raw.is_closing():
+                with contextlib.suppress(Exception):
+                    raw.write(USE_HTTPS)
+        super()._on_handshake_complete(handshake_exc)
 
 
 def request_started(request: web.BaseRequest) -> None:
