@@ -144,3 +144,28 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o600) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def create_private_file(path: Path, data: bytes) -> bool:
+    """Write ``data`` to a new 0600 file at ``path`` unless one exists; True when this call made it.
+
+    Temp file (0600, fsync) then ``os.link`` to the final name: atomic, and it refuses to replace a
+    file another process made meanwhile (for keys that must never be regenerated under a reader).
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+            made = True
+        except FileExistsError:
+            made = False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_dir(path.parent)
+    return made

@@ -54,6 +54,27 @@ CREATE TABLE IF NOT EXISTS ledger_checkpoints (
 );
 """
 
+# The anchoring backlog (gateway.ledger.anchoring drains it): a checkpoint is queued in the same
+# transaction that stores it, so none is ever lost between signing and anchoring.
+ANCHOR_SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger_anchors (
+  size INTEGER PRIMARY KEY,
+  checkpoint_hash BLOB NOT NULL,
+  backend TEXT NOT NULL,
+  state TEXT NOT NULL,
+  ref TEXT,
+  nonce INTEGER,
+  block_number INTEGER,
+  confirmations INTEGER NOT NULL DEFAULT 0,
+  attempts INTEGER NOT NULL DEFAULT 0,
+  next_at REAL NOT NULL,
+  last_error TEXT,
+  queued_at REAL NOT NULL,
+  done_at REAL
+);
+CREATE INDEX IF NOT EXISTS idx_anchor_state ON ledger_anchors(state, next_at);
+"""
+
 BUNDLE_VERSION = 1
 
 
@@ -84,11 +105,14 @@ def checkpoint_hash(note: str) -> bytes:
 
 
 class EventLog:
-    def __init__(self, conn: sqlite3.Connection, *, origin: str, key: Ed25519PrivateKey | None) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, origin: str, key: Ed25519PrivateKey | None,
+                 anchor_backend: str | None = None) -> None:
         self.conn = conn
         self.origin = origin
         self.key = key
+        self.anchor_backend = anchor_backend  # None or "none": checkpoints are not queued for a chain
         conn.executescript(SCHEMA)
+        conn.executescript(ANCHOR_SCHEMA)
         self.tree = TreeStore(conn)
         self.reload()
 
@@ -154,6 +178,10 @@ class EventLog:
                                       self.tree.consistency_proof(last[0].size, size))
         note = Checkpoint(self.origin, size, root, int(now)).sign(self.origin, self.key)
         self.conn.execute("INSERT INTO ledger_checkpoints (size, ts, note) VALUES (?, ?, ?)", (size, now, note))
+        if self.anchor_backend and self.anchor_backend != "none":
+            self.conn.execute(
+                "INSERT OR IGNORE INTO ledger_anchors (size, checkpoint_hash, backend, state, next_at, queued_at)"
+                " VALUES (?, ?, ?, 'queued', ?, ?)", (size, checkpoint_hash(note), self.anchor_backend, now, now))
         return note
 
     def prune_bodies(self, before_ts: float) -> int:
@@ -189,12 +217,30 @@ class EventLog:
             raise LedgerError("NOT_FOUND", "no such event")
         return int(row[0]), (None if row[1] is None else json.loads(row[1]))
 
-    def proof_bundle(self, event_id: str, *, anchor: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """A self-contained proof that the event is in the log: event, path, signed checkpoint."""
+    def anchor_covering(self, seq: int) -> dict[str, Any] | None:
+        """The smallest confirmed anchor whose checkpoint covers event ``seq``."""
+        row = self.conn.execute("SELECT size, backend, ref, block_number FROM ledger_anchors WHERE state = 'confirmed'"
+                                " AND ref IS NOT NULL AND size >= ? ORDER BY size LIMIT 1", (seq,)).fetchone()
+        if row is None:
+            return None
+        return {"tree_size": int(row[0]), "backend": row[1], "tx": row[2], "block": row[3]}
+
+    def proof_bundle(self, event_id: str, *, chain: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A self-contained proof that the event is in the log: event, path, signed checkpoint, and
+        the anchor of that checkpoint when one is final (``chain``: the backend's describe())."""
         seq, body = self.event(event_id)
         if body is None:
             raise LedgerError("NOT_FOUND", "the event's body is past retention; its leaf is still in the tree")
-        found = self.checkpoint_covering(seq)
+        anchored = self.anchor_covering(seq)
+        found = None
+        if anchored is not None:
+            row = self.conn.execute("SELECT note FROM ledger_checkpoints WHERE size = ?",
+                                    (anchored["tree_size"],)).fetchone()
+            if row is not None:
+                found = Checkpoint.parse(str(row[0]).split("\n\n")[0] + "\n"), str(row[0])
+        if found is None:
+            anchored = None
+            found = self.checkpoint_covering(seq)
         if found is None:
             raise LedgerError("PROOF_PENDING", "the event is not in a signed checkpoint yet; try again shortly")
         cp, note = found
@@ -208,5 +254,5 @@ class EventLog:
             "checkpoint": note,
             "verifier_key": self.verifier_key(),
             "checkpoint_hash": checkpoint_hash(note).hex(),
-            "anchor": dict(anchor) if anchor else None,
+            "anchor": None if anchored is None else {**anchored, **dict(chain or {})},
         }

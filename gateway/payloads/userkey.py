@@ -14,16 +14,13 @@ be read: payloads sealed to it would become unreadable, so that is a ``KEY_ERROR
 from __future__ import annotations
 
 import base64
-import contextlib
-import os
-import secrets
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from gateway.config import Paths
 from gateway.errors import UompError
-from gateway.fsutil import ensure_private_dir, fsync_dir
+from gateway.fsutil import create_private_file, ensure_private_dir
 
 MAX_KEY_FILE_BYTES = 4096
 
@@ -37,22 +34,7 @@ def ensure(paths: Paths) -> bool:
     ensure_private_dir(paths.secrets)
     pem = X25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                     serialization.NoEncryption())
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(pem)
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.link(tmp, path)  # atomic, and refuses to replace a key another process just made
-            made = True
-        except FileExistsError:
-            made = False
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    fsync_dir(path.parent)
+    made = create_private_file(path, pem)
     load_private(paths)
     return made
 
