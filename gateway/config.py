@@ -106,6 +106,11 @@ class Paths:
         return self.home / "payloads"
 
     @property
+    def audit_key(self) -> Path:
+        """The Ed25519 key that signs the audit log's checkpoints (0600), see gateway/ledger/auditkey.py."""
+        return self.secrets / "audit-ed25519.key"
+
+    @property
     def payload_private_key(self) -> Path:
         """The user's X25519 payload key (0600, never leaves this machine), see gateway/payloads/userkey.py."""
         return self.secrets / "payload-x25519.key"
@@ -153,6 +158,28 @@ class GuardConfig:
     # worker thread waits at most db_queue_timeout_seconds for its turn. Past either: 503 STORE_BUSY.
     db_busy_timeout_seconds: float = 2.0
     db_queue_timeout_seconds: float = 5.0
+    # The verifiable audit log (docs/audit.md): a signed checkpoint every audit_checkpoint_events
+    # events or audit_checkpoint_seconds seconds, whichever comes first; session grants,
+    # revocations and deletion proofs get one in the same write (near real time).
+    audit_checkpoint_events: int = 1000
+    audit_checkpoint_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class AnchorConfig:
+    """Anchoring the audit log's checkpoints on a chain (``[anchor]``, ``UOMP_ANCHOR_*``; docs/anchoring.md).
+
+    ``backend = "none"`` (the default): signed checkpoints only, verifiable offline."""
+
+    backend: str = "none"  # none | evm | starknet
+    rpc_url: str = ""
+    contract: str = ""
+    chain_id: int = 0  # 0: evm takes the node's chain id on first use; starknet needs it
+    key_file: str = ""  # 0600 file with the 0x-hex private key of the anchoring account
+    account: str = ""  # starknet account address
+    confirmations: int = 2  # blocks deep before an anchor counts as final
+    poll_seconds: float = 5.0  # how often the anchoring worker looks at the backlog
+    backoff_max_seconds: float = 300.0  # retry delay cap while the chain is unreachable
 
     def __post_init__(self) -> None:
         _check_port(self.tcp_port, "guard.tcp_port", low=0)

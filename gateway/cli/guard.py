@@ -1,4 +1,4 @@
-"""``uomp guard serve``, ``uomp sessions …``, ``uomp audit``: the local side, for the user."""
+"""``uomp guard serve``, ``uomp sessions …``: the local side, for the user (``uomp audit``: cli/audit.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
-from gateway.guard.audit import AuditLog
+from gateway.guard.audit import open_audit
 from gateway.guard.auth import AuthService
 
 
@@ -24,7 +24,7 @@ def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
 
 
 def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
-    return AuthService(paths, cfg, AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days))
+    return AuthService(paths, cfg, open_audit(paths, cfg))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,25 +65,6 @@ def _sessions(args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit(args: argparse.Namespace) -> int:
-    paths = paths_from(args)
-    cfg = guard_config(args, paths)
-    audit = AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days)
-    try:
-        rows = audit.recent(limit=args.limit, session_id=args.session)
-        if args.json:
-            _print(rows)
-        else:
-            for r in reversed(rows):
-                what = r.get("key") or ",".join(r.get("tags") or []) or "-"
-                verdict = "ALLOW" if r["allowed"] else "DENY "
-                print(f"{r['timestamp']} {verdict} {r['session_id']} {r['agent_id']} {r['action']} {what}: "
-                      f"{r['reason']}" + (f" [{r['detail']}]" if r.get("detail") else ""))
-    finally:
-        audit.close()
-    return 0
-
-
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g = sub.add_parser("guard", help="the local Auth Service + Memory Guard")
     gsub = g.add_subparsers(dest="guard_command", metavar="ACTION", required=True)
@@ -108,8 +89,3 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         p.add_argument("session_id")
         p.set_defaults(func=_sessions)
 
-    a = sub.add_parser("audit", help="what agents asked for and what they got (newest last)")
-    a.add_argument("--session", help="only this session")
-    a.add_argument("--limit", type=int, default=50)
-    a.add_argument("--json", action="store_true")
-    a.set_defaults(func=_audit)

@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "gateway.cli.home",
     "gateway.cli.memory",
     "gateway.cli.guard",
+    "gateway.cli.audit",
     "gateway.cli.authorize",
     "gateway.cli.trust",
     "gateway.cli.agent",

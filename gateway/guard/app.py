@@ -37,7 +37,7 @@ from gateway.config import GuardConfig, Paths
 from gateway.core import deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.errors import UompError
-from gateway.guard.audit import AuditLog
+from gateway.guard.audit import AuditLog, open_audit
 from gateway.guard.auth import AuthService, SessionRow
 from gateway.guard.db import DbWorker
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
@@ -74,8 +74,7 @@ class GuardServices:
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
-        audit = AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days,
-                         busy_timeout=cfg.db_busy_timeout_seconds)
+        audit = open_audit(paths, cfg)
         auth = AuthService(paths, cfg, audit)
         store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
         worker = DbWorker("auth", what="session database", queue_timeout=cfg.db_queue_timeout_seconds)

@@ -20,6 +20,14 @@ so a row replayed from the Auth Service's outbox after a crash is never doubled.
 A lock held by another process past the busy timeout makes a batch fail with STORE_BUSY (503, retry
 shortly) in the same way. Reads of the log run on their own thread (:attr:`AuditLog.reader`),
 never on the event loop.
+
+Verifiable (issue 10, docs/audit.md): with :class:`LedgerOptions` (every production opener, see
+:func:`open_audit`) each row is also an event of the Merkle event log (:mod:`gateway.ledger.log`)
+in the *same* transaction: gap-free sequence, RFC 9162 leaf, tree nodes, and a signed C2SP
+checkpoint every ``audit_checkpoint_events`` events or ``audit_checkpoint_seconds`` seconds (a
+session grant, revocation or deletion proof gets one at once), queued for anchoring when a chain is
+configured. ``audit_logs`` stays as the query index; the event log is what ``uomp audit verify``
+checks and what proofs are cut from.
 """
 
 from __future__ import annotations
@@ -31,13 +39,19 @@ import secrets
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
 from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
 from gateway.errors import UompError
 from gateway.guard.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
+from gateway.ledger import auditkey
+from gateway.ledger.log import EventLog, LedgerError
 
 log = logging.getLogger("uomp.audit")
 
@@ -74,6 +88,43 @@ GAP_ACTION = "audit_gap"
 
 Row = tuple[Any, ...]
 
+# Events that get a signed checkpoint in the same write (spec §18.4.2: authorization events and
+# deletion proofs near real time).
+URGENT_ACTIONS = frozenset({"session_granted", "session_revoked", "session_closed", "session_expired",
+                            "deletion_proof", "deletion_proof_missing", "refresh_reuse"})
+
+
+@dataclass(frozen=True)
+class LedgerOptions:
+    key: Ed25519PrivateKey
+    origin: str
+    checkpoint_events: int = 1000
+    checkpoint_seconds: float = 10.0
+    anchor_backend: str | None = None
+
+    @classmethod
+    def for_home(cls, paths: Paths, cfg: GuardConfig, anchor: AnchorConfig | None = None) -> LedgerOptions:
+        auditkey.ensure(paths)
+        key = auditkey.load(paths)
+        if anchor is None:
+            anchor = load_section(AnchorConfig, "anchor", file=paths.config_file)
+        return cls(key, auditkey.origin_for(key.public_key()), max(1, cfg.audit_checkpoint_events),
+                   max(0.1, cfg.audit_checkpoint_seconds), anchor.backend)
+
+
+def open_audit(paths: Paths, cfg: GuardConfig) -> AuditLog:
+    """The audit log as every process of the appliance opens it: with its verifiable event log."""
+    return AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days, busy_timeout=cfg.db_busy_timeout_seconds,
+                    ledger=LedgerOptions.for_home(paths, cfg))
+
+
+def row_event(row: Row) -> dict[str, Any]:
+    """The event-log body of an audit row: its §18 fields, ``null``s left out."""
+    d = dict(zip(COLUMNS, row, strict=True))
+    d["allowed"] = bool(d["allowed"])
+    d["tags"] = json.loads(d["tags"]) if d["tags"] else None
+    return {k: v for k, v in d.items() if v is not None}
+
 
 def make_row(*, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
              key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
@@ -89,11 +140,22 @@ def make_row(*, session_id: str, agent_id: str, action: str, allowed: bool, reas
 
 class AuditLog:
     def __init__(self, path: Path, *, retention_days: int = 90, max_pending: int = MAX_PENDING_ROWS,
-                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
+                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS, ledger: LedgerOptions | None = None) -> None:
         self.path = path
         self.retention_days = retention_days
         self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
         self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
+        self.ledger_options = ledger
+        self.ledger: EventLog | None = None
+        if ledger is not None:
+            try:
+                self.ledger = EventLog(self._write, origin=ledger.origin, key=ledger.key,
+                                       anchor_backend=ledger.anchor_backend)
+            except LedgerError as exc:
+                raise UompError("STORE_UNAVAILABLE", f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                                ) from exc
+            except sqlite3.Error as exc:
+                raise db_error(exc, what="audit log") from exc
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
         self._maint = threading.Lock()  # the write connection: writer thread vs purge/replay
         self.lost = RefusalTally()  # rows of failed batches, per session|agent, not yet summarised
@@ -141,6 +203,8 @@ class AuditLog:
         if snap is not None:
             rows = self._gap_rows(snap) + rows
         if not rows:
+            if self.ledger is not None:
+                self._insert([])  # a timer's probe: checkpoint what is due
             return
         self._insert(rows)
         if snap is not None:
@@ -148,21 +212,49 @@ class AuditLog:
             log.warning("audit log: writing again; %d refused request(s) recorded as audit_gap rows",
                         sum(snap["counts"].values()))
 
-    def _insert(self, rows: list[Row]) -> None:
+    def _ledger_write(self, conn: sqlite3.Connection, rows: list[Row], *, dedupe: bool) -> None:
+        """Inside the batch's transaction: the rows as events, and a checkpoint when one is due."""
+        ledger = self.ledger
+        opts = self.ledger_options
+        assert ledger is not None and opts is not None
+        ledger.reload()  # another process (the CLI) may have appended since this one last wrote
+        if dedupe:  # an outbox replay: rows already in the log are not events twice
+            seen = "SELECT 1 FROM audit_logs WHERE id = ?"
+            rows = [r for r in rows if conn.execute(seen, (r[0],)).fetchone() is None]
+        if rows:
+            ledger.append([row_event(r) for r in rows])
+        last = ledger.latest_checkpoint()
+        last_size, last_time = (last[0].size, float(last[0].timestamp)) if last else (0, 0.0)
+        now = time.time()
+        if ledger.size > last_size and (ledger.size - last_size >= opts.checkpoint_events
+                                        or now - last_time >= opts.checkpoint_seconds
+                                        or any(r[5] in URGENT_ACTIONS for r in rows)):
+            ledger.checkpoint(now)
+
+    def _insert(self, rows: list[Row], *, dedupe: bool = False) -> None:
         """One transaction; a SQLite failure is STORE_BUSY (a lock held too long) or STORE_UNAVAILABLE."""
         with self._maint:
             conn = self._write
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    conn.executemany(
-                        f"INSERT OR IGNORE INTO audit_logs ({', '.join(COLUMNS)}) "
-                        f"VALUES ({', '.join('?' * len(COLUMNS))})", rows)
+                    if self.ledger is not None:
+                        self._ledger_write(conn, rows, dedupe=dedupe)
+                    if rows:
+                        conn.executemany(
+                            f"INSERT OR IGNORE INTO audit_logs ({', '.join(COLUMNS)}) "
+                            f"VALUES ({', '.join('?' * len(COLUMNS))})", rows)
                     conn.execute("COMMIT")
                 except BaseException:
                     with contextlib.suppress(sqlite3.Error):
                         conn.execute("ROLLBACK")
+                    if self.ledger is not None:
+                        with contextlib.suppress(sqlite3.Error, LedgerError):
+                            self.ledger.reload()
                     raise
+            except LedgerError as exc:
+                raise UompError("STORE_UNAVAILABLE", f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                                ) from exc
             except sqlite3.Error as exc:
                 err = db_error(exc, what="audit log")
                 if err.code == "STORE_UNAVAILABLE":
@@ -173,7 +265,16 @@ class AuditLog:
     def write_now(self, rows: list[Row]) -> None:
         """Write rows at once, bypassing the queue (replaying an outbox); idempotent on the row ids."""
         if rows:
-            self._insert(rows)
+            self._insert(rows, dedupe=True)
+
+    def checkpoint_due(self) -> bool:
+        """True when events wait for a checkpoint (the guard's timer then probes the writer)."""
+        if self.ledger is None or self.ledger_options is None:
+            return False
+        row = self._read.execute("SELECT MAX(seq) FROM ledger_events").fetchone()
+        size = int(row[0] or 0)
+        cp = self._read.execute("SELECT MAX(size) FROM ledger_checkpoints").fetchone()
+        return size > int(cp[0] or 0)
 
     def flush_sync(self, ticket: int | None = None) -> None:
         self.writer.flush_sync(ticket)
@@ -215,6 +316,8 @@ class AuditLog:
         cutoff = (time.time() if now is None else now) - self.retention_days * 86400
         with self._maint:
             cur = self._write.execute("DELETE FROM audit_logs WHERE ts < ?", (cutoff,))
+            if self.ledger is not None:  # bodies go, leaves and tree stay: old proofs still verify
+                self.ledger.prune_bodies(cutoff)
         return int(cur.rowcount)
 
     def close(self) -> None:

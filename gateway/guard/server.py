@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -18,6 +19,9 @@ from gateway.errors import UompError
 from gateway.guard.app import GuardServices, create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
+
+if TYPE_CHECKING:
+    from gateway.ledger.anchoring import Anchorer
 
 log = logging.getLogger("uomp.guard")
 SWEEP_INTERVAL_SECONDS = 5.0
@@ -78,6 +82,7 @@ class GuardRunner:
         self._tasks: list[asyncio.Task[None]] = []
         self.tcp_port: int | None = None
         self._claimed = False  # True once the socket path is ours (only then do we remove it)
+        self.anchorer: Anchorer | None = None
 
     async def start(self) -> None:
         try:
@@ -117,6 +122,8 @@ class GuardRunner:
                 self.services.add_local_port(self.tcp_port)
         self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper()))
         self._tasks.append(asyncio.get_running_loop().create_task(self._key_watcher(key_watch)))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._checkpointer()))
+        await self._start_anchoring()
         log.info("guard listening on unix:%s%s", sock,
                  f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
 
@@ -138,6 +145,37 @@ class GuardRunner:
             except UompError as exc:
                 log.warning("sweeper: %s", exc.code)
 
+    async def _checkpointer(self) -> None:
+        """A signed checkpoint within audit_checkpoint_seconds of the last event, even when idle."""
+        svc = self.services
+        assert svc is not None
+        interval = max(0.1, self.cfg.audit_checkpoint_seconds)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if await svc.audit.reader.run(svc.audit.checkpoint_due):
+                    await svc.audit.writer.probe()
+            except UompError as exc:
+                log.warning("checkpoint: %s", exc.code)
+
+    async def _start_anchoring(self) -> None:
+        """The anchoring worker, when [anchor] names a chain: drains the checkpoint backlog."""
+        from gateway.config import AnchorConfig, load_section
+
+        acfg = load_section(AnchorConfig, "anchor", file=self.paths.config_file)
+        if acfg.backend == "none":
+            return
+        from gateway.anchor.ops import make_backend
+        from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+
+        backend = make_backend(acfg.backend, rpc_url=acfg.rpc_url or None, contract=acfg.contract or None,
+                               chain_id=acfg.chain_id or None, key_file=Path(acfg.key_file) if acfg.key_file else None,
+                               account=acfg.account or None, confirmations=acfg.confirmations)
+        self.anchorer = Anchorer(self.paths.audit_db, backend, policy=AnchorPolicy(
+            poll_seconds=acfg.poll_seconds, backoff_max_seconds=acfg.backoff_max_seconds))
+        self.anchorer.start()
+        log.info("anchoring checkpoints on %s", acfg.backend)
+
     def reload_keys(self) -> None:
         if self.services is not None:
             self.services.auth.reload_keys()
@@ -154,6 +192,11 @@ class GuardRunner:
                 log.error("key reload failed, keeping the previous keys: %s", exc.message)
 
     async def stop(self) -> None:
+        if self.anchorer is not None:
+            await self.anchorer.stop()
+            with contextlib.suppress(Exception):
+                await self.anchorer.backend.close()
+            self.anchorer = None
         for t in self._tasks:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):

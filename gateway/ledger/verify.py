@@ -10,7 +10,9 @@ number it can pin down:
 4. the tree is recomputed from the leaves; every complete subtree must equal the stored node
    (pins an edit down to the smallest subtree that changed) and every checkpoint's root must equal
    the recomputed root at its size (so successive checkpoints are consistent by construction);
-5. the newest checkpoint may not be larger than the log (a cut-off tail).
+5. neither the newest checkpoint nor the stored tree may be larger than the log (a cut-off tail;
+   a tail cut together with its tree nodes and after the last checkpoint is what the checkpoint
+   interval and the anchors bound).
 
 Anchors are checked by the caller against the chain (see ``gateway.anchor``): an anchored root is
 the one thing an attacker holding the appliance's disk and key cannot rewrite.
@@ -129,7 +131,11 @@ def verify_log(conn: sqlite3.Connection, *, origin: str, public_key: Ed25519Publ
                 last_good_cp = cr.size
             next_cp += 1
         expected = seq + 1
-    # 5. a checkpoint beyond the end: the tail was cut off.
+    # 5. a checkpoint or a stored tree beyond the end: the tail was cut off.
+    row = conn.execute("SELECT MAX(idx) FROM merkle_nodes WHERE level = 0").fetchone()
+    leaves = 0 if row[0] is None else int(row[0]) + 1
+    if leaves > cr.size:
+        report.fail(cr.size + 1, f"the log ends at event {cr.size} but its tree has {leaves} leaves (truncated)")
     if next_cp < len(cps):
         report.fail(cr.size + 1, f"the log ends at event {cr.size} but a checkpoint covers {cps[-1].size} (truncated)")
     return report
