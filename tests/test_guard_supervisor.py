@@ -169,7 +169,13 @@ async def test_lost_socket_or_hung_guard_is_restarted(tmp_path: Path, sv_home: P
                     os.kill(pid, 0)
                     await asyncio.sleep(0.05)
                 raise AssertionError(f"{name}: the old guard process {pid} still runs")
-            assert await health() == 200
+            # /v1/health follows the gateway's own upstream check (every 2 s): it turns 200 by the next one.
+            for _ in range(100):
+                if await health() == 200:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError(f"{name}: /v1/health stayed 503 after the guard came back")
 
         metrics = await _metrics(metrics_port)
         assert re.search(r"^uomp_gateway_guard_restarts_total 3$", metrics, re.M), metrics
