@@ -164,6 +164,9 @@ class GuardConfig:
     audit_checkpoint_events: int = 1000
     audit_checkpoint_seconds: float = 10.0
 
+    def __post_init__(self) -> None:
+        _check_port(self.tcp_port, "guard.tcp_port", low=0)
+
 
 @dataclass(frozen=True)
 class AnchorConfig:
@@ -182,7 +185,10 @@ class AnchorConfig:
     backoff_max_seconds: float = 300.0  # retry delay cap while the chain is unreachable
 
     def __post_init__(self) -> None:
-        _check_port(self.tcp_port, "guard.tcp_port", low=0)
+        if self.backend not in ("none", "evm", "starknet"):
+            raise UompError("CONFIG_ERROR", f"anchor.backend must be none, evm or starknet, not {self.backend!r}")
+        if self.confirmations < 1 or self.poll_seconds <= 0 or self.backoff_max_seconds <= 0:
+            raise UompError("CONFIG_ERROR", "anchor.confirmations must be >= 1 and the intervals > 0")
 
 
 @dataclass(frozen=True)
