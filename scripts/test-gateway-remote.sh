@@ -2,7 +2,8 @@
 # The remote gateway end to end (spec §15.4), as a user and an agent meet it: in a temporary
 # home, start the appliance with a tunnel (the stand-in tests/fake_cloudflared.py, since the real
 # Cloudflare service cannot be reached from CI), issue an agent certificate, authorize the agent,
-# read through mTLS and through the tunnel with DPoP, revoke and see the refusals. Any failure
+# read through mTLS and through the tunnel with DPoP, upload a sealed payload and pull it, verify the
+# audit log and one event's proof, revoke and see the refusals. Any failure
 # exits non-zero. scripts/test.sh runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -97,14 +98,31 @@ asyncio.run(main())
 EOF
 grep -q '"listener": *"tunnel"' "$UOMP_HOME/gateway/access.jsonl" || fail "no tunnel request in the access log"
 
-# ---------------------------------------------------------------------------------------------
-# PAYLOADS AND AUDIT VERIFICATION (issue 12, spec §15.4): to be added by the lead once
-# `uomp payload` and the verifiable audit log land: upload a sealed payload, pull it, check it,
-# then verify the audit/access log. Keep it between these markers.
-# ---------------------------------------------------------------------------------------------
+step "upload a sealed payload (SDK over mTLS), pull and open it (CLI): only ciphertext on the relay"
+SESSION=$(json 'd["session_id"]' <"$AGENT/mtls-bundle.json")
+printf '# Portfolio report\nAAPL up 3%%.\n' >"$WORK/report.md"
+PAYLOAD_ID=$("$PY" - "$AGENT/mtls-bundle.json" "$WORK/report.md" <<'EOF'
+import asyncio, sys
+from gateway.client import UompClient
+
+async def main() -> None:
+    bundle, path = sys.argv[1:3]
+    async with UompClient.from_bundle(bundle) as c:
+        print(await c.upload_payload(open(path, "rb").read(), format="text/markdown"))
+asyncio.run(main())
+EOF
+) || fail "payload upload"
+grep -rq "Portfolio report" "$UOMP_HOME/payloads" && fail "payload plaintext found on the relay"
+"$UOMP" payload pull "$PAYLOAD_ID" --out "$WORK/pulled.md" >/dev/null || fail "uomp payload pull"
+cmp -s "$WORK/report.md" "$WORK/pulled.md" || fail "the pulled payload differs from what the agent sealed"
+
+step "the audit log verifies; one event's proof checks with nothing else"
+"$UOMP" audit verify >/dev/null || fail "uomp audit verify"
+EVENT=$("$UOMP" audit --json --session "$SESSION" | json 'd[0]["id"]')
+"$UOMP" audit proof "$EVENT" --out "$WORK/proof.json" >/dev/null || fail "uomp audit proof $EVENT"
+"$UOMP" audit verify-proof "$WORK/proof.json" | grep -q "proof OK" || fail "the proof bundle does not verify"
 
 step "revoke the session: refused at once"
-SESSION=$(json 'd["session_id"]' <"$AGENT/mtls-bundle.json")
 "$UOMP" sessions revoke "$SESSION" >/dev/null
 code=$(mtls_get)
 [ "$code" = 401 ] || fail "a revoked session answered $code"
