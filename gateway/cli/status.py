@@ -105,9 +105,46 @@ def collect(paths: Paths) -> dict[str, Any]:
         "gateway_certificate": _cert_expiry(paths),
         "agent_certificates": _agents(paths),
         "active_sessions": _sessions(paths),
-        "anchoring": {"configured": False, "backlog": None,
-                      "note": "not configured (no anchoring worker runs in the appliance yet; docs/anchoring.md)"},
+        "anchoring": _anchoring(paths),
     }
+
+
+def _anchoring(paths: Paths) -> dict[str, Any]:
+    """The audit log's checkpoints and the anchoring backlog (read-only; docs/audit.md)."""
+    import sqlite3
+
+    from gateway.config import AnchorConfig
+    from gateway.errors import UompError
+    from gateway.ledger.anchoring import backlog
+
+    try:
+        backend = load_section(AnchorConfig, "anchor", file=paths.config_file).backend
+    except UompError as exc:
+        return {"configured": False, "backlog": None, "note": f"[anchor] is invalid: {exc.message}"}
+    out: dict[str, Any] = {"configured": backend != "none", "backend": backend, "backlog": None}
+    try:
+        conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True)
+        try:
+            cp = conn.execute("SELECT MAX(size) FROM ledger_checkpoints").fetchone()[0]
+            out["checkpointed_events"] = int(cp or 0)
+            if backend != "none":
+                out["backlog"] = backlog(conn)
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        pass
+    if backend == "none":
+        out["note"] = (f"signed checkpoints only ({out.get('checkpointed_events', 0)} events checkpointed); "
+                       "set [anchor] to anchor them on a chain (docs/anchoring.md)")
+    else:
+        b = out["backlog"] or {}
+        counts = b.get("counts", {})
+        last = b.get("last_confirmed")
+        out["note"] = (f"{backend}: {counts.get('confirmed', 0)} anchored, "
+                       f"{counts.get('queued', 0) + counts.get('submitted', 0)} pending"
+                       + (f", last in tx {last['tx']}" if last else "")
+                       + (f"; last error: {b['last_error']}" if b.get("last_error") else ""))
+    return out
 
 
 def _text(s: dict[str, Any]) -> None:
