@@ -206,7 +206,8 @@ class GatewayConfig:
     server_key: str = ""
     agent_ca: str = ""
     agent_crl: str = ""
-    endpoints: list[str] = field(default_factory=list)  # audiences; "" -> https://localhost:<port>
+    endpoints: list[str] = field(default_factory=list)  # mTLS listener's URLs; [] -> https://localhost:<port>
+    tunnel_endpoints: list[str] = field(default_factory=list)  # the tunnel-origin listener's public URLs
     max_header_bytes: int = 8 * 1024
     max_body_bytes: int = 1024 * 1024
     # Connection limits (gateway/remote/transport.py, docs/security.md "Limits"). A connection is

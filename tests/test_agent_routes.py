@@ -212,7 +212,7 @@ async def _tunnel_call(app: Appliance, method: str, path: str, *, token: str | N
 
 
 async def test_dpop_tunnel_listener(home: Paths) -> None:
-    async with appliance(home, tunnel_origin_port=0, endpoints=[TUNNEL]) as app:
+    async with appliance(home, tunnel_origin_port=0, tunnel_endpoints=[TUNNEL]) as app:
         a = app.agent("agent_a")
         g = await app.grant(a, audience=TUNNEL, refresh=True)
         key = agent_key(a)

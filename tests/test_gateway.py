@@ -127,7 +127,7 @@ async def test_management_routes_never_reachable(app: Appliance) -> None:
                              ("POST", f"/v1/sessions/{g['session_id']}/grant"),
                              ("POST", f"/v1/sessions/{g['session_id']}/revoke"),
                              ("POST", f"/v1/sessions/{g['session_id']}/close"),
-                             ("POST", "/v1/tokens/validate"), ("PUT", "/v1/memory/preference.theme"),
+                             ("POST", "/v1/tokens/validate"), ("PATCH", "/v1/memory/preference.theme"),
                              ("GET", "/v1/nothing"), ("GET", "/")):
             status, body, _ = await agent_call(s, app.base, path, token=g["token"], agent_id=a.agent_id,
                                                method=method, headers=admin_headers(app.paths) | {
@@ -290,11 +290,15 @@ async def test_client_sent_identity_headers_are_not_forwarded(app: Appliance) ->
     a = app.agent("agent_a")
     g = await app.grant(a)
     async with agent_session(a, app.paths) as s:
+        # a client never sends the gateway's assertion: refused outright (issue 15 defect 1)
         status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
                                            agent_id=a.agent_id,
                                            headers={"X-UOMP-Verified-Agent": "someone_else",
                                                     "X-UOMP-Verified-Via": "forged"})
-    assert status == 200 and body["value"] == "dark"  # replaced, not trusted (a mismatch would be 403)
+        assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
+        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
+                                           agent_id=a.agent_id)
+        assert status == 200 and body["value"] == "dark"
     from gateway.guard.audit import AuditLog
 
     audit = AuditLog(app.paths.audit_db)
@@ -490,8 +494,7 @@ async def test_fronts_another_guard_over_loopback_http(home: Paths) -> None:
     try:
         async with agent_session(a, home) as s:
             status, body, _ = await agent_call(s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme",
-                                               token=g["token"], agent_id=a.agent_id,
-                                               headers={"X-UOMP-Verified-Agent": "forged", "Cookie": "x=1"})
+                                               token=g["token"], agent_id=a.agent_id, headers={"Cookie": "x=1"})
             assert (status, body["value"]) == (200, "from-other-guard")
             # still refused before forwarding: wrong agent header
             status, body, _ = await agent_call(s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme",

@@ -65,7 +65,7 @@ async def sdk_appliance(paths: Paths, *, guard: dict[str, Any] | None = None, **
     ca_store.init_all(paths)
     seed(paths)
     gateway.setdefault("tunnel_origin_port", 0)
-    gateway.setdefault("endpoints", [TUNNEL])  # the ephemeral https://localhost:<port> is added at start
+    gateway.setdefault("tunnel_endpoints", [TUNNEL])  # the ephemeral https://localhost:<port> is added at start
     cfg = dataclasses.replace(GatewayConfig(listen_port=0), **gateway)
     async with running_guard(paths, guard_config(**(guard or {})), serve_tcp=False), unix_session(paths) as admin:
         gw = GatewayRunner(paths, cfg)
@@ -627,7 +627,7 @@ async def test_dpop_attack_table(app: Appliance, tmp_path: Path) -> None:
         ("proof without ath", {"proof": proof(access=None)}, "DPOP_INVALID"),
         ("proof for another token", {"proof": proof(access=tok + "x")}, "DPOP_INVALID"),
         ("proof too old", {"proof": proof(iat=time.time() - 600)}, "DPOP_INVALID"),
-        ("two proofs", {"proof": [proof(), proof()]}, "DPOP_INVALID"),
+        ("two proofs", {"proof": [proof(), proof()]}, "INVALID_REQUEST"),  # a single-valued header twice: 400
         ("Host not a gateway endpoint", {"proof": proof(u="https://evil.example" + path), "host": "evil.example"},
          "DPOP_INVALID"),
         ("no token", {"proof": proof(access=None), "token": None}, "INVALID_TOKEN"),
@@ -635,7 +635,7 @@ async def test_dpop_attack_table(app: Appliance, tmp_path: Path) -> None:
     for name, kw, code in rows:
         token = kw.pop("token", tok)
         status, body = await tunnel_call(app, "GET", path, token=token, **kw)
-        assert (status, body["error"]["code"]) == (401, code), name
+        assert (status, body["error"]["code"]) == (400 if code == "INVALID_REQUEST" else 401, code), name
     # a token bound to another key (cnf.jkt) with a valid proof by the presenting key
     rebound = resign(tok, app.paths, cnf={"jkt": jose.key_thumbprint(other_key.public_key())})
     status, body = await tunnel_call(app, "GET", path, token=rebound,

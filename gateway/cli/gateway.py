@@ -60,6 +60,8 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
         overrides["upstream"] = args.upstream
     if args.endpoint:
         overrides["endpoints"] = list(args.endpoint)
+    if getattr(args, "tunnel_endpoint", None):
+        overrides["tunnel_endpoints"] = list(args.tunnel_endpoint)
     if args.force_non_loopback:
         overrides["allow_non_loopback"] = True
     _port_flag(args.metrics_port, "--metrics-port", low=0)
@@ -176,10 +178,14 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
         assert gw.state is not None and gw.port is not None
         state = gw.state
         if gcfg.listen_port == 0:  # the placeholder audiences of "any free port" are not addresses
-            state.endpoints -= {e.rstrip("/") for e in appliance.local_urls(0)}
-        # one source of truth: everything recorded for this home is accepted
+            for e in appliance.local_urls(0):
+                state.discard_endpoint(e)
+        # one source of truth: everything recorded for this home is accepted, each URL on its own
+        # listener (a quick/named tunnel's URL on the tunnel origin; a tcp tunnel ends in mTLS)
+        recorded = appliance.load_addresses(paths)["tunnel"] or {}
+        tunnel_at = recorded.get("url") if recorded.get("mode") in ("quick", "named") else None
         for url in appliance.accepted_endpoints(paths, gcfg, gw.port):
-            state.add_endpoint(url)
+            state.add_endpoint(url, listener="tunnel" if url == tunnel_at else "mtls")
         if tunnel is not None and tmode != "none":
             sup = _tunnel_supervisor(paths, gw, tunnel, lock, TunnelConfig, TunnelSupervisor)
             gw.status_sources["tunnel"] = sup.state.as_dict
@@ -244,7 +250,8 @@ def _tunnel_supervisor(paths: Paths, gw: Any, t: TunnelSettings, lock: appliance
 
     async def on_url(new: str, old: str | None) -> None:
         if gw.state is not None:
-            gw.state.add_endpoint(new)  # accepted before anyone can learn the URL from us
+            # accepted before anyone can learn the URL from us, on the listener the tunnel ends at
+            gw.state.add_endpoint(new, listener="tunnel" if t.mode in ("quick", "named") else "mtls")
         await asyncio.to_thread(appliance.set_tunnel, paths, t.mode, new)
         if lock is not None and "sup" in holder:
             info = _run_info(paths, gw.cfg, gw, None, holder["sup"])
@@ -409,7 +416,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--tunnel-origin-port", type=int, metavar="PORT",
                    help="also listen on 127.0.0.1:PORT (plain HTTP) for a tunnel such as cloudflared; every request "
-                   "there needs a DPoP proof (start --tunnel quick|named picks a free port when this is not set)")
+                   "there needs a DPoP proof (start --tunnel quick|named picks a free port when this is not set); "
+                   "the tunnel's public URL must be a --tunnel-endpoint (start --tunnel adds it by itself)")
+    p.add_argument("--tunnel-endpoint", action="append", metavar="URL",
+                   help="the tunnel's public URL (repeatable): the only endpoint the tunnel-origin listener serves; "
+                   "tokens used through the tunnel name it as audience")
     p.add_argument("--force-non-loopback", action="store_true",
                    help="allow --listen on a non-loopback address (needed to accept agents from other hosts)")
 

@@ -180,7 +180,7 @@ def parse_compact(token: str, *, what: str = "token", code: str = "INVALID_TOKEN
         header = json.loads(b64u_decode(parts[0]))
         payload = json.loads(b64u_decode(parts[1]))
         signature = b64u_decode(parts[2])
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise UompError(code, f"{what} is malformed") from exc
     if not isinstance(header, dict) or not isinstance(payload, dict):
         raise UompError(code, f"{what} header and payload must be JSON objects")

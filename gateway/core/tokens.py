@@ -22,7 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from gateway.core import jose
+from gateway.core import checks, jose
 from gateway.errors import UompError
 
 TOKEN_VERSION = "1.0"
@@ -182,9 +182,17 @@ def parse_claims(header: Mapping[str, Any], claims: Mapping[str, Any]) -> Capabi
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _fail(f"claim {name} must be a number")
     assert isinstance(exp, int | float) and isinstance(iat, int | float)
+    # §7.2 MUST claims (version, issued_at, expires_at; limits below for access tokens). The
+    # reference writes them snake_case; camelCase spellings are read too.
+    version = claims.get("version")
+    if not isinstance(version, str) or version.split(".", 1)[0] != TOKEN_VERSION.split(".", 1)[0]:
+        raise _fail("claim version is missing or not a supported token format version")
+    raw_exp_at, raw_iss_at = _pick(claims, "expires_at", "expiresAt"), _pick(claims, "issued_at", "issuedAt")
+    if raw_exp_at is None or raw_iss_at is None:
+        raise _fail("claims issued_at and expires_at are required")
     try:
-        expires_at = parse_iso(claims["expires_at"]) if "expires_at" in claims else float(exp)
-        issued_at = parse_iso(claims["issued_at"]) if "issued_at" in claims else float(iat)
+        expires_at = parse_iso(raw_exp_at)
+        issued_at = parse_iso(raw_iss_at)
     except (ValueError, OverflowError) as exc:
         raise _fail("claims expires_at/issued_at must be ISO 8601 timestamps") from exc
 
@@ -201,6 +209,10 @@ def parse_claims(header: Mapping[str, Any], claims: Mapping[str, Any]) -> Capabi
         write = parse_scope(scopes.get("write"), "write")
 
     limits = claims.get("limits")
+    if limits is None and token_use == "access":
+        # Spec table says OPTIONAL, but without it no quota applies; every issuer we trust (ours
+        # and the TypeScript reference's Auth Service) always writes it.
+        raise _fail("claim limits is required")
     if limits is not None and not isinstance(limits, dict):
         raise _fail("claim limits must be an object")
     limits = limits or {}
@@ -255,10 +267,7 @@ def verify_token(token: str, keys: Mapping[str, jose.PublicKey], *, now: float) 
     parsed = jose.parse_compact(token)
     if parsed.header.get("alg") != "EdDSA":
         raise _fail("token algorithm must be EdDSA")
-    kid = parsed.header.get("kid")
-    if not isinstance(kid, str) or kid not in keys:
-        raise _fail("token key id is unknown")
-    key = keys[kid]
+    key = keys[checks.check_kid(parsed.header.get("kid"), keys)]
     if not isinstance(key, ed25519.Ed25519PublicKey) or not jose.verify_signature(parsed, key):
         raise _fail("token signature is invalid")
     cap = parse_claims(parsed.header, parsed.payload)

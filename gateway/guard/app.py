@@ -3,8 +3,16 @@
 Two listeners share one set of services:
 
 * ``unix`` — ``$UOMP_HOME/guard.sock`` (0600): the CLI, and the remote gateway forwarding verified
-  remote-profile requests; the only place the internal refresh route exists;
-* ``tcp`` — ``127.0.0.1:9374``, the Local Profile: local-profile tokens only (§14.1, §7.3).
+  remote-profile requests; the only place the internal routes (refresh, token validation) exist.
+  A request that carries the gateway's assertion (:mod:`gateway.contract`) is served as a remote
+  request: the token must hash to what the gateway verified, name the agent it verified, be of the
+  remote profile and be bound to the certificate or key the gateway saw. A request without the
+  assertion is treated exactly like one on the Local Profile listener;
+* ``tcp`` — ``127.0.0.1:9374``, the Local Profile: local-profile tokens only, on every route
+  (§14.1, §7.3); a client-sent ``X-UOMP-Verified-*`` header is refused.
+
+Every agent route authenticates through :func:`presented_for` + :meth:`AuthService.authenticate`,
+which runs the shared checks of :mod:`gateway.core.checks`.
 
 Management routes (create/grant/close/revoke/list) need the user's admin credential; a capability
 token never suffices. Every response to an agent is either data it was granted or a §8.4 error.
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import json
 import logging
 import math
@@ -32,13 +41,24 @@ from typing import Any, TypeVar
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from gateway import contract
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
-from gateway.core import deletion, jose, paging, policy
+from gateway.contract import (
+    AGENT_HEADER,
+    QUOTA_HEADER,
+    REQUIRED_VERIFIED,
+    VERIFIED_AGENT_HEADER,
+    VERIFIED_JKT_HEADER,
+    VERIFIED_TOKEN_HEADER,
+    VERIFIED_VIA_HEADER,
+    VERIFIED_X5T_HEADER,
+)
+from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.errors import UompError
 from gateway.guard.audit import AuditLog, open_audit
-from gateway.guard.auth import AuthService, SessionRow
+from gateway.guard.auth import AuthService, SessionRow, token_hash
 from gateway.guard.db import DbWorker
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
 from gateway.guard.store import AggregateRow, MemoryStore, ReadFilter, json_path
@@ -46,12 +66,6 @@ from gateway.guard.store import AggregateRow, MemoryStore, ReadFilter, json_path
 log = logging.getLogger("uomp.guard")
 T = TypeVar("T")
 
-# Headers the gateway sets on forwarded requests (it strips any copy a client sent).
-VERIFIED_AGENT_HEADER = "X-UOMP-Verified-Agent"
-VERIFIED_VIA_HEADER = "X-UOMP-Verified-Via"
-VERIFIED_X5T_HEADER = "X-UOMP-Verified-X5t"
-VERIFIED_JKT_HEADER = "X-UOMP-Verified-Jkt"
-QUOTA_HEADER = "X-UOMP-Quota-Remaining"
 MAX_QUERY_PARAM = 256
 
 
@@ -70,7 +84,8 @@ class GuardServices:
     local_audiences: set[str] = dataclasses.field(default_factory=set)
 
     def add_local_port(self, port: int) -> None:
-        self.local_audiences.update({f"http://127.0.0.1:{port}", f"http://localhost:{port}"})
+        self.local_audiences.update(checks.norm_endpoint(u) for u in (f"http://127.0.0.1:{port}",
+                                                                       f"http://localhost:{port}"))
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
@@ -118,6 +133,10 @@ _HTTP_CODES = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "PAYLOAD_TOO_LA
 async def errors_middleware(request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
+        # Single-valued headers once; identity headers only as the gateway's assertion on the socket.
+        problem = contract.header_problem(request.raw_headers, verified_allowed=request.app[LISTENER] == "unix")
+        if problem is not None:
+            raise UompError("INVALID_REQUEST", problem)
         return await handler(request)
     except UompError as exc:
         return error_response(exc)
@@ -160,7 +179,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         return {}
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise UompError("INVALID_REQUEST", "request body is not valid JSON") from exc
     if not isinstance(body, dict):
         raise UompError("INVALID_REQUEST", "request body must be a JSON object")
@@ -181,6 +200,47 @@ def _param(request: web.Request, name: str, *, required: bool = True, max_len: i
     return values[0]
 
 
+def _asserted(request: web.Request) -> bool:
+    """True when the request carries the gateway's verified-identity headers (Unix socket only)."""
+    return request.app[LISTENER] == "unix" and any(
+        name.lower().startswith(contract.VERIFIED_PREFIX) for name in request.headers)
+
+
+def presented_for(request: web.Request, th: str, *, use: str = "access") -> checks.Presented:
+    """What this listener knows about the request, for :func:`gateway.core.checks.run_checks`.
+
+    On the Unix socket with the gateway's assertion: the token must be exactly the one the gateway
+    verified (hash compared in constant time), and the agent and binding are the gateway's. Else
+    (the Local Profile listener, or the socket without an assertion): local-profile tokens only.
+    """
+    svc = request.app[SERVICES]
+    h = request.headers
+    if _asserted(request):
+        if any(not h.get(name) for name in REQUIRED_VERIFIED):
+            raise UompError("INVALID_REQUEST", "incomplete gateway assertion")
+        if not hmac.compare_digest(th.removeprefix("sha256:").encode(), h[VERIFIED_TOKEN_HEADER].encode()):
+            raise UompError("INVALID_TOKEN", "the token is not the one the gateway verified")
+        return checks.Presented(
+            token_use=use, profile="remote", audiences=None, audience_required=True, endpoint=None,
+            check_endpoint=False, header_agent=h.get(AGENT_HEADER) or None, require_header_agent=False,
+            proven_agent=h[VERIFIED_AGENT_HEADER], x5t=h.get(VERIFIED_X5T_HEADER) or None,
+            jkt=h.get(VERIFIED_JKT_HEADER) or None, binding=checks.BIND_EITHER)
+    # The socket has no URL of its own: a local token's audience is compared on the TCP listener only.
+    audiences = svc.local_audiences if request.app[LISTENER] == "tcp" else None
+    return checks.Presented(
+        token_use=use, profile="local", audiences=audiences, audience_required=False,
+        endpoint=None, check_endpoint=False, header_agent=h.get(AGENT_HEADER) or None,
+        require_header_agent=False, proven_agent=None, x5t=None, jkt=None, binding=checks.BIND_NONE)
+
+
+def prepare(request: web.Request, *, use: str = "access") -> tuple[str, str, checks.Presented]:
+    """The token, its hash and what the listener presents, for :meth:`AuthService.authenticate` (on
+    the event loop: headers and one SHA-256, no I/O)."""
+    token = _bearer(request)
+    th = token_hash(token)
+    return token, th, presented_for(request, th, use=use)
+
+
 class AgentCall:
     """One authenticated agent request: runs §10.4 steps 1-4 and records the audit event."""
 
@@ -196,24 +256,13 @@ class AgentCall:
         self.remaining: int | None = None
         self.ticket: int | None = None  # the audit row to wait for before answering
 
-    def _check_listener(self, cap: Capability, listener: str, forwarded: str | None) -> None:
-        if listener == "tcp":
-            # Local Profile listener (§7.3, §14.1): local tokens bound to this endpoint only.
-            if cap.profile != "local":
-                raise UompError("INVALID_TOKEN", "a remote-profile token must come through the gateway",
-                                session_id=cap.session_id)
-            if cap.audience is not None and cap.audience.rstrip("/") not in self.svc.local_audiences:
-                raise UompError("INVALID_TOKEN", "token audience is not this guard", session_id=cap.session_id)
-        elif forwarded is not None and forwarded != cap.agent_id:
-            raise UompError("AGENT_MISMATCH", "verified agent does not match the token", session_id=cap.session_id)
-
-    def _authenticate_on_worker(self, token: str, listener: str, forwarded: str | None, read: bool
+    def _authenticate_on_worker(self, token: str, th: str, presented: checks.Presented, read: bool
                                 ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None]:
-        """Runs on the auth.db worker: steps 1-4, then (``read``) step 5. Returns (cap, row, remaining,
-        refusal): a refusal with no cap failed authentication; with a cap, the quota."""
+        """Runs on the auth.db worker: steps 1-4 with the listener's checks, then (``read``) step 5.
+        Returns (cap, row, remaining, refusal): a refusal with no cap failed authentication; with a
+        cap, the quota."""
         try:
-            cap, row = self.svc.auth.authenticate(token)
-            self._check_listener(cap, listener, forwarded)
+            cap, row = self.svc.auth.authenticate(token, presented=presented, th=th)
         except UompError as exc:
             return None, None, None, exc
         if not read:
@@ -224,13 +273,12 @@ class AgentCall:
             return cap, row, 0, exc
 
     async def authenticate(self, *, read: bool = False) -> Capability:
-        """§10.4 steps 1-4 and, with ``read``, step 5 (the read quota): one trip to the auth.db worker.
-        A refusal is audited (``deny``) and raised."""
-        listener = self.request.app[LISTENER]
+        """§10.4 steps 1-4 (with the checks of :func:`presented_for`) and, with ``read``, step 5 (the
+        read quota): one trip to the auth.db worker. A refusal is audited (``deny``) and raised."""
         try:
+            token, th, presented = prepare(self.request)
             cap, row, remaining, refusal = await self.svc.authdb(
-                self._authenticate_on_worker, _bearer(self.request), listener,
-                self.request.headers.get(VERIFIED_AGENT_HEADER), read)
+                self._authenticate_on_worker, token, th, presented, read)
             if cap is None:
                 assert refusal is not None
                 raise refusal
@@ -493,7 +541,11 @@ async def query_refused(request: web.Request) -> web.Response:
 
 async def get_audit(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    cap, _ = await svc.authdb(svc.auth.authenticate, _bearer(request))
+    call = AgentCall(request, "audit")
+    try:
+        cap = await call.authenticate()  # the same checks as every agent route (refusals are audited)
+    except UompError as exc:
+        return await _answer_refusal(call, exc)
     sid = _param(request, "session_id", required=False)
     if sid is not None and sid != cap.session_id:
         raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
@@ -595,8 +647,13 @@ async def refresh_internal(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
     try:
+        if not _asserted(request):
+            raise UompError("INVALID_REQUEST", "refresh is reached through the gateway only")
+        token, th, presented = prepare(request, use="refresh")  # the gateway's assertion, checked
+        await svc.authdb(functools.partial(svc.auth.authenticate, token, allow_refresh=True, presented=presented,
+                                           th=th))
         answer, ticket = await svc.authdb(functools.partial(
-            svc.auth.refresh_audited, _bearer(request), session_id=sid,
+            svc.auth.refresh_audited, token, session_id=sid,
             presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
             presented_jkt=request.headers.get(VERIFIED_JKT_HEADER)))
     except UompError as exc:
@@ -640,8 +697,8 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     r.add_post("/v1/sessions/{sid}/close", close_session)
     r.add_post("/v1/sessions/{sid}/revoke", revoke_session)
     r.add_post("/v1/sessions/{sid}/deletion-proof", deletion_proof)
-    r.add_post("/v1/tokens/validate", validate_token)
-    if listener == "unix":
+    if listener == "unix":  # internal routes: the gateway's (and the CLI's) only
+        r.add_post("/v1/tokens/validate", validate_token)
         r.add_post("/v1/sessions/{sid}/refresh", refresh_internal)
     from gateway.guard import payload_routes  # imported here: it imports this module
 

@@ -51,7 +51,7 @@ from typing import Any
 
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
-from gateway.core import jose, restrictions, tokens
+from gateway.core import checks, jose, restrictions, tokens
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability, Scope
 from gateway.durable import fault_point
@@ -603,10 +603,15 @@ class AuthService:
         self._verified[th] = cap
         return cap
 
-    def authenticate(self, token: str, *, allow_refresh: bool = False) -> tuple[Capability, SessionRow]:
-        """§10.4 steps 1-4: signature, expiry, session status (every request), blacklist."""
-        th = token_hash(token)
+    def authenticate(self, token: str, *, allow_refresh: bool = False, presented: checks.Presented | None = None,
+                     th: str | None = None) -> tuple[Capability, SessionRow]:
+        """§10.4 steps 1-4: signature, expiry, then (given what the listener ``presented``) the shared
+        checks of :mod:`gateway.core.checks` in their order, then session status (every request) and
+        the blacklist. ``th`` is :func:`token_hash` of ``token`` when the caller has it already."""
+        th = th or token_hash(token)
         cap = self.verify(token, th)
+        if presented is not None:
+            checks.run_checks(cap, presented)
         if cap.is_refresh and not allow_refresh:
             raise UompError("INVALID_TOKEN", "a refresh token cannot be used here", session_id=cap.session_id)
         if not cap.is_refresh and allow_refresh:
@@ -773,12 +778,7 @@ class AuthService:
 
     @staticmethod
     def _check_binding(cap: Capability, x5t: str | None, jkt: str | None) -> None:
-        if cap.cnf_x5t is None and cap.cnf_jkt is None:
-            return
-        ok = (x5t is not None and cap.cnf_x5t is not None and secrets.compare_digest(x5t, cap.cnf_x5t)) or (
-            jkt is not None and cap.cnf_jkt is not None and secrets.compare_digest(jkt, cap.cnf_jkt))
-        if not ok:
-            raise UompError("TOKEN_BINDING_MISMATCH", "token is bound to another key", session_id=cap.session_id)
+        checks.check_possession(cap, x5t, jkt)
 
     def _revoke_family(self, row: SessionRow, family_id: str, reason: str) -> None:
         with transaction(self.db, what="session database"):

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from gateway.config import GuardConfig, Paths
 from gateway.errors import UompError
-from gateway.guard.app import GuardServices, create_app
+from gateway.guard.app import GuardServices, create_app, error_response
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
 
@@ -70,6 +71,36 @@ def claim_socket_path(path: Path) -> None:
     remove_dead_socket(path)
 
 
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's protocol, but a request it cannot parse (bad request line, bad header bytes,
+    oversized header) gets the §8.4 JSON shape instead of aiohttp's text/plain (which could echo
+    request bytes), and nothing of the request is logged."""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status < 500:
+            err = UompError("INVALID_REQUEST", "malformed or oversized request", status=status)
+        else:
+            err = UompError("INTERNAL", "internal error", status=status)
+        resp = error_response(err)
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GuardAppRunner(web.AppRunner):
+    """An AppRunner whose connections use :class:`_JsonErrorHandler`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # same state, one overridden factory method
+        return server
+
+
 class GuardRunner:
     """Starts both listeners; ``stop()`` closes them and the databases."""
 
@@ -101,7 +132,7 @@ class GuardRunner:
         self.services = GuardServices.open(self.paths, self.cfg)
         self.services.audit.purge()
         self.services.auth.prune()
-        unix_runner = web.AppRunner(create_app(self.services, listener="unix"), access_log=None)
+        unix_runner = GuardAppRunner(create_app(self.services, listener="unix"), access_log=None)
         await unix_runner.setup()
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
@@ -111,7 +142,7 @@ class GuardRunner:
         os.chmod(sock, 0o600)
         self._runners.append(unix_runner)
         if self.serve_tcp:
-            tcp_runner = web.AppRunner(create_app(self.services, listener="tcp"), access_log=None)
+            tcp_runner = GuardAppRunner(create_app(self.services, listener="tcp"), access_log=None)
             await tcp_runner.setup()
             site = web.TCPSite(tcp_runner, self.cfg.tcp_host, self.cfg.tcp_port)
             await site.start()

@@ -32,16 +32,13 @@ from gateway.core import ca, dpop
 from gateway.errors import UompError
 from gateway.remote.app import (
     STATE,
-    VERIFIED_AGENT_HEADER,
-    VERIFIED_JKT_HEADER,
-    VERIFIED_VIA_HEADER,
-    VERIFIED_X5T_HEADER,
     Call,
     GatewayState,
     Route,
     _bearer,
     _record,
     register_route,
+    verified_headers,
 )
 
 MAX_CSR_BYTES = 16 * 1024
@@ -50,13 +47,7 @@ MAX_CSR_BYTES = 16 * 1024
 async def refresh(call: Call) -> web.StreamResponse:
     state = call.request.app[STATE]
     assert call.cap is not None and call.token is not None
-    headers = {"Authorization": f"Bearer {call.token}", VERIFIED_AGENT_HEADER: call.cap.agent_id,
-               VERIFIED_VIA_HEADER: f"gateway:{call.via}"}
-    if call.identity is not None:
-        headers[VERIFIED_X5T_HEADER] = call.identity.x5t_s256
-        headers[VERIFIED_JKT_HEADER] = call.identity.jkt
-    elif call.jkt is not None:
-        headers[VERIFIED_JKT_HEADER] = call.jkt
+    headers = verified_headers(call)
     status, body = await state.forwarder.json_call("POST", f"/v1/sessions/{call.cap.session_id}/refresh",
                                                    headers=headers)
     if status >= 400:
@@ -147,14 +138,13 @@ async def _read_csr(request: web.Request) -> bytes | None:
 def _public_url(state: GatewayState, request: web.Request, path: str) -> str:
     """The URL the agent addressed, as it must appear in the proof's ``htu``.
 
-    Behind cloudflared the Host header is the public tunnel host name; it must be one of this
-    gateway's endpoints (the same list tokens' ``audience`` is checked against).
+    Behind cloudflared the Host header is the public tunnel host name; it must be one of the
+    tunnel listener's endpoints (the same list tokens' ``audience`` is checked against there).
     """
-    host = request.host.lower()
-    base = f"https://{host}"
-    if base not in state.endpoints:
-        raise UompError("DPOP_INVALID", "request host is not one of this gateway's endpoints")
-    return base + path
+    host = state.match_endpoint("tunnel", request.headers.get("Host", ""))
+    if host is None:
+        raise UompError("DPOP_INVALID", "request host is not one of this gateway's tunnel endpoints")
+    return f"https://{host}" + path
 
 
 async def dpop_identity(call: Call) -> None:

@@ -5,18 +5,24 @@ One catch-all aiohttp route receives every request, so the raw request-target is
 
 1. route lookup in :data:`ROUTES` (unknown: 404 NOT_FOUND, §8.4 shape);
 2. ``/v1/health`` answers at once, without authentication or detail: 200, or 503 STORE_UNAVAILABLE
-   while the guard behind the gateway fails its health checks (``GatewayState.upstream_ok``);
+   while the guard behind the gateway fails its health checks (``GatewayState.upstream_ok``).
+   Before routing, headers: every single-valued header (``Authorization``, ``DPoP``,
+   ``X-UOMP-*``, ``Host``, framing) at most once, no client-sent ``X-UOMP-Verified-*``
+   (:func:`gateway.contract.header_problem`); the endpoint the request arrived on is the
+   listener's own endpoint its ``Host`` names (on TLS, ``Host`` must agree with the SNI name);
 3. transport identity: on the mTLS listener the client certificate (chain, validity and CRL were
    checked in the handshake; the URI SAN ``uomp://agent/<id>`` and EKU clientAuth here). A
    listener without client certificates (the tunnel origin) plugs in its own authenticator;
-4. the token (§7.3, §15.2, §15.4): ``Authorization: Bearer`` and ``X-UOMP-Agent-Id``; EdDSA with a
-   known ``kid``; ``exp``/``expires_at``; ``profile`` remote; ``audience`` one of this gateway's
-   endpoints; ``allowed_endpoints`` contains the host the request came in on; token agent ==
-   certificate agent == header agent; ``cnf`` binding; a refresh token never reads memory;
+4. the token (§7.3, §15.2, §15.4): ``Authorization: Bearer`` and ``X-UOMP-Agent-Id``; signature and
+   claims (:func:`gateway.core.tokens.verify_token`), then the checks of
+   :mod:`gateway.core.checks` in their documented order (token use, profile remote, audience one
+   of *this listener's* endpoints, ``allowed_endpoints``, agents, ``cnf`` binding);
 5. session status from the Auth Service (cached for at most ``status_cache_seconds`` <= 1 s);
 6. the quota (reads only), atomically, persisted;
 7. the route's handler: forward to the guard (default), or a handler registered by another part
-   of the gateway (refresh, payloads) through :func:`register_route`.
+   of the gateway (refresh, payloads) through :func:`register_route`. What is forwarded carries the
+   token the gateway verified (never a client header copy) and the verified-identity headers of
+   :mod:`gateway.contract`, among them the token's hash, which the guard compares with its own.
 
 Every request, allowed or refused, becomes one ``gateway_access`` event in the durable access log
 before its response is sent.
@@ -24,7 +30,6 @@ before its response is sent.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -34,13 +39,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from gateway import contract
 from gateway import keys as keyfiles
-from gateway.config import GatewayConfig, Paths
-from gateway.core import tokens
+from gateway.config import GatewayConfig, GuardConfig, Paths, load_section
+from gateway.contract import (
+    AGENT_HEADER,
+    QUOTA_HEADER,
+    VERIFIED_AGENT_HEADER,
+    VERIFIED_JKT_HEADER,
+    VERIFIED_TOKEN_HEADER,
+    VERIFIED_VIA_HEADER,
+    VERIFIED_X5T_HEADER,
+)
+from gateway.core import checks, tokens
 from gateway.core.dpop import ReplayCache
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
@@ -51,16 +65,14 @@ from gateway.remote import pathnorm, transport
 from gateway.remote.access_log import AccessLog
 from gateway.remote.forward import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS, Forwarder
 from gateway.remote.metrics import Metrics
-from gateway.remote.tls import ClientCertChecker, ClientIdentity
+from gateway.remote.tls import ClientCertChecker, ClientIdentity, server_name_of
 
 log = logging.getLogger("uomp.gateway")
 
-VERIFIED_AGENT_HEADER = "X-UOMP-Verified-Agent"
-VERIFIED_VIA_HEADER = "X-UOMP-Verified-Via"
-VERIFIED_X5T_HEADER = "X-UOMP-Verified-X5t"
-VERIFIED_JKT_HEADER = "X-UOMP-Verified-Jkt"
-QUOTA_HEADER = "X-UOMP-Quota-Remaining"
-AGENT_HEADER = "X-UOMP-Agent-Id"
+__all__ = ["AGENT_HEADER", "QUOTA_HEADER", "VERIFIED_AGENT_HEADER", "VERIFIED_JKT_HEADER", "VERIFIED_TOKEN_HEADER",
+           "VERIFIED_VIA_HEADER", "VERIFIED_X5T_HEADER", "Call", "GatewayState", "Route", "create_gateway_app",
+           "register_route"]
+
 STATUS_CACHE_ENTRIES = 16384
 MAX_STATUS_CACHE_SECONDS = 1.0
 VERIFIED_CACHE_ENTRIES = 4096
@@ -89,6 +101,12 @@ ROUTES: list[Route] = [
     Route("GET", re.compile(r"/v1/memory"), "read_tag", reads=True),
     Route("GET", re.compile(r"/v1/audit"), "audit"),
     Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/deletion-proof"), "deletion_proof"),
+    # §10.1 / §20.4: no agent writes and no semantic query in this version. Forwarded (after every
+    # check) so the agent gets the guard's own answer (WRITE_NOT_AVAILABLE / NOT_IMPLEMENTED) and
+    # the guard's audit log records the attempt, exactly as on the guard itself.
+    Route("PUT", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "write"),
+    Route("DELETE", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "delete"),
+    Route("POST", re.compile(r"/v1/memory/query"), "query"),
 ]
 
 
@@ -104,6 +122,8 @@ class Call:
     via: str = "mtls"
     cap: Capability | None = None
     token: str | None = None
+    token_digest: str | None = None  # SHA-256 (hex) of ``token``, sent to the guard
+    endpoint: str | None = None  # host[:port] of this listener's endpoint the request addressed
     remaining: int | None = None
     key: str | None = None
     tag: str | None = None
@@ -141,8 +161,8 @@ class StatusCache:
         self.ttl = min(max(ttl, 0.0), MAX_STATUS_CACHE_SECONDS)
         self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
 
-    async def check(self, token: str, cap: Capability) -> None:
-        key = hashlib.sha256(token.encode()).hexdigest()
+    async def check(self, token: str, cap: Capability, digest: str | None = None) -> None:
+        key = digest or contract.token_digest(token)
         now = time.monotonic()
         hit = self._cache.get(key)
         if hit is None or hit[0] <= now:
@@ -198,27 +218,30 @@ class QuotaStore:
         self.db.close()
 
 
-def _norm_endpoint(url: str) -> str:
-    parts = urlsplit(url.strip())
-    scheme = parts.scheme.lower()
-    host = (parts.hostname or "").lower()
-    port = parts.port
-    default = {"https": 443, "http": 80}.get(scheme)
-    netloc = host if port in (None, default) else f"{host}:{port}"
-    if ":" in host and not host.startswith("["):
-        netloc = f"[{host}]" if port in (None, default) else f"[{host}]:{port}"
-    return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
+_norm_endpoint = checks.norm_endpoint
+
+
+def _host_key(host_header: str, scheme: str) -> str:
+    """A Host header as the ``host[:port]`` of :func:`checks.endpoint_netloc` (default port dropped)."""
+    return checks.endpoint_netloc(f"{scheme}://{host_header.strip()}") if host_header else ""
 
 
 class GatewayState:
     def __init__(self, paths: Paths, cfg: GatewayConfig, *, forwarder: Forwarder, access: AccessLog,
-                 metrics: Metrics, endpoints: list[str]) -> None:
+                 metrics: Metrics, endpoints: list[str], tunnel_endpoints: list[str] | None = None) -> None:
         self.paths = paths
         self.cfg = cfg
         self.forwarder = forwarder
         self.access = access
         self.metrics = metrics
-        self.endpoints = {_norm_endpoint(e) for e in endpoints}
+        # Each listener serves its own public endpoints (audience and allowed_endpoints are checked
+        # against the listener the request arrived on, never against every endpoint of the gateway).
+        self.listener_endpoints: dict[str, set[str]] = {"mtls": set(), "tunnel": set()}
+        self._listener_hosts: dict[str, dict[str, str]] = {"mtls": {}, "tunnel": {}}
+        for e in endpoints:
+            self.add_endpoint(e)
+        for e in tunnel_endpoints or []:
+            self.add_endpoint(e, listener="tunnel")
         self.status = StatusCache(forwarder, cfg.status_cache_seconds)
         paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.quota = QuotaStore(paths.gateway_dir / "quota.db")
@@ -237,24 +260,58 @@ class GatewayState:
         self.reload_keys()
 
     def reload_keys(self) -> None:
-        self.public_keys = keyfiles.load_public_keys(self.paths)
+        # The same trusted set as the Auth Service: a retired key is dropped once no token it signed
+        # can still be alive (the lifetimes are the guard's, from the same config file).
+        try:
+            guard = load_section(GuardConfig, "guard", file=self.paths.config_file)
+        except Exception:  # a broken [guard] section is the guard's to report; use the defaults
+            guard = GuardConfig()
+        lifetime = max(guard.token_lifetime_seconds, guard.remote_token_lifetime_seconds,
+                       guard.refresh_lifetime_seconds)
+        self.public_keys = keyfiles.load_public_keys(self.paths, now=time.time(), max_token_lifetime=lifetime)
         self._verified = {}
 
-    def verify(self, token: str) -> Capability:
-        """tokens.verify_token with a bounded cache of verified tokens (expiry re-checked on every hit)."""
+    def verify_digest(self, token: str) -> tuple[Capability, str]:
+        """tokens.verify_token with a bounded cache of verified tokens (expiry re-checked on every hit),
+        and the token's SHA-256 (the cache key, and what the guard is told)."""
         now = time.time()
-        key = hashlib.sha256(token.encode("ascii", "replace")).hexdigest()
+        key = contract.token_digest(token)
         cap = self._verified.get(key)
         if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
-            return cap
+            return cap, key
         cap = tokens.verify_token(token, self.public_keys, now=now)
         if len(self._verified) >= VERIFIED_CACHE_ENTRIES:
             self._verified = {}
         self._verified[key] = cap
-        return cap
+        return cap, key
 
-    def add_endpoint(self, url: str) -> None:
-        self.endpoints.add(_norm_endpoint(url))
+    def verify(self, token: str) -> Capability:
+        return self.verify_digest(token)[0]
+
+    @property
+    def endpoints(self) -> set[str]:
+        """Every endpoint of every listener (normalised URLs)."""
+        return self.listener_endpoints["mtls"] | self.listener_endpoints["tunnel"]
+
+    def add_endpoint(self, url: str, *, listener: str = "mtls") -> None:
+        norm = _norm_endpoint(url)
+        self.listener_endpoints.setdefault(listener, set()).add(norm)
+        self._listener_hosts.setdefault(listener, {})[checks.endpoint_netloc(norm)] = norm
+
+    def discard_endpoint(self, url: str) -> None:
+        """Stop serving ``url`` on every listener."""
+        norm = _norm_endpoint(url)
+        for listener, urls in self.listener_endpoints.items():
+            urls.discard(norm)
+            hosts = self._listener_hosts.get(listener, {})
+            if hosts.get(checks.endpoint_netloc(norm)) == norm:
+                del hosts[checks.endpoint_netloc(norm)]
+
+    def match_endpoint(self, listener: str, host_header: str) -> str | None:
+        """The ``host[:port]`` of this listener's endpoint that ``host_header`` names, or None."""
+        scheme = "https"  # every public endpoint is https (the tunnel's TLS ends at its edge)
+        key = _host_key(host_header, scheme)
+        return key if key in self._listener_hosts.get(listener, {}) else None
 
     async def close(self) -> None:
         await self.forwarder.close()
@@ -298,66 +355,55 @@ def _bearer(request: web.Request) -> str:
     return value.strip()
 
 
-def _host_matches(allowed: tuple[str, ...], host_header: str) -> bool:
-    host = host_header.strip().lower()
-    bare = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    for entry in allowed:
-        e = entry.strip().lower()
-        if "://" in e:
-            parts = urlsplit(e)
-            e = parts.netloc
-        if e in (host, bare):
-            return True
-    return False
+def check_headers(state: GatewayState, call: Call) -> None:
+    """Before routing: single-valued headers once, no client-sent identity headers, and the endpoint
+    the request addressed (this listener's own; on TLS the Host must name the SNI host)."""
+    request = call.request
+    problem = contract.header_problem(request.raw_headers, verified_allowed=False)
+    if problem is not None:
+        raise UompError("INVALID_REQUEST", problem)
+    host = request.headers.get("Host", "")
+    if call.via == "mtls" and request.transport is not None:
+        sni = server_name_of(request.transport.get_extra_info("ssl_object"))
+        if sni is not None and _host_key(host, "https").rsplit(":", 1)[0].strip("[]") != sni:
+            raise UompError("INVALID_REQUEST", "the Host header does not name the TLS server name (SNI)")
+    call.endpoint = state.match_endpoint(call.via, host)
 
 
 def check_token(state: GatewayState, call: Call, token: str) -> Capability:
-    request = call.request
-    cap = state.verify(token)
+    """Verify the token, then run the shared checks (:mod:`gateway.core.checks`) for this listener."""
+    cap, call.token_digest = state.verify_digest(token)
     call.cap = cap
     route = call.route
     assert route is not None
-    if route.token_use == "access" and cap.is_refresh:
-        raise UompError("INVALID_TOKEN", "a refresh token never reads memory", session_id=cap.session_id)
-    if route.token_use == "refresh" and not cap.is_refresh:
-        raise UompError("INVALID_TOKEN", "this route needs a refresh token", session_id=cap.session_id)
-    if cap.profile != "remote":
-        raise UompError("INVALID_TOKEN", "token profile is not remote", session_id=cap.session_id)
-    # The refusals name what was expected (issue 12: a user must be able to tell a wrong
-    # --gateway-url from an attack); the token's signature has been checked, so these are our names.
-    if cap.audience is None or _norm_endpoint(cap.audience) not in state.endpoints:
-        raise UompError("INVALID_TOKEN", f"token audience {str(cap.audience)[:200]!r} is not this gateway (it "
-                        f"accepts {', '.join(sorted(state.endpoints)[:8])}); authorize the agent with one of those "
-                        "as --gateway-url", session_id=cap.session_id)
-    if cap.allowed_endpoints is not None and not _host_matches(cap.allowed_endpoints, request.host):
-        raise UompError("ACCESS_DENIED", f"token is not allowed on this endpoint: it is for "
-                        f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host "
-                        f"{request.host[:100]!r}", session_id=cap.session_id)
-    header_agent = request.headers.get(AGENT_HEADER)
-    if not header_agent:
-        raise UompError("INVALID_REQUEST", "X-UOMP-Agent-Id header is required", session_id=cap.session_id)
-    transport_agent = call.identity.agent_id if call.identity else None
-    if header_agent != cap.agent_id or (transport_agent is not None and transport_agent != cap.agent_id):
-        raise UompError("AGENT_MISMATCH", "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
-                        session_id=cap.session_id)
-    # RFC 8705 / RFC 9449 sender constraint.
-    if call.identity is not None:
-        # Either thumbprint proves possession: x5t#S256 names this certificate, jkt its key, so a
-        # certificate renewed for the same key keeps the token usable (the Auth Service agrees).
-        bound_ok = cap.cnf_x5t is None and cap.cnf_jkt is None
-        if cap.cnf_x5t is not None and cap.cnf_x5t == call.identity.x5t_s256:
-            bound_ok = True
-        if cap.cnf_jkt is not None and cap.cnf_jkt == call.identity.jkt:
-            bound_ok = True
-        if not bound_ok:
-            raise UompError("TOKEN_BINDING_MISMATCH", "token is bound to another certificate",
-                            session_id=cap.session_id)
-    elif call.jkt is not None:
-        if cap.cnf_jkt is None or cap.cnf_jkt != call.jkt:
-            raise UompError("TOKEN_BINDING_MISMATCH", "token is not bound to the DPoP key", session_id=cap.session_id)
-    else:
-        raise UompError("CERT_REQUIRED", "no proof of possession for this token", session_id=cap.session_id)
+    ident = call.identity
+    presented = checks.Presented(
+        token_use=route.token_use, profile="remote", audiences=state.listener_endpoints.get(call.via, set()),
+        audience_required=True, endpoint=call.endpoint, check_endpoint=True,
+        header_agent=call.request.headers.get(AGENT_HEADER) or None, require_header_agent=True,
+        proven_agent=ident.agent_id if ident else None,
+        x5t=ident.x5t_s256 if ident else None, jkt=ident.jkt if ident else call.jkt,
+        binding=checks.BIND_EITHER if ident is not None or call.jkt is None else checks.BIND_JKT)
+    checks.run_checks(cap, presented)
     return cap
+
+
+def verified_headers(call: Call) -> dict[str, str]:
+    """The gateway's assertion to the guard (contract): exactly the token it verified and who proved it."""
+    assert call.cap is not None and call.token is not None and call.token_digest is not None
+    headers = {
+        "Authorization": f"Bearer {call.token}",
+        AGENT_HEADER: call.cap.agent_id,
+        VERIFIED_AGENT_HEADER: call.cap.agent_id,
+        VERIFIED_VIA_HEADER: f"gateway:mtls:{call.identity.serial}" if call.identity else f"gateway:{call.via}",
+        VERIFIED_TOKEN_HEADER: call.token_digest,
+    }
+    if call.identity is not None:
+        headers[VERIFIED_X5T_HEADER] = call.identity.x5t_s256
+        headers[VERIFIED_JKT_HEADER] = call.identity.jkt
+    elif call.jkt is not None:
+        headers[VERIFIED_JKT_HEADER] = call.jkt
+    return headers
 
 
 def _route_params(call: Call) -> None:
@@ -374,6 +420,8 @@ def _route_params(call: Call) -> None:
         if call.cap is not None and any(s != call.cap.session_id for s in sids):
             raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
                             session_id=call.cap.session_id)
+    elif route.name in ("write", "delete"):
+        call.key = call.params.get("key")
     elif (route.name in ("deletion_proof", "refresh") and call.cap is not None
           and call.params.get("sid") != call.cap.session_id):
         raise UompError("ACCESS_DENIED", "token is for another session", session_id=call.cap.session_id)
@@ -386,10 +434,10 @@ async def forward(call: Call) -> web.StreamResponse:
     state = call.request.app[STATE]
     request = call.request
     assert call.target is not None and call.cap is not None and call.token is not None
+    # Only allow-listed client headers (each single-valued or harmless), then the assertion, which
+    # overwrites: Authorization and X-UOMP-Agent-Id are the verified values, never a client copy.
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
-    headers[VERIFIED_AGENT_HEADER] = call.cap.agent_id
-    headers[VERIFIED_VIA_HEADER] = (f"gateway:mtls:{call.identity.serial}" if call.identity
-                                    else f"gateway:{call.via}")
+    headers.update(verified_headers(call))
     body: bytes | None = None
     if request.method in ("POST", "PUT"):
         if request.content_length is not None and request.content_length > state.cfg.max_body_bytes:
@@ -509,6 +557,7 @@ async def entry(request: web.Request) -> web.StreamResponse:
 
 async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     request = call.request
+    check_headers(state, call)
     call.target = pathnorm.normalize_target(request.raw_path)
     listener = request.app[LISTENER]
     routes = [r for r in state.routes if listener in r.transports]
@@ -538,7 +587,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     cap = check_token(state, call, call.token)
     _route_params(call)
     if route.status_check:
-        await state.status.check(call.token, cap)
+        await state.status.check(call.token, cap, call.token_digest)
     for done in call.on_authenticated:
         done()
     transport.authenticated(request)  # the connection leaves the unverified budget (tunnel listener)
@@ -552,8 +601,17 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     return await handler(call)
 
 
+@web.middleware
+async def _every_request(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    del handler  # the router's choice is not used
+    # Every request that aiohttp parsed goes through entry(), whatever aiohttp's router thought of its
+    # path (an encoded newline, say, matches no route pattern): one JSON answer shape, one access event.
+    return await entry(request)
+
+
 def create_gateway_app(state: GatewayState, *, listener: str) -> web.Application:
-    app = web.Application(client_max_size=state.cfg.max_body_bytes)
+    app = web.Application(client_max_size=state.cfg.max_body_bytes, middlewares=[_every_request])
     app[STATE] = state
     app[LISTENER] = listener
     app.router.add_route("*", "/{tail:.*}", entry)

@@ -18,16 +18,17 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gateway import contract
 from gateway.errors import UompError
 from gateway.remote.upstream import DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
 
 __all__ = ["CHUNK", "FORWARD_REQUEST_HEADERS", "FORWARD_RESPONSE_HEADERS", "MAX_JSON_BYTES", "Forwarder",
            "Upstream", "UpstreamResponse"]
 
-# Request headers the gateway passes upstream (lower-case). Everything else is dropped.
-FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-uomp-agent-id")
-# Response headers passed back to the agent.
-FORWARD_RESPONSE_HEADERS = ("content-type", "x-uomp-quota-remaining", "www-authenticate")
+# Request headers the gateway copies from the client (lower-case; everything else is dropped) and
+# response headers passed back: the gateway<->guard contract.
+FORWARD_REQUEST_HEADERS = contract.FORWARD_REQUEST_HEADERS
+FORWARD_RESPONSE_HEADERS = contract.FORWARD_RESPONSE_HEADERS
 CHUNK = 64 * 1024
 MAX_JSON_BYTES = 1024 * 1024  # a JSON exchange with the guard (token validation, refresh)
 

@@ -34,6 +34,11 @@ def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]
             Path(cfg.agent_crl) if cfg.agent_crl else ca_store.crl_path(paths))
 
 
+def _flush_done(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("access log: flush failed (%s)", type(task.exception()).__name__)
+
+
 class GatewayRunner:
     def __init__(self, paths: Paths, cfg: GatewayConfig) -> None:
         self.paths = paths
@@ -102,7 +107,7 @@ class GatewayRunner:
                                             f"https://127.0.0.1:{cfg.listen_port}"]
         key_watch = keys.KeyWatch(self.paths)  # before the keys are read: no change goes unseen
         self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
-                                          endpoints=endpoints)
+                                          endpoints=endpoints, tunnel_endpoints=list(cfg.tunnel_endpoints))
         reloader = self.reloader
         state.revoked_serials = lambda: reloader.revoked
         state.upstream_ok = lambda: monitor.up is not False
@@ -113,10 +118,15 @@ class GatewayRunner:
             hook(state)
 
         def rejected(status: int, code: str, message: str) -> None:
+            # aiohttp answers these itself (synchronously): record the event (rate-limited per source
+            # by the log), and make it durable without waiting for the next request's flush.
             with contextlib.suppress(UompError):  # counted by the log when it cannot write
-                access.append({"type": "gateway_access", "action": "malformed", "allowed": False, "reason": message,
-                               "code": code, "status": status, "session_id": None, "agent_id": None},
-                              source="malformed")
+                ticket = access.append({"type": "gateway_access", "action": "malformed", "allowed": False,
+                                        "reason": message, "code": code, "status": status, "session_id": None,
+                                        "agent_id": None}, source="malformed")
+                if ticket:
+                    task = asyncio.get_running_loop().create_task(access.flush(ticket))
+                    task.add_done_callback(_flush_done)
         registries = [self.registry]
         if cfg.tunnel_origin_port >= 0:
             registries.append(self.tunnel_registry)
@@ -156,6 +166,9 @@ class GatewayRunner:
                                           registry=self.tunnel_registry, backlog=backlog)
             self._servers.append(tsrv)
             self.tunnel_port = tsrv.sockets[0].getsockname()[1]
+            if not state.listener_endpoints.get("tunnel"):
+                log.warning("the tunnel-origin listener has no tunnel_endpoints: it refuses every request "
+                            "until the tunnel's public URL is configured")
         if cfg.metrics_port >= 0:
             mapp = create_metrics_app(metrics)
             mapp.middlewares.append(transport.phase_middleware)

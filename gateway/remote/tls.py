@@ -252,6 +252,15 @@ class ClientCertChecker:
 # ------------------------------------------------------------------------------- reloading
 
 
+SNI_ATTRIBUTE = "_uomp_server_name"
+
+
+def server_name_of(ssl_object: object) -> str | None:
+    """The SNI host name the client sent in this connection's handshake (None: none sent)."""
+    name = getattr(ssl_object, SNI_ATTRIBUTE, None)
+    return name.lower() if isinstance(name, str) else None
+
+
 @dataclass(frozen=True)
 class CRLMark:
     """How new a CRL is: its CRL Number (RFC 5280 §5.2.3) and thisUpdate (§5.1.2.4)."""
@@ -389,6 +398,7 @@ class TLSReloader:
         # Runs inside the handshake, after ClientHello, for every connection (server_name None when
         # the client sent no SNI, e.g. connecting to an IP address). Must not raise.
         ssl_object.context = self._inner
+        setattr(ssl_object, SNI_ATTRIBUTE, server_name)  # read back by server_name_of()
 
     def _stamps(self) -> _Stamp:
         out: list[tuple[int, int, int] | None] = []

@@ -1,0 +1,83 @@
+"""What crosses between the remote gateway and the guard, written once (both sides import it).
+
+Header names
+    ``X-UOMP-Agent-Id`` (agent -> gateway -> guard), ``X-UOMP-Quota-Remaining`` (guard/gateway ->
+    agent) and the ``X-UOMP-Verified-*`` identity headers, which only the gateway sets, on what it
+    forwards over the guard's Unix socket.
+
+The verified-identity headers (gateway -> guard)
+    ``Agent``       the agent id the gateway checked (token == certificate/DPoP key == header);
+    ``Via``         ``gateway:mtls:<cert serial>`` or ``gateway:<listener>`` (audit only);
+    ``X5t``/``Jkt`` the thumbprints of the certificate / key the client proved it holds;
+    ``Token``       the SHA-256 (hex) of exactly the token the gateway verified. The guard refuses a
+                    request whose ``Authorization`` token hashes differently, so the two sides can
+                    never act on different tokens.
+
+    A client never sends any of them: the gateway refuses a request that carries one (400
+    INVALID_REQUEST), the guard refuses them on its TCP listener, and on its Unix socket a
+    request that carries one must carry the whole assertion (:data:`REQUIRED_VERIFIED`).
+
+Single-valued headers
+    Every header either side reads a single value from appears at most once, in any spelling or
+    case, or the request is refused before anything else looks at it (:func:`header_problem`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+AGENT_HEADER = "X-UOMP-Agent-Id"
+QUOTA_HEADER = "X-UOMP-Quota-Remaining"
+
+VERIFIED_PREFIX = "x-uomp-verified-"
+VERIFIED_AGENT_HEADER = "X-UOMP-Verified-Agent"
+VERIFIED_VIA_HEADER = "X-UOMP-Verified-Via"
+VERIFIED_X5T_HEADER = "X-UOMP-Verified-X5t"
+VERIFIED_JKT_HEADER = "X-UOMP-Verified-Jkt"
+VERIFIED_TOKEN_HEADER = "X-UOMP-Verified-Token"
+
+# Every verified header the gateway may set (the guard refuses any other X-UOMP-Verified-* name).
+VERIFIED_HEADERS = frozenset(h.lower() for h in (
+    VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, VERIFIED_X5T_HEADER, VERIFIED_JKT_HEADER, VERIFIED_TOKEN_HEADER))
+# What a forwarded agent request always carries (X5t/Jkt as the listener proved them).
+REQUIRED_VERIFIED = (VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, VERIFIED_TOKEN_HEADER)
+
+# Client request headers the gateway copies upstream (lower-case). Authorization and
+# X-UOMP-Agent-Id are not among them: the gateway writes those itself from what it verified.
+FORWARD_REQUEST_HEADERS = ("content-type", "accept")
+# Guard response headers passed back to the agent.
+FORWARD_RESPONSE_HEADERS = ("content-type", "x-uomp-quota-remaining", "www-authenticate")
+
+# Headers read as one value by the gateway or the guard (lower-case); every X-UOMP-* is too.
+SINGLE_VALUED = frozenset({
+    "authorization", "dpop", "host", "content-length", "transfer-encoding", "content-type", "content-encoding",
+})
+_SINGLE_VALUED_BYTES = frozenset(h.encode() for h in SINGLE_VALUED)
+_UOMP_PREFIX = b"x-uomp-"
+_VERIFIED_PREFIX_BYTES = VERIFIED_PREFIX.encode()
+
+
+def header_problem(raw_headers: Iterable[tuple[bytes, bytes]], *, verified_allowed: bool) -> str | None:
+    """Why these request headers must be refused, or None.
+
+    ``raw_headers`` are the (name, value) pairs as received; names compare case-insensitively.
+    ``verified_allowed`` is True only where the gateway's assertion is expected (the guard's Unix
+    socket). One pass over the headers, no allocation for the common case beyond a small set.
+    """
+    seen: set[bytes] = set()
+    for name, _value in raw_headers:
+        low = name.lower()
+        if low in _SINGLE_VALUED_BYTES or low.startswith(_UOMP_PREFIX):
+            if low in seen:
+                return f"header {low.decode('latin-1')} appears more than once"
+            seen.add(low)
+            if low.startswith(_VERIFIED_PREFIX_BYTES) and (
+                    not verified_allowed or low.decode("latin-1") not in VERIFIED_HEADERS):
+                return "X-UOMP-Verified-* headers are set by the gateway only"
+    return None
+
+
+def token_digest(token: str) -> str:
+    """The value of :data:`VERIFIED_TOKEN_HEADER` for ``token`` (SHA-256, hex)."""
+    return hashlib.sha256(token.encode("ascii", "replace")).hexdigest()
