@@ -22,6 +22,7 @@ Session status, blacklist and quota come after, where the storage is (the Auth S
 
 from __future__ import annotations
 
+import functools
 import hmac
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class Presented:
     binding: str  # BIND_EITHER, BIND_JKT or BIND_NONE
 
 
+@functools.lru_cache(maxsize=1024)  # per request (audience, Host): pure, bounded
 def norm_endpoint(url: str) -> str:
     """``scheme://host[:port]/path`` lower-cased, default port and trailing slash dropped."""
     parts = urlsplit(url.strip())
@@ -73,6 +75,7 @@ def norm_endpoint(url: str) -> str:
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
 
+@functools.lru_cache(maxsize=1024)
 def endpoint_netloc(url: str) -> str:
     """The ``host[:port]`` part of a normalised endpoint (what a Host header must equal)."""
     return urlsplit(norm_endpoint(url)).netloc
