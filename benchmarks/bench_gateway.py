@@ -50,6 +50,8 @@ from typing import Any
 
 import _common as c
 
+from gateway import contract
+
 AIM_RATIO = 0.6
 AIM_P50_OVERHEAD_MS = 1.0
 AIM_HANDSHAKES = 800
@@ -80,8 +82,14 @@ class Appliance:
             self.stop()
             raise
         hdrs = {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": agent["agent_id"]}
+        # (a) is what the gateway sends the guard: the token plus its verified-identity assertion
+        # (a remote-profile token is served on the socket only with it; gateway/contract.py).
+        asserted = {**hdrs, contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
+                    contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
+                    contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
+                    contract.VERIFIED_X5T_HEADER: agent["x5t"], contract.VERIFIED_JKT_HEADER: agent["jkt"]}
         self.reqs = {"gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
-                     "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=hdrs) for k in keys]}
+                     "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys]}
         self.targets = {"gateway": c.Target("tls", port=port, ca=agent["ca"], cert=agent["cert"], key=agent["key"]),
                         "direct": c.Target("unix", path=self.srv.info["guard_sock"])}
         self.health_close = c.http_get("/v1/health", host=f"localhost:{port}", close=True)
