@@ -132,7 +132,11 @@ async def test_a_database_locked_by_another_process(home: Paths, db: str) -> Non
         new_access = refreshed[1]["access_token"]
         assert code(await read(app, agent, new_access)) == 200
         assert code(await create_session(app)) == 201
-        status, logs, _ = await call(app.admin, "GET", f"/v1/audit?session_id={sid}", token=new_access)
+        # the agent's audit read goes through the gateway (the guard's socket serves a remote token
+        # only with the gateway's assertion)
+        async with agent_session(agent, app.paths) as s:
+            status, logs, _ = await agent_call(s, app.base, f"/v1/audit?session_id={sid}", token=new_access,
+                                               agent_id=agent.agent_id)
         assert status == 200 and any(r["action"] == "read" and r["allowed"] for r in logs["logs"])
 
 

@@ -294,6 +294,8 @@ class GatewayState:
         return self.listener_endpoints["mtls"] | self.listener_endpoints["tunnel"]
 
     def add_endpoint(self, url: str, *, listener: str = "mtls") -> None:
+        """Serve ``url`` on ``listener`` ("mtls" or "tunnel": a tunnel supervisor reports each new
+        public URL here with ``listener="tunnel"``)."""
         norm = _norm_endpoint(url)
         self.listener_endpoints.setdefault(listener, set()).add(norm)
         self._listener_hosts.setdefault(listener, {})[checks.endpoint_netloc(norm)] = norm
