@@ -429,6 +429,9 @@ MALFORMED = [
     ("control byte in header", b"GET /v1/health HTTP/1.1\r\nHost: H\r\nX-A: a\x01b\r\n\r\n"),
     ("space in header name", b"GET /v1/health HTTP/1.1\r\nHost: H\r\nBad Name: x\r\n\r\n"),
     ("obs-fold", b"GET /v1/health HTTP/1.1\r\nHost: H\r\nX-A: a\r\n b\r\n\r\n"),
+    ("space before the colon", b"GET /v1/health HTTP/1.1\r\nHost: H\r\nAuthorization : Bearer x\r\n\r\n"),
+    ("folded second authorization", b"GET /v1/health HTTP/1.1\r\nHost: H\r\nAuthorization: Bearer a\r\n"
+                                    b"\tAuthorization: Bearer b\r\n\r\n"),
     ("two content-lengths", b"POST /v1/memory/query HTTP/1.1\r\nHost: H\r\nContent-Length: 2\r\n"
                             b"Content-Length: 3\r\n\r\n{}"),
     ("content-length and chunked", b"POST /v1/memory/query HTTP/1.1\r\nHost: H\r\nContent-Length: 2\r\n"
