@@ -418,8 +418,6 @@ async def test_endpoint_checks_follow_the_listener(home: Paths) -> None:
 
 # ------------------------------------------- issue 15 defect 13: what aiohttp would answer itself
 
-DEEP = b"[" * 50000 + b"]" * 50000
-
 MALFORMED = [
     ("encoded newline in path", b"GET /v1/memory/a%0Ab HTTP/1.1\r\nHost: H\r\nConnection: close\r\n\r\n"),
     ("encoded nul in path", b"GET /v1/memory/a%00b HTTP/1.1\r\nHost: H\r\nConnection: close\r\n\r\n"),
@@ -481,14 +479,6 @@ async def test_deeply_nested_json_is_400_not_500(world: World) -> None:
         status, body, _ = await agent_call(s, world.app.base, f"/v1/sessions/{sid}/deletion-proof",
                                            token=world.own["token"], agent_id="agent_a", method="POST",
                                            data=b"[" * 20000 + b"]" * 20000,
-                                           headers={"Content-Type": "application/json"})
-        assert (status, body["error"]["code"]) == (400, "INVALID_REQUEST")
-        status, body, _ = await agent_call(s, world.app.base, "/v1/certificates/renew", token=None, agent_id=None,
-                                           method="POST", data=DEEP[:40000] + DEEP[-40000:],
-                                           headers={"Content-Type": "application/json"})
-        assert status in (400, 413) and body["error"]["code"] in ("INVALID_REQUEST", "PAYLOAD_TOO_LARGE")
-        status, body, _ = await agent_call(s, world.app.base, "/v1/certificates/renew", token=None, agent_id=None,
-                                           method="POST", data=b"[" * 8000 + b"]" * 8000,
                                            headers={"Content-Type": "application/json"})
         assert (status, body["error"]["code"]) == (400, "INVALID_REQUEST")
         # a token whose payload is nested too deep (fits in the header limit)
