@@ -50,7 +50,7 @@ async def _serve(home: str) -> None:
     guard = GuardRunner(paths, GuardConfig(serve_tcp=False), serve_tcp=False)
     await guard.start()
     gw = GatewayRunner(paths, GatewayConfig(listen_port=0, tunnel_origin_port=0,
-                                            endpoints=["https://localhost:1", TUNNEL]))
+                                            endpoints=["https://localhost:1"], tunnel_endpoints=[TUNNEL]))
     await gw.start()
     assert gw.state is not None
     gw.state.add_endpoint(f"https://localhost:{gw.port}")

@@ -303,7 +303,7 @@ def main() -> None:
         c.seed_store(paths, n_keys=20, n_other=10)
         ag = c.issue_agent(paths)
         with c.start_server(paths, gateway=True, gateway_config={"tunnel_origin_port": 0, "metrics_port": 0,
-                                                                       "endpoints": [TUNNEL]},
+                                                                       "tunnel_endpoints": [TUNNEL]},
                             what="appliance") as srv:
             info = srv.info
             from gateway.config import GatewayConfig

@@ -186,7 +186,7 @@ async def test_verified_budget_is_not_shared_with_unverified(home: Paths) -> Non
 
 
 async def test_tunnel_origin_flood_does_not_starve_a_dpop_agent(home: Paths) -> None:
-    async with appliance(home, tunnel_origin_port=0, endpoints=[TUNNEL], **LIMITS) as app:
+    async with appliance(home, tunnel_origin_port=0, tunnel_endpoints=[TUNNEL], **LIMITS) as app:
         a = app.agent("agent_a")
         g = await app.grant(a, audience=TUNNEL)
         key = serialization.load_pem_private_key(a.files.key_file.read_bytes(), password=None)
@@ -232,7 +232,7 @@ async def test_tunnel_origin_flood_does_not_starve_a_dpop_agent(home: Paths) -> 
 async def test_eviction_order_silent_then_stalled_never_the_request(home: Paths) -> None:
     """With room for two unverified connections: a silent one goes first, then a stalled half
     request; a whole request (already in the kernel or being handled) is never the one closed."""
-    async with appliance(home, tunnel_origin_port=0, endpoints=[TUNNEL],
+    async with appliance(home, tunnel_origin_port=0, tunnel_endpoints=[TUNNEL],
                          **dict(LIMITS, tunnel_max_unverified_connections=2)) as app:
         a = app.agent("agent_a")
         g = await app.grant(a, audience=TUNNEL)
@@ -380,7 +380,7 @@ def test_bad_limits_are_config_errors(field: str, value: Any) -> None:
 @pytest.mark.parametrize("attacker", ["revoked_agent", "active_agent"])
 async def test_dpop_replay_cache_cannot_lock_out_another_agent(home: Paths, attacker: str) -> None:
     per_key = 6  # 0.05 proofs/s x 2 windows of 60 s
-    async with appliance(home, tunnel_origin_port=0, endpoints=[TUNNEL], dpop_replay_cache_entries=100,
+    async with appliance(home, tunnel_origin_port=0, tunnel_endpoints=[TUNNEL], dpop_replay_cache_entries=100,
                          dpop_max_proofs_per_second_per_key=0.05) as app:
         a, b = app.agent("agent_a"), app.agent("agent_b")
         ga, gb = await app.grant(a, audience=TUNNEL), await app.grant(b, audience=TUNNEL)
