@@ -545,7 +545,7 @@ async def test_tokens_without_must_claims_are_refused_by_every_verifier(home: Pa
                 status, body, _ = await call(session, "GET", "/v1/memory/preference.theme", token=bad_tok, base=base)
                 assert (status, body["error"]["code"]) == (401, "INVALID_TOKEN"), base
         status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": bad_tok})
-        assert body == {"valid": False, "code": "INVALID_TOKEN"}
+        assert (body["valid"], body["code"]) == (False, "INVALID_TOKEN")
 
 
 @pytest.mark.parametrize("name", ["no version", "no issued_at", "no limits"])
