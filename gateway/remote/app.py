@@ -166,7 +166,10 @@ class StatusCache:
         now = time.monotonic()
         hit = self._cache.get(key)
         if hit is None or hit[0] <= now:
-            _status, body = await self.forwarder.json_call("POST", "/v1/tokens/validate", body={"token": token})
+            status, body = await self.forwarder.json_call("POST", "/v1/tokens/validate", body={"token": token})
+            if status != 200:  # no validation route there (e.g. a Local Profile port): not an answer
+                raise UompError("STORE_UNAVAILABLE", "the guard behind the gateway does not answer token "
+                                "validation (it must be reached on its Unix socket)")
             if len(self._cache) >= STATUS_CACHE_ENTRIES:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
                 if len(self._cache) >= STATUS_CACHE_ENTRIES:
