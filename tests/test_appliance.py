@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gateway.client import UompClient
-from gateway.client.errors import AccessDenied
+from gateway.client.errors import AuthError
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 FAKE = str(Path(__file__).parent / "fake_cloudflared.py")
@@ -176,10 +176,11 @@ async def test_quick_tunnel_appliance_end_to_end(home: Path, tmp_path: Path) -> 
             assert (await c.get("preference.theme"))["value"] == "dark"
         # and over mTLS on the local URL with the same bundle's key and certificate
         async with UompClient.from_bundle(bundle, mode="mtls", base_url=f"https://localhost:{port}") as c:
-            with pytest.raises(AccessDenied) as refused:
-                await c.get("preference.theme")  # the token names the tunnel URL, not this address
-            host = url.removeprefix("https://")
-            assert f"it is for {host}, this request came to host 'localhost:{port}'" in refused.value.message
+            # the token names the tunnel URL, which the mTLS listener does not serve (issue 15 #9)
+            with pytest.raises(AuthError) as refused:
+                await c.get("preference.theme")
+            assert f"token audience {url!r} is not an endpoint of this listener" in refused.value.message
+            assert f"https://localhost:{port}" in refused.value.message
         # a URL the gateway does not accept: refused while it runs, naming what it accepts
         bad = uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--gateway-url",
                    "https://my-box.example:9443", "--yes", check=False)

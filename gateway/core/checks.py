@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import hmac
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -46,7 +46,7 @@ class Presented:
 
     token_use: str  # "access" or "refresh": what the route takes
     profile: str  # "remote" or "local": what the listener serves
-    audiences: Container[str] | None  # normalised endpoints (norm_endpoint); None: audience not compared
+    audiences: Collection[str] | None  # normalised endpoints (norm_endpoint); None: audience not compared
     audience_required: bool
     endpoint: str | None  # host[:port] the listener matched the request to; None: unknown
     check_endpoint: bool  # False where allowed_endpoints cannot apply (the Local Profile)
@@ -56,6 +56,7 @@ class Presented:
     x5t: str | None  # thumbprints of what the client proved it holds
     jkt: str | None
     binding: str  # BIND_EITHER, BIND_JKT or BIND_NONE
+    host: str = ""  # the Host header as sent (named in refusals only, never trusted)
 
 
 @functools.lru_cache(maxsize=1024)  # per request (audience, Host): pure, bounded
@@ -112,7 +113,12 @@ def check_audience(cap: Capability, p: Presented) -> None:
             raise UompError("INVALID_TOKEN", "token has no audience", session_id=cap.session_id)
         return
     if p.audiences is not None and norm_endpoint(cap.audience) not in p.audiences:
-        raise UompError("INVALID_TOKEN", "token audience is not this endpoint", session_id=cap.session_id)
+        # Name what was expected (a user must tell a wrong --gateway-url from an attack); the
+        # signature was checked, so the audience is ours to quote.
+        accepts = ", ".join(sorted(p.audiences)[:8]) or "nothing yet"
+        raise UompError("INVALID_TOKEN", f"token audience {cap.audience[:200]!r} is not an endpoint of this "
+                        f"listener (it accepts {accepts}); authorize the agent with one of those as --gateway-url",
+                        session_id=cap.session_id)
 
 
 def endpoint_allowed(allowed: tuple[str, ...], endpoint: str) -> bool:
@@ -138,7 +144,9 @@ def check_allowed_endpoint(cap: Capability, p: Presented) -> None:
     if cap.allowed_endpoints is None or not p.check_endpoint:
         return
     if p.endpoint is None or not endpoint_allowed(cap.allowed_endpoints, p.endpoint):
-        raise UompError("ACCESS_DENIED", "token is not allowed on this endpoint", session_id=cap.session_id)
+        raise UompError("ACCESS_DENIED", f"token is not allowed on this endpoint: it is for "
+                        f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host "
+                        f"{(p.endpoint or p.host)[:100]!r}", session_id=cap.session_id)
 
 
 def check_agents(cap: Capability, p: Presented) -> None:

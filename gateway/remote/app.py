@@ -388,7 +388,8 @@ def check_token(state: GatewayState, call: Call, token: str) -> Capability:
         header_agent=call.request.headers.get(AGENT_HEADER) or None, require_header_agent=True,
         proven_agent=ident.agent_id if ident else None,
         x5t=ident.x5t_s256 if ident else None, jkt=ident.jkt if ident else call.jkt,
-        binding=checks.BIND_EITHER if ident is not None or call.jkt is None else checks.BIND_JKT)
+        binding=checks.BIND_EITHER if ident is not None or call.jkt is None else checks.BIND_JKT,
+        host=call.request.headers.get("Host", ""))
     checks.run_checks(cap, presented)
     return cap
 
