@@ -180,7 +180,12 @@ async def test_lost_socket_or_hung_guard_is_restarted(tmp_path: Path, sv_home: P
         metrics = await _metrics(metrics_port)
         assert re.search(r"^uomp_gateway_guard_restarts_total 3$", metrics, re.M), metrics
         assert re.search(r"^uomp_gateway_upstream_up 1$", metrics, re.M)
-        status = json.loads((home / "gateway" / "status.json").read_text())
+        # status.json is rewritten by the gateway's upstream check (every 2 s): wait for the last restart in it.
+        for _ in range(100):
+            status = json.loads((home / "gateway" / "status.json").read_text())
+            if status["guard"]["restarts"] == 3:
+                break
+            await asyncio.sleep(0.1)
         assert status["running"] is True and status["pid"] == proc.pid
         assert status["upstream"]["up"] is True
         assert status["guard"]["restarts"] == 3 and status["guard"]["pid"] == guard_pids[-1]
