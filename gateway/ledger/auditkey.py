@@ -13,43 +13,24 @@ import hashlib
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from gateway import pemkeys
 from gateway.config import Paths
-from gateway.errors import UompError
-from gateway.fsutil import create_private_file, ensure_private_dir
 
 MAX_KEY_FILE_BYTES = 4096
 
 
+_RESTORE = "a new key would not continue the log's signed checkpoints"
+
+
 def ensure(paths: Paths) -> bool:
     """Create the audit key if it is missing; True when this call made it."""
-    if paths.audit_key.exists():
-        load(paths)
-        return False
-    ensure_private_dir(paths.secrets)
-    pem = Ed25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                     serialization.NoEncryption())
-    made = create_private_file(paths.audit_key, pem)
-    load(paths)
-    return made
+    return pemkeys.ensure(paths.audit_key, Ed25519PrivateKey.generate, Ed25519PrivateKey, what="audit signing key",
+                          restore=_RESTORE)
 
 
 def load(paths: Paths) -> Ed25519PrivateKey:
-    path = paths.audit_key
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise UompError("KEY_ERROR", f"no audit signing key at {path}; run 'uomp init'") from None
-    if st.st_mode & 0o077:
-        raise UompError("KEY_ERROR", f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
-    if st.st_size > MAX_KEY_FILE_BYTES:
-        raise UompError("KEY_ERROR", f"{path} is too large to be a key")
-    try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise UompError("KEY_ERROR", f"{path} is not a readable Ed25519 key ({type(exc).__name__}); restore it: "
-                        "a new key would not continue the log's signed checkpoints") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise UompError("KEY_ERROR", f"{path} is not an Ed25519 private key")
+    key = pemkeys.load(paths.audit_key, Ed25519PrivateKey, what="audit signing key", restore=_RESTORE)
+    assert isinstance(key, Ed25519PrivateKey)  # pemkeys.load checked the type
     return key
 
 

@@ -18,44 +18,24 @@ import base64
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from gateway import pemkeys
 from gateway.config import Paths
-from gateway.errors import UompError
-from gateway.fsutil import create_private_file, ensure_private_dir
 
 MAX_KEY_FILE_BYTES = 4096
 
 
+_RESTORE = "a new key could not open the payloads sealed to this one"
+
+
 def ensure(paths: Paths) -> bool:
     """Create the payload key pair if it is missing. True when this call made it."""
-    path = paths.payload_private_key
-    if path.exists():
-        load_private(paths)  # validates (mode, format); never replaced
-        return False
-    ensure_private_dir(paths.secrets)
-    pem = X25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                    serialization.NoEncryption())
-    made = create_private_file(path, pem)
-    load_private(paths)
-    return made
+    return pemkeys.ensure(paths.payload_private_key, X25519PrivateKey.generate, X25519PrivateKey, what="payload key",
+                          restore=_RESTORE)
 
 
 def load_private(paths: Paths) -> X25519PrivateKey:
-    path = paths.payload_private_key
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise UompError("KEY_ERROR", f"no payload key at {path}; run 'uomp init'") from None
-    if st.st_mode & 0o077:
-        raise UompError("KEY_ERROR", f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
-    if st.st_size > MAX_KEY_FILE_BYTES:
-        raise UompError("KEY_ERROR", f"{path} is too large to be a payload key")
-    try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise UompError("KEY_ERROR", f"{path} is not a readable X25519 private key ({type(exc).__name__}); restore "
-                        "it: a new key could not open the payloads sealed to this one") from None
-    if not isinstance(key, X25519PrivateKey):
-        raise UompError("KEY_ERROR", f"{path} is not an X25519 private key")
+    key = pemkeys.load(paths.payload_private_key, X25519PrivateKey, what="payload key", restore=_RESTORE)
+    assert isinstance(key, X25519PrivateKey)  # pemkeys.load checked the type
     return key
 
 
