@@ -35,6 +35,7 @@ COMMAND_MODULES = (
     "gateway.cli.payload",
     "gateway.cli.status",
     "gateway.cli.doctor",
+    "gateway.cli.conformance",
 )
 
 
