@@ -68,7 +68,7 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _METHOD = re.compile(r"[A-Z]{1,16}")
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
 _BAD_TARGET = re.compile(r"[^\x21-\x7e]")
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-5][0-9]{2})(?: [\t\x20-\x7e\x80-\xff]*)?")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,12})[ \t]*(?:;[^\r\n]*)?")
 _BODYLESS = (204, 304)
 

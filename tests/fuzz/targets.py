@@ -228,7 +228,7 @@ def t_upstream(data: bytes) -> None:
     except UompError as exc:
         assert exc.code == "UPSTREAM_ERROR", exc.code
         return
-    assert 100 <= status <= 999
+    assert 100 <= status <= 599
     for name, value in headers:
         assert "\r" not in value and "\n" not in value and "\0" not in value
         assert name and ":" not in name
