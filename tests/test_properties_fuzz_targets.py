@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent / "fuzz"))
-from targets import TARGETS  # noqa: E402
+from targets import TARGETS
 
 CORPUS = Path(__file__).parent / "fuzz" / "corpus"
 

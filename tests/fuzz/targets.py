@@ -224,7 +224,7 @@ def t_merkle(data: bytes) -> None:
 
 def t_upstream(data: bytes) -> None:
     try:
-        status, keep, headers, framing = upstream._parse_head(data)
+        status, _keep, headers, _framing = upstream._parse_head(data)
     except UompError as exc:
         assert exc.code == "UPSTREAM_ERROR", exc.code
         return
