@@ -16,6 +16,7 @@ rc=$?
 # pytest exit 5 = no tests collected: that is a failure of the suite, not a pass.
 if [ $rc -eq 5 ]; then echo "pytest collected no tests"; rc=1; fi
 [ $rc -ne 0 ] && status=1
+echo "== fuzz (bounded, every parser)"; bash scripts/fuzz.sh --seconds 20 || status=1
 echo "== test-gateway-remote (spec §15.4)"
 bash scripts/test-gateway-remote.sh || status=1
 exit $status
