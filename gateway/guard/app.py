@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway import contract
 from gateway import keys as keyfiles
+from gateway import openapi
 from gateway.config import GuardConfig, Paths
 from gateway.contract import (
     AGENT_HEADER,
@@ -683,6 +684,7 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     app.on_response_prepare.append(_server_header)
     r = app.router
     r.add_get("/v1/health", health)
+    r.add_get("/v1/openapi.json", openapi.serve)  # issue 14: the OpenAPI document (gateway/openapi.py)
     r.add_get("/v1/memory/aggregate", aggregate)
     r.add_post("/v1/memory/query", query_refused)
     r.add_get("/v1/memory/{key}", get_key)
