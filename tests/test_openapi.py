@@ -109,7 +109,7 @@ async def test_guard_answers_random_requests_per_the_document(home: Paths) -> No
                                                                      "status", "x"]), TEXT, max_size=3),
                    auth=AUTH, body=BODY)
             def one(seg: str, query: dict[str, str], auth: str | None, body: bytes | None) -> None:
-                url = base + re.sub(r"\{\w+\}", urllib.parse.quote(seg or "x", safe=""), path)
+                url = base + re.sub(r"\{\w+\}", urllib.parse.quote(seg or "x", safe=""), path)  # noqa: B023
                 if query:
                     url += "?" + urllib.parse.urlencode(query)
                 headers = {"Authorization": auth} if auth else {}
@@ -117,8 +117,8 @@ async def test_guard_answers_random_requests_per_the_document(home: Paths) -> No
                     headers["Content-Type"] = "application/json"
 
                 async def go() -> None:
-                    async with s.request(method, url, headers=headers, data=body) as r:
-                        _check_answer(method, path, r.status, r.headers.get("Content-Type", ""), await r.read())
+                    async with s.request(method, url, headers=headers, data=body) as r:  # noqa: B023
+                        _check_answer(method, path, r.status, r.headers.get("Content-Type", ""), await r.read())  # noqa: B023
                 asyncio.run_coroutine_threadsafe(go(), loop).result(timeout=60)
             await asyncio.to_thread(one)
 
@@ -144,7 +144,7 @@ async def test_gateway_answers_random_requests_per_the_document(home: Paths) -> 
                            [None, "fuzz_agent", "other"]), body=BODY)
                 def one(seg: str, query: dict[str, str], auth: str | None, agent_hdr: str | None,
                         body: bytes | None) -> None:
-                    url = app.base + re.sub(r"\{\w+\}", urllib.parse.quote(seg or "x", safe=""), path)
+                    url = app.base + re.sub(r"\{\w+\}", urllib.parse.quote(seg or "x", safe=""), path)  # noqa: B023
                     if query:
                         url += "?" + urllib.parse.urlencode(query)
                     headers = {"Authorization": auth} if auth else {}
@@ -154,8 +154,8 @@ async def test_gateway_answers_random_requests_per_the_document(home: Paths) -> 
                         headers["Content-Type"] = "application/json"
 
                     async def go() -> None:
-                        async with s.request(method, url, headers=headers, data=body) as r:
-                            _check_answer(method, path, r.status, r.headers.get("Content-Type", ""),
+                        async with s.request(method, url, headers=headers, data=body) as r:  # noqa: B023
+                            _check_answer(method, path, r.status, r.headers.get("Content-Type", ""),  # noqa: B023
                                           await r.read())
                     asyncio.run_coroutine_threadsafe(go(), loop).result(timeout=60)
                 await asyncio.to_thread(one)
