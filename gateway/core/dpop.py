@@ -260,6 +260,8 @@ def normalise_htu(url: str) -> str:
         raise ValueError("not a URI")
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
         raise ValueError("URI contains white space or control characters")
+    if re.search(r"%(?![0-9A-Fa-f]{2})", url):  # a stray '%' could form a new escape (found by fuzzing)
+        raise ValueError("URI has a malformed percent-encoding")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS:
