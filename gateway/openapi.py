@@ -69,14 +69,15 @@ def document() -> dict[str, Any]:
         "/v1/openapi.json": {"get": _op("this document", LOCAL, security=None)},
         "/v1/memory/{key}": {
             "get": _op("read one item by key (§10.2)", ALL, ok=_json(ITEM), params=[KEY]),
-            "put": _op("agent write: always refused WRITE_NOT_AVAILABLE (§10.1)", LOCAL, params=[KEY]),
-            "delete": _op("agent delete: always refused WRITE_NOT_AVAILABLE (§10.1)", LOCAL, params=[KEY]),
+            "put": _op("agent write: always refused WRITE_NOT_AVAILABLE (§10.1)", ALL, params=[KEY]),
+            "delete": _op("agent delete: always refused WRITE_NOT_AVAILABLE (§10.1)", ALL, params=[KEY]),
         },
         "/v1/memory": {"get": _op("read by tag, paged (§10.3)", ALL, ok=_json(TAG_PAGE), params=[
             _param("tag", required=True), _param("cursor"), _param("limit")])},
         "/v1/memory/aggregate": {"get": _op("aggregate over a tag (§10.5)", ALL, params=[
             _param("tag", required=True), _param("op", required=True), _param("field")])},
-        "/v1/memory/query": {"post": _op("semantic query: not available (§10.1)", LOCAL)},
+        "/v1/memory/query": {"post": _op("semantic query: not in this version (§10.1): 501 NOT_IMPLEMENTED", ALL,
+                                             ok=ERROR, status="501")},
         "/v1/audit": {"get": _op("this session's audit trail (§18)", ALL, ok=_json(
             {"type": "object", "required": ["logs"], "properties": {"logs": {"type": "array"}}}),
             params=[_param("session_id"), _param("limit")])},
@@ -94,7 +95,8 @@ def document() -> dict[str, Any]:
         "/v1/sessions/{sid}/refresh": {"post": _op(
             "rotate a refresh token (§15.5): on the gateway; the guard's Unix-socket route is its internal half",
             (UNIX, GW), ok=_json(GRANT_ANSWER), security="refresh", params=[SID])},
-        "/v1/tokens/validate": {"post": _op("validate a token (§9)", LOCAL, body=OBJ, security=None)},
+        "/v1/tokens/validate": {"post": _op("validate a token (§9; the gateway's status check, Unix socket only)",
+                                             (UNIX,), body=OBJ, security=None)},
         "/v1/certificates/renew": {"post": _op("renew the agent certificate from a CSR (mTLS only)", (GW,),
                                                security="mtls")},
         "/v1/payload/upload": {"post": _op("upload a sealed payload (§15.6)", (GW,), body=OBJ)},

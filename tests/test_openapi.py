@@ -87,7 +87,8 @@ def _ops(listener: str) -> list[tuple[str, str, dict[str, object]]]:
 
 
 def _check_answer(method: str, path: str, status: int, ctype: str, raw: bytes) -> None:
-    assert status < 500, (method, path, status, raw[:200])
+    documented_5xx = {k for k in openapi.document()["paths"][path][method.lower()]["responses"] if k.startswith("5")}
+    assert status < 500 or str(status) in documented_5xx, (method, path, status, raw[:200])
     if status >= 400:
         assert ctype.startswith("application/json"), (method, path, status, ctype)
         body = json.loads(raw)
@@ -136,8 +137,7 @@ async def test_gateway_answers_random_requests_per_the_document(home: Paths) -> 
             for method, path, _op in _ops("gateway"):
                 @settings(max_examples=15, deadline=None, database=None,
                           suppress_health_check=list(HealthCheck))
-                # no CR/LF in segments here: test_gateway_newline_in_path_gets_the_error_shape (xfail)
-                @given(seg=TEXT.filter(lambda t: "\n" not in t and "\r" not in t),
+                @given(seg=TEXT,
                        query=st.dictionaries(st.sampled_from(["tag", "op", "field", "cursor", "x"]), TEXT,
                                                        max_size=3),
                        auth=st.one_of(AUTH, st.just(f"Bearer {token}")), agent_hdr=st.sampled_from(
@@ -161,13 +161,12 @@ async def test_gateway_answers_random_requests_per_the_document(home: Paths) -> 
                 await asyncio.to_thread(one)
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/remote/app.py (a-tokens): the catch-all route '/{tail:.*}' does "
-                   "not match a decoded newline, so aiohttp answers 404 text/plain before the gateway's entry: no "
-                   "§8.4 body and no access-log record; fix: '/{tail:(?s:.*)}'")
 @pytest.mark.parametrize("path", ["/v1/memory/%0A", "/v1/sessions/%0A/deletion-proof", "/v1/%0D%0A",
                                   "/v1/memory/a%0Ab"], ids=["key-lf", "sid-lf", "crlf", "mid-lf"])
 async def test_gateway_newline_in_path_gets_the_error_shape(home: Paths, path: str) -> None:
-    """Found by the document-driven fuzzing above."""
+    """Found by the document-driven fuzzing above: the catch-all '/{tail:.*}' did not match a decoded
+    newline, so aiohttp answered 404 text/plain before the gateway's entry (no §8.4 body, no
+    access-log record). Fixed on main meanwhile; this keeps it fixed."""
     from gatewaykit import agent_session
 
     async with appliance(home) as app:
