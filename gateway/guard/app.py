@@ -41,9 +41,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from gateway import contract
+from gateway import contract, openapi
 from gateway import keys as keyfiles
-from gateway import openapi
 from gateway.config import GuardConfig, Paths
 from gateway.contract import (
     AGENT_HEADER,
