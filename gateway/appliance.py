@@ -36,7 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.config import GatewayConfig, Paths
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 
 
@@ -65,7 +65,7 @@ def normalize_public_url(value: str, *, default_port: int | None = None) -> str:
     A bare host name gets ``default_port`` (the mTLS listen port) unless it is 443."""
     raw = value.strip()
     if not raw:
-        raise UompError("CONFIG_ERROR", "an empty public URL; give a host name or an https:// URL")
+        raise UompError(ErrorCode.CONFIG_ERROR, "an empty public URL; give a host name or an https:// URL")
     if "://" not in raw:
         raw = "https://" + raw + (f":{default_port}" if default_port and default_port != 443 and ":" not in raw
                                   else "")
@@ -73,11 +73,12 @@ def normalize_public_url(value: str, *, default_port: int | None = None) -> str:
     try:
         port = parts.port
     except ValueError as exc:
-        raise UompError("CONFIG_ERROR", f"{value!r} has a bad port; use https://HOST[:PORT] with PORT 1-65535") \
+        raise UompError(
+            ErrorCode.CONFIG_ERROR, f"{value!r} has a bad port; use https://HOST[:PORT] with PORT 1-65535") \
             from exc
     if parts.scheme != "https" or not parts.hostname or parts.path not in ("", "/") or parts.query \
             or parts.username or parts.password:
-        raise UompError("CONFIG_ERROR", f"{value!r} is not a public gateway URL; use https://HOST[:PORT] "
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{value!r} is not a public gateway URL; use https://HOST[:PORT] "
                         "(no path, no user)")
     host = parts.hostname.lower()
     shown = f"[{host}]" if ":" in host else host
@@ -91,10 +92,10 @@ def load_addresses(paths: Paths) -> dict[str, Any]:
     except FileNotFoundError:
         return {"public_urls": [], "tunnel": None}
     except (OSError, ValueError) as exc:
-        raise UompError("CONFIG_ERROR", f"cannot read {p} ({exc}); fix or delete it (uomp gateway start "
+        raise UompError(ErrorCode.CONFIG_ERROR, f"cannot read {p} ({exc}); fix or delete it (uomp gateway start "
                         "--public-url re-creates it)") from exc
     if not isinstance(data, dict):
-        raise UompError("CONFIG_ERROR", f"{p} is not a JSON object; delete it and set the address again")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is not a JSON object; delete it and set the address again")
     urls = data.get("public_urls") or []
     tunnel = data.get("tunnel")
     return {"public_urls": [u for u in urls if isinstance(u, str)],
@@ -196,7 +197,7 @@ class ApplianceLock:
             os.close(fd)
             info = read_run(self.paths) or {}
             where = ", ".join(info.get("local_urls", [])[:1] + info.get("public_urls", []))
-            raise UompError("ALREADY_RUNNING", f"the appliance is already running on {self.paths.home} "
+            raise UompError(ErrorCode.ALREADY_RUNNING, f"the appliance is already running on {self.paths.home} "
                             f"(pid {info.get('pid', '?')}{', ' + where if where else ''}); see 'uomp status', "
                             "stop it with Ctrl-C or 'kill PID', or use another --home") from None
         self._fd = fd
@@ -241,7 +242,7 @@ def is_running(paths: Paths) -> bool:
 
 def check_port(value: int, what: str, *, allow: tuple[int, ...] = (0,)) -> None:
     if not (1 <= value <= 65535 or value in allow):
-        raise UompError("CONFIG_ERROR", f"{what} port {value} is out of range; use 1-65535"
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{what} port {value} is out of range; use 1-65535"
                         + (" (0 = any free port)" if 0 in allow else ""))
 
 
@@ -260,15 +261,15 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
 
 def port_error(host: str, port: int, what: str, flag: str, exc: OSError) -> UompError:
     if exc.errno == errno.EADDRINUSE:
-        return UompError("PORT_IN_USE", f"{what} cannot listen on {host}:{port}: the port is already in use; "
+        return UompError(ErrorCode.PORT_IN_USE, f"{what} cannot listen on {host}:{port}: the port is already in use; "
                          f"stop what uses it (e.g. `ss -ltnp 'sport = :{port}'`) or choose another with {flag}")
     if exc.errno == errno.EADDRNOTAVAIL:
-        return UompError("CONFIG_ERROR", f"{what} cannot listen on {host}:{port}: no such address on this "
+        return UompError(ErrorCode.CONFIG_ERROR, f"{what} cannot listen on {host}:{port}: no such address on this "
                          f"machine; use 127.0.0.1 or an address of this host with {flag}")
     if exc.errno == errno.EACCES:
-        return UompError("PORT_IN_USE", f"{what} may not listen on {host}:{port} (permission denied: ports "
+        return UompError(ErrorCode.PORT_IN_USE, f"{what} may not listen on {host}:{port} (permission denied: ports "
                          f"below 1024 need privileges); choose a port above 1023 with {flag}")
-    return UompError("CONFIG_ERROR", f"{what} cannot listen on {host}:{port} ({exc.strerror}); check {flag}")
+    return UompError(ErrorCode.CONFIG_ERROR, f"{what} cannot listen on {host}:{port} ({exc.strerror}); check {flag}")
 
 
 def check_home_writable(home: Path) -> None:
@@ -279,7 +280,7 @@ def check_home_writable(home: Path) -> None:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise UompError("HOME_UNWRITABLE", f"the data directory {home} cannot be created: {probe} is a file; "
+        raise UompError(ErrorCode.HOME_UNWRITABLE, f"the data directory {home} cannot be created: {probe} is a file; "
                         "choose another with --home or UOMP_HOME")
     test = probe / f".uomp-write-test-{os.getpid()}"
     try:
@@ -292,7 +293,7 @@ def check_home_writable(home: Path) -> None:
             owner = f" (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}; this process runs as uid {os.getuid()})"
         except OSError:
             owner = ""
-        raise UompError("HOME_UNWRITABLE", f"cannot write the data directory {probe}{owner}: {exc.strerror}; "
+        raise UompError(ErrorCode.HOME_UNWRITABLE, f"cannot write the data directory {probe}{owner}: {exc.strerror}; "
                         f"make it writable (chown {os.getuid()} {probe}) or choose another with --home or "
                         "UOMP_HOME") from None
 

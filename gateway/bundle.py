@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 
 BUNDLE_VERSION = 1
@@ -62,21 +62,22 @@ def load_bundle(path: Path) -> AgentBundle:
     p = Path(path)
     try:
         if p.stat().st_mode & 0o077:
-            raise UompError("CONFIG_ERROR", f"{p} holds tokens and must not be readable by others; chmod 600 it")
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"{p} holds tokens and must not be readable by others; chmod 600 it")
         raw = p.read_bytes()
     except FileNotFoundError as exc:
-        raise UompError("CONFIG_ERROR", f"no agent bundle at {p}") from exc
+        raise UompError(ErrorCode.CONFIG_ERROR, f"no agent bundle at {p}") from exc
     if len(raw) > MAX_BUNDLE_BYTES:
-        raise UompError("CONFIG_ERROR", f"{p} is too large to be an agent bundle")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is too large to be an agent bundle")
     try:
         doc = json.loads(raw)
     except ValueError as exc:
-        raise UompError("CONFIG_ERROR", f"{p} is not valid JSON") from exc
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is not valid JSON") from exc
     if not isinstance(doc, dict) or doc.get("uomp_bundle") != BUNDLE_VERSION:
-        raise UompError("CONFIG_ERROR", f"{p} is not a version {BUNDLE_VERSION} UOMP agent bundle")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is not a version {BUNDLE_VERSION} UOMP agent bundle")
     fields = {f for f in AgentBundle.__dataclass_fields__}
     required = ("agent_id", "session_id", "gateway_url", "access_token", "access_expires_at", "ca_cert")
     missing = [f for f in required if not isinstance(doc.get(f), str) or not doc[f]]
     if missing:
-        raise UompError("CONFIG_ERROR", f"{p} is missing {', '.join(missing)}")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is missing {', '.join(missing)}")
     return AgentBundle(**{k: v for k, v in doc.items() if k in fields})

@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives import serialization
 
 from gateway.config import Paths
 from gateway.core import ca, jose
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write, check_private_dir, ensure_output_dir, ensure_private_dir
 
 REGISTRY_VERSION = 1
@@ -118,7 +118,7 @@ def _locked(paths: Paths) -> Iterator[None]:
 # ------------------------------------------------------------------------------ file loading
 
 
-def _read(path: Path, code: str, what: str) -> bytes:
+def _read(path: Path, code: ErrorCode, what: str) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
@@ -128,26 +128,26 @@ def _read(path: Path, code: str, what: str) -> bytes:
 
 
 def _load_key_file(path: Path, what: str) -> ca.CAPrivateKey:
-    data = _read(path, "KEY_ERROR", what)
+    data = _read(path, ErrorCode.KEY_ERROR, what)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
-        raise UompError("KEY_ERROR", f"{path} is readable by others (mode {mode:o}); chmod 600 it")
+        raise UompError(ErrorCode.KEY_ERROR, f"{path} is readable by others (mode {mode:o}); chmod 600 it")
     try:
         return ca.load_private_key(data)
     except (ValueError, TypeError) as exc:
         raise UompError(
-            "KEY_ERROR",
+            ErrorCode.KEY_ERROR,
             f"{path} exists but is not a readable P-256/Ed25519 PEM private key; fix or restore it: "
             f"the {what} is never regenerated silently",
         ) from exc
 
 
 def _load_cert_file(path: Path, what: str) -> x509.Certificate:
-    data = _read(path, "CA_ERROR", what)
+    data = _read(path, ErrorCode.CA_ERROR, what)
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError as exc:
-        raise UompError("CA_ERROR", f"{path} exists but is not a readable PEM certificate ({what})") from exc
+        raise UompError(ErrorCode.CA_ERROR, f"{path} exists but is not a readable PEM certificate ({what})") from exc
 
 
 def _check_dirs(paths: Paths) -> None:
@@ -160,19 +160,19 @@ def load_ca(paths: Paths) -> tuple[ca.CAPrivateKey, x509.Certificate]:
     _check_dirs(paths)
     kp, cp = ca_key_path(paths), ca_cert_path(paths)
     if not kp.exists() and not cp.exists():
-        raise UompError("CA_ERROR", f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')")
+        raise UompError(ErrorCode.CA_ERROR, f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')")
     try:
         key = _load_key_file(kp, "CA key")
     except FileNotFoundError as exc:
-        raise UompError("KEY_ERROR", f"{kp} is missing but {cp} exists; {_RESTORE_KEY}") from exc
+        raise UompError(ErrorCode.KEY_ERROR, f"{kp} is missing but {cp} exists; {_RESTORE_KEY}") from exc
     try:
         cert = _load_cert_file(cp, "CA certificate")
     except FileNotFoundError as exc:
-        raise UompError("CA_ERROR", f"{cp} is missing; run 'uomp ca init' to re-make it from {kp}") from exc
+        raise UompError(ErrorCode.CA_ERROR, f"{cp} is missing; run 'uomp ca init' to re-make it from {kp}") from exc
     try:
         ca.check_ca_pair(key, cert)
     except UompError as exc:
-        raise UompError("CA_ERROR", f"{cp} and {kp}: {exc.message}") from exc
+        raise UompError(ErrorCode.CA_ERROR, f"{cp} and {kp}: {exc.message}") from exc
     return key, cert
 
 
@@ -182,7 +182,7 @@ def load_ca_cert(paths: Paths) -> x509.Certificate:
     try:
         return _load_cert_file(ca_cert_path(paths), "CA certificate")
     except FileNotFoundError as exc:
-        raise UompError("CA_ERROR", f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')") from exc
+        raise UompError(ErrorCode.CA_ERROR, f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')") from exc
 
 
 # --------------------------------------------------------------------------------- registry
@@ -321,7 +321,7 @@ class _Registry:
 
 
 def _corrupt(path: Path) -> UompError:
-    return UompError("CA_ERROR", f"{path} is not a valid certificate registry; fix or restore it")
+    return UompError(ErrorCode.CA_ERROR, f"{path} is not a valid certificate registry; fix or restore it")
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -377,7 +377,7 @@ def _migrate_json(paths: Paths) -> None:
     except FileNotFoundError:
         return  # another process migrated it first
     except OSError as exc:
-        raise UompError("CA_ERROR", f"cannot read {legacy}: {exc.strerror}") from exc
+        raise UompError(ErrorCode.CA_ERROR, f"cannot read {legacy}: {exc.strerror}") from exc
     try:
         doc = json.loads(raw)
         if not isinstance(doc, dict) or doc.get("version") != 1:
@@ -398,7 +398,7 @@ def _migrate_json(paths: Paths) -> None:
                 revoked_at=_epoch(_parse_ts(revoked_at)) if revoked_at else None,
                 renewed_from=row.get("renewed_from")))
     except (ValueError, TypeError, KeyError, UompError) as exc:
-        raise UompError("CA_ERROR", f"{legacy} is not a valid certificate registry; fix or restore it") from exc
+        raise UompError(ErrorCode.CA_ERROR, f"{legacy} is not a valid certificate registry; fix or restore it") from exc
     by_serial = {e.serial: e for e in entries}
     for e in entries:
         root, seen = e, {e.serial}
@@ -532,7 +532,7 @@ def init_all(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | 
                 atomic_write(cp, ca.cert_pem(remade), mode=0o644)
             key, cert = load_ca(paths)
         elif cp.exists():
-            raise UompError("KEY_ERROR", f"{kp} is missing but {cp} exists; {_RESTORE_KEY}")
+            raise UompError(ErrorCode.KEY_ERROR, f"{kp} is missing but {cp} exists; {_RESTORE_KEY}")
         else:
             key, cert = ca.create_ca(key_type=key_type, now=now)
             # Key first: a crash after it leaves a key whose certificate the next init re-makes.
@@ -624,12 +624,12 @@ def check_renewal_window(not_before: dt.datetime, not_after: dt.datetime, now: d
 
     Pure (no I/O), so the gateway can refuse early renewals on its event loop before any work."""
     if not 0 < window_fraction <= 1:
-        raise UompError("CONFIG_ERROR", "the renewal window fraction must lie in (0, 1]")
+        raise UompError(ErrorCode.CONFIG_ERROR, "the renewal window fraction must lie in (0, 1]")
     life = not_after - not_before
     opens = not_after - life * window_fraction
     # a little slack for an agent whose clock runs slightly ahead (at most the clock skew allowance)
     if now < opens - min(ca.CLOCK_SKEW, life / 50):
-        raise UompError("RENEWAL_TOO_EARLY",
+        raise UompError(ErrorCode.RENEWAL_TOO_EARLY,
                         f"renewal refused: a certificate renews only in the last {window_fraction:.0%} of its life; "
                         f"this one from {_ts(opens)}")
 
@@ -710,29 +710,30 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
     old = ca.load_cert(presented)
     agent_id = ca.agent_id_from_cert(old)
     if agent_id is None or not ca.has_client_auth(old):
-        raise UompError("CA_ERROR", "renewal refused: the presented certificate is not an agent certificate")
+        raise UompError(ErrorCode.CA_ERROR, "renewal refused: the presented certificate is not an agent certificate")
     if now < old.not_valid_before_utc:
-        raise UompError("CA_ERROR", "renewal refused: the presented certificate is not valid yet")
+        raise UompError(ErrorCode.CA_ERROR, "renewal refused: the presented certificate is not valid yet")
     if now > old.not_valid_after_utc:
-        raise UompError("CA_ERROR", "renewal refused: the presented certificate has expired; "
+        raise UompError(ErrorCode.CA_ERROR, "renewal refused: the presented certificate has expired; "
                         "issue a new one with 'uomp agent issue'")
     check_renewal_window(old.not_valid_before_utc, old.not_valid_after_utc, now, window_fraction)
     _, ca_cert = load_ca(paths)
     if not ca.is_issued_by(old, ca_cert):
-        raise UompError("CA_ERROR", "renewal refused: the presented certificate was not issued by this CA")
+        raise UompError(ErrorCode.CA_ERROR, "renewal refused: the presented certificate was not issued by this CA")
     serial = ca.serial_hex(old.serial_number)
 
     def allowed(reg: _Registry) -> _Entry:
         entry = reg.by_serial(serial)
         if entry is None:
-            raise UompError("CA_ERROR", f"renewal refused: certificate {serial} is not in this CA's registry")
+            raise UompError(ErrorCode.CA_ERROR, f"renewal refused: certificate {serial} is not in this CA's registry")
         if entry.agent_id != agent_id:
-            raise UompError("CA_ERROR", f"renewal refused: certificate {serial} does not match the registry")
+            raise UompError(ErrorCode.CA_ERROR, f"renewal refused: certificate {serial} does not match the registry")
         if entry.status == "revoked":
-            raise UompError("CA_ERROR", f"renewal refused: certificate {serial} was revoked")
+            raise UompError(ErrorCode.CA_ERROR, f"renewal refused: certificate {serial} was revoked")
         if reg.renewals_since(agent_id, _epoch(now - rate_window)) >= max_per_agent:
-            raise UompError("RATE_LIMITED", f"renewal refused: agent {agent_id} already renewed {max_per_agent} "
-                            f"times in the last {int(rate_window.total_seconds())} s")
+            raise UompError(
+                ErrorCode.RATE_LIMITED, f"renewal refused: agent {agent_id} already renewed {max_per_agent} "
+                f"times in the last {int(rate_window.total_seconds())} s")
         return entry
 
     with _registry(paths) as reg:
@@ -743,7 +744,7 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
     else:
         pub = old.public_key()
         if not isinstance(pub, ca.AgentPublicKey):
-            raise UompError("CA_ERROR", "renewal refused: unsupported key type")
+            raise UompError(ErrorCode.CA_ERROR, "renewal refused: unsupported key type")
         subject_key = pub
     return ca.cert_pem(_issue(paths, agent_id, subject_key, lifetime, now, renewed_from=serial,
                               precheck=allowed))
@@ -794,11 +795,11 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
                     if reg.by_serial(wanted) is not None:
                         serial_rows = reg.descendants(wanted)
             if agent_rows and serial_rows:
-                raise UompError("CA_ERROR", f"{value!r} is both an agent id and a serial; "
+                raise UompError(ErrorCode.CA_ERROR, f"{value!r} is both an agent id and a serial; "
                                 f"say 'agent:{value}' or 'serial:{value}'")
             rows = agent_rows or serial_rows
             if not rows:
-                raise UompError("CA_ERROR", f"no certificate issued to agent or with serial {value!r}")
+                raise UompError(ErrorCode.CA_ERROR, f"no certificate issued to agent or with serial {value!r}")
             done = [e.serial for e in rows if e.status == "active"]
             reg.revoke(done, _epoch(now))
             pem = _prepare_crl(paths, key, cert, reg, now)
@@ -846,7 +847,7 @@ def list_agents(paths: Paths, *, now: dt.datetime | None = None) -> list[AgentRo
 
 def revoked_serials(paths: Paths) -> set[int]:
     """Serials on the current CRL file (what a gateway that reloaded it now refuses)."""
-    crl = x509.load_pem_x509_crl(_read(crl_path(paths), "CA_ERROR", "CRL"))
+    crl = x509.load_pem_x509_crl(_read(crl_path(paths), ErrorCode.CA_ERROR, "CRL"))
     return {r.serial_number for r in crl}
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 DEFAULT_HOME = "~/.uomp"
 LOCAL_PORT = 9374
@@ -186,9 +186,10 @@ class AnchorConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in ("none", "evm", "starknet"):
-            raise UompError("CONFIG_ERROR", f"anchor.backend must be none, evm or starknet, not {self.backend!r}")
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"anchor.backend must be none, evm or starknet, not {self.backend!r}")
         if self.confirmations < 1 or self.poll_seconds <= 0 or self.backoff_max_seconds <= 0:
-            raise UompError("CONFIG_ERROR", "anchor.confirmations must be >= 1 and the intervals > 0")
+            raise UompError(ErrorCode.CONFIG_ERROR, "anchor.confirmations must be >= 1 and the intervals > 0")
 
 
 @dataclass(frozen=True)
@@ -299,12 +300,12 @@ class TunnelSettings:
 
     def __post_init__(self) -> None:
         if self.mode not in ("quick", "named", "tcp", "none"):
-            raise UompError("CONFIG_ERROR", f"tunnel.mode must be quick, named, tcp or none, not {self.mode!r}")
+            raise UompError(ErrorCode.CONFIG_ERROR, f"tunnel.mode must be quick, named, tcp or none, not {self.mode!r}")
 
 
 def _check_port(value: int, name: str, *, low: int) -> None:
     if not (low <= value <= 65535):
-        raise UompError("CONFIG_ERROR", f"{name} = {value} is out of range; use 1-65535"
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{name} = {value} is out of range; use 1-65535"
                         + (" (0 = any free port)" if low <= 0 else "") + (" or -1 (off)" if low < 0 else ""))
 
 
@@ -321,7 +322,7 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
             return [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
-        raise UompError("CONFIG_ERROR", f"{name} must be a list of strings")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{name} must be a list of strings")
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -340,8 +341,8 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
                 raise ValueError
             return value
     except (TypeError, ValueError) as exc:
-        raise UompError("CONFIG_ERROR", f"{name} has the wrong type (want {typ.__name__})") from exc
-    raise UompError("CONFIG_ERROR", f"{name}: unsupported type")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{name} has the wrong type (want {typ.__name__})") from exc
+    raise UompError(ErrorCode.CONFIG_ERROR, f"{name}: unsupported type")
 
 
 def _read_toml(path: Path | None) -> dict[str, Any]:
@@ -351,19 +352,19 @@ def _read_toml(path: Path | None) -> dict[str, Any]:
         with path.open("rb") as fh:
             return tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise UompError("CONFIG_ERROR", f"cannot read config file {path}: {exc}") from exc
+        raise UompError(ErrorCode.CONFIG_ERROR, f"cannot read config file {path}: {exc}") from exc
 
 
 def load_section(cls: type[T], section: str, *, file: Path | None, overrides: dict[str, Any] | None = None) -> T:
     """Build ``cls`` from defaults, the TOML ``[section]``, ``UOMP_<SECTION>_<FIELD>`` and overrides."""
     data = _read_toml(file).get(section, {})
     if not isinstance(data, dict):
-        raise UompError("CONFIG_ERROR", f"[{section}] must be a table")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"[{section}] must be a table")
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - names
     if unknown:
-        raise UompError("CONFIG_ERROR", f"unknown setting(s) in [{section}]: {', '.join(sorted(unknown))}")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"unknown setting(s) in [{section}]: {', '.join(sorted(unknown))}")
     values: dict[str, Any] = {}
     for name in names:
         env = os.environ.get(f"UOMP_{section.upper()}_{name.upper()}")

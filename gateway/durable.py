@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 log = logging.getLogger("uomp.durable")
 
@@ -114,9 +114,10 @@ class GroupCommitWriter(Generic[T]):
         n = self._size(item)
         with self._cond:
             if self._closing:
-                raise UompError("STORE_UNAVAILABLE", f"the {self.name} is closed")
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the {self.name} is closed")
             if len(self._pending) >= self._max_pending or self._pending_bytes + n > self._max_pending_bytes:
-                raise UompError("STORE_UNAVAILABLE", f"the {self.name} writer is behind: too many pending records")
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE, f"the {self.name} writer is behind: too many pending records")
             self._pending.append(item)
             self._pending_bytes += n
             self._issued += 1
@@ -157,7 +158,8 @@ class GroupCommitWriter(Generic[T]):
             self._request_locked()
 
     def _failed_error(self) -> UompError:
-        return UompError("STORE_UNAVAILABLE", f"the {self.name} could not be written ({self.failing or 'failed'})")
+        return UompError(
+            ErrorCode.STORE_UNAVAILABLE, f"the {self.name} could not be written ({self.failing or 'failed'})")
 
     async def flush(self, ticket: int | None = None) -> None:
         """Return once ``ticket`` (default: every record submitted before this call) is durable.
@@ -255,7 +257,8 @@ class GroupCommitWriter(Generic[T]):
                         self._failed.append((lo, hi))
                     self._settled = max(self._settled, hi)
                     self._inflight = None
-                code = exc.code if isinstance(exc, UompError) and exc.code == "STORE_BUSY" else "STORE_UNAVAILABLE"
+                busy = isinstance(exc, UompError) and exc.code == ErrorCode.STORE_BUSY
+                code = ErrorCode.STORE_BUSY if busy else ErrorCode.STORE_UNAVAILABLE
                 err = UompError(code, f"the {self.name} could not be written ({reason})")
                 err.__cause__ = exc
                 fut.set_exception(err)

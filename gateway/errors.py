@@ -11,100 +11,175 @@ callers pass fixed sentences and identifiers only.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
-# code -> HTTP status. Spec §8.4 codes first, then ours (documented in README "Error codes").
-STATUS: dict[str, int] = {
+
+class ErrorCode(StrEnum):
+    """Every stable error code. A member is its own wire value (``str(ErrorCode.X) == "X"``),
+    so JSON bodies are unchanged; a misspelt code is an attribute error that mypy reports."""
+
     # spec §8.4
-    "INVALID_TOKEN": 401,
-    "TOKEN_EXPIRED": 401,
-    "SESSION_REVOKED": 401,
-    "ACCESS_DENIED": 403,
-    "QUOTA_EXCEEDED": 429,
-    "WRITE_NOT_AVAILABLE": 403,
-    "STORE_UNAVAILABLE": 503,
-    "SESSION_NOT_FOUND": 404,
-    "INVALID_REQUEST": 400,
+    INVALID_TOKEN = "INVALID_TOKEN"
+    TOKEN_EXPIRED = "TOKEN_EXPIRED"
+    SESSION_REVOKED = "SESSION_REVOKED"
+    ACCESS_DENIED = "ACCESS_DENIED"
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+    WRITE_NOT_AVAILABLE = "WRITE_NOT_AVAILABLE"
+    STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
+    SESSION_NOT_FOUND = "SESSION_NOT_FOUND"
+    INVALID_REQUEST = "INVALID_REQUEST"
     # ours
-    "UNAUTHORIZED": 401,  # management API without the user's admin credential
-    "CERT_REQUIRED": 401,  # mTLS listener: no (acceptable) client certificate
-    "AGENT_MISMATCH": 403,  # token agent != certificate agent != X-UOMP-Agent-Id
-    "TOKEN_BINDING_MISMATCH": 401,  # cnf x5t#S256 / jkt does not match the presented key
-    "DPOP_INVALID": 401,  # RFC 9449 proof missing or wrong
-    "REFRESH_REUSED": 401,  # a spent refresh token came back: family revoked
-    "NOT_FOUND": 404,  # no such route (never used for memory keys: those answer ACCESS_DENIED)
-    "METHOD_NOT_ALLOWED": 405,
-    "PAYLOAD_TOO_LARGE": 413,
-    "NOT_IMPLEMENTED": 501,
-    "INVALID_STATE": 409,  # session transition not allowed from its current state
-    "STORE_BUSY": 503,  # a database stayed locked by another process past its bounded wait: retry shortly
-    "UPSTREAM_ERROR": 502,
-    "UPSTREAM_TIMEOUT": 504,
-    "CONFIG_ERROR": 500,
-    "KEY_ERROR": 500,  # a key file is missing, unreadable or malformed
-    "IMPORT_INVALID": 400,
-    "MANIFEST_INVALID": 400,
-    "CA_ERROR": 400,
-    "RENEWAL_TOO_EARLY": 409,  # certificate renewal before the last part of the certificate's life
-    "RATE_LIMITED": 429,  # too many certificate renewals for one agent in the configured window
-    "UNSAFE_PERMISSIONS": 500,  # data directory owned by someone else or group/other-writable
-    "ANCHOR_UNAVAILABLE": 503,  # chain RPC unreachable, timed out or not final yet: retry later
-    "ANCHOR_REJECTED": 502,  # the chain refused or reverted the anchor (not retryable as is)
-    "ANCHOR_MISMATCH": 409,  # the chain does not show the anchor that was claimed
-    "INTERNAL": 500,
+    UNAUTHORIZED = "UNAUTHORIZED"  # management API without the user's admin credential
+    CERT_REQUIRED = "CERT_REQUIRED"  # mTLS listener: no (acceptable) client certificate
+    AGENT_MISMATCH = "AGENT_MISMATCH"  # token agent != certificate agent != X-UOMP-Agent-Id
+    TOKEN_BINDING_MISMATCH = "TOKEN_BINDING_MISMATCH"  # cnf x5t#S256 / jkt does not match the presented key
+    DPOP_INVALID = "DPOP_INVALID"  # RFC 9449 proof missing or wrong
+    REFRESH_REUSED = "REFRESH_REUSED"  # a spent refresh token came back: family revoked
+    NOT_FOUND = "NOT_FOUND"  # no such route (never used for memory keys: those answer ACCESS_DENIED)
+    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    NOT_IMPLEMENTED = "NOT_IMPLEMENTED"
+    INVALID_STATE = "INVALID_STATE"  # session transition not allowed from its current state
+    STORE_BUSY = "STORE_BUSY"  # a database stayed locked by another process past its bounded wait: retry shortly
+    UPSTREAM_ERROR = "UPSTREAM_ERROR"
+    UPSTREAM_TIMEOUT = "UPSTREAM_TIMEOUT"
+    CONFIG_ERROR = "CONFIG_ERROR"
+    KEY_ERROR = "KEY_ERROR"  # a key file is missing, unreadable or malformed
+    IMPORT_INVALID = "IMPORT_INVALID"
+    MANIFEST_INVALID = "MANIFEST_INVALID"
+    CA_ERROR = "CA_ERROR"
+    RENEWAL_TOO_EARLY = "RENEWAL_TOO_EARLY"  # certificate renewal before the last part of the certificate's life
+    RATE_LIMITED = "RATE_LIMITED"  # too many certificate renewals for one agent in the configured window
+    UNSAFE_PERMISSIONS = "UNSAFE_PERMISSIONS"  # data directory owned by someone else or group/other-writable
+    ANCHOR_UNAVAILABLE = "ANCHOR_UNAVAILABLE"  # chain RPC unreachable, timed out or not final yet: retry later
+    ANCHOR_REJECTED = "ANCHOR_REJECTED"  # the chain refused or reverted the anchor (not retryable as is)
+    ANCHOR_MISMATCH = "ANCHOR_MISMATCH"  # the chain does not show the anchor that was claimed
+    PROOF_PENDING = "PROOF_PENDING"  # the audit event is not in a signed checkpoint yet: retry shortly
+    LOG_CORRUPT = "LOG_CORRUPT"  # the audit log's events and its Merkle tree disagree: run 'uomp audit verify'
+    INTERNAL = "INTERNAL"
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
-    "PAYLOAD_HASH_MISMATCH": 400,  # the ciphertext received is not what the envelope's hash names
-    "PAYLOAD_SIZE_MISMATCH": 400,  # the ciphertext received is not as long as the envelope's size
-    "PAYLOAD_EXISTS": 409,  # a payload with this payload_id is already stored
-    "PAYLOAD_QUOTA_EXCEEDED": 429,  # this session already has too many payloads (or bytes) waiting
-    "PAYLOAD_STORE_FULL": 507,  # the payload store's disk is full; nothing was kept
-    "UPLOAD_URL_INVALID": 403,  # a single-use upload URL that is unknown, spent or expired
-    "PAYLOAD_INVALID": 400,  # a sealed payload that does not open: wrong key, tampered, truncated
+    PAYLOAD_HASH_MISMATCH = "PAYLOAD_HASH_MISMATCH"  # the ciphertext received is not what the envelope's hash names
+    PAYLOAD_SIZE_MISMATCH = "PAYLOAD_SIZE_MISMATCH"  # the ciphertext received is not as long as the envelope's size
+    PAYLOAD_EXISTS = "PAYLOAD_EXISTS"  # a payload with this payload_id is already stored
+    PAYLOAD_QUOTA_EXCEEDED = "PAYLOAD_QUOTA_EXCEEDED"  # this session already has too many payloads (or bytes) waiting
+    PAYLOAD_STORE_FULL = "PAYLOAD_STORE_FULL"  # the payload store's disk is full; nothing was kept
+    UPLOAD_URL_INVALID = "UPLOAD_URL_INVALID"  # a single-use upload URL that is unknown, spent or expired
+    PAYLOAD_INVALID = "PAYLOAD_INVALID"  # a sealed payload that does not open: wrong key, tampered, truncated
     # CLI-side (``uomp`` prints ``error CODE: what happened; what to do``)
-    "ALREADY_RUNNING": 409,  # an appliance already holds this data directory's lock
-    "PORT_IN_USE": 500,  # a listener's port is taken (or not allowed)
-    "HOME_UNWRITABLE": 500,  # the data directory cannot be created or written
-    "IO_ERROR": 500,  # a file could not be read or written
-    "USAGE": 400,  # bad command-line arguments
-    "TUNNEL_ERROR": 500,  # the tunnel cannot be set up as configured
+    ALREADY_RUNNING = "ALREADY_RUNNING"  # an appliance already holds this data directory's lock
+    PORT_IN_USE = "PORT_IN_USE"  # a listener's port is taken (or not allowed)
+    HOME_UNWRITABLE = "HOME_UNWRITABLE"  # the data directory cannot be created or written
+    IO_ERROR = "IO_ERROR"  # a file could not be read or written
+    USAGE = "USAGE"  # bad command-line arguments
+    TUNNEL_ERROR = "TUNNEL_ERROR"  # the tunnel cannot be set up as configured
+
+
+# code -> HTTP status, once. Spec §8.4 codes first, then ours (documented in README "Error codes").
+STATUS: dict[ErrorCode, int] = {
+    # spec §8.4
+    ErrorCode.INVALID_TOKEN: 401,
+    ErrorCode.TOKEN_EXPIRED: 401,
+    ErrorCode.SESSION_REVOKED: 401,
+    ErrorCode.ACCESS_DENIED: 403,
+    ErrorCode.QUOTA_EXCEEDED: 429,
+    ErrorCode.WRITE_NOT_AVAILABLE: 403,
+    ErrorCode.STORE_UNAVAILABLE: 503,
+    ErrorCode.SESSION_NOT_FOUND: 404,
+    ErrorCode.INVALID_REQUEST: 400,
+    # ours
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.CERT_REQUIRED: 401,
+    ErrorCode.AGENT_MISMATCH: 403,
+    ErrorCode.TOKEN_BINDING_MISMATCH: 401,
+    ErrorCode.DPOP_INVALID: 401,
+    ErrorCode.REFRESH_REUSED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.NOT_IMPLEMENTED: 501,
+    ErrorCode.INVALID_STATE: 409,
+    ErrorCode.STORE_BUSY: 503,
+    ErrorCode.UPSTREAM_ERROR: 502,
+    ErrorCode.UPSTREAM_TIMEOUT: 504,
+    ErrorCode.CONFIG_ERROR: 500,
+    ErrorCode.KEY_ERROR: 500,
+    ErrorCode.IMPORT_INVALID: 400,
+    ErrorCode.MANIFEST_INVALID: 400,
+    ErrorCode.CA_ERROR: 400,
+    ErrorCode.RENEWAL_TOO_EARLY: 409,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.UNSAFE_PERMISSIONS: 500,
+    ErrorCode.ANCHOR_UNAVAILABLE: 503,
+    ErrorCode.ANCHOR_REJECTED: 502,
+    ErrorCode.ANCHOR_MISMATCH: 409,
+    ErrorCode.PROOF_PENDING: 409,
+    ErrorCode.LOG_CORRUPT: 500,
+    ErrorCode.INTERNAL: 500,
+    # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
+    ErrorCode.PAYLOAD_HASH_MISMATCH: 400,
+    ErrorCode.PAYLOAD_SIZE_MISMATCH: 400,
+    ErrorCode.PAYLOAD_EXISTS: 409,
+    ErrorCode.PAYLOAD_QUOTA_EXCEEDED: 429,
+    ErrorCode.PAYLOAD_STORE_FULL: 507,
+    ErrorCode.UPLOAD_URL_INVALID: 403,
+    ErrorCode.PAYLOAD_INVALID: 400,
+    # CLI-side (``uomp`` prints ``error CODE: what happened; what to do``)
+    ErrorCode.ALREADY_RUNNING: 409,
+    ErrorCode.PORT_IN_USE: 500,
+    ErrorCode.HOME_UNWRITABLE: 500,
+    ErrorCode.IO_ERROR: 500,
+    ErrorCode.USAGE: 400,
+    ErrorCode.TUNNEL_ERROR: 500,
 }
+
+def known_code(value: object) -> ErrorCode | None:
+    """The :class:`ErrorCode` named by ``value`` (a string a peer sent in JSON), or None when it is none of ours.
+
+    Codes that come in from outside (the guard's body seen by the gateway, the gateway's body seen by
+    the CLI) pass through here or :func:`parse_code`; an unknown or non-string value never becomes an
+    ``ErrorCode``.
+    """
+    if isinstance(value, str) and value in ErrorCode.__members__:
+        return ErrorCode(value)
+    return None
+
+
+def parse_code(value: object, default: ErrorCode) -> ErrorCode:
+    """:func:`known_code`, with ``default`` for a value that is not one of our codes."""
+    code = known_code(value)
+    return default if code is None else code
 
 
 class UompError(Exception):
     """A refusal or failure with a stable code.
 
+    The HTTP status is ``STATUS[code]``, always: there is no per-call override.
     ``session_id`` is echoed in the §8.4 body when known; ``details`` carries extra,
     non-secret, machine-readable facts (row numbers of a bad import, for example).
     """
 
     def __init__(
         self,
-        code: str,
+        code: ErrorCode,
         message: str,
         *,
         session_id: str | None = None,
         details: dict[str, Any] | None = None,
-        status: int | None = None,
     ) -> None:
-        if code not in STATUS:
-            raise ValueError(f"unknown error code {code!r}")
+        code = ErrorCode(code)  # an unknown string is a ValueError here, for callers mypy does not see
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.session_id = session_id
         self.details = details
-        self.status = status if status is not None else STATUS[code]
+        self.status = STATUS[code]
 
     def body(self) -> dict[str, Any]:
         """The spec §8.4 error body."""
-        err: dict[str, Any] = {"code": self.code, "message": self.message}
+        err: dict[str, Any] = {"code": str(self.code), "message": self.message}
         if self.session_id:
             err["session_id"] = self.session_id
         if self.details:
             err["details"] = self.details
         return {"error": err}
-
-
-def error_body(code: str, message: str, session_id: str | None = None) -> dict[str, Any]:
-    """Shortcut for places that build a body without raising."""
-    return UompError(code, message, session_id=session_id).body()

@@ -19,7 +19,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 
 def _mkdirs_private(path: Path) -> bool:
@@ -50,14 +50,14 @@ def check_private_dir(path: Path, what: str) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise UompError("UNSAFE_PERMISSIONS", f"cannot inspect {what} {path}: {exc.strerror}; it must be a "
+        raise UompError(ErrorCode.UNSAFE_PERMISSIONS, f"cannot inspect {what} {path}: {exc.strerror}; it must be a "
                         "directory you own: choose another data directory with --home or UOMP_HOME") from exc
     if not stat.S_ISDIR(st.st_mode):
-        raise UompError("UNSAFE_PERMISSIONS", f"{what} {path} is not a directory")
+        raise UompError(ErrorCode.UNSAFE_PERMISSIONS, f"{what} {path} is not a directory")
     me = os.geteuid()
     if st.st_uid != me:
         raise UompError(
-            "UNSAFE_PERMISSIONS",
+            ErrorCode.UNSAFE_PERMISSIONS,
             f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {me}): whoever owns it could have "
             f"planted keys there. Move it aside and run 'uomp init' again, or, if you trust its contents, "
             f"'chown -R {me} {path}'",
@@ -65,7 +65,7 @@ def check_private_dir(path: Path, what: str) -> None:
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
         raise UompError(
-            "UNSAFE_PERMISSIONS",
+            ErrorCode.UNSAFE_PERMISSIONS,
             f"{what} {path} is writable by group or others (mode {mode:o}): anyone who could write there "
             f"could have planted keys. Check its contents, then 'chmod 700 {path}'",
         )
@@ -85,7 +85,7 @@ def check_parents(path: Path) -> None:
             continue
         if st.st_uid not in (0, me):
             raise UompError(
-                "UNSAFE_PERMISSIONS",
+                ErrorCode.UNSAFE_PERMISSIONS,
                 f"{parent} (a parent of {path}) is owned by uid {st.st_uid}, who could replace the data "
                 f"directory; move the data directory (--home, UOMP_HOME) under a directory only you or root "
                 f"control, or 'chown {me} {parent}'",
@@ -93,7 +93,7 @@ def check_parents(path: Path) -> None:
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o022 and not mode & stat.S_ISVTX:
             raise UompError(
-                "UNSAFE_PERMISSIONS",
+                ErrorCode.UNSAFE_PERMISSIONS,
                 f"{parent} (a parent of {path}) is writable by group or others without the sticky bit "
                 f"(mode {mode:o}); 'chmod go-w {parent}' or move the data directory",
             )

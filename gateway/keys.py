@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.config import Paths
 from gateway.core import jose
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write, check_parents, check_private_dir, ensure_private_dir
 
 # How often a running guard / gateway looks at the key files for a rotation or revocation.
@@ -75,7 +75,7 @@ def _read_json(path: Path) -> Any:
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as exc:
-        raise UompError("KEY_ERROR", f"{path} exists but cannot be read as JSON ({type(exc).__name__}); "
+        raise UompError(ErrorCode.KEY_ERROR, f"{path} exists but cannot be read as JSON ({type(exc).__name__}); "
                         "fix or restore it: keys are never regenerated silently") from exc
 
 
@@ -99,7 +99,7 @@ def init_keys(paths: Paths) -> bool:
             _write_jwks(paths, [jose.public_jwk(load_signing_key(paths).key, kid=load_signing_key(paths).kid)])
         return False
     if paths.jwks.exists() or paths.public_jwk.exists():
-        raise UompError("KEY_ERROR", f"{paths.private_jwk} is missing but public keys exist; "
+        raise UompError(ErrorCode.KEY_ERROR, f"{paths.private_jwk} is missing but public keys exist; "
                         "restore the private key or remove the .secrets directory deliberately")
     key = ed25519.Ed25519PrivateKey.generate()
     kid = _new_kid()
@@ -126,21 +126,22 @@ def load_signing_key(paths: Paths) -> SigningKey:
     try:
         st = paths.private_jwk.stat()
     except FileNotFoundError as exc:
-        raise UompError("KEY_ERROR", f"no signing key at {paths.private_jwk}; run 'uomp init'") from exc
+        raise UompError(ErrorCode.KEY_ERROR, f"no signing key at {paths.private_jwk}; run 'uomp init'") from exc
     if st.st_mode & 0o077:
-        raise UompError("KEY_ERROR", f"{paths.private_jwk} is readable by others (mode {st.st_mode & 0o777:o}); "
-                        "chmod 600 it")
+        raise UompError(
+            ErrorCode.KEY_ERROR, f"{paths.private_jwk} is readable by others (mode {st.st_mode & 0o777:o}); "
+            "chmod 600 it")
     jwk = _read_json(paths.private_jwk)
     try:
         key = jose.load_private_jwk(jwk)
     except ValueError as exc:
-        raise UompError("KEY_ERROR", f"{paths.private_jwk} is not a valid Ed25519 private JWK: {exc}") from exc
+        raise UompError(ErrorCode.KEY_ERROR, f"{paths.private_jwk} is not a valid Ed25519 private JWK: {exc}") from exc
     kid = jwk.get("kid")
     if not isinstance(kid, str) or not kid:
-        raise UompError("KEY_ERROR", f"{paths.private_jwk} has no kid")
+        raise UompError(ErrorCode.KEY_ERROR, f"{paths.private_jwk} has no kid")
     kids, jkts = _revoked(paths)
     if kid in kids or jose.key_thumbprint(key.public_key()) in jkts:
-        raise UompError("KEY_ERROR", f"the signing key {kid} in {paths.private_jwk} was revoked; "
+        raise UompError(ErrorCode.KEY_ERROR, f"the signing key {kid} in {paths.private_jwk} was revoked; "
                         "run 'uomp keys rotate' to make a new one")
     return SigningKey(kid, key)
 
@@ -154,7 +155,7 @@ def _revoked(paths: Paths) -> tuple[set[str], set[str]]:
         return set(), set()
     entries = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise UompError("KEY_ERROR", f"{path} has no 'keys' list; fix or restore it")
+        raise UompError(ErrorCode.KEY_ERROR, f"{path} has no 'keys' list; fix or restore it")
     kids = {e["kid"] for e in entries if isinstance(e.get("kid"), str)}
     jkts = {e["jkt"] for e in entries if isinstance(e.get("jkt"), str)}
     return kids, jkts
@@ -177,16 +178,16 @@ def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifeti
         doc = _read_json(paths.jwks)
         entries = doc.get("keys") if isinstance(doc, dict) else None
         if not isinstance(entries, list):
-            raise UompError("KEY_ERROR", f"{paths.jwks} has no 'keys' list")
+            raise UompError(ErrorCode.KEY_ERROR, f"{paths.jwks} has no 'keys' list")
     elif paths.public_jwk.exists():
         entries = [_read_json(paths.public_jwk)]
     else:
-        raise UompError("KEY_ERROR", f"no public keys in {paths.secrets}; run 'uomp init'")
+        raise UompError(ErrorCode.KEY_ERROR, f"no public keys in {paths.secrets}; run 'uomp init'")
     out: dict[str, jose.PublicKey] = {}
     for jwk in entries:
         kid = jwk.get("kid") if isinstance(jwk, dict) else None
         if not isinstance(kid, str):
-            raise UompError("KEY_ERROR", f"a key in {paths.secrets} has no kid")
+            raise UompError(ErrorCode.KEY_ERROR, f"a key in {paths.secrets} has no kid")
         retired = jwk.get("retired_at")
         if retired is not None and now is not None and max_token_lifetime is not None \
                 and now > float(retired) + max_token_lifetime:
@@ -194,12 +195,12 @@ def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifeti
         try:
             pub = jose.load_public_jwk(jwk)
         except ValueError as exc:
-            raise UompError("KEY_ERROR", f"public key {kid} is invalid: {exc}") from exc
+            raise UompError(ErrorCode.KEY_ERROR, f"public key {kid} is invalid: {exc}") from exc
         if kid in revoked_kids_ or jose.key_thumbprint(pub) in revoked_jkts:
             continue  # revoked: distrusted at once, whatever jwks.json says
         out[kid] = pub
     if not out:
-        raise UompError("KEY_ERROR", "no usable public key")
+        raise UompError(ErrorCode.KEY_ERROR, "no usable public key")
     return out
 
 
@@ -304,13 +305,14 @@ def load_admin(paths: Paths) -> str:
         st = paths.admin_credential.stat()
         text = paths.admin_credential.read_text().strip()
     except FileNotFoundError as exc:
-        raise UompError("KEY_ERROR", f"no admin credential at {paths.admin_credential}; run 'uomp init'") from exc
+        raise UompError(
+            ErrorCode.KEY_ERROR, f"no admin credential at {paths.admin_credential}; run 'uomp init'") from exc
     except OSError as exc:
-        raise UompError("KEY_ERROR", f"cannot read {paths.admin_credential}: {exc.strerror}") from exc
+        raise UompError(ErrorCode.KEY_ERROR, f"cannot read {paths.admin_credential}: {exc.strerror}") from exc
     if st.st_mode & 0o077:
-        raise UompError("KEY_ERROR", f"{paths.admin_credential} is readable by others; chmod 600 it")
+        raise UompError(ErrorCode.KEY_ERROR, f"{paths.admin_credential} is readable by others; chmod 600 it")
     if not text.startswith("uadm_") or len(text) < 40:
-        raise UompError("KEY_ERROR", f"{paths.admin_credential} is malformed")
+        raise UompError(ErrorCode.KEY_ERROR, f"{paths.admin_credential} is malformed")
     return text
 
 

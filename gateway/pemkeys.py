@@ -14,7 +14,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import create_private_file, ensure_private_dir
 
 MAX_KEY_FILE_BYTES = 4096
@@ -39,17 +39,18 @@ def load(path: Path, kind: Any, *, what: str, restore: str) -> PrivateKeyTypes:
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise UompError("KEY_ERROR", f"no {what} at {path}; run 'uomp init'") from None
+        raise UompError(ErrorCode.KEY_ERROR, f"no {what} at {path}; run 'uomp init'") from None
     if st.st_mode & 0o077:
-        raise UompError("KEY_ERROR", f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+        raise UompError(
+            ErrorCode.KEY_ERROR, f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
     if st.st_size > MAX_KEY_FILE_BYTES:
-        raise UompError("KEY_ERROR", f"{path} is too large to be a {what}")
+        raise UompError(ErrorCode.KEY_ERROR, f"{path} is too large to be a {what}")
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as exc:
-        raise UompError("KEY_ERROR", f"{path} is not a readable {what} ({type(exc).__name__}); restore it: "
+        raise UompError(ErrorCode.KEY_ERROR, f"{path} is not a readable {what} ({type(exc).__name__}); restore it: "
                         f"{restore}") from None
     if not isinstance(key, kind):
-        raise UompError("KEY_ERROR", f"{path} is not a {what} of the right type")
+        raise UompError(ErrorCode.KEY_ERROR, f"{path} is not a {what} of the right type")
     out: PrivateKeyTypes = key
     return out

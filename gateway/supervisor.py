@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import Paths
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.server import remove_dead_socket
 from gateway.remote.upstream import Upstream, UpstreamClient
 
@@ -240,7 +240,7 @@ class GuardProcess:
     def _failed(self, message: str) -> UompError:
         lines = list(self._tail) or ["(the guard process wrote nothing)"]
         self._held = None
-        return UompError("STORE_UNAVAILABLE", message + "; its output:", details={"lines": lines})
+        return UompError(ErrorCode.STORE_UNAVAILABLE, message + "; its output:", details={"lines": lines})
 
     @staticmethod
     async def _check(probe: UpstreamClient) -> str | None:

@@ -37,7 +37,7 @@ from typing import Any
 from gateway.config import Paths
 from gateway.core import didkey
 from gateway.core.manifest import MAX_DID, MAX_NAME, is_display_safe
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 
 TRUST_VERSION = 1
@@ -75,7 +75,7 @@ class TrustList:
 
 def check_name(name: Any) -> str:
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME or not is_display_safe(name):
-        raise UompError("INVALID_REQUEST", f"the publisher name must be 1-{MAX_NAME} printable characters "
+        raise UompError(ErrorCode.INVALID_REQUEST, f"the publisher name must be 1-{MAX_NAME} printable characters "
                         "(no control or bidirectional-override characters)")
     return name.strip()
 
@@ -83,15 +83,16 @@ def check_name(name: Any) -> str:
 def check_did(did: Any) -> tuple[str, str]:
     """A trustable DID and its key fingerprint; INVALID_REQUEST for anything this version cannot verify."""
     if not isinstance(did, str) or not did.startswith("did:") or len(did) > MAX_DID or not is_display_safe(did):
-        raise UompError("INVALID_REQUEST", "give a DID such as did:key:z6Mk…")
+        raise UompError(ErrorCode.INVALID_REQUEST, "give a DID such as did:key:z6Mk…")
     if not did.startswith("did:key:"):
         method = ":".join(did.split(":")[:2])
-        raise UompError("INVALID_REQUEST", f"{method} identities cannot be verified by this version, so trusting "
-                        "one would never match a manifest; only did:key (Ed25519) can be trusted")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, f"{method} identities cannot be verified by this version, so trusting "
+            "one would never match a manifest; only did:key (Ed25519) can be trusted")
     try:
         pub = didkey.public_key_from_did_key(did)
     except ValueError as exc:
-        raise UompError("INVALID_REQUEST", f"not a valid Ed25519 did:key: {exc}") from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, f"not a valid Ed25519 did:key: {exc}") from exc
     return did, didkey.fingerprint(pub)
 
 
@@ -121,10 +122,10 @@ def _entry(obj: Any, where: str) -> TrustEntry:
 def _check_file(path: Path) -> None:
     st = path.stat()
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UompError("CONFIG_ERROR", f"{path} is writable by other users, who could vouch for keys; "
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{path} is writable by other users, who could vouch for keys; "
                         "check its entries, then chmod 600 it")
     if st.st_uid != os.getuid():
-        raise UompError("CONFIG_ERROR", f"{path} belongs to another user; refusing to trust its entries")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{path} belongs to another user; refusing to trust its entries")
 
 
 def load(paths: Paths) -> TrustList:
@@ -137,9 +138,9 @@ def load(paths: Paths) -> TrustList:
     except FileNotFoundError:
         return TrustList()
     except OSError as exc:
-        raise UompError("CONFIG_ERROR", f"cannot read the trust list {path}: {exc.strerror}") from exc
+        raise UompError(ErrorCode.CONFIG_ERROR, f"cannot read the trust list {path}: {exc.strerror}") from exc
     if len(raw) > MAX_TRUST_FILE_BYTES:
-        raise UompError("CONFIG_ERROR", f"the trust list {path} is larger than {MAX_TRUST_FILE_BYTES} bytes")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"the trust list {path} is larger than {MAX_TRUST_FILE_BYTES} bytes")
     try:
         doc = json.loads(raw)
         if not isinstance(doc, dict) or doc.get("uomp_trust") != TRUST_VERSION:
@@ -149,7 +150,7 @@ def load(paths: Paths) -> TrustList:
             raise ValueError(f"entries must be a list of at most {MAX_TRUST_ENTRIES}")
         entries = tuple(_entry(e, f"entries[{i}]") for i, e in enumerate(items))
     except (ValueError, RecursionError) as exc:
-        raise UompError("CONFIG_ERROR", f"the trust list {path} is invalid ({exc}); fix or remove it") from exc
+        raise UompError(ErrorCode.CONFIG_ERROR, f"the trust list {path} is invalid ({exc}); fix or remove it") from exc
     return TrustList(entries)
 
 
@@ -178,7 +179,7 @@ def add(paths: Paths, did: str, name: str, *, how: str = "trust add") -> tuple[T
         if old is not None and old.name == name:
             return old, old
         if old is None and len(current.entries) >= MAX_TRUST_ENTRIES:
-            raise UompError("INVALID_REQUEST", f"the trust list already holds {MAX_TRUST_ENTRIES} entries")
+            raise UompError(ErrorCode.INVALID_REQUEST, f"the trust list already holds {MAX_TRUST_ENTRIES} entries")
         entry = TrustEntry(kind="did", id=did, name=name, fingerprint=fp, added_at=_now(), how=how)
         kept = [e for e in current.entries if e is not old]
         atomic_write(paths.trust_file, TrustList((*kept, entry)).to_json(), mode=0o600)
@@ -191,7 +192,7 @@ def remove(paths: Paths, ident: str) -> TrustEntry:
         current = load(paths)
         gone = [e for e in current.entries if e.id == ident]
         if not gone:
-            raise UompError("INVALID_REQUEST", "that identity is not in your trust list (see uomp trust list)")
+            raise UompError(ErrorCode.INVALID_REQUEST, "that identity is not in your trust list (see uomp trust list)")
         kept = tuple(e for e in current.entries if e.id != ident)
         atomic_write(paths.trust_file, TrustList(kept).to_json(), mode=0o600)
     return gone[0]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from gateway.anchor.encoding import HASH_SIZE, checkpoint_hash
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 MAX_TREE_SIZE = (1 << 64) - 1  # uint64 on chain
 MAX_EXPIRES_AT = (1 << 64) - 1  # Unix seconds; the contract field is uint256, we bound it lower
@@ -50,7 +50,7 @@ class AnchorUnavailable(AnchorError):
     retryable = True
 
     def __init__(self, message: str) -> None:
-        super().__init__("ANCHOR_UNAVAILABLE", message)
+        super().__init__(ErrorCode.ANCHOR_UNAVAILABLE, message)
 
 
 class AnchorRejected(AnchorError):
@@ -58,14 +58,14 @@ class AnchorRejected(AnchorError):
     out of funds, wrong chain id, malformed. Retrying the same thing will not help."""
 
     def __init__(self, message: str) -> None:
-        super().__init__("ANCHOR_REJECTED", message)
+        super().__init__(ErrorCode.ANCHOR_REJECTED, message)
 
 
 class AnchorMismatch(AnchorError):
     """``verify``: the chain does not show the claimed anchor (or shows a different one)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__("ANCHOR_MISMATCH", message)
+        super().__init__(ErrorCode.ANCHOR_MISMATCH, message)
 
 
 def _check_hash(name: str, value: bytes) -> None:

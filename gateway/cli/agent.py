@@ -16,7 +16,7 @@ from gateway.cli import home
 from gateway.cli.main import paths_from
 from gateway.config import GatewayConfig, Paths, load_section
 from gateway.core import ca
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 
 
@@ -42,7 +42,7 @@ def _lifetime(hours: float) -> dt.timedelta:
     try:
         return dt.timedelta(hours=hours)
     except OverflowError as exc:
-        raise UompError("CA_ERROR", "--lifetime-hours is out of range") from exc
+        raise UompError(ErrorCode.CA_ERROR, "--lifetime-hours is out of range") from exc
 
 
 def _ca_init(args: argparse.Namespace) -> int:
@@ -64,7 +64,7 @@ def _read_input(name: str) -> bytes:
     try:
         return Path(name).read_bytes()
     except OSError as exc:
-        raise UompError("CA_ERROR", f"cannot read {name}: {exc.strerror}") from exc
+        raise UompError(ErrorCode.CA_ERROR, f"cannot read {name}: {exc.strerror}") from exc
 
 
 def _issue(args: argparse.Namespace) -> int:
@@ -83,7 +83,7 @@ def _issue(args: argparse.Namespace) -> int:
             sys.stdout.write(pem.decode("ascii"))
         return 0
     if args.cert_out:
-        raise UompError("CA_ERROR", "--cert-out goes with --csr (--out writes agent.key and agent.crt)")
+        raise UompError(ErrorCode.CA_ERROR, "--cert-out goes with --csr (--out writes agent.key and agent.crt)")
     files = ca_store.issue_with_key(paths, args.agent_id, Path(args.out), lifetime, key_type=args.key_type)
     print(f"agent {args.agent_id}: {'new key' if files.new_key else 'existing key reused'}")
     print(f"  key:         {files.key_file} (0600)")

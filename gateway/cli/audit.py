@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.audit import open_audit
 from gateway.ledger import auditkey
@@ -38,7 +38,8 @@ def _show(args: argparse.Namespace) -> int:
     try:
         rows = audit.recent(limit=args.limit, session_id=args.session)
         if args.session and not rows:
-            raise UompError("NOT_FOUND", f"no audit events for session {args.session}; see 'uomp sessions list'")
+            raise UompError(
+                ErrorCode.NOT_FOUND, f"no audit events for session {args.session}; see 'uomp sessions list'")
         rows.reverse()  # newest last, in text and JSON alike
         if args.json:
             print(json.dumps(rows, indent=2))
@@ -55,7 +56,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _ro(paths: Paths) -> sqlite3.Connection:
     if not paths.audit_db.exists():
-        raise UompError("NOT_FOUND", f"no audit log at {paths.audit_db}; run 'uomp init'")
+        raise UompError(ErrorCode.NOT_FOUND, f"no audit log at {paths.audit_db}; run 'uomp init'")
     conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True, isolation_level=None)
     return conn
 
@@ -164,13 +165,13 @@ def _verify_proof(args: argparse.Namespace) -> int:
     try:
         raw = path.read_bytes()[: MAX_BUNDLE_BYTES + 1]
     except OSError as exc:
-        raise UompError("NOT_FOUND", f"cannot read {path}: {exc.strerror}") from None
+        raise UompError(ErrorCode.NOT_FOUND, f"cannot read {path}: {exc.strerror}") from None
     if len(raw) > MAX_BUNDLE_BYTES:
-        raise UompError("INVALID_REQUEST", f"{path} is larger than a proof bundle can be")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{path} is larger than a proof bundle can be")
     try:
         bundle = json.loads(raw)
     except ValueError:
-        raise UompError("INVALID_REQUEST", f"{path} is not JSON") from None
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{path} is not JSON") from None
     trusted = args.key
     if trusted is None and not args.no_local_key:
         try:
@@ -219,10 +220,11 @@ def _verify_proof(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     if args.action is None:
         if args.target:
-            raise UompError("INVALID_REQUEST", "unknown audit action; use verify, proof EVENT_ID or verify-proof FILE")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST, "unknown audit action; use verify, proof EVENT_ID or verify-proof FILE")
         return _show(args)
     if args.action in ("proof", "verify-proof") and not args.target:
-        raise UompError("INVALID_REQUEST", f"'uomp audit {args.action}' needs "
+        raise UompError(ErrorCode.INVALID_REQUEST, f"'uomp audit {args.action}' needs "
                         + ("an event id (shown by 'uomp audit')" if args.action == "proof" else "a bundle file"))
     return {"verify": _verify, "proof": _proof, "verify-proof": _verify_proof}[args.action](args)
 
@@ -236,7 +238,8 @@ def _anchor(args: argparse.Namespace) -> int:
         rpc = args.rpc or acfg.rpc_url
         key_file = args.key_file or acfg.key_file
         if not rpc or not key_file:
-            raise UompError("CONFIG_ERROR", "deploy needs --rpc URL and --key-file FILE (or [anchor] rpc_url/key_file)")
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, "deploy needs --rpc URL and --key-file FILE (or [anchor] rpc_url/key_file)")
         out = asyncio.run(anchor_deploy(rpc, Path(key_file), chain_id=acfg.chain_id or None))
         print(json.dumps(out, indent=2))
         print(f"next: set [anchor] backend = \"evm\", contract = \"{out.get('contract')}\", chain_id = "

@@ -46,7 +46,7 @@ from gateway.cli.main import paths_from
 from gateway.config import GuardConfig
 from gateway.core import didkey, jose, manifest, restrictions, tokens
 from gateway.core.tokens import Scope
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
 from gateway.payloads import userkey
@@ -131,7 +131,7 @@ def _offer_trust(args: argparse.Namespace, paths: Any, ident: manifest.IdentityR
     """Trust-on-first-use, only on the user's explicit word: --trust-publisher NAME or a typed name."""
     if args.trust_publisher is not None:
         if not ident.verified or not ident.did:
-            raise UompError("INVALID_REQUEST", "--trust-publisher: the manifest has no verified signature, so "
+            raise UompError(ErrorCode.INVALID_REQUEST, "--trust-publisher: the manifest has no verified signature, so "
                             "there is no key to trust")
         name = args.trust_publisher
     elif ident.verified and ident.did and _identity_state(ident, trusted) is None and _interactive(args):
@@ -225,10 +225,11 @@ def _session_seconds(args: argparse.Namespace, cfg: GuardConfig) -> float:
         return most_minutes * 60.0 if args.remote else float(min(LOCAL_DEFAULT_SESSION_SECONDS, most_minutes * 60))
     if args.duration > most_minutes * 60:
         setting = "remote_session_max_minutes" if args.remote else "session_max_minutes"
-        raise UompError("INVALID_REQUEST", f"--session-ttl: a {'remote' if args.remote else 'local'} session lasts "
-                        f"at most {minutes_text(most_minutes)} (the {setting} setting in [guard])")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, f"--session-ttl: a {'remote' if args.remote else 'local'} session lasts "
+            f"at most {minutes_text(most_minutes)} (the {setting} setting in [guard])")
     if args.duration < 60:
-        raise UompError("INVALID_REQUEST", "--session-ttl: a session lasts at least one minute")
+        raise UompError(ErrorCode.INVALID_REQUEST, "--session-ttl: a session lasts at least one minute")
     return float(args.duration)
 
 
@@ -257,11 +258,11 @@ def _confirm(args: argparse.Namespace) -> None:
     if args.yes:
         return
     if not sys.stdin.isatty():
-        raise UompError("INVALID_REQUEST", "no terminal to ask for confirmation; pass --yes to authorize "
+        raise UompError(ErrorCode.INVALID_REQUEST, "no terminal to ask for confirmation; pass --yes to authorize "
                         "non-interactively")
     answer = input("Grant this access? [y/N] ").strip().lower()
     if answer not in ("y", "yes"):
-        raise UompError("ACCESS_DENIED", "authorization declined by the user")
+        raise UompError(ErrorCode.ACCESS_DENIED, "authorization declined by the user")
 
 
 def _plan(m: manifest.Manifest, args: argparse.Namespace) -> restrictions.ReadGrant:
@@ -271,8 +272,9 @@ def _plan(m: manifest.Manifest, args: argparse.Namespace) -> restrictions.ReadGr
         deny_tags=args.deny_tag or (), deny_keys=args.deny_key or (), allowed_fields=args.allowed_field,
         aggregation_only=args.aggregation_only)
     if plan.widened and not args.widen:
-        raise UompError("INVALID_REQUEST", "this grants more than the agent requested (" + "; ".join(plan.widened)
-                        + "); add --widen to confirm you want that")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, "this grants more than the agent requested (" + "; ".join(plan.widened)
+            + "); add --widen to confirm you want that")
     return plan
 
 
@@ -290,7 +292,7 @@ def _authorize(args: argparse.Namespace) -> int:
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise UompError("MANIFEST_INVALID", f"cannot read {path}: {exc.strerror}") from exc
+        raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
     m = manifest.parse_manifest(raw)
     ident = manifest.verify_identity(m.raw)
     trusted = trust.load(paths)
@@ -305,13 +307,14 @@ def _authorize(args: argparse.Namespace) -> int:
     _show_aggregates(args)
     if m.requires_remote and not args.remote:
         if not args.allow_local:
-            raise UompError("INVALID_REQUEST", "this agent declares requires_remote: true (it runs on another "
+            raise UompError(ErrorCode.INVALID_REQUEST, "this agent declares requires_remote: true (it runs on another "
                             "machine); authorize it with --remote, or pass --allow-local to run it on this one")
         _warn("the agent runs on this machine although it declares requires_remote: true (--allow-local)")
     trusted = _offer_trust(args, paths, ident, trusted)
     if args.require_verified and _identity_state(ident, trusted) is None:
-        raise UompError("ACCESS_DENIED", "the publisher could not be verified against your trust list (§16.4) and "
-                        "--require-verified is set; see uomp trust")
+        raise UompError(
+            ErrorCode.ACCESS_DENIED, "the publisher could not be verified against your trust list (§16.4) and "
+            "--require-verified is set; see uomp trust")
     _confirm(args)
 
     auth = open_auth(paths, cfg)
@@ -367,8 +370,9 @@ def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
         return
     problems = appliance.check_gateway_url(paths, gcfg, args.gateway_url)
     if problems and appliance.is_running(paths) and not args.any_gateway_url:
-        raise UompError("INVALID_REQUEST", " ".join(problems) + " (or pass --any-gateway-url if a proxy in front "
-                        "answers for it)")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, " ".join(problems) + " (or pass --any-gateway-url if a proxy in front "
+            "answers for it)")
     for p in problems:
         _warn(p)
 
@@ -378,7 +382,7 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
     url = args.gateway_url.rstrip("/")
     parts = urlsplit(url)
     if parts.scheme != "https" or not parts.hostname:
-        raise UompError("INVALID_REQUEST", "--gateway-url must be an https:// URL")
+        raise UompError(ErrorCode.INVALID_REQUEST, "--gateway-url must be an https:// URL")
     agent_key: str | None = None
     agent_key_file: str | None = None
     lifetime = dt.timedelta(hours=args.cert_hours)
@@ -402,7 +406,7 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
     from gateway.core import ca
 
     if ca.agent_id_from_cert(cert) != m.agent.id:
-        raise UompError("INVALID_REQUEST", "the agent certificate names another agent than the manifest")
+        raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
     host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
     grant.update({"profile": "remote", "audience": url, "allowed_endpoints": [host],
                   "cnf": _cert_binding(cert_pem), "refresh": True})

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from gateway.conformance import report, suite
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 
 
@@ -18,13 +18,13 @@ def _secret(path: str | None, env: str) -> str | None:
         try:
             return Path(path).read_text().strip() or None
         except OSError as exc:
-            raise UompError("IO_ERROR", f"cannot read {path}: {exc.strerror}") from exc
+            raise UompError(ErrorCode.IO_ERROR, f"cannot read {path}: {exc.strerror}") from exc
     return os.environ.get(env) or None
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.mode == "gateway" and not args.target.startswith("https://"):
-        raise UompError("USAGE", "gateway mode needs an https:// target")
+        raise UompError(ErrorCode.USAGE, "gateway mode needs an https:// target")
     target = suite.Target(
         url=args.target, mode=args.mode, admin_url=args.admin_url,
         admin_token=_secret(args.admin_token_file, "UOMP_CONFORMANCE_ADMIN_TOKEN"),

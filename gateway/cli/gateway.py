@@ -37,13 +37,13 @@ from gateway import appliance
 from gateway.cli.guard import guard_config
 from gateway.cli.main import paths_from
 from gateway.config import GatewayConfig, GuardConfig, Paths, TunnelSettings, load_section
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.supervisor import GuardProcess, guard_command
 
 
 def _port_flag(value: int | None, flag: str, *, low: int) -> None:
     if value is not None and not (low <= value <= 65535):
-        raise UompError("CONFIG_ERROR", f"{flag} {value} is out of range; use 1-65535"
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{flag} {value} is out of range; use 1-65535"
                         + (" (0 = any free port)" if low <= 0 else ""))
 
 
@@ -52,7 +52,8 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
     if args.listen:
         host, _, port = args.listen.rpartition(":")
         if not host or not port.isdigit():
-            raise UompError("CONFIG_ERROR", f"--listen {args.listen!r} is not HOST:PORT; use e.g. 127.0.0.1:9443")
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"--listen {args.listen!r} is not HOST:PORT; use e.g. 127.0.0.1:9443")
         _port_flag(int(port), "--listen port", low=0)
         overrides["listen_host"] = host.strip("[]")
         overrides["listen_port"] = int(port)
@@ -90,20 +91,20 @@ def tunnel_token(t: TunnelSettings) -> str:
     if env:
         return env
     if not t.token_file:
-        raise UompError("TUNNEL_ERROR", f"a {t.mode} tunnel needs its token; put it in a file readable only by "
+        raise UompError(ErrorCode.TUNNEL_ERROR, f"a {t.mode} tunnel needs its token; put it in a file readable only by "
                         "you and set [tunnel] token_file = \"/path\" (chmod 600), or set UOMP_TUNNEL_TOKEN")
     p = Path(t.token_file).expanduser()
     try:
         st = p.stat()
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise UompError("TUNNEL_ERROR", f"the tunnel token file {p} is readable by others (mode "
+            raise UompError(ErrorCode.TUNNEL_ERROR, f"the tunnel token file {p} is readable by others (mode "
                             f"{st.st_mode & 0o777:o}); run chmod 600 {p}")
         token = p.read_text().strip()
     except OSError as exc:
-        raise UompError("TUNNEL_ERROR", f"cannot read the tunnel token file {p} ({exc.strerror}); check "
+        raise UompError(ErrorCode.TUNNEL_ERROR, f"cannot read the tunnel token file {p} ({exc.strerror}); check "
                         "[tunnel] token_file") from None
     if not token:
-        raise UompError("TUNNEL_ERROR", f"the tunnel token file {p} is empty; paste the token from the "
+        raise UompError(ErrorCode.TUNNEL_ERROR, f"the tunnel token file {p} is empty; paste the token from the "
                         "Cloudflare dashboard (Zero Trust > Networks > Tunnels) into it")
     return token
 
@@ -111,8 +112,9 @@ def tunnel_token(t: TunnelSettings) -> str:
 def check_tunnel(t: TunnelSettings) -> None:
     if t.mode in ("named", "tcp"):
         if not t.hostname:
-            raise UompError("TUNNEL_ERROR", f"a {t.mode} tunnel needs its public host name; pass --tunnel-hostname "
-                            "or set [tunnel] hostname")
+            raise UompError(
+                ErrorCode.TUNNEL_ERROR, f"a {t.mode} tunnel needs its public host name; pass --tunnel-hostname "
+                "or set [tunnel] hostname")
         tunnel_token(t)
 
 
@@ -390,8 +392,9 @@ def _stop(args: argparse.Namespace) -> int:
     info = appliance.read_run(paths) or {}
     pid = info.get("pid")
     if not isinstance(pid, int) or pid <= 1:
-        raise UompError("INVALID_STATE", f"the appliance on {paths.home} runs but {appliance.run_path(paths)} names "
-                        "no pid; stop it with Ctrl-C where it runs")
+        raise UompError(
+            ErrorCode.INVALID_STATE, f"the appliance on {paths.home} runs but {appliance.run_path(paths)} names "
+            "no pid; stop it with Ctrl-C where it runs")
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -399,8 +402,9 @@ def _stop(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while appliance.is_running(paths):
         if time.monotonic() > deadline:
-            raise UompError("INVALID_STATE", f"the appliance (pid {pid}) is still stopping after {args.timeout:.0f} s "
-                            f"(in-flight requests draining); wait, or kill -KILL {pid}")
+            raise UompError(
+                ErrorCode.INVALID_STATE, f"the appliance (pid {pid}) is still stopping after {args.timeout:.0f} s "
+                f"(in-flight requests draining); wait, or kill -KILL {pid}")
         time.sleep(0.1)
     _say(f"stopped the appliance (pid {pid})")
     return 0

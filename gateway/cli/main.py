@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from gateway import __version__
 from gateway.config import Paths, resolve_home
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.keys import check_home
 
 # Each module has ``register(subparsers)``; its commands set ``func(args) -> int``.
@@ -107,11 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno == errno.EPIPE:
             return _closed_pipe()
-        _unexpected(exc, args.verbose, code="IO_ERROR", what=_os_error_text(exc),
+        _unexpected(exc, args.verbose, code=ErrorCode.IO_ERROR, what=_os_error_text(exc),
                     fix="check that path and its permissions")
         return 1
     except Exception as exc:  # the one place that turns any failure into one line
-        _unexpected(exc, args.verbose, code="INTERNAL", what=f"{type(exc).__name__}: {exc}"[:300],
+        _unexpected(exc, args.verbose, code=ErrorCode.INTERNAL, what=f"{type(exc).__name__}: {exc}"[:300],
                     fix="this is a bug; run again with -v and report the traceback")
         return 1
     finally:
@@ -123,7 +123,7 @@ def _os_error_text(exc: OSError) -> str:
     return f"{exc.strerror or type(exc).__name__}:{where}" if where else (exc.strerror or str(exc))
 
 
-def _unexpected(exc: BaseException, verbose: bool, *, code: str, what: str, fix: str) -> None:
+def _unexpected(exc: BaseException, verbose: bool, *, code: ErrorCode, what: str, fix: str) -> None:
     if verbose:
         traceback.print_exception(exc, file=sys.stderr)
     print(f"error {code}: {what}; {fix}" + ("" if verbose else " (-v shows details)"), file=sys.stderr)

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.cli import home
 from gateway.cli.main import paths_from
 from gateway.config import Paths
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
 from gateway.guard.store import SENSITIVITIES, MemoryItem, MemoryStore, utc_now
 
@@ -25,7 +25,7 @@ LIST_DEFAULT_LIMIT = 100
 def _open_store(args: argparse.Namespace) -> MemoryStore:
     paths = paths_from(args)
     if not paths.home.is_dir():
-        raise UompError("CONFIG_ERROR", f"data directory {paths.home} does not exist; run 'uomp init' first")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"data directory {paths.home} does not exist; run 'uomp init' first")
     return MemoryStore(paths.memory_db, create=True)
 
 
@@ -43,7 +43,7 @@ def _parse_value(text: str) -> Any:
     try:
         return json.loads(text, parse_constant=no_constants)
     except ValueError as exc:
-        raise UompError("INVALID_REQUEST", "--value must be JSON: quote text as '\"dark\"', numbers as 42, "
+        raise UompError(ErrorCode.INVALID_REQUEST, "--value must be JSON: quote text as '\"dark\"', numbers as 42, "
                         "objects as '{\"a\": 1}'") from exc
 
 
@@ -56,7 +56,7 @@ def _add(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         existing = store.get(args.key)
         if existing is not None and not args.replace:
-            raise UompError("INVALID_REQUEST", "an item with this key already exists; pass --replace to "
+            raise UompError(ErrorCode.INVALID_REQUEST, "an item with this key already exists; pass --replace to "
                             "overwrite it")
         now = utc_now()
         item = MemoryItem(key=args.key, value=value, tags=tuple(tags), sensitivity=args.sensitivity,
@@ -71,7 +71,7 @@ def _get(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         item = store.get(args.key)
     if item is None:
-        raise UompError("INVALID_REQUEST", "no memory item has this key")
+        raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
     print(json.dumps(item.to_dict(), indent=2, ensure_ascii=False))
     return 0
 
@@ -96,7 +96,7 @@ def _list(args: argparse.Namespace) -> int:
 def _rm(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         if not store.delete(args.key):
-            raise UompError("INVALID_REQUEST", "no memory item has this key")
+            raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
     print(f"deleted {args.key}")
     return 0
 
@@ -106,9 +106,9 @@ def _mappings(raw: list[str] | None) -> dict[str, str]:
     for entry in raw or []:
         src, sep, dst = entry.rpartition("=")
         if not sep or not src.strip() or not dst.strip():
-            raise UompError("INVALID_REQUEST", "--map takes SRC=DST, e.g. --map amount=value.amount")
+            raise UompError(ErrorCode.INVALID_REQUEST, "--map takes SRC=DST, e.g. --map amount=value.amount")
         if src.strip() in out:
-            raise UompError("INVALID_REQUEST", f"--map {src.strip()} is given twice")
+            raise UompError(ErrorCode.INVALID_REQUEST, f"--map {src.strip()} is given twice")
         out[src.strip()] = dst.strip()
     return out
 

@@ -39,7 +39,7 @@ from gateway.cli import home
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.core import sealing
-from gateway.errors import STATUS, UompError
+from gateway.errors import ErrorCode, UompError, parse_code
 from gateway.fsutil import fsync_dir
 from gateway.payloads import userkey
 
@@ -79,7 +79,7 @@ class GuardClient:
                 conn.request(method, path, headers={"Authorization": f"Bearer {self.credential}"})
                 resp = conn.getresponse()
             except OSError as exc:
-                raise UompError("STORE_UNAVAILABLE", f"cannot reach the guard on {self.paths.guard_sock} "
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, f"cannot reach the guard on {self.paths.guard_sock} "
                                 f"({exc.strerror or type(exc).__name__}); is 'uomp gateway start' running?"
                                 ) from None
             if resp.status >= 400:
@@ -93,16 +93,16 @@ class GuardClient:
             try:
                 return json.loads(resp.read(16 * 1024 * 1024))
             except ValueError:
-                raise UompError("UPSTREAM_ERROR", "the guard answered with invalid JSON") from None
+                raise UompError(ErrorCode.UPSTREAM_ERROR, "the guard answered with invalid JSON") from None
 
 
 def _error(resp: http.client.HTTPResponse) -> UompError:
     try:
         err = json.loads(resp.read(64 * 1024))["error"]
-        code, message = str(err["code"]), str(err["message"])
+        code, message = parse_code(err["code"], ErrorCode.UPSTREAM_ERROR), str(err["message"])
     except (ValueError, KeyError, TypeError):
-        return UompError("UPSTREAM_ERROR", f"the guard answered HTTP {resp.status}")
-    return UompError(code if code in STATUS else "UPSTREAM_ERROR", message)
+        return UompError(ErrorCode.UPSTREAM_ERROR, f"the guard answered HTTP {resp.status}")
+    return UompError(code, message)
 
 
 def _ago(ts: float) -> str:
@@ -138,12 +138,12 @@ def _list(args: argparse.Namespace) -> int:
 def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> dict[str, Any]:
     """Fetch, check and open one payload into ``out`` (see the module docstring). Returns its index entry."""
     if not payload_id.startswith("pay_"):
-        raise UompError("INVALID_REQUEST", "a payload id starts with pay_")
+        raise UompError(ErrorCode.INVALID_REQUEST, "a payload id starts with pay_")
     out = Path(out)
     if out.exists() and not force:
-        raise UompError("INVALID_REQUEST", f"{out} exists; pass --force to replace it")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
-        raise UompError("INVALID_REQUEST", f"{out.parent} is not a directory")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{out.parent} is not a directory")
     userkey.ensure(paths)  # a home from before payloads gets its key here too
     private = userkey.load_private(paths)
     client = GuardClient(paths)
@@ -166,13 +166,15 @@ def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> di
                 for plain in sealing.open_stream(private, binding, meta["encryption"], blocks()):
                     fh.write(plain)
             except sealing.SealError as exc:
-                raise UompError("PAYLOAD_INVALID", f"payload {payload_id} does not open: {exc}; nothing was "
+                raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id} does not open: {exc}; nothing was "
                                 "written") from None
             except (OSError, http.client.HTTPException):
-                raise UompError("STORE_UNAVAILABLE", "the guard's answer broke off; nothing was written") from None
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE, "the guard's answer broke off; nothing was written") from None
             if received != meta["size"] or "sha256:" + digest.hexdigest() != meta["hash"]:
-                raise UompError("PAYLOAD_INVALID", f"payload {payload_id}'s ciphertext does not match its recorded "
-                                "hash; nothing was written")
+                raise UompError(
+                    ErrorCode.PAYLOAD_INVALID, f"payload {payload_id}'s ciphertext does not match its recorded "
+                    "hash; nothing was written")
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)

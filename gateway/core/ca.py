@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 CAPrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 AgentPublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
@@ -84,7 +84,7 @@ def validate_agent_id(agent_id: str) -> str:
     """Return ``agent_id`` if it is 1-128 chars of ``[A-Za-z0-9._-]`` and not all dots, else CA_ERROR."""
     if not isinstance(agent_id, str) or not _AGENT_ID_RE.fullmatch(agent_id) or set(agent_id) == {"."}:
         raise UompError(
-            "CA_ERROR",
+            ErrorCode.CA_ERROR,
             f"invalid agent id: use 1-{AGENT_ID_MAX_CHARS} characters of A-Z a-z 0-9 . _ - (not only dots)",
         )
     return agent_id
@@ -103,7 +103,7 @@ def parse_serial(text: str) -> int:
     """Hex serial, optionally ``0x``-prefixed or colon-separated (as ``openssl x509 -serial`` prints it)."""
     raw = text.strip().lower().removeprefix("0x").replace(":", "")
     if not raw or not re.fullmatch(r"[0-9a-f]{1,40}", raw):
-        raise UompError("CA_ERROR", "a serial number is 1-40 hex digits")
+        raise UompError(ErrorCode.CA_ERROR, "a serial number is 1-40 hex digits")
     return int(raw, 16)
 
 
@@ -120,7 +120,7 @@ def new_key(key_type: KeyType = "p256") -> AgentPrivateKey:
         return ec.generate_private_key(ec.SECP256R1())
     if key_type == "ed25519":
         return ed25519.Ed25519PrivateKey.generate()
-    raise UompError("CA_ERROR", f"unsupported key type {key_type!r} (p256 or ed25519)")
+    raise UompError(ErrorCode.CA_ERROR, f"unsupported key type {key_type!r} (p256 or ed25519)")
 
 
 def _check_key_type(key: object, what: str) -> None:
@@ -130,7 +130,7 @@ def _check_key_type(key: object, what: str) -> None:
         key.curve, ec.SECP256R1
     ):
         return
-    raise UompError("CA_ERROR", f"{what} must be ECDSA P-256 or Ed25519")
+    raise UompError(ErrorCode.CA_ERROR, f"{what} must be ECDSA P-256 or Ed25519")
 
 
 def _sig_hash(key: CAPrivateKey) -> hashes.SHA256 | None:
@@ -154,7 +154,7 @@ def _aki_from(ca_cert: x509.Certificate) -> x509.AuthorityKeyIdentifier:
     try:
         ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     except x509.ExtensionNotFound as exc:
-        raise UompError("CA_ERROR", "the CA certificate has no subject key identifier") from exc
+        raise UompError(ErrorCode.CA_ERROR, "the CA certificate has no subject key identifier") from exc
     return x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
 
 
@@ -225,13 +225,13 @@ def check_ca_pair(ca_key: CAPrivateKey, ca_cert: x509.Certificate) -> None:
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     if mine != theirs:
-        raise UompError("CA_ERROR", "the CA key does not match the CA certificate")
+        raise UompError(ErrorCode.CA_ERROR, "the CA key does not match the CA certificate")
     try:
         bc = ca_cert.extensions.get_extension_for_class(x509.BasicConstraints).value
     except x509.ExtensionNotFound as exc:
-        raise UompError("CA_ERROR", "the CA certificate has no basic constraints") from exc
+        raise UompError(ErrorCode.CA_ERROR, "the CA certificate has no basic constraints") from exc
     if not bc.ca:
-        raise UompError("CA_ERROR", "the CA certificate is not a CA (CA:FALSE)")
+        raise UompError(ErrorCode.CA_ERROR, "the CA certificate is not a CA (CA:FALSE)")
 
 
 # ------------------------------------------------------------------------ server certificate
@@ -252,7 +252,7 @@ def _server_sans(hostnames: Iterable[str]) -> list[x509.GeneralName]:
             name = x509.IPAddress(ipaddress.ip_address(host))
         except ValueError:
             if len(host) > 253 or not _DNS_RE.fullmatch(host):
-                raise UompError("CA_ERROR", f"not a host name or IP address: {host!r}") from None
+                raise UompError(ErrorCode.CA_ERROR, f"not a host name or IP address: {host!r}") from None
             name = x509.DNSName(host.lower().rstrip("."))
         if name not in sans:
             sans.append(name)
@@ -335,39 +335,39 @@ def _key_usage_signature_only() -> x509.KeyUsage:
 def load_csr(data: bytes) -> x509.CertificateSigningRequest:
     """Parse a PEM or DER CSR and verify its self-signature (proof of possession of the key)."""
     if not isinstance(data, bytes | bytearray) or not data:
-        raise UompError("CA_ERROR", "the certificate signing request is empty")
+        raise UompError(ErrorCode.CA_ERROR, "the certificate signing request is empty")
     if len(data) > MAX_CSR_BYTES:
-        raise UompError("CA_ERROR", f"the certificate signing request is larger than {MAX_CSR_BYTES} bytes")
+        raise UompError(ErrorCode.CA_ERROR, f"the certificate signing request is larger than {MAX_CSR_BYTES} bytes")
     try:
         if bytes(data).lstrip().startswith(b"-----BEGIN"):
             csr = x509.load_pem_x509_csr(bytes(data))
         else:
             csr = x509.load_der_x509_csr(bytes(data))
     except ValueError as exc:
-        raise UompError("CA_ERROR", "the certificate signing request cannot be parsed") from exc
+        raise UompError(ErrorCode.CA_ERROR, "the certificate signing request cannot be parsed") from exc
     try:
         valid = csr.is_signature_valid
     except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm) as exc:
         raise UompError(
-            "CA_ERROR", "the certificate signing request uses an unsupported key or signature"
+            ErrorCode.CA_ERROR, "the certificate signing request uses an unsupported key or signature"
         ) from exc
     if not valid:
-        raise UompError("CA_ERROR", "the certificate signing request signature does not verify")
+        raise UompError(ErrorCode.CA_ERROR, "the certificate signing request signature does not verify")
     return csr
 
 
 def load_cert(data: bytes) -> x509.Certificate:
     """Parse one PEM or DER certificate; CA_ERROR if it is neither."""
     if not isinstance(data, bytes | bytearray) or not data:
-        raise UompError("CA_ERROR", "the certificate is empty")
+        raise UompError(ErrorCode.CA_ERROR, "the certificate is empty")
     if len(data) > MAX_CERT_BYTES:
-        raise UompError("CA_ERROR", f"the certificate is larger than {MAX_CERT_BYTES} bytes")
+        raise UompError(ErrorCode.CA_ERROR, f"the certificate is larger than {MAX_CERT_BYTES} bytes")
     try:
         if bytes(data).lstrip().startswith(b"-----BEGIN"):
             return x509.load_pem_x509_certificate(bytes(data))
         return x509.load_der_x509_certificate(bytes(data))
     except ValueError as exc:
-        raise UompError("CA_ERROR", "the certificate cannot be parsed") from exc
+        raise UompError(ErrorCode.CA_ERROR, "the certificate cannot be parsed") from exc
 
 
 def csr_public_key(csr: x509.CertificateSigningRequest) -> AgentPublicKey:
@@ -395,7 +395,7 @@ def issue_agent_cert(
     validate_agent_id(agent_id)
     if not AGENT_CERT_MIN_LIFETIME <= lifetime <= AGENT_CERT_MAX_LIFETIME:
         raise UompError(
-            "CA_ERROR",
+            ErrorCode.CA_ERROR,
             f"agent certificate lifetime must be between {AGENT_CERT_MIN_LIFETIME} "
             f"and {AGENT_CERT_MAX_LIFETIME}",
         )
@@ -404,14 +404,14 @@ def issue_agent_cert(
         pub = csr_public_key(load_csr(bytes(csr_or_public_key)))
     elif isinstance(csr_or_public_key, x509.CertificateSigningRequest):
         if not csr_or_public_key.is_signature_valid:
-            raise UompError("CA_ERROR", "the certificate signing request signature does not verify")
+            raise UompError(ErrorCode.CA_ERROR, "the certificate signing request signature does not verify")
         pub = csr_public_key(csr_or_public_key)
     else:
         pub = csr_or_public_key
     _check_key_type(pub, "the agent key")
     assert isinstance(pub, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey)
     if now + lifetime > ca_cert.not_valid_after_utc:
-        raise UompError("CA_ERROR", "the CA certificate expires before this agent certificate would")
+        raise UompError(ErrorCode.CA_ERROR, "the CA certificate expires before this agent certificate would")
     # CN = agent id for people and logs (the identity is the URI SAN). RFC 5280's ub-common-name is
     # 64 characters: a longer id gets an empty subject, and then §4.2.1.6 makes the SAN critical.
     fits = len(agent_id) <= CN_MAX_CHARS

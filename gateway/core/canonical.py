@@ -29,7 +29,7 @@ from typing import Any
 
 import rfc8785
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 _MAX_SAFE = 2**53 - 1
 _FAST_DEPTH = 32
@@ -79,7 +79,7 @@ def _has_surrogate(s: str) -> bool:
 def canonical_json(obj: Any) -> bytes:
     """The RFC 8785 canonical UTF-8 serialisation of ``obj``.
 
-    Raises ``UompError("INVALID_REQUEST")`` when ``obj`` has no canonical JSON form.
+    Raises ``UompError(ErrorCode.INVALID_REQUEST)`` when ``obj`` has no canonical JSON form.
     """
     if _fast_ok(obj):
         return _encode(obj).encode()
@@ -87,9 +87,9 @@ def canonical_json(obj: Any) -> bytes:
         out = rfc8785.dumps(obj)
     except (rfc8785.CanonicalizationError, UnicodeError) as exc:
         # UnicodeError: a lone surrogate in an object *name* escapes the library's own check.
-        raise UompError("INVALID_REQUEST", "value cannot be canonicalised as JSON (RFC 8785)") from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, "value cannot be canonicalised as JSON (RFC 8785)") from exc
     except RecursionError as exc:
-        raise UompError("INVALID_REQUEST", "value is nested too deeply to canonicalise") from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, "value is nested too deeply to canonicalise") from exc
     if not isinstance(out, bytes):  # pragma: no cover - the library always returns bytes
-        raise UompError("INVALID_REQUEST", "value cannot be canonicalised as JSON (RFC 8785)")
+        raise UompError(ErrorCode.INVALID_REQUEST, "value cannot be canonicalised as JSON (RFC 8785)")
     return out

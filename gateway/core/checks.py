@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 if TYPE_CHECKING:
     from gateway.core.tokens import Capability
@@ -85,38 +85,38 @@ def endpoint_netloc(url: str) -> str:
 def check_kid(kid: object, keys: Mapping[str, object]) -> str:
     """0. The token's key id is one of the trusted, not retired keys."""
     if not isinstance(kid, str) or kid not in keys:
-        raise UompError("INVALID_TOKEN", "token key id is unknown")
+        raise UompError(ErrorCode.INVALID_TOKEN, "token key id is unknown")
     return kid
 
 
 def check_token_use(cap: Capability, p: Presented) -> None:
     """1. A refresh token never reads memory; the refresh route takes nothing else."""
     if p.token_use == "access" and cap.is_refresh:
-        raise UompError("INVALID_TOKEN", "a refresh token never reads memory", session_id=cap.session_id)
+        raise UompError(ErrorCode.INVALID_TOKEN, "a refresh token never reads memory", session_id=cap.session_id)
     if p.token_use == "refresh" and not cap.is_refresh:
-        raise UompError("INVALID_TOKEN", "this route needs a refresh token", session_id=cap.session_id)
+        raise UompError(ErrorCode.INVALID_TOKEN, "this route needs a refresh token", session_id=cap.session_id)
 
 
 def check_profile(cap: Capability, p: Presented) -> None:
     """2. §7.3: the profile matches the deployment profile of this listener."""
     if cap.profile != p.profile:
         if p.profile == "local":
-            raise UompError("INVALID_TOKEN", "a remote-profile token must come through the gateway",
+            raise UompError(ErrorCode.INVALID_TOKEN, "a remote-profile token must come through the gateway",
                             session_id=cap.session_id)
-        raise UompError("INVALID_TOKEN", f"token profile is not {p.profile}", session_id=cap.session_id)
+        raise UompError(ErrorCode.INVALID_TOKEN, f"token profile is not {p.profile}", session_id=cap.session_id)
 
 
 def check_audience(cap: Capability, p: Presented) -> None:
     """3. §7.3: the audience is this listener's endpoint (REQUIRED for the Remote Profile)."""
     if cap.audience is None:
         if p.audience_required:
-            raise UompError("INVALID_TOKEN", "token has no audience", session_id=cap.session_id)
+            raise UompError(ErrorCode.INVALID_TOKEN, "token has no audience", session_id=cap.session_id)
         return
     if p.audiences is not None and norm_endpoint(cap.audience) not in p.audiences:
         # Name what was expected (a user must tell a wrong --gateway-url from an attack); the
         # signature was checked, so the audience is ours to quote.
         accepts = ", ".join(sorted(p.audiences)[:8]) or "nothing yet"
-        raise UompError("INVALID_TOKEN", f"token audience {cap.audience[:200]!r} is not an endpoint of this "
+        raise UompError(ErrorCode.INVALID_TOKEN, f"token audience {cap.audience[:200]!r} is not an endpoint of this "
                         f"listener (it accepts {accepts}); authorize the agent with one of those as --gateway-url",
                         session_id=cap.session_id)
 
@@ -144,7 +144,7 @@ def check_allowed_endpoint(cap: Capability, p: Presented) -> None:
     if cap.allowed_endpoints is None or not p.check_endpoint:
         return
     if p.endpoint is None or not endpoint_allowed(cap.allowed_endpoints, p.endpoint):
-        raise UompError("ACCESS_DENIED", f"token is not allowed on this endpoint: it is for "
+        raise UompError(ErrorCode.ACCESS_DENIED, f"token is not allowed on this endpoint: it is for "
                         f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host "
                         f"{(p.endpoint or p.host)[:100]!r}", session_id=cap.session_id)
 
@@ -153,12 +153,12 @@ def check_agents(cap: Capability, p: Presented) -> None:
     """5. Token agent, header agent and the proven (certificate / asserted) agent are one."""
     if p.header_agent is None:
         if p.require_header_agent:
-            raise UompError("INVALID_REQUEST", "X-UOMP-Agent-Id header is required", session_id=cap.session_id)
+            raise UompError(ErrorCode.INVALID_REQUEST, "X-UOMP-Agent-Id header is required", session_id=cap.session_id)
     elif p.header_agent != cap.agent_id:
-        raise UompError("AGENT_MISMATCH", "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
+        raise UompError(ErrorCode.AGENT_MISMATCH, "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
                         session_id=cap.session_id)
     if p.proven_agent is not None and p.proven_agent != cap.agent_id:
-        raise UompError("AGENT_MISMATCH", "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
+        raise UompError(ErrorCode.AGENT_MISMATCH, "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
                         session_id=cap.session_id)
 
 
@@ -171,15 +171,16 @@ def check_binding(cap: Capability, p: Presented) -> None:
     names the certificate, ``jkt`` its key (a certificate renewed for the same key keeps working)."""
     if p.binding == BIND_NONE:
         if cap.cnf_x5t is not None or cap.cnf_jkt is not None:
-            raise UompError("TOKEN_BINDING_MISMATCH", "a key-bound token cannot be used without its key",
+            raise UompError(ErrorCode.TOKEN_BINDING_MISMATCH, "a key-bound token cannot be used without its key",
                             session_id=cap.session_id)
         return
     if p.binding == BIND_JKT:
         if cap.cnf_jkt is None or not _same(cap.cnf_jkt, p.jkt):
-            raise UompError("TOKEN_BINDING_MISMATCH", "token is not bound to the DPoP key", session_id=cap.session_id)
+            raise UompError(
+                ErrorCode.TOKEN_BINDING_MISMATCH, "token is not bound to the DPoP key", session_id=cap.session_id)
         return
     if p.x5t is None and p.jkt is None:
-        raise UompError("CERT_REQUIRED", "no proof of possession for this token", session_id=cap.session_id)
+        raise UompError(ErrorCode.CERT_REQUIRED, "no proof of possession for this token", session_id=cap.session_id)
     check_possession(cap, p.x5t, p.jkt)
 
 
@@ -188,7 +189,7 @@ def check_possession(cap: Capability, x5t: str | None, jkt: str | None) -> None:
     if cap.cnf_x5t is None and cap.cnf_jkt is None:
         return
     if not (_same(cap.cnf_x5t, x5t) or _same(cap.cnf_jkt, jkt)):
-        raise UompError("TOKEN_BINDING_MISMATCH", "token is bound to another key", session_id=cap.session_id)
+        raise UompError(ErrorCode.TOKEN_BINDING_MISMATCH, "token is bound to another key", session_id=cap.session_id)
 
 
 CHECKS: tuple[Callable[[Capability, Presented], None], ...] = (

@@ -49,7 +49,7 @@ from gateway.core import jose
 from gateway.core.canonical import canonical_json
 from gateway.core.manifest import DELETION_METHODS
 from gateway.core.tokens import parse_iso
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 # Tolerated clock skew for deleted_at ahead of our clock.
 DELETED_AT_SKEW_SECONDS = 60
@@ -86,11 +86,11 @@ class DeletionProof:
 
 
 def _bad(message: str) -> UompError:
-    return UompError("INVALID_REQUEST", message)
+    return UompError(ErrorCode.INVALID_REQUEST, message)
 
 
 def _denied(message: str) -> UompError:
-    return UompError("ACCESS_DENIED", message)
+    return UompError(ErrorCode.ACCESS_DENIED, message)
 
 
 def _ident(body: Mapping[str, Any], name: str) -> str:

@@ -7,7 +7,7 @@ request (``htm``, ``htu``), one moment (``iat``), one access token (``ath``) and
 (``jti``). The access token's ``cnf.jkt`` names the key, so a stolen token alone is useless.
 
 :func:`verify_dpop` runs the RFC 9449 §4.3 checks in this order, each refusal a
-``UompError("DPOP_INVALID")`` with its own fixed message (no token, key or claim value is ever
+``UompError(ErrorCode.DPOP_INVALID)`` with its own fixed message (no token, key or claim value is ever
 echoed):
 
 1. exactly one proof was presented;
@@ -61,7 +61,7 @@ from urllib.parse import urlsplit
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core import jose
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 DPOP_TYP = "dpop+jwt"
 # Upper bound on the ``jti`` claim (RFC 9449 suggests 96 bits of randomness; 16-22 chars).
@@ -76,7 +76,7 @@ _PCT = re.compile(r"%([0-9A-Fa-f]{2})")
 
 
 def _fail(message: str) -> UompError:
-    return UompError("DPOP_INVALID", message)
+    return UompError(ErrorCode.DPOP_INVALID, message)
 
 
 # ------------------------------------------------------------------------------ replay cache
@@ -370,14 +370,14 @@ def verify_dpop(
 
     ``proof`` is the ``DPoP`` header value, or the list of all of them (exactly one allowed).
     ``url`` is the request URI as the agent addressed it (query and fragment are ignored).
-    Returns the verified :class:`DpopResult`; raises ``UompError("DPOP_INVALID")`` otherwise.
+    Returns the verified :class:`DpopResult`; raises ``UompError(ErrorCode.DPOP_INVALID)`` otherwise.
 
     ``record=False`` refuses a known replay but records nothing: the caller records the proof with
     :func:`record_proof` once the token and the session behind it have passed their checks too, so
     a revoked agent (or a token that fails any later check) cannot fill the cache.
     """
     token = _single_proof(proof)
-    parsed = jose.parse_compact(token, what="DPoP proof", code="DPOP_INVALID")
+    parsed = jose.parse_compact(token, what="DPoP proof", code=ErrorCode.DPOP_INVALID)
     header, payload = parsed.header, parsed.payload
     if header.get("typ") != DPOP_TYP:
         raise _fail("DPoP proof typ must be dpop+jwt")

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from gateway.core import sealing
 from gateway.core.tokens import parse_iso
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 HEADER_NAME = "X-UOMP-Payload-Envelope"
 HEADER_FIELDS = frozenset({"payload_id", "session_id", "agent_id", "timestamp", "encryption", "format", "size",
@@ -66,7 +66,7 @@ class Envelope:
 
 
 def _bad(field: str, what: str) -> UompError:
-    return UompError("INVALID_REQUEST", f"envelope field {field} {what}")
+    return UompError(ErrorCode.INVALID_REQUEST, f"envelope field {field} {what}")
 
 
 def _b64(value: Any, field: str, length: int) -> None:
@@ -83,16 +83,16 @@ def _b64(value: Any, field: str, length: int) -> None:
 def parse(doc: Any, *, streaming: bool) -> tuple[Envelope, str | None]:
     """(envelope, the base64 ciphertext of the JSON form or None). Shape only; see the module docstring."""
     if not isinstance(doc, dict):
-        raise UompError("INVALID_REQUEST", "the envelope must be a JSON object")
+        raise UompError(ErrorCode.INVALID_REQUEST, "the envelope must be a JSON object")
     want = HEADER_FIELDS if streaming else JSON_FIELDS
     missing = sorted(want - doc.keys())
     if missing:
-        raise UompError("INVALID_REQUEST", f"the envelope lacks {', '.join(missing)}")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"the envelope lacks {', '.join(missing)}")
     extra = doc.keys() - want
     if extra:
         what = "ciphertext belongs in the body in the streaming form" if "ciphertext" in extra else \
             "the envelope has fields §15.6 does not define"
-        raise UompError("INVALID_REQUEST", what)
+        raise UompError(ErrorCode.INVALID_REQUEST, what)
     pid = doc["payload_id"]
     if not isinstance(pid, str) or not PAYLOAD_ID.fullmatch(pid):
         raise _bad("payload_id", "must be pay_ followed by 8-64 URL-safe characters")
@@ -149,11 +149,12 @@ def encode_header(env: Envelope) -> str:
 
 def decode_header(value: str) -> Envelope:
     if not value or len(value) > MAX_HEADER_CHARS or not re.fullmatch(r"[A-Za-z0-9_-]+", value):
-        raise UompError("INVALID_REQUEST", f"{HEADER_NAME} must be base64url (no padding) of the envelope header")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, f"{HEADER_NAME} must be base64url (no padding) of the envelope header")
     try:
         doc = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
     except (binascii.Error, ValueError):
-        raise UompError("INVALID_REQUEST", f"{HEADER_NAME} does not decode to a JSON object") from None
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{HEADER_NAME} does not decode to a JSON object") from None
     return parse(doc, streaming=True)[0]
 
 

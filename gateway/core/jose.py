@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 PublicKey = ed25519.Ed25519PublicKey | ec.EllipticCurvePublicKey
 PrivateKey = ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey
@@ -69,7 +69,7 @@ def public_jwk(key: PublicKey | PrivateKey, *, kid: str | None = None) -> dict[s
             "y": b64u_encode(nums.y.to_bytes(32, "big")),
         }
     else:
-        raise UompError("KEY_ERROR", "unsupported key type (Ed25519 and P-256 only)")
+        raise UompError(ErrorCode.KEY_ERROR, "unsupported key type (Ed25519 and P-256 only)")
     if kid is not None:
         jwk["kid"] = kid
     return jwk
@@ -151,7 +151,7 @@ def sign_compact(header: dict[str, Any], payload: dict[str, Any], key: PrivateKe
     elif isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
         h["alg"] = "ES256"
     else:
-        raise UompError("KEY_ERROR", "unsupported signing key")
+        raise UompError(ErrorCode.KEY_ERROR, "unsupported signing key")
     signing_input = f"{_json_b64(h)}.{_json_b64(payload)}".encode("ascii")
     if isinstance(key, ed25519.Ed25519PrivateKey):
         sig = key.sign(signing_input)
@@ -169,7 +169,7 @@ class ParsedJWS:
     signature: bytes
 
 
-def parse_compact(token: str, *, what: str = "token", code: str = "INVALID_TOKEN") -> ParsedJWS:
+def parse_compact(token: str, *, what: str = "token", code: ErrorCode = ErrorCode.INVALID_TOKEN) -> ParsedJWS:
     """Split and decode a compact JWS without verifying it. Every failure is ``code``."""
     if not isinstance(token, str) or len(token) > MAX_JWS_BYTES:
         raise UompError(code, f"{what} is missing or too long")

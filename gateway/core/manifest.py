@@ -1,7 +1,7 @@
 """The agent manifest ``uom.json`` (spec §6) and its publisher identity (spec §16), pure.
 
 :func:`parse_manifest` takes the file's bytes (or an already decoded object) and returns a
-frozen :class:`Manifest`, or raises ``UompError("MANIFEST_INVALID")`` listing EVERY bad field at
+frozen :class:`Manifest`, or raises ``UompError(ErrorCode.MANIFEST_INVALID)`` listing EVERY bad field at
 once: ``details = {"errors": [{"field", "message"}, ...], "lines": ["agent.id: must be ...", ...]}``.
 
 Spelling: the spec writes snake_case; the TypeScript reference's in-memory types are camelCase.
@@ -54,7 +54,7 @@ from gateway.core.didkey import b58btc_encode as b58btc_encode
 from gateway.core.didkey import did_key_from_public as did_key_from_public
 from gateway.core.didkey import public_key_from_did_key as public_key_from_did_key
 from gateway.core.tokens import Scope, parse_iso
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 UOMP_VERSION = "1.0"
 MAX_MANIFEST_BYTES = 256 * 1024
@@ -436,7 +436,7 @@ def _invalid(items: list[tuple[str, str]]) -> UompError:
     n = len(items)
     lines = [f"{f}: {m}" for f, m in items]
     return UompError(
-        "MANIFEST_INVALID",
+        ErrorCode.MANIFEST_INVALID,
         f"uom.json is invalid: {n} problem{'s' if n != 1 else ''}",
         details={"errors": [{"field": f, "message": m} for f, m in items], "lines": lines},
     )
@@ -465,7 +465,7 @@ def _decode(data: bytes) -> dict[str, Any]:
 def parse_manifest(data: bytes | dict[str, Any]) -> Manifest:
     """Validate ``uom.json`` (bytes of the file, or the decoded object) into a :class:`Manifest`.
 
-    Raises ``UompError("MANIFEST_INVALID")`` listing every problem found (see module docstring).
+    Raises ``UompError(ErrorCode.MANIFEST_INVALID)`` listing every problem found (see module docstring).
     Does not verify the identity proof: that is :func:`verify_identity`.
     """
     if isinstance(data, bytes | bytearray):
@@ -569,7 +569,7 @@ def manifest_signing_input(manifest_raw: Mapping[str, Any]) -> bytes:
     identity = manifest_raw.get("identity")
     proof = identity.get("proof") if isinstance(identity, dict) else None
     if not isinstance(identity, dict) or not isinstance(proof, dict):
-        raise UompError("INVALID_REQUEST", "manifest has no identity.proof object")
+        raise UompError(ErrorCode.INVALID_REQUEST, "manifest has no identity.proof object")
     stripped_proof = {k: v for k, v in proof.items() if k not in ("proofValue", "proof_value")}
     doc = dict(manifest_raw)
     doc["identity"] = {**identity, "proof": stripped_proof}
@@ -697,7 +697,7 @@ def sign_manifest(
     """
     own = did_key_from_public(private_key.public_key())
     if did is not None and did != own:
-        raise UompError("KEY_ERROR", "did does not match the signing key (only did:key can be signed here)")
+        raise UompError(ErrorCode.KEY_ERROR, "did does not match the signing key (only did:key can be signed here)")
     doc = copy.deepcopy(dict(manifest))
     existing = doc.get("identity")
     identity: dict[str, Any] = dict(existing) if isinstance(existing, dict) else {}

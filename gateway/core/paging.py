@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 CURSOR_VERSION = 1
 KEY_BYTES = 32
@@ -62,7 +62,7 @@ def seal(key: bytes, *, session_id: str, agent_id: str, tag: str, after: str, li
 def open_cursor(key: bytes, cursor: str, *, session_id: str, agent_id: str, tag: str, now: float) -> CursorState:
     """The state sealed in ``cursor``; INVALID_REQUEST if it is not one this key sealed for exactly
     this session, agent and tag, or if it has expired."""
-    bad = UompError("INVALID_REQUEST", INVALID_CURSOR, session_id=session_id)
+    bad = UompError(ErrorCode.INVALID_REQUEST, INVALID_CURSOR, session_id=session_id)
     if not isinstance(cursor, str) or not 0 < len(cursor) <= MAX_CURSOR_CHARS:
         raise bad
     try:
@@ -78,5 +78,5 @@ def open_cursor(key: bytes, cursor: str, *, session_id: str, agent_id: str, tag:
     except (InvalidTag, struct.error, UnicodeDecodeError) as exc:
         raise bad from exc
     if now >= expires:
-        raise UompError("INVALID_REQUEST", EXPIRED_CURSOR, session_id=session_id)
+        raise UompError(ErrorCode.INVALID_REQUEST, EXPIRED_CURSOR, session_id=session_id)
     return CursorState(after, limit)

@@ -23,7 +23,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core import checks, jose
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 TOKEN_VERSION = "1.0"
 REFRESH_TYP = "uomp-rt+jwt"
@@ -110,7 +110,7 @@ class Capability:
 
 
 def _fail(message: str) -> UompError:
-    return UompError("INVALID_TOKEN", message)
+    return UompError(ErrorCode.INVALID_TOKEN, message)
 
 
 def _str(claims: Mapping[str, Any], name: str, *, required: bool = True) -> str | None:
@@ -273,7 +273,7 @@ def verify_token(token: str, keys: Mapping[str, jose.PublicKey], *, now: float) 
     cap = parse_claims(parsed.header, parsed.payload)
     exp = parsed.payload["exp"]
     if now >= exp or now >= cap.expires_at:
-        raise UompError("TOKEN_EXPIRED", "token has expired", session_id=cap.session_id)
+        raise UompError(ErrorCode.TOKEN_EXPIRED, "token has expired", session_id=cap.session_id)
     if parsed.payload["iat"] > now + IAT_SKEW_SECONDS:
         raise _fail("token is issued in the future")
     return cap

@@ -56,7 +56,7 @@ from gateway.contract import (
 )
 from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import AuditLog, open_audit
 from gateway.guard.auth import AuthService, SessionRow, token_hash
 from gateway.guard.db import DbWorker
@@ -121,12 +121,16 @@ def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None 
                         content_type="application/json", headers=headers)
 
 
-def error_response(exc: UompError) -> web.Response:
-    headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if exc.status == 401 else None
-    return _json_response(exc.body(), exc.status, headers)
+def error_response(exc: UompError, *, transport_status: int | None = None) -> web.Response:
+    """The §8.4 answer for ``exc``, with its code's status. ``transport_status``: the status aiohttp
+    chose for a request it refused before any handler (400, 411, 431, ...), kept on the wire as it was;
+    the body's code is then INVALID_REQUEST (or INTERNAL for a 5xx)."""
+    status = exc.status if transport_status is None else transport_status
+    headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if status == 401 else None
+    return _json_response(exc.body(), status, headers)
 
 
-_HTTP_CODES = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "PAYLOAD_TOO_LARGE"}
+_HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 413: ErrorCode.PAYLOAD_TOO_LARGE}
 
 
 @web.middleware
@@ -136,27 +140,29 @@ async def errors_middleware(request: web.Request,
         # Single-valued headers once; identity headers only as the gateway's assertion on the socket.
         problem = contract.header_problem(request.raw_headers, verified_allowed=request.app[LISTENER] == "unix")
         if problem is not None:
-            raise UompError("INVALID_REQUEST", problem)
+            raise UompError(ErrorCode.INVALID_REQUEST, problem)
         return await handler(request)
     except UompError as exc:
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(exc.status, "INVALID_REQUEST")
-        msg = {"NOT_FOUND": "no such endpoint", "METHOD_NOT_ALLOWED": "method not allowed on this endpoint",
-               "PAYLOAD_TOO_LARGE": "request body too large"}.get(code, "invalid request")
-        return error_response(UompError(code, msg, status=exc.status if code == "INVALID_REQUEST" else None))
+        code = _HTTP_CODES.get(exc.status, ErrorCode.INVALID_REQUEST)
+        msg = {ErrorCode.NOT_FOUND: "no such endpoint",
+               ErrorCode.METHOD_NOT_ALLOWED: "method not allowed on this endpoint",
+               ErrorCode.PAYLOAD_TOO_LARGE: "request body too large"}.get(code, "invalid request")
+        return error_response(UompError(code, msg),
+                              transport_status=exc.status if code == ErrorCode.INVALID_REQUEST else None)
     except Exception as exc:  # never leak internals; never 500 with a stack trace to a client
         log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path)
-        return error_response(UompError("INTERNAL", "internal error"))
+        return error_response(UompError(ErrorCode.INTERNAL, "internal error"))
 
 
 def _bearer(request: web.Request) -> str:
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() not in ("bearer", "dpop") or not value.strip():
-        raise UompError("INVALID_TOKEN", "missing Authorization: Bearer token")
+        raise UompError(ErrorCode.INVALID_TOKEN, "missing Authorization: Bearer token")
     return value.strip()
 
 
@@ -165,24 +171,24 @@ def _admin(request: web.Request) -> None:
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() != "bearer" or not keyfiles.admin_matches(value.strip(), svc.admin_credential):
-        raise UompError("UNAUTHORIZED", "the management API needs the user's admin credential")
+        raise UompError(ErrorCode.UNAUTHORIZED, "the management API needs the user's admin credential")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
     svc = request.app[SERVICES]
     if request.content_length is not None and request.content_length > svc.cfg.max_body_bytes:
-        raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {svc.cfg.max_body_bytes} bytes")
+        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {svc.cfg.max_body_bytes} bytes")
     raw = await request.content.read(svc.cfg.max_body_bytes + 1)
     if len(raw) > svc.cfg.max_body_bytes:
-        raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {svc.cfg.max_body_bytes} bytes")
+        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {svc.cfg.max_body_bytes} bytes")
     if not raw.strip():
         return {}
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise UompError("INVALID_REQUEST", "request body is not valid JSON") from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, "request body is not valid JSON") from exc
     if not isinstance(body, dict):
-        raise UompError("INVALID_REQUEST", "request body must be a JSON object")
+        raise UompError(ErrorCode.INVALID_REQUEST, "request body must be a JSON object")
     return body
 
 
@@ -190,13 +196,13 @@ def _param(request: web.Request, name: str, *, required: bool = True, max_len: i
            ) -> str | None:
     values = request.query.getall(name, [])
     if len(values) > 1:
-        raise UompError("INVALID_REQUEST", f"query parameter {name} given more than once")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"query parameter {name} given more than once")
     if not values or not values[0]:
         if required:
-            raise UompError("INVALID_REQUEST", f"query parameter {name} is required")
+            raise UompError(ErrorCode.INVALID_REQUEST, f"query parameter {name} is required")
         return None
     if len(values[0]) > max_len:
-        raise UompError("INVALID_REQUEST", f"query parameter {name} is too long")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"query parameter {name} is too long")
     return values[0]
 
 
@@ -217,9 +223,9 @@ def presented_for(request: web.Request, th: str, *, use: str = "access") -> chec
     h = request.headers
     if _asserted(request):
         if any(not h.get(name) for name in REQUIRED_VERIFIED):
-            raise UompError("INVALID_REQUEST", "incomplete gateway assertion")
+            raise UompError(ErrorCode.INVALID_REQUEST, "incomplete gateway assertion")
         if not hmac.compare_digest(th.removeprefix("sha256:").encode(), h[VERIFIED_TOKEN_HEADER].encode()):
-            raise UompError("INVALID_TOKEN", "the token is not the one the gateway verified")
+            raise UompError(ErrorCode.INVALID_TOKEN, "the token is not the one the gateway verified")
         return checks.Presented(
             token_use=use, profile="remote", audiences=None, audience_required=True, endpoint=None,
             check_endpoint=False, header_agent=h.get(AGENT_HEADER) or None, require_header_agent=False,
@@ -354,17 +360,17 @@ async def get_key(request: web.Request) -> web.Response:
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:  # §10.4 step 5b, §19.2
-        return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, policy.AGGREGATION_ONLY, session_id=cap.session_id))
     store = call.svc.store
     meta = await asyncio.to_thread(store.get_meta, key)
     d = policy.key_decision(cap.read, key, list(meta.tags) if meta else None, meta.sensitivity if meta else None)
     if not d.allowed or meta is None:
-        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
     item = await asyncio.to_thread(store.get, key)
     # decide again on what was loaded: the item may have changed (or gone) between the two reads
     d = policy.key_decision(cap.read, key, list(item.tags) if item else None, item.sensitivity if item else None)
     if not d.allowed or item is None:
-        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
     call.tags = list(item.tags)
     call.allow(d.reason, d.detail)
     return await call.respond(policy.filter_fields(item.to_dict(), cap.allowed_fields))
@@ -387,7 +393,7 @@ def _page_limit(request: web.Request, maximum: int) -> int | None:
     if raw is None:
         return None
     if not raw.isdigit() or not 1 <= int(raw) <= maximum:
-        raise UompError("INVALID_REQUEST", f"limit must be an integer from 1 to {maximum}")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"limit must be an integer from 1 to {maximum}")
     return int(raw)
 
 
@@ -409,10 +415,10 @@ async def get_by_tag(request: web.Request) -> web.Response:
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:
-        return await call.refuse(UompError("ACCESS_DENIED", policy.AGGREGATION_ONLY, session_id=cap.session_id))
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, policy.AGGREGATION_ONLY, session_id=cap.session_id))
     d = policy.tag_decision(cap.read, tag)
     if not d.allowed:
-        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
     now = time.time()
     after: str | None = None
     if cursor is not None:
@@ -452,25 +458,25 @@ async def aggregate(request: web.Request) -> web.Response:
         assert tag is not None and op is not None
         call.tags = [tag]
         if op not in policy.OPS:
-            raise UompError("INVALID_REQUEST", "op must be one of sum, avg, count, min, max")
+            raise UompError(ErrorCode.INVALID_REQUEST, "op must be one of sum, avg, count, min, max")
         path: str | None = None
         if op != "count":
             path = json_path(field) if field is not None else None
             if path is None:
-                raise UompError("INVALID_REQUEST", "field is required for numeric ops: value or "
+                raise UompError(ErrorCode.INVALID_REQUEST, "field is required for numeric ops: value or "
                                 "value.<name>[.<name>...] with names of letters, digits, _ - : @")
         cap = await call.authenticate(read=True)
     except UompError as exc:
         return await _answer_refusal(call, exc)
     d = policy.tag_decision(cap.read, tag)
     if not d.allowed:
-        return await call.refuse(UompError("ACCESS_DENIED", d.reason, session_id=cap.session_id), d.detail)
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
     row = call.row
     assert row is not None
     grant = policy.AggregateGrant.from_options(row.options)
     refusal = policy.aggregate_refusal(op, field if op != "count" else None, cap.allowed_fields, grant)
     if refusal is not None:
-        return await call.refuse(UompError("ACCESS_DENIED", refusal.reason, session_id=cap.session_id),
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, refusal.reason, session_id=cap.session_id),
                                  refusal.detail)
     flt = _read_filter(cap)
     min_items = svc.cfg.aggregate_min_items
@@ -510,15 +516,15 @@ async def aggregate(request: web.Request) -> web.Response:
     res, refused, detail = await asyncio.to_thread(compute)
     if not res.ok:
         return await call.refuse(UompError(
-            "ACCESS_DENIED", f"aggregation needs at least {min_items} contributing items",
+            ErrorCode.ACCESS_DENIED, f"aggregation needs at least {min_items} contributing items",
             session_id=cap.session_id), res.detail)
     if refused is not None:
-        return await call.refuse(UompError("ACCESS_DENIED", refused, session_id=cap.session_id), detail)
+        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, refused, session_id=cap.session_id), detail)
     call.allow("aggregate over granted items", f"{res.contributing} items" + (f"; {detail}" if detail else ""))
     return await call.respond(res.body)
 
 
-async def _refuse_authenticated(request: web.Request, action: str, code: str, message: str) -> web.Response:
+async def _refuse_authenticated(request: web.Request, action: str, code: ErrorCode, message: str) -> web.Response:
     """Routes that exist but never serve an agent: authenticate (so the refusal is audited with who
     asked), then refuse with ``code``."""
     call = AgentCall(request, action, key=request.match_info.get("key"))
@@ -531,11 +537,11 @@ async def _refuse_authenticated(request: web.Request, action: str, code: str, me
 
 async def write_refused(request: web.Request) -> web.Response:
     return await _refuse_authenticated(request, "write" if request.method == "PUT" else "delete",
-                                       "WRITE_NOT_AVAILABLE", "agent writes are not available (spec §20.4)")
+                                       ErrorCode.WRITE_NOT_AVAILABLE, "agent writes are not available (spec §20.4)")
 
 
 async def query_refused(request: web.Request) -> web.Response:
-    return await _refuse_authenticated(request, "query", "NOT_IMPLEMENTED",
+    return await _refuse_authenticated(request, "query", ErrorCode.NOT_IMPLEMENTED,
                                        "semantic query is not implemented (spec §22)")
 
 
@@ -548,15 +554,15 @@ async def get_audit(request: web.Request) -> web.Response:
         return await _answer_refusal(call, exc)
     sid = _param(request, "session_id", required=False)
     if sid is not None and sid != cap.session_id:
-        raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
+        raise UompError(ErrorCode.ACCESS_DENIED, "an agent may read only its own session's audit log",
                         session_id=cap.session_id)
     raw_limit = _param(request, "limit", required=False)
     try:
         limit = int(raw_limit) if raw_limit is not None else 100
     except ValueError as exc:
-        raise UompError("INVALID_REQUEST", "limit must be an integer") from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, "limit must be an integer") from exc
     if not 1 <= limit <= 1000:
-        raise UompError("INVALID_REQUEST", "limit must be between 1 and 1000")
+        raise UompError(ErrorCode.INVALID_REQUEST, "limit must be between 1 and 1000")
     await svc.audit.flush()
     return _json_response({"logs": await svc.audit.reader.run(functools.partial(
         svc.audit.for_session, cap.session_id, limit=limit))})
@@ -616,7 +622,7 @@ async def deletion_proof(request: web.Request) -> web.Response:
     try:
         cap = await call.authenticate()
         if cap.session_id != sid:
-            raise UompError("ACCESS_DENIED", "token is for another session", session_id=cap.session_id)
+            raise UompError(ErrorCode.ACCESS_DENIED, "token is for another session", session_id=cap.session_id)
         body = await _json_body(request)
         proof = deletion.parse_deletion_proof(body)
         row = call.row
@@ -648,7 +654,7 @@ async def refresh_internal(request: web.Request) -> web.Response:
     sid = request.match_info["sid"]
     try:
         if not _asserted(request):
-            raise UompError("INVALID_REQUEST", "refresh is reached through the gateway only")
+            raise UompError(ErrorCode.INVALID_REQUEST, "refresh is reached through the gateway only")
         token, th, presented = prepare(request, use="refresh")  # the gateway's assertion, checked
         await svc.authdb(functools.partial(svc.auth.authenticate, token, allow_refresh=True, presented=presented,
                                            th=th))

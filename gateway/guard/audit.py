@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
 from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
 from gateway.ledger import auditkey
 from gateway.ledger.log import EventLog, LedgerError
@@ -152,8 +152,9 @@ class AuditLog:
                 self.ledger = EventLog(self._write, origin=ledger.origin, key=ledger.key,
                                        anchor_backend=ledger.anchor_backend)
             except LedgerError as exc:
-                raise UompError("STORE_UNAVAILABLE", f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
-                                ) from exc
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                    ) from exc
             except sqlite3.Error as exc:
                 raise db_error(exc, what="audit log") from exc
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
@@ -253,12 +254,13 @@ class AuditLog:
                             self.ledger.reload()
                     raise
             except LedgerError as exc:
-                raise UompError("STORE_UNAVAILABLE", f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
-                                ) from exc
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                    ) from exc
             except sqlite3.Error as exc:
                 err = db_error(exc, what="audit log")
                 if err.code == "STORE_UNAVAILABLE":
-                    err = UompError("STORE_UNAVAILABLE", f"the audit log could not be written "
+                    err = UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log could not be written "
                                     f"({describe_failure(exc)})")
                 raise err from exc
 

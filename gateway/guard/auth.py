@@ -55,7 +55,7 @@ from gateway.core import checks, jose, restrictions, tokens
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability, Scope
 from gateway.durable import fault_point
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import AuditLog, make_row
 from gateway.guard.db import connect, transaction
 
@@ -162,7 +162,7 @@ def _new_id(prefix: str) -> str:
 def _req_str(body: Mapping[str, Any], name: str, *, max_len: int = ID_ALPHABET_MAX) -> str:
     v = body.get(name)
     if not isinstance(v, str) or not v.strip() or len(v) > max_len:
-        raise UompError("INVALID_REQUEST", f"{name} must be a non-empty string of at most {max_len} characters")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a non-empty string of at most {max_len} characters")
     return v
 
 
@@ -170,17 +170,17 @@ def _scope_from_body(obj: Any, name: str) -> Scope:
     try:
         return tokens.parse_scope(obj, name)
     except UompError as exc:
-        raise UompError("INVALID_REQUEST", exc.message.replace("claim ", "")) from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, exc.message.replace("claim ", "")) from exc
 
 
 def _scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
-        raise UompError("INVALID_REQUEST", f"{name} must be an object with read/write scopes")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be an object with read/write scopes")
     unknown = set(obj) - {"read", "write"}
     if unknown:
-        raise UompError("INVALID_REQUEST", f"{name} has unknown members: {', '.join(sorted(unknown))}")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} has unknown members: {', '.join(sorted(unknown))}")
     return _scope_from_body(obj.get("read"), f"{name}.read"), _scope_from_body(obj.get("write"), f"{name}.write")
 
 
@@ -191,7 +191,7 @@ def _scopes_json(read: Scope, write: Scope) -> str:
 def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
     v = body.get(name, False)
     if not isinstance(v, bool):
-        raise UompError("INVALID_REQUEST", f"{name} must be a boolean")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a boolean")
     return v
 
 
@@ -200,7 +200,7 @@ def _opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
     if v is None:
         return None
     if not isinstance(v, list) or len(v) > 256 or not all(isinstance(x, str) and 0 < len(x) <= 512 for x in v):
-        raise UompError("INVALID_REQUEST", f"{name} must be a list of non-empty strings")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a list of non-empty strings")
     return list(v)
 
 
@@ -310,7 +310,7 @@ class AuthService:
         try:
             r = self.db.execute("SELECT * FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
         except sqlite3.Error as exc:
-            raise UompError("STORE_UNAVAILABLE", "the session database is unavailable") from exc
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the session database is unavailable") from exc
         if r is None:
             return None
         row = SessionRow(
@@ -331,7 +331,7 @@ class AuthService:
     def session(self, session_id: str) -> SessionRow:
         row = self._row(session_id)
         if row is None:
-            raise UompError("SESSION_NOT_FOUND", "session does not exist", session_id=session_id)
+            raise UompError(ErrorCode.SESSION_NOT_FOUND, "session does not exist", session_id=session_id)
         return row
 
     def _expire(self, row: SessionRow) -> None:
@@ -366,27 +366,28 @@ class AuthService:
         agent_id = _req_str(body, "agent_id")
         agent_name = body.get("agent_name")
         if agent_name is not None and (not isinstance(agent_name, str) or len(agent_name) > 256):
-            raise UompError("INVALID_REQUEST", "agent_name must be a string of at most 256 characters")
+            raise UompError(ErrorCode.INVALID_REQUEST, "agent_name must be a string of at most 256 characters")
         read, write = _scopes_from_body(body.get("requested_scopes"), "requested_scopes")
         profile = body.get("profile", "local")
         if profile not in PROFILES:
-            raise UompError("INVALID_REQUEST", "profile must be local or remote")
+            raise UompError(ErrorCode.INVALID_REQUEST, "profile must be local or remote")
         most = self._session_max_minutes(profile)
         minutes = body.get("duration_minutes", DEFAULT_SESSION_MINUTES)
         if isinstance(minutes, bool) or not isinstance(minutes, int | float) or not (
                 MAX_DURATION_MINUTES_FLOOR <= minutes <= most):
-            raise UompError("INVALID_REQUEST", f"duration_minutes must be a number from 1 to {most} for a {profile} "
-                            f"session ({minutes_text(most)}; the {_MAX_SETTING[profile]} setting)")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST, f"duration_minutes must be a number from 1 to {most} for a {profile} "
+                f"session ({minutes_text(most)}; the {_MAX_SETTING[profile]} setting)")
         identity = body.get("identity_public_jwk")
         if identity is not None:
             try:
                 key = jose.load_public_jwk(identity)
             except ValueError as exc:
-                raise UompError("INVALID_REQUEST", f"identity_public_jwk is invalid: {exc}") from exc
+                raise UompError(ErrorCode.INVALID_REQUEST, f"identity_public_jwk is invalid: {exc}") from exc
             identity = jose.public_jwk(key)
         retention = body.get("data_retention_policy")
         if retention is not None and not isinstance(retention, dict):
-            raise UompError("INVALID_REQUEST", "data_retention_policy must be an object")
+            raise UompError(ErrorCode.INVALID_REQUEST, "data_retention_policy must be an object")
         now = self.clock()
         sid = _new_id("sess")
         expires = now + float(minutes) * 60
@@ -405,7 +406,7 @@ class AuthService:
     def grant(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
         row = self.session(session_id)
         if row.status != "created":
-            raise UompError("INVALID_STATE", f"session is {row.status}; only a created session can be granted",
+            raise UompError(ErrorCode.INVALID_STATE, f"session is {row.status}; only a created session can be granted",
                             session_id=session_id)
         read, write = _scopes_from_body(body.get("granted_scopes"), "granted_scopes")
         req_read = tokens.parse_scope(row.requested.get("read"), "read")
@@ -418,41 +419,42 @@ class AuthService:
         wider = restrictions.widenings(read, req_read) + [
             "write " + w for w in restrictions.widenings(write, req_write)]
         if wider and not widen:
-            raise UompError("INVALID_REQUEST", "the grant is wider than the agent asked for (" + "; ".join(wider)
-                            + "); pass \"widen\": true to grant that", session_id=session_id)
+            raise UompError(
+                ErrorCode.INVALID_REQUEST, "the grant is wider than the agent asked for (" + "; ".join(wider)
+                + "); pass \"widen\": true to grant that", session_id=session_id)
         if not write.is_empty():
             # §20.4: agents MUST NOT write in this version; a write grant would be a lie.
-            raise UompError("WRITE_NOT_AVAILABLE", "write scopes cannot be granted: agent writes are not "
+            raise UompError(ErrorCode.WRITE_NOT_AVAILABLE, "write scopes cannot be granted: agent writes are not "
                             "available", session_id=session_id)
         profile = body.get("profile", "local")
         if profile not in PROFILES:
-            raise UompError("INVALID_REQUEST", "profile must be local or remote")
+            raise UompError(ErrorCode.INVALID_REQUEST, "profile must be local or remote")
         most = self._session_max_minutes(profile)
         if row.expires_at - row.created_at > most * 60 + 1e-3:
-            raise UompError("INVALID_REQUEST", f"this session lasts longer than a {profile} session may "
+            raise UompError(ErrorCode.INVALID_REQUEST, f"this session lasts longer than a {profile} session may "
                             f"({minutes_text(most)}); create it with a shorter duration_minutes"
                             + (' or "profile": "remote"' if profile == "local" else ""), session_id=session_id)
         audience = body.get("audience")
         if audience is not None and (not isinstance(audience, str) or not audience or len(audience) > 512):
-            raise UompError("INVALID_REQUEST", "audience must be a URL string")
+            raise UompError(ErrorCode.INVALID_REQUEST, "audience must be a URL string")
         if profile == "remote" and not audience:
-            raise UompError("INVALID_REQUEST", "a remote-profile grant needs the gateway endpoint as audience")
+            raise UompError(ErrorCode.INVALID_REQUEST, "a remote-profile grant needs the gateway endpoint as audience")
         if profile == "local" and audience is None:
             audience = f"http://127.0.0.1:{self.cfg.tcp_port}"
         limits = body.get("limits") or {}
         if not isinstance(limits, dict):
-            raise UompError("INVALID_REQUEST", "limits must be an object")
+            raise UompError(ErrorCode.INVALID_REQUEST, "limits must be an object")
         mrq = limits.get("max_read_queries", limits.get("maxReadQueries", self.cfg.default_max_read_queries))
         if isinstance(mrq, bool) or not isinstance(mrq, int) or mrq < 0:
-            raise UompError("INVALID_REQUEST", "limits.max_read_queries must be a non-negative integer")
+            raise UompError(ErrorCode.INVALID_REQUEST, "limits.max_read_queries must be a non-negative integer")
         cnf = body.get("cnf")
         if cnf is not None:
             if not isinstance(cnf, dict) or not set(cnf) <= {"x5t#S256", "jkt"} or not all(
                     isinstance(v, str) and len(v) == 43 for v in cnf.values()):
-                raise UompError("INVALID_REQUEST", "cnf must hold x5t#S256 and/or jkt SHA-256 thumbprints")
+                raise UompError(ErrorCode.INVALID_REQUEST, "cnf must hold x5t#S256 and/or jkt SHA-256 thumbprints")
         issue_refresh = _opt_bool(body, "refresh")
         if issue_refresh and (profile != "remote" or not cnf):
-            raise UompError("INVALID_REQUEST", "refresh tokens are issued only for remote, key-bound grants")
+            raise UompError(ErrorCode.INVALID_REQUEST, "refresh tokens are issued only for remote, key-bound grants")
         options: dict[str, Any] = {
             "profile": profile, "audience": audience,
             "allowed_endpoints": _opt_str_list(body, "allowed_endpoints"),
@@ -470,7 +472,8 @@ class AuthService:
             cur = self.db.execute("UPDATE sessions SET status='active', granted_scopes=?, grant_options=? "
                                   "WHERE session_id=? AND status='created'", (granted, json.dumps(options), session_id))
             if cur.rowcount != 1:
-                raise UompError("INVALID_STATE", "session changed state during the grant", session_id=session_id)
+                raise UompError(
+                    ErrorCode.INVALID_STATE, "session changed state during the grant", session_id=session_id)
         row = self.session(session_id)
         access = self._mint_access(row)
         out: dict[str, Any] = {"token": access.token, "token_type": "Bearer", "expires_at": tokens.iso(access.exp),
@@ -500,7 +503,7 @@ class AuthService:
         if requested is None:
             return cap
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 10:
-            raise UompError("INVALID_REQUEST", "token_lifetime_seconds must be an integer >= 10")
+            raise UompError(ErrorCode.INVALID_REQUEST, "token_lifetime_seconds must be an integer >= 10")
         return min(requested, cap)
 
     def _mint_access(self, row: SessionRow) -> Minted:
@@ -555,7 +558,7 @@ class AuthService:
         if row.status not in LIVE:
             if row.status == status:
                 return {"session_id": session_id, "status": status}
-            raise UompError("INVALID_STATE", f"session is already {row.status}", session_id=session_id)
+            raise UompError(ErrorCode.INVALID_STATE, f"session is already {row.status}", session_id=session_id)
         now = self.clock()
         with transaction(self.db, what="session database"):
             self.db.execute("UPDATE sessions SET status=?, closed_at=?, status_reason=? WHERE session_id=?",
@@ -613,23 +616,25 @@ class AuthService:
         if presented is not None:
             checks.run_checks(cap, presented)
         if cap.is_refresh and not allow_refresh:
-            raise UompError("INVALID_TOKEN", "a refresh token cannot be used here", session_id=cap.session_id)
+            raise UompError(ErrorCode.INVALID_TOKEN, "a refresh token cannot be used here", session_id=cap.session_id)
         if not cap.is_refresh and allow_refresh:
-            raise UompError("INVALID_TOKEN", "an access token cannot be used to refresh", session_id=cap.session_id)
+            raise UompError(
+                ErrorCode.INVALID_TOKEN, "an access token cannot be used to refresh", session_id=cap.session_id)
         row = self._row(cap.session_id)
         if row is None:
-            raise UompError("SESSION_NOT_FOUND", "session does not exist", session_id=cap.session_id)
+            raise UompError(ErrorCode.SESSION_NOT_FOUND, "session does not exist", session_id=cap.session_id)
         if row.agent_id != cap.agent_id:
-            raise UompError("INVALID_TOKEN", "token agent does not match the session", session_id=cap.session_id)
+            raise UompError(
+                ErrorCode.INVALID_TOKEN, "token agent does not match the session", session_id=cap.session_id)
         if row.status == "expired":
-            raise UompError("TOKEN_EXPIRED", "session has expired", session_id=cap.session_id)
+            raise UompError(ErrorCode.TOKEN_EXPIRED, "session has expired", session_id=cap.session_id)
         if row.status != "active":
-            raise UompError("SESSION_REVOKED", ended_message(row), session_id=cap.session_id)
+            raise UompError(ErrorCode.SESSION_REVOKED, ended_message(row), session_id=cap.session_id)
         hit = self.db.execute("SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
         if hit:
             if hit[0] == "superseded":
                 self._chain_forked(row)
-            raise UompError("SESSION_REVOKED", "token has been revoked", session_id=cap.session_id)
+            raise UompError(ErrorCode.SESSION_REVOKED, "token has been revoked", session_id=cap.session_id)
         if not cap.is_refresh:
             self._note_use(th)
         return cap, row
@@ -642,7 +647,7 @@ class AuthService:
             self.db.execute("UPDATE issued_tokens SET used_at=? WHERE token_hash=? AND used_at IS NULL",
                             (self.clock(), th))
         except sqlite3.Error as exc:
-            raise UompError("STORE_UNAVAILABLE", "the session database is unavailable") from exc
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the session database is unavailable") from exc
         if len(self._used) >= USED_CACHE_ENTRIES:
             self._used.clear()
         self._used.add(th)
@@ -650,7 +655,7 @@ class AuthService:
     def validate(self, token: Any) -> dict[str, Any]:
         """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a bad token."""
         if not isinstance(token, str):
-            raise UompError("INVALID_REQUEST", "token must be a string")
+            raise UompError(ErrorCode.INVALID_REQUEST, "token must be a string")
         try:
             cap, row = self.authenticate(token, allow_refresh=False)
         except UompError as exc:
@@ -688,7 +693,7 @@ class AuthService:
         """§10.4 step 5 (enforced here, though the draft leaves it optional). Returns the remaining count."""
         remaining = self.quota.consume(cap.session_id, cap.max_read_queries)
         if remaining == -1:
-            raise UompError("QUOTA_EXCEEDED", "read query quota is exhausted", session_id=cap.session_id)
+            raise UompError(ErrorCode.QUOTA_EXCEEDED, "read query quota is exhausted", session_id=cap.session_id)
         return remaining
 
     # ------------------------------------------------------------------------- refresh
@@ -706,23 +711,23 @@ class AuthService:
         binding inputs."""
         cap, row = self.authenticate(refresh_token, allow_refresh=True)
         if cap.session_id != session_id:
-            raise UompError("INVALID_TOKEN", "refresh token is for another session", session_id=session_id)
+            raise UompError(ErrorCode.INVALID_TOKEN, "refresh token is for another session", session_id=session_id)
         self._check_binding(cap, presented_x5t, presented_jkt)
         now = self.clock()
         r = self.db.execute("SELECT * FROM refresh_tokens WHERE jti=?", (cap.jti,)).fetchone()
         if r is None:
-            raise UompError("INVALID_TOKEN", "refresh token is unknown", session_id=session_id)
+            raise UompError(ErrorCode.INVALID_TOKEN, "refresh token is unknown", session_id=session_id)
         retry = False
         if r["status"] == "spent":
             if not r["successor"] or self._successor_used(json.loads(r["successor"])):
                 self._revoke_family(row, r["family_id"], REUSE_MESSAGE)
-                raise UompError("REFRESH_REUSED", REUSE_MESSAGE, session_id=session_id)
+                raise UompError(ErrorCode.REFRESH_REUSED, REUSE_MESSAGE, session_id=session_id)
             # Same key (the binding was checked above) and the successor pair was never used: the
             # client never got our answer. Issue a fresh pair and kill the pair it never received
             # (not stored, so it cannot be handed out again).
             retry = True
         elif r["status"] != "active":
-            raise UompError("SESSION_REVOKED", "refresh token has been revoked", session_id=session_id)
+            raise UompError(ErrorCode.SESSION_REVOKED, "refresh token has been revoked", session_id=session_id)
         access = self._mint_access(row)
         new_rt = self._mint_refresh(row, family_id=r["family_id"])
         answer = {"access_token": access.token, "token": access.token, "token_type": "Bearer",
@@ -744,12 +749,13 @@ class AuthService:
                                 "SELECT token_hash, session_id, expires_at, 'superseded' FROM issued_tokens "
                                 "WHERE jti IN (?, ?)", (lost["access_jti"], lost["refresh_jti"]))
                 if used:
-                    raise UompError("REFRESH_REUSED", "refresh token was spent concurrently", session_id=session_id)
+                    raise UompError(
+                        ErrorCode.REFRESH_REUSED, "refresh token was spent concurrently", session_id=session_id)
             else:
                 cur = self.db.execute("UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? "
                                       "WHERE jti=? AND status='active'", (now, successor, cap.jti))
             if cur.rowcount != 1:
-                raise UompError("REFRESH_REUSED", "refresh token was spent concurrently", session_id=session_id)
+                raise UompError(ErrorCode.REFRESH_REUSED, "refresh token was spent concurrently", session_id=session_id)
             self._record_minted(row, [access, new_rt])
             # the audit row is durable with the rotation (replayed on open if audit.db missed it)
             self.db.execute("INSERT INTO audit_outbox (id, row) VALUES (?, ?)", (audit_row[0], json.dumps(audit_row)))
@@ -774,7 +780,7 @@ class AuthService:
             self.revoke(row.session_id, reason=SUPERSEDED_MESSAGE)
         else:
             self.audit.flush_sync()
-        raise UompError("REFRESH_REUSED", SUPERSEDED_MESSAGE, session_id=row.session_id)
+        raise UompError(ErrorCode.REFRESH_REUSED, SUPERSEDED_MESSAGE, session_id=row.session_id)
 
     @staticmethod
     def _check_binding(cap: Capability, x5t: str | None, jkt: str | None) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 DEFAULT_BUSY_TIMEOUT_SECONDS = 2.0
 DEFAULT_QUEUE_TIMEOUT_SECONDS = 5.0
@@ -56,11 +56,11 @@ def is_busy(exc: BaseException) -> bool:
     return "locked" in text or "busy" in text
 
 
-def db_error(exc: BaseException, *, code: str = "STORE_UNAVAILABLE", what: str = "database") -> UompError:
+def db_error(exc: BaseException, *, code: ErrorCode = ErrorCode.STORE_UNAVAILABLE, what: str = "database") -> UompError:
     """The stable error for a SQLite (or OS) failure: STORE_BUSY for a lock held too long, else ``code``.
     The message names the database and the SQLite error name only (never a statement or a value)."""
     if is_busy(exc):
-        return UompError("STORE_BUSY", f"the {what} is locked by another process; try again shortly",
+        return UompError(ErrorCode.STORE_BUSY, f"the {what} is locked by another process; try again shortly",
                          details={"reason": str(getattr(exc, "sqlite_errorname", "") or "SQLITE_BUSY")})
     if isinstance(exc, OSError):
         return UompError(code, f"the {what} is unavailable ({exc.strerror})")
@@ -81,7 +81,7 @@ def trim_wal(conn: sqlite3.Connection, path: Path) -> None:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
-def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: str = "STORE_UNAVAILABLE",
+def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: ErrorCode = ErrorCode.STORE_UNAVAILABLE,
             what: str = "database", busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> sqlite3.Connection:
     """Open (creating 0600 if absent) and apply ``schema``. Any sqlite failure is ``code`` (or STORE_BUSY)."""
     try:
@@ -107,7 +107,7 @@ def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: str = "
 
 
 @contextlib.contextmanager
-def transaction(conn: sqlite3.Connection, *, code: str = "STORE_UNAVAILABLE", what: str = "database"
+def transaction(conn: sqlite3.Connection, *, code: ErrorCode = ErrorCode.STORE_UNAVAILABLE, what: str = "database"
                 ) -> Iterator[sqlite3.Connection]:
     """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any error; sqlite errors become ``code`` (or STORE_BUSY)."""
     try:
@@ -170,7 +170,7 @@ class DbWorker:
     def _job(self, deadline: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if time.monotonic() > deadline:
             self.refused += 1
-            raise UompError("STORE_BUSY", f"the {self.what} is busy (another process holds a lock); try again "
+            raise UompError(ErrorCode.STORE_BUSY, f"the {self.what} is busy (another process holds a lock); try again "
                             "shortly", details={"reason": "QUEUE_TIMEOUT"})
         try:
             return fn(*args)
@@ -181,7 +181,7 @@ class DbWorker:
         """``fn(*args)`` on the worker thread; the event loop is free meanwhile. A call that has started
         runs to its end even if the caller stops waiting."""
         if self._closed:
-            raise UompError("STORE_UNAVAILABLE", f"the {self.what} is closed")
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the {self.what} is closed")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._queue.put((loop, fut, time.monotonic() + self.queue_timeout, fn, args))

@@ -72,7 +72,7 @@ Each kind of change is counted per field and announced in ``ImportReport.notices
 
 Validation (§12.9): every row is checked and every bad row is reported with its number (CSV: the
 file line the record starts on; JSON: the 0-based array index) in
-``UompError("IMPORT_INVALID", ...).details`` = ``{"errors": [{"row", "field", "message"}],
+``UompError(ErrorCode.IMPORT_INVALID, ...).details`` = ``{"errors": [{"row", "field", "message"}],
 "lines": ["row 3: key is empty", ...]}`` (the first :attr:`ImportLimits.max_reported_errors`).
 Messages name fields and rows, never the values in them.
 
@@ -123,7 +123,7 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import IO, Any, BinaryIO, ClassVar
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.store import (
     BULK_CHUNK,
     MAX_TAGS,
@@ -210,7 +210,7 @@ def _parse_mapping_dst(dst: str) -> Dest:
     except _FileError:
         path = None
     if path is None:
-        raise UompError("INVALID_REQUEST", f"--map destination {d!r} must be one of {', '.join(RESERVED)}, "
+        raise UompError(ErrorCode.INVALID_REQUEST, f"--map destination {d!r} must be one of {', '.join(RESERVED)}, "
                         "value or value.<field>[.<field>...]")
     return path
 
@@ -520,7 +520,7 @@ class _Errors:
             message += "; nothing was written"
         else:
             message = "the file cannot be imported; nothing was written"
-        return UompError("IMPORT_INVALID", message, details={"errors": errors, "lines": lines})
+        return UompError(ErrorCode.IMPORT_INVALID, message, details={"errors": errors, "lines": lines})
 
 
 # ============================================================================ progress
@@ -572,14 +572,14 @@ class _Source:
         try:
             self.fh: BinaryIO = open(path, "rb")  # closed by close()
         except OSError as exc:
-            raise UompError("INVALID_REQUEST", f"cannot open {path}: {exc.strerror}") from exc
+            raise UompError(ErrorCode.INVALID_REQUEST, f"cannot open {path}: {exc.strerror}") from exc
         st = os.fstat(self.fh.fileno())
         if not stat.S_ISREG(st.st_mode):
             self.fh.close()
-            raise UompError("INVALID_REQUEST", f"{path} is not a regular file")
+            raise UompError(ErrorCode.INVALID_REQUEST, f"{path} is not a regular file")
         if st.st_size > limits.max_file_bytes:
             self.fh.close()
-            raise UompError("IMPORT_INVALID", f"the file is larger than {limits.max_file_bytes} bytes")
+            raise UompError(ErrorCode.IMPORT_INVALID, f"the file is larger than {limits.max_file_bytes} bytes")
         self.size = st.st_size
         self.stamp = (st.st_size, st.st_mtime_ns)
         self.read_bytes = 0
@@ -794,7 +794,7 @@ class _KeyIndex:
     @staticmethod
     def _failed(exc: sqlite3.Error) -> UompError:
         name = str(getattr(exc, "sqlite_errorname", "") or type(exc).__name__)
-        return UompError("INTERNAL", "the import's temporary key index failed (is the temporary "
+        return UompError(ErrorCode.INTERNAL, "the import's temporary key index failed (is the temporary "
                          "directory full or not writable?)", details={"reason": name})
 
     def claim(self, key: str, row: int) -> int | None:
@@ -853,20 +853,20 @@ class _Importer:
         self.mappings: dict[str, Dest] = {}
         for src, dst in (mappings or {}).items():
             if not isinstance(src, str) or not src.strip():
-                raise UompError("INVALID_REQUEST", "--map source must not be empty")
+                raise UompError(ErrorCode.INVALID_REQUEST, "--map source must not be empty")
             self.mappings[src.strip()] = _parse_mapping_dst(dst)
         self.extra_tags: list[str] = []
         for tag in extra_tags:
             tag = tag.strip() if isinstance(tag, str) else tag
             problem = tags_problem([tag])
             if problem:
-                raise UompError("INVALID_REQUEST", f"--tag: {problem}")
+                raise UompError(ErrorCode.INVALID_REQUEST, f"--tag: {problem}")
             if tag not in self.extra_tags:
                 self.extra_tags.append(tag)
         if sensitivity is not None and sensitivity not in SENSITIVITIES:
-            raise UompError("INVALID_REQUEST", "--sensitivity must be low, medium or high")
+            raise UompError(ErrorCode.INVALID_REQUEST, "--sensitivity must be low, medium or high")
         if date_order is not None and date_order not in DATE_ORDERS:
-            raise UompError("INVALID_REQUEST", "--date-order must be dmy or mdy")
+            raise UompError(ErrorCode.INVALID_REQUEST, "--date-order must be dmy or mdy")
         self.default_sensitivity = sensitivity
         self.replace = replace
         self.date_order = date_order
@@ -1431,14 +1431,14 @@ def _pick_format(path: Path, fmt: str | None) -> str:
     if fmt is not None:
         f = fmt.lower()
         if f not in FORMATS:
-            raise UompError("INVALID_REQUEST", "--format must be csv or json")
+            raise UompError(ErrorCode.INVALID_REQUEST, "--format must be csv or json")
         return f
     suffix = path.suffix.lower()
     if suffix in (".csv", ".tsv", ".txt"):
         return "csv"
     if suffix == ".json":
         return "json"
-    raise UompError("INVALID_REQUEST", f"cannot tell the format of {path.name}; pass --format csv or json")
+    raise UompError(ErrorCode.INVALID_REQUEST, f"cannot tell the format of {path.name}; pass --format csv or json")
 
 
 def _pick_delimiter(path: Path, delimiter: str | None) -> str:
@@ -1447,7 +1447,7 @@ def _pick_delimiter(path: Path, delimiter: str | None) -> str:
     names = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
     d = names.get(delimiter.lower(), delimiter)
     if len(d) != 1 or d in "\"\r\n" or d.isalnum():
-        raise UompError("INVALID_REQUEST", "--delimiter must be one character (not a letter, digit, quote or "
+        raise UompError(ErrorCode.INVALID_REQUEST, "--delimiter must be one character (not a letter, digit, quote or "
                         "new line), or tab")
     return d
 
@@ -1472,14 +1472,14 @@ def import_file(
     """Validate the whole file while streaming its rows into one transaction, committed only if every
     row is valid (see the module docstring).
 
-    Raises ``UompError("IMPORT_INVALID")`` listing every bad row (nothing written),
+    Raises ``UompError(ErrorCode.IMPORT_INVALID)`` listing every bad row (nothing written),
     ``INVALID_REQUEST`` for bad options or an unreadable file, ``STORE_UNAVAILABLE`` from the store.
     """
     path = Path(path)
     limits = limits or ImportLimits()
     kind = _pick_format(path, fmt)
     if kind == "json" and delimiter is not None:
-        raise UompError("INVALID_REQUEST", "--delimiter applies to CSV files only")
+        raise UompError(ErrorCode.INVALID_REQUEST, "--delimiter applies to CSV files only")
     delim = _pick_delimiter(path, delimiter) if kind == "csv" else ","
     with contextlib.ExitStack() as stack:  # closed in reverse: the transaction is rolled back first
         def open_writer() -> BulkWriter:

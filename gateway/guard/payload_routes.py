@@ -33,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import SERVICES, _admin, _json_body, _param
 from gateway.guard.db import DbWorker
 from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStore
@@ -66,7 +66,7 @@ PAYLOADS = web.AppKey("payloads", GuardPayloads)
 def _pid(request: web.Request) -> str:
     pid = request.match_info["pid"]
     if not PAYLOAD_ID.fullmatch(pid):
-        raise UompError("NOT_FOUND", "no such payload")
+        raise UompError(ErrorCode.NOT_FOUND, "no such payload")
     return pid
 
 
@@ -91,11 +91,12 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
     try:
         fh = await asyncio.to_thread(open, p.store.blobs / pid, "rb")
     except FileNotFoundError:
-        raise UompError("NOT_FOUND", "no such payload") from None
+        raise UompError(ErrorCode.NOT_FOUND, "no such payload") from None
     try:
         if (await asyncio.to_thread(os.fstat, fh.fileno())).st_size != meta.size:
-            raise UompError("PAYLOAD_INVALID", "the stored ciphertext's length is not the one recorded at upload "
-                            "(changed on disk); it cannot be trusted")
+            raise UompError(
+                ErrorCode.PAYLOAD_INVALID, "the stored ciphertext's length is not the one recorded at upload "
+                "(changed on disk); it cannot be trusted")
         remaining = meta.size
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
                                            "X-UOMP-Payload-Hash": meta.hash})
@@ -144,7 +145,7 @@ def _field(body: dict[str, Any], name: str, pattern: re.Pattern[str] | None = No
         return None
     if not isinstance(v, str) or not v or len(v) > MAX_FIELD or not v.isprintable() or (
             pattern is not None and not pattern.fullmatch(v)):
-        raise UompError("INVALID_REQUEST", f"audit event field {name} is missing or malformed")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"audit event field {name} is missing or malformed")
     return v
 
 
@@ -154,11 +155,11 @@ async def audit_event(request: web.Request) -> web.Response:
     body = await _json_body(request)
     action = body.get("action")
     if action not in ("payload_uploaded", "payload_refused"):
-        raise UompError("INVALID_REQUEST", "action must be payload_uploaded or payload_refused")
+        raise UompError(ErrorCode.INVALID_REQUEST, "action must be payload_uploaded or payload_refused")
     sid = _field(body, "session_id")
     aid = _field(body, "agent_id")
     if request.headers.get(VERIFIED_AGENT_HEADER) != aid:
-        raise UompError("AGENT_MISMATCH", "verified agent does not match the event")
+        raise UompError(ErrorCode.AGENT_MISMATCH, "verified agent does not match the event")
     assert sid is not None and aid is not None
     via = request.headers.get(VERIFIED_VIA_HEADER)
     if action == "payload_uploaded":
@@ -166,7 +167,7 @@ async def audit_event(request: web.Request) -> web.Response:
         digest = _field(body, "hash", HASH)
         size = body.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise UompError("INVALID_REQUEST", "audit event field size is missing or malformed")
+            raise UompError(ErrorCode.INVALID_REQUEST, "audit event field size is missing or malformed")
         svc.audit.record(session_id=sid, agent_id=aid, action="payload_uploaded", key=pid, allowed=True,
                          reason="sealed payload stored", detail=digest, request_size=size, via=via)
     else:

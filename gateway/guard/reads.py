@@ -28,7 +28,7 @@ from pathlib import Path
 
 from gateway.core import paging
 from gateway.core.policy import AtomCheck, Fingerprint, check_atoms
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.db import connect, transaction
 from gateway.guard.store import HASH_PRIME, Atom
 
@@ -151,7 +151,7 @@ class ReadState:
                 in_session = int(self.db.execute("SELECT count(*) FROM aggregate_sets WHERE session_id = ?",
                                                  (session_id,)).fetchone()[0])
             except sqlite3.Error as exc:
-                raise UompError("STORE_UNAVAILABLE", f"the {WHAT} is unavailable") from exc
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the {WHAT} is unavailable") from exc
             recorded = {str(r[0]): Fingerprint(int(r[1]), int(r[2]), int(r[3])) for r in rows}
             yield History(self, session_id, field, recorded, in_session)
 

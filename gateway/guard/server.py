@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.config import GuardConfig, Paths
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import GuardServices, create_app, error_response
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
@@ -40,7 +40,7 @@ def is_loopback(host: str) -> bool:
 
 def check_bind(host: str, allow_non_loopback: bool, what: str) -> None:
     if not is_loopback(host) and not allow_non_loopback:
-        raise UompError("CONFIG_ERROR", f"{what} would listen on {host}, which is not loopback; "
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{what} would listen on {host}, which is not loopback; "
                         "pass the explicit force flag if you really mean to expose it")
 
 
@@ -67,7 +67,7 @@ def remove_dead_socket(path: Path) -> None:
 def claim_socket_path(path: Path) -> None:
     """Remove a stale socket file; refuse if a live server answers on it."""
     if path.exists() and socket_is_live(path):
-        raise UompError("CONFIG_ERROR", f"a server is already listening on {path}")
+        raise UompError(ErrorCode.CONFIG_ERROR, f"a server is already listening on {path}")
     remove_dead_socket(path)
 
 
@@ -79,10 +79,10 @@ class _JsonErrorHandler(RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status < 500:
-            err = UompError("INVALID_REQUEST", "malformed or oversized request", status=status)
+            err = UompError(ErrorCode.INVALID_REQUEST, "malformed or oversized request")
         else:
-            err = UompError("INTERNAL", "internal error", status=status)
-        resp = error_response(err)
+            err = UompError(ErrorCode.INTERNAL, "internal error")
+        resp = error_response(err, transport_status=status)
         resp.force_close()
         return resp
 

@@ -26,7 +26,7 @@ never holds up a read by key or a write.
 
 Failures: every ``sqlite3`` error (file missing with ``create=False``, locked past the timeout,
 not a database, corrupt, disk full, I/O error, closed) becomes
-``UompError("STORE_UNAVAILABLE", <fixed sentence>)`` with the SQLite error name in
+``UompError(ErrorCode.STORE_UNAVAILABLE, <fixed sentence>)`` with the SQLite error name in
 ``details["reason"]``; no message ever carries a key or a value. A bad item (invalid key, tag,
 sensitivity, source, timestamp or a value that is not JSON) is ``INVALID_REQUEST``, and so is a
 ``put`` on an existing key without ``replace``.
@@ -62,7 +62,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.db import trim_wal
 
 log = logging.getLogger(__name__)
@@ -291,9 +291,9 @@ def encode_value(value: Any) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as exc:
-        raise UompError("INVALID_REQUEST", "value is not a JSON value") from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, "value is not a JSON value") from exc
     if len(text) > MAX_VALUE_BYTES // 4 and len(text.encode("utf-8")) > MAX_VALUE_BYTES:
-        raise UompError("INVALID_REQUEST", f"value is larger than {MAX_VALUE_BYTES} bytes")
+        raise UompError(ErrorCode.INVALID_REQUEST, f"value is larger than {MAX_VALUE_BYTES} bytes")
     return text
 
 
@@ -313,7 +313,7 @@ def item_problem(item: MemoryItem) -> str | None:
 def _row_of(item: MemoryItem) -> tuple[str, str, str, str, str, str, str, str | None]:
     problem = item_problem(item)
     if problem:
-        raise UompError("INVALID_REQUEST", problem)
+        raise UompError(ErrorCode.INVALID_REQUEST, problem)
     return (
         item.key,
         encode_value(item.value),
@@ -332,10 +332,10 @@ def _item_of(row: tuple[Any, ...]) -> MemoryItem:
         decoded_value = json.loads(value)
         decoded_tags = json.loads(tags)
     except (TypeError, ValueError) as exc:
-        raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt",
+        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
                         details={"reason": "BAD_JSON"}) from exc
     if not isinstance(decoded_tags, builtins.list):
-        raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt",
+        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
                         details={"reason": "BAD_TAGS"})
     return MemoryItem(key=key, value=decoded_value, tags=tuple(decoded_tags), sensitivity=sensitivity,
                       source=source, created_at=created_at, updated_at=updated_at, description=description)
@@ -343,9 +343,9 @@ def _item_of(row: tuple[Any, ...]) -> MemoryItem:
 
 def _unavailable(exc: BaseException) -> UompError:
     if isinstance(exc, sqlite3.ProgrammingError):
-        return UompError("STORE_UNAVAILABLE", "the memory store is closed", details={"reason": "CLOSED"})
+        return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store is closed", details={"reason": "CLOSED"})
     if isinstance(exc, OSError):
-        return UompError("STORE_UNAVAILABLE", "the memory store file cannot be created or opened",
+        return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file cannot be created or opened",
                          details={"reason": "OS_ERROR"})
     name = str(getattr(exc, "sqlite_errorname", "") or type(exc).__name__)
     sentence = "the memory store is unavailable"
@@ -361,7 +361,7 @@ def _unavailable(exc: BaseException) -> UompError:
         elif "not a database" in lowered:
             sentence = _REASONS[2][1]
     log.warning("memory store failure: %s", name)
-    return UompError("STORE_UNAVAILABLE", sentence, details={"reason": name})
+    return UompError(ErrorCode.STORE_UNAVAILABLE, sentence, details={"reason": name})
 
 
 _ItemList = list[MemoryItem]
@@ -449,7 +449,7 @@ def _integrity(exc: sqlite3.IntegrityError) -> UompError | None:
     """The INVALID_REQUEST for an insert over an existing key; None for any other constraint."""
     name = str(getattr(exc, "sqlite_errorname", ""))
     if name in ("SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"):
-        return UompError("INVALID_REQUEST", "an item with this key already exists (replace it explicitly)")
+        return UompError(ErrorCode.INVALID_REQUEST, "an item with this key already exists (replace it explicitly)")
     return None
 
 
@@ -622,7 +622,7 @@ class MemoryStore:
         self._scan_lock = threading.RLock()
         self._scanner: sqlite3.Connection | None = None
         if not create and not self.path.exists():
-            raise UompError("STORE_UNAVAILABLE", "the memory store file does not exist",
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file does not exist",
                             details={"reason": "MISSING"})
         conn: sqlite3.Connection | None = None
         try:
@@ -663,7 +663,7 @@ class MemoryStore:
         self._refuse_foreign(self._version())
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
-            raise UompError("STORE_UNAVAILABLE", "the memory store cannot use write-ahead logging",
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store cannot use write-ahead logging",
                             details={"reason": "NO_WAL"})
         conn.execute("PRAGMA synchronous = FULL")
         trim_wal(conn, self.path)  # a killed import can leave a large -wal behind
@@ -680,7 +680,7 @@ class MemoryStore:
             self._refuse_foreign(version)
             if version == 0:
                 if not create:
-                    raise UompError("STORE_UNAVAILABLE", "the memory store has not been initialised",
+                    raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store has not been initialised",
                                     details={"reason": "EMPTY"})
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
@@ -697,15 +697,15 @@ class MemoryStore:
     def _refuse_foreign(self, version: int) -> None:
         if version > SCHEMA_VERSION:
             raise UompError(
-                "STORE_UNAVAILABLE",
+                ErrorCode.STORE_UNAVAILABLE,
                 f"the memory store was written by a newer uomp (schema version {version}, this one "
                 f"understands up to {SCHEMA_VERSION}); upgrade uomp, the file is left untouched",
                 details={"reason": "SCHEMA_TOO_NEW", "schema_version": version})
         if version < 0:
-            raise UompError("STORE_UNAVAILABLE", "the memory store has an unknown schema version",
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store has an unknown schema version",
                             details={"reason": "SCHEMA_UNKNOWN"})
         if version == 0 and self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-            raise UompError("STORE_UNAVAILABLE", "the file is a SQLite database but not a UOMP memory "
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the file is a SQLite database but not a UOMP memory "
                             "store; it is left untouched", details={"reason": "FOREIGN_DB"})
 
     def _version(self) -> int:
@@ -763,9 +763,9 @@ class MemoryStore:
     @staticmethod
     def _check_limit(limit: int, offset: int = 0) -> None:
         if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= MAX_LIST_LIMIT:
-            raise UompError("INVALID_REQUEST", f"limit must be between 1 and {MAX_LIST_LIMIT}")
+            raise UompError(ErrorCode.INVALID_REQUEST, f"limit must be between 1 and {MAX_LIST_LIMIT}")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise UompError("INVALID_REQUEST", "offset must be zero or more")
+            raise UompError(ErrorCode.INVALID_REQUEST, "offset must be zero or more")
 
     # ----------------------------------------------------------------- reads
 
@@ -797,10 +797,11 @@ class MemoryStore:
         try:
             tags = json.loads(row[0])
         except (TypeError, ValueError) as exc:
-            raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt",
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
                             details={"reason": "BAD_JSON"}) from exc
         if not isinstance(tags, builtins.list):
-            raise UompError("STORE_UNAVAILABLE", "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
         return ItemMeta(tuple(tags), str(row[1]))
 
     def tag_page(self, tag: str, flt: ReadFilter, *, after: str | None, limit: int,
@@ -918,7 +919,7 @@ class MemoryStore:
         """
         keys = {item.key for item in items}
         if len(keys) != len(items):
-            raise UompError("INVALID_REQUEST", "the same key appears twice in one write")
+            raise UompError(ErrorCode.INVALID_REQUEST, "the same key appears twice in one write")
         if not items:
             return 0
         with self.bulk_writer(replace=replace) as writer:

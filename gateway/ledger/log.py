@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from gateway.core import merkle
 from gateway.core.canonical import canonical_json
 from gateway.core.checkpoint import Checkpoint, verifier_key
+from gateway.errors import ErrorCode
 from gateway.ledger.tree import TreeStore
 
 SCHEMA = """
@@ -81,7 +82,7 @@ BUNDLE_VERSION = 1
 class LedgerError(Exception):
     """A request the log cannot answer (unknown event, event not yet in a checkpoint)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -123,7 +124,8 @@ class EventLog:
         row = self.conn.execute("SELECT MAX(seq) FROM ledger_events").fetchone()
         events = 0 if row[0] is None else int(row[0])
         if events != self.tree.size:
-            raise LedgerError("LOG_CORRUPT", f"the log has {events} events but its tree has {self.tree.size} leaves")
+            raise LedgerError(
+                ErrorCode.LOG_CORRUPT, f"the log has {events} events but its tree has {self.tree.size} leaves")
 
     @property
     def size(self) -> int:
@@ -135,7 +137,7 @@ class EventLog:
 
     def verifier_key(self) -> str:
         if self.key is None:
-            raise LedgerError("KEY_ERROR", "no audit signing key")
+            raise LedgerError(ErrorCode.KEY_ERROR, "no audit signing key")
         return verifier_key(self.origin, self.key.public_key())
 
     # --------------------------------------------------------------------------- writing
@@ -167,7 +169,7 @@ class EventLog:
         with the last checkpoint before anything is signed.
         """
         if self.key is None:
-            raise LedgerError("KEY_ERROR", "no audit signing key")
+            raise LedgerError(ErrorCode.KEY_ERROR, "no audit signing key")
         last = self.latest_checkpoint()
         size = self.tree.size
         if last is not None and last[0].size >= size:
@@ -214,7 +216,7 @@ class EventLog:
     def event(self, event_id: str) -> tuple[int, dict[str, Any] | None]:
         row = self.conn.execute("SELECT seq, body FROM ledger_events WHERE id = ?", (event_id,)).fetchone()
         if row is None:
-            raise LedgerError("NOT_FOUND", "no such event")
+            raise LedgerError(ErrorCode.NOT_FOUND, "no such event")
         return int(row[0]), (None if row[1] is None else json.loads(row[1]))
 
     def anchor_covering(self, seq: int) -> dict[str, Any] | None:
@@ -230,7 +232,7 @@ class EventLog:
         the anchor of that checkpoint when one is final (``chain``: the backend's describe())."""
         seq, body = self.event(event_id)
         if body is None:
-            raise LedgerError("NOT_FOUND", "the event's body is past retention; its leaf is still in the tree")
+            raise LedgerError(ErrorCode.NOT_FOUND, "the event's body is past retention; its leaf is still in the tree")
         anchored = self.anchor_covering(seq)
         found = None
         if anchored is not None:
@@ -242,7 +244,7 @@ class EventLog:
             anchored = None
             found = self.checkpoint_covering(seq)
         if found is None:
-            raise LedgerError("PROOF_PENDING", "the event is not in a signed checkpoint yet; try again shortly")
+            raise LedgerError(ErrorCode.PROOF_PENDING, "the event is not in a signed checkpoint yet; try again shortly")
         cp, note = found
         path = self.tree.inclusion_proof(seq - 1, cp.size)
         return {

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from gateway.errors import ErrorCode
 from gateway.fsutil import ensure_private_dir, fsync_dir
 
 SCHEMA = """
@@ -70,7 +71,7 @@ MAX_UPLOAD_URL_TTL = 600.0
 class PayloadError(Exception):
     """A refused or failed payload operation with a stable code (spec §8.4 names where they exist)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -108,8 +109,8 @@ def new_payload_id() -> str:
 
 def _full(exc: OSError) -> PayloadError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return PayloadError("PAYLOAD_STORE_FULL", "the payload store's disk is full; nothing was kept")
-    return PayloadError("STORE_UNAVAILABLE", f"the payload store is unavailable ({exc.strerror})")
+        return PayloadError(ErrorCode.PAYLOAD_STORE_FULL, "the payload store's disk is full; nothing was kept")
+    return PayloadError(ErrorCode.STORE_UNAVAILABLE, f"the payload store is unavailable ({exc.strerror})")
 
 
 class Upload:
@@ -130,10 +131,10 @@ class Upload:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._fh is None:
-            raise PayloadError("INVALID_REQUEST", "upload already finished")
+            raise PayloadError(ErrorCode.INVALID_REQUEST, "upload already finished")
         if self.size + len(data) > self.max_bytes:
             self.abort()
-            raise PayloadError("PAYLOAD_TOO_LARGE", f"payload exceeds {self.max_bytes} bytes")
+            raise PayloadError(ErrorCode.PAYLOAD_TOO_LARGE, f"payload exceeds {self.max_bytes} bytes")
         try:
             self._fh.write(data)
         except OSError as exc:
@@ -157,13 +158,13 @@ class Upload:
     def commit(self, *, declared_hash: str | None = None, declared_size: int | None = None,
                now: float | None = None) -> PayloadMeta:
         if self._fh is None:
-            raise PayloadError("INVALID_REQUEST", "upload already finished")
+            raise PayloadError(ErrorCode.INVALID_REQUEST, "upload already finished")
         if declared_size is not None and declared_size != self.size:
             self.abort()
-            raise PayloadError("PAYLOAD_SIZE_MISMATCH", f"declared {declared_size} bytes, received {self.size}")
+            raise PayloadError(ErrorCode.PAYLOAD_SIZE_MISMATCH, f"declared {declared_size} bytes, received {self.size}")
         if declared_hash is not None and not secrets.compare_digest(declared_hash, self.hash):
             self.abort()
-            raise PayloadError("PAYLOAD_HASH_MISMATCH", "the ciphertext does not match the declared hash")
+            raise PayloadError(ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the declared hash")
         pid = str(self.meta["payload_id"])
         final = self.store.blobs / pid
         try:
@@ -172,7 +173,7 @@ class Upload:
             self._fh.close()
             self._fh = None
             if final.exists():
-                raise PayloadError("PAYLOAD_EXISTS", "a payload with this id already exists")
+                raise PayloadError(ErrorCode.PAYLOAD_EXISTS, "a payload with this id already exists")
             os.rename(self.path, final)
             fsync_dir(self.store.blobs)
         except PayloadError:
@@ -247,7 +248,8 @@ class PayloadStore:
     def begin(self, *, payload_id: str, session_id: str, agent_id: str, format: str,
               encryption: Mapping[str, Any], max_bytes: int | None = None) -> Upload:
         if not PAYLOAD_ID.fullmatch(payload_id):
-            raise PayloadError("INVALID_REQUEST", "payload_id must be pay_ followed by 8-64 URL-safe characters")
+            raise PayloadError(
+                ErrorCode.INVALID_REQUEST, "payload_id must be pay_ followed by 8-64 URL-safe characters")
         self._check_caps(session_id, extra_bytes=0)
         cap = self.limits.max_bytes if max_bytes is None else min(max_bytes, self.limits.max_bytes)
         return Upload(self, {"payload_id": payload_id, "session_id": session_id, "agent_id": agent_id,
@@ -257,10 +259,10 @@ class PayloadStore:
         row = self.conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM payloads WHERE session_id = ?",
                                 (session_id,)).fetchone()
         if row[0] >= self.limits.max_per_session:
-            raise PayloadError("PAYLOAD_QUOTA_EXCEEDED", f"this session already has {row[0]} payloads waiting "
+            raise PayloadError(ErrorCode.PAYLOAD_QUOTA_EXCEEDED, f"this session already has {row[0]} payloads waiting "
                                                          f"(limit {self.limits.max_per_session})")
         if row[1] + extra_bytes > self.limits.max_bytes_per_session:
-            raise PayloadError("PAYLOAD_QUOTA_EXCEEDED",
+            raise PayloadError(ErrorCode.PAYLOAD_QUOTA_EXCEEDED,
                                f"this session's payloads would exceed {self.limits.max_bytes_per_session} bytes")
 
     def _index(self, meta: Mapping[str, Any], *, size: int, digest: str, now: float | None) -> PayloadMeta:
@@ -278,10 +280,11 @@ class PayloadStore:
             with contextlib.suppress(sqlite3.Error):
                 self.conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.IntegrityError):
-                raise PayloadError("PAYLOAD_EXISTS", "a payload with this id already exists") from exc
+                raise PayloadError(ErrorCode.PAYLOAD_EXISTS, "a payload with this id already exists") from exc
             if isinstance(exc, sqlite3.Error):
-                raise PayloadError("STORE_UNAVAILABLE", f"the payload index is unavailable ({type(exc).__name__})"
-                                   ) from exc
+                raise PayloadError(
+                    ErrorCode.STORE_UNAVAILABLE, f"the payload index is unavailable ({type(exc).__name__})"
+                    ) from exc
             raise
         return self.get(str(meta["payload_id"]))
 
@@ -292,9 +295,9 @@ class PayloadStore:
         """A one-time upload token bound to the session, agent, a size and an expiry (<= 10 min)."""
         now = time.time() if now is None else now
         if not 0 < ttl <= MAX_UPLOAD_URL_TTL:
-            raise PayloadError("INVALID_REQUEST", "an upload URL lives at most 600 seconds")
+            raise PayloadError(ErrorCode.INVALID_REQUEST, "an upload URL lives at most 600 seconds")
         if not 0 < max_size <= self.limits.max_bytes:
-            raise PayloadError("PAYLOAD_TOO_LARGE", f"an upload is at most {self.limits.max_bytes} bytes")
+            raise PayloadError(ErrorCode.PAYLOAD_TOO_LARGE, f"an upload is at most {self.limits.max_bytes} bytes")
         token = secrets.token_urlsafe(32)
         self.conn.execute("INSERT INTO upload_urls (token_hash, session_id, agent_id, max_size, expires_at)"
                           " VALUES (?, ?, ?, ?, ?)", (_token_hash(token), session_id, agent_id, max_size, now + ttl))
@@ -317,7 +320,7 @@ class PayloadStore:
                 self.conn.execute("ROLLBACK")
             raise
         if row is None:
-            raise PayloadError("UPLOAD_URL_INVALID", "this upload URL is unknown, used or expired")
+            raise PayloadError(ErrorCode.UPLOAD_URL_INVALID, "this upload URL is unknown, used or expired")
         return str(row[0]), str(row[1]), int(row[2])
 
     # ------------------------------------------------------------------ reading
@@ -330,7 +333,7 @@ class PayloadStore:
     def get(self, payload_id: str) -> PayloadMeta:
         row = self.conn.execute("SELECT * FROM payloads WHERE payload_id = ?", (payload_id,)).fetchone()
         if row is None:
-            raise PayloadError("NOT_FOUND", "no such payload")
+            raise PayloadError(ErrorCode.NOT_FOUND, "no such payload")
         return self._meta(row)
 
     def list(self, *, session_id: str | None = None) -> list[PayloadMeta]:
@@ -346,7 +349,7 @@ class PayloadStore:
         try:
             fh = open(self.blobs / payload_id, "rb")  # closed by the generator's `with`
         except FileNotFoundError:
-            raise PayloadError("NOT_FOUND", "no such payload") from None
+            raise PayloadError(ErrorCode.NOT_FOUND, "no such payload") from None
         with fh:
             while chunk := fh.read(block):
                 yield chunk

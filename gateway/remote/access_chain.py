@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import fsync_dir
 
 log = logging.getLogger("gateway.remote.access_log")
@@ -54,7 +54,7 @@ class ChainError(UompError, ValueError):
 
     def __init__(self, reason: str, *, seq: int | None = None) -> None:
         where = f"at seq {seq}" if seq is not None else "at its last line"
-        super().__init__("INTERNAL", f"access log chain broken {where}: {reason}",
+        super().__init__(ErrorCode.INTERNAL, f"access log chain broken {where}: {reason}",
                          details={"seq": seq} if seq is not None else None)
         self.seq = seq
         self.reason = reason

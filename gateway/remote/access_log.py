@@ -76,7 +76,7 @@ from types import TracebackType
 from typing import Any
 
 from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import ensure_private_dir, fsync_dir
 from gateway.remote.access_chain import EVENT_TYPE as EVENT_TYPE
 from gateway.remote.access_chain import FORBIDDEN_FIELDS as FORBIDDEN_FIELDS
@@ -168,7 +168,7 @@ class AccessLog:
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise UompError("STORE_UNAVAILABLE", "access log is in use by another writer") from None
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, "access log is in use by another writer") from None
             self._index = _load_index(self.index_path)
             _finish_rotation(self.path, self._index)
             existed = self.path.exists()
@@ -240,11 +240,11 @@ class AccessLog:
         if size > MAX_EVENT_BYTES:
             raise ValueError(f"access log event larger than {MAX_EVENT_BYTES} bytes")
         if self._closed or self._broken:
-            raise UompError("STORE_UNAVAILABLE", "access log is closed")
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "access log is closed")
         failing = self.writer.failing
         if failing is not None:
             self._count_lost(record, failing)
-            raise UompError("STORE_UNAVAILABLE", f"the access log cannot be written ({failing}); "
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the access log cannot be written ({failing}); "
                             "requests are refused until it can")
         if source is not None and not self._buckets.take(source, now):
             self.suppressed.add(f"{source} {record.get('code') or record.get('action') or '-'}", now=now)
@@ -278,7 +278,7 @@ class AccessLog:
             with contextlib.suppress(UompError):
                 await self.writer.probe()
         if self.failing is not None:
-            raise UompError("STORE_UNAVAILABLE", f"the access log cannot be written ({self.failing}); "
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the access log cannot be written ({self.failing}); "
                             "requests are refused until it can")
 
     def _summaries(self, now: float, *, force: bool) -> tuple[list[dict[str, Any]], list[tuple[RefusalTally, Any]]]:
@@ -307,7 +307,7 @@ class AccessLog:
     def _write_batch(self, batch: list[dict[str, Any]], *, force_summary: bool = False) -> None:
         """Write and fsync one batch (with any due summary first). Runs on the writer thread only."""
         if self._broken:
-            raise UompError("STORE_UNAVAILABLE", "access log is unusable after a failed write")
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "access log is unusable after a failed write")
         now = self._clock()
         summaries, taken = self._summaries(now, force=force_summary or self._closed)
         records = summaries + batch

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from gateway import ca_store
 from gateway.core import ca, dpop
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError, parse_code
 from gateway.remote.app import (
     STATE,
     Call,
@@ -53,11 +53,11 @@ async def refresh(call: Call) -> web.StreamResponse:
     if status >= 400:
         raw_err = body.get("error")
         err: dict[str, object] = raw_err if isinstance(raw_err, dict) else {}
-        code = str(err.get("code", "UPSTREAM_ERROR"))
-        if code not in ("INVALID_TOKEN", "TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND",
-                        "REFRESH_REUSED", "TOKEN_BINDING_MISMATCH", "STORE_UNAVAILABLE",
-                        "STORE_BUSY"):
-            code = "UPSTREAM_ERROR"
+        code = parse_code(err.get("code"), ErrorCode.UPSTREAM_ERROR)
+        if code not in (ErrorCode.INVALID_TOKEN, ErrorCode.TOKEN_EXPIRED, ErrorCode.SESSION_REVOKED,
+                        ErrorCode.SESSION_NOT_FOUND, ErrorCode.REFRESH_REUSED, ErrorCode.TOKEN_BINDING_MISMATCH,
+                        ErrorCode.STORE_UNAVAILABLE, ErrorCode.STORE_BUSY):
+            code = ErrorCode.UPSTREAM_ERROR
         raise UompError(code, str(err.get("message", "refresh refused"))[:200], session_id=call.cap.session_id)
     await _record(call, status=200, allowed=True, reason="refresh token rotated", code=None)
     return web.json_response(body)
@@ -81,16 +81,16 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
     der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
     ident = call.identity
     if not der or ident is None:
-        raise UompError("CERT_REQUIRED", "renewal needs the current client certificate")
+        raise UompError(ErrorCode.CERT_REQUIRED, "renewal needs the current client certificate")
     now = dt.datetime.now(dt.UTC)
     # Pure checks first, on the event loop: an early renewal costs no thread, lock or disk.
     ca_store.check_renewal_window(ident.not_before, ident.not_after, now, cfg.renew_window_fraction)
     limited = _LIMITED.setdefault(state, {})
     if limited.get(ident.agent_id, 0.0) > time.monotonic():
-        raise UompError("RATE_LIMITED", "too many certificate renewals for this agent; try again later")
+        raise UompError(ErrorCode.RATE_LIMITED, "too many certificate renewals for this agent; try again later")
     busy = _RENEWING.setdefault(state, set())
     if ident.agent_id in busy:
-        raise UompError("RATE_LIMITED", "a renewal for this agent is already in progress")
+        raise UompError(ErrorCode.RATE_LIMITED, "a renewal for this agent is already in progress")
     busy.add(ident.agent_id)
     try:
         csr = await _read_csr(request)
@@ -99,7 +99,7 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
             window_fraction=cfg.renew_window_fraction, max_per_agent=cfg.renew_max_per_agent,
             rate_window=dt.timedelta(seconds=cfg.renew_rate_window_seconds))
     except UompError as exc:
-        if exc.code == "RATE_LIMITED":
+        if exc.code == ErrorCode.RATE_LIMITED:
             if len(limited) >= MAX_LIMITED_AGENTS:
                 limited.clear()
             limited[ident.agent_id] = time.monotonic() + min(RATE_LIMIT_MEMORY_SECONDS,
@@ -120,18 +120,18 @@ async def _read_csr(request: web.Request) -> bytes | None:
         return None
     raw = await request.content.read(MAX_CSR_BYTES + 1)
     if len(raw) > MAX_CSR_BYTES:
-        raise UompError("PAYLOAD_TOO_LARGE", "renewal request too large")
+        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "renewal request too large")
     if not raw.strip():
         return None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise UompError("INVALID_REQUEST", "renewal body must be JSON") from exc
+        raise UompError(ErrorCode.INVALID_REQUEST, "renewal body must be JSON") from exc
     csr_text = body.get("csr") if isinstance(body, dict) else None
     if csr_text is None:
         return None
     if not isinstance(csr_text, str):
-        raise UompError("INVALID_REQUEST", "csr must be a PEM string")
+        raise UompError(ErrorCode.INVALID_REQUEST, "csr must be a PEM string")
     return csr_text.encode()
 
 
@@ -143,7 +143,7 @@ def _public_url(state: GatewayState, request: web.Request, path: str) -> str:
     """
     host = state.match_endpoint("tunnel", request.headers.get("Host", ""))
     if host is None:
-        raise UompError("DPOP_INVALID", "request host is not one of this gateway's tunnel endpoints")
+        raise UompError(ErrorCode.DPOP_INVALID, "request host is not one of this gateway's tunnel endpoints")
     return f"https://{host}" + path
 
 
@@ -152,10 +152,10 @@ async def dpop_identity(call: Call) -> None:
     request = call.request
     assert call.target is not None
     if call.route is not None and call.route.token_use == "none":
-        raise UompError("CERT_REQUIRED", "this route needs a client certificate (mTLS listener)")
+        raise UompError(ErrorCode.CERT_REQUIRED, "this route needs a client certificate (mTLS listener)")
     cap = state.verify(_bearer(request))  # signature first: a proof is only checked for a real token
     if cap.cnf_jkt is None:
-        raise UompError("TOKEN_BINDING_MISMATCH", "tokens used through the tunnel must be bound to a DPoP key",
+        raise UompError(ErrorCode.TOKEN_BINDING_MISMATCH, "tokens used through the tunnel must be bound to a DPoP key",
                         session_id=cap.session_id)
     result = dpop.verify_dpop(request.headers.getall("DPoP", []), method=request.method,
                               url=_public_url(state, request, call.target.upstream_path),

@@ -59,7 +59,7 @@ from gateway.core.dpop import ReplayCache
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
 from gateway.durable import fault_point
-from gateway.errors import STATUS, UompError
+from gateway.errors import ErrorCode, UompError, known_code, parse_code
 from gateway.guard.db import DbWorker, connect, transaction
 from gateway.remote import pathnorm, transport
 from gateway.remote.access_log import AccessLog
@@ -168,7 +168,7 @@ class StatusCache:
         if hit is None or hit[0] <= now:
             status, body = await self.forwarder.json_call("POST", "/v1/tokens/validate", body={"token": token})
             if status != 200:  # no validation route there (e.g. a Local Profile port): not an answer
-                raise UompError("STORE_UNAVAILABLE", "the guard behind the gateway does not answer token "
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, "the guard behind the gateway does not answer token "
                                 "validation (it must be reached on its Unix socket)")
             if len(self._cache) >= STATUS_CACHE_ENTRIES:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
@@ -179,13 +179,14 @@ class StatusCache:
         body = hit[1]
         if body.get("valid") is True:
             return
-        code = body.get("code")
-        if code not in ("TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND", "INVALID_TOKEN", "REFRESH_REUSED"):
-            code = "SESSION_REVOKED"
+        code = parse_code(body.get("code"), ErrorCode.SESSION_REVOKED)
+        if code not in (ErrorCode.TOKEN_EXPIRED, ErrorCode.SESSION_REVOKED, ErrorCode.SESSION_NOT_FOUND,
+                        ErrorCode.INVALID_TOKEN, ErrorCode.REFRESH_REUSED):
+            code = ErrorCode.SESSION_REVOKED
         message = body.get("message")  # what happened, as the Auth Service says it (fixed sentences)
         if not isinstance(message, str) or not message or len(message) > 300:
             message = "the Auth Service reports this session is no longer active"
-        raise UompError(str(code), message, session_id=cap.session_id)
+        raise UompError(code, message, session_id=cap.session_id)
 
 
 class QuotaStore:
@@ -346,7 +347,7 @@ async def mtls_identity(call: Call) -> None:
     ssl_obj = call.request.transport.get_extra_info("ssl_object") if call.request.transport else None
     der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
     if not der:
-        raise UompError("CERT_REQUIRED", "a client certificate issued by the user's agent CA is required")
+        raise UompError(ErrorCode.CERT_REQUIRED, "a client certificate issued by the user's agent CA is required")
     state = call.request.app[STATE]
     # The CRL is checked at the handshake; a keep-alive connection made before a revocation is
     # refused here too, on its next request.
@@ -356,7 +357,7 @@ async def mtls_identity(call: Call) -> None:
 def _bearer(request: web.Request) -> str:
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() not in ("bearer", "dpop") or not value.strip():
-        raise UompError("INVALID_TOKEN", "missing Authorization: Bearer token")
+        raise UompError(ErrorCode.INVALID_TOKEN, "missing Authorization: Bearer token")
     return value.strip()
 
 
@@ -366,12 +367,12 @@ def check_headers(state: GatewayState, call: Call) -> None:
     request = call.request
     problem = contract.header_problem(request.raw_headers, verified_allowed=False)
     if problem is not None:
-        raise UompError("INVALID_REQUEST", problem)
+        raise UompError(ErrorCode.INVALID_REQUEST, problem)
     host = request.headers.get("Host", "")
     if call.via == "mtls" and request.transport is not None:
         sni = server_name_of(request.transport.get_extra_info("ssl_object"))
         if sni is not None and _host_key(host, "https").rsplit(":", 1)[0].strip("[]") != sni:
-            raise UompError("INVALID_REQUEST", "the Host header does not name the TLS server name (SNI)")
+            raise UompError(ErrorCode.INVALID_REQUEST, "the Host header does not name the TLS server name (SNI)")
     call.endpoint = state.match_endpoint(call.via, host)
 
 
@@ -424,13 +425,13 @@ def _route_params(call: Call) -> None:
     elif route.name == "audit":
         sids = request.query.getall("session_id", [])
         if call.cap is not None and any(s != call.cap.session_id for s in sids):
-            raise UompError("ACCESS_DENIED", "an agent may read only its own session's audit log",
+            raise UompError(ErrorCode.ACCESS_DENIED, "an agent may read only its own session's audit log",
                             session_id=call.cap.session_id)
     elif route.name in ("write", "delete"):
         call.key = call.params.get("key")
     elif (route.name in ("deletion_proof", "refresh") and call.cap is not None
           and call.params.get("sid") != call.cap.session_id):
-        raise UompError("ACCESS_DENIED", "token is for another session", session_id=call.cap.session_id)
+        raise UompError(ErrorCode.ACCESS_DENIED, "token is for another session", session_id=call.cap.session_id)
 
 
 # ---------------------------------------------------------------------------- forwarding
@@ -447,7 +448,7 @@ async def forward(call: Call) -> web.StreamResponse:
     body: bytes | None = None
     if request.method in ("POST", "PUT"):
         if request.content_length is not None and request.content_length > state.cfg.max_body_bytes:
-            raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {state.cfg.max_body_bytes} bytes",
+            raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {state.cfg.max_body_bytes} bytes",
                             session_id=call.cap.session_id)
         # The whole body (one read() returns only what has arrived so far), bounded.
         parts: list[bytes] = []
@@ -455,7 +456,7 @@ async def forward(call: Call) -> web.StreamResponse:
         while chunk := await request.content.readany():
             size += len(chunk)
             if size > state.cfg.max_body_bytes:
-                raise UompError("PAYLOAD_TOO_LARGE", f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {state.cfg.max_body_bytes} bytes",
                                 session_id=call.cap.session_id)
             parts.append(chunk)
         body = b"".join(parts)
@@ -463,7 +464,7 @@ async def forward(call: Call) -> web.StreamResponse:
     upstream = await state.forwarder.request(request.method, path, headers, body=body)
     try:
         if upstream.status >= 500 and upstream.content_type != "application/json":
-            raise UompError("UPSTREAM_ERROR", "the memory guard answered with an invalid response")
+            raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an invalid response")
         headers_out = {k: v for k, v in upstream.headers
                        if k.lower() in FORWARD_RESPONSE_HEADERS and k.lower() != QUOTA_HEADER.lower()}
         if call.remaining is not None:
@@ -496,13 +497,13 @@ async def forward(call: Call) -> web.StreamResponse:
         upstream.release()
 
 
-def _error_code(raw: bytes) -> str | None:
+def _error_code(raw: bytes) -> ErrorCode | None:
     try:
         doc = json.loads(raw)
         code = doc["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return None
-    return code if isinstance(code, str) and code in STATUS else None
+    return known_code(code)
 
 
 async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: str | None) -> None:
@@ -522,7 +523,8 @@ async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: 
 
 def _unrecorded(exc: UompError) -> web.Response:
     """The answer when the event could not be made durable: 503, as the counted event says."""
-    return _error(exc if exc.code == "STORE_UNAVAILABLE" else UompError("STORE_UNAVAILABLE", "access log failed"))
+    return _error(exc if exc.code == ErrorCode.STORE_UNAVAILABLE else UompError(
+        ErrorCode.STORE_UNAVAILABLE, "access log failed"))
 
 
 async def entry(request: web.Request) -> web.StreamResponse:
@@ -545,15 +547,15 @@ async def entry(request: web.Request) -> web.StreamResponse:
         try:
             await _record(call, status=exc.status, allowed=False, reason=exc.message, code=exc.code)
         except UompError as log_exc:  # the event could not be written: the client gets 503, not 500
-            code, resp = "STORE_UNAVAILABLE", _unrecorded(log_exc)
+            code, resp = ErrorCode.STORE_UNAVAILABLE, _unrecorded(log_exc)
     except Exception as exc:
-        code = "INTERNAL"
+        code = ErrorCode.INTERNAL
         log.error("unhandled %s in gateway handler", type(exc).__name__)
-        resp = _error(UompError("INTERNAL", "internal error"))
+        resp = _error(UompError(ErrorCode.INTERNAL, "internal error"))
         try:
-            await _record(call, status=500, allowed=False, reason="internal error", code="INTERNAL")
+            await _record(call, status=500, allowed=False, reason="internal error", code=ErrorCode.INTERNAL)
         except UompError as log_exc:
-            code, resp = "STORE_UNAVAILABLE", _unrecorded(log_exc)
+            code, resp = ErrorCode.STORE_UNAVAILABLE, _unrecorded(log_exc)
     finally:
         transport.request_finished(request)
     state.metrics.observe_request(call.route.name if call.route else "unknown", code,
@@ -575,14 +577,14 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
             break
     else:
         if any(r.pattern.fullmatch(call.target.path) for r in routes):
-            raise UompError("METHOD_NOT_ALLOWED", "method not allowed on this endpoint")
-        raise UompError("NOT_FOUND", "no such endpoint")
+            raise UompError(ErrorCode.METHOD_NOT_ALLOWED, "method not allowed on this endpoint")
+        raise UompError(ErrorCode.NOT_FOUND, "no such endpoint")
     route = call.route
     assert route is not None
     await state.access.ready()  # fail closed while the access log cannot be written (tries one write)
     if not route.auth:
         if not state.upstream_ok():
-            raise UompError("STORE_UNAVAILABLE", "the memory guard is unreachable")
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory guard is unreachable")
         resp = web.json_response({"status": "ok"})
         await _record(call, status=200, allowed=True, reason="health", code=None)
         return resp
@@ -601,7 +603,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
         remaining = await state.quota.consume(cap.session_id, cap.max_read_queries)
         if remaining == -1:
             call.remaining = 0
-            raise UompError("QUOTA_EXCEEDED", "read query quota is exhausted", session_id=cap.session_id)
+            raise UompError(ErrorCode.QUOTA_EXCEEDED, "read query quota is exhausted", session_id=cap.session_id)
         call.remaining = remaining
     handler = state.handlers.get(route.name, forward)
     return await handler(call)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway import contract
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.remote.upstream import DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
 
 __all__ = ["CHUNK", "FORWARD_REQUEST_HEADERS", "FORWARD_RESPONSE_HEADERS", "MAX_JSON_BYTES", "Forwarder",
@@ -42,7 +42,8 @@ class Forwarder:
         self.on_failure: Callable[[str], None] | None = None  # called with the code of a failed exchange
 
     def _failed(self, exc: UompError) -> None:
-        if self.on_failure is not None and exc.code in ("STORE_UNAVAILABLE", "UPSTREAM_ERROR", "UPSTREAM_TIMEOUT"):
+        if self.on_failure is not None and exc.code in (
+            ErrorCode.STORE_UNAVAILABLE, ErrorCode.UPSTREAM_ERROR, ErrorCode.UPSTREAM_TIMEOUT):
             self.on_failure(exc.code)
 
     async def close(self) -> None:
@@ -69,13 +70,13 @@ class Forwarder:
             resp.release()
         try:
             if len(raw) > MAX_JSON_BYTES:
-                raise UompError("UPSTREAM_ERROR", "the memory guard answered with an oversized response")
+                raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an oversized response")
             try:
                 parsed = json.loads(raw) if raw else {}
             except ValueError as exc:
-                raise UompError("UPSTREAM_ERROR", "the memory guard answered with invalid JSON") from exc
+                raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with invalid JSON") from exc
             if not isinstance(parsed, dict):
-                raise UompError("UPSTREAM_ERROR", "the memory guard answered with an unexpected shape")
+                raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an unexpected shape")
         except UompError as exc:
             self._failed(exc)
             raise

@@ -10,7 +10,7 @@ guard sees exactly one spelling of it.
 :func:`normalize_target` takes the request-target exactly as it came off the wire (aiohttp's
 ``request.raw_path``: path plus optional ``?query``; aiohttp keeps a ``#fragment`` and the
 absolute form ``http://host/...`` in it, both refused here) and returns a :class:`Target`. Each
-rule refused is a ``UompError("INVALID_REQUEST", <fixed sentence>)`` whose ``details["rule"]``
+rule refused is a ``UompError(ErrorCode.INVALID_REQUEST, <fixed sentence>)`` whose ``details["rule"]``
 names the rule; the message never echoes the target (it may hold a memory key).
 
 Rules for the path (RFC 3986 §3.3, RFC 9112 §3.2):
@@ -49,7 +49,7 @@ import unicodedata
 from dataclasses import dataclass
 from urllib.parse import quote, unquote_to_bytes
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 MAX_PATH_LENGTH = 2048  # characters of the raw (still encoded) path
 MAX_QUERY_LENGTH = 2048  # characters of the raw query string, without the "?"
@@ -88,7 +88,7 @@ class Target:
 
 
 def _refuse(rule: str, message: str) -> UompError:
-    return UompError("INVALID_REQUEST", message, details={"rule": rule})
+    return UompError(ErrorCode.INVALID_REQUEST, message, details={"rule": rule})
 
 
 def _is_control(ch: str) -> bool:
@@ -154,7 +154,7 @@ def _check_query(query: str) -> None:
 def normalize_target(raw_target: str) -> Target:
     """Validate the request-target as received and decode its path exactly once.
 
-    Raises ``UompError("INVALID_REQUEST", ...)`` for every rule in the module docstring.
+    Raises ``UompError(ErrorCode.INVALID_REQUEST, ...)`` for every rule in the module docstring.
     """
     if not isinstance(raw_target, str) or not raw_target:
         raise _refuse("origin", "empty request-target")

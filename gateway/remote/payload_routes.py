@@ -53,7 +53,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway.core import envelope
 from gateway.core.envelope import Envelope
 from gateway.core.tokens import Capability, iso
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.db import DbWorker
 from gateway.payloads.store import MAX_UPLOAD_URL_TTL, Limits, PayloadError, PayloadMeta, PayloadStore, Upload
 from gateway.remote.app import (
@@ -89,7 +89,8 @@ class PayloadAudit:
                                          else f"gateway:{call.via}")}
         status, answer = await self.state.forwarder.json_call("POST", AUDIT_PATH, body=body, headers=headers)
         if status != 200 or answer.get("recorded") is not True:
-            raise UompError("STORE_UNAVAILABLE", "the audit log did not record the payload event; nothing was kept")
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE, "the audit log did not record the payload event; nothing was kept")
 
     async def uploaded(self, call: Call, cap: Capability, env: Envelope, size: int, digest: str) -> None:
         await self._send(call, {"action": "payload_uploaded", "session_id": cap.session_id,
@@ -152,9 +153,9 @@ class PayloadService:
 
     def _check_binding(self, cap: Capability, env: Envelope) -> None:
         if env.session_id != cap.session_id:
-            raise UompError("ACCESS_DENIED", "the envelope's session_id is not the token's session")
+            raise UompError(ErrorCode.ACCESS_DENIED, "the envelope's session_id is not the token's session")
         if env.agent_id != cap.agent_id:
-            raise UompError("AGENT_MISMATCH", "the envelope's agent_id is not the token's agent")
+            raise UompError(ErrorCode.AGENT_MISMATCH, "the envelope's agent_id is not the token's agent")
 
     async def _begin(self, cap: Capability, env: Envelope) -> Upload:
         try:
@@ -173,7 +174,7 @@ class PayloadService:
             chunk = await read_chunk(request, idle)
             if chunk:
                 if upload.size + held + len(chunk) > upload.max_bytes:
-                    raise UompError("PAYLOAD_TOO_LARGE", "the body is longer than the envelope's size")
+                    raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the body is longer than the envelope's size")
                 pending.append(chunk)
                 held += len(chunk)
             if held >= WRITE_BLOCK or (not chunk and held):
@@ -191,10 +192,10 @@ class PayloadService:
         try:
             self.store.get(payload_id)
         except PayloadError as exc:
-            if exc.code != "NOT_FOUND":
+            if exc.code != ErrorCode.NOT_FOUND:
                 raise
         else:
-            raise PayloadError("PAYLOAD_EXISTS", "a payload with this id already exists")
+            raise PayloadError(ErrorCode.PAYLOAD_EXISTS, "a payload with this id already exists")
         self.store._check_caps(session_id, extra_bytes=size)
 
     async def receive(self, call: Call, env: Envelope, *, max_bytes: int, body: bytes | None) -> PayloadMeta:
@@ -204,23 +205,23 @@ class PayloadService:
         self._check_binding(cap, env)
         request = call.request
         if env.size > max_bytes:
-            raise UompError("PAYLOAD_TOO_LARGE", f"the payload's declared size exceeds {max_bytes} bytes")
+            raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the payload's declared size exceeds {max_bytes} bytes")
         if body is None and request.content_length is not None and request.content_length != env.size:
-            raise UompError("PAYLOAD_SIZE_MISMATCH", "Content-Length is not the envelope's size")
+            raise UompError(ErrorCode.PAYLOAD_SIZE_MISMATCH, "Content-Length is not the envelope's size")
         upload = await self._begin(cap, env)
         try:
             if body is not None:
                 if len(body) > env.size:
-                    raise UompError("PAYLOAD_TOO_LARGE", "the ciphertext is longer than the envelope's size")
+                    raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the ciphertext is longer than the envelope's size")
                 await asyncio.to_thread(upload.write, body)
             else:
                 await self._stream(request, upload)
             if upload.size != env.size:
-                raise UompError("PAYLOAD_SIZE_MISMATCH", f"the envelope declared {env.size} bytes, "
+                raise UompError(ErrorCode.PAYLOAD_SIZE_MISMATCH, f"the envelope declared {env.size} bytes, "
                                 f"{upload.size} arrived")
             digest = upload.hash
             if digest != env.hash:
-                raise UompError("PAYLOAD_HASH_MISMATCH", "the ciphertext does not match the envelope's hash")
+                raise UompError(ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the envelope's hash")
             # what commit would refuse (id taken, caps), checked before the event is written
             try:
                 await self.worker.run(self._precheck, env.payload_id, cap.session_id, upload.size)
@@ -247,9 +248,9 @@ async def read_chunk(request: web.Request, idle: float) -> bytes:
         async with asyncio.timeout(idle):
             return await request.content.readany()
     except TimeoutError:
-        raise UompError("INVALID_REQUEST", f"the upload sent nothing for {idle:g} s") from None
+        raise UompError(ErrorCode.INVALID_REQUEST, f"the upload sent nothing for {idle:g} s") from None
     except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
-        raise UompError("INVALID_REQUEST", f"the upload broke off ({type(exc).__name__})") from None
+        raise UompError(ErrorCode.INVALID_REQUEST, f"the upload broke off ({type(exc).__name__})") from None
 
 
 def _cap(call: Call) -> Capability:
@@ -259,24 +260,25 @@ def _cap(call: Call) -> Capability:
 
 async def _json(request: web.Request, limit: int, idle: float) -> Any:
     if request.content_length is not None and request.content_length > limit:
-        raise UompError("PAYLOAD_TOO_LARGE", f"the JSON body exceeds {limit} bytes; use the streaming form")
+        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the JSON body exceeds {limit} bytes; use the streaming form")
     parts: list[bytes] = []
     size = 0
     while chunk := await read_chunk(request, idle):  # (read(n) returns only what has arrived so far)
         size += len(chunk)
         if size > limit:
-            raise UompError("PAYLOAD_TOO_LARGE", f"the JSON body exceeds {limit} bytes; use the streaming form")
+            raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the JSON body exceeds {limit} bytes; use the streaming form")
         parts.append(chunk)
     try:
         return json.loads(b"".join(parts))
     except (ValueError, UnicodeDecodeError):
-        raise UompError("INVALID_REQUEST", "the body is not valid JSON") from None
+        raise UompError(ErrorCode.INVALID_REQUEST, "the body is not valid JSON") from None
 
 
 def _header_envelope(request: web.Request) -> Envelope:
     values = request.headers.getall(envelope.HEADER_NAME, [])
     if len(values) != 1:
-        raise UompError("INVALID_REQUEST", f"the streaming form needs exactly one {envelope.HEADER_NAME} header")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, f"the streaming form needs exactly one {envelope.HEADER_NAME} header")
     return envelope.decode_header(values[0].strip())
 
 
@@ -310,13 +312,13 @@ async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
             assert text is not None
             body = envelope.decode_ciphertext(text)
             if len(body) != env.size:
-                raise UompError("PAYLOAD_SIZE_MISMATCH", "the ciphertext's length is not the envelope's size")
+                raise UompError(ErrorCode.PAYLOAD_SIZE_MISMATCH, "the ciphertext's length is not the envelope's size")
             return await service.receive(call, env, max_bytes=service.cfg.payload_max_bytes, body=body)
         if ctype == "application/octet-stream":
             env = _header_envelope(request)
             holder["payload_id"] = env.payload_id
             return await service.receive(call, env, max_bytes=service.cfg.payload_max_bytes, body=None)
-        raise UompError("INVALID_REQUEST", "Content-Type must be application/json (the envelope) or "
+        raise UompError(ErrorCode.INVALID_REQUEST, "Content-Type must be application/json (the envelope) or "
                         "application/octet-stream (the streaming form)")
 
     return await _audited(service, call, work)
@@ -327,9 +329,9 @@ async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
     doc = await _json(call.request, MAX_URL_BODY, service.cfg.payload_body_idle_timeout_seconds)
     size = doc.get("size") if isinstance(doc, dict) else None
     if not isinstance(size, int) or isinstance(size, bool) or size < envelope.MIN_SEALED_BYTES:
-        raise UompError("INVALID_REQUEST", "the body must be {\"size\": <bytes of the sealed payload>}")
+        raise UompError(ErrorCode.INVALID_REQUEST, "the body must be {\"size\": <bytes of the sealed payload>}")
     if size > service.cfg.payload_max_bytes:
-        raise UompError("PAYLOAD_TOO_LARGE", f"a payload is at most {service.cfg.payload_max_bytes} bytes")
+        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"a payload is at most {service.cfg.payload_max_bytes} bytes")
     ttl = min(service.cfg.payload_upload_url_seconds, MAX_UPLOAD_URL_TTL)
     try:
         token, expires = await service.worker.run(lambda: service.store.issue_upload_url(
@@ -352,9 +354,10 @@ async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
         cap = _cap(call)
         tokens = request.query.getall("t", [])
         if len(tokens) != 1 or not _URL_TOKEN.fullmatch(tokens[0]):
-            raise UompError("UPLOAD_URL_INVALID", "this upload URL is unknown, used or expired")
+            raise UompError(ErrorCode.UPLOAD_URL_INVALID, "this upload URL is unknown, used or expired")
         if request.content_type != "application/octet-stream":
-            raise UompError("INVALID_REQUEST", "an upload URL takes the streaming form (application/octet-stream)")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST, "an upload URL takes the streaming form (application/octet-stream)")
         env = _header_envelope(request)
         holder["payload_id"] = env.payload_id
         try:
@@ -362,7 +365,7 @@ async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
         except PayloadError as exc:
             raise _as_uomp(exc) from None
         if sid != cap.session_id or aid != cap.agent_id:
-            raise UompError("UPLOAD_URL_INVALID", "this upload URL is unknown, used or expired")
+            raise UompError(ErrorCode.UPLOAD_URL_INVALID, "this upload URL is unknown, used or expired")
         return await service.receive(call, env, max_bytes=min(max_size, service.cfg.payload_max_bytes), body=None)
 
     return await _audited(service, call, work)
@@ -370,7 +373,7 @@ async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
 
 async def agent_get(service: PayloadService, call: Call) -> web.StreamResponse:
     # Agents never read payloads. One answer whatever the id: no existence leak, no store lookup.
-    raise UompError("NOT_FOUND", "no such payload")
+    raise UompError(ErrorCode.NOT_FOUND, "no such payload")
 
 
 ROUTES = (

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.guard.server import check_bind
 from gateway.remote import agent_routes, payload_routes, transport
 from gateway.remote.access_log import AccessLog
@@ -85,7 +85,7 @@ class GatewayRunner:
         cert, key, ca, crl = tls_paths(self.paths, cfg)
         for p in (cert, key, ca, crl):
             if not p.exists():
-                raise UompError("CONFIG_ERROR", f"{p} is missing; run 'uomp init' (or 'uomp ca init') first")
+                raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is missing; run 'uomp init' (or 'uomp ca init') first")
         self.reloader = TLSReloader(cert, key, ca, crl, crl_state=self.paths.crl_state)
         upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
         forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
@@ -156,7 +156,8 @@ class GatewayRunner:
             state.add_endpoint(f"https://127.0.0.1:{self.port}")
         if cfg.tunnel_origin_port >= 0:
             if "tunnel" not in state.transport_auth:
-                raise UompError("CONFIG_ERROR", "the tunnel-origin listener needs DPoP support, which is not loaded")
+                raise UompError(
+                    ErrorCode.CONFIG_ERROR, "the tunnel-origin listener needs DPoP support, which is not loaded")
             # cloudflared runs on this host: the origin listener is loopback-only, no override.
             check_bind(cfg.tunnel_origin_host, False, "the tunnel-origin listener")
             trunner = web.AppRunner(create_gateway_app(state, listener="tunnel"), **self._runner_kwargs())

@@ -48,7 +48,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from gateway.core import ca, jose
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
@@ -155,25 +155,25 @@ def _static_identity(der: bytes) -> ClientIdentity:
     try:
         cert = x509.load_der_x509_certificate(der)
     except ValueError as exc:
-        raise UompError("CERT_REQUIRED", "the client certificate cannot be parsed") from exc
+        raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate cannot be parsed") from exc
     if not ca.has_client_auth(cert):
         raise UompError(
-            "CERT_REQUIRED",
+            ErrorCode.CERT_REQUIRED,
             "the client certificate is not for client authentication (no clientAuth extended key usage)",
         )
     agent_id = ca.agent_id_from_cert(cert)
     if agent_id is None:
         raise UompError(
-            "CERT_REQUIRED", "the client certificate names no agent (needs one uomp://agent/<id> URI SAN)"
+            ErrorCode.CERT_REQUIRED, "the client certificate names no agent (needs one uomp://agent/<id> URI SAN)"
         )
     pub = cert.public_key()
     unsupported = "the client certificate key type is not supported (P-256 or Ed25519)"
     if not isinstance(pub, ed25519.Ed25519PublicKey | ec.EllipticCurvePublicKey):
-        raise UompError("CERT_REQUIRED", unsupported)
+        raise UompError(ErrorCode.CERT_REQUIRED, unsupported)
     try:
         jkt = jose.key_thumbprint(pub)
     except UompError as exc:
-        raise UompError("CERT_REQUIRED", unsupported) from exc
+        raise UompError(ErrorCode.CERT_REQUIRED, unsupported) from exc
     return ClientIdentity(
         agent_id=agent_id,
         serial=ca.serial_hex(cert.serial_number),
@@ -187,9 +187,9 @@ def _static_identity(der: bytes) -> ClientIdentity:
 def _check_time(ident: ClientIdentity, now: dt.datetime | None) -> None:
     now = ca.utcnow() if now is None else now
     if now < ident.not_before:
-        raise UompError("CERT_REQUIRED", "the client certificate is not valid yet")
+        raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate is not valid yet")
     if now > ident.not_after:
-        raise UompError("CERT_REQUIRED", "the client certificate has expired")
+        raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has expired")
 
 
 def check_client_cert(der: bytes | None, *, now: dt.datetime | None = None) -> ClientIdentity:
@@ -198,7 +198,7 @@ def check_client_cert(der: bytes | None, *, now: dt.datetime | None = None) -> C
     ``der`` is ``ssl_object.getpeercert(binary_form=True)``: None means no certificate was sent.
     """
     if not der:
-        raise UompError("CERT_REQUIRED", "no client certificate was presented")
+        raise UompError(ErrorCode.CERT_REQUIRED, "no client certificate was presented")
     ident = _static_identity(der)
     _check_time(ident, now)
     return ident
@@ -221,7 +221,7 @@ class ClientCertChecker:
         e.g. :attr:`TLSReloader.revoked` (opt-in defence in depth: the TLS layer only checks the CRL
         at handshake time)."""
         if not der:
-            raise UompError("CERT_REQUIRED", "no client certificate was presented")
+            raise UompError(ErrorCode.CERT_REQUIRED, "no client certificate was presented")
         digest = hashlib.sha256(der).digest()
         hit = self._cache.get(digest)
         if hit is None:
@@ -238,14 +238,14 @@ class ClientCertChecker:
             raise UompError(hit.code, hit.message)
         _check_time(hit, now)
         if hit.serial in revoked:
-            raise UompError("CERT_REQUIRED", "the client certificate has been revoked")
+            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has been revoked")
         return hit
 
     def peer(self, ssl_object: ssl.SSLObject | ssl.SSLSocket | None, *, now: dt.datetime | None = None,
              revoked: Collection[str] = ()) -> ClientIdentity:
         """Identity of a connection: ``transport.get_extra_info("ssl_object")`` in aiohttp/asyncio."""
         if ssl_object is None:
-            raise UompError("CERT_REQUIRED", "the connection is not TLS")
+            raise UompError(ErrorCode.CERT_REQUIRED, "the connection is not TLS")
         return self.check(ssl_object.getpeercert(binary_form=True), now=now, revoked=revoked)
 
 
@@ -372,7 +372,7 @@ class TLSReloader:
         last = self.crl_mark
         if last is not None and (mark.number < last.number or mark.this_update < last.this_update):
             raise UompError(
-                "CONFIG_ERROR",
+                ErrorCode.CONFIG_ERROR,
                 f"refusing an older CRL (CRL Number {mark.number}, thisUpdate {mark.this_update:%Y-%m-%dT%H:%M:%SZ}) "
                 f"than the one already accepted (CRL Number {last.number}, thisUpdate "
                 f"{last.this_update:%Y-%m-%dT%H:%M:%SZ}); keeping the previous CRL. Put the current CRL back "
@@ -423,7 +423,7 @@ class TLSReloader:
         except (OSError, ssl.SSLError, ValueError) as exc:
             self._stamp = stamp  # do not retry the same broken files on every tick
             raise UompError(
-                "CONFIG_ERROR",
+                ErrorCode.CONFIG_ERROR,
                 f"TLS reload failed, keeping the previous certificates: {type(exc).__name__}: {exc}",
             ) from exc
         self._inner = fresh

@@ -55,7 +55,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.config import GatewayConfig
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 log = logging.getLogger("uomp.gateway")
 
@@ -108,14 +108,15 @@ class Limits:
 
     def __post_init__(self) -> None:
         if self.max_verified < 1 or self.max_unverified < 1 or self.max_unverified_per_ip < 0:
-            raise UompError("CONFIG_ERROR", "connection budgets must be positive")
+            raise UompError(ErrorCode.CONFIG_ERROR, "connection budgets must be positive")
         for name in ("handshake_timeout", "shutdown_timeout", "first_byte_timeout", "header_timeout",
                      "body_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise UompError("CONFIG_ERROR", f"{name} must be a positive number of seconds")
+                raise UompError(ErrorCode.CONFIG_ERROR, f"{name} must be a positive number of seconds")
         if self.min_body_rate < 0 or not (math.isfinite(self.body_rate_grace) and self.body_rate_grace >= 0):
-            raise UompError("CONFIG_ERROR", "min_body_bytes_per_second and body_rate_grace_seconds must be >= 0")
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, "min_body_bytes_per_second and body_rate_grace_seconds must be >= 0")
 
     @property
     def total(self) -> int:
@@ -171,8 +172,9 @@ def fit_limits(limits: Sequence[Limits], fd_limit: int, reserve: int) -> list[Li
         return list(limits)
     room = fd_limit - fixed
     if room < 2 * len(limits):
-        raise UompError("CONFIG_ERROR", f"the file descriptor limit ({fd_limit}) leaves no room for connections "
-                                        f"after fd_reserve ({reserve}); raise 'ulimit -n' or lower fd_reserve")
+        raise UompError(
+            ErrorCode.CONFIG_ERROR, f"the file descriptor limit ({fd_limit}) leaves no room for connections "
+                            f"after fd_reserve ({reserve}); raise 'ulimit -n' or lower fd_reserve")
     scale = room / wanted
     out: list[Limits] = []
     for lim in limits:
@@ -584,7 +586,7 @@ class GuardedHandler(RequestHandler):
         # aiohttp answers unparsable requests (oversized header, bad request line) itself with a
         # text/plain body and logs the exception, which can quote the request. Replace both with a
         # §8.4 JSON error and an audit event that carries no request bytes.
-        code = "INVALID_REQUEST" if status < 500 else "INTERNAL"
+        code = ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL
         text = "malformed or oversized request" if status < 500 else "internal error"
         registry = self._uomp_conn.registry
         if registry.on_rejected is not None:

@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 MAX_HEAD_BYTES = 32 * 1024  # status line + header fields of one answer
 MAX_HEADERS = 100  # header fields of one answer
@@ -92,15 +92,15 @@ def _field_name(name: str) -> str | None:
 
 def _garbage(what: str) -> UompError:
     # ``what`` is a fixed phrase: never the upstream's bytes (they may hold a memory value)
-    return UompError("UPSTREAM_ERROR", f"the memory guard answered with an invalid response ({what})")
+    return UompError(ErrorCode.UPSTREAM_ERROR, f"the memory guard answered with an invalid response ({what})")
 
 
 def _timeout() -> UompError:
-    return UompError("UPSTREAM_TIMEOUT", "the memory guard did not answer in time")
+    return UompError(ErrorCode.UPSTREAM_TIMEOUT, "the memory guard did not answer in time")
 
 
 def _unavailable() -> UompError:
-    return UompError("STORE_UNAVAILABLE", "the memory guard is unavailable")
+    return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory guard is unavailable")
 
 
 class _NoAnswer(Exception):
@@ -118,7 +118,7 @@ class Upstream:
             return cls("unix", spec[len("unix:"):])
         if spec.startswith("http://"):
             return cls("http", spec.rstrip("/"))
-        raise UompError("CONFIG_ERROR", "upstream must be unix:/path/to/guard.sock or http://127.0.0.1:PORT")
+        raise UompError(ErrorCode.CONFIG_ERROR, "upstream must be unix:/path/to/guard.sock or http://127.0.0.1:PORT")
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
@@ -471,36 +471,36 @@ class UpstreamClient:
                 port = -1
             if (not parts.hostname or parts.username or parts.password or parts.query or parts.fragment
                     or port < 0):
-                raise UompError("CONFIG_ERROR", "upstream must be http://HOST:PORT (optionally /prefix)")
+                raise UompError(ErrorCode.CONFIG_ERROR, "upstream must be http://HOST:PORT (optionally /prefix)")
             host = parts.hostname
             self._addr = (host, port)
             shown = f"[{host}]" if ":" in host else host
             self._host = shown if port == 80 else f"{shown}:{port}"
             self._prefix = parts.path.rstrip("/")
             if _BAD_TARGET.search(self._prefix):
-                raise UompError("CONFIG_ERROR", "upstream URL path has characters that cannot be sent")
+                raise UompError(ErrorCode.CONFIG_ERROR, "upstream URL path has characters that cannot be sent")
         else:
-            raise UompError("CONFIG_ERROR", f"unknown upstream kind {upstream.kind!r}")
+            raise UompError(ErrorCode.CONFIG_ERROR, f"unknown upstream kind {upstream.kind!r}")
 
     # ------------------------------------------------------------------------------ request
 
     def _serialize(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
         if _METHOD.fullmatch(method) is None:
-            raise UompError("INVALID_REQUEST", "method cannot be forwarded")
+            raise UompError(ErrorCode.INVALID_REQUEST, "method cannot be forwarded")
         if not target.startswith("/") or _BAD_TARGET.search(target):
-            raise UompError("INVALID_REQUEST", "request target cannot be forwarded")
+            raise UompError(ErrorCode.INVALID_REQUEST, "request target cannot be forwarded")
         parts = [f"{method} {self._prefix}{target} HTTP/1.1\r\nHost: {self._host}\r\n"]
         values = []
         for k, v in headers.items():
             low = _field_name(k)
             if low is None:
-                raise UompError("INVALID_REQUEST", "a request header cannot be forwarded")
+                raise UompError(ErrorCode.INVALID_REQUEST, "a request header cannot be forwarded")
             if low in HOP_HEADERS:
                 continue
             parts.append(f"{k}: {v}\r\n")
             values.append(v)
         if _BAD_VALUE.search("".join(values)):  # one scan for CR, LF or NUL in any value
-            raise UompError("INVALID_REQUEST", "a request header cannot be forwarded")
+            raise UompError(ErrorCode.INVALID_REQUEST, "a request header cannot be forwarded")
         if body is not None or method in ("POST", "PUT", "PATCH"):
             parts.append(f"Content-Length: {len(body) if body else 0}\r\n")
         parts.append("\r\n")

@@ -39,14 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from gateway.core.tokens import iso
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.remote.metrics import Metrics
 from gateway.remote.upstream import Upstream, UpstreamClient
 
 log = logging.getLogger("uomp.gateway")
 
-UPSTREAM_FAILURE_CODES = frozenset({"STORE_UNAVAILABLE", "UPSTREAM_ERROR", "UPSTREAM_TIMEOUT"})
+UPSTREAM_FAILURE_CODES = frozenset({ErrorCode.STORE_UNAVAILABLE, ErrorCode.UPSTREAM_ERROR, ErrorCode.UPSTREAM_TIMEOUT})
 MIN_PROBE_GAP_SECONDS = 0.25  # checks triggered by failing requests are at least this far apart
 STATUS_REFRESH_SECONDS = 10.0  # the status file is rewritten at least this often
 
