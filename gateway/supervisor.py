@@ -43,7 +43,7 @@ from typing import Any
 
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.server import remove_dead_socket
+from gateway.netutil import remove_dead_socket
 from gateway.remote.upstream import Upstream, UpstreamClient
 
 log = logging.getLogger("uomp.gateway")

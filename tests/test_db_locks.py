@@ -162,8 +162,8 @@ async def test_a_call_queued_too_long_is_refused_without_running(tmp_path: Path)
     refused (STORE_BUSY, reason QUEUE_TIMEOUT) and never touch the database; later calls run."""
     import sqlite3
 
+    from gateway.db import DbWorker, connect, transaction
     from gateway.errors import UompError
-    from gateway.guard.db import DbWorker, connect, transaction
 
     db = tmp_path / "x.db"
     conn = connect(db, schema="CREATE TABLE IF NOT EXISTS t (v INTEGER);", busy_timeout=1.0)

@@ -194,7 +194,7 @@ def test_large_wal_left_by_a_killed_writer_is_truncated_at_open(tmp_path: Path) 
     import subprocess
     import sys
 
-    from gateway.guard.db import WAL_TRUNCATE_AT_OPEN_BYTES, connect
+    from gateway.db import WAL_TRUNCATE_AT_OPEN_BYTES, connect
 
     db = tmp_path / "x.db"
     # a writer that commits a lot into the WAL and is killed before any checkpoint

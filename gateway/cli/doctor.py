@@ -143,7 +143,7 @@ def _ports(r: Report, paths: Paths, gcfg: GatewayConfig | None, guard: GuardConf
             r.problem(exc.message.split(";")[0], exc.message.split(";", 1)[-1].strip())
         else:
             r.ok(f"{what}: {host}:{port} is free")
-    from gateway.guard.server import socket_is_live
+    from gateway.netutil import socket_is_live
 
     if paths.guard_sock.exists():
         if socket_is_live(paths.guard_sock):

@@ -123,7 +123,7 @@ def check_tunnel(t: TunnelSettings) -> None:
 
 def preflight(paths: Paths, gcfg: GatewayConfig, guard_cfg: GuardConfig | None, *, serve_tcp: bool) -> None:
     """Everything that must be refused before any process or listener starts."""
-    from gateway.guard.server import check_bind, claim_socket_path
+    from gateway.netutil import check_bind, claim_socket_path
 
     check_bind(gcfg.listen_host, gcfg.allow_non_loopback, "the gateway")
     appliance.check_port_free(gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT")

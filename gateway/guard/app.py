@@ -20,7 +20,7 @@ token never suffices. Every response to an agent is either data it was granted o
 SQLite is never waited for on the event loop: every call into the Auth Service (``auth.db``) runs
 on its worker thread through :meth:`GuardServices.authdb`, audit-log reads on the audit log's
 reader thread, and audit writes are group-committed on the audit writer thread (see
-:mod:`gateway.guard.db`); a database locked by another process past the bounded wait is 503
+:mod:`gateway.db`); a database locked by another process past the bounded wait is 503
 STORE_BUSY while other requests keep being served.
 """
 
@@ -56,10 +56,10 @@ from gateway.contract import (
 )
 from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
+from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import AuditLog, open_audit
 from gateway.guard.auth import AuthService, SessionRow, token_hash
-from gateway.guard.db import DbWorker
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
 from gateway.guard.store import AggregateRow, MemoryStore, ReadFilter, json_path
 

@@ -47,9 +47,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
+from gateway.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
 from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
 from gateway.ledger import auditkey
 from gateway.ledger.log import EventLog, LedgerError
 

@@ -54,10 +54,10 @@ from gateway.config import GuardConfig, Paths
 from gateway.core import checks, jose, restrictions, tokens
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability, Scope
+from gateway.db import connect, transaction
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import AuditLog, make_row
-from gateway.guard.db import connect, transaction
 
 log = logging.getLogger("uomp.auth")
 

@@ -33,9 +33,9 @@ from typing import Any
 from aiohttp import web
 
 from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
+from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import SERVICES, _admin, _json_body, _param
-from gateway.guard.db import DbWorker
 from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStore
 
 READ_BLOCK = 1024 * 1024

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from gateway.core import paging
 from gateway.core.policy import AtomCheck, Fingerprint, check_atoms
+from gateway.db import connect, transaction
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.db import connect, transaction
 from gateway.guard.store import HASH_PRIME, Atom
 
 SCHEMA = """

@@ -62,8 +62,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from gateway.db import trim_wal
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.db import trim_wal
 
 log = logging.getLogger(__name__)
 

@@ -58,9 +58,9 @@ from gateway.core import checks, tokens
 from gateway.core.dpop import ReplayCache
 from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
+from gateway.db import DbWorker, connect, transaction
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError, known_code, parse_code
-from gateway.guard.db import DbWorker, connect, transaction
 from gateway.remote import pathnorm, transport
 from gateway.remote.access_log import AccessLog
 from gateway.remote.forward import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS, Forwarder

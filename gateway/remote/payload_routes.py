@@ -53,8 +53,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway.core import envelope
 from gateway.core.envelope import Envelope
 from gateway.core.tokens import Capability, iso
+from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.db import DbWorker
 from gateway.payloads.store import MAX_UPLOAD_URL_TTL, Limits, PayloadError, PayloadMeta, PayloadStore, Upload
 from gateway.remote.app import (
     VERIFIED_AGENT_HEADER,

@@ -15,7 +15,7 @@ from aiohttp import web
 from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.server import check_bind
+from gateway.netutil import check_bind
 from gateway.remote import agent_routes, payload_routes, transport
 from gateway.remote.access_log import AccessLog
 from gateway.remote.app import GatewayState, create_gateway_app

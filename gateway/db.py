@@ -1,5 +1,7 @@
-"""The guard's SQLite files: opening them (WAL, a busy timeout, 0600), mapping their errors to stable
-codes, and keeping every wait for a lock off the event loop.
+"""Our SQLite files (the guard's databases and the gateway's): opening them (WAL, a busy timeout, 0600),
+mapping their errors to stable codes, and keeping every wait for a lock off the event loop.
+
+A neutral module: both ``gateway.guard`` and ``gateway.remote`` import it; it imports neither.
 
 Another process may hold a write lock on a database at any time (a user's ``sqlite3`` shell with
 ``BEGIN IMMEDIATE``, a backup tool). SQLite then makes a writer wait (its busy handler) up to the
