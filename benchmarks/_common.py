@@ -471,7 +471,7 @@ class Target:
     def client_context(self) -> ssl.SSLContext | None:
         if self.kind != "tls":
             return None
-        from gateway.remote.tls import build_client_context
+        from gateway.client.tls import build_client_context
 
         assert self.ca is not None
         return build_client_context(self.ca, self.cert, self.key)

@@ -81,7 +81,7 @@ async def _refresh_phase(info: dict[str, Any], agent: dict[str, str], grants: li
                          n: int) -> dict[str, Any]:
     import aiohttp
 
-    from gateway.remote.tls import build_client_context
+    from gateway.client.tls import build_client_context
 
     ctx = build_client_context(agent["ca"], agent["cert"], agent["key"])
     base = f"https://localhost:{info['port']}"
@@ -118,8 +118,8 @@ async def _get_phase(info: dict[str, Any], agent: dict[str, str], token: str, ke
     import aiohttp
     from cryptography.hazmat.primitives import serialization
 
+    from gateway.client.tls import build_client_context
     from gateway.core import dpop
-    from gateway.remote.tls import build_client_context
 
     lat: list[float] = []
     bad = 0

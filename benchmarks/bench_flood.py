@@ -58,7 +58,7 @@ async def _attack(spec: dict[str, Any]) -> None:
     port = spec["tunnel_port"] if kind.startswith("tunnel") else spec["port"]
     ctx: ssl.SSLContext | None = None
     if kind == "tls-nocert":
-        from gateway.remote.tls import build_client_context
+        from gateway.client.tls import build_client_context
 
         ctx = build_client_context(spec["ca"])
     loop = asyncio.get_running_loop()
@@ -133,7 +133,7 @@ class Agent:
     def __init__(self, info: dict[str, Any], agent: dict[str, str], mtls_token: str, tunnel_token: str) -> None:
         from cryptography.hazmat.primitives import serialization
 
-        from gateway.remote.tls import build_client_context
+        from gateway.client.tls import build_client_context
 
         self.info = info
         self.agent = agent

@@ -33,11 +33,11 @@ import aiohttp
 from cryptography.hazmat.primitives import serialization
 
 from gateway import ca_store, keys
+from gateway.client.tls import build_client_context
 from gateway.config import GatewayConfig, GuardConfig, Paths
 from gateway.core import ca
 from gateway.guard.server import GuardRunner
 from gateway.remote.server import GatewayRunner
-from gateway.remote.tls import build_client_context
 
 
 def pct(values: list[float], q: float) -> float:

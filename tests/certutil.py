@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from gateway.client.tls import build_client_context
 from gateway.core import ca
-from gateway.remote.tls import build_client_context
 
 # Variants make_cert_set() writes, and what each is for.
 VARIANTS = {

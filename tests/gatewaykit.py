@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives import serialization
 from guardkit import grant, running_guard, seed, unix_session
 
 from gateway import ca_store
+from gateway.client.tls import build_client_context
 from gateway.config import GatewayConfig, GuardConfig, Paths
 from gateway.core import jose
 from gateway.remote.server import GatewayRunner
-from gateway.remote.tls import build_client_context
 
 
 @dataclasses.dataclass

@@ -377,7 +377,7 @@ async def test_sigterm_under_load_drains_and_loses_no_acknowledged_event(home: P
     import aiohttp
 
     from gateway.bundle import load_bundle
-    from gateway.remote.tls import build_client_context
+    from gateway.client.tls import build_client_context
 
     uomp(home, "init")
     uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",

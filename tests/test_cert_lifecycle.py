@@ -24,11 +24,11 @@ from test_authorize import MANIFEST, write_manifest
 from gateway import ca_store
 from gateway.bundle import load_bundle
 from gateway.cli.main import main
+from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import ca
 from gateway.errors import UompError
 from gateway.remote import agent_routes
-from gateway.remote.tls import build_client_context
 
 HOUR = dt.timedelta(hours=1)
 

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from gateway.bundle import load_bundle
-from gateway.remote.tls import build_client_context
+from gateway.client.tls import build_client_context
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 

@@ -20,10 +20,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ca_file
 
+from gateway.client.tls import build_client_context
 from gateway.config import GatewayConfig, Paths
 from gateway.core import dpop
 from gateway.remote import transport
-from gateway.remote.tls import build_client_context
 
 TUNNEL = "https://tunnel.example"
 FLOOD = 300  # hostile connections per case

@@ -25,12 +25,12 @@ from gatewaykit import agent_call, agent_session, appliance
 from guardkit import ITEMS, NOW, seed
 
 from gateway.bundle import load_bundle
+from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.errors import UompError
 from gateway.guard.store import MemoryItem
 from gateway.remote import transport, upstream
 from gateway.remote.forward import Forwarder
-from gateway.remote.tls import build_client_context
 from gateway.remote.upstream import Upstream, UpstreamClient
 
 pytestmark = pytest.mark.timeout(60)

@@ -34,8 +34,8 @@ from gatewaykit import agent_call, agent_session, appliance
 from guardkit import running_guard
 
 from gateway.bundle import load_bundle
+from gateway.client.tls import build_client_context
 from gateway.config import Paths
-from gateway.remote.tls import build_client_context
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 RECOVERY_BOUND_SECONDS = 20.0  # generous: detection (3 checks, 1 s apart, 2 s time-out) + restart

@@ -14,10 +14,10 @@ import pytest
 from gatewaykit import appliance
 
 from gateway import ca_store
+from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import ca
 from gateway.remote.handshake_log import HandshakeLog, classify
-from gateway.remote.tls import build_client_context
 
 
 def _client(paths: Paths, tmp: Path, variant: str) -> ssl.SSLContext:

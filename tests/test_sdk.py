@@ -42,11 +42,11 @@ from gateway.client import (
     UompClientError,
     memory_hash,
 )
+from gateway.client.tls import build_client_context
 from gateway.config import GatewayConfig, Paths
 from gateway.core import ca, dpop, jose, manifest, tokens
 from gateway.errors import UompError
 from gateway.remote.server import GatewayRunner
-from gateway.remote.tls import build_client_context
 
 pytestmark = pytest.mark.timeout(60)
 

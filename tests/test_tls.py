@@ -22,13 +22,13 @@ import pytest
 from aiohttp import web
 
 from gateway import ca_store
+from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import ca, jose
 from gateway.errors import UompError
 from gateway.remote.tls import (
     ClientCertChecker,
     TLSReloader,
-    build_client_context,
     build_server_context,
     check_client_cert,
     install_sighup,

@@ -11,7 +11,7 @@ Three transports (``mode``):
 ``"mtls"`` (default for a bundle with a certificate and key)
     TLS 1.3 to the gateway's mTLS listener with the agent's client certificate on every
     connection. The gateway's certificate is verified against the CA in the bundle and nothing
-    else (no system roots), with the host name checked (:func:`gateway.remote.tls.build_client_context`).
+    else (no system roots), with the host name checked (:func:`gateway.client.tls.build_client_context`).
     There is no switch to turn verification off. Tokens go as ``Authorization: Bearer``; the
     gateway checks they are bound to this certificate (RFC 8705 ``cnf``).
 ``"dpop"`` (for the Cloudflare quick-tunnel URL)
@@ -104,6 +104,7 @@ from gateway.client.errors import (
     UompClientError,
     error_from_answer,
 )
+from gateway.client.tls import build_client_context
 from gateway.core import ca, jose
 from gateway.core.canonical import canonical_json
 from gateway.core.deletion import sign_deletion_proof
@@ -112,7 +113,6 @@ from gateway.core.envelope import HEADER_NAME, encode_header, parse_public_key
 from gateway.core.sealing import Binding
 from gateway.core.tokens import iso, parse_iso
 from gateway.errors import UompError
-from gateway.remote.tls import build_client_context
 
 log = logging.getLogger("uomp.client")
 

@@ -1,4 +1,4 @@
-"""TLS for the gateway: one function builds the server context, one the client context.
+"""TLS for the gateway: the server context (the agent's client context is :mod:`gateway.client.tls`).
 
 Spec §15.2: gateway and remote agent MUST use TLS 1.3, and the gateway SHOULD use mTLS with a
 client certificate issued by the user. The user's own CA (:mod:`gateway.ca_store`) issues those
@@ -110,28 +110,6 @@ def build_server_context(
     # Agents hold few long keep-alive connections, so a full handshake per connection is cheap
     # (see benchmarks/bench_ca.py); 0 tickets means no PSK resumption at all.
     ctx.num_tickets = 0
-    return ctx
-
-
-def build_client_context(
-    ca_file: StrPath,
-    cert_file: StrPath | None = None,
-    key_file: StrPath | None = None,
-) -> ssl.SSLContext:
-    """Client context for the agent SDK and tests: TLS 1.3 only, trusts ``ca_file`` only."""
-    # PROTOCOL_TLS_CLIENT: verify_mode CERT_REQUIRED and check_hostname on (RFC 9525 / RFC 6125).
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3  # spec §15.2
-    # The gateway's certificate comes from the user's CA: trust that and no system root.
-    ctx.load_verify_locations(cafile=os.fspath(ca_file))
-    ctx.check_hostname = True
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
-    ctx.options |= ssl.OP_NO_COMPRESSION
-    if cert_file is not None:
-        ctx.load_cert_chain(
-            certfile=os.fspath(cert_file), keyfile=os.fspath(key_file) if key_file is not None else None
-        )
     return ctx
 
 
