@@ -10,7 +10,7 @@ Prints rates measured in this one run and ratios between them (never asserted an
 * new mTLS handshakes per second against a local asyncio TLS server on 127.0.0.1 built with
   ``build_server_context`` (and through ``TLSReloader``'s SNI switch), client side
   ``build_client_context`` with an agent certificate; each connection completes the handshake,
-  has the server run ``ClientCertChecker.peer`` and send one line, and closes. Client and server
+  has the server run ``ClientCertChecker.check`` and send one line, and closes. Client and server
   share one process and one core, so the figure is for both ends together.
 """
 
@@ -71,7 +71,7 @@ async def _serve(ctx: ssl.SSLContext) -> tuple[asyncio.Server, int]:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            ident = checker.peer(writer.get_extra_info("ssl_object"))
+            ident = checker.check(writer.get_extra_info("ssl_object").getpeercert(binary_form=True))
             writer.write(ident.agent_id.encode() + b"\n")
             await writer.drain()
         except Exception:

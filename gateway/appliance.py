@@ -240,12 +240,6 @@ def is_running(paths: Paths) -> bool:
 # ----------------------------------------------------------------------------- preflight
 
 
-def check_port(value: int, what: str, *, allow: tuple[int, ...] = (0,)) -> None:
-    if not (1 <= value <= 65535 or value in allow):
-        raise UompError(ErrorCode.CONFIG_ERROR, f"{what} port {value} is out of range; use 1-65535"
-                        + (" (0 = any free port)" if 0 in allow else ""))
-
-
 def check_port_free(host: str, port: int, what: str, flag: str) -> None:
     """Refuse a port something else already listens on, before any process starts."""
     if port <= 0:

@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -47,7 +46,6 @@ from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write, check_private_dir, ensure_output_dir, ensure_private_dir
 
-REGISTRY_VERSION = 1
 # Re-sign the CRL when less than this is left before its nextUpdate (CRL validity is 7 days).
 CRL_REFRESH_BEFORE = dt.timedelta(days=4)
 # Re-issue the gateway certificate when less than this is left.
@@ -849,19 +847,3 @@ def revoked_serials(paths: Paths) -> set[int]:
     """Serials on the current CRL file (what a gateway that reloaded it now refuses)."""
     crl = x509.load_pem_x509_crl(_read(crl_path(paths), ErrorCode.CA_ERROR, "CRL"))
     return {r.serial_number for r in crl}
-
-
-def hostnames_from(values: Iterable[str]) -> list[str]:
-    """Host names/addresses from config values (plain names or URLs such as https://host:9443)."""
-    out: list[str] = []
-    for v in values:
-        v = v.strip()
-        if not v:
-            continue
-        if "://" in v:
-            host = urlsplit(v).hostname or ""
-        else:
-            host = v
-        if host and host not in ("0.0.0.0", "::") and host not in out:  # noqa: S104 - not binding
-            out.append(host)
-    return out

@@ -43,7 +43,6 @@ from gateway.fsutil import atomic_write
 TRUST_VERSION = 1
 MAX_TRUST_FILE_BYTES = 4 * 1024 * 1024
 MAX_TRUST_ENTRIES = 10_000
-VERIFIABLE_KINDS = ("did",)
 
 
 @dataclass(frozen=True)

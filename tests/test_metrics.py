@@ -235,26 +235,30 @@ async def test_app_serves_metrics(served: tuple[Metrics, str]) -> None:
 
 def test_http_status_codes_map_to_bounded_labels() -> None:
     m = Metrics()
-    m.observe("read_key", 200, 0.01)
-    m.observe("read_key", 304, 0.01)
-    m.observe("read_key", 403, 0.01)
-    m.observe("read_key", 999, 0.01)
+    m.observe_request("read_key", 200, 0.01)
+    m.observe_request("read_key", 304, 0.01)
+    m.observe_request("read_key", 403, 0.01)
+    m.observe_request("read_key", 999, 0.01)
     _, samples = parse(m.render())
     assert value(samples, f"{NS}_requests_total", route="read_key", code="OK") == 2
     assert value(samples, f"{NS}_requests_total", route="read_key", code="HTTP_403") == 1
     assert value(samples, f"{NS}_requests_total", route="read_key", code="other") == 1
 
 
-def test_set_gauge_and_add_route() -> None:
+def test_gauges_and_add_route() -> None:
     m = Metrics()
-    m.set_gauge("open_connections", 7)
-    m.set_gauge("upstream_up", 1)
+    for _ in range(8):
+        m.connection_opened()
+    m.connection_closed()
+    m.set_upstream_up(True)
     assert (m.open_connections, m.upstream_up) == (7, 1)
-    with pytest.raises(ValueError):
-        m.set_gauge("requests_total", 1)
-    m.observe("payload_bulk", None, 0.1)
+    for _ in range(9):
+        m.connection_closed()
+    m.set_upstream_up(False)
+    assert (m.open_connections, m.upstream_up) == (0, 0)  # never below zero
+    m.observe_request("payload_bulk", None, 0.1)
     m.add_route("payload_bulk")
-    m.observe("payload_bulk", None, 0.1)
+    m.observe_request("payload_bulk", None, 0.1)
     assert m.requests_total("payload_bulk", None) == 1
     assert value(parse(m.render())[1], f"{NS}_requests_total", route="other", code="OK") == 1
     with pytest.raises(ValueError):

@@ -153,10 +153,12 @@ def test_delete(store: MemoryStore) -> None:
 
 
 def test_existing_keys_in_chunks(store: MemoryStore) -> None:
+    """The importer's key lookup (BulkWriter.existing; MemoryStore.existing_keys was unused and is gone)."""
     store.put_many([item(key=f"k{i}") for i in range(0, 1500, 3)])
     asked = (f"k{i}" for i in range(1500))  # a generator, longer than one IN chunk
-    assert store.existing_keys(asked) == {f"k{i}" for i in range(0, 1500, 3)}
-    assert store.existing_keys([]) == set()
+    with store.bulk_writer(dry_run=True) as writer:
+        assert set(writer.existing(asked)) == {f"k{i}" for i in range(0, 1500, 3)}
+        assert writer.existing([]) == {}
 
 
 BAD_ITEMS: list[tuple[str, dict[str, Any]]] = [

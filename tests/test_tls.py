@@ -38,6 +38,11 @@ from tests.certutil import CertSet, make_cert_set
 TIMEOUT = 5.0
 
 
+def _peer_der(ssl_object: ssl.SSLObject | None) -> bytes | None:
+    """The client certificate of a connection, as the gateway reads it (None: not TLS or none sent)."""
+    return ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+
+
 class Harness:
     """An asyncio TLS server: greets with ``OK <agent> <serial>`` or ``ERR <code> <message>``,
     then answers each ``PING`` with ``PONG``."""
@@ -68,7 +73,7 @@ class Harness:
             writer.close()
             return
         try:
-            ident = self.checker.peer(writer.get_extra_info("ssl_object"))
+            ident = self.checker.check(_peer_der(writer.get_extra_info("ssl_object")))
             writer.write(f"OK {ident.agent_id} {ident.serial} {ident.x5t_s256}\n".encode())
         except UompError as exc:
             writer.write(f"ERR {exc.code} {exc.message}\n".encode())
@@ -79,8 +84,8 @@ class Harness:
                     writer.write(b"PONG\n")
                 elif line.strip() == b"WHO" and self.reloader is not None:
                     try:
-                        ident = self.checker.peer(writer.get_extra_info("ssl_object"),
-                                                  revoked=self.reloader.revoked)
+                        ident = self.checker.check(_peer_der(writer.get_extra_info("ssl_object")),
+                                                   revoked=self.reloader.revoked)
                         writer.write(f"OK {ident.agent_id}\n".encode())
                     except UompError as exc:
                         writer.write(f"ERR {exc.code} {exc.message}\n".encode())
@@ -450,7 +455,8 @@ async def test_aiohttp_listener_with_reloader(ca_home: Paths, tmp_path: Path) ->
 
     async def whoami(request: web.Request) -> web.Response:
         try:
-            ident = checker.peer(request.transport.get_extra_info("ssl_object") if request.transport else None)
+            ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
+            ident = checker.check(_peer_der(ssl_object))
         except UompError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return web.json_response({"agent_id": ident.agent_id, "serial": ident.serial})

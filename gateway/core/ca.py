@@ -90,10 +90,6 @@ def validate_agent_id(agent_id: str) -> str:
     return agent_id
 
 
-def agent_uri(agent_id: str) -> str:
-    return AGENT_URI_PREFIX + validate_agent_id(agent_id)
-
-
 def serial_hex(serial: int) -> str:
     """The one spelling of a serial number used in files, logs and the CLI: lower-case hex, no padding."""
     return format(serial, "x")

@@ -75,20 +75,6 @@ def filter_fields(item: Mapping[str, Any], allowed_fields: Sequence[str] | None)
     return {k: v for k, v in item.items() if k in allowed_fields}
 
 
-def value_at(value: Any, field_path: str) -> Any:
-    """Resolve ``value.a.b`` (or ``a.b``, relative to the value) in an item's value; None if absent."""
-    parts = field_path.split(".")
-    if parts and parts[0] == "value":
-        parts = parts[1:]
-    cur = value
-    for part in parts:
-        if isinstance(cur, dict) and part in cur:
-            cur = cur[part]
-        else:
-            return None
-    return cur
-
-
 # ------------------------------------------------------------------------------ aggregates
 # The threat model and the reasons for each rule: docs/aggregates.md.
 
@@ -217,7 +203,3 @@ def check_atoms(recorded: Mapping[str, Fingerprint], tags: Sequence[str],
         return AtomCheck(False, f"would isolate a group of {small} item(s) (< {min_group})", fingerprints)
     return AtomCheck(True, "ok", fingerprints)
 
-
-def is_subset(granted: Scope, requested: Scope) -> bool:
-    """Grant may narrow (fewer tags/keys, more denies) but not widen the request."""
-    return set(granted.tags) <= set(requested.tags) and set(granted.keys) <= set(requested.keys)

@@ -891,16 +891,6 @@ class MemoryStore:
                 rows = conn.execute(_SQL_BY_TAG, (tag, limit, offset)).fetchall()
         return [_item_of(r) for r in rows]
 
-    def existing_keys(self, keys: Iterable[str]) -> set[str]:
-        """The subset of ``keys`` already in the store."""
-        found: set[str] = set()
-        with self._guard() as conn:
-            for chunk in _chunks(keys, _IN_CHUNK):
-                marks = ",".join("?" * len(chunk))
-                found.update(r[0] for r in conn.execute(
-                    f"SELECT key FROM items WHERE key IN ({marks})", chunk))  # only "?" marks
-        return found
-
     def count(self) -> int:
         with self._guard() as conn:
             return int(conn.execute("SELECT count(*) FROM items").fetchone()[0])

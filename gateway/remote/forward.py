@@ -37,7 +37,6 @@ class Forwarder:
     def __init__(self, upstream: Upstream, *, timeout_seconds: float,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.upstream = upstream
-        self.max_connections = max_connections
         self.client = UpstreamClient(upstream, timeout_seconds=timeout_seconds, max_connections=max_connections)
         self.on_failure: Callable[[str], None] | None = None  # called with the code of a failed exchange
 

@@ -55,7 +55,6 @@ DEFAULT_ROUTES: tuple[str, ...] = (
     "deletion_proof",  # POST /v1/sessions/{id}/deletion-proof
     "unknown",  # no route matched (NOT_FOUND / METHOD_NOT_ALLOWED / refused request-target)
 )
-GAUGES = ("open_connections", "upstream_up")
 
 # Seconds. Upper bounds of the histogram buckets; +Inf is implicit.
 DEFAULT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -171,10 +170,6 @@ class Metrics:
             h.sum += seconds
             h.total += 1
 
-    def observe(self, route: str, code: str | int | None, seconds: float) -> None:
-        """Same as :meth:`observe_request`."""
-        self.observe_request(route, code, seconds)
-
     def connection_opened(self) -> None:
         with self._lock:
             self._open_connections += 1
@@ -206,16 +201,6 @@ class Metrics:
     def upstream_failures(self, code: str) -> int:
         with self._lock:
             return self._upstream_failures.get(self.code_label(code), 0)
-
-    def set_gauge(self, name: str, value: float) -> None:
-        """Set a gauge by name: ``open_connections`` (a count) or ``upstream_up`` (truthy = 1)."""
-        if name == "open_connections":
-            with self._lock:
-                self._open_connections = max(0, int(value))
-        elif name == "upstream_up":
-            self.set_upstream_up(bool(value))
-        else:
-            raise ValueError(f"no gauge named {name!r}; gauges are {GAUGES}")
 
     # ---------------------------------------------------------------------------- reading
 

@@ -120,7 +120,6 @@ class PayloadService:
         self.worker = DbWorker("payloads", what="payload store")
         self.audit = PayloadAudit(state)
         self._gc_task: asyncio.Task[None] | None = None
-        self.gc_runs = 0
 
     # ----------------------------------------------------------------------- life cycle
 
@@ -133,7 +132,6 @@ class PayloadService:
         while True:
             try:
                 removed = await self.worker.run(self.store.gc)
-                self.gc_runs += 1
                 if removed:
                     log.info("removed %d expired payload(s)", removed)
             except Exception as exc:  # keep sweeping; the next round retries

@@ -219,13 +219,6 @@ class ClientCertChecker:
             raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has been revoked")
         return hit
 
-    def peer(self, ssl_object: ssl.SSLObject | ssl.SSLSocket | None, *, now: dt.datetime | None = None,
-             revoked: Collection[str] = ()) -> ClientIdentity:
-        """Identity of a connection: ``transport.get_extra_info("ssl_object")`` in aiohttp/asyncio."""
-        if ssl_object is None:
-            raise UompError(ErrorCode.CERT_REQUIRED, "the connection is not TLS")
-        return self.check(ssl_object.getpeercert(binary_form=True), now=now, revoked=revoked)
-
 
 # ------------------------------------------------------------------------------- reloading
 
@@ -310,7 +303,7 @@ class TLSReloader:
         self.crl_state = Path(crl_state) if crl_state is not None else None
         self.crl_mark: CRLMark | None = read_crl_state(self.crl_state)
         self._stamp = self._stamps()
-        # Serials (hex) on the CRL last loaded: for ClientCertChecker.peer(revoked=...).
+        # Serials (hex) on the CRL last loaded: for ClientCertChecker.check(revoked=...).
         self.revoked: frozenset[str]
         self._inner, self.revoked, mark = self._load()
         self._accept(mark)
