@@ -61,7 +61,7 @@ from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import AuditLog, open_audit
 from gateway.guard.auth import AuthService, SessionRow, token_hash
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
-from gateway.guard.store import AggregateRow, MemoryStore, ReadFilter, json_path
+from gateway.guard.store import AggregateRow, MemoryStorage, MemoryStore, ReadFilter, json_path
 
 log = logging.getLogger("uomp.guard")
 T = TypeVar("T")
@@ -75,7 +75,7 @@ class GuardServices:
     cfg: GuardConfig
     audit: AuditLog
     auth: AuthService
-    store: MemoryStore
+    store: MemoryStorage
     admin_credential: str
     # the one thread that runs every Auth Service call (auth.db), off the event loop
     auth_worker: DbWorker

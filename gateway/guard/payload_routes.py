@@ -36,7 +36,7 @@ from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import SERVICES, _admin, _json_body, _param
-from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStore
+from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore
 
 READ_BLOCK = 1024 * 1024
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
@@ -45,7 +45,7 @@ MAX_FIELD = 256
 
 
 class GuardPayloads:
-    def __init__(self, store: PayloadStore) -> None:
+    def __init__(self, store: PayloadStorage) -> None:
         self.store = store
         self.worker = DbWorker("guard-payloads", what="payload store")
 
@@ -89,9 +89,9 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
     try:
-        fh = await asyncio.to_thread(open, p.store.blobs / pid, "rb")
-    except FileNotFoundError:
-        raise UompError(ErrorCode.NOT_FOUND, "no such payload") from None
+        fh = await asyncio.to_thread(p.store.open_blob, pid)
+    except PayloadError as exc:
+        raise UompError(exc.code, str(exc)) from None
     try:
         if (await asyncio.to_thread(os.fstat, fh.fileno())).st_size != meta.size:
             raise UompError(

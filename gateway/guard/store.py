@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.db import trim_wal
 from gateway.errors import ErrorCode, UompError
@@ -453,7 +453,86 @@ def _integrity(exc: sqlite3.IntegrityError) -> UompError | None:
     return None
 
 
-class BulkWriter:
+# ============================================================================ the seam
+# What the guard, the importer and the CLI need of a memory store. MemoryStore (SQLite, below) is the
+# one implementation; tests/test_seams.py is the behaviour any other must show. Every method may raise
+# UompError STORE_UNAVAILABLE (or STORE_BUSY); bad items are INVALID_REQUEST.
+
+
+class MemoryBulkWriting(Protocol):
+    """Items streamed into ONE all-or-nothing write: nothing is visible before :meth:`commit`;
+    leaving the ``with`` block without it (or with an exception) writes nothing."""
+
+    written: int
+
+    def __enter__(self) -> MemoryBulkWriting: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+    def add(self, item: MemoryItem) -> None:
+        """Validate and queue one item (INVALID_REQUEST for a bad one, which is not queued)."""
+        ...
+
+    def existing(self, keys: Iterable[str]) -> dict[str, str]:
+        """Those of ``keys`` in the store as this write sees it, each with its ``created_at``."""
+        ...
+
+    def commit(self) -> int:
+        """Make everything added durable at once; how many items were written."""
+        ...
+
+
+class MemoryStorage(Protocol):
+    """The memory store seam: items by key, pages and aggregates by tag under a grant's key rules
+    (:class:`ReadFilter`), whole-item writes. Reads never return an item a filter excludes."""
+
+    def get(self, key: str) -> MemoryItem | None: ...
+
+    def get_meta(self, key: str) -> ItemMeta | None:
+        """Tags and sensitivity only: a policy decision is made without reading the value."""
+        ...
+
+    def read_snapshot(self) -> contextlib.AbstractContextManager[None]:
+        """Every read inside sees the same state."""
+        ...
+
+    def tag_page(self, tag: str, flt: ReadFilter, *, after: str | None, limit: int,
+                 max_bytes: int) -> tuple[builtins.list[MemoryItem], bool]:
+        """Items carrying ``tag`` that pass ``flt``, in key order after ``after``, at most ``limit``
+        and about ``max_bytes`` (always at least one item); and whether more follow."""
+        ...
+
+    def aggregate(self, tag: str, flt: ReadFilter, *, path: str | None) -> AggregateRow: ...
+
+    def atoms(self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int],
+              max_atoms: int) -> builtins.list[Atom] | None: ...
+
+    def list(self, *, tag: str | None = None, limit: int = 100, offset: int = 0) -> builtins.list[MemoryItem]: ...
+
+    def count(self) -> int: ...
+
+    def put(self, item: MemoryItem, *, replace: bool = False) -> None:
+        """An existing key is INVALID_REQUEST unless ``replace``."""
+        ...
+
+    def put_many(self, items: Sequence[MemoryItem], *, replace: bool = False) -> int:
+        """All of ``items`` or none."""
+        ...
+
+    def bulk_writer(self, *, replace: bool = False, dry_run: bool = False) -> MemoryBulkWriting: ...
+
+    def delete(self, key: str) -> bool:
+        """False when there was no such item."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# ============================================================================ SQLite
+
+
+class BulkWriter(MemoryBulkWriting):
     """Items streamed into one transaction; made by :meth:`MemoryStore.bulk_writer` (see there)."""
 
     def __init__(self, store: MemoryStore, *, replace: bool, dry_run: bool, chunk: int) -> None:
@@ -608,7 +687,7 @@ def _chunks(items: Iterable[str], size: int) -> Iterator[builtins.list[str]]:
         yield chunk
 
 
-class MemoryStore:
+class MemoryStore(MemoryStorage):
     """The Memory Store (see the module docstring). Every method may raise STORE_UNAVAILABLE."""
 
     def __init__(self, path: Path, *, create: bool = True,

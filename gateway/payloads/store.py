@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from gateway.errors import ErrorCode
 from gateway.fsutil import ensure_private_dir, fsync_dir
@@ -113,7 +113,89 @@ def _full(exc: OSError) -> PayloadError:
     return PayloadError(ErrorCode.STORE_UNAVAILABLE, f"the payload store is unavailable ({exc.strerror})")
 
 
-class Upload:
+# ============================================================================ the seam
+# What the gateway (uploads, upload URLs) and the guard (the user's listing, download, removal) need
+# of a payload store. PayloadStore (files + SQLite index, below) is the one implementation;
+# tests/test_seams.py is the behaviour any other must show. Refusals are PayloadError with a code.
+
+
+class PayloadUploading(Protocol):
+    """One upload in flight. Nothing of it is visible to readers before :meth:`commit` returns."""
+
+    size: int  # bytes received so far
+    max_bytes: int  # the cap for this upload
+
+    @property
+    def hash(self) -> str:
+        """``sha256:<hex>`` of the bytes received so far."""
+        ...
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ciphertext; PAYLOAD_TOO_LARGE (and the upload aborted) past ``max_bytes``."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the upload; nothing of it remains."""
+        ...
+
+    def commit(self, *, declared_hash: str | None = None, declared_size: int | None = None,
+               now: float | None = None) -> PayloadMeta:
+        """Make it a payload, durably, once the declared hash and size match (else
+        PAYLOAD_HASH_MISMATCH / PAYLOAD_SIZE_MISMATCH, and nothing is kept); PAYLOAD_EXISTS for an id
+        taken meanwhile; PAYLOAD_QUOTA_EXCEEDED when the session's caps would be passed."""
+        ...
+
+
+class PayloadStorage(Protocol):
+    """The payload store seam: sealed bytes by payload id, per-session caps, single-use upload URLs."""
+
+    limits: Limits
+
+    def begin(self, *, payload_id: str, session_id: str, agent_id: str, format: str,
+              encryption: Mapping[str, Any], max_bytes: int | None = None) -> PayloadUploading: ...
+
+    def check_caps(self, session_id: str, *, extra_bytes: int) -> None:
+        """PAYLOAD_QUOTA_EXCEEDED if ``extra_bytes`` more for ``session_id`` would pass a cap."""
+        ...
+
+    def issue_upload_url(self, *, session_id: str, agent_id: str, max_size: int, ttl: float,
+                         now: float | None = None) -> tuple[str, float]:
+        """A one-time token (and its expiry) bound to the session, the agent and a size."""
+        ...
+
+    def consume_upload_url(self, token: str, *, now: float | None = None) -> tuple[str, str, int]:
+        """Spend a token once: (session_id, agent_id, max_size); unknown, spent or late: UPLOAD_URL_INVALID."""
+        ...
+
+    def get(self, payload_id: str) -> PayloadMeta:
+        """NOT_FOUND when there is no such payload."""
+        ...
+
+    def list(self, *, session_id: str | None = None) -> list[PayloadMeta]: ...
+
+    def open_blob(self, payload_id: str) -> BinaryIO:
+        """The sealed bytes, as a file the caller reads and closes; NOT_FOUND when absent."""
+        ...
+
+    def read(self, payload_id: str, *, block: int = 1 << 20) -> Iterator[bytes]: ...
+
+    def mark_opened(self, payload_id: str, *, now: float | None = None) -> None: ...
+
+    def delete(self, payload_id: str) -> bool:
+        """False when there was no such payload."""
+        ...
+
+    def gc(self, *, now: float | None = None) -> int:
+        """Remove payloads whose time is up; how many."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# ============================================================================ files + SQLite
+
+
+class Upload(PayloadUploading):
     """One upload in flight: write ciphertext pieces, then :meth:`commit` or :meth:`abort`."""
 
     def __init__(self, store: PayloadStore, meta: Mapping[str, Any], max_bytes: int) -> None:
@@ -190,7 +272,7 @@ class Upload:
             raise
 
 
-class PayloadStore:
+class PayloadStore(PayloadStorage):
     def __init__(self, root: Path, *, limits: Limits | None = None) -> None:
         self.root = ensure_private_dir(root)
         self.blobs = ensure_private_dir(root / "blobs")
@@ -250,12 +332,12 @@ class PayloadStore:
         if not PAYLOAD_ID.fullmatch(payload_id):
             raise PayloadError(
                 ErrorCode.INVALID_REQUEST, "payload_id must be pay_ followed by 8-64 URL-safe characters")
-        self._check_caps(session_id, extra_bytes=0)
+        self.check_caps(session_id, extra_bytes=0)
         cap = self.limits.max_bytes if max_bytes is None else min(max_bytes, self.limits.max_bytes)
         return Upload(self, {"payload_id": payload_id, "session_id": session_id, "agent_id": agent_id,
                              "format": format, "encryption": dict(encryption)}, cap)
 
-    def _check_caps(self, session_id: str, *, extra_bytes: int) -> None:
+    def check_caps(self, session_id: str, *, extra_bytes: int) -> None:
         row = self.conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM payloads WHERE session_id = ?",
                                 (session_id,)).fetchone()
         if row[0] >= self.limits.max_per_session:
@@ -269,7 +351,7 @@ class PayloadStore:
         now = time.time() if now is None else now
         self.conn.execute("BEGIN IMMEDIATE")
         try:
-            self._check_caps(str(meta["session_id"]), extra_bytes=size)
+            self.check_caps(str(meta["session_id"]), extra_bytes=size)
             self.conn.execute(
                 "INSERT INTO payloads (payload_id, session_id, agent_id, format, size, hash, encryption, created_at,"
                 " expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -343,13 +425,18 @@ class PayloadStore:
             rows = self.conn.execute("SELECT * FROM payloads ORDER BY created_at")
         return [self._meta(r) for r in rows]
 
+    def open_blob(self, payload_id: str) -> BinaryIO:
+        if not PAYLOAD_ID.fullmatch(payload_id):
+            raise PayloadError(ErrorCode.NOT_FOUND, "no such payload")
+        try:
+            return open(self.blobs / payload_id, "rb")
+        except FileNotFoundError:
+            raise PayloadError(ErrorCode.NOT_FOUND, "no such payload") from None
+
     def read(self, payload_id: str, *, block: int = 1 << 20) -> Iterator[bytes]:
         """The sealed bytes, in blocks (constant memory)."""
         self.get(payload_id)
-        try:
-            fh = open(self.blobs / payload_id, "rb")  # closed by the generator's `with`
-        except FileNotFoundError:
-            raise PayloadError(ErrorCode.NOT_FOUND, "no such payload") from None
+        fh = self.open_blob(payload_id)  # closed by the generator's `with`
         with fh:
             while chunk := fh.read(block):
                 yield chunk

@@ -55,7 +55,15 @@ from gateway.core.envelope import Envelope
 from gateway.core.tokens import Capability, iso
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.payloads.store import MAX_UPLOAD_URL_TTL, Limits, PayloadError, PayloadMeta, PayloadStore, Upload
+from gateway.payloads.store import (
+    MAX_UPLOAD_URL_TTL,
+    Limits,
+    PayloadError,
+    PayloadMeta,
+    PayloadStorage,
+    PayloadStore,
+    PayloadUploading,
+)
 from gateway.remote.app import (
     VERIFIED_AGENT_HEADER,
     VERIFIED_VIA_HEADER,
@@ -116,7 +124,7 @@ class PayloadService:
         self.limits = Limits(max_bytes=cfg.payload_max_bytes, max_per_session=cfg.payload_max_per_session,
                              max_bytes_per_session=cfg.payload_max_bytes_per_session,
                              ttl_seconds=cfg.payload_ttl_seconds)
-        self.store = PayloadStore.open(state.paths.payload_dir, limits=self.limits)  # + crash recovery
+        self.store: PayloadStorage = PayloadStore.open(state.paths.payload_dir, limits=self.limits)  # + recovery
         self.worker = DbWorker("payloads", what="payload store")
         self.audit = PayloadAudit(state)
         self._gc_task: asyncio.Task[None] | None = None
@@ -155,7 +163,7 @@ class PayloadService:
         if env.agent_id != cap.agent_id:
             raise UompError(ErrorCode.AGENT_MISMATCH, "the envelope's agent_id is not the token's agent")
 
-    async def _begin(self, cap: Capability, env: Envelope) -> Upload:
+    async def _begin(self, cap: Capability, env: Envelope) -> PayloadUploading:
         try:
             return await self.worker.run(lambda: self.store.begin(
                 payload_id=env.payload_id, session_id=cap.session_id, agent_id=cap.agent_id, format=env.format,
@@ -163,7 +171,7 @@ class PayloadService:
         except PayloadError as exc:
             raise _as_uomp(exc) from None
 
-    async def _stream(self, request: web.Request, upload: Upload) -> None:
+    async def _stream(self, request: web.Request, upload: PayloadUploading) -> None:
         """The body into ``upload``, in blocks of at most WRITE_BLOCK bytes, each written in a thread."""
         idle = self.cfg.payload_body_idle_timeout_seconds
         pending: list[bytes] = []
@@ -194,7 +202,7 @@ class PayloadService:
                 raise
         else:
             raise PayloadError(ErrorCode.PAYLOAD_EXISTS, "a payload with this id already exists")
-        self.store._check_caps(session_id, extra_bytes=size)
+        self.store.check_caps(session_id, extra_bytes=size)
 
     async def receive(self, call: Call, env: Envelope, *, max_bytes: int, body: bytes | None) -> PayloadMeta:
         """Store one payload (body given, or streamed from the request); see the module docstring."""
