@@ -10,10 +10,12 @@ and the assertion that matters is the server's reason and that no application da
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import signal
 import ssl
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -423,6 +425,48 @@ async def test_sighup_reloads(ca_home: Paths) -> None:
         await _until(lambda: reloader.generation == 1, "SIGHUP reload")
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
+
+
+class _ThreadNoting(TLSReloader):
+    """A real reloader that notes which thread each reload ran on."""
+
+    def __init__(self, paths: Paths) -> None:
+        self.threads: list[int] = []
+        super().__init__(ca_store.server_cert_path(paths), ca_store.server_key_path(paths),
+                         ca_store.ca_cert_path(paths), ca_store.crl_path(paths),
+                         crl_state=paths.home / "crl-state.json")
+
+    def _reload(self) -> None:
+        self.threads.append(threading.get_ident())
+        super()._reload()
+
+
+async def test_sighup_reload_runs_off_the_event_loop(ca_home: Paths) -> None:
+    """A reload reads four files and fsyncs the CRL state: never on the loop that serves requests."""
+    reloader = _ThreadNoting(ca_home)
+    loop = asyncio.get_running_loop()
+    assert install_sighup(loop, reloader)
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        await _until(lambda: reloader.generation == 1, "SIGHUP reload")
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+    assert reloader.threads and threading.get_ident() not in reloader.threads
+
+
+async def test_watch_reload_runs_off_the_event_loop(ca_home: Paths) -> None:
+    reloader = _ThreadNoting(ca_home)
+    task = asyncio.create_task(reloader.watch(0.01))
+    try:
+        await asyncio.sleep(0)
+        ca_store.refresh_crl(ca_home, min_remaining=dt.timedelta(days=30))  # a new CRL: the watcher reloads
+        await _until(lambda: reloader.generation >= 1, "watch reload")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert reloader.threads and threading.get_ident() not in reloader.threads
+    assert reloader.reload_if_changed() is False  # nothing new; the direct call still works (blocking)
 
 
 async def test_watch_tick_errors_are_not_fatal(ca_home: Paths) -> None:

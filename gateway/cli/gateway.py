@@ -213,7 +213,7 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
         loop.add_signal_handler(sig, _stop)
 
     def _hup() -> None:
-        gw.reload()
+        loop.run_in_executor(None, gw.reload)  # file reads and an fsync: off the event loop
         if guard is not None:
             guard.send_hup()
     loop.add_signal_handler(signal.SIGHUP, _hup)

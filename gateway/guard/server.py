@@ -165,8 +165,15 @@ class GuardRunner:
         log.info("anchoring checkpoints on %s", acfg.backend)
 
     def reload_keys(self) -> None:
+        """Blocking (reads the key files); on a running guard use :meth:`reload_keys_async`."""
         if self.services is not None:
             self.services.auth.reload_keys()
+            log.info("signing keys reloaded")
+
+    async def reload_keys_async(self) -> None:
+        """The keys again, on the auth.db worker: the thread that uses them, off the event loop."""
+        if self.services is not None:
+            await self.services.authdb(self.services.auth.reload_keys)
             log.info("signing keys reloaded")
 
     async def _key_watcher(self, watch: KeyWatch) -> None:
@@ -175,7 +182,7 @@ class GuardRunner:
             await asyncio.sleep(KEY_WATCH_INTERVAL_SECONDS)
             try:
                 if await asyncio.to_thread(watch.changed):
-                    self.reload_keys()
+                    await self.reload_keys_async()
             except UompError as exc:
                 log.error("key reload failed, keeping the previous keys: %s", exc.message)
 
@@ -219,7 +226,23 @@ async def run_guard(paths: Paths, cfg: GuardConfig, *, serve_tcp: bool | None = 
     runner = GuardRunner(paths, cfg, serve_tcp=serve_tcp)
     await runner.start()
     stop = asyncio.Event()
-    install_signals(asyncio.get_running_loop(), stop, [runner.reload_keys])
+    loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task[None]] = set()
+
+    def reload_keys() -> None:  # SIGHUP: the key files are read on the auth.db worker, not on the loop
+        task = loop.create_task(runner.reload_keys_async())
+        reloads.add(task)
+        task.add_done_callback(_reload_done)
+
+    def _reload_done(task: asyncio.Task[None]) -> None:
+        reloads.discard(task)
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, UompError):
+            log.error("reload failed: %s", exc.message)
+        elif exc is not None:
+            log.error("reload failed: %s", type(exc).__name__)
+
+    install_signals(loop, stop, [reload_keys])
     try:
         await stop.wait()
     finally:

@@ -184,7 +184,7 @@ class GatewayRunner:
 
         def tick() -> None:  # in a worker thread, every TLS watch interval
             if key_watch.changed():  # `uomp keys rotate [--revoke-old]`: reload without a SIGHUP
-                loop.call_soon_threadsafe(self.reload_keys)
+                self.reload_keys()  # reads key files: here, in the thread (GatewayState swaps whole dicts)
             ca_store.refresh_crl(self.paths)
 
         self._tasks.append(loop.create_task(self.reloader.watch(tick=tick)))
@@ -213,6 +213,7 @@ class GatewayRunner:
             reg.limits = lim
 
     def reload(self) -> None:
+        """TLS files and keys again (SIGHUP). Blocking (file reads, an fsync): run it in a worker thread."""
         if self.reloader is not None:
             self.reloader.reload_logged()
         self.reload_keys()

@@ -39,6 +39,7 @@ import logging
 import os
 import signal
 import ssl
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -297,6 +298,10 @@ class TLSReloader:
     ) -> None:
         self.files = TLSFiles(Path(cert_file), Path(key_file), Path(ca_file), Path(crl_file))
         self.require_client_cert = require_client_cert
+        # reload() reads four files, builds a context and may fsync the CRL state file: it runs in a
+        # worker thread (watch(), SIGHUP), one at a time. The event loop only reads ``_inner`` and
+        # ``revoked``, each replaced by one assignment.
+        self._reload_lock = threading.Lock()
         self.generation = 0
         # The newest CRL accepted so far (number, thisUpdate), remembered across restarts in
         # ``crl_state`` when given: an older CRL is refused (see _load).
@@ -384,7 +389,12 @@ class TLSReloader:
         return tuple(out)
 
     def reload(self) -> None:
-        """Load the files again and switch new handshakes to them; UompError (old context kept) on failure."""
+        """Load the files again and switch new handshakes to them; UompError (old context kept) on failure.
+        Blocking (file reads, an fsync): call it from a worker thread when an event loop is serving."""
+        with self._reload_lock:
+            self._reload()
+
+    def _reload(self) -> None:
         stamp = self._stamps()  # before reading: a change during the build triggers another reload
         try:
             fresh, revoked, mark = self._load()
@@ -408,11 +418,12 @@ class TLSReloader:
         return self._stamps() != self._stamp
 
     def reload_if_changed(self) -> bool:
-        """Reload when any of the four files changed since the last (attempted) load."""
-        if not self.changed():
-            return False
-        self.reload()
-        return True
+        """Reload when any of the four files changed since the last (attempted) load. Blocking."""
+        with self._reload_lock:
+            if not self.changed():
+                return False
+            self._reload()
+            return True
 
     def reload_logged(self) -> None:
         """reload(), logging instead of raising (for signal handlers)."""
@@ -441,16 +452,21 @@ class TLSReloader:
                 except Exception as exc:  # a failing refresh must not stop the watcher
                     log.warning("TLS watch tick failed: %s: %s", type(exc).__name__, exc)
             try:
-                self.reload_if_changed()
+                await loop.run_in_executor(None, self.reload_if_changed)  # file reads, fsync: off the loop
             except UompError as exc:
                 log.warning("%s", exc.message)
             await asyncio.sleep(interval)
 
 
 def install_sighup(loop: asyncio.AbstractEventLoop, reloader: TLSReloader) -> bool:
-    """Reload TLS files on SIGHUP. False where signals cannot be handled (non-main thread, Windows)."""
+    """Reload TLS files on SIGHUP, in a worker thread. False where signals cannot be handled (non-main
+    thread, Windows)."""
+
+    def hup() -> None:
+        loop.run_in_executor(None, reloader.reload_logged)
+
     try:
-        loop.add_signal_handler(signal.SIGHUP, reloader.reload_logged)
+        loop.add_signal_handler(signal.SIGHUP, hup)
     except (RuntimeError, ValueError, AttributeError):  # RuntimeError covers "not implemented" too
         return False
     return True
