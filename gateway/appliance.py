@@ -41,15 +41,15 @@ from gateway.fsutil import atomic_write
 
 
 def addresses_path(paths: Paths) -> Path:
-    return paths.gateway_dir / "addresses.json"
+    return paths.appliance_addresses
 
 
 def lock_path(paths: Paths) -> Path:
-    return paths.gateway_dir / "appliance.lock"
+    return paths.appliance_lock
 
 
 def run_path(paths: Paths) -> Path:
-    return paths.gateway_dir / "appliance.json"
+    return paths.appliance_run
 
 
 def iso(ts: float) -> str:

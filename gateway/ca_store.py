@@ -72,38 +72,38 @@ _RESTORE_KEY = (
 
 
 def ca_key_path(paths: Paths) -> Path:
-    return paths.ca_dir / "ca.key"
+    return paths.ca_key
 
 
 def ca_cert_path(paths: Paths) -> Path:
-    return paths.ca_dir / "ca.crt"
+    return paths.ca_cert
 
 
 def server_key_path(paths: Paths) -> Path:
-    return paths.ca_dir / "gateway.key"
+    return paths.gateway_key
 
 
 def server_cert_path(paths: Paths) -> Path:
-    return paths.ca_dir / "gateway.crt"
+    return paths.gateway_cert
 
 
 def crl_path(paths: Paths) -> Path:
-    return paths.ca_dir / "crl.pem"
+    return paths.crl
 
 
 def registry_path(paths: Paths) -> Path:
-    return paths.ca_dir / "issued.db"
+    return paths.ca_registry
 
 
 def legacy_registry_path(paths: Paths) -> Path:
     """The JSON registry of earlier versions: migrated into :func:`registry_path` when first seen."""
-    return paths.ca_dir / "issued.json"
+    return paths.ca_registry_legacy
 
 
 @contextlib.contextmanager
 def _locked(paths: Paths) -> Iterator[None]:
     ensure_private_dir(paths.ca_dir, "CA directory")
-    fd = os.open(paths.ca_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(paths.ca_lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if legacy_registry_path(paths).exists():

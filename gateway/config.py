@@ -28,7 +28,11 @@ def resolve_home(cli_home: str | None = None) -> Path:
 
 @dataclass(frozen=True)
 class Paths:
-    """Where everything lives under the data directory (created 0700 by ``uomp init``)."""
+    """Where everything lives under the data directory (created 0700 by ``uomp init``).
+
+    Every file and directory under ``$UOMP_HOME`` is named here and nowhere else
+    (tests/test_layering.py refuses ``home / "name"`` joins elsewhere). Exception: a store's own
+    layout inside its directory (``payloads/index.db``, ``blobs/``; the access log's segments)."""
 
     home: Path
 
@@ -124,6 +128,79 @@ class Paths:
         """The user's trust list of publisher identities (spec §16.4), see gateway/trust.py."""
         return self.home / "trust.json"
 
+    @property
+    def trust_lock(self) -> Path:
+        return self.home / ".trust.lock"
+
+    @property
+    def revoked_keys(self) -> Path:
+        """Signing keys the user revoked (never trusted again), see gateway/keys.py."""
+        return self.secrets / "revoked-keys.json"
+
+    # ---- the user's CA (gateway/ca_store.py)
+
+    @property
+    def ca_key(self) -> Path:
+        return self.ca_dir / "ca.key"
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.ca_dir / "ca.crt"
+
+    @property
+    def gateway_key(self) -> Path:
+        return self.ca_dir / "gateway.key"
+
+    @property
+    def gateway_cert(self) -> Path:
+        return self.ca_dir / "gateway.crt"
+
+    @property
+    def crl(self) -> Path:
+        return self.ca_dir / "crl.pem"
+
+    @property
+    def ca_registry(self) -> Path:
+        """Every certificate the CA issued (SQLite)."""
+        return self.ca_dir / "issued.db"
+
+    @property
+    def ca_registry_legacy(self) -> Path:
+        """The JSON registry of earlier versions: migrated into :attr:`ca_registry` when first seen."""
+        return self.ca_dir / "issued.json"
+
+    @property
+    def ca_lock(self) -> Path:
+        return self.ca_dir / ".lock"
+
+    # ---- the gateway (gateway/remote/, gateway/appliance.py)
+
+    @property
+    def access_log(self) -> Path:
+        """The active hash-chained access log; closed segments lie next to it."""
+        return self.gateway_dir / "access.jsonl"
+
+    @property
+    def quota_db(self) -> Path:
+        return self.gateway_dir / "quota.db"
+
+    @property
+    def appliance_addresses(self) -> Path:
+        return self.gateway_dir / "addresses.json"
+
+    @property
+    def appliance_lock(self) -> Path:
+        return self.gateway_dir / "appliance.lock"
+
+    @property
+    def appliance_run(self) -> Path:
+        return self.gateway_dir / "appliance.json"
+
+    @property
+    def cloudflared_home(self) -> Path:
+        """A private HOME for cloudflared (it must not read the user's ~/.cloudflared)."""
+        return self.gateway_dir / "cloudflared-home"
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -163,6 +240,10 @@ class GuardConfig:
     # revocations and deletion proofs get one in the same write (near real time).
     audit_checkpoint_events: int = 1000
     audit_checkpoint_seconds: float = 10.0
+    # Housekeeping, off the event loop: expired sessions are closed every sweep_interval_seconds;
+    # audit retention and auth.db pruning run every purge_interval_seconds.
+    sweep_interval_seconds: float = 5.0
+    purge_interval_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
         _check_port(self.tcp_port, "guard.tcp_port", low=0)
@@ -233,6 +314,9 @@ class GatewayConfig:
     body_rate_grace_seconds: float = 5.0  # how long the body may lag behind the minimum rate at first
     keepalive_timeout_seconds: float = 75.0  # idle keep-alive of a verified connection
     status_cache_seconds: float = 0.5
+    status_cache_entries: int = 16384  # sessions whose status is remembered; beyond, expired ones go, then all
+    token_cache_entries: int = 4096  # verified access tokens remembered (expiry re-checked on every hit)
+    tls_watch_interval_seconds: float = 2.0  # certificate, key, CA and CRL files are looked at this often
     dpop_window_seconds: int = 60
     dpop_replay_cache_entries: int = 100_000  # all DPoP keys together
     dpop_max_proofs_per_second_per_key: float = 50.0  # sizes one key's replay partition (x 2 windows)

@@ -46,7 +46,7 @@ KEY_WATCH_INTERVAL_SECONDS = 1.0
 
 
 def revoked_keys_path(paths: Paths) -> Path:
-    return paths.secrets / "revoked-keys.json"
+    return paths.revoked_keys
 
 
 def check_home(paths: Paths, *, parents: bool = True) -> None:

@@ -156,7 +156,7 @@ def load(paths: Paths) -> TrustList:
 @contextlib.contextmanager
 def _locked(paths: Paths) -> Iterator[None]:
     paths.home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(paths.home / ".trust.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(paths.trust_lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -52,3 +52,40 @@ def test_home_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     assert resolve_home(str(tmp_path / "cli")) == (tmp_path / "cli").resolve()
     monkeypatch.delenv("UOMP_HOME")
     assert resolve_home() == (Path.home() / ".uomp").resolve()
+
+
+# Example-file entries that differ from the default on purpose (or are only named in a comment).
+EXAMPLE_DIFFERS = {
+    ("gateway", "endpoints"): "[] means https://localhost:<listen_port>; the example spells that out",
+    ("guard", "refresh_reuse_grace_seconds"): "no longer used; the example says so in a comment",
+}
+
+
+def test_example_config_names_every_setting_with_its_default() -> None:
+    """config/uomp.example.toml is the list of every limit: each field of each section, at its default,
+    and nothing the loader would refuse."""
+    import dataclasses
+    import math
+    import tomllib
+
+    from gateway.config import AnchorConfig, TunnelSettings
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "config" / "uomp.example.toml").read_text(encoding="utf-8")
+    doc = tomllib.loads(text)
+    assert set(doc) == {"guard", "gateway", "tunnel", "anchor"}
+    for section, cls in (("guard", GuardConfig), ("gateway", GatewayConfig), ("tunnel", TunnelSettings),
+                         ("anchor", AnchorConfig)):
+        defaults = cls()
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert set(doc[section]) <= names, f"[{section}] names settings the loader refuses"
+        for name in sorted(names):
+            if (section, name) in EXAMPLE_DIFFERS:
+                assert name in text, f"[{section}] {name} is not mentioned in the example"
+                continue
+            assert name in doc[section], f"[{section}] {name} is missing from config/uomp.example.toml"
+            value, default = doc[section][name], getattr(defaults, name)
+            if isinstance(default, float):
+                assert math.isclose(value, default, rel_tol=1e-3), (section, name, value, default)
+            else:
+                assert value == default, (section, name, value, default)

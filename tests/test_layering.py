@@ -89,3 +89,36 @@ def test_import_contracts_stay_declared() -> None:
     assert set(contracts["client-without-server"]["forbidden_modules"]) == {"gateway.remote", "gateway.guard"}
     script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
     assert "lint-imports" in script
+
+
+DATA_DIRS = {"home", "secrets", "ca_dir", "gateway_dir"}  # Paths attributes whose files Paths names
+
+
+def home_joins(source: str) -> list[int]:
+    """Lines joining a data directory of Paths with a literal name (``paths.home / "x.db"``)."""
+    return sorted(n.lineno for n in ast.walk(ast.parse(source))
+                  if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
+                  and isinstance(n.left, ast.Attribute) and n.left.attr in DATA_DIRS
+                  and isinstance(n.right, ast.Constant | ast.JoinedStr))
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ('p = paths.gateway_dir / "quota.db"\n', [1]),
+    ('p = self.paths.home / f"{name}.json"\n', [1]),
+    ("p = paths.quota_db\n", []),
+    ('p = out / "agent.crt"\n', []),  # an output directory the user chose, not $UOMP_HOME
+], ids=["literal", "f-string", "property", "elsewhere"])
+def test_scanner_finds_home_joins(source: str, found: list[int]) -> None:
+    assert home_joins(source) == found
+
+
+def test_files_under_home_are_named_in_paths_only() -> None:
+    offenders = {}
+    for path in sorted(GATEWAY.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "gateway/config.py":
+            continue
+        lines = home_joins(path.read_text(encoding="utf-8"))
+        if lines:
+            offenders[rel] = lines
+    assert not offenders, f"name the file once, as a property of gateway.config.Paths: {offenders}"

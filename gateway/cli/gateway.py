@@ -247,7 +247,7 @@ def _tunnel_supervisor(paths: Paths, gw: Any, t: TunnelSettings, lock: appliance
                     hostname=t.hostname or None, url_timeout_seconds=t.url_timeout_seconds,
                     backoff_initial_seconds=t.backoff_initial_seconds, backoff_max_seconds=t.backoff_max_seconds,
                     rate_limit_backoff_seconds=t.rate_limit_backoff_seconds,
-                    stop_timeout_seconds=t.stop_timeout_seconds, private_home=paths.gateway_dir / "cloudflared-home")
+                    stop_timeout_seconds=t.stop_timeout_seconds, private_home=paths.cloudflared_home)
     holder: dict[str, Any] = {}
 
     async def on_url(new: str, old: str | None) -> None:

@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from gateway.ledger.anchoring import Anchorer
 
 log = logging.getLogger("uomp.guard")
-SWEEP_INTERVAL_SECONDS = 5.0
-PURGE_INTERVAL_SECONDS = 3600.0  # audit retention and auth.db pruning
 
 
 class _JsonErrorHandler(RequestHandler):
@@ -121,11 +119,11 @@ class GuardRunner:
         loop = asyncio.get_running_loop()
         since_purge = 0.0
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL_SECONDS)
+            await asyncio.sleep(self.cfg.sweep_interval_seconds)
             try:  # both off the event loop: another process may hold a lock on either database
                 await svc.authdb(svc.auth.expire_due)
-                since_purge += SWEEP_INTERVAL_SECONDS
-                if since_purge >= PURGE_INTERVAL_SECONDS:
+                since_purge += self.cfg.sweep_interval_seconds
+                if since_purge >= self.cfg.purge_interval_seconds:
                     await loop.run_in_executor(None, svc.audit.purge)
                     while max((await svc.authdb(svc.auth.prune)).values()) >= PRUNE_BATCH_ROWS:
                         pass  # a large backlog goes in slices, each its own trip to the auth.db worker

@@ -73,9 +73,7 @@ __all__ = ["AGENT_HEADER", "QUOTA_HEADER", "VERIFIED_AGENT_HEADER", "VERIFIED_JK
            "VERIFIED_VIA_HEADER", "VERIFIED_X5T_HEADER", "Call", "GatewayState", "Route", "create_gateway_app",
            "register_route"]
 
-STATUS_CACHE_ENTRIES = 16384
 MAX_STATUS_CACHE_SECONDS = 1.0
-VERIFIED_CACHE_ENTRIES = 4096
 MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
 
 
@@ -156,9 +154,10 @@ class Call:
 class StatusCache:
     """Session status from the Auth Service, remembered for at most ``ttl`` seconds per token."""
 
-    def __init__(self, forwarder: Forwarder, ttl: float) -> None:
+    def __init__(self, forwarder: Forwarder, ttl: float, max_entries: int) -> None:
         self.forwarder = forwarder
         self.ttl = min(max(ttl, 0.0), MAX_STATUS_CACHE_SECONDS)
+        self.max_entries = max(1, max_entries)
         self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
 
     async def check(self, token: str, cap: Capability, digest: str | None = None) -> None:
@@ -170,9 +169,9 @@ class StatusCache:
             if status != 200:  # no validation route there (e.g. a Local Profile port): not an answer
                 raise UompError(ErrorCode.STORE_UNAVAILABLE, "the guard behind the gateway does not answer token "
                                 "validation (it must be reached on its Unix socket)")
-            if len(self._cache) >= STATUS_CACHE_ENTRIES:
+            if len(self._cache) >= self.max_entries:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-                if len(self._cache) >= STATUS_CACHE_ENTRIES:
+                if len(self._cache) >= self.max_entries:
                     self._cache.clear()
             self._cache[key] = (now + self.ttl, body)
             hit = self._cache[key]
@@ -246,9 +245,9 @@ class GatewayState:
             self.add_endpoint(e)
         for e in tunnel_endpoints or []:
             self.add_endpoint(e, listener="tunnel")
-        self.status = StatusCache(forwarder, cfg.status_cache_seconds)
+        self.status = StatusCache(forwarder, cfg.status_cache_seconds, cfg.status_cache_entries)
         paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.quota = QuotaStore(paths.gateway_dir / "quota.db")
+        self.quota = QuotaStore(paths.quota_db)
         self.handlers: dict[str, Handler] = {}
         self.routes: list[Route] = list(ROUTES)
         self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {"mtls": mtls_identity}
@@ -284,7 +283,7 @@ class GatewayState:
         if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
             return cap, key
         cap = tokens.verify_token(token, self.public_keys, now=now)
-        if len(self._verified) >= VERIFIED_CACHE_ENTRIES:
+        if len(self._verified) >= self.cfg.token_cache_entries:
             self._verified = {}
         self._verified[key] = cap
         return cap, key

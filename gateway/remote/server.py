@@ -90,7 +90,7 @@ class GatewayRunner:
         upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
         forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
         self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        access = AccessLog(self.paths.gateway_dir / "access.jsonl", segment_bytes=cfg.access_log_segment_bytes,
+        access = AccessLog(self.paths.access_log, segment_bytes=cfg.access_log_segment_bytes,
                            max_total_bytes=cfg.access_log_max_total_bytes,
                            retention_days=cfg.access_log_retention_days,
                            unauth_events_per_second=cfg.access_log_unauth_events_per_second,
@@ -187,7 +187,7 @@ class GatewayRunner:
                 self.reload_keys()  # reads key files: here, in the thread (GatewayState swaps whole dicts)
             ca_store.refresh_crl(self.paths)
 
-        self._tasks.append(loop.create_task(self.reloader.watch(tick=tick)))
+        self._tasks.append(loop.create_task(self.reloader.watch(cfg.tls_watch_interval_seconds, tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
         self._tasks.append(loop.create_task(monitor.run()))
         log.info("gateway listening on https://%s:%s (TLS 1.3, mTLS), upstream %s", cfg.listen_host, self.port,

@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 
 StrPath = str | os.PathLike[str]
 
-# How often watch() looks at the file stamps, in seconds.
-WATCH_INTERVAL_SECONDS = 2.0
 # Parsed client certificates kept per checker (keyed by SHA-256 of the DER).
 CLIENT_CERT_CACHE_ENTRIES = 4096
 
@@ -434,7 +432,7 @@ class TLSReloader:
 
     async def watch(
         self,
-        interval: float = WATCH_INTERVAL_SECONDS,
+        interval: float,
         *,
         tick: Callable[[], object] | None = None,
     ) -> None:
