@@ -38,7 +38,7 @@ class Forwarder:
                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.upstream = upstream
         self.client = UpstreamClient(upstream, timeout_seconds=timeout_seconds, max_connections=max_connections)
-        self.on_failure: Callable[[str], None] | None = None  # called with the code of a failed exchange
+        self.on_failure: Callable[[ErrorCode], None] | None = None  # called with the code of a failed exchange
 
     def _failed(self, exc: UompError) -> None:
         if self.on_failure is not None and exc.code in (

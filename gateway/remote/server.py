@@ -117,7 +117,7 @@ class GatewayRunner:
         for hook in self.setup_hooks:
             hook(state)
 
-        def rejected(status: int, code: str, message: str) -> None:
+        def rejected(status: int, code: ErrorCode, message: str) -> None:
             # aiohttp answers these itself (synchronously): record the event (rate-limited per source
             # by the log), and make it durable without waiting for the next request's flush.
             with contextlib.suppress(UompError):  # counted by the log when it cannot write

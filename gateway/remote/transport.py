@@ -403,7 +403,7 @@ class ConnectionRegistry:
         # called (exception, client address) for each handshake OpenSSL refused (remote/handshake_log.py)
         self.on_handshake_failed: Callable[[BaseException, str], None] | None = None
         # called (status, code, message) when aiohttp itself rejects a request before routing
-        self.on_rejected: Callable[[int, str, str], None] | None = None
+        self.on_rejected: Callable[[int, ErrorCode, str], None] | None = None
         # told about connections opening and closing (the metrics' open_connections gauge)
         self.on_open: Callable[[], None] | None = None
         self.on_close: Callable[[], None] | None = None

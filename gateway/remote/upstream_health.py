@@ -83,7 +83,7 @@ class UpstreamMonitor:
 
     # ------------------------------------------------------------------ what the gateway reports
 
-    def request_failed(self, code: str) -> None:
+    def request_failed(self, code: ErrorCode) -> None:
         """An exchange with the guard failed with ``code`` (called by the forwarder)."""
         if code not in UPSTREAM_FAILURE_CODES:
             return
