@@ -459,7 +459,7 @@ async def forward(call: Call) -> web.StreamResponse:
                                 session_id=call.cap.session_id)
             parts.append(chunk)
         body = b"".join(parts)
-    path = call.target.upstream_path + (f"?{call.target.query}" if call.target.query else "")
+    path = call.target.upstream_target
     upstream = await state.forwarder.request(request.method, path, headers, body=body)
     try:
         if upstream.status >= 500 and upstream.content_type != "application/json":
