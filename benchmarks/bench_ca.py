@@ -29,9 +29,10 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 
 from gateway import ca_store
+from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import ca
-from gateway.remote.tls import ClientCertChecker, TLSReloader, build_client_context, build_server_context
+from gateway.remote.tls import ClientCertChecker, TLSReloader, build_server_context
 
 
 def rate(n: int, fn: Callable[[int], object]) -> float:
