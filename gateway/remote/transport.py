@@ -591,7 +591,7 @@ class GuardedHandler(RequestHandler):
         registry = self._uomp_conn.registry
         if registry.on_rejected is not None:
             registry.on_rejected(status, code, text)
-        resp = web.json_response({"error": {"code": code, "message": text}}, status=status)
+        resp = web.json_response(UompError(code, text).body(), status=status)  # the transport's status kept
         resp.force_close()
         return resp
 
