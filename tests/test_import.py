@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from gateway.cli.memory import ProgressBar
 from gateway.errors import UompError
 from gateway.guard import importer
 from gateway.guard import store as store_mod
-from gateway.guard.importer import ImportLimits, import_file
+from gateway.guard.importer import ImportLimits, import_file, readers
 from gateway.guard.store import MemoryItem, MemoryStore
 
 NOW_ISH = "20"  # timestamps defaulted to the import time start with the century
@@ -545,20 +546,40 @@ def test_json_is_parsed_across_tiny_chunks(store: MemoryStore, tmp_path: Path,
     data = [{"key": f"k{i}", "tags": ["t"], "sensitivity": "low",
              "value": {"n": 12345 + i, "f": 1.25, "ok": True, "none": None, "s": "é ✓ \u00e9" * (i % 3)}}
             for i in range(40)]
-    monkeypatch.setattr(importer._JsonElements, "CHUNK", 7)
+    monkeypatch.setattr(readers.JsonElements, "CHUNK", 7)
     run(store, tmp_path, "in.json", json.dumps(data, indent=1, ensure_ascii=False))
     expected = [d["value"] for d in sorted(data, key=lambda d: str(d["key"]))]
     assert [it.value for it in store.list()] == expected
 
 
 def test_progress_bar_when_asked(store: MemoryStore, tmp_path: Path) -> None:
+    """The importer reports progress through the callback; the CLI's bar draws it (the importer never
+    prints: without a callback nothing reaches stderr)."""
     out = io.StringIO()
-    run(store, tmp_path, "in.csv", SPEC_CSV, progress=True, progress_stream=out)
+    run(store, tmp_path, "in.csv", SPEC_CSV, progress=ProgressBar(out))
     assert "100%" in out.getvalue() and out.getvalue().endswith("\n")
-    quiet = io.StringIO()
-    run(store, tmp_path, "in2.csv", SPEC_CSV.replace("note-1", "n2").replace("contact-1", "c2"),
-        progress_stream=quiet)
-    assert quiet.getvalue() == ""
+    assert out.getvalue().count("\n") == 1
+
+
+def test_progress_callback_counts_both_csv_passes(store: MemoryStore, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[tuple[int, int]] = []
+    path = write(tmp_path, "in.csv", SPEC_CSV)
+    import_file(store, path, progress=lambda done, total: calls.append((done, total)))
+    size = len(SPEC_CSV.encode())
+    assert calls[0] == (0, 2 * size) and calls[-1] == (2 * size, 2 * size)
+    assert all(t == 2 * size for _d, t in calls)
+    assert [d for d, _t in calls] == sorted(d for d, _t in calls)
+    quiet = run(store, tmp_path, "in2.csv", SPEC_CSV.replace("note-1", "n2").replace("contact-1", "c2"))
+    assert quiet.rows_written == 2
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_reaches_the_end_when_the_file_is_refused(store: MemoryStore, tmp_path: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    with pytest.raises(UompError):
+        run(store, tmp_path, "bad.json", b'[{"key": "a"', progress=lambda d, t: calls.append((d, t)))
+    assert calls[0][0] == 0 and calls[-1][0] == calls[-1][1]
 
 
 # ------------------------------------------------------------------------------------ atomicity

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from gateway.cli import home
 from gateway.cli.main import paths_from
@@ -113,6 +114,44 @@ def _mappings(raw: list[str] | None) -> dict[str, str]:
     return out
 
 
+class ProgressBar:
+    """The import's progress bar on a terminal: a callback for ``import_file(progress=...)``.
+
+    Redrawn at most every :attr:`INTERVAL` seconds; drawn once more at 100 % and ended with a new
+    line when the importer reports the end of reading (``done == total``).
+    """
+
+    WIDTH = 30
+    INTERVAL = 0.1
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        self.stream = stream
+        self.last = 0.0
+        self.ended = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.ended:
+            return
+        if done >= total:
+            self.ended = True
+            self._draw(total, total)
+            (self.stream or sys.stderr).write("\n")
+            return
+        now = time.monotonic()
+        if now - self.last >= self.INTERVAL:
+            self.last = now
+            self._draw(done, total)
+
+    def _draw(self, done: int, total: int) -> None:
+        stream = self.stream or sys.stderr
+        frac = min(1.0, done / total)
+        filled = int(frac * self.WIDTH)
+        mib = 1024 * 1024
+        stream.write(f"\rimport [{'#' * filled}{'.' * (self.WIDTH - filled)}] {int(frac * 100):3d}% "
+                     f"{done / mib:.1f}/{total / mib:.1f} MiB")
+        stream.flush()
+
+
 def _import(args: argparse.Namespace) -> int:
     path = Path(args.file)
     progress = args.progress
@@ -125,7 +164,7 @@ def _import(args: argparse.Namespace) -> int:
         report = import_file(
             store, path, fmt=args.format, delimiter=args.delimiter, mappings=_mappings(args.map),
             extra_tags=args.tags or (), sensitivity=args.sensitivity, replace=args.replace,
-            dry_run=args.dry_run, progress=progress, date_order=args.date_order,
+            dry_run=args.dry_run, progress=ProgressBar() if progress else None, date_order=args.date_order,
             keep_text=args.keep_text or ())
     for notice in report.notices:
         print(f"note: {notice}")
