@@ -27,6 +27,7 @@ from guardkit import ITEMS, NOW, seed
 from gateway.bundle import load_bundle
 from gateway.client.tls import build_client_context
 from gateway.config import Paths
+from gateway.core import http1
 from gateway.errors import UompError
 from gateway.guard.store import MemoryItem
 from gateway.remote import transport, upstream
@@ -248,7 +249,7 @@ async def test_garbage_is_upstream_error_and_the_connection_is_discarded(home: P
 
 
 async def test_body_over_the_cap_is_upstream_error(home: Paths, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(upstream, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(http1, "MAX_BODY_BYTES", 1000)  # the parser's cap (gateway/core/http1.py)
     chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"200\r\n" + b"x" * 512 + b"\r\n") * 3
     async with fake(home, serve_forever(ok(b"x" * 1001))) as (_f, client):
         with pytest.raises(UompError) as exc:

@@ -1,4 +1,4 @@
-"""Issue 14: property tests of the upstream HTTP/1.1 response-head parser (gateway/remote/upstream.py).
+"""Issue 14: property tests of the upstream HTTP/1.1 response-head parser (gateway/core/http1.py).
 
 Documented error: UompError UPSTREAM_ERROR. A head that parses has a status in 100..599 (RFC 9110
 §15: other values are invalid) and header values free of CR, LF and NUL; a well-formed head round
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.core.http1 import parse_head as _parse_head
 from gateway.errors import UompError
-from gateway.remote.upstream import _parse_head
 
 
 @pytest.mark.parametrize("status", [b"000", b"022", b"099", b"600", b"999"])

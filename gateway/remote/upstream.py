@@ -1,5 +1,9 @@
 """A lean HTTP/1.1 client for the gateway's one hop to the Memory Guard (Unix socket or loopback TCP).
 
+Longer than ~500 lines on purpose: the connection, the streamed response and the pool share each
+exchange's slot and idle-list bookkeeping, so they stay together; the wire format (parsing and
+request bytes) lives apart, free of I/O, in :mod:`gateway.core.http1`.
+
 Why not aiohttp's client: in a profile of the gateway it was the largest single cost of a request
 (~350 µs of the gateway's CPU per forwarded read, more than TLS). This hop talks to one known
 server over a local socket, so a small strict client does the job: a pool of keep-alive
@@ -13,7 +17,8 @@ name that is not an RFC 9110 token or a value holding CR, LF or NUL is refused, 
 request body is always sent with ``Content-Length`` (never chunked); POST and PUT always carry
 one, even ``0``. So the guard sees one unambiguous message per request: nothing to smuggle.
 
-Response, parsed strictly: a status line ``HTTP/1.x DDD ...``; at most :data:`MAX_HEAD_BYTES` of
+Response, parsed strictly by the sans-I/O :mod:`gateway.core.http1` (this module only moves the
+bytes and keeps the pool): a status line ``HTTP/1.x DDD ...``; at most :data:`MAX_HEAD_BYTES` of
 head and :data:`MAX_HEADERS` fields; field names are tokens, no obs-fold, no CR/LF/NUL in
 values; the body framed by one ``Content-Length`` value or ``Transfer-Encoding: chunked``
 (exactly that coding; chunk extensions ignored, trailers read and dropped) or, failing both, by
@@ -43,56 +48,32 @@ for a slot within their deadline), at most :data:`MAX_IDLE` idle connections are
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from gateway.core import http1
+from gateway.core.http1 import (  # noqa: F401  (the limits and HOP_HEADERS stay importable from here)
+    BAD_TARGET,
+    CHUNKED,
+    HOP_HEADERS,
+    LENGTH,
+    MAX_BODY_BYTES,
+    MAX_CHUNK_LINE,
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    MAX_TRAILERS,
+    NONE,
+    UNTIL_CLOSE,
+    garbage,
+)
 from gateway.errors import ErrorCode, UompError
 
-MAX_HEAD_BYTES = 32 * 1024  # status line + header fields of one answer
-MAX_HEADERS = 100  # header fields of one answer
-MAX_CHUNK_LINE = 1024  # one chunk-size line (with extensions) or trailer line
-MAX_TRAILERS = 32
-MAX_BODY_BYTES = 1 << 30  # 1 GiB: a tag read may return up to 1,000 items of up to 1 MiB
 BUFFER_BODY_BYTES = 256 * 1024  # Content-Length bodies up to this size are read whole at once
 READ_HIGH_WATER = 256 * 1024  # stop reading the socket while this much is buffered and unread
 IDLE_SECONDS = 10.0  # an idle pooled connection older than this is closed (the guard keeps 75 s)
 MAX_IDLE = 64  # idle connections kept in the pool
 DEFAULT_MAX_CONNECTIONS = 256  # exchanges at once
-
-# Never taken from a caller: framing and routing are this client's business (RFC 9110 §7.6.1).
-HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
-                         "trailer", "upgrade", "proxy-connection", "proxy-authorization", "expect"})
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_METHOD = re.compile(r"[A-Z]{1,16}")
-_BAD_VALUE = re.compile(r"[\r\n\x00]")
-_BAD_TARGET = re.compile(r"[^\x21-\x7e]")
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-5][0-9]{2})(?: [\t\x20-\x7e\x80-\xff]*)?")
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,12})[ \t]*(?:;[^\r\n]*)?")
-_BODYLESS = (204, 304)
-
-_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
-_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
-_NAMES: dict[str, str] = {}  # field names already checked -> lower case (bounded: see _field_name)
-MAX_NAME_CACHE = 512
-
-
-def _field_name(name: str) -> str | None:
-    """``name`` lower-cased if it is an RFC 9110 token, else None (results remembered, bounded)."""
-    low = _NAMES.get(name)
-    if low is None:
-        if _TOKEN.fullmatch(name) is None:
-            return None
-        low = name.lower()
-        if len(_NAMES) < MAX_NAME_CACHE:
-            _NAMES[name] = low
-    return low
-
-
-def _garbage(what: str) -> UompError:
-    # ``what`` is a fixed phrase: never the upstream's bytes (they may hold a memory value)
-    return UompError(ErrorCode.UPSTREAM_ERROR, f"the memory guard answered with an invalid response ({what})")
 
 
 def _timeout() -> UompError:
@@ -220,26 +201,22 @@ class _Conn(asyncio.Protocol):
     async def read_head(self, deadline: float) -> bytes:
         start = 0
         while True:
-            i = self.buf.find(b"\r\n\r\n", start)
+            i = http1.head_end(self.buf, start)
             if i >= 0:
-                if i > MAX_HEAD_BYTES:
-                    raise _garbage("header section too large")
                 head = bytes(self.buf[:i])
                 del self.buf[:i + 4]
                 return head
-            if len(self.buf) > MAX_HEAD_BYTES:
-                raise _garbage("header section too large")
             if self.eof:
                 if not self.buf:
                     raise _NoAnswer
-                raise _garbage("connection closed inside the header section")
+                raise garbage("connection closed inside the header section")
             start = max(0, len(self.buf) - 3)
             await self.wait(deadline)
 
     async def read_exact(self, n: int, deadline: float) -> bytes:
         while len(self.buf) < n:
             if self.eof:
-                raise _garbage("connection closed inside the body")
+                raise garbage("connection closed inside the body")
             await self.wait(deadline)
         if n == len(self.buf):
             out = bytes(self.buf)
@@ -262,47 +239,15 @@ class _Conn(asyncio.Protocol):
     async def read_line(self, deadline: float) -> bytes:
         start = 0
         while True:
-            i = self.buf.find(b"\r\n", start)
+            i = http1.line_end(self.buf, start)
             if i >= 0:
-                if i > MAX_CHUNK_LINE:
-                    raise _garbage("chunk line too long")
                 line = bytes(self.buf[:i])
                 del self.buf[:i + 2]
                 return line
-            if len(self.buf) > MAX_CHUNK_LINE:
-                raise _garbage("chunk line too long")
             if self.eof:
-                raise _garbage("connection closed inside a chunked body")
+                raise garbage("connection closed inside a chunked body")
             start = max(0, len(self.buf) - 1)
             await self.wait(deadline)
-
-
-def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[str, str]], dict[str, list[str]]]:
-    """(status, keep_alive, headers, framing fields by lower-case name); UPSTREAM_ERROR on anything not
-    strictly HTTP/1.x."""
-    lines = head.split(b"\r\n")
-    m = _STATUS_LINE.fullmatch(lines[0])
-    if m is None:
-        raise _garbage("bad status line")
-    if len(lines) - 1 > MAX_HEADERS:
-        raise _garbage("too many header fields")
-    crlfs = len(lines) - 1
-    if head.count(b"\r") != crlfs or head.count(b"\n") != crlfs or b"\x00" in head:
-        raise _garbage("bad header field value")  # a CR, LF or NUL that does not end a line
-    headers: list[tuple[str, str]] = []
-    framing: dict[str, list[str]] = {}
-    for raw in lines[1:]:
-        name, sep, value = raw.decode("latin-1").partition(":")
-        if not sep:
-            raise _garbage("header field without a colon")
-        low = _field_name(name)  # a token: also refuses obs-fold (a leading space) and space before ':'
-        if low is None:
-            raise _garbage("bad header field name")
-        value = value.strip(" \t")
-        headers.append((name, value))
-        if low in _FRAMING:
-            framing.setdefault(low, []).append(value)
-    return int(m.group(2)), m.group(1) == b"1", headers, framing
 
 
 class UpstreamResponse:
@@ -317,13 +262,13 @@ class UpstreamResponse:
         self._client = client
         self._conn: _Conn | None = conn
         self._mode = mode
-        self._length = length  # _LENGTH: bytes still to read
+        self._length = length  # LENGTH: bytes still to read
         self._keep_alive = keep_alive
         self._deadline = deadline
         self._received = 0
-        self._done = mode == _NONE
-        self._chunk_left = 0  # _CHUNKED: bytes left in the current chunk
-        self._framed_length = length if mode == _LENGTH else (0 if mode == _NONE else None)
+        self._done = mode == NONE
+        self._chunk_left = 0  # CHUNKED: bytes left in the current chunk
+        self._framed_length = length if mode == LENGTH else (0 if mode == NONE else None)
 
     def header(self, name: str) -> str | None:
         name = name.lower()
@@ -350,18 +295,18 @@ class UpstreamResponse:
             return b""
         dl = self._deadline
         try:
-            if self._mode == _LENGTH:
+            if self._mode == LENGTH:
                 if self._length == 0:
                     self._done = True
                     return b""
                 data = await conn.read_some(min(size, self._length), dl)
                 if not data:
-                    raise _garbage("connection closed inside the body")
+                    raise garbage("connection closed inside the body")
                 self._length -= len(data)
                 if self._length == 0:
                     self._done = True
                 return data
-            if self._mode == _UNTIL_CLOSE:
+            if self._mode == UNTIL_CLOSE:
                 data = await conn.read_some(size, dl)
                 if not data:
                     self._done = True
@@ -372,24 +317,21 @@ class UpstreamResponse:
             # chunked
             if self._chunk_left == 0:
                 line = await conn.read_line(dl)
-                m = _CHUNK_SIZE.fullmatch(line)
-                if m is None:
-                    raise _garbage("bad chunk size")
-                n = int(m.group(1), 16)
+                n = http1.chunk_size(line)
                 if n == 0:
                     for _ in range(MAX_TRAILERS + 1):
                         if not await conn.read_line(dl):
                             self._done = True
                             return b""
-                    raise _garbage("too many trailer fields")
+                    raise garbage("too many trailer fields")
                 self._count(n)
                 self._chunk_left = n
             data = await conn.read_some(min(size, self._chunk_left), dl)
             if not data:
-                raise _garbage("connection closed inside a chunk")
+                raise garbage("connection closed inside a chunk")
             self._chunk_left -= len(data)
             if self._chunk_left == 0 and await conn.read_exact(2, dl) != b"\r\n":
-                raise _garbage("chunk not followed by CRLF")
+                raise garbage("chunk not followed by CRLF")
             return data
         except TimeoutError as exc:
             self._abort()
@@ -400,8 +342,7 @@ class UpstreamResponse:
 
     def _count(self, n: int) -> None:
         self._received += n
-        if self._received > MAX_BODY_BYTES:
-            raise _garbage("body larger than the gateway accepts")
+        http1.check_body_size(self._received)
 
     async def read(self, limit: int) -> bytes:
         """The body, or its first ``limit`` bytes (the rest is not read: the connection is closed)."""
@@ -477,7 +418,7 @@ class UpstreamClient:
             shown = f"[{host}]" if ":" in host else host
             self._host = shown if port == 80 else f"{shown}:{port}"
             self._prefix = parts.path.rstrip("/")
-            if _BAD_TARGET.search(self._prefix):
+            if BAD_TARGET.search(self._prefix):
                 raise UompError(ErrorCode.CONFIG_ERROR, "upstream URL path has characters that cannot be sent")
         else:
             raise UompError(ErrorCode.CONFIG_ERROR, f"unknown upstream kind {upstream.kind!r}")
@@ -485,28 +426,7 @@ class UpstreamClient:
     # ------------------------------------------------------------------------------ request
 
     def _serialize(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
-        if _METHOD.fullmatch(method) is None:
-            raise UompError(ErrorCode.INVALID_REQUEST, "method cannot be forwarded")
-        if not target.startswith("/") or _BAD_TARGET.search(target):
-            raise UompError(ErrorCode.INVALID_REQUEST, "request target cannot be forwarded")
-        parts = [f"{method} {self._prefix}{target} HTTP/1.1\r\nHost: {self._host}\r\n"]
-        values = []
-        for k, v in headers.items():
-            low = _field_name(k)
-            if low is None:
-                raise UompError(ErrorCode.INVALID_REQUEST, "a request header cannot be forwarded")
-            if low in HOP_HEADERS:
-                continue
-            parts.append(f"{k}: {v}\r\n")
-            values.append(v)
-        if _BAD_VALUE.search("".join(values)):  # one scan for CR, LF or NUL in any value
-            raise UompError(ErrorCode.INVALID_REQUEST, "a request header cannot be forwarded")
-        if body is not None or method in ("POST", "PUT", "PATCH"):
-            parts.append(f"Content-Length: {len(body) if body else 0}\r\n")
-        parts.append("\r\n")
-        # aiohttp hands header values over as UTF-8 with surrogateescape: send the original bytes
-        head = "".join(parts).encode("utf-8", "surrogateescape")
-        return head + body if body else head
+        return http1.serialize_request(method, target, headers, body, host=self._host, prefix=self._prefix)
 
     async def request(self, method: str, target: str, headers: Mapping[str, str], *,
                       body: bytes | None = None) -> UpstreamResponse:
@@ -540,14 +460,14 @@ class UpstreamClient:
             try:
                 await conn.send(data, deadline)
                 head = await conn.read_head(deadline)
-                status, keep_alive, headers, framing = _parse_head(head)
+                status, keep_alive, headers, framing = http1.parse_head(head)
                 resp = self._response(conn, method, status, keep_alive, headers, framing, deadline)
-                if resp._mode == _LENGTH and resp._length <= BUFFER_BODY_BYTES:
+                if resp._mode == LENGTH and resp._length <= BUFFER_BODY_BYTES:
                     resp.body = await conn.read_exact(resp._length, deadline)
                     resp._length = 0
                     resp._done = True
                     resp.release()
-                elif resp._mode == _NONE:
+                elif resp._mode == NONE:
                     resp.body = b""
                     resp.release()
                 return resp
@@ -569,42 +489,7 @@ class UpstreamClient:
 
     def _response(self, conn: _Conn, method: str, status: int, keep_alive: bool, headers: list[tuple[str, str]],
                   framing: dict[str, list[str]], deadline: float) -> UpstreamResponse:
-        if status < 200:
-            raise _garbage("interim (1xx) response")
-        length: str | None = None
-        coding: str | None = None
-        if "content-length" in framing:
-            lengths = framing["content-length"]
-            if any(v != lengths[0] for v in lengths):
-                raise _garbage("conflicting Content-Length")
-            length = lengths[0]
-        if "transfer-encoding" in framing:
-            if len(framing["transfer-encoding"]) > 1:
-                raise _garbage("repeated Transfer-Encoding")
-            coding = framing["transfer-encoding"][0]
-        for v in framing.get("connection", ()):
-            if "close" in {t.strip().lower() for t in v.split(",")}:
-                keep_alive = False
-        if coding is not None:
-            if length is not None:
-                raise _garbage("both Content-Length and Transfer-Encoding")
-            if coding.lower() != "chunked":
-                raise _garbage("unsupported Transfer-Encoding")
-        n = 0
-        if length is not None:
-            if not (length.isascii() and length.isdigit()) or len(length) > 12:
-                raise _garbage("bad Content-Length")
-            n = int(length)
-            if n > MAX_BODY_BYTES:
-                raise _garbage("body larger than the gateway accepts")
-        if method == "HEAD" or status in _BODYLESS:
-            mode, n = _NONE, 0
-        elif coding is not None:
-            mode = _CHUNKED
-        elif length is not None:
-            mode = _LENGTH
-        else:
-            mode, keep_alive = _UNTIL_CLOSE, False
+        mode, n, keep_alive = http1.body_framing(method, status, keep_alive, framing)
         return UpstreamResponse(self, conn, status, headers, mode, n, keep_alive, deadline)
 
     # ------------------------------------------------------------------------------ pool

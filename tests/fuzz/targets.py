@@ -22,11 +22,11 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from gateway.core import checkpoint, dpop, envelope, jose, merkle, sealing, tokens
+from gateway.core import checkpoint, dpop, envelope, http1, jose, merkle, sealing, tokens
 from gateway.errors import UompError
 from gateway.guard.importer import import_file
 from gateway.guard.store import MemoryStore
-from gateway.remote import pathnorm, upstream
+from gateway.remote import pathnorm
 
 NOW = 1_780_000_000.0
 
@@ -224,7 +224,7 @@ def t_merkle(data: bytes) -> None:
 
 def t_upstream(data: bytes) -> None:
     try:
-        status, _keep, headers, _framing = upstream._parse_head(data)
+        status, _keep, headers, _framing = http1.parse_head(data)
     except UompError as exc:
         assert exc.code == "UPSTREAM_ERROR", exc.code
         return
