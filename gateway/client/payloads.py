@@ -22,6 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
+from gateway.client.errors import ProtocolError
 from gateway.core import envelope, sealing
 from gateway.core.envelope import Envelope
 from gateway.core.tokens import iso
@@ -91,3 +92,11 @@ def seal_to_file(recipient: X25519PublicKey, binding: sealing.Binding, source: b
 def check_format(fmt: str) -> None:
     if not isinstance(fmt, str) or not envelope.FORMAT.fullmatch(fmt):
         raise ValueError("format must be a media type such as text/markdown")
+
+
+def check_answer(answer: dict[str, Any], payload_id: str, digest: str, session_id: str) -> str:
+    """The ``payload_id`` of an upload's answer, once it names the payload and hash that were sent."""
+    if answer.get("payload_id") != payload_id or answer.get("hash") != digest:
+        raise ProtocolError("BAD_RESPONSE", "the gateway's answer does not name the payload and hash sent",
+                            None, session_id)
+    return payload_id

@@ -1,5 +1,12 @@
 """The Python agent SDK: read the user's memory through a UOMP gateway (spec §8, §10, §15, §19).
 
+This module is the public client class (every call an agent makes) and its user documentation
+below, a little over ~500 lines for that reason; the machinery lives in layers beneath it:
+:mod:`.transport` + :mod:`.tls` (URLs, TLS, pools, one exchange), :mod:`.tokens` (refresh and the
+bundle file), :mod:`.certs` (the agent certificate and its renewal), :mod:`.payloads` (sealing),
+:mod:`.options` (options, constants, the shared state). It imports neither ``gateway.remote`` nor
+``gateway.guard``: an agent installs the client without the server.
+
 ::
 
     async with UompClient.from_bundle("bundle.json") as uomp:
@@ -66,110 +73,48 @@ Secrets: no token or key appears in a log line, an exception or a ``repr``. The 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import datetime as dt
-import fcntl
 import hashlib
-import ipaddress
-import json
-import logging
 import os
 import secrets
-import ssl
-import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
-import aiohttp
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-from yarl import URL
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from gateway.bundle import AgentBundle, load_bundle, write_bundle
+from gateway.bundle import AgentBundle, load_bundle
 from gateway.client import payloads
-from gateway.client.errors import (
-    AuthError,
-    CertificateError,
-    ConfigError,
-    ProtocolError,
-    Unavailable,
-    UompClientError,
-    error_from_answer,
+from gateway.client.certs import ClientCertificates, bundle_key
+from gateway.client.errors import ConfigError, ProtocolError, error_from_answer
+from gateway.client.options import (  # noqa: F401  (importable from gateway.client.sdk as before)
+    AGENT_HEADER,
+    AGGREGATE_OPS,
+    LOCAL_BASE_URL,
+    READ_CHUNK,
+    REMEMBERED_SECRETS,
+    RETRY_REFRESH_CODES,
+    RETRY_REFRESH_STATUSES,
+    SEGMENT_SAFE,
+    AgentKey,
+    ClientOptions,
+    JSONObject,
+    Mode,
+    RenewedCertificate,
+    log,
 )
-from gateway.client.tls import build_client_context
-from gateway.core import ca, jose
+from gateway.client.tokens import iso_ts, num, token_claims
+from gateway.client.transport import check_url
 from gateway.core.canonical import canonical_json
 from gateway.core.deletion import sign_deletion_proof
-from gateway.core.dpop import make_dpop_proof
-from gateway.core.envelope import HEADER_NAME, encode_header, parse_public_key
+from gateway.core.envelope import parse_public_key
 from gateway.core.sealing import Binding
-from gateway.core.tokens import iso, parse_iso
+from gateway.core.tokens import iso
 from gateway.errors import UompError
-
-log = logging.getLogger("uomp.client")
-
-Mode = Literal["mtls", "dpop", "bearer"]
-AgentKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
-JSONObject = dict[str, Any]
-
-AGENT_HEADER = "X-UOMP-Agent-Id"
-LOCAL_BASE_URL = "http://127.0.0.1:9374"
-# Characters left unescaped in a path segment: the gateway's canonical spelling (pathnorm.SEGMENT_SAFE).
-SEGMENT_SAFE = "!$&'()*+,;=:@-._~"
-AGGREGATE_OPS = ("sum", "avg", "count", "min", "max")
-READ_CHUNK = 64 * 1024
-# A refresh that got no answer is tried again on these (see _post_refresh).
-RETRY_REFRESH_CODES = ("TIMEOUT", "CONNECTION_FAILED", "CONNECTION_CLOSED")
-RETRY_REFRESH_STATUSES = (502, 503, 504)
-# Recently held tokens, scrubbed from any message the gateway sends back.
-REMEMBERED_SECRETS = 8
-
-
-@dataclass(frozen=True)
-class ClientOptions:
-    """Limits and schedules, each with its unit."""
-
-    timeout_seconds: float = 30.0  # one call, from connecting to the last byte of the answer
-    connect_timeout_seconds: float = 10.0  # TCP connect + TLS handshake
-    max_response_bytes: int = 8 * 1024 * 1024  # answers larger than this are refused (RESPONSE_TOO_LARGE)
-    refresh_before_seconds: float = 60.0  # refresh when less than this is left of the access token ...
-    refresh_before_fraction: float = 0.2  # ... or less than this share of its life (never more than half)
-    renew_at_fraction: float = 2 / 3  # renew the certificate once this share of its life has passed
-    renew_retry_seconds: float = 60.0  # after a failed automatic renewal, wait this long before the next try
-    lock_timeout_seconds: float = 30.0  # wait at most this long for another process refreshing the bundle
-    max_connections: int = 16  # connection pool size
-    refresh_retry_attempts: int = 6  # a refresh that got no answer (closed, timed out, 502/503/504) is tried again
-    refresh_retry_initial_seconds: float = 0.5  # first back-off, doubled after each try ...
-    refresh_retry_max_seconds: float = 8.0  # ... up to this (a spent token may be retried: see README "Refresh")
-    payload_timeout_seconds: float = 1800.0  # one streamed payload upload, start to answer
-
-    def __post_init__(self) -> None:
-        if self.timeout_seconds <= 0 or self.connect_timeout_seconds <= 0 or self.max_response_bytes <= 0:
-            raise ConfigError("CONFIG_ERROR", "time-outs and the response size limit must be positive")
-        if not 0 < self.renew_at_fraction < 1 or not 0 <= self.refresh_before_fraction < 1:
-            raise ConfigError("CONFIG_ERROR", "renew_at_fraction and refresh_before_fraction must lie in (0, 1)")
-        if self.refresh_retry_attempts < 1 or not 0 <= self.refresh_retry_initial_seconds <= \
-                self.refresh_retry_max_seconds:
-            raise ConfigError("CONFIG_ERROR", "refresh_retry_attempts must be >= 1 and the back-off "
-                              "0 <= initial <= max")
-
-
-@dataclass(frozen=True)
-class RenewedCertificate:
-    """What :meth:`UompClient.renew_certificate` got (public facts only)."""
-
-    serial: str
-    not_after: dt.datetime
-    certificate: str  # PEM
-    new_key: bool
 
 
 def memory_hash(items: Iterable[Mapping[str, Any]]) -> str:
@@ -189,137 +134,11 @@ def memory_hash(items: Iterable[Mapping[str, Any]]) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(doc)).hexdigest()
 
 
-# ------------------------------------------------------------------------------- helpers
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _check_url(url: str, what: str, *, allow_loopback_http: bool) -> str:
-    """``url`` without a trailing slash, or ConfigError. https always; http only for loopback hosts."""
-    if not isinstance(url, str) or not url or len(url) > 2048:
-        raise ConfigError("CONFIG_ERROR", f"{what} is missing or too long")
-    try:
-        parts = urlsplit(url.strip())
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError as exc:
-        raise ConfigError("CONFIG_ERROR", f"{what} is not a valid URL") from exc
-    scheme = parts.scheme.lower()
-    host = parts.hostname or ""
-    if not host or "@" in parts.netloc or parts.query or parts.fragment:
-        raise ConfigError("CONFIG_ERROR", f"{what} must be scheme://host[:port][/path] with no user, query or "
-                          "fragment")
-    if scheme == "http":
-        if not allow_loopback_http:
-            raise ConfigError("CONFIG_ERROR", f"{what} must be https:// in this mode")
-        if not _is_loopback(host):
-            raise ConfigError("CONFIG_ERROR", f"{what}: plain http:// is allowed only for loopback addresses "
-                              "(127.0.0.1, ::1, localhost); use https://")
-    elif scheme != "https":
-        raise ConfigError("CONFIG_ERROR", f"{what} must be an https:// URL")
-    return url.strip().rstrip("/")
-
-
-def _token_claims(token: str) -> JSONObject:
-    """The claims of a compact JWS, NOT verified: only for scheduling and ids (the gateway verifies)."""
-    try:
-        return dict(jose.parse_compact(token).payload)
-    except UompError:
-        return {}
-
-
-def _iso_ts(value: Any) -> float | None:
-    try:
-        return parse_iso(value)
-    except (ValueError, OverflowError, TypeError):
-        return None
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _spki(key: Any) -> bytes:
-    return bytes(key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
-
-
-def _load_key_pem(data: bytes, what: str) -> AgentKey:
-    try:
-        return ca.load_private_key(data)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError("CONFIG_ERROR", f"{what} is not a P-256 or Ed25519 PEM private key") from exc
-
-
-def _bundle_key(bundle: AgentBundle, bundle_path: Path) -> AgentKey | None:
-    if bundle.agent_key:
-        return _load_key_pem(bundle.agent_key.encode(), "the bundle's agent_key")
-    if not bundle.agent_key_file:
-        return None
-    path = Path(bundle.agent_key_file).expanduser()
-    if not path.is_absolute():
-        path = bundle_path.parent / path
-    try:
-        if path.stat().st_mode & 0o077:
-            raise ConfigError("CONFIG_ERROR", f"{path} holds the agent key and must not be readable by others; "
-                              "chmod 600 it")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError("CONFIG_ERROR", f"cannot read the agent key file {path}: {exc.strerror}") from exc
-    return _load_key_pem(data, f"{path}")
-
-
-def _describe(exc: BaseException) -> str:
-    """A short reason for a transport failure (type and SSL reason; never headers or tokens)."""
-    seen: list[str] = []
-    cur: BaseException | None = exc
-    for _ in range(4):
-        if cur is None:
-            break
-        reason = getattr(cur, "reason", None) if isinstance(cur, ssl.SSLError) else None
-        seen.append(f"{type(cur).__name__}" + (f" {reason}" if isinstance(reason, str) else ""))
-        nxt = getattr(cur, "os_error", None) or cur.__cause__ or cur.__context__
-        cur = nxt if isinstance(nxt, BaseException) and nxt is not cur else None
-    return ", ".join(seen)
-
-
-def _ssl_in_chain(exc: BaseException) -> bool:
-    cur: BaseException | None = exc
-    for _ in range(6):
-        if cur is None:
-            return False
-        if isinstance(cur, ssl.SSLError | aiohttp.ClientSSLError):
-            return True
-        nxt = getattr(cur, "os_error", None) or cur.__cause__ or cur.__context__
-        cur = nxt if isinstance(nxt, BaseException) and nxt is not cur else None
-    return False
-
-
-class _Conn:
-    """One aiohttp session (one SSL context); retired sessions close when their last call ends."""
-
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
-        self.inflight = 0
-        self.retired = False
-
-    async def release(self) -> None:
-        self.inflight -= 1
-        if self.retired and self.inflight == 0 and not self.session.closed:
-            await self.session.close()
-
 
 # ------------------------------------------------------------------------------- the client
 
 
-class UompClient:
+class UompClient(ClientCertificates):
     """An async UOMP client for one session of one agent. See the module docstring.
 
     Build it with :meth:`from_bundle` (Remote Profile) or :meth:`from_env`; the constructor is the
@@ -351,35 +170,35 @@ class UompClient:
             raise ConfigError("CONFIG_ERROR", "mode must be mtls, dpop or bearer")
         if not agent_id or not session_id or not access_token:
             raise ConfigError("CONFIG_ERROR", "agent_id, session_id and an access token are required")
-        self._mode: Mode = mode
+        self._mode = mode
         self._agent_id = agent_id
         self._session_id = session_id
         self._opts = options or ClientOptions()
         self._clock = clock
-        self._base = _check_url(base_url, "base_url", allow_loopback_http=mode != "mtls")
+        self._base = check_url(base_url, "base_url", allow_loopback_http=mode != "mtls")
         self._ca_file = Path(ca_file) if ca_file is not None else None
         self._ca_cert = ca_cert
-        self._key: AgentKey | None = agent_key
+        self._key = agent_key
         self._bundle = bundle
         self._bundle_path = Path(bundle_path) if bundle_path is not None else None
         if self._bundle_path is not None and self._bundle is None:
             raise ConfigError("CONFIG_ERROR", "bundle_path needs the bundle it was loaded from")
-        self._cert: x509.Certificate | None = None
-        self._cert_pem: str | None = None
+        self._cert = None
+        self._cert_pem = None
         self._renew_at = float("inf")
         self._renew_blocked_until = 0.0
 
         # where requests are addressed (DPoP htu, Host) vs where the client connects
         base_parts = urlsplit(self._base)
         self._public = self._base
-        self._host_header: str | None = None
+        self._host_header = None
         if public_url is not None and mode != "dpop":
             raise ConfigError("CONFIG_ERROR", "public_url is for DPoP mode (a tunnel origin) only")
         if mode == "dpop":
             if agent_key is None:
                 raise ConfigError("CONFIG_ERROR", "DPoP mode needs the agent key (bundle agent_key or agent_key_file)")
             if public_url is not None:
-                self._public = _check_url(public_url, "public_url", allow_loopback_http=False)
+                self._public = check_url(public_url, "public_url", allow_loopback_http=False)
             elif base_parts.scheme == "http":
                 raise ConfigError("CONFIG_ERROR", "DPoP to a loopback http:// origin needs public_url: the https:// "
                                   "URL cloudflared serves (proofs are checked against it)")
@@ -402,18 +221,18 @@ class UompClient:
         self._access_token = access_token
         self._access_exp, self._access_iat = self._token_times(access_token, access_expires_at)
         self._refresh_token = refresh_token
-        self._refresh_exp: float | None = None
+        self._refresh_exp = None
         if refresh_token:
-            self._refresh_exp = (_iso_ts(refresh_expires_at) if isinstance(refresh_expires_at, str)
-                                 else _num(refresh_expires_at)) or _num(_token_claims(refresh_token).get("exp"))
-        self._recent: deque[str] = deque(maxlen=REMEMBERED_SECRETS)
+            self._refresh_exp = (iso_ts(refresh_expires_at) if isinstance(refresh_expires_at, str)
+                                 else num(refresh_expires_at)) or num(token_claims(refresh_token).get("exp"))
+        self._recent = deque(maxlen=REMEMBERED_SECRETS)
         self._remember(access_token, refresh_token)
 
         self._refresh_lock = asyncio.Lock()
         self._cert_lock = asyncio.Lock()
         self._open_lock = asyncio.Lock()
-        self._conn: _Conn | None = None
-        self._retired: list[_Conn] = []
+        self._conn = None
+        self._retired = []
         self._closed = False
         self.refresh_count = 0  # rotations done by this client (for monitoring and tests)
 
@@ -443,7 +262,7 @@ class UompClient:
             bundle = load_bundle(p)
         except UompError as exc:
             raise ConfigError("CONFIG_ERROR", exc.message) from None
-        key = _bundle_key(bundle, p)
+        key = bundle_key(bundle, p)
         chosen: Mode
         if mode == "auto":
             if not bundle.agent_cert or key is None:
@@ -487,7 +306,7 @@ class UompClient:
         token = values.get("UOM_TOKEN", "").strip()
         if not token:
             raise ConfigError("CONFIG_ERROR", "set UOM_TOKEN (and UOMP_BASE_URL), or UOMP_BUNDLE")
-        claims = _token_claims(token)
+        claims = token_claims(token)
         agent_id, session_id = claims.get("agent_id"), claims.get("session_id")
         if not isinstance(agent_id, str) or not isinstance(session_id, str):
             raise ConfigError("CONFIG_ERROR", "UOM_TOKEN is not a UOMP capability token")
@@ -521,14 +340,6 @@ class UompClient:
         """When the current access token expires (seconds since the epoch)."""
         return self._access_exp
 
-    @property
-    def certificate_serial(self) -> str | None:
-        return ca.serial_hex(self._cert.serial_number) if self._cert is not None else None
-
-    @property
-    def certificate_not_after(self) -> dt.datetime | None:
-        return self._cert.not_valid_after_utc if self._cert is not None else None
-
     def __repr__(self) -> str:
         return (f"UompClient(agent_id={self._agent_id!r}, session_id={self._session_id!r}, mode={self._mode!r}, "
                 f"base_url={self._base!r}, tokens=<redacted>)")
@@ -544,60 +355,6 @@ class UompClient:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.aclose()
-
-    async def open(self) -> None:
-        """Create the connection pool (done on first use too)."""
-        if self._closed:
-            raise ConfigError("CONFIG_ERROR", "this client is closed")
-        if self._conn is None:
-            async with self._open_lock:
-                if self._conn is None:
-                    self._conn = self._new_conn()
-
-    async def aclose(self) -> None:
-        self._closed = True
-        conns = [*self._retired, *([self._conn] if self._conn else [])]
-        self._conn = None
-        self._retired = []
-        for c in conns:
-            if not c.session.closed:
-                await c.session.close()
-
-    def _new_conn(self) -> _Conn:
-        o = self._opts
-        connector = aiohttp.TCPConnector(ssl=self._ssl_context(), limit=o.max_connections)
-        timeout = aiohttp.ClientTimeout(total=o.timeout_seconds, connect=o.connect_timeout_seconds,
-                                        sock_connect=o.connect_timeout_seconds, sock_read=o.timeout_seconds)
-        session = aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
-                                        trust_env=False, raise_for_status=False)
-        return _Conn(session)
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        if self._mode == "mtls":
-            assert self._ca_cert is not None and self._cert_pem is not None and self._key is not None
-            # ssl loads certificates and keys from files only: a private directory (0700) that lives
-            # for the duration of this call, the key file 0600.
-            with tempfile.TemporaryDirectory(prefix="uomp-sdk-") as d:
-                ca_f, cert_f, key_f = Path(d, "ca.crt"), Path(d, "agent.crt"), Path(d, "agent.key")
-                ca_f.write_text(self._ca_cert)
-                cert_f.write_text(self._cert_pem)
-                fd = os.open(key_f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(ca.key_pem(self._key))
-                try:
-                    return build_client_context(ca_f, cert_f, key_f)
-                except (ssl.SSLError, ValueError) as exc:
-                    raise ConfigError("CONFIG_ERROR", "the bundle's CA, certificate or key cannot be loaded "
-                                      f"({_describe(exc)})") from None
-        if self._ca_file is not None:
-            try:
-                return build_client_context(self._ca_file)
-            except (OSError, ssl.SSLError) as exc:
-                raise ConfigError("CONFIG_ERROR", f"cannot load ca_file {self._ca_file} ({_describe(exc)})") from None
-        # dpop through a public tunnel / bearer over https: the system trust store, TLS 1.3 (spec §15.2).
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-        return ctx
 
     # -------------------------------------------------------------------------- the API
 
@@ -717,7 +474,7 @@ class UompClient:
         if isinstance(data, bytes | bytearray) and not presigned and len(data) <= payloads.JSON_MAX_SEALED - 256:
             doc = await asyncio.to_thread(payloads.seal_small, recipient, binding, bytes(data))
             answer = self._object(await self._call("POST", "/v1/payload/upload", body=doc))
-            return self._payload_answer(answer, binding.payload_id, str(doc["hash"]))
+            return payloads.check_answer(answer, binding.payload_id, str(doc["hash"]), self._session_id)
         sealed = await asyncio.to_thread(payloads.seal_to_file, recipient, binding,
                                          data if isinstance(data, bytes | bytearray) else Path(data))
         try:
@@ -732,78 +489,21 @@ class UompClient:
                                         self._session_id)
                 path, query, method = "/v1/payload/presigned", {"t": token}, "PUT"
             answer = self._object(await self._stream_payload(method, path, query, sealed))
-            return self._payload_answer(answer, binding.payload_id, sealed.envelope.hash)
+            return payloads.check_answer(answer, binding.payload_id, sealed.envelope.hash, self._session_id)
         finally:
             await asyncio.to_thread(sealed.remove)
 
-    def _payload_answer(self, answer: JSONObject, payload_id: str, digest: str) -> str:
-        if answer.get("payload_id") != payload_id or answer.get("hash") != digest:
-            raise ProtocolError("BAD_RESPONSE", "the gateway's answer does not name the payload and hash sent",
-                                None, self._session_id)
-        return payload_id
-
     async def _stream_payload(self, method: str, path: str, query: Mapping[str, str] | None,
                               sealed: payloads.SealedFile, *, retried: bool = False) -> Any:
-        """The streaming form of an upload (its own exchange: a body from a file, a longer time-out)."""
+        """An upload streamed from the sealed file (:meth:`_send_stream`), refreshed and retried once
+        like :meth:`_call`."""
         await self.open()
         if self._mode == "mtls":
             await self._ensure_certificate()
         if self._refresh_token and self._refresh_due():
             await self._refresh(stale=None, force=False)
-        conn = self._conn
-        if conn is None:
-            raise ConfigError("CONFIG_ERROR", "this client is closed")
         token = self._access_token
-        headers = {"Accept": "application/json", AGENT_HEADER: self._agent_id,
-                   "Content-Type": "application/octet-stream", "Content-Length": str(sealed.envelope.size),
-                   HEADER_NAME: encode_header(sealed.envelope)}
-        if self._host_header is not None:
-            headers["Host"] = self._host_header
-        if self._mode == "dpop":
-            assert self._key is not None
-            headers["Authorization"] = f"DPoP {token}"
-            headers["DPoP"] = make_dpop_proof(self._key, method=method, url=self._public + path, access_token=token,
-                                              now=time.time())
-        else:
-            headers["Authorization"] = f"Bearer {token}"
-        target = path + ("?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query.items())
-                         if query else "")
-
-        async def body() -> AsyncIterator[bytes]:
-            fh = await asyncio.to_thread(open, sealed.path, "rb")
-            try:
-                while block := await asyncio.to_thread(fh.read, payloads.READ_BLOCK):
-                    yield block
-            finally:
-                await asyncio.to_thread(fh.close)
-
-        o = self._opts
-        timeout = aiohttp.ClientTimeout(total=o.payload_timeout_seconds, connect=o.connect_timeout_seconds,
-                                        sock_connect=o.connect_timeout_seconds, sock_read=o.timeout_seconds)
-        conn.inflight += 1
-        try:
-            async with conn.session.request(method, URL(self._base + target, encoded=True), headers=headers,
-                                            data=body(), allow_redirects=False, timeout=timeout) as resp:
-                status = resp.status
-                raw = await self._read_capped(resp)
-        except UompClientError:
-            raise
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise Unavailable("TIMEOUT", "the payload upload did not finish in time", None,
-                              self._session_id) from exc
-        except aiohttp.ClientError as exc:
-            if _ssl_in_chain(exc):
-                raise CertificateError("TLS_HANDSHAKE_FAILED", "the gateway refused the TLS connection (certificate "
-                                       f"revoked, expired or not from the user's CA?) ({_describe(exc)})", None,
-                                       self._session_id) from exc
-            raise Unavailable("CONNECTION_FAILED", f"the payload upload broke off ({_describe(exc)})", None,
-                              self._session_id) from exc
-        finally:
-            await conn.release()
-        try:
-            answer = json.loads(raw) if raw else None
-        except ValueError:
-            answer = None
+        status, answer = await self._send_stream(method, path, query, sealed, token)
         if status < 300:
             if answer is None:
                 raise ProtocolError("BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id)
@@ -849,20 +549,6 @@ class UompClient:
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
             raise ProtocolError("BAD_RESPONSE", f"the gateway's answer has no '{name}' list")
         return value
-
-    def _remember(self, *tokens: str | None) -> None:
-        for t in tokens:
-            if t and t not in self._recent:
-                self._recent.append(t)
-
-    def _token_times(self, token: str, expires_at: str | float | None) -> tuple[float, float | None]:
-        claims = _token_claims(token)
-        exp = _iso_ts(expires_at) if isinstance(expires_at, str) else _num(expires_at)
-        if exp is None:
-            exp = _num(claims.get("exp")) or _iso_ts(claims.get("expires_at"))
-        iat = _num(claims.get("iat")) or _iso_ts(claims.get("issued_at"))
-        return (exp if exp is not None else float("inf")), iat
-
     async def _call(self, method: str, path: str, *, query: Mapping[str, str] | None = None,
                     body: Any = None, retried: bool = False) -> Any:
         await self.open()
@@ -881,367 +567,6 @@ class UompClient:
             await self._refresh(stale=token, force=True)
             return await self._call(method, path, query=query, body=body, retried=True)
         raise err
-
-    async def _send(self, method: str, path: str, query: Mapping[str, str] | None, body: Any,
-                    token: str | None) -> tuple[int, Any]:
-        """One HTTP exchange: (status, decoded JSON or None). Transport failures become errors."""
-        conn = self._conn
-        if conn is None:
-            raise ConfigError("CONFIG_ERROR", "this client is closed")
-        target = path
-        if query:
-            target += "?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query.items())
-        headers = {"Accept": "application/json", AGENT_HEADER: self._agent_id}
-        if self._host_header is not None:
-            headers["Host"] = self._host_header
-        if token is not None:
-            if self._mode == "dpop":
-                assert self._key is not None
-                headers["Authorization"] = f"DPoP {token}"
-                # RFC 9449 §4.2: htu is the URL the request is addressed to, without query/fragment.
-                headers["DPoP"] = make_dpop_proof(self._key, method=method, url=self._public + path,
-                                                  access_token=token, now=time.time())
-            else:
-                headers["Authorization"] = f"Bearer {token}"
-        data: bytes | None = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        conn.inflight += 1
-        try:
-            async with conn.session.request(method, URL(self._base + target, encoded=True), headers=headers,
-                                            data=data, allow_redirects=False) as resp:
-                status = resp.status
-                raw = await self._read_capped(resp)
-        except UompClientError:
-            raise
-        except aiohttp.ClientConnectorCertificateError as exc:
-            raise CertificateError("SERVER_CERT_INVALID", "the gateway's certificate did not verify against the "
-                                   f"trusted CA or does not match the host name ({_describe(exc)})",
-                                   None, self._session_id) from exc
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise Unavailable("TIMEOUT", f"no answer from the gateway within {self._opts.timeout_seconds:g} s",
-                              None, self._session_id) from exc
-        except aiohttp.ClientError as exc:
-            # A refused client certificate: TLS 1.3 finishes the client's side of the handshake before
-            # the server checks the certificate, so the refusal arrives as an alert or a closed/reset
-            # connection on the first read (aiohttp already retried idempotent calls once on a fresh
-            # connection). Connection refused / DNS failures are ClientConnectorError: unavailable.
-            closed = not isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
-                exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError) and not _ssl_in_chain(exc)
-            # A plain close is also what a gateway that stopped or restarted mid-request looks like:
-            # one fresh handshake tells the two apart (refused again, or the gateway is fine / down).
-            refused = self._mode == "mtls" and closed and not await self._handshake_ok()
-            if closed and not refused:
-                raise Unavailable("CONNECTION_CLOSED", "the gateway closed the connection before answering (it "
-                                  f"stopped or restarted; {_describe(exc)})", None, self._session_id) from exc
-            if _ssl_in_chain(exc) or refused:
-                raise CertificateError("TLS_HANDSHAKE_FAILED", "the gateway closed the TLS connection; in mTLS this "
-                                       "is how it refuses a client certificate that is revoked, expired or not from "
-                                       f"the user's CA ({_describe(exc)})", None, self._session_id) from exc
-            raise Unavailable("CONNECTION_FAILED", f"cannot reach the gateway ({_describe(exc)})", None,
-                              self._session_id) from exc
-        finally:
-            await conn.release()
-        if 300 <= status < 400:
-            raise ProtocolError("BAD_RESPONSE", f"the gateway answered a redirect (HTTP {status}); not followed",
-                                status, self._session_id)
-        if not raw:
-            return status, None
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            if status >= 400:
-                return status, None
-            raise ProtocolError("BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id) from None
-
-    async def _handshake_ok(self) -> bool:
-        """After a closed connection in mTLS: does a fresh handshake with our certificate hold (or is
-        the gateway simply not there)? False when it is refused again: a certificate refusal."""
-        o = self._opts
-        timeout = aiohttp.ClientTimeout(total=o.connect_timeout_seconds * 2, connect=o.connect_timeout_seconds)
-        headers = {"Host": self._host_header} if self._host_header is not None else None
-        try:
-            async with aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(ssl=self._ssl_context(), force_close=True), timeout=timeout,
-                    cookie_jar=aiohttp.DummyCookieJar(), trust_env=False) as probe, \
-                    probe.get(URL(self._base + "/v1/health", encoded=True), headers=headers,
-                              allow_redirects=False) as resp:
-                await resp.read()
-                return True
-        except aiohttp.ClientConnectorCertificateError:
-            return False
-        except aiohttp.ClientConnectorError as exc:
-            return not _ssl_in_chain(exc)  # not listening (stopped, restarting): a closed connection
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-
-    async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
-        limit = self._opts.max_response_bytes
-        if resp.content_length is not None and resp.content_length > limit:
-            raise ProtocolError("RESPONSE_TOO_LARGE", f"the answer exceeds {limit} bytes", resp.status,
-                                self._session_id)
-        chunks: list[bytes] = []
-        total = 0
-        async for chunk in resp.content.iter_chunked(READ_CHUNK):
-            total += len(chunk)
-            if total > limit:
-                resp.close()
-                raise ProtocolError("RESPONSE_TOO_LARGE", f"the answer exceeds {limit} bytes", resp.status,
-                                    self._session_id)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    # ---------------------------------------------------------------------------- refresh
-
-    def _refresh_due(self) -> bool:
-        remaining = self._access_exp - self._clock()
-        margin = self._opts.refresh_before_seconds
-        if self._access_iat is not None:
-            life = self._access_exp - self._access_iat
-            if life > 0:
-                margin = min(max(margin, life * self._opts.refresh_before_fraction), life / 2)
-        return remaining <= margin
-
-    async def _refresh(self, *, stale: str | None, force: bool) -> None:
-        """One refresh for all concurrent callers. ``force``: the gateway refused ``stale`` as
-        expired (skip if another caller already replaced it)."""
-        async with self._refresh_lock, self._bundle_lock():
-            self._adopt_from_disk()
-            if force:
-                if stale is not None and self._access_token != stale:
-                    return
-            elif not self._refresh_due():
-                return
-            answer = await self._post_refresh()
-            self._apply_tokens(answer)
-            self.refresh_count += 1
-            log.info("tokens rotated for session %s; access token valid until %s", self._session_id,
-                     answer["expires_at"])
-            await self._persist(lambda b: b.with_tokens(answer), "the rotated tokens")
-
-    async def _post_refresh(self) -> JSONObject:
-        rt = self._refresh_token
-        if not rt:
-            raise AuthError("TOKEN_EXPIRED", "the access token expired and this client has no refresh token; ask "
-                            "the user to authorize the agent again", None, self._session_id)
-        if self._refresh_exp is not None and self._clock() >= self._refresh_exp:
-            raise AuthError("TOKEN_EXPIRED", f"the refresh token expired at {iso(self._refresh_exp)}; ask the user "
-                            "to authorize the agent again", None, self._session_id)
-        path = f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}/refresh"
-        # The answer may be lost after the token was spent (gateway or guard killed, network cut). The
-        # Auth Service lets the same key retry a spent token until its successor pair is first used,
-        # so retrying with bounded back-off is safe, as is a later refresh by a restarted agent.
-        o = self._opts
-        delay = o.refresh_retry_initial_seconds
-        for attempt in range(1, max(1, o.refresh_retry_attempts) + 1):
-            last = attempt >= o.refresh_retry_attempts
-            try:
-                status, answer = await self._send("POST", path, None, None, rt)
-            except Unavailable as exc:
-                if exc.code not in RETRY_REFRESH_CODES or last:
-                    raise
-                reason = exc.code
-            else:
-                code = error_from_answer(status, answer, session_id=self._session_id).code if status >= 300 else ""
-                if status not in RETRY_REFRESH_STATUSES or last:
-                    break
-                reason = f"{code} (HTTP {status})"
-            log.warning("refresh for session %s got no answer (%s); retrying in %.1f s (try %d of %d)",
-                        self._session_id, reason, delay, attempt + 1, o.refresh_retry_attempts)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, o.refresh_retry_max_seconds)
-        if status >= 300:
-            err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
-            if err.code == "REFRESH_REUSED":
-                log.error("the gateway saw a spent refresh token for session %s: the session is revoked "
-                          "(was the bundle copied, or restored from an old copy?)", self._session_id)
-            raise err
-        if not isinstance(answer, dict) or not all(
-                isinstance(answer.get(k), str) and answer.get(k) for k in ("access_token", "expires_at")):
-            raise ProtocolError("BAD_RESPONSE", "the refresh answer has no access_token/expires_at", status,
-                                self._session_id)
-        for k in ("refresh_token", "refresh_expires_at"):
-            if answer.get(k) is not None and not isinstance(answer.get(k), str):
-                raise ProtocolError("BAD_RESPONSE", f"the refresh answer's {k} is not a string", status,
-                                    self._session_id)
-        return answer
-
-    def _apply_tokens(self, answer: Mapping[str, Any]) -> None:
-        self._access_token = str(answer["access_token"])
-        self._access_exp, self._access_iat = self._token_times(self._access_token, answer["expires_at"])
-        new_rt = answer.get("refresh_token")
-        if isinstance(new_rt, str) and new_rt:
-            self._refresh_token = new_rt
-            self._refresh_exp = (_iso_ts(answer.get("refresh_expires_at"))
-                                 or _num(_token_claims(new_rt).get("exp")))
-        self._remember(self._access_token, self._refresh_token)
-
-    def _adopt_from_disk(self) -> None:
-        """Another process of this agent may have rotated the tokens in the bundle: take them."""
-        if self._bundle_path is None:
-            return
-        try:
-            disk = load_bundle(self._bundle_path)
-        except UompError:
-            return
-        if (disk.session_id != self._session_id or disk.refresh_token == self._refresh_token
-                or disk.access_token == self._access_token):
-            return
-        exp = _iso_ts(disk.access_expires_at)
-        if exp is None or exp < self._access_exp:
-            return
-        log.info("adopting tokens another process rotated for session %s", self._session_id)
-        self._apply_tokens({"access_token": disk.access_token, "expires_at": disk.access_expires_at,
-                            "refresh_token": disk.refresh_token, "refresh_expires_at": disk.refresh_expires_at})
-        self._bundle = disk
-
-    @contextlib.asynccontextmanager
-    async def _bundle_lock(self) -> AsyncIterator[None]:
-        """``flock`` on ``<bundle>.lock``: one refresh at a time across processes sharing the bundle."""
-        if self._bundle_path is None:
-            yield
-            return
-        lock_path = self._bundle_path.with_name(self._bundle_path.name + ".lock")
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise ConfigError("CONFIG_ERROR", f"cannot open the lock file {lock_path}: {exc.strerror}") from None
-        try:
-            deadline = time.monotonic() + self._opts.lock_timeout_seconds
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise Unavailable("LOCK_TIMEOUT", f"another process held {lock_path} for more than "
-                                          f"{self._opts.lock_timeout_seconds:g} s", None, self._session_id) from None
-                    await asyncio.sleep(0.05)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    async def _persist(self, update: Callable[[AgentBundle], AgentBundle], what: str) -> None:
-        """Write ``update(bundle)`` to the bundle file (caller holds the bundle lock)."""
-        path, mine = self._bundle_path, self._bundle
-        if path is None or mine is None:
-            return
-
-        def write() -> AgentBundle:
-            base = mine
-            with contextlib.suppress(UompError):
-                disk = load_bundle(path)
-                if disk.session_id == mine.session_id:
-                    base = disk  # keep what another process wrote (newer tokens or certificate)
-            new = update(base)
-            write_bundle(path, new)
-            return new
-
-        try:
-            self._bundle = await asyncio.to_thread(write)
-        except OSError as exc:
-            log.error("could not save %s to the agent bundle %s", what, path)
-            raise ConfigError("CONFIG_ERROR", f"could not save {what} to {path} ({exc.strerror}); fix this before the "
-                              "agent restarts: a restarted agent holding a spent refresh token revokes its own "
-                              "session", None, self._session_id) from None
-
-    # ----------------------------------------------------------------------- certificates
-
-    def _set_certificate(self, pem: str, key: AgentKey) -> None:
-        try:
-            cert = x509.load_pem_x509_certificate(pem.encode())
-        except ValueError as exc:
-            raise ConfigError("CONFIG_ERROR", "the agent certificate is not a PEM certificate") from exc
-        if _spki(cert.public_key()) != _spki(key.public_key()):
-            raise ConfigError("CONFIG_ERROR", "the agent certificate and the agent key do not belong together")
-        cert_agent = ca.agent_id_from_cert(cert)
-        if cert_agent != self._agent_id:
-            raise ConfigError("CONFIG_ERROR", "the agent certificate names another agent than the bundle")
-        self._cert, self._cert_pem, self._key = cert, pem, key
-        nb = cert.not_valid_before_utc.timestamp()
-        na = cert.not_valid_after_utc.timestamp()
-        self._renew_at = nb + (na - nb) * self._opts.renew_at_fraction
-
-    def _check_not_expired(self) -> None:
-        if self._cert is None:
-            return
-        if self._clock() >= self._cert.not_valid_after_utc.timestamp():
-            na = self._cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
-            raise CertificateError(
-                "CERT_EXPIRED",
-                f"the agent certificate (serial {self.certificate_serial}) expired at {na}; a certificate is "
-                "renewed with itself, so it is too late to renew: ask the user for a new one ('uomp agent issue "
-                f"{self._agent_id}' or 'uomp authorize --remote')", None, self._session_id)
-
-    async def _ensure_certificate(self) -> None:
-        self._check_not_expired()
-        now = self._clock()
-        if now < self._renew_at or now < self._renew_blocked_until:
-            return
-        async with self._cert_lock:
-            now = self._clock()
-            if now < self._renew_at or now < self._renew_blocked_until:
-                return
-            try:
-                await self._renew(None)
-            except UompClientError as exc:
-                self._renew_blocked_until = self._clock() + self._opts.renew_retry_seconds
-                log.warning("automatic renewal of the agent certificate failed (%s: %s); the current one stays in "
-                            "use until %s", exc.code, exc.message, self.certificate_not_after)
-
-    async def _renew(self, csr_key: AgentKey | None) -> RenewedCertificate:
-        assert self._key is not None and self._ca_cert is not None
-        body: JSONObject | None = None
-        if csr_key is not None:
-            csr = ca.make_csr(csr_key, self._agent_id)
-            body = {"csr": csr.public_bytes(serialization.Encoding.PEM).decode()}
-        status, answer = await self._send("POST", "/v1/certificates/renew", None, body if body is not None else {},
-                                          None)
-        if status >= 300:
-            raise error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
-        pem = answer.get("certificate") if isinstance(answer, dict) else None
-        if not isinstance(pem, str):
-            raise ProtocolError("BAD_RESPONSE", "the renewal answer has no certificate", status, self._session_id)
-        new_key = csr_key if csr_key is not None else self._key
-        try:
-            cert = x509.load_pem_x509_certificate(pem.encode())
-            ca_cert = x509.load_pem_x509_certificate(self._ca_cert.encode())
-        except ValueError:
-            raise ProtocolError("BAD_RESPONSE", "the renewed certificate is not PEM", status,
-                                self._session_id) from None
-        if not ca.is_issued_by(cert, ca_cert):
-            raise ProtocolError("BAD_RESPONSE", "the renewed certificate was not issued by the bundle's CA", status,
-                                self._session_id)
-        try:
-            self._set_certificate(pem, new_key)
-        except ConfigError as exc:
-            raise ProtocolError("BAD_RESPONSE", f"the renewed certificate is unusable: {exc.message}", status,
-                                self._session_id) from None
-        # New connections use the new certificate; calls in flight finish on the old pool.
-        old, self._conn = self._conn, self._new_conn()
-        self._retired = [c for c in self._retired if not c.session.closed]
-        if old is not None:
-            old.retired = True
-            if old.inflight == 0:
-                await old.session.close()
-            else:
-                self._retired.append(old)
-        rotated = csr_key is not None
-        key_pem = ca.key_pem(new_key).decode() if rotated else None
-
-        def update(b: AgentBundle) -> AgentBundle:
-            if key_pem is None:
-                return dataclasses.replace(b, agent_cert=pem)
-            return dataclasses.replace(b, agent_cert=pem, agent_key=key_pem, agent_key_file=None)
-
-        async with self._bundle_lock():
-            await self._persist(update, "the renewed certificate")
-        serial = ca.serial_hex(cert.serial_number)
-        log.info("agent certificate renewed for %s: serial %s valid until %s%s", self._agent_id, serial,
-                 cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"), " (new key)" if rotated else "")
-        return RenewedCertificate(serial=serial, not_after=cert.not_valid_after_utc, certificate=pem,
-                                  new_key=rotated)
 
 
 __all__ = ["AGGREGATE_OPS", "ClientOptions", "Mode", "RenewedCertificate", "UompClient", "memory_hash"]
