@@ -1,4 +1,7 @@
-"""The agent manifest ``uom.json`` (spec §6) and its publisher identity (spec §16), pure.
+"""The agent manifest ``uom.json`` (spec §6), pure; its publisher identity (spec §16) is re-exported.
+
+A little over ~500 lines, one job: the field-by-field validation of ``uom.json`` and its data
+model (the publisher-identity check, a second job, is :mod:`gateway.core.publisher`).
 
 :func:`parse_manifest` takes the file's bytes (or an already decoded object) and returns a
 frozen :class:`Manifest`, or raises ``UompError(ErrorCode.MANIFEST_INVALID)`` listing EVERY bad field at
@@ -17,16 +20,16 @@ able to repaint the user's terminal or reorder what the user reads.
 Retention (§6.5): :func:`retention_level` maps a policy to ``zero`` / ``short`` / ``session`` /
 ``no_guarantee``; the CLI warns loudly on ``no_guarantee``.
 
-Identity (§16): :func:`verify_identity` verifies one method only, ``did:key`` with an Ed25519
-key. The signed bytes are ``canonical_json`` (RFC 8785) of the WHOLE manifest object exactly as
-decoded, with the single member ``proofValue`` removed from ``identity.proof`` (every other
-member, ``identity.proof.type``/``created``/``verificationMethod`` included, is signed). The
-signature is plain Ed25519 (RFC 8032) over those bytes; ``proofValue`` is either base64url
-without padding or multibase base58btc (``z`` prefix), both accepted. This is a UOMP
-construction that borrows the W3C proof member names; it is NOT the W3C Data Integrity
-``Ed25519Signature2020`` algorithm (which hashes RDF-canonicalised data). A verified
-``did:key`` proves the manifest was signed by the holder of that key, nothing more: who the
-key belongs to is the user's trust list (§16.4).
+Identity (§16), in :mod:`gateway.core.publisher` (re-exported here): :func:`verify_identity`
+verifies one method only, ``did:key`` with an Ed25519 key. The signed bytes are ``canonical_json``
+(RFC 8785) of the WHOLE manifest object exactly as decoded, with the single member ``proofValue``
+removed from ``identity.proof`` (every other member,
+``identity.proof.type``/``created``/``verificationMethod`` included, is signed). The signature is
+plain Ed25519 (RFC 8032) over those bytes; ``proofValue`` is either base64url without padding or
+multibase base58btc (``z`` prefix), both accepted. This is a UOMP construction that borrows the W3C
+proof member names; it is NOT the W3C Data Integrity ``Ed25519Signature2020`` algorithm (which
+hashes RDF-canonicalised data). A verified ``did:key`` proves the manifest was signed by the holder
+of that key, nothing more: who the key belongs to is the user's trust list (§16.4).
 
 Every other method (``did:ethr``, ``did:web``, GPG, X.509, registry) is reported as
 unverified with the reason ``"method not supported by this verifier: reported as unverified
@@ -41,18 +44,20 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric import ed25519
-
-from gateway.core import jose
-from gateway.core.canonical import canonical_json
 from gateway.core.didkey import b58btc_decode as b58btc_decode  # re-exported for callers of this module
 from gateway.core.didkey import b58btc_encode as b58btc_encode
 from gateway.core.didkey import did_key_from_public as did_key_from_public
 from gateway.core.didkey import public_key_from_did_key as public_key_from_did_key
+from gateway.core.publisher import DID_PATTERN, MAX_PROOF_VALUE, VERIFICATION_METHODS
+from gateway.core.publisher import MAX_DID as MAX_DID
+from gateway.core.publisher import PROOF_TYPE as PROOF_TYPE  # re-exported: the publisher identity (§16)
+from gateway.core.publisher import UNSUPPORTED_REASON as UNSUPPORTED_REASON
+from gateway.core.publisher import IdentityResult as IdentityResult
+from gateway.core.publisher import manifest_signing_input as manifest_signing_input
+from gateway.core.publisher import sign_manifest as sign_manifest
+from gateway.core.publisher import verify_identity as verify_identity
 from gateway.core.tokens import Scope, parse_iso
 from gateway.errors import ErrorCode, UompError
 
@@ -65,16 +70,11 @@ MAX_VERSION = 64
 MAX_SCOPE_ITEM = 256
 MAX_LIST_ITEMS = 1024
 MAX_CAPABILITY = 64
-MAX_DID = 2048
-MAX_PROOF_VALUE = 4096
 # §6.5 retention levels, in seconds of max_retention_seconds (upper bounds, inclusive).
 SHORT_RETENTION_MAX = 600  # "short": discard after each task (the table's 300-600)
 SESSION_RETENTION_MAX = 86_400  # "session": kept until the session ends; beyond a day: no guarantee
 
 DELETION_METHODS = ("process_termination", "secure_wipe", "ephemeral_storage")
-VERIFICATION_METHODS = ("did", "gpg", "x509", "registry")
-PROOF_TYPE = "Ed25519Signature2020"
-UNSUPPORTED_REASON = "method not supported by this verifier: reported as unverified publisher"
 
 RetentionLevel = Literal["zero", "short", "session", "no_guarantee"]
 
@@ -83,7 +83,6 @@ _VERSION = re.compile(
     r"[0-9]+\.[0-9]+\.[0-9]+(?:-[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?"
 )
 _CAPABILITY = re.compile(r"[a-z][a-z0-9_-]*(?:\.[a-z][a-z0-9_-]*)*")
-_DID = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._:%-]+")
 # C0 and C1 controls, DEL, the Unicode line/paragraph separators, and the bidirectional
 # marks/overrides/isolates ("Trojan Source"). Descriptions may contain \n and \t.
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
@@ -143,15 +142,6 @@ class Manifest:
     retention: RetentionPolicy | None
     identity: IdentityClaim | None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class IdentityResult:
-    verified: bool
-    method: str  # "did:key", "did:ethr", "did:web", "gpg", "x509", "registry" or "none"
-    did: str | None
-    public_key: ed25519.Ed25519PublicKey | None  # set only when verified
-    reason: str
 
 
 # ------------------------------------------------------------------------------ validation
@@ -377,7 +367,7 @@ def _identity(value: Any, errs: _Errors) -> IdentityClaim | None:
     did = _member(obj, "did", p, errs)
     if did is _MISSING:
         did = None
-    elif not isinstance(did, str) or len(did) > MAX_DID or not _DID.fullmatch(did):
+    elif not isinstance(did, str) or len(did) > MAX_DID or not DID_PATTERN.fullmatch(did):
         errs.add("identity.did", "must be a DID (did:<method>:<identifier>)")
         did = None
     methods = _str_list(
@@ -548,169 +538,3 @@ def retention_level(policy: RetentionPolicy | None) -> RetentionLevel:
     if seconds <= SESSION_RETENTION_MAX:
         return "session"
     return "no_guarantee"
-
-
-# ------------------------------------------------------------------------------ identity
-
-
-def _proof_value_member(proof: Mapping[str, Any]) -> str | None:
-    names = [n for n in ("proofValue", "proof_value") if n in proof]
-    if len(names) != 1:
-        return None
-    return names[0]
-
-
-def manifest_signing_input(manifest_raw: Mapping[str, Any]) -> bytes:
-    """The bytes a publisher signs: canonical_json of the manifest without identity.proof.proofValue.
-
-    Raises ``INVALID_REQUEST`` when the manifest has no identity.proof object or cannot be
-    canonicalised.
-    """
-    identity = manifest_raw.get("identity")
-    proof = identity.get("proof") if isinstance(identity, dict) else None
-    if not isinstance(identity, dict) or not isinstance(proof, dict):
-        raise UompError(ErrorCode.INVALID_REQUEST, "manifest has no identity.proof object")
-    stripped_proof = {k: v for k, v in proof.items() if k not in ("proofValue", "proof_value")}
-    doc = dict(manifest_raw)
-    doc["identity"] = {**identity, "proof": stripped_proof}
-    return canonical_json(doc)
-
-
-def _signature_candidates(value: str) -> list[bytes]:
-    """64-byte decodings of ``value``: multibase 'z' base58btc and/or unpadded base64url."""
-    out: list[bytes] = []
-    if value.startswith("z"):
-        try:
-            sig = b58btc_decode(value[1:])
-            if len(sig) == 64:
-                out.append(sig)
-        except ValueError:
-            pass
-    try:
-        sig = jose.b64u_decode(value)
-        if len(sig) == 64:
-            out.append(sig)
-    except ValueError:
-        pass
-    return out
-
-
-def _unverified(method: str, did: str | None, reason: str) -> IdentityResult:
-    return IdentityResult(verified=False, method=method, did=did, public_key=None, reason=reason)
-
-
-def verify_identity(manifest_raw: Mapping[str, Any]) -> IdentityResult:
-    """Verify the publisher identity of a decoded manifest (see the module docstring).
-
-    Never raises for a bad or unsupported identity: the answer is ``verified=False`` with a
-    reason the CLI shows next to "unverified publisher".
-    """
-    if not isinstance(manifest_raw, Mapping):
-        return _unverified("none", None, "manifest is not an object: reported as unverified publisher")
-    identity = manifest_raw.get("identity")
-    if identity is None:
-        return _unverified("none", None, "manifest declares no identity: reported as unverified publisher")
-    if not isinstance(identity, dict):
-        return _unverified("none", None, "identity is malformed: reported as unverified publisher")
-    did = identity.get("did")
-    if did is not None and (not isinstance(did, str) or not _DID.fullmatch(did) or len(did) > MAX_DID):
-        return _unverified("none", None, "identity.did is malformed: reported as unverified publisher")
-    if not did:
-        methods = identity.get("verification_methods", identity.get("verificationMethods"))
-        method = "none"
-        if isinstance(methods, list) and methods and isinstance(methods[0], str):
-            method = methods[0] if methods[0] in VERIFICATION_METHODS else "none"
-        if method == "none":
-            return _unverified("none", None, "identity names no method: reported as unverified publisher")
-        return _unverified(method, None, UNSUPPORTED_REASON)
-    did_method = ":".join(did.split(":")[:2])
-    if did_method != "did:key":
-        return _unverified(did_method, did, UNSUPPORTED_REASON)
-
-    try:
-        pub = public_key_from_did_key(did)
-    except ValueError:
-        return _unverified(
-            "did:key", did, "did:key is malformed or not an Ed25519 key: reported as unverified publisher"
-        )
-    proof = identity.get("proof")
-    if not isinstance(proof, dict):
-        return _unverified("did:key", did, "identity.proof is missing: reported as unverified publisher")
-    if proof.get("type") != PROOF_TYPE:
-        return _unverified("did:key", did, f"identity.proof.type is not {PROOF_TYPE}: reported as unverified publisher")
-    vm = proof.get("verificationMethod")
-    if vm is not None and (not isinstance(vm, str) or (vm != did and not vm.startswith(did + "#"))):
-        return _unverified(
-            "did:key",
-            did,
-            "identity.proof.verificationMethod names another key: reported as unverified publisher",
-        )
-    member = _proof_value_member(proof)
-    value = proof.get(member) if member else None
-    if not isinstance(value, str) or len(value) > MAX_PROOF_VALUE:
-        return _unverified("did:key", did, "identity.proof.proofValue is missing: reported as unverified publisher")
-    candidates = _signature_candidates(value)
-    if not candidates:
-        return _unverified(
-            "did:key",
-            did,
-            "identity.proof.proofValue is not a 64-byte signature (base64url or multibase base58btc): "
-            "reported as unverified publisher",
-        )
-    try:
-        signed = manifest_signing_input(manifest_raw)
-    except UompError:
-        return _unverified("did:key", did, "manifest cannot be canonicalised: reported as unverified publisher")
-    for sig in candidates:
-        try:
-            pub.verify(sig, signed)
-        except InvalidSignature:
-            continue
-        return IdentityResult(
-            verified=True,
-            method="did:key",
-            did=did,
-            public_key=pub,
-            reason="manifest signature verified for this did:key (the key is self-certifying: "
-            "compare the DID with the one the publisher advertises)",
-        )
-    return _unverified(
-        "did:key",
-        did,
-        "signature does not verify: the manifest was altered or signed by another key; "
-        "reported as unverified publisher",
-    )
-
-
-def sign_manifest(
-    manifest: Mapping[str, Any],
-    private_key: ed25519.Ed25519PrivateKey,
-    did: str | None = None,
-    *,
-    created: str | None = None,
-) -> dict[str, Any]:
-    """A copy of ``manifest`` with ``identity`` set to a did:key and a fresh proof (tests, examples).
-
-    ``did`` defaults to the key's own did:key; a ``did`` that is not the key's did:key is
-    refused (KEY_ERROR), since nothing could verify it. ``identity.verification_methods``
-    defaults to ``["did"]``; ``created`` defaults to now (UTC). ``proofValue`` is base64url.
-    """
-    own = did_key_from_public(private_key.public_key())
-    if did is not None and did != own:
-        raise UompError(ErrorCode.KEY_ERROR, "did does not match the signing key (only did:key can be signed here)")
-    doc = copy.deepcopy(dict(manifest))
-    existing = doc.get("identity")
-    identity: dict[str, Any] = dict(existing) if isinstance(existing, dict) else {}
-    identity["did"] = own
-    if "verification_methods" not in identity and "verificationMethods" not in identity:
-        identity["verification_methods"] = ["did"]
-    fragment = own[len("did:key:") :]
-    identity["proof"] = {
-        "type": PROOF_TYPE,
-        "created": created or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "verificationMethod": f"{own}#{fragment}",
-    }
-    doc["identity"] = identity
-    signature = private_key.sign(manifest_signing_input(doc))
-    identity["proof"]["proofValue"] = jose.b64u_encode(signature)
-    return doc
