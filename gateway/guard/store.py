@@ -1,5 +1,10 @@
 """The Memory Store: the user's Memory Items (spec §11) in one SQLite file.
 
+Longer than ~500 lines on purpose: the read path every request takes (:meth:`MemoryStore.get_meta`,
+``get``, tag pages, aggregates) stays in one class next to the SQL it runs, with no extra layer of
+calls, and the seam (:class:`MemoryStorage`) is declared next to it; the item rules are
+:mod:`gateway.guard.items`, bulk writes :mod:`gateway.guard.bulk`.
+
 Layout (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
 
     items(key PRIMARY KEY, value JSON text, tags JSON text (item order), sensitivity, source,
@@ -57,34 +62,41 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
 from gateway.db import trim_wal
 from gateway.errors import ErrorCode, UompError
+from gateway.guard.bulk import BULK_CHUNK, BulkWriter
+from gateway.guard.items import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_KEY_CHARS,
+    MAX_TAG_CHARS,
+    MAX_TAGS,
+    MAX_TIMESTAMP_CHARS,
+    MAX_VALUE_BYTES,
+    SENSITIVITIES,
+    SOURCES,
+    MemoryItem,
+    description_problem,
+    encode_value,
+    item_problem,
+    key_problem,
+    sensitivity_problem,
+    source_problem,
+    tag_problem,
+    tags_problem,
+    timestamp_problem,
+    utc_now,
+)
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2
 
-SENSITIVITIES = ("low", "medium", "high")
-SOURCES = ("user", "agent")
-
-MAX_KEY_CHARS = 256
-MAX_TAG_CHARS = 128
-MAX_TAGS = 64
-MAX_DESCRIPTION_CHARS = 4096
-MAX_TIMESTAMP_CHARS = 64
-MAX_VALUE_BYTES = 1024 * 1024  # serialised JSON, UTF-8
 MAX_LIST_LIMIT = 100_000
 DEFAULT_BUSY_TIMEOUT_SECONDS = 5.0
-
-# Chunk size for ``key IN (...)`` look-ups: far below SQLite's bound-variable limit.
-_IN_CHUNK = 500
-# Items a BulkWriter buffers before handing them to SQLite in one executemany.
-BULK_CHUNK = 1000
 
 _SCHEMA = f"""
 CREATE TABLE items (
@@ -135,15 +147,6 @@ _SQL_ATOMS_HEAD = (
     f"* (((i.rowid % {_P}) * :c + :d) % {_P})) % {_P}) "
     "FROM m JOIN items i ON i.key = m.k WHERE json_type(i.value, :path) IN ('integer', 'real')")
 _SQL_ATOMS_TAIL = " GROUP BY m.pattern LIMIT :max"
-_SQL_INSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
-               "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
-_SQL_UPSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
-               "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-               "ON CONFLICT(key) DO UPDATE SET value = excluded.value, tags = excluded.tags, "
-               "sensitivity = excluded.sensitivity, source = excluded.source, "
-               "created_at = excluded.created_at, updated_at = excluded.updated_at, "
-               "description = excluded.description")
-
 # SQLite error name (prefix) -> the fixed sentence the user sees.
 _REASONS: tuple[tuple[str, str], ...] = (
     ("SQLITE_BUSY", "the memory store is locked by another process; try again"),
@@ -156,174 +159,6 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("SQLITE_IOERR", "disk I/O error on the memory store"),
     ("SQLITE_CONSTRAINT", "the memory store refused the write"),
 )
-
-
-def utc_now() -> str:
-    """The current time as the store writes it: ``2026-07-12T10:00:00Z``."""
-    return datetime.now(UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True)
-class MemoryItem:
-    """One Memory Item (spec §11.1). ``value`` is any JSON value."""
-
-    key: str
-    value: Any
-    tags: tuple[str, ...]
-    sensitivity: str
-    source: str
-    created_at: str
-    updated_at: str
-    description: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The spec §11.1 object: tags as a list, ``description`` left out when None."""
-        out: dict[str, Any] = {
-            "key": self.key,
-            "value": self.value,
-            "tags": list(self.tags),
-            "sensitivity": self.sensitivity,
-            "source": self.source,
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-        }
-        if self.description is not None:
-            out["description"] = self.description
-        return out
-
-
-# --------------------------------------------------------------------------- validation
-# Each ``*_problem`` returns None when the input is fine, else a fixed sentence that names the
-# field but never repeats the offending text (it may be a misplaced secret).
-
-
-# Unicode category Cc (C0, DEL, C1), lone surrogates (Cs) and the line/paragraph separators.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029]")
-_CONTROL_BUT_NEWLINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029]")
-
-
-def _has_control(text: str, *, allow_newlines: bool = False) -> bool:
-    pattern = _CONTROL_BUT_NEWLINES if allow_newlines else _CONTROL
-    return pattern.search(text) is not None
-
-
-def key_problem(key: object) -> str | None:
-    if not isinstance(key, str):
-        return "key must be a string"
-    if not key:
-        return "key is empty"
-    if len(key) > MAX_KEY_CHARS:
-        return f"key is longer than {MAX_KEY_CHARS} characters"
-    if key != key.strip():
-        return "key has leading or trailing white space"
-    if _has_control(key):
-        return "key contains control characters"
-    return None
-
-
-def tag_problem(tag: object) -> str | None:
-    if not isinstance(tag, str):
-        return "each tag must be a string"
-    if not tag:
-        return "a tag is empty"
-    if len(tag) > MAX_TAG_CHARS:
-        return f"a tag is longer than {MAX_TAG_CHARS} characters"
-    if tag != tag.strip():
-        return "a tag has leading or trailing white space"
-    if _has_control(tag):
-        return "a tag contains control characters"
-    return None
-
-
-def tags_problem(tags: object) -> str | None:
-    if not isinstance(tags, tuple | builtins.list):
-        return "tags must be a list of strings"
-    if len(tags) > MAX_TAGS:
-        return f"more than {MAX_TAGS} tags"
-    for tag in tags:
-        problem = tag_problem(tag)
-        if problem:
-            return problem
-    if len(set(tags)) != len(tags):
-        return "a tag is repeated"
-    return None
-
-
-def sensitivity_problem(sensitivity: object) -> str | None:
-    if sensitivity not in SENSITIVITIES:
-        return "sensitivity must be low, medium or high"
-    return None
-
-
-def source_problem(source: object) -> str | None:
-    if source not in SOURCES:
-        return "source must be user or agent"
-    return None
-
-
-def timestamp_problem(value: object, field: str) -> str | None:
-    """``value`` must be an ISO 8601 date-time with a time zone (the store writes UTC ``Z``)."""
-    if not isinstance(value, str) or not value or len(value) > MAX_TIMESTAMP_CHARS:
-        return f"{field} must be an ISO 8601 timestamp"
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        return f"{field} must be an ISO 8601 timestamp"
-    if "T" not in value.upper() or parsed.tzinfo is None:
-        return f"{field} must be an ISO 8601 timestamp with a time zone"
-    return None
-
-
-def description_problem(description: object) -> str | None:
-    if description is None:
-        return None
-    if not isinstance(description, str):
-        return "description must be a string"
-    if len(description) > MAX_DESCRIPTION_CHARS:
-        return f"description is longer than {MAX_DESCRIPTION_CHARS} characters"
-    if _has_control(description, allow_newlines=True):
-        return "description contains control characters"
-    return None
-
-
-def encode_value(value: Any) -> str:
-    """``value`` as the JSON text the store keeps; INVALID_REQUEST if it is not JSON or too big."""
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise UompError(ErrorCode.INVALID_REQUEST, "value is not a JSON value") from exc
-    if len(text) > MAX_VALUE_BYTES // 4 and len(text.encode("utf-8")) > MAX_VALUE_BYTES:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"value is larger than {MAX_VALUE_BYTES} bytes")
-    return text
-
-
-def item_problem(item: MemoryItem) -> str | None:
-    """The first thing wrong with ``item`` (value excepted: see :func:`encode_value`), or None."""
-    return (
-        key_problem(item.key)
-        or tags_problem(item.tags)
-        or sensitivity_problem(item.sensitivity)
-        or source_problem(item.source)
-        or timestamp_problem(item.created_at, "created_at")
-        or timestamp_problem(item.updated_at, "updated_at")
-        or description_problem(item.description)
-    )
-
-
-def _row_of(item: MemoryItem) -> tuple[str, str, str, str, str, str, str, str | None]:
-    problem = item_problem(item)
-    if problem:
-        raise UompError(ErrorCode.INVALID_REQUEST, problem)
-    return (
-        item.key,
-        encode_value(item.value),
-        json.dumps(list(item.tags), ensure_ascii=False, separators=(",", ":")),
-        item.sensitivity,
-        item.source,
-        item.created_at,
-        item.updated_at,
-        item.description,
-    )
 
 
 def _item_of(row: tuple[Any, ...]) -> MemoryItem:
@@ -442,17 +277,6 @@ def json_path(field_path: str) -> str | None:
     if len(segments) > MAX_FIELD_SEGMENTS or not all(_FIELD_SEGMENT.fullmatch(p) for p in segments):
         return None
     return "$" + "".join(f'."{p}"' for p in segments)
-_Row = tuple[str, str, str, str, str, str, str, str | None]
-
-
-def _integrity(exc: sqlite3.IntegrityError) -> UompError | None:
-    """The INVALID_REQUEST for an insert over an existing key; None for any other constraint."""
-    name = str(getattr(exc, "sqlite_errorname", ""))
-    if name in ("SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"):
-        return UompError(ErrorCode.INVALID_REQUEST, "an item with this key already exists (replace it explicitly)")
-    return None
-
-
 # ============================================================================ the seam
 # What the guard, the importer and the CLI need of a memory store. MemoryStore (SQLite, below) is the
 # one implementation; tests/test_seams.py is the behaviour any other must show. Every method may raise
@@ -530,161 +354,6 @@ class MemoryStorage(Protocol):
 
 
 # ============================================================================ SQLite
-
-
-class BulkWriter(MemoryBulkWriting):
-    """Items streamed into one transaction; made by :meth:`MemoryStore.bulk_writer` (see there)."""
-
-    def __init__(self, store: MemoryStore, *, replace: bool, dry_run: bool, chunk: int) -> None:
-        self._store = store
-        self.replace = replace
-        self.dry_run = dry_run
-        self._chunk = max(1, chunk)
-        self._rows: builtins.list[_Row] = []
-        self._tags: builtins.list[tuple[str, str]] = []
-        self._buffered_keys: set[str] = set()
-        self._state = "new"  # new -> open -> committed | rolled_back
-        self.written = 0  # items added (written when committed; validated only in a dry run)
-
-    # ----------------------------------------------------------------- lifetime
-
-    def __enter__(self) -> BulkWriter:
-        if self._state != "new":
-            raise RuntimeError("a BulkWriter is entered once")
-        store = self._store
-        store._lock.acquire()
-        try:
-            if store._bulk is not None:
-                raise RuntimeError("a bulk writer is already open on this memory store")
-            with store._guard() as conn:
-                if self.dry_run:
-                    # A read transaction: one consistent snapshot for the look-ups, no write lock.
-                    conn.execute("BEGIN")
-                    conn.execute("SELECT count(*) FROM items WHERE key = ''").fetchone()
-                else:
-                    conn.execute("BEGIN IMMEDIATE")
-            store._bulk = self
-            self._state = "open"
-        except BaseException:
-            store._lock.release()
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        store = self._store
-        try:
-            if self._state == "open":
-                self._rollback()
-        finally:
-            if store._bulk is self:
-                store._bulk = None
-                store._lock.release()
-
-    def _rollback(self) -> None:
-        self._state = "rolled_back"
-        self._drop_buffer()
-        with contextlib.suppress(sqlite3.Error):
-            self._store._conn.execute("ROLLBACK")
-
-    def _drop_buffer(self) -> None:
-        self._rows.clear()
-        self._tags.clear()
-        self._buffered_keys.clear()
-
-    def _check_open(self) -> None:
-        if self._state != "open":
-            raise RuntimeError(f"the bulk writer is {self._state.replace('_', ' ')}, not open")
-
-    # ----------------------------------------------------------------- writing
-
-    def add(self, item: MemoryItem) -> None:
-        """Validate and queue one item. A bad item is INVALID_REQUEST and is not queued (the writer
-        stays open: the caller decides whether to go on). Without ``replace`` an existing key, or one
-        added twice, is INVALID_REQUEST when its chunk is written (see :meth:`flush`); with
-        ``replace`` it is overwritten, the last one wins. In a dry run the item is only validated
-        (use :meth:`existing` to look keys up)."""
-        self._check_open()
-        row = _row_of(item)
-        if self.dry_run:
-            self.written += 1
-            return
-        if item.key in self._buffered_keys:
-            self.flush()  # one key twice in one executemany would trip over its own tag rows
-        self._rows.append(row)
-        self._tags.extend((tag, item.key) for tag in item.tags)
-        self._buffered_keys.add(item.key)
-        self.written += 1
-        if len(self._rows) >= self._chunk:
-            self.flush()
-
-    def flush(self) -> None:
-        """Hand the queued items to SQLite now (still inside the open transaction). Any failure
-        here (an existing key without ``replace``, disk full, ...) rolls the whole transaction back
-        and ends the writer: a half-written chunk is never left behind to be committed."""
-        self._check_open()
-        if not self._rows:
-            return
-        rows, tags, keys = self._rows, self._tags, self._buffered_keys
-        try:
-            with self._store._guard() as conn:
-                if self.replace:
-                    conn.executemany("DELETE FROM item_tags WHERE item_key = ?", ((k,) for k in keys))
-                    conn.executemany(_SQL_UPSERT, rows)
-                else:
-                    try:
-                        conn.executemany(_SQL_INSERT, rows)
-                    except sqlite3.IntegrityError as exc:
-                        refusal = _integrity(exc)
-                        if refusal is not None:
-                            raise refusal from exc
-                        raise
-                conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", tags)
-        except BaseException:
-            self._rollback()
-            raise
-        self._drop_buffer()
-
-    def existing(self, keys: Iterable[str]) -> dict[str, str]:
-        """Those of ``keys`` already in the store as this transaction sees it (the snapshot taken
-        when the writer opened, plus what it has written), each with its ``created_at``."""
-        self._check_open()
-        if not self.dry_run:
-            self.flush()
-        found: dict[str, str] = {}
-        with self._store._guard() as conn:
-            for chunk in _chunks(keys, _IN_CHUNK):
-                marks = ",".join("?" * len(chunk))
-                found.update(conn.execute(  # only "?" marks in the text
-                    f"SELECT key, created_at FROM items WHERE key IN ({marks})", chunk).fetchall())
-        return found
-
-    def commit(self) -> int:
-        """Write what is queued and COMMIT; returns how many items were written. On failure the
-        transaction is rolled back and STORE_UNAVAILABLE (or INVALID_REQUEST) raised."""
-        self._check_open()
-        if self.dry_run:
-            raise RuntimeError("a dry-run bulk writer never commits")
-        try:
-            self.flush()
-            with self._store._guard() as conn:
-                conn.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
-        self._state = "committed"
-        return self.written
-
-
-def _chunks(items: Iterable[str], size: int) -> Iterator[builtins.list[str]]:
-    chunk: builtins.list[str] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 class MemoryStore(MemoryStorage):
@@ -1041,3 +710,42 @@ class MemoryStore(MemoryStorage):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+# Importable from here as before the items and the bulk writer had modules of their own.
+__all__ = [
+    "BULK_CHUNK",
+    "DEFAULT_BUSY_TIMEOUT_SECONDS",
+    "HASH_PRIME",
+    "MAX_DESCRIPTION_CHARS",
+    "MAX_FIELD_SEGMENTS",
+    "MAX_KEY_CHARS",
+    "MAX_LIST_LIMIT",
+    "MAX_TAGS",
+    "MAX_TAG_CHARS",
+    "MAX_TIMESTAMP_CHARS",
+    "MAX_VALUE_BYTES",
+    "SCHEMA_VERSION",
+    "SENSITIVITIES",
+    "SOURCES",
+    "AggregateRow",
+    "Atom",
+    "BulkWriter",
+    "ItemMeta",
+    "MemoryBulkWriting",
+    "MemoryItem",
+    "MemoryStorage",
+    "MemoryStore",
+    "ReadFilter",
+    "description_problem",
+    "encode_value",
+    "item_problem",
+    "json_path",
+    "key_problem",
+    "sensitivity_problem",
+    "source_problem",
+    "tag_problem",
+    "tags_problem",
+    "timestamp_problem",
+    "utc_now",
+]
