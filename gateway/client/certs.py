@@ -49,7 +49,6 @@ def bundle_key(bundle: AgentBundle, bundle_path: Path) -> AgentKey | None:
     return load_key_pem(data, f"{path}")
 
 
-
 class ClientCertificates(ClientTokens):
     """The certificate layer of :class:`~gateway.client.sdk.UompClient`."""
 

@@ -84,7 +84,6 @@ class RenewedCertificate:
     new_key: bool
 
 
-
 class ClientState:
     """The attributes the client's layers share (set in :meth:`UompClient.__init__`)."""
 

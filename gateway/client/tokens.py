@@ -51,7 +51,6 @@ def num(value: Any) -> float | None:
     return float(value)
 
 
-
 class ClientTokens(ClientTransport):
     """The token layer of :class:`~gateway.client.sdk.UompClient`."""
 

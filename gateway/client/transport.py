@@ -58,7 +58,6 @@ def check_url(url: str, what: str, *, allow_loopback_http: bool) -> str:
     return url.strip().rstrip("/")
 
 
-
 class Pool:
     """One aiohttp session (one SSL context); retired sessions close when their last call ends."""
 
@@ -71,7 +70,6 @@ class Pool:
         self.inflight -= 1
         if self.retired and self.inflight == 0 and not self.session.closed:
             await self.session.close()
-
 
 
 def _query(query: Mapping[str, str] | None) -> str:

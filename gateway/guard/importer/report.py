@@ -57,7 +57,6 @@ class MultiFileError(Exception):
         self.problems = problems
 
 
-
 class Notices:
     """Counts of each kind of change, per field; rendered as sentences in first-seen order."""
 
