@@ -1,5 +1,9 @@
 """The user's certificate authority on disk, under ``$UOMP_HOME/ca`` (0700).
 
+Longer than ~500 lines on purpose: one job, the CA's rules (create, issue, renew, revoke, sign the
+CRL), whose steps share one lock and one registry transaction; the rows themselves are kept by
+:mod:`gateway.ca_registry`.
+
 Files:
 
 * ``ca.key`` (0600), ``ca.crt``: the CA (:func:`gateway.core.ca.create_ca`). Made once; never
@@ -29,18 +33,29 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
-import json
-import os
-import sqlite3
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from gateway.ca_registry import (  # noqa: F401  (registry names importable from here as before)
+    CRL_KEEP_AFTER_EXPIRY,
+    REGISTRY_BUSY_TIMEOUT_SECONDS,
+    REGISTRY_RETENTION,
+    Entry,
+    Registry,
+    epoch,
+    from_epoch,
+    legacy_registry_path,
+    locked,
+    parse_ts,
+    registry,
+    registry_path,
+    ts,
+)
+from gateway.ca_registry import locked as _locked  # noqa: F401  (the old private name, used by tests)
 from gateway.config import Paths
 from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError
@@ -50,19 +65,12 @@ from gateway.fsutil import atomic_write, check_private_dir, ensure_output_dir, e
 CRL_REFRESH_BEFORE = dt.timedelta(days=4)
 # Re-issue the gateway certificate when less than this is left.
 SERVER_CERT_RENEW_BEFORE = dt.timedelta(days=30)
-# Registry rows are dropped this long after their certificate expired (they can no longer be used
-# or renewed, and an expired certificate needs no CRL entry).
-REGISTRY_RETENTION = dt.timedelta(days=30)
-# A revoked certificate stays on the CRL until this long after its notAfter (clock skew margin).
-CRL_KEEP_AFTER_EXPIRY = dt.timedelta(days=1)
 # Renewal: only in the last third of a certificate's life (the SDK renews at 2/3), and at most
 # RENEW_MAX_PER_AGENT renewals per agent per RENEW_RATE_WINDOW. The gateway passes its
 # configured values ([gateway] renew_window_fraction, renew_max_per_agent, renew_rate_window_seconds).
 RENEW_WINDOW_FRACTION = 1 / 3
 RENEW_MAX_PER_AGENT = 12
 RENEW_RATE_WINDOW = dt.timedelta(hours=1)
-# How long a registry operation waits for another process's write transaction.
-REGISTRY_BUSY_TIMEOUT_SECONDS = 10.0
 _RESTORE_KEY = (
     "restore the CA key (or remove the ca directory deliberately: every certificate it issued dies)"
 )
@@ -89,28 +97,6 @@ def server_cert_path(paths: Paths) -> Path:
 
 def crl_path(paths: Paths) -> Path:
     return paths.crl
-
-
-def registry_path(paths: Paths) -> Path:
-    return paths.ca_registry
-
-
-def legacy_registry_path(paths: Paths) -> Path:
-    """The JSON registry of earlier versions: migrated into :func:`registry_path` when first seen."""
-    return paths.ca_registry_legacy
-
-
-@contextlib.contextmanager
-def _locked(paths: Paths) -> Iterator[None]:
-    ensure_private_dir(paths.ca_dir, "CA directory")
-    fd = os.open(paths.ca_lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if legacy_registry_path(paths).exists():
-            _migrate_json(paths)
-        yield
-    finally:
-        os.close(fd)  # closing releases the flock
 
 
 # ------------------------------------------------------------------------------ file loading
@@ -183,249 +169,12 @@ def load_ca_cert(paths: Paths) -> x509.Certificate:
         raise UompError(ErrorCode.CA_ERROR, f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')") from exc
 
 
-# --------------------------------------------------------------------------------- registry
-
-_REGISTRY_SCHEMA = """
-CREATE TABLE IF NOT EXISTS certs (
-    serial       TEXT PRIMARY KEY,       -- lower-case hex (ca.serial_hex)
-    agent_id     TEXT NOT NULL,
-    not_before   INTEGER NOT NULL,       -- epoch seconds
-    not_after    INTEGER NOT NULL,
-    issued_at    INTEGER NOT NULL,
-    status       TEXT NOT NULL CHECK (status IN ('active', 'revoked')),
-    revoked_at   INTEGER,
-    renewed_from TEXT,                   -- the serial this certificate was renewed from
-    lineage      TEXT NOT NULL,          -- serial of the first certificate of its renewal chain
-    jkt          TEXT,                   -- RFC 7638 thumbprint of its key (tokens bound to it: cnf.jkt)
-    x5t          TEXT                    -- RFC 8705 certificate thumbprint (cnf.x5t#S256)
-);
-CREATE INDEX IF NOT EXISTS certs_agent ON certs (agent_id, issued_at);
-CREATE INDEX IF NOT EXISTS certs_parent ON certs (renewed_from);
-CREATE INDEX IF NOT EXISTS certs_lineage ON certs (lineage, not_after);
-CREATE INDEX IF NOT EXISTS certs_revoked ON certs (status, not_after);
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-"""
-
-
-def _ts(value: dt.datetime) -> str:
-    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse_ts(value: Any) -> dt.datetime:
-    if not isinstance(value, str):
-        raise ValueError("timestamp is not a string")
-    parsed = dt.datetime.fromisoformat(value)
-    if parsed.tzinfo is None:
-        raise ValueError("timestamp has no time zone")
-    return parsed
-
-
-def _epoch(value: dt.datetime) -> int:
-    return int(value.timestamp())
-
-
-def _from_epoch(value: int) -> dt.datetime:
-    return dt.datetime.fromtimestamp(value, dt.UTC)
-
-
-@dataclass
-class _Entry:
-    serial: str
-    agent_id: str
-    not_before: int
-    not_after: int
-    issued_at: int
-    status: str  # "active" | "revoked"
-    revoked_at: int | None = None
-    renewed_from: str | None = None
-    lineage: str = ""
-    jkt: str | None = None
-    x5t: str | None = None
-
-
-_COLUMNS = ("serial", "agent_id", "not_before", "not_after", "issued_at", "status", "revoked_at", "renewed_from",
-            "lineage", "jkt", "x5t")
-_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM certs"
-
-
-class _Registry:
-    """The issued-certificate registry: one SQLite file (WAL, synchronous=FULL), indexed by serial,
-    agent, parent and lineage, so an issuance writes one row instead of rewriting every row."""
-
-    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
-        self.db = db
-        self.path = path
-
-    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[_Entry]:
-        try:
-            return [_Entry(*r) for r in self.db.execute(sql, tuple(args)).fetchall()]
-        except sqlite3.Error as exc:
-            raise _corrupt(self.path) from exc
-
-    @property
-    def crl_number(self) -> int:
-        row = self.db.execute("SELECT value FROM meta WHERE name = 'crl_number'").fetchone()
-        return int(row[0]) if row else 0
-
-    @crl_number.setter
-    def crl_number(self, value: int) -> None:
-        self.db.execute("INSERT INTO meta (name, value) VALUES ('crl_number', ?) "
-                        "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (value,))
-
-    def by_serial(self, serial: str) -> _Entry | None:
-        rows = self._rows(_SELECT + " WHERE serial = ?", (serial,))
-        return rows[0] if rows else None
-
-    def add(self, e: _Entry) -> None:
-        self.db.execute("INSERT INTO certs (" + ", ".join(_COLUMNS) + ") VALUES (" + ", ".join("?" * len(_COLUMNS))
-                        + ")", tuple(getattr(e, c) for c in _COLUMNS))
-
-    def all(self) -> list[_Entry]:
-        return self._rows(_SELECT)
-
-    def of_agent(self, agent_id: str) -> list[_Entry]:
-        return self._rows(_SELECT + " WHERE agent_id = ?", (agent_id,))
-
-    def descendants(self, serial: str) -> list[_Entry]:
-        """``serial`` and every certificate renewed from it, transitively."""
-        return self._rows(
-            "WITH RECURSIVE sub(s) AS (SELECT ? UNION SELECT c.serial FROM certs c JOIN sub ON c.renewed_from = sub.s) "
-            + _SELECT + " WHERE serial IN (SELECT s FROM sub)", (serial,))
-
-    def renewals_since(self, agent_id: str, since: int) -> int:
-        row = self.db.execute("SELECT COUNT(*) FROM certs WHERE agent_id = ? AND issued_at >= ? "
-                              "AND renewed_from IS NOT NULL", (agent_id, since)).fetchone()
-        return int(row[0])
-
-    def revoke(self, serials: Iterable[str], at: int) -> None:
-        self.db.executemany("UPDATE certs SET status = 'revoked', revoked_at = ? "
-                            "WHERE serial = ? AND status = 'active'", [(at, s) for s in serials])
-
-    def revoked_for_crl(self, now: dt.datetime) -> list[tuple[int, dt.datetime]]:
-        keep_from = _epoch(now - CRL_KEEP_AFTER_EXPIRY)
-        rows = self._rows(_SELECT + " WHERE status = 'revoked' AND not_after >= ?", (keep_from,))
-        return [(ca.parse_serial(e.serial), _from_epoch(e.revoked_at or e.issued_at)) for e in rows]
-
-    def prune(self, now: dt.datetime) -> int:
-        """Drop whole renewal chains whose every certificate expired more than REGISTRY_RETENTION ago.
-
-        A chain with one live certificate keeps all its ancestors, so revoking a leaked ancestor
-        by serial still reaches every certificate renewed from it.
-        """
-        cutoff = _epoch(now - REGISTRY_RETENTION)
-        cur = self.db.execute("DELETE FROM certs WHERE lineage IN "
-                              "(SELECT lineage FROM certs GROUP BY lineage HAVING MAX(not_after) < ?)", (cutoff,))
-        return cur.rowcount
-
-
-def _corrupt(path: Path) -> UompError:
-    return UompError(ErrorCode.CA_ERROR, f"{path} is not a valid certificate registry; fix or restore it")
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    if not path.exists():
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    try:
-        db = sqlite3.connect(path, isolation_level=None, timeout=REGISTRY_BUSY_TIMEOUT_SECONDS)
-    except sqlite3.Error as exc:
-        raise _corrupt(path) from exc
-    try:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(_REGISTRY_SCHEMA)
-    except sqlite3.Error as exc:
-        db.close()
-        raise _corrupt(path) from exc
-    return db
-
-
-@contextlib.contextmanager
-def _registry(paths: Paths, *, write: bool = False) -> Iterator[_Registry]:
-    """The registry; with ``write``, one IMMEDIATE transaction committed when the block ends.
-
-    Writers hold :func:`_locked` too (the CRL is written from the same transaction's data)."""
-    if legacy_registry_path(paths).exists():
-        with _locked(paths):
-            pass  # taking the lock migrates it
-    path = registry_path(paths)
-    db = _connect(path)
-    try:
-        if write:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield _Registry(db, path)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-        else:
-            yield _Registry(db, path)
-    except sqlite3.Error as exc:
-        raise _corrupt(path) from exc
-    finally:
-        db.close()
-
-
-def _migrate_json(paths: Paths) -> None:
-    """Move the rows of a version-1 ``issued.json`` into the SQLite registry (called under the lock)."""
-    legacy = legacy_registry_path(paths)
-    try:
-        raw = legacy.read_bytes()
-    except FileNotFoundError:
-        return  # another process migrated it first
-    except OSError as exc:
-        raise UompError(ErrorCode.CA_ERROR, f"cannot read {legacy}: {exc.strerror}") from exc
-    try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("version") != 1:
-            raise ValueError("unknown registry version")
-        number = doc.get("crl_number", 0)
-        certs = doc.get("certs", [])
-        if not isinstance(number, int) or not isinstance(certs, list):
-            raise ValueError("bad registry shape")
-        entries: list[_Entry] = []
-        for row in certs:
-            if not isinstance(row, dict) or row.get("status") not in ("active", "revoked"):
-                raise ValueError("bad registry row")
-            revoked_at = row.get("revoked_at")
-            entries.append(_Entry(
-                serial=ca.serial_hex(ca.parse_serial(str(row["serial"]))), agent_id=str(row["agent_id"]),
-                not_before=_epoch(_parse_ts(row["not_before"])), not_after=_epoch(_parse_ts(row["not_after"])),
-                issued_at=_epoch(_parse_ts(row["issued_at"])), status=row["status"],
-                revoked_at=_epoch(_parse_ts(revoked_at)) if revoked_at else None,
-                renewed_from=row.get("renewed_from")))
-    except (ValueError, TypeError, KeyError, UompError) as exc:
-        raise UompError(ErrorCode.CA_ERROR, f"{legacy} is not a valid certificate registry; fix or restore it") from exc
-    by_serial = {e.serial: e for e in entries}
-    for e in entries:
-        root, seen = e, {e.serial}
-        while root.renewed_from in by_serial and root.renewed_from not in seen:
-            root = by_serial[root.renewed_from]
-            seen.add(root.serial)
-        e.lineage = root.serial
-    db = _connect(registry_path(paths))
-    try:
-        db.execute("BEGIN IMMEDIATE")
-        reg = _Registry(db, registry_path(paths))
-        for e in entries:
-            if reg.by_serial(e.serial) is None:
-                reg.add(e)
-        reg.crl_number = max(reg.crl_number, number)
-        db.execute("COMMIT")
-    except sqlite3.Error as exc:
-        raise _corrupt(registry_path(paths)) from exc
-    finally:
-        db.close()
-    os.replace(legacy, legacy.with_name(legacy.name + ".migrated"))
-
-
-def _prepare_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg: _Registry,
+def _prepare_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg: Registry,
                  now: dt.datetime) -> bytes:
     """A new CRL (PEM) from the registry; the CRL number only ever goes up.
 
     Called inside the registry's write transaction (the new CRL number and the pruning commit with
-    it); the caller writes the returned CRL after the commit, still under :func:`_locked`: the
+    it); the caller writes the returned CRL after the commit, still under :func:`locked`: the
     registry is the truth, and :func:`refresh_crl` repairs a CRL that is behind it."""
     number = reg.crl_number + 1
     with contextlib.suppress(OSError, ValueError):
@@ -436,7 +185,7 @@ def _prepare_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg
     return ca.crl_pem(ca.build_crl(key, cert, reg.revoked_for_crl(now), now, number=number))
 
 
-def _crl_needs_refresh(paths: Paths, cert: x509.Certificate, reg: _Registry, now: dt.datetime,
+def _crl_needs_refresh(paths: Paths, cert: x509.Certificate, reg: Registry, now: dt.datetime,
                        min_remaining: dt.timedelta) -> bool:
     try:
         crl = x509.load_pem_x509_crl(crl_path(paths).read_bytes())
@@ -464,12 +213,12 @@ def refresh_crl(paths: Paths, *, now: dt.datetime | None = None,
     """
     now = ca.aware_utc(now)
     cert = load_ca_cert(paths)
-    with _registry(paths) as reg:
+    with registry(paths) as reg:
         if not _crl_needs_refresh(paths, cert, reg, now, min_remaining):
             return False
-    with _locked(paths):
+    with locked(paths):
         key, cert = load_ca(paths)
-        with _registry(paths, write=True) as reg:
+        with registry(paths, write=True) as reg:
             if not _crl_needs_refresh(paths, cert, reg, now, min_remaining):
                 return False
             pem = _prepare_crl(paths, key, cert, reg, now)
@@ -520,7 +269,7 @@ def init_all(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | 
     now = ca.aware_utc(now)
     ca.wanted_server_names(hostnames)  # validate before touching anything
     ensure_private_dir(paths.home, "data directory")
-    with _locked(paths):
+    with locked(paths):
         kp, cp = ca_key_path(paths), ca_cert_path(paths)
         created = False
         if kp.exists():
@@ -539,7 +288,7 @@ def init_all(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | 
             created = True
         server = _ensure_server_cert(paths, key, cert, hostnames, now)
         pem: bytes | None = None
-        with _registry(paths, write=True) as reg:  # creates the registry when missing
+        with registry(paths, write=True) as reg:  # creates the registry when missing
             if _crl_needs_refresh(paths, cert, reg, now, CRL_REFRESH_BEFORE):
                 pem = _prepare_crl(paths, key, cert, reg, now)
         if pem is not None:
@@ -565,18 +314,18 @@ def _bindings(issued: x509.Certificate) -> tuple[str | None, str | None]:
 
 def _issue(paths: Paths, agent_id: str, subject_key: x509.CertificateSigningRequest | ca.AgentPublicKey,
            lifetime: dt.timedelta, now: dt.datetime, renewed_from: str | None = None,
-           precheck: Callable[[_Registry], _Entry | None] | None = None) -> x509.Certificate:
-    with _locked(paths):
+           precheck: Callable[[Registry], Entry | None] | None = None) -> x509.Certificate:
+    with locked(paths):
         key, cert = load_ca(paths)
-        with _registry(paths, write=True) as reg:
+        with registry(paths, write=True) as reg:
             parent = None
             if precheck is not None:
                 parent = precheck(reg)  # under the lock: a revocation cannot slip in between check and issue
             issued = ca.issue_agent_cert(key, cert, subject_key, agent_id, lifetime, now)
             serial = ca.serial_hex(issued.serial_number)
             jkt, x5t = _bindings(issued)
-            reg.add(_Entry(serial=serial, agent_id=agent_id, not_before=_epoch(issued.not_valid_before_utc),
-                           not_after=_epoch(issued.not_valid_after_utc), issued_at=_epoch(now), status="active",
+            reg.add(Entry(serial=serial, agent_id=agent_id, not_before=epoch(issued.not_valid_before_utc),
+                           not_after=epoch(issued.not_valid_after_utc), issued_at=epoch(now), status="active",
                            renewed_from=renewed_from, lineage=parent.lineage if parent else serial,
                            jkt=jkt, x5t=x5t))
             reg.prune(now)
@@ -629,7 +378,7 @@ def check_renewal_window(not_before: dt.datetime, not_after: dt.datetime, now: d
     if now < opens - min(ca.CLOCK_SKEW, life / 50):
         raise UompError(ErrorCode.RENEWAL_TOO_EARLY,
                         f"renewal refused: a certificate renews only in the last {window_fraction:.0%} of its life; "
-                        f"this one from {_ts(opens)}")
+                        f"this one from {ts(opens)}")
 
 
 def _reusable(paths: Paths, agent_id: str, kf: Path, cf: Path, now: dt.datetime,
@@ -648,7 +397,7 @@ def _reusable(paths: Paths, agent_id: str, kf: Path, cf: Path, now: dt.datetime,
             or current.public_key().public_bytes(*spki) != agent_key.public_key().public_bytes(*spki)
             or not current.not_valid_before_utc <= now < renewal_opens(current, window_fraction)):
         return None
-    with _registry(paths) as reg:
+    with registry(paths) as reg:
         entry = reg.by_serial(ca.serial_hex(current.serial_number))
     if entry is None or entry.status != "active" or entry.agent_id != agent_id:
         return None
@@ -720,7 +469,7 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
         raise UompError(ErrorCode.CA_ERROR, "renewal refused: the presented certificate was not issued by this CA")
     serial = ca.serial_hex(old.serial_number)
 
-    def allowed(reg: _Registry) -> _Entry:
+    def allowed(reg: Registry) -> Entry:
         entry = reg.by_serial(serial)
         if entry is None:
             raise UompError(ErrorCode.CA_ERROR, f"renewal refused: certificate {serial} is not in this CA's registry")
@@ -728,13 +477,13 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
             raise UompError(ErrorCode.CA_ERROR, f"renewal refused: certificate {serial} does not match the registry")
         if entry.status == "revoked":
             raise UompError(ErrorCode.CA_ERROR, f"renewal refused: certificate {serial} was revoked")
-        if reg.renewals_since(agent_id, _epoch(now - rate_window)) >= max_per_agent:
+        if reg.renewals_since(agent_id, epoch(now - rate_window)) >= max_per_agent:
             raise UompError(
                 ErrorCode.RATE_LIMITED, f"renewal refused: agent {agent_id} already renewed {max_per_agent} "
                 f"times in the last {int(rate_window.total_seconds())} s")
         return entry
 
-    with _registry(paths) as reg:
+    with registry(paths) as reg:
         allowed(reg)  # fail early, without the lock, before parsing a CSR
     subject_key: x509.CertificateSigningRequest | ca.AgentPublicKey
     if csr is not None:
@@ -778,11 +527,11 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
     for prefix in ("agent:", "serial:"):
         if value.startswith(prefix):
             kind, value = prefix[:-1], value[len(prefix):]
-    with _locked(paths):
+    with locked(paths):
         key, cert = load_ca(paths)
-        with _registry(paths, write=True) as reg:
+        with registry(paths, write=True) as reg:
             agent_rows = reg.of_agent(value) if kind != "serial" else []
-            serial_rows: list[_Entry] = []
+            serial_rows: list[Entry] = []
             if kind != "agent":
                 try:
                     wanted = ca.serial_hex(ca.parse_serial(value))
@@ -799,7 +548,7 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
             if not rows:
                 raise UompError(ErrorCode.CA_ERROR, f"no certificate issued to agent or with serial {value!r}")
             done = [e.serial for e in rows if e.status == "active"]
-            reg.revoke(done, _epoch(now))
+            reg.revoke(done, epoch(now))
             pem = _prepare_crl(paths, key, cert, reg, now)
         atomic_write(crl_path(paths), pem, mode=0o644)
     return Revocation(revoked=done, serials=[e.serial for e in rows],
@@ -830,15 +579,15 @@ def list_agents(paths: Paths, *, now: dt.datetime | None = None) -> list[AgentRo
     now = ca.aware_utc(now)
     load_ca_cert(paths)
     rows: list[AgentRow] = []
-    with _registry(paths) as reg:
+    with registry(paths) as reg:
         entries = reg.all()
     for e in entries:
-        not_after = _from_epoch(e.not_after)
+        not_after = from_epoch(e.not_after)
         status = e.status
         if status == "active" and not_after < now:
             status = "expired"
         rows.append(AgentRow(e.agent_id, e.serial, not_after, status,
-                             _from_epoch(e.revoked_at) if e.revoked_at is not None else None, e.renewed_from))
+                             from_epoch(e.revoked_at) if e.revoked_at is not None else None, e.renewed_from))
     rows.sort(key=lambda r: (r.agent_id, r.not_after))
     return rows
 
