@@ -5,7 +5,6 @@ exchange (headers, DPoP proof, bounded answer, transport failures turned into th
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import ssl
 import time
@@ -22,15 +21,7 @@ from gateway.client.options import AGENT_HEADER, READ_CHUNK, ClientState
 from gateway.client.tls import describe, ssl_in_chain, transport_context
 from gateway.core.dpop import make_dpop_proof
 from gateway.core.envelope import HEADER_NAME, encode_header
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from gateway.netutil import is_loopback
 
 
 def check_url(url: str, what: str, *, allow_loopback_http: bool) -> str:
@@ -43,7 +34,7 @@ def check_url(url: str, what: str, *, allow_loopback_http: bool) -> str:
     except ValueError as exc:
         raise ConfigError("CONFIG_ERROR", f"{what} is not a valid URL") from exc
     scheme = parts.scheme.lower()
-    host = parts.hostname or ""
+    host = parts.hostname or ""  # lower case (urlsplit), as netutil.is_loopback expects
     if not host or "@" in parts.netloc or parts.query or parts.fragment:
         raise ConfigError("CONFIG_ERROR", f"{what} must be scheme://host[:port][/path] with no user, query or "
                           "fragment")

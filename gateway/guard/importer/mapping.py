@@ -113,7 +113,7 @@ def path_taken(value: dict[str, Any], path: tuple[str, ...]) -> bool:
 
 
 class Rec:
-    __slots__ = ("created_at", "created_given", "description", "key", "mark", "row", "sensitivity",
+    __slots__ = ("created_at", "description", "key", "mark", "row", "sensitivity",
                  "source", "tags", "updated_at", "value")
 
     def __init__(self, row: int, mark: int = 0) -> None:
@@ -127,7 +127,6 @@ class Rec:
         self.description: str | None = None
         self.created_at: str | None = None
         self.updated_at: str | None = None
-        self.created_given = False
 
 
 @dataclass
@@ -310,7 +309,6 @@ class FieldRules:
             self.notices.add(fld, "ts_converted")
         if fld == "created_at":
             rec.created_at = out
-            rec.created_given = True
         else:
             rec.updated_at = out
 
