@@ -175,3 +175,25 @@ async def test_gateway_newline_in_path_gets_the_error_shape(home: Paths, path: s
             raw = await r.read()
             assert r.headers.get("Content-Type", "").startswith("application/json"), (r.status, raw[:80])
             assert 400 <= r.status < 500 and "error" in json.loads(raw)
+
+
+@pytest.mark.parametrize("limit", ["%C2%B2", "%C2%B9%E2%81%B0", "%D9%A3"], ids=["superscript-2", "superscript-10",
+                                                                            "arabic-indic-3"])
+async def test_tag_read_limit_takes_ascii_digits_only(home: Paths, limit: str) -> None:
+    """Found checking the document's `limit: integer` against the handler: str.isdigit() is True for
+    '²', which int() refuses, so `limit=²` was a 500 INTERNAL (forwarded as such by the gateway);
+    other scripts' digits ('٣') were taken as numbers. Now 400 INVALID_REQUEST, as for any non-integer."""
+    from guardkit import grant, seed
+
+    seed(home)
+    async with running_guard(home, guard_config()) as g, unix_session(home) as admin:
+        base = f"http://127.0.0.1:{g.tcp_port}"
+        token = (await grant(admin, home, read={"tags": ["preference"], "keys": []}, audience=base))["token"]
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/v1/memory?tag=preference&limit={limit}",
+                             headers={"Authorization": f"Bearer {token}"}) as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["code"] == "INVALID_REQUEST", body
+            async with s.get(f"{base}/v1/memory?tag=preference&limit=1",
+                             headers={"Authorization": f"Bearer {token}"}) as r:
+                assert r.status == 200 and len((await r.json())["items"]) == 1

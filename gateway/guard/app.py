@@ -392,7 +392,7 @@ def _page_limit(request: web.Request, maximum: int) -> int | None:
     raw = _param(request, "limit", required=False)
     if raw is None:
         return None
-    if not raw.isdigit() or not 1 <= int(raw) <= maximum:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= maximum:
         raise UompError(ErrorCode.INVALID_REQUEST, f"limit must be an integer from 1 to {maximum}")
     return int(raw)
 
