@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.core.manifest import DELETION_METHODS
 from gateway.errors import STATUS
 
 TCP, UNIX, GW = "guard-tcp", "guard-unix", "gateway"
@@ -40,6 +41,7 @@ INT: dict[str, Any] = {"type": "integer", "minimum": 0}
 TIME: dict[str, Any] = {"type": "string", "pattern": r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$",
                         "description": "UTC, ISO 8601, second resolution"}
 STR_LIST: dict[str, Any] = {"type": "array", "items": STR}
+ID: dict[str, Any] = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"}
 
 
 def _closed(required: list[str], props: dict[str, Any], description: str = "") -> dict[str, Any]:
@@ -184,7 +186,9 @@ def _op(summary: str, served: tuple[str, ...], *, ok: dict[str, Any] | None, sta
     responses: dict[str, Any] = {status: ok} if ok is not None else {}
     for code in sorted(refusals):
         responses[str(code)] = {"$ref": f"#/components/responses/E{code}"}
-    op: dict[str, Any] = {"summary": summary, "x-uomp-served-by": list(served), "responses": responses}
+    # the listeners again as tags, for tools that filter by tag (schemathesis run --include-tag gateway)
+    op: dict[str, Any] = {"summary": summary, "x-uomp-served-by": list(served), "tags": list(served),
+                          "responses": responses}
     if params:
         op["parameters"] = params
     if body is not None:
@@ -283,8 +287,14 @@ def document() -> dict[str, Any]:
         "/v1/sessions/{sid}/revoke": {"post": _op("revoke (§13.4; admin)", LOCAL, ok=_ok(_ref("SessionEnded")),
                                                   refusals=(*ADMIN, 404, 409), security="admin", params=[SID])},
         "/v1/sessions/{sid}/deletion-proof": {"post": _op(
-            "deletion proof (§13.5)", ALL, ok=_ok(_ref("DeletionAccepted")), refusals=(*AGENT, 413), params=[SID],
-            body={"type": "object"})},
+            "deletion proof (§13.5, §19.3)", ALL, ok=_ok(_ref("DeletionAccepted")), refusals=(*AGENT, 413),
+            params=[SID], body=_closed(["deletion_proof_id", "session_id", "agent_id", "deleted_at", "memory_hash",
+                                        "method", "proof_value"], {
+                "deletion_proof_id": ID, "session_id": ID, "agent_id": ID, "deleted_at": TIME,
+                "memory_hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+                "fields_accessed": {"type": "array", "maxItems": 64, "items": STR},
+                "method": {"enum": list(DELETION_METHODS)}, "proof_value": {"type": "string", "minLength": 1,
+                                                                           "maxLength": 256}}))},
         "/v1/sessions/{sid}/refresh": {"post": _op(
             "rotate a refresh token (§15.5): on the gateway; the guard's Unix-socket route is its internal half",
             (UNIX, GW), ok=_ok(_ref("Refreshed")), refusals=AGENT, security="refresh", params=[SID])},
@@ -350,6 +360,9 @@ def document() -> dict[str, Any]:
                  "with a stable code of that status (README, Error codes)."},
         "servers": [{"url": "http://127.0.0.1:9374", "description": "guard, Local Profile listener"},
                     {"url": "https://localhost:9443", "description": "gateway (TLS 1.3, mutual TLS)"}],
+        "tags": [{"name": TCP, "description": "the guard's Local Profile listener (http://127.0.0.1:9374)"},
+                 {"name": UNIX, "description": "the guard's Unix socket ($UOMP_HOME/guard.sock)"},
+                 {"name": GW, "description": "the gateway (https://localhost:9443, TLS 1.3, mutual TLS)"}],
         "paths": paths,
         "components": {
             "securitySchemes": {
