@@ -75,6 +75,7 @@ SETTINGS_REFUSED = settings(SETTINGS, max_examples=max(1, EXAMPLES // 2))
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 TIMEOUT = 30
+QUOTA = "X-UOMP-Quota-Remaining"
 
 
 def _subdocument(listener: str) -> dict[str, Any]:
@@ -306,13 +307,15 @@ def _case(target_name: str, method: str, path: str, **kwargs: Any) -> schemathes
 
 
 def _check(servers: dict[str, Target], target_name: str, method: str, path: str, expect: int, *,
-           authorised: bool = True, code: str | None = None, **kwargs: Any) -> Any:
+           authorised: bool = True, code: str | None = None, present: tuple[str, ...] = (), **kwargs: Any) -> Any:
     """One request built by Schemathesis from the document, sent, validated; returns the body."""
     target = servers[target_name.removesuffix("-all")]
     case = _case(target_name, method, path, **kwargs)
     response = _send(target, case, authorised=authorised)
     assert response.status_code == expect, (method, path, response.status_code, response.content[:300])
     _validate(case, response, authorised=authorised)
+    for name in present:
+        assert name.lower() in response.headers, (method, path, name, response.headers)
     if response.headers.get("content-type", [""])[0].startswith("application/json"):
         body = response.json()
         if code is not None:
@@ -325,10 +328,11 @@ def test_guard_success_and_refusal_paths_match_the_document(servers: dict[str, T
     for name in ("tcp", "unix-all"):
         _check(servers, name, "GET", "/v1/health", 200)
         assert _check(servers, name, "GET", "/v1/openapi.json", 200) == DOC
-        item = _check(servers, name, "GET", "/v1/memory/{key}", 200, path_parameters={"key": "preference.theme"})
+        item = _check(servers, name, "GET", "/v1/memory/{key}", 200, path_parameters={"key": "preference.theme"},
+                      present=(QUOTA,))
         assert item["key"] == "preference.theme"
         _check(servers, name, "GET", "/v1/memory/{key}", 403, path_parameters={"key": "user.password"},
-               code="ACCESS_DENIED")
+               code="ACCESS_DENIED", present=(QUOTA,))
         page = _check(servers, name, "GET", "/v1/memory", 200, query={"tag": "preference", "limit": 1})
         assert len(page["items"]) == 1 and page["next"]
         page = _check(servers, name, "GET", "/v1/memory", 200, query={"tag": "preference", "cursor": page["next"]})
@@ -344,7 +348,7 @@ def test_guard_success_and_refusal_paths_match_the_document(servers: dict[str, T
         _check(servers, name, "POST", "/v1/memory/query", 501, code="NOT_IMPLEMENTED")
         _check(servers, name, "GET", "/v1/memory/{key}", 401, authorised=False,
                path_parameters={"key": "preference.theme"}, headers={"Authorization": "Bearer nope"},
-               code="INVALID_TOKEN")
+               code="INVALID_TOKEN", present=("WWW-Authenticate",))
 
         # the management API, with the user's admin credential
         created = _check(servers, name, "POST", "/v1/sessions", 201, body={
@@ -392,8 +396,8 @@ def test_guard_unix_internal_routes_match_the_document(servers: dict[str, Target
 def test_gateway_success_and_refusal_paths_match_the_document(servers: dict[str, Target]) -> None:
     gw = servers["gateway"]
     _check(servers, "gateway", "GET", "/v1/health", 200)
-    assert _check(servers, "gateway", "GET", "/v1/memory/{key}", 200,
-                  path_parameters={"key": "preference.theme"})["value"] == "dark"
+    assert _check(servers, "gateway", "GET", "/v1/memory/{key}", 200, path_parameters={"key": "preference.theme"},
+                  present=(QUOTA,))["value"] == "dark"
     _check(servers, "gateway", "GET", "/v1/memory/{key}", 403, path_parameters={"key": "user.password"},
            code="ACCESS_DENIED")
     page = _check(servers, "gateway", "GET", "/v1/memory", 200, query={"tag": "preference", "limit": 1})
