@@ -13,6 +13,15 @@ The verified-identity headers (gateway -> guard)
                     request whose ``Authorization`` token hashes differently, so the two sides can
                     never act on different tokens.
 
+    Audit only (one log, issue 10: the guard writes the one event of a forwarded request and puts
+    these in it; they decide nothing):
+    ``Listener``    the gateway listener the request arrived on (``mtls`` or ``tunnel``);
+    ``Client``      the client's address as the gateway saw it;
+    ``Cert-Serial`` the serial (hex) of the client certificate (mTLS listener);
+    ``Request-Id``  the gateway's id of the request.
+    The guard answers a request whose event it wrote with :data:`EVENT_ID_HEADER` (the event's id);
+    the gateway then writes nothing of its own for it, and never passes that header on.
+
     A client never sends any of them: the gateway refuses a request that carries one (400
     INVALID_REQUEST), the guard refuses them on its TCP listener, and on its Unix socket a
     request that carries one must carry the whole assertion (:data:`REQUIRED_VERIFIED`).
@@ -36,10 +45,26 @@ VERIFIED_VIA_HEADER = "X-UOMP-Verified-Via"
 VERIFIED_X5T_HEADER = "X-UOMP-Verified-X5t"
 VERIFIED_JKT_HEADER = "X-UOMP-Verified-Jkt"
 VERIFIED_TOKEN_HEADER = "X-UOMP-Verified-Token"
+VERIFIED_LISTENER_HEADER = "X-UOMP-Verified-Listener"
+VERIFIED_CLIENT_HEADER = "X-UOMP-Verified-Client"
+VERIFIED_SERIAL_HEADER = "X-UOMP-Verified-Cert-Serial"
+VERIFIED_REQUEST_ID_HEADER = "X-UOMP-Verified-Request-Id"
+# guard -> gateway only (a response header): the id of the event the guard wrote for this request
+EVENT_ID_HEADER = "X-UOMP-Event-Id"
+
+# The guard's internal route for the events of requests the gateway answered alone (refusals,
+# rejected TLS handshakes, spool replays): Unix socket only, never in the gateway's route table.
+INTERNAL_EVENTS_PATH = "/v1/internal/events"
+MAX_INTERNAL_EVENTS = 1000  # events per internal request
 
 # Every verified header the gateway may set (the guard refuses any other X-UOMP-Verified-* name).
 VERIFIED_HEADERS = frozenset(h.lower() for h in (
-    VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, VERIFIED_X5T_HEADER, VERIFIED_JKT_HEADER, VERIFIED_TOKEN_HEADER))
+    VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, VERIFIED_X5T_HEADER, VERIFIED_JKT_HEADER, VERIFIED_TOKEN_HEADER,
+    VERIFIED_LISTENER_HEADER, VERIFIED_CLIENT_HEADER, VERIFIED_SERIAL_HEADER, VERIFIED_REQUEST_ID_HEADER))
+# The audit-only verified headers and the event field each becomes (bounded in length by the guard).
+AUDIT_HEADERS = ((VERIFIED_LISTENER_HEADER, "listener"), (VERIFIED_CLIENT_HEADER, "client"),
+                 (VERIFIED_SERIAL_HEADER, "cert_serial"), (VERIFIED_X5T_HEADER, "cert_fp"),
+                 (VERIFIED_REQUEST_ID_HEADER, "request_id"))
 # What a forwarded agent request always carries (X5t/Jkt as the listener proved them).
 REQUIRED_VERIFIED = (VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, VERIFIED_TOKEN_HEADER)
 

@@ -105,3 +105,34 @@ async def agent_call(session: aiohttp.ClientSession, base: str, path: str, *, to
         except ValueError:
             body = raw
         return resp.status, body, resp.headers
+
+
+def ledger_events(paths: Paths, **match: Any) -> list[dict[str, Any]]:
+    """The one log (issue 10): every event body of the guard's ledger, in sequence order, whose
+    fields equal ``match`` (e.g. ``action="read"``, ``listener="mtls"``). Read from audit.db as it is
+    on disk: what a test sees here is durable."""
+    import json
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT body FROM ledger_events WHERE body IS NOT NULL ORDER BY seq").fetchall()
+    finally:
+        conn.close()
+    events = [json.loads(r[0]) for r in rows]
+    return [e for e in events if all(e.get(k) == v for k, v in match.items())]
+
+
+def verify_ledger(paths: Paths) -> Any:
+    """``uomp audit verify`` on the guard's ledger: the verifier's report (``.ok``, ``.events``)."""
+    import sqlite3
+
+    from gateway.ledger import auditkey
+    from gateway.ledger.verify import verify_log
+
+    key = auditkey.load(paths)
+    conn = sqlite3.connect(paths.audit_db)
+    try:
+        return verify_log(conn, origin=auditkey.origin_for(key.public_key()), public_key=key.public_key())
+    finally:
+        conn.close()

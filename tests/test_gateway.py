@@ -18,13 +18,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gatewaykit import Appliance, agent_call, agent_session, appliance
+from gatewaykit import Appliance, agent_call, agent_session, appliance, ledger_events, verify_ledger
 from guardkit import admin_headers, call
 
 from gateway import ca_store, keys
 from gateway.config import Paths
 from gateway.core import jose, tokens
-from gateway.remote.access_log import verify_chain
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,8 +35,8 @@ async def app(home: Paths) -> Any:
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    lines = (paths.gateway_dir / "access.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    return ledger_events(paths)
 
 
 async def test_granted_reads_pass_and_are_audited(app: Appliance) -> None:
@@ -62,11 +61,11 @@ async def test_granted_reads_pass_and_are_audited(app: Appliance) -> None:
         assert (status, body) == (200, {"status": "ok"})
     events = access_events(app.paths)
     assert hdrs["Server"] == "uomp-gateway"
-    reads = [e for e in events if e["action"] == "read_key"]
+    reads = [e for e in events if e["action"] == "read" and e.get("key")]
     assert reads and reads[0]["allowed"] is True and reads[0]["key"] == "preference.theme"
     assert reads[0]["cert_serial"] == a.files.serial and reads[0]["session_id"] == g["session_id"]
-    assert reads[0]["status"] == 200 and reads[0]["path"] == "/v1/memory/preference.theme"
-    assert verify_chain(app.paths.gateway_dir / "access.jsonl") == len(events)
+    assert reads[0]["listener"] == "mtls" and reads[0]["via"] == f"gateway:mtls:{a.files.serial}"
+    assert verify_ledger(app.paths).ok
 
 
 async def test_no_client_certificate_is_401_json_and_audited(app: Appliance) -> None:
@@ -151,8 +150,9 @@ async def test_revocation_is_seen_within_one_second(app: Appliance) -> None:
         status, body, _ = await agent_call(s, app.base, "/v1/audit", token=g["token"], agent_id=a.agent_id)
         assert status == 401 and body["error"]["code"] == "SESSION_REVOKED"
         ev = access_events(app.paths)[-1]
-        assert ev["code"] == "SESSION_REVOKED"
-        assert ev["reason"] != "refused by the memory guard"  # the gateway itself refused, not only the guard
+        assert ev["code"] == "SESSION_REVOKED" and ev["listener"] == "mtls"
+        # one log: the guard checked the session (uncached) and wrote the one event of the refusal
+        assert ev["action"] == "audit" and "origin" not in ev
 
 
 async def test_gateway_quota_atomic_and_persisted(home: Paths) -> None:
@@ -417,12 +417,12 @@ async def test_no_secrets_in_logs(home: Paths, caplog: pytest.LogCaptureFixture)
     secrets_ = [g["token"], g["token"].split(".")[2], "X1234567", "hunter2", "lockpicking",
                 keys.load_admin(home), jose.private_jwk(keys.load_signing_key(home).key, kid="k")["d"],
                 a.files.key_file.read_text().splitlines()[1]]
-    texts = [caplog.text, (home.gateway_dir / "access.jsonl").read_text()]
+    texts = [caplog.text, (home.gateway_dir / "access.jsonl").read_text(), json.dumps(ledger_events(home))]
     for t in texts:
         for secret in secrets_:
             assert secret not in t
     # the memory values really went over the wire (the test could not pass vacuously)
-    assert any(e["allowed"] and e["key"] == "user.passport" for e in access_events(home))
+    assert any(e["allowed"] and e.get("key") == "user.passport" for e in access_events(home))
 
 
 def test_loopback_default_and_refusal_of_public_bind(home: Paths) -> None:

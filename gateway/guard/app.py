@@ -33,6 +33,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.audit import AuditLog, open_audit
+from gateway.guard.audit import EXTRA_FIELDS, GATEWAY_ID_PREFIX, AuditLog, Row, make_row, open_audit
 from gateway.guard.auth import AuthService, SessionRow, token_hash
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
 from gateway.guard.store import AggregateRow, MemoryStorage, MemoryStore, ReadFilter, json_path
@@ -247,6 +248,32 @@ def prepare(request: web.Request, *, use: str = "access") -> tuple[str, str, che
     return token, th, presented_for(request, th, use=use)
 
 
+EVENT_KEY = web.RequestKey("uomp_event_id", str)  # the id of the event written for this request
+MAX_AUDIT_FIELD = 200
+
+
+def _via(request: web.Request) -> str:
+    return request.headers.get(VERIFIED_VIA_HEADER, "local") if request.app[LISTENER] == "unix" else "local"
+
+
+def event_fields(request: web.Request, *, code: str | None = None) -> dict[str, Any]:
+    """The one-log fields of a request's event: the listener it came in on and, for a request the
+    gateway forwarded (its assertion, on the Unix socket only), the gateway's audit headers
+    (:data:`gateway.contract.AUDIT_HEADERS`): listener, client address, certificate serial and
+    fingerprint, request id. A refusal's stable ``code`` too."""
+    out: dict[str, Any] = {"code": code}
+    if _asserted(request):
+        h = request.headers
+        for header, name in contract.AUDIT_HEADERS:
+            value = h.get(header)
+            if value:
+                out[name] = value[:MAX_AUDIT_FIELD]
+        out.setdefault("listener", "gateway")
+    else:
+        out["listener"] = request.app[LISTENER]
+    return out
+
+
 class AgentCall:
     """One authenticated agent request: runs §10.4 steps 1-4 and records the audit event."""
 
@@ -299,22 +326,27 @@ class AgentCall:
             raise refusal
         return cap
 
-    def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None) -> None:
+    def _submit(self, row: Row) -> None:
+        self.ticket = self.svc.audit.submit(row)
+        self.request[EVENT_KEY] = row[0]  # the gateway writes nothing of its own for this request
+
+    def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None,
+               code: str | None = None) -> None:
         cap = self.cap
-        self.ticket = self.svc.audit.record(
+        self._submit(make_row(
             session_id=cap.session_id if cap else "unknown", agent_id=cap.agent_id if cap else "unknown",
             action=self.action, key=self.key, tags=self.tags, allowed=allowed, reason=reason, detail=detail,
             request_size=self.request.content_length or 0, response_size=response_size,
-            query_count_remaining=self.remaining,
-            via=self.request.headers.get(VERIFIED_VIA_HEADER) if self.request.app[LISTENER] == "unix" else "local")
+            query_count_remaining=self.remaining, via=_via(self.request),
+            extra=event_fields(self.request, code=code)))
 
     def deny(self, exc: UompError, *, agent_id: str | None = None) -> None:
         cap = self.cap
-        self.ticket = self.svc.audit.record(
+        self._submit(make_row(
             session_id=cap.session_id if cap else (exc.session_id or "unknown"),
             agent_id=cap.agent_id if cap else (agent_id or "unknown"), action=self.action, key=self.key,
             tags=self.tags, allowed=False, reason=exc.message, detail=exc.code, query_count_remaining=self.remaining,
-            via=self.request.headers.get(VERIFIED_VIA_HEADER) if self.request.app[LISTENER] == "unix" else "local")
+            via=_via(self.request), extra=event_fields(self.request, code=exc.code)))
 
     async def respond(self, body: Any) -> web.Response:
         text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
@@ -324,7 +356,7 @@ class AgentCall:
         return web.Response(text=text, content_type="application/json", headers=headers)
 
     async def refuse(self, exc: UompError, detail: str | None = None) -> web.Response:
-        self.record(False, exc.message, detail or exc.code)
+        self.record(False, exc.message, detail or exc.code, code=exc.code)
         await self.svc.audit.flush(self.ticket)
         resp = error_response(exc)
         if self.remaining is not None:
@@ -678,6 +710,79 @@ async def health(request: web.Request) -> web.Response:
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["Server"] = "uomp-guard"
+    if request.app[LISTENER] == "unix":
+        event_id = request.get(EVENT_KEY)
+        if event_id is not None:
+            response.headers[contract.EVENT_ID_HEADER] = event_id
+
+
+# ------------------------------------------------------------------- the gateway's own events
+
+_EVENT_ID = re.compile(r"gw_[0-9a-f]{16,40}")
+_CORE_STR = ("session_id", "agent_id", "action", "reason", "key", "via", "detail")
+MAX_REASON = 500
+
+
+def _gateway_row(ev: Any) -> Row:
+    """One event of ``POST /v1/internal/events`` as an audit row: typed, bounded, only known fields."""
+    if not isinstance(ev, dict):
+        raise UompError(ErrorCode.INVALID_REQUEST, "each event must be a JSON object")
+    eid = ev.get("id")
+    if not isinstance(eid, str) or not _EVENT_ID.fullmatch(eid):
+        raise UompError(ErrorCode.INVALID_REQUEST, "event id must be gw_ and 16-40 hex digits")
+    ts = ev.get("ts")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not 0 < ts < 1e11:
+        raise UompError(ErrorCode.INVALID_REQUEST, "event ts must be seconds since the epoch")
+    allowed = ev.get("allowed", False)
+    if not isinstance(allowed, bool):
+        raise UompError(ErrorCode.INVALID_REQUEST, "event allowed must be a boolean")
+    core: dict[str, str | None] = {}
+    for name in _CORE_STR:
+        v = ev.get(name)
+        if v is not None and not isinstance(v, str):
+            raise UompError(ErrorCode.INVALID_REQUEST, f"event {name} must be a string")
+        core[name] = v[:MAX_REASON] if isinstance(v, str) else None
+    extra: dict[str, Any] = {}
+    for name, v in ev.items():
+        if name in EXTRA_FIELDS:
+            if isinstance(v, str):
+                extra[name] = v[:MAX_AUDIT_FIELD]
+            elif isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**53:
+                extra[name] = v
+            elif name == "by" and isinstance(v, dict) and len(v) <= 100 and all(
+                    isinstance(k, str) and len(k) <= MAX_AUDIT_FIELD and isinstance(n, int) and not isinstance(n, bool)
+                    for k, n in v.items()):
+                extra[name] = v
+            elif v is not None:
+                raise UompError(ErrorCode.INVALID_REQUEST, f"event {name} has an unexpected type")
+        elif name not in _CORE_STR and name not in ("id", "ts", "allowed", "tags"):
+            raise UompError(ErrorCode.INVALID_REQUEST, f"unknown event field {name[:40]}")
+    extra["origin"] = "gateway"
+    return make_row(session_id=core["session_id"] or "unknown", agent_id=core["agent_id"] or "unknown",
+                    action=(core["action"] or "unknown")[:64], allowed=allowed, reason=core["reason"] or "",
+                    key=core["key"], detail=core["detail"], via=core["via"], now=float(ts), extra=extra,
+                    event_id=eid)
+
+
+async def internal_events(request: web.Request) -> web.Response:
+    """``POST /v1/internal/events`` (Unix socket only): the events of requests the remote gateway
+    answered alone (its refusals, rejected TLS handshakes, its spool when replayed), written into the
+    one log in one group commit, answered once durable. Idempotent by event id (``gw_...``): an event
+    sent twice is one event. Trusted like every gateway call here: the socket is 0600, only the
+    user's processes reach it; the gateway has no route to it."""
+    svc = request.app[SERVICES]
+    body = await _json_body(request)
+    events = body.get("events")
+    if not isinstance(events, list) or len(events) > contract.MAX_INTERNAL_EVENTS:
+        raise UompError(ErrorCode.INVALID_REQUEST, f"events must be a list of at most {contract.MAX_INTERNAL_EVENTS}")
+    rows = [_gateway_row(ev) for ev in events]
+    ticket = 0
+    for row in rows:
+        assert str(row[0]).startswith(GATEWAY_ID_PREFIX)
+        ticket = svc.audit.submit(row)
+    if rows:
+        await svc.audit.flush(ticket)
+    return _json_response({"accepted": len(rows)})
 
 
 def create_app(services: GuardServices, *, listener: str) -> web.Application:
@@ -706,6 +811,7 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     r.add_post("/v1/sessions/{sid}/deletion-proof", deletion_proof)
     if listener == "unix":  # internal routes: the gateway's (and the CLI's) only
         r.add_post("/v1/tokens/validate", validate_token)
+        r.add_post(contract.INTERNAL_EVENTS_PATH, internal_events)
         r.add_post("/v1/sessions/{sid}/refresh", refresh_internal)
     from gateway.guard import payload_routes  # imported here: it imports this module
 

@@ -118,11 +118,22 @@ def open_audit(paths: Paths, cfg: GuardConfig) -> AuditLog:
                     ledger=LedgerOptions.for_home(paths, cfg))
 
 
+# Fields an event may carry besides :data:`COLUMNS` (the gateway's, issue 10's one log): where and how
+# the request arrived, its stable code and HTTP status, and counts of rate-limited events.
+EXTRA_FIELDS = frozenset({"listener", "client", "cert_serial", "cert_fp", "request_id", "code", "status",
+                          "method", "path", "tag", "origin", "count", "by", "first", "last"})
+GATEWAY_ID_PREFIX = "gw_"  # ids the gateway gives its events: deduplicated on write (spool replays)
+
+
 def row_event(row: Row) -> dict[str, Any]:
-    """The event-log body of an audit row: its §18 fields, ``null``s left out."""
-    d = dict(zip(COLUMNS, row, strict=True))
+    """The event-log body of an audit row: its §18 fields and any extra fields, ``null``s left out."""
+    d = dict(zip(COLUMNS, row[:len(COLUMNS)], strict=True))
     d["allowed"] = bool(d["allowed"])
     d["tags"] = json.loads(d["tags"]) if d["tags"] else None
+    if len(row) > len(COLUMNS) and isinstance(row[len(COLUMNS)], dict):
+        for k, v in row[len(COLUMNS)].items():
+            if k in EXTRA_FIELDS and k not in d:
+                d[k] = v
     return {k: v for k, v in d.items() if v is not None}
 
 
@@ -130,12 +141,16 @@ def make_row(*, session_id: str, agent_id: str, action: str, allowed: bool, reas
              key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
              request_size: int | None = None, response_size: int | None = None,
              query_count_remaining: int | None = None, via: str | None = None,
-             now: float | None = None) -> Row:
-    """One audit row in :data:`COLUMNS` order, with a fresh unique id."""
+             now: float | None = None, extra: dict[str, Any] | None = None, event_id: str | None = None) -> Row:
+    """One audit row in :data:`COLUMNS` order (plus ``extra`` fields of the event, when given), with a
+    fresh unique id unless ``event_id`` is given."""
     ts = time.time() if now is None else now
-    return ("log_" + secrets.token_hex(8), ts, iso(ts), session_id or "unknown", agent_id or "unknown", action,
-            key, json.dumps(tags) if tags is not None else None, int(allowed), reason, detail,
-            request_size, response_size, query_count_remaining, via)
+    row: Row = (event_id or "log_" + secrets.token_hex(8), ts, iso(ts), session_id or "unknown",
+                agent_id or "unknown", action, key, json.dumps(tags) if tags is not None else None, int(allowed),
+                reason, detail, request_size, response_size, query_count_remaining, via)
+    if extra:
+        row = (*row, {k: v for k, v in extra.items() if k in EXTRA_FIELDS and v is not None})
+    return row
 
 
 class AuditLog:
@@ -167,12 +182,12 @@ class AuditLog:
                key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
                request_size: int | None = None, response_size: int | None = None,
                query_count_remaining: int | None = None, via: str | None = None,
-               now: float | None = None) -> int:
+               now: float | None = None, extra: dict[str, Any] | None = None) -> int:
         """Queue one row; return its ticket for :meth:`flush`."""
         return self.submit(make_row(
             session_id=session_id, agent_id=agent_id, action=action, allowed=allowed, reason=reason, key=key,
             tags=tags, detail=detail, request_size=request_size, response_size=response_size,
-            query_count_remaining=query_count_remaining, via=via, now=now))
+            query_count_remaining=query_count_remaining, via=via, now=now, extra=extra))
 
     def submit(self, row: Row) -> int:
         return self.writer.submit(row)
@@ -219,9 +234,18 @@ class AuditLog:
         opts = self.ledger_options
         assert ledger is not None and opts is not None
         ledger.reload()  # another process (the CLI) may have appended since this one last wrote
-        if dedupe:  # an outbox replay: rows already in the log are not events twice
-            seen = "SELECT 1 FROM audit_logs WHERE id = ?"
-            rows = [r for r in rows if conn.execute(seen, (r[0],)).fetchone() is None]
+        # An outbox replay (``dedupe``) or a gateway event (spooled and replayed, or sent again after
+        # a lost answer): rows already in the log are not events twice (idempotent by event id).
+        seen = "SELECT 1 FROM ledger_events WHERE id = ?"
+        ids: set[str] = set()
+        kept = []
+        for r in rows:
+            if dedupe or str(r[0]).startswith(GATEWAY_ID_PREFIX):
+                if r[0] in ids or conn.execute(seen, (r[0],)).fetchone() is not None:
+                    continue
+                ids.add(r[0])
+            kept.append(r)
+        rows = kept
         if rows:
             ledger.append([row_event(r) for r in rows])
         last = ledger.latest_checkpoint()
@@ -244,7 +268,7 @@ class AuditLog:
                     if rows:
                         conn.executemany(
                             f"INSERT OR IGNORE INTO audit_logs ({', '.join(COLUMNS)}) "
-                            f"VALUES ({', '.join('?' * len(COLUMNS))})", rows)
+                            f"VALUES ({', '.join('?' * len(COLUMNS))})", [r[:len(COLUMNS)] for r in rows])
                     conn.execute("COMMIT")
                 except BaseException:
                     with contextlib.suppress(sqlite3.Error):

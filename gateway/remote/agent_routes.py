@@ -50,6 +50,7 @@ async def refresh(call: Call) -> web.StreamResponse:
     headers = verified_headers(call)
     status, body = await state.forwarder.json_call("POST", f"/v1/sessions/{call.cap.session_id}/refresh",
                                                    headers=headers)
+    call.recorded = True  # the guard wrote the refresh's one event (rotation or refusal)
     if status >= 400:
         raw_err = body.get("error")
         err: dict[str, object] = raw_err if isinstance(raw_err, dict) else {}

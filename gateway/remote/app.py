@@ -17,15 +17,20 @@ One catch-all aiohttp route receives every request, so the raw request-target is
    claims (:func:`gateway.core.tokens.verify_token`), then the checks of
    :mod:`gateway.core.checks` in their documented order (token use, profile remote, audience one
    of *this listener's* endpoints, ``allowed_endpoints``, agents, ``cnf`` binding);
-5. session status from the Auth Service (cached for at most ``status_cache_seconds`` <= 1 s);
-6. the quota (reads only), atomically, persisted;
-7. the route's handler: forward to the guard (default), or a handler registered by another part
+5. session status from the Auth Service (cached for at most ``status_cache_seconds`` <= 1 s), on
+   the routes the gateway answers itself (refresh, payloads): a forwarded request is checked by the
+   guard, which reads the session's status on every request (revocation effective at once, §13.4);
+6. the route's handler: forward to the guard (default), or a handler registered by another part
    of the gateway (refresh, payloads) through :func:`register_route`. What is forwarded carries the
    token the gateway verified (never a client header copy) and the verified-identity headers of
    :mod:`gateway.contract`, among them the token's hash, which the guard compares with its own.
 
-Every request, allowed or refused, becomes one ``gateway_access`` event in the durable access log
-before its response is sent.
+One log (issue 10): every request, allowed or refused, becomes one event in the guard's ledger
+before its response is sent. A request the guard answered is recorded by the guard alone (it
+answers with :data:`gateway.contract.EVENT_ID_HEADER`), with the gateway's fields handed over as
+verified contract headers (listener, client address, certificate serial, request id); what the
+gateway decides alone goes through :class:`gateway.remote.event_sink.EventSink`. The read quota is
+the guard's alone: the agent sees the guard's ``X-UOMP-Quota-Remaining``.
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+import secrets
 import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -56,13 +61,12 @@ from gateway.contract import (
 )
 from gateway.core import checks, tokens
 from gateway.core.dpop import ReplayCache
-from gateway.core.quota import QuotaLedger
 from gateway.core.tokens import Capability
-from gateway.db import DbWorker, connect, transaction
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError, known_code, parse_code
 from gateway.remote import pathnorm, transport
 from gateway.remote.access_log import AccessLog
+from gateway.remote.event_sink import EventSink
 from gateway.remote.forward import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS, Forwarder
 from gateway.remote.metrics import Metrics
 from gateway.remote.tls import ClientCertChecker, ClientIdentity, server_name_of
@@ -82,7 +86,7 @@ class Route:
     method: str
     pattern: re.Pattern[str]
     name: str
-    reads: bool = False  # counts against max_read_queries
+    reads: bool = False  # counts against max_read_queries (in the guard: the one quota counter)
     auth: bool = True
     token_use: str = "access"  # "access", "refresh", or "none" (transport identity alone)
     status_check: bool = True  # ask the Auth Service about the session before the handler
@@ -94,17 +98,17 @@ Handler = Callable[["Call"], Awaitable[web.StreamResponse]]
 # §15.4. Session create, grant, close, revoke and list are deliberately absent: never reachable here.
 ROUTES: list[Route] = [
     Route("GET", re.compile(r"/v1/health"), "health", auth=False),
-    Route("GET", re.compile(r"/v1/memory/aggregate"), "aggregate", reads=True),
-    Route("GET", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "read_key", reads=True),
-    Route("GET", re.compile(r"/v1/memory"), "read_tag", reads=True),
-    Route("GET", re.compile(r"/v1/audit"), "audit"),
-    Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/deletion-proof"), "deletion_proof"),
+    Route("GET", re.compile(r"/v1/memory/aggregate"), "aggregate", reads=True, status_check=False),
+    Route("GET", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "read_key", reads=True, status_check=False),
+    Route("GET", re.compile(r"/v1/memory"), "read_tag", reads=True, status_check=False),
+    Route("GET", re.compile(r"/v1/audit"), "audit", status_check=False),
+    Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/deletion-proof"), "deletion_proof", status_check=False),
     # §10.1 / §20.4: no agent writes and no semantic query in this version. Forwarded (after every
     # check) so the agent gets the guard's own answer (WRITE_NOT_AVAILABLE / NOT_IMPLEMENTED) and
     # the guard's audit log records the attempt, exactly as on the guard itself.
-    Route("PUT", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "write"),
-    Route("DELETE", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "delete"),
-    Route("POST", re.compile(r"/v1/memory/query"), "query"),
+    Route("PUT", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "write", status_check=False),
+    Route("DELETE", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "delete", status_check=False),
+    Route("POST", re.compile(r"/v1/memory/query"), "query", status_check=False),
 ]
 
 
@@ -122,7 +126,7 @@ class Call:
     token: str | None = None
     token_digest: str | None = None  # SHA-256 (hex) of ``token``, sent to the guard
     endpoint: str | None = None  # host[:port] of this listener's endpoint the request addressed
-    remaining: int | None = None
+    request_id: str = field(default_factory=lambda: "req_" + secrets.token_hex(8))
     key: str | None = None
     tag: str | None = None
     jkt: str | None = None
@@ -131,9 +135,10 @@ class Call:
     on_authenticated: list[Callable[[], None]] = field(default_factory=list)
 
     def event(self, *, status: int, allowed: bool, reason: str, code: str | None) -> dict[str, Any]:
+        """The request's event for the guard's one log (§18.1/§18.2 fields, listener, via, code)."""
         cap = self.cap
+        ident = self.identity
         return {
-            "type": "gateway_access",
             "session_id": cap.session_id if cap else None,
             "agent_id": cap.agent_id if cap else (self.identity.agent_id if self.identity else None),
             "action": self.route.name if self.route else "unknown",
@@ -145,9 +150,12 @@ class Call:
             "method": self.request.method,
             "path": self.target.path if self.target else None,
             "status": status,
-            "cert_serial": self.identity.serial if self.identity else None,
+            "cert_serial": ident.serial if ident else None,
+            "cert_fp": ident.x5t_s256 if ident else None,
             "listener": self.via,
-            "query_count_remaining": self.remaining,
+            "via": f"gateway:mtls:{ident.serial}" if ident else f"gateway:{self.via}",
+            "client": self.request.remote,
+            "request_id": self.request_id,
         }
 
 
@@ -188,39 +196,6 @@ class StatusCache:
         raise UompError(code, message, session_id=cap.session_id)
 
 
-class QuotaStore:
-    """Gateway-side quota counters in ``$UOMP_HOME/gateway/quota.db`` (survive restarts).
-
-    The ledger runs on the database's own worker thread (:meth:`consume`), so a lock held on
-    quota.db by another process never stalls the gateway's event loop: past the bounded wait the
-    read is 503 STORE_BUSY."""
-
-    SCHEMA = "CREATE TABLE IF NOT EXISTS quota (session_id TEXT PRIMARY KEY, reserved INTEGER NOT NULL);"
-
-    def __init__(self, path: Path) -> None:
-        self.db = connect(path, schema=self.SCHEMA, what="gateway quota database")
-        self.ledger = QuotaLedger(self._load, self._persist)
-        self.worker = DbWorker("gateway-quota", what="gateway quota database")
-
-    async def consume(self, session_id: str, limit: int | None) -> int | None:
-        """:meth:`QuotaLedger.consume` on the worker thread."""
-        return await self.worker.run(self.ledger.consume, session_id, limit)
-
-    def _load(self, sid: str) -> int:
-        r = self.db.execute("SELECT reserved FROM quota WHERE session_id=?", (sid,)).fetchone()
-        return int(r[0]) if r else 0
-
-    def _persist(self, sid: str, mark: int) -> None:
-        with transaction(self.db, what="gateway quota database"):
-            self.db.execute("INSERT INTO quota VALUES (?,?) ON CONFLICT(session_id) DO UPDATE SET "
-                            "reserved=excluded.reserved", (sid, mark))
-
-    def close(self) -> None:
-        self.worker.close()
-        self.ledger.flush()
-        self.db.close()
-
-
 _norm_endpoint = checks.norm_endpoint
 
 
@@ -235,7 +210,10 @@ class GatewayState:
         self.paths = paths
         self.cfg = cfg
         self.forwarder = forwarder
-        self.access = access
+        self.access = access  # the durable local spool of the one log (guard unreachable)
+        self.events = EventSink(forwarder, access, unauth_events_per_second=cfg.access_log_unauth_events_per_second,
+                                unauth_burst=cfg.access_log_unauth_burst,
+                                summary_interval_seconds=cfg.access_log_summary_interval_seconds)
         self.metrics = metrics
         # Each listener serves its own public endpoints (audience and allowed_endpoints are checked
         # against the listener the request arrived on, never against every endpoint of the gateway).
@@ -247,7 +225,6 @@ class GatewayState:
             self.add_endpoint(e, listener="tunnel")
         self.status = StatusCache(forwarder, cfg.status_cache_seconds, cfg.status_cache_entries)
         paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.quota = QuotaStore(paths.quota_db)
         self.handlers: dict[str, Handler] = {}
         self.routes: list[Route] = list(ROUTES)
         self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {"mtls": mtls_identity}
@@ -319,8 +296,8 @@ class GatewayState:
         return key if key in self._listener_hosts.get(listener, {}) else None
 
     async def close(self) -> None:
+        await self.events.close()  # what is queued reaches the guard (or the spool) first
         await self.forwarder.close()
-        self.quota.close()
         self.access.close()
 
 
@@ -403,8 +380,14 @@ def verified_headers(call: Call) -> dict[str, str]:
         VERIFIED_AGENT_HEADER: call.cap.agent_id,
         VERIFIED_VIA_HEADER: f"gateway:mtls:{call.identity.serial}" if call.identity else f"gateway:{call.via}",
         VERIFIED_TOKEN_HEADER: call.token_digest,
+        # audit only: the guard writes these into the request's one event
+        contract.VERIFIED_LISTENER_HEADER: call.via,
+        contract.VERIFIED_REQUEST_ID_HEADER: call.request_id,
     }
+    if call.request.remote:
+        headers[contract.VERIFIED_CLIENT_HEADER] = call.request.remote
     if call.identity is not None:
+        headers[contract.VERIFIED_SERIAL_HEADER] = call.identity.serial
         headers[VERIFIED_X5T_HEADER] = call.identity.x5t_s256
         headers[VERIFIED_JKT_HEADER] = call.identity.jkt
     elif call.jkt is not None:
@@ -464,10 +447,10 @@ async def forward(call: Call) -> web.StreamResponse:
     try:
         if upstream.status >= 500 and upstream.content_type != "application/json":
             raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an invalid response")
-        headers_out = {k: v for k, v in upstream.headers
-                       if k.lower() in FORWARD_RESPONSE_HEADERS and k.lower() != QUOTA_HEADER.lower()}
-        if call.remaining is not None:
-            headers_out[QUOTA_HEADER] = str(call.remaining)
+        # The guard's quota header passes through: its counter is the only one.
+        headers_out = {k: v for k, v in upstream.headers if k.lower() in FORWARD_RESPONSE_HEADERS}
+        # The guard wrote this request's one event (with the gateway's fields): nothing to add here.
+        call.recorded = call.recorded or any(k.lower() == _EVENT_ID_LOWER for k, _ in upstream.headers)
         if upstream.status >= 400:
             # A refusal is small: read it whole (bounded) so the access log records the guard's code.
             raw = await upstream.read(MAX_UPSTREAM_ERROR_BYTES)
@@ -496,6 +479,9 @@ async def forward(call: Call) -> web.StreamResponse:
         upstream.release()
 
 
+_EVENT_ID_LOWER = contract.EVENT_ID_HEADER.lower()
+
+
 def _error_code(raw: bytes) -> ErrorCode | None:
     try:
         doc = json.loads(raw)
@@ -506,7 +492,9 @@ def _error_code(raw: bytes) -> ErrorCode | None:
 
 
 async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: str | None) -> None:
-    """Make the request's event durable before its answer; STORE_UNAVAILABLE if it cannot be.
+    """Make the request's event durable (in the guard's one log, or the local spool while the guard
+    is unreachable) before its answer; STORE_UNAVAILABLE if it cannot be. Nothing when the guard
+    already wrote the request's event.
 
     An event without a verified session is rate-limited per source (counted beyond the rate)."""
     state = call.request.app[STATE]
@@ -514,9 +502,10 @@ async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: 
         return
     call.recorded = True
     source = None if call.cap is not None else (call.request.remote or "unknown")
-    ticket = state.access.append(call.event(status=status, allowed=allowed, reason=reason, code=code),
-                                 source=source)
-    await state.access.flush(ticket)
+    done = state.events.append(call.event(status=status, allowed=allowed, reason=reason, code=code),
+                               source=source)
+    if done is not None:
+        await done
     fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
 
 
@@ -541,8 +530,6 @@ async def entry(request: web.Request) -> web.StreamResponse:
         if exc.session_id is None and call.cap is not None:
             exc.session_id = call.cap.session_id
         resp = _error(exc)
-        if call.remaining is not None:
-            resp.headers[QUOTA_HEADER] = str(call.remaining)
         try:
             await _record(call, status=exc.status, allowed=False, reason=exc.message, code=exc.code)
         except UompError as log_exc:  # the event could not be written: the client gets 503, not 500
@@ -585,8 +572,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
         if not state.upstream_ok():
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory guard is unreachable")
         resp = web.json_response({"status": "ok"})
-        await _record(call, status=200, allowed=True, reason="health", code=None)
-        return resp
+        return resp  # health answers are not decisions about anyone's data: not in the log
     await state.transport_auth[listener](call)
     if route.token_use == "none":
         return await state.handlers[route.name](call)
@@ -598,12 +584,6 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     for done in call.on_authenticated:
         done()
     transport.authenticated(request)  # the connection leaves the unverified budget (tunnel listener)
-    if route.reads:
-        remaining = await state.quota.consume(cap.session_id, cap.max_read_queries)
-        if remaining == -1:
-            call.remaining = 0
-            raise UompError(ErrorCode.QUOTA_EXCEEDED, "read query quota is exhausted", session_id=cap.session_id)
-        call.remaining = remaining
     handler = state.handlers.get(route.name, forward)
     return await handler(call)
 

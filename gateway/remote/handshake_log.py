@@ -10,6 +10,12 @@ plain HTTP sent to the TLS port) used to get an empty reply and leave the operat
   at most ``per_second`` lines a second after a burst of ``burst`` (a handshake flood must not
   become a log flood); the lines not written are counted and reported in the next line written.
 
+* and, with ``events`` (the gateway's :class:`gateway.remote.event_sink.EventSink`), writes one
+  ``tls_handshake`` event into the guard's one log: ``allowed`` false, code
+  ``TLS_HANDSHAKE_REFUSED``, ``detail`` the reason label, ``reason`` OpenSSL's words, ``listener``,
+  ``client`` (address). Rate-limited per client address like every event without a session
+  (beyond the rate: counted, and the count is an event).
+
 ``reason`` is one of :data:`REASONS`. The certificate's serial cannot be logged: Python's ``ssl``
 module gives no access to a peer certificate whose verification failed (no verify callback, and
 ``getpeercert`` needs a finished handshake); ``uomp agent list`` maps a revoked agent's serials.
@@ -22,7 +28,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("uomp.gateway")
 
@@ -65,6 +71,13 @@ class Counter(Protocol):
     def tls_handshake_rejected(self, listener: str, reason: str) -> None: ...
 
 
+class Events(Protocol):
+    def append(self, event: dict[str, Any], *, source: str | None = None) -> Any: ...
+
+
+HANDSHAKE_CODE = "TLS_HANDSHAKE_REFUSED"
+
+
 def classify(exc: BaseException) -> tuple[str, str]:
     """``(reason label, OpenSSL's words)`` for a failed server-side handshake."""
     if isinstance(exc, ssl.SSLCertVerificationError):
@@ -74,11 +87,18 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return _REASON.get(reason, "other"), (reason or type(exc).__name__)
 
 
+def _retrieve(fut: Any) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("TLS handshake refusal could not be recorded (%s)", type(fut.exception()).__name__)
+
+
 class HandshakeLog:
     """The ``on_handshake_failed`` hook of one listener (see the module docstring)."""
 
-    def __init__(self, metrics: Counter, listener: str, *, per_second: float = 5.0, burst: int = 20) -> None:
+    def __init__(self, metrics: Counter, listener: str, *, per_second: float = 5.0, burst: int = 20,
+                 events: Events | None = None) -> None:
         self.metrics = metrics
+        self.events = events
         self.listener = listener
         self.per_second = max(0.0, float(per_second))
         self.burst = max(1, int(burst))
@@ -89,6 +109,14 @@ class HandshakeLog:
     def __call__(self, exc: BaseException, ip: str) -> None:
         label, detail = classify(exc)
         self.metrics.tls_handshake_rejected(self.listener, label)
+        if self.events is not None:
+            # No serial: Python's ssl does not show a certificate that failed verification.
+            done = self.events.append({"action": "tls_handshake", "allowed": False, "code": HANDSHAKE_CODE,
+                                       "detail": label, "reason": f"TLS handshake refused: {detail[:200]}",
+                                       "listener": self.listener, "client": ip or None,
+                                       "via": f"gateway:{self.listener}"}, source=ip or "unknown")
+            if done is not None and hasattr(done, "add_done_callback"):
+                done.add_done_callback(_retrieve)
         now = time.monotonic()
         self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.per_second)
         self._last = now

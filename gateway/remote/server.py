@@ -34,9 +34,9 @@ def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]
             Path(cfg.agent_crl) if cfg.agent_crl else ca_store.crl_path(paths))
 
 
-def _flush_done(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("access log: flush failed (%s)", type(task.exception()).__name__)
+def _flush_done(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("one log: an event could not be recorded (%s)", type(fut.exception()).__name__)
 
 
 class GatewayRunner:
@@ -118,15 +118,12 @@ class GatewayRunner:
             hook(state)
 
         def rejected(status: int, code: ErrorCode, message: str) -> None:
-            # aiohttp answers these itself (synchronously): record the event (rate-limited per source
-            # by the log), and make it durable without waiting for the next request's flush.
-            with contextlib.suppress(UompError):  # counted by the log when it cannot write
-                ticket = access.append({"type": "gateway_access", "action": "malformed", "allowed": False,
-                                        "reason": message, "code": code, "status": status, "session_id": None,
-                                        "agent_id": None}, source="malformed")
-                if ticket:
-                    task = asyncio.get_running_loop().create_task(access.flush(ticket))
-                    task.add_done_callback(_flush_done)
+            # aiohttp answers these itself (synchronously): the event goes to the one log
+            # (rate-limited per source), durable without waiting for a later request.
+            done = state.events.append({"action": "malformed", "allowed": False, "reason": message, "code": code,
+                                        "status": status}, source="malformed")
+            if done is not None:
+                done.add_done_callback(_flush_done)
         registries = [self.registry]
         if cfg.tunnel_origin_port >= 0:
             registries.append(self.tunnel_registry)
@@ -136,7 +133,7 @@ class GatewayRunner:
         from gateway.remote.handshake_log import HandshakeLog
 
         self.registry.on_handshake_failed = HandshakeLog(metrics, "mtls", per_second=cfg.handshake_log_per_second,
-                                                         burst=cfg.handshake_log_burst)
+                                                         burst=cfg.handshake_log_burst, events=state.events)
         for reg in (self.registry, self.tunnel_registry):
             reg.on_rejected = rejected
             reg.on_open = metrics.connection_opened
@@ -190,6 +187,7 @@ class GatewayRunner:
         self._tasks.append(loop.create_task(self.reloader.watch(cfg.tls_watch_interval_seconds, tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
         self._tasks.append(loop.create_task(monitor.run()))
+        self._tasks.append(loop.create_task(state.events.run_replayer()))  # the spool, once the guard is back
         log.info("gateway listening on https://%s:%s (TLS 1.3, mTLS), upstream %s", cfg.listen_host, self.port,
                  upstream.kind)
 

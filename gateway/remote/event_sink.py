@@ -1,0 +1,267 @@
+"""The gateway's events into the guard's one log (issue 10), with a durable local spool.
+
+A request the guard answers is recorded by the guard alone (the gateway hands over its fields as
+verified contract headers, :mod:`gateway.contract`). What the gateway decides alone (its refusals,
+rejected TLS handshakes, upstream failures) goes to the guard's internal route
+``POST /v1/internal/events`` on the Unix socket through :class:`EventSink`:
+
+* :meth:`EventSink.append` queues an event and returns a future; the request's answer waits for it
+  (acknowledged = durable). Everything queued within one event-loop tick leaves in *one* internal
+  request (at most :data:`gateway.contract.MAX_INTERNAL_EVENTS` events), which the guard writes in
+  one group commit: a flood of refusals costs one round trip and one fsync per batch
+  (:attr:`EventSink.requests_sent` counts the internal requests).
+* Events without a verified session carry a ``source`` (the client address) and pass a per-source
+  token bucket; beyond the rate they are *counted*, not written, and the counts land as one
+  ``gateway_events_suppressed`` event at most every ``summary_interval`` seconds.
+* Every event has an id (``gw_`` + 32 hex digits) given here, so the guard writes it once however
+  often it is sent (a lost answer, a replay).
+
+The guard unreachable (or refusing to write): the batch goes to the gateway's durable spool
+``$UOMP_HOME/gateway/access.jsonl`` (the hash-chained, group-committed
+:class:`gateway.remote.access_log.AccessLog`) and the futures resolve once it is fsynced there. The
+spool is replayed into the guard's log, oldest first, as soon as the guard answers again (before
+any newer batch, and by a timer every :data:`REPLAY_INTERVAL_SECONDS`); ``access.replayed`` holds
+the spool sequence number replayed so far (written atomically after the guard acknowledged).
+A crash between the guard's answer and that write replays a batch again: the ids make that a no-op.
+When neither the guard nor the spool can take an event, the futures fail with
+``STORE_UNAVAILABLE`` and the request is answered 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gateway import contract
+from gateway.durable import RefusalTally
+from gateway.errors import ErrorCode, UompError
+from gateway.fsutil import atomic_write
+from gateway.remote.access_log import GAP_TYPE, MAX_SOURCES, SUPPRESSED_TYPE, AccessLog, _Buckets
+from gateway.remote.forward import Forwarder
+
+log = logging.getLogger("uomp.gateway")
+
+REPLAY_INTERVAL_SECONDS = 1.0
+SUPPRESSED_ACTION = "gateway_events_suppressed"
+SPOOL_FIELDS = ("type", "seq", "timestamp", "prev")  # what the spool adds to an event
+
+
+def new_event_id() -> str:
+    return "gw_" + secrets.token_hex(16)
+
+
+class EventSink:
+    """See the module docstring."""
+
+    def __init__(self, forwarder: Forwarder, spool: AccessLog, *, unauth_events_per_second: float = 2.0,
+                 unauth_burst: float = 20.0, summary_interval_seconds: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.forwarder = forwarder
+        self.spool = spool
+        self.clock = clock
+        self.summary_interval = float(summary_interval_seconds)
+        self._buckets = _Buckets(unauth_events_per_second, unauth_burst)
+        self.suppressed = RefusalTally(max_buckets=MAX_SOURCES)
+        self._last_summary = clock()
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[None] | None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one delivery at a time: the spool is replayed in order
+        self.marker = spool.path.with_name(spool.path.stem + ".replayed")
+        self.replayed_seq = self._read_marker()
+        # counters (metrics, tests, benchmarks)
+        self.requests_sent = 0  # internal requests to the guard (batches + replays)
+        self.events_sent = 0
+        self.events_spooled = 0
+        self.events_replayed = 0
+        self.events_counted = 0  # rate-limited: counted, not written one by one
+
+    # ------------------------------------------------------------------------- appending
+
+    def append(self, event: Mapping[str, Any], *, source: str | None = None) -> asyncio.Future[None] | None:
+        """Queue one event; the future resolves once it is durable (in the guard's log or the spool).
+
+        ``source`` marks an event without a verified session (rate-limited per source): beyond the
+        rate it is counted and ``None`` is returned."""
+        ev = {k: v for k, v in event.items() if v is not None and k != "type"}
+        ev.setdefault("id", new_event_id())
+        now = self.clock()
+        ev.setdefault("ts", now)
+        if source is not None and not self._buckets.take(source, now):
+            self.suppressed.add(f"{source} {ev.get('code') or ev.get('action') or '-'}", now=now)
+            self.events_counted += 1
+            if now - self._last_summary >= self.summary_interval:
+                self._kick()
+            return None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((ev, fut))
+        self._kick()
+        return fut
+
+    def _kick(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    def _summary(self, *, force: bool = False) -> dict[str, Any] | None:
+        now = self.clock()
+        if not force and now - self._last_summary < self.summary_interval:
+            return None
+        snap = self.suppressed.take()
+        if snap is None:
+            return None
+        self.suppressed.done(snap)
+        self._last_summary = now
+        return {"id": new_event_id(), "ts": now, "action": SUPPRESSED_ACTION, "allowed": False,
+                "count": sum(snap["counts"].values()), "by": dict(snap["counts"]),
+                "reason": "unauthenticated requests beyond the per-source logging rate, counted",
+                "first": _iso(snap["first"]), "last": _iso(snap["last"])}
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # one tick: whatever is refused concurrently joins this batch
+        while True:
+            batch = self._pending[:contract.MAX_INTERNAL_EVENTS]
+            del self._pending[:len(batch)]
+            summary = self._summary()
+            if summary is not None:
+                batch.insert(0, (summary, None))
+            if not batch:
+                return
+            await self._deliver(batch)
+
+    async def _deliver(self, batch: list[tuple[dict[str, Any], asyncio.Future[None] | None]]) -> None:
+        events = [ev for ev, _ in batch]
+        error: UompError | None = None
+        async with self._lock:
+            try:
+                if self.spool.last_seq > self.replayed_seq:
+                    await self._replay_locked()
+                await self._post(events)
+                self.events_sent += len(events)
+            except UompError as exc:
+                try:
+                    await self._to_spool(events, exc)
+                except UompError as spool_exc:
+                    error = spool_exc
+        for _, fut in batch:
+            if fut is None or fut.done():
+                continue
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(UompError(ErrorCode.STORE_UNAVAILABLE, "the event could not be recorded "
+                                            "(guard unreachable and the local spool failing)"))
+
+    async def _post(self, events: list[dict[str, Any]]) -> None:
+        self.requests_sent += 1
+        status, body = await self.forwarder.json_call("POST", contract.INTERNAL_EVENTS_PATH, body={"events": events})
+        if status != 200:
+            err = body.get("error")
+            code = err.get("code") if isinstance(err, dict) else None
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the guard did not record the events ({code or status})")
+
+    async def _to_spool(self, events: list[dict[str, Any]], why: UompError) -> None:
+        tickets = [self.spool.append(ev) for ev in events]
+        await self.spool.flush(max(tickets))
+        if not self.events_spooled:
+            log.warning("guard unreachable for the one log (%s): events spooled in %s, replayed when it returns",
+                        why.code, self.spool.path.name)
+        self.events_spooled += len(events)
+
+    # ------------------------------------------------------------------------- replay
+
+    def _read_marker(self) -> int:
+        try:
+            return int(self.marker.read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    @property
+    def backlog(self) -> int:
+        """Spooled events not yet in the guard's log."""
+        return max(0, self.spool.last_seq - self.replayed_seq)
+
+    async def replay(self) -> int:
+        """Replay the spool into the guard's log (oldest first); the number of events replayed.
+        Raises ``STORE_UNAVAILABLE`` while the guard does not take them."""
+        async with self._lock:
+            return await self._replay_locked()
+
+    async def _replay_locked(self) -> int:
+        done = 0
+        while self.spool.last_seq > self.replayed_seq:
+            records = await asyncio.to_thread(self.spool.read, after_seq=self.replayed_seq,
+                                              limit=contract.MAX_INTERNAL_EVENTS)
+            if not records:
+                break
+            events = [spooled_event(r) for r in records]
+            await self._post(events)
+            last = int(records[-1]["seq"])
+            await asyncio.to_thread(atomic_write, self.marker, f"{last}\n".encode())
+            self.replayed_seq = last
+            self.events_replayed += len(events)
+            done += len(events)
+        if done:
+            log.info("replayed %d spooled event(s) into the guard's log", done)
+        return done
+
+    async def run_replayer(self, interval: float = REPLAY_INTERVAL_SECONDS) -> None:
+        """Background task: replay the spool whenever it holds events and the guard answers."""
+        while True:
+            await asyncio.sleep(interval)
+            if self.backlog:
+                with contextlib.suppress(UompError):
+                    await self.replay()
+
+    async def close(self) -> None:
+        """Deliver what is queued (and a pending summary) before the gateway stops."""
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+        summary = self._summary(force=True)
+        if summary is not None:
+            with contextlib.suppress(Exception):
+                await self._deliver([(summary, None)])
+
+
+def spooled_event(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A spool line as an event for the guard: the spool's own fields dropped; a spool summary
+    (written by the access log itself when it could not write) gets an id derived from its chain
+    link, so replaying it twice is one event too."""
+    ev = {k: v for k, v in record.items() if k not in SPOOL_FIELDS}
+    kind = record.get("type")
+    if "id" not in ev:
+        ev["id"] = "gw_" + hashlib.sha256(f"{record.get('seq')}:{record.get('prev')}".encode()).hexdigest()[:32]
+    if "ts" not in ev:
+        ev["ts"] = _parse_iso(str(record.get("timestamp", "")))
+    if kind in (GAP_TYPE, SUPPRESSED_TYPE):
+        ev["action"] = f"gateway_{kind}"
+        by = ev.pop("by_action", None) or ev.pop("by_source_code", None)
+        if isinstance(by, dict):
+            ev["by"] = by
+    return ev
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
+
+
+def _parse_iso(s: str) -> float:
+    try:
+        return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return time.time()
+
+
+def spool_path(gateway_dir: Path) -> Path:
+    return gateway_dir / "access.jsonl"
+
+
+__all__ = ["EventSink", "new_event_id", "spool_path", "spooled_event"]
