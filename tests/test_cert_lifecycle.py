@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 from cryptography import x509
-from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
+from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events
 from guardkit import admin_headers, call
 from test_authorize import MANIFEST, write_manifest
 
@@ -49,8 +49,8 @@ async def renew_call(app: Appliance, agent: Agent | None, body: Any = None) -> t
 
 
 def access_events(paths: Paths, action: str) -> list[dict[str, Any]]:
-    lines = (paths.gateway_dir / "access.jsonl").read_text().splitlines()
-    return [e for e in (json.loads(line) for line in lines) if e.get("action") == action]
+    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    return ledger_events(paths, action=action)
 
 
 def as_agent(agent: Agent, pem: str, name: str) -> Agent:

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from gatewaykit import ledger_events
 
 from gateway.bundle import load_bundle
 from gateway.client.tls import build_client_context
+from gateway.config import Paths
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 
@@ -104,10 +106,10 @@ async def test_appliance_end_to_end(fresh_home: Path, tmp_path: Path) -> None:
         audit = run(fresh_home, "audit", "--session", b.session_id).stdout
         assert "ALLOW" in audit and "session_revoked" in audit
         assert b.access_token not in audit
-        # the refusal after the revocation is recorded by whoever refused it first: the gateway's own
-        # status check (access log) or, within its status-cache period, the guard (audit log)
-        events = [json.loads(line) for line in (fresh_home / "gateway" / "access.jsonl").read_text().splitlines()]
-        assert events[-1]["code"] == "SESSION_REVOKED" and events[-1]["allowed"] is False
+        # the refusal after the revocation: one event in the one log, written by the guard (it checks
+        # the session on every forwarded request), with the gateway's listener
+        events = ledger_events(Paths(fresh_home), code="SESSION_REVOKED")
+        assert len(events) == 1 and events[-1]["allowed"] is False and events[-1]["listener"] == "mtls"
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from cryptography.hazmat.primitives import serialization
-from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
+from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events
 from guardkit import admin_headers, call, grant, guard_config, running_guard, seed, unix_session
 
 from gateway import keys
@@ -41,10 +41,10 @@ OWN = {"tags": ["preference"], "keys": []}
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    f = paths.gateway_dir / "access.jsonl"
-    if not f.exists():
+    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    if not paths.audit_db.exists():
         return []
-    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return ledger_events(paths)
 
 
 def audit_rows(paths: Paths, session_id: str) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from gatewaykit import Appliance
+from gatewaykit import Appliance, ledger_events
 from guardkit import admin_headers, call, grant, guard_config, running_guard, seed, unix_session
 from multidict import CIMultiDict
 
@@ -84,8 +84,8 @@ async def app(home: Paths) -> AsyncIterator[Appliance]:
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    lines = (paths.gateway_dir / "access.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    return ledger_events(paths)
 
 
 def write_manifest(d: Path, doc: dict[str, Any] | None = None) -> Path:
@@ -464,7 +464,7 @@ async def test_renewal_at_two_thirds_of_lifetime_over_the_real_route(app: Applia
         cert = x509.load_pem_x509_certificate((on_disk.agent_cert or "").encode())
         assert ca.serial_hex(cert.serial_number) == new_serial
         assert on_disk.agent_key == files.key_file.read_text()  # same key
-        reads = [e for e in access_events(app.paths) if e["action"] == "read_key"]
+        reads = [e for e in access_events(app.paths) if e["action"] == "read" and e.get("key")]
         assert reads[-1]["cert_serial"] == new_serial and reads[-1]["allowed"]
         renews = [e for e in access_events(app.paths) if e["action"] == "renew"]
         assert len(renews) == 1 and renews[0]["cert_serial"] == files.serial
@@ -586,7 +586,7 @@ async def test_dpop_through_the_tunnel_origin(app: Appliance, tmp_path: Path) ->
         assert c.mode == "dpop" and (await c.get("preference.theme"))["value"] == "dark"
     with pytest.raises(ConfigError):
         UompClient.from_env({**env, "UOMP_MODE": "insecure"})
-    events = [e for e in access_events(app.paths) if e["listener"] == "tunnel"]
+    events = [e for e in access_events(app.paths) if e.get("listener") == "tunnel"]
     assert events and all(e["cert_serial"] is None for e in events)
     assert [e for e in events if e["action"] == "refresh" and e["allowed"]]
     # the mTLS-bound bundle (audience/allowed endpoint localhost) does not work through the tunnel host
