@@ -1,6 +1,6 @@
 """The remote gateway's cost: the same read-by-key load straight to the guard and through mTLS, one run.
 
-    .venv/bin/python benchmarks/bench_gateway.py [--duration S] [--clients N] [--rounds R]
+    .venv/bin/python benchmarks/bench_gateway.py [--duration S] [--clients N] [--rounds R] [--fsyncs]
         [--handshake-clients N] [--idle N] [--experiments]
 
 The appliance is laid out like ``uomp gateway start``: ``GatewayRunner`` (TLS 1.3, client
@@ -45,7 +45,11 @@ p50 overhead <= 1 ms, >= 800 new mTLS connections/s.
 from __future__ import annotations
 
 import argparse
+import signal
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import _common as c
@@ -103,6 +107,31 @@ class Appliance:
                        max_requests=args.max_requests, server_pid=self.srv.pids)
         c.check_ok(f"{self.label}: {kind} GET by key ({clients or args.clients} clients)", r)
         return r
+
+    def fsyncs(self, kind: str, args: argparse.Namespace, duration: float = 3.0) -> dict[str, Any]:
+        """fsync + fdatasync calls per request on path ``kind``, counted by ``strace -c -f`` attached to
+        the appliance's processes (all their threads) for one short keep-alive phase of its own
+        (strace slows the processes: this phase's req/s is not a figure)."""
+        out = Path(tempfile.mkstemp(prefix="uomp-strace-", suffix=".txt")[1])
+        cmd = ["strace", "-c", "-f", "-e", "trace=fsync,fdatasync", "-o", str(out)]
+        for pid in self.srv.pids.values():
+            cmd += ["-p", str(pid)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(1.0)  # attached to every thread
+            r = c.run_load(self.targets[kind], self.reqs[kind], clients=args.clients, duration=duration, warmup=0.0,
+                           max_requests=args.max_requests, server_pid=self.srv.pids)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(20)
+        calls = 0
+        for line in out.read_text().splitlines():
+            f = line.split()
+            if f and f[-1] in ("fsync", "fdatasync") and len(f) >= 5:
+                calls += int(f[3])
+        out.unlink()
+        answers = sum(int(v) for v in r["statuses"].values())
+        return {"fsyncs": calls, "requests": answers, "per_request": calls / max(1, answers)}
 
     def handshakes(self, args: argparse.Namespace) -> dict[str, Any]:
         r = c.run_load(self.targets["gateway"], [self.health_close], clients=args.handshake_clients,
@@ -164,6 +193,8 @@ def main() -> None:
     ap.add_argument("--experiments", action="store_true",
                     help="also run the one-process, quota block 16 and 256 KiB TLS buffer appliances (see above)")
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
+    ap.add_argument("--fsyncs", action="store_true",
+                    help="also count fsync/fdatasync per request on each path (strace -c -f, its own phase)")
     args = ap.parse_args()
     if not (1 <= args.clients <= 1000 and 0 < args.duration <= 600 and 1 <= args.rounds <= 10
             and 1 <= args.handshake_clients <= 200 and 0 <= args.idle <= 5000):
@@ -210,6 +241,7 @@ def main() -> None:
             for app in hs_apps:
                 app.runs["handshakes"].append(app.handshakes(args))
         rss = {k: a.rss(args.idle) for k, a in apps.items() if k in ("base", "buf") and args.idle}
+        syncs = {kind: base.fsyncs(kind, args) for kind in ("direct", "gateway")} if args.fsyncs else {}
     finally:
         for a in apps.values():
             a.stop()
@@ -254,6 +286,9 @@ def main() -> None:
             f"new conn/s per keep-alive req/s {hs['rps'] / gw['rps']:.2f}")
     if "base" in rss:
         line += f", {rss['base']['per_conn']:.0f} KiB RSS per idle mTLS connection"
+    if syncs:
+        print("FSYNCS per request (strace -c -f, fsync+fdatasync, both processes): "
+              + ", ".join(f"{k} {v['per_request']:.3f} ({v['fsyncs']} / {v['requests']})" for k, v in syncs.items()))
     if args.experiments:
         line += "; experiments (each / baseline):"
         for key, name in (("one", "one process"), ("quota", "quota block 16")):

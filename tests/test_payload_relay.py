@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from gatewaykit import Appliance, agent_session
+from gatewaykit import Appliance, agent_session, ledger_events
 from guardkit import admin_headers, call, grant, guard_config, running_guard, seed, unix_session
 from test_sdk import TUNNEL, access_events, authorize_csr, authorize_out, sdk_appliance
 
@@ -637,7 +637,8 @@ async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Pa
                 private_pem.split(b"\n")[1], base64.b64encode(SECRET)[:40],
                 envelope.HEADER_NAME.encode() + b":"]
     sources = {
-        "gateway access log": (app.paths.gateway_dir / "access.jsonl").read_bytes(),
+        "gateway spool": (app.paths.gateway_dir / "access.jsonl").read_bytes(),
+        "the one log (ledger)": json.dumps(ledger_events(app.paths)).encode(),
         "guard audit log": json.dumps(audit_rows(app.paths)).encode(),
         "python logging": caplog.text.encode(),
         "cli stderr": err.encode(),
@@ -646,7 +647,7 @@ async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Pa
     for name, text in sources.items():
         for secret in secrets_:
             assert secret not in text, f"{secret[:12]!r}... in the {name}"
-    assert (app.paths.gateway_dir / "access.jsonl").read_bytes().count(b"payload_upload") >= 3
+    assert len(ledger_events(app.paths, action="payload_upload")) >= 3
 
 
 async def _read_line(proc: asyncio.subprocess.Process, prefix: str, timeout: float = 60.0) -> str:

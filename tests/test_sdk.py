@@ -587,7 +587,7 @@ async def test_dpop_through_the_tunnel_origin(app: Appliance, tmp_path: Path) ->
     with pytest.raises(ConfigError):
         UompClient.from_env({**env, "UOMP_MODE": "insecure"})
     events = [e for e in access_events(app.paths) if e.get("listener") == "tunnel"]
-    assert events and all(e["cert_serial"] is None for e in events)
+    assert events and all(e.get("cert_serial") is None for e in events)
     assert [e for e in events if e["action"] == "refresh" and e["allowed"]]
     # the mTLS-bound bundle (audience/allowed endpoint localhost) does not work through the tunnel host
     mtls_bundle = authorize_csr(app, tmp_path, name="m")
@@ -835,24 +835,23 @@ async def test_example_agent_cli(app: Appliance, tmp_path: Path) -> None:
 
 async def test_refresh_is_retried_on_503_and_keeps_working(app: Appliance, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 9 #1: the SDK retries a refresh that got 503 (here: the access log cannot be written for
-    the first two tries) with bounded back-off, and the session survives."""
-    import errno
-
+    """Issue 9 #1: the SDK retries a refresh that got 503 (here: the one log, the guard's audit log,
+    cannot be written for the first two tries) with bounded back-off, and the session survives."""
     from gateway.client import ClientOptions
-    from gateway.remote import access_log as al
+    from gateway.errors import UompError
+    from gateway.guard import audit as audit_mod
 
     bundle = authorize_csr(app, tmp_path)
-    real = al._pwrite_all
+    real = audit_mod.AuditLog._insert
     fails = {"left": 0}
 
-    def hook(fd: int, data: bytes, offset: int) -> None:
-        if fails["left"] > 0:
+    def hook(self: audit_mod.AuditLog, rows: list[Any], *, dedupe: bool = False) -> None:
+        if fails["left"] > 0 and rows:
             fails["left"] -= 1
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, data, offset)
+            raise UompError("STORE_UNAVAILABLE", "the audit log could not be written (disk full)")
+        real(self, rows, dedupe=dedupe)
 
-    monkeypatch.setattr(al, "_pwrite_all", hook)
+    monkeypatch.setattr(audit_mod.AuditLog, "_insert", hook)
     opts = ClientOptions(refresh_retry_attempts=5, refresh_retry_initial_seconds=0.05, refresh_retry_max_seconds=0.2)
     async with UompClient.from_bundle(bundle, options=opts) as c:
         assert (await c.get("preference.theme"))["value"] == "dark"

@@ -693,11 +693,12 @@ async def refresh_internal(request: web.Request) -> web.Response:
         answer, ticket = await svc.authdb(functools.partial(
             svc.auth.refresh_audited, token, session_id=sid,
             presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
-            presented_jkt=request.headers.get(VERIFIED_JKT_HEADER)))
+            presented_jkt=request.headers.get(VERIFIED_JKT_HEADER), extra=event_fields(request)))
     except UompError as exc:
         ticket = svc.audit.record(session_id=exc.session_id or sid,
                                   agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
-                                  action="refresh", allowed=False, reason=exc.message, detail=exc.code)
+                                  action="refresh", allowed=False, reason=exc.message, detail=exc.code,
+                                  via=_via(request), extra=event_fields(request, code=exc.code))
         await svc.audit.flush(ticket)
         raise
     await svc.audit.flush(ticket)  # the rotation's row (also in auth.db's outbox: see AuthService)

@@ -705,7 +705,7 @@ class AuthService:
         return answer
 
     def refresh_audited(self, refresh_token: str, *, session_id: str, presented_x5t: str | None,
-                        presented_jkt: str | None) -> tuple[dict[str, Any], int]:
+                        presented_jkt: str | None, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
         """§15.5 with rotation and reuse detection (the rule in the module docstring). Returns the
         answer and the audit ticket to wait for before answering. The caller has checked the transport
         binding inputs."""
@@ -736,7 +736,7 @@ class AuthService:
         successor = json.dumps({"access_jti": access.jti, "refresh_jti": new_rt.jti})
         audit_row = make_row(session_id=session_id, agent_id=row.agent_id, action="refresh", allowed=True,
                              reason="refresh retried: the never-used successor pair was replaced" if retry
-                             else "refresh token rotated", now=now)
+                             else "refresh token rotated", now=now, extra=extra)
         with transaction(self.db, what="session database"):  # one durable write for the whole rotation
             if retry:
                 lost = json.loads(r["successor"])
