@@ -283,7 +283,7 @@ class AuditLog:
                     ) from exc
             except sqlite3.Error as exc:
                 err = db_error(exc, what="audit log")
-                if err.code == "STORE_UNAVAILABLE":
+                if err.code == ErrorCode.STORE_UNAVAILABLE:
                     err = UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log could not be written "
                                     f"({describe_failure(exc)})")
                 raise err from exc

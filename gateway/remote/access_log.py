@@ -75,6 +75,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from gateway.config import GatewayConfig
 from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import ensure_private_dir, fsync_dir
@@ -113,12 +114,14 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         offset += n
 
 
-SEGMENT_BYTES = 64 * 1024 * 1024  # the active file is closed into a segment beyond this
-MAX_TOTAL_BYTES = 4 * 1024 * 1024 * 1024  # kept segments + active file; oldest segments go first
-RETENTION_DAYS = 90  # closed segments older than this go
-UNAUTH_EVENTS_PER_SECOND = 2.0  # logged events without a verified session, per source
-UNAUTH_BURST = 20
-SUMMARY_INTERVAL_SECONDS = 60.0  # at most one access_log_suppressed event per interval
+# The defaults are the configuration's ([gateway] access_log_*), written once in gateway/config.py.
+_DEFAULTS = GatewayConfig()
+SEGMENT_BYTES = _DEFAULTS.access_log_segment_bytes  # the active file is closed into a segment beyond this
+MAX_TOTAL_BYTES = _DEFAULTS.access_log_max_total_bytes  # kept segments + active file; oldest segments go first
+RETENTION_DAYS = _DEFAULTS.access_log_retention_days  # closed segments older than this go
+UNAUTH_EVENTS_PER_SECOND = _DEFAULTS.access_log_unauth_events_per_second  # events without a session, per source
+UNAUTH_BURST = _DEFAULTS.access_log_unauth_burst
+SUMMARY_INTERVAL_SECONDS = _DEFAULTS.access_log_summary_interval_seconds  # one summary event at most this often
 MAX_SOURCES = 4096  # token buckets kept; beyond, sources share one
 LINE_OVERHEAD = 128  # bytes seq + prev add to an event's line
 GAP_TYPE = "access_log_gap"

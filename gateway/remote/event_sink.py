@@ -148,8 +148,11 @@ class EventSink:
             except UompError as exc:
                 try:
                     await self._to_spool(events, exc)
-                except UompError as spool_exc:
-                    error = spool_exc
+                except (UompError, ValueError) as spool_exc:  # ValueError: an event the spool refuses
+                    error = UompError(ErrorCode.STORE_UNAVAILABLE, str(spool_exc))
+            except Exception as exc:  # never leave a request waiting on an event nobody will write
+                log.error("one log: delivering %d event(s) failed (%s)", len(events), type(exc).__name__)
+                error = UompError(ErrorCode.STORE_UNAVAILABLE, "the event could not be recorded")
         for _, fut in batch:
             if fut is None or fut.done():
                 continue

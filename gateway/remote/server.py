@@ -102,7 +102,10 @@ class GatewayRunner:
             interval=cfg.upstream_health_interval_seconds, timeout=cfg.upstream_health_timeout_seconds,
             log_seconds=cfg.upstream_failure_log_seconds, sources=self.status_sources)
         forwarder.on_failure = monitor.request_failed
-        metrics.access_log_state = lambda: (access.failing is None, access.events_counted)
+        # the spool's state, and the events counted instead of written (spool failures + rate limit)
+        metrics.access_log_state = lambda: (access.failing is None,
+                                            access.events_counted + (self.state.events.events_counted
+                                                                     if self.state is not None else 0))
         endpoints = list(cfg.endpoints) or [f"https://localhost:{cfg.listen_port}",
                                             f"https://127.0.0.1:{cfg.listen_port}"]
         key_watch = keys.KeyWatch(self.paths)  # before the keys are read: no change goes unseen
