@@ -301,6 +301,11 @@ def document() -> dict[str, Any]:
         "/v1/tokens/validate": {"post": _op("validate a token (§9; the gateway's status check, Unix socket only)",
                                             (UNIX,), ok=_ok(_ref("Validation")), refusals=(400, 413, 503),
                                             body={"type": "object", "properties": {"token": STR}}, security=None)},
+        "/v1/internal/events": {"post": _op(
+            "the gateway's own events into the one log (issue 10; Unix socket only, idempotent by event id)",
+            (UNIX,), ok=_ok(_closed(["accepted"], {"accepted": {"type": "integer", "minimum": 0}})),
+            refusals=(400, 413, 503), body={"type": "object", "properties": {"events": {"type": "array"}}},
+            security=None)},
         "/v1/certificates/renew": {"post": _op(
             "renew the agent certificate from a CSR (mTLS only; in the last part of its life)", (GW,),
             ok=_ok(_ref("Renewed")), refusals=(400, 401, 409, 413, 429, 503), security="mtls",

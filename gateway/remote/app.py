@@ -498,7 +498,8 @@ async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: 
 
     An event without a verified session is rate-limited per source (counted beyond the rate)."""
     state = call.request.app[STATE]
-    if call.recorded:
+    if call.recorded:  # the guard wrote it
+        fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
         return
     call.recorded = True
     source = None if call.cap is not None else (call.request.remote or "unknown")
@@ -579,7 +580,9 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     call.token = _bearer(request)
     cap = check_token(state, call, call.token)
     _route_params(call)
-    if route.status_check:
+    # A DPoP proof is recorded (on_authenticated) only for a live session: a revoked agent must not
+    # fill the replay cache, so a request with such a hook still asks first (the mTLS path never does).
+    if route.status_check or call.on_authenticated:
         await state.status.check(call.token, cap, call.token_digest)
     for done in call.on_authenticated:
         done()
