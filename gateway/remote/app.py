@@ -582,7 +582,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     _route_params(call)
     # A DPoP proof is recorded (on_authenticated) only for a live session: a revoked agent must not
     # fill the replay cache, so a request with such a hook still asks first (the mTLS path never does).
-    if route.status_check or call.on_authenticated:
+    if route.status_check or (call.on_authenticated and route.token_use == "access"):
         await state.status.check(call.token, cap, call.token_digest)
     for done in call.on_authenticated:
         done()
