@@ -175,8 +175,8 @@ async def main() -> None:
     import sqlite3
 
     db = sqlite3.connect(home / "audit.db")
-    retried = db.execute("SELECT count(*) FROM audit_logs WHERE action='refresh' AND reason LIKE 'refresh retried%'"
-                         ).fetchone()[0]
+    retried = db.execute("SELECT count(*) FROM ledger_events WHERE action='refresh' AND json_extract(body, '$.reason')"
+                         " LIKE 'refresh retried%'").fetchone()[0]
     db.close()
     print(json.dumps({
         "agents": args.agents, "kills": kills, "seconds": round(time.monotonic() - started, 1),

@@ -36,10 +36,12 @@ async def read(s: aiohttp.ClientSession, app: Appliance, a: Agent, token: str | 
 def audit_reads(paths: Paths, sid: str) -> list[tuple[int, str]]:
     import sqlite3
 
+    from gateway.ledger.query import MAX_LIMIT, AuditFilter, query_events
+
     db = sqlite3.connect(paths.audit_db)
     try:
-        return list(db.execute("SELECT allowed, action FROM audit_logs WHERE session_id=? AND action='read'",
-                               (sid,)))
+        page = query_events(db, AuditFilter(session_id=sid, action=("read",), limit=MAX_LIMIT))
+        return [(int(e["allowed"]), e["action"]) for e in page.events]
     finally:
         db.close()
 

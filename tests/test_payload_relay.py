@@ -68,13 +68,13 @@ def store_state(paths: Paths) -> tuple[list[str], list[str], list[str]]:
 
 
 def audit_rows(paths: Paths, action: str | None = None) -> list[dict[str, Any]]:
+    from gateway.ledger.query import MAX_LIMIT, AuditFilter, query_events
+
     conn = sqlite3.connect(paths.audit_db)
-    conn.row_factory = sqlite3.Row
     try:
-        rows = [dict(r) for r in conn.execute("SELECT * FROM audit_logs ORDER BY seq")]
+        return query_events(conn, AuditFilter(action=(action,) if action else (), limit=MAX_LIMIT)).events
     finally:
         conn.close()
-    return [r for r in rows if action is None or r["action"] == action]
 
 
 def cli(paths: Paths, *args: str, capsys: pytest.CaptureFixture[str] | None = None) -> tuple[int, str, str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from gateway.client import ClientOptions, Unavailable, UompClient
+from gateway.ledger.query import MAX_LIMIT, AuditFilter, query_events
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 
@@ -118,8 +119,8 @@ def age_spends(home: Path) -> int:
 def audit_refresh_rows(home: Path, sid: str) -> list[str]:
     db = sqlite3.connect(home / "audit.db")
     try:
-        return [r[0] for r in db.execute("SELECT reason FROM audit_logs WHERE session_id=? AND action='refresh' "
-                                         "AND allowed=1 ORDER BY seq", (sid,))]
+        page = query_events(db, AuditFilter(session_id=sid, action=("refresh",), allowed=True, limit=MAX_LIMIT))
+        return [e["reason"] for e in page.events]
     finally:
         db.close()
 

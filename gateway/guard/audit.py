@@ -26,8 +26,9 @@ Verifiable (issue 10, docs/audit.md): with :class:`LedgerOptions` (every product
 in the *same* transaction: gap-free sequence, RFC 9162 leaf, tree nodes, and a signed C2SP
 checkpoint every ``audit_checkpoint_events`` events or ``audit_checkpoint_seconds`` seconds (a
 session grant, revocation or deletion proof gets one at once), queued for anchoring when a chain is
-configured. ``audit_logs`` stays as the query index; the event log is what ``uomp audit verify``
-checks and what proofs are cut from.
+configured. The event log is the only store: what ``uomp audit verify`` checks, what proofs are cut
+from, and what every reader queries (:mod:`gateway.ledger.query`); an older version's ``audit_logs``
+table is migrated into it on open and dropped.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
 from gateway.errors import ErrorCode, UompError
 from gateway.ledger import auditkey
 from gateway.ledger.log import EventLog, LedgerError
+from gateway.ledger.query import AuditFilter, AuditPage, event_owner, query_events, session_known
 
 log = logging.getLogger("uomp.audit")
 
-SCHEMA = """
+# The table of older versions (before issue 10's reader): rows that exist only there are moved into the
+# event log when the audit log is opened (:meth:`AuditLog._migrate_legacy`), then the table is dropped.
+LEGACY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_logs (
   seq INTEGER PRIMARY KEY AUTOINCREMENT,
   id TEXT NOT NULL UNIQUE,
@@ -77,6 +81,8 @@ CREATE TABLE IF NOT EXISTS audit_logs (
 CREATE INDEX IF NOT EXISTS idx_audit_session ON audit_logs(session_id, seq);
 CREATE INDEX IF NOT EXISTS idx_audit_ts ON audit_logs(ts);
 """
+SCHEMA = ""  # every table is the event log's (gateway.ledger.log); nothing else is written
+UNSIGNED_ORIGIN = "uomp-audit/unsigned"  # an AuditLog opened without LedgerOptions: events, no checkpoints
 
 COLUMNS = ("id", "ts", "timestamp", "session_id", "agent_id", "action", "key", "tags", "allowed", "reason",
            "detail", "request_size", "response_size", "query_count_remaining", "via")
@@ -137,6 +143,22 @@ def row_event(row: Row) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
+def anchor_chain(paths: Paths) -> dict[str, Any]:
+    """What a proof bundle says about the chain its checkpoint may be anchored on ({} without one)."""
+    acfg = load_section(AnchorConfig, "anchor", file=paths.config_file)
+    return {} if acfg.backend == "none" else {"contract": acfg.contract, "chain_id": acfg.chain_id or None}
+
+
+def ledger_refusal(exc: LedgerError, *, session_id: str | None = None) -> UompError:
+    """A :class:`LedgerError` as the error a reader answers."""
+    if exc.code == "PROOF_PENDING":
+        return UompError("STORE_BUSY", str(exc), session_id=session_id, details={"reason": "PROOF_PENDING"})
+    if exc.code == "NOT_FOUND":
+        return UompError("NOT_FOUND", str(exc), session_id=session_id)
+    return UompError("STORE_UNAVAILABLE", f"the audit log cannot answer ({exc}); run 'uomp audit verify'",
+                     session_id=session_id)
+
+
 def make_row(*, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
              key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
              request_size: int | None = None, response_size: int | None = None,
@@ -162,16 +184,17 @@ class AuditLog:
         self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
         self.ledger_options = ledger
         self.ledger: EventLog | None = None
-        if ledger is not None:
-            try:
-                self.ledger = EventLog(self._write, origin=ledger.origin, key=ledger.key,
-                                       anchor_backend=ledger.anchor_backend)
-            except LedgerError as exc:
-                raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
-                    ) from exc
-            except sqlite3.Error as exc:
-                raise db_error(exc, what="audit log") from exc
+        try:  # the event log is the only store; without LedgerOptions (tests, tools) it is not signed
+            self.ledger = EventLog(self._write, origin=ledger.origin if ledger else UNSIGNED_ORIGIN,
+                                   key=ledger.key if ledger else None,
+                                   anchor_backend=ledger.anchor_backend if ledger else None)
+            self._migrate_legacy()
+        except LedgerError as exc:
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                            ) from exc
+        except sqlite3.Error as exc:
+            raise db_error(exc, what="audit log") from exc
+        self._read_ledger: EventLog | None = None  # proofs, on the reader thread (see proof_for_session)
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
         self._maint = threading.Lock()  # the write connection: writer thread vs purge/replay
         self.lost = RefusalTally()  # rows of failed batches, per session|agent, not yet summarised
@@ -232,7 +255,7 @@ class AuditLog:
         """Inside the batch's transaction: the rows as events, and a checkpoint when one is due."""
         ledger = self.ledger
         opts = self.ledger_options
-        assert ledger is not None and opts is not None
+        assert ledger is not None
         ledger.reload()  # another process (the CLI) may have appended since this one last wrote
         # An outbox replay (``dedupe``) or a gateway event (spooled and replayed, or sent again after
         # a lost answer): rows already in the log are not events twice (idempotent by event id).
@@ -248,6 +271,8 @@ class AuditLog:
         rows = kept
         if rows:
             ledger.append([row_event(r) for r in rows])
+        if opts is None:
+            return
         last = ledger.latest_checkpoint()
         last_size, last_time = (last[0].size, float(last[0].timestamp)) if last else (0, 0.0)
         now = time.time()
@@ -265,10 +290,6 @@ class AuditLog:
                 try:
                     if self.ledger is not None:
                         self._ledger_write(conn, rows, dedupe=dedupe)
-                    if rows:
-                        conn.executemany(
-                            f"INSERT OR IGNORE INTO audit_logs ({', '.join(COLUMNS)}) "
-                            f"VALUES ({', '.join('?' * len(COLUMNS))})", [r[:len(COLUMNS)] for r in rows])
                     conn.execute("COMMIT")
                 except BaseException:
                     with contextlib.suppress(sqlite3.Error):
@@ -310,41 +331,97 @@ class AuditLog:
         await self.writer.flush(ticket)
 
     # ----------------------------------------------------------------------------- reading
+    # Every reader goes through gateway.ledger.query over ``ledger_events`` (the one log).
 
-    def _rows(self, sql: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
-        out = []
-        for r in self._read.execute(sql, args).fetchall():
-            d = {k: r[k] for k in r.keys() if k not in ("seq", "ts")}
-            d["allowed"] = bool(d["allowed"])
-            d["tags"] = json.loads(d["tags"]) if d["tags"] else None
-            out.append({k: v for k, v in d.items() if v is not None})
-        return out
+    def query(self, flt: AuditFilter, *, view: str = "user", include_pruned: bool = False) -> AuditPage:
+        """:func:`gateway.ledger.query.query_events` on this log's read connection (newest last).
+        Blocking: from the event loop, run it on :attr:`reader`."""
+        return query_events(self._read, flt, view=view, include_pruned=include_pruned)
+
+    def session_known(self, session_id: str) -> bool:
+        return session_known(self._read, session_id)
 
     def for_session(self, session_id: str, *, limit: int = 100, agent_view: bool = True) -> list[dict[str, Any]]:
-        """Newest first. The agent view omits the user-only ``detail`` and ``via`` columns."""
+        """Newest first (the ``GET /v1/audit`` order). The agent view keeps only
+        :data:`gateway.ledger.query.AGENT_FIELDS` (no ``detail``, ``via``, ``seq``)."""
         limit = max(1, min(limit, MAX_AUDIT_PAGE))
-        rows = self._rows("SELECT * FROM audit_logs WHERE session_id = ? ORDER BY seq DESC LIMIT ?",
-                          (session_id, limit))
-        if agent_view:
-            for r in rows:
-                r.pop("detail", None)
-                r.pop("via", None)
-        return rows
+        page = self.query(AuditFilter(session_id=session_id, limit=limit), view="agent" if agent_view else "user")
+        return page.events[::-1]
 
     def recent(self, *, limit: int = 100, session_id: str | None = None) -> list[dict[str, Any]]:
-        if session_id:
-            return self.for_session(session_id, limit=limit, agent_view=False)
+        """Newest first, every field (the user's view)."""
         limit = max(1, min(limit, MAX_AUDIT_PAGE))
-        return self._rows("SELECT * FROM audit_logs ORDER BY seq DESC LIMIT ?", (limit,))
+        return self.query(AuditFilter(session_id=session_id, limit=limit)).events[::-1]
+
+    def proof_for_session(self, event_id: str, session_id: str, *, chain: dict[str, Any] | None = None
+                          ) -> dict[str, Any]:
+        """The proof bundle of one event (:meth:`EventLog.proof_bundle`) for an agent of
+        ``session_id``. Another session's event and an unknown id are the same ``NOT_FOUND`` (no
+        existence leak, spec §21). A refused event is not served: its body holds the user's
+        ``detail`` (why, which can say whether an item exists), and a bundle cannot leave it out."""
+        unknown = UompError("NOT_FOUND", "no such event in this session's audit log", session_id=session_id)
+        if not 1 <= len(event_id) <= 128:
+            raise unknown
+        conn = self._read
+        conn.execute("BEGIN")  # one snapshot: the event, the tree and the checkpoint agree
+        try:
+            owner = event_owner(conn, event_id)
+            if owner is None or owner[0] != session_id:
+                raise unknown
+            if owner[1] is False:
+                raise UompError("ACCESS_DENIED", "proofs of refused events are for the user only: the event holds "
+                                "the user's audit detail (ask the user: 'uomp audit proof')", session_id=session_id)
+            if self._read_ledger is None:
+                opts = self.ledger_options
+                self._read_ledger = EventLog(conn, origin=opts.origin if opts else UNSIGNED_ORIGIN,
+                                             key=opts.key if opts else None)
+            self._read_ledger.reload()
+            return self._read_ledger.proof_bundle(event_id, chain=chain)
+        except LedgerError as exc:
+            raise ledger_refusal(exc, session_id=session_id) from None
+        finally:
+            conn.execute("COMMIT")
 
     def purge(self, *, now: float | None = None) -> int:
-        """Drop rows older than the retention (default 90 days, §18.3)."""
+        """Retention (default 90 days, §18.3): event bodies older than that are dropped, their
+        leaves and tree nodes stay, so every proof issued before still verifies. Returns how many."""
         cutoff = (time.time() if now is None else now) - self.retention_days * 86400
         with self._maint:
-            cur = self._write.execute("DELETE FROM audit_logs WHERE ts < ?", (cutoff,))
-            if self.ledger is not None:  # bodies go, leaves and tree stay: old proofs still verify
-                self.ledger.prune_bodies(cutoff)
-        return int(cur.rowcount)
+            assert self.ledger is not None
+            return self.ledger.prune_bodies(cutoff)
+
+    def _migrate_legacy(self) -> None:
+        """Rows of an older version's ``audit_logs`` that the event log does not hold become events
+        (appended in their old order, original ids and times, marked ``"migrated": true``); then the
+        old table is dropped. One transaction: all of it or nothing."""
+        conn, ledger = self._write, self.ledger
+        assert ledger is not None
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'audit_logs'").fetchone() is None:
+            return
+        with self._maint:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                ledger.reload()
+                have = {str(r[1]) for r in conn.execute("PRAGMA table_info(audit_logs)")}
+                cols = ", ".join(c if c in have else "NULL" for c in COLUMNS)
+                cur = conn.execute(f"SELECT {cols} FROM audit_logs WHERE id NOT IN "
+                                   "(SELECT id FROM ledger_events) ORDER BY " + ("seq" if "seq" in have else "ts"))
+                moved = 0
+                while batch := cur.fetchmany(5000):
+                    ledger.append([{**row_event(tuple(r)), "migrated": True} for r in batch])
+                    moved += len(batch)
+                if moved and self.ledger_options is not None:
+                    ledger.checkpoint(time.time())
+                conn.execute("DROP TABLE audit_logs")
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error, LedgerError):
+                    ledger.reload()
+                raise
+        if moved:
+            log.warning("audit log: %d event(s) of an older version moved into the event log", moved)
 
     def close(self) -> None:
         try:
