@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import signal
 import sqlite3
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +24,10 @@ from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
-from gateway.guard.audit import open_audit
+from gateway.guard.audit import anchor_chain, ledger_refusal, open_audit
 from gateway.ledger import auditkey
 from gateway.ledger.log import EventLog, LedgerError
+from gateway.ledger.query import MAX_LIMIT, AuditFilter, parse_time
 from gateway.ledger.verify import ProofBundleError, verify_bundle, verify_log
 
 MAX_BUNDLE_BYTES = 1 << 20
@@ -32,26 +37,91 @@ def _cfg(paths: Paths) -> GuardConfig:
     return load_section(GuardConfig, "guard", file=paths.config_file)
 
 
+FOLLOW_INTERVAL = 0.5  # seconds between two polls of --follow
+
+
+def _filter(args: argparse.Namespace, *, limit: int | None = None) -> AuditFilter:
+    now = time.time()
+    actions = tuple(a.strip() for part in (args.action_filter or []) for a in part.split(",") if a.strip())
+    return AuditFilter(
+        session_id=args.session, agent_id=args.agent, action=actions,
+        allowed=True if args.allowed else (False if args.refused else None),
+        since=parse_time(args.since, now=now) if args.since else None,
+        until=parse_time(args.until, now=now) if args.until else None,
+        limit=args.limit if limit is None else limit).checked()
+
+
+def _line(e: dict[str, Any]) -> str:
+    if e.get("pruned"):
+        return (f"{e['timestamp']} {'ALLOW' if e.get('allowed') else 'DENY '} {e.get('session_id', '-')} "
+                f"{e.get('agent_id', '-')} {e['action']}: (body past retention; leaf kept)  ({e['id']}, #{e['seq']})")
+    what = e.get("key") or ",".join(e.get("tags") or []) or "-"
+    verdict = "ALLOW" if e.get("allowed") else "DENY "
+    return (f"{e.get('timestamp', '-')} {verdict} {e.get('session_id', '-')} {e.get('agent_id', '-')} "
+            f"{e['action']} {what}: {e.get('reason', '')}" + (f" [{e['detail']}]" if e.get("detail") else "")
+            + f"  ({e['id']})")
+
+
+def _emit(events: list[dict[str, Any]], *, as_json: bool, lines: bool) -> None:
+    if as_json and not lines:
+        print(json.dumps(events, indent=2))
+    else:
+        for e in events:
+            print(json.dumps(e, separators=(",", ":")) if as_json else _line(e))
+    sys.stdout.flush()
+
+
 def _show(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    audit = open_audit(paths, _cfg(paths))
+    flt = _filter(args)
+    audit = open_audit(paths, _cfg(paths))  # migrates an older version's audit_logs table on open
+    stop = _Stop() if args.follow else None
     try:
-        rows = audit.recent(limit=args.limit, session_id=args.session)
-        if args.session and not rows:
-            raise UompError(
-                ErrorCode.NOT_FOUND, f"no audit events for session {args.session}; see 'uomp sessions list'")
-        rows.reverse()  # newest last, in text and JSON alike
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        else:
-            for r in rows:
-                what = r.get("key") or ",".join(r.get("tags") or []) or "-"
-                verdict = "ALLOW" if r["allowed"] else "DENY "
-                print(f"{r['timestamp']} {verdict} {r['session_id']} {r['agent_id']} {r['action']} {what}: "
-                      f"{r['reason']}" + (f" [{r['detail']}]" if r.get("detail") else "") + f"  ({r['id']})")
+        if flt.session_id is not None and not audit.session_known(flt.session_id):
+            raise UompError("SESSION_NOT_FOUND", f"no session {flt.session_id[:80]} in the audit log; see "
+                            "'uomp sessions list'")
+        page = audit.query(flt, include_pruned=args.include_pruned)
+        _emit(page.events, as_json=args.json, lines=args.follow)
+        if page.pruned:
+            print(f"({page.pruned} older matching event(s) past retention not shown: their bodies are pruned, their "
+                  "leaves kept so earlier proofs still verify; --include-pruned lists them)", file=sys.stderr)
+        if stop is None:
+            return 0
+        cursor = page.cursor
+        while not stop.wait(FOLLOW_INTERVAL):
+            while True:  # drain: a burst larger than one page is shown at once, in order
+                page = audit.query(dataclasses.replace(flt, after_seq=cursor, limit=MAX_LIMIT),
+                                   include_pruned=args.include_pruned)
+                _emit(page.events, as_json=args.json, lines=True)
+                cursor = page.cursor
+                if len(page.events) < MAX_LIMIT or stop.is_set():
+                    break
+        return 0
     finally:
+        if stop is not None:
+            stop.restore()
         audit.close()
-    return 0
+
+
+class _Stop:
+    """--follow ends cleanly on Ctrl-C or SIGTERM (exit 0): the signal only sets an event."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._old = {sig: signal.signal(sig, self._set) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _set(self, signum: int, frame: Any) -> None:
+        self._event.set()
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(seconds)
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def _ro(paths: Paths) -> sqlite3.Connection:
@@ -138,14 +208,10 @@ def _proof(args: argparse.Namespace) -> int:
     conn = sqlite3.connect(paths.audit_db, isolation_level=None)
     try:
         log = EventLog(conn, origin=auditkey.origin_for(key.public_key()), key=key)
-        acfg = load_section(AnchorConfig, "anchor", file=paths.config_file)
-        chain: dict[str, Any] = {}
-        if acfg.backend != "none":
-            chain = {"contract": acfg.contract, "chain_id": acfg.chain_id or None}
         try:
-            bundle = log.proof_bundle(args.target, chain=chain)
+            bundle = log.proof_bundle(args.target, chain=anchor_chain(paths))
         except LedgerError as exc:
-            raise UompError(exc.code, str(exc)) from None
+            raise ledger_refusal(exc) from None
     finally:
         conn.close()
     data = json.dumps(bundle, indent=2).encode() + b"\n"
@@ -276,15 +342,35 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     if _init_key not in home.INIT_HOOKS:
         home.INIT_HOOKS.append(_init_key)
     a = sub.add_parser("audit", help="what agents asked for and got; verify the log; proofs for one event",
-                       description="uomp audit [--session ID] [--limit N] [--json]: events, newest last. "
+                       description="uomp audit [filters] [--json] [--follow]: the events of the audit log (every "
+                       "decision of the guard and the gateway, session events, your own commands), newest last, "
+                       "the newest --limit of them. Filters combine (AND). "
                        "uomp audit verify: check the whole log (leaves, tree, signed checkpoints, anchors). "
                        "uomp audit proof EVENT_ID --out FILE: a self-contained proof bundle. "
-                       "uomp audit verify-proof FILE [--rpc URL]: check a bundle with nothing else.")
+                       "uomp audit verify-proof FILE [--rpc URL]: check a bundle with nothing else.",
+                       epilog="Times: ISO 8601 (2026-12-01, 2026-12-01T08:00:00Z; no zone = UTC) or a duration "
+                       "before now (90s, 15m, 1h, 2d, 1w). Events older than [guard] audit_retention_days (default "
+                       "90) keep only their leaf hash: they are counted, not shown, unless --include-pruned.")
     a.add_argument("action", nargs="?", choices=["verify", "proof", "verify-proof"], help="what to do")
     a.add_argument("target", nargs="?", help="EVENT_ID for proof, FILE for verify-proof")
-    a.add_argument("--session", help="only this session's events")
-    a.add_argument("--limit", type=int, default=100, help="how many events (default 100, at most 1000)")
-    a.add_argument("--json", action="store_true", help="JSON output")
+    a.add_argument("--session", help="only this session's events (an unknown session is SESSION_NOT_FOUND)")
+    a.add_argument("--agent", help="only this agent's events")
+    a.add_argument("--action", dest="action_filter", action="append", metavar="ACTION",
+                   help="only these actions (read, aggregate, session_granted, ...; comma-separated or repeated)")
+    verdict = a.add_mutually_exclusive_group()
+    verdict.add_argument("--allowed", action="store_true", help="only allowed events")
+    verdict.add_argument("--refused", action="store_true", help="only refused events")
+    a.add_argument("--since", metavar="TIME", help="only events at or after TIME")
+    a.add_argument("--until", metavar="TIME", help="only events before TIME")
+    a.add_argument("--limit", type=int, default=100, help="how many of the newest matching events (default 100, "
+                   "at most 1000)")
+    a.add_argument("--include-pruned", action="store_true",
+                   help="also list events past retention (id, time, action, session, agent, verdict only)")
+    a.add_argument("--follow", "-f", action="store_true",
+                   help="then keep printing new matching events as they are written, until Ctrl-C or SIGTERM "
+                   "(with --json: one JSON object per line)")
+    a.add_argument("--json", action="store_true", help="JSON output: one array, newest last (JSON lines with "
+                   "--follow)")
     a.add_argument("--out", help="proof: write the bundle here (0600) instead of standard output")
     a.add_argument("--rpc", help="verify / verify-proof: chain RPC URL to check anchors against")
     a.add_argument("--key", help="verify-proof: the appliance's verifier key you trust (name+id+key)")
