@@ -252,6 +252,18 @@ def document() -> dict[str, Any]:
             _param("session_id", description="the token's own only"),
             _param("limit", description="default 100", schema={"type": "integer", "minimum": 1, "maximum": 1000},
                    example=5)])},
+        "/v1/audit/{event_id}/proof": {"get": _op(
+            "proof bundle of one of this session's allowed events (docs/audit.md); another session's or an "
+            "unknown id: 404 NOT_FOUND", ALL, ok=_ok({
+                "type": "object",
+                "required": ["version", "event", "leaf_index", "tree_size", "inclusion_path", "checkpoint",
+                             "verifier_key", "checkpoint_hash", "anchor"],
+                "properties": {"event": {"type": "object"}, "leaf_index": {"type": "integer", "minimum": 0},
+                               "tree_size": {"type": "integer", "minimum": 1},
+                               "inclusion_path": {"type": "array", "items": STR}, "checkpoint": STR,
+                               "verifier_key": STR, "checkpoint_hash": STR,
+                               "anchor": {"type": ["object", "null"]}}}),
+            refusals=(*AGENT, 404), params=[_param("event_id", "path", description="audit event id")])},
         "/v1/sessions": {
             "post": _op("create a session (§9; admin)", LOCAL, ok=_ok(_ref("SessionCreated"), "created"),
                         status="201", refusals=(*ADMIN, 413), security="admin", body={

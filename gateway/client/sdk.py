@@ -413,6 +413,13 @@ class UompClient(ClientCertificates):
             query["limit"] = str(int(limit))
         return self._list(self._object(await self._call("GET", "/v1/audit", query=query)), "logs")
 
+    async def audit_proof(self, event_id: str) -> JSONObject:
+        """``GET /v1/audit/{event_id}/proof``: the proof bundle of one of this session's allowed events
+        (check it offline with ``gateway.ledger.verify.verify_bundle`` or ``uomp audit verify-proof``)."""
+        if not isinstance(event_id, str) or not event_id:
+            raise ValueError("event_id must be a non-empty string")
+        return self._object(await self._call("GET", f"/v1/audit/{quote(event_id, safe=SEGMENT_SAFE)}/proof"))
+
     async def submit_deletion_proof(
         self,
         *,

@@ -59,7 +59,7 @@ from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.audit import EXTRA_FIELDS, GATEWAY_ID_PREFIX, AuditLog, Row, make_row, open_audit
+from gateway.guard.audit import EXTRA_FIELDS, GATEWAY_ID_PREFIX, AuditLog, Row, anchor_chain, make_row, open_audit
 from gateway.guard.auth import AuthService, SessionRow, token_hash
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
 from gateway.guard.store import AggregateRow, MemoryStorage, MemoryStore, ReadFilter, json_path
@@ -600,6 +600,26 @@ async def get_audit(request: web.Request) -> web.Response:
         svc.audit.for_session, cap.session_id, limit=limit))})
 
 
+async def get_audit_proof(request: web.Request) -> web.Response:
+    """``GET /v1/audit/{event_id}/proof`` (issue 10): the proof bundle of one of the agent's *own
+    session's* events, as ``uomp audit proof`` writes it. Another session's event and an unknown id
+    answer the same 404 NOT_FOUND (spec §21); see :meth:`AuditLog.proof_for_session`."""
+    svc = request.app[SERVICES]
+    event_id = request.match_info["event_id"]
+    call = AgentCall(request, "audit_proof", key=event_id[:128])
+    try:
+        cap = await call.authenticate()
+    except UompError as exc:
+        return await _answer_refusal(call, exc)
+    try:
+        bundle = await svc.audit.reader.run(lambda: svc.audit.proof_for_session(
+            event_id, cap.session_id, chain=anchor_chain(svc.paths)))  # config read off the loop too
+    except UompError as exc:
+        return await call.refuse(exc)
+    call.allow("own session's event", f"proof at tree size {bundle['tree_size']}")
+    return await call.respond(bundle)
+
+
 # ---------------------------------------------------------------------------- sessions
 
 
@@ -803,6 +823,7 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     r.add_delete("/v1/memory/{key}", write_refused)
     r.add_get("/v1/memory", get_by_tag)
     r.add_get("/v1/audit", get_audit)
+    r.add_get("/v1/audit/{event_id}/proof", get_audit_proof)
     r.add_post("/v1/sessions", create_session)
     r.add_get("/v1/sessions", list_sessions)
     r.add_get("/v1/sessions/{sid}", get_session)
