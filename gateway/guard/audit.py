@@ -189,12 +189,13 @@ class AuditLog:
                                    key=ledger.key if ledger else None,
                                    anchor_backend=ledger.anchor_backend if ledger else None)
             self._migrate_legacy()
+            # proofs for agents, on the reader thread (see proof_for_session)
+            self._read_ledger = EventLog(self._read, origin=self.ledger.origin, key=self.ledger.key)
         except LedgerError as exc:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
                             ) from exc
         except sqlite3.Error as exc:
             raise db_error(exc, what="audit log") from exc
-        self._read_ledger: EventLog | None = None  # proofs, on the reader thread (see proof_for_session)
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
         self._maint = threading.Lock()  # the write connection: writer thread vs purge/replay
         self.lost = RefusalTally()  # rows of failed batches, per session|agent, not yet summarised
@@ -371,10 +372,6 @@ class AuditLog:
             if owner[1] is False:
                 raise UompError("ACCESS_DENIED", "proofs of refused events are for the user only: the event holds "
                                 "the user's audit detail (ask the user: 'uomp audit proof')", session_id=session_id)
-            if self._read_ledger is None:
-                opts = self.ledger_options
-                self._read_ledger = EventLog(conn, origin=opts.origin if opts else UNSIGNED_ORIGIN,
-                                             key=opts.key if opts else None)
             self._read_ledger.reload()
             return self._read_ledger.proof_bundle(event_id, chain=chain)
         except LedgerError as exc:
@@ -398,28 +395,28 @@ class AuditLog:
         assert ledger is not None
         if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'audit_logs'").fetchone() is None:
             return
-        with self._maint:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+        # in __init__, before the writer thread exists: nothing else uses the connection yet
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            ledger.reload()
+            have = {str(r[1]) for r in conn.execute("PRAGMA table_info(audit_logs)")}
+            cols = ", ".join(c if c in have else "NULL" for c in COLUMNS)
+            cur = conn.execute(f"SELECT {cols} FROM audit_logs WHERE id NOT IN "
+                               "(SELECT id FROM ledger_events) ORDER BY " + ("seq" if "seq" in have else "ts"))
+            moved = 0
+            while batch := cur.fetchmany(5000):
+                ledger.append([{**row_event(tuple(r)), "migrated": True} for r in batch])
+                moved += len(batch)
+            if moved and self.ledger_options is not None:
+                ledger.checkpoint(time.time())
+            conn.execute("DROP TABLE audit_logs")
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error, LedgerError):
                 ledger.reload()
-                have = {str(r[1]) for r in conn.execute("PRAGMA table_info(audit_logs)")}
-                cols = ", ".join(c if c in have else "NULL" for c in COLUMNS)
-                cur = conn.execute(f"SELECT {cols} FROM audit_logs WHERE id NOT IN "
-                                   "(SELECT id FROM ledger_events) ORDER BY " + ("seq" if "seq" in have else "ts"))
-                moved = 0
-                while batch := cur.fetchmany(5000):
-                    ledger.append([{**row_event(tuple(r)), "migrated": True} for r in batch])
-                    moved += len(batch)
-                if moved and self.ledger_options is not None:
-                    ledger.checkpoint(time.time())
-                conn.execute("DROP TABLE audit_logs")
-                conn.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-                with contextlib.suppress(sqlite3.Error, LedgerError):
-                    ledger.reload()
-                raise
+            raise
         if moved:
             log.warning("audit log: %d event(s) of an older version moved into the event log", moved)
 
