@@ -235,3 +235,20 @@ def test_follow_text_stops_on_ctrl_c(events: Paths) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_proof_of_an_event_not_yet_signed_says_so(home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was an INTERNAL error (a LedgerError code that is not an error code); now STORE_BUSY, retry."""
+    audit = open_audit(home, dataclasses.replace(_cfg(), audit_checkpoint_seconds=3600))
+    try:
+        _record(audit, "s1", "read", True, reason="signed")  # the first batch is checkpointed at once
+        _record(audit, "s1", "read", True, reason="not yet")
+    finally:
+        audit.close()
+    signed, pending = (e["id"] for e in as_json(home, capsys, "--session", "s1"))
+    rc, out, err = run(home, capsys, "proof", pending)
+    assert rc == 1 and out == "" and "error STORE_BUSY" in err and "checkpoint" in err
+    rc, out, err = run(home, capsys, "proof", signed)
+    assert rc == 0 and json.loads(out)["event"]["id"] == signed
+    rc, out, err = run(home, capsys, "proof", "log_nope")
+    assert rc == 1 and "error NOT_FOUND" in err

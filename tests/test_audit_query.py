@@ -17,7 +17,17 @@ from gateway.errors import UompError
 from gateway.guard.audit import AuditLog, make_row, open_audit
 from gateway.ledger import auditkey
 from gateway.ledger.log import EventLog
-from gateway.ledger.query import AGENT_FIELDS, AuditFilter, agent_view, parse_time, query_events
+from gateway.ledger.query import (
+    AGENT_FIELDS,
+    AuditFilter,
+    agent_view,
+    hourly_counts,
+    known_agents,
+    known_sessions,
+    parse_time,
+    query_events,
+    quota_remaining,
+)
 from gateway.ledger.verify import verify_bundle, verify_log
 
 DAY = 86400.0
@@ -360,5 +370,31 @@ def test_proof_for_session_rules(home: Paths) -> None:
         with pytest.raises(UompError) as exc:
             audit.proof_for_session(later, "s1")
         assert exc.value.code == "STORE_BUSY" and exc.value.details == {"reason": "PROOF_PENDING"}
+    finally:
+        audit.close()
+
+
+def test_summaries_for_the_dashboard(home: Paths) -> None:
+    now = time.time()
+    audit = open_audit(home, _cfg())
+    try:
+        _fill(audit, now)
+        audit.record(session_id="s2", agent_id="a2", action="read", allowed=True, reason="r",
+                     query_count_remaining=41, now=now - 30)
+        audit.record(session_id="s1", agent_id="a1", action="read", allowed=True, reason="r",
+                     query_count_remaining=7, now=now - 20)
+        audit.record(session_id="s1", agent_id="a1", action="session_revoked", allowed=True, reason="r", now=now - 10)
+        audit.flush_sync()
+        conn = sqlite3.connect(home.audit_db)
+        try:
+            assert known_agents(conn) == ["a1", "a2", "unknown"]
+            assert known_sessions(conn) == ["s1", "s2", "unknown"]  # the most recently active first
+            assert known_sessions(conn, limit=1) == ["s1"]
+            assert quota_remaining(conn, ["s1", "s2", "s3"]) == {"s1": 7, "s2": 41}  # the newest; none for s3
+            counts = hourly_counts(conn, since=now - 2 * 3600, exclude_actions=("session_revoked",))
+            assert sorted(counts) == [("a1", True, 1, 3), ("a2", False, 1, 1), ("a2", True, 1, 1),
+                                      ("unknown", False, 1, 1)]
+        finally:
+            conn.close()
     finally:
         audit.close()

@@ -202,18 +202,22 @@ def _mem() -> sqlite3.Connection:
     return sqlite3.connect(":memory:", isolation_level=None)
 
 
-def _proof(args: argparse.Namespace) -> int:
-    paths = paths_from(args)
+def proof_bundle(paths: Paths, event_id: str) -> dict[str, Any]:
+    """The self-contained proof bundle of one event (``uomp audit proof``, the dashboard's download)."""
     key = auditkey.load(paths)
     conn = sqlite3.connect(paths.audit_db, isolation_level=None)
     try:
         log = EventLog(conn, origin=auditkey.origin_for(key.public_key()), key=key)
         try:
-            bundle = log.proof_bundle(args.target, chain=anchor_chain(paths))
+            return log.proof_bundle(event_id, chain=anchor_chain(paths))
         except LedgerError as exc:
             raise ledger_refusal(exc) from None
     finally:
         conn.close()
+
+
+def _proof(args: argparse.Namespace) -> int:
+    bundle = proof_bundle(paths_from(args), args.target)
     data = json.dumps(bundle, indent=2).encode() + b"\n"
     if args.out:
         atomic_write(Path(args.out), data, mode=0o600)

@@ -197,3 +197,38 @@ def event_owner(conn: sqlite3.Connection, event_id: str) -> tuple[str | None, bo
     if row is None:
         return None
     return row[0], None if row[1] is None else bool(row[1])
+
+
+# ------------------------------------------------------------------------- summaries (the dashboard)
+
+
+def known_agents(conn: sqlite3.Connection, *, limit: int = 200) -> list[str]:
+    """Agent ids in the log, sorted."""
+    return [str(r[0]) for r in conn.execute("SELECT DISTINCT agent_id FROM ledger_events WHERE agent_id IS NOT NULL"
+                                            " ORDER BY agent_id LIMIT ?", (limit,))]
+
+
+def known_sessions(conn: sqlite3.Connection, *, limit: int = 200) -> list[str]:
+    """Session ids in the log, the most recently active first."""
+    return [str(r[0]) for r in conn.execute("SELECT session_id FROM ledger_events WHERE session_id IS NOT NULL"
+                                            " GROUP BY session_id ORDER BY MAX(seq) DESC LIMIT ?", (limit,))]
+
+
+def quota_remaining(conn: sqlite3.Connection, session_ids: list[str]) -> dict[str, int]:
+    """The newest ``query_count_remaining`` recorded per session (sessions without one are left out)."""
+    out: dict[str, int] = {}
+    for sid in session_ids:
+        row = conn.execute("SELECT json_extract(body, '$.query_count_remaining') AS q FROM ledger_events"
+                           " WHERE session_id = ? AND q IS NOT NULL ORDER BY seq DESC LIMIT 1", (sid,)).fetchone()
+        if row is not None:
+            out[sid] = int(row[0])
+    return out
+
+
+def hourly_counts(conn: sqlite3.Connection, *, since: float, exclude_actions: tuple[str, ...] = ()
+                  ) -> list[tuple[str, bool, int, int]]:
+    """(agent, allowed, hour since ``since``, events) for every event at or after ``since``."""
+    not_in = f" AND action NOT IN ({', '.join('?' * len(exclude_actions))})" if exclude_actions else ""
+    rows = conn.execute("SELECT agent_id, allowed, CAST((ts - ?) / 3600 AS INTEGER), COUNT(*) FROM ledger_events"
+                        f" WHERE ts >= ?{not_in} GROUP BY 1, 2, 3", (since, since, *exclude_actions)).fetchall()
+    return [(str(a), bool(ok), int(b), int(n)) for a, ok, b, n in rows]
