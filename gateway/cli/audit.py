@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import json
 import signal
@@ -24,7 +25,7 @@ from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
-from gateway.guard.audit import anchor_chain, ledger_refusal, open_audit
+from gateway.guard.audit import AuditLog, anchor_chain, ledger_refusal, open_audit
 from gateway.ledger import auditkey
 from gateway.ledger.log import EventLog, LedgerError
 from gateway.ledger.query import MAX_LIMIT, AuditFilter, parse_time
@@ -40,7 +41,9 @@ def _cfg(paths: Paths) -> GuardConfig:
 FOLLOW_INTERVAL = 0.5  # seconds between two polls of --follow
 
 
-def _filter(args: argparse.Namespace, *, limit: int | None = None) -> AuditFilter:
+def _filter(args: argparse.Namespace) -> AuditFilter:
+    if args.limit < 1:
+        raise UompError("INVALID_REQUEST", "--limit must be at least 1")
     now = time.time()
     actions = tuple(a.strip() for part in (args.action_filter or []) for a in part.split(",") if a.strip())
     return AuditFilter(
@@ -48,7 +51,7 @@ def _filter(args: argparse.Namespace, *, limit: int | None = None) -> AuditFilte
         allowed=True if args.allowed else (False if args.refused else None),
         since=parse_time(args.since, now=now) if args.since else None,
         until=parse_time(args.until, now=now) if args.until else None,
-        limit=args.limit if limit is None else limit).checked()
+        limit=min(args.limit, MAX_LIMIT)).checked()
 
 
 def _line(e: dict[str, Any]) -> str:
@@ -80,14 +83,13 @@ def _show(args: argparse.Namespace) -> int:
         if flt.session_id is not None and not audit.session_known(flt.session_id):
             raise UompError("SESSION_NOT_FOUND", f"no session {flt.session_id[:80]} in the audit log; see "
                             "'uomp sessions list'")
-        page = audit.query(flt, include_pruned=args.include_pruned)
-        _emit(page.events, as_json=args.json, lines=args.follow)
-        if page.pruned:
-            print(f"({page.pruned} older matching event(s) past retention not shown: their bodies are pruned, their "
+        events, pruned, cursor = _newest(audit, flt, args.limit, include_pruned=args.include_pruned)
+        _emit(events, as_json=args.json, lines=args.follow)
+        if pruned:
+            print(f"({pruned} older matching event(s) past retention not shown: their bodies are pruned, their "
                   "leaves kept so earlier proofs still verify; --include-pruned lists them)", file=sys.stderr)
         if stop is None:
             return 0
-        cursor = page.cursor
         while not stop.wait(FOLLOW_INTERVAL):
             while True:  # drain: a burst larger than one page is shown at once, in order
                 page = audit.query(dataclasses.replace(flt, after_seq=cursor, limit=MAX_LIMIT),
@@ -101,6 +103,26 @@ def _show(args: argparse.Namespace) -> int:
         if stop is not None:
             stop.restore()
         audit.close()
+
+
+def _newest(audit: AuditLog, flt: AuditFilter, want: int, *, include_pruned: bool
+            ) -> tuple[list[dict[str, Any]], int, int]:
+    """The newest ``want`` matching events (newest last), how many matching ones are pruned, and the
+    cursor after them. Above one page (1000) the log is paged through from the start, keeping the
+    newest ``want`` only."""
+    if want <= MAX_LIMIT:
+        page = audit.query(flt, include_pruned=include_pruned)
+        return page.events, page.pruned, page.cursor
+    tail: collections.deque[dict[str, Any]] = collections.deque(maxlen=want)
+    cursor, pruned, first = 0, 0, True
+    while True:
+        page = audit.query(dataclasses.replace(flt, after_seq=cursor, limit=MAX_LIMIT), include_pruned=include_pruned)
+        tail.extend(page.events)
+        cursor = page.cursor
+        if first:
+            pruned, first = page.pruned, False
+        if len(page.events) < MAX_LIMIT:
+            return list(tail), pruned, cursor
 
 
 class _Stop:
@@ -366,8 +388,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     verdict.add_argument("--refused", action="store_true", help="only refused events")
     a.add_argument("--since", metavar="TIME", help="only events at or after TIME")
     a.add_argument("--until", metavar="TIME", help="only events before TIME")
-    a.add_argument("--limit", type=int, default=100, help="how many of the newest matching events (default 100, "
-                   "at most 1000)")
+    a.add_argument("--limit", type=int, default=100, help="how many of the newest matching events (default 100; "
+                   "above 1000 the log is paged through)")
     a.add_argument("--include-pruned", action="store_true",
                    help="also list events past retention (id, time, action, session, agent, verdict only)")
     a.add_argument("--follow", "-f", action="store_true",
