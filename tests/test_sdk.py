@@ -45,7 +45,7 @@ from gateway.client import (
 from gateway.client.tls import build_client_context
 from gateway.config import GatewayConfig, Paths
 from gateway.core import ca, dpop, jose, manifest, tokens
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 from gateway.remote.server import GatewayRunner
 
 pytestmark = pytest.mark.timeout(60)
@@ -848,7 +848,7 @@ async def test_refresh_is_retried_on_503_and_keeps_working(app: Appliance, tmp_p
     def hook(self: audit_mod.AuditLog, rows: list[Any], *, dedupe: bool = False) -> None:
         if fails["left"] > 0 and rows:
             fails["left"] -= 1
-            raise UompError("STORE_UNAVAILABLE", "the audit log could not be written (disk full)")
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the audit log could not be written (disk full)")
         real(self, rows, dedupe=dedupe)
 
     monkeypatch.setattr(audit_mod.AuditLog, "_insert", hook)

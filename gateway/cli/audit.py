@@ -43,7 +43,7 @@ FOLLOW_INTERVAL = 0.5  # seconds between two polls of --follow
 
 def _filter(args: argparse.Namespace) -> AuditFilter:
     if args.limit < 1:
-        raise UompError("INVALID_REQUEST", "--limit must be at least 1")
+        raise UompError(ErrorCode.INVALID_REQUEST, "--limit must be at least 1")
     now = time.time()
     actions = tuple(a.strip() for part in (args.action_filter or []) for a in part.split(",") if a.strip())
     return AuditFilter(
@@ -81,7 +81,7 @@ def _show(args: argparse.Namespace) -> int:
     stop = _Stop() if args.follow else None
     try:
         if flt.session_id is not None and not audit.session_known(flt.session_id):
-            raise UompError("SESSION_NOT_FOUND", f"no session {flt.session_id[:80]} in the audit log; see "
+            raise UompError(ErrorCode.SESSION_NOT_FOUND, f"no session {flt.session_id[:80]} in the audit log; see "
                             "'uomp sessions list'")
         events, pruned, cursor = _newest(audit, flt, args.limit, include_pruned=args.include_pruned)
         _emit(events, as_json=args.json, lines=args.follow)

@@ -152,10 +152,10 @@ def anchor_chain(paths: Paths) -> dict[str, Any]:
 def ledger_refusal(exc: LedgerError, *, session_id: str | None = None) -> UompError:
     """A :class:`LedgerError` as the error a reader answers."""
     if exc.code == "PROOF_PENDING":
-        return UompError("STORE_BUSY", str(exc), session_id=session_id, details={"reason": "PROOF_PENDING"})
+        return UompError(ErrorCode.STORE_BUSY, str(exc), session_id=session_id, details={"reason": "PROOF_PENDING"})
     if exc.code == "NOT_FOUND":
-        return UompError("NOT_FOUND", str(exc), session_id=session_id)
-    return UompError("STORE_UNAVAILABLE", f"the audit log cannot answer ({exc}); run 'uomp audit verify'",
+        return UompError(ErrorCode.NOT_FOUND, str(exc), session_id=session_id)
+    return UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log cannot answer ({exc}); run 'uomp audit verify'",
                      session_id=session_id)
 
 
@@ -192,7 +192,8 @@ class AuditLog:
             # proofs for agents, on the reader thread (see proof_for_session)
             self._read_ledger = EventLog(self._read, origin=self.ledger.origin, key=self.ledger.key)
         except LedgerError as exc:
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
                             ) from exc
         except sqlite3.Error as exc:
             raise db_error(exc, what="audit log") from exc
@@ -360,7 +361,7 @@ class AuditLog:
         ``session_id``. Another session's event and an unknown id are the same ``NOT_FOUND`` (no
         existence leak, spec §21). A refused event is not served: its body holds the user's
         ``detail`` (why, which can say whether an item exists), and a bundle cannot leave it out."""
-        unknown = UompError("NOT_FOUND", "no such event in this session's audit log", session_id=session_id)
+        unknown = UompError(ErrorCode.NOT_FOUND, "no such event in this session's audit log", session_id=session_id)
         if not 1 <= len(event_id) <= 128:
             raise unknown
         conn = self._read
@@ -370,7 +371,8 @@ class AuditLog:
             if owner is None or owner[0] != session_id:
                 raise unknown
             if owner[1] is False:
-                raise UompError("ACCESS_DENIED", "proofs of refused events are for the user only: the event holds "
+                raise UompError(
+                    ErrorCode.ACCESS_DENIED, "proofs of refused events are for the user only: the event holds "
                                 "the user's audit detail (ask the user: 'uomp audit proof')", session_id=session_id)
             self._read_ledger.reload()
             return self._read_ledger.proof_bundle(event_id, chain=chain)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.core.tokens import iso
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
@@ -58,7 +58,7 @@ def parse_time(text: str, *, now: float | None = None) -> float:
     try:
         when = dt.datetime.fromisoformat(raw.replace("z", "Z"))
     except ValueError:
-        raise UompError("INVALID_REQUEST", f"{text[:40]!r} is not a time: use ISO 8601 (2026-12-01T08:00:00Z) "
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{text[:40]!r} is not a time: use ISO 8601 (2026-12-01T08:00:00Z) "
                         "or a duration before now (90s, 15m, 1h, 2d, 1w)") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
@@ -82,13 +82,13 @@ class AuditFilter:
         for name, value in (("session", self.session_id), ("agent", self.agent_id), *(("action", a)
                                                                                        for a in self.action)):
             if value is not None and (not value or len(value) > _MAX_TEXT):
-                raise UompError("INVALID_REQUEST", f"{name} must be 1 to {_MAX_TEXT} characters")
+                raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be 1 to {_MAX_TEXT} characters")
         if not 1 <= self.limit <= MAX_LIMIT:
-            raise UompError("INVALID_REQUEST", f"limit must be from 1 to {MAX_LIMIT}")
+            raise UompError(ErrorCode.INVALID_REQUEST, f"limit must be from 1 to {MAX_LIMIT}")
         if self.after_seq is not None and self.after_seq < 0:
-            raise UompError("INVALID_REQUEST", "the cursor (after seq) must not be negative")
+            raise UompError(ErrorCode.INVALID_REQUEST, "the cursor (after seq) must not be negative")
         if self.since is not None and self.until is not None and self.since >= self.until:
-            raise UompError("INVALID_REQUEST", "since must be before until")
+            raise UompError(ErrorCode.INVALID_REQUEST, "since must be before until")
         return self
 
 
@@ -187,7 +187,8 @@ def session_known(conn: sqlite3.Connection, session_id: str) -> bool:
 
 def require_session(conn: sqlite3.Connection, session_id: str) -> None:
     if not session_known(conn, session_id):
-        raise UompError("SESSION_NOT_FOUND", f"no session {session_id[:80]} in the audit log; see 'uomp sessions list'",
+        raise UompError(
+            ErrorCode.SESSION_NOT_FOUND, f"no session {session_id[:80]} in the audit log; see 'uomp sessions list'",
                         session_id=session_id[:80])
 
 
