@@ -273,6 +273,31 @@ class AnchorConfig:
             raise UompError(ErrorCode.CONFIG_ERROR, "anchor.confirmations must be >= 1 and the intervals > 0")
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    """The local dashboard (``[dashboard]``, ``UOMP_DASHBOARD_*``; docs/dashboard.md).
+
+    Loopback only: a non-loopback ``host`` is refused, there is no override."""
+
+    enabled: bool = True  # served by `uomp gateway start`
+    host: str = "127.0.0.1"
+    port: int = 9380  # 0: any free port
+    login_ttl_seconds: float = 120.0  # the one-time login link's life
+    idle_timeout_seconds: float = 900.0  # a dashboard session ends after this long unused
+    max_session_seconds: float = 43200.0  # and at the latest after this long
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "dashboard.port", low=0)
+        if self.host not in LOOPBACK_HOSTS:
+            raise UompError("CONFIG_ERROR", f"dashboard.host must be a loopback address (127.0.0.1, ::1), not "
+                            f"{self.host!r}: the dashboard is never served beyond this machine")
+        if min(self.login_ttl_seconds, self.idle_timeout_seconds, self.max_session_seconds) <= 0:
+            raise UompError("CONFIG_ERROR", "dashboard timeouts must be > 0")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Remote gateway (``[gateway]``, ``UOMP_GATEWAY_*``)."""

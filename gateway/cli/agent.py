@@ -93,9 +93,20 @@ def _issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def revoke_agent(paths: Paths, target: str, *, keep_sessions: bool = False,
+                 via: str = "uomp agent revoke") -> tuple[ca_store.Revocation, home.SessionSweep]:
+    """Revoke certificates (an agent's, or a serial and its renewals), re-sign the CRL, and revoke
+    the live sessions bound to them (unless ``keep_sessions``). Used by the CLI and the dashboard."""
+    done = ca_store.revoke_target(paths, target)
+    by_agent = [a for a in done.agent_ids if target in (a, f"agent:{a}")]
+    sweep = home.revoke_sessions(paths, reason=f"agent certificate revoked ('{via} {target}')",
+                                 agent_ids=by_agent, jkts=done.jkts, x5ts=done.x5ts, keep=keep_sessions)
+    return done, sweep
+
+
 def _revoke(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    done = ca_store.revoke_target(paths, args.target)
+    done, sweep = revoke_agent(paths, args.target, keep_sessions=args.keep_sessions)
     if done.revoked:
         for s in done.revoked:
             print(f"revoked {s}")
@@ -105,9 +116,6 @@ def _revoke(args: argparse.Namespace) -> int:
         print(f"  (serial {args.target} and the {len(done.serials) - 1} certificate(s) renewed from it)")
     print(f"CRL re-signed: {ca_store.crl_path(paths)}; a running gateway reloads it within seconds (or on "
           "SIGHUP) and refuses these certificates, on open connections too")
-    by_agent = [a for a in done.agent_ids if args.target in (a, f"agent:{a}")]
-    sweep = home.revoke_sessions(paths, reason=f"agent certificate revoked ('uomp agent revoke {args.target}')",
-                                 agent_ids=by_agent, jkts=done.jkts, x5ts=done.x5ts, keep=args.keep_sessions)
     if args.keep_sessions:
         print(f"{len(sweep.matched)} live session(s) bound to these certificates kept (--keep-sessions); none of "
               "their requests can succeed with a revoked certificate")

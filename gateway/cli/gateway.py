@@ -201,6 +201,8 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
             await guard.stop()
         raise
 
+    dash = await _start_dashboard(paths) if with_guard else None
+
     def _stop() -> None:
         if stop.is_set():  # a second Ctrl-C / SIGTERM while draining: say so, keep draining
             _say("already stopping: in-flight requests are finishing (SIGKILL aborts them)")
@@ -220,15 +222,22 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
     if guard is not None:
         guard.supervise()
     info = _run_info(paths, gcfg, gw, guard, sup)
+    if dash is not None:
+        info["listeners"]["dashboard"] = dash.base_url
     if lock is not None:
         lock.write(info)
     _banner(paths, gcfg, gw, guard, sup, info, with_guard=with_guard)
+    if dash is not None:
+        _say(f"dashboard: {dash.base_url} (loopback only); one-time login link, valid "
+             f"{dash.cfg.login_ttl_seconds:g} s: {dash.login_link()}  ('uomp dashboard' prints a new one)")
     try:
         await stop.wait()
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
         _say("stopping: finishing in-flight requests, then the tunnel and the guard")
         try:
+            if dash is not None:
+                await dash.stop()
             if sup is not None:
                 await sup.stop()  # no new requests through the tunnel
             await gw.stop()  # in-flight requests finish
@@ -338,6 +347,24 @@ def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | No
     _say(f"  uomp{home} status                 # what runs, where, and its health")
     _say(f"  uomp{home} audit --limit 20       # what agents asked for and what they got")
     _say("Ctrl-C (or SIGTERM) stops everything; SIGHUP reloads certificates, CRL and keys.")
+
+
+async def _start_dashboard(paths: Paths) -> Any:
+    """The local dashboard ([dashboard], docs/dashboard.md); a port it cannot have is said, not fatal."""
+    from gateway.config import DashboardConfig, load_section
+    from gateway.dashboard.server import start_for_appliance
+
+    try:
+        cfg = load_section(DashboardConfig, "dashboard", file=paths.config_file)
+    except UompError as exc:
+        _say(f"dashboard: NOT started ({exc.message})")
+        return None
+    try:
+        return await start_for_appliance(paths, cfg=cfg)
+    except OSError as exc:
+        why = appliance.port_error(cfg.host, cfg.port, "the dashboard", "[dashboard] port", exc).message
+        _say(f"dashboard: NOT started ({why})")
+        return None
 
 
 def _relay_line(line: str) -> None:

@@ -36,6 +36,7 @@ COMMAND_MODULES = (
     "gateway.cli.status",
     "gateway.cli.doctor",
     "gateway.cli.conformance",
+    "gateway.cli.dashboard",
 )
 
 

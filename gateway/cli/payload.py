@@ -135,6 +135,50 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def open_payload(paths: Paths, payload_id: str) -> tuple[dict[str, Any], Iterator[bytes]]:
+    """A payload's index entry and its plaintext as blocks, opened here with the user's key.
+
+    The iterator streams the sealed bytes from the guard and yields authenticated plaintext; it
+    raises PAYLOAD_INVALID when a block does not open or, at the end, when the ciphertext's length
+    or SHA-256 differ from the index (so a caller must not treat the output as good before the
+    iterator is exhausted). Nothing is written anywhere; :func:`mark_opened` records the opening."""
+    if not payload_id.startswith("pay_"):
+        raise UompError(ErrorCode.INVALID_REQUEST, "a payload id starts with pay_")
+    userkey.ensure(paths)  # a home from before payloads gets its key here too
+    private = userkey.load_private(paths)
+    client = GuardClient(paths)
+    pid = quote(payload_id, safe="")
+    meta = client.json("GET", f"/v1/payloads/{pid}")
+    binding = sealing.Binding(meta["payload_id"], meta["session_id"], meta["agent_id"], meta["format"])
+
+    def plaintext() -> Iterator[bytes]:
+        digest = hashlib.sha256()
+        received = 0
+        with client.request("GET", f"/v1/payloads/{pid}/ciphertext") as resp:
+            def blocks() -> Iterator[bytes]:
+                nonlocal received
+                while block := resp.read(READ_BLOCK):
+                    received += len(block)
+                    digest.update(block)
+                    yield block
+            try:
+                for plain in sealing.open_stream(private, binding, meta["encryption"], blocks()):
+                    yield bytes(plain)
+            except sealing.SealError as exc:
+                raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id} does not open: {exc}; nothing was "
+                                "written") from None
+            except (OSError, http.client.HTTPException):
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, "the guard's answer broke off; nothing was written") from None
+        if received != meta["size"] or "sha256:" + digest.hexdigest() != meta["hash"]:
+            raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id}'s ciphertext does not match its recorded "
+                            "hash; nothing was written")
+    return dict(meta), plaintext()
+
+
+def mark_opened(paths: Paths, payload_id: str) -> None:
+    GuardClient(paths).json("POST", f"/v1/payloads/{quote(payload_id, safe='')}/opened")
+
+
 def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> dict[str, Any]:
     """Fetch, check and open one payload into ``out`` (see the module docstring). Returns its index entry."""
     if not payload_id.startswith("pay_"):
@@ -144,37 +188,13 @@ def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> di
         raise UompError(ErrorCode.INVALID_REQUEST, f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise UompError(ErrorCode.INVALID_REQUEST, f"{out.parent} is not a directory")
-    userkey.ensure(paths)  # a home from before payloads gets its key here too
-    private = userkey.load_private(paths)
-    client = GuardClient(paths)
-    pid = quote(payload_id, safe="")
-    meta = client.json("GET", f"/v1/payloads/{pid}")
-    binding = sealing.Binding(meta["payload_id"], meta["session_id"], meta["agent_id"], meta["format"])
+    meta, blocks = open_payload(paths, payload_id)
     tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.part")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    digest = hashlib.sha256()
-    received = 0
     try:
-        with os.fdopen(fd, "wb") as fh, client.request("GET", f"/v1/payloads/{pid}/ciphertext") as resp:
-            def blocks() -> Iterator[bytes]:
-                nonlocal received
-                while block := resp.read(READ_BLOCK):
-                    received += len(block)
-                    digest.update(block)
-                    yield block
-            try:
-                for plain in sealing.open_stream(private, binding, meta["encryption"], blocks()):
-                    fh.write(plain)
-            except sealing.SealError as exc:
-                raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id} does not open: {exc}; nothing was "
-                                "written") from None
-            except (OSError, http.client.HTTPException):
-                raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, "the guard's answer broke off; nothing was written") from None
-            if received != meta["size"] or "sha256:" + digest.hexdigest() != meta["hash"]:
-                raise UompError(
-                    ErrorCode.PAYLOAD_INVALID, f"payload {payload_id}'s ciphertext does not match its recorded "
-                    "hash; nothing was written")
+        with os.fdopen(fd, "wb") as fh:
+            for plain in blocks:
+                fh.write(plain)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
@@ -183,8 +203,8 @@ def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> di
             os.unlink(tmp)
         raise
     fsync_dir(out.parent)
-    client.json("POST", f"/v1/payloads/{pid}/opened")
-    return dict(meta)
+    mark_opened(paths, payload_id)
+    return meta
 
 
 def _pull(args: argparse.Namespace) -> int:

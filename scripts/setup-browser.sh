@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install Debian's headless-capable Chromium and its WebDriver (/usr/bin/chromium,
+# /usr/bin/chromedriver) for the dashboard's browser tests (tests/test_dashboard_browser.py).
+# Nothing is downloaded at test run time: the tests drive the system browser with Selenium.
+# Idempotent: returns at once when /usr/bin/chromium and /usr/bin/chromedriver are there.
+# Without apt-get (not Debian/Ubuntu) or without root it says so and exits 0: the browser tests
+# then fail under CI=true and skip locally (see the test module).
+set -euo pipefail
+if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+  exit 0
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "setup-browser: apt-get not found; chromium not installed" >&2
+  exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup-browser: not root; install chromium and chromium-driver yourself (apt-get install chromium chromium-driver)" >&2
+  exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+echo "setup-browser: $(/usr/bin/chromium --version 2>/dev/null || echo chromium installed)"
