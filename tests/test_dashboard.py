@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from anchorkit import ANVIL, ANVIL_MISSING, Anvil
 from gatewaykit import Appliance, agent_call, agent_session, appliance
 from guardkit import guard_config
 
@@ -220,6 +221,8 @@ async def test_cross_site_posts_refused_and_same_site_post_revokes(app: Applianc
             ({"Origin": "null"}, {**form, "csrf": token}),
             ({"Sec-Fetch-Site": "cross-site"}, {**form, "csrf": token}),
             ({"Sec-Fetch-Site": "same-site"}, {**form, "csrf": token}),
+            ({"Sec-Fetch-Site": "none"}, {**form, "csrf": token}),
+            ({"Sec-Fetch-Site": "same-origin", "Origin": "http://evil.example"}, {**form, "csrf": token}),
         ]
         for headers, data in refused:
             status, html, _ = await b.request("POST", f"/sessions/{sid}/revoke", headers=headers, data=data)
@@ -232,9 +235,9 @@ async def test_cross_site_posts_refused_and_same_site_post_revokes(app: Applianc
         anon = Browser(b.http, d)
         assert (await anon.request("POST", f"/sessions/{sid}/revoke", data={**form, "csrf": token}))[0] == 401
         # our own form: without confirmation a confirm page, then the revocation
+        # (what Chromium sends from our page under Referrer-Policy: no-referrer: Origin null, same-origin)
         status, html, _ = await b.request("POST", f"/sessions/{sid}/revoke", data={"csrf": token, "confirmed": "no"},
-                                          headers={"Origin": f"http://127.0.0.1:{d.port}",
-                                                   "Sec-Fetch-Site": "same-origin"})
+                                          headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"})
         assert status == 200 and f"Revoke session {sid}?" in html and 'value="yes"' in html
         assert await asyncio.to_thread(_session_status, app.paths, sid) == "active"
         status, _, hdrs = await b.request("POST", f"/sessions/{sid}/revoke", data={"csrf": token, "confirmed": "yes"},
@@ -357,26 +360,38 @@ async def test_timeline_refusals_in_words_filters_and_a_proof_that_verifies(app:
                                  agent_id=agent.agent_id))[0] == 200
         assert (await agent_call(s, app.base, "/v1/memory/h.aapl", token=g["token"],
                                  agent_id=agent.agent_id))[0] == 403
+        # refused by the gateway itself: the header names another agent than the certificate and token
+        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.lang", token=g["token"],
+                                           agent_id="mail_agent")
+        assert status == 403 and body["error"]["code"] == "AGENT_MISMATCH"
     async with dashboard(app.paths) as d, browser(d) as b:
         await b.login()
         _, html, _ = await b.get("/audit")
         items = re.findall(r'<li class="(allowed|refused)" id="e-([^"]+)">(.*?)</li>\n', html, re.S)
         refused = [i for i in items if i[0] == "refused"]
-        assert refused and "The agent asked for a memory outside what you granted." in refused[0][2]
-        assert "the agent was told: key is not within granted scope" in refused[0][2]
-        assert "calendar_agent" in refused[0][2] and "h.aapl" in refused[0][2]
+        assert refused[0][1].startswith("gw-")  # newest first: the gateway's own refusal came last
+        assert "The agent asked for a memory outside what you granted." in refused[1][2]
+        assert "the agent was told: key is not within granted scope" in refused[1][2]
+        assert "calendar_agent" in refused[1][2] and "h.aapl" in refused[1][2]
         assert any("in a signed checkpoint" in i[2] for i in items)
+        gw = [i for i in refused if "gateway log" in i[2]]
+        assert len(gw) == 1 and "did not all name the same agent" in gw[0][2] and "/proof.json" not in gw[0][2]
+        assert "preference.lang" in gw[0][2]
         # filters: refused only; one agent; one session; a period
         _, html, _ = await b.get("/audit?verdict=refused")
         assert 'class="allowed"' not in html and 'class="refused"' in html
         _, html, _ = await b.get("/audit?agent=mail_agent")
         assert "calendar_agent</strong>" not in html and "mail_agent</strong>" in html
+        assert "badge gateway" not in html  # the mismatch was made with calendar_agent's certificate
         _, html, _ = await b.get(f"/audit?session={g['session_id']}&verdict=allowed")
         assert 'class="refused"' not in html and "read a memory" in html
+        _, html, _ = await b.get(f"/audit?session={g['session_id']}&verdict=refused")
+        assert html.count('class="refused"') == 2 and 'class="allowed"' not in html
         _, html, _ = await b.get("/audit?period=hour&verdict=bogus")  # an unknown value is no filter
         assert 'class="refused"' in html and 'class="allowed"' in html
         # the refusal's proof downloads and `uomp audit verify-proof` accepts it
-        status, body, hdrs = await b.get(f"/audit/{refused[0][1]}/proof.json")
+        guard_refusal = next(i for i in refused if "gateway log" not in i[2])
+        status, body, hdrs = await b.get(f"/audit/{guard_refusal[1]}/proof.json")
         assert status == 200 and "attachment" in hdrs["Content-Disposition"]
         f = tmp_path / "proof.json"
         f.write_text(body)
@@ -391,7 +406,7 @@ async def test_timeline_refusals_in_words_filters_and_a_proof_that_verifies(app:
         assert (await b.get("/audit/..%2f..%2fetc/proof.json"))[0] in (400, 404)
         # the overview draws the agents' activity without any external asset
         _, html, _ = await b.get("/")
-        assert "<svg" in html and "calendar_agent: 1 reads and 1 refusals" in html
+        assert "<svg" in html and "calendar_agent: 1 reads and 1 refusals" in html  # the guard's decisions
         assert "http://" not in html.replace(f"http://127.0.0.1:{d.port}", "") and "https://" not in html
 
 
@@ -489,3 +504,76 @@ async def test_uomp_dashboard_hands_a_link_to_the_running_appliance(app: Applian
         assert (await b.get(path))[0] == 303
         assert (await b.get(path))[0] == 403
         assert stored.read_text() == ""
+
+
+@pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
+async def test_anchored_events_show_their_transaction_and_prove_on_chain(home: Paths, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """With [anchor] on a real local chain (anvil): the timeline says 'anchored' with the transaction,
+    the appliance page the backlog, and the downloaded bundle verifies against the chain."""
+    from eth_account import Account
+
+    from gateway.anchor.evm import write_private_key
+
+    node = Anvil(tmp_path)
+    await asyncio.to_thread(node.start)
+    try:
+        owner = Account.create()
+        await asyncio.to_thread(node.fund, owner.address)
+        key_file = tmp_path / "owner.key"
+        write_private_key(key_file, owner)
+        capsys.readouterr()
+        assert await asyncio.to_thread(uomp, ["--home", str(home.home), "anchor", "deploy", "--rpc", node.url,
+                                              "--key-file", str(key_file)]) == 0
+        contract = json.loads(capsys.readouterr().out)["contract"]
+        home.config_file.write_text(f'[anchor]\nbackend = "evm"\nrpc_url = "{node.url}"\ncontract = "{contract}"\n'
+                                    f'chain_id = 31337\nkey_file = "{key_file}"\nconfirmations = 1\n'
+                                    'poll_seconds = 0.1\n')
+        async with appliance(home, guard_cfg=guard_config(audit_checkpoint_events=1)) as app:
+            agent = app.agent("calendar_agent")
+            g = await app.grant(agent)
+            async with agent_session(agent, app.paths) as s:
+                assert (await agent_call(s, app.base, "/v1/memory/h.nvda", token=g["token"],
+                                         agent_id=agent.agent_id))[0] == 403
+            for _ in range(600):  # bounded wait for the worker; the chain is mined as it goes
+                b = await asyncio.to_thread(_backlog, home)
+                if b["counts"]["confirmed"] and not (b["counts"]["queued"] + b["counts"]["submitted"]):
+                    break
+                await asyncio.to_thread(node.mine, 1)
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"the backlog was not anchored: {b}")
+            async with dashboard(app.paths) as d, browser(d) as br:
+                await br.login()
+                _, html, _ = await br.get("/audit?verdict=refused")
+                item = re.search(r'<li class="refused" id="e-(log_[^"]+)">(.*?)</li>\n', html, re.S)
+                assert item and "badge anchored" in item.group(2)
+                tx = re.search(r"tx <code>(0x[0-9a-f]{64})</code>", item.group(2))
+                assert tx
+                _, page, _ = await br.get("/appliance")
+                assert "evm: " in page and " anchored" in page
+                status, body, _ = await br.get(f"/audit/{item.group(1)}/proof.json")
+                assert status == 200
+        bundle = json.loads(body)
+        assert bundle["anchor"]["tx"] == tx.group(1) and bundle["anchor"]["contract"] == contract
+        f = tmp_path / "anchored.json"
+        f.write_text(body)
+        await asyncio.to_thread(node.mine, 3)
+        capsys.readouterr()
+        assert await asyncio.to_thread(uomp, ["--home", str(home.home), "audit", "verify-proof", str(f),
+                                              "--rpc", node.url]) == 0
+        assert "checked on chain" in capsys.readouterr().out
+    finally:
+        await asyncio.to_thread(node.stop)
+
+
+def _backlog(paths: Paths) -> dict[str, Any]:
+    import sqlite3
+
+    from gateway.ledger.anchoring import backlog
+
+    conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True)
+    try:
+        return backlog(conn)
+    finally:
+        conn.close()

@@ -9,6 +9,7 @@ user's actions). Every function here is blocking; the server runs them in a thre
 from __future__ import annotations
 
 import bisect
+import datetime as dt
 import json
 import sqlite3
 import time
@@ -198,6 +199,63 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
                 d["proof"] = "checkpointed"
         out.append(d)
     return out
+
+
+GATEWAY_TAIL_BYTES = 512 * 1024  # how much of the gateway's access log the timeline reads (its newest part)
+GUARD_MADE = "refused by the memory guard"  # such refusals are in audit.db already
+
+
+def gateway_refusals(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = None) -> list[dict[str, Any]]:
+    """Refusals the gateway made on its own (no client certificate, agent mismatch, wrong audience,
+    its quota, a revocation it caught), from the newest part of its hash-chained access log
+    (``gateway/access.jsonl``): they are not in the guard's Merkle log yet, so they carry no proof."""
+    if f.verdict == "allowed":
+        return []
+    path = paths.gateway_dir / "access.jsonl"
+    try:
+        with path.open("rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(max(0, size - GATEWAY_TAIL_BYTES))
+            raw = fh.read(GATEWAY_TAIL_BYTES)
+    except OSError:
+        return []
+    lines = raw.split(b"\n")
+    if len(raw) == GATEWAY_TAIL_BYTES:
+        lines = lines[1:]  # the first line may be cut
+    since = ((time.time() if now is None else now) - PERIODS[f.period]) if PERIODS.get(f.period) else None
+    out: list[dict[str, Any]] = []
+    for line in reversed(lines):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(ev, dict) or ev.get("allowed") is not False or ev.get("reason") == GUARD_MADE:
+            continue
+        try:
+            ts = dt.datetime.fromisoformat(str(ev.get("timestamp", ""))).timestamp()
+        except ValueError:
+            continue
+        sid, agent = str(ev.get("session_id") or "-"), str(ev.get("agent_id") or "unknown")
+        if (f.session and sid != f.session) or (f.agent and agent != f.agent) or (since and ts < since):
+            continue
+        code = ev.get("code") if isinstance(ev.get("code"), str) else None
+        reason = str(ev.get("reason", ""))
+        out.append({"id": f"gw-{ev.get('seq')}", "ts": ts, "when": words.when(ts), "session_id": sid,
+                    "agent_id": agent, "action": str(ev.get("action")),
+                    "action_words": words.action(str(ev.get("action"))), "key": ev.get("key") or ev.get("path"),
+                    "tags": ev.get("tag"), "allowed": False, "reason": reason, "code": code,
+                    "explained": words.refusal(code, reason), "via": f"gateway {ev.get('listener') or ''}".strip(),
+                    "proof": "gateway", "tx": None})
+        if len(out) >= limit:
+            break
+    return out
+
+
+def merged_timeline(paths: Paths, f: Filters, *, limit: int = 200) -> list[dict[str, Any]]:
+    """The guard's verifiable events and the gateway's own refusals, newest first."""
+    rows = timeline(paths, f, limit=limit) + gateway_refusals(paths, f, limit=limit)
+    rows.sort(key=lambda r: float(r["ts"]), reverse=True)
+    return rows[:limit]
 
 
 def known_agents_and_sessions(paths: Paths) -> tuple[list[str], list[str]]:

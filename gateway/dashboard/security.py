@@ -209,13 +209,14 @@ def host_ok(host: str | None, port: int) -> bool:
 
 
 def origin_ok(origin: str | None, sec_fetch_site: str | None, port: int) -> bool:
-    """A POST from our own pages: ``Origin`` (when sent) is this listener, ``Sec-Fetch-Site`` (when
-    sent) is same-origin. Browsers send ``Origin: null`` from opaque origins: refused."""
-    if sec_fetch_site is not None and sec_fetch_site.lower() not in ("same-origin", "none"):
-        return False
-    if origin is None:
-        return True
-    return origin.lower() in {f"http://{h}" for h in allowed_hosts(port)}
+    """A POST from our own pages. A browser that sends ``Sec-Fetch-Site`` (a header no page can
+    set) must say ``same-origin``; it then sends ``Origin: null`` under our ``Referrer-Policy:
+    no-referrer``, which is fine. Without ``Sec-Fetch-Site``, an ``Origin`` (when sent) must be
+    this listener; ``null`` (an opaque origin: a sandboxed frame, a data: page) is refused."""
+    ours = {f"http://{h}" for h in allowed_hosts(port)}
+    if sec_fetch_site is not None:
+        return sec_fetch_site.lower() == "same-origin" and (origin is None or origin.lower() in ours | {"null"})
+    return origin is None or origin.lower() in ours
 
 
 def csrf_ok(session: DashSession, presented: str | None) -> bool:

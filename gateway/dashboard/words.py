@@ -38,7 +38,11 @@ REFUSALS: dict[str, str] = {
 }
 
 ACTIONS: dict[str, str] = {
-    "read": "read a memory", "query": "searched memories", "audit": "read its audit log",
+    "read": "read a memory", "read_key": "read a memory", "read_tag": "read memories by tag",
+    "query": "searched memories", "aggregate": "asked for a total", "audit": "read its audit log",
+    "health": "checked the gateway", "renew": "renewed its certificate", "unknown": "sent a request",
+    "payload_upload": "sent you a payload", "payload_upload_url": "asked for a payload upload link",
+    "payload_presigned": "sent a payload by upload link", "payload_refused": "a payload was refused",
     "session_created": "session requested", "session_granted": "session granted",
     "session_revoked": "session revoked", "session_closed": "session closed", "session_expired": "session expired",
     "refresh": "refreshed its token", "deletion_proof": "sent a deletion proof",
