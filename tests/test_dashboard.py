@@ -577,3 +577,50 @@ def _backlog(paths: Paths) -> dict[str, Any]:
         return backlog(conn)
     finally:
         conn.close()
+
+
+def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Path) -> None:
+    """The real `uomp gateway start` (a subprocess) serves the dashboard on loopback, prints a
+    one-time link and records the listener; `uomp dashboard` then prints a new link for it."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import urllib.error
+    import urllib.request
+
+    from test_appliance import Running
+
+    home = Path(tempfile.mkdtemp(prefix="uomp-db-", dir="/tmp")) / "home"
+    env = {**os.environ, "UOMP_DASHBOARD_PORT": "0"}
+    run = Running(home, env=env)
+    try:
+        m = run.wait_line(r"^dashboard: (http://127\.0\.0\.1:(\d+)) \(loopback only\); .*?: (\S+/login\?t=\S+)")
+        base, link = m.group(1), m.group(3)
+        assert link.startswith(base + "/login?t=")
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *a: Any, **k: Any) -> None:
+                return None
+        opener = urllib.request.build_opener(NoRedirect)
+
+        def status_of(url: str) -> int:
+            try:
+                with opener.open(url, timeout=10) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as e:
+                return int(e.code)
+        assert status_of(link) == 303 and status_of(link) == 403
+        info = json.loads((home / "gateway" / "appliance.json").read_text())
+        assert info["listeners"]["dashboard"] == base
+        out = subprocess.run([sys.executable, "-m", "gateway.cli.main", "--home", str(home), "dashboard"],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        fresh = re.search(r"(http://127\.0\.0\.1:\d+/login\?t=\S+)", out.stdout)
+        assert fresh and fresh.group(1).startswith(base)
+        assert status_of(fresh.group(1)) == 303 and status_of(fresh.group(1)) == 403
+        assert status_of(base + "/sessions") == 401
+        token = link.split("t=", 1)[1]
+        assert not any(token in line for line in run.err)  # the appliance's log (stderr) never has it
+    finally:
+        assert run.stop() == 0

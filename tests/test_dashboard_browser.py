@@ -154,7 +154,7 @@ def shot(driver: Any, shots: Path, name: str) -> None:
     """A full-page screenshot (the window grown to the page's height)."""
     height = int(driver.execute_script("return document.documentElement.scrollHeight"))
     width = int(driver.execute_script("return window.innerWidth")) or 1280
-    driver.set_window_size(width, min(max(height + 120, 600), 2400))
+    driver.set_window_size(width, min(max(height + 120, 600), 1400))
     driver.save_screenshot(str(shots / f"{name}.png"))
     driver.set_window_size(1280, 900)
     out = os.environ.get("UOMP_SCREENSHOTS")
