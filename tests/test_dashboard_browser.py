@@ -154,7 +154,7 @@ def shot(driver: Any, shots: Path, name: str) -> None:
     """A full-page screenshot (the window grown to the page's height)."""
     height = int(driver.execute_script("return document.documentElement.scrollHeight"))
     width = int(driver.execute_script("return window.innerWidth")) or 1280
-    driver.set_window_size(width, min(max(height + 120, 600), 1400))
+    driver.set_window_size(width, min(max(height + 120, 600), 1000))
     driver.save_screenshot(str(shots / f"{name}.png"))
     driver.set_window_size(1280, 900)
     out = os.environ.get("UOMP_SCREENSHOTS")
@@ -261,6 +261,9 @@ def test_refusal_in_the_timeline_and_its_proof_verifies(world: World, driver: An
     assert "The agent asked for a memory outside what you granted." in first.text and "h.msft" in first.text
     assert "in a signed checkpoint" in first.text
     shot(driver, shots, "05-audit-refusals")
+    # the revoked agent's refused request (test_revoke_...) is in the timeline, explained
+    driver.get(world.dash.base_url + "/audit?agent=calendar_agent&verdict=refused")
+    assert "The session had been revoked or closed, so the agent may no longer read." in driver.page_source
     driver.get(world.dash.base_url + "/audit")
     shot(driver, shots, "06-audit-timeline")
     driver.get(world.dash.base_url + "/audit?agent=mail_agent&verdict=refused")
