@@ -232,6 +232,8 @@ def test_revoke_from_the_page_and_the_agent_is_refused(world: World, driver: Any
     status, body = world.agent_get(agent, g["token"], "/v1/memory/preference.theme")
     assert status == 401 and body["error"]["code"] == "SESSION_REVOKED"
     shot(driver, shots, "03-sessions-after-revoke")
+    driver.get(world.dash.base_url + "/audit?agent=calendar_agent&verdict=refused")  # that refusal, explained
+    assert "The session had been revoked or closed, so the agent may no longer read." in driver.page_source
     driver.set_window_size(390, 844)  # a phone
     driver.get(world.dash.base_url + "/sessions")
     driver.save_screenshot(str(shots / "04-sessions-phone.png"))
@@ -261,9 +263,6 @@ def test_refusal_in_the_timeline_and_its_proof_verifies(world: World, driver: An
     assert "The agent asked for a memory outside what you granted." in first.text and "h.msft" in first.text
     assert "in a signed checkpoint" in first.text
     shot(driver, shots, "05-audit-refusals")
-    # the revoked agent's refused request (test_revoke_...) is in the timeline, explained
-    driver.get(world.dash.base_url + "/audit?agent=calendar_agent&verdict=refused")
-    assert "The session had been revoked or closed, so the agent may no longer read." in driver.page_source
     driver.get(world.dash.base_url + "/audit")
     shot(driver, shots, "06-audit-timeline")
     driver.get(world.dash.base_url + "/audit?agent=mail_agent&verdict=refused")
