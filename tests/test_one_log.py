@@ -224,3 +224,28 @@ async def test_unauthenticated_events_beyond_the_rate_are_counted(home: Paths) -
     assert len(ledger_events(home, code="CERT_REQUIRED")) == 5
     summary = ledger_events(home, action="gateway_events_suppressed")
     assert len(summary) == 1 and summary[0]["count"] == 7 and summary[0]["by"] == {"127.0.0.1 CERT_REQUIRED": 7}
+
+
+async def test_a_revoked_sessions_refused_read_names_the_agent_and_session(home: Paths) -> None:
+    # The guard refuses a forwarded read of a revoked session before it has a capability; the
+    # event still names the agent the gateway verified (not "unknown"), so the user's timeline and
+    # `uomp audit --agent` show it. A direct request without the gateway's assertion stays "unknown".
+    from guardkit import admin_headers, call
+
+    async with appliance(home) as app:
+        a = app.agent("calendar_agent")
+        g = await app.grant(a)
+        await call(app.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(home))
+        before = len(ledger_events(home))
+        async with agent_session(a, home) as s:
+            status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
+                                               agent_id=a.agent_id)
+        assert (status, body["error"]["code"]) == (401, "SESSION_REVOKED")
+        status, _, _ = await call(app.admin, "GET", "/v1/memory/preference.theme", token=g["token"])
+        assert status == 401
+        after = [e for e in ledger_events(home)[before:] if e["action"] == "read"]
+        assert len(after) == 2 and all(e["allowed"] is False for e in after)
+        forwarded, direct = after
+        assert forwarded["agent_id"] == "calendar_agent" and forwarded["session_id"] == g["session_id"]
+        assert forwarded["code"] == "SESSION_REVOKED" and forwarded["listener"] == "mtls"
+        assert direct["agent_id"] == "unknown"

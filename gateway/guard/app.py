@@ -308,6 +308,7 @@ class AgentCall:
     async def authenticate(self, *, read: bool = False) -> Capability:
         """§10.4 steps 1-4 (with the checks of :func:`presented_for`) and, with ``read``, step 5 (the
         read quota): one trip to the auth.db worker. A refusal is audited (``deny``) and raised."""
+        presented: checks.Presented | None = None
         try:
             token, th, presented = prepare(self.request)
             cap, row, remaining, refusal = await self.svc.authdb(
@@ -316,7 +317,9 @@ class AgentCall:
                 assert refusal is not None
                 raise refusal
         except UompError as exc:
-            self.deny(exc, agent_id="unknown")
+            # A forwarded request's agent is known even when its session is not usable (revoked,
+            # closed, expired): the gateway verified certificate, token and header and asserted it.
+            self.deny(exc, agent_id=(presented.proven_agent if presented is not None else None) or "unknown")
             raise
         self.cap, self.row = cap, row
         if read:
