@@ -292,10 +292,10 @@ class DashboardConfig:
     def __post_init__(self) -> None:
         _check_port(self.port, "dashboard.port", low=0)
         if self.host not in LOOPBACK_HOSTS:
-            raise UompError("CONFIG_ERROR", f"dashboard.host must be a loopback address (127.0.0.1, ::1), not "
+            raise UompError(ErrorCode.CONFIG_ERROR, f"dashboard.host must be a loopback address (127.0.0.1, ::1), not "
                             f"{self.host!r}: the dashboard is never served beyond this machine")
         if min(self.login_ttl_seconds, self.idle_timeout_seconds, self.max_session_seconds) <= 0:
-            raise UompError("CONFIG_ERROR", "dashboard timeouts must be > 0")
+            raise UompError(ErrorCode.CONFIG_ERROR, "dashboard timeouts must be > 0")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import webbrowser
 from gateway import appliance
 from gateway.cli.main import paths_from
 from gateway.config import DashboardConfig, Paths, load_section
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 
 def _open(url: str) -> None:
@@ -71,7 +71,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     running = _running_dashboard(paths)
     if running is not None:
         if args.port is not None and not running.endswith(f":{args.port}"):
-            raise UompError("INVALID_REQUEST", f"the running appliance serves the dashboard at {running}; "
+            raise UompError(ErrorCode.INVALID_REQUEST, f"the running appliance serves the dashboard at {running}; "
                             "leave out --port (or stop the appliance to serve it elsewhere)")
         link = f"{running}/login?t={hand_over_link(paths, cfg.login_ttl_seconds)}"
         print(f"one-time login link (works once, for {cfg.login_ttl_seconds:g} s): {link}")

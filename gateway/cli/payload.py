@@ -168,7 +168,8 @@ def open_payload(paths: Paths, payload_id: str) -> tuple[dict[str, Any], Iterato
                 raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id} does not open: {exc}; nothing was "
                                 "written") from None
             except (OSError, http.client.HTTPException):
-                raise UompError(ErrorCode.STORE_UNAVAILABLE, "the guard's answer broke off; nothing was written") from None
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE, "the guard's answer broke off; nothing was written") from None
         if received != meta["size"] or "sha256:" + digest.hexdigest() != meta["hash"]:
             raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id}'s ciphertext does not match its recorded "
                             "hash; nothing was written")

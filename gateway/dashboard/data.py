@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import datetime as dt
-import json
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -20,7 +19,8 @@ from typing import Any
 from gateway import ca_store
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.dashboard import words
-from gateway.errors import STATUS, UompError
+from gateway.errors import STATUS, ErrorCode, UompError
+from gateway.ledger import query
 
 MAX_TIMELINE = 500
 PERIODS = {"hour": 3600.0, "day": 86400.0, "week": 7 * 86400.0, "all": 0.0}
@@ -48,13 +48,7 @@ def _reads_left(paths: Paths, session_ids: list[str]) -> dict[str, int]:
     if conn is None or not session_ids:
         return {}
     try:
-        out: dict[str, int] = {}
-        for sid in session_ids:
-            row = conn.execute("SELECT query_count_remaining FROM audit_logs WHERE session_id = ? AND "
-                               "query_count_remaining IS NOT NULL ORDER BY seq DESC LIMIT 1", (sid,)).fetchone()
-            if row is not None:
-                out[sid] = int(row[0])
-        return out
+        return query.quota_remaining(conn, session_ids)
     except sqlite3.Error:
         return {}
     finally:
@@ -139,55 +133,46 @@ def _proof_states(conn: sqlite3.Connection) -> tuple[int, list[int], list[dict[s
 
 
 def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = None) -> list[dict[str, Any]]:
-    """Audit events, newest first, each with its verification state:
-    ``anchored`` (a confirmed on-chain anchor covers it), ``checkpointed`` (a signed checkpoint
-    covers it) or ``pending``."""
+    """Events of the one log (the guard's decisions and the gateway's own refusals alike), newest
+    first, each with its verification state: ``anchored`` (a confirmed on-chain anchor covers it),
+    ``checkpointed`` (a signed checkpoint covers it) or ``pending``."""
     conn = _ro(paths)
     if conn is None:
         return []
     now = time.time() if now is None else now
-    where: list[str] = []
-    args: list[Any] = []
-    if f.session:
-        where.append("a.session_id = ?")
-        args.append(f.session)
-    if f.agent:
-        where.append("a.agent_id = ?")
-        args.append(f.agent)
-    if f.verdict:
-        where.append("a.allowed = ?")
-        args.append(1 if f.verdict == "allowed" else 0)
-    if PERIODS.get(f.period):
-        where.append("a.ts >= ?")
-        args.append(now - PERIODS[f.period])
-    sql_where = (" WHERE " + " AND ".join(where)) if where else ""
+    flt = query.AuditFilter(
+        session_id=f.session or None, agent_id=f.agent or None,
+        allowed=None if not f.verdict else f.verdict == "allowed",
+        since=(now - PERIODS[f.period]) if PERIODS.get(f.period) else None,
+        limit=max(1, min(limit, MAX_TIMELINE)))
     try:
         try:
-            rows = conn.execute(
-                "SELECT a.*, e.seq AS leaf, e.code AS code FROM audit_logs a LEFT JOIN ledger_events e ON e.id = a.id"
-                + sql_where + " ORDER BY a.seq DESC LIMIT ?", (*args, max(1, min(limit, MAX_TIMELINE)))).fetchall()
-        except sqlite3.OperationalError:  # no ledger tables (a log from before the verifiable audit)
-            rows = conn.execute("SELECT a.*, NULL AS leaf, NULL AS code FROM audit_logs a" + sql_where
-                                + " ORDER BY a.seq DESC LIMIT ?", (*args, max(1, min(limit, MAX_TIMELINE)))).fetchall()
+            events = query.query_events(conn, flt).events
+        except sqlite3.OperationalError:  # no event log yet (the guard has not opened this audit.db)
+            return []
         cp, sizes, anchors = _proof_states(conn)
     finally:
         conn.close()
     out = []
-    for r in rows:
-        d = dict(r)
-        leaf = d.get("leaf")
-        d["allowed"] = bool(d["allowed"])
-        try:
-            d["tags"] = ", ".join(json.loads(d["tags"])) if d.get("tags") else None
-        except (ValueError, TypeError):
-            d["tags"] = None
+    for ev in reversed(events):  # newest first
+        d = dict(ev)
+        leaf = d.get("seq")
+        d["allowed"] = bool(d.get("allowed"))
+        tags = d.get("tags")
+        d["tags"] = ", ".join(str(t) for t in tags) if isinstance(tags, list) and tags else None
         detail = str(d.get("detail") or "")
         code = d.get("code") or (detail if detail in STATUS else None)
         d["code"] = code
         d["explained"] = None if d["allowed"] else words.refusal(code, str(d.get("reason") or ""),
                                                                   None if detail == code else detail)
-        d["action_words"] = words.action(str(d["action"]))
-        d["when"] = words.when(float(d["ts"]))
+        d["action_words"] = words.action(str(d.get("action")))
+        ts = float(d["ts"]) if "ts" in d else _ts(str(d.get("timestamp", "")))
+        d["ts"] = ts
+        d["when"] = words.when(ts)
+        via = d.get("via")
+        if d.get("listener"):
+            via = f"{via or 'gateway'} {d['listener']}"
+        d["via"] = via
         d["proof"] = "pending"
         d["tx"] = None
         if leaf is not None:
@@ -201,61 +186,16 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
     return out
 
 
-GATEWAY_TAIL_BYTES = 512 * 1024  # how much of the gateway's access log the timeline reads (its newest part)
-GUARD_MADE = "refused by the memory guard"  # such refusals are in audit.db already
-
-
-def gateway_refusals(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = None) -> list[dict[str, Any]]:
-    """Refusals the gateway made on its own (no client certificate, agent mismatch, wrong audience,
-    its quota, a revocation it caught), from the newest part of its hash-chained access log
-    (``gateway/access.jsonl``): they are not in the guard's Merkle log yet, so they carry no proof."""
-    if f.verdict == "allowed":
-        return []
-    path = paths.gateway_dir / "access.jsonl"
+def _ts(text: str) -> float:
     try:
-        with path.open("rb") as fh:
-            size = fh.seek(0, 2)
-            fh.seek(max(0, size - GATEWAY_TAIL_BYTES))
-            raw = fh.read(GATEWAY_TAIL_BYTES)
-    except OSError:
-        return []
-    lines = raw.split(b"\n")
-    if len(raw) == GATEWAY_TAIL_BYTES:
-        lines = lines[1:]  # the first line may be cut
-    since = ((time.time() if now is None else now) - PERIODS[f.period]) if PERIODS.get(f.period) else None
-    out: list[dict[str, Any]] = []
-    for line in reversed(lines):
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(ev, dict) or ev.get("allowed") is not False or ev.get("reason") == GUARD_MADE:
-            continue
-        try:
-            ts = dt.datetime.fromisoformat(str(ev.get("timestamp", ""))).timestamp()
-        except ValueError:
-            continue
-        sid, agent = str(ev.get("session_id") or "-"), str(ev.get("agent_id") or "unknown")
-        if (f.session and sid != f.session) or (f.agent and agent != f.agent) or (since and ts < since):
-            continue
-        code = ev.get("code") if isinstance(ev.get("code"), str) else None
-        reason = str(ev.get("reason", ""))
-        out.append({"id": f"gw-{ev.get('seq')}", "ts": ts, "when": words.when(ts), "session_id": sid,
-                    "agent_id": agent, "action": str(ev.get("action")),
-                    "action_words": words.action(str(ev.get("action"))), "key": ev.get("key") or ev.get("path"),
-                    "tags": ev.get("tag"), "allowed": False, "reason": reason, "code": code,
-                    "explained": words.refusal(code, reason), "via": f"gateway {ev.get('listener') or ''}".strip(),
-                    "proof": "gateway", "tx": None})
-        if len(out) >= limit:
-            break
-    return out
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def merged_timeline(paths: Paths, f: Filters, *, limit: int = 200) -> list[dict[str, Any]]:
-    """The guard's verifiable events and the gateway's own refusals, newest first."""
-    rows = timeline(paths, f, limit=limit) + gateway_refusals(paths, f, limit=limit)
-    rows.sort(key=lambda r: float(r["ts"]), reverse=True)
-    return rows[:limit]
+    """Kept for the pages: the one log holds the gateway's refusals too (issue 10), so this is the timeline."""
+    return timeline(paths, f, limit=limit)
 
 
 def known_agents_and_sessions(paths: Paths) -> tuple[list[str], list[str]]:
@@ -263,10 +203,7 @@ def known_agents_and_sessions(paths: Paths) -> tuple[list[str], list[str]]:
     if conn is None:
         return [], []
     try:
-        agents = [r[0] for r in conn.execute("SELECT DISTINCT agent_id FROM audit_logs ORDER BY agent_id LIMIT 200")]
-        sessions = [r[0] for r in conn.execute("SELECT session_id FROM audit_logs GROUP BY session_id "
-                                               "ORDER BY MAX(seq) DESC LIMIT 200")]
-        return agents, sessions
+        return query.known_agents(conn), query.known_sessions(conn)
     except sqlite3.Error:
         return [], []
     finally:
@@ -289,10 +226,7 @@ def activity(paths: Paths, *, hours: int = 24, now: float | None = None) -> dict
     start = now - hours * 3600
     out: dict[str, list[tuple[int, int]]] = {}
     try:
-        rows = conn.execute(
-            "SELECT agent_id, allowed, CAST((ts - ?) / 3600 AS INTEGER) AS bucket, COUNT(*) FROM audit_logs "
-            f"WHERE ts >= ? AND action NOT IN ({','.join('?' * len(SESSION_ACTIONS))}) GROUP BY 1, 2, 3",
-            (start, start, *SESSION_ACTIONS)).fetchall()
+        rows = query.hourly_counts(conn, since=start, exclude_actions=SESSION_ACTIONS)
     except sqlite3.Error:
         return {}
     finally:
@@ -349,7 +283,8 @@ def open_payload(paths: Paths, payload_id: str, *, max_bytes: int) -> tuple[dict
 
     meta, blocks = open_payload(paths, payload_id)
     if int(meta["size"]) > max_bytes:
-        raise UompError("PAYLOAD_TOO_LARGE", f"payload {payload_id} is larger than the dashboard opens in memory; "
+        raise UompError(
+            ErrorCode.PAYLOAD_TOO_LARGE, f"payload {payload_id} is larger than the dashboard opens in memory; "
                         "use 'uomp payload pull'")
     plain = b"".join(_bounded(blocks, max_bytes))
     mark_opened(paths, payload_id)
@@ -361,7 +296,7 @@ def _bounded(blocks: Iterator[bytes], limit: int) -> Iterator[bytes]:
     for b in blocks:
         total += len(b)
         if total > limit:
-            raise UompError("PAYLOAD_TOO_LARGE", "the payload opens to more than the dashboard holds in memory")
+            raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the payload opens to more than the dashboard holds in memory")
         yield b
 
 

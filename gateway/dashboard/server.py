@@ -23,7 +23,7 @@ from aiohttp import web
 
 from gateway.config import DashboardConfig, Paths
 from gateway.dashboard import charts, data, security
-from gateway.errors import STATUS, UompError
+from gateway.errors import STATUS, ErrorCode, UompError
 
 log = logging.getLogger("uomp.dashboard")
 
@@ -226,7 +226,7 @@ class Dashboard:
     async def end_session(self, request: web.Request) -> web.StreamResponse:
         sid, how = request.match_info["sid"], request.match_info["how"]
         if not ID_RE.match(sid):
-            raise UompError("INVALID_REQUEST", "not a session id")
+            raise UompError(ErrorCode.INVALID_REQUEST, "not a session id")
         if request[FORM_KEY].get("confirmed") != "yes":
             return self._render(request, "confirm.html", title="Confirm", action=f"/sessions/{sid}/{how}",
                                 question=f"{how.capitalize()} session {sid}?",
@@ -248,7 +248,7 @@ class Dashboard:
     async def proof(self, request: web.Request) -> web.StreamResponse:
         eid = request.match_info["eid"]
         if not ID_RE.match(eid):
-            raise UompError("INVALID_REQUEST", "not an event id")
+            raise UompError(ErrorCode.INVALID_REQUEST, "not an event id")
         bundle = await asyncio.to_thread(data.proof_bundle, self.paths, eid)
         return web.Response(body=json.dumps(bundle, indent=2).encode() + b"\n", content_type="application/json",
                             headers={"Content-Disposition": f'attachment; filename="proof-{eid}.json"'})
@@ -260,7 +260,7 @@ class Dashboard:
     async def revoke_agent(self, request: web.Request) -> web.StreamResponse:
         target = str(request[FORM_KEY].get("target", ""))
         if not ID_RE.match(target):
-            raise UompError("INVALID_REQUEST", "not an agent id or serial")
+            raise UompError(ErrorCode.INVALID_REQUEST, "not an agent id or serial")
         if request[FORM_KEY].get("confirmed") != "yes":
             return self._render(request, "confirm.html", title="Confirm", action="/agents/revoke",
                                 question=f"Revoke the certificate(s) of {target}?",
@@ -283,7 +283,7 @@ class Dashboard:
     async def open_payload(self, request: web.Request) -> web.StreamResponse:
         pid = request.match_info["pid"]
         if not ID_RE.match(pid):
-            raise UompError("INVALID_REQUEST", "not a payload id")
+            raise UompError(ErrorCode.INVALID_REQUEST, "not a payload id")
         meta, plain = await asyncio.to_thread(data.open_payload, self.paths, pid, max_bytes=MAX_OPEN_BYTES)
         log.info("dashboard: payload %s opened by the user", pid)
         ext = {"application/json": "json", "text/plain": "txt", "text/csv": "csv"}.get(str(meta["format"]), "bin")
@@ -293,7 +293,7 @@ class Dashboard:
     async def delete_payload(self, request: web.Request) -> web.StreamResponse:
         pid = request.match_info["pid"]
         if not ID_RE.match(pid):
-            raise UompError("INVALID_REQUEST", "not a payload id")
+            raise UompError(ErrorCode.INVALID_REQUEST, "not a payload id")
         if request[FORM_KEY].get("confirmed") != "yes":
             return self._render(request, "confirm.html", title="Confirm", action=f"/payloads/{pid}/delete",
                                 question=f"Delete payload {pid}?",
