@@ -269,7 +269,8 @@ def _read_json_line(proc: subprocess.Popen[str], timeout: float, what: str) -> d
 def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = None,
                  max_connections: int | None = None, ssl_read_buffer_kib: int | None = None,
                  quota_block: int | None = None, profile: str | None = None, what: str = "server",
-                 layout: str = "split", gateway_config: dict[str, Any] | None = None) -> ServerProc:
+                 layout: str = "split", gateway_config: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> ServerProc:
     """Start the guard alone (``GuardRunner``), or the appliance, in a child process.
 
     The appliance (``gateway=True``) is laid out like ``uomp gateway start``: ``GatewayRunner`` in the
@@ -279,7 +280,8 @@ def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = No
     product sets 32) and ``quota_block`` (a fixed QuotaLedger reservation block instead of the
     product's adaptive one) are experiment knobs of the benchmark, never set by default.
     ``gateway_config``: GatewayConfig fields to set (e.g. ``tunnel_origin_port=0``); the info line
-    then also carries ``tunnel_port``."""
+    then also carries ``tunnel_port``. ``env``: variables set for the server and its guard child
+    (e.g. ``UOMP_UVLOOP=0``: the levers' switches, bench_levers.py)."""
     cmd = [PYTHON, str(Path(__file__).resolve()), "serve", "--home", str(paths.home)]
     if gateway:
         cmd += ["--gateway", "--layout", layout]
@@ -295,7 +297,8 @@ def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = No
         cmd += ["--profile", profile]
     if gateway_config:
         cmd += ["--gateway-config", json.dumps(gateway_config)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    child_env = {**os.environ, **env} if env else None
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=child_env)
     try:
         info = _read_json_line(proc, 60, what)
     except BaseException:
@@ -402,6 +405,7 @@ def _guard_child(args: argparse.Namespace) -> None:
     the benchmark's knob applied first and logging at WARNING like the rest of the benchmark."""
     import logging
 
+    from gateway import eventloop
     from gateway.config import GuardConfig, Paths
     from gateway.guard.server import run_guard
     from gateway.supervisor import die_with_parent
@@ -412,7 +416,7 @@ def _guard_child(args: argparse.Namespace) -> None:
     _quota_knob(args.quota_block)
     serve_tcp = args.tcp_port is not None
     cfg = GuardConfig(tcp_port=args.tcp_port if serve_tcp else 0, serve_tcp=serve_tcp)
-    asyncio.run(run_guard(Paths(Path(args.home)), cfg, serve_tcp=serve_tcp))
+    eventloop.run(run_guard(Paths(Path(args.home)), cfg, serve_tcp=serve_tcp))
 
 
 # ----------------------------------------------------------------------------- HTTP over streams
@@ -1005,18 +1009,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.cmd == "guard-child":
         _guard_child(args)
     elif args.cmd == "serve":
+        from gateway import eventloop  # uvloop unless UOMP_UVLOOP=0, like the product's servers
+
         if args.profile:  # diagnostics: cProfile the whole server process, stats written on SIGTERM
             import cProfile
 
             prof = cProfile.Profile()
             prof.enable()
             try:
-                asyncio.run(_serve(args))
+                eventloop.run(_serve(args))
             finally:
                 prof.disable()
                 prof.dump_stats(args.profile)
         else:
-            asyncio.run(_serve(args))
+            eventloop.run(_serve(args))
     else:
         _load_main()
 

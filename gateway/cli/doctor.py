@@ -192,6 +192,28 @@ def _guard_health(r: Report, paths: Paths) -> None:
                   "see the appliance's log; the supervisor restarts the guard; uomp status shows restarts")
 
 
+def _speed(r: Report) -> None:
+    """What the servers run on (issue 13): aiohttp's C HTTP parser, the event loop, the JSON codec.
+    Each is only speed (the pure-Python fallbacks behave the same), so these are notes, not problems."""
+    from gateway import eventloop, jsonio
+
+    try:
+        import aiohttp.http_parser as hp
+
+        active = hp.HttpRequestParser.__module__ == "aiohttp._http_parser"
+    except ImportError:
+        active = False
+    if active:
+        r.ok("aiohttp C extensions active (HTTP parser aiohttp._http_parser)")
+    else:
+        r.note("aiohttp C extensions OFF (pure-Python HTTP parser: slower; AIOHTTP_NO_EXTENSIONS is "
+               + ("set" if os.environ.get("AIOHTTP_NO_EXTENSIONS") else "unset: no binary wheel?") + ")")
+    loop = eventloop.describe()
+    (r.ok if loop.startswith("uvloop") else r.note)(f"event loop {loop}")
+    codec = jsonio.backend()
+    (r.ok if codec.startswith("orjson") else r.note)(f"JSON {codec}")
+
+
 def run_checks(paths: Paths) -> Report:
     r = Report()
     steps: list[Callable[[], None]] = []
@@ -207,7 +229,7 @@ def run_checks(paths: Paths) -> Report:
     _check_private(r, paths.admin_credential, "admin credential")
     gcfg, guard, tunnel = _configs(r, paths)
     steps += [lambda: _ca(r, paths, gcfg), lambda: _ports(r, paths, gcfg, guard), lambda: _tunnel(r, tunnel),
-              lambda: _guard_health(r, paths)]
+              lambda: _guard_health(r, paths), lambda: _speed(r)]
     for step in steps:
         try:
             step()

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway import appliance
+from gateway import appliance, eventloop
 from gateway.cli.guard import guard_config
 from gateway.cli.main import paths_from
 from gateway.config import GatewayConfig, GuardConfig, Paths, TunnelSettings, load_section
@@ -373,7 +373,7 @@ def _relay_line(line: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    asyncio.run(_run(paths, gateway_config(args, paths), with_guard=False, args=args))
+    eventloop.run(_run(paths, gateway_config(args, paths), with_guard=False, args=args))
     return 0
 
 
@@ -402,7 +402,7 @@ def _start(args: argparse.Namespace) -> int:
         created = [what for what, new in made.items() if new]
         if created:
             _say(f"first run: created in {paths.home}: {', '.join(created).replace('_', ' ')}")
-        asyncio.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
+        eventloop.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
     finally:
         lock.release()
     return 0

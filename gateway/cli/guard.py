@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from typing import Any
 
+from gateway import eventloop
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.guard.audit import open_audit
@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     paths = paths_from(args)
     cfg = guard_config(args, paths)
-    asyncio.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
+    eventloop.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
     return 0
 
 

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
+from gateway import jsonio
 from gateway.errors import ErrorCode, UompError
 
 PublicKey = ed25519.Ed25519PublicKey | ec.EllipticCurvePublicKey
@@ -177,8 +178,8 @@ def parse_compact(token: str, *, what: str = "token", code: ErrorCode = ErrorCod
     if len(parts) != 3:
         raise UompError(code, f"{what} is not a compact JWS")
     try:
-        header = json.loads(b64u_decode(parts[0]))
-        payload = json.loads(b64u_decode(parts[1]))
+        header = jsonio.loads(b64u_decode(parts[0]))
+        payload = jsonio.loads(b64u_decode(parts[1]))
         signature = b64u_decode(parts[2])
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise UompError(code, f"{what} is malformed") from exc

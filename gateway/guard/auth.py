@@ -1,35 +1,12 @@
 """Auth Service (spec §9, §13, §15.5, §19.4): sessions, tokens, blacklist, quotas, refresh families.
 
 State lives in ``auth.db`` (WAL, synchronous=FULL): a revocation is durable before it is
-acknowledged. Session states (§13.1)::
-
-    created --grant--> active --close / timeout / revoke / deletion proof--> closed | expired | revoked
+acknowledged. The session records, their states and the decoded-row cache are in
+:mod:`gateway.guard.sessions`; refresh-token rotation (§15.5) is :mod:`gateway.guard.refresh`.
 
 Every token this service issues is recorded by hash; closing or revoking a session copies all of
 them into the persistent blacklist (§13.4), and the session status itself is checked on every
 request, so a revoked session's tokens fail on the very next request.
-
-Refresh tokens (§15.5, RFC 9700 §4.14.2): each refresh spends the presented refresh token and
-returns a new pair (access + refresh) of the same family. The rotation commits before the answer
-reaches the agent, so a crash (gateway, guard, network) can lose the answer. The rule:
-
-* a spent refresh token whose successor pair has *never been used* (neither the successor access
-  token nor the successor refresh token was ever presented) may be retried, by the same bound key,
-  for as long as it is valid: each retry revokes the never-used successor pair (``superseded``)
-  and issues a fresh one. No token is stored at rest to be handed out twice;
-* once the successor has been used, any presentation of the old token is **reuse**
-  (``REFRESH_REUSED``): the family and the session are revoked. Presenting a ``superseded`` token
-  is reuse too: two holders of one chain exist (a copied bundle), so the chain stops there;
-* the session then shows ``revoked`` with the reason in ``uomp sessions list``, and every later
-  ``SESSION_REVOKED`` says why.
-
-The first use of every access token is recorded (``issued_tokens.used_at``, durable before the
-request is answered), which is what "used" means above.
-
-The rotation and its audit row are durable together: the row is written into ``audit_outbox``
-in the rotation's own transaction, then queued to the audit log as usual (the request is answered
-after it is durable); on the next open, outbox rows are replayed into ``audit.db`` (idempotent on
-the row id) and dropped. A crash between the two commits loses nothing.
 
 Pruning (:meth:`AuthService.prune`): rows of tokens past their ``exp`` (issued, refresh,
 blacklist: a blacklisted token past its exp fails on its own) are deleted periodically.
@@ -38,226 +15,56 @@ blacklist: a blacklisted token past its exp fails on its own) are deleted period
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from dataclasses import field as dataclass_field
 from typing import Any
 
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
 from gateway.core import checks, jose, restrictions, tokens
 from gateway.core.quota import QuotaLedger
-from gateway.core.tokens import Capability, Scope
+from gateway.core.tokens import Capability
 from gateway.db import connect, transaction
-from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.audit import AuditLog, make_row
+from gateway.guard import refresh
+from gateway.guard.audit import AuditLog
+from gateway.guard.sessions import (  # re-exported: the public names stay importable from here
+    _MAX_SETTING,
+    DEFAULT_SESSION_MINUTES,
+    LIVE,
+    MAX_DURATION_MINUTES_FLOOR,
+    MIGRATIONS,
+    PROFILES,
+    PRUNE_BATCH_ROWS,
+    PRUNE_MARGIN_SECONDS,
+    REMOTE_ACCESS_MAX_SECONDS,
+    REUSE_MESSAGE,
+    SCHEMA,
+    SUPERSEDED_MESSAGE,
+    USED_CACHE_ENTRIES,
+    Minted,
+    SessionCache,
+    SessionRow,
+    _new_id,
+    _opt_bool,
+    _opt_str_list,
+    _req_str,
+    _scopes_from_body,
+    _scopes_json,
+    decode_row,
+    ended_message,
+    minutes_text,
+    token_hash,
+)
+
+__all__ = ["DEFAULT_SESSION_MINUTES", "LIVE", "PROFILES", "PRUNE_BATCH_ROWS", "PRUNE_MARGIN_SECONDS",
+           "REMOTE_ACCESS_MAX_SECONDS", "REUSE_MESSAGE", "SCHEMA", "SUPERSEDED_MESSAGE", "AuthService",
+           "Minted", "SessionRow", "ended_message", "minutes_text", "token_hash"]
 
 log = logging.getLogger("uomp.auth")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-  session_id TEXT PRIMARY KEY,
-  agent_id TEXT NOT NULL,
-  agent_name TEXT,
-  status TEXT NOT NULL,
-  created_at REAL NOT NULL,
-  expires_at REAL NOT NULL,
-  closed_at REAL,
-  requested_scopes TEXT NOT NULL,
-  granted_scopes TEXT,
-  grant_options TEXT,
-  token_hash TEXT,
-  identity_jwk TEXT,
-  retention TEXT,
-  deletion_proof_id TEXT,
-  missing_proof_recorded INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS idx_sessions_status ON sessions(status, expires_at);
-CREATE TABLE IF NOT EXISTS issued_tokens (
-  token_hash TEXT PRIMARY KEY,
-  session_id TEXT NOT NULL,
-  jti TEXT NOT NULL,
-  kind TEXT NOT NULL,
-  expires_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS idx_issued_session ON issued_tokens(session_id);
-CREATE TABLE IF NOT EXISTS token_blacklist (
-  token_hash TEXT PRIMARY KEY,
-  session_id TEXT NOT NULL,
-  expires_at REAL NOT NULL,
-  reason TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS quota (
-  session_id TEXT PRIMARY KEY,
-  reserved INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS refresh_tokens (
-  jti TEXT PRIMARY KEY,
-  family_id TEXT NOT NULL,
-  session_id TEXT NOT NULL,
-  status TEXT NOT NULL,
-  expires_at REAL NOT NULL,
-  spent_at REAL,
-  successor TEXT
-);
-CREATE INDEX IF NOT EXISTS idx_refresh_family ON refresh_tokens(family_id);
-CREATE TABLE IF NOT EXISTS audit_outbox (
-  id TEXT PRIMARY KEY,
-  row TEXT NOT NULL
-);
-"""
-
-# Columns added after the first release: (table, column, declaration). Added on open if missing.
-MIGRATIONS = (
-    ("sessions", "status_reason", "TEXT"),
-    ("issued_tokens", "used_at", "REAL"),
-)
-USED_CACHE_ENTRIES = 65536  # access tokens known to be used (saves a write per request)
-PRUNE_BATCH_ROWS = 10_000  # rows per table per prune call
-PRUNE_MARGIN_SECONDS = 3600  # kept this long past a token's exp (clock leeway, investigations)
-
-REUSE_MESSAGE = ("the session was revoked because a spent refresh token was presented again after its "
-                 "successor had been used (two holders of one token chain: possibly a copy of the bundle)")
-SUPERSEDED_MESSAGE = ("the session was revoked because a token replaced by a refresh retry was presented "
-                      "(two holders of one token chain: possibly a copy of the bundle)")
-
-LIVE = ("created", "active")
-PROFILES = ("local", "remote")
-MAX_DURATION_MINUTES_FLOOR = 1
-DEFAULT_SESSION_MINUTES = 30  # §9.1's example; the CLI picks its own defaults per profile
-REMOTE_ACCESS_MAX_SECONDS = 600  # §15.2: remote access tokens SHOULD NOT exceed 10 minutes; a config cannot
-_MAX_SETTING = {"local": "session_max_minutes", "remote": "remote_session_max_minutes"}
-
-
-def minutes_text(minutes: float) -> str:
-    """``30 days``, ``1 day``, ``12 hours``, ``90 minutes``: a length as people say it."""
-    for unit, size in (("day", 1440), ("hour", 60)):
-        if minutes >= size and minutes % size == 0:
-            n = int(minutes // size)
-            return f"{n} {unit}{'s' if n != 1 else ''}"
-    return f"{minutes:g} minute{'s' if minutes != 1 else ''}"
-ID_ALPHABET_MAX = 128
-
-
-def ended_message(row: SessionRow) -> str:
-    """What SESSION_REVOKED says for a session that is no longer active: its state and why."""
-    return f"session is {row.status}: {row.status_reason}" if row.status_reason else f"session is {row.status}"
-
-
-def token_hash(token: str) -> str:
-    return "sha256:" + hashlib.sha256(token.encode("ascii", "replace")).hexdigest()
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_urlsafe(12)}"
-
-
-def _req_str(body: Mapping[str, Any], name: str, *, max_len: int = ID_ALPHABET_MAX) -> str:
-    v = body.get(name)
-    if not isinstance(v, str) or not v.strip() or len(v) > max_len:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a non-empty string of at most {max_len} characters")
-    return v
-
-
-def _scope_from_body(obj: Any, name: str) -> Scope:
-    try:
-        return tokens.parse_scope(obj, name)
-    except UompError as exc:
-        raise UompError(ErrorCode.INVALID_REQUEST, exc.message.replace("claim ", "")) from exc
-
-
-def _scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
-    if obj is None:
-        obj = {}
-    if not isinstance(obj, dict):
-        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be an object with read/write scopes")
-    unknown = set(obj) - {"read", "write"}
-    if unknown:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} has unknown members: {', '.join(sorted(unknown))}")
-    return _scope_from_body(obj.get("read"), f"{name}.read"), _scope_from_body(obj.get("write"), f"{name}.write")
-
-
-def _scopes_json(read: Scope, write: Scope) -> str:
-    return json.dumps({"read": read.to_claim(), "write": write.to_claim()})
-
-
-def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
-    v = body.get(name, False)
-    if not isinstance(v, bool):
-        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a boolean")
-    return v
-
-
-def _opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, list) or len(v) > 256 or not all(isinstance(x, str) and 0 < len(x) <= 512 for x in v):
-        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a list of non-empty strings")
-    return list(v)
-
-
-@dataclass(frozen=True)
-class Minted:
-    """A freshly signed token, before it is recorded (hash, jti) in the same transaction as its use."""
-
-    token: str = dataclass_field(repr=False)
-    exp: float = 0.0
-    jti: str = ""
-    kind: str = "access"
-    family_id: str | None = None
-
-
-@dataclass(frozen=True)
-class SessionRow:
-    session_id: str
-    agent_id: str
-    agent_name: str | None
-    status: str
-    created_at: float
-    expires_at: float
-    closed_at: float | None
-    requested: dict[str, Any]
-    granted: dict[str, Any] | None
-    options: dict[str, Any]
-    identity_jwk: dict[str, Any] | None
-    retention: dict[str, Any] | None
-    deletion_proof_id: str | None
-    status_reason: str | None = None
-
-    def public(self) -> dict[str, Any]:
-        """§13.2 view for the user (never token material)."""
-        out: dict[str, Any] = {
-            "session_id": self.session_id,
-            "agent_id": self.agent_id,
-            "agent_name": self.agent_name,
-            "status": self.status,
-            "created_at": tokens.iso(self.created_at),
-            "expires_at": tokens.iso(self.expires_at),
-            "closed_at": tokens.iso(self.closed_at) if self.closed_at else None,
-            "requested_scopes": self.requested,
-            "granted_scopes": self.granted,
-        }
-        if self.options:
-            out["profile"] = self.options.get("profile", "local")
-            if self.options.get("audience"):
-                out["audience"] = self.options["audience"]
-            out["aggregates"] = {"min_max": self.options.get("aggregate_min_max") is True,
-                                 "exact": self.options.get("aggregate_exact") is True}
-        if self.retention:
-            out["data_retention_policy"] = self.retention
-        if self.deletion_proof_id:
-            out["deletion_proof_id"] = self.deletion_proof_id
-        if self.status_reason:
-            out["status_reason"] = self.status_reason
-        return out
 
 
 class AuthService:
@@ -270,6 +77,7 @@ class AuthService:
         self.db = connect(paths.auth_db, schema=SCHEMA, what="session database",
                           busy_timeout=cfg.db_busy_timeout_seconds)
         self._migrate()
+        self.rows = SessionCache(self.db)  # decoded session rows (forget() wherever this class writes one)
         self._used: set[str] = set()
         try:
             self.replay_outbox()
@@ -307,25 +115,23 @@ class AuthService:
     # ------------------------------------------------------------------------- sessions
 
     def _row(self, session_id: str) -> SessionRow | None:
+        """The session's row: from :attr:`rows` (see :class:`gateway.guard.sessions.SessionCache` for
+        when it is dropped) or read and decoded; a live session past its expiry is expired first."""
+        now = self.clock()
+        row = self.rows.lookup(session_id, now)
+        if row is not None:
+            return row
         try:
             r = self.db.execute("SELECT * FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
         except sqlite3.Error as exc:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the session database is unavailable") from exc
         if r is None:
             return None
-        row = SessionRow(
-            session_id=r["session_id"], agent_id=r["agent_id"], agent_name=r["agent_name"], status=r["status"],
-            created_at=r["created_at"], expires_at=r["expires_at"], closed_at=r["closed_at"],
-            requested=json.loads(r["requested_scopes"]),
-            granted=json.loads(r["granted_scopes"]) if r["granted_scopes"] else None,
-            options=json.loads(r["grant_options"]) if r["grant_options"] else {},
-            identity_jwk=json.loads(r["identity_jwk"]) if r["identity_jwk"] else None,
-            retention=json.loads(r["retention"]) if r["retention"] else None,
-            deletion_proof_id=r["deletion_proof_id"], status_reason=r["status_reason"],
-        )
-        if row.status in LIVE and self.clock() >= row.expires_at:
+        row = decode_row(r)
+        if row.status in LIVE and now >= row.expires_at:
             self._expire(row)
             return self._row(session_id)
+        self.rows.keep(row)
         return row
 
     def session(self, session_id: str) -> SessionRow:
@@ -341,6 +147,7 @@ class AuthService:
                             "AND status IN ('created','active')", (now, "the session reached its expiry",
                                                                    row.session_id))
             self._blacklist_session(row.session_id, "expired")
+        self.rows.forget(row.session_id)
         self._record_missing_proof(row)
 
     def _record_missing_proof(self, row: SessionRow) -> None:
@@ -474,18 +281,19 @@ class AuthService:
             if cur.rowcount != 1:
                 raise UompError(
                     ErrorCode.INVALID_STATE, "session changed state during the grant", session_id=session_id)
+        self.rows.forget(session_id)
         row = self.session(session_id)
-        access = self._mint_access(row)
+        access = self.mint_access(row)
         out: dict[str, Any] = {"token": access.token, "token_type": "Bearer", "expires_at": tokens.iso(access.exp),
                                "session_id": session_id, "session_expires_at": tokens.iso(row.expires_at)}
         minted = [access]
         if issue_refresh:
-            rt = self._mint_refresh(row, family_id=_new_id("fam"))
+            rt = self.mint_refresh(row, family_id=_new_id("fam"))
             minted.append(rt)
             out["refresh_token"] = rt.token
             out["refresh_expires_at"] = tokens.iso(rt.exp)
         with transaction(self.db, what="session database"):
-            self._record_minted(row, minted)
+            self.record_minted(row, minted)
         self.audit.record(session_id=session_id, agent_id=row.agent_id, action="session_granted", allowed=True,
                           reason="granted by the user", tags=list(read.tags))
         self.audit.flush_sync()
@@ -506,7 +314,7 @@ class AuthService:
             raise UompError(ErrorCode.INVALID_REQUEST, "token_lifetime_seconds must be an integer >= 10")
         return min(requested, cap)
 
-    def _mint_access(self, row: SessionRow) -> Minted:
+    def mint_access(self, row: SessionRow) -> Minted:
         """Sign an access token for an active session (not yet recorded: see _record_minted)."""
         now = self.clock()
         o = row.options
@@ -522,7 +330,7 @@ class AuthService:
         tok = tokens.sign_token(claims, self.signing.key, self.signing.kid)
         return Minted(tok, exp, claims["jti"], "access", None)
 
-    def _mint_refresh(self, row: SessionRow, *, family_id: str) -> Minted:
+    def mint_refresh(self, row: SessionRow, *, family_id: str) -> Minted:
         now = self.clock()
         exp = min(now + self.cfg.refresh_lifetime_seconds, row.expires_at)
         claims = tokens.refresh_claims(session_id=row.session_id, agent_id=row.agent_id, now=now, expires=exp,
@@ -531,7 +339,7 @@ class AuthService:
         tok = tokens.sign_token(claims, self.signing.key, self.signing.kid, refresh=True)
         return Minted(tok, exp, claims["jti"], "refresh", family_id)
 
-    def _record_minted(self, row: SessionRow, minted: list[Minted]) -> None:
+    def record_minted(self, row: SessionRow, minted: list[Minted]) -> None:
         """Record tokens by hash (for the blacklist) and refresh tokens by jti. Inside a transaction.
 
         Only hashes and ids are stored: no token is ever kept at rest."""
@@ -564,6 +372,7 @@ class AuthService:
             self.db.execute("UPDATE sessions SET status=?, closed_at=?, status_reason=? WHERE session_id=?",
                             (status, now, reason, session_id))
             self._blacklist_session(session_id, status)
+        self.rows.forget(session_id)
         self._verified = {}
         self.quota.forget(session_id)
         self.audit.record(session_id=session_id, agent_id=row.agent_id,
@@ -659,7 +468,7 @@ class AuthService:
         try:
             cap, row = self.authenticate(token, allow_refresh=False)
         except UompError as exc:
-            if exc.code in ("STORE_UNAVAILABLE",):
+            if exc.code == ErrorCode.STORE_UNAVAILABLE:
                 raise
             out: dict[str, Any] = {"valid": False, "code": exc.code, "message": exc.message}
             if exc.session_id:
@@ -673,10 +482,7 @@ class AuthService:
         with transaction(self.db, what="session database"):
             self.db.execute("UPDATE sessions SET deletion_proof_id=? WHERE session_id=?",
                             (deletion_proof_id, session_id))
-
-    def session_status(self, session_id: str) -> str:
-        row = self._row(session_id)
-        return row.status if row else "not_found"
+        self.rows.forget(session_id)
 
     # ---------------------------------------------------------------------------- quota
 
@@ -705,98 +511,16 @@ class AuthService:
         return answer
 
     def refresh_audited(self, refresh_token: str, *, session_id: str, presented_x5t: str | None,
-                        presented_jkt: str | None, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
-        """§15.5 with rotation and reuse detection (the rule in the module docstring). Returns the
-        answer and the audit ticket to wait for before answering. The caller has checked the transport
-        binding inputs."""
-        cap, row = self.authenticate(refresh_token, allow_refresh=True)
-        if cap.session_id != session_id:
-            raise UompError(ErrorCode.INVALID_TOKEN, "refresh token is for another session", session_id=session_id)
-        self._check_binding(cap, presented_x5t, presented_jkt)
-        now = self.clock()
-        r = self.db.execute("SELECT * FROM refresh_tokens WHERE jti=?", (cap.jti,)).fetchone()
-        if r is None:
-            raise UompError(ErrorCode.INVALID_TOKEN, "refresh token is unknown", session_id=session_id)
-        retry = False
-        if r["status"] == "spent":
-            if not r["successor"] or self._successor_used(json.loads(r["successor"])):
-                self._revoke_family(row, r["family_id"], REUSE_MESSAGE)
-                raise UompError(ErrorCode.REFRESH_REUSED, REUSE_MESSAGE, session_id=session_id)
-            # Same key (the binding was checked above) and the successor pair was never used: the
-            # client never got our answer. Issue a fresh pair and kill the pair it never received
-            # (not stored, so it cannot be handed out again).
-            retry = True
-        elif r["status"] != "active":
-            raise UompError(ErrorCode.SESSION_REVOKED, "refresh token has been revoked", session_id=session_id)
-        access = self._mint_access(row)
-        new_rt = self._mint_refresh(row, family_id=r["family_id"])
-        answer = {"access_token": access.token, "token": access.token, "token_type": "Bearer",
-                  "expires_at": tokens.iso(access.exp), "refresh_token": new_rt.token,
-                  "refresh_expires_at": tokens.iso(new_rt.exp), "session_id": session_id}
-        successor = json.dumps({"access_jti": access.jti, "refresh_jti": new_rt.jti})
-        audit_row = make_row(session_id=session_id, agent_id=row.agent_id, action="refresh", allowed=True,
-                             reason="refresh retried: the never-used successor pair was replaced" if retry
-                             else "refresh token rotated", now=now, extra=extra)
-        with transaction(self.db, what="session database"):  # one durable write for the whole rotation
-            if retry:
-                lost = json.loads(r["successor"])
-                # the successor must still be unused at commit (nothing else runs between, but say so)
-                cur = self.db.execute("UPDATE refresh_tokens SET successor=? WHERE jti=? AND status='spent' "
-                                      "AND successor=?", (successor, cap.jti, r["successor"]))
-                used = self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE jti=? AND status='active'",
-                                       (lost["refresh_jti"],)).rowcount != 1
-                self.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
-                                "SELECT token_hash, session_id, expires_at, 'superseded' FROM issued_tokens "
-                                "WHERE jti IN (?, ?)", (lost["access_jti"], lost["refresh_jti"]))
-                if used:
-                    raise UompError(
-                        ErrorCode.REFRESH_REUSED, "refresh token was spent concurrently", session_id=session_id)
-            else:
-                cur = self.db.execute("UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? "
-                                      "WHERE jti=? AND status='active'", (now, successor, cap.jti))
-            if cur.rowcount != 1:
-                raise UompError(ErrorCode.REFRESH_REUSED, "refresh token was spent concurrently", session_id=session_id)
-            self._record_minted(row, [access, new_rt])
-            # the audit row is durable with the rotation (replayed on open if audit.db missed it)
-            self.db.execute("INSERT INTO audit_outbox (id, row) VALUES (?, ?)", (audit_row[0], json.dumps(audit_row)))
-        ticket = self.audit.submit(audit_row)
-        fault_point("refresh_committed")
-        return answer, ticket
-
-    def _successor_used(self, succ: Mapping[str, Any]) -> bool:
-        """Was either token of a successor pair ever presented (or is it dead)?"""
-        rt = self.db.execute("SELECT status FROM refresh_tokens WHERE jti=?", (succ.get("refresh_jti"),)).fetchone()
-        if rt is None or rt["status"] != "active":
-            return True
-        at = self.db.execute("SELECT used_at FROM issued_tokens WHERE jti=? AND kind='access'",
-                             (succ.get("access_jti"),)).fetchone()
-        return at is None or at["used_at"] is not None
+                        presented_jkt: str | None, extra: dict[str, Any] | None = None
+                        ) -> tuple[dict[str, Any], int]:
+        """§15.5 rotation with reuse detection (:mod:`gateway.guard.refresh`): the answer and the
+        audit ticket to wait for before answering."""
+        return refresh.refresh_audited(self, refresh_token, session_id=session_id, presented_x5t=presented_x5t,
+                                       presented_jkt=presented_jkt, extra=extra)
 
     def _chain_forked(self, row: SessionRow) -> None:
-        """A superseded token came back: revoke the session and say why (raises REFRESH_REUSED)."""
-        self.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="refresh_reuse", allowed=False,
-                          reason="a superseded token was presented: session revoked")
-        if row.status in LIVE:
-            self.revoke(row.session_id, reason=SUPERSEDED_MESSAGE)
-        else:
-            self.audit.flush_sync()
-        raise UompError(ErrorCode.REFRESH_REUSED, SUPERSEDED_MESSAGE, session_id=row.session_id)
+        refresh.chain_forked(self, row)
 
-    @staticmethod
-    def _check_binding(cap: Capability, x5t: str | None, jkt: str | None) -> None:
-        checks.check_possession(cap, x5t, jkt)
-
-    def _revoke_family(self, row: SessionRow, family_id: str, reason: str) -> None:
-        with transaction(self.db, what="session database"):
-            self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE family_id=?", (family_id,))
-        self.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="refresh_reuse", allowed=False,
-                          reason="spent refresh token reused: family and session revoked")
-        if row.status in LIVE:
-            self.revoke(row.session_id, reason=reason)
-        else:
-            self.audit.flush_sync()
-
-    # --------------------------------------------------------------------------- pruning
 
     def prune(self, *, now: float | None = None, batch: int = PRUNE_BATCH_ROWS) -> dict[str, int]:
         """Drop rows nothing can need any more (called periodically by the guard and at open).

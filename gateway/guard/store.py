@@ -66,6 +66,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
+from gateway import jsonio
 from gateway.db import trim_wal
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.bulk import BULK_CHUNK, BulkWriter
@@ -164,8 +165,8 @@ _REASONS: tuple[tuple[str, str], ...] = (
 def _item_of(row: tuple[Any, ...]) -> MemoryItem:
     key, value, tags, sensitivity, source, created_at, updated_at, description = row
     try:
-        decoded_value = json.loads(value)
-        decoded_tags = json.loads(tags)
+        decoded_value = jsonio.loads(value)
+        decoded_tags = jsonio.loads(tags)
     except (TypeError, ValueError) as exc:
         raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
                         details={"reason": "BAD_JSON"}) from exc
@@ -543,7 +544,7 @@ class MemoryStore(MemoryStorage):
         if row is None:
             return None
         try:
-            tags = json.loads(row[0])
+            tags = jsonio.loads(row[0])
         except (TypeError, ValueError) as exc:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
                             details={"reason": "BAD_JSON"}) from exc

@@ -631,7 +631,8 @@ class CountedSSLProtocol(sslproto.SSLProtocol):
         # Plain HTTP sent to the TLS port: a short plain-text answer saying so, then the close.
         if isinstance(handshake_exc, ssl.SSLError) and handshake_exc.reason == "HTTP_REQUEST":
             raw = self._transport
-            if isinstance(raw, asyncio.WriteTransport) and not raw.is_closing():
+            # (uvloop's transports have the methods, not asyncio's classes: no isinstance)
+            if raw is not None and hasattr(raw, "write") and not raw.is_closing():
                 with contextlib.suppress(Exception):
                     raw.write(USE_HTTPS)
         super()._on_handshake_complete(handshake_exc)
