@@ -332,6 +332,10 @@ class GatewayConfig:
     # Deadlines (seconds). The first three count from accept.
     tls_handshake_timeout_seconds: float = 10.0  # accept -> TLS handshake complete
     tls_shutdown_timeout_seconds: float = 5.0  # wait for the peer's close_notify before dropping
+    # TLS 1.3 session tickets sent after each full handshake (0: no resumption). A returning agent
+    # resumes (PSK + (EC)DHE, RFC 8446 §2.2) without the certificate exchange; revocation and expiry
+    # are still checked on every request against the live CRL (gateway/remote/tls.py).
+    tls_session_tickets: int = 1
     first_byte_timeout_seconds: float = 10.0  # accept -> first request byte; also unverified keep-alive idle
     client_timeout_seconds: float = 30.0  # accept (or a keep-alive request's first byte) -> headers complete
     body_timeout_seconds: float = 60.0  # end of headers -> whole request body received

@@ -617,3 +617,82 @@ def test_expiry_is_rechecked_on_long_lived_connections(certs: CertSet) -> None:
     """check_client_cert takes ``now``: the gateway re-checks per request on keep-alive connections."""
     ident = check_client_cert(certs.agents["good"].der)
     assert ident.not_after - ident.not_before == ca.AGENT_CERT_LIFETIME + ca.CLOCK_SKEW
+
+
+# ------------------------------------------------------------------ TLS 1.3 resumption (issue 13)
+
+def _get_over_tls(ctx: ssl.SSLContext, port: int, path: str, headers: dict[str, str],
+                  session: ssl.SSLSession | None = None) -> tuple[bool, ssl.SSLSession | None, int, bytes]:
+    """One blocking connection (the stdlib client can offer a session; asyncio's cannot): TLS 1.3
+    handshake (resuming ``session`` if given), one GET with Connection: close, the whole answer.
+    Returns (resumed, the session to offer next time, HTTP status, body)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost:{port}\r\n{head}Connection: close\r\n\r\n".encode())
+        data = b""
+        try:
+            while chunk := tls.recv(65536):
+                data += chunk
+        except (ssl.SSLError, ConnectionError):
+            pass  # a refused TLS 1.3 client learns it on its first read (see the module docstring)
+        if not data:
+            return tls.session_reused, None, 0, b""  # no answer at all
+        status = int(data.split(b" ", 2)[1])
+        return tls.session_reused, tls.session, status, data.partition(b"\r\n\r\n")[2]
+
+
+async def test_returning_agent_resumes_and_a_revoked_one_is_refused_at_its_next_request(home: Paths) -> None:
+    import json
+
+    from gatewaykit import appliance
+
+    async with appliance(home) as app:
+        assert app.gateway.cfg.tls_session_tickets >= 1  # the default: tickets on
+        bot, other = app.agent("bot"), app.agent("other")
+        hdrs = {}
+        for agent in (bot, other):
+            tok = (await app.grant(agent))["token"]
+            hdrs[agent.agent_id] = {"Authorization": f"Bearer {tok}", "X-UOMP-Agent-Id": agent.agent_id}
+        ctx = {a.agent_id: a.ssl() for a in (bot, other)}
+        port, path = app.gateway.port, "/v1/memory/preference.theme"
+
+        resumed, sess, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"])
+        assert (resumed, status) == (False, 200) and sess is not None and sess.has_ticket
+        resumed, sess2, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"],
+                                                            sess)
+        assert (resumed, status) == (True, 200)  # the returning agent skipped the certificate exchange
+        _, other_sess, status, _ = await asyncio.to_thread(_get_over_tls, ctx["other"], port, path, hdrs["other"])
+        assert status == 200
+
+        ca_store.revoke(app.paths, "bot")
+        app.gateway.reloader.reload()  # what the watcher does within a second of the new CRL
+        # the resumed handshake still succeeds at the TLS layer (no verification on resumption)...
+        resumed, _, status, body = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"],
+                                                           sess2)
+        assert resumed is True
+        # ...and its first request is refused: the per-request check against the live CRL
+        assert status == 401 and json.loads(body)["error"]["code"] == "CERT_REQUIRED", body
+        # a full handshake with the revoked certificate fails in TLS, as before: no answer at all
+        resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"])
+        assert (resumed, status) == (False, 0)
+        # another agent's resumed session is untouched
+        resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx["other"], port, path, hdrs["other"],
+                                                        other_sess)
+        assert (resumed, status) == (True, 200)
+
+
+async def test_no_resumption_when_tickets_are_off(home: Paths) -> None:
+    from gatewaykit import appliance
+
+    async with appliance(home, tls_session_tickets=0) as app:
+        bot = app.agent("bot")
+        tok = (await app.grant(bot))["token"]
+        hdrs = {"Authorization": f"Bearer {tok}", "X-UOMP-Agent-Id": "bot"}
+        ctx, port = bot.ssl(), app.gateway.port
+        resumed, sess, status, _ = await asyncio.to_thread(_get_over_tls, ctx, port, "/v1/health", hdrs)
+        assert (resumed, status) == (False, 200)
+        resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx, port, "/v1/health", hdrs, sess)
+        assert (resumed, status) == (False, 200)  # no ticket was sent: every connection is a full handshake

@@ -86,7 +86,8 @@ class GatewayRunner:
         for p in (cert, key, ca, crl):
             if not p.exists():
                 raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is missing; run 'uomp init' (or 'uomp ca init') first")
-        self.reloader = TLSReloader(cert, key, ca, crl, crl_state=self.paths.crl_state)
+        self.reloader = TLSReloader(cert, key, ca, crl, crl_state=self.paths.crl_state,
+                                    session_tickets=cfg.tls_session_tickets)
         upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
         forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
         self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

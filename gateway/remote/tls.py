@@ -70,8 +70,10 @@ def build_server_context(
     crl_file: StrPath,
     *,
     require_client_cert: bool = False,
+    session_tickets: int = 0,
 ) -> ssl.SSLContext:
-    """The gateway's server context. Every setting is here and nowhere else."""
+    """The gateway's server context. Every setting is here and nowhere else. ``session_tickets``:
+    TLS 1.3 tickets sent after a full handshake (0: no resumption; see the comment below)."""
     # Server side only; PROTOCOL_TLS_SERVER refuses to be used as a client by mistake.
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     # Spec §15.2: "Gateway and remote Agent MUST use TLS 1.3" (RFC 8446). Pinning both ends means a
@@ -103,12 +105,16 @@ def build_server_context(
     # No renegotiation: TLS 1.3 removed it (RFC 8446 §4.1.2 note); set so nothing changes if the
     # version pin is ever relaxed.
     ctx.options |= ssl.OP_NO_RENEGOTIATION
-    # Session tickets OFF (RFC 8446 §4.6.1, §2.2): a resumed session skips client certificate
-    # verification, so a certificate revoked (new CRL) or expired since the first handshake would
-    # still get in, and identity would come from the cached session rather than a checked chain.
-    # Agents hold few long keep-alive connections, so a full handshake per connection is cheap
-    # (see benchmarks/bench_ca.py); 0 tickets means no PSK resumption at all.
-    ctx.num_tickets = 0
+    # Session tickets (RFC 8446 §4.6.1, §2.2; GatewayConfig.tls_session_tickets, default 1): a
+    # returning agent resumes with PSK + (EC)DHE (forward secrecy kept), skipping the certificate
+    # exchange and its signatures (benchmarks/bench_handshake.py: the server's CPU per connection).
+    # A resumed session skips client certificate *verification*: a certificate revoked (new CRL) or
+    # expired since the first handshake resumes at the TLS layer. It gets no further: every request
+    # re-checks the peer certificate (kept in the session) against the live CRL's serials and its
+    # validity period (ClientCertChecker.check(revoked=TLSReloader.revoked), remote/app.py), so it
+    # is refused at its first request (tests/test_tls.py). Ticket keys belong to the listening
+    # context (the SNI switch to a reloaded context keeps them) and die with the process.
+    ctx.num_tickets = max(0, int(session_tickets))
     return ctx
 
 
@@ -293,8 +299,10 @@ class TLSReloader:
         *,
         require_client_cert: bool = False,
         crl_state: StrPath | None = None,
+        session_tickets: int = 0,
     ) -> None:
         self.files = TLSFiles(Path(cert_file), Path(key_file), Path(ca_file), Path(crl_file))
+        self.session_tickets = session_tickets
         self.require_client_cert = require_client_cert
         # reload() reads four files, builds a context and may fsync the CRL state file: it runs in a
         # worker thread (watch(), SIGHUP), one at a time. The event loop only reads ``_inner`` and
@@ -330,7 +338,8 @@ class TLSReloader:
     def _build(self) -> ssl.SSLContext:
         f = self.files
         return build_server_context(
-            f.cert_file, f.key_file, f.ca_file, f.crl_file, require_client_cert=self.require_client_cert
+            f.cert_file, f.key_file, f.ca_file, f.crl_file, require_client_cert=self.require_client_cert,
+            session_tickets=self.session_tickets,
         )
 
     def _load(self) -> tuple[ssl.SSLContext, frozenset[str], CRLMark]:
