@@ -345,6 +345,8 @@ async def _serve(args: argparse.Namespace) -> None:
         await child.start()
         child.supervise()
         info.update(guard_pid=child.pid, tcp_port=args.tcp_port)
+    elif args.gateway and args.layout == "gateway-only":
+        pass  # a second gateway worker: its upstream (another appliance's guard) is in --gateway-config
     else:
         gcfg = GuardConfig(tcp_port=args.tcp_port if serve_tcp else 0, serve_tcp=serve_tcp)
         guard = GuardRunner(paths, gcfg, serve_tcp=serve_tcp)
@@ -990,8 +992,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     s = sub.add_parser("serve", help="run the guard (+ gateway) until SIGTERM")
     s.add_argument("--home", required=True)
     s.add_argument("--gateway", action="store_true")
-    s.add_argument("--layout", choices=["split", "one-process"], default="split",
-                   help="with --gateway: the guard in a child process (like uomp gateway start) or in the same loop")
+    s.add_argument("--layout", choices=["split", "one-process", "gateway-only"], default="split",
+                   help="with --gateway: the guard in a child process (like uomp gateway start) or in the same loop, "
+                        "or no guard (a second gateway worker; upstream given in --gateway-config)")
     s.add_argument("--tcp-port", type=int)
     s.add_argument("--max-connections", type=int)
     s.add_argument("--ssl-read-buffer-kib", type=int)

@@ -10,14 +10,16 @@ child), identical but for the switches in their environment (product switches, r
   library's json), ``UOMP_SESSION_CACHE=0`` (the session row read and decoded per request): the
   appliance as it was before this work;
 * ``uvloop``, ``orjson``, ``session cache``: that lever alone on;
-* ``all``: all on (the product's default).
+* ``all``: all on (the product's default);
+* ``2 workers`` (``--workers``): all on, and a second gateway process sharing the mTLS port
+  (``GatewayConfig.listen_reuse_port``, SO_REUSEPORT; its own copy of the home, the first
+  appliance's guard as upstream): does a second worker pay on this machine?
 
 Each is loaded like ``bench_gateway.py`` does (50 keep-alive clients cycling ``GET /v1/memory/<key>``
 over 200 granted keys, every request audited): (a) direct to the guard's Unix socket, (b) through
 TLS 1.3 mTLS; rounds alternate over all appliances, so drift hits all alike. The table gives req/s,
 latency, and the CPU per request of each process (gateway, guard); the RATIOS line each lever's
-gain over ``base``. ``--workers`` adds an appliance with a second gateway worker process
-(``GatewayConfig.workers = 2``, SO_REUSEPORT) if the product has that setting.
+gain over ``base``.
 """
 
 from __future__ import annotations
@@ -40,14 +42,23 @@ LEVERS: dict[str, dict[str, str]] = {
 
 
 class App:
-    def __init__(self, label: str, env: dict[str, str]) -> None:
+    def __init__(self, label: str, env: dict[str, str], *, workers: int = 1) -> None:
         self.label = label
         self.paths = paths = c.make_home()
+        self.worker: Any = None
+        self.worker_home: Any = None
         try:
             keys = c.seed_store(paths)
             self.agent = agent = c.issue_agent(paths)
-            self.srv = c.start_server(paths, gateway=True, what=label, env=env)
+            gw_cfg = None
+            if workers > 1:
+                gw_cfg = {"listen_port": c.free_port(), "listen_reuse_port": True}
+            self.srv = c.start_server(paths, gateway=True, what=label, env=env, gateway_config=gw_cfg)
+            if workers > 1:
+                self._second_worker(env, gw_cfg or {})
         except BaseException:
+            if self.worker is not None:
+                self.worker.stop()
             c.remove_home(paths)
             raise
         try:
@@ -68,22 +79,48 @@ class App:
                         "direct": c.Target("unix", path=self.srv.info["guard_sock"])}
         self.runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
 
+    def _second_worker(self, env: dict[str, str], gw_cfg: dict[str, Any]) -> None:
+        """A second gateway process on the same port (SO_REUSEPORT), forwarding to the first one's guard.
+        Its own copy of the home (CA files, keys; its own access log), started after the first."""
+        import shutil
+
+        from gateway.config import Paths
+
+        home2 = Paths(c.Path(str(self.paths.home) + "-w2"))
+        shutil.copytree(self.paths.home, home2.home, ignore=shutil.ignore_patterns("*.sock", "gateway"))
+        self.worker_home = home2
+        self.worker = c.start_server(home2, gateway=True, layout="gateway-only", what=f"{self.label} worker 2",
+                                     env=env, gateway_config={**gw_cfg,
+                                                              "upstream": f"unix:{self.paths.guard_sock}"})
+
+    @property
+    def pids(self) -> dict[str, int]:
+        pids = dict(self.srv.pids)
+        if self.worker is not None:
+            pids["gateway 2"] = self.worker.pid
+        return pids
+
     def load(self, kind: str, args: argparse.Namespace) -> None:
         r = c.run_load(self.targets[kind], self.reqs[kind], clients=args.clients, duration=args.duration,
-                       warmup=1.0, max_requests=2_000_000, server_pid=self.srv.pids)
+                       warmup=1.0, max_requests=2_000_000, server_pid=self.pids)
         c.check_ok(f"{self.label}: {kind}", r)
         self.runs[kind].append(r)
 
     def stop(self) -> None:
         try:
+            if self.worker is not None:
+                self.worker.stop()
             self.srv.stop()
         finally:
             c.remove_home(self.paths)
+            if self.worker_home is not None:
+                c.remove_home(self.worker_home)
 
 
 def _cpu_us(r: dict[str, Any], role: str) -> float:
     parts = r.get("server_cpu_parts") or {}
-    return float(parts.get(role, 0.0)) / r["rps"] * 1e6 if r.get("rps") else 0.0
+    share = sum(v for k, v in parts.items() if k.startswith(role))  # "gateway" counts both workers
+    return float(share) / r["rps"] * 1e6 if r.get("rps") else 0.0
 
 
 def main() -> None:
@@ -92,6 +129,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=",".join(LEVERS), help="comma-separated subset of: " + ", ".join(LEVERS))
+    ap.add_argument("--workers", action="store_true",
+                    help="also an appliance (all levers on) with a second gateway process on the same port")
     args = ap.parse_args()
     wanted = [x.strip() for x in args.only.split(",") if x.strip()]
     if "base" not in wanted or any(w not in LEVERS for w in wanted):
@@ -105,6 +144,9 @@ def main() -> None:
     try:
         for name in wanted:
             apps[name] = App(name, LEVERS[name])
+        if args.workers:
+            apps["2 workers"] = App("2 workers", LEVERS["all"], workers=2)
+            wanted.append("2 workers")
         for _ in range(args.rounds):
             for app in apps.values():
                 for kind in ("direct", "gateway"):

@@ -129,11 +129,28 @@ def main() -> None:
             row("AuthService.verify, cache warm (hit)", lambda: auth.verify(local_tok))
             row("  of which token_hash (SHA-256 hex)", lambda: token_hash(local_tok))
             row("AuthService.authenticate (warm cache)", lambda: auth.authenticate(local_tok))
+            row("  part: _row (session cache hit + data_version)", lambda: auth._row(sid))
+            auth.rows.enabled = False  # UOMP_SESSION_CACHE=0: the row read and decoded per request
+            row("AuthService.authenticate (session cache off)", lambda: auth.authenticate(local_tok))
             row("  part: _row (SELECT session + json.loads)", lambda: auth._row(sid))
+            auth.rows.enabled = True
             th = token_hash(local_tok)
             row("  part: blacklist SELECT",
                 lambda: auth.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (th,)).fetchone())
             row("AuthService.consume_read (amortised)", lambda: auth.consume_read(cap))
+            # hot-path JSON (gateway/jsonio.py): a read answer encoded, a stored value decoded
+            import json
+
+            from gateway import jsonio
+
+            answer = {"key": "preference.item0001", "value": {"value": "setting number 1", "n": 1, "on": False},
+                      "tags": ["preference", "ui"], "updated_at": c.NOW_ISO, "description": "bench item 1 é"}
+            stored = json.dumps(answer["value"])
+            row("JSON encode read answer: json.dumps", lambda: json.dumps(
+                answer, ensure_ascii=False, separators=(",", ":")).encode())
+            row("JSON encode read answer: jsonio.dumps (orjson)", lambda: jsonio.dumps(answer))
+            row("JSON decode stored value: json.loads", lambda: json.loads(stored))
+            row("JSON decode stored value: jsonio.loads (orjson)", lambda: jsonio.loads(stored))
             marks = iter(range(10**9, 2 * 10**9))  # a new value each time (SQLite skips no-op rewrites)
             row("  one reservation commit (FULL)", lambda: auth._quota_persist("sess_other", next(marks)),
                 None if args.iterations is None else max(1, args.iterations // 20))
@@ -151,9 +168,13 @@ def main() -> None:
     d = {name: us for name, us, _ in res}
     verify, warm = d["tokens.verify_token (local token)"], d["AuthService.verify, cache warm (hit)"]
     authn = d["AuthService.authenticate (warm cache)"]
+    enc = d["JSON encode read answer: jsonio.dumps (orjson)"] / d["JSON encode read answer: json.dumps"]
+    dec = d["JSON decode stored value: jsonio.loads (orjson)"] / d["JSON decode stored value: json.loads"]
     print(f"\nRATIOS verify_token / cached verify = {verify / warm:.1f}x (the cache saves {verify - warm:.1f} µs "
           f"per request); authenticate = {authn:.1f} µs/request ({authn / verify:.2f}x one verify_token); "
-          f"cold/warm verify {d['AuthService.verify, cache cold'] / warm:.1f}x")
+          f"cold/warm verify {d['AuthService.verify, cache cold'] / warm:.1f}x; authenticate session cache "
+          f"on/off {authn / d['AuthService.authenticate (session cache off)']:.2f}; JSON orjson/json encode "
+          f"{enc:.2f}, decode {dec:.2f}")
 
 
 if __name__ == "__main__":

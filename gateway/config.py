@@ -336,6 +336,11 @@ class GatewayConfig:
     # resumes (PSK + (EC)DHE, RFC 8446 §2.2) without the certificate exchange; revocation and expiry
     # are still checked on every request against the live CRL (gateway/remote/tls.py).
     tls_session_tickets: int = 1
+    # SO_REUSEPORT on the mTLS listener: lets a second gateway process (its own home copy, the same
+    # guard as upstream) share the port. Off: one gateway process (benchmarks/README.md, issue 13:
+    # a second worker does not pay on 2 cores, and quota, DPoP replay cache and status cache would
+    # have to be shared first).
+    listen_reuse_port: bool = False
     first_byte_timeout_seconds: float = 10.0  # accept -> first request byte; also unverified keep-alive idle
     client_timeout_seconds: float = 30.0  # accept (or a keep-alive request's first byte) -> headers complete
     body_timeout_seconds: float = 60.0  # end of headers -> whole request body received

@@ -148,7 +148,7 @@ class GatewayRunner:
         await runner.setup()
         self._runners.append(runner)
         srv = await transport.listen(runner, cfg.listen_host, cfg.listen_port, ssl_context=self.reloader.context,
-                                     registry=self.registry, backlog=backlog)
+                                     registry=self.registry, backlog=backlog, reuse_port=cfg.listen_reuse_port)
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
         if cfg.listen_port == 0:

@@ -669,8 +669,9 @@ def authenticated(request: web.BaseRequest) -> None:
 
 
 async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ssl.SSLContext | None,
-                 registry: ConnectionRegistry, backlog: int = MAX_BACKLOG) -> asyncio.Server:
-    """Start serving ``runner`` (already set up) on host:port with the wrapped protocols."""
+                 registry: ConnectionRegistry, backlog: int = MAX_BACKLOG, reuse_port: bool = False) -> asyncio.Server:
+    """Start serving ``runner`` (already set up) on host:port with the wrapped protocols. ``reuse_port``:
+    SO_REUSEPORT, so that several gateway processes can share the port (the kernel spreads accepts)."""
     loop = asyncio.get_running_loop()
     server = runner.server
     assert server is not None
@@ -689,5 +690,6 @@ async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ss
 
     # TLS is done by the protocol, so asyncio sees a plain server and calls connection_made at accept.
     srv = await loop.create_server(factory, host, port, backlog=backlog, reuse_address=True,
+                                   reuse_port=reuse_port or None,
                                    family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     return srv
