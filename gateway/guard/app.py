@@ -36,7 +36,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -808,36 +808,57 @@ async def internal_events(request: web.Request) -> web.Response:
     return _json_response({"accepted": len(rows)})
 
 
+GuardListener = Literal["unix", "tcp"]
+BOTH: tuple[GuardListener, ...] = ("unix", "tcp")
+UNIX_ONLY: tuple[GuardListener, ...] = ("unix",)
+
+
+@dataclass(frozen=True)
+class GuardRoute:
+    """One row of the guard's route table: adding a route is one row plus its handler."""
+
+    method: str
+    path: str  # aiohttp pattern
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    listeners: tuple[GuardListener, ...] = BOTH  # UNIX_ONLY: the gateway's (and the CLI's) internal routes
+
+
+ROUTES: tuple[GuardRoute, ...] = (
+    GuardRoute("GET", "/v1/health", health),
+    GuardRoute("GET", "/v1/openapi.json", openapi.serve),  # issue 14: the OpenAPI document (gateway/openapi.py)
+    GuardRoute("GET", "/v1/memory/aggregate", aggregate),
+    GuardRoute("POST", "/v1/memory/query", query_refused),
+    GuardRoute("GET", "/v1/memory/{key}", get_key),
+    GuardRoute("PUT", "/v1/memory/{key}", write_refused),
+    GuardRoute("DELETE", "/v1/memory/{key}", write_refused),
+    GuardRoute("GET", "/v1/memory", get_by_tag),
+    GuardRoute("GET", "/v1/audit", get_audit),
+    GuardRoute("GET", "/v1/audit/{event_id}/proof", get_audit_proof),
+    GuardRoute("POST", "/v1/sessions", create_session),
+    GuardRoute("GET", "/v1/sessions", list_sessions),
+    GuardRoute("GET", "/v1/sessions/{sid}", get_session),
+    GuardRoute("POST", "/v1/sessions/{sid}/grant", grant_session),
+    GuardRoute("POST", "/v1/sessions/{sid}/close", close_session),
+    GuardRoute("POST", "/v1/sessions/{sid}/revoke", revoke_session),
+    GuardRoute("POST", "/v1/sessions/{sid}/deletion-proof", deletion_proof),
+    GuardRoute("POST", "/v1/tokens/validate", validate_token, UNIX_ONLY),
+    GuardRoute("POST", contract.INTERNAL_EVENTS_PATH, internal_events, UNIX_ONLY),
+    GuardRoute("POST", "/v1/sessions/{sid}/refresh", refresh_internal, UNIX_ONLY),
+)
+
+
 def create_app(services: GuardServices, *, listener: str) -> web.Application:
-    if listener not in ("unix", "tcp"):
+    if listener not in BOTH:
         raise ValueError("listener must be unix or tcp")
     app = web.Application(middlewares=[errors_middleware], client_max_size=services.cfg.max_body_bytes)
     app[SERVICES] = services
     app[LISTENER] = listener
     app.on_response_prepare.append(_server_header)
-    r = app.router
-    r.add_get("/v1/health", health)
-    r.add_get("/v1/openapi.json", openapi.serve)  # issue 14: the OpenAPI document (gateway/openapi.py)
-    r.add_get("/v1/memory/aggregate", aggregate)
-    r.add_post("/v1/memory/query", query_refused)
-    r.add_get("/v1/memory/{key}", get_key)
-    r.add_put("/v1/memory/{key}", write_refused)
-    r.add_delete("/v1/memory/{key}", write_refused)
-    r.add_get("/v1/memory", get_by_tag)
-    r.add_get("/v1/audit", get_audit)
-    r.add_get("/v1/audit/{event_id}/proof", get_audit_proof)
-    r.add_post("/v1/sessions", create_session)
-    r.add_get("/v1/sessions", list_sessions)
-    r.add_get("/v1/sessions/{sid}", get_session)
-    r.add_post("/v1/sessions/{sid}/grant", grant_session)
-    r.add_post("/v1/sessions/{sid}/close", close_session)
-    r.add_post("/v1/sessions/{sid}/revoke", revoke_session)
-    r.add_post("/v1/sessions/{sid}/deletion-proof", deletion_proof)
-    if listener == "unix":  # internal routes: the gateway's (and the CLI's) only
-        r.add_post("/v1/tokens/validate", validate_token)
-        r.add_post(contract.INTERNAL_EVENTS_PATH, internal_events)
-        r.add_post("/v1/sessions/{sid}/refresh", refresh_internal)
     from gateway.guard import payload_routes  # imported here: it imports this module
 
-    payload_routes.add_routes(app, listener)
+    for row in (*ROUTES, *payload_routes.ROUTES):
+        if listener in row.listeners:
+            app.router.add_route(row.method, row.path, row.handler)
+    if listener == "unix":
+        payload_routes.open_store(app)
     return app

@@ -35,7 +35,7 @@ from aiohttp import web
 from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.app import SERVICES, _admin, _json_body, _param
+from gateway.guard.app import SERVICES, UNIX_ONLY, GuardRoute, _admin, _json_body, _param
 from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore
 
 READ_BLOCK = 1024 * 1024
@@ -184,17 +184,18 @@ async def _close(app: web.Application) -> None:
     app[PAYLOADS].close()
 
 
-def add_routes(app: web.Application, listener: str) -> None:
-    """Register the routes above on the Unix-socket app (nothing on the Local Profile listener)."""
-    if listener != "unix":
-        return
+ROUTES = (  # Unix socket only: the user's CLI and the gateway, never the Local Profile listener
+    GuardRoute("POST", "/v1/payload/audit", audit_event, UNIX_ONLY),
+    GuardRoute("GET", "/v1/payloads", list_payloads, UNIX_ONLY),
+    GuardRoute("GET", "/v1/payloads/{pid}", get_payload, UNIX_ONLY),
+    GuardRoute("GET", "/v1/payloads/{pid}/ciphertext", get_ciphertext, UNIX_ONLY),
+    GuardRoute("POST", "/v1/payloads/{pid}/opened", opened, UNIX_ONLY),
+    GuardRoute("DELETE", "/v1/payloads/{pid}", remove, UNIX_ONLY),
+)
+
+
+def open_store(app: web.Application) -> None:
+    """The payload store of the Unix-socket app (its routes are rows of :data:`ROUTES`)."""
     paths = app[SERVICES].paths
     app[PAYLOADS] = GuardPayloads(PayloadStore(paths.payload_dir))
     app.on_cleanup.append(_close)
-    r = app.router
-    r.add_post("/v1/payload/audit", audit_event)
-    r.add_get("/v1/payloads", list_payloads)
-    r.add_get("/v1/payloads/{pid}", get_payload)
-    r.add_get("/v1/payloads/{pid}/ciphertext", get_ciphertext)
-    r.add_post("/v1/payloads/{pid}/opened", opened)
-    r.add_delete("/v1/payloads/{pid}", remove)

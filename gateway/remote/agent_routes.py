@@ -180,5 +180,3 @@ def install(state: GatewayState) -> None:
     for route, handler in ROUTES:
         register_route(state, route, handler)
     state.transport_auth["tunnel"] = dpop_identity
-    for route, _ in ROUTES:
-        state.metrics.add_route(route.name)

@@ -69,6 +69,7 @@ from gateway.remote.access_log import AccessLog
 from gateway.remote.event_sink import EventSink
 from gateway.remote.forward import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS, Forwarder
 from gateway.remote.metrics import Metrics
+from gateway.remote.routenames import Listener, RouteName, TokenUse
 from gateway.remote.tls import ClientCertChecker, ClientIdentity, server_name_of
 
 log = logging.getLogger("uomp.gateway")
@@ -81,19 +82,23 @@ MAX_STATUS_CACHE_SECONDS = 1.0
 MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
 
 
+Handler = Callable[["Call"], Awaitable[web.StreamResponse]]
+
+
 @dataclass(frozen=True)
 class Route:
+    """One row of the gateway's route table. The metrics label and the audit ``action`` of a request
+    are its ``name``; adding a route is one row (here or beside its handler) plus its handler."""
+
     method: str
     pattern: re.Pattern[str]
-    name: str
+    name: RouteName
     reads: bool = False  # counts against max_read_queries (in the guard: the one quota counter)
     auth: bool = True
-    token_use: str = "access"  # "access", "refresh", or "none" (transport identity alone)
+    token_use: TokenUse = "access"  # "access", "refresh", or "none" (transport identity alone)
     status_check: bool = True  # ask the Auth Service about the session before the handler
-    transports: tuple[str, ...] = ("mtls", "tunnel")  # listeners the route exists on
-
-
-Handler = Callable[["Call"], Awaitable[web.StreamResponse]]
+    transports: tuple[Listener, ...] = ("mtls", "tunnel")  # listeners the route exists on
+    handler: Handler | None = None  # None: forwarded to the guard after every check (:func:`forward`)
 
 # §15.4. Session create, grant, close, revoke and list are deliberately absent: never reachable here.
 ROUTES: list[Route] = [
@@ -227,8 +232,8 @@ class GatewayState:
             self.add_endpoint(e, listener="tunnel")
         self.status = StatusCache(forwarder, cfg.status_cache_seconds, cfg.status_cache_entries)
         paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.handlers: dict[str, Handler] = {}
         self.routes: list[Route] = list(ROUTES)
+        self.handlers: dict[RouteName, Handler] = {}  # handlers bound at start-up (register_route)
         self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {"mtls": mtls_identity}
         self.certs = ClientCertChecker()
         self._verified: dict[str, Capability] = {}
@@ -578,7 +583,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
         return resp  # health answers are not decisions about anyone's data: not in the log
     await state.transport_auth[listener](call)
     if route.token_use == "none":
-        return await state.handlers[route.name](call)
+        return await (route.handler or state.handlers[route.name])(call)
     call.token = _bearer(request)
     cap = check_token(state, call, call.token)
     _route_params(call)
@@ -589,7 +594,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     for done in call.on_authenticated:
         done()
     transport.authenticated(request)  # the connection leaves the unverified budget (tunnel listener)
-    handler = state.handlers.get(route.name, forward)
+    handler = route.handler or state.handlers.get(route.name, forward)
     return await handler(call)
 
 

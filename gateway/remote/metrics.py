@@ -36,25 +36,16 @@ from collections.abc import Callable, Iterable, Sequence
 from aiohttp import web
 
 from gateway.errors import STATUS
+from gateway.remote.routenames import ROUTE_NAMES, UNKNOWN
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 OK = "OK"  # the code label of a request answered without an error
 OTHER = "other"  # the label for a route or code outside the fixed sets
 
-# Route names of the gateway API (spec §15.4), as gateway.remote.app names them.
-DEFAULT_ROUTES: tuple[str, ...] = (
-    "health",  # GET /v1/health
-    "refresh",  # POST /v1/sessions/{id}/refresh
-    "read_key",  # GET /v1/memory/{key}
-    "read_tag",  # GET /v1/memory?tag=
-    "aggregate",  # GET /v1/memory/aggregate
-    "audit",  # GET /v1/audit
-    "payload_upload",  # POST /v1/payload/upload
-    "payload_get",  # GET /v1/payload/{id}
-    "deletion_proof",  # POST /v1/sessions/{id}/deletion-proof
-    "unknown",  # no route matched (NOT_FOUND / METHOD_NOT_ALLOWED / refused request-target)
-)
+# Route names of the gateway API (spec §15.4): the route table's names (gateway/remote/routenames.py)
+# and "unknown" (no route matched: NOT_FOUND / METHOD_NOT_ALLOWED / refused request-target).
+DEFAULT_ROUTES: tuple[str, ...] = (*ROUTE_NAMES, UNKNOWN)
 
 # Seconds. Upper bounds of the histogram buckets; +Inf is implicit.
 DEFAULT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

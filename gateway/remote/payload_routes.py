@@ -395,7 +395,6 @@ def install(state: GatewayState) -> PayloadService:
     service = PayloadService(state)
     for route, handler in ROUTES:
         register_route(state, route, functools.partial(handler, service))
-        state.metrics.add_route(route.name)
     return service
 
 
