@@ -31,7 +31,7 @@ class Paths:
     """Where everything lives under the data directory (created 0700 by ``uomp init``).
 
     Every file and directory under ``$UOMP_HOME`` is named here and nowhere else
-    (tests/test_layering.py refuses ``home / "name"`` joins elsewhere). Exception: a store's own
+    (tests/e2e/test_layering.py refuses ``home / "name"`` joins elsewhere). Exception: a store's own
     layout inside its directory (``payloads/index.db``, ``blobs/``; the access log's segments)."""
 
     home: Path

@@ -1,6 +1,6 @@
 """JSON on the hot path: orjson when it is installed, with the standard library's exact semantics.
 
-Two functions, and the contract each keeps (``tests/test_perf_levers.py`` checks it against the
+Two functions, and the contract each keeps (``tests/remote/test_perf_levers.py`` checks it against the
 standard library on generated documents):
 
 * :func:`loads` returns what ``json.loads`` returns for the same input, or raises what it raises.

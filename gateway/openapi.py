@@ -1,11 +1,11 @@
 """The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints (issue 14).
 
 :func:`document` builds it; ``docs/openapi.json`` is its committed rendering and the guard serves it
-at ``GET /v1/openapi.json`` on both local listeners (:func:`serve`). ``tests/test_openapi.py``
+at ``GET /v1/openapi.json`` on both local listeners (:func:`serve`). ``tests/e2e/test_openapi.py``
 keeps it true: the committed file equals :func:`document`, and each operation's
 ``x-uomp-served-by`` (``guard-tcp``: the Local Profile listener; ``guard-unix``: the guard's Unix
 socket; ``gateway``: the mTLS gateway) matches the running apps' route tables exactly.
-``tests/test_schemathesis.py`` runs Schemathesis against the running guard and gateway with it.
+``tests/e2e/test_schemathesis.py`` runs Schemathesis against the running guard and gateway with it.
 
 What the document promises, and the tests hold the running apps to:
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the anchoring tools into anchor-tools/node_modules (gitignored), pinned by
 # anchor-tools/package-lock.json: the npm package @foundry-rs/anvil-linux-amd64, which ships the
-# anvil binary (a real local EVM chain for tests/test_anchor_evm.py; nothing is downloaded at run
+# anvil binary (a real local EVM chain for tests/anchor/test_anchor_evm.py; nothing is downloaded at run
 # time), and solc-js (scripts/build-contract.sh). Idempotent: when node_modules already matches the
 # lock file it returns at once. Without node and npm it says so and exits 0 (the chain tests then
 # skip with the same reason). On a platform other than linux-x64 npm skips the anvil package (it is

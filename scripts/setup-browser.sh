@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Debian's headless-capable Chromium and its WebDriver (/usr/bin/chromium,
-# /usr/bin/chromedriver) for the dashboard's browser tests (tests/test_dashboard_browser.py).
+# /usr/bin/chromedriver) for the dashboard's browser tests (tests/e2e/test_dashboard_browser.py).
 # Nothing is downloaded at test run time: the tests drive the system browser with Selenium.
 # Idempotent: returns at once when /usr/bin/chromium and /usr/bin/chromedriver are there.
 # Without apt-get (not Debian/Ubuntu) or without root it says so and exits 0: the browser tests

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the Node.js interop harness (interop/: the npm `jose` library, pinned by
-# interop/package-lock.json) used by tests/test_interop_ts.py. Idempotent: when interop/node_modules
+# interop/package-lock.json) used by tests/client/test_interop_ts.py. Idempotent: when interop/node_modules
 # already matches the lock file it returns at once. Without node and npm it says so and exits 0
 # (the interop tests then skip with the same reason).
 set -euo pipefail

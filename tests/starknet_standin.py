@@ -1,4 +1,4 @@
-"""A local stand-in for a Starknet JSON-RPC node (spec 0.10), for tests/test_anchor_starknet.py.
+"""A local stand-in for a Starknet JSON-RPC node (spec 0.10), for tests/anchor/test_anchor_starknet.py.
 
 It is NOT Starknet: it runs no Cairo. It plays one account (a public key and a nonce) and one
 UompAnchor contract whose behaviour it emulates from contracts/cairo/src/lib.cairo (owner check,

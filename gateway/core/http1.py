@@ -4,7 +4,7 @@ Bytes in, decisions out: where a response head ends, what it says (:func:`parse_
 body is framed (:func:`body_framing`), what a chunk-size line means (:func:`chunk_size`), and the
 bytes of a request (:func:`serialize_request`). No socket, no event loop: the connection pool in
 :mod:`gateway.remote.upstream` does the reading and writing and asks this module at each step.
-``tests/test_http1.py`` holds the byte-level case table.
+``tests/core/test_http1.py`` holds the byte-level case table.
 
 Strict by design (the only server on the other end is our own guard): a status line
 ``HTTP/1.x DDD ...`` with DDD in 100..599; at most :data:`MAX_HEAD_BYTES` of head and

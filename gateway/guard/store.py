@@ -280,7 +280,7 @@ def json_path(field_path: str) -> str | None:
     return "$" + "".join(f'."{p}"' for p in segments)
 # ============================================================================ the seam
 # What the guard, the importer and the CLI need of a memory store. MemoryStore (SQLite, below) is the
-# one implementation; tests/test_seams.py is the behaviour any other must show. Every method may raise
+# one implementation; tests/guard/test_seams.py is the behaviour any other must show. Every method may raise
 # UompError STORE_UNAVAILABLE (or STORE_BUSY); bad items are INVALID_REQUEST.
 
 

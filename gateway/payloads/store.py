@@ -116,7 +116,7 @@ def _full(exc: OSError) -> PayloadError:
 # ============================================================================ the seam
 # What the gateway (uploads, upload URLs) and the guard (the user's listing, download, removal) need
 # of a payload store. PayloadStore (files + SQLite index, below) is the one implementation;
-# tests/test_seams.py is the behaviour any other must show. Refusals are PayloadError with a code.
+# tests/guard/test_seams.py is the behaviour any other must show. Refusals are PayloadError with a code.
 
 
 class PayloadUploading(Protocol):

@@ -3,7 +3,7 @@ route which does not exist is a mypy error, not a silent "other" at run time (is
 
 The rows themselves live beside their handlers (:data:`gateway.remote.app.ROUTES`, the refresh and
 renewal rows in :mod:`gateway.remote.agent_routes`, the payload rows in
-:mod:`gateway.remote.payload_routes`); ``tests/test_gateway_routes.py`` checks that every name here
+:mod:`gateway.remote.payload_routes`); ``tests/remote/test_gateway_routes.py`` checks that every name here
 has exactly one row and every row's name is here.
 """
 

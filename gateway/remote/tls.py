@@ -112,7 +112,7 @@ def build_server_context(
     # expired since the first handshake resumes at the TLS layer. It gets no further: every request
     # re-checks the peer certificate (kept in the session) against the live CRL's serials and its
     # validity period (ClientCertChecker.check(revoked=TLSReloader.revoked), remote/app.py), so it
-    # is refused at its first request (tests/test_tls.py). Ticket keys belong to the listening
+    # is refused at its first request (tests/remote/test_tls.py). Ticket keys belong to the listening
     # context (the SNI switch to a reloaded context keeps them) and die with the process.
     ctx.num_tickets = max(0, int(session_tickets))
     return ctx

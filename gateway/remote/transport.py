@@ -78,7 +78,7 @@ def shrink_tls_read_buffer(size: int | None = None) -> bool:
     ``max_size`` is a private class attribute, so: only if it exists and is an int. It is process
     wide: every TLS transport asyncio makes in this process (client ones too: the SDK, aiohttp's
     client) reads and decrypts at most this much per call, which only means more, smaller reads
-    for a large body (tests/test_forward.py checks a 900 KiB body over TLS both ways in one process).
+    for a large body (tests/remote/test_forward.py checks a 900 KiB body over TLS both ways in one process).
     """
     want = TLS_READ_BUFFER_BYTES if size is None else size
     current = getattr(sslproto.SSLProtocol, "max_size", None)

@@ -4,7 +4,7 @@ Each target feeds arbitrary bytes to one parser and checks its contract: the onl
 may escape is the module's documented error (UompError with the documented code, SealError,
 ProofError, NoteError); anything else (TypeError, KeyError, IndexError, RecursionError, an
 AssertionError from a property) is a bug. The same functions run under hypothesis in the normal
-suite (tests/test_properties_fuzz_targets.py, bounded) and under atheris, coverage-guided, in
+suite (tests/e2e/test_properties_fuzz_targets.py, bounded) and under atheris, coverage-guided, in
 ``scripts/fuzz.sh`` (bounded by time), with the seed corpus in tests/fuzz/corpus/<name>/.
 """
 

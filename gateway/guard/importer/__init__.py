@@ -91,7 +91,8 @@ Duplicate keys within the file are found with an index of the keys seen so far (
 gave each) kept in a private temporary SQLite database (an unnamed file in the temporary directory
 that SQLite unlinks at once and deletes on close; only a keyed hash of each key goes there, never a
 key or a value; its page cache is bounded). So memory is bounded by one chunk of rows, one CSV
-record / JSON element and the reported errors, not by the row count (benchmarks/bench_import.py, tests/test_import.py).
+record / JSON element and the reported errors, not by the row count (benchmarks/bench_import.py,
+tests/guard/test_import.py).
 While the import transaction is open the running guard (another connection) keeps reading the
 store as it was before the import (WAL); another writer (``uomp memory add``) waits up to the
 store's busy timeout and then fails with STORE_UNAVAILABLE, so run large imports when nothing else

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent / "fuzz"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "fuzz"))
 from targets import TARGETS
 
-CORPUS = Path(__file__).parent / "fuzz" / "corpus"
+CORPUS = Path(__file__).parents[1] / "fuzz" / "corpus"
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))

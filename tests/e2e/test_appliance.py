@@ -23,7 +23,7 @@ from gateway.client import UompClient
 from gateway.client.errors import AuthError
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
-FAKE = str(Path(__file__).parent / "fake_cloudflared.py")
+FAKE = str(Path(__file__).parents[1] / "fake_cloudflared.py")
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ from gateway.core.sealing import CHUNK, PREFIX_LEN, TAG, Binding, SealError
 SK = X25519PrivateKey.generate()
 PK = SK.public_key()
 B = Binding("pay_0001", "sess_a", "agent_a", "text/markdown")
-VECTORS = Path(__file__).parent / "vectors" / "payload-v1.json"
+VECTORS = Path(__file__).parents[1] / "vectors" / "payload-v1.json"
 
 
 def _data(n: int) -> bytes:

@@ -14,7 +14,7 @@ from guardkit import running_guard
 from gateway.config import Paths
 from gateway.errors import STATUS, ErrorCode, UompError, known_code, parse_code
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_code_has_exactly_one_status() -> None:

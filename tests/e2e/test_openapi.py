@@ -17,7 +17,7 @@ from gateway import openapi
 from gateway.config import Paths
 from gateway.guard.app import create_app
 
-DOC = Path(__file__).parent.parent / "docs" / "openapi.json"
+DOC = Path(__file__).parents[2] / "docs" / "openapi.json"
 METHODS = {"GET", "POST", "PUT", "DELETE", "PATCH"}
 
 

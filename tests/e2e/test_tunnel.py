@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gateway.tunnel import QUICK_URL, TunnelConfig, TunnelSupervisor
 
-FAKE = str(Path(__file__).parent / "fake_cloudflared.py")
+FAKE = str(Path(__file__).parents[1] / "fake_cloudflared.py")
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Byte-level case tables for the sans-I/O HTTP/1.1 module (gateway/core/http1.py): the response
 head, its body framing, chunk-size lines and the request bytes. One row a test, each row named.
 
-tests/test_forward.py sends the same kinds of garbage through a real socket and checks that the
+tests/remote/test_forward.py sends the same kinds of garbage through a real socket and checks that the
 connection is discarded; this file pins down, byte for byte, what the parser accepts and refuses.
 """
 

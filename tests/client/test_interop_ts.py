@@ -32,7 +32,7 @@ from gateway.config import Paths
 from gateway.core import jose, tokens
 from gateway.errors import UompError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INTEROP = ROOT / "interop"
 SCRIPT = INTEROP / "ts_tokens.mjs"
 SETUP = ROOT / "scripts" / "setup-interop.sh"

@@ -50,7 +50,7 @@ from gateway.remote.server import GatewayRunner
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TUNNEL = "https://tunnel.example"
 MANIFEST: dict[str, Any] = json.loads((ROOT / "examples" / "calendar_agent" / "uom.json").read_text())
 

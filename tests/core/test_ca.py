@@ -24,7 +24,7 @@ from gateway.core import ca
 from gateway.errors import UompError
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, 0, tzinfo=dt.UTC)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ext(cert: x509.Certificate, cls: type[x509.ExtensionType]) -> x509.Extension[x509.ExtensionType]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GATEWAY = ROOT / "gateway"
 
 # Library modules allowed to write to the terminal, each with its reason. A row that no longer

@@ -23,7 +23,7 @@ from gateway.cli.main import main
 from gateway.config import GuardConfig, Paths
 from gateway.guard.audit import AuditLog, open_audit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DAY = 86400.0
 WAIT = 60.0  # a bound for a line to appear from the subprocess (a safety net, not a timing claim)
 

@@ -70,7 +70,7 @@ def test_example_config_names_every_setting_with_its_default() -> None:
 
     from gateway.config import AnchorConfig, TunnelSettings
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     text = (root / "config" / "uomp.example.toml").read_text(encoding="utf-8")
     doc = tomllib.loads(text)
     assert set(doc) == {"guard", "gateway", "tunnel", "anchor"}

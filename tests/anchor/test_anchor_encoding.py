@@ -23,7 +23,7 @@ from gateway.anchor.base import (
 )
 from gateway.errors import UompError
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "anchoring.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "anchoring.md"
 
 # The worked example of docs/anchoring.md, word by word.
 SESSION_ENCODING = (

@@ -3,7 +3,7 @@ implementation (one each today). Behaviour, not signatures: mypy checks the sign
 Protocols (gateway.guard.store.MemoryStorage, gateway.payloads.store.PayloadStorage).
 
 To add an implementation, add a factory to MEMORY_STORES or PAYLOAD_STORES. The anchoring seam
-(gateway.anchor.base.AnchorBackend) has its contract test in tests/test_anchor_contract.py, run over
+(gateway.anchor.base.AnchorBackend) has its contract test in tests/anchor/test_anchor_contract.py, run over
 the none, evm and starknet backends.
 """
 
@@ -291,6 +291,6 @@ def test_payload_gc_removes_only_expired(pay: PayloadStorage) -> None:
 
 
 def test_anchor_backends_are_the_protocol() -> None:
-    """The behaviour is tests/test_anchor_contract.py's; here only that the seam is the one Protocol."""
+    """The behaviour is tests/anchor/test_anchor_contract.py's; here only that the seam is the one Protocol."""
     assert isinstance(NoneBackend(), AnchorBackend)
     assert not isinstance(object(), AnchorBackend)
