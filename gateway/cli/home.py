@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import keys
+from gateway.cli import userlog
 from gateway.cli.guard import open_auth
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
@@ -87,6 +88,8 @@ def _rotate(args: argparse.Namespace) -> int:
     lifetime = max(cfg.token_lifetime_seconds, cfg.refresh_lifetime_seconds)
     before = set(keys.load_public_keys(paths))
     kid = keys.rotate(paths, max_token_lifetime=lifetime, revoke_old=args.revoke_old)
+    userlog.record(paths, "key_rotated", "the user rotated the token signing key" +
+                   (" and revoked the old keys" if args.revoke_old else ""), detail=f"new kid {kid}")
     print(f"new signing key {kid}")
     if not args.revoke_old:
         print(f"old public keys stay trusted (retired) for {lifetime} s so live tokens keep working; "

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gateway.cli import home
+from gateway.cli import home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
@@ -64,6 +64,8 @@ def _add(args: argparse.Namespace) -> int:
                           source="user", created_at=existing.created_at if existing else now, updated_at=now,
                           description=args.description)
         store.put(item, replace=args.replace)
+    userlog.record(paths_from(args), "memory_replaced" if existing else "memory_added",
+                   "the user replaced a memory item" if existing else "the user added a memory item", key=args.key)
     print(f"{'replaced' if existing else 'added'} {args.key}")
     return 0
 
@@ -98,6 +100,7 @@ def _rm(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         if not store.delete(args.key):
             raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
+    userlog.record(paths_from(args), "memory_deleted", "the user deleted a memory item", key=args.key)
     print(f"deleted {args.key}")
     return 0
 
@@ -173,6 +176,8 @@ def _import(args: argparse.Namespace) -> int:
         would = f" ({report.replaced} would be replaced)" if report.replaced else ""
         print(f"dry run: {report.rows_valid} items from {path.name} are valid{would}; nothing was written")
     else:
+        userlog.record(paths_from(args), "memory_imported", f"the user imported {report.rows_written} items "
+                       f"({report.replaced} replaced)", count=report.rows_written, detail=f"format {path.suffix[1:]}")
         print(f"imported {report.rows_written} items from {path.name}{replaced}")
     return 0
 

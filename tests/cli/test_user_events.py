@@ -1,0 +1,65 @@
+"""The user's own changes are events of the one log (issue 10): memory add/replace/rm and imports
+(counts, never values), agent certificates issued and revoked, signing keys rotated. A command that
+is refused changes nothing and records nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gatewaykit import ledger_events, verify_ledger
+
+from gateway.cli.main import main
+from gateway.config import Paths
+
+SECRET_VALUE = "dark-and-private-7f3a"
+TAGS = ("--tag", "preference", "--sensitivity", "low")
+
+
+def uomp(paths: Paths, *args: str) -> int:
+    return main(["--home", str(paths.home), *args])
+
+
+def user_events(paths: Paths) -> list[dict[str, object]]:
+    return [e for e in ledger_events(paths) if e["session_id"] == "user"]
+
+
+def test_memory_changes_and_imports_are_events_without_values(home: Paths, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert uomp(home, "init") == 0
+    assert uomp(home, "memory", "add", "preference.theme", "--value", json.dumps(SECRET_VALUE), *TAGS) == 0
+    assert uomp(home, "memory", "add", "preference.theme", "--value", '"x"', *TAGS) != 0  # exists: refused
+    assert uomp(home, "memory", "add", "preference.theme", "--value", '"light"', "--replace", *TAGS) == 0
+    assert uomp(home, "memory", "rm", "preference.nope") != 0  # no such item: refused
+    assert uomp(home, "memory", "rm", "preference.theme") == 0
+    src = tmp_path / "items.csv"
+    src.write_text(f"key,value,tags\nh.a,{SECRET_VALUE},holding\nh.b,2,holding\n")
+    assert uomp(home, "import", str(src), "--sensitivity", "low", "--dry-run") == 0  # a dry run writes nothing: no event
+    assert uomp(home, "import", str(src), "--sensitivity", "low") == 0
+    events = user_events(home)
+    assert [e["action"] for e in events] == ["memory_added", "memory_replaced", "memory_deleted", "memory_imported"]
+    assert [e.get("key") for e in events[:3]] == ["preference.theme"] * 3
+    assert events[3]["count"] == 2 and all(e["allowed"] is True and e["via"] == "cli" for e in events)
+    raw = home.audit_db.read_bytes()
+    assert SECRET_VALUE.encode() not in raw and b"light" not in raw  # counts and keys, never values
+    assert verify_ledger(home).ok
+    capsys.readouterr()
+    assert uomp(home, "audit", "--session", "user", "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [e["action"] for e in shown] == [e["action"] for e in events]
+
+
+def test_certificates_and_key_rotation_are_events(home: Paths, tmp_path: Path) -> None:
+    assert uomp(home, "init") == 0
+    assert uomp(home, "agent", "issue", "calendar_agent", "--out", str(tmp_path / "cal")) == 0
+    assert uomp(home, "agent", "revoke", "calendar_agent") == 0
+    assert uomp(home, "agent", "revoke", "calendar_agent") == 0  # nothing new to revoke: no event
+    assert uomp(home, "keys", "rotate") == 0
+    events = user_events(home)
+    assert [e["action"] for e in events] == ["cert_issued", "cert_revoked", "key_rotated"]
+    issued, revoked, rotated = events
+    assert issued["agent_id"] == revoked["agent_id"] == "calendar_agent"
+    assert str(issued["detail"]).startswith("serial ") and revoked["count"] == 1
+    assert str(rotated["detail"]).startswith("new kid ")
+    assert verify_ledger(home).ok
