@@ -35,7 +35,7 @@ def test_memory_changes_and_imports_are_events_without_values(home: Paths, tmp_p
     assert uomp(home, "memory", "rm", "preference.theme") == 0
     src = tmp_path / "items.csv"
     src.write_text(f"key,value,tags\nh.a,{SECRET_VALUE},holding\nh.b,2,holding\n")
-    assert uomp(home, "import", str(src), "--sensitivity", "low", "--dry-run") == 0  # a dry run writes nothing: no event
+    assert uomp(home, "import", str(src), "--sensitivity", "low", "--dry-run") == 0  # writes nothing: no event
     assert uomp(home, "import", str(src), "--sensitivity", "low") == 0
     events = user_events(home)
     assert [e["action"] for e in events] == ["memory_added", "memory_replaced", "memory_deleted", "memory_imported"]
