@@ -35,7 +35,19 @@ class Decision:
 
 
 def key_decision(scope: Scope, key: str, item_tags: Sequence[str] | None, sensitivity: str | None) -> Decision:
-    """May ``key`` be read? ``item_tags``/``sensitivity`` are None when the item does not exist."""
+    """May ``key`` be read? ``item_tags``/``sensitivity`` are None when the item does not exist.
+
+    §10.4 as the guard applies it, step by step, and where each step lives:
+      1-4. token signature, expiry, session status, profile, audience, binding, agent agreement:
+           ``gateway/core/checks.py`` (one ordered list, the gateway and the Auth Service alike);
+      5.   the read quota: counted by the Auth Service in the same trip to ``auth.db`` as step 4
+           (the one counter; a refusal is QUOTA_EXCEEDED);
+      5b.  an ``aggregation_only`` token reads nothing by key or tag (``guard/app.py``, before any
+           item is looked at);
+      6-8. this function, in this order (below);
+      9.   ``allowed_fields`` shapes what is returned: :func:`filter_fields`.
+    """
+    # 6. an explicit deny of the key beats every allow
     if key in scope.deny_keys:
         return Decision(False, "key explicitly denied", "key in deny_keys")
     if item_tags is None:
@@ -43,13 +55,17 @@ def key_decision(scope: Scope, key: str, item_tags: Sequence[str] | None, sensit
             # Granted by name; absent. The agent learns nothing it was not granted.
             return Decision(False, NOT_IN_SCOPE, "granted key does not exist")
         return Decision(False, NOT_IN_SCOPE, "key does not exist")
+    # 6. a denied tag on the item beats every allow
     denied = [t for t in item_tags if t in scope.deny_tags]
     if denied:
         return Decision(False, NOT_IN_SCOPE, f"item tag {denied[0]} in deny_tags")
+    # 7. an explicit key grant allows (high sensitivity included: the user named this key)
     if key in scope.keys:
         return Decision(True, "key explicitly granted", "key in keys")
+    # 8. high sensitivity is readable only through an explicit key grant, never through a tag
     if sensitivity == "high":
         return Decision(False, NOT_IN_SCOPE, "high sensitivity item needs an explicit key grant")
+    # 7. a granted tag on the item allows
     for t in item_tags:
         if t in scope.tags:
             return Decision(True, "tag granted", f"item tag {t} in tags")
