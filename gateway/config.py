@@ -91,6 +91,15 @@ class Paths:
         return self.home / "gateway"
 
     @property
+    def dashboard_links(self) -> Path:
+        """One-time dashboard login links handed to the running appliance (hashes and expiry only)."""
+        return self.gateway_dir / "dashboard-links"
+
+    @property
+    def dashboard_links_lock(self) -> Path:
+        return self.gateway_dir / "dashboard-links.lock"
+
+    @property
     def gateway_status(self) -> Path:
         """The running gateway's health report (upstream guard reachable, supervisor), JSON."""
         return self.gateway_dir / "status.json"

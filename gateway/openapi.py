@@ -76,7 +76,7 @@ SCHEMAS: dict[str, Any] = {
     "AuditRecord": _closed(["id", "timestamp", "session_id", "agent_id", "action", "allowed", "reason"], {
         "id": STR, "timestamp": STR, "session_id": STR, "agent_id": STR, "action": STR, "key": STR,
         "tags": STR_LIST, "allowed": {"type": "boolean"}, "reason": STR, "request_size": INT,
-        "response_size": INT, "query_count_remaining": INT,
+        "response_size": INT, "query_count_remaining": INT, "code": STR,
     }, "one audit event (§18), as an agent sees it"),
     "AuditPage": _closed(["logs"], {"logs": {"type": "array", "items": _ref("AuditRecord")}}),
     "Scope": _closed(["tags", "keys", "deny_tags", "deny_keys"], {

@@ -48,13 +48,13 @@ def _hash(secret: str) -> str:
 
 
 def links_path(paths: Paths) -> Path:
-    return paths.gateway_dir / "dashboard-links"
+    return paths.dashboard_links
 
 
 @contextlib.contextmanager
 def _links_locked(paths: Paths) -> Iterator[Path]:
     paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    lock = os.open(paths.gateway_dir / "dashboard-links.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    lock = os.open(paths.dashboard_links_lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield links_path(paths)

@@ -68,14 +68,14 @@ def test_example_config_names_every_setting_with_its_default() -> None:
     import math
     import tomllib
 
-    from gateway.config import AnchorConfig, TunnelSettings
+    from gateway.config import AnchorConfig, DashboardConfig, TunnelSettings
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "config" / "uomp.example.toml").read_text(encoding="utf-8")
     doc = tomllib.loads(text)
-    assert set(doc) == {"guard", "gateway", "tunnel", "anchor"}
+    assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard"}
     for section, cls in (("guard", GuardConfig), ("gateway", GatewayConfig), ("tunnel", TunnelSettings),
-                         ("anchor", AnchorConfig)):
+                         ("anchor", AnchorConfig), ("dashboard", DashboardConfig)):
         defaults = cls()
         names = {f.name for f in dataclasses.fields(cls)}
         assert set(doc[section]) <= names, f"[{section}] names settings the loader refuses"
