@@ -32,10 +32,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
+from gateway.contract import EVENT_ID_HEADER, VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.app import SERVICES, UNIX_ONLY, GuardRoute, _admin, _json_body, _param
+from gateway.guard.app import SERVICES, UNIX_ONLY, GuardRoute, _admin, _json_body, _param, event_fields
+from gateway.guard.audit import make_row
 from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore
 
 READ_BLOCK = 1024 * 1024
@@ -168,16 +169,18 @@ async def audit_event(request: web.Request) -> web.Response:
         size = body.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise UompError(ErrorCode.INVALID_REQUEST, "audit event field size is missing or malformed")
-        svc.audit.record(session_id=sid, agent_id=aid, action="payload_uploaded", key=pid, allowed=True,
-                         reason="sealed payload stored", detail=digest, request_size=size, via=via)
+        row = make_row(session_id=sid, agent_id=aid, action="payload_uploaded", key=pid, allowed=True,
+                       reason="sealed payload stored", detail=digest, request_size=size, via=via,
+                       extra=event_fields(request))
     else:
         pid = _field(body, "payload_id", PAYLOAD_ID, required=False)
         code = _field(body, "code", CODE)
         reason = _field(body, "reason", required=False) or "payload refused"
-        svc.audit.record(session_id=sid, agent_id=aid, action="payload_refused", key=pid, allowed=False,
-                         reason=reason, detail=code, via=via)
-    await svc.audit.flush()
-    return web.json_response({"recorded": True})
+        row = make_row(session_id=sid, agent_id=aid, action="payload_refused", key=pid, allowed=False,
+                       reason=reason, detail=code, via=via, extra=event_fields(request, code=code))
+    await svc.audit.flush(svc.audit.submit(row))
+    # This is the upload request's one event (issue 10): the gateway writes none of its own.
+    return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
 
 
 async def _close(app: web.Application) -> None:

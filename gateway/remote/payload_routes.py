@@ -50,6 +50,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from gateway import contract
 from gateway.core import envelope
 from gateway.core.envelope import Envelope
 from gateway.core.tokens import Capability, iso
@@ -94,11 +95,20 @@ class PayloadAudit:
     async def _send(self, call: Call, body: dict[str, Any]) -> None:
         headers = {VERIFIED_AGENT_HEADER: body["agent_id"],
                    VERIFIED_VIA_HEADER: (f"gateway:mtls:{call.identity.serial}" if call.identity
-                                         else f"gateway:{call.via}")}
+                                         else f"gateway:{call.via}"),
+                   # the request's audit fields: the guard's event is this request's one event
+                   contract.VERIFIED_LISTENER_HEADER: call.via,
+                   contract.VERIFIED_REQUEST_ID_HEADER: call.request_id}
+        if call.request.remote:
+            headers[contract.VERIFIED_CLIENT_HEADER] = call.request.remote
+        if call.identity is not None:
+            headers[contract.VERIFIED_SERIAL_HEADER] = call.identity.serial
+            headers[contract.VERIFIED_X5T_HEADER] = call.identity.x5t_s256
         status, answer = await self.state.forwarder.json_call("POST", AUDIT_PATH, body=body, headers=headers)
         if status != 200 or answer.get("recorded") is not True:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, "the audit log did not record the payload event; nothing was kept")
+        call.recorded = True  # one event per request: the guard wrote it, with the gateway's fields
 
     async def uploaded(self, call: Call, cap: Capability, env: Envelope, size: int, digest: str) -> None:
         await self._send(call, {"action": "payload_uploaded", "session_id": cap.session_id,

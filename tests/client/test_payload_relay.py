@@ -191,7 +191,10 @@ async def test_dpop_upload_through_the_tunnel_origin(app: Appliance, tmp_path: P
         rc, _, err = await acli(app.paths, "payload", "pull", p, "--out", str(tmp_path / p))
         assert rc == 0, err
         assert (tmp_path / p).read_bytes() == want
-    assert {e["listener"] for e in access_events(app.paths) if e["action"] == "payload_upload"} == {"tunnel"}
+    # one event per upload (the guard's, with the gateway's fields), on the listener it came in on
+    uploads = [e for e in access_events(app.paths) if e["action"] in ("payload_upload", "payload_uploaded")]
+    assert {e["action"] for e in uploads} == {"payload_uploaded"} and len(uploads) == 3
+    assert {e["listener"] for e in uploads} == {"tunnel"}
 
 
 # ------------------------------------------------------------------------- raw uploads
@@ -647,7 +650,8 @@ async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Pa
     for name, text in sources.items():
         for secret in secrets_:
             assert secret not in text, f"{secret[:12]!r}... in the {name}"
-    assert len(ledger_events(app.paths, action="payload_upload")) >= 3
+    assert len(ledger_events(app.paths, action="payload_uploaded")) == 3  # one event per upload, not two
+    assert not ledger_events(app.paths, action="payload_upload")
 
 
 async def _read_line(proc: asyncio.subprocess.Process, prefix: str, timeout: float = 60.0) -> str:
