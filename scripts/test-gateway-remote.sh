@@ -96,7 +96,7 @@ async def main() -> None:
         assert (await c.get("preference.theme"))["value"] == "dark"
 asyncio.run(main())
 EOF
-grep -q '"listener": *"tunnel"' "$UOMP_HOME/gateway/access.jsonl" || fail "no tunnel request in the access log"
+"$UOMP" audit --json --limit 100000 | grep -q '"listener": *"tunnel"' || fail "no tunnel request in the one audit log"
 
 step "upload a sealed payload (SDK over mTLS), pull and open it (CLI): only ciphertext on the relay"
 SESSION=$(json 'd["session_id"]' <"$AGENT/mtls-bundle.json")
