@@ -193,11 +193,6 @@ def _ts(text: str) -> float:
         return 0.0
 
 
-def merged_timeline(paths: Paths, f: Filters, *, limit: int = 200) -> list[dict[str, Any]]:
-    """Kept for the pages: the one log holds the gateway's refusals too (issue 10), so this is the timeline."""
-    return timeline(paths, f, limit=limit)
-
-
 def known_agents_and_sessions(paths: Paths) -> tuple[list[str], list[str]]:
     conn = _ro(paths)
     if conn is None:

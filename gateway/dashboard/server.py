@@ -212,7 +212,7 @@ class Dashboard:
         status, series, sessions = await asyncio.gather(
             asyncio.to_thread(data.appliance, self.paths), asyncio.to_thread(data.activity, self.paths),
             asyncio.to_thread(data.list_sessions, self.paths))
-        refused = await asyncio.to_thread(data.merged_timeline, self.paths,
+        refused = await asyncio.to_thread(data.timeline, self.paths,
                                           data.Filters(verdict="refused", period="day"), limit=5)
         return self._render(request, "overview.html", title="Overview", status_info=status,
                             charts=[(a, charts.activity_svg(a, s)) for a, s in series.items()],
@@ -240,7 +240,7 @@ class Dashboard:
     async def audit_page(self, request: web.Request) -> web.StreamResponse:
         f = data.parse_filters(request.query)
         rows, (agents, sessions) = await asyncio.gather(
-            asyncio.to_thread(data.merged_timeline, self.paths, f),
+            asyncio.to_thread(data.timeline, self.paths, f),
             asyncio.to_thread(data.known_agents_and_sessions, self.paths))
         return self._render(request, "audit.html", title="Audit timeline", rows=rows, f=f, agents=agents,
                             sessions=sessions, periods=list(data.PERIODS))
