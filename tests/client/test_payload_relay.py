@@ -652,6 +652,10 @@ async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Pa
             assert secret not in text, f"{secret[:12]!r}... in the {name}"
     assert len(ledger_events(app.paths, action="payload_uploaded")) == 3  # one event per upload, not two
     assert not ledger_events(app.paths, action="payload_upload")
+    # each refused upload is one event too: the guard's, with the gateway's listener and the code
+    refused = [e for e in ledger_events(app.paths, allowed=False) if str(e["action"]).startswith("payload")]
+    assert [e["action"] for e in refused] == ["payload_refused", "payload_refused"]
+    assert all(e.get("listener") and str(e.get("code", "")).startswith("PAYLOAD_") for e in refused)
 
 
 async def _read_line(proc: asyncio.subprocess.Process, prefix: str, timeout: float = 60.0) -> str:
