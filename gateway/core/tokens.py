@@ -34,9 +34,20 @@ MAX_LIST_ITEMS = 1024
 MAX_STRING = 1024
 
 
+_iso_last: tuple[int, str] = (-1, "")
+
+
 def iso(ts: float) -> str:
-    """UTC ISO 8601 with a ``Z`` suffix, second resolution."""
-    return datetime.fromtimestamp(int(ts), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """UTC ISO 8601 with a ``Z`` suffix, second resolution (the last second's text is reused: every
+    audit event formats the current second)."""
+    global _iso_last
+    sec = int(ts)
+    last = _iso_last  # one read: another thread may replace it, never half
+    if last[0] == sec:
+        return last[1]
+    text = datetime.fromtimestamp(sec, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    _iso_last = (sec, text)
+    return text
 
 
 def parse_iso(text: Any) -> float:

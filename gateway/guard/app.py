@@ -60,8 +60,9 @@ from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import EXTRA_FIELDS, GATEWAY_ID_PREFIX, AuditLog, Row, anchor_chain, make_row, open_audit
 from gateway.guard.auth import AuthService, SessionRow, token_hash
+from gateway.guard.items import MemoryItem
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
-from gateway.guard.store import AggregateRow, MemoryStorage, MemoryStore, ReadFilter, json_path
+from gateway.guard.store import AggregateRow, ItemMeta, MemoryStorage, MemoryStore, ReadFilter, json_path
 
 log = logging.getLogger("uomp.guard")
 T = TypeVar("T")
@@ -304,6 +305,38 @@ class AgentCall:
         except UompError as exc:
             return cap, row, 0, exc
 
+    def _authenticate_then_on_worker(self, token: str, th: str, presented: checks.Presented,
+                                     then: Callable[..., T], args: tuple[Any, ...]
+                                     ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None,
+                                                T | None]:
+        cap, row, remaining, refusal = self._authenticate_on_worker(token, th, presented, True)
+        if cap is None or refusal is not None:
+            return cap, row, remaining, refusal, None
+        try:
+            return cap, row, remaining, None, then(cap, *args)
+        except UompError as exc:  # the store failed: refused (and audited) with the session known
+            return cap, row, remaining, exc, None
+
+    async def authenticate_then(self, then: Callable[..., T], *args: Any) -> tuple[Capability, T]:
+        """:meth:`authenticate` (``read=True``), then ``then(cap, *args)`` in the same job on the
+        auth.db worker: a read's store work rides the thread trip its authentication makes."""
+        presented: checks.Presented | None = None
+        try:
+            token, th, presented = prepare(self.request)
+            cap, row, remaining, refusal, result = await self.svc.authdb(
+                self._authenticate_then_on_worker, token, th, presented, then, args)
+            if cap is None:
+                assert refusal is not None
+                raise refusal
+        except UompError as exc:
+            self.deny(exc, agent_id=(presented.proven_agent if presented is not None else None) or "unknown")
+            raise
+        self.cap, self.row, self.remaining = cap, row, remaining
+        if refusal is not None:
+            self.deny(refusal)
+            raise refusal
+        return cap, result  # type: ignore[return-value]
+
     async def authenticate(self, *, read: bool = False) -> Capability:
         """§10.4 steps 1-4 (with the checks of :func:`presented_for`) and, with ``read``, step 5 (the
         read quota): one trip to the auth.db worker. A refusal is audited (``deny``) and raised."""
@@ -384,23 +417,34 @@ async def _answer_refusal(call: AgentCall, exc: UompError) -> web.Response:
 # ------------------------------------------------------------------------------ memory
 
 
+_KeyRead = tuple[ItemMeta | None, MemoryItem | None]
+
+
+def _read_key_on_worker(cap: Capability, store: MemoryStorage, key: str) -> _KeyRead:
+    """The store's part of a read by key, in the same worker job as the authentication (one thread
+    trip per read, issue 13): metadata first and the decision on it alone; the value only after an
+    allow (a denied item and a missing key do the same work), both in one read transaction."""
+    if cap.aggregation_only:
+        return None, None
+    return store.get_if(key, lambda meta: meta is not None and policy.key_decision(
+        cap.read, key, list(meta.tags), meta.sensitivity).allowed)
+
+
 async def get_key(request: web.Request) -> web.Response:
     """§10.2. The decision is made on metadata alone (:meth:`MemoryStore.get_meta`, never the value);
     the value is loaded only after an allow, so a denied item and a missing key do the same work."""
     key = request.match_info["key"]
     call = AgentCall(request, "read", key=key)
+    store = call.svc.store
     try:
-        cap = await call.authenticate(read=True)
+        cap, (meta, item) = await call.authenticate_then(_read_key_on_worker, store, key)
     except UompError as exc:
         return await _answer_refusal(call, exc)
     if cap.aggregation_only:  # §10.4 step 5b, §19.2
         return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, policy.AGGREGATION_ONLY, session_id=cap.session_id))
-    store = call.svc.store
-    meta = await asyncio.to_thread(store.get_meta, key)
     d = policy.key_decision(cap.read, key, list(meta.tags) if meta else None, meta.sensitivity if meta else None)
     if not d.allowed or meta is None:
         return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
-    item = await asyncio.to_thread(store.get, key)
     # decide again on what was loaded: the item may have changed (or gone) between the two reads
     d = policy.key_decision(cap.read, key, list(item.tags) if item else None, item.sensitivity if item else None)
     if not d.allowed or item is None:

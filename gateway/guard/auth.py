@@ -358,6 +358,7 @@ class AuthService:
         self.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
                         "SELECT token_hash, session_id, expires_at, ? FROM issued_tokens WHERE session_id=?",
                         (reason, session_id))
+        self.rows.blacklist_changed()
         self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE session_id=? AND status!='revoked'",
                         (session_id,))
 
@@ -439,8 +440,12 @@ class AuthService:
             raise UompError(ErrorCode.TOKEN_EXPIRED, "session has expired", session_id=cap.session_id)
         if row.status != "active":
             raise UompError(ErrorCode.SESSION_REVOKED, ended_message(row), session_id=cap.session_id)
-        hit = self.db.execute("SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
-        if hit:
+        # the blacklist, unless this token was seen absent from it with auth.db unchanged since
+        hit = None if self.rows.not_blacklisted(th) else self.db.execute(
+            "SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
+        if hit is None:
+            self.rows.keep_not_blacklisted(th)
+        else:
             if hit[0] == "superseded":
                 self._chain_forked(row)
             raise UompError(ErrorCode.SESSION_REVOKED, "token has been revoked", session_id=cap.session_id)

@@ -85,6 +85,7 @@ def refresh_audited(auth: AuthService, refresh_token: str, *, session_id: str, p
             auth.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
                             "SELECT token_hash, session_id, expires_at, 'superseded' FROM issued_tokens "
                             "WHERE jti IN (?, ?)", (lost["access_jti"], lost["refresh_jti"]))
+            auth.rows.blacklist_changed()
             if used:
                 raise UompError(ErrorCode.REFRESH_REUSED, "refresh token was spent concurrently", session_id=session_id)
         else:

@@ -254,6 +254,8 @@ class SessionCache:
         self.enabled = enabled
         self.max_entries = max_entries
         self._rows: dict[str, SessionRow] = {}
+        # token hashes seen absent from token_blacklist at self._version (one SELECT saved per read)
+        self._clean: set[str] = set()
         self._version = self._data_version()
         self.hits = 0
         self.misses = 0
@@ -268,6 +270,7 @@ class SessionCache:
         version = self._data_version()
         if version != self._version:
             self._rows.clear()
+            self._clean.clear()
             self._version = version
         row = self._rows.get(session_id)
         if row is None or (row.status in LIVE and now >= row.expires_at):
@@ -282,6 +285,22 @@ class SessionCache:
         if len(self._rows) >= self.max_entries:
             self._rows.clear()
         self._rows[row.session_id] = row
+
+    def not_blacklisted(self, th: str) -> bool:
+        """True when ``th`` was absent from ``token_blacklist`` at the version :meth:`lookup` just
+        checked (call it right after ``lookup``, as :meth:`AuthService.authenticate` does)."""
+        return self.enabled and th in self._clean
+
+    def keep_not_blacklisted(self, th: str) -> None:
+        if not self.enabled:
+            return
+        if len(self._clean) >= self.max_entries * 4:
+            self._clean.clear()
+        self._clean.add(th)
+
+    def blacklist_changed(self) -> None:
+        """This process wrote to ``token_blacklist`` (its own commits leave data_version alone)."""
+        self._clean.clear()
 
     def forget(self, session_id: str | None = None) -> None:
         """Drop one session's row (this process changed it), or all of them."""

@@ -60,7 +60,7 @@ import os
 import re
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -308,6 +308,20 @@ class MemoryBulkWriting(Protocol):
         ...
 
 
+def _meta_of(row: Any) -> ItemMeta | None:
+    if row is None:
+        return None
+    try:
+        tags = jsonio.loads(row[0])
+    except (TypeError, ValueError) as exc:
+        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
+                        details={"reason": "BAD_JSON"}) from exc
+    if not isinstance(tags, builtins.list):
+        raise UompError(
+            ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
+    return ItemMeta(tuple(tags), str(row[1]))
+
+
 class MemoryStorage(Protocol):
     """The memory store seam: items by key, pages and aggregates by tag under a grant's key rules
     (:class:`ReadFilter`), whole-item writes. Reads never return an item a filter excludes."""
@@ -316,6 +330,12 @@ class MemoryStorage(Protocol):
 
     def get_meta(self, key: str) -> ItemMeta | None:
         """Tags and sensitivity only: a policy decision is made without reading the value."""
+        ...
+
+    def get_if(self, key: str, allow: Callable[[ItemMeta | None], bool]
+               ) -> tuple[ItemMeta | None, MemoryItem | None]:
+        """:meth:`get_meta`, then :meth:`get` only when ``allow(meta)``: both from one state of the
+        store. The value is never read for a refused (or missing) key."""
         ...
 
     def read_snapshot(self) -> contextlib.AbstractContextManager[None]:
@@ -541,17 +561,27 @@ class MemoryStore(MemoryStorage):
         the work is the same for a small and a large item, and close to that for a missing key."""
         with self._guard() as conn:
             row = conn.execute(_SQL_META, (key,)).fetchone()
-        if row is None:
-            return None
-        try:
-            tags = jsonio.loads(row[0])
-        except (TypeError, ValueError) as exc:
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
-                            details={"reason": "BAD_JSON"}) from exc
-        if not isinstance(tags, builtins.list):
-            raise UompError(
-                ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
-        return ItemMeta(tuple(tags), str(row[1]))
+        return _meta_of(row)
+
+    def get_if(self, key: str, allow: Callable[[ItemMeta | None], bool]
+               ) -> tuple[ItemMeta | None, MemoryItem | None]:
+        """See :meth:`MemoryStorage.get_if`: one read transaction (one shared lock taken and let go,
+        where two autocommit reads take two) and the value only after ``allow``."""
+        with self._guard() as conn:
+            own = not conn.in_transaction  # (inside a bulk write's transaction: read in that one)
+            if own:
+                conn.execute("BEGIN")
+            try:
+                meta = _meta_of(conn.execute(_SQL_META, (key,)).fetchone())
+                if not allow(meta):
+                    return meta, None
+                self.value_loads += 1
+                row = conn.execute(_SQL_GET, (key,)).fetchone()
+            finally:
+                if own:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("COMMIT")
+        return meta, (_item_of(row) if row is not None else None)
 
     def tag_page(self, tag: str, flt: ReadFilter, *, after: str | None, limit: int,
                  max_bytes: int) -> tuple[_ItemList, bool]:

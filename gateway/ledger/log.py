@@ -31,7 +31,7 @@ from gateway.core import merkle
 from gateway.core.canonical import canonical_json
 from gateway.core.checkpoint import Checkpoint, verifier_key
 from gateway.errors import ErrorCode
-from gateway.ledger.tree import TreeStore
+from gateway.ledger.tree import TreeStore, insert_rows
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger_events (
@@ -115,17 +115,34 @@ class EventLog:
         conn.executescript(SCHEMA)
         conn.executescript(ANCHOR_SCHEMA)
         self.tree = TreeStore(conn)
+        self._seen_version: int | None = None  # PRAGMA data_version when the state was last read
+        self._last_cp: tuple[Checkpoint, str] | bool | None = False  # False: not read yet
         self.reload()
 
     # --------------------------------------------------------------------------- state
 
     def reload(self) -> None:
+        self._seen_version = None
+        self._last_cp = False
+        version = self._data_version()
         self.tree.reload()
         row = self.conn.execute("SELECT MAX(seq) FROM ledger_events").fetchone()
         events = 0 if row[0] is None else int(row[0])
         if events != self.tree.size:
             raise LedgerError(
                 ErrorCode.LOG_CORRUPT, f"the log has {events} events but its tree has {self.tree.size} leaves")
+        self._seen_version = version
+
+    def _data_version(self) -> int:
+        return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def refresh(self) -> None:
+        """:meth:`reload` if another connection (the CLI, another process) committed since this one
+        last read its state; call it inside the write transaction (nobody else can commit then).
+        ``PRAGMA data_version`` changes with every commit of *another* connection, never this one's,
+        so a writer that is alone does not re-read the tree's edge for every batch (issue 13)."""
+        if self._seen_version is None or self._data_version() != self._seen_version:
+            self.reload()
 
     @property
     def size(self) -> int:
@@ -156,9 +173,8 @@ class EventLog:
                          body.get("agent_id"), None if allowed is None else int(bool(allowed)), body.get("code"),
                          raw.decode(), leaf))
             out.append(Appended(seq, str(body["id"]), leaf))
-        self.conn.executemany(
-            "INSERT INTO ledger_events (seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        insert_rows(self.conn, "INSERT INTO ledger_events (seq, id, ts, action, session_id, agent_id, allowed, code,"
+                    " body, leaf) VALUES ", rows)
         self.tree.append([a.leaf for a in out])
         return out
 
@@ -180,6 +196,7 @@ class EventLog:
                                       self.tree.consistency_proof(last[0].size, size))
         note = Checkpoint(self.origin, size, root, int(now)).sign(self.origin, self.key)
         self.conn.execute("INSERT INTO ledger_checkpoints (size, ts, note) VALUES (?, ?, ?)", (size, now, note))
+        self._last_cp = False  # read again (the caller's transaction may still roll back: reload then)
         if self.anchor_backend and self.anchor_backend != "none":
             self.conn.execute(
                 "INSERT OR IGNORE INTO ledger_anchors (size, checkpoint_hash, backend, state, next_at, queued_at)"
@@ -195,11 +212,16 @@ class EventLog:
     # --------------------------------------------------------------------------- reading
 
     def latest_checkpoint(self) -> tuple[Checkpoint, str] | None:
+        """The newest checkpoint (cached until this log writes one or reloads)."""
+        if self._last_cp is not False:
+            return self._last_cp  # type: ignore[return-value]
         row = self.conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size DESC LIMIT 1").fetchone()
-        if row is None:
-            return None
-        note = str(row[0])
-        return Checkpoint.parse(note.split("\n\n")[0] + "\n"), note
+        found = None
+        if row is not None:
+            note = str(row[0])
+            found = Checkpoint.parse(note.split("\n\n")[0] + "\n"), note
+        self._last_cp = found
+        return found
 
     def checkpoint_covering(self, seq: int) -> tuple[Checkpoint, str] | None:
         row = self.conn.execute("SELECT note FROM ledger_checkpoints WHERE size >= ? ORDER BY size LIMIT 1",

@@ -13,6 +13,8 @@ dropped whenever a transaction the store took part in rolls back (:meth:`TreeSto
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
+from typing import Any
 
 from gateway.core import merkle
 
@@ -24,6 +26,23 @@ CREATE TABLE IF NOT EXISTS merkle_nodes (
   PRIMARY KEY (level, idx)
 ) WITHOUT ROWID;
 """
+
+
+MAX_ROWS_PER_INSERT = 256  # x at most 10 columns: well under SQLite's 32,766 bound variables
+
+
+def insert_rows(conn: sqlite3.Connection, head: str, rows: Sequence[tuple[Any, ...]]) -> None:
+    """``head`` (``INSERT INTO t (a, b) VALUES ``) with ``rows`` as multi-row VALUES statements, up
+    to :data:`MAX_ROWS_PER_INSERT` rows per statement. One statement step for a whole batch, where
+    ``executemany`` steps (and lets go of the GIL) once per row: under load every such release hands
+    the GIL to another thread of the guard and back (issue 13)."""
+    if not rows:
+        return
+    width = len(rows[0])
+    one = "(" + ", ".join("?" * width) + ")"
+    for start in range(0, len(rows), MAX_ROWS_PER_INSERT):
+        chunk = rows[start:start + MAX_ROWS_PER_INSERT]
+        conn.execute(head + ", ".join([one] * len(chunk)), [v for row in chunk for v in row])
 
 
 class TreeStore:
@@ -70,7 +89,7 @@ class TreeStore:
                 else:
                     self._edge.pop((level, i - 1), None)
             self.size += 1
-        self.conn.executemany("INSERT INTO merkle_nodes (level, idx, hash) VALUES (?, ?, ?)", rows)
+        insert_rows(self.conn, "INSERT INTO merkle_nodes (level, idx, hash) VALUES ", rows)
         return first
 
     def _check(self, size: int) -> int:

@@ -73,6 +73,31 @@ def test_memory_meta_has_no_value(mem: MemoryStorage) -> None:
     assert mem.get_meta("absent") is None
 
 
+def test_memory_get_if_reads_the_value_only_when_allowed(mem: MemoryStorage) -> None:
+    mem.put(item("k", "secret", ("x",), "high"))
+    seen: list[Any] = []
+
+    def allow(ok: bool) -> Callable[[Any], bool]:
+        def decide(meta: Any) -> bool:
+            seen.append(meta)
+            return ok
+        return decide
+
+    meta, got = mem.get_if("k", allow(True))
+    assert meta is not None and meta.sensitivity == "high" and got == item("k", "secret", ("x",), "high")
+    meta, got = mem.get_if("k", allow(False))  # refused: metadata only
+    assert meta is not None and got is None
+    assert mem.get_if("absent", allow(True)) == (None, None)  # missing: the decision sees None, no value
+    assert seen[-1] is None and len(seen) == 3
+    if isinstance(mem, MemoryStore):
+        before = mem.value_loads
+        mem.get_if("k", allow(False))
+        mem.get_if("absent", allow(False))
+        assert mem.value_loads == before  # a refused and a missing key never load a value
+        mem.get_if("k", allow(True))
+        assert mem.value_loads == before + 1
+
+
 def test_memory_put_many_is_all_or_nothing(mem: MemoryStorage) -> None:
     assert mem.put_many([item("a"), item("b")]) == 2
     with pytest.raises(UompError) as e:

@@ -143,3 +143,34 @@ def test_anchored_on_a_local_chain(home: Paths, tmp_path: Path, capsys: pytest.C
         assert status["backlog"]["counts"]["confirmed"] >= 1
     finally:
         anvil.stop()
+
+
+def test_two_writers_on_one_log_take_turns_without_a_fork(home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two audit logs open on the same file (the guard and `uomp` in another process) append in
+    turns. Each batch re-reads the tree's edge only when another connection committed since its
+    own last write (PRAGMA data_version, issue 13): a skipped re-read would append on a stale edge
+    and fork the tree, which `uomp audit verify` finds. Batches of one and of several events."""
+    from gateway.guard.audit import make_row, open_audit
+
+    cfg = guard_config()
+    a, b = open_audit(home, cfg), open_audit(home, cfg)
+    try:
+        def rows(who: str, n: int) -> list[tuple[object, ...]]:
+            return [make_row(session_id=f"sess_{who}", agent_id=who, action="read", allowed=True, reason="ok",
+                             key=f"k{i}") for i in range(n)]
+        for n in (1, 3, 1, 2, 5):
+            for log in (a, b, a):
+                if n == 1:  # through the group-commit writer
+                    log.flush_sync(log.submit(rows("x", 1)[0]))
+                else:  # one batch of n, written at once
+                    log.write_now(rows("y", n))
+        for log in (a, b):
+            log.writer.probe_sync()
+        size = sqlite3.connect(home.audit_db).execute("SELECT MAX(seq), COUNT(*) FROM ledger_events").fetchone()
+        assert size[0] == size[1] == 3 * (1 + 3 + 1 + 2 + 5)
+    finally:
+        a.close()
+        b.close()
+    assert cli(home, "audit", "verify", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["events"] == 36 and report["first_bad_seq"] is None

@@ -248,3 +248,46 @@ def test_session_cache_off_switch(seeded: Paths, monkeypatch: pytest.MonkeyPatch
     on.keep(row)
     assert on.lookup("s", 1.0) is row
     assert on.lookup("s", 2e12) is None  # past its expiry: never served
+
+
+def test_a_token_blacklisted_after_its_clean_check_was_cached_is_refused(seeded: Paths) -> None:
+    """The blacklist lookup is skipped for a token already seen absent from it while auth.db is
+    unchanged (issue 13). Blacklisting that token later, by another connection (another process:
+    its commit changes PRAGMA data_version) or by this service itself (its own commits do not), is
+    seen at the next authentication. The session stays active, so only the blacklist can refuse."""
+    from guardkit import guard_config
+
+    from gateway.guard.audit import open_audit
+    from gateway.guard.auth import AuthService, token_hash
+
+    cfg = guard_config()
+    auth = AuthService(seeded, cfg, open_audit(seeded, cfg))
+    try:
+        toks = []
+        for agent in ("a1", "a2"):
+            sid = auth.create_session({"agent_id": agent, "requested_scopes": {"read": READ}})["session_id"]
+            toks.append((sid, auth.grant(sid, {"granted_scopes": {"read": READ}})["token"]))
+        (sid1, tok1), (sid2, tok2) = toks
+        for tok in (tok1, tok2, tok1, tok2):
+            auth.authenticate(tok)
+        assert auth.rows.not_blacklisted(token_hash(tok1))  # what makes this test mean something
+        # another connection (as `uomp` in another process would) blacklists tok1 only
+        other = sqlite3.connect(seeded.auth_db)
+        with other:
+            other.execute("INSERT INTO token_blacklist (token_hash, session_id, expires_at, reason) "
+                          "VALUES (?, ?, ?, 'revoked')", (token_hash(tok1), sid1, 4e9))
+        other.close()
+        with pytest.raises(Exception) as exc:
+            auth.authenticate(tok1)
+        assert getattr(exc.value, "code", None) == "SESSION_REVOKED" and "revoked" in str(exc.value)
+        auth.authenticate(tok2)  # the other token is still served
+        assert auth.rows.not_blacklisted(token_hash(tok2))
+        # this service's own blacklist write (the same statement a revocation runs)
+        with auth.db:
+            auth._blacklist_session(sid2, "revoked")
+        with pytest.raises(Exception) as exc:
+            auth.authenticate(tok2)
+        assert getattr(exc.value, "code", None) == "SESSION_REVOKED"
+    finally:
+        auth.close_db()
+        auth.audit.close()

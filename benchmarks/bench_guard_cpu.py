@@ -1,0 +1,177 @@
+"""The guard's CPU per read, this tree beside an older one, in one run (issue 13: "CPU per request
+of the guard halved versus today's").
+
+    .venv/bin/python benchmarks/bench_guard_cpu.py [--baseline PATH] [--duration S] [--clients N] [--rounds R]
+
+``--baseline PATH``: a checkout of an older commit (for issue 13, the commit the issue was measured
+on: ``git worktree add /tmp/base13 8be383b``). Each phase runs in a child process started with
+``PYTHONPATH=<tree>`` and that tree's own ``benchmarks/_common.py`` (its seeding, its guard, its load
+generator), so each tree is measured as it was; trees are alternated (A B A B) so drift hits both.
+
+What one phase does: a throwaway ``UOMP_HOME`` seeded with 1,200 items, the guard alone
+(``_common.py serve``) with its Unix socket, a Local Profile grant, then ``--clients`` keep-alive
+clients doing ``GET /v1/memory/<key>`` over 200 keys for ``--duration`` seconds (every read audited
+and durable before it is answered), then one client (unloaded latency). CPU time is read per
+**thread** of the guard process from ``/proc/<pid>/task/*/stat`` (user + system, so the fsync work
+of a commit counts) before and after the timed load, and divided by the requests answered; thread
+names come from ``py-spy dump`` when it is installed (it is in the dev extra), else the kernel's.
+
+Prints per tree: req/s, p50, CPU µs per request in all and per thread; then the ratio this/baseline.
+Nothing asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            fields = Path(d, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[d.rsplit("/", 1)[1]] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def _thread_names(pid: int) -> dict[str, str]:
+    names = {}
+    for d in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            names[d.rsplit("/", 1)[1]] = Path(d, "comm").read_text().strip()
+        except OSError:
+            continue
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if Path(spy).exists():
+        dump = subprocess.run([spy, "dump", "-p", str(pid)], capture_output=True, text=True, timeout=30).stdout
+        names.update({m.group(1): m.group(2) for m in re.finditer(r'Thread (\d+) \(\w+\): "([^"]+)"', dump)})
+    return names
+
+
+def _group(name: str) -> str:
+    """Worker pools by their prefix (``uvloop_3`` -> ``uvloop_*``)."""
+    return re.sub(r"[_-]\d+$", "_*", name)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One phase on the tree this process imports (PYTHONPATH); one JSON line on stdout."""
+    sys.path.insert(0, str(Path(args.tree) / "benchmarks"))
+    import _common as c  # the tree's own
+
+    with c.bench_home(False) as paths:
+        keys = c.seed_store(paths)
+        port = c.free_port()
+        with c.start_server(paths, tcp_port=port, what="guard") as srv:
+            g = c.grant(paths, profile="local", audience=f"http://127.0.0.1:{port}")
+            hdrs = {"Authorization": f"Bearer {g['token']}"}
+            reqs = [c.http_get(f"/v1/memory/{k}", host=f"127.0.0.1:{port}", headers=hdrs) for k in keys]
+            target = c.Target("unix", path=srv.info["guard_sock"])
+            c.run_load(target, reqs, clients=args.clients, duration=1.0, warmup=0.0, max_requests=200_000,
+                       server_pid=srv.pid)  # warm caches and the WAL
+            names = _thread_names(srv.pid)
+            out: dict[str, Any] = {"tree": args.tree}
+            for phase, clients in (("loaded", args.clients), ("unloaded", 1)):
+                before = _thread_cpu(srv.pid)
+                r = c.run_load(target, reqs, clients=clients, duration=args.duration, warmup=0.0,
+                               max_requests=2_000_000, server_pid=srv.pid)
+                after = _thread_cpu(srv.pid)
+                n = max(1, int(r["count"]))
+                per: dict[str, float] = {}
+                for tid, ticks in after.items():
+                    used = ticks - before.get(tid, 0)
+                    if used:
+                        key = _group(names.get(tid, "thread"))
+                        per[key] = per.get(key, 0.0) + used / TICK / n * 1e6
+                out[phase] = {"rps": r["rps"], "p50_ms": r["p50_ms"], "count": r["count"],
+                              "non200": r.get("non200", 0), "cpu_us": sum(per.values()), "threads": per}
+    print(json.dumps(out), flush=True)
+
+
+def run_phase(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(tree),
+           "--duration", str(args.duration), "--clients", str(args.clients)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"phase on {tree} failed (rc={proc.returncode}):\n{proc.stderr[-2000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", type=Path, help="an older checkout to measure beside this one")
+    ap.add_argument("--duration", type=float, default=5.0, help="timed seconds per phase (default 5)")
+    ap.add_argument("--clients", type=int, default=50, help="keep-alive clients in the loaded phase (default 50)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per tree (default 2)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", default=str(ROOT), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if not (1 <= args.clients <= 500 and 0 < args.duration <= 120 and 1 <= args.rounds <= 10):
+        raise SystemExit("--clients 1..500, --duration 0..120 s, --rounds 1..10")
+    if args.child:
+        child(args)
+        return
+    sys.path.insert(0, str(HERE))
+    import _common as c
+
+    print(f"bench_guard_cpu: {c.machine_line()}")
+    trees = {"this": ROOT}
+    if args.baseline is not None:
+        if not (args.baseline / "gateway" / "__init__.py").exists():
+            raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project")
+        trees["baseline"] = args.baseline.resolve()
+    print(f"trees: {', '.join(f'{k} = {v}' for k, v in trees.items())}; {args.clients} clients, "
+          f"{args.rounds} x {args.duration:.0f} s per tree, alternated")
+    results: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            results[name].append(run_phase(tree, args))
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    print(f"\n{'tree':9s} {'phase':9s} {'req/s':>7s} {'p50 ms':>7s} {'CPU us/req':>10s}  per thread (us/req)")
+    for name, runs in results.items():
+        summary[name] = {}
+        for phase in ("loaded", "unloaded"):
+            rows = [r[phase] for r in runs]
+            cpu = statistics.median(r["cpu_us"] for r in rows)
+            rps = statistics.median(r["rps"] for r in rows)
+            p50 = statistics.median(r["p50_ms"] for r in rows)
+            summary[name][phase] = {"cpu": cpu, "rps": rps, "p50": p50}
+            threads: dict[str, list[float]] = {}
+            for r in rows:
+                for k, v in r["threads"].items():
+                    threads.setdefault(k, []).append(v)
+            med = {k: statistics.median(v) for k, v in threads.items()}
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if v >= 1)
+            print(f"{name:9s} {phase:9s} {rps:7.0f} {p50:7.2f} {cpu:10.0f}  {parts}")
+            print(f"{'':19s} rounds: CPU us/req {[round(r['cpu_us']) for r in rows]}, "
+                  f"req/s {[round(r['rps']) for r in rows]}")
+    if "baseline" in summary:
+        this, base = summary["this"], summary["baseline"]
+        print("\nRATIOS this/baseline: CPU per read (50 clients) x{:.2f}, (1 client) x{:.2f}; req/s x{:.2f} / x{:.2f}; "
+              "unloaded p50 {:.2f} vs {:.2f} ms".format(
+                  this["loaded"]["cpu"] / base["loaded"]["cpu"], this["unloaded"]["cpu"] / base["unloaded"]["cpu"],
+                  this["loaded"]["rps"] / base["loaded"]["rps"], this["unloaded"]["rps"] / base["unloaded"]["rps"],
+                  this["unloaded"]["p50"], base["unloaded"]["p50"]))
+        print("AIM (issue 13): the guard's CPU per request halved (ratio <= 0.50): "
+              + ("met" if this["loaded"]["cpu"] / base["loaded"]["cpu"] <= 0.5 else "NOT met"))
+
+
+if __name__ == "__main__":
+    main()
