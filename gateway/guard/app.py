@@ -207,10 +207,18 @@ def _param(request: web.Request, name: str, *, required: bool = True, max_len: i
     return values[0]
 
 
+_ASSERTED = web.RequestKey("uomp_asserted", bool)
+
+
 def _asserted(request: web.Request) -> bool:
-    """True when the request carries the gateway's verified-identity headers (Unix socket only)."""
-    return request.app[LISTENER] == "unix" and any(
-        name.lower().startswith(contract.VERIFIED_PREFIX) for name in request.headers)
+    """True when the request carries the gateway's verified-identity headers (Unix socket only);
+    worked out once per request."""
+    known = request.get(_ASSERTED)
+    if known is None:
+        known = request.app[LISTENER] == "unix" and any(
+            name.lower().startswith(contract.VERIFIED_PREFIX) for name in request.headers)
+        request[_ASSERTED] = known
+    return known
 
 
 def presented_for(request: web.Request, th: str, *, use: str = "access") -> checks.Presented:
