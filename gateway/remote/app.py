@@ -35,7 +35,6 @@ the guard's alone: the agent sees the guard's ``X-UOMP-Quota-Remaining``.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
@@ -48,7 +47,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import contract
+from gateway import contract, jsonio
 from gateway import keys as keyfiles
 from gateway.config import GatewayConfig, GuardConfig, Paths, load_section
 from gateway.contract import (
@@ -618,7 +617,7 @@ def _assertion_block(call: Call) -> http1.HeaderBlock:
 
 def _error_code(raw: bytes) -> ErrorCode | None:
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
         code = doc["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return None

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gateway import contract
+from gateway import contract, jsonio
 from gateway.core.http1 import HeaderBlock
 from gateway.errors import ErrorCode, UompError
 from gateway.remote.upstream import DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
@@ -73,7 +73,7 @@ class Forwarder:
             if len(raw) > MAX_JSON_BYTES:
                 raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an oversized response")
             try:
-                parsed = json.loads(raw) if raw else {}
+                parsed = jsonio.loads(raw) if raw else {}
             except ValueError as exc:
                 raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with invalid JSON") from exc
             if not isinstance(parsed, dict):
