@@ -169,17 +169,17 @@ def check_body_size(received: int) -> None:
         raise garbage("body larger than the gateway accepts")
 
 
-def serialize_request(method: str, target: str, headers: Mapping[str, str], body: bytes | None, *,
-                      host: str, prefix: str = "") -> bytes:
-    """The bytes of one request: ``METHOD prefix+target HTTP/1.1``, ``Host``, the caller's headers
-    minus :data:`HOP_HEADERS`, and ``Content-Length`` when there is a body (always for POST, PUT,
-    PATCH). A method, target or header that cannot be sent unambiguously is refused
-    (``INVALID_REQUEST``), never passed on."""
-    if _METHOD.fullmatch(method) is None:
-        raise UompError(ErrorCode.INVALID_REQUEST, "method cannot be forwarded")
-    if not target.startswith("/") or BAD_TARGET.search(target):
-        raise UompError(ErrorCode.INVALID_REQUEST, "request target cannot be forwarded")
-    parts = [f"{method} {prefix}{target} HTTP/1.1\r\nHost: {host}\r\n"]
+class HeaderBlock(str):
+    """Header lines already checked by :func:`header_block` (a ``str`` of ``Name: value\r\n`` lines):
+    a caller that sends the same headers on many requests checks them once."""
+
+    __slots__ = ()
+
+
+def header_block(headers: Mapping[str, str]) -> HeaderBlock:
+    """``headers`` minus :data:`HOP_HEADERS` as header lines, each name an RFC 9110 token and no
+    value holding CR, LF or NUL; else ``INVALID_REQUEST`` (a header that cannot be forwarded)."""
+    parts = []
     values = []
     for k, v in headers.items():
         low = field_name(k)
@@ -191,6 +191,22 @@ def serialize_request(method: str, target: str, headers: Mapping[str, str], body
         values.append(v)
     if _BAD_VALUE.search("".join(values)):  # one scan for CR, LF or NUL in any value
         raise UompError(ErrorCode.INVALID_REQUEST, "a request header cannot be forwarded")
+    return HeaderBlock("".join(parts))
+
+
+def serialize_request(method: str, target: str, headers: Mapping[str, str], body: bytes | None, *,
+                      host: str, prefix: str = "", block: HeaderBlock | None = None) -> bytes:
+    """The bytes of one request: ``METHOD prefix+target HTTP/1.1``, ``Host``, the header lines of
+    ``block`` (from :func:`header_block`), the caller's headers minus :data:`HOP_HEADERS`, and
+    ``Content-Length`` when there is a body (always for POST, PUT, PATCH). A method, target or
+    header that cannot be sent unambiguously is refused (``INVALID_REQUEST``), never passed on."""
+    if _METHOD.fullmatch(method) is None:
+        raise UompError(ErrorCode.INVALID_REQUEST, "method cannot be forwarded")
+    if not target.startswith("/") or BAD_TARGET.search(target):
+        raise UompError(ErrorCode.INVALID_REQUEST, "request target cannot be forwarded")
+    if block is not None and not isinstance(block, HeaderBlock):
+        raise TypeError("block must come from header_block()")
+    parts = [f"{method} {prefix}{target} HTTP/1.1\r\nHost: {host}\r\n", block or "", header_block(headers)]
     if body is not None or method in ("POST", "PUT", "PATCH"):
         parts.append(f"Content-Length: {len(body) if body else 0}\r\n")
     parts.append("\r\n")

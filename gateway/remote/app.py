@@ -35,19 +35,19 @@ the guard's alone: the agent sees the guard's ``X-UOMP-Quota-Remaining``.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
 import ssl
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from gateway import contract
+from gateway import contract, jsonio
 from gateway import keys as keyfiles
 from gateway.config import GatewayConfig, GuardConfig, Paths, load_section
 from gateway.contract import (
@@ -59,7 +59,7 @@ from gateway.contract import (
     VERIFIED_VIA_HEADER,
     VERIFIED_X5T_HEADER,
 )
-from gateway.core import checks, tokens
+from gateway.core import checks, http1, tokens
 from gateway.core.dpop import ReplayCache
 from gateway.core.tokens import Capability
 from gateway.durable import fault_point
@@ -138,6 +138,7 @@ class Call:
     tag: str | None = None
     jkt: str | None = None
     recorded: bool = False
+    memo: ConnMemo | None = None  # what this request's TLS connection established already (mTLS)
     # run once the token and the session passed their checks (the DPoP proof is recorded then)
     on_authenticated: list[Callable[[], None]] = field(default_factory=list)
 
@@ -164,6 +165,51 @@ class Call:
             "client": self.request.remote,
             "request_id": self.request_id,
         }
+
+
+MEMO_ATTRIBUTE = "_uomp_gateway_memo"  # the ConnMemo's attribute on a connection's ssl.SSLObject
+MAX_MEMO_CHECKS = 8  # (route use, endpoint, agent header, Host) combinations remembered per connection
+
+
+class ConnMemo:
+    """What one mTLS connection's earlier requests established, so its next requests skip the work
+    whose answer cannot have changed (a keep-alive agent sends the same certificate and token each
+    time), never a check whose answer can:
+
+    * the certificate's parsed identity, for the DER the connection presents now (compared byte for
+      byte on every request); its validity period and the CRL are checked again on every request;
+    * the last token that passed verification and the shared checks on this connection, with the
+      (route use, endpoint, agent header, Host) combinations it passed them for: reused only for
+      the same token string, while the token's ``exp``/``expires_at`` lie ahead, and while the
+      gateway's trusted keys and listener endpoints are those it was checked against
+      (``GatewayState.generation``). Anything else goes through the full verification again.
+    """
+
+    __slots__ = ("block", "block_remote", "cap", "der", "digest", "generation", "identity", "not_after", "not_before",
+                 "passed", "token")
+
+    def __init__(self, der: bytes, identity: ClientIdentity) -> None:
+        self.der = der
+        self.identity = identity
+        self.not_before = identity.not_before.timestamp()
+        self.not_after = identity.not_after.timestamp()
+        self.generation = -1
+        self.token: str | None = None
+        self.cap: Capability | None = None
+        self.digest = ""
+        self.passed: set[tuple[str, str | None, str | None, str]] = set()
+        self.block: http1.HeaderBlock | None = None  # _connection_assertion's lines for ``token``
+        self.block_remote: str | None = None
+
+    def remember(self, generation: int, token: str, cap: Capability, digest: str,
+                 key: tuple[str, str | None, str | None, str]) -> None:
+        if self.token != token or self.generation != generation:
+            self.generation, self.token, self.cap, self.digest = generation, token, cap, digest
+            self.passed = set()
+            self.block = None
+        if len(self.passed) >= MAX_MEMO_CHECKS:
+            self.passed.clear()
+        self.passed.add(key)
 
 
 class StatusCache:
@@ -224,6 +270,9 @@ class GatewayState:
         self.metrics = metrics
         # Each listener serves its own public endpoints (audience and allowed_endpoints are checked
         # against the listener the request arrived on, never against every endpoint of the gateway).
+        # bumped whenever what a token is checked against changes (trusted keys, listener endpoints):
+        # a connection's remembered checks (ConnMemo) are then done again
+        self.generation = 0
         self.listener_endpoints: dict[str, set[str]] = {"mtls": set(), "tunnel": set()}
         self._listener_hosts: dict[str, dict[str, str]] = {"mtls": {}, "tunnel": {}}
         for e in endpoints:
@@ -237,6 +286,8 @@ class GatewayState:
         self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {"mtls": mtls_identity}
         self.certs = ClientCertChecker()
         self._verified: dict[str, Capability] = {}
+        self._route_index: dict[tuple[str, str], list[Route]] = {}
+        self._route_index_of: tuple[Route, ...] = ()
         self.replay = ReplayCache.sized(window_seconds=cfg.dpop_window_seconds,
                                         max_entries=cfg.dpop_replay_cache_entries,
                                         proofs_per_second_per_key=cfg.dpop_max_proofs_per_second_per_key)
@@ -257,6 +308,7 @@ class GatewayState:
                        guard.refresh_lifetime_seconds)
         self.public_keys = keyfiles.load_public_keys(self.paths, now=time.time(), max_token_lifetime=lifetime)
         self._verified = {}
+        self.generation += 1
 
     def verify_digest(self, token: str) -> tuple[Capability, str]:
         """tokens.verify_token with a bounded cache of verified tokens (expiry re-checked on every hit),
@@ -284,12 +336,14 @@ class GatewayState:
         """Serve ``url`` on ``listener`` ("mtls" or "tunnel": a tunnel supervisor reports each new
         public URL here with ``listener="tunnel"``)."""
         norm = _norm_endpoint(url)
+        self.generation += 1
         self.listener_endpoints.setdefault(listener, set()).add(norm)
         self._listener_hosts.setdefault(listener, {})[checks.endpoint_netloc(norm)] = norm
 
     def discard_endpoint(self, url: str) -> None:
         """Stop serving ``url`` on every listener."""
         norm = _norm_endpoint(url)
+        self.generation += 1
         for listener, urls in self.listener_endpoints.items():
             urls.discard(norm)
             hosts = self._listener_hosts.get(listener, {})
@@ -301,6 +355,18 @@ class GatewayState:
         scheme = "https"  # every public endpoint is https (the tunnel's TLS ends at its edge)
         key = _host_key(host_header, scheme)
         return key if key in self._listener_hosts.get(listener, {}) else None
+
+    def routes_for(self, listener: str, method: str) -> list[Route]:
+        """The routes of ``listener`` for ``method``, in table order (rebuilt when the table changes)."""
+        table = tuple(self.routes)
+        if table != self._route_index_of:
+            self._route_index, self._route_index_of = {}, table
+        routes = self._route_index.get((listener, method))
+        if routes is None:
+            routes = [r for r in table if listener in r.transports and r.method == method]
+            if routes:  # only methods of the table are kept (a client names any method it likes)
+                self._route_index[(listener, method)] = routes
+        return routes
 
     async def close(self) -> None:
         await self.events.close()  # what is queued reaches the guard (or the spool) first
@@ -334,7 +400,23 @@ async def mtls_identity(call: Call) -> None:
     state = call.request.app[STATE]
     # The CRL is checked at the handshake; a keep-alive connection made before a revocation is
     # refused here too, on its next request.
-    call.identity = state.certs.check(der, revoked=state.revoked_serials())
+    revoked = state.revoked_serials()
+    memo: ConnMemo | None = getattr(ssl_obj, MEMO_ATTRIBUTE, None)
+    if memo is not None and memo.der == der:
+        # The same certificate as this connection's earlier requests: its parsed identity is kept,
+        # its validity period and the CRL are checked again now (as ClientCertChecker.check does).
+        now = time.time()
+        if now < memo.not_before:
+            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate is not valid yet")
+        if now > memo.not_after:
+            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has expired")
+        if memo.identity.serial in revoked:
+            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has been revoked")
+    else:
+        memo = ConnMemo(der, state.certs.check(der, revoked=revoked))
+        setattr(ssl_obj, MEMO_ATTRIBUTE, memo)
+    call.identity = memo.identity
+    call.memo = memo
 
 
 def _bearer(request: web.Request) -> str:
@@ -360,26 +442,52 @@ def check_headers(state: GatewayState, call: Call) -> None:
 
 
 def check_token(state: GatewayState, call: Call, token: str) -> Capability:
-    """Verify the token, then run the shared checks (:mod:`gateway.core.checks`) for this listener."""
-    cap, call.token_digest = state.verify_digest(token)
-    call.cap = cap
+    """Verify the token, then run the shared checks (:mod:`gateway.core.checks`) for this listener.
+
+    On an mTLS connection whose earlier request passed all of this with the same token and the same
+    request facts (:class:`ConnMemo`), only the token's expiry is looked at again."""
     route = call.route
     assert route is not None
+    headers = call.request.headers
+    header_agent = headers.get(AGENT_HEADER) or None
+    host = headers.get("Host", "")
+    key = (route.token_use, call.endpoint, header_agent, host)
+    memo = call.memo
+    if memo is not None and memo.token == token and memo.generation == state.generation and key in memo.passed:
+        cap = memo.cap
+        assert cap is not None
+        now = time.time()
+        if cap.claims.get("exp", 0) > now and cap.expires_at > now:
+            call.cap, call.token_digest = cap, memo.digest
+            return cap
+    generation = state.generation
+    cap, call.token_digest = state.verify_digest(token)
+    call.cap = cap
     ident = call.identity
     presented = checks.Presented(
         token_use=route.token_use, profile="remote", audiences=state.listener_endpoints.get(call.via, set()),
         audience_required=True, endpoint=call.endpoint, check_endpoint=True,
-        header_agent=call.request.headers.get(AGENT_HEADER) or None, require_header_agent=True,
+        header_agent=header_agent, require_header_agent=True,
         proven_agent=ident.agent_id if ident else None,
         x5t=ident.x5t_s256 if ident else None, jkt=ident.jkt if ident else call.jkt,
         binding=checks.BIND_EITHER if ident is not None or call.jkt is None else checks.BIND_JKT,
-        host=call.request.headers.get("Host", ""))
+        host=host)
     checks.run_checks(cap, presented)
+    if memo is not None:
+        memo.remember(generation, token, cap, call.token_digest, key)
     return cap
 
 
 def verified_headers(call: Call) -> dict[str, str]:
     """The gateway's assertion to the guard (contract): exactly the token it verified and who proved it."""
+    headers = _connection_assertion(call)
+    headers[contract.VERIFIED_REQUEST_ID_HEADER] = call.request_id
+    return headers
+
+
+def _connection_assertion(call: Call) -> dict[str, str]:
+    """:func:`verified_headers` but the request id: the same for every request of a connection with
+    one token (the client address, listener, certificate and token do not change on it)."""
     assert call.cap is not None and call.token is not None and call.token_digest is not None
     headers = {
         "Authorization": f"Bearer {call.token}",
@@ -389,7 +497,6 @@ def verified_headers(call: Call) -> dict[str, str]:
         VERIFIED_TOKEN_HEADER: call.token_digest,
         # audit only: the guard writes these into the request's one event
         contract.VERIFIED_LISTENER_HEADER: call.via,
-        contract.VERIFIED_REQUEST_ID_HEADER: call.request_id,
     }
     if call.request.remote:
         headers[contract.VERIFIED_CLIENT_HEADER] = call.request.remote
@@ -430,10 +537,11 @@ async def forward(call: Call) -> web.StreamResponse:
     state = call.request.app[STATE]
     request = call.request
     assert call.target is not None and call.cap is not None and call.token is not None
-    # Only allow-listed client headers (each single-valued or harmless), then the assertion, which
-    # overwrites: Authorization and X-UOMP-Agent-Id are the verified values, never a client copy.
+    # Only allow-listed client headers (each single-valued or harmless: never Authorization or
+    # X-UOMP-Agent-Id), the request's id, and the assertion's lines (the verified token and agent).
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
-    headers.update(verified_headers(call))
+    headers[contract.VERIFIED_REQUEST_ID_HEADER] = call.request_id
+    block = _assertion_block(call)
     body: bytes | None = None
     if request.method in ("POST", "PUT"):
         if request.content_length is not None and request.content_length > state.cfg.max_body_bytes:
@@ -450,14 +558,19 @@ async def forward(call: Call) -> web.StreamResponse:
             parts.append(chunk)
         body = b"".join(parts)
     path = call.target.upstream_target
-    upstream = await state.forwarder.request(request.method, path, headers, body=body)
+    upstream = await state.forwarder.request(request.method, path, headers, body=body, block=block)
     try:
         if upstream.status >= 500 and upstream.content_type != "application/json":
             raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an invalid response")
         # The guard's quota header passes through: its counter is the only one.
-        headers_out = {k: v for k, v in upstream.headers if k.lower() in FORWARD_RESPONSE_HEADERS}
-        # The guard wrote this request's one event (with the gateway's fields): nothing to add here.
-        call.recorded = call.recorded or any(k.lower() == _EVENT_ID_LOWER for k, _ in upstream.headers)
+        headers_out = {}
+        for k, v in upstream.headers:
+            low = k.lower()
+            if low in FORWARD_RESPONSE_HEADERS:
+                headers_out[k] = v
+            if low == _EVENT_ID_LOWER:
+                # The guard wrote this request's one event (with the gateway's fields): nothing to add here.
+                call.recorded = True
         if upstream.status >= 400:
             # A refusal is small: read it whole (bounded) so the access log records the guard's code.
             raw = await upstream.read(MAX_UPSTREAM_ERROR_BYTES)
@@ -489,9 +602,22 @@ async def forward(call: Call) -> web.StreamResponse:
 _EVENT_ID_LOWER = contract.EVENT_ID_HEADER.lower()
 
 
+def _assertion_block(call: Call) -> http1.HeaderBlock:
+    """The header lines of :func:`_connection_assertion`, made (and checked) once per mTLS connection
+    and token (kept on its :class:`ConnMemo`, dropped when the token changes); the request's own
+    headers (its id) are sent after them."""
+    memo, remote = call.memo, call.request.remote
+    if memo is not None and memo.block is not None and memo.token == call.token and memo.block_remote == remote:
+        return memo.block
+    block = http1.header_block(_connection_assertion(call))
+    if memo is not None and memo.token == call.token:
+        memo.block, memo.block_remote = block, remote
+    return block
+
+
 def _error_code(raw: bytes) -> ErrorCode | None:
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
         code = doc["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return None
@@ -562,15 +688,15 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     check_headers(state, call)
     call.target = pathnorm.normalize_target(request.raw_path)
     listener = request.app[LISTENER]
-    routes = [r for r in state.routes if listener in r.transports]
-    for route in routes:
+    # the first route of the table (in order) with this method whose pattern matches
+    for route in state.routes_for(listener, request.method):
         m = route.pattern.fullmatch(call.target.path)
-        if m and route.method == request.method:
+        if m:
             call.route = route
             call.params = {k: v for k, v in m.groupdict().items() if v is not None}
             break
     else:
-        if any(r.pattern.fullmatch(call.target.path) for r in routes):
+        if any(r.pattern.fullmatch(call.target.path) for r in state.routes if listener in r.transports):
             raise UompError(ErrorCode.METHOD_NOT_ALLOWED, "method not allowed on this endpoint")
         raise UompError(ErrorCode.NOT_FOUND, "no such endpoint")
     route = call.route
@@ -598,20 +724,26 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     return await handler(call)
 
 
-@web.middleware
-async def _every_request(request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    del handler  # the router's choice is not used
-    # Every request that aiohttp parsed goes through entry(), whatever aiohttp's router thought of its
-    # path (an encoded newline, say, matches no route pattern): one JSON answer shape, one access event.
-    return await entry(request)
+class _EveryRequest(web.UrlDispatcher):
+    """aiohttp's router with one answer: every request that aiohttp parsed goes to :func:`entry`,
+    whatever its path (an encoded newline, say, would match no route pattern), which routes it
+    itself (:data:`ROUTES`): one JSON answer shape, one access event. Without a path walk or a
+    middleware per request (they cost more than the rest of the routing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._route = self.add_route("*", "/{tail:.*}", entry)
+
+    async def resolve(self, request: web.Request) -> web.UrlMappingMatchInfo:
+        return web.UrlMappingMatchInfo({}, self._route)
 
 
 def create_gateway_app(state: GatewayState, *, listener: str) -> web.Application:
-    app = web.Application(client_max_size=state.cfg.max_body_bytes, middlewares=[_every_request])
+    with warnings.catch_warnings():  # aiohttp 3 calls a custom router deprecated (it stays in every 3.x)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        app = web.Application(client_max_size=state.cfg.max_body_bytes, router=_EveryRequest())
     app[STATE] = state
     app[LISTENER] = listener
-    app.router.add_route("*", "/{tail:.*}", entry)
     app.on_response_prepare.append(_server_header)
     return app
 

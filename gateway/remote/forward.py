@@ -18,7 +18,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gateway import contract
+from gateway import contract, jsonio
+from gateway.core.http1 import HeaderBlock
 from gateway.errors import ErrorCode, UompError
 from gateway.remote.upstream import DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
 
@@ -49,10 +50,11 @@ class Forwarder:
         await self.client.close()
 
     async def request(self, method: str, path_and_query: str, headers: Mapping[str, str], *,
-                      body: bytes | None = None) -> UpstreamResponse:
-        """Send one request; the caller reads (``body`` or ``iter_chunks``) and ``release()``s the answer."""
+                      body: bytes | None = None, block: HeaderBlock | None = None) -> UpstreamResponse:
+        """Send one request; the caller reads (``body`` or ``iter_chunks``) and ``release()``s the answer.
+        ``block``: header lines checked once already (:func:`gateway.core.http1.header_block`)."""
         try:
-            return await self.client.request(method, path_and_query, headers, body=body)
+            return await self.client.request(method, path_and_query, headers, body=body, block=block)
         except UompError as exc:
             self._failed(exc)
             raise
@@ -71,7 +73,7 @@ class Forwarder:
             if len(raw) > MAX_JSON_BYTES:
                 raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an oversized response")
             try:
-                parsed = json.loads(raw) if raw else {}
+                parsed = jsonio.loads(raw) if raw else {}
             except ValueError as exc:
                 raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with invalid JSON") from exc
             if not isinstance(parsed, dict):

@@ -28,6 +28,7 @@ loopback-only listener, never on the agent-facing one.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import threading
@@ -151,7 +152,7 @@ class Metrics:
             seconds = 0.0
         seconds = max(0.0, seconds)
         # index of the first bucket whose upper bound holds the value (len(buckets) is +Inf)
-        idx = next((i for i, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))
+        idx = bisect.bisect_left(self.buckets, seconds)
         with self._lock:
             self._requests[(r, c)] = self._requests.get((r, c), 0) + 1
             h = self._durations.get(r)

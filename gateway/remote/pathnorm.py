@@ -178,6 +178,13 @@ def normalize_target(raw_target: str) -> Target:
     raw_segments = raw_path[1:].split("/")
     if any(not s for s in raw_segments):
         raise _refuse("empty_segment", "empty path segment ('//' or a trailing '/') in the request path")
+    if "%" not in raw_path:
+        # Nothing escaped (every request of a well-behaved agent): each segment decodes to itself and
+        # quote() keeps every pchar but "%", so the canonical spelling is the path as received; only
+        # the dot segments are left to refuse (the raw characters were checked above).
+        if "." in raw_path and any(s in (".", "..") for s in raw_segments):
+            raise _refuse("dot_segment", "dot segment ('.' or '..') in the request path")
+        return Target(path=raw_path, upstream_path=raw_path, query=query, segments=tuple(raw_segments))
     segments = tuple(_decode_segment(s) for s in raw_segments)
     return Target(
         path="/" + "/".join(segments),

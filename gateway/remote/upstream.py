@@ -426,15 +426,19 @@ class UpstreamClient:
 
     # ------------------------------------------------------------------------------ request
 
-    def _serialize(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
-        return http1.serialize_request(method, target, headers, body, host=self._host, prefix=self._prefix)
+    def _serialize(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
+                   block: http1.HeaderBlock | None = None) -> bytes:
+        return http1.serialize_request(method, target, headers, body, host=self._host, prefix=self._prefix,
+                                       block=block)
 
     async def request(self, method: str, target: str, headers: Mapping[str, str], *,
-                      body: bytes | None = None) -> UpstreamResponse:
-        """Send one request; returns once the status and headers (and a small body) are in."""
+                      body: bytes | None = None, block: http1.HeaderBlock | None = None) -> UpstreamResponse:
+        """Send one request; returns once the status and headers (and a small body) are in.
+        ``block``: header lines checked once already (:func:`gateway.core.http1.header_block`),
+        sent before ``headers``."""
         if self._closed:
             raise _unavailable()
-        data = self._serialize(method, target, headers, body)
+        data = self._serialize(method, target, headers, body, block)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         slots = self._slots
