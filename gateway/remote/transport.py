@@ -615,7 +615,7 @@ def _tls_protocol_class(loop: asyncio.AbstractEventLoop) -> Any:
         with contextlib.suppress(ImportError, AttributeError):
             import uvloop.loop
 
-            return uvloop.loop.SSLProtocol
+            return uvloop.loop.SSLProtocol  # type: ignore[attr-defined]  # (loop.pyi does not list it)
     return sslproto.SSLProtocol
 
 
@@ -683,12 +683,13 @@ class TLSAcceptProtocol(asyncio.Protocol):
         raw.pause_reading()  # type: ignore[attr-defined]
         raw.set_protocol(tls)
         tls.connection_made(raw)
+        get_buffer, buffer_updated = tls.get_buffer, tls.buffer_updated
         view = memoryview(head)
         while view and not conn.closed and raw.get_protocol() is tls:
-            buf = tls.get_buffer(len(view))
+            buf = get_buffer(len(view))
             n = min(len(buf), len(view))
             buf[:n] = view[:n]
-            tls.buffer_updated(n)
+            buffer_updated(n)
             view = view[n:]
         if not raw.is_closing():
             raw.resume_reading()  # type: ignore[attr-defined]

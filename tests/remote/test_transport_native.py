@@ -16,6 +16,12 @@ from test_floods import (  # noqa: E402,F401  (collected again here, on uvloop)
     test_mtls_flood_does_not_starve_a_verified_agent,
 )
 from test_handshake_log import test_refused_handshake_is_logged_and_counted  # noqa: E402,F401
+from test_tls import test_returning_agent_resumes_and_a_revoked_one_is_refused_at_its_next_request  # noqa: E402,F401
+from test_transport_tls import test_tls_runs_in_the_loops_own_protocol  # noqa: E402,F401
+
+# pytest-asyncio 1.x deprecates overriding event_loop_policy in favour of a conftest-wide
+# pytest_asyncio_loop_factories hook; this module is the one place that wants another loop.
+pytestmark = pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture")
 
 
 @pytest.fixture
