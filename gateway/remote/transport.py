@@ -3,7 +3,11 @@
 aiohttp's server bounds header sizes and idle keep-alive time, but it has no cap on connections,
 and asyncio only hands a TLS connection to it after the handshake, so connections that never
 finish (or never start) a handshake are invisible to it. Here every connection is counted and
-timed from the moment it is **accepted**, before any TLS byte is read:
+timed from the moment it is **accepted**, before any TLS byte is read: the TLS listener accepts
+plain TCP (:class:`TLSAcceptProtocol`) and, once the client's first bytes are in, hands the raw
+transport to the event loop's own TLS protocol, neither subclassed nor wrapped: under uvloop (the
+product's loop) that is uvloop's native one, so the handshake and every request's record layer
+run outside Python (benchmarks/README.md, "Issue 13, session 4: native TLS"):
 
 * **Two budgets per listener.** A connection starts *unverified*. On the mTLS listener it becomes
   *verified* when its handshake completes with a client certificate OpenSSL verified against the
@@ -25,8 +29,12 @@ timed from the moment it is **accepted**, before any TLS byte is read:
   aiohttp's keep-alive time). A connection past a deadline is aborted (no TLS close_notify wait).
 * requests aiohttp cannot parse get a §8.4 JSON error and an audit callback instead of aiohttp's
   text/plain answer (which could echo request bytes into the log);
-* asyncio's per-connection TLS read buffer is cut from 256 KiB to :data:`TLS_READ_BUFFER_BYTES`
-  (see :func:`shrink_tls_read_buffer`).
+* plain HTTP sent to the TLS port gets a short plain-text answer saying "use https://" (and is a
+  refused handshake for :mod:`gateway.remote.handshake_log`, as OpenSSL's own HTTP_REQUEST error);
+* on asyncio's loop, its per-connection TLS read buffer is cut from 256 KiB to
+  :data:`TLS_READ_BUFFER_BYTES` (see :func:`shrink_tls_read_buffer`); uvloop's native protocol
+  reads into a 256 KiB malloc'd buffer of which only the pages a read touches become resident
+  (measured per idle connection by ``benchmarks/bench_handshake.py --baseline``).
 
 :func:`raise_fd_limit` and :func:`fit_limits` make the budgets fit under the process's file
 descriptor limit, so the budgets (not EMFILE) decide who is refused.
@@ -212,7 +220,9 @@ class Conn:
         self.payload: Any = None
         self.pending = False  # bytes of a next request arrived while this one was handled
         self.requests = 0
-        self.raw_bytes = 0  # bytes read from the socket (TLS records included)
+        # bytes received: on TLS, the first bytes (a ClientHello) before the loop's TLS protocol takes over,
+        # then the decrypted ones (last_progress: the newest of either)
+        self.raw_bytes = 0
         self.queued = False  # a whole request head has arrived and waits for its handler
         # what the kernel holds for us before asyncio has read anything (see peek_waiting):
         # 0 unknown/nothing, 2 part of a first message, 3 a whole ClientHello record / request head
