@@ -35,6 +35,8 @@ a tree without tickets gives it a full handshake); then keep-alive ``GET /v1/mem
 each gateway (``--ka-clients`` connections, ``_common.run_load``) and the gateway process's RSS per
 idle keep-alive mTLS connection (``--idle``). ``--asyncio-too``: a third appliance, this tree on
 asyncio's loop (``UOMP_UVLOOP=0``: no native TLS), to tell the loop's share from the rest.
+``--floor``: also a bare TLS server (the product's ``TLSReloader`` context on the loop's own TLS
+server, a fixed answer, no aiohttp): what TLS and the event loop alone cost per connection.
 """
 
 from __future__ import annotations
@@ -426,6 +428,59 @@ class TreeApp:
             shutil.rmtree(self.home, ignore_errors=True)
 
 
+FLOOR_SERVER = textwrap.dedent(r"""
+    import asyncio, json, sys
+    from gateway import eventloop
+    from gateway.remote.tls import TLSReloader
+    reloader = TLSReloader(*sys.argv[1:5], session_tickets=1)
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+    class Answer(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+        def data_received(self, data):
+            self.transport.write(ANSWER)
+            self.transport.close()
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(Answer, "127.0.0.1", 0, ssl=reloader.context,
+                                                             ssl_handshake_timeout=10)
+        print(json.dumps({"gateway_port": srv.sockets[0].getsockname()[1]}), flush=True)
+        await asyncio.sleep(3600)
+    eventloop.run(main())
+""")
+
+
+class FloorApp:
+    """The floor under the gateway: the product's TLS context (TLSReloader, tickets on) on the loop's
+    own TLS server (uvloop's native one), a protocol that answers every connection's first bytes
+    with a fixed 200 and closes: no aiohttp, no gateway. What TLS and the loop cost per connection."""
+
+    def __init__(self) -> None:
+        from gateway.config import GatewayConfig, Paths
+        from gateway.remote.server import tls_paths
+
+        paths = c.make_home()
+        self.home, self.agent = paths.home, c.issue_agent(paths)
+        files = [str(p) for p in tls_paths(Paths(self.home), GatewayConfig())]
+        proc = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, *files], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            self.srv = c.ServerProc(proc, c._read_json_line(proc, 60, "floor"))
+        except BaseException:
+            proc.kill()
+            raise
+        self.port = int(self.srv.info["gateway_port"])
+        self.gateway_file = "(bare TLS server, this tree's TLSReloader context)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"port": self.port, "agent": self.agent, "srv": self.srv}
+
+    def stop(self) -> None:
+        try:
+            self.srv.stop()
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
 def part2_baseline(args: argparse.Namespace) -> None:
     root = Path(args.baseline).resolve()
     if not (root / "gateway" / "__init__.py").exists() or not (root / "benchmarks" / "_common.py").exists():
@@ -433,17 +488,21 @@ def part2_baseline(args: argparse.Namespace) -> None:
     print(f"\npart 2: this tree vs the baseline {root}, {args.e2e_clients} client processes (stdlib ssl), "
           f"{args.rounds} x {args.e2e_seconds:g} s per phase, trees and phases alternated")
     apps: dict[str, TreeApp] = {}
+    floor: FloorApp | None = None
     try:
         apps["base"] = TreeApp("baseline", root)
         apps["ours"] = TreeApp("this tree", None)
         if args.asyncio_too:
             apps["ours-asyncio"] = TreeApp("this tree, UOMP_UVLOOP=0", None, env={"UOMP_UVLOOP": "0"})
-        for k, a in apps.items():
+        if args.floor:
+            floor = FloorApp()
+        every: dict[str, TreeApp | FloorApp] = {**apps, **({"floor": floor} if floor is not None else {})}
+        for k, a in every.items():
             print(f"  {k:<13} gateway module {a.gateway_file}, port {a.port}, gateway pid {a.srv.pid}")
         runs: dict[tuple[str, str], list[dict[str, float]]] = {}
         for _ in range(args.rounds):
             for resume in (False, True):
-                for k, a in apps.items():
+                for k, a in every.items():
                     runs.setdefault((k, "resume" if resume else "full"), []).append(
                         _e2e_round(a.as_dict(), args, resume=resume))
             if args.ka_clients:
@@ -453,10 +512,12 @@ def part2_baseline(args: argparse.Namespace) -> None:
     finally:
         for a in apps.values():
             a.stop()
+        if floor is not None:
+            floor.stop()
     m = {key: {f: statistics.mean(r[f] for r in v) for f in v[0]} for key, v in runs.items()}
     print(f"\n{'appliance':<13} {'clients':<22} {'conn/s':>8} {'resumed':>8} {'gw cpu µs/conn':>15} "
           f"{'gw cpu':>7} {'errors':>7}  rounds conn/s")
-    for k in apps:
+    for k in every:
         for phase, title in (("full", "no session offered"), ("resume", "offer last session")):
             r = m[(k, phase)]
             print(f"{k:<13} {title:<22} {r['rps']:>8.0f} {r['resumed']:>8.0%} {r['cpu_us']:>15.0f} "
@@ -492,6 +553,8 @@ def main() -> None:
     ap.add_argument("--no-part1", action="store_true")
     ap.add_argument("--baseline", metavar="PATH", help="part 2 against the appliance of another checkout")
     ap.add_argument("--asyncio-too", action="store_true", help="with --baseline: this tree on asyncio's loop too")
+    ap.add_argument("--floor", action="store_true",
+                    help="with --baseline: also a bare TLS server with the product's context (what TLS alone costs)")
     ap.add_argument("--ka-clients", type=int, default=20, help="with --baseline: keep-alive connections (0: none)")
     ap.add_argument("--idle", type=int, default=200, help="with --baseline: idle connections for RSS (0: none)")
     args = ap.parse_args()
