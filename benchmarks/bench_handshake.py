@@ -25,6 +25,18 @@ alternated: (a) tickets-off appliance, full handshakes (what every connection co
 the last session (returning agents). Connections per second and the gateway process's CPU per
 connection, in the same run; the ratio (c)/(a) is the issue's "new connections >= 2x" aim for
 returning agents, (b)/(a) says what tickets cost a client that never resumes.
+
+``--baseline PATH`` replaces part 2 with the comparison the issue asks for: this tree's appliance
+and one started from another checkout (e.g. the code when issue 13 was filed, 8be383b): its own
+``benchmarks/_common.py serve`` with ``PYTHONPATH=PATH`` (its home, CA and agent made by its own
+code too; the ``gateway`` module each side imports is printed). Rounds alternate the trees and,
+in each, the same client processes with and without resumption (a client offers the last session;
+a tree without tickets gives it a full handshake); then keep-alive ``GET /v1/memory/<key>`` through
+each gateway (``--ka-clients`` connections, ``_common.run_load``) and the gateway process's RSS per
+idle keep-alive mTLS connection (``--idle``). ``--asyncio-too``: a third appliance, this tree on
+asyncio's loop (``UOMP_UVLOOP=0``: no native TLS), to tell the loop's share from the rest.
+``--floor``: also a bare TLS server (the product's ``TLSReloader`` context on the loop's own TLS
+server, a fixed answer, no aiohttp): what TLS and the event loop alone cost per connection.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -49,8 +62,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from gateway.client.tls import build_client_context
 from gateway.core import ca
-from gateway.remote.tls import ClientCertChecker, TLSReloader, build_client_context
+from gateway.remote.tls import ClientCertChecker, TLSReloader
 
 KEYS = ("p256", "ed25519", "rsa2048")
 
@@ -314,6 +328,220 @@ def part2(args: argparse.Namespace) -> None:
           f"{cc['cpu_us'] / a['cpu_us']:.2f}; tickets on but unused / off conn/s {b['rps'] / a['rps']:.2f}")
 
 
+# ---------------------------------------------------------------------- --baseline: two trees
+
+BASE_HELPER = textwrap.dedent(r"""
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(sys.argv[1]) / "benchmarks"))
+    import _common as c
+    import gateway
+    from gateway.config import Paths
+    if sys.argv[2] == "setup":
+        p = c.make_home()
+        c.seed_store(p)
+        print(json.dumps({"home": str(p.home), "agent": c.issue_agent(p), "gateway_file": gateway.__file__}))
+    else:
+        spec = json.loads(sys.argv[3])
+        g = c.grant(Paths(Path(spec["home"])), profile="remote", audience=spec["audience"], cnf=spec["cnf"])
+        print(json.dumps({"token": g["token"]}))
+""")
+
+
+class TreeApp:
+    """One appliance, from this tree (``root`` None) or from the checkout at ``root``."""
+
+    def __init__(self, label: str, root: Path | None, env: dict[str, str] | None = None) -> None:
+        self.label, self.root = label, root
+        self.env = {**os.environ, "PYTHONPATH": str(root)} if root is not None else None
+        if root is None:
+            import gateway
+
+            paths = c.make_home()
+            self.home = paths.home
+            self.keys = c.seed_store(paths)
+            self.agent = c.issue_agent(paths)
+            self.gateway_file = gateway.__file__
+            self.srv = c.start_server(paths, gateway=True, what=label, env=env)
+        else:
+            info = self._helper("setup")
+            self.home, self.agent, self.gateway_file = Path(info["home"]), info["agent"], info["gateway_file"]
+            self.keys = [f"preference.item{i:04d}" for i in range(200)]  # seed_store's keys
+            cmd = [sys.executable, str(root / "benchmarks" / "_common.py"), "serve", "--home", str(self.home),
+                   "--gateway", "--layout", "split"]
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=self.env)
+            try:
+                self.srv = c.ServerProc(proc, c._read_json_line(proc, 60, label))
+            except BaseException:
+                proc.kill()
+                raise
+        self.port = int(self.srv.info["gateway_port"])
+        audience = f"https://localhost:{self.port}"
+        cnf = {"x5t#S256": self.agent["x5t"], "jkt": self.agent["jkt"]}
+        if root is None:
+            from gateway.config import Paths
+
+            token = c.grant(Paths(self.home), profile="remote", audience=audience, cnf=cnf)["token"]
+        else:
+            spec = json.dumps({"home": str(self.home), "audience": audience, "cnf": cnf})
+            token = self._helper("grant", spec)["token"]
+        hdrs = {"Authorization": f"Bearer {token}", "X-UOMP-Agent-Id": self.agent["agent_id"]}
+        self.reqs = [c.http_get(f"/v1/memory/{k}", host=f"localhost:{self.port}", headers=hdrs) for k in self.keys]
+        self.target = c.Target("tls", port=self.port, ca=self.agent["ca"], cert=self.agent["cert"],
+                               key=self.agent["key"])
+        self.health = c.http_get("/v1/health", host=f"localhost:{self.port}")
+
+    def _helper(self, *argv: str) -> dict[str, Any]:
+        assert self.root is not None
+        out = subprocess.run([sys.executable, "-c", BASE_HELPER, str(self.root), *argv], env=self.env, cwd=self.root,
+                             capture_output=True, text=True, timeout=120, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"{self.label}: helper {argv[0]} failed: {out.stderr[-2000:]}")
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"port": self.port, "agent": self.agent, "srv": self.srv}
+
+    def keepalive(self, args: argparse.Namespace) -> dict[str, Any]:
+        r = c.run_load(self.target, self.reqs, clients=args.ka_clients, duration=args.e2e_seconds, warmup=1.0,
+                       server_pid=self.srv.pids)
+        c.check_ok(f"{self.label}: keep-alive GET by key", r)
+        gw_cpu = r.get("server_cpu_parts", {}).get("gateway")
+        done = sum(int(v) for v in r["statuses"].values())
+        return {"rps": float(r["rps"]),
+                "gw_us": (gw_cpu * r["elapsed"] / max(1, done) * 1e6) if gw_cpu is not None else float("nan")}
+
+    def rss(self, idle: int) -> dict[str, float]:
+        time.sleep(0.5)
+        before = self.srv.rss_kib()
+        holder = c.Holder(self.target, self.health, idle)
+        time.sleep(1.0)
+        during = self.srv.rss_kib()
+        opened = int(holder.info["opened"])
+        holder.release()
+        return {"opened": opened, "per_conn": (during - before) / max(1, opened)}
+
+    def stop(self) -> None:
+        try:
+            self.srv.stop()
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+FLOOR_SERVER = textwrap.dedent(r"""
+    import asyncio, json, sys
+    from gateway import eventloop
+    from gateway.remote.tls import TLSReloader
+    reloader = TLSReloader(*sys.argv[1:5], session_tickets=1)
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+    class Answer(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+        def data_received(self, data):
+            self.transport.write(ANSWER)
+            self.transport.close()
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(Answer, "127.0.0.1", 0, ssl=reloader.context,
+                                                             ssl_handshake_timeout=10)
+        print(json.dumps({"gateway_port": srv.sockets[0].getsockname()[1]}), flush=True)
+        await asyncio.sleep(3600)
+    eventloop.run(main())
+""")
+
+
+class FloorApp:
+    """The floor under the gateway: the product's TLS context (TLSReloader, tickets on) on the loop's
+    own TLS server (uvloop's native one), a protocol that answers every connection's first bytes
+    with a fixed 200 and closes: no aiohttp, no gateway. What TLS and the loop cost per connection."""
+
+    def __init__(self) -> None:
+        from gateway.config import GatewayConfig, Paths
+        from gateway.remote.server import tls_paths
+
+        paths = c.make_home()
+        self.home, self.agent = paths.home, c.issue_agent(paths)
+        files = [str(p) for p in tls_paths(Paths(self.home), GatewayConfig())]
+        proc = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, *files], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            self.srv = c.ServerProc(proc, c._read_json_line(proc, 60, "floor"))
+        except BaseException:
+            proc.kill()
+            raise
+        self.port = int(self.srv.info["gateway_port"])
+        self.gateway_file = "(bare TLS server, this tree's TLSReloader context)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"port": self.port, "agent": self.agent, "srv": self.srv}
+
+    def stop(self) -> None:
+        try:
+            self.srv.stop()
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+def part2_baseline(args: argparse.Namespace) -> None:
+    root = Path(args.baseline).resolve()
+    if not (root / "gateway" / "__init__.py").exists() or not (root / "benchmarks" / "_common.py").exists():
+        raise SystemExit(f"--baseline {root}: not a checkout of this project (gateway/, benchmarks/_common.py)")
+    print(f"\npart 2: this tree vs the baseline {root}, {args.e2e_clients} client processes (stdlib ssl), "
+          f"{args.rounds} x {args.e2e_seconds:g} s per phase, trees and phases alternated")
+    apps: dict[str, TreeApp] = {}
+    floor: FloorApp | None = None
+    try:
+        apps["base"] = TreeApp("baseline", root)
+        apps["ours"] = TreeApp("this tree", None)
+        if args.asyncio_too:
+            apps["ours-asyncio"] = TreeApp("this tree, UOMP_UVLOOP=0", None, env={"UOMP_UVLOOP": "0"})
+        if args.floor:
+            floor = FloorApp()
+        every: dict[str, TreeApp | FloorApp] = {**apps, **({"floor": floor} if floor is not None else {})}
+        for k, a in every.items():
+            print(f"  {k:<13} gateway module {a.gateway_file}, port {a.port}, gateway pid {a.srv.pid}")
+        runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+        for _ in range(args.rounds):
+            for resume in (False, True):
+                for k, a in every.items():
+                    runs.setdefault((k, "resume" if resume else "full"), []).append(
+                        _e2e_round(a.as_dict(), args, resume=resume))
+            if args.ka_clients:
+                for k, a in apps.items():
+                    runs.setdefault((k, "keepalive"), []).append(a.keepalive(args))
+        rss = {k: a.rss(args.idle) for k, a in apps.items()} if args.idle else {}
+    finally:
+        for a in apps.values():
+            a.stop()
+        if floor is not None:
+            floor.stop()
+    m = {key: {f: statistics.mean(r[f] for r in v) for f in v[0]} for key, v in runs.items()}
+    print(f"\n{'appliance':<13} {'clients':<22} {'conn/s':>8} {'resumed':>8} {'gw cpu µs/conn':>15} "
+          f"{'gw cpu':>7} {'errors':>7}  rounds conn/s")
+    for k in every:
+        for phase, title in (("full", "no session offered"), ("resume", "offer last session")):
+            r = m[(k, phase)]
+            print(f"{k:<13} {title:<22} {r['rps']:>8.0f} {r['resumed']:>8.0%} {r['cpu_us']:>15.0f} "
+                  f"{r['cpu_share']:>7.0%} {r['errors']:>7.0f}  {[round(x['rps']) for x in runs[(k, phase)]]}")
+    if args.ka_clients:
+        print(f"\nkeep-alive GET by key through the gateway, {args.ka_clients} connections")
+        for k in apps:
+            r = m[(k, "keepalive")]
+            print(f"{k:<13} {r['rps']:>8.0f} req/s   gateway CPU {r['gw_us']:>6.0f} µs/request   "
+                  f"rounds {[round(x['rps']) for x in runs[(k, 'keepalive')]]}")
+    for k, r in rss.items():
+        print(f"{k:<13} RSS per idle keep-alive mTLS connection: {r['per_conn']:.1f} KiB ({r['opened']:.0f} held)")
+    base_full = m[("base", "full")]["rps"]
+    ours = m[("ours", "resume")]["rps"]
+    print(f"\nRATIOS vs baseline conn/s: returning agents (resume) {ours / base_full:.2f} (aim >= 2: "
+          f"{'met' if ours / base_full >= 2 else 'NOT met'}), no resumption "
+          f"{m[('ours', 'full')]['rps'] / base_full:.2f}; gateway CPU per connection resume/base "
+          f"{m[('ours', 'resume')]['cpu_us'] / m[('base', 'full')]['cpu_us']:.2f}, full/base "
+          f"{m[('ours', 'full')]['cpu_us'] / m[('base', 'full')]['cpu_us']:.2f}")
+    if args.ka_clients:
+        ka = m[("ours", "keepalive")]["rps"] / m[("base", "keepalive")]["rps"]
+        print(f"RATIO keep-alive req/s ours/base {ka:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--handshakes", type=int, default=300, help="in-process handshakes per row (300)")
@@ -323,6 +551,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--no-part1", action="store_true")
+    ap.add_argument("--baseline", metavar="PATH", help="part 2 against the appliance of another checkout")
+    ap.add_argument("--asyncio-too", action="store_true", help="with --baseline: this tree on asyncio's loop too")
+    ap.add_argument("--floor", action="store_true",
+                    help="with --baseline: also a bare TLS server with the product's context (what TLS alone costs)")
+    ap.add_argument("--ka-clients", type=int, default=20, help="with --baseline: keep-alive connections (0: none)")
+    ap.add_argument("--idle", type=int, default=200, help="with --baseline: idle connections for RSS (0: none)")
     args = ap.parse_args()
     args.crl_sizes = [int(x) for x in args.crl_sizes.split(",")]
     if not (1 <= args.handshakes <= 100_000 and 1 <= args.e2e_clients <= 64 and 0 < args.e2e_seconds <= 600
@@ -333,7 +567,9 @@ def main() -> None:
     try:
         if not args.no_part1:
             part1(args, work)
-        if not args.no_e2e:
+        if args.baseline and not args.no_e2e:
+            part2_baseline(args)
+        elif not args.no_e2e:
             part2(args)
     finally:
         shutil.rmtree(work, ignore_errors=True)

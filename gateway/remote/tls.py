@@ -321,8 +321,12 @@ class TLSReloader:
         # The front context must carry the same protocol settings as the inner ones: OpenSSL copies
         # verify mode, verify flags, versions, options and ticket count into each connection when
         # it is created (before the SNI callback); switching context later swaps certificate, key
-        # and trust store (CA + CRL) only.
-        self._front = self._build()
+        # and trust store (CA + CRL) only. The front IS the first inner context: until the first
+        # reload the callback "switches" to the context the connection already has, which OpenSSL
+        # skips (SSL_set_SSL_CTX returns at once), where a real switch costs the server ~0.1-0.5 ms
+        # per handshake (it copies the certificate state; benchmarks/README.md, issue 13 session 4).
+        # After a reload, new handshakes switch to the new inner context as before.
+        self._front = self._inner
         self._front.sni_callback = self._select
 
     @property

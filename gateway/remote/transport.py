@@ -3,7 +3,11 @@
 aiohttp's server bounds header sizes and idle keep-alive time, but it has no cap on connections,
 and asyncio only hands a TLS connection to it after the handshake, so connections that never
 finish (or never start) a handshake are invisible to it. Here every connection is counted and
-timed from the moment it is **accepted**, before any TLS byte is read:
+timed from the moment it is **accepted**, before any TLS byte is read: the TLS listener accepts
+plain TCP (:class:`TLSAcceptProtocol`) and, once the client's first bytes are in, hands the raw
+transport to the event loop's own TLS protocol, neither subclassed nor wrapped: under uvloop (the
+product's loop) that is uvloop's native one, so the handshake and every request's record layer
+run outside Python (benchmarks/README.md, "Issue 13, session 4: native TLS"):
 
 * **Two budgets per listener.** A connection starts *unverified*. On the mTLS listener it becomes
   *verified* when its handshake completes with a client certificate OpenSSL verified against the
@@ -25,8 +29,12 @@ timed from the moment it is **accepted**, before any TLS byte is read:
   aiohttp's keep-alive time). A connection past a deadline is aborted (no TLS close_notify wait).
 * requests aiohttp cannot parse get a §8.4 JSON error and an audit callback instead of aiohttp's
   text/plain answer (which could echo request bytes into the log);
-* asyncio's per-connection TLS read buffer is cut from 256 KiB to :data:`TLS_READ_BUFFER_BYTES`
-  (see :func:`shrink_tls_read_buffer`).
+* plain HTTP sent to the TLS port gets a short plain-text answer saying "use https://" (and is a
+  refused handshake for :mod:`gateway.remote.handshake_log`, as OpenSSL's own HTTP_REQUEST error);
+* on asyncio's loop, its per-connection TLS read buffer is cut from 256 KiB to
+  :data:`TLS_READ_BUFFER_BYTES` (see :func:`shrink_tls_read_buffer`); uvloop's native protocol
+  reads into a 256 KiB malloc'd buffer of which only the pages a read touches become resident
+  (measured per idle connection by ``benchmarks/bench_handshake.py --baseline``).
 
 :func:`raise_fd_limit` and :func:`fit_limits` make the budgets fit under the process's file
 descriptor limit, so the budgets (not EMFILE) decide who is refused.
@@ -212,7 +220,9 @@ class Conn:
         self.payload: Any = None
         self.pending = False  # bytes of a next request arrived while this one was handled
         self.requests = 0
-        self.raw_bytes = 0  # bytes read from the socket (TLS records included)
+        # bytes received: on TLS, the first bytes (a ClientHello) before the loop's TLS protocol takes over,
+        # then the decrypted ones (last_progress: the newest of either)
+        self.raw_bytes = 0
         self.queued = False  # a whole request head has arrived and waits for its handler
         # what the kernel holds for us before asyncio has read anything (see peek_waiting):
         # 0 unknown/nothing, 2 part of a first message, 3 a whole ClientHello record / request head
@@ -320,8 +330,7 @@ class Conn:
 
     def data(self, n: int) -> None:
         self.bytes_in += n
-        if not self.handler.tls:
-            self.progress(n)
+        self.progress(n)  # (on TLS: decrypted bytes; the loop's TLS protocol reads the records)
         if self.phase in ("accepted", "idle"):
             lim = self.registry.limits
             now = asyncio.get_running_loop().time()
@@ -568,8 +577,7 @@ class GuardedHandler(RequestHandler):
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if not self.tls:
-            self._uomp_conn.lost(exc)
+        self._uomp_conn.lost(exc)  # (a TLS connection lost before its handshake ended: TLSAcceptProtocol)
         if self._uomp_admitted:
             self._uomp_admitted = False
             super().connection_lost(exc)
@@ -598,44 +606,117 @@ class GuardedHandler(RequestHandler):
 
 USE_HTTPS = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
              b"Content-Length: 73\r\n\r\nThis port speaks HTTPS (TLS 1.3 with a client certificate): use https://\n")
+# The first bytes OpenSSL takes for plain HTTP (its HTTP_REQUEST / HTTPS_PROXY_REQUEST errors).
+_PLAIN_HTTP = (b"GET ", b"POST ", b"HEAD ", b"PUT ", b"CONNE")
 
 
-class CountedSSLProtocol(sslproto.SSLProtocol):
-    """asyncio's TLS protocol, told about the raw connection: counted at accept, not at handshake end."""
+def _plain_http_error() -> ssl.SSLError:
+    """The refusal :class:`HandshakeLog` is told of for plain HTTP on the TLS port (as OpenSSL says it)."""
+    exc = ssl.SSLError(1, "[SSL: HTTP_REQUEST] http request")
+    exc.reason = "HTTP_REQUEST"
+    exc.library = "SSL"
+    return exc
+
+
+def _tls_protocol_class(loop: asyncio.AbstractEventLoop) -> Any:
+    """The running loop's own TLS protocol: uvloop's native (Cython) one on uvloop, asyncio's otherwise."""
+    mod = type(loop).__module__
+    if mod.startswith("uvloop"):
+        with contextlib.suppress(ImportError, AttributeError):
+            import uvloop.loop
+
+            return uvloop.loop.SSLProtocol  # type: ignore[attr-defined]  # (loop.pyi does not list it)
+    return sslproto.SSLProtocol
+
+
+class TLSAcceptProtocol(asyncio.Protocol):
+    """The TLS listener's protocol from accept until the first bytes: counted at accept, deadlines armed.
+
+    The client's first bytes decide: plain HTTP gets :data:`USE_HTTPS` and the close; anything else
+    goes to the loop's own TLS protocol (uvloop's native one under uvloop; it is neither subclassed
+    nor wrapped, so the handshake and every record of every request run outside Python), which is
+    handed the raw transport and the bytes read so far; :class:`GuardedHandler` gets the TLS
+    transport once the handshake is done. The handshake's outcome comes back through its waiter
+    future (:meth:`_handshake_done`): a refusal (SSLError), the handshake deadline
+    (ConnectionAbortedError) or a drop, for the registry's counters and the refusal log. The
+    handshake deadline still counts from accept (what is left of it is the TLS protocol's timeout).
+    """
+
+    __slots__ = ("_head", "_plain_http", "_tls_class", "conn", "context", "handler", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, handler: GuardedHandler, context: ssl.SSLContext,
-                 limits: Limits) -> None:
-        # No waiter: nobody awaits the handshake (asyncio's own accept path would); SSLProtocol
-        # checks for None. typeshed types the timeouts as int; asyncio takes any positive number.
-        super().__init__(loop, handler, context, None, server_side=True,  # type: ignore[arg-type]
-                         ssl_handshake_timeout=limits.handshake_timeout,  # type: ignore[arg-type]
-                         ssl_shutdown_timeout=limits.shutdown_timeout)
-        self._uomp_conn = handler.conn
+                 tls_class: Any) -> None:
+        self.loop = loop
+        self.handler = handler
+        self.conn = handler.conn
+        self.context = context
+        self._tls_class = tls_class
+        self._head = b""
+        self._plain_http: ssl.SSLError | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._uomp_conn.opened(transport)
-        if self._uomp_conn.closed:  # pragma: no cover - only with a per-address budget of 0
+        self.conn.opened(transport)
+        if self.conn.closed:  # pragma: no cover - only with a per-address budget of 0
             transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        conn.progress(len(data))
+        if conn.closed or self._plain_http is not None:
             return
-        super().connection_made(transport)
+        head = self._head + data if self._head else data
+        if head[0] != 0x16 and len(head) < 5:
+            self._head = head  # OpenSSL too waits for a record header's 5 bytes
+            return
+        raw = conn.raw
+        assert raw is not None
+        if head.startswith(_PLAIN_HTTP):
+            # Plain HTTP sent to the TLS port: a short plain-text answer saying so, then the close.
+            self._plain_http = _plain_http_error()
+            with contextlib.suppress(Exception):
+                raw.write(USE_HTTPS)  # type: ignore[attr-defined]
+            raw.close()
+            return
+        self._head = b""
+        self._start_tls(raw, head)
+
+    def _start_tls(self, raw: asyncio.BaseTransport, head: bytes) -> None:
+        conn = self.conn
+        limits = conn.registry.limits
+        left = limits.handshake_timeout - (self.loop.time() - conn.accepted_at)
+        waiter = self.loop.create_future()
+        waiter.add_done_callback(self._handshake_done)
+        tls = self._tls_class(self.loop, self.handler, self.context, waiter, server_side=True,
+                              ssl_handshake_timeout=max(left, 0.001),
+                              ssl_shutdown_timeout=limits.shutdown_timeout)
+        # as loop.start_tls does: no read while the protocols change (uvloop picks its read path then)
+        raw.pause_reading()  # type: ignore[attr-defined]
+        raw.set_protocol(tls)
+        tls.connection_made(raw)
+        get_buffer, buffer_updated = tls.get_buffer, tls.buffer_updated
+        view = memoryview(head)
+        while view and not conn.closed and raw.get_protocol() is tls:
+            buf = get_buffer(len(view))
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            buffer_updated(n)
+            view = view[n:]
+        if not raw.is_closing():
+            raw.resume_reading()  # type: ignore[attr-defined]
+
+    def _handshake_done(self, waiter: asyncio.Future[None]) -> None:
+        conn = self.conn
+        exc = None if waiter.cancelled() else waiter.exception()
+        if conn.handshaken and exc is None:
+            return  # GuardedHandler has the connection (and is told when it is lost)
+        # refused, past its deadline, or dropped during the handshake
+        conn.lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return None  # before any TLS byte: close (connection_lost follows)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._uomp_conn.lost(exc)
-        super().connection_lost(exc)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._uomp_conn.progress(nbytes)
-        super().buffer_updated(nbytes)
-
-    def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
-        # Plain HTTP sent to the TLS port: a short plain-text answer saying so, then the close.
-        if isinstance(handshake_exc, ssl.SSLError) and handshake_exc.reason == "HTTP_REQUEST":
-            raw = self._transport
-            # (uvloop's transports have the methods, not asyncio's classes: no isinstance)
-            if raw is not None and hasattr(raw, "write") and not raw.is_closing():
-                with contextlib.suppress(Exception):
-                    raw.write(USE_HTTPS)
-        super()._on_handshake_complete(handshake_exc)
+        self.conn.lost(self._plain_http or exc)
 
 
 def request_started(request: web.BaseRequest) -> None:
@@ -681,14 +762,15 @@ async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ss
         def factory() -> asyncio.BaseProtocol:
             return GuardedHandler(server, registry, tls=False, loop=loop, **kwargs_h)
     else:
-        shrink_tls_read_buffer()
+        shrink_tls_read_buffer()  # asyncio's TLS protocol (no uvloop); uvloop's reads in place
         ctx = ssl_context
+        tls_class = _tls_protocol_class(loop)
 
         def factory() -> asyncio.BaseProtocol:
             handler = GuardedHandler(server, registry, tls=True, loop=loop, **kwargs_h)
-            return CountedSSLProtocol(loop, handler, ctx, registry.limits)
+            return TLSAcceptProtocol(loop, handler, ctx, tls_class)
 
-    # TLS is done by the protocol, so asyncio sees a plain server and calls connection_made at accept.
+    # TLS starts in the protocol, so the loop sees a plain server and calls connection_made at accept.
     srv = await loop.create_server(factory, host, port, backlog=backlog, reuse_address=True,
                                    reuse_port=reuse_port or None,
                                    family=socket.AF_INET6 if ":" in host else socket.AF_INET)
