@@ -136,6 +136,27 @@ def _deliver(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
         fut.set_exception(value)
 
 
+# A worker hands finished results over once this many are waiting, or the oldest has waited this
+# long, even when more jobs are queued (see DbWorker._main).
+HANDOVER_JOBS = 32
+HANDOVER_SECONDS = 0.002
+
+
+def _deliver_all(results: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+    for fut, ok, value in results:
+        _deliver(fut, ok, value)
+
+
+def _hand_over(done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]]) -> None:
+    """One callback per event loop for the results ``done`` holds (in job order)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
+    for loop, fut, ok, value in done:
+        by_loop.setdefault(loop, []).append((fut, ok, value))
+    for loop, results in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(_deliver_all, results)
+
+
 class DbWorker:
     """One thread that runs every call on one database, in order (see the module docstring).
 
@@ -157,17 +178,35 @@ class DbWorker:
         self._closed = False
 
     def _main(self) -> None:
+        """Run the queued jobs in order; hand their results over in batches (:data:`HANDOVER_JOBS`).
+
+        The results of jobs found already queued are kept until the queue is empty, or
+        :data:`HANDOVER_JOBS` of them are done, or the oldest has waited :data:`HANDOVER_SECONDS`
+        (checked between jobs), and then reach each loop in one callback. One hand-over per job
+        cost the guard about a third of its CPU per read under load: each woke the event loop, which
+        then fought this thread for the GIL on every SQLite call of the next job (issue 13: 3.5-6.7
+        context switches per request before, about 1.3 after; ``benchmarks/bench_guard_cpu.py``).
+        A lone job (no load) is handed over at once, as before."""
+        q = self._queue
+        done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]] = []
+        oldest = 0.0
         while True:
-            job = self._queue.get()
+            if done and (q.empty() or len(done) >= HANDOVER_JOBS
+                         or time.monotonic() - oldest >= HANDOVER_SECONDS):
+                _hand_over(done)
+                done = []
+            job = q.get()
             if job is None:
+                _hand_over(done)
                 return
             loop, fut, deadline, fn, args = job
             try:
                 result: tuple[bool, Any] = (True, self._job(deadline, fn, args))
             except BaseException as exc:  # handed to the caller, whatever it is
                 result = (False, exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-                loop.call_soon_threadsafe(_deliver, fut, *result)
+            if not done:
+                oldest = time.monotonic()
+            done.append((loop, fut, *result))
 
     def _job(self, deadline: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if time.monotonic() > deadline:
