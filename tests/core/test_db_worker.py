@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,13 @@ from gateway.db import DbWorker, connect
 from gateway.errors import ErrorCode, UompError
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def worker() -> Iterator[DbWorker]:
+    w = DbWorker("test", what="test database")
+    yield w
+    w.close()
 
 
 class _Wakes:
@@ -45,119 +53,95 @@ class _Wakes:
         self._loop.call_soon_threadsafe = self._real  # type: ignore[method-assign]
 
 
-async def _queued_behind_a_gate(worker: DbWorker, n: int, job: Any) -> list[Any]:
-    """``n`` calls of ``job(i)``, all queued while the worker is held on a gate, then released."""
+async def _held(worker: DbWorker) -> tuple[threading.Event, asyncio.Future[Any]]:
+    """The worker inside a job that waits for the returned gate (and that job's future)."""
     gate = threading.Event()
     first = asyncio.ensure_future(worker.run(gate.wait, 10))
-    await asyncio.sleep(0.05)  # the worker is inside gate.wait
+    await asyncio.sleep(0.05)
+    return gate, first
+
+
+async def _queued_behind_a_gate(worker: DbWorker, n: int, job: Any) -> list[Any]:
+    """``n`` calls of ``job(i)``, all queued while the worker is held on a gate, then released."""
+    gate, first = await _held(worker)
     rest = [asyncio.ensure_future(worker.run(job, i)) for i in range(n)]
     await asyncio.sleep(0)  # every job is queued
     gate.set()
     return await asyncio.gather(first, *rest, return_exceptions=True)
 
 
-async def test_queued_results_reach_the_loop_in_one_wake_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+async def wakes() -> AsyncIterator[_Wakes]:
+    w = _Wakes(asyncio.get_running_loop())
+    yield w
+    w.restore()
+
+
+async def test_queued_results_reach_the_loop_in_one_wake_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: DbWorker, wakes: _Wakes) -> None:
     monkeypatch.setattr(dbmod, "HANDOVER_SECONDS", 60.0)  # a busy CI machine may pause the worker
     conn = connect(tmp_path / "x.db", schema="CREATE TABLE IF NOT EXISTS t (v INTEGER);")
     conn.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(40)])
-    worker = DbWorker("test", what="test database")
-    wakes = _Wakes(asyncio.get_running_loop())
-    try:
-        n = 20  # below HANDOVER_JOBS
-        results = await _queued_behind_a_gate(
-            worker, n, lambda i: conn.execute("SELECT v FROM t WHERE v = ?", (i,)).fetchone()[0])
-        assert results == [True, *range(n)]  # each caller its own answer, in order
-        # before: one wake-up per job (21); now the gate's job and the 20 behind it share one
-        assert wakes.count == 1, wakes.count
-    finally:
-        wakes.restore()
-        worker.close()
-        conn.close()
+    n = 20  # below HANDOVER_JOBS
+    results = await _queued_behind_a_gate(
+        worker, n, lambda i: conn.execute("SELECT v FROM t WHERE v = ?", (i,)).fetchone()[0])
+    conn.close()
+    assert results == [True, *range(n)]  # each caller its own answer, in order
+    # before: one wake-up per job (21); now the gate's job and the 20 behind it share one
+    assert wakes.count == 1, wakes.count
 
 
-async def test_a_lone_job_is_answered_at_once() -> None:
-    worker = DbWorker("test", what="test database")
-    wakes = _Wakes(asyncio.get_running_loop())
-    try:
-        for i in range(5):  # nothing queued behind any of them: each is handed over by itself
-            assert await asyncio.wait_for(worker.run(lambda v: v * 2, i), timeout=1.0) == i * 2
-        assert wakes.count == 5
-    finally:
-        wakes.restore()
-        worker.close()
+async def test_a_lone_job_is_answered_at_once(worker: DbWorker, wakes: _Wakes) -> None:
+    for i in range(5):  # nothing queued behind any of them: each is handed over by itself
+        assert await asyncio.wait_for(worker.run(lambda v: v * 2, i), timeout=1.0) == i * 2
+    assert wakes.count == 5
 
 
-async def test_a_batch_is_bounded_and_keeps_each_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_batch_is_bounded_and_keeps_each_outcome(
+        monkeypatch: pytest.MonkeyPatch, worker: DbWorker, wakes: _Wakes) -> None:
     monkeypatch.setattr(dbmod, "HANDOVER_SECONDS", 60.0)  # the job bound alone, whatever the machine
-    worker = DbWorker("test", what="test database")
-    wakes = _Wakes(asyncio.get_running_loop())
 
     def job(i: int) -> int:
         if i % 7 == 3:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, f"job {i} failed")
         return i
 
-    try:
-        n = 3 * dbmod.HANDOVER_JOBS
-        results = await _queued_behind_a_gate(worker, n, job)
-        assert results[0] is True
-        for i, r in enumerate(results[1:]):
-            if i % 7 == 3:
-                assert isinstance(r, UompError) and r.message == f"job {i} failed"
-            else:
-                assert r == i
-        # at most HANDOVER_JOBS results wait for a wake-up: 97 results, 32 + 32 + 32 + 1
-        assert wakes.count == 4, wakes.count
-    finally:
-        wakes.restore()
-        worker.close()
+    results = await _queued_behind_a_gate(worker, 3 * dbmod.HANDOVER_JOBS, job)
+    assert results[0] is True
+    for i, r in enumerate(results[1:]):
+        if i % 7 == 3:
+            assert isinstance(r, UompError) and r.message == f"job {i} failed"
+        else:
+            assert r == i
+    # at most HANDOVER_JOBS results wait for a wake-up: 97 results, 32 + 32 + 32 + 1
+    assert wakes.count == 4, wakes.count
 
 
-async def test_a_slow_job_does_not_hold_back_results_for_long() -> None:
+async def test_a_slow_job_does_not_hold_back_results_for_long(worker: DbWorker) -> None:
     """Results wait at most HANDOVER_SECONDS for later jobs, checked between jobs."""
-    worker = DbWorker("test", what="test database")
-    try:
-        gate = threading.Event()
-        held = asyncio.ensure_future(worker.run(gate.wait, 10))
-        await asyncio.sleep(0.05)
-        quick = [asyncio.ensure_future(worker.run(lambda v: v, i)) for i in range(3)]
-        slow_started = threading.Event()
-        release_slow = threading.Event()
-
-        def slow() -> str:
-            slow_started.set()
-            release_slow.wait(10)
-            return "slow"
-
-        # quick jobs, then a stretch of jobs that take longer than HANDOVER_SECONDS in all, then slow
-        busy = [asyncio.ensure_future(worker.run(threading.Event().wait, dbmod.HANDOVER_SECONDS))
-                for _ in range(3)]
-        slow_fut = asyncio.ensure_future(worker.run(slow))
-        await asyncio.sleep(0)
-        gate.set()
-        # the quick results are handed over before the slow job ends (it waits for us)
-        assert await asyncio.wait_for(asyncio.gather(*quick), timeout=5.0) == [0, 1, 2]
-        assert await held is True
-        assert not slow_fut.done()
-        release_slow.set()
-        assert await slow_fut == "slow"
-        await asyncio.gather(*busy)
-    finally:
-        worker.close()
+    gate, held = await _held(worker)
+    quick = [asyncio.ensure_future(worker.run(lambda v: v, i)) for i in range(3)]
+    # then a stretch of jobs that take longer than HANDOVER_SECONDS in all, then one that waits for us
+    busy = [asyncio.ensure_future(worker.run(threading.Event().wait, dbmod.HANDOVER_SECONDS)) for _ in range(3)]
+    release_slow = threading.Event()
+    slow = asyncio.ensure_future(worker.run(release_slow.wait, 10))
+    await asyncio.sleep(0)
+    gate.set()
+    # the quick results are handed over while the slow job still runs
+    assert await asyncio.wait_for(asyncio.gather(*quick), timeout=5.0) == [0, 1, 2]
+    assert await held is True
+    assert not slow.done()
+    release_slow.set()
+    assert await slow is True
+    await asyncio.gather(*busy)
 
 
-async def test_a_cancelled_caller_does_not_lose_the_others() -> None:
-    worker = DbWorker("test", what="test database")
-    try:
-        gate = threading.Event()
-        first = asyncio.ensure_future(worker.run(gate.wait, 10))
-        await asyncio.sleep(0.05)
-        futs = [asyncio.ensure_future(worker.run(lambda v: v, i)) for i in range(6)]
-        await asyncio.sleep(0)
-        futs[2].cancel()
-        gate.set()
-        results = await asyncio.gather(first, *futs, return_exceptions=True)
-        assert isinstance(results[3], asyncio.CancelledError)
-        assert [r for j, r in enumerate(results[1:]) if j != 2] == [0, 1, 3, 4, 5]
-    finally:
-        worker.close()
+async def test_a_cancelled_caller_does_not_lose_the_others(worker: DbWorker) -> None:
+    gate, first = await _held(worker)
+    futs = [asyncio.ensure_future(worker.run(lambda v: v, i)) for i in range(6)]
+    await asyncio.sleep(0)
+    futs[2].cancel()
+    gate.set()
+    results = await asyncio.gather(first, *futs, return_exceptions=True)
+    assert isinstance(results[3], asyncio.CancelledError)
+    assert [r for j, r in enumerate(results[1:]) if j != 2] == [0, 1, 3, 4, 5]
