@@ -16,8 +16,10 @@ and durable before it is answered), then one client (unloaded latency). CPU time
 of a commit counts) before and after the timed load, and divided by the requests answered; thread
 names come from ``py-spy dump`` when it is installed (it is in the dev extra), else the kernel's.
 
-Prints per tree: req/s, p50, CPU µs per request in all and per thread; then the ratio this/baseline.
-Nothing asserts a timing.
+Prints per tree: req/s, p50, CPU µs per request in all and per thread, the system part of it and
+the guard's context switches per request (voluntary + involuntary, all threads: one wake-up of the
+event loop or a worker per job shows here first; issue 13's DbWorker hand-over took it from 3.5-6.7
+to 1.2-1.5); then the ratio this/baseline. Nothing asserts a timing.
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ ROOT = HERE.parent
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _thread_cpu(pid: int) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _thread_cpu(pid: int) -> dict[str, tuple[int, int, int]]:
+    """Per thread of ``pid``: (user ticks, system ticks, context switches so far)."""
+    out: dict[str, tuple[int, int, int]] = {}
     for d in glob.glob(f"/proc/{pid}/task/*"):
         try:
             fields = Path(d, "stat").read_text().rsplit(")", 1)[1].split()
+            switches = sum(int(line.split()[1]) for line in Path(d, "status").read_text().splitlines()
+                           if "ctxt_switches:" in line)
         except OSError:  # the thread ended meanwhile
             continue
-        out[d.rsplit("/", 1)[1]] = int(fields[11]) + int(fields[12])
+        out[d.rsplit("/", 1)[1]] = (int(fields[11]), int(fields[12]), switches)
     return out
 
 
@@ -93,13 +98,16 @@ def child(args: argparse.Namespace) -> None:
                 after = _thread_cpu(srv.pid)
                 n = max(1, int(r["count"]))
                 per: dict[str, float] = {}
-                for tid, ticks in after.items():
-                    used = ticks - before.get(tid, 0)
-                    if used:
+                user = system = switches = 0
+                for tid, (u, sy, sw) in after.items():
+                    u0, sy0, sw0 = before.get(tid, (0, 0, 0))
+                    user, system, switches = user + u - u0, system + sy - sy0, switches + sw - sw0
+                    if u + sy - u0 - sy0:
                         key = _group(names.get(tid, "thread"))
-                        per[key] = per.get(key, 0.0) + used / TICK / n * 1e6
+                        per[key] = per.get(key, 0.0) + (u + sy - u0 - sy0) / TICK / n * 1e6
                 out[phase] = {"rps": r["rps"], "p50_ms": r["p50_ms"], "count": r["count"],
-                              "non200": r.get("non200", 0), "cpu_us": sum(per.values()), "threads": per}
+                              "non200": r.get("non200", 0), "cpu_us": sum(per.values()), "threads": per,
+                              "sys_us": system / TICK / n * 1e6, "switches": switches / n}
     print(json.dumps(out), flush=True)
 
 
@@ -161,7 +169,9 @@ def main() -> None:
             parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if v >= 1)
             print(f"{name:9s} {phase:9s} {rps:7.0f} {p50:7.2f} {cpu:10.0f}  {parts}")
             print(f"{'':19s} rounds: CPU us/req {[round(r['cpu_us']) for r in rows]}, "
-                  f"req/s {[round(r['rps']) for r in rows]}")
+                  f"req/s {[round(r['rps']) for r in rows]}; of the CPU, system "
+                  f"{statistics.median(r['sys_us'] for r in rows):.0f} us/req; context switches "
+                  f"{statistics.median(r['switches'] for r in rows):.2f}/req")
     if "baseline" in summary:
         this, base = summary["this"], summary["baseline"]
         print("\nRATIOS this/baseline: CPU per read (50 clients) x{:.2f}, (1 client) x{:.2f}; req/s x{:.2f} / x{:.2f}; "
