@@ -58,7 +58,16 @@ from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.audit import EXTRA_FIELDS, GATEWAY_ID_PREFIX, AuditLog, Row, anchor_chain, make_row, open_audit
+from gateway.guard.audit import (
+    EXTRA_FIELDS,
+    GATEWAY_ID_PREFIX,
+    MAX_AUDIT_PAGE,
+    AuditLog,
+    Row,
+    anchor_chain,
+    make_row,
+    open_audit,
+)
 from gateway.guard.auth import AuthService, SessionRow, token_hash
 from gateway.guard.items import MemoryItem
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
@@ -642,13 +651,8 @@ async def get_audit(request: web.Request) -> web.Response:
     if sid is not None and sid != cap.session_id:
         raise UompError(ErrorCode.ACCESS_DENIED, "an agent may read only its own session's audit log",
                         session_id=cap.session_id)
-    raw_limit = _param(request, "limit", required=False)
-    try:
-        limit = int(raw_limit) if raw_limit is not None else 100
-    except ValueError as exc:
-        raise UompError(ErrorCode.INVALID_REQUEST, "limit must be an integer") from exc
-    if not 1 <= limit <= 1000:
-        raise UompError(ErrorCode.INVALID_REQUEST, "limit must be between 1 and 1000")
+    # ASCII digits only, like every other limit: int() would also take "+5", " 5", "1_0" and "٥"
+    limit = _page_limit(request, MAX_AUDIT_PAGE) or 100
     await svc.audit.flush()
     return _json_response({"logs": await svc.audit.reader.run(functools.partial(
         svc.audit.for_session, cap.session_id, limit=limit))})
