@@ -30,6 +30,7 @@ import os
 import signal
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,17 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
+def _dashboard_line(base_url: str, ttl: float, mint: Callable[[], str], terminal: bool) -> str:
+    """What ``gateway start`` says of its dashboard. The one-time login link is a credential: it is
+    printed only to a terminal. Under systemd, Docker or a pipe, stdout is kept in a journal or a
+    log, so the line says how to get one instead (``uomp dashboard``), and no link is minted."""
+    if terminal:
+        return (f"dashboard: {base_url} (loopback only); one-time login link, valid {ttl:g} s: {mint()}  "
+                "('uomp dashboard' prints a new one)")
+    return (f"dashboard: {base_url} (loopback only); 'uomp dashboard' prints a one-time login link (none "
+            "printed here: this output is not a terminal and may be kept in a log)")
+
+
 async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: argparse.Namespace,
                tunnel: TunnelSettings | None = None, lock: appliance.ApplianceLock | None = None) -> None:
     from gateway.remote.server import GatewayRunner
@@ -228,8 +240,7 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
         lock.write(info)
     _banner(paths, gcfg, gw, guard, sup, info, with_guard=with_guard)
     if dash is not None:
-        _say(f"dashboard: {dash.base_url} (loopback only); one-time login link, valid "
-             f"{dash.cfg.login_ttl_seconds:g} s: {dash.login_link()}  ('uomp dashboard' prints a new one)")
+        _say(_dashboard_line(dash.base_url, dash.cfg.login_ttl_seconds, dash.login_link, sys.stdout.isatty()))
     try:
         await stop.wait()
     finally:

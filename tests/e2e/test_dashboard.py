@@ -580,8 +580,9 @@ def _backlog(paths: Paths) -> dict[str, Any]:
 
 
 def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Path) -> None:
-    """The real `uomp gateway start` (a subprocess) serves the dashboard on loopback, prints a
-    one-time link and records the listener; `uomp dashboard` then prints a new link for it."""
+    """The real `uomp gateway start` (a subprocess, its stdout a pipe as under systemd or Docker)
+    serves the dashboard on loopback and records the listener, but prints no login link: that output
+    may be a log. It says to run `uomp dashboard`, which prints a one-time link that works once."""
     import os
     import subprocess
     import sys
@@ -595,9 +596,10 @@ def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Pa
     env = {**os.environ, "UOMP_DASHBOARD_PORT": "0"}
     run = Running(home, env=env)
     try:
-        m = run.wait_line(r"^dashboard: (http://127\.0\.0\.1:(\d+)) \(loopback only\); .*?: (\S+/login\?t=\S+)")
-        base, link = m.group(1), m.group(3)
-        assert link.startswith(base + "/login?t=")
+        m = run.wait_line(r"^dashboard: (http://127\.0\.0\.1:(\d+)) \(loopback only\); 'uomp dashboard' prints "
+                          r"a one-time login link \(none printed here: this output is not a terminal")
+        base = m.group(1)
+        assert not any("login?t=" in line for line in run.out + run.err)
 
         class NoRedirect(urllib.request.HTTPRedirectHandler):
             def redirect_request(self, *a: Any, **k: Any) -> None:
@@ -610,7 +612,6 @@ def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Pa
                     return int(r.status)
             except urllib.error.HTTPError as e:
                 return int(e.code)
-        assert status_of(link) == 303 and status_of(link) == 403
         info = json.loads((home / "gateway" / "appliance.json").read_text())
         assert info["listeners"]["dashboard"] == base
         out = subprocess.run([sys.executable, "-m", "gateway.cli.main", "--home", str(home), "dashboard"],
@@ -620,7 +621,73 @@ def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Pa
         assert fresh and fresh.group(1).startswith(base)
         assert status_of(fresh.group(1)) == 303 and status_of(fresh.group(1)) == 403
         assert status_of(base + "/sessions") == 401
-        token = link.split("t=", 1)[1]
-        assert not any(token in line for line in run.err)  # the appliance's log (stderr) never has it
+        token = fresh.group(1).split("t=", 1)[1]
+        assert not any(token in line for line in run.out + run.err)  # the appliance's output never has it
     finally:
         assert run.stop() == 0
+
+
+def test_gateway_start_prints_the_login_link_to_a_terminal(tmp_path: Path) -> None:
+    """The partner: with stdout on a terminal (a pty here), `uomp gateway start` prints a one-time
+    login link, and it works once."""
+    import os
+    import pty
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    home = Path(tempfile.mkdtemp(prefix="uomp-tty-", dir="/tmp")) / "home"
+    env = {**os.environ, "UOMP_DASHBOARD_PORT": "0"}
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "--home", str(home), "gateway", "start",
+                             "--listen", "127.0.0.1:0", "--no-local-port"], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    seen: list[bytes] = []
+
+    def pump() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the other side closed
+                return
+            if not chunk:
+                return
+            seen.append(chunk)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rx = re.compile(rb"dashboard: (http://127\.0\.0\.1:\d+) \(loopback only\); one-time login link, valid "
+                        rb"[0-9.]+ s: (\S+/login\?t=\S+)")
+        deadline = time.monotonic() + 60
+        m = None
+        while m is None and time.monotonic() < deadline and proc.poll() is None:
+            m = rx.search(b"".join(seen))
+            time.sleep(0.05)
+        assert m is not None, b"".join(seen).decode(errors="replace")
+        base, link = m.group(1).decode(), m.group(2).decode()
+        assert link.startswith(base + "/login?t=")
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *a: Any, **k: Any) -> None:
+                return None
+
+        def status_of(url: str) -> int:
+            try:
+                with urllib.request.build_opener(NoRedirect).open(url, timeout=10) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as e:
+                return int(e.code)
+        assert status_of(link) == 303 and status_of(link) == 403
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        reader.join(5)
+        os.close(master)
