@@ -467,13 +467,15 @@ class AuthService:
         self._used.add(th)
 
     def validate(self, token: Any) -> dict[str, Any]:
-        """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a bad token."""
+        """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a
+        bad token; raises when the Auth Service could not decide (any 5xx: STORE_UNAVAILABLE, STORE_BUSY,
+        ...), which is not a verdict about the token and must not be cached or passed on as one."""
         if not isinstance(token, str):
             raise UompError(ErrorCode.INVALID_REQUEST, "token must be a string")
         try:
             cap, row = self.authenticate(token, allow_refresh=False)
         except UompError as exc:
-            if exc.code == ErrorCode.STORE_UNAVAILABLE:
+            if exc.status >= 500:
                 raise
             out: dict[str, Any] = {"valid": False, "code": exc.code, "message": exc.message}
             if exc.session_id:

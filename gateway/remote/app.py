@@ -227,7 +227,15 @@ class StatusCache:
         hit = self._cache.get(key)
         if hit is None or hit[0] <= now:
             status, body = await self.forwarder.json_call("POST", "/v1/tokens/validate", body={"token": token})
-            if status != 200:  # no validation route there (e.g. a Local Profile port): not an answer
+            if status != 200:
+                # The guard could not decide (STORE_BUSY: a lock held elsewhere; STORE_UNAVAILABLE): its
+                # error is passed on and nothing is cached. Anything else: no validation route there (a
+                # Local Profile port, say), which is not an answer either.
+                err = body.get("error") if isinstance(body, dict) else None
+                code = parse_code(err.get("code") if isinstance(err, dict) else None, ErrorCode.STORE_UNAVAILABLE)
+                if status == 503 and code in (ErrorCode.STORE_BUSY, ErrorCode.STORE_UNAVAILABLE):
+                    raise UompError(code, "the Auth Service could not check the session just now; try again "
+                                    "shortly", session_id=cap.session_id)
                 raise UompError(ErrorCode.STORE_UNAVAILABLE, "the guard behind the gateway does not answer token "
                                 "validation (it must be reached on its Unix socket)")
             if len(self._cache) >= self.max_entries:

@@ -29,6 +29,7 @@ from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
 from guardkit import admin_headers, call, guard_config
 
 from gateway.config import Paths
+from gateway.errors import UompError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,3 +199,43 @@ async def test_a_call_queued_too_long_is_refused_without_running(tmp_path: Path)
     finally:
         worker.close()
         conn.close()
+
+
+async def test_token_validation_that_cannot_decide_is_not_a_verdict(home: Paths) -> None:
+    """``POST /v1/tokens/validate`` for a superseded access token must revoke its session (a chain used
+    by two holders), which needs a write. With auth.db locked by another process that write times out:
+    the answer is 503 STORE_BUSY, never ``{"valid": false, "code": "STORE_BUSY"}``, which the gateway's
+    status cache would keep, and pass on, as SESSION_REVOKED. The gateway passes the 503 on and caches
+    nothing. Released: the verdict (REFRESH_REUSED), which revokes the session."""
+    import time
+
+    from gateway.core import tokens
+
+    cfg = guard_config(db_busy_timeout_seconds=0.5, db_queue_timeout_seconds=4.0)
+    async with appliance(home, guard_cfg=cfg) as app:
+        agent = app.agent("calendar_agent")
+        g = await app.grant(agent, refresh=True)
+        sid, rt = g["session_id"], g["refresh_token"]
+        first = await refresh(app, agent, sid, rt)  # its pair is never used ...
+        again = await refresh(app, agent, sid, rt)  # ... so the retry supersedes it
+        assert code(first) == code(again) == 200
+        superseded = first[1]["access_token"]
+
+        async def validate(token: str) -> tuple[int, Any]:
+            status, body, _ = await call(app.admin, "POST", "/v1/tokens/validate", json_body={"token": token})
+            return status, body
+
+        state = app.gateway.state
+        assert state is not None
+        cap = tokens.verify_token(superseded, state.public_keys, now=time.time())
+        with held_lock(home.auth_db):
+            assert code(await validate(superseded)) == BUSY
+            with pytest.raises(UompError) as exc:
+                await state.status.check(superseded, cap)
+            assert exc.value.code == "STORE_BUSY"
+        assert state.status._cache == {}  # type: ignore[attr-defined]  # nothing was kept as an answer
+        status, body = await validate(superseded)
+        assert status == 200 and body["valid"] is False and body["code"] == "REFRESH_REUSED"
+        with pytest.raises(UompError) as exc:  # that verdict revoked the session: refused from now on
+            await state.status.check(superseded, cap)
+        assert exc.value.code == "SESSION_REVOKED"
