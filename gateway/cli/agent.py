@@ -71,9 +71,12 @@ def _issue(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     lifetime = _lifetime(args.lifetime_hours)
     if args.csr is not None:
-        pem = ca_store.issue_from_csr(paths, args.agent_id, _read_input(args.csr), lifetime)
-        userlog.record(paths, "cert_issued", "the user issued an agent certificate (from a CSR)",
-                       agent_id=args.agent_id, detail=f"serial {ca.serial_hex(ca.load_cert(pem).serial_number)}")
+        csr = _read_input(args.csr)
+        with userlog.change(paths) as event:
+            pem = ca_store.issue_from_csr(paths, args.agent_id, csr, lifetime)
+            event.action, event.agent_id = "cert_issued", args.agent_id
+            event.reason = "the user issued an agent certificate (from a CSR)"
+            event.detail = f"serial {ca.serial_hex(ca.load_cert(pem).serial_number)}"
         if args.cert_out:
             atomic_write(Path(args.cert_out), pem, mode=0o644)
             cert = ca.load_cert(pem)
@@ -86,9 +89,10 @@ def _issue(args: argparse.Namespace) -> int:
         return 0
     if args.cert_out:
         raise UompError(ErrorCode.CA_ERROR, "--cert-out goes with --csr (--out writes agent.key and agent.crt)")
-    files = ca_store.issue_with_key(paths, args.agent_id, Path(args.out), lifetime, key_type=args.key_type)
-    userlog.record(paths, "cert_issued", "the user issued an agent certificate", agent_id=args.agent_id,
-                   detail=f"serial {files.serial}")
+    with userlog.change(paths) as event:
+        files = ca_store.issue_with_key(paths, args.agent_id, Path(args.out), lifetime, key_type=args.key_type)
+        event.action, event.agent_id, event.detail = "cert_issued", args.agent_id, f"serial {files.serial}"
+        event.reason = "the user issued an agent certificate"
     print(f"agent {args.agent_id}: {'new key' if files.new_key else 'existing key reused'}")
     print(f"  key:         {files.key_file} (0600)")
     print(f"  certificate: {files.cert_file} (0600, serial {files.serial}, valid until "
@@ -101,12 +105,13 @@ def revoke_agent(paths: Paths, target: str, *, keep_sessions: bool = False,
                  via: str = "uomp agent revoke") -> tuple[ca_store.Revocation, home.SessionSweep]:
     """Revoke certificates (an agent's, or a serial and its renewals), re-sign the CRL, and revoke
     the live sessions bound to them (unless ``keep_sessions``). Used by the CLI and the dashboard."""
-    done = ca_store.revoke_target(paths, target)
-    if done.revoked:
-        agent = done.agent_ids[0] if len(done.agent_ids) == 1 else userlog.USER_AGENT
-        userlog.record(paths, "cert_revoked", f"the user revoked {len(done.revoked)} agent certificate(s)",
-                       agent_id=agent, detail=f"target {target[:120]}", count=len(done.revoked),
-                       via="dashboard" if via.startswith("dashboard") else "cli")
+    with userlog.change(paths, via="dashboard" if via.startswith("dashboard") else "cli") as event:
+        done = ca_store.revoke_target(paths, target)
+        if done.revoked:  # (nothing new revoked: no event)
+            event.action, event.count = "cert_revoked", len(done.revoked)
+            event.agent_id = done.agent_ids[0] if len(done.agent_ids) == 1 else userlog.USER_AGENT
+            event.reason = f"the user revoked {len(done.revoked)} agent certificate(s)"
+            event.detail = f"target {target[:120]}"
     by_agent = [a for a in done.agent_ids if target in (a, f"agent:{a}")]
     sweep = home.revoke_sessions(paths, reason=f"agent certificate revoked ('{via} {target}')",
                                  agent_ids=by_agent, jkts=done.jkts, x5ts=done.x5ts, keep=keep_sessions)

@@ -87,9 +87,11 @@ def _rotate(args: argparse.Namespace) -> int:
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
     lifetime = max(cfg.token_lifetime_seconds, cfg.refresh_lifetime_seconds)
     before = set(keys.load_public_keys(paths))
-    kid = keys.rotate(paths, max_token_lifetime=lifetime, revoke_old=args.revoke_old)
-    userlog.record(paths, "key_rotated", "the user rotated the token signing key" +
-                   (" and revoked the old keys" if args.revoke_old else ""), detail=f"new kid {kid}")
+    with userlog.change(paths) as event:
+        kid = keys.rotate(paths, max_token_lifetime=lifetime, revoke_old=args.revoke_old)
+        event.action, event.detail = "key_rotated", f"new kid {kid}"
+        event.reason = "the user rotated the token signing key" + (" and revoked the old keys" if args.revoke_old
+                                                                   else "")
     print(f"new signing key {kid}")
     if not args.revoke_old:
         print(f"old public keys stay trusted (retired) for {lifetime} s so live tokens keep working; "

@@ -7,6 +7,7 @@ guard). ``uomp init`` also creates the store, through :data:`gateway.cli.home.IN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -54,7 +55,7 @@ def _add(args: argparse.Namespace) -> int:
     for tag in args.tags:
         if tag not in tags:
             tags.append(tag)
-    with _open_store(args) as store:
+    with _open_store(args) as store, userlog.change(paths_from(args)) as event:
         existing = store.get(args.key)
         if existing is not None and not args.replace:
             raise UompError(ErrorCode.INVALID_REQUEST, "an item with this key already exists; pass --replace to "
@@ -64,8 +65,8 @@ def _add(args: argparse.Namespace) -> int:
                           source="user", created_at=existing.created_at if existing else now, updated_at=now,
                           description=args.description)
         store.put(item, replace=args.replace)
-    userlog.record(paths_from(args), "memory_replaced" if existing else "memory_added",
-                   "the user replaced a memory item" if existing else "the user added a memory item", key=args.key)
+        event.action, event.key = ("memory_replaced" if existing else "memory_added"), args.key
+        event.reason = "the user replaced a memory item" if existing else "the user added a memory item"
     print(f"{'replaced' if existing else 'added'} {args.key}")
     return 0
 
@@ -97,10 +98,10 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
+    with _open_store(args) as store, userlog.change(paths_from(args)) as event:
         if not store.delete(args.key):
             raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
-    userlog.record(paths_from(args), "memory_deleted", "the user deleted a memory item", key=args.key)
+        event.action, event.reason, event.key = "memory_deleted", "the user deleted a memory item", args.key
     print(f"deleted {args.key}")
     return 0
 
@@ -163,12 +164,18 @@ def _import(args: argparse.Namespace) -> int:
             progress = path.stat().st_size >= PROGRESS_MIN_BYTES
         except OSError:
             progress = False
-    with _open_store(args) as store:
+    # a dry run changes nothing: it needs no audit log (and records nothing)
+    recorded = contextlib.nullcontext(userlog.UserEvent()) if args.dry_run else userlog.change(paths_from(args))
+    with _open_store(args) as store, recorded as event:
         report = import_file(
             store, path, fmt=args.format, delimiter=args.delimiter, mappings=_mappings(args.map),
             extra_tags=args.tags or (), sensitivity=args.sensitivity, replace=args.replace,
             dry_run=args.dry_run, progress=ProgressBar() if progress else None, date_order=args.date_order,
             keep_text=args.keep_text or ())
+        if not report.dry_run:
+            event.action, event.count = "memory_imported", report.rows_written
+            event.detail = f"format {path.suffix[1:]}"
+            event.reason = f"the user imported {report.rows_written} items ({report.replaced} replaced)"
     for notice in report.notices:
         print(f"note: {notice}")
     replaced = f" ({report.replaced} replaced)" if report.replaced else ""
@@ -176,8 +183,6 @@ def _import(args: argparse.Namespace) -> int:
         would = f" ({report.replaced} would be replaced)" if report.replaced else ""
         print(f"dry run: {report.rows_valid} items from {path.name} are valid{would}; nothing was written")
     else:
-        userlog.record(paths_from(args), "memory_imported", f"the user imported {report.rows_written} items "
-                       f"({report.replaced} replaced)", count=report.rows_written, detail=f"format {path.suffix[1:]}")
         print(f"imported {report.rows_written} items from {path.name}{replaced}")
     return 0
 

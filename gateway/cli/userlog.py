@@ -5,31 +5,65 @@ Agents' reads are not the only thing worth a record: a user (or someone at the u
 changing what agents can read or who they are must leave a trace in the same verifiable log. The
 events carry ``session_id`` ``"user"``, ``via`` ``"cli"`` (or ``"dashboard"``), and the agent the change
 concerns where there is one, so ``uomp audit --session user`` lists them and ``--agent X`` shows an
-agent's certificates beside its reads. The event is durable before the command reports success.
+agent's certificates beside its reads.
+
+Every change runs inside :func:`change`: the audit log is opened and one write transaction is tried
+*before* the change is made, so a log that another process holds locked, that cannot be written or
+that is inconsistent refuses the command with nothing changed. The event is durable before the
+command reports success. What is left: a disk that fills up between the change and its event (the
+change and the log share ``$UOMP_HOME``); the command then says the change was made and its event
+is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import GuardConfig, Paths, load_section
+from gateway.errors import UompError
 from gateway.guard.audit import open_audit
 
 USER_SESSION = "user"
 USER_AGENT = "user"
 
 
-def record(paths: Paths, action: str, reason: str, *, agent_id: str = USER_AGENT, key: str | None = None,
-           detail: str | None = None, count: int | None = None, via: str = "cli") -> None:
-    """Write one allowed event for a change the user made, and wait until it is durable."""
+@dataclass
+class UserEvent:
+    """What the change inside :func:`change` did; no ``action``: nothing changed, no event."""
+
+    action: str | None = None
+    reason: str = ""
+    agent_id: str = USER_AGENT
+    key: str | None = None
+    detail: str | None = None
+    count: int | None = None
+
+
+@contextlib.contextmanager
+def change(paths: Paths, *, via: str = "cli") -> Iterator[UserEvent]:
+    """Around one change the user makes (see the module docstring). The block makes the change and
+    fills in the event it yields; an exception from the block records nothing and goes on."""
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
     audit = open_audit(paths, cfg)
     try:
+        audit.writer.probe_sync()  # a write transaction now: refused here, before anything changes
+        event = UserEvent()
+        yield event
+        if event.action is None:
+            return
         extra: dict[str, Any] = {"origin": via}
-        if count is not None:
-            extra["count"] = count
-        ticket = audit.record(session_id=USER_SESSION, agent_id=agent_id, action=action, allowed=True,
-                              reason=reason, key=key, detail=detail, via=via, extra=extra)
-        audit.flush_sync(ticket)
+        if event.count is not None:
+            extra["count"] = event.count
+        ticket = audit.record(session_id=USER_SESSION, agent_id=event.agent_id, action=event.action, allowed=True,
+                              reason=event.reason, key=event.key, detail=event.detail, via=via, extra=extra)
+        try:
+            audit.flush_sync(ticket)
+        except UompError as exc:
+            raise UompError(exc.code, f"the change WAS made, but its audit event could not be written "
+                            f"({exc.message}); free space on the disk of {paths.home}, then check the log with "
+                            "'uomp audit verify'") from exc
     finally:
         audit.close()
