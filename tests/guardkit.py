@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -94,3 +97,30 @@ async def grant(session: aiohttp.ClientSession, paths: Paths, *, read: dict[str,
                                                                              **grant_extra})
     assert status == 200, granted
     return dict(granted)
+
+
+LOCKER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+conn.close()
+"""
+
+
+@contextlib.contextmanager
+def held_lock(db: Path) -> Iterator[None]:
+    """Another process holds ``BEGIN IMMEDIATE`` on ``db`` until the block ends."""
+    proc = subprocess.Popen([sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write("\n")
+            proc.stdin.close()
+        proc.wait(30)

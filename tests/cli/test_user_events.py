@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from gatewaykit import ledger_events, verify_ledger
+from guardkit import held_lock
 
 from gateway.cli.main import main
 from gateway.config import Paths
@@ -65,25 +66,12 @@ def test_certificates_and_key_rotation_are_events(home: Paths, tmp_path: Path) -
     assert verify_ledger(home).ok
 
 
-LOCKER = """
-import sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
-conn.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-sys.stdin.readline()
-conn.execute("ROLLBACK")
-"""
-
-
 def test_a_log_that_cannot_be_written_refuses_the_change_before_it_is_made(
         home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
     """Another process holds audit.db locked: every command that changes something is refused with
     STORE_BUSY and changes nothing (before: the item was added, then the command failed on its
     event). Commands that change nothing (a dry-run import) still work. Released: the same command
     works and records its event."""
-    import subprocess
-    import sys
-
     from gateway.guard.store import MemoryStore
 
     assert uomp(home, "init") == 0
@@ -92,21 +80,13 @@ def test_a_log_that_cannot_be_written_refuses_the_change_before_it_is_made(
     src = home.home / "items.csv"
     src.write_text("key,value,tags\nh.a,1,holding\n")
     assert uomp(home, "memory", "add", "preference.lang", "--value", '"en"', *TAGS) == 0  # one event before
-    proc = subprocess.Popen([sys.executable, "-c", LOCKER, str(home.audit_db)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    with held_lock(home.audit_db):
         capsys.readouterr()
         assert uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', *TAGS) != 0
         assert uomp(home, "import", str(src), "--sensitivity", "low") != 0
         assert "STORE_BUSY" in capsys.readouterr().err
         assert uomp(home, "import", str(src), "--sensitivity", "low", "--dry-run") == 0  # changes nothing
         assert uomp(home, "keys", "rotate") != 0
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.write("\n")
-        proc.stdin.close()
-        proc.wait(30)
     store = MemoryStore(home.memory_db)
     try:
         assert store.get("preference.theme") is None and store.get("h.a") is None  # nothing was changed

@@ -17,48 +17,17 @@ loop, so a wait for the lock on that loop would stall everything here too. Check
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
-from guardkit import admin_headers, call, guard_config
+from guardkit import admin_headers, call, guard_config, held_lock
 
 from gateway.config import Paths
 from gateway.errors import UompError
 
 pytestmark = pytest.mark.timeout(120)
-
-LOCKER = """
-import sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
-conn.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-sys.stdin.readline()
-conn.execute("ROLLBACK")
-conn.close()
-"""
-
-
-@contextlib.contextmanager
-def held_lock(db: Path) -> Iterator[None]:
-    """Another process holds ``BEGIN IMMEDIATE`` on ``db`` until the block ends."""
-    proc = subprocess.Popen([sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
-        yield
-    finally:
-        assert proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.write("\n")
-            proc.stdin.close()
-        proc.wait(30)
-
 
 async def read(app: Appliance, agent: Agent, token: str) -> tuple[int, Any]:
     async with agent_session(agent, app.paths) as s:
