@@ -71,7 +71,11 @@ async def test_a_new_token_or_agent_header_on_the_connection_is_checked_again(ap
         status, body, _ = await agent_call(s, app.base, KEY, token=g["token"], agent_id=None)
         assert status == 400 and refused_by_gateway(app, "INVALID_REQUEST")
         # another token string (its signature broken): verified again, not taken for the one that passed
-        status, body, _ = await agent_call(s, app.base, KEY, token=g["token"][:-2] + "AA", agent_id=a.agent_id)
+        # (two other canonical base64url characters: a fixed "AA" was the same token 1 run in 4,096)
+        tok = g["token"]
+        broken = tok[:-2] + ("AA" if tok[-2:] != "AA" else "BA")
+        assert broken != tok
+        status, body, _ = await agent_call(s, app.base, KEY, token=broken, agent_id=a.agent_id)
         assert status == 401 and refused_by_gateway(app, "INVALID_TOKEN")
         assert (await agent_call(s, app.base, KEY, token=g["token"], agent_id=a.agent_id))[0] == 200
 
