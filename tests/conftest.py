@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gateway.config import Paths
 from gateway.keys import init_home
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """``uomp`` commands run in-process (``gateway.cli.main.main``) point the root logger at the
+    ``sys.stderr`` of the moment, which is a capture stream that closes with the test; put the
+    root logger back, so that later tests do not log into a closed file."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
