@@ -334,49 +334,45 @@ class AgentCall:
         except UompError as exc:  # the store failed: refused (and audited) with the session known
             return cap, row, remaining, exc, None
 
-    async def authenticate_then(self, then: Callable[..., T], *args: Any) -> tuple[Capability, T]:
-        """:meth:`authenticate` (``read=True``), then ``then(cap, *args)`` in the same job on the
-        auth.db worker: a read's store work rides the thread trip its authentication makes."""
+    async def _on_worker(self, job: Callable[..., tuple[Any, ...]], *args: Any) -> tuple[Any, ...]:
+        """``job(token, th, presented, *args)`` on the auth.db worker; its answer starts with (cap,
+        row, remaining, refusal). A refusal with no cap (authentication failed) is audited (``deny``)
+        and raised here; the caller handles the rest."""
         presented: checks.Presented | None = None
         try:
             token, th, presented = prepare(self.request)
-            cap, row, remaining, refusal, result = await self.svc.authdb(
-                self._authenticate_then_on_worker, token, th, presented, then, args)
-            if cap is None:
-                assert refusal is not None
-                raise refusal
-        except UompError as exc:
-            self.deny(exc, agent_id=(presented.proven_agent if presented is not None else None) or "unknown")
-            raise
-        self.cap, self.row, self.remaining = cap, row, remaining
-        if refusal is not None:
-            self.deny(refusal)
-            raise refusal
-        return cap, result  # type: ignore[return-value]
-
-    async def authenticate(self, *, read: bool = False) -> Capability:
-        """§10.4 steps 1-4 (with the checks of :func:`presented_for`) and, with ``read``, step 5 (the
-        read quota): one trip to the auth.db worker. A refusal is audited (``deny``) and raised."""
-        presented: checks.Presented | None = None
-        try:
-            token, th, presented = prepare(self.request)
-            cap, row, remaining, refusal = await self.svc.authdb(
-                self._authenticate_on_worker, token, th, presented, read)
-            if cap is None:
-                assert refusal is not None
-                raise refusal
+            out = await self.svc.authdb(job, token, th, presented, *args)
+            if out[0] is None:
+                assert out[3] is not None
+                raise out[3]
         except UompError as exc:
             # A forwarded request's agent is known even when its session is not usable (revoked,
             # closed, expired): the gateway verified certificate, token and header and asserted it.
             self.deny(exc, agent_id=(presented.proven_agent if presented is not None else None) or "unknown")
             raise
+        return out
+
+    async def authenticate_then(self, then: Callable[..., T], *args: Any) -> tuple[Capability, T]:
+        """:meth:`authenticate` (``read=True``), then ``then(cap, *args)`` in the same job on the
+        auth.db worker: a read's store work rides the thread trip its authentication makes."""
+        cap, row, remaining, refusal, result = await self._on_worker(self._authenticate_then_on_worker, then, args)
+        self.cap, self.row, self.remaining = cap, row, remaining
+        if refusal is not None:
+            self.deny(refusal)
+            raise refusal
+        return cap, result
+
+    async def authenticate(self, *, read: bool = False) -> Capability:
+        """§10.4 steps 1-4 (with the checks of :func:`presented_for`) and, with ``read``, step 5 (the
+        read quota): one trip to the auth.db worker. A refusal is audited (``deny``) and raised."""
+        cap, row, remaining, refusal = await self._on_worker(self._authenticate_on_worker, read)
         self.cap, self.row = cap, row
         if read:
             self.remaining = remaining
         if refusal is not None:
             self.deny(refusal)
             raise refusal
-        return cap
+        return cap  # type: ignore[no-any-return]
 
     def _submit(self, row: Row) -> None:
         self.ticket = self.svc.audit.submit(row)
