@@ -67,11 +67,12 @@ def test_certificates_and_key_rotation_are_events(home: Paths, tmp_path: Path) -
 
 
 def test_a_log_that_cannot_be_written_refuses_the_change_before_it_is_made(
-        home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
+        home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Another process holds audit.db locked: every command that changes something is refused with
     STORE_BUSY and changes nothing (before: the item was added, then the command failed on its
     event). Commands that change nothing (a dry-run import) still work. Released: the same command
     works and records its event."""
+    from gateway import ca_store
     from gateway.guard.store import MemoryStore
 
     assert uomp(home, "init") == 0
@@ -80,18 +81,31 @@ def test_a_log_that_cannot_be_written_refuses_the_change_before_it_is_made(
     src = home.home / "items.csv"
     src.write_text("key,value,tags\nh.a,1,holding\n")
     assert uomp(home, "memory", "add", "preference.lang", "--value", '"en"', *TAGS) == 0  # one event before
+    assert uomp(home, "agent", "issue", "calendar_agent", "--out", str(tmp_path / "cal")) == 0
+    jwks = home.home / ".secrets" / "jwks.json"  # the trusted public keys: a rotation adds one
+    crl, public_keys = ca_store.crl_path(home).read_bytes(), jwks.read_bytes()
     with held_lock(home.audit_db):
         capsys.readouterr()
         assert uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', *TAGS) != 0
         assert uomp(home, "import", str(src), "--sensitivity", "low") != 0
         assert "STORE_BUSY" in capsys.readouterr().err
         assert uomp(home, "import", str(src), "--sensitivity", "low", "--dry-run") == 0  # changes nothing
+        assert uomp(home, "memory", "rm", "preference.lang") != 0
         assert uomp(home, "keys", "rotate") != 0
+        assert uomp(home, "agent", "issue", "travel_agent", "--out", str(tmp_path / "travel")) != 0
+        assert uomp(home, "agent", "revoke", "calendar_agent") != 0
+    assert not (tmp_path / "travel" / "agent.crt").exists()  # no certificate issued
+    assert ca_store.crl_path(home).read_bytes() == crl  # nothing revoked
+    assert jwks.read_bytes() == public_keys  # no key rotated
     store = MemoryStore(home.memory_db)
     try:
         assert store.get("preference.theme") is None and store.get("h.a") is None  # nothing was changed
+        assert store.get("preference.lang") is not None
     finally:
         store.close()
-    assert [e.get("key") for e in user_events(home)] == ["preference.lang"]  # and recorded nothing
+    assert [e["action"] for e in user_events(home)] == ["memory_added", "cert_issued"]  # and recorded nothing
     assert uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', *TAGS) == 0
-    assert [e.get("key") for e in user_events(home)] == ["preference.lang", "preference.theme"]
+    assert uomp(home, "agent", "revoke", "calendar_agent") == 0
+    assert [e["action"] for e in user_events(home)] == ["memory_added", "cert_issued", "memory_added", "cert_revoked"]
+    assert ca_store.crl_path(home).read_bytes() != crl
+    assert uomp(home, "keys", "rotate") == 0 and jwks.read_bytes() != public_keys
