@@ -16,6 +16,12 @@ or raises having made none of it durable (rolled back). Around that it provides:
   so the log can count the lost records as the refusals their clients are about to get.
 * **a bound**: at most ``max_pending`` records / ``max_pending_bytes`` bytes wait; beyond that
   ``submit`` raises ``STORE_UNAVAILABLE`` instead of growing.
+* **caller-runs**: :meth:`GroupCommitWriter.write_here` writes the pending batch on the calling
+  thread when no batch is being written (the same batch, outcome and bookkeeping as the writer
+  thread's; the two never write at once). A thread that has a record to make durable and nothing
+  else to do (a database worker answering the guard's only read) saves the hand-over to the writer
+  thread and back; under load the writer thread's batches overlap the caller's work instead
+  (:meth:`write_here_if_idle`).
 * **failing state**: :attr:`GroupCommitWriter.failing` is the reason of the last batch when it
   failed (``None`` once a batch succeeds). :meth:`GroupCommitWriter.probe` runs a batch even with
   nothing pending, so a log in fail-closed mode finds out as soon as its next write fits.
@@ -102,6 +108,7 @@ class GroupCommitWriter(Generic[T]):
         self.failing: str | None = None  # reason of the last batch if it failed
         self.batches_written = 0
         self.batches_failed = 0
+        self.batches_here = 0  # batches (either outcome) written by write_here's caller, not the thread
         self._logged_at = 0.0
         self._wrapped: dict[tuple[int, int], tuple[Future[None], asyncio.Future[None]]] = {}
         self._thread = threading.Thread(target=self._run, name=f"{name}-writer", daemon=True)
@@ -131,6 +138,11 @@ class GroupCommitWriter(Generic[T]):
     def issued(self) -> int:
         return self._issued
 
+    @property
+    def idle(self) -> bool:
+        """Nothing pending and no batch being written (a hint for callers: read without the lock)."""
+        return not self._pending and self._inflight is None
+
     # ----------------------------------------------------------------------------- waiting
 
     def _future_for(self, ticket: int | None, *, force: bool = False, defer: bool = False
@@ -154,8 +166,11 @@ class GroupCommitWriter(Generic[T]):
             self._cond.notify()
 
     def _request(self) -> None:
+        """A flush's deferred request. Nothing pending: a ``write_here`` took the open batch meanwhile
+        (the flush waits on that batch), and an empty one would be a transaction for nothing."""
         with self._cond:
-            self._request_locked()
+            if self._pending:
+                self._request_locked()
 
     def _failed_error(self) -> UompError:
         return UompError(
@@ -222,57 +237,106 @@ class GroupCommitWriter(Generic[T]):
 
     # ----------------------------------------------------------------------------- the thread
 
+    def _take_locked(self) -> tuple[list[T], int, int, Future[None]]:
+        """Take the pending batch to write it (lock held, no batch in flight)."""
+        batch, self._pending = self._pending, []
+        self._pending_bytes = 0
+        lo, hi = self._settled + 1, self._issued
+        fut, self._open = self._open, Future()
+        fut.set_running_or_notify_cancel()
+        self._inflight, self._inflight_hi = fut, hi
+        self._requested = False  # whoever asked for the open batch gets it now
+        return batch, lo, hi, fut
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._requested and not self._closing:
+                while (not self._requested or self._inflight is not None) and not self._closing:
                     self._cond.wait()
+                if self._inflight is not None:  # closing while a caller writes: wait for it
+                    self._cond.wait()
+                    continue
                 if self._closing and not self._requested and not self._pending:
                     return
-                batch, self._pending = self._pending, []
-                self._pending_bytes = 0
-                lo, hi = self._settled + 1, self._issued
-                fut, self._open = self._open, Future()
-                fut.set_running_or_notify_cancel()
-                self._inflight, self._inflight_hi = fut, hi
-                self._requested = False
-            try:
-                self._write(batch)
-            except BaseException as exc:
-                reason = describe_failure(exc)
-                now = time.monotonic()
-                if self.failing != reason or now - self._logged_at >= FAILURE_LOG_INTERVAL_SECONDS:
-                    self._logged_at = now  # said once when it starts, then at most every interval
-                    log.error("%s: write failed (%s); refusing with STORE_UNAVAILABLE until a write fits "
-                              "(%d failed batch(es) so far)", self.name, reason, self.batches_failed + 1)
-                if self._on_failed is not None:
-                    try:
-                        self._on_failed(batch, exc)
-                    except Exception:
-                        log.exception("%s: on_failed hook failed", self.name)
-                with self._cond:
-                    self.failing = reason
-                    self.batches_failed += 1
-                    if hi >= lo:
-                        self._failed.append((lo, hi))
-                    self._settled = max(self._settled, hi)
-                    self._inflight = None
-                busy = isinstance(exc, UompError) and exc.code == ErrorCode.STORE_BUSY
-                code = ErrorCode.STORE_BUSY if busy else ErrorCode.STORE_UNAVAILABLE
-                err = UompError(code, f"the {self.name} could not be written ({reason})")
-                err.__cause__ = exc
-                fut.set_exception(err)
-            else:
-                if self.failing is not None:
-                    log.warning("%s: writing again after %d failed batch(es)", self.name, self.batches_failed)
-                with self._cond:
-                    self.failing = None
-                    self.batches_written += 1
-                    self._settled = max(self._settled, hi)
-                    self._inflight = None
-                if self._on_written is not None:
-                    self._on_written(len(batch))
-                fut.set_result(None)
+                batch, lo, hi, fut = self._take_locked()
+            self._write_settle(batch, lo, hi, fut)
+
+    def write_here_if_idle(self, ticket: int) -> bool:
+        """:meth:`write_here` when no batch is being written (True), else nothing (False): under load
+        the writer thread's batches overlap the caller's other work, and a caller that waited here would
+        only serialize them."""
+        with self._cond:
+            if self._inflight is not None or self._closing:
+                return False
+        self.write_here(ticket)
+        return True
+
+    def write_here(self, ticket: int) -> None:
+        """Make ``ticket`` durable on the calling thread: when no batch is being written, this thread
+        writes everything pending (its own records and anyone else's) as one batch, with the same
+        outcome for every waiter as a batch of the writer thread; else it waits for that batch and
+        looks again. Raises like :meth:`flush` when the ticket's batch failed."""
+        while True:
+            with self._cond:
+                fut, failed = self._future_for(ticket, defer=True)
+                if failed:
+                    raise self._failed_error()
+                if fut is None:
+                    return
+                if self._inflight is None and not self._closing:
+                    batch, lo, hi, fut = self._take_locked()
+                    break
+                busy = self._inflight
+                if busy is None:  # closing: the writer thread finishes what is pending
+                    self._request_locked()
+                    busy = self._open
+            busy.exception()  # wait for that batch (its outcome is looked at again above)
+        self.batches_here += 1
+        self._write_settle(batch, lo, hi, fut)
+        exc = fut.exception()
+        if exc is not None:
+            raise exc
+
+    def _write_settle(self, batch: list[T], lo: int, hi: int, fut: Future[None]) -> None:
+        try:
+            self._write(batch)
+        except BaseException as exc:
+            reason = describe_failure(exc)
+            now = time.monotonic()
+            if self.failing != reason or now - self._logged_at >= FAILURE_LOG_INTERVAL_SECONDS:
+                self._logged_at = now  # said once when it starts, then at most every interval
+                log.error("%s: write failed (%s); refusing with STORE_UNAVAILABLE until a write fits "
+                          "(%d failed batch(es) so far)", self.name, reason, self.batches_failed + 1)
+            if self._on_failed is not None:
+                try:
+                    self._on_failed(batch, exc)
+                except Exception:
+                    log.exception("%s: on_failed hook failed", self.name)
+            with self._cond:
+                self.failing = reason
+                self.batches_failed += 1
+                if hi >= lo:
+                    self._failed.append((lo, hi))
+                self._settled = max(self._settled, hi)
+                self._inflight = None
+                self._cond.notify_all()
+            busy = isinstance(exc, UompError) and exc.code == ErrorCode.STORE_BUSY
+            code = ErrorCode.STORE_BUSY if busy else ErrorCode.STORE_UNAVAILABLE
+            err = UompError(code, f"the {self.name} could not be written ({reason})")
+            err.__cause__ = exc
+            fut.set_exception(err)
+        else:
+            if self.failing is not None:
+                log.warning("%s: writing again after %d failed batch(es)", self.name, self.batches_failed)
+            with self._cond:
+                self.failing = None
+                self.batches_written += 1
+                self._settled = max(self._settled, hi)
+                self._inflight = None
+                self._cond.notify_all()
+            if self._on_written is not None:
+                self._on_written(len(batch))
+            fut.set_result(None)
 
     def close(self) -> None:
         """Write what is pending (errors logged, not raised), stop the thread."""

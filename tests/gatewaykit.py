@@ -18,6 +18,7 @@ from gateway import ca_store
 from gateway.client.tls import build_client_context
 from gateway.config import GatewayConfig, GuardConfig, Paths
 from gateway.core import jose
+from gateway.guard.server import GuardRunner
 from gateway.remote.server import GatewayRunner
 
 
@@ -45,6 +46,7 @@ class Appliance:
     paths: Paths
     gateway: GatewayRunner
     admin: aiohttp.ClientSession
+    guard: GuardRunner | None = None  # the in-process guard (its services: counters, state)
 
     @property
     def base(self) -> str:
@@ -74,11 +76,11 @@ async def appliance(paths: Paths, *, guard_cfg: GuardConfig | None = None,
     ca_store.init_all(paths)
     seed(paths)
     cfg = dataclasses.replace(GatewayConfig(listen_port=0), **gateway_overrides)
-    async with running_guard(paths, guard_cfg, serve_tcp=False), unix_session(paths) as admin:
+    async with running_guard(paths, guard_cfg, serve_tcp=False) as guard, unix_session(paths) as admin:
         gw = GatewayRunner(paths, cfg)
         await gw.start()
         try:
-            yield Appliance(paths, gw, admin)
+            yield Appliance(paths, gw, admin, guard)
         finally:
             await gw.stop()
 

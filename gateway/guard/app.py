@@ -36,7 +36,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -56,7 +56,7 @@ from gateway.contract import (
 )
 from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
-from gateway.db import DbWorker
+from gateway.db import DbWorker, Durable
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import (
     EXTRA_FIELDS,
@@ -92,6 +92,7 @@ class GuardServices:
     reads: ReadState
     # Local Profile audiences this guard answers to (the configured port, and the bound one)
     local_audiences: set[str] = dataclasses.field(default_factory=set)
+    reads_in_flight: int = 0  # reads by key being answered (see get_key)
 
     def add_local_port(self, port: int) -> None:
         self.local_audiences.update(checks.norm_endpoint(u) for u in (f"http://127.0.0.1:{port}",
@@ -102,7 +103,9 @@ class GuardServices:
         audit = open_audit(paths, cfg)
         auth = AuthService(paths, cfg, audit)
         store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
-        worker = DbWorker("auth", what="session database", queue_timeout=cfg.db_queue_timeout_seconds)
+        # a read that is the guard's only one has its event written by this worker (get_key)
+        worker = DbWorker("auth", what="session database", queue_timeout=cfg.db_queue_timeout_seconds,
+                          durable=audit.writer.write_here_if_idle)
         reads = ReadState(paths.reads_db, max_sets_per_session=cfg.aggregate_max_sets_per_session,
                           max_rows=cfg.aggregate_history_max_rows)
         svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths), worker, reads)
@@ -305,6 +308,11 @@ class AgentCall:
         self.row: SessionRow | None = None
         self.remaining: int | None = None
         self.ticket: int | None = None  # the audit row to wait for before answering
+        self.event_id: str | None = None
+        # set by get_key for the guard's only read in flight: its event is made on the worker, with
+        # what the event loop took from the request beforehand (event_context)
+        self.alone = False
+        self.context: tuple[int, str, dict[str, Any]] | None = None
 
     def _authenticate_on_worker(self, token: str, th: str, presented: checks.Presented, read: bool
                                 ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None]:
@@ -329,10 +337,14 @@ class AgentCall:
         cap, row, remaining, refusal = self._authenticate_on_worker(token, th, presented, True)
         if cap is None or refusal is not None:
             return cap, row, remaining, refusal, None
+        self.cap, self.row, self.remaining = cap, row, remaining  # (for an event made on the worker)
         try:
-            return cap, row, remaining, None, then(cap, *args)
+            result = then(cap, *args)
         except UompError as exc:  # the store failed: refused (and audited) with the session known
             return cap, row, remaining, exc, None
+        if isinstance(result, Durable):  # the worker hands it over once its event is durable
+            return Durable(result.ticket, (cap, row, remaining, None, result.value))  # type: ignore[return-value]
+        return cap, row, remaining, None, result
 
     async def _on_worker(self, job: Callable[..., tuple[Any, ...]], *args: Any) -> tuple[Any, ...]:
         """``job(token, th, presented, *args)`` on the auth.db worker; its answer starts with (cap,
@@ -346,6 +358,12 @@ class AgentCall:
                 assert out[3] is not None
                 raise out[3]
         except UompError as exc:
+            if self.event_id is not None:
+                # the answer's event, made on the worker, could not be written: the request is refused
+                # (503) as when the event loop's flush fails, and the log counts it (audit_gap); the
+                # answer names that event, so the gateway does not write one of its own either
+                self.request[EVENT_KEY] = self.event_id
+                raise
             # A forwarded request's agent is known even when its session is not usable (revoked,
             # closed, expired): the gateway verified certificate, token and header and asserted it.
             self.deny(exc, agent_id=(presented.proven_agent if presented is not None else None) or "unknown")
@@ -378,15 +396,33 @@ class AgentCall:
         self.ticket = self.svc.audit.submit(row)
         self.request[EVENT_KEY] = row[0]  # the gateway writes nothing of its own for this request
 
-    def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None,
-               code: str | None = None) -> None:
+    def event_context(self, code: str | None = None) -> tuple[int, str, dict[str, Any]]:
+        """What the request's event takes from the request itself: body size, ``via``, and the
+        gateway's audit fields (:func:`event_fields`). On the event loop."""
+        request = self.request
+        return request.content_length or 0, _via(request), event_fields(request, code=code)
+
+    def event_row(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None,
+                  code: str | None = None, context: tuple[int, str, dict[str, Any]] | None = None) -> Row:
+        size, via, extra = context if context is not None else self.event_context(code)
         cap = self.cap
-        self._submit(make_row(
+        return make_row(
             session_id=cap.session_id if cap else "unknown", agent_id=cap.agent_id if cap else "unknown",
             action=self.action, key=self.key, tags=self.tags, allowed=allowed, reason=reason, detail=detail,
-            request_size=self.request.content_length or 0, response_size=response_size,
-            query_count_remaining=self.remaining, via=_via(self.request),
-            extra=event_fields(self.request, code=code)))
+            request_size=size, response_size=response_size, query_count_remaining=self.remaining, via=via,
+            extra=extra)
+
+    def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None,
+               code: str | None = None) -> None:
+        self._submit(self.event_row(allowed, reason, detail, response_size, code))
+
+    def record_on_worker(self, data: bytes) -> int:
+        """On the worker: submit the allowed answer's event (with :attr:`context`, taken on the
+        loop); its ticket, for a :class:`gateway.db.Durable` result."""
+        row = self.event_row(True, self._reason, self._detail, len(data), context=self.context)
+        self.ticket = self.svc.audit.submit(row)
+        self.event_id = row[0]
+        return self.ticket
 
     def deny(self, exc: UompError, *, agent_id: str | None = None) -> None:
         cap = self.cap
@@ -400,6 +436,16 @@ class AgentCall:
         data = jsonio.dumps(body)  # orjson where it gives json's answer (issue 13)
         self.record(True, self._reason, self._detail, response_size=len(data))
         await self.svc.audit.flush(self.ticket)
+        return self._response(data)
+
+    async def answer(self, data: bytes) -> web.Response:
+        """The answer made on the worker (:meth:`record_on_worker`), once its event is durable."""
+        assert self.event_id is not None
+        self.request[EVENT_KEY] = self.event_id
+        await self.svc.audit.flush(self.ticket)  # returns at once when the worker wrote it
+        return self._response(data)
+
+    def _response(self, data: bytes) -> web.Response:
         headers = {QUOTA_HEADER: str(self.remaining)} if self.remaining is not None else None
         return web.Response(body=data, content_type="application/json", charset="utf-8", headers=headers)
 
@@ -430,17 +476,46 @@ async def _answer_refusal(call: AgentCall, exc: UompError) -> web.Response:
 # ------------------------------------------------------------------------------ memory
 
 
-_KeyRead = tuple[ItemMeta | None, MemoryItem | None]
+_KeyRead = tuple[ItemMeta | None, MemoryItem | None, bytes | None]
 
 
-def _read_key_on_worker(cap: Capability, store: MemoryStorage, key: str) -> _KeyRead:
+def _key_verdict(cap: Capability, key: str, meta: ItemMeta | None, item: MemoryItem | None
+                 ) -> tuple[UompError | None, str | None, str]:
+    """(refusal, detail, reason) of a read by key: the decision on the metadata, then again on what
+    was loaded (the item may have changed or gone between the two reads). Pure: the worker and the
+    event loop come to the same verdict on the same inputs."""
+    if cap.aggregation_only:  # §10.4 step 5b, §19.2
+        return UompError(ErrorCode.ACCESS_DENIED, policy.AGGREGATION_ONLY, session_id=cap.session_id), None, ""
+    d = policy.key_decision(cap.read, key, list(meta.tags) if meta else None, meta.sensitivity if meta else None)
+    if not d.allowed or meta is None:
+        return UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail, ""
+    d = policy.key_decision(cap.read, key, list(item.tags) if item else None, item.sensitivity if item else None)
+    if not d.allowed or item is None:
+        return UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail, ""
+    return None, d.detail, d.reason
+
+
+def _read_key_on_worker(cap: Capability, call: AgentCall, store: MemoryStorage, key: str) -> _KeyRead | Durable:
     """The store's part of a read by key, in the same worker job as the authentication (one thread
     trip per read, issue 13): metadata first and the decision on it alone; the value only after an
-    allow (a denied item and a missing key do the same work), both in one read transaction."""
+    allow (a denied item and a missing key do the same work), both in one read transaction.
+
+    For the guard's only read in flight (``call.alone``), an allowed answer is made here too and its
+    event submitted: the worker writes it (one commit, no hand-over to the writer thread and back)
+    and hands the answer over once it is durable. Under load, the writer thread's group commit."""
     if cap.aggregation_only:
-        return None, None
-    return store.get_if(key, lambda meta: meta is not None and policy.key_decision(
+        return None, None, None
+    meta, item = store.get_if(key, lambda meta: meta is not None and policy.key_decision(
         cap.read, key, list(meta.tags), meta.sensitivity).allowed)
+    if not call.alone:
+        return meta, item, None
+    refusal, detail, reason = _key_verdict(cap, key, meta, item)
+    if refusal is not None or item is None:
+        return meta, item, None  # the event loop refuses (and records it)
+    call.tags = list(item.tags)
+    call.allow(reason, detail)
+    data = jsonio.dumps(policy.filter_fields(item.to_dict(), cap.allowed_fields))
+    return Durable(call.record_on_worker(data), (meta, item, data))
 
 
 async def get_key(request: web.Request) -> web.Response:
@@ -448,23 +523,31 @@ async def get_key(request: web.Request) -> web.Response:
     the value is loaded only after an allow, so a denied item and a missing key do the same work."""
     key = request.match_info["key"]
     call = AgentCall(request, "read", key=key)
-    store = call.svc.store
+    svc = call.svc
+    svc.reads_in_flight += 1
     try:
-        cap, (meta, item) = await call.authenticate_then(_read_key_on_worker, store, key)
-    except UompError as exc:
-        return await _answer_refusal(call, exc)
-    if cap.aggregation_only:  # §10.4 step 5b, §19.2
-        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, policy.AGGREGATION_ONLY, session_id=cap.session_id))
-    d = policy.key_decision(cap.read, key, list(meta.tags) if meta else None, meta.sensitivity if meta else None)
-    if not d.allowed or meta is None:
-        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
-    # decide again on what was loaded: the item may have changed (or gone) between the two reads
-    d = policy.key_decision(cap.read, key, list(item.tags) if item else None, item.sensitivity if item else None)
-    if not d.allowed or item is None:
-        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
-    call.tags = list(item.tags)
-    call.allow(d.reason, d.detail)
-    return await call.respond(policy.filter_fields(item.to_dict(), cap.allowed_fields))
+        # alone: no other read in flight and the audit writer idle (else its group commit pays more)
+        if svc.reads_in_flight == 1 and svc.audit.writer.idle:
+            call.alone = True
+            call.context = call.event_context()
+        try:
+            cap, got = await call.authenticate_then(_read_key_on_worker, call, svc.store, key)
+            meta, item, data = cast(_KeyRead, got)  # (the worker hands a Durable's value over)
+        except UompError as exc:
+            if call.event_id is not None:
+                raise  # the answer's event could not be written: its batch's error, as a failed flush
+            return await _answer_refusal(call, exc)
+        if data is not None:  # made (and its event submitted) on the worker
+            return await call.answer(data)
+        refusal, detail, reason = _key_verdict(cap, key, meta, item)
+        if refusal is not None or item is None:
+            assert refusal is not None
+            return await call.refuse(refusal, detail)
+        call.tags = list(item.tags)
+        call.allow(reason, detail)
+        return await call.respond(policy.filter_fields(item.to_dict(), cap.allowed_fields))
+    finally:
+        svc.reads_in_flight -= 1
 
 
 def _exact_sum(parts: Iterable[int | float]) -> int | float:

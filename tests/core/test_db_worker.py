@@ -145,3 +145,38 @@ async def test_a_cancelled_caller_does_not_lose_the_others(worker: DbWorker) -> 
     results = await asyncio.gather(first, *futs, return_exceptions=True)
     assert isinstance(results[3], asyncio.CancelledError)
     assert [r for j, r in enumerate(results[1:]) if j != 2] == [0, 1, 3, 4, 5]
+
+
+# ------------------------------------------------------------------ Durable results (issue 13)
+
+
+async def test_a_durable_result_is_handed_over_after_its_hook() -> None:
+    """A job returning ``Durable(ticket, value)``: the worker runs its ``durable`` hook for the
+    ticket on its own thread before the caller gets ``value``; a failing hook is the caller's error;
+    plain results are not touched. Job order is kept."""
+    calls: list[tuple[int, str]] = []
+    fail = {7}
+
+    def hook(ticket: int) -> bool:
+        calls.append((ticket, threading.current_thread().name))
+        if ticket in fail:
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the log could not be written (disk full)")
+        return ticket % 2 == 0
+
+    w = DbWorker("durable", what="test database", durable=hook)
+    try:
+        assert await w.run(lambda: dbmod.Durable(4, "four")) == "four"
+        assert calls == [(4, "db-durable")]
+        assert await w.run(lambda: "plain") == "plain"  # no hook for a plain result
+        assert len(calls) == 1
+        assert await w.run(lambda: dbmod.Durable(5, "five")) == "five"  # the hook did not write: same answer
+        with pytest.raises(UompError) as exc:
+            await w.run(lambda: dbmod.Durable(7, "seven"))
+        assert exc.value.code == ErrorCode.STORE_UNAVAILABLE
+        # queued together: each hook runs before the batch is handed over, in job order
+        calls.clear()
+        got = await _queued_behind_a_gate(w, 4, lambda i: dbmod.Durable(10 + i, i))
+        assert got[1:] == [0, 1, 2, 3]
+        assert [t for t, _ in calls] == [10, 11, 12, 13]
+    finally:
+        w.close()

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,122 @@ def test_large_wal_left_by_a_killed_writer_is_truncated_at_open(tmp_path: Path) 
     finally:
         conn.close()
     assert os.path.exists(db)
+
+
+# ------------------------------------------------------------------ caller-runs (write_here, issue 13)
+
+
+class Recorder:
+    """A write hook that records each batch and the thread that wrote it, and fails on overlap."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.batches: list[tuple[list[int], str]] = []
+        self.fail = fail
+        self.inside = 0
+        self.overlaps = 0
+        self.gate: threading.Event | None = None  # set: the next batch waits for it
+        self.entered = threading.Event()
+        self.slow = 0.0  # seconds each batch takes (widens any window for an overlap)
+
+    def __call__(self, batch: list[int]) -> None:
+        self.inside += 1
+        try:
+            if self.inside > 1:
+                self.overlaps += 1
+            self.entered.set()
+            gate, self.gate = self.gate, None
+            if gate is not None:
+                assert gate.wait(10)
+            time.sleep(self.slow)
+            if self.fail > 0:
+                self.fail -= 1
+                raise enospc()
+            self.batches.append((list(batch), threading.current_thread().name))
+        finally:
+            self.inside -= 1
+
+
+def test_write_here_writes_the_pending_batch_on_the_calling_thread() -> None:
+    rec = Recorder()
+    w: GroupCommitWriter[int] = GroupCommitWriter("t", rec, max_pending=100)
+    try:
+        assert w.idle
+        t1, t2, t3 = w.submit(1), w.submit(2), w.submit(3)
+        assert not w.idle
+        w.write_here(t2)
+        # one batch, everything pending (the records of others too), written by this thread
+        assert rec.batches == [([1, 2, 3], threading.current_thread().name)]
+        assert w.idle and w.batches_here == 1 and w.batches_written == 1
+        w.flush_sync(t3)  # durable already: nothing more is written
+        w.write_here(t1)
+        assert len(rec.batches) == 1
+        # and the writer thread still serves the others
+        t4 = w.submit(4)
+        w.flush_sync(t4)
+        assert rec.batches[1] == ([4], "t-writer")
+    finally:
+        w.close()
+
+
+def test_write_here_if_idle_leaves_a_busy_writer_alone_and_never_overlaps() -> None:
+    rec = Recorder()
+    w: GroupCommitWriter[int] = GroupCommitWriter("t", rec, max_pending=100)
+    try:
+        rec.gate = gate = threading.Event()
+        t1 = w.submit(1)
+        w.kick()  # the writer thread starts the batch and is held in it
+        assert rec.entered.wait(10)
+        t2 = w.submit(2)
+        assert not w.idle
+        assert w.write_here_if_idle(t2) is False  # at once, nothing written by this thread
+        assert w.batches_here == 0
+        gate.set()
+        w.flush_sync(t1)
+        assert w.write_here_if_idle(t2) is True  # idle now: written here
+        assert rec.batches == [([1], "t-writer"), ([2], threading.current_thread().name)]
+        # many threads at once, each submitting and writing here, the writer thread flushing too
+        rec.slow = 0.001
+        done: list[int] = []
+
+        def agent(i: int) -> None:
+            for j in range(30):
+                t = w.submit(1000 * (i + 1) + j)
+                if j % 3 == 0:
+                    w.flush_sync(t)
+                else:
+                    w.write_here(t)
+                done.append(t)
+
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert rec.overlaps == 0
+        written = [r for batch, _ in rec.batches for r in batch]
+        assert sorted(written) == sorted([1, 2] + [1000 * (i + 1) + j for i in range(6) for j in range(30)])
+        assert len(written) == len(set(written))  # each record exactly once
+        assert len(done) == 180 and w.idle
+    finally:
+        w.close()
+
+
+def test_write_here_failure_is_the_batch_failure_for_every_waiter() -> None:
+    failed: list[list[int]] = []
+    rec = Recorder(fail=1)
+    w: GroupCommitWriter[int] = GroupCommitWriter("t", rec, max_pending=100,
+                                                  on_failed=lambda batch, exc: failed.append(list(batch)))
+    try:
+        t1, t2 = w.submit(1), w.submit(2)
+        with pytest.raises(UompError) as exc:
+            w.write_here(t2)
+        assert exc.value.code == "STORE_UNAVAILABLE" and "disk full" in exc.value.message
+        assert failed == [[1, 2]] and w.failing == "disk full"
+        with pytest.raises(UompError):
+            w.flush_sync(t1)  # the other record of that batch failed with it
+        assert rec.batches == []
+        t3 = w.submit(3)
+        w.write_here(t3)  # space is back
+        assert rec.batches == [([3], threading.current_thread().name)] and w.failing is None
+    finally:
+        w.close()
