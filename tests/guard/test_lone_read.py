@@ -26,12 +26,13 @@ checked:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from typing import Any
 
 import pytest
-from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events
+from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events, verify_ledger
 from guardkit import guard_config, held_lock
 
 from gateway.config import Paths
@@ -136,3 +137,43 @@ async def test_a_lone_read_whose_event_cannot_be_written_is_refused_and_counted(
         gaps = [e for e in events if e["action"] == "audit_gap"]
         assert len(gaps) == 1 and "1 request(s)" in gaps[0]["reason"], events
         assert ledger_events(app.paths, action="read", key="preference.theme", allowed=True)
+
+
+async def test_mixed_load_every_answer_has_exactly_one_event(home: Paths) -> None:
+    """Lone reads (written by the worker) interleaved with bursts (the writer thread's group commit)
+    and refusals, on one agent connection pool: every 200 has exactly one allowed event, every 403
+    one refusal, no event twice, and the log verifies end to end."""
+    async with appliance(home, guard_cfg=guard_config(**QUIET)) as app:
+        svc = services(app)
+        writer = svc.audit.writer
+        agent = app.agent("calendar_agent")
+        g = await app.grant(agent, limits={"max_read_queries": 10_000})
+        sid, token = g["session_id"], g["token"]
+        keys = ["preference.theme", "preference.lang", "user.password"]  # the last is out of scope
+        statuses: list[tuple[str, int]] = []
+        async with agent_session(agent, app.paths) as s:
+
+            async def one(key: str) -> None:
+                status, _body, _ = await agent_call(s, app.base, f"/v1/memory/{key}", token=token,
+                                                    agent_id=agent.agent_id)
+                statuses.append((key, status))
+
+            here, written = writer.batches_here, writer.batches_written
+            for round_ in range(12):
+                for i in range(3):  # lone, one after another
+                    await one(keys[(round_ + i) % 3])
+                await asyncio.gather(*(one(keys[i % 3]) for i in range(9 + round_)))  # a burst
+        by_worker = writer.batches_here - here
+        by_thread = writer.batches_written - written - by_worker
+        assert by_worker > 0 and by_thread > 0, (by_worker, by_thread)  # both ways were taken
+        events = [e for e in durable_events(app, sid) if e["action"] == "read"]
+        for key in keys:
+            ok = sum(1 for k, st in statuses if k == key and st == 200)
+            refused = sum(1 for k, st in statuses if k == key and st == 403)
+            assert ok + refused == sum(1 for k, _ in statuses if k == key)  # nothing else answered
+            assert sum(1 for e in events if e["key"] == key and e["allowed"]) == ok, key
+            assert sum(1 for e in events if e["key"] == key and not e["allowed"]) == refused, key
+        assert sum(1 for _k, st in statuses if st == 403) == sum(1 for k, _ in statuses if k == "user.password")
+        assert len({e["id"] for e in events}) == len(events) == len(statuses)
+        report = verify_ledger(app.paths)
+        assert report.ok, report
