@@ -141,11 +141,23 @@ async def test_named_tunnel_token_stays_off_the_command_line(origin: str, tmp_pa
     try:
         assert await sup.wait_for_url(10) == "https://gw.example.test"
         await _until(lambda: sup.state.pid is not None)
-        # (/proc shows an empty command line while `env` execs python: wait until the stand-in runs)
-        await _until(lambda: b"fake_cloudflared" in Path(f"/proc/{sup.state.pid}/cmdline").read_bytes())
-        cmdline = Path(f"/proc/{sup.state.pid}/cmdline").read_bytes()
+
+        def snapshot() -> tuple[bytes, bytes]:
+            try:
+                return (Path(f"/proc/{sup.state.pid}/cmdline").read_bytes(),
+                        Path(f"/proc/{sup.state.pid}/environ").read_bytes())
+            except OSError:
+                return b"", b""
+
+        # /proc shows an empty command line while `env` execs python, and (seen once in CI, under
+        # load) an empty environment for a moment: wait until one reading shows the stand-in running
+        def running() -> bool:
+            cmd, env = snapshot()
+            return b"fake_cloudflared" in cmd and bool(env)
+
+        await _until(running)
+        cmdline, environ = snapshot()
         assert token.encode() not in cmdline and b"run" in cmdline
-        environ = Path(f"/proc/{sup.state.pid}/environ").read_bytes()
         assert b"TUNNEL_TOKEN=" + token.encode() in environ
     finally:
         await sup.stop()
