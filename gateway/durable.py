@@ -264,7 +264,8 @@ class GroupCommitWriter(Generic[T]):
     def write_here_if_idle(self, ticket: int) -> bool:
         """:meth:`write_here` when no batch is being written (True), else nothing (False): under load
         the writer thread's batches overlap the caller's other work, and a caller that waited here would
-        only serialize them."""
+        only serialize them. (A batch the writer thread starts between this look and the write is
+        waited for once, as :meth:`write_here` does.)"""
         with self._cond:
             if self._inflight is not None or self._closing:
                 return False

@@ -309,9 +309,8 @@ class AgentCall:
         self.remaining: int | None = None
         self.ticket: int | None = None  # the audit row to wait for before answering
         self.event_id: str | None = None
-        # set by get_key for the guard's only read in flight: its event is made on the worker, with
-        # what the event loop took from the request beforehand (event_context)
-        self.alone = False
+        # set by get_key only for the guard's only read in flight: what the event loop took from the
+        # request (event_context) for the event the worker then makes
         self.context: tuple[int, str, dict[str, Any]] | None = None
 
     def _authenticate_on_worker(self, token: str, th: str, presented: checks.Presented, read: bool
@@ -500,14 +499,14 @@ def _read_key_on_worker(cap: Capability, call: AgentCall, store: MemoryStorage, 
     trip per read, issue 13): metadata first and the decision on it alone; the value only after an
     allow (a denied item and a missing key do the same work), both in one read transaction.
 
-    For the guard's only read in flight (``call.alone``), an allowed answer is made here too and its
+    For the guard's only read in flight (``call.context`` set), an allowed answer is made here too and its
     event submitted: the worker writes it (one commit, no hand-over to the writer thread and back)
     and hands the answer over once it is durable. Under load, the writer thread's group commit."""
     if cap.aggregation_only:
         return None, None, None
     meta, item = store.get_if(key, lambda meta: meta is not None and policy.key_decision(
         cap.read, key, list(meta.tags), meta.sensitivity).allowed)
-    if not call.alone:
+    if call.context is None:  # not alone: the event loop answers
         return meta, item, None
     refusal, detail, reason = _key_verdict(cap, key, meta, item)
     if refusal is not None or item is None:
@@ -528,7 +527,6 @@ async def get_key(request: web.Request) -> web.Response:
     try:
         # alone: no other read in flight and the audit writer idle (else its group commit pays more)
         if svc.reads_in_flight == 1 and svc.audit.writer.idle:
-            call.alone = True
             call.context = call.event_context()
         try:
             cap, got = await call.authenticate_then(_read_key_on_worker, call, svc.store, key)
