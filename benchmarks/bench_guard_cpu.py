@@ -2,13 +2,16 @@
 of the guard halved versus today's").
 
     .venv/bin/python benchmarks/bench_guard_cpu.py [--baseline PATH] [--duration S] [--clients N] [--rounds R]
+        [--log-events N]
 
 ``--baseline PATH``: a checkout of an older commit (for issue 13, the commit the issue was measured
 on: ``git worktree add /tmp/base13 8be383b``). Each phase runs in a child process started with
 ``PYTHONPATH=<tree>`` and that tree's own ``benchmarks/_common.py`` (its seeding, its guard, its load
 generator), so each tree is measured as it was; trees are alternated (A B A B) so drift hits both.
 
-What one phase does: a throwaway ``UOMP_HOME`` seeded with 1,200 items, the guard alone
+What one phase does: a throwaway ``UOMP_HOME`` seeded with 1,200 items (and, with ``--log-events N``,
+an audit log grown to N events by that tree's own code, so each tree keeps its own event ids), the
+guard alone
 (``_common.py serve``) with its Unix socket, a Local Profile grant, then ``--clients`` keep-alive
 clients doing ``GET /v1/memory/<key>`` over 200 keys for ``--duration`` seconds (every read audited
 and durable before it is answered), then one client (unloaded latency). CPU time is read per
@@ -74,6 +77,34 @@ def _group(name: str) -> str:
     return re.sub(r"[_-]\d+$", "_*", name)
 
 
+PREFILL_BATCH = 500
+
+
+def prefill_audit(paths: Any, events: int) -> None:
+    """Grow the home's audit log to ``events`` events of a read's shape, over the last day, with the
+    ``gateway`` this process imports (so each tree writes its own event ids): an appliance that has
+    run a while, where the log's indexes no longer fit in a few pages."""
+    if events <= 0:
+        return
+    import time
+
+    from gateway.config import GuardConfig, load_section
+    from gateway.guard.audit import make_row, open_audit
+
+    log = open_audit(paths, load_section(GuardConfig, "guard", file=paths.config_file))
+    try:
+        t0 = time.time() - 86_400
+        for start in range(0, events, PREFILL_BATCH):
+            log.write_now([make_row(session_id="sess_earlier", agent_id="portfolio_agent", action="read",
+                                    allowed=True, reason="scope matched", key="preference.theme",
+                                    tags=["preference"], response_size=120, query_count_remaining=9000,
+                                    via="gateway:mtls:bench", now=t0 + (start + i) * 0.05,
+                                    extra={"listener": "mtls", "client": "127.0.0.1:40001"})
+                           for i in range(min(PREFILL_BATCH, events - start))])
+    finally:
+        log.close()
+
+
 def child(args: argparse.Namespace) -> None:
     """One phase on the tree this process imports (PYTHONPATH); one JSON line on stdout."""
     sys.path.insert(0, str(Path(args.tree) / "benchmarks"))
@@ -81,6 +112,7 @@ def child(args: argparse.Namespace) -> None:
 
     with c.bench_home(False) as paths:
         keys = c.seed_store(paths)
+        prefill_audit(paths, args.log_events)
         port = c.free_port()
         with c.start_server(paths, tcp_port=port, what="guard") as srv:
             g = c.grant(paths, profile="local", audience=f"http://127.0.0.1:{port}")
@@ -114,8 +146,8 @@ def child(args: argparse.Namespace) -> None:
 def run_phase(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(tree),
-           "--duration", str(args.duration), "--clients", str(args.clients)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+           "--duration", str(args.duration), "--clients", str(args.clients), "--log-events", str(args.log_events)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"phase on {tree} failed (rc={proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -128,11 +160,14 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=5.0, help="timed seconds per phase (default 5)")
     ap.add_argument("--clients", type=int, default=50, help="keep-alive clients in the loaded phase (default 50)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per tree (default 2)")
+    ap.add_argument("--log-events", type=int, default=0,
+                    help="grow each home's audit log to this many events first (default 0: an empty log)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", default=str(ROOT), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not (1 <= args.clients <= 500 and 0 < args.duration <= 120 and 1 <= args.rounds <= 10):
-        raise SystemExit("--clients 1..500, --duration 0..120 s, --rounds 1..10")
+    if not (1 <= args.clients <= 500 and 0 < args.duration <= 120 and 1 <= args.rounds <= 10
+            and 0 <= args.log_events <= 5_000_000):
+        raise SystemExit("--clients 1..500, --duration 0..120 s, --rounds 1..10, --log-events 0..5,000,000")
     if args.child:
         child(args)
         return
@@ -146,7 +181,8 @@ def main() -> None:
             raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project")
         trees["baseline"] = args.baseline.resolve()
     print(f"trees: {', '.join(f'{k} = {v}' for k, v in trees.items())}; {args.clients} clients, "
-          f"{args.rounds} x {args.duration:.0f} s per tree, alternated")
+          f"{args.rounds} x {args.duration:.0f} s per tree, alternated; audit log grown to {args.log_events:,} "
+          "events first")
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():

@@ -54,8 +54,12 @@ SUPPRESSED_ACTION = "gateway_events_suppressed"
 SPOOL_FIELDS = ("type", "seq", "timestamp", "prev")  # what the spool adds to an event
 
 
-def new_event_id() -> str:
-    return "gw_" + secrets.token_hex(16)
+def new_event_id(now: float | None = None) -> str:
+    """``gw_`` + 12 hex digits of the time in milliseconds + 20 random hex digits: unique and
+    unguessable (80 random bits), and side by side in the log's ``id`` index with the other events
+    of the same moment (see :class:`gateway.guard.audit._EventIds`)."""
+    ms = int((time.time() if now is None else now) * 1000) & 0xFFFF_FFFF_FFFF
+    return f"gw_{ms:012x}{secrets.token_hex(10)}"
 
 
 class EventSink:
@@ -92,8 +96,8 @@ class EventSink:
         ``source`` marks an event without a verified session (rate-limited per source): beyond the
         rate it is counted and ``None`` is returned."""
         ev = {k: v for k, v in event.items() if v is not None and k != "type"}
-        ev.setdefault("id", new_event_id())
         now = self.clock()
+        ev.setdefault("id", new_event_id(now))
         ev.setdefault("ts", now)
         if source is not None and not self._buckets.take(source, now):
             self.suppressed.add(f"{source} {ev.get('code') or ev.get('action') or '-'}", now=now)
@@ -119,7 +123,7 @@ class EventSink:
             return None
         self.suppressed.done(snap)
         self._last_summary = now
-        return {"id": new_event_id(), "ts": now, "action": SUPPRESSED_ACTION, "allowed": False,
+        return {"id": new_event_id(now), "ts": now, "action": SUPPRESSED_ACTION, "allowed": False,
                 "count": sum(snap["counts"].values()), "by": dict(snap["counts"]),
                 "reason": "unauthenticated requests beyond the per-source logging rate, counted",
                 "first": _iso(snap["first"]), "last": _iso(snap["last"])}
