@@ -53,7 +53,7 @@ from gateway.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
 from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
 from gateway.errors import ErrorCode, UompError
 from gateway.ledger import auditkey
-from gateway.ledger.log import EventLog, LedgerError
+from gateway.ledger.log import EventLog, LedgerError, oldest_body_ts
 from gateway.ledger.query import AuditFilter, AuditPage, event_owner, query_events, session_known
 
 log = logging.getLogger("uomp.audit")
@@ -91,6 +91,8 @@ MAX_AUDIT_PAGE = 1000
 
 
 MAX_PENDING_ROWS = 100_000  # rows waiting for the writer (beyond: STORE_UNAVAILABLE)
+PURGE_SLICE_EVENTS = 2000  # events per retention transaction (see AuditLog.purge)
+PURGE_PAUSE_SECONDS = 0.002  # between two slices
 GAP_ACTION = "audit_gap"
 
 Row = tuple[Any, ...]
@@ -235,6 +237,7 @@ class AuditLog:
             raise db_error(exc, what="audit log") from exc
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
         self._maint = threading.Lock()  # the write connection: writer thread vs purge/replay
+        self._purged_below: float | None = None  # every body older than this is gone (see purge)
         self.lost = RefusalTally()  # rows of failed batches, per session|agent, not yet summarised
         self.writer: GroupCommitWriter[Row] = GroupCommitWriter(
             "audit log", self._write_batch, max_pending=max_pending, on_failed=self._count_failed)
@@ -419,11 +422,55 @@ class AuditLog:
 
     def purge(self, *, now: float | None = None) -> int:
         """Retention (default 90 days, §18.3): event bodies older than that are dropped, their
-        leaves and tree nodes stay, so every proof issued before still verifies. Returns how many."""
+        leaves and tree nodes stay, so every proof issued before still verifies. Returns how many.
+
+        In slices of :data:`PURGE_SLICE_EVENTS`, each its own short transaction, with the write
+        connection let go between them: the group-commit writer's batches (every read's event) go in
+        between, where one UPDATE of an hour's events held them for as long as it ran (588 ms for
+        200,000 events here; issue 13, "bounded everywhere"). Each run starts where the last one
+        stopped (events are pruned in time order), so the hourly run does not walk the pruned ones
+        again: the first run of a process finds the oldest body once, on a connection of its own that
+        blocks no writer. An event written later with a time before the last cutoff (a gateway spool
+        replayed after more than the retention period) loses its body at the next start."""
         cutoff = (time.time() if now is None else now) - self.retention_days * 86400
-        with self._maint:
-            assert self.ledger is not None
-            return self.ledger.prune_bodies(cutoff)
+        ledger = self.ledger
+        assert ledger is not None
+        since = self._purged_below
+        if since is None:
+            since = self._oldest_body_ts()
+            if since is None:  # no event has a body
+                self._purged_below = cutoff
+                return 0
+        total = 0
+        while since < cutoff:
+            with self._maint:
+                conn = self._write
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        n, since = ledger.prune_slice(since, cutoff, PURGE_SLICE_EVENTS)
+                        conn.execute("COMMIT")
+                    except BaseException:
+                        with contextlib.suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                        raise
+                except sqlite3.Error as exc:
+                    raise db_error(exc, what="audit log") from exc
+            total += n
+            if n < PURGE_SLICE_EVENTS:
+                break
+            time.sleep(PURGE_PAUSE_SECONDS)  # the writer thread's turn, if it waits
+        self._purged_below = max(since, cutoff)
+        return total
+
+    def _oldest_body_ts(self) -> float | None:
+        conn = sqlite3.connect(self.path, timeout=DEFAULT_BUSY_TIMEOUT_SECONDS)
+        try:
+            return oldest_body_ts(conn)
+        except sqlite3.Error as exc:
+            raise db_error(exc, what="audit log") from exc
+        finally:
+            conn.close()
 
     def _migrate_legacy(self) -> None:
         """Rows of an older version's ``audit_logs`` that the event log does not hold become events

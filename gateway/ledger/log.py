@@ -77,6 +77,7 @@ CREATE INDEX IF NOT EXISTS idx_anchor_state ON ledger_anchors(state, next_at);
 """
 
 BUNDLE_VERSION = 1
+MAX_PRUNE_PARAMS = 500  # events per UPDATE of a retention slice (bound variables)
 
 
 class LedgerError(Exception):
@@ -98,6 +99,12 @@ def event_leaf(body: Mapping[str, Any]) -> tuple[bytes, bytes]:
     """(canonical bytes, leaf hash) of an event body that already carries its ``seq``."""
     raw = canonical_json(dict(body))
     return raw, merkle.leaf_hash(raw)
+
+
+def oldest_body_ts(conn: sqlite3.Connection) -> float | None:
+    """The time of the oldest event that still has its body (None: none has)."""
+    row = conn.execute("SELECT MIN(ts) FROM ledger_events WHERE body IS NOT NULL").fetchone()
+    return None if row[0] is None else float(row[0])
 
 
 def checkpoint_hash(note: str) -> bytes:
@@ -208,6 +215,21 @@ class EventLog:
         cur = self.conn.execute("UPDATE ledger_events SET body = NULL WHERE ts < ? AND body IS NOT NULL",
                                 (before_ts,))
         return int(cur.rowcount)
+
+    def prune_slice(self, since_ts: float, before_ts: float, limit: int) -> tuple[int, float]:
+        """:meth:`prune_bodies` for at most ``limit`` events with ``since_ts <= ts < before_ts``, oldest
+        first (in the caller's transaction). Returns how many, and the ``since_ts`` of the next slice:
+        the last pruned event's time, so a run of slices never walks the pruned ones again."""
+        rows = self.conn.execute(
+            "SELECT seq, ts FROM ledger_events WHERE ts >= ? AND ts < ? AND body IS NOT NULL ORDER BY ts LIMIT ?",
+            (since_ts, before_ts, limit)).fetchall()
+        if not rows:
+            return 0, since_ts
+        for start in range(0, len(rows), MAX_PRUNE_PARAMS):
+            chunk = rows[start:start + MAX_PRUNE_PARAMS]
+            self.conn.execute("UPDATE ledger_events SET body = NULL WHERE seq IN (" + ", ".join("?" * len(chunk)) + ")",
+                              [r[0] for r in chunk])
+        return len(rows), float(rows[-1][1])
 
     # --------------------------------------------------------------------------- reading
 
