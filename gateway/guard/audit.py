@@ -426,7 +426,7 @@ class AuditLog:
 
         In slices of :data:`PURGE_SLICE_EVENTS`, each its own short transaction, with the write
         connection let go between them: the group-commit writer's batches (every read's event) go in
-        between, where one UPDATE of an hour's events held them for as long as it ran (588 ms for
+        between, where one UPDATE of an hour's events held them for as long as it ran (0.6-0.75 s for
         200,000 events here; issue 13, "bounded everywhere"). Each run starts where the last one
         stopped (events are pruned in time order), so the hourly run does not walk the pruned ones
         again: the first run of a process finds the oldest body once, on a connection of its own that
