@@ -27,21 +27,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.guard.audit import AuditLog, Row, make_row
+from bench_audit_commit import row as read_event
+
+from gateway.guard.audit import AuditLog
 
 DAY = 86_400.0
 
 
-def row(now: float | None = None) -> Row:
-    return make_row(session_id="sess_bench", agent_id="portfolio_agent", action="read", allowed=True,
-                    reason="scope matched", key="preference.theme", tags=["preference"], response_size=120,
-                    query_count_remaining=9000, via="gateway:mtls:bench", now=now,
-                    extra={"listener": "mtls", "client": "127.0.0.1:40001", "request_id": "req_0011223344556677"})
-
-
 def fill(log: AuditLog, n: int, start: float, step: float) -> None:
     for b in range(0, n, 1000):
-        log.write_now([row(start + (b + i) * step) for i in range(min(1000, n - b))])
+        log.write_now([read_event(False, start + (b + i) * step) for i in range(min(1000, n - b))])
 
 
 def one_update(log: AuditLog, now: float) -> int:
@@ -69,7 +64,7 @@ def measure(path: Path, purge: Callable[[AuditLog, float], int], pruned: int, du
         def reads() -> None:
             while not stop.is_set():
                 t = time.perf_counter()
-                log.flush_sync(log.submit(row()))
+                log.flush_sync(log.submit(read_event(False)))
                 lat.append(time.perf_counter() - t)
                 time.sleep(0.005)
 

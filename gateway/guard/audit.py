@@ -47,6 +47,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from gateway import contract
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
 from gateway.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
@@ -181,12 +182,12 @@ class _EventIds:
         self._pool: list[str] = []
 
     def next(self, now: float | None = None) -> str:
-        ms = int((time.time() if now is None else now) * 1000) & 0xFFFF_FFFF_FFFF
+        prefix = "log_" + contract.event_id_time(now)
         with self._lock:
             if not self._pool:
                 raw = secrets.token_bytes(8 * self.BATCH).hex()
                 self._pool = [raw[i:i + 16] for i in range(0, len(raw), 16)]
-            return f"log_{ms:012x}{self._pool.pop()}"
+            return prefix + self._pool.pop()
 
     def forget(self) -> None:
         self._lock = threading.Lock()

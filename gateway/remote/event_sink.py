@@ -57,9 +57,8 @@ SPOOL_FIELDS = ("type", "seq", "timestamp", "prev")  # what the spool adds to an
 def new_event_id(now: float | None = None) -> str:
     """``gw_`` + 12 hex digits of the time in milliseconds + 20 random hex digits: unique and
     unguessable (80 random bits), and side by side in the log's ``id`` index with the other events
-    of the same moment (see :class:`gateway.guard.audit._EventIds`)."""
-    ms = int((time.time() if now is None else now) * 1000) & 0xFFFF_FFFF_FFFF
-    return f"gw_{ms:012x}{secrets.token_hex(10)}"
+    of the same moment (:func:`gateway.contract.event_id_time`)."""
+    return f"gw_{contract.event_id_time(now)}{secrets.token_hex(10)}"
 
 
 class EventSink:
