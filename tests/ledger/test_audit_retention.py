@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from guardkit import guard_config
+from guardkit import guard_config, held_lock
 
 from gateway.cli.main import main
 from gateway.config import Paths
+from gateway.errors import ErrorCode, UompError
 from gateway.guard import audit as audit_mod
 from gateway.guard.audit import AuditLog, make_row, open_audit
 
@@ -119,3 +120,42 @@ def test_a_log_with_no_body_left_is_not_walked_again(tmp_path: Path) -> None:
         assert again._purged_below is not None and again._purged_below >= now - 90 * DAY
     finally:
         again.close()
+
+
+def test_a_purge_that_meets_another_writer_is_store_busy_and_resumes_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """audit.db held by another process (a user's sqlite3 shell) in the middle of the bodies due: the
+    purge is refused STORE_BUSY within the busy timeout, what it pruned before stays pruned, the rest
+    keep their bodies, and the next run (the lock gone) finishes from where the log stands."""
+    monkeypatch.setattr(audit_mod, "PURGE_SLICE_EVENTS", 100)
+    db = tmp_path / "audit.db"
+    now = time.time()
+    log = AuditLog(db, retention_days=90, busy_timeout=0.2)
+    try:
+        _fill(log, 1000, now - 95 * DAY)
+        cutoff = now - 90 * DAY
+        held = held_lock(db)
+        pauses = {"n": 0}
+
+        class Clock:  # the module's time, with the pause between two slices as the moment to lock
+            def __getattr__(self, name: str) -> object:
+                return getattr(time, name)
+
+            def sleep(self, seconds: float) -> None:
+                pauses["n"] += 1
+                if pauses["n"] == 3:  # three slices committed: another process takes the write lock
+                    held.__enter__()
+                time.sleep(seconds)
+
+        monkeypatch.setattr(audit_mod, "time", Clock())
+        try:
+            with pytest.raises(UompError) as err:
+                log.purge(now=now)
+            assert err.value.code == ErrorCode.STORE_BUSY
+            assert _bodies(db, cutoff) == 700  # three slices of 100 pruned, none half-done
+        finally:
+            held.__exit__(None, None, None)
+        assert log.purge(now=now) == 700
+        assert _bodies(db, cutoff) == 0
+    finally:
+        log.close()
