@@ -8,6 +8,7 @@ named, with its unit in the name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 import types
@@ -482,16 +483,45 @@ def _read_toml(path: Path | None) -> dict[str, Any]:
         raise UompError(ErrorCode.CONFIG_ERROR, f"cannot read config file {path}: {exc}") from exc
 
 
+def _unknown(kind: str, unknown: set[str], known: set[str], where: str) -> UompError:
+    """CONFIG_ERROR naming each unknown name and, where one is close, the valid name meant."""
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return UompError(ErrorCode.CONFIG_ERROR, f"unknown {kind} {where}: {', '.join(parts)}; valid: "
+                     f"{', '.join(sorted(known))} (every setting: config/uomp.example.toml)")
+
+
+def check_sections(doc: dict[str, Any]) -> None:
+    """Every top-level name of a config file is a known section: a misspelled ``[gatway]`` would
+    otherwise leave its settings silently unused."""
+    unknown = set(doc) - set(CONFIG_SECTIONS)
+    if unknown:
+        raise _unknown("section(s)", unknown, set(CONFIG_SECTIONS), "in the config file")
+
+
 def load_section(cls: type[T], section: str, *, file: Path | None, overrides: dict[str, Any] | None = None) -> T:
-    """Build ``cls`` from defaults, the TOML ``[section]``, ``UOMP_<SECTION>_<FIELD>`` and overrides."""
-    data = _read_toml(file).get(section, {})
+    """Build ``cls`` from defaults, the TOML ``[section]``, ``UOMP_<SECTION>_<FIELD>`` and overrides.
+
+    The whole file is checked, not only ``[section]``: an unknown section or setting anywhere is
+    refused by every reader, so no command runs on a file another command would refuse."""
+    doc = _read_toml(file)
+    check_sections(doc)
+    data = doc.get(section, {})
     if not isinstance(data, dict):
         raise UompError(ErrorCode.CONFIG_ERROR, f"[{section}] must be a table")
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for other, other_cls in CONFIG_SECTIONS.items():
+        table = doc.get(other, {})
+        if other != section and isinstance(table, dict):
+            other_names = {f.name for f in dataclasses.fields(other_cls)}
+            if set(table) - other_names:
+                raise _unknown("setting(s)", set(table) - other_names, other_names, f"in [{other}]")
     unknown = set(data) - names
     if unknown:
-        raise UompError(ErrorCode.CONFIG_ERROR, f"unknown setting(s) in [{section}]: {', '.join(sorted(unknown))}")
+        raise _unknown("setting(s)", unknown, names, f"in [{section}]")
     values: dict[str, Any] = {}
     for name in names:
         env = os.environ.get(f"UOMP_{section.upper()}_{name.upper()}")
@@ -503,3 +533,9 @@ def load_section(cls: type[T], section: str, *, file: Path | None, overrides: di
         if value is not None:
             values[name] = _coerce(value, hints[name], f"--{name.replace('_', '-')}")
     return cls(**values)
+
+
+# Every section a config file may hold, and the settings class it fills (load_section checks
+# a whole file against it).
+CONFIG_SECTIONS: dict[str, Any] = {"guard": GuardConfig, "gateway": GatewayConfig, "tunnel": TunnelSettings,
+                                   "anchor": AnchorConfig, "dashboard": DashboardConfig}

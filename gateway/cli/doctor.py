@@ -62,12 +62,14 @@ def _check_private(r: Report, p: Path, what: str, *, dir_: bool = False) -> bool
 
 def _configs(r: Report, paths: Paths) -> tuple[GatewayConfig | None, GuardConfig | None, TunnelSettings | None]:
     out: list[Any] = []
+    seen: set[str] = set()
     for cls, section in ((GatewayConfig, "gateway"), (GuardConfig, "guard"), (TunnelSettings, "tunnel")):
         try:
             out.append(load_section(cls, section, file=paths.config_file))
         except UompError as exc:
-            r.problem(f"config [{section}]: {exc.message}", f"edit {paths.config_file} (every setting: "
-                      "config/uomp.example.toml)")
+            if exc.message not in seen:  # a whole-file problem is said once, not once per section
+                seen.add(exc.message)
+                r.problem(f"config: {exc.message}", f"edit {paths.config_file}")
             out.append(None)
     if all(x is not None for x in out):
         r.ok(f"config {paths.config_file if paths.config_file.exists() else '(defaults, no config.toml)'}")

@@ -28,7 +28,12 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("text", "env", "fragment"), [
-    ("[gateway]\nlisten_prot = 1\n", None, "unknown setting"),
+    ("[gateway]\nlisten_prot = 1\n", None, "'listen_prot' (did you mean 'listen_port'?)"),
+    ("[gatway]\nlisten_port = 1\n", None, "unknown section(s) in the config file: 'gatway' (did you mean 'gateway'?)"),
+    ("listen_port = 1\n", None, "unknown section(s) in the config file: 'listen_port'"),
+    ("[guard]\ntcp_prot = 1\n", None, "unknown setting(s) in [guard]: 'tcp_prot' (did you mean 'tcp_port'?)"),
+    ("[gateway.tls]\nx = 1\n", None, "unknown setting(s) in [gateway]: 'tls'"),
+    ("[anchor]\nbackend = \"none\"\n[dashbaord]\nport = 0\n", None, "'dashbaord' (did you mean 'dashboard'?)"),
     ("[gateway]\nlisten_port = \"many\"\n", None, "wrong type"),
     ("[gateway]\nallow_non_loopback = \"maybe\"\n", None, "wrong type"),
     ("[gateway\n", None, "cannot read config"),
@@ -44,6 +49,17 @@ def test_bad_settings_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, t
     with pytest.raises(UompError) as exc:
         load_section(GatewayConfig, "gateway", file=f)
     assert exc.value.code == "CONFIG_ERROR" and fragment in exc.value.message
+
+
+def test_every_known_section_loads_and_a_good_file_is_accepted(tmp_path: Path) -> None:
+    from gateway.config import CONFIG_SECTIONS
+
+    f = tmp_path / "config.toml"
+    f.write_text("".join(f"[{name}]\n" for name in CONFIG_SECTIONS))
+    for name, cls in CONFIG_SECTIONS.items():
+        assert load_section(cls, name, file=f) == cls()
+    f.write_text('[guard]\naggregate_min_items = 5\n[dashboard]\nport = 0\n')
+    assert load_section(GuardConfig, "guard", file=f).aggregate_min_items == 5
 
 
 def test_home_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -299,8 +299,16 @@ def test_doctor_names_each_problem_with_its_fix(home: Path) -> None:
     res = uomp(home, "doctor", check=False)
     assert res.returncode == 1
     assert "PROBLEM  signing key" in res.stdout and "fix: chmod 600" in res.stdout
-    assert "unknown setting(s) in [gateway]: listen_prot" in res.stdout
+    assert "unknown setting(s) in [gateway]: 'listen_prot' (did you mean 'listen_port'?)" in res.stdout
     assert "2 problem(s) found" in res.stdout
+    os.chmod(home / ".secrets" / "ed25519-private.jwk", 0o600)
+    (home / "config.toml").write_text("[gatway]\nlisten_port = 1\n")  # a misspelled section: said once
+    res = uomp(home, "doctor", check=False)
+    assert res.returncode == 1 and "ok config" not in res.stdout
+    assert res.stdout.count("unknown section(s) in the config file: 'gatway' (did you mean 'gateway'?)") == 1
+    assert "1 problem(s) found" in res.stdout
+    start = uomp(home, "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port", check=False)
+    assert start.returncode == 1 and start.stderr.startswith("error CONFIG_ERROR: unknown section(s)")
 
 
 # ----------------------------------------------------------------------------- clear failures
