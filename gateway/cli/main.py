@@ -8,14 +8,16 @@ Every failure is one line on stderr, ``error CODE: what happened; what to do``, 
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import importlib
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import ClassVar, NoReturn
 
 from gateway import __version__
 from gateway.config import Paths, resolve_home
@@ -48,12 +50,67 @@ def paths_from(args: argparse.Namespace) -> Paths:
     return paths
 
 
+_INVALID_CHOICE = re.compile(r"argument (?P<arg>.+?): invalid choice: '(?P<value>.*)' \(choose from (?P<choices>.*)\)$")
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse's refusals as one line in the CLI's shape (exit 2); subcommand parsers inherit it."""
+    """argparse's refusals as one line in the CLI's shape (exit 2), naming the (sub)command whose
+    help to read and the closest valid name; subcommand parsers inherit it."""
+
+    argv: ClassVar[list[str]] = []  # the command line being parsed (main sets it), for the explanations below
 
     def error(self, message: str) -> NoReturn:
-        print(f"error USAGE: {self.prog}: {message}; see '{self.prog} --help'", file=sys.stderr)
+        print(f"error USAGE: {self.prog}: {self._explain(message)}; see '{self.prog} --help'", file=sys.stderr)
         sys.exit(2)
+
+    def unrecognized(self, extras: Sequence[str]) -> NoReturn:
+        """Refuse arguments no parser took, in the words of the subcommand they were given to."""
+        self.error(self._unknown_flags(extras))
+
+    def _options(self) -> list[str]:
+        return [o for action in self._actions for o in action.option_strings]
+
+    def _unknown_flags(self, extras: Sequence[str]) -> str:
+        parts = []
+        for tok in extras:
+            close = difflib.get_close_matches(tok.split("=", 1)[0], self._options(), n=1) if tok.startswith("-") else []
+            parts.append(f"{tok} (did you mean {close[0]}?)" if close else tok)
+        return "unrecognized arguments: " + " ".join(parts)
+
+    def _strangers(self) -> list[str]:
+        """Flags on the command line that neither this parser nor the top level knows."""
+        known = set(self._options()) | {"--home", "-v", "--verbose", "--version", "-h", "--help"}
+        return [t for t in Parser.argv if t.startswith("-") and not re.match(r"-\d", t)
+                and t != "--" and t.split("=", 1)[0] not in known]
+
+    def _explain(self, message: str) -> str:
+        if message.startswith("the following arguments are required") and self._strangers():
+            # `--sensitivty low` leaves --sensitivity missing: the misspelling is the news
+            return f"{self._unknown_flags(self._strangers())}; {message}"
+        m = _INVALID_CHOICE.match(message)
+        if not m:
+            return message
+        value = m.group("value")
+        # `uomp audit --limt 5`: the unknown flag left its value to a positional, whose refusal would
+        # blame the value; name the flag instead.
+        argv = Parser.argv
+        for i in range(1, len(argv)):
+            flag = argv[i - 1]
+            if argv[i] == value and flag.startswith("-") and flag.split("=", 1)[0] not in self._options():
+                return self._unknown_flags([flag])
+        choices = re.findall(r"'([^']*)'", m.group("choices"))
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"argument {m.group('arg')}: invalid choice: '{value}'{hint}; choose from {', '.join(choices)}"
+
+
+def _tag_subparsers(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's parser records itself in the namespace, so main() knows whose help to cite."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(_cli_parser=sub)
+                _tag_subparsers(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    _tag_subparsers(parser)
     return parser
 
 
@@ -82,7 +140,12 @@ def setup_logging(verbose: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        owner = getattr(args, "_cli_parser", parser)
+        assert isinstance(owner, Parser)
+        owner.unrecognized(extras)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
