@@ -52,6 +52,7 @@ class ErrorCode(StrEnum):
     RENEWAL_TOO_EARLY = "RENEWAL_TOO_EARLY"  # certificate renewal before the last part of the certificate's life
     RATE_LIMITED = "RATE_LIMITED"  # too many certificate renewals for one agent in the configured window
     UNSAFE_PERMISSIONS = "UNSAFE_PERMISSIONS"  # data directory owned by someone else or group/other-writable
+    NOT_INITIALISED = "NOT_INITIALISED"  # the data directory was never set up by `uomp init`
     ANCHOR_UNAVAILABLE = "ANCHOR_UNAVAILABLE"  # chain RPC unreachable, timed out or not final yet: retry later
     ANCHOR_REJECTED = "ANCHOR_REJECTED"  # the chain refused or reverted the anchor (not retryable as is)
     ANCHOR_MISMATCH = "ANCHOR_MISMATCH"  # the chain does not show the anchor that was claimed
@@ -110,6 +111,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.RENEWAL_TOO_EARLY: 409,
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.UNSAFE_PERMISSIONS: 500,
+    ErrorCode.NOT_INITIALISED: 500,
     ErrorCode.ANCHOR_UNAVAILABLE: 503,
     ErrorCode.ANCHOR_REJECTED: 502,
     ErrorCode.ANCHOR_MISMATCH: 409,

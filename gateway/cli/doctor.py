@@ -241,7 +241,7 @@ def run_checks(paths: Paths) -> Report:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    paths = paths_from(args)
+    paths = paths_from(args, needs_init=False)
     r = run_checks(paths)
     print("\n".join(r.lines))
     if r.problems:

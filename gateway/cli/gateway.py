@@ -391,7 +391,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _start(args: argparse.Namespace) -> int:
     from gateway import keys
 
-    paths = paths_from(args)
+    paths = paths_from(args, needs_init=False)
     gcfg = gateway_config(args, paths)  # bad flags and config refused before anything is written
     tcfg = tunnel_settings(args, paths)
     check_tunnel(tcfg)
@@ -423,7 +423,7 @@ def _stop(args: argparse.Namespace) -> int:
     """SIGTERM the appliance of this home and wait until it has let go of its lock."""
     import time
 
-    paths = paths_from(args)
+    paths = paths_from(args, needs_init=False)
     if not appliance.is_running(paths):
         _say(f"the appliance is not running on {paths.home}")
         return 0

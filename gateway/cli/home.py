@@ -19,7 +19,7 @@ def _init(args: argparse.Namespace) -> int:
     from gateway import appliance
     from gateway.config import GatewayConfig
 
-    paths = paths_from(args)
+    paths = paths_from(args, needs_init=False)
     appliance.check_home_writable(paths.home)
     if args.hostname:
         gcfg = load_section(GatewayConfig, "gateway", file=paths.config_file)

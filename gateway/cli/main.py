@@ -42,11 +42,19 @@ COMMAND_MODULES = (
 )
 
 
-def paths_from(args: argparse.Namespace) -> Paths:
+def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
     """The data directory of this command, refused (UNSAFE_PERMISSIONS) when it, ``.secrets`` or
-    ``ca/`` is another user's or group/other-writable, or a parent lets another user replace it."""
+    ``ca/`` is another user's or group/other-writable, or a parent lets another user replace it.
+
+    ``needs_init``: refused (NOT_INITIALISED) unless ``uomp init`` made it (its signing key exists),
+    before the command creates anything there. Only the commands that make a home (``init``,
+    ``gateway start``) or report on one (``status``, ``doctor``, ``gateway stop``) pass False."""
     paths = Paths(resolve_home(getattr(args, "home", None)))
     check_home(paths)
+    if needs_init and not paths.private_jwk.exists():
+        where = f"{paths.home} has not been set up" if paths.home.exists() else f"{paths.home} does not exist"
+        raise UompError(ErrorCode.NOT_INITIALISED, f"data directory {where}; run 'uomp init' first "
+                        "(or pass --home / set UOMP_HOME to the one you use)")
     return paths
 
 

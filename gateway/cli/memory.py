@@ -25,10 +25,7 @@ LIST_DEFAULT_LIMIT = 100
 
 
 def _open_store(args: argparse.Namespace) -> MemoryStore:
-    paths = paths_from(args)
-    if not paths.home.is_dir():
-        raise UompError(ErrorCode.CONFIG_ERROR, f"data directory {paths.home} does not exist; run 'uomp init' first")
-    return MemoryStore(paths.memory_db, create=True)
+    return MemoryStore(paths_from(args).memory_db, create=True)
 
 
 def _init_store(paths: Paths) -> dict[str, bool]:

@@ -88,6 +88,7 @@ def collect(paths: Paths) -> dict[str, Any]:
     healthy = bool(running and upstream and upstream.get("up") and not stale)
     return {
         "home": str(paths.home),
+        "initialised": paths.private_jwk.exists(),
         "running": running,
         "pid": run.get("pid") if run else None,
         "started_at": run.get("started_at") if run else None,
@@ -148,6 +149,9 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
 
 
 def _text(s: dict[str, Any]) -> None:
+    if not s["initialised"]:
+        print(f"data directory {s['home']} has not been set up: run 'uomp init' (or pass --home / set UOMP_HOME "
+              "to the one you use)")
     if s["running"]:
         print(f"appliance: running (pid {s['pid']}, since {s['started_at']}), data {s['home']}")
     else:
@@ -191,7 +195,7 @@ def _text(s: dict[str, Any]) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    paths = paths_from(args)
+    paths = paths_from(args, needs_init=False)
     s = collect(paths)
     if args.json:
         print(json.dumps(s, indent=1))

@@ -160,7 +160,7 @@ def test_import_bad_rows_printed(home_dir: str, tmp_path: Path, capsys: pytest.C
 
 def test_missing_home_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--home", str(tmp_path / "nope"), "memory", "list"]) == 1
-    assert "error CONFIG_ERROR" in capsys.readouterr().err
+    assert "error NOT_INITIALISED" in capsys.readouterr().err
     assert not (tmp_path / "nope").exists()
 
 
