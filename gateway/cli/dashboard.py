@@ -90,4 +90,4 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        "it here unless 'uomp gateway start' already does (docs/dashboard.md)")
     d.add_argument("--port", type=int, help="port on 127.0.0.1 (default [dashboard] port, 9380; 0: any free port)")
     d.add_argument("--open", action="store_true", help="also open the link in this machine's browser")
-    d.set_defaults(func=_dashboard)
+    d.set_defaults(func=_dashboard, service=True)

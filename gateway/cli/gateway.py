@@ -472,7 +472,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gsub = g.add_subparsers(dest="gateway_command", metavar="ACTION", required=True)
     s = gsub.add_parser("serve", help="run the gateway alone, in front of an already running guard")
     _common(s)
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, service=True)
     st = gsub.add_parser("start", help="run the appliance: init if needed, then the guard (in a child process, "
                          "restarted if it dies), the gateway and, with --tunnel, cloudflared")
     _common(st)
@@ -487,7 +487,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "or [tunnel] mode)")
     st.add_argument("--cloudflared", metavar="PATH", help="the cloudflared binary (default: on PATH)")
     st.add_argument("--tunnel-hostname", metavar="HOST", help="named/tcp tunnels: the tunnel's public host name")
-    st.set_defaults(func=_start)
+    st.set_defaults(func=_start, service=True)
     sp = gsub.add_parser("stop", help="stop the appliance running on this data directory (SIGTERM: in-flight "
                          "requests finish, then the tunnel and the guard stop)")
     sp.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to finish (default 60)")

@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--tcp-port", type=int, help="Local Profile port (default 9374; 0 picks a free port)")
     s.add_argument("--force-non-loopback", action="store_true",
                    help="allow a non-loopback --tcp-host (exposes the guard beyond this machine)")
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, service=True)
 
     ss = sub.add_parser("sessions", help="see, close and revoke sessions (spec §21)")
     ssub = ss.add_subparsers(dest="sessions_command", metavar="ACTION", required=True)

@@ -137,12 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool, service: bool = False) -> None:
+    """``-v``: DEBUG. A service (``gateway start``, ``guard serve``, ...) logs INFO: its stderr is the
+    service's log. A one-shot command says only warnings and errors: its result is its output."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO if service else logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
@@ -157,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, service=getattr(args, "service", False))
     # Whatever the caller's umask, nothing this command creates is readable or writable by others
     # (files meant to be shared, like certificates, get their mode set explicitly).
     old_umask = os.umask(0o077)
