@@ -37,6 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
 from gateway import ca_store, trust
@@ -316,8 +317,11 @@ def _authorize(args: argparse.Namespace) -> int:
             ErrorCode.ACCESS_DENIED, "the publisher could not be verified against your trust list (§16.4) and "
             "--require-verified is set; see uomp trust")
     _confirm(args)
-
+    # Everything that can be checked is checked before anything is made: a refused authorize leaves
+    # no session, no certificate and no file behind.
+    given = _remote_inputs(args, paths, m) if args.remote else None
     auth = open_auth(paths, cfg)
+    session_id: str | None = None
     try:
         create: dict[str, Any] = {"agent_id": m.agent.id, "agent_name": m.agent.name,
                                   "requested_scopes": {"read": m.read.to_claim()},
@@ -329,7 +333,7 @@ def _authorize(args: argparse.Namespace) -> int:
             create["data_retention_policy"] = {"max_retention_seconds": m.retention.max_retention_seconds,
                                                "deletion_method": m.retention.deletion_method,
                                                "proof_required": m.retention.proof_required}
-        session = auth.create_session(create)
+        session_id = str(auth.create_session(create)["session_id"])
         grant: dict[str, Any] = {"granted_scopes": {"read": plan.scope.to_claim()}, "widen": bool(plan.widened),
                                  "aggregation_only": plan.aggregation_only, "task_bound": args.task_bound,
                                  "aggregate_min_max": args.aggregate_min_max, "aggregate_exact": args.aggregate_exact}
@@ -337,24 +341,101 @@ def _authorize(args: argparse.Namespace) -> int:
             grant["allowed_fields"] = list(plan.allowed_fields)
         if args.max_reads is not None:
             grant["limits"] = {"max_read_queries": args.max_reads}
-        if args.remote:
-            return _remote(args, paths, auth, session["session_id"], m, grant)
-        answer = auth.grant(session["session_id"], grant)
+        if given is not None:
+            return _remote(args, paths, auth, session_id, m, grant, given)
+        _local(args, paths, cfg, m, auth.grant(session_id, grant))
+        return 0
+    except BaseException as exc:
+        if session_id is not None:
+            _abandon(auth, session_id, exc)
+        raise
     finally:
         auth.close_db()
         auth.audit.close()
+
+
+def _local(args: argparse.Namespace, paths: Any, cfg: GuardConfig, m: manifest.Manifest,
+           answer: dict[str, Any]) -> None:
     base = f"http://127.0.0.1:{cfg.tcp_port}"
-    print(f"Session {answer['session_id']} active until {answer['expires_at']}.")
     if args.print_token:
+        print(f"Session {answer['session_id']} active until {answer['expires_at']}.")
         print(f"export UOM_TOKEN={answer['token']}")
         print(f"export UOMP_BASE_URL={base}")
-    else:
-        env = Path(args.env_file or (paths.agents_dir / m.agent.id / "uomp.env"))
-        env.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        atomic_write(env, f"UOM_TOKEN={answer['token']}\nUOMP_BASE_URL={base}\n".encode(), mode=0o600)
-        print(f"Token written to {env} (mode 0600). Start the agent with its variables, e.g.:")
-        print(f"  env $(cat {env}) <agent command>")
-    return 0
+        return
+    env = Path(args.env_file or (paths.agents_dir / m.agent.id / "uomp.env"))
+    env.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    atomic_write(env, f"UOM_TOKEN={answer['token']}\nUOMP_BASE_URL={base}\n".encode(), mode=0o600)
+    print(f"Session {answer['session_id']} active until {answer['expires_at']}.")
+    print(f"Token written to {env} (mode 0600). Start the agent with its variables, e.g.:")
+    print(f"  env $(cat {env}) <agent command>")
+
+
+def _abandon(auth: Any, session_id: str, exc: BaseException) -> None:
+    """A session whose authorize failed after it was created ends at once, and the audit says why
+    (its creation is already in the log, so it is ended, not erased)."""
+    why = exc.code if isinstance(exc, UompError) else type(exc).__name__
+    try:
+        auth.revoke(session_id, reason=f"authorize did not finish ({why}); nothing was handed to the agent")
+    except UompError as inner:
+        _warn(f"session {session_id} could not be ended after the failure ({inner.code}); "
+              f"run: uomp sessions revoke {session_id}")
+
+
+class _RemoteInputs:
+    """What ``--remote`` was given, read and checked before anything is created."""
+
+    def __init__(self, url: str, cert_pem: bytes | None, csr_pem: bytes | None) -> None:
+        self.url, self.cert_pem, self.csr_pem = url, cert_pem, csr_pem
+
+
+def _read_input(flag: str, name: str) -> bytes:
+    try:
+        return Path(name).read_bytes()
+    except OSError as exc:
+        raise UompError(ErrorCode.INVALID_REQUEST, f"cannot read {flag} {name}: {exc.strerror}") from exc
+
+
+def _remote_inputs(args: argparse.Namespace, paths: Any, m: manifest.Manifest) -> _RemoteInputs:
+    from gateway.core import ca
+
+    url = args.gateway_url.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        raise UompError(ErrorCode.INVALID_REQUEST, "--gateway-url must be an https:// URL")
+    if not ca_store.ca_cert_path(paths).exists() or not paths.ca_key.exists():
+        raise UompError(ErrorCode.CA_ERROR, f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')")
+    cert_pem = csr_pem = None
+    if args.cert:
+        raw = _read_input("--cert", args.cert)
+        try:
+            cert = ca.load_cert(raw)
+        except UompError as exc:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} is not a certificate (PEM or DER): "
+                            f"{exc.message}; give the file 'uomp agent issue' wrote") from exc
+        ours = ca.load_cert(ca_store.ca_cert_path(paths).read_bytes())
+        try:
+            cert.verify_directly_issued_by(ours)
+        except (ValueError, TypeError, InvalidSignature) as exc:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} was not issued by your CA "
+                            f"({ca_store.ca_cert_path(paths)}); issue one with: uomp agent issue {m.agent.id}") from exc
+        if ca.agent_id_from_cert(cert) != m.agent.id:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} names agent "
+                            f"{ca.agent_id_from_cert(cert)!r}, the manifest {m.agent.id!r}")
+        if cert.not_valid_after_utc <= dt.datetime.now(dt.UTC):
+            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} expired on "
+                            f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z; issue a new one: uomp agent issue "
+                            f"{m.agent.id}")
+        cert_pem = ca.cert_pem(cert)
+    elif args.csr:
+        raw = _read_input("--csr", args.csr)
+        try:
+            ca.load_csr(raw)
+        except UompError as exc:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"--csr {args.csr}: {exc.message}") from exc
+        csr_pem = raw
+    elif args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UompError(ErrorCode.INVALID_REQUEST, f"--out {args.out} exists and is not a directory")
+    return _RemoteInputs(url, cert_pem, csr_pem)
 
 
 def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
@@ -378,30 +459,43 @@ def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
 
 
 def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m: manifest.Manifest,
-            grant: dict[str, Any]) -> int:
-    url = args.gateway_url.rstrip("/")
+            grant: dict[str, Any], given: _RemoteInputs) -> int:
+    url = given.url
     parts = urlsplit(url)
-    if parts.scheme != "https" or not parts.hostname:
-        raise UompError(ErrorCode.INVALID_REQUEST, "--gateway-url must be an https:// URL")
     agent_key: str | None = None
     agent_key_file: str | None = None
     lifetime = dt.timedelta(hours=args.cert_hours)
-    if args.cert or args.csr:
-        if args.cert:
-            cert_pem = Path(args.cert).read_bytes()
+    made: list[Path] = []  # files this command created, removed again if it fails
+    try:
+        if given.cert_pem is not None or given.csr_pem is not None:
+            cert_pem = given.cert_pem or ca_store.issue_from_csr(paths, m.agent.id, given.csr_pem or b"", lifetime)
+            # the agent keeps its own key; the bundle only says where (never the key itself)
+            if args.key_file:
+                agent_key_file = str(Path(args.key_file).resolve())
         else:
-            cert_pem = ca_store.issue_from_csr(paths, m.agent.id, Path(args.csr).read_bytes(), lifetime)
-        # the agent keeps its own key; the bundle only says where (never the key itself)
-        if args.key_file:
-            agent_key_file = str(Path(args.key_file).resolve())
-    else:
-        out = Path(args.out or (paths.agents_dir / m.agent.id))
-        # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
-        files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
-        print(f"Agent certificate {files.serial} ({'reused' if files.reused_cert else 'new'}), valid until "
-              f"{files.not_after:%Y-%m-%d %H:%M:%S}Z" + ("; --new-cert to issue another" if files.reused_cert else ""))
-        cert_pem = files.cert_file.read_bytes()
-        agent_key = files.key_file.read_text()
+            out = Path(args.out or (paths.agents_dir / m.agent.id))
+            # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
+            files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
+            if files.new_key:
+                made.append(files.key_file)
+            if not files.reused_cert:
+                made.append(files.cert_file)
+            print(f"Agent certificate {files.serial} ({'reused' if files.reused_cert else 'new'}), valid until "
+                  f"{files.not_after:%Y-%m-%d %H:%M:%S}Z"
+                  + ("; --new-cert to issue another" if files.reused_cert else ""))
+            cert_pem = files.cert_file.read_bytes()
+            agent_key = files.key_file.read_text()
+        return _remote_grant(args, paths, auth, session_id, m, grant, url, parts, cert_pem, agent_key,
+                             agent_key_file)
+    except BaseException:
+        for f in made:
+            f.unlink(missing_ok=True)
+        raise
+
+
+def _remote_grant(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m: manifest.Manifest,
+                  grant: dict[str, Any], url: str, parts: Any, cert_pem: bytes, agent_key: str | None,
+                  agent_key_file: str | None) -> int:
     cert = x509.load_pem_x509_certificate(cert_pem)
     from gateway.core import ca
 
