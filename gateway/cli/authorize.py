@@ -466,6 +466,7 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
     agent_key_file: str | None = None
     lifetime = dt.timedelta(hours=args.cert_hours)
     made: list[Path] = []  # files this command created, removed again if it fails
+    key_dir: Path | None = None  # where the key this command made for the agent is
     try:
         if given.cert_pem is not None or given.csr_pem is not None:
             cert_pem = given.cert_pem or ca_store.issue_from_csr(paths, m.agent.id, given.csr_pem or b"", lifetime)
@@ -485,8 +486,9 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
                   + ("; --new-cert to issue another" if files.reused_cert else ""))
             cert_pem = files.cert_file.read_bytes()
             agent_key = files.key_file.read_text()
+            key_dir = files.out_dir
         return _remote_grant(args, paths, auth, session_id, m, grant, url, parts, cert_pem, agent_key,
-                             agent_key_file)
+                             agent_key_file, key_dir)
     except BaseException:
         for f in made:
             f.unlink(missing_ok=True)
@@ -495,7 +497,7 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
 
 def _remote_grant(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m: manifest.Manifest,
                   grant: dict[str, Any], url: str, parts: Any, cert_pem: bytes, agent_key: str | None,
-                  agent_key_file: str | None) -> int:
+                  agent_key_file: str | None, key_dir: Path | None) -> int:
     cert = x509.load_pem_x509_certificate(cert_pem)
     from gateway.core import ca
 
@@ -519,6 +521,14 @@ def _remote_grant(args: argparse.Namespace, paths: Any, auth: Any, session_id: s
     print(f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
           f"{answer['expires_at']}, refresh token until {answer.get('refresh_expires_at')} (renewed on each refresh).")
     print(f"Agent bundle written to {out_path} (mode 0600): hand it to the agent over a private channel.")
+    print(f"The agent's gateway URL (its tokens are for this address): {url}")
+    if key_dir is not None:
+        d = key_dir
+        print("A first read from the agent's side, with these files (any key it may read):")
+        print(f"  curl --cacert {d}/ca.crt --cert {d}/agent.crt --key {d}/agent.key "
+              f"-H \"X-UOMP-Agent-Id: {m.agent.id}\" -H \"Authorization: Bearer $(python3 -c "
+              f"'import json,sys; print(json.load(open(sys.argv[1]))"
+              f"[\"access_token\"])' {out_path})\" {url}/v1/memory/KEY")
     return 0
 
 

@@ -311,7 +311,12 @@ def _run_info(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | 
     listeners["guard_socket"] = f"unix:{paths.guard_sock}"
     if guard is not None and guard.tcp_url:
         listeners["local_profile"] = guard.tcp_url
-    endpoints = sorted(gw.state.endpoints) if gw.state is not None else []
+    live = set(gw.state.endpoints) if gw.state is not None else set()
+    # authorize's default audience first: the URL a user copies is the one tokens are made for
+    first = (appliance.public_urls(paths, gcfg) or appliance.local_urls(gw.port))[0]
+    ordered = [first, *appliance.accepted_endpoints(paths, gcfg, gw.port)]
+    endpoints = [u for i, u in enumerate(ordered) if u in live and u not in ordered[:i]]
+    endpoints += sorted(live - set(endpoints))
     return {"pid": os.getpid(), "started_at": appliance.iso(time.time()), "home": str(paths.home),
             "listeners": listeners, "local_urls": appliance.local_urls(gw.port),
             "public_urls": appliance.public_urls(paths, gcfg),
@@ -322,8 +327,8 @@ def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | No
             info: dict[str, Any], *, with_guard: bool) -> None:
     # Lines start with a fixed label ("gateway: ", "guard: ", ...): scripts and tests read them.
     _say(f"UOMP {'appliance' if with_guard else 'gateway'} ready (pid {os.getpid()}, data {paths.home})")
-    _say(f"gateway: https://{gcfg.listen_host}:{gw.port} (TLS 1.3, client certificates from your agent CA); "
-         f"local URL https://localhost:{gw.port}")
+    _say(f"gateway: https://localhost:{gw.port} (TLS 1.3, client certificates from your agent CA; listening on "
+         f"https://{gcfg.listen_host}:{gw.port}, the same endpoint)")
     for url in info["public_urls"]:
         _say(f"public URL: {url} (mTLS)")
     tunnel_public: str | None = None

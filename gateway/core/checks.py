@@ -121,20 +121,38 @@ def check_audience(cap: Capability, p: Presented) -> None:
                         session_id=cap.session_id)
 
 
+# The names of this machine's loopback interface: one endpoint for a given port. Only a process on
+# this machine reaches them, and a request that arrived at the listener under one of them would
+# arrive at the same listener under another, so telling them apart protects nothing and refuses the
+# URL a user copied from the banner.
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, str | None]:
+    """``host[:port]`` (``[v6]:port`` too) -> (host, port or None), the host's loopback names as one."""
+    if endpoint.startswith("["):
+        host, _, rest = endpoint.partition("]")
+        host += "]"
+        port = rest[1:] if rest.startswith(":") else None
+    elif endpoint.count(":") == 1:
+        host, port = endpoint.rsplit(":", 1)
+    else:
+        host, port = endpoint, None
+    return ("localhost" if host in LOOPBACK_NAMES else host), port
+
+
 def endpoint_allowed(allowed: tuple[str, ...], endpoint: str) -> bool:
     """``endpoint`` (host[:port], lower case) is named by an ``allowed_endpoints`` entry: a URL, a
-    ``host:port`` or a bare host (any port)."""
-    if endpoint.startswith("["):  # [v6]:port
-        host = endpoint[:endpoint.index("]") + 1] if "]" in endpoint else endpoint
-    elif endpoint.count(":") == 1:
-        host = endpoint.rsplit(":", 1)[0]
-    else:
-        host = endpoint
+    ``host:port`` or a bare host (any port). Loopback names are one host (:data:`LOOPBACK_NAMES`)."""
+    host, port = _split_endpoint(endpoint)
     for entry in allowed:
         e = entry.strip().lower()
         if "://" in e:
             e = endpoint_netloc(e)
-        if e and e in (endpoint, host):
+        if not e:
+            continue
+        e_host, e_port = _split_endpoint(e)
+        if e_host == host and (e_port is None or e_port == port):
             return True
     return False
 
@@ -144,9 +162,12 @@ def check_allowed_endpoint(cap: Capability, p: Presented) -> None:
     if cap.allowed_endpoints is None or not p.check_endpoint:
         return
     if p.endpoint is None or not endpoint_allowed(cap.allowed_endpoints, p.endpoint):
+        came = (p.endpoint or p.host)[:100]
+        meant = cap.audience or cap.allowed_endpoints[0]
         raise UompError(ErrorCode.ACCESS_DENIED, f"token is not allowed on this endpoint: it is for "
-                        f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host "
-                        f"{(p.endpoint or p.host)[:100]!r}", session_id=cap.session_id)
+                        f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host {came!r}; "
+                        f"send it to {meant[:200]} (the URL it was authorized for), or authorize the agent "
+                        f"again with --gateway-url https://{came}", session_id=cap.session_id)
 
 
 def check_agents(cap: Capability, p: Presented) -> None:

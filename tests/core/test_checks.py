@@ -61,6 +61,13 @@ ALLOWED = [
     ("suffix is not a match", ("example",), "gw.example", False),
     ("empty entry", ("",), "gw.example", False),
     ("ipv6", ("[::1]:9443",), "[::1]:9443", True),
+    ("loopback names are one host", ("localhost:9443",), "127.0.0.1:9443", True),
+    ("loopback names, url", ("https://127.0.0.1:9443",), "localhost:9443", True),
+    ("loopback v6", ("localhost:9443",), "[::1]:9443", True),
+    ("loopback, other port", ("localhost:9443",), "127.0.0.1:9444", False),
+    ("loopback is not another host", ("localhost:9443",), "gw.example:9443", False),
+    ("a name starting localhost", ("localhost.evil.example:9443",), "localhost:9443", False),
+    ("another host is not loopback", ("gw.example:9443",), "127.0.0.1:9443", False),
 ]
 
 
@@ -92,3 +99,13 @@ HEADERS: list[tuple[str, list[tuple[bytes, bytes]], bool, bool]] = [
 @pytest.mark.parametrize(("name", "raw", "verified_allowed", "refused"), HEADERS, ids=[h[0] for h in HEADERS])
 def test_header_problem(name: str, raw: list[tuple[bytes, bytes]], verified_allowed: bool, refused: bool) -> None:
     assert (contract.header_problem(raw, verified_allowed=verified_allowed) is not None) is refused
+
+
+def test_an_endpoint_refusal_says_where_to_send_the_token_instead() -> None:
+    with pytest.raises(UompError) as err:
+        checks.run_checks(BASE, dataclasses.replace(MTLS, endpoint="other.example:9443"))
+    assert err.value.code == "ACCESS_DENIED"
+    assert err.value.message == (
+        "token is not allowed on this endpoint: it is for gw.example:9443, this request came to host "
+        "'other.example:9443'; send it to https://gw.example:9443 (the URL it was authorized for), or authorize "
+        "the agent again with --gateway-url https://other.example:9443")

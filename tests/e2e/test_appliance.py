@@ -77,7 +77,7 @@ class Running:
 
     @property
     def port(self) -> int:
-        return int(self.wait_line(r"^gateway: https://127\.0\.0\.1:(\d+)").group(1))
+        return int(self.wait_line(r"^gateway: https://localhost:(\d+) ").group(1))
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
