@@ -213,15 +213,24 @@ def _connect(path: Path) -> sqlite3.Connection:
     return db
 
 
+def missing_registry(path: Path) -> UompError:
+    return UompError(ErrorCode.CA_ERROR, f"the certificate registry {path} (every certificate your CA issued and "
+                     "revoked) is missing; restore it from your backup: a new one would forget every revocation")
+
+
 @contextlib.contextmanager
-def registry(paths: Paths, *, write: bool = False) -> Iterator[Registry]:
+def registry(paths: Paths, *, write: bool = False, create: bool = False) -> Iterator[Registry]:
     """The registry; with ``write``, one IMMEDIATE transaction committed when the block ends.
 
-    Writers hold :func:`locked` too (the CRL is written from the same transaction's data)."""
+    Writers hold :func:`locked` too (the CRL is written from the same transaction's data). Only
+    ``create`` (the making of a new CA) makes a missing registry: anywhere else a missing one is
+    CA_ERROR, since an empty registry would un-revoke every revoked certificate at the next CRL."""
     if legacy_registry_path(paths).exists():
         with locked(paths):
             pass  # taking the lock migrates it
     path = registry_path(paths)
+    if not create and not path.exists():
+        raise missing_registry(path)
     db = _connect(path)
     try:
         if write:

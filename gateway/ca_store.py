@@ -282,13 +282,17 @@ def init_all(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | 
             raise UompError(ErrorCode.KEY_ERROR, f"{kp} is missing but {cp} exists; {_RESTORE_KEY}")
         else:
             key, cert = ca.create_ca(key_type=key_type, now=now)
-            # Key first: a crash after it leaves a key whose certificate the next init re-makes.
+            # The registry before the key, the key before the certificate: a crash leaves an empty
+            # registry without a CA (made again with it), or a key whose certificate the next init
+            # re-makes; never a CA without its registry, which only a deletion makes.
+            with registry(paths, write=True, create=True):
+                pass
             atomic_write(kp, ca.key_pem(key), mode=0o600)
             atomic_write(cp, ca.cert_pem(cert), mode=0o644)
             created = True
         server = _ensure_server_cert(paths, key, cert, hostnames, now)
         pem: bytes | None = None
-        with registry(paths, write=True) as reg:  # creates the registry when missing
+        with registry(paths, write=True) as reg:
             if _crl_needs_refresh(paths, cert, reg, now, CRL_REFRESH_BEFORE):
                 pem = _prepare_crl(paths, key, cert, reg, now)
         if pem is not None:

@@ -27,6 +27,7 @@ class Report:
     def __init__(self) -> None:
         self.problems = 0
         self.lines: list[str] = []
+        self.flagged: set[Path] = set()  # files with a problem said already (said once)
 
     def ok(self, text: str) -> None:
         self.lines.append(f"ok       {text}")
@@ -45,18 +46,21 @@ def _mode(p: Path) -> int:
 
 def _check_private(r: Report, p: Path, what: str, *, dir_: bool = False) -> bool:
     if not p.exists():
-        r.problem(f"{what} {p} is missing", "run: uomp init (never replaces existing keys)")
-        return False
+        if dir_:
+            r.problem(f"{what} {p} is missing", "run: uomp init")
+        return False  # a missing key file: homefiles says which fix is safe for it
     want = 0o700 if dir_ else 0o600
     m = _mode(p)
     if m & 0o077:
         r.problem(f"{what} {p} is readable by others (mode {m:o})", f"chmod {want:o} {p}")
+        r.flagged.add(p)
         return False
     if p.stat().st_uid != os.getuid():
         r.problem(f"{what} {p} belongs to uid {p.stat().st_uid}, not to this user ({os.getuid()})",
                   f"chown {os.getuid()} {p}")
+        r.flagged.add(p)
         return False
-    r.ok(f"{what} {p} (mode {m:o})")
+    r.ok(f"{p} is private (mode {m:o})")
     return True
 
 
@@ -79,15 +83,17 @@ def _configs(r: Report, paths: Paths) -> tuple[GatewayConfig | None, GuardConfig
 def _ca(r: Report, paths: Paths, gcfg: GatewayConfig | None) -> None:
     from cryptography import x509
 
+    from gateway.cli import homefiles
     from gateway.core import ca
 
     _check_private(r, ca_store.ca_key_path(paths), "CA key")
     _check_private(r, ca_store.server_key_path(paths), "gateway key")
-    for p, what in ((ca_store.ca_cert_path(paths), "CA certificate"), (ca_store.crl_path(paths), "CRL")):
-        if not p.exists():
-            r.problem(f"{what} {p} is missing", "run: uomp init")
-        else:
-            r.ok(f"{what} {p}")
+    bad, good = homefiles.check(paths)
+    for f in bad:
+        if f.path not in r.flagged:
+            r.problem(f"{f.what} {f.path} {f.problem}", f.fix)
+    for line in good:
+        r.ok(f"{line} (parsed)")
     cp = ca_store.server_cert_path(paths)
     try:
         cert = x509.load_pem_x509_certificate(cp.read_bytes())

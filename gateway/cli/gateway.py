@@ -410,6 +410,10 @@ def _start(args: argparse.Namespace) -> int:
                 _say(f"public URL recorded: {url} (gateway certificate, endpoints and authorize follow it)")
         if appliance.tunnel_url(paths):
             appliance.set_tunnel(paths, tcfg.mode, None)  # the last run's tunnel URL is gone with it
+        if paths.private_jwk.exists():  # set up before: what it had must still be there and usable
+            from gateway.cli import homefiles
+
+            homefiles.require_intact(paths)
         made = keys.init_home(paths)
         from gateway.cli import home
 
