@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gateway.anchor.base import AnchorBackend, AnchorRejected, Submitted
+from gateway.anchor.base import AnchorBackend, AnchorRejected, Submitted, plain_http_remote, redact_url
 from gateway.anchor.none import NoneBackend
 
 BACKENDS = ("none", "evm", "starknet")
@@ -26,6 +26,7 @@ def make_backend(
     account: str | None = None,
     confirmations: int | None = None,
     code_hash: str | None = None,
+    rpc_attempts: int | None = None,
 ) -> AnchorBackend:
     """A backend from plain settings. ``key_file`` absent: read-only (status, find, verify).
 
@@ -42,6 +43,8 @@ def make_backend(
     if not rpc_url:
         raise AnchorRejected(f"the {kind} backend needs an RPC URL")
     extra: dict[str, Any] = {} if confirmations is None else {"confirmations": confirmations}
+    if rpc_attempts is not None:  # a status report tries once: it reports an outage, it does not wait it out
+        extra["rpc_attempts"] = rpc_attempts
     if kind == "evm":
         from gateway.anchor.evm import EvmBackend, EvmSettings, load_private_key
 
@@ -67,6 +70,14 @@ def make_backend(
         raise AnchorRejected(str(exc)) from None
     key = load_stark_key(key_file) if key_file is not None else None
     return StarknetBackend(settings, key)
+
+
+def rpc_warnings(backend: str, rpc_url: str) -> list[str]:
+    """Warnings about the anchoring settings (for `uomp doctor` and the start banner)."""
+    if backend == "none" or not rpc_url or not plain_http_remote(rpc_url):
+        return []
+    return [f"the chain RPC {redact_url(rpc_url)} is plain http to another host: anyone on the path can read "
+            "and answer for it (every anchor is still checked, but can be stalled or hidden); use https://"]
 
 
 async def anchor_deploy(rpc_url: str, key_file: Path, *, chain_id: int | None = None) -> dict[str, Any]:

@@ -112,6 +112,21 @@ def backlog(conn: sqlite3.Connection, *, now: float | None = None) -> dict[str, 
     }
 
 
+def counts_of(db_path: Path) -> dict[str, int] | None:
+    """The backlog's counts per state, read-only (metrics); None while there is no readable table."""
+    try:
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=0.5)
+        try:
+            counts = {s: 0 for s in STATES}
+            for state, n in conn.execute("SELECT state, COUNT(*) FROM ledger_anchors GROUP BY state"):
+                counts[str(state)] = int(n)
+            return counts
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+
+
 def summary(b: dict[str, Any] | None) -> str:
     """One line for `uomp status`, `uomp anchor status` and the dashboard."""
     if not b:

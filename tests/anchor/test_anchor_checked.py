@@ -226,10 +226,9 @@ async def test_a_reorg_that_drops_the_transaction_sends_it_back_to_the_backlog(t
         assert _row(log, 5)["state"] == "confirmed"
         assert chain.anvil.rpc("evm_revert", snapshot) is True
         chain.clock += POLICY.recheck_seconds  # the periodic recheck is due
-        gone = await anchorer.recheck(now=chain.tick())
-        assert gone == 1
+        await anchorer.step(now=chain.tick())  # reads it again, finds it gone, sends it again
         row = _row(log, 5)
-        assert row["state"] == "queued" and row["ref"] is None and tx in row["rejected_reason"]
+        assert row["state"] == "submitted" and tx in row["rejected_reason"] and row["verified_at"] is None
         assert log.proof_bundle("evt_2", chain={})["anchor"] is None
         paths = _paths_with(tmp_path, log)
         shown = data.timeline(paths, Filters("", "", "", "all"))
