@@ -70,8 +70,11 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
     have = _columns(conn)
     for name, decl in _EXTRA_COLUMNS:
         if name not in have:
-            with contextlib.suppress(sqlite3.OperationalError):  # another process added it first
+            try:
                 conn.execute(f"ALTER TABLE ledger_anchors ADD COLUMN {name} {decl}")
+            except sqlite3.OperationalError as exc:
+                if "duplicate column" not in str(exc):  # another process added it first: fine
+                    raise  # busy (the writer holds the lock): the caller tries again next round
     conn.execute("UPDATE ledger_anchors SET state = 'submitted', next_at = 0 WHERE state = 'confirmed'"
                  " AND verified_at IS NULL AND ref IS NOT NULL AND ref != ''")
 
@@ -170,9 +173,14 @@ class Anchorer:
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
-            self._conn = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=2.0)
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            ensure_schema(self._conn)
+            conn = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=2.0)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                ensure_schema(conn)
+            except sqlite3.Error:
+                conn.close()
+                raise
+            self._conn = conn
         return self._conn
 
     def start(self) -> None:

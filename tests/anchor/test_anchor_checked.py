@@ -306,3 +306,23 @@ def _paths_with(tmp_path: Path, log: EventLog) -> Any:
     if not paths.audit_db.exists():
         paths.audit_db.symlink_to(tmp_path / "audit.db")
     return paths
+
+
+async def test_the_schema_upgrade_waits_out_a_busy_writer(tmp_path: Path) -> None:
+    """The worker's first open adds its columns; while the log's writer holds the write lock that
+    fails, and the next round does it (the worker never runs on a half-upgraded table)."""
+    from gateway.anchor.none import NoneBackend
+
+    log = _log(tmp_path / "audit.db")
+    _append(log, 2, 0)
+    anchorer = Anchorer(tmp_path / "audit.db", NoneBackend(), policy=POLICY)
+    log.conn.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            await anchorer.step(now=T0)
+    finally:
+        log.conn.execute("COMMIT")
+    await anchorer.step(now=T0 + 1)
+    row = _row(log, 2)
+    assert row["state"] == "confirmed" and row["verified_at"] == T0 + 1 and row["rejections"] == 0
+    await anchorer.stop()
