@@ -492,6 +492,28 @@ class EvmBackend:
         if "0x" + keccak256(code).hex() != self.code_hash:
             raise AnchorMismatch(f"the code at {contract.address} is not the expected UompAnchor (code hash differs)")
 
+    @answers_checked
+    async def newest_anchor(self, from_block: int = 0) -> dict[str, Any] | None:
+        """The largest checkpoint this contract anchored, read from the chain's event log (only the
+        owner can anchor): ``{tree_size, root, checkpoint_hash, tx, block}``, or None. The contract
+        is checked first (chain id, code hash). One ``eth_getLogs`` from ``from_block``: nodes that
+        cap the block range of a query need a recent ``from_block``."""
+        contract = self._need_contract()
+        await self.check_contract()
+        flt: Any = {"address": contract.address, "fromBlock": from_block, "toBlock": "latest",
+                    "topics": ["0x" + _TOPICS["CheckpointAnchored"].hex()]}
+        logs: list[Any] = list(await self._rpc("eth_getLogs", lambda: self._w3.eth.get_logs(flt)))
+        best: dict[str, Any] | None = None
+        for log in logs:
+            if str(log["address"]).lower() != contract.address.lower() or log.get("removed"):
+                continue
+            args = self._decode(log)[1]
+            if best is None or int(args["treeSize"]) > best["tree_size"]:
+                best = {"tree_size": int(args["treeSize"]), "root": bytes(args["root"]),
+                        "checkpoint_hash": bytes(args["checkpointHash"]),
+                        "tx": "0x" + bytes(log["transactionHash"]).hex(), "block": int(log["blockNumber"])}
+        return best
+
     def _decode(self, log: Any) -> tuple[str, dict[str, Any]]:
         contract = self._need_contract()
         topic0 = bytes(log["topics"][0]) if log["topics"] else b""

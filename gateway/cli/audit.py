@@ -173,10 +173,23 @@ def _backend(acfg: AnchorConfig, *, rpc: str | None = None, contract: str | None
 
 
 async def _verify_anchors(conn: sqlite3.Connection, backend: Any) -> tuple[int, list[str]]:
+    """Every confirmed anchor of the local table on chain, then the log against the newest anchor
+    the chain itself holds (so a rollback that also deleted the local anchor rows is found)."""
     from gateway.anchor.base import Anchor, AnchorError
+    from gateway.ledger.verify import check_anchored_head
 
     problems: list[str] = []
     checked = 0
+    newest = getattr(backend, "newest_anchor", None)
+    if newest is not None:
+        try:
+            head = await newest()
+            if head is not None:
+                problem = check_anchored_head(conn, head["tree_size"], head["root"])
+                if problem:
+                    problems.append(f"{problem} (chain anchor in tx {head['tx']})")
+        except AnchorError as exc:
+            problems.append(f"the chain's newest anchor could not be read: {exc.code}: {exc.message}")
     rows = conn.execute("SELECT a.size, a.ref, c.note FROM ledger_anchors a JOIN ledger_checkpoints c"
                         " ON c.size = a.size WHERE a.state = 'confirmed' AND a.ref IS NOT NULL ORDER BY a.size"
                         ).fetchall()

@@ -174,3 +174,60 @@ async def test_verify_proof_trusts_the_users_chain_not_the_bundles(home: Paths, 
         assert rc == 1 and "code hash differs" in out, out
     finally:
         await asyncio.to_thread(node.stop)
+
+
+@pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
+async def test_verify_checks_the_log_against_the_newest_anchor_on_chain(home: Paths, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A rollback that deletes the newest events, their tree nodes, checkpoints and anchor rows is
+    red in `uomp audit verify`: the chain still holds the larger anchor."""
+    import asyncio
+
+    from eth_account import Account
+
+    from gateway.anchor.evm import EvmBackend, EvmSettings, deploy
+    from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+
+    node = Anvil(tmp_path)
+    await asyncio.to_thread(node.start)
+    try:
+        owner = Account.create()
+        node.fund(owner.address)
+        contract = await deploy(node.url, owner)
+        _config(home, node.url, contract)
+        log = _log(home)
+        backend = EvmBackend(EvmSettings(rpc_url=node.url, contract=contract, chain_id=31337, confirmations=1),
+                             owner)
+        anchorer = Anchorer(home.audit_db, backend, policy=AnchorPolicy(poll_seconds=0.05))
+        _events(log, 5)
+        log.conn.execute("BEGIN IMMEDIATE")
+        log.append([{"id": f"evt_b{i}", "ts": 2000.0 + i, "action": "read", "session_id": "sess_a",
+                     "allowed": True} for i in range(3)])
+        assert log.checkpoint(now=2000.0) is not None
+        log.conn.execute("COMMIT")
+        for i in range(60):
+            await anchorer.step(now=10.0**9 + i)
+            if log.conn.execute("SELECT state FROM ledger_anchors WHERE size = 8").fetchone()[0] == "confirmed":
+                break
+            node.mine(1)
+        await anchorer.stop()
+        await backend.close()
+        node.mine(2)
+
+        def verify() -> tuple[int, dict[str, Any]]:
+            capsys.readouterr()
+            rc = main(["--home", str(home.home), "audit", "verify", "--json"])
+            return rc, json.loads(capsys.readouterr().out)
+
+        rc, report = await asyncio.to_thread(verify)
+        assert rc == 0 and report["ok"], report
+        c = log.conn
+        c.execute("DELETE FROM ledger_events WHERE seq > 5")
+        c.execute("DELETE FROM merkle_nodes WHERE ((idx + 1) << level) > 5")
+        c.execute("DELETE FROM ledger_checkpoints WHERE size > 5")
+        c.execute("DELETE FROM ledger_anchors WHERE size > 5")
+        rc, report = await asyncio.to_thread(verify)
+        assert rc == 1 and not report["ok"]
+        assert any("first missing size 6" in p for p in report["problems"]), report
+    finally:
+        await asyncio.to_thread(node.stop)
