@@ -7,6 +7,7 @@
 * ``logs_other_contract``: every log (in receipts and ``eth_getLogs``) comes from another address;
 * ``other_root``: the ``CheckpointAnchored`` log carries another root;
 * ``no_code`` / ``other_code``: ``eth_getCode`` answers nothing / other bytes;
+* ``other_chain``: ``eth_chainId`` answers another chain (a replaced node);
 * ``fabricated``: nothing is sent; ``anchoredBlock`` answers a block, ``eth_getLogs`` a made-up
   ``CheckpointAnchored`` log in a made-up transaction, whose receipt is a real receipt of the
   decoy transaction (``decoy``: a plain transfer made by the test) under the made-up hash.
@@ -30,7 +31,7 @@ OTHER = "0x000000000000000000000000000000000000dEaD"
 ANCHORED_BLOCK = "0x" + keccak256(b"anchoredBlock(bytes32)")[:4].hex()
 CHECKPOINT_TOPIC = "0x" + keccak256(b"CheckpointAnchored(bytes32,uint64,bytes32)").hex()
 LIES = frozenset({"receipt_to_other", "receipt_no_logs", "logs_other_contract", "other_root", "no_code",
-                  "other_code", "fabricated"})
+                  "other_code", "other_chain", "fabricated"})
 
 
 class LyingRpc:
@@ -91,6 +92,8 @@ class LyingRpc:
             self.sent_raw += 1
         if method == "eth_getCode" and "no_code" in lies:
             return {"jsonrpc": "2.0", "result": "0x"}
+        if method == "eth_chainId" and "other_chain" in lies:
+            return {"jsonrpc": "2.0", "result": "0x1"}
         if method == "eth_getCode" and "other_code" in lies:
             return {"jsonrpc": "2.0", "result": "0x6080604052600080fd"}
         out = await self._forward(method, params)

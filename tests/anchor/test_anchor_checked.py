@@ -124,7 +124,7 @@ def _decoy(anvil: Anvil) -> str:
 
 
 LIES = ["receipt_to_other", "receipt_no_logs", "logs_other_contract", "other_root", "no_code", "other_code",
-        "fabricated"]
+        "other_chain", "fabricated"]
 
 
 @pytest.mark.parametrize("lie", LIES)
