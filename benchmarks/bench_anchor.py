@@ -5,8 +5,9 @@
 Needs anvil (scripts/setup-anvil.sh). Two parts:
 
 * **gas**: UompAnchor deployed on a fresh anvil; ``gasUsed`` of the receipts of anchors with no
-  §18.4.1 events (a ``CheckpointAnchored`` alone) and with one event of every kind (six events),
-  as the appliance sends them (``EvmBackend.submit``).
+  §18.4.1 events (a ``CheckpointAnchored`` alone), with one event of each kind, and with one of
+  every kind (six events), as the appliance sends them (``EvmBackend.submit``); the difference to
+  the checkpoint alone is the marginal cost of that event.
 * **appends/s**: the ledger's writer path (``EventLog.append`` in commits of ``--batch`` events, a
   signed checkpoint every ``--checkpoint-every`` events, WAL, in a worker thread as in the guard)
   for ``--seconds``, once with ``[anchor] backend = none`` and once with the anchoring worker
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -50,10 +52,15 @@ async def gas(anvil: Anvil) -> dict[str, int]:
     anvil.fund(owner.address)
     contract = await deploy(anvil.url, owner)
     b = EvmBackend(EvmSettings(rpc_url=anvil.url, contract=contract, chain_id=31337, confirmations=1), owner)
+    full = sample_anchor(2, events=True)
+    cases = [("checkpoint only", sample_anchor(1, events=False)), ("checkpoint + 6 events (one per kind, 2 access)",
+                                                                   full)]
+    for n, kind in enumerate(("granted", "revoked", "access", "payloads", "deletions")):
+        one = sample_anchor(10 + n, events=False)
+        cases.append((f"checkpoint + 1 {kind}", dataclasses.replace(one, **{kind: getattr(full, kind)[:1]})))
     out: dict[str, int] = {}
     try:
-        for name, anchor in (("checkpoint only", sample_anchor(1, events=False)),
-                             ("checkpoint + 6 events", sample_anchor(2, events=True))):
+        for name, anchor in cases:
             sub = await b.submit(anchor)
             await included(b, sub)
             out[name] = int(anvil.rpc("eth_getTransactionReceipt", sub.ref)["gasUsed"], 16)
@@ -133,8 +140,10 @@ async def main() -> None:
         anvil = Anvil(Path(tmp))
         anvil.start()
         try:
-            for name, used in (await gas(anvil)).items():
-                print(f"gas per anchor transaction, {name}: {used}")
+            used = await gas(anvil)
+            base = used["checkpoint only"]
+            for name, g in used.items():
+                print(f"gas per anchor transaction, {name}: {g}" + (f" (+{g - base})" if g != base else ""))
             owner = Account.create()
             anvil.fund(owner.address)
             contract = await deploy(anvil.url, owner)
