@@ -313,7 +313,7 @@ def _verify_proof(args: argparse.Namespace) -> int:
                 return 1
             from gateway.anchor.base import Anchor, AnchorError
 
-            backend = _backend(AnchorConfig(), rpc=roots["rpc"], contract=roots["contract"],
+            backend = _backend(roots["config"], rpc=roots["rpc"], contract=roots["contract"],
                                chain_id=roots["chain_id"], kind=roots["backend"], code_hash=roots["code_hash"])
 
             async def check() -> None:
@@ -349,6 +349,7 @@ def _trust_roots(args: argparse.Namespace) -> dict[str, Any] | None:
         "chain_id": args.chain_id or (str(acfg.chain_id) if acfg.chain_id else None),
         "code_hash": args.code_hash or acfg.code_hash or None,
         "source": "flags" if flags else "configuration",
+        "config": acfg,  # its account (Starknet) and confirmations
     }
     if not (out["rpc"] and out["contract"] and out["chain_id"]):
         return None
