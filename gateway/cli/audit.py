@@ -244,10 +244,13 @@ def _mem() -> sqlite3.Connection:
 
 def proof_bundle(paths: Paths, event_id: str) -> dict[str, Any]:
     """The self-contained proof bundle of one event (``uomp audit proof``, the dashboard's download)."""
+    from gateway.ledger.anchoring import ensure_schema
+
     key = auditkey.load(paths)
     conn = sqlite3.connect(paths.audit_db, isolation_level=None)
     try:
         log = EventLog(conn, origin=auditkey.origin_for(key.public_key()), key=key)
+        ensure_schema(conn)  # an anchor confirmed without a recorded check is not bundled
         try:
             return log.proof_bundle(event_id, chain=anchor_chain(paths))
         except LedgerError as exc:

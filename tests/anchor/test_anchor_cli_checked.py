@@ -84,6 +84,11 @@ def test_a_rejected_anchor_is_loud_in_status_dashboard_and_metrics(home: Paths, 
     shown = data.timeline(home, data.Filters())
     assert shown and {e["proof"] for e in shown} == {"rejected"}
     assert "no contract code" in shown[0]["anchor_error"]
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("gateway.dashboard", "templates"), autoescape=True)
+    badge = env.from_string('{% from "_macros.html" import proof_badge %}{{ proof_badge(r) }}').render(r=shown[0])
+    assert "badge rejected" in badge and "no contract code" in badge and "badge anchored" not in badge
     m = Metrics()
     _anchor_metrics(home, m)
     text = m.render()
@@ -231,3 +236,20 @@ async def test_verify_checks_the_log_against_the_newest_anchor_on_chain(home: Pa
         assert any("first missing size 6" in p for p in report["problems"]), report
     finally:
         await asyncio.to_thread(node.stop)
+
+
+def test_a_proof_never_carries_an_anchor_nobody_checked(home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
+    """A row marked confirmed without a recorded check (an earlier version believed the node): the
+    bundle `uomp audit proof` writes carries no anchor until the worker checked it."""
+    _config(home, "http://127.0.0.1:8545")
+    log = _log(home)
+    _events(log)
+    log.conn.execute("UPDATE ledger_anchors SET state = 'confirmed', ref = '0x' || lower(hex(randomblob(32))),"
+                     " block_number = 7")
+    capsys.readouterr()
+    assert main(["--home", str(home.home), "audit", "proof", "evt_1"]) == 0
+    assert json.loads(capsys.readouterr().out)["anchor"] is None
+    # The partner: a row the worker checked (verified_at) is bundled.
+    log.conn.execute("UPDATE ledger_anchors SET state = 'confirmed', verified_at = 1.0")
+    assert main(["--home", str(home.home), "audit", "proof", "evt_1"]) == 0
+    assert json.loads(capsys.readouterr().out)["anchor"]["block"] == 7
