@@ -66,8 +66,10 @@ def _columns(conn: sqlite3.Connection) -> set[str]:
 def ensure_schema(conn: sqlite3.Connection) -> None:
     """The backlog table with this module's columns; a row ``confirmed`` by an earlier version
     without a recorded check goes back to ``submitted`` (checked before it counts again)."""
-    conn.executescript(ANCHOR_SCHEMA)
     have = _columns(conn)
+    if not have:
+        conn.executescript(ANCHOR_SCHEMA)
+        have = _columns(conn)
     for name, decl in _EXTRA_COLUMNS:
         if name not in have:
             try:
@@ -75,8 +77,11 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
             except sqlite3.OperationalError as exc:
                 if "duplicate column" not in str(exc):  # another process added it first: fine
                     raise  # busy (the writer holds the lock): the caller tries again next round
-    conn.execute("UPDATE ledger_anchors SET state = 'submitted', next_at = 0 WHERE state = 'confirmed'"
-                 " AND verified_at IS NULL AND ref IS NOT NULL AND ref != ''")
+    unchecked = ("FROM ledger_anchors WHERE state = 'confirmed' AND verified_at IS NULL AND ref IS NOT NULL"
+                 " AND ref != ''")
+    if conn.execute(f"SELECT 1 {unchecked} LIMIT 1").fetchone() is not None:  # nothing written otherwise
+        conn.execute(f"UPDATE ledger_anchors SET state = 'submitted', next_at = 0 WHERE rowid IN (SELECT rowid"
+                     f" {unchecked})")
 
 
 def backlog(conn: sqlite3.Connection, *, now: float | None = None) -> dict[str, Any]:
