@@ -274,8 +274,13 @@ class AnchorConfig:
     confirmations: int = 2  # blocks deep before an anchor counts as final
     poll_seconds: float = 5.0  # how often the anchoring worker looks at the backlog
     backoff_max_seconds: float = 300.0  # retry delay cap while the chain is unreachable
+    code_hash: str = ""  # evm: 0x keccak-256 of the contract's runtime code (uomp anchor deploy prints it)
+    recheck_seconds: float = 600.0  # how often confirmed anchors are read from the chain again
+    recheck_count: int = 32  # how many of the newest confirmed anchors each recheck reads
 
     def __post_init__(self) -> None:
+        if self.recheck_seconds <= 0 or self.recheck_count < 1:
+            raise UompError(ErrorCode.CONFIG_ERROR, "anchor.recheck_seconds must be > 0 and recheck_count >= 1")
         if self.backend not in ("none", "evm", "starknet"):
             raise UompError(
                 ErrorCode.CONFIG_ERROR, f"anchor.backend must be none, evm or starknet, not {self.backend!r}")

@@ -13,6 +13,8 @@ An :class:`AnchorBackend` writes anchors to a chain and reads them back:
 * ``verify(anchor, receipt_ref)`` re-reads the chain (receipt and event log) and raises
   :class:`AnchorMismatch` unless it shows exactly this anchor;
 * ``find(anchor)`` looks for the anchor on chain (after a crash between send and record);
+* ``check_contract()`` checks, from the chain, that the node is on the configured chain and the
+  configured address holds the expected contract code (AnchorMismatch / AnchorRejected if not);
 * ``describe()`` names the chain, contract and account (never a key or a secret URL).
 
 The anchor's id is its checkpoint hash: a checkpoint is anchored at most once per contract.
@@ -238,6 +240,8 @@ class AnchorBackend(Protocol):
 
     async def find(self, anchor: Anchor) -> str | None: ...
 
+    async def check_contract(self) -> None: ...
+
     def describe(self) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
@@ -285,6 +289,27 @@ def check_rpc_url(url: str) -> None:
         ok = False
     if not ok:
         raise ValueError("rpc_url must be an http:// or https:// URL with a host")
+
+
+def plain_http_remote(url: str) -> bool:
+    """True when ``url`` is plain ``http://`` to a host that is not loopback: anyone on the path
+    can then answer for the chain (the appliance still checks every answer, but can be stalled)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return False
+    if parts.scheme != "http":
+        return False
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
 
 
 def redact_url(url: str) -> str:

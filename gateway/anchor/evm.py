@@ -79,6 +79,7 @@ class EvmSettings:
     rpc_url: str
     contract: str | None = None  # 0x address; None only for deploy
     chain_id: int | None = None  # expected chain id; None = whatever the node says (pinned on first use)
+    code_hash: str | None = None  # 0x keccak-256 of the contract's runtime code; None = the committed artifact's
     confirmations: int = 2  # blocks deep (1 = in the newest block) before an anchor is final
     rpc_timeout_s: float = 10.0  # per RPC request
     rpc_attempts: int = 4  # tries per RPC call before AnchorUnavailable
@@ -95,6 +96,18 @@ class EvmSettings:
             raise ValueError("confirmations and rpc_attempts must be >= 1 and rpc_timeout_s > 0")
         if self.backoff_initial_s < 0 or self.backoff_max_s < self.backoff_initial_s or self.gas_margin_pct < 0:
             raise ValueError("bad backoff or gas margin")
+        if self.code_hash is not None:
+            try:
+                ok = self.code_hash.startswith("0x") and len(bytes.fromhex(self.code_hash[2:])) == 32
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError("code_hash must be a 0x-prefixed 32-byte hex keccak-256")
+
+
+def artifact_code_hash() -> str:
+    """0x keccak-256 of the committed artifact's runtime code (what ``uomp anchor deploy`` puts on chain)."""
+    return "0x" + keccak256(bytes.fromhex(artifact()["deployedBytecode"][2:])).hex()
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -165,6 +178,7 @@ class EvmBackend:
                 address=AsyncWeb3.to_checksum_address(settings.contract), abi=self._art["abi"]
             )
         self._chain_id = settings.chain_id
+        self.code_hash = (settings.code_hash or artifact_code_hash()).lower()
         self._lock = asyncio.Lock()
         # anchor id -> Submitted of a transaction this process signed and sent, not yet seen mined
         self._inflight: dict[bytes, tuple[Submitted, bytes]] = {}
@@ -422,16 +436,15 @@ class EvmBackend:
     async def verify(self, anchor: Anchor, receipt_ref: str) -> None:
         contract = self._need_contract()
         tx_hash = _parse_ref(receipt_ref)
-        await self.chain_id()
-        code = await self._rpc("eth_getCode", lambda: self._w3.eth.get_code(contract.address))
-        if bytes(code) != bytes.fromhex(self._art["deployedBytecode"][2:]):
-            raise AnchorMismatch("the contract at the configured address is not this UompAnchor build")
+        await self.check_contract()
         try:
             receipt = await self._rpc(
                 "eth_getTransactionReceipt", lambda: self._w3.eth.get_transaction_receipt(HexBytes(tx_hash))
             )
         except TransactionNotFound:
             raise AnchorMismatch("the chain has no receipt for this transaction") from None
+        if bytes(receipt["transactionHash"]) != tx_hash:
+            raise AnchorMismatch("the node answered with the receipt of another transaction")
         if int(receipt["status"]) != 1:
             raise AnchorMismatch("the anchoring transaction reverted")
         if str(receipt["to"] or "").lower() != contract.address.lower():
@@ -467,6 +480,40 @@ class EvmBackend:
         if at != block:
             raise AnchorMismatch("the contract records this checkpoint in a different block")
 
+    @answers_checked
+    async def check_contract(self) -> None:
+        """The node is on the configured chain and the contract address holds code whose keccak-256
+        is the expected code hash (configured, else the committed artifact's)."""
+        contract = self._need_contract()
+        await self.chain_id()
+        code = bytes(await self._rpc("eth_getCode", lambda: self._w3.eth.get_code(contract.address)))
+        if not code:
+            raise AnchorMismatch(f"no contract code at {contract.address} on this chain (a reset or another chain?)")
+        if "0x" + keccak256(code).hex() != self.code_hash:
+            raise AnchorMismatch(f"the code at {contract.address} is not the expected UompAnchor (code hash differs)")
+
+    @answers_checked
+    async def newest_anchor(self, from_block: int = 0) -> dict[str, Any] | None:
+        """The largest checkpoint this contract anchored, read from the chain's event log (only the
+        owner can anchor): ``{tree_size, root, checkpoint_hash, tx, block}``, or None. The contract
+        is checked first (chain id, code hash). One ``eth_getLogs`` from ``from_block``: nodes that
+        cap the block range of a query need a recent ``from_block``."""
+        contract = self._need_contract()
+        await self.check_contract()
+        flt: Any = {"address": contract.address, "fromBlock": from_block, "toBlock": "latest",
+                    "topics": ["0x" + _TOPICS["CheckpointAnchored"].hex()]}
+        logs: list[Any] = list(await self._rpc("eth_getLogs", lambda: self._w3.eth.get_logs(flt)))
+        best: dict[str, Any] | None = None
+        for log in logs:
+            if str(log["address"]).lower() != contract.address.lower() or log.get("removed"):
+                continue
+            args = self._decode(log)[1]
+            if best is None or int(args["treeSize"]) > best["tree_size"]:
+                best = {"tree_size": int(args["treeSize"]), "root": bytes(args["root"]),
+                        "checkpoint_hash": bytes(args["checkpointHash"]),
+                        "tx": "0x" + bytes(log["transactionHash"]).hex(), "block": int(log["blockNumber"])}
+        return best
+
     def _decode(self, log: Any) -> tuple[str, dict[str, Any]]:
         contract = self._need_contract()
         topic0 = bytes(log["topics"][0]) if log["topics"] else b""
@@ -489,6 +536,7 @@ class EvmBackend:
             "contract": self._contract.address if self._contract is not None else None,
             "account": self._account.address if self._account is not None else None,
             "confirmations": self.settings.confirmations,
+            "code_hash": self.code_hash,
             "compiler": self._art["compiler"]["version"],
         }
 
@@ -518,12 +566,17 @@ class EvmBackend:
             raise AnchorRejected("deployment reverted")
         address = str(receipt["contractAddress"])
         self._contract = self._w3.eth.contract(address=AsyncWeb3.to_checksum_address(address), abi=self._art["abi"])
+        where = AsyncWeb3.to_checksum_address(address)
+        code = bytes(await self._rpc("eth_getCode", lambda: self._w3.eth.get_code(where)))
+        if "0x" + keccak256(code).hex() != artifact_code_hash():
+            raise AnchorMismatch("the deployed code is not the committed UompAnchor build")
         return {
             "contract": address,
             "chain_id": self._chain_id,
             "owner": acct.address,
             "tx": "0x" + tx_hash.hex(),
             "block": int(receipt["blockNumber"]),
+            "code_hash": "0x" + keccak256(code).hex(),
         }
 
     @answers_checked
@@ -535,7 +588,7 @@ class EvmBackend:
         if self._contract is not None:
             contract = self._contract
             code = await self._rpc("eth_getCode", lambda: self._w3.eth.get_code(contract.address))
-            out["contract_matches_artifact"] = bytes(code) == bytes.fromhex(self._art["deployedBytecode"][2:])
+            out["contract_matches_artifact"] = "0x" + keccak256(bytes(code)).hex() == self.code_hash
             if out["contract_matches_artifact"]:
                 owner = await self._rpc("owner", lambda: contract.functions.owner().call())
                 out["owner"] = str(owner)

@@ -29,6 +29,9 @@ class NoneBackend:
     async def find(self, anchor: Anchor) -> str | None:
         return None
 
+    async def check_contract(self) -> None:
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "anchors_on_chain": False}
 

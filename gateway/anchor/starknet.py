@@ -229,6 +229,11 @@ class StarknetBackend:
             f"Starknet RPC {self._where} failed for {what} after {s.rpc_attempts} attempts ({last})"
         )
 
+    @answers_checked
+    async def check_contract(self) -> None:
+        """The chain id only: the contract's class is not checked (the stand-in has no classes)."""
+        await self._check_chain()
+
     async def _check_chain(self) -> None:
         got = await self._rpc("starknet_chainId", lambda c: c.get_chain_id())
         if int(str(got), 16) != self.settings.chain_id:

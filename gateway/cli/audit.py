@@ -154,7 +154,8 @@ def _ro(paths: Paths) -> sqlite3.Connection:
 
 
 def _backend(acfg: AnchorConfig, *, rpc: str | None = None, contract: str | None = None,
-             chain_id: Any = None, kind: str | None = None) -> Any:
+             chain_id: Any = None, kind: str | None = None, code_hash: str | None = None,
+             rpc_attempts: int | None = None) -> Any:
     from gateway.anchor.ops import make_backend
 
     kind = kind or acfg.backend
@@ -162,16 +163,33 @@ def _backend(acfg: AnchorConfig, *, rpc: str | None = None, contract: str | None
         return None
     cid = chain_id if chain_id is not None else (acfg.chain_id or None)
     if isinstance(cid, str):
-        cid = int(cid, 16) if cid.startswith("0x") else int(cid)
+        try:
+            cid = int(cid, 16) if cid.startswith("0x") else int(cid)
+        except ValueError:
+            raise UompError(ErrorCode.INVALID_REQUEST, "--chain-id must be a decimal or 0x-hex integer") from None
     return make_backend(kind, rpc_url=rpc or acfg.rpc_url or None, contract=contract or acfg.contract or None,
-                        chain_id=cid, account=acfg.account or None, confirmations=acfg.confirmations)
+                        chain_id=cid, account=acfg.account or None, confirmations=acfg.confirmations,
+                        code_hash=code_hash or acfg.code_hash or None, rpc_attempts=rpc_attempts)
 
 
 async def _verify_anchors(conn: sqlite3.Connection, backend: Any) -> tuple[int, list[str]]:
+    """Every confirmed anchor of the local table on chain, then the log against the newest anchor
+    the chain itself holds (so a rollback that also deleted the local anchor rows is found)."""
     from gateway.anchor.base import Anchor, AnchorError
+    from gateway.ledger.verify import check_anchored_head
 
     problems: list[str] = []
     checked = 0
+    newest = getattr(backend, "newest_anchor", None)
+    if newest is not None:
+        try:
+            head = await newest()
+            if head is not None:
+                problem = check_anchored_head(conn, head["tree_size"], head["root"])
+                if problem:
+                    problems.append(f"{problem} (chain anchor in tx {head['tx']})")
+        except AnchorError as exc:
+            problems.append(f"the chain's newest anchor could not be read: {exc.code}: {exc.message}")
     rows = conn.execute("SELECT a.size, a.ref, c.note FROM ledger_anchors a JOIN ledger_checkpoints c"
                         " ON c.size = a.size WHERE a.state = 'confirmed' AND a.ref IS NOT NULL ORDER BY a.size"
                         ).fetchall()
@@ -226,10 +244,13 @@ def _mem() -> sqlite3.Connection:
 
 def proof_bundle(paths: Paths, event_id: str) -> dict[str, Any]:
     """The self-contained proof bundle of one event (``uomp audit proof``, the dashboard's download)."""
+    from gateway.ledger.anchoring import ensure_schema
+
     key = auditkey.load(paths)
     conn = sqlite3.connect(paths.audit_db, isolation_level=None)
     try:
         log = EventLog(conn, origin=auditkey.origin_for(key.public_key()), key=key)
+        ensure_schema(conn)  # an anchor confirmed without a recorded check is not bundled
         try:
             return log.proof_bundle(event_id, chain=anchor_chain(paths))
         except LedgerError as exc:
@@ -284,11 +305,19 @@ def _verify_proof(args: argparse.Namespace) -> int:
                      "(shown by 'uomp audit verify') to know it is yours")
     anchor = proof.anchor
     if anchor:
-        if args.rpc:
+        roots = _trust_roots(args)
+        if roots is None:
+            lines.append(f"  anchored in tx {anchor['tx']} (not checked: pass --rpc URL, --contract ADDRESS and "
+                         "--chain-id ID, or set [anchor] in your configuration, to check it on chain)")
+        else:
+            claim = _claims_differ(anchor, roots)
+            if claim:
+                print(f"proof INVALID: the bundle's anchor names {claim}, not the one you trust")
+                return 1
             from gateway.anchor.base import Anchor, AnchorError
 
-            backend = _backend(AnchorConfig(), rpc=args.rpc, contract=anchor.get("contract"),
-                               chain_id=anchor.get("chain_id"), kind=str(anchor.get("backend", "evm")))
+            backend = _backend(roots["config"], rpc=roots["rpc"], contract=roots["contract"],
+                               chain_id=roots["chain_id"], kind=roots["backend"], code_hash=roots["code_hash"])
 
             async def check() -> None:
                 try:
@@ -300,13 +329,53 @@ def _verify_proof(args: argparse.Namespace) -> int:
             except AnchorError as exc:
                 print(f"proof INVALID on chain: {exc.code}: {exc.message}")
                 return 1
-            lines.append(f"  anchored: tx {anchor['tx']} checked on chain (contract {anchor.get('contract')})")
-        else:
-            lines.append(f"  anchored in tx {anchor['tx']} (not checked: pass --rpc URL to check it on chain)")
+            lines.append(f"  anchored: tx {anchor['tx']} checked on chain {roots['chain_id']} (contract "
+                         f"{roots['contract']}, from your {roots['source']})")
     else:
         lines.append("  not anchored on a chain (signed checkpoint only)")
     print("\n".join(lines))
     return 0
+
+
+def _trust_roots(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The chain a bundle's anchor is checked on, from flags, else the user's [anchor] settings;
+    never from the bundle (its values are claims). None when no RPC, contract or chain id is known."""
+    try:
+        acfg = load_section(AnchorConfig, "anchor", file=paths_from(args).config_file)
+    except UompError:
+        acfg = AnchorConfig()
+    flags = bool(args.contract or args.chain_id or args.code_hash)
+    out = {
+        "backend": acfg.backend if acfg.backend != "none" else "evm",
+        "rpc": args.rpc or acfg.rpc_url or None,
+        "contract": args.contract or acfg.contract or None,
+        "chain_id": args.chain_id or (str(acfg.chain_id) if acfg.chain_id else None),
+        "code_hash": args.code_hash or acfg.code_hash or None,
+        "source": "flags" if flags else "configuration",
+        "config": acfg,  # its account (Starknet) and confirmations
+    }
+    if not (out["rpc"] and out["contract"] and out["chain_id"]):
+        return None
+    return out
+
+
+def _claims_differ(anchor: Any, roots: dict[str, Any]) -> str | None:
+    """What the bundle claims that contradicts the trusted chain (contract, chain id, backend)."""
+    def num(v: Any) -> int | None:
+        try:
+            return int(v, 16) if isinstance(v, str) and v.startswith("0x") else int(v)
+        except (TypeError, ValueError):
+            return None
+    claimed = anchor.get("contract")
+    if claimed is not None and str(claimed).lower() != str(roots["contract"]).lower():
+        return f"contract {str(claimed)[:66]}"
+    cid = anchor.get("chain_id")
+    if cid is not None and num(cid) != num(roots["chain_id"]):
+        return f"chain {str(cid)[:66]}"
+    kind = anchor.get("backend")
+    if kind is not None and kind != roots["backend"]:
+        return f"backend {str(kind)[:20]}"
+    return None
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -335,27 +404,67 @@ def _anchor(args: argparse.Namespace) -> int:
         out = asyncio.run(anchor_deploy(rpc, Path(key_file), chain_id=acfg.chain_id or None))
         print(json.dumps(out, indent=2))
         print(f"next: set [anchor] backend = \"evm\", contract = \"{out.get('contract')}\", chain_id = "
-              f"{out.get('chain_id')} in {paths.config_file} and restart the appliance", file=sys.stderr)
+              f"{out.get('chain_id')}, code_hash = \"{out.get('code_hash')}\" in {paths.config_file} and restart "
+              "the appliance", file=sys.stderr)
         return 0
-    conn = _ro(paths)
-    try:
-        from gateway.ledger.anchoring import backlog
+    return _anchor_status(paths, acfg, anchor_status)
 
-        status: dict[str, Any] = {"backend": acfg.backend, "backlog": backlog(conn)}
-    except sqlite3.Error:
-        status = {"backend": acfg.backend, "backlog": None}
-    finally:
-        conn.close()
-    backend = _backend(acfg)
+
+def _anchor_status(paths: Paths, acfg: AnchorConfig, anchor_status: Any) -> int:
+    """The backlog from audit.db (always, the chain reachable or not), then the chain's live view.
+    JSON on standard output, a summary on standard error. Exit 0 when the report could be made,
+    the chain unreachable included (the backlog waits and catches up: the report says so); 1 when
+    anchors are rejected, the contract's code is not the expected one, or the backlog cannot be read."""
+    from gateway.anchor.base import AnchorError
+    from gateway.ledger.anchoring import backlog, summary
+
+    status: dict[str, Any] = {"backend": acfg.backend, "backlog": None}
+    try:
+        conn = _ro(paths)
+        try:
+            status["backlog"] = backlog(conn)
+        finally:
+            conn.close()
+    except (sqlite3.Error, UompError) as exc:
+        status["backlog_error"] = str(exc)[:200]
+    ok = status["backlog"] is not None
+    try:
+        backend = _backend(acfg, rpc_attempts=1)
+    except AnchorError as exc:
+        backend, ok = None, False
+        status["chain"] = {"reachable": False, "error": exc.code, "message": exc.message}
     if backend is not None:
         async def live() -> dict[str, Any]:
             try:
-                return await anchor_status(backend)
+                out: dict[str, Any] = await anchor_status(backend)
+                return out
             finally:
                 await backend.close()
-        status["chain"] = asyncio.run(live())
+        try:
+            report: dict[str, Any] = asyncio.run(live())
+            status["chain"] = {"reachable": True, **report}
+            if report.get("contract_matches_artifact") is False:
+                ok = False
+        except AnchorError as exc:
+            status["chain"] = {"reachable": False, "error": exc.code, "message": exc.message}
+    b = status["backlog"]
+    if b is not None and b["counts"].get("rejected"):
+        ok = False
     print(json.dumps(status, indent=2, default=str))
-    return 0
+    lines = [f"anchoring: {acfg.backend}: " + (summary(b) if b is not None else
+                                             f"backlog unknown ({status.get('backlog_error', 'no audit log')})")]
+    if b is not None and b["backlog_size"]:
+        age = b["oldest_pending_seconds"]
+        lines.append(f"  backlog: {b['backlog_size']} checkpoint(s) to anchor, oldest #{b['oldest_pending_tree_size']}"
+                     + (f" waiting {age:.0f} s" if age is not None else "")
+                     + f"; last error: {b['last_error'] or 'none'}")
+    chain = status.get("chain")
+    if chain is not None and not chain.get("reachable"):
+        lines.append(f"  chain NOT REACHABLE: {chain['error']}: {chain['message']} (the backlog waits and catches up)")
+    elif chain is not None and not chain.get("contract_matches_artifact", True):
+        lines.append("  !! the code at the contract address is not the expected UompAnchor (code hash differs)")
+    print("\n".join(lines), file=sys.stderr)
+    return 0 if ok else 1
 
 
 def _init_key(paths: Paths) -> dict[str, bool]:
@@ -402,6 +511,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("--key", help="verify-proof: the appliance's verifier key you trust (name+id+key)")
     a.add_argument("--no-local-key", action="store_true",
                    help="verify-proof: do not use this machine's audit key (checking a bundle from elsewhere)")
+    a.add_argument("--contract", help="verify-proof: the anchor contract you trust (default: [anchor] contract)")
+    a.add_argument("--chain-id", help="verify-proof: the chain id you trust (default: [anchor] chain_id)")
+    a.add_argument("--code-hash", help="verify-proof: the contract code hash you trust (default: [anchor] "
+                   "code_hash, else the committed UompAnchor build's)")
     a.set_defaults(func=_audit)
 
     n = sub.add_parser("anchor", help="anchoring the audit log's checkpoints on a chain (docs/anchoring.md)")
@@ -410,5 +523,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     d.add_argument("--rpc", help="the chain's JSON-RPC URL")
     d.add_argument("--key-file", help="0600 file with the 0x-hex private key of the owner account")
     d.set_defaults(func=_anchor)
-    st = nsub.add_parser("status", help="the anchoring backlog and, when a chain is configured, its live state")
+    st = nsub.add_parser("status", help="the anchoring backlog (size, oldest, last error, rejections) and, when a "
+                         "chain is configured, its live state; JSON on stdout, a summary on stderr (exit 1 when "
+                         "anchors are rejected or the contract's code differs; an unreachable chain is reported)")
     st.set_defaults(func=_anchor)

@@ -222,6 +222,15 @@ def _speed(r: Report) -> None:
     (r.ok if codec.startswith("orjson") else r.note)(f"JSON {codec}")
 
 
+def _anchoring(r: Report, paths: Paths) -> None:
+    from gateway.anchor.ops import rpc_warnings
+    from gateway.config import AnchorConfig
+
+    acfg = load_section(AnchorConfig, "anchor", file=paths.config_file)
+    for w in rpc_warnings(acfg.backend, acfg.rpc_url):
+        r.note(f"WARNING: {w}")
+
+
 def run_checks(paths: Paths) -> Report:
     r = Report()
     steps: list[Callable[[], None]] = []
@@ -237,7 +246,7 @@ def run_checks(paths: Paths) -> Report:
     _check_private(r, paths.admin_credential, "admin credential")
     gcfg, guard, tunnel = _configs(r, paths)
     steps += [lambda: _ca(r, paths, gcfg), lambda: _ports(r, paths, gcfg, guard), lambda: _tunnel(r, tunnel),
-              lambda: _guard_health(r, paths), lambda: _speed(r)]
+              lambda: _guard_health(r, paths), lambda: _anchoring(r, paths), lambda: _speed(r)]
     for step in steps:
         try:
             step()

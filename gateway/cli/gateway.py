@@ -191,6 +191,7 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
                                        exc) from None
         assert gw.state is not None and gw.port is not None
         state = gw.state
+        _anchor_metrics(paths, state.metrics)
         if gcfg.listen_port == 0:  # the placeholder audiences of "any free port" are not addresses
             for e in appliance.local_urls(0):
                 state.discard_endpoint(e)
@@ -323,6 +324,31 @@ def _run_info(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | 
             "tunnel": sup.state.as_dict() if sup is not None else None, "endpoints": endpoints}
 
 
+def _anchor_metrics(paths: Paths, metrics: Any) -> None:
+    """The anchoring backlog per state into the gateway's metrics, when [anchor] names a chain."""
+    from gateway.config import AnchorConfig
+    from gateway.ledger.anchoring import counts_of
+
+    try:
+        if load_section(AnchorConfig, "anchor", file=paths.config_file).backend == "none":
+            return
+    except UompError:
+        return
+    metrics.anchor_state = lambda: counts_of(paths.audit_db)
+
+
+def _anchor_warnings(paths: Paths) -> None:
+    from gateway.anchor.ops import rpc_warnings
+    from gateway.config import AnchorConfig
+
+    try:
+        acfg = load_section(AnchorConfig, "anchor", file=paths.config_file)
+    except UompError:
+        return  # the guard refuses the section at its start, with the reason
+    for w in rpc_warnings(acfg.backend, acfg.rpc_url):
+        _say(f"anchoring: WARNING: {w}")
+
+
 def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | None, sup: Any,
             info: dict[str, Any], *, with_guard: bool) -> None:
     # Lines start with a fixed label ("gateway: ", "guard: ", ...): scripts and tests read them.
@@ -352,6 +378,7 @@ def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | No
         _say(f"guard:   unix:{paths.guard_sock}{local} (process {guard.pid}, restarted if it dies)")
     if gw.metrics_port:
         _say(f"metrics: http://127.0.0.1:{gw.metrics_port}/metrics")
+    _anchor_warnings(paths)
     _say(f"endpoints (token audiences accepted): {', '.join(info['endpoints'])}")
     home = "" if os.environ.get("UOMP_HOME") == str(paths.home) or str(paths.home) == str(
         Path("~/.uomp").expanduser().resolve()) else f" --home {paths.home}"

@@ -116,7 +116,7 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
 
     from gateway.config import AnchorConfig
     from gateway.errors import UompError
-    from gateway.ledger.anchoring import backlog
+    from gateway.ledger.anchoring import backlog, summary
 
     try:
         backend = load_section(AnchorConfig, "anchor", file=paths.config_file).backend
@@ -138,13 +138,9 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
         out["note"] = (f"signed checkpoints only ({out.get('checkpointed_events', 0)} events checkpointed); "
                        "set [anchor] to anchor them on a chain (docs/anchoring.md)")
     else:
-        b = out["backlog"] or {}
-        counts = b.get("counts", {})
-        last = b.get("last_confirmed")
-        out["note"] = (f"{backend}: {counts.get('confirmed', 0)} anchored, "
-                       f"{counts.get('queued', 0) + counts.get('submitted', 0)} pending"
-                       + (f", last in tx {last['tx']}" if last else "")
-                       + (f"; last error: {b['last_error']}" if b.get("last_error") else ""))
+        b = out["backlog"]
+        out["rejected"] = bool(b and b["counts"].get("rejected"))
+        out["note"] = f"{backend}: {summary(b)}"
     return out
 
 
@@ -192,6 +188,8 @@ def _text(s: dict[str, Any]) -> None:
         for x in sessions[:20]:
             print(f"  {x['session_id']:<24} {x['agent_id']:<24} {x.get('profile') or '-':<7} until {x['expires_at']}")
     print(f"anchoring: {s['anchoring']['note']}")
+    if s["anchoring"].get("rejected"):
+        print("  !! anchors REJECTED: the chain does not show what the node claimed; see 'uomp anchor status'")
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -121,21 +121,26 @@ def parse_filters(q: Any) -> Filters:
                    one("period", tuple(PERIODS)) or "all")
 
 
-def _proof_states(conn: sqlite3.Connection) -> tuple[int, list[int], list[dict[str, Any]]]:
+def _proof_states(conn: sqlite3.Connection) -> tuple[int, list[int], list[dict[str, Any]], list[tuple[int, str]]]:
+    """The newest checkpoint, the confirmed anchors (``confirmed`` is set only after the chain was
+    read and checked), and the open rejected ones with their reason."""
     try:
         cp = int(conn.execute("SELECT MAX(size) FROM ledger_checkpoints").fetchone()[0] or 0)
         anchors = [dict(r) for r in conn.execute(
             "SELECT size, ref, backend, block_number FROM ledger_anchors WHERE state = 'confirmed' AND ref IS NOT "
             "NULL ORDER BY size")]
+        rejected = [(int(r[0]), str(r[1] or "")) for r in conn.execute(
+            "SELECT size, last_error FROM ledger_anchors WHERE state = 'rejected' ORDER BY size")]
     except sqlite3.Error:
-        return 0, [], []
-    return cp, [a["size"] for a in anchors], anchors
+        return 0, [], [], []
+    return cp, [a["size"] for a in anchors], anchors, rejected
 
 
 def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = None) -> list[dict[str, Any]]:
     """Events of the one log (the guard's decisions and the gateway's own refusals alike), newest
-    first, each with its verification state: ``anchored`` (a confirmed on-chain anchor covers it),
-    ``checkpointed`` (a signed checkpoint covers it) or ``pending``."""
+    first, each with its verification state: ``anchored`` (an anchor checked on chain covers it),
+    ``rejected`` (a signed checkpoint covers it; its anchor was rejected), ``checkpointed`` (a signed
+    checkpoint covers it) or ``pending``."""
     conn = _ro(paths)
     if conn is None:
         return []
@@ -150,7 +155,7 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
             events = query.query_events(conn, flt).events
         except sqlite3.OperationalError:  # no event log yet (the guard has not opened this audit.db)
             return []
-        cp, sizes, anchors = _proof_states(conn)
+        cp, sizes, anchors, rejected = _proof_states(conn)
     finally:
         conn.close()
     out = []
@@ -177,9 +182,13 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
         d["tx"] = None
         if leaf is not None:
             i = bisect.bisect_left(sizes, int(leaf))
+            j = bisect.bisect_left([r[0] for r in rejected], int(leaf))
             if i < len(sizes):
                 d["proof"] = "anchored"
                 d["tx"] = anchors[i]["ref"]
+            elif j < len(rejected) and int(leaf) <= cp:
+                d["proof"] = "rejected"
+                d["anchor_error"] = rejected[j][1][:200]
             elif int(leaf) <= cp:
                 d["proof"] = "checkpointed"
         out.append(d)

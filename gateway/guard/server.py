@@ -156,9 +156,11 @@ class GuardRunner:
 
         backend = make_backend(acfg.backend, rpc_url=acfg.rpc_url or None, contract=acfg.contract or None,
                                chain_id=acfg.chain_id or None, key_file=Path(acfg.key_file) if acfg.key_file else None,
-                               account=acfg.account or None, confirmations=acfg.confirmations)
+                               account=acfg.account or None, confirmations=acfg.confirmations,
+                               code_hash=acfg.code_hash or None)
         self.anchorer = Anchorer(self.paths.audit_db, backend, policy=AnchorPolicy(
-            poll_seconds=acfg.poll_seconds, backoff_max_seconds=acfg.backoff_max_seconds))
+            poll_seconds=acfg.poll_seconds, backoff_max_seconds=acfg.backoff_max_seconds,
+            recheck_seconds=acfg.recheck_seconds, recheck_count=acfg.recheck_count))
         self.anchorer.start()
         log.info("anchoring checkpoints on %s", acfg.backend)
 

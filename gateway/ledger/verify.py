@@ -36,6 +36,24 @@ from gateway.errors import UompError
 from gateway.ledger.log import BUNDLE_VERSION, checkpoint_hash, event_leaf
 
 
+def check_anchored_head(conn: sqlite3.Connection, size: int, root: bytes) -> str | None:
+    """The stored log against a tree head read from the chain (its newest anchor): None when the
+    log holds ``size`` events and its root at ``size`` is ``root``, else what is wrong. Run after
+    :func:`verify_log` (which checks the stored tree against the leaves)."""
+    from gateway.ledger.tree import TreeStore
+
+    try:
+        tree = TreeStore(conn)
+        if tree.size < size:
+            return (f"the chain anchors a checkpoint of {size} events but the log holds {tree.size}: rolled back or "
+                    f"truncated (first missing size {tree.size + 1})")
+        if tree.root(size) != root:
+            return f"the log's root at size {size} is not the one anchored on chain: a second history"
+    except (sqlite3.Error, merkle.ProofError) as exc:
+        return f"the log cannot be checked against the chain's anchor of size {size}: {exc}"
+    return None
+
+
 @dataclass
 class Report:
     ok: bool = True

@@ -14,6 +14,9 @@ Families (names prefixed by ``namespace``, default ``uomp_gateway``):
   (reasons: ``gateway.remote.handshake_log.REASONS``).
 * ``<ns>_access_log_writable`` gauge and ``<ns>_access_log_events_counted_total`` counter, when
   the gateway connects its access log (fail-closed mode and summarised events).
+* ``uomp_anchors{state}`` gauge: the audit checkpoints' anchoring backlog per state (``confirmed``
+  means checked on chain; ``rejected``: the chain did not show what the node claimed), when the
+  appliance connects it (read at scrape time, off the event loop).
 
 Label values are bounded by construction, so a scrape can never leak a path, a memory key or a
 token and the series count cannot grow with traffic: ``route`` is one of the route *names* given
@@ -28,6 +31,7 @@ loopback-only listener, never on the agent-facing one.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import math
 import re
@@ -115,6 +119,8 @@ class Metrics:
         self._handshakes_rejected: dict[tuple[str, str], int] = {}
         # the access log's state, read at scrape time (set by the gateway; None in bare tests)
         self.access_log_state: Callable[[], tuple[bool, int]] | None = None
+        # the anchoring backlog's counts per state, read at scrape time (None: not connected)
+        self.anchor_state: Callable[[], dict[str, int] | None] | None = None
 
     # ---------------------------------------------------------------------------- labels
 
@@ -270,6 +276,14 @@ class Metrics:
             family(name, "counter", "Events counted into summary events instead of written one by one "
                    "(refused while the log could not be written, or rate-limited unauthenticated events).")
             out.append(f"{name} {counted}")
+        anchors = self.anchor_state() if self.anchor_state is not None else None
+        if anchors is not None:
+            name = "uomp_anchors"
+            family(name, "gauge", "Audit checkpoints in the anchoring backlog by state (confirmed = checked on chain; "
+                   "rejected = the chain did not show it).")
+            for state, n in sorted(anchors.items()):
+                if _NAME.fullmatch(state):
+                    out.append(f"{name}{_labels((('state', state),))} {int(n)}")
         return "\n".join(out) + "\n"
 
 
@@ -278,7 +292,8 @@ METRICS_KEY = web.AppKey("uomp_metrics", Metrics)
 
 async def _serve_metrics(request: web.Request) -> web.Response:
     metrics = request.app[METRICS_KEY]
-    return web.Response(body=metrics.render().encode("utf-8"),
+    text = await asyncio.to_thread(metrics.render) if metrics.anchor_state is not None else metrics.render()
+    return web.Response(body=text.encode("utf-8"),
                         headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
 
 

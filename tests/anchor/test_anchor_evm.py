@@ -160,10 +160,18 @@ async def test_verify_refuses_a_contract_that_is_not_ours(backend: EvmBackend, a
     anvil.mine(1)
     impostor = reader(backend, contract=owner.address)  # an address without our code
     try:
-        with pytest.raises(AnchorMismatch, match="not this UompAnchor build"):
+        with pytest.raises(AnchorMismatch, match="no contract code at"):
             await impostor.verify(anchor, sub.ref)
     finally:
         await impostor.close()
+    other_code = reader(backend, code_hash="0x" + "22" * 32)  # our code, but not the code hash we were given
+    try:
+        with pytest.raises(AnchorMismatch, match="code hash differs"):
+            await other_code.verify(anchor, sub.ref)
+        with pytest.raises(AnchorMismatch, match="code hash differs"):
+            await other_code.check_contract()
+    finally:
+        await other_code.close()
 
 
 async def test_verify_refuses_another_chain(backend: EvmBackend, anvil: Anvil) -> None:

@@ -101,8 +101,8 @@ async def test_rpc_down_backlog_catches_up(tmp_path: Path, anvil: Anvil, backend
     assert log.conn.execute("SELECT attempts FROM ledger_anchors WHERE size = 7").fetchone()[0] >= 1
     anvil.start()
     await _drain(anchorer, anvil, log.conn, 7)
-    assert backlog(log.conn)["counts"] == {"queued": 0, "submitted": 0, "confirmed": 2, "superseded": 0,
-                                           "failed": 0}
+    assert backlog(log.conn)["counts"] == {"queued": 0, "submitted": 0, "confirmed": 2, "rejected": 0,
+                                           "superseded": 0, "failed": 0}
     await anchorer.stop()
 
 
