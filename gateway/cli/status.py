@@ -85,7 +85,8 @@ def collect(paths: Paths) -> dict[str, Any]:
             stale = time.time() - updated.timestamp() > STALE_STATUS_SECONDS
         except ValueError:
             stale = False
-    healthy = bool(running and upstream and upstream.get("up") and not stale)
+    audit_log = audit_integrity(paths)
+    healthy = bool(running and upstream and upstream.get("up") and not stale and audit_log.get("ok") is not False)
     return {
         "home": str(paths.home),
         "running": running,
@@ -106,7 +107,24 @@ def collect(paths: Paths) -> dict[str, Any]:
         "agent_certificates": _agents(paths),
         "active_sessions": _sessions(paths),
         "anchoring": _anchoring(paths),
+        "audit_log": audit_log,
     }
+
+
+def audit_integrity(paths: Paths) -> dict[str, Any]:
+    """The audit log's bounded integrity check (gateway/ledger/integrity.py) on the files, read-only:
+    what the guard checks at start, so a refused log shows whether or not the appliance runs."""
+    from gateway.errors import UompError
+    from gateway.ledger import auditkey, integrity
+
+    if not paths.audit_key.exists():
+        return {"ok": True, "events": 0, "witness_size": None}
+    try:
+        key = auditkey.load(paths)
+    except UompError as exc:
+        return {"ok": None, "message": exc.message}
+    pub = key.public_key()
+    return integrity.home_state(paths.audit_db, paths.audit_witness, origin=auditkey.origin_for(pub), public_key=pub)
 
 
 def _anchoring(paths: Paths) -> dict[str, Any]:
@@ -188,6 +206,14 @@ def _text(s: dict[str, Any]) -> None:
         for x in sessions[:20]:
             print(f"  {x['session_id']:<24} {x['agent_id']:<24} {x.get('profile') or '-':<7} until {x['expires_at']}")
     print(f"anchoring: {s['anchoring']['note']}")
+    a = s["audit_log"]
+    if a.get("ok") is False:
+        print(f"audit log: REFUSED {a['code']}: {a['message']}")
+    elif a.get("ok") is None:
+        print(f"audit log: not checked ({a.get('message')})")
+    else:
+        print(f"audit log: {a.get('events', 0)} events, tail checked, consistent with the witness record"
+              + (f" at {a['witness_size']} events" if a.get("witness_size") is not None else " (none yet)"))
 
 
 def _status(args: argparse.Namespace) -> int:

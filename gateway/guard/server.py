@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,8 @@ class GuardRunner:
         self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper()))
         self._tasks.append(asyncio.get_running_loop().create_task(self._key_watcher(key_watch)))
         self._tasks.append(asyncio.get_running_loop().create_task(self._checkpointer()))
+        if self.cfg.audit_full_verify_at_start and self.services.audit.integrity is None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._verify_audit()))
         await self._start_anchoring()
         log.info("guard listening on unix:%s%s", sock,
                  f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
@@ -143,6 +146,16 @@ class GuardRunner:
                     await svc.audit.writer.probe()
             except UompError as exc:
                 log.warning("checkpoint: %s", exc.code)
+
+    async def _verify_audit(self) -> None:
+        """The whole audit log verified once, on a thread of its own (the bounded start-up check saw
+        only its tail): a log that fails makes the guard refuse every request from then on."""
+        svc = self.services
+        assert svc is not None
+        started = time.monotonic()
+        error = await asyncio.to_thread(svc.audit.verify_full)
+        if error is None:
+            log.info("audit log verified in full (%.1f s)", time.monotonic() - started)
 
     async def _start_anchoring(self) -> None:
         """The anchoring worker, when [anchor] names a chain: drains the checkpoint backlog."""
