@@ -124,7 +124,43 @@ def audit_integrity(paths: Paths) -> dict[str, Any]:
     except UompError as exc:
         return {"ok": None, "message": exc.message}
     pub = key.public_key()
-    return integrity.home_state(paths.audit_db, paths.audit_witness, origin=auditkey.origin_for(pub), public_key=pub)
+    state = integrity.home_state(paths.audit_db, paths.audit_witness, origin=auditkey.origin_for(pub), public_key=pub)
+    if state.get("ok") is not False:
+        refused = _guard_refusal(paths)  # what a running guard found since (its full verify in the background)
+        if refused is not None:
+            details = refused.get("details") if isinstance(refused.get("details"), dict) else {}
+            state = {**state, "ok": False, "code": refused.get("code"), "message": refused.get("message"),
+                     "first_bad_seq": (details or {}).get("first_bad_seq"), "found_by": "the running guard"}
+    return state
+
+
+def _guard_refusal(paths: Paths) -> dict[str, Any] | None:
+    """The error body a running guard answers for its audit log (GET /v1/health on guard.sock, 1 s at
+    most), None when it serves or does not answer."""
+    import socket
+
+    if not paths.guard_sock.exists():
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            s.connect(str(paths.guard_sock))
+            s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: guard\r\nConnection: close\r\n\r\n")
+            data = b""
+            while len(data) < 65536 and (chunk := s.recv(65536)):
+                data += chunk
+    except OSError:
+        return None
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return None
+    err = answer.get("audit", {}).get("error") if isinstance(answer, dict) and answer.get("status") == "refusing" \
+        else None
+    return err if isinstance(err, dict) else None
 
 
 def _anchoring(paths: Paths) -> dict[str, Any]:
