@@ -51,7 +51,7 @@ from gateway import contract
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
 from gateway.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
-from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
+from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure, fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.ledger import auditkey, integrity
 from gateway.ledger.log import EventLog, LedgerError, oldest_body_ts
@@ -457,9 +457,11 @@ class AuditLog:
         if problem is not None:
             self.refuse(problem)
             raise problem
+        fault_point("audit_events_committed")
         note = ledger.checkpoint(time.time())
         if note is not None and opts.witness is not None:
             integrity.write_witness(opts.witness, note)
+            fault_point("audit_witness_written")
         self._cp_seen = (ledger.size, time.monotonic())
 
     def _transaction(self, body: Any) -> Any:

@@ -19,9 +19,10 @@ number it can pin down:
    rollback or truncation (the first missing event is reported); a different root at a trusted
    size is a fork or a replaced file;
 8. checkpoint times (warnings, not failures: a clock is not part of the log's integrity): a
-   checkpoint dated before the previous one, or more than :data:`CLOCK_JUMP_SECONDS` after the
-   first event it is the first to cover (the clock jumped forward; a checkpoint is due within
-   ``audit_checkpoint_seconds`` of that event).
+   checkpoint dated before the previous one (signers clamp to it), or more than
+   :data:`CLOCK_JUMP_SECONDS` after both the previous checkpoint and the first event it is the
+   first to cover (the clock jumped forward between them: a checkpoint is due within
+   ``audit_checkpoint_seconds`` of that event; a long idle time before the event is not a jump).
 
 A database that cannot be read (truncated, not SQLite, a damaged page) is a finding with the first
 event that could not be read, never an exception.
@@ -151,6 +152,7 @@ def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: E
     last_good_cp = after
     first_ts: float | None = None  # time of the first event after the previous checkpoint
     prev_cp_size = after
+    prev_stamp: int | None = None  # the previous checkpoint's timestamp
 
     # The events before ``after`` as the stored right edge of their tree (proven by the checkpoint roots below).
     edge: dict[tuple[int, int], bytes] = {}
@@ -230,11 +232,12 @@ def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: E
                             f"-{cr.size})", upto=cr.size)
             else:
                 last_good_cp = cr.size
-            if first_ts is not None and cp.timestamp - first_ts > CLOCK_JUMP_SECONDS:
-                report.warn(f"checkpoint at {cp.size} events is dated {cp.timestamp - first_ts:.0f} s after the first "
-                            f"event it covers since {prev_cp_size} (more than {CLOCK_JUMP_SECONDS} s: the clock "
-                            "jumped forward)")
-            first_ts, prev_cp_size = None, cp.size
+            ref = max(first_ts if first_ts is not None else cp.timestamp, prev_stamp or 0)
+            if cp.timestamp - ref > CLOCK_JUMP_SECONDS:
+                report.warn(f"checkpoint at {cp.size} events is dated {cp.timestamp - ref:.0f} s after both the "
+                            f"previous checkpoint and the first event it covers since {prev_cp_size} (more than "
+                            f"{CLOCK_JUMP_SECONDS} s: the clock jumped forward)")
+            first_ts, prev_cp_size, prev_stamp = None, cp.size, cp.timestamp
             next_cp += 1
         while next_trusted < len(trust) and trust[next_trusted].size <= cr.size:
             t = trust[next_trusted]

@@ -6,23 +6,19 @@ is ever signed for a size already signed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import shutil
-import signal
 import sqlite3
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from guardkit import admin_headers, guard_config
+from guardkit import guard_config
+from integritykit import UOMP, Guard
 
 from gateway.config import Paths
 from gateway.core.checkpoint import Checkpoint
@@ -32,7 +28,6 @@ from gateway.ledger import auditkey
 
 pytestmark = pytest.mark.timeout(120)
 
-UOMP = [sys.executable, "-m", "gateway.cli.main"]
 CONFIG = "[guard]\naudit_checkpoint_seconds = 0.3\naudit_checkpoint_events = 100\n"
 
 
@@ -95,64 +90,6 @@ def _copy_db(src: Paths, dst: Path) -> None:
             shutil.copyfile(s, d)
         elif d.exists():
             d.unlink()
-
-
-class Guard:
-    """A real guard process on the home's Unix socket."""
-
-    def __init__(self, paths: Paths, env: dict[str, str] | None = None) -> None:
-        self.paths = paths
-        self.proc = subprocess.Popen([*UOMP, "--home", str(paths.home), "guard", "serve", "--no-tcp"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-        self.health: dict[str, Any] = {}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return
-            try:
-                status, body = self.call("GET", "/v1/health")
-            except (aiohttp.ClientError, OSError):
-                time.sleep(0.05)
-                continue
-            if status == 200:
-                self.health = body
-                return
-        raise AssertionError("the guard did not answer")
-
-    def call(self, method: str, path: str, body: Any = None, *, admin: bool = False) -> tuple[int, Any]:
-        async def go() -> tuple[int, Any]:
-            conn = aiohttp.UnixConnector(path=str(self.paths.guard_sock))
-            async with aiohttp.ClientSession(connector=conn) as s, s.request(
-                    method, "http://guard" + path, json=body,
-                    headers=admin_headers(self.paths) if admin else None) as resp:
-                return resp.status, await resp.json(content_type=None)
-        return asyncio.run(go())
-
-    def refusing(self, within: float = 0.0) -> dict[str, Any] | None:
-        deadline = time.monotonic() + within
-        while True:
-            status, body = self.call("GET", "/v1/health")
-            assert status == 200
-            if body.get("status") == "refusing":
-                return dict(body["audit"]["error"])
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.1)
-
-    def output(self) -> str:
-        self.stop()
-        assert self.proc.stdout is not None
-        return self.proc.stdout.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture
@@ -295,7 +232,8 @@ def test_a_fork_same_size_another_root_is_refused(paths: Paths, guards: list[Gua
         if Path(str(backup) + suffix).exists():
             shutil.copyfile(str(backup) + suffix, str(paths.audit_db) + suffix)
     key = auditkey.load(paths)
-    forger = AuditLog(paths.audit_db, ledger=LedgerOptions(key, auditkey.origin_for(key.public_key())))  # no witness
+    forger = AuditLog(paths.audit_db, ledger=LedgerOptions(key, auditkey.origin_for(key.public_key()),
+                                                        checkpoint_events=100))  # keeps no witness
     try:
         forger.write_now([_row(10_000 + i) for i in range(100)])
     finally:
