@@ -6,8 +6,10 @@ is ever signed for a size already signed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 import sqlite3
 import subprocess
 import tempfile
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from guardkit import guard_config
 from integritykit import UOMP, Guard
@@ -294,3 +297,35 @@ def test_an_edited_index_column_is_red_and_never_shown(paths: Paths, guards: lis
         assert json.loads(other.stdout or "[]") == [] and "left out" in other.stderr
     g = _start(paths, guards)
     _assert_refused(g, paths, "AUDIT_LOG_DAMAGED", first_bad=191)
+
+
+@pytest.mark.parametrize("point", ["audit_events_committed", "audit_witness_written"])
+def test_a_kill_around_the_witness_write_recovers_with_one_root_per_size(paths: Paths, guards: list[Guard],
+                                                                         point: str) -> None:
+    """kill -9 after the events committed (nothing signed yet) and after the witness record was
+    written (its checkpoint row not committed: the record is ahead of audit.db, over events that are
+    there). Either way the next start serves, stores what the record signed, and verify is green."""
+    _fill(paths, 150)
+    arm = paths.home / "arm"
+    arm.write_text("")
+    g = _start(paths, guards, env={"UOMP_FAULT": point, "UOMP_FAULT_ARM": str(arm)})
+    with contextlib.suppress(aiohttp.ClientError, OSError):
+        g.call("POST", "/v1/sessions", {"agent_id": "a", "agent_name": "A",
+                                        "requested_scopes": {"read": {"tags": ["x"]}}}, admin=True)
+    assert g.proc.wait(timeout=15) == -signal.SIGKILL
+    witness = Checkpoint.parse(json.loads(paths.audit_witness.read_text())["note"].split("\n\n")[0] + "\n")
+    stored = _checkpoints(paths)
+    if point == "audit_witness_written":
+        assert witness.size == _size(paths) > max(stored)  # the record is ahead of the stored checkpoints
+    else:
+        assert witness.size == max(stored) < _size(paths)  # events durable, not signed yet
+    g2 = _start(paths, guards)
+    assert g2.health == {"status": "ok"}
+    deadline = time.monotonic() + 10
+    while max(_checkpoints(paths)) < _size(paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = _checkpoints(paths)
+    assert after.get(witness.size) == witness.root  # the size the record signed keeps that root
+    assert max(after) == _size(paths)
+    g2.stop()
+    assert _uomp(paths, "audit", "verify").returncode == 0
