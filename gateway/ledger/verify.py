@@ -166,9 +166,11 @@ def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: E
             edge[(level, i)] = h
             start_edge.append((level, h))
     cr = merkle.CompactRange.from_edge(after, start_edge)
-    # Stored nodes in the order appends create them (a node completes with leaf ((idx + 1) << level) - 1).
-    stored = conn.execute("SELECT level, idx, hash FROM merkle_nodes WHERE ((idx + 1) << level) > ?"
-                          " ORDER BY ((idx + 1) << level), level", (after,))
+    # Stored nodes in the order appends create them (a node completes with leaf ((idx + 1) << level) - 1):
+    # one sorted pass for the whole log; a tail (``after``) looks each node up by its key instead (the
+    # sort would walk every node of the log).
+    stored = conn.execute("SELECT level, idx, hash FROM merkle_nodes ORDER BY ((idx + 1) << level), level"
+                          if after == 0 else "SELECT 0, 0, x'' WHERE 0")
     ahead = stored.fetchone()
     while next_trusted < len(trust) and trust[next_trusted].size <= after:  # below ``after``: the caller's
         t = trust[next_trusted]

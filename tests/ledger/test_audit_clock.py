@@ -108,15 +108,12 @@ def test_checkpoints_keep_coming_after_the_wall_clock_steps_back(home: Paths,
 def test_a_forward_jump_between_an_event_and_its_checkpoint_is_a_verify_warning(
         home: Paths, clock: tuple[Path, dict[str, str]]) -> None:
     offset, env = clock
-    home.config_file.write_text("[guard]\naudit_checkpoint_seconds = 1.5\naudit_checkpoint_events = 1000\n"
+    home.config_file.write_text("[guard]\naudit_checkpoint_seconds = 3\naudit_checkpoint_events = 1000\n"
                                 "audit_full_verify_at_start = false\n")
     g = Guard(home, env)
     try:
         _event(g)
-        assert _signed(home, 8)
-        ver = subprocess.run([*UOMP, "--home", str(home.home), "audit", "verify", "--json"], capture_output=True,
-                             text=True, timeout=60, check=False)
-        assert json.loads(ver.stdout)["warnings"] == []  # the partner: no jump, no warning
+        assert _signed(home, 8)  # (the step-back test above is the partner: no jump, no warning)
         _event(g)  # within the interval: its checkpoint comes after the jump
         _step(offset, "+2h")
         assert _signed(home, 8)
