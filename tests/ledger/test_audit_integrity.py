@@ -338,3 +338,53 @@ def test_a_kill_around_the_witness_write_recovers_with_one_root_per_size(paths: 
     assert max(after) == _size(paths)
     g2.stop()
     assert _uomp(paths, "audit", "verify").returncode == 0
+
+
+async def test_the_dashboard_shows_a_refused_log(paths: Paths) -> None:
+    """The overview and the appliance page name the refusal (the partner: a sound log shows none)."""
+    from e2e.test_dashboard import browser, dashboard
+
+    _fill(paths, 150)
+    async with dashboard(paths) as d, browser(d) as b:
+        await b.login()
+        status, html, _ = await b.get("/")
+        assert status == 200 and "The audit log is refused" not in html
+        with _db(paths) as conn:
+            conn.execute("DELETE FROM ledger_events WHERE seq = 40")
+        status, html, _ = await b.get("/")
+        assert status == 200 and "The audit log is refused (AUDIT_LOG_DAMAGED, from event #40)" in html, html
+        status, html, _ = await b.get("/appliance")
+        assert status == 200 and "REFUSED AUDIT_LOG_DAMAGED" in html
+
+
+def test_a_running_appliance_on_a_refused_log_is_unhealthy_in_uomp_status(tmp_path: Path) -> None:
+    """The whole appliance (``uomp gateway start``): it runs, its guard refuses, ``uomp status`` exits
+    1 naming the code (the partner: exit 0 on the sound log first)."""
+    from client.test_refresh_crash import Appliance
+
+    home = Path(tempfile.mkdtemp(prefix="uomp-app-", dir="/tmp")) / "home"
+    paths = Paths(home)
+    try:
+        assert _uomp(paths, "init").returncode == 0
+        _fill(paths, 150)
+        app = Appliance(home, tmp_path / "arm")
+        app.start()
+        try:
+            st = _uomp(paths, "status", "--json")
+            assert st.returncode == 0, st.stdout
+        finally:
+            app.stop()
+        with _db(paths) as conn:
+            conn.execute("UPDATE ledger_events SET allowed = 1 - allowed WHERE seq = 149")
+        app.start()
+        try:
+            st = _uomp(paths, "status", "--json")
+            s = json.loads(st.stdout)
+            assert st.returncode == 1 and s["running"] and s["audit_log"]["code"] == "AUDIT_LOG_DAMAGED", s
+            assert s["audit_log"]["first_bad_seq"] == 149
+            text = _uomp(paths, "status")
+            assert "audit log: REFUSED AUDIT_LOG_DAMAGED" in text.stdout
+        finally:
+            app.stop()
+    finally:
+        shutil.rmtree(home.parent, ignore_errors=True)
