@@ -1,0 +1,78 @@
+"""The bounded start-up check and the verifier's trusted-checkpoint hook, in-process on real SQLite
+files: what the start-up check sees (the tail, the counts, the witness) and what only the full
+verify sees (an edit deep in the log), and a trusted checkpoint from elsewhere (the hook an
+on-chain anchor plugs into) caught the same way as the witness record."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from guardkit import guard_config
+
+from gateway.config import Paths
+from gateway.core import merkle
+from gateway.guard.audit import make_row, open_audit
+from gateway.ledger import auditkey, integrity
+from gateway.ledger.verify import TrustedCheckpoint, verify_log
+
+
+def _fill(paths: Paths, n: int) -> None:
+    log = open_audit(paths, guard_config(audit_checkpoint_events=100))
+    try:
+        for b in range(0, n, 500):
+            log.write_now([make_row(session_id="s", agent_id="a", action="read", allowed=True, reason="ok",
+                                    key=f"k.{i}") for i in range(b, min(n, b + 500))])
+    finally:
+        log.close()
+
+
+def _check(paths: Paths, conn: sqlite3.Connection) -> integrity.Checked:
+    key = auditkey.load(paths)
+    origin = auditkey.origin_for(key.public_key())
+    witness = integrity.read_witness(paths.audit_witness, origin=origin, public_key=key.public_key())
+    return integrity.check_log(conn, origin=origin, public_key=key.public_key(), witness=witness)
+
+
+def _edit(conn: sqlite3.Connection, seq: int) -> None:
+    body = str(conn.execute("SELECT body FROM ledger_events WHERE seq = ?", (seq,)).fetchone()[0])
+    conn.execute("UPDATE ledger_events SET body = ? WHERE seq = ?", (body.replace('"ok"', '"OK"'), seq))
+
+
+def test_the_start_up_check_sees_the_tail_and_leaves_the_deep_past_to_the_full_verify(home: Paths) -> None:
+    _fill(home, 2000)
+    key = auditkey.load(home)
+    origin = auditkey.origin_for(key.public_key())
+    with sqlite3.connect(home.audit_db, isolation_level=None) as conn:
+        checked = _check(home, conn)
+        assert checked.error is None and checked.checked_from == 2000 - integrity.TAIL_EVENTS
+        _edit(conn, 1990)  # in the tail
+        checked = _check(home, conn)
+        assert checked.error is not None and checked.error.code == "AUDIT_LOG_DAMAGED"
+        assert (checked.error.details or {})["first_bad_seq"] == 1990
+        conn.execute("UPDATE ledger_events SET body = replace(body, '\"OK\"', '\"ok\"') WHERE seq = 1990")
+        assert _check(home, conn).error is None  # put back
+        _edit(conn, 10)  # deep: only the full verify reads it
+        assert _check(home, conn).error is None
+        report = verify_log(conn, origin=origin, public_key=key.public_key())
+        assert not report.ok and report.first_bad_seq == 10 and report.damaged
+
+
+def test_a_trusted_checkpoint_from_elsewhere_catches_a_rollback_and_a_fork(home: Paths) -> None:
+    """``trusted`` is the hook for the newest on-chain anchor: a trusted size beyond the log's end is
+    the first missing size; a different root at a trusted size is a fork."""
+    _fill(home, 300)
+    key = auditkey.load(home)
+    origin = auditkey.origin_for(key.public_key())
+    with sqlite3.connect(home.audit_db, isolation_level=None) as conn:
+        root200 = merkle.root(lambda lv, i: bytes(conn.execute(
+            "SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (lv, i)).fetchone()[0]), 200)
+        good = verify_log(conn, origin=origin, public_key=key.public_key(),
+                          trusted=[TrustedCheckpoint(200, root200, "the anchor")])
+        assert good.ok
+        ahead = verify_log(conn, origin=origin, public_key=key.public_key(),
+                           trusted=[TrustedCheckpoint(400, root200, "the anchor")])
+        assert not ahead.ok and ahead.inconsistent and ahead.first_bad_seq == 301
+        assert "the anchor signed 400 events" in ahead.problems[0]
+        fork = verify_log(conn, origin=origin, public_key=key.public_key(),
+                          trusted=[TrustedCheckpoint(200, bytes(32), "the anchor")])
+        assert not fork.ok and fork.inconsistent and fork.first_bad_seq == 200
