@@ -256,7 +256,8 @@ class GuardConfig:
     audit_checkpoint_events: int = 1000
     audit_checkpoint_seconds: float = 10.0
     # Beside the bounded start-up check, the guard verifies the whole audit log once after it starts,
-    # in the background (one pass, ~4 s per 100,000 events; docs/audit.md): a failure refuses service.
+    # in the background (`uomp audit verify --no-chain` in a process of its own, niced; one pass,
+    # ~30 s per 1,000,000 events on 2 cores; docs/audit.md): a failure refuses service.
     audit_full_verify_at_start: bool = True
     # Housekeeping, off the event loop: expired sessions are closed every sweep_interval_seconds;
     # audit retention and auth.db pruning run every purge_interval_seconds.

@@ -217,7 +217,8 @@ def _verify(args: argparse.Namespace) -> int:
                         "went; the guard starts one at its next start")
         acfg = load_section(AnchorConfig, "anchor", file=paths.config_file)
         anchored: tuple[int, list[str]] = (0, [])
-        backend = _backend(acfg, rpc=args.rpc) if (acfg.backend != "none" or args.rpc) else None
+        backend = (_backend(acfg, rpc=args.rpc) if (acfg.backend != "none" or args.rpc) and not args.no_chain
+                   else None)
         if backend is not None and not report.damaged:
             try:
                 anchored = asyncio.run(_verify_anchors(conn, backend))
@@ -228,7 +229,8 @@ def _verify(args: argparse.Namespace) -> int:
     problems = report.problems + anchored[1]
     out: dict[str, Any] = {"ok": report.ok and not anchored[1], "events": report.events, "pruned_bodies": report.pruned,
            "checkpoints": report.checkpoints, "anchors_verified": anchored[0], "first_bad_seq": report.first_bad_seq,
-           "problems": problems, "warnings": report.warnings, "origin": origin,
+           "problems": problems, "warnings": report.warnings, "damaged": report.damaged,
+           "inconsistent": report.inconsistent, "origin": origin,
            "witness_size": witness.checkpoint.size if witness is not None else None,
            "verifier_key": EventLog(_mem(), origin=origin, key=key).verifier_key()}
     if args.json:
@@ -436,6 +438,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "--follow)")
     a.add_argument("--out", help="proof: write the bundle here (0600) instead of standard output")
     a.add_argument("--rpc", help="verify / verify-proof: chain RPC URL to check anchors against")
+    a.add_argument("--no-chain", action="store_true", help="verify: the log only, no anchor checked on chain "
+                   "(what the guard runs in the background after each start)")
     a.add_argument("--key", help="verify-proof: the appliance's verifier key you trust (name+id+key)")
     a.add_argument("--no-local-key", action="store_true",
                    help="verify-proof: do not use this machine's audit key (checking a bundle from elsewhere)")

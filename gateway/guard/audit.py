@@ -326,36 +326,6 @@ class AuditLog:
             log.error("audit log: %s", error.message)
             self.integrity = error
 
-    def verify_full(self) -> UompError | None:
-        """The whole log verified (``uomp audit verify``'s check, without the anchors), on a
-        connection of its own in one read snapshot; a failure makes this log refuse everything
-        (:meth:`refuse`). Blocking: one pass over every event (``benchmarks/bench_verify.py``)."""
-        opts = self.ledger_options
-        if opts is None:
-            return None
-        from gateway.ledger.verify import verify_log
-
-        conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None,
-                               timeout=DEFAULT_BUSY_TIMEOUT_SECONDS)
-        try:
-            witness = self._witness()
-            conn.execute("BEGIN")
-            report = verify_log(conn, origin=opts.origin, public_key=opts.key.public_key(),
-                                trusted=[witness.trusted()] if witness is not None else [])
-            conn.execute("COMMIT")
-        except UompError as exc:
-            report_error: UompError | None = exc
-        except sqlite3.Error as exc:
-            report_error = integrity.refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({exc})")
-        else:
-            report_error = integrity.report_refusal(report)
-        finally:
-            conn.close()
-        if report_error is not None:
-            self.refuse(report_error)
-        return report_error
-
-
     def record(self, *, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
                key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
                request_size: int | None = None, response_size: int | None = None,
