@@ -390,3 +390,12 @@ def test_a_running_appliance_on_a_refused_log_is_unhealthy_in_uomp_status(tmp_pa
             app.stop()
     finally:
         shutil.rmtree(home.parent, ignore_errors=True)
+
+
+def test_the_last_event_deleted_without_its_nodes_is_refused_not_a_crash(paths: Paths, guards: list[Guard]) -> None:
+    _fill(paths, 200)
+    with _db(paths) as conn:
+        conn.execute("DELETE FROM ledger_events WHERE seq = 200")
+    g = _start(paths, guards)
+    assert g.health.get("status") == "refusing"  # served as refusals, the guard runs
+    _assert_refused(g, paths, "AUDIT_LOG_INCONSISTENT", first_bad=200)  # the witness record signed 200
