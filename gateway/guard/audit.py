@@ -556,7 +556,11 @@ class AuditLog:
                     ErrorCode.ACCESS_DENIED, "proofs of refused events are for the user only: the event holds "
                                 "the user's audit detail (ask the user: 'uomp audit proof')", session_id=session_id)
             self._read_ledger.reload()
-            return self._read_ledger.proof_bundle(event_id, chain=chain)
+            bundle = self._read_ledger.proof_bundle(event_id, chain=chain)
+            body = bundle["event"]
+            if body.get("session_id") != session_id or body.get("allowed") is not True:
+                raise unknown  # the index columns said otherwise: the body decides (an edited row)
+            return bundle
         except LedgerError as exc:
             raise ledger_refusal(exc, session_id=session_id) from None
         finally:

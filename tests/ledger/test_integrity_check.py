@@ -76,3 +76,31 @@ def test_a_trusted_checkpoint_from_elsewhere_catches_a_rollback_and_a_fork(home:
         fork = verify_log(conn, origin=origin, public_key=key.public_key(),
                           trusted=[TrustedCheckpoint(200, bytes(32), "the anchor")])
         assert not fork.ok and fork.inconsistent and fork.first_bad_seq == 200
+
+
+async def test_an_edited_session_column_never_hands_a_proof_or_a_listing_to_another_session(home: Paths) -> None:
+    """b's read moved to a's session in the index column only (the guard running, so the edit is not
+    seen at start): a's GET /v1/audit does not list it and a's proof request is the unknown-id 404;
+    the partner: a's own read still gets its proof."""
+    import aiohttp
+    from guardkit import call, grant, running_guard, seed, unix_session
+
+    seed(home)
+    read = {"tags": ["preference"], "keys": []}
+    async with running_guard(home, guard_config(audit_checkpoint_events=1)) as g, unix_session(home) as s, \
+            aiohttp.ClientSession() as tcp:
+        base = f"http://127.0.0.1:{g.tcp_port}"
+        a = await grant(s, home, read=read, audience=base)
+        b = await grant(s, home, read=read, audience=base, agent_id="other")
+        assert (await call(tcp, "GET", "/v1/memory/preference.lang", token=b["token"], base=base))[0] == 200
+        assert (await call(tcp, "GET", "/v1/memory/preference.theme", token=a["token"], base=base))[0] == 200
+        logs_b = (await call(tcp, "GET", "/v1/audit", token=b["token"], base=base))[1]["logs"]
+        theirs = next(e["id"] for e in logs_b if e["action"] == "read")
+        with sqlite3.connect(home.audit_db) as conn:
+            conn.execute("UPDATE ledger_events SET session_id = ? WHERE id = ?", (a["session_id"], theirs))
+        logs_a = (await call(tcp, "GET", "/v1/audit", token=a["token"], base=base))[1]["logs"]
+        assert theirs not in [e["id"] for e in logs_a]
+        status, body, _ = await call(tcp, "GET", f"/v1/audit/{theirs}/proof", token=a["token"], base=base)
+        assert status == 404 and body["error"]["code"] == "NOT_FOUND"
+        mine = next(e["id"] for e in logs_a if e["action"] == "read")
+        assert (await call(tcp, "GET", f"/v1/audit/{mine}/proof", token=a["token"], base=base))[0] == 200
