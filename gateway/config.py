@@ -257,7 +257,7 @@ class GuardConfig:
     audit_checkpoint_seconds: float = 10.0
     # Beside the bounded start-up check, the guard verifies the whole audit log once after it starts,
     # in the background (`uomp audit verify --no-chain` in a process of its own, niced; one pass,
-    # ~30 s per 1,000,000 events on 2 cores; docs/audit.md): a failure refuses service.
+    # ~15 s per 1,000,000 events on 2 cores; docs/audit.md): a failure refuses service.
     audit_full_verify_at_start: bool = True
     # Housekeeping, off the event loop: expired sessions are closed every sweep_interval_seconds;
     # audit retention and auth.db pruning run every purge_interval_seconds.
