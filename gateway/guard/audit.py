@@ -252,7 +252,8 @@ class AuditLog:
             if self.integrity is None:
                 self._migrate_legacy()
             # proofs for agents, on the reader thread (see proof_for_session)
-            self._read_ledger = EventLog(self._read, origin=self.ledger.origin, key=self.ledger.key)
+            self._read_ledger = EventLog(self._read, origin=self.ledger.origin, key=self.ledger.key,
+                                         check=self.integrity is None)
         except LedgerError as exc:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
@@ -297,13 +298,15 @@ class AuditLog:
             log.error("audit log: %s", checked.error.message)
             return checked.error
         self._known_size = checked.events
-        log.info("audit log: start-up check passed (%d events; events %d-%d in full; witness record at %s)",
+        log.debug("audit log: start-up check passed (%d events; events %d-%d in full; witness record at %s)",
                  checked.events, checked.checked_from + 1, checked.events,
                  "none" if witness is None else witness.checkpoint.size)
         if checked.recover is not None:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                ledger.store_checkpoint(checked.recover, time.time())
+                size = witness.checkpoint.size if witness else 0
+                if conn.execute("SELECT 1 FROM ledger_checkpoints WHERE size = ?", (size,)).fetchone() is None:
+                    ledger.store_checkpoint(checked.recover, time.time())  # (another opener may have already)
                 conn.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):

@@ -33,7 +33,8 @@ from gateway.ledger import auditkey
 
 pytestmark = pytest.mark.timeout(120)
 
-CONFIG = "[guard]\naudit_checkpoint_seconds = 0.3\naudit_checkpoint_events = 100\n"
+# the background full verify only where a test needs it (a process of its own per guard start)
+CONFIG = "[guard]\naudit_checkpoint_seconds = 0.3\naudit_checkpoint_events = 100\naudit_full_verify_at_start = {}\n"
 
 
 def _uomp(paths: Paths, *args: str) -> subprocess.CompletedProcess[str]:
@@ -116,7 +117,7 @@ def guards() -> Iterator[list[Guard]]:
 
 @pytest.fixture
 def paths(home: Paths) -> Paths:
-    home.config_file.write_text(CONFIG)
+    home.config_file.write_text(CONFIG.format("false"))
     return home
 
 
@@ -259,6 +260,7 @@ def test_a_flipped_body_byte_deep_in_the_log_is_found_by_the_background_verify(p
                                                                                guards: list[Guard]) -> None:
     """Beyond the start-up check's tail (1,024 events before the newest checkpoint): the guard
     starts, and its full verify in the background refuses the log within seconds."""
+    paths.config_file.write_text(CONFIG.format("true"))
     _fill(paths, 1500)
     with _db(paths) as conn:
         body = str(conn.execute("SELECT body FROM ledger_events WHERE seq = 7").fetchone()[0])
