@@ -29,6 +29,12 @@ session grant, revocation or deletion proof gets one at once), queued for anchor
 configured. The event log is the only store: what ``uomp audit verify`` checks, what proofs are cut
 from, and what every reader queries (:mod:`gateway.ledger.query`); an older version's ``audit_logs``
 table is migrated into it on open and dropped.
+
+Integrity (:mod:`gateway.ledger.integrity`): the log is checked at open against the witness record
+(the latest signed checkpoint, kept outside ``audit.db``) and in its tail; a checkpoint is signed in
+a transaction of its own after the events it covers are committed, the record written before that
+transaction commits. A log that fails refuses every write here (and the guard every request):
+:attr:`AuditLog.integrity`. The checkpoint interval runs on the monotonic clock.
 """
 
 from __future__ import annotations
