@@ -104,3 +104,29 @@ async def test_an_edited_session_column_never_hands_a_proof_or_a_listing_to_anot
         assert status == 404 and body["error"]["code"] == "NOT_FOUND"
         mine = next(e["id"] for e in logs_a if e["action"] == "read")
         assert (await call(tcp, "GET", f"/v1/audit/{mine}/proof", token=a["token"], base=base))[0] == 200
+
+
+def test_a_witness_record_that_is_not_this_keys_checkpoint_is_refused(home: Paths) -> None:
+    """Garbage, or a checkpoint signed by another key (another home's record copied in): nothing is
+    vouched for, the log is refused; the partner: the home's own record passes."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gateway.core.checkpoint import Checkpoint
+
+    _fill(home, 120)
+    key = auditkey.load(home)
+    origin = auditkey.origin_for(key.public_key())
+
+    def state() -> dict[str, object]:
+        return integrity.home_state(home.audit_db, home.audit_witness, origin=origin, public_key=key.public_key())
+
+    assert state()["ok"] is True and state()["witness_size"] == 120
+    own = home.audit_witness.read_bytes()
+    home.audit_witness.write_text("{not json")
+    assert state()["code"] == "AUDIT_LOG_INCONSISTENT"
+    other = Ed25519PrivateKey.generate()
+    forged = Checkpoint(origin, 120, bytes(32), 1).sign(origin, other)
+    integrity.write_witness(home.audit_witness, forged)
+    assert state()["code"] == "AUDIT_LOG_INCONSISTENT"
+    home.audit_witness.write_bytes(own)
+    assert state()["ok"] is True
