@@ -125,6 +125,12 @@ class Paths:
         return self.secrets / "audit-ed25519.key"
 
     @property
+    def audit_witness(self) -> Path:
+        """The latest signed checkpoint, kept beside the audit key and outside audit.db (0600), see
+        gateway/ledger/integrity.py."""
+        return self.secrets / "audit-witness.json"
+
+    @property
     def payload_private_key(self) -> Path:
         """The user's X25519 payload key (0600, never leaves this machine), see gateway/payloads/userkey.py."""
         return self.secrets / "payload-x25519.key"
@@ -250,6 +256,10 @@ class GuardConfig:
     # revocations and deletion proofs get one in the same write (near real time).
     audit_checkpoint_events: int = 1000
     audit_checkpoint_seconds: float = 10.0
+    # Beside the bounded start-up check, the guard verifies the whole audit log once after it starts,
+    # in the background (`uomp audit verify --no-chain` in a process of its own, niced; one pass,
+    # ~15 s per 1,000,000 events on 2 cores; docs/audit.md): a failure refuses service.
+    audit_full_verify_at_start: bool = True
     # Housekeeping, off the event loop: expired sessions are closed every sweep_interval_seconds;
     # audit retention and auth.db pruning run every purge_interval_seconds.
     sweep_interval_seconds: float = 5.0

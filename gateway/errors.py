@@ -58,6 +58,9 @@ class ErrorCode(StrEnum):
     ANCHOR_MISMATCH = "ANCHOR_MISMATCH"  # the chain does not show the anchor that was claimed
     PROOF_PENDING = "PROOF_PENDING"  # the audit event is not in a signed checkpoint yet: retry shortly
     LOG_CORRUPT = "LOG_CORRUPT"  # the audit log's events and its Merkle tree disagree: run 'uomp audit verify'
+    # the audit log is not the one its witness record (the latest signed checkpoint) saw: rolled back, forked, replaced
+    AUDIT_LOG_INCONSISTENT = "AUDIT_LOG_INCONSISTENT"
+    AUDIT_LOG_DAMAGED = "AUDIT_LOG_DAMAGED"  # the audit log fails its own checks (edited, deleted, unreadable)
     INTERNAL = "INTERNAL"
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     PAYLOAD_HASH_MISMATCH = "PAYLOAD_HASH_MISMATCH"  # the ciphertext received is not what the envelope's hash names
@@ -117,6 +120,8 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.ANCHOR_MISMATCH: 409,
     ErrorCode.PROOF_PENDING: 409,
     ErrorCode.LOG_CORRUPT: 500,
+    ErrorCode.AUDIT_LOG_INCONSISTENT: 503,
+    ErrorCode.AUDIT_LOG_DAMAGED: 503,
     ErrorCode.INTERNAL: 500,
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     ErrorCode.PAYLOAD_HASH_MISMATCH: 400,

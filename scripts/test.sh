@@ -8,6 +8,7 @@ bash scripts/setup-interop.sh || { echo "interop setup failed"; exit 1; }
 # npm anvil (a real local EVM chain) and solc-js for the anchoring tests, pinned by anchor-tools/.
 bash scripts/setup-anvil.sh || { echo "anvil setup failed"; exit 1; }
 bash scripts/setup-browser.sh || { echo "browser setup failed"; exit 1; }
+bash scripts/setup-faketime.sh || { echo "faketime setup failed"; exit 1; }
 status=0
 echo "== ruff"; .venv/bin/ruff check gateway tests scripts benchmarks examples || status=1
 echo "== mypy (strict, gateway/)"; .venv/bin/mypy || status=1

@@ -44,7 +44,9 @@ def seed(paths: Paths, items: list[MemoryItem] | None = None) -> None:
 
 
 def guard_config(**overrides: Any) -> GuardConfig:
-    base = GuardConfig(tcp_port=0)
+    # no background full verify of the audit log at each start (a process per guard start across the
+    # suite): tests/ledger/test_audit_integrity.py runs it on real guard processes
+    base = GuardConfig(tcp_port=0, audit_full_verify_at_start=False)
     return dataclasses.replace(base, **overrides)
 
 

@@ -26,10 +26,10 @@ from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.audit import AuditLog, anchor_chain, ledger_refusal, open_audit
-from gateway.ledger import auditkey
+from gateway.ledger import auditkey, integrity
 from gateway.ledger.log import EventLog, LedgerError
 from gateway.ledger.query import MAX_LIMIT, AuditFilter, parse_time
-from gateway.ledger.verify import ProofBundleError, verify_bundle, verify_log
+from gateway.ledger.verify import ProofBundleError, TrustedCheckpoint, verify_bundle, verify_log
 
 MAX_BUNDLE_BYTES = 1 << 20
 
@@ -77,14 +77,20 @@ def _emit(events: list[dict[str, Any]], *, as_json: bool, lines: bool) -> None:
 def _show(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     flt = _filter(args)
-    audit = open_audit(paths, _cfg(paths))  # migrates an older version's audit_logs table on open
+    # migrates an older version's audit_logs table on open; a refused log is still shown, said so
+    audit = open_audit(paths, _cfg(paths), strict=False)
+    if audit.integrity is not None:
+        print(f"!! {audit.integrity.code}: {audit.integrity.message}", file=sys.stderr)
     stop = _Stop() if args.follow else None
     try:
         if flt.session_id is not None and not audit.session_known(flt.session_id):
             raise UompError(ErrorCode.SESSION_NOT_FOUND, f"no session {flt.session_id[:80]} in the audit log; see "
                             "'uomp sessions list'")
-        events, pruned, cursor = _newest(audit, flt, args.limit, include_pruned=args.include_pruned)
+        events, pruned, cursor, damaged = _newest(audit, flt, args.limit, include_pruned=args.include_pruned)
         _emit(events, as_json=args.json, lines=args.follow)
+        if damaged:
+            print(f"!! {damaged} matching event(s) left out: their rows do not match their signed bodies (edited); "
+                  "run 'uomp audit verify'", file=sys.stderr)
         if pruned:
             print(f"({pruned} older matching event(s) past retention not shown: their bodies are pruned, their "
                   "leaves kept so earlier proofs still verify; --include-pruned lists them)", file=sys.stderr)
@@ -106,23 +112,24 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _newest(audit: AuditLog, flt: AuditFilter, want: int, *, include_pruned: bool
-            ) -> tuple[list[dict[str, Any]], int, int]:
+            ) -> tuple[list[dict[str, Any]], int, int, int]:
     """The newest ``want`` matching events (newest last), how many matching ones are pruned, and the
     cursor after them. Above one page (1000) the log is paged through from the start, keeping the
     newest ``want`` only."""
     if want <= MAX_LIMIT:
         page = audit.query(flt, include_pruned=include_pruned)
-        return page.events, page.pruned, page.cursor
+        return page.events, page.pruned, page.cursor, page.damaged
     tail: collections.deque[dict[str, Any]] = collections.deque(maxlen=want)
-    cursor, pruned, first = 0, 0, True
+    cursor, pruned, first, damaged = 0, 0, True, 0
     while True:
         page = audit.query(dataclasses.replace(flt, after_seq=cursor, limit=MAX_LIMIT), include_pruned=include_pruned)
         tail.extend(page.events)
+        damaged += page.damaged
         cursor = page.cursor
         if first:
             pruned, first = page.pruned, False
-        if len(page.events) < MAX_LIMIT:
-            return list(tail), pruned, cursor
+        if len(page.events) + page.damaged < MAX_LIMIT:
+            return list(tail), pruned, cursor, damaged
 
 
 class _Stop:
@@ -209,33 +216,65 @@ def _verify(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     key = auditkey.load(paths)
     origin = auditkey.origin_for(key.public_key())
+    trusted: list[TrustedCheckpoint] = []
+    witness_problem: str | None = None
+    try:
+        witness = integrity.read_witness(paths.audit_witness, origin=origin, public_key=key.public_key())
+    except UompError as exc:
+        witness, witness_problem = None, exc.message
+    if witness is not None:
+        trusted.append(witness.trusted())
     conn = _ro(paths)
     try:
-        report = verify_log(conn, origin=origin, public_key=key.public_key())
+        trusted.extend(extra_trusted_checkpoints(paths, conn))
+        report = verify_log(conn, origin=origin, public_key=key.public_key(), trusted=trusted)
+        if witness_problem is not None:
+            report.fail(None, witness_problem, inconsistent=True)
+        elif witness is None and report.checkpoints:
+            report.warn(f"no witness record ({paths.audit_witness}): nothing outside audit.db says how far the log "
+                        "went; the guard starts one at its next start")
         acfg = load_section(AnchorConfig, "anchor", file=paths.config_file)
         anchored: tuple[int, list[str]] = (0, [])
-        backend = _backend(acfg, rpc=args.rpc) if (acfg.backend != "none" or args.rpc) else None
-        if backend is not None:
-            anchored = asyncio.run(_verify_anchors(conn, backend))
+        backend = (_backend(acfg, rpc=args.rpc) if (acfg.backend != "none" or args.rpc) and not args.no_chain
+                   else None)
+        if backend is not None and not report.damaged:
+            try:
+                anchored = asyncio.run(_verify_anchors(conn, backend))
+            except sqlite3.DatabaseError as exc:
+                anchored = (0, [f"the anchors cannot be read ({exc})"])
     finally:
         conn.close()
     problems = report.problems + anchored[1]
     out: dict[str, Any] = {"ok": report.ok and not anchored[1], "events": report.events, "pruned_bodies": report.pruned,
            "checkpoints": report.checkpoints, "anchors_verified": anchored[0], "first_bad_seq": report.first_bad_seq,
-           "problems": problems, "origin": origin,
+           "problems": problems, "warnings": report.warnings, "damaged": report.damaged,
+           "inconsistent": report.inconsistent, "origin": origin,
+           "witness_size": witness.checkpoint.size if witness is not None else None,
            "verifier_key": EventLog(_mem(), origin=origin, key=key).verifier_key()}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         state = "OK" if out["ok"] else "FAILED"
         print(f"audit log {state}: {report.events} events ({report.pruned} past retention, leaves kept), "
-              f"{report.checkpoints} signed checkpoints, {anchored[0]} anchors checked on chain")
+              f"{report.checkpoints} signed checkpoints, {anchored[0]} anchors checked on chain, "
+              + (f"consistent with the witness record at {witness.checkpoint.size} events" if witness is not None
+                 and not report.inconsistent else ("NOT consistent with the witness record" if witness is not None
+                                                   else "no witness record")))
         if report.first_bad_seq is not None:
             print(f"first bad event: #{report.first_bad_seq}")
         for p in problems:
             print(f"  - {p}")
+        for w in report.warnings:
+            print(f"  warning: {w}")
         print(f"verifier key: {out['verifier_key']}")
     return 0 if out["ok"] else 1
+
+
+def extra_trusted_checkpoints(paths: Paths, conn: sqlite3.Connection) -> list[TrustedCheckpoint]:
+    """Checkpoints known from outside ``audit.db``, besides the witness record, that the log must
+    extend (``verify_log``'s ``trusted``): the hook for the newest anchor read from the chain (not
+    from the local anchors table) and for kept checkpoints. None yet."""
+    return []
 
 
 def _mem() -> sqlite3.Connection:
@@ -508,6 +547,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "--follow)")
     a.add_argument("--out", help="proof: write the bundle here (0600) instead of standard output")
     a.add_argument("--rpc", help="verify / verify-proof: chain RPC URL to check anchors against")
+    a.add_argument("--no-chain", action="store_true", help="verify: the log only, no anchor checked on chain "
+                   "(what the guard runs in the background after each start)")
     a.add_argument("--key", help="verify-proof: the appliance's verifier key you trust (name+id+key)")
     a.add_argument("--no-local-key", action="store_true",
                    help="verify-proof: do not use this machine's audit key (checking a bundle from elsewhere)")

@@ -200,6 +200,26 @@ def _guard_health(r: Report, paths: Paths) -> None:
                   "see the appliance's log; the supervisor restarts the guard; uomp status shows restarts")
 
 
+def _audit_log(r: Report, paths: Paths) -> None:
+    from gateway.cli.status import audit_integrity
+
+    a = audit_integrity(paths)
+    if a.get("ok") is False:
+        message = str(a["message"])
+        problem, _, fix = message.partition("; ")
+        r.problem(f"{a['code']}: {problem}" + (f" (first bad event #{a['first_bad_seq']})" if a.get("first_bad_seq")
+                                                else ""), fix or "run: uomp audit verify")
+    elif a.get("ok") is None:
+        r.note(f"audit log not checked: {a.get('message')}")
+    else:
+        w = a.get("witness_size")
+        if w is None and a.get("events"):
+            r.note(f"audit log: {a['events']} events, no witness record yet (the guard starts one at its next start)")
+        else:
+            r.ok(f"audit log: {a.get('events', 0)} events, tail checked, consistent with the witness record"
+                 + (f" at {w} events" if w is not None else ""))
+
+
 def _speed(r: Report) -> None:
     """What the servers run on (issue 13): aiohttp's C HTTP parser, the event loop, the JSON codec.
     Each is only speed (the pure-Python fallbacks behave the same), so these are notes, not problems."""
@@ -246,7 +266,8 @@ def run_checks(paths: Paths) -> Report:
     _check_private(r, paths.admin_credential, "admin credential")
     gcfg, guard, tunnel = _configs(r, paths)
     steps += [lambda: _ca(r, paths, gcfg), lambda: _ports(r, paths, gcfg, guard), lambda: _tunnel(r, tunnel),
-              lambda: _guard_health(r, paths), lambda: _anchoring(r, paths), lambda: _speed(r)]
+              lambda: _guard_health(r, paths), lambda: _anchoring(r, paths), lambda: _audit_log(r, paths),
+              lambda: _speed(r)]
     for step in steps:
         try:
             step()

@@ -85,7 +85,8 @@ def collect(paths: Paths) -> dict[str, Any]:
             stale = time.time() - updated.timestamp() > STALE_STATUS_SECONDS
         except ValueError:
             stale = False
-    healthy = bool(running and upstream and upstream.get("up") and not stale)
+    audit_log = audit_integrity(paths)
+    healthy = bool(running and upstream and upstream.get("up") and not stale and audit_log.get("ok") is not False)
     return {
         "home": str(paths.home),
         "initialised": paths.private_jwk.exists(),
@@ -107,7 +108,60 @@ def collect(paths: Paths) -> dict[str, Any]:
         "agent_certificates": _agents(paths),
         "active_sessions": _sessions(paths),
         "anchoring": _anchoring(paths),
+        "audit_log": audit_log,
     }
+
+
+def audit_integrity(paths: Paths) -> dict[str, Any]:
+    """The audit log's bounded integrity check (gateway/ledger/integrity.py) on the files, read-only:
+    what the guard checks at start, so a refused log shows whether or not the appliance runs."""
+    from gateway.errors import UompError
+    from gateway.ledger import auditkey, integrity
+
+    if not paths.audit_key.exists():
+        return {"ok": True, "events": 0, "witness_size": None}
+    try:
+        key = auditkey.load(paths)
+    except UompError as exc:
+        return {"ok": None, "message": exc.message}
+    pub = key.public_key()
+    state = integrity.home_state(paths.audit_db, paths.audit_witness, origin=auditkey.origin_for(pub), public_key=pub)
+    if state.get("ok") is not False:
+        refused = _guard_refusal(paths)  # what a running guard found since (its full verify in the background)
+        if refused is not None:
+            details = refused.get("details") if isinstance(refused.get("details"), dict) else {}
+            state = {**state, "ok": False, "code": refused.get("code"), "message": refused.get("message"),
+                     "first_bad_seq": (details or {}).get("first_bad_seq"), "found_by": "the running guard"}
+    return state
+
+
+def _guard_refusal(paths: Paths) -> dict[str, Any] | None:
+    """The error body a running guard answers for its audit log (GET /v1/health on guard.sock, 1 s at
+    most), None when it serves or does not answer."""
+    import socket
+
+    if not paths.guard_sock.exists():
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            s.connect(str(paths.guard_sock))
+            s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: guard\r\nConnection: close\r\n\r\n")
+            data = b""
+            while len(data) < 65536 and (chunk := s.recv(65536)):
+                data += chunk
+    except OSError:
+        return None
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return None
+    err = answer.get("audit", {}).get("error") if isinstance(answer, dict) and answer.get("status") == "refusing" \
+        else None
+    return err if isinstance(err, dict) else None
 
 
 def _anchoring(paths: Paths) -> dict[str, Any]:
@@ -190,6 +244,14 @@ def _text(s: dict[str, Any]) -> None:
     print(f"anchoring: {s['anchoring']['note']}")
     if s["anchoring"].get("rejected"):
         print("  !! anchors REJECTED: the chain does not show what the node claimed; see 'uomp anchor status'")
+    a = s["audit_log"]
+    if a.get("ok") is False:
+        print(f"audit log: REFUSED {a['code']}: {a['message']}")
+    elif a.get("ok") is None:
+        print(f"audit log: not checked ({a.get('message')})")
+    else:
+        print(f"audit log: {a.get('events', 0)} events, tail checked, consistent with the witness record"
+              + (f" at {a['witness_size']} events" if a.get("witness_size") is not None else " (none yet)"))
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -267,6 +267,18 @@ class CompactRange:
         self.size = 0
         self._edge: list[tuple[int, bytes]] = []  # (level, hash), largest subtree first
 
+    @classmethod
+    def from_edge(cls, size: int, edge: list[tuple[int, bytes]]) -> CompactRange:
+        """The range of a tree of ``size`` leaves from its right edge: the root of each complete
+        subtree of the prefix, largest first (one per set bit of ``size``)."""
+        if [lv for lv, _ in edge] != [b for b in range(size.bit_length() - 1, -1, -1) if size >> b & 1]:
+            raise ProofError(f"not the right edge of a tree of {size} leaves")
+        _check_hashes(*(h for _, h in edge))
+        cr = cls()
+        cr.size = size
+        cr._edge = list(edge)
+        return cr
+
     def append(self, leaf: bytes) -> None:
         _check_hashes(leaf)
         level, h = 0, leaf

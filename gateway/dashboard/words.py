@@ -15,6 +15,9 @@ REFUSALS: dict[str, str] = {
     "QUOTA_EXCEEDED": "The agent had used up the number of reads you allowed.",
     "WRITE_NOT_AVAILABLE": "The agent tried to write; writes are not available to agents.",
     "STORE_UNAVAILABLE": "The memory store or the audit log could not be reached, so nothing was given out.",
+    "AUDIT_LOG_INCONSISTENT": "The audit log is not the one its last signed checkpoint vouched for (rolled back or "
+                              "replaced), so nothing was given out.",
+    "AUDIT_LOG_DAMAGED": "The audit log failed its own checks (an edited or deleted event), so nothing was given out.",
     "SESSION_NOT_FOUND": "The agent named a session that does not exist.",
     "INVALID_REQUEST": "The agent's request was malformed.",
     "UNAUTHORIZED": "A management call came without your admin credential.",

@@ -100,7 +100,7 @@ class GuardServices:
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
-        audit = open_audit(paths, cfg)
+        audit = open_audit(paths, cfg, strict=False)  # a refused log: served as refusals (errors_middleware)
         auth = AuthService(paths, cfg, audit)
         store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
         # a read that is the guard's only one has its event written by this worker (get_key)
@@ -154,6 +154,9 @@ async def errors_middleware(request: web.Request,
         problem = contract.header_problem(request.raw_headers, verified_allowed=request.app[LISTENER] == "unix")
         if problem is not None:
             raise UompError(ErrorCode.INVALID_REQUEST, problem)
+        refused = request.app[SERVICES].audit.integrity  # a damaged or rolled-back log: nothing is served
+        if refused is not None and request.path != "/v1/health":
+            raise refused
         return await handler(request)
     except UompError as exc:
         return error_response(exc)
@@ -861,6 +864,10 @@ async def refresh_internal(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the process runs (the supervisor's check); ``audit`` names a log that is refused."""
+    refused = request.app[SERVICES].audit.integrity
+    if refused is not None:
+        return _json_response({"status": "refusing", "audit": refused.body()})
     return _json_response({"status": "ok"})
 
 

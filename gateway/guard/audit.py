@@ -29,6 +29,12 @@ session grant, revocation or deletion proof gets one at once), queued for anchor
 configured. The event log is the only store: what ``uomp audit verify`` checks, what proofs are cut
 from, and what every reader queries (:mod:`gateway.ledger.query`); an older version's ``audit_logs``
 table is migrated into it on open and dropped.
+
+Integrity (:mod:`gateway.ledger.integrity`): the log is checked at open against the witness record
+(the latest signed checkpoint, kept outside ``audit.db``) and in its tail; a checkpoint is signed in
+a transaction of its own after the events it covers are committed, the record written before that
+transaction commits. A log that fails refuses every write here (and the guard every request):
+:attr:`AuditLog.integrity`. The checkpoint interval runs on the monotonic clock.
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ from gateway import contract
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
 from gateway.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
-from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure
+from gateway.durable import GroupCommitWriter, RefusalTally, describe_failure, fault_point
 from gateway.errors import ErrorCode, UompError
-from gateway.ledger import auditkey
+from gateway.ledger import auditkey, integrity
 from gateway.ledger.log import EventLog, LedgerError, oldest_body_ts
 from gateway.ledger.query import AuditFilter, AuditPage, event_owner, query_events, session_known
 
@@ -111,6 +117,7 @@ class LedgerOptions:
     checkpoint_events: int = 1000
     checkpoint_seconds: float = 10.0
     anchor_backend: str | None = None
+    witness: Path | None = None  # the witness record (gateway.ledger.integrity); None: not kept (tests, tools)
 
     @classmethod
     def for_home(cls, paths: Paths, cfg: GuardConfig, anchor: AnchorConfig | None = None) -> LedgerOptions:
@@ -119,13 +126,16 @@ class LedgerOptions:
         if anchor is None:
             anchor = load_section(AnchorConfig, "anchor", file=paths.config_file)
         return cls(key, auditkey.origin_for(key.public_key()), max(1, cfg.audit_checkpoint_events),
-                   max(0.1, cfg.audit_checkpoint_seconds), anchor.backend)
+                   max(0.1, cfg.audit_checkpoint_seconds), anchor.backend, paths.audit_witness)
 
 
-def open_audit(paths: Paths, cfg: GuardConfig) -> AuditLog:
-    """The audit log as every process of the appliance opens it: with its verifiable event log."""
+def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True) -> AuditLog:
+    """The audit log as every process of the appliance opens it: with its verifiable event log,
+    checked at open (:mod:`gateway.ledger.integrity`). ``strict``: a log that fails the check is an
+    error (the CLI); otherwise (the guard) it is opened refusing everything, :attr:`AuditLog.integrity`
+    says why."""
     return AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days, busy_timeout=cfg.db_busy_timeout_seconds,
-                    ledger=LedgerOptions.for_home(paths, cfg))
+                    ledger=LedgerOptions.for_home(paths, cfg), strict=strict)
 
 
 # Fields an event may carry besides :data:`COLUMNS` (the gateway's, issue 10's one log): where and how
@@ -216,24 +226,48 @@ def make_row(*, session_id: str, agent_id: str, action: str, allowed: bool, reas
 
 class AuditLog:
     def __init__(self, path: Path, *, retention_days: int = 90, max_pending: int = MAX_PENDING_ROWS,
-                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS, ledger: LedgerOptions | None = None) -> None:
+                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS, ledger: LedgerOptions | None = None,
+                 strict: bool = True) -> None:
         self.path = path
         self.retention_days = retention_days
-        self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
-        self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
+        try:
+            self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
+            self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
+        except UompError as exc:
+            if isinstance(exc.__cause__, sqlite3.DatabaseError) and not isinstance(exc.__cause__,
+                                                                                  sqlite3.OperationalError):
+                raise integrity.refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"{path.name} cannot be read "
+                                        f"({exc.__cause__}): truncated or not an audit log") from exc
+            raise
         self.ledger_options = ledger
         self.ledger: EventLog | None = None
+        # Why this log refuses every read and write (gateway.ledger.integrity), None while it is sound.
+        self.integrity: UompError | None = None
+        self._known_size = 0  # the largest size this process saw: a smaller one later is a rollback
+        self._cp_seen = (-1, 0.0)  # (newest checkpoint size, time.monotonic() when first seen)
         try:  # the event log is the only store; without LedgerOptions (tests, tools) it is not signed
             self.ledger = EventLog(self._write, origin=ledger.origin if ledger else UNSIGNED_ORIGIN,
                                    key=ledger.key if ledger else None,
-                                   anchor_backend=ledger.anchor_backend if ledger else None)
-            self._migrate_legacy()
+                                   anchor_backend=ledger.anchor_backend if ledger else None, check=ledger is None)
+            if ledger is not None:
+                self.integrity = self._startup_check(ledger)
+                if self.integrity is not None and strict:
+                    self._read.close()
+                    self._write.close()
+                    raise self.integrity
+            if self.integrity is None:
+                self._migrate_legacy()
             # proofs for agents, on the reader thread (see proof_for_session)
-            self._read_ledger = EventLog(self._read, origin=self.ledger.origin, key=self.ledger.key)
+            self._read_ledger = EventLog(self._read, origin=self.ledger.origin, key=self.ledger.key,
+                                         check=self.integrity is None)
         except LedgerError as exc:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
                             ) from exc
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError):
+                raise db_error(exc, what="audit log") from exc
+            raise integrity.refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"{path.name} cannot be read ({exc})") from exc
         except sqlite3.Error as exc:
             raise db_error(exc, what="audit log") from exc
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
@@ -242,6 +276,64 @@ class AuditLog:
         self.lost = RefusalTally()  # rows of failed batches, per session|agent, not yet summarised
         self.writer: GroupCommitWriter[Row] = GroupCommitWriter(
             "audit log", self._write_batch, max_pending=max_pending, on_failed=self._count_failed)
+
+    # ------------------------------------------------------------------------------ integrity
+
+    def _witness(self) -> integrity.Witness | None:
+        opts = self.ledger_options
+        if opts is None or opts.witness is None:
+            return None
+        return integrity.read_witness(opts.witness, origin=opts.origin, public_key=opts.key.public_key())
+
+    def _startup_check(self, opts: LedgerOptions) -> UompError | None:
+        """The bounded check at open (:func:`gateway.ledger.integrity.check_log`); stores a checkpoint
+        the witness record holds and ``audit.db`` lost in a crash, and starts a missing record."""
+        conn, ledger = self._write, self.ledger
+        assert ledger is not None
+        try:
+            witness = self._witness()
+        except UompError as exc:
+            log.error("audit log: %s", exc.message)
+            return exc
+        conn.execute("BEGIN")
+        try:
+            checked = integrity.check_log(conn, origin=opts.origin, public_key=opts.key.public_key(), witness=witness)
+        finally:
+            conn.execute("COMMIT")
+        if checked.error is not None:
+            log.error("audit log: %s", checked.error.message)
+            return checked.error
+        self._known_size = checked.events
+        log.debug("audit log: start-up check passed (%d events; events %d-%d in full; witness record at %s)",
+                 checked.events, checked.checked_from + 1, checked.events,
+                 "none" if witness is None else witness.checkpoint.size)
+        if checked.recover is not None:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                size = witness.checkpoint.size if witness else 0
+                if conn.execute("SELECT 1 FROM ledger_checkpoints WHERE size = ?", (size,)).fetchone() is None:
+                    ledger.store_checkpoint(checked.recover, time.time())  # (another opener may have already)
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                raise
+            ledger.reload()
+            log.warning("audit log: the checkpoint at %d events was signed but not stored (a crash): stored it from "
+                        "the witness record", witness.checkpoint.size if witness else 0)
+        elif witness is None and opts.witness is not None:
+            newest = ledger.latest_checkpoint()
+            if newest is not None:
+                integrity.write_witness(opts.witness, newest[1])
+                log.warning("audit log: no witness record; started one at the newest checkpoint (%d events)",
+                            newest[0].size)
+        return None
+
+    def refuse(self, error: UompError) -> None:
+        """From now on this log refuses every write (and the guard every request): ``error`` says why."""
+        if self.integrity is None:
+            log.error("audit log: %s", error.message)
+            self.integrity = error
 
     def record(self, *, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
                key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
@@ -293,12 +385,17 @@ class AuditLog:
             log.warning("audit log: writing again; %d refused request(s) recorded as audit_gap rows",
                         sum(snap["counts"].values()))
 
-    def _ledger_write(self, conn: sqlite3.Connection, rows: list[Row], *, dedupe: bool) -> None:
-        """Inside the batch's transaction: the rows as events, and a checkpoint when one is due."""
+    def _ledger_write(self, conn: sqlite3.Connection, rows: list[Row], *, dedupe: bool) -> bool:
+        """Inside the batch's transaction: the rows as events. True when a checkpoint is due (signed
+        in a transaction of its own once these events are durable: :meth:`_sign`)."""
         ledger = self.ledger
         opts = self.ledger_options
         assert ledger is not None
         ledger.refresh()  # another process (the CLI) may have appended since this one last wrote
+        if ledger.size < self._known_size:
+            raise integrity.refusal(ErrorCode.AUDIT_LOG_INCONSISTENT, f"audit.db went back from {self._known_size} to "
+                                    f"{ledger.size} events while open (rolled back or replaced)",
+                                    first_bad_seq=ledger.size + 1)
         # An outbox replay (``dedupe``) or a gateway event (spooled and replayed, or sent again after
         # a lost answer): rows already in the log are not events twice (idempotent by event id).
         seen = "SELECT 1 FROM ledger_events WHERE id = ?"
@@ -314,42 +411,95 @@ class AuditLog:
         if rows:
             ledger.append([row_event(r) for r in rows])
         if opts is None:
-            return
+            return False
         last = ledger.latest_checkpoint()
-        last_size, last_time = (last[0].size, float(last[0].timestamp)) if last else (0, 0.0)
-        now = time.time()
-        if ledger.size > last_size and (ledger.size - last_size >= opts.checkpoint_events
-                                        or now - last_time >= opts.checkpoint_seconds
-                                        or any(r[5] in URGENT_ACTIONS for r in rows)):
-            ledger.checkpoint(now)
+        last_size = last[0].size if last else 0
+        mono = time.monotonic()
+        if last_size != self._cp_seen[0]:  # a new checkpoint (this process's or another's): the interval restarts
+            self._cp_seen = (last_size, mono if self._cp_seen[0] >= 0 else mono - opts.checkpoint_seconds)
+        # On the monotonic clock: a wall clock stepped back or forward neither stops nor hurries checkpoints.
+        return ledger.size > last_size and (ledger.size - last_size >= opts.checkpoint_events
+                                            or mono - self._cp_seen[1] >= opts.checkpoint_seconds
+                                            or any(r[5] in URGENT_ACTIONS for r in rows))
+
+    def _sign(self, conn: sqlite3.Connection) -> None:
+        """Inside its own write transaction, after the events it covers are committed: check the log
+        against the witness record, sign a checkpoint of the current size, write the record (before
+        this transaction commits: never behind audit.db), store the checkpoint."""
+        ledger, opts = self.ledger, self.ledger_options
+        assert ledger is not None and opts is not None
+        ledger.refresh()
+        last = ledger.latest_checkpoint()
+        if last is not None and last[0].size >= ledger.size:
+            return
+        problem = integrity.witness_problem(conn, ledger.size, self._witness())
+        if problem is not None:
+            self.refuse(problem)
+            raise problem
+        fault_point("audit_events_committed")
+        note = ledger.checkpoint(time.time())
+        if note is not None and opts.witness is not None:
+            integrity.write_witness(opts.witness, note)
+            fault_point("audit_witness_written")
+        self._cp_seen = (ledger.size, time.monotonic())
+
+    def _transaction(self, body: Any) -> Any:
+        """``body(conn)`` in one write transaction on the write connection (rolled back on any error)."""
+        conn = self._write
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            out = body(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            if self.ledger is not None:
+                with contextlib.suppress(sqlite3.Error, LedgerError):
+                    self.ledger.reload()
+            raise
+        return out
 
     def _insert(self, rows: list[Row], *, dedupe: bool = False) -> None:
-        """One transaction; a SQLite failure is STORE_BUSY (a lock held too long) or STORE_UNAVAILABLE."""
+        """One transaction for the events (and, when one is due, a second one for the checkpoint); a
+        SQLite failure is STORE_BUSY (a lock held too long) or STORE_UNAVAILABLE; a log that failed
+        its integrity check refuses (``AUDIT_LOG_INCONSISTENT`` / ``AUDIT_LOG_DAMAGED``)."""
+        if self.integrity is not None:
+            raise self.integrity
         with self._maint:
-            conn = self._write
             try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
+                due = False
+                if self.ledger is not None:
+                    due = bool(self._transaction(lambda conn: self._ledger_write(conn, rows, dedupe=dedupe)))
                     if self.ledger is not None:
-                        self._ledger_write(conn, rows, dedupe=dedupe)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                    if self.ledger is not None:
-                        with contextlib.suppress(sqlite3.Error, LedgerError):
-                            self.ledger.reload()
-                    raise
+                        self._known_size = max(self._known_size, self.ledger.size)
+                else:
+                    self._transaction(lambda conn: None)
+            except UompError as exc:
+                if exc.code in (ErrorCode.AUDIT_LOG_INCONSISTENT, ErrorCode.AUDIT_LOG_DAMAGED):
+                    self.refuse(exc)
+                raise
             except LedgerError as exc:
                 raise UompError(
                     ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
                     ) from exc
             except sqlite3.Error as exc:
-                err = db_error(exc, what="audit log")
-                if err.code == ErrorCode.STORE_UNAVAILABLE:
-                    err = UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log could not be written "
-                                    f"({describe_failure(exc)})")
-                raise err from exc
+                raise self._write_error(exc) from exc
+            if not due:
+                return
+            try:  # the events are durable: a checkpoint that fails now is retried at the next batch or probe
+                self._transaction(self._sign)
+            except UompError as exc:
+                log.warning("audit log: checkpoint not signed: %s", exc.code)
+            except (LedgerError, OSError, sqlite3.Error) as exc:
+                log.warning("audit log: checkpoint not signed: %s", type(exc).__name__)
+
+    @staticmethod
+    def _write_error(exc: sqlite3.Error) -> UompError:
+        err = db_error(exc, what="audit log")
+        if err.code == ErrorCode.STORE_UNAVAILABLE:
+            err = UompError(ErrorCode.STORE_UNAVAILABLE,
+                            f"the audit log could not be written ({describe_failure(exc)})")
+        return err
 
     def write_now(self, rows: list[Row]) -> None:
         """Write rows at once, bypassing the queue (replaying an outbox); idempotent on the row ids."""
@@ -358,7 +508,7 @@ class AuditLog:
 
     def checkpoint_due(self) -> bool:
         """True when events wait for a checkpoint (the guard's timer then probes the writer)."""
-        if self.ledger is None or self.ledger_options is None:
+        if self.ledger is None or self.ledger_options is None or self.integrity is not None:
             return False
         row = self._read.execute("SELECT MAX(seq) FROM ledger_events").fetchone()
         size = int(row[0] or 0)
@@ -415,7 +565,11 @@ class AuditLog:
                     ErrorCode.ACCESS_DENIED, "proofs of refused events are for the user only: the event holds "
                                 "the user's audit detail (ask the user: 'uomp audit proof')", session_id=session_id)
             self._read_ledger.reload()
-            return self._read_ledger.proof_bundle(event_id, chain=chain)
+            bundle = self._read_ledger.proof_bundle(event_id, chain=chain)
+            body = bundle["event"]
+            if body.get("session_id") != session_id or body.get("allowed") is not True:
+                raise unknown  # the index columns said otherwise: the body decides (an edited row)
+            return bundle
         except LedgerError as exc:
             raise ledger_refusal(exc, session_id=session_id) from None
         finally:
@@ -433,6 +587,8 @@ class AuditLog:
         again: the first run of a process finds the oldest body once, on a connection of its own that
         blocks no writer. An event written later with a time before the last cutoff (a gateway spool
         replayed after more than the retention period) loses its body at the next start."""
+        if self.integrity is not None:
+            return 0
         cutoff = (time.time() if now is None else now) - self.retention_days * 86400
         ledger = self.ledger
         assert ledger is not None
@@ -493,8 +649,6 @@ class AuditLog:
             while batch := cur.fetchmany(5000):
                 ledger.append([{**row_event(tuple(r)), "migrated": True} for r in batch])
                 moved += len(batch)
-            if moved and self.ledger_options is not None:
-                ledger.checkpoint(time.time())
             conn.execute("DROP TABLE audit_logs")
             conn.execute("COMMIT")
         except BaseException:
@@ -504,6 +658,9 @@ class AuditLog:
                 ledger.reload()
             raise
         if moved:
+            self._known_size = ledger.size
+            if self.ledger_options is not None:
+                self._transaction(self._sign)
             log.warning("audit log: %d event(s) of an older version moved into the event log", moved)
 
     def close(self) -> None:

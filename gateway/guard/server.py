@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,12 +21,18 @@ from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import GuardServices, create_app, error_response
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
+from gateway.ledger import integrity
 from gateway.netutil import check_bind, claim_socket_path
 
 if TYPE_CHECKING:
     from gateway.ledger.anchoring import Anchorer
 
 log = logging.getLogger("uomp.guard")
+
+VERIFY_NICE = 10  # the background verify's niceness increment (its own process)
+MAX_VERIFY_OUTPUT = 1 << 20  # bytes of its JSON report read
+VERIFY_CHILD = (f"import os, sys; os.nice({VERIFY_NICE}); from gateway.cli.main import main; "
+                "raise SystemExit(main(['--home', sys.argv[1], 'audit', 'verify', '--json', '--no-chain']))")
 
 
 class _JsonErrorHandler(RequestHandler):
@@ -109,6 +118,8 @@ class GuardRunner:
         self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper()))
         self._tasks.append(asyncio.get_running_loop().create_task(self._key_watcher(key_watch)))
         self._tasks.append(asyncio.get_running_loop().create_task(self._checkpointer()))
+        if self.cfg.audit_full_verify_at_start and self.services.audit.integrity is None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._verify_audit()))
         await self._start_anchoring()
         log.info("guard listening on unix:%s%s", sock,
                  f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
@@ -143,6 +154,42 @@ class GuardRunner:
                     await svc.audit.writer.probe()
             except UompError as exc:
                 log.warning("checkpoint: %s", exc.code)
+
+    async def _verify_audit(self) -> None:
+        """The whole audit log verified once (the bounded start-up check saw only its tail), by
+        ``uomp audit verify --no-chain`` in a process of its own at a lower CPU priority: one pass over
+        the log that never holds this process's GIL or event loop. A log that fails makes the guard
+        refuse every request from then on; a verifier that cannot run is logged, not a finding."""
+        svc = self.services
+        assert svc is not None
+        started = time.monotonic()
+        # the child lowers its own priority (no preexec_fn: this process has threads)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", VERIFY_CHILD, str(self.paths.home), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            out, _ = await proc.communicate()
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+        try:
+            report = json.loads(out[:MAX_VERIFY_OUTPUT])
+        except ValueError:
+            report = None
+        if not isinstance(report, dict) or proc.returncode not in (0, 1):
+            log.warning("audit log: the background verify did not run to its end (exit %s)", proc.returncode)
+            return
+        if report.get("ok") is True:
+            log.info("audit log verified in full: %s events (%.1f s)", report.get("events"),
+                     time.monotonic() - started)
+            return
+        problems = report.get("problems") or ["it does not verify"]
+        code = ErrorCode.AUDIT_LOG_INCONSISTENT if report.get("inconsistent") else ErrorCode.AUDIT_LOG_DAMAGED
+        first = report.get("first_bad_seq")
+        svc.audit.refuse(integrity.refusal(code, str(problems[0])[:500],
+                                           first_bad_seq=first if isinstance(first, int) else None))
 
     async def _start_anchoring(self) -> None:
         """The anchoring worker, when [anchor] names a chain: drains the checkpoint backlog."""

@@ -101,6 +101,17 @@ def event_leaf(body: Mapping[str, Any]) -> tuple[bytes, bytes]:
     return raw, merkle.leaf_hash(raw)
 
 
+INDEX_COLUMNS = ("id", "ts", "action", "session_id", "agent_id", "allowed", "code")
+
+
+def index_values(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What each of :data:`INDEX_COLUMNS` of ``ledger_events`` holds for an event body: the columns
+    the readers filter on are copies of the body, checked by verify and on every read."""
+    allowed = body.get("allowed")
+    return (str(body["id"]), float(body["ts"]), str(body["action"]), body.get("session_id"), body.get("agent_id"),
+            None if allowed is None else int(bool(allowed)), body.get("code"))
+
+
 def oldest_body_ts(conn: sqlite3.Connection) -> float | None:
     """The time of the oldest event that still has its body (None: none has)."""
     row = conn.execute("SELECT MIN(ts) FROM ledger_events WHERE body IS NOT NULL").fetchone()
@@ -114,7 +125,7 @@ def checkpoint_hash(note: str) -> bytes:
 
 class EventLog:
     def __init__(self, conn: sqlite3.Connection, *, origin: str, key: Ed25519PrivateKey | None,
-                 anchor_backend: str | None = None) -> None:
+                 anchor_backend: str | None = None, check: bool = True) -> None:
         self.conn = conn
         self.origin = origin
         self.key = key
@@ -124,18 +135,20 @@ class EventLog:
         self.tree = TreeStore(conn)
         self._seen_version: int | None = None  # PRAGMA data_version when the state was last read
         self._last_cp: tuple[Checkpoint, str] | bool | None = False  # False: not read yet
-        self.reload()
+        self.reload(check=check)
 
     # --------------------------------------------------------------------------- state
 
-    def reload(self) -> None:
+    def reload(self, *, check: bool = True) -> None:
+        """``check=False``: a log whose events and tree disagree is opened all the same (for the
+        caller's own check, :mod:`gateway.ledger.integrity`, to name what is wrong)."""
         self._seen_version = None
         self._last_cp = False
         version = self._data_version()
         self.tree.reload()
         row = self.conn.execute("SELECT MAX(seq) FROM ledger_events").fetchone()
         events = 0 if row[0] is None else int(row[0])
-        if events != self.tree.size:
+        if check and events != self.tree.size:
             raise LedgerError(
                 ErrorCode.LOG_CORRUPT, f"the log has {events} events but its tree has {self.tree.size} leaves")
         self._seen_version = version
@@ -175,10 +188,7 @@ class EventLog:
             seq += 1
             body = {**event, "seq": seq}
             raw, leaf = event_leaf(body)
-            allowed = body.get("allowed")
-            rows.append((seq, str(body["id"]), float(body["ts"]), str(body["action"]), body.get("session_id"),
-                         body.get("agent_id"), None if allowed is None else int(bool(allowed)), body.get("code"),
-                         raw.decode(), leaf))
+            rows.append((seq, *index_values(body), raw.decode(), leaf))
             out.append(Appended(seq, str(body["id"]), leaf))
         insert_rows(self.conn, "INSERT INTO ledger_events (seq, id, ts, action, session_id, agent_id, allowed, code,"
                     " body, leaf) VALUES ", rows)
@@ -189,7 +199,8 @@ class EventLog:
         """Sign and store a checkpoint of the current size (in the caller's transaction).
 
         ``None`` when nothing was appended since the last one. The new tree is proven consistent
-        with the last checkpoint before anything is signed.
+        with the last checkpoint before anything is signed. Its timestamp never goes backwards: a
+        wall clock behind the last checkpoint's time (stepped back) gives that time again.
         """
         if self.key is None:
             raise LedgerError(ErrorCode.KEY_ERROR, "no audit signing key")
@@ -201,14 +212,20 @@ class EventLog:
         if last is not None:
             merkle.verify_consistency(last[0].size, size, last[0].root, root,
                                       self.tree.consistency_proof(last[0].size, size))
-        note = Checkpoint(self.origin, size, root, int(now)).sign(self.origin, self.key)
+        stamp = max(int(now), last[0].timestamp) if last is not None else int(now)
+        note = Checkpoint(self.origin, size, root, stamp).sign(self.origin, self.key)
+        self.store_checkpoint(note, max(now, float(stamp)))
+        return note
+
+    def store_checkpoint(self, note: str, now: float) -> None:
+        """Store a signed checkpoint (and queue it for anchoring) in the caller's transaction."""
+        size = Checkpoint.parse(note.split("\n\n")[0] + "\n").size
         self.conn.execute("INSERT INTO ledger_checkpoints (size, ts, note) VALUES (?, ?, ?)", (size, now, note))
         self._last_cp = False  # read again (the caller's transaction may still roll back: reload then)
         if self.anchor_backend and self.anchor_backend != "none":
             self.conn.execute(
                 "INSERT OR IGNORE INTO ledger_anchors (size, checkpoint_hash, backend, state, next_at, queued_at)"
                 " VALUES (?, ?, ?, 'queued', ?, ?)", (size, checkpoint_hash(note), self.anchor_backend, now, now))
-        return note
 
     def prune_bodies(self, before_ts: float) -> int:
         """Retention: forget event bodies older than ``before_ts``; leaves and nodes stay."""

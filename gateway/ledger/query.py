@@ -25,6 +25,7 @@ runs them on the audit log's reader thread).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import re
 import sqlite3
@@ -34,6 +35,7 @@ from typing import Any
 
 from gateway.core.tokens import iso
 from gateway.errors import ErrorCode, UompError
+from gateway.ledger.log import index_values
 
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
@@ -99,6 +101,9 @@ class AuditPage:
     cursor: int  # pass as ``after_seq`` to get what comes next
     log_size: int = 0  # events in the whole log when this page was read
     filter: AuditFilter = field(default_factory=AuditFilter)
+    # matching rows left out because the body does not hash to its leaf or an index column does not
+    # hold what the body says (an edited row: ``uomp audit verify`` names it)
+    damaged: int = 0
 
 
 def _where(flt: AuditFilter) -> tuple[str, list[Any]]:
@@ -148,7 +153,7 @@ def query_events(conn: sqlite3.Connection, flt: AuditFilter, *, view: str = "use
         raise ValueError("view is 'user' or 'agent'")
     where, args = _where(flt)
     kept = where + (" AND " if where else " WHERE ") + "body IS NOT NULL"
-    cols = "seq, id, ts, action, session_id, agent_id, allowed, code, body"
+    cols = "seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf"
     own = not conn.in_transaction
     if own:
         conn.execute("BEGIN")  # one snapshot: the page, its count and the cursor agree
@@ -169,14 +174,46 @@ def query_events(conn: sqlite3.Connection, flt: AuditFilter, *, view: str = "use
     finally:
         if own:
             conn.execute("COMMIT")
-    events = [json.loads(r[8]) if r[8] is not None else _stub(r) for r in rows]
+    events: list[dict[str, Any]] = []
+    damaged = 0
+    for r in rows:
+        if r[8] is None:
+            events.append(_stub(r))
+            continue
+        body = checked_body(r)
+        if body is None:
+            damaged += 1
+        else:
+            events.append(body)
     if view == "agent":
         events = [agent_view(e) for e in events]
     if flt.after_seq is not None and len(rows) == flt.limit:
         cursor = int(rows[-1][0])  # a full page: more may follow right after it
     else:
         cursor = max(size, flt.after_seq or 0)
-    return AuditPage(events, pruned, cursor, size, flt)
+    return AuditPage(events, pruned, cursor, size, flt, damaged)
+
+
+def checked_body(row: sqlite3.Row | tuple[Any, ...]) -> dict[str, Any] | None:
+    """The body of a row ``(seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf)``
+    when it hashes to its leaf, names its own ``seq`` and every index column holds what it says (so
+    a filter on those columns selected what the body says); None otherwise."""
+    raw = str(row[8])
+    if hashlib.sha256(b"\x00" + raw.encode()).digest() != bytes(row[9]):
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("seq") != row[0]:
+        return None
+    try:
+        want = index_values(body)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if any(have != should or type(have) is not type(should) for have, should in zip(row[1:8], want, strict=True)):
+        return None
+    return body
 
 
 def session_known(conn: sqlite3.Connection, session_id: str) -> bool:
