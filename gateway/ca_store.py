@@ -538,11 +538,13 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
             serial_rows: list[Entry] = []
             if kind != "agent":
                 try:
-                    wanted = ca.serial_hex(ca.parse_serial(value))
+                    wanted = ca.serial_hex(ca.parse_serial(value.rstrip(".…")))  # `3f…` as listed
                 except UompError:
                     if kind == "serial":
                         raise
                 else:
+                    if reg.by_serial(wanted) is None and not agent_rows:
+                        wanted = _serial_from_prefix(reg, value) or wanted
                     if reg.by_serial(wanted) is not None:
                         serial_rows = reg.descendants(wanted)
             if agent_rows and serial_rows:
@@ -558,6 +560,22 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
     return Revocation(revoked=done, serials=[e.serial for e in rows],
                       agent_ids=sorted({e.agent_id for e in rows}),
                       jkts=sorted({e.jkt for e in rows if e.jkt}), x5ts=sorted({e.x5t for e in rows if e.x5t}))
+
+
+MIN_SERIAL_PREFIX = 4  # hex digits: fewer would too easily name a certificate nobody meant
+
+
+def _serial_from_prefix(reg: Registry, value: str) -> str | None:
+    """The one serial that starts with ``value`` (as ``uomp agent list`` prints them, ``3f…``), None
+    when none does; CA_ERROR when several do."""
+    prefix = value.lower().removeprefix("0x").rstrip(".…")
+    if len(prefix) < MIN_SERIAL_PREFIX or any(c not in "0123456789abcdef" for c in prefix):
+        return None
+    hits = sorted(e.serial for e in reg.all() if e.serial.startswith(prefix))
+    if len(hits) > 1:
+        raise UompError(ErrorCode.CA_ERROR, f"serial prefix {value!r} matches {len(hits)} certificates "
+                        f"({', '.join(h[:12] + '…' for h in hits[:5])}); give more digits")
+    return hits[0] if hits else None
 
 
 def revoke(paths: Paths, target: str, *, now: dt.datetime | None = None) -> list[str]:

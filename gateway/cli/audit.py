@@ -54,6 +54,23 @@ def _filter(args: argparse.Namespace) -> AuditFilter:
         limit=min(args.limit, MAX_LIMIT)).checked()
 
 
+def _described(flt: AuditFilter) -> str:
+    """The filters of an empty answer, in words (an empty screen says nothing)."""
+    def at(t: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+    parts = [f"{name} {value}" for name, value in (("session", flt.session_id), ("agent", flt.agent_id)) if value]
+    if flt.action:
+        parts.append("action " + ",".join(flt.action))
+    if flt.allowed is not None:
+        parts.append("allowed only" if flt.allowed else "refused only")
+    if flt.since is not None:
+        parts.append(f"since {at(flt.since)}")
+    if flt.until is not None:
+        parts.append(f"until {at(flt.until)}")
+    return f" ({'; '.join(parts)})" if parts else " (the log is empty)"
+
+
 def _line(e: dict[str, Any]) -> str:
     if e.get("pruned"):
         return (f"{e['timestamp']} {'ALLOW' if e.get('allowed') else 'DENY '} {e.get('session_id', '-')} "
@@ -88,6 +105,8 @@ def _show(args: argparse.Namespace) -> int:
                             "'uomp sessions list'")
         events, pruned, cursor, damaged = _newest(audit, flt, args.limit, include_pruned=args.include_pruned)
         _emit(events, as_json=args.json, lines=args.follow)
+        if not events and not args.json:
+            print(f"no audit events match{_described(flt)}", file=sys.stderr)
         if damaged:
             print(f"!! {damaged} matching event(s) left out: their rows do not match their signed bodies (edited); "
                   "run 'uomp audit verify'", file=sys.stderr)

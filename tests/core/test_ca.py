@@ -514,6 +514,33 @@ def test_revoke_by_serial_and_ambiguity(ready: Paths) -> None:
         ca_store.revoke(ready, "serial:nothex")
 
 
+def test_revoke_by_serial_prefix_as_listed(ready: Paths) -> None:
+    certs = [x509.load_pem_x509_certificate(ca_store.issue_from_csr(ready, "bot", csr_for()[1])) for _ in range(40)]
+    serials = [ca.serial_hex(c.serial_number) for c in certs]
+    unique = next(s for s in serials if sum(x.startswith(s[:6]) for x in serials) == 1)
+    assert ca_store.revoke(ready, f"serial:{unique[:6]}…") == [unique]  # `uomp agent list` shows `3f…`
+    assert ca_store.revoke(ready, f"{unique[:8].upper()}") == []  # bare, case-blind: found, already revoked
+    # two certificates share a 1-digit prefix among 40 for sure; 4 digits are the least accepted
+    shared = next(p for p in "0123456789abcdef" if sum(x.startswith(p) for x in serials) > 1)
+    with pytest.raises(UompError, match="no certificate issued"):
+        ca_store.revoke(ready, f"serial:{shared}")  # one digit is not a prefix search
+    # issue until two serials share 4 digits (a birthday: ~300 certificates), then that prefix is ambiguous
+    csr = csr_for()[1]
+    fours: dict[str, list[str]] = {}
+    for x in serials:
+        fours.setdefault(x[:4], []).append(x)
+    while all(len(v) < 2 for v in fours.values()) and len(fours) < 3000:
+        x = ca.serial_hex(x509.load_pem_x509_certificate(ca_store.issue_from_csr(ready, "bot", csr)).serial_number)
+        fours.setdefault(x[:4], []).append(x)
+    prefix, hits = next((p, h) for p, h in fours.items() if len(h) > 1)
+    with pytest.raises(UompError, match=f"matches {len(hits)} certificates"):
+        ca_store.revoke(ready, f"serial:{prefix}")
+    assert ca_store.revoke(ready, f"serial:{hits[0][:12]}") == [hits[0]]  # more digits: the one meant
+    with pytest.raises(UompError, match="no certificate issued"):
+        ca_store.revoke(ready, "serial:ffffffffffffff")
+    assert {ca.serial_hex(r.serial_number) for r in _crl(ready)} == {unique, hits[0]}
+
+
 def test_list_agents_marks_expired(ready: Paths) -> None:
     ca_store.issue_from_csr(ready, "old", csr_for()[1], dt.timedelta(hours=1), now=ca.utcnow() - dt.timedelta(hours=2))
     ca_store.issue_from_csr(ready, "new", csr_for()[1])

@@ -44,6 +44,12 @@ class RecordBuilder(FieldRules):
         for src in self.mappings:
             if src not in {c.name for c in columns}:
                 problems.append(FileError(f"--map {src}: no column has this name", line, src))
+        if len(cells) == 1:
+            other = next((d for d in (";", "\t", "|", ",") if d in cells[0]), None)
+            if other is not None:
+                shown = "tab" if other == "\t" else other
+                problems.insert(0, FileError(f"the header is one column ({cells[0][:60]!r}): the file looks "
+                                             f"delimited by {shown!r}; pass --delimiter '{shown}'", line))
         by_dest: dict[str, list[str]] = {}
         for c in columns:
             if isinstance(c.dest, str):
@@ -194,7 +200,10 @@ class RecordBuilder(FieldRules):
                 whole, has_whole = v, True
             else:
                 (explicit if is_explicit else implicit).append((dest, name, v))
-        self.set_key(rec, reserved.get("key"), from_json=True)
+        if "key" not in reserved:
+            self.errors.add(index, "key", _no_key_hint(obj))
+        else:
+            self.set_key(rec, reserved.get("key"), from_json=True)
         self.set_tags(rec, reserved.get("tags"))
         self.set_sensitivity(rec, reserved.get("sensitivity"))
         self.set_source(rec, reserved.get("source"))
@@ -230,3 +239,13 @@ class RecordBuilder(FieldRules):
         rec.value = value
         self.check_value_size(rec, None)
         return rec
+
+
+def _no_key_hint(obj: dict[str, Any]) -> str:
+    """An item without a key; when it is a wrapper around the list of items (``{"items": [...]}``),
+    say so: the root must be the list itself."""
+    lists = [name for name, v in obj.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+    if len(obj) == 1 and lists:
+        return (f"the item has no key: the file is one object whose {lists[0]!r} holds a list of objects; the "
+                f"root must be that list (e.g. jq '.{lists[0]}' FILE > items.json)")
+    return "the item has no key (a key field, or id, item_id, record_id; or --map NAME=key)"
