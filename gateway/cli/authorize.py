@@ -208,8 +208,9 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
 
 
-def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace) -> None:
-    extras = []
+def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace, cfg: GuardConfig) -> None:
+    reads = args.max_reads if args.max_reads is not None else cfg.default_max_read_queries
+    extras = [f"at most {reads} reads in the session (--max-reads)"]
     if plan.aggregation_only:
         extras.append("aggregates only (sum/avg/count/min/max), never items")
     if args.task_bound:
@@ -238,10 +239,17 @@ def _show_session(seconds: float, args: argparse.Namespace, cfg: GuardConfig) ->
     until = tokens.iso(time.time() + seconds)
     print(f"Session:   {minutes_text(seconds / 60)}, until about {until} (shorten with --session-ttl, e.g. 7d or 12h)")
     if args.remote:
-        access = min(cfg.remote_token_lifetime_seconds, REMOTE_ACCESS_MAX_SECONDS)
+        access = min(cfg.remote_token_lifetime_seconds, REMOTE_ACCESS_MAX_SECONDS, seconds)
         refresh = min(cfg.refresh_lifetime_seconds, seconds)
-        print(f"           access tokens last {minutes_text(access / 60)}; the agent renews them with a refresh "
-              f"token of {minutes_text(refresh / 60)}, itself renewed on each use, never past the session end")
+        if refresh <= access:
+            print(f"           access tokens last {minutes_text(access / 60)}, the whole session")
+        else:
+            print(f"           access tokens last {minutes_text(access / 60)}; the agent renews them with a refresh "
+                  f"token of {minutes_text(refresh / 60)}, itself renewed on each use, never past the session end")
+        if seconds > args.cert_hours * 3600:
+            print(f"           the agent's certificate lasts {args.cert_hours:g} h (--cert-hours), less than the "
+                  "session: the SDK renews it by itself (POST /v1/certificates/renew); an agent using curl must "
+                  "renew it before it expires")
 
 
 def _show_aggregates(args: argparse.Namespace) -> None:
@@ -302,7 +310,7 @@ def _authorize(args: argparse.Namespace) -> int:
         _check_gateway_url(args, paths)
     _show(m, ident, trusted)
     plan = _plan(m, args)
-    _show_grant(plan, args)
+    _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)
     _show_session(seconds, args, cfg)
     _show_aggregates(args)
