@@ -504,8 +504,9 @@ def _unknown(kind: str, unknown: set[str], known: set[str], where: str) -> UompE
     for name in sorted(unknown):
         close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
         parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
-    return UompError(ErrorCode.CONFIG_ERROR, f"unknown {kind} {where}: {', '.join(parts)}; valid: "
-                     f"{', '.join(sorted(known))} (every setting: config/uomp.example.toml)")
+    valid = f"valid: {', '.join(sorted(known))}; " if len(known) <= 8 else ""
+    return UompError(ErrorCode.CONFIG_ERROR, f"unknown {kind} {where}: {', '.join(parts)} ({valid}every setting: "
+                     "config/uomp.example.toml)")
 
 
 def check_sections(doc: dict[str, Any]) -> None:

@@ -272,7 +272,8 @@ def run_checks(paths: Paths) -> Report:
         try:
             step()
         except UompError as exc:
-            r.problem(exc.message, "see the message")
+            if not any(exc.message in line for line in r.lines):  # e.g. the config problem, said above
+                r.problem(exc.message, "see the message")
     return r
 
 
