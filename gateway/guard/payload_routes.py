@@ -13,7 +13,10 @@ Every route but the audit one needs the user's admin credential (``Authorization
 * ``DELETE /v1/payloads/{id}``: remove it (audited ``payload_removed``).
 
 ``POST /v1/payload/audit`` is the gateway's: it records ``payload_uploaded`` / ``payload_refused``
-in this guard's audit log and answers once the record is durable. Like the forwarded requests it
+in this guard's audit log and answers once the record is durable. A ``payload_uploaded`` carries
+the id the gateway gave the event (``gw_`` + 32 hex digits, kept with the pending payload): the log
+keeps one event per id, so the gateway can send it again after a crash or a lost answer and the
+payload still has exactly one ``payload_uploaded``. Like the forwarded requests it
 trusts what arrives on the 0600 socket (only the user's processes can connect); it accepts
 nothing but those two actions, with bounded, typed fields.
 
@@ -42,6 +45,7 @@ from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, Pay
 READ_BLOCK = 1024 * 1024
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
 CODE = re.compile(r"[A-Z_]{1,64}")
+GATEWAY_EVENT_ID = re.compile(r"gw_[0-9a-f]{32}")
 MAX_FIELD = 256
 
 
@@ -117,9 +121,10 @@ async def opened(request: web.Request) -> web.Response:
     p = request.app[PAYLOADS]
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
-    await p.run(p.store.mark_opened, pid)
+    # the event first: the index never says opened without the event
     _user_event(request, "payload_opened", meta.session_id, meta.agent_id, pid, meta.hash)
     await request.app[SERVICES].audit.flush()
+    await p.run(p.store.mark_opened, pid)
     return web.json_response({"payload_id": pid, "opened": True})
 
 
@@ -169,9 +174,10 @@ async def audit_event(request: web.Request) -> web.Response:
         size = body.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise UompError(ErrorCode.INVALID_REQUEST, "audit event field size is missing or malformed")
+        event_id = _field(body, "event_id", GATEWAY_EVENT_ID, required=False)
         row = make_row(session_id=sid, agent_id=aid, action="payload_uploaded", key=pid, allowed=True,
                        reason="sealed payload stored", detail=digest, request_size=size, via=via,
-                       extra=event_fields(request))
+                       extra=event_fields(request), event_id=event_id)
     else:
         pid = _field(body, "payload_id", PAYLOAD_ID, required=False)
         code = _field(body, "code", CODE)
