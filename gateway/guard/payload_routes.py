@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import re
 from typing import Any
@@ -40,7 +41,10 @@ from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import SERVICES, UNIX_ONLY, GuardRoute, _admin, _json_body, _param, event_fields
 from gateway.guard.audit import make_row
-from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore
+from gateway.payloads import pulltemp
+from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore, fault_hold
+
+log = logging.getLogger("uomp.guard.payloads")
 
 READ_BLOCK = 1024 * 1024
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
@@ -121,6 +125,7 @@ async def opened(request: web.Request) -> web.Response:
     p = request.app[PAYLOADS]
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
+    fault_hold("payload_opened_received")
     # the event first: the index never says opened without the event
     _user_event(request, "payload_opened", meta.session_id, meta.agent_id, pid, meta.hash)
     await request.app[SERVICES].audit.flush()
@@ -204,7 +209,15 @@ ROUTES = (  # Unix socket only: the user's CLI and the gateway, never the Local 
 
 
 def open_store(app: web.Application) -> None:
-    """The payload store of the Unix-socket app (its routes are rows of :data:`ROUTES`)."""
+    """The payload store of the Unix-socket app (its routes are rows of :data:`ROUTES`); at start-up,
+    the part files of ``uomp payload pull`` runs that were killed are removed."""
     paths = app[SERVICES].paths
     app[PAYLOADS] = GuardPayloads(PayloadStore(paths.payload_dir))
+    try:
+        removed = pulltemp.sweep(paths)
+    except OSError as exc:
+        log.warning("could not look for a killed payload pull's files (%s)", exc.strerror)
+    else:
+        if removed:
+            log.info("removed %d plaintext file(s) a killed 'uomp payload pull' left", removed)
     app.on_cleanup.append(_close)
