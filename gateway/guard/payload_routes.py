@@ -190,6 +190,7 @@ async def audit_event(request: web.Request) -> web.Response:
         row = make_row(session_id=sid, agent_id=aid, action="payload_refused", key=pid, allowed=False,
                        reason=reason, detail=code, via=via, extra=event_fields(request, code=code))
     await svc.audit.flush(svc.audit.submit(row))
+    fault_hold(f"{action}_recorded")
     # This is the upload request's one event (issue 10): the gateway writes none of its own.
     return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
 

@@ -178,6 +178,7 @@ class PayloadService:
         self.worker = DbWorker("payloads", what="payload store")
         self.audit = PayloadAudit(state)
         self._gc_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # a pending payload to settle before the next round
 
     # ----------------------------------------------------------------------- life cycle
 
@@ -187,12 +188,18 @@ class PayloadService:
 
     async def _gc_loop(self) -> None:
         interval = max(self.cfg.payload_gc_interval_seconds, 0.05)
+        failing = False
         while True:
             wait = interval
+            self._wake.clear()
             try:
                 await self.settle_pending()
-            except Exception as exc:  # the guard may not answer yet (start-up): retry soon
-                log.warning("settling pending payloads failed (%s); retrying", type(exc).__name__)
+                failing = False
+            except Exception as exc:  # the guard may not answer yet (start-up, a restart): retry soon
+                if not failing:
+                    log.warning("settling pending payloads failed (%s); retrying every %g s", type(exc).__name__,
+                                SETTLE_RETRY_SECONDS)
+                failing = True
                 wait = min(interval, SETTLE_RETRY_SECONDS)
             try:
                 removed = await self.worker.run(self.store.gc)
@@ -200,7 +207,12 @@ class PayloadService:
                     log.info("removed %d expired payload(s)", removed)
             except Exception as exc:  # keep sweeping; the next round retries
                 log.warning("payload expiry sweep failed (%s)", type(exc).__name__)
-            await asyncio.sleep(wait)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    def settle_soon(self) -> None:
+        """A pending payload could not be settled in its request: the sweep tries again shortly."""
+        asyncio.get_running_loop().call_later(SETTLE_RETRY_SECONDS, self._wake.set)
 
     async def settle_pending(self) -> int:
         """Settle every pending row (a crash, or a guard that went away, between the durable bytes
@@ -344,12 +356,14 @@ class PayloadService:
         try:
             await self.audit.uploaded(call, meta)  # the payload's one event, durable
         except UompError as exc:
+            self.settle_soon()
             raise Unsettled(exc.code, "the payload is kept but its audit event is not confirmed; send the same "
                             "upload again") from None
         fault_hold("payload_after_event")
         try:
             meta = await self.worker.run(self.store.publish, meta.payload_id)
         except (PayloadError, UompError) as exc:
+            self.settle_soon()
             raise Unsettled(ErrorCode.STORE_UNAVAILABLE, f"the payload's event is recorded but the store did not "
                             f"publish it ({exc}); send the same upload again") from None
         fault_hold("payload_before_answer")

@@ -229,3 +229,62 @@ async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(home: Path
         assert (st, answer["error"]["code"]) == (409, "PAYLOAD_EXISTS")
         assert (home.payload_dir / "blobs" / pid).read_bytes() == sealed
         assert [e["key"] for e in _events(home, "payload_uploaded")] == [pid]
+
+
+async def _guard_process(home: Paths, env: dict[str, str]) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(*UOMP, "--home", str(home.home), "guard", "serve", "--no-tcp",
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                                                env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, aiohttp.ClientError):
+            async with unix_session(home) as s:
+                if (await call(s, "GET", "/v1/payloads", headers=admin_headers(home)))[0] == 200:
+                    return proc
+        assert proc.returncode is None, "the guard exited"
+        await asyncio.sleep(0.1)
+    raise AssertionError("the guard did not start")
+
+
+async def test_guard_killed_after_the_event_before_its_answer(home: Paths, tmp_path: Path) -> None:
+    """The guard dies with the payload's event durable and its answer unsent: the agent gets 503
+    (not a refusal: no payload_refused), the gateway settles the pending payload once the guard is
+    back, and the retry is the same payload with still one payload_uploaded."""
+    ca_store.init_all(home)
+    seed(home)
+    arm = tmp_path / "guard-arm"
+    arm.write_text("armed")
+    base_env = {k: v for k, v in os.environ.items() if k not in ("UOMP_FAULT", "UOMP_FAULT_ARM")}
+    guard = await _guard_process(home, {**base_env, "UOMP_FAULT": "payload_uploaded_recorded",
+                                        "UOMP_FAULT_ARM": str(arm)})
+    gw = Gateway(home, tmp_path / "arm")
+    try:
+        await gw.start()
+        agent = KitAgent("calendar_agent", ca_store.issue_with_key(home, "calendar_agent", home.home / "agent-files"))
+        async with unix_session(home) as admin:
+            token, sid = await _grant(admin, home, agent, gw)
+        header, sealed = _sealed(home, sid, agent.agent_id)
+        pid = header["payload_id"]
+        task = asyncio.ensure_future(_upload(gw, agent, home, token, header, sealed))
+        held = Path(str(arm) + ".held")
+        await _wait(held.exists, "the guard to stop after recording the event")
+        guard.send_signal(signal.SIGKILL)
+        await guard.wait()
+        st, answer = await task
+        assert (st, answer["error"]["code"]) == (503, "STORE_UNAVAILABLE"), answer
+        assert [e["key"] for e in _events(home, "payload_uploaded")] == [pid]
+        assert _events(home, "payload_refused") == []
+        assert _store(home)[0] == [(pid, "pending")]  # kept, invisible
+        guard = await _guard_process(home, base_env)
+        await _wait(lambda: _store(home)[0] == [(pid, "stored")], "the gateway to settle the payload")
+        async with unix_session(home) as admin:
+            assert await _listed(admin, home) == [pid]
+        st, answer = await _upload(gw, agent, home, token, header, sealed)
+        assert st == 201 and answer["payload_id"] == pid, answer
+        assert [e["key"] for e in _events(home, "payload_uploaded")] == [pid]
+        assert _events(home, "payload_refused") == []
+    finally:
+        await gw.stop()
+        if guard.returncode is None:
+            guard.terminate()
+            await asyncio.wait_for(guard.wait(), 30)
