@@ -174,7 +174,12 @@ class PayloadService:
         self.limits = Limits(max_bytes=cfg.payload_max_bytes, max_per_session=cfg.payload_max_per_session,
                              max_bytes_per_session=cfg.payload_max_bytes_per_session,
                              ttl_seconds=cfg.payload_ttl_seconds)
-        self.store: PayloadStorage = PayloadStore.open(state.paths.payload_dir, limits=self.limits)  # + recovery
+        store = PayloadStore(state.paths.payload_dir, limits=self.limits)
+        removed = store.recover()  # what a crash left that no event claims; pending rows are settled in start()
+        if removed:
+            log.info("removed %d unfinished payload upload file(s) left by a crash (never answered, never audited)",
+                     removed)
+        self.store: PayloadStorage = store
         self.worker = DbWorker("payloads", what="payload store")
         self.audit = PayloadAudit(state)
         self._gc_task: asyncio.Task[None] | None = None

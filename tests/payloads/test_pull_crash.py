@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 MARK = b"PLAINTEXT-MARKER-5c1e9d"
-PLAIN = (MARK + b" quarterly figures " + b"." * 4000 + b"\n") * 4000  # ~16 MB, the marker in every 4 KB
+PLAIN = (MARK + b" quarterly figures " + b"." * 4000 + b"\n") * 1500  # ~6 MB, the marker in every 4 KB
 FALLBACK = ("import sys; import gateway.payloads.pulltemp as t; t.ANONYMOUS = False; "
             "from gateway.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
