@@ -216,11 +216,11 @@ async def test_guard_killed_before_the_open_is_recorded_gives_no_output_and_the_
                     "the pull to ask the guard to record the opening")
         await g.kill()  # the appliance dies mid-pull
         _, err = await asyncio.wait_for(proc.communicate(), 60)
-        assert proc.returncode == 1, err
-        assert "STORE_UNAVAILABLE" in err.decode() and "nothing was written" in err.decode()
         assert not out.exists()
         assert plaintext_files(home.home, tmp_path) == []
         assert opened_events(home) == []
+        assert proc.returncode == 1, err
+        assert "STORE_UNAVAILABLE" in err.decode() and "nothing was written" in err.decode()
         await g.start()
         rc, err2 = await pull_done(home, pid, out)  # the plain retry, without --force
         assert rc == 0, err2
