@@ -16,7 +16,8 @@ Every route but the audit one needs the user's admin credential (``Authorization
 in this guard's audit log and answers once the record is durable. A ``payload_uploaded`` carries
 the id the gateway gave the event (``gw_`` + 32 hex digits, kept with the pending payload): the log
 keeps one event per id, so the gateway can send it again after a crash or a lost answer and the
-payload still has exactly one ``payload_uploaded``. Like the forwarded requests it
+payload still has exactly one ``payload_uploaded``. The ``payload_refused`` recording the removal of
+an upload a crash cut short carries such an id too. Like the forwarded requests it
 trusts what arrives on the 0600 socket (only the user's processes can connect); it accepts
 nothing but those two actions, with bounded, typed fields.
 
@@ -187,8 +188,10 @@ async def audit_event(request: web.Request) -> web.Response:
         pid = _field(body, "payload_id", PAYLOAD_ID, required=False)
         code = _field(body, "code", CODE)
         reason = _field(body, "reason", required=False) or "payload refused"
+        event_id = _field(body, "event_id", GATEWAY_EVENT_ID, required=False)
         row = make_row(session_id=sid, agent_id=aid, action="payload_refused", key=pid, allowed=False,
-                       reason=reason, detail=code, via=via, extra=event_fields(request, code=code))
+                       reason=reason, detail=code, via=via, extra=event_fields(request, code=code),
+                       event_id=event_id)
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
     # This is the upload request's one event (issue 10): the gateway writes none of its own.

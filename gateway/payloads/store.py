@@ -7,7 +7,8 @@ sealed bytes), ``tmp/`` (uploads in flight).
 
 Durability and crash safety, in the order an upload commits:
 
-1. the body streams into ``tmp/<random>.part`` (O_EXCL, 0600) while its length and SHA-256 are
+1. the body streams into ``tmp/<payload_id>~<session>~<agent>~<random>.part`` (O_EXCL, 0600; named
+   so that an upload a crash cut short can be told at start-up) while its length and SHA-256 are
    counted and the size cap is enforced;
 2. ``fsync`` the file, check the hash the agent declared, ``rename`` it to ``blobs/<payload_id>``,
    ``fsync`` the directory;
@@ -155,6 +156,31 @@ class PayloadMeta:
                 "created_at": self.created_at, "expires_at": self.expires_at, "opened": self.opened_at is not None}
 
 
+TMP_NAME = re.compile(r"(pay_[A-Za-z0-9_-]{8,64})~([A-Za-z0-9_-]{1,80})~([A-Za-z0-9._-]{1,128})~[0-9a-f]{24}\.part")
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """An upload a crash cut short (its temporary file, named after it, found at start-up)."""
+
+    path: Path
+    payload_id: str
+    session_id: str
+    agent_id: str
+
+    @property
+    def event_id(self) -> str:
+        """The id of the ``payload_refused`` event recording its removal: the same every time (kept once)."""
+        return "gw_" + hashlib.sha256(self.path.name.encode()).hexdigest()[:32]
+
+
+def tmp_name(payload_id: str, session_id: str, agent_id: str) -> str:
+    """``<payload_id>~<session>~<agent>~<random>.part``: whom an interrupted upload was from can be
+    told at start-up (a random name when the ids do not fit)."""
+    name = f"{payload_id}~{session_id}~{agent_id}~{secrets.token_hex(12)}.part"
+    return name if TMP_NAME.fullmatch(name) and len(name) <= 250 else f"{secrets.token_hex(12)}.part"
+
+
 def new_payload_id() -> str:
     return "pay_" + secrets.token_urlsafe(18)
 
@@ -270,7 +296,7 @@ class Upload(PayloadUploading):
         self.max_bytes = max_bytes
         self.size = 0
         self._hash = hashlib.sha256()
-        self.path = store.tmp / f"{secrets.token_hex(12)}.part"
+        self.path = store.tmp / tmp_name(str(meta["payload_id"]), str(meta["session_id"]), str(meta["agent_id"]))
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -348,6 +374,7 @@ class PayloadStore(PayloadStorage):
         self.blobs = ensure_private_dir(root / "blobs")
         self.tmp = ensure_private_dir(root / "tmp")
         self.limits = limits or Limits()
+        self.interrupted: list[Interrupted] = []  # found by recover(), not yet audited and removed
         db = root / "index.db"
         if not db.exists():
             os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
@@ -374,11 +401,18 @@ class PayloadStore(PayloadStorage):
     # ------------------------------------------------------------------ crash recovery and expiry
 
     def recover(self) -> int:
-        """Remove uploads a crash left behind: temporary files, and blobs that never got a row (an
-        upload no event and no answer ever claimed). Pending rows stay: they are complete, and the
+        """Remove uploads a crash left behind: blobs that never got a row and temporary files (an
+        upload no event and no answer ever claimed). A temporary file named after its upload is
+        listed in :attr:`interrupted` instead, for the relay to record its removal in the audit log
+        before :meth:`forget_interrupted` removes it. Pending rows stay: they are complete, and the
         relay settles them (:meth:`pending`)."""
         removed = 0
+        self.interrupted = []
         for p in self.tmp.iterdir():
+            m = TMP_NAME.fullmatch(p.name)
+            if m:  # kept until its removal is audited (forget_interrupted)
+                self.interrupted.append(Interrupted(p, m.group(1), m.group(2), m.group(3)))
+                continue
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed += 1
@@ -393,6 +427,13 @@ class PayloadStore(PayloadStorage):
             if not (self.blobs / pid).exists():
                 self.conn.execute("DELETE FROM payloads WHERE payload_id = ?", (pid,))
         return removed
+
+    def forget_interrupted(self, item: Interrupted) -> None:
+        """Remove an interrupted upload's temporary file (its removal is audited)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(item.path)
+        with contextlib.suppress(ValueError):
+            self.interrupted.remove(item)
 
     def gc(self, *, now: float | None = None) -> int:
         now = time.time() if now is None else now

@@ -73,6 +73,7 @@ from gateway.errors import ErrorCode, UompError
 from gateway.payloads.store import (
     MAX_UPLOAD_URL_TTL,
     STORED,
+    Interrupted,
     Limits,
     PayloadError,
     PayloadMeta,
@@ -152,6 +153,14 @@ class PayloadAudit:
                 "payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size, "format": meta.format,
                 "event_id": meta.event_id}
 
+    async def interrupted(self, item: Interrupted) -> None:
+        """The removal at start-up of an upload a crash cut short (never answered, never stored)."""
+        await self._post({VERIFIED_VIA_HEADER: "gateway:recovery", contract.VERIFIED_LISTENER_HEADER: "gateway"},
+                         {"action": "payload_refused", "session_id": item.session_id, "agent_id": item.agent_id,
+                          "payload_id": item.payload_id, "code": ErrorCode.STORE_UNAVAILABLE,
+                          "reason": "the upload was cut short by a gateway crash; its partial bytes were removed at "
+                                    "start-up: send it again", "event_id": item.event_id})
+
     async def uploaded(self, call: Call, meta: PayloadMeta) -> None:
         await self._send(call, self._uploaded_body(meta))
 
@@ -175,10 +184,9 @@ class PayloadService:
                              max_bytes_per_session=cfg.payload_max_bytes_per_session,
                              ttl_seconds=cfg.payload_ttl_seconds)
         store = PayloadStore(state.paths.payload_dir, limits=self.limits)
-        removed = store.recover()  # what a crash left that no event claims; pending rows are settled in start()
+        removed = store.recover()  # what a crash left; pending rows and interrupted uploads are settled in start()
         if removed:
-            log.info("removed %d unfinished payload upload file(s) left by a crash (never answered, never audited)",
-                     removed)
+            log.info("removed %d unfinished payload upload file(s) left by a crash", removed)
         self.store: PayloadStorage = store
         self.worker = DbWorker("payloads", what="payload store")
         self.audit = PayloadAudit(state)
@@ -221,8 +229,15 @@ class PayloadService:
 
     async def settle_pending(self) -> int:
         """Settle every pending row (a crash, or a guard that went away, between the durable bytes
-        and the published row): its event again under its id, then publish. How many."""
+        and the published row): its event again under its id, then publish; and record the removal
+        of every upload a crash cut short (``payload_refused``, under an id derived from its
+        temporary file, so kept once), then remove its file. How many."""
         done = 0
+        if isinstance(self.store, PayloadStore):
+            for item in list(self.store.interrupted):
+                await self.audit.interrupted(item)
+                await self.worker.run(self.store.forget_interrupted, item)
+                done += 1
         for meta in await self.worker.run(self.store.pending):
             await self._settle(meta)
             done += 1

@@ -710,8 +710,11 @@ async def test_kill_9_of_the_gateway_mid_upload_leaves_nothing_after_restart(hom
             st, listed, _ = await call(admin, "GET", "/v1/payloads", headers=admin_headers(home))
             assert st == 200 and listed["payloads"] == []  # never visible: no index row
             proc, port = await _gateway_process(home)  # restart: the store's recovery runs at open
-            assert store_state(home) == ([], [], [])
+            await wait_for(lambda: store_state(home) == ([], [], []), "the leftovers to be removed")
             assert audit_rows(home, "payload_uploaded") == []
+            # the cut upload's removal is recorded, once, with whom it was from
+            assert [(r["key"], r["session_id"]) for r in audit_rows(home, "payload_refused")] == [
+                (s.doc["payload_id"], a.session_id)]
             a.base = f"https://localhost:{port}"
             g = await grant(admin, home, read={"tags": ["preference"], "keys": []}, agent_id="calendar_agent",
                             profile="remote", audience=a.base, cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt})

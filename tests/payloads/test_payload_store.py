@@ -98,14 +98,21 @@ def test_crash_leftovers_are_removed_at_open(tmp_path: Path) -> None:
     store = PayloadStore.open(tmp_path / "p")
     keep = _upload(store, b"kept")
     # A crash mid-body (temp file) and a crash after the rename but before the index row.
-    up = store.begin(payload_id=new_payload_id(), session_id="s", agent_id="a", format="f", encryption=ENC)
+    cut = new_payload_id()
+    up = store.begin(payload_id=cut, session_id="sess_s", agent_id="a", format="f", encryption=ENC)
     up.write(b"partial")
     (tmp_path / "p" / "blobs" / "pay_orphan_orphan").write_bytes(b"no row")
+    (tmp_path / "p" / "tmp" / "stray.part").write_bytes(b"not named after an upload")
     store.close()
     store = PayloadStore.open(tmp_path / "p")
     assert [m.payload_id for m in store.list()] == [keep]
     assert sorted(p.name for p in (tmp_path / "p" / "blobs").iterdir()) == [keep]
-    assert not any((tmp_path / "p" / "tmp").iterdir())
+    # the cut upload's file is kept, named after it, until its removal is audited
+    assert [(i.payload_id, i.session_id, i.agent_id) for i in store.interrupted] == [(cut, "sess_s", "a")]
+    assert [p.name for p in (tmp_path / "p" / "tmp").iterdir()] == [store.interrupted[0].path.name]
+    assert store.interrupted[0].event_id.startswith("gw_") and len(store.interrupted[0].event_id) == 35
+    store.forget_interrupted(store.interrupted[0])
+    assert store.interrupted == [] and not any((tmp_path / "p" / "tmp").iterdir())
 
 
 def test_expiry(tmp_path: Path) -> None:

@@ -167,21 +167,22 @@ async def _listed(admin: aiohttp.ClientSession, home: Paths) -> list[str]:
     return [p["payload_id"] for p in listed["payloads"]]
 
 
-# (fault point, held (a fault_hold point the test kills at) or self-kill, the payload kept after the crash)
+# (fault point, held (a fault_hold point the test kills at) or self-kill, the payload kept after the
+# crash, its removal recorded at start-up as a payload_refused)
 POINTS = [
-    pytest.param("payload_before_write", True, False, id="before-file-write"),
-    pytest.param("payload_before_fsync", True, False, id="after-write-before-fsync-and-rename"),
-    pytest.param("payload_after_rename", True, False, id="after-rename-before-row"),
-    pytest.param("payload_pending", True, True, id="after-row-before-event"),
-    pytest.param("payload_after_event", True, True, id="after-event-before-publish"),
-    pytest.param("payload_before_answer", True, True, id="after-publish-before-answer"),
-    pytest.param("gateway_answer_payload_upload", False, True, id="answer-ready-self-kill"),
+    pytest.param("payload_before_write", True, False, True, id="before-file-write"),
+    pytest.param("payload_before_fsync", True, False, True, id="after-write-before-fsync-and-rename"),
+    pytest.param("payload_after_rename", True, False, False, id="after-rename-before-row"),
+    pytest.param("payload_pending", True, True, False, id="after-row-before-event"),
+    pytest.param("payload_after_event", True, True, False, id="after-event-before-publish"),
+    pytest.param("payload_before_answer", True, True, False, id="after-publish-before-answer"),
+    pytest.param("gateway_answer_payload_upload", False, True, False, id="answer-ready-self-kill"),
 ]
 
 
-@pytest.mark.parametrize(("point", "held", "kept"), POINTS)
+@pytest.mark.parametrize(("point", "held", "kept", "refused"), POINTS)
 async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(home: Paths, tmp_path: Path, point: str,
-                                                                      held: bool, kept: bool) -> None:
+                                                                      held: bool, kept: bool, refused: bool) -> None:
     async with _setup(home, tmp_path) as (gw, admin, agent):
         token, sid = await _grant(admin, home, agent, gw)
         header, sealed = _sealed(home, sid, agent.agent_id)
@@ -213,6 +214,9 @@ async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(home: Path
             await _wait(lambda: _store(home) == ([], [], []), "the leftovers to be removed")
         assert (await _listed(admin, home)) == ([pid] if kept else [])
         assert [e["key"] for e in _events(home, "payload_uploaded")] == ([pid] if kept else [])
+        # what the start-up removed is in the audit log: the upload, whose session and agent
+        assert [(e["key"], e["session_id"], e["detail"]) for e in _events(home, "payload_refused")] == (
+            [(pid, sid, "STORE_UNAVAILABLE")] if refused else [])
 
         # the agent sends the same upload again (twice): one payload, one payload_uploaded event
         for _ in range(2):
