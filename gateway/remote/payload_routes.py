@@ -23,8 +23,10 @@ the access token with its binding, the session's status from the Auth Service. T
   that does not exist, so nothing can be learnt from it.
 
 The store (:mod:`gateway.payloads.store`) is opened here, at start-up, which removes what a crash
-left behind (temporary files, blobs without an index row). Every SQLite call on it runs on one
-worker thread; file writes run in threads; the periodic expiry sweep too. Nothing of a payload
+left behind (blobs without an index row, stray temporary files); then the sweep (at once, then
+every ``payload_gc_interval_seconds``) settles pending rows and records, as one ``payload_refused``
+each, the uploads a crash cut short before removing their temporary files. Every SQLite call on
+the store runs on one worker thread; file writes run in threads; the sweep too. Nothing of a payload
 is ever logged: not its bytes, not the upload-URL token.
 
 Audit: every accepted payload is exactly one ``payload_uploaded`` event in the guard's audit log
