@@ -8,9 +8,15 @@ never races the gateway's crash recovery or expiry sweep on the store's files.
 
 ``pull`` opens the payload here, with the private key that never leaves this machine, in constant
 memory: the sealed bytes stream from the socket in 1 MiB blocks through
-:func:`gateway.core.sealing.open_stream`; plaintext goes to a temporary file (0600) next to
-``--out`` and is renamed to ``--out`` only once the whole stream authenticated and the ciphertext's
-SHA-256 matched the index, so a tampered, truncated or foreign payload leaves no output at all.
+:func:`gateway.core.sealing.open_stream`. The plaintext goes to a private temporary file
+(:mod:`gateway.payloads.pulltemp`: an anonymous 0600 file in the ``--out`` directory, or a
+recognisable named one registered in a journal where the file system cannot make anonymous files).
+``--out`` appears, at once and complete, only after the whole stream authenticated, the
+ciphertext's SHA-256 matched the index *and* the guard made the ``payload_opened`` event durable; a
+tampered, truncated or foreign payload, a guard that went away, an error, SIGTERM, SIGINT or SIGHUP
+leave no output and no plaintext at all (a SIGKILL leaves none either with an anonymous file; a
+named one is removed by the next pull or the guard's start-up). So a failed pull is retried as it
+was, without ``--force``; an existing file at ``--out`` is never replaced without ``--force``.
 
 ``uomp init`` makes the payload key (:data:`gateway.cli.home.INIT_HOOKS`); any command that needs it
 makes it when an older data directory has none.
@@ -25,7 +31,7 @@ import hashlib
 import http.client
 import json
 import os
-import secrets
+import signal
 import socket
 import sys
 import time
@@ -40,11 +46,40 @@ from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.core import sealing
 from gateway.errors import ErrorCode, UompError, parse_code
-from gateway.fsutil import fsync_dir
-from gateway.payloads import userkey
+from gateway.payloads import pulltemp, userkey
+from gateway.payloads.store import fault_hold
 
 READ_BLOCK = 1024 * 1024
 SOCKET_TIMEOUT_SECONDS = 60.0
+CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """A signal ended the pull (raised from its handler so that the clean-up runs)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_end_the_pull() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP raise :class:`Interrupted` here (main thread only; elsewhere the
+    caller's handlers stay)."""
+    try:
+        old = {s: signal.signal(s, _interrupted) for s in CLEANUP_SIGNALS}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -185,32 +220,54 @@ def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> di
     if not payload_id.startswith("pay_"):
         raise UompError(ErrorCode.INVALID_REQUEST, "a payload id starts with pay_")
     out = Path(out)
-    if out.exists() and not force:
+    with contextlib.suppress(OSError):
+        pulltemp.sweep(paths)  # what a killed pull left (named part files only)
+    if (out.exists() or out.is_symlink()) and not force:
         raise UompError(ErrorCode.INVALID_REQUEST, f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise UompError(ErrorCode.INVALID_REQUEST, f"{out.parent} is not a directory")
     meta, blocks = open_payload(paths, payload_id)
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.part")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            for plain in blocks:
-                fh.write(plain)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(out.parent)
-    mark_opened(paths, payload_id)
+    with _signals_end_the_pull():
+        plain: pulltemp.PlainFile | None = None
+        try:
+            plain = pulltemp.PlainFile(paths, out.parent)
+            written = 0
+            for block in blocks:
+                plain.write(block)
+                written += len(block)
+                if written >= READ_BLOCK:
+                    fault_hold("pull_mid_decrypt")
+            plain.sync()
+            try:  # the opening is audited before the plaintext has a name
+                mark_opened(paths, payload_id)
+            except UompError as exc:
+                raise UompError(exc.code, f"{exc.message}; the opening could not be recorded, so nothing was "
+                                "written: run the same command again") from None
+            fault_hold("pull_after_opened")
+            try:
+                plain.publish(out, force=force)
+            except FileExistsError:
+                raise UompError(ErrorCode.INVALID_REQUEST, f"{out} appeared meanwhile; pass --force to replace "
+                                "it") from None
+        finally:
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, CLEANUP_SIGNALS)  # the clean-up is not cut short
+            try:
+                if plain is not None:
+                    plain.discard()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return meta
 
 
 def _pull(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    meta = pull(paths, args.payload_id, Path(args.out), force=args.force)
+    try:
+        meta = pull(paths, args.payload_id, Path(args.out), force=args.force)
+    except Interrupted as stop:
+        print(f"interrupted by {signal.Signals(stop.signum).name}; nothing was written", file=sys.stderr)
+        signal.signal(stop.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), stop.signum)  # exit as the signal says
+        return 128 + stop.signum
     created = dt.datetime.fromtimestamp(meta["created_at"], dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     print(f"opened {meta['payload_id']} ({meta['format']}, from {meta['agent_id']}, session {meta['session_id']}, "
           f"uploaded {created}) -> {args.out}", file=sys.stderr)

@@ -13,7 +13,11 @@ Every route but the audit one needs the user's admin credential (``Authorization
 * ``DELETE /v1/payloads/{id}``: remove it (audited ``payload_removed``).
 
 ``POST /v1/payload/audit`` is the gateway's: it records ``payload_uploaded`` / ``payload_refused``
-in this guard's audit log and answers once the record is durable. Like the forwarded requests it
+in this guard's audit log and answers once the record is durable. A ``payload_uploaded`` carries
+the id the gateway gave the event (``gw_`` + 32 hex digits, kept with the pending payload): the log
+keeps one event per id, so the gateway can send it again after a crash or a lost answer and the
+payload still has exactly one ``payload_uploaded``. The ``payload_refused`` recording the removal of
+an upload a crash cut short carries such an id too. Like the forwarded requests it
 trusts what arrives on the 0600 socket (only the user's processes can connect); it accepts
 nothing but those two actions, with bounded, typed fields.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import re
 from typing import Any
@@ -37,11 +42,15 @@ from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import SERVICES, UNIX_ONLY, GuardRoute, _admin, _json_body, _param, event_fields
 from gateway.guard.audit import make_row
-from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore
+from gateway.payloads import pulltemp
+from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore, fault_hold
+
+log = logging.getLogger("uomp.guard.payloads")
 
 READ_BLOCK = 1024 * 1024
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
 CODE = re.compile(r"[A-Z_]{1,64}")
+GATEWAY_EVENT_ID = re.compile(r"gw_[0-9a-f]{32}")
 MAX_FIELD = 256
 
 
@@ -117,9 +126,11 @@ async def opened(request: web.Request) -> web.Response:
     p = request.app[PAYLOADS]
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
-    await p.run(p.store.mark_opened, pid)
+    fault_hold("payload_opened_received")
+    # the event first: the index never says opened without the event
     _user_event(request, "payload_opened", meta.session_id, meta.agent_id, pid, meta.hash)
     await request.app[SERVICES].audit.flush()
+    await p.run(p.store.mark_opened, pid)
     return web.json_response({"payload_id": pid, "opened": True})
 
 
@@ -169,16 +180,20 @@ async def audit_event(request: web.Request) -> web.Response:
         size = body.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise UompError(ErrorCode.INVALID_REQUEST, "audit event field size is missing or malformed")
+        event_id = _field(body, "event_id", GATEWAY_EVENT_ID, required=False)
         row = make_row(session_id=sid, agent_id=aid, action="payload_uploaded", key=pid, allowed=True,
                        reason="sealed payload stored", detail=digest, request_size=size, via=via,
-                       extra=event_fields(request))
+                       extra=event_fields(request), event_id=event_id)
     else:
         pid = _field(body, "payload_id", PAYLOAD_ID, required=False)
         code = _field(body, "code", CODE)
         reason = _field(body, "reason", required=False) or "payload refused"
+        event_id = _field(body, "event_id", GATEWAY_EVENT_ID, required=False)
         row = make_row(session_id=sid, agent_id=aid, action="payload_refused", key=pid, allowed=False,
-                       reason=reason, detail=code, via=via, extra=event_fields(request, code=code))
+                       reason=reason, detail=code, via=via, extra=event_fields(request, code=code),
+                       event_id=event_id)
     await svc.audit.flush(svc.audit.submit(row))
+    fault_hold(f"{action}_recorded")
     # This is the upload request's one event (issue 10): the gateway writes none of its own.
     return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
 
@@ -198,7 +213,15 @@ ROUTES = (  # Unix socket only: the user's CLI and the gateway, never the Local 
 
 
 def open_store(app: web.Application) -> None:
-    """The payload store of the Unix-socket app (its routes are rows of :data:`ROUTES`)."""
+    """The payload store of the Unix-socket app (its routes are rows of :data:`ROUTES`); at start-up,
+    the part files of ``uomp payload pull`` runs that were killed are removed."""
     paths = app[SERVICES].paths
     app[PAYLOADS] = GuardPayloads(PayloadStore(paths.payload_dir))
+    try:
+        removed = pulltemp.sweep(paths)
+    except OSError as exc:
+        log.warning("could not look for a killed payload pull's files (%s)", exc.strerror)
+    else:
+        if removed:
+            log.info("removed %d plaintext file(s) a killed 'uomp payload pull' left", removed)
     app.on_cleanup.append(_close)

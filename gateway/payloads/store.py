@@ -7,16 +7,26 @@ sealed bytes), ``tmp/`` (uploads in flight).
 
 Durability and crash safety, in the order an upload commits:
 
-1. the body streams into ``tmp/<random>`` (O_EXCL, 0600) while its length and SHA-256 are counted
-   and the size cap is enforced;
+1. the body streams into ``tmp/<payload_id>~<session>~<agent>~<random>.part`` (O_EXCL, 0600; named
+   so that an upload a crash cut short can be told at start-up) while its length and SHA-256 are
+   counted and the size cap is enforced;
 2. ``fsync`` the file, check the hash the agent declared, ``rename`` it to ``blobs/<payload_id>``,
    ``fsync`` the directory;
-3. insert the index row in one transaction (re-checking the per-session caps there).
+3. insert the index row in one transaction (re-checking the per-session caps there). With
+   ``event_id`` the row is *pending*: durable, counted against the caps, holding its id, but
+   invisible to every reader (:meth:`get`, :meth:`list`, the guard's routes) until
+   :meth:`PayloadStore.publish` marks it *stored*, which the relay does only once the audit event
+   with that id is durable. Without ``event_id`` the row is stored at once.
 
-A payload exists for readers only once its row exists. A crash before step 3 leaves a blob or a
-temporary file without a row: :meth:`PayloadStore.open` removes those, so a killed upload never
-leaves a visible partial payload nor an index row without its blob. A full disk fails the upload
-with ``PAYLOAD_STORE_FULL`` and removes what it wrote.
+A crash before step 3 leaves a blob or a temporary file without a row: :meth:`PayloadStore.open`
+removes those, so a killed upload never leaves a visible partial payload nor an index row without
+its blob. A pending row is complete and checked; whoever settles it (the relay at start-up, on a
+sweep, or when the agent sends the same upload again) writes its event again under the same id
+(the audit log keeps one event per id) and publishes it. A full disk fails the upload with
+``PAYLOAD_STORE_FULL`` and removes what it wrote.
+
+Test-only fault points (:func:`fault_hold`): inert unless the environment names the point and an
+arm file exists, which only the crash tests set up.
 """
 
 from __future__ import annotations
@@ -49,7 +59,10 @@ CREATE TABLE IF NOT EXISTS payloads (
   encryption TEXT NOT NULL,
   created_at REAL NOT NULL,
   expires_at REAL NOT NULL,
-  opened_at REAL
+  opened_at REAL,
+  state TEXT NOT NULL DEFAULT 'stored',
+  event_id TEXT,
+  origin TEXT
 );
 CREATE INDEX IF NOT EXISTS idx_payloads_session ON payloads(session_id);
 CREATE INDEX IF NOT EXISTS idx_payloads_expiry ON payloads(expires_at);
@@ -66,6 +79,38 @@ CREATE TABLE IF NOT EXISTS upload_urls (
 PAYLOAD_ID = re.compile(r"pay_[A-Za-z0-9_-]{8,64}")
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
 MAX_UPLOAD_URL_TTL = 600.0
+PENDING = "pending"  # complete and durable, its audit event not yet confirmed: invisible
+STORED = "stored"  # its audit event is durable: a payload
+COLUMNS_ADDED = (("state", "TEXT NOT NULL DEFAULT 'stored'"), ("event_id", "TEXT"), ("origin", "TEXT"))
+
+# ----------------------------------------------------------------------------- test-only fault points
+FAULT_ENV = "UOMP_FAULT"  # the name of the point (the same variables as gateway.durable.fault_point)
+FAULT_ARM_ENV = "UOMP_FAULT_ARM"  # a file that must exist; removed when the point is reached
+FAULT_HOLD_SECONDS = 120.0
+
+
+def fault_hold(name: str) -> None:
+    """Crash-test hook: stop this process at point ``name`` so that a test can ``kill -9`` it there.
+
+    Fires only when ``UOMP_FAULT`` names this point *and* the file named by ``UOMP_FAULT_ARM``
+    exists (only the crash tests set both). It then removes the arm file, writes
+    ``<arm>.held`` (this process's pid) and sleeps; after FAULT_HOLD_SECONDS without being killed it
+    kills itself. Without both variables this is one dictionary lookup."""
+    if os.environ.get(FAULT_ENV) != name:
+        return
+    arm = os.environ.get(FAULT_ARM_ENV)
+    if not arm:
+        return
+    try:
+        os.unlink(arm)
+    except FileNotFoundError:
+        return
+    held = Path(arm + ".held")
+    held.write_text(str(os.getpid()))
+    deadline = time.monotonic() + FAULT_HOLD_SECONDS
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), 9)
 
 
 class PayloadError(Exception):
@@ -96,11 +141,44 @@ class PayloadMeta:
     created_at: float
     expires_at: float
     opened_at: float | None
+    state: str = STORED
+    event_id: str | None = None
+    origin: dict[str, str] | None = None  # the upload request's audit fields (for a settled event)
+
+    def same_upload(self, *, session_id: str, agent_id: str, format: str, size: int, digest: str) -> bool:
+        """True when an upload with these fields is this payload sent again (idempotent retry)."""
+        return (self.session_id, self.agent_id, self.format, self.size) == (session_id, agent_id, format, size) \
+            and secrets.compare_digest(self.hash, digest)
 
     def public(self) -> dict[str, Any]:
         return {"payload_id": self.payload_id, "session_id": self.session_id, "agent_id": self.agent_id,
                 "format": self.format, "size": self.size, "hash": self.hash, "encryption": self.encryption,
                 "created_at": self.created_at, "expires_at": self.expires_at, "opened": self.opened_at is not None}
+
+
+TMP_NAME = re.compile(r"(pay_[A-Za-z0-9_-]{8,64})~([A-Za-z0-9_-]{1,80})~([A-Za-z0-9._-]{1,128})~[0-9a-f]{24}\.part")
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """An upload a crash cut short (its temporary file, named after it, found at start-up)."""
+
+    path: Path
+    payload_id: str
+    session_id: str
+    agent_id: str
+
+    @property
+    def event_id(self) -> str:
+        """The id of the ``payload_refused`` event recording its removal: the same every time (kept once)."""
+        return "gw_" + hashlib.sha256(self.path.name.encode()).hexdigest()[:32]
+
+
+def tmp_name(payload_id: str, session_id: str, agent_id: str) -> str:
+    """``<payload_id>~<session>~<agent>~<random>.part``: whom an interrupted upload was from can be
+    told at start-up (a random name when the ids do not fit)."""
+    name = f"{payload_id}~{session_id}~{agent_id}~{secrets.token_hex(12)}.part"
+    return name if TMP_NAME.fullmatch(name) and len(name) <= 250 else f"{secrets.token_hex(12)}.part"
 
 
 def new_payload_id() -> str:
@@ -139,10 +217,12 @@ class PayloadUploading(Protocol):
         ...
 
     def commit(self, *, declared_hash: str | None = None, declared_size: int | None = None,
-               now: float | None = None) -> PayloadMeta:
+               now: float | None = None, event_id: str | None = None,
+               origin: Mapping[str, str] | None = None) -> PayloadMeta:
         """Make it a payload, durably, once the declared hash and size match (else
         PAYLOAD_HASH_MISMATCH / PAYLOAD_SIZE_MISMATCH, and nothing is kept); PAYLOAD_EXISTS for an id
-        taken meanwhile; PAYLOAD_QUOTA_EXCEEDED when the session's caps would be passed."""
+        taken meanwhile; PAYLOAD_QUOTA_EXCEEDED when the session's caps would be passed. With
+        ``event_id`` it is kept *pending* (invisible) until :meth:`PayloadStorage.publish`."""
         ...
 
 
@@ -168,7 +248,19 @@ class PayloadStorage(Protocol):
         ...
 
     def get(self, payload_id: str) -> PayloadMeta:
-        """NOT_FOUND when there is no such payload."""
+        """NOT_FOUND when there is no such (stored) payload."""
+        ...
+
+    def find(self, payload_id: str) -> PayloadMeta | None:
+        """The row for this id, pending or stored (for retries and settling); None when there is none."""
+        ...
+
+    def pending(self) -> list[PayloadMeta]:
+        """Rows whose audit event is not confirmed yet, oldest first."""
+        ...
+
+    def publish(self, payload_id: str) -> PayloadMeta:
+        """Mark a pending row stored (idempotent); NOT_FOUND when there is no row."""
         ...
 
     def list(self, *, session_id: str | None = None) -> list[PayloadMeta]: ...
@@ -204,7 +296,7 @@ class Upload(PayloadUploading):
         self.max_bytes = max_bytes
         self.size = 0
         self._hash = hashlib.sha256()
-        self.path = store.tmp / f"{secrets.token_hex(12)}.part"
+        self.path = store.tmp / tmp_name(str(meta["payload_id"]), str(meta["session_id"]), str(meta["agent_id"]))
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -238,7 +330,8 @@ class Upload(PayloadUploading):
             os.unlink(self.path)
 
     def commit(self, *, declared_hash: str | None = None, declared_size: int | None = None,
-               now: float | None = None) -> PayloadMeta:
+               now: float | None = None, event_id: str | None = None,
+               origin: Mapping[str, str] | None = None) -> PayloadMeta:
         if self._fh is None:
             raise PayloadError(ErrorCode.INVALID_REQUEST, "upload already finished")
         if declared_size is not None and declared_size != self.size:
@@ -251,6 +344,7 @@ class Upload(PayloadUploading):
         final = self.store.blobs / pid
         try:
             self._fh.flush()
+            fault_hold("payload_before_fsync")
             os.fsync(self._fh.fileno())
             self._fh.close()
             self._fh = None
@@ -258,6 +352,7 @@ class Upload(PayloadUploading):
                 raise PayloadError(ErrorCode.PAYLOAD_EXISTS, "a payload with this id already exists")
             os.rename(self.path, final)
             fsync_dir(self.store.blobs)
+            fault_hold("payload_after_rename")
         except PayloadError:
             self.abort()
             raise
@@ -265,7 +360,8 @@ class Upload(PayloadUploading):
             self.abort()
             raise _full(exc) from exc
         try:
-            return self.store._index(self.meta, size=self.size, digest=self.hash, now=now)
+            return self.store._index(self.meta, size=self.size, digest=self.hash, now=now, event_id=event_id,
+                                     origin=origin)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(final)
@@ -278,6 +374,7 @@ class PayloadStore(PayloadStorage):
         self.blobs = ensure_private_dir(root / "blobs")
         self.tmp = ensure_private_dir(root / "tmp")
         self.limits = limits or Limits()
+        self.interrupted: list[Interrupted] = []  # found by recover(), not yet audited and removed
         db = root / "index.db"
         if not db.exists():
             os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
@@ -286,6 +383,11 @@ class PayloadStore(PayloadStorage):
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.executescript(SCHEMA)
+        have = {r[1] for r in self.conn.execute("PRAGMA table_info(payloads)")}
+        for name, decl in COLUMNS_ADDED:  # an index from before pending rows
+            if name not in have:
+                with contextlib.suppress(sqlite3.OperationalError):  # added by another process meanwhile
+                    self.conn.execute(f"ALTER TABLE payloads ADD COLUMN {name} {decl}")
 
     @classmethod
     def open(cls, root: Path, *, limits: Limits | None = None) -> PayloadStore:
@@ -299,9 +401,18 @@ class PayloadStore(PayloadStorage):
     # ------------------------------------------------------------------ crash recovery and expiry
 
     def recover(self) -> int:
-        """Remove uploads a crash left behind: temporary files, and blobs that never got a row."""
+        """Remove uploads a crash left behind: blobs that never got a row and temporary files (an
+        upload no event and no answer ever claimed). A temporary file named after its upload is
+        listed in :attr:`interrupted` instead, for the relay to record its removal in the audit log
+        before :meth:`forget_interrupted` removes it. Pending rows stay: they are complete, and the
+        relay settles them (:meth:`pending`)."""
         removed = 0
+        self.interrupted = []
         for p in self.tmp.iterdir():
+            m = TMP_NAME.fullmatch(p.name)
+            if m:  # kept until its removal is audited (forget_interrupted)
+                self.interrupted.append(Interrupted(p, m.group(1), m.group(2), m.group(3)))
+                continue
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed += 1
@@ -316,6 +427,13 @@ class PayloadStore(PayloadStorage):
             if not (self.blobs / pid).exists():
                 self.conn.execute("DELETE FROM payloads WHERE payload_id = ?", (pid,))
         return removed
+
+    def forget_interrupted(self, item: Interrupted) -> None:
+        """Remove an interrupted upload's temporary file (its removal is audited)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(item.path)
+        with contextlib.suppress(ValueError):
+            self.interrupted.remove(item)
 
     def gc(self, *, now: float | None = None) -> int:
         now = time.time() if now is None else now
@@ -347,16 +465,19 @@ class PayloadStore(PayloadStorage):
             raise PayloadError(ErrorCode.PAYLOAD_QUOTA_EXCEEDED,
                                f"this session's payloads would exceed {self.limits.max_bytes_per_session} bytes")
 
-    def _index(self, meta: Mapping[str, Any], *, size: int, digest: str, now: float | None) -> PayloadMeta:
+    def _index(self, meta: Mapping[str, Any], *, size: int, digest: str, now: float | None,
+               event_id: str | None = None, origin: Mapping[str, str] | None = None) -> PayloadMeta:
         now = time.time() if now is None else now
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             self.check_caps(str(meta["session_id"]), extra_bytes=size)
             self.conn.execute(
                 "INSERT INTO payloads (payload_id, session_id, agent_id, format, size, hash, encryption, created_at,"
-                " expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " expires_at, state, event_id, origin) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (meta["payload_id"], meta["session_id"], meta["agent_id"], meta["format"], size, digest,
-                 json.dumps(meta["encryption"], sort_keys=True), now, now + self.limits.ttl_seconds))
+                 json.dumps(meta["encryption"], sort_keys=True), now, now + self.limits.ttl_seconds,
+                 STORED if event_id is None else PENDING, event_id,
+                 None if origin is None else json.dumps(dict(origin), sort_keys=True)))
             self.conn.execute("COMMIT")
         except BaseException as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -368,7 +489,9 @@ class PayloadStore(PayloadStorage):
                     ErrorCode.STORE_UNAVAILABLE, f"the payload index is unavailable ({type(exc).__name__})"
                     ) from exc
             raise
-        return self.get(str(meta["payload_id"]))
+        found = self.find(str(meta["payload_id"]))
+        assert found is not None
+        return found
 
     # ------------------------------------------------------------------ single-use upload URLs
 
@@ -410,19 +533,35 @@ class PayloadStore(PayloadStorage):
     def _meta(self, row: sqlite3.Row) -> PayloadMeta:
         return PayloadMeta(row["payload_id"], row["session_id"], row["agent_id"], row["format"], int(row["size"]),
                            row["hash"], json.loads(row["encryption"]), float(row["created_at"]),
-                           float(row["expires_at"]), row["opened_at"])
+                           float(row["expires_at"]), row["opened_at"], row["state"], row["event_id"],
+                           None if row["origin"] is None else json.loads(row["origin"]))
 
     def get(self, payload_id: str) -> PayloadMeta:
-        row = self.conn.execute("SELECT * FROM payloads WHERE payload_id = ?", (payload_id,)).fetchone()
+        row = self.conn.execute("SELECT * FROM payloads WHERE payload_id = ? AND state = ?",
+                                (payload_id, STORED)).fetchone()
         if row is None:
             raise PayloadError(ErrorCode.NOT_FOUND, "no such payload")
         return self._meta(row)
 
+    def find(self, payload_id: str) -> PayloadMeta | None:
+        row = self.conn.execute("SELECT * FROM payloads WHERE payload_id = ?", (payload_id,)).fetchone()
+        return None if row is None else self._meta(row)
+
+    def pending(self) -> list[PayloadMeta]:
+        rows = self.conn.execute("SELECT * FROM payloads WHERE state = ? ORDER BY created_at", (PENDING,))
+        return [self._meta(r) for r in rows]
+
+    def publish(self, payload_id: str) -> PayloadMeta:
+        self.conn.execute("UPDATE payloads SET state = ? WHERE payload_id = ? AND state = ?",
+                          (STORED, payload_id, PENDING))
+        return self.get(payload_id)
+
     def list(self, *, session_id: str | None = None) -> list[PayloadMeta]:
         if session_id:
-            rows = self.conn.execute("SELECT * FROM payloads WHERE session_id = ? ORDER BY created_at", (session_id,))
+            rows = self.conn.execute("SELECT * FROM payloads WHERE session_id = ? AND state = ? ORDER BY created_at",
+                                     (session_id, STORED))
         else:
-            rows = self.conn.execute("SELECT * FROM payloads ORDER BY created_at")
+            rows = self.conn.execute("SELECT * FROM payloads WHERE state = ? ORDER BY created_at", (STORED,))
         return [self._meta(r) for r in rows]
 
     def open_blob(self, payload_id: str) -> BinaryIO:
@@ -442,8 +581,8 @@ class PayloadStore(PayloadStorage):
                 yield chunk
 
     def mark_opened(self, payload_id: str, *, now: float | None = None) -> None:
-        self.conn.execute("UPDATE payloads SET opened_at = ? WHERE payload_id = ? AND opened_at IS NULL",
-                          (time.time() if now is None else now, payload_id))
+        self.conn.execute("UPDATE payloads SET opened_at = ? WHERE payload_id = ? AND opened_at IS NULL AND state = ?",
+                          (time.time() if now is None else now, payload_id, STORED))
 
     def delete(self, payload_id: str) -> bool:
         cur = self.conn.execute("DELETE FROM payloads WHERE payload_id = ?", (payload_id,))

@@ -23,17 +23,33 @@ the access token with its binding, the session's status from the Auth Service. T
   that does not exist, so nothing can be learnt from it.
 
 The store (:mod:`gateway.payloads.store`) is opened here, at start-up, which removes what a crash
-left behind (temporary files, blobs without an index row). Every SQLite call on it runs on one
-worker thread; file writes run in threads; the periodic expiry sweep too. Nothing of a payload
+left behind (blobs without an index row, stray temporary files); then the sweep (at once, then
+every ``payload_gc_interval_seconds``) settles pending rows and records, as one ``payload_refused``
+each, the uploads a crash cut short before removing their temporary files. Every SQLite call on
+the store runs on one worker thread; file writes run in threads; the sweep too. Nothing of a payload
 is ever logged: not its bytes, not the upload-URL token.
 
-Audit: every accepted payload is one ``payload_uploaded`` event in the guard's audit log (its hash
-in ``detail``, its id in ``key``, its size in ``request_size``); every upload refused after the
-token was accepted is a ``payload_refused`` event with the code. The event of an accepted payload
-is made durable *before* the payload becomes visible (its index row), so no payload can be pulled
-without its event; if the store then fails, a ``payload_refused`` event for the same id follows.
-(Requests refused before that, by the transport or token checks, are ``gateway_access`` events in
-the gateway's access log, like every request.) All of it goes through :class:`PayloadAudit`.
+Audit: every accepted payload is exactly one ``payload_uploaded`` event in the guard's audit log
+(its hash in ``detail``, its id in ``key``, its size in ``request_size``), whatever the crashes and
+retries; every upload refused after the token was accepted is a ``payload_refused`` event with the
+code. The event and the payload become visible together: the sealed bytes are made durable first
+as a *pending* row that no reader sees, holding the event's id (``gw_…``, chosen here); then the
+event is written under that id (the guard keeps one event per id, however often it is sent); then
+the row is published. A crash between any two steps leaves a pending row, which is settled (the
+same event sent again, then published) at start-up, by the sweep every
+``payload_gc_interval_seconds``, or when the agent sends the same upload again. Idempotent retries:
+an upload whose ``payload_id`` is stored or pending with the same session, agent, format, size and
+hash is answered ``201`` with the stored entry (without reading its body, and with no second
+``payload_uploaded``; the retry's own request is a ``payload_upload`` access event); the same id
+with anything else is ``409 PAYLOAD_EXISTS``. When the event cannot be confirmed (the guard went
+away mid-call) the answer is ``503 STORE_UNAVAILABLE`` without a ``payload_refused`` (the payload
+may yet be accepted): the agent sends the same upload again. (Requests refused before the token was
+accepted are ``gateway_access`` events in the gateway's access log, like every request.) All of it
+goes through :class:`PayloadAudit`.
+
+Test-only fault points on this path (:func:`gateway.payloads.store.fault_hold`):
+``payload_before_write``, ``payload_before_fsync``, ``payload_after_rename`` (store),
+``payload_pending``, ``payload_after_event``, ``payload_before_answer``.
 """
 
 from __future__ import annotations
@@ -58,12 +74,15 @@ from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.payloads.store import (
     MAX_UPLOAD_URL_TTL,
+    STORED,
+    Interrupted,
     Limits,
     PayloadError,
     PayloadMeta,
     PayloadStorage,
     PayloadStore,
     PayloadUploading,
+    fault_hold,
 )
 from gateway.remote.app import (
     VERIFIED_AGENT_HEADER,
@@ -74,16 +93,23 @@ from gateway.remote.app import (
     _record,
     register_route,
 )
+from gateway.remote.event_sink import new_event_id
 
 log = logging.getLogger("uomp.gateway.payloads")
 
 WRITE_BLOCK = 1024 * 1024  # body bytes gathered before one write to the temporary file
 AUDIT_PATH = "/v1/payload/audit"  # the guard's internal route (Unix socket)
 MAX_URL_BODY = 1024
+SETTLE_RETRY_SECONDS = 1.0  # a pending payload the guard could not confirm: tried again this soon
 
 
 def _as_uomp(exc: PayloadError) -> UompError:
     return UompError(exc.code, str(exc))
+
+
+class Unsettled(UompError):
+    """The payload is stored pending, but its event was not confirmed: no refusal is recorded (a
+    retry or the sweep settles it)."""
 
 
 class PayloadAudit:
@@ -92,11 +118,12 @@ class PayloadAudit:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
 
-    async def _send(self, call: Call, body: dict[str, Any]) -> None:
-        headers = {VERIFIED_AGENT_HEADER: body["agent_id"],
-                   VERIFIED_VIA_HEADER: (f"gateway:mtls:{call.identity.serial}" if call.identity
+    @staticmethod
+    def origin(call: Call) -> dict[str, str]:
+        """The request's audit fields as the guard takes them (kept with a pending row, so that an
+        event settled later carries the fields of the request that sent the payload)."""
+        headers = {VERIFIED_VIA_HEADER: (f"gateway:mtls:{call.identity.serial}" if call.identity
                                          else f"gateway:{call.via}"),
-                   # the request's audit fields: the guard's event is this request's one event
                    contract.VERIFIED_LISTENER_HEADER: call.via,
                    contract.VERIFIED_REQUEST_ID_HEADER: call.request_id}
         if call.request.remote:
@@ -104,16 +131,40 @@ class PayloadAudit:
         if call.identity is not None:
             headers[contract.VERIFIED_SERIAL_HEADER] = call.identity.serial
             headers[contract.VERIFIED_X5T_HEADER] = call.identity.x5t_s256
+        return headers
+
+    async def _post(self, origin: dict[str, str], body: dict[str, Any]) -> None:
+        headers = {**origin, VERIFIED_AGENT_HEADER: body["agent_id"]}
         status, answer = await self.state.forwarder.json_call("POST", AUDIT_PATH, body=body, headers=headers)
         if status != 200 or answer.get("recorded") is not True:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, "the audit log did not record the payload event; nothing was kept")
+
+    async def _send(self, call: Call, body: dict[str, Any]) -> None:
+        await self._post(self.origin(call), body)
         call.recorded = True  # one event per request: the guard wrote it, with the gateway's fields
 
-    async def uploaded(self, call: Call, cap: Capability, env: Envelope, size: int, digest: str) -> None:
-        await self._send(call, {"action": "payload_uploaded", "session_id": cap.session_id,
-                                "agent_id": cap.agent_id, "payload_id": env.payload_id, "hash": digest,
-                                "size": size, "format": env.format})
+    async def settle(self, meta: PayloadMeta) -> None:
+        """(Re)send a pending row's ``payload_uploaded`` under its event id (kept once by the guard)."""
+        assert meta.event_id is not None
+        await self._post(dict(meta.origin or {}), self._uploaded_body(meta))
+
+    @staticmethod
+    def _uploaded_body(meta: PayloadMeta) -> dict[str, Any]:
+        return {"action": "payload_uploaded", "session_id": meta.session_id, "agent_id": meta.agent_id,
+                "payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size, "format": meta.format,
+                "event_id": meta.event_id}
+
+    async def interrupted(self, item: Interrupted) -> None:
+        """The removal at start-up of an upload a crash cut short (never answered, never stored)."""
+        await self._post({VERIFIED_VIA_HEADER: "gateway:recovery", contract.VERIFIED_LISTENER_HEADER: "gateway"},
+                         {"action": "payload_refused", "session_id": item.session_id, "agent_id": item.agent_id,
+                          "payload_id": item.payload_id, "code": ErrorCode.STORE_UNAVAILABLE,
+                          "reason": "the upload was cut short by a gateway crash; its partial bytes were removed at "
+                                    "start-up: send it again", "event_id": item.event_id})
+
+    async def uploaded(self, call: Call, meta: PayloadMeta) -> None:
+        await self._send(call, self._uploaded_body(meta))
 
     async def refused(self, call: Call, cap: Capability, payload_id: str | None, exc: UompError) -> None:
         """Best effort: a refusal is answered even when the guard cannot record it (the gateway's
@@ -134,10 +185,15 @@ class PayloadService:
         self.limits = Limits(max_bytes=cfg.payload_max_bytes, max_per_session=cfg.payload_max_per_session,
                              max_bytes_per_session=cfg.payload_max_bytes_per_session,
                              ttl_seconds=cfg.payload_ttl_seconds)
-        self.store: PayloadStorage = PayloadStore.open(state.paths.payload_dir, limits=self.limits)  # + recovery
+        store = PayloadStore(state.paths.payload_dir, limits=self.limits)
+        removed = store.recover()  # what a crash left; pending rows and interrupted uploads are settled in start()
+        if removed:
+            log.info("removed %d unfinished payload upload file(s) left by a crash", removed)
+        self.store: PayloadStorage = store
         self.worker = DbWorker("payloads", what="payload store")
         self.audit = PayloadAudit(state)
         self._gc_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # a pending payload to settle before the next round
 
     # ----------------------------------------------------------------------- life cycle
 
@@ -147,14 +203,53 @@ class PayloadService:
 
     async def _gc_loop(self) -> None:
         interval = max(self.cfg.payload_gc_interval_seconds, 0.05)
+        failing = False
         while True:
+            wait = interval
+            self._wake.clear()
+            try:
+                await self.settle_pending()
+                failing = False
+            except Exception as exc:  # the guard may not answer yet (start-up, a restart): retry soon
+                if not failing:
+                    log.warning("settling pending payloads failed (%s); retrying every %g s", type(exc).__name__,
+                                SETTLE_RETRY_SECONDS)
+                failing = True
+                wait = min(interval, SETTLE_RETRY_SECONDS)
             try:
                 removed = await self.worker.run(self.store.gc)
                 if removed:
                     log.info("removed %d expired payload(s)", removed)
             except Exception as exc:  # keep sweeping; the next round retries
                 log.warning("payload expiry sweep failed (%s)", type(exc).__name__)
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    def settle_soon(self) -> None:
+        """A pending payload could not be settled in its request: the sweep tries again shortly."""
+        asyncio.get_running_loop().call_later(SETTLE_RETRY_SECONDS, self._wake.set)
+
+    async def settle_pending(self) -> int:
+        """Settle every pending row (a crash, or a guard that went away, between the durable bytes
+        and the published row): its event again under its id, then publish; and record the removal
+        of every upload a crash cut short (``payload_refused``, under an id derived from its
+        temporary file, so kept once), then remove its file. How many."""
+        done = 0
+        if isinstance(self.store, PayloadStore):
+            for item in list(self.store.interrupted):
+                await self.audit.interrupted(item)
+                await self.worker.run(self.store.forget_interrupted, item)
+                done += 1
+        for meta in await self.worker.run(self.store.pending):
+            await self._settle(meta)
+            done += 1
+        if done:
+            log.info("settled %d pending payload(s)", done)
+        return done
+
+    async def _settle(self, meta: PayloadMeta) -> PayloadMeta:
+        await self.audit.settle(meta)
+        return await self.worker.run(self.store.publish, meta.payload_id)
 
     async def close(self) -> None:
         if self._gc_task is not None:
@@ -203,16 +298,32 @@ class PayloadService:
             if not chunk:
                 return
 
-    def _precheck(self, payload_id: str, session_id: str, size: int) -> None:
+    def _precheck(self, session_id: str, size: int) -> None:
         """On the worker: refuse now what the commit would refuse (commit checks again, atomically)."""
-        try:
-            self.store.get(payload_id)
-        except PayloadError as exc:
-            if exc.code != ErrorCode.NOT_FOUND:
-                raise
-        else:
-            raise PayloadError(ErrorCode.PAYLOAD_EXISTS, "a payload with this id already exists")
         self.store.check_caps(session_id, extra_bytes=size)
+
+    async def _existing(self, call: Call, cap: Capability, env: Envelope) -> PayloadMeta | None:
+        """An upload of an id already kept: the same payload again is answered with what is kept
+        (settled first when pending); anything else under that id is PAYLOAD_EXISTS."""
+        try:
+            found = await self.worker.run(self.store.find, env.payload_id)
+        except PayloadError as exc:
+            raise _as_uomp(exc) from None
+        if found is None:
+            return None
+        if not found.same_upload(session_id=cap.session_id, agent_id=cap.agent_id, format=env.format,
+                                 size=env.size, digest=env.hash):
+            raise UompError(ErrorCode.PAYLOAD_EXISTS, "another payload with this payload_id is stored; a retry must "
+                            "send the same bytes, else choose a new payload_id")
+        if found.state != STORED:
+            try:
+                found = await self._settle(found)
+            except PayloadError as exc:
+                raise Unsettled(exc.code, str(exc)) from None
+            except UompError as exc:
+                raise Unsettled(exc.code, f"{exc.message}; send the same upload again") from None
+        call.recorded = False  # this request's own event: an access event (the payload's one is kept)
+        return found
 
     async def receive(self, call: Call, env: Envelope, *, max_bytes: int, body: bytes | None) -> PayloadMeta:
         """Store one payload (body given, or streamed from the request); see the module docstring."""
@@ -224,8 +335,12 @@ class PayloadService:
             raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the payload's declared size exceeds {max_bytes} bytes")
         if body is None and request.content_length is not None and request.content_length != env.size:
             raise UompError(ErrorCode.PAYLOAD_SIZE_MISMATCH, "Content-Length is not the envelope's size")
+        again = await self._existing(call, cap, env)
+        if again is not None:
+            return again
         upload = await self._begin(cap, env)
         try:
+            fault_hold("payload_before_write")
             if body is not None:
                 if len(body) > env.size:
                     raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the ciphertext is longer than the envelope's size")
@@ -238,23 +353,43 @@ class PayloadService:
             digest = upload.hash
             if digest != env.hash:
                 raise UompError(ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the envelope's hash")
-            # what commit would refuse (id taken, caps), checked before the event is written
-            try:
-                await self.worker.run(self._precheck, env.payload_id, cap.session_id, upload.size)
+            try:  # what commit would refuse (caps), checked before anything is kept
+                await self.worker.run(self._precheck, cap.session_id, upload.size)
             except PayloadError as exc:
                 raise _as_uomp(exc) from None
-            # durable audit event first: no payload becomes visible without it
-            await self.audit.uploaded(call, cap, env, upload.size, digest)
         except BaseException:
             await asyncio.shield(asyncio.to_thread(upload.abort))
             raise
-        try:
-            return await self.worker.run(lambda: upload.commit(declared_hash=env.hash, declared_size=env.size))
+        event_id = new_event_id()
+        origin = self.audit.origin(call)
+        try:  # durable but pending (invisible), holding the event's id
+            meta = await self.worker.run(lambda: upload.commit(declared_hash=env.hash, declared_size=env.size,
+                                                               event_id=event_id, origin=origin))
         except PayloadError as exc:
+            if exc.code == ErrorCode.PAYLOAD_EXISTS:  # the same upload, sent twice at once: one payload
+                again = await self._existing(call, cap, env)
+                if again is not None:
+                    return again
             raise _as_uomp(exc) from None  # commit removed what it wrote
         except UompError:
             upload.abort()  # the worker refused the call before commit ran (STORE_BUSY)
             raise
+        fault_hold("payload_pending")
+        try:
+            await self.audit.uploaded(call, meta)  # the payload's one event, durable
+        except UompError as exc:
+            self.settle_soon()
+            raise Unsettled(exc.code, "the payload is kept but its audit event is not confirmed; send the same "
+                            "upload again") from None
+        fault_hold("payload_after_event")
+        try:
+            meta = await self.worker.run(self.store.publish, meta.payload_id)
+        except (PayloadError, UompError) as exc:
+            self.settle_soon()
+            raise Unsettled(ErrorCode.STORE_UNAVAILABLE, f"the payload's event is recorded but the store did not "
+                            f"publish it ({exc}); send the same upload again") from None
+        fault_hold("payload_before_answer")
+        return meta
 
 
 async def read_chunk(request: web.Request, idle: float) -> bytes:
@@ -299,8 +434,8 @@ def _header_envelope(request: web.Request) -> Envelope:
 
 
 async def _answer(call: Call, meta: PayloadMeta) -> web.Response:
-    await _record(call, status=201, allowed=True, reason=f"payload {meta.payload_id} stored ({meta.hash})",
-                  code=None)
+    await _record(call, status=201, allowed=True, reason=f"payload {meta.payload_id} stored ({meta.hash})"
+                  + ("" if call.recorded else ", sent again"), code=None)
     return web.json_response({"payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size,
                               "expires_at": iso(meta.expires_at)}, status=201)
 
@@ -310,6 +445,8 @@ async def _audited(service: PayloadService, call: Call, work: Any) -> web.Stream
     holder: dict[str, str | None] = {"payload_id": None}
     try:
         meta = await work(holder)
+    except Unsettled:
+        raise  # not refused: the payload may yet be accepted (the access log has this request)
     except UompError as exc:
         await service.audit.refused(call, _cap(call), holder["payload_id"], exc)
         raise

@@ -384,10 +384,15 @@ async def test_header_given_twice_and_duplicate_ids_and_session_caps(small: Appl
         got = await a.send("POST", "/v1/payload/upload", data=s.sealed, headers={
             "Content-Type": "application/octet-stream", envelope.HEADER_NAME: f"{h}, {h}"})
         assert got[0] == 400
-        assert (await a.stream(s))[0] == 201
-        again = await a.stream(s)
-        assert (again[0], again[1]["error"]["code"]) == (409, "PAYLOAD_EXISTS")
-        # one payload_uploaded event per stored payload: the refused duplicate is only a refusal
+        first = await a.stream(s)
+        assert first[0] == 201
+        again = await a.stream(s)  # the same upload sent again: the same answer, idempotent
+        assert again == first
+        other = seal_consistent(small.paths, a.session_id, a.agent_id)  # other bytes under the same id
+        clash = {**other.header(), "payload_id": s.doc["payload_id"]}
+        got = await a.stream(other, header=clash)
+        assert (got[0], got[1]["error"]["code"]) == (409, "PAYLOAD_EXISTS")
+        # one payload_uploaded event per stored payload: the retry is an access event, the clash a refusal
         assert [r["key"] for r in audit_rows(small.paths, "payload_uploaded")] == [s.doc["payload_id"]]
         for _ in range(2):
             assert (await a.stream(seal_consistent(small.paths, a.session_id, a.agent_id)))[0] == 201
@@ -705,8 +710,11 @@ async def test_kill_9_of_the_gateway_mid_upload_leaves_nothing_after_restart(hom
             st, listed, _ = await call(admin, "GET", "/v1/payloads", headers=admin_headers(home))
             assert st == 200 and listed["payloads"] == []  # never visible: no index row
             proc, port = await _gateway_process(home)  # restart: the store's recovery runs at open
-            assert store_state(home) == ([], [], [])
+            await wait_for(lambda: store_state(home) == ([], [], []), "the leftovers to be removed")
             assert audit_rows(home, "payload_uploaded") == []
+            # the cut upload's removal is recorded, once, with whom it was from
+            assert [(r["key"], r["session_id"]) for r in audit_rows(home, "payload_refused")] == [
+                (s.doc["payload_id"], a.session_id)]
             a.base = f"https://localhost:{port}"
             g = await grant(admin, home, read={"tags": ["preference"], "keys": []}, agent_id="calendar_agent",
                             profile="remote", audience=a.base, cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt})

@@ -98,14 +98,21 @@ def test_crash_leftovers_are_removed_at_open(tmp_path: Path) -> None:
     store = PayloadStore.open(tmp_path / "p")
     keep = _upload(store, b"kept")
     # A crash mid-body (temp file) and a crash after the rename but before the index row.
-    up = store.begin(payload_id=new_payload_id(), session_id="s", agent_id="a", format="f", encryption=ENC)
+    cut = new_payload_id()
+    up = store.begin(payload_id=cut, session_id="sess_s", agent_id="a", format="f", encryption=ENC)
     up.write(b"partial")
     (tmp_path / "p" / "blobs" / "pay_orphan_orphan").write_bytes(b"no row")
+    (tmp_path / "p" / "tmp" / "stray.part").write_bytes(b"not named after an upload")
     store.close()
     store = PayloadStore.open(tmp_path / "p")
     assert [m.payload_id for m in store.list()] == [keep]
     assert sorted(p.name for p in (tmp_path / "p" / "blobs").iterdir()) == [keep]
-    assert not any((tmp_path / "p" / "tmp").iterdir())
+    # the cut upload's file is kept, named after it, until its removal is audited
+    assert [(i.payload_id, i.session_id, i.agent_id) for i in store.interrupted] == [(cut, "sess_s", "a")]
+    assert [p.name for p in (tmp_path / "p" / "tmp").iterdir()] == [store.interrupted[0].path.name]
+    assert store.interrupted[0].event_id.startswith("gw_") and len(store.interrupted[0].event_id) == 35
+    store.forget_interrupted(store.interrupted[0])
+    assert store.interrupted == [] and not any((tmp_path / "p" / "tmp").iterdir())
 
 
 def test_expiry(tmp_path: Path) -> None:
@@ -162,3 +169,53 @@ def test_full_disk_fails_cleanly_and_recovers(tmp_path: Path) -> None:
         again = _upload(store, b"z" * 300_000)
         assert b"".join(store.read(again)) == b"z" * 300_000
         store.close()
+
+
+def test_a_pending_row_is_invisible_until_published_and_survives_recovery(tmp_path: Path) -> None:
+    store = PayloadStore.open(tmp_path / "p", limits=Limits(max_per_session=1))
+    pid = new_payload_id()
+    up = store.begin(payload_id=pid, session_id="sess_a", agent_id="agent_a", format="text/plain", encryption=ENC)
+    up.write(b"sealed")
+    meta = up.commit(declared_hash="sha256:" + hashlib.sha256(b"sealed").hexdigest(), declared_size=6,
+                     event_id="gw_" + "0" * 32, origin={"X-UOMP-Verified-Listener": "mtls"})
+    assert meta.state == "pending" and meta.event_id == "gw_" + "0" * 32
+    with pytest.raises(PayloadError) as e:
+        store.get(pid)
+    assert e.value.code == "NOT_FOUND"
+    with pytest.raises(PayloadError):
+        list(store.read(pid))
+    assert store.list() == [] and [m.payload_id for m in store.pending()] == [pid]
+    store.mark_opened(pid)  # not a payload yet: nothing to mark
+    with pytest.raises(PayloadError) as e:  # it counts against the caps already
+        store.check_caps("sess_a", extra_bytes=0)
+    assert e.value.code == "PAYLOAD_QUOTA_EXCEEDED"
+    store.close()
+    store = PayloadStore.open(tmp_path / "p")  # a restart keeps it (complete and checked), still pending
+    found = store.find(pid)
+    assert found is not None and found.state == "pending" and found.origin == {"X-UOMP-Verified-Listener": "mtls"}
+    assert found.same_upload(session_id="sess_a", agent_id="agent_a", format="text/plain", size=6,
+                             digest="sha256:" + hashlib.sha256(b"sealed").hexdigest())
+    assert not found.same_upload(session_id="sess_a", agent_id="agent_a", format="text/plain", size=6,
+                                 digest="sha256:" + "0" * 64)
+    assert store.publish(pid).state == "stored" and store.publish(pid).state == "stored"  # idempotent
+    assert [m.payload_id for m in store.list()] == [pid] and store.pending() == []
+    assert store.get(pid).opened_at is None
+
+
+def test_an_index_from_before_pending_rows_is_migrated(tmp_path: Path) -> None:
+    root = tmp_path / "p"
+    root.mkdir(mode=0o700)
+    import sqlite3
+
+    conn = sqlite3.connect(root / "index.db")
+    conn.executescript("CREATE TABLE payloads (payload_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, agent_id TEXT"
+                       " NOT NULL, format TEXT NOT NULL, size INTEGER NOT NULL, hash TEXT NOT NULL, encryption TEXT"
+                       " NOT NULL, created_at REAL NOT NULL, expires_at REAL NOT NULL, opened_at REAL);"
+                       "INSERT INTO payloads VALUES ('pay_oldoldold1', 's', 'a', 'text/plain', 3, 'sha256:"
+                       + "1" * 64 + "', '{}', 1.0, 9e12, NULL);")
+    conn.commit()
+    conn.close()
+    (root / "blobs").mkdir(mode=0o700)
+    (root / "blobs" / "pay_oldoldold1").write_bytes(b"abc")
+    store = PayloadStore.open(root)
+    assert [(m.payload_id, m.state) for m in store.list()] == [("pay_oldoldold1", "stored")]
