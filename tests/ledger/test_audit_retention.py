@@ -46,6 +46,9 @@ def test_a_large_purge_lets_reads_commit_between_its_slices(home: Paths, monkeyp
     is durable while the purge still has bodies to drop (one UPDATE held every commit until it had
     dropped them all), the WAL stays bounded, and the pruned log still verifies."""
     monkeypatch.setattr(audit_mod, "PURGE_SLICE_EVENTS", 200, raising=False)
+    # 100 slices with 20 ms between them: the read's commit has ~2 s to come in while bodies are left,
+    # however loaded the machine (with the product's 2 ms a busy CI could see the purge end first)
+    monkeypatch.setattr(audit_mod, "PURGE_PAUSE_SECONDS", 0.02, raising=False)
     db = home.audit_db
     now = time.time()
     log = open_audit(home, guard_config(audit_retention_days=90))
