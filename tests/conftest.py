@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import pytest
 
 from gateway.config import Paths
 from gateway.keys import init_home
+
+# The dashboard of every appliance a test starts takes a free port, never the default 9380 that an
+# appliance the user runs beside the suite holds (tests that need a fixed one set it themselves).
+os.environ.setdefault("UOMP_DASHBOARD_PORT", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from portkit import own_ports_env
 
 from gateway.client import UompClient
 from gateway.client.errors import AuthError
@@ -279,31 +280,31 @@ def test_init_hostname_drives_certificate_endpoints_and_authorize(home: Path, tm
                "--out", str(tmp_path / "g"), "--yes")
     assert "!! https://other.example is not an endpoint this gateway accepts" in res.stdout
     # doctor: coherent now; an address recorded without re-issuing the certificate is a problem with its fix
-    assert uomp(home, "doctor").returncode == 0
+    assert uomp(home, "doctor", env=own_ports_env()).returncode == 0
     addr = home / "gateway" / "addresses.json"
     data = json.loads(addr.read_text())
     data["public_urls"].append("https://late.example:9443")
     addr.write_text(json.dumps(data))
-    doc = uomp(home, "doctor", check=False)
+    doc = uomp(home, "doctor", check=False, env=own_ports_env())
     assert doc.returncode == 1
     assert "the gateway certificate does not name late.example" in doc.stdout
     assert "fix: run: uomp init --hostname https://late.example:9443" in doc.stdout
     uomp(home, "init", "--hostname", "https://late.example:9443")
-    assert uomp(home, "doctor").returncode == 0
+    assert uomp(home, "doctor", env=own_ports_env()).returncode == 0
 
 
 def test_doctor_names_each_problem_with_its_fix(home: Path) -> None:
     uomp(home, "init")
     os.chmod(home / ".secrets" / "ed25519-private.jwk", 0o644)
     (home / "config.toml").write_text("[gateway]\nlisten_prot = 1\n")
-    res = uomp(home, "doctor", check=False)
+    res = uomp(home, "doctor", check=False, env=own_ports_env())
     assert res.returncode == 1
     assert "PROBLEM  signing key" in res.stdout and "fix: chmod 600" in res.stdout
     assert "unknown setting(s) in [gateway]: 'listen_prot' (did you mean 'listen_port'?)" in res.stdout
     assert "2 problem(s) found" in res.stdout
     os.chmod(home / ".secrets" / "ed25519-private.jwk", 0o600)
     (home / "config.toml").write_text("[gatway]\nlisten_port = 1\n")  # a misspelled section: said once
-    res = uomp(home, "doctor", check=False)
+    res = uomp(home, "doctor", check=False, env=own_ports_env())
     assert res.returncode == 1 and "ok config" not in res.stdout
     assert res.stdout.count("unknown section(s) in the config file: 'gatway' (did you mean 'gateway'?)") == 1
     assert "1 problem(s) found" in res.stdout
