@@ -207,7 +207,8 @@ def fit_limits(limits: Sequence[Limits], fd_limit: int, reserve: int) -> list[Li
 class Conn:
     """One accepted connection's budget membership, phase and deadline timer."""
 
-    __slots__ = ("accepted_at", "body_bytes", "body_started", "bytes_in", "closed", "handler", "handshaken",
+    __slots__ = ("accepted_at", "answered", "body_bytes", "body_started", "bytes_in", "closed", "handler",
+                 "handshaken",
                  "ip", "last_progress", "loop", "payload", "pending", "phase", "queued", "raw", "raw_bytes",
                  "registry", "requests", "timer", "verified", "waiting")
 
@@ -227,6 +228,7 @@ class Conn:
         self.body_bytes = 0
         self.payload: Any = None
         self.pending = False  # bytes of a next request arrived while this one was handled
+        self.answered = False  # the handler is done while the body still arrives (aiohttp drains it)
         self.requests = 0
         # bytes received: on TLS, the first bytes (a ClientHello) before the loop's TLS protocol takes over,
         # then the decrypted ones (last_progress: the newest of either)
@@ -357,6 +359,7 @@ class Conn:
         self.phase = "body"
         self.payload = payload
         self.pending = False
+        self.answered = False
         self.body_started = asyncio.get_running_loop().time()
         self.body_bytes = self.bytes_in
         self._check_body()
@@ -374,6 +377,8 @@ class Conn:
         if self._body_done():
             self.payload = None
             self.phase = "handling"
+            if self.answered:  # the body of an answered request has been drained: between requests now
+                self.request_finished()
             return
         lim = self.registry.limits
         now = asyncio.get_running_loop().time()
@@ -399,6 +404,7 @@ class Conn:
     def request_finished(self) -> None:
         if self.phase == "body":
             if not self._body_done():
+                self.answered = True
                 return  # aiohttp may still read (linger on) the body: the body deadline keeps running
             self.payload = None
         self._cancel()

@@ -211,3 +211,58 @@ def test_the_lifetime_is_long_by_default_and_positive() -> None:
     assert cfg.connection_max_lifetime_seconds >= 3600
     with pytest.raises(Exception, match="lifetime"):
         transport.Limits.for_listener(GatewayConfig(connection_max_lifetime_seconds=0), "mtls")
+
+
+def _post(wire: Wire, path: str, headers: dict[str, str], body: bytes, length: int | None = None) -> bytes:
+    head = wire.head(path, {**headers, "Content-Type": "application/json",
+                            "Content-Length": str(len(body) if length is None else length)})
+    return head.replace(b"GET ", b"POST ", 1) + body
+
+
+async def test_every_request_gets_its_own_body_deadline(home: Paths) -> None:
+    """Requests with bodies, one after the other past several body deadlines, are all answered;
+    then a later request whose body stalls is cut by its body deadline (and not before it)."""
+    async with appliance(home, **DEADLINES) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a)
+        wire = await Wire.open(app.gateway.port or 0, a.ssl())
+        try:
+            hdrs = {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id}
+            req = _post(wire, "/v1/memory/query", hdrs, b'{"keys": ["preference.theme"]}')
+            statuses = await _busy(wire, req, 3 * HEADER)
+            assert len(statuses) >= 3 * HEADER / (STEP + 0.1) and len(set(statuses)) == 1, statuses
+            assert not app.gateway.registry.closed_by_deadline, app.gateway.registry.stats()
+            # request N: its headers and a part of its body, then nothing
+            await wire.send(_post(wire, "/v1/memory/query", hdrs, b'{"keys": [', length=200))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert await wire.closed_within(HEADER + 3.0), "a stalled body on a later request was not cut"
+            assert loop.time() - started >= HEADER * 0.8
+            assert app.gateway.registry.closed_by_deadline["body"] == 1, app.gateway.registry.stats()
+        finally:
+            wire.close()
+
+
+async def test_a_slow_header_after_a_refused_request_with_a_late_body_is_cut(home: Paths) -> None:
+    """A request refused before its body arrived (no certificate): the body comes late and is
+    drained; the connection is then between requests, so the next request's header deadline runs
+    (aiohttp's keep-alive timer, which would end it too, is set far off here)."""
+    async with appliance(home, **{**DEADLINES, "keepalive_timeout_seconds": 30.0}) as app:
+        wire = await Wire.open(app.gateway.port or 0, build_client_context(ca_file(app.paths)))
+        try:
+            body = b'{"keys": ["preference.theme"]}'
+            req = _post(wire, "/v1/memory/query", {"Authorization": "Bearer x"}, body)
+            cut = len(req) - len(body) + 5
+            await wire.send(req[:cut])
+            assert await wire.answer() == 401  # answered before the body is in
+            await asyncio.sleep(0.3)
+            await wire.send(req[cut:])  # the rest of the body, late but within its deadline
+            await asyncio.sleep(0.3)
+            await wire.send(req[:req.index(b"\r\n") + 2])  # the next request: its line, then nothing
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert await wire.closed_within(HEADER + 2.0), "the next request's slow header was not cut"
+            assert loop.time() - started >= HEADER * 0.5
+            assert app.gateway.registry.closed_by_deadline["headers"] == 1, app.gateway.registry.stats()
+        finally:
+            wire.close()
