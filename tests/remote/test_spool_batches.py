@@ -217,3 +217,24 @@ async def test_replaying_the_same_events_again_writes_each_once(home: Paths) -> 
         logged = [e["id"] for e in ledger_events(home, origin="gateway")]
         assert sorted(logged) == sorted(e["id"] for e in events)
         assert verify_ledger(home).ok
+
+
+async def test_a_live_event_the_guard_refuses_is_spooled_then_set_aside_and_newer_ones_go_on(home: Paths) -> None:
+    async with running_guard(home, serve_tcp=False):
+        sink, spool, fwd = sink_for(home)
+        try:
+            bad = refusal(1, surprise="x")
+            good = [refusal(i) for i in range(2, 40)]
+            futs = [sink.append(bad), *[sink.append(ev) for ev in good]]  # one batch, refused whole
+            await asyncio.wait_for(asyncio.gather(*[f for f in futs if f is not None]), 30)
+            assert sink.batches_refused >= 1
+            later = sink.append(refusal(99))
+            assert later is not None
+            await asyncio.wait_for(later, 30)  # the replay runs first: split, set aside, marker moved on
+            assert sink.backlog == 0 and sink.events_set_aside == 1
+            ids = {e["id"] for e in ledger_events(home, origin="gateway")}
+            assert {e["id"] for e in good} <= ids and bad["id"] not in ids
+            assert [a["id"] for a in sink.set_aside()] == [bad["id"]]
+        finally:
+            await fwd.close()
+            spool.close()
