@@ -372,6 +372,9 @@ class GatewayConfig:
     min_body_bytes_per_second: int = 1024  # average body rate a client must keep up after the grace
     body_rate_grace_seconds: float = 5.0  # how long the body may lag behind the minimum rate at first
     keepalive_timeout_seconds: float = 75.0  # idle keep-alive of a verified connection
+    # A connection's whole life (accept -> close), busy or not: once past it, the answer in progress
+    # is its last (Connection: close), so it ends between requests, never during one.
+    connection_max_lifetime_seconds: float = 6 * 3600.0
     status_cache_seconds: float = 0.5
     status_cache_entries: int = 16384  # sessions whose status is remembered; beyond, expired ones go, then all
     token_cache_entries: int = 4096  # verified access tokens remembered (expiry re-checked on every hit)

@@ -57,6 +57,10 @@ EVENT_ID_HEADER = "X-UOMP-Event-Id"
 # rejected TLS handshakes, spool replays): Unix socket only, never in the gateway's route table.
 INTERNAL_EVENTS_PATH = "/v1/internal/events"
 MAX_INTERNAL_EVENTS = 1000  # events per internal request
+# Bytes of one internal request's body. The guard reads at most this much on that route (its own
+# limit, not [guard] max_body_bytes) and refuses more with 413; the gateway packs its batches under
+# it. Larger than one spooled event can be (gateway.remote.access_chain.MAX_EVENT_BYTES).
+MAX_INTERNAL_EVENTS_BYTES = 1024 * 1024
 
 # Every verified header the gateway may set (the guard refuses any other X-UOMP-Verified-* name).
 VERIFIED_HEADERS = frozenset(h.lower() for h in (

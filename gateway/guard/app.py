@@ -38,7 +38,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway import contract, jsonio, openapi
@@ -190,13 +191,38 @@ def _admin(request: web.Request) -> None:
         raise UompError(ErrorCode.UNAUTHORIZED, "the management API needs the user's admin credential")
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+BODY_READ_SECONDS = 30.0  # a request body arrives whole within this, or the request is refused (400)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole request body, at most ``limit`` bytes: read until its end (one ``read()`` returns
+    only what has arrived so far, so a body that comes in pieces is joined here). Larger is 413
+    PAYLOAD_TOO_LARGE (from the declared length, before anything is read, or once the bytes read pass
+    it); a body that does not arrive whole within :data:`BODY_READ_SECONDS`, or breaks off, is 400."""
+    too_large = UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {limit} bytes; send less per request")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(BODY_READ_SECONDS):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                parts.append(chunk)
+    except TimeoutError:
+        raise UompError(ErrorCode.INVALID_REQUEST, f"the request body did not arrive whole within "
+                        f"{BODY_READ_SECONDS:g} s; send it at once") from None
+    except (OSError, HttpProcessingError, ClientPayloadError) as exc:
+        raise UompError(ErrorCode.INVALID_REQUEST, f"the request body broke off ({type(exc).__name__}); "
+                        "send it again") from None
+    return b"".join(parts)
+
+
+async def _json_body(request: web.Request, limit: int | None = None) -> dict[str, Any]:
     svc = request.app[SERVICES]
-    if request.content_length is not None and request.content_length > svc.cfg.max_body_bytes:
-        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {svc.cfg.max_body_bytes} bytes")
-    raw = await request.content.read(svc.cfg.max_body_bytes + 1)
-    if len(raw) > svc.cfg.max_body_bytes:
-        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {svc.cfg.max_body_bytes} bytes")
+    raw = await read_body(request, svc.cfg.max_body_bytes if limit is None else limit)
     if not raw.strip():
         return {}
     try:
@@ -931,10 +957,12 @@ async def internal_events(request: web.Request) -> web.Response:
     """``POST /v1/internal/events`` (Unix socket only): the events of requests the remote gateway
     answered alone (its refusals, rejected TLS handshakes, its spool when replayed), written into the
     one log in one group commit, answered once durable. Idempotent by event id (``gw_...``): an event
-    sent twice is one event. Trusted like every gateway call here: the socket is 0600, only the
+    sent twice is one event. A body over :data:`gateway.contract.MAX_INTERNAL_EVENTS_BYTES` is 413, a
+    malformed one (or one bad event) 400 for the whole batch: the gateway splits it and sets aside
+    the one event that stays refused. Trusted like every gateway call here: the socket is 0600, only the
     user's processes reach it; the gateway has no route to it."""
     svc = request.app[SERVICES]
-    body = await _json_body(request)
+    body = await _json_body(request, contract.MAX_INTERNAL_EVENTS_BYTES)
     events = body.get("events")
     if not isinstance(events, list) or len(events) > contract.MAX_INTERNAL_EVENTS:
         raise UompError(ErrorCode.INVALID_REQUEST, f"events must be a list of at most {contract.MAX_INTERNAL_EVENTS}")

@@ -119,9 +119,18 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
 async def _read_csr(request: web.Request) -> bytes | None:
     if not request.can_read_body:
         return None
-    raw = await request.content.read(MAX_CSR_BYTES + 1)
-    if len(raw) > MAX_CSR_BYTES:
+    if request.content_length is not None and request.content_length > MAX_CSR_BYTES:
         raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "renewal request too large")
+    # the whole body: one read() returns only what has arrived so far (the listener's body
+    # deadline bounds the time)
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > MAX_CSR_BYTES:
+            raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "renewal request too large")
+        parts.append(chunk)
+    raw = b"".join(parts)
     if not raw.strip():
         return None
     try:

@@ -686,6 +686,7 @@ async def entry(request: web.Request) -> web.StreamResponse:
             code, resp = ErrorCode.STORE_UNAVAILABLE, _unrecorded(log_exc)
     finally:
         transport.request_finished(request)
+    transport.last_answer(request, resp)
     state.metrics.observe_request(call.route.name if call.route else "unknown", code,
                                   time.perf_counter() - started)
     return resp

@@ -7,9 +7,10 @@ rejected TLS handshakes, upstream failures) goes to the guard's internal route
 
 * :meth:`EventSink.append` queues an event and returns a future; the request's answer waits for it
   (acknowledged = durable). Everything queued within one event-loop tick leaves in *one* internal
-  request (at most :data:`gateway.contract.MAX_INTERNAL_EVENTS` events), which the guard writes in
-  one group commit: a flood of refusals costs one round trip and one fsync per batch
-  (:attr:`EventSink.requests_sent` counts the internal requests).
+  request (at most :data:`gateway.contract.MAX_INTERNAL_EVENTS` events and
+  :data:`gateway.contract.MAX_INTERNAL_EVENTS_BYTES` bytes of body, the guard's limit on that route;
+  more makes more requests), which the guard writes in one group commit: a flood of refusals costs
+  one round trip and one fsync per batch (:attr:`EventSink.requests_sent` counts the internal requests).
 * Events without a verified session carry a ``source`` (the client address) and pass a per-source
   token bucket; beyond the rate they are *counted*, not written, and the counts land as one
   ``gateway_events_suppressed`` event at most every ``summary_interval`` seconds.
@@ -25,6 +26,15 @@ the spool sequence number replayed so far (written atomically after the guard ac
 A crash between the guard's answer and that write replays a batch again: the ids make that a no-op.
 When neither the guard nor the spool can take an event, the futures fail with
 ``STORE_UNAVAILABLE`` and the request is answered 503.
+
+A batch the guard *refuses* (413: too large, 400: malformed; as opposed to unreachable or busy,
+which is retried with a backoff of at most :data:`REPLAY_BACKOFF_MAX_SECONDS`) is logged, counted
+(:attr:`EventSink.batches_refused`) and split in halves, down to one event. One event the guard
+still refuses can never be written, so it must not hold back the rest: it is *set aside*, first a
+line in ``access.setaside.jsonl`` (seq, id, status, code, size; fsynced; never the event's fields),
+then a ``gateway_event_set_aside`` event in the guard's log naming the spool seq, then the marker
+moves past it. The event itself stays in the spool (the hash-chained file keeps it for as long as
+its retention), :attr:`EventSink.events_set_aside` counts it and a warning names its seq and code.
 """
 
 from __future__ import annotations
@@ -33,24 +43,32 @@ import asyncio
 import contextlib
 import datetime as dt
 import hashlib
+import json
 import logging
+import os
+import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gateway import contract
-from gateway.durable import RefusalTally
+from gateway.durable import RefusalTally, fault_point
 from gateway.errors import ErrorCode, UompError
-from gateway.fsutil import atomic_write
+from gateway.fsutil import atomic_write, fsync_dir
 from gateway.remote.access_log import GAP_TYPE, MAX_SOURCES, SUPPRESSED_TYPE, AccessLog, _Buckets
 from gateway.remote.forward import Forwarder
 
 log = logging.getLogger("uomp.gateway")
 
 REPLAY_INTERVAL_SECONDS = 1.0
+REPLAY_BACKOFF_MAX_SECONDS = 10.0  # the replay timer backs off to this while the guard does not answer
 SUPPRESSED_ACTION = "gateway_events_suppressed"
+SET_ASIDE_ACTION = "gateway_event_set_aside"
+REFUSED_STATUSES = (400, 413)  # the guard refused the batch's content: split it, never retry it whole
+_BODY_OVERHEAD = len(json.dumps({"events": []}))
+_SAFE_ID = re.compile(r"[A-Za-z0-9_]{1,64}")
 SPOOL_FIELDS = ("type", "seq", "timestamp", "prev")  # what the spool adds to an event
 
 
@@ -59,6 +77,35 @@ def new_event_id(now: float | None = None) -> str:
     unguessable (80 random bits), and side by side in the log's ``id`` index with the other events
     of the same moment (:func:`gateway.contract.event_id_time`)."""
     return f"gw_{contract.event_id_time(now)}{secrets.token_hex(10)}"
+
+
+class Refused(UompError):
+    """The guard answered 400 or 413 to a batch: its content, not the guard's state, is the problem."""
+
+    def __init__(self, status: int, code: str) -> None:
+        super().__init__(ErrorCode.STORE_UNAVAILABLE, f"the guard refused the events ({status} {code})")
+        self.http_status = status
+        self.guard_code = code
+
+
+def wire_size(event: Mapping[str, Any]) -> int:
+    """Bytes ``event`` takes in an internal request's body (as :meth:`Forwarder.json_call` encodes
+    it), with the separator before it."""
+    return len(json.dumps(event)) + 2
+
+
+def fits(sizes: Sequence[int]) -> int:
+    """How many of the leading events (their :func:`wire_size`) make one internal request: at most
+    :data:`~gateway.contract.MAX_INTERNAL_EVENTS` and :data:`~gateway.contract.MAX_INTERNAL_EVENTS_BYTES`
+    of body; at least one (an event too large on its own is sent alone and refused as such)."""
+    total = _BODY_OVERHEAD
+    n = 0
+    for size in sizes[:contract.MAX_INTERNAL_EVENTS]:
+        total += size
+        if n and total > contract.MAX_INTERNAL_EVENTS_BYTES:
+            break
+        n += 1
+    return max(1, n) if sizes else 0
 
 
 class EventSink:
@@ -79,6 +126,7 @@ class EventSink:
         self._timer: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one delivery at a time: the spool is replayed in order
         self.marker = spool.path.with_name(spool.path.stem + ".replayed")
+        self.set_aside_file = spool.path.with_name(spool.path.stem + ".setaside.jsonl")
         self.replayed_seq = self._read_marker()
         # counters (metrics, tests, benchmarks)
         self.requests_sent = 0  # internal requests to the guard (batches + replays)
@@ -86,6 +134,8 @@ class EventSink:
         self.events_spooled = 0
         self.events_replayed = 0
         self.events_counted = 0  # rate-limited: counted, not written one by one
+        self.batches_refused = 0  # internal requests the guard refused (400/413): split
+        self.events_set_aside = 0  # single spooled events the guard refused: set aside, not replayed
 
     # ------------------------------------------------------------------------- appending
 
@@ -130,8 +180,9 @@ class EventSink:
     async def _drain(self) -> None:
         await asyncio.sleep(0)  # one tick: whatever is refused concurrently joins this batch
         while True:
-            batch = self._pending[:contract.MAX_INTERNAL_EVENTS]
-            del self._pending[:len(batch)]
+            n = fits([wire_size(ev) for ev, _ in self._pending[:contract.MAX_INTERNAL_EVENTS]])
+            batch = self._pending[:n]
+            del self._pending[:n]
             summary = self._summary()
             if summary is not None:
                 batch.insert(0, (summary, None))
@@ -149,6 +200,10 @@ class EventSink:
                 await self._post(events)
                 self.events_sent += len(events)
             except UompError as exc:
+                if isinstance(exc, Refused):  # the replay splits it and sets aside what stays refused
+                    self.batches_refused += 1
+                    log.warning("one log: the guard refused a batch of %d event(s) (%s %s); spooled, "
+                                "to be replayed in smaller batches", len(events), exc.http_status, exc.guard_code)
                 try:
                     await self._to_spool(events, exc)
                 except (UompError, ValueError) as spool_exc:  # ValueError: an event the spool refuses
@@ -171,6 +226,8 @@ class EventSink:
         if status != 200:
             err = body.get("error")
             code = err.get("code") if isinstance(err, dict) else None
+            if status in REFUSED_STATUSES:
+                raise Refused(status, str(code or "-")[:40])
             raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the guard did not record the events ({code or status})")
 
     async def _to_spool(self, events: list[dict[str, Any]], why: UompError) -> None:
@@ -202,29 +259,104 @@ class EventSink:
 
     async def _replay_locked(self) -> int:
         done = 0
-        while self.spool.last_seq > self.replayed_seq:
-            records = await asyncio.to_thread(self.spool.read, after_seq=self.replayed_seq,
-                                              limit=contract.MAX_INTERNAL_EVENTS)
-            if not records:
-                break
-            events = [spooled_event(r) for r in records]
-            await self._post(events)
-            last = int(records[-1]["seq"])
-            await asyncio.to_thread(atomic_write, self.marker, f"{last}\n".encode())
-            self.replayed_seq = last
-            self.events_replayed += len(events)
-            done += len(events)
-        if done:
-            log.info("replayed %d spooled event(s) into the guard's log", done)
+        refused, set_aside = self.batches_refused, self.events_set_aside
+        try:
+            while self.spool.last_seq > self.replayed_seq:
+                records = await asyncio.to_thread(self.spool.read, after_seq=self.replayed_seq,
+                                                  limit=contract.MAX_INTERNAL_EVENTS)
+                if not records:
+                    break
+                items = [(r, spooled_event(r)) for r in records]
+                n = fits([wire_size(ev) for _, ev in items])
+                done += await self._replay_items(items[:n])
+        finally:
+            if done:
+                log.info("replayed %d spooled event(s) into the guard's log", done)
+            if self.batches_refused > refused:
+                log.warning("one log: the guard refused %d replay batch(es) (400/413): split; %d event(s) set aside "
+                            "in %s", self.batches_refused - refused, self.events_set_aside - set_aside,
+                            self.set_aside_file.name)
         return done
 
-    async def run_replayer(self, interval: float = REPLAY_INTERVAL_SECONDS) -> None:
-        """Background task: replay the spool whenever it holds events and the guard answers."""
+    async def _replay_items(self, items: list[tuple[dict[str, Any], dict[str, Any]]]) -> int:
+        """Post spooled (record, event) pairs in one request, the marker moved past them once the
+        guard acknowledged; a refused batch in halves, in order; one refused event set aside. The
+        number of events written."""
+        try:
+            if len(items) == 1 and wire_size(items[0][1]) + _BODY_OVERHEAD > contract.MAX_INTERNAL_EVENTS_BYTES:
+                raise Refused(413, "PAYLOAD_TOO_LARGE")  # can never be accepted: not even sent
+            await self._post([ev for _, ev in items])
+        except Refused as exc:
+            self.batches_refused += 1
+            if len(items) == 1:
+                await self._set_aside(items[0], exc)
+                return 0
+            mid = len(items) // 2
+            return await self._replay_items(items[:mid]) + await self._replay_items(items[mid:])
+        fault_point("gateway_spool_acked")  # the guard has them, the marker does not say so yet
+        await self._mark(int(items[-1][0]["seq"]))
+        self.events_replayed += len(items)
+        return len(items)
+
+    async def _mark(self, seq: int) -> None:
+        await asyncio.to_thread(atomic_write, self.marker, f"{seq}\n".encode())
+        self.replayed_seq = seq
+
+    async def _set_aside(self, item: tuple[dict[str, Any], dict[str, Any]], why: Refused) -> None:
+        """One spooled event the guard refuses on its own: recorded (durably, without its fields),
+        reported in the guard's log, skipped. Idempotent: a crash before the marker moves does it again,
+        the same line (same seq) and the same report event (same id)."""
+        record, event = item
+        seq = int(record["seq"])
+        eid = event.get("id")
+        eid = eid if isinstance(eid, str) and _SAFE_ID.fullmatch(eid) else None
+        line = {"seq": seq, "id": eid, "status": why.http_status, "code": why.guard_code,
+                "bytes": wire_size(event), "at": _iso(self.clock())}
+        await asyncio.to_thread(_append_line, self.set_aside_file, json.dumps(line, sort_keys=True))
+        self.events_set_aside += 1
+        log.warning("one log: spooled event seq %d (id %s) refused by the guard (%s %s), set aside in %s; "
+                    "the replay goes on", seq, eid or "-", why.http_status, why.guard_code, self.set_aside_file.name)
+        report = {"id": "gw_" + hashlib.sha256(f"set-aside:{seq}:{record.get('prev')}".encode()).hexdigest()[:32],
+                  "ts": self.clock(),
+                  "action": SET_ASIDE_ACTION, "allowed": False, "code": why.guard_code, "status": why.http_status,
+                  "detail": eid, "count": 1,
+                  "reason": f"a gateway event the guard refused ({why.http_status} {why.guard_code}) is kept in the "
+                            f"gateway's spool at seq {seq} and listed in {self.set_aside_file.name}"}
+        try:
+            await self._post([{k: v for k, v in report.items() if v is not None}])
+        except Refused as exc:  # not expected (a small well-formed event): the file line and the log say it
+            log.error("one log: the report of set-aside spool seq %d was refused too (%s %s)", seq,
+                      exc.http_status, exc.guard_code)
+        await self._mark(seq)
+
+    def set_aside(self) -> list[dict[str, Any]]:
+        """The set-aside list (one entry per spool seq, oldest first)."""
+        try:
+            text = self.set_aside_file.read_text()
+        except FileNotFoundError:
+            return []
+        seen: dict[int, dict[str, Any]] = {}
+        for raw in text.splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                entry = json.loads(raw)
+                seen.setdefault(int(entry["seq"]), entry)
+        return [seen[k] for k in sorted(seen)]
+
+    async def run_replayer(self, interval: float = REPLAY_INTERVAL_SECONDS,
+                           backoff_max: float = REPLAY_BACKOFF_MAX_SECONDS) -> None:
+        """Background task: replay the spool whenever it holds events and the guard answers; while it
+        does not, the wait doubles up to ``backoff_max``."""
+        wait = interval
         while True:
-            await asyncio.sleep(interval)
-            if self.backlog:
-                with contextlib.suppress(UompError):
-                    await self.replay()
+            await asyncio.sleep(wait)
+            if not self.backlog:
+                wait = interval
+                continue
+            try:
+                await self.replay()
+                wait = interval
+            except UompError:
+                wait = min(backoff_max, wait * 2)
 
     async def close(self) -> None:
         """Deliver what is queued (and a pending summary) before the gateway stops."""
@@ -255,6 +387,19 @@ def spooled_event(record: Mapping[str, Any]) -> dict[str, Any]:
     return ev
 
 
+def _append_line(path: Path, line: str) -> None:
+    """Append one line and fsync it (the file is created 0600, its directory synced)."""
+    new = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, line.encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if new:
+        fsync_dir(path.parent)
+
+
 def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
 
@@ -270,4 +415,4 @@ def spool_path(gateway_dir: Path) -> Path:
     return gateway_dir / "access.jsonl"
 
 
-__all__ = ["EventSink", "new_event_id", "spool_path", "spooled_event"]
+__all__ = ["EventSink", "Refused", "fits", "new_event_id", "spool_path", "spooled_event", "wire_size"]

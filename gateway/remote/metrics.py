@@ -121,6 +121,8 @@ class Metrics:
         self.access_log_state: Callable[[], tuple[bool, int]] | None = None
         # the anchoring backlog's counts per state, read at scrape time (None: not connected)
         self.anchor_state: Callable[[], dict[str, int] | None] | None = None
+        # the spool's replay into the guard's log: backlog, batches refused, events set aside, replayed
+        self.spool_state: Callable[[], tuple[int, int, int, int]] | None = None
 
     # ---------------------------------------------------------------------------- labels
 
@@ -284,6 +286,19 @@ class Metrics:
             for state, n in sorted(anchors.items()):
                 if _NAME.fullmatch(state):
                     out.append(f"{name}{_labels((('state', state),))} {int(n)}")
+        if self.spool_state is not None:
+            backlog, refused, set_aside, replayed = self.spool_state()
+            for suffix, kind, text, value in (
+                    ("spool_backlog_events", "gauge", "Spooled gateway events not yet in the guard's log.", backlog),
+                    ("spool_batches_refused_total", "counter", "Event batches the guard refused (400/413), "
+                     "split and sent again.", refused),
+                    ("spool_events_set_aside_total", "counter", "Single spooled events the guard refused: set "
+                     "aside (listed in access.setaside.jsonl, kept in the spool), not replayed.", set_aside),
+                    ("spool_events_replayed_total", "counter", "Spooled events replayed into the guard's log.",
+                     replayed)):
+                name = f"{ns}_{suffix}"
+                family(name, kind, text)
+                out.append(f"{name} {value}")
         return "\n".join(out) + "\n"
 
 

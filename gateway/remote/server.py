@@ -112,6 +112,8 @@ class GatewayRunner:
         key_watch = keys.KeyWatch(self.paths)  # before the keys are read: no change goes unseen
         self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
                                           endpoints=endpoints, tunnel_endpoints=list(cfg.tunnel_endpoints))
+        ev = state.events
+        metrics.spool_state = lambda: (ev.backlog, ev.batches_refused, ev.events_set_aside, ev.events_replayed)
         reloader = self.reloader
         state.revoked_serials = lambda: reloader.revoked
         state.upstream_ok = lambda: monitor.up is not False

@@ -27,6 +27,10 @@ run outside Python (benchmarks/README.md, "Issue 13, session 4: native TLS"):
   average of ``min_body_rate`` bytes/s once ``body_rate_grace`` has passed. An unverified
   connection may idle between requests for ``first_byte_timeout`` only (a verified one for
   aiohttp's keep-alive time). A connection past a deadline is aborted (no TLS close_notify wait).
+  One timer per connection: arming a phase's deadline cancels the previous one, and a timer that
+  fires in another phase than its own ends nothing, so every keep-alive request has deadlines of
+  its own. A connection older than ``max_lifetime`` is closed after the answer in progress
+  (:func:`last_answer`), between requests, never during one.
 * requests aiohttp cannot parse get a §8.4 JSON error and an audit callback instead of aiohttp's
   text/plain answer (which could echo request bytes into the log);
 * plain HTTP sent to the TLS port gets a short plain-text answer saying "use https://" (and is a
@@ -74,6 +78,8 @@ log = logging.getLogger("uomp.gateway")
 TLS_READ_BUFFER_BYTES = 32 * 1024
 # How often a request body's progress is looked at (at most; shorter when the deadlines are).
 BODY_CHECK_SECONDS = 1.0
+# Which connection phase a deadline timer belongs to (others: the phase of the same name).
+_TIMER_PHASE = {"first_byte": "accepted", "body_rate": "body"}
 # The listen backlog never exceeds this; asyncio accepts up to a backlog's worth per wake-up.
 MAX_BACKLOG = 1024
 # Upper bound for the soft file-descriptor limit when the hard limit is "unlimited".
@@ -113,12 +119,13 @@ class Limits:
     body_timeout: float
     min_body_rate: int  # bytes/s
     body_rate_grace: float
+    max_lifetime: float = 6 * 3600.0  # seconds from accept; then closed after the answer in progress
 
     def __post_init__(self) -> None:
         if self.max_verified < 1 or self.max_unverified < 1 or self.max_unverified_per_ip < 0:
             raise UompError(ErrorCode.CONFIG_ERROR, "connection budgets must be positive")
         for name in ("handshake_timeout", "shutdown_timeout", "first_byte_timeout", "header_timeout",
-                     "body_timeout"):
+                     "body_timeout", "max_lifetime"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise UompError(ErrorCode.CONFIG_ERROR, f"{name} must be a positive number of seconds")
@@ -140,6 +147,7 @@ class Limits:
             "body_timeout": cfg.body_timeout_seconds,
             "min_body_rate": cfg.min_body_bytes_per_second,
             "body_rate_grace": cfg.body_rate_grace_seconds,
+            "max_lifetime": cfg.connection_max_lifetime_seconds,
         }
         if listener == "metrics":  # no authentication at all: one small budget
             return cls(max_verified=1, max_unverified=cfg.metrics_max_connections, max_unverified_per_ip=0, **common)
@@ -199,7 +207,8 @@ def fit_limits(limits: Sequence[Limits], fd_limit: int, reserve: int) -> list[Li
 class Conn:
     """One accepted connection's budget membership, phase and deadline timer."""
 
-    __slots__ = ("accepted_at", "body_bytes", "body_started", "bytes_in", "closed", "handler", "handshaken",
+    __slots__ = ("accepted_at", "answered", "body_bytes", "body_started", "bytes_in", "closed", "handler",
+                 "handshaken",
                  "ip", "last_progress", "loop", "payload", "pending", "phase", "queued", "raw", "raw_bytes",
                  "registry", "requests", "timer", "verified", "waiting")
 
@@ -219,6 +228,7 @@ class Conn:
         self.body_bytes = 0
         self.payload: Any = None
         self.pending = False  # bytes of a next request arrived while this one was handled
+        self.answered = False  # the handler is done while the body still arrives (aiohttp drains it)
         self.requests = 0
         # bytes received: on TLS, the first bytes (a ClientHello) before the loop's TLS protocol takes over,
         # then the decrypted ones (last_progress: the newest of either)
@@ -302,7 +312,9 @@ class Conn:
 
     def _expired(self, phase: str) -> None:
         self.timer = None
-        if not self.closed:
+        # Only the deadline of the phase the connection is in ends it (one timer at a time; a timer
+        # of an earlier phase or request is cancelled when the next is armed, this is the backstop).
+        if not self.closed and self.phase == _TIMER_PHASE.get(phase, phase):
             self.registry.deadline(self, phase)
 
     def abort(self) -> None:
@@ -347,6 +359,7 @@ class Conn:
         self.phase = "body"
         self.payload = payload
         self.pending = False
+        self.answered = False
         self.body_started = asyncio.get_running_loop().time()
         self.body_bytes = self.bytes_in
         self._check_body()
@@ -356,12 +369,16 @@ class Conn:
         return p is None or bool(p.is_eof())
 
     def _check_body(self) -> None:
-        self.timer = None
+        # Called at the request's start and then by its own timer: either way the connection's one
+        # timer is replaced (the header deadline of this request ends here).
+        self._cancel()
         if self.closed or self.phase != "body":
             return
         if self._body_done():
             self.payload = None
             self.phase = "handling"
+            if self.answered:  # the body of an answered request has been drained: between requests now
+                self.request_finished()
             return
         lim = self.registry.limits
         now = asyncio.get_running_loop().time()
@@ -378,9 +395,16 @@ class Conn:
         self.timer = asyncio.get_running_loop().call_at(min(now + step, self.body_started + lim.body_timeout),
                                                         self._check_body)
 
+    def past_lifetime(self) -> bool:
+        """The connection has lived longer than ``max_lifetime``: the answer being sent is its last
+        (``Connection: close``), so it ends between requests, never during one."""
+        loop = self.loop
+        return loop is not None and loop.time() - self.accepted_at >= self.registry.limits.max_lifetime
+
     def request_finished(self) -> None:
         if self.phase == "body":
             if not self._body_done():
+                self.answered = True
                 return  # aiohttp may still read (linger on) the body: the body deadline keeps running
             self.payload = None
         self._cancel()
@@ -729,6 +753,12 @@ def request_finished(request: web.BaseRequest) -> None:
         request.protocol.conn.request_finished()
 
 
+def last_answer(request: web.BaseRequest, resp: web.StreamResponse) -> None:
+    """Close the connection after ``resp`` when it is past its lifetime (:meth:`Conn.past_lifetime`)."""
+    if isinstance(request.protocol, GuardedHandler) and request.protocol.conn.past_lifetime():
+        resp.force_close()
+
+
 @web.middleware
 async def phase_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """For apps other than the gateway's (whose entry point calls these itself): tell the
@@ -736,6 +766,7 @@ async def phase_middleware(request: web.Request, handler: Any) -> web.StreamResp
     request_started(request)
     try:
         resp: web.StreamResponse = await handler(request)
+        last_answer(request, resp)
         return resp
     finally:
         request_finished(request)
