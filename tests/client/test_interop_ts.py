@@ -265,10 +265,11 @@ async def test_theirs_to_our_running_guard(home: Paths, tmp_path: Path) -> None:
             assert status == 401 and body["error"]["code"] == "SESSION_REVOKED", body
 
     # the guard ran on the reference's two files alone: nothing of ours was written next to them
-    # The reference's key files were used as they are; the only new secret is the audit log's own
-    # checkpoint signing key, which the guard makes on first start.
+    # The reference's key files were used as they are; the only new secrets are the audit log's own:
+    # its checkpoint signing key, which the guard makes on first start, and its witness record.
     assert sorted(p.name for p in home.secrets.iterdir()) == ["admin-token", "audit-ed25519.key",
-                                                              "ed25519-private.jwk", "ed25519-public.jwk"]
+                                                              "audit-witness.json", "ed25519-private.jwk",
+                                                              "ed25519-public.jwk"]
 
 
 async def test_ts_jose_refuses_our_tampered_and_unsigned_tokens(seeded: Paths) -> None:
