@@ -12,6 +12,7 @@ for the user's own audit view only.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -88,7 +89,32 @@ def filter_fields(item: Mapping[str, Any], allowed_fields: Sequence[str] | None)
             for name in HIGH_SENSITIVITY_HIDDEN:
                 out.pop(name, None)
         return out
-    return {k: v for k, v in item.items() if k in allowed_fields}
+    out = {k: v for k, v in item.items() if k in allowed_fields}
+    for path in allowed_fields:
+        top, _, rest = path.partition(".")
+        if rest and top not in allowed_fields:  # `value.shares`: that part of the value, as aggregates read it
+            _copy_path(item.get(top), rest.split("."), out, top)
+    return out
+
+
+def _copy_path(src: Any, parts: list[str], dst: dict[str, Any], name: str) -> None:
+    """Copy ``src[parts[0]]...[parts[-1]]`` into ``dst[name]`` (nested objects made as needed);
+    nothing when the path does not exist in ``src`` (a value that is not an object has no parts)."""
+    walk = src
+    for part in parts:
+        if not isinstance(walk, Mapping) or part not in walk:
+            return
+        walk = walk[part]
+    node = src
+    target = dst
+    key = name
+    for part in parts:
+        if not isinstance(target.get(key), dict):
+            target[key] = {}
+        target = target[key]
+        node = node[part]
+        key = part
+    target[key] = copy.deepcopy(node)  # never an alias of the item's own objects (later paths add to it)
 
 
 # ------------------------------------------------------------------------------ aggregates

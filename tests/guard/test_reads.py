@@ -626,3 +626,28 @@ def test_a_long_scan_does_not_hold_up_reads_by_key(home: Paths) -> None:
         assert st.aggregate("bulk", ReadFilter(), path=None).count == 51
     finally:
         st.close()
+
+
+async def test_nested_allowed_fields_select_that_part_of_item_reads_as_of_aggregates(home: Paths) -> None:
+    """`--allowed-field value.shares` returns the shares of each item (it emptied item reads while aggregates
+    used it); nothing else of the value, and the other fields' aggregates stay refused."""
+    seed(home, [item("AAPL", {"shares": 3, "cost_basis": 450.0, "note": "private"}, "portfolio"),
+                item("MSFT", {"shares": 5, "cost_basis": 1200.0}, "portfolio"),
+                item("NVDA", {"shares": 2, "cost_basis": 900.0}, "portfolio"),
+                item("CASH", 1000, "portfolio")])
+    async with running_guard(home), unix_session(home) as s:
+        read = {"tags": ["portfolio"], "keys": []}
+        tok = (await grant(s, home, read=read, allowed_fields=["key", "value.shares"]))["token"]
+        status, body, _ = await call(s, "GET", "/v1/memory/AAPL", token=tok)
+        assert (status, body) == (200, {"key": "AAPL", "value": {"shares": 3}})
+        status, body, _ = await call(s, "GET", "/v1/memory/CASH", token=tok)  # a value with no parts
+        assert (status, body) == (200, {"key": "CASH"})
+        status, body, _ = await call(s, "GET", "/v1/memory?tag=portfolio", token=tok)
+        assert status == 200 and sorted(body["items"], key=lambda x: x["key"]) == [
+            {"key": "AAPL", "value": {"shares": 3}}, {"key": "CASH"}, {"key": "MSFT", "value": {"shares": 5}},
+            {"key": "NVDA", "value": {"shares": 2}}]
+        status, body, _ = await call(s, "GET", f"{AGG}?tag=portfolio&op=sum&field=value.shares", token=tok)
+        assert status == 200 and body["result"] == 10, body
+        status, body, _ = await call(s, "GET", f"{AGG}?tag=portfolio&op=sum&field=value.cost_basis", token=tok)
+        assert status == 403 and "result" not in body
+        assert "private" not in str(body) and "450" not in str(body)
