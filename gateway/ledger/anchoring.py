@@ -547,6 +547,10 @@ class Anchorer:
         """Bind the unbound facts checkpoint ``size`` covers to it, and fix its content, in one
         transaction: whatever is sent for this checkpoint from now on carries exactly these."""
         conn = self._db()
+        for _ in range(MAX_DERIVE_BATCHES):  # a checkpoint stored since this round's derivation: its facts first
+            row = conn.execute("SELECT seq FROM ledger_anchor_scan WHERE one = 1").fetchone()
+            if (row is not None and int(row[0]) >= size) or not derive_facts(conn):
+                break
         conn.execute("BEGIN IMMEDIATE")
         try:
             if conn.execute("SELECT events_fixed FROM ledger_anchors WHERE size = ?", (size,)).fetchone() == (0,):

@@ -362,3 +362,20 @@ async def test_the_appliance_anchors_each_fact_once_with_the_hashes_and_names_no
                *[i.key for i in ITEMS], *[json.dumps(i.value) for i in ITEMS], "dark", "lockpicking", "Alice"]
     for text in needles:
         assert text.encode() not in raw, text
+
+
+async def test_a_checkpoint_stored_after_the_rounds_derivation_still_carries_its_facts(tmp_path: Path) -> None:
+    """The grant and its checkpoint land between the round's derivation and the send: the facts
+    the checkpoint covers are derived before its content is fixed (not left for a later one)."""
+    from gateway.anchor.none import NoneBackend
+
+    db = tmp_path / "audit.db"
+    log = _log(db)
+    anchorer = Anchorer(db, NoneBackend(), policy=POLICY)
+    try:
+        await anchorer.step(now=1.0)  # the round's derivation: nothing yet
+        size = _append(log, [*_reads(2, 0), _grant_body()])
+        await asyncio.to_thread(anchorer._bind_facts, size)
+        assert _facts(log) == [(3, "SessionGranted", size, "queued")]
+    finally:
+        await anchorer.stop()
