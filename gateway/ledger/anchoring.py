@@ -427,6 +427,15 @@ def summary(b: dict[str, Any] | None) -> str:
             + (f" ({c['rejected']} REJECTED)" if c.get("rejected") else "")
             + (f", oldest {b['oldest_pending_seconds']:.0f} s" if b.get("oldest_pending_seconds") is not None else "")
             + (f", last in tx {last['tx']}" if last else ""))
+    facts: dict[str, int] = {}
+    for per_state in (b.get("events") or {}).values():
+        for state, n in per_state.items():
+            facts[state] = facts.get(state, 0) + n
+    if facts:
+        open_n = sum(facts.get(st, 0) for st in ("queued", "submitted"))
+        text += (f"; §18.4.1 events: {facts.get('confirmed', 0)} on chain (checked), {open_n} pending"
+                 + (f", {facts['rejected']} REJECTED" if facts.get("rejected") else "")
+                 + (f", {facts['skipped']} not anchorable" if facts.get("skipped") else ""))
     rej = b.get("last_rejection")
     if rej and rej.get("state") in OPEN_STATES:
         text += f"; !! the chain did not show checkpoint {rej['tree_size']}: {rej['reason']}"

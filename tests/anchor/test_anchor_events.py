@@ -27,7 +27,7 @@ from lying_rpc import LyingRpc
 
 from gateway.anchor import encoding as enc
 from gateway.config import Paths
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy, backlog, check_facts
+from gateway.ledger.anchoring import Anchorer, AnchorPolicy, backlog, check_facts, summary
 from gateway.ledger.log import EventLog
 
 pytestmark = pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
@@ -217,6 +217,7 @@ async def test_a_lying_node_never_confirms_a_fact(tmp_path: Path, chain: Chain, 
         assert _facts(log)[0][2] == size  # bound to its checkpoint, which was not superseded
         b = backlog(log.conn)
         assert b["events"]["SessionGranted"] == {"rejected": 1}
+        assert "§18.4.1 events: 0 on chain (checked), 0 pending, 1 REJECTED" in summary(b)
         # a newer checkpoint comes: the fact stays with the rejected one, and is not sent twice
         _append(log, _reads(2, 10))
         lying.lies = set()
@@ -248,6 +249,18 @@ async def test_verify_finds_an_event_on_chain_that_no_audit_event_holds(tmp_path
         await backend.close()
     checked, problems = await _verify_anchors(log.conn, chain.backend())
     assert checked == 1 and problems == []
+    # a proof bundle's verifier knows the checkpoint, not the facts: checkpoint_only checks the rest's kinds
+    from gateway.anchor.base import Anchor, AnchorMismatch
+
+    _size, ref, note = log.conn.execute("SELECT a.size, a.ref, c.note FROM ledger_anchors a JOIN ledger_checkpoints c"
+                                       " ON c.size = a.size WHERE a.state = 'confirmed'").fetchone()
+    b = chain.backend()
+    try:
+        await b.verify(Anchor.for_checkpoint(note, checkpoint_only=True), ref)
+        with pytest.raises(AnchorMismatch):
+            await b.verify(Anchor.for_checkpoint(note), ref)  # the transaction carries a SessionGranted
+    finally:
+        await b.close()
     # the owner's key anchors something the log does not hold
     b = chain.backend()
     try:
