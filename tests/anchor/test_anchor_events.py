@@ -392,3 +392,29 @@ async def test_a_checkpoint_stored_after_the_rounds_derivation_still_carries_its
         assert _facts(log) == [(3, "SessionGranted", size, "queued")]
     finally:
         await anchorer.stop()
+
+
+async def test_a_reorg_that_drops_a_fact_re_anchors_it_once(tmp_path: Path, chain: Chain) -> None:
+    """A confirmed fact whose transaction the chain no longer holds goes back to the backlog with
+    its checkpoint (not confirmed meanwhile) and is on chain exactly once afterwards."""
+    log = _log(tmp_path / "audit.db")
+    _append(log, [_grant_body(), *_reads(2, 0)])
+    snapshot = chain.anvil.rpc("evm_snapshot")
+    backend = chain.backend()
+    anchorer = Anchorer(tmp_path / "audit.db", backend, policy=POLICY)
+    try:
+        await _until_confirmed(anchorer, chain, log)
+        assert chain.anvil.rpc("evm_revert", snapshot) is True
+        assert _grants_on_chain(await chain.events()) == []
+        assert await anchorer.recheck(now=chain.tick()) == 1
+        assert backlog(log.conn)["events"]["SessionGranted"] == {"queued": 1}  # with its checkpoint, not confirmed
+        await _until_confirmed(anchorer, chain, log)
+        for _ in range(3):
+            await anchorer.step(now=chain.tick())
+            chain.anvil.mine(1)
+    finally:
+        await anchorer.stop()
+        await backend.close()
+    events = await chain.events()
+    assert _grants_on_chain(events) == [_expected_grant()]
+    assert check_facts(log.conn, events) == []
