@@ -601,7 +601,7 @@ class Anchorer:
             elif isinstance(exc, AnchorMismatch) or phase == "check":
                 await self._reject(size, rejections, str(exc), now)
             else:
-                await self._fail(size, str(exc), now)
+                await self._fail(size, str(exc), now, release=True)
             return
         if conf.state == "confirmed" and conf.final:
             await self._q("UPDATE ledger_anchors SET state = 'confirmed', block_number = ?, confirmations = ?,"
@@ -612,7 +612,15 @@ class Anchorer:
         elif conf.state == "dropped":
             await self._q("UPDATE ledger_anchors SET state = 'queued', next_at = ? WHERE size = ?", (now, size))
         elif conf.state == "failed":
-            await self._fail(size, "the anchoring transaction reverted", now)
+            try:  # reverted: was this checkpoint anchored by another transaction (a resend that raced it)?
+                other = await self.backend.find(anchor)
+            except AnchorError:
+                other = None
+            if other:
+                await self._q("UPDATE ledger_anchors SET ref = ?, nonce = NULL, next_at = ? WHERE size = ?",
+                              (other, now, size))
+            else:
+                await self._fail(size, "the anchoring transaction reverted", now, release=True)
         elif conf.state == "not_anchored":
             await self._q("UPDATE ledger_anchors SET state = 'confirmed', done_at = ?, verified_at = ? WHERE size = ?",
                           (now, now, size))
@@ -676,9 +684,11 @@ class Anchorer:
                       " rejected_at = ?, rejections = ?, verified_at = NULL, next_at = ? WHERE size = ?",
                       (error[:MAX_REASON], error[:MAX_REASON], now, rejections + 1, now + wait, size))
 
-    async def _fail(self, size: int, error: str, now: float) -> None:
+    async def _fail(self, size: int, error: str, now: float, *, release: bool = False) -> None:
+        """``release``: the chain refused or reverted this anchor (its facts are not on chain), so
+        they go with the next checkpoint sent; otherwise (the log itself is wrong) they stay bound."""
         log.error("anchoring checkpoint %d failed: %s", size, error)
         await self._q("UPDATE ledger_anchors SET state = 'failed', last_error = ?, done_at = ? WHERE size = ?",
                       (error[:MAX_REASON], now, size))
-        # Not on chain (refused or reverted): its facts go with the next checkpoint sent.
-        await self._q("UPDATE ledger_anchor_events SET anchor_size = NULL WHERE anchor_size = ?", (size,))
+        if release:
+            await self._q("UPDATE ledger_anchor_events SET anchor_size = NULL WHERE anchor_size = ?", (size,))

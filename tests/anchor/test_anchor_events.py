@@ -418,3 +418,37 @@ async def test_a_reorg_that_drops_a_fact_re_anchors_it_once(tmp_path: Path, chai
     events = await chain.events()
     assert _grants_on_chain(events) == [_expected_grant()]
     assert check_facts(log.conn, events) == []
+
+
+async def test_a_failed_anchor_gives_its_facts_to_the_next_checkpoint(tmp_path: Path, chain: Chain) -> None:
+    """Not the owner: the chain refuses the anchor (failed, nothing on chain); its facts are not
+    lost with it but go, once, with the next checkpoint."""
+    from eth_account import Account
+
+    from gateway.anchor.evm import EvmBackend, EvmSettings
+
+    db = tmp_path / "audit.db"
+    log = _log(db)
+    first = _append(log, [_grant_body(), *_reads(1, 0)])
+    stranger = Account.create()
+    chain.anvil.fund(stranger.address)
+    wrong = EvmBackend(EvmSettings(rpc_url=chain.anvil.url, contract=chain.contract, chain_id=31337,
+                                   confirmations=1, rpc_attempts=1), stranger)
+    anchorer = Anchorer(db, wrong, policy=POLICY)
+    try:
+        await anchorer.step(now=chain.tick())
+    finally:
+        await anchorer.stop()
+        await wrong.close()
+    assert log.conn.execute("SELECT state FROM ledger_anchors WHERE size = ?", (first,)).fetchone() == ("failed",)
+    assert _facts(log) == [(1, "SessionGranted", None, None)]  # given back, not lost
+    second = _append(log, _reads(1, 5))
+    backend = chain.backend()
+    anchorer = Anchorer(db, backend, policy=POLICY)
+    try:
+        await _until_confirmed(anchorer, chain, log)
+    finally:
+        await anchorer.stop()
+        await backend.close()
+    assert _facts(log) == [(1, "SessionGranted", second, "confirmed")]
+    assert _grants_on_chain(await chain.events()) == [_expected_grant()]
