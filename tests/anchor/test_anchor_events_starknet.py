@@ -14,7 +14,7 @@ from starknet_standin import StandIn, StandInServer
 
 from gateway.anchor import encoding as enc
 from gateway.anchor.starknet import StarknetBackend, StarknetSettings, expected_events
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy, anchor_for, backlog
+from gateway.ledger.anchoring import Anchorer, AnchorPolicy, anchor_for, backlog, check_facts
 from gateway.ledger.log import EventLog
 
 CHAIN = int(StarknetChainId.SEPOLIA)
@@ -56,6 +56,11 @@ async def test_grant_and_payload_facts_reach_the_stand_in_and_are_checked(tmp_pa
         assert anchor.payloads[0].payload_hash == bytes.fromhex("cd" * 32)
         mined = [tx for tx in node.txs.values() if tx.block is not None]
         assert len(mined) == 1 and mined[0].events == expected_events(anchor)
+        # uomp audit verify's event check reads the same events back from the node
+        events = await backend.contract_events()
+        assert sorted(e["kind"] for e in events) == ["PayloadAnchored", "SessionGranted"]
+        assert check_facts(conn, events) == []
+        assert any("matches no audit event" in p for p in check_facts(conn, events + events[:1]))
     finally:
         await anchorer.stop()
         await backend.close()
