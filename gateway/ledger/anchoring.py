@@ -223,6 +223,10 @@ def derive_facts(conn: sqlite3.Connection, *, now: float | None = None, batch: i
     the cursor moved over (0: it is at the end of the log)."""
     now = time.time() if now is None else now
     moved = 0
+    row = conn.execute("SELECT (SELECT seq FROM ledger_anchor_scan WHERE one = 1), (SELECT MAX(seq) FROM"
+                       " ledger_events)").fetchone()
+    if row[1] is None or (row[0] is not None and int(row[0]) >= int(row[1])):
+        return 0  # nothing new: no write lock taken
     conn.execute("BEGIN IMMEDIATE")
     try:
         row = conn.execute("SELECT seq FROM ledger_anchor_scan WHERE one = 1").fetchone()
