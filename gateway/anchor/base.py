@@ -149,6 +149,9 @@ class Anchor:
     access: tuple[GatewayAccess, ...] = ()
     payloads: tuple[PayloadAnchored, ...] = ()
     deletions: tuple[DataDeletionProofSubmitted, ...] = ()
+    # A verifier that knows the checkpoint but not which §18.4.1 events its transaction carried (a
+    # proof bundle): ``verify`` then checks the CheckpointAnchored event and only the kinds of the others.
+    checkpoint_only: bool = False
 
     def __post_init__(self) -> None:
         _check_hash("root", self.root)
@@ -169,6 +172,8 @@ class Anchor:
                 raise ValueError(f"events must be a tuple of {kind.__name__}")
         if self.event_count > MAX_EVENTS_PER_ANCHOR:
             raise ValueError(f"more than {MAX_EVENTS_PER_ANCHOR} events in one anchor")
+        if self.checkpoint_only and self.event_count:
+            raise ValueError("a checkpoint-only anchor names no events")
 
     @property
     def anchor_id(self) -> bytes:

@@ -201,7 +201,8 @@ def _backend(acfg: AnchorConfig, *, rpc: str | None = None, contract: str | None
 async def _verify_anchors(conn: sqlite3.Connection, backend: Any) -> tuple[int, list[str]]:
     """Every confirmed anchor of the local table on chain, then the log against the newest anchor
     the chain itself holds (so a rollback that also deleted the local anchor rows is found)."""
-    from gateway.anchor.base import Anchor, AnchorError
+    from gateway.anchor.base import AnchorError
+    from gateway.ledger.anchoring import anchor_for, check_facts
     from gateway.ledger.verify import check_anchored_head
 
     problems: list[str] = []
@@ -222,10 +223,19 @@ async def _verify_anchors(conn: sqlite3.Connection, backend: Any) -> tuple[int, 
     try:
         for size, ref, note in rows:
             try:
-                await backend.verify(Anchor.for_checkpoint(str(note)), str(ref))
+                await backend.verify(anchor_for(conn, int(size), str(note)), str(ref))
                 checked += 1
             except AnchorError as exc:
                 problems.append(f"anchor of checkpoint {size} (tx {ref}): {exc.code}: {exc.message}")
+        # The §18.4.1 events: each on chain is an audit event's, each confirmed one is on chain.
+        chain_events: list[dict[str, Any]] | None = None
+        listing = getattr(backend, "contract_events", None)
+        if listing is not None:
+            try:
+                chain_events = await listing()
+            except AnchorError as exc:
+                problems.append(f"the contract's events could not be read: {exc.code}: {exc.message}")
+        problems.extend(check_facts(conn, chain_events))
     finally:
         await backend.close()
     return checked, problems
@@ -379,7 +389,8 @@ def _verify_proof(args: argparse.Namespace) -> int:
 
             async def check() -> None:
                 try:
-                    await backend.verify(Anchor.for_checkpoint(str(bundle["checkpoint"])), str(anchor["tx"]))
+                    await backend.verify(Anchor.for_checkpoint(str(bundle["checkpoint"]), checkpoint_only=True),
+                                         str(anchor["tx"]))
                 finally:
                     await backend.close()
             try:

@@ -333,6 +333,7 @@ class AgentCall:
         self.action = action
         self.key = key
         self.tags = tags
+        self.fields: dict[str, Any] = {}  # event fields of this action (audit.EXTRA_FIELDS), e.g. memory_hash
         self.cap: Capability | None = None
         self.row: SessionRow | None = None
         self.remaining: int | None = None
@@ -428,7 +429,7 @@ class AgentCall:
         """What the request's event takes from the request itself: body size, ``via``, and the
         gateway's audit fields (:func:`event_fields`). On the event loop."""
         request = self.request
-        return request.content_length or 0, _via(request), event_fields(request, code=code)
+        return request.content_length or 0, _via(request), {**event_fields(request, code=code), **self.fields}
 
     def event_row(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None,
                   code: str | None = None, context: tuple[int, str, dict[str, Any]] | None = None) -> Row:
@@ -858,6 +859,7 @@ async def deletion_proof(request: web.Request) -> web.Response:
         raise
     await svc.authdb(svc.auth.record_deletion_proof, sid, proof.deletion_proof_id)
     call.allow("deletion proof verified", proof.deletion_proof_id)
+    call.fields["memory_hash"] = proof.memory_hash  # what its deletionProofHash (§19.6) is made of
     if cap.task_bound and row.status == "active":
         await svc.authdb(functools.partial(svc.auth.close, sid,
                                            reason="task-bound session closed after its deletion proof"))

@@ -141,7 +141,8 @@ def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True) -> AuditL
 # Fields an event may carry besides :data:`COLUMNS` (the gateway's, issue 10's one log): where and how
 # the request arrived, its stable code and HTTP status, and counts of rate-limited events.
 EXTRA_FIELDS = frozenset({"listener", "client", "cert_serial", "cert_fp", "request_id", "code", "status",
-                          "method", "path", "tag", "origin", "count", "by", "first", "last"})
+                          "method", "path", "tag", "origin", "count", "by", "first", "last",
+                          "expires_at", "memory_hash"})  # §18.4.1 inputs: a grant's expiry, a deletion proof's hash
 GATEWAY_ID_PREFIX = "gw_"  # ids the gateway gives its events: deduplicated on write (spool replays)
 
 

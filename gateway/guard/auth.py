@@ -295,7 +295,8 @@ class AuthService:
         with transaction(self.db, what="session database"):
             self.record_minted(row, minted)
         self.audit.record(session_id=session_id, agent_id=row.agent_id, action="session_granted", allowed=True,
-                          reason="granted by the user", tags=list(read.tags))
+                          reason="granted by the user", tags=list(read.tags),
+                          extra={"expires_at": int(row.expires_at)})  # SessionGranted's expiresAt (§18.4.1)
         self.audit.flush_sync()
         return out
 

@@ -24,14 +24,28 @@
   reported, and the next checkpoint is tried on its own.
 * The worker runs in its own task with its own connection; nothing on a request path waits for it.
 
-Other kinds of anchored records (the §18.4.1 events) get their own backlog table with the same
-states and the same rule: a row counts only after ``verify`` passed.
+The §18.4.1 events ride on the checkpoint anchors (the contract's ``anchor`` takes both in one
+transaction):
+
+* Facts are derived from the audit log, idempotently: ``session_granted``, ``session_revoked``,
+  ``deletion_proof`` (accepted) and ``payload_uploaded`` events become rows of
+  ``ledger_anchor_events`` (keyed by the audit event's ``seq``, a cursor in ``ledger_anchor_scan``
+  moved in the same transaction), with the hashes of :mod:`gateway.anchor.encoding` computed from
+  the event bodies. A crash re-derives what was not committed; ``INSERT OR IGNORE`` never doubles.
+* Before the newest open checkpoint is first sent, the unassigned facts it covers (audit ``seq`` <=
+  its size, at most MAX_EVENTS_PER_ANCHOR) are bound to it and the row is marked ``events_fixed``, in
+  one transaction: from then on that anchor always means the same transaction content (``find``,
+  ``verify``, the recheck and a re-anchor rebuild it from the table). A checkpoint that carries
+  facts is never superseded: it is sent itself. A ``failed`` one gives its facts back to the next.
+* A fact's state is its anchor's: ``confirmed`` only once that anchor was checked on chain,
+  ``rejected`` with the anchor's reason, ``queued`` while unbound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sqlite3
 import time
@@ -39,7 +53,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.anchor.base import Anchor, AnchorBackend, AnchorError, AnchorMismatch, Submitted
+from gateway.anchor.base import (
+    MAX_EVENTS_PER_ANCHOR,
+    Anchor,
+    AnchorBackend,
+    AnchorError,
+    AnchorMismatch,
+    DataDeletionProofSubmitted,
+    PayloadAnchored,
+    SessionGranted,
+    SessionRevoked,
+    Submitted,
+)
+from gateway.durable import fault_point
 from gateway.ledger.log import ANCHOR_SCHEMA
 
 log = logging.getLogger("uomp.anchor")
@@ -56,7 +82,36 @@ _EXTRA_COLUMNS = (
     ("rejections", "INTEGER NOT NULL DEFAULT 0"),  # how often the chain did not show it
     ("rejected_reason", "TEXT"),  # the newest reason (kept after a retry or re-anchor)
     ("rejected_at", "REAL"),
+    ("events_fixed", "INTEGER NOT NULL DEFAULT 0"),  # 1: the §18.4.1 facts this anchor carries are fixed
 )
+
+# The §18.4.1 facts to anchor, derived from the audit log (see the module docstring).
+EVENTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger_anchor_events (
+  seq INTEGER PRIMARY KEY,      -- the audit event (ledger_events.seq) that records the fact
+  event_id TEXT NOT NULL,
+  kind TEXT NOT NULL,           -- SessionGranted | SessionRevoked | PayloadAnchored | DataDeletionProofSubmitted
+  session_hash BLOB,
+  agent_hash BLOB,
+  item_hash BLOB,               -- payloadHash or deletionProofHash
+  expires_at INTEGER,           -- SessionGranted
+  anchor_size INTEGER,          -- the ledger_anchors row whose transaction carries it; NULL: not bound yet
+  skipped TEXT,                 -- why it cannot be anchored (the log lacks an input): never sent
+  queued_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS idx_anchor_events_size ON ledger_anchor_events(anchor_size);
+CREATE TABLE IF NOT EXISTS ledger_anchor_scan (
+  one INTEGER PRIMARY KEY CHECK (one = 1),
+  seq INTEGER NOT NULL          -- every audit event up to here was looked at
+);
+"""
+# audit action -> the §18.4.1 event it is anchored as (allowed events only)
+ANCHORED_ACTIONS = {"session_granted": "SessionGranted", "session_revoked": "SessionRevoked",
+                    "deletion_proof": "DataDeletionProofSubmitted", "payload_uploaded": "PayloadAnchored"}
+KIND_ORDER = ("SessionGranted", "SessionRevoked", "PayloadAnchored", "DataDeletionProofSubmitted")
+GATEWAY_EVENT_PREFIX = "gw_"  # ids of events the remote gateway sent (gateway.guard.audit.GATEWAY_ID_PREFIX)
+DERIVE_BATCH = 2000  # audit events looked at per derivation transaction
+MAX_DERIVE_BATCHES = 50  # per worker round (the rest next round)
 
 
 def _columns(conn: sqlite3.Connection) -> set[str]:
@@ -74,14 +129,239 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
         if name not in have:
             try:
                 conn.execute(f"ALTER TABLE ledger_anchors ADD COLUMN {name} {decl}")
+                if name == "events_fixed":  # rows from before may have been sent without facts: keep them so
+                    conn.execute("UPDATE ledger_anchors SET events_fixed = 1")
             except sqlite3.OperationalError as exc:
                 if "duplicate column" not in str(exc):  # another process added it first: fine
                     raise  # busy (the writer holds the lock): the caller tries again next round
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_anchor_scan'").fetchone() is None:
+        conn.executescript(EVENTS_SCHEMA)
     unchecked = ("FROM ledger_anchors WHERE state = 'confirmed' AND verified_at IS NULL AND ref IS NOT NULL"
                  " AND ref != ''")
     if conn.execute(f"SELECT 1 {unchecked} LIMIT 1").fetchone() is not None:  # nothing written otherwise
         conn.execute(f"UPDATE ledger_anchors SET state = 'submitted', next_at = 0 WHERE rowid IN (SELECT rowid"
                      f" {unchecked})")
+
+
+# ------------------------------------------------------------------ §18.4.1 facts from the audit log
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One §18.4.1 event as the audit log says it happened (hashes per gateway.anchor.encoding)."""
+
+    seq: int
+    event_id: str
+    kind: str
+    session_hash: bytes | None = None
+    agent_hash: bytes | None = None
+    item_hash: bytes | None = None
+    expires_at: int | None = None
+    skipped: str | None = None  # why it cannot be anchored
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.kind, self.session_hash, self.agent_hash, self.item_hash, self.expires_at)
+
+
+def _grant_tags(conn: sqlite3.Connection, session_id: str) -> list[str] | None:
+    """The tags of the session's ``session_granted`` event (what its sessionHash is made of)."""
+    row = conn.execute("SELECT body FROM ledger_events WHERE session_id = ? AND action = 'session_granted'"
+                       " AND body IS NOT NULL ORDER BY seq LIMIT 1", (session_id,)).fetchone()
+    if row is None:
+        return None
+    tags = json.loads(row[0]).get("tags")
+    return [str(t) for t in tags] if isinstance(tags, list) else []
+
+
+def fact_of(conn: sqlite3.Connection, seq: int, event_id: str, action: str, body: str | None) -> Fact | None:
+    """The §18.4.1 fact an audit event records (None: it records none), computed from the event
+    body and, for the session hash of a revocation, deletion proof or payload, the tags of the
+    session's grant event. A fact the log lacks an input for is returned ``skipped`` with why."""
+    from gateway.anchor import encoding as enc
+
+    kind = ANCHORED_ACTIONS.get(action)
+    if kind is None or event_id.startswith(GATEWAY_EVENT_PREFIX):  # the gateway's events state no such fact
+        return None
+    if body is None:
+        return Fact(seq, event_id, kind, skipped="event body pruned by retention before it was anchored")
+    ev = json.loads(body)
+    if ev.get("allowed") is not True:
+        return None
+    sid, aid = ev.get("session_id"), ev.get("agent_id")
+    if not isinstance(sid, str) or not isinstance(aid, str):
+        return Fact(seq, event_id, kind, skipped="event has no session or agent")
+    try:
+        tags = ev.get("tags") if kind == "SessionGranted" else _grant_tags(conn, sid)
+        if kind == "SessionGranted" and not isinstance(tags, list):
+            tags = []
+        if tags is None:
+            return Fact(seq, event_id, kind, skipped="the session's grant event is not in the log")
+        s_hash, a_hash = enc.session_hash(sid, aid, [str(t) for t in tags]), enc.agent_hash(aid)
+        if kind == "SessionGranted":
+            exp = ev.get("expires_at")
+            if not isinstance(exp, int) or isinstance(exp, bool) or exp < 0:
+                return Fact(seq, event_id, kind, skipped="grant event has no expires_at (recorded by an older version)")
+            return Fact(seq, event_id, kind, s_hash, a_hash, expires_at=exp)
+        if kind == "SessionRevoked":
+            return Fact(seq, event_id, kind, s_hash, a_hash)
+        if kind == "PayloadAnchored":
+            digest = ev.get("detail")
+            if not isinstance(digest, str) or not digest.startswith("sha256:") or len(digest) != 71:
+                return Fact(seq, event_id, kind, skipped="payload event has no sha256 hash")
+            return Fact(seq, event_id, kind, s_hash, a_hash, item_hash=bytes.fromhex(digest[7:]))
+        proof_id, memory_hash = ev.get("detail"), ev.get("memory_hash")
+        if not isinstance(proof_id, str) or not isinstance(memory_hash, str):
+            return Fact(seq, event_id, kind, skipped="deletion proof event has no id or memory_hash")
+        return Fact(seq, event_id, kind, s_hash, a_hash, item_hash=enc.deletion_proof_hash(proof_id, sid, memory_hash))
+    except ValueError as exc:
+        return Fact(seq, event_id, kind, skipped=f"cannot hash the event ({exc})"[:MAX_REASON])
+
+
+def derive_facts(conn: sqlite3.Connection, *, now: float | None = None, batch: int = DERIVE_BATCH) -> int:
+    """Move the scan cursor over the next ``batch`` audit events, adding their §18.4.1 facts to
+    ``ledger_anchor_events`` in the same transaction (idempotent). Returns how many audit events
+    the cursor moved over (0: it is at the end of the log)."""
+    now = time.time() if now is None else now
+    moved = 0
+    row = conn.execute("SELECT (SELECT seq FROM ledger_anchor_scan WHERE one = 1), (SELECT MAX(seq) FROM"
+                       " ledger_events)").fetchone()
+    if row[1] is None or (row[0] is not None and int(row[0]) >= int(row[1])):
+        return 0  # nothing new: no write lock taken
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        row = conn.execute("SELECT seq FROM ledger_anchor_scan WHERE one = 1").fetchone()
+        cursor = 0 if row is None else int(row[0])
+        top = conn.execute("SELECT MAX(seq) FROM ledger_events WHERE seq <= ?", (cursor + batch,)).fetchone()[0]
+        if top is not None and int(top) > cursor:
+            actions = tuple(ANCHORED_ACTIONS)
+            marks = ",".join("?" * len(actions))
+            for seq, eid, action, body in conn.execute(
+                    f"SELECT seq, id, action, body FROM ledger_events WHERE seq > ? AND seq <= ?"
+                    f" AND action IN ({marks}) ORDER BY seq", (cursor, int(top), *actions)).fetchall():
+                fact = fact_of(conn, int(seq), str(eid), str(action), body)
+                if fact is None:
+                    continue
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO ledger_anchor_events (seq, event_id, kind, session_hash, agent_hash,"
+                    " item_hash, expires_at, skipped, queued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (fact.seq, fact.event_id, fact.kind, fact.session_hash, fact.agent_hash, fact.item_hash,
+                     fact.expires_at, fact.skipped, now))
+                if cur.rowcount and fact.skipped:
+                    log.error("audit event #%d (%s) cannot be anchored: %s", fact.seq, fact.kind, fact.skipped)
+            fault_point("anchor.facts_derived")  # (before the commit: the derivation is redone)
+            conn.execute("INSERT INTO ledger_anchor_scan (one, seq) VALUES (1, ?) ON CONFLICT(one) DO UPDATE"
+                         " SET seq = excluded.seq", (int(top),))
+            moved = int(top) - cursor
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    return moved
+
+
+def stored_facts(conn: sqlite3.Connection, where: str = "1",
+                 args: tuple[Any, ...] = ()) -> list[tuple[Fact, int | None]]:
+    """(fact, anchor size) rows of ``ledger_anchor_events``."""
+    return [(Fact(int(r[0]), str(r[1]), str(r[2]), _b(r[3]), _b(r[4]), _b(r[5]), r[6], r[7]), r[8])
+            for r in conn.execute("SELECT seq, event_id, kind, session_hash, agent_hash, item_hash, expires_at,"
+                                  f" skipped, anchor_size FROM ledger_anchor_events WHERE {where} ORDER BY seq", args)]
+
+
+def _b(v: Any) -> bytes | None:
+    return None if v is None else bytes(v)
+
+
+def anchor_events(facts: list[Fact]) -> dict[str, Any]:
+    """The keyword fields of :class:`Anchor` for these facts (grouped by kind, each in seq order)."""
+    out: dict[str, list[Any]] = {"granted": [], "revoked": [], "payloads": [], "deletions": []}
+    for f in sorted(facts, key=lambda f: f.seq):
+        assert f.session_hash is not None and f.agent_hash is not None
+        if f.kind == "SessionGranted":
+            assert f.expires_at is not None
+            out["granted"].append(SessionGranted(f.session_hash, f.agent_hash, int(f.expires_at)))
+        elif f.kind == "SessionRevoked":
+            out["revoked"].append(SessionRevoked(f.session_hash, f.agent_hash))
+        elif f.kind == "PayloadAnchored":
+            assert f.item_hash is not None
+            out["payloads"].append(PayloadAnchored(f.item_hash, f.session_hash, f.agent_hash))
+        else:
+            assert f.item_hash is not None
+            out["deletions"].append(DataDeletionProofSubmitted(f.session_hash, f.agent_hash, f.item_hash))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def anchor_for(conn: sqlite3.Connection, size: int, note: str) -> Anchor:
+    """The anchor of checkpoint ``size`` as its transaction carries it: the checkpoint and the
+    §18.4.1 facts bound to it (``uomp audit verify``, the worker)."""
+    facts = [f for f, _ in stored_facts(conn, "anchor_size = ?", (size,))] if _has_events(conn) else []
+    return Anchor.for_checkpoint(note, **anchor_events(facts))
+
+
+def _has_events(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_anchor_events'").fetchone() is not None
+
+
+def _chain_key(ev: dict[str, Any]) -> tuple[Any, ...]:
+    a = ev["args"]
+    kind = ev["kind"]
+    item = a.get("payloadHash") if kind == "PayloadAnchored" else a.get("deletionProofHash")
+    exp = a.get("expiresAt") if kind == "SessionGranted" else None
+    return (kind, bytes(a["sessionHash"]), bytes(a["agentHash"]), None if item is None else bytes(item),
+            None if exp is None else int(exp))
+
+
+def check_facts(conn: sqlite3.Connection, chain_events: list[dict[str, Any]] | None) -> list[str]:
+    """``uomp audit verify``: every stored fact is what its audit event says (recomputed from the
+    log), every fact the scan passed is stored, every confirmed fact is on chain in its anchor's
+    transaction, and every §18.4.1 event on chain (``chain_events``, None: chain not read) is a
+    stored fact (counted: a doubled event is found). Problems, worded for the user."""
+    if not _has_events(conn):
+        return []
+    problems: list[str] = []
+    row = conn.execute("SELECT seq FROM ledger_anchor_scan WHERE one = 1").fetchone()
+    cursor = 0 if row is None else int(row[0])
+    stored = {f.seq: (f, size) for f, size in stored_facts(conn)}
+    actions = tuple(ANCHORED_ACTIONS)
+    marks = ",".join("?" * len(actions))
+    for seq, eid, action, body in conn.execute(
+            f"SELECT seq, id, action, body FROM ledger_events WHERE seq <= ? AND action IN ({marks}) ORDER BY seq",
+            (cursor, *actions)).fetchall():
+        have = stored.get(int(seq))
+        if body is None:
+            continue  # pruned: the stored fact is what is left of it
+        want = fact_of(conn, int(seq), str(eid), str(action), body)
+        if want is None:
+            if have is not None:
+                problems.append(f"anchored fact #{seq} has no such fact in its audit event")
+            continue
+        if have is None:
+            problems.append(f"audit event #{seq} ({want.kind}) is missing from the anchoring backlog")
+        elif want.skipped and not have[0].skipped:
+            continue  # an input is gone from the log now (the grant's body pruned): the stored fact is what is left
+        elif have[0].key() != want.key() or have[0].event_id != want.event_id:
+            problems.append(f"anchored fact #{seq} ({want.kind}) does not match its audit event")
+    confirmed = {int(s): str(ref) for s, ref in conn.execute(
+        "SELECT size, ref FROM ledger_anchors WHERE state = 'confirmed' AND ref IS NOT NULL AND ref != ''")}
+    if chain_events is None:
+        return problems
+    on_chain: dict[tuple[Any, ...], list[str]] = {}
+    for ev in chain_events:
+        on_chain.setdefault(_chain_key(ev), []).append(str(ev["tx"]).lower())
+    known: dict[tuple[Any, ...], int] = {}
+    for fact, size in stored.values():
+        if fact.skipped:
+            continue
+        known[fact.key()] = known.get(fact.key(), 0) + 1
+        if size is not None and int(size) in confirmed:
+            if confirmed[int(size)].lower() not in on_chain.get(fact.key(), []):
+                problems.append(f"{fact.kind} of audit event #{fact.seq} is confirmed but not on chain in tx "
+                                f"{confirmed[int(size)]}")
+    for key, txs in on_chain.items():
+        if len(txs) > known.get(key, 0):
+            problems.append(f"{key[0]} on chain in tx {txs[-1]} matches no audit event (or is there "
+                            f"{len(txs)} times for {known.get(key, 0)} in the log)")
+    return problems
 
 
 def backlog(conn: sqlite3.Connection, *, now: float | None = None) -> dict[str, Any]:
@@ -107,8 +387,16 @@ def backlog(conn: sqlite3.Connection, *, now: float | None = None) -> dict[str, 
         if r is not None:
             rejection = {"tree_size": int(r[0]), "state": r[1], "reason": r[2], "at": r[3], "rejections": int(r[4])}
         checked = conn.execute("SELECT MAX(checked_at) FROM ledger_anchors WHERE state = 'confirmed'").fetchone()[0]
+    events: dict[str, dict[str, int]] = {}
+    if _has_events(conn):
+        for kind, state, n in conn.execute(
+                "SELECT e.kind, CASE WHEN e.skipped IS NOT NULL THEN 'skipped' WHEN a.state IS NULL THEN 'queued'"
+                " ELSE a.state END, COUNT(*) FROM ledger_anchor_events e LEFT JOIN ledger_anchors a"
+                " ON a.size = e.anchor_size GROUP BY 1, 2"):
+            events.setdefault(str(kind), {})[str(state)] = int(n)
     return {
         "counts": counts,
+        "events": events,  # the §18.4.1 facts per kind and state (their anchor's state)
         "backlog_size": sum(counts[s] for s in OPEN_STATES),
         "oldest_pending_seconds": None if row[0] is None else max(0.0, now - float(row[0])),
         "oldest_pending_tree_size": None if row[1] is None else int(row[1]),
@@ -145,6 +433,15 @@ def summary(b: dict[str, Any] | None) -> str:
             + (f" ({c['rejected']} REJECTED)" if c.get("rejected") else "")
             + (f", oldest {b['oldest_pending_seconds']:.0f} s" if b.get("oldest_pending_seconds") is not None else "")
             + (f", last in tx {last['tx']}" if last else ""))
+    facts: dict[str, int] = {}
+    for per_state in (b.get("events") or {}).values():
+        for state, n in per_state.items():
+            facts[state] = facts.get(state, 0) + n
+    if facts:
+        open_n = sum(facts.get(st, 0) for st in ("queued", "submitted"))
+        text += (f"; §18.4.1 events: {facts.get('confirmed', 0)} on chain (checked), {open_n} pending"
+                 + (f", {facts['rejected']} REJECTED" if facts.get("rejected") else "")
+                 + (f", {facts['skipped']} not anchorable" if facts.get("skipped") else ""))
     rej = b.get("last_rejection")
     if rej and rej.get("state") in OPEN_STATES:
         text += f"; !! the chain did not show checkpoint {rej['tree_size']}: {rej['reason']}"
@@ -230,7 +527,7 @@ class Anchorer:
         if not note:
             await self._fail(size, "checkpoint missing from the log", now)
             return None
-        anchor = Anchor.for_checkpoint(str(note[0][0]))
+        anchor = await asyncio.to_thread(anchor_for, self._db(), size, str(note[0][0]))
         if anchor.checkpoint_hash != bytes(cp_hash):
             await self._fail(size, "checkpoint changed since it was queued", now)
             return None
@@ -241,16 +538,46 @@ class Anchorer:
         await self._q("SELECT 1")  # opens (and migrates) the table before anything reads it
         if self._next_recheck is None or now >= self._next_recheck:
             await self.recheck(now=now)
-        # Supersede every open checkpoint below the newest one that is open or confirmed.
+        for _ in range(MAX_DERIVE_BATCHES):  # the §18.4.1 facts of new audit events, before the checkpoint
+            if not await asyncio.to_thread(derive_facts, self._db(), now=now):  # that covers them is sent
+                break
+        # Supersede every open checkpoint below the newest one that is open or confirmed, unless it
+        # carries §18.4.1 facts (those are sent themselves: the facts are bound to that transaction).
         await self._q("UPDATE ledger_anchors SET state = 'superseded', done_at = ?"
                       " WHERE state IN ('queued', 'rejected') AND size < (SELECT MAX(size) FROM ledger_anchors"
-                      " WHERE state IN ('queued', 'submitted', 'rejected', 'confirmed'))", (now,))
-        for size, cp_hash, state, ref, nonce, attempts, rejections in await self._q(
-                "SELECT size, checkpoint_hash, state, ref, nonce, attempts, rejections FROM ledger_anchors"
-                " WHERE state IN ('queued', 'submitted', 'rejected') AND next_at <= ? ORDER BY size", (now,)):
+                      " WHERE state IN ('queued', 'submitted', 'rejected', 'confirmed')) AND NOT EXISTS"
+                      " (SELECT 1 FROM ledger_anchor_events e WHERE e.anchor_size = ledger_anchors.size)", (now,))
+        for size, cp_hash, state, ref, nonce, attempts, rejections, fixed in await self._q(
+                "SELECT size, checkpoint_hash, state, ref, nonce, attempts, rejections, events_fixed"
+                " FROM ledger_anchors WHERE state IN ('queued', 'submitted', 'rejected') AND next_at <= ?"
+                " ORDER BY size", (now,)):
+            if not fixed:
+                await asyncio.to_thread(self._bind_facts, size)
+                fault_point("anchor.facts_bound")
             anchor = await self._anchor_of(size, cp_hash, now)
             if anchor is not None:
                 await self._advance(anchor, size, state, ref, nonce, attempts, rejections, now)
+
+    def _bind_facts(self, size: int) -> None:
+        """Bind the unbound facts checkpoint ``size`` covers to it, and fix its content, in one
+        transaction: whatever is sent for this checkpoint from now on carries exactly these."""
+        conn = self._db()
+        for _ in range(MAX_DERIVE_BATCHES):  # a checkpoint stored since this round's derivation: its facts first
+            row = conn.execute("SELECT seq FROM ledger_anchor_scan WHERE one = 1").fetchone()
+            if (row is not None and int(row[0]) >= size) or not derive_facts(conn):
+                break
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute("SELECT events_fixed FROM ledger_anchors WHERE size = ?", (size,)).fetchone() == (0,):
+                conn.execute("UPDATE ledger_anchor_events SET anchor_size = ? WHERE seq IN (SELECT seq FROM"
+                             " ledger_anchor_events WHERE anchor_size IS NULL AND skipped IS NULL AND seq <= ?"
+                             " ORDER BY seq LIMIT ?)", (size, size, MAX_EVENTS_PER_ANCHOR))
+                conn.execute("UPDATE ledger_anchors SET events_fixed = 1 WHERE size = ?", (size,))
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
 
     async def _advance(self, anchor: Anchor, size: int, state: str, ref: str | None, nonce: int | None,
                        attempts: int, rejections: int, now: float) -> None:
@@ -261,6 +588,7 @@ class Anchorer:
                 await self.backend.check_contract()
                 phase = "send"
                 sub = await self.backend.submit(anchor)
+                fault_point("anchor.sent")
                 phase = "check"
                 await self._q("UPDATE ledger_anchors SET state = 'submitted', ref = ?, nonce = ?, attempts = ?,"
                               " last_error = NULL, next_at = ?, checked_at = ? WHERE size = ?",
@@ -277,7 +605,7 @@ class Anchorer:
             elif isinstance(exc, AnchorMismatch) or phase == "check":
                 await self._reject(size, rejections, str(exc), now)
             else:
-                await self._fail(size, str(exc), now)
+                await self._fail(size, str(exc), now, release=True)
             return
         if conf.state == "confirmed" and conf.final:
             await self._q("UPDATE ledger_anchors SET state = 'confirmed', block_number = ?, confirmations = ?,"
@@ -288,7 +616,15 @@ class Anchorer:
         elif conf.state == "dropped":
             await self._q("UPDATE ledger_anchors SET state = 'queued', next_at = ? WHERE size = ?", (now, size))
         elif conf.state == "failed":
-            await self._fail(size, "the anchoring transaction reverted", now)
+            try:  # reverted: was this checkpoint anchored by another transaction (a resend that raced it)?
+                other = await self.backend.find(anchor)
+            except AnchorError:
+                other = None
+            if other:
+                await self._q("UPDATE ledger_anchors SET ref = ?, nonce = NULL, next_at = ? WHERE size = ?",
+                              (other, now, size))
+            else:
+                await self._fail(size, "the anchoring transaction reverted", now, release=True)
         elif conf.state == "not_anchored":
             await self._q("UPDATE ledger_anchors SET state = 'confirmed', done_at = ?, verified_at = ? WHERE size = ?",
                           (now, now, size))
@@ -352,7 +688,11 @@ class Anchorer:
                       " rejected_at = ?, rejections = ?, verified_at = NULL, next_at = ? WHERE size = ?",
                       (error[:MAX_REASON], error[:MAX_REASON], now, rejections + 1, now + wait, size))
 
-    async def _fail(self, size: int, error: str, now: float) -> None:
+    async def _fail(self, size: int, error: str, now: float, *, release: bool = False) -> None:
+        """``release``: the chain refused or reverted this anchor (its facts are not on chain), so
+        they go with the next checkpoint sent; otherwise (the log itself is wrong) they stay bound."""
         log.error("anchoring checkpoint %d failed: %s", size, error)
         await self._q("UPDATE ledger_anchors SET state = 'failed', last_error = ?, done_at = ? WHERE size = ?",
                       (error[:MAX_REASON], now, size))
+        if release:
+            await self._q("UPDATE ledger_anchor_events SET anchor_size = NULL WHERE anchor_size = ?", (size,))

@@ -71,7 +71,8 @@ CREATE TABLE IF NOT EXISTS ledger_anchors (
   next_at REAL NOT NULL,
   last_error TEXT,
   queued_at REAL NOT NULL,
-  done_at REAL
+  done_at REAL,
+  events_fixed INTEGER NOT NULL DEFAULT 0  -- 1: the §18.4.1 facts it carries are fixed (gateway.ledger.anchoring)
 );
 CREATE INDEX IF NOT EXISTS idx_anchor_state ON ledger_anchors(state, next_at);
 """
