@@ -65,7 +65,7 @@ async def test_through_the_gateway(home: Paths) -> None:
             assert cp2.size > cp1.size
             consistent(cp1, cp2, second["consistency"])
             # a tampered proof does not hold (the check above is not vacuous)
-            bad = [base64.b64encode(bytes(32)).decode()] + second["consistency"]["path"][1:]
+            bad = [base64.b64encode(bytes(32)).decode(), *second["consistency"]["path"][1:]]
             with pytest.raises(merkle.ProofError):
                 consistent(cp1, cp2, {**second["consistency"], "path": bad})
 
