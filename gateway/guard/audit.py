@@ -352,6 +352,34 @@ class AuditLog:
                                     f"({describe_failure(exc)})")
                 raise err from exc
 
+    def sign_now(self) -> int | None:
+        """Sign a checkpoint of every event written so far, now (a clean stop): pending rows are
+        written first. Returns the signed size, or None when the newest checkpoint already covers
+        the log (or this log signs nothing)."""
+        if self.ledger is None or self.ledger_options is None:
+            return None
+        self.writer.flush_sync()
+        with self._maint:
+            conn, ledger = self._write, self.ledger
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    ledger.refresh()
+                    note = ledger.checkpoint(time.time())
+                    conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                    with contextlib.suppress(sqlite3.Error, LedgerError):
+                        ledger.reload()
+                    raise
+            except LedgerError as exc:
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run "
+                                "'uomp audit verify'") from exc
+            except sqlite3.Error as exc:
+                raise db_error(exc, what="audit log") from exc
+        return None if note is None else ledger.size
+
     def write_now(self, rows: list[Row]) -> None:
         """Write rows at once, bypassing the queue (replaying an outbox); idempotent on the row ids."""
         if rows:
