@@ -198,3 +198,23 @@ async def test_through_the_gateway_with_mtls(home: Paths, tmp_path: Path) -> Non
             two = await c.audit_checkpoint()
             assert two["tree_size"] > one["tree_size"] and two["consistency"]["old_size"] == one["tree_size"]
             assert kept(wfile)[app.base]["tree_size"] == two["tree_size"]
+
+
+def test_the_bundle_carries_the_audit_key_and_the_record_lives_beside_it(home: Paths, tmp_path: Path) -> None:
+    from gateway import ca_store
+    from gateway.bundle import load_bundle
+    from gateway.cli.main import main
+
+    manifest = {"uomp_version": "1.0", "agent": {"id": "w_agent", "name": "W", "version": "1.0.0"},
+                "requested_scopes": {"read": READ}}
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    (agent / "uom.json").write_text(json.dumps(manifest))
+    ca_store.init_all(home)
+    out = tmp_path / "files"
+    assert main(["--home", str(home.home), "authorize", str(agent), "--yes", "--remote", "--out", str(out)]) == 0
+    bundle = load_bundle(out / "bundle.json")
+    assert bundle.audit_verifier_key == vkey(home)
+    client = UompClient.from_bundle(out / "bundle.json")
+    assert client._witness is not None and client._witness.path == out / witness_mod.WITNESS_FILE
+    assert client._audit_vkey == vkey(home)
