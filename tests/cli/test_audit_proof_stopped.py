@@ -53,9 +53,11 @@ def log_state(home: Path) -> tuple[int, int, int]:
 
 
 def newest_event(home: Path) -> str:
-    res = uomp(home, "audit", "--json", "--limit", "1")
-    assert res.returncode == 0, res.stderr
-    return str(json.loads(res.stdout)[-1]["id"])
+    conn = sqlite3.connect(f"file:{home / 'audit.db'}?mode=ro", uri=True)
+    try:
+        return str(conn.execute("SELECT id FROM ledger_events ORDER BY seq DESC LIMIT 1").fetchone()[0])
+    finally:
+        conn.close()
 
 
 def until(pred, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -68,8 +70,11 @@ def until(pred, what: str) -> None:  # type: ignore[no-untyped-def]
 
 
 def add_item(home: Path, key: str) -> None:
-    res = uomp(home, "memory", "add", key, "--value", '"x"', "--tag", "t", "--sensitivity", "low")
-    assert res.returncode == 0, res.stderr
+    """A user event (memory_added), written by the CLI's code in this process, beside the appliance."""
+    from gateway.cli.main import main
+
+    assert main(["--home", str(home), "memory", "add", key, "--value", '"x"', "--tag", "t",
+                 "--sensitivity", "low"]) == 0
 
 
 def proof_verifies(home: Path, event_id: str) -> None:
