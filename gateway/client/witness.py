@@ -93,7 +93,8 @@ def check(kept: Kept | None, vkey: str, note: Any, consistency: Any) -> tuple[Ch
         raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"{forked}: no consistency proof was sent; keep "
                              "uomp-checkpoints.json as evidence and tell the user")
     old, new = sorted((kept.tree_size, cp.size))
-    if consistency.get("old_size") != old or consistency.get("new_size") != new:
+    sizes = (consistency.get("old_size"), consistency.get("new_size"))
+    if any(type(v) is not int for v in sizes) or sizes != (old, new):
         raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"{forked}: the proof is for other sizes; keep "
                              "uomp-checkpoints.json as evidence and tell the user")
     path = _hashes(consistency.get("path"))
