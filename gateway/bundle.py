@@ -8,7 +8,9 @@
      "ca_cert": PEM (the gateway's CA), "agent_cert": PEM,
      "agent_key": PEM (only when the user made the key: ``--out``) or "agent_key_file": path,
      "payload_public_key": the user's X25519 payload key, base64 of 32 bytes (agents seal payloads to it;
-     gateway/payloads/userkey.py, docs/payloads.md)}
+     gateway/payloads/userkey.py, docs/payloads.md),
+     "audit_verifier_key": the audit log's verifier key, name+keyid+base64 (the SDK checks every checkpoint
+     against it; docs/audit.md "Agents as witnesses")}
 
 The SDK rewrites the token fields atomically after every refresh: refresh tokens rotate, and an
 agent that restarts with a spent one would revoke its own session (reuse detection).
@@ -43,6 +45,7 @@ class AgentBundle:
     agent_key_file: str | None = None
     payload_public_key: str | None = None
     session_expires_at: str | None = None
+    audit_verifier_key: str | None = None
 
     def with_tokens(self, answer: dict[str, Any]) -> AgentBundle:
         return replace(self, access_token=answer["access_token"], access_expires_at=answer["expires_at"],

@@ -57,6 +57,7 @@ class ErrorCode(StrEnum):
     ANCHOR_REJECTED = "ANCHOR_REJECTED"  # the chain refused or reverted the anchor (not retryable as is)
     ANCHOR_MISMATCH = "ANCHOR_MISMATCH"  # the chain does not show the anchor that was claimed
     PROOF_PENDING = "PROOF_PENDING"  # the audit event is not in a signed checkpoint yet: retry shortly
+    AUDIT_SIZE_UNKNOWN = "AUDIT_SIZE_UNKNOWN"  # a tree size beyond the log's newest signed checkpoint (since=)
     LOG_CORRUPT = "LOG_CORRUPT"  # the audit log's events and its Merkle tree disagree: run 'uomp audit verify'
     # the audit log is not the one its witness record (the latest signed checkpoint) saw: rolled back, forked, replaced
     AUDIT_LOG_INCONSISTENT = "AUDIT_LOG_INCONSISTENT"
@@ -119,6 +120,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.ANCHOR_REJECTED: 502,
     ErrorCode.ANCHOR_MISMATCH: 409,
     ErrorCode.PROOF_PENDING: 409,
+    ErrorCode.AUDIT_SIZE_UNKNOWN: 400,
     ErrorCode.LOG_CORRUPT: 500,
     ErrorCode.AUDIT_LOG_INCONSISTENT: 503,
     ErrorCode.AUDIT_LOG_DAMAGED: 503,

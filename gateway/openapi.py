@@ -200,6 +200,11 @@ def _op(summary: str, served: tuple[str, ...], *, ok: dict[str, Any] | None, sta
 
 
 SID = _param("sid", "path", description="session id")
+SINCE = _param("since", description="a tree size this agent saw signed: adds the consistency proof between it and "
+               "the answer's checkpoint", schema={"type": "integer", "minimum": 0}, example=0)
+CONSISTENCY = _closed(["old_size", "new_size", "path"], {
+    "old_size": {"type": "integer", "minimum": 0}, "new_size": {"type": "integer", "minimum": 0},
+    "path": {"type": "array", "items": STR}})
 KEY = _param("key", "path", description="Memory Item key", example="preference.theme")
 PID = _param("pid", "path", description="payload id")
 OCTETS = "application/octet-stream"
@@ -262,8 +267,14 @@ def document() -> dict[str, Any]:
                                "tree_size": {"type": "integer", "minimum": 1},
                                "inclusion_path": {"type": "array", "items": STR}, "checkpoint": STR,
                                "verifier_key": STR, "checkpoint_hash": STR,
-                               "anchor": {"type": ["object", "null"]}}}),
-            refusals=(*AGENT, 404), params=[_param("event_id", "path", description="audit event id")])},
+                               "anchor": {"type": ["object", "null"]}, "consistency": CONSISTENCY}}),
+            refusals=(*AGENT, 404), params=[_param("event_id", "path", description="audit event id"), SINCE])},
+        "/v1/audit/checkpoint": {"get": _op(
+            "the log's newest signed checkpoint and, with since, the RFC 9162 consistency proof from that tree "
+            "size (docs/audit.md, agents as witnesses); since beyond the newest checkpoint: 400 AUDIT_SIZE_UNKNOWN",
+            ALL, ok=_ok(_closed(["tree_size", "checkpoint", "verifier_key"], {
+                "tree_size": {"type": "integer", "minimum": 1}, "checkpoint": STR, "verifier_key": STR,
+                "consistency": CONSISTENCY})), refusals=AGENT, params=[SINCE])},
         "/v1/sessions": {
             "post": _op("create a session (§9; admin)", LOCAL, ok=_ok(_ref("SessionCreated"), "created"),
                         status="201", refusals=(*ADMIN, 413), security="admin", body={

@@ -310,15 +310,28 @@ def _mem() -> sqlite3.Connection:
     return sqlite3.connect(":memory:", isolation_level=None)
 
 
-def proof_bundle(paths: Paths, event_id: str) -> dict[str, Any]:
-    """The self-contained proof bundle of one event (``uomp audit proof``, the dashboard's download)."""
+def proof_bundle(paths: Paths, event_id: str, *, sign_if_stopped: bool = False) -> dict[str, Any]:
+    """The self-contained proof bundle of one event (``uomp audit proof``, the dashboard's download).
+
+    An event not yet in a signed checkpoint: while a guard runs it signs one within
+    ``audit_checkpoint_seconds`` (PROOF_PENDING, retry). With ``sign_if_stopped`` and no guard
+    running, this process signs it (it holds the same audit key): under the appliance lock, so no
+    ``uomp gateway start`` begins meanwhile, and only when nothing answers on the guard's socket (a
+    guard started on its own, ``uomp guard serve``, holds no appliance lock)."""
     from gateway.ledger.anchoring import ensure_schema
 
     key = auditkey.load(paths)
-    conn = sqlite3.connect(paths.audit_db, isolation_level=None)
+    conn = sqlite3.connect(paths.audit_db, isolation_level=None, timeout=_cfg(paths).db_busy_timeout_seconds)
     try:
-        log = EventLog(conn, origin=auditkey.origin_for(key.public_key()), key=key)
+        log = EventLog(conn, origin=auditkey.origin_for(key.public_key()), key=key,
+                       anchor_backend=load_section(AnchorConfig, "anchor", file=paths.config_file).backend)
         ensure_schema(conn)  # an anchor confirmed without a recorded check is not bundled
+        try:
+            return log.proof_bundle(event_id, chain=anchor_chain(paths))
+        except LedgerError as exc:
+            if exc.code != ErrorCode.PROOF_PENDING or not sign_if_stopped:
+                raise ledger_refusal(exc) from None
+        _sign_while_stopped(paths, conn, log)
         try:
             return log.proof_bundle(event_id, chain=anchor_chain(paths))
         except LedgerError as exc:
@@ -327,8 +340,57 @@ def proof_bundle(paths: Paths, event_id: str) -> dict[str, Any]:
         conn.close()
 
 
+def _sign_while_stopped(paths: Paths, conn: sqlite3.Connection, log: EventLog) -> None:
+    """Sign a checkpoint of the whole log, only with no guard running (see :func:`proof_bundle`)."""
+    from gateway import appliance
+    from gateway.netutil import socket_is_live
+
+    pending = UompError(ErrorCode.STORE_BUSY, "the event is not in a signed checkpoint yet; the running guard "
+                        "signs one within audit_checkpoint_seconds: try again shortly",
+                        details={"reason": "PROOF_PENDING"})
+    lock = appliance.ApplianceLock(paths)
+    try:
+        lock.acquire()
+    except UompError as exc:
+        if exc.code == ErrorCode.ALREADY_RUNNING:
+            raise pending from None
+        raise
+    try:
+        if socket_is_live(paths.guard_sock):
+            raise pending
+        try:
+            from gateway.ledger import integrity
+
+            key = auditkey.load(paths)
+            witness = integrity.read_witness(paths.audit_witness, origin=auditkey.origin_for(key.public_key()),
+                                             public_key=key.public_key())
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                log.reload()
+                # as the guard signs: consistent with the witness record first, the record before the commit
+                problem = integrity.witness_problem(conn, log.size, witness)
+                if problem is not None:
+                    raise problem
+                note = log.checkpoint(time.time())
+                if note is not None:
+                    integrity.write_witness(paths.audit_witness, note)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                log.reload()
+                raise
+        except LedgerError as exc:
+            raise ledger_refusal(exc) from None
+        except sqlite3.Error as exc:
+            from gateway.db import db_error
+
+            raise db_error(exc, what="audit log") from exc
+    finally:
+        lock.release()
+
+
 def _proof(args: argparse.Namespace) -> int:
-    bundle = proof_bundle(paths_from(args), args.target)
+    bundle = proof_bundle(paths_from(args), args.target, sign_if_stopped=True)
     data = json.dumps(bundle, indent=2).encode() + b"\n"
     if args.out:
         atomic_write(Path(args.out), data, mode=0o600)

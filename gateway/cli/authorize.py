@@ -44,12 +44,13 @@ from gateway import ca_store, trust
 from gateway.bundle import AgentBundle, write_bundle
 from gateway.cli.guard import guard_config, open_auth
 from gateway.cli.main import paths_from
-from gateway.config import GuardConfig
+from gateway.config import GuardConfig, Paths
 from gateway.core import didkey, jose, manifest, restrictions, tokens
 from gateway.core.tokens import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.ledger import auditkey
 from gateway.payloads import userkey
 
 RED = "\033[1;31m"
@@ -520,7 +521,8 @@ def _remote_grant(args: argparse.Namespace, paths: Any, auth: Any, session_id: s
         access_expires_at=answer["expires_at"], refresh_token=answer.get("refresh_token"),
         refresh_expires_at=answer.get("refresh_expires_at"), session_expires_at=answer.get("session_expires_at"),
         ca_cert=ca_store.ca_cert_path(paths).read_text(), agent_cert=cert_pem.decode(), agent_key=agent_key,
-        agent_key_file=agent_key_file, payload_public_key=userkey.public_b64(paths))
+        agent_key_file=agent_key_file, payload_public_key=userkey.public_b64(paths),
+        audit_verifier_key=_audit_verifier_key(paths))
     # with --out, everything for the agent (key, certificate, CA, bundle) is in that one directory
     out_path = Path(args.bundle or (Path(args.out) / "bundle.json" if args.out and not (args.cert or args.csr)
                                     else paths.agents_dir / m.agent.id / "bundle.json"))
@@ -588,3 +590,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--bundle", help="where to write the agent bundle (default: DIR/bundle.json with --out DIR, "
                    "else $UOMP_HOME/agents/<id>/bundle.json)")
     p.set_defaults(func=_authorize)
+
+
+def _audit_verifier_key(paths: Paths) -> str:
+    """The audit log's public verifier key (C2SP note format), for the agent to check checkpoints."""
+    from gateway.core.checkpoint import verifier_key
+
+    auditkey.ensure(paths)
+    pub = auditkey.load(paths).public_key()
+    return verifier_key(auditkey.origin_for(pub), pub)

@@ -6,6 +6,9 @@ written back to the agent bundle; :mod:`gateway.client.errors` for the error cla
 
 from gateway.client.errors import (
     AccessDenied,
+    AuditCheckpointInvalid,
+    AuditLogError,
+    AuditLogForked,
     AuthError,
     CertificateError,
     ConfigError,
@@ -21,6 +24,9 @@ from gateway.client.sdk import AGGREGATE_OPS, ClientOptions, Mode, RenewedCertif
 __all__ = [
     "AGGREGATE_OPS",
     "AccessDenied",
+    "AuditCheckpointInvalid",
+    "AuditLogError",
+    "AuditLogForked",
     "AuthError",
     "CertificateError",
     "ClientOptions",

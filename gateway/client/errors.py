@@ -31,6 +31,8 @@ class                      codes
                            PAYLOAD_QUOTA_EXCEEDED is a QuotaExceeded, PAYLOAD_STORE_FULL Unavailable
 :class:`ProtocolError`     SDK: BAD_RESPONSE, RESPONSE_TOO_LARGE
 :class:`ConfigError`       CONFIG_ERROR (bundle, URL, mode, key file)
+:class:`AuditLogError`     SDK: AUDIT_LOG_INCONSISTENT (:class:`AuditLogForked`: the log does not extend
+                           the kept checkpoint), AUDIT_CHECKPOINT_INVALID (:class:`AuditCheckpointInvalid`)
 =========================  =====================================================================
 """
 
@@ -97,6 +99,21 @@ class ConfigError(UompClientError):
     """The client's own configuration is unusable: bundle, URL, mode, key."""
 
 
+class AuditLogError(UompClientError):
+    """The gateway's audit log failed a check this agent made itself (docs/audit.md "Agents as witnesses")."""
+
+
+class AuditLogForked(AuditLogError):
+    """``AUDIT_LOG_INCONSISTENT``: the log shown now is not an extension of the checkpoint this agent
+    verified and kept (rolled back, forked, or the consistency proof does not hold). The kept
+    checkpoint is not replaced: keep it as evidence and tell the user."""
+
+
+class AuditCheckpointInvalid(AuditLogError):
+    """``AUDIT_CHECKPOINT_INVALID``: a checkpoint not signed by the audit key this agent trusts (the
+    bundle's ``audit_verifier_key``, else the first one it saw), or malformed."""
+
+
 CODE_CLASSES: dict[str, type[UompClientError]] = {
     **dict.fromkeys(("INVALID_TOKEN", "TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND", "REFRESH_REUSED",
                      "TOKEN_BINDING_MISMATCH", "DPOP_INVALID", "AGENT_MISMATCH", "UNAUTHORIZED"), AuthError),
@@ -110,6 +127,8 @@ CODE_CLASSES: dict[str, type[UompClientError]] = {
                      "CONNECTION_FAILED", "CONNECTION_CLOSED", "LOCK_TIMEOUT"), Unavailable),
     **dict.fromkeys(("BAD_RESPONSE", "RESPONSE_TOO_LARGE"), ProtocolError),
     "CONFIG_ERROR": ConfigError,
+    "AUDIT_LOG_INCONSISTENT": AuditLogForked,
+    "AUDIT_CHECKPOINT_INVALID": AuditCheckpointInvalid,
     **dict.fromkeys(("PAYLOAD_HASH_MISMATCH", "PAYLOAD_SIZE_MISMATCH", "PAYLOAD_EXISTS", "UPLOAD_URL_INVALID"),
                     PayloadRejected),
     "PAYLOAD_QUOTA_EXCEEDED": QuotaExceeded,

@@ -25,6 +25,7 @@ from gateway.client.errors import ConfigError
 
 if TYPE_CHECKING:
     from gateway.client.transport import Pool
+    from gateway.client.witness import WitnessFile
 
 log = logging.getLogger("uomp.client")
 
@@ -100,6 +101,8 @@ class ClientState:
     _key: AgentKey | None
     _bundle: AgentBundle | None
     _bundle_path: Path | None
+    _witness: WitnessFile | None
+    _audit_vkey: str | None
     _cert: x509.Certificate | None
     _cert_pem: str | None
     _renew_at: float

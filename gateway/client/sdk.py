@@ -88,9 +88,16 @@ from urllib.parse import quote, urlsplit
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.bundle import AgentBundle, load_bundle
-from gateway.client import payloads
+from gateway.client import payloads, witness
 from gateway.client.certs import ClientCertificates, bundle_key
-from gateway.client.errors import ConfigError, ProtocolError, error_from_answer
+from gateway.client.errors import (
+    AuditCheckpointInvalid,
+    AuditLogForked,
+    ConfigError,
+    ProtocolError,
+    UompClientError,
+    error_from_answer,
+)
 from gateway.client.options import (  # noqa: F401  (importable from gateway.client.sdk as before)
     AGENT_HEADER,
     AGGREGATE_OPS,
@@ -165,6 +172,8 @@ class UompClient(ClientCertificates):
         ca_file: str | os.PathLike[str] | None = None,
         options: ClientOptions | None = None,
         clock: Callable[[], float] = time.time,
+        witness_path: str | os.PathLike[str] | None = None,
+        audit_verifier_key: str | None = None,
     ) -> None:
         if mode not in ("mtls", "dpop", "bearer"):
             raise ConfigError("CONFIG_ERROR", "mode must be mtls, dpop or bearer")
@@ -183,6 +192,13 @@ class UompClient(ClientCertificates):
         self._bundle_path = Path(bundle_path) if bundle_path is not None else None
         if self._bundle_path is not None and self._bundle is None:
             raise ConfigError("CONFIG_ERROR", "bundle_path needs the bundle it was loaded from")
+        # the agent as a witness of the audit log (gateway/client/witness.py): the kept checkpoints live
+        # beside the bundle unless told otherwise; the trusted audit key is the bundle's
+        if witness_path is None and self._bundle_path is not None:
+            witness_path = self._bundle_path.parent / witness.WITNESS_FILE
+        self._witness = None if witness_path is None else witness.WitnessFile(
+            Path(witness_path), lock_timeout_seconds=self._opts.lock_timeout_seconds)
+        self._audit_vkey = audit_verifier_key or (bundle.audit_verifier_key if bundle is not None else None)
         self._cert = None
         self._cert_pem = None
         self._renew_at = float("inf")
@@ -415,10 +431,54 @@ class UompClient(ClientCertificates):
 
     async def audit_proof(self, event_id: str) -> JSONObject:
         """``GET /v1/audit/{event_id}/proof``: the proof bundle of one of this session's allowed events
-        (check it offline with ``gateway.ledger.verify.verify_bundle`` or ``uomp audit verify-proof``)."""
+        (check it offline with ``gateway.ledger.verify.verify_bundle`` or ``uomp audit verify-proof``).
+        Checked here first: the checkpoint's signature, the event's inclusion in it, and the log's
+        consistency with the checkpoint this agent kept (:meth:`audit_checkpoint`)."""
         if not isinstance(event_id, str) or not event_id:
             raise ValueError("event_id must be a non-empty string")
-        return self._object(await self._call("GET", f"/v1/audit/{quote(event_id, safe=SEGMENT_SAFE)}/proof"))
+        return await self._witnessed(f"/v1/audit/{quote(event_id, safe=SEGMENT_SAFE)}/proof", bundle=True)
+
+    async def audit_checkpoint(self) -> JSONObject:
+        """``GET /v1/audit/checkpoint?since=<kept size>``: the log's newest signed checkpoint, checked
+        against the one this agent kept (signature under the bundle's ``audit_verifier_key``, RFC 9162
+        consistency), which it then replaces. A log that does not extend the kept checkpoint raises
+        :class:`~gateway.client.errors.AuditLogForked` (``AUDIT_LOG_INCONSISTENT``) and the kept one stays."""
+        return await self._witnessed("/v1/audit/checkpoint", bundle=False)
+
+    async def _witnessed(self, path: str, *, bundle: bool) -> JSONObject:
+        store = self._witness
+        gateway = self._public
+        kept = None if store is None else await asyncio.to_thread(store.get, gateway)
+        try:
+            answer = self._object(await self._call(
+                "GET", path, query=None if kept is None else {"since": str(kept.tree_size)}))
+        except UompClientError as exc:
+            if exc.code == "AUDIT_SIZE_UNKNOWN" and kept is not None:
+                raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"the gateway's audit log never signed tree size "
+                                     f"{kept.tree_size}, which this agent verified before: the log was rolled back "
+                                     "or forked; keep uomp-checkpoints.json as evidence and tell the user",
+                                     exc.status, self._session_id) from None
+            raise
+        sent_key = answer.get("verifier_key")
+        vkey = self._audit_vkey or (kept.verifier_key if kept is not None else sent_key)
+        if not isinstance(vkey, str) or sent_key != vkey:
+            raise AuditCheckpointInvalid("AUDIT_CHECKPOINT_INVALID", "the gateway's checkpoint names another audit "
+                                         "key than the one this agent trusts; tell the user", None, self._session_id)
+        cp, newer = witness.check(kept, vkey, answer.get("checkpoint"), answer.get("consistency"))
+        if bundle:
+            witness.check_inclusion(answer, cp)
+        if store is not None and newer:
+            await asyncio.to_thread(self._keep, store, gateway, kept,
+                                    witness.Kept(vkey, cp.size, cp.root, str(answer["checkpoint"])))
+        return answer
+
+    @staticmethod
+    def _keep(store: witness.WitnessFile, gateway: str, seen: witness.Kept | None, new: witness.Kept) -> None:
+        """Replace the kept checkpoint with ``new`` (proven consistent with ``seen``), unless another
+        client replaced it meanwhile: then the next call proves the link from that one."""
+        with store.locked():
+            if store.get(gateway) == seen:
+                store.put(gateway, new)
 
     async def submit_deletion_proof(
         self,

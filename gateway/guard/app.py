@@ -777,12 +777,46 @@ async def get_audit_proof(request: web.Request) -> web.Response:
     except UompError as exc:
         return await _answer_refusal(call, exc)
     try:
+        since = _since(request, cap.session_id)
         bundle = await svc.audit.reader.run(lambda: svc.audit.proof_for_session(
-            event_id, cap.session_id, chain=anchor_chain(svc.paths)))  # config read off the loop too
+            event_id, cap.session_id, chain=anchor_chain(svc.paths), since=since))  # config read off the loop too
     except UompError as exc:
         return await call.refuse(exc)
     call.allow("own session's event", f"proof at tree size {bundle['tree_size']}")
     return await call.respond(bundle)
+
+
+MAX_SINCE_DIGITS = 20  # a tree size (checkpoint.MAX_TREE_SIZE) in ASCII digits
+
+
+def _since(request: web.Request, session_id: str) -> int | None:
+    """``since=SIZE``: a tree size the agent saw signed, ASCII digits only; absent: None."""
+    raw = _param(request, "since", required=False, max_len=MAX_SINCE_DIGITS)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise UompError(ErrorCode.INVALID_REQUEST, "since must be a tree size (ASCII digits)", session_id=session_id)
+    return int(raw)
+
+
+async def get_audit_checkpoint(request: web.Request) -> web.Response:
+    """``GET /v1/audit/checkpoint?since=SIZE``: the log's newest signed checkpoint, and the RFC 9162
+    consistency proof from ``SIZE`` (the last size the agent verified) to it, so an agent can check
+    that the log it is shown extends the one it saw (docs/audit.md "Agents as witnesses"). Same
+    authentication as the other audit routes; not a read (no quota); an ``audit_checkpoint`` event."""
+    svc = request.app[SERVICES]
+    call = AgentCall(request, "audit_checkpoint")
+    try:
+        cap = await call.authenticate()
+    except UompError as exc:
+        return await _answer_refusal(call, exc)
+    try:
+        since = _since(request, cap.session_id)
+        answer = await svc.audit.reader.run(lambda: svc.audit.checkpoint_since(since, cap.session_id))
+    except UompError as exc:
+        return await call.refuse(exc)
+    call.allow("checkpoint", f"tree size {answer['tree_size']}" + ("" if since is None else f" since {since}"))
+    return await call.respond(answer)
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -1003,6 +1037,7 @@ ROUTES: tuple[GuardRoute, ...] = (
     GuardRoute("DELETE", "/v1/memory/{key}", write_refused),
     GuardRoute("GET", "/v1/memory", get_by_tag),
     GuardRoute("GET", "/v1/audit", get_audit),
+    GuardRoute("GET", "/v1/audit/checkpoint", get_audit_checkpoint),
     GuardRoute("GET", "/v1/audit/{event_id}/proof", get_audit_proof),
     GuardRoute("POST", "/v1/sessions", create_session),
     GuardRoute("GET", "/v1/sessions", list_sessions),

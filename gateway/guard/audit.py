@@ -39,6 +39,7 @@ transaction commits. A log that fails refuses every write here (and the guard ev
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -502,6 +503,29 @@ class AuditLog:
                             f"the audit log could not be written ({describe_failure(exc)})")
         return err
 
+    def sign_now(self) -> int | None:
+        """Sign a checkpoint of every event written so far, now (a clean stop): pending rows are
+        written first, and the checkpoint is signed as every other one (:meth:`_sign`: checked against
+        the witness record, the record written before the commit). Returns the signed size, or None
+        when the newest checkpoint already covers the log, this log signs nothing, or it is refused."""
+        if self.ledger is None or self.ledger_options is None or self.integrity is not None:
+            return None
+        self.writer.flush_sync()
+        with self._maint:
+            ledger = self.ledger
+            last = ledger.latest_checkpoint()
+            before = last[0].size if last is not None else 0
+            try:
+                self._transaction(self._sign)
+            except LedgerError as exc:
+                raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run "
+                                "'uomp audit verify'") from exc
+            except sqlite3.Error as exc:
+                raise db_error(exc, what="audit log") from exc
+            last = ledger.latest_checkpoint()
+            after = last[0].size if last is not None else 0
+        return after if after > before else None
+
     def write_now(self, rows: list[Row]) -> None:
         """Write rows at once, bypassing the queue (replaying an outbox); idempotent on the row ids."""
         if rows:
@@ -546,12 +570,13 @@ class AuditLog:
         limit = max(1, min(limit, MAX_AUDIT_PAGE))
         return self.query(AuditFilter(session_id=session_id, limit=limit)).events[::-1]
 
-    def proof_for_session(self, event_id: str, session_id: str, *, chain: dict[str, Any] | None = None
-                          ) -> dict[str, Any]:
+    def proof_for_session(self, event_id: str, session_id: str, *, chain: dict[str, Any] | None = None,
+                          since: int | None = None) -> dict[str, Any]:
         """The proof bundle of one event (:meth:`EventLog.proof_bundle`) for an agent of
         ``session_id``. Another session's event and an unknown id are the same ``NOT_FOUND`` (no
         existence leak, spec §21). A refused event is not served: its body holds the user's
-        ``detail`` (why, which can say whether an item exists), and a bundle cannot leave it out."""
+        ``detail`` (why, which can say whether an item exists), and a bundle cannot leave it out.
+        With ``since``, the bundle also carries ``consistency`` (:meth:`_consistency`)."""
         unknown = UompError(ErrorCode.NOT_FOUND, "no such event in this session's audit log", session_id=session_id)
         if not 1 <= len(event_id) <= 128:
             raise unknown
@@ -570,11 +595,51 @@ class AuditLog:
             body = bundle["event"]
             if body.get("session_id") != session_id or body.get("allowed") is not True:
                 raise unknown  # the index columns said otherwise: the body decides (an edited row)
+            if since is not None:
+                bundle["consistency"] = self._consistency(since, int(bundle["tree_size"]), session_id)
             return bundle
         except LedgerError as exc:
             raise ledger_refusal(exc, session_id=session_id) from None
         finally:
             conn.execute("COMMIT")
+
+    def checkpoint_since(self, since: int | None, session_id: str) -> dict[str, Any]:
+        """``GET /v1/audit/checkpoint``: the newest signed checkpoint and, with ``since`` (a tree size
+        the agent saw signed before), the RFC 9162 consistency proof from that size to it
+        (docs/audit.md "Agents as witnesses")."""
+        conn = self._read
+        conn.execute("BEGIN")  # one snapshot: the checkpoint and the tree agree
+        try:
+            ledger = self._read_ledger
+            ledger.reload()
+            latest = ledger.latest_checkpoint()
+            if latest is None:
+                raise LedgerError(ErrorCode.PROOF_PENDING, "the log has no signed checkpoint yet; try again shortly")
+            cp, note = latest
+            out: dict[str, Any] = {"tree_size": cp.size, "checkpoint": note, "verifier_key": ledger.verifier_key()}
+            if since is not None:
+                out["consistency"] = self._consistency(since, cp.size, session_id)
+            return out
+        except LedgerError as exc:
+            raise ledger_refusal(exc, session_id=session_id) from None
+        finally:
+            conn.execute("COMMIT")
+
+    def _consistency(self, since: int, size: int, session_id: str) -> dict[str, Any]:
+        """The consistency proof between tree size ``since`` and ``size`` (the smaller is ``old_size``),
+        in the caller's read snapshot. ``since`` beyond the newest signed checkpoint is refused
+        (AUDIT_SIZE_UNKNOWN): this log never signed that size, so the agent saw another history."""
+        ledger = self._read_ledger
+        assert ledger is not None
+        latest = ledger.latest_checkpoint()
+        newest = 0 if latest is None else latest[0].size
+        if since > newest:
+            raise UompError(ErrorCode.AUDIT_SIZE_UNKNOWN, f"since={since} is beyond the newest signed checkpoint "
+                            f"(tree size {newest}); send the size of a checkpoint this log gave you",
+                            session_id=session_id, details={"tree_size": newest})
+        old, new = sorted((since, size))
+        path = ledger.tree.consistency_proof(old, new) if old > 0 else []
+        return {"old_size": old, "new_size": new, "path": [base64.b64encode(h).decode() for h in path]}
 
     def purge(self, *, now: float | None = None) -> int:
         """Retention (default 90 days, §18.3): event bodies older than that are dropped, their

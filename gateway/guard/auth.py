@@ -30,7 +30,7 @@ from gateway.core.tokens import Capability
 from gateway.db import connect, transaction
 from gateway.errors import ErrorCode, UompError
 from gateway.guard import refresh
-from gateway.guard.audit import AuditLog
+from gateway.guard.audit import AuditLog, make_row
 from gateway.guard.sessions import (  # re-exported: the public names stay importable from here
     _MAX_SETTING,
     DEFAULT_SESSION_MINUTES,
@@ -141,13 +141,29 @@ class AuthService:
         return row
 
     def _expire(self, row: SessionRow) -> None:
+        """Expire a live session past its ``expires_at``, and write its ``session_expired`` event once:
+        whichever sees the expiry first (a read, the sweep, a list, another process) makes the
+        transition, and only that one writes the event. The event goes into ``audit_outbox`` in the
+        transition's own transaction, so a crash before audit.db has it replays it on the next open
+        (idempotent on its id)."""
         now = self.clock()
+        event = make_row(session_id=row.session_id, agent_id=row.agent_id, action="session_expired", allowed=True,
+                         reason="the session reached its expiry", now=now)
         with transaction(self.db, what="session database"):
-            self.db.execute("UPDATE sessions SET status='expired', closed_at=?, status_reason=? WHERE session_id=? "
-                            "AND status IN ('created','active')", (now, "the session reached its expiry",
-                                                                   row.session_id))
+            cur = self.db.execute("UPDATE sessions SET status='expired', closed_at=?, status_reason=? WHERE "
+                                  "session_id=? AND status IN ('created','active')",
+                                  (now, "the session reached its expiry", row.session_id))
+            ended_here = cur.rowcount == 1
+            if ended_here:
+                self.db.execute("INSERT INTO audit_outbox (id, row) VALUES (?, ?)", (event[0], json.dumps(event)))
             self._blacklist_session(row.session_id, "expired")
         self.rows.forget(row.session_id)
+        if ended_here:
+            self.audit.submit(event)
+            try:
+                self.audit.flush_sync()
+            except UompError as exc:  # audit.db unwritable now: the outbox keeps the event for the next open
+                log.warning("auth: session_expired event kept in the outbox (%s)", exc.message)
         self._record_missing_proof(row)
 
     def _record_missing_proof(self, row: SessionRow) -> None:

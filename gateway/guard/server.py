@@ -78,6 +78,7 @@ class GuardRunner:
         self.tcp_port: int | None = None
         self._claimed = False  # True once the socket path is ours (only then do we remove it)
         self.anchorer: Anchorer | None = None
+        self._serving = False  # True once start() finished: only a guard that served signs at stop
 
     async def start(self) -> None:
         try:
@@ -121,6 +122,7 @@ class GuardRunner:
         if self.cfg.audit_full_verify_at_start and self.services.audit.integrity is None:
             self._tasks.append(asyncio.get_running_loop().create_task(self._verify_audit()))
         await self._start_anchoring()
+        self._serving = True
         log.info("guard listening on unix:%s%s", sock,
                  f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
 
@@ -246,6 +248,15 @@ class GuardRunner:
         for r in self._runners:
             await r.cleanup()
         self._runners.clear()
+        if self.services is not None and self._serving:
+            self._serving = False
+            # a clean stop leaves no event outside a signed checkpoint (queued for anchoring if configured)
+            try:
+                size = await asyncio.to_thread(self.services.audit.sign_now)
+                if size is not None:
+                    log.info("final audit checkpoint signed at tree size %d", size)
+            except UompError as exc:
+                log.warning("no final audit checkpoint at stop (%s): %s", exc.code, exc.message)
         if self.services is not None:
             self.services.close()
             self.services = None

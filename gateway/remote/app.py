@@ -110,6 +110,7 @@ ROUTES: list[Route] = [
     Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/deletion-proof"), "deletion_proof", status_check=False),
     # own session only (the guard decides)
     Route("GET", re.compile(r"/v1/audit/(?P<event_id>[^/]+)/proof"), "audit_proof", status_check=False),
+    Route("GET", re.compile(r"/v1/audit/checkpoint"), "audit_checkpoint", status_check=False),
     # §10.1 / §20.4: no agent writes and no semantic query in this version. Forwarded (after every
     # check) so the agent gets the guard's own answer (WRITE_NOT_AVAILABLE / NOT_IMPLEMENTED) and
     # the guard's audit log records the attempt, exactly as on the guard itself.

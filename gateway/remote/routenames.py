@@ -18,6 +18,7 @@ RouteName = Literal[
     "read_tag",  # GET /v1/memory?tag=
     "audit",  # GET /v1/audit
     "audit_proof",  # GET /v1/audit/{event_id}/proof
+    "audit_checkpoint",  # GET /v1/audit/checkpoint?since=
     "deletion_proof",  # POST /v1/sessions/{id}/deletion-proof
     "write",  # PUT /v1/memory/{key} (refused by the guard: WRITE_NOT_AVAILABLE)
     "delete",  # DELETE /v1/memory/{key} (idem)

@@ -238,7 +238,11 @@ def test_follow_text_stops_on_ctrl_c(events: Paths) -> None:
 
 
 def test_proof_of_an_event_not_yet_signed_says_so(home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
-    """Was an INTERNAL error (a LedgerError code that is not an error code); now STORE_BUSY, retry."""
+    """An event outside every checkpoint: STORE_BUSY (retry) while an appliance holds the lock; with
+    none running the CLI signs the checkpoint itself (tests/cli/test_audit_proof_stopped.py)."""
+    import fcntl
+    import os
+
     audit = open_audit(home, dataclasses.replace(_cfg(), audit_checkpoint_seconds=3600))
     try:
         _record(audit, "s1", "read", True, reason="signed")  # the first batch is checkpointed at once
@@ -246,8 +250,16 @@ def test_proof_of_an_event_not_yet_signed_says_so(home: Paths, capsys: pytest.Ca
     finally:
         audit.close()
     signed, pending = (e["id"] for e in as_json(home, capsys, "--session", "s1"))
-    rc, out, err = run(home, capsys, "proof", pending)
+    home.gateway_dir.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(home.appliance_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        rc, out, err = run(home, capsys, "proof", pending)
+    finally:
+        os.close(fd)
     assert rc == 1 and out == "" and "error STORE_BUSY" in err and "checkpoint" in err
+    rc, out, err = run(home, capsys, "proof", pending)
+    assert rc == 0 and json.loads(out)["event"]["id"] == pending
     rc, out, err = run(home, capsys, "proof", signed)
     assert rc == 0 and json.loads(out)["event"]["id"] == signed
     rc, out, err = run(home, capsys, "proof", "log_nope")
