@@ -23,10 +23,12 @@ from typing import Any
 
 from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
+from gateway.core import merkle
+from gateway.core.checkpoint import Checkpoint, NoteError
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.audit import AuditLog, anchor_chain, ledger_refusal, open_audit
-from gateway.ledger import auditkey, integrity
+from gateway.ledger import auditkey, cosign, integrity
 from gateway.ledger.log import EventLog, LedgerError
 from gateway.ledger.query import MAX_LIMIT, AuditFilter, parse_time
 from gateway.ledger.verify import ProofBundleError, TrustedCheckpoint, verify_bundle, verify_log
@@ -256,9 +258,15 @@ def _verify(args: argparse.Namespace) -> int:
     conn = _ro(paths)
     try:
         trusted.extend(extra_trusted_checkpoints(paths, conn))
+        external, external_problem = (_external_witness(Path(args.witness_dir), origin, key.public_key())
+                                      if args.witness_dir else (None, None))
+        if external is not None:
+            trusted.append(external)
         report = verify_log(conn, origin=origin, public_key=key.public_key(), trusted=trusted)
         if witness_problem is not None:
             report.fail(None, witness_problem, inconsistent=True)
+        if external_problem is not None:
+            report.fail(None, external_problem, inconsistent=True)
         elif witness is None and report.checkpoints:
             report.warn(f"no witness record ({paths.audit_witness}): nothing outside audit.db says how far the log "
                         "went; the guard starts one at its next start")
@@ -279,6 +287,7 @@ def _verify(args: argparse.Namespace) -> int:
            "problems": problems, "warnings": report.warnings, "damaged": report.damaged,
            "inconsistent": report.inconsistent, "origin": origin,
            "witness_size": witness.checkpoint.size if witness is not None else None,
+           "external_witness_size": external.size if external is not None else None,
            "verifier_key": EventLog(_mem(), origin=origin, key=key).verifier_key()}
     if args.json:
         print(json.dumps(out, indent=2))
@@ -288,7 +297,8 @@ def _verify(args: argparse.Namespace) -> int:
               f"{report.checkpoints} signed checkpoints, {anchored[0]} anchors checked on chain, "
               + (f"consistent with the witness record at {witness.checkpoint.size} events" if witness is not None
                  and not report.inconsistent else ("NOT consistent with the witness record" if witness is not None
-                                                   else "no witness record")))
+                                                   else "no witness record"))
+              + (f"; external witness at {external.size} events" if external is not None else ""))
         if report.first_bad_seq is not None:
             print(f"first bad event: #{report.first_bad_seq}")
         for p in problems:
@@ -304,6 +314,101 @@ def extra_trusted_checkpoints(paths: Paths, conn: sqlite3.Connection) -> list[Tr
     extend (``verify_log``'s ``trusted``): the hook for the newest anchor read from the chain (not
     from the local anchors table) and for kept checkpoints. None yet."""
     return []
+
+
+def _external_witness(wdir: Path, origin: str, log_key: Any) -> tuple[TrustedCheckpoint | None, str | None]:
+    """The external witness's newest cosigned checkpoint as a trusted checkpoint, once its
+    cosignature verifies with the witness key and its signature with the audit key; else the
+    problem (an untrusted directory vouches for nothing)."""
+    wd = cosign.WitnessDir(wdir)
+    try:
+        name, wkey = wd.verifier()
+        newest = wd.newest(origin=origin, log_key=log_key, name=name, witness_key=wkey)
+    except cosign.WitnessDirError as exc:
+        return None, f"the external witness is refused: {exc}"
+    if newest is None:
+        return None, f"the external witness {wdir} has cosigned nothing yet; run 'uomp audit witness --dir {wdir}'"
+    return TrustedCheckpoint(newest.checkpoint.size, newest.checkpoint.root, f"the external witness {name}"), None
+
+
+def _witness_refusal(problem: str, first: int | None, fix: str) -> UompError:
+    return UompError(ErrorCode.AUDIT_LOG_INCONSISTENT, f"nothing cosigned: {problem}; {fix}",
+                     details={"first_bad_seq": first} if first is not None else None)
+
+
+def _witness(args: argparse.Namespace) -> int:
+    """Cosign the appliance's newest signed checkpoint into ``--dir`` once it verifies and extends
+    the last one cosigned there (gateway/ledger/cosign.py)."""
+    if not args.dir:
+        raise UompError(ErrorCode.INVALID_REQUEST, "'uomp audit witness' needs --dir DIR (on another disk or machine)")
+    paths = paths_from(args)
+    key = auditkey.load(paths)
+    log_key = key.public_key()
+    origin = auditkey.origin_for(log_key)
+    wd = cosign.WitnessDir(Path(args.dir))
+    made = wd.ensure_key()
+    name, wkey = wd.signer()
+    vkey = cosign.verifier_key(name, wkey.public_key())
+    fix = (f"put back the audit.db that extends what {args.dir} cosigned (docs/audit.md, 'External witness'); "
+           "never remove the witness's files to make this pass")
+    try:
+        last = wd.newest(origin=origin, log_key=log_key, name=name, witness_key=wkey.public_key())
+    except cosign.WitnessDirError as exc:
+        raise _witness_refusal(str(exc), None, "restore the witness directory from where you keep it") from None
+    conn = _ro(paths)
+    try:
+        row = conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size DESC LIMIT 1").fetchone()
+        if row is None:
+            raise UompError(ErrorCode.NOT_FOUND, "the audit log has no signed checkpoint yet; run this again after "
+                            "the appliance has written one")
+        note = str(row[0])
+        try:
+            cp = Checkpoint.open(note, origin, log_key)
+        except NoteError as exc:
+            raise _witness_refusal(f"the newest checkpoint in audit.db is not signed by the audit key ({exc})",
+                                   None, fix) from None
+        def node(level: int, index: int) -> bytes:
+            hit = conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (level, index)).fetchone()
+            if hit is None:
+                raise merkle.ProofError(f"merkle node {level}/{index} is missing")
+            return bytes(hit[0])
+        status = "cosigned"
+        if last is not None:
+            old = last.checkpoint
+            if cp.size < old.size:
+                raise _witness_refusal(f"audit.db's newest checkpoint covers {cp.size} events but the witness cosigned "
+                                       f"{old.size}: events {cp.size + 1}-{old.size} are gone (rolled back)",
+                                       cp.size + 1, fix)
+            try:
+                if cp.size == old.size:
+                    if cp.root != old.root:
+                        raise merkle.ProofError("another root at the same size")
+                else:
+                    if merkle.root(node, cp.size) != cp.root:
+                        raise merkle.ProofError("the tree does not hold the signed root")
+                    merkle.verify_consistency(old.size, cp.size, old.root, cp.root,
+                                              merkle.consistency_proof(node, old.size, cp.size))
+            except (merkle.ProofError, sqlite3.DatabaseError) as exc:
+                raise _witness_refusal(f"audit.db's checkpoint at {cp.size} events is not consistent with the one the "
+                                       f"witness cosigned at {old.size} ({exc}): a forked or replaced log, diverging "
+                                       f"at or before event {old.size}", old.size, fix) from None
+            if cp.size == old.size:
+                status = "up to date"
+    finally:
+        conn.close()
+    if status == "cosigned":
+        stamp = max(int(time.time()), last.timestamp if last is not None else 0)
+        wd.store(cosign.Cosigned(cosign.cosign(note, name, wkey, stamp), cp, stamp))
+    out = {"ok": True, "status": status, "size": cp.size, "origin": origin, "witness_key": vkey,
+           "key_made": made, "previous_size": last.checkpoint.size if last is not None else None}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        if made:
+            print(f"made the witness key {Path(args.dir) / cosign.KEY_FILE}; its verifier key: {vkey}")
+        print(f"witness {name}: {status} {origin} at {cp.size} events"
+              + (f" (consistent with {last.checkpoint.size})" if last is not None and status == "cosigned" else ""))
+    return 0
 
 
 def _mem() -> sqlite3.Connection:
@@ -518,7 +623,8 @@ def _audit(args: argparse.Namespace) -> int:
     if args.action in ("proof", "verify-proof") and not args.target:
         raise UompError(ErrorCode.INVALID_REQUEST, f"'uomp audit {args.action}' needs "
                         + ("an event id (shown by 'uomp audit')" if args.action == "proof" else "a bundle file"))
-    return {"verify": _verify, "proof": _proof, "verify-proof": _verify_proof}[args.action](args)
+    return {"verify": _verify, "proof": _proof, "verify-proof": _verify_proof,
+            "witness": _witness}[args.action](args)
 
 
 def _anchor(args: argparse.Namespace) -> int:
@@ -613,11 +719,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        "the newest --limit of them. Filters combine (AND). "
                        "uomp audit verify: check the whole log (leaves, tree, signed checkpoints, anchors). "
                        "uomp audit proof EVENT_ID --out FILE: a self-contained proof bundle. "
-                       "uomp audit verify-proof FILE [--rpc URL]: check a bundle with nothing else.",
+                       "uomp audit verify-proof FILE [--rpc URL]: check a bundle with nothing else. "
+                       "uomp audit witness --dir DIR: an external witness (DIR on another disk or machine) cosigns "
+                       "the newest checkpoint once it extends the last one cosigned there.",
                        epilog="Times: ISO 8601 (2026-12-01, 2026-12-01T08:00:00Z; no zone = UTC) or a duration "
                        "before now (90s, 15m, 1h, 2d, 1w). Events older than [guard] audit_retention_days (default "
                        "90) keep only their leaf hash: they are counted, not shown, unless --include-pruned.")
-    a.add_argument("action", nargs="?", choices=["verify", "proof", "verify-proof"], help="what to do")
+    a.add_argument("action", nargs="?", choices=["verify", "proof", "verify-proof", "witness"], help="what to do")
     a.add_argument("target", nargs="?", help="EVENT_ID for proof, FILE for verify-proof")
     a.add_argument("--session", help="only this session's events (an unknown session is SESSION_NOT_FOUND)")
     a.add_argument("--agent", help="only this agent's events")
@@ -641,6 +749,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("--rpc", help="verify / verify-proof: chain RPC URL to check anchors against")
     a.add_argument("--no-chain", action="store_true", help="verify: the log only, no anchor checked on chain "
                    "(what the guard runs in the background after each start)")
+    a.add_argument("--dir", help="witness: the witness directory (its key and cosigned checkpoints; another disk "
+                   "or machine)")
+    a.add_argument("--witness-dir", metavar="DIR", help="verify: the log must extend the newest checkpoint the "
+                   "external witness in DIR cosigned")
     a.add_argument("--key", help="verify-proof: the appliance's verifier key you trust (name+id+key)")
     a.add_argument("--no-local-key", action="store_true",
                    help="verify-proof: do not use this machine's audit key (checking a bundle from elsewhere)")
