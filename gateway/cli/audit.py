@@ -338,7 +338,18 @@ def _witness_refusal(problem: str, first: int | None, fix: str) -> UompError:
 
 def _witness(args: argparse.Namespace) -> int:
     """Cosign the appliance's newest signed checkpoint into ``--dir`` once it verifies and extends
-    the last one cosigned there (gateway/ledger/cosign.py)."""
+    the last one cosigned there (gateway/ledger/cosign.py). 0: cosigned or up to date; 1: refused."""
+    try:
+        return _witness_run(args)
+    except UompError as exc:
+        if not args.json or exc.code != ErrorCode.AUDIT_LOG_INCONSISTENT:
+            raise
+        print(json.dumps({"ok": False, "status": "refused", "code": str(exc.code), "problem": exc.message,
+                          "first_bad_seq": (exc.details or {}).get("first_bad_seq")}, indent=2))
+        return 1
+
+
+def _witness_run(args: argparse.Namespace) -> int:
     if not args.dir:
         raise UompError(ErrorCode.INVALID_REQUEST, "'uomp audit witness' needs --dir DIR (on another disk or machine)")
     paths = paths_from(args)
@@ -358,6 +369,12 @@ def _witness(args: argparse.Namespace) -> int:
     conn = _ro(paths)
     try:
         row = conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size DESC LIMIT 1").fetchone()
+        if row is None and last is not None:
+            held = conn.execute("SELECT COUNT(*) FROM merkle_nodes WHERE level = 0").fetchone()[0]
+            raise _witness_refusal(f"audit.db holds no signed checkpoint but the witness cosigned "
+                                   f"{last.checkpoint.size} events: events {held + 1}-{last.checkpoint.size} are gone "
+                                   "(rolled back)",
+                                   min(int(held), last.checkpoint.size) + 1, fix)
         if row is None:
             raise UompError(ErrorCode.NOT_FOUND, "the audit log has no signed checkpoint yet; run this again after "
                             "the appliance has written one")
