@@ -260,6 +260,11 @@ class GuardConfig:
     # in the background (`uomp audit verify --no-chain` in a process of its own, niced; one pass,
     # ~15 s per 1,000,000 events on 2 cores; docs/audit.md): a failure refuses service.
     audit_full_verify_at_start: bool = True
+    # An external witness's directory (`uomp audit witness --dir`, on another disk or machine;
+    # docs/audit.md, "External witness"): `uomp audit verify` (and so the background verify) then
+    # holds the log to the newest checkpoint it cosigned. Empty: none. A directory that is absent
+    # (not mounted) or has cosigned nothing yet is a warning; a tampered one is red.
+    audit_witness_dir: str = ""
     # Housekeeping, off the event loop: expired sessions are closed every sweep_interval_seconds;
     # audit retention and auth.db pruning run every purge_interval_seconds.
     sweep_interval_seconds: float = 5.0

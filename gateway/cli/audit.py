@@ -249,6 +249,7 @@ def _verify(args: argparse.Namespace) -> int:
     origin = auditkey.origin_for(key.public_key())
     trusted: list[TrustedCheckpoint] = []
     witness_problem: str | None = None
+    external_warning: str | None = None
     try:
         witness = integrity.read_witness(paths.audit_witness, origin=origin, public_key=key.public_key())
     except UompError as exc:
@@ -258,15 +259,21 @@ def _verify(args: argparse.Namespace) -> int:
     conn = _ro(paths)
     try:
         trusted.extend(extra_trusted_checkpoints(paths, conn))
-        external, external_problem = (_external_witness(Path(args.witness_dir), origin, key.public_key())
-                                      if args.witness_dir else (None, None))
+        configured = _cfg(paths).audit_witness_dir
+        wdir = args.witness_dir or configured
+        external, external_problem = (_external_witness(Path(wdir), origin, key.public_key())
+                                      if wdir else (None, None))
         if external is not None:
             trusted.append(external)
+        elif external_problem is not None and not args.witness_dir and not cosign.WitnessDir(Path(wdir)).has_cosigned():
+            external_warning, external_problem = external_problem, None  # configured, not mounted or not begun
         report = verify_log(conn, origin=origin, public_key=key.public_key(), trusted=trusted)
         if witness_problem is not None:
             report.fail(None, witness_problem, inconsistent=True)
         if external_problem is not None:
             report.fail(None, external_problem, inconsistent=True)
+        if external_warning is not None:
+            report.warn(f"{external_warning} ([guard] audit_witness_dir)")
         elif witness is None and report.checkpoints:
             report.warn(f"no witness record ({paths.audit_witness}): nothing outside audit.db says how far the log "
                         "went; the guard starts one at its next start")
@@ -350,9 +357,11 @@ def _witness(args: argparse.Namespace) -> int:
 
 
 def _witness_run(args: argparse.Namespace) -> int:
-    if not args.dir:
-        raise UompError(ErrorCode.INVALID_REQUEST, "'uomp audit witness' needs --dir DIR (on another disk or machine)")
     paths = paths_from(args)
+    args.dir = args.dir or _cfg(paths).audit_witness_dir
+    if not args.dir:
+        raise UompError(ErrorCode.INVALID_REQUEST, "'uomp audit witness' needs --dir DIR (on another disk or "
+                        "machine) or [guard] audit_witness_dir")
     key = auditkey.load(paths)
     log_key = key.public_key()
     origin = auditkey.origin_for(log_key)

@@ -155,6 +155,9 @@ class WitnessDir:
     def exists(self) -> bool:
         return (self.path / KEY_FILE).exists()
 
+    def has_cosigned(self) -> bool:
+        return (self.path / CHECKPOINT_FILE).exists()
+
     def ensure_key(self) -> bool:
         """Make the witness key and its verifier key file if missing; True when this call made it."""
         ensure_private_dir(self.path, "witness directory")

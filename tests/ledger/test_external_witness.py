@@ -232,3 +232,26 @@ def test_verify_with_an_empty_or_missing_witness_dir_is_red(home: Paths, wdir: P
     _fill(home, 100)
     out = _verify(home, "--witness-dir", str(wdir))
     assert not out["ok"] and any("run 'uomp audit witness" in p for p in out["problems"])
+
+
+def test_the_configured_witness_dir_is_used_and_a_missing_one_only_warns(home: Paths, wdir: Path) -> None:
+    home.config_file.write_text(f'[guard]\naudit_witness_dir = "{wdir}"\n')
+    _fill(home, 100)
+    out = _verify(home)  # not mounted yet: a warning, the log is still checked as before
+    assert out["ok"] and out["external_witness_size"] is None
+    assert any("audit_witness_dir" in w for w in out["warnings"]), out["warnings"]
+    r, out = _uomp_witness_from_config(home)  # --dir from the configuration
+    assert r.returncode == 0 and out["status"] == "cosigned" and (wdir / cosign.CHECKPOINT_FILE).exists()
+    assert _verify(home)["external_witness_size"] == 100
+    _rollback(home, 50)
+    home.audit_witness.unlink()
+    out = _verify(home)
+    assert not out["ok"] and out["first_bad_seq"] == 51
+    _tamper_cosignature(wdir)  # present but not valid: red, never a warning
+    out = _verify(home)
+    assert not out["ok"] and any("external witness is refused" in p for p in out["problems"])
+
+
+def _uomp_witness_from_config(paths: Paths) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    r = _uomp(paths, "audit", "witness", "--json")
+    return r, json.loads(r.stdout) if r.stdout.strip() else {}
