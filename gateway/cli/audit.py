@@ -362,11 +362,17 @@ def _witness_run(args: argparse.Namespace) -> int:
     if not args.dir:
         raise UompError(ErrorCode.INVALID_REQUEST, "'uomp audit witness' needs --dir DIR (on another disk or "
                         "machine) or [guard] audit_witness_dir")
+    auditkey.load(paths)  # no witness key is made for a home without an audit key
+    wd = cosign.WitnessDir(Path(args.dir))
+    made = wd.ensure_key()
+    with wd.locked():
+        return _witness_locked(args, paths, wd, made)
+
+
+def _witness_locked(args: argparse.Namespace, paths: Paths, wd: cosign.WitnessDir, made: bool) -> int:
     key = auditkey.load(paths)
     log_key = key.public_key()
     origin = auditkey.origin_for(log_key)
-    wd = cosign.WitnessDir(Path(args.dir))
-    made = wd.ensure_key()
     name, wkey = wd.signer()
     vkey = cosign.verifier_key(name, wkey.public_key())
     fix = (f"put back the audit.db that extends what {args.dir} cosigned (docs/audit.md, 'External witness'); "

@@ -15,7 +15,8 @@ message is ``cosignature/v1\\n`` || ``time <timestamp, decimal>\\n`` || the chec
 own key, PKCS#8 PEM, 0600, made on first use, never written anywhere else), ``witness.vkey`` (its
 verifier key), ``checkpoint`` (the newest cosigned checkpoint: the appliance's signed note with
 the cosignature line appended, replaced atomically) and ``history`` (every cosigned checkpoint,
-one JSON line each, appended and fsynced before ``checkpoint`` is replaced). A checkpoint is
+one JSON line each, appended and fsynced before ``checkpoint`` is replaced); ``lock`` keeps two
+runs from interleaving. One directory witnesses one appliance (one audit key). A checkpoint is
 cosigned only after its signature verifies with the audit key and a consistency proof from the
 last cosigned checkpoint verifies; so whatever the witness cosigned, no later log under the same
 audit key can drop or rewrite it without ``uomp audit verify --witness-dir`` turning red.
@@ -25,11 +26,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +52,7 @@ KEY_FILE = "witness-ed25519.key"
 VKEY_FILE = "witness.vkey"
 CHECKPOINT_FILE = "checkpoint"
 HISTORY_FILE = "history"
+LOCK_FILE = "lock"
 MAX_VKEY_BYTES = 1024
 _NAME = re.compile(r"[\x21-\x2a\x2c-\x7e]+")
 
@@ -154,6 +159,16 @@ class WitnessDir:
 
     def exists(self) -> bool:
         return (self.path / KEY_FILE).exists()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """One witness run at a time on this directory (an exclusive lock on ``lock``)."""
+        fd = os.open(self.path / LOCK_FILE, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def has_cosigned(self) -> bool:
         return (self.path / CHECKPOINT_FILE).exists()
