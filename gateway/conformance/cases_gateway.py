@@ -235,17 +235,31 @@ async def _pay_bad(r: Runner) -> None:
         check_error_shape(a)
 
 
-@case("PAY-03", "§15.6", "a sealed envelope is accepted once; the same payload_id again is refused",
-      modes=("gateway",))
+@case("PAY-03", "§15.6", "a sealed envelope is stored once: the same upload again is refused or answers the "
+      "stored entry (an idempotent retry); other bytes under the same payload_id are refused", modes=("gateway",))
 async def _pay_ok(r: Runner) -> None:
     await _relay(r)
-    token, env = await _sealed(r)
+    recipient = _recipient(r)
+    g = await r.grant({"tags": ["conf.pref"], "keys": []})
+    token = str(g["token"])
+    binding = sealing.Binding(payload_id=payloads.new_payload_id(), session_id=str(g["session_id"]),
+                              agent_id=r.agent_id, format="text/markdown")
+    env = payloads.seal_small(recipient, binding, b"# conformance\n" + os.urandom(64))
     a = await _upload(r, token, env)
     if a.status not in (200, 201):
         raise Fail(f"a correctly sealed envelope answered {a.status} {a.code()}")
     again = await _upload(r, token, env)
-    if not 400 <= again.status < 500:
-        raise Fail(f"a second upload of the same payload_id answered {again.status}")
+    if 200 <= again.status < 300:  # a retry of a lost answer: the same entry, never a second payload
+        first = a.body if isinstance(a.body, dict) else {}
+        second = again.body if isinstance(again.body, dict) else {}
+        if (second.get("payload_id"), second.get("hash")) != (first.get("payload_id"), first.get("hash")):
+            raise Fail(f"the same upload again answered {again.status} with another entry")
+    elif not 400 <= again.status < 500:
+        raise Fail(f"the same upload again answered {again.status}")
+    other = payloads.seal_small(recipient, binding, b"# other bytes\n" + os.urandom(64))
+    clash = await _upload(r, token, other)
+    if not 400 <= clash.status < 500:
+        raise Fail(f"other bytes under a stored payload_id answered {clash.status}")
 
 
 @case("PAY-04", "§15.6", "an envelope whose ciphertext was altered (hash no longer matches) is refused",

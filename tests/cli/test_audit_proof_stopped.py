@@ -69,6 +69,30 @@ def until(pred, what: str) -> None:  # type: ignore[no-untyped-def]
     raise AssertionError(f"{what} not reached")
 
 
+def unsigned_event(home: Path, key: str) -> str:
+    """A user event appended to the log with no checkpoint over it (what a guard killed before its next
+    checkpoint leaves behind; the CLI's own writes sign at once). Its id."""
+    from gateway.config import Paths
+    from gateway.guard.audit import make_row, row_event
+    from gateway.ledger import auditkey
+    from gateway.ledger.log import EventLog
+
+    paths = Paths(home)
+    k = auditkey.load(paths)
+    row = make_row(session_id="user", agent_id="user", action="memory_added", allowed=True,
+                   reason="the user added a memory item", key=key)
+    conn = sqlite3.connect(paths.audit_db, isolation_level=None, timeout=30)
+    try:
+        log = EventLog(conn, origin=auditkey.origin_for(k.public_key()), key=k)
+        conn.execute("BEGIN IMMEDIATE")
+        log.reload()
+        log.append([row_event(row)])
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return str(row[0])
+
+
 def add_item(home: Path, key: str) -> None:
     """A user event (memory_added), written by the CLI's code in this process, beside the appliance."""
     from gateway.cli.main import main
@@ -93,8 +117,7 @@ def test_clean_stop_signs_and_the_cli_never_signs_beside_a_running_guard(home: P
     try:
         until(lambda: uomp(home, "status").returncode == 0, "the appliance running")
         add_item(home, "a.two")
-        add_item(home, "a.three")
-        pending = newest_event(home)
+        pending = unsigned_event(home, "a.three")
         events, size, checkpoints = log_state(home)
         assert size < events  # the newest events are outside every signed checkpoint
         res = uomp(home, "audit", "proof", pending)
@@ -113,8 +136,7 @@ def test_clean_stop_signs_and_the_cli_never_signs_beside_a_running_guard(home: P
 
 def test_stopped_appliance_cli_signs_itself_but_not_under_a_held_lock_or_a_live_guard(home: Path) -> None:
     add_item(home, "b.one")
-    add_item(home, "b.two")  # recorded with no appliance running: not signed yet
-    pending = newest_event(home)
+    pending = unsigned_event(home, "b.two")  # left by a guard killed before its checkpoint: not signed yet
     events, size, checkpoints = log_state(home)
     assert size < events
 
@@ -148,8 +170,7 @@ def test_stopped_appliance_cli_signs_itself_but_not_under_a_held_lock_or_a_live_
     assert log_state(home)[1] == log_state(home)[0]  # its clean stop (SIGINT) signed every event
 
     # nothing running, an unsigned event: the CLI signs a checkpoint itself and the proof verifies
-    add_item(home, "b.three")
-    pending = newest_event(home)
+    pending = unsigned_event(home, "b.three")
     events, size, checkpoints = log_state(home)
     assert size < events
     proof_verifies(home, pending)

@@ -475,7 +475,11 @@ def test_payload_relay_paths_match_the_document(servers: dict[str, Target]) -> N
     doc = sealed()
     stored = _check(servers, "gateway", "POST", "/v1/payload/upload", 201, body=doc, media_type="application/json")
     assert stored["payload_id"] == doc["payload_id"] and stored["hash"] == doc["hash"]
-    _check(servers, "gateway", "POST", "/v1/payload/upload", 409, body=doc, media_type="application/json",
+    again = _check(servers, "gateway", "POST", "/v1/payload/upload", 201, body=doc, media_type="application/json")
+    assert again == stored  # the same upload again (a lost answer retried): the stored entry, no second payload
+    binding = sealing.Binding(doc["payload_id"], gw.sid, "st_agent", "text/plain")
+    clash = sdk_payloads.seal_small(recipient, binding, b"other bytes under the same id")
+    _check(servers, "gateway", "POST", "/v1/payload/upload", 409, body=clash, media_type="application/json",
            code="PAYLOAD_EXISTS")
 
     streamed = sealed()
