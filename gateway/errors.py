@@ -80,7 +80,7 @@ class ErrorCode(StrEnum):
     TUNNEL_ERROR = "TUNNEL_ERROR"  # the tunnel cannot be set up as configured
 
 
-# code -> HTTP status, once. Spec §8.4 codes first, then ours (documented in README "Error codes").
+# code -> HTTP status, once. Spec §8.4 codes first, then ours (documented in docs/errors.md).
 STATUS: dict[ErrorCode, int] = {
     # spec §8.4
     ErrorCode.INVALID_TOKEN: 401,

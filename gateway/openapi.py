@@ -385,7 +385,7 @@ def document() -> dict[str, Any]:
         "info": {"title": "UOMP guard, Auth Service and gateway", "version": "draft-00",
                  "description": "Endpoints of the UOMP appliance. x-uomp-served-by names the listeners that "
                  "serve each operation. Every status an operation answers is listed; refusals are the §8.4 body "
-                 "with a stable code of that status (README, Error codes)."},
+                 "with a stable code of that status (docs/errors.md)."},
         "servers": [{"url": "http://127.0.0.1:9374", "description": "guard, Local Profile listener"},
                     {"url": "https://localhost:9443", "description": "gateway (TLS 1.3, mutual TLS)"}],
         "tags": [{"name": TCP, "description": "the guard's Local Profile listener (http://127.0.0.1:9374)"},

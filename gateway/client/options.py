@@ -61,7 +61,7 @@ class ClientOptions:
     max_connections: int = 16  # connection pool size
     refresh_retry_attempts: int = 6  # a refresh that got no answer (closed, timed out, 502/503/504) is tried again
     refresh_retry_initial_seconds: float = 0.5  # first back-off, doubled after each try ...
-    refresh_retry_max_seconds: float = 8.0  # ... up to this (a spent token may be retried: see README "Refresh")
+    refresh_retry_max_seconds: float = 8.0  # ... up to this (docs/security.md "Refresh rule")
     payload_timeout_seconds: float = 1800.0  # one streamed payload upload, start to answer
 
     def __post_init__(self) -> None:
