@@ -46,16 +46,20 @@ def _raw_public(key: Ed25519PublicKey) -> bytes:
     return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def key_id(name: str, public_key: Ed25519PublicKey) -> bytes:
-    return hashlib.sha256(name.encode() + b"\n" + ED25519 + _raw_public(public_key)).digest()[:4]
+def key_id(name: str, public_key: Ed25519PublicKey, kind: bytes = ED25519) -> bytes:
+    """The signed-note key id: SHA-256(name || 0x0A || kind || key)[:4]; ``kind`` is the signature
+    type byte (0x01 Ed25519 note signatures, 0x04 C2SP cosignature/v1)."""
+    return hashlib.sha256(name.encode() + b"\n" + kind + _raw_public(public_key)).digest()[:4]
 
 
-def verifier_key(name: str, public_key: Ed25519PublicKey) -> str:
+def verifier_key(name: str, public_key: Ed25519PublicKey, kind: bytes = ED25519) -> str:
     _check_name(name)
-    return f"{name}+{key_id(name, public_key).hex()}+{base64.b64encode(ED25519 + _raw_public(public_key)).decode()}"
+    return (f"{name}+{key_id(name, public_key, kind).hex()}+"
+            f"{base64.b64encode(kind + _raw_public(public_key)).decode()}")
 
 
-def parse_verifier_key(vkey: str) -> tuple[str, Ed25519PublicKey]:
+def parse_verifier_key(vkey: str, kind: bytes = ED25519) -> tuple[str, Ed25519PublicKey]:
+    """``name+keyid+base64(kind || key)``, its id checked; NoteError for anything else."""
     parts = vkey.strip().split("+", 2)  # the base64 key may itself contain '+'
     if len(parts) != 3:
         raise NoteError("a verifier key is name+keyid+key")
@@ -66,10 +70,10 @@ def parse_verifier_key(vkey: str) -> tuple[str, Ed25519PublicKey]:
         kid = bytes.fromhex(kid_hex)
     except (binascii.Error, ValueError):
         raise NoteError("verifier key is not valid hex/base64") from None
-    if len(raw) != 33 or raw[:1] != ED25519 or len(kid) != 4:
-        raise NoteError("verifier key is not an Ed25519 key")
+    if len(raw) != 33 or raw[:1] != kind or len(kid) != 4:
+        raise NoteError("verifier key is not an Ed25519 key" + ("" if kind == ED25519 else " of this kind"))
     pub = Ed25519PublicKey.from_public_bytes(raw[1:])
-    if key_id(name, pub) != kid:
+    if key_id(name, pub, kind) != kid:
         raise NoteError("verifier key id does not match its name and key")
     return name, pub
 

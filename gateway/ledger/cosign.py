@@ -31,7 +31,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gateway import pemkeys
+from gateway.core import checkpoint
 from gateway.core.checkpoint import MAX_NOTE_BYTES, SIG_PREFIX, Checkpoint, NoteError
 from gateway.fsutil import atomic_write, ensure_private_dir, fsync_dir
 
@@ -54,7 +54,6 @@ CHECKPOINT_FILE = "checkpoint"
 HISTORY_FILE = "history"
 LOCK_FILE = "lock"
 MAX_VKEY_BYTES = 1024
-_NAME = re.compile(r"[\x21-\x2a\x2c-\x7e]+")
 
 
 def _raw(key: Ed25519PublicKey) -> bytes:
@@ -62,31 +61,15 @@ def _raw(key: Ed25519PublicKey) -> bytes:
 
 
 def key_id(name: str, public_key: Ed25519PublicKey) -> bytes:
-    return hashlib.sha256(name.encode() + b"\n" + COSIGNATURE_V1 + _raw(public_key)).digest()[:4]
+    return checkpoint.key_id(name, public_key, COSIGNATURE_V1)
 
 
 def verifier_key(name: str, public_key: Ed25519PublicKey) -> str:
-    if not _NAME.fullmatch(name):
-        raise NoteError("a key name is printable ASCII without spaces or '+'")
-    return f"{name}+{key_id(name, public_key).hex()}+{base64.b64encode(COSIGNATURE_V1 + _raw(public_key)).decode()}"
+    return checkpoint.verifier_key(name, public_key, COSIGNATURE_V1)
 
 
 def parse_verifier_key(vkey: str) -> tuple[str, Ed25519PublicKey]:
-    parts = vkey.strip().split("+", 2)
-    if len(parts) != 3 or not _NAME.fullmatch(parts[0]):
-        raise NoteError("a witness verifier key is name+keyid+key")
-    name, kid_hex, b64 = parts
-    try:
-        raw = base64.b64decode(b64, validate=True)
-        kid = bytes.fromhex(kid_hex)
-    except (binascii.Error, ValueError):
-        raise NoteError("witness verifier key is not valid hex/base64") from None
-    if len(raw) != 33 or raw[:1] != COSIGNATURE_V1 or len(kid) != 4:
-        raise NoteError("witness verifier key is not an Ed25519 cosignature/v1 key")
-    pub = Ed25519PublicKey.from_public_bytes(raw[1:])
-    if key_id(name, pub) != kid:
-        raise NoteError("witness verifier key id does not match its name and key")
-    return name, pub
+    return checkpoint.parse_verifier_key(vkey, COSIGNATURE_V1)
 
 
 def signed_message(text: str, timestamp: int) -> bytes:
