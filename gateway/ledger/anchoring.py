@@ -48,6 +48,7 @@ import contextlib
 import json
 import logging
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -468,6 +469,10 @@ class Anchorer:
         self.backend = backend
         self.policy = policy or AnchorPolicy()
         self._conn: sqlite3.Connection | None = None
+        # Every use of the connection holds this, in a worker thread: a task cancelled while its
+        # thread still runs a statement must not see the connection closed under it (stop() closes
+        # it only once that statement is done; closing it mid-statement crashes the process).
+        self._lock = threading.RLock()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.info = backend_info or {}
@@ -498,9 +503,18 @@ class Anchorer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        with self._lock:  # after the statement a cancelled round's thread may still be running
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _locked(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(connection, *args, **kwargs)`` holding the connection's lock (in a worker thread)."""
+        with self._lock:
+            return fn(self._db(), *args, **kwargs)
 
     async def run(self) -> None:
         while True:
@@ -517,7 +531,8 @@ class Anchorer:
     # ------------------------------------------------------------------ one round
 
     def _sql(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        return list(self._db().execute(sql, args).fetchall())
+        with self._lock:
+            return list(self._db().execute(sql, args).fetchall())
 
     async def _q(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         return await asyncio.to_thread(self._sql, sql, args)
@@ -527,7 +542,7 @@ class Anchorer:
         if not note:
             await self._fail(size, "checkpoint missing from the log", now)
             return None
-        anchor = await asyncio.to_thread(anchor_for, self._db(), size, str(note[0][0]))
+        anchor: Anchor = await asyncio.to_thread(self._locked, anchor_for, size, str(note[0][0]))
         if anchor.checkpoint_hash != bytes(cp_hash):
             await self._fail(size, "checkpoint changed since it was queued", now)
             return None
@@ -539,7 +554,7 @@ class Anchorer:
         if self._next_recheck is None or now >= self._next_recheck:
             await self.recheck(now=now)
         for _ in range(MAX_DERIVE_BATCHES):  # the §18.4.1 facts of new audit events, before the checkpoint
-            if not await asyncio.to_thread(derive_facts, self._db(), now=now):  # that covers them is sent
+            if not await asyncio.to_thread(self._locked, derive_facts, now=now):  # that covers them is sent
                 break
         # Supersede every open checkpoint below the newest one that is open or confirmed, unless it
         # carries §18.4.1 facts (those are sent themselves: the facts are bound to that transaction).
@@ -561,7 +576,10 @@ class Anchorer:
     def _bind_facts(self, size: int) -> None:
         """Bind the unbound facts checkpoint ``size`` covers to it, and fix its content, in one
         transaction: whatever is sent for this checkpoint from now on carries exactly these."""
-        conn = self._db()
+        with self._lock:
+            self._bind_facts_on(self._db(), size)
+
+    def _bind_facts_on(self, conn: sqlite3.Connection, size: int) -> None:
         for _ in range(MAX_DERIVE_BATCHES):  # a checkpoint stored since this round's derivation: its facts first
             row = conn.execute("SELECT seq FROM ledger_anchor_scan WHERE one = 1").fetchone()
             if (row is not None and int(row[0]) >= size) or not derive_facts(conn):
