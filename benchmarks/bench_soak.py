@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import signal
@@ -58,7 +59,8 @@ def children(pid: int) -> list[int]:
 
 def start_appliance(home: Path) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
-                             "--no-local-port"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--no-local-port"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "UOMP_DASHBOARD_PORT": "0"})  # never a running appliance's 9380
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
