@@ -23,6 +23,7 @@ import base64
 import binascii
 import hashlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
@@ -107,6 +108,21 @@ def open_note(note: str, name: str, public_key: Ed25519PublicKey) -> str:
     Signature lines of other keys are ignored (a checkpoint may carry witnesses' cosignatures); a
     line that claims our key but does not verify rejects the whole note.
     """
+    text, lines = split_note(note)
+    want = key_id(name, public_key)
+    for signer, blob in signature_lines(lines):
+        if signer != name or blob[:4] != want:
+            continue
+        try:
+            public_key.verify(blob[4:], text.encode())
+        except InvalidSignature:
+            raise NoteError("checkpoint signature does not verify") from None
+        return text
+    raise NoteError(f"note is not signed by {name}")
+
+
+def split_note(note: str) -> tuple[str, list[str]]:
+    """A signed note's text and its signature lines (without their newlines), within the bounds."""
     if len(note.encode()) > MAX_NOTE_BYTES:
         raise NoteError("note too large")
     cut = note.rfind("\n\n")
@@ -119,7 +135,11 @@ def open_note(note: str, name: str, public_key: Ed25519PublicKey) -> str:
     lines = sigs[:-1].split("\n")
     if len(lines) > MAX_SIGNATURES:
         raise NoteError("too many signatures")
-    want = key_id(name, public_key)
+    return text, lines
+
+
+def signature_lines(lines: list[str]) -> Iterator[tuple[str, bytes]]:
+    """(signer name, key id || signature) of each ``— name base64`` line; NoteError on any other."""
     for line in lines:
         if not line.startswith(SIG_PREFIX):
             raise NoteError("malformed signature line")
@@ -130,14 +150,7 @@ def open_note(note: str, name: str, public_key: Ed25519PublicKey) -> str:
             raise NoteError("malformed signature line") from None
         if len(blob) < 5:
             raise NoteError("malformed signature line")
-        if signer != name or blob[:4] != want:
-            continue
-        try:
-            public_key.verify(blob[4:], text.encode())
-        except InvalidSignature:
-            raise NoteError("checkpoint signature does not verify") from None
-        return text
-    raise NoteError(f"note is not signed by {name}")
+        yield signer, blob
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ audit key can drop or rewrite it without ``uomp audit verify --witness-dir`` tur
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import fcntl
 import hashlib
@@ -79,18 +78,9 @@ def signed_message(text: str, timestamp: int) -> bytes:
     return f"{HEADER}time {timestamp}\n{text}".encode()
 
 
-def _split(note: str) -> tuple[str, list[str]]:
-    if len(note.encode()) > MAX_NOTE_BYTES:
-        raise NoteError("note too large")
-    cut = note.find("\n\n")
-    if cut < 0 or not note.endswith("\n"):
-        raise NoteError("note has no signature block")
-    return note[: cut + 1], note[cut + 2:-1].split("\n")
-
-
 def cosign(note: str, name: str, private_key: Ed25519PrivateKey, timestamp: int) -> str:
     """``note`` (a signed checkpoint) with this witness's cosignature line appended."""
-    text, _ = _split(note)
+    text, _ = checkpoint.split_note(note)
     sig = private_key.sign(signed_message(text, timestamp))
     blob = key_id(name, private_key.public_key()) + struct.pack(">Q", timestamp) + sig
     return f"{note}{SIG_PREFIX}{name} {base64.b64encode(blob).decode()}\n"
@@ -99,16 +89,9 @@ def cosign(note: str, name: str, private_key: Ed25519PrivateKey, timestamp: int)
 def open_cosigned(note: str, name: str, public_key: Ed25519PublicKey) -> tuple[str, int]:
     """The note text and the cosignature's timestamp when ``note`` carries a valid cosignature by
     ``(name, public_key)``; a line that claims this key and does not verify rejects the note."""
-    text, lines = _split(note)
+    text, lines = checkpoint.split_note(note)
     want = key_id(name, public_key)
-    for line in lines:
-        if not line.startswith(SIG_PREFIX):
-            raise NoteError("malformed signature line")
-        try:
-            signer, b64 = line[len(SIG_PREFIX):].split(" ")
-            blob = base64.b64decode(b64, validate=True)
-        except (ValueError, binascii.Error):
-            raise NoteError("malformed signature line") from None
+    for signer, blob in checkpoint.signature_lines(lines):
         if signer != name or blob[:4] != want:
             continue
         if len(blob) != 4 + 8 + 64:
