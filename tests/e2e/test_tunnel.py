@@ -142,21 +142,24 @@ async def test_named_tunnel_token_stays_off_the_command_line(origin: str, tmp_pa
         assert await sup.wait_for_url(10) == "https://gw.example.test"
         await _until(lambda: sup.state.pid is not None)
 
-        def snapshot() -> tuple[bytes, bytes]:
-            try:
-                return (Path(f"/proc/{sup.state.pid}/cmdline").read_bytes(),
-                        Path(f"/proc/{sup.state.pid}/environ").read_bytes())
-            except OSError:
-                return b"", b""
+        # one reading of the running stand-in, taken whole: /proc shows an empty command line while
+        # `env` execs python, and under load a reading between two reads of /proc can mix two states
+        seen: list[tuple[bytes, bytes]] = []
 
-        # /proc shows an empty command line while `env` execs python, and (seen once in CI, under
-        # load) an empty environment for a moment: wait until one reading shows the stand-in running
         def running() -> bool:
-            cmd, env = snapshot()
-            return b"fake_cloudflared" in cmd and bool(env)
+            pid = sup.state.pid
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                env = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                return False
+            if b"fake_cloudflared" in cmd and b"TUNNEL_TOKEN=" in env:
+                seen.append((cmd, env))
+                return True
+            return False
 
         await _until(running)
-        cmdline, environ = snapshot()
+        cmdline, environ = seen[-1]
         assert token.encode() not in cmdline and b"run" in cmdline
         assert b"TUNNEL_TOKEN=" + token.encode() in environ
     finally:
