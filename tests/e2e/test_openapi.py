@@ -155,8 +155,8 @@ async def test_gateway_answers_random_requests_per_the_document(home: Paths) -> 
 
                     async def go() -> None:
                         async with s.request(method, url, headers=headers, data=body) as r:  # noqa: B023
-                            _check_answer(method, path, r.status, r.headers.get("Content-Type", ""),  # noqa: B023
-                                          await r.read())
+                            answer = (r.status, r.headers.get("Content-Type", ""), await r.read())
+                            _check_answer(method, path, *answer)  # noqa: B023
                     asyncio.run_coroutine_threadsafe(go(), loop).result(timeout=60)
                 await asyncio.to_thread(one)
 
