@@ -102,11 +102,20 @@ def seed_store(paths: Any, n_keys: int = 200, n_other: int = 1000) -> list[str]:
     for i in range(n_keys):
         k = f"preference.item{i:04d}"
         keys.append(k)
-        items.append(MemoryItem(k, {"value": f"setting number {i}", "n": i, "on": i % 2 == 0},
-                                ("preference", "ui"), "low", "user", NOW_ISO, NOW_ISO, f"bench item {i}"))
+        items.append(
+            MemoryItem(
+                k,
+                {"value": f"setting number {i}", "n": i, "on": i % 2 == 0},
+                ("preference", "ui"),
+                "low",
+                "user",
+                NOW_ISO,
+                NOW_ISO,
+                f"bench item {i}",
+            )
+        )
     for i in range(n_other):
-        items.append(MemoryItem(f"notes.n{i:05d}", f"note {i} " * 8, ("notes",), "medium", "user", NOW_ISO,
-                                NOW_ISO))
+        items.append(MemoryItem(f"notes.n{i:05d}", f"note {i} " * 8, ("notes",), "medium", "user", NOW_ISO, NOW_ISO))
     store = MemoryStore(paths.memory_db)
     try:
         store.put_many(items, replace=True)
@@ -126,10 +135,14 @@ def issue_agent(paths: Any, agent_id: str = AGENT_ID) -> dict[str, str]:
     ca_store.init_all(paths)
     files = ca_store.issue_with_key(paths, agent_id, paths.home / "agents-bench" / agent_id)
     cert = x509.load_pem_x509_certificate(files.cert_file.read_bytes())
-    return {"agent_id": agent_id, "cert": str(files.cert_file), "key": str(files.key_file),
-            "ca": str(files.ca_file),
-            "x5t": jose.cert_thumbprint(cert.public_bytes(serialization.Encoding.DER)),
-            "jkt": jose.key_thumbprint(cert.public_key())}  # type: ignore[arg-type]
+    return {
+        "agent_id": agent_id,
+        "cert": str(files.cert_file),
+        "key": str(files.key_file),
+        "ca": str(files.ca_file),
+        "x5t": jose.cert_thumbprint(cert.public_bytes(serialization.Encoding.DER)),
+        "jkt": jose.key_thumbprint(cert.public_key()),
+    }  # type: ignore[arg-type]
 
 
 def free_port() -> int:
@@ -148,18 +161,30 @@ async def _admin_call(paths: Any, method: str, path: str, body: Any) -> tuple[in
 
     headers = {"Authorization": f"Bearer {keys.load_admin(paths)}"}
     timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(paths.guard_sock)),
-                                     timeout=timeout) as s, \
-            s.request(method, "http://guard" + path, headers=headers, json=body) as resp:
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(paths.guard_sock)), timeout=timeout) as s,
+        s.request(method, "http://guard" + path, headers=headers, json=body) as resp,
+    ):
         return resp.status, await resp.json(content_type=None)
 
 
-def grant(paths: Any, *, agent_id: str = AGENT_ID, read: dict[str, Any] | None = None,
-          max_read_queries: int = 10_000_000, duration_minutes: int = 120, **extra: Any) -> dict[str, Any]:
+def grant(
+    paths: Any,
+    *,
+    agent_id: str = AGENT_ID,
+    read: dict[str, Any] | None = None,
+    max_read_queries: int = 10_000_000,
+    duration_minutes: int = 120,
+    **extra: Any,
+) -> dict[str, Any]:
     """Create + grant a session through the running guard's admin API; returns the grant answer."""
     read = read or {"tags": ["preference"], "keys": []}
-    body = {"agent_id": agent_id, "agent_name": "benchmark agent", "requested_scopes": {"read": read},
-            "duration_minutes": duration_minutes}
+    body = {
+        "agent_id": agent_id,
+        "agent_name": "benchmark agent",
+        "requested_scopes": {"read": read},
+        "duration_minutes": duration_minutes,
+    }
 
     async def go() -> dict[str, Any]:
         status, created = await _admin_call(paths, "POST", "/v1/sessions", body)
@@ -188,8 +213,9 @@ def cpu_by_role(pids: dict[str, int] | None) -> dict[str, float] | None:
     return {role: proc_cpu_seconds(pid) for role, pid in pids.items()} if pids else None
 
 
-def cpu_shares(cpu0: dict[str, float] | None, cpu1: dict[str, float] | None, elapsed: float
-               ) -> tuple[float | None, dict[str, float]]:
+def cpu_shares(
+    cpu0: dict[str, float] | None, cpu1: dict[str, float] | None, elapsed: float
+) -> tuple[float | None, dict[str, float]]:
     """(total share of one core, share per role) between two :func:`cpu_by_role` readings."""
     if cpu0 is None or cpu1 is None or elapsed <= 0:
         return None, {}
@@ -266,11 +292,20 @@ def _read_json_line(proc: subprocess.Popen[str], timeout: float, what: str) -> d
             return dict(json.loads(line))
 
 
-def start_server(paths: Any, *, gateway: bool = False, tcp_port: int | None = None,
-                 max_connections: int | None = None, ssl_read_buffer_kib: int | None = None,
-                 quota_block: int | None = None, profile: str | None = None, what: str = "server",
-                 layout: str = "split", gateway_config: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> ServerProc:
+def start_server(
+    paths: Any,
+    *,
+    gateway: bool = False,
+    tcp_port: int | None = None,
+    max_connections: int | None = None,
+    ssl_read_buffer_kib: int | None = None,
+    quota_block: int | None = None,
+    profile: str | None = None,
+    what: str = "server",
+    layout: str = "split",
+    gateway_config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerProc:
     """Start the guard alone (``GuardRunner``), or the appliance, in a child process.
 
     The appliance (``gateway=True``) is laid out like ``uomp gateway start``: ``GatewayRunner`` in the
@@ -335,8 +370,15 @@ async def _serve(args: argparse.Namespace) -> None:
     child: GuardProcess | None = None
     if args.gateway and args.layout == "split":
         # like `uomp gateway start`: the guard in a supervised child process (see _guard_child)
-        cmd = [PYTHON, str(Path(__file__).resolve()), "guard-child", "--parent", str(os.getpid()),
-               "--home", str(paths.home)]
+        cmd = [
+            PYTHON,
+            str(Path(__file__).resolve()),
+            "guard-child",
+            "--parent",
+            str(os.getpid()),
+            "--home",
+            str(paths.home),
+        ]
         if serve_tcp:
             cmd += ["--tcp-port", str(args.tcp_port)]
         if args.quota_block:
@@ -363,9 +405,14 @@ async def _serve(args: argparse.Namespace) -> None:
                 cfg = dataclasses.replace(cfg, **json.loads(args.gateway_config))
             gw = GatewayRunner(paths, cfg)
             await gw.start()
-            info.update(gateway_port=gw.port, max_connections=cfg.max_connections,
-                        keepalive_timeout_seconds=cfg.keepalive_timeout_seconds, tunnel_port=gw.tunnel_port,
-                        metrics_port=gw.metrics_port, fd_limit=getattr(gw, "fd_limit", None))
+            info.update(
+                gateway_port=gw.port,
+                max_connections=cfg.max_connections,
+                keepalive_timeout_seconds=cfg.keepalive_timeout_seconds,
+                tunnel_port=gw.tunnel_port,
+                metrics_port=gw.metrics_port,
+                fd_limit=getattr(gw, "fd_limit", None),
+            )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -424,8 +471,9 @@ def _guard_child(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- HTTP over streams
 
 
-def http_get(path: str, *, host: str = HOST_HEADER, headers: dict[str, str] | None = None,
-             close: bool = False) -> bytes:
+def http_get(
+    path: str, *, host: str = HOST_HEADER, headers: dict[str, str] | None = None, close: bool = False
+) -> bytes:
     lines = [f"GET {path} HTTP/1.1", f"Host: {host}"]
     for k, v in (headers or {}).items():
         lines.append(f"{k}: {v}")
@@ -488,8 +536,9 @@ class Target:
             return await asyncio.open_unix_connection(self.path)
         if self.kind == "tcp":
             return await asyncio.open_connection(LOOPBACK, self.port)
-        return await asyncio.open_connection(LOOPBACK, self.port, ssl=ctx, server_hostname=SNI,
-                                             ssl_handshake_timeout=10)
+        return await asyncio.open_connection(
+            LOOPBACK, self.port, ssl=ctx, server_hostname=SNI, ssl_handshake_timeout=10
+        )
 
 
 def summarize(lat: Sequence[float], count: int, elapsed: float) -> dict[str, float]:
@@ -499,9 +548,14 @@ def summarize(lat: Sequence[float], count: int, elapsed: float) -> dict[str, flo
     def pct(p: float) -> float:
         return s[min(n - 1, max(0, round(p / 100 * n) - 1))] * 1000 if n else float("nan")
 
-    return {"rps": count / elapsed if elapsed > 0 else 0.0, "p50_ms": pct(50), "p90_ms": pct(90),
-            "p99_ms": pct(99), "max_ms": s[-1] * 1000 if n else float("nan"),
-            "mean_ms": statistics.fmean(s) * 1000 if n else float("nan")}
+    return {
+        "rps": count / elapsed if elapsed > 0 else 0.0,
+        "p50_ms": pct(50),
+        "p90_ms": pct(90),
+        "p99_ms": pct(99),
+        "max_ms": s[-1] * 1000 if n else float("nan"),
+        "mean_ms": statistics.fmean(s) * 1000 if n else float("nan"),
+    }
 
 
 async def _close(writer: asyncio.StreamWriter, timeout: float = 2.0) -> None:
@@ -610,11 +664,18 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
             c[1].transport.abort()
     out = summarize(lat, len(lat), elapsed)
     server_cpu, parts = cpu_shares(cpu0, cpu1, elapsed)
-    out.update(count=len(lat), elapsed=elapsed, statuses={str(k): v for k, v in sorted(statuses.items())},
-               non200=sum(v for k, v in statuses.items() if k != 200), errors=dict(errors),
-               reconnects=state["reconnects"], clients=clients,
-               client_cpu=((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)) / elapsed,
-               server_cpu=server_cpu, server_cpu_parts=parts)
+    out.update(
+        count=len(lat),
+        elapsed=elapsed,
+        statuses={str(k): v for k, v in sorted(statuses.items())},
+        non200=sum(v for k, v in statuses.items() if k != 200),
+        errors=dict(errors),
+        reconnects=state["reconnects"],
+        clients=clients,
+        client_cpu=((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)) / elapsed,
+        server_cpu=server_cpu,
+        server_cpu_parts=parts,
+    )
     return out
 
 
@@ -681,10 +742,17 @@ async def _handshakes(spec: dict[str, Any]) -> dict[str, Any]:
     elapsed = min(elapsed, duration) if lat else elapsed
     out = summarize(lat, len(lat), elapsed)
     server_cpu, parts = cpu_shares(cpu0, cpu1, elapsed)
-    out.update(count=len(lat), elapsed=elapsed, statuses={str(k): v for k, v in sorted(statuses.items())},
-               non200=sum(v for k, v in statuses.items() if k != 200), errors=dict(errors), clients=clients,
-               client_cpu=((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)) / elapsed,
-               server_cpu=server_cpu, server_cpu_parts=parts)
+    out.update(
+        count=len(lat),
+        elapsed=elapsed,
+        statuses={str(k): v for k, v in sorted(statuses.items())},
+        non200=sum(v for k, v in statuses.items() if k != 200),
+        errors=dict(errors),
+        clients=clients,
+        client_cpu=((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)) / elapsed,
+        server_cpu=server_cpu,
+        server_cpu_parts=parts,
+    )
     return out
 
 
@@ -712,10 +780,19 @@ async def _hold(spec: dict[str, Any]) -> None:
 
     t0 = time.perf_counter()
     await asyncio.wait_for(asyncio.gather(*(one() for _ in range(n))), 120)
-    print(json.dumps({"event": "held", "opened": len(held), "errors": dict(errors),
-                      "statuses": {str(k): v for k, v in statuses.items()},
-                      "seconds": time.perf_counter() - t0,
-                      "client_rss_kib": proc_status_kib(os.getpid())}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "held",
+                "opened": len(held),
+                "errors": dict(errors),
+                "statuses": {str(k): v for k, v in statuses.items()},
+                "seconds": time.perf_counter() - t0,
+                "client_rss_kib": proc_status_kib(os.getpid()),
+            }
+        ),
+        flush=True,
+    )
     loop = asyncio.get_running_loop()
     with contextlib.suppress(TimeoutError):  # wait for the parent's go-ahead, at most hold_seconds
         await asyncio.wait_for(loop.run_in_executor(None, sys.stdin.readline), float(spec.get("hold_seconds", 60)))
@@ -739,19 +816,35 @@ def _load_main() -> None:
 # ----------------------------------------------------------------------------- parent side
 
 
-def run_load(target: Target, requests: Sequence[bytes], *, clients: int, duration: float, warmup: float = 1.0,
-             max_requests: int | None = None, server_pid: int | dict[str, int] | None = None,
-             mode: str = "keepalive") -> dict[str, Any]:
+def run_load(
+    target: Target,
+    requests: Sequence[bytes],
+    *,
+    clients: int,
+    duration: float,
+    warmup: float = 1.0,
+    max_requests: int | None = None,
+    server_pid: int | dict[str, int] | None = None,
+    mode: str = "keepalive",
+) -> dict[str, Any]:
     """Run one load phase in a separate Python process; returns its result dict.
 
     ``server_pid``: the server's pid, or {role: pid} of all its processes (``ServerProc.pids``):
     ``server_cpu`` is their sum, ``server_cpu_parts`` each one's share."""
     pids = {"server": server_pid} if isinstance(server_pid, int) else server_pid
-    spec = {"mode": mode, "target": dataclasses.asdict(target), "requests": [r.decode("latin-1") for r in requests],
-            "clients": clients, "duration": duration, "warmup": warmup, "max_requests": max_requests,
-            "server_pids": pids}
-    proc = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "load"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    spec = {
+        "mode": mode,
+        "target": dataclasses.asdict(target),
+        "requests": [r.decode("latin-1") for r in requests],
+        "clients": clients,
+        "duration": duration,
+        "warmup": warmup,
+        "max_requests": max_requests,
+        "server_pids": pids,
+    }
+    proc = subprocess.Popen(
+        [PYTHON, str(Path(__file__).resolve()), "load"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(spec) + "\n")
     proc.stdin.flush()
@@ -773,10 +866,16 @@ class Holder:
     """``n`` idle keep-alive connections held by a child process until :meth:`release`."""
 
     def __init__(self, target: Target, request: bytes, n: int, hold_seconds: float = 90) -> None:
-        spec = {"mode": "hold", "target": dataclasses.asdict(target), "requests": [request.decode("latin-1")],
-                "clients": n, "hold_seconds": hold_seconds}
-        self.proc = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "load"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        spec = {
+            "mode": "hold",
+            "target": dataclasses.asdict(target),
+            "requests": [request.decode("latin-1")],
+            "clients": n,
+            "hold_seconds": hold_seconds,
+        }
+        self.proc = subprocess.Popen(
+            [PYTHON, str(Path(__file__).resolve()), "load"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.flush()
@@ -805,17 +904,17 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out = dict(results[-1])
     count = sum(r["count"] for r in results)
     elapsed = sum(r["elapsed"] for r in results)
-    out.update(count=count, elapsed=elapsed, rps=count / elapsed,
-               non200=sum(r["non200"] for r in results))
+    out.update(count=count, elapsed=elapsed, rps=count / elapsed, non200=sum(r["non200"] for r in results))
     for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "client_cpu"):
         out[k] = statistics.median(r[k] for r in results)
     out["max_ms"] = max(r["max_ms"] for r in results)
     cpus = [r["server_cpu"] for r in results if r.get("server_cpu") is not None]
     out["server_cpu"] = statistics.median(cpus) if cpus else None
     roles = {role for r in results for role in r.get("server_cpu_parts", {})}
-    out["server_cpu_parts"] = {role: statistics.median(r["server_cpu_parts"][role] for r in results
-                                                       if role in r.get("server_cpu_parts", {}))
-                               for role in sorted(roles)}
+    out["server_cpu_parts"] = {
+        role: statistics.median(r["server_cpu_parts"][role] for r in results if role in r.get("server_cpu_parts", {}))
+        for role in sorted(roles)
+    }
     st: Counter[str] = Counter()
     er: Counter[str] = Counter()
     for r in results:
@@ -831,8 +930,10 @@ def check_ok(name: str, res: dict[str, Any], *, min_ok_fraction: float = 0.99) -
     total = res["count"] + sum(res["errors"].values())
     ok = res["statuses"].get("200", 0)
     if total == 0 or ok < min_ok_fraction * total:
-        raise SystemExit(f"{name}: only {ok} of {total} answers were 200 (statuses {res['statuses']}, "
-                         f"errors {res['errors']}); the figures would be meaningless")
+        raise SystemExit(
+            f"{name}: only {ok} of {total} answers were 200 (statuses {res['statuses']}, "
+            f"errors {res['errors']}); the figures would be meaningless"
+        )
 
 
 # ----------------------------------------------------------------------------- wrk / ab
@@ -849,8 +950,16 @@ def _ms(value: str, unit: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
 
 
-def run_external(tool: str, port: int, paths_: Sequence[str], headers: dict[str, str], *, clients: int,
-                 duration: float, workdir: Path) -> dict[str, Any] | None:
+def run_external(
+    tool: str,
+    port: int,
+    paths_: Sequence[str],
+    headers: dict[str, str],
+    *,
+    clients: int,
+    duration: float,
+    workdir: Path,
+) -> dict[str, Any] | None:
     """wrk (cycling through ``paths_`` with a Lua script) or ab -k (first path only), loopback TCP."""
     url = f"http://{LOOPBACK}:{port}"
     timeout = duration + 60
@@ -858,9 +967,11 @@ def run_external(tool: str, port: int, paths_: Sequence[str], headers: dict[str,
         script = workdir / "bench.lua"
         lua_paths = ", ".join(json.dumps(p) for p in paths_)
         lua_headers = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items())
-        script.write_text(f"local paths = {{{lua_paths}}}\nlocal i = 0\n{lua_headers}\n"
-                          "request = function()\n  i = i + 1\n"
-                          "  return wrk.format(\"GET\", paths[(i % #paths) + 1])\nend\n")
+        script.write_text(
+            f"local paths = {{{lua_paths}}}\nlocal i = 0\n{lua_headers}\n"
+            "request = function()\n  i = i + 1\n"
+            '  return wrk.format("GET", paths[(i % #paths) + 1])\nend\n'
+        )
         cmd = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script), url]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False).stdout
@@ -875,10 +986,17 @@ def run_external(tool: str, port: int, paths_: Sequence[str], headers: dict[str,
         if not (rps and p50 and p99 and total):
             print(f"(could not parse wrk output)\n{out}", file=sys.stderr)
             return None
-        return {"tool": "wrk -t1", "rps": float(rps.group(1)), "p50_ms": _ms(*p50.groups()),
-                "p99_ms": _ms(*p99.groups()), "count": int(total.group(1)),
-                "non200": int(non2xx.group(1)) if non2xx else 0, "errors": errs.group(1).strip() if errs else "",
-                "server_cpu": None, "client_cpu": None}
+        return {
+            "tool": "wrk -t1",
+            "rps": float(rps.group(1)),
+            "p50_ms": _ms(*p50.groups()),
+            "p99_ms": _ms(*p99.groups()),
+            "count": int(total.group(1)),
+            "non200": int(non2xx.group(1)) if non2xx else 0,
+            "errors": errs.group(1).strip() if errs else "",
+            "server_cpu": None,
+            "client_cpu": None,
+        }
     cmd = ["ab", "-k", "-q", "-c", str(clients), "-t", str(max(1, round(duration))), "-n", "1000000"]
     for k, v in headers.items():
         cmd += ["-H", f"{k}: {v}"]
@@ -895,9 +1013,17 @@ def run_external(tool: str, port: int, paths_: Sequence[str], headers: dict[str,
     if not (rps and p50 and p99 and total):
         print(f"(could not parse ab output)\n{out}", file=sys.stderr)
         return None
-    return {"tool": "ab -k", "rps": float(rps.group(1)), "p50_ms": float(p50.group(1)),
-            "p99_ms": float(p99.group(1)), "count": int(total.group(1)),
-            "non200": int(non2xx.group(1)) if non2xx else 0, "errors": "", "server_cpu": None, "client_cpu": None}
+    return {
+        "tool": "ab -k",
+        "rps": float(rps.group(1)),
+        "p50_ms": float(p50.group(1)),
+        "p99_ms": float(p99.group(1)),
+        "count": int(total.group(1)),
+        "non200": int(non2xx.group(1)) if non2xx else 0,
+        "errors": "",
+        "server_cpu": None,
+        "client_cpu": None,
+    }
 
 
 # ----------------------------------------------------------------------------- printing
@@ -908,14 +1034,18 @@ def pct_or_dash(x: float | None) -> str:
 
 
 def print_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> None:
-    head = f"{'phase':<44} {'tool':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'count':>8} {'non200':>6} " \
-           f"{'srv cpu':>7} {'cli cpu':>7}"
+    head = (
+        f"{'phase':<44} {'tool':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'count':>8} {'non200':>6} "
+        f"{'srv cpu':>7} {'cli cpu':>7}"
+    )
     print(head)
     print("-" * len(head))
     for name, r in rows:
-        print(f"{name:<44} {r.get('tool', 'python'):<8} {r['rps']:>8.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
-              f"{r['count']:>8} {r['non200']:>6} {pct_or_dash(r.get('server_cpu')):>7} "
-              f"{pct_or_dash(r.get('client_cpu')):>7}")
+        print(
+            f"{name:<44} {r.get('tool', 'python'):<8} {r['rps']:>8.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+            f"{r['count']:>8} {r['non200']:>6} {pct_or_dash(r.get('server_cpu')):>7} "
+            f"{pct_or_dash(r.get('client_cpu')):>7}"
+        )
         extra = []
         if r.get("rounds") and len(r["rounds"]) > 1:
             extra.append(f"rounds req/s {r['rounds']}")
@@ -923,8 +1053,10 @@ def print_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> None:
         if len(parts) > 1:
             extra.append("srv cpu " + " + ".join(f"{role} {share * 100:.0f}%" for role, share in parts.items()))
             if r.get("rps"):
-                extra.append("cpu/request " + " + ".join(f"{role} {share / r['rps'] * 1e6:.0f} µs"
-                                                         for role, share in parts.items()))
+                extra.append(
+                    "cpu/request "
+                    + " + ".join(f"{role} {share / r['rps'] * 1e6:.0f} µs" for role, share in parts.items())
+                )
         if r.get("errors"):
             extra.append(f"errors {r['errors']}")
         if r.get("non200"):
@@ -956,7 +1088,7 @@ def other_busy_processes(min_cpu_share: float = 0.2, window: float = 0.5) -> lis
                     raw = fh.read()
             except OSError:
                 continue
-            name = raw[raw.find("(") + 1:raw.rfind(")")]
+            name = raw[raw.find("(") + 1 : raw.rfind(")")]
             f = raw.rsplit(")", 1)[1].split()
             out[int(d)] = ((int(f[11]) + int(f[12])) / CLK_TCK, int(f[1]), name)
         return out
@@ -977,10 +1109,13 @@ def other_busy_processes(min_cpu_share: float = 0.2, window: float = 0.5) -> lis
 def machine_line() -> str:
     import platform
 
-    return (f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {os.cpu_count()} cores  Python {platform.python_version()}  "
-            f"{platform.system()} {platform.release()}  loadavg(1m) {loadavg()} at start"
-            + "".join(f"\nWARNING: another process is busy, figures will be low and noisy: {b}"
-                      for b in other_busy_processes()))
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {os.cpu_count()} cores  Python {platform.python_version()}  "
+        f"{platform.system()} {platform.release()}  loadavg(1m) {loadavg()} at start"
+        + "".join(
+            f"\nWARNING: another process is busy, figures will be low and noisy: {b}" for b in other_busy_processes()
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -992,9 +1127,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     s = sub.add_parser("serve", help="run the guard (+ gateway) until SIGTERM")
     s.add_argument("--home", required=True)
     s.add_argument("--gateway", action="store_true")
-    s.add_argument("--layout", choices=["split", "one-process", "gateway-only"], default="split",
-                   help="with --gateway: the guard in a child process (like uomp gateway start) or in the same loop, "
-                        "or no guard (a second gateway worker; upstream given in --gateway-config)")
+    s.add_argument(
+        "--layout",
+        choices=["split", "one-process", "gateway-only"],
+        default="split",
+        help="with --gateway: the guard in a child process (like uomp gateway start) or in the same loop, "
+        "or no guard (a second gateway worker; upstream given in --gateway-config)",
+    )
     s.add_argument("--tcp-port", type=int)
     s.add_argument("--max-connections", type=int)
     s.add_argument("--ssl-read-buffer-kib", type=int)

@@ -49,8 +49,12 @@ async def _serve(home: str) -> None:
     paths = Paths(Path(home))
     guard = GuardRunner(paths, GuardConfig(serve_tcp=False), serve_tcp=False)
     await guard.start()
-    gw = GatewayRunner(paths, GatewayConfig(listen_port=0, tunnel_origin_port=0,
-                                            endpoints=["https://localhost:1"], tunnel_endpoints=[TUNNEL]))
+    gw = GatewayRunner(
+        paths,
+        GatewayConfig(
+            listen_port=0, tunnel_origin_port=0, endpoints=["https://localhost:1"], tunnel_endpoints=[TUNNEL]
+        ),
+    )
     await gw.start()
     assert gw.state is not None
     gw.state.add_endpoint(f"https://localhost:{gw.port}")
@@ -77,8 +81,9 @@ def _pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
-async def _refresh_phase(info: dict[str, Any], agent: dict[str, str], grants: list[dict[str, Any]],
-                         n: int) -> dict[str, Any]:
+async def _refresh_phase(
+    info: dict[str, Any], agent: dict[str, str], grants: list[dict[str, Any]], n: int
+) -> dict[str, Any]:
     import aiohttp
 
     from gateway.client.tls import build_client_context
@@ -94,9 +99,10 @@ async def _refresh_phase(info: dict[str, Any], agent: dict[str, str], grants: li
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=1)) as s:
             for _ in range(n):
                 t0 = time.perf_counter()
-                async with s.post(f"{base}/v1/sessions/{g['session_id']}/refresh",
-                                  headers={"Authorization": f"Bearer {rt}", "X-UOMP-Agent-Id": agent["agent_id"]}
-                                  ) as resp:
+                async with s.post(
+                    f"{base}/v1/sessions/{g['session_id']}/refresh",
+                    headers={"Authorization": f"Bearer {rt}", "X-UOMP-Agent-Id": agent["agent_id"]},
+                ) as resp:
                     body = await resp.json()
                 lat.append(time.perf_counter() - t0)
                 if resp.status != 200:
@@ -109,12 +115,19 @@ async def _refresh_phase(info: dict[str, Any], agent: dict[str, str], grants: li
     await asyncio.gather(*(chain(g) for g in grants))
     elapsed = time.perf_counter() - t0
     cpu = c.proc_cpu_seconds(info["pid"]) - cpu0
-    return {"count": len(lat), "bad": bad, "rps": len(lat) / elapsed, "p50": _pct(lat, 50) * 1e3,
-            "p99": _pct(lat, 99) * 1e3, "cpu_us": cpu / max(1, len(lat)) * 1e6}
+    return {
+        "count": len(lat),
+        "bad": bad,
+        "rps": len(lat) / elapsed,
+        "p50": _pct(lat, 50) * 1e3,
+        "p99": _pct(lat, 99) * 1e3,
+        "cpu_us": cpu / max(1, len(lat)) * 1e6,
+    }
 
 
-async def _get_phase(info: dict[str, Any], agent: dict[str, str], token: str, keys: list[str], *, mode: str,
-                     clients: int, requests: int) -> dict[str, Any]:
+async def _get_phase(
+    info: dict[str, Any], agent: dict[str, str], token: str, keys: list[str], *, mode: str, clients: int, requests: int
+) -> dict[str, Any]:
     import aiohttp
     from cryptography.hazmat.primitives import serialization
 
@@ -142,8 +155,13 @@ async def _get_phase(info: dict[str, Any], agent: dict[str, str], token: str, ke
                 else:
                     headers["Authorization"] = f"DPoP {token}"
                     headers["Host"] = "tunnel.example"
-                    headers["DPoP"] = dpop.make_dpop_proof(key, method="GET", url=f"{TUNNEL}/v1/memory/{k}",  # type: ignore[arg-type]
-                                                           access_token=token, now=time.time())
+                    headers["DPoP"] = dpop.make_dpop_proof(
+                        key,
+                        method="GET",
+                        url=f"{TUNNEL}/v1/memory/{k}",  # type: ignore[arg-type]
+                        access_token=token,
+                        now=time.time(),
+                    )
                 t0 = time.perf_counter()
                 async with s.get(f"{base}/v1/memory/{k}", headers=headers) as resp:
                     await resp.read()
@@ -156,13 +174,21 @@ async def _get_phase(info: dict[str, Any], agent: dict[str, str], token: str, ke
     await asyncio.gather(*(worker(w) for w in range(clients)))
     elapsed = time.perf_counter() - t0
     cpu = c.proc_cpu_seconds(info["pid"]) - cpu0
-    return {"count": len(lat), "bad": bad, "rps": len(lat) / elapsed, "p50": _pct(lat, 50) * 1e3,
-            "p99": _pct(lat, 99) * 1e3, "cpu_us": cpu / max(1, len(lat)) * 1e6}
+    return {
+        "count": len(lat),
+        "bad": bad,
+        "rps": len(lat) / elapsed,
+        "p50": _pct(lat, 50) * 1e3,
+        "p99": _pct(lat, 99) * 1e3,
+        "cpu_us": cpu / max(1, len(lat)) * 1e6,
+    }
 
 
 def _row(name: str, r: dict[str, Any]) -> str:
-    return (f"{name:<34} {r['count']:>7} {r['bad']:>5} {r['rps']:>9.0f} {r['p50']:>8.2f} {r['p99']:>8.2f} "
-            f"{r['cpu_us']:>10.0f}")
+    return (
+        f"{name:<34} {r['count']:>7} {r['bad']:>5} {r['rps']:>9.0f} {r['p50']:>8.2f} {r['p99']:>8.2f} "
+        f"{r['cpu_us']:>10.0f}"
+    )
 
 
 def main() -> None:
@@ -180,27 +206,35 @@ def main() -> None:
     with c.bench_home() as paths:
         keys = c.seed_store(paths)
         agent = c.issue_agent(paths)
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", str(paths.home)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(paths.home)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert proc.stdout is not None
             info = json.loads(proc.stdout.readline())
             cnf = {"x5t#S256": agent["x5t"], "jkt": agent["jkt"]}
             common = {"profile": "remote", "cnf": cnf}
-            grants = [c.grant(paths, audience=f"https://localhost:{info['port']}", refresh=True, **common)
-                      for _ in range(args.chains)]
+            grants = [
+                c.grant(paths, audience=f"https://localhost:{info['port']}", refresh=True, **common)
+                for _ in range(args.chains)
+            ]
             mtls = c.grant(paths, audience=f"https://localhost:{info['port']}", **common)
             tunnel = c.grant(paths, audience=TUNNEL, **common)
 
-            print(f"{'phase':<34} {'count':>7} {'non2xx':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-                  f"{'server µs':>10}")
+            print(
+                f"{'phase':<34} {'count':>7} {'non2xx':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server µs':>10}"
+            )
             ref = asyncio.run(_refresh_phase(info, agent, grants, args.refreshes))
             print(_row(f"refresh, {args.chains} chains (mTLS)", ref))
             results: dict[str, list[dict[str, Any]]] = {"mtls": [], "dpop": []}
             for _ in range(2):
                 for mode, tok in (("mtls", mtls["token"]), ("dpop", tunnel["token"])):
-                    r = asyncio.run(_get_phase(info, agent, tok, keys, mode=mode, clients=args.clients,
-                                               requests=args.requests))
+                    r = asyncio.run(
+                        _get_phase(info, agent, tok, keys, mode=mode, clients=args.clients, requests=args.requests)
+                    )
                     results[mode].append(r)
                     print(_row(f"GET by key, {mode}, {args.clients} clients", r))
         finally:
@@ -211,8 +245,10 @@ def main() -> None:
         raise SystemExit(f"{bad} requests were not answered 200: the figures above mean nothing")
     m = statistics.mean(r["cpu_us"] for r in results["mtls"])
     d = statistics.mean(r["cpu_us"] for r in results["dpop"])
-    print(f"refresh round trips/s: {ref['rps']:.0f} (server {ref['cpu_us']:.0f} µs CPU each); "
-          f"DPoP/mTLS server CPU per GET: {d / m:.2f} ({d:.0f} vs {m:.0f} µs; +{d - m:.0f} µs per request)")
+    print(
+        f"refresh round trips/s: {ref['rps']:.0f} (server {ref['cpu_us']:.0f} µs CPU each); "
+        f"DPoP/mTLS server CPU per GET: {d / m:.2f} ({d:.0f} vs {m:.0f} µs; +{d - m:.0f} µs per request)"
+    )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ def measured(name: str, fn: Callable[[], T]) -> T:
     elapsed = time.perf_counter() - t0
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    print(f"  {name:<44} {elapsed:8.2f} s   tracemalloc peak {peak / 1024:9.1f} KiB   "
-          f"RSS {r0 / 1024:7.1f} -> {rss_kib() / 1024:7.1f} MiB")
+    print(
+        f"  {name:<44} {elapsed:8.2f} s   tracemalloc peak {peak / 1024:9.1f} KiB   "
+        f"RSS {r0 / 1024:7.1f} -> {rss_kib() / 1024:7.1f} MiB"
+    )
     return out
 
 
@@ -65,10 +67,8 @@ def seed(paths: Any, n: int) -> None:
         with store.bulk_writer() as w:
             for i in range(n):
                 tags = ("bulk", "odd") if i % 2 else ("bulk",)
-                w.add(MemoryItem(f"k{i:08d}", {"mv": i % 1000, "qty": 2}, tags, "medium", "user",
-                                 c.NOW_ISO, c.NOW_ISO))
-            w.add(MemoryItem("vault.big", {"blob": "x" * 900_000}, ("vault",), "medium", "user",
-                             c.NOW_ISO, c.NOW_ISO))
+                w.add(MemoryItem(f"k{i:08d}", {"mv": i % 1000, "qty": 2}, tags, "medium", "user", c.NOW_ISO, c.NOW_ISO))
+            w.add(MemoryItem("vault.big", {"blob": "x" * 900_000}, ("vault",), "medium", "user", c.NOW_ISO, c.NOW_ISO))
             w.commit()
     finally:
         store.close()
@@ -87,11 +87,15 @@ def store_alone(paths: Any, n: int, page: int) -> None:
         row = measured("sum of value.mv (SQL)", lambda: store.aggregate("bulk", flt, path='$."mv"'))
         print(f"    count {row.count:,}, sum {row.total:,}")
         keys = (12345, 678, 91011, 1213)
-        atoms = measured("sum + history check, 1 tag (one pass)",
-                         lambda: store.atoms(["bulk"], flt, path='$."mv"', keys=keys, max_atoms=4096))
+        atoms = measured(
+            "sum + history check, 1 tag (one pass)",
+            lambda: store.atoms(["bulk"], flt, path='$."mv"', keys=keys, max_atoms=4096),
+        )
         assert atoms is not None and len(atoms) == 1
-        atoms = measured("sum + history check, 2 tags (one pass)",
-                         lambda: store.atoms(["bulk", "odd"], flt, path='$."mv"', keys=keys, max_atoms=4096))
+        atoms = measured(
+            "sum + history check, 2 tags (one pass)",
+            lambda: store.atoms(["bulk", "odd"], flt, path='$."mv"', keys=keys, max_atoms=4096),
+        )
         assert atoms is not None and len(atoms) == 2
 
         def walk() -> int:
@@ -117,22 +121,26 @@ async def end_to_end(paths: Any, srv: c.ServerProc, token: str, n: int, page: in
     pid = int(srv.info.get("guard_pid") or srv.pid)
 
     def mem() -> str:
-        return (f"guard RSS {c.proc_status_kib(pid) / 1024:7.1f} MiB, peak "
-                f"{c.proc_status_kib(pid, 'VmHWM') / 1024:7.1f} MiB")
+        return (
+            f"guard RSS {c.proc_status_kib(pid) / 1024:7.1f} MiB, peak "
+            f"{c.proc_status_kib(pid, 'VmHWM') / 1024:7.1f} MiB"
+        )
 
-    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(paths.guard_sock)),
-                                     timeout=aiohttp.ClientTimeout(total=600)) as s:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.UnixConnector(path=str(paths.guard_sock)), timeout=aiohttp.ClientTimeout(total=600)
+    ) as s:
+
         async def get(path: str) -> tuple[int, Any]:
             async with s.get("http://guard" + path, headers=hdrs) as resp:
                 return resp.status, await resp.json(content_type=None)
 
         print(f"end to end (guard in a child process, Unix socket); at start: {mem()}")
-        for name, path in (("aggregate count", "/v1/memory/aggregate?tag=bulk&op=count"),
-                           ("aggregate sum (history checked + recorded)",
-                            "/v1/memory/aggregate?tag=bulk&op=sum&field=value.mv"),
-                           ("aggregate sum again (same set)", "/v1/memory/aggregate?tag=bulk&op=sum&field=value.mv"),
-                           ("aggregate sum over odd (2-tag history)",
-                            "/v1/memory/aggregate?tag=odd&op=sum&field=value.mv")):
+        for name, path in (
+            ("aggregate count", "/v1/memory/aggregate?tag=bulk&op=count"),
+            ("aggregate sum (history checked + recorded)", "/v1/memory/aggregate?tag=bulk&op=sum&field=value.mv"),
+            ("aggregate sum again (same set)", "/v1/memory/aggregate?tag=bulk&op=sum&field=value.mv"),
+            ("aggregate sum over odd (2-tag history)", "/v1/memory/aggregate?tag=odd&op=sum&field=value.mv"),
+        ):
             t0 = time.perf_counter()
             status, body = await get(path)
             print(f"  {name:<44} {time.perf_counter() - t0:8.2f} s   {status} {body}   {mem()}")
@@ -149,8 +157,10 @@ async def end_to_end(paths: Any, srv: c.ServerProc, token: str, n: int, page: in
             if cursor is None:
                 break
         elapsed = time.perf_counter() - t0
-        print(f"  {'every page of GET /v1/memory?tag=bulk':<44} {elapsed:8.2f} s   {seen:,} items, {pages:,} pages "
-              f"({elapsed / pages * 1000:.1f} ms/page)   {mem()}")
+        print(
+            f"  {'every page of GET /v1/memory?tag=bulk':<44} {elapsed:8.2f} s   {seen:,} items, {pages:,} pages "
+            f"({elapsed / pages * 1000:.1f} ms/page)   {mem()}"
+        )
         if seen != n:
             raise SystemExit(f"paging saw {seen} items, expected {n}")
 
@@ -164,8 +174,10 @@ async def end_to_end(paths: Any, srv: c.ServerProc, token: str, n: int, page: in
                 if status != 403:
                     raise SystemExit(f"{key}: {status}")
         md, mm = statistics.median(denied), statistics.median(missing)
-        print(f"existence: denied 900 KB item median {md * 1000:.2f} ms, missing key median {mm * 1000:.2f} ms, "
-              f"ratio denied/missing {md / mm:.2f} ({rounds} each, alternating)")
+        print(
+            f"existence: denied 900 KB item median {md * 1000:.2f} ms, missing key median {mm * 1000:.2f} ms, "
+            f"ratio denied/missing {md / mm:.2f} ({rounds} each, alternating)"
+        )
 
 
 def main() -> None:

@@ -53,8 +53,10 @@ async def gas(anvil: Anvil) -> dict[str, int]:
     contract = await deploy(anvil.url, owner)
     b = EvmBackend(EvmSettings(rpc_url=anvil.url, contract=contract, chain_id=31337, confirmations=1), owner)
     full = sample_anchor(2, events=True)
-    cases = [("checkpoint only", sample_anchor(1, events=False)), ("checkpoint + 6 events (one per kind, 2 access)",
-                                                                   full)]
+    cases = [
+        ("checkpoint only", sample_anchor(1, events=False)),
+        ("checkpoint + 6 events (one per kind, 2 access)", full),
+    ]
     for n, kind in enumerate(("granted", "revoked", "access", "payloads", "deletions")):
         one = sample_anchor(10 + n, events=False)
         cases.append((f"checkpoint + 1 {kind}", dataclasses.replace(one, **{kind: getattr(full, kind)[:1]})))
@@ -80,8 +82,20 @@ def writer(path: Path, backend: str, seconds: float, batch: int, every: int) -> 
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         conn.execute("BEGIN IMMEDIATE")
-        log.append([{"id": f"evt_{n + i}", "ts": time.time(), "action": "read", "session_id": "sess_bench",
-                     "agent_id": "bench_agent", "allowed": True, "key": "preference.theme"} for i in range(batch)])
+        log.append(
+            [
+                {
+                    "id": f"evt_{n + i}",
+                    "ts": time.time(),
+                    "action": "read",
+                    "session_id": "sess_bench",
+                    "agent_id": "bench_agent",
+                    "allowed": True,
+                    "key": "preference.theme",
+                }
+                for i in range(batch)
+            ]
+        )
         n += batch
         if n % every < batch:
             log.checkpoint(now=time.time())
@@ -91,8 +105,9 @@ def writer(path: Path, backend: str, seconds: float, batch: int, every: int) -> 
     return n
 
 
-async def round_(anvil: Anvil, backend_obj: object, workdir: Path, on: bool, seconds: float, batch: int,
-                 every: int) -> tuple[float, int]:
+async def round_(
+    anvil: Anvil, backend_obj: object, workdir: Path, on: bool, seconds: float, batch: int, every: int
+) -> tuple[float, int]:
     path = workdir / f"audit-{'on' if on else 'off'}-{time.monotonic_ns()}.db"
     anchorer = None
     stop = threading.Event()
@@ -106,6 +121,7 @@ async def round_(anvil: Anvil, backend_obj: object, workdir: Path, on: bool, sec
         def miner() -> None:  # anvil mines on each transaction; one more block per 0.2 s makes anchors final
             while not stop.wait(0.2):
                 anvil.mine(1)
+
         threading.Thread(target=miner, daemon=True).start()
     t0 = time.perf_counter()
     n = await asyncio.to_thread(writer, path, "evm" if on else "none", seconds, batch, every)
@@ -147,16 +163,19 @@ async def main() -> None:
             owner = Account.create()
             anvil.fund(owner.address)
             contract = await deploy(anvil.url, owner)
-            backend = EvmBackend(EvmSettings(rpc_url=anvil.url, contract=contract, chain_id=31337,
-                                             confirmations=2), owner)
+            backend = EvmBackend(
+                EvmSettings(rpc_url=anvil.url, contract=contract, chain_id=31337, confirmations=2), owner
+            )
             off: list[float] = []
             on: list[float] = []
             anchored = 0
             for _ in range(args.rounds):
-                off.append((await round_(anvil, backend, Path(tmp), False, args.seconds, args.batch,
-                                         args.checkpoint_every))[0])
-                rate, confirmed = await round_(anvil, backend, Path(tmp), True, args.seconds, args.batch,
-                                               args.checkpoint_every)
+                off.append(
+                    (await round_(anvil, backend, Path(tmp), False, args.seconds, args.batch, args.checkpoint_every))[0]
+                )
+                rate, confirmed = await round_(
+                    anvil, backend, Path(tmp), True, args.seconds, args.batch, args.checkpoint_every
+                )
                 on.append(rate)
                 anchored += confirmed
             await backend.close()

@@ -35,12 +35,28 @@ PREFILL_BATCH = 500
 
 def row(random_id: bool, now: float | None = None) -> Row:
     """An event of a forwarded read's shape (the gateway's audit fields included)."""
-    return make_row(session_id="sess_bench", agent_id="portfolio_agent", action="read", allowed=True,
-                    reason="scope matched", key="preference.theme", tags=["preference"], request_size=0,
-                    response_size=120, query_count_remaining=9000, via="gateway:mtls:bench", now=now,
-                    event_id=("log_" + secrets.token_hex(8)) if random_id else None,
-                    extra={"listener": "mtls", "client": "127.0.0.1:40001", "cert_serial": "5f3a9c" * 6,
-                           "cert_fp": "q1w2e3r4t5y6u7i8o9p0" * 2, "request_id": "req_" + secrets.token_hex(8)})
+    return make_row(
+        session_id="sess_bench",
+        agent_id="portfolio_agent",
+        action="read",
+        allowed=True,
+        reason="scope matched",
+        key="preference.theme",
+        tags=["preference"],
+        request_size=0,
+        response_size=120,
+        query_count_remaining=9000,
+        via="gateway:mtls:bench",
+        now=now,
+        event_id=("log_" + secrets.token_hex(8)) if random_id else None,
+        extra={
+            "listener": "mtls",
+            "client": "127.0.0.1:40001",
+            "cert_serial": "5f3a9c" * 6,
+            "cert_fp": "q1w2e3r4t5y6u7i8o9p0" * 2,
+            "request_id": "req_" + secrets.token_hex(8),
+        },
+    )
 
 
 def grow(log: AuditLog, random_id: bool, have: int, want: int) -> None:
@@ -70,13 +86,22 @@ def main() -> None:
     args = ap.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
     batches = [int(b) for b in args.batches.split(",")]
-    if not (sizes and sizes[-1] <= 20_000_000 and all(1 <= b <= 1000 for b in batches)
-            and 1 <= args.commits <= 10_000 and 1 <= args.rounds <= 10):
+    if not (
+        sizes
+        and sizes[-1] <= 20_000_000
+        and all(1 <= b <= 1000 for b in batches)
+        and 1 <= args.commits <= 10_000
+        and 1 <= args.rounds <= 10
+    ):
         raise SystemExit("--sizes up to 20,000,000, --batches 1..1000, --commits 1..10,000, --rounds 1..10")
-    print(f"bench_audit_commit: {time.strftime('%Y-%m-%d %H:%M:%S')}; batches {batches}, {args.commits} commits "
-          f"each, {args.rounds} rounds")
-    print(f"{'log size':>10} {'batch':>6} {'random µs/event':>16} {'ordered µs/event':>17} {'ordered/random':>15} "
-          f"{'commit ms random':>17} {'ordered':>8}")
+    print(
+        f"bench_audit_commit: {time.strftime('%Y-%m-%d %H:%M:%S')}; batches {batches}, {args.commits} commits "
+        f"each, {args.rounds} rounds"
+    )
+    print(
+        f"{'log size':>10} {'batch':>6} {'random µs/event':>16} {'ordered µs/event':>17} {'ordered/random':>15} "
+        f"{'commit ms random':>17} {'ordered':>8}"
+    )
     with tempfile.TemporaryDirectory(prefix="uomp-bac-") as d:
         logs = {"random": AuditLog(Path(d) / "random.db"), "ordered": AuditLog(Path(d) / "ordered.db")}
         have = {"random": 0, "ordered": 0}
@@ -95,8 +120,10 @@ def main() -> None:
                     o = statistics.median(x[0] for x in got["ordered"])
                     rw = statistics.median(x[1] for x in got["random"])
                     ow = statistics.median(x[1] for x in got["ordered"])
-                    print(f"{size:>10,} {batch:>6} {r:>16.1f} {o:>17.1f} {o / r:>15.2f} {rw:>17.2f} {ow:>8.2f}",
-                          flush=True)
+                    print(
+                        f"{size:>10,} {batch:>6} {r:>16.1f} {o:>17.1f} {o / r:>15.2f} {rw:>17.2f} {ow:>8.2f}",
+                        flush=True,
+                    )
         finally:
             for log in logs.values():
                 log.close()

@@ -28,16 +28,26 @@ def main() -> None:
     t0 = time.perf_counter()
     for start in range(0, n, 10_000):
         for i in range(start, min(n, start + 10_000)):
-            audit.record(session_id=f"s{i % 1000}", agent_id=f"a{i % 50}", action="read" if i % 7 else "aggregate",
-                         key=f"k{i % 500}", allowed=bool(i % 3), reason="r", now=now - (n - i))
+            audit.record(
+                session_id=f"s{i % 1000}",
+                agent_id=f"a{i % 50}",
+                action="read" if i % 7 else "aggregate",
+                key=f"k{i % 500}",
+                allowed=bool(i % 3),
+                reason="r",
+                now=now - (n - i),
+            )
         audit.flush_sync()
     out: dict[str, object] = {"events": n, "write_seconds": round(time.perf_counter() - t0, 2)}
     out["pruned"] = audit.purge(now=now + 90 * 86400 - n / 2)
     cases = {
-        "newest_100": AuditFilter(), "newest_100_session": AuditFilter(session_id="s7"),
+        "newest_100": AuditFilter(),
+        "newest_100_session": AuditFilter(session_id="s7"),
         "newest_100_agent_refused": AuditFilter(agent_id="a3", allowed=False),
-        "newest_100_action": AuditFilter(action=("aggregate",)), "since_1h": AuditFilter(since=now - 3600),
-        "follow_poll": AuditFilter(after_seq=n), "newest_1000": AuditFilter(limit=1000),
+        "newest_100_action": AuditFilter(action=("aggregate",)),
+        "since_1h": AuditFilter(since=now - 3600),
+        "follow_poll": AuditFilter(after_seq=n),
+        "newest_1000": AuditFilter(limit=1000),
     }
     for name, flt in cases.items():
         best = float("inf")

@@ -48,22 +48,28 @@ def bench_issuance(n: int, work: Path) -> dict[str, float]:
     csrs = [ca.make_csr(k, f"agent-{i}").public_bytes(serialization.Encoding.PEM) for i, k in enumerate(keys)]
     out: dict[str, float] = {}
     out["core: CSR -> cert (parse, verify, sign)"] = rate(
-        n, lambda i: ca.issue_agent_cert(ca_key, ca_cert, csrs[i], f"agent-{i}"))
+        n, lambda i: ca.issue_agent_cert(ca_key, ca_cert, csrs[i], f"agent-{i}")
+    )
     out["core: public key -> cert (sign)"] = rate(
-        n, lambda i: ca.issue_agent_cert(ca_key, ca_cert, keys[i].public_key(), f"agent-{i}"))
+        n, lambda i: ca.issue_agent_cert(ca_key, ca_cert, keys[i].public_key(), f"agent-{i}")
+    )
     out["core: new P-256 key + cert"] = rate(
-        n, lambda i: ca.issue_agent_cert(ca_key, ca_cert, ca.new_key().public_key(), f"agent-{i}"))
+        n, lambda i: ca.issue_agent_cert(ca_key, ca_cert, ca.new_key().public_key(), f"agent-{i}")
+    )
 
     paths = Paths(work / "home")
     ca_store.init_all(paths)
     out["ca_store: issue_from_csr (lock, registry, fsync)"] = rate(
-        n, lambda i: ca_store.issue_from_csr(paths, f"agent-{i}", csrs[i]))
+        n, lambda i: ca_store.issue_from_csr(paths, f"agent-{i}", csrs[i])
+    )
     paths2 = Paths(work / "home2")
     ca_store.init_all(paths2)
     out["ca_store: issue_with_key (key + 3 files)"] = rate(
-        n, lambda i: ca_store.issue_with_key(paths2, f"agent-{i}", work / "out" / str(i)))
+        n, lambda i: ca_store.issue_with_key(paths2, f"agent-{i}", work / "out" / str(i))
+    )
     out["ca_store: revoke one serial (re-sign CRL)"] = rate(
-        min(n, 50), lambda i: ca_store.revoke(paths, f"agent:agent-{i}"))
+        min(n, 50), lambda i: ca_store.revoke(paths, f"agent:agent-{i}")
+    )
     return out
 
 
@@ -90,8 +96,7 @@ async def _handshakes(ctx: ssl.SSLContext, client: ssl.SSLContext, n: int, concu
 
     async def one() -> None:
         async with sem:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client,
-                                                           server_hostname="localhost")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname="localhost")
             line = await reader.readline()
             if not line:
                 raise RuntimeError("handshake refused")
@@ -113,12 +118,17 @@ async def _handshakes(ctx: ssl.SSLContext, client: ssl.SSLContext, n: int, concu
 def bench_handshakes(n: int, concurrency: int, work: Path) -> dict[str, float]:
     paths = Paths(work / "tls")
     ca_store.init_all(paths)
-    files = (ca_store.server_cert_path(paths), ca_store.server_key_path(paths),
-             ca_store.ca_cert_path(paths), ca_store.crl_path(paths))
+    files = (
+        ca_store.server_cert_path(paths),
+        ca_store.server_key_path(paths),
+        ca_store.ca_cert_path(paths),
+        ca_store.crl_path(paths),
+    )
     # a CRL with some entries, as after a while of use
     for i in range(50):
-        ca_store.issue_from_csr(paths, f"old-{i}", ca.make_csr(ca.new_key(), f"old-{i}")
-                                .public_bytes(serialization.Encoding.PEM))
+        ca_store.issue_from_csr(
+            paths, f"old-{i}", ca.make_csr(ca.new_key(), f"old-{i}").public_bytes(serialization.Encoding.PEM)
+        )
         ca_store.revoke(paths, f"agent:old-{i}")
     p256 = ca_store.issue_with_key(paths, "bench", work / "p256")
     ed = ca_store.issue_with_key(paths, "bench-ed", work / "ed", key_type="ed25519")
@@ -129,10 +139,12 @@ def bench_handshakes(n: int, concurrency: int, work: Path) -> dict[str, float]:
     out: dict[str, float] = {}
     out["sequential, build_server_context, P-256 agent"] = asyncio.run(_handshakes(plain, client_p256, n, 1))
     out["sequential, TLSReloader front (SNI switch), P-256"] = asyncio.run(
-        _handshakes(reloader.context, client_p256, n, 1))
+        _handshakes(reloader.context, client_p256, n, 1)
+    )
     out["sequential, build_server_context, Ed25519 agent"] = asyncio.run(_handshakes(plain, client_ed, n, 1))
     out[f"{concurrency} concurrent, TLSReloader front, P-256"] = asyncio.run(
-        _handshakes(reloader.context, client_p256, n, concurrency))
+        _handshakes(reloader.context, client_p256, n, concurrency)
+    )
     return out
 
 
@@ -145,8 +157,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="uomp-bench-"))
     try:
         t0 = dt.datetime.now(dt.UTC)
-        print(f"UOMP CA / TLS benchmark  ({ssl.OPENSSL_VERSION}; n={args.certs} certs, "
-              f"{args.handshakes} handshakes)")
+        print(f"UOMP CA / TLS benchmark  ({ssl.OPENSSL_VERSION}; n={args.certs} certs, {args.handshakes} handshakes)")
         print("\ncertificates issued per second")
         issued = bench_issuance(args.certs, work)
         for name, r in issued.items():

@@ -52,10 +52,12 @@ def with_audit_fields(requests: list[bytes], port: int) -> list[bytes]:
     out = []
     for i, req in enumerate(requests):
         line, _, rest = req.partition(b"\r\n")
-        extra = (f"{contract.VERIFIED_LISTENER_HEADER}: mtls\r\n"
-                 f"{contract.VERIFIED_CLIENT_HEADER}: 127.0.0.1:{40000 + i}\r\n"
-                 f"{contract.VERIFIED_SERIAL_HEADER}: {'7f3a' * 10}\r\n"
-                 f"{contract.VERIFIED_REQUEST_ID_HEADER}: {i * 7919:032x}\r\n").encode()
+        extra = (
+            f"{contract.VERIFIED_LISTENER_HEADER}: mtls\r\n"
+            f"{contract.VERIFIED_CLIENT_HEADER}: 127.0.0.1:{40000 + i}\r\n"
+            f"{contract.VERIFIED_SERIAL_HEADER}: {'7f3a' * 10}\r\n"
+            f"{contract.VERIFIED_REQUEST_ID_HEADER}: {i * 7919:032x}\r\n"
+        ).encode()
         out.append(line + b"\r\n" + extra + rest)
     return out
 
@@ -90,8 +92,16 @@ def main() -> None:
             duties.append(duty)
             runs["direct"].append(app.keepalive("direct", args))
             runs["fields"].append(app.keepalive("fields", args))
-            burner = subprocess.Popen([sys.executable, "-c", BURNER, f"{duty:.3f}", str(BURN_PERIOD_SECONDS),
-                                       str(args.warmup + args.duration + 30)])
+            burner = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    BURNER,
+                    f"{duty:.3f}",
+                    str(BURN_PERIOD_SECONDS),
+                    str(args.warmup + args.duration + 30),
+                ]
+            )
             try:
                 runs["burner"].append(app.keepalive("direct", args))
             finally:
@@ -100,20 +110,29 @@ def main() -> None:
     finally:
         app.stop()
 
-    names = {"gateway": "(g) gateway: TLS 1.3 mTLS", "direct": "(d) direct: guard Unix socket",
-             "fields": "(h) direct + the gateway's audit fields", "burner": "(c) direct beside the burner"}
-    print(f"{args.clients} clients, {args.rounds} rounds x {args.duration:g} s per phase; burner duty "
-          f"{', '.join(f'{d:.0%}' for d in duties)} of every {BURN_PERIOD_SECONDS * 1e3:g} ms (the gateway's "
-          "share in that round)\n")
+    names = {
+        "gateway": "(g) gateway: TLS 1.3 mTLS",
+        "direct": "(d) direct: guard Unix socket",
+        "fields": "(h) direct + the gateway's audit fields",
+        "burner": "(c) direct beside the burner",
+    }
+    print(
+        f"{args.clients} clients, {args.rounds} rounds x {args.duration:g} s per phase; burner duty "
+        f"{', '.join(f'{d:.0%}' for d in duties)} of every {BURN_PERIOD_SECONDS * 1e3:g} ms (the gateway's "
+        "share in that round)\n"
+    )
     for kind, label in names.items():
         rs = runs[kind]
-        print(f"{label:<42} req/s {[round(r['rps']) for r in rs]}  guard CPU/read "
-              f"{[round(guard_us(r)) for r in rs]} µs")
+        print(
+            f"{label:<42} req/s {[round(r['rps']) for r in rs]}  guard CPU/read {[round(guard_us(r)) for r in rs]} µs"
+        )
     med = {k: statistics.median(r["rps"] for r in rs) for k, rs in runs.items()}
-    print(f"\nRATIOS (medians of the rounds) gateway/direct {med['gateway'] / med['direct']:.2f}; "
-          f"direct with audit fields/direct {med['fields'] / med['direct']:.2f}; "
-          f"direct beside the burner/direct {med['burner'] / med['direct']:.2f}; "
-          f"gateway/(direct beside the burner) {med['gateway'] / med['burner']:.2f}")
+    print(
+        f"\nRATIOS (medians of the rounds) gateway/direct {med['gateway'] / med['direct']:.2f}; "
+        f"direct with audit fields/direct {med['fields'] / med['direct']:.2f}; "
+        f"direct beside the burner/direct {med['burner'] / med['direct']:.2f}; "
+        f"gateway/(direct beside the burner) {med['gateway'] / med['burner']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ async def _attack(spec: dict[str, Any]) -> None:
             try:
                 if ctx is not None:
                     reader, writer = await asyncio.wait_for(
-                        asyncio.open_connection(c.LOOPBACK, port, ssl=ctx, server_hostname=c.SNI), 15)
+                        asyncio.open_connection(c.LOOPBACK, port, ssl=ctx, server_hostname=c.SNI), 15
+                    )
                 else:
                     reader, writer = await asyncio.wait_for(asyncio.open_connection(c.LOOPBACK, port), 15)
             except (OSError, TimeoutError, ssl.SSLError):
@@ -108,8 +109,17 @@ async def _attack(spec: dict[str, Any]) -> None:
     async def report() -> None:
         while loop.time() < end:
             await asyncio.sleep(1.0)
-            print(json.dumps({"t": round(loop.time() - start, 1), "held": state["held"], "opened": state["opened"],
-                              "failed": state["failed"]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "t": round(loop.time() - start, 1),
+                        "held": state["held"],
+                        "opened": state["opened"],
+                        "failed": state["failed"],
+                    }
+                ),
+                flush=True,
+            )
 
     tasks = [asyncio.create_task(slot()) for _ in range(n)]
     rep = asyncio.create_task(report())
@@ -148,16 +158,21 @@ class Agent:
         if listener == "mtls":
             hdrs = {"Authorization": f"Bearer {self.mtls_token}", "X-UOMP-Agent-Id": self.agent["agent_id"]}
             return c.http_get(PATH, headers=hdrs, close=close)
-        proof = dpop.make_dpop_proof(self.key, method="GET", url=TUNNEL + PATH,  # type: ignore[arg-type]
-                                     access_token=self.tunnel_token, now=time.time())
-        hdrs = {"Authorization": f"DPoP {self.tunnel_token}", "X-UOMP-Agent-Id": self.agent["agent_id"],
-                "DPoP": proof}
+        proof = dpop.make_dpop_proof(
+            self.key,
+            method="GET",
+            url=TUNNEL + PATH,  # type: ignore[arg-type]
+            access_token=self.tunnel_token,
+            now=time.time(),
+        )
+        hdrs = {"Authorization": f"DPoP {self.tunnel_token}", "X-UOMP-Agent-Id": self.agent["agent_id"], "DPoP": proof}
         return c.http_get(PATH, host="tunnel.example", headers=hdrs, close=close)
 
     async def open(self, listener: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if listener == "mtls":
-            return await asyncio.open_connection(c.LOOPBACK, self.info["gateway_port"], ssl=self.ctx,
-                                                 server_hostname=c.SNI)
+            return await asyncio.open_connection(
+                c.LOOPBACK, self.info["gateway_port"], ssl=self.ctx, server_hostname=c.SNI
+            )
         return await asyncio.open_connection(c.LOOPBACK, self.info["tunnel_port"])
 
     async def probe(self, listener: str, *, keepalive: bool, duration: float) -> dict[str, Any]:
@@ -181,8 +196,14 @@ class Agent:
                 if closing or not keepalive:
                     writer.transport.abort()
                     conn = None
-            except (OSError, TimeoutError, ssl.SSLError, asyncio.IncompleteReadError, ConnectionError,
-                    ValueError) as exc:
+            except (
+                OSError,
+                TimeoutError,
+                ssl.SSLError,
+                asyncio.IncompleteReadError,
+                ConnectionError,
+                ValueError,
+            ) as exc:
                 fails += 1
                 reasons[f"{type(exc).__name__}: {exc}"[:80]] += 1
                 if conn is not None:
@@ -194,8 +215,10 @@ class Agent:
         return {"n": len(lat), "fails": fails, "p50": _pct(lat, 50), "p99": _pct(lat, 99), "reasons": dict(reasons)}
 
     async def probes(self, listener: str, duration: float) -> dict[str, dict[str, Any]]:
-        new, keep = await asyncio.gather(self.probe(listener, keepalive=False, duration=duration),
-                                         self.probe(listener, keepalive=True, duration=duration))
+        new, keep = await asyncio.gather(
+            self.probe(listener, keepalive=False, duration=duration),
+            self.probe(listener, keepalive=True, duration=duration),
+        )
         return {"new connection": new, "keep-alive": keep}
 
 
@@ -225,8 +248,10 @@ class RssSampler:
             with contextlib.suppress(OSError, KeyError):
                 self.samples.append(c.proc_status_kib(self.pid))
             if self.metrics_port:
-                with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(
-                        f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+                with (
+                    contextlib.suppress(OSError, ValueError),
+                    urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp,
+                ):
                     for line in resp.read().decode().splitlines():
                         if line.startswith("uomp_gateway_open_connections "):
                             self.open_conns.append(int(float(line.split()[1])))
@@ -241,12 +266,22 @@ class RssSampler:
         self._thread.join(5)
 
 
-def _run_flood(kind: str, args: argparse.Namespace, info: dict[str, Any], agent: Agent,
-               ca: str) -> dict[str, Any]:
-    spec = {"kind": kind, "conns": args.conns, "rate": args.rate, "duration": args.duration + args.ramp,
-            "port": info["gateway_port"], "tunnel_port": info["tunnel_port"], "ca": ca}
-    proc = subprocess.Popen([sys.executable, __file__, "--attack", json.dumps(spec)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, text=True)
+def _run_flood(kind: str, args: argparse.Namespace, info: dict[str, Any], agent: Agent, ca: str) -> dict[str, Any]:
+    spec = {
+        "kind": kind,
+        "conns": args.conns,
+        "rate": args.rate,
+        "duration": args.duration + args.ramp,
+        "port": info["gateway_port"],
+        "tunnel_port": info["tunnel_port"],
+        "ca": ca,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--attack", json.dumps(spec)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     timeline: list[dict[str, Any]] = []
     done: dict[str, Any] = {}
 
@@ -276,12 +311,19 @@ def _run_flood(kind: str, args: argparse.Namespace, info: dict[str, Any], agent:
             proc.wait(5)
     reader.join(5)
     held = [int(t["held"]) for t in timeline]
-    return {"kind": kind, "listener": listener, "probes": probes, "held_max": max(held, default=0),
-            "held_mean": statistics.fmean(held) if held else 0.0, "timeline": held,
-            "opened": done.get("opened", timeline[-1]["opened"] if timeline else 0),
-            "rss_max_kib": max(rss.samples, default=0), "cpu": cpu_share,
-            "gw_open_max": max(rss.open_conns, default=-1),
-            "gw_open_mean": statistics.fmean(rss.open_conns) if rss.open_conns else -1.0}
+    return {
+        "kind": kind,
+        "listener": listener,
+        "probes": probes,
+        "held_max": max(held, default=0),
+        "held_mean": statistics.fmean(held) if held else 0.0,
+        "timeline": held,
+        "opened": done.get("opened", timeline[-1]["opened"] if timeline else 0),
+        "rss_max_kib": max(rss.samples, default=0),
+        "cpu": cpu_share,
+        "gw_open_max": max(rss.open_conns, default=-1),
+        "gw_open_mean": statistics.fmean(rss.open_conns) if rss.open_conns else -1.0,
+    }
 
 
 def main() -> None:
@@ -302,9 +344,12 @@ def main() -> None:
     with c.bench_home(prefix="uomp-flood-") as paths:
         c.seed_store(paths, n_keys=20, n_other=10)
         ag = c.issue_agent(paths)
-        with c.start_server(paths, gateway=True, gateway_config={"tunnel_origin_port": 0, "metrics_port": 0,
-                                                                       "tunnel_endpoints": [TUNNEL]},
-                            what="appliance") as srv:
+        with c.start_server(
+            paths,
+            gateway=True,
+            gateway_config={"tunnel_origin_port": 0, "metrics_port": 0, "tunnel_endpoints": [TUNNEL]},
+            what="appliance",
+        ) as srv:
             info = srv.info
             from gateway.config import GatewayConfig
 
@@ -313,17 +358,26 @@ def main() -> None:
             def cfg(name: str) -> Any:  # getattr: the script also runs against older code, for comparison
                 return getattr(d, name, "-")
 
-            print(f"appliance: gateway pid {info['pid']} (fd limit {info.get('fd_limit')}), mTLS 127.0.0.1:"
-                  f"{info['gateway_port']}, tunnel origin 127.0.0.1:{info['tunnel_port']}; budgets (defaults): mTLS "
-                  f"{cfg('max_connections')} verified / {cfg('max_unverified_connections')} unverified "
-                  f"({cfg('max_unverified_connections_per_ip')} per address), tunnel {cfg('tunnel_max_connections')}"
-                  f" / {cfg('tunnel_max_unverified_connections')}; first byte {cfg('first_byte_timeout_seconds')} s,"
-                  f" headers {cfg('client_timeout_seconds')} s from accept")
-            print(f"attacker: up to {args.conns} connections, at most {args.rate:g} new/s; agent probes "
-                  f"{args.duration:g} s per phase after a {args.ramp:g} s ramp")
+            print(
+                f"appliance: gateway pid {info['pid']} (fd limit {info.get('fd_limit')}), mTLS 127.0.0.1:"
+                f"{info['gateway_port']}, tunnel origin 127.0.0.1:{info['tunnel_port']}; budgets (defaults): mTLS "
+                f"{cfg('max_connections')} verified / {cfg('max_unverified_connections')} unverified "
+                f"({cfg('max_unverified_connections_per_ip')} per address), tunnel {cfg('tunnel_max_connections')}"
+                f" / {cfg('tunnel_max_unverified_connections')}; first byte {cfg('first_byte_timeout_seconds')} s,"
+                f" headers {cfg('client_timeout_seconds')} s from accept"
+            )
+            print(
+                f"attacker: up to {args.conns} connections, at most {args.rate:g} new/s; agent probes "
+                f"{args.duration:g} s per phase after a {args.ramp:g} s ramp"
+            )
             cnf = {"x5t#S256": ag["x5t"], "jkt": ag["jkt"]}
-            mt = c.grant(paths, agent_id=ag["agent_id"], audience=f"https://localhost:{info['gateway_port']}",
-                         profile="remote", cnf=cnf)
+            mt = c.grant(
+                paths,
+                agent_id=ag["agent_id"],
+                audience=f"https://localhost:{info['gateway_port']}",
+                profile="remote",
+                cnf=cnf,
+            )
             tt = c.grant(paths, agent_id=ag["agent_id"], audience=TUNNEL, profile="remote", cnf=cnf)
             agent = Agent(info, ag, mt["token"], tt["token"])
             rss0 = max(srv.rss_kib(), 1)
@@ -339,21 +393,29 @@ def main() -> None:
                 results.append(r)
                 time.sleep(3)  # let the last flood connections go
             print()
-            print(f"gateway RSS before any flood: {rss0 / 1024:.1f} MiB; after the baseline: "
-                  f"{rss_base / 1024:.1f} MiB; gateway CPU during the baseline: {base_cpu * 100:.0f}% of a core")
-            print("held: connections the attacker saw open (max/mean of its per-second counts); gw open: the "
-                  "gateway's open_connections gauge (max/mean, every 0.25 s, agent included)")
-            print(f"{'flood':<17} {'held':>9} {'gw open':>9} {'opened':>7} {'RSS max':>8} {'gw CPU':>6}  {'agent':<15} "
-                  f"{'p50 ms base→flood':>19} {'x':>5} {'p99 ms base→flood':>19} {'x':>5} {'fails':>7}")
+            print(
+                f"gateway RSS before any flood: {rss0 / 1024:.1f} MiB; after the baseline: "
+                f"{rss_base / 1024:.1f} MiB; gateway CPU during the baseline: {base_cpu * 100:.0f}% of a core"
+            )
+            print(
+                "held: connections the attacker saw open (max/mean of its per-second counts); gw open: the "
+                "gateway's open_connections gauge (max/mean, every 0.25 s, agent included)"
+            )
+            print(
+                f"{'flood':<17} {'held':>9} {'gw open':>9} {'opened':>7} {'RSS max':>8} {'gw CPU':>6}  {'agent':<15} "
+                f"{'p50 ms base→flood':>19} {'x':>5} {'p99 ms base→flood':>19} {'x':>5} {'fails':>7}"
+            )
             for r in results:
                 for mode, got in r["probes"].items():
                     b = base[r["listener"]][mode]
-                    print(f"{r['kind']:<17} {r['held_max']:>4}/{r['held_mean']:<4.0f} "
-                          f"{r['gw_open_max']:>4}/{r['gw_open_mean']:<4.0f} {r['opened']:>7} "
-                          f"{r['rss_max_kib'] / 1024:>6.1f}Mi {r['cpu'] * 100:>5.0f}%  {mode:<15} "
-                          f"{b['p50']:>8.1f} → {got['p50']:>8.1f} {got['p50'] / b['p50']:>5.2f} "
-                          f"{b['p99']:>8.1f} → {got['p99']:>8.1f} {got['p99'] / b['p99']:>5.2f} "
-                          f"{got['fails']:>3}/{got['n'] + got['fails']:<4}")
+                    print(
+                        f"{r['kind']:<17} {r['held_max']:>4}/{r['held_mean']:<4.0f} "
+                        f"{r['gw_open_max']:>4}/{r['gw_open_mean']:<4.0f} {r['opened']:>7} "
+                        f"{r['rss_max_kib'] / 1024:>6.1f}Mi {r['cpu'] * 100:>5.0f}%  {mode:<15} "
+                        f"{b['p50']:>8.1f} → {got['p50']:>8.1f} {got['p50'] / b['p50']:>5.2f} "
+                        f"{b['p99']:>8.1f} → {got['p99']:>8.1f} {got['p99'] / b['p99']:>5.2f} "
+                        f"{got['fails']:>3}/{got['n'] + got['fails']:<4}"
+                    )
             print()
             for r in results:
                 print(f"held per second, {r['kind']}: {r['timeline']}")

@@ -65,46 +65,72 @@ class Appliance:
     """One appliance: its own throwaway UOMP_HOME (items, CA, agent certificate), the child process,
     a session granted for it, and the request bytes."""
 
-    def __init__(self, *, label: str, max_connections: int | None, keep: bool = False, layout: str = "split",
-                 **knobs: Any) -> None:
+    def __init__(
+        self, *, label: str, max_connections: int | None, keep: bool = False, layout: str = "split", **knobs: Any
+    ) -> None:
         self.label = label
         self.keep = keep
         self.paths = paths = c.make_home()
         try:
             self.keys = keys = c.seed_store(paths)
             self.agent = agent = c.issue_agent(paths)
-            self.srv = c.start_server(paths, gateway=True, max_connections=max_connections, what=label,
-                                      layout=layout, **knobs)
+            self.srv = c.start_server(
+                paths, gateway=True, max_connections=max_connections, what=label, layout=layout, **knobs
+            )
         except BaseException:
             c.remove_home(paths, keep)
             raise
         try:
             port = self.srv.info["gateway_port"]
-            g = c.grant(paths, profile="remote", audience=f"https://localhost:{port}",
-                        cnf={"x5t#S256": agent["x5t"], "jkt": agent["jkt"]})
+            g = c.grant(
+                paths,
+                profile="remote",
+                audience=f"https://localhost:{port}",
+                cnf={"x5t#S256": agent["x5t"], "jkt": agent["jkt"]},
+            )
         except BaseException:
             self.stop()
             raise
         hdrs = {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": agent["agent_id"]}
         # (a) is what the gateway sends the guard: the token plus its verified-identity assertion
         # (a remote-profile token is served on the socket only with it; gateway/contract.py).
-        asserted = {**hdrs, contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
-                    contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
-                    contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
-                    contract.VERIFIED_X5T_HEADER: agent["x5t"], contract.VERIFIED_JKT_HEADER: agent["jkt"]}
-        self.reqs = {"gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
-                     "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys]}
-        self.targets = {"gateway": c.Target("tls", port=port, ca=agent["ca"], cert=agent["cert"], key=agent["key"]),
-                        "direct": c.Target("unix", path=self.srv.info["guard_sock"])}
+        asserted = {
+            **hdrs,
+            contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
+            contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
+            contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
+            contract.VERIFIED_X5T_HEADER: agent["x5t"],
+            contract.VERIFIED_JKT_HEADER: agent["jkt"],
+        }
+        self.reqs = {
+            "gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
+            "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys],
+        }
+        self.targets = {
+            "gateway": c.Target("tls", port=port, ca=agent["ca"], cert=agent["cert"], key=agent["key"]),
+            "direct": c.Target("unix", path=self.srv.info["guard_sock"]),
+        }
         self.health_close = c.http_get("/v1/health", host=f"localhost:{port}", close=True)
         self.health = c.http_get("/v1/health", host=f"localhost:{port}")
         self.runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": [], "handshakes": []}
 
-    def keepalive(self, kind: str, args: argparse.Namespace, clients: int | None = None,
-                  duration: float | None = None, warmup: float | None = None) -> dict[str, Any]:
-        r = c.run_load(self.targets[kind], self.reqs[kind], clients=clients or args.clients,
-                       duration=duration or args.duration, warmup=args.warmup if warmup is None else warmup,
-                       max_requests=args.max_requests, server_pid=self.srv.pids)
+    def keepalive(
+        self,
+        kind: str,
+        args: argparse.Namespace,
+        clients: int | None = None,
+        duration: float | None = None,
+        warmup: float | None = None,
+    ) -> dict[str, Any]:
+        r = c.run_load(
+            self.targets[kind],
+            self.reqs[kind],
+            clients=clients or args.clients,
+            duration=duration or args.duration,
+            warmup=args.warmup if warmup is None else warmup,
+            max_requests=args.max_requests,
+            server_pid=self.srv.pids,
+        )
         c.check_ok(f"{self.label}: {kind} GET by key ({clients or args.clients} clients)", r)
         return r
 
@@ -119,8 +145,15 @@ class Appliance:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             time.sleep(1.0)  # attached to every thread
-            r = c.run_load(self.targets[kind], self.reqs[kind], clients=args.clients, duration=duration, warmup=0.0,
-                           max_requests=args.max_requests, server_pid=self.srv.pids)
+            r = c.run_load(
+                self.targets[kind],
+                self.reqs[kind],
+                clients=args.clients,
+                duration=duration,
+                warmup=0.0,
+                max_requests=args.max_requests,
+                server_pid=self.srv.pids,
+            )
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
@@ -134,9 +167,15 @@ class Appliance:
         return {"fsyncs": calls, "requests": answers, "per_request": calls / max(1, answers)}
 
     def handshakes(self, args: argparse.Namespace) -> dict[str, Any]:
-        r = c.run_load(self.targets["gateway"], [self.health_close], clients=args.handshake_clients,
-                       duration=args.handshake_duration or args.duration, warmup=1.0, server_pid=self.srv.pids,
-                       mode="handshakes")
+        r = c.run_load(
+            self.targets["gateway"],
+            [self.health_close],
+            clients=args.handshake_clients,
+            duration=args.handshake_duration or args.duration,
+            warmup=1.0,
+            server_pid=self.srv.pids,
+            mode="handshakes",
+        )
         c.check_ok(f"{self.label}: new mTLS connections", r)
         return r
 
@@ -154,9 +193,15 @@ class Appliance:
         opened = int(info["opened"])
         if opened < idle:
             print(f"warning: {self.label}: only {opened} of {idle} idle connections opened ({info['errors']})")
-        return {"before": before, "during": during, "after": after, "opened": opened,
-                "per_conn": (during - before) / max(1, opened), "still_open": rel.get("still_open", 0),
-                "open_seconds": info["seconds"]}
+        return {
+            "before": before,
+            "during": during,
+            "after": after,
+            "opened": opened,
+            "per_conn": (during - before) / max(1, opened),
+            "still_open": rel.get("still_open", 0),
+            "open_seconds": info["seconds"],
+        }
 
     def stop(self) -> None:
         try:
@@ -166,12 +211,18 @@ class Appliance:
 
 
 def _rss_line(title: str, r: dict[str, Any]) -> str:
-    return (f"{title}: {r['opened']} idle keep-alive mTLS connections: RSS before {r['before'] / 1024:.1f} MiB, "
-            f"holding {r['during'] / 1024:.1f} MiB, after close {r['after'] / 1024:.1f} MiB "
-            f"-> {r['per_conn']:.0f} KiB per connection ({r['still_open']} still open at release; "
-            f"opened in {r['open_seconds']:.1f} s)"
-            + ("\n  (few connections: memory freed by the earlier phases is reused, so the delta understates the "
-               "cost; use --idle 500)" if r["opened"] < 300 else ""))
+    return (
+        f"{title}: {r['opened']} idle keep-alive mTLS connections: RSS before {r['before'] / 1024:.1f} MiB, "
+        f"holding {r['during'] / 1024:.1f} MiB, after close {r['after'] / 1024:.1f} MiB "
+        f"-> {r['per_conn']:.0f} KiB per connection ({r['still_open']} still open at release; "
+        f"opened in {r['open_seconds']:.1f} s)"
+        + (
+            "\n  (few connections: memory freed by the earlier phases is reused, so the delta understates the "
+            "cost; use --idle 500)"
+            if r["opened"] < 300
+            else ""
+        )
+    )
 
 
 def _met(ok: bool) -> str:
@@ -188,18 +239,34 @@ def main() -> None:
     ap.add_argument("--handshake-clients", type=int, default=8, help="concurrent new-connection clients (8)")
     ap.add_argument("--handshake-duration", type=float, default=None, help="per round; default: --duration / 2")
     ap.add_argument("--idle", type=int, default=500, help="idle keep-alive mTLS connections for RSS (500)")
-    ap.add_argument("--max-connections", type=int, default=None,
-                    help="gateway max_connections (default: GatewayConfig's, raised only if --idle needs it)")
-    ap.add_argument("--experiments", action="store_true",
-                    help="also run the one-process, quota block 16 and 256 KiB TLS buffer appliances (see above)")
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="gateway max_connections (default: GatewayConfig's, raised only if --idle needs it)",
+    )
+    ap.add_argument(
+        "--experiments",
+        action="store_true",
+        help="also run the one-process, quota block 16 and 256 KiB TLS buffer appliances (see above)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
-    ap.add_argument("--fsyncs", action="store_true",
-                    help="also count fsync/fdatasync per request on each path (strace -c -f, its own phase)")
+    ap.add_argument(
+        "--fsyncs",
+        action="store_true",
+        help="also count fsync/fdatasync per request on each path (strace -c -f, its own phase)",
+    )
     args = ap.parse_args()
-    if not (1 <= args.clients <= 1000 and 0 < args.duration <= 600 and 1 <= args.rounds <= 10
-            and 1 <= args.handshake_clients <= 200 and 0 <= args.idle <= 5000):
-        raise SystemExit("--clients 1..1000, --duration 0..600, --rounds 1..10, --handshake-clients 1..200, "
-                         "--idle 0..5000")
+    if not (
+        1 <= args.clients <= 1000
+        and 0 < args.duration <= 600
+        and 1 <= args.rounds <= 10
+        and 1 <= args.handshake_clients <= 200
+        and 0 <= args.idle <= 5000
+    ):
+        raise SystemExit(
+            "--clients 1..1000, --duration 0..600, --rounds 1..10, --handshake-clients 1..200, --idle 0..5000"
+        )
     args.handshake_duration = args.handshake_duration or max(1.0, args.duration / 2)
 
     from gateway.config import GatewayConfig
@@ -213,30 +280,39 @@ def main() -> None:
     try:
         apps["base"] = Appliance(label="appliance", max_connections=max_conn, keep=args.keep)
         if args.experiments:
-            apps["one"] = Appliance(label="experiment one process", max_connections=max_conn, keep=args.keep,
-                                    layout="one-process")
-            apps["quota"] = Appliance(label="experiment quota block 16", max_connections=max_conn,
-                                      keep=args.keep, quota_block=16)
-            apps["buf"] = Appliance(label="experiment 256 KiB TLS buffer", max_connections=max_conn,
-                                    keep=args.keep, ssl_read_buffer_kib=256)
+            apps["one"] = Appliance(
+                label="experiment one process", max_connections=max_conn, keep=args.keep, layout="one-process"
+            )
+            apps["quota"] = Appliance(
+                label="experiment quota block 16", max_connections=max_conn, keep=args.keep, quota_block=16
+            )
+            apps["buf"] = Appliance(
+                label="experiment 256 KiB TLS buffer", max_connections=max_conn, keep=args.keep, ssl_read_buffer_kib=256
+            )
         base = apps["base"]
         info = base.srv.info
-        print(f"appliance: gateway pid {base.srv.pid} on 127.0.0.1:{info['gateway_port']} (max_connections "
-              f"{info['max_connections']}, GatewayConfig default {default_max}; keep-alive "
-              f"{info['keepalive_timeout_seconds']:.0f} s), guard pid {info.get('guard_pid')} (its child) on "
-              f"unix:{info['guard_sock']}")
-        print(f"{len(base.keys)} keys cycled; {args.clients} clients; {args.rounds} rounds x {args.duration:g} s per "
-              f"path; new connections: {args.handshake_clients} clients, {args.rounds} x "
-              f"{args.handshake_duration:g} s; {args.idle} idle connections"
-              + ("; experiments interleaved" if args.experiments else ""))
+        print(
+            f"appliance: gateway pid {base.srv.pid} on 127.0.0.1:{info['gateway_port']} (max_connections "
+            f"{info['max_connections']}, GatewayConfig default {default_max}; keep-alive "
+            f"{info['keepalive_timeout_seconds']:.0f} s), guard pid {info.get('guard_pid')} (its child) on "
+            f"unix:{info['guard_sock']}"
+        )
+        print(
+            f"{len(base.keys)} keys cycled; {args.clients} clients; {args.rounds} rounds x {args.duration:g} s per "
+            f"path; new connections: {args.handshake_clients} clients, {args.rounds} x "
+            f"{args.handshake_duration:g} s; {args.idle} idle connections"
+            + ("; experiments interleaved" if args.experiments else "")
+        )
         ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota")]
         hs_apps = [a for k, a in apps.items() if k in ("base", "buf")]
         for _ in range(args.rounds):
             for app in ka_apps:
                 for kind in ("direct", "gateway"):
                     app.runs[kind].append(app.keepalive(kind, args))
-        one = {kind: base.keepalive(kind, args, clients=1, duration=min(args.duration, 5), warmup=0.5)
-               for kind in ("direct", "gateway")}
+        one = {
+            kind: base.keepalive(kind, args, clients=1, duration=min(args.duration, 5), warmup=0.5)
+            for kind in ("direct", "gateway")
+        }
         for _ in range(args.rounds):
             for app in hs_apps:
                 app.runs["handshakes"].append(app.handshakes(args))
@@ -249,26 +325,36 @@ def main() -> None:
     res = {k: {kind: c.merge_results(runs) for kind, runs in a.runs.items() if runs} for k, a in apps.items()}
     m, hs = res["base"], res["base"]["handshakes"]
     print()
-    c.print_table([
-        (f"(a) direct: guard Unix socket, {args.clients} clients", m["direct"]),
-        (f"(b) gateway: TLS 1.3 mTLS, {args.clients} clients", m["gateway"]),
-        ("(a) direct, 1 client (unloaded)", one["direct"]),
-        ("(b) gateway, 1 client (unloaded)", one["gateway"]),
-        (f"new mTLS conn + GET /v1/health, {args.handshake_clients} cl.", hs),
-    ])
-    print("load generator: python raw asyncio streams in a separate process (wrk/ab cannot present a client "
-          "certificate\nor use a Unix socket); srv cpu = the appliance's processes (gateway + guard, with their "
-          "writer threads), 100% = one core")
+    c.print_table(
+        [
+            (f"(a) direct: guard Unix socket, {args.clients} clients", m["direct"]),
+            (f"(b) gateway: TLS 1.3 mTLS, {args.clients} clients", m["gateway"]),
+            ("(a) direct, 1 client (unloaded)", one["direct"]),
+            ("(b) gateway, 1 client (unloaded)", one["gateway"]),
+            (f"new mTLS conn + GET /v1/health, {args.handshake_clients} cl.", hs),
+        ]
+    )
+    print(
+        "load generator: python raw asyncio streams in a separate process (wrk/ab cannot present a client "
+        "certificate\nor use a Unix socket); srv cpu = the appliance's processes (gateway + guard, with their "
+        "writer threads), 100% = one core"
+    )
     if "base" in rss:
         print(_rss_line("\nbaseline", rss["base"]))
     if args.experiments:
-        print("\nexperiments: one change undone each (benchmark knobs, not product settings; rounds interleaved "
-              "with the baseline's):")
-        c.print_table([("one process: (a) direct", res["one"]["direct"]),
-                       ("one process: (b) gateway", res["one"]["gateway"]),
-                       ("quota block 16: (a) direct", res["quota"]["direct"]),
-                       ("quota block 16: (b) gateway", res["quota"]["gateway"]),
-                       ("256 KiB TLS buffer: new mTLS conn/s", res["buf"]["handshakes"])])
+        print(
+            "\nexperiments: one change undone each (benchmark knobs, not product settings; rounds interleaved "
+            "with the baseline's):"
+        )
+        c.print_table(
+            [
+                ("one process: (a) direct", res["one"]["direct"]),
+                ("one process: (b) gateway", res["one"]["gateway"]),
+                ("quota block 16: (a) direct", res["quota"]["direct"]),
+                ("quota block 16: (b) gateway", res["quota"]["gateway"]),
+                ("256 KiB TLS buffer: new mTLS conn/s", res["buf"]["handshakes"]),
+            ]
+        )
         if "buf" in rss:
             print(_rss_line("256 KiB TLS buffer", rss["buf"]))
 
@@ -276,26 +362,34 @@ def main() -> None:
     ratio = gw["rps"] / d["rps"]
     over = gw["p50_ms"] - d["p50_ms"]
     over1 = one["gateway"]["p50_ms"] - one["direct"]["p50_ms"]
-    print(f"\nAIMS (issue 13): gateway/direct req/s {ratio:.2f} (aim >= {AIM_RATIO}: {_met(ratio >= AIM_RATIO)}); "
-          f"unloaded p50 overhead +{over1:.2f} ms (aim <= {AIM_P50_OVERHEAD_MS} ms: "
-          f"{_met(over1 <= AIM_P50_OVERHEAD_MS)}), +{over:.2f} ms at {args.clients} clients; new mTLS connections "
-          f"{hs['rps']:.0f}/s (the aim is x2 an older tree's: bench_handshake.py --baseline)")
-    line = (f"RATIOS gateway/direct req/s {ratio:.2f}, p50 {gw['p50_ms']:.2f}/{d['p50_ms']:.2f} ms "
-            f"(+{over:.2f} ms), p99 {gw['p99_ms']:.2f}/{d['p99_ms']:.2f} ms, unloaded p50 "
-            f"{one['gateway']['p50_ms']:.2f}/{one['direct']['p50_ms']:.2f} ms (+{over1:.2f} ms), "
-            f"new conn/s per keep-alive req/s {hs['rps'] / gw['rps']:.2f}")
+    print(
+        f"\nAIMS (issue 13): gateway/direct req/s {ratio:.2f} (aim >= {AIM_RATIO}: {_met(ratio >= AIM_RATIO)}); "
+        f"unloaded p50 overhead +{over1:.2f} ms (aim <= {AIM_P50_OVERHEAD_MS} ms: "
+        f"{_met(over1 <= AIM_P50_OVERHEAD_MS)}), +{over:.2f} ms at {args.clients} clients; new mTLS connections "
+        f"{hs['rps']:.0f}/s (the aim is x2 an older tree's: bench_handshake.py --baseline)"
+    )
+    line = (
+        f"RATIOS gateway/direct req/s {ratio:.2f}, p50 {gw['p50_ms']:.2f}/{d['p50_ms']:.2f} ms "
+        f"(+{over:.2f} ms), p99 {gw['p99_ms']:.2f}/{d['p99_ms']:.2f} ms, unloaded p50 "
+        f"{one['gateway']['p50_ms']:.2f}/{one['direct']['p50_ms']:.2f} ms (+{over1:.2f} ms), "
+        f"new conn/s per keep-alive req/s {hs['rps'] / gw['rps']:.2f}"
+    )
     if "base" in rss:
         line += f", {rss['base']['per_conn']:.0f} KiB RSS per idle mTLS connection"
     if syncs:
-        print("FSYNCS per request (strace -c -f, fsync+fdatasync, both processes): "
-              + ", ".join(f"{k} {v['per_request']:.3f} ({v['fsyncs']} / {v['requests']})" for k, v in syncs.items()))
+        print(
+            "FSYNCS per request (strace -c -f, fsync+fdatasync, both processes): "
+            + ", ".join(f"{k} {v['per_request']:.3f} ({v['fsyncs']} / {v['requests']})" for k, v in syncs.items())
+        )
     if args.experiments:
         line += "; experiments (each / baseline):"
         for key, name in (("one", "one process"), ("quota", "quota block 16")):
             e = res[key]
-            line += (f" {name} direct x{e['direct']['rps'] / d['rps']:.2f}, "
-                     f"gateway x{e['gateway']['rps'] / gw['rps']:.2f} "
-                     f"(gateway/direct {e['gateway']['rps'] / e['direct']['rps']:.2f});")
+            line += (
+                f" {name} direct x{e['direct']['rps'] / d['rps']:.2f}, "
+                f"gateway x{e['gateway']['rps'] / gw['rps']:.2f} "
+                f"(gateway/direct {e['gateway']['rps'] / e['direct']['rps']:.2f});"
+            )
         line += f" 256 KiB TLS buffer new conn/s x{res['buf']['handshakes']['rps'] / hs['rps']:.2f}"
         if "buf" in rss:
             line += f", {rss['buf']['per_conn']:.0f} KiB/conn"

@@ -46,17 +46,22 @@ def main() -> None:
     load = argparse.Namespace(clients=args.clients, duration=args.duration, warmup=1.0, max_requests=2_000_000)
     try:
         for i in range(args.rounds):
-            for name in (("base", "this") if i % 2 == 0 else ("this", "base")):
+            for name in ("base", "this") if i % 2 == 0 else ("this", "base"):
                 r: dict[str, Any] = apps[name].keepalive("gateway", load)
                 parts = r["server_cpu_parts"]
                 row = (r["rps"], parts["gateway"] * 1e6 / r["rps"], parts["guard"] * 1e6 / r["rps"])
                 rows[name].append(row)
-                print(f"round {i} {name:4}  {row[0]:6.0f} req/s  gateway {row[1]:5.0f} µs/request  "
-                      f"guard {row[2]:5.0f} µs/request", flush=True)
+                print(
+                    f"round {i} {name:4}  {row[0]:6.0f} req/s  gateway {row[1]:5.0f} µs/request  "
+                    f"guard {row[2]:5.0f} µs/request",
+                    flush=True,
+                )
         for name, got in rows.items():
-            print(f"{name:4} median {statistics.median(x[0] for x in got):6.0f} req/s  gateway "
-                  f"{statistics.median(x[1] for x in got):5.0f} µs/request {[round(x[1]) for x in got]}  guard "
-                  f"{statistics.median(x[2] for x in got):5.0f} µs/request")
+            print(
+                f"{name:4} median {statistics.median(x[0] for x in got):6.0f} req/s  gateway "
+                f"{statistics.median(x[1] for x in got):5.0f} µs/request {[round(x[1]) for x in got]}  guard "
+                f"{statistics.median(x[2] for x in got):5.0f} µs/request"
+            )
         b = statistics.median(x[1] for x in rows["base"])
         t = statistics.median(x[1] for x in rows["this"])
         print(f"gateway CPU per request this/base: {t / b:.2f} ({t - b:+.0f} µs)")

@@ -48,35 +48,59 @@ def main() -> None:
             g = c.grant(paths, profile="local", audience=f"http://127.0.0.1:{port}")
             hdrs = {"Authorization": f"Bearer {g['token']}"}
             reqs = [c.http_get(f"/v1/memory/{k}", host=f"127.0.0.1:{port}", headers=hdrs) for k in keys]
-            targets = {"unix": c.Target("unix", path=srv.info["guard_sock"]),
-                       "tcp": c.Target("tcp", port=srv.info["tcp_port"])}
+            targets = {
+                "unix": c.Target("unix", path=srv.info["guard_sock"]),
+                "tcp": c.Target("tcp", port=srv.info["tcp_port"]),
+            }
             names = {"unix": "guard GET /v1/memory/{key}, Unix socket", "tcp": "guard GET /v1/memory/{key}, TCP"}
-            print(f"server pid {srv.pid}, guard.sock + 127.0.0.1:{port}; {len(keys)} keys cycled; "
-                  f"{args.clients} clients; {args.rounds} x {args.duration:.0f} s per listener")
+            print(
+                f"server pid {srv.pid}, guard.sock + 127.0.0.1:{port}; {len(keys)} keys cycled; "
+                f"{args.clients} clients; {args.rounds} x {args.duration:.0f} s per listener"
+            )
             results: dict[str, list[dict]] = {"unix": [], "tcp": []}
             for _ in range(args.rounds):
                 for kind in ("unix", "tcp"):
-                    r = c.run_load(targets[kind], reqs, clients=args.clients, duration=args.duration,
-                                   warmup=args.warmup, max_requests=args.max_requests, server_pid=srv.pid)
+                    r = c.run_load(
+                        targets[kind],
+                        reqs,
+                        clients=args.clients,
+                        duration=args.duration,
+                        warmup=args.warmup,
+                        max_requests=args.max_requests,
+                        server_pid=srv.pid,
+                    )
                     c.check_ok(names[kind], r)
                     results[kind].append(r)
             merged = {k: c.merge_results(v) for k, v in results.items()}
-            lat1 = {k: c.run_load(targets[k], reqs, clients=1, duration=min(args.duration, 5), warmup=0.5,
-                                  server_pid=srv.pid) for k in ("unix", "tcp")}
+            lat1 = {
+                k: c.run_load(
+                    targets[k], reqs, clients=1, duration=min(args.duration, 5), warmup=0.5, server_pid=srv.pid
+                )
+                for k in ("unix", "tcp")
+            }
             for k, r in lat1.items():
                 c.check_ok(names[k] + " (1 client)", r)
             ext = None
             tool = None if args.no_external else c.external_tool()
             if tool:
-                ext = c.run_external(tool, srv.info["tcp_port"], [f"/v1/memory/{k}" for k in keys], hdrs,
-                                     clients=args.clients, duration=args.duration, workdir=paths.home)
+                ext = c.run_external(
+                    tool,
+                    srv.info["tcp_port"],
+                    [f"/v1/memory/{k}" for k in keys],
+                    hdrs,
+                    clients=args.clients,
+                    duration=args.duration,
+                    workdir=paths.home,
+                )
             rss = srv.rss_kib()
 
     rows = [(names["unix"], merged["unix"]), (names["tcp"], merged["tcp"])]
     if ext is not None:
         rows.append((names["tcp"] + f" ({ext['tool']})", ext))
-    rows += [("1 client, Unix socket (unloaded latency)", lat1["unix"]),
-             ("1 client, TCP (unloaded latency)", lat1["tcp"])]
+    rows += [
+        ("1 client, Unix socket (unloaded latency)", lat1["unix"]),
+        ("1 client, TCP (unloaded latency)", lat1["tcp"]),
+    ]
     print()
     c.print_table(rows)
     if args.no_external:
@@ -90,9 +114,11 @@ def main() -> None:
     print(f"\nload generator: python raw asyncio streams in a separate process; {ext_note}")
     print(f"server RSS at the end: {rss / 1024:.1f} MiB")
     u, t = merged["unix"], merged["tcp"]
-    line = (f"RATIOS unix/tcp req/s {u['rps'] / t['rps']:.2f}, p50 {u['p50_ms']:.2f} vs {t['p50_ms']:.2f} ms "
-            f"(unix/tcp {u['p50_ms'] / t['p50_ms']:.2f}), 1-client p50 unix/tcp "
-            f"{lat1['unix']['p50_ms'] / lat1['tcp']['p50_ms']:.2f}")
+    line = (
+        f"RATIOS unix/tcp req/s {u['rps'] / t['rps']:.2f}, p50 {u['p50_ms']:.2f} vs {t['p50_ms']:.2f} ms "
+        f"(unix/tcp {u['p50_ms'] / t['p50_ms']:.2f}), 1-client p50 unix/tcp "
+        f"{lat1['unix']['p50_ms'] / lat1['tcp']['p50_ms']:.2f}"
+    )
     if ext is not None:
         line += f"; python-client/{ext['tool'].split()[0]} on TCP req/s {t['rps'] / ext['rps']:.2f}"
     print(line)

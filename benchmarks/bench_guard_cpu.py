@@ -50,8 +50,9 @@ def _thread_cpu(pid: int) -> dict[str, tuple[int, int, int]]:
     for d in glob.glob(f"/proc/{pid}/task/*"):
         try:
             fields = Path(d, "stat").read_text().rsplit(")", 1)[1].split()
-            switches = sum(int(line.split()[1]) for line in Path(d, "status").read_text().splitlines()
-                           if "ctxt_switches:" in line)
+            switches = sum(
+                int(line.split()[1]) for line in Path(d, "status").read_text().splitlines() if "ctxt_switches:" in line
+            )
         except OSError:  # the thread ended meanwhile
             continue
         out[d.rsplit("/", 1)[1]] = (int(fields[11]), int(fields[12]), switches)
@@ -95,12 +96,25 @@ def prefill_audit(paths: Any, events: int) -> None:
     try:
         t0 = time.time() - 86_400
         for start in range(0, events, PREFILL_BATCH):
-            log.write_now([make_row(session_id="sess_earlier", agent_id="portfolio_agent", action="read",
-                                    allowed=True, reason="scope matched", key="preference.theme",
-                                    tags=["preference"], response_size=120, query_count_remaining=9000,
-                                    via="gateway:mtls:bench", now=t0 + (start + i) * 0.05,
-                                    extra={"listener": "mtls", "client": "127.0.0.1:40001"})
-                           for i in range(min(PREFILL_BATCH, events - start))])
+            log.write_now(
+                [
+                    make_row(
+                        session_id="sess_earlier",
+                        agent_id="portfolio_agent",
+                        action="read",
+                        allowed=True,
+                        reason="scope matched",
+                        key="preference.theme",
+                        tags=["preference"],
+                        response_size=120,
+                        query_count_remaining=9000,
+                        via="gateway:mtls:bench",
+                        now=t0 + (start + i) * 0.05,
+                        extra={"listener": "mtls", "client": "127.0.0.1:40001"},
+                    )
+                    for i in range(min(PREFILL_BATCH, events - start))
+                ]
+            )
     finally:
         log.close()
 
@@ -119,14 +133,22 @@ def child(args: argparse.Namespace) -> None:
             hdrs = {"Authorization": f"Bearer {g['token']}"}
             reqs = [c.http_get(f"/v1/memory/{k}", host=f"127.0.0.1:{port}", headers=hdrs) for k in keys]
             target = c.Target("unix", path=srv.info["guard_sock"])
-            c.run_load(target, reqs, clients=args.clients, duration=1.0, warmup=0.0, max_requests=200_000,
-                       server_pid=srv.pid)  # warm caches and the WAL
+            c.run_load(
+                target, reqs, clients=args.clients, duration=1.0, warmup=0.0, max_requests=200_000, server_pid=srv.pid
+            )  # warm caches and the WAL
             names = _thread_names(srv.pid)
             out: dict[str, Any] = {"tree": args.tree}
             for phase, clients in (("loaded", args.clients), ("unloaded", 1)):
                 before = _thread_cpu(srv.pid)
-                r = c.run_load(target, reqs, clients=clients, duration=args.duration, warmup=0.0,
-                               max_requests=2_000_000, server_pid=srv.pid)
+                r = c.run_load(
+                    target,
+                    reqs,
+                    clients=clients,
+                    duration=args.duration,
+                    warmup=0.0,
+                    max_requests=2_000_000,
+                    server_pid=srv.pid,
+                )
                 after = _thread_cpu(srv.pid)
                 n = max(1, int(r["count"]))
                 per: dict[str, float] = {}
@@ -137,16 +159,34 @@ def child(args: argparse.Namespace) -> None:
                     if u + sy - u0 - sy0:
                         key = _group(names.get(tid, "thread"))
                         per[key] = per.get(key, 0.0) + (u + sy - u0 - sy0) / TICK / n * 1e6
-                out[phase] = {"rps": r["rps"], "p50_ms": r["p50_ms"], "count": r["count"],
-                              "non200": r.get("non200", 0), "cpu_us": sum(per.values()), "threads": per,
-                              "sys_us": system / TICK / n * 1e6, "switches": switches / n}
+                out[phase] = {
+                    "rps": r["rps"],
+                    "p50_ms": r["p50_ms"],
+                    "count": r["count"],
+                    "non200": r.get("non200", 0),
+                    "cpu_us": sum(per.values()),
+                    "threads": per,
+                    "sys_us": system / TICK / n * 1e6,
+                    "switches": switches / n,
+                }
     print(json.dumps(out), flush=True)
 
 
 def run_phase(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(tree),
-           "--duration", str(args.duration), "--clients", str(args.clients), "--log-events", str(args.log_events)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--tree",
+        str(tree),
+        "--duration",
+        str(args.duration),
+        "--clients",
+        str(args.clients),
+        "--log-events",
+        str(args.log_events),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -160,13 +200,21 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=5.0, help="timed seconds per phase (default 5)")
     ap.add_argument("--clients", type=int, default=50, help="keep-alive clients in the loaded phase (default 50)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per tree (default 2)")
-    ap.add_argument("--log-events", type=int, default=0,
-                    help="grow each home's audit log to this many events first (default 0: an empty log)")
+    ap.add_argument(
+        "--log-events",
+        type=int,
+        default=0,
+        help="grow each home's audit log to this many events first (default 0: an empty log)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", default=str(ROOT), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not (1 <= args.clients <= 500 and 0 < args.duration <= 120 and 1 <= args.rounds <= 10
-            and 0 <= args.log_events <= 5_000_000):
+    if not (
+        1 <= args.clients <= 500
+        and 0 < args.duration <= 120
+        and 1 <= args.rounds <= 10
+        and 0 <= args.log_events <= 5_000_000
+    ):
         raise SystemExit("--clients 1..500, --duration 0..120 s, --rounds 1..10, --log-events 0..5,000,000")
     if args.child:
         child(args)
@@ -180,9 +228,11 @@ def main() -> None:
         if not (args.baseline / "gateway" / "__init__.py").exists():
             raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project")
         trees["baseline"] = args.baseline.resolve()
-    print(f"trees: {', '.join(f'{k} = {v}' for k, v in trees.items())}; {args.clients} clients, "
-          f"{args.rounds} x {args.duration:.0f} s per tree, alternated; audit log grown to {args.log_events:,} "
-          "events first")
+    print(
+        f"trees: {', '.join(f'{k} = {v}' for k, v in trees.items())}; {args.clients} clients, "
+        f"{args.rounds} x {args.duration:.0f} s per tree, alternated; audit log grown to {args.log_events:,} "
+        "events first"
+    )
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():
@@ -204,19 +254,29 @@ def main() -> None:
             med = {k: statistics.median(v) for k, v in threads.items()}
             parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if v >= 1)
             print(f"{name:9s} {phase:9s} {rps:7.0f} {p50:7.2f} {cpu:10.0f}  {parts}")
-            print(f"{'':19s} rounds: CPU us/req {[round(r['cpu_us']) for r in rows]}, "
-                  f"req/s {[round(r['rps']) for r in rows]}; of the CPU, system "
-                  f"{statistics.median(r['sys_us'] for r in rows):.0f} us/req; context switches "
-                  f"{statistics.median(r['switches'] for r in rows):.2f}/req")
+            print(
+                f"{'':19s} rounds: CPU us/req {[round(r['cpu_us']) for r in rows]}, "
+                f"req/s {[round(r['rps']) for r in rows]}; of the CPU, system "
+                f"{statistics.median(r['sys_us'] for r in rows):.0f} us/req; context switches "
+                f"{statistics.median(r['switches'] for r in rows):.2f}/req"
+            )
     if "baseline" in summary:
         this, base = summary["this"], summary["baseline"]
-        print("\nRATIOS this/baseline: CPU per read (50 clients) x{:.2f}, (1 client) x{:.2f}; req/s x{:.2f} / x{:.2f}; "
-              "unloaded p50 {:.2f} vs {:.2f} ms".format(
-                  this["loaded"]["cpu"] / base["loaded"]["cpu"], this["unloaded"]["cpu"] / base["unloaded"]["cpu"],
-                  this["loaded"]["rps"] / base["loaded"]["rps"], this["unloaded"]["rps"] / base["unloaded"]["rps"],
-                  this["unloaded"]["p50"], base["unloaded"]["p50"]))
-        print("AIM (issue 13): the guard's CPU per request halved (ratio <= 0.50): "
-              + ("met" if this["loaded"]["cpu"] / base["loaded"]["cpu"] <= 0.5 else "NOT met"))
+        print(
+            "\nRATIOS this/baseline: CPU per read (50 clients) x{:.2f}, (1 client) x{:.2f}; req/s x{:.2f} / x{:.2f}; "
+            "unloaded p50 {:.2f} vs {:.2f} ms".format(
+                this["loaded"]["cpu"] / base["loaded"]["cpu"],
+                this["unloaded"]["cpu"] / base["unloaded"]["cpu"],
+                this["loaded"]["rps"] / base["loaded"]["rps"],
+                this["unloaded"]["rps"] / base["unloaded"]["rps"],
+                this["unloaded"]["p50"],
+                base["unloaded"]["p50"],
+            )
+        )
+        print(
+            "AIM (issue 13): the guard's CPU per request halved (ratio <= 0.50): "
+            + ("met" if this["loaded"]["cpu"] / base["loaded"]["cpu"] <= 0.5 else "NOT met")
+        )
 
 
 if __name__ == "__main__":

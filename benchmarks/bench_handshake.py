@@ -78,32 +78,55 @@ def _new_key(kind: str) -> Any:
 def _rsa_cert(ca_key: Any, ca_cert: x509.Certificate, pub: Any, *, agent_id: str | None) -> x509.Certificate:
     """An RSA-key certificate with the extensions the product's CA writes (benchmark only)."""
     now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-    b = (x509.CertificateBuilder()
-         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, agent_id or "UOMP gateway")]))
-         .issuer_name(ca_cert.subject).public_key(pub).serial_number(ca.random_serial())
-         .not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=True,
-                                      data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                      crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-         .add_extension(x509.SubjectKeyIdentifier.from_public_key(pub), critical=False)
-         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
-                        critical=False))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, agent_id or "UOMP gateway")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(pub)
+        .serial_number(ca.random_serial())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=True,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(pub), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
+            critical=False,
+        )
+    )
     if agent_id:
-        b = (b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-             .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(ca.agent_uri(agent_id))]),
-                            critical=False))
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False).add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(ca.agent_uri(agent_id))]), critical=False
+        )
     else:
-        b = (b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-             .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False))
-    algo = None if ca_key.__class__.__name__.startswith("_Ed25519") or "Ed25519" in type(ca_key).__name__ \
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False).add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False
+        )
+    algo = (
+        None
+        if ca_key.__class__.__name__.startswith("_Ed25519") or "Ed25519" in type(ca_key).__name__
         else hashes.SHA256()
+    )
     return b.sign(ca_key, algo)
 
 
 def _pem_key(key: Any) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 class Setup:
@@ -114,17 +137,28 @@ class Setup:
         ca_kind = "p256" if server_kind == "rsa2048" else server_kind
         ca_key, ca_cert = ca.create_ca(key_type=ca_kind)  # type: ignore[arg-type]
         skey = _new_key(server_kind)
-        scert = (_rsa_cert(ca_key, ca_cert, skey.public_key(), agent_id=None) if server_kind == "rsa2048"
-                 else ca.issue_server_cert(ca_key, ca_cert, skey.public_key(), ["localhost"]))
+        scert = (
+            _rsa_cert(ca_key, ca_cert, skey.public_key(), agent_id=None)
+            if server_kind == "rsa2048"
+            else ca.issue_server_cert(ca_key, ca_cert, skey.public_key(), ["localhost"])
+        )
         akey = _new_key(agent_kind)
-        acert = (_rsa_cert(ca_key, ca_cert, akey.public_key(), agent_id="bench") if agent_kind == "rsa2048"
-                 else ca.issue_agent_cert(ca_key, ca_cert, akey.public_key(), "bench"))
+        acert = (
+            _rsa_cert(ca_key, ca_cert, akey.public_key(), agent_id="bench")
+            if agent_kind == "rsa2048"
+            else ca.issue_agent_cert(ca_key, ca_cert, akey.public_key(), "bench")
+        )
         self.ca_key, self.ca_cert, self.dir = ca_key, ca_cert, d
         then = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
         self.revoked = [(ca.random_serial(), then) for _ in range(crl_size)]
-        files = {"ca.crt": ca.cert_pem(ca_cert), "gw.crt": ca.cert_pem(scert), "gw.key": _pem_key(skey),
-                 "agent.crt": ca.cert_pem(acert), "agent.key": _pem_key(akey),
-                 "crl.pem": ca.crl_pem(ca.build_crl(ca_key, ca_cert, self.revoked))}
+        files = {
+            "ca.crt": ca.cert_pem(ca_cert),
+            "gw.crt": ca.cert_pem(scert),
+            "gw.key": _pem_key(skey),
+            "agent.crt": ca.cert_pem(acert),
+            "agent.key": _pem_key(akey),
+            "crl.pem": ca.crl_pem(ca.build_crl(ca_key, ca_cert, self.revoked)),
+        }
         for name, data in files.items():
             (d / name).write_bytes(data)
             os.chmod(d / name, 0o600)
@@ -177,10 +211,14 @@ def _median_us(samples: list[float]) -> float:
 
 def part1(args: argparse.Namespace, work: Path) -> None:
     n = args.handshakes
-    print(f"\npart 1: in-process handshakes (OpenSSL over memory BIOs), median of {n} each; server = the "
-          "gateway's side only")
-    print(f"{'CA+gateway key':<15} {'agent key':<10} {'CRL':>6} {'full srv µs':>12} {'full cli µs':>12} "
-          f"{'resumed srv µs':>15} {'resumed cli µs':>15} {'srv full/resumed':>17}")
+    print(
+        f"\npart 1: in-process handshakes (OpenSSL over memory BIOs), median of {n} each; server = the "
+        "gateway's side only"
+    )
+    print(
+        f"{'CA+gateway key':<15} {'agent key':<10} {'CRL':>6} {'full srv µs':>12} {'full cli µs':>12} "
+        f"{'resumed srv µs':>15} {'resumed cli µs':>15} {'srv full/resumed':>17}"
+    )
     base = None
     for server_kind in KEYS:
         for agent_kind in KEYS:
@@ -202,8 +240,10 @@ def part1(args: argparse.Namespace, work: Path) -> None:
             fs, rs = _median_us(full_s), _median_us(res_s)
             if base is None:
                 base = fs
-            print(f"{server_kind:<15} {agent_kind:<10} {0:>6} {fs:>12.0f} {_median_us(full_c):>12.0f} "
-                  f"{rs:>15.0f} {_median_us(res_c):>15.0f} {fs / rs:>16.1f}x")
+            print(
+                f"{server_kind:<15} {agent_kind:<10} {0:>6} {fs:>12.0f} {_median_us(full_c):>12.0f} "
+                f"{rs:>15.0f} {_median_us(res_c):>15.0f} {fs / rs:>16.1f}x"
+            )
     print("\nCRL size (P-256 everywhere): full handshake, CRL reload, per-request revoked-serial check")
     print(f"{'revoked':>8} {'full srv µs':>12} {'reload ms':>10} {'check µs':>9} {'CRL KiB':>8}")
     checker = ClientCertChecker()
@@ -228,10 +268,14 @@ def part1(args: argparse.Namespace, work: Path) -> None:
         check_us = (time.perf_counter() - t0) / k * 1e6
         fs = _median_us(samples)
         first = first or fs
-        print(f"{size:>8} {fs:>12.0f} {reload_ms:>10.1f} {check_us:>9.2f} "
-              f"{(s.dir / 'crl.pem').stat().st_size / 1024:>8.0f}")
-    print("(the per-request check is a frozenset lookup: O(1) whatever the CRL's size; OpenSSL sorts the "
-          "CRL once and searches it per full handshake)")
+        print(
+            f"{size:>8} {fs:>12.0f} {reload_ms:>10.1f} {check_us:>9.2f} "
+            f"{(s.dir / 'crl.pem').stat().st_size / 1024:>8.0f}"
+        )
+    print(
+        "(the per-request check is a frozenset lookup: O(1) whatever the CRL's size; OpenSSL sorts the "
+        "CRL once and searches it per full handshake)"
+    )
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -276,10 +320,19 @@ print(json.dumps({"done": done, "resumed": resumed, "errors": errors}))
 
 
 def _e2e_round(app: dict[str, Any], args: argparse.Namespace, resume: bool) -> dict[str, float]:
-    spec = {"port": app["port"], "ca": str(app["agent"]["ca"]), "cert": str(app["agent"]["cert"]),
-            "key": str(app["agent"]["key"]), "resume": resume, "seconds": args.e2e_seconds, "warmup": 1.0}
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(spec)], stdout=subprocess.PIPE, text=True)
-             for _ in range(args.e2e_clients)]
+    spec = {
+        "port": app["port"],
+        "ca": str(app["agent"]["ca"]),
+        "cert": str(app["agent"]["cert"]),
+        "key": str(app["agent"]["key"]),
+        "resume": resume,
+        "seconds": args.e2e_seconds,
+        "warmup": 1.0,
+    }
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(spec)], stdout=subprocess.PIPE, text=True)
+        for _ in range(args.e2e_clients)
+    ]
     time.sleep(1.0)
     cpu0 = app["srv"].cpu_seconds()
     t0 = time.monotonic()
@@ -287,22 +340,29 @@ def _e2e_round(app: dict[str, Any], args: argparse.Namespace, resume: bool) -> d
     seconds = time.monotonic() - t0
     cpu = app["srv"].cpu_seconds() - cpu0
     done = sum(o["done"] for o in outs)
-    return {"rps": done / args.e2e_seconds, "resumed": sum(o["resumed"] for o in outs) / max(1, done),
-            "errors": sum(o["errors"] for o in outs), "cpu_us": cpu / max(1, done) * 1e6,
-            "cpu_share": cpu / seconds}
+    return {
+        "rps": done / args.e2e_seconds,
+        "resumed": sum(o["resumed"] for o in outs) / max(1, done),
+        "errors": sum(o["errors"] for o in outs),
+        "cpu_us": cpu / max(1, done) * 1e6,
+        "cpu_share": cpu / seconds,
+    }
 
 
 def part2(args: argparse.Namespace) -> None:
-    print(f"\npart 2: end to end through the appliance, {args.e2e_clients} client processes, "
-          f"{args.rounds} x {args.e2e_seconds:g} s per phase, rounds alternated")
+    print(
+        f"\npart 2: end to end through the appliance, {args.e2e_clients} client processes, "
+        f"{args.rounds} x {args.e2e_seconds:g} s per phase, rounds alternated"
+    )
     apps: dict[str, dict[str, Any]] = {}
     try:
         for label, tickets in (("off", 0), ("on", 1)):
             paths = c.make_home()
             c.seed_store(paths)
             agent = c.issue_agent(paths)
-            srv = c.start_server(paths, gateway=True, what=f"tickets {label}",
-                                 gateway_config={"tls_session_tickets": tickets})
+            srv = c.start_server(
+                paths, gateway=True, what=f"tickets {label}", gateway_config={"tls_session_tickets": tickets}
+            )
             apps[label] = {"paths": paths, "agent": agent, "srv": srv, "port": srv.info["gateway_port"]}
         runs: dict[str, list[dict[str, float]]] = {"a": [], "b": [], "c": []}
         for _ in range(args.rounds):
@@ -314,18 +374,24 @@ def part2(args: argparse.Namespace) -> None:
             a["srv"].stop()
             c.remove_home(a["paths"], False)
     merged = {k: {f: statistics.mean(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
-    names = {"a": "(a) tickets off: every connection a full handshake",
-             "b": "(b) tickets on, client never resumes",
-             "c": "(c) tickets on, returning agent resumes"}
+    names = {
+        "a": "(a) tickets off: every connection a full handshake",
+        "b": "(b) tickets on, client never resumes",
+        "c": "(c) tickets on, returning agent resumes",
+    }
     print(f"{'phase':<56} {'conn/s':>8} {'resumed':>8} {'gw cpu µs/conn':>15} {'gw cpu':>7} {'errors':>7}")
     for k, m in merged.items():
-        print(f"{names[k]:<56} {m['rps']:>8.0f} {m['resumed']:>8.0%} {m['cpu_us']:>15.0f} "
-              f"{m['cpu_share']:>7.0%} {m['errors']:>7.0f}")
+        print(
+            f"{names[k]:<56} {m['rps']:>8.0f} {m['resumed']:>8.0%} {m['cpu_us']:>15.0f} "
+            f"{m['cpu_share']:>7.0%} {m['errors']:>7.0f}"
+        )
         print(f"    rounds conn/s {[round(r['rps']) for r in runs[k]]}")
     a, b, cc = merged["a"], merged["b"], merged["c"]
-    print(f"\nRATIOS resumed/full conn/s {cc['rps'] / a['rps']:.2f} (aim >= 2: "
-          f"{'met' if cc['rps'] / a['rps'] >= 2 else 'NOT met'}), gateway CPU per connection resumed/full "
-          f"{cc['cpu_us'] / a['cpu_us']:.2f}; tickets on but unused / off conn/s {b['rps'] / a['rps']:.2f}")
+    print(
+        f"\nRATIOS resumed/full conn/s {cc['rps'] / a['rps']:.2f} (aim >= 2: "
+        f"{'met' if cc['rps'] / a['rps'] >= 2 else 'NOT met'}), gateway CPU per connection resumed/full "
+        f"{cc['cpu_us'] / a['cpu_us']:.2f}; tickets on but unused / off conn/s {b['rps'] / a['rps']:.2f}"
+    )
 
 
 # ---------------------------------------------------------------------- --baseline: two trees
@@ -367,8 +433,16 @@ class TreeApp:
             info = self._helper("setup")
             self.home, self.agent, self.gateway_file = Path(info["home"]), info["agent"], info["gateway_file"]
             self.keys = [f"preference.item{i:04d}" for i in range(200)]  # seed_store's keys
-            cmd = [sys.executable, str(root / "benchmarks" / "_common.py"), "serve", "--home", str(self.home),
-                   "--gateway", "--layout", "split"]
+            cmd = [
+                sys.executable,
+                str(root / "benchmarks" / "_common.py"),
+                "serve",
+                "--home",
+                str(self.home),
+                "--gateway",
+                "--layout",
+                "split",
+            ]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=self.env)
             try:
                 self.srv = c.ServerProc(proc, c._read_json_line(proc, 60, label))
@@ -387,14 +461,22 @@ class TreeApp:
             token = self._helper("grant", spec)["token"]
         hdrs = {"Authorization": f"Bearer {token}", "X-UOMP-Agent-Id": self.agent["agent_id"]}
         self.reqs = [c.http_get(f"/v1/memory/{k}", host=f"localhost:{self.port}", headers=hdrs) for k in self.keys]
-        self.target = c.Target("tls", port=self.port, ca=self.agent["ca"], cert=self.agent["cert"],
-                               key=self.agent["key"])
+        self.target = c.Target(
+            "tls", port=self.port, ca=self.agent["ca"], cert=self.agent["cert"], key=self.agent["key"]
+        )
         self.health = c.http_get("/v1/health", host=f"localhost:{self.port}")
 
     def _helper(self, *argv: str) -> dict[str, Any]:
         assert self.root is not None
-        out = subprocess.run([sys.executable, "-c", BASE_HELPER, str(self.root), *argv], env=self.env, cwd=self.root,
-                             capture_output=True, text=True, timeout=120, check=False)
+        out = subprocess.run(
+            [sys.executable, "-c", BASE_HELPER, str(self.root), *argv],
+            env=self.env,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if out.returncode != 0:
             raise SystemExit(f"{self.label}: helper {argv[0]} failed: {out.stderr[-2000:]}")
         return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -403,13 +485,21 @@ class TreeApp:
         return {"port": self.port, "agent": self.agent, "srv": self.srv}
 
     def keepalive(self, args: argparse.Namespace) -> dict[str, Any]:
-        r = c.run_load(self.target, self.reqs, clients=args.ka_clients, duration=args.e2e_seconds, warmup=1.0,
-                       server_pid=self.srv.pids)
+        r = c.run_load(
+            self.target,
+            self.reqs,
+            clients=args.ka_clients,
+            duration=args.e2e_seconds,
+            warmup=1.0,
+            server_pid=self.srv.pids,
+        )
         c.check_ok(f"{self.label}: keep-alive GET by key", r)
         gw_cpu = r.get("server_cpu_parts", {}).get("gateway")
         done = sum(int(v) for v in r["statuses"].values())
-        return {"rps": float(r["rps"]),
-                "gw_us": (gw_cpu * r["elapsed"] / max(1, done) * 1e6) if gw_cpu is not None else float("nan")}
+        return {
+            "rps": float(r["rps"]),
+            "gw_us": (gw_cpu * r["elapsed"] / max(1, done) * 1e6) if gw_cpu is not None else float("nan"),
+        }
 
     def rss(self, idle: int) -> dict[str, float]:
         time.sleep(0.5)
@@ -461,8 +551,9 @@ class FloorApp:
         paths = c.make_home()
         self.home, self.agent = paths.home, c.issue_agent(paths)
         files = [str(p) for p in tls_paths(Paths(self.home), GatewayConfig())]
-        proc = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, *files], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", FLOOR_SERVER, *files], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
         try:
             self.srv = c.ServerProc(proc, c._read_json_line(proc, 60, "floor"))
         except BaseException:
@@ -485,8 +576,10 @@ def part2_baseline(args: argparse.Namespace) -> None:
     root = Path(args.baseline).resolve()
     if not (root / "gateway" / "__init__.py").exists() or not (root / "benchmarks" / "_common.py").exists():
         raise SystemExit(f"--baseline {root}: not a checkout of this project (gateway/, benchmarks/_common.py)")
-    print(f"\npart 2: this tree vs the baseline {root}, {args.e2e_clients} client processes (stdlib ssl), "
-          f"{args.rounds} x {args.e2e_seconds:g} s per phase, trees and phases alternated")
+    print(
+        f"\npart 2: this tree vs the baseline {root}, {args.e2e_clients} client processes (stdlib ssl), "
+        f"{args.rounds} x {args.e2e_seconds:g} s per phase, trees and phases alternated"
+    )
     apps: dict[str, TreeApp] = {}
     floor: FloorApp | None = None
     try:
@@ -504,7 +597,8 @@ def part2_baseline(args: argparse.Namespace) -> None:
             for resume in (False, True):
                 for k, a in every.items():
                     runs.setdefault((k, "resume" if resume else "full"), []).append(
-                        _e2e_round(a.as_dict(), args, resume=resume))
+                        _e2e_round(a.as_dict(), args, resume=resume)
+                    )
             if args.ka_clients:
                 for k, a in apps.items():
                     runs.setdefault((k, "keepalive"), []).append(a.keepalive(args))
@@ -515,28 +609,36 @@ def part2_baseline(args: argparse.Namespace) -> None:
         if floor is not None:
             floor.stop()
     m = {key: {f: statistics.mean(r[f] for r in v) for f in v[0]} for key, v in runs.items()}
-    print(f"\n{'appliance':<13} {'clients':<22} {'conn/s':>8} {'resumed':>8} {'gw cpu µs/conn':>15} "
-          f"{'gw cpu':>7} {'errors':>7}  rounds conn/s")
+    print(
+        f"\n{'appliance':<13} {'clients':<22} {'conn/s':>8} {'resumed':>8} {'gw cpu µs/conn':>15} "
+        f"{'gw cpu':>7} {'errors':>7}  rounds conn/s"
+    )
     for k in every:
         for phase, title in (("full", "no session offered"), ("resume", "offer last session")):
             r = m[(k, phase)]
-            print(f"{k:<13} {title:<22} {r['rps']:>8.0f} {r['resumed']:>8.0%} {r['cpu_us']:>15.0f} "
-                  f"{r['cpu_share']:>7.0%} {r['errors']:>7.0f}  {[round(x['rps']) for x in runs[(k, phase)]]}")
+            print(
+                f"{k:<13} {title:<22} {r['rps']:>8.0f} {r['resumed']:>8.0%} {r['cpu_us']:>15.0f} "
+                f"{r['cpu_share']:>7.0%} {r['errors']:>7.0f}  {[round(x['rps']) for x in runs[(k, phase)]]}"
+            )
     if args.ka_clients:
         print(f"\nkeep-alive GET by key through the gateway, {args.ka_clients} connections")
         for k in apps:
             r = m[(k, "keepalive")]
-            print(f"{k:<13} {r['rps']:>8.0f} req/s   gateway CPU {r['gw_us']:>6.0f} µs/request   "
-                  f"rounds {[round(x['rps']) for x in runs[(k, 'keepalive')]]}")
+            print(
+                f"{k:<13} {r['rps']:>8.0f} req/s   gateway CPU {r['gw_us']:>6.0f} µs/request   "
+                f"rounds {[round(x['rps']) for x in runs[(k, 'keepalive')]]}"
+            )
     for k, r in rss.items():
         print(f"{k:<13} RSS per idle keep-alive mTLS connection: {r['per_conn']:.1f} KiB ({r['opened']:.0f} held)")
     base_full = m[("base", "full")]["rps"]
     ours = m[("ours", "resume")]["rps"]
-    print(f"\nRATIOS vs baseline conn/s: returning agents (resume) {ours / base_full:.2f} (aim >= 2: "
-          f"{'met' if ours / base_full >= 2 else 'NOT met'}), no resumption "
-          f"{m[('ours', 'full')]['rps'] / base_full:.2f}; gateway CPU per connection resume/base "
-          f"{m[('ours', 'resume')]['cpu_us'] / m[('base', 'full')]['cpu_us']:.2f}, full/base "
-          f"{m[('ours', 'full')]['cpu_us'] / m[('base', 'full')]['cpu_us']:.2f}")
+    print(
+        f"\nRATIOS vs baseline conn/s: returning agents (resume) {ours / base_full:.2f} (aim >= 2: "
+        f"{'met' if ours / base_full >= 2 else 'NOT met'}), no resumption "
+        f"{m[('ours', 'full')]['rps'] / base_full:.2f}; gateway CPU per connection resume/base "
+        f"{m[('ours', 'resume')]['cpu_us'] / m[('base', 'full')]['cpu_us']:.2f}, full/base "
+        f"{m[('ours', 'full')]['cpu_us'] / m[('base', 'full')]['cpu_us']:.2f}"
+    )
     if args.ka_clients:
         ka = m[("ours", "keepalive")]["rps"] / m[("base", "keepalive")]["rps"]
         print(f"RATIO keep-alive req/s ours/base {ka:.2f}")
@@ -553,14 +655,22 @@ def main() -> None:
     ap.add_argument("--no-part1", action="store_true")
     ap.add_argument("--baseline", metavar="PATH", help="part 2 against the appliance of another checkout")
     ap.add_argument("--asyncio-too", action="store_true", help="with --baseline: this tree on asyncio's loop too")
-    ap.add_argument("--floor", action="store_true",
-                    help="with --baseline: also a bare TLS server with the product's context (what TLS alone costs)")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="with --baseline: also a bare TLS server with the product's context (what TLS alone costs)",
+    )
     ap.add_argument("--ka-clients", type=int, default=20, help="with --baseline: keep-alive connections (0: none)")
     ap.add_argument("--idle", type=int, default=200, help="with --baseline: idle connections for RSS (0: none)")
     args = ap.parse_args()
     args.crl_sizes = [int(x) for x in args.crl_sizes.split(",")]
-    if not (1 <= args.handshakes <= 100_000 and 1 <= args.e2e_clients <= 64 and 0 < args.e2e_seconds <= 600
-            and all(0 <= x <= 100_000 for x in args.crl_sizes) and 1 <= args.rounds <= 10):
+    if not (
+        1 <= args.handshakes <= 100_000
+        and 1 <= args.e2e_clients <= 64
+        and 0 < args.e2e_seconds <= 600
+        and all(0 <= x <= 100_000 for x in args.crl_sizes)
+        and 1 <= args.rounds <= 10
+    ):
         raise SystemExit("--handshakes 1..100000, --e2e-clients 1..64, --e2e-seconds 0..600, CRL sizes 0..100000")
     print(f"bench_handshake: {c.machine_line()}  {ssl.OPENSSL_VERSION}")
     work = Path(tempfile.mkdtemp(prefix="uomp-hs-"))

@@ -54,8 +54,7 @@ def make_rows(n: int) -> Iterator[list[str]]:
         ]
 
 
-HEADER = ["key", "tags", "sensitivity", "value.title", "value.amount", "value.qty", "value.bought",
-          "value.note"]
+HEADER = ["key", "tags", "sensitivity", "value.title", "value.amount", "value.qty", "value.bought", "value.note"]
 
 
 def write_csv(path: Path, rows: Iterator[list[str]]) -> None:
@@ -69,9 +68,12 @@ def write_json(path: Path, rows: Iterator[list[str]]) -> None:
     with path.open("w", encoding="utf-8") as fh:
         fh.write("[\n")
         for i, r in enumerate(rows):
-            obj = {"key": r[0], "tags": r[1].split(";"), "sensitivity": r[2],
-                   "value": {"title": r[3], "amount": float(r[4][1:].replace(",", "")), "qty": int(r[5]),
-                             "note": r[7]}}
+            obj = {
+                "key": r[0],
+                "tags": r[1].split(";"),
+                "sensitivity": r[2],
+                "value": {"title": r[3], "amount": float(r[4][1:].replace(",", "")), "qty": int(r[5]), "note": r[7]},
+            }
             fh.write(("," if i else "") + json.dumps(obj) + "\n")
         fh.write("]\n")
 
@@ -107,10 +109,18 @@ def child(path: Path, db: Path, trace: bool) -> None:
         peak = tracemalloc.get_traced_memory()[1] if trace else 0
         tracemalloc.stop()
         assert store.count() == report.rows_written
-    print(json.dumps({"seconds": elapsed, "rows": report.rows_written, "notices": report.notices,
-                      "tracemalloc_peak": peak,
-                      "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                      "vm_hwm_kib": vm_hwm_kib()}))
+    print(
+        json.dumps(
+            {
+                "seconds": elapsed,
+                "rows": report.rows_written,
+                "notices": report.notices,
+                "tracemalloc_peak": peak,
+                "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "vm_hwm_kib": vm_hwm_kib(),
+            }
+        )
+    )
 
 
 def run_child(path: Path, db: Path, trace: bool) -> dict[str, Any]:
@@ -124,10 +134,12 @@ def run_child(path: Path, db: Path, trace: bool) -> dict[str, Any]:
 
 def baseline_rss() -> dict[str, Any]:
     """Peak RSS of a process that only imports the modules (to subtract the interpreter)."""
-    code = ("import json, resource, sys, gateway.guard.importer, gateway.guard.store; "
-            f"sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_import; "
-            "print(json.dumps({'ru_maxrss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
-            "'vm_hwm_kib': bench_import.vm_hwm_kib()}))")
+    code = (
+        "import json, resource, sys, gateway.guard.importer, gateway.guard.store; "
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_import; "
+        "print(json.dumps({'ru_maxrss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+        "'vm_hwm_kib': bench_import.vm_hwm_kib()}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     result: dict[str, Any] = json.loads(out)
     return result
@@ -162,8 +174,10 @@ def main() -> int:
         write_csv(csv_path, make_rows(args.rows))
         write_json(json_path, make_rows(args.rows))
         mib = 1024 * 1024
-        print(f"rows: {args.rows}; CSV {csv_path.stat().st_size / mib:.1f} MiB, "
-              f"JSON {json_path.stat().st_size / mib:.1f} MiB; python {sys.version.split()[0]}")
+        print(
+            f"rows: {args.rows}; CSV {csv_path.stat().st_size / mib:.1f} MiB, "
+            f"JSON {json_path.stat().st_size / mib:.1f} MiB; python {sys.version.split()[0]}"
+        )
         bare = bare_csv_pass(csv_path)
         base = baseline_rss()
         print(f"interpreter + modules alone: {rss_text(base, {})}")
@@ -173,13 +187,14 @@ def main() -> int:
             timed = run_child(path, work / f"{label}.db", trace=False)
             traced = run_child(path, work / f"{label}.db", trace=True)
             secs = timed["seconds"]
-            print(f"{label}: {timed['rows']} rows in {secs:.2f} s ({timed['rows'] / secs:,.0f} rows/s); "
-                  f"peak RSS {rss_text(timed, base)} (+ = over the bare interpreter); "
-                  f"tracemalloc peak {traced['tracemalloc_peak'] / mib:.1f} MiB "
-                  f"= {traced['tracemalloc_peak'] / path.stat().st_size:.1f}x the file")
+            print(
+                f"{label}: {timed['rows']} rows in {secs:.2f} s ({timed['rows'] / secs:,.0f} rows/s); "
+                f"peak RSS {rss_text(timed, base)} (+ = over the bare interpreter); "
+                f"tracemalloc peak {traced['tracemalloc_peak'] / mib:.1f} MiB "
+                f"= {traced['tracemalloc_peak'] / path.stat().st_size:.1f}x the file"
+            )
             if label == "csv":
-                print(f"csv: import time / bare csv.reader pass = {secs / bare:.0f}x "
-                      f"(bare pass {bare:.3f} s)")
+                print(f"csv: import time / bare csv.reader pass = {secs / bare:.0f}x (bare pass {bare:.3f} s)")
                 for n in timed["notices"]:
                     print(f"  note: {n}")
     finally:

@@ -41,10 +41,22 @@ def connect(path: Path) -> sqlite3.Connection:
 
 
 def event(i: int) -> dict[str, object]:
-    return {"id": f"evt_{i:012x}", "ts": 1_790_000_000.0 + i / 1000, "timestamp": "2026-09-21T12:00:00.000Z",
-            "action": "read", "session_id": f"sess_{i % 50:04d}", "agent_id": "portfolio_agent",
-            "allowed": True, "reason": "granted", "code": None, "key": "preference.theme", "listener": "mtls",
-            "via": "gateway", "cert_serial": "5f3a9c", "query_count_remaining": 9000 - i % 9000}
+    return {
+        "id": f"evt_{i:012x}",
+        "ts": 1_790_000_000.0 + i / 1000,
+        "timestamp": "2026-09-21T12:00:00.000Z",
+        "action": "read",
+        "session_id": f"sess_{i % 50:04d}",
+        "agent_id": "portfolio_agent",
+        "allowed": True,
+        "reason": "granted",
+        "code": None,
+        "key": "preference.theme",
+        "listener": "mtls",
+        "via": "gateway",
+        "cert_serial": "5f3a9c",
+        "query_count_remaining": 9000 - i % 9000,
+    }
 
 
 def appends_per_second(batch: int, seconds: float) -> tuple[float, float]:
@@ -92,8 +104,10 @@ def main() -> None:
             log.conn.execute("COMMIT")
         build = time.perf_counter() - t0
         print(f"\nbuilt {args.events:,} events in {build:.1f} s ({args.events / build:,.0f}/s, fixture, no fsync)")
-        print(f"checkpoint (root + consistency proof + Ed25519 sign), per batch: "
-              f"p50 {statistics.median(cp_times) * 1000:.2f} ms, max {max(cp_times) * 1000:.2f} ms")
+        print(
+            f"checkpoint (root + consistency proof + Ed25519 sign), per batch: "
+            f"p50 {statistics.median(cp_times) * 1000:.2f} ms, max {max(cp_times) * 1000:.2f} ms"
+        )
 
         size = log.size
         root = log.tree.root()
@@ -107,8 +121,10 @@ def main() -> None:
         for i, p in zip(idx, proofs, strict=True):
             merkle.verify_inclusion(i, size, leaves[i], p, root)
         ver = (time.perf_counter() - t0) / len(idx)
-        print(f"inclusion proof at {size:,} events: generate {gen * 1e3:.3f} ms, verify {ver * 1e3:.3f} ms "
-              f"(path length {len(proofs[0])})")
+        print(
+            f"inclusion proof at {size:,} events: generate {gen * 1e3:.3f} ms, verify {ver * 1e3:.3f} ms "
+            f"(path length {len(proofs[0])})"
+        )
         olds = [rng.randrange(1, size) for _ in range(500)]
         t0 = time.perf_counter()
         cps = [(o, log.tree.consistency_proof(o, size)) for o in olds]
@@ -125,9 +141,11 @@ def main() -> None:
         report = verify_log(log.conn, origin=ORIGIN, public_key=key.public_key())
         took = time.perf_counter() - t0
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print(f"verify_log over {report.events:,} events and {report.checkpoints} checkpoints: ok={report.ok} "
-              f"{took:.1f} s ({report.events / took:,.0f} events/s), peak RSS {rss1 / 1024:.0f} MiB "
-              f"(+{(rss1 - rss0) / 1024:.0f} MiB during the check)")
+        print(
+            f"verify_log over {report.events:,} events and {report.checkpoints} checkpoints: ok={report.ok} "
+            f"{took:.1f} s ({report.events / took:,.0f} events/s), peak RSS {rss1 / 1024:.0f} MiB "
+            f"(+{(rss1 - rss0) / 1024:.0f} MiB during the check)"
+        )
 
 
 if __name__ == "__main__":

@@ -63,20 +63,32 @@ class App:
             raise
         try:
             port = self.srv.info["gateway_port"]
-            g = c.grant(paths, profile="remote", audience=f"https://localhost:{port}",
-                        cnf={"x5t#S256": agent["x5t"], "jkt": agent["jkt"]})
+            g = c.grant(
+                paths,
+                profile="remote",
+                audience=f"https://localhost:{port}",
+                cnf={"x5t#S256": agent["x5t"], "jkt": agent["jkt"]},
+            )
         except BaseException:
             self.stop()
             raise
         hdrs = {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": agent["agent_id"]}
-        asserted = {**hdrs, contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
-                    contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
-                    contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
-                    contract.VERIFIED_X5T_HEADER: agent["x5t"], contract.VERIFIED_JKT_HEADER: agent["jkt"]}
-        self.reqs = {"gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
-                     "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys]}
-        self.targets = {"gateway": c.Target("tls", port=port, ca=agent["ca"], cert=agent["cert"], key=agent["key"]),
-                        "direct": c.Target("unix", path=self.srv.info["guard_sock"])}
+        asserted = {
+            **hdrs,
+            contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
+            contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
+            contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
+            contract.VERIFIED_X5T_HEADER: agent["x5t"],
+            contract.VERIFIED_JKT_HEADER: agent["jkt"],
+        }
+        self.reqs = {
+            "gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
+            "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys],
+        }
+        self.targets = {
+            "gateway": c.Target("tls", port=port, ca=agent["ca"], cert=agent["cert"], key=agent["key"]),
+            "direct": c.Target("unix", path=self.srv.info["guard_sock"]),
+        }
         self.runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
 
     def _second_worker(self, env: dict[str, str], gw_cfg: dict[str, Any]) -> None:
@@ -89,9 +101,14 @@ class App:
         home2 = Paths(c.Path(str(self.paths.home) + "-w2"))
         shutil.copytree(self.paths.home, home2.home, ignore=shutil.ignore_patterns("*.sock", "gateway"))
         self.worker_home = home2
-        self.worker = c.start_server(home2, gateway=True, layout="gateway-only", what=f"{self.label} worker 2",
-                                     env=env, gateway_config={**gw_cfg,
-                                                              "upstream": f"unix:{self.paths.guard_sock}"})
+        self.worker = c.start_server(
+            home2,
+            gateway=True,
+            layout="gateway-only",
+            what=f"{self.label} worker 2",
+            env=env,
+            gateway_config={**gw_cfg, "upstream": f"unix:{self.paths.guard_sock}"},
+        )
 
     @property
     def pids(self) -> dict[str, int]:
@@ -101,8 +118,15 @@ class App:
         return pids
 
     def load(self, kind: str, args: argparse.Namespace) -> None:
-        r = c.run_load(self.targets[kind], self.reqs[kind], clients=args.clients, duration=args.duration,
-                       warmup=1.0, max_requests=2_000_000, server_pid=self.pids)
+        r = c.run_load(
+            self.targets[kind],
+            self.reqs[kind],
+            clients=args.clients,
+            duration=args.duration,
+            warmup=1.0,
+            max_requests=2_000_000,
+            server_pid=self.pids,
+        )
         c.check_ok(f"{self.label}: {kind}", r)
         self.runs[kind].append(r)
 
@@ -129,8 +153,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=",".join(LEVERS), help="comma-separated subset of: " + ", ".join(LEVERS))
-    ap.add_argument("--workers", action="store_true",
-                    help="also an appliance (all levers on) with a second gateway process on the same port")
+    ap.add_argument(
+        "--workers",
+        action="store_true",
+        help="also an appliance (all levers on) with a second gateway process on the same port",
+    )
     args = ap.parse_args()
     wanted = [x.strip() for x in args.only.split(",") if x.strip()]
     if "base" not in wanted or any(w not in LEVERS for w in wanted):
@@ -138,8 +165,10 @@ def main() -> None:
     if not (1 <= args.clients <= 1000 and 0 < args.duration <= 600 and 1 <= args.rounds <= 10):
         raise SystemExit("--clients 1..1000, --duration 0..600, --rounds 1..10")
     print(f"bench_levers: {c.machine_line()}")
-    print(f"{args.clients} clients, {args.rounds} rounds x {args.duration:g} s per path and appliance, rounds "
-          f"alternated over: {', '.join(wanted)}")
+    print(
+        f"{args.clients} clients, {args.rounds} rounds x {args.duration:g} s per path and appliance, rounds "
+        f"alternated over: {', '.join(wanted)}"
+    )
     apps: dict[str, App] = {}
     try:
         for name in wanted:
@@ -161,18 +190,24 @@ def main() -> None:
         rows += [(f"{k}: (a) direct, guard socket", res[k]["direct"]), (f"{k}: (b) gateway, mTLS", res[k]["gateway"])]
     c.print_table(rows)
     b = res["base"]
-    print(f"\n{'lever':<16} {'direct x':>9} {'gateway x':>10} {'gw/direct':>10} {'guard µs/req (a)':>17} "
-          f"{'guard µs/req (b)':>17} {'gateway µs/req (b)':>19}")
+    print(
+        f"\n{'lever':<16} {'direct x':>9} {'gateway x':>10} {'gw/direct':>10} {'guard µs/req (a)':>17} "
+        f"{'guard µs/req (b)':>17} {'gateway µs/req (b)':>19}"
+    )
     for k in wanted:
         d, g = res[k]["direct"], res[k]["gateway"]
-        print(f"{k:<16} {d['rps'] / b['direct']['rps']:>9.2f} {g['rps'] / b['gateway']['rps']:>10.2f} "
-              f"{g['rps'] / d['rps']:>10.2f} {_cpu_us(d, 'guard'):>17.0f} {_cpu_us(g, 'guard'):>17.0f} "
-              f"{_cpu_us(g, 'gateway'):>19.0f}")
+        print(
+            f"{k:<16} {d['rps'] / b['direct']['rps']:>9.2f} {g['rps'] / b['gateway']['rps']:>10.2f} "
+            f"{g['rps'] / d['rps']:>10.2f} {_cpu_us(d, 'guard'):>17.0f} {_cpu_us(g, 'guard'):>17.0f} "
+            f"{_cpu_us(g, 'gateway'):>19.0f}"
+        )
     line = "RATIOS (each / base, same run):"
     for k in wanted[1:]:
-        line += (f" {k}: direct x{res[k]['direct']['rps'] / b['direct']['rps']:.2f}, gateway "
-                 f"x{res[k]['gateway']['rps'] / b['gateway']['rps']:.2f}, guard CPU/req (a) "
-                 f"x{_cpu_us(res[k]['direct'], 'guard') / max(1e-9, _cpu_us(b['direct'], 'guard')):.2f};")
+        line += (
+            f" {k}: direct x{res[k]['direct']['rps'] / b['direct']['rps']:.2f}, gateway "
+            f"x{res[k]['gateway']['rps'] / b['gateway']['rps']:.2f}, guard CPU/req (a) "
+            f"x{_cpu_us(res[k]['direct'], 'guard') / max(1e-9, _cpu_us(b['direct'], 'guard')):.2f};"
+        )
     print(line)
 
 

@@ -23,11 +23,23 @@ BATCH = 5000
 
 
 def access_event(i: int) -> dict[str, object]:
-    return {"type": "gateway_access", "session_id": "sess_Qm9vYmFyQmF6UXV4", "agent_id": "calendar_agent",
-            "action": "read_key", "key": f"preference.item{i % 500}", "tag": None, "allowed": True,
-            "reason": "forwarded", "code": None, "method": "GET", "path": f"/v1/memory/preference.item{i % 500}",
-            "status": 200, "cert_serial": "3f9a1c0de55b2a7781e4c0a9d2b6f4e1a0c3d5e7", "listener": "mtls",
-            "query_count_remaining": 9000 - i % 9000}
+    return {
+        "type": "gateway_access",
+        "session_id": "sess_Qm9vYmFyQmF6UXV4",
+        "agent_id": "calendar_agent",
+        "action": "read_key",
+        "key": f"preference.item{i % 500}",
+        "tag": None,
+        "allowed": True,
+        "reason": "forwarded",
+        "code": None,
+        "method": "GET",
+        "path": f"/v1/memory/preference.item{i % 500}",
+        "status": 200,
+        "cert_serial": "3f9a1c0de55b2a7781e4c0a9d2b6f4e1a0c3d5e7",
+        "listener": "mtls",
+        "query_count_remaining": 9000 - i % 9000,
+    }
 
 
 def dir_bytes(d: Path) -> int:
@@ -71,10 +83,18 @@ def main() -> None:
     audit = AuditLog(work / "audit.db")
     for start in range(0, n, BATCH):
         for i in range(start, min(n, start + BATCH)):
-            audit.record(session_id="sess_Qm9vYmFyQmF6UXV4", agent_id="calendar_agent", action="read",
-                         key=f"preference.item{i % 500}", allowed=True, reason="scope matched",
-                         request_size=0, response_size=180, query_count_remaining=9000 - i % 9000,
-                         via="gateway:mtls:3f9a1c0de55b2a7781e4c0a9d2b6f4e1a0c3d5e7")
+            audit.record(
+                session_id="sess_Qm9vYmFyQmF6UXV4",
+                agent_id="calendar_agent",
+                action="read",
+                key=f"preference.item{i % 500}",
+                allowed=True,
+                reason="scope matched",
+                request_size=0,
+                response_size=180,
+                query_count_remaining=9000 - i % 9000,
+                via="gateway:mtls:3f9a1c0de55b2a7781e4c0a9d2b6f4e1a0c3d5e7",
+            )
         audit.flush_sync()
     audit.close()
     size = sum(os.path.getsize(p) for p in work.glob("audit.db*"))

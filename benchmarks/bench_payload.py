@@ -92,9 +92,11 @@ def upload_child(bundle: str, path: str) -> None:
     b = load_bundle(Path(bundle))
     assert b.payload_public_key
     t0 = time.perf_counter()
-    sealed = sdk_payloads.seal_to_file(envelope.parse_public_key(b.payload_public_key),
-                                       sealing.Binding("pay_benchsealonly", b.session_id, b.agent_id,
-                                                       "application/octet-stream"), Path(path))
+    sealed = sdk_payloads.seal_to_file(
+        envelope.parse_public_key(b.payload_public_key),
+        sealing.Binding("pay_benchsealonly", b.session_id, b.agent_id, "application/octet-stream"),
+        Path(path),
+    )
     res["seal_to_file_s"] = time.perf_counter() - t0
     sealed.remove()
     print(json.dumps(res), flush=True)
@@ -113,15 +115,23 @@ def main() -> None:
 
     top = Path(tempfile.mkdtemp(prefix="uomp-bpay-", dir="/tmp"))
     home = top / "home"
-    env = {**os.environ, "UOMP_HOME": str(home), "PYTHONPATH": str(ROOT),
-           "UOMP_GATEWAY_PAYLOAD_MAX_BYTES": str((args.mib + 64) << 20),
-           "UOMP_GATEWAY_PAYLOAD_MAX_BYTES_PER_SESSION": str((args.mib + 64) << 20)}
+    env = {
+        **os.environ,
+        "UOMP_HOME": str(home),
+        "PYTHONPATH": str(ROOT),
+        "UOMP_GATEWAY_PAYLOAD_MAX_BYTES": str((args.mib + 64) << 20),
+        "UOMP_GATEWAY_PAYLOAD_MAX_BYTES_PER_SESSION": str((args.mib + 64) << 20),
+    }
     gw: subprocess.Popen[str] | None = None
     try:
         subprocess.run([*UOMP, "--home", str(home), "init"], env=env, check=True, capture_output=True)
-        gw = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
-                               "--no-local-port"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True)
+        gw = subprocess.Popen(
+            [*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert gw.stdout is not None
         port = 0
         deadline = time.monotonic() + 120
@@ -137,9 +147,26 @@ def main() -> None:
         agent_dir.mkdir()
         shutil.copy(ROOT / "examples" / "calendar_agent" / "uom.json", agent_dir / "uom.json")
         bundle = top / "bundle.json"
-        subprocess.run([*UOMP, "--home", str(home), "authorize", str(agent_dir), "--remote", "--gateway-url",
-                        f"https://localhost:{port}", "--out", str(top / "agent-files"), "--bundle", str(bundle),
-                        "--yes"], env=env, check=True, capture_output=True)
+        subprocess.run(
+            [
+                *UOMP,
+                "--home",
+                str(home),
+                "authorize",
+                str(agent_dir),
+                "--remote",
+                "--gateway-url",
+                f"https://localhost:{port}",
+                "--out",
+                str(top / "agent-files"),
+                "--bundle",
+                str(bundle),
+                "--yes",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         src = top / "input.bin"
         digest = hashlib.sha256()
         with open(src, "wb") as fh:
@@ -150,13 +177,13 @@ def main() -> None:
         guard_pid = children(gw.pid)[0]
         gw_before, guard_before = vm_kib(gw.pid, "VmRSS"), vm_kib(guard_pid, "VmRSS")
 
-        up_s, up_rss, out = run_measured([PYTHON, str(HERE / "bench_payload.py"), "--upload-child", str(bundle),
-                                          str(src)], env)
+        up_s, up_rss, out = run_measured(
+            [PYTHON, str(HERE / "bench_payload.py"), "--upload-child", str(bundle), str(src)], env
+        )
         up = json.loads(out.strip().splitlines()[-1])
         pid = up["payload_id"]
         dst = top / "output.bin"
-        pull_s, pull_rss, _ = run_measured([*UOMP, "--home", str(home), "payload", "pull", pid, "--out", str(dst)],
-                                           env)
+        pull_s, pull_rss, _ = run_measured([*UOMP, "--home", str(home), "payload", "pull", pid, "--out", str(dst)], env)
         out_digest = hashlib.sha256()
         with open(dst, "rb") as fh:
             while block := fh.read(BLOCK):
@@ -165,16 +192,22 @@ def main() -> None:
         mib = args.mib
         send_s = up["upload_total_s"] - up["seal_to_file_s"]
         print(f"payload relay, {mib} MiB of random bytes, gateway + guard + SDK + CLI on one 2-core host")
-        print(f"  upload (SDK: seal to temp file + stream over mTLS): {up['upload_total_s']:7.1f} s  "
-              f"{mib / up['upload_total_s']:7.1f} MiB/s")
-        print(f"    of which seal to file ~{up['seal_to_file_s']:.1f} s, send + store ~{send_s:.1f} s "
-              f"({mib / max(send_s, 1e-9):.1f} MiB/s)")
+        print(
+            f"  upload (SDK: seal to temp file + stream over mTLS): {up['upload_total_s']:7.1f} s  "
+            f"{mib / up['upload_total_s']:7.1f} MiB/s"
+        )
+        print(
+            f"    of which seal to file ~{up['seal_to_file_s']:.1f} s, send + store ~{send_s:.1f} s "
+            f"({mib / max(send_s, 1e-9):.1f} MiB/s)"
+        )
         print(f"  pull + open (CLI over the guard's socket):          {pull_s:7.1f} s  {mib / pull_s:7.1f} MiB/s")
         print(f"  plaintext identical: {out_digest.digest() == digest.digest()}")
-        print(f"  peak RSS: gateway {gw_peak / 1024:6.1f} MiB (idle before {gw_before / 1024:.1f}), "
-              f"guard {guard_peak / 1024:6.1f} MiB (before {guard_before / 1024:.1f}), "
-              f"SDK process {up_rss / 1024:6.1f} MiB, CLI pull {pull_rss / 1024:6.1f} MiB "
-              f"(whole upload child process {up_s:.1f} s)")
+        print(
+            f"  peak RSS: gateway {gw_peak / 1024:6.1f} MiB (idle before {gw_before / 1024:.1f}), "
+            f"guard {guard_peak / 1024:6.1f} MiB (before {guard_before / 1024:.1f}), "
+            f"SDK process {up_rss / 1024:6.1f} MiB, CLI pull {pull_rss / 1024:6.1f} MiB "
+            f"(whole upload child process {up_s:.1f} s)"
+        )
         sys.stdout.flush()
     finally:
         if gw is not None and gw.poll() is None:

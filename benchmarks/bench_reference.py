@@ -53,8 +53,9 @@ EMPTY = {"tags": [], "keys": [], "denyKeys": [], "denyTags": []}
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return dict(json.loads(resp.read()))
 
@@ -82,26 +83,45 @@ class Reference:
         data.mkdir(mode=0o700)
         self._seed(data / "memory.db", ours.paths.memory_db)
         self.port, self.gw_port = c.free_port(), c.free_port()
-        env = {**os.environ, "HOME": str(self.home), "UOMP_HOST": "127.0.0.1", "UOMP_PORT": str(self.port),
-               "NODE_ENV": "production"}
+        env = {
+            **os.environ,
+            "HOME": str(self.home),
+            "UOMP_HOST": "127.0.0.1",
+            "UOMP_PORT": str(self.port),
+            "NODE_ENV": "production",
+        }
         self.procs: list[subprocess.Popen[bytes]] = []
         self.server = self._spawn(["node", str(root / "apps/server/dist/index.js")], env)
         _wait_port(self.port, "the reference server", self.server)
         paths = ours.paths
         self.audience = f"https://localhost:{self.gw_port}"
-        gw_env = {**env, "UOMP_DATA_DIR": str(data), "UOMP_GATEWAY_PORT": str(self.gw_port),
-                  "UOMP_GATEWAY_HOST": "127.0.0.1", "UOMP_GUARD_URL": f"http://127.0.0.1:{self.port}",
-                  "UOMP_GATEWAY_CERT": str(ca_store.server_cert_path(paths)),
-                  "UOMP_GATEWAY_KEY": str(ca_store.server_key_path(paths)),
-                  "UOMP_GATEWAY_CA": str(ca_store.ca_cert_path(paths)), "UOMP_GATEWAY_AUDIENCE": self.audience}
+        gw_env = {
+            **env,
+            "UOMP_DATA_DIR": str(data),
+            "UOMP_GATEWAY_PORT": str(self.gw_port),
+            "UOMP_GATEWAY_HOST": "127.0.0.1",
+            "UOMP_GUARD_URL": f"http://127.0.0.1:{self.port}",
+            "UOMP_GATEWAY_CERT": str(ca_store.server_cert_path(paths)),
+            "UOMP_GATEWAY_KEY": str(ca_store.server_key_path(paths)),
+            "UOMP_GATEWAY_CA": str(ca_store.ca_cert_path(paths)),
+            "UOMP_GATEWAY_AUDIENCE": self.audience,
+        }
         self.gateway = self._spawn(["node", str(root / "apps/gateway/dist/index.js")], gw_env)
         _wait_port(self.gw_port, "the reference gateway", self.gateway)
         base = f"http://127.0.0.1:{self.port}"
-        sess = _post(f"{base}/v1/sessions", {"agent_id": c.AGENT_ID, "agent_name": "bench",
-                                             "requested_scopes": {"read": SCOPE, "write": EMPTY},
-                                             "duration_minutes": 120})
-        g = _post(f"{base}/v1/sessions/{sess['session_id']}/grant",
-                  {"granted_scopes": {"read": SCOPE, "write": EMPTY}, "profile": "remote", "audience": self.audience})
+        sess = _post(
+            f"{base}/v1/sessions",
+            {
+                "agent_id": c.AGENT_ID,
+                "agent_name": "bench",
+                "requested_scopes": {"read": SCOPE, "write": EMPTY},
+                "duration_minutes": 120,
+            },
+        )
+        g = _post(
+            f"{base}/v1/sessions/{sess['session_id']}/grant",
+            {"granted_scopes": {"read": SCOPE, "write": EMPTY}, "profile": "remote", "audience": self.audience},
+        )
         self.token = g["token"]
         self.pids = {"ref gateway": self.gateway.pid, "ref server": self.server.pid}
 
@@ -114,8 +134,9 @@ class Reference:
     def _seed(dst: Path, ours: Path) -> None:
         """The same items in the reference's table (same columns; values and tags as JSON text)."""
         src = sqlite3.connect(ours)
-        rows = src.execute("SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
-                           "FROM items").fetchall()
+        rows = src.execute(
+            "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description FROM items"
+        ).fetchall()
         src.close()
         db = sqlite3.connect(dst)
         db.executescript("""CREATE TABLE IF NOT EXISTS memory_items (key TEXT PRIMARY KEY, value TEXT NOT NULL,
@@ -139,8 +160,11 @@ class Reference:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reference", default=os.environ.get("UOMP_REFERENCE_DIR"),
-                    help="a built checkout of 0xaicrypto/uomp-core (or UOMP_REFERENCE_DIR)")
+    ap.add_argument(
+        "--reference",
+        default=os.environ.get("UOMP_REFERENCE_DIR"),
+        help="a built checkout of 0xaicrypto/uomp-core (or UOMP_REFERENCE_DIR)",
+    )
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
@@ -153,14 +177,22 @@ def main() -> None:
             raise SystemExit(f"{root / f} is missing: build the reference first (pnpm install && pnpm build)")
     if not (1 <= args.clients <= 1000 and 0 < args.duration <= 600 and 1 <= args.rounds <= 10):
         raise SystemExit("--clients 1..1000, --duration 0..600, --rounds 1..10")
-    rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip() or "?"
+    rev = (
+        subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "?"
+    )
     node = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
     print(f"bench_reference: {c.machine_line()}")
-    print(f"reference {root} at {rev}, node {node}; {args.clients} clients, {args.rounds} rounds x "
-          f"{args.duration:g} s per phase, alternated")
-    print(f"reproduce: .venv/bin/python benchmarks/bench_reference.py --reference {root} --duration "
-          f"{args.duration:g} --clients {args.clients} --rounds {args.rounds}")
+    print(
+        f"reference {root} at {rev}, node {node}; {args.clients} clients, {args.rounds} rounds x "
+        f"{args.duration:g} s per phase, alternated"
+    )
+    print(
+        f"reproduce: .venv/bin/python benchmarks/bench_reference.py --reference {root} --duration "
+        f"{args.duration:g} --clients {args.clients} --rounds {args.rounds}"
+    )
     ours = App("ours", {})
     ref: Reference | None = None
     try:
@@ -168,20 +200,37 @@ def main() -> None:
         keys = [f"preference.item{i:04d}" for i in range(200)]
         agent = ours.agent  # the same agent certificate for both gateways
         hdrs = {"Authorization": f"Bearer {ref.token}", "X-UOMP-Agent-Id": c.AGENT_ID}
-        ref_reqs = {"gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{ref.gw_port}", headers=hdrs)
-                                for k in keys],
-                    "direct": [c.http_get(f"/v1/memory/{k}", host=f"127.0.0.1:{ref.port}",
-                                          headers={"Authorization": hdrs["Authorization"]}) for k in keys]}
-        ref_targets = {"gateway": c.Target("tls", port=ref.gw_port, ca=agent["ca"], cert=agent["cert"],
-                                           key=agent["key"]),
-                       "direct": c.Target("tcp", port=ref.port)}
-        runs: dict[str, list[dict[str, Any]]] = {"ours gateway": [], "ref gateway": [], "ours direct": [],
-                                                 "ref direct": []}
+        ref_reqs = {
+            "gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{ref.gw_port}", headers=hdrs) for k in keys],
+            "direct": [
+                c.http_get(
+                    f"/v1/memory/{k}", host=f"127.0.0.1:{ref.port}", headers={"Authorization": hdrs["Authorization"]}
+                )
+                for k in keys
+            ],
+        }
+        ref_targets = {
+            "gateway": c.Target("tls", port=ref.gw_port, ca=agent["ca"], cert=agent["cert"], key=agent["key"]),
+            "direct": c.Target("tcp", port=ref.port),
+        }
+        runs: dict[str, list[dict[str, Any]]] = {
+            "ours gateway": [],
+            "ref gateway": [],
+            "ours direct": [],
+            "ref direct": [],
+        }
         for _ in range(args.rounds):
             for kind in ("gateway", "direct"):
                 ours.load(kind, args)
-                r = c.run_load(ref_targets[kind], ref_reqs[kind], clients=args.clients, duration=args.duration,
-                               warmup=1.0, max_requests=2_000_000, server_pid=ref.pids)
+                r = c.run_load(
+                    ref_targets[kind],
+                    ref_reqs[kind],
+                    clients=args.clients,
+                    duration=args.duration,
+                    warmup=1.0,
+                    max_requests=2_000_000,
+                    server_pid=ref.pids,
+                )
                 c.check_ok(f"reference {kind}", r)
                 runs[f"ref {kind}"].append(r)
         runs["ours gateway"], runs["ours direct"] = ours.runs["gateway"], ours.runs["direct"]
@@ -191,15 +240,21 @@ def main() -> None:
         ours.stop()
     m = {k: c.merge_results(v) for k, v in runs.items()}
     print()
-    c.print_table([("ours: gateway (mTLS) -> guard, audited", m["ours gateway"]),
-                   ("reference: gateway (mTLS) -> server", m["ref gateway"]),
-                   ("ours: guard direct (Unix socket)", m["ours direct"]),
-                   ("reference: server direct (HTTP)", m["ref direct"])])
+    c.print_table(
+        [
+            ("ours: gateway (mTLS) -> guard, audited", m["ours gateway"]),
+            ("reference: gateway (mTLS) -> server", m["ref gateway"]),
+            ("ours: guard direct (Unix socket)", m["ours direct"]),
+            ("reference: server direct (HTTP)", m["ref direct"]),
+        ]
+    )
     og, rg = m["ours gateway"]["rps"], m["ref gateway"]["rps"]
-    print(f"\nRATIOS ours/reference through the gateway req/s {og / rg:.2f} (aim >= 5: "
-          f"{'met' if og / rg >= 5 else 'NOT met'}); direct {m['ours direct']['rps'] / m['ref direct']['rps']:.2f}; "
-          f"gateway/direct ours {og / m['ours direct']['rps']:.2f}, reference {rg / m['ref direct']['rps']:.2f}; "
-          f"p50 ours {m['ours gateway']['p50_ms']:.1f} ms vs reference {m['ref gateway']['p50_ms']:.1f} ms")
+    print(
+        f"\nRATIOS ours/reference through the gateway req/s {og / rg:.2f} (aim >= 5: "
+        f"{'met' if og / rg >= 5 else 'NOT met'}); direct {m['ours direct']['rps'] / m['ref direct']['rps']:.2f}; "
+        f"gateway/direct ours {og / m['ours direct']['rps']:.2f}, reference {rg / m['ref direct']['rps']:.2f}; "
+        f"p50 ours {m['ours gateway']['p50_ms']:.1f} ms vs reference {m['ref gateway']['p50_ms']:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

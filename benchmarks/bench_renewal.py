@@ -67,8 +67,9 @@ async def flood(work: Path, requests: int, concurrency: int) -> None:
     await gw.start()
     try:
         base = f"https://localhost:{gw.port}"
-        files = ca_store.issue_with_key(paths, "flooder", work / "flooder", dt.timedelta(hours=1),
-                                        now=ca.utcnow() - dt.timedelta(minutes=50))
+        files = ca_store.issue_with_key(
+            paths, "flooder", work / "flooder", dt.timedelta(hours=1), now=ca.utcnow() - dt.timedelta(minutes=50)
+        )
         other = ca_store.issue_with_key(paths, "bystander", work / "bystander")
         ctx = build_client_context(files.ca_file, files.cert_file, files.key_file)
         octx = build_client_context(other.ca_file, other.cert_file, other.key_file)
@@ -86,6 +87,7 @@ async def flood(work: Path, requests: int, concurrency: int) -> None:
         task = asyncio.create_task(health_loop(base, octx, stop, during))
         sem = asyncio.Semaphore(concurrency)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=concurrency)) as s:
+
             async def one() -> None:
                 async with sem, s.post(base + "/v1/certificates/renew", json={}) as resp:
                     body = await resp.json(content_type=None)
@@ -96,13 +98,19 @@ async def flood(work: Path, requests: int, concurrency: int) -> None:
             wall = time.perf_counter() - t0
         stop.set()
         await task
-        print(f"flood: {requests} renewal requests, concurrency {concurrency}: {wall:.1f} s, "
-              f"{requests / wall:.0f} req/s; outcomes {dict(codes)}")
-        print(f"  /v1/health latency without flood: p50 {statistics.median(quiet):.1f} ms, p99 {pct(quiet, .99):.1f} ms"
-              f" ({len(quiet)} probes)")
-        print(f"  /v1/health latency during flood:  p50 {statistics.median(during):.1f} ms, "
-              f"p99 {pct(during, .99):.1f} ms ({len(during)} probes); "
-              f"p99 ratio {pct(during, .99) / pct(quiet, .99):.1f}")
+        print(
+            f"flood: {requests} renewal requests, concurrency {concurrency}: {wall:.1f} s, "
+            f"{requests / wall:.0f} req/s; outcomes {dict(codes)}"
+        )
+        print(
+            f"  /v1/health latency without flood: p50 {statistics.median(quiet):.1f} ms, p99 {pct(quiet, 0.99):.1f} ms"
+            f" ({len(quiet)} probes)"
+        )
+        print(
+            f"  /v1/health latency during flood:  p50 {statistics.median(during):.1f} ms, "
+            f"p99 {pct(during, 0.99):.1f} ms ({len(during)} probes); "
+            f"p99 ratio {pct(during, 0.99) / pct(quiet, 0.99):.1f}"
+        )
         registry = [p for p in paths.ca_dir.iterdir() if p.name.startswith("issued")]
         print(f"  registry after the flood: {', '.join(f'{p.name} {p.stat().st_size} B' for p in registry)}")
     finally:

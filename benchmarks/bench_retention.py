@@ -84,8 +84,16 @@ def measure(path: Path, purge: Callable[[AuditLog, float], int], pruned: int, du
     finally:
         log.close()
     lat.sort()
-    return {"n": n, "took": took, "p50": statistics.median(lat) * 1e3, "p99": lat[int(len(lat) * 0.99)] * 1e3,
-            "max": lat[-1] * 1e3, "wal": wal / 2**20, "idle": idle * 1e3, "commits": len(lat)}
+    return {
+        "n": n,
+        "took": took,
+        "p50": statistics.median(lat) * 1e3,
+        "p99": lat[int(len(lat) * 0.99)] * 1e3,
+        "max": lat[-1] * 1e3,
+        "wal": wal / 2**20,
+        "idle": idle * 1e3,
+        "commits": len(lat),
+    }
 
 
 def main() -> None:
@@ -95,15 +103,22 @@ def main() -> None:
     args = ap.parse_args()
     if not (0 <= args.pruned <= 10_000_000 and 1 <= args.due <= 10_000_000):
         raise SystemExit("--pruned 0..10,000,000, --due 1..10,000,000")
-    print(f"bench_retention: {time.strftime('%Y-%m-%d %H:%M:%S')}; {args.pruned:,} events pruned before, "
-          f"{args.due:,} due now; a read's event committed every 5 ms meanwhile")
-    print(f"{'purge':<12} {'events':>8} {'took s':>7} {'commit p50 ms':>14} {'p99':>6} {'max':>7} {'WAL MiB':>8} "
-          f"{'next run ms':>12}")
+    print(
+        f"bench_retention: {time.strftime('%Y-%m-%d %H:%M:%S')}; {args.pruned:,} events pruned before, "
+        f"{args.due:,} due now; a read's event committed every 5 ms meanwhile"
+    )
+    print(
+        f"{'purge':<12} {'events':>8} {'took s':>7} {'commit p50 ms':>14} {'p99':>6} {'max':>7} {'WAL MiB':>8} "
+        f"{'next run ms':>12}"
+    )
     with tempfile.TemporaryDirectory(prefix="uomp-ret-") as d:
         for name, fn in (("one UPDATE", one_update), ("slices", sliced)):
             r = measure(Path(d) / f"{name.replace(' ', '_')}.db", fn, args.pruned, args.due)
-            print(f"{name:<12} {r['n']:>8,} {r['took']:>7.2f} {r['p50']:>14.1f} {r['p99']:>6.1f} {r['max']:>7.0f} "
-                  f"{r['wal']:>8.1f} {r['idle']:>12.1f}", flush=True)
+            print(
+                f"{name:<12} {r['n']:>8,} {r['took']:>7.2f} {r['p50']:>14.1f} {r['p99']:>6.1f} {r['max']:>7.0f} "
+                f"{r['wal']:>8.1f} {r['idle']:>12.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def main() -> None:
         view = memoryview(data)
         t0 = time.perf_counter()
         for i in range(0, len(data), sealing.CHUNK):
-            aead.encrypt(i.to_bytes(12, "big"), view[i:i + sealing.CHUNK], b"")
+            aead.encrypt(i.to_bytes(12, "big"), view[i : i + sealing.CHUNK], b"")
         raw_r.append(len(data) / (time.perf_counter() - t0))
 
         # Timed with the output dropped as it comes (as raw's is): keeping 256 MiB alive would
@@ -46,13 +46,13 @@ def main() -> None:
         t0 = time.perf_counter()
         s = sealing.Sealer(sk.public_key(), binding)
         for i in range(0, len(data), BLOCK):
-            s.update(view[i:i + BLOCK])
+            s.update(view[i : i + BLOCK])
         s.finish()
         seal_r.append(len(data) / (time.perf_counter() - t0))
         s = sealing.Sealer(sk.public_key(), binding)
         parts: list[bytes | bytearray] = [s.prefix]
         for i in range(0, len(data), BLOCK):
-            parts.append(s.update(view[i:i + BLOCK]))
+            parts.append(s.update(view[i : i + BLOCK]))
         parts.append(s.finish())
         sealed = b"".join(parts)
         del parts
@@ -60,8 +60,9 @@ def main() -> None:
         t0 = time.perf_counter()
         n = 0
         sv = memoryview(sealed)
-        for out in sealing.open_stream(sk, binding, s.encryption(),
-                                       (sv[i:i + BLOCK] for i in range(0, len(sealed), BLOCK))):
+        for out in sealing.open_stream(
+            sk, binding, s.encryption(), (sv[i : i + BLOCK] for i in range(0, len(sealed), BLOCK))
+        ):
             n += len(out)
         open_r.append(n / (time.perf_counter() - t0))
         assert n == len(data)

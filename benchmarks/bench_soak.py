@@ -39,8 +39,9 @@ MAX_DURATION = 4 * 3600  # bounded whatever the options say
 
 
 def run(home: Path, *args: str) -> str:
-    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=120,
-                          check=True).stdout
+    return subprocess.run(
+        [*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
 
 
 def rss_kib(pid: int) -> int:
@@ -58,9 +59,13 @@ def children(pid: int) -> list[int]:
 
 
 def start_appliance(home: Path) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
-                             "--no-local-port"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "UOMP_DASHBOARD_PORT": "0"})  # never a running appliance's 9380
+    proc = subprocess.Popen(
+        [*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "UOMP_DASHBOARD_PORT": "0"},
+    )  # never a running appliance's 9380
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -77,13 +82,32 @@ def start_appliance(home: Path) -> tuple[subprocess.Popen[str], int]:
 def authorize(home: Path, port: int, work: Path, i: int) -> Path:
     d = work / f"agent{i}"
     d.mkdir()
-    (d / "uom.json").write_text(json.dumps({
-        "uomp_version": "1.0", "agent": {"id": f"soak_agent_{i}", "name": f"Soak agent {i}", "version": "1.0.0"},
-        "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-        "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}))
+    (d / "uom.json").write_text(
+        json.dumps(
+            {
+                "uomp_version": "1.0",
+                "agent": {"id": f"soak_agent_{i}", "name": f"Soak agent {i}", "version": "1.0.0"},
+                "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+            }
+        )
+    )
     bundle = work / f"bundle{i}.json"
-    run(home, "authorize", str(d), "--yes", "--remote", "--gateway-url", f"https://localhost:{port}",
-        "--max-reads", "10000000", "--out", str(work / f"files{i}"), "--bundle", str(bundle))
+    run(
+        home,
+        "authorize",
+        str(d),
+        "--yes",
+        "--remote",
+        "--gateway-url",
+        f"https://localhost:{port}",
+        "--max-reads",
+        "10000000",
+        "--out",
+        str(work / f"files{i}"),
+        "--bundle",
+        str(bundle),
+    )
     return bundle
 
 
@@ -149,8 +173,14 @@ async def main() -> None:
         t0 = time.monotonic()
         while True:
             t = time.monotonic() - t0
-            samples.append({"t": round(t, 1), "gateway_kib": rss_kib(proc.pid), "guard_kib": rss_kib(guard),
-                            "requests": stats["requests"]})
+            samples.append(
+                {
+                    "t": round(t, 1),
+                    "gateway_kib": rss_kib(proc.pid),
+                    "guard_kib": rss_kib(guard),
+                    "requests": stats["requests"],
+                }
+            )
             if t >= duration:
                 break
             await asyncio.sleep(min(args.sample, max(0.0, duration - t)))
@@ -163,16 +193,23 @@ async def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     after = [s for s in samples if s["t"] >= min(args.warmup, duration / 2)] or samples
-    report: dict[str, Any] = {"agents": args.agents, "seconds": round(samples[-1]["t"], 1),
-                              "requests": stats["requests"], "refreshes": stats["refreshes"],
-                              "errors": stats["errors"]}
+    report: dict[str, Any] = {
+        "agents": args.agents,
+        "seconds": round(samples[-1]["t"], 1),
+        "requests": stats["requests"],
+        "refreshes": stats["refreshes"],
+        "errors": stats["errors"],
+    }
     for role in ("gateway", "guard"):
         k = f"{role}_kib"
         series = [(s["t"], int(s[k])) for s in after]
-        report[role] = {"start_mib": round(samples[0][k] / 1024, 1), "after_warmup_mib": round(after[0][k] / 1024, 1),
-                        "end_mib": round(samples[-1][k] / 1024, 1),
-                        "end_over_warmup": round(samples[-1][k] / after[0][k], 3),
-                        "slope_mib_per_hour": round(slope_kib_per_hour(series) / 1024, 2)}
+        report[role] = {
+            "start_mib": round(samples[0][k] / 1024, 1),
+            "after_warmup_mib": round(after[0][k] / 1024, 1),
+            "end_mib": round(samples[-1][k] / 1024, 1),
+            "end_over_warmup": round(samples[-1][k] / after[0][k], 3),
+            "slope_mib_per_hour": round(slope_kib_per_hour(series) / 1024, 2),
+        }
     print(json.dumps(report))
     if args.json:
         args.json.write_text(json.dumps(samples, indent=1) + "\n")

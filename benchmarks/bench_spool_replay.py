@@ -43,11 +43,24 @@ async def spool_events(paths: Paths, n: int, pad: int) -> float:
     start = time.perf_counter()
     try:
         for base in range(0, n, 1000):  # 1,000 refusals at a time, as a flood arrives
-            futs = [sink.append({"id": new_event_id(), "action": "read", "allowed": False, "code": "CERT_REQUIRED",
-                                 "status": 401, "reason": "a client certificate issued by the user's agent CA is "
-                                 "required", "method": "GET", "path": f"/v1/memory/{'k' * pad}{i}",
-                                 "listener": "mtls", "via": "gateway:mtls", "client": "127.0.0.1"})
-                    for i in range(base, min(n, base + 1000))]
+            futs = [
+                sink.append(
+                    {
+                        "id": new_event_id(),
+                        "action": "read",
+                        "allowed": False,
+                        "code": "CERT_REQUIRED",
+                        "status": 401,
+                        "reason": "a client certificate issued by the user's agent CA is required",
+                        "method": "GET",
+                        "path": f"/v1/memory/{'k' * pad}{i}",
+                        "listener": "mtls",
+                        "via": "gateway:mtls",
+                        "client": "127.0.0.1",
+                    }
+                )
+                for i in range(base, min(n, base + 1000))
+            ]
             await asyncio.gather(*[f for f in futs if f is not None])
         assert sink.backlog == n, sink.backlog
         return time.perf_counter() - start
@@ -79,9 +92,12 @@ def main() -> None:
         ca_store.init_all(paths)
         spool_s = asyncio.run(spool_events(paths, args.events, args.pad))
         size = (paths.gateway_dir / "access.jsonl").stat().st_size
-        guard = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "--home", str(paths.home), "guard",
-                                  "serve", "--no-tcp"], env=dict(os.environ, UOMP_HOME=str(paths.home)),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        guard = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli.main", "--home", str(paths.home), "guard", "serve", "--no-tcp"],
+            env=dict(os.environ, UOMP_HOME=str(paths.home)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         end = time.monotonic() + 60
         while time.monotonic() < end:
             with socket.socket(socket.AF_UNIX) as s:
@@ -91,10 +107,14 @@ def main() -> None:
                 except OSError:
                     time.sleep(0.05)
         done, requests, replay_s = asyncio.run(replay(paths))
-        print(f"spooled {args.events} events ({size / 1e6:.1f} MB of spool) in {spool_s:.2f} s "
-              f"({args.events / spool_s:,.0f} events/s)")
-        print(f"replayed {done} events in {requests} internal requests in {replay_s:.2f} s: "
-              f"{done / replay_s:,.0f} events/s ({size / replay_s / 1e6:.1f} MB/s of spool)")
+        print(
+            f"spooled {args.events} events ({size / 1e6:.1f} MB of spool) in {spool_s:.2f} s "
+            f"({args.events / spool_s:,.0f} events/s)"
+        )
+        print(
+            f"replayed {done} events in {requests} internal requests in {replay_s:.2f} s: "
+            f"{done / replay_s:,.0f} events/s ({size / replay_s / 1e6:.1f} MB/s of spool)"
+        )
     finally:
         if guard is not None:
             guard.terminate()

@@ -34,8 +34,9 @@ import _common as c
 MAX_ITERATIONS = 200_000
 
 
-def per_call_us(fn: Callable[[], object], iterations: int | None, rounds: int, budget: float,
-                calls: list[int]) -> float:
+def per_call_us(
+    fn: Callable[[], object], iterations: int | None, rounds: int, budget: float, calls: list[int]
+) -> float:
     """Median over ``rounds`` of the mean µs per call; ``iterations`` None: calibrated to ``budget`` seconds.
 
     Appends the calls per round to ``calls``."""
@@ -59,16 +60,24 @@ def per_call_us(fn: Callable[[], object], iterations: int | None, rounds: int, b
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=0.6,
-                    help="seconds spent per row, all rounds together (default 0.6; ~10 s in all)")
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=0.6,
+        help="seconds spent per row, all rounds together (default 0.6; ~10 s in all)",
+    )
     ap.add_argument("--iterations", type=int, default=None, help="fixed calls per round instead of --duration")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the median is printed (default 5)")
-    ap.add_argument("--clients", type=int, default=1,
-                    help="accepted for a uniform command line; in-process, one thread: always 1")
+    ap.add_argument(
+        "--clients", type=int, default=1, help="accepted for a uniform command line; in-process, one thread: always 1"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
     args = ap.parse_args()
-    if not (0 < args.duration <= 60 and 1 <= args.rounds <= 50
-            and (args.iterations is None or 1 <= args.iterations <= MAX_ITERATIONS)):
+    if not (
+        0 < args.duration <= 60
+        and 1 <= args.rounds <= 50
+        and (args.iterations is None or 1 <= args.iterations <= MAX_ITERATIONS)
+    ):
         raise SystemExit(f"--duration 0..60 s, --rounds 1..50, --iterations 1..{MAX_ITERATIONS}")
     if args.clients != 1:
         print("note: --clients is ignored (in-process measurement, one thread)")
@@ -94,13 +103,20 @@ def main() -> None:
                 if i % 2:
                     auth.revoke(sid)
             sid = auth.create_session(body)["session_id"]
-            local_tok = auth.grant(sid, {"granted_scopes": {"read": read},
-                                         "limits": {"max_read_queries": 10_000_000}})["token"]
+            local_tok = auth.grant(sid, {"granted_scopes": {"read": read}, "limits": {"max_read_queries": 10_000_000}})[
+                "token"
+            ]
             sid2 = auth.create_session(body)["session_id"]
-            remote_tok = auth.grant(sid2, {"granted_scopes": {"read": read}, "profile": "remote",
-                                           "audience": "https://localhost:9443",
-                                           "cnf": {"x5t#S256": "A" * 43, "jkt": "B" * 43},
-                                           "limits": {"max_read_queries": 10_000_000}})["token"]
+            remote_tok = auth.grant(
+                sid2,
+                {
+                    "granted_scopes": {"read": read},
+                    "profile": "remote",
+                    "audience": "https://localhost:9443",
+                    "cnf": {"x5t#S256": "A" * 43, "jkt": "B" * 43},
+                    "limits": {"max_read_queries": 10_000_000},
+                },
+            )["token"]
             keys = auth.public_keys
             cap = auth.verify(local_tok)
             blacklisted = auth.db.execute("SELECT count(*) FROM token_blacklist").fetchone()[0]
@@ -117,8 +133,10 @@ def main() -> None:
                 res.append((name, us, calls[0]))
 
             row("tokens.verify_token (local token)", lambda: tokens.verify_token(local_tok, keys, now=time.time()))
-            row("tokens.verify_token (remote token, cnf)",
-                lambda: tokens.verify_token(remote_tok, keys, now=time.time()))
+            row(
+                "tokens.verify_token (remote token, cnf)",
+                lambda: tokens.verify_token(remote_tok, keys, now=time.time()),
+            )
             parsed = jose.parse_compact(local_tok)
             key = keys[parsed.header["kid"]]
             row("  part: jose.parse_compact (b64 + JSON)", lambda: jose.parse_compact(local_tok))
@@ -135,31 +153,45 @@ def main() -> None:
             row("  part: _row (SELECT session + json.loads)", lambda: auth._row(sid))
             auth.rows.enabled = True
             th = token_hash(local_tok)
-            row("  part: blacklist SELECT",
-                lambda: auth.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (th,)).fetchone())
+            row(
+                "  part: blacklist SELECT",
+                lambda: auth.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (th,)).fetchone(),
+            )
             row("AuthService.consume_read (amortised)", lambda: auth.consume_read(cap))
             # hot-path JSON (gateway/jsonio.py): a read answer encoded, a stored value decoded
             import json
 
             from gateway import jsonio
 
-            answer = {"key": "preference.item0001", "value": {"value": "setting number 1", "n": 1, "on": False},
-                      "tags": ["preference", "ui"], "updated_at": c.NOW_ISO, "description": "bench item 1 é"}
+            answer = {
+                "key": "preference.item0001",
+                "value": {"value": "setting number 1", "n": 1, "on": False},
+                "tags": ["preference", "ui"],
+                "updated_at": c.NOW_ISO,
+                "description": "bench item 1 é",
+            }
             stored = json.dumps(answer["value"])
-            row("JSON encode read answer: json.dumps", lambda: json.dumps(
-                answer, ensure_ascii=False, separators=(",", ":")).encode())
+            row(
+                "JSON encode read answer: json.dumps",
+                lambda: json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode(),
+            )
             row("JSON encode read answer: jsonio.dumps (orjson)", lambda: jsonio.dumps(answer))
             row("JSON decode stored value: json.loads", lambda: json.loads(stored))
             row("JSON decode stored value: jsonio.loads (orjson)", lambda: jsonio.loads(stored))
             marks = iter(range(10**9, 2 * 10**9))  # a new value each time (SQLite skips no-op rewrites)
-            row("  one reservation commit (FULL)", lambda: auth._quota_persist("sess_other", next(marks)),
-                None if args.iterations is None else max(1, args.iterations // 20))
+            row(
+                "  one reservation commit (FULL)",
+                lambda: auth._quota_persist("sess_other", next(marks)),
+                None if args.iterations is None else max(1, args.iterations // 20),
+            )
         finally:
             auth.close_db()
             audit.close()
 
-    print(f"median of {r} rounds per row, ~{args.duration:g} s per row; {blacklisted} blacklisted tokens, "
-          f"{len(local_tok)}-byte local token, {len(remote_tok)}-byte remote token\n")
+    print(
+        f"median of {r} rounds per row, ~{args.duration:g} s per row; {blacklisted} blacklisted tokens, "
+        f"{len(local_tok)}-byte local token, {len(remote_tok)}-byte remote token\n"
+    )
     w = max(len(k) for k, _, _ in res)
     print(f"{'operation':<{w}}  {'µs/call':>9}  {'calls/s':>9}  {'calls/round':>11}")
     print("-" * (w + 35))
@@ -170,11 +202,13 @@ def main() -> None:
     authn = d["AuthService.authenticate (warm cache)"]
     enc = d["JSON encode read answer: jsonio.dumps (orjson)"] / d["JSON encode read answer: json.dumps"]
     dec = d["JSON decode stored value: jsonio.loads (orjson)"] / d["JSON decode stored value: json.loads"]
-    print(f"\nRATIOS verify_token / cached verify = {verify / warm:.1f}x (the cache saves {verify - warm:.1f} µs "
-          f"per request); authenticate = {authn:.1f} µs/request ({authn / verify:.2f}x one verify_token); "
-          f"cold/warm verify {d['AuthService.verify, cache cold'] / warm:.1f}x; authenticate session cache "
-          f"on/off {authn / d['AuthService.authenticate (session cache off)']:.2f}; JSON orjson/json encode "
-          f"{enc:.2f}, decode {dec:.2f}")
+    print(
+        f"\nRATIOS verify_token / cached verify = {verify / warm:.1f}x (the cache saves {verify - warm:.1f} µs "
+        f"per request); authenticate = {authn:.1f} µs/request ({authn / verify:.2f}x one verify_token); "
+        f"cold/warm verify {d['AuthService.verify, cache cold'] / warm:.1f}x; authenticate session cache "
+        f"on/off {authn / d['AuthService.authenticate (session cache off)']:.2f}; JSON orjson/json encode "
+        f"{enc:.2f}, decode {dec:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -35,12 +35,26 @@ ORIGIN = "uomp-audit/bench000000000000"
 
 
 def _row(i: int) -> dict[str, object]:
-    return row_event(make_row(session_id=f"sess_{i % 50:04d}", agent_id="portfolio_agent", action="read",
-                              allowed=i % 7 != 0, reason="scope matched", key="preference.theme",
-                              response_size=12, query_count_remaining=9000 - i % 9000, via="gateway:mtls:bench",
-                              now=1_790_000_000.0 + i / 1000,
-                              extra={"listener": "mtls", "client": "127.0.0.1:40001",
-                                     "request_id": f"req_{i:016x}", "code": None if i % 7 else "ACCESS_DENIED"}))
+    return row_event(
+        make_row(
+            session_id=f"sess_{i % 50:04d}",
+            agent_id="portfolio_agent",
+            action="read",
+            allowed=i % 7 != 0,
+            reason="scope matched",
+            key="preference.theme",
+            response_size=12,
+            query_count_remaining=9000 - i % 9000,
+            via="gateway:mtls:bench",
+            now=1_790_000_000.0 + i / 1000,
+            extra={
+                "listener": "mtls",
+                "client": "127.0.0.1:40001",
+                "request_id": f"req_{i:016x}",
+                "code": None if i % 7 else "ACCESS_DENIED",
+            },
+        )
+    )
 
 
 def _timed(fn, repeat: int = 1):  # type: ignore[no-untyped-def]
@@ -81,8 +95,10 @@ def main() -> None:
         pub = key.public_key()
         witness = integrity.read_witness(witness_path, origin=ORIGIN, public_key=pub)
         assert witness is not None
-        print(f"built {args.events:,} events, a checkpoint every {step:,}, in {build:.0f} s (fixture, no fsync); "
-              f"audit.db {path.stat().st_size / 2**20:.0f} MiB")
+        print(
+            f"built {args.events:,} events, a checkpoint every {step:,}, in {build:.0f} s (fixture, no fsync); "
+            f"audit.db {path.stat().st_size / 2**20:.0f} MiB"
+        )
 
         def ro() -> sqlite3.Connection:
             return sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
@@ -129,11 +145,15 @@ def main() -> None:
         report, t_full = _timed(full)
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         assert report.ok, report.problems  # type: ignore[attr-defined]
-        print(f"full verify (uomp audit verify, the guard's background verify): {t_full:.1f} s "
-              f"({args.events / t_full:,.0f} events/s), peak RSS +{(rss1 - rss0) / 1024:.0f} MiB")
-        print(f"start-up check: {t_start * 1000:.0f} ms (events {checked.checked_from + 1:,}-{checked.events:,} in "
-              f"full), of which the row count {t_count * 1000:.0f} ms; {t_full / t_start:,.0f}x less than the full "
-              "verify")
+        print(
+            f"full verify (uomp audit verify, the guard's background verify): {t_full:.1f} s "
+            f"({args.events / t_full:,.0f} events/s), peak RSS +{(rss1 - rss0) / 1024:.0f} MiB"
+        )
+        print(
+            f"start-up check: {t_start * 1000:.0f} ms (events {checked.checked_from + 1:,}-{checked.events:,} in "
+            f"full), of which the row count {t_count * 1000:.0f} ms; {t_full / t_start:,.0f}x less than the full "
+            "verify"
+        )
         print(f"witness check before each signing: {t_witness * 1000:.2f} ms")
 
 

@@ -34,8 +34,9 @@ UOMP = [sys.executable, "-m", "gateway.cli.main"]
 
 
 def run(home: Path, *args: str) -> str:
-    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=120,
-                          check=True).stdout
+    return subprocess.run(
+        [*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
 
 
 class Appliance:
@@ -46,9 +47,21 @@ class Appliance:
 
     def start(self) -> None:
         for _ in range(20):
-            self.proc = subprocess.Popen([*UOMP, "--home", str(self.home), "gateway", "start", "--listen",
-                                          f"127.0.0.1:{self.port}", "--no-local-port"], stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True)
+            self.proc = subprocess.Popen(
+                [
+                    *UOMP,
+                    "--home",
+                    str(self.home),
+                    "gateway",
+                    "start",
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                    "--no-local-port",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
             assert self.proc.stdout is not None
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -94,13 +107,30 @@ class Appliance:
 def authorize(app: Appliance, work: Path, i: int) -> Path:
     d = work / f"agent{i}"
     d.mkdir()
-    (d / "uom.json").write_text(json.dumps({
-        "uomp_version": "1.0", "agent": {"id": f"agent_{i}", "name": f"Agent {i}", "version": "1.0.0"},
-        "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-        "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}))
+    (d / "uom.json").write_text(
+        json.dumps(
+            {
+                "uomp_version": "1.0",
+                "agent": {"id": f"agent_{i}", "name": f"Agent {i}", "version": "1.0.0"},
+                "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+            }
+        )
+    )
     bundle = work / f"bundle{i}.json"
-    run(app.home, "authorize", str(d), "--yes", "--remote", "--gateway-url", f"https://localhost:{app.port}",
-        "--out", str(work / f"files{i}"), "--bundle", str(bundle))
+    run(
+        app.home,
+        "authorize",
+        str(d),
+        "--yes",
+        "--remote",
+        "--gateway-url",
+        f"https://localhost:{app.port}",
+        "--out",
+        str(work / f"files{i}"),
+        "--bundle",
+        str(bundle),
+    )
     return bundle
 
 
@@ -175,17 +205,26 @@ async def main() -> None:
     import sqlite3
 
     db = sqlite3.connect(home / "audit.db")
-    retried = db.execute("SELECT count(*) FROM ledger_events WHERE action='refresh' AND json_extract(body, '$.reason')"
-                         " LIKE 'refresh retried%'").fetchone()[0]
+    retried = db.execute(
+        "SELECT count(*) FROM ledger_events WHERE action='refresh' AND json_extract(body, '$.reason')"
+        " LIKE 'refresh retried%'"
+    ).fetchone()[0]
     db.close()
-    print(json.dumps({
-        "agents": args.agents, "kills": kills, "seconds": round(time.monotonic() - started, 1),
-        "refreshes": stats["refreshes"], "errors_seen": stats["errors"],
-        "agents_working_at_end": outcomes.count("ok"),
-        "final_failures": {c: outcomes.count(c) for c in set(outcomes) if c != "ok"},
-        "sessions_revoked": sum(1 for s in sessions if s["status"] == "revoked"),
-        "answers_lost_then_retried": retried,  # rotations whose answer never arrived, retried by the agent
-    }))
+    print(
+        json.dumps(
+            {
+                "agents": args.agents,
+                "kills": kills,
+                "seconds": round(time.monotonic() - started, 1),
+                "refreshes": stats["refreshes"],
+                "errors_seen": stats["errors"],
+                "agents_working_at_end": outcomes.count("ok"),
+                "final_failures": {c: outcomes.count(c) for c in set(outcomes) if c != "ok"},
+                "sessions_revoked": sum(1 for s in sessions if s["status"] == "revoked"),
+                "answers_lost_then_retried": retried,  # rotations whose answer never arrived, retried by the agent
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -67,19 +67,25 @@ def normalize_public_url(value: str, *, default_port: int | None = None) -> str:
     if not raw:
         raise UompError(ErrorCode.CONFIG_ERROR, "an empty public URL; give a host name or an https:// URL")
     if "://" not in raw:
-        raw = "https://" + raw + (f":{default_port}" if default_port and default_port != 443 and ":" not in raw
-                                  else "")
+        raw = "https://" + raw + (f":{default_port}" if default_port and default_port != 443 and ":" not in raw else "")
     parts = urlsplit(raw)
     try:
         port = parts.port
     except ValueError as exc:
         raise UompError(
-            ErrorCode.CONFIG_ERROR, f"{value!r} has a bad port; use https://HOST[:PORT] with PORT 1-65535") \
-            from exc
-    if parts.scheme != "https" or not parts.hostname or parts.path not in ("", "/") or parts.query \
-            or parts.username or parts.password:
-        raise UompError(ErrorCode.CONFIG_ERROR, f"{value!r} is not a public gateway URL; use https://HOST[:PORT] "
-                        "(no path, no user)")
+            ErrorCode.CONFIG_ERROR, f"{value!r} has a bad port; use https://HOST[:PORT] with PORT 1-65535"
+        ) from exc
+    if (
+        parts.scheme != "https"
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.username
+        or parts.password
+    ):
+        raise UompError(
+            ErrorCode.CONFIG_ERROR, f"{value!r} is not a public gateway URL; use https://HOST[:PORT] (no path, no user)"
+        )
     host = parts.hostname.lower()
     shown = f"[{host}]" if ":" in host else host
     return f"https://{shown}" + (f":{port}" if port and port != 443 else "")
@@ -92,14 +98,18 @@ def load_addresses(paths: Paths) -> dict[str, Any]:
     except FileNotFoundError:
         return {"public_urls": [], "tunnel": None}
     except (OSError, ValueError) as exc:
-        raise UompError(ErrorCode.CONFIG_ERROR, f"cannot read {p} ({exc}); fix or delete it (uomp gateway start "
-                        "--public-url re-creates it)") from exc
+        raise UompError(
+            ErrorCode.CONFIG_ERROR,
+            f"cannot read {p} ({exc}); fix or delete it (uomp gateway start --public-url re-creates it)",
+        ) from exc
     if not isinstance(data, dict):
         raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is not a JSON object; delete it and set the address again")
     urls = data.get("public_urls") or []
     tunnel = data.get("tunnel")
-    return {"public_urls": [u for u in urls if isinstance(u, str)],
-            "tunnel": tunnel if isinstance(tunnel, dict) else None}
+    return {
+        "public_urls": [u for u in urls if isinstance(u, str)],
+        "tunnel": tunnel if isinstance(tunnel, dict) else None,
+    }
 
 
 def _save_addresses(paths: Paths, data: dict[str, Any]) -> None:
@@ -197,9 +207,12 @@ class ApplianceLock:
             os.close(fd)
             info = read_run(self.paths) or {}
             where = ", ".join(info.get("local_urls", [])[:1] + info.get("public_urls", []))
-            raise UompError(ErrorCode.ALREADY_RUNNING, f"the appliance is already running on {self.paths.home} "
-                            f"(pid {info.get('pid', '?')}{', ' + where if where else ''}); see 'uomp status', "
-                            "stop it with Ctrl-C or 'kill PID', or use another --home") from None
+            raise UompError(
+                ErrorCode.ALREADY_RUNNING,
+                f"the appliance is already running on {self.paths.home} "
+                f"(pid {info.get('pid', '?')}{', ' + where if where else ''}); see 'uomp status', "
+                "stop it with Ctrl-C or 'kill PID', or use another --home",
+            ) from None
         self._fd = fd
 
     def write(self, info: dict[str, Any]) -> None:
@@ -255,14 +268,23 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
 
 def port_error(host: str, port: int, what: str, flag: str, exc: OSError) -> UompError:
     if exc.errno == errno.EADDRINUSE:
-        return UompError(ErrorCode.PORT_IN_USE, f"{what} cannot listen on {host}:{port}: the port is already in use; "
-                         f"stop what uses it (e.g. `ss -ltnp 'sport = :{port}'`) or choose another with {flag}")
+        return UompError(
+            ErrorCode.PORT_IN_USE,
+            f"{what} cannot listen on {host}:{port}: the port is already in use; "
+            f"stop what uses it (e.g. `ss -ltnp 'sport = :{port}'`) or choose another with {flag}",
+        )
     if exc.errno == errno.EADDRNOTAVAIL:
-        return UompError(ErrorCode.CONFIG_ERROR, f"{what} cannot listen on {host}:{port}: no such address on this "
-                         f"machine; use 127.0.0.1 or an address of this host with {flag}")
+        return UompError(
+            ErrorCode.CONFIG_ERROR,
+            f"{what} cannot listen on {host}:{port}: no such address on this "
+            f"machine; use 127.0.0.1 or an address of this host with {flag}",
+        )
     if exc.errno == errno.EACCES:
-        return UompError(ErrorCode.PORT_IN_USE, f"{what} may not listen on {host}:{port} (permission denied: ports "
-                         f"below 1024 need privileges); choose a port above 1023 with {flag}")
+        return UompError(
+            ErrorCode.PORT_IN_USE,
+            f"{what} may not listen on {host}:{port} (permission denied: ports "
+            f"below 1024 need privileges); choose a port above 1023 with {flag}",
+        )
     return UompError(ErrorCode.CONFIG_ERROR, f"{what} cannot listen on {host}:{port} ({exc.strerror}); check {flag}")
 
 
@@ -274,8 +296,10 @@ def check_home_writable(home: Path) -> None:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise UompError(ErrorCode.HOME_UNWRITABLE, f"the data directory {home} cannot be created: {probe} is a file; "
-                        "choose another with --home or UOMP_HOME")
+        raise UompError(
+            ErrorCode.HOME_UNWRITABLE,
+            f"the data directory {home} cannot be created: {probe} is a file; choose another with --home or UOMP_HOME",
+        )
     test = probe / f".uomp-write-test-{os.getpid()}"
     try:
         fd = os.open(test, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -287,9 +311,12 @@ def check_home_writable(home: Path) -> None:
             owner = f" (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}; this process runs as uid {os.getuid()})"
         except OSError:
             owner = ""
-        raise UompError(ErrorCode.HOME_UNWRITABLE, f"cannot write the data directory {probe}{owner}: {exc.strerror}; "
-                        f"make it writable (chown {os.getuid()} {probe}) or choose another with --home or "
-                        "UOMP_HOME") from None
+        raise UompError(
+            ErrorCode.HOME_UNWRITABLE,
+            f"cannot write the data directory {probe}{owner}: {exc.strerror}; "
+            f"make it writable (chown {os.getuid()} {probe}) or choose another with --home or "
+            "UOMP_HOME",
+        ) from None
 
 
 def check_gateway_url(paths: Paths, cfg: GatewayConfig, url: str) -> list[str]:
@@ -310,9 +337,11 @@ def check_gateway_url(paths: Paths, cfg: GatewayConfig, url: str) -> list[str]:
         accepted |= set(run.get("endpoints") or [])
     tunnel = tunnel_url(paths)
     if url not in accepted:
-        problems.append(f"{url} is not an endpoint this gateway accepts (it accepts: {', '.join(sorted(accepted))}); "
-                        f"the agent's requests would be refused as 'token audience is not this gateway'. Use one of "
-                        f"those, or record it: uomp init --hostname {url} (then restart the gateway)")
+        problems.append(
+            f"{url} is not an endpoint this gateway accepts (it accepts: {', '.join(sorted(accepted))}); "
+            f"the agent's requests would be refused as 'token audience is not this gateway'. Use one of "
+            f"those, or record it: uomp init --hostname {url} (then restart the gateway)"
+        )
         return problems
     host = (urlsplit(url).hostname or "").lower()
     if host.endswith(".trycloudflare.com"):
@@ -325,8 +354,10 @@ def check_gateway_url(paths: Paths, cfg: GatewayConfig, url: str) -> list[str]:
     except (OSError, ValueError):
         return problems  # no certificate yet: `uomp init` makes it with the recorded names
     if host not in ca.server_cert_names(cert):
-        problems.append(f"the gateway certificate does not name {host} (it names: "
-                        f"{', '.join(sorted(ca.server_cert_names(cert)))}); agents would fail the TLS name check. "
-                        f"Run: uomp init --hostname {url} (re-issues the certificate), then restart the gateway "
-                        "or send it SIGHUP")
+        problems.append(
+            f"the gateway certificate does not name {host} (it names: "
+            f"{', '.join(sorted(ca.server_cert_names(cert)))}); agents would fail the TLS name check. "
+            f"Run: uomp init --hostname {url} (re-issues the certificate), then restart the gateway "
+            "or send it SIGHUP"
+        )
     return problems

@@ -48,9 +48,13 @@ class AgentBundle:
     audit_verifier_key: str | None = None
 
     def with_tokens(self, answer: dict[str, Any]) -> AgentBundle:
-        return replace(self, access_token=answer["access_token"], access_expires_at=answer["expires_at"],
-                       refresh_token=answer.get("refresh_token", self.refresh_token),
-                       refresh_expires_at=answer.get("refresh_expires_at", self.refresh_expires_at))
+        return replace(
+            self,
+            access_token=answer["access_token"],
+            access_expires_at=answer["expires_at"],
+            refresh_token=answer.get("refresh_token", self.refresh_token),
+            refresh_expires_at=answer.get("refresh_expires_at", self.refresh_expires_at),
+        )
 
     def to_json(self) -> bytes:
         doc = {"uomp_bundle": BUNDLE_VERSION, **asdict(self)}
@@ -66,7 +70,8 @@ def load_bundle(path: Path) -> AgentBundle:
     try:
         if p.stat().st_mode & 0o077:
             raise UompError(
-                ErrorCode.CONFIG_ERROR, f"{p} holds tokens and must not be readable by others; chmod 600 it")
+                ErrorCode.CONFIG_ERROR, f"{p} holds tokens and must not be readable by others; chmod 600 it"
+            )
         raw = p.read_bytes()
     except FileNotFoundError as exc:
         raise UompError(ErrorCode.CONFIG_ERROR, f"no agent bundle at {p}") from exc

@@ -57,7 +57,6 @@ def locked(paths: Paths) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
-
 _REGISTRY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS certs (
     serial       TEXT PRIMARY KEY,       -- lower-case hex (ca.serial_hex)
@@ -116,8 +115,19 @@ class Entry:
     x5t: str | None = None
 
 
-_COLUMNS = ("serial", "agent_id", "not_before", "not_after", "issued_at", "status", "revoked_at", "renewed_from",
-            "lineage", "jkt", "x5t")
+_COLUMNS = (
+    "serial",
+    "agent_id",
+    "not_before",
+    "not_after",
+    "issued_at",
+    "status",
+    "revoked_at",
+    "renewed_from",
+    "lineage",
+    "jkt",
+    "x5t",
+)
 _SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM certs"
 
 
@@ -142,16 +152,21 @@ class Registry:
 
     @crl_number.setter
     def crl_number(self, value: int) -> None:
-        self.db.execute("INSERT INTO meta (name, value) VALUES ('crl_number', ?) "
-                        "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (value,))
+        self.db.execute(
+            "INSERT INTO meta (name, value) VALUES ('crl_number', ?) "
+            "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+            (value,),
+        )
 
     def by_serial(self, serial: str) -> Entry | None:
         rows = self._rows(_SELECT + " WHERE serial = ?", (serial,))
         return rows[0] if rows else None
 
     def add(self, e: Entry) -> None:
-        self.db.execute("INSERT INTO certs (" + ", ".join(_COLUMNS) + ") VALUES (" + ", ".join("?" * len(_COLUMNS))
-                        + ")", tuple(getattr(e, c) for c in _COLUMNS))
+        self.db.execute(
+            "INSERT INTO certs (" + ", ".join(_COLUMNS) + ") VALUES (" + ", ".join("?" * len(_COLUMNS)) + ")",
+            tuple(getattr(e, c) for c in _COLUMNS),
+        )
 
     def all(self) -> list[Entry]:
         return self._rows(_SELECT)
@@ -163,16 +178,23 @@ class Registry:
         """``serial`` and every certificate renewed from it, transitively."""
         return self._rows(
             "WITH RECURSIVE sub(s) AS (SELECT ? UNION SELECT c.serial FROM certs c JOIN sub ON c.renewed_from = sub.s) "
-            + _SELECT + " WHERE serial IN (SELECT s FROM sub)", (serial,))
+            + _SELECT
+            + " WHERE serial IN (SELECT s FROM sub)",
+            (serial,),
+        )
 
     def renewals_since(self, agent_id: str, since: int) -> int:
-        row = self.db.execute("SELECT COUNT(*) FROM certs WHERE agent_id = ? AND issued_at >= ? "
-                              "AND renewed_from IS NOT NULL", (agent_id, since)).fetchone()
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM certs WHERE agent_id = ? AND issued_at >= ? AND renewed_from IS NOT NULL",
+            (agent_id, since),
+        ).fetchone()
         return int(row[0])
 
     def revoke(self, serials: Iterable[str], at: int) -> None:
-        self.db.executemany("UPDATE certs SET status = 'revoked', revoked_at = ? "
-                            "WHERE serial = ? AND status = 'active'", [(at, s) for s in serials])
+        self.db.executemany(
+            "UPDATE certs SET status = 'revoked', revoked_at = ? WHERE serial = ? AND status = 'active'",
+            [(at, s) for s in serials],
+        )
 
     def revoked_for_crl(self, now: dt.datetime) -> list[tuple[int, dt.datetime]]:
         keep_from = epoch(now - CRL_KEEP_AFTER_EXPIRY)
@@ -186,8 +208,10 @@ class Registry:
         by serial still reaches every certificate renewed from it.
         """
         cutoff = epoch(now - REGISTRY_RETENTION)
-        cur = self.db.execute("DELETE FROM certs WHERE lineage IN "
-                              "(SELECT lineage FROM certs GROUP BY lineage HAVING MAX(not_after) < ?)", (cutoff,))
+        cur = self.db.execute(
+            "DELETE FROM certs WHERE lineage IN (SELECT lineage FROM certs GROUP BY lineage HAVING MAX(not_after) < ?)",
+            (cutoff,),
+        )
         return cur.rowcount
 
 
@@ -214,8 +238,11 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def missing_registry(path: Path) -> UompError:
-    return UompError(ErrorCode.CA_ERROR, f"the certificate registry {path} (every certificate your CA issued and "
-                     "revoked) is missing; restore it from your backup: a new one would forget every revocation")
+    return UompError(
+        ErrorCode.CA_ERROR,
+        f"the certificate registry {path} (every certificate your CA issued and "
+        "revoked) is missing; restore it from your backup: a new one would forget every revocation",
+    )
 
 
 @contextlib.contextmanager
@@ -271,12 +298,18 @@ def _migrate_json(paths: Paths) -> None:
             if not isinstance(row, dict) or row.get("status") not in ("active", "revoked"):
                 raise ValueError("bad registry row")
             revoked_at = row.get("revoked_at")
-            entries.append(Entry(
-                serial=ca.serial_hex(ca.parse_serial(str(row["serial"]))), agent_id=str(row["agent_id"]),
-                not_before=epoch(parse_ts(row["not_before"])), not_after=epoch(parse_ts(row["not_after"])),
-                issued_at=epoch(parse_ts(row["issued_at"])), status=row["status"],
-                revoked_at=epoch(parse_ts(revoked_at)) if revoked_at else None,
-                renewed_from=row.get("renewed_from")))
+            entries.append(
+                Entry(
+                    serial=ca.serial_hex(ca.parse_serial(str(row["serial"]))),
+                    agent_id=str(row["agent_id"]),
+                    not_before=epoch(parse_ts(row["not_before"])),
+                    not_after=epoch(parse_ts(row["not_after"])),
+                    issued_at=epoch(parse_ts(row["issued_at"])),
+                    status=row["status"],
+                    revoked_at=epoch(parse_ts(revoked_at)) if revoked_at else None,
+                    renewed_from=row.get("renewed_from"),
+                )
+            )
     except (ValueError, TypeError, KeyError, UompError) as exc:
         raise UompError(ErrorCode.CA_ERROR, f"{legacy} is not a valid certificate registry; fix or restore it") from exc
     by_serial = {e.serial: e for e in entries}

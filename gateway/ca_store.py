@@ -71,9 +71,7 @@ SERVER_CERT_RENEW_BEFORE = dt.timedelta(days=30)
 RENEW_WINDOW_FRACTION = 1 / 3
 RENEW_MAX_PER_AGENT = 12
 RENEW_RATE_WINDOW = dt.timedelta(hours=1)
-_RESTORE_KEY = (
-    "restore the CA key (or remove the ca directory deliberately: every certificate it issued dies)"
-)
+_RESTORE_KEY = "restore the CA key (or remove the ca directory deliberately: every certificate it issued dies)"
 
 
 # ------------------------------------------------------------------------------------ paths
@@ -169,8 +167,7 @@ def load_ca_cert(paths: Paths) -> x509.Certificate:
         raise UompError(ErrorCode.CA_ERROR, f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')") from exc
 
 
-def _prepare_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg: Registry,
-                 now: dt.datetime) -> bytes:
+def _prepare_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg: Registry, now: dt.datetime) -> bytes:
     """A new CRL (PEM) from the registry; the CRL number only ever goes up.
 
     Called inside the registry's write transaction (the new CRL number and the pruning commit with
@@ -185,8 +182,9 @@ def _prepare_crl(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, reg
     return ca.crl_pem(ca.build_crl(key, cert, reg.revoked_for_crl(now), now, number=number))
 
 
-def _crl_needs_refresh(paths: Paths, cert: x509.Certificate, reg: Registry, now: dt.datetime,
-                       min_remaining: dt.timedelta) -> bool:
+def _crl_needs_refresh(
+    paths: Paths, cert: x509.Certificate, reg: Registry, now: dt.datetime, min_remaining: dt.timedelta
+) -> bool:
     try:
         crl = x509.load_pem_x509_crl(crl_path(paths).read_bytes())
     except (OSError, ValueError):
@@ -204,8 +202,9 @@ def _crl_needs_refresh(paths: Paths, cert: x509.Certificate, reg: Registry, now:
     return not wanted <= listed  # a revocation the CRL does not show yet (crash between writes)
 
 
-def refresh_crl(paths: Paths, *, now: dt.datetime | None = None,
-                min_remaining: dt.timedelta = CRL_REFRESH_BEFORE) -> bool:
+def refresh_crl(
+    paths: Paths, *, now: dt.datetime | None = None, min_remaining: dt.timedelta = CRL_REFRESH_BEFORE
+) -> bool:
     """Re-sign the CRL if it is missing, stale-soon, or behind the registry. True when re-signed.
 
     Cheap when nothing is due (one indexed query, one signature check), so the gateway can call
@@ -229,8 +228,9 @@ def refresh_crl(paths: Paths, *, now: dt.datetime | None = None,
 # ------------------------------------------------------------------------------------ init
 
 
-def _ensure_server_cert(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate,
-                        hostnames: Sequence[str], now: dt.datetime) -> bool:
+def _ensure_server_cert(
+    paths: Paths, key: ca.CAPrivateKey, cert: x509.Certificate, hostnames: Sequence[str], now: dt.datetime
+) -> bool:
     """Issue gateway.crt when missing, expiring soon, or lacking a requested name.
 
     Names are added, never dropped (the new certificate covers the old names and the requested
@@ -258,8 +258,9 @@ def _ensure_server_cert(paths: Paths, key: ca.CAPrivateKey, cert: x509.Certifica
     return True
 
 
-def init_all(paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | None = None,
-             key_type: ca.KeyType = "p256") -> dict[str, bool]:
+def init_all(
+    paths: Paths, hostnames: Sequence[str] = (), *, now: dt.datetime | None = None, key_type: ca.KeyType = "p256"
+) -> dict[str, bool]:
     """Create what is missing: CA, gateway certificate, CRL, registry. ``{what: created?}``.
 
     Idempotent. Never regenerates an existing CA key; a file that exists but cannot be read is an
@@ -316,9 +317,15 @@ def _bindings(issued: x509.Certificate) -> tuple[str | None, str | None]:
     return jkt, jose.cert_thumbprint(issued.public_bytes(serialization.Encoding.DER))
 
 
-def _issue(paths: Paths, agent_id: str, subject_key: x509.CertificateSigningRequest | ca.AgentPublicKey,
-           lifetime: dt.timedelta, now: dt.datetime, renewed_from: str | None = None,
-           precheck: Callable[[Registry], Entry | None] | None = None) -> x509.Certificate:
+def _issue(
+    paths: Paths,
+    agent_id: str,
+    subject_key: x509.CertificateSigningRequest | ca.AgentPublicKey,
+    lifetime: dt.timedelta,
+    now: dt.datetime,
+    renewed_from: str | None = None,
+    precheck: Callable[[Registry], Entry | None] | None = None,
+) -> x509.Certificate:
     with locked(paths):
         key, cert = load_ca(paths)
         with registry(paths, write=True) as reg:
@@ -328,10 +335,20 @@ def _issue(paths: Paths, agent_id: str, subject_key: x509.CertificateSigningRequ
             issued = ca.issue_agent_cert(key, cert, subject_key, agent_id, lifetime, now)
             serial = ca.serial_hex(issued.serial_number)
             jkt, x5t = _bindings(issued)
-            reg.add(Entry(serial=serial, agent_id=agent_id, not_before=epoch(issued.not_valid_before_utc),
-                           not_after=epoch(issued.not_valid_after_utc), issued_at=epoch(now), status="active",
-                           renewed_from=renewed_from, lineage=parent.lineage if parent else serial,
-                           jkt=jkt, x5t=x5t))
+            reg.add(
+                Entry(
+                    serial=serial,
+                    agent_id=agent_id,
+                    not_before=epoch(issued.not_valid_before_utc),
+                    not_after=epoch(issued.not_valid_after_utc),
+                    issued_at=epoch(now),
+                    status="active",
+                    renewed_from=renewed_from,
+                    lineage=parent.lineage if parent else serial,
+                    jkt=jkt,
+                    x5t=x5t,
+                )
+            )
             reg.prune(now)
     return issued
 
@@ -369,8 +386,9 @@ def renewal_opens(cert: x509.Certificate, window_fraction: float = RENEW_WINDOW_
     return cert.not_valid_after_utc - life * window_fraction
 
 
-def check_renewal_window(not_before: dt.datetime, not_after: dt.datetime, now: dt.datetime,
-                         window_fraction: float = RENEW_WINDOW_FRACTION) -> None:
+def check_renewal_window(
+    not_before: dt.datetime, not_after: dt.datetime, now: dt.datetime, window_fraction: float = RENEW_WINDOW_FRACTION
+) -> None:
     """RENEWAL_TOO_EARLY unless ``now`` is in the last ``window_fraction`` of the validity period.
 
     Pure (no I/O), so the gateway can refuse early renewals on its event loop before any work."""
@@ -380,13 +398,16 @@ def check_renewal_window(not_before: dt.datetime, not_after: dt.datetime, now: d
     opens = not_after - life * window_fraction
     # a little slack for an agent whose clock runs slightly ahead (at most the clock skew allowance)
     if now < opens - min(ca.CLOCK_SKEW, life / 50):
-        raise UompError(ErrorCode.RENEWAL_TOO_EARLY,
-                        f"renewal refused: a certificate renews only in the last {window_fraction:.0%} of its life; "
-                        f"this one from {ts(opens)}")
+        raise UompError(
+            ErrorCode.RENEWAL_TOO_EARLY,
+            f"renewal refused: a certificate renews only in the last {window_fraction:.0%} of its life; "
+            f"this one from {ts(opens)}",
+        )
 
 
-def _reusable(paths: Paths, agent_id: str, kf: Path, cf: Path, now: dt.datetime,
-              window_fraction: float) -> x509.Certificate | None:
+def _reusable(
+    paths: Paths, agent_id: str, kf: Path, cf: Path, now: dt.datetime, window_fraction: float
+) -> x509.Certificate | None:
     """The certificate in ``cf`` if it can serve as is: this CA's, for ``agent_id`` and the key in
     ``kf``, active in the registry, and not yet in its renewal window."""
     if not (kf.exists() and cf.exists()):
@@ -397,9 +418,12 @@ def _reusable(paths: Paths, agent_id: str, kf: Path, cf: Path, now: dt.datetime,
         return None
     agent_key = _load_key_file(kf, "agent key")
     spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    if (not ca.is_issued_by(current, load_ca_cert(paths)) or ca.agent_id_from_cert(current) != agent_id
-            or current.public_key().public_bytes(*spki) != agent_key.public_key().public_bytes(*spki)
-            or not current.not_valid_before_utc <= now < renewal_opens(current, window_fraction)):
+    if (
+        not ca.is_issued_by(current, load_ca_cert(paths))
+        or ca.agent_id_from_cert(current) != agent_id
+        or current.public_key().public_bytes(*spki) != agent_key.public_key().public_bytes(*spki)
+        or not current.not_valid_before_utc <= now < renewal_opens(current, window_fraction)
+    ):
         return None
     with registry(paths) as reg:
         entry = reg.by_serial(ca.serial_hex(current.serial_number))
@@ -408,10 +432,17 @@ def _reusable(paths: Paths, agent_id: str, kf: Path, cf: Path, now: dt.datetime,
     return current
 
 
-def issue_with_key(paths: Paths, agent_id: str, out_dir: Path | str,
-                   lifetime: dt.timedelta = ca.AGENT_CERT_LIFETIME, *, key_type: ca.KeyType = "p256",
-                   now: dt.datetime | None = None, reuse: bool = False,
-                   window_fraction: float = RENEW_WINDOW_FRACTION) -> IssuedFiles:
+def issue_with_key(
+    paths: Paths,
+    agent_id: str,
+    out_dir: Path | str,
+    lifetime: dt.timedelta = ca.AGENT_CERT_LIFETIME,
+    *,
+    key_type: ca.KeyType = "p256",
+    now: dt.datetime | None = None,
+    reuse: bool = False,
+    window_fraction: float = RENEW_WINDOW_FRACTION,
+) -> IssuedFiles:
     """Make (or reuse) ``out_dir/agent.key`` and write ``agent.crt`` and ``ca.crt`` beside it (all 0600).
 
     An existing ``agent.key`` is reused, so running this again renews the certificate for the same
@@ -428,8 +459,16 @@ def issue_with_key(paths: Paths, agent_id: str, out_dir: Path | str,
         kept = _reusable(paths, agent_id, kf, cf, now, window_fraction)
         if kept is not None:
             atomic_write(caf, ca.cert_pem(load_ca_cert(paths)), mode=0o600)
-            return IssuedFiles(out, kf, cf, caf, ca.serial_hex(kept.serial_number), kept.not_valid_after_utc,
-                               new_key=False, reused_cert=True)
+            return IssuedFiles(
+                out,
+                kf,
+                cf,
+                caf,
+                ca.serial_hex(kept.serial_number),
+                kept.not_valid_after_utc,
+                new_key=False,
+                reused_cert=True,
+            )
     new_key = not kf.exists()
     if new_key:
         agent_key = ca.new_key(key_type)
@@ -443,10 +482,17 @@ def issue_with_key(paths: Paths, agent_id: str, out_dir: Path | str,
     return IssuedFiles(out, kf, cf, caf, ca.serial_hex(cert.serial_number), cert.not_valid_after_utc, new_key)
 
 
-def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
-          lifetime: dt.timedelta = ca.AGENT_CERT_LIFETIME, now: dt.datetime | None = None, *,
-          window_fraction: float = RENEW_WINDOW_FRACTION, max_per_agent: int = RENEW_MAX_PER_AGENT,
-          rate_window: dt.timedelta = RENEW_RATE_WINDOW) -> bytes:
+def renew(
+    paths: Paths,
+    presented: bytes,
+    csr: bytes | None = None,
+    lifetime: dt.timedelta = ca.AGENT_CERT_LIFETIME,
+    now: dt.datetime | None = None,
+    *,
+    window_fraction: float = RENEW_WINDOW_FRACTION,
+    max_per_agent: int = RENEW_MAX_PER_AGENT,
+    rate_window: dt.timedelta = RENEW_RATE_WINDOW,
+) -> bytes:
     """A new certificate for the agent of ``presented`` (PEM or DER): the certificate, PEM.
 
     ``presented`` must be an agent certificate issued by this CA, in the registry, not revoked,
@@ -465,8 +511,10 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
     if now < old.not_valid_before_utc:
         raise UompError(ErrorCode.CA_ERROR, "renewal refused: the presented certificate is not valid yet")
     if now > old.not_valid_after_utc:
-        raise UompError(ErrorCode.CA_ERROR, "renewal refused: the presented certificate has expired; "
-                        "issue a new one with 'uomp agent issue'")
+        raise UompError(
+            ErrorCode.CA_ERROR,
+            "renewal refused: the presented certificate has expired; issue a new one with 'uomp agent issue'",
+        )
     check_renewal_window(old.not_valid_before_utc, old.not_valid_after_utc, now, window_fraction)
     _, ca_cert = load_ca(paths)
     if not ca.is_issued_by(old, ca_cert):
@@ -483,8 +531,10 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
             raise UompError(ErrorCode.CA_ERROR, f"renewal refused: certificate {serial} was revoked")
         if reg.renewals_since(agent_id, epoch(now - rate_window)) >= max_per_agent:
             raise UompError(
-                ErrorCode.RATE_LIMITED, f"renewal refused: agent {agent_id} already renewed {max_per_agent} "
-                f"times in the last {int(rate_window.total_seconds())} s")
+                ErrorCode.RATE_LIMITED,
+                f"renewal refused: agent {agent_id} already renewed {max_per_agent} "
+                f"times in the last {int(rate_window.total_seconds())} s",
+            )
         return entry
 
     with registry(paths) as reg:
@@ -497,8 +547,7 @@ def renew(paths: Paths, presented: bytes, csr: bytes | None = None,
         if not isinstance(pub, ca.AgentPublicKey):
             raise UompError(ErrorCode.CA_ERROR, "renewal refused: unsupported key type")
         subject_key = pub
-    return ca.cert_pem(_issue(paths, agent_id, subject_key, lifetime, now, renewed_from=serial,
-                              precheck=allowed))
+    return ca.cert_pem(_issue(paths, agent_id, subject_key, lifetime, now, renewed_from=serial, precheck=allowed))
 
 
 # --------------------------------------------------------------------------------- revoking
@@ -530,7 +579,7 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
     value = target.strip()
     for prefix in ("agent:", "serial:"):
         if value.startswith(prefix):
-            kind, value = prefix[:-1], value[len(prefix):]
+            kind, value = prefix[:-1], value[len(prefix) :]
     with locked(paths):
         key, cert = load_ca(paths)
         with registry(paths, write=True) as reg:
@@ -548,8 +597,10 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
                     if reg.by_serial(wanted) is not None:
                         serial_rows = reg.descendants(wanted)
             if agent_rows and serial_rows:
-                raise UompError(ErrorCode.CA_ERROR, f"{value!r} is both an agent id and a serial; "
-                                f"say 'agent:{value}' or 'serial:{value}'")
+                raise UompError(
+                    ErrorCode.CA_ERROR,
+                    f"{value!r} is both an agent id and a serial; say 'agent:{value}' or 'serial:{value}'",
+                )
             rows = agent_rows or serial_rows
             if not rows:
                 raise UompError(ErrorCode.CA_ERROR, f"no certificate issued to agent or with serial {value!r}")
@@ -557,9 +608,13 @@ def revoke_target(paths: Paths, target: str, *, now: dt.datetime | None = None) 
             reg.revoke(done, epoch(now))
             pem = _prepare_crl(paths, key, cert, reg, now)
         atomic_write(crl_path(paths), pem, mode=0o644)
-    return Revocation(revoked=done, serials=[e.serial for e in rows],
-                      agent_ids=sorted({e.agent_id for e in rows}),
-                      jkts=sorted({e.jkt for e in rows if e.jkt}), x5ts=sorted({e.x5t for e in rows if e.x5t}))
+    return Revocation(
+        revoked=done,
+        serials=[e.serial for e in rows],
+        agent_ids=sorted({e.agent_id for e in rows}),
+        jkts=sorted({e.jkt for e in rows if e.jkt}),
+        x5ts=sorted({e.x5t for e in rows if e.x5t}),
+    )
 
 
 MIN_SERIAL_PREFIX = 4  # hex digits: fewer would too easily name a certificate nobody meant
@@ -573,8 +628,11 @@ def _serial_from_prefix(reg: Registry, value: str) -> str | None:
         return None
     hits = sorted(e.serial for e in reg.all() if e.serial.startswith(prefix))
     if len(hits) > 1:
-        raise UompError(ErrorCode.CA_ERROR, f"serial prefix {value!r} matches {len(hits)} certificates "
-                        f"({', '.join(h[:12] + '…' for h in hits[:5])}); give more digits")
+        raise UompError(
+            ErrorCode.CA_ERROR,
+            f"serial prefix {value!r} matches {len(hits)} certificates "
+            f"({', '.join(h[:12] + '…' for h in hits[:5])}); give more digits",
+        )
     return hits[0] if hits else None
 
 
@@ -608,8 +666,16 @@ def list_agents(paths: Paths, *, now: dt.datetime | None = None) -> list[AgentRo
         status = e.status
         if status == "active" and not_after < now:
             status = "expired"
-        rows.append(AgentRow(e.agent_id, e.serial, not_after, status,
-                             from_epoch(e.revoked_at) if e.revoked_at is not None else None, e.renewed_from))
+        rows.append(
+            AgentRow(
+                e.agent_id,
+                e.serial,
+                not_after,
+                status,
+                from_epoch(e.revoked_at) if e.revoked_at is not None else None,
+                e.renewed_from,
+            )
+        )
     rows.sort(key=lambda r: (r.agent_id, r.not_after))
     return rows
 

@@ -298,7 +298,8 @@ class AnchorConfig:
             raise UompError(ErrorCode.CONFIG_ERROR, "anchor.recheck_seconds must be > 0 and recheck_count >= 1")
         if self.backend not in ("none", "evm", "starknet"):
             raise UompError(
-                ErrorCode.CONFIG_ERROR, f"anchor.backend must be none, evm or starknet, not {self.backend!r}")
+                ErrorCode.CONFIG_ERROR, f"anchor.backend must be none, evm or starknet, not {self.backend!r}"
+            )
         if self.confirmations < 1 or self.poll_seconds <= 0 or self.backoff_max_seconds <= 0:
             raise UompError(ErrorCode.CONFIG_ERROR, "anchor.confirmations must be >= 1 and the intervals > 0")
 
@@ -322,8 +323,11 @@ class DashboardConfig:
     def __post_init__(self) -> None:
         _check_port(self.port, "dashboard.port", low=0)
         if self.host not in LOOPBACK_HOSTS:
-            raise UompError(ErrorCode.CONFIG_ERROR, f"dashboard.host must be a loopback address (127.0.0.1, ::1), not "
-                            f"{self.host!r}: the dashboard is never served beyond this machine")
+            raise UompError(
+                ErrorCode.CONFIG_ERROR,
+                f"dashboard.host must be a loopback address (127.0.0.1, ::1), not "
+                f"{self.host!r}: the dashboard is never served beyond this machine",
+            )
         if min(self.login_ttl_seconds, self.idle_timeout_seconds, self.max_session_seconds) <= 0:
             raise UompError(ErrorCode.CONFIG_ERROR, "dashboard timeouts must be > 0")
 
@@ -456,8 +460,12 @@ class TunnelSettings:
 
 def _check_port(value: int, name: str, *, low: int) -> None:
     if not (low <= value <= 65535):
-        raise UompError(ErrorCode.CONFIG_ERROR, f"{name} = {value} is out of range; use 1-65535"
-                        + (" (0 = any free port)" if low <= 0 else "") + (" or -1 (off)" if low < 0 else ""))
+        raise UompError(
+            ErrorCode.CONFIG_ERROR,
+            f"{name} = {value} is out of range; use 1-65535"
+            + (" (0 = any free port)" if low <= 0 else "")
+            + (" or -1 (off)" if low < 0 else ""),
+        )
 
 
 T = TypeVar("T")
@@ -513,8 +521,10 @@ def _unknown(kind: str, unknown: set[str], known: set[str], where: str) -> UompE
         close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
         parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
     valid = f"valid: {', '.join(sorted(known))}; " if len(known) <= 8 else ""
-    return UompError(ErrorCode.CONFIG_ERROR, f"unknown {kind} {where}: {', '.join(parts)} ({valid}every setting: "
-                     "config/uomp.example.toml)")
+    return UompError(
+        ErrorCode.CONFIG_ERROR,
+        f"unknown {kind} {where}: {', '.join(parts)} ({valid}every setting: config/uomp.example.toml)",
+    )
 
 
 def check_sections(doc: dict[str, Any]) -> None:
@@ -561,5 +571,10 @@ def load_section(cls: type[T], section: str, *, file: Path | None, overrides: di
 
 # Every section a config file may hold, and the settings class it fills (load_section checks
 # a whole file against it).
-CONFIG_SECTIONS: dict[str, Any] = {"guard": GuardConfig, "gateway": GatewayConfig, "tunnel": TunnelSettings,
-                                   "anchor": AnchorConfig, "dashboard": DashboardConfig}
+CONFIG_SECTIONS: dict[str, Any] = {
+    "guard": GuardConfig,
+    "gateway": GatewayConfig,
+    "tunnel": TunnelSettings,
+    "anchor": AnchorConfig,
+    "dashboard": DashboardConfig,
+}

@@ -63,13 +63,28 @@ MAX_INTERNAL_EVENTS = 1000  # events per internal request
 MAX_INTERNAL_EVENTS_BYTES = 1024 * 1024
 
 # Every verified header the gateway may set (the guard refuses any other X-UOMP-Verified-* name).
-VERIFIED_HEADERS = frozenset(h.lower() for h in (
-    VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, VERIFIED_X5T_HEADER, VERIFIED_JKT_HEADER, VERIFIED_TOKEN_HEADER,
-    VERIFIED_LISTENER_HEADER, VERIFIED_CLIENT_HEADER, VERIFIED_SERIAL_HEADER, VERIFIED_REQUEST_ID_HEADER))
+VERIFIED_HEADERS = frozenset(
+    h.lower()
+    for h in (
+        VERIFIED_AGENT_HEADER,
+        VERIFIED_VIA_HEADER,
+        VERIFIED_X5T_HEADER,
+        VERIFIED_JKT_HEADER,
+        VERIFIED_TOKEN_HEADER,
+        VERIFIED_LISTENER_HEADER,
+        VERIFIED_CLIENT_HEADER,
+        VERIFIED_SERIAL_HEADER,
+        VERIFIED_REQUEST_ID_HEADER,
+    )
+)
 # The audit-only verified headers and the event field each becomes (bounded in length by the guard).
-AUDIT_HEADERS = ((VERIFIED_LISTENER_HEADER, "listener"), (VERIFIED_CLIENT_HEADER, "client"),
-                 (VERIFIED_SERIAL_HEADER, "cert_serial"), (VERIFIED_X5T_HEADER, "cert_fp"),
-                 (VERIFIED_REQUEST_ID_HEADER, "request_id"))
+AUDIT_HEADERS = (
+    (VERIFIED_LISTENER_HEADER, "listener"),
+    (VERIFIED_CLIENT_HEADER, "client"),
+    (VERIFIED_SERIAL_HEADER, "cert_serial"),
+    (VERIFIED_X5T_HEADER, "cert_fp"),
+    (VERIFIED_REQUEST_ID_HEADER, "request_id"),
+)
 # What a forwarded agent request always carries (X5t/Jkt as the listener proved them).
 REQUIRED_VERIFIED = (VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER, VERIFIED_TOKEN_HEADER)
 
@@ -80,9 +95,17 @@ FORWARD_REQUEST_HEADERS = ("content-type", "accept")
 FORWARD_RESPONSE_HEADERS = ("content-type", "x-uomp-quota-remaining", "www-authenticate")
 
 # Headers read as one value by the gateway or the guard (lower-case); every X-UOMP-* is too.
-SINGLE_VALUED = frozenset({
-    "authorization", "dpop", "host", "content-length", "transfer-encoding", "content-type", "content-encoding",
-})
+SINGLE_VALUED = frozenset(
+    {
+        "authorization",
+        "dpop",
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "content-type",
+        "content-encoding",
+    }
+)
 _SINGLE_VALUED_BYTES = frozenset(h.encode() for h in SINGLE_VALUED)
 _UOMP_PREFIX = b"x-uomp-"
 _VERIFIED_PREFIX_BYTES = VERIFIED_PREFIX.encode()
@@ -103,7 +126,8 @@ def header_problem(raw_headers: Iterable[tuple[bytes, bytes]], *, verified_allow
                 return f"header {low.decode('latin-1')} appears more than once"
             seen.add(low)
             if low.startswith(_VERIFIED_PREFIX_BYTES) and (
-                    not verified_allowed or low.decode("latin-1") not in VERIFIED_HEADERS):
+                not verified_allowed or low.decode("latin-1") not in VERIFIED_HEADERS
+            ):
                 return "X-UOMP-Verified-* headers are set by the gateway only"
     return None
 

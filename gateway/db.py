@@ -63,11 +63,16 @@ def db_error(exc: BaseException, *, code: ErrorCode = ErrorCode.STORE_UNAVAILABL
     """The stable error for a SQLite (or OS) failure: STORE_BUSY for a lock held too long, else ``code``.
     The message names the database and the SQLite error name only (never a statement or a value)."""
     if is_busy(exc):
-        return UompError(ErrorCode.STORE_BUSY, f"the {what} is locked by another process; try again shortly",
-                         details={"reason": str(getattr(exc, "sqlite_errorname", "") or "SQLITE_BUSY")})
+        return UompError(
+            ErrorCode.STORE_BUSY,
+            f"the {what} is locked by another process; try again shortly",
+            details={"reason": str(getattr(exc, "sqlite_errorname", "") or "SQLITE_BUSY")},
+        )
     if isinstance(exc, OSError):
         return UompError(code, f"the {what} is unavailable ({exc.strerror})")
     return UompError(code, f"the {what} is unavailable ({type(exc).__name__})")
+
+
 WAL_TRUNCATE_AT_OPEN_BYTES = 4 * 1024 * 1024  # a -wal larger than this at open is checkpointed away
 WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024  # journal_size_limit: what a -wal is cut back to after a checkpoint
 
@@ -84,8 +89,15 @@ def trim_wal(conn: sqlite3.Connection, path: Path) -> None:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
-def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: ErrorCode = ErrorCode.STORE_UNAVAILABLE,
-            what: str = "database", busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> sqlite3.Connection:
+def connect(
+    path: Path,
+    *,
+    schema: str,
+    synchronous: str = "FULL",
+    code: ErrorCode = ErrorCode.STORE_UNAVAILABLE,
+    what: str = "database",
+    busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS,
+) -> sqlite3.Connection:
     """Open (creating 0600 if absent) and apply ``schema``. Any sqlite failure is ``code`` (or STORE_BUSY)."""
     try:
         if not path.exists():
@@ -110,8 +122,9 @@ def connect(path: Path, *, schema: str, synchronous: str = "FULL", code: ErrorCo
 
 
 @contextlib.contextmanager
-def transaction(conn: sqlite3.Connection, *, code: ErrorCode = ErrorCode.STORE_UNAVAILABLE, what: str = "database"
-                ) -> Iterator[sqlite3.Connection]:
+def transaction(
+    conn: sqlite3.Connection, *, code: ErrorCode = ErrorCode.STORE_UNAVAILABLE, what: str = "database"
+) -> Iterator[sqlite3.Connection]:
     """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any error; sqlite errors become ``code`` (or STORE_BUSY)."""
     try:
         conn.execute("BEGIN IMMEDIATE")
@@ -184,8 +197,14 @@ class DbWorker:
     returns False and the caller waits for the writer's batch as usual.
     """
 
-    def __init__(self, name: str, *, what: str, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_SECONDS,
-                 durable: Callable[[int], bool] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        what: str,
+        queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_SECONDS,
+        durable: Callable[[int], bool] | None = None,
+    ) -> None:
         self.what = what
         self.durable = durable
         self.queue_timeout = float(queue_timeout)
@@ -209,8 +228,7 @@ class DbWorker:
         done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]] = []
         oldest = 0.0
         while True:
-            if done and (q.empty() or len(done) >= HANDOVER_JOBS
-                         or time.monotonic() - oldest >= HANDOVER_SECONDS):
+            if done and (q.empty() or len(done) >= HANDOVER_JOBS or time.monotonic() - oldest >= HANDOVER_SECONDS):
                 _hand_over(self._made_durable(done))
                 done = []
             job = q.get()
@@ -226,8 +244,9 @@ class DbWorker:
                 oldest = time.monotonic()
             done.append((loop, fut, *result))
 
-    def _made_durable(self, done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]]
-                      ) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]]:
+    def _made_durable(
+        self, done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]]
+    ) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]]:
         """``done`` with each :class:`Durable` result replaced by its value once ``self.durable`` has
         run for it (the first call writes the whole pending batch; later ones find their record
         written and return at once), or by the write's error."""
@@ -247,8 +266,11 @@ class DbWorker:
     def _job(self, deadline: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if time.monotonic() > deadline:
             self.refused += 1
-            raise UompError(ErrorCode.STORE_BUSY, f"the {self.what} is busy (another process holds a lock); try again "
-                            "shortly", details={"reason": "QUEUE_TIMEOUT"})
+            raise UompError(
+                ErrorCode.STORE_BUSY,
+                f"the {self.what} is busy (another process holds a lock); try again shortly",
+                details={"reason": "QUEUE_TIMEOUT"},
+            )
         try:
             return fn(*args)
         except sqlite3.Error as exc:

@@ -82,11 +82,18 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
 class GroupCommitWriter(Generic[T]):
     """See the module docstring."""
 
-    def __init__(self, name: str, write: Callable[[list[T]], None], *,
-                 max_pending: int, max_pending_bytes: int = 1 << 62,
-                 size: Callable[[T], int] = lambda _item: 0,
-                 on_failed: Callable[[list[T], BaseException], None] | None = None,
-                 on_written: Callable[[int], None] | None = None, first_ticket: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        write: Callable[[list[T]], None],
+        *,
+        max_pending: int,
+        max_pending_bytes: int = 1 << 62,
+        size: Callable[[T], int] = lambda _item: 0,
+        on_failed: Callable[[list[T], BaseException], None] | None = None,
+        on_written: Callable[[int], None] | None = None,
+        first_ticket: int = 0,
+    ) -> None:
         self.name = name
         self._write = write
         self._max_pending = max_pending
@@ -124,7 +131,8 @@ class GroupCommitWriter(Generic[T]):
                 raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the {self.name} is closed")
             if len(self._pending) >= self._max_pending or self._pending_bytes + n > self._max_pending_bytes:
                 raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, f"the {self.name} writer is behind: too many pending records")
+                    ErrorCode.STORE_UNAVAILABLE, f"the {self.name} writer is behind: too many pending records"
+                )
             self._pending.append(item)
             self._pending_bytes += n
             self._issued += 1
@@ -145,8 +153,9 @@ class GroupCommitWriter(Generic[T]):
 
     # ----------------------------------------------------------------------------- waiting
 
-    def _future_for(self, ticket: int | None, *, force: bool = False, defer: bool = False
-                    ) -> tuple[Future[None] | None, bool]:
+    def _future_for(
+        self, ticket: int | None, *, force: bool = False, defer: bool = False
+    ) -> tuple[Future[None] | None, bool]:
         """(future to wait on or None, already known failed). Called with the lock held.
 
         ``defer``: the caller asks for the batch itself, a little later (see :meth:`flush`)."""
@@ -174,7 +183,8 @@ class GroupCommitWriter(Generic[T]):
 
     def _failed_error(self) -> UompError:
         return UompError(
-            ErrorCode.STORE_UNAVAILABLE, f"the {self.name} could not be written ({self.failing or 'failed'})")
+            ErrorCode.STORE_UNAVAILABLE, f"the {self.name} could not be written ({self.failing or 'failed'})"
+        )
 
     async def flush(self, ticket: int | None = None) -> None:
         """Return once ``ticket`` (default: every record submitted before this call) is durable.
@@ -306,8 +316,13 @@ class GroupCommitWriter(Generic[T]):
             now = time.monotonic()
             if self.failing != reason or now - self._logged_at >= FAILURE_LOG_INTERVAL_SECONDS:
                 self._logged_at = now  # said once when it starts, then at most every interval
-                log.error("%s: write failed (%s); refusing with STORE_UNAVAILABLE until a write fits "
-                          "(%d failed batch(es) so far)", self.name, reason, self.batches_failed + 1)
+                log.error(
+                    "%s: write failed (%s); refusing with STORE_UNAVAILABLE until a write fits "
+                    "(%d failed batch(es) so far)",
+                    self.name,
+                    reason,
+                    self.batches_failed + 1,
+                )
             if self._on_failed is not None:
                 try:
                     self._on_failed(batch, exc)

@@ -142,6 +142,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.TUNNEL_ERROR: 500,
 }
 
+
 def known_code(value: object) -> ErrorCode | None:
     """The :class:`ErrorCode` named by ``value`` (a string a peer sent in JSON), or None when it is none of ours.
 

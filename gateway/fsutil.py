@@ -50,8 +50,11 @@ def check_private_dir(path: Path, what: str) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise UompError(ErrorCode.UNSAFE_PERMISSIONS, f"cannot inspect {what} {path}: {exc.strerror}; it must be a "
-                        "directory you own: choose another data directory with --home or UOMP_HOME") from exc
+        raise UompError(
+            ErrorCode.UNSAFE_PERMISSIONS,
+            f"cannot inspect {what} {path}: {exc.strerror}; it must be a "
+            "directory you own: choose another data directory with --home or UOMP_HOME",
+        ) from exc
     if not stat.S_ISDIR(st.st_mode):
         raise UompError(ErrorCode.UNSAFE_PERMISSIONS, f"{what} {path} is not a directory")
     me = os.geteuid()

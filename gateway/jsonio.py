@@ -40,8 +40,7 @@ _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 _LONG_DIGITS_STR = re.compile(r"[0-9]{19}")
 _OPTS = 0
 if _orjson is not None:
-    _OPTS = (_orjson.OPT_PASSTHROUGH_DATACLASS | _orjson.OPT_PASSTHROUGH_DATETIME
-             | _orjson.OPT_PASSTHROUGH_SUBCLASS)
+    _OPTS = _orjson.OPT_PASSTHROUGH_DATACLASS | _orjson.OPT_PASSTHROUGH_DATETIME | _orjson.OPT_PASSTHROUGH_SUBCLASS
 _std_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 

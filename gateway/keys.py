@@ -75,8 +75,11 @@ def _read_json(path: Path) -> Any:
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as exc:
-        raise UompError(ErrorCode.KEY_ERROR, f"{path} exists but cannot be read as JSON ({type(exc).__name__}); "
-                        "fix or restore it: keys are never regenerated silently") from exc
+        raise UompError(
+            ErrorCode.KEY_ERROR,
+            f"{path} exists but cannot be read as JSON ({type(exc).__name__}); "
+            "fix or restore it: keys are never regenerated silently",
+        ) from exc
 
 
 def _dump(obj: Any) -> bytes:
@@ -99,8 +102,11 @@ def init_keys(paths: Paths) -> bool:
             _write_jwks(paths, [jose.public_jwk(load_signing_key(paths).key, kid=load_signing_key(paths).kid)])
         return False
     if paths.jwks.exists() or paths.public_jwk.exists():
-        raise UompError(ErrorCode.KEY_ERROR, f"{paths.private_jwk} is missing but public keys exist; "
-                        "restore the private key or remove the .secrets directory deliberately")
+        raise UompError(
+            ErrorCode.KEY_ERROR,
+            f"{paths.private_jwk} is missing but public keys exist; "
+            "restore the private key or remove the .secrets directory deliberately",
+        )
     key = ed25519.Ed25519PrivateKey.generate()
     kid = _new_kid()
     _install(paths, key, kid, previous=[])
@@ -129,8 +135,9 @@ def load_signing_key(paths: Paths) -> SigningKey:
         raise UompError(ErrorCode.KEY_ERROR, f"no signing key at {paths.private_jwk}; run 'uomp init'") from exc
     if st.st_mode & 0o077:
         raise UompError(
-            ErrorCode.KEY_ERROR, f"{paths.private_jwk} is readable by others (mode {st.st_mode & 0o777:o}); "
-            "chmod 600 it")
+            ErrorCode.KEY_ERROR,
+            f"{paths.private_jwk} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it",
+        )
     jwk = _read_json(paths.private_jwk)
     try:
         key = jose.load_private_jwk(jwk)
@@ -141,8 +148,10 @@ def load_signing_key(paths: Paths) -> SigningKey:
         raise UompError(ErrorCode.KEY_ERROR, f"{paths.private_jwk} has no kid")
     kids, jkts = _revoked(paths)
     if kid in kids or jose.key_thumbprint(key.public_key()) in jkts:
-        raise UompError(ErrorCode.KEY_ERROR, f"the signing key {kid} in {paths.private_jwk} was revoked; "
-                        "run 'uomp keys rotate' to make a new one")
+        raise UompError(
+            ErrorCode.KEY_ERROR,
+            f"the signing key {kid} in {paths.private_jwk} was revoked; run 'uomp keys rotate' to make a new one",
+        )
     return SigningKey(kid, key)
 
 
@@ -165,8 +174,9 @@ def revoked_kids(paths: Paths) -> set[str]:
     return _revoked(paths)[0]
 
 
-def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifetime: float | None = None
-                     ) -> dict[str, jose.PublicKey]:
+def load_public_keys(
+    paths: Paths, *, now: float | None = None, max_token_lifetime: float | None = None
+) -> dict[str, jose.PublicKey]:
     """kid -> public key for every key still accepted.
 
     Reads ``jwks.json``; a data directory written by the TypeScript reference has only
@@ -189,8 +199,12 @@ def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifeti
         if not isinstance(kid, str):
             raise UompError(ErrorCode.KEY_ERROR, f"a key in {paths.secrets} has no kid")
         retired = jwk.get("retired_at")
-        if retired is not None and now is not None and max_token_lifetime is not None \
-                and now > float(retired) + max_token_lifetime:
+        if (
+            retired is not None
+            and now is not None
+            and max_token_lifetime is not None
+            and now > float(retired) + max_token_lifetime
+        ):
             continue
         try:
             pub = jose.load_public_jwk(jwk)
@@ -204,8 +218,7 @@ def load_public_keys(paths: Paths, *, now: float | None = None, max_token_lifeti
     return out
 
 
-def rotate(paths: Paths, *, max_token_lifetime: float, now: float | None = None,
-           revoke_old: bool = False) -> str:
+def rotate(paths: Paths, *, max_token_lifetime: float, now: float | None = None, revoke_old: bool = False) -> str:
     """Make a new signing key. Returns the new kid.
 
     By default the old public key stays trusted (retired) until no token it signed can be alive.
@@ -306,7 +319,8 @@ def load_admin(paths: Paths) -> str:
         text = paths.admin_credential.read_text().strip()
     except FileNotFoundError as exc:
         raise UompError(
-            ErrorCode.KEY_ERROR, f"no admin credential at {paths.admin_credential}; run 'uomp init'") from exc
+            ErrorCode.KEY_ERROR, f"no admin credential at {paths.admin_credential}; run 'uomp init'"
+        ) from exc
     except OSError as exc:
         raise UompError(ErrorCode.KEY_ERROR, f"cannot read {paths.admin_credential}: {exc.strerror}") from exc
     if st.st_mode & 0o077:

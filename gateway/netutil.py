@@ -25,8 +25,11 @@ def is_loopback(host: str) -> bool:
 
 def check_bind(host: str, allow_non_loopback: bool, what: str) -> None:
     if not is_loopback(host) and not allow_non_loopback:
-        raise UompError(ErrorCode.CONFIG_ERROR, f"{what} would listen on {host}, which is not loopback; "
-                        "pass the explicit force flag if you really mean to expose it")
+        raise UompError(
+            ErrorCode.CONFIG_ERROR,
+            f"{what} would listen on {host}, which is not loopback; "
+            "pass the explicit force flag if you really mean to expose it",
+        )
 
 
 def socket_is_live(path: Path) -> bool:

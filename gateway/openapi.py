@@ -38,16 +38,18 @@ ALL = (TCP, UNIX, GW)
 JSON = "application/json"
 STR: dict[str, Any] = {"type": "string"}
 INT: dict[str, Any] = {"type": "integer", "minimum": 0}
-TIME: dict[str, Any] = {"type": "string", "pattern": r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$",
-                        "description": "UTC, ISO 8601, second resolution"}
+TIME: dict[str, Any] = {
+    "type": "string",
+    "pattern": r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$",
+    "description": "UTC, ISO 8601, second resolution",
+}
 STR_LIST: dict[str, Any] = {"type": "array", "items": STR}
 ID: dict[str, Any] = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"}
 
 
 def _closed(required: list[str], props: dict[str, Any], description: str = "") -> dict[str, Any]:
     """An object whose properties are exactly ``props`` (``required`` of them always present)."""
-    out: dict[str, Any] = {"type": "object", "required": required, "properties": props,
-                           "additionalProperties": False}
+    out: dict[str, Any] = {"type": "object", "required": required, "properties": props, "additionalProperties": False}
     if description:
         out["description"] = description
     return out
@@ -58,100 +60,238 @@ def _ref(name: str) -> dict[str, Any]:
 
 
 SCHEMAS: dict[str, Any] = {
-    "Item": _closed([], {
-        "key": STR, "value": {"description": "the value the user stored (any JSON)"}, "tags": STR_LIST,
-        "sensitivity": {"enum": ["low", "medium", "high"]}, "source": STR, "description": STR,
-        "created_at": STR, "updated_at": STR,
-    }, "A Memory Item (§11.1), filtered by allowed_fields (§7.2); sensitivity and source are left out of "
-       "high-sensitivity items"),
-    "TagPage": _closed(["items", "next"], {
-        "items": {"type": "array", "items": _ref("Item")},
-        "next": {"type": ["string", "null"], "description": "cursor of the next page; null on the last"},
-    }),
-    "Aggregate": {"oneOf": [
-        _closed(["op", "tag", "result"], {"op": {"const": "count"}, "tag": STR, "result": INT}),
-        _closed(["op", "field", "result"], {"op": {"enum": ["sum", "avg", "min", "max"]}, "field": STR,
-                                            "result": {"type": "number"}}),
-    ], "description": "§10.5: one number, never a single item's value"},
-    "AuditRecord": _closed(["id", "timestamp", "session_id", "agent_id", "action", "allowed", "reason"], {
-        "id": STR, "timestamp": STR, "session_id": STR, "agent_id": STR, "action": STR, "key": STR,
-        "tags": STR_LIST, "allowed": {"type": "boolean"}, "reason": STR, "request_size": INT,
-        "response_size": INT, "query_count_remaining": INT, "code": STR,
-    }, "one audit event (§18), as an agent sees it"),
+    "Item": _closed(
+        [],
+        {
+            "key": STR,
+            "value": {"description": "the value the user stored (any JSON)"},
+            "tags": STR_LIST,
+            "sensitivity": {"enum": ["low", "medium", "high"]},
+            "source": STR,
+            "description": STR,
+            "created_at": STR,
+            "updated_at": STR,
+        },
+        "A Memory Item (§11.1), filtered by allowed_fields (§7.2); sensitivity and source are left out of "
+        "high-sensitivity items",
+    ),
+    "TagPage": _closed(
+        ["items", "next"],
+        {
+            "items": {"type": "array", "items": _ref("Item")},
+            "next": {"type": ["string", "null"], "description": "cursor of the next page; null on the last"},
+        },
+    ),
+    "Aggregate": {
+        "oneOf": [
+            _closed(["op", "tag", "result"], {"op": {"const": "count"}, "tag": STR, "result": INT}),
+            _closed(
+                ["op", "field", "result"],
+                {"op": {"enum": ["sum", "avg", "min", "max"]}, "field": STR, "result": {"type": "number"}},
+            ),
+        ],
+        "description": "§10.5: one number, never a single item's value",
+    },
+    "AuditRecord": _closed(
+        ["id", "timestamp", "session_id", "agent_id", "action", "allowed", "reason"],
+        {
+            "id": STR,
+            "timestamp": STR,
+            "session_id": STR,
+            "agent_id": STR,
+            "action": STR,
+            "key": STR,
+            "tags": STR_LIST,
+            "allowed": {"type": "boolean"},
+            "reason": STR,
+            "request_size": INT,
+            "response_size": INT,
+            "query_count_remaining": INT,
+            "code": STR,
+        },
+        "one audit event (§18), as an agent sees it",
+    ),
     "AuditPage": _closed(["logs"], {"logs": {"type": "array", "items": _ref("AuditRecord")}}),
-    "Scope": _closed(["tags", "keys", "deny_tags", "deny_keys"], {
-        "tags": STR_LIST, "keys": STR_LIST, "deny_tags": STR_LIST, "deny_keys": STR_LIST,
-        "allowed_fields": STR_LIST}),
+    "Scope": _closed(
+        ["tags", "keys", "deny_tags", "deny_keys"],
+        {"tags": STR_LIST, "keys": STR_LIST, "deny_tags": STR_LIST, "deny_keys": STR_LIST, "allowed_fields": STR_LIST},
+    ),
     "Scopes": _closed(["read", "write"], {"read": _ref("Scope"), "write": _ref("Scope")}),
-    "SessionCreated": _closed(["session_id", "status", "agent_id", "requested_scopes", "expires_at"], {
-        "session_id": STR, "status": {"const": "created"}, "agent_id": STR, "requested_scopes": _ref("Scopes"),
-        "expires_at": TIME}),
-    "Session": _closed(["session_id", "agent_id", "agent_name", "status", "created_at", "expires_at", "closed_at",
-                        "requested_scopes", "granted_scopes"], {
-        "session_id": STR, "agent_id": STR, "agent_name": {"type": ["string", "null"]},
-        "status": {"enum": ["created", "active", "closed", "revoked", "expired"]},
-        "created_at": TIME, "expires_at": TIME, "closed_at": {"oneOf": [TIME, {"type": "null"}]},
-        "requested_scopes": _ref("Scopes"), "granted_scopes": {"oneOf": [_ref("Scopes"), {"type": "null"}]},
-        "profile": {"enum": ["local", "remote"]}, "audience": STR,
-        "aggregates": _closed(["min_max", "exact"], {"min_max": {"type": "boolean"}, "exact": {"type": "boolean"}}),
-        "data_retention_policy": {"type": "object"}, "deletion_proof_id": STR, "status_reason": STR,
-    }, "§13.2: the user's view of a session (never token material)"),
+    "SessionCreated": _closed(
+        ["session_id", "status", "agent_id", "requested_scopes", "expires_at"],
+        {
+            "session_id": STR,
+            "status": {"const": "created"},
+            "agent_id": STR,
+            "requested_scopes": _ref("Scopes"),
+            "expires_at": TIME,
+        },
+    ),
+    "Session": _closed(
+        [
+            "session_id",
+            "agent_id",
+            "agent_name",
+            "status",
+            "created_at",
+            "expires_at",
+            "closed_at",
+            "requested_scopes",
+            "granted_scopes",
+        ],
+        {
+            "session_id": STR,
+            "agent_id": STR,
+            "agent_name": {"type": ["string", "null"]},
+            "status": {"enum": ["created", "active", "closed", "revoked", "expired"]},
+            "created_at": TIME,
+            "expires_at": TIME,
+            "closed_at": {"oneOf": [TIME, {"type": "null"}]},
+            "requested_scopes": _ref("Scopes"),
+            "granted_scopes": {"oneOf": [_ref("Scopes"), {"type": "null"}]},
+            "profile": {"enum": ["local", "remote"]},
+            "audience": STR,
+            "aggregates": _closed(["min_max", "exact"], {"min_max": {"type": "boolean"}, "exact": {"type": "boolean"}}),
+            "data_retention_policy": {"type": "object"},
+            "deletion_proof_id": STR,
+            "status_reason": STR,
+        },
+        "§13.2: the user's view of a session (never token material)",
+    ),
     "SessionList": _closed(["sessions"], {"sessions": {"type": "array", "items": _ref("Session")}}),
     "SessionEnded": _closed(["session_id", "status"], {"session_id": STR, "status": {"enum": ["closed", "revoked"]}}),
-    "Grant": _closed(["token", "token_type", "expires_at", "session_id", "session_expires_at"], {
-        "token": STR, "token_type": {"const": "Bearer"}, "expires_at": TIME, "session_id": STR,
-        "session_expires_at": TIME, "refresh_token": STR, "refresh_expires_at": TIME,
-    }, "the capability token (§7); refresh_token only for a remote, key-bound grant asked with refresh"),
-    "Refreshed": _closed(["access_token", "token", "token_type", "expires_at", "refresh_token",
-                          "refresh_expires_at", "session_id"], {
-        "access_token": STR, "token": {"description": "the same as access_token", "type": "string"},
-        "token_type": {"const": "Bearer"}, "expires_at": TIME, "refresh_token": STR, "refresh_expires_at": TIME,
-        "session_id": STR}, "§15.5: a new access token and the next refresh token (the presented one is spent)"),
-    "DeletionAccepted": _closed(["status", "deletion_proof_id"], {"status": {"const": "accepted"},
-                                                                   "deletion_proof_id": STR}),
-    "Validation": {"oneOf": [
-        _closed(["valid", "session_id", "agent_id", "expires_at", "status"], {
-            "valid": {"const": True}, "session_id": STR, "agent_id": STR, "expires_at": TIME,
-            "status": {"enum": ["created", "active"]}}),
-        _closed(["valid", "code", "message"], {
-            "valid": {"const": False}, "code": {"enum": sorted(STATUS)},
-            "message": STR, "session_id": STR}),
-    ]},
-    "Renewed": _closed(["certificate", "serial", "not_after"], {
-        "certificate": {"type": "string", "pattern": "^-----BEGIN CERTIFICATE-----"},
-        "serial": {"type": "string", "pattern": "^[0-9a-f]+$"}, "not_after": TIME}),
-    "PayloadStored": _closed(["payload_id", "hash", "size", "expires_at"], {
-        "payload_id": STR, "hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}, "size": INT,
-        "expires_at": TIME}),
-    "UploadUrl": _closed(["upload_url", "method", "max_size", "expires_at"], {
-        "upload_url": {"type": "string", "pattern": "^https://"}, "method": {"const": "PUT"}, "max_size": INT,
-        "expires_at": TIME}),
-    "Payload": _closed(["payload_id", "session_id", "agent_id", "format", "size", "hash", "encryption",
-                        "created_at", "expires_at", "opened"], {
-        "payload_id": STR, "session_id": STR, "agent_id": STR, "format": STR, "size": INT,
-        "hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}, "encryption": {"type": "object"},
-        "created_at": {"type": "number", "description": "Unix time"}, "expires_at": {"type": "number"},
-        "opened": {"type": "boolean"}}),
+    "Grant": _closed(
+        ["token", "token_type", "expires_at", "session_id", "session_expires_at"],
+        {
+            "token": STR,
+            "token_type": {"const": "Bearer"},
+            "expires_at": TIME,
+            "session_id": STR,
+            "session_expires_at": TIME,
+            "refresh_token": STR,
+            "refresh_expires_at": TIME,
+        },
+        "the capability token (§7); refresh_token only for a remote, key-bound grant asked with refresh",
+    ),
+    "Refreshed": _closed(
+        ["access_token", "token", "token_type", "expires_at", "refresh_token", "refresh_expires_at", "session_id"],
+        {
+            "access_token": STR,
+            "token": {"description": "the same as access_token", "type": "string"},
+            "token_type": {"const": "Bearer"},
+            "expires_at": TIME,
+            "refresh_token": STR,
+            "refresh_expires_at": TIME,
+            "session_id": STR,
+        },
+        "§15.5: a new access token and the next refresh token (the presented one is spent)",
+    ),
+    "DeletionAccepted": _closed(
+        ["status", "deletion_proof_id"], {"status": {"const": "accepted"}, "deletion_proof_id": STR}
+    ),
+    "Validation": {
+        "oneOf": [
+            _closed(
+                ["valid", "session_id", "agent_id", "expires_at", "status"],
+                {
+                    "valid": {"const": True},
+                    "session_id": STR,
+                    "agent_id": STR,
+                    "expires_at": TIME,
+                    "status": {"enum": ["created", "active"]},
+                },
+            ),
+            _closed(
+                ["valid", "code", "message"],
+                {"valid": {"const": False}, "code": {"enum": sorted(STATUS)}, "message": STR, "session_id": STR},
+            ),
+        ]
+    },
+    "Renewed": _closed(
+        ["certificate", "serial", "not_after"],
+        {
+            "certificate": {"type": "string", "pattern": "^-----BEGIN CERTIFICATE-----"},
+            "serial": {"type": "string", "pattern": "^[0-9a-f]+$"},
+            "not_after": TIME,
+        },
+    ),
+    "PayloadStored": _closed(
+        ["payload_id", "hash", "size", "expires_at"],
+        {
+            "payload_id": STR,
+            "hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+            "size": INT,
+            "expires_at": TIME,
+        },
+    ),
+    "UploadUrl": _closed(
+        ["upload_url", "method", "max_size", "expires_at"],
+        {
+            "upload_url": {"type": "string", "pattern": "^https://"},
+            "method": {"const": "PUT"},
+            "max_size": INT,
+            "expires_at": TIME,
+        },
+    ),
+    "Payload": _closed(
+        [
+            "payload_id",
+            "session_id",
+            "agent_id",
+            "format",
+            "size",
+            "hash",
+            "encryption",
+            "created_at",
+            "expires_at",
+            "opened",
+        ],
+        {
+            "payload_id": STR,
+            "session_id": STR,
+            "agent_id": STR,
+            "format": STR,
+            "size": INT,
+            "hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+            "encryption": {"type": "object"},
+            "created_at": {"type": "number", "description": "Unix time"},
+            "expires_at": {"type": "number"},
+            "opened": {"type": "boolean"},
+        },
+    ),
     "PayloadList": _closed(["payloads"], {"payloads": {"type": "array", "items": _ref("Payload")}}),
-    "Error": _closed(["error"], {"error": _closed(["code", "message"], {
-        "code": {"enum": sorted(STATUS)}, "message": STR, "session_id": STR, "details": {"type": "object"}})},
-        "§8.4"),
+    "Error": _closed(
+        ["error"],
+        {
+            "error": _closed(
+                ["code", "message"],
+                {"code": {"enum": sorted(STATUS)}, "message": STR, "session_id": STR, "details": {"type": "object"}},
+            )
+        },
+        "§8.4",
+    ),
 }
 
-QUOTA = {"X-UOMP-Quota-Remaining": {
-    "description": "read queries left in this session (§10.4 step 5), once this request was counted",
-    "required": False, "schema": INT}}
+QUOTA = {
+    "X-UOMP-Quota-Remaining": {
+        "description": "read queries left in this session (§10.4 step 5), once this request was counted",
+        "required": False,
+        "schema": INT,
+    }
+}
 
 
 def _error_response(status: int) -> dict[str, Any]:
     codes = sorted(c for c, s in STATUS.items() if s == status)
     schema = {"allOf": [_ref("Error"), {"properties": {"error": {"properties": {"code": {"enum": codes}}}}}]}
-    out: dict[str, Any] = {"description": f"refused: {', '.join(codes)} (§8.4)",
-                           "content": {JSON: {"schema": schema}}}
+    out: dict[str, Any] = {"description": f"refused: {', '.join(codes)} (§8.4)", "content": {JSON: {"schema": schema}}}
     headers: dict[str, Any] = {}
     if status == 401:
-        headers["WWW-Authenticate"] = {"description": "the Bearer scheme", "required": True,
-                                       "schema": {"type": "string", "pattern": "^Bearer"}}
+        headers["WWW-Authenticate"] = {
+            "description": "the Bearer scheme",
+            "required": True,
+            "schema": {"type": "string", "pattern": "^Bearer"},
+        }
     if status in (403, 429):  # a read refused after its quota was counted says what is left
         headers.update(QUOTA)
     if headers:
@@ -162,33 +302,59 @@ def _error_response(status: int) -> dict[str, Any]:
 ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 429, 501, 502, 503, 504, 507)
 
 
-def _ok(schema: dict[str, Any], description: str = "OK", headers: dict[str, Any] | None = None,
-        media: str = JSON) -> dict[str, Any]:
+def _ok(
+    schema: dict[str, Any], description: str = "OK", headers: dict[str, Any] | None = None, media: str = JSON
+) -> dict[str, Any]:
     out: dict[str, Any] = {"description": description, "content": {media: {"schema": schema}}}
     if headers:
         out["headers"] = headers
     return out
 
 
-def _param(name: str, where: str = "query", *, required: bool = False, description: str = "",
-           schema: dict[str, Any] | None = None, example: Any = None) -> dict[str, Any]:
-    out = {"name": name, "in": where, "required": required or where == "path", "schema": schema or STR,
-           **({"description": description} if description else {})}
+def _param(
+    name: str,
+    where: str = "query",
+    *,
+    required: bool = False,
+    description: str = "",
+    schema: dict[str, Any] | None = None,
+    example: Any = None,
+) -> dict[str, Any]:
+    out = {
+        "name": name,
+        "in": where,
+        "required": required or where == "path",
+        "schema": schema or STR,
+        **({"description": description} if description else {}),
+    }
     if example is not None:
         out["example"] = example
     return out
 
 
-def _op(summary: str, served: tuple[str, ...], *, ok: dict[str, Any] | None, status: str = "200",
-        refusals: tuple[int, ...], params: list[dict[str, Any]] | None = None,
-        body: dict[str, Any] | None = None, body_example: Any = None, media: str = JSON,
-        security: str | None = "token") -> dict[str, Any]:
+def _op(
+    summary: str,
+    served: tuple[str, ...],
+    *,
+    ok: dict[str, Any] | None,
+    status: str = "200",
+    refusals: tuple[int, ...],
+    params: list[dict[str, Any]] | None = None,
+    body: dict[str, Any] | None = None,
+    body_example: Any = None,
+    media: str = JSON,
+    security: str | None = "token",
+) -> dict[str, Any]:
     responses: dict[str, Any] = {status: ok} if ok is not None else {}
     for code in sorted(refusals):
         responses[str(code)] = {"$ref": f"#/components/responses/E{code}"}
     # the listeners again as tags, for tools that filter by tag (schemathesis run --include-tag gateway)
-    op: dict[str, Any] = {"summary": summary, "x-uomp-served-by": list(served), "tags": list(served),
-                          "responses": responses}
+    op: dict[str, Any] = {
+        "summary": summary,
+        "x-uomp-served-by": list(served),
+        "tags": list(served),
+        "responses": responses,
+    }
     if params:
         op["parameters"] = params
     if body is not None:
@@ -200,16 +366,29 @@ def _op(summary: str, served: tuple[str, ...], *, ok: dict[str, Any] | None, sta
 
 
 SID = _param("sid", "path", description="session id")
-SINCE = _param("since", description="a tree size this agent saw signed: adds the consistency proof between it and "
-               "the answer's checkpoint", schema={"type": "integer", "minimum": 0}, example=0)
-CONSISTENCY = _closed(["old_size", "new_size", "path"], {
-    "old_size": {"type": "integer", "minimum": 0}, "new_size": {"type": "integer", "minimum": 0},
-    "path": {"type": "array", "items": STR}})
+SINCE = _param(
+    "since",
+    description="a tree size this agent saw signed: adds the consistency proof between it and the answer's checkpoint",
+    schema={"type": "integer", "minimum": 0},
+    example=0,
+)
+CONSISTENCY = _closed(
+    ["old_size", "new_size", "path"],
+    {
+        "old_size": {"type": "integer", "minimum": 0},
+        "new_size": {"type": "integer", "minimum": 0},
+        "path": {"type": "array", "items": STR},
+    },
+)
 KEY = _param("key", "path", description="Memory Item key", example="preference.theme")
 PID = _param("pid", "path", description="payload id")
 OCTETS = "application/octet-stream"
-ENVELOPE = _param("X-UOMP-Payload-Envelope", "header", description="the streaming form: base64url (no padding) of "
-                  "the envelope without its ciphertext; the body is then the sealed bytes")
+ENVELOPE = _param(
+    "X-UOMP-Payload-Envelope",
+    "header",
+    description="the streaming form: base64url (no padding) of "
+    "the envelope without its ciphertext; the body is then the sealed bytes",
+)
 
 # What every agent route can answer on any listener: a malformed or repeated header (400), no or a
 # bad token or certificate (401), a rule (403), a database busy past its bounded wait or the guard
@@ -217,185 +396,505 @@ ENVELOPE = _param("X-UOMP-Payload-Envelope", "header", description="the streamin
 AGENT = (400, 401, 403, 503, 502, 504)
 READ = (*AGENT, 429)
 ADMIN = (400, 401, 503)
-SCOPE_IN = {"type": "object", "properties": {"tags": STR_LIST, "keys": STR_LIST, "deny_tags": STR_LIST,
-                                              "deny_keys": STR_LIST, "allowed_fields": STR_LIST}}
+SCOPE_IN = {
+    "type": "object",
+    "properties": {
+        "tags": STR_LIST,
+        "keys": STR_LIST,
+        "deny_tags": STR_LIST,
+        "deny_keys": STR_LIST,
+        "allowed_fields": STR_LIST,
+    },
+}
 
 
 @functools.cache
 def document() -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {
-        "/v1/health": {"get": _op(
-            "liveness; on the gateway 503 STORE_UNAVAILABLE while the guard behind it is down", ALL,
-            ok=_ok(_closed(["status"], {"status": {"const": "ok"}})), refusals=(400, 503), security=None)},
-        "/v1/openapi.json": {"get": _op(
-            "this document", LOCAL, ok=_ok({"type": "object", "required": ["openapi", "info", "paths"],
-                                            "properties": {"openapi": {"const": "3.1.0"}}}),
-            refusals=(400,), security=None)},
+        "/v1/health": {
+            "get": _op(
+                "liveness; on the gateway 503 STORE_UNAVAILABLE while the guard behind it is down",
+                ALL,
+                ok=_ok(_closed(["status"], {"status": {"const": "ok"}})),
+                refusals=(400, 503),
+                security=None,
+            )
+        },
+        "/v1/openapi.json": {
+            "get": _op(
+                "this document",
+                LOCAL,
+                ok=_ok(
+                    {
+                        "type": "object",
+                        "required": ["openapi", "info", "paths"],
+                        "properties": {"openapi": {"const": "3.1.0"}},
+                    }
+                ),
+                refusals=(400,),
+                security=None,
+            )
+        },
         "/v1/memory/{key}": {
-            "get": _op("read one item by key (§10.2)", ALL, ok=_ok(_ref("Item"), headers=QUOTA), refusals=READ,
-                       params=[KEY]),
-            "put": _op("agent write: refused 403 WRITE_NOT_AVAILABLE after authentication (§10.1, §20.4)", ALL,
-                       ok=None, refusals=(*AGENT, 413), params=[KEY]),
-            "delete": _op("agent delete: refused 403 WRITE_NOT_AVAILABLE after authentication (§10.1, §20.4)",
-                          ALL, ok=None, refusals=AGENT, params=[KEY]),
+            "get": _op(
+                "read one item by key (§10.2)", ALL, ok=_ok(_ref("Item"), headers=QUOTA), refusals=READ, params=[KEY]
+            ),
+            "put": _op(
+                "agent write: refused 403 WRITE_NOT_AVAILABLE after authentication (§10.1, §20.4)",
+                ALL,
+                ok=None,
+                refusals=(*AGENT, 413),
+                params=[KEY],
+            ),
+            "delete": _op(
+                "agent delete: refused 403 WRITE_NOT_AVAILABLE after authentication (§10.1, §20.4)",
+                ALL,
+                ok=None,
+                refusals=AGENT,
+                params=[KEY],
+            ),
         },
-        "/v1/memory": {"get": _op("read by tag, paged (§10.3)", ALL, ok=_ok(_ref("TagPage"), headers=QUOTA),
-                                  refusals=READ, params=[
-            _param("tag", required=True, example="preference"), _param("cursor"),
-            _param("limit", description="1 to max_tag_results (the default, 1000)",
-                   schema={"type": "integer", "minimum": 1}, example=1)])},
-        "/v1/memory/aggregate": {"get": _op("aggregate over a tag (§10.5)", ALL,
-                                            ok=_ok(_ref("Aggregate"), headers=QUOTA), refusals=READ, params=[
-            _param("tag", required=True, example="portfolio:holdings"),
-            _param("op", required=True, schema={"enum": ["sum", "avg", "count", "min", "max"]}, example="count"),
-            _param("field", description="value or value.<name>...: needed for every op but count",
-                   example="value.market_value")])},
-        "/v1/memory/query": {"post": _op("semantic query: not in this version (§10.1): 501 NOT_IMPLEMENTED after "
-                                         "authentication", ALL, ok=None, refusals=(*AGENT, 413, 501))},
-        "/v1/audit": {"get": _op("this session's audit trail (§18), newest first", ALL, ok=_ok(_ref("AuditPage")),
-                                 refusals=AGENT, params=[
-            _param("session_id", description="the token's own only"),
-            _param("limit", description="default 100", schema={"type": "integer", "minimum": 1, "maximum": 1000},
-                   example=5)])},
-        "/v1/audit/{event_id}/proof": {"get": _op(
-            "proof bundle of one of this session's allowed events (docs/audit.md); another session's or an "
-            "unknown id: 404 NOT_FOUND", ALL, ok=_ok({
-                "type": "object",
-                "required": ["version", "event", "leaf_index", "tree_size", "inclusion_path", "checkpoint",
-                             "verifier_key", "checkpoint_hash", "anchor"],
-                "properties": {"event": {"type": "object"}, "leaf_index": {"type": "integer", "minimum": 0},
-                               "tree_size": {"type": "integer", "minimum": 1},
-                               "inclusion_path": {"type": "array", "items": STR}, "checkpoint": STR,
-                               "verifier_key": STR, "checkpoint_hash": STR,
-                               "anchor": {"type": ["object", "null"]}, "consistency": CONSISTENCY}}),
-            refusals=(*AGENT, 404), params=[_param("event_id", "path", description="audit event id"), SINCE])},
-        "/v1/audit/checkpoint": {"get": _op(
-            "the log's newest signed checkpoint and, with since, the RFC 9162 consistency proof from that tree "
-            "size (docs/audit.md, agents as witnesses); since beyond the newest checkpoint: 400 AUDIT_SIZE_UNKNOWN",
-            ALL, ok=_ok(_closed(["tree_size", "checkpoint", "verifier_key"], {
-                "tree_size": {"type": "integer", "minimum": 1}, "checkpoint": STR, "verifier_key": STR,
-                "consistency": CONSISTENCY})), refusals=AGENT, params=[SINCE])},
+        "/v1/memory": {
+            "get": _op(
+                "read by tag, paged (§10.3)",
+                ALL,
+                ok=_ok(_ref("TagPage"), headers=QUOTA),
+                refusals=READ,
+                params=[
+                    _param("tag", required=True, example="preference"),
+                    _param("cursor"),
+                    _param(
+                        "limit",
+                        description="1 to max_tag_results (the default, 1000)",
+                        schema={"type": "integer", "minimum": 1},
+                        example=1,
+                    ),
+                ],
+            )
+        },
+        "/v1/memory/aggregate": {
+            "get": _op(
+                "aggregate over a tag (§10.5)",
+                ALL,
+                ok=_ok(_ref("Aggregate"), headers=QUOTA),
+                refusals=READ,
+                params=[
+                    _param("tag", required=True, example="portfolio:holdings"),
+                    _param(
+                        "op", required=True, schema={"enum": ["sum", "avg", "count", "min", "max"]}, example="count"
+                    ),
+                    _param(
+                        "field",
+                        description="value or value.<name>...: needed for every op but count",
+                        example="value.market_value",
+                    ),
+                ],
+            )
+        },
+        "/v1/memory/query": {
+            "post": _op(
+                "semantic query: not in this version (§10.1): 501 NOT_IMPLEMENTED after authentication",
+                ALL,
+                ok=None,
+                refusals=(*AGENT, 413, 501),
+            )
+        },
+        "/v1/audit": {
+            "get": _op(
+                "this session's audit trail (§18), newest first",
+                ALL,
+                ok=_ok(_ref("AuditPage")),
+                refusals=AGENT,
+                params=[
+                    _param("session_id", description="the token's own only"),
+                    _param(
+                        "limit",
+                        description="default 100",
+                        schema={"type": "integer", "minimum": 1, "maximum": 1000},
+                        example=5,
+                    ),
+                ],
+            )
+        },
+        "/v1/audit/{event_id}/proof": {
+            "get": _op(
+                "proof bundle of one of this session's allowed events (docs/audit.md); another session's or an "
+                "unknown id: 404 NOT_FOUND",
+                ALL,
+                ok=_ok(
+                    {
+                        "type": "object",
+                        "required": [
+                            "version",
+                            "event",
+                            "leaf_index",
+                            "tree_size",
+                            "inclusion_path",
+                            "checkpoint",
+                            "verifier_key",
+                            "checkpoint_hash",
+                            "anchor",
+                        ],
+                        "properties": {
+                            "event": {"type": "object"},
+                            "leaf_index": {"type": "integer", "minimum": 0},
+                            "tree_size": {"type": "integer", "minimum": 1},
+                            "inclusion_path": {"type": "array", "items": STR},
+                            "checkpoint": STR,
+                            "verifier_key": STR,
+                            "checkpoint_hash": STR,
+                            "anchor": {"type": ["object", "null"]},
+                            "consistency": CONSISTENCY,
+                        },
+                    }
+                ),
+                refusals=(*AGENT, 404),
+                params=[_param("event_id", "path", description="audit event id"), SINCE],
+            )
+        },
+        "/v1/audit/checkpoint": {
+            "get": _op(
+                "the log's newest signed checkpoint and, with since, the RFC 9162 consistency proof from that tree "
+                "size (docs/audit.md, agents as witnesses); since beyond the newest checkpoint: 400 AUDIT_SIZE_UNKNOWN",
+                ALL,
+                ok=_ok(
+                    _closed(
+                        ["tree_size", "checkpoint", "verifier_key"],
+                        {
+                            "tree_size": {"type": "integer", "minimum": 1},
+                            "checkpoint": STR,
+                            "verifier_key": STR,
+                            "consistency": CONSISTENCY,
+                        },
+                    )
+                ),
+                refusals=AGENT,
+                params=[SINCE],
+            )
+        },
         "/v1/sessions": {
-            "post": _op("create a session (§9; admin)", LOCAL, ok=_ok(_ref("SessionCreated"), "created"),
-                        status="201", refusals=(*ADMIN, 413), security="admin", body={
-                            "type": "object", "required": ["agent_id", "requested_scopes"], "properties": {
-                                "agent_id": STR, "agent_name": STR,
-                                "requested_scopes": {"type": "object", "properties": {"read": SCOPE_IN}},
-                                "duration_minutes": {"type": "number"}, "profile": {"enum": ["local", "remote"]},
-                                "identity_public_jwk": {"type": "object"},
-                                "data_retention_policy": {"type": "object"}}},
-                        body_example={"agent_id": "calendar_agent", "agent_name": "Calendar",
-                                      "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-                                      "duration_minutes": 30}),
-            "get": _op("list sessions (admin)", LOCAL, ok=_ok(_ref("SessionList")), refusals=ADMIN,
-                       security="admin", params=[_param("status")]),
+            "post": _op(
+                "create a session (§9; admin)",
+                LOCAL,
+                ok=_ok(_ref("SessionCreated"), "created"),
+                status="201",
+                refusals=(*ADMIN, 413),
+                security="admin",
+                body={
+                    "type": "object",
+                    "required": ["agent_id", "requested_scopes"],
+                    "properties": {
+                        "agent_id": STR,
+                        "agent_name": STR,
+                        "requested_scopes": {"type": "object", "properties": {"read": SCOPE_IN}},
+                        "duration_minutes": {"type": "number"},
+                        "profile": {"enum": ["local", "remote"]},
+                        "identity_public_jwk": {"type": "object"},
+                        "data_retention_policy": {"type": "object"},
+                    },
+                },
+                body_example={
+                    "agent_id": "calendar_agent",
+                    "agent_name": "Calendar",
+                    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                    "duration_minutes": 30,
+                },
+            ),
+            "get": _op(
+                "list sessions (admin)",
+                LOCAL,
+                ok=_ok(_ref("SessionList")),
+                refusals=ADMIN,
+                security="admin",
+                params=[_param("status")],
+            ),
         },
-        "/v1/sessions/{sid}": {"get": _op("one session (admin)", LOCAL, ok=_ok(_ref("Session")),
-                                          refusals=(*ADMIN, 404), security="admin", params=[SID])},
-        "/v1/sessions/{sid}/grant": {"post": _op(
-            "grant: issues the capability token (§9; admin)", LOCAL, ok=_ok(_ref("Grant")),
-            refusals=(*ADMIN, 403, 404, 409, 413), security="admin", params=[SID], body={
-                "type": "object", "required": ["granted_scopes"], "properties": {
-                    "granted_scopes": {"type": "object", "properties": {"read": SCOPE_IN}},
-                    "profile": {"enum": ["local", "remote"]}, "audience": STR, "allowed_fields": STR_LIST,
-                    "allowed_endpoints": STR_LIST, "aggregation_only": {"type": "boolean"},
-                    "task_bound": {"type": "boolean"}, "aggregate_min_max": {"type": "boolean"},
-                    "aggregate_exact": {"type": "boolean"}, "widen": {"type": "boolean"},
-                    "refresh": {"type": "boolean"}, "token_lifetime_seconds": {"type": "integer"},
-                    "limits": {"type": "object", "properties": {"max_read_queries": INT}},
-                    "cnf": {"type": "object", "properties": {"x5t#S256": STR, "jkt": STR}}}},
-            body_example={"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}})},
-        "/v1/sessions/{sid}/close": {"post": _op("close (§13; admin)", LOCAL, ok=_ok(_ref("SessionEnded")),
-                                                 refusals=(*ADMIN, 404, 409), security="admin", params=[SID])},
-        "/v1/sessions/{sid}/revoke": {"post": _op("revoke (§13.4; admin)", LOCAL, ok=_ok(_ref("SessionEnded")),
-                                                  refusals=(*ADMIN, 404, 409), security="admin", params=[SID])},
-        "/v1/sessions/{sid}/deletion-proof": {"post": _op(
-            "deletion proof (§13.5, §19.3)", ALL, ok=_ok(_ref("DeletionAccepted")), refusals=(*AGENT, 413),
-            params=[SID], body=_closed(["deletion_proof_id", "session_id", "agent_id", "deleted_at", "memory_hash",
-                                        "method", "proof_value"], {
-                "deletion_proof_id": ID, "session_id": ID, "agent_id": ID, "deleted_at": TIME,
-                "memory_hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
-                "fields_accessed": {"type": "array", "maxItems": 64, "items": STR},
-                "method": {"enum": list(DELETION_METHODS)}, "proof_value": {"type": "string", "minLength": 1,
-                                                                           "maxLength": 256}}))},
-        "/v1/sessions/{sid}/refresh": {"post": _op(
-            "rotate a refresh token (§15.5): on the gateway; the guard's Unix-socket route is its internal half",
-            (UNIX, GW), ok=_ok(_ref("Refreshed")), refusals=AGENT, security="refresh", params=[SID])},
-        "/v1/tokens/validate": {"post": _op("validate a token (§9; the gateway's status check, Unix socket only)",
-                                            (UNIX,), ok=_ok(_ref("Validation")), refusals=(400, 413, 503),
-                                            body={"type": "object", "properties": {"token": STR}}, security=None)},
-        "/v1/internal/events": {"post": _op(
-            "the gateway's own events into the one log (issue 10; Unix socket only, idempotent by event id)",
-            (UNIX,), ok=_ok(_closed(["accepted"], {"accepted": {"type": "integer", "minimum": 0}})),
-            refusals=(400, 413, 503), body={"type": "object", "properties": {"events": {"type": "array"}}},
-            security=None)},
-        "/v1/certificates/renew": {"post": _op(
-            "renew the agent certificate from a CSR (mTLS only; in the last part of its life)", (GW,),
-            ok=_ok(_ref("Renewed")), refusals=(400, 401, 409, 413, 429, 503), security="mtls",
-            body={"type": "object", "properties": {"csr": STR}})},
-        "/v1/payload/upload": {"post": _op(
-            "upload a sealed payload (§15.6): the JSON envelope, or the streaming form "
-            "(application/octet-stream with the X-UOMP-Payload-Envelope header)", (GW,),
-            ok=_ok(_ref("PayloadStored"), "stored"), status="201",
-            refusals=(*AGENT, 409, 413, 429, 507), body={"type": "object"}, params=[ENVELOPE])},
-        "/v1/payload/upload-url": {"post": _op(
-            "a single-use upload URL (§15.6 presigned-url)", (GW,), ok=_ok(_ref("UploadUrl"), "issued"),
-            status="201", refusals=(*AGENT, 413, 429), body=_closed(["size"], {"size": INT}),
-            body_example={"size": 4096})},
-        "/v1/payload/presigned": {"put": _op(
-            "upload the streaming form to a single-use URL (still needs the certificate and token)", (GW,),
-            ok=_ok(_ref("PayloadStored"), "stored"), status="201", refusals=(*AGENT, 409, 413, 429, 507),
-            params=[_param("t", required=True, description="the URL's single-use token"), ENVELOPE],
-            body={"type": "string", "format": "binary"}, media=OCTETS)},
-        "/v1/payload/{pid}": {"get": _op("agents never read payloads: 404 NOT_FOUND whatever the id (§21)", (GW,),
-                                         ok=None, refusals=(*AGENT, 404), params=[PID])},
-        "/v1/payload/audit": {"post": _op("gateway -> guard payload audit event (internal)", (UNIX,),
-                                          ok=_ok(_closed(["recorded"], {"recorded": {"const": True}})),
-                                          refusals=(400, 403, 413, 503), body={"type": "object"}, security=None)},
-        "/v1/payloads": {"get": _op("list waiting payloads (user)", (UNIX,), ok=_ok(_ref("PayloadList")),
-                                    refusals=ADMIN, security="admin", params=[_param("session_id")])},
+        "/v1/sessions/{sid}": {
+            "get": _op(
+                "one session (admin)",
+                LOCAL,
+                ok=_ok(_ref("Session")),
+                refusals=(*ADMIN, 404),
+                security="admin",
+                params=[SID],
+            )
+        },
+        "/v1/sessions/{sid}/grant": {
+            "post": _op(
+                "grant: issues the capability token (§9; admin)",
+                LOCAL,
+                ok=_ok(_ref("Grant")),
+                refusals=(*ADMIN, 403, 404, 409, 413),
+                security="admin",
+                params=[SID],
+                body={
+                    "type": "object",
+                    "required": ["granted_scopes"],
+                    "properties": {
+                        "granted_scopes": {"type": "object", "properties": {"read": SCOPE_IN}},
+                        "profile": {"enum": ["local", "remote"]},
+                        "audience": STR,
+                        "allowed_fields": STR_LIST,
+                        "allowed_endpoints": STR_LIST,
+                        "aggregation_only": {"type": "boolean"},
+                        "task_bound": {"type": "boolean"},
+                        "aggregate_min_max": {"type": "boolean"},
+                        "aggregate_exact": {"type": "boolean"},
+                        "widen": {"type": "boolean"},
+                        "refresh": {"type": "boolean"},
+                        "token_lifetime_seconds": {"type": "integer"},
+                        "limits": {"type": "object", "properties": {"max_read_queries": INT}},
+                        "cnf": {"type": "object", "properties": {"x5t#S256": STR, "jkt": STR}},
+                    },
+                },
+                body_example={"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}},
+            )
+        },
+        "/v1/sessions/{sid}/close": {
+            "post": _op(
+                "close (§13; admin)",
+                LOCAL,
+                ok=_ok(_ref("SessionEnded")),
+                refusals=(*ADMIN, 404, 409),
+                security="admin",
+                params=[SID],
+            )
+        },
+        "/v1/sessions/{sid}/revoke": {
+            "post": _op(
+                "revoke (§13.4; admin)",
+                LOCAL,
+                ok=_ok(_ref("SessionEnded")),
+                refusals=(*ADMIN, 404, 409),
+                security="admin",
+                params=[SID],
+            )
+        },
+        "/v1/sessions/{sid}/deletion-proof": {
+            "post": _op(
+                "deletion proof (§13.5, §19.3)",
+                ALL,
+                ok=_ok(_ref("DeletionAccepted")),
+                refusals=(*AGENT, 413),
+                params=[SID],
+                body=_closed(
+                    [
+                        "deletion_proof_id",
+                        "session_id",
+                        "agent_id",
+                        "deleted_at",
+                        "memory_hash",
+                        "method",
+                        "proof_value",
+                    ],
+                    {
+                        "deletion_proof_id": ID,
+                        "session_id": ID,
+                        "agent_id": ID,
+                        "deleted_at": TIME,
+                        "memory_hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+                        "fields_accessed": {"type": "array", "maxItems": 64, "items": STR},
+                        "method": {"enum": list(DELETION_METHODS)},
+                        "proof_value": {"type": "string", "minLength": 1, "maxLength": 256},
+                    },
+                ),
+            )
+        },
+        "/v1/sessions/{sid}/refresh": {
+            "post": _op(
+                "rotate a refresh token (§15.5): on the gateway; the guard's Unix-socket route is its internal half",
+                (UNIX, GW),
+                ok=_ok(_ref("Refreshed")),
+                refusals=AGENT,
+                security="refresh",
+                params=[SID],
+            )
+        },
+        "/v1/tokens/validate": {
+            "post": _op(
+                "validate a token (§9; the gateway's status check, Unix socket only)",
+                (UNIX,),
+                ok=_ok(_ref("Validation")),
+                refusals=(400, 413, 503),
+                body={"type": "object", "properties": {"token": STR}},
+                security=None,
+            )
+        },
+        "/v1/internal/events": {
+            "post": _op(
+                "the gateway's own events into the one log (issue 10; Unix socket only, idempotent by event id)",
+                (UNIX,),
+                ok=_ok(_closed(["accepted"], {"accepted": {"type": "integer", "minimum": 0}})),
+                refusals=(400, 413, 503),
+                body={"type": "object", "properties": {"events": {"type": "array"}}},
+                security=None,
+            )
+        },
+        "/v1/certificates/renew": {
+            "post": _op(
+                "renew the agent certificate from a CSR (mTLS only; in the last part of its life)",
+                (GW,),
+                ok=_ok(_ref("Renewed")),
+                refusals=(400, 401, 409, 413, 429, 503),
+                security="mtls",
+                body={"type": "object", "properties": {"csr": STR}},
+            )
+        },
+        "/v1/payload/upload": {
+            "post": _op(
+                "upload a sealed payload (§15.6): the JSON envelope, or the streaming form "
+                "(application/octet-stream with the X-UOMP-Payload-Envelope header)",
+                (GW,),
+                ok=_ok(_ref("PayloadStored"), "stored"),
+                status="201",
+                refusals=(*AGENT, 409, 413, 429, 507),
+                body={"type": "object"},
+                params=[ENVELOPE],
+            )
+        },
+        "/v1/payload/upload-url": {
+            "post": _op(
+                "a single-use upload URL (§15.6 presigned-url)",
+                (GW,),
+                ok=_ok(_ref("UploadUrl"), "issued"),
+                status="201",
+                refusals=(*AGENT, 413, 429),
+                body=_closed(["size"], {"size": INT}),
+                body_example={"size": 4096},
+            )
+        },
+        "/v1/payload/presigned": {
+            "put": _op(
+                "upload the streaming form to a single-use URL (still needs the certificate and token)",
+                (GW,),
+                ok=_ok(_ref("PayloadStored"), "stored"),
+                status="201",
+                refusals=(*AGENT, 409, 413, 429, 507),
+                params=[_param("t", required=True, description="the URL's single-use token"), ENVELOPE],
+                body={"type": "string", "format": "binary"},
+                media=OCTETS,
+            )
+        },
+        "/v1/payload/{pid}": {
+            "get": _op(
+                "agents never read payloads: 404 NOT_FOUND whatever the id (§21)",
+                (GW,),
+                ok=None,
+                refusals=(*AGENT, 404),
+                params=[PID],
+            )
+        },
+        "/v1/payload/audit": {
+            "post": _op(
+                "gateway -> guard payload audit event (internal)",
+                (UNIX,),
+                ok=_ok(_closed(["recorded"], {"recorded": {"const": True}})),
+                refusals=(400, 403, 413, 503),
+                body={"type": "object"},
+                security=None,
+            )
+        },
+        "/v1/payloads": {
+            "get": _op(
+                "list waiting payloads (user)",
+                (UNIX,),
+                ok=_ok(_ref("PayloadList")),
+                refusals=ADMIN,
+                security="admin",
+                params=[_param("session_id")],
+            )
+        },
         "/v1/payloads/{pid}": {
-            "get": _op("one payload's envelope (user)", (UNIX,), ok=_ok(_ref("Payload")), refusals=(*ADMIN, 404),
-                       security="admin", params=[PID]),
-            "delete": _op("delete a payload (user)", (UNIX,), ok=_ok(_closed(["payload_id", "removed"], {
-                "payload_id": STR, "removed": {"const": True}})), refusals=(*ADMIN, 404), security="admin",
-                params=[PID]),
+            "get": _op(
+                "one payload's envelope (user)",
+                (UNIX,),
+                ok=_ok(_ref("Payload")),
+                refusals=(*ADMIN, 404),
+                security="admin",
+                params=[PID],
+            ),
+            "delete": _op(
+                "delete a payload (user)",
+                (UNIX,),
+                ok=_ok(_closed(["payload_id", "removed"], {"payload_id": STR, "removed": {"const": True}})),
+                refusals=(*ADMIN, 404),
+                security="admin",
+                params=[PID],
+            ),
         },
-        "/v1/payloads/{pid}/ciphertext": {"get": _op(
-            "the sealed bytes (user)", (UNIX,), ok=_ok({"type": "string", "format": "binary"},
-                                                       media=OCTETS, headers={
-                "X-UOMP-Payload-Hash": {"required": True, "schema": {"type": "string",
-                                                                     "pattern": "^sha256:[0-9a-f]{64}$"}}}),
-            refusals=(*ADMIN, 400, 404), security="admin", params=[PID])},
-        "/v1/payloads/{pid}/opened": {"post": _op("mark opened (user)", (UNIX,), ok=_ok(_closed(
-            ["payload_id", "opened"], {"payload_id": STR, "opened": {"const": True}})), refusals=(*ADMIN, 404),
-            security="admin", params=[PID])},
+        "/v1/payloads/{pid}/ciphertext": {
+            "get": _op(
+                "the sealed bytes (user)",
+                (UNIX,),
+                ok=_ok(
+                    {"type": "string", "format": "binary"},
+                    media=OCTETS,
+                    headers={
+                        "X-UOMP-Payload-Hash": {
+                            "required": True,
+                            "schema": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+                        }
+                    },
+                ),
+                refusals=(*ADMIN, 400, 404),
+                security="admin",
+                params=[PID],
+            )
+        },
+        "/v1/payloads/{pid}/opened": {
+            "post": _op(
+                "mark opened (user)",
+                (UNIX,),
+                ok=_ok(_closed(["payload_id", "opened"], {"payload_id": STR, "opened": {"const": True}})),
+                refusals=(*ADMIN, 404),
+                security="admin",
+                params=[PID],
+            )
+        },
     }
     paths["/v1/payload/upload"]["post"]["requestBody"]["content"][OCTETS] = {
-        "schema": {"type": "string", "format": "binary"}}
+        "schema": {"type": "string", "format": "binary"}
+    }
     for item in paths.values():
         for op in item.values():
             if GW in op["x-uomp-served-by"] and op["security"]:
                 op.setdefault("parameters", []).append(
-                    {"name": "X-UOMP-Agent-Id", "in": "header", "required": False, "schema": STR,
-                     "description": "required on the gateway (§15.4); must equal the token's and the "
-                     "certificate's agent"})
+                    {
+                        "name": "X-UOMP-Agent-Id",
+                        "in": "header",
+                        "required": False,
+                        "schema": STR,
+                        "description": "required on the gateway (§15.4); must equal the token's and the "
+                        "certificate's agent",
+                    }
+                )
     return {
         "openapi": "3.1.0",
-        "info": {"title": "UOMP guard, Auth Service and gateway", "version": "draft-00",
-                 "description": "Endpoints of the UOMP appliance. x-uomp-served-by names the listeners that "
-                 "serve each operation. Every status an operation answers is listed; refusals are the §8.4 body "
-                 "with a stable code of that status (docs/errors.md)."},
-        "servers": [{"url": "http://127.0.0.1:9374", "description": "guard, Local Profile listener"},
-                    {"url": "https://localhost:9443", "description": "gateway (TLS 1.3, mutual TLS)"}],
-        "tags": [{"name": TCP, "description": "the guard's Local Profile listener (http://127.0.0.1:9374)"},
-                 {"name": UNIX, "description": "the guard's Unix socket ($UOMP_HOME/guard.sock)"},
-                 {"name": GW, "description": "the gateway (https://localhost:9443, TLS 1.3, mutual TLS)"}],
+        "info": {
+            "title": "UOMP guard, Auth Service and gateway",
+            "version": "draft-00",
+            "description": "Endpoints of the UOMP appliance. x-uomp-served-by names the listeners that "
+            "serve each operation. Every status an operation answers is listed; refusals are the §8.4 body "
+            "with a stable code of that status (docs/errors.md).",
+        },
+        "servers": [
+            {"url": "http://127.0.0.1:9374", "description": "guard, Local Profile listener"},
+            {"url": "https://localhost:9443", "description": "gateway (TLS 1.3, mutual TLS)"},
+        ],
+        "tags": [
+            {"name": TCP, "description": "the guard's Local Profile listener (http://127.0.0.1:9374)"},
+            {"name": UNIX, "description": "the guard's Unix socket ($UOMP_HOME/guard.sock)"},
+            {"name": GW, "description": "the gateway (https://localhost:9443, TLS 1.3, mutual TLS)"},
+        ],
         "paths": paths,
         "components": {
             "securitySchemes": {
-                "token": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
-                          "description": "capability token (§7)"},
+                "token": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "bearerFormat": "JWT",
+                    "description": "capability token (§7)",
+                },
                 "refresh": {"type": "http", "scheme": "bearer", "description": "refresh token (§15.5)"},
                 "admin": {"type": "http", "scheme": "bearer", "description": "the user's admin credential"},
                 "mtls": {"type": "mutualTLS", "description": "agent certificate from the user's CA"},

@@ -27,8 +27,7 @@ def ensure(path: Path, generate: Callable[[], PrivateKeyTypes], kind: Any, *, wh
         return False
     ensure_private_dir(path.parent)
     key = generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     made = create_private_file(path, pem)
     load(path, kind, what=what, restore=restore)
     return made
@@ -42,14 +41,16 @@ def load(path: Path, kind: Any, *, what: str, restore: str) -> PrivateKeyTypes:
         raise UompError(ErrorCode.KEY_ERROR, f"no {what} at {path}; run 'uomp init'") from None
     if st.st_mode & 0o077:
         raise UompError(
-            ErrorCode.KEY_ERROR, f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+            ErrorCode.KEY_ERROR, f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it"
+        )
     if st.st_size > MAX_KEY_FILE_BYTES:
         raise UompError(ErrorCode.KEY_ERROR, f"{path} is too large to be a {what}")
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as exc:
-        raise UompError(ErrorCode.KEY_ERROR, f"{path} is not a readable {what} ({type(exc).__name__}); restore it: "
-                        f"{restore}") from None
+        raise UompError(
+            ErrorCode.KEY_ERROR, f"{path} is not a readable {what} ({type(exc).__name__}); restore it: {restore}"
+        ) from None
     if not isinstance(key, kind):
         raise UompError(ErrorCode.KEY_ERROR, f"{path} is not a {what} of the right type")
     out: PrivateKeyTypes = key

@@ -86,8 +86,14 @@ def guard_child_main(argv: list[str]) -> int:
     return main(argv[1:])
 
 
-def guard_command(paths: Paths, *, serve_tcp: bool, verbose: bool = False, force_non_loopback: bool = False,
-                  parent_pid: int | None = None) -> list[str]:
+def guard_command(
+    paths: Paths,
+    *,
+    serve_tcp: bool,
+    verbose: bool = False,
+    force_non_loopback: bool = False,
+    parent_pid: int | None = None,
+) -> list[str]:
     """The child's command line: ``uomp --home H [-v] guard serve [--no-tcp] [--force-non-loopback]``."""
     cmd = [sys.executable, "-P", "-c", _CHILD_BOOT, str(parent_pid or os.getpid()), "--home", str(paths.home)]
     if verbose:
@@ -118,11 +124,20 @@ def _log_output(line: str) -> None:
 class GuardProcess:
     """The guard as a supervised child process (see the module docstring)."""
 
-    def __init__(self, paths: Paths, command: list[str], *, start_seconds: float = GUARD_START_SECONDS,
-                 stop_seconds: float = GUARD_STOP_SECONDS, env: dict[str, str] | None = None,
-                 health_interval: float = HEALTH_INTERVAL_SECONDS, health_timeout: float = HEALTH_TIMEOUT_SECONDS,
-                 health_failures: int = HEALTH_FAILURES, output: Callable[[str], None] = _log_output,
-                 on_restart: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        paths: Paths,
+        command: list[str],
+        *,
+        start_seconds: float = GUARD_START_SECONDS,
+        stop_seconds: float = GUARD_STOP_SECONDS,
+        env: dict[str, str] | None = None,
+        health_interval: float = HEALTH_INTERVAL_SECONDS,
+        health_timeout: float = HEALTH_TIMEOUT_SECONDS,
+        health_failures: int = HEALTH_FAILURES,
+        output: Callable[[str], None] = _log_output,
+        on_restart: Callable[[str], None] | None = None,
+    ) -> None:
         self.paths = paths
         self.command = command
         self.start_seconds = start_seconds
@@ -157,9 +172,14 @@ class GuardProcess:
 
     def status(self) -> dict[str, Any]:
         """What the status file reports about the child (no secrets: pids, counts, reasons)."""
-        return {"pid": self.pid if self.running else None, "running": self.running, "restarts": self.restarts,
-                "failed_health_checks": self.failed_checks, "last_restart_reason": self.last_restart_reason,
-                "last_restart_at": self.last_restart_at}
+        return {
+            "pid": self.pid if self.running else None,
+            "running": self.running,
+            "restarts": self.restarts,
+            "failed_health_checks": self.failed_checks,
+            "last_restart_reason": self.last_restart_reason,
+            "last_restart_at": self.last_restart_at,
+        }
 
     # -- output
 
@@ -210,8 +230,12 @@ class GuardProcess:
         self._tail.clear()
         self._held = []
         self.proc = proc = await asyncio.create_subprocess_exec(
-            *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=self.env)
+            *self.command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self.env,
+        )
         assert proc.stdout is not None
         self._relay = loop.create_task(self._pump(proc.stdout))
         self._started_at = loop.time()
@@ -226,8 +250,9 @@ class GuardProcess:
                 if (await self._check(probe)) is None:
                     break
                 if loop.time() >= deadline:
-                    raise self._failed(f"the guard process did not answer on {self.paths.guard_sock} within "
-                                       f"{self.start_seconds:.0f} s")
+                    raise self._failed(
+                        f"the guard process did not answer on {self.paths.guard_sock} within {self.start_seconds:.0f} s"
+                    )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), HEALTH_POLL_SECONDS)
         finally:
@@ -274,11 +299,13 @@ class GuardProcess:
                     continue
                 self.failed_checks += 1
                 if self.failed_checks == 1:
-                    log.warning("guard process %s failed a health check on %s (%s)", proc.pid,
-                                self.paths.guard_sock, why)
+                    log.warning(
+                        "guard process %s failed a health check on %s (%s)", proc.pid, self.paths.guard_sock, why
+                    )
                 if self.failed_checks >= self.health_failures:
-                    reason = (f"failed {self.failed_checks} health checks in a row on {self.paths.guard_sock} "
-                              f"(last: {why})")
+                    reason = (
+                        f"failed {self.failed_checks} health checks in a row on {self.paths.guard_sock} (last: {why})"
+                    )
                     log.error("guard process %s %s; stopping it to restart it", proc.pid, reason)
                     await self._stop_unhealthy(proc)
                     return reason
@@ -297,8 +324,9 @@ class GuardProcess:
         try:
             await asyncio.wait_for(proc.wait(), UNHEALTHY_KILL_SECONDS)
         except TimeoutError:
-            log.warning("guard process %s did not stop within %.0f s of SIGTERM; killing it", proc.pid,
-                        UNHEALTHY_KILL_SECONDS)
+            log.warning(
+                "guard process %s did not stop within %.0f s of SIGTERM; killing it", proc.pid, UNHEALTHY_KILL_SECONDS
+            )
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
@@ -324,8 +352,13 @@ class GuardProcess:
             reason = unhealthy or f"exited unexpectedly ({describe_exit(proc.returncode)})"
             self.last_restart_reason = reason
             self.last_restart_at = time.time()
-            log.error("guard process %s %s; the gateway answers 503 STORE_UNAVAILABLE until it is back; "
-                      "restarting it in %.1f s", proc.pid, reason, delay)
+            log.error(
+                "guard process %s %s; the gateway answers 503 STORE_UNAVAILABLE until it is back; "
+                "restarting it in %.1f s",
+                proc.pid,
+                reason,
+                delay,
+            )
             remove_dead_socket(self.paths.guard_sock)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -371,8 +404,9 @@ class GuardProcess:
             try:
                 await asyncio.wait_for(proc.wait(), self.stop_seconds)
             except TimeoutError:
-                log.warning("guard process %s did not stop within %.0f s of SIGTERM; killing it", proc.pid,
-                            self.stop_seconds)
+                log.warning(
+                    "guard process %s did not stop within %.0f s of SIGTERM; killing it", proc.pid, self.stop_seconds
+                )
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()

@@ -74,8 +74,11 @@ class TrustList:
 
 def check_name(name: Any) -> str:
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME or not is_display_safe(name):
-        raise UompError(ErrorCode.INVALID_REQUEST, f"the publisher name must be 1-{MAX_NAME} printable characters "
-                        "(no control or bidirectional-override characters)")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            f"the publisher name must be 1-{MAX_NAME} printable characters "
+            "(no control or bidirectional-override characters)",
+        )
     return name.strip()
 
 
@@ -86,8 +89,10 @@ def check_did(did: Any) -> tuple[str, str]:
     if not did.startswith("did:key:"):
         method = ":".join(did.split(":")[:2])
         raise UompError(
-            ErrorCode.INVALID_REQUEST, f"{method} identities cannot be verified by this version, so trusting "
-            "one would never match a manifest; only did:key (Ed25519) can be trusted")
+            ErrorCode.INVALID_REQUEST,
+            f"{method} identities cannot be verified by this version, so trusting "
+            "one would never match a manifest; only did:key (Ed25519) can be trusted",
+        )
     try:
         pub = didkey.public_key_from_did_key(did)
     except ValueError as exc:
@@ -121,8 +126,10 @@ def _entry(obj: Any, where: str) -> TrustEntry:
 def _check_file(path: Path) -> None:
     st = path.stat()
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UompError(ErrorCode.CONFIG_ERROR, f"{path} is writable by other users, who could vouch for keys; "
-                        "check its entries, then chmod 600 it")
+        raise UompError(
+            ErrorCode.CONFIG_ERROR,
+            f"{path} is writable by other users, who could vouch for keys; check its entries, then chmod 600 it",
+        )
     if st.st_uid != os.getuid():
         raise UompError(ErrorCode.CONFIG_ERROR, f"{path} belongs to another user; refusing to trust its entries")
 

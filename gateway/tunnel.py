@@ -44,10 +44,17 @@ QUICK_URL = re.compile(r"https://[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.trycloudf
 RATE_LIMITED = re.compile(r"429 Too Many Requests|error code: 1015")
 CONNECTED = re.compile(r"Registered tunnel connection")
 MAX_LINE = 4096
-CONFIG_PLACES = ("~/.cloudflared", "~/.cloudflare-warp", "~/cloudflare-warp", "/etc/cloudflared",
-                 "/usr/local/etc/cloudflared")
-INSTALL_HINT = ("install cloudflared from Cloudflare's package repository (e.g. `apt-get install cloudflared` "
-                "after adding pkg.cloudflare.com) or set [tunnel] cloudflared = /path/to/cloudflared")
+CONFIG_PLACES = (
+    "~/.cloudflared",
+    "~/.cloudflare-warp",
+    "~/cloudflare-warp",
+    "/etc/cloudflared",
+    "/usr/local/etc/cloudflared",
+)
+INSTALL_HINT = (
+    "install cloudflared from Cloudflare's package repository (e.g. `apt-get install cloudflared` "
+    "after adding pkg.cloudflare.com) or set [tunnel] cloudflared = /path/to/cloudflared"
+)
 
 OnUrl = Callable[[str, str | None], Awaitable[None] | None]
 
@@ -87,8 +94,15 @@ class TunnelState:
     since: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, object]:
-        return {"mode": self.mode, "status": self.status, "public_url": self.public_url, "pid": self.pid,
-                "restarts": self.restarts, "last_error": self.last_error, "since": self.since}
+        return {
+            "mode": self.mode,
+            "status": self.status,
+            "public_url": self.public_url,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "since": self.since,
+        }
 
 
 def _die_with_parent() -> None:
@@ -122,8 +136,9 @@ def user_configs() -> list[Path]:
 
 
 class TunnelSupervisor:
-    def __init__(self, cfg: TunnelConfig, *, on_url: OnUrl | None = None,
-                 on_state: Callable[[TunnelState], None] | None = None) -> None:
+    def __init__(
+        self, cfg: TunnelConfig, *, on_url: OnUrl | None = None, on_state: Callable[[TunnelState], None] | None = None
+    ) -> None:
         self.cfg = cfg
         self.state = TunnelState(cfg.mode)
         self._on_url = on_url
@@ -180,8 +195,10 @@ class TunnelSupervisor:
                 # one: give the child an empty private HOME so it does not see it.
                 self.cfg.private_home.mkdir(mode=0o700, parents=True, exist_ok=True)
                 env["HOME"] = str(self.cfg.private_home)
-                log.warning("tunnel: %s would stop a quick tunnel; running cloudflared with a private HOME",
-                            ", ".join(str(p) for p in homes))
+                log.warning(
+                    "tunnel: %s would stop a quick tunnel; running cloudflared with a private HOME",
+                    ", ".join(str(p) for p in homes),
+                )
         return env
 
     async def _run(self) -> None:
@@ -189,14 +206,16 @@ class TunnelSupervisor:
         if binary is None:
             where = self.cfg.cloudflared or "PATH"
             self._set(status="missing", last_error=f"cloudflared not found on {where}")
-            log.error("tunnel: cloudflared not found on %s; %s. The gateway keeps serving locally.", where,
-                      INSTALL_HINT)
+            log.error(
+                "tunnel: cloudflared not found on %s; %s. The gateway keeps serving locally.", where, INSTALL_HINT
+            )
             return
         if self.cfg.mode == "quick":
             etc = [p for p in user_configs() if not str(p).startswith(str(Path("~").expanduser()))]
             if etc:
-                log.warning("tunnel: %s may stop a quick tunnel; move it aside if no URL appears",
-                            ", ".join(map(str, etc)))
+                log.warning(
+                    "tunnel: %s may stop a quick tunnel; move it aside if no URL appears", ", ".join(map(str, etc))
+                )
         backoff = self.cfg.backoff_initial_seconds
         while not self._stopping:
             started = time.monotonic()
@@ -208,10 +227,16 @@ class TunnelSupervisor:
                 backoff = self.cfg.backoff_initial_seconds
             if reason == "rate-limited":
                 wait = max(backoff, self.cfg.rate_limit_backoff_seconds)
-                self._set(status="rate-limited", pid=None, last_error="Cloudflare is rate-limiting quick tunnels "
-                          "(HTTP 429 / error 1015)")
-                log.error("tunnel: Cloudflare rate-limited the quick tunnel request; retrying in %.0f s "
-                          "(a named tunnel avoids this)", wait)
+                self._set(
+                    status="rate-limited",
+                    pid=None,
+                    last_error="Cloudflare is rate-limiting quick tunnels (HTTP 429 / error 1015)",
+                )
+                log.error(
+                    "tunnel: Cloudflare rate-limited the quick tunnel request; retrying in %.0f s "
+                    "(a named tunnel avoids this)",
+                    wait,
+                )
             else:
                 wait = backoff
                 self._set(status="restarting", pid=None, last_error=reason)
@@ -224,9 +249,15 @@ class TunnelSupervisor:
         self._set(status="starting")
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *self._argv(binary), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=self._env(), start_new_session=True, limit=MAX_LINE * 4,
-                preexec_fn=_die_with_parent)
+                *self._argv(binary),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=self._env(),
+                start_new_session=True,
+                limit=MAX_LINE * 4,
+                preexec_fn=_die_with_parent,
+            )
         except OSError as exc:
             return f"could not start cloudflared ({exc.strerror})"
         self._set(pid=self._proc.pid)
@@ -269,8 +300,9 @@ class TunnelSupervisor:
         self._set(public_url=url, status="running")
         self._url_seen.set()
         if url != old:
-            log.info("tunnel: public URL %s%s", url, f" (was {old}: agents must be re-authorized with it)"
-                     if old else "")
+            log.info(
+                "tunnel: public URL %s%s", url, f" (was {old}: agents must be re-authorized with it)" if old else ""
+            )
             if self._on_url is not None:
                 res = self._on_url(url, old)
                 if asyncio.iscoroutine(res):

@@ -32,8 +32,9 @@ from gateway.anchor.base import (
 
 ROOT = Path(__file__).resolve().parent.parent
 ANVIL = ROOT / "anchor-tools" / "node_modules" / "@foundry-rs" / "anvil-linux-amd64" / "bin" / "anvil"
-ANVIL_MISSING = (f"anvil not installed at {ANVIL.relative_to(ROOT)} "
-                 "(run scripts/setup-anvil.sh; needs node/npm on linux-x64)")
+ANVIL_MISSING = (
+    f"anvil not installed at {ANVIL.relative_to(ROOT)} (run scripts/setup-anvil.sh; needs node/npm on linux-x64)"
+)
 START_DEADLINE_S = 60.0  # generous: seven test runs share two cores
 
 
@@ -64,9 +65,21 @@ class Anvil:
     def start(self) -> None:
         assert self.proc is None
         self.proc = subprocess.Popen(
-            [str(ANVIL), "--host", "127.0.0.1", "--port", str(self.port), "--silent",
-             "--chain-id", "31337", "--state", str(self.state)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                str(ANVIL),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--silent",
+                "--chain-id",
+                "31337",
+                "--state",
+                str(self.state),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + START_DEADLINE_S
         while True:

@@ -160,8 +160,9 @@ def make_cert_set(
         if name in ("good", "ed25519"):
             cert = ca.issue_agent_cert(ca_key, ca_cert, pub, agent_id, now=now)
         elif name == "expired":
-            cert = ca.issue_agent_cert(ca_key, ca_cert, pub, agent_id, dt.timedelta(hours=1),
-                                       now=now - dt.timedelta(hours=2))
+            cert = ca.issue_agent_cert(
+                ca_key, ca_cert, pub, agent_id, dt.timedelta(hours=1), now=now - dt.timedelta(hours=2)
+            )
         elif name == "not_yet_valid":
             cert = ca.issue_agent_cert(ca_key, ca_cert, pub, agent_id, now=now + dt.timedelta(days=1))
         elif name == "wrong_ca":
@@ -171,8 +172,9 @@ def make_cert_set(
         elif name == "server_eku":
             cert = custom_agent_cert(ca_key, ca_cert, pub, agent_id, eku=[ExtendedKeyUsageOID.SERVER_AUTH], now=now)
         elif name == "no_san":
-            cert = custom_agent_cert(ca_key, ca_cert, pub, agent_id, eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
-                                     uri_san=False, now=now)
+            cert = custom_agent_cert(
+                ca_key, ca_cert, pub, agent_id, eku=[ExtendedKeyUsageOID.CLIENT_AUTH], uri_san=False, now=now
+            )
         else:
             raise ValueError(f"unknown variant {name}")
         cs.agents[name] = AgentFiles(

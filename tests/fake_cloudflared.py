@@ -48,19 +48,28 @@ def main(argv: list[str]) -> int:
         origin = argv[argv.index("--url") + 1]
     named = "run" in argv
     if named and not os.environ.get("TUNNEL_TOKEN"):
-        say("ERR", '"cloudflared tunnel run" requires the ID or name of the tunnel to run as the last command '
-                   "line argument or in the configuration file.")
+        say(
+            "ERR",
+            '"cloudflared tunnel run" requires the ID or name of the tunnel to run as the last command '
+            "line argument or in the configuration file.",
+        )
         return 1
-    say("INF", "Thank you for trying Cloudflare Tunnel. Doing so, without a Cloudflare account, is a quick way "
-               "to experiment and try it out.")
+    say(
+        "INF",
+        "Thank you for trying Cloudflare Tunnel. Doing so, without a Cloudflare account, is a quick way "
+        "to experiment and try it out.",
+    )
     if mode == "exit":
         say("ERR", "failed to start tunnel: stand-in told to exit")
         return 1
     if not named:
         say("INF", "Requesting new quick Tunnel on trycloudflare.com...")
     if mode == "rate-limited":
-        say("ERR", 'Error unmarshaling QuickTunnel response: error code: 1015 error="invalid character \'e\' '
-                   'looking for beginning of value" status_code="429 Too Many Requests"')
+        say(
+            "ERR",
+            "Error unmarshaling QuickTunnel response: error code: 1015 error=\"invalid character 'e' "
+            'looking for beginning of value" status_code="429 Too Many Requests"',
+        )
         sys.stderr.write("failed to unmarshal quick Tunnel: invalid character 'e' looking for beginning of value\n")
         return 1
     if mode == "no-url":
@@ -82,11 +91,14 @@ def main(argv: list[str]) -> int:
     say("INF", "Version 2025.1.0 (stand-in)")
     token = "set" if os.environ.get("TUNNEL_TOKEN") else "unset"
     say("DBG", f"stand-in: HOME={os.environ.get('HOME', '')} token={token}")
-    say("INF", f"Registered tunnel connection connIndex=0 connection={secrets.token_hex(8)} event=0 "
-               "ip=127.0.0.1 location=test01 protocol=quic")
+    say(
+        "INF",
+        f"Registered tunnel connection connIndex=0 connection={secrets.token_hex(8)} event=0 "
+        "ip=127.0.0.1 location=test01 protocol=quic",
+    )
     if mode.startswith("die-after:"):
         time.sleep(float(mode.split(":", 1)[1]))
-        say("ERR", "Connection terminated error=\"stand-in told to die\"")
+        say("ERR", 'Connection terminated error="stand-in told to die"')
         return 1
     while True:
         time.sleep(3600)
@@ -104,8 +116,11 @@ def start_edge(origin: str | None, host: str) -> int:
         def _forward(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
-            headers = {k: v for k, v in self.headers.items()
-                       if k.lower() not in ("host", "connection", "keep-alive", "transfer-encoding")}
+            headers = {
+                k: v
+                for k, v in self.headers.items()
+                if k.lower() not in ("host", "connection", "keep-alive", "transfer-encoding")
+            }
             headers["Host"] = host
             headers["X-Forwarded-Proto"] = "https"
             headers["Cf-Connecting-Ip"] = self.client_address[0]

@@ -56,14 +56,16 @@ class Appliance:
         out = self.paths.home / "agents-test" / (sub or agent_id)
         return Agent(agent_id, ca_store.issue_with_key(self.paths, agent_id, out))
 
-    async def grant(self, agent: Agent, *, read: dict[str, Any] | None = None, bind: bool = True,
-                    **extra: Any) -> dict[str, Any]:
+    async def grant(
+        self, agent: Agent, *, read: dict[str, Any] | None = None, bind: bool = True, **extra: Any
+    ) -> dict[str, Any]:
         extra.setdefault("profile", "remote")
         extra.setdefault("audience", self.base)
         if bind:
             extra.setdefault("cnf", {"x5t#S256": agent.x5t, "jkt": agent.jkt})
-        return await grant(self.admin, self.paths, read=read or {"tags": ["preference"], "keys": []},
-                           agent_id=agent.agent_id, **extra)
+        return await grant(
+            self.admin, self.paths, read=read or {"tags": ["preference"], "keys": []}, agent_id=agent.agent_id, **extra
+        )
 
 
 def ca_file(paths: Paths) -> Path:
@@ -71,8 +73,9 @@ def ca_file(paths: Paths) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def appliance(paths: Paths, *, guard_cfg: GuardConfig | None = None,
-                    **gateway_overrides: Any) -> AsyncIterator[Appliance]:
+async def appliance(
+    paths: Paths, *, guard_cfg: GuardConfig | None = None, **gateway_overrides: Any
+) -> AsyncIterator[Appliance]:
     ca_store.init_all(paths)
     seed(paths)
     cfg = dataclasses.replace(GatewayConfig(listen_port=0), **gateway_overrides)
@@ -90,9 +93,18 @@ def agent_session(agent: Agent | None, paths: Paths, **kwargs: Any) -> aiohttp.C
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, **kwargs))
 
 
-async def agent_call(session: aiohttp.ClientSession, base: str, path: str, *, token: str | None,
-                     agent_id: str | None, method: str = "GET", headers: dict[str, str] | None = None,
-                     json_body: Any = None, data: bytes | None = None) -> tuple[int, Any, Any]:
+async def agent_call(
+    session: aiohttp.ClientSession,
+    base: str,
+    path: str,
+    *,
+    token: str | None,
+    agent_id: str | None,
+    method: str = "GET",
+    headers: dict[str, str] | None = None,
+    json_body: Any = None,
+    data: bytes | None = None,
+) -> tuple[int, Any, Any]:
     hdrs = dict(headers or {})
     if token is not None:
         hdrs["Authorization"] = f"Bearer {token}"

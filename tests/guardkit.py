@@ -26,10 +26,12 @@ ITEMS = [
     MemoryItem("user.display_name", "Alice", ("identity:public",), "medium", "user", NOW, NOW),
     MemoryItem("user.passport", "X1234567", ("identity", "preference"), "high", "user", NOW, NOW),
     MemoryItem("user.password", "hunter2", ("identity",), "high", "user", NOW, NOW),
-    MemoryItem("h.aapl", {"symbol": "AAPL", "market_value": 12000}, ("portfolio:holdings",), "medium", "user",
-               NOW, NOW),
-    MemoryItem("h.msft", {"symbol": "MSFT", "market_value": 20000}, ("portfolio:holdings",), "medium", "user",
-               NOW, NOW),
+    MemoryItem(
+        "h.aapl", {"symbol": "AAPL", "market_value": 12000}, ("portfolio:holdings",), "medium", "user", NOW, NOW
+    ),
+    MemoryItem(
+        "h.msft", {"symbol": "MSFT", "market_value": 20000}, ("portfolio:holdings",), "medium", "user", NOW, NOW
+    ),
     MemoryItem("h.nvda", {"symbol": "NVDA", "market_value": 7000}, ("portfolio:holdings",), "medium", "user", NOW, NOW),
     MemoryItem("h.tiny", {"symbol": "TINY", "market_value": 5}, ("portfolio:tiny",), "medium", "user", NOW, NOW),
 ]
@@ -51,8 +53,9 @@ def guard_config(**overrides: Any) -> GuardConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_guard(paths: Paths, cfg: GuardConfig | None = None, *, serve_tcp: bool = True
-                        ) -> AsyncIterator[GuardRunner]:
+async def running_guard(
+    paths: Paths, cfg: GuardConfig | None = None, *, serve_tcp: bool = True
+) -> AsyncIterator[GuardRunner]:
     runner = GuardRunner(paths, cfg or guard_config(), serve_tcp=serve_tcp)
     await runner.start()
     try:
@@ -69,9 +72,16 @@ def admin_headers(paths: Paths) -> dict[str, str]:
     return {"Authorization": f"Bearer {keys.load_admin(paths)}"}
 
 
-async def call(session: aiohttp.ClientSession, method: str, path: str, *, token: str | None = None,
-               headers: dict[str, str] | None = None, json_body: Any = None, base: str = "http://guard"
-               ) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
+async def call(
+    session: aiohttp.ClientSession,
+    method: str,
+    path: str,
+    *,
+    token: str | None = None,
+    headers: dict[str, str] | None = None,
+    json_body: Any = None,
+    base: str = "http://guard",
+) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
     hdrs = dict(headers or {})
     if token is not None:
         hdrs["Authorization"] = f"Bearer {token}"
@@ -84,19 +94,34 @@ async def call(session: aiohttp.ClientSession, method: str, path: str, *, token:
         return resp.status, body, resp.headers
 
 
-async def grant(session: aiohttp.ClientSession, paths: Paths, *, read: dict[str, Any],
-                agent_id: str = "calendar_agent", requested: dict[str, Any] | None = None,
-                duration_minutes: float = 30, create_extra: dict[str, Any] | None = None,
-                **grant_extra: Any) -> dict[str, Any]:
+async def grant(
+    session: aiohttp.ClientSession,
+    paths: Paths,
+    *,
+    read: dict[str, Any],
+    agent_id: str = "calendar_agent",
+    requested: dict[str, Any] | None = None,
+    duration_minutes: float = 30,
+    create_extra: dict[str, Any] | None = None,
+    **grant_extra: Any,
+) -> dict[str, Any]:
     """Create + grant a session through the real management API; returns the grant answer."""
-    body = {"agent_id": agent_id, "agent_name": "Test agent",
-            "requested_scopes": requested or {"read": read}, "duration_minutes": duration_minutes,
-            **(create_extra or {})}
+    body = {
+        "agent_id": agent_id,
+        "agent_name": "Test agent",
+        "requested_scopes": requested or {"read": read},
+        "duration_minutes": duration_minutes,
+        **(create_extra or {}),
+    }
     status, created, _ = await call(session, "POST", "/v1/sessions", headers=admin_headers(paths), json_body=body)
     assert status == 201, created
-    status, granted, _ = await call(session, "POST", f"/v1/sessions/{created['session_id']}/grant",
-                                    headers=admin_headers(paths), json_body={"granted_scopes": {"read": read},
-                                                                             **grant_extra})
+    status, granted, _ = await call(
+        session,
+        "POST",
+        f"/v1/sessions/{created['session_id']}/grant",
+        headers=admin_headers(paths),
+        json_body={"granted_scopes": {"read": read}, **grant_extra},
+    )
     assert status == 200, granted
     return dict(granted)
 
@@ -115,8 +140,9 @@ conn.close()
 @contextlib.contextmanager
 def held_lock(db: Path) -> Iterator[None]:
     """Another process holds ``BEGIN IMMEDIATE`` on ``db`` until the block ends."""
-    proc = subprocess.Popen([sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
         yield

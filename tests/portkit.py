@@ -17,6 +17,9 @@ def own_ports_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with the gateway, Local Profile and dashboard
     ports moved to free ones, through the settings' ``UOMP_<SECTION>_<FIELD>`` variables."""
     env = dict(os.environ if base is None else base)
-    env.update(UOMP_GATEWAY_LISTEN_PORT=str(free_port()), UOMP_GUARD_TCP_PORT=str(free_port()),
-               UOMP_DASHBOARD_PORT=str(free_port()))
+    env.update(
+        UOMP_GATEWAY_LISTEN_PORT=str(free_port()),
+        UOMP_GUARD_TCP_PORT=str(free_port()),
+        UOMP_DASHBOARD_PORT=str(free_port()),
+    )
     return env

@@ -27,8 +27,18 @@ from starknet_py.hash.utils import verify_message_signature
 HEX = re.compile(r"0x(0|[1-9a-f][0-9a-f]*)")
 FELT_MAX = 2**251 + 17 * 2**192
 INVOKE_V3_FIELDS = {
-    "type", "version", "sender_address", "calldata", "signature", "nonce", "resource_bounds", "tip",
-    "paymaster_data", "account_deployment_data", "nonce_data_availability_mode", "fee_data_availability_mode",
+    "type",
+    "version",
+    "sender_address",
+    "calldata",
+    "signature",
+    "nonce",
+    "resource_bounds",
+    "tip",
+    "paymaster_data",
+    "account_deployment_data",
+    "nonce_data_availability_mode",
+    "fee_data_availability_mode",
 }
 SPEC_VERSION = "0.10.2"
 
@@ -56,6 +66,7 @@ def felt(value: Any, name: str) -> int:
 def invoke_v3_hash(tx: dict[str, Any], chain_id: int) -> int:
     """SNIP-8: h("invoke", version, sender, h(tip, bounds...), h(paymaster), chain, nonce, DA modes,
     h(account deployment data), h(calldata)), h = Poseidon over felts."""
+
     def bound(name: str, b: dict[str, Any]) -> int:
         amount, price = felt(b["max_amount"], "max_amount"), felt(b["max_price_per_unit"], "max_price_per_unit")
         if amount >= 2**64 or price >= 2**128:
@@ -65,22 +76,30 @@ def invoke_v3_hash(tx: dict[str, Any], chain_id: int) -> int:
     rb = tx["resource_bounds"]
     if set(rb) != {"l1_gas", "l2_gas", "l1_data_gas"}:
         raise RpcError(-32602, "resource_bounds must name l1_gas, l2_gas and l1_data_gas")
-    fee_fields = poseidon_hash_many([felt(tx["tip"], "tip"), bound("L1_GAS", rb["l1_gas"]),
-                                     bound("L2_GAS", rb["l2_gas"]), bound("L1_DATA", rb["l1_data_gas"])])
+    fee_fields = poseidon_hash_many(
+        [
+            felt(tx["tip"], "tip"),
+            bound("L1_GAS", rb["l1_gas"]),
+            bound("L2_GAS", rb["l2_gas"]),
+            bound("L1_DATA", rb["l1_data_gas"]),
+        ]
+    )
     da = {"L1": 0, "L2": 1}
     modes = (da[tx["nonce_data_availability_mode"]] << 32) | da[tx["fee_data_availability_mode"]]
-    return poseidon_hash_many([
-        short_string("invoke"),
-        felt(tx["version"], "version"),
-        felt(tx["sender_address"], "sender_address"),
-        fee_fields,
-        poseidon_hash_many([felt(x, "paymaster_data") for x in tx["paymaster_data"]]),
-        chain_id,
-        felt(tx["nonce"], "nonce"),
-        modes,
-        poseidon_hash_many([felt(x, "account_deployment_data") for x in tx["account_deployment_data"]]),
-        poseidon_hash_many([felt(x, "calldata") for x in tx["calldata"]]),
-    ])
+    return poseidon_hash_many(
+        [
+            short_string("invoke"),
+            felt(tx["version"], "version"),
+            felt(tx["sender_address"], "sender_address"),
+            fee_fields,
+            poseidon_hash_many([felt(x, "paymaster_data") for x in tx["paymaster_data"]]),
+            chain_id,
+            felt(tx["nonce"], "nonce"),
+            modes,
+            poseidon_hash_many([felt(x, "account_deployment_data") for x in tx["account_deployment_data"]]),
+            poseidon_hash_many([felt(x, "calldata") for x in tx["calldata"]]),
+        ]
+    )
 
 
 @dataclass
@@ -153,7 +172,7 @@ class StandIn:
             nonlocal pos
             if pos + n > len(cd):
                 raise RpcError(-32602, "anchor calldata too short")
-            out = cd[pos:pos + n]
+            out = cd[pos : pos + n]
             pos += n
             return out
 
@@ -170,8 +189,13 @@ class StandIn:
         cp, _ = u256()
         out: list[tuple[list[int], list[int]]] = [([], [root, size, cp])]
         sel = get_selector_from_name
-        for name, layout in (("SessionGranted", "kk1"), ("SessionRevoked", "kk"), ("GatewayAccess", "kkdb"),
-                             ("PayloadAnchored", "kkd"), ("DataDeletionProofSubmitted", "kkd")):
+        for name, layout in (
+            ("SessionGranted", "kk1"),
+            ("SessionRevoked", "kk"),
+            ("GatewayAccess", "kkdb"),
+            ("PayloadAnchored", "kkd"),
+            ("DataDeletionProofSubmitted", "kkd"),
+        ):
             (count,) = take(1)
             if count > 1000:
                 raise RpcError(-32602, "array too long")
@@ -222,8 +246,7 @@ class StandIn:
             raise RpcError(-32602, "inner calldata length is wrong")
         decoded = self.decode_anchor(cd[4:])
         self.received.append(tx)
-        record = Tx(hash=h, block=None, events=decoded,
-                    reverted=None if self.account == self.owner else "NOT_OWNER")
+        record = Tx(hash=h, block=None, events=decoded, reverted=None if self.account == self.owner else "NOT_OWNER")
         self.txs[h] = record
         self.pending.append(h)
         if self.auto_mine:
@@ -244,8 +267,10 @@ class StandIn:
             "block_hash": hex(0xB10C000 + tx.block),
             "block_number": tx.block,
             "messages_sent": [],
-            "events": [{"from_address": hex(self.contract), "keys": [hex(k) for k in keys],
-                        "data": [hex(d) for d in data]} for keys, data in tx.events],
+            "events": [
+                {"from_address": hex(self.contract), "keys": [hex(k) for k in keys], "data": [hex(d) for d in data]}
+                for keys, data in tx.events
+            ],
             "execution_resources": {"l1_gas": 0, "l1_data_gas": 128, "l2_gas": 1000000},
         }
         if tx.reverted:
@@ -285,10 +310,18 @@ class StandIn:
                 continue
             for i, (ek, ed) in enumerate(tx.events):
                 if all(not alt or (j < len(ek) and ek[j] in alt) for j, alt in enumerate(keys)):
-                    out.append({"from_address": hex(self.contract), "keys": [hex(k) for k in ek],
-                                "data": [hex(d) for d in ed], "block_hash": hex(0xB10C000 + tx.block),
-                                "block_number": tx.block, "transaction_hash": hex(tx.hash),
-                                "transaction_index": 0, "event_index": i})
+                    out.append(
+                        {
+                            "from_address": hex(self.contract),
+                            "keys": [hex(k) for k in ek],
+                            "data": [hex(d) for d in ed],
+                            "block_hash": hex(0xB10C000 + tx.block),
+                            "block_number": tx.block,
+                            "transaction_hash": hex(tx.hash),
+                            "transaction_index": 0,
+                            "event_index": i,
+                        }
+                    )
         return {"events": out}
 
     def dispatch(self, method: str, params: Any) -> Any:
@@ -342,11 +375,17 @@ class StandInServer:
         try:
             result = self.node.dispatch(body["method"], body.get("params", {}))
         except RpcError as exc:
-            return web.json_response({"jsonrpc": "2.0", "id": body.get("id"),
-                                      "error": {"code": exc.code, "message": exc.message}})
+            return web.json_response(
+                {"jsonrpc": "2.0", "id": body.get("id"), "error": {"code": exc.code, "message": exc.message}}
+            )
         except (KeyError, TypeError, ValueError) as exc:
-            return web.json_response({"jsonrpc": "2.0", "id": body.get("id"),
-                                      "error": {"code": -32602, "message": f"Invalid params: {type(exc).__name__}"}})
+            return web.json_response(
+                {
+                    "jsonrpc": "2.0",
+                    "id": body.get("id"),
+                    "error": {"code": -32602, "message": f"Invalid params: {type(exc).__name__}"},
+                }
+            )
         return web.json_response({"jsonrpc": "2.0", "id": body.get("id"), "result": result})
 
     async def start(self) -> None:

@@ -265,9 +265,7 @@ class EvmBackend:
     async def _send_raw(self, raw: bytes, tx_hash: bytes) -> None:
         """Broadcast signed bytes; a node that already has them (or mined them) counts as success."""
         try:
-            await self._rpc(
-                "eth_sendRawTransaction", lambda: self._w3.eth.send_raw_transaction(raw), rpc_errors=True
-            )
+            await self._rpc("eth_sendRawTransaction", lambda: self._w3.eth.send_raw_transaction(raw), rpc_errors=True)
         except Web3RPCError as exc:
             if await self._known(tx_hash):
                 return
@@ -296,7 +294,9 @@ class EvmBackend:
         probe = {**tx, "from": acct.address, "nonce": nonce, "chainId": chain}
         try:
             gas = await self._rpc(
-                "eth_estimateGas", lambda: self._w3.eth.estimate_gas(probe), rpc_errors=True  # type: ignore[arg-type]
+                "eth_estimateGas",
+                lambda: self._w3.eth.estimate_gas(probe),
+                rpc_errors=True,  # type: ignore[arg-type]
             )
         except ContractLogicError:
             raise
@@ -410,9 +410,7 @@ class EvmBackend:
     async def find(self, anchor: Anchor) -> str | None:
         contract = self._need_contract()
         block = int(
-            await self._rpc(
-                "anchoredBlock", lambda: contract.functions.anchoredBlock(anchor.checkpoint_hash).call()
-            )
+            await self._rpc("anchoredBlock", lambda: contract.functions.anchoredBlock(anchor.checkpoint_hash).call())
         )
         if block == 0:
             return None
@@ -477,9 +475,7 @@ class EvmBackend:
         if (args["root"], args["treeSize"]) != (anchor.root, anchor.tree_size):
             raise AnchorMismatch("the event log's checkpoint does not match")
         at = int(
-            await self._rpc(
-                "anchoredBlock", lambda: contract.functions.anchoredBlock(anchor.checkpoint_hash).call()
-            )
+            await self._rpc("anchoredBlock", lambda: contract.functions.anchoredBlock(anchor.checkpoint_hash).call())
         )
         if at != block:
             raise AnchorMismatch("the contract records this checkpoint in a different block")
@@ -504,8 +500,12 @@ class EvmBackend:
         cap the block range of a query need a recent ``from_block``."""
         contract = self._need_contract()
         await self.check_contract()
-        flt: Any = {"address": contract.address, "fromBlock": from_block, "toBlock": "latest",
-                    "topics": ["0x" + _TOPICS["CheckpointAnchored"].hex()]}
+        flt: Any = {
+            "address": contract.address,
+            "fromBlock": from_block,
+            "toBlock": "latest",
+            "topics": ["0x" + _TOPICS["CheckpointAnchored"].hex()],
+        }
         logs: list[Any] = list(await self._rpc("eth_getLogs", lambda: self._w3.eth.get_logs(flt)))
         best: dict[str, Any] | None = None
         for log in logs:
@@ -513,9 +513,13 @@ class EvmBackend:
                 continue
             args = self._decode(log)[1]
             if best is None or int(args["treeSize"]) > best["tree_size"]:
-                best = {"tree_size": int(args["treeSize"]), "root": bytes(args["root"]),
-                        "checkpoint_hash": bytes(args["checkpointHash"]),
-                        "tx": "0x" + bytes(log["transactionHash"]).hex(), "block": int(log["blockNumber"])}
+                best = {
+                    "tree_size": int(args["treeSize"]),
+                    "root": bytes(args["root"]),
+                    "checkpoint_hash": bytes(args["checkpointHash"]),
+                    "tx": "0x" + bytes(log["transactionHash"]).hex(),
+                    "block": int(log["blockNumber"]),
+                }
         return best
 
     @answers_checked
@@ -534,15 +538,28 @@ class EvmBackend:
                 continue
             kind, args = self._decode(log)
             if kind in _EVENT_KINDS:
-                out.append({"kind": kind, "args": args, "tx": "0x" + bytes(log["transactionHash"]).hex(),
-                            "block": int(log["blockNumber"])})
+                out.append(
+                    {
+                        "kind": kind,
+                        "args": args,
+                        "tx": "0x" + bytes(log["transactionHash"]).hex(),
+                        "block": int(log["blockNumber"]),
+                    }
+                )
         return out
 
     def _decode(self, log: Any) -> tuple[str, dict[str, Any]]:
         contract = self._need_contract()
         topic0 = bytes(log["topics"][0]) if log["topics"] else b""
-        for event in ("SessionGranted", "SessionRevoked", "GatewayAccess", "PayloadAnchored",
-                      "DataDeletionProofSubmitted", "CheckpointAnchored", "OwnershipTransferred"):
+        for event in (
+            "SessionGranted",
+            "SessionRevoked",
+            "GatewayAccess",
+            "PayloadAnchored",
+            "DataDeletionProofSubmitted",
+            "CheckpointAnchored",
+            "OwnershipTransferred",
+        ):
             if topic0 == _TOPICS[event]:
                 try:
                     decoded = getattr(contract.events, event)().process_log(log)
@@ -638,8 +655,9 @@ _TOPICS = {
 }
 
 
-_EVENT_KINDS = frozenset({"SessionGranted", "SessionRevoked", "GatewayAccess", "PayloadAnchored",
-                          "DataDeletionProofSubmitted"})
+_EVENT_KINDS = frozenset(
+    {"SessionGranted", "SessionRevoked", "GatewayAccess", "PayloadAnchored", "DataDeletionProofSubmitted"}
+)
 
 
 def _parse_ref(ref: str) -> bytes:
@@ -656,25 +674,47 @@ def _expected_events(anchor: Anchor) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     g: SessionGranted
     for g in anchor.granted:
-        out.append(("SessionGranted", {"sessionHash": g.session_hash, "agentHash": g.agent_hash,
-                                       "expiresAt": g.expires_at}))
+        out.append(
+            ("SessionGranted", {"sessionHash": g.session_hash, "agentHash": g.agent_hash, "expiresAt": g.expires_at})
+        )
     r: SessionRevoked
     for r in anchor.revoked:
         out.append(("SessionRevoked", {"sessionHash": r.session_hash, "agentHash": r.agent_hash}))
     a: GatewayAccess
     for a in anchor.access:
-        out.append(("GatewayAccess", {"sessionHash": a.session_hash, "agentHash": a.agent_hash,
-                                      "endpointHash": a.endpoint_hash, "allowed": a.allowed}))
+        out.append(
+            (
+                "GatewayAccess",
+                {
+                    "sessionHash": a.session_hash,
+                    "agentHash": a.agent_hash,
+                    "endpointHash": a.endpoint_hash,
+                    "allowed": a.allowed,
+                },
+            )
+        )
     p: PayloadAnchored
     for p in anchor.payloads:
-        out.append(("PayloadAnchored", {"payloadHash": p.payload_hash, "sessionHash": p.session_hash,
-                                        "agentHash": p.agent_hash}))
+        out.append(
+            (
+                "PayloadAnchored",
+                {"payloadHash": p.payload_hash, "sessionHash": p.session_hash, "agentHash": p.agent_hash},
+            )
+        )
     d: DataDeletionProofSubmitted
     for d in anchor.deletions:
-        out.append(("DataDeletionProofSubmitted", {"sessionHash": d.session_hash, "agentHash": d.agent_hash,
-                                                   "deletionProofHash": d.deletion_proof_hash}))
-    out.append(("CheckpointAnchored", {"root": anchor.root, "treeSize": anchor.tree_size,
-                                       "checkpointHash": anchor.checkpoint_hash}))
+        out.append(
+            (
+                "DataDeletionProofSubmitted",
+                {"sessionHash": d.session_hash, "agentHash": d.agent_hash, "deletionProofHash": d.deletion_proof_hash},
+            )
+        )
+    out.append(
+        (
+            "CheckpointAnchored",
+            {"root": anchor.root, "treeSize": anchor.tree_size, "checkpointHash": anchor.checkpoint_hash},
+        )
+    )
     return out
 
 

@@ -49,8 +49,9 @@ def make_backend(
         from gateway.anchor.evm import EvmBackend, EvmSettings, load_private_key
 
         try:
-            evm_settings = EvmSettings(rpc_url=rpc_url, contract=contract, chain_id=chain_id,
-                                       code_hash=code_hash or None, **extra)
+            evm_settings = EvmSettings(
+                rpc_url=rpc_url, contract=contract, chain_id=chain_id, code_hash=code_hash or None, **extra
+            )
         except ValueError as exc:  # our own messages: they never echo the URL
             raise AnchorRejected(str(exc)) from None
         acct = load_private_key(key_file) if key_file is not None else None
@@ -64,8 +65,9 @@ def make_backend(
     except ValueError:
         raise AnchorRejected("starknet contract or account is not a 0x-hex felt") from None
     try:
-        settings = StarknetSettings(rpc_url=rpc_url, account=account_felt, contract=contract_felt,
-                                    chain_id=chain_id, **extra)
+        settings = StarknetSettings(
+            rpc_url=rpc_url, account=account_felt, contract=contract_felt, chain_id=chain_id, **extra
+        )
     except ValueError as exc:  # our own messages: they never echo the URL
         raise AnchorRejected(str(exc)) from None
     key = load_stark_key(key_file) if key_file is not None else None
@@ -76,8 +78,10 @@ def rpc_warnings(backend: str, rpc_url: str) -> list[str]:
     """Warnings about the anchoring settings (for `uomp doctor` and the start banner)."""
     if backend == "none" or not rpc_url or not plain_http_remote(rpc_url):
         return []
-    return [f"the chain RPC {redact_url(rpc_url)} is plain http to another host: anyone on the path can read "
-            "and answer for it (every anchor is still checked, but can be stalled or hidden); use https://"]
+    return [
+        f"the chain RPC {redact_url(rpc_url)} is plain http to another host: anyone on the path can read "
+        "and answer for it (every anchor is still checked, but can be stalled or hidden); use https://"
+    ]
 
 
 async def anchor_deploy(rpc_url: str, key_file: Path, *, chain_id: int | None = None) -> dict[str, Any]:

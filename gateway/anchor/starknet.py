@@ -54,8 +54,14 @@ T = TypeVar("T")
 
 FELT_MAX = 2**251 + 17 * 2**192  # the Stark field prime; felts are in [0, FELT_MAX)
 TX_NOT_FOUND = 29  # Starknet JSON-RPC error code: "Transaction hash not found"
-_EVENTS = ("SessionGranted", "SessionRevoked", "GatewayAccess", "PayloadAnchored", "DataDeletionProofSubmitted",
-           "CheckpointAnchored")
+_EVENTS = (
+    "SessionGranted",
+    "SessionRevoked",
+    "GatewayAccess",
+    "PayloadAnchored",
+    "DataDeletionProofSubmitted",
+    "CheckpointAnchored",
+)
 SELECTORS = {name: get_selector_from_name(name) for name in (*_EVENTS, "anchor", "anchored_block")}
 
 
@@ -102,13 +108,21 @@ def expected_events(anchor: Anchor) -> list[tuple[list[int], list[int]]]:
     for r in anchor.revoked:
         out.append(([s["SessionRevoked"], *_u256(r.session_hash), *_u256(r.agent_hash)], []))
     for a in anchor.access:
-        out.append(([s["GatewayAccess"], *_u256(a.session_hash), *_u256(a.agent_hash)],
-                    [*_u256(a.endpoint_hash), int(a.allowed)]))
+        out.append(
+            (
+                [s["GatewayAccess"], *_u256(a.session_hash), *_u256(a.agent_hash)],
+                [*_u256(a.endpoint_hash), int(a.allowed)],
+            )
+        )
     for p in anchor.payloads:
         out.append(([s["PayloadAnchored"], *_u256(p.payload_hash), *_u256(p.session_hash)], _u256(p.agent_hash)))
     for d in anchor.deletions:
-        out.append(([s["DataDeletionProofSubmitted"], *_u256(d.session_hash), *_u256(d.agent_hash)],
-                    _u256(d.deletion_proof_hash)))
+        out.append(
+            (
+                [s["DataDeletionProofSubmitted"], *_u256(d.session_hash), *_u256(d.agent_hash)],
+                _u256(d.deletion_proof_hash),
+            )
+        )
     out.append(([s["CheckpointAnchored"], *_u256(anchor.checkpoint_hash)], [*_u256(anchor.root), anchor.tree_size]))
     return out
 
@@ -205,8 +219,7 @@ class StarknetBackend:
             self._client = FullNodeClient(node_url=self.settings.rpc_url, session=self._session)
         return self._client
 
-    async def _rpc(self, what: str, call: Callable[[FullNodeClient], Awaitable[T]], *,
-                   rpc_errors: bool = False) -> T:
+    async def _rpc(self, what: str, call: Callable[[FullNodeClient], Awaitable[T]], *, rpc_errors: bool = False) -> T:
         s = self.settings
         last = ""
         for attempt in range(s.rpc_attempts):
@@ -283,8 +296,9 @@ class StarknetBackend:
             nonce = await self._nonce()
             tx = self.build_invoke(anchor, nonce)
             try:
-                sent = await self._rpc("starknet_addInvokeTransaction", lambda c: c.send_transaction(tx),
-                                       rpc_errors=True)
+                sent = await self._rpc(
+                    "starknet_addInvokeTransaction", lambda c: c.send_transaction(tx), rpc_errors=True
+                )
             except ClientError as exc:
                 msg = str(exc.message or "").lower()
                 if "nonce" in msg:
@@ -304,14 +318,20 @@ class StarknetBackend:
         """The account's nonce in the latest block, or one past our newest transaction that the
         node still holds (the latest block does not count pooled transactions). Never further
         ahead: a transaction the node lost must not leave a gap that stalls later ones."""
-        latest = int(await self._rpc(
-            "starknet_getNonce", lambda c: c.get_contract_nonce(self.settings.account, block_number="latest")))
+        latest = int(
+            await self._rpc(
+                "starknet_getNonce", lambda c: c.get_contract_nonce(self.settings.account, block_number="latest")
+            )
+        )
         for key in [k for k, s in self._inflight.items() if s.nonce is not None and s.nonce < latest]:
             del self._inflight[key]  # executed: find() locates it on chain from now on
         while len(self._inflight) > MAX_INFLIGHT:
             del self._inflight[next(iter(self._inflight))]
-        ours = sorted((s for s in self._inflight.values() if s.nonce is not None and s.nonce >= latest),
-                      key=lambda s: s.nonce or 0, reverse=True)
+        ours = sorted(
+            (s for s in self._inflight.values() if s.nonce is not None and s.nonce >= latest),
+            key=lambda s: s.nonce or 0,
+            reverse=True,
+        )
         for sub in ours:
             if (await self.status(sub)).state in ("pending", "confirmed"):
                 return (sub.nonce or 0) + 1
@@ -322,14 +342,16 @@ class StarknetBackend:
         ref = submitted.ref
         tx_hash = _parse_ref(ref)
         try:
-            receipt = await self._rpc("starknet_getTransactionReceipt",
-                                      lambda c: c.get_transaction_receipt(tx_hash), rpc_errors=True)
+            receipt = await self._rpc(
+                "starknet_getTransactionReceipt", lambda c: c.get_transaction_receipt(tx_hash), rpc_errors=True
+            )
         except ClientError as exc:
             if not _not_found(exc):
                 raise AnchorUnavailable("Starknet RPC answered the receipt query with an error") from None
             try:
-                await self._rpc("starknet_getTransactionStatus", lambda c: c.get_transaction_status(tx_hash),
-                                rpc_errors=True)
+                await self._rpc(
+                    "starknet_getTransactionStatus", lambda c: c.get_transaction_status(tx_hash), rpc_errors=True
+                )
             except ClientError as exc2:
                 if _not_found(exc2):
                     return Confirmation(state="dropped", ref=ref)
@@ -352,8 +374,9 @@ class StarknetBackend:
         )
 
     async def _anchored_block(self, checkpoint_hash: bytes) -> int:
-        call = Call(to_addr=self.settings.contract, selector=SELECTORS["anchored_block"],
-                    calldata=_u256(checkpoint_hash))
+        call = Call(
+            to_addr=self.settings.contract, selector=SELECTORS["anchored_block"], calldata=_u256(checkpoint_hash)
+        )
         out = await self._rpc("starknet_call", lambda c: c.call_contract(call, block_number="latest"))
         if len(out) != 1:
             raise AnchorUnavailable("anchored_block returned an unexpected shape")
@@ -365,10 +388,16 @@ class StarknetBackend:
         events: list[Any] = []
         token: str | None = None
         for _ in range(self.settings.events_max_pages):
+
             def page(c: FullNodeClient, after: str | None = token) -> Awaitable[Any]:
-                return c.get_events(address=self.settings.contract, keys=keys, from_block_number=block,
-                                    to_block_number=block, continuation_token=after,
-                                    chunk_size=self.settings.events_chunk)
+                return c.get_events(
+                    address=self.settings.contract,
+                    keys=keys,
+                    from_block_number=block,
+                    to_block_number=block,
+                    continuation_token=after,
+                    chunk_size=self.settings.events_chunk,
+                )
 
             chunk = await self._rpc("starknet_getEvents", page)
             events += chunk.events
@@ -384,16 +413,30 @@ class StarknetBackend:
         ``events_max_pages`` pages of ``events_chunk``: more is AnchorUnavailable, never a short list."""
         await self.check_contract()
         head = int(await self._rpc("starknet_blockNumber", lambda c: c.get_block_number()))
-        names = {SELECTORS[k]: k for k in ("SessionGranted", "SessionRevoked", "GatewayAccess", "PayloadAnchored",
-                                           "DataDeletionProofSubmitted")}
+        names = {
+            SELECTORS[k]: k
+            for k in (
+                "SessionGranted",
+                "SessionRevoked",
+                "GatewayAccess",
+                "PayloadAnchored",
+                "DataDeletionProofSubmitted",
+            )
+        }
         keys: list[list[int | str]] = [list(names)]
         events: list[Any] = []
         token: str | None = None
         for _ in range(self.settings.events_max_pages):
+
             def page(c: FullNodeClient, after: str | None = token) -> Awaitable[Any]:
-                return c.get_events(address=self.settings.contract, keys=keys, from_block_number=from_block,
-                                    to_block_number=head, continuation_token=after,
-                                    chunk_size=self.settings.events_chunk)
+                return c.get_events(
+                    address=self.settings.contract,
+                    keys=keys,
+                    from_block_number=from_block,
+                    to_block_number=head,
+                    continuation_token=after,
+                    chunk_size=self.settings.events_chunk,
+                )
 
             chunk = await self._rpc("starknet_getEvents", page)
             events += chunk.events
@@ -423,8 +466,7 @@ class StarknetBackend:
                     args["deletionProofHash"] = u(d[0:2])
                 elif kind == "GatewayAccess":
                     args["endpointHash"], args["allowed"] = u(d[0:2]), bool(d[2])
-            out.append({"kind": kind, "args": args, "tx": _hex(int(e.transaction_hash)),
-                        "block": int(e.block_number)})
+            out.append({"kind": kind, "args": args, "tx": _hex(int(e.transaction_hash)), "block": int(e.block_number)})
         return out
 
     @answers_checked
@@ -441,8 +483,9 @@ class StarknetBackend:
         tx_hash = _parse_ref(receipt_ref)
         await self._check_chain()
         try:
-            receipt = await self._rpc("starknet_getTransactionReceipt",
-                                      lambda c: c.get_transaction_receipt(tx_hash), rpc_errors=True)
+            receipt = await self._rpc(
+                "starknet_getTransactionReceipt", lambda c: c.get_transaction_receipt(tx_hash), rpc_errors=True
+            )
         except ClientError as exc:
             if _not_found(exc):
                 raise AnchorMismatch("the chain has no receipt for this transaction") from None
@@ -486,8 +529,11 @@ class StarknetBackend:
         out = self.describe()
         await self._check_chain()
         out["head"] = int(await self._rpc("starknet_blockNumber", lambda c: c.get_block_number()))
-        out["account_nonce"] = int(await self._rpc(
-            "starknet_getNonce", lambda c: c.get_contract_nonce(self.settings.account, block_number="latest")))
+        out["account_nonce"] = int(
+            await self._rpc(
+                "starknet_getNonce", lambda c: c.get_contract_nonce(self.settings.account, block_number="latest")
+            )
+        )
         return out
 
     async def close(self) -> None:

@@ -81,8 +81,10 @@ def _issue(args: argparse.Namespace) -> int:
             atomic_write(Path(args.cert_out), pem, mode=0o644)
             cert = ca.load_cert(pem)
             print(f"certificate for agent {args.agent_id} written to {args.cert_out}")
-            print(f"  serial {ca.serial_hex(cert.serial_number)}, valid until "
-                  f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S}Z")
+            print(
+                f"  serial {ca.serial_hex(cert.serial_number)}, valid until "
+                f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S}Z"
+            )
             print(f"  the agent also needs the CA certificate: {ca_store.ca_cert_path(paths)}")
         else:
             sys.stdout.write(pem.decode("ascii"))
@@ -95,14 +97,17 @@ def _issue(args: argparse.Namespace) -> int:
         event.reason = "the user issued an agent certificate"
     print(f"agent {args.agent_id}: {'new key' if files.new_key else 'existing key reused'}")
     print(f"  key:         {files.key_file} (0600)")
-    print(f"  certificate: {files.cert_file} (0600, serial {files.serial}, valid until "
-          f"{files.not_after:%Y-%m-%d %H:%M:%S}Z)")
+    print(
+        f"  certificate: {files.cert_file} (0600, serial {files.serial}, valid until "
+        f"{files.not_after:%Y-%m-%d %H:%M:%S}Z)"
+    )
     print(f"  CA:          {files.ca_file} (0600)")
     return 0
 
 
-def revoke_agent(paths: Paths, target: str, *, keep_sessions: bool = False,
-                 via: str = "uomp agent revoke") -> tuple[ca_store.Revocation, home.SessionSweep]:
+def revoke_agent(
+    paths: Paths, target: str, *, keep_sessions: bool = False, via: str = "uomp agent revoke"
+) -> tuple[ca_store.Revocation, home.SessionSweep]:
     """Revoke certificates (an agent's, or a serial and its renewals), re-sign the CRL, and revoke
     the live sessions bound to them (unless ``keep_sessions``). Used by the CLI and the dashboard."""
     with userlog.change(paths, via="dashboard" if via.startswith("dashboard") else "cli") as event:
@@ -113,8 +118,14 @@ def revoke_agent(paths: Paths, target: str, *, keep_sessions: bool = False,
             event.reason = f"the user revoked {len(done.revoked)} agent certificate(s)"
             event.detail = f"target {target[:120]}"
     by_agent = [a for a in done.agent_ids if target in (a, f"agent:{a}")]
-    sweep = home.revoke_sessions(paths, reason=f"agent certificate revoked ('{via} {target}')",
-                                 agent_ids=by_agent, jkts=done.jkts, x5ts=done.x5ts, keep=keep_sessions)
+    sweep = home.revoke_sessions(
+        paths,
+        reason=f"agent certificate revoked ('{via} {target}')",
+        agent_ids=by_agent,
+        jkts=done.jkts,
+        x5ts=done.x5ts,
+        keep=keep_sessions,
+    )
     return done, sweep
 
 
@@ -128,19 +139,27 @@ def _revoke(args: argparse.Namespace) -> int:
         print(f"nothing new to revoke for {args.target} (already revoked)")
     if len(done.serials) > 1 and not args.target.startswith("agent:") and args.target not in done.agent_ids:
         print(f"  (serial {args.target} and the {len(done.serials) - 1} certificate(s) renewed from it)")
-    print(f"CRL re-signed: {ca_store.crl_path(paths)}; a running gateway reloads it within seconds (or on "
-          "SIGHUP) and refuses these certificates, on open connections too")
+    print(
+        f"CRL re-signed: {ca_store.crl_path(paths)}; a running gateway reloads it within seconds (or on "
+        "SIGHUP) and refuses these certificates, on open connections too"
+    )
     if args.keep_sessions:
-        print(f"{len(sweep.matched)} live session(s) bound to these certificates kept (--keep-sessions); none of "
-              "their requests can succeed with a revoked certificate")
+        print(
+            f"{len(sweep.matched)} live session(s) bound to these certificates kept (--keep-sessions); none of "
+            "their requests can succeed with a revoked certificate"
+        )
     else:
-        print(f"{len(sweep.matched)} live session(s) bound to these certificates revoked too (their tokens and "
-              "refresh tokens stop working at once; --keep-sessions to keep them)")
+        print(
+            f"{len(sweep.matched)} live session(s) bound to these certificates revoked too (their tokens and "
+            "refresh tokens stop working at once; --keep-sessions to keep them)"
+        )
     for sid, agent in sweep.matched:
         print(f"  {sid}  {agent}")
     if sweep.unbound:
-        print(f"{len(sweep.unbound)} Local Profile session(s) of this agent need no certificate and stay active "
-              "('uomp sessions revoke SESSION' to end them):")
+        print(
+            f"{len(sweep.unbound)} Local Profile session(s) of this agent need no certificate and stay active "
+            "('uomp sessions revoke SESSION' to end them):"
+        )
         for sid, agent in sweep.unbound:
             print(f"  {sid}  {agent}")
     return 0
@@ -150,12 +169,22 @@ def _list(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     rows = ca_store.list_agents(paths)
     if args.json:
-        print(json.dumps([
-            {"agent_id": r.agent_id, "serial": r.serial, "not_after": f"{r.not_after:%Y-%m-%dT%H:%M:%S}Z",
-             "status": r.status, "renewed_from": r.renewed_from,
-             "revoked_at": f"{r.revoked_at:%Y-%m-%dT%H:%M:%S}Z" if r.revoked_at else None}
-            for r in rows
-        ], indent=1))
+        print(
+            json.dumps(
+                [
+                    {
+                        "agent_id": r.agent_id,
+                        "serial": r.serial,
+                        "not_after": f"{r.not_after:%Y-%m-%dT%H:%M:%S}Z",
+                        "status": r.status,
+                        "renewed_from": r.renewed_from,
+                        "revoked_at": f"{r.revoked_at:%Y-%m-%dT%H:%M:%S}Z" if r.revoked_at else None,
+                    }
+                    for r in rows
+                ],
+                indent=1,
+            )
+        )
         return 0
     if not rows:
         print("no agent certificates issued")
@@ -176,12 +205,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "an existing CA); re-issues the gateway certificate when it lacks a requested name or is near "
         "expiry, and re-signs the CRL when it is near its next update",
     )
-    ci.add_argument("--hostname", action="append", default=[], metavar="H",
-                    help="extra DNS name or IP address for the gateway certificate (repeatable); localhost, "
-                    "127.0.0.1, ::1, the configured listen host (unless a wildcard) and the hosts of the "
-                    "configured endpoints are always included")
-    ci.add_argument("--key-type", choices=("p256", "ed25519"), default="p256",
-                    help="key type of a NEW CA (default p256); ignored when the CA exists")
+    ci.add_argument(
+        "--hostname",
+        action="append",
+        default=[],
+        metavar="H",
+        help="extra DNS name or IP address for the gateway certificate (repeatable); localhost, "
+        "127.0.0.1, ::1, the configured listen host (unless a wildcard) and the hosts of the "
+        "configured endpoints are always included",
+    )
+    ci.add_argument(
+        "--key-type",
+        choices=("p256", "ed25519"),
+        default="p256",
+        help="key type of a NEW CA (default p256); ignored when the CA exists",
+    )
     ci.set_defaults(func=_ca_init)
 
     a = sub.add_parser("agent", help="issue, revoke and list agent client certificates")
@@ -193,19 +231,33 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     ai.add_argument("agent_id", metavar="AGENT_ID", help="1-128 characters of A-Z a-z 0-9 . _ -")
     src = ai.add_mutually_exclusive_group(required=True)
-    src.add_argument("--csr", metavar="FILE",
-                     help="PEM or DER certificate signing request ('-' = stdin); its signature is "
-                     "checked and only its public key is used")
-    src.add_argument("--out", metavar="DIR",
-                     help="write agent.key (an existing one is reused), agent.crt and ca.crt here, all 0600; "
-                     "DIR is created 0700, an existing DIR keeps its mode but must be yours and not "
-                     "group/other-writable")
-    ai.add_argument("--cert-out", metavar="FILE",
-                    help="with --csr: write the certificate here instead of stdout")
-    ai.add_argument("--lifetime-hours", type=float, default=24.0, metavar="N",
-                    help="certificate lifetime in hours (default 24, at most 2160 = 90 days)")
-    ai.add_argument("--key-type", choices=("p256", "ed25519"), default="p256",
-                    help="with --out: type of a new agent key (default p256)")
+    src.add_argument(
+        "--csr",
+        metavar="FILE",
+        help="PEM or DER certificate signing request ('-' = stdin); its signature is "
+        "checked and only its public key is used",
+    )
+    src.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write agent.key (an existing one is reused), agent.crt and ca.crt here, all 0600; "
+        "DIR is created 0700, an existing DIR keeps its mode but must be yours and not "
+        "group/other-writable",
+    )
+    ai.add_argument("--cert-out", metavar="FILE", help="with --csr: write the certificate here instead of stdout")
+    ai.add_argument(
+        "--lifetime-hours",
+        type=float,
+        default=24.0,
+        metavar="N",
+        help="certificate lifetime in hours (default 24, at most 2160 = 90 days)",
+    )
+    ai.add_argument(
+        "--key-type",
+        choices=("p256", "ed25519"),
+        default="p256",
+        help="with --out: type of a new agent key (default p256)",
+    )
     ai.set_defaults(func=_issue)
 
     ar = asub.add_parser(
@@ -213,12 +265,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="revoke every certificate of an agent, or one certificate by serial together with every "
         "certificate renewed from it, re-sign the CRL, and revoke the sessions bound to them",
     )
-    ar.add_argument("target", metavar="AGENT_ID|SERIAL",
-                    help="agent id or hex serial; prefix 'agent:' or 'serial:' if one could be read as "
-                    "the other")
-    ar.add_argument("--keep-sessions", action="store_true",
-                    help="do not revoke the live sessions whose tokens are bound to these certificates (by "
-                    "default they are revoked: with the certificate gone none of their requests can succeed)")
+    ar.add_argument(
+        "target",
+        metavar="AGENT_ID|SERIAL",
+        help="agent id or hex serial; prefix 'agent:' or 'serial:' if one could be read as the other",
+    )
+    ar.add_argument(
+        "--keep-sessions",
+        action="store_true",
+        help="do not revoke the live sessions whose tokens are bound to these certificates (by "
+        "default they are revoked: with the certificate gone none of their requests can succeed)",
+    )
     ar.set_defaults(func=_revoke)
 
     al = asub.add_parser("list", help="certificates issued by the CA: agent, serial, expiry, status")

@@ -122,23 +122,28 @@ def _show_identity(m: manifest.Manifest, ident: manifest.IdentityResult, trusted
         _warn(f"UNVERIFIED PUBLISHER: {ident.reason}")
         named = trusted.find_did(ident.did)
         if named is not None:
-            _warn(f"this manifest names the key you trust as {named.name!r}, but that key did NOT sign it: "
-                  f"it is not from {named.name!r}")
-    print(f'Publisher: "{claim}" (the manifest\'s own claim, not verified)' if claim
-          else "Publisher: (none named)")
+            _warn(
+                f"this manifest names the key you trust as {named.name!r}, but that key did NOT sign it: "
+                f"it is not from {named.name!r}"
+            )
+    print(f'Publisher: "{claim}" (the manifest\'s own claim, not verified)' if claim else "Publisher: (none named)")
 
 
-def _offer_trust(args: argparse.Namespace, paths: Any, ident: manifest.IdentityResult,
-                 trusted: trust.TrustList) -> trust.TrustList:
+def _offer_trust(
+    args: argparse.Namespace, paths: Any, ident: manifest.IdentityResult, trusted: trust.TrustList
+) -> trust.TrustList:
     """Trust-on-first-use, only on the user's explicit word: --trust-publisher NAME or a typed name."""
     if args.trust_publisher is not None:
         if not ident.verified or not ident.did:
-            raise UompError(ErrorCode.INVALID_REQUEST, "--trust-publisher: the manifest has no verified signature, so "
-                            "there is no key to trust")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                "--trust-publisher: the manifest has no verified signature, so there is no key to trust",
+            )
         name = args.trust_publisher
     elif ident.verified and ident.did and _identity_state(ident, trusted) is None and _interactive(args):
-        name = input("Trust this key as a publisher from now on? Type the name to remember it by "
-                     "(empty: do not trust): ").strip()
+        name = input(
+            "Trust this key as a publisher from now on? Type the name to remember it by (empty: do not trust): "
+        ).strip()
         if not name:
             return trusted
     else:
@@ -194,15 +199,19 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
     if not m.write.is_empty():
         print(_scope_line("write", m.write) + "  (writes are not available; they will not be granted)")
     _show_capabilities(m)
-    print(f"Remote:    requires_remote: {'true' if m.requires_remote else 'false'}"
-          + (" (the agent runs on another machine, through the gateway)" if m.requires_remote else ""))
+    print(
+        f"Remote:    requires_remote: {'true' if m.requires_remote else 'false'}"
+        + (" (the agent runs on another machine, through the gateway)" if m.requires_remote else "")
+    )
     level = manifest.retention_level(m.retention)
     r = m.retention
     if r is None:
         _warn("NO DATA RETENTION POLICY: the agent makes no promise about deleting your data")
     else:
-        print(f"Retention: keeps data up to {r.max_retention_seconds:g} s after the task, deletion by "
-              f"{r.deletion_method}" + (", deletion proof required" if r.proof_required else ""))
+        print(
+            f"Retention: keeps data up to {r.max_retention_seconds:g} s after the task, deletion by "
+            f"{r.deletion_method}" + (", deletion proof required" if r.proof_required else "")
+        )
         if r.third_party_sharing:
             _warn("the agent says it SHARES your data with third parties")
     if level == "no_guarantee":
@@ -216,8 +225,11 @@ def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace, cfg: Gua
         extras.append("aggregates only (sum/avg/count/min/max), never items")
     if args.task_bound:
         extras.append("one task")
-    print("Grant:     " + _scope_line("read", plan.scope).strip()[len("read"):].strip()
-          + (f"; {'; '.join(extras)}" if extras else ""))
+    print(
+        "Grant:     "
+        + _scope_line("read", plan.scope).strip()[len("read") :].strip()
+        + (f"; {'; '.join(extras)}" if extras else "")
+    )
     if plan.widened:
         _warn("WIDER THAN REQUESTED (--widen): " + "; ".join(plan.widened))
 
@@ -229,8 +241,10 @@ def _session_seconds(args: argparse.Namespace, cfg: GuardConfig) -> float:
     if args.duration > most_minutes * 60:
         setting = "remote_session_max_minutes" if args.remote else "session_max_minutes"
         raise UompError(
-            ErrorCode.INVALID_REQUEST, f"--session-ttl: a {'remote' if args.remote else 'local'} session lasts "
-            f"at most {minutes_text(most_minutes)} (the {setting} setting in [guard])")
+            ErrorCode.INVALID_REQUEST,
+            f"--session-ttl: a {'remote' if args.remote else 'local'} session lasts "
+            f"at most {minutes_text(most_minutes)} (the {setting} setting in [guard])",
+        )
     if args.duration < 60:
         raise UompError(ErrorCode.INVALID_REQUEST, "--session-ttl: a session lasts at least one minute")
     return float(args.duration)
@@ -245,12 +259,16 @@ def _show_session(seconds: float, args: argparse.Namespace, cfg: GuardConfig) ->
         if refresh <= access:
             print(f"           access tokens last {minutes_text(access / 60)}, the whole session")
         else:
-            print(f"           access tokens last {minutes_text(access / 60)}; the agent renews them with a refresh "
-                  f"token of {minutes_text(refresh / 60)}, itself renewed on each use, never past the session end")
+            print(
+                f"           access tokens last {minutes_text(access / 60)}; the agent renews them with a refresh "
+                f"token of {minutes_text(refresh / 60)}, itself renewed on each use, never past the session end"
+            )
         if seconds > args.cert_hours * 3600:
-            print(f"           the agent's certificate lasts {args.cert_hours:g} h (--cert-hours), less than the "
-                  "session: the SDK renews it by itself (POST /v1/certificates/renew); an agent using curl must "
-                  "renew it before it expires")
+            print(
+                f"           the agent's certificate lasts {args.cert_hours:g} h (--cert-hours), less than the "
+                "session: the SDK renews it by itself (POST /v1/certificates/renew); an agent using curl must "
+                "renew it before it expires"
+            )
 
 
 def _show_aggregates(args: argparse.Namespace) -> None:
@@ -258,8 +276,7 @@ def _show_aggregates(args: argparse.Namespace) -> None:
     if args.aggregate_min_max:
         _warn("MIN/MAX GRANTED: each min or max answer is the exact value of one of your items")
     if args.aggregate_exact:
-        _warn("EXACT AGGREGATES GRANTED: comparing sums over overlapping tags, or over time, can reveal "
-              "single values")
+        _warn("EXACT AGGREGATES GRANTED: comparing sums over overlapping tags, or over time, can reveal single values")
     if not (args.aggregate_min_max or args.aggregate_exact):
         print("Aggregates: sum/avg/count protected against isolating single values; no min/max")
 
@@ -268,8 +285,9 @@ def _confirm(args: argparse.Namespace) -> None:
     if args.yes:
         return
     if not sys.stdin.isatty():
-        raise UompError(ErrorCode.INVALID_REQUEST, "no terminal to ask for confirmation; pass --yes to authorize "
-                        "non-interactively")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, "no terminal to ask for confirmation; pass --yes to authorize non-interactively"
+        )
     answer = input("Grant this access? [y/N] ").strip().lower()
     if answer not in ("y", "yes"):
         raise UompError(ErrorCode.ACCESS_DENIED, "authorization declined by the user")
@@ -278,13 +296,22 @@ def _confirm(args: argparse.Namespace) -> None:
 def _plan(m: manifest.Manifest, args: argparse.Namespace) -> restrictions.ReadGrant:
     """The read grant: every limit the manifest asks for, narrowed by the user (widening needs --widen)."""
     plan = restrictions.plan_read_grant(
-        m.read, capabilities=(*m.required_capabilities, *m.optional_capabilities), tags=args.tag, keys=args.key,
-        deny_tags=args.deny_tag or (), deny_keys=args.deny_key or (), allowed_fields=args.allowed_field,
-        aggregation_only=args.aggregation_only)
+        m.read,
+        capabilities=(*m.required_capabilities, *m.optional_capabilities),
+        tags=args.tag,
+        keys=args.key,
+        deny_tags=args.deny_tag or (),
+        deny_keys=args.deny_key or (),
+        allowed_fields=args.allowed_field,
+        aggregation_only=args.aggregation_only,
+    )
     if plan.widened and not args.widen:
         raise UompError(
-            ErrorCode.INVALID_REQUEST, "this grants more than the agent requested (" + "; ".join(plan.widened)
-            + "); add --widen to confirm you want that")
+            ErrorCode.INVALID_REQUEST,
+            "this grants more than the agent requested ("
+            + "; ".join(plan.widened)
+            + "); add --widen to confirm you want that",
+        )
     return plan
 
 
@@ -317,14 +344,19 @@ def _authorize(args: argparse.Namespace) -> int:
     _show_aggregates(args)
     if m.requires_remote and not args.remote:
         if not args.allow_local:
-            raise UompError(ErrorCode.INVALID_REQUEST, "this agent declares requires_remote: true (it runs on another "
-                            "machine); authorize it with --remote, or pass --allow-local to run it on this one")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                "this agent declares requires_remote: true (it runs on another "
+                "machine); authorize it with --remote, or pass --allow-local to run it on this one",
+            )
         _warn("the agent runs on this machine although it declares requires_remote: true (--allow-local)")
     trusted = _offer_trust(args, paths, ident, trusted)
     if args.require_verified and _identity_state(ident, trusted) is None:
         raise UompError(
-            ErrorCode.ACCESS_DENIED, "the publisher could not be verified against your trust list (§16.4) and "
-            "--require-verified is set; see uomp trust")
+            ErrorCode.ACCESS_DENIED,
+            "the publisher could not be verified against your trust list (§16.4) and "
+            "--require-verified is set; see uomp trust",
+        )
     _confirm(args)
     # Everything that can be checked is checked before anything is made: a refused authorize leaves
     # no session, no certificate and no file behind.
@@ -332,20 +364,30 @@ def _authorize(args: argparse.Namespace) -> int:
     auth = open_auth(paths, cfg)
     session_id: str | None = None
     try:
-        create: dict[str, Any] = {"agent_id": m.agent.id, "agent_name": m.agent.name,
-                                  "requested_scopes": {"read": m.read.to_claim()},
-                                  "duration_minutes": seconds / 60,
-                                  "profile": "remote" if args.remote else "local"}
+        create: dict[str, Any] = {
+            "agent_id": m.agent.id,
+            "agent_name": m.agent.name,
+            "requested_scopes": {"read": m.read.to_claim()},
+            "duration_minutes": seconds / 60,
+            "profile": "remote" if args.remote else "local",
+        }
         if ident.verified and ident.public_key is not None:
             create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
         if m.retention is not None:
-            create["data_retention_policy"] = {"max_retention_seconds": m.retention.max_retention_seconds,
-                                               "deletion_method": m.retention.deletion_method,
-                                               "proof_required": m.retention.proof_required}
+            create["data_retention_policy"] = {
+                "max_retention_seconds": m.retention.max_retention_seconds,
+                "deletion_method": m.retention.deletion_method,
+                "proof_required": m.retention.proof_required,
+            }
         session_id = str(auth.create_session(create)["session_id"])
-        grant: dict[str, Any] = {"granted_scopes": {"read": plan.scope.to_claim()}, "widen": bool(plan.widened),
-                                 "aggregation_only": plan.aggregation_only, "task_bound": args.task_bound,
-                                 "aggregate_min_max": args.aggregate_min_max, "aggregate_exact": args.aggregate_exact}
+        grant: dict[str, Any] = {
+            "granted_scopes": {"read": plan.scope.to_claim()},
+            "widen": bool(plan.widened),
+            "aggregation_only": plan.aggregation_only,
+            "task_bound": args.task_bound,
+            "aggregate_min_max": args.aggregate_min_max,
+            "aggregate_exact": args.aggregate_exact,
+        }
         if plan.allowed_fields is not None:
             grant["allowed_fields"] = list(plan.allowed_fields)
         if args.max_reads is not None:
@@ -363,8 +405,9 @@ def _authorize(args: argparse.Namespace) -> int:
         auth.audit.close()
 
 
-def _local(args: argparse.Namespace, paths: Any, cfg: GuardConfig, m: manifest.Manifest,
-           answer: dict[str, Any]) -> None:
+def _local(
+    args: argparse.Namespace, paths: Any, cfg: GuardConfig, m: manifest.Manifest, answer: dict[str, Any]
+) -> None:
     base = f"http://127.0.0.1:{cfg.tcp_port}"
     if args.print_token:
         print(f"Session {answer['session_id']} active until {answer['expires_at']}.")
@@ -386,8 +429,10 @@ def _abandon(auth: Any, session_id: str, exc: BaseException) -> None:
     try:
         auth.revoke(session_id, reason=f"authorize did not finish ({why}); nothing was handed to the agent")
     except UompError as inner:
-        _warn(f"session {session_id} could not be ended after the failure ({inner.code}); "
-              f"run: uomp sessions revoke {session_id}")
+        _warn(
+            f"session {session_id} could not be ended after the failure ({inner.code}); "
+            f"run: uomp sessions revoke {session_id}"
+        )
 
 
 class _RemoteInputs:
@@ -419,21 +464,32 @@ def _remote_inputs(args: argparse.Namespace, paths: Any, m: manifest.Manifest) -
         try:
             cert = ca.load_cert(raw)
         except UompError as exc:
-            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} is not a certificate (PEM or DER): "
-                            f"{exc.message}; give the file 'uomp agent issue' wrote") from exc
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                f"--cert {args.cert} is not a certificate (PEM or DER): "
+                f"{exc.message}; give the file 'uomp agent issue' wrote",
+            ) from exc
         ours = ca.load_cert(ca_store.ca_cert_path(paths).read_bytes())
         try:
             cert.verify_directly_issued_by(ours)
         except (ValueError, TypeError, InvalidSignature) as exc:
-            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} was not issued by your CA "
-                            f"({ca_store.ca_cert_path(paths)}); issue one with: uomp agent issue {m.agent.id}") from exc
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                f"--cert {args.cert} was not issued by your CA "
+                f"({ca_store.ca_cert_path(paths)}); issue one with: uomp agent issue {m.agent.id}",
+            ) from exc
         if ca.agent_id_from_cert(cert) != m.agent.id:
-            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} names agent "
-                            f"{ca.agent_id_from_cert(cert)!r}, the manifest {m.agent.id!r}")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                f"--cert {args.cert} names agent {ca.agent_id_from_cert(cert)!r}, the manifest {m.agent.id!r}",
+            )
         if cert.not_valid_after_utc <= dt.datetime.now(dt.UTC):
-            raise UompError(ErrorCode.INVALID_REQUEST, f"--cert {args.cert} expired on "
-                            f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z; issue a new one: uomp agent issue "
-                            f"{m.agent.id}")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                f"--cert {args.cert} expired on "
+                f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z; issue a new one: uomp agent issue "
+                f"{m.agent.id}",
+            )
         cert_pem = ca.cert_pem(cert)
     elif args.csr:
         raw = _read_input("--csr", args.csr)
@@ -461,14 +517,22 @@ def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
     problems = appliance.check_gateway_url(paths, gcfg, args.gateway_url)
     if problems and appliance.is_running(paths) and not args.any_gateway_url:
         raise UompError(
-            ErrorCode.INVALID_REQUEST, " ".join(problems) + " (or pass --any-gateway-url if a proxy in front "
-            "answers for it)")
+            ErrorCode.INVALID_REQUEST,
+            " ".join(problems) + " (or pass --any-gateway-url if a proxy in front answers for it)",
+        )
     for p in problems:
         _warn(p)
 
 
-def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m: manifest.Manifest,
-            grant: dict[str, Any], given: _RemoteInputs) -> int:
+def _remote(
+    args: argparse.Namespace,
+    paths: Any,
+    auth: Any,
+    session_id: str,
+    m: manifest.Manifest,
+    grant: dict[str, Any],
+    given: _RemoteInputs,
+) -> int:
     url = given.url
     parts = urlsplit(url)
     agent_key: str | None = None
@@ -490,55 +554,94 @@ def _remote(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m:
                 made.append(files.key_file)
             if not files.reused_cert:
                 made.append(files.cert_file)
-            print(f"Agent certificate {files.serial} ({'reused' if files.reused_cert else 'new'}), valid until "
-                  f"{files.not_after:%Y-%m-%d %H:%M:%S}Z"
-                  + ("; --new-cert to issue another" if files.reused_cert else ""))
+            print(
+                f"Agent certificate {files.serial} ({'reused' if files.reused_cert else 'new'}), valid until "
+                f"{files.not_after:%Y-%m-%d %H:%M:%S}Z" + ("; --new-cert to issue another" if files.reused_cert else "")
+            )
             cert_pem = files.cert_file.read_bytes()
             agent_key = files.key_file.read_text()
             key_dir = files.out_dir
-        return _remote_grant(args, paths, auth, session_id, m, grant, url, parts, cert_pem, agent_key,
-                             agent_key_file, key_dir)
+        return _remote_grant(
+            args, paths, auth, session_id, m, grant, url, parts, cert_pem, agent_key, agent_key_file, key_dir
+        )
     except BaseException:
         for f in made:
             f.unlink(missing_ok=True)
         raise
 
 
-def _remote_grant(args: argparse.Namespace, paths: Any, auth: Any, session_id: str, m: manifest.Manifest,
-                  grant: dict[str, Any], url: str, parts: Any, cert_pem: bytes, agent_key: str | None,
-                  agent_key_file: str | None, key_dir: Path | None) -> int:
+def _remote_grant(
+    args: argparse.Namespace,
+    paths: Any,
+    auth: Any,
+    session_id: str,
+    m: manifest.Manifest,
+    grant: dict[str, Any],
+    url: str,
+    parts: Any,
+    cert_pem: bytes,
+    agent_key: str | None,
+    agent_key_file: str | None,
+    key_dir: Path | None,
+) -> int:
     cert = x509.load_pem_x509_certificate(cert_pem)
     from gateway.core import ca
 
     if ca.agent_id_from_cert(cert) != m.agent.id:
         raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
     host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-    grant.update({"profile": "remote", "audience": url, "allowed_endpoints": [host],
-                  "cnf": _cert_binding(cert_pem), "refresh": True})
+    grant.update(
+        {
+            "profile": "remote",
+            "audience": url,
+            "allowed_endpoints": [host],
+            "cnf": _cert_binding(cert_pem),
+            "refresh": True,
+        }
+    )
     answer = auth.grant(session_id, grant)
     bundle = AgentBundle(
-        agent_id=m.agent.id, session_id=session_id, gateway_url=url, access_token=answer["token"],
-        access_expires_at=answer["expires_at"], refresh_token=answer.get("refresh_token"),
-        refresh_expires_at=answer.get("refresh_expires_at"), session_expires_at=answer.get("session_expires_at"),
-        ca_cert=ca_store.ca_cert_path(paths).read_text(), agent_cert=cert_pem.decode(), agent_key=agent_key,
-        agent_key_file=agent_key_file, payload_public_key=userkey.public_b64(paths),
-        audit_verifier_key=_audit_verifier_key(paths))
+        agent_id=m.agent.id,
+        session_id=session_id,
+        gateway_url=url,
+        access_token=answer["token"],
+        access_expires_at=answer["expires_at"],
+        refresh_token=answer.get("refresh_token"),
+        refresh_expires_at=answer.get("refresh_expires_at"),
+        session_expires_at=answer.get("session_expires_at"),
+        ca_cert=ca_store.ca_cert_path(paths).read_text(),
+        agent_cert=cert_pem.decode(),
+        agent_key=agent_key,
+        agent_key_file=agent_key_file,
+        payload_public_key=userkey.public_b64(paths),
+        audit_verifier_key=_audit_verifier_key(paths),
+    )
     # with --out, everything for the agent (key, certificate, CA, bundle) is in that one directory
-    out_path = Path(args.bundle or (Path(args.out) / "bundle.json" if args.out and not (args.cert or args.csr)
-                                    else paths.agents_dir / m.agent.id / "bundle.json"))
+    out_path = Path(
+        args.bundle
+        or (
+            Path(args.out) / "bundle.json"
+            if args.out and not (args.cert or args.csr)
+            else paths.agents_dir / m.agent.id / "bundle.json"
+        )
+    )
     out_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_bundle(out_path, bundle)
-    print(f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
-          f"{answer['expires_at']}, refresh token until {answer.get('refresh_expires_at')} (renewed on each refresh).")
+    print(
+        f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
+        f"{answer['expires_at']}, refresh token until {answer.get('refresh_expires_at')} (renewed on each refresh)."
+    )
     print(f"Agent bundle written to {out_path} (mode 0600): hand it to the agent over a private channel.")
     print(f"The agent's gateway URL (its tokens are for this address): {url}")
     if key_dir is not None:
         d = key_dir
         print("A first read from the agent's side, with these files (any key it may read):")
-        print(f"  curl --cacert {d}/ca.crt --cert {d}/agent.crt --key {d}/agent.key "
-              f"-H \"X-UOMP-Agent-Id: {m.agent.id}\" -H \"Authorization: Bearer $(python3 -c "
-              f"'import json,sys; print(json.load(open(sys.argv[1]))"
-              f"[\"access_token\"])' {out_path})\" {url}/v1/memory/KEY")
+        print(
+            f"  curl --cacert {d}/ca.crt --cert {d}/agent.crt --key {d}/agent.key "
+            f'-H "X-UOMP-Agent-Id: {m.agent.id}" -H "Authorization: Bearer $(python3 -c '
+            f"'import json,sys; print(json.load(open(sys.argv[1]))"
+            f'["access_token"])\' {out_path})" {url}/v1/memory/KEY'
+        )
     return 0
 
 
@@ -546,9 +649,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
     p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask; grant what is shown (for scripts)")
-    p.add_argument("--session-ttl", "--duration", dest="duration", type=_duration_arg, metavar="DURATION",
-                   help="session length: 90m, 12h, 7d (a bare number is minutes); default 30m locally, "
-                   "remote_session_max_minutes (30 days) with --remote")
+    p.add_argument(
+        "--session-ttl",
+        "--duration",
+        dest="duration",
+        type=_duration_arg,
+        metavar="DURATION",
+        help="session length: 90m, 12h, 7d (a bare number is minutes); default 30m locally, "
+        "remote_session_max_minutes (30 days) with --remote",
+    )
     p.add_argument("--tag", action="append", help="grant only these tags (repeatable; default: as requested)")
     p.add_argument("--key", action="append", help="grant only these keys (repeatable; default: as requested)")
     p.add_argument("--deny-tag", action="append", help="add a denied tag (repeatable)")
@@ -556,39 +665,76 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--widen", action="store_true", help="allow --tag/--key beyond what the agent requested")
     p.add_argument("--allowed-field", action="append", help="return only these item fields (repeatable)")
     p.add_argument("--aggregation-only", action="store_true", help="only sum/avg/count/min/max, never items")
-    p.add_argument("--aggregate-min-max", action="store_true",
-                   help="also answer min/max aggregates (each reveals one item's value)")
-    p.add_argument("--aggregate-exact", action="store_true", help="answer sums/averages without the check that "
-                   "stops comparing aggregates from isolating single values (docs/aggregates.md)")
+    p.add_argument(
+        "--aggregate-min-max",
+        action="store_true",
+        help="also answer min/max aggregates (each reveals one item's value)",
+    )
+    p.add_argument(
+        "--aggregate-exact",
+        action="store_true",
+        help="answer sums/averages without the check that "
+        "stops comparing aggregates from isolating single values (docs/aggregates.md)",
+    )
     p.add_argument("--task-bound", action="store_true", help="one task; the session closes on its deletion proof")
     p.add_argument("--max-reads", type=int, help="read query quota (default 100)")
-    p.add_argument("--require-verified", action="store_true",
-                   help="refuse agents not signed by a key in your trust list (uomp trust)")
-    p.add_argument("--trust-publisher", metavar="NAME", help="trust the key that signed this manifest from now "
-                   "on, under NAME (add it to your trust list)")
-    p.add_argument("--allow-local", action="store_true", help="authorize on this machine an agent that declares "
-                   "requires_remote: true")
-    p.add_argument("--env-file", help="local profile: where to write UOM_TOKEN/UOMP_BASE_URL "
-                   "(default $UOMP_HOME/agents/<id>/uomp.env, mode 0600)")
-    p.add_argument("--print", dest="print_token", action="store_true",
-                   help="local profile: print export lines instead of writing the env file")
+    p.add_argument(
+        "--require-verified",
+        action="store_true",
+        help="refuse agents not signed by a key in your trust list (uomp trust)",
+    )
+    p.add_argument(
+        "--trust-publisher",
+        metavar="NAME",
+        help="trust the key that signed this manifest from now on, under NAME (add it to your trust list)",
+    )
+    p.add_argument(
+        "--allow-local",
+        action="store_true",
+        help="authorize on this machine an agent that declares requires_remote: true",
+    )
+    p.add_argument(
+        "--env-file",
+        help="local profile: where to write UOM_TOKEN/UOMP_BASE_URL "
+        "(default $UOMP_HOME/agents/<id>/uomp.env, mode 0600)",
+    )
+    p.add_argument(
+        "--print",
+        dest="print_token",
+        action="store_true",
+        help="local profile: print export lines instead of writing the env file",
+    )
     r = p.add_argument_group("remote profile")
     r.add_argument("--remote", action="store_true", help="authorize an agent on another machine (via the gateway)")
-    r.add_argument("--gateway-url", help="the gateway URL the agent uses (becomes the token audience); default: "
-                   "the recorded public URL (uomp init --hostname / gateway start --public-url), else "
-                   "https://localhost:<listen port>")
-    r.add_argument("--any-gateway-url", action="store_true", help="accept a --gateway-url the running gateway "
-                   "does not list (a proxy in front answers for it)")
+    r.add_argument(
+        "--gateway-url",
+        help="the gateway URL the agent uses (becomes the token audience); default: "
+        "the recorded public URL (uomp init --hostname / gateway start --public-url), else "
+        "https://localhost:<listen port>",
+    )
+    r.add_argument(
+        "--any-gateway-url",
+        action="store_true",
+        help="accept a --gateway-url the running gateway does not list (a proxy in front answers for it)",
+    )
     r.add_argument("--cert", help="the agent's certificate, already issued (uomp agent issue)")
     r.add_argument("--csr", help="sign this CSR from the agent (its private key never leaves the agent)")
-    r.add_argument("--key-file", help="with --csr or --cert: where the agent keeps its key (path recorded in "
-                   "the bundle)")
+    r.add_argument(
+        "--key-file", help="with --csr or --cert: where the agent keeps its key (path recorded in the bundle)"
+    )
     r.add_argument("--out", help="make key and certificate for the agent in this directory (key in the bundle)")
     r.add_argument("--cert-hours", type=float, default=24, help="agent certificate lifetime in hours (default 24)")
-    r.add_argument("--new-cert", action="store_true", help="issue a new agent certificate even if the one in the "
-                   "output directory is still good (by default it is reused)")
-    r.add_argument("--bundle", help="where to write the agent bundle (default: DIR/bundle.json with --out DIR, "
-                   "else $UOMP_HOME/agents/<id>/bundle.json)")
+    r.add_argument(
+        "--new-cert",
+        action="store_true",
+        help="issue a new agent certificate even if the one in the "
+        "output directory is still good (by default it is reused)",
+    )
+    r.add_argument(
+        "--bundle",
+        help="where to write the agent bundle (default: DIR/bundle.json with --out DIR, "
+        "else $UOMP_HOME/agents/<id>/bundle.json)",
+    )
     p.set_defaults(func=_authorize)
 
 

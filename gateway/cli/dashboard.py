@@ -66,28 +66,40 @@ def _dashboard(args: argparse.Namespace) -> int:
     from gateway.dashboard.security import hand_over_link
 
     paths = paths_from(args)
-    cfg = load_section(DashboardConfig, "dashboard", file=paths.config_file,
-                       overrides={"port": args.port} if args.port is not None else None)
+    cfg = load_section(
+        DashboardConfig,
+        "dashboard",
+        file=paths.config_file,
+        overrides={"port": args.port} if args.port is not None else None,
+    )
     running = _running_dashboard(paths)
     if running is not None:
         if args.port is not None and not running.endswith(f":{args.port}"):
-            raise UompError(ErrorCode.INVALID_REQUEST, f"the running appliance serves the dashboard at {running}; "
-                            "leave out --port (or stop the appliance to serve it elsewhere)")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                f"the running appliance serves the dashboard at {running}; "
+                "leave out --port (or stop the appliance to serve it elsewhere)",
+            )
         link = f"{running}/login?t={hand_over_link(paths, cfg.login_ttl_seconds)}"
         print(f"one-time login link (works once, for {cfg.login_ttl_seconds:g} s): {link}")
         if args.open:
             _open(link)
         return 0
     if appliance.is_running(paths):
-        print("the running appliance does not serve the dashboard ([dashboard] enabled = false, or its port was "
-              "taken); serving it here")
+        print(
+            "the running appliance does not serve the dashboard ([dashboard] enabled = false, or its port was "
+            "taken); serving it here"
+        )
     asyncio.run(_serve(paths, cfg, args.open))
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    d = sub.add_parser("dashboard", help="the local dashboard: print (and --open) a one-time login link; serves "
-                       "it here unless 'uomp gateway start' already does (docs/dashboard.md)")
+    d = sub.add_parser(
+        "dashboard",
+        help="the local dashboard: print (and --open) a one-time login link; serves "
+        "it here unless 'uomp gateway start' already does (docs/dashboard.md)",
+    )
     d.add_argument("--port", type=int, help="port on 127.0.0.1 (default [dashboard] port, 9380; 0: any free port)")
     d.add_argument("--open", action="store_true", help="also open the link in this machine's browser")
     d.set_defaults(func=_dashboard, service=True)

@@ -56,8 +56,9 @@ def _check_private(r: Report, p: Path, what: str, *, dir_: bool = False) -> bool
         r.flagged.add(p)
         return False
     if p.stat().st_uid != os.getuid():
-        r.problem(f"{what} {p} belongs to uid {p.stat().st_uid}, not to this user ({os.getuid()})",
-                  f"chown {os.getuid()} {p}")
+        r.problem(
+            f"{what} {p} belongs to uid {p.stat().st_uid}, not to this user ({os.getuid()})", f"chown {os.getuid()} {p}"
+        )
         r.flagged.add(p)
         return False
     r.ok(f"{p} is private (mode {m:o})")
@@ -121,14 +122,18 @@ def _ca(r: Report, paths: Paths, gcfg: GatewayConfig | None) -> None:
     for url in urls:
         host = (urlsplit(url).hostname or "").lower()
         if host not in names:
-            r.problem(f"public URL {url}: the gateway certificate does not name {host} "
-                      f"(names: {', '.join(sorted(names))}); agents would fail the TLS name check",
-                      f"run: uomp init --hostname {url}, then restart the gateway (or send it SIGHUP)")
+            r.problem(
+                f"public URL {url}: the gateway certificate does not name {host} "
+                f"(names: {', '.join(sorted(names))}); agents would fail the TLS name check",
+                f"run: uomp init --hostname {url}, then restart the gateway (or send it SIGHUP)",
+            )
         else:
             r.ok(f"public URL {url} is an accepted endpoint and named by the gateway certificate")
     if not urls:
-        r.note(f"no public URL recorded: agents reach this gateway as https://localhost:{gcfg.listen_port} only "
-               "(set one with uomp init --hostname HOST, or use --tunnel)")
+        r.note(
+            f"no public URL recorded: agents reach this gateway as https://localhost:{gcfg.listen_port} only "
+            "(set one with uomp init --hostname HOST, or use --tunnel)"
+        )
 
 
 def _ports(r: Report, paths: Paths, gcfg: GatewayConfig | None, guard: GuardConfig | None) -> None:
@@ -140,8 +145,9 @@ def _ports(r: Report, paths: Paths, gcfg: GatewayConfig | None, guard: GuardConf
     if gcfg is not None:
         checks.append((gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT"))
         if gcfg.tunnel_origin_port > 0:
-            checks.append((gcfg.tunnel_origin_host, gcfg.tunnel_origin_port, "the tunnel origin",
-                           "--tunnel-origin-port"))
+            checks.append(
+                (gcfg.tunnel_origin_host, gcfg.tunnel_origin_port, "the tunnel origin", "--tunnel-origin-port")
+            )
     if guard is not None and guard.serve_tcp:
         checks.append((guard.tcp_host, guard.tcp_port, "the Local Profile", "[guard] tcp_port or --no-local-port"))
     for host, port, what, flag in checks:
@@ -155,8 +161,10 @@ def _ports(r: Report, paths: Paths, gcfg: GatewayConfig | None, guard: GuardConf
 
     if paths.guard_sock.exists():
         if socket_is_live(paths.guard_sock):
-            r.problem(f"a guard answers on {paths.guard_sock} although no appliance runs on this home",
-                      "stop that guard (uomp guard serve) before uomp gateway start")
+            r.problem(
+                f"a guard answers on {paths.guard_sock} although no appliance runs on this home",
+                "stop that guard (uomp guard serve) before uomp gateway start",
+            )
         else:
             r.note(f"stale socket file {paths.guard_sock} (removed at the next start)")
 
@@ -168,8 +176,11 @@ def _tunnel(r: Report, t: TunnelSettings | None) -> None:
     mode = t.mode if t else "none"
     if binary is None:
         if mode != "none":
-            r.problem(f"[tunnel] mode = {mode} but cloudflared is not found "
-                      f"({t.cloudflared if t and t.cloudflared else 'on PATH'})", INSTALL_HINT)
+            r.problem(
+                f"[tunnel] mode = {mode} but cloudflared is not found "
+                f"({t.cloudflared if t and t.cloudflared else 'on PATH'})",
+                INSTALL_HINT,
+            )
         else:
             r.note("cloudflared not found (only needed for --tunnel)")
         return
@@ -183,8 +194,9 @@ def _tunnel(r: Report, t: TunnelSettings | None) -> None:
             r.problem(exc.message.split(";")[0], exc.message.split(";", 1)[-1].strip())
     if mode == "quick":
         for p in user_configs():
-            r.note(f"{p} can stop a quick tunnel (the supervisor hides ~/ configs from cloudflared; others: move "
-                   "it aside)")
+            r.note(
+                f"{p} can stop a quick tunnel (the supervisor hides ~/ configs from cloudflared; others: move it aside)"
+            )
 
 
 def _guard_health(r: Report, paths: Paths) -> None:
@@ -196,8 +208,10 @@ def _guard_health(r: Report, paths: Paths) -> None:
     if s["guard"].get("reachable"):
         r.ok("the running gateway reaches its guard")
     else:
-        r.problem(f"the running gateway cannot reach its guard ({s['guard'].get('last_error')})",
-                  "see the appliance's log; the supervisor restarts the guard; uomp status shows restarts")
+        r.problem(
+            f"the running gateway cannot reach its guard ({s['guard'].get('last_error')})",
+            "see the appliance's log; the supervisor restarts the guard; uomp status shows restarts",
+        )
 
 
 def _audit_log(r: Report, paths: Paths) -> None:
@@ -207,8 +221,10 @@ def _audit_log(r: Report, paths: Paths) -> None:
     if a.get("ok") is False:
         message = str(a["message"])
         problem, _, fix = message.partition("; ")
-        r.problem(f"{a['code']}: {problem}" + (f" (first bad event #{a['first_bad_seq']})" if a.get("first_bad_seq")
-                                                else ""), fix or "run: uomp audit verify")
+        r.problem(
+            f"{a['code']}: {problem}" + (f" (first bad event #{a['first_bad_seq']})" if a.get("first_bad_seq") else ""),
+            fix or "run: uomp audit verify",
+        )
     elif a.get("ok") is None:
         r.note(f"audit log not checked: {a.get('message')}")
     else:
@@ -216,8 +232,10 @@ def _audit_log(r: Report, paths: Paths) -> None:
         if w is None and a.get("events"):
             r.note(f"audit log: {a['events']} events, no witness record yet (the guard starts one at its next start)")
         else:
-            r.ok(f"audit log: {a.get('events', 0)} events, tail checked, consistent with the witness record"
-                 + (f" at {w} events" if w is not None else ""))
+            r.ok(
+                f"audit log: {a.get('events', 0)} events, tail checked, consistent with the witness record"
+                + (f" at {w} events" if w is not None else "")
+            )
 
 
 def _speed(r: Report) -> None:
@@ -234,8 +252,11 @@ def _speed(r: Report) -> None:
     if active:
         r.ok("aiohttp C extensions active (HTTP parser aiohttp._http_parser)")
     else:
-        r.note("aiohttp C extensions OFF (pure-Python HTTP parser: slower; AIOHTTP_NO_EXTENSIONS is "
-               + ("set" if os.environ.get("AIOHTTP_NO_EXTENSIONS") else "unset: no binary wheel?") + ")")
+        r.note(
+            "aiohttp C extensions OFF (pure-Python HTTP parser: slower; AIOHTTP_NO_EXTENSIONS is "
+            + ("set" if os.environ.get("AIOHTTP_NO_EXTENSIONS") else "unset: no binary wheel?")
+            + ")"
+        )
     loop = eventloop.describe()
     (r.ok if loop.startswith("uvloop") else r.note)(f"event loop {loop}")
     codec = jsonio.backend()
@@ -265,9 +286,15 @@ def run_checks(paths: Paths) -> Report:
     _check_private(r, paths.private_jwk, "signing key")
     _check_private(r, paths.admin_credential, "admin credential")
     gcfg, guard, tunnel = _configs(r, paths)
-    steps += [lambda: _ca(r, paths, gcfg), lambda: _ports(r, paths, gcfg, guard), lambda: _tunnel(r, tunnel),
-              lambda: _guard_health(r, paths), lambda: _anchoring(r, paths), lambda: _audit_log(r, paths),
-              lambda: _speed(r)]
+    steps += [
+        lambda: _ca(r, paths, gcfg),
+        lambda: _ports(r, paths, gcfg, guard),
+        lambda: _tunnel(r, tunnel),
+        lambda: _guard_health(r, paths),
+        lambda: _anchoring(r, paths),
+        lambda: _audit_log(r, paths),
+        lambda: _speed(r),
+    ]
     for step in steps:
         try:
             step()
@@ -289,6 +316,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("doctor", help="check permissions, keys, CA, config, addresses vs certificate, ports and "
-                       "cloudflared; each problem with its fix (exit 1 when any)")
+    p = sub.add_parser(
+        "doctor",
+        help="check permissions, keys, CA, config, addresses vs certificate, ports and "
+        "cloudflared; each problem with its fix (exit 1 when any)",
+    )
     p.set_defaults(func=_doctor)

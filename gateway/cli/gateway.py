@@ -44,8 +44,10 @@ from gateway.supervisor import GuardProcess, guard_command
 
 def _port_flag(value: int | None, flag: str, *, low: int) -> None:
     if value is not None and not (low <= value <= 65535):
-        raise UompError(ErrorCode.CONFIG_ERROR, f"{flag} {value} is out of range; use 1-65535"
-                        + (" (0 = any free port)" if low <= 0 else ""))
+        raise UompError(
+            ErrorCode.CONFIG_ERROR,
+            f"{flag} {value} is out of range; use 1-65535" + (" (0 = any free port)" if low <= 0 else ""),
+        )
 
 
 def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
@@ -54,7 +56,8 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
         host, _, port = args.listen.rpartition(":")
         if not host or not port.isdigit():
             raise UompError(
-                ErrorCode.CONFIG_ERROR, f"--listen {args.listen!r} is not HOST:PORT; use e.g. 127.0.0.1:9443")
+                ErrorCode.CONFIG_ERROR, f"--listen {args.listen!r} is not HOST:PORT; use e.g. 127.0.0.1:9443"
+            )
         _port_flag(int(port), "--listen port", low=0)
         overrides["listen_host"] = host.strip("[]")
         overrides["listen_port"] = int(port)
@@ -92,21 +95,30 @@ def tunnel_token(t: TunnelSettings) -> str:
     if env:
         return env
     if not t.token_file:
-        raise UompError(ErrorCode.TUNNEL_ERROR, f"a {t.mode} tunnel needs its token; put it in a file readable only by "
-                        "you and set [tunnel] token_file = \"/path\" (chmod 600), or set UOMP_TUNNEL_TOKEN")
+        raise UompError(
+            ErrorCode.TUNNEL_ERROR,
+            f"a {t.mode} tunnel needs its token; put it in a file readable only by "
+            'you and set [tunnel] token_file = "/path" (chmod 600), or set UOMP_TUNNEL_TOKEN',
+        )
     p = Path(t.token_file).expanduser()
     try:
         st = p.stat()
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise UompError(ErrorCode.TUNNEL_ERROR, f"the tunnel token file {p} is readable by others (mode "
-                            f"{st.st_mode & 0o777:o}); run chmod 600 {p}")
+            raise UompError(
+                ErrorCode.TUNNEL_ERROR,
+                f"the tunnel token file {p} is readable by others (mode {st.st_mode & 0o777:o}); run chmod 600 {p}",
+            )
         token = p.read_text().strip()
     except OSError as exc:
-        raise UompError(ErrorCode.TUNNEL_ERROR, f"cannot read the tunnel token file {p} ({exc.strerror}); check "
-                        "[tunnel] token_file") from None
+        raise UompError(
+            ErrorCode.TUNNEL_ERROR, f"cannot read the tunnel token file {p} ({exc.strerror}); check [tunnel] token_file"
+        ) from None
     if not token:
-        raise UompError(ErrorCode.TUNNEL_ERROR, f"the tunnel token file {p} is empty; paste the token from the "
-                        "Cloudflare dashboard (Zero Trust > Networks > Tunnels) into it")
+        raise UompError(
+            ErrorCode.TUNNEL_ERROR,
+            f"the tunnel token file {p} is empty; paste the token from the "
+            "Cloudflare dashboard (Zero Trust > Networks > Tunnels) into it",
+        )
     return token
 
 
@@ -114,8 +126,9 @@ def check_tunnel(t: TunnelSettings) -> None:
     if t.mode in ("named", "tcp"):
         if not t.hostname:
             raise UompError(
-                ErrorCode.TUNNEL_ERROR, f"a {t.mode} tunnel needs its public host name; pass --tunnel-hostname "
-                "or set [tunnel] hostname")
+                ErrorCode.TUNNEL_ERROR,
+                f"a {t.mode} tunnel needs its public host name; pass --tunnel-hostname or set [tunnel] hostname",
+            )
         tunnel_token(t)
 
 
@@ -130,15 +143,20 @@ def preflight(paths: Paths, gcfg: GatewayConfig, guard_cfg: GuardConfig | None, 
     appliance.check_port_free(gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT")
     if gcfg.tunnel_origin_port >= 0:
         check_bind(gcfg.tunnel_origin_host, False, "the tunnel-origin listener")
-        appliance.check_port_free(gcfg.tunnel_origin_host, gcfg.tunnel_origin_port, "the tunnel-origin listener",
-                                  "--tunnel-origin-port PORT")
+        appliance.check_port_free(
+            gcfg.tunnel_origin_host, gcfg.tunnel_origin_port, "the tunnel-origin listener", "--tunnel-origin-port PORT"
+        )
     if gcfg.metrics_port > 0:
         appliance.check_port_free("127.0.0.1", gcfg.metrics_port, "the metrics listener", "--metrics-port PORT")
     if guard_cfg is not None:
         if serve_tcp:
             check_bind(guard_cfg.tcp_host, guard_cfg.allow_non_loopback, "the guard's Local Profile listener")
-            appliance.check_port_free(guard_cfg.tcp_host, guard_cfg.tcp_port, "the guard's Local Profile listener",
-                                      "[guard] tcp_port (or --no-local-port)")
+            appliance.check_port_free(
+                guard_cfg.tcp_host,
+                guard_cfg.tcp_port,
+                "the guard's Local Profile listener",
+                "[guard] tcp_port (or --no-local-port)",
+            )
         claim_socket_path(paths.guard_sock)  # a live guard there: refuse; a stale file: removed
 
 
@@ -151,14 +169,25 @@ def _dashboard_line(base_url: str, ttl: float, mint: Callable[[], str], terminal
     printed only to a terminal. Under systemd, Docker or a pipe, stdout is kept in a journal or a
     log, so the line says how to get one instead (``uomp dashboard``), and no link is minted."""
     if terminal:
-        return (f"dashboard: {base_url} (loopback only); one-time login link, valid {ttl:g} s: {mint()}  "
-                "('uomp dashboard' prints a new one)")
-    return (f"dashboard: {base_url} (loopback only); 'uomp dashboard' prints a one-time login link (none "
-            "printed here: this output is not a terminal and may be kept in a log)")
+        return (
+            f"dashboard: {base_url} (loopback only); one-time login link, valid {ttl:g} s: {mint()}  "
+            "('uomp dashboard' prints a new one)"
+        )
+    return (
+        f"dashboard: {base_url} (loopback only); 'uomp dashboard' prints a one-time login link (none "
+        "printed here: this output is not a terminal and may be kept in a log)"
+    )
 
 
-async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: argparse.Namespace,
-               tunnel: TunnelSettings | None = None, lock: appliance.ApplianceLock | None = None) -> None:
+async def _run(
+    paths: Paths,
+    gcfg: GatewayConfig,
+    *,
+    with_guard: bool,
+    args: argparse.Namespace,
+    tunnel: TunnelSettings | None = None,
+    lock: appliance.ApplianceLock | None = None,
+) -> None:
     from gateway.remote.server import GatewayRunner
     from gateway.tunnel import TunnelConfig, TunnelSupervisor
 
@@ -172,11 +201,20 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
     gcfg_guard = guard_config(args, paths) if with_guard else None
     if with_guard:
         preflight(paths, gcfg, gcfg_guard, serve_tcp=serve_tcp)
-        command = guard_command(paths, serve_tcp=serve_tcp, verbose=bool(getattr(args, "verbose", False)),
-                                force_non_loopback=bool(args.force_non_loopback))
-        guard = GuardProcess(paths, command, health_interval=gcfg.guard_health_interval_seconds,
-                             health_timeout=gcfg.guard_health_timeout_seconds,
-                             health_failures=gcfg.guard_health_failures, output=_relay_line)
+        command = guard_command(
+            paths,
+            serve_tcp=serve_tcp,
+            verbose=bool(getattr(args, "verbose", False)),
+            force_non_loopback=bool(args.force_non_loopback),
+        )
+        guard = GuardProcess(
+            paths,
+            command,
+            health_interval=gcfg.guard_health_interval_seconds,
+            health_timeout=gcfg.guard_health_timeout_seconds,
+            health_failures=gcfg.guard_health_failures,
+            output=_relay_line,
+        )
         await guard.start()
     gw = GatewayRunner(paths, gcfg)
     if guard is not None:
@@ -187,8 +225,9 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
         try:
             await gw.start()
         except OSError as exc:
-            raise appliance.port_error(gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT",
-                                       exc) from None
+            raise appliance.port_error(
+                gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT", exc
+            ) from None
         assert gw.state is not None and gw.port is not None
         state = gw.state
         _anchor_metrics(paths, state.metrics)
@@ -231,6 +270,7 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
         loop.run_in_executor(None, gw.reload)  # file reads and an fsync: off the event loop
         if guard is not None:
             guard.send_hup()
+
     loop.add_signal_handler(signal.SIGHUP, _hup)
     if guard is not None:
         guard.supervise()
@@ -260,15 +300,24 @@ async def _run(paths: Paths, gcfg: GatewayConfig, *, with_guard: bool, args: arg
                 loop.remove_signal_handler(sig)
 
 
-def _tunnel_supervisor(paths: Paths, gw: Any, t: TunnelSettings, lock: appliance.ApplianceLock | None,
-                       config_cls: Any, sup_cls: Any) -> Any:
+def _tunnel_supervisor(
+    paths: Paths, gw: Any, t: TunnelSettings, lock: appliance.ApplianceLock | None, config_cls: Any, sup_cls: Any
+) -> Any:
     origin = f"http://127.0.0.1:{gw.tunnel_port}" if gw.tunnel_port else ""
     token = tunnel_token(t) if t.mode in ("named", "tcp") else None
-    tc = config_cls(mode=t.mode, origin_url=origin, cloudflared=t.cloudflared or None, token=token,
-                    hostname=t.hostname or None, url_timeout_seconds=t.url_timeout_seconds,
-                    backoff_initial_seconds=t.backoff_initial_seconds, backoff_max_seconds=t.backoff_max_seconds,
-                    rate_limit_backoff_seconds=t.rate_limit_backoff_seconds,
-                    stop_timeout_seconds=t.stop_timeout_seconds, private_home=paths.cloudflared_home)
+    tc = config_cls(
+        mode=t.mode,
+        origin_url=origin,
+        cloudflared=t.cloudflared or None,
+        token=token,
+        hostname=t.hostname or None,
+        url_timeout_seconds=t.url_timeout_seconds,
+        backoff_initial_seconds=t.backoff_initial_seconds,
+        backoff_max_seconds=t.backoff_max_seconds,
+        rate_limit_backoff_seconds=t.rate_limit_backoff_seconds,
+        stop_timeout_seconds=t.stop_timeout_seconds,
+        private_home=paths.cloudflared_home,
+    )
     holder: dict[str, Any] = {}
 
     async def on_url(new: str, old: str | None) -> None:
@@ -282,9 +331,11 @@ def _tunnel_supervisor(paths: Paths, gw: Any, t: TunnelSettings, lock: appliance
         if gw.monitor is not None:
             await gw.monitor.write_status(force=True)  # uomp status sees the new URL at once
         if old is not None:
-            _say(f"tunnel: the public URL changed: {new} (was {old}). It is accepted now. Agents that used the "
-                 f"old URL must be given the new one: uomp authorize AGENT_DIR --remote --gateway-url {new} --yes "
-                 "(a named tunnel keeps one URL: --tunnel named)")
+            _say(
+                f"tunnel: the public URL changed: {new} (was {old}). It is accepted now. Agents that used the "
+                f"old URL must be given the new one: uomp authorize AGENT_DIR --remote --gateway-url {new} --yes "
+                "(a named tunnel keeps one URL: --tunnel named)"
+            )
 
     sup = sup_cls(tc, on_url=on_url)
     holder["sup"] = sup
@@ -318,10 +369,16 @@ def _run_info(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | 
     ordered = [first, *appliance.accepted_endpoints(paths, gcfg, gw.port)]
     endpoints = [u for i, u in enumerate(ordered) if u in live and u not in ordered[:i]]
     endpoints += sorted(live - set(endpoints))
-    return {"pid": os.getpid(), "started_at": appliance.iso(time.time()), "home": str(paths.home),
-            "listeners": listeners, "local_urls": appliance.local_urls(gw.port),
-            "public_urls": appliance.public_urls(paths, gcfg),
-            "tunnel": sup.state.as_dict() if sup is not None else None, "endpoints": endpoints}
+    return {
+        "pid": os.getpid(),
+        "started_at": appliance.iso(time.time()),
+        "home": str(paths.home),
+        "listeners": listeners,
+        "local_urls": appliance.local_urls(gw.port),
+        "public_urls": appliance.public_urls(paths, gcfg),
+        "tunnel": sup.state.as_dict() if sup is not None else None,
+        "endpoints": endpoints,
+    }
 
 
 def _anchor_metrics(paths: Paths, metrics: Any) -> None:
@@ -349,12 +406,22 @@ def _anchor_warnings(paths: Paths) -> None:
         _say(f"anchoring: WARNING: {w}")
 
 
-def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | None, sup: Any,
-            info: dict[str, Any], *, with_guard: bool) -> None:
+def _banner(
+    paths: Paths,
+    gcfg: GatewayConfig,
+    gw: Any,
+    guard: GuardProcess | None,
+    sup: Any,
+    info: dict[str, Any],
+    *,
+    with_guard: bool,
+) -> None:
     # Lines start with a fixed label ("gateway: ", "guard: ", ...): scripts and tests read them.
     _say(f"UOMP {'appliance' if with_guard else 'gateway'} ready (pid {os.getpid()}, data {paths.home})")
-    _say(f"gateway: https://localhost:{gw.port} (TLS 1.3, client certificates from your agent CA; listening on "
-         f"https://{gcfg.listen_host}:{gw.port}, the same endpoint)")
+    _say(
+        f"gateway: https://localhost:{gw.port} (TLS 1.3, client certificates from your agent CA; listening on "
+        f"https://{gcfg.listen_host}:{gw.port}, the same endpoint)"
+    )
     for url in info["public_urls"]:
         _say(f"public URL: {url} (mTLS)")
     tunnel_public: str | None = None
@@ -362,15 +429,22 @@ def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | No
         st = sup.state
         tunnel_public = st.public_url
         if st.status == "missing":
-            _say(f"tunnel: {sup.cfg.mode}: NOT RUNNING ({st.last_error}); install cloudflared or set "
-                 "[tunnel] cloudflared = /path; the gateway keeps serving locally")
+            _say(
+                f"tunnel: {sup.cfg.mode}: NOT RUNNING ({st.last_error}); install cloudflared or set "
+                "[tunnel] cloudflared = /path; the gateway keeps serving locally"
+            )
         elif tunnel_public:
-            kind = {"quick": "quick tunnel, DPoP; the URL changes on every restart",
-                    "named": "named tunnel, DPoP", "tcp": "TCP tunnel, end-to-end mTLS via cloudflared access tcp"}
+            kind = {
+                "quick": "quick tunnel, DPoP; the URL changes on every restart",
+                "named": "named tunnel, DPoP",
+                "tcp": "TCP tunnel, end-to-end mTLS via cloudflared access tcp",
+            }
             _say(f"public URL: {tunnel_public} ({kind.get(sup.cfg.mode, sup.cfg.mode)})")
         else:
-            _say(f"tunnel: {sup.cfg.mode}: {st.status}, no public URL yet ({st.last_error or 'waiting'}); "
-                 "it is announced here when it comes")
+            _say(
+                f"tunnel: {sup.cfg.mode}: {st.status}, no public URL yet ({st.last_error or 'waiting'}); "
+                "it is announced here when it comes"
+            )
     if gw.tunnel_port:
         _say(f"tunnel origin: http://127.0.0.1:{gw.tunnel_port} (plain HTTP on loopback, DPoP required)")
     if guard is not None:
@@ -380,10 +454,17 @@ def _banner(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | No
         _say(f"metrics: http://127.0.0.1:{gw.metrics_port}/metrics")
     _anchor_warnings(paths)
     _say(f"endpoints (token audiences accepted): {', '.join(info['endpoints'])}")
-    home = "" if os.environ.get("UOMP_HOME") == str(paths.home) or str(paths.home) == str(
-        Path("~/.uomp").expanduser().resolve()) else f" --home {paths.home}"
-    url = tunnel_public if tunnel_public and sup is not None and sup.cfg.mode != "tcp" else \
-        (info["public_urls"][0] if info["public_urls"] else f"https://localhost:{gw.port}")
+    home = (
+        ""
+        if os.environ.get("UOMP_HOME") == str(paths.home)
+        or str(paths.home) == str(Path("~/.uomp").expanduser().resolve())
+        else f" --home {paths.home}"
+    )
+    url = (
+        tunnel_public
+        if tunnel_public and sup is not None and sup.cfg.mode != "tcp"
+        else (info["public_urls"][0] if info["public_urls"] else f"https://localhost:{gw.port}")
+    )
     _say("next, in another terminal:")
     _say(f"  uomp{home} authorize examples/calendar_agent --remote --gateway-url {url} --out agent-files --yes")
     _say("      # the agent's key, certificate and bundle in agent-files/ (README: the agent side)")
@@ -467,8 +548,10 @@ def _stop(args: argparse.Namespace) -> int:
     pid = info.get("pid")
     if not isinstance(pid, int) or pid <= 1:
         raise UompError(
-            ErrorCode.INVALID_STATE, f"the appliance on {paths.home} runs but {appliance.run_path(paths)} names "
-            "no pid; stop it with Ctrl-C where it runs")
+            ErrorCode.INVALID_STATE,
+            f"the appliance on {paths.home} runs but {appliance.run_path(paths)} names "
+            "no pid; stop it with Ctrl-C where it runs",
+        )
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -477,8 +560,10 @@ def _stop(args: argparse.Namespace) -> int:
     while appliance.is_running(paths):
         if time.monotonic() > deadline:
             raise UompError(
-                ErrorCode.INVALID_STATE, f"the appliance (pid {pid}) is still stopping after {args.timeout:.0f} s "
-                f"(in-flight requests draining); wait, or kill -KILL {pid}")
+                ErrorCode.INVALID_STATE,
+                f"the appliance (pid {pid}) is still stopping after {args.timeout:.0f} s "
+                f"(in-flight requests draining); wait, or kill -KILL {pid}",
+            )
         time.sleep(0.1)
     _say(f"stopped the appliance (pid {pid})")
     return 0
@@ -486,21 +571,38 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="mTLS listener (default 127.0.0.1:9443)")
-    p.add_argument("--endpoint", action="append", metavar="URL",
-                   help="a URL agents use to reach this gateway; tokens must name one as audience (repeatable; "
-                   "for a lasting address use --public-url with 'start')")
-    p.add_argument("--upstream", help="guard to forward to: unix:/path/guard.sock (default $UOMP_HOME/guard.sock) "
-                   "or http://127.0.0.1:PORT")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        metavar="URL",
+        help="a URL agents use to reach this gateway; tokens must name one as audience (repeatable; "
+        "for a lasting address use --public-url with 'start')",
+    )
+    p.add_argument(
+        "--upstream",
+        help="guard to forward to: unix:/path/guard.sock (default $UOMP_HOME/guard.sock) or http://127.0.0.1:PORT",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    p.add_argument("--tunnel-origin-port", type=int, metavar="PORT",
-                   help="also listen on 127.0.0.1:PORT (plain HTTP) for a tunnel such as cloudflared; every request "
-                   "there needs a DPoP proof (start --tunnel quick|named picks a free port when this is not set); "
-                   "the tunnel's public URL must be a --tunnel-endpoint (start --tunnel adds it by itself)")
-    p.add_argument("--tunnel-endpoint", action="append", metavar="URL",
-                   help="the tunnel's public URL (repeatable): the only endpoint the tunnel-origin listener serves; "
-                   "tokens used through the tunnel name it as audience")
-    p.add_argument("--force-non-loopback", action="store_true",
-                   help="allow --listen on a non-loopback address (needed to accept agents from other hosts)")
+    p.add_argument(
+        "--tunnel-origin-port",
+        type=int,
+        metavar="PORT",
+        help="also listen on 127.0.0.1:PORT (plain HTTP) for a tunnel such as cloudflared; every request "
+        "there needs a DPoP proof (start --tunnel quick|named picks a free port when this is not set); "
+        "the tunnel's public URL must be a --tunnel-endpoint (start --tunnel adds it by itself)",
+    )
+    p.add_argument(
+        "--tunnel-endpoint",
+        action="append",
+        metavar="URL",
+        help="the tunnel's public URL (repeatable): the only endpoint the tunnel-origin listener serves; "
+        "tokens used through the tunnel name it as audience",
+    )
+    p.add_argument(
+        "--force-non-loopback",
+        action="store_true",
+        help="allow --listen on a non-loopback address (needed to accept agents from other hosts)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -509,22 +611,38 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = gsub.add_parser("serve", help="run the gateway alone, in front of an already running guard")
     _common(s)
     s.set_defaults(func=_serve, service=True)
-    st = gsub.add_parser("start", help="run the appliance: init if needed, then the guard (in a child process, "
-                         "restarted if it dies), the gateway and, with --tunnel, cloudflared")
+    st = gsub.add_parser(
+        "start",
+        help="run the appliance: init if needed, then the guard (in a child process, "
+        "restarted if it dies), the gateway and, with --tunnel, cloudflared",
+    )
     _common(st)
-    st.add_argument("--no-local-port", action="store_true",
-                    help="do not serve the Local Profile on 127.0.0.1:9374 (Unix socket only)")
-    st.add_argument("--public-url", action="append", metavar="URL",
-                    help="an address agents use to reach this gateway over mTLS, e.g. https://my-box.example:9443 "
-                    "(recorded: the gateway certificate, accepted endpoints and authorize's default follow it)")
-    st.add_argument("--tunnel", choices=("quick", "named", "tcp", "none"),
-                    help="run cloudflared: quick (a trycloudflare.com URL, DPoP), named (your tunnel's stable host "
-                    "name, DPoP), tcp (end-to-end mTLS for agents using cloudflared access tcp), none (default; "
-                    "or [tunnel] mode)")
+    st.add_argument(
+        "--no-local-port",
+        action="store_true",
+        help="do not serve the Local Profile on 127.0.0.1:9374 (Unix socket only)",
+    )
+    st.add_argument(
+        "--public-url",
+        action="append",
+        metavar="URL",
+        help="an address agents use to reach this gateway over mTLS, e.g. https://my-box.example:9443 "
+        "(recorded: the gateway certificate, accepted endpoints and authorize's default follow it)",
+    )
+    st.add_argument(
+        "--tunnel",
+        choices=("quick", "named", "tcp", "none"),
+        help="run cloudflared: quick (a trycloudflare.com URL, DPoP), named (your tunnel's stable host "
+        "name, DPoP), tcp (end-to-end mTLS for agents using cloudflared access tcp), none (default; "
+        "or [tunnel] mode)",
+    )
     st.add_argument("--cloudflared", metavar="PATH", help="the cloudflared binary (default: on PATH)")
     st.add_argument("--tunnel-hostname", metavar="HOST", help="named/tcp tunnels: the tunnel's public host name")
     st.set_defaults(func=_start, service=True)
-    sp = gsub.add_parser("stop", help="stop the appliance running on this data directory (SIGTERM: in-flight "
-                         "requests finish, then the tunnel and the guard stop)")
+    sp = gsub.add_parser(
+        "stop",
+        help="stop the appliance running on this data directory (SIGTERM: in-flight "
+        "requests finish, then the tunnel and the guard stop)",
+    )
     sp.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to finish (default 60)")
     sp.set_defaults(func=_stop)

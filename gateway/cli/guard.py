@@ -51,8 +51,10 @@ def _sessions(args: argparse.Namespace) -> int:
             else:
                 print(f"{'SESSION':<24} {'AGENT':<24} {'STATUS':<8} {'PROFILE':<7} {'EXPIRES':<20} REASON")
                 for r in rows:
-                    print(f"{r['session_id']:<24} {r['agent_id']:<24} {r['status']:<8} "
-                          f"{r.get('profile', '-'):<7} {r['expires_at']:<20} {r.get('status_reason', '')}")
+                    print(
+                        f"{r['session_id']:<24} {r['agent_id']:<24} {r['status']:<8} "
+                        f"{r.get('profile', '-'):<7} {r['expires_at']:<20} {r.get('status_reason', '')}"
+                    )
         elif args.sessions_command == "show":
             _print(auth.session(args.session_id).public())
         elif args.sessions_command == "revoke":
@@ -68,13 +70,17 @@ def _sessions(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g = sub.add_parser("guard", help="the local Auth Service + Memory Guard")
     gsub = g.add_subparsers(dest="guard_command", metavar="ACTION", required=True)
-    s = gsub.add_parser("serve", help="serve on $UOMP_HOME/guard.sock (0600) and, for the Local Profile, "
-                        "http://127.0.0.1:9374")
+    s = gsub.add_parser(
+        "serve", help="serve on $UOMP_HOME/guard.sock (0600) and, for the Local Profile, http://127.0.0.1:9374"
+    )
     s.add_argument("--no-tcp", action="store_true", help="serve only the Unix socket (no Local Profile port)")
     s.add_argument("--tcp-host", help="Local Profile listen address (default 127.0.0.1)")
     s.add_argument("--tcp-port", type=int, help="Local Profile port (default 9374; 0 picks a free port)")
-    s.add_argument("--force-non-loopback", action="store_true",
-                   help="allow a non-loopback --tcp-host (exposes the guard beyond this machine)")
+    s.add_argument(
+        "--force-non-loopback",
+        action="store_true",
+        help="allow a non-loopback --tcp-host (exposes the guard beyond this machine)",
+    )
     s.set_defaults(func=_serve, service=True)
 
     ss = sub.add_parser("sessions", help="see, close and revoke sessions (spec §21)")
@@ -83,9 +89,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ls.add_argument("--status", choices=["created", "active", "closed", "expired", "revoked"])
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_sessions)
-    for name, helptext in (("show", "show one session"), ("revoke", "revoke a session: its tokens stop working "
-                           "at once and are blacklisted"), ("close", "close a session normally")):
+    for name, helptext in (
+        ("show", "show one session"),
+        ("revoke", "revoke a session: its tokens stop working at once and are blacklisted"),
+        ("close", "close a session normally"),
+    ):
         p = ssub.add_parser(name, help=helptext)
         p.add_argument("session_id")
         p.set_defaults(func=_sessions)
-

@@ -28,8 +28,10 @@ def _init(args: argparse.Namespace) -> int:
 
         ensure_private_dir(paths.home)
         for url in appliance.add_public_urls(paths, urls):
-            print(f"public URL recorded: {url} (gateway certificate, accepted endpoints and authorize's default "
-                  "follow it)")
+            print(
+                f"public URL recorded: {url} (gateway certificate, accepted endpoints and authorize's default "
+                "follow it)"
+            )
     made = keys.init_home(paths)
     for hook in INIT_HOOKS:
         made.update(hook(paths))
@@ -47,8 +49,16 @@ class SessionSweep:
     unbound: list[tuple[str, str]] = field(default_factory=list)  # same agent, not certificate-bound: untouched
 
 
-def revoke_sessions(paths: Paths, *, reason: str, agent_ids: Iterable[str] = (), jkts: Iterable[str] = (),
-                    x5ts: Iterable[str] = (), every_active: bool = False, keep: bool = False) -> SessionSweep:
+def revoke_sessions(
+    paths: Paths,
+    *,
+    reason: str,
+    agent_ids: Iterable[str] = (),
+    jkts: Iterable[str] = (),
+    x5ts: Iterable[str] = (),
+    every_active: bool = False,
+    keep: bool = False,
+) -> SessionSweep:
     """Revoke (unless ``keep``) the live sessions whose tokens can no longer work.
 
     A session matches when its tokens are bound (``cnf``) to one of ``jkts`` / ``x5ts``, or it is a
@@ -63,8 +73,10 @@ def revoke_sessions(paths: Paths, *, reason: str, agent_ids: Iterable[str] = (),
     auth = open_auth(paths, load_section(GuardConfig, "guard", file=paths.config_file))
     try:
         auth.expire_due()
-        rows = auth.db.execute("SELECT session_id, agent_id, status, grant_options FROM sessions "
-                               "WHERE status IN ('created', 'active') ORDER BY created_at").fetchall()
+        rows = auth.db.execute(
+            "SELECT session_id, agent_id, status, grant_options FROM sessions "
+            "WHERE status IN ('created', 'active') ORDER BY created_at"
+        ).fetchall()
         for r in rows:
             options: dict[str, Any] = json.loads(r["grant_options"]) if r["grant_options"] else {}
             cnf = options.get("cnf") if isinstance(options.get("cnf"), dict) else None
@@ -90,19 +102,30 @@ def _rotate(args: argparse.Namespace) -> int:
     with userlog.change(paths) as event:
         kid = keys.rotate(paths, max_token_lifetime=lifetime, revoke_old=args.revoke_old)
         event.action, event.detail = "key_rotated", f"new kid {kid}"
-        event.reason = "the user rotated the token signing key" + (" and revoked the old keys" if args.revoke_old
-                                                                   else "")
+        event.reason = "the user rotated the token signing key" + (
+            " and revoked the old keys" if args.revoke_old else ""
+        )
     print(f"new signing key {kid}")
     if not args.revoke_old:
-        print(f"old public keys stay trusted (retired) for {lifetime} s so live tokens keep working; "
-              "'uomp keys rotate --revoke-old' distrusts them at once")
-        print(f"a running guard and gateway pick the new key up within {keys.KEY_WATCH_INTERVAL_SECONDS:g} s "
-              "(they watch the key files) or on SIGHUP")
+        print(
+            f"old public keys stay trusted (retired) for {lifetime} s so live tokens keep working; "
+            "'uomp keys rotate --revoke-old' distrusts them at once"
+        )
+        print(
+            f"a running guard and gateway pick the new key up within {keys.KEY_WATCH_INTERVAL_SECONDS:g} s "
+            "(they watch the key files) or on SIGHUP"
+        )
         return 0
-    print(f"REVOKED: {', '.join(sorted(before))}; every token they signed is refused by a running guard and "
-          "gateway within about 2 s (they watch the key files), at once after a SIGHUP")
-    sweep = revoke_sessions(paths, reason="signing key revoked ('uomp keys rotate --revoke-old')", every_active=True,
-                            keep=args.keep_sessions)
+    print(
+        f"REVOKED: {', '.join(sorted(before))}; every token they signed is refused by a running guard and "
+        "gateway within about 2 s (they watch the key files), at once after a SIGHUP"
+    )
+    sweep = revoke_sessions(
+        paths,
+        reason="signing key revoked ('uomp keys rotate --revoke-old')",
+        every_active=True,
+        keep=args.keep_sessions,
+    )
     verb = "left active (--keep-sessions), though their tokens no longer work" if args.keep_sessions else "revoked"
     print(f"{len(sweep.matched)} active session(s) held only tokens signed by the revoked keys: {verb}")
     for sid, agent in sweep.matched:
@@ -118,18 +141,32 @@ INIT_HOOKS: list = []  # type: ignore[type-arg]
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("init", help="create the data directory, signing key, admin credential and CA")
-    p.add_argument("--hostname", action="append", default=[], metavar="HOST|URL",
-                   help="the name (or https:// URL) agents use to reach this gateway, e.g. my-box.example "
-                   "(port: the listen port) or https://my-box.example:9443; repeatable. Recorded once for the "
-                   "gateway certificate, the accepted endpoints and authorize's default --gateway-url")
+    p.add_argument(
+        "--hostname",
+        action="append",
+        default=[],
+        metavar="HOST|URL",
+        help="the name (or https:// URL) agents use to reach this gateway, e.g. my-box.example "
+        "(port: the listen port) or https://my-box.example:9443; repeatable. Recorded once for the "
+        "gateway certificate, the accepted endpoints and authorize's default --gateway-url",
+    )
     p.set_defaults(func=_init)
     k = sub.add_parser("keys", help="Auth Service signing keys")
     ksub = k.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
-    r = ksub.add_parser("rotate", help="make a new signing key, keep old public keys until their tokens expire "
-                        "(or, with --revoke-old, distrust them at once)")
-    r.add_argument("--revoke-old", action="store_true",
-                   help="revoke every earlier signing key now: tokens they signed stop working at once, and the "
-                   "sessions holding them are revoked (their agents must be authorized again)")
-    r.add_argument("--keep-sessions", action="store_true",
-                   help="with --revoke-old: leave those sessions marked active (their tokens still fail)")
+    r = ksub.add_parser(
+        "rotate",
+        help="make a new signing key, keep old public keys until their tokens expire "
+        "(or, with --revoke-old, distrust them at once)",
+    )
+    r.add_argument(
+        "--revoke-old",
+        action="store_true",
+        help="revoke every earlier signing key now: tokens they signed stop working at once, and the "
+        "sessions holding them are revoked (their agents must be authorized again)",
+    )
+    r.add_argument(
+        "--keep-sessions",
+        action="store_true",
+        help="with --revoke-old: leave those sessions marked active (their tokens still fail)",
+    )
     r.set_defaults(func=_rotate)

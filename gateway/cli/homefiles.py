@@ -55,8 +55,15 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
     bad: list[FileProblem] = []
     good: list[str] = []
 
-    def one(path: Path, what: str, load: Callable[[], object], fix_missing: str, *,
-            code: ErrorCode = ErrorCode.KEY_ERROR, fix_broken: str | None = None) -> bool:
+    def one(
+        path: Path,
+        what: str,
+        load: Callable[[], object],
+        fix_missing: str,
+        *,
+        code: ErrorCode = ErrorCode.KEY_ERROR,
+        fix_broken: str | None = None,
+    ) -> bool:
         if not path.exists():
             bad.append(FileProblem(path, what, "is missing", fix_missing, code))
             return False
@@ -69,14 +76,27 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
 
     one(paths.private_jwk, "signing key", lambda: keys.load_signing_key(paths), restore)
     one(paths.admin_credential, "admin credential", lambda: keys.load_admin(paths), restore)
-    ca_key = one(ca_store.ca_key_path(paths), "CA key", lambda: ca_store._load_key_file(
-        ca_store.ca_key_path(paths), "CA key"), restore)
-    ca_cert = one(ca_store.ca_cert_path(paths), "CA certificate", lambda: ca_store.load_ca(paths),
-                  REMAKE if ca_key else restore, code=ErrorCode.CA_ERROR,
-                  fix_broken=f"move it aside and {REMAKE}" if ca_key else restore)
-    server_key = one(ca_store.server_key_path(paths), "gateway key",
+    ca_key = one(
+        ca_store.ca_key_path(paths),
+        "CA key",
+        lambda: ca_store._load_key_file(ca_store.ca_key_path(paths), "CA key"),
+        restore,
+    )
+    ca_cert = one(
+        ca_store.ca_cert_path(paths),
+        "CA certificate",
+        lambda: ca_store.load_ca(paths),
+        REMAKE if ca_key else restore,
+        code=ErrorCode.CA_ERROR,
+        fix_broken=f"move it aside and {REMAKE}" if ca_key else restore,
+    )
+    server_key = one(
+        ca_store.server_key_path(paths),
+        "gateway key",
         lambda: ca_store._load_key_file(ca_store.server_key_path(paths), "gateway key"),
-        REMAKE, fix_broken=f"move it and ca/gateway.crt aside, then {REMAKE}")
+        REMAKE,
+        fix_broken=f"move it and ca/gateway.crt aside, then {REMAKE}",
+    )
     if ca_key and ca_cert:
         ca_cert_obj = ca_store.load_ca_cert(paths)
 
@@ -96,15 +116,35 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
                 raise ValueError("it is not signed by your CA")
 
         if server_key:
-            one(ca_store.server_cert_path(paths), "gateway certificate", server, REMAKE, code=ErrorCode.CA_ERROR,
-                fix_broken=f"move it aside and {REMAKE}")
-        one(ca_store.crl_path(paths), "CRL", crl, REMAKE, code=ErrorCode.CA_ERROR,
-            fix_broken=f"move it aside and {REMAKE}")
-        registry = paths.ca_registry if paths.ca_registry.exists() or not paths.ca_registry_legacy.exists() \
-            else paths.ca_registry_legacy  # an older home's JSON registry, migrated on first use
-        one(registry, "CA registry", lambda: None,
+            one(
+                ca_store.server_cert_path(paths),
+                "gateway certificate",
+                server,
+                REMAKE,
+                code=ErrorCode.CA_ERROR,
+                fix_broken=f"move it aside and {REMAKE}",
+            )
+        one(
+            ca_store.crl_path(paths),
+            "CRL",
+            crl,
+            REMAKE,
+            code=ErrorCode.CA_ERROR,
+            fix_broken=f"move it aside and {REMAKE}",
+        )
+        registry = (
+            paths.ca_registry
+            if paths.ca_registry.exists() or not paths.ca_registry_legacy.exists()
+            else paths.ca_registry_legacy
+        )  # an older home's JSON registry, migrated on first use
+        one(
+            registry,
+            "CA registry",
+            lambda: None,
             restore + ": it lists every certificate your CA issued and revoked, and a new one would forget every "
-            "revocation", code=ErrorCode.CA_ERROR)
+            "revocation",
+            code=ErrorCode.CA_ERROR,
+        )
     return bad, good
 
 

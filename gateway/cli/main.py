@@ -53,8 +53,10 @@ def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
     check_home(paths)
     if needs_init and not paths.private_jwk.exists():
         where = f"{paths.home} has not been set up" if paths.home.exists() else f"{paths.home} does not exist"
-        raise UompError(ErrorCode.NOT_INITIALISED, f"data directory {where}; run 'uomp init' first "
-                        "(or pass --home / set UOMP_HOME to the one you use)")
+        raise UompError(
+            ErrorCode.NOT_INITIALISED,
+            f"data directory {where}; run 'uomp init' first (or pass --home / set UOMP_HOME to the one you use)",
+        )
     return paths
 
 
@@ -88,8 +90,11 @@ class Parser(argparse.ArgumentParser):
     def _strangers(self) -> list[str]:
         """Flags on the command line that neither this parser nor the top level knows."""
         known = set(self._options()) | {"--home", "-v", "--verbose", "--version", "-h", "--help"}
-        return [t for t in Parser.argv if t.startswith("-") and not re.match(r"-\d", t)
-                and t != "--" and t.split("=", 1)[0] not in known]
+        return [
+            t
+            for t in Parser.argv
+            if t.startswith("-") and not re.match(r"-\d", t) and t != "--" and t.split("=", 1)[0] not in known
+        ]
 
     def _explain(self, message: str) -> str:
         if message.startswith("the following arguments are required") and self._strangers():
@@ -181,12 +186,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno == errno.EPIPE:
             return _closed_pipe()
-        _unexpected(exc, args.verbose, code=ErrorCode.IO_ERROR, what=_os_error_text(exc),
-                    fix="check that path and its permissions")
+        _unexpected(
+            exc,
+            args.verbose,
+            code=ErrorCode.IO_ERROR,
+            what=_os_error_text(exc),
+            fix="check that path and its permissions",
+        )
         return 1
     except Exception as exc:  # the one place that turns any failure into one line
-        _unexpected(exc, args.verbose, code=ErrorCode.INTERNAL, what=f"{type(exc).__name__}: {exc}"[:300],
-                    fix="this is a bug; run again with -v and report the traceback")
+        _unexpected(
+            exc,
+            args.verbose,
+            code=ErrorCode.INTERNAL,
+            what=f"{type(exc).__name__}: {exc}"[:300],
+            fix="this is a bug; run again with -v and report the traceback",
+        )
         return 1
     finally:
         os.umask(old_umask)

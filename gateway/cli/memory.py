@@ -42,8 +42,10 @@ def _parse_value(text: str) -> Any:
     try:
         return json.loads(text, parse_constant=no_constants)
     except ValueError as exc:
-        raise UompError(ErrorCode.INVALID_REQUEST, "--value must be JSON: quote text as '\"dark\"', numbers as 42, "
-                        "objects as '{\"a\": 1}'") from exc
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            "--value must be JSON: quote text as '\"dark\"', numbers as 42, objects as '{\"a\": 1}'",
+        ) from exc
 
 
 def _add(args: argparse.Namespace) -> int:
@@ -55,12 +57,20 @@ def _add(args: argparse.Namespace) -> int:
     with _open_store(args) as store, userlog.change(paths_from(args)) as event:
         existing = store.get(args.key)
         if existing is not None and not args.replace:
-            raise UompError(ErrorCode.INVALID_REQUEST, "an item with this key already exists; pass --replace to "
-                            "overwrite it")
+            raise UompError(
+                ErrorCode.INVALID_REQUEST, "an item with this key already exists; pass --replace to overwrite it"
+            )
         now = utc_now()
-        item = MemoryItem(key=args.key, value=value, tags=tuple(tags), sensitivity=args.sensitivity,
-                          source="user", created_at=existing.created_at if existing else now, updated_at=now,
-                          description=args.description)
+        item = MemoryItem(
+            key=args.key,
+            value=value,
+            tags=tuple(tags),
+            sensitivity=args.sensitivity,
+            source="user",
+            created_at=existing.created_at if existing else now,
+            updated_at=now,
+            description=args.description,
+        )
         store.put(item, replace=args.replace)
         event.action, event.key = ("memory_replaced" if existing else "memory_added"), args.key
         event.reason = "the user replaced a memory item" if existing else "the user added a memory item"
@@ -148,8 +158,10 @@ class ProgressBar:
         frac = min(1.0, done / total)
         filled = int(frac * self.WIDTH)
         mib = 1024 * 1024
-        stream.write(f"\rimport [{'#' * filled}{'.' * (self.WIDTH - filled)}] {int(frac * 100):3d}% "
-                     f"{done / mib:.1f}/{total / mib:.1f} MiB")
+        stream.write(
+            f"\rimport [{'#' * filled}{'.' * (self.WIDTH - filled)}] {int(frac * 100):3d}% "
+            f"{done / mib:.1f}/{total / mib:.1f} MiB"
+        )
         stream.flush()
 
 
@@ -165,10 +177,19 @@ def _import(args: argparse.Namespace) -> int:
     recorded = contextlib.nullcontext(userlog.UserEvent()) if args.dry_run else userlog.change(paths_from(args))
     with _open_store(args) as store, recorded as event:
         report = import_file(
-            store, path, fmt=args.format, delimiter=args.delimiter, mappings=_mappings(args.map),
-            extra_tags=args.tags or (), sensitivity=args.sensitivity, replace=args.replace,
-            dry_run=args.dry_run, progress=ProgressBar() if progress else None, date_order=args.date_order,
-            keep_text=args.keep_text or ())
+            store,
+            path,
+            fmt=args.format,
+            delimiter=args.delimiter,
+            mappings=_mappings(args.map),
+            extra_tags=args.tags or (),
+            sensitivity=args.sensitivity,
+            replace=args.replace,
+            dry_run=args.dry_run,
+            progress=ProgressBar() if progress else None,
+            date_order=args.date_order,
+            keep_text=args.keep_text or (),
+        )
         if not report.dry_run:
             event.action, event.count = "memory_imported", report.rows_written
             event.detail = f"format {path.suffix[1:]}"
@@ -203,67 +224,121 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     if _init_store not in home.INIT_HOOKS:
         home.INIT_HOOKS.append(_init_store)
 
-    m = sub.add_parser("memory", help="add, show, list and delete Memory Items",
-                       description="Manage the Memory Items in $UOMP_HOME/memory.db directly.")
+    m = sub.add_parser(
+        "memory",
+        help="add, show, list and delete Memory Items",
+        description="Manage the Memory Items in $UOMP_HOME/memory.db directly.",
+    )
     msub = m.add_subparsers(dest="memory_command", metavar="ACTION", required=True)
 
-    a = msub.add_parser("add", help="add one Memory Item",
-                        description="Add one Memory Item (source: user). An existing key is refused "
-                        "unless --replace, which keeps the item's created_at.")
+    a = msub.add_parser(
+        "add",
+        help="add one Memory Item",
+        description="Add one Memory Item (source: user). An existing key is refused "
+        "unless --replace, which keeps the item's created_at.",
+    )
     a.add_argument("key", metavar="KEY", help="the item key, e.g. preference.theme")
-    a.add_argument("--value", required=True, metavar="JSON",
-                   help="the value as JSON: '\"dark\"' (text needs the inner quotes), 42, '{\"a\": 1}'")
-    a.add_argument("--tag", dest="tags", action="append", required=True, metavar="TAG",
-                   help="a tag (repeat for more; at least one)")
-    a.add_argument("--sensitivity", required=True, choices=SENSITIVITIES,
-                   help="low, medium or high (high items can be granted by key only, never by tag)")
+    a.add_argument(
+        "--value",
+        required=True,
+        metavar="JSON",
+        help="the value as JSON: '\"dark\"' (text needs the inner quotes), 42, '{\"a\": 1}'",
+    )
+    a.add_argument(
+        "--tag",
+        dest="tags",
+        action="append",
+        required=True,
+        metavar="TAG",
+        help="a tag (repeat for more; at least one)",
+    )
+    a.add_argument(
+        "--sensitivity",
+        required=True,
+        choices=SENSITIVITIES,
+        help="low, medium or high (high items can be granted by key only, never by tag)",
+    )
     a.add_argument("--description", help="a human-readable description")
     a.add_argument("--replace", action="store_true", help="overwrite an existing item with this key")
     a.set_defaults(func=_add)
 
-    g = msub.add_parser("get", aliases=["show"], help="print one Memory Item as JSON",
-                        description="Print one Memory Item (spec §11.1 JSON), value included.")
+    g = msub.add_parser(
+        "get",
+        aliases=["show"],
+        help="print one Memory Item as JSON",
+        description="Print one Memory Item (spec §11.1 JSON), value included.",
+    )
     g.add_argument("key", metavar="KEY")
     g.set_defaults(func=_get)
 
-    ls = msub.add_parser("list", help="list Memory Items (keys, tags, sensitivity; no values)",
-                         description="List Memory Items ordered by key. Values are shown only with --json.")
+    ls = msub.add_parser(
+        "list",
+        help="list Memory Items (keys, tags, sensitivity; no values)",
+        description="List Memory Items ordered by key. Values are shown only with --json.",
+    )
     ls.add_argument("--tag", help="only items with this tag")
-    ls.add_argument("--limit", type=int, default=LIST_DEFAULT_LIMIT,
-                    help=f"at most this many items (default {LIST_DEFAULT_LIMIT})")
+    ls.add_argument(
+        "--limit", type=int, default=LIST_DEFAULT_LIMIT, help=f"at most this many items (default {LIST_DEFAULT_LIMIT})"
+    )
     ls.add_argument("--offset", type=int, default=0, help="skip this many items first (default 0)")
     ls.add_argument("--json", action="store_true", help="print the full items, values included, as JSON")
     ls.set_defaults(func=_list)
 
-    r = msub.add_parser("rm", help="delete one Memory Item",
-                        description="Delete one Memory Item (its bytes are overwritten in the file).")
+    r = msub.add_parser(
+        "rm",
+        help="delete one Memory Item",
+        description="Delete one Memory Item (its bytes are overwritten in the file).",
+    )
     r.add_argument("key", metavar="KEY")
     r.set_defaults(func=_rm)
 
-    i = sub.add_parser("import", help="import Memory Items from a CSV or JSON file (spec §12)",
-                       description="Import Memory Items from a CSV or JSON file into $UOMP_HOME/memory.db.",
-                       epilog=_IMPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    i = sub.add_parser(
+        "import",
+        help="import Memory Items from a CSV or JSON file (spec §12)",
+        description="Import Memory Items from a CSV or JSON file into $UOMP_HOME/memory.db.",
+        epilog=_IMPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     i.add_argument("file", metavar="FILE", help="the CSV (UTF-8, header row) or JSON file")
-    i.add_argument("--format", choices=("csv", "json"),
-                   help="file format (default: from the extension .csv/.tsv/.txt or .json)")
-    i.add_argument("--delimiter", metavar="D",
-                   help="CSV delimiter: one character, or 'tab' (default ',', tab for .tsv)")
-    i.add_argument("--map", action="append", metavar="SRC=DST",
-                   help="put column/field SRC into DST: a reserved field (key, tags, sensitivity, source, "
-                   "description, created_at, updated_at), value or value.a.b (repeatable)")
-    i.add_argument("--tag", dest="tags", action="append", metavar="TAG",
-                   help="add this tag to every item (repeatable)")
-    i.add_argument("--sensitivity", choices=SENSITIVITIES,
-                   help="sensitivity for rows that have none; without it such rows are refused")
-    i.add_argument("--replace", action="store_true",
-                   help="overwrite items whose key is already in the store (default: refuse)")
+    i.add_argument(
+        "--format", choices=("csv", "json"), help="file format (default: from the extension .csv/.tsv/.txt or .json)"
+    )
+    i.add_argument(
+        "--delimiter", metavar="D", help="CSV delimiter: one character, or 'tab' (default ',', tab for .tsv)"
+    )
+    i.add_argument(
+        "--map",
+        action="append",
+        metavar="SRC=DST",
+        help="put column/field SRC into DST: a reserved field (key, tags, sensitivity, source, "
+        "description, created_at, updated_at), value or value.a.b (repeatable)",
+    )
+    i.add_argument("--tag", dest="tags", action="append", metavar="TAG", help="add this tag to every item (repeatable)")
+    i.add_argument(
+        "--sensitivity",
+        choices=SENSITIVITIES,
+        help="sensitivity for rows that have none; without it such rows are refused",
+    )
+    i.add_argument(
+        "--replace", action="store_true", help="overwrite items whose key is already in the store (default: refuse)"
+    )
     i.add_argument("--dry-run", action="store_true", help="validate and report, write nothing")
-    i.add_argument("--date-order", choices=DATE_ORDERS,
-                   help="read A/B/YYYY dates as day-first (dmy) or month-first (mdy); default: decided "
-                   "per column, ambiguous ones kept as text")
-    i.add_argument("--keep-text", action="append", metavar="COLUMN",
-                   help="never convert this CSV column to numbers or dates (repeatable)")
-    i.add_argument("--progress", action="store_true",
-                   help="always draw a progress bar on stderr (default: only on a terminal, for files "
-                   f"of {PROGRESS_MIN_BYTES // (1024 * 1024)} MiB or more)")
+    i.add_argument(
+        "--date-order",
+        choices=DATE_ORDERS,
+        help="read A/B/YYYY dates as day-first (dmy) or month-first (mdy); default: decided "
+        "per column, ambiguous ones kept as text",
+    )
+    i.add_argument(
+        "--keep-text",
+        action="append",
+        metavar="COLUMN",
+        help="never convert this CSV column to numbers or dates (repeatable)",
+    )
+    i.add_argument(
+        "--progress",
+        action="store_true",
+        help="always draw a progress bar on stderr (default: only on a terminal, for files "
+        f"of {PROGRESS_MIN_BYTES // (1024 * 1024)} MiB or more)",
+    )
     i.set_defaults(func=_import)

@@ -114,9 +114,11 @@ class GuardClient:
                 conn.request(method, path, headers={"Authorization": f"Bearer {self.credential}"})
                 resp = conn.getresponse()
             except OSError as exc:
-                raise UompError(ErrorCode.STORE_UNAVAILABLE, f"cannot reach the guard on {self.paths.guard_sock} "
-                                f"({exc.strerror or type(exc).__name__}); is 'uomp gateway start' running?"
-                                ) from None
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE,
+                    f"cannot reach the guard on {self.paths.guard_sock} "
+                    f"({exc.strerror or type(exc).__name__}); is 'uomp gateway start' running?",
+                ) from None
             if resp.status >= 400:
                 raise _error(resp)
             yield resp
@@ -165,8 +167,10 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'PAYLOAD':<30} {'SESSION':<28} {'AGENT':<20} {'FORMAT':<18} {'SIZE':>12} {'AGE':>5}  OPENED")
     for p in payloads:
-        print(f"{p['payload_id']:<30} {p['session_id']:<28} {p['agent_id'][:20]:<20} {p['format'][:18]:<18} "
-              f"{p['size']:>12} {_ago(p['created_at']):>5}  {'yes' if p['opened'] else 'no'}")
+        print(
+            f"{p['payload_id']:<30} {p['session_id']:<28} {p['agent_id'][:20]:<20} {p['format'][:18]:<18} "
+            f"{p['size']:>12} {_ago(p['created_at']):>5}  {'yes' if p['opened'] else 'no'}"
+        )
     return 0
 
 
@@ -190,24 +194,31 @@ def open_payload(paths: Paths, payload_id: str) -> tuple[dict[str, Any], Iterato
         digest = hashlib.sha256()
         received = 0
         with client.request("GET", f"/v1/payloads/{pid}/ciphertext") as resp:
+
             def blocks() -> Iterator[bytes]:
                 nonlocal received
                 while block := resp.read(READ_BLOCK):
                     received += len(block)
                     digest.update(block)
                     yield block
+
             try:
                 for plain in sealing.open_stream(private, binding, meta["encryption"], blocks()):
                     yield bytes(plain)
             except sealing.SealError as exc:
-                raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id} does not open: {exc}; nothing was "
-                                "written") from None
+                raise UompError(
+                    ErrorCode.PAYLOAD_INVALID, f"payload {payload_id} does not open: {exc}; nothing was written"
+                ) from None
             except (OSError, http.client.HTTPException):
                 raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, "the guard's answer broke off; nothing was written") from None
+                    ErrorCode.STORE_UNAVAILABLE, "the guard's answer broke off; nothing was written"
+                ) from None
         if received != meta["size"] or "sha256:" + digest.hexdigest() != meta["hash"]:
-            raise UompError(ErrorCode.PAYLOAD_INVALID, f"payload {payload_id}'s ciphertext does not match its recorded "
-                            "hash; nothing was written")
+            raise UompError(
+                ErrorCode.PAYLOAD_INVALID,
+                f"payload {payload_id}'s ciphertext does not match its recorded hash; nothing was written",
+            )
+
     return dict(meta), plaintext()
 
 
@@ -241,14 +252,18 @@ def pull(paths: Paths, payload_id: str, out: Path, *, force: bool = False) -> di
             try:  # the opening is audited before the plaintext has a name
                 mark_opened(paths, payload_id)
             except UompError as exc:
-                raise UompError(exc.code, f"{exc.message}; the opening could not be recorded, so nothing was "
-                                "written: run the same command again") from None
+                raise UompError(
+                    exc.code,
+                    f"{exc.message}; the opening could not be recorded, so nothing was "
+                    "written: run the same command again",
+                ) from None
             fault_hold("pull_after_opened")
             try:
                 plain.publish(out, force=force)
             except FileExistsError:
-                raise UompError(ErrorCode.INVALID_REQUEST, f"{out} appeared meanwhile; pass --force to replace "
-                                "it") from None
+                raise UompError(
+                    ErrorCode.INVALID_REQUEST, f"{out} appeared meanwhile; pass --force to replace it"
+                ) from None
         finally:
             old = signal.pthread_sigmask(signal.SIG_BLOCK, CLEANUP_SIGNALS)  # the clean-up is not cut short
             try:
@@ -269,8 +284,11 @@ def _pull(args: argparse.Namespace) -> int:
         os.kill(os.getpid(), stop.signum)  # exit as the signal says
         return 128 + stop.signum
     created = dt.datetime.fromtimestamp(meta["created_at"], dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    print(f"opened {meta['payload_id']} ({meta['format']}, from {meta['agent_id']}, session {meta['session_id']}, "
-          f"uploaded {created}) -> {args.out}", file=sys.stderr)
+    print(
+        f"opened {meta['payload_id']} ({meta['format']}, from {meta['agent_id']}, session {meta['session_id']}, "
+        f"uploaded {created}) -> {args.out}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -296,8 +314,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ls.add_argument("--session", help="only this session's payloads")
     ls.add_argument("--json", action="store_true", help="the index as JSON")
     ls.set_defaults(func=_list)
-    pl = psub.add_parser("pull", help="fetch, check and decrypt a payload into a file (nothing written unless "
-                         "every byte authenticates)")
+    pl = psub.add_parser(
+        "pull", help="fetch, check and decrypt a payload into a file (nothing written unless every byte authenticates)"
+    )
     pl.add_argument("payload_id", metavar="ID")
     pl.add_argument("--out", required=True, metavar="FILE", help="where the plaintext goes")
     pl.add_argument("--force", action="store_true", help="replace FILE if it exists")

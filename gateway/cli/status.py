@@ -32,8 +32,11 @@ def _cert_expiry(paths: Paths) -> dict[str, Any] | None:
     from gateway.core import ca
 
     left = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
-    return {"not_after": f"{cert.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}", "days_left": left.days,
-            "names": sorted(ca.server_cert_names(cert))}
+    return {
+        "not_after": f"{cert.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}",
+        "days_left": left.days,
+        "names": sorted(ca.server_cert_names(cert)),
+    }
 
 
 def _agents(paths: Paths) -> list[dict[str, Any]]:
@@ -41,8 +44,15 @@ def _agents(paths: Paths) -> list[dict[str, Any]]:
         rows = ca_store.list_agents(paths)
     except Exception:  # no CA yet, or a registry problem (uomp doctor says which)
         return []
-    return [{"agent_id": r.agent_id, "serial": r.serial, "not_after": f"{r.not_after:%Y-%m-%dT%H:%M:%SZ}",
-             "status": r.status} for r in rows]
+    return [
+        {
+            "agent_id": r.agent_id,
+            "serial": r.serial,
+            "not_after": f"{r.not_after:%Y-%m-%dT%H:%M:%SZ}",
+            "status": r.status,
+        }
+        for r in rows
+    ]
 
 
 def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
@@ -56,8 +66,15 @@ def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
     except Exception:
         return None
     try:
-        return [{"session_id": s["session_id"], "agent_id": s["agent_id"], "profile": s.get("profile"),
-                 "expires_at": s["expires_at"]} for s in auth.list_sessions(status="active")]
+        return [
+            {
+                "session_id": s["session_id"],
+                "agent_id": s["agent_id"],
+                "profile": s.get("profile"),
+                "expires_at": s["expires_at"],
+            }
+            for s in auth.list_sessions(status="active")
+        ]
     except Exception:
         return None
     finally:
@@ -96,13 +113,23 @@ def collect(paths: Paths) -> dict[str, Any]:
         "listeners": run.get("listeners") if run else {},
         "healthy": healthy,
         "status_file_stale": stale,
-        "guard": {"reachable": upstream.get("up") if upstream else None,
-                  "last_error": upstream.get("last_error") if upstream else None,
-                  **({"pid": guard.get("pid"), "restarts": guard.get("restarts"),
-                      "last_restart_reason": guard.get("last_restart_reason")} if guard else {})},
+        "guard": {
+            "reachable": upstream.get("up") if upstream else None,
+            "last_error": upstream.get("last_error") if upstream else None,
+            **(
+                {
+                    "pid": guard.get("pid"),
+                    "restarts": guard.get("restarts"),
+                    "last_restart_reason": guard.get("last_restart_reason"),
+                }
+                if guard
+                else {}
+            ),
+        },
         "public_urls": appliance.public_urls(paths, gcfg),
-        "tunnel": ((status or {}).get("tunnel") or (run or {}).get("tunnel")
-                   or appliance.load_addresses(paths)["tunnel"]),
+        "tunnel": (
+            (status or {}).get("tunnel") or (run or {}).get("tunnel") or appliance.load_addresses(paths)["tunnel"]
+        ),
         "endpoints": (run or {}).get("endpoints") or appliance.accepted_endpoints(paths, gcfg),
         "gateway_certificate": _cert_expiry(paths),
         "agent_certificates": _agents(paths),
@@ -130,8 +157,14 @@ def audit_integrity(paths: Paths) -> dict[str, Any]:
         refused = _guard_refusal(paths)  # what a running guard found since (its full verify in the background)
         if refused is not None:
             details = refused.get("details") if isinstance(refused.get("details"), dict) else {}
-            state = {**state, "ok": False, "code": refused.get("code"), "message": refused.get("message"),
-                     "first_bad_seq": (details or {}).get("first_bad_seq"), "found_by": "the running guard"}
+            state = {
+                **state,
+                "ok": False,
+                "code": refused.get("code"),
+                "message": refused.get("message"),
+                "first_bad_seq": (details or {}).get("first_bad_seq"),
+                "found_by": "the running guard",
+            }
     return state
 
 
@@ -159,8 +192,11 @@ def _guard_refusal(paths: Paths) -> dict[str, Any] | None:
         answer = json.loads(body)
     except ValueError:
         return None
-    err = answer.get("audit", {}).get("error") if isinstance(answer, dict) and answer.get("status") == "refusing" \
+    err = (
+        answer.get("audit", {}).get("error")
+        if isinstance(answer, dict) and answer.get("status") == "refusing"
         else None
+    )
     return err if isinstance(err, dict) else None
 
 
@@ -189,8 +225,10 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
     except sqlite3.Error:
         pass
     if backend == "none":
-        out["note"] = (f"signed checkpoints only ({out.get('checkpointed_events', 0)} events checkpointed); "
-                       "set [anchor] to anchor them on a chain (docs/anchoring.md)")
+        out["note"] = (
+            f"signed checkpoints only ({out.get('checkpointed_events', 0)} events checkpointed); "
+            "set [anchor] to anchor them on a chain (docs/anchoring.md)"
+        )
     else:
         b = out["backlog"]
         out["rejected"] = bool(b and b["counts"].get("rejected"))
@@ -200,8 +238,10 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
 
 def _text(s: dict[str, Any]) -> None:
     if not s["initialised"]:
-        print(f"data directory {s['home']} has not been set up: run 'uomp init' (or pass --home / set UOMP_HOME "
-              "to the one you use)")
+        print(
+            f"data directory {s['home']} has not been set up: run 'uomp init' (or pass --home / set UOMP_HOME "
+            "to the one you use)"
+        )
     if s["running"]:
         print(f"appliance: running (pid {s['pid']}, since {s['started_at']}), data {s['home']}")
     else:
@@ -212,16 +252,20 @@ def _text(s: dict[str, Any]) -> None:
     if s["running"]:
         state = "answers" if g.get("reachable") else f"NOT REACHABLE ({g.get('last_error') or 'unknown'})"
         extra = f", pid {g['pid']}, restarts {g.get('restarts', 0)}" if g.get("pid") else ""
-        print(f"guard: {state}{extra}" + (f"; last restart: {g['last_restart_reason']}"
-                                           if g.get("last_restart_reason") else ""))
+        print(
+            f"guard: {state}{extra}"
+            + (f"; last restart: {g['last_restart_reason']}" if g.get("last_restart_reason") else "")
+        )
         if s["status_file_stale"]:
             print("  !! the status file has not been updated for a while: the gateway may be hung")
     for u in s["public_urls"]:
         print(f"public URL: {u} (mTLS)")
     t = s["tunnel"]
     if t:
-        print(f"tunnel: {t.get('mode')} {t.get('status', 'recorded')} {t.get('public_url') or t.get('url') or ''}"
-              + (f" ({t['last_error']})" if t.get("last_error") else ""))
+        print(
+            f"tunnel: {t.get('mode')} {t.get('status', 'recorded')} {t.get('public_url') or t.get('url') or ''}"
+            + (f" ({t['last_error']})" if t.get("last_error") else "")
+        )
     else:
         print("tunnel: none")
     print(f"accepted endpoints: {', '.join(s['endpoints'])}")
@@ -250,8 +294,10 @@ def _text(s: dict[str, Any]) -> None:
     elif a.get("ok") is None:
         print(f"audit log: not checked ({a.get('message')})")
     else:
-        print(f"audit log: {a.get('events', 0)} events, tail checked, consistent with the witness record"
-              + (f" at {a['witness_size']} events" if a.get("witness_size") is not None else " (none yet)"))
+        print(
+            f"audit log: {a.get('events', 0)} events, tail checked, consistent with the witness record"
+            + (f" at {a['witness_size']} events" if a.get("witness_size") is not None else " (none yet)")
+        )
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -267,7 +313,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("status", help="is the appliance running, where, its tunnel, guard health, certificates, "
-                       "sessions (exit 0 healthy, 1 unhealthy, 3 not running)")
+    p = sub.add_parser(
+        "status",
+        help="is the appliance running, where, its tunnel, guard health, certificates, "
+        "sessions (exit 0 healthy, 1 unhealthy, 3 not running)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_status)

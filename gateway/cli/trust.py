@@ -39,8 +39,9 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps({"entries": [asdict(e) for e in current.entries]}, indent=2, ensure_ascii=False))
         return 0
     if not current.entries:
-        print("your trust list is empty: no publisher is shown as trusted "
-              "(add one with uomp trust add DID --name NAME)")
+        print(
+            "your trust list is empty: no publisher is shown as trusted (add one with uomp trust add DID --name NAME)"
+        )
         return 0
     for e in current.entries:
         print(f"{e.name}\n  {e.kind} {e.id}\n  fingerprint {e.fingerprint or '-'}, added {e.added_at} ({e.how})")

@@ -57,13 +57,25 @@ def change(paths: Paths, *, via: str = "cli") -> Iterator[UserEvent]:
         extra: dict[str, Any] = {"origin": via}
         if event.count is not None:
             extra["count"] = event.count
-        ticket = audit.record(session_id=USER_SESSION, agent_id=event.agent_id, action=event.action, allowed=True,
-                              reason=event.reason, key=event.key, detail=event.detail, via=via, extra=extra)
+        ticket = audit.record(
+            session_id=USER_SESSION,
+            agent_id=event.agent_id,
+            action=event.action,
+            allowed=True,
+            reason=event.reason,
+            key=event.key,
+            detail=event.detail,
+            via=via,
+            extra=extra,
+        )
         try:
             audit.flush_sync(ticket)
         except UompError as exc:
-            raise UompError(exc.code, f"the change WAS made, but its audit event could not be written "
-                            f"({exc.message}); free space on the disk of {paths.home}, then check the log with "
-                            "'uomp audit verify'") from exc
+            raise UompError(
+                exc.code,
+                f"the change WAS made, but its audit event could not be written "
+                f"({exc.message}); free space on the disk of {paths.home}, then check the log with "
+                "'uomp audit verify'",
+            ) from exc
     finally:
         audit.close()

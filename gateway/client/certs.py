@@ -41,8 +41,9 @@ def bundle_key(bundle: AgentBundle, bundle_path: Path) -> AgentKey | None:
         path = bundle_path.parent / path
     try:
         if path.stat().st_mode & 0o077:
-            raise ConfigError("CONFIG_ERROR", f"{path} holds the agent key and must not be readable by others; "
-                              "chmod 600 it")
+            raise ConfigError(
+                "CONFIG_ERROR", f"{path} holds the agent key and must not be readable by others; chmod 600 it"
+            )
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError("CONFIG_ERROR", f"cannot read the agent key file {path}: {exc.strerror}") from exc
@@ -84,7 +85,10 @@ class ClientCertificates(ClientTokens):
                 "CERT_EXPIRED",
                 f"the agent certificate (serial {self.certificate_serial}) expired at {na}; a certificate is "
                 "renewed with itself, so it is too late to renew: ask the user for a new one ('uomp agent issue "
-                f"{self._agent_id}' or 'uomp authorize --remote')", None, self._session_id)
+                f"{self._agent_id}' or 'uomp authorize --remote')",
+                None,
+                self._session_id,
+            )
 
     async def _ensure_certificate(self) -> None:
         self._check_not_expired()
@@ -99,8 +103,12 @@ class ClientCertificates(ClientTokens):
                 await self._renew(None)
             except UompClientError as exc:
                 self._renew_blocked_until = self._clock() + self._opts.renew_retry_seconds
-                log.warning("automatic renewal of the agent certificate failed (%s: %s); the current one stays in "
-                            "use until %s", exc.code, exc.message, self.certificate_not_after)
+                log.warning(
+                    "automatic renewal of the agent certificate failed (%s: %s); the current one stays in use until %s",
+                    exc.code,
+                    exc.message,
+                    self.certificate_not_after,
+                )
 
     async def _renew(self, csr_key: AgentKey | None) -> RenewedCertificate:
         assert self._key is not None and self._ca_cert is not None
@@ -108,8 +116,9 @@ class ClientCertificates(ClientTokens):
         if csr_key is not None:
             csr = ca.make_csr(csr_key, self._agent_id)
             body = {"csr": csr.public_bytes(serialization.Encoding.PEM).decode()}
-        status, answer = await self._send("POST", "/v1/certificates/renew", None, body if body is not None else {},
-                                          None)
+        status, answer = await self._send(
+            "POST", "/v1/certificates/renew", None, body if body is not None else {}, None
+        )
         if status >= 300:
             raise error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
         pem = answer.get("certificate") if isinstance(answer, dict) else None
@@ -120,16 +129,19 @@ class ClientCertificates(ClientTokens):
             cert = x509.load_pem_x509_certificate(pem.encode())
             ca_cert = x509.load_pem_x509_certificate(self._ca_cert.encode())
         except ValueError:
-            raise ProtocolError("BAD_RESPONSE", "the renewed certificate is not PEM", status,
-                                self._session_id) from None
+            raise ProtocolError(
+                "BAD_RESPONSE", "the renewed certificate is not PEM", status, self._session_id
+            ) from None
         if not ca.is_issued_by(cert, ca_cert):
-            raise ProtocolError("BAD_RESPONSE", "the renewed certificate was not issued by the bundle's CA", status,
-                                self._session_id)
+            raise ProtocolError(
+                "BAD_RESPONSE", "the renewed certificate was not issued by the bundle's CA", status, self._session_id
+            )
         try:
             self._set_certificate(pem, new_key)
         except ConfigError as exc:
-            raise ProtocolError("BAD_RESPONSE", f"the renewed certificate is unusable: {exc.message}", status,
-                                self._session_id) from None
+            raise ProtocolError(
+                "BAD_RESPONSE", f"the renewed certificate is unusable: {exc.message}", status, self._session_id
+            ) from None
         # New connections use the new certificate; calls in flight finish on the old pool.
         old, self._conn = self._conn, self._new_conn()
         self._retired = [c for c in self._retired if not c.session.closed]
@@ -150,8 +162,11 @@ class ClientCertificates(ClientTokens):
         async with self._bundle_lock():
             await self._persist(update, "the renewed certificate")
         serial = ca.serial_hex(cert.serial_number)
-        log.info("agent certificate renewed for %s: serial %s valid until %s%s", self._agent_id, serial,
-                 cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"), " (new key)" if rotated else "")
-        return RenewedCertificate(serial=serial, not_after=cert.not_valid_after_utc, certificate=pem,
-                                  new_key=rotated)
-
+        log.info(
+            "agent certificate renewed for %s: serial %s valid until %s%s",
+            self._agent_id,
+            serial,
+            cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            " (new key)" if rotated else "",
+        )
+        return RenewedCertificate(serial=serial, not_after=cert.not_valid_after_utc, certificate=pem, new_key=rotated)

@@ -57,8 +57,10 @@ class UompClientError(Exception):
         self.session_id = session_id
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(code={self.code!r}, message={self.message!r}, status={self.status!r}, "
-                f"session_id={self.session_id!r})")
+        return (
+            f"{type(self).__name__}(code={self.code!r}, message={self.message!r}, status={self.status!r}, "
+            f"session_id={self.session_id!r})"
+        )
 
 
 class AuthError(UompClientError):
@@ -115,22 +117,49 @@ class AuditCheckpointInvalid(AuditLogError):
 
 
 CODE_CLASSES: dict[str, type[UompClientError]] = {
-    **dict.fromkeys(("INVALID_TOKEN", "TOKEN_EXPIRED", "SESSION_REVOKED", "SESSION_NOT_FOUND", "REFRESH_REUSED",
-                     "TOKEN_BINDING_MISMATCH", "DPOP_INVALID", "AGENT_MISMATCH", "UNAUTHORIZED"), AuthError),
-    **dict.fromkeys(("CERT_REQUIRED", "CA_ERROR", "CERT_EXPIRED", "TLS_HANDSHAKE_FAILED", "SERVER_CERT_INVALID"),
-                    CertificateError),
+    **dict.fromkeys(
+        (
+            "INVALID_TOKEN",
+            "TOKEN_EXPIRED",
+            "SESSION_REVOKED",
+            "SESSION_NOT_FOUND",
+            "REFRESH_REUSED",
+            "TOKEN_BINDING_MISMATCH",
+            "DPOP_INVALID",
+            "AGENT_MISMATCH",
+            "UNAUTHORIZED",
+        ),
+        AuthError,
+    ),
+    **dict.fromkeys(
+        ("CERT_REQUIRED", "CA_ERROR", "CERT_EXPIRED", "TLS_HANDSHAKE_FAILED", "SERVER_CERT_INVALID"), CertificateError
+    ),
     **dict.fromkeys(("ACCESS_DENIED", "WRITE_NOT_AVAILABLE"), AccessDenied),
     "QUOTA_EXCEEDED": QuotaExceeded,
-    **dict.fromkeys(("INVALID_REQUEST", "NOT_FOUND", "METHOD_NOT_ALLOWED", "PAYLOAD_TOO_LARGE", "NOT_IMPLEMENTED",
-                     "INVALID_STATE"), InvalidRequest),
-    **dict.fromkeys(("STORE_UNAVAILABLE", "UPSTREAM_ERROR", "UPSTREAM_TIMEOUT", "INTERNAL", "TIMEOUT",
-                     "CONNECTION_FAILED", "CONNECTION_CLOSED", "LOCK_TIMEOUT"), Unavailable),
+    **dict.fromkeys(
+        ("INVALID_REQUEST", "NOT_FOUND", "METHOD_NOT_ALLOWED", "PAYLOAD_TOO_LARGE", "NOT_IMPLEMENTED", "INVALID_STATE"),
+        InvalidRequest,
+    ),
+    **dict.fromkeys(
+        (
+            "STORE_UNAVAILABLE",
+            "UPSTREAM_ERROR",
+            "UPSTREAM_TIMEOUT",
+            "INTERNAL",
+            "TIMEOUT",
+            "CONNECTION_FAILED",
+            "CONNECTION_CLOSED",
+            "LOCK_TIMEOUT",
+        ),
+        Unavailable,
+    ),
     **dict.fromkeys(("BAD_RESPONSE", "RESPONSE_TOO_LARGE"), ProtocolError),
     "CONFIG_ERROR": ConfigError,
     "AUDIT_LOG_INCONSISTENT": AuditLogForked,
     "AUDIT_CHECKPOINT_INVALID": AuditCheckpointInvalid,
-    **dict.fromkeys(("PAYLOAD_HASH_MISMATCH", "PAYLOAD_SIZE_MISMATCH", "PAYLOAD_EXISTS", "UPLOAD_URL_INVALID"),
-                    PayloadRejected),
+    **dict.fromkeys(
+        ("PAYLOAD_HASH_MISMATCH", "PAYLOAD_SIZE_MISMATCH", "PAYLOAD_EXISTS", "UPLOAD_URL_INVALID"), PayloadRejected
+    ),
     "PAYLOAD_QUOTA_EXCEEDED": QuotaExceeded,
     "PAYLOAD_STORE_FULL": Unavailable,
 }
@@ -160,15 +189,15 @@ def scrub(text: str, secrets: Iterable[str | None]) -> str:
     return text
 
 
-def make_error(code: str, message: str, status: int | None = None, session_id: str | None = None
-               ) -> UompClientError:
+def make_error(code: str, message: str, status: int | None = None, session_id: str | None = None) -> UompClientError:
     """The subclass for ``code`` (by status when the code is unknown)."""
     cls = CODE_CLASSES.get(code) or _class_for_status(status)
     return cls(code, message, status, session_id)
 
 
-def error_from_answer(status: int, body: Any, *, session_id: str | None,
-                      secrets: Iterable[str | None] = ()) -> UompClientError:
+def error_from_answer(
+    status: int, body: Any, *, session_id: str | None, secrets: Iterable[str | None] = ()
+) -> UompClientError:
     """The error for a non-2xx answer: from its §8.4 body when it has one, else from the status."""
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and isinstance(err.get("code"), str) and err["code"]:
@@ -177,5 +206,6 @@ def error_from_answer(status: int, body: Any, *, session_id: str | None,
         message = scrub(raw_message if isinstance(raw_message, str) else "refused", secrets)
         sid = err.get("session_id")
         return make_error(code, message, status, sid if isinstance(sid, str) else session_id)
-    return make_error(f"HTTP_{status}", f"the gateway answered HTTP {status} without a UOMP error body",
-                      status, session_id)
+    return make_error(
+        f"HTTP_{status}", f"the gateway answered HTTP {status} without a UOMP error body", status, session_id
+    )

@@ -69,10 +69,13 @@ class ClientOptions:
             raise ConfigError("CONFIG_ERROR", "time-outs and the response size limit must be positive")
         if not 0 < self.renew_at_fraction < 1 or not 0 <= self.refresh_before_fraction < 1:
             raise ConfigError("CONFIG_ERROR", "renew_at_fraction and refresh_before_fraction must lie in (0, 1)")
-        if self.refresh_retry_attempts < 1 or not 0 <= self.refresh_retry_initial_seconds <= \
-                self.refresh_retry_max_seconds:
-            raise ConfigError("CONFIG_ERROR", "refresh_retry_attempts must be >= 1 and the back-off "
-                              "0 <= initial <= max")
+        if (
+            self.refresh_retry_attempts < 1
+            or not 0 <= self.refresh_retry_initial_seconds <= self.refresh_retry_max_seconds
+        ):
+            raise ConfigError(
+                "CONFIG_ERROR", "refresh_retry_attempts must be >= 1 and the back-off 0 <= initial <= max"
+            )
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,16 @@ def new_payload_id() -> str:
 
 
 def _envelope(binding: sealing.Binding, encryption: dict[str, str], size: int, digest: str) -> Envelope:
-    return Envelope(binding.payload_id, binding.session_id, binding.agent_id, iso(time.time()), encryption,
-                    binding.format, size, digest)
+    return Envelope(
+        binding.payload_id,
+        binding.session_id,
+        binding.agent_id,
+        iso(time.time()),
+        encryption,
+        binding.format,
+        size,
+        digest,
+    )
 
 
 def seal_small(recipient: X25519PublicKey, binding: sealing.Binding, data: bytes) -> dict[str, Any]:
@@ -57,8 +65,13 @@ class SealedFile:
             os.unlink(self.path)
 
 
-def seal_to_file(recipient: X25519PublicKey, binding: sealing.Binding, source: bytes | os.PathLike[str],
-                 *, directory: str | None = None) -> SealedFile:
+def seal_to_file(
+    recipient: X25519PublicKey,
+    binding: sealing.Binding,
+    source: bytes | os.PathLike[str],
+    *,
+    directory: str | None = None,
+) -> SealedFile:
     """Seal ``source`` (bytes, or a file read in blocks) into a private temporary file."""
     sealer = sealing.Sealer(recipient, binding)
     fd, name = tempfile.mkstemp(prefix="uomp-payload-", suffix=".sealed", dir=directory)
@@ -66,17 +79,19 @@ def seal_to_file(recipient: X25519PublicKey, binding: sealing.Binding, source: b
     size = 0
     try:
         with os.fdopen(fd, "wb") as out:
+
             def put(b: bytes | bytearray) -> None:
                 nonlocal size
                 if b:
                     out.write(b)
                     digest.update(b)
                     size += len(b)
+
             put(sealer.prefix)
             if isinstance(source, bytes | bytearray | memoryview):
                 view = memoryview(source)
                 for at in range(0, len(view), READ_BLOCK):
-                    put(sealer.update(view[at:at + READ_BLOCK]))
+                    put(sealer.update(view[at : at + READ_BLOCK]))
             else:
                 with open(source, "rb") as src:
                     while block := src.read(READ_BLOCK):
@@ -97,6 +112,7 @@ def check_format(fmt: str) -> None:
 def check_answer(answer: dict[str, Any], payload_id: str, digest: str, session_id: str) -> str:
     """The ``payload_id`` of an upload's answer, once it names the payload and hash that were sent."""
     if answer.get("payload_id") != payload_id or answer.get("hash") != digest:
-        raise ProtocolError("BAD_RESPONSE", "the gateway's answer does not name the payload and hash sent",
-                            None, session_id)
+        raise ProtocolError(
+            "BAD_RESPONSE", "the gateway's answer does not name the payload and hash sent", None, session_id
+        )
     return payload_id

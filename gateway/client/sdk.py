@@ -141,7 +141,6 @@ def memory_hash(items: Iterable[Mapping[str, Any]]) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(doc)).hexdigest()
 
 
-
 # ------------------------------------------------------------------------------- the client
 
 
@@ -196,8 +195,11 @@ class UompClient(ClientCertificates):
         # beside the bundle unless told otherwise; the trusted audit key is the bundle's
         if witness_path is None and self._bundle_path is not None:
             witness_path = self._bundle_path.parent / witness.WITNESS_FILE
-        self._witness = None if witness_path is None else witness.WitnessFile(
-            Path(witness_path), lock_timeout_seconds=self._opts.lock_timeout_seconds)
+        self._witness = (
+            None
+            if witness_path is None
+            else witness.WitnessFile(Path(witness_path), lock_timeout_seconds=self._opts.lock_timeout_seconds)
+        )
         self._audit_vkey = audit_verifier_key or (bundle.audit_verifier_key if bundle is not None else None)
         self._cert = None
         self._cert_pem = None
@@ -216,13 +218,19 @@ class UompClient(ClientCertificates):
             if public_url is not None:
                 self._public = check_url(public_url, "public_url", allow_loopback_http=False)
             elif base_parts.scheme == "http":
-                raise ConfigError("CONFIG_ERROR", "DPoP to a loopback http:// origin needs public_url: the https:// "
-                                  "URL cloudflared serves (proofs are checked against it)")
+                raise ConfigError(
+                    "CONFIG_ERROR",
+                    "DPoP to a loopback http:// origin needs public_url: the https:// "
+                    "URL cloudflared serves (proofs are checked against it)",
+                )
             pub_parts = urlsplit(self._public)
             if self._public != self._base:
                 if base_parts.scheme != "http":
-                    raise ConfigError("CONFIG_ERROR", "public_url may differ from base_url only when base_url is the "
-                                      "loopback tunnel origin (http://127.0.0.1:PORT)")
+                    raise ConfigError(
+                        "CONFIG_ERROR",
+                        "public_url may differ from base_url only when base_url is the "
+                        "loopback tunnel origin (http://127.0.0.1:PORT)",
+                    )
                 if pub_parts.path.rstrip("/") != base_parts.path.rstrip("/"):
                     raise ConfigError("CONFIG_ERROR", "public_url and base_url must have the same path")
                 self._host_header = pub_parts.netloc
@@ -239,8 +247,9 @@ class UompClient(ClientCertificates):
         self._refresh_token = refresh_token
         self._refresh_exp = None
         if refresh_token:
-            self._refresh_exp = (iso_ts(refresh_expires_at) if isinstance(refresh_expires_at, str)
-                                 else num(refresh_expires_at)) or num(token_claims(refresh_token).get("exp"))
+            self._refresh_exp = (
+                iso_ts(refresh_expires_at) if isinstance(refresh_expires_at, str) else num(refresh_expires_at)
+            ) or num(token_claims(refresh_token).get("exp"))
         self._recent = deque(maxlen=REMEMBERED_SECRETS)
         self._remember(access_token, refresh_token)
 
@@ -282,8 +291,11 @@ class UompClient(ClientCertificates):
         chosen: Mode
         if mode == "auto":
             if not bundle.agent_cert or key is None:
-                raise ConfigError("CONFIG_ERROR", "the bundle has no agent certificate and key for mTLS (made with "
-                                  "--cert?); add agent_key_file or use mode='dpop'")
+                raise ConfigError(
+                    "CONFIG_ERROR",
+                    "the bundle has no agent certificate and key for mTLS (made with "
+                    "--cert?); add agent_key_file or use mode='dpop'",
+                )
             chosen = "mtls"
         elif mode in ("mtls", "dpop"):
             chosen = mode
@@ -292,11 +304,25 @@ class UompClient(ClientCertificates):
         base = base_url or bundle.gateway_url
         if chosen == "dpop" and public_url is None and urlsplit(base).scheme == "http":
             public_url = bundle.gateway_url
-        return cls(agent_id=bundle.agent_id, session_id=bundle.session_id, access_token=bundle.access_token,
-                   access_expires_at=bundle.access_expires_at, refresh_token=bundle.refresh_token,
-                   refresh_expires_at=bundle.refresh_expires_at, base_url=base, mode=chosen,
-                   ca_cert=bundle.ca_cert, agent_cert=bundle.agent_cert, agent_key=key, bundle=bundle,
-                   bundle_path=p, public_url=public_url, ca_file=ca_file, options=options, clock=clock)
+        return cls(
+            agent_id=bundle.agent_id,
+            session_id=bundle.session_id,
+            access_token=bundle.access_token,
+            access_expires_at=bundle.access_expires_at,
+            refresh_token=bundle.refresh_token,
+            refresh_expires_at=bundle.refresh_expires_at,
+            base_url=base,
+            mode=chosen,
+            ca_cert=bundle.ca_cert,
+            agent_cert=bundle.agent_cert,
+            agent_key=key,
+            bundle=bundle,
+            bundle_path=p,
+            public_url=public_url,
+            ca_file=ca_file,
+            options=options,
+            clock=clock,
+        )
 
     @classmethod
     def from_env(
@@ -326,8 +352,15 @@ class UompClient(ClientCertificates):
         agent_id, session_id = claims.get("agent_id"), claims.get("session_id")
         if not isinstance(agent_id, str) or not isinstance(session_id, str):
             raise ConfigError("CONFIG_ERROR", "UOM_TOKEN is not a UOMP capability token")
-        return cls(agent_id=agent_id, session_id=session_id, access_token=token, base_url=base or LOCAL_BASE_URL,
-                   mode="bearer", options=options, clock=clock)
+        return cls(
+            agent_id=agent_id,
+            session_id=session_id,
+            access_token=token,
+            base_url=base or LOCAL_BASE_URL,
+            mode="bearer",
+            options=options,
+            clock=clock,
+        )
 
     # ------------------------------------------------------------------------- properties
 
@@ -357,8 +390,10 @@ class UompClient(ClientCertificates):
         return self._access_exp
 
     def __repr__(self) -> str:
-        return (f"UompClient(agent_id={self._agent_id!r}, session_id={self._session_id!r}, mode={self._mode!r}, "
-                f"base_url={self._base!r}, tokens=<redacted>)")
+        return (
+            f"UompClient(agent_id={self._agent_id!r}, session_id={self._session_id!r}, mode={self._mode!r}, "
+            f"base_url={self._base!r}, tokens=<redacted>)"
+        )
 
     __str__ = __repr__
 
@@ -368,8 +403,9 @@ class UompClient(ClientCertificates):
         await self.open()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     # -------------------------------------------------------------------------- the API
@@ -399,8 +435,9 @@ class UompClient(ClientCertificates):
                 return
             cursor = nxt
 
-    async def by_tag_page(self, tag: str, *, cursor: str | None = None, limit: int | None = None
-                          ) -> tuple[list[JSONObject], str | None]:
+    async def by_tag_page(
+        self, tag: str, *, cursor: str | None = None, limit: int | None = None
+    ) -> tuple[list[JSONObject], str | None]:
         """One page: its items and the opaque cursor of the next page (None after the last one)."""
         query = {"tag": tag}
         if cursor is not None:
@@ -450,26 +487,36 @@ class UompClient(ClientCertificates):
         gateway = self._public
         kept = None if store is None else await asyncio.to_thread(store.get, gateway)
         try:
-            answer = self._object(await self._call(
-                "GET", path, query=None if kept is None else {"since": str(kept.tree_size)}))
+            answer = self._object(
+                await self._call("GET", path, query=None if kept is None else {"since": str(kept.tree_size)})
+            )
         except UompClientError as exc:
             if exc.code == "AUDIT_SIZE_UNKNOWN" and kept is not None:
-                raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"the gateway's audit log never signed tree size "
-                                     f"{kept.tree_size}, which this agent verified before: the log was rolled back "
-                                     "or forked; keep uomp-checkpoints.json as evidence and tell the user",
-                                     exc.status, self._session_id) from None
+                raise AuditLogForked(
+                    "AUDIT_LOG_INCONSISTENT",
+                    f"the gateway's audit log never signed tree size "
+                    f"{kept.tree_size}, which this agent verified before: the log was rolled back "
+                    "or forked; keep uomp-checkpoints.json as evidence and tell the user",
+                    exc.status,
+                    self._session_id,
+                ) from None
             raise
         sent_key = answer.get("verifier_key")
         vkey = self._audit_vkey or (kept.verifier_key if kept is not None else sent_key)
         if not isinstance(vkey, str) or sent_key != vkey:
-            raise AuditCheckpointInvalid("AUDIT_CHECKPOINT_INVALID", "the gateway's checkpoint names another audit "
-                                         "key than the one this agent trusts; tell the user", None, self._session_id)
+            raise AuditCheckpointInvalid(
+                "AUDIT_CHECKPOINT_INVALID",
+                "the gateway's checkpoint names another audit key than the one this agent trusts; tell the user",
+                None,
+                self._session_id,
+            )
         cp, newer = witness.check(kept, vkey, answer.get("checkpoint"), answer.get("consistency"))
         if bundle:
             witness.check_inclusion(answer, cp)
         if store is not None and newer:
-            await asyncio.to_thread(self._keep, store, gateway, kept,
-                                    witness.Kept(vkey, cp.size, cp.root, str(answer["checkpoint"])))
+            await asyncio.to_thread(
+                self._keep, store, gateway, kept, witness.Kept(vkey, cp.size, cp.root, str(answer["checkpoint"]))
+            )
         return answer
 
     @staticmethod
@@ -530,38 +577,54 @@ class UompClient(ClientCertificates):
         payloads.check_format(format)
         key_text = self._bundle.payload_public_key if self._bundle is not None else None
         if not key_text:
-            raise ConfigError("CONFIG_ERROR", "the bundle has no payload_public_key (it predates payloads): ask the "
-                              "user to authorize the agent again", None, self._session_id)
+            raise ConfigError(
+                "CONFIG_ERROR",
+                "the bundle has no payload_public_key (it predates payloads): ask the "
+                "user to authorize the agent again",
+                None,
+                self._session_id,
+            )
         try:
             recipient = parse_public_key(key_text)
         except ValueError:
-            raise ConfigError("CONFIG_ERROR", "the bundle's payload_public_key is not an X25519 key", None,
-                              self._session_id) from None
+            raise ConfigError(
+                "CONFIG_ERROR", "the bundle's payload_public_key is not an X25519 key", None, self._session_id
+            ) from None
         binding = Binding(payloads.new_payload_id(), self._session_id, self._agent_id, format)
         if isinstance(data, bytes | bytearray) and not presigned and len(data) <= payloads.JSON_MAX_SEALED - 256:
             doc = await asyncio.to_thread(payloads.seal_small, recipient, binding, bytes(data))
             answer = self._object(await self._call("POST", "/v1/payload/upload", body=doc))
             return payloads.check_answer(answer, binding.payload_id, str(doc["hash"]), self._session_id)
-        sealed = await asyncio.to_thread(payloads.seal_to_file, recipient, binding,
-                                         data if isinstance(data, bytes | bytearray) else Path(data))
+        sealed = await asyncio.to_thread(
+            payloads.seal_to_file, recipient, binding, data if isinstance(data, bytes | bytearray) else Path(data)
+        )
         try:
             path, query, method = "/v1/payload/upload", None, "POST"
             if presigned:
-                grant = self._object(await self._call("POST", "/v1/payload/upload-url",
-                                                      body={"size": sealed.envelope.size}))
+                grant = self._object(
+                    await self._call("POST", "/v1/payload/upload-url", body={"size": sealed.envelope.size})
+                )
                 url = grant.get("upload_url")
                 token = urlsplit(url).query.partition("t=")[2] if isinstance(url, str) else ""
                 if not token:
-                    raise ProtocolError("BAD_RESPONSE", "the upload-url answer has no upload_url", None,
-                                        self._session_id)
+                    raise ProtocolError(
+                        "BAD_RESPONSE", "the upload-url answer has no upload_url", None, self._session_id
+                    )
                 path, query, method = "/v1/payload/presigned", {"t": token}, "PUT"
             answer = self._object(await self._stream_payload(method, path, query, sealed))
             return payloads.check_answer(answer, binding.payload_id, sealed.envelope.hash, self._session_id)
         finally:
             await asyncio.to_thread(sealed.remove)
 
-    async def _stream_payload(self, method: str, path: str, query: Mapping[str, str] | None,
-                              sealed: payloads.SealedFile, *, retried: bool = False) -> Any:
+    async def _stream_payload(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None,
+        sealed: payloads.SealedFile,
+        *,
+        retried: bool = False,
+    ) -> Any:
         """An upload streamed from the sealed file (:meth:`_send_stream`), refreshed and retried once
         like :meth:`_call`."""
         await self.open()
@@ -616,8 +679,10 @@ class UompClient(ClientCertificates):
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
             raise ProtocolError("BAD_RESPONSE", f"the gateway's answer has no '{name}' list")
         return value
-    async def _call(self, method: str, path: str, *, query: Mapping[str, str] | None = None,
-                    body: Any = None, retried: bool = False) -> Any:
+
+    async def _call(
+        self, method: str, path: str, *, query: Mapping[str, str] | None = None, body: Any = None, retried: bool = False
+    ) -> Any:
         await self.open()
         if self._mode == "mtls":
             await self._ensure_certificate()
@@ -629,8 +694,7 @@ class UompClient(ClientCertificates):
             return answer
         err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
         if err.code == "TOKEN_EXPIRED" and not retried and self._refresh_token:
-            log.info("access token refused as expired for session %s; refreshing and retrying once",
-                     self._session_id)
+            log.info("access token refused as expired for session %s; refreshing and retrying once", self._session_id)
             await self._refresh(stale=token, force=True)
             return await self._call(method, path, query=query, body=body, retried=True)
         raise err

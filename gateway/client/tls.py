@@ -43,8 +43,9 @@ def build_client_context(
     return ctx
 
 
-def transport_context(mode: Mode, *, ca_cert: str | None, cert_pem: str | None, key: AgentKey | None,
-                      ca_file: Path | None) -> ssl.SSLContext:
+def transport_context(
+    mode: Mode, *, ca_cert: str | None, cert_pem: str | None, key: AgentKey | None, ca_file: Path | None
+) -> ssl.SSLContext:
     """The context of one transport: mTLS with the bundle's CA, certificate and key; else ``ca_file``
     when given; else the system trust store, TLS 1.3 (spec §15.2)."""
     if mode == "mtls":
@@ -61,8 +62,9 @@ def transport_context(mode: Mode, *, ca_cert: str | None, cert_pem: str | None, 
             try:
                 return build_client_context(ca_f, cert_f, key_f)
             except (ssl.SSLError, ValueError) as exc:
-                raise ConfigError("CONFIG_ERROR", "the bundle's CA, certificate or key cannot be loaded "
-                                  f"({describe(exc)})") from None
+                raise ConfigError(
+                    "CONFIG_ERROR", f"the bundle's CA, certificate or key cannot be loaded ({describe(exc)})"
+                ) from None
     if ca_file is not None:
         try:
             return build_client_context(ca_file)
@@ -98,4 +100,3 @@ def ssl_in_chain(exc: BaseException) -> bool:
         nxt = getattr(cur, "os_error", None) or cur.__cause__ or cur.__context__
         cur = nxt if isinstance(nxt, BaseException) and nxt is not cur else None
     return False
-

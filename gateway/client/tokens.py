@@ -89,18 +89,28 @@ class ClientTokens(ClientTransport):
             answer = await self._post_refresh()
             self._apply_tokens(answer)
             self.refresh_count += 1
-            log.info("tokens rotated for session %s; access token valid until %s", self._session_id,
-                     answer["expires_at"])
+            log.info(
+                "tokens rotated for session %s; access token valid until %s", self._session_id, answer["expires_at"]
+            )
             await self._persist(lambda b: b.with_tokens(answer), "the rotated tokens")
 
     async def _post_refresh(self) -> JSONObject:
         rt = self._refresh_token
         if not rt:
-            raise AuthError("TOKEN_EXPIRED", "the access token expired and this client has no refresh token; ask "
-                            "the user to authorize the agent again", None, self._session_id)
+            raise AuthError(
+                "TOKEN_EXPIRED",
+                "the access token expired and this client has no refresh token; ask "
+                "the user to authorize the agent again",
+                None,
+                self._session_id,
+            )
         if self._refresh_exp is not None and self._clock() >= self._refresh_exp:
-            raise AuthError("TOKEN_EXPIRED", f"the refresh token expired at {iso(self._refresh_exp)}; ask the user "
-                            "to authorize the agent again", None, self._session_id)
+            raise AuthError(
+                "TOKEN_EXPIRED",
+                f"the refresh token expired at {iso(self._refresh_exp)}; ask the user to authorize the agent again",
+                None,
+                self._session_id,
+            )
         path = f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}/refresh"
         # The answer may be lost after the token was spent (gateway or guard killed, network cut). The
         # Auth Service lets the same key retry a spent token until its successor pair is first used,
@@ -120,24 +130,36 @@ class ClientTokens(ClientTransport):
                 if status not in RETRY_REFRESH_STATUSES or last:
                     break
                 reason = f"{code} (HTTP {status})"
-            log.warning("refresh for session %s got no answer (%s); retrying in %.1f s (try %d of %d)",
-                        self._session_id, reason, delay, attempt + 1, o.refresh_retry_attempts)
+            log.warning(
+                "refresh for session %s got no answer (%s); retrying in %.1f s (try %d of %d)",
+                self._session_id,
+                reason,
+                delay,
+                attempt + 1,
+                o.refresh_retry_attempts,
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, o.refresh_retry_max_seconds)
         if status >= 300:
             err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
             if err.code == "REFRESH_REUSED":
-                log.error("the gateway saw a spent refresh token for session %s: the session is revoked "
-                          "(was the bundle copied, or restored from an old copy?)", self._session_id)
+                log.error(
+                    "the gateway saw a spent refresh token for session %s: the session is revoked "
+                    "(was the bundle copied, or restored from an old copy?)",
+                    self._session_id,
+                )
             raise err
         if not isinstance(answer, dict) or not all(
-                isinstance(answer.get(k), str) and answer.get(k) for k in ("access_token", "expires_at")):
-            raise ProtocolError("BAD_RESPONSE", "the refresh answer has no access_token/expires_at", status,
-                                self._session_id)
+            isinstance(answer.get(k), str) and answer.get(k) for k in ("access_token", "expires_at")
+        ):
+            raise ProtocolError(
+                "BAD_RESPONSE", "the refresh answer has no access_token/expires_at", status, self._session_id
+            )
         for k in ("refresh_token", "refresh_expires_at"):
             if answer.get(k) is not None and not isinstance(answer.get(k), str):
-                raise ProtocolError("BAD_RESPONSE", f"the refresh answer's {k} is not a string", status,
-                                    self._session_id)
+                raise ProtocolError(
+                    "BAD_RESPONSE", f"the refresh answer's {k} is not a string", status, self._session_id
+                )
         return answer
 
     def _apply_tokens(self, answer: Mapping[str, Any]) -> None:
@@ -146,8 +168,7 @@ class ClientTokens(ClientTransport):
         new_rt = answer.get("refresh_token")
         if isinstance(new_rt, str) and new_rt:
             self._refresh_token = new_rt
-            self._refresh_exp = (iso_ts(answer.get("refresh_expires_at"))
-                                 or num(token_claims(new_rt).get("exp")))
+            self._refresh_exp = iso_ts(answer.get("refresh_expires_at")) or num(token_claims(new_rt).get("exp"))
         self._remember(self._access_token, self._refresh_token)
 
     def _adopt_from_disk(self) -> None:
@@ -158,15 +179,24 @@ class ClientTokens(ClientTransport):
             disk = load_bundle(self._bundle_path)
         except UompError:
             return
-        if (disk.session_id != self._session_id or disk.refresh_token == self._refresh_token
-                or disk.access_token == self._access_token):
+        if (
+            disk.session_id != self._session_id
+            or disk.refresh_token == self._refresh_token
+            or disk.access_token == self._access_token
+        ):
             return
         exp = iso_ts(disk.access_expires_at)
         if exp is None or exp < self._access_exp:
             return
         log.info("adopting tokens another process rotated for session %s", self._session_id)
-        self._apply_tokens({"access_token": disk.access_token, "expires_at": disk.access_expires_at,
-                            "refresh_token": disk.refresh_token, "refresh_expires_at": disk.refresh_expires_at})
+        self._apply_tokens(
+            {
+                "access_token": disk.access_token,
+                "expires_at": disk.access_expires_at,
+                "refresh_token": disk.refresh_token,
+                "refresh_expires_at": disk.refresh_expires_at,
+            }
+        )
         self._bundle = disk
 
     @contextlib.asynccontextmanager
@@ -188,8 +218,12 @@ class ClientTokens(ClientTransport):
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise Unavailable("LOCK_TIMEOUT", f"another process held {lock_path} for more than "
-                                          f"{self._opts.lock_timeout_seconds:g} s", None, self._session_id) from None
+                        raise Unavailable(
+                            "LOCK_TIMEOUT",
+                            f"another process held {lock_path} for more than {self._opts.lock_timeout_seconds:g} s",
+                            None,
+                            self._session_id,
+                        ) from None
                     await asyncio.sleep(0.05)
             yield
         finally:
@@ -215,6 +249,11 @@ class ClientTokens(ClientTransport):
             self._bundle = await asyncio.to_thread(write)
         except OSError as exc:
             log.error("could not save %s to the agent bundle %s", what, path)
-            raise ConfigError("CONFIG_ERROR", f"could not save {what} to {path} ({exc.strerror}); fix this before the "
-                              "agent restarts: a restarted agent holding a spent refresh token revokes its own "
-                              "session", None, self._session_id) from None
+            raise ConfigError(
+                "CONFIG_ERROR",
+                f"could not save {what} to {path} ({exc.strerror}); fix this before the "
+                "agent restarts: a restarted agent holding a spent refresh token revokes its own "
+                "session",
+                None,
+                self._session_id,
+            ) from None

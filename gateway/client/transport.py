@@ -36,14 +36,16 @@ def check_url(url: str, what: str, *, allow_loopback_http: bool) -> str:
     scheme = parts.scheme.lower()
     host = parts.hostname or ""  # lower case (urlsplit), as netutil.is_loopback expects
     if not host or "@" in parts.netloc or parts.query or parts.fragment:
-        raise ConfigError("CONFIG_ERROR", f"{what} must be scheme://host[:port][/path] with no user, query or "
-                          "fragment")
+        raise ConfigError("CONFIG_ERROR", f"{what} must be scheme://host[:port][/path] with no user, query or fragment")
     if scheme == "http":
         if not allow_loopback_http:
             raise ConfigError("CONFIG_ERROR", f"{what} must be https:// in this mode")
         if not is_loopback(host):
-            raise ConfigError("CONFIG_ERROR", f"{what}: plain http:// is allowed only for loopback addresses "
-                              "(127.0.0.1, ::1, localhost); use https://")
+            raise ConfigError(
+                "CONFIG_ERROR",
+                f"{what}: plain http:// is allowed only for loopback addresses "
+                "(127.0.0.1, ::1, localhost); use https://",
+            )
     elif scheme != "https":
         raise ConfigError("CONFIG_ERROR", f"{what} must be an https:// URL")
     return url.strip().rstrip("/")
@@ -91,18 +93,29 @@ class ClientTransport(ClientState):
     def _new_conn(self) -> Pool:
         o = self._opts
         connector = aiohttp.TCPConnector(ssl=self._ssl_context(), limit=o.max_connections)
-        timeout = aiohttp.ClientTimeout(total=o.timeout_seconds, connect=o.connect_timeout_seconds,
-                                        sock_connect=o.connect_timeout_seconds, sock_read=o.timeout_seconds)
-        session = aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
-                                        trust_env=False, raise_for_status=False)
+        timeout = aiohttp.ClientTimeout(
+            total=o.timeout_seconds,
+            connect=o.connect_timeout_seconds,
+            sock_connect=o.connect_timeout_seconds,
+            sock_read=o.timeout_seconds,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+            raise_for_status=False,
+        )
         return Pool(session)
 
     def _ssl_context(self) -> ssl.SSLContext:
-        return transport_context(self._mode, ca_cert=self._ca_cert, cert_pem=self._cert_pem, key=self._key,
-                                 ca_file=self._ca_file)
+        return transport_context(
+            self._mode, ca_cert=self._ca_cert, cert_pem=self._cert_pem, key=self._key, ca_file=self._ca_file
+        )
 
-    async def _send(self, method: str, path: str, query: Mapping[str, str] | None, body: Any,
-                    token: str | None) -> tuple[int, Any]:
+    async def _send(
+        self, method: str, path: str, query: Mapping[str, str] | None, body: Any, token: str | None
+    ) -> tuple[int, Any]:
         """One HTTP exchange: (status, decoded JSON or None). Transport failures become errors."""
         conn = self._conn
         if conn is None:
@@ -116,8 +129,9 @@ class ClientTransport(ClientState):
                 assert self._key is not None
                 headers["Authorization"] = f"DPoP {token}"
                 # RFC 9449 §4.2: htu is the URL the request is addressed to, without query/fragment.
-                headers["DPoP"] = make_dpop_proof(self._key, method=method, url=self._public + path,
-                                                  access_token=token, now=time.time())
+                headers["DPoP"] = make_dpop_proof(
+                    self._key, method=method, url=self._public + path, access_token=token, now=time.time()
+                )
             else:
                 headers["Authorization"] = f"Bearer {token}"
         data: bytes | None = None
@@ -126,43 +140,66 @@ class ClientTransport(ClientState):
             headers["Content-Type"] = "application/json"
         conn.inflight += 1
         try:
-            async with conn.session.request(method, URL(self._base + target, encoded=True), headers=headers,
-                                            data=data, allow_redirects=False) as resp:
+            async with conn.session.request(
+                method, URL(self._base + target, encoded=True), headers=headers, data=data, allow_redirects=False
+            ) as resp:
                 status = resp.status
                 raw = await self._read_capped(resp)
         except UompClientError:
             raise
         except aiohttp.ClientConnectorCertificateError as exc:
-            raise CertificateError("SERVER_CERT_INVALID", "the gateway's certificate did not verify against the "
-                                   f"trusted CA or does not match the host name ({describe(exc)})",
-                                   None, self._session_id) from exc
+            raise CertificateError(
+                "SERVER_CERT_INVALID",
+                "the gateway's certificate did not verify against the "
+                f"trusted CA or does not match the host name ({describe(exc)})",
+                None,
+                self._session_id,
+            ) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise Unavailable("TIMEOUT", f"no answer from the gateway within {self._opts.timeout_seconds:g} s",
-                              None, self._session_id) from exc
+            raise Unavailable(
+                "TIMEOUT", f"no answer from the gateway within {self._opts.timeout_seconds:g} s", None, self._session_id
+            ) from exc
         except aiohttp.ClientError as exc:
             # A refused client certificate: TLS 1.3 finishes the client's side of the handshake before
             # the server checks the certificate, so the refusal arrives as an alert or a closed/reset
             # connection on the first read (aiohttp already retried idempotent calls once on a fresh
             # connection). Connection refused / DNS failures are ClientConnectorError: unavailable.
-            closed = not isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
-                exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError) and not ssl_in_chain(exc)
+            closed = (
+                not isinstance(exc, aiohttp.ClientConnectorError)
+                and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+                and not ssl_in_chain(exc)
+            )
             # A plain close is also what a gateway that stopped or restarted mid-request looks like:
             # one fresh handshake tells the two apart (refused again, or the gateway is fine / down).
             refused = self._mode == "mtls" and closed and not await self._handshake_ok()
             if closed and not refused:
-                raise Unavailable("CONNECTION_CLOSED", "the gateway closed the connection before answering (it "
-                                  f"stopped or restarted; {describe(exc)})", None, self._session_id) from exc
+                raise Unavailable(
+                    "CONNECTION_CLOSED",
+                    f"the gateway closed the connection before answering (it stopped or restarted; {describe(exc)})",
+                    None,
+                    self._session_id,
+                ) from exc
             if ssl_in_chain(exc) or refused:
-                raise CertificateError("TLS_HANDSHAKE_FAILED", "the gateway closed the TLS connection; in mTLS this "
-                                       "is how it refuses a client certificate that is revoked, expired or not from "
-                                       f"the user's CA ({describe(exc)})", None, self._session_id) from exc
-            raise Unavailable("CONNECTION_FAILED", f"cannot reach the gateway ({describe(exc)})", None,
-                              self._session_id) from exc
+                raise CertificateError(
+                    "TLS_HANDSHAKE_FAILED",
+                    "the gateway closed the TLS connection; in mTLS this "
+                    "is how it refuses a client certificate that is revoked, expired or not from "
+                    f"the user's CA ({describe(exc)})",
+                    None,
+                    self._session_id,
+                ) from exc
+            raise Unavailable(
+                "CONNECTION_FAILED", f"cannot reach the gateway ({describe(exc)})", None, self._session_id
+            ) from exc
         finally:
             await conn.release()
         if 300 <= status < 400:
-            raise ProtocolError("BAD_RESPONSE", f"the gateway answered a redirect (HTTP {status}); not followed",
-                                status, self._session_id)
+            raise ProtocolError(
+                "BAD_RESPONSE",
+                f"the gateway answered a redirect (HTTP {status}); not followed",
+                status,
+                self._session_id,
+            )
         if not raw:
             return status, None
         try:
@@ -179,11 +216,15 @@ class ClientTransport(ClientState):
         timeout = aiohttp.ClientTimeout(total=o.connect_timeout_seconds * 2, connect=o.connect_timeout_seconds)
         headers = {"Host": self._host_header} if self._host_header is not None else None
         try:
-            async with aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(ssl=self._ssl_context(), force_close=True), timeout=timeout,
-                    cookie_jar=aiohttp.DummyCookieJar(), trust_env=False) as probe, \
-                    probe.get(URL(self._base + "/v1/health", encoded=True), headers=headers,
-                              allow_redirects=False) as resp:
+            async with (
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(ssl=self._ssl_context(), force_close=True),
+                    timeout=timeout,
+                    cookie_jar=aiohttp.DummyCookieJar(),
+                    trust_env=False,
+                ) as probe,
+                probe.get(URL(self._base + "/v1/health", encoded=True), headers=headers, allow_redirects=False) as resp,
+            ):
                 await resp.read()
                 return True
         except aiohttp.ClientConnectorCertificateError:
@@ -196,36 +237,44 @@ class ClientTransport(ClientState):
     async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
         limit = self._opts.max_response_bytes
         if resp.content_length is not None and resp.content_length > limit:
-            raise ProtocolError("RESPONSE_TOO_LARGE", f"the answer exceeds {limit} bytes", resp.status,
-                                self._session_id)
+            raise ProtocolError(
+                "RESPONSE_TOO_LARGE", f"the answer exceeds {limit} bytes", resp.status, self._session_id
+            )
         chunks: list[bytes] = []
         total = 0
         async for chunk in resp.content.iter_chunked(READ_CHUNK):
             total += len(chunk)
             if total > limit:
                 resp.close()
-                raise ProtocolError("RESPONSE_TOO_LARGE", f"the answer exceeds {limit} bytes", resp.status,
-                                    self._session_id)
+                raise ProtocolError(
+                    "RESPONSE_TOO_LARGE", f"the answer exceeds {limit} bytes", resp.status, self._session_id
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _send_stream(self, method: str, path: str, query: Mapping[str, str] | None,
-                           sealed: payloads.SealedFile, token: str) -> tuple[int, Any]:
+    async def _send_stream(
+        self, method: str, path: str, query: Mapping[str, str] | None, sealed: payloads.SealedFile, token: str
+    ) -> tuple[int, Any]:
         """The streaming form of an upload (its own exchange: a body from a file, a longer time-out):
         (status, decoded JSON or None)."""
         conn = self._conn
         if conn is None:
             raise ConfigError("CONFIG_ERROR", "this client is closed")
-        headers = {"Accept": "application/json", AGENT_HEADER: self._agent_id,
-                   "Content-Type": "application/octet-stream", "Content-Length": str(sealed.envelope.size),
-                   HEADER_NAME: encode_header(sealed.envelope)}
+        headers = {
+            "Accept": "application/json",
+            AGENT_HEADER: self._agent_id,
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(sealed.envelope.size),
+            HEADER_NAME: encode_header(sealed.envelope),
+        }
         if self._host_header is not None:
             headers["Host"] = self._host_header
         if self._mode == "dpop":
             assert self._key is not None
             headers["Authorization"] = f"DPoP {token}"
-            headers["DPoP"] = make_dpop_proof(self._key, method=method, url=self._public + path, access_token=token,
-                                              now=time.time())
+            headers["DPoP"] = make_dpop_proof(
+                self._key, method=method, url=self._public + path, access_token=token, now=time.time()
+            )
         else:
             headers["Authorization"] = f"Bearer {token}"
         target = path + _query(query)
@@ -239,26 +288,40 @@ class ClientTransport(ClientState):
                 await asyncio.to_thread(fh.close)
 
         o = self._opts
-        timeout = aiohttp.ClientTimeout(total=o.payload_timeout_seconds, connect=o.connect_timeout_seconds,
-                                        sock_connect=o.connect_timeout_seconds, sock_read=o.timeout_seconds)
+        timeout = aiohttp.ClientTimeout(
+            total=o.payload_timeout_seconds,
+            connect=o.connect_timeout_seconds,
+            sock_connect=o.connect_timeout_seconds,
+            sock_read=o.timeout_seconds,
+        )
         conn.inflight += 1
         try:
-            async with conn.session.request(method, URL(self._base + target, encoded=True), headers=headers,
-                                            data=body(), allow_redirects=False, timeout=timeout) as resp:
+            async with conn.session.request(
+                method,
+                URL(self._base + target, encoded=True),
+                headers=headers,
+                data=body(),
+                allow_redirects=False,
+                timeout=timeout,
+            ) as resp:
                 status = resp.status
                 raw = await self._read_capped(resp)
         except UompClientError:
             raise
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise Unavailable("TIMEOUT", "the payload upload did not finish in time", None,
-                              self._session_id) from exc
+            raise Unavailable("TIMEOUT", "the payload upload did not finish in time", None, self._session_id) from exc
         except aiohttp.ClientError as exc:
             if ssl_in_chain(exc):
-                raise CertificateError("TLS_HANDSHAKE_FAILED", "the gateway refused the TLS connection (certificate "
-                                       f"revoked, expired or not from the user's CA?) ({describe(exc)})", None,
-                                       self._session_id) from exc
-            raise Unavailable("CONNECTION_FAILED", f"the payload upload broke off ({describe(exc)})", None,
-                              self._session_id) from exc
+                raise CertificateError(
+                    "TLS_HANDSHAKE_FAILED",
+                    "the gateway refused the TLS connection (certificate "
+                    f"revoked, expired or not from the user's CA?) ({describe(exc)})",
+                    None,
+                    self._session_id,
+                ) from exc
+            raise Unavailable(
+                "CONNECTION_FAILED", f"the payload upload broke off ({describe(exc)})", None, self._session_id
+            ) from exc
         finally:
             await conn.release()
         try:

@@ -56,8 +56,12 @@ class Kept:
     checkpoint: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"verifier_key": self.verifier_key, "tree_size": self.tree_size,
-                "root": base64.b64encode(self.root).decode(), "checkpoint": self.checkpoint}
+        return {
+            "verifier_key": self.verifier_key,
+            "tree_size": self.tree_size,
+            "root": base64.b64encode(self.root).decode(),
+            "checkpoint": self.checkpoint,
+        }
 
 
 def open_checkpoint(note: Any, vkey: str) -> Checkpoint:
@@ -68,8 +72,10 @@ def open_checkpoint(note: Any, vkey: str) -> Checkpoint:
         name, pub = parse_verifier_key(vkey)
         return Checkpoint.open(note, name, pub)
     except NoteError as exc:
-        raise AuditCheckpointInvalid("AUDIT_CHECKPOINT_INVALID", f"the audit checkpoint does not verify under "
-                                     f"the trusted audit key ({exc}); tell the user") from None
+        raise AuditCheckpointInvalid(
+            "AUDIT_CHECKPOINT_INVALID",
+            f"the audit checkpoint does not verify under the trusted audit key ({exc}); tell the user",
+        ) from None
 
 
 def _hashes(raw: Any) -> list[bytes]:
@@ -87,23 +93,31 @@ def check(kept: Kept | None, vkey: str, note: Any, consistency: Any) -> tuple[Ch
     cp = open_checkpoint(note, vkey)
     if kept is None:
         return cp, True
-    forked = f"the audit log (tree size {cp.size}) is not consistent with the checkpoint this agent kept (tree " \
-             f"size {kept.tree_size})"
+    forked = (
+        f"the audit log (tree size {cp.size}) is not consistent with the checkpoint this agent kept (tree "
+        f"size {kept.tree_size})"
+    )
     if not isinstance(consistency, Mapping):
-        raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"{forked}: no consistency proof was sent; keep "
-                             "uomp-checkpoints.json as evidence and tell the user")
+        raise AuditLogForked(
+            "AUDIT_LOG_INCONSISTENT",
+            f"{forked}: no consistency proof was sent; keep uomp-checkpoints.json as evidence and tell the user",
+        )
     old, new = sorted((kept.tree_size, cp.size))
     sizes = (consistency.get("old_size"), consistency.get("new_size"))
     if any(type(v) is not int for v in sizes) or sizes != (old, new):
-        raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"{forked}: the proof is for other sizes; keep "
-                             "uomp-checkpoints.json as evidence and tell the user")
+        raise AuditLogForked(
+            "AUDIT_LOG_INCONSISTENT",
+            f"{forked}: the proof is for other sizes; keep uomp-checkpoints.json as evidence and tell the user",
+        )
     path = _hashes(consistency.get("path"))
     old_root, new_root = (kept.root, cp.root) if kept.tree_size <= cp.size else (cp.root, kept.root)
     try:
         merkle.verify_consistency(old, new, old_root, new_root, path)
     except merkle.ProofError as exc:
-        raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"{forked} ({exc}): forked or rolled back; keep "
-                             "uomp-checkpoints.json as evidence and tell the user") from None
+        raise AuditLogForked(
+            "AUDIT_LOG_INCONSISTENT",
+            f"{forked} ({exc}): forked or rolled back; keep uomp-checkpoints.json as evidence and tell the user",
+        ) from None
     return cp, cp.size > kept.tree_size
 
 
@@ -113,11 +127,13 @@ def check_inclusion(bundle: Mapping[str, Any], cp: Checkpoint) -> None:
     if not isinstance(event, dict) or not isinstance(index, int) or bundle.get("tree_size") != cp.size:
         raise ProtocolError("BAD_RESPONSE", "the proof bundle is malformed")
     try:
-        merkle.verify_inclusion(index, cp.size, merkle.leaf_hash(canonical_json(event)),
-                                _hashes(bundle.get("inclusion_path")), cp.root)
+        merkle.verify_inclusion(
+            index, cp.size, merkle.leaf_hash(canonical_json(event)), _hashes(bundle.get("inclusion_path")), cp.root
+        )
     except merkle.ProofError as exc:
-        raise AuditLogForked("AUDIT_LOG_INCONSISTENT", f"the event is not in the signed checkpoint ({exc}); "
-                             "tell the user") from None
+        raise AuditLogForked(
+            "AUDIT_LOG_INCONSISTENT", f"the event is not in the signed checkpoint ({exc}); tell the user"
+        ) from None
 
 
 class WitnessFile:
@@ -162,10 +178,16 @@ class WitnessFile:
             doc = json.loads(raw)
         except ValueError:
             doc = None
-        if not isinstance(doc, dict) or doc.get("uomp_witness") != WITNESS_VERSION or \
-                not isinstance(doc.get("gateways"), dict):
-            raise ConfigError("CONFIG_ERROR", f"{self.path} is not a checkpoint record; restore it from a backup "
-                              "(deleting it makes the agent trust the next checkpoint it sees)")
+        if (
+            not isinstance(doc, dict)
+            or doc.get("uomp_witness") != WITNESS_VERSION
+            or not isinstance(doc.get("gateways"), dict)
+        ):
+            raise ConfigError(
+                "CONFIG_ERROR",
+                f"{self.path} is not a checkpoint record; restore it from a backup "
+                "(deleting it makes the agent trust the next checkpoint it sees)",
+            )
         return doc
 
     def get(self, gateway: str) -> Kept | None:
@@ -173,8 +195,12 @@ class WitnessFile:
         if entry is None:
             return None
         try:
-            kept = Kept(str(entry["verifier_key"]), int(entry["tree_size"]), base64.b64decode(entry["root"]),
-                        str(entry["checkpoint"]))
+            kept = Kept(
+                str(entry["verifier_key"]),
+                int(entry["tree_size"]),
+                base64.b64decode(entry["root"]),
+                str(entry["checkpoint"]),
+            )
         except (KeyError, TypeError, ValueError, binascii.Error):
             raise ConfigError("CONFIG_ERROR", f"{self.path}: the record for {gateway} is malformed") from None
         # what the record says is checked like any checkpoint: the file is not a trust root of its own

@@ -38,8 +38,12 @@ async def _garbage(r: Runner) -> None:
     expect_error(await r.read_key("not-a-token", "conf.pref.theme"), AUTH_REFUSED, ("INVALID_TOKEN",))
 
 
-@case("ERR-03", "§8.4 §10.1 §20.4", "an agent write (PUT/DELETE /v1/memory/{key}) is refused and nothing changes; "
-      "the guard answers 403 WRITE_NOT_AVAILABLE (the gateway, which has no write route, any 4xx)")
+@case(
+    "ERR-03",
+    "§8.4 §10.1 §20.4",
+    "an agent write (PUT/DELETE /v1/memory/{key}) is refused and nothing changes; "
+    "the guard answers 403 WRITE_NOT_AVAILABLE (the gateway, which has no write route, any 4xx)",
+)
 async def _write(r: Runner) -> None:
     token = await r.pref_token()
     for method in ("PUT", "DELETE"):
@@ -56,16 +60,27 @@ async def _write(r: Runner) -> None:
 @case("ERR-04", "§8.4", "every refusal carries a known §8.4 code for its status")
 async def _codes(r: Runner) -> None:
     token = await r.pref_token()
-    answers = [await r.read_key(token, "conf.nope"), await r.read_key(tamper_signature(token), "conf.pref.theme"),
-               await r.read_tag(token, "conf.private")]
+    answers = [
+        await r.read_key(token, "conf.nope"),
+        await r.read_key(tamper_signature(token), "conf.pref.theme"),
+        await r.read_tag(token, "conf.private"),
+    ]
     for a in answers:
         check_error_shape(a)
         code = a.code()
         if code not in SPEC_CODES:
             raise Fail(f"refusal code {code} is not a §8.4 code")
-        if (a.status, code) not in {(401, "INVALID_TOKEN"), (401, "TOKEN_EXPIRED"), (401, "SESSION_REVOKED"),
-                                    (403, "ACCESS_DENIED"), (429, "QUOTA_EXCEEDED"), (403, "WRITE_NOT_AVAILABLE"),
-                                    (503, "STORE_UNAVAILABLE"), (404, "SESSION_NOT_FOUND"), (400, "INVALID_REQUEST")}:
+        if (a.status, code) not in {
+            (401, "INVALID_TOKEN"),
+            (401, "TOKEN_EXPIRED"),
+            (401, "SESSION_REVOKED"),
+            (403, "ACCESS_DENIED"),
+            (429, "QUOTA_EXCEEDED"),
+            (403, "WRITE_NOT_AVAILABLE"),
+            (503, "STORE_UNAVAILABLE"),
+            (404, "SESSION_NOT_FOUND"),
+            (400, "INVALID_REQUEST"),
+        }:
             raise Fail(f"code {code} came with status {a.status}")
 
 

@@ -45,18 +45,28 @@ def _self_signed(agent_id: str, workdir: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, agent_id)])
     now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"uomp:agent:{agent_id}")]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"uomp:agent:{agent_id}")]), critical=False
+        )
+        .sign(key, hashes.SHA256())
+    )
     cf, kf = workdir / "self.pem", workdir / "self.key"
     cf.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     fd = os.open(kf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return cf, kf
 
 
@@ -119,16 +129,19 @@ async def _agent_header(r: Runner) -> None:
     expect_error(a, (401, 403))
 
 
-@case("GW-06", "§15.2", "a token for another agent id, presented with this agent's certificate, is refused",
-      modes=("gateway",))
+@case(
+    "GW-06",
+    "§15.2",
+    "a token for another agent id, presented with this agent's certificate, is refused",
+    modes=("gateway",),
+)
 async def _agent_binding(r: Runner) -> None:
     g = await r.grant({"tags": ["conf.pref"], "keys": []}, agent_id="conformance_other")
     a = await r.read_key(str(g["token"]), "conf.pref.theme", agent="conformance_other")
     expect_error(a, (401, 403))
 
 
-@case("GW-07", "§15.2", "the management API (session create) is not reachable through the gateway",
-      modes=("gateway",))
+@case("GW-07", "§15.2", "the management API (session create) is not reachable through the gateway", modes=("gateway",))
 async def _no_mgmt(r: Runner) -> None:
     r.need_gateway_pieces()
     token = await r.pref_token()
@@ -145,8 +158,12 @@ async def _refresh(r: Runner, sid: str, refresh_token: str) -> Answer:
     return await r.request("POST", f"/v1/sessions/{quote(sid, safe='')}/refresh", token=refresh_token)
 
 
-@case("REF-01", "§15.5", "a refresh token rotates: the new access token reads, the spent refresh token is refused",
-      modes=("gateway",))
+@case(
+    "REF-01",
+    "§15.5",
+    "a refresh token rotates: the new access token reads, the spent refresh token is refused",
+    modes=("gateway",),
+)
 async def _rotate(r: Runner) -> None:
     g = await r.grant({"tags": ["conf.pref"], "keys": []}, refresh=True)
     if "refresh_token" not in g:
@@ -162,15 +179,20 @@ async def _rotate(r: Runner) -> None:
     expect_error(await _refresh(r, str(g["session_id"]), str(body["refresh_token"])), AUTH_REFUSED)
 
 
-@case("REF-02", "§15.5", "a refresh token has no read scopes and never reads; an access token does not refresh",
-      modes=("gateway",))
+@case(
+    "REF-02",
+    "§15.5",
+    "a refresh token has no read scopes and never reads; an access token does not refresh",
+    modes=("gateway",),
+)
 async def _kinds(r: Runner) -> None:
     g = await r.grant({"tags": ["conf.pref"], "keys": []}, refresh=True)
     if "refresh_token" not in g:
         raise Skip("the target issued no refresh token for a bound remote grant")
     scopes = claims_of(str(g["refresh_token"])).get("scopes")
     if scopes not in (None, {}, [], ["refresh"], "refresh") and not (
-            isinstance(scopes, dict) and all(not v for v in scopes.values())):
+        isinstance(scopes, dict) and all(not v for v in scopes.values())
+    ):
         raise Fail(f"the refresh token's scopes claim is not empty or refresh-only: {json.dumps(scopes)[:100]}")
     expect_error(await _refresh(r, str(g["session_id"]), str(g["token"])), AUTH_REFUSED)
     expect_error(await r.read_key(str(g["refresh_token"]), "conf.pref.theme"), AUTH_REFUSED)
@@ -208,9 +230,12 @@ async def _sealed(r: Runner, **override: str) -> tuple[str, dict[str, Any]]:
     """A token with a session, and a correctly sealed §15.6 envelope for it (fields overridable)."""
     recipient = _recipient(r)
     g = await r.grant({"tags": ["conf.pref"], "keys": []})
-    binding = sealing.Binding(payload_id=override.get("payload_id", payloads.new_payload_id()),
-                              session_id=override.get("session_id", str(g["session_id"])),
-                              agent_id=override.get("agent_id", r.agent_id), format="text/markdown")
+    binding = sealing.Binding(
+        payload_id=override.get("payload_id", payloads.new_payload_id()),
+        session_id=override.get("session_id", str(g["session_id"])),
+        agent_id=override.get("agent_id", r.agent_id),
+        format="text/markdown",
+    )
     return str(g["token"]), payloads.seal_small(recipient, binding, b"# conformance\n" + os.urandom(64))
 
 
@@ -235,15 +260,24 @@ async def _pay_bad(r: Runner) -> None:
         check_error_shape(a)
 
 
-@case("PAY-03", "§15.6", "a sealed envelope is stored once: the same upload again is refused or answers the "
-      "stored entry (an idempotent retry); other bytes under the same payload_id are refused", modes=("gateway",))
+@case(
+    "PAY-03",
+    "§15.6",
+    "a sealed envelope is stored once: the same upload again is refused or answers the "
+    "stored entry (an idempotent retry); other bytes under the same payload_id are refused",
+    modes=("gateway",),
+)
 async def _pay_ok(r: Runner) -> None:
     await _relay(r)
     recipient = _recipient(r)
     g = await r.grant({"tags": ["conf.pref"], "keys": []})
     token = str(g["token"])
-    binding = sealing.Binding(payload_id=payloads.new_payload_id(), session_id=str(g["session_id"]),
-                              agent_id=r.agent_id, format="text/markdown")
+    binding = sealing.Binding(
+        payload_id=payloads.new_payload_id(),
+        session_id=str(g["session_id"]),
+        agent_id=r.agent_id,
+        format="text/markdown",
+    )
     env = payloads.seal_small(recipient, binding, b"# conformance\n" + os.urandom(64))
     a = await _upload(r, token, env)
     if a.status not in (200, 201):
@@ -262,8 +296,12 @@ async def _pay_ok(r: Runner) -> None:
         raise Fail(f"other bytes under a stored payload_id answered {clash.status}")
 
 
-@case("PAY-04", "§15.6", "an envelope whose ciphertext was altered (hash no longer matches) is refused",
-      modes=("gateway",))
+@case(
+    "PAY-04",
+    "§15.6",
+    "an envelope whose ciphertext was altered (hash no longer matches) is refused",
+    modes=("gateway",),
+)
 async def _pay_tampered(r: Runner) -> None:
     await _relay(r)
     token, env = await _sealed(r)
@@ -275,8 +313,7 @@ async def _pay_tampered(r: Runner) -> None:
         raise Fail(f"an altered ciphertext answered {a.status}")
 
 
-@case("PAY-05", "§15.6", "an envelope naming another session or agent than the token's is refused",
-      modes=("gateway",))
+@case("PAY-05", "§15.6", "an envelope naming another session or agent than the token's is refused", modes=("gateway",))
 async def _pay_other(r: Runner) -> None:
     await _relay(r)
     for field, value in (("session_id", "sess_someone_else"), ("agent_id", "someone_else")):
@@ -286,8 +323,12 @@ async def _pay_other(r: Runner) -> None:
             raise Fail(f"an envelope with a foreign {field} answered {a.status}")
 
 
-@case("PAY-06", "§15.6 §21", "an agent cannot fetch payloads: a stored id and an unknown id answer alike",
-      modes=("gateway",))
+@case(
+    "PAY-06",
+    "§15.6 §21",
+    "an agent cannot fetch payloads: a stored id and an unknown id answer alike",
+    modes=("gateway",),
+)
 async def _pay_get(r: Runner) -> None:
     await _relay(r)
     token, env = await _sealed(r)

@@ -132,8 +132,9 @@ async def _exist_high(r: Runner) -> None:
     high = await r.read_key(token, "conf.pref.passport")
     check_error_shape(missing)
     check_error_shape(high)
-    if comparable(missing) != comparable(high) or missing.body["error"].get("message") != \
-            high.body["error"].get("message"):
+    if comparable(missing) != comparable(high) or missing.body["error"].get("message") != high.body["error"].get(
+        "message"
+    ):
         raise Fail("a high item's refusal differs from a missing key's")
 
 

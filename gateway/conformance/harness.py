@@ -23,8 +23,17 @@ from gateway.errors import UompError
 FIXTURE = Path(__file__).with_name("fixture.json")
 AGENT_HEADER = "X-UOMP-Agent-Id"
 # §8.4 codes a refusal may carry (the spec's list; implementations may add their own for new cases)
-SPEC_CODES = {"INVALID_TOKEN", "TOKEN_EXPIRED", "SESSION_REVOKED", "ACCESS_DENIED", "QUOTA_EXCEEDED",
-              "WRITE_NOT_AVAILABLE", "STORE_UNAVAILABLE", "SESSION_NOT_FOUND", "INVALID_REQUEST"}
+SPEC_CODES = {
+    "INVALID_TOKEN",
+    "TOKEN_EXPIRED",
+    "SESSION_REVOKED",
+    "ACCESS_DENIED",
+    "QUOTA_EXCEEDED",
+    "WRITE_NOT_AVAILABLE",
+    "STORE_UNAVAILABLE",
+    "SESSION_NOT_FOUND",
+    "INVALID_REQUEST",
+}
 
 
 class Skip(Exception):
@@ -81,11 +90,13 @@ class Case:
 CASES: list[Case] = []
 
 
-def case(cid: str, section: str, expectation: str, modes: tuple[str, ...] = ("guard", "gateway")
-         ) -> Callable[[CaseFn], CaseFn]:
+def case(
+    cid: str, section: str, expectation: str, modes: tuple[str, ...] = ("guard", "gateway")
+) -> Callable[[CaseFn], CaseFn]:
     def deco(fn: CaseFn) -> CaseFn:
         CASES.append(Case(cid, section, expectation, modes, fn))
         return fn
+
     return deco
 
 
@@ -104,8 +115,9 @@ class Runner:
         self._agent_cert: x509.Certificate | None = None
 
     # ------------------------------------------------------------------ transport
-    def client_context(self, *, with_cert: bool = True, max_tls: ssl.TLSVersion | None = None,
-                       cert: tuple[Path, Path] | None = None) -> ssl.SSLContext | None:
+    def client_context(
+        self, *, with_cert: bool = True, max_tls: ssl.TLSVersion | None = None, cert: tuple[Path, Path] | None = None
+    ) -> ssl.SSLContext | None:
         if urlsplit(self.t.url).scheme != "https":
             return None
         ctx = ssl.create_default_context(cafile=str(self.t.ca_file) if self.t.ca_file else None)
@@ -121,9 +133,10 @@ class Runner:
     def session(self, ctx: ssl.SSLContext | None = None, *, default: bool = True) -> aiohttp.ClientSession:
         if default and ctx is None:
             ctx = self.client_context()
-        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx if ctx is not None else False,
-                                                                 force_close=True),
-                                  timeout=aiohttp.ClientTimeout(total=self.t.timeout))
+        s = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=ctx if ctx is not None else False, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=self.t.timeout),
+        )
         self._sessions.append(s)
         return s
 
@@ -131,9 +144,17 @@ class Runner:
         for s in self._sessions:
             await s.close()
 
-    async def request(self, method: str, path: str, *, token: str | None = None, agent: str | bool | None = True,
-                      json_body: Any = None, headers: dict[str, str] | None = None,
-                      session: aiohttp.ClientSession | None = None) -> Answer:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str | None = None,
+        agent: str | bool | None = True,
+        json_body: Any = None,
+        headers: dict[str, str] | None = None,
+        session: aiohttp.ClientSession | None = None,
+    ) -> Answer:
         hdrs = dict(headers or {})
         if token is not None:
             hdrs["Authorization"] = f"Bearer {token}"
@@ -198,8 +219,10 @@ class Runner:
         else:
             conn = aiohttp.TCPConnector(force_close=True)
             base = url.rstrip("/")
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=self.t.timeout)) as s, \
-                s.request(method, base + path, headers=hdrs, json=body) as resp:
+        async with (
+            aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=self.t.timeout)) as s,
+            s.request(method, base + path, headers=hdrs, json=body) as resp,
+        ):
             raw = await resp.read()
             try:
                 parsed: Any = json.loads(raw)
@@ -207,8 +230,9 @@ class Runner:
                 parsed = raw.decode("utf-8", "replace")
             return Answer(resp.status, parsed, dict(resp.headers))
 
-    async def grant(self, read: dict[str, Any], *, agent_id: str | None = None, minutes: float = 10,
-                    **extra: Any) -> dict[str, Any]:
+    async def grant(
+        self, read: dict[str, Any], *, agent_id: str | None = None, minutes: float = 10, **extra: Any
+    ) -> dict[str, Any]:
         """Create + grant one session; returns the grant answer (token, session_id, ...)."""
         self.need_gateway_pieces()
         # every §7.1 scope member, spelled as the spec spells it (OPTIONAL ones too: empty lists)
@@ -219,9 +243,16 @@ class Runner:
             extra.setdefault("cnf", self.cnf())
         else:
             extra.setdefault("audience", self.t.base)
-        created = await self.admin("POST", "/v1/sessions", {
-            "agent_id": agent_id or self.agent_id, "agent_name": "UOMP conformance suite",
-            "requested_scopes": {"read": read}, "duration_minutes": minutes})
+        created = await self.admin(
+            "POST",
+            "/v1/sessions",
+            {
+                "agent_id": agent_id or self.agent_id,
+                "agent_name": "UOMP conformance suite",
+                "requested_scopes": {"read": read},
+                "duration_minutes": minutes,
+            },
+        )
         if created.status not in (200, 201) or not isinstance(created.body, dict) or "session_id" not in created.body:
             raise Skip(f"setup: session create answered {created.status} {created.code()}")
         sid = created.body["session_id"]
@@ -259,7 +290,7 @@ def expect_error(a: Answer, statuses: tuple[int, ...], codes: tuple[str, ...] | 
 def check_error_shape(a: Answer) -> None:
     body = a.body
     if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
-        raise Fail(f"error body is not the §8.4 shape {{\"error\": {{...}}}}: {str(body)[:120]!r}")
+        raise Fail(f'error body is not the §8.4 shape {{"error": {{...}}}}: {str(body)[:120]!r}')
     err = body["error"]
     if not isinstance(err.get("code"), str) or not isinstance(err.get("message"), str):
         raise Fail("§8.4 error lacks string code and message")

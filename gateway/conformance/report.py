@@ -36,8 +36,11 @@ def by_section(results: list[Result]) -> dict[str, int]:
 def table(results: list[Result], *, target: str, mode: str) -> str:
     wid = max([len(r.id) for r in results] + [4])
     sec = max([len(r.section) for r in results] + [7])
-    lines = [f"UOMP conformance: {target} ({mode} mode)", "",
-             f"{'case'.ljust(wid)}  {'section'.ljust(sec)}  verdict  expectation / reason"]
+    lines = [
+        f"UOMP conformance: {target} ({mode} mode)",
+        "",
+        f"{'case'.ljust(wid)}  {'section'.ljust(sec)}  verdict  expectation / reason",
+    ]
     for r in results:
         lines.append(f"{r.id.ljust(wid)}  {r.section.ljust(sec)}  {r.verdict.upper().ljust(7)}  {r.expectation}")
         if r.reason and r.verdict != "pass":
@@ -49,13 +52,20 @@ def table(results: list[Result], *, target: str, mode: str) -> str:
 
 def junit(results: list[Result], *, target: str, mode: str) -> str:
     c = counts(results)
-    suite = ET.Element("testsuite", name=f"uomp-conformance-{mode}", tests=str(len(results)),
-                       failures=str(c["fail"]), skipped=str(c["skip"]), errors="0",
-                       time=f"{sum(r.seconds for r in results):.3f}")
+    suite = ET.Element(
+        "testsuite",
+        name=f"uomp-conformance-{mode}",
+        tests=str(len(results)),
+        failures=str(c["fail"]),
+        skipped=str(c["skip"]),
+        errors="0",
+        time=f"{sum(r.seconds for r in results):.3f}",
+    )
     ET.SubElement(ET.SubElement(suite, "properties"), "property", name="target", value=target)
     for r in results:
-        tc = ET.SubElement(suite, "testcase", classname=f"uomp.{r.section}", name=f"{r.id}: {r.expectation}",
-                           time=f"{r.seconds:.3f}")
+        tc = ET.SubElement(
+            suite, "testcase", classname=f"uomp.{r.section}", name=f"{r.id}: {r.expectation}", time=f"{r.seconds:.3f}"
+        )
         if r.verdict == "fail":
             ET.SubElement(tc, "failure", message=r.reason).text = r.reason
         elif r.verdict == "skip":
@@ -64,6 +74,16 @@ def junit(results: list[Result], *, target: str, mode: str) -> str:
 
 
 def to_json(results: list[Result], *, target: str, mode: str) -> str:
-    return json.dumps({"target": target, "mode": mode, "counts": counts(results),
-                       "by_section": by_section(results), "cases": [r.to_dict() for r in results]},
-                      indent=2) + "\n"
+    return (
+        json.dumps(
+            {
+                "target": target,
+                "mode": mode,
+                "counts": counts(results),
+                "by_section": by_section(results),
+                "cases": [r.to_dict() for r in results],
+            },
+            indent=2,
+        )
+        + "\n"
+    )

@@ -122,9 +122,7 @@ def new_key(key_type: KeyType = "p256") -> AgentPrivateKey:
 def _check_key_type(key: object, what: str) -> None:
     if isinstance(key, ed25519.Ed25519PublicKey | ed25519.Ed25519PrivateKey):
         return
-    if isinstance(key, ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey) and isinstance(
-        key.curve, ec.SECP256R1
-    ):
+    if isinstance(key, ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
         return
     raise UompError(ErrorCode.CA_ERROR, f"{what} must be ECDSA P-256 or Ed25519")
 
@@ -136,9 +134,7 @@ def _sig_hash(key: CAPrivateKey) -> hashes.SHA256 | None:
 
 def short_id(public_key: AgentPublicKey) -> str:
     """Eight hex digits of the SHA-256 of the SubjectPublicKeyInfo: tells one user's CA from another's."""
-    spki = public_key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    spki = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return hashlib.sha256(spki).hexdigest()[:8]
 
 
@@ -214,9 +210,7 @@ def create_ca(
 
 def check_ca_pair(ca_key: CAPrivateKey, ca_cert: x509.Certificate) -> None:
     """CA_ERROR unless ``ca_cert`` is a CA certificate for ``ca_key``."""
-    mine = ca_key.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    mine = ca_key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     theirs = ca_cert.public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -289,10 +283,14 @@ def issue_server_cert(
     not_after = min(now + validity, ca_cert.not_valid_after_utc)
     builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "UOMP"),
-            x509.NameAttribute(NameOID.COMMON_NAME, "UOMP gateway"),
-        ]))
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "UOMP"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, "UOMP gateway"),
+                ]
+            )
+        )
         .issuer_name(ca_cert.subject)
         .public_key(server_public_key)
         .serial_number(random_serial())
@@ -392,8 +390,7 @@ def issue_agent_cert(
     if not AGENT_CERT_MIN_LIFETIME <= lifetime <= AGENT_CERT_MAX_LIFETIME:
         raise UompError(
             ErrorCode.CA_ERROR,
-            f"agent certificate lifetime must be between {AGENT_CERT_MIN_LIFETIME} "
-            f"and {AGENT_CERT_MAX_LIFETIME}",
+            f"agent certificate lifetime must be between {AGENT_CERT_MIN_LIFETIME} and {AGENT_CERT_MAX_LIFETIME}",
         )
     pub: object
     if isinstance(csr_or_public_key, bytes | bytearray):
@@ -441,12 +438,10 @@ def agent_id_from_cert(cert: x509.Certificate) -> str | None:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (x509.ExtensionNotFound, ValueError):
         return None
-    uris = [
-        u for u in san.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(AGENT_URI_PREFIX)
-    ]
+    uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(AGENT_URI_PREFIX)]
     if len(uris) != 1:
         return None
-    candidate = uris[0][len(AGENT_URI_PREFIX):]
+    candidate = uris[0][len(AGENT_URI_PREFIX) :]
     if not _AGENT_ID_RE.fullmatch(candidate) or set(candidate) == {"."}:
         return None
     return candidate
@@ -500,12 +495,7 @@ def build_crl(
         .add_extension(_aki_from(ca_cert), critical=False)
     )
     for serial, revoked_at in revoked:
-        entry = (
-            x509.RevokedCertificateBuilder()
-            .serial_number(serial)
-            .revocation_date(aware_utc(revoked_at))
-            .build()
-        )
+        entry = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(aware_utc(revoked_at)).build()
         builder = builder.add_revoked_certificate(entry)
     return builder.sign(ca_key, _sig_hash(ca_key))
 

@@ -55,8 +55,7 @@ def key_id(name: str, public_key: Ed25519PublicKey, kind: bytes = ED25519) -> by
 
 def verifier_key(name: str, public_key: Ed25519PublicKey, kind: bytes = ED25519) -> str:
     _check_name(name)
-    return (f"{name}+{key_id(name, public_key, kind).hex()}+"
-            f"{base64.b64encode(kind + _raw_public(public_key)).decode()}")
+    return f"{name}+{key_id(name, public_key, kind).hex()}+{base64.b64encode(kind + _raw_public(public_key)).decode()}"
 
 
 def parse_verifier_key(vkey: str, kind: bytes = ED25519) -> tuple[str, Ed25519PublicKey]:
@@ -128,7 +127,7 @@ def split_note(note: str) -> tuple[str, list[str]]:
     cut = note.rfind("\n\n")
     if cut < 0:
         raise NoteError("note has no signature block")
-    text, sigs = note[: cut + 1], note[cut + 2:]
+    text, sigs = note[: cut + 1], note[cut + 2 :]
     _check_text(text)
     if not sigs.endswith("\n"):
         raise NoteError("signature block must end in a newline")
@@ -144,7 +143,7 @@ def signature_lines(lines: list[str]) -> Iterator[tuple[str, bytes]]:
         if not line.startswith(SIG_PREFIX):
             raise NoteError("malformed signature line")
         try:
-            signer, b64 = line[len(SIG_PREFIX):].split(" ")
+            signer, b64 = line[len(SIG_PREFIX) :].split(" ")
             blob = base64.b64decode(b64, validate=True)
         except (ValueError, binascii.Error):
             raise NoteError("malformed signature line") from None
@@ -185,9 +184,9 @@ class Checkpoint:
         if len(root) != 32:
             raise NoteError("checkpoint root is not 32 bytes")
         stamps = [e for e in ext if e.startswith("timestamp ")]
-        if len(stamps) != 1 or not _DECIMAL.fullmatch(stamps[0][len("timestamp "):]):
+        if len(stamps) != 1 or not _DECIMAL.fullmatch(stamps[0][len("timestamp ") :]):
             raise NoteError("checkpoint needs exactly one timestamp line")
-        return cls(origin, int(size_s), root, int(stamps[0][len("timestamp "):]))
+        return cls(origin, int(size_s), root, int(stamps[0][len("timestamp ") :]))
 
     @classmethod
     def open(cls, note: str, name: str, public_key: Ed25519PublicKey) -> Checkpoint:

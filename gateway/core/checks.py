@@ -101,8 +101,11 @@ def check_profile(cap: Capability, p: Presented) -> None:
     """2. §7.3: the profile matches the deployment profile of this listener."""
     if cap.profile != p.profile:
         if p.profile == "local":
-            raise UompError(ErrorCode.INVALID_TOKEN, "a remote-profile token must come through the gateway",
-                            session_id=cap.session_id)
+            raise UompError(
+                ErrorCode.INVALID_TOKEN,
+                "a remote-profile token must come through the gateway",
+                session_id=cap.session_id,
+            )
         raise UompError(ErrorCode.INVALID_TOKEN, f"token profile is not {p.profile}", session_id=cap.session_id)
 
 
@@ -116,9 +119,12 @@ def check_audience(cap: Capability, p: Presented) -> None:
         # Name what was expected (a user must tell a wrong --gateway-url from an attack); the
         # signature was checked, so the audience is ours to quote.
         accepts = ", ".join(sorted(p.audiences)[:8]) or "nothing yet"
-        raise UompError(ErrorCode.INVALID_TOKEN, f"token audience {cap.audience[:200]!r} is not an endpoint of this "
-                        f"listener (it accepts {accepts}); authorize the agent with one of those as --gateway-url",
-                        session_id=cap.session_id)
+        raise UompError(
+            ErrorCode.INVALID_TOKEN,
+            f"token audience {cap.audience[:200]!r} is not an endpoint of this "
+            f"listener (it accepts {accepts}); authorize the agent with one of those as --gateway-url",
+            session_id=cap.session_id,
+        )
 
 
 # The names of this machine's loopback interface: one endpoint for a given port. Only a process on
@@ -164,10 +170,14 @@ def check_allowed_endpoint(cap: Capability, p: Presented) -> None:
     if p.endpoint is None or not endpoint_allowed(cap.allowed_endpoints, p.endpoint):
         came = (p.endpoint or p.host)[:100]
         meant = cap.audience or cap.allowed_endpoints[0]
-        raise UompError(ErrorCode.ACCESS_DENIED, f"token is not allowed on this endpoint: it is for "
-                        f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host {came!r}; "
-                        f"send it to {meant[:200]} (the URL it was authorized for), or authorize the agent "
-                        f"again with --gateway-url https://{came}", session_id=cap.session_id)
+        raise UompError(
+            ErrorCode.ACCESS_DENIED,
+            f"token is not allowed on this endpoint: it is for "
+            f"{', '.join(cap.allowed_endpoints[:4])[:200]}, this request came to host {came!r}; "
+            f"send it to {meant[:200]} (the URL it was authorized for), or authorize the agent "
+            f"again with --gateway-url https://{came}",
+            session_id=cap.session_id,
+        )
 
 
 def check_agents(cap: Capability, p: Presented) -> None:
@@ -176,11 +186,17 @@ def check_agents(cap: Capability, p: Presented) -> None:
         if p.require_header_agent:
             raise UompError(ErrorCode.INVALID_REQUEST, "X-UOMP-Agent-Id header is required", session_id=cap.session_id)
     elif p.header_agent != cap.agent_id:
-        raise UompError(ErrorCode.AGENT_MISMATCH, "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
-                        session_id=cap.session_id)
+        raise UompError(
+            ErrorCode.AGENT_MISMATCH,
+            "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
+            session_id=cap.session_id,
+        )
     if p.proven_agent is not None and p.proven_agent != cap.agent_id:
-        raise UompError(ErrorCode.AGENT_MISMATCH, "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
-                        session_id=cap.session_id)
+        raise UompError(
+            ErrorCode.AGENT_MISMATCH,
+            "token agent, certificate agent and X-UOMP-Agent-Id must be the same",
+            session_id=cap.session_id,
+        )
 
 
 def _same(a: str | None, b: str | None) -> bool:
@@ -192,13 +208,17 @@ def check_binding(cap: Capability, p: Presented) -> None:
     names the certificate, ``jkt`` its key (a certificate renewed for the same key keeps working)."""
     if p.binding == BIND_NONE:
         if cap.cnf_x5t is not None or cap.cnf_jkt is not None:
-            raise UompError(ErrorCode.TOKEN_BINDING_MISMATCH, "a key-bound token cannot be used without its key",
-                            session_id=cap.session_id)
+            raise UompError(
+                ErrorCode.TOKEN_BINDING_MISMATCH,
+                "a key-bound token cannot be used without its key",
+                session_id=cap.session_id,
+            )
         return
     if p.binding == BIND_JKT:
         if cap.cnf_jkt is None or not _same(cap.cnf_jkt, p.jkt):
             raise UompError(
-                ErrorCode.TOKEN_BINDING_MISMATCH, "token is not bound to the DPoP key", session_id=cap.session_id)
+                ErrorCode.TOKEN_BINDING_MISMATCH, "token is not bound to the DPoP key", session_id=cap.session_id
+            )
         return
     if p.x5t is None and p.jkt is None:
         raise UompError(ErrorCode.CERT_REQUIRED, "no proof of possession for this token", session_id=cap.session_id)

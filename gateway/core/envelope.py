@@ -29,8 +29,7 @@ from gateway.core.tokens import parse_iso
 from gateway.errors import ErrorCode, UompError
 
 HEADER_NAME = "X-UOMP-Payload-Envelope"
-HEADER_FIELDS = frozenset({"payload_id", "session_id", "agent_id", "timestamp", "encryption", "format", "size",
-                           "hash"})
+HEADER_FIELDS = frozenset({"payload_id", "session_id", "agent_id", "timestamp", "encryption", "format", "size", "hash"})
 JSON_FIELDS = HEADER_FIELDS | {"ciphertext"}
 ENCRYPTION_FIELDS = frozenset({"algorithm", "sender_public_key", "nonce"})
 MIN_SEALED_BYTES = sealing.PREFIX_LEN + sealing.TAG  # key block + one (empty) final chunk
@@ -60,9 +59,16 @@ class Envelope:
 
     def header(self) -> dict[str, Any]:
         """The envelope without ``ciphertext`` (the streaming form's header)."""
-        return {"payload_id": self.payload_id, "session_id": self.session_id, "agent_id": self.agent_id,
-                "timestamp": self.timestamp, "encryption": dict(self.encryption), "format": self.format,
-                "size": self.size, "hash": self.hash}
+        return {
+            "payload_id": self.payload_id,
+            "session_id": self.session_id,
+            "agent_id": self.agent_id,
+            "timestamp": self.timestamp,
+            "encryption": dict(self.encryption),
+            "format": self.format,
+            "size": self.size,
+            "hash": self.hash,
+        }
 
 
 def _bad(field: str, what: str) -> UompError:
@@ -90,8 +96,11 @@ def parse(doc: Any, *, streaming: bool) -> tuple[Envelope, str | None]:
         raise UompError(ErrorCode.INVALID_REQUEST, f"the envelope lacks {', '.join(missing)}")
     extra = doc.keys() - want
     if extra:
-        what = "ciphertext belongs in the body in the streaming form" if "ciphertext" in extra else \
-            "the envelope has fields §15.6 does not define"
+        what = (
+            "ciphertext belongs in the body in the streaming form"
+            if "ciphertext" in extra
+            else "the envelope has fields §15.6 does not define"
+        )
         raise UompError(ErrorCode.INVALID_REQUEST, what)
     pid = doc["payload_id"]
     if not isinstance(pid, str) or not PAYLOAD_ID.fullmatch(pid):
@@ -129,8 +138,16 @@ def parse(doc: Any, *, streaming: bool) -> tuple[Envelope, str | None]:
         if not isinstance(ct, str):
             raise _bad("ciphertext", "must be standard base64")
         ciphertext = ct
-    env = Envelope(pid, doc["session_id"], doc["agent_id"], ts,
-                   {k: str(enc[k]) for k in ("algorithm", "sender_public_key", "nonce")}, fmt, size, digest)
+    env = Envelope(
+        pid,
+        doc["session_id"],
+        doc["agent_id"],
+        ts,
+        {k: str(enc[k]) for k in ("algorithm", "sender_public_key", "nonce")},
+        fmt,
+        size,
+        digest,
+    )
     return env, ciphertext
 
 
@@ -150,7 +167,8 @@ def encode_header(env: Envelope) -> str:
 def decode_header(value: str) -> Envelope:
     if not value or len(value) > MAX_HEADER_CHARS or not re.fullmatch(r"[A-Za-z0-9_-]+", value):
         raise UompError(
-            ErrorCode.INVALID_REQUEST, f"{HEADER_NAME} must be base64url (no padding) of the envelope header")
+            ErrorCode.INVALID_REQUEST, f"{HEADER_NAME} must be base64url (no padding) of the envelope header"
+        )
     try:
         doc = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
     except (binascii.Error, ValueError):

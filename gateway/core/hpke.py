@@ -48,8 +48,12 @@ class Suite:
 
     @property
     def suite_id(self) -> bytes:
-        return b"HPKE" + KEM_X25519_SHA256.to_bytes(2, "big") + KDF_HKDF_SHA256.to_bytes(2, "big") \
+        return (
+            b"HPKE"
+            + KEM_X25519_SHA256.to_bytes(2, "big")
+            + KDF_HKDF_SHA256.to_bytes(2, "big")
             + self.aead_id.to_bytes(2, "big")
+        )
 
 
 X25519_SHA256_AES128GCM = Suite(aead_id=0x0001, key_len=16)
@@ -164,8 +168,9 @@ def key_schedule(suite: Suite, shared_secret: bytes, info: bytes) -> Context:
     return Context(suite, key, base_nonce, exporter)
 
 
-def setup_sender(suite: Suite, pk_r: X25519PublicKey, info: bytes, *,
-                 eph: X25519PrivateKey | None = None) -> tuple[bytes, Context]:
+def setup_sender(
+    suite: Suite, pk_r: X25519PublicKey, info: bytes, *, eph: X25519PrivateKey | None = None
+) -> tuple[bytes, Context]:
     shared, enc = encap(pk_r, eph=eph)
     return enc, key_schedule(suite, shared, info)
 
@@ -180,6 +185,5 @@ def seal(suite: Suite, pk_r: X25519PublicKey, info: bytes, plaintext: bytes, aad
     return enc, ctx.seal(plaintext, aad)
 
 
-def open_(suite: Suite, enc: bytes, sk_r: X25519PrivateKey, info: bytes, ciphertext: bytes,
-          aad: bytes = b"") -> bytes:
+def open_(suite: Suite, enc: bytes, sk_r: X25519PrivateKey, info: bytes, ciphertext: bytes, aad: bytes = b"") -> bytes:
     return setup_receiver(suite, enc, sk_r, info).open(ciphertext, aad)

@@ -32,8 +32,21 @@ MAX_BODY_BYTES = 1 << 30  # 1 GiB: a tag read may return up to 1,000 items of up
 MAX_CONTENT_LENGTH_DIGITS = 12
 
 # Never taken from a caller: framing and routing are this client's business (RFC 9110 §7.6.1).
-HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
-                         "trailer", "upgrade", "proxy-connection", "proxy-authorization", "expect"})
+HOP_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "proxy-authorization",
+        "expect",
+    }
+)
 
 # How a response body is framed (see body_framing).
 LENGTH, CHUNKED, UNTIL_CLOSE, NONE = range(4)
@@ -194,8 +207,16 @@ def header_block(headers: Mapping[str, str]) -> HeaderBlock:
     return HeaderBlock("".join(parts))
 
 
-def serialize_request(method: str, target: str, headers: Mapping[str, str], body: bytes | None, *,
-                      host: str, prefix: str = "", block: HeaderBlock | None = None) -> bytes:
+def serialize_request(
+    method: str,
+    target: str,
+    headers: Mapping[str, str],
+    body: bytes | None,
+    *,
+    host: str,
+    prefix: str = "",
+    block: HeaderBlock | None = None,
+) -> bytes:
     """The bytes of one request: ``METHOD prefix+target HTTP/1.1``, ``Host``, the header lines of
     ``block`` (from :func:`header_block`), the caller's headers minus :data:`HOP_HEADERS`, and
     ``Content-Length`` when there is a body (always for POST, PUT, PATCH). A method, target or

@@ -78,9 +78,7 @@ def public_jwk(key: PublicKey | PrivateKey, *, kid: str | None = None) -> dict[s
 
 def private_jwk(key: ed25519.Ed25519PrivateKey, *, kid: str) -> dict[str, Any]:
     """Ed25519 private JWK in the shape the TypeScript reference writes (kty, crv, x, d, kid, alg)."""
-    raw = key.private_bytes(
-        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-    )
+    raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
     jwk = public_jwk(key)
     jwk["d"] = b64u_encode(raw)
     jwk["kid"] = kid

@@ -185,8 +185,7 @@ def verify_inclusion(index: int, size: int, leaf: bytes, path: Sequence[bytes], 
         raise ProofError("inclusion proof does not lead to the tree head")
 
 
-def verify_consistency(old_size: int, new_size: int, old_root: bytes, new_root: bytes,
-                       path: Sequence[bytes]) -> None:
+def verify_consistency(old_size: int, new_size: int, old_root: bytes, new_root: bytes, path: Sequence[bytes]) -> None:
     """Raise :class:`ProofError` unless tree ``(new_size, new_root)`` extends ``(old_size, old_root)``."""
     _check_hashes(old_root, new_root, *path)
     if not 0 <= old_size <= new_size:

@@ -72,9 +72,9 @@ def open_cursor(key: bytes, cursor: str, *, session_id: str, agent_id: str, tag:
     if len(raw) < 1 + NONCE_BYTES + 16 or raw[0] != CURSOR_VERSION:
         raise bad
     try:
-        payload = AESGCM(key).decrypt(raw[1:1 + NONCE_BYTES], raw[1 + NONCE_BYTES:], _aad(session_id, agent_id, tag))
+        payload = AESGCM(key).decrypt(raw[1 : 1 + NONCE_BYTES], raw[1 + NONCE_BYTES :], _aad(session_id, agent_id, tag))
         limit, expires = _HEAD.unpack_from(payload)
-        after = payload[_HEAD.size:].decode("utf-8")
+        after = payload[_HEAD.size :].decode("utf-8")
     except (InvalidTag, struct.error, UnicodeDecodeError) as exc:
         raise bad from exc
     if now >= expires:

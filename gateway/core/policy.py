@@ -152,8 +152,9 @@ def aggregate_field_allowed(field_path: str, allowed_fields: Sequence[str] | Non
     return False
 
 
-def aggregate_refusal(op: str, field_path: str | None, allowed_fields: Sequence[str] | None,
-                      grant: AggregateGrant) -> Decision | None:
+def aggregate_refusal(
+    op: str, field_path: str | None, allowed_fields: Sequence[str] | None, grant: AggregateGrant
+) -> Decision | None:
     """Refusals that depend only on the request and the grant (no data read): min/max without the
     explicit grant, a field outside ``allowed_fields``. None when the query may go on."""
     if op in ("min", "max") and not grant.min_max:
@@ -177,8 +178,17 @@ class AggregateResult:
     detail: str
 
 
-def aggregate_result(*, op: str, field_path: str | None, tag: str, count: int, total: Any = None,
-                     minimum: Any = None, maximum: Any = None, min_items: int) -> AggregateResult:
+def aggregate_result(
+    *,
+    op: str,
+    field_path: str | None,
+    tag: str,
+    count: int,
+    total: Any = None,
+    minimum: Any = None,
+    maximum: Any = None,
+    min_items: int,
+) -> AggregateResult:
     """The §10.5 answer from what the store computed over every authorized item (``count``
     contributing items and their ``total``/``minimum``/``maximum``). Refused (``ok=False``) when
     fewer than ``min_items`` items contribute."""
@@ -213,8 +223,13 @@ class AtomCheck:
     fingerprints: dict[str, Fingerprint]  # each tag's set as it is now
 
 
-def check_atoms(recorded: Mapping[str, Fingerprint], tags: Sequence[str],
-                atoms: Iterable[tuple[int, int, int, int]], *, min_group: int) -> AtomCheck:
+def check_atoms(
+    recorded: Mapping[str, Fingerprint],
+    tags: Sequence[str],
+    atoms: Iterable[tuple[int, int, int, int]],
+    *,
+    min_group: int,
+) -> AtomCheck:
     """May one more aggregate over ``tags[-1]`` be answered, given the sets already aggregated in
     this session over the same field (``recorded``, by tag; ``tags`` lists them, bit j = tags[j])?
 
@@ -244,4 +259,3 @@ def check_atoms(recorded: Mapping[str, Fingerprint], tags: Sequence[str],
     if small is not None:
         return AtomCheck(False, f"would isolate a group of {small} item(s) (< {min_group})", fingerprints)
     return AtomCheck(True, "ok", fingerprints)
-

@@ -34,8 +34,9 @@ def reservation_block(limit: int) -> int:
 
 
 class QuotaLedger:
-    def __init__(self, load: Callable[[str], int], persist: Callable[[str, int], None], *,
-                 block: int | None = None) -> None:
+    def __init__(
+        self, load: Callable[[str], int], persist: Callable[[str, int], None], *, block: int | None = None
+    ) -> None:
         self._load = load
         self._persist = persist
         self._block = None if block is None else max(1, block)  # None: adapt to each session's limit

@@ -71,8 +71,7 @@ def _dedup(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(values))
 
 
-def effective_fields(scope_fields: Sequence[str] | None, claim_fields: Sequence[str] | None
-                     ) -> tuple[str, ...] | None:
+def effective_fields(scope_fields: Sequence[str] | None, claim_fields: Sequence[str] | None) -> tuple[str, ...] | None:
     """The fields a token returns when both the scope and the top-level claim may name some:
     the narrower of the two (their intersection), None only when neither limits."""
     if scope_fields is None:
@@ -83,9 +82,14 @@ def effective_fields(scope_fields: Sequence[str] | None, claim_fields: Sequence[
     return _dedup(f for f in claim_fields if f in allowed)
 
 
-def widenings(granted: Scope, requested: Scope, *, granted_fields: Sequence[str] | None = None,
-              granted_aggregation_only: bool | None = None, requested_aggregation_only: bool = False
-              ) -> list[str]:
+def widenings(
+    granted: Scope,
+    requested: Scope,
+    *,
+    granted_fields: Sequence[str] | None = None,
+    granted_aggregation_only: bool | None = None,
+    requested_aggregation_only: bool = False,
+) -> list[str]:
     """Every way ``granted`` goes beyond ``requested`` (empty: the grant only narrows).
 
     ``granted_fields`` are the fields the token will return (see :func:`effective_fields`); when
@@ -107,8 +111,7 @@ def widenings(granted: Scope, requested: Scope, *, granted_fields: Sequence[str]
     fields = granted.allowed_fields if granted_fields is None else granted_fields
     if requested.allowed_fields is not None:
         if fields is None:
-            out.append("whole items although the agent asked only for fields: "
-                       + ", ".join(requested.allowed_fields))
+            out.append("whole items although the agent asked only for fields: " + ", ".join(requested.allowed_fields))
         else:
             extra_fields = _missing(fields, requested.allowed_fields)
             if extra_fields:
@@ -118,10 +121,17 @@ def widenings(granted: Scope, requested: Scope, *, granted_fields: Sequence[str]
     return out
 
 
-def plan_read_grant(requested: Scope, *, capabilities: Iterable[str] = (), tags: Sequence[str] | None = None,
-                    keys: Sequence[str] | None = None, deny_tags: Sequence[str] = (),
-                    deny_keys: Sequence[str] = (), allowed_fields: Sequence[str] | None = None,
-                    aggregation_only: bool = False) -> ReadGrant:
+def plan_read_grant(
+    requested: Scope,
+    *,
+    capabilities: Iterable[str] = (),
+    tags: Sequence[str] | None = None,
+    keys: Sequence[str] | None = None,
+    deny_tags: Sequence[str] = (),
+    deny_keys: Sequence[str] = (),
+    allowed_fields: Sequence[str] | None = None,
+    aggregation_only: bool = False,
+) -> ReadGrant:
     """The read grant for a request and the user's adjustments (None/empty: as requested).
 
     The result keeps every limit of the request; ``widened`` lists what the adjustments add beyond
@@ -140,6 +150,11 @@ def plan_read_grant(requested: Scope, *, capabilities: Iterable[str] = (), tags:
         allowed_fields=fields,
     )
     agg = aggregation_only or asks_aggregation_only(capabilities)
-    widened = widenings(scope, requested, granted_fields=fields, granted_aggregation_only=agg,
-                        requested_aggregation_only=asks_aggregation_only(capabilities))
+    widened = widenings(
+        scope,
+        requested,
+        granted_fields=fields,
+        granted_aggregation_only=agg,
+        requested_aggregation_only=asks_aggregation_only(capabilities),
+    )
     return ReadGrant(scope=scope, allowed_fields=fields, aggregation_only=agg, widened=tuple(widened))

@@ -71,8 +71,15 @@ class Binding:
     format: str
 
     def bound(self) -> bytes:
-        return canonical_json({"v": VERSION, "payload_id": self.payload_id, "session_id": self.session_id,
-                               "agent_id": self.agent_id, "format": self.format})
+        return canonical_json(
+            {
+                "v": VERSION,
+                "payload_id": self.payload_id,
+                "session_id": self.session_id,
+                "agent_id": self.agent_id,
+                "format": self.format,
+            }
+        )
 
     def info(self) -> bytes:
         return _INFO_LABEL + self.bound()
@@ -94,8 +101,15 @@ def _chunk_nonce(counter: int, last: bool) -> bytes:
 class Sealer:
     """Seal one payload as a stream: :attr:`prefix`, then :meth:`chunk` for each plaintext piece."""
 
-    def __init__(self, recipient: X25519PublicKey, binding: Binding, *, file_key: bytes | None = None,
-                 nonce: bytes | None = None, eph: X25519PrivateKey | None = None) -> None:
+    def __init__(
+        self,
+        recipient: X25519PublicKey,
+        binding: Binding,
+        *,
+        file_key: bytes | None = None,
+        nonce: bytes | None = None,
+        eph: X25519PrivateKey | None = None,
+    ) -> None:
         # file_key / nonce / eph are fixed only by the committed test vectors.
         self.binding = binding
         key = os.urandom(32) if file_key is None else file_key
@@ -112,8 +126,11 @@ class Sealer:
 
     def encryption(self) -> dict[str, str]:
         """The envelope's ``encryption`` object."""
-        return {"algorithm": ALGORITHM, "sender_public_key": base64.b64encode(self.enc).decode(),
-                "nonce": base64.b64encode(self.nonce).decode()}
+        return {
+            "algorithm": ALGORITHM,
+            "sender_public_key": base64.b64encode(self.enc).decode(),
+            "nonce": base64.b64encode(self.nonce).decode(),
+        }
 
     def _seal(self, data: bytes | memoryview, last: bool) -> bytes:
         out = self._aead.encrypt(_chunk_nonce(self._counter, last), data, self._aad)
@@ -140,10 +157,11 @@ class Sealer:
                 piece: bytes | memoryview = self._pending + view[:need].tobytes()
                 at = need
             else:
-                piece = view[at:at + CHUNK]
+                piece = view[at : at + CHUNK]
                 at += CHUNK
-            self._aead.encrypt_into(_chunk_nonce(self._counter, False), piece, self._aad,
-                                    dst[k * (CHUNK + TAG):(k + 1) * (CHUNK + TAG)])
+            self._aead.encrypt_into(
+                _chunk_nonce(self._counter, False), piece, self._aad, dst[k * (CHUNK + TAG) : (k + 1) * (CHUNK + TAG)]
+            )
             self._counter += 1
         self._pending = view[at:].tobytes() if n else self._pending + view.tobytes()
         return out
@@ -159,8 +177,9 @@ class Opener:
     """Open a sealed stream: feed ciphertext bytes (after the prefix) in any pieces; plaintext comes
     out only for chunks that authenticated, and :meth:`finish` fails unless the final chunk came."""
 
-    def __init__(self, private_key: X25519PrivateKey, binding: Binding, encryption: Mapping[str, Any],
-                 prefix: bytes) -> None:
+    def __init__(
+        self, private_key: X25519PrivateKey, binding: Binding, encryption: Mapping[str, Any], prefix: bytes
+    ) -> None:
         if encryption.get("algorithm") != ALGORITHM:
             raise SealError("unknown payload algorithm")
         try:
@@ -174,8 +193,9 @@ class Opener:
         try:
             key = hpke.open_(_SUITE, enc, private_key, binding.info(), wrapped)
         except hpke.HpkeError:
-            raise SealError("the payload was not sealed to this key, or for another payload/session/agent/format"
-                            ) from None
+            raise SealError(
+                "the payload was not sealed to this key, or for another payload/session/agent/format"
+            ) from None
         stream_key, expected = _derive(key, nonce)
         if not hmac.compare_digest(commitment, expected):
             raise SealError("key commitment does not match")
@@ -189,8 +209,7 @@ class Opener:
         try:
             pt = self._aead.decrypt(_chunk_nonce(self._counter, last), ct, self._aad)
         except InvalidTag:
-            raise SealError(f"chunk {self._counter} does not authenticate (tampered, reordered or truncated)"
-                            ) from None
+            raise SealError(f"chunk {self._counter} does not authenticate (tampered, reordered or truncated)") from None
         self._counter += 1
         return pt
 
@@ -215,14 +234,16 @@ class Opener:
                 piece: bytes | memoryview = self._buf + view[:need].tobytes()
                 at = need
             else:
-                piece = view[at:at + CHUNK + TAG]
+                piece = view[at : at + CHUNK + TAG]
                 at += CHUNK + TAG
             try:
-                self._aead.decrypt_into(_chunk_nonce(self._counter, False), piece, self._aad,
-                                        dst[k * CHUNK:(k + 1) * CHUNK])
+                self._aead.decrypt_into(
+                    _chunk_nonce(self._counter, False), piece, self._aad, dst[k * CHUNK : (k + 1) * CHUNK]
+                )
             except InvalidTag:
-                raise SealError(f"chunk {self._counter} does not authenticate (tampered, reordered or truncated)"
-                                ) from None
+                raise SealError(
+                    f"chunk {self._counter} does not authenticate (tampered, reordered or truncated)"
+                ) from None
             self._counter += 1
         self._buf = view[at:].tobytes()
         return out
@@ -250,16 +271,19 @@ def seal_bytes(recipient: X25519PublicKey, binding: Binding, plaintext: bytes) -
     return s.encryption(), b"".join((s.prefix, s.update(plaintext), s.finish()))
 
 
-def open_bytes(private_key: X25519PrivateKey, binding: Binding, encryption: Mapping[str, Any],
-               sealed: bytes) -> bytes:
+def open_bytes(private_key: X25519PrivateKey, binding: Binding, encryption: Mapping[str, Any], sealed: bytes) -> bytes:
     if len(sealed) < PREFIX_LEN:
         raise SealError("truncated: no key block")
     o = Opener(private_key, binding, encryption, sealed[:PREFIX_LEN])
     return b"".join((o.update(sealed[PREFIX_LEN:]), o.finish()))
 
 
-def open_stream(private_key: X25519PrivateKey, binding: Binding, encryption: Mapping[str, Any],
-                blocks: Iterable[bytes | bytearray | memoryview]) -> Iterator[bytes | bytearray]:
+def open_stream(
+    private_key: X25519PrivateKey,
+    binding: Binding,
+    encryption: Mapping[str, Any],
+    blocks: Iterable[bytes | bytearray | memoryview],
+) -> Iterator[bytes | bytearray]:
     """Open sealed bytes arriving in blocks of any size; yields plaintext as chunks authenticate.
 
     The caller must treat the output as provisional until the generator ends without an error

@@ -249,15 +249,11 @@ def parse_claims(header: Mapping[str, Any], claims: Mapping[str, Any]) -> Capabi
         read=read,
         write=write,
         max_read_queries=_opt_int(_pick(limits, "max_read_queries", "maxReadQueries"), "limits.max_read_queries"),
-        max_write_queries=_opt_int(
-            _pick(limits, "max_write_queries", "maxWriteQueries"), "limits.max_write_queries"
-        ),
+        max_write_queries=_opt_int(_pick(limits, "max_write_queries", "maxWriteQueries"), "limits.max_write_queries"),
         profile=profile,
         audience=audience,
         allowed_endpoints=None if ae is None else _str_list(ae, "allowed_endpoints"),
-        allowed_fields=(
-            _str_list(af, "allowed_fields") if af is not None else read.allowed_fields
-        ),
+        allowed_fields=(_str_list(af, "allowed_fields") if af is not None else read.allowed_fields),
         aggregation_only=_opt_bool(claims.get("aggregation_only"), "aggregation_only"),
         task_bound=_opt_bool(claims.get("task_bound"), "task_bound"),
         jti=_str(claims, "jti", required=False),

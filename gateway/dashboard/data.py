@@ -78,8 +78,13 @@ def list_sessions(paths: Paths) -> list[dict[str, Any]]:
         if limit is not None and granted:
             r["scope_words"].append(f"at most {limit} reads")
         remaining = left.get(r["session_id"])
-        r["quota"] = (f"{limit - remaining} of {limit} reads used" if limit is not None and remaining is not None
-                      else f"0 of {limit} reads used" if limit is not None else "no read limit")
+        r["quota"] = (
+            f"{limit - remaining} of {limit} reads used"
+            if limit is not None and remaining is not None
+            else f"0 of {limit} reads used"
+            if limit is not None
+            else "no read limit"
+        )
         r["live"] = r["status"] in ("created", "active")
     return rows
 
@@ -109,16 +114,26 @@ class Filters:
     period: str = "all"
 
     def query(self) -> dict[str, str]:
-        return {k: v for k, v in (("session", self.session), ("agent", self.agent), ("verdict", self.verdict),
-                                  ("period", self.period)) if v and not (k == "period" and v == "all")}
+        return {
+            k: v
+            for k, v in (
+                ("session", self.session),
+                ("agent", self.agent),
+                ("verdict", self.verdict),
+                ("period", self.period),
+            )
+            if v and not (k == "period" and v == "all")
+        }
 
 
 def parse_filters(q: Any) -> Filters:
     def one(name: str, allowed: tuple[str, ...] | None = None) -> str:
         v = str(q.get(name, "") or "")[:200]
         return v if allowed is None or v in allowed else ""
-    return Filters(one("session"), one("agent"), one("verdict", ("allowed", "refused")),
-                   one("period", tuple(PERIODS)) or "all")
+
+    return Filters(
+        one("session"), one("agent"), one("verdict", ("allowed", "refused")), one("period", tuple(PERIODS)) or "all"
+    )
 
 
 def _proof_states(conn: sqlite3.Connection) -> tuple[int, list[int], list[dict[str, Any]], list[tuple[int, str]]]:
@@ -126,11 +141,17 @@ def _proof_states(conn: sqlite3.Connection) -> tuple[int, list[int], list[dict[s
     read and checked), and the open rejected ones with their reason."""
     try:
         cp = int(conn.execute("SELECT MAX(size) FROM ledger_checkpoints").fetchone()[0] or 0)
-        anchors = [dict(r) for r in conn.execute(
-            "SELECT size, ref, backend, block_number FROM ledger_anchors WHERE state = 'confirmed' AND ref IS NOT "
-            "NULL ORDER BY size")]
-        rejected = [(int(r[0]), str(r[1] or "")) for r in conn.execute(
-            "SELECT size, last_error FROM ledger_anchors WHERE state = 'rejected' ORDER BY size")]
+        anchors = [
+            dict(r)
+            for r in conn.execute(
+                "SELECT size, ref, backend, block_number FROM ledger_anchors WHERE state = 'confirmed' AND ref IS NOT "
+                "NULL ORDER BY size"
+            )
+        ]
+        rejected = [
+            (int(r[0]), str(r[1] or ""))
+            for r in conn.execute("SELECT size, last_error FROM ledger_anchors WHERE state = 'rejected' ORDER BY size")
+        ]
     except sqlite3.Error:
         return 0, [], [], []
     return cp, [a["size"] for a in anchors], anchors, rejected
@@ -146,10 +167,12 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
         return []
     now = time.time() if now is None else now
     flt = query.AuditFilter(
-        session_id=f.session or None, agent_id=f.agent or None,
+        session_id=f.session or None,
+        agent_id=f.agent or None,
         allowed=None if not f.verdict else f.verdict == "allowed",
         since=(now - PERIODS[f.period]) if PERIODS.get(f.period) else None,
-        limit=max(1, min(limit, MAX_TIMELINE)))
+        limit=max(1, min(limit, MAX_TIMELINE)),
+    )
     try:
         try:
             events = query.query_events(conn, flt).events
@@ -168,8 +191,11 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
         detail = str(d.get("detail") or "")
         code = d.get("code") or (detail if detail in STATUS else None)
         d["code"] = code
-        d["explained"] = None if d["allowed"] else words.refusal(code, str(d.get("reason") or ""),
-                                                                  None if detail == code else detail)
+        d["explained"] = (
+            None
+            if d["allowed"]
+            else words.refusal(code, str(d.get("reason") or ""), None if detail == code else detail)
+        )
         d["action_words"] = words.action(str(d.get("action")))
         ts = float(d["ts"]) if "ts" in d else _ts(str(d.get("timestamp", "")))
         d["ts"] = ts
@@ -253,18 +279,29 @@ def agents(paths: Paths) -> list[dict[str, Any]]:
     except UompError:
         return []
     now = time.time()
-    return [{"agent_id": r.agent_id, "serial": r.serial, "not_after": words.when(r.not_after.timestamp()),
-             "expires_in": words.ago(r.not_after.timestamp(), now), "status": r.status,
-             "renewed_from": r.renewed_from,
-             "revoked_at": words.when(r.revoked_at.timestamp()) if r.revoked_at else None} for r in rows]
+    return [
+        {
+            "agent_id": r.agent_id,
+            "serial": r.serial,
+            "not_after": words.when(r.not_after.timestamp()),
+            "expires_in": words.ago(r.not_after.timestamp(), now),
+            "status": r.status,
+            "renewed_from": r.renewed_from,
+            "revoked_at": words.when(r.revoked_at.timestamp()) if r.revoked_at else None,
+        }
+        for r in rows
+    ]
 
 
 def revoke_agent(paths: Paths, target: str) -> dict[str, Any]:
     from gateway.cli.agent import revoke_agent as revoke
 
     done, sweep = revoke(paths, target, via="dashboard: revoke")
-    return {"revoked": done.revoked, "sessions": [sid for sid, _ in sweep.matched],
-            "unbound": [sid for sid, _ in sweep.unbound]}
+    return {
+        "revoked": done.revoked,
+        "sessions": [sid for sid, _ in sweep.matched],
+        "unbound": [sid for sid, _ in sweep.unbound],
+    }
 
 
 # ----------------------------------------------------------------------------- payloads
@@ -288,8 +325,9 @@ def open_payload(paths: Paths, payload_id: str, *, max_bytes: int) -> tuple[dict
     meta, blocks = open_payload(paths, payload_id)
     if int(meta["size"]) > max_bytes:
         raise UompError(
-            ErrorCode.PAYLOAD_TOO_LARGE, f"payload {payload_id} is larger than the dashboard opens in memory; "
-                        "use 'uomp payload pull'")
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"payload {payload_id} is larger than the dashboard opens in memory; use 'uomp payload pull'",
+        )
     plain = b"".join(_bounded(blocks, max_bytes))
     mark_opened(paths, payload_id)
     return meta, plain

@@ -27,8 +27,10 @@ from gateway.errors import STATUS, ErrorCode, UompError
 
 log = logging.getLogger("uomp.dashboard")
 
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; "
-       "frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; "
+    "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
+)
 HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Frame-Options": "DENY",
@@ -57,12 +59,10 @@ class Dashboard:
         self.paths = paths
         self.cfg = cfg
         self.links = security.LoginLinks(cfg.login_ttl_seconds, paths=paths, clock=clock)
-        self.sessions = security.Sessions(idle=cfg.idle_timeout_seconds, max_age=cfg.max_session_seconds,
-                                          clock=clock)
+        self.sessions = security.Sessions(idle=cfg.idle_timeout_seconds, max_age=cfg.max_session_seconds, clock=clock)
         self.port: int = cfg.port
         self._runner: web.AppRunner | None = None
-        self._env = jinja2.Environment(loader=jinja2.PackageLoader("gateway.dashboard", "templates"),
-                                       autoescape=True)
+        self._env = jinja2.Environment(loader=jinja2.PackageLoader("gateway.dashboard", "templates"), autoescape=True)
         pkg = resources.files("gateway.dashboard") / "static"
         self._static = {name: (pkg.joinpath(name).read_bytes(), ctype) for name, ctype in STATIC.items()}
 
@@ -133,34 +133,49 @@ class Dashboard:
         cookie = request.cookies.get(security.COOKIE_NAME)
         session = self.sessions.get(cookie)
         if session is None:
-            return self._render(request, "signin.html", status=401, session=None, title="Sign in",
-                                stale=cookie is not None)
+            return self._render(
+                request, "signin.html", status=401, session=None, title="Sign in", stale=cookie is not None
+            )
         request[SESSION_KEY] = session
         if request.method == "POST":
-            if not security.origin_ok(request.headers.get("Origin"), request.headers.get("Sec-Fetch-Site"),
-                                      self.port):
+            if not security.origin_ok(request.headers.get("Origin"), request.headers.get("Sec-Fetch-Site"), self.port):
                 log.warning("dashboard: refused a cross-site POST to %s", request.path)
-                return self._render(request, "error.html", status=403, title="Refused",
-                                    message="This request came from another site and was refused.")
+                return self._render(
+                    request,
+                    "error.html",
+                    status=403,
+                    title="Refused",
+                    message="This request came from another site and was refused.",
+                )
             form = await request.post()
             request[FORM_KEY] = form
             presented = form.get(security.CSRF_FIELD)
             if not isinstance(presented, str) or not security.csrf_ok(session, presented):
                 log.warning("dashboard: refused a POST to %s without the right form token", request.path)
-                return self._render(request, "error.html", status=403, title="Refused",
-                                    message="This form has expired or did not come from the dashboard. "
-                                    "Reload the page and try again.")
+                return self._render(
+                    request,
+                    "error.html",
+                    status=403,
+                    title="Refused",
+                    message="This form has expired or did not come from the dashboard. Reload the page and try again.",
+                )
         try:
             return await handler(request)
         except UompError as exc:
-            return self._render(request, "error.html", status=STATUS.get(exc.code, 500), title=exc.code,
-                                message=exc.message)
+            return self._render(
+                request, "error.html", status=STATUS.get(exc.code, 500), title=exc.code, message=exc.message
+            )
         except web.HTTPException:
             raise
         except Exception:
             log.exception("dashboard: %s %s failed", request.method, request.path)
-            return self._render(request, "error.html", status=500, title="Internal error",
-                                message="This page failed; the appliance's log has the details.")
+            return self._render(
+                request,
+                "error.html",
+                status=500,
+                title="Internal error",
+                message="This page failed; the appliance's log has the details.",
+            )
 
     # ------------------------------------------------------------------------- rendering
 
@@ -170,8 +185,13 @@ class Dashboard:
         if session is not None:
             flash, session.flash = session.flash, []
         html = self._env.get_template(template).render(
-            csrf=session.csrf if session else "", csrf_field=security.CSRF_FIELD, signed_in=session is not None,
-            flash=flash, path=request.path, **ctx)
+            csrf=session.csrf if session else "",
+            csrf_field=security.CSRF_FIELD,
+            signed_in=session is not None,
+            flash=flash,
+            path=request.path,
+            **ctx,
+        )
         return web.Response(status=status, text=html, content_type="text/html", charset="utf-8")
 
     @staticmethod
@@ -186,14 +206,25 @@ class Dashboard:
         token = request.query.get("t", "")
         if not await asyncio.to_thread(self.links.redeem, token):
             log.warning("dashboard: a login link was refused (unknown, used or expired)")
-            return self._render(request, "error.html", status=403, session=None, title="This link does not work",
-                                message="A login link works once and for a short time. Run 'uomp dashboard' "
-                                "for a new one.")
+            return self._render(
+                request,
+                "error.html",
+                status=403,
+                session=None,
+                title="This link does not work",
+                message="A login link works once and for a short time. Run 'uomp dashboard' for a new one.",
+            )
         cookie, _ = self.sessions.create()
         log.info("dashboard: signed in with a one-time link")
         resp = web.HTTPSeeOther("/")
-        resp.set_cookie(security.COOKIE_NAME, cookie, httponly=True, samesite="Strict", path="/",
-                        max_age=int(self.cfg.max_session_seconds))
+        resp.set_cookie(
+            security.COOKIE_NAME,
+            cookie,
+            httponly=True,
+            samesite="Strict",
+            path="/",
+            max_age=int(self.cfg.max_session_seconds),
+        )
         raise resp
 
     async def logout(self, request: web.Request) -> web.StreamResponse:
@@ -210,29 +241,51 @@ class Dashboard:
 
     async def overview(self, request: web.Request) -> web.StreamResponse:
         status, series, sessions = await asyncio.gather(
-            asyncio.to_thread(data.appliance, self.paths), asyncio.to_thread(data.activity, self.paths),
-            asyncio.to_thread(data.list_sessions, self.paths))
-        refused = await asyncio.to_thread(data.timeline, self.paths,
-                                          data.Filters(verdict="refused", period="day"), limit=5)
-        return self._render(request, "overview.html", title="Overview", status_info=status,
-                            charts=[(a, charts.activity_svg(a, s)) for a, s in series.items()],
-                            live=[s for s in sessions if s["live"]], refused=refused)
+            asyncio.to_thread(data.appliance, self.paths),
+            asyncio.to_thread(data.activity, self.paths),
+            asyncio.to_thread(data.list_sessions, self.paths),
+        )
+        refused = await asyncio.to_thread(
+            data.timeline, self.paths, data.Filters(verdict="refused", period="day"), limit=5
+        )
+        return self._render(
+            request,
+            "overview.html",
+            title="Overview",
+            status_info=status,
+            charts=[(a, charts.activity_svg(a, s)) for a, s in series.items()],
+            live=[s for s in sessions if s["live"]],
+            refused=refused,
+        )
 
     async def sessions_page(self, request: web.Request) -> web.StreamResponse:
         rows = await asyncio.to_thread(data.list_sessions, self.paths)
-        return self._render(request, "sessions.html", title="Sessions", live=[r for r in rows if r["live"]],
-                            past=[r for r in rows if not r["live"]])
+        return self._render(
+            request,
+            "sessions.html",
+            title="Sessions",
+            live=[r for r in rows if r["live"]],
+            past=[r for r in rows if not r["live"]],
+        )
 
     async def end_session(self, request: web.Request) -> web.StreamResponse:
         sid, how = request.match_info["sid"], request.match_info["how"]
         if not ID_RE.match(sid):
             raise UompError(ErrorCode.INVALID_REQUEST, "not a session id")
         if request[FORM_KEY].get("confirmed") != "yes":
-            return self._render(request, "confirm.html", title="Confirm", action=f"/sessions/{sid}/{how}",
-                                question=f"{how.capitalize()} session {sid}?",
-                                consequence="Its tokens stop working at once; the agent must be authorized again."
-                                if how == "revoke" else "The session ends normally; its tokens stop working.",
-                                button=f"{how.capitalize()} session", fields={}, cancel="/sessions")
+            return self._render(
+                request,
+                "confirm.html",
+                title="Confirm",
+                action=f"/sessions/{sid}/{how}",
+                question=f"{how.capitalize()} session {sid}?",
+                consequence="Its tokens stop working at once; the agent must be authorized again."
+                if how == "revoke"
+                else "The session ends normally; its tokens stop working.",
+                button=f"{how.capitalize()} session",
+                fields={},
+                cancel="/sessions",
+            )
         await asyncio.to_thread(data.end_session, self.paths, sid, how)
         log.info("dashboard: session %s %s by the user", sid, "revoked" if how == "revoke" else "closed")
         return self._back(request, "/sessions", f"Session {sid} {'revoked' if how == 'revoke' else 'closed'}.")
@@ -241,17 +294,29 @@ class Dashboard:
         f = data.parse_filters(request.query)
         rows, (agents, sessions) = await asyncio.gather(
             asyncio.to_thread(data.timeline, self.paths, f),
-            asyncio.to_thread(data.known_agents_and_sessions, self.paths))
-        return self._render(request, "audit.html", title="Audit timeline", rows=rows, f=f, agents=agents,
-                            sessions=sessions, periods=list(data.PERIODS))
+            asyncio.to_thread(data.known_agents_and_sessions, self.paths),
+        )
+        return self._render(
+            request,
+            "audit.html",
+            title="Audit timeline",
+            rows=rows,
+            f=f,
+            agents=agents,
+            sessions=sessions,
+            periods=list(data.PERIODS),
+        )
 
     async def proof(self, request: web.Request) -> web.StreamResponse:
         eid = request.match_info["eid"]
         if not ID_RE.match(eid):
             raise UompError(ErrorCode.INVALID_REQUEST, "not an event id")
         bundle = await asyncio.to_thread(data.proof_bundle, self.paths, eid)
-        return web.Response(body=json.dumps(bundle, indent=2).encode() + b"\n", content_type="application/json",
-                            headers={"Content-Disposition": f'attachment; filename="proof-{eid}.json"'})
+        return web.Response(
+            body=json.dumps(bundle, indent=2).encode() + b"\n",
+            content_type="application/json",
+            headers={"Content-Disposition": f'attachment; filename="proof-{eid}.json"'},
+        )
 
     async def agents_page(self, request: web.Request) -> web.StreamResponse:
         rows = await asyncio.to_thread(data.agents, self.paths)
@@ -262,15 +327,26 @@ class Dashboard:
         if not ID_RE.match(target):
             raise UompError(ErrorCode.INVALID_REQUEST, "not an agent id or serial")
         if request[FORM_KEY].get("confirmed") != "yes":
-            return self._render(request, "confirm.html", title="Confirm", action="/agents/revoke",
-                                question=f"Revoke the certificate(s) of {target}?",
-                                consequence="The certificate(s) and those renewed from them stop working at once, "
-                                "and the sessions bound to them are revoked.",
-                                button="Revoke", fields={"target": target}, cancel="/agents")
+            return self._render(
+                request,
+                "confirm.html",
+                title="Confirm",
+                action="/agents/revoke",
+                question=f"Revoke the certificate(s) of {target}?",
+                consequence="The certificate(s) and those renewed from them stop working at once, "
+                "and the sessions bound to them are revoked.",
+                button="Revoke",
+                fields={"target": target},
+                cancel="/agents",
+            )
         done = await asyncio.to_thread(data.revoke_agent, self.paths, target)
         log.info("dashboard: certificates of %s revoked by the user", target)
-        return self._back(request, "/agents", f"Revoked {len(done['revoked'])} certificate(s) of {target}; "
-                          f"{len(done['sessions'])} session(s) bound to them revoked too.")
+        return self._back(
+            request,
+            "/agents",
+            f"Revoked {len(done['revoked'])} certificate(s) of {target}; "
+            f"{len(done['sessions'])} session(s) bound to them revoked too.",
+        )
 
     async def payloads_page(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -287,18 +363,28 @@ class Dashboard:
         meta, plain = await asyncio.to_thread(data.open_payload, self.paths, pid, max_bytes=MAX_OPEN_BYTES)
         log.info("dashboard: payload %s opened by the user", pid)
         ext = {"application/json": "json", "text/plain": "txt", "text/csv": "csv"}.get(str(meta["format"]), "bin")
-        return web.Response(body=plain, content_type="application/octet-stream",
-                            headers={"Content-Disposition": f'attachment; filename="{pid}.{ext}"'})
+        return web.Response(
+            body=plain,
+            content_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{pid}.{ext}"'},
+        )
 
     async def delete_payload(self, request: web.Request) -> web.StreamResponse:
         pid = request.match_info["pid"]
         if not ID_RE.match(pid):
             raise UompError(ErrorCode.INVALID_REQUEST, "not a payload id")
         if request[FORM_KEY].get("confirmed") != "yes":
-            return self._render(request, "confirm.html", title="Confirm", action=f"/payloads/{pid}/delete",
-                                question=f"Delete payload {pid}?",
-                                consequence="It is removed from the relay; it cannot be opened afterwards.",
-                                button="Delete", fields={}, cancel="/payloads")
+            return self._render(
+                request,
+                "confirm.html",
+                title="Confirm",
+                action=f"/payloads/{pid}/delete",
+                question=f"Delete payload {pid}?",
+                consequence="It is removed from the relay; it cannot be opened afterwards.",
+                button="Delete",
+                fields={},
+                cancel="/payloads",
+            )
         await asyncio.to_thread(data.delete_payload, self.paths, pid)
         return self._back(request, "/payloads", f"Payload {pid} deleted.")
 

@@ -96,8 +96,9 @@ class GuardServices:
     reads_in_flight: int = 0  # reads by key being answered (see get_key)
 
     def add_local_port(self, port: int) -> None:
-        self.local_audiences.update(checks.norm_endpoint(u) for u in (f"http://127.0.0.1:{port}",
-                                                                       f"http://localhost:{port}"))
+        self.local_audiences.update(
+            checks.norm_endpoint(u) for u in (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
+        )
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
@@ -105,10 +106,17 @@ class GuardServices:
         auth = AuthService(paths, cfg, audit)
         store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
         # a read that is the guard's only one has its event written by this worker (get_key)
-        worker = DbWorker("auth", what="session database", queue_timeout=cfg.db_queue_timeout_seconds,
-                          durable=audit.writer.write_here_if_idle)
-        reads = ReadState(paths.reads_db, max_sets_per_session=cfg.aggregate_max_sets_per_session,
-                          max_rows=cfg.aggregate_history_max_rows)
+        worker = DbWorker(
+            "auth",
+            what="session database",
+            queue_timeout=cfg.db_queue_timeout_seconds,
+            durable=audit.writer.write_here_if_idle,
+        )
+        reads = ReadState(
+            paths.reads_db,
+            max_sets_per_session=cfg.aggregate_max_sets_per_session,
+            max_rows=cfg.aggregate_history_max_rows,
+        )
         svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths), worker, reads)
         svc.add_local_port(cfg.tcp_port)
         return svc
@@ -131,8 +139,9 @@ LISTENER = web.AppKey("listener", str)
 
 
 def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=jsonio.dumps(body), status=status, content_type="application/json", charset="utf-8",
-                        headers=headers)
+    return web.Response(
+        body=jsonio.dumps(body), status=status, content_type="application/json", charset="utf-8", headers=headers
+    )
 
 
 def error_response(exc: UompError, *, transport_status: int | None = None) -> web.Response:
@@ -148,8 +157,9 @@ _HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 413:
 
 
 @web.middleware
-async def errors_middleware(request: web.Request,
-                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     try:
         # Single-valued headers once; identity headers only as the gateway's assertion on the socket.
         problem = contract.header_problem(request.raw_headers, verified_allowed=request.app[LISTENER] == "unix")
@@ -165,11 +175,14 @@ async def errors_middleware(request: web.Request,
         if exc.status < 400:
             raise
         code = _HTTP_CODES.get(exc.status, ErrorCode.INVALID_REQUEST)
-        msg = {ErrorCode.NOT_FOUND: "no such endpoint",
-               ErrorCode.METHOD_NOT_ALLOWED: "method not allowed on this endpoint",
-               ErrorCode.PAYLOAD_TOO_LARGE: "request body too large"}.get(code, "invalid request")
-        return error_response(UompError(code, msg),
-                              transport_status=exc.status if code == ErrorCode.INVALID_REQUEST else None)
+        msg = {
+            ErrorCode.NOT_FOUND: "no such endpoint",
+            ErrorCode.METHOD_NOT_ALLOWED: "method not allowed on this endpoint",
+            ErrorCode.PAYLOAD_TOO_LARGE: "request body too large",
+        }.get(code, "invalid request")
+        return error_response(
+            UompError(code, msg), transport_status=exc.status if code == ErrorCode.INVALID_REQUEST else None
+        )
     except Exception as exc:  # never leak internals; never 500 with a stack trace to a client
         log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path)
         return error_response(UompError(ErrorCode.INTERNAL, "internal error"))
@@ -212,11 +225,14 @@ async def read_body(request: web.Request, limit: int) -> bytes:
                     raise too_large
                 parts.append(chunk)
     except TimeoutError:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"the request body did not arrive whole within "
-                        f"{BODY_READ_SECONDS:g} s; send it at once") from None
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            f"the request body did not arrive whole within {BODY_READ_SECONDS:g} s; send it at once",
+        ) from None
     except (OSError, HttpProcessingError, ClientPayloadError) as exc:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"the request body broke off ({type(exc).__name__}); "
-                        "send it again") from None
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, f"the request body broke off ({type(exc).__name__}); send it again"
+        ) from None
     return b"".join(parts)
 
 
@@ -234,8 +250,7 @@ async def _json_body(request: web.Request, limit: int | None = None) -> dict[str
     return body
 
 
-def _param(request: web.Request, name: str, *, required: bool = True, max_len: int = MAX_QUERY_PARAM
-           ) -> str | None:
+def _param(request: web.Request, name: str, *, required: bool = True, max_len: int = MAX_QUERY_PARAM) -> str | None:
     values = request.query.getall(name, [])
     if len(values) > 1:
         raise UompError(ErrorCode.INVALID_REQUEST, f"query parameter {name} given more than once")
@@ -257,7 +272,8 @@ def _asserted(request: web.Request) -> bool:
     known = request.get(_ASSERTED)
     if known is None:
         known = request.app[LISTENER] == "unix" and any(
-            name.lower().startswith(contract.VERIFIED_PREFIX) for name in request.headers)
+            name.lower().startswith(contract.VERIFIED_PREFIX) for name in request.headers
+        )
         request[_ASSERTED] = known
     return known
 
@@ -277,16 +293,35 @@ def presented_for(request: web.Request, th: str, *, use: str = "access") -> chec
         if not hmac.compare_digest(th.removeprefix("sha256:").encode(), h[VERIFIED_TOKEN_HEADER].encode()):
             raise UompError(ErrorCode.INVALID_TOKEN, "the token is not the one the gateway verified")
         return checks.Presented(
-            token_use=use, profile="remote", audiences=None, audience_required=True, endpoint=None,
-            check_endpoint=False, header_agent=h.get(AGENT_HEADER) or None, require_header_agent=False,
-            proven_agent=h[VERIFIED_AGENT_HEADER], x5t=h.get(VERIFIED_X5T_HEADER) or None,
-            jkt=h.get(VERIFIED_JKT_HEADER) or None, binding=checks.BIND_EITHER)
+            token_use=use,
+            profile="remote",
+            audiences=None,
+            audience_required=True,
+            endpoint=None,
+            check_endpoint=False,
+            header_agent=h.get(AGENT_HEADER) or None,
+            require_header_agent=False,
+            proven_agent=h[VERIFIED_AGENT_HEADER],
+            x5t=h.get(VERIFIED_X5T_HEADER) or None,
+            jkt=h.get(VERIFIED_JKT_HEADER) or None,
+            binding=checks.BIND_EITHER,
+        )
     # The socket has no URL of its own: a local token's audience is compared on the TCP listener only.
     audiences = svc.local_audiences if request.app[LISTENER] == "tcp" else None
     return checks.Presented(
-        token_use=use, profile="local", audiences=audiences, audience_required=False,
-        endpoint=None, check_endpoint=False, header_agent=h.get(AGENT_HEADER) or None,
-        require_header_agent=False, proven_agent=None, x5t=None, jkt=None, binding=checks.BIND_NONE)
+        token_use=use,
+        profile="local",
+        audiences=audiences,
+        audience_required=False,
+        endpoint=None,
+        check_endpoint=False,
+        header_agent=h.get(AGENT_HEADER) or None,
+        require_header_agent=False,
+        proven_agent=None,
+        x5t=None,
+        jkt=None,
+        binding=checks.BIND_NONE,
+    )
 
 
 def prepare(request: web.Request, *, use: str = "access") -> tuple[str, str, checks.Presented]:
@@ -326,8 +361,9 @@ def event_fields(request: web.Request, *, code: str | None = None) -> dict[str, 
 class AgentCall:
     """One authenticated agent request: runs §10.4 steps 1-4 and records the audit event."""
 
-    def __init__(self, request: web.Request, action: str, *, key: str | None = None,
-                 tags: list[str] | None = None) -> None:
+    def __init__(
+        self, request: web.Request, action: str, *, key: str | None = None, tags: list[str] | None = None
+    ) -> None:
         self.request = request
         self.svc = request.app[SERVICES]
         self.action = action
@@ -343,8 +379,9 @@ class AgentCall:
         # request (event_context) for the event the worker then makes
         self.context: tuple[int, str, dict[str, Any]] | None = None
 
-    def _authenticate_on_worker(self, token: str, th: str, presented: checks.Presented, read: bool
-                                ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None]:
+    def _authenticate_on_worker(
+        self, token: str, th: str, presented: checks.Presented, read: bool
+    ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None]:
         """Runs on the auth.db worker: steps 1-4 with the listener's checks, then (``read``) step 5.
         Returns (cap, row, remaining, refusal): a refusal with no cap failed authentication; with a
         cap, the quota."""
@@ -359,10 +396,9 @@ class AgentCall:
         except UompError as exc:
             return cap, row, 0, exc
 
-    def _authenticate_then_on_worker(self, token: str, th: str, presented: checks.Presented,
-                                     then: Callable[..., T], args: tuple[Any, ...]
-                                     ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None,
-                                                T | None]:
+    def _authenticate_then_on_worker(
+        self, token: str, th: str, presented: checks.Presented, then: Callable[..., T], args: tuple[Any, ...]
+    ) -> tuple[Capability | None, SessionRow | None, int | None, UompError | None, T | None]:
         cap, row, remaining, refusal = self._authenticate_on_worker(token, th, presented, True)
         if cap is None or refusal is not None:
             return cap, row, remaining, refusal, None
@@ -431,18 +467,41 @@ class AgentCall:
         request = self.request
         return request.content_length or 0, _via(request), {**event_fields(request, code=code), **self.fields}
 
-    def event_row(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None,
-                  code: str | None = None, context: tuple[int, str, dict[str, Any]] | None = None) -> Row:
+    def event_row(
+        self,
+        allowed: bool,
+        reason: str,
+        detail: str | None = None,
+        response_size: int | None = None,
+        code: str | None = None,
+        context: tuple[int, str, dict[str, Any]] | None = None,
+    ) -> Row:
         size, via, extra = context if context is not None else self.event_context(code)
         cap = self.cap
         return make_row(
-            session_id=cap.session_id if cap else "unknown", agent_id=cap.agent_id if cap else "unknown",
-            action=self.action, key=self.key, tags=self.tags, allowed=allowed, reason=reason, detail=detail,
-            request_size=size, response_size=response_size, query_count_remaining=self.remaining, via=via,
-            extra=extra)
+            session_id=cap.session_id if cap else "unknown",
+            agent_id=cap.agent_id if cap else "unknown",
+            action=self.action,
+            key=self.key,
+            tags=self.tags,
+            allowed=allowed,
+            reason=reason,
+            detail=detail,
+            request_size=size,
+            response_size=response_size,
+            query_count_remaining=self.remaining,
+            via=via,
+            extra=extra,
+        )
 
-    def record(self, allowed: bool, reason: str, detail: str | None = None, response_size: int | None = None,
-               code: str | None = None) -> None:
+    def record(
+        self,
+        allowed: bool,
+        reason: str,
+        detail: str | None = None,
+        response_size: int | None = None,
+        code: str | None = None,
+    ) -> None:
         self._submit(self.event_row(allowed, reason, detail, response_size, code))
 
     def record_on_worker(self, data: bytes) -> int:
@@ -455,11 +514,21 @@ class AgentCall:
 
     def deny(self, exc: UompError, *, agent_id: str | None = None) -> None:
         cap = self.cap
-        self._submit(make_row(
-            session_id=cap.session_id if cap else (exc.session_id or "unknown"),
-            agent_id=cap.agent_id if cap else (agent_id or "unknown"), action=self.action, key=self.key,
-            tags=self.tags, allowed=False, reason=exc.message, detail=exc.code, query_count_remaining=self.remaining,
-            via=_via(self.request), extra=event_fields(self.request, code=exc.code)))
+        self._submit(
+            make_row(
+                session_id=cap.session_id if cap else (exc.session_id or "unknown"),
+                agent_id=cap.agent_id if cap else (agent_id or "unknown"),
+                action=self.action,
+                key=self.key,
+                tags=self.tags,
+                allowed=False,
+                reason=exc.message,
+                detail=exc.code,
+                query_count_remaining=self.remaining,
+                via=_via(self.request),
+                extra=event_fields(self.request, code=exc.code),
+            )
+        )
 
     async def respond(self, body: Any) -> web.Response:
         data = jsonio.dumps(body)  # orjson where it gives json's answer (issue 13)
@@ -508,8 +577,9 @@ async def _answer_refusal(call: AgentCall, exc: UompError) -> web.Response:
 _KeyRead = tuple[ItemMeta | None, MemoryItem | None, bytes | None]
 
 
-def _key_verdict(cap: Capability, key: str, meta: ItemMeta | None, item: MemoryItem | None
-                 ) -> tuple[UompError | None, str | None, str]:
+def _key_verdict(
+    cap: Capability, key: str, meta: ItemMeta | None, item: MemoryItem | None
+) -> tuple[UompError | None, str | None, str]:
     """(refusal, detail, reason) of a read by key: the decision on the metadata, then again on what
     was loaded (the item may have changed or gone between the two reads). Pure: the worker and the
     event loop come to the same verdict on the same inputs."""
@@ -534,8 +604,10 @@ def _read_key_on_worker(cap: Capability, call: AgentCall, store: MemoryStorage, 
     and hands the answer over once it is durable. Under load, the writer thread's group commit."""
     if cap.aggregation_only:
         return None, None, None
-    meta, item = store.get_if(key, lambda meta: meta is not None and policy.key_decision(
-        cap.read, key, list(meta.tags), meta.sensitivity).allowed)
+    meta, item = store.get_if(
+        key,
+        lambda meta: meta is not None and policy.key_decision(cap.read, key, list(meta.tags), meta.sensitivity).allowed,
+    )
     if call.context is None:  # not alone: the event loop answers
         return meta, item, None
     refusal, detail, reason = _key_verdict(cap, key, meta, item)
@@ -625,24 +697,33 @@ async def get_by_tag(request: web.Request) -> web.Response:
     after: str | None = None
     if cursor is not None:
         try:
-            state = paging.open_cursor(svc.reads.cursor_key, cursor, session_id=cap.session_id,
-                                       agent_id=cap.agent_id, tag=tag, now=now)
+            state = paging.open_cursor(
+                svc.reads.cursor_key, cursor, session_id=cap.session_id, agent_id=cap.agent_id, tag=tag, now=now
+            )
         except UompError as exc:
             return await call.refuse(exc)
         after = state.after
         if limit is None:
             limit = min(state.limit, svc.cfg.max_tag_results)
     page_size = limit or svc.cfg.max_tag_results
-    items, more = await asyncio.to_thread(svc.store.tag_page, tag, _read_filter(cap), after=after,
-                                          limit=page_size, max_bytes=svc.cfg.tag_page_max_bytes)
+    items, more = await asyncio.to_thread(
+        svc.store.tag_page, tag, _read_filter(cap), after=after, limit=page_size, max_bytes=svc.cfg.tag_page_max_bytes
+    )
     nxt = None
     if more and items:
-        nxt = paging.seal(svc.reads.cursor_key, session_id=cap.session_id, agent_id=cap.agent_id, tag=tag,
-                          after=items[-1].key, limit=page_size,
-                          expires_at=int(now) + svc.cfg.tag_cursor_lifetime_seconds)
+        nxt = paging.seal(
+            svc.reads.cursor_key,
+            session_id=cap.session_id,
+            agent_id=cap.agent_id,
+            tag=tag,
+            after=items[-1].key,
+            limit=page_size,
+            expires_at=int(now) + svc.cfg.tag_cursor_lifetime_seconds,
+        )
     call.allow(d.reason, f"{len(items)} items after key rules" + ("; more follow" if nxt else ""))
-    return await call.respond({"items": [policy.filter_fields(it.to_dict(), cap.allowed_fields) for it in items],
-                               "next": nxt})
+    return await call.respond(
+        {"items": [policy.filter_fields(it.to_dict(), cap.allowed_fields) for it in items], "next": nxt}
+    )
 
 
 async def aggregate(request: web.Request) -> web.Response:
@@ -665,8 +746,11 @@ async def aggregate(request: web.Request) -> web.Response:
         if op != "count":
             path = json_path(field) if field is not None else None
             if path is None:
-                raise UompError(ErrorCode.INVALID_REQUEST, "field is required for numeric ops: value or "
-                                "value.<name>[.<name>...] with names of letters, digits, _ - : @")
+                raise UompError(
+                    ErrorCode.INVALID_REQUEST,
+                    "field is required for numeric ops: value or "
+                    "value.<name>[.<name>...] with names of letters, digits, _ - : @",
+                )
         cap = await call.authenticate(read=True)
     except UompError as exc:
         return await _answer_refusal(call, exc)
@@ -678,8 +762,9 @@ async def aggregate(request: web.Request) -> web.Response:
     grant = policy.AggregateGrant.from_options(row.options)
     refusal = policy.aggregate_refusal(op, field if op != "count" else None, cap.allowed_fields, grant)
     if refusal is not None:
-        return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, refusal.reason, session_id=cap.session_id),
-                                 refusal.detail)
+        return await call.refuse(
+            UompError(ErrorCode.ACCESS_DENIED, refusal.reason, session_id=cap.session_id), refusal.detail
+        )
     flt = _read_filter(cap)
     min_items = svc.cfg.aggregate_min_items
     tracked = op in ("sum", "avg") and not grant.exact
@@ -688,8 +773,20 @@ async def aggregate(request: web.Request) -> web.Response:
         store, reads = svc.store, svc.reads
         if not tracked:
             agg: AggregateRow = store.aggregate(tag, flt, path=path)
-            return policy.aggregate_result(op=op, field_path=field, tag=tag, count=agg.count, total=agg.total,
-                                           minimum=agg.minimum, maximum=agg.maximum, min_items=min_items), None, None
+            return (
+                policy.aggregate_result(
+                    op=op,
+                    field_path=field,
+                    tag=tag,
+                    count=agg.count,
+                    total=agg.total,
+                    minimum=agg.minimum,
+                    maximum=agg.maximum,
+                    min_items=min_items,
+                ),
+                None,
+                None,
+            )
         assert path is not None and field is not None
         # One pass answers and checks: the overlap groups of the session's tags of this field (the new
         # tag last) carry their sums; the answer, the check and the record see the same items.
@@ -703,8 +800,14 @@ async def aggregate(request: web.Request) -> web.Response:
                 return policy.AggregateResult(True, {}, 0, ""), TOO_MANY_GROUPS, "too many overlap groups"
             bit = 1 << (len(tags) - 1)
             mine = [a for a in atoms if a.pattern & bit]
-            res = policy.aggregate_result(op=op, field_path=field, tag=tag, count=sum(a.count for a in mine),
-                                          total=_exact_sum(a.total for a in mine), min_items=min_items)
+            res = policy.aggregate_result(
+                op=op,
+                field_path=field,
+                tag=tag,
+                count=sum(a.count for a in mine),
+                total=_exact_sum(a.total for a in mine),
+                min_items=min_items,
+            )
             if not res.ok:
                 return res, None, None
             verdict, check = history.check(tags, atoms, min_group=max(svc.cfg.aggregate_min_group, min_items))
@@ -717,9 +820,14 @@ async def aggregate(request: web.Request) -> web.Response:
 
     res, refused, detail = await asyncio.to_thread(compute)
     if not res.ok:
-        return await call.refuse(UompError(
-            ErrorCode.ACCESS_DENIED, f"aggregation needs at least {min_items} contributing items",
-            session_id=cap.session_id), res.detail)
+        return await call.refuse(
+            UompError(
+                ErrorCode.ACCESS_DENIED,
+                f"aggregation needs at least {min_items} contributing items",
+                session_id=cap.session_id,
+            ),
+            res.detail,
+        )
     if refused is not None:
         return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, refused, session_id=cap.session_id), detail)
     call.allow("aggregate over granted items", f"{res.contributing} items" + (f"; {detail}" if detail else ""))
@@ -738,13 +846,18 @@ async def _refuse_authenticated(request: web.Request, action: str, code: ErrorCo
 
 
 async def write_refused(request: web.Request) -> web.Response:
-    return await _refuse_authenticated(request, "write" if request.method == "PUT" else "delete",
-                                       ErrorCode.WRITE_NOT_AVAILABLE, "agent writes are not available (spec §20.4)")
+    return await _refuse_authenticated(
+        request,
+        "write" if request.method == "PUT" else "delete",
+        ErrorCode.WRITE_NOT_AVAILABLE,
+        "agent writes are not available (spec §20.4)",
+    )
 
 
 async def query_refused(request: web.Request) -> web.Response:
-    return await _refuse_authenticated(request, "query", ErrorCode.NOT_IMPLEMENTED,
-                                       "semantic query is not implemented (spec §22)")
+    return await _refuse_authenticated(
+        request, "query", ErrorCode.NOT_IMPLEMENTED, "semantic query is not implemented (spec §22)"
+    )
 
 
 async def get_audit(request: web.Request) -> web.Response:
@@ -756,13 +869,15 @@ async def get_audit(request: web.Request) -> web.Response:
         return await _answer_refusal(call, exc)
     sid = _param(request, "session_id", required=False)
     if sid is not None and sid != cap.session_id:
-        raise UompError(ErrorCode.ACCESS_DENIED, "an agent may read only its own session's audit log",
-                        session_id=cap.session_id)
+        raise UompError(
+            ErrorCode.ACCESS_DENIED, "an agent may read only its own session's audit log", session_id=cap.session_id
+        )
     # ASCII digits only, like every other limit: int() would also take "+5", " 5", "1_0" and "٥"
     limit = _page_limit(request, MAX_AUDIT_PAGE) or 100
     await svc.audit.flush()
-    return _json_response({"logs": await svc.audit.reader.run(functools.partial(
-        svc.audit.for_session, cap.session_id, limit=limit))})
+    return _json_response(
+        {"logs": await svc.audit.reader.run(functools.partial(svc.audit.for_session, cap.session_id, limit=limit))}
+    )
 
 
 async def get_audit_proof(request: web.Request) -> web.Response:
@@ -778,8 +893,9 @@ async def get_audit_proof(request: web.Request) -> web.Response:
         return await _answer_refusal(call, exc)
     try:
         since = _since(request, cap.session_id)
-        bundle = await svc.audit.reader.run(lambda: svc.audit.proof_for_session(
-            event_id, cap.session_id, chain=anchor_chain(svc.paths), since=since))  # config read off the loop too
+        bundle = await svc.audit.reader.run(
+            lambda: svc.audit.proof_for_session(event_id, cap.session_id, chain=anchor_chain(svc.paths), since=since)
+        )  # config read off the loop too
     except UompError as exc:
         return await call.refuse(exc)
     call.allow("own session's event", f"proof at tree size {bundle['tree_size']}")
@@ -883,9 +999,15 @@ async def deletion_proof(request: web.Request) -> web.Response:
             loaded = jose.load_public_jwk(row.identity_jwk)
             key = loaded if isinstance(loaded, ed25519.Ed25519PublicKey) else None
         deletion.verify_deletion_proof(
-            proof, path_session_id=sid, token_session_id=cap.session_id, token_agent_id=cap.agent_id,
-            token_expires_at=cap.expires_at, agent_public_key=key,
-            declared_method=(row.retention or {}).get("deletion_method"), now=time.time())
+            proof,
+            path_session_id=sid,
+            token_session_id=cap.session_id,
+            token_agent_id=cap.agent_id,
+            token_expires_at=cap.expires_at,
+            agent_public_key=key,
+            declared_method=(row.retention or {}).get("deletion_method"),
+            now=time.time(),
+        )
     except UompError as exc:
         if call.cap is not None:
             call.record(False, exc.message, exc.code)
@@ -895,8 +1017,9 @@ async def deletion_proof(request: web.Request) -> web.Response:
     call.allow("deletion proof verified", proof.deletion_proof_id)
     call.fields["memory_hash"] = proof.memory_hash  # what its deletionProofHash (§19.6) is made of
     if cap.task_bound and row.status == "active":
-        await svc.authdb(functools.partial(svc.auth.close, sid,
-                                           reason="task-bound session closed after its deletion proof"))
+        await svc.authdb(
+            functools.partial(svc.auth.close, sid, reason="task-bound session closed after its deletion proof")
+        )
     return await call.respond({"status": "accepted", "deletion_proof_id": proof.deletion_proof_id})
 
 
@@ -908,17 +1031,30 @@ async def refresh_internal(request: web.Request) -> web.Response:
         if not _asserted(request):
             raise UompError(ErrorCode.INVALID_REQUEST, "refresh is reached through the gateway only")
         token, th, presented = prepare(request, use="refresh")  # the gateway's assertion, checked
-        await svc.authdb(functools.partial(svc.auth.authenticate, token, allow_refresh=True, presented=presented,
-                                           th=th))
-        answer, ticket = await svc.authdb(functools.partial(
-            svc.auth.refresh_audited, token, session_id=sid,
-            presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
-            presented_jkt=request.headers.get(VERIFIED_JKT_HEADER), extra=event_fields(request)))
+        await svc.authdb(
+            functools.partial(svc.auth.authenticate, token, allow_refresh=True, presented=presented, th=th)
+        )
+        answer, ticket = await svc.authdb(
+            functools.partial(
+                svc.auth.refresh_audited,
+                token,
+                session_id=sid,
+                presented_x5t=request.headers.get(VERIFIED_X5T_HEADER),
+                presented_jkt=request.headers.get(VERIFIED_JKT_HEADER),
+                extra=event_fields(request),
+            )
+        )
     except UompError as exc:
-        ticket = svc.audit.record(session_id=exc.session_id or sid,
-                                  agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
-                                  action="refresh", allowed=False, reason=exc.message, detail=exc.code,
-                                  via=_via(request), extra=event_fields(request, code=exc.code))
+        ticket = svc.audit.record(
+            session_id=exc.session_id or sid,
+            agent_id=request.headers.get(VERIFIED_AGENT_HEADER, "unknown"),
+            action="refresh",
+            allowed=False,
+            reason=exc.message,
+            detail=exc.code,
+            via=_via(request),
+            extra=event_fields(request, code=exc.code),
+        )
         await svc.audit.flush(ticket)
         raise
     await svc.audit.flush(ticket)  # the rotation's row (also in auth.db's outbox: see AuthService)
@@ -974,19 +1110,34 @@ def _gateway_row(ev: Any) -> Row:
                 extra[name] = v[:MAX_AUDIT_FIELD]
             elif isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**53:
                 extra[name] = v
-            elif name == "by" and isinstance(v, dict) and len(v) <= 100 and all(
+            elif (
+                name == "by"
+                and isinstance(v, dict)
+                and len(v) <= 100
+                and all(
                     isinstance(k, str) and len(k) <= MAX_AUDIT_FIELD and isinstance(n, int) and not isinstance(n, bool)
-                    for k, n in v.items()):
+                    for k, n in v.items()
+                )
+            ):
                 extra[name] = v
             elif v is not None:
                 raise UompError(ErrorCode.INVALID_REQUEST, f"event {name} has an unexpected type")
         elif name not in _CORE_STR and name not in ("id", "ts", "allowed", "tags"):
             raise UompError(ErrorCode.INVALID_REQUEST, f"unknown event field {name[:40]}")
     extra["origin"] = "gateway"
-    return make_row(session_id=core["session_id"] or "unknown", agent_id=core["agent_id"] or "unknown",
-                    action=(core["action"] or "unknown")[:64], allowed=allowed, reason=core["reason"] or "",
-                    key=core["key"], detail=core["detail"], via=core["via"], now=float(ts), extra=extra,
-                    event_id=eid)
+    return make_row(
+        session_id=core["session_id"] or "unknown",
+        agent_id=core["agent_id"] or "unknown",
+        action=(core["action"] or "unknown")[:64],
+        allowed=allowed,
+        reason=core["reason"] or "",
+        key=core["key"],
+        detail=core["detail"],
+        via=core["via"],
+        now=float(ts),
+        extra=extra,
+        event_id=eid,
+    )
 
 
 async def internal_events(request: web.Request) -> web.Response:

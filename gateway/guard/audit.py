@@ -93,8 +93,23 @@ CREATE INDEX IF NOT EXISTS idx_audit_ts ON audit_logs(ts);
 SCHEMA = ""  # every table is the event log's (gateway.ledger.log); nothing else is written
 UNSIGNED_ORIGIN = "uomp-audit/unsigned"  # an AuditLog opened without LedgerOptions: events, no checkpoints
 
-COLUMNS = ("id", "ts", "timestamp", "session_id", "agent_id", "action", "key", "tags", "allowed", "reason",
-           "detail", "request_size", "response_size", "query_count_remaining", "via")
+COLUMNS = (
+    "id",
+    "ts",
+    "timestamp",
+    "session_id",
+    "agent_id",
+    "action",
+    "key",
+    "tags",
+    "allowed",
+    "reason",
+    "detail",
+    "request_size",
+    "response_size",
+    "query_count_remaining",
+    "via",
+)
 MAX_AUDIT_PAGE = 1000
 
 
@@ -107,8 +122,17 @@ Row = tuple[Any, ...]
 
 # Events that get a signed checkpoint in the same write (spec §18.4.2: authorization events and
 # deletion proofs near real time).
-URGENT_ACTIONS = frozenset({"session_granted", "session_revoked", "session_closed", "session_expired",
-                            "deletion_proof", "deletion_proof_missing", "refresh_reuse"})
+URGENT_ACTIONS = frozenset(
+    {
+        "session_granted",
+        "session_revoked",
+        "session_closed",
+        "session_expired",
+        "deletion_proof",
+        "deletion_proof_missing",
+        "refresh_reuse",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -126,8 +150,14 @@ class LedgerOptions:
         key = auditkey.load(paths)
         if anchor is None:
             anchor = load_section(AnchorConfig, "anchor", file=paths.config_file)
-        return cls(key, auditkey.origin_for(key.public_key()), max(1, cfg.audit_checkpoint_events),
-                   max(0.1, cfg.audit_checkpoint_seconds), anchor.backend, paths.audit_witness)
+        return cls(
+            key,
+            auditkey.origin_for(key.public_key()),
+            max(1, cfg.audit_checkpoint_events),
+            max(0.1, cfg.audit_checkpoint_seconds),
+            anchor.backend,
+            paths.audit_witness,
+        )
 
 
 def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True) -> AuditLog:
@@ -135,21 +165,44 @@ def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True) -> AuditL
     checked at open (:mod:`gateway.ledger.integrity`). ``strict``: a log that fails the check is an
     error (the CLI); otherwise (the guard) it is opened refusing everything, :attr:`AuditLog.integrity`
     says why."""
-    return AuditLog(paths.audit_db, retention_days=cfg.audit_retention_days, busy_timeout=cfg.db_busy_timeout_seconds,
-                    ledger=LedgerOptions.for_home(paths, cfg), strict=strict)
+    return AuditLog(
+        paths.audit_db,
+        retention_days=cfg.audit_retention_days,
+        busy_timeout=cfg.db_busy_timeout_seconds,
+        ledger=LedgerOptions.for_home(paths, cfg),
+        strict=strict,
+    )
 
 
 # Fields an event may carry besides :data:`COLUMNS` (the gateway's, issue 10's one log): where and how
 # the request arrived, its stable code and HTTP status, and counts of rate-limited events.
-EXTRA_FIELDS = frozenset({"listener", "client", "cert_serial", "cert_fp", "request_id", "code", "status",
-                          "method", "path", "tag", "origin", "count", "by", "first", "last",
-                          "expires_at", "memory_hash"})  # §18.4.1 inputs: a grant's expiry, a deletion proof's hash
+EXTRA_FIELDS = frozenset(
+    {
+        "listener",
+        "client",
+        "cert_serial",
+        "cert_fp",
+        "request_id",
+        "code",
+        "status",
+        "method",
+        "path",
+        "tag",
+        "origin",
+        "count",
+        "by",
+        "first",
+        "last",
+        "expires_at",
+        "memory_hash",
+    }
+)  # §18.4.1 inputs: a grant's expiry, a deletion proof's hash
 GATEWAY_ID_PREFIX = "gw_"  # ids the gateway gives its events: deduplicated on write (spool replays)
 
 
 def row_event(row: Row) -> dict[str, Any]:
     """The event-log body of an audit row: its §18 fields and any extra fields, ``null``s left out."""
-    d = dict(zip(COLUMNS, row[:len(COLUMNS)], strict=True))
+    d = dict(zip(COLUMNS, row[: len(COLUMNS)], strict=True))
     d["allowed"] = bool(d["allowed"])
     d["tags"] = json.loads(d["tags"]) if d["tags"] else None
     if len(row) > len(COLUMNS) and isinstance(row[len(COLUMNS)], dict):
@@ -171,8 +224,11 @@ def ledger_refusal(exc: LedgerError, *, session_id: str | None = None) -> UompEr
         return UompError(ErrorCode.STORE_BUSY, str(exc), session_id=session_id, details={"reason": "PROOF_PENDING"})
     if exc.code == "NOT_FOUND":
         return UompError(ErrorCode.NOT_FOUND, str(exc), session_id=session_id)
-    return UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log cannot answer ({exc}); run 'uomp audit verify'",
-                     session_id=session_id)
+    return UompError(
+        ErrorCode.STORE_UNAVAILABLE,
+        f"the audit log cannot answer ({exc}); run 'uomp audit verify'",
+        session_id=session_id,
+    )
 
 
 class _EventIds:
@@ -198,7 +254,7 @@ class _EventIds:
         with self._lock:
             if not self._pool:
                 raw = secrets.token_bytes(8 * self.BATCH).hex()
-                self._pool = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+                self._pool = [raw[i : i + 16] for i in range(0, len(raw), 16)]
             return prefix + self._pool.pop()
 
     def forget(self) -> None:
@@ -210,36 +266,73 @@ _event_ids = _EventIds()
 os.register_at_fork(after_in_child=_event_ids.forget)  # a forked child never repeats its parent's ids
 
 
-def make_row(*, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
-             key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
-             request_size: int | None = None, response_size: int | None = None,
-             query_count_remaining: int | None = None, via: str | None = None,
-             now: float | None = None, extra: dict[str, Any] | None = None, event_id: str | None = None) -> Row:
+def make_row(
+    *,
+    session_id: str,
+    agent_id: str,
+    action: str,
+    allowed: bool,
+    reason: str,
+    key: str | None = None,
+    tags: list[str] | None = None,
+    detail: str | None = None,
+    request_size: int | None = None,
+    response_size: int | None = None,
+    query_count_remaining: int | None = None,
+    via: str | None = None,
+    now: float | None = None,
+    extra: dict[str, Any] | None = None,
+    event_id: str | None = None,
+) -> Row:
     """One audit row in :data:`COLUMNS` order (plus ``extra`` fields of the event, when given), with a
     fresh unique id unless ``event_id`` is given."""
     ts = time.time() if now is None else now
-    row: Row = (event_id or _event_ids.next(ts), ts, iso(ts), session_id or "unknown",
-                agent_id or "unknown", action, key, json.dumps(tags) if tags is not None else None, int(allowed),
-                reason, detail, request_size, response_size, query_count_remaining, via)
+    row: Row = (
+        event_id or _event_ids.next(ts),
+        ts,
+        iso(ts),
+        session_id or "unknown",
+        agent_id or "unknown",
+        action,
+        key,
+        json.dumps(tags) if tags is not None else None,
+        int(allowed),
+        reason,
+        detail,
+        request_size,
+        response_size,
+        query_count_remaining,
+        via,
+    )
     if extra:
         row = (*row, {k: v for k, v in extra.items() if k in EXTRA_FIELDS and v is not None})
     return row
 
 
 class AuditLog:
-    def __init__(self, path: Path, *, retention_days: int = 90, max_pending: int = MAX_PENDING_ROWS,
-                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS, ledger: LedgerOptions | None = None,
-                 strict: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        retention_days: int = 90,
+        max_pending: int = MAX_PENDING_ROWS,
+        busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS,
+        ledger: LedgerOptions | None = None,
+        strict: bool = True,
+    ) -> None:
         self.path = path
         self.retention_days = retention_days
         try:
             self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
             self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
         except UompError as exc:
-            if isinstance(exc.__cause__, sqlite3.DatabaseError) and not isinstance(exc.__cause__,
-                                                                                  sqlite3.OperationalError):
-                raise integrity.refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"{path.name} cannot be read "
-                                        f"({exc.__cause__}): truncated or not an audit log") from exc
+            if isinstance(exc.__cause__, sqlite3.DatabaseError) and not isinstance(
+                exc.__cause__, sqlite3.OperationalError
+            ):
+                raise integrity.refusal(
+                    ErrorCode.AUDIT_LOG_DAMAGED,
+                    f"{path.name} cannot be read ({exc.__cause__}): truncated or not an audit log",
+                ) from exc
             raise
         self.ledger_options = ledger
         self.ledger: EventLog | None = None
@@ -248,9 +341,13 @@ class AuditLog:
         self._known_size = 0  # the largest size this process saw: a smaller one later is a rollback
         self._cp_seen = (-1, 0.0)  # (newest checkpoint size, time.monotonic() when first seen)
         try:  # the event log is the only store; without LedgerOptions (tests, tools) it is not signed
-            self.ledger = EventLog(self._write, origin=ledger.origin if ledger else UNSIGNED_ORIGIN,
-                                   key=ledger.key if ledger else None,
-                                   anchor_backend=ledger.anchor_backend if ledger else None, check=ledger is None)
+            self.ledger = EventLog(
+                self._write,
+                origin=ledger.origin if ledger else UNSIGNED_ORIGIN,
+                key=ledger.key if ledger else None,
+                anchor_backend=ledger.anchor_backend if ledger else None,
+                check=ledger is None,
+            )
             if ledger is not None:
                 self.integrity = self._startup_check(ledger)
                 if self.integrity is not None and strict:
@@ -260,12 +357,13 @@ class AuditLog:
             if self.integrity is None:
                 self._migrate_legacy()
             # proofs for agents, on the reader thread (see proof_for_session)
-            self._read_ledger = EventLog(self._read, origin=self.ledger.origin, key=self.ledger.key,
-                                         check=self.integrity is None)
+            self._read_ledger = EventLog(
+                self._read, origin=self.ledger.origin, key=self.ledger.key, check=self.integrity is None
+            )
         except LedgerError as exc:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
-                            ) from exc
+            ) from exc
         except sqlite3.DatabaseError as exc:
             if isinstance(exc, sqlite3.OperationalError):
                 raise db_error(exc, what="audit log") from exc
@@ -277,7 +375,8 @@ class AuditLog:
         self._purged_below: float | None = None  # every body older than this is gone (see purge)
         self.lost = RefusalTally()  # rows of failed batches, per session|agent, not yet summarised
         self.writer: GroupCommitWriter[Row] = GroupCommitWriter(
-            "audit log", self._write_batch, max_pending=max_pending, on_failed=self._count_failed)
+            "audit log", self._write_batch, max_pending=max_pending, on_failed=self._count_failed
+        )
 
     # ------------------------------------------------------------------------------ integrity
 
@@ -306,9 +405,13 @@ class AuditLog:
             log.error("audit log: %s", checked.error.message)
             return checked.error
         self._known_size = checked.events
-        log.debug("audit log: start-up check passed (%d events; events %d-%d in full; witness record at %s)",
-                 checked.events, checked.checked_from + 1, checked.events,
-                 "none" if witness is None else witness.checkpoint.size)
+        log.debug(
+            "audit log: start-up check passed (%d events; events %d-%d in full; witness record at %s)",
+            checked.events,
+            checked.checked_from + 1,
+            checked.events,
+            "none" if witness is None else witness.checkpoint.size,
+        )
         if checked.recover is not None:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -321,14 +424,18 @@ class AuditLog:
                     conn.execute("ROLLBACK")
                 raise
             ledger.reload()
-            log.warning("audit log: the checkpoint at %d events was signed but not stored (a crash): stored it from "
-                        "the witness record", witness.checkpoint.size if witness else 0)
+            log.warning(
+                "audit log: the checkpoint at %d events was signed but not stored (a crash): stored it from "
+                "the witness record",
+                witness.checkpoint.size if witness else 0,
+            )
         elif witness is None and opts.witness is not None:
             newest = ledger.latest_checkpoint()
             if newest is not None:
                 integrity.write_witness(opts.witness, newest[1])
-                log.warning("audit log: no witness record; started one at the newest checkpoint (%d events)",
-                            newest[0].size)
+                log.warning(
+                    "audit log: no witness record; started one at the newest checkpoint (%d events)", newest[0].size
+                )
         return None
 
     def refuse(self, error: UompError) -> None:
@@ -337,16 +444,43 @@ class AuditLog:
             log.error("audit log: %s", error.message)
             self.integrity = error
 
-    def record(self, *, session_id: str, agent_id: str, action: str, allowed: bool, reason: str,
-               key: str | None = None, tags: list[str] | None = None, detail: str | None = None,
-               request_size: int | None = None, response_size: int | None = None,
-               query_count_remaining: int | None = None, via: str | None = None,
-               now: float | None = None, extra: dict[str, Any] | None = None) -> int:
+    def record(
+        self,
+        *,
+        session_id: str,
+        agent_id: str,
+        action: str,
+        allowed: bool,
+        reason: str,
+        key: str | None = None,
+        tags: list[str] | None = None,
+        detail: str | None = None,
+        request_size: int | None = None,
+        response_size: int | None = None,
+        query_count_remaining: int | None = None,
+        via: str | None = None,
+        now: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> int:
         """Queue one row; return its ticket for :meth:`flush`."""
-        return self.submit(make_row(
-            session_id=session_id, agent_id=agent_id, action=action, allowed=allowed, reason=reason, key=key,
-            tags=tags, detail=detail, request_size=request_size, response_size=response_size,
-            query_count_remaining=query_count_remaining, via=via, now=now, extra=extra))
+        return self.submit(
+            make_row(
+                session_id=session_id,
+                agent_id=agent_id,
+                action=action,
+                allowed=allowed,
+                reason=reason,
+                key=key,
+                tags=tags,
+                detail=detail,
+                request_size=request_size,
+                response_size=response_size,
+                query_count_remaining=query_count_remaining,
+                via=via,
+                now=now,
+                extra=extra,
+            )
+        )
 
     def submit(self, row: Row) -> int:
         return self.writer.submit(row)
@@ -366,11 +500,17 @@ class AuditLog:
         rows = []
         for bucket, n in sorted(snap["counts"].items()):
             sid, _, agent = bucket.partition("|")
-            rows.append(make_row(
-                session_id=sid if agent else "unknown", agent_id=agent or "unknown", action=GAP_ACTION,
-                allowed=False, detail="STORE_UNAVAILABLE",
-                reason=f"{n} request(s) between {iso(snap['first'])} and {iso(snap['last'])} were refused with "
-                       f"503 STORE_UNAVAILABLE: the audit log could not be written ({snap['reason'] or 'failed'})"))
+            rows.append(
+                make_row(
+                    session_id=sid if agent else "unknown",
+                    agent_id=agent or "unknown",
+                    action=GAP_ACTION,
+                    allowed=False,
+                    detail="STORE_UNAVAILABLE",
+                    reason=f"{n} request(s) between {iso(snap['first'])} and {iso(snap['last'])} were refused with "
+                    f"503 STORE_UNAVAILABLE: the audit log could not be written ({snap['reason'] or 'failed'})",
+                )
+            )
         return rows
 
     def _write_batch(self, rows: list[Row]) -> None:
@@ -384,8 +524,10 @@ class AuditLog:
         self._insert(rows)
         if snap is not None:
             self.lost.done(snap)
-            log.warning("audit log: writing again; %d refused request(s) recorded as audit_gap rows",
-                        sum(snap["counts"].values()))
+            log.warning(
+                "audit log: writing again; %d refused request(s) recorded as audit_gap rows",
+                sum(snap["counts"].values()),
+            )
 
     def _ledger_write(self, conn: sqlite3.Connection, rows: list[Row], *, dedupe: bool) -> bool:
         """Inside the batch's transaction: the rows as events. True when a checkpoint is due (signed
@@ -395,9 +537,12 @@ class AuditLog:
         assert ledger is not None
         ledger.refresh()  # another process (the CLI) may have appended since this one last wrote
         if ledger.size < self._known_size:
-            raise integrity.refusal(ErrorCode.AUDIT_LOG_INCONSISTENT, f"audit.db went back from {self._known_size} to "
-                                    f"{ledger.size} events while open (rolled back or replaced)",
-                                    first_bad_seq=ledger.size + 1)
+            raise integrity.refusal(
+                ErrorCode.AUDIT_LOG_INCONSISTENT,
+                f"audit.db went back from {self._known_size} to "
+                f"{ledger.size} events while open (rolled back or replaced)",
+                first_bad_seq=ledger.size + 1,
+            )
         # An outbox replay (``dedupe``) or a gateway event (spooled and replayed, or sent again after
         # a lost answer): rows already in the log are not events twice (idempotent by event id).
         seen = "SELECT 1 FROM ledger_events WHERE id = ?"
@@ -420,9 +565,11 @@ class AuditLog:
         if last_size != self._cp_seen[0]:  # a new checkpoint (this process's or another's): the interval restarts
             self._cp_seen = (last_size, mono if self._cp_seen[0] >= 0 else mono - opts.checkpoint_seconds)
         # On the monotonic clock: a wall clock stepped back or forward neither stops nor hurries checkpoints.
-        return ledger.size > last_size and (ledger.size - last_size >= opts.checkpoint_events
-                                            or mono - self._cp_seen[1] >= opts.checkpoint_seconds
-                                            or any(r[5] in URGENT_ACTIONS for r in rows))
+        return ledger.size > last_size and (
+            ledger.size - last_size >= opts.checkpoint_events
+            or mono - self._cp_seen[1] >= opts.checkpoint_seconds
+            or any(r[5] in URGENT_ACTIONS for r in rows)
+        )
 
     def _sign(self, conn: sqlite3.Connection) -> None:
         """Inside its own write transaction, after the events it covers are committed: check the log
@@ -483,7 +630,7 @@ class AuditLog:
             except LedgerError as exc:
                 raise UompError(
                     ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
-                    ) from exc
+                ) from exc
             except sqlite3.Error as exc:
                 raise self._write_error(exc) from exc
             if not due:
@@ -499,8 +646,9 @@ class AuditLog:
     def _write_error(exc: sqlite3.Error) -> UompError:
         err = db_error(exc, what="audit log")
         if err.code == ErrorCode.STORE_UNAVAILABLE:
-            err = UompError(ErrorCode.STORE_UNAVAILABLE,
-                            f"the audit log could not be written ({describe_failure(exc)})")
+            err = UompError(
+                ErrorCode.STORE_UNAVAILABLE, f"the audit log could not be written ({describe_failure(exc)})"
+            )
         return err
 
     def sign_now(self) -> int | None:
@@ -518,8 +666,9 @@ class AuditLog:
             try:
                 self._transaction(self._sign)
             except LedgerError as exc:
-                raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run "
-                                "'uomp audit verify'") from exc
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                ) from exc
             except sqlite3.Error as exc:
                 raise db_error(exc, what="audit log") from exc
             last = ledger.latest_checkpoint()
@@ -570,8 +719,9 @@ class AuditLog:
         limit = max(1, min(limit, MAX_AUDIT_PAGE))
         return self.query(AuditFilter(session_id=session_id, limit=limit)).events[::-1]
 
-    def proof_for_session(self, event_id: str, session_id: str, *, chain: dict[str, Any] | None = None,
-                          since: int | None = None) -> dict[str, Any]:
+    def proof_for_session(
+        self, event_id: str, session_id: str, *, chain: dict[str, Any] | None = None, since: int | None = None
+    ) -> dict[str, Any]:
         """The proof bundle of one event (:meth:`EventLog.proof_bundle`) for an agent of
         ``session_id``. Another session's event and an unknown id are the same ``NOT_FOUND`` (no
         existence leak, spec §21). A refused event is not served: its body holds the user's
@@ -588,8 +738,11 @@ class AuditLog:
                 raise unknown
             if owner[1] is False:
                 raise UompError(
-                    ErrorCode.ACCESS_DENIED, "proofs of refused events are for the user only: the event holds "
-                                "the user's audit detail (ask the user: 'uomp audit proof')", session_id=session_id)
+                    ErrorCode.ACCESS_DENIED,
+                    "proofs of refused events are for the user only: the event holds "
+                    "the user's audit detail (ask the user: 'uomp audit proof')",
+                    session_id=session_id,
+                )
             self._read_ledger.reload()
             bundle = self._read_ledger.proof_bundle(event_id, chain=chain)
             body = bundle["event"]
@@ -634,9 +787,13 @@ class AuditLog:
         latest = ledger.latest_checkpoint()
         newest = 0 if latest is None else latest[0].size
         if since > newest:
-            raise UompError(ErrorCode.AUDIT_SIZE_UNKNOWN, f"since={since} is beyond the newest signed checkpoint "
-                            f"(tree size {newest}); send the size of a checkpoint this log gave you",
-                            session_id=session_id, details={"tree_size": newest})
+            raise UompError(
+                ErrorCode.AUDIT_SIZE_UNKNOWN,
+                f"since={since} is beyond the newest signed checkpoint "
+                f"(tree size {newest}); send the size of a checkpoint this log gave you",
+                session_id=session_id,
+                details={"tree_size": newest},
+            )
         old, new = sorted((since, size))
         path = ledger.tree.consistency_proof(old, new) if old > 0 else []
         return {"old_size": old, "new_size": new, "path": [base64.b64encode(h).decode() for h in path]}
@@ -709,8 +866,10 @@ class AuditLog:
             ledger.reload()
             have = {str(r[1]) for r in conn.execute("PRAGMA table_info(audit_logs)")}
             cols = ", ".join(c if c in have else "NULL" for c in COLUMNS)
-            cur = conn.execute(f"SELECT {cols} FROM audit_logs WHERE id NOT IN "
-                               "(SELECT id FROM ledger_events) ORDER BY " + ("seq" if "seq" in have else "ts"))
+            cur = conn.execute(
+                f"SELECT {cols} FROM audit_logs WHERE id NOT IN "
+                "(SELECT id FROM ledger_events) ORDER BY " + ("seq" if "seq" in have else "ts")
+            )
             moved = 0
             while batch := cur.fetchmany(5000):
                 ledger.append([{**row_event(tuple(r)), "migrated": True} for r in batch])

@@ -60,22 +60,38 @@ from gateway.guard.sessions import (  # re-exported: the public names stay impor
     token_hash,
 )
 
-__all__ = ["DEFAULT_SESSION_MINUTES", "LIVE", "PROFILES", "PRUNE_BATCH_ROWS", "PRUNE_MARGIN_SECONDS",
-           "REMOTE_ACCESS_MAX_SECONDS", "REUSE_MESSAGE", "SCHEMA", "SUPERSEDED_MESSAGE", "AuthService",
-           "Minted", "SessionRow", "ended_message", "minutes_text", "token_hash"]
+__all__ = [
+    "DEFAULT_SESSION_MINUTES",
+    "LIVE",
+    "PROFILES",
+    "PRUNE_BATCH_ROWS",
+    "PRUNE_MARGIN_SECONDS",
+    "REMOTE_ACCESS_MAX_SECONDS",
+    "REUSE_MESSAGE",
+    "SCHEMA",
+    "SUPERSEDED_MESSAGE",
+    "AuthService",
+    "Minted",
+    "SessionRow",
+    "ended_message",
+    "minutes_text",
+    "token_hash",
+]
 
 log = logging.getLogger("uomp.auth")
 
 
 class AuthService:
-    def __init__(self, paths: Paths, cfg: GuardConfig, audit: AuditLog, *,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, paths: Paths, cfg: GuardConfig, audit: AuditLog, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.paths = paths
         self.cfg = cfg
         self.audit = audit
         self.clock = clock
-        self.db = connect(paths.auth_db, schema=SCHEMA, what="session database",
-                          busy_timeout=cfg.db_busy_timeout_seconds)
+        self.db = connect(
+            paths.auth_db, schema=SCHEMA, what="session database", busy_timeout=cfg.db_busy_timeout_seconds
+        )
         self._migrate()
         self.rows = SessionCache(self.db)  # decoded session rows (forget() wherever this class writes one)
         self._used: set[str] = set()
@@ -147,12 +163,20 @@ class AuthService:
         transition's own transaction, so a crash before audit.db has it replays it on the next open
         (idempotent on its id)."""
         now = self.clock()
-        event = make_row(session_id=row.session_id, agent_id=row.agent_id, action="session_expired", allowed=True,
-                         reason="the session reached its expiry", now=now)
+        event = make_row(
+            session_id=row.session_id,
+            agent_id=row.agent_id,
+            action="session_expired",
+            allowed=True,
+            reason="the session reached its expiry",
+            now=now,
+        )
         with transaction(self.db, what="session database"):
-            cur = self.db.execute("UPDATE sessions SET status='expired', closed_at=?, status_reason=? WHERE "
-                                  "session_id=? AND status IN ('created','active')",
-                                  (now, "the session reached its expiry", row.session_id))
+            cur = self.db.execute(
+                "UPDATE sessions SET status='expired', closed_at=?, status_reason=? WHERE "
+                "session_id=? AND status IN ('created','active')",
+                (now, "the session reached its expiry", row.session_id),
+            )
             ended_here = cur.rowcount == 1
             if ended_here:
                 self.db.execute("INSERT INTO audit_outbox (id, row) VALUES (?, ?)", (event[0], json.dumps(event)))
@@ -169,18 +193,29 @@ class AuthService:
     def _record_missing_proof(self, row: SessionRow) -> None:
         if not (row.retention or {}).get("proof_required") or row.deletion_proof_id:
             return
-        cur = self.db.execute("UPDATE sessions SET missing_proof_recorded=1 WHERE session_id=? AND "
-                              "missing_proof_recorded=0", (row.session_id,))
+        cur = self.db.execute(
+            "UPDATE sessions SET missing_proof_recorded=1 WHERE session_id=? AND missing_proof_recorded=0",
+            (row.session_id,),
+        )
         if cur.rowcount:
-            self.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="deletion_proof_missing",
-                              allowed=False, reason="session ended without the required deletion proof")
+            self.audit.record(
+                session_id=row.session_id,
+                agent_id=row.agent_id,
+                action="deletion_proof_missing",
+                allowed=False,
+                reason="session ended without the required deletion proof",
+            )
             self.audit.flush_sync()
 
     def expire_due(self) -> int:
         """Sweep sessions past their expiry (called periodically by the server)."""
         now = self.clock()
-        ids = [r[0] for r in self.db.execute(
-            "SELECT session_id FROM sessions WHERE status IN ('created','active') AND expires_at <= ?", (now,))]
+        ids = [
+            r[0]
+            for r in self.db.execute(
+                "SELECT session_id FROM sessions WHERE status IN ('created','active') AND expires_at <= ?", (now,)
+            )
+        ]
         for sid in ids:
             self._row(sid)
         return len(ids)
@@ -196,11 +231,16 @@ class AuthService:
             raise UompError(ErrorCode.INVALID_REQUEST, "profile must be local or remote")
         most = self._session_max_minutes(profile)
         minutes = body.get("duration_minutes", DEFAULT_SESSION_MINUTES)
-        if isinstance(minutes, bool) or not isinstance(minutes, int | float) or not (
-                MAX_DURATION_MINUTES_FLOOR <= minutes <= most):
+        if (
+            isinstance(minutes, bool)
+            or not isinstance(minutes, int | float)
+            or not (MAX_DURATION_MINUTES_FLOOR <= minutes <= most)
+        ):
             raise UompError(
-                ErrorCode.INVALID_REQUEST, f"duration_minutes must be a number from 1 to {most} for a {profile} "
-                f"session ({minutes_text(most)}; the {_MAX_SETTING[profile]} setting)")
+                ErrorCode.INVALID_REQUEST,
+                f"duration_minutes must be a number from 1 to {most} for a {profile} "
+                f"session ({minutes_text(most)}; the {_MAX_SETTING[profile]} setting)",
+            )
         identity = body.get("identity_public_jwk")
         if identity is not None:
             try:
@@ -218,19 +258,38 @@ class AuthService:
             self.db.execute(
                 "INSERT INTO sessions (session_id, agent_id, agent_name, status, created_at, expires_at, "
                 "requested_scopes, identity_jwk, retention) VALUES (?,?,?,?,?,?,?,?,?)",
-                (sid, agent_id, agent_name, "created", now, expires, _scopes_json(read, write),
-                 json.dumps(identity) if identity else None, json.dumps(retention) if retention else None))
-        self.audit.record(session_id=sid, agent_id=agent_id, action="session_created", allowed=True,
-                          reason="created by the user")
+                (
+                    sid,
+                    agent_id,
+                    agent_name,
+                    "created",
+                    now,
+                    expires,
+                    _scopes_json(read, write),
+                    json.dumps(identity) if identity else None,
+                    json.dumps(retention) if retention else None,
+                ),
+            )
+        self.audit.record(
+            session_id=sid, agent_id=agent_id, action="session_created", allowed=True, reason="created by the user"
+        )
         self.audit.flush_sync()
-        return {"session_id": sid, "status": "created", "agent_id": agent_id,
-                "requested_scopes": json.loads(_scopes_json(read, write)), "expires_at": tokens.iso(expires)}
+        return {
+            "session_id": sid,
+            "status": "created",
+            "agent_id": agent_id,
+            "requested_scopes": json.loads(_scopes_json(read, write)),
+            "expires_at": tokens.iso(expires),
+        }
 
     def grant(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
         row = self.session(session_id)
         if row.status != "created":
-            raise UompError(ErrorCode.INVALID_STATE, f"session is {row.status}; only a created session can be granted",
-                            session_id=session_id)
+            raise UompError(
+                ErrorCode.INVALID_STATE,
+                f"session is {row.status}; only a created session can be granted",
+                session_id=session_id,
+            )
         read, write = _scopes_from_body(body.get("granted_scopes"), "granted_scopes")
         req_read = tokens.parse_scope(row.requested.get("read"), "read")
         req_write = tokens.parse_scope(row.requested.get("write"), "write")
@@ -240,23 +299,35 @@ class AuthService:
         fields = restrictions.effective_fields(read.allowed_fields, _opt_str_list(body, "allowed_fields"))
         read = dataclasses.replace(read, allowed_fields=fields)
         wider = restrictions.widenings(read, req_read) + [
-            "write " + w for w in restrictions.widenings(write, req_write)]
+            "write " + w for w in restrictions.widenings(write, req_write)
+        ]
         if wider and not widen:
             raise UompError(
-                ErrorCode.INVALID_REQUEST, "the grant is wider than the agent asked for (" + "; ".join(wider)
-                + "); pass \"widen\": true to grant that", session_id=session_id)
+                ErrorCode.INVALID_REQUEST,
+                "the grant is wider than the agent asked for ("
+                + "; ".join(wider)
+                + '); pass "widen": true to grant that',
+                session_id=session_id,
+            )
         if not write.is_empty():
             # §20.4: agents MUST NOT write in this version; a write grant would be a lie.
-            raise UompError(ErrorCode.WRITE_NOT_AVAILABLE, "write scopes cannot be granted: agent writes are not "
-                            "available", session_id=session_id)
+            raise UompError(
+                ErrorCode.WRITE_NOT_AVAILABLE,
+                "write scopes cannot be granted: agent writes are not available",
+                session_id=session_id,
+            )
         profile = body.get("profile", "local")
         if profile not in PROFILES:
             raise UompError(ErrorCode.INVALID_REQUEST, "profile must be local or remote")
         most = self._session_max_minutes(profile)
         if row.expires_at - row.created_at > most * 60 + 1e-3:
-            raise UompError(ErrorCode.INVALID_REQUEST, f"this session lasts longer than a {profile} session may "
-                            f"({minutes_text(most)}); create it with a shorter duration_minutes"
-                            + (' or "profile": "remote"' if profile == "local" else ""), session_id=session_id)
+            raise UompError(
+                ErrorCode.INVALID_REQUEST,
+                f"this session lasts longer than a {profile} session may "
+                f"({minutes_text(most)}); create it with a shorter duration_minutes"
+                + (' or "profile": "remote"' if profile == "local" else ""),
+                session_id=session_id,
+            )
         audience = body.get("audience")
         if audience is not None and (not isinstance(audience, str) or not audience or len(audience) > 512):
             raise UompError(ErrorCode.INVALID_REQUEST, "audience must be a URL string")
@@ -272,14 +343,18 @@ class AuthService:
             raise UompError(ErrorCode.INVALID_REQUEST, "limits.max_read_queries must be a non-negative integer")
         cnf = body.get("cnf")
         if cnf is not None:
-            if not isinstance(cnf, dict) or not set(cnf) <= {"x5t#S256", "jkt"} or not all(
-                    isinstance(v, str) and len(v) == 43 for v in cnf.values()):
+            if (
+                not isinstance(cnf, dict)
+                or not set(cnf) <= {"x5t#S256", "jkt"}
+                or not all(isinstance(v, str) and len(v) == 43 for v in cnf.values())
+            ):
                 raise UompError(ErrorCode.INVALID_REQUEST, "cnf must hold x5t#S256 and/or jkt SHA-256 thumbprints")
         issue_refresh = _opt_bool(body, "refresh")
         if issue_refresh and (profile != "remote" or not cnf):
             raise UompError(ErrorCode.INVALID_REQUEST, "refresh tokens are issued only for remote, key-bound grants")
         options: dict[str, Any] = {
-            "profile": profile, "audience": audience,
+            "profile": profile,
+            "audience": audience,
             "allowed_endpoints": _opt_str_list(body, "allowed_endpoints"),
             "allowed_fields": None if fields is None else list(fields),
             "aggregation_only": _opt_bool(body, "aggregation_only"),
@@ -287,21 +362,31 @@ class AuthService:
             # docs/aggregates.md: both off unless the user grants them knowingly
             "aggregate_min_max": _opt_bool(body, "aggregate_min_max"),
             "aggregate_exact": _opt_bool(body, "aggregate_exact"),
-            "max_read_queries": mrq, "cnf": cnf,
+            "max_read_queries": mrq,
+            "cnf": cnf,
             "lifetime": self._lifetime(profile, body.get("token_lifetime_seconds")),
         }
         granted = _scopes_json(read, write)
         with transaction(self.db, what="session database"):
-            cur = self.db.execute("UPDATE sessions SET status='active', granted_scopes=?, grant_options=? "
-                                  "WHERE session_id=? AND status='created'", (granted, json.dumps(options), session_id))
+            cur = self.db.execute(
+                "UPDATE sessions SET status='active', granted_scopes=?, grant_options=? "
+                "WHERE session_id=? AND status='created'",
+                (granted, json.dumps(options), session_id),
+            )
             if cur.rowcount != 1:
                 raise UompError(
-                    ErrorCode.INVALID_STATE, "session changed state during the grant", session_id=session_id)
+                    ErrorCode.INVALID_STATE, "session changed state during the grant", session_id=session_id
+                )
         self.rows.forget(session_id)
         row = self.session(session_id)
         access = self.mint_access(row)
-        out: dict[str, Any] = {"token": access.token, "token_type": "Bearer", "expires_at": tokens.iso(access.exp),
-                               "session_id": session_id, "session_expires_at": tokens.iso(row.expires_at)}
+        out: dict[str, Any] = {
+            "token": access.token,
+            "token_type": "Bearer",
+            "expires_at": tokens.iso(access.exp),
+            "session_id": session_id,
+            "session_expires_at": tokens.iso(row.expires_at),
+        }
         minted = [access]
         if issue_refresh:
             rt = self.mint_refresh(row, family_id=_new_id("fam"))
@@ -310,9 +395,15 @@ class AuthService:
             out["refresh_expires_at"] = tokens.iso(rt.exp)
         with transaction(self.db, what="session database"):
             self.record_minted(row, minted)
-        self.audit.record(session_id=session_id, agent_id=row.agent_id, action="session_granted", allowed=True,
-                          reason="granted by the user", tags=list(read.tags),
-                          extra={"expires_at": int(row.expires_at)})  # SessionGranted's expiresAt (§18.4.1)
+        self.audit.record(
+            session_id=session_id,
+            agent_id=row.agent_id,
+            action="session_granted",
+            allowed=True,
+            reason="granted by the user",
+            tags=list(read.tags),
+            extra={"expires_at": int(row.expires_at)},
+        )  # SessionGranted's expiresAt (§18.4.1)
         self.audit.flush_sync()
         return out
 
@@ -338,21 +429,37 @@ class AuthService:
         exp = min(now + o["lifetime"], row.expires_at)  # never past the session's expiry
         assert row.granted is not None
         claims = tokens.capability_claims(
-            session_id=row.session_id, agent_id=row.agent_id, now=now, expires=exp,
+            session_id=row.session_id,
+            agent_id=row.agent_id,
+            now=now,
+            expires=exp,
             read=tokens.parse_scope(row.granted.get("read"), "read"),
             write=tokens.parse_scope(row.granted.get("write"), "write"),
-            max_read_queries=o["max_read_queries"], max_write_queries=0, profile=o["profile"],
-            audience=o["audience"], allowed_endpoints=o["allowed_endpoints"], allowed_fields=o["allowed_fields"],
-            aggregation_only=o["aggregation_only"], task_bound=o["task_bound"], cnf=o["cnf"])
+            max_read_queries=o["max_read_queries"],
+            max_write_queries=0,
+            profile=o["profile"],
+            audience=o["audience"],
+            allowed_endpoints=o["allowed_endpoints"],
+            allowed_fields=o["allowed_fields"],
+            aggregation_only=o["aggregation_only"],
+            task_bound=o["task_bound"],
+            cnf=o["cnf"],
+        )
         tok = tokens.sign_token(claims, self.signing.key, self.signing.kid)
         return Minted(tok, exp, claims["jti"], "access", None)
 
     def mint_refresh(self, row: SessionRow, *, family_id: str) -> Minted:
         now = self.clock()
         exp = min(now + self.cfg.refresh_lifetime_seconds, row.expires_at)
-        claims = tokens.refresh_claims(session_id=row.session_id, agent_id=row.agent_id, now=now, expires=exp,
-                                       family_id=family_id, audience=row.options.get("audience"),
-                                       cnf=row.options.get("cnf"))
+        claims = tokens.refresh_claims(
+            session_id=row.session_id,
+            agent_id=row.agent_id,
+            now=now,
+            expires=exp,
+            family_id=family_id,
+            audience=row.options.get("audience"),
+            cnf=row.options.get("cnf"),
+        )
         tok = tokens.sign_token(claims, self.signing.key, self.signing.kid, refresh=True)
         return Minted(tok, exp, claims["jti"], "refresh", family_id)
 
@@ -362,22 +469,29 @@ class AuthService:
         Only hashes and ids are stored: no token is ever kept at rest."""
         for m in minted:
             th = token_hash(m.token)
-            self.db.execute("INSERT INTO issued_tokens (token_hash, session_id, jti, kind, expires_at) "
-                            "VALUES (?,?,?,?,?)", (th, row.session_id, m.jti, m.kind, m.exp))
+            self.db.execute(
+                "INSERT INTO issued_tokens (token_hash, session_id, jti, kind, expires_at) VALUES (?,?,?,?,?)",
+                (th, row.session_id, m.jti, m.kind, m.exp),
+            )
             if m.kind == "access":
                 self.db.execute("UPDATE sessions SET token_hash=? WHERE session_id=?", (th, row.session_id))
             else:
-                self.db.execute("INSERT INTO refresh_tokens (jti, family_id, session_id, status, expires_at) "
-                                "VALUES (?,?,?,?,?)", (m.jti, m.family_id, row.session_id, "active", m.exp))
+                self.db.execute(
+                    "INSERT INTO refresh_tokens (jti, family_id, session_id, status, expires_at) VALUES (?,?,?,?,?)",
+                    (m.jti, m.family_id, row.session_id, "active", m.exp),
+                )
 
     def _blacklist_session(self, session_id: str, reason: str) -> None:
         """Copy every token issued for the session into the persistent blacklist (§13.4). In a transaction."""
-        self.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
-                        "SELECT token_hash, session_id, expires_at, ? FROM issued_tokens WHERE session_id=?",
-                        (reason, session_id))
+        self.db.execute(
+            "INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
+            "SELECT token_hash, session_id, expires_at, ? FROM issued_tokens WHERE session_id=?",
+            (reason, session_id),
+        )
         self.rows.blacklist_changed()
-        self.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE session_id=? AND status!='revoked'",
-                        (session_id,))
+        self.db.execute(
+            "UPDATE refresh_tokens SET status='revoked' WHERE session_id=? AND status!='revoked'", (session_id,)
+        )
 
     def _end(self, session_id: str, status: str, *, reason: str) -> dict[str, Any]:
         row = self.session(session_id)
@@ -387,15 +501,21 @@ class AuthService:
             raise UompError(ErrorCode.INVALID_STATE, f"session is already {row.status}", session_id=session_id)
         now = self.clock()
         with transaction(self.db, what="session database"):
-            self.db.execute("UPDATE sessions SET status=?, closed_at=?, status_reason=? WHERE session_id=?",
-                            (status, now, reason, session_id))
+            self.db.execute(
+                "UPDATE sessions SET status=?, closed_at=?, status_reason=? WHERE session_id=?",
+                (status, now, reason, session_id),
+            )
             self._blacklist_session(session_id, status)
         self.rows.forget(session_id)
         self._verified = {}
         self.quota.forget(session_id)
-        self.audit.record(session_id=session_id, agent_id=row.agent_id,
-                          action="session_revoked" if status == "revoked" else "session_closed",
-                          allowed=True, reason=reason)
+        self.audit.record(
+            session_id=session_id,
+            agent_id=row.agent_id,
+            action="session_revoked" if status == "revoked" else "session_closed",
+            allowed=True,
+            reason=reason,
+        )
         self.audit.flush_sync()
         self._record_missing_proof(row)
         return {"session_id": session_id, "status": status}
@@ -433,8 +553,14 @@ class AuthService:
         self._verified[th] = cap
         return cap
 
-    def authenticate(self, token: str, *, allow_refresh: bool = False, presented: checks.Presented | None = None,
-                     th: str | None = None) -> tuple[Capability, SessionRow]:
+    def authenticate(
+        self,
+        token: str,
+        *,
+        allow_refresh: bool = False,
+        presented: checks.Presented | None = None,
+        th: str | None = None,
+    ) -> tuple[Capability, SessionRow]:
         """§10.4 steps 1-4: signature, expiry, then (given what the listener ``presented``) the shared
         checks of :mod:`gateway.core.checks` in their order, then session status (every request) and
         the blacklist. ``th`` is :func:`token_hash` of ``token`` when the caller has it already."""
@@ -446,20 +572,25 @@ class AuthService:
             raise UompError(ErrorCode.INVALID_TOKEN, "a refresh token cannot be used here", session_id=cap.session_id)
         if not cap.is_refresh and allow_refresh:
             raise UompError(
-                ErrorCode.INVALID_TOKEN, "an access token cannot be used to refresh", session_id=cap.session_id)
+                ErrorCode.INVALID_TOKEN, "an access token cannot be used to refresh", session_id=cap.session_id
+            )
         row = self._row(cap.session_id)
         if row is None:
             raise UompError(ErrorCode.SESSION_NOT_FOUND, "session does not exist", session_id=cap.session_id)
         if row.agent_id != cap.agent_id:
             raise UompError(
-                ErrorCode.INVALID_TOKEN, "token agent does not match the session", session_id=cap.session_id)
+                ErrorCode.INVALID_TOKEN, "token agent does not match the session", session_id=cap.session_id
+            )
         if row.status == "expired":
             raise UompError(ErrorCode.TOKEN_EXPIRED, "session has expired", session_id=cap.session_id)
         if row.status != "active":
             raise UompError(ErrorCode.SESSION_REVOKED, ended_message(row), session_id=cap.session_id)
         # the blacklist, unless this token was seen absent from it with auth.db unchanged since
-        hit = None if self.rows.not_blacklisted(th) else self.db.execute(
-            "SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
+        hit = (
+            None
+            if self.rows.not_blacklisted(th)
+            else self.db.execute("SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
+        )
         if hit is None:
             self.rows.keep_not_blacklisted(th)
         else:
@@ -475,8 +606,9 @@ class AuthService:
         if th in self._used:
             return
         try:
-            self.db.execute("UPDATE issued_tokens SET used_at=? WHERE token_hash=? AND used_at IS NULL",
-                            (self.clock(), th))
+            self.db.execute(
+                "UPDATE issued_tokens SET used_at=? WHERE token_hash=? AND used_at IS NULL", (self.clock(), th)
+            )
         except sqlite3.Error as exc:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the session database is unavailable") from exc
         if len(self._used) >= USED_CACHE_ENTRIES:
@@ -498,14 +630,20 @@ class AuthService:
             if exc.session_id:
                 out["session_id"] = exc.session_id
             return out
-        return {"valid": True, "session_id": cap.session_id, "agent_id": cap.agent_id,
-                "expires_at": tokens.iso(cap.expires_at), "status": row.status}
+        return {
+            "valid": True,
+            "session_id": cap.session_id,
+            "agent_id": cap.agent_id,
+            "expires_at": tokens.iso(cap.expires_at),
+            "status": row.status,
+        }
 
     def record_deletion_proof(self, session_id: str, deletion_proof_id: str) -> None:
         """Remember the accepted proof (§19.4); a session with one records no deletion_proof_missing."""
         with transaction(self.db, what="session database"):
-            self.db.execute("UPDATE sessions SET deletion_proof_id=? WHERE session_id=?",
-                            (deletion_proof_id, session_id))
+            self.db.execute(
+                "UPDATE sessions SET deletion_proof_id=? WHERE session_id=?", (deletion_proof_id, session_id)
+            )
         self.rows.forget(session_id)
 
     # ---------------------------------------------------------------------------- quota
@@ -516,8 +654,11 @@ class AuthService:
 
     def _quota_persist(self, session_id: str, mark: int) -> None:
         with transaction(self.db, what="session database"):
-            self.db.execute("INSERT INTO quota (session_id, reserved) VALUES (?,?) ON CONFLICT(session_id) "
-                            "DO UPDATE SET reserved=excluded.reserved", (session_id, mark))
+            self.db.execute(
+                "INSERT INTO quota (session_id, reserved) VALUES (?,?) ON CONFLICT(session_id) "
+                "DO UPDATE SET reserved=excluded.reserved",
+                (session_id, mark),
+            )
 
     def consume_read(self, cap: Capability) -> int | None:
         """§10.4 step 5 (enforced here, though the draft leaves it optional). Returns the remaining count."""
@@ -528,23 +669,36 @@ class AuthService:
 
     # ------------------------------------------------------------------------- refresh
 
-    def refresh(self, refresh_token: str, *, session_id: str, presented_x5t: str | None,
-                presented_jkt: str | None) -> dict[str, Any]:
-        answer, _ = self.refresh_audited(refresh_token, session_id=session_id, presented_x5t=presented_x5t,
-                                         presented_jkt=presented_jkt)
+    def refresh(
+        self, refresh_token: str, *, session_id: str, presented_x5t: str | None, presented_jkt: str | None
+    ) -> dict[str, Any]:
+        answer, _ = self.refresh_audited(
+            refresh_token, session_id=session_id, presented_x5t=presented_x5t, presented_jkt=presented_jkt
+        )
         return answer
 
-    def refresh_audited(self, refresh_token: str, *, session_id: str, presented_x5t: str | None,
-                        presented_jkt: str | None, extra: dict[str, Any] | None = None
-                        ) -> tuple[dict[str, Any], int]:
+    def refresh_audited(
+        self,
+        refresh_token: str,
+        *,
+        session_id: str,
+        presented_x5t: str | None,
+        presented_jkt: str | None,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], int]:
         """§15.5 rotation with reuse detection (:mod:`gateway.guard.refresh`): the answer and the
         audit ticket to wait for before answering."""
-        return refresh.refresh_audited(self, refresh_token, session_id=session_id, presented_x5t=presented_x5t,
-                                       presented_jkt=presented_jkt, extra=extra)
+        return refresh.refresh_audited(
+            self,
+            refresh_token,
+            session_id=session_id,
+            presented_x5t=presented_x5t,
+            presented_jkt=presented_jkt,
+            extra=extra,
+        )
 
     def _chain_forked(self, row: SessionRow) -> None:
         refresh.chain_forked(self, row)
-
 
     def prune(self, *, now: float | None = None, batch: int = PRUNE_BATCH_ROWS) -> dict[str, int]:
         """Drop rows nothing can need any more (called periodically by the guard and at open).
@@ -556,8 +710,10 @@ class AuthService:
         out = {"audit_outbox": self.replay_outbox()}
         with transaction(self.db, what="session database"):
             for table in ("token_blacklist", "issued_tokens", "refresh_tokens"):
-                cur = self.db.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} "
-                                      "WHERE expires_at < ? LIMIT ?)", (cutoff, batch))
+                cur = self.db.execute(
+                    f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE expires_at < ? LIMIT ?)",
+                    (cutoff, batch),
+                )
                 out[table] = int(cur.rowcount)
         if any(out.values()):
             log.info("auth: pruned %s", ", ".join(f"{n} {t}" for t, n in out.items() if n))

@@ -24,14 +24,18 @@ IN_CHUNK = 500
 # Items a BulkWriter buffers before handing them to SQLite in one executemany.
 BULK_CHUNK = 1000
 
-_SQL_INSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
-               "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
-_SQL_UPSERT = ("INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
-               "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-               "ON CONFLICT(key) DO UPDATE SET value = excluded.value, tags = excluded.tags, "
-               "sensitivity = excluded.sensitivity, source = excluded.source, "
-               "created_at = excluded.created_at, updated_at = excluded.updated_at, "
-               "description = excluded.description")
+_SQL_INSERT = (
+    "INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
+    "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_SQL_UPSERT = (
+    "INSERT INTO items (key, value, tags, sensitivity, source, created_at, updated_at, "
+    "description) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT(key) DO UPDATE SET value = excluded.value, tags = excluded.tags, "
+    "sensitivity = excluded.sensitivity, source = excluded.source, "
+    "created_at = excluded.created_at, updated_at = excluded.updated_at, "
+    "description = excluded.description"
+)
 
 
 def _integrity(exc: sqlite3.IntegrityError) -> UompError | None:
@@ -80,8 +84,9 @@ class BulkWriter:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         store = self._store
         try:
             if self._state == "open":
@@ -165,8 +170,11 @@ class BulkWriter:
         with self._store._guard() as conn:
             for chunk in chunks(keys, IN_CHUNK):
                 marks = ",".join("?" * len(chunk))
-                found.update(conn.execute(  # only "?" marks in the text
-                    f"SELECT key, created_at FROM items WHERE key IN ({marks})", chunk).fetchall())
+                found.update(
+                    conn.execute(  # only "?" marks in the text
+                        f"SELECT key, created_at FROM items WHERE key IN ({marks})", chunk
+                    ).fetchall()
+                )
         return found
 
     def commit(self) -> int:

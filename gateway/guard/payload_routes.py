@@ -105,11 +105,14 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
     try:
         if (await asyncio.to_thread(os.fstat, fh.fileno())).st_size != meta.size:
             raise UompError(
-                ErrorCode.PAYLOAD_INVALID, "the stored ciphertext's length is not the one recorded at upload "
-                "(changed on disk); it cannot be trusted")
+                ErrorCode.PAYLOAD_INVALID,
+                "the stored ciphertext's length is not the one recorded at upload "
+                "(changed on disk); it cannot be trusted",
+            )
         remaining = meta.size
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
-                                           "X-UOMP-Payload-Hash": meta.hash})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "application/octet-stream", "X-UOMP-Payload-Hash": meta.hash}
+        )
         resp.content_length = meta.size
         await resp.prepare(request)
         while remaining > 0 and (block := await asyncio.to_thread(fh.read, min(READ_BLOCK, remaining))):
@@ -146,17 +149,31 @@ async def remove(request: web.Request) -> web.Response:
 
 
 def _user_event(request: web.Request, action: str, sid: str, aid: str, pid: str, digest: str) -> None:
-    request.app[SERVICES].audit.record(session_id=sid, agent_id=aid, action=action, key=pid, allowed=True,
-                                       reason="by the user", detail=digest, via="cli")
+    request.app[SERVICES].audit.record(
+        session_id=sid,
+        agent_id=aid,
+        action=action,
+        key=pid,
+        allowed=True,
+        reason="by the user",
+        detail=digest,
+        via="cli",
+    )
 
 
-def _field(body: dict[str, Any], name: str, pattern: re.Pattern[str] | None = None, *,
-           required: bool = True) -> str | None:
+def _field(
+    body: dict[str, Any], name: str, pattern: re.Pattern[str] | None = None, *, required: bool = True
+) -> str | None:
     v = body.get(name)
     if v is None and not required:
         return None
-    if not isinstance(v, str) or not v or len(v) > MAX_FIELD or not v.isprintable() or (
-            pattern is not None and not pattern.fullmatch(v)):
+    if (
+        not isinstance(v, str)
+        or not v
+        or len(v) > MAX_FIELD
+        or not v.isprintable()
+        or (pattern is not None and not pattern.fullmatch(v))
+    ):
         raise UompError(ErrorCode.INVALID_REQUEST, f"audit event field {name} is missing or malformed")
     return v
 
@@ -181,17 +198,36 @@ async def audit_event(request: web.Request) -> web.Response:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise UompError(ErrorCode.INVALID_REQUEST, "audit event field size is missing or malformed")
         event_id = _field(body, "event_id", GATEWAY_EVENT_ID, required=False)
-        row = make_row(session_id=sid, agent_id=aid, action="payload_uploaded", key=pid, allowed=True,
-                       reason="sealed payload stored", detail=digest, request_size=size, via=via,
-                       extra=event_fields(request), event_id=event_id)
+        row = make_row(
+            session_id=sid,
+            agent_id=aid,
+            action="payload_uploaded",
+            key=pid,
+            allowed=True,
+            reason="sealed payload stored",
+            detail=digest,
+            request_size=size,
+            via=via,
+            extra=event_fields(request),
+            event_id=event_id,
+        )
     else:
         pid = _field(body, "payload_id", PAYLOAD_ID, required=False)
         code = _field(body, "code", CODE)
         reason = _field(body, "reason", required=False) or "payload refused"
         event_id = _field(body, "event_id", GATEWAY_EVENT_ID, required=False)
-        row = make_row(session_id=sid, agent_id=aid, action="payload_refused", key=pid, allowed=False,
-                       reason=reason, detail=code, via=via, extra=event_fields(request, code=code),
-                       event_id=event_id)
+        row = make_row(
+            session_id=sid,
+            agent_id=aid,
+            action="payload_refused",
+            key=pid,
+            allowed=False,
+            reason=reason,
+            detail=code,
+            via=via,
+            extra=event_fields(request, code=code),
+            event_id=event_id,
+        )
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
     # This is the upload request's one event (issue 10): the gateway writes none of its own.

@@ -61,8 +61,10 @@ class HistoryDecision:
 HISTORY_FULL = "this session has aggregated too many different item sets; ask the user for a new session"
 HISTORY_STORE_FULL = "the guard's aggregate history is full; try again later"
 WOULD_ISOLATE = "aggregate refused: together with this session's earlier aggregates it would isolate too few items"
-CHANGED = ("aggregate refused: the items behind an earlier aggregate of this field have changed since; "
-           "ask the user for a new session")
+CHANGED = (
+    "aggregate refused: the items behind an earlier aggregate of this field have changed since; "
+    "ask the user for a new session"
+)
 TOO_MANY_GROUPS = "aggregate refused: the tags aggregated in this session overlap in too many ways"
 
 
@@ -89,8 +91,7 @@ class History:
         return None
 
     def check(self, tags: Sequence[str], atoms: Sequence[Atom], *, min_group: int) -> tuple[HistoryDecision, AtomCheck]:
-        check = check_atoms(self.recorded, tags, ((a.pattern, a.count, a.h1, a.h2) for a in atoms),
-                            min_group=min_group)
+        check = check_atoms(self.recorded, tags, ((a.pattern, a.count, a.h1, a.h2) for a in atoms), min_group=min_group)
         if check.ok:
             return HistoryDecision(True, "ok", f"{len(tags)} set(s) in this session's history of the field"), check
         reason = CHANGED if "changed" in check.detail else WOULD_ISOLATE
@@ -108,8 +109,9 @@ class History:
 
 
 class ReadState:
-    def __init__(self, path: Path, *, max_sets_per_session: int, max_rows: int,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: Path, *, max_sets_per_session: int, max_rows: int, clock: Callable[[], float] = time.time
+    ) -> None:
         self.max_sets_per_session = max_sets_per_session
         self.max_rows = max_rows
         self.clock = clock
@@ -118,8 +120,9 @@ class ReadState:
         self.cursor_key = self._secret("cursor_key", paging.KEY_BYTES)
         raw = self._secret("fingerprint_keys", 16)
         # four multipliers in [1, HASH_PRIME): keyed, so nobody can arrange collisions
-        self.fingerprint_keys = tuple(1 + int.from_bytes(raw[i:i + 4], "big") % (HASH_PRIME - 1)
-                                      for i in range(0, 16, 4))
+        self.fingerprint_keys = tuple(
+            1 + int.from_bytes(raw[i : i + 4], "big") % (HASH_PRIME - 1) for i in range(0, 16, 4)
+        )
 
     def _secret(self, name: str, size: int) -> bytes:
         with self._tx() as db:
@@ -146,10 +149,13 @@ class ReadState:
         with self._lock:
             try:
                 rows = self.db.execute(
-                    "SELECT tag, n, h1, h2 FROM aggregate_sets WHERE session_id = ? AND field = ?",
-                    (session_id, field)).fetchall()
-                in_session = int(self.db.execute("SELECT count(*) FROM aggregate_sets WHERE session_id = ?",
-                                                 (session_id,)).fetchone()[0])
+                    "SELECT tag, n, h1, h2 FROM aggregate_sets WHERE session_id = ? AND field = ?", (session_id, field)
+                ).fetchall()
+                in_session = int(
+                    self.db.execute(
+                        "SELECT count(*) FROM aggregate_sets WHERE session_id = ?", (session_id,)
+                    ).fetchone()[0]
+                )
             except sqlite3.Error as exc:
                 raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the {WHAT} is unavailable") from exc
             recorded = {str(r[0]): Fingerprint(int(r[1]), int(r[2]), int(r[3])) for r in rows}
@@ -162,15 +168,21 @@ class ReadState:
             total = int(db.execute("SELECT count(*) FROM aggregate_sets").fetchone()[0])
             if total >= self.max_rows:
                 return HistoryDecision(False, HISTORY_STORE_FULL, f"{total} rows recorded")
-            db.execute("INSERT INTO aggregate_sets (session_id, field, tag, n, h1, h2, recorded_at, "
-                       "session_expires_at) VALUES (?,?,?,?,?,?,?,?)",
-                       (h.session_id, h.field, tag, fp.count, fp.h1, fp.h2, now, session_expires_at))
+            db.execute(
+                "INSERT INTO aggregate_sets (session_id, field, tag, n, h1, h2, recorded_at, "
+                "session_expires_at) VALUES (?,?,?,?,?,?,?,?)",
+                (h.session_id, h.field, tag, fp.count, fp.h1, fp.h2, now, session_expires_at),
+            )
         return HistoryDecision(True, "ok", "recorded")
 
     def recorded(self, session_id: str) -> list[tuple[str, str, int]]:
         """(field, tag, items) recorded for a session (for tests and the user's view)."""
-        return [(str(r[0]), str(r[1]), int(r[2])) for r in self.db.execute(
-            "SELECT field, tag, n FROM aggregate_sets WHERE session_id = ? ORDER BY recorded_at", (session_id,))]
+        return [
+            (str(r[0]), str(r[1]), int(r[2]))
+            for r in self.db.execute(
+                "SELECT field, tag, n FROM aggregate_sets WHERE session_id = ? ORDER BY recorded_at", (session_id,)
+            )
+        ]
 
     def close(self) -> None:
         with contextlib.suppress(sqlite3.Error):

@@ -40,9 +40,15 @@ if TYPE_CHECKING:
     from gateway.guard.auth import AuthService
 
 
-def refresh_audited(auth: AuthService, refresh_token: str, *, session_id: str, presented_x5t: str | None,
-                    presented_jkt: str | None, extra: dict[str, Any] | None = None
-                    ) -> tuple[dict[str, Any], int]:
+def refresh_audited(
+    auth: AuthService,
+    refresh_token: str,
+    *,
+    session_id: str,
+    presented_x5t: str | None,
+    presented_jkt: str | None,
+    extra: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], int]:
     """§15.5 with rotation and reuse detection (the rule in the module docstring). Returns the
     answer and the audit ticket to wait for before answering. The caller has checked the transport
     binding inputs."""
@@ -67,30 +73,53 @@ def refresh_audited(auth: AuthService, refresh_token: str, *, session_id: str, p
         raise UompError(ErrorCode.SESSION_REVOKED, "refresh token has been revoked", session_id=session_id)
     access = auth.mint_access(row)
     new_rt = auth.mint_refresh(row, family_id=r["family_id"])
-    answer = {"access_token": access.token, "token": access.token, "token_type": "Bearer",
-              "expires_at": tokens.iso(access.exp), "refresh_token": new_rt.token,
-              "refresh_expires_at": tokens.iso(new_rt.exp), "session_id": session_id}
+    answer = {
+        "access_token": access.token,
+        "token": access.token,
+        "token_type": "Bearer",
+        "expires_at": tokens.iso(access.exp),
+        "refresh_token": new_rt.token,
+        "refresh_expires_at": tokens.iso(new_rt.exp),
+        "session_id": session_id,
+    }
     successor = json.dumps({"access_jti": access.jti, "refresh_jti": new_rt.jti})
-    audit_row = make_row(session_id=session_id, agent_id=row.agent_id, action="refresh", allowed=True,
-                         reason="refresh retried: the never-used successor pair was replaced" if retry
-                         else "refresh token rotated", now=now, extra=extra)
+    audit_row = make_row(
+        session_id=session_id,
+        agent_id=row.agent_id,
+        action="refresh",
+        allowed=True,
+        reason="refresh retried: the never-used successor pair was replaced" if retry else "refresh token rotated",
+        now=now,
+        extra=extra,
+    )
     with transaction(auth.db, what="session database"):  # one durable write for the whole rotation
         if retry:
             lost = json.loads(r["successor"])
             # the successor must still be unused at commit (nothing else runs between, but say so)
-            cur = auth.db.execute("UPDATE refresh_tokens SET successor=? WHERE jti=? AND status='spent' "
-                                  "AND successor=?", (successor, cap.jti, r["successor"]))
-            used = auth.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE jti=? AND status='active'",
-                                   (lost["refresh_jti"],)).rowcount != 1
-            auth.db.execute("INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
-                            "SELECT token_hash, session_id, expires_at, 'superseded' FROM issued_tokens "
-                            "WHERE jti IN (?, ?)", (lost["access_jti"], lost["refresh_jti"]))
+            cur = auth.db.execute(
+                "UPDATE refresh_tokens SET successor=? WHERE jti=? AND status='spent' AND successor=?",
+                (successor, cap.jti, r["successor"]),
+            )
+            used = (
+                auth.db.execute(
+                    "UPDATE refresh_tokens SET status='revoked' WHERE jti=? AND status='active'", (lost["refresh_jti"],)
+                ).rowcount
+                != 1
+            )
+            auth.db.execute(
+                "INSERT OR IGNORE INTO token_blacklist (token_hash, session_id, expires_at, reason) "
+                "SELECT token_hash, session_id, expires_at, 'superseded' FROM issued_tokens "
+                "WHERE jti IN (?, ?)",
+                (lost["access_jti"], lost["refresh_jti"]),
+            )
             auth.rows.blacklist_changed()
             if used:
                 raise UompError(ErrorCode.REFRESH_REUSED, "refresh token was spent concurrently", session_id=session_id)
         else:
-            cur = auth.db.execute("UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? "
-                                  "WHERE jti=? AND status='active'", (now, successor, cap.jti))
+            cur = auth.db.execute(
+                "UPDATE refresh_tokens SET status='spent', spent_at=?, successor=? WHERE jti=? AND status='active'",
+                (now, successor, cap.jti),
+            )
         if cur.rowcount != 1:
             raise UompError(ErrorCode.REFRESH_REUSED, "refresh token was spent concurrently", session_id=session_id)
         auth.record_minted(row, [access, new_rt])
@@ -100,33 +129,48 @@ def refresh_audited(auth: AuthService, refresh_token: str, *, session_id: str, p
     fault_point("refresh_committed")
     return answer, ticket
 
+
 def successor_used(auth: AuthService, succ: Mapping[str, Any]) -> bool:
     """Was either token of a successor pair ever presented (or is it dead)?"""
     rt = auth.db.execute("SELECT status FROM refresh_tokens WHERE jti=?", (succ.get("refresh_jti"),)).fetchone()
     if rt is None or rt["status"] != "active":
         return True
-    at = auth.db.execute("SELECT used_at FROM issued_tokens WHERE jti=? AND kind='access'",
-                         (succ.get("access_jti"),)).fetchone()
+    at = auth.db.execute(
+        "SELECT used_at FROM issued_tokens WHERE jti=? AND kind='access'", (succ.get("access_jti"),)
+    ).fetchone()
     return at is None or at["used_at"] is not None
+
 
 def chain_forked(auth: AuthService, row: SessionRow) -> None:
     """A superseded token came back: revoke the session and say why (raises REFRESH_REUSED)."""
-    auth.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="refresh_reuse", allowed=False,
-                      reason="a superseded token was presented: session revoked")
+    auth.audit.record(
+        session_id=row.session_id,
+        agent_id=row.agent_id,
+        action="refresh_reuse",
+        allowed=False,
+        reason="a superseded token was presented: session revoked",
+    )
     if row.status in LIVE:
         auth.revoke(row.session_id, reason=SUPERSEDED_MESSAGE)
     else:
         auth.audit.flush_sync()
     raise UompError(ErrorCode.REFRESH_REUSED, SUPERSEDED_MESSAGE, session_id=row.session_id)
 
+
 def revoke_family(auth: AuthService, row: SessionRow, family_id: str, reason: str) -> None:
     with transaction(auth.db, what="session database"):
         auth.db.execute("UPDATE refresh_tokens SET status='revoked' WHERE family_id=?", (family_id,))
-    auth.audit.record(session_id=row.session_id, agent_id=row.agent_id, action="refresh_reuse", allowed=False,
-                      reason="spent refresh token reused: family and session revoked")
+    auth.audit.record(
+        session_id=row.session_id,
+        agent_id=row.agent_id,
+        action="refresh_reuse",
+        allowed=False,
+        reason="spent refresh token reused: family and session revoked",
+    )
     if row.status in LIVE:
         auth.revoke(row.session_id, reason=reason)
     else:
         auth.audit.flush_sync()
+
 
 # --------------------------------------------------------------------------- pruning

@@ -31,8 +31,10 @@ log = logging.getLogger("uomp.guard")
 
 VERIFY_NICE = 10  # the background verify's niceness increment (its own process)
 MAX_VERIFY_OUTPUT = 1 << 20  # bytes of its JSON report read
-VERIFY_CHILD = (f"import os, sys; os.nice({VERIFY_NICE}); from gateway.cli.main import main; "
-                "raise SystemExit(main(['--home', sys.argv[1], 'audit', 'verify', '--json', '--no-chain']))")
+VERIFY_CHILD = (
+    f"import os, sys; os.nice({VERIFY_NICE}); from gateway.cli.main import main; "
+    "raise SystemExit(main(['--home', sys.argv[1], 'audit', 'verify', '--json', '--no-chain']))"
+)
 
 
 class _JsonErrorHandler(RequestHandler):
@@ -40,8 +42,9 @@ class _JsonErrorHandler(RequestHandler):
     oversized header) gets the §8.4 JSON shape instead of aiohttp's text/plain (which could echo
     request bytes), and nothing of the request is logged."""
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         if status < 500:
             err = UompError(ErrorCode.INVALID_REQUEST, "malformed or oversized request")
         else:
@@ -123,8 +126,11 @@ class GuardRunner:
             self._tasks.append(asyncio.get_running_loop().create_task(self._verify_audit()))
         await self._start_anchoring()
         self._serving = True
-        log.info("guard listening on unix:%s%s", sock,
-                 f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "")
+        log.info(
+            "guard listening on unix:%s%s",
+            sock,
+            f" and http://{self.cfg.tcp_host}:{self.tcp_port}" if self.serve_tcp else "",
+        )
 
     async def _sweeper(self) -> None:
         svc = self.services
@@ -167,8 +173,14 @@ class GuardRunner:
         started = time.monotonic()
         # the child lowers its own priority (no preexec_fn: this process has threads)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", VERIFY_CHILD, str(self.paths.home), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            sys.executable,
+            "-c",
+            VERIFY_CHILD,
+            str(self.paths.home),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         try:
             out, _ = await proc.communicate()
         except asyncio.CancelledError:
@@ -184,14 +196,14 @@ class GuardRunner:
             log.warning("audit log: the background verify did not run to its end (exit %s)", proc.returncode)
             return
         if report.get("ok") is True:
-            log.info("audit log verified in full: %s events (%.1f s)", report.get("events"),
-                     time.monotonic() - started)
+            log.info("audit log verified in full: %s events (%.1f s)", report.get("events"), time.monotonic() - started)
             return
         problems = report.get("problems") or ["it does not verify"]
         code = ErrorCode.AUDIT_LOG_INCONSISTENT if report.get("inconsistent") else ErrorCode.AUDIT_LOG_DAMAGED
         first = report.get("first_bad_seq")
-        svc.audit.refuse(integrity.refusal(code, str(problems[0])[:500],
-                                           first_bad_seq=first if isinstance(first, int) else None))
+        svc.audit.refuse(
+            integrity.refusal(code, str(problems[0])[:500], first_bad_seq=first if isinstance(first, int) else None)
+        )
 
     async def _start_anchoring(self) -> None:
         """The anchoring worker, when [anchor] names a chain: drains the checkpoint backlog."""
@@ -203,13 +215,26 @@ class GuardRunner:
         from gateway.anchor.ops import make_backend
         from gateway.ledger.anchoring import Anchorer, AnchorPolicy
 
-        backend = make_backend(acfg.backend, rpc_url=acfg.rpc_url or None, contract=acfg.contract or None,
-                               chain_id=acfg.chain_id or None, key_file=Path(acfg.key_file) if acfg.key_file else None,
-                               account=acfg.account or None, confirmations=acfg.confirmations,
-                               code_hash=acfg.code_hash or None)
-        self.anchorer = Anchorer(self.paths.audit_db, backend, policy=AnchorPolicy(
-            poll_seconds=acfg.poll_seconds, backoff_max_seconds=acfg.backoff_max_seconds,
-            recheck_seconds=acfg.recheck_seconds, recheck_count=acfg.recheck_count))
+        backend = make_backend(
+            acfg.backend,
+            rpc_url=acfg.rpc_url or None,
+            contract=acfg.contract or None,
+            chain_id=acfg.chain_id or None,
+            key_file=Path(acfg.key_file) if acfg.key_file else None,
+            account=acfg.account or None,
+            confirmations=acfg.confirmations,
+            code_hash=acfg.code_hash or None,
+        )
+        self.anchorer = Anchorer(
+            self.paths.audit_db,
+            backend,
+            policy=AnchorPolicy(
+                poll_seconds=acfg.poll_seconds,
+                backoff_max_seconds=acfg.backoff_max_seconds,
+                recheck_seconds=acfg.recheck_seconds,
+                recheck_count=acfg.recheck_count,
+            ),
+        )
         self.anchorer.start()
         log.info("anchoring checkpoints on %s", acfg.backend)
 
@@ -266,17 +291,20 @@ class GuardRunner:
             self._claimed = False
 
 
-def install_signals(loop: asyncio.AbstractEventLoop, stop_event: asyncio.Event,
-                    on_hup: list[object] | None = None) -> None:
+def install_signals(
+    loop: asyncio.AbstractEventLoop, stop_event: asyncio.Event, on_hup: list[object] | None = None
+) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_event.set)
     if on_hup:
+
         def _hup() -> None:
             for cb in on_hup or []:
                 try:
                     cb()  # type: ignore[operator]
                 except UompError as exc:
                     log.error("reload failed: %s", exc.message)
+
         loop.add_signal_handler(signal.SIGHUP, _hup)
 
 

@@ -104,10 +104,14 @@ USED_CACHE_ENTRIES = 65536  # access tokens known to be used (saves a write per 
 PRUNE_BATCH_ROWS = 10_000  # rows per table per prune call
 PRUNE_MARGIN_SECONDS = 3600  # kept this long past a token's exp (clock leeway, investigations)
 
-REUSE_MESSAGE = ("the session was revoked because a spent refresh token was presented again after its "
-                 "successor had been used (two holders of one token chain: possibly a copy of the bundle)")
-SUPERSEDED_MESSAGE = ("the session was revoked because a token replaced by a refresh retry was presented "
-                      "(two holders of one token chain: possibly a copy of the bundle)")
+REUSE_MESSAGE = (
+    "the session was revoked because a spent refresh token was presented again after its "
+    "successor had been used (two holders of one token chain: possibly a copy of the bundle)"
+)
+SUPERSEDED_MESSAGE = (
+    "the session was revoked because a token replaced by a refresh retry was presented "
+    "(two holders of one token chain: possibly a copy of the bundle)"
+)
 
 LIVE = ("created", "active")
 PROFILES = ("local", "remote")
@@ -124,6 +128,8 @@ def minutes_text(minutes: float) -> str:
             n = int(minutes // size)
             return f"{n} {unit}{'s' if n != 1 else ''}"
     return f"{minutes:g} minute{'s' if minutes != 1 else ''}"
+
+
 ID_ALPHABET_MAX = 128
 
 
@@ -230,8 +236,10 @@ class SessionRow:
             out["profile"] = self.options.get("profile", "local")
             if self.options.get("audience"):
                 out["audience"] = self.options["audience"]
-            out["aggregates"] = {"min_max": self.options.get("aggregate_min_max") is True,
-                                 "exact": self.options.get("aggregate_exact") is True}
+            out["aggregates"] = {
+                "min_max": self.options.get("aggregate_min_max") is True,
+                "exact": self.options.get("aggregate_exact") is True,
+            }
         if self.retention:
             out["data_retention_policy"] = self.retention
         if self.deletion_proof_id:
@@ -241,15 +249,15 @@ class SessionRow:
         return out
 
 
-
 class SessionCache:
     """Decoded :class:`SessionRow` per session id, valid while ``auth.db`` is unchanged by others.
 
     Used from the one thread that owns the connection (the auth.db worker). ``lookup`` returns a
     cached row or None (then the caller reads the database and calls ``keep``)."""
 
-    def __init__(self, db: sqlite3.Connection, *, enabled: bool = SESSION_CACHE,
-                 max_entries: int = SESSION_CACHE_ENTRIES) -> None:
+    def __init__(
+        self, db: sqlite3.Connection, *, enabled: bool = SESSION_CACHE, max_entries: int = SESSION_CACHE_ENTRIES
+    ) -> None:
         self.db = db
         self.enabled = enabled
         self.max_entries = max_entries
@@ -313,12 +321,18 @@ class SessionCache:
 def decode_row(r: sqlite3.Row) -> SessionRow:
     """A ``sessions`` row as a :class:`SessionRow` (the JSON columns decoded)."""
     return SessionRow(
-        session_id=r["session_id"], agent_id=r["agent_id"], agent_name=r["agent_name"], status=r["status"],
-        created_at=r["created_at"], expires_at=r["expires_at"], closed_at=r["closed_at"],
+        session_id=r["session_id"],
+        agent_id=r["agent_id"],
+        agent_name=r["agent_name"],
+        status=r["status"],
+        created_at=r["created_at"],
+        expires_at=r["expires_at"],
+        closed_at=r["closed_at"],
         requested=json.loads(r["requested_scopes"]),
         granted=json.loads(r["granted_scopes"]) if r["granted_scopes"] else None,
         options=json.loads(r["grant_options"]) if r["grant_options"] else {},
         identity_jwk=json.loads(r["identity_jwk"]) if r["identity_jwk"] else None,
         retention=json.loads(r["retention"]) if r["retention"] else None,
-        deletion_proof_id=r["deletion_proof_id"], status_reason=r["status_reason"],
+        deletion_proof_id=r["deletion_proof_id"],
+        status_reason=r["status_reason"],
     )

@@ -122,22 +122,29 @@ PRAGMA user_version = {SCHEMA_VERSION};
 # Version 1 -> 2: the covering metadata index (decide on metadata before loading a value).
 _MIGRATE_1_TO_2 = "CREATE INDEX IF NOT EXISTS items_meta ON items(key, sensitivity, tags)"
 
-_SQL_GET = ("SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
-            "FROM items WHERE key = ?")
+_SQL_GET = "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description FROM items WHERE key = ?"
 _SQL_META = "SELECT tags, sensitivity FROM items INDEXED BY items_meta WHERE key = ?"
-_SQL_LIST = ("SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
-             "FROM items ORDER BY key LIMIT ? OFFSET ?")
-_SQL_BY_TAG = ("SELECT i.key, i.value, i.tags, i.sensitivity, i.source, i.created_at, i.updated_at, "
-               "i.description FROM item_tags t JOIN items i ON i.key = t.item_key "
-               "WHERE t.tag = ? ORDER BY t.item_key LIMIT ? OFFSET ?")
+_SQL_LIST = (
+    "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description "
+    "FROM items ORDER BY key LIMIT ? OFFSET ?"
+)
+_SQL_BY_TAG = (
+    "SELECT i.key, i.value, i.tags, i.sensitivity, i.source, i.created_at, i.updated_at, "
+    "i.description FROM item_tags t JOIN items i ON i.key = t.item_key "
+    "WHERE t.tag = ? ORDER BY t.item_key LIMIT ? OFFSET ?"
+)
 # Items carrying :tag after :after, for a tag page (the grant's filter is appended).
-_SQL_PAGE = ("SELECT i.key, i.value, i.tags, i.sensitivity, i.source, i.created_at, i.updated_at, "
-             "i.description FROM item_tags t JOIN items i ON i.key = t.item_key "
-             "WHERE t.tag = :tag AND t.item_key > :after")
+_SQL_PAGE = (
+    "SELECT i.key, i.value, i.tags, i.sensitivity, i.source, i.created_at, i.updated_at, "
+    "i.description FROM item_tags t JOIN items i ON i.key = t.item_key "
+    "WHERE t.tag = :tag AND t.item_key > :after"
+)
 _SQL_AGG_FROM = "SELECT count(*) FROM item_tags t JOIN items i ON i.key = t.item_key WHERE t.tag = :tag"
-_SQL_AGG_NUM_FROM = ("FROM (SELECT json_extract(i.value, :path) AS x FROM item_tags t JOIN items i "
-                     "ON i.key = t.item_key WHERE t.tag = :tag "
-                     "AND json_type(i.value, :path) IN ('integer', 'real')")
+_SQL_AGG_NUM_FROM = (
+    "FROM (SELECT json_extract(i.value, :path) AS x FROM item_tags t JOIN items i "
+    "ON i.key = t.item_key WHERE t.tag = :tag "
+    "AND json_type(i.value, :path) IN ('integer', 'real')"
+)
 _P = "2147483647"  # HASH_PRIME
 _SQL_ATOMS_HEAD = (
     "WITH q AS (SELECT key AS bit, value AS tag FROM json_each(:tags)), "
@@ -146,7 +153,8 @@ _SQL_ATOMS_HEAD = (
     f"SELECT m.pattern, count(*), sum(((i.rowid % {_P}) * :a + :b) % {_P}), @TOTAL@, "
     f"sum((((CAST(json_extract(i.value, :path) * 1000000 AS INTEGER) % {_P}) + {_P}) % {_P} "
     f"* (((i.rowid % {_P}) * :c + :d) % {_P})) % {_P}) "
-    "FROM m JOIN items i ON i.key = m.k WHERE json_type(i.value, :path) IN ('integer', 'real')")
+    "FROM m JOIN items i ON i.key = m.k WHERE json_type(i.value, :path) IN ('integer', 'real')"
+)
 _SQL_ATOMS_TAIL = " GROUP BY m.pattern LIMIT :max"
 # SQLite error name (prefix) -> the fixed sentence the user sees.
 _REASONS: tuple[tuple[str, str], ...] = (
@@ -168,21 +176,32 @@ def _item_of(row: tuple[Any, ...]) -> MemoryItem:
         decoded_value = jsonio.loads(value)
         decoded_tags = jsonio.loads(tags)
     except (TypeError, ValueError) as exc:
-        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
-                        details={"reason": "BAD_JSON"}) from exc
+        raise UompError(
+            ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_JSON"}
+        ) from exc
     if not isinstance(decoded_tags, builtins.list):
-        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
-                        details={"reason": "BAD_TAGS"})
-    return MemoryItem(key=key, value=decoded_value, tags=tuple(decoded_tags), sensitivity=sensitivity,
-                      source=source, created_at=created_at, updated_at=updated_at, description=description)
+        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
+    return MemoryItem(
+        key=key,
+        value=decoded_value,
+        tags=tuple(decoded_tags),
+        sensitivity=sensitivity,
+        source=source,
+        created_at=created_at,
+        updated_at=updated_at,
+        description=description,
+    )
 
 
 def _unavailable(exc: BaseException) -> UompError:
     if isinstance(exc, sqlite3.ProgrammingError):
         return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store is closed", details={"reason": "CLOSED"})
     if isinstance(exc, OSError):
-        return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file cannot be created or opened",
-                         details={"reason": "OS_ERROR"})
+        return UompError(
+            ErrorCode.STORE_UNAVAILABLE,
+            "the memory store file cannot be created or opened",
+            details={"reason": "OS_ERROR"},
+        )
     name = str(getattr(exc, "sqlite_errorname", "") or type(exc).__name__)
     sentence = "the memory store is unavailable"
     for prefix, text in _REASONS:
@@ -230,8 +249,10 @@ class ReadFilter:
             parts.append("i.key NOT IN (SELECT value FROM json_each(:f_deny_keys))")
             params["f_deny_keys"] = json.dumps(list(self.deny_keys))
         if self.deny_tags:
-            parts.append("NOT EXISTS (SELECT 1 FROM item_tags d WHERE d.item_key = i.key "
-                         "AND d.tag IN (SELECT value FROM json_each(:f_deny_tags)))")
+            parts.append(
+                "NOT EXISTS (SELECT 1 FROM item_tags d WHERE d.item_key = i.key "
+                "AND d.tag IN (SELECT value FROM json_each(:f_deny_tags)))"
+            )
             params["f_deny_tags"] = json.dumps(list(self.deny_tags))
         parts.append("(i.sensitivity != 'high' OR i.key IN (SELECT value FROM json_each(:f_keys)))")
         params["f_keys"] = json.dumps(list(self.keys))
@@ -278,6 +299,8 @@ def json_path(field_path: str) -> str | None:
     if len(segments) > MAX_FIELD_SEGMENTS or not all(_FIELD_SEGMENT.fullmatch(p) for p in segments):
         return None
     return "$" + "".join(f'."{p}"' for p in segments)
+
+
 # ============================================================================ the seam
 # What the guard, the importer and the CLI need of a memory store. MemoryStore (SQLite, below) is the
 # one implementation; tests/guard/test_seams.py is the behaviour any other must show. Every method may raise
@@ -292,8 +315,9 @@ class MemoryBulkWriting(Protocol):
 
     def __enter__(self) -> MemoryBulkWriting: ...
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None: ...
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
 
     def add(self, item: MemoryItem) -> None:
         """Validate and queue one item (INVALID_REQUEST for a bad one, which is not queued)."""
@@ -314,11 +338,11 @@ def _meta_of(row: Any) -> ItemMeta | None:
     try:
         tags = jsonio.loads(row[0])
     except (TypeError, ValueError) as exc:
-        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt",
-                        details={"reason": "BAD_JSON"}) from exc
-    if not isinstance(tags, builtins.list):
         raise UompError(
-            ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
+            ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_JSON"}
+        ) from exc
+    if not isinstance(tags, builtins.list):
+        raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file is corrupt", details={"reason": "BAD_TAGS"})
     return ItemMeta(tuple(tags), str(row[1]))
 
 
@@ -332,8 +356,7 @@ class MemoryStorage(Protocol):
         """Tags and sensitivity only: a policy decision is made without reading the value."""
         ...
 
-    def get_if(self, key: str, allow: Callable[[ItemMeta | None], bool]
-               ) -> tuple[ItemMeta | None, MemoryItem | None]:
+    def get_if(self, key: str, allow: Callable[[ItemMeta | None], bool]) -> tuple[ItemMeta | None, MemoryItem | None]:
         """:meth:`get_meta`, then :meth:`get` only when ``allow(meta)``: both from one state of the
         store. The value is never read for a refused (or missing) key."""
         ...
@@ -342,16 +365,18 @@ class MemoryStorage(Protocol):
         """Every read inside sees the same state."""
         ...
 
-    def tag_page(self, tag: str, flt: ReadFilter, *, after: str | None, limit: int,
-                 max_bytes: int) -> tuple[builtins.list[MemoryItem], bool]:
+    def tag_page(
+        self, tag: str, flt: ReadFilter, *, after: str | None, limit: int, max_bytes: int
+    ) -> tuple[builtins.list[MemoryItem], bool]:
         """Items carrying ``tag`` that pass ``flt``, in key order after ``after``, at most ``limit``
         and about ``max_bytes`` (always at least one item); and whether more follow."""
         ...
 
     def aggregate(self, tag: str, flt: ReadFilter, *, path: str | None) -> AggregateRow: ...
 
-    def atoms(self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int],
-              max_atoms: int) -> builtins.list[Atom] | None: ...
+    def atoms(
+        self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int
+    ) -> builtins.list[Atom] | None: ...
 
     def list(self, *, tag: str | None = None, limit: int = 100, offset: int = 0) -> builtins.list[MemoryItem]: ...
 
@@ -380,8 +405,7 @@ class MemoryStorage(Protocol):
 class MemoryStore(MemoryStorage):
     """The Memory Store (see the module docstring). Every method may raise STORE_UNAVAILABLE."""
 
-    def __init__(self, path: Path, *, create: bool = True,
-                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
+    def __init__(self, path: Path, *, create: bool = True, busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._closed = False
@@ -391,16 +415,16 @@ class MemoryStore(MemoryStorage):
         self._scan_lock = threading.RLock()
         self._scanner: sqlite3.Connection | None = None
         if not create and not self.path.exists():
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store file does not exist",
-                            details={"reason": "MISSING"})
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE, "the memory store file does not exist", details={"reason": "MISSING"}
+            )
         conn: sqlite3.Connection | None = None
         try:
             if create:
                 self._create_file()
             # mode=rw: SQLite never creates the file itself (that is done above, 0600).
             uri = self.path.resolve().as_uri() + "?mode=rw"
-            conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None,
-                                   check_same_thread=False)
+            conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
             self._conn = conn
             self._setup(busy_timeout, create=create)
         except UompError:
@@ -432,8 +456,11 @@ class MemoryStore(MemoryStorage):
         self._refuse_foreign(self._version())
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store cannot use write-ahead logging",
-                            details={"reason": "NO_WAL"})
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE,
+                "the memory store cannot use write-ahead logging",
+                details={"reason": "NO_WAL"},
+            )
         conn.execute("PRAGMA synchronous = FULL")
         trim_wal(conn, self.path)  # a killed import can leave a large -wal behind
         conn.execute("PRAGMA foreign_keys = ON")
@@ -449,8 +476,11 @@ class MemoryStore(MemoryStorage):
             self._refuse_foreign(version)
             if version == 0:
                 if not create:
-                    raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store has not been initialised",
-                                    details={"reason": "EMPTY"})
+                    raise UompError(
+                        ErrorCode.STORE_UNAVAILABLE,
+                        "the memory store has not been initialised",
+                        details={"reason": "EMPTY"},
+                    )
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
@@ -469,13 +499,20 @@ class MemoryStore(MemoryStorage):
                 ErrorCode.STORE_UNAVAILABLE,
                 f"the memory store was written by a newer uomp (schema version {version}, this one "
                 f"understands up to {SCHEMA_VERSION}); upgrade uomp, the file is left untouched",
-                details={"reason": "SCHEMA_TOO_NEW", "schema_version": version})
+                details={"reason": "SCHEMA_TOO_NEW", "schema_version": version},
+            )
         if version < 0:
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store has an unknown schema version",
-                            details={"reason": "SCHEMA_UNKNOWN"})
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE,
+                "the memory store has an unknown schema version",
+                details={"reason": "SCHEMA_UNKNOWN"},
+            )
         if version == 0 and self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the file is a SQLite database but not a UOMP memory "
-                            "store; it is left untouched", details={"reason": "FOREIGN_DB"})
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE,
+                "the file is a SQLite database but not a UOMP memory store; it is left untouched",
+                details={"reason": "FOREIGN_DB"},
+            )
 
     def _version(self) -> int:
         return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
@@ -504,8 +541,9 @@ class MemoryStore(MemoryStorage):
                     raise sqlite3.ProgrammingError("closed")
                 if self._scanner is None:
                     uri = self.path.resolve().as_uri() + "?mode=rw"
-                    conn = sqlite3.connect(uri, uri=True, timeout=self._busy_timeout, isolation_level=None,
-                                           check_same_thread=False)
+                    conn = sqlite3.connect(
+                        uri, uri=True, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
+                    )
                     conn.execute(f"PRAGMA busy_timeout = {max(0, int(self._busy_timeout * 1000))}")
                     conn.execute("PRAGMA query_only = ON")
                     conn.execute("PRAGMA trusted_schema = OFF")
@@ -563,8 +601,7 @@ class MemoryStore(MemoryStorage):
             row = conn.execute(_SQL_META, (key,)).fetchone()
         return _meta_of(row)
 
-    def get_if(self, key: str, allow: Callable[[ItemMeta | None], bool]
-               ) -> tuple[ItemMeta | None, MemoryItem | None]:
+    def get_if(self, key: str, allow: Callable[[ItemMeta | None], bool]) -> tuple[ItemMeta | None, MemoryItem | None]:
         """See :meth:`MemoryStorage.get_if`: one read transaction (one shared lock taken and let go,
         where two autocommit reads take two) and the value only after ``allow``."""
         with self._guard() as conn:
@@ -583,15 +620,16 @@ class MemoryStore(MemoryStorage):
                         conn.execute("COMMIT")
         return meta, (_item_of(row) if row is not None else None)
 
-    def tag_page(self, tag: str, flt: ReadFilter, *, after: str | None, limit: int,
-                 max_bytes: int) -> tuple[_ItemList, bool]:
+    def tag_page(
+        self, tag: str, flt: ReadFilter, *, after: str | None, limit: int, max_bytes: int
+    ) -> tuple[_ItemList, bool]:
         """Up to ``limit`` items carrying ``tag`` that pass ``flt``, in key order, after the key
         ``after`` (keyset paging: stable while items come and go), stopping early once the page holds
         ``max_bytes`` of value and tag text (always at least one item). Returns the items and whether
         more follow. Memory: one page."""
         self._check_limit(limit)
         where, params = flt.sql()
-        sql = (_SQL_PAGE + " AND " + where + " ORDER BY t.item_key LIMIT :lim")  # fixed text only
+        sql = _SQL_PAGE + " AND " + where + " ORDER BY t.item_key LIMIT :lim"  # fixed text only
         params.update({"tag": tag, "after": after if after is not None else "", "lim": limit + 1})
         out: _ItemList = []
         size = 0
@@ -632,8 +670,9 @@ class MemoryStore(MemoryStorage):
                 row = conn.execute("SELECT count(*), total(x), min(x), max(x) " + body, params).fetchone()
         return AggregateRow(int(row[0]), row[1], row[2], row[3])
 
-    def atoms(self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int],
-              max_atoms: int) -> builtins.list[Atom] | None:
+    def atoms(
+        self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int
+    ) -> builtins.list[Atom] | None:
         """Partition the items that ``tags`` (at most 62) reach through ``flt`` and that hold a number
         at ``path`` by which of the tags they carry (see :class:`Atom`); ``keys`` are the secret
         multipliers of the keyed sums. None when there are more than ``max_atoms`` groups."""
@@ -641,8 +680,9 @@ class MemoryStore(MemoryStorage):
             raise ValueError("between 1 and 62 tags")
         where, params = flt.sql()
         a, b, c, d = keys
-        params.update({"tags": json.dumps(list(tags)), "path": path, "a": a, "b": b, "c": c, "d": d,
-                       "max": max_atoms + 1})
+        params.update(
+            {"tags": json.dumps(list(tags)), "path": path, "a": a, "b": b, "c": c, "d": d, "max": max_atoms + 1}
+        )
         sql = _SQL_ATOMS_HEAD + " AND " + where + _SQL_ATOMS_TAIL  # fixed text only
         with self._scan() as conn:
             try:
@@ -650,8 +690,7 @@ class MemoryStore(MemoryStorage):
             except sqlite3.OperationalError as exc:
                 if "overflow" not in str(exc).lower():
                     raise
-                rows = conn.execute(sql.replace("@TOTAL@", "total(json_extract(i.value, :path))"),
-                                    params).fetchall()
+                rows = conn.execute(sql.replace("@TOTAL@", "total(json_extract(i.value, :path))"), params).fetchall()
         if len(rows) > max_atoms:
             return None
         return [Atom(int(r[0]), int(r[1]), int(r[2]), int(r[4]), r[3]) for r in rows]
@@ -696,8 +735,7 @@ class MemoryStore(MemoryStorage):
                 writer.add(item)
             return writer.commit()
 
-    def bulk_writer(self, *, replace: bool = False, dry_run: bool = False,
-                    chunk: int = BULK_CHUNK) -> BulkWriter:
+    def bulk_writer(self, *, replace: bool = False, dry_run: bool = False, chunk: int = BULK_CHUNK) -> BulkWriter:
         """A context manager streaming items into ONE transaction (``BEGIN IMMEDIATE`` on entry)::
 
             with store.bulk_writer(replace=False) as w:
@@ -738,8 +776,9 @@ class MemoryStore(MemoryStorage):
     def __enter__(self) -> MemoryStore:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 

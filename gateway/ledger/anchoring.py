@@ -107,8 +107,12 @@ CREATE TABLE IF NOT EXISTS ledger_anchor_scan (
 );
 """
 # audit action -> the §18.4.1 event it is anchored as (allowed events only)
-ANCHORED_ACTIONS = {"session_granted": "SessionGranted", "session_revoked": "SessionRevoked",
-                    "deletion_proof": "DataDeletionProofSubmitted", "payload_uploaded": "PayloadAnchored"}
+ANCHORED_ACTIONS = {
+    "session_granted": "SessionGranted",
+    "session_revoked": "SessionRevoked",
+    "deletion_proof": "DataDeletionProofSubmitted",
+    "payload_uploaded": "PayloadAnchored",
+}
 KIND_ORDER = ("SessionGranted", "SessionRevoked", "PayloadAnchored", "DataDeletionProofSubmitted")
 GATEWAY_EVENT_PREFIX = "gw_"  # ids of events the remote gateway sent (gateway.guard.audit.GATEWAY_ID_PREFIX)
 DERIVE_BATCH = 2000  # audit events looked at per derivation transaction
@@ -137,11 +141,13 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
                     raise  # busy (the writer holds the lock): the caller tries again next round
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_anchor_scan'").fetchone() is None:
         conn.executescript(EVENTS_SCHEMA)
-    unchecked = ("FROM ledger_anchors WHERE state = 'confirmed' AND verified_at IS NULL AND ref IS NOT NULL"
-                 " AND ref != ''")
+    unchecked = (
+        "FROM ledger_anchors WHERE state = 'confirmed' AND verified_at IS NULL AND ref IS NOT NULL AND ref != ''"
+    )
     if conn.execute(f"SELECT 1 {unchecked} LIMIT 1").fetchone() is not None:  # nothing written otherwise
-        conn.execute(f"UPDATE ledger_anchors SET state = 'submitted', next_at = 0 WHERE rowid IN (SELECT rowid"
-                     f" {unchecked})")
+        conn.execute(
+            f"UPDATE ledger_anchors SET state = 'submitted', next_at = 0 WHERE rowid IN (SELECT rowid {unchecked})"
+        )
 
 
 # ------------------------------------------------------------------ §18.4.1 facts from the audit log
@@ -166,8 +172,11 @@ class Fact:
 
 def _grant_tags(conn: sqlite3.Connection, session_id: str) -> list[str] | None:
     """The tags of the session's ``session_granted`` event (what its sessionHash is made of)."""
-    row = conn.execute("SELECT body FROM ledger_events WHERE session_id = ? AND action = 'session_granted'"
-                       " AND body IS NOT NULL ORDER BY seq LIMIT 1", (session_id,)).fetchone()
+    row = conn.execute(
+        "SELECT body FROM ledger_events WHERE session_id = ? AND action = 'session_granted'"
+        " AND body IS NOT NULL ORDER BY seq LIMIT 1",
+        (session_id,),
+    ).fetchone()
     if row is None:
         return None
     tags = json.loads(row[0]).get("tags")
@@ -224,8 +233,9 @@ def derive_facts(conn: sqlite3.Connection, *, now: float | None = None, batch: i
     the cursor moved over (0: it is at the end of the log)."""
     now = time.time() if now is None else now
     moved = 0
-    row = conn.execute("SELECT (SELECT seq FROM ledger_anchor_scan WHERE one = 1), (SELECT MAX(seq) FROM"
-                       " ledger_events)").fetchone()
+    row = conn.execute(
+        "SELECT (SELECT seq FROM ledger_anchor_scan WHERE one = 1), (SELECT MAX(seq) FROM ledger_events)"
+    ).fetchone()
     if row[1] is None or (row[0] is not None and int(row[0]) >= int(row[1])):
         return 0  # nothing new: no write lock taken
     conn.execute("BEGIN IMMEDIATE")
@@ -237,21 +247,36 @@ def derive_facts(conn: sqlite3.Connection, *, now: float | None = None, batch: i
             actions = tuple(ANCHORED_ACTIONS)
             marks = ",".join("?" * len(actions))
             for seq, eid, action, body in conn.execute(
-                    f"SELECT seq, id, action, body FROM ledger_events WHERE seq > ? AND seq <= ?"
-                    f" AND action IN ({marks}) ORDER BY seq", (cursor, int(top), *actions)).fetchall():
+                f"SELECT seq, id, action, body FROM ledger_events WHERE seq > ? AND seq <= ?"
+                f" AND action IN ({marks}) ORDER BY seq",
+                (cursor, int(top), *actions),
+            ).fetchall():
                 fact = fact_of(conn, int(seq), str(eid), str(action), body)
                 if fact is None:
                     continue
                 cur = conn.execute(
                     "INSERT OR IGNORE INTO ledger_anchor_events (seq, event_id, kind, session_hash, agent_hash,"
                     " item_hash, expires_at, skipped, queued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (fact.seq, fact.event_id, fact.kind, fact.session_hash, fact.agent_hash, fact.item_hash,
-                     fact.expires_at, fact.skipped, now))
+                    (
+                        fact.seq,
+                        fact.event_id,
+                        fact.kind,
+                        fact.session_hash,
+                        fact.agent_hash,
+                        fact.item_hash,
+                        fact.expires_at,
+                        fact.skipped,
+                        now,
+                    ),
+                )
                 if cur.rowcount and fact.skipped:
                     log.error("audit event #%d (%s) cannot be anchored: %s", fact.seq, fact.kind, fact.skipped)
             fault_point("anchor.facts_derived")  # (before the commit: the derivation is redone)
-            conn.execute("INSERT INTO ledger_anchor_scan (one, seq) VALUES (1, ?) ON CONFLICT(one) DO UPDATE"
-                         " SET seq = excluded.seq", (int(top),))
+            conn.execute(
+                "INSERT INTO ledger_anchor_scan (one, seq) VALUES (1, ?) ON CONFLICT(one) DO UPDATE"
+                " SET seq = excluded.seq",
+                (int(top),),
+            )
             moved = int(top) - cursor
         conn.execute("COMMIT")
     except BaseException:
@@ -261,12 +286,18 @@ def derive_facts(conn: sqlite3.Connection, *, now: float | None = None, batch: i
     return moved
 
 
-def stored_facts(conn: sqlite3.Connection, where: str = "1",
-                 args: tuple[Any, ...] = ()) -> list[tuple[Fact, int | None]]:
+def stored_facts(
+    conn: sqlite3.Connection, where: str = "1", args: tuple[Any, ...] = ()
+) -> list[tuple[Fact, int | None]]:
     """(fact, anchor size) rows of ``ledger_anchor_events``."""
-    return [(Fact(int(r[0]), str(r[1]), str(r[2]), _b(r[3]), _b(r[4]), _b(r[5]), r[6], r[7]), r[8])
-            for r in conn.execute("SELECT seq, event_id, kind, session_hash, agent_hash, item_hash, expires_at,"
-                                  f" skipped, anchor_size FROM ledger_anchor_events WHERE {where} ORDER BY seq", args)]
+    return [
+        (Fact(int(r[0]), str(r[1]), str(r[2]), _b(r[3]), _b(r[4]), _b(r[5]), r[6], r[7]), r[8])
+        for r in conn.execute(
+            "SELECT seq, event_id, kind, session_hash, agent_hash, item_hash, expires_at,"
+            f" skipped, anchor_size FROM ledger_anchor_events WHERE {where} ORDER BY seq",
+            args,
+        )
+    ]
 
 
 def _b(v: Any) -> bytes | None:
@@ -308,8 +339,13 @@ def _chain_key(ev: dict[str, Any]) -> tuple[Any, ...]:
     kind = ev["kind"]
     item = a.get("payloadHash") if kind == "PayloadAnchored" else a.get("deletionProofHash")
     exp = a.get("expiresAt") if kind == "SessionGranted" else None
-    return (kind, bytes(a["sessionHash"]), bytes(a["agentHash"]), None if item is None else bytes(item),
-            None if exp is None else int(exp))
+    return (
+        kind,
+        bytes(a["sessionHash"]),
+        bytes(a["agentHash"]),
+        None if item is None else bytes(item),
+        None if exp is None else int(exp),
+    )
 
 
 def check_facts(conn: sqlite3.Connection, chain_events: list[dict[str, Any]] | None) -> list[str]:
@@ -326,8 +362,9 @@ def check_facts(conn: sqlite3.Connection, chain_events: list[dict[str, Any]] | N
     actions = tuple(ANCHORED_ACTIONS)
     marks = ",".join("?" * len(actions))
     for seq, eid, action, body in conn.execute(
-            f"SELECT seq, id, action, body FROM ledger_events WHERE seq <= ? AND action IN ({marks}) ORDER BY seq",
-            (cursor, *actions)).fetchall():
+        f"SELECT seq, id, action, body FROM ledger_events WHERE seq <= ? AND action IN ({marks}) ORDER BY seq",
+        (cursor, *actions),
+    ).fetchall():
         have = stored.get(int(seq))
         if body is None:
             continue  # pruned: the stored fact is what is left of it
@@ -342,8 +379,12 @@ def check_facts(conn: sqlite3.Connection, chain_events: list[dict[str, Any]] | N
             continue  # an input is gone from the log now (the grant's body pruned): the stored fact is what is left
         elif have[0].key() != want.key() or have[0].event_id != want.event_id:
             problems.append(f"anchored fact #{seq} ({want.kind}) does not match its audit event")
-    confirmed = {int(s): str(ref) for s, ref in conn.execute(
-        "SELECT size, ref FROM ledger_anchors WHERE state = 'confirmed' AND ref IS NOT NULL AND ref != ''")}
+    confirmed = {
+        int(s): str(ref)
+        for s, ref in conn.execute(
+            "SELECT size, ref FROM ledger_anchors WHERE state = 'confirmed' AND ref IS NOT NULL AND ref != ''"
+        )
+    }
     if chain_events is None:
         return problems
     on_chain: dict[tuple[Any, ...], list[str]] = {}
@@ -356,12 +397,15 @@ def check_facts(conn: sqlite3.Connection, chain_events: list[dict[str, Any]] | N
         known[fact.key()] = known.get(fact.key(), 0) + 1
         if size is not None and int(size) in confirmed:
             if confirmed[int(size)].lower() not in on_chain.get(fact.key(), []):
-                problems.append(f"{fact.kind} of audit event #{fact.seq} is confirmed but not on chain in tx "
-                                f"{confirmed[int(size)]}")
+                problems.append(
+                    f"{fact.kind} of audit event #{fact.seq} is confirmed but not on chain in tx {confirmed[int(size)]}"
+                )
     for key, txs in on_chain.items():
         if len(txs) > known.get(key, 0):
-            problems.append(f"{key[0]} on chain in tx {txs[-1]} matches no audit event (or is there "
-                            f"{len(txs)} times for {known.get(key, 0)} in the log)")
+            problems.append(
+                f"{key[0]} on chain in tx {txs[-1]} matches no audit event (or is there "
+                f"{len(txs)} times for {known.get(key, 0)} in the log)"
+            )
     return problems
 
 
@@ -375,25 +419,31 @@ def backlog(conn: sqlite3.Connection, *, now: float | None = None) -> dict[str, 
         counts[str(state)] = int(n)
     open_in = "('queued', 'submitted', 'rejected')"
     row = conn.execute(f"SELECT MIN(queued_at), MIN(size) FROM ledger_anchors WHERE state IN {open_in}").fetchone()
-    last = conn.execute("SELECT size, ref, block_number, done_at FROM ledger_anchors WHERE state = 'confirmed'"
-                        " ORDER BY size DESC LIMIT 1").fetchone()
-    err = conn.execute("SELECT last_error FROM ledger_anchors WHERE last_error IS NOT NULL"
-                       " AND state IN ('queued', 'submitted', 'rejected', 'failed') ORDER BY size DESC LIMIT 1"
-                       ).fetchone()
+    last = conn.execute(
+        "SELECT size, ref, block_number, done_at FROM ledger_anchors WHERE state = 'confirmed'"
+        " ORDER BY size DESC LIMIT 1"
+    ).fetchone()
+    err = conn.execute(
+        "SELECT last_error FROM ledger_anchors WHERE last_error IS NOT NULL"
+        " AND state IN ('queued', 'submitted', 'rejected', 'failed') ORDER BY size DESC LIMIT 1"
+    ).fetchone()
     rejection = None
     checked = None
     if "rejected_reason" in cols:
-        r = conn.execute("SELECT size, state, rejected_reason, rejected_at, rejections FROM ledger_anchors"
-                         " WHERE rejected_reason IS NOT NULL ORDER BY rejected_at DESC, size DESC LIMIT 1").fetchone()
+        r = conn.execute(
+            "SELECT size, state, rejected_reason, rejected_at, rejections FROM ledger_anchors"
+            " WHERE rejected_reason IS NOT NULL ORDER BY rejected_at DESC, size DESC LIMIT 1"
+        ).fetchone()
         if r is not None:
             rejection = {"tree_size": int(r[0]), "state": r[1], "reason": r[2], "at": r[3], "rejections": int(r[4])}
         checked = conn.execute("SELECT MAX(checked_at) FROM ledger_anchors WHERE state = 'confirmed'").fetchone()[0]
     events: dict[str, dict[str, int]] = {}
     if _has_events(conn):
         for kind, state, n in conn.execute(
-                "SELECT e.kind, CASE WHEN e.skipped IS NOT NULL THEN 'skipped' WHEN a.state IS NULL THEN 'queued'"
-                " ELSE a.state END, COUNT(*) FROM ledger_anchor_events e LEFT JOIN ledger_anchors a"
-                " ON a.size = e.anchor_size GROUP BY 1, 2"):
+            "SELECT e.kind, CASE WHEN e.skipped IS NOT NULL THEN 'skipped' WHEN a.state IS NULL THEN 'queued'"
+            " ELSE a.state END, COUNT(*) FROM ledger_anchor_events e LEFT JOIN ledger_anchors a"
+            " ON a.size = e.anchor_size GROUP BY 1, 2"
+        ):
             events.setdefault(str(kind), {})[str(state)] = int(n)
     return {
         "counts": counts,
@@ -401,8 +451,9 @@ def backlog(conn: sqlite3.Connection, *, now: float | None = None) -> dict[str, 
         "backlog_size": sum(counts[s] for s in OPEN_STATES),
         "oldest_pending_seconds": None if row[0] is None else max(0.0, now - float(row[0])),
         "oldest_pending_tree_size": None if row[1] is None else int(row[1]),
-        "last_confirmed": None if last is None else {"tree_size": int(last[0]), "tx": last[1],
-                                                     "block": last[2], "at": last[3]},
+        "last_confirmed": None
+        if last is None
+        else {"tree_size": int(last[0]), "tx": last[1], "block": last[2], "at": last[3]},
         "last_checked_at": checked,
         "last_error": None if err is None else err[0],
         "last_rejection": rejection,
@@ -430,19 +481,23 @@ def summary(b: dict[str, Any] | None) -> str:
         return "no anchoring backlog (the audit log is not open yet)"
     c = b["counts"]
     last = b.get("last_confirmed")
-    text = (f"{c.get('confirmed', 0)} anchored (checked on chain), {b.get('backlog_size', 0)} in the backlog"
-            + (f" ({c['rejected']} REJECTED)" if c.get("rejected") else "")
-            + (f", oldest {b['oldest_pending_seconds']:.0f} s" if b.get("oldest_pending_seconds") is not None else "")
-            + (f", last in tx {last['tx']}" if last else ""))
+    text = (
+        f"{c.get('confirmed', 0)} anchored (checked on chain), {b.get('backlog_size', 0)} in the backlog"
+        + (f" ({c['rejected']} REJECTED)" if c.get("rejected") else "")
+        + (f", oldest {b['oldest_pending_seconds']:.0f} s" if b.get("oldest_pending_seconds") is not None else "")
+        + (f", last in tx {last['tx']}" if last else "")
+    )
     facts: dict[str, int] = {}
     for per_state in (b.get("events") or {}).values():
         for state, n in per_state.items():
             facts[state] = facts.get(state, 0) + n
     if facts:
         open_n = sum(facts.get(st, 0) for st in ("queued", "submitted"))
-        text += (f"; §18.4.1 events: {facts.get('confirmed', 0)} on chain (checked), {open_n} pending"
-                 + (f", {facts['rejected']} REJECTED" if facts.get("rejected") else "")
-                 + (f", {facts['skipped']} not anchorable" if facts.get("skipped") else ""))
+        text += (
+            f"; §18.4.1 events: {facts.get('confirmed', 0)} on chain (checked), {open_n} pending"
+            + (f", {facts['rejected']} REJECTED" if facts.get("rejected") else "")
+            + (f", {facts['skipped']} not anchorable" if facts.get("skipped") else "")
+        )
     rej = b.get("last_rejection")
     if rej and rej.get("state") in OPEN_STATES:
         text += f"; !! the chain did not show checkpoint {rej['tree_size']}: {rej['reason']}"
@@ -463,8 +518,14 @@ class AnchorPolicy:
 class Anchorer:
     """Drains the backlog of one ledger database into one backend."""
 
-    def __init__(self, db_path: Path, backend: AnchorBackend, *, policy: AnchorPolicy | None = None,
-                 backend_info: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        db_path: Path,
+        backend: AnchorBackend,
+        *,
+        policy: AnchorPolicy | None = None,
+        backend_info: dict[str, Any] | None = None,
+    ) -> None:
         self.db_path = db_path
         self.backend = backend
         self.policy = policy or AnchorPolicy()
@@ -558,14 +619,19 @@ class Anchorer:
                 break
         # Supersede every open checkpoint below the newest one that is open or confirmed, unless it
         # carries §18.4.1 facts (those are sent themselves: the facts are bound to that transaction).
-        await self._q("UPDATE ledger_anchors SET state = 'superseded', done_at = ?"
-                      " WHERE state IN ('queued', 'rejected') AND size < (SELECT MAX(size) FROM ledger_anchors"
-                      " WHERE state IN ('queued', 'submitted', 'rejected', 'confirmed')) AND NOT EXISTS"
-                      " (SELECT 1 FROM ledger_anchor_events e WHERE e.anchor_size = ledger_anchors.size)", (now,))
+        await self._q(
+            "UPDATE ledger_anchors SET state = 'superseded', done_at = ?"
+            " WHERE state IN ('queued', 'rejected') AND size < (SELECT MAX(size) FROM ledger_anchors"
+            " WHERE state IN ('queued', 'submitted', 'rejected', 'confirmed')) AND NOT EXISTS"
+            " (SELECT 1 FROM ledger_anchor_events e WHERE e.anchor_size = ledger_anchors.size)",
+            (now,),
+        )
         for size, cp_hash, state, ref, nonce, attempts, rejections, fixed in await self._q(
-                "SELECT size, checkpoint_hash, state, ref, nonce, attempts, rejections, events_fixed"
-                " FROM ledger_anchors WHERE state IN ('queued', 'submitted', 'rejected') AND next_at <= ?"
-                " ORDER BY size", (now,)):
+            "SELECT size, checkpoint_hash, state, ref, nonce, attempts, rejections, events_fixed"
+            " FROM ledger_anchors WHERE state IN ('queued', 'submitted', 'rejected') AND next_at <= ?"
+            " ORDER BY size",
+            (now,),
+        ):
             if not fixed:
                 await asyncio.to_thread(self._bind_facts, size)
                 fault_point("anchor.facts_bound")
@@ -587,9 +653,12 @@ class Anchorer:
         conn.execute("BEGIN IMMEDIATE")
         try:
             if conn.execute("SELECT events_fixed FROM ledger_anchors WHERE size = ?", (size,)).fetchone() == (0,):
-                conn.execute("UPDATE ledger_anchor_events SET anchor_size = ? WHERE seq IN (SELECT seq FROM"
-                             " ledger_anchor_events WHERE anchor_size IS NULL AND skipped IS NULL AND seq <= ?"
-                             " ORDER BY seq LIMIT ?)", (size, size, MAX_EVENTS_PER_ANCHOR))
+                conn.execute(
+                    "UPDATE ledger_anchor_events SET anchor_size = ? WHERE seq IN (SELECT seq FROM"
+                    " ledger_anchor_events WHERE anchor_size IS NULL AND skipped IS NULL AND seq <= ?"
+                    " ORDER BY seq LIMIT ?)",
+                    (size, size, MAX_EVENTS_PER_ANCHOR),
+                )
                 conn.execute("UPDATE ledger_anchors SET events_fixed = 1 WHERE size = ?", (size,))
             conn.execute("COMMIT")
         except BaseException:
@@ -597,8 +666,17 @@ class Anchorer:
                 conn.execute("ROLLBACK")
             raise
 
-    async def _advance(self, anchor: Anchor, size: int, state: str, ref: str | None, nonce: int | None,
-                       attempts: int, rejections: int, now: float) -> None:
+    async def _advance(
+        self,
+        anchor: Anchor,
+        size: int,
+        state: str,
+        ref: str | None,
+        nonce: int | None,
+        attempts: int,
+        rejections: int,
+        now: float,
+    ) -> None:
         """One row one step on: send (queued, rejected), then status, then verify before confirmed."""
         phase = "check"  # a refusal while checking the chain is a rejection; while sending, a failure
         try:
@@ -608,11 +686,18 @@ class Anchorer:
                 sub = await self.backend.submit(anchor)
                 fault_point("anchor.sent")
                 phase = "check"
-                await self._q("UPDATE ledger_anchors SET state = 'submitted', ref = ?, nonce = ?, attempts = ?,"
-                              " last_error = NULL, next_at = ?, checked_at = ? WHERE size = ?",
-                              (sub.ref, sub.nonce, attempts + 1, now, now, size))
-                log.info("checkpoint %d: %s tx %s (%s)", size, self.backend.name, sub.ref or "-",
-                         "found on chain" if sub.found_on_chain else "sent")
+                await self._q(
+                    "UPDATE ledger_anchors SET state = 'submitted', ref = ?, nonce = ?, attempts = ?,"
+                    " last_error = NULL, next_at = ?, checked_at = ? WHERE size = ?",
+                    (sub.ref, sub.nonce, attempts + 1, now, now, size),
+                )
+                log.info(
+                    "checkpoint %d: %s tx %s (%s)",
+                    size,
+                    self.backend.name,
+                    sub.ref or "-",
+                    "found on chain" if sub.found_on_chain else "sent",
+                )
                 ref, nonce = sub.ref, sub.nonce
             conf = await self.backend.status(Submitted(self.backend.name, anchor.anchor_id, ref or "", nonce))
             if conf.state == "confirmed" and conf.final:
@@ -626,11 +711,14 @@ class Anchorer:
                 await self._fail(size, str(exc), now, release=True)
             return
         if conf.state == "confirmed" and conf.final:
-            await self._q("UPDATE ledger_anchors SET state = 'confirmed', block_number = ?, confirmations = ?,"
-                          " done_at = ?, last_error = NULL, verified_at = ?, checked_at = ? WHERE size = ?",
-                          (conf.block_number, conf.confirmations, now, now, now, size))
-            log.info("checkpoint %d final on %s (block %s), checked on chain", size, self.backend.name,
-                     conf.block_number)
+            await self._q(
+                "UPDATE ledger_anchors SET state = 'confirmed', block_number = ?, confirmations = ?,"
+                " done_at = ?, last_error = NULL, verified_at = ?, checked_at = ? WHERE size = ?",
+                (conf.block_number, conf.confirmations, now, now, now, size),
+            )
+            log.info(
+                "checkpoint %d final on %s (block %s), checked on chain", size, self.backend.name, conf.block_number
+            )
         elif conf.state == "dropped":
             await self._q("UPDATE ledger_anchors SET state = 'queued', next_at = ? WHERE size = ?", (now, size))
         elif conf.state == "failed":
@@ -639,16 +727,21 @@ class Anchorer:
             except AnchorError:
                 other = None
             if other:
-                await self._q("UPDATE ledger_anchors SET ref = ?, nonce = NULL, next_at = ? WHERE size = ?",
-                              (other, now, size))
+                await self._q(
+                    "UPDATE ledger_anchors SET ref = ?, nonce = NULL, next_at = ? WHERE size = ?", (other, now, size)
+                )
             else:
                 await self._fail(size, "the anchoring transaction reverted", now, release=True)
         elif conf.state == "not_anchored":
-            await self._q("UPDATE ledger_anchors SET state = 'confirmed', done_at = ?, verified_at = ? WHERE size = ?",
-                          (now, now, size))
+            await self._q(
+                "UPDATE ledger_anchors SET state = 'confirmed', done_at = ?, verified_at = ? WHERE size = ?",
+                (now, now, size),
+            )
         else:  # pending or not deep enough yet
-            await self._q("UPDATE ledger_anchors SET confirmations = ?, next_at = ? WHERE size = ?",
-                          (conf.confirmations, now + self.policy.poll_seconds, size))
+            await self._q(
+                "UPDATE ledger_anchors SET confirmations = ?, next_at = ? WHERE size = ?",
+                (conf.confirmations, now + self.policy.poll_seconds, size),
+            )
 
     async def recheck(self, *, now: float | None = None) -> int:
         """Read the newest ``recheck_count`` confirmed anchors from the chain again (all of them, up
@@ -657,9 +750,11 @@ class Anchorer:
         the rows stay as they were last checked (``checked_at``)."""
         now = time.time() if now is None else now
         self._next_recheck = now + self.policy.recheck_seconds
-        rows = await self._q("SELECT size, checkpoint_hash, ref, rejections FROM ledger_anchors"
-                             " WHERE state = 'confirmed' AND ref IS NOT NULL AND ref != '' ORDER BY size DESC LIMIT ?",
-                             (MAX_RECHECK_ALL,))
+        rows = await self._q(
+            "SELECT size, checkpoint_hash, ref, rejections FROM ledger_anchors"
+            " WHERE state = 'confirmed' AND ref IS NOT NULL AND ref != '' ORDER BY size DESC LIMIT ?",
+            (MAX_RECHECK_ALL,),
+        )
         gone = 0
         for i, (size, cp_hash, ref, rejections) in enumerate(rows):
             if i >= self.policy.recheck_count and not gone:
@@ -677,40 +772,55 @@ class Anchorer:
                 gone += 1
                 reason = f"recheck: tx {ref} no longer shows checkpoint {size} ({exc})"[:MAX_REASON]
                 log.error("anchor of checkpoint %d is gone from the chain, re-anchoring: %s", size, exc)
-                await self._q("UPDATE ledger_anchors SET state = 'queued', ref = NULL, nonce = NULL,"
-                              " block_number = NULL, confirmations = 0, verified_at = NULL, done_at = NULL,"
-                              " next_at = ?, last_error = ?,"
-                              " rejected_reason = ?, rejected_at = ?, rejections = ?, checked_at = ? WHERE size = ?",
-                              (now, reason, reason, now, int(rejections) + 1, now, size))
+                await self._q(
+                    "UPDATE ledger_anchors SET state = 'queued', ref = NULL, nonce = NULL,"
+                    " block_number = NULL, confirmations = 0, verified_at = NULL, done_at = NULL,"
+                    " next_at = ?, last_error = ?,"
+                    " rejected_reason = ?, rejected_at = ?, rejections = ?, checked_at = ? WHERE size = ?",
+                    (now, reason, reason, now, int(rejections) + 1, now, size),
+                )
                 continue
-            await self._q("UPDATE ledger_anchors SET checked_at = ?, verified_at = ?, block_number = ?,"
-                          " confirmations = ? WHERE size = ?",
-                          (now, now, conf.block_number, conf.confirmations, size))
+            await self._q(
+                "UPDATE ledger_anchors SET checked_at = ?, verified_at = ?, block_number = ?,"
+                " confirmations = ? WHERE size = ?",
+                (now, now, conf.block_number, conf.confirmations, size),
+            )
         return gone
 
     def _backoff(self, n: int) -> float:
-        return float(min(self.policy.backoff_max_seconds,
-                         self.policy.backoff_initial_seconds * 2 ** min(max(n, 1) - 1, 20)))
+        return float(
+            min(self.policy.backoff_max_seconds, self.policy.backoff_initial_seconds * 2 ** min(max(n, 1) - 1, 20))
+        )
 
     async def _retry(self, size: int, attempts: int, error: str, now: float) -> None:
         wait = self._backoff(attempts)
         log.warning("anchoring checkpoint %d: %s; retrying in %.0f s", size, error, wait)
-        await self._q("UPDATE ledger_anchors SET attempts = ?, last_error = ?, next_at = ? WHERE size = ?",
-                      (attempts, error[:MAX_REASON], now + wait, size))
+        await self._q(
+            "UPDATE ledger_anchors SET attempts = ?, last_error = ?, next_at = ? WHERE size = ?",
+            (attempts, error[:MAX_REASON], now + wait, size),
+        )
 
     async def _reject(self, size: int, rejections: int, error: str, now: float) -> None:
         wait = self._backoff(rejections + 1)
-        log.error("anchor of checkpoint %d REJECTED (the chain does not show it): %s; a fresh send in %.0f s",
-                  size, error, wait)
-        await self._q("UPDATE ledger_anchors SET state = 'rejected', last_error = ?, rejected_reason = ?,"
-                      " rejected_at = ?, rejections = ?, verified_at = NULL, next_at = ? WHERE size = ?",
-                      (error[:MAX_REASON], error[:MAX_REASON], now, rejections + 1, now + wait, size))
+        log.error(
+            "anchor of checkpoint %d REJECTED (the chain does not show it): %s; a fresh send in %.0f s",
+            size,
+            error,
+            wait,
+        )
+        await self._q(
+            "UPDATE ledger_anchors SET state = 'rejected', last_error = ?, rejected_reason = ?,"
+            " rejected_at = ?, rejections = ?, verified_at = NULL, next_at = ? WHERE size = ?",
+            (error[:MAX_REASON], error[:MAX_REASON], now, rejections + 1, now + wait, size),
+        )
 
     async def _fail(self, size: int, error: str, now: float, *, release: bool = False) -> None:
         """``release``: the chain refused or reverted this anchor (its facts are not on chain), so
         they go with the next checkpoint sent; otherwise (the log itself is wrong) they stay bound."""
         log.error("anchoring checkpoint %d failed: %s", size, error)
-        await self._q("UPDATE ledger_anchors SET state = 'failed', last_error = ?, done_at = ? WHERE size = ?",
-                      (error[:MAX_REASON], now, size))
+        await self._q(
+            "UPDATE ledger_anchors SET state = 'failed', last_error = ?, done_at = ? WHERE size = ?",
+            (error[:MAX_REASON], now, size),
+        )
         if release:
             await self._q("UPDATE ledger_anchor_events SET anchor_size = NULL WHERE anchor_size = ?", (size,))

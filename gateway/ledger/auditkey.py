@@ -24,8 +24,9 @@ _RESTORE = "a new key would not continue the log's signed checkpoints"
 
 def ensure(paths: Paths) -> bool:
     """Create the audit key if it is missing; True when this call made it."""
-    return pemkeys.ensure(paths.audit_key, Ed25519PrivateKey.generate, Ed25519PrivateKey, what="audit signing key",
-                          restore=_RESTORE)
+    return pemkeys.ensure(
+        paths.audit_key, Ed25519PrivateKey.generate, Ed25519PrivateKey, what="audit signing key", restore=_RESTORE
+    )
 
 
 def load(paths: Paths) -> Ed25519PrivateKey:

@@ -142,17 +142,26 @@ class WitnessDir:
     def ensure_key(self) -> bool:
         """Make the witness key and its verifier key file if missing; True when this call made it."""
         ensure_private_dir(self.path, "witness directory")
-        made = pemkeys.ensure(self.path / KEY_FILE, Ed25519PrivateKey.generate, Ed25519PrivateKey,
-                              what="witness key", restore="a new witness key would not vouch for what the old one "
-                              "cosigned")
+        made = pemkeys.ensure(
+            self.path / KEY_FILE,
+            Ed25519PrivateKey.generate,
+            Ed25519PrivateKey,
+            what="witness key",
+            restore="a new witness key would not vouch for what the old one cosigned",
+        )
         if made or not (self.path / VKEY_FILE).exists():
-            atomic_write(self.path / VKEY_FILE, (verifier_key(*self._name_pub(self._private())) + "\n").encode(),
-                         mode=0o644)
+            atomic_write(
+                self.path / VKEY_FILE, (verifier_key(*self._name_pub(self._private())) + "\n").encode(), mode=0o644
+            )
         return made
 
     def _private(self) -> Ed25519PrivateKey:
-        key = pemkeys.load(self.path / KEY_FILE, Ed25519PrivateKey, what="witness key",
-                           restore="a new witness key would not vouch for what the old one cosigned")
+        key = pemkeys.load(
+            self.path / KEY_FILE,
+            Ed25519PrivateKey,
+            what="witness key",
+            restore="a new witness key would not vouch for what the old one cosigned",
+        )
         assert isinstance(key, Ed25519PrivateKey)
         return key
 
@@ -175,13 +184,15 @@ class WitnessDir:
                 raise NoteError("too large")
             return parse_verifier_key(raw.decode("ascii"))
         except FileNotFoundError:
-            raise WitnessDirError(f"{self.path} holds no witness key ({VKEY_FILE}); run 'uomp audit witness "
-                                  f"--dir {self.path}'") from None
+            raise WitnessDirError(
+                f"{self.path} holds no witness key ({VKEY_FILE}); run 'uomp audit witness --dir {self.path}'"
+            ) from None
         except (OSError, UnicodeDecodeError, NoteError) as exc:
             raise WitnessDirError(f"the witness verifier key {self.path / VKEY_FILE} is not valid ({exc})") from None
 
-    def newest(self, *, origin: str, log_key: Ed25519PublicKey, name: str,
-               witness_key: Ed25519PublicKey) -> Cosigned | None:
+    def newest(
+        self, *, origin: str, log_key: Ed25519PublicKey, name: str, witness_key: Ed25519PublicKey
+    ) -> Cosigned | None:
         """The newest cosigned checkpoint, None when the witness has cosigned nothing yet. It must
         carry a valid cosignature by the witness key and a valid signature by the audit key."""
         try:
@@ -200,14 +211,18 @@ class WitnessDir:
             if cp.text() != text:
                 raise NoteError("the cosigned text is not the checkpoint")
         except (UnicodeDecodeError, NoteError) as exc:
-            raise WitnessDirError(f"the witness's checkpoint {self.path / CHECKPOINT_FILE} is not a checkpoint of "
-                                  f"{origin} cosigned by {name} ({exc})") from None
+            raise WitnessDirError(
+                f"the witness's checkpoint {self.path / CHECKPOINT_FILE} is not a checkpoint of "
+                f"{origin} cosigned by {name} ({exc})"
+            ) from None
         return Cosigned(note, cp, timestamp)
 
     def store(self, cosigned: Cosigned) -> None:
         """The history line first (appended, fsynced), then the newest checkpoint (atomically)."""
-        line = json.dumps({"size": cosigned.checkpoint.size, "timestamp": cosigned.timestamp,
-                           "note": cosigned.note}) + "\n"
+        line = (
+            json.dumps({"size": cosigned.checkpoint.size, "timestamp": cosigned.timestamp, "note": cosigned.note})
+            + "\n"
+        )
         fd = os.open(self.path / HISTORY_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line.encode())

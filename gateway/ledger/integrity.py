@@ -52,9 +52,11 @@ MAX_TAIL_EVENTS = 100_000  # at most this many events checked in full at start (
 FIX = {
     ErrorCode.AUDIT_LOG_INCONSISTENT: (
         "put back the audit.db that extends the witness record .secrets/audit-witness.json (a backup taken after "
-        "that checkpoint); see docs/audit.md, 'When the log disagrees with its witness'"),
+        "that checkpoint); see docs/audit.md, 'When the log disagrees with its witness'"
+    ),
     ErrorCode.AUDIT_LOG_DAMAGED: (
-        "run 'uomp audit verify' for the first bad event and restore audit.db from a backup (docs/audit.md)"),
+        "run 'uomp audit verify' for the first bad event and restore audit.db from a backup (docs/audit.md)"
+    ),
 }
 
 
@@ -68,8 +70,9 @@ def report_refusal(report: Report) -> UompError | None:
     if report.ok:
         return None
     code = ErrorCode.AUDIT_LOG_INCONSISTENT if report.inconsistent else ErrorCode.AUDIT_LOG_DAMAGED
-    return refusal(code, report.problems[0] if report.problems else "it does not verify",
-                   first_bad_seq=report.first_bad_seq)
+    return refusal(
+        code, report.problems[0] if report.problems else "it does not verify", first_bad_seq=report.first_bad_seq
+    )
 
 
 # ----------------------------------------------------------------------------------- witness record
@@ -98,14 +101,19 @@ def read_witness(path: Path, *, origin: str, public_key: Ed25519PublicKey) -> Wi
         if len(raw) > MAX_WITNESS_BYTES:
             raise ValueError("too large")
         data = json.loads(raw)
-        if (not isinstance(data, dict) or data.get("version") != WITNESS_VERSION
-                or not isinstance(data.get("note"), str)):
+        if (
+            not isinstance(data, dict)
+            or data.get("version") != WITNESS_VERSION
+            or not isinstance(data.get("note"), str)
+        ):
             raise ValueError("not a version 1 witness record")
         note = str(data["note"])
         return Witness(note, Checkpoint.open(note, origin, public_key))
     except (ValueError, NoteError) as exc:
-        raise refusal(ErrorCode.AUDIT_LOG_INCONSISTENT,
-                      f"the witness record is not a checkpoint signed by this appliance's audit key ({exc})") from None
+        raise refusal(
+            ErrorCode.AUDIT_LOG_INCONSISTENT,
+            f"the witness record is not a checkpoint signed by this appliance's audit key ({exc})",
+        ) from None
 
 
 def write_witness(path: Path, note: str) -> None:
@@ -119,6 +127,7 @@ def _node_reader(conn: sqlite3.Connection) -> merkle.NodeReader:
         if row is None:
             raise merkle.ProofError(f"merkle node {level}/{index} is missing")
         return bytes(row[0])
+
     return node
 
 
@@ -129,21 +138,28 @@ def witness_problem(conn: sqlite3.Connection, size: int, witness: Witness | None
         return None
     w = witness.checkpoint
     if size < w.size:
-        return refusal(ErrorCode.AUDIT_LOG_INCONSISTENT,
-                       f"audit.db holds {size} events but the witness record signed {w.size}: events {size + 1}-"
-                       f"{w.size} are gone (rolled back, truncated or replaced)", first_bad_seq=size + 1)
+        return refusal(
+            ErrorCode.AUDIT_LOG_INCONSISTENT,
+            f"audit.db holds {size} events but the witness record signed {w.size}: events {size + 1}-"
+            f"{w.size} are gone (rolled back, truncated or replaced)",
+            first_bad_seq=size + 1,
+        )
     node = _node_reader(conn)
     try:
         if w.size == size:
             if merkle.root(node, size) != w.root:
                 raise merkle.ProofError("the roots differ")
         else:
-            merkle.verify_consistency(w.size, size, w.root, merkle.root(node, size),
-                                      merkle.consistency_proof(node, w.size, size))
+            merkle.verify_consistency(
+                w.size, size, w.root, merkle.root(node, size), merkle.consistency_proof(node, w.size, size)
+            )
     except merkle.ProofError:
-        return refusal(ErrorCode.AUDIT_LOG_INCONSISTENT,
-                       f"audit.db's first {w.size} events are not the ones the witness record signed (a forked or "
-                       f"replaced log, diverging at or before event {w.size})", first_bad_seq=w.size)
+        return refusal(
+            ErrorCode.AUDIT_LOG_INCONSISTENT,
+            f"audit.db's first {w.size} events are not the ones the witness record signed (a forked or "
+            f"replaced log, diverging at or before event {w.size})",
+            first_bad_seq=w.size,
+        )
     return None
 
 
@@ -162,19 +178,36 @@ class Checked:
     witness_size: int | None = None
 
 
-def check_log(conn: sqlite3.Connection, *, origin: str, public_key: Ed25519PublicKey, witness: Witness | None,
-              tail: int = TAIL_EVENTS) -> Checked:
+def check_log(
+    conn: sqlite3.Connection,
+    *,
+    origin: str,
+    public_key: Ed25519PublicKey,
+    witness: Witness | None,
+    tail: int = TAIL_EVENTS,
+) -> Checked:
     """The bounded start-up check (module docstring), in the caller's snapshot (a read transaction)."""
     try:
         size = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM ledger_events").fetchone()[0])
         rows = int(conn.execute("SELECT COUNT(*) FROM ledger_events").fetchone()[0])
         wsize = None if witness is None else witness.checkpoint.size
         if rows != size:
-            gap = conn.execute("SELECT MIN(seq) + 1 FROM ledger_events e WHERE seq < ? AND NOT EXISTS "
-                               "(SELECT 1 FROM ledger_events f WHERE f.seq = e.seq + 1)", (size,)).fetchone()[0]
+            gap = conn.execute(
+                "SELECT MIN(seq) + 1 FROM ledger_events e WHERE seq < ? AND NOT EXISTS "
+                "(SELECT 1 FROM ledger_events f WHERE f.seq = e.seq + 1)",
+                (size,),
+            ).fetchone()[0]
             first = 1 if conn.execute("SELECT 1 FROM ledger_events WHERE seq = 1").fetchone() is None else int(gap or 1)
-            return Checked(refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"event {first} is missing ({size - rows} of {size} "
-                                   "events deleted)", first_bad_seq=first), size, size, witness_size=wsize)
+            return Checked(
+                refusal(
+                    ErrorCode.AUDIT_LOG_DAMAGED,
+                    f"event {first} is missing ({size - rows} of {size} events deleted)",
+                    first_bad_seq=first,
+                ),
+                size,
+                size,
+                witness_size=wsize,
+            )
         row = conn.execute("SELECT MAX(idx) FROM merkle_nodes WHERE level = 0").fetchone()
         leaves = 0 if row[0] is None else int(row[0]) + 1
         problem = witness_problem(conn, min(size, leaves), witness)
@@ -182,8 +215,16 @@ def check_log(conn: sqlite3.Connection, *, origin: str, public_key: Ed25519Publi
             return Checked(problem, size, size, witness_size=wsize)
         if leaves != size:
             first = min(size, leaves) + 1
-            return Checked(refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"the log has {size} events but its tree has {leaves}"
-                                   " leaves (truncated)", first_bad_seq=first), size, size, witness_size=wsize)
+            return Checked(
+                refusal(
+                    ErrorCode.AUDIT_LOG_DAMAGED,
+                    f"the log has {size} events but its tree has {leaves} leaves (truncated)",
+                    first_bad_seq=first,
+                ),
+                size,
+                size,
+                witness_size=wsize,
+            )
         top = conn.execute("SELECT COALESCE(MAX(size), 0) FROM ledger_checkpoints").fetchone()
         newest = int(top[0])
         after = max(0, min(newest, size) - max(0, tail))
@@ -202,8 +243,9 @@ def check_log(conn: sqlite3.Connection, *, origin: str, public_key: Ed25519Publi
             recover = witness.note
         return Checked(report_refusal(report), size, after, recover, wsize)
     except (sqlite3.DatabaseError, merkle.ProofError) as exc:
-        return Checked(refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({type(exc).__name__}: {exc})"),
-                       0, 0)
+        return Checked(
+            refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({type(exc).__name__}: {exc})"), 0, 0
+        )
 
 
 def home_state(audit_db: Path, witness_path: Path, *, origin: str, public_key: Ed25519PublicKey) -> dict[str, object]:
@@ -233,6 +275,10 @@ def home_state(audit_db: Path, witness_path: Path, *, origin: str, public_key: E
     except sqlite3.DatabaseError as exc:
         error = refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({exc})")
     if error is not None:
-        out.update(ok=False, code=str(error.code), message=error.message,
-                   first_bad_seq=(error.details or {}).get("first_bad_seq"))
+        out.update(
+            ok=False,
+            code=str(error.code),
+            message=error.message,
+            first_bad_seq=(error.details or {}).get("first_bad_seq"),
+        )
     return out

@@ -109,8 +109,15 @@ def index_values(body: Mapping[str, Any]) -> tuple[Any, ...]:
     """What each of :data:`INDEX_COLUMNS` of ``ledger_events`` holds for an event body: the columns
     the readers filter on are copies of the body, checked by verify and on every read."""
     allowed = body.get("allowed")
-    return (str(body["id"]), float(body["ts"]), str(body["action"]), body.get("session_id"), body.get("agent_id"),
-            None if allowed is None else int(bool(allowed)), body.get("code"))
+    return (
+        str(body["id"]),
+        float(body["ts"]),
+        str(body["action"]),
+        body.get("session_id"),
+        body.get("agent_id"),
+        None if allowed is None else int(bool(allowed)),
+        body.get("code"),
+    )
 
 
 def oldest_body_ts(conn: sqlite3.Connection) -> float | None:
@@ -125,8 +132,15 @@ def checkpoint_hash(note: str) -> bytes:
 
 
 class EventLog:
-    def __init__(self, conn: sqlite3.Connection, *, origin: str, key: Ed25519PrivateKey | None,
-                 anchor_backend: str | None = None, check: bool = True) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        *,
+        origin: str,
+        key: Ed25519PrivateKey | None,
+        anchor_backend: str | None = None,
+        check: bool = True,
+    ) -> None:
         self.conn = conn
         self.origin = origin
         self.key = key
@@ -151,7 +165,8 @@ class EventLog:
         events = 0 if row[0] is None else int(row[0])
         if check and events != self.tree.size:
             raise LedgerError(
-                ErrorCode.LOG_CORRUPT, f"the log has {events} events but its tree has {self.tree.size} leaves")
+                ErrorCode.LOG_CORRUPT, f"the log has {events} events but its tree has {self.tree.size} leaves"
+            )
         self._seen_version = version
 
     def _data_version(self) -> int:
@@ -191,8 +206,11 @@ class EventLog:
             raw, leaf = event_leaf(body)
             rows.append((seq, *index_values(body), raw.decode(), leaf))
             out.append(Appended(seq, str(body["id"]), leaf))
-        insert_rows(self.conn, "INSERT INTO ledger_events (seq, id, ts, action, session_id, agent_id, allowed, code,"
-                    " body, leaf) VALUES ", rows)
+        insert_rows(
+            self.conn,
+            "INSERT INTO ledger_events (seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf) VALUES ",
+            rows,
+        )
         self.tree.append([a.leaf for a in out])
         return out
 
@@ -211,8 +229,9 @@ class EventLog:
             return None
         root = self.tree.root(size)
         if last is not None:
-            merkle.verify_consistency(last[0].size, size, last[0].root, root,
-                                      self.tree.consistency_proof(last[0].size, size))
+            merkle.verify_consistency(
+                last[0].size, size, last[0].root, root, self.tree.consistency_proof(last[0].size, size)
+            )
         stamp = max(int(now), last[0].timestamp) if last is not None else int(now)
         note = Checkpoint(self.origin, size, root, stamp).sign(self.origin, self.key)
         self.store_checkpoint(note, max(now, float(stamp)))
@@ -226,12 +245,13 @@ class EventLog:
         if self.anchor_backend and self.anchor_backend != "none":
             self.conn.execute(
                 "INSERT OR IGNORE INTO ledger_anchors (size, checkpoint_hash, backend, state, next_at, queued_at)"
-                " VALUES (?, ?, ?, 'queued', ?, ?)", (size, checkpoint_hash(note), self.anchor_backend, now, now))
+                " VALUES (?, ?, ?, 'queued', ?, ?)",
+                (size, checkpoint_hash(note), self.anchor_backend, now, now),
+            )
 
     def prune_bodies(self, before_ts: float) -> int:
         """Retention: forget event bodies older than ``before_ts``; leaves and nodes stay."""
-        cur = self.conn.execute("UPDATE ledger_events SET body = NULL WHERE ts < ? AND body IS NOT NULL",
-                                (before_ts,))
+        cur = self.conn.execute("UPDATE ledger_events SET body = NULL WHERE ts < ? AND body IS NOT NULL", (before_ts,))
         return int(cur.rowcount)
 
     def prune_slice(self, since_ts: float, before_ts: float, limit: int) -> tuple[int, float]:
@@ -240,13 +260,16 @@ class EventLog:
         the last pruned event's time, so a run of slices never walks the pruned ones again."""
         rows = self.conn.execute(
             "SELECT seq, ts FROM ledger_events WHERE ts >= ? AND ts < ? AND body IS NOT NULL ORDER BY ts LIMIT ?",
-            (since_ts, before_ts, limit)).fetchall()
+            (since_ts, before_ts, limit),
+        ).fetchall()
         if not rows:
             return 0, since_ts
         for start in range(0, len(rows), MAX_PRUNE_PARAMS):
-            chunk = rows[start:start + MAX_PRUNE_PARAMS]
-            self.conn.execute("UPDATE ledger_events SET body = NULL WHERE seq IN (" + ", ".join("?" * len(chunk)) + ")",
-                              [r[0] for r in chunk])
+            chunk = rows[start : start + MAX_PRUNE_PARAMS]
+            self.conn.execute(
+                "UPDATE ledger_events SET body = NULL WHERE seq IN (" + ", ".join("?" * len(chunk)) + ")",
+                [r[0] for r in chunk],
+            )
         return len(rows), float(rows[-1][1])
 
     # --------------------------------------------------------------------------- reading
@@ -264,8 +287,9 @@ class EventLog:
         return found
 
     def checkpoint_covering(self, seq: int) -> tuple[Checkpoint, str] | None:
-        row = self.conn.execute("SELECT note FROM ledger_checkpoints WHERE size >= ? ORDER BY size LIMIT 1",
-                                (seq,)).fetchone()
+        row = self.conn.execute(
+            "SELECT note FROM ledger_checkpoints WHERE size >= ? ORDER BY size LIMIT 1", (seq,)
+        ).fetchone()
         if row is None:
             return None
         note = str(row[0])
@@ -283,8 +307,11 @@ class EventLog:
 
     def anchor_covering(self, seq: int) -> dict[str, Any] | None:
         """The smallest confirmed anchor whose checkpoint covers event ``seq``."""
-        row = self.conn.execute("SELECT size, backend, ref, block_number FROM ledger_anchors WHERE state = 'confirmed'"
-                                " AND ref IS NOT NULL AND size >= ? ORDER BY size LIMIT 1", (seq,)).fetchone()
+        row = self.conn.execute(
+            "SELECT size, backend, ref, block_number FROM ledger_anchors WHERE state = 'confirmed'"
+            " AND ref IS NOT NULL AND size >= ? ORDER BY size LIMIT 1",
+            (seq,),
+        ).fetchone()
         if row is None:
             return None
         return {"tree_size": int(row[0]), "backend": row[1], "tx": row[2], "block": row[3]}
@@ -298,8 +325,9 @@ class EventLog:
         anchored = self.anchor_covering(seq)
         found = None
         if anchored is not None:
-            row = self.conn.execute("SELECT note FROM ledger_checkpoints WHERE size = ?",
-                                    (anchored["tree_size"],)).fetchone()
+            row = self.conn.execute(
+                "SELECT note FROM ledger_checkpoints WHERE size = ?", (anchored["tree_size"],)
+            ).fetchone()
             if row is not None:
                 found = Checkpoint.parse(str(row[0]).split("\n\n")[0] + "\n"), str(row[0])
         if found is None:

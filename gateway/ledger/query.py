@@ -42,8 +42,21 @@ DEFAULT_LIMIT = 100
 
 # What an agent may see of its own session's events (GET /v1/audit): an allow-list, so a field a
 # later writer adds (listener, certificate serial, ...) stays the user's until it is listed here.
-AGENT_FIELDS = ("id", "timestamp", "session_id", "agent_id", "action", "key", "tags", "allowed", "reason",
-                "code", "request_size", "response_size", "query_count_remaining")
+AGENT_FIELDS = (
+    "id",
+    "timestamp",
+    "session_id",
+    "agent_id",
+    "action",
+    "key",
+    "tags",
+    "allowed",
+    "reason",
+    "code",
+    "request_size",
+    "response_size",
+    "query_count_remaining",
+)
 
 _RELATIVE = re.compile(r"^(\d{1,9})\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -60,8 +73,11 @@ def parse_time(text: str, *, now: float | None = None) -> float:
     try:
         when = dt.datetime.fromisoformat(raw.replace("z", "Z"))
     except ValueError:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"{text[:40]!r} is not a time: use ISO 8601 (2026-12-01T08:00:00Z) "
-                        "or a duration before now (90s, 15m, 1h, 2d, 1w)") from None
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            f"{text[:40]!r} is not a time: use ISO 8601 (2026-12-01T08:00:00Z) "
+            "or a duration before now (90s, 15m, 1h, 2d, 1w)",
+        ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
     return when.timestamp()
@@ -81,8 +97,11 @@ class AuditFilter:
     limit: int = DEFAULT_LIMIT
 
     def checked(self) -> AuditFilter:
-        for name, value in (("session", self.session_id), ("agent", self.agent_id), *(("action", a)
-                                                                                       for a in self.action)):
+        for name, value in (
+            ("session", self.session_id),
+            ("agent", self.agent_id),
+            *(("action", a) for a in self.action),
+        ):
             if value is not None and (not value or len(value) > _MAX_TEXT):
                 raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be 1 to {_MAX_TEXT} characters")
         if not 1 <= self.limit <= MAX_LIMIT:
@@ -135,9 +154,18 @@ def _where(flt: AuditFilter) -> tuple[str, list[Any]]:
 
 def _stub(row: sqlite3.Row | tuple[Any, ...]) -> dict[str, Any]:
     seq, eid, ts, action, sid, agent, allowed, code = row[:8]
-    out: dict[str, Any] = {"seq": seq, "id": eid, "ts": ts, "timestamp": iso(float(ts)), "action": action,
-                           "session_id": sid, "agent_id": agent,
-                           "allowed": None if allowed is None else bool(allowed), "code": code, "pruned": True}
+    out: dict[str, Any] = {
+        "seq": seq,
+        "id": eid,
+        "ts": ts,
+        "timestamp": iso(float(ts)),
+        "action": action,
+        "session_id": sid,
+        "agent_id": agent,
+        "allowed": None if allowed is None else bool(allowed),
+        "code": code,
+        "pruned": True,
+    }
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -145,8 +173,9 @@ def agent_view(event: dict[str, Any]) -> dict[str, Any]:
     return {k: event[k] for k in AGENT_FIELDS if k in event}
 
 
-def query_events(conn: sqlite3.Connection, flt: AuditFilter, *, view: str = "user",
-                 include_pruned: bool = False) -> AuditPage:
+def query_events(
+    conn: sqlite3.Connection, flt: AuditFilter, *, view: str = "user", include_pruned: bool = False
+) -> AuditPage:
     """The events ``flt`` selects, newest last (see the module docstring). Read in one snapshot."""
     flt.checked()
     if view not in ("user", "agent"):
@@ -161,12 +190,14 @@ def query_events(conn: sqlite3.Connection, flt: AuditFilter, *, view: str = "use
         size = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM ledger_events").fetchone()[0])
         scope = where if include_pruned else kept
         if flt.after_seq is None:
-            rows = conn.execute(f"SELECT {cols} FROM ledger_events{scope} ORDER BY seq DESC LIMIT ?",
-                                (*args, flt.limit)).fetchall()
+            rows = conn.execute(
+                f"SELECT {cols} FROM ledger_events{scope} ORDER BY seq DESC LIMIT ?", (*args, flt.limit)
+            ).fetchall()
             rows.reverse()
         else:
-            rows = conn.execute(f"SELECT {cols} FROM ledger_events{scope} ORDER BY seq LIMIT ?",
-                                (*args, flt.limit)).fetchall()
+            rows = conn.execute(
+                f"SELECT {cols} FROM ledger_events{scope} ORDER BY seq LIMIT ?", (*args, flt.limit)
+            ).fetchall()
         pruned = 0
         if not include_pruned:
             pruned_where = where + (" AND " if where else " WHERE ") + "body IS NULL"
@@ -225,8 +256,10 @@ def session_known(conn: sqlite3.Connection, session_id: str) -> bool:
 def require_session(conn: sqlite3.Connection, session_id: str) -> None:
     if not session_known(conn, session_id):
         raise UompError(
-            ErrorCode.SESSION_NOT_FOUND, f"no session {session_id[:80]} in the audit log; see 'uomp sessions list'",
-                        session_id=session_id[:80])
+            ErrorCode.SESSION_NOT_FOUND,
+            f"no session {session_id[:80]} in the audit log; see 'uomp sessions list'",
+            session_id=session_id[:80],
+        )
 
 
 def event_owner(conn: sqlite3.Connection, event_id: str) -> tuple[str | None, bool | None] | None:
@@ -242,31 +275,48 @@ def event_owner(conn: sqlite3.Connection, event_id: str) -> tuple[str | None, bo
 
 def known_agents(conn: sqlite3.Connection, *, limit: int = 200) -> list[str]:
     """Agent ids in the log, sorted."""
-    return [str(r[0]) for r in conn.execute("SELECT DISTINCT agent_id FROM ledger_events WHERE agent_id IS NOT NULL"
-                                            " ORDER BY agent_id LIMIT ?", (limit,))]
+    return [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT DISTINCT agent_id FROM ledger_events WHERE agent_id IS NOT NULL ORDER BY agent_id LIMIT ?", (limit,)
+        )
+    ]
 
 
 def known_sessions(conn: sqlite3.Connection, *, limit: int = 200) -> list[str]:
     """Session ids in the log, the most recently active first."""
-    return [str(r[0]) for r in conn.execute("SELECT session_id FROM ledger_events WHERE session_id IS NOT NULL"
-                                            " GROUP BY session_id ORDER BY MAX(seq) DESC LIMIT ?", (limit,))]
+    return [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT session_id FROM ledger_events WHERE session_id IS NOT NULL"
+            " GROUP BY session_id ORDER BY MAX(seq) DESC LIMIT ?",
+            (limit,),
+        )
+    ]
 
 
 def quota_remaining(conn: sqlite3.Connection, session_ids: list[str]) -> dict[str, int]:
     """The newest ``query_count_remaining`` recorded per session (sessions without one are left out)."""
     out: dict[str, int] = {}
     for sid in session_ids:
-        row = conn.execute("SELECT json_extract(body, '$.query_count_remaining') AS q FROM ledger_events"
-                           " WHERE session_id = ? AND q IS NOT NULL ORDER BY seq DESC LIMIT 1", (sid,)).fetchone()
+        row = conn.execute(
+            "SELECT json_extract(body, '$.query_count_remaining') AS q FROM ledger_events"
+            " WHERE session_id = ? AND q IS NOT NULL ORDER BY seq DESC LIMIT 1",
+            (sid,),
+        ).fetchone()
         if row is not None:
             out[sid] = int(row[0])
     return out
 
 
-def hourly_counts(conn: sqlite3.Connection, *, since: float, exclude_actions: tuple[str, ...] = ()
-                  ) -> list[tuple[str, bool, int, int]]:
+def hourly_counts(
+    conn: sqlite3.Connection, *, since: float, exclude_actions: tuple[str, ...] = ()
+) -> list[tuple[str, bool, int, int]]:
     """(agent, allowed, hour since ``since``, events) for every event at or after ``since``."""
     not_in = f" AND action NOT IN ({', '.join('?' * len(exclude_actions))})" if exclude_actions else ""
-    rows = conn.execute("SELECT agent_id, allowed, CAST((ts - ?) / 3600 AS INTEGER), COUNT(*) FROM ledger_events"
-                        f" WHERE ts >= ?{not_in} GROUP BY 1, 2, 3", (since, since, *exclude_actions)).fetchall()
+    rows = conn.execute(
+        "SELECT agent_id, allowed, CAST((ts - ?) / 3600 AS INTEGER), COUNT(*) FROM ledger_events"
+        f" WHERE ts >= ?{not_in} GROUP BY 1, 2, 3",
+        (since, since, *exclude_actions),
+    ).fetchall()
     return [(str(a), bool(ok), int(b), int(n)) for a, ok, b, n in rows]

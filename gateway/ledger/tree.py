@@ -41,7 +41,7 @@ def insert_rows(conn: sqlite3.Connection, head: str, rows: Sequence[tuple[Any, .
     width = len(rows[0])
     one = "(" + ", ".join("?" * width) + ")"
     for start in range(0, len(rows), MAX_ROWS_PER_INSERT):
-        chunk = rows[start:start + MAX_ROWS_PER_INSERT]
+        chunk = rows[start : start + MAX_ROWS_PER_INSERT]
         conn.execute(head + ", ".join([one] * len(chunk)), [v for row in chunk for v in row])
 
 
@@ -66,8 +66,7 @@ class TreeStore:
             level += 1
 
     def _read(self, level: int, index: int) -> bytes:
-        row = self.conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?",
-                                (level, index)).fetchone()
+        row = self.conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (level, index)).fetchone()
         if row is None:
             raise merkle.ProofError(f"merkle node {level}/{index} is missing")
         return bytes(row[0])

@@ -60,8 +60,10 @@ def check_anchored_head(conn: sqlite3.Connection, size: int, root: bytes) -> str
     try:
         tree = TreeStore(conn)
         if tree.size < size:
-            return (f"the chain anchors a checkpoint of {size} events but the log holds {tree.size}: rolled back or "
-                    f"truncated (first missing size {tree.size + 1})")
+            return (
+                f"the chain anchors a checkpoint of {size} events but the log holds {tree.size}: rolled back or "
+                f"truncated (first missing size {tree.size + 1})"
+            )
         if tree.root(size) != root:
             return f"the log's root at size {size} is not the one anchored on chain: a second history"
     except (sqlite3.Error, merkle.ProofError) as exc:
@@ -126,8 +128,14 @@ def index_mismatch(row: Sequence[Any], body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def verify_log(conn: sqlite3.Connection, *, origin: str, public_key: Ed25519PublicKey,
-               trusted: Sequence[TrustedCheckpoint] = (), after: int = 0) -> Report:
+def verify_log(
+    conn: sqlite3.Connection,
+    *,
+    origin: str,
+    public_key: Ed25519PublicKey,
+    trusted: Sequence[TrustedCheckpoint] = (),
+    after: int = 0,
+) -> Report:
     """Check the log; an unreadable database is a finding (the first event it cannot read), never an
     exception. ``trusted``: checkpoints from outside ``audit.db`` the log must be consistent with.
     ``after``: check only the events after that many (the start-up check): the O(log n) stored
@@ -136,20 +144,26 @@ def verify_log(conn: sqlite3.Connection, *, origin: str, public_key: Ed25519Publ
     try:
         _verify(conn, report, origin, public_key, trusted, after)
     except (sqlite3.DatabaseError, merkle.ProofError) as exc:
-        seq = (report.first_bad_seq or (after + report.events + 1))
-        report.fail(seq, f"audit.db cannot be read from event {seq} on ({type(exc).__name__}: {exc}): truncated "
-                    "or damaged")
+        seq = report.first_bad_seq or (after + report.events + 1)
+        report.fail(
+            seq, f"audit.db cannot be read from event {seq} on ({type(exc).__name__}: {exc}): truncated or damaged"
+        )
     return report
 
 
-def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: Ed25519PublicKey,
-            trusted: Sequence[TrustedCheckpoint], after: int) -> None:
+def _verify(
+    conn: sqlite3.Connection,
+    report: Report,
+    origin: str,
+    public_key: Ed25519PublicKey,
+    trusted: Sequence[TrustedCheckpoint],
+    after: int,
+) -> None:
     # 1. checkpoints, oldest first.
     cps: list[Checkpoint] = []
     prev_size = 0
     prev_cp: Checkpoint | None = None
-    for (size, note) in conn.execute("SELECT size, note FROM ledger_checkpoints WHERE size >= ? ORDER BY size",
-                                     (after,)):
+    for size, note in conn.execute("SELECT size, note FROM ledger_checkpoints WHERE size >= ? ORDER BY size", (after,)):
         try:
             cp = Checkpoint.open(str(note), origin, public_key)
         except NoteError as exc:
@@ -159,8 +173,10 @@ def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: E
             report.fail(prev_size + 1, f"the checkpoint stored at size {size} signs size {cp.size}")
             continue
         if prev_cp is not None and cp.timestamp < prev_cp.timestamp:
-            report.warn(f"checkpoint at {cp.size} events is dated {cp.timestamp - prev_cp.timestamp} s before the "
-                        "previous one (the clock stepped back)")
+            report.warn(
+                f"checkpoint at {cp.size} events is dated {cp.timestamp - prev_cp.timestamp} s before the "
+                "previous one (the clock stepped back)"
+            )
         cps.append(cp)
         prev_size, prev_cp = cp.size, cp
     report.checkpoints = len(cps)
@@ -187,18 +203,27 @@ def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: E
     # Stored nodes in the order appends create them (a node completes with leaf ((idx + 1) << level) - 1):
     # one sorted pass for the whole log; a tail (``after``) looks each node up by its key instead (the
     # sort would walk every node of the log).
-    stored = conn.execute("SELECT level, idx, hash FROM merkle_nodes ORDER BY ((idx + 1) << level), level"
-                          if after == 0 else "SELECT 0, 0, x'' WHERE 0")
+    stored = conn.execute(
+        "SELECT level, idx, hash FROM merkle_nodes ORDER BY ((idx + 1) << level), level"
+        if after == 0
+        else "SELECT 0, 0, x'' WHERE 0"
+    )
     ahead = stored.fetchone()
     while next_trusted < len(trust) and trust[next_trusted].size <= after:  # below ``after``: the caller's
         t = trust[next_trusted]
         if t.size == after and cr.root() != t.root:
-            report.fail(after, f"the log's first {after} events are not the ones {t.source} signed (forked or "
-                        "replaced)", inconsistent=True)
+            report.fail(
+                after,
+                f"the log's first {after} events are not the ones {t.source} signed (forked or replaced)",
+                inconsistent=True,
+            )
         next_trusted += 1
     expected = after + 1
-    rows = conn.execute("SELECT seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf"
-                        " FROM ledger_events WHERE seq > ? ORDER BY seq", (after,))
+    rows = conn.execute(
+        "SELECT seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf"
+        " FROM ledger_events WHERE seq > ? ORDER BY seq",
+        (after,),
+    )
     for seq, *index, body, leaf in rows:
         # 2. no gap, no reordering.
         if seq != expected:
@@ -247,23 +272,31 @@ def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: E
         while next_cp < len(cps) and cps[next_cp].size == cr.size:
             cp = cps[next_cp]
             if cr.root() != cp.root:
-                report.fail(last_good_cp + 1,
-                            f"checkpoint at {cr.size} events does not match the log (changed in {last_good_cp + 1}"
-                            f"-{cr.size})", upto=cr.size)
+                report.fail(
+                    last_good_cp + 1,
+                    f"checkpoint at {cr.size} events does not match the log (changed in {last_good_cp + 1}-{cr.size})",
+                    upto=cr.size,
+                )
             else:
                 last_good_cp = cr.size
             ref = max(first_ts if first_ts is not None else cp.timestamp, prev_stamp or 0)
             if cp.timestamp - ref > CLOCK_JUMP_SECONDS:
-                report.warn(f"checkpoint at {cp.size} events is dated {cp.timestamp - ref:.0f} s after both the "
-                            f"previous checkpoint and the first event it covers since {prev_cp_size} (more than "
-                            f"{CLOCK_JUMP_SECONDS} s: the clock jumped forward)")
+                report.warn(
+                    f"checkpoint at {cp.size} events is dated {cp.timestamp - ref:.0f} s after both the "
+                    f"previous checkpoint and the first event it covers since {prev_cp_size} (more than "
+                    f"{CLOCK_JUMP_SECONDS} s: the clock jumped forward)"
+                )
             first_ts, prev_cp_size, prev_stamp = None, cp.size, cp.timestamp
             next_cp += 1
         while next_trusted < len(trust) and trust[next_trusted].size <= cr.size:
             t = trust[next_trusted]
             if t.size == cr.size and cr.root() != t.root:
-                report.fail(t.size, f"the log's first {t.size} events are not the ones {t.source} signed (forked or "
-                            f"replaced at or before event {t.size})", inconsistent=True)
+                report.fail(
+                    t.size,
+                    f"the log's first {t.size} events are not the ones {t.source} signed (forked or "
+                    f"replaced at or before event {t.size})",
+                    inconsistent=True,
+                )
             next_trusted += 1
         expected = seq + 1
     # 5. a checkpoint or a stored tree beyond the end: the tail was cut off.
@@ -275,9 +308,12 @@ def _verify(conn: sqlite3.Connection, report: Report, origin: str, public_key: E
         report.fail(cr.size + 1, f"the log ends at event {cr.size} but a checkpoint covers {cps[-1].size} (truncated)")
     for t in trust[next_trusted:]:
         if t.size > cr.size:
-            report.fail(cr.size + 1, f"the log ends at event {cr.size} but {t.source} signed {t.size} events: "
-                        f"events {cr.size + 1}-{t.size} are gone (rolled back, truncated or replaced)",
-                        inconsistent=True)
+            report.fail(
+                cr.size + 1,
+                f"the log ends at event {cr.size} but {t.source} signed {t.size} events: "
+                f"events {cr.size + 1}-{t.size} are gone (rolled back, truncated or replaced)",
+                inconsistent=True,
+            )
             break
         if t.size == 0 and t.root != merkle.EMPTY_ROOT:
             report.fail(1, f"{t.source} is not a tree of 0 events", inconsistent=True)

@@ -147,13 +147,26 @@ class PayloadMeta:
 
     def same_upload(self, *, session_id: str, agent_id: str, format: str, size: int, digest: str) -> bool:
         """True when an upload with these fields is this payload sent again (idempotent retry)."""
-        return (self.session_id, self.agent_id, self.format, self.size) == (session_id, agent_id, format, size) \
-            and secrets.compare_digest(self.hash, digest)
+        return (self.session_id, self.agent_id, self.format, self.size) == (
+            session_id,
+            agent_id,
+            format,
+            size,
+        ) and secrets.compare_digest(self.hash, digest)
 
     def public(self) -> dict[str, Any]:
-        return {"payload_id": self.payload_id, "session_id": self.session_id, "agent_id": self.agent_id,
-                "format": self.format, "size": self.size, "hash": self.hash, "encryption": self.encryption,
-                "created_at": self.created_at, "expires_at": self.expires_at, "opened": self.opened_at is not None}
+        return {
+            "payload_id": self.payload_id,
+            "session_id": self.session_id,
+            "agent_id": self.agent_id,
+            "format": self.format,
+            "size": self.size,
+            "hash": self.hash,
+            "encryption": self.encryption,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "opened": self.opened_at is not None,
+        }
 
 
 TMP_NAME = re.compile(r"(pay_[A-Za-z0-9_-]{8,64})~([A-Za-z0-9_-]{1,80})~([A-Za-z0-9._-]{1,128})~[0-9a-f]{24}\.part")
@@ -216,9 +229,15 @@ class PayloadUploading(Protocol):
         """Drop the upload; nothing of it remains."""
         ...
 
-    def commit(self, *, declared_hash: str | None = None, declared_size: int | None = None,
-               now: float | None = None, event_id: str | None = None,
-               origin: Mapping[str, str] | None = None) -> PayloadMeta:
+    def commit(
+        self,
+        *,
+        declared_hash: str | None = None,
+        declared_size: int | None = None,
+        now: float | None = None,
+        event_id: str | None = None,
+        origin: Mapping[str, str] | None = None,
+    ) -> PayloadMeta:
         """Make it a payload, durably, once the declared hash and size match (else
         PAYLOAD_HASH_MISMATCH / PAYLOAD_SIZE_MISMATCH, and nothing is kept); PAYLOAD_EXISTS for an id
         taken meanwhile; PAYLOAD_QUOTA_EXCEEDED when the session's caps would be passed. With
@@ -231,15 +250,24 @@ class PayloadStorage(Protocol):
 
     limits: Limits
 
-    def begin(self, *, payload_id: str, session_id: str, agent_id: str, format: str,
-              encryption: Mapping[str, Any], max_bytes: int | None = None) -> PayloadUploading: ...
+    def begin(
+        self,
+        *,
+        payload_id: str,
+        session_id: str,
+        agent_id: str,
+        format: str,
+        encryption: Mapping[str, Any],
+        max_bytes: int | None = None,
+    ) -> PayloadUploading: ...
 
     def check_caps(self, session_id: str, *, extra_bytes: int) -> None:
         """PAYLOAD_QUOTA_EXCEEDED if ``extra_bytes`` more for ``session_id`` would pass a cap."""
         ...
 
-    def issue_upload_url(self, *, session_id: str, agent_id: str, max_size: int, ttl: float,
-                         now: float | None = None) -> tuple[str, float]:
+    def issue_upload_url(
+        self, *, session_id: str, agent_id: str, max_size: int, ttl: float, now: float | None = None
+    ) -> tuple[str, float]:
         """A one-time token (and its expiry) bound to the session, the agent and a size."""
         ...
 
@@ -329,9 +357,15 @@ class Upload(PayloadUploading):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def commit(self, *, declared_hash: str | None = None, declared_size: int | None = None,
-               now: float | None = None, event_id: str | None = None,
-               origin: Mapping[str, str] | None = None) -> PayloadMeta:
+    def commit(
+        self,
+        *,
+        declared_hash: str | None = None,
+        declared_size: int | None = None,
+        now: float | None = None,
+        event_id: str | None = None,
+        origin: Mapping[str, str] | None = None,
+    ) -> PayloadMeta:
         if self._fh is None:
             raise PayloadError(ErrorCode.INVALID_REQUEST, "upload already finished")
         if declared_size is not None and declared_size != self.size:
@@ -360,8 +394,9 @@ class Upload(PayloadUploading):
             self.abort()
             raise _full(exc) from exc
         try:
-            return self.store._index(self.meta, size=self.size, digest=self.hash, now=now, event_id=event_id,
-                                     origin=origin)
+            return self.store._index(
+                self.meta, size=self.size, digest=self.hash, now=now, event_id=event_id, origin=origin
+            )
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(final)
@@ -445,28 +480,59 @@ class PayloadStore(PayloadStorage):
 
     # ------------------------------------------------------------------ writing
 
-    def begin(self, *, payload_id: str, session_id: str, agent_id: str, format: str,
-              encryption: Mapping[str, Any], max_bytes: int | None = None) -> Upload:
+    def begin(
+        self,
+        *,
+        payload_id: str,
+        session_id: str,
+        agent_id: str,
+        format: str,
+        encryption: Mapping[str, Any],
+        max_bytes: int | None = None,
+    ) -> Upload:
         if not PAYLOAD_ID.fullmatch(payload_id):
             raise PayloadError(
-                ErrorCode.INVALID_REQUEST, "payload_id must be pay_ followed by 8-64 URL-safe characters")
+                ErrorCode.INVALID_REQUEST, "payload_id must be pay_ followed by 8-64 URL-safe characters"
+            )
         self.check_caps(session_id, extra_bytes=0)
         cap = self.limits.max_bytes if max_bytes is None else min(max_bytes, self.limits.max_bytes)
-        return Upload(self, {"payload_id": payload_id, "session_id": session_id, "agent_id": agent_id,
-                             "format": format, "encryption": dict(encryption)}, cap)
+        return Upload(
+            self,
+            {
+                "payload_id": payload_id,
+                "session_id": session_id,
+                "agent_id": agent_id,
+                "format": format,
+                "encryption": dict(encryption),
+            },
+            cap,
+        )
 
     def check_caps(self, session_id: str, *, extra_bytes: int) -> None:
-        row = self.conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM payloads WHERE session_id = ?",
-                                (session_id,)).fetchone()
+        row = self.conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM payloads WHERE session_id = ?", (session_id,)
+        ).fetchone()
         if row[0] >= self.limits.max_per_session:
-            raise PayloadError(ErrorCode.PAYLOAD_QUOTA_EXCEEDED, f"this session already has {row[0]} payloads waiting "
-                                                         f"(limit {self.limits.max_per_session})")
+            raise PayloadError(
+                ErrorCode.PAYLOAD_QUOTA_EXCEEDED,
+                f"this session already has {row[0]} payloads waiting (limit {self.limits.max_per_session})",
+            )
         if row[1] + extra_bytes > self.limits.max_bytes_per_session:
-            raise PayloadError(ErrorCode.PAYLOAD_QUOTA_EXCEEDED,
-                               f"this session's payloads would exceed {self.limits.max_bytes_per_session} bytes")
+            raise PayloadError(
+                ErrorCode.PAYLOAD_QUOTA_EXCEEDED,
+                f"this session's payloads would exceed {self.limits.max_bytes_per_session} bytes",
+            )
 
-    def _index(self, meta: Mapping[str, Any], *, size: int, digest: str, now: float | None,
-               event_id: str | None = None, origin: Mapping[str, str] | None = None) -> PayloadMeta:
+    def _index(
+        self,
+        meta: Mapping[str, Any],
+        *,
+        size: int,
+        digest: str,
+        now: float | None,
+        event_id: str | None = None,
+        origin: Mapping[str, str] | None = None,
+    ) -> PayloadMeta:
         now = time.time() if now is None else now
         self.conn.execute("BEGIN IMMEDIATE")
         try:
@@ -474,10 +540,21 @@ class PayloadStore(PayloadStorage):
             self.conn.execute(
                 "INSERT INTO payloads (payload_id, session_id, agent_id, format, size, hash, encryption, created_at,"
                 " expires_at, state, event_id, origin) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (meta["payload_id"], meta["session_id"], meta["agent_id"], meta["format"], size, digest,
-                 json.dumps(meta["encryption"], sort_keys=True), now, now + self.limits.ttl_seconds,
-                 STORED if event_id is None else PENDING, event_id,
-                 None if origin is None else json.dumps(dict(origin), sort_keys=True)))
+                (
+                    meta["payload_id"],
+                    meta["session_id"],
+                    meta["agent_id"],
+                    meta["format"],
+                    size,
+                    digest,
+                    json.dumps(meta["encryption"], sort_keys=True),
+                    now,
+                    now + self.limits.ttl_seconds,
+                    STORED if event_id is None else PENDING,
+                    event_id,
+                    None if origin is None else json.dumps(dict(origin), sort_keys=True),
+                ),
+            )
             self.conn.execute("COMMIT")
         except BaseException as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -487,7 +564,7 @@ class PayloadStore(PayloadStorage):
             if isinstance(exc, sqlite3.Error):
                 raise PayloadError(
                     ErrorCode.STORE_UNAVAILABLE, f"the payload index is unavailable ({type(exc).__name__})"
-                    ) from exc
+                ) from exc
             raise
         found = self.find(str(meta["payload_id"]))
         assert found is not None
@@ -495,8 +572,9 @@ class PayloadStore(PayloadStorage):
 
     # ------------------------------------------------------------------ single-use upload URLs
 
-    def issue_upload_url(self, *, session_id: str, agent_id: str, max_size: int, ttl: float,
-                         now: float | None = None) -> tuple[str, float]:
+    def issue_upload_url(
+        self, *, session_id: str, agent_id: str, max_size: int, ttl: float, now: float | None = None
+    ) -> tuple[str, float]:
         """A one-time upload token bound to the session, agent, a size and an expiry (<= 10 min)."""
         now = time.time() if now is None else now
         if not 0 < ttl <= MAX_UPLOAD_URL_TTL:
@@ -504,8 +582,10 @@ class PayloadStore(PayloadStorage):
         if not 0 < max_size <= self.limits.max_bytes:
             raise PayloadError(ErrorCode.PAYLOAD_TOO_LARGE, f"an upload is at most {self.limits.max_bytes} bytes")
         token = secrets.token_urlsafe(32)
-        self.conn.execute("INSERT INTO upload_urls (token_hash, session_id, agent_id, max_size, expires_at)"
-                          " VALUES (?, ?, ?, ?, ?)", (_token_hash(token), session_id, agent_id, max_size, now + ttl))
+        self.conn.execute(
+            "INSERT INTO upload_urls (token_hash, session_id, agent_id, max_size, expires_at) VALUES (?, ?, ?, ?, ?)",
+            (_token_hash(token), session_id, agent_id, max_size, now + ttl),
+        )
         return token, now + ttl
 
     def consume_upload_url(self, token: str, *, now: float | None = None) -> tuple[str, str, int]:
@@ -516,9 +596,15 @@ class PayloadStore(PayloadStorage):
         try:
             cur = self.conn.execute(
                 "UPDATE upload_urls SET used_at = ? WHERE token_hash = ? AND used_at IS NULL AND expires_at > ?",
-                (now, th, now))
-            row = self.conn.execute("SELECT session_id, agent_id, max_size FROM upload_urls WHERE token_hash = ?",
-                                    (th,)).fetchone() if cur.rowcount == 1 else None
+                (now, th, now),
+            )
+            row = (
+                self.conn.execute(
+                    "SELECT session_id, agent_id, max_size FROM upload_urls WHERE token_hash = ?", (th,)
+                ).fetchone()
+                if cur.rowcount == 1
+                else None
+            )
             self.conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
@@ -531,14 +617,26 @@ class PayloadStore(PayloadStorage):
     # ------------------------------------------------------------------ reading
 
     def _meta(self, row: sqlite3.Row) -> PayloadMeta:
-        return PayloadMeta(row["payload_id"], row["session_id"], row["agent_id"], row["format"], int(row["size"]),
-                           row["hash"], json.loads(row["encryption"]), float(row["created_at"]),
-                           float(row["expires_at"]), row["opened_at"], row["state"], row["event_id"],
-                           None if row["origin"] is None else json.loads(row["origin"]))
+        return PayloadMeta(
+            row["payload_id"],
+            row["session_id"],
+            row["agent_id"],
+            row["format"],
+            int(row["size"]),
+            row["hash"],
+            json.loads(row["encryption"]),
+            float(row["created_at"]),
+            float(row["expires_at"]),
+            row["opened_at"],
+            row["state"],
+            row["event_id"],
+            None if row["origin"] is None else json.loads(row["origin"]),
+        )
 
     def get(self, payload_id: str) -> PayloadMeta:
-        row = self.conn.execute("SELECT * FROM payloads WHERE payload_id = ? AND state = ?",
-                                (payload_id, STORED)).fetchone()
+        row = self.conn.execute(
+            "SELECT * FROM payloads WHERE payload_id = ? AND state = ?", (payload_id, STORED)
+        ).fetchone()
         if row is None:
             raise PayloadError(ErrorCode.NOT_FOUND, "no such payload")
         return self._meta(row)
@@ -552,14 +650,16 @@ class PayloadStore(PayloadStorage):
         return [self._meta(r) for r in rows]
 
     def publish(self, payload_id: str) -> PayloadMeta:
-        self.conn.execute("UPDATE payloads SET state = ? WHERE payload_id = ? AND state = ?",
-                          (STORED, payload_id, PENDING))
+        self.conn.execute(
+            "UPDATE payloads SET state = ? WHERE payload_id = ? AND state = ?", (STORED, payload_id, PENDING)
+        )
         return self.get(payload_id)
 
     def list(self, *, session_id: str | None = None) -> list[PayloadMeta]:
         if session_id:
-            rows = self.conn.execute("SELECT * FROM payloads WHERE session_id = ? AND state = ? ORDER BY created_at",
-                                     (session_id, STORED))
+            rows = self.conn.execute(
+                "SELECT * FROM payloads WHERE session_id = ? AND state = ? ORDER BY created_at", (session_id, STORED)
+            )
         else:
             rows = self.conn.execute("SELECT * FROM payloads WHERE state = ? ORDER BY created_at", (STORED,))
         return [self._meta(r) for r in rows]
@@ -581,8 +681,10 @@ class PayloadStore(PayloadStorage):
                 yield chunk
 
     def mark_opened(self, payload_id: str, *, now: float | None = None) -> None:
-        self.conn.execute("UPDATE payloads SET opened_at = ? WHERE payload_id = ? AND opened_at IS NULL AND state = ?",
-                          (time.time() if now is None else now, payload_id, STORED))
+        self.conn.execute(
+            "UPDATE payloads SET opened_at = ? WHERE payload_id = ? AND opened_at IS NULL AND state = ?",
+            (time.time() if now is None else now, payload_id, STORED),
+        )
 
     def delete(self, payload_id: str) -> bool:
         cur = self.conn.execute("DELETE FROM payloads WHERE payload_id = ?", (payload_id,))

@@ -29,8 +29,9 @@ _RESTORE = "a new key could not open the payloads sealed to this one"
 
 def ensure(paths: Paths) -> bool:
     """Create the payload key pair if it is missing. True when this call made it."""
-    return pemkeys.ensure(paths.payload_private_key, X25519PrivateKey.generate, X25519PrivateKey, what="payload key",
-                          restore=_RESTORE)
+    return pemkeys.ensure(
+        paths.payload_private_key, X25519PrivateKey.generate, X25519PrivateKey, what="payload key", restore=_RESTORE
+    )
 
 
 def load_private(paths: Paths) -> X25519PrivateKey:
@@ -48,4 +49,3 @@ def public_b64(paths: Paths) -> str:
     """The bundle's ``payload_public_key``; creates the key pair first if this home has none yet."""
     ensure(paths)
     return base64.b64encode(public_raw(load_private(paths))).decode()
-

@@ -34,11 +34,29 @@ MAX_DEPTH = 8  # nesting of dicts/lists inside one event
 MAX_TYPE_LENGTH = 64
 
 RESERVED_FIELDS = frozenset({"seq", "timestamp", "prev"})
-FORBIDDEN_FIELDS = frozenset({
-    "token", "access_token", "refresh_token", "id_token", "bearer", "authorization",
-    "proxy_authorization", "cookie", "set_cookie", "dpop", "value", "values", "ciphertext",
-    "plaintext", "password", "passphrase", "secret", "private_key", "key_material",
-})
+FORBIDDEN_FIELDS = frozenset(
+    {
+        "token",
+        "access_token",
+        "refresh_token",
+        "id_token",
+        "bearer",
+        "authorization",
+        "proxy_authorization",
+        "cookie",
+        "set_cookie",
+        "dpop",
+        "value",
+        "values",
+        "ciphertext",
+        "plaintext",
+        "password",
+        "passphrase",
+        "secret",
+        "private_key",
+        "key_material",
+    }
+)
 
 _SCAN_WINDOW = 64 * 1024  # below this many bytes, read() stops bisecting and scans lines
 _TAIL_CHUNK = 64 * 1024
@@ -54,8 +72,11 @@ class ChainError(UompError, ValueError):
 
     def __init__(self, reason: str, *, seq: int | None = None) -> None:
         where = f"at seq {seq}" if seq is not None else "at its last line"
-        super().__init__(ErrorCode.INTERNAL, f"access log chain broken {where}: {reason}",
-                         details={"seq": seq} if seq is not None else None)
+        super().__init__(
+            ErrorCode.INTERNAL,
+            f"access log chain broken {where}: {reason}",
+            details={"seq": seq} if seq is not None else None,
+        )
         self.seq = seq
         self.reason = reason
 
@@ -70,8 +91,9 @@ def line_hash(line: bytes) -> str:
 
 def encode_record(record: Mapping[str, Any]) -> bytes:
     """The canonical bytes of one line (no newline)."""
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+        "utf-8"
+    )
 
 
 def _iso_ms(ts: float) -> str:
@@ -93,8 +115,9 @@ def _check_value(value: Any, depth: int) -> None:
                 raise ValueError("access log event field names must be strings")
             norm = k.lower().replace("-", "_")
             if norm in FORBIDDEN_FIELDS or norm.endswith("_token"):
-                raise ValueError(f"access log event must not carry a field named {k!r} "
-                                 "(no tokens, key material or memory values)")
+                raise ValueError(
+                    f"access log event must not carry a field named {k!r} (no tokens, key material or memory values)"
+                )
             _check_value(v, depth + 1)
         return
     if isinstance(value, list | tuple):

@@ -152,12 +152,20 @@ class _Buckets:
 class AccessLog:
     """Append-only, hash-chained, group-committed, rotated access log. See the module docstring."""
 
-    def __init__(self, path: Path, *, max_pending: int = MAX_PENDING_EVENTS,
-                 max_pending_bytes: int = MAX_PENDING_BYTES, clock: Callable[[], float] = time.time,
-                 segment_bytes: int = SEGMENT_BYTES, max_total_bytes: int = MAX_TOTAL_BYTES,
-                 retention_days: float = RETENTION_DAYS, unauth_events_per_second: float = UNAUTH_EVENTS_PER_SECOND,
-                 unauth_burst: float = UNAUTH_BURST, summary_interval_seconds: float = SUMMARY_INTERVAL_SECONDS
-                 ) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_pending: int = MAX_PENDING_EVENTS,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+        clock: Callable[[], float] = time.time,
+        segment_bytes: int = SEGMENT_BYTES,
+        max_total_bytes: int = MAX_TOTAL_BYTES,
+        retention_days: float = RETENTION_DAYS,
+        unauth_events_per_second: float = UNAUTH_EVENTS_PER_SECOND,
+        unauth_burst: float = UNAUTH_BURST,
+        summary_interval_seconds: float = SUMMARY_INTERVAL_SECONDS,
+    ) -> None:
         self.path = Path(path)
         self._clock = clock
         self.segment_bytes = max(4096, int(segment_bytes))
@@ -206,8 +214,14 @@ class AccessLog:
         self._last_summary = self._clock()
         self.events_counted = 0  # events counted instead of written (lost + suppressed), for metrics
         self.writer: GroupCommitWriter[dict[str, Any]] = GroupCommitWriter(
-            "access log", self._write_batch, max_pending=max_pending, max_pending_bytes=max_pending_bytes,
-            size=lambda rec: int(rec.pop("_size", 0)), on_failed=self._count_failed, first_ticket=last_seq)
+            "access log",
+            self._write_batch,
+            max_pending=max_pending,
+            max_pending_bytes=max_pending_bytes,
+            size=lambda rec: int(rec.pop("_size", 0)),
+            on_failed=self._count_failed,
+            first_ticket=last_seq,
+        )
 
     @staticmethod
     def _recover(fd: int) -> tuple[int, int, str, int]:
@@ -247,8 +261,10 @@ class AccessLog:
         failing = self.writer.failing
         if failing is not None:
             self._count_lost(record, failing)
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the access log cannot be written ({failing}); "
-                            "requests are refused until it can")
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE,
+                f"the access log cannot be written ({failing}); requests are refused until it can",
+            )
         if source is not None and not self._buckets.take(source, now):
             self.suppressed.add(f"{source} {record.get('code') or record.get('action') or '-'}", now=now)
             self.events_counted += 1
@@ -281,29 +297,47 @@ class AccessLog:
             with contextlib.suppress(UompError):
                 await self.writer.probe()
         if self.failing is not None:
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the access log cannot be written ({self.failing}); "
-                            "requests are refused until it can")
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE,
+                f"the access log cannot be written ({self.failing}); requests are refused until it can",
+            )
 
     def _summaries(self, now: float, *, force: bool) -> tuple[list[dict[str, Any]], list[tuple[RefusalTally, Any]]]:
         out: list[dict[str, Any]] = []
         taken: list[tuple[RefusalTally, Any]] = []
         snap = self.lost.take()
         if snap is not None:
-            out.append({"type": GAP_TYPE, "allowed": False, "status": 503, "code": "STORE_UNAVAILABLE",
-                        "count": sum(snap["counts"].values()), "by_action": snap["counts"],
-                        "reason": f"the access log could not be written ({snap['reason'] or 'failed'}); "
-                                  "these requests were refused with 503",
-                        "first": _iso_ms(snap["first"]), "last": _iso_ms(snap["last"]),
-                        "timestamp": _iso_ms(now)})
+            out.append(
+                {
+                    "type": GAP_TYPE,
+                    "allowed": False,
+                    "status": 503,
+                    "code": "STORE_UNAVAILABLE",
+                    "count": sum(snap["counts"].values()),
+                    "by_action": snap["counts"],
+                    "reason": f"the access log could not be written ({snap['reason'] or 'failed'}); "
+                    "these requests were refused with 503",
+                    "first": _iso_ms(snap["first"]),
+                    "last": _iso_ms(snap["last"]),
+                    "timestamp": _iso_ms(now),
+                }
+            )
             taken.append((self.lost, snap))
         if force or now - self._last_summary >= self.summary_interval:
             snap = self.suppressed.take()
             if snap is not None:
-                out.append({"type": SUPPRESSED_TYPE, "allowed": False, "count": sum(snap["counts"].values()),
-                            "by_source_code": snap["counts"],
-                            "reason": "unauthenticated requests beyond the per-source logging rate, counted",
-                            "first": _iso_ms(snap["first"]), "last": _iso_ms(snap["last"]),
-                            "timestamp": _iso_ms(now)})
+                out.append(
+                    {
+                        "type": SUPPRESSED_TYPE,
+                        "allowed": False,
+                        "count": sum(snap["counts"].values()),
+                        "by_source_code": snap["counts"],
+                        "reason": "unauthenticated requests beyond the per-source logging rate, counted",
+                        "first": _iso_ms(snap["first"]),
+                        "last": _iso_ms(snap["last"]),
+                        "timestamp": _iso_ms(now),
+                    }
+                )
                 taken.append((self.suppressed, snap))
         return out, taken
 
@@ -351,16 +385,26 @@ class AccessLog:
         if any(t is self.suppressed for t, _ in taken):
             self._last_summary = now
         if summaries and summaries[0]["type"] == GAP_TYPE:
-            log.warning("access log: writing again; %d refused request(s) recorded in one %s event",
-                        summaries[0]["count"], GAP_TYPE)
+            log.warning(
+                "access log: writing again; %d refused request(s) recorded in one %s event",
+                summaries[0]["count"],
+                GAP_TYPE,
+            )
 
     def _rotate(self, now: float) -> None:
         """Close the active file into a segment (index line durable first), start a new one."""
         assert self._active_first is not None
         first_seq, first_prev = self._active_first
         name = f"{self.path.stem}-{first_seq:012d}{self.path.suffix}"
-        entry = {"file": name, "first_seq": first_seq, "last_seq": self._last_seq, "first_prev": first_prev,
-                 "last_hash": self._prev, "bytes": self._size, "closed": now}
+        entry = {
+            "file": name,
+            "first_seq": first_seq,
+            "last_seq": self._last_seq,
+            "first_prev": first_prev,
+            "last_hash": self._prev,
+            "bytes": self._size,
+            "closed": now,
+        }
         _append_index(self.index_path, entry)
         self._index.segments.append(entry)
         os.rename(self.path, self.path.with_name(name))
@@ -480,6 +524,7 @@ class AccessLog:
     def __enter__(self) -> AccessLog:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

@@ -48,16 +48,24 @@ async def refresh(call: Call) -> web.StreamResponse:
     state = call.request.app[STATE]
     assert call.cap is not None and call.token is not None
     headers = verified_headers(call)
-    status, body = await state.forwarder.json_call("POST", f"/v1/sessions/{call.cap.session_id}/refresh",
-                                                   headers=headers)
+    status, body = await state.forwarder.json_call(
+        "POST", f"/v1/sessions/{call.cap.session_id}/refresh", headers=headers
+    )
     call.recorded = True  # the guard wrote the refresh's one event (rotation or refusal)
     if status >= 400:
         raw_err = body.get("error")
         err: dict[str, object] = raw_err if isinstance(raw_err, dict) else {}
         code = parse_code(err.get("code"), ErrorCode.UPSTREAM_ERROR)
-        if code not in (ErrorCode.INVALID_TOKEN, ErrorCode.TOKEN_EXPIRED, ErrorCode.SESSION_REVOKED,
-                        ErrorCode.SESSION_NOT_FOUND, ErrorCode.REFRESH_REUSED, ErrorCode.TOKEN_BINDING_MISMATCH,
-                        ErrorCode.STORE_UNAVAILABLE, ErrorCode.STORE_BUSY):
+        if code not in (
+            ErrorCode.INVALID_TOKEN,
+            ErrorCode.TOKEN_EXPIRED,
+            ErrorCode.SESSION_REVOKED,
+            ErrorCode.SESSION_NOT_FOUND,
+            ErrorCode.REFRESH_REUSED,
+            ErrorCode.TOKEN_BINDING_MISMATCH,
+            ErrorCode.STORE_UNAVAILABLE,
+            ErrorCode.STORE_BUSY,
+        ):
             code = ErrorCode.UPSTREAM_ERROR
         raise UompError(code, str(err.get("message", "refresh refused"))[:200], session_id=call.cap.session_id)
     await _record(call, status=200, allowed=True, reason="refresh token rotated", code=None)
@@ -96,23 +104,36 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
     try:
         csr = await _read_csr(request)
         pem = await asyncio.to_thread(
-            ca_store.renew, state.paths, der, csr, ca.AGENT_CERT_LIFETIME, now,
-            window_fraction=cfg.renew_window_fraction, max_per_agent=cfg.renew_max_per_agent,
-            rate_window=dt.timedelta(seconds=cfg.renew_rate_window_seconds))
+            ca_store.renew,
+            state.paths,
+            der,
+            csr,
+            ca.AGENT_CERT_LIFETIME,
+            now,
+            window_fraction=cfg.renew_window_fraction,
+            max_per_agent=cfg.renew_max_per_agent,
+            rate_window=dt.timedelta(seconds=cfg.renew_rate_window_seconds),
+        )
     except UompError as exc:
         if exc.code == ErrorCode.RATE_LIMITED:
             if len(limited) >= MAX_LIMITED_AGENTS:
                 limited.clear()
-            limited[ident.agent_id] = time.monotonic() + min(RATE_LIMIT_MEMORY_SECONDS,
-                                                             float(cfg.renew_rate_window_seconds))
+            limited[ident.agent_id] = time.monotonic() + min(
+                RATE_LIMIT_MEMORY_SECONDS, float(cfg.renew_rate_window_seconds)
+            )
         raise
     finally:
         busy.discard(ident.agent_id)
     cert = ca.load_cert(pem)
     serial = ca.serial_hex(cert.serial_number)
     not_after = cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
-    await _record(call, status=200, allowed=True, code=None,
-                  reason=f"certificate renewed: new serial {serial}, valid until {not_after}")
+    await _record(
+        call,
+        status=200,
+        allowed=True,
+        code=None,
+        reason=f"certificate renewed: new serial {serial}, valid until {not_after}",
+    )
     return web.json_response({"certificate": pem.decode(), "serial": serial, "not_after": not_after})
 
 
@@ -165,23 +186,42 @@ async def dpop_identity(call: Call) -> None:
         raise UompError(ErrorCode.CERT_REQUIRED, "this route needs a client certificate (mTLS listener)")
     cap = state.verify(_bearer(request))  # signature first: a proof is only checked for a real token
     if cap.cnf_jkt is None:
-        raise UompError(ErrorCode.TOKEN_BINDING_MISMATCH, "tokens used through the tunnel must be bound to a DPoP key",
-                        session_id=cap.session_id)
-    result = dpop.verify_dpop(request.headers.getall("DPoP", []), method=request.method,
-                              url=_public_url(state, request, call.target.upstream_path),
-                              access_token=_bearer(request),
-                              now=time.time(), window_seconds=state.cfg.dpop_window_seconds,
-                              replay=state.replay, expected_jkt=cap.cnf_jkt, record=False)
+        raise UompError(
+            ErrorCode.TOKEN_BINDING_MISMATCH,
+            "tokens used through the tunnel must be bound to a DPoP key",
+            session_id=cap.session_id,
+        )
+    result = dpop.verify_dpop(
+        request.headers.getall("DPoP", []),
+        method=request.method,
+        url=_public_url(state, request, call.target.upstream_path),
+        access_token=_bearer(request),
+        now=time.time(),
+        window_seconds=state.cfg.dpop_window_seconds,
+        replay=state.replay,
+        expected_jkt=cap.cnf_jkt,
+        record=False,
+    )
     call.jkt = result.jkt
     # recorded only once the token and the session passed their checks (a revoked agent records nothing)
     call.on_authenticated.append(lambda: dpop.record_proof(state.replay, result, now=time.time()))
 
 
 ROUTES = (
-    (Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/refresh"), "refresh", token_use="refresh",
-           status_check=False), refresh),
-    (Route("POST", re.compile(r"/v1/certificates/renew"), "renew", token_use="none", transports=("mtls",)),
-     renew_certificate),
+    (
+        Route(
+            "POST",
+            re.compile(r"/v1/sessions/(?P<sid>[^/]+)/refresh"),
+            "refresh",
+            token_use="refresh",
+            status_check=False,
+        ),
+        refresh,
+    ),
+    (
+        Route("POST", re.compile(r"/v1/certificates/renew"), "renew", token_use="none", transports=("mtls",)),
+        renew_certificate,
+    ),
 )
 
 

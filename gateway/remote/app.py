@@ -74,9 +74,20 @@ from gateway.remote.tls import ClientCertChecker, ClientIdentity, server_name_of
 
 log = logging.getLogger("uomp.gateway")
 
-__all__ = ["AGENT_HEADER", "QUOTA_HEADER", "VERIFIED_AGENT_HEADER", "VERIFIED_JKT_HEADER", "VERIFIED_TOKEN_HEADER",
-           "VERIFIED_VIA_HEADER", "VERIFIED_X5T_HEADER", "Call", "GatewayState", "Route", "create_gateway_app",
-           "register_route"]
+__all__ = [
+    "AGENT_HEADER",
+    "QUOTA_HEADER",
+    "VERIFIED_AGENT_HEADER",
+    "VERIFIED_JKT_HEADER",
+    "VERIFIED_TOKEN_HEADER",
+    "VERIFIED_VIA_HEADER",
+    "VERIFIED_X5T_HEADER",
+    "Call",
+    "GatewayState",
+    "Route",
+    "create_gateway_app",
+    "register_route",
+]
 
 MAX_STATUS_CACHE_SECONDS = 1.0
 MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
@@ -99,6 +110,7 @@ class Route:
     status_check: bool = True  # ask the Auth Service about the session before the handler
     transports: tuple[Listener, ...] = ("mtls", "tunnel")  # listeners the route exists on
     handler: Handler | None = None  # None: forwarded to the guard after every check (:func:`forward`)
+
 
 # §15.4. Session create, grant, close, revoke and list are deliberately absent: never reachable here.
 ROUTES: list[Route] = [
@@ -186,8 +198,19 @@ class ConnMemo:
       (``GatewayState.generation``). Anything else goes through the full verification again.
     """
 
-    __slots__ = ("block", "block_remote", "cap", "der", "digest", "generation", "identity", "not_after", "not_before",
-                 "passed", "token")
+    __slots__ = (
+        "block",
+        "block_remote",
+        "cap",
+        "der",
+        "digest",
+        "generation",
+        "identity",
+        "not_after",
+        "not_before",
+        "passed",
+        "token",
+    )
 
     def __init__(self, der: bytes, identity: ClientIdentity) -> None:
         self.der = der
@@ -202,8 +225,9 @@ class ConnMemo:
         self.block: http1.HeaderBlock | None = None  # _connection_assertion's lines for ``token``
         self.block_remote: str | None = None
 
-    def remember(self, generation: int, token: str, cap: Capability, digest: str,
-                 key: tuple[str, str | None, str | None, str]) -> None:
+    def remember(
+        self, generation: int, token: str, cap: Capability, digest: str, key: tuple[str, str | None, str | None, str]
+    ) -> None:
         if self.token != token or self.generation != generation:
             self.generation, self.token, self.cap, self.digest = generation, token, cap, digest
             self.passed = set()
@@ -235,10 +259,16 @@ class StatusCache:
                 err = body.get("error") if isinstance(body, dict) else None
                 code = parse_code(err.get("code") if isinstance(err, dict) else None, ErrorCode.STORE_UNAVAILABLE)
                 if status == 503 and code in (ErrorCode.STORE_BUSY, ErrorCode.STORE_UNAVAILABLE):
-                    raise UompError(code, "the Auth Service could not check the session just now; try again "
-                                    "shortly", session_id=cap.session_id)
-                raise UompError(ErrorCode.STORE_UNAVAILABLE, "the guard behind the gateway does not answer token "
-                                "validation (it must be reached on its Unix socket)")
+                    raise UompError(
+                        code,
+                        "the Auth Service could not check the session just now; try again shortly",
+                        session_id=cap.session_id,
+                    )
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE,
+                    "the guard behind the gateway does not answer token "
+                    "validation (it must be reached on its Unix socket)",
+                )
             if len(self._cache) >= self.max_entries:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
                 if len(self._cache) >= self.max_entries:
@@ -249,8 +279,13 @@ class StatusCache:
         if body.get("valid") is True:
             return
         code = parse_code(body.get("code"), ErrorCode.SESSION_REVOKED)
-        if code not in (ErrorCode.TOKEN_EXPIRED, ErrorCode.SESSION_REVOKED, ErrorCode.SESSION_NOT_FOUND,
-                        ErrorCode.INVALID_TOKEN, ErrorCode.REFRESH_REUSED):
+        if code not in (
+            ErrorCode.TOKEN_EXPIRED,
+            ErrorCode.SESSION_REVOKED,
+            ErrorCode.SESSION_NOT_FOUND,
+            ErrorCode.INVALID_TOKEN,
+            ErrorCode.REFRESH_REUSED,
+        ):
             code = ErrorCode.SESSION_REVOKED
         message = body.get("message")  # what happened, as the Auth Service says it (fixed sentences)
         if not isinstance(message, str) or not message or len(message) > 300:
@@ -267,15 +302,28 @@ def _host_key(host_header: str, scheme: str) -> str:
 
 
 class GatewayState:
-    def __init__(self, paths: Paths, cfg: GatewayConfig, *, forwarder: Forwarder, access: AccessLog,
-                 metrics: Metrics, endpoints: list[str], tunnel_endpoints: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        paths: Paths,
+        cfg: GatewayConfig,
+        *,
+        forwarder: Forwarder,
+        access: AccessLog,
+        metrics: Metrics,
+        endpoints: list[str],
+        tunnel_endpoints: list[str] | None = None,
+    ) -> None:
         self.paths = paths
         self.cfg = cfg
         self.forwarder = forwarder
         self.access = access  # the durable local spool of the one log (guard unreachable)
-        self.events = EventSink(forwarder, access, unauth_events_per_second=cfg.access_log_unauth_events_per_second,
-                                unauth_burst=cfg.access_log_unauth_burst,
-                                summary_interval_seconds=cfg.access_log_summary_interval_seconds)
+        self.events = EventSink(
+            forwarder,
+            access,
+            unauth_events_per_second=cfg.access_log_unauth_events_per_second,
+            unauth_burst=cfg.access_log_unauth_burst,
+            summary_interval_seconds=cfg.access_log_summary_interval_seconds,
+        )
         self.metrics = metrics
         # Each listener serves its own public endpoints (audience and allowed_endpoints are checked
         # against the listener the request arrived on, never against every endpoint of the gateway).
@@ -297,9 +345,11 @@ class GatewayState:
         self._verified: dict[str, Capability] = {}
         self._route_index: dict[tuple[str, str], list[Route]] = {}
         self._route_index_of: tuple[Route, ...] = ()
-        self.replay = ReplayCache.sized(window_seconds=cfg.dpop_window_seconds,
-                                        max_entries=cfg.dpop_replay_cache_entries,
-                                        proofs_per_second_per_key=cfg.dpop_max_proofs_per_second_per_key)
+        self.replay = ReplayCache.sized(
+            window_seconds=cfg.dpop_window_seconds,
+            max_entries=cfg.dpop_replay_cache_entries,
+            proofs_per_second_per_key=cfg.dpop_max_proofs_per_second_per_key,
+        )
         # serials (hex) on the CRL last loaded; the server points this at its TLS reloader
         self.revoked_serials: Callable[[], frozenset[str]] = frozenset
         # False while the guard is known to be unreachable; the server points this at its upstream monitor
@@ -313,8 +363,9 @@ class GatewayState:
             guard = load_section(GuardConfig, "guard", file=self.paths.config_file)
         except Exception:  # a broken [guard] section is the guard's to report; use the defaults
             guard = GuardConfig()
-        lifetime = max(guard.token_lifetime_seconds, guard.remote_token_lifetime_seconds,
-                       guard.refresh_lifetime_seconds)
+        lifetime = max(
+            guard.token_lifetime_seconds, guard.remote_token_lifetime_seconds, guard.refresh_lifetime_seconds
+        )
         self.public_keys = keyfiles.load_public_keys(self.paths, now=time.time(), max_token_lifetime=lifetime)
         self._verified = {}
         self.generation += 1
@@ -474,13 +525,20 @@ def check_token(state: GatewayState, call: Call, token: str) -> Capability:
     call.cap = cap
     ident = call.identity
     presented = checks.Presented(
-        token_use=route.token_use, profile="remote", audiences=state.listener_endpoints.get(call.via, set()),
-        audience_required=True, endpoint=call.endpoint, check_endpoint=True,
-        header_agent=header_agent, require_header_agent=True,
+        token_use=route.token_use,
+        profile="remote",
+        audiences=state.listener_endpoints.get(call.via, set()),
+        audience_required=True,
+        endpoint=call.endpoint,
+        check_endpoint=True,
+        header_agent=header_agent,
+        require_header_agent=True,
         proven_agent=ident.agent_id if ident else None,
-        x5t=ident.x5t_s256 if ident else None, jkt=ident.jkt if ident else call.jkt,
+        x5t=ident.x5t_s256 if ident else None,
+        jkt=ident.jkt if ident else call.jkt,
         binding=checks.BIND_EITHER if ident is not None or call.jkt is None else checks.BIND_JKT,
-        host=host)
+        host=host,
+    )
     checks.run_checks(cap, presented)
     if memo is not None:
         memo.remember(generation, token, cap, call.token_digest, key)
@@ -530,12 +588,18 @@ def _route_params(call: Call) -> None:
     elif route.name == "audit":
         sids = request.query.getall("session_id", [])
         if call.cap is not None and any(s != call.cap.session_id for s in sids):
-            raise UompError(ErrorCode.ACCESS_DENIED, "an agent may read only its own session's audit log",
-                            session_id=call.cap.session_id)
+            raise UompError(
+                ErrorCode.ACCESS_DENIED,
+                "an agent may read only its own session's audit log",
+                session_id=call.cap.session_id,
+            )
     elif route.name in ("write", "delete"):
         call.key = call.params.get("key")
-    elif (route.name in ("deletion_proof", "refresh") and call.cap is not None
-          and call.params.get("sid") != call.cap.session_id):
+    elif (
+        route.name in ("deletion_proof", "refresh")
+        and call.cap is not None
+        and call.params.get("sid") != call.cap.session_id
+    ):
         raise UompError(ErrorCode.ACCESS_DENIED, "token is for another session", session_id=call.cap.session_id)
 
 
@@ -554,16 +618,22 @@ async def forward(call: Call) -> web.StreamResponse:
     body: bytes | None = None
     if request.method in ("POST", "PUT"):
         if request.content_length is not None and request.content_length > state.cfg.max_body_bytes:
-            raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {state.cfg.max_body_bytes} bytes",
-                            session_id=call.cap.session_id)
+            raise UompError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                session_id=call.cap.session_id,
+            )
         # The whole body (one read() returns only what has arrived so far), bounded.
         parts: list[bytes] = []
         size = 0
         while chunk := await request.content.readany():
             size += len(chunk)
             if size > state.cfg.max_body_bytes:
-                raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {state.cfg.max_body_bytes} bytes",
-                                session_id=call.cap.session_id)
+                raise UompError(
+                    ErrorCode.PAYLOAD_TOO_LARGE,
+                    f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                    session_id=call.cap.session_id,
+                )
             parts.append(chunk)
         body = b"".join(parts)
     path = call.target.upstream_target
@@ -584,8 +654,7 @@ async def forward(call: Call) -> web.StreamResponse:
             # A refusal is small: read it whole (bounded) so the access log records the guard's code.
             raw = await upstream.read(MAX_UPSTREAM_ERROR_BYTES)
             code = _error_code(raw) or f"HTTP_{upstream.status}"
-            await _record(call, status=upstream.status, allowed=False, reason="refused by the memory guard",
-                          code=code)
+            await _record(call, status=upstream.status, allowed=False, reason="refused by the memory guard", code=code)
             return web.Response(body=raw, status=upstream.status, headers=headers_out)
         if upstream.body is not None:  # read whole already (every JSON answer of the guard)
             await _record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)
@@ -645,8 +714,7 @@ async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: 
         return
     call.recorded = True
     source = None if call.cap is not None else (call.request.remote or "unknown")
-    done = state.events.append(call.event(status=status, allowed=allowed, reason=reason, code=code),
-                               source=source)
+    done = state.events.append(call.event(status=status, allowed=allowed, reason=reason, code=code), source=source)
     if done is not None:
         await done
     fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
@@ -654,8 +722,9 @@ async def _record(call: Call, *, status: int, allowed: bool, reason: str, code: 
 
 def _unrecorded(exc: UompError) -> web.Response:
     """The answer when the event could not be made durable: 503, as the counted event says."""
-    return _error(exc if exc.code == ErrorCode.STORE_UNAVAILABLE else UompError(
-        ErrorCode.STORE_UNAVAILABLE, "access log failed"))
+    return _error(
+        exc if exc.code == ErrorCode.STORE_UNAVAILABLE else UompError(ErrorCode.STORE_UNAVAILABLE, "access log failed")
+    )
 
 
 async def entry(request: web.Request) -> web.StreamResponse:
@@ -688,8 +757,7 @@ async def entry(request: web.Request) -> web.StreamResponse:
     finally:
         transport.request_finished(request)
     transport.last_answer(request, resp)
-    state.metrics.observe_request(call.route.name if call.route else "unknown", code,
-                                  time.perf_counter() - started)
+    state.metrics.observe_request(call.route.name if call.route else "unknown", code, time.perf_counter() - started)
     return resp
 
 

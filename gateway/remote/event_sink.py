@@ -100,7 +100,7 @@ def fits(sizes: Sequence[int]) -> int:
     of body; at least one (an event too large on its own is sent alone and refused as such)."""
     total = _BODY_OVERHEAD
     n = 0
-    for size in sizes[:contract.MAX_INTERNAL_EVENTS]:
+    for size in sizes[: contract.MAX_INTERNAL_EVENTS]:
         total += size
         if n and total > contract.MAX_INTERNAL_EVENTS_BYTES:
             break
@@ -111,9 +111,16 @@ def fits(sizes: Sequence[int]) -> int:
 class EventSink:
     """See the module docstring."""
 
-    def __init__(self, forwarder: Forwarder, spool: AccessLog, *, unauth_events_per_second: float = 2.0,
-                 unauth_burst: float = 20.0, summary_interval_seconds: float = 60.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        spool: AccessLog,
+        *,
+        unauth_events_per_second: float = 2.0,
+        unauth_burst: float = 20.0,
+        summary_interval_seconds: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.forwarder = forwarder
         self.spool = spool
         self.clock = clock
@@ -172,15 +179,22 @@ class EventSink:
             return None
         self.suppressed.done(snap)
         self._last_summary = now
-        return {"id": new_event_id(now), "ts": now, "action": SUPPRESSED_ACTION, "allowed": False,
-                "count": sum(snap["counts"].values()), "by": dict(snap["counts"]),
-                "reason": "unauthenticated requests beyond the per-source logging rate, counted",
-                "first": _iso(snap["first"]), "last": _iso(snap["last"])}
+        return {
+            "id": new_event_id(now),
+            "ts": now,
+            "action": SUPPRESSED_ACTION,
+            "allowed": False,
+            "count": sum(snap["counts"].values()),
+            "by": dict(snap["counts"]),
+            "reason": "unauthenticated requests beyond the per-source logging rate, counted",
+            "first": _iso(snap["first"]),
+            "last": _iso(snap["last"]),
+        }
 
     async def _drain(self) -> None:
         await asyncio.sleep(0)  # one tick: whatever is refused concurrently joins this batch
         while True:
-            n = fits([wire_size(ev) for ev, _ in self._pending[:contract.MAX_INTERNAL_EVENTS]])
+            n = fits([wire_size(ev) for ev, _ in self._pending[: contract.MAX_INTERNAL_EVENTS]])
             batch = self._pending[:n]
             del self._pending[:n]
             summary = self._summary()
@@ -202,8 +216,13 @@ class EventSink:
             except UompError as exc:
                 if isinstance(exc, Refused):  # the replay splits it and sets aside what stays refused
                     self.batches_refused += 1
-                    log.warning("one log: the guard refused a batch of %d event(s) (%s %s); spooled, "
-                                "to be replayed in smaller batches", len(events), exc.http_status, exc.guard_code)
+                    log.warning(
+                        "one log: the guard refused a batch of %d event(s) (%s %s); spooled, "
+                        "to be replayed in smaller batches",
+                        len(events),
+                        exc.http_status,
+                        exc.guard_code,
+                    )
                 try:
                     await self._to_spool(events, exc)
                 except (UompError, ValueError) as spool_exc:  # ValueError: an event the spool refuses
@@ -217,8 +236,12 @@ class EventSink:
             if error is None:
                 fut.set_result(None)
             else:
-                fut.set_exception(UompError(ErrorCode.STORE_UNAVAILABLE, "the event could not be recorded "
-                                            "(guard unreachable and the local spool failing)"))
+                fut.set_exception(
+                    UompError(
+                        ErrorCode.STORE_UNAVAILABLE,
+                        "the event could not be recorded (guard unreachable and the local spool failing)",
+                    )
+                )
 
     async def _post(self, events: list[dict[str, Any]]) -> None:
         self.requests_sent += 1
@@ -234,8 +257,11 @@ class EventSink:
         tickets = [self.spool.append(ev) for ev in events]
         await self.spool.flush(max(tickets))
         if not self.events_spooled:
-            log.warning("guard unreachable for the one log (%s): events spooled in %s, replayed when it returns",
-                        why.code, self.spool.path.name)
+            log.warning(
+                "guard unreachable for the one log (%s): events spooled in %s, replayed when it returns",
+                why.code,
+                self.spool.path.name,
+            )
         self.events_spooled += len(events)
 
     # ------------------------------------------------------------------------- replay
@@ -262,8 +288,9 @@ class EventSink:
         refused, set_aside = self.batches_refused, self.events_set_aside
         try:
             while self.spool.last_seq > self.replayed_seq:
-                records = await asyncio.to_thread(self.spool.read, after_seq=self.replayed_seq,
-                                                  limit=contract.MAX_INTERNAL_EVENTS)
+                records = await asyncio.to_thread(
+                    self.spool.read, after_seq=self.replayed_seq, limit=contract.MAX_INTERNAL_EVENTS
+                )
                 if not records:
                     break
                 items = [(r, spooled_event(r)) for r in records]
@@ -273,9 +300,12 @@ class EventSink:
             if done:
                 log.info("replayed %d spooled event(s) into the guard's log", done)
             if self.batches_refused > refused:
-                log.warning("one log: the guard refused %d replay batch(es) (400/413): split; %d event(s) set aside "
-                            "in %s", self.batches_refused - refused, self.events_set_aside - set_aside,
-                            self.set_aside_file.name)
+                log.warning(
+                    "one log: the guard refused %d replay batch(es) (400/413): split; %d event(s) set aside in %s",
+                    self.batches_refused - refused,
+                    self.events_set_aside - set_aside,
+                    self.set_aside_file.name,
+                )
         return done
 
     async def _replay_items(self, items: list[tuple[dict[str, Any], dict[str, Any]]]) -> int:
@@ -310,23 +340,45 @@ class EventSink:
         seq = int(record["seq"])
         eid = event.get("id")
         eid = eid if isinstance(eid, str) and _SAFE_ID.fullmatch(eid) else None
-        line = {"seq": seq, "id": eid, "status": why.http_status, "code": why.guard_code,
-                "bytes": wire_size(event), "at": _iso(self.clock())}
+        line = {
+            "seq": seq,
+            "id": eid,
+            "status": why.http_status,
+            "code": why.guard_code,
+            "bytes": wire_size(event),
+            "at": _iso(self.clock()),
+        }
         await asyncio.to_thread(_append_line, self.set_aside_file, json.dumps(line, sort_keys=True))
         self.events_set_aside += 1
-        log.warning("one log: spooled event seq %d (id %s) refused by the guard (%s %s), set aside in %s; "
-                    "the replay goes on", seq, eid or "-", why.http_status, why.guard_code, self.set_aside_file.name)
-        report = {"id": "gw_" + hashlib.sha256(f"set-aside:{seq}:{record.get('prev')}".encode()).hexdigest()[:32],
-                  "ts": self.clock(),
-                  "action": SET_ASIDE_ACTION, "allowed": False, "code": why.guard_code, "status": why.http_status,
-                  "detail": eid, "count": 1,
-                  "reason": f"a gateway event the guard refused ({why.http_status} {why.guard_code}) is kept in the "
-                            f"gateway's spool at seq {seq} and listed in {self.set_aside_file.name}"}
+        log.warning(
+            "one log: spooled event seq %d (id %s) refused by the guard (%s %s), set aside in %s; the replay goes on",
+            seq,
+            eid or "-",
+            why.http_status,
+            why.guard_code,
+            self.set_aside_file.name,
+        )
+        report = {
+            "id": "gw_" + hashlib.sha256(f"set-aside:{seq}:{record.get('prev')}".encode()).hexdigest()[:32],
+            "ts": self.clock(),
+            "action": SET_ASIDE_ACTION,
+            "allowed": False,
+            "code": why.guard_code,
+            "status": why.http_status,
+            "detail": eid,
+            "count": 1,
+            "reason": f"a gateway event the guard refused ({why.http_status} {why.guard_code}) is kept in the "
+            f"gateway's spool at seq {seq} and listed in {self.set_aside_file.name}",
+        }
         try:
             await self._post([{k: v for k, v in report.items() if v is not None}])
         except Refused as exc:  # not expected (a small well-formed event): the file line and the log say it
-            log.error("one log: the report of set-aside spool seq %d was refused too (%s %s)", seq,
-                      exc.http_status, exc.guard_code)
+            log.error(
+                "one log: the report of set-aside spool seq %d was refused too (%s %s)",
+                seq,
+                exc.http_status,
+                exc.guard_code,
+            )
         await self._mark(seq)
 
     def set_aside(self) -> list[dict[str, Any]]:
@@ -342,8 +394,9 @@ class EventSink:
                 seen.setdefault(int(entry["seq"]), entry)
         return [seen[k] for k in sorted(seen)]
 
-    async def run_replayer(self, interval: float = REPLAY_INTERVAL_SECONDS,
-                           backoff_max: float = REPLAY_BACKOFF_MAX_SECONDS) -> None:
+    async def run_replayer(
+        self, interval: float = REPLAY_INTERVAL_SECONDS, backoff_max: float = REPLAY_BACKOFF_MAX_SECONDS
+    ) -> None:
         """Background task: replay the spool whenever it holds events and the guard answers; while it
         does not, the wait doubles up to ``backoff_max``."""
         wait = interval

@@ -23,8 +23,15 @@ from gateway.core.http1 import HeaderBlock
 from gateway.errors import ErrorCode, UompError
 from gateway.remote.upstream import DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
 
-__all__ = ["CHUNK", "FORWARD_REQUEST_HEADERS", "FORWARD_RESPONSE_HEADERS", "MAX_JSON_BYTES", "Forwarder",
-           "Upstream", "UpstreamResponse"]
+__all__ = [
+    "CHUNK",
+    "FORWARD_REQUEST_HEADERS",
+    "FORWARD_RESPONSE_HEADERS",
+    "MAX_JSON_BYTES",
+    "Forwarder",
+    "Upstream",
+    "UpstreamResponse",
+]
 
 # Request headers the gateway copies from the client (lower-case; everything else is dropped) and
 # response headers passed back: the gateway<->guard contract.
@@ -35,22 +42,33 @@ MAX_JSON_BYTES = 1024 * 1024  # a JSON exchange with the guard (token validation
 
 
 class Forwarder:
-    def __init__(self, upstream: Upstream, *, timeout_seconds: float,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+    def __init__(
+        self, upstream: Upstream, *, timeout_seconds: float, max_connections: int = DEFAULT_MAX_CONNECTIONS
+    ) -> None:
         self.upstream = upstream
         self.client = UpstreamClient(upstream, timeout_seconds=timeout_seconds, max_connections=max_connections)
         self.on_failure: Callable[[ErrorCode], None] | None = None  # called with the code of a failed exchange
 
     def _failed(self, exc: UompError) -> None:
         if self.on_failure is not None and exc.code in (
-            ErrorCode.STORE_UNAVAILABLE, ErrorCode.UPSTREAM_ERROR, ErrorCode.UPSTREAM_TIMEOUT):
+            ErrorCode.STORE_UNAVAILABLE,
+            ErrorCode.UPSTREAM_ERROR,
+            ErrorCode.UPSTREAM_TIMEOUT,
+        ):
             self.on_failure(exc.code)
 
     async def close(self) -> None:
         await self.client.close()
 
-    async def request(self, method: str, path_and_query: str, headers: Mapping[str, str], *,
-                      body: bytes | None = None, block: HeaderBlock | None = None) -> UpstreamResponse:
+    async def request(
+        self,
+        method: str,
+        path_and_query: str,
+        headers: Mapping[str, str],
+        *,
+        body: bytes | None = None,
+        block: HeaderBlock | None = None,
+    ) -> UpstreamResponse:
         """Send one request; the caller reads (``body`` or ``iter_chunks``) and ``release()``s the answer.
         ``block``: header lines checked once already (:func:`gateway.core.http1.header_block`)."""
         try:
@@ -59,8 +77,9 @@ class Forwarder:
             self._failed(exc)
             raise
 
-    async def json_call(self, method: str, path: str, *, body: Any = None,
-                        headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    async def json_call(
+        self, method: str, path: str, *, body: Any = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """A small JSON exchange with the guard (token validation, refresh)."""
         hdrs = {"content-type": "application/json", **(headers or {})}
         data = json.dumps(body).encode() if body is not None else None

@@ -32,8 +32,19 @@ from typing import Any, Protocol
 
 log = logging.getLogger("uomp.gateway")
 
-REASONS = ("revoked", "expired", "not_yet_valid", "unknown_ca", "bad_purpose", "cert_invalid", "tls_version",
-           "plain_http", "no_certificate", "client_refused_server_cert", "other")
+REASONS = (
+    "revoked",
+    "expired",
+    "not_yet_valid",
+    "unknown_ca",
+    "bad_purpose",
+    "cert_invalid",
+    "tls_version",
+    "plain_http",
+    "no_certificate",
+    "client_refused_server_cert",
+    "other",
+)
 
 _VERIFY = {
     "certificate revoked": "revoked",
@@ -95,8 +106,9 @@ def _retrieve(fut: Any) -> None:
 class HandshakeLog:
     """The ``on_handshake_failed`` hook of one listener (see the module docstring)."""
 
-    def __init__(self, metrics: Counter, listener: str, *, per_second: float = 5.0, burst: int = 20,
-                 events: Events | None = None) -> None:
+    def __init__(
+        self, metrics: Counter, listener: str, *, per_second: float = 5.0, burst: int = 20, events: Events | None = None
+    ) -> None:
         self.metrics = metrics
         self.events = events
         self.listener = listener
@@ -111,10 +123,19 @@ class HandshakeLog:
         self.metrics.tls_handshake_rejected(self.listener, label)
         if self.events is not None:
             # No serial: Python's ssl does not show a certificate that failed verification.
-            done = self.events.append({"action": "tls_handshake", "allowed": False, "code": HANDSHAKE_CODE,
-                                       "detail": label, "reason": f"TLS handshake refused: {detail[:200]}",
-                                       "listener": self.listener, "client": ip or None,
-                                       "via": f"gateway:{self.listener}"}, source=ip or "unknown")
+            done = self.events.append(
+                {
+                    "action": "tls_handshake",
+                    "allowed": False,
+                    "code": HANDSHAKE_CODE,
+                    "detail": label,
+                    "reason": f"TLS handshake refused: {detail[:200]}",
+                    "listener": self.listener,
+                    "client": ip or None,
+                    "via": f"gateway:{self.listener}",
+                },
+                source=ip or "unknown",
+            )
             if done is not None and hasattr(done, "add_done_callback"):
                 done.add_done_callback(_retrieve)
         now = time.monotonic()
@@ -128,5 +149,12 @@ class HandshakeLog:
         if self.suppressed:
             more = f" ({self.suppressed} more refused handshakes not logged; see the metric)"
             self.suppressed = 0
-        log.warning("TLS handshake refused on %s from %s: %s (%s)%s%s", self.listener, ip or "?", label,
-                    detail[:200], _HINTS.get(label, ""), more)
+        log.warning(
+            "TLS handshake refused on %s from %s: %s (%s)%s%s",
+            self.listener,
+            ip or "?",
+            label,
+            detail[:200],
+            _HINTS.get(label, ""),
+            more,
+        )

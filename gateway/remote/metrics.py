@@ -98,8 +98,13 @@ class _Histogram:
 class Metrics:
     """Counters, a histogram and two gauges for the gateway. Thread-safe; cheap to update."""
 
-    def __init__(self, *, routes: Iterable[str] = DEFAULT_ROUTES,
-                 buckets: Sequence[float] = DEFAULT_BUCKETS, namespace: str = "uomp_gateway") -> None:
+    def __init__(
+        self,
+        *,
+        routes: Iterable[str] = DEFAULT_ROUTES,
+        buckets: Sequence[float] = DEFAULT_BUCKETS,
+        namespace: str = "uomp_gateway",
+    ) -> None:
         self.routes = frozenset(routes)
         for r in self.routes | {namespace}:
             if not _NAME.fullmatch(r):
@@ -265,8 +270,12 @@ class Metrics:
         out.append(f"{name} {restarts}")
 
         name = f"{ns}_tls_handshakes_rejected_total"
-        family(name, "counter", "TLS handshakes refused (bad, revoked or foreign certificate, old TLS, plain HTTP), "
-               "by listener and reason.")
+        family(
+            name,
+            "counter",
+            "TLS handshakes refused (bad, revoked or foreign certificate, old TLS, plain HTTP), "
+            "by listener and reason.",
+        )
         for (lst, why), n in handshakes:
             out.append(f"{name}{_labels((('listener', lst), ('reason', why)))} {n}")
         if self.access_log_state is not None:
@@ -275,27 +284,44 @@ class Metrics:
             family(name, "gauge", "0 while the access log cannot be written (requests refused with 503).")
             out.append(f"{name} {int(writable)}")
             name = f"{ns}_access_log_events_counted_total"
-            family(name, "counter", "Events counted into summary events instead of written one by one "
-                   "(refused while the log could not be written, or rate-limited unauthenticated events).")
+            family(
+                name,
+                "counter",
+                "Events counted into summary events instead of written one by one "
+                "(refused while the log could not be written, or rate-limited unauthenticated events).",
+            )
             out.append(f"{name} {counted}")
         anchors = self.anchor_state() if self.anchor_state is not None else None
         if anchors is not None:
             name = "uomp_anchors"
-            family(name, "gauge", "Audit checkpoints in the anchoring backlog by state (confirmed = checked on chain; "
-                   "rejected = the chain did not show it).")
+            family(
+                name,
+                "gauge",
+                "Audit checkpoints in the anchoring backlog by state (confirmed = checked on chain; "
+                "rejected = the chain did not show it).",
+            )
             for state, n in sorted(anchors.items()):
                 if _NAME.fullmatch(state):
                     out.append(f"{name}{_labels((('state', state),))} {int(n)}")
         if self.spool_state is not None:
             backlog, refused, set_aside, replayed = self.spool_state()
             for suffix, kind, text, value in (
-                    ("spool_backlog_events", "gauge", "Spooled gateway events not yet in the guard's log.", backlog),
-                    ("spool_batches_refused_total", "counter", "Event batches the guard refused (400/413), "
-                     "split and sent again.", refused),
-                    ("spool_events_set_aside_total", "counter", "Single spooled events the guard refused: set "
-                     "aside (listed in access.setaside.jsonl, kept in the spool), not replayed.", set_aside),
-                    ("spool_events_replayed_total", "counter", "Spooled events replayed into the guard's log.",
-                     replayed)):
+                ("spool_backlog_events", "gauge", "Spooled gateway events not yet in the guard's log.", backlog),
+                (
+                    "spool_batches_refused_total",
+                    "counter",
+                    "Event batches the guard refused (400/413), split and sent again.",
+                    refused,
+                ),
+                (
+                    "spool_events_set_aside_total",
+                    "counter",
+                    "Single spooled events the guard refused: set "
+                    "aside (listed in access.setaside.jsonl, kept in the spool), not replayed.",
+                    set_aside,
+                ),
+                ("spool_events_replayed_total", "counter", "Spooled events replayed into the guard's log.", replayed),
+            ):
                 name = f"{ns}_{suffix}"
                 family(name, kind, text)
                 out.append(f"{name} {value}")
@@ -308,8 +334,7 @@ METRICS_KEY = web.AppKey("uomp_metrics", Metrics)
 async def _serve_metrics(request: web.Request) -> web.Response:
     metrics = request.app[METRICS_KEY]
     text = await asyncio.to_thread(metrics.render) if metrics.anchor_state is not None else metrics.render()
-    return web.Response(body=text.encode("utf-8"),
-                        headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
+    return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
 
 
 def create_metrics_app(metrics: Metrics) -> web.Application:

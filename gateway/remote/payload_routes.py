@@ -122,10 +122,11 @@ class PayloadAudit:
     def origin(call: Call) -> dict[str, str]:
         """The request's audit fields as the guard takes them (kept with a pending row, so that an
         event settled later carries the fields of the request that sent the payload)."""
-        headers = {VERIFIED_VIA_HEADER: (f"gateway:mtls:{call.identity.serial}" if call.identity
-                                         else f"gateway:{call.via}"),
-                   contract.VERIFIED_LISTENER_HEADER: call.via,
-                   contract.VERIFIED_REQUEST_ID_HEADER: call.request_id}
+        headers = {
+            VERIFIED_VIA_HEADER: (f"gateway:mtls:{call.identity.serial}" if call.identity else f"gateway:{call.via}"),
+            contract.VERIFIED_LISTENER_HEADER: call.via,
+            contract.VERIFIED_REQUEST_ID_HEADER: call.request_id,
+        }
         if call.request.remote:
             headers[contract.VERIFIED_CLIENT_HEADER] = call.request.remote
         if call.identity is not None:
@@ -138,7 +139,8 @@ class PayloadAudit:
         status, answer = await self.state.forwarder.json_call("POST", AUDIT_PATH, body=body, headers=headers)
         if status != 200 or answer.get("recorded") is not True:
             raise UompError(
-                ErrorCode.STORE_UNAVAILABLE, "the audit log did not record the payload event; nothing was kept")
+                ErrorCode.STORE_UNAVAILABLE, "the audit log did not record the payload event; nothing was kept"
+            )
 
     async def _send(self, call: Call, body: dict[str, Any]) -> None:
         await self._post(self.origin(call), body)
@@ -151,17 +153,32 @@ class PayloadAudit:
 
     @staticmethod
     def _uploaded_body(meta: PayloadMeta) -> dict[str, Any]:
-        return {"action": "payload_uploaded", "session_id": meta.session_id, "agent_id": meta.agent_id,
-                "payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size, "format": meta.format,
-                "event_id": meta.event_id}
+        return {
+            "action": "payload_uploaded",
+            "session_id": meta.session_id,
+            "agent_id": meta.agent_id,
+            "payload_id": meta.payload_id,
+            "hash": meta.hash,
+            "size": meta.size,
+            "format": meta.format,
+            "event_id": meta.event_id,
+        }
 
     async def interrupted(self, item: Interrupted) -> None:
         """The removal at start-up of an upload a crash cut short (never answered, never stored)."""
-        await self._post({VERIFIED_VIA_HEADER: "gateway:recovery", contract.VERIFIED_LISTENER_HEADER: "gateway"},
-                         {"action": "payload_refused", "session_id": item.session_id, "agent_id": item.agent_id,
-                          "payload_id": item.payload_id, "code": ErrorCode.STORE_UNAVAILABLE,
-                          "reason": "the upload was cut short by a gateway crash; its partial bytes were removed at "
-                                    "start-up: send it again", "event_id": item.event_id})
+        await self._post(
+            {VERIFIED_VIA_HEADER: "gateway:recovery", contract.VERIFIED_LISTENER_HEADER: "gateway"},
+            {
+                "action": "payload_refused",
+                "session_id": item.session_id,
+                "agent_id": item.agent_id,
+                "payload_id": item.payload_id,
+                "code": ErrorCode.STORE_UNAVAILABLE,
+                "reason": "the upload was cut short by a gateway crash; its partial bytes were removed at "
+                "start-up: send it again",
+                "event_id": item.event_id,
+            },
+        )
 
     async def uploaded(self, call: Call, meta: PayloadMeta) -> None:
         await self._send(call, self._uploaded_body(meta))
@@ -169,8 +186,14 @@ class PayloadAudit:
     async def refused(self, call: Call, cap: Capability, payload_id: str | None, exc: UompError) -> None:
         """Best effort: a refusal is answered even when the guard cannot record it (the gateway's
         access log has it in any case)."""
-        body = {"action": "payload_refused", "session_id": cap.session_id, "agent_id": cap.agent_id,
-                "payload_id": payload_id, "code": exc.code, "reason": exc.message[:200]}
+        body = {
+            "action": "payload_refused",
+            "session_id": cap.session_id,
+            "agent_id": cap.agent_id,
+            "payload_id": payload_id,
+            "code": exc.code,
+            "reason": exc.message[:200],
+        }
         try:
             await self._send(call, body)
         except UompError as err:
@@ -182,9 +205,12 @@ class PayloadService:
         cfg = state.cfg
         self.state = state
         self.cfg = cfg
-        self.limits = Limits(max_bytes=cfg.payload_max_bytes, max_per_session=cfg.payload_max_per_session,
-                             max_bytes_per_session=cfg.payload_max_bytes_per_session,
-                             ttl_seconds=cfg.payload_ttl_seconds)
+        self.limits = Limits(
+            max_bytes=cfg.payload_max_bytes,
+            max_per_session=cfg.payload_max_per_session,
+            max_bytes_per_session=cfg.payload_max_bytes_per_session,
+            ttl_seconds=cfg.payload_ttl_seconds,
+        )
         store = PayloadStore(state.paths.payload_dir, limits=self.limits)
         removed = store.recover()  # what a crash left; pending rows and interrupted uploads are settled in start()
         if removed:
@@ -212,8 +238,11 @@ class PayloadService:
                 failing = False
             except Exception as exc:  # the guard may not answer yet (start-up, a restart): retry soon
                 if not failing:
-                    log.warning("settling pending payloads failed (%s); retrying every %g s", type(exc).__name__,
-                                SETTLE_RETRY_SECONDS)
+                    log.warning(
+                        "settling pending payloads failed (%s); retrying every %g s",
+                        type(exc).__name__,
+                        SETTLE_RETRY_SECONDS,
+                    )
                 failing = True
                 wait = min(interval, SETTLE_RETRY_SECONDS)
             try:
@@ -270,9 +299,16 @@ class PayloadService:
 
     async def _begin(self, cap: Capability, env: Envelope) -> PayloadUploading:
         try:
-            return await self.worker.run(lambda: self.store.begin(
-                payload_id=env.payload_id, session_id=cap.session_id, agent_id=cap.agent_id, format=env.format,
-                encryption=env.encryption, max_bytes=env.size))
+            return await self.worker.run(
+                lambda: self.store.begin(
+                    payload_id=env.payload_id,
+                    session_id=cap.session_id,
+                    agent_id=cap.agent_id,
+                    format=env.format,
+                    encryption=env.encryption,
+                    max_bytes=env.size,
+                )
+            )
         except PayloadError as exc:
             raise _as_uomp(exc) from None
 
@@ -311,10 +347,14 @@ class PayloadService:
             raise _as_uomp(exc) from None
         if found is None:
             return None
-        if not found.same_upload(session_id=cap.session_id, agent_id=cap.agent_id, format=env.format,
-                                 size=env.size, digest=env.hash):
-            raise UompError(ErrorCode.PAYLOAD_EXISTS, "another payload with this payload_id is stored; a retry must "
-                            "send the same bytes, else choose a new payload_id")
+        if not found.same_upload(
+            session_id=cap.session_id, agent_id=cap.agent_id, format=env.format, size=env.size, digest=env.hash
+        ):
+            raise UompError(
+                ErrorCode.PAYLOAD_EXISTS,
+                "another payload with this payload_id is stored; a retry must "
+                "send the same bytes, else choose a new payload_id",
+            )
         if found.state != STORED:
             try:
                 found = await self._settle(found)
@@ -348,8 +388,9 @@ class PayloadService:
             else:
                 await self._stream(request, upload)
             if upload.size != env.size:
-                raise UompError(ErrorCode.PAYLOAD_SIZE_MISMATCH, f"the envelope declared {env.size} bytes, "
-                                f"{upload.size} arrived")
+                raise UompError(
+                    ErrorCode.PAYLOAD_SIZE_MISMATCH, f"the envelope declared {env.size} bytes, {upload.size} arrived"
+                )
             digest = upload.hash
             if digest != env.hash:
                 raise UompError(ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the envelope's hash")
@@ -363,8 +404,9 @@ class PayloadService:
         event_id = new_event_id()
         origin = self.audit.origin(call)
         try:  # durable but pending (invisible), holding the event's id
-            meta = await self.worker.run(lambda: upload.commit(declared_hash=env.hash, declared_size=env.size,
-                                                               event_id=event_id, origin=origin))
+            meta = await self.worker.run(
+                lambda: upload.commit(declared_hash=env.hash, declared_size=env.size, event_id=event_id, origin=origin)
+            )
         except PayloadError as exc:
             if exc.code == ErrorCode.PAYLOAD_EXISTS:  # the same upload, sent twice at once: one payload
                 again = await self._existing(call, cap, env)
@@ -379,15 +421,18 @@ class PayloadService:
             await self.audit.uploaded(call, meta)  # the payload's one event, durable
         except UompError as exc:
             self.settle_soon()
-            raise Unsettled(exc.code, "the payload is kept but its audit event is not confirmed; send the same "
-                            "upload again") from None
+            raise Unsettled(
+                exc.code, "the payload is kept but its audit event is not confirmed; send the same upload again"
+            ) from None
         fault_hold("payload_after_event")
         try:
             meta = await self.worker.run(self.store.publish, meta.payload_id)
         except (PayloadError, UompError) as exc:
             self.settle_soon()
-            raise Unsettled(ErrorCode.STORE_UNAVAILABLE, f"the payload's event is recorded but the store did not "
-                            f"publish it ({exc}); send the same upload again") from None
+            raise Unsettled(
+                ErrorCode.STORE_UNAVAILABLE,
+                f"the payload's event is recorded but the store did not publish it ({exc}); send the same upload again",
+            ) from None
         fault_hold("payload_before_answer")
         return meta
 
@@ -429,15 +474,23 @@ def _header_envelope(request: web.Request) -> Envelope:
     values = request.headers.getall(envelope.HEADER_NAME, [])
     if len(values) != 1:
         raise UompError(
-            ErrorCode.INVALID_REQUEST, f"the streaming form needs exactly one {envelope.HEADER_NAME} header")
+            ErrorCode.INVALID_REQUEST, f"the streaming form needs exactly one {envelope.HEADER_NAME} header"
+        )
     return envelope.decode_header(values[0].strip())
 
 
 async def _answer(call: Call, meta: PayloadMeta) -> web.Response:
-    await _record(call, status=201, allowed=True, reason=f"payload {meta.payload_id} stored ({meta.hash})"
-                  + ("" if call.recorded else ", sent again"), code=None)
-    return web.json_response({"payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size,
-                              "expires_at": iso(meta.expires_at)}, status=201)
+    await _record(
+        call,
+        status=201,
+        allowed=True,
+        reason=f"payload {meta.payload_id} stored ({meta.hash})" + ("" if call.recorded else ", sent again"),
+        code=None,
+    )
+    return web.json_response(
+        {"payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size, "expires_at": iso(meta.expires_at)},
+        status=201,
+    )
 
 
 async def _audited(service: PayloadService, call: Call, work: Any) -> web.StreamResponse:
@@ -459,8 +512,10 @@ async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
     async def work(holder: dict[str, str | None]) -> PayloadMeta:
         ctype = request.content_type
         if ctype == "application/json":
-            env, text = envelope.parse(await _json(request, service.cfg.payload_max_json_bytes,
-                                                service.cfg.payload_body_idle_timeout_seconds), streaming=False)
+            env, text = envelope.parse(
+                await _json(request, service.cfg.payload_max_json_bytes, service.cfg.payload_body_idle_timeout_seconds),
+                streaming=False,
+            )
             holder["payload_id"] = env.payload_id
             assert text is not None
             body = envelope.decode_ciphertext(text)
@@ -471,8 +526,10 @@ async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
             env = _header_envelope(request)
             holder["payload_id"] = env.payload_id
             return await service.receive(call, env, max_bytes=service.cfg.payload_max_bytes, body=None)
-        raise UompError(ErrorCode.INVALID_REQUEST, "Content-Type must be application/json (the envelope) or "
-                        "application/octet-stream (the streaming form)")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            "Content-Type must be application/json (the envelope) or application/octet-stream (the streaming form)",
+        )
 
     return await _audited(service, call, work)
 
@@ -482,19 +539,23 @@ async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
     doc = await _json(call.request, MAX_URL_BODY, service.cfg.payload_body_idle_timeout_seconds)
     size = doc.get("size") if isinstance(doc, dict) else None
     if not isinstance(size, int) or isinstance(size, bool) or size < envelope.MIN_SEALED_BYTES:
-        raise UompError(ErrorCode.INVALID_REQUEST, "the body must be {\"size\": <bytes of the sealed payload>}")
+        raise UompError(ErrorCode.INVALID_REQUEST, 'the body must be {"size": <bytes of the sealed payload>}')
     if size > service.cfg.payload_max_bytes:
         raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"a payload is at most {service.cfg.payload_max_bytes} bytes")
     ttl = min(service.cfg.payload_upload_url_seconds, MAX_UPLOAD_URL_TTL)
     try:
-        token, expires = await service.worker.run(lambda: service.store.issue_upload_url(
-            session_id=cap.session_id, agent_id=cap.agent_id, max_size=size, ttl=ttl))
+        token, expires = await service.worker.run(
+            lambda: service.store.issue_upload_url(
+                session_id=cap.session_id, agent_id=cap.agent_id, max_size=size, ttl=ttl
+            )
+        )
     except PayloadError as exc:
         raise _as_uomp(exc) from None
     url = f"https://{call.request.host}/v1/payload/presigned?t={token}"
     await _record(call, status=201, allowed=True, reason="single-use upload URL issued", code=None)
-    return web.json_response({"upload_url": url, "method": "PUT", "max_size": size, "expires_at": iso(expires)},
-                             status=201)
+    return web.json_response(
+        {"upload_url": url, "method": "PUT", "max_size": size, "expires_at": iso(expires)}, status=201
+    )
 
 
 _URL_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
@@ -510,7 +571,8 @@ async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
             raise UompError(ErrorCode.UPLOAD_URL_INVALID, "this upload URL is unknown, used or expired")
         if request.content_type != "application/octet-stream":
             raise UompError(
-                ErrorCode.INVALID_REQUEST, "an upload URL takes the streaming form (application/octet-stream)")
+                ErrorCode.INVALID_REQUEST, "an upload URL takes the streaming form (application/octet-stream)"
+            )
         env = _header_envelope(request)
         holder["payload_id"] = env.payload_id
         try:

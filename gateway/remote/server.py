@@ -28,10 +28,12 @@ log = logging.getLogger("uomp.gateway")
 
 
 def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]:
-    return (Path(cfg.server_cert) if cfg.server_cert else ca_store.server_cert_path(paths),
-            Path(cfg.server_key) if cfg.server_key else ca_store.server_key_path(paths),
-            Path(cfg.agent_ca) if cfg.agent_ca else ca_store.ca_cert_path(paths),
-            Path(cfg.agent_crl) if cfg.agent_crl else ca_store.crl_path(paths))
+    return (
+        Path(cfg.server_cert) if cfg.server_cert else ca_store.server_cert_path(paths),
+        Path(cfg.server_key) if cfg.server_key else ca_store.server_key_path(paths),
+        Path(cfg.agent_ca) if cfg.agent_ca else ca_store.ca_cert_path(paths),
+        Path(cfg.agent_crl) if cfg.agent_crl else ca_store.crl_path(paths),
+    )
 
 
 def _flush_done(fut: asyncio.Future[None]) -> None:
@@ -48,11 +50,11 @@ class GatewayRunner:
         # One registry (budgets, deadlines, counters) per listener; the budgets are fitted under the
         # file descriptor limit at start.
         self.registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "mtls"), name="mtls")
-        self.tunnel_registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "tunnel"),
-                                                            name="tunnel")
+        self.tunnel_registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "tunnel"), name="tunnel")
         # the metrics listener (loopback, no authentication): every connection is unverified
-        self.metrics_registry = transport.ConnectionRegistry(transport.Limits.for_listener(cfg, "metrics"),
-                                                             name="metrics")
+        self.metrics_registry = transport.ConnectionRegistry(
+            transport.Limits.for_listener(cfg, "metrics"), name="metrics"
+        )
         self.fd_limit: int | None = None
         self._servers: list[asyncio.Server] = []
         self._runners: list[web.AppRunner] = []
@@ -68,9 +70,13 @@ class GatewayRunner:
         self.payloads: payload_routes.PayloadService | None = None
 
     def _runner_kwargs(self) -> dict[str, Any]:
-        return {"access_log": None, "max_line_size": self.cfg.max_header_bytes,
-                "max_field_size": self.cfg.max_header_bytes, "max_headers": 64,
-                "keepalive_timeout": self.cfg.keepalive_timeout_seconds}
+        return {
+            "access_log": None,
+            "max_line_size": self.cfg.max_header_bytes,
+            "max_field_size": self.cfg.max_header_bytes,
+            "max_headers": 64,
+            "keepalive_timeout": self.cfg.keepalive_timeout_seconds,
+        }
 
     async def start(self) -> None:
         try:
@@ -86,32 +92,51 @@ class GatewayRunner:
         for p in (cert, key, ca, crl):
             if not p.exists():
                 raise UompError(ErrorCode.CONFIG_ERROR, f"{p} is missing; run 'uomp init' (or 'uomp ca init') first")
-        self.reloader = TLSReloader(cert, key, ca, crl, crl_state=self.paths.crl_state,
-                                    session_tickets=cfg.tls_session_tickets)
+        self.reloader = TLSReloader(
+            cert, key, ca, crl, crl_state=self.paths.crl_state, session_tickets=cfg.tls_session_tickets
+        )
         upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
         forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
         self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        access = AccessLog(self.paths.access_log, segment_bytes=cfg.access_log_segment_bytes,
-                           max_total_bytes=cfg.access_log_max_total_bytes,
-                           retention_days=cfg.access_log_retention_days,
-                           unauth_events_per_second=cfg.access_log_unauth_events_per_second,
-                           unauth_burst=cfg.access_log_unauth_burst,
-                           summary_interval_seconds=cfg.access_log_summary_interval_seconds)
+        access = AccessLog(
+            self.paths.access_log,
+            segment_bytes=cfg.access_log_segment_bytes,
+            max_total_bytes=cfg.access_log_max_total_bytes,
+            retention_days=cfg.access_log_retention_days,
+            unauth_events_per_second=cfg.access_log_unauth_events_per_second,
+            unauth_burst=cfg.access_log_unauth_burst,
+            summary_interval_seconds=cfg.access_log_summary_interval_seconds,
+        )
         metrics = Metrics()
         self.monitor = monitor = UpstreamMonitor(
-            upstream, metrics=metrics, status_file=self.paths.gateway_status,
-            interval=cfg.upstream_health_interval_seconds, timeout=cfg.upstream_health_timeout_seconds,
-            log_seconds=cfg.upstream_failure_log_seconds, sources=self.status_sources)
+            upstream,
+            metrics=metrics,
+            status_file=self.paths.gateway_status,
+            interval=cfg.upstream_health_interval_seconds,
+            timeout=cfg.upstream_health_timeout_seconds,
+            log_seconds=cfg.upstream_failure_log_seconds,
+            sources=self.status_sources,
+        )
         forwarder.on_failure = monitor.request_failed
         # the spool's state, and the events counted instead of written (spool failures + rate limit)
-        metrics.access_log_state = lambda: (access.failing is None,
-                                            access.events_counted + (self.state.events.events_counted
-                                                                     if self.state is not None else 0))
-        endpoints = list(cfg.endpoints) or [f"https://localhost:{cfg.listen_port}",
-                                            f"https://127.0.0.1:{cfg.listen_port}"]
+        metrics.access_log_state = lambda: (
+            access.failing is None,
+            access.events_counted + (self.state.events.events_counted if self.state is not None else 0),
+        )
+        endpoints = list(cfg.endpoints) or [
+            f"https://localhost:{cfg.listen_port}",
+            f"https://127.0.0.1:{cfg.listen_port}",
+        ]
         key_watch = keys.KeyWatch(self.paths)  # before the keys are read: no change goes unseen
-        self.state = state = GatewayState(self.paths, cfg, forwarder=forwarder, access=access, metrics=metrics,
-                                          endpoints=endpoints, tunnel_endpoints=list(cfg.tunnel_endpoints))
+        self.state = state = GatewayState(
+            self.paths,
+            cfg,
+            forwarder=forwarder,
+            access=access,
+            metrics=metrics,
+            endpoints=endpoints,
+            tunnel_endpoints=list(cfg.tunnel_endpoints),
+        )
         ev = state.events
         metrics.spool_state = lambda: (ev.backlog, ev.batches_refused, ev.events_set_aside, ev.events_replayed)
         reloader = self.reloader
@@ -126,10 +151,13 @@ class GatewayRunner:
         def rejected(status: int, code: ErrorCode, message: str) -> None:
             # aiohttp answers these itself (synchronously): the event goes to the one log
             # (rate-limited per source), durable without waiting for a later request.
-            done = state.events.append({"action": "malformed", "allowed": False, "reason": message, "code": code,
-                                        "status": status}, source="malformed")
+            done = state.events.append(
+                {"action": "malformed", "allowed": False, "reason": message, "code": code, "status": status},
+                source="malformed",
+            )
             if done is not None:
                 done.add_done_callback(_flush_done)
+
         registries = [self.registry]
         if cfg.tunnel_origin_port >= 0:
             registries.append(self.tunnel_registry)
@@ -138,8 +166,9 @@ class GatewayRunner:
         self._fit_limits(registries)
         from gateway.remote.handshake_log import HandshakeLog
 
-        self.registry.on_handshake_failed = HandshakeLog(metrics, "mtls", per_second=cfg.handshake_log_per_second,
-                                                         burst=cfg.handshake_log_burst, events=state.events)
+        self.registry.on_handshake_failed = HandshakeLog(
+            metrics, "mtls", per_second=cfg.handshake_log_per_second, burst=cfg.handshake_log_burst, events=state.events
+        )
         for reg in (self.registry, self.tunnel_registry):
             reg.on_rejected = rejected
             reg.on_open = metrics.connection_opened
@@ -149,8 +178,15 @@ class GatewayRunner:
         runner = web.AppRunner(create_gateway_app(state, listener="mtls"), **self._runner_kwargs())
         await runner.setup()
         self._runners.append(runner)
-        srv = await transport.listen(runner, cfg.listen_host, cfg.listen_port, ssl_context=self.reloader.context,
-                                     registry=self.registry, backlog=backlog, reuse_port=cfg.listen_reuse_port)
+        srv = await transport.listen(
+            runner,
+            cfg.listen_host,
+            cfg.listen_port,
+            ssl_context=self.reloader.context,
+            registry=self.registry,
+            backlog=backlog,
+            reuse_port=cfg.listen_reuse_port,
+        )
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
         if cfg.listen_port == 0:
@@ -160,27 +196,42 @@ class GatewayRunner:
         if cfg.tunnel_origin_port >= 0:
             if "tunnel" not in state.transport_auth:
                 raise UompError(
-                    ErrorCode.CONFIG_ERROR, "the tunnel-origin listener needs DPoP support, which is not loaded")
+                    ErrorCode.CONFIG_ERROR, "the tunnel-origin listener needs DPoP support, which is not loaded"
+                )
             # cloudflared runs on this host: the origin listener is loopback-only, no override.
             check_bind(cfg.tunnel_origin_host, False, "the tunnel-origin listener")
             trunner = web.AppRunner(create_gateway_app(state, listener="tunnel"), **self._runner_kwargs())
             await trunner.setup()
             self._runners.append(trunner)
-            tsrv = await transport.listen(trunner, cfg.tunnel_origin_host, cfg.tunnel_origin_port, ssl_context=None,
-                                          registry=self.tunnel_registry, backlog=backlog)
+            tsrv = await transport.listen(
+                trunner,
+                cfg.tunnel_origin_host,
+                cfg.tunnel_origin_port,
+                ssl_context=None,
+                registry=self.tunnel_registry,
+                backlog=backlog,
+            )
             self._servers.append(tsrv)
             self.tunnel_port = tsrv.sockets[0].getsockname()[1]
             if not state.listener_endpoints.get("tunnel"):
-                log.warning("the tunnel-origin listener has no tunnel_endpoints: it refuses every request "
-                            "until the tunnel's public URL is configured")
+                log.warning(
+                    "the tunnel-origin listener has no tunnel_endpoints: it refuses every request "
+                    "until the tunnel's public URL is configured"
+                )
         if cfg.metrics_port >= 0:
             mapp = create_metrics_app(metrics)
             mapp.middlewares.append(transport.phase_middleware)
             mrunner = web.AppRunner(mapp, **self._runner_kwargs())
             await mrunner.setup()
             self._runners.append(mrunner)
-            msrv = await transport.listen(mrunner, "127.0.0.1", cfg.metrics_port, ssl_context=None,
-                                          registry=self.metrics_registry, backlog=backlog)
+            msrv = await transport.listen(
+                mrunner,
+                "127.0.0.1",
+                cfg.metrics_port,
+                ssl_context=None,
+                registry=self.metrics_registry,
+                backlog=backlog,
+            )
             self._servers.append(msrv)
             self.metrics_port = msrv.sockets[0].getsockname()[1]
         loop = asyncio.get_running_loop()
@@ -194,8 +245,9 @@ class GatewayRunner:
         await monitor.check()  # /v1/health tells the truth from the first request on
         self._tasks.append(loop.create_task(monitor.run()))
         self._tasks.append(loop.create_task(state.events.run_replayer()))  # the spool, once the guard is back
-        log.info("gateway listening on https://%s:%s (TLS 1.3, mTLS), upstream %s", cfg.listen_host, self.port,
-                 upstream.kind)
+        log.info(
+            "gateway listening on https://%s:%s (TLS 1.3, mTLS), upstream %s", cfg.listen_host, self.port, upstream.kind
+        )
 
     def guard_restarted(self, reason: str) -> None:
         """The supervisor restarted the guard child (counted; the monitor checks it at once)."""
@@ -211,9 +263,15 @@ class GatewayRunner:
         fitted = transport.fit_limits(wanted, fd_limit, self.cfg.fd_reserve)
         for reg, lim in zip(registries, fitted, strict=True):
             if lim != reg.limits:
-                log.warning("%s listener: connection budgets lowered to %d verified / %d unverified to fit the "
-                            "file descriptor limit %d (fd_reserve %d)", reg.name, lim.max_verified,
-                            lim.max_unverified, fd_limit, self.cfg.fd_reserve)
+                log.warning(
+                    "%s listener: connection budgets lowered to %d verified / %d unverified to fit the "
+                    "file descriptor limit %d (fd_reserve %d)",
+                    reg.name,
+                    lim.max_verified,
+                    lim.max_unverified,
+                    fd_limit,
+                    self.cfg.fd_reserve,
+                )
             reg.limits = lim
 
     def reload(self) -> None:

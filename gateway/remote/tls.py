@@ -198,8 +198,9 @@ class ClientCertChecker:
         self.max_entries = max_entries
         self._cache: OrderedDict[bytes, ClientIdentity | UompError] = OrderedDict()
 
-    def check(self, der: bytes | None, *, now: dt.datetime | None = None,
-              revoked: Collection[str] = ()) -> ClientIdentity:
+    def check(
+        self, der: bytes | None, *, now: dt.datetime | None = None, revoked: Collection[str] = ()
+    ) -> ClientIdentity:
         """``revoked``: serials (hex) to refuse even on a connection made before they were revoked,
         e.g. :attr:`TLSReloader.revoked` (opt-in defence in depth: the TLS layer only checks the CRL
         at handshake time)."""
@@ -342,7 +343,11 @@ class TLSReloader:
     def _build(self) -> ssl.SSLContext:
         f = self.files
         return build_server_context(
-            f.cert_file, f.key_file, f.ca_file, f.crl_file, require_client_cert=self.require_client_cert,
+            f.cert_file,
+            f.key_file,
+            f.ca_file,
+            f.crl_file,
+            require_client_cert=self.require_client_cert,
             session_tickets=self.session_tickets,
         )
 
@@ -481,4 +486,3 @@ def install_sighup(loop: asyncio.AbstractEventLoop, reloader: TLSReloader) -> bo
     except (RuntimeError, ValueError, AttributeError):  # RuntimeError covers "not implemented" too
         return False
     return True
-

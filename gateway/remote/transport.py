@@ -124,14 +124,21 @@ class Limits:
     def __post_init__(self) -> None:
         if self.max_verified < 1 or self.max_unverified < 1 or self.max_unverified_per_ip < 0:
             raise UompError(ErrorCode.CONFIG_ERROR, "connection budgets must be positive")
-        for name in ("handshake_timeout", "shutdown_timeout", "first_byte_timeout", "header_timeout",
-                     "body_timeout", "max_lifetime"):
+        for name in (
+            "handshake_timeout",
+            "shutdown_timeout",
+            "first_byte_timeout",
+            "header_timeout",
+            "body_timeout",
+            "max_lifetime",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise UompError(ErrorCode.CONFIG_ERROR, f"{name} must be a positive number of seconds")
         if self.min_body_rate < 0 or not (math.isfinite(self.body_rate_grace) and self.body_rate_grace >= 0):
             raise UompError(
-                ErrorCode.CONFIG_ERROR, "min_body_bytes_per_second and body_rate_grace_seconds must be >= 0")
+                ErrorCode.CONFIG_ERROR, "min_body_bytes_per_second and body_rate_grace_seconds must be >= 0"
+            )
 
     @property
     def total(self) -> int:
@@ -152,10 +159,18 @@ class Limits:
         if listener == "metrics":  # no authentication at all: one small budget
             return cls(max_verified=1, max_unverified=cfg.metrics_max_connections, max_unverified_per_ip=0, **common)
         if listener == "tunnel":
-            return cls(max_verified=cfg.tunnel_max_connections, max_unverified=cfg.tunnel_max_unverified_connections,
-                       max_unverified_per_ip=0, **common)
-        return cls(max_verified=cfg.max_connections, max_unverified=cfg.max_unverified_connections,
-                   max_unverified_per_ip=cfg.max_unverified_connections_per_ip, **common)
+            return cls(
+                max_verified=cfg.tunnel_max_connections,
+                max_unverified=cfg.tunnel_max_unverified_connections,
+                max_unverified_per_ip=0,
+                **common,
+            )
+        return cls(
+            max_verified=cfg.max_connections,
+            max_unverified=cfg.max_unverified_connections,
+            max_unverified_per_ip=cfg.max_unverified_connections_per_ip,
+            **common,
+        )
 
 
 def raise_fd_limit() -> int:
@@ -189,15 +204,23 @@ def fit_limits(limits: Sequence[Limits], fd_limit: int, reserve: int) -> list[Li
     room = fd_limit - fixed
     if room < 2 * len(limits):
         raise UompError(
-            ErrorCode.CONFIG_ERROR, f"the file descriptor limit ({fd_limit}) leaves no room for connections "
-                            f"after fd_reserve ({reserve}); raise 'ulimit -n' or lower fd_reserve")
+            ErrorCode.CONFIG_ERROR,
+            f"the file descriptor limit ({fd_limit}) leaves no room for connections "
+            f"after fd_reserve ({reserve}); raise 'ulimit -n' or lower fd_reserve",
+        )
     scale = room / wanted
     out: list[Limits] = []
     for lim in limits:
         unverified = max(1, math.floor(lim.max_unverified * scale))
         per_ip = min(lim.max_unverified_per_ip, unverified)
-        out.append(dataclasses.replace(lim, max_verified=max(1, math.floor(lim.max_verified * scale)),
-                                       max_unverified=unverified, max_unverified_per_ip=per_ip))
+        out.append(
+            dataclasses.replace(
+                lim,
+                max_verified=max(1, math.floor(lim.max_verified * scale)),
+                max_unverified=unverified,
+                max_unverified_per_ip=per_ip,
+            )
+        )
     return out
 
 
@@ -207,10 +230,30 @@ def fit_limits(limits: Sequence[Limits], fd_limit: int, reserve: int) -> list[Li
 class Conn:
     """One accepted connection's budget membership, phase and deadline timer."""
 
-    __slots__ = ("accepted_at", "answered", "body_bytes", "body_started", "bytes_in", "closed", "handler",
-                 "handshaken",
-                 "ip", "last_progress", "loop", "payload", "pending", "phase", "queued", "raw", "raw_bytes",
-                 "registry", "requests", "timer", "verified", "waiting")
+    __slots__ = (
+        "accepted_at",
+        "answered",
+        "body_bytes",
+        "body_started",
+        "bytes_in",
+        "closed",
+        "handler",
+        "handshaken",
+        "ip",
+        "last_progress",
+        "loop",
+        "payload",
+        "pending",
+        "phase",
+        "queued",
+        "raw",
+        "raw_bytes",
+        "registry",
+        "requests",
+        "timer",
+        "verified",
+        "waiting",
+    )
 
     def __init__(self, registry: ConnectionRegistry, handler: GuardedHandler) -> None:
         self.registry = registry
@@ -392,8 +435,9 @@ class Conn:
                 self.registry.deadline(self, "body_rate")
                 return
         step = min(BODY_CHECK_SECONDS, lim.body_timeout / 4, max(lim.body_rate_grace, 0.05))
-        self.timer = asyncio.get_running_loop().call_at(min(now + step, self.body_started + lim.body_timeout),
-                                                        self._check_body)
+        self.timer = asyncio.get_running_loop().call_at(
+            min(now + step, self.body_started + lim.body_timeout), self._check_body
+        )
 
     def past_lifetime(self) -> bool:
         """The connection has lived longer than ``max_lifetime``: the answer being sent is its last
@@ -451,10 +495,16 @@ class ConnectionRegistry:
         return len(self.verified) + len(self.unverified)
 
     def stats(self) -> dict[str, Any]:
-        return {"listener": self.name, "verified": len(self.verified), "unverified": len(self.unverified),
-                "accepted": self.accepted, "refused": self.refused, "evicted": self.evicted,
-                "closed_by_deadline": dict(self.closed_by_deadline),
-                "closed_before_handshake": dict(self.closed_before_handshake)}
+        return {
+            "listener": self.name,
+            "verified": len(self.verified),
+            "unverified": len(self.unverified),
+            "accepted": self.accepted,
+            "refused": self.refused,
+            "evicted": self.evicted,
+            "closed_by_deadline": dict(self.closed_by_deadline),
+            "closed_before_handshake": dict(self.closed_before_handshake),
+        }
 
     def open(self, conn: Conn) -> None:
         self.accepted += 1
@@ -613,8 +663,9 @@ class GuardedHandler(RequestHandler):
         if self._messages and not conn.verified:
             conn.queued = True  # aiohttp parsed a whole request head: it waits for its handler
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         # aiohttp answers unparsable requests (oversized header, bad request line) itself with a
         # text/plain body and logs the exception, which can quote the request. Replace both with a
         # §8.4 JSON error and an audit event that carries no request bytes.
@@ -628,8 +679,10 @@ class GuardedHandler(RequestHandler):
         return resp
 
 
-USE_HTTPS = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-             b"Content-Length: 73\r\n\r\nThis port speaks HTTPS (TLS 1.3 with a client certificate): use https://\n")
+USE_HTTPS = (
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    b"Content-Length: 73\r\n\r\nThis port speaks HTTPS (TLS 1.3 with a client certificate): use https://\n"
+)
 # The first bytes OpenSSL takes for plain HTTP (its HTTP_REQUEST / HTTPS_PROXY_REQUEST errors).
 _PLAIN_HTTP = (b"GET ", b"POST ", b"HEAD ", b"PUT ", b"CONNE")
 
@@ -668,8 +721,9 @@ class TLSAcceptProtocol(asyncio.Protocol):
 
     __slots__ = ("_head", "_plain_http", "_tls_class", "conn", "context", "handler", "loop")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, handler: GuardedHandler, context: ssl.SSLContext,
-                 tls_class: Any) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, handler: GuardedHandler, context: ssl.SSLContext, tls_class: Any
+    ) -> None:
         self.loop = loop
         self.handler = handler
         self.conn = handler.conn
@@ -710,9 +764,15 @@ class TLSAcceptProtocol(asyncio.Protocol):
         left = limits.handshake_timeout - (self.loop.time() - conn.accepted_at)
         waiter = self.loop.create_future()
         waiter.add_done_callback(self._handshake_done)
-        tls = self._tls_class(self.loop, self.handler, self.context, waiter, server_side=True,
-                              ssl_handshake_timeout=max(left, 0.001),
-                              ssl_shutdown_timeout=limits.shutdown_timeout)
+        tls = self._tls_class(
+            self.loop,
+            self.handler,
+            self.context,
+            waiter,
+            server_side=True,
+            ssl_handshake_timeout=max(left, 0.001),
+            ssl_shutdown_timeout=limits.shutdown_timeout,
+        )
         # as loop.start_tls does: no read while the protocols change (uvloop picks its read path then)
         raw.pause_reading()  # type: ignore[attr-defined]
         raw.set_protocol(tls)
@@ -780,8 +840,16 @@ def authenticated(request: web.BaseRequest) -> None:
         conn.registry.promote(conn)
 
 
-async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ssl.SSLContext | None,
-                 registry: ConnectionRegistry, backlog: int = MAX_BACKLOG, reuse_port: bool = False) -> asyncio.Server:
+async def listen(
+    runner: web.AppRunner,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None,
+    registry: ConnectionRegistry,
+    backlog: int = MAX_BACKLOG,
+    reuse_port: bool = False,
+) -> asyncio.Server:
     """Start serving ``runner`` (already set up) on host:port with the wrapped protocols. ``reuse_port``:
     SO_REUSEPORT, so that several gateway processes can share the port (the kernel spreads accepts)."""
     loop = asyncio.get_running_loop()
@@ -790,6 +858,7 @@ async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ss
     kwargs_h = dict(server._kwargs)
 
     if ssl_context is None:
+
         def factory() -> asyncio.BaseProtocol:
             return GuardedHandler(server, registry, tls=False, loop=loop, **kwargs_h)
     else:
@@ -802,7 +871,13 @@ async def listen(runner: web.AppRunner, host: str, port: int, *, ssl_context: ss
             return TLSAcceptProtocol(loop, handler, ctx, tls_class)
 
     # TLS starts in the protocol, so the loop sees a plain server and calls connection_made at accept.
-    srv = await loop.create_server(factory, host, port, backlog=backlog, reuse_address=True,
-                                   reuse_port=reuse_port or None,
-                                   family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    srv = await loop.create_server(
+        factory,
+        host,
+        port,
+        backlog=backlog,
+        reuse_address=True,
+        reuse_port=reuse_port or None,
+        family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+    )
     return srv

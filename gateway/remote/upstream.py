@@ -97,7 +97,7 @@ class Upstream:
     @classmethod
     def parse(cls, spec: str) -> Upstream:
         if spec.startswith("unix:"):
-            return cls("unix", spec[len("unix:"):])
+            return cls("unix", spec[len("unix:") :])
         if spec.startswith("http://"):
             return cls("http", spec.rstrip("/"))
         raise UompError(ErrorCode.CONFIG_ERROR, "upstream must be unix:/path/to/guard.sock or http://127.0.0.1:PORT")
@@ -191,8 +191,13 @@ class _Conn(asyncio.Protocol):
                 self.drain_waiter = None
 
     def usable(self, now: float) -> bool:
-        return (not self.eof and not self.buf and self.transport is not None
-                and not self.transport.is_closing() and now - self.idle_since < IDLE_SECONDS)
+        return (
+            not self.eof
+            and not self.buf
+            and self.transport is not None
+            and not self.transport.is_closing()
+            and now - self.idle_since < IDLE_SECONDS
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -205,7 +210,7 @@ class _Conn(asyncio.Protocol):
             i = http1.head_end(self.buf, start)
             if i >= 0:
                 head = bytes(self.buf[:i])
-                del self.buf[:i + 4]
+                del self.buf[: i + 4]
                 return head
             if self.eof:
                 if not self.buf:
@@ -243,7 +248,7 @@ class _Conn(asyncio.Protocol):
             i = http1.line_end(self.buf, start)
             if i >= 0:
                 line = bytes(self.buf[:i])
-                del self.buf[:i + 2]
+                del self.buf[: i + 2]
                 return line
             if self.eof:
                 raise garbage("connection closed inside a chunked body")
@@ -255,8 +260,17 @@ class UpstreamResponse:
     """The guard's answer. ``body`` is set when it was read whole already; else stream it with
     :meth:`iter_chunks` or :meth:`read`. Always :meth:`release` it (returns or closes the connection)."""
 
-    def __init__(self, client: UpstreamClient, conn: _Conn, status: int, headers: list[tuple[str, str]],
-                 mode: int, length: int, keep_alive: bool, deadline: float) -> None:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        conn: _Conn,
+        status: int,
+        headers: list[tuple[str, str]],
+        mode: int,
+        length: int,
+        keep_alive: bool,
+        deadline: float,
+    ) -> None:
         self.status = status
         self.headers = headers
         self.body: bytes | None = None
@@ -362,7 +376,7 @@ class UpstreamResponse:
     async def iter_chunks(self, size: int = 64 * 1024) -> AsyncIterator[bytes]:
         if self.body is not None:
             for i in range(0, len(self.body), size):
-                yield self.body[i:i + size]
+                yield self.body[i : i + size]
             return
         while True:
             piece = await self._next(size)
@@ -391,8 +405,14 @@ class UpstreamResponse:
 class UpstreamClient:
     """A bounded pool of keep-alive HTTP/1.1 connections to one upstream (see the module doc)."""
 
-    def __init__(self, upstream: Upstream, *, timeout_seconds: float,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_idle: int = MAX_IDLE) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        *,
+        timeout_seconds: float,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_idle: int = MAX_IDLE,
+    ) -> None:
         self.upstream = upstream
         self.timeout = float(timeout_seconds)
         self.max_idle = max_idle
@@ -411,8 +431,7 @@ class UpstreamClient:
                 port = parts.port or 80
             except ValueError:
                 port = -1
-            if (not parts.hostname or parts.username or parts.password or parts.query or parts.fragment
-                    or port < 0):
+            if not parts.hostname or parts.username or parts.password or parts.query or parts.fragment or port < 0:
                 raise UompError(ErrorCode.CONFIG_ERROR, "upstream must be http://HOST:PORT (optionally /prefix)")
             host = parts.hostname
             self._addr = (host, port)
@@ -426,13 +445,25 @@ class UpstreamClient:
 
     # ------------------------------------------------------------------------------ request
 
-    def _serialize(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
-                   block: http1.HeaderBlock | None = None) -> bytes:
-        return http1.serialize_request(method, target, headers, body, host=self._host, prefix=self._prefix,
-                                       block=block)
+    def _serialize(
+        self,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        block: http1.HeaderBlock | None = None,
+    ) -> bytes:
+        return http1.serialize_request(method, target, headers, body, host=self._host, prefix=self._prefix, block=block)
 
-    async def request(self, method: str, target: str, headers: Mapping[str, str], *,
-                      body: bytes | None = None, block: http1.HeaderBlock | None = None) -> UpstreamResponse:
+    async def request(
+        self,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        *,
+        body: bytes | None = None,
+        block: http1.HeaderBlock | None = None,
+    ) -> UpstreamResponse:
         """Send one request; returns once the status and headers (and a small body) are in.
         ``block``: header lines checked once already (:func:`gateway.core.http1.header_block`),
         sent before ``headers``."""
@@ -455,8 +486,9 @@ class UpstreamClient:
             slots.release()
             raise
 
-    async def _exchange(self, loop: asyncio.AbstractEventLoop, method: str, data: bytes,
-                        deadline: float) -> UpstreamResponse:
+    async def _exchange(
+        self, loop: asyncio.AbstractEventLoop, method: str, data: bytes, deadline: float
+    ) -> UpstreamResponse:
         for attempt in (0, 1):
             conn = self._pop_idle(loop.time()) if attempt == 0 else None
             reused = conn is not None
@@ -492,8 +524,16 @@ class UpstreamClient:
                 raise
         raise AssertionError("unreachable")
 
-    def _response(self, conn: _Conn, method: str, status: int, keep_alive: bool, headers: list[tuple[str, str]],
-                  framing: dict[str, list[str]], deadline: float) -> UpstreamResponse:
+    def _response(
+        self,
+        conn: _Conn,
+        method: str,
+        status: int,
+        keep_alive: bool,
+        headers: list[tuple[str, str]],
+        framing: dict[str, list[str]],
+        deadline: float,
+    ) -> UpstreamResponse:
         mode, n, keep_alive = http1.body_framing(method, status, keep_alive, framing)
         return UpstreamResponse(self, conn, status, headers, mode, n, keep_alive, deadline)
 

@@ -56,9 +56,17 @@ def _iso(ts: float | None) -> str | None:
 
 
 class UpstreamMonitor:
-    def __init__(self, upstream: Upstream, *, metrics: Metrics, status_file: Path | None = None,
-                 interval: float = 2.0, timeout: float = 2.0, log_seconds: float = 30.0,
-                 sources: dict[str, Callable[[], dict[str, Any]]] | None = None) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        *,
+        metrics: Metrics,
+        status_file: Path | None = None,
+        interval: float = 2.0,
+        timeout: float = 2.0,
+        log_seconds: float = 30.0,
+        sources: dict[str, Callable[[], dict[str, Any]]] | None = None,
+    ) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.status_file = status_file
@@ -114,14 +122,22 @@ class UpstreamMonitor:
         self.metrics.set_upstream_up(up)
         if up:
             if before is False and self._down_at is not None:
-                log.warning("the memory guard is reachable again (unreachable for %.1f s, %d requests failed "
-                            "meanwhile)", now - self._down_at, self._unlogged)
+                log.warning(
+                    "the memory guard is reachable again (unreachable for %.1f s, %d requests failed meanwhile)",
+                    now - self._down_at,
+                    self._unlogged,
+                )
                 self._unlogged = 0
             self._down_at = None
         else:
             self._down_at = now
-            log.error("the memory guard at %s:%s is unreachable (%s): requests that need it are answered 503 "
-                      "until it is back", self.upstream.kind, self.upstream.target, why)
+            log.error(
+                "the memory guard at %s:%s is unreachable (%s): requests that need it are answered 503 "
+                "until it is back",
+                self.upstream.kind,
+                self.upstream.target,
+                why,
+            )
             self._last_log = time.monotonic()
 
     async def check(self) -> bool:
@@ -162,11 +178,20 @@ class UpstreamMonitor:
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "pid": os.getpid(), "running": self.running, "updated_at": iso(time.time()),
-            "upstream": {"kind": self.upstream.kind, "up": self.up, "since": _iso(self.since),
-                         "last_error": self.last_error, "failed_checks": self.failed_checks,
-                         "request_failures_total": self.request_failures, "last_ok_at": _iso(self.last_ok_at),
-                         "last_failure_at": _iso(self.last_failure_at)}}
+            "pid": os.getpid(),
+            "running": self.running,
+            "updated_at": iso(time.time()),
+            "upstream": {
+                "kind": self.upstream.kind,
+                "up": self.up,
+                "since": _iso(self.since),
+                "last_error": self.last_error,
+                "failed_checks": self.failed_checks,
+                "request_failures_total": self.request_failures,
+                "last_ok_at": _iso(self.last_ok_at),
+                "last_failure_at": _iso(self.last_failure_at),
+            },
+        }
         for name, source in self.sources.items():
             try:
                 out[name] = source()

@@ -30,8 +30,18 @@ from gateway.anchor.encoding import keccak256
 OTHER = "0x000000000000000000000000000000000000dEaD"
 ANCHORED_BLOCK = "0x" + keccak256(b"anchoredBlock(bytes32)")[:4].hex()
 CHECKPOINT_TOPIC = "0x" + keccak256(b"CheckpointAnchored(bytes32,uint64,bytes32)").hex()
-LIES = frozenset({"receipt_to_other", "receipt_no_logs", "logs_other_contract", "other_root", "no_code",
-                  "other_code", "other_chain", "fabricated"})
+LIES = frozenset(
+    {
+        "receipt_to_other",
+        "receipt_no_logs",
+        "logs_other_contract",
+        "other_root",
+        "no_code",
+        "other_code",
+        "other_chain",
+        "fabricated",
+    }
+)
 
 
 class LyingRpc:
@@ -65,8 +75,9 @@ class LyingRpc:
 
     async def _forward(self, method: str, params: list[Any]) -> dict[str, Any]:
         assert self._session is not None
-        async with self._session.post(self.upstream, json={"jsonrpc": "2.0", "id": 1, "method": method,
-                                                           "params": params}) as resp:
+        async with self._session.post(
+            self.upstream, json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+        ) as resp:
             out: dict[str, Any] = await resp.json()
             return out
 
@@ -134,9 +145,17 @@ class LyingRpc:
                 assert self.decoy is not None
                 real = (await self._forward("eth_getTransactionReceipt", [self.decoy]))["result"]
                 address = flt.get("address")
-                return [{"address": address[0] if isinstance(address, list) else address, "topics": topics,
-                         "data": "0x" + "00" * 32 + (7).to_bytes(32, "big").hex(),
-                         "blockNumber": real["blockNumber"], "blockHash": real["blockHash"],
-                         "transactionHash": self.fake_hash, "transactionIndex": "0x0", "logIndex": "0x0",
-                         "removed": False}]
+                return [
+                    {
+                        "address": address[0] if isinstance(address, list) else address,
+                        "topics": topics,
+                        "data": "0x" + "00" * 32 + (7).to_bytes(32, "big").hex(),
+                        "blockNumber": real["blockNumber"],
+                        "blockHash": real["blockHash"],
+                        "transactionHash": self.fake_hash,
+                        "transactionIndex": "0x0",
+                        "logIndex": "0x0",
+                        "removed": False,
+                    }
+                ]
         return None

@@ -28,8 +28,9 @@ from gateway.ledger.log import EventLog
 pytestmark = pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
 ORIGIN = "uomp.test/checked"
 KEY = Ed25519PrivateKey.generate()
-POLICY = AnchorPolicy(poll_seconds=0.05, backoff_initial_seconds=0.1, backoff_max_seconds=0.5,
-                      recheck_seconds=1000.0, recheck_count=4)
+POLICY = AnchorPolicy(
+    poll_seconds=0.05, backoff_initial_seconds=0.1, backoff_max_seconds=0.5, recheck_seconds=1000.0, recheck_count=4
+)
 T0 = 10.0**9
 
 
@@ -43,9 +44,19 @@ class Chain:
     def backend(self, url: str | None = None) -> Any:
         from gateway.anchor.evm import EvmBackend, EvmSettings
 
-        return EvmBackend(EvmSettings(rpc_url=url or self.lying.url, contract=self.contract, chain_id=31337,
-                                      confirmations=2, rpc_attempts=1, backoff_initial_s=0.05, backoff_max_s=0.1,
-                                      rpc_timeout_s=3.0), self.owner)
+        return EvmBackend(
+            EvmSettings(
+                rpc_url=url or self.lying.url,
+                contract=self.contract,
+                chain_id=31337,
+                confirmations=2,
+                rpc_attempts=1,
+                backoff_initial_s=0.05,
+                backoff_max_s=0.1,
+                rpc_timeout_s=3.0,
+            ),
+            self.owner,
+        )
 
     def tick(self) -> float:
         self.clock += 1.0
@@ -83,8 +94,12 @@ def _log(path: Path) -> EventLog:
 
 def _append(log: EventLog, n: int, start: int) -> str:
     log.conn.execute("BEGIN IMMEDIATE")
-    log.append([{"id": f"evt_{i}", "ts": 1000.0 + i, "action": "read", "session_id": "sess_a", "allowed": True}
-                for i in range(start, start + n)])
+    log.append(
+        [
+            {"id": f"evt_{i}", "ts": 1000.0 + i, "action": "read", "session_id": "sess_a", "allowed": True}
+            for i in range(start, start + n)
+        ]
+    )
     note = log.checkpoint(now=1000.0 + start)
     log.conn.execute("COMMIT")
     assert note is not None
@@ -97,8 +112,9 @@ def _row(log: EventLog, size: int) -> dict[str, Any]:
     return dict(zip(names, cur.fetchone(), strict=True))
 
 
-async def _rounds(anchorer: Anchorer, chain: Chain, log: EventLog, size: int, *, until: str,
-                  rounds: int = 40) -> set[str]:
+async def _rounds(
+    anchorer: Anchorer, chain: Chain, log: EventLog, size: int, *, until: str, rounds: int = 40
+) -> set[str]:
     """Step (mining a block after each round) until the row is in state ``until``; the states seen."""
     seen: set[str] = set()
     for _ in range(rounds):
@@ -123,8 +139,16 @@ def _decoy(anvil: Anvil) -> str:
     return tx
 
 
-LIES = ["receipt_to_other", "receipt_no_logs", "logs_other_contract", "other_root", "no_code", "other_code",
-        "other_chain", "fabricated"]
+LIES = [
+    "receipt_to_other",
+    "receipt_no_logs",
+    "logs_other_contract",
+    "other_root",
+    "no_code",
+    "other_code",
+    "other_chain",
+    "fabricated",
+]
 
 
 @pytest.mark.parametrize("lie", LIES)
@@ -194,8 +218,10 @@ async def test_a_confirmed_row_nobody_checked_is_checked_before_it_counts(tmp_pa
     is checked again at the worker's first open, and is not bundled meanwhile."""
     log = _log(tmp_path / "audit.db")
     _append(log, 2, 0)
-    log.conn.execute("UPDATE ledger_anchors SET state = 'confirmed', ref = ?, block_number = 1 WHERE size = 2",
-                     (chain.lying.fake_hash,))
+    log.conn.execute(
+        "UPDATE ledger_anchors SET state = 'confirmed', ref = ?, block_number = 1 WHERE size = 2",
+        (chain.lying.fake_hash,),
+    )
     backend = chain.backend(chain.anvil.url)
     anchorer = Anchorer(tmp_path / "audit.db", backend, policy=POLICY)
     try:
@@ -241,8 +267,9 @@ async def test_a_reorg_that_drops_the_transaction_sends_it_back_to_the_backlog(t
         await backend.close()
 
 
-async def test_a_chain_reset_to_an_empty_node_is_rejected_until_the_contract_is_back(tmp_path: Path,
-                                                                                     chain: Chain) -> None:
+async def test_a_chain_reset_to_an_empty_node_is_rejected_until_the_contract_is_back(
+    tmp_path: Path, chain: Chain
+) -> None:
     """anvil restarted empty while the appliance was stopped: at start the confirmed anchor is
     read again and sent back; with no contract on the chain the row is rejected (named), and once
     the contract is deployed again at the configured address it is re-anchored."""

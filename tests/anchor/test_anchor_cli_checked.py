@@ -31,8 +31,20 @@ def _log(paths: Paths) -> EventLog:
 
 def _events(log: EventLog, n: int = 3) -> str:
     log.conn.execute("BEGIN IMMEDIATE")
-    log.append([{"id": f"evt_{i}", "ts": 1000.0 + i, "timestamp": "2026-12-01T00:00:00Z", "action": "read",
-                 "session_id": "sess_a", "agent_id": "a1", "allowed": True} for i in range(n)])
+    log.append(
+        [
+            {
+                "id": f"evt_{i}",
+                "ts": 1000.0 + i,
+                "timestamp": "2026-12-01T00:00:00Z",
+                "action": "read",
+                "session_id": "sess_a",
+                "agent_id": "a1",
+                "allowed": True,
+            }
+            for i in range(n)
+        ]
+    )
     note = log.checkpoint(now=1000.0)
     log.conn.execute("COMMIT")
     assert note is not None
@@ -40,8 +52,10 @@ def _events(log: EventLog, n: int = 3) -> str:
 
 
 def _config(paths: Paths, rpc: str, contract: str = SOME_CONTRACT, extra: str = "") -> None:
-    paths.config_file.write_text(f'[anchor]\nbackend = "evm"\nrpc_url = "{rpc}"\ncontract = "{contract}"\n'
-                                 f"chain_id = 31337\nconfirmations = 1\n{extra}")
+    paths.config_file.write_text(
+        f'[anchor]\nbackend = "evm"\nrpc_url = "{rpc}"\ncontract = "{contract}"\n'
+        f"chain_id = 31337\nconfirmations = 1\n{extra}"
+    )
 
 
 def test_anchor_status_during_an_outage_shows_the_backlog(home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,15 +73,18 @@ def test_anchor_status_during_an_outage_shows_the_backlog(home: Paths, capsys: p
     assert status["chain"]["reachable"] is False and status["chain"]["error"] == "ANCHOR_UNAVAILABLE"
     assert "NOT REACHABLE" in out.err and "backlog: 1 checkpoint(s)" in out.err
     # The partner: a rejected anchor is a failure of the command (exit 1), reported the same way.
-    log.conn.execute("UPDATE ledger_anchors SET state = 'rejected', last_error = 'the transaction was not sent to "
-                     "the anchor contract'")
+    log.conn.execute(
+        "UPDATE ledger_anchors SET state = 'rejected', last_error = 'the transaction was not sent to "
+        "the anchor contract'"
+    )
     assert main(["--home", str(home.home), "anchor", "status"]) == 1
     out = capsys.readouterr()
     assert json.loads(out.out)["backlog"]["counts"]["rejected"] == 1 and "REJECTED" in out.err
 
 
-def test_a_rejected_anchor_is_loud_in_status_dashboard_and_metrics(home: Paths, capsys: pytest.CaptureFixture[str]
-                                                                   ) -> None:
+def test_a_rejected_anchor_is_loud_in_status_dashboard_and_metrics(
+    home: Paths, capsys: pytest.CaptureFixture[str]
+) -> None:
     from gateway.cli.gateway import _anchor_metrics
     from gateway.cli.status import _anchoring
     from gateway.dashboard import data
@@ -77,8 +94,10 @@ def test_a_rejected_anchor_is_loud_in_status_dashboard_and_metrics(home: Paths, 
     log = _log(home)
     _events(log)
     log.conn.execute("UPDATE ledger_anchors SET state = 'confirmed', ref = '0x' || hex(randomblob(32))")
-    log.conn.execute("UPDATE ledger_anchors SET state = 'rejected', ref = NULL,"
-                     " last_error = 'no contract code at 0x5F (a reset or another chain?)'")
+    log.conn.execute(
+        "UPDATE ledger_anchors SET state = 'rejected', ref = NULL,"
+        " last_error = 'no contract code at 0x5F (a reset or another chain?)'"
+    )
     a = _anchoring(home)
     assert a["rejected"] and "REJECTED" in a["note"] and "0 anchored" in a["note"]
     shown = data.timeline(home, data.Filters())
@@ -97,10 +116,18 @@ def test_a_rejected_anchor_is_loud_in_status_dashboard_and_metrics(home: Paths, 
     assert "anchors REJECTED" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("url", "warned"), [("http://10.1.2.3:8545", True), ("http://rpc.example.org/k", True),
-                                              ("https://rpc.example.org/k", False), ("http://127.0.0.1:8545", False)])
-def test_plain_http_rpc_to_another_host_is_warned(home: Paths, capsys: pytest.CaptureFixture[str], url: str,
-                                                  warned: bool) -> None:
+@pytest.mark.parametrize(
+    ("url", "warned"),
+    [
+        ("http://10.1.2.3:8545", True),
+        ("http://rpc.example.org/k", True),
+        ("https://rpc.example.org/k", False),
+        ("http://127.0.0.1:8545", False),
+    ],
+)
+def test_plain_http_rpc_to_another_host_is_warned(
+    home: Paths, capsys: pytest.CaptureFixture[str], url: str, warned: bool
+) -> None:
     from gateway.cli.doctor import run_checks
     from gateway.cli.gateway import _anchor_warnings
 
@@ -114,8 +141,9 @@ def test_plain_http_rpc_to_another_host_is_warned(home: Paths, capsys: pytest.Ca
 
 
 @pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
-async def test_verify_proof_trusts_the_users_chain_not_the_bundles(home: Paths, tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+async def test_verify_proof_trusts_the_users_chain_not_the_bundles(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Someone who holds the audit key anchors the same checkpoint on a contract of their own and
     names it in the bundle: the bundle's contract is a claim, checked against the user's."""
     import asyncio
@@ -182,8 +210,9 @@ async def test_verify_proof_trusts_the_users_chain_not_the_bundles(home: Paths, 
 
 
 @pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
-async def test_verify_checks_the_log_against_the_newest_anchor_on_chain(home: Paths, tmp_path: Path,
-                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+async def test_verify_checks_the_log_against_the_newest_anchor_on_chain(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A rollback that deletes the newest events, their tree nodes, checkpoints and anchor rows is
     red in `uomp audit verify`: the chain still holds the larger anchor."""
     import asyncio
@@ -201,13 +230,16 @@ async def test_verify_checks_the_log_against_the_newest_anchor_on_chain(home: Pa
         contract = await deploy(node.url, owner)
         _config(home, node.url, contract)
         log = _log(home)
-        backend = EvmBackend(EvmSettings(rpc_url=node.url, contract=contract, chain_id=31337, confirmations=1),
-                             owner)
+        backend = EvmBackend(EvmSettings(rpc_url=node.url, contract=contract, chain_id=31337, confirmations=1), owner)
         anchorer = Anchorer(home.audit_db, backend, policy=AnchorPolicy(poll_seconds=0.05))
         _events(log, 5)
         log.conn.execute("BEGIN IMMEDIATE")
-        log.append([{"id": f"evt_b{i}", "ts": 2000.0 + i, "action": "read", "session_id": "sess_a",
-                     "allowed": True} for i in range(3)])
+        log.append(
+            [
+                {"id": f"evt_b{i}", "ts": 2000.0 + i, "action": "read", "session_id": "sess_a", "allowed": True}
+                for i in range(3)
+            ]
+        )
         assert log.checkpoint(now=2000.0) is not None
         log.conn.execute("COMMIT")
         for i in range(60):
@@ -244,8 +276,9 @@ def test_a_proof_never_carries_an_anchor_nobody_checked(home: Paths, capsys: pyt
     _config(home, "http://127.0.0.1:8545")
     log = _log(home)
     _events(log)
-    log.conn.execute("UPDATE ledger_anchors SET state = 'confirmed', ref = '0x' || lower(hex(randomblob(32))),"
-                     " block_number = 7")
+    log.conn.execute(
+        "UPDATE ledger_anchors SET state = 'confirmed', ref = '0x' || lower(hex(randomblob(32))), block_number = 7"
+    )
     capsys.readouterr()
     assert main(["--home", str(home.home), "audit", "proof", "evt_1"]) == 0
     assert json.loads(capsys.readouterr().out)["anchor"] is None

@@ -45,11 +45,14 @@ async def subject(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     else:
         key = KeyPair.from_private_key(0xA11CE)
         account, contract, chain = 0xACC0, 0xC0DE, int(StarknetChainId.SEPOLIA)
-        server = StandInServer(StandIn(chain_id=chain, account=account, public_key=key.public_key,
-                                       contract=contract, owner=account))
+        server = StandInServer(
+            StandIn(chain_id=chain, account=account, public_key=key.public_key, contract=contract, owner=account)
+        )
         await server.start()
-        sb = StarknetBackend(StarknetSettings(rpc_url=server.url, account=account, contract=contract, chain_id=chain,
-                                              confirmations=2), key)
+        sb = StarknetBackend(
+            StarknetSettings(rpc_url=server.url, account=account, contract=contract, chain_id=chain, confirmations=2),
+            key,
+        )
         yield sb, server.node.mine
         await sb.close()
         await server.stop()

@@ -81,8 +81,15 @@ def test_worked_example_other_hashes() -> None:
 
 def test_the_doc_shows_the_same_hex() -> None:
     words = "".join(re.findall(r"\b[0-9a-f]{64}\b", DOC.read_text()))
-    for value in (SESSION_ENCODING, SESSION_HASH, AGENT_HASH, ENDPOINT_HASH, PAYLOAD_HASH,
-                  DELETION_ENCODING, DELETION_HASH):
+    for value in (
+        SESSION_ENCODING,
+        SESSION_HASH,
+        AGENT_HASH,
+        ENDPOINT_HASH,
+        PAYLOAD_HASH,
+        DELETION_ENCODING,
+        DELETION_HASH,
+    ):
         assert value in words
 
 
@@ -132,8 +139,16 @@ def test_session_encoding_is_injective_where_plain_concatenation_is_not(
         (lambda: enc.session_hash("s", "a", ["t"] * 2000), "more than"),
         (lambda: enc.session_hash("s", "a", ["\udfff"]), "lone surrogate"),
     ],
-    ids=["query", "percent-encoded", "fragment", "relative", "surrogate-agent", "long-session",
-         "too-many-tags", "surrogate-tag"],
+    ids=[
+        "query",
+        "percent-encoded",
+        "fragment",
+        "relative",
+        "surrogate-agent",
+        "long-session",
+        "too-many-tags",
+        "surrogate-tag",
+    ],
 )
 def test_encoding_refusals(call: object, message: str) -> None:
     with pytest.raises((ValueError, UompError), match=message):
@@ -171,10 +186,24 @@ H = b"\x11" * 32
         (lambda: Anchor.for_checkpoint(signed_note(5, H).replace("\n5\n", "\n-5\n")), "decimal"),
         (lambda: Anchor.for_checkpoint(signed_note(5, b"\x01" * 31)), "root must be 32 bytes"),
     ],
-    ids=["short-root", "long-checkpoint-hash", "negative-size", "size-over-uint64", "bool-size",
-         "list-not-tuple", "wrong-kind", "too-many-events", "negative-expiry", "huge-expiry",
-         "allowed-not-bool", "hex-string-hash", "note-without-signature", "leading-zero-size",
-         "negative-note-size", "short-note-root"],
+    ids=[
+        "short-root",
+        "long-checkpoint-hash",
+        "negative-size",
+        "size-over-uint64",
+        "bool-size",
+        "list-not-tuple",
+        "wrong-kind",
+        "too-many-events",
+        "negative-expiry",
+        "huge-expiry",
+        "allowed-not-bool",
+        "hex-string-hash",
+        "note-without-signature",
+        "leading-zero-size",
+        "negative-note-size",
+        "short-note-root",
+    ],
 )
 def test_anchor_refusals(build: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -33,8 +33,9 @@ from gateway.ledger.log import EventLog
 pytestmark = pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
 ORIGIN = "uomp.test/events"
 KEY = Ed25519PrivateKey.generate()
-POLICY = AnchorPolicy(poll_seconds=0.05, backoff_initial_seconds=0.1, backoff_max_seconds=0.5,
-                      recheck_seconds=1000.0, recheck_count=4)
+POLICY = AnchorPolicy(
+    poll_seconds=0.05, backoff_initial_seconds=0.1, backoff_max_seconds=0.5, recheck_seconds=1000.0, recheck_count=4
+)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -46,9 +47,19 @@ class Chain:
     def backend(self, url: str | None = None) -> Any:
         from gateway.anchor.evm import EvmBackend, EvmSettings
 
-        return EvmBackend(EvmSettings(rpc_url=url or self.anvil.url, contract=self.contract, chain_id=31337,
-                                      confirmations=1, rpc_attempts=1, backoff_initial_s=0.05, backoff_max_s=0.1,
-                                      rpc_timeout_s=3.0), self.owner)
+        return EvmBackend(
+            EvmSettings(
+                rpc_url=url or self.anvil.url,
+                contract=self.contract,
+                chain_id=31337,
+                confirmations=1,
+                rpc_attempts=1,
+                backoff_initial_s=0.05,
+                backoff_max_s=0.1,
+                rpc_timeout_s=3.0,
+            ),
+            self.owner,
+        )
 
     def tick(self) -> float:
         self.clock += 1.0
@@ -105,18 +116,40 @@ def _append(log: EventLog, bodies: list[dict[str, Any]]) -> int:
 
 
 def _grant_body(n: int = 0) -> dict[str, Any]:
-    return {"id": f"log_grant{n}", "ts": 1000.0 + n, "action": "session_granted", "session_id": SID,
-            "agent_id": AGENT, "allowed": True, "reason": "granted by the user", "tags": TAGS, "expires_at": EXPIRES}
+    return {
+        "id": f"log_grant{n}",
+        "ts": 1000.0 + n,
+        "action": "session_granted",
+        "session_id": SID,
+        "agent_id": AGENT,
+        "allowed": True,
+        "reason": "granted by the user",
+        "tags": TAGS,
+        "expires_at": EXPIRES,
+    }
 
 
 def _reads(n: int, start: int) -> list[dict[str, Any]]:
-    return [{"id": f"log_read{i}", "ts": 2000.0 + i, "action": "read", "session_id": SID, "agent_id": AGENT,
-             "key": "preference.theme", "allowed": True, "reason": "scope matched"} for i in range(start, start + n)]
+    return [
+        {
+            "id": f"log_read{i}",
+            "ts": 2000.0 + i,
+            "action": "read",
+            "session_id": SID,
+            "agent_id": AGENT,
+            "key": "preference.theme",
+            "allowed": True,
+            "reason": "scope matched",
+        }
+        for i in range(start, start + n)
+    ]
 
 
 def _facts(log: EventLog) -> list[tuple[Any, ...]]:
-    return log.conn.execute("SELECT e.seq, e.kind, e.anchor_size, a.state FROM ledger_anchor_events e"
-                            " LEFT JOIN ledger_anchors a ON a.size = e.anchor_size ORDER BY e.seq").fetchall()
+    return log.conn.execute(
+        "SELECT e.seq, e.kind, e.anchor_size, a.state FROM ledger_anchor_events e"
+        " LEFT JOIN ledger_anchors a ON a.size = e.anchor_size ORDER BY e.seq"
+    ).fetchall()
 
 
 def _expected_grant() -> tuple[bytes, bytes, int]:
@@ -134,8 +167,11 @@ async def _until_confirmed(anchorer: Anchorer, chain: Chain, log: EventLog, roun
 
 
 def _grants_on_chain(events: list[dict[str, Any]]) -> list[tuple[bytes, bytes, int]]:
-    return [(bytes(e["args"]["sessionHash"]), bytes(e["args"]["agentHash"]), int(e["args"]["expiresAt"]))
-            for e in events if e["kind"] == "SessionGranted"]
+    return [
+        (bytes(e["args"]["sessionHash"]), bytes(e["args"]["agentHash"]), int(e["args"]["expiresAt"]))
+        for e in events
+        if e["kind"] == "SessionGranted"
+    ]
 
 
 # ----------------------------------------------------------------------------- kill -9
@@ -164,14 +200,16 @@ asyncio.run(main())
 
 @pytest.mark.parametrize("point", ["anchor.facts_derived", "anchor.facts_bound", "anchor.sent"])
 async def test_a_kill_9_between_the_audit_event_and_the_send_neither_loses_nor_doubles(
-        tmp_path: Path, chain: Chain, point: str) -> None:
+    tmp_path: Path, chain: Chain, point: str
+) -> None:
     db = tmp_path / "audit.db"
     log = _log(db)
     _append(log, [_grant_body(), *_reads(3, 0)])
     arm = tmp_path / "arm"
     arm.write_text("1")
-    script = _WORKER.format(tests=str(REPO / "tests"), url=chain.anvil.url, contract=chain.contract,
-                            key=str(chain.key_file), db=str(db))
+    script = _WORKER.format(
+        tests=str(REPO / "tests"), url=chain.anvil.url, contract=chain.contract, key=str(chain.key_file), db=str(db)
+    )
     env = {**os.environ, "UOMP_FAULT": point, "UOMP_FAULT_ARM": str(arm)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, timeout=60)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
@@ -197,6 +235,7 @@ async def test_a_kill_9_between_the_audit_event_and_the_send_neither_loses_nor_d
 
 
 # ----------------------------------------------------------------------------- a lying node
+
 
 @pytest.mark.parametrize("lie", ["receipt_no_logs", "logs_other_contract", "receipt_to_other", "other_code"])
 async def test_a_lying_node_never_confirms_a_fact(tmp_path: Path, chain: Chain, lie: str) -> None:
@@ -252,8 +291,10 @@ async def test_verify_finds_an_event_on_chain_that_no_audit_event_holds(tmp_path
     # a proof bundle's verifier knows the checkpoint, not the facts: checkpoint_only checks the rest's kinds
     from gateway.anchor.base import Anchor, AnchorMismatch
 
-    _size, ref, note = log.conn.execute("SELECT a.size, a.ref, c.note FROM ledger_anchors a JOIN ledger_checkpoints c"
-                                       " ON c.size = a.size WHERE a.state = 'confirmed'").fetchone()
+    _size, ref, note = log.conn.execute(
+        "SELECT a.size, a.ref, c.note FROM ledger_anchors a JOIN ledger_checkpoints c"
+        " ON c.size = a.size WHERE a.state = 'confirmed'"
+    ).fetchone()
     b = chain.backend()
     try:
         await b.verify(Anchor.for_checkpoint(note, checkpoint_only=True), ref)
@@ -282,8 +323,10 @@ async def test_verify_finds_an_event_on_chain_that_no_audit_event_holds(tmp_path
 def _configure(paths: Paths, chain: Chain) -> None:
     before = paths.config_file.read_text() if paths.config_file.exists() else ""
     paths.config_file.write_text(
-        before + "\n[anchor]\n" f'backend = "evm"\nrpc_url = "{chain.anvil.url}"\ncontract = "{chain.contract}"\n'
-        f'chain_id = 31337\nkey_file = "{chain.key_file}"\nconfirmations = 1\npoll_seconds = 0.1\n')
+        before + "\n[anchor]\n"
+        f'backend = "evm"\nrpc_url = "{chain.anvil.url}"\ncontract = "{chain.contract}"\n'
+        f'chain_id = 31337\nkey_file = "{chain.key_file}"\nconfirmations = 1\npoll_seconds = 0.1\n'
+    )
 
 
 def _raw_chain_bytes(anvil: Anvil, contract: str) -> bytes:
@@ -300,7 +343,8 @@ def _raw_chain_bytes(anvil: Anvil, contract: str) -> bytes:
 
 
 async def test_the_appliance_anchors_each_fact_once_with_the_hashes_and_names_nothing(
-        home: Paths, chain: Chain) -> None:
+    home: Paths, chain: Chain
+) -> None:
     from guardkit import admin_headers, call, grant, running_guard, seed, unix_session
 
     from gateway.contract import VERIFIED_AGENT_HEADER
@@ -313,34 +357,66 @@ async def test_the_appliance_anchors_each_fact_once_with_the_hashes_and_names_no
     identity = Ed25519PrivateKey.generate()
     ciphertext = os.urandom(300)
     async with running_guard(home) as guard, unix_session(home) as s:
-        g = await grant(s, home, read={"tags": ["preference", "ui"]},
-                        create_extra={"identity_public_jwk": jose.public_jwk(identity.public_key())})
+        g = await grant(
+            s,
+            home,
+            read={"tags": ["preference", "ui"]},
+            create_extra={"identity_public_jwk": jose.public_jwk(identity.public_key())},
+        )
         sid, token = g["session_id"], g["token"]
-        status, item, _ = await call(s, "GET", "/v1/memory/preference.theme", token=token,
-                                     headers={"X-UOMP-Agent-Id": AGENT})
+        status, item, _ = await call(
+            s, "GET", "/v1/memory/preference.theme", token=token, headers={"X-UOMP-Agent-Id": AGENT}
+        )
         assert status == 200 and item["value"] == "dark"
         digest = "sha256:" + hashlib.sha256(ciphertext).hexdigest()
-        status, body, _ = await call(s, "POST", "/v1/payload/audit", headers={VERIFIED_AGENT_HEADER: AGENT},
-                                     json_body={"action": "payload_uploaded", "session_id": sid, "agent_id": AGENT,
-                                                "payload_id": "pay_" + "a" * 24, "hash": digest, "size": 300})
+        status, body, _ = await call(
+            s,
+            "POST",
+            "/v1/payload/audit",
+            headers={VERIFIED_AGENT_HEADER: AGENT},
+            json_body={
+                "action": "payload_uploaded",
+                "session_id": sid,
+                "agent_id": AGENT,
+                "payload_id": "pay_" + "a" * 24,
+                "hash": digest,
+                "size": 300,
+            },
+        )
         assert status == 200, body
         memory_hash = "sha256:" + "ab" * 32
-        proof = sign_deletion_proof({"deletion_proof_id": "del_events_1", "session_id": sid, "agent_id": AGENT,
-                                     "deleted_at": iso(time.time()), "memory_hash": memory_hash,
-                                     "method": "process_termination"}, identity)
-        status, body, _ = await call(s, "POST", f"/v1/sessions/{sid}/deletion-proof", token=token,
-                                     headers={"X-UOMP-Agent-Id": AGENT}, json_body=proof)
+        proof = sign_deletion_proof(
+            {
+                "deletion_proof_id": "del_events_1",
+                "session_id": sid,
+                "agent_id": AGENT,
+                "deleted_at": iso(time.time()),
+                "memory_hash": memory_hash,
+                "method": "process_termination",
+            },
+            identity,
+        )
+        status, body, _ = await call(
+            s,
+            "POST",
+            f"/v1/sessions/{sid}/deletion-proof",
+            token=token,
+            headers={"X-UOMP-Agent-Id": AGENT},
+            json_body=proof,
+        )
         assert status == 200, body
         status, session, _ = await call(s, "GET", f"/v1/sessions/{sid}", headers=admin_headers(home))
-        status, body, _ = await call(s, "POST", f"/v1/sessions/{sid}/revoke", headers=admin_headers(home),
-                                     json_body={})
+        status, body, _ = await call(s, "POST", f"/v1/sessions/{sid}/revoke", headers=admin_headers(home), json_body={})
         assert status == 200, body
         conn = sqlite3.connect(home.audit_db, isolation_level=None)
         try:
             deadline = time.monotonic() + 30
             while True:
-                b = backlog(conn) if conn.execute("SELECT 1 FROM sqlite_master WHERE name = "
-                                                  "'ledger_anchor_events'").fetchone() else {"events": {}}
+                b = (
+                    backlog(conn)
+                    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_anchor_events'").fetchone()
+                    else {"events": {}}
+                )
                 ev = b["events"]
                 if len(ev) == 4 and all(v == {"confirmed": 1} for v in ev.values()):
                     break
@@ -361,7 +437,8 @@ async def test_the_appliance_anchors_each_fact_once_with_the_hashes_and_names_no
     assert by["PayloadAnchored"]["payloadHash"] == hashlib.sha256(ciphertext).digest()
     assert by["PayloadAnchored"]["sessionHash"] == s_hash
     assert by["DataDeletionProofSubmitted"]["deletionProofHash"] == enc.deletion_proof_hash(
-        "del_events_1", sid, memory_hash)
+        "del_events_1", sid, memory_hash
+    )
     conn = sqlite3.connect(home.audit_db, isolation_level=None)
     try:
         assert check_facts(conn, events) == []
@@ -371,8 +448,21 @@ async def test_the_appliance_anchors_each_fact_once_with_the_hashes_and_names_no
     raw = _raw_chain_bytes(chain.anvil, chain.contract)
     from guardkit import ITEMS
 
-    needles = [token, sid, AGENT, "del_events_1", memory_hash, memory_hash[7:], "pay_" + "a" * 24, "/v1/memory",
-               *[i.key for i in ITEMS], *[json.dumps(i.value) for i in ITEMS], "dark", "lockpicking", "Alice"]
+    needles = [
+        token,
+        sid,
+        AGENT,
+        "del_events_1",
+        memory_hash,
+        memory_hash[7:],
+        "pay_" + "a" * 24,
+        "/v1/memory",
+        *[i.key for i in ITEMS],
+        *[json.dumps(i.value) for i in ITEMS],
+        "dark",
+        "lockpicking",
+        "Alice",
+    ]
     for text in needles:
         assert text.encode() not in raw, text
 
@@ -432,8 +522,10 @@ async def test_a_failed_anchor_gives_its_facts_to_the_next_checkpoint(tmp_path: 
     first = _append(log, [_grant_body(), *_reads(1, 0)])
     stranger = Account.create()
     chain.anvil.fund(stranger.address)
-    wrong = EvmBackend(EvmSettings(rpc_url=chain.anvil.url, contract=chain.contract, chain_id=31337,
-                                   confirmations=1, rpc_attempts=1), stranger)
+    wrong = EvmBackend(
+        EvmSettings(rpc_url=chain.anvil.url, contract=chain.contract, chain_id=31337, confirmations=1, rpc_attempts=1),
+        stranger,
+    )
     anchorer = Anchorer(db, wrong, policy=POLICY)
     try:
         await anchorer.step(now=chain.tick())

@@ -33,14 +33,45 @@ async def test_grant_and_payload_facts_reach_the_stand_in_and_are_checked(tmp_pa
     conn = sqlite3.connect(tmp_path / "audit.db", isolation_level=None, check_same_thread=False)
     log = EventLog(conn, origin="uomp.test/sn", key=Ed25519PrivateKey.generate(), anchor_backend="starknet")
     conn.execute("BEGIN IMMEDIATE")
-    log.append([{"id": "log_g", "ts": 1.0, "action": "session_granted", "session_id": "sess_sn", "agent_id": "ag",
-                 "allowed": True, "reason": "granted", "tags": ["b", "a"], "expires_at": 1_900_000_000},
-                {"id": "log_p", "ts": 2.0, "action": "payload_uploaded", "session_id": "sess_sn", "agent_id": "ag",
-                 "allowed": True, "reason": "stored", "detail": "sha256:" + "cd" * 32}])
+    log.append(
+        [
+            {
+                "id": "log_g",
+                "ts": 1.0,
+                "action": "session_granted",
+                "session_id": "sess_sn",
+                "agent_id": "ag",
+                "allowed": True,
+                "reason": "granted",
+                "tags": ["b", "a"],
+                "expires_at": 1_900_000_000,
+            },
+            {
+                "id": "log_p",
+                "ts": 2.0,
+                "action": "payload_uploaded",
+                "session_id": "sess_sn",
+                "agent_id": "ag",
+                "allowed": True,
+                "reason": "stored",
+                "detail": "sha256:" + "cd" * 32,
+            },
+        ]
+    )
     log.checkpoint(now=1000.0)
     conn.execute("COMMIT")
-    backend = StarknetBackend(StarknetSettings(rpc_url=server.url, account=ACCOUNT, contract=CONTRACT, chain_id=CHAIN,
-                                               confirmations=1, backoff_initial_s=0.05, backoff_max_s=0.2), KEY)
+    backend = StarknetBackend(
+        StarknetSettings(
+            rpc_url=server.url,
+            account=ACCOUNT,
+            contract=CONTRACT,
+            chain_id=CHAIN,
+            confirmations=1,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+        ),
+        KEY,
+    )
     anchorer = Anchorer(tmp_path / "audit.db", backend, policy=POLICY)
     try:
         clock = 10.0**9

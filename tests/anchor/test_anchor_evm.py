@@ -112,8 +112,10 @@ def _tamper(anchor: Anchor, case: str) -> Anchor:
         return r(anchor, granted=(SessionGranted(g.session_hash, g.agent_hash, g.expires_at + 1),))
     if case == "access_allowed_flipped":
         a = anchor.access[0]
-        return r(anchor, access=(GatewayAccess(a.session_hash, a.agent_hash, a.endpoint_hash, not a.allowed),
-                                 *anchor.access[1:]))
+        return r(
+            anchor,
+            access=(GatewayAccess(a.session_hash, a.agent_hash, a.endpoint_hash, not a.allowed), *anchor.access[1:]),
+        )
     if case == "access_reordered":
         return r(anchor, access=tuple(reversed(anchor.access)))
     if case == "event_dropped":
@@ -126,8 +128,17 @@ def _tamper(anchor: Anchor, case: str) -> Anchor:
     raise AssertionError(case)
 
 
-TAMPER = ["root", "tree_size", "checkpoint_hash", "granted_expiry", "access_allowed_flipped",
-          "access_reordered", "event_dropped", "event_added", "deletion_hash"]
+TAMPER = [
+    "root",
+    "tree_size",
+    "checkpoint_hash",
+    "granted_expiry",
+    "access_allowed_flipped",
+    "access_reordered",
+    "event_dropped",
+    "event_added",
+    "deletion_hash",
+]
 
 
 async def test_tampered_anchor_fails_verify(backend: EvmBackend, anvil: Anvil) -> None:
@@ -147,14 +158,20 @@ async def test_wrong_reference_fails_verify(backend: EvmBackend, anvil: Anvil, c
     sub = await submit_mined(backend, anchor)
     sub_other = await submit_mined(backend, other)
     anvil.mine(2)
-    ref = {"unknown_tx": "0x" + "ab" * 32, "other_anchors_tx": sub_other.ref, "malformed": "0x" + "zz" * 32,
-           "no_0x": sub.ref[2:], "short": sub.ref[:-2]}[case]
+    ref = {
+        "unknown_tx": "0x" + "ab" * 32,
+        "other_anchors_tx": sub_other.ref,
+        "malformed": "0x" + "zz" * 32,
+        "no_0x": sub.ref[2:],
+        "short": sub.ref[:-2],
+    }[case]
     with pytest.raises(AnchorMismatch):
         await backend.verify(anchor, ref)
 
 
-async def test_verify_refuses_a_contract_that_is_not_ours(backend: EvmBackend, anvil: Anvil,
-                                                          owner: LocalAccount) -> None:
+async def test_verify_refuses_a_contract_that_is_not_ours(
+    backend: EvmBackend, anvil: Anvil, owner: LocalAccount
+) -> None:
     anchor = sample_anchor(6)
     sub = await submit_mined(backend, anchor)
     anvil.mine(1)
@@ -186,8 +203,9 @@ async def test_verify_refuses_another_chain(backend: EvmBackend, anvil: Anvil) -
         await wrong.close()
 
 
-async def test_resubmission_finds_the_anchor_instead_of_sending_again(backend: EvmBackend, anvil: Anvil,
-                                                                       owner: LocalAccount) -> None:
+async def test_resubmission_finds_the_anchor_instead_of_sending_again(
+    backend: EvmBackend, anvil: Anvil, owner: LocalAccount
+) -> None:
     anchor = sample_anchor(8)
     first = await submit_mined(backend, anchor)
     again = await backend.submit(anchor)
@@ -248,8 +266,9 @@ async def test_read_only_backend_cannot_submit(backend: EvmBackend) -> None:
         await ro.close()
 
 
-async def test_pending_dropped_and_resubmitted_with_the_same_bytes(backend: EvmBackend, anvil: Anvil,
-                                                                    owner: LocalAccount) -> None:
+async def test_pending_dropped_and_resubmitted_with_the_same_bytes(
+    backend: EvmBackend, anvil: Anvil, owner: LocalAccount
+) -> None:
     anvil.rpc("evm_setAutomine", False)
     anchor = sample_anchor(16)
     sub = await backend.submit(anchor)
@@ -308,8 +327,9 @@ async def test_rpc_down_is_retryable_and_the_same_anchor_goes_through_after(
     await backend.verify(anchor, sub.ref)
 
 
-async def test_transient_http_errors_are_retried_with_backoff(backend: EvmBackend, anvil: Anvil,
-                                                               owner: LocalAccount) -> None:
+async def test_transient_http_errors_are_retried_with_backoff(
+    backend: EvmBackend, anvil: Anvil, owner: LocalAccount
+) -> None:
     """A proxy in front of anvil answers every fourth request 503 (or drops the connection):
     each RPC call is retried and the anchor goes through, verified, with no error surfacing."""
     import aiohttp
@@ -327,8 +347,10 @@ async def test_transient_http_errors_are_retried_with_backoff(backend: EvmBacken
                 return web.Response()
             return web.Response(status=503, text="busy")
         body = await request.read()
-        async with aiohttp.ClientSession() as s, s.post(anvil.url, data=body,
-                                                         headers={"content-type": "application/json"}) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(anvil.url, data=body, headers={"content-type": "application/json"}) as r,
+        ):
             return web.Response(body=await r.read(), content_type="application/json")
 
     app = web.Application()
@@ -368,11 +390,16 @@ def _hostile(case: str, method: str, answer: dict[str, Any]) -> dict[str, Any] |
 
 @pytest.mark.parametrize(
     ("case", "error"),
-    [("receipt-missing-fields", AnchorUnavailable), ("log-data-truncated", AnchorMismatch),
-     ("block-number-not-hex", AnchorUnavailable), ("html-instead-of-json", AnchorUnavailable)],
+    [
+        ("receipt-missing-fields", AnchorUnavailable),
+        ("log-data-truncated", AnchorMismatch),
+        ("block-number-not-hex", AnchorUnavailable),
+        ("html-instead-of-json", AnchorUnavailable),
+    ],
 )
-async def test_a_malformed_node_answer_is_a_clear_error(backend: EvmBackend, anvil: Anvil, owner: LocalAccount,
-                                                        case: str, error: type[Exception]) -> None:
+async def test_a_malformed_node_answer_is_a_clear_error(
+    backend: EvmBackend, anvil: Anvil, owner: LocalAccount, case: str, error: type[Exception]
+) -> None:
     import aiohttp
     from aiohttp import web
 
@@ -382,8 +409,10 @@ async def test_a_malformed_node_answer_is_a_clear_error(backend: EvmBackend, anv
 
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        async with aiohttp.ClientSession() as s, s.post(anvil.url, data=body,
-                                                         headers={"content-type": "application/json"}) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(anvil.url, data=body, headers={"content-type": "application/json"}) as r,
+        ):
             answer = json.loads(await r.read())
         out = _hostile(case, json.loads(body)["method"], answer)
         if isinstance(out, str):
@@ -408,8 +437,10 @@ async def test_a_malformed_node_answer_is_a_clear_error(backend: EvmBackend, anv
 
 
 async def test_closed_port_is_retryable(owner: LocalAccount) -> None:
-    b = EvmBackend(EvmSettings(rpc_url=f"http://127.0.0.1:{closed_port()}/secret-api-key",
-                               contract="0x" + "11" * 20, **FAST), owner)
+    b = EvmBackend(
+        EvmSettings(rpc_url=f"http://127.0.0.1:{closed_port()}/secret-api-key", contract="0x" + "11" * 20, **FAST),
+        owner,
+    )
     try:
         with pytest.raises(AnchorUnavailable) as info:
             await b.submit(sample_anchor(13))
@@ -463,8 +494,14 @@ def test_committed_artifact_is_what_the_pinned_solc_builds() -> None:
     tools = ROOT / "anchor-tools"
     if not (tools / "node_modules" / "solc" / "package.json").exists():
         pytest.skip("solc-js not installed (run scripts/setup-anvil.sh)")
-    out = subprocess.run(["node", "build-contract.mjs", "../contracts/UompAnchor.sol"], cwd=tools,
-                         capture_output=True, check=True, timeout=300).stdout
+    out = subprocess.run(
+        ["node", "build-contract.mjs", "../contracts/UompAnchor.sol"],
+        cwd=tools,
+        capture_output=True,
+        check=True,
+        timeout=300,
+    ).stdout
     assert out == (ROOT / "gateway" / "anchor" / "UompAnchor.json").read_bytes()
-    assert artifact()["compiler"]["version"].startswith(json.loads((tools / "package.json").read_text())
-                                                       ["dependencies"]["solc"] + "+")
+    assert artifact()["compiler"]["version"].startswith(
+        json.loads((tools / "package.json").read_text())["dependencies"]["solc"] + "+"
+    )

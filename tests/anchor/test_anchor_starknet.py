@@ -36,8 +36,9 @@ KEY = KeyPair.from_private_key(0x5EC2E7_0000_0000_0000_0000_0000_0000_0000_0000_
 
 @pytest.fixture
 async def chain() -> AsyncIterator[StandInServer]:
-    server = StandInServer(StandIn(chain_id=CHAIN, account=ACCOUNT, public_key=KEY.public_key,
-                                   contract=CONTRACT, owner=ACCOUNT))
+    server = StandInServer(
+        StandIn(chain_id=CHAIN, account=ACCOUNT, public_key=KEY.public_key, contract=CONTRACT, owner=ACCOUNT)
+    )
     await server.start()
     yield server
     await server.stop()
@@ -74,8 +75,11 @@ def test_offline_signing_matches_the_specified_hash_and_key() -> None:
     node = StandIn(chain_id=CHAIN, account=ACCOUNT, public_key=KEY.public_key, contract=CONTRACT, owner=ACCOUNT)
     decoded = node.decode_anchor(anchor_calldata(anchor))
     root, size, cp = decoded[0][1]
-    assert (root.to_bytes(32, "big"), size, cp.to_bytes(32, "big")) == (anchor.root, anchor.tree_size,
-                                                                         anchor.checkpoint_hash)
+    assert (root.to_bytes(32, "big"), size, cp.to_bytes(32, "big")) == (
+        anchor.root,
+        anchor.tree_size,
+        anchor.checkpoint_hash,
+    )
     assert decoded[1:] == expected_events(anchor)[:-1]
 
 
@@ -115,8 +119,9 @@ async def test_pending_then_confirmed_and_dropped(backend: StarknetBackend, chai
     assert (await backend.status(Submitted("starknet", b"\x00" * 32, "0x1234"))).state == "dropped"
 
 
-async def test_nonces_follow_pooled_transactions_but_never_leave_a_gap(backend: StarknetBackend,
-                                                                       chain: StandInServer) -> None:
+async def test_nonces_follow_pooled_transactions_but_never_leave_a_gap(
+    backend: StarknetBackend, chain: StandInServer
+) -> None:
     chain.node.auto_mine = False
     first = await backend.submit(sample_anchor(12))
     second = await backend.submit(sample_anchor(13))  # the first is still pooled: the next nonce
@@ -144,8 +149,9 @@ async def test_tampered_anchor_fails_verify(backend: StarknetBackend, chain: Sta
         "tree_size": dataclasses.replace(anchor, tree_size=anchor.tree_size - 1),
         "checkpoint_hash": dataclasses.replace(anchor, checkpoint_hash=flip),
         "event_dropped": dataclasses.replace(anchor, granted=()),
-        "access_flipped": dataclasses.replace(anchor, access=(dataclasses.replace(a0, allowed=not a0.allowed),
-                                                              *anchor.access[1:])),
+        "access_flipped": dataclasses.replace(
+            anchor, access=(dataclasses.replace(a0, allowed=not a0.allowed), *anchor.access[1:])
+        ),
     }
     for case in TAMPER:
         with pytest.raises(AnchorMismatch):
@@ -166,8 +172,9 @@ async def test_a_node_that_pages_forever_is_refused(backend: StarknetBackend, ch
 
 
 @pytest.mark.parametrize("garble", ["receipt", "events", "call"])
-async def test_a_malformed_node_answer_is_a_clear_error(backend: StarknetBackend, chain: StandInServer,
-                                                        garble: str) -> None:
+async def test_a_malformed_node_answer_is_a_clear_error(
+    backend: StarknetBackend, chain: StandInServer, garble: str
+) -> None:
     anchor = sample_anchor(15)
     sub = await backend.submit(anchor)
     chain.node.mine(1)

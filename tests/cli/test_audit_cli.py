@@ -32,10 +32,19 @@ def _cfg() -> GuardConfig:
     return dataclasses.replace(GuardConfig(tcp_port=0))
 
 
-def _record(audit: AuditLog, sid: str, action: str, allowed: bool, *, ts: float | None = None, agent: str = "a1",
-            reason: str = "r") -> None:
-    audit.record(session_id=sid, agent_id=agent, action=action, allowed=allowed, reason=reason, detail="d",
-                 key="k", now=ts)
+def _record(
+    audit: AuditLog,
+    sid: str,
+    action: str,
+    allowed: bool,
+    *,
+    ts: float | None = None,
+    agent: str = "a1",
+    reason: str = "r",
+) -> None:
+    audit.record(
+        session_id=sid, agent_id=agent, action=action, allowed=allowed, reason=reason, detail="d", key="k", now=ts
+    )
     audit.flush_sync()
 
 
@@ -87,8 +96,12 @@ def test_filters(events: Paths, capsys: pytest.CaptureFixture[str]) -> None:
     def sel(*args: str) -> list[tuple[str, str, bool]]:
         return [(e["session_id"], e["action"], e["allowed"]) for e in as_json(events, capsys, *args)]
 
-    assert sel("--session", "s1") == [("s1", "session_granted", True), ("s1", "read", True), ("s1", "read", False),
-                                      ("s1", "audit", True)]
+    assert sel("--session", "s1") == [
+        ("s1", "session_granted", True),
+        ("s1", "read", True),
+        ("s1", "read", False),
+        ("s1", "audit", True),
+    ]
     assert sel("--session", "s2") == [("s2", "aggregate", False)]
     assert sel("--agent", "a2") == [("s2", "aggregate", False)]
     assert sel("--agent", "nobody") == []  # an agent filter is a filter, not a lookup
@@ -96,14 +109,22 @@ def test_filters(events: Paths, capsys: pytest.CaptureFixture[str]) -> None:
     assert sel("--action", "read,aggregate") == sel("--action", "read", "--action", "aggregate")
     assert len(sel("--action", "read,aggregate")) == 3
     assert sel("--action", "write") == []
-    assert sel("--refused") == [("s1", "read", False), ("s2", "aggregate", False),
-                                ("unknown", "gateway_refused", False)]
+    assert sel("--refused") == [
+        ("s1", "read", False),
+        ("s2", "aggregate", False),
+        ("unknown", "gateway_refused", False),
+    ]
     assert all(a for _, _, a in sel("--allowed")) and len(sel("--allowed")) == 3
-    assert sel("--since", "2h") == [("s2", "aggregate", False), ("unknown", "gateway_refused", False),
-                                    ("s1", "audit", True)]
+    assert sel("--since", "2h") == [
+        ("s2", "aggregate", False),
+        ("unknown", "gateway_refused", False),
+        ("s1", "audit", True),
+    ]
     assert sel("--until", "36h") == [("s1", "session_granted", True), ("s1", "read", True)]
     assert sel("--since", "4d", "--until", "1d", "--session", "s1", "--allowed") == [
-        ("s1", "session_granted", True), ("s1", "read", True)]
+        ("s1", "session_granted", True),
+        ("s1", "read", True),
+    ]
     iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1800))
     assert sel("--since", iso) == [("unknown", "gateway_refused", False), ("s1", "audit", True)]
 
@@ -117,13 +138,19 @@ def test_unknown_session_is_an_error_not_empty_output(events: Paths, capsys: pyt
     assert as_json(events, capsys, "--session", "s2", "--allowed") == []
 
 
-@pytest.mark.parametrize("args,code", [
-    (["--since", "yesterday"], "INVALID_REQUEST"), (["--until", "2026-13-40"], "INVALID_REQUEST"),
-    (["--limit", "0"], "INVALID_REQUEST"), (["--limit", "-5"], "INVALID_REQUEST"),
-    (["--since", "1h", "--until", "2h"], "INVALID_REQUEST"),
-])
-def test_bad_arguments_are_refused(events: Paths, capsys: pytest.CaptureFixture[str], args: list[str],
-                                   code: str) -> None:
+@pytest.mark.parametrize(
+    "args,code",
+    [
+        (["--since", "yesterday"], "INVALID_REQUEST"),
+        (["--until", "2026-13-40"], "INVALID_REQUEST"),
+        (["--limit", "0"], "INVALID_REQUEST"),
+        (["--limit", "-5"], "INVALID_REQUEST"),
+        (["--since", "1h", "--until", "2h"], "INVALID_REQUEST"),
+    ],
+)
+def test_bad_arguments_are_refused(
+    events: Paths, capsys: pytest.CaptureFixture[str], args: list[str], code: str
+) -> None:
     rc, out, err = run(events, capsys, *args)
     assert rc == 1 and out == "" and code in err
 
@@ -140,8 +167,22 @@ def test_help_tells_the_truth(capsys: pytest.CaptureFixture[str]) -> None:
         main(["audit", "--help"])
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for flag in ("--session", "--agent", "--action", "--allowed", "--refused", "--since", "--until", "--limit",
-                 "--json", "--follow", "--include-pruned", "verify", "proof", "verify-proof"):
+    for flag in (
+        "--session",
+        "--agent",
+        "--action",
+        "--allowed",
+        "--refused",
+        "--since",
+        "--until",
+        "--limit",
+        "--json",
+        "--follow",
+        "--include-pruned",
+        "verify",
+        "proof",
+        "verify-proof",
+    ):
         assert flag in text, flag
     for fact in ("newest last", "SESSION_NOT_FOUND", "SIGTERM", "JSON lines", "1h", "ISO 8601", "retention"):
         assert fact in text, fact
@@ -175,6 +216,7 @@ def _reader(stream: IO[str]) -> queue.Queue[str | None]:
         for line in stream:
             lines.put(line)
         lines.put(None)
+
     threading.Thread(target=pump, daemon=True).start()
     return lines
 
@@ -187,8 +229,14 @@ def _next(lines: queue.Queue[str | None]) -> str:
 
 def _follow(home: Paths, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "--home", str(home.home), "audit", "--follow",
-                             *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli.main", "--home", str(home.home), "audit", "--follow", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_follow_json_lines_sees_new_events_and_stops_on_sigterm(events: Paths) -> None:
@@ -270,8 +318,7 @@ def test_a_limit_above_one_page_pages_through_the_log(home: Paths, capsys: pytes
     audit = open_audit(home, _cfg())
     try:
         for i in range(1203):
-            audit.record(session_id="s1" if i % 3 else "s2", agent_id="a1", action="read", allowed=True,
-                         reason=f"r{i}")
+            audit.record(session_id="s1" if i % 3 else "s2", agent_id="a1", action="read", allowed=True, reason=f"r{i}")
         audit.flush_sync()
     finally:
         audit.close()

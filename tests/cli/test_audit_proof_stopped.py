@@ -79,8 +79,14 @@ def unsigned_event(home: Path, key: str) -> str:
 
     paths = Paths(home)
     k = auditkey.load(paths)
-    row = make_row(session_id="user", agent_id="user", action="memory_added", allowed=True,
-                   reason="the user added a memory item", key=key)
+    row = make_row(
+        session_id="user",
+        agent_id="user",
+        action="memory_added",
+        allowed=True,
+        reason="the user added a memory item",
+        key=key,
+    )
     conn = sqlite3.connect(paths.audit_db, isolation_level=None, timeout=30)
     try:
         log = EventLog(conn, origin=auditkey.origin_for(k.public_key()), key=k)
@@ -97,8 +103,9 @@ def add_item(home: Path, key: str) -> None:
     """A user event (memory_added), written by the CLI's code in this process, beside the appliance."""
     from gateway.cli.main import main
 
-    assert main(["--home", str(home), "memory", "add", key, "--value", '"x"', "--tag", "t",
-                 "--sensitivity", "low"]) == 0
+    assert (
+        main(["--home", str(home), "memory", "add", key, "--value", '"x"', "--tag", "t", "--sensitivity", "low"]) == 0
+    )
 
 
 def proof_verifies(home: Path, event_id: str) -> None:
@@ -112,8 +119,11 @@ def proof_verifies(home: Path, event_id: str) -> None:
 
 def test_clean_stop_signs_and_the_cli_never_signs_beside_a_running_guard(home: Path) -> None:
     add_item(home, "a.one")  # the first event is signed at once (no checkpoint yet)
-    proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
-                             "--no-local-port"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         until(lambda: uomp(home, "status").returncode == 0, "the appliance running")
         add_item(home, "a.two")
@@ -153,8 +163,9 @@ def test_stopped_appliance_cli_signs_itself_but_not_under_a_held_lock_or_a_live_
         os.close(fd)
 
     # a guard started on its own (no appliance lock), answering on its socket: no signing either
-    guard = subprocess.Popen([*UOMP, "--home", str(home), "guard", "serve", "--no-tcp"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    guard = subprocess.Popen(
+        [*UOMP, "--home", str(home), "guard", "serve", "--no-tcp"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         until(lambda: (home / "guard.sock").exists(), "the guard's socket")
         time.sleep(0.2)

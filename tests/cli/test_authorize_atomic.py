@@ -52,8 +52,9 @@ def other_ca_cert(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["not-pem", "missing", "empty", "other-ca", "other-agent", "bad-csr", "out-is-file"])
-def test_refused_inputs_are_one_line_and_leave_nothing(home: Paths, agent: Path, tmp_path: Path, case: str,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_refused_inputs_are_one_line_and_leave_nothing(
+    home: Paths, agent: Path, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     ca_store.init_all(home)
     junk = tmp_path / "junk.pem"
     junk.write_bytes(b"this is not a certificate\n")
@@ -68,9 +69,15 @@ def test_refused_inputs_are_one_line_and_leave_nothing(home: Paths, agent: Path,
         "bad-csr": ["--csr", str(junk)],
         "out-is-file": ["--out", str(junk)],
     }[case]
-    want = {"not-pem": "is not a certificate", "missing": "cannot read --cert", "empty": "is not a certificate",
-            "other-ca": "was not issued by your CA", "other-agent": "names agent 'someone_else'",
-            "bad-csr": "cannot be parsed", "out-is-file": "exists and is not a directory"}[case]
+    want = {
+        "not-pem": "is not a certificate",
+        "missing": "cannot read --cert",
+        "empty": "is not a certificate",
+        "other-ca": "was not issued by your CA",
+        "other-agent": "names agent 'someone_else'",
+        "bad-csr": "cannot be parsed",
+        "out-is-file": "exists and is not a directory",
+    }[case]
     capsys.readouterr()
     bundle = tmp_path / "bundle.json"
     assert authorize(home, agent, *args, "--bundle", str(bundle)) == 1
@@ -81,7 +88,8 @@ def test_refused_inputs_are_one_line_and_leave_nothing(home: Paths, agent: Path,
 
 
 def test_a_failure_after_the_session_was_made_ends_it_and_removes_the_new_files(
-        home: Paths, agent: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home: Paths, agent: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert authorize(home, agent, "--out", str(tmp_path / "x")) == 1  # no CA yet: refused before anything
     assert "error CA_ERROR: no CA in" in capsys.readouterr().err and sessions(home) == []
     ca_store.init_all(home)
@@ -104,8 +112,19 @@ def test_a_failure_after_the_session_was_made_ends_it_and_removes_the_new_files(
 def test_a_good_cert_and_a_good_csr_are_accepted(home: Paths, agent: Path, tmp_path: Path) -> None:
     ca_store.init_all(home)
     files = ca_store.issue_with_key(home, "calendar_agent", tmp_path / "issued")
-    assert authorize(home, agent, "--cert", str(files.cert_file), "--key-file", str(files.key_file),
-                     "--bundle", str(tmp_path / "b1.json")) == 0
+    assert (
+        authorize(
+            home,
+            agent,
+            "--cert",
+            str(files.cert_file),
+            "--key-file",
+            str(files.key_file),
+            "--bundle",
+            str(tmp_path / "b1.json"),
+        )
+        == 0
+    )
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

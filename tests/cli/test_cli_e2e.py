@@ -25,8 +25,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def run(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60,
-                          check=check)
+    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60, check=check)
 
 
 @pytest.fixture
@@ -38,8 +37,19 @@ def fresh_home(tmp_path: Path) -> Path:
 
 def test_help_tells_the_truth() -> None:
     out = subprocess.run([*UOMP, "--help"], capture_output=True, text=True, check=True).stdout
-    for cmd in ("init", "keys", "memory", "import", "guard", "sessions", "audit", "authorize", "ca", "agent",
-                "gateway"):
+    for cmd in (
+        "init",
+        "keys",
+        "memory",
+        "import",
+        "guard",
+        "sessions",
+        "audit",
+        "authorize",
+        "ca",
+        "agent",
+        "gateway",
+    ):
         assert re.search(rf"^\s+{cmd}\s", out, re.M), cmd
     gw = subprocess.run([*UOMP, "gateway", "start", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--listen" in gw and "--force-non-loopback" in gw
@@ -63,10 +73,24 @@ def test_init_is_private_and_idempotent(fresh_home: Path) -> None:
 
 async def test_appliance_end_to_end(fresh_home: Path, tmp_path: Path) -> None:
     run(fresh_home, "init")
-    run(fresh_home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
-        "--sensitivity", "low")
-    proc = subprocess.Popen([*UOMP, "--home", str(fresh_home), "gateway", "start", "--listen", "127.0.0.1:0",
-                             "--no-local-port"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run(
+        fresh_home,
+        "memory",
+        "add",
+        "preference.theme",
+        "--value",
+        '"dark"',
+        "--tag",
+        "preference",
+        "--sensitivity",
+        "low",
+    )
+    proc = subprocess.Popen(
+        [*UOMP, "--home", str(fresh_home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = ""
@@ -81,13 +105,30 @@ async def test_appliance_end_to_end(fresh_home: Path, tmp_path: Path) -> None:
         assert ((fresh_home / "guard.sock").stat().st_mode & 0o777) == 0o600
         agent_dir = tmp_path / "agent"
         agent_dir.mkdir()
-        (agent_dir / "uom.json").write_text(json.dumps({
-            "uomp_version": "1.0", "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
-            "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-            "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}))
+        (agent_dir / "uom.json").write_text(
+            json.dumps(
+                {
+                    "uomp_version": "1.0",
+                    "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
+                    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                    "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+                }
+            )
+        )
         bundle_path = tmp_path / "bundle.json"
-        run(fresh_home, "authorize", str(agent_dir), "--yes", "--remote", "--gateway-url",
-            f"https://localhost:{port}", "--out", str(tmp_path / "agentfiles"), "--bundle", str(bundle_path))
+        run(
+            fresh_home,
+            "authorize",
+            str(agent_dir),
+            "--yes",
+            "--remote",
+            "--gateway-url",
+            f"https://localhost:{port}",
+            "--out",
+            str(tmp_path / "agentfiles"),
+            "--bundle",
+            str(bundle_path),
+        )
         b = load_bundle(bundle_path)
         files = tmp_path / "agentfiles"
         ctx = build_client_context(files / "ca.crt", files / "agent.crt", files / "agent.key")

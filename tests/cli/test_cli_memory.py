@@ -48,19 +48,43 @@ def test_init_hook_creates_the_store(home_dir: str) -> None:
 
 
 def test_add_get_list_rm_round_trip(home_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert uomp(home_dir, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
-                "--tag", "ui", "--sensitivity", "low", "--description", "UI theme") == 0
+    assert (
+        uomp(
+            home_dir,
+            "memory",
+            "add",
+            "preference.theme",
+            "--value",
+            '"dark"',
+            "--tag",
+            "preference",
+            "--tag",
+            "ui",
+            "--sensitivity",
+            "low",
+            "--description",
+            "UI theme",
+        )
+        == 0
+    )
     assert "added preference.theme" in capsys.readouterr().out
 
     assert uomp(home_dir, "memory", "get", "preference.theme") == 0
     got = json.loads(capsys.readouterr().out)
     created = got.pop("created_at")
     assert got.pop("updated_at") == created
-    assert got == {"key": "preference.theme", "value": "dark", "tags": ["preference", "ui"],
-                   "sensitivity": "low", "source": "user", "description": "UI theme"}
+    assert got == {
+        "key": "preference.theme",
+        "value": "dark",
+        "tags": ["preference", "ui"],
+        "sensitivity": "low",
+        "source": "user",
+        "description": "UI theme",
+    }
 
-    assert uomp(home_dir, "memory", "add", "acct", "--value", '{"n": 1}', "--tag", "money",
-                "--sensitivity", "high") == 0
+    assert (
+        uomp(home_dir, "memory", "add", "acct", "--value", '{"n": 1}', "--tag", "money", "--sensitivity", "high") == 0
+    )
     capsys.readouterr()
     assert uomp(home_dir, "memory", "list") == 0
     out = capsys.readouterr().out
@@ -86,8 +110,7 @@ def test_add_refusals(home_dir: str, capsys: pytest.CaptureFixture[str]) -> None
     assert "error INVALID_REQUEST: --value must be JSON" in capsys.readouterr().err
     assert uomp(home_dir, *base, "--value", "NaN") == 1
     capsys.readouterr()
-    assert uomp(home_dir, "memory", "add", "bad\tkey", "--value", "1", "--tag", "t",
-                "--sensitivity", "low") == 1
+    assert uomp(home_dir, "memory", "add", "bad\tkey", "--value", "1", "--tag", "t", "--sensitivity", "low") == 1
     assert "error INVALID_REQUEST: key contains control characters" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # sensitivity is required (spec §12.8 spirit)
         uomp(home_dir, "memory", "add", "k", "--value", "1", "--tag", "t")
@@ -118,14 +141,43 @@ def test_add_replace_keeps_created_at(home_dir: str, capsys: pytest.CaptureFixtu
 def test_import_round_trip(home_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "items.csv"
     src.write_text("id;tag;price;when\n1;shop;$1,234.50;Jan 5 2026\n2;shop;€3;Feb 6 2026\n")
-    assert uomp(home_dir, "import", str(src), "--delimiter", ";", "--sensitivity", "medium", "--tag", "bulk",
-                "--map", "when=value.bought.on", "--dry-run") == 0
+    assert (
+        uomp(
+            home_dir,
+            "import",
+            str(src),
+            "--delimiter",
+            ";",
+            "--sensitivity",
+            "medium",
+            "--tag",
+            "bulk",
+            "--map",
+            "when=value.bought.on",
+            "--dry-run",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "dry run: 2 items from items.csv are valid; nothing was written" in out
     assert count(home_dir) == 0
 
-    assert uomp(home_dir, "import", str(src), "--delimiter", ";", "--sensitivity", "medium", "--tag", "bulk",
-                "--map", "when=value.bought.on") == 0
+    assert (
+        uomp(
+            home_dir,
+            "import",
+            str(src),
+            "--delimiter",
+            ";",
+            "--sensitivity",
+            "medium",
+            "--tag",
+            "bulk",
+            "--map",
+            "when=value.bought.on",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "note: value.price: removed currency symbols ($, €) in 2 rows" in out
     assert "note: sensitivity: not given, set to medium (--sensitivity) in 2 rows" in out
@@ -147,9 +199,11 @@ def test_import_round_trip(home_dir: str, tmp_path: Path, capsys: pytest.Capture
 
 def test_import_bad_rows_printed(home_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "items.json"
-    src.write_text('[{"key": "a", "tags": "t", "sensitivity": "low", "value": 1},'
-                   ' {"key": "", "tags": "t", "sensitivity": "low", "value": 2},'
-                   ' {"key": "c", "tags": "t", "value": 3}]')
+    src.write_text(
+        '[{"key": "a", "tags": "t", "sensitivity": "low", "value": 1},'
+        ' {"key": "", "tags": "t", "sensitivity": "low", "value": 2},'
+        ' {"key": "c", "tags": "t", "value": 3}]'
+    )
     assert uomp(home_dir, "import", str(src)) == 1
     err = capsys.readouterr().err
     assert "error IMPORT_INVALID: 2 rows are invalid; nothing was written" in err
@@ -171,16 +225,32 @@ def test_store_unavailable_is_reported(home_dir: str, capsys: pytest.CaptureFixt
     assert "error STORE_UNAVAILABLE: the memory store file is not a SQLite database" in err
 
 
-@pytest.mark.parametrize(("argv", "fragments"), [
-    (["memory", "--help"], ["add", "get", "list", "rm"]),
-    (["memory", "add", "--help"], ["--value", "--tag", "--sensitivity", "--description", "--replace"]),
-    (["memory", "list", "--help"], ["--tag", "--limit", "--offset", "--json"]),
-    (["import", "--help"], ["--format", "--delimiter", "--map", "--tag", "--sensitivity", "--replace",
-                            "--dry-run", "--date-order", "--keep-text", "--progress", "SRC=DST",
-                            "Nothing is written unless every row is valid"]),
-])
-def test_help_lists_every_option(argv: list[str], fragments: list[str],
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["memory", "--help"], ["add", "get", "list", "rm"]),
+        (["memory", "add", "--help"], ["--value", "--tag", "--sensitivity", "--description", "--replace"]),
+        (["memory", "list", "--help"], ["--tag", "--limit", "--offset", "--json"]),
+        (
+            ["import", "--help"],
+            [
+                "--format",
+                "--delimiter",
+                "--map",
+                "--tag",
+                "--sensitivity",
+                "--replace",
+                "--dry-run",
+                "--date-order",
+                "--keep-text",
+                "--progress",
+                "SRC=DST",
+                "Nothing is written unless every row is valid",
+            ],
+        ),
+    ],
+)
+def test_help_lists_every_option(argv: list[str], fragments: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0

@@ -11,9 +11,12 @@ import pytest
 from gateway.cli.main import main
 from gateway.config import Paths
 
-MANIFEST = {"uomp_version": "1.0", "agent": {"id": "cal_agent", "name": "Cal", "version": "1.0.0"},
-            "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-            "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}
+MANIFEST = {
+    "uomp_version": "1.0",
+    "agent": {"id": "cal_agent", "name": "Cal", "version": "1.0.0"},
+    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+    "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+}
 
 
 def consent(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
@@ -22,13 +25,28 @@ def consent(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str], *ex
     (d / "uom.json").write_text(json.dumps(MANIFEST))
     assert main(["--home", str(home.home), "init"]) == 0
     capsys.readouterr()
-    assert main(["--home", str(home.home), "authorize", str(d), "--yes", "--remote", "--out",
-                 str(tmp_path / f"af{len(extra)}"), *extra]) == 0
+    assert (
+        main(
+            [
+                "--home",
+                str(home.home),
+                "authorize",
+                str(d),
+                "--yes",
+                "--remote",
+                "--out",
+                str(tmp_path / f"af{len(extra)}"),
+                *extra,
+            ]
+        )
+        == 0
+    )
     return capsys.readouterr().out
 
 
-def test_a_one_minute_session_does_not_promise_ten_minute_tokens(home: Paths, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_one_minute_session_does_not_promise_ten_minute_tokens(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = consent(home, tmp_path, capsys, "--session-ttl", "1m", "--max-reads", "7")
     assert "access tokens last 1 minute, the whole session" in out and "10 minutes" not in out
     assert "at most 7 reads in the session (--max-reads)" in out
@@ -36,7 +54,8 @@ def test_a_one_minute_session_does_not_promise_ten_minute_tokens(home: Paths, tm
 
 
 def test_a_long_session_says_tokens_refresh_and_the_certificate_must_be_renewed(
-        home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = consent(home, tmp_path, capsys)
     assert "access tokens last 10 minutes; the agent renews them with a refresh token of 7 days" in out
     assert "the agent's certificate lasts 24 h (--cert-hours), less than the session" in out

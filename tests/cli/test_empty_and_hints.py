@@ -17,8 +17,9 @@ def run(home: Paths, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[in
     return rc, cap.out, cap.err
 
 
-def test_an_empty_audit_listing_says_which_filters_matched_nothing(home: Paths,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_empty_audit_listing_says_which_filters_matched_nothing(
+    home: Paths, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, out, err = run(home, capsys, "audit", "--since", "2h", "--until", "1h")
     assert rc == 0 and out == ""
     assert err.startswith("no audit events match (since ") and "; until " in err
@@ -32,15 +33,27 @@ def test_an_empty_audit_listing_says_which_filters_matched_nothing(home: Paths,
 
 
 @pytest.mark.parametrize(("delimiter", "shown"), [(";", ";"), ("\t", "tab"), ("|", "|")])
-def test_a_csv_with_another_delimiter_gets_the_flag_that_reads_it(home: Paths, tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str],
-                                                                  delimiter: str, shown: str) -> None:
+def test_a_csv_with_another_delimiter_gets_the_flag_that_reads_it(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str], delimiter: str, shown: str
+) -> None:
     f = tmp_path / "holdings.csv"
     f.write_text(f"ticker{delimiter}shares\nAAPL{delimiter}3\n")
     rc, _, err = run(home, capsys, "import", str(f), "--map", "ticker=key", "--tag", "t", "--sensitivity", "low")
     assert rc == 1 and f"the file looks delimited by {shown!r}; pass --delimiter '{shown}'" in err
-    rc, _, err = run(home, capsys, "import", str(f), "--map", "ticker=key", "--tag", "t", "--sensitivity", "low",
-                     "--delimiter", shown)
+    rc, _, err = run(
+        home,
+        capsys,
+        "import",
+        str(f),
+        "--map",
+        "ticker=key",
+        "--tag",
+        "t",
+        "--sensitivity",
+        "low",
+        "--delimiter",
+        shown,
+    )
     assert rc == 0, err
     # a one-column file with no other delimiter in its header gets no such hint
     g = tmp_path / "one.csv"
@@ -50,7 +63,8 @@ def test_a_csv_with_another_delimiter_gets_the_flag_that_reads_it(home: Paths, t
 
 
 def test_a_json_wrapper_is_named_and_a_plain_missing_key_is_not_called_a_type_error(
-        home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     f = tmp_path / "export.json"
     f.write_text('{"items": [{"key": "a", "value": 1}, {"key": "b", "value": 2}]}')
     rc, _, err = run(home, capsys, "import", str(f), "--tag", "t", "--sensitivity", "low")

@@ -19,8 +19,9 @@ UOMP = [sys.executable, "-m", "gateway.cli.main"]
 
 
 def uomp(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60,
-                          env=own_ports_env())
+    return subprocess.run(
+        [*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60, env=own_ports_env()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +50,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "damage", "error", "fix"), CASES,
-                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_start_refuses_a_damaged_home_and_doctor_names_the_file(pristine: Path, tmp_path: Path, name: str,
-                                                                damage: str, error: str, fix: str) -> None:
+@pytest.mark.parametrize(("name", "damage", "error", "fix"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_start_refuses_a_damaged_home_and_doctor_names_the_file(
+    pristine: Path, tmp_path: Path, name: str, damage: str, error: str, fix: str
+) -> None:
     home = copy_of(pristine, tmp_path)
     target = home / name
     if damage == "missing":
@@ -90,8 +91,12 @@ def test_a_lost_registry_is_never_replaced_by_an_empty_one(pristine: Path, tmp_p
     ca_store.revoke(paths, f"serial:{files.serial}")
     assert int(files.serial, 16) in ca_store.revoked_serials(paths)
     paths.ca_registry.unlink()
-    for call in (lambda: ca_store.list_agents(paths), lambda: ca_store.refresh_crl(paths),
-                 lambda: ca_store.issue_with_key(paths, "agent_b", tmp_path / "b"), lambda: ca_store.init_all(paths)):
+    for call in (
+        lambda: ca_store.list_agents(paths),
+        lambda: ca_store.refresh_crl(paths),
+        lambda: ca_store.issue_with_key(paths, "agent_b", tmp_path / "b"),
+        lambda: ca_store.init_all(paths),
+    ):
         with pytest.raises(UompError) as err:
             call()
         assert err.value.code == "CA_ERROR" and "would forget every revocation" in err.value.message

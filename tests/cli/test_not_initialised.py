@@ -54,8 +54,9 @@ def listing(home: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("argv", NEEDS_INIT, ids=[" ".join(a[:2]) for a in NEEDS_INIT])
-def test_commands_that_need_a_home_say_init_and_create_nothing(home: Path, argv: list[str],
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_commands_that_need_a_home_say_init_and_create_nothing(
+    home: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     before = listing(home)
     rc = main(["--home", str(home), *argv])
     err = capsys.readouterr().err

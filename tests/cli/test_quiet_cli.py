@@ -22,8 +22,9 @@ def uomp(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def pending_outbox_row(home: Path) -> str:
     """An audit row a refresh left in auth.db's outbox (its audit write not done yet): the next command
     that opens the Auth Service replays it, which logs at INFO."""
-    row = make_row(session_id="ses_quiet", agent_id="agent_quiet", action="refresh", allowed=True,
-                   reason="refresh token rotated")
+    row = make_row(
+        session_id="ses_quiet", agent_id="agent_quiet", action="refresh", allowed=True, reason="refresh token rotated"
+    )
     db = sqlite3.connect(Paths(home).auth_db)
     with db:
         db.execute("INSERT INTO audit_outbox (id, row) VALUES (?, ?)", (row[0], json.dumps(row)))

@@ -26,8 +26,9 @@ def user_events(paths: Paths) -> list[dict[str, object]]:
     return [e for e in ledger_events(paths) if e["session_id"] == "user"]
 
 
-def test_memory_changes_and_imports_are_events_without_values(home: Paths, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_memory_changes_and_imports_are_events_without_values(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert uomp(home, "init") == 0
     assert uomp(home, "memory", "add", "preference.theme", "--value", json.dumps(SECRET_VALUE), *TAGS) == 0
     assert uomp(home, "memory", "add", "preference.theme", "--value", '"x"', *TAGS) != 0  # exists: refused
@@ -67,7 +68,8 @@ def test_certificates_and_key_rotation_are_events(home: Paths, tmp_path: Path) -
 
 
 def test_a_log_that_cannot_be_written_refuses_the_change_before_it_is_made(
-        home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Another process holds audit.db locked: every command that changes something is refused with
     STORE_BUSY and changes nothing (before: the item was added, then the command failed on its
     event). Commands that change nothing (a dry-run import) still work. Released: the same command

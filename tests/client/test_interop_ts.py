@@ -49,12 +49,16 @@ TS_NO_WRITE = {"tags": [], "keys": [], "denyTags": [], "denyKeys": []}
 @pytest.fixture(scope="module", autouse=True)
 def _interop_harness() -> None:
     if NODE is None:
-        pytest.skip("Node.js is not installed: these tests run the npm 'jose' library the TypeScript "
-                    "reference uses (install node and npm, then scripts/setup-interop.sh)")
+        pytest.skip(
+            "Node.js is not installed: these tests run the npm 'jose' library the TypeScript "
+            "reference uses (install node and npm, then scripts/setup-interop.sh)"
+        )
     proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 or not (INTEROP / "node_modules" / "jose" / "package.json").is_file():
-        pytest.fail(f"scripts/setup-interop.sh did not install interop/node_modules (rc={proc.returncode}):\n"
-                    f"{proc.stdout}{proc.stderr}")
+        pytest.fail(
+            f"scripts/setup-interop.sh did not install interop/node_modules (rc={proc.returncode}):\n"
+            f"{proc.stdout}{proc.stderr}"
+        )
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -126,8 +130,13 @@ def _payload(token: str) -> dict[str, Any]:
     return dict(json.loads(jose.b64u_decode(token.split(".")[1])))
 
 
-def _reencode(token: str, *, header: dict[str, Any] | None = None, payload: dict[str, Any] | None = None,
-              signature: str | None = None) -> str:
+def _reencode(
+    token: str,
+    *,
+    header: dict[str, Any] | None = None,
+    payload: dict[str, Any] | None = None,
+    signature: str | None = None,
+) -> str:
     h, p, s = token.split(".")
     if header is not None:
         h = jose.b64u_encode(json.dumps(header, separators=(",", ":")).encode())
@@ -267,9 +276,13 @@ async def test_theirs_to_our_running_guard(home: Paths, tmp_path: Path) -> None:
     # the guard ran on the reference's two files alone: nothing of ours was written next to them
     # The reference's key files were used as they are; the only new secrets are the audit log's own:
     # its checkpoint signing key, which the guard makes on first start, and its witness record.
-    assert sorted(p.name for p in home.secrets.iterdir()) == ["admin-token", "audit-ed25519.key",
-                                                              "audit-witness.json", "ed25519-private.jwk",
-                                                              "ed25519-public.jwk"]
+    assert sorted(p.name for p in home.secrets.iterdir()) == [
+        "admin-token",
+        "audit-ed25519.key",
+        "audit-witness.json",
+        "ed25519-private.jwk",
+        "ed25519-public.jwk",
+    ]
 
 
 async def test_ts_jose_refuses_our_tampered_and_unsigned_tokens(seeded: Paths) -> None:

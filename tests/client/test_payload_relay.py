@@ -51,8 +51,9 @@ UOMP = [sys.executable, "-m", "gateway.cli.main"]
 
 @pytest.fixture
 async def app(home: Paths) -> AsyncIterator[Appliance]:
-    async with sdk_appliance(home, status_cache_seconds=0, payload_max_bytes=8 << 20,
-                             payload_max_json_bytes=64 << 10) as a:
+    async with sdk_appliance(
+        home, status_cache_seconds=0, payload_max_bytes=8 << 20, payload_max_json_bytes=64 << 10
+    ) as a:
         yield a
 
 
@@ -87,8 +88,9 @@ def cli(paths: Paths, *args: str, capsys: pytest.CaptureFixture[str] | None = No
 
 async def acli(paths: Paths, *args: str) -> tuple[int, str, str]:
     """The CLI in a subprocess (the guard serves in this process's event loop)."""
-    proc = await asyncio.create_subprocess_exec(*UOMP, "--home", str(paths.home), *args,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *UOMP, "--home", str(paths.home), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
@@ -97,8 +99,7 @@ async def acli(paths: Paths, *args: str) -> tuple[int, str, str]:
 # ---------------------------------------------------------------------------------- keys
 
 
-def test_init_makes_the_payload_key_and_an_old_home_gets_one(home: Paths, capsys: pytest.CaptureFixture[str]
-                                                             ) -> None:
+def test_init_makes_the_payload_key_and_an_old_home_gets_one(home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
     assert not home.payload_private_key.exists()  # a home from before payloads (conftest: init_home only)
     rc, out, _ = cli(home, "payload", "pubkey", capsys=capsys)
     assert rc == 0 and len(base64.b64decode(out.strip())) == 32
@@ -204,8 +205,9 @@ CAP = 64 * 1024  # payload_max_bytes of the small appliance below
 
 @pytest.fixture
 async def small(home: Paths) -> AsyncIterator[Appliance]:
-    async with sdk_appliance(home, status_cache_seconds=0, payload_max_bytes=CAP, payload_max_json_bytes=32 * 1024,
-                             payload_max_per_session=3) as a:
+    async with sdk_appliance(
+        home, status_cache_seconds=0, payload_max_bytes=CAP, payload_max_json_bytes=32 * 1024, payload_max_per_session=3
+    ) as a:
         yield a
 
 
@@ -218,16 +220,20 @@ class Sealed:
         return {k: v for k, v in self.doc.items() if k != "ciphertext"}
 
 
-def seal(paths: Paths, sid: str, aid: str, data: bytes = SECRET, *, fmt: str = "text/plain",
-         recipient: Any = None) -> Sealed:
+def seal(
+    paths: Paths, sid: str, aid: str, data: bytes = SECRET, *, fmt: str = "text/plain", recipient: Any = None
+) -> Sealed:
     pub = recipient or envelope.parse_public_key(userkey.public_b64(paths))
     binding = sealing.Binding(sdk_payloads.new_payload_id(), sid, aid, fmt)
     return Sealed(sdk_payloads.seal_small(pub, binding, data), sealing.seal_bytes(pub, binding, data)[1])
 
 
 def seal_consistent(paths: Paths, sid: str, aid: str, data: bytes = SECRET) -> Sealed:
-    doc = sdk_payloads.seal_small(envelope.parse_public_key(userkey.public_b64(paths)),
-                                  sealing.Binding(sdk_payloads.new_payload_id(), sid, aid, "text/plain"), data)
+    doc = sdk_payloads.seal_small(
+        envelope.parse_public_key(userkey.public_b64(paths)),
+        sealing.Binding(sdk_payloads.new_payload_id(), sid, aid, "text/plain"),
+        data,
+    )
     return Sealed(doc, base64.b64decode(doc["ciphertext"]))
 
 
@@ -237,7 +243,7 @@ def b64h(doc: dict[str, Any]) -> str:
 
 async def chunks(data: bytes, size: int = 4096) -> AsyncIterator[bytes]:
     for i in range(0, len(data), size):
-        yield data[i:i + size]
+        yield data[i : i + size]
 
 
 @dataclasses.dataclass
@@ -248,8 +254,9 @@ class Agent:
     agent_id: str
     session_id: str
 
-    async def send(self, method: str, path: str, *, headers: dict[str, str] | None = None, data: Any = None,
-                   json_body: Any = None) -> tuple[int, Any]:
+    async def send(
+        self, method: str, path: str, *, headers: dict[str, str] | None = None, data: Any = None, json_body: Any = None
+    ) -> tuple[int, Any]:
         hdrs = {"Authorization": f"Bearer {self.token}", "X-UOMP-Agent-Id": self.agent_id, **(headers or {})}
         async with self.session.request(method, self.base + path, headers=hdrs, data=data, json=json_body) as r:
             raw = await r.read()
@@ -258,11 +265,21 @@ class Agent:
             except ValueError:
                 return r.status, raw
 
-    async def stream(self, s: Sealed, body: Any = None, *, header: dict[str, Any] | None = None,
-                     path: str = "/v1/payload/upload", method: str = "POST") -> tuple[int, Any]:
-        return await self.send(method, path, data=s.sealed if body is None else body,
-                               headers={"Content-Type": "application/octet-stream",
-                                        envelope.HEADER_NAME: b64h(header or s.header())})
+    async def stream(
+        self,
+        s: Sealed,
+        body: Any = None,
+        *,
+        header: dict[str, Any] | None = None,
+        path: str = "/v1/payload/upload",
+        method: str = "POST",
+    ) -> tuple[int, Any]:
+        return await self.send(
+            method,
+            path,
+            data=s.sealed if body is None else body,
+            headers={"Content-Type": "application/octet-stream", envelope.HEADER_NAME: b64h(header or s.header())},
+        )
 
 
 @contextlib.asynccontextmanager
@@ -282,12 +299,14 @@ def _doc(**changes: Any) -> Callable[[Sealed], tuple[str, Any]]:
             else:
                 doc[k] = v
         return "json", doc
+
     return make
 
 
 def _enc(**changes: Any) -> Callable[[Sealed], tuple[str, Any]]:
     def make(s: Sealed) -> tuple[str, Any]:
         return "json", {**s.doc, "encryption": {**s.doc["encryption"], **changes}}
+
     return make
 
 
@@ -303,8 +322,12 @@ JSON_ATTACKS: list[tuple[str, Callable[[Sealed], tuple[str, Any]], int, str]] = 
     ("wrong-agent", _doc(agent_id="stock-analyst"), 403, "AGENT_MISMATCH"),
     ("hash-mismatch", _doc(hash=OTHER_HASH), 400, "PAYLOAD_HASH_MISMATCH"),
     ("ciphertext-changed-after-hashing", _flip, 400, "PAYLOAD_HASH_MISMATCH"),
-    ("size-not-ciphertext-length", lambda s: ("json", {**s.doc, "size": s.doc["size"] + 1}), 400,
-     "PAYLOAD_SIZE_MISMATCH"),
+    (
+        "size-not-ciphertext-length",
+        lambda s: ("json", {**s.doc, "size": s.doc["size"] + 1}),
+        400,
+        "PAYLOAD_SIZE_MISMATCH",
+    ),
     ("declared-oversize", _doc(size=CAP + 1), 400, "PAYLOAD_SIZE_MISMATCH"),
     ("missing-hash", _doc(hash=KeyError), 400, "INVALID_REQUEST"),
     ("extra-field", _doc(note="hi"), 400, "INVALID_REQUEST"),
@@ -318,15 +341,14 @@ JSON_ATTACKS: list[tuple[str, Callable[[Sealed], tuple[str, Any]], int, str]] = 
     ("encryption-extra-field", _enc(iv="AAAA"), 400, "INVALID_REQUEST"),
     ("ciphertext-not-base64", _doc(ciphertext="%%%"), 400, "INVALID_REQUEST"),
     ("not-an-object", lambda s: ("json", [s.doc]), 400, "INVALID_REQUEST"),
-    ("oversize-json-body", lambda s: ("json", {**s.doc, "ciphertext": "A" * (40 * 1024)}), 413,
-     "PAYLOAD_TOO_LARGE"),
+    ("oversize-json-body", lambda s: ("json", {**s.doc, "ciphertext": "A" * (40 * 1024)}), 413, "PAYLOAD_TOO_LARGE"),
 ]
 
 
-@pytest.mark.parametrize(("mutate", "status", "code"), [a[1:] for a in JSON_ATTACKS],
-                         ids=[a[0] for a in JSON_ATTACKS])
-async def test_json_envelope_refusals_leave_nothing(small: Appliance, mutate: Callable[[Sealed], tuple[str, Any]],
-                                                    status: int, code: str) -> None:
+@pytest.mark.parametrize(("mutate", "status", "code"), [a[1:] for a in JSON_ATTACKS], ids=[a[0] for a in JSON_ATTACKS])
+async def test_json_envelope_refusals_leave_nothing(
+    small: Appliance, mutate: Callable[[Sealed], tuple[str, Any]], status: int, code: str
+) -> None:
     async with agent_for(small) as a:
         s = seal_consistent(small.paths, a.session_id, a.agent_id)
         _, doc = mutate(s)
@@ -346,23 +368,29 @@ STREAM_ATTACKS: list[tuple[str, Callable[[Sealed], tuple[dict[str, Any], Any, di
     ("wrong-agent", lambda s: ({**s.header(), "agent_id": "x"}, s.sealed, {}), 403, "AGENT_MISMATCH"),
     ("hash-mismatch", lambda s: ({**s.header(), "hash": OTHER_HASH}, s.sealed, {}), 400, "PAYLOAD_HASH_MISMATCH"),
     ("declared-oversize", lambda s: ({**s.header(), "size": CAP + 1}, s.sealed, {}), 413, "PAYLOAD_TOO_LARGE"),
-    ("actual-oversize-chunked", lambda s: (s.header(), chunks(s.sealed + b"x" * (CAP + 10)), {}), 413,
-     "PAYLOAD_TOO_LARGE"),
+    (
+        "actual-oversize-chunked",
+        lambda s: (s.header(), chunks(s.sealed + b"x" * (CAP + 10)), {}),
+        413,
+        "PAYLOAD_TOO_LARGE",
+    ),
     ("longer-than-declared-chunked", lambda s: (s.header(), chunks(s.sealed + b"x"), {}), 413, "PAYLOAD_TOO_LARGE"),
-    ("shorter-than-declared-chunked", lambda s: (s.header(), chunks(s.sealed[:-1]), {}), 400,
-     "PAYLOAD_SIZE_MISMATCH"),
+    ("shorter-than-declared-chunked", lambda s: (s.header(), chunks(s.sealed[:-1]), {}), 400, "PAYLOAD_SIZE_MISMATCH"),
     ("content-length-not-size", lambda s: (s.header(), s.sealed[:-1], {}), 400, "PAYLOAD_SIZE_MISMATCH"),
-    ("ciphertext-in-header", lambda s: ({**s.header(), "ciphertext": "AAAA"}, s.sealed, {}), 400,
-     "INVALID_REQUEST"),
-    ("header-not-base64url", lambda s: (s.header(), s.sealed, {envelope.HEADER_NAME: "{not base64}"}), 400,
-     "INVALID_REQUEST"),
-    ("wrong-content-type", lambda s: (s.header(), s.sealed, {"Content-Type": "text/plain"}), 400,
-     "INVALID_REQUEST"),
+    ("ciphertext-in-header", lambda s: ({**s.header(), "ciphertext": "AAAA"}, s.sealed, {}), 400, "INVALID_REQUEST"),
+    (
+        "header-not-base64url",
+        lambda s: (s.header(), s.sealed, {envelope.HEADER_NAME: "{not base64}"}),
+        400,
+        "INVALID_REQUEST",
+    ),
+    ("wrong-content-type", lambda s: (s.header(), s.sealed, {"Content-Type": "text/plain"}), 400, "INVALID_REQUEST"),
 ]
 
 
-@pytest.mark.parametrize(("mutate", "status", "code"), [a[1:] for a in STREAM_ATTACKS],
-                         ids=[a[0] for a in STREAM_ATTACKS])
+@pytest.mark.parametrize(
+    ("mutate", "status", "code"), [a[1:] for a in STREAM_ATTACKS], ids=[a[0] for a in STREAM_ATTACKS]
+)
 async def test_streaming_refusals_leave_nothing(small: Appliance, mutate: Any, status: int, code: str) -> None:
     async with agent_for(small) as a:
         s = seal_consistent(small.paths, a.session_id, a.agent_id, os.urandom(20000))
@@ -381,8 +409,12 @@ async def test_header_given_twice_and_duplicate_ids_and_session_caps(small: Appl
     async with agent_for(small) as a:
         s = seal_consistent(small.paths, a.session_id, a.agent_id)
         h = b64h(s.header())
-        got = await a.send("POST", "/v1/payload/upload", data=s.sealed, headers={
-            "Content-Type": "application/octet-stream", envelope.HEADER_NAME: f"{h}, {h}"})
+        got = await a.send(
+            "POST",
+            "/v1/payload/upload",
+            data=s.sealed,
+            headers={"Content-Type": "application/octet-stream", envelope.HEADER_NAME: f"{h}, {h}"},
+        )
         assert got[0] == 400
         first = await a.stream(s)
         assert first[0] == 201
@@ -415,8 +447,9 @@ async def test_refresh_token_and_revoked_session_cannot_upload(small: Appliance)
         got = await a.stream(s)
         assert (got[0], got[1]["error"]["code"]) == (401, "INVALID_TOKEN")
         a.token = g["token"]
-        status, _, _ = await call(small.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke",
-                                  headers=admin_headers(small.paths))
+        status, _, _ = await call(
+            small.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(small.paths)
+        )
         assert status == 200
         got = await a.stream(s)
         assert (got[0], got[1]["error"]["code"]) == (401, "SESSION_REVOKED")
@@ -430,8 +463,9 @@ async def test_refresh_token_and_revoked_session_cannot_upload(small: Appliance)
 
 
 async def test_upload_urls_are_single_use_bound_and_short_lived(home: Paths) -> None:
-    async with sdk_appliance(home, status_cache_seconds=0, payload_max_bytes=CAP,
-                             payload_upload_url_seconds=1.0) as app:
+    async with sdk_appliance(
+        home, status_cache_seconds=0, payload_max_bytes=CAP, payload_upload_url_seconds=1.0
+    ) as app:
         async with agent_for(app) as a, agent_for(app) as other:
             s = seal_consistent(app.paths, a.session_id, a.agent_id)
 
@@ -439,16 +473,18 @@ async def test_upload_urls_are_single_use_bound_and_short_lived(home: Paths) -> 
                 st, body = await agent.send("POST", "/v1/payload/upload-url", json_body={"size": size})
                 assert st == 201, body
                 assert body["method"] == "PUT" and body["max_size"] == size
-                return str(body["upload_url"]).split(app.base, 1)[1] if app.base in body["upload_url"] else \
-                    "/v1/payload/presigned?" + body["upload_url"].split("?", 1)[1]
+                return (
+                    str(body["upload_url"]).split(app.base, 1)[1]
+                    if app.base in body["upload_url"]
+                    else "/v1/payload/presigned?" + body["upload_url"].split("?", 1)[1]
+                )
 
             # refused partners first: bigger than bound, another session's URL, spent, late, malformed
             u_small = await url(a, s.doc["size"] - 1)
             got = await a.stream(s, path=u_small, method="PUT")
             assert (got[0], got[1]["error"]["code"]) == (413, "PAYLOAD_TOO_LARGE")
             u = await url(a, s.doc["size"])
-            got = await other.stream(seal_consistent(app.paths, other.session_id, other.agent_id), path=u,
-                                     method="PUT")
+            got = await other.stream(seal_consistent(app.paths, other.session_id, other.agent_id), path=u, method="PUT")
             assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID")
             got = await a.stream(s, path=u, method="PUT")  # spent by the refused attempt: one use only
             assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID")
@@ -461,8 +497,11 @@ async def test_upload_urls_are_single_use_bound_and_short_lived(home: Paths) -> 
             await asyncio.sleep(1.3)
             got = await a.stream(s2, path=late, method="PUT")
             assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID")
-            for bad in ("/v1/payload/presigned", "/v1/payload/presigned?t=short", "/v1/payload/presigned?t=" +
-                        "A" * 43):
+            for bad in (
+                "/v1/payload/presigned",
+                "/v1/payload/presigned?t=short",
+                "/v1/payload/presigned?t=" + "A" * 43,
+            ):
                 got = await a.stream(s2, path=bad, method="PUT")
                 assert (got[0], got[1]["error"]["code"]) == (403, "UPLOAD_URL_INVALID"), bad
             st, body = await a.send("POST", "/v1/payload/upload-url", json_body={"size": CAP + 1})
@@ -510,14 +549,17 @@ def tmp_bytes(paths: Paths) -> int:
     return sum(p.stat().st_size for p in (paths.payload_dir / "tmp").iterdir())
 
 
-async def open_raw_upload(app_port: int, agent_ssl: ssl.SSLContext, a: Agent, s: Sealed, sent: int
-                          ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_raw_upload(
+    app_port: int, agent_ssl: ssl.SSLContext, a: Agent, s: Sealed, sent: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Headers of an honest streaming upload and its first ``sent`` body bytes, on a raw TLS socket."""
     reader, writer = await asyncio.open_connection("127.0.0.1", app_port, ssl=agent_ssl, server_hostname="localhost")
-    head = (f"POST /v1/payload/upload HTTP/1.1\r\nHost: localhost:{app_port}\r\n"
-            f"Authorization: Bearer {a.token}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\n"
-            f"Content-Type: application/octet-stream\r\n{envelope.HEADER_NAME}: {b64h(s.header())}\r\n"
-            f"Content-Length: {len(s.sealed)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/payload/upload HTTP/1.1\r\nHost: localhost:{app_port}\r\n"
+        f"Authorization: Bearer {a.token}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\n"
+        f"Content-Type: application/octet-stream\r\n{envelope.HEADER_NAME}: {b64h(s.header())}\r\n"
+        f"Content-Length: {len(s.sealed)}\r\n\r\n"
+    ).encode()
     writer.write(head + s.sealed[:sent])
     await writer.drain()
     return reader, writer
@@ -542,14 +584,18 @@ async def test_upload_dropped_mid_body_leaves_nothing(home: Paths) -> None:
             assert (await a.stream(s))[0] == 201
 
 
-@pytest.mark.parametrize("tamper", [
-    pytest.param(lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], id="bit-flipped-in-body"),
-    pytest.param(lambda b: b[:10] + bytes([b[10] ^ 1]) + b[11:], id="bit-flipped-in-key-block"),
-    pytest.param(lambda b: b[:-16], id="truncated"),
-    pytest.param(lambda b: b + b"\x00" * 16, id="bytes-appended"),
-])
-async def test_tampered_ciphertext_does_not_open_and_writes_nothing(app: Appliance, tmp_path: Path,
-                                                                    tamper: Callable[[bytes], bytes]) -> None:
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], id="bit-flipped-in-body"),
+        pytest.param(lambda b: b[:10] + bytes([b[10] ^ 1]) + b[11:], id="bit-flipped-in-key-block"),
+        pytest.param(lambda b: b[:-16], id="truncated"),
+        pytest.param(lambda b: b + b"\x00" * 16, id="bytes-appended"),
+    ],
+)
+async def test_tampered_ciphertext_does_not_open_and_writes_nothing(
+    app: Appliance, tmp_path: Path, tamper: Callable[[bytes], bytes]
+) -> None:
     small = app
     async with agent_for(small) as a:
         s = seal_consistent(small.paths, a.session_id, a.agent_id, SECRET * 3000)
@@ -576,8 +622,9 @@ async def test_payload_sealed_for_another_users_key_does_not_open(small: Applian
     # and a bundle whose payload key is not the user's: same (an agent given a forged bundle)
     bundle = authorize_csr(small, tmp_path / "b")
     b = load_bundle(bundle)
-    write_bundle(bundle, dataclasses.replace(b, payload_public_key=base64.b64encode(
-        userkey.public_raw(stranger)).decode()))
+    write_bundle(
+        bundle, dataclasses.replace(b, payload_public_key=base64.b64encode(userkey.public_raw(stranger)).decode())
+    )
     async with UompClient.from_bundle(bundle) as c:
         pid = await c.upload_payload(SECRET, format="text/plain")
     rc, _, err = await acli(small.paths, "payload", "pull", pid, "--out", str(out))
@@ -601,8 +648,11 @@ async def test_sdk_refusals_are_typed(small: Appliance, tmp_path: Path) -> None:
         assert q.value.code == "PAYLOAD_QUOTA_EXCEEDED"
         with pytest.raises(QuotaExceeded):
             await c.upload_payload(b"x", format="text/plain", presigned=True)
-    assert not [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("uomp-payload-*.sealed")
-                if p.stat().st_mtime > time.time() - 120]  # the SDK's sealed temp files are gone
+    assert not [
+        p
+        for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("uomp-payload-*.sealed")
+        if p.stat().st_mtime > time.time() - 120
+    ]  # the SDK's sealed temp files are gone
     b = load_bundle(bundle)
     write_bundle(bundle, dataclasses.replace(b, payload_public_key=None))
     async with UompClient.from_bundle(bundle) as c:
@@ -612,8 +662,9 @@ async def test_sdk_refusals_are_typed(small: Appliance, tmp_path: Path) -> None:
 
 
 async def test_expired_payloads_are_collected(home: Paths) -> None:
-    async with sdk_appliance(home, status_cache_seconds=0, payload_ttl_seconds=1.0,
-                             payload_gc_interval_seconds=0.2) as app:
+    async with sdk_appliance(
+        home, status_cache_seconds=0, payload_ttl_seconds=1.0, payload_gc_interval_seconds=0.2
+    ) as app:
         async with agent_for(app) as a:
             s = seal_consistent(app.paths, a.session_id, a.agent_id)
             assert (await a.stream(s))[0] == 201
@@ -621,17 +672,20 @@ async def test_expired_payloads_are_collected(home: Paths) -> None:
         await wait_for(lambda: store_state(app.paths) == ([], [], []), "the expired payload to be collected")
 
 
-async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+async def test_no_plaintext_key_or_token_in_any_log(
+    app: Appliance, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level("DEBUG")
     bundle = authorize_csr(app, tmp_path)
     b = load_bundle(bundle)
     report = tmp_path / "report.md"
     report.write_bytes(SECRET * 50000)
     async with UompClient.from_bundle(bundle) as c:
-        pids = [await c.upload_payload(SECRET, format="text/markdown"),
-                await c.upload_payload(report, format="text/markdown"),
-                await c.upload_payload(SECRET, format="text/markdown", presigned=True)]
+        pids = [
+            await c.upload_payload(SECRET, format="text/markdown"),
+            await c.upload_payload(report, format="text/markdown"),
+            await c.upload_payload(SECRET, format="text/markdown", presigned=True),
+        ]
         grant_answer = await c._call("POST", "/v1/payload/upload-url", body={"size": 500})
         url_token = grant_answer["upload_url"].split("t=", 1)[1]
     async with agent_for(app) as a:  # refusals too
@@ -641,9 +695,15 @@ async def test_no_plaintext_key_or_token_in_any_log(app: Appliance, tmp_path: Pa
     rc, _, err = await acli(app.paths, "-v", "payload", "pull", pids[1], "--out", str(tmp_path / "o"))
     assert rc == 0, err
     private_pem = app.paths.payload_private_key.read_bytes()
-    secrets_ = [SECRET.strip(), b.access_token.encode(), (b.refresh_token or "").encode(), url_token.encode(),
-                private_pem.split(b"\n")[1], base64.b64encode(SECRET)[:40],
-                envelope.HEADER_NAME.encode() + b":"]
+    secrets_ = [
+        SECRET.strip(),
+        b.access_token.encode(),
+        (b.refresh_token or "").encode(),
+        url_token.encode(),
+        private_pem.split(b"\n")[1],
+        base64.b64encode(SECRET)[:40],
+        envelope.HEADER_NAME.encode() + b":",
+    ]
     sources = {
         "gateway spool": (app.paths.gateway_dir / "access.jsonl").read_bytes(),
         "the one log (ledger)": json.dumps(ledger_events(app.paths)).encode(),
@@ -676,9 +736,17 @@ async def _read_line(proc: asyncio.subprocess.Process, prefix: str, timeout: flo
 
 
 async def _gateway_process(paths: Paths) -> tuple[asyncio.subprocess.Process, int]:
-    proc = await asyncio.create_subprocess_exec(*UOMP, "--home", str(paths.home), "gateway", "serve", "--listen",
-                                                "127.0.0.1:0", stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.DEVNULL)
+    proc = await asyncio.create_subprocess_exec(
+        *UOMP,
+        "--home",
+        str(paths.home),
+        "gateway",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     line = await _read_line(proc, "gateway: https://")
     return proc, int(line.split()[1].rsplit(":", 1)[1])
 
@@ -694,8 +762,15 @@ async def test_kill_9_of_the_gateway_mid_upload_leaves_nothing_after_restart(hom
             from gatewaykit import Agent as KitAgent
 
             agent = KitAgent("calendar_agent", agent_files)
-            g = await grant(admin, home, read={"tags": ["preference"], "keys": []}, agent_id="calendar_agent",
-                            profile="remote", audience=base, cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt})
+            g = await grant(
+                admin,
+                home,
+                read={"tags": ["preference"], "keys": []},
+                agent_id="calendar_agent",
+                profile="remote",
+                audience=base,
+                cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt},
+            )
             a = Agent(None, base, g["token"], agent.agent_id, g["session_id"])  # type: ignore[arg-type]
             s = seal_consistent(home, a.session_id, a.agent_id, os.urandom(4 * 1024 * 1024))
             _, writer = await open_raw_upload(port, agent.ssl(), a, s, 3 * 1024 * 1024)
@@ -714,10 +789,18 @@ async def test_kill_9_of_the_gateway_mid_upload_leaves_nothing_after_restart(hom
             assert audit_rows(home, "payload_uploaded") == []
             # the cut upload's removal is recorded, once, with whom it was from
             assert [(r["key"], r["session_id"]) for r in audit_rows(home, "payload_refused")] == [
-                (s.doc["payload_id"], a.session_id)]
+                (s.doc["payload_id"], a.session_id)
+            ]
             a.base = f"https://localhost:{port}"
-            g = await grant(admin, home, read={"tags": ["preference"], "keys": []}, agent_id="calendar_agent",
-                            profile="remote", audience=a.base, cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt})
+            g = await grant(
+                admin,
+                home,
+                read={"tags": ["preference"], "keys": []},
+                agent_id="calendar_agent",
+                profile="remote",
+                audience=a.base,
+                cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt},
+            )
             a.token, a.session_id = g["token"], g["session_id"]
             s = seal_consistent(home, a.session_id, a.agent_id, os.urandom(100_000))
             async with agent_session(agent, home) as session:
@@ -745,40 +828,77 @@ async def test_json_envelope_arriving_in_slow_pieces_is_read_whole(small: Applia
 
         async def slow() -> AsyncIterator[bytes]:
             for i in range(0, len(raw), 5000):
-                yield raw[i:i + 5000]
+                yield raw[i : i + 5000]
                 await asyncio.sleep(0.05)
 
         got = await a.send("POST", "/v1/payload/upload", data=slow(), headers={"Content-Type": "application/json"})
         assert got[0] == 201, got
 
 
-@pytest.mark.parametrize(("body", "agent_header", "code"), [
-    ({"action": "payload_deleted", "session_id": "s", "agent_id": "a"}, "a", "INVALID_REQUEST"),
-    ({"action": "payload_uploaded", "session_id": "s", "agent_id": "a", "payload_id": "pay_abcdefgh12",
-      "hash": "md5:00", "size": 10}, "a", "INVALID_REQUEST"),
-    ({"action": "payload_uploaded", "session_id": "s", "agent_id": "a", "payload_id": "../x",
-      "hash": OTHER_HASH, "size": 10}, "a", "INVALID_REQUEST"),
-    ({"action": "payload_uploaded", "session_id": "s", "agent_id": "a", "payload_id": "pay_abcdefgh12",
-      "hash": OTHER_HASH, "size": -1}, "a", "INVALID_REQUEST"),
-    ({"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "lower"}, "a", "INVALID_REQUEST"),
-    ({"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "X"}, "b", "AGENT_MISMATCH"),
-], ids=["unknown-action", "bad-hash", "bad-payload-id", "negative-size", "bad-code", "agent-not-verified-one"])
-async def test_guard_audit_route_takes_only_well_formed_payload_events(home: Paths, body: dict[str, Any],
-                                                                      agent_header: str, code: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "agent_header", "code"),
+    [
+        ({"action": "payload_deleted", "session_id": "s", "agent_id": "a"}, "a", "INVALID_REQUEST"),
+        (
+            {
+                "action": "payload_uploaded",
+                "session_id": "s",
+                "agent_id": "a",
+                "payload_id": "pay_abcdefgh12",
+                "hash": "md5:00",
+                "size": 10,
+            },
+            "a",
+            "INVALID_REQUEST",
+        ),
+        (
+            {
+                "action": "payload_uploaded",
+                "session_id": "s",
+                "agent_id": "a",
+                "payload_id": "../x",
+                "hash": OTHER_HASH,
+                "size": 10,
+            },
+            "a",
+            "INVALID_REQUEST",
+        ),
+        (
+            {
+                "action": "payload_uploaded",
+                "session_id": "s",
+                "agent_id": "a",
+                "payload_id": "pay_abcdefgh12",
+                "hash": OTHER_HASH,
+                "size": -1,
+            },
+            "a",
+            "INVALID_REQUEST",
+        ),
+        ({"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "lower"}, "a", "INVALID_REQUEST"),
+        ({"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "X"}, "b", "AGENT_MISMATCH"),
+    ],
+    ids=["unknown-action", "bad-hash", "bad-payload-id", "negative-size", "bad-code", "agent-not-verified-one"],
+)
+async def test_guard_audit_route_takes_only_well_formed_payload_events(
+    home: Paths, body: dict[str, Any], agent_header: str, code: str
+) -> None:
     async with running_guard(home, guard_config(), serve_tcp=False), unix_session(home) as s:
-        st, answer, _ = await call(s, "POST", "/v1/payload/audit", json_body=body,
-                                   headers={"X-UOMP-Verified-Agent": agent_header})
+        st, answer, _ = await call(
+            s, "POST", "/v1/payload/audit", json_body=body, headers={"X-UOMP-Verified-Agent": agent_header}
+        )
         assert (st, answer["error"]["code"]) in ((400, code), (403, code)), answer
         ok = {"action": "payload_refused", "session_id": "s", "agent_id": "a", "code": "X"}
-        st, answer, _ = await call(s, "POST", "/v1/payload/audit", json_body=ok,
-                                   headers={"X-UOMP-Verified-Agent": "a"})
+        st, answer, _ = await call(s, "POST", "/v1/payload/audit", json_body=ok, headers={"X-UOMP-Verified-Agent": "a"})
         assert st == 200 and answer == {"recorded": True}
     assert [r["action"] for r in audit_rows(home)] == ["payload_refused"]
     # the route does not exist on the Local Profile port
     async with running_guard(home, guard_config(), serve_tcp=True) as g, aiohttp.ClientSession() as tcp:
         st, _, _ = await call(tcp, "POST", "/v1/payload/audit", json_body=ok, base=f"http://127.0.0.1:{g.tcp_port}")
         assert st == 404
-        st, _, _ = await call(tcp, "GET", "/v1/payloads", headers=admin_headers(home), base=f"http://127.0.0.1:{g.tcp_port}")
+        st, _, _ = await call(
+            tcp, "GET", "/v1/payloads", headers=admin_headers(home), base=f"http://127.0.0.1:{g.tcp_port}"
+        )
         assert st == 404
 
 
@@ -791,8 +911,9 @@ async def test_in_front_of_a_guard_without_the_audit_route_nothing_is_kept(home:
     ca_store.init_all(home)
     seed(home)
     async with running_guard(home, guard_config(), serve_tcp=True) as g, unix_session(home) as admin:
-        gw = GatewayRunner(home, dataclasses.replace(GatewayConfig(listen_port=0),
-                                                     upstream=f"http://127.0.0.1:{g.tcp_port}"))
+        gw = GatewayRunner(
+            home, dataclasses.replace(GatewayConfig(listen_port=0), upstream=f"http://127.0.0.1:{g.tcp_port}")
+        )
         await gw.start()
         try:
             app = Appliance(home, gw, admin)

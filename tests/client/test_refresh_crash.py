@@ -32,8 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def run(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=90,
-                          check=True)
+    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=90, check=True)
 
 
 @dataclass
@@ -49,9 +48,22 @@ class Appliance:
         if fault:
             env["UOMP_FAULT"] = fault
             env["UOMP_FAULT_ARM"] = str(self.arm)
-        self.proc = subprocess.Popen([*UOMP, "--home", str(self.home), "gateway", "start", "--listen",
-                                      f"127.0.0.1:{self.port}", "--no-local-port"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [
+                *UOMP,
+                "--home",
+                str(self.home),
+                "gateway",
+                "start",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--no-local-port",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -95,13 +107,30 @@ def appliance(tmp_path: Path) -> Iterator[Appliance]:
 def authorize(app: Appliance, tmp: Path) -> Path:
     agent_dir = tmp / "agent"
     agent_dir.mkdir()
-    (agent_dir / "uom.json").write_text(json.dumps({
-        "uomp_version": "1.0", "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
-        "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-        "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}))
+    (agent_dir / "uom.json").write_text(
+        json.dumps(
+            {
+                "uomp_version": "1.0",
+                "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
+                "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+            }
+        )
+    )
     bundle = tmp / "bundle.json"
-    run(app.home, "authorize", str(agent_dir), "--yes", "--remote", "--gateway-url", f"https://localhost:{app.port}",
-        "--out", str(tmp / "agentfiles"), "--bundle", str(bundle))
+    run(
+        app.home,
+        "authorize",
+        str(agent_dir),
+        "--yes",
+        "--remote",
+        "--gateway-url",
+        f"https://localhost:{app.port}",
+        "--out",
+        str(tmp / "agentfiles"),
+        "--bundle",
+        str(bundle),
+    )
     return bundle
 
 

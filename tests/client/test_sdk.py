@@ -59,8 +59,9 @@ MANIFEST: dict[str, Any] = json.loads((ROOT / "examples" / "calendar_agent" / "u
 
 
 @contextlib.asynccontextmanager
-async def sdk_appliance(paths: Paths, *, guard: dict[str, Any] | None = None, **gateway: Any
-                        ) -> AsyncIterator[Appliance]:
+async def sdk_appliance(
+    paths: Paths, *, guard: dict[str, Any] | None = None, **gateway: Any
+) -> AsyncIterator[Appliance]:
     """gatewaykit.appliance with guard settings too (refresh grace window), and the tunnel listener."""
     ca_store.init_all(paths)
     seed(paths)
@@ -94,8 +95,9 @@ def write_manifest(d: Path, doc: dict[str, Any] | None = None) -> Path:
     return d
 
 
-def authorize_csr(app: Appliance, tmp: Path, *, url: str | None = None, doc: dict[str, Any] | None = None,
-                  name: str = "agent") -> Path:
+def authorize_csr(
+    app: Appliance, tmp: Path, *, url: str | None = None, doc: dict[str, Any] | None = None, name: str = "agent"
+) -> Path:
     """The agent makes its key and CSR; the user signs it with ``uomp authorize --remote --csr``."""
     agent_dir = write_manifest(tmp / name, doc)
     key = ca.new_key("p256")
@@ -106,39 +108,96 @@ def authorize_csr(app: Appliance, tmp: Path, *, url: str | None = None, doc: dic
     agent_id = (doc or MANIFEST)["agent"]["id"]
     (agent_dir / "agent.csr").write_bytes(ca.make_csr(key, agent_id).public_bytes(serialization.Encoding.PEM))
     bundle = tmp / f"{name}-bundle.json"
-    assert uomp(["--home", str(app.paths.home), "authorize", str(agent_dir), "--remote", "--gateway-url",
-                 url or app.base, "--csr", str(agent_dir / "agent.csr"), "--key-file", str(key_file),
-                 "--bundle", str(bundle), "--yes"]) == 0
+    assert (
+        uomp(
+            [
+                "--home",
+                str(app.paths.home),
+                "authorize",
+                str(agent_dir),
+                "--remote",
+                "--gateway-url",
+                url or app.base,
+                "--csr",
+                str(agent_dir / "agent.csr"),
+                "--key-file",
+                str(key_file),
+                "--bundle",
+                str(bundle),
+                "--yes",
+            ]
+        )
+        == 0
+    )
     return bundle
 
 
-def authorize_out(app: Appliance, tmp: Path, *, url: str, name: str = "agent",
-                  doc: dict[str, Any] | None = None) -> Path:
+def authorize_out(
+    app: Appliance, tmp: Path, *, url: str, name: str = "agent", doc: dict[str, Any] | None = None
+) -> Path:
     """``uomp authorize --remote --out DIR``: the user makes key and certificate (key inside the bundle)."""
     agent_dir = write_manifest(tmp / name, doc)
     bundle = tmp / f"{name}-bundle.json"
-    assert uomp(["--home", str(app.paths.home), "authorize", str(agent_dir), "--remote", "--gateway-url", url,
-                 "--out", str(tmp / f"{name}-files"), "--bundle", str(bundle), "--yes"]) == 0
+    assert (
+        uomp(
+            [
+                "--home",
+                str(app.paths.home),
+                "authorize",
+                str(agent_dir),
+                "--remote",
+                "--gateway-url",
+                url,
+                "--out",
+                str(tmp / f"{name}-files"),
+                "--bundle",
+                str(bundle),
+                "--yes",
+            ]
+        )
+        == 0
+    )
     return bundle
 
 
 def cert_binding(cert_pem: bytes) -> dict[str, str]:
     cert = x509.load_pem_x509_certificate(cert_pem)
-    return {"x5t#S256": jose.cert_thumbprint(cert.public_bytes(serialization.Encoding.DER)),
-            "jkt": jose.key_thumbprint(cert.public_key())}  # type: ignore[arg-type]
+    return {
+        "x5t#S256": jose.cert_thumbprint(cert.public_bytes(serialization.Encoding.DER)),
+        "jkt": jose.key_thumbprint(cert.public_key()),
+    }  # type: ignore[arg-type]
 
 
-async def bundle_for_files(app: Appliance, files: ca_store.IssuedFiles, path: Path, *, agent_id: str,
-                           cnf: dict[str, str] | None = None) -> Path:
+async def bundle_for_files(
+    app: Appliance, files: ca_store.IssuedFiles, path: Path, *, agent_id: str, cnf: dict[str, str] | None = None
+) -> Path:
     """A bundle from a real grant answer for certificate files made here (own lifetimes / dates)."""
     cert_pem = files.cert_file.read_bytes()
-    g = await grant(app.admin, app.paths, read={"tags": ["preference"], "keys": []}, agent_id=agent_id,
-                    profile="remote", audience=app.base, cnf=cnf or cert_binding(cert_pem), refresh=True)
-    write_bundle(path, AgentBundle(
-        agent_id=agent_id, session_id=g["session_id"], gateway_url=app.base, access_token=g["token"],
-        access_expires_at=g["expires_at"], refresh_token=g["refresh_token"],
-        refresh_expires_at=g["refresh_expires_at"], ca_cert=ca_store.ca_cert_path(app.paths).read_text(),
-        agent_cert=cert_pem.decode(), agent_key=files.key_file.read_text()))
+    g = await grant(
+        app.admin,
+        app.paths,
+        read={"tags": ["preference"], "keys": []},
+        agent_id=agent_id,
+        profile="remote",
+        audience=app.base,
+        cnf=cnf or cert_binding(cert_pem),
+        refresh=True,
+    )
+    write_bundle(
+        path,
+        AgentBundle(
+            agent_id=agent_id,
+            session_id=g["session_id"],
+            gateway_url=app.base,
+            access_token=g["token"],
+            access_expires_at=g["expires_at"],
+            refresh_token=g["refresh_token"],
+            refresh_expires_at=g["refresh_expires_at"],
+            ca_cert=ca_store.ca_cert_path(app.paths).read_text(),
+            agent_cert=cert_pem.decode(),
+            agent_key=files.key_file.read_text(),
+        ),
+    )
     return path
 
 
@@ -158,8 +217,9 @@ async def admin(app: Appliance, method: str, path: str) -> Any:
 # ------------------------------------------------------------------------- mTLS, CLI path
 
 
-async def test_csr_authorize_read_and_many_refreshes_each_persisted(app: Appliance, tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+async def test_csr_authorize_read_and_many_refreshes_each_persisted(
+    app: Appliance, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bundle = authorize_csr(app, tmp_path)
     b0 = load_bundle(bundle)
     assert b0.agent_key is None and b0.agent_key_file and b0.refresh_token
@@ -169,14 +229,20 @@ async def test_csr_authorize_read_and_many_refreshes_each_persisted(app: Applian
         assert c.mode == "mtls" and c.session_id == b0.session_id
         assert (await c.get("preference.theme"))["value"] == "dark"
         assert {i["key"] for i in await c.by_tag("preference")} == {
-            "preference.theme", "preference.lang", "preference.secret_hobby"}
+            "preference.theme",
+            "preference.lang",
+            "preference.secret_hobby",
+        }
         assert (await c.aggregate("preference", "count"))["result"] == 3
         assert any(e.get("action") for e in await c.audit(limit=5))
         # refused partners, each with its code and class
         with pytest.raises(AccessDenied) as denied:
             await c.get("user.password")
         assert (denied.value.code, denied.value.status, denied.value.session_id) == (
-            "ACCESS_DENIED", 403, b0.session_id)
+            "ACCESS_DENIED",
+            403,
+            b0.session_id,
+        )
         with pytest.raises(AccessDenied):
             await c.by_tag("identity")
         with pytest.raises(InvalidRequest) as bad:
@@ -227,20 +293,23 @@ async def test_bundle_and_key_file_problems_are_config_errors(app: Appliance, tm
         UompClient.from_bundle(mismatched)
 
 
-@pytest.mark.parametrize(("mode", "url", "ok"), [
-    ("mtls", "http://127.0.0.1:9443", False),  # mTLS is https only
-    ("mtls", "https://gw.example:9443", True),
-    ("dpop", "http://example.com:8080", False),  # non-loopback http refused
-    ("dpop", "http://10.0.0.1:8080", False),
-    ("dpop", "http://localhost.evil.example:80", False),
-    ("dpop", "http://127.0.0.1:8080", True),
-    ("dpop", "http://127.0.0.2:8080", True),
-    ("dpop", "http://[::1]:8080", True),
-    ("dpop", "http://localhost:8080", True),
-    ("dpop", "ftp://127.0.0.1", False),
-    ("dpop", "https://user:pw@tunnel.example", False),
-    ("dpop", "https://tunnel.example/?x=1", False),
-])
+@pytest.mark.parametrize(
+    ("mode", "url", "ok"),
+    [
+        ("mtls", "http://127.0.0.1:9443", False),  # mTLS is https only
+        ("mtls", "https://gw.example:9443", True),
+        ("dpop", "http://example.com:8080", False),  # non-loopback http refused
+        ("dpop", "http://10.0.0.1:8080", False),
+        ("dpop", "http://localhost.evil.example:80", False),
+        ("dpop", "http://127.0.0.1:8080", True),
+        ("dpop", "http://127.0.0.2:8080", True),
+        ("dpop", "http://[::1]:8080", True),
+        ("dpop", "http://localhost:8080", True),
+        ("dpop", "ftp://127.0.0.1", False),
+        ("dpop", "https://user:pw@tunnel.example", False),
+        ("dpop", "https://tunnel.example/?x=1", False),
+    ],
+)
 async def test_url_rules(app: Appliance, tmp_path: Path, mode: str, url: str, ok: bool) -> None:
     bundle = authorize_out(app, tmp_path, url=TUNNEL)
     if ok:
@@ -382,8 +451,7 @@ async def test_token_expired_answer_refreshes_once_and_retries(app: Appliance, t
 # ------------------------------------------------------------------------ certificates
 
 
-async def test_revoked_certificate_refused_at_next_handshake_without_restart(app: Appliance,
-                                                                            tmp_path: Path) -> None:
+async def test_revoked_certificate_refused_at_next_handshake_without_restart(app: Appliance, tmp_path: Path) -> None:
     bundle = authorize_csr(app, tmp_path)
     async with UompClient.from_bundle(bundle) as c:
         assert (await c.get("preference.theme"))["value"] == "dark"
@@ -421,17 +489,33 @@ async def test_token_with_another_agents_certificate_refused(app: Appliance, tmp
     key_b = Path(b.agent_key_file or "").read_bytes()
     key_b_obj = ca.load_private_key(key_b)
     # A's token on B's certificate (B's agent id in the header): agents differ
-    c = UompClient(agent_id="other_agent", session_id=a.session_id, access_token=a.access_token,
-                   base_url=app.base, mode="mtls", ca_cert=a.ca_cert, agent_cert=b.agent_cert, agent_key=key_b_obj)
+    c = UompClient(
+        agent_id="other_agent",
+        session_id=a.session_id,
+        access_token=a.access_token,
+        base_url=app.base,
+        mode="mtls",
+        ca_cert=a.ca_cert,
+        agent_cert=b.agent_cert,
+        agent_key=key_b_obj,
+    )
     async with c:
         with pytest.raises(AuthError) as exc:
             await c.get("preference.theme")
     assert exc.value.code == "AGENT_MISMATCH"
     # A's token on another certificate for the same agent id (another key): not the bound one
     files = ca_store.issue_with_key(app.paths, "calendar_agent", tmp_path / "second")
-    c2 = UompClient(agent_id="calendar_agent", session_id=a.session_id, access_token=a.access_token,
-                    refresh_token=a.refresh_token, base_url=app.base, mode="mtls", ca_cert=a.ca_cert,
-                    agent_cert=files.cert_file.read_text(), agent_key=ca.load_private_key(files.key_file.read_bytes()))
+    c2 = UompClient(
+        agent_id="calendar_agent",
+        session_id=a.session_id,
+        access_token=a.access_token,
+        refresh_token=a.refresh_token,
+        base_url=app.base,
+        mode="mtls",
+        ca_cert=a.ca_cert,
+        agent_cert=files.cert_file.read_text(),
+        agent_key=ca.load_private_key(files.key_file.read_bytes()),
+    )
     async with c2:
         with pytest.raises(AuthError) as exc2:
             await c2.get("preference.theme")
@@ -447,8 +531,9 @@ async def test_token_with_another_agents_certificate_refused(app: Appliance, tmp
 async def test_renewal_at_two_thirds_of_lifetime_over_the_real_route(app: Appliance, tmp_path: Path) -> None:
     now = ca.utcnow()
     # issued 50 minutes ago for one hour: 83 % of its life has passed
-    files = ca_store.issue_with_key(app.paths, "calendar_agent", tmp_path / "old", dt.timedelta(hours=1),
-                                    now=now - dt.timedelta(minutes=50))
+    files = ca_store.issue_with_key(
+        app.paths, "calendar_agent", tmp_path / "old", dt.timedelta(hours=1), now=now - dt.timedelta(minutes=50)
+    )
     jkt = cert_binding(files.cert_file.read_bytes())["jkt"]
     # bound by key thumbprint (see the xfail test below for x5t#S256-bound tokens)
     bundle = await bundle_for_files(app, files, tmp_path / "b.json", agent_id="calendar_agent", cnf={"jkt": jkt})
@@ -475,8 +560,9 @@ async def test_renewal_at_two_thirds_of_lifetime_over_the_real_route(app: Applia
             await c.renew_certificate()
         assert early.value.code == "RENEWAL_TOO_EARLY"
     # explicit renewal with key rotation, from a certificate due for renewal: the new key lands in the bundle
-    files = ca_store.issue_with_key(app.paths, "calendar_agent", tmp_path / "old", dt.timedelta(hours=1),
-                                    now=now - dt.timedelta(minutes=50))
+    files = ca_store.issue_with_key(
+        app.paths, "calendar_agent", tmp_path / "old", dt.timedelta(hours=1), now=now - dt.timedelta(minutes=50)
+    )
     bundle = await bundle_for_files(app, files, tmp_path / "b.json", agent_id="calendar_agent", cnf={"jkt": jkt})
     async with UompClient.from_bundle(bundle) as c:
         new_key = ca.new_key("ed25519")
@@ -517,8 +603,9 @@ async def test_not_due_certificate_is_not_renewed(app: Appliance, tmp_path: Path
 
 async def test_expired_certificate_is_too_late_to_renew(app: Appliance, tmp_path: Path) -> None:
     now = ca.utcnow()
-    files = ca_store.issue_with_key(app.paths, "calendar_agent", tmp_path / "expired", dt.timedelta(hours=1),
-                                    now=now - dt.timedelta(hours=2))
+    files = ca_store.issue_with_key(
+        app.paths, "calendar_agent", tmp_path / "expired", dt.timedelta(hours=1), now=now - dt.timedelta(hours=2)
+    )
     bundle = await bundle_for_files(app, files, tmp_path / "b.json", agent_id="calendar_agent")
     async with UompClient.from_bundle(bundle) as c:
         with pytest.raises(CertificateError, match="too late to renew") as exc:
@@ -547,9 +634,17 @@ async def test_expired_certificate_is_too_late_to_renew(app: Appliance, tmp_path
 # --------------------------------------------------------------------------------- DPoP
 
 
-async def tunnel_call(app: Appliance, method: str, path: str, *, token: str | None, proof: str | list[str] | None,
-                      scheme: str = "DPoP", host: str = "tunnel.example", agent_id: str = "calendar_agent"
-                      ) -> tuple[int, Any]:
+async def tunnel_call(
+    app: Appliance,
+    method: str,
+    path: str,
+    *,
+    token: str | None,
+    proof: str | list[str] | None,
+    scheme: str = "DPoP",
+    host: str = "tunnel.example",
+    agent_id: str = "calendar_agent",
+) -> tuple[int, Any]:
     headers: dict[str, str] = {"Host": host, "X-UOMP-Agent-Id": agent_id}
     if token is not None:
         headers["Authorization"] = f"{scheme} {token}"
@@ -607,10 +702,12 @@ async def test_dpop_attack_table(app: Appliance, tmp_path: Path) -> None:
     url = TUNNEL + "/v1/memory/preference.theme"
     path = "/v1/memory/preference.theme"
 
-    def proof(k: Any = key, *, method: str = "GET", u: str = url, access: str | None = tok,
-              iat: float | None = None) -> str:
-        return dpop.make_dpop_proof(k, method=method, url=u, access_token=access,
-                                    now=iat if iat is not None else time.time())
+    def proof(
+        k: Any = key, *, method: str = "GET", u: str = url, access: str | None = tok, iat: float | None = None
+    ) -> str:
+        return dpop.make_dpop_proof(
+            k, method=method, url=u, access_token=access, now=iat if iat is not None else time.time()
+        )
 
     status, body = await tunnel_call(app, "GET", path, token=tok, proof=proof())
     assert status == 200 and body["value"] == "dark"
@@ -628,8 +725,11 @@ async def test_dpop_attack_table(app: Appliance, tmp_path: Path) -> None:
         ("proof for another token", {"proof": proof(access=tok + "x")}, "DPOP_INVALID"),
         ("proof too old", {"proof": proof(iat=time.time() - 600)}, "DPOP_INVALID"),
         ("two proofs", {"proof": [proof(), proof()]}, "INVALID_REQUEST"),  # a single-valued header twice: 400
-        ("Host not a gateway endpoint", {"proof": proof(u="https://evil.example" + path), "host": "evil.example"},
-         "DPOP_INVALID"),
+        (
+            "Host not a gateway endpoint",
+            {"proof": proof(u="https://evil.example" + path), "host": "evil.example"},
+            "DPOP_INVALID",
+        ),
         ("no token", {"proof": proof(access=None), "token": None}, "INVALID_TOKEN"),
     ]
     for name, kw, code in rows:
@@ -638,8 +738,7 @@ async def test_dpop_attack_table(app: Appliance, tmp_path: Path) -> None:
         assert (status, body["error"]["code"]) == (400 if code == "INVALID_REQUEST" else 401, code), name
     # a token bound to another key (cnf.jkt) with a valid proof by the presenting key
     rebound = resign(tok, app.paths, cnf={"jkt": jose.key_thumbprint(other_key.public_key())})
-    status, body = await tunnel_call(app, "GET", path, token=rebound,
-                                     proof=proof(key, access=rebound))
+    status, body = await tunnel_call(app, "GET", path, token=rebound, proof=proof(key, access=rebound))
     assert status == 401 and body["error"]["code"] in ("DPOP_INVALID", "TOKEN_BINDING_MISMATCH")
     # a token bound only to a certificate (no jkt) cannot be used through the tunnel
     x5t_only = resign(tok, app.paths, cnf={"x5t#S256": "A" * 43})
@@ -649,15 +748,13 @@ async def test_dpop_attack_table(app: Appliance, tmp_path: Path) -> None:
     status, body = await tunnel_call(app, "POST", "/v1/certificates/renew", token=None, proof=None)
     assert status == 404 and body["error"]["code"] == "NOT_FOUND"
     # the SDK's own requests carry exactly one fresh proof each and pass
-    async with UompClient.from_bundle(bundle, mode="dpop",
-                                      base_url=f"http://127.0.0.1:{app.gateway.tunnel_port}") as c:
+    async with UompClient.from_bundle(bundle, mode="dpop", base_url=f"http://127.0.0.1:{app.gateway.tunnel_port}") as c:
         assert (await c.get("preference.theme"))["value"] == "dark"
 
 
 async def test_dpop_key_needing_percent_encoding(app: Appliance, tmp_path: Path) -> None:
     bundle = authorize_out(app, tmp_path, url=TUNNEL)
-    async with UompClient.from_bundle(bundle, mode="dpop",
-                                      base_url=f"http://127.0.0.1:{app.gateway.tunnel_port}") as c:
+    async with UompClient.from_bundle(bundle, mode="dpop", base_url=f"http://127.0.0.1:{app.gateway.tunnel_port}") as c:
         with pytest.raises(AccessDenied):
             await c.get("preference.no such key")
 
@@ -676,16 +773,27 @@ async def test_deletion_proof_signed_and_accepted(app: Appliance, tmp_path: Path
         h = memory_hash(items)
         assert h == memory_hash(list(reversed(items))) and h.startswith("sha256:") and len(h) == 71
         with pytest.raises(AccessDenied):  # not the manifest's identity key
-            await c.submit_deletion_proof(identity_key=ed25519.Ed25519PrivateKey.generate(), memory_hash=h,
-                                          fields_accessed=["key", "value"], method="process_termination")
+            await c.submit_deletion_proof(
+                identity_key=ed25519.Ed25519PrivateKey.generate(),
+                memory_hash=h,
+                fields_accessed=["key", "value"],
+                method="process_termination",
+            )
         with pytest.raises(InvalidRequest):  # not the manifest's deletion method
-            await c.submit_deletion_proof(identity_key=identity, memory_hash=h, fields_accessed=["key", "value"],
-                                          method="secure_wipe")
+            await c.submit_deletion_proof(
+                identity_key=identity, memory_hash=h, fields_accessed=["key", "value"], method="secure_wipe"
+            )
         with pytest.raises(InvalidRequest):
-            await c.submit_deletion_proof(identity_key=identity, memory_hash="sha256:xyz", fields_accessed=None,
-                                          method="process_termination")
-        answer = await c.submit_deletion_proof(identity_key=identity, memory_hash=h, fields_accessed=["key", "value"],
-                                               method="process_termination", deletion_proof_id="del_test_1")
+            await c.submit_deletion_proof(
+                identity_key=identity, memory_hash="sha256:xyz", fields_accessed=None, method="process_termination"
+            )
+        answer = await c.submit_deletion_proof(
+            identity_key=identity,
+            memory_hash=h,
+            fields_accessed=["key", "value"],
+            method="process_termination",
+            deletion_proof_id="del_test_1",
+        )
         assert answer == {"status": "accepted", "deletion_proof_id": "del_test_1"}
         logs = await c.audit()
         assert any(e.get("action") == "deletion_proof" and e.get("allowed") for e in logs)
@@ -697,13 +805,25 @@ async def test_deletion_proof_signed_and_accepted(app: Appliance, tmp_path: Path
 async def test_from_env_local_profile_and_bundle(home: Paths, tmp_path: Path) -> None:
     seed(home)
     async with running_guard(home) as guard, unix_session(home) as adm:
-        status, created, _ = await call(adm, "POST", "/v1/sessions", headers=admin_headers(home), json_body={
-            "agent_id": "calendar_agent", "agent_name": "Cal", "requested_scopes": {"read": {"tags": ["preference"],
-                                                                                         "keys": []}}})
+        status, created, _ = await call(
+            adm,
+            "POST",
+            "/v1/sessions",
+            headers=admin_headers(home),
+            json_body={
+                "agent_id": "calendar_agent",
+                "agent_name": "Cal",
+                "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+            },
+        )
         assert status == 201
-        status, g, _ = await call(adm, "POST", f"/v1/sessions/{created['session_id']}/grant",
-                                  headers=admin_headers(home), json_body={
-                                      "granted_scopes": {"read": {"tags": ["preference"], "keys": []}}})
+        status, g, _ = await call(
+            adm,
+            "POST",
+            f"/v1/sessions/{created['session_id']}/grant",
+            headers=admin_headers(home),
+            json_body={"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}},
+        )
         assert status == 200, g
         env = {"UOM_TOKEN": g["token"], "UOMP_BASE_URL": f"http://127.0.0.1:{guard.tcp_port}"}
         async with UompClient.from_env(env) as c:
@@ -713,8 +833,7 @@ async def test_from_env_local_profile_and_bundle(home: Paths, tmp_path: Path) ->
                 await c.get("user.password")
             with pytest.raises(ConfigError):
                 await c.renew_certificate()
-    for bad in ({}, {"UOM_TOKEN": "not-a-token"},
-                {"UOM_TOKEN": g["token"], "UOMP_BASE_URL": "http://192.0.2.1:9374"}):
+    for bad in ({}, {"UOM_TOKEN": "not-a-token"}, {"UOM_TOKEN": g["token"], "UOMP_BASE_URL": "http://192.0.2.1:9374"}):
         with pytest.raises(ConfigError):
             UompClient.from_env(bad)
     with pytest.raises(ConfigError):
@@ -724,8 +843,9 @@ async def test_from_env_local_profile_and_bundle(home: Paths, tmp_path: Path) ->
 # ------------------------------------------------------------------------------ secrets
 
 
-async def test_no_token_or_key_in_logs_exceptions_or_repr(app: Appliance, tmp_path: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+async def test_no_token_or_key_in_logs_exceptions_or_repr(
+    app: Appliance, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     bundle = authorize_out(app, tmp_path, url=app.base)
     # the CLI (run in-process above) replaced the root handlers: capture everything from here on
     logging.getLogger().addHandler(caplog.handler)
@@ -737,8 +857,9 @@ async def test_no_token_or_key_in_logs_exceptions_or_repr(app: Appliance, tmp_pa
         logging.getLogger().removeHandler(caplog.handler)
 
 
-async def _exercise_and_check_secrets(app: Appliance, bundle: Path, b: AgentBundle,
-                                      caplog: pytest.LogCaptureFixture) -> None:
+async def _exercise_and_check_secrets(
+    app: Appliance, bundle: Path, b: AgentBundle, caplog: pytest.LogCaptureFixture
+) -> None:
     secrets_seen = {b.access_token, b.refresh_token or "", b.agent_key or ""}
     texts: list[str] = []
     async with UompClient.from_bundle(bundle, options=ClientOptions(timeout_seconds=5)) as c:
@@ -748,8 +869,7 @@ async def _exercise_and_check_secrets(app: Appliance, bundle: Path, b: AgentBund
         await c.refresh()
         await c.refresh()
         secrets_seen |= {c._access_token, c._refresh_token or ""}
-        for call_ in (lambda: c.get("user.password"), lambda: c.by_tag("identity"),
-                      lambda: c.audit(limit=0)):
+        for call_ in (lambda: c.get("user.password"), lambda: c.by_tag("identity"), lambda: c.audit(limit=0)):
             try:
                 await call_()
             except UompClientError as exc:
@@ -789,9 +909,11 @@ async def test_response_size_cap_and_timeouts(app: Appliance, tmp_path: Path) ->
     server = await asyncio.start_server(lambda _r, w: held.append(w), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with UompClient.from_bundle(bundle, base_url=f"https://localhost:{port}",
-                                          options=ClientOptions(timeout_seconds=0.5,
-                                                                connect_timeout_seconds=0.5)) as c:
+        async with UompClient.from_bundle(
+            bundle,
+            base_url=f"https://localhost:{port}",
+            options=ClientOptions(timeout_seconds=0.5, connect_timeout_seconds=0.5),
+        ) as c:
             t0 = time.monotonic()
             with pytest.raises(UompClientError) as exc2:
                 await c.get("preference.theme")
@@ -811,8 +933,9 @@ async def test_example_agent_cli(app: Appliance, tmp_path: Path) -> None:
     script = ROOT / "examples" / "remote_agent.py"
 
     async def run(*args: str) -> tuple[int, str, str]:
-        proc = await asyncio.create_subprocess_exec(sys.executable, str(script), *args,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         return proc.returncode or 0, out.decode(), err.decode()
 
@@ -822,19 +945,27 @@ async def test_example_agent_cli(app: Appliance, tmp_path: Path) -> None:
     code, out, err = await run("--bundle", str(bundle), "preference.theme", "user.password")
     assert code == 1 and "ACCESS_DENIED" in err and "dark" in out
     tunnel_bundle = authorize_out(app, tmp_path, url=TUNNEL, name="t")
-    code, out, err = await run("--bundle", str(tunnel_bundle), "--dpop", "--url",
-                               f"http://127.0.0.1:{app.gateway.tunnel_port}", "preference.lang")
+    code, out, err = await run(
+        "--bundle",
+        str(tunnel_bundle),
+        "--dpop",
+        "--url",
+        f"http://127.0.0.1:{app.gateway.tunnel_port}",
+        "preference.lang",
+    )
     assert code == 0, err
     assert json.loads(out) == {"key": "preference.lang", "value": "en"}
-    code, _out, err = await run("--bundle", str(tunnel_bundle), "--dpop", "--url", "http://example.com",
-                                "preference.lang")
+    code, _out, err = await run(
+        "--bundle", str(tunnel_bundle), "--dpop", "--url", "http://example.com", "preference.lang"
+    )
     assert code == 2 and "CONFIG_ERROR" in err
     for t in (load_bundle(bundle).access_token, load_bundle(tunnel_bundle).access_token):
         assert t not in out and t not in err
 
 
-async def test_refresh_is_retried_on_503_and_keeps_working(app: Appliance, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_refresh_is_retried_on_503_and_keeps_working(
+    app: Appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 9 #1: the SDK retries a refresh that got 503 (here: the one log, the guard's audit log,
     cannot be written for the first two tries) with bounded back-off, and the session survives."""
     from gateway.client import ClientOptions

@@ -61,8 +61,15 @@ async def test_honest_log_advances_and_a_fork_or_rollback_is_caught(home: Paths,
     wfile.parent.mkdir()
 
     def client(g: dict[str, Any], **kw: Any) -> UompClient:
-        return UompClient(agent_id="calendar_agent", session_id=g["session_id"], access_token=g["token"],
-                          base_url=base, witness_path=wfile, audit_verifier_key=vkey(home), **kw)
+        return UompClient(
+            agent_id="calendar_agent",
+            session_id=g["session_id"],
+            access_token=g["token"],
+            base_url=base,
+            witness_path=wfile,
+            audit_verifier_key=vkey(home),
+            **kw,
+        )
 
     async with running_guard(home, cfg), unix_session(home) as s:
         g = await grant(s, home, read=READ, audience=base)
@@ -136,16 +143,23 @@ async def test_tampered_proof_or_signature_is_refused(home: Paths, tmp_path: Pat
         base = f"http://127.0.0.1:{gr.tcp_port}"
         g = await grant(s, home, read=READ, audience=base)
         wfile = tmp_path / witness_mod.WITNESS_FILE
-        async with UompClient(agent_id="calendar_agent", session_id=g["session_id"], access_token=g["token"],
-                              base_url=base, witness_path=wfile, audit_verifier_key=vkey(home)) as c:
+        async with UompClient(
+            agent_id="calendar_agent",
+            session_id=g["session_id"],
+            access_token=g["token"],
+            base_url=base,
+            witness_path=wfile,
+            audit_verifier_key=vkey(home),
+        ) as c:
             await c.audit_checkpoint()
         await reads(base, g["token"], 5)
         store = witness_mod.WitnessFile(wfile)
         old = store.get(base)
         assert old is not None
         async with aiohttp.ClientSession() as tcp:
-            status, answer, _ = await call(tcp, "GET", f"/v1/audit/checkpoint?since={old.tree_size}",
-                                           token=g["token"], base=base)
+            status, answer, _ = await call(
+                tcp, "GET", f"/v1/audit/checkpoint?since={old.tree_size}", token=g["token"], base=base
+            )
         assert status == 200
         key = vkey(home)
         cp, newer = witness_mod.check(old, key, answer["checkpoint"], answer["consistency"])  # the honest answer
@@ -153,11 +167,13 @@ async def test_tampered_proof_or_signature_is_refused(home: Paths, tmp_path: Pat
 
         path = answer["consistency"]["path"]
         flipped = [base64.b64encode(bytes(b ^ 1 for b in base64.b64decode(path[0]))).decode(), *path[1:]]
-        for bad in ({**answer["consistency"], "path": flipped},
-                    {**answer["consistency"], "path": path[:-1]},
-                    {**answer["consistency"], "path": []},
-                    {**answer["consistency"], "old_size": old.tree_size - 1},
-                    None):
+        for bad in (
+            {**answer["consistency"], "path": flipped},
+            {**answer["consistency"], "path": path[:-1]},
+            {**answer["consistency"], "path": []},
+            {**answer["consistency"], "old_size": old.tree_size - 1},
+            None,
+        ):
             with pytest.raises(AuditLogForked):
                 witness_mod.check(old, key, answer["checkpoint"], bad)
 
@@ -174,9 +190,14 @@ async def test_tampered_proof_or_signature_is_refused(home: Paths, tmp_path: Pat
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         stranger = Ed25519PrivateKey.generate().public_key()
-        async with UompClient(agent_id="calendar_agent", session_id=g["session_id"], access_token=g["token"],
-                              base_url=base, witness_path=tmp_path / "w2.json",
-                              audit_verifier_key=verifier_key(auditkey.origin_for(stranger), stranger)) as c:
+        async with UompClient(
+            agent_id="calendar_agent",
+            session_id=g["session_id"],
+            access_token=g["token"],
+            base_url=base,
+            witness_path=tmp_path / "w2.json",
+            audit_verifier_key=verifier_key(auditkey.origin_for(stranger), stranger),
+        ) as c:
             with pytest.raises(AuditCheckpointInvalid):
                 await c.audit_checkpoint()
         assert wfile.read_bytes() == before
@@ -189,10 +210,18 @@ async def test_through_the_gateway_with_mtls(home: Paths, tmp_path: Path) -> Non
         ga = await app.grant(a, read=READ)
         key = serialization.load_pem_private_key(a.files.key_file.read_bytes(), password=None)
         wfile = tmp_path / "w.json"
-        async with UompClient(agent_id=a.agent_id, session_id=ga["session_id"], access_token=ga["token"],
-                              base_url=app.base, mode="mtls", ca_cert=a.files.ca_file.read_text(),
-                              agent_cert=a.files.cert_file.read_text(), agent_key=key,  # type: ignore[arg-type]
-                              witness_path=wfile, audit_verifier_key=vkey(home)) as c:
+        async with UompClient(
+            agent_id=a.agent_id,
+            session_id=ga["session_id"],
+            access_token=ga["token"],
+            base_url=app.base,
+            mode="mtls",
+            ca_cert=a.files.ca_file.read_text(),
+            agent_cert=a.files.cert_file.read_text(),
+            agent_key=key,  # type: ignore[arg-type]
+            witness_path=wfile,
+            audit_verifier_key=vkey(home),
+        ) as c:
             one = await c.audit_checkpoint()
             await c.get("preference.theme")
             two = await c.audit_checkpoint()
@@ -205,8 +234,11 @@ def test_the_bundle_carries_the_audit_key_and_the_record_lives_beside_it(home: P
     from gateway.bundle import load_bundle
     from gateway.cli.main import main
 
-    manifest = {"uomp_version": "1.0", "agent": {"id": "w_agent", "name": "W", "version": "1.0.0"},
-                "requested_scopes": {"read": READ}}
+    manifest = {
+        "uomp_version": "1.0",
+        "agent": {"id": "w_agent", "name": "W", "version": "1.0.0"},
+        "requested_scopes": {"read": READ},
+    }
     agent = tmp_path / "agent"
     agent.mkdir()
     (agent / "uom.json").write_text(json.dumps(manifest))

@@ -87,10 +87,16 @@ def test_ed25519_ca_works() -> None:
 def test_server_certificate_profile(the_ca: tuple[ca.CAPrivateKey, x509.Certificate]) -> None:
     key, cert = the_ca
     skey = ca.new_key()
-    server = ca.issue_server_cert(key, cert, skey.public_key(), ["gw.example.org", "192.0.2.7", "[2001:db8::1]"],
-                                  now=NOW)
+    server = ca.issue_server_cert(
+        key, cert, skey.public_key(), ["gw.example.org", "192.0.2.7", "[2001:db8::1]"], now=NOW
+    )
     assert ca.server_cert_names(server) == {
-        "localhost", "127.0.0.1", "::1", "gw.example.org", "192.0.2.7", "2001:db8::1",
+        "localhost",
+        "127.0.0.1",
+        "::1",
+        "gw.example.org",
+        "192.0.2.7",
+        "2001:db8::1",
     }
     assert list(ext(server, x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.SERVER_AUTH]
     assert ext(server, x509.BasicConstraints).value.ca is False
@@ -99,8 +105,7 @@ def test_server_certificate_profile(the_ca: tuple[ca.CAPrivateKey, x509.Certific
 
 
 @pytest.mark.parametrize("bad", ["exa mple.org", "a/b", "-lead.example", "x" * 300, "foo..bar"])
-def test_server_certificate_refuses_bad_hostnames(the_ca: tuple[ca.CAPrivateKey, x509.Certificate],
-                                                  bad: str) -> None:
+def test_server_certificate_refuses_bad_hostnames(the_ca: tuple[ca.CAPrivateKey, x509.Certificate], bad: str) -> None:
     key, cert = the_ca
     with pytest.raises(UompError) as err:
         ca.issue_server_cert(key, cert, ca.new_key().public_key(), [bad], now=NOW)
@@ -126,8 +131,10 @@ def test_agent_certificate_from_csr(the_ca: tuple[ca.CAPrivateKey, x509.Certific
     assert bc.critical and bc.value.ca is False
     aki = ext(cert, x509.AuthorityKeyIdentifier).value
     assert aki.key_identifier == ext(ca_cert, x509.SubjectKeyIdentifier).value.digest
-    assert ext(cert, x509.SubjectKeyIdentifier).value.digest == \
-        x509.SubjectKeyIdentifier.from_public_key(agent_key.public_key()).digest
+    assert (
+        ext(cert, x509.SubjectKeyIdentifier).value.digest
+        == x509.SubjectKeyIdentifier.from_public_key(agent_key.public_key()).digest
+    )
     assert 0 < cert.serial_number < 2**128
     assert cert.not_valid_before_utc == NOW - dt.timedelta(seconds=60)
     assert cert.not_valid_after_utc == NOW + dt.timedelta(hours=24)
@@ -189,24 +196,40 @@ def _tampered_csr() -> bytes:
 
 CSR_REFUSALS = [
     ("bad signature", _tampered_csr, "signature does not verify"),
-    ("garbage", lambda: b"-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n",
-     "cannot be parsed"),
+    (
+        "garbage",
+        lambda: b"-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n",
+        "cannot be parsed",
+    ),
     ("empty", lambda: b"", "empty"),
     ("too large", lambda: b"x" * (ca.MAX_CSR_BYTES + 1), "larger than"),
-    ("rsa key", lambda: x509.CertificateSigningRequestBuilder()
-     .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bot")]))
-     .sign(rsa.generate_private_key(65537, 2048), hashes.SHA256())
-     .public_bytes(serialization.Encoding.PEM), "P-256 or Ed25519"),
-    ("p384 key", lambda: x509.CertificateSigningRequestBuilder()
-     .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bot")]))
-     .sign(ec.generate_private_key(ec.SECP384R1()), hashes.SHA256())
-     .public_bytes(serialization.Encoding.PEM), "P-256 or Ed25519"),
+    (
+        "rsa key",
+        lambda: (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bot")]))
+            .sign(rsa.generate_private_key(65537, 2048), hashes.SHA256())
+            .public_bytes(serialization.Encoding.PEM)
+        ),
+        "P-256 or Ed25519",
+    ),
+    (
+        "p384 key",
+        lambda: (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bot")]))
+            .sign(ec.generate_private_key(ec.SECP384R1()), hashes.SHA256())
+            .public_bytes(serialization.Encoding.PEM)
+        ),
+        "P-256 or Ed25519",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("name", "make", "message"), CSR_REFUSALS, ids=[c[0] for c in CSR_REFUSALS])
-def test_bad_csrs_are_refused(the_ca: tuple[ca.CAPrivateKey, x509.Certificate], name: str,
-                              make: object, message: str) -> None:
+def test_bad_csrs_are_refused(
+    the_ca: tuple[ca.CAPrivateKey, x509.Certificate], name: str, make: object, message: str
+) -> None:
     ca_key, ca_cert = the_ca
     assert callable(make)
     with pytest.raises(UompError) as err:
@@ -227,15 +250,19 @@ def test_agent_cert_may_not_outlive_the_ca() -> None:
         ca.issue_agent_cert(ca_key, ca_cert, ca.new_key().public_key(), "bot", now=NOW)
 
 
-def _with_sans(the_ca: tuple[ca.CAPrivateKey, x509.Certificate], names: list[x509.GeneralName] | None
-               ) -> x509.Certificate:
+def _with_sans(
+    the_ca: tuple[ca.CAPrivateKey, x509.Certificate], names: list[x509.GeneralName] | None
+) -> x509.Certificate:
     ca_key, ca_cert = the_ca
     key = ca.new_key()
     b = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bot")]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(1)
-        .not_valid_before(NOW).not_valid_after(NOW + dt.timedelta(hours=1))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(NOW)
+        .not_valid_after(NOW + dt.timedelta(hours=1))
     )
     if names is not None:
         b = b.add_extension(x509.SubjectAlternativeName(names), critical=False)
@@ -298,8 +325,13 @@ def test_init_creates_files_with_private_modes(paths: Paths) -> None:
 
 
 def test_init_never_regenerates_an_existing_ca(ready: Paths) -> None:
-    files = [ca_store.ca_key_path(ready), ca_store.ca_cert_path(ready), ca_store.server_cert_path(ready),
-             ca_store.server_key_path(ready), ca_store.crl_path(ready)]
+    files = [
+        ca_store.ca_key_path(ready),
+        ca_store.ca_cert_path(ready),
+        ca_store.server_cert_path(ready),
+        ca_store.server_key_path(ready),
+        ca_store.crl_path(ready),
+    ]
     before = [f.read_bytes() for f in files]
     assert ca_store.init_ca(ready) is False
     assert ca_store.init_all(ready) == {"agent CA": False, "gateway server certificate": False, "CRL": False}
@@ -340,10 +372,12 @@ BROKEN_FILES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "content", "code", "message"), BROKEN_FILES,
-                         ids=[f"{n}-{i}" for i, (n, *_rest) in enumerate(BROKEN_FILES)])
-def test_broken_files_are_clear_errors_never_replaced(ready: Paths, name: str, content: bytes, code: str,
-                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "content", "code", "message"), BROKEN_FILES, ids=[f"{n}-{i}" for i, (n, *_rest) in enumerate(BROKEN_FILES)]
+)
+def test_broken_files_are_clear_errors_never_replaced(
+    ready: Paths, name: str, content: bytes, code: str, message: str
+) -> None:
     target = ready.ca_dir / name
     target.write_bytes(content)
     for call in (lambda: ca_store.init_all(ready), lambda: ca_store.issue_from_csr(ready, "bot", csr_for()[1])):
@@ -476,8 +510,10 @@ def _crl(paths: Paths) -> x509.CertificateRevocationList:
 
 
 def test_revoke_by_agent_revokes_all_active(ready: Paths) -> None:
-    serials = [ca.serial_hex(x509.load_pem_x509_certificate(
-        ca_store.issue_from_csr(ready, "bot", csr_for()[1])).serial_number) for _ in range(3)]
+    serials = [
+        ca.serial_hex(x509.load_pem_x509_certificate(ca_store.issue_from_csr(ready, "bot", csr_for()[1])).serial_number)
+        for _ in range(3)
+    ]
     ca_store.issue_from_csr(ready, "other", csr_for()[1])
     n0 = ca.crl_number(_crl(ready))
     assert sorted(ca_store.revoke(ready, "bot")) == sorted(serials)
@@ -621,13 +657,29 @@ def test_cli_init_hook_and_agent_commands(tmp_path: Path, capsys: pytest.Capture
     assert main(["--home", str(home), "ca", "init", "--hostname", "gw.example.org"]) == 0
     assert "agent CA: kept" in capsys.readouterr().out
 
-    assert main(["--home", str(home), "agent", "issue", "bot", "--out", str(tmp_path / "bot"),
-                 "--lifetime-hours", "2"]) == 0
+    assert (
+        main(["--home", str(home), "agent", "issue", "bot", "--out", str(tmp_path / "bot"), "--lifetime-hours", "2"])
+        == 0
+    )
     assert "agent.key" in capsys.readouterr().out
     _, csr = csr_for("bot2")
     (tmp_path / "bot2.csr").write_bytes(csr)
-    assert main(["--home", str(home), "agent", "issue", "bot2", "--csr", str(tmp_path / "bot2.csr"),
-                 "--cert-out", str(tmp_path / "bot2.crt")]) == 0
+    assert (
+        main(
+            [
+                "--home",
+                str(home),
+                "agent",
+                "issue",
+                "bot2",
+                "--csr",
+                str(tmp_path / "bot2.csr"),
+                "--cert-out",
+                str(tmp_path / "bot2.crt"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert ca.agent_id_from_cert(x509.load_pem_x509_certificate((tmp_path / "bot2.crt").read_bytes())) == "bot2"
     assert main(["--home", str(home), "agent", "issue", "bot2", "--csr", str(tmp_path / "bot2.csr")]) == 0
@@ -644,8 +696,12 @@ def test_cli_init_hook_and_agent_commands(tmp_path: Path, capsys: pytest.Capture
 
     assert main(["--home", str(home), "agent", "issue", "a/b", "--out", str(tmp_path / "x")]) == 1
     assert "CA_ERROR" in capsys.readouterr().err
-    assert main(["--home", str(home), "agent", "issue", "bot", "--out", str(tmp_path / "bot"),
-                 "--lifetime-hours", "100000"]) == 1
+    assert (
+        main(
+            ["--home", str(home), "agent", "issue", "bot", "--out", str(tmp_path / "bot"), "--lifetime-hours", "100000"]
+        )
+        == 1
+    )
     assert "lifetime" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # --csr and --out are exclusive, one is required
         main(["--home", str(home), "agent", "issue", "bot"])
@@ -654,8 +710,14 @@ def test_cli_init_hook_and_agent_commands(tmp_path: Path, capsys: pytest.Capture
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_generate_gateway_certs_script(tmp_path: Path) -> None:
     env = {**os.environ, "UOMP_HOME": str(tmp_path / "home")}
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "generate-gateway-certs.sh"), "demo-agent",
-                          str(tmp_path / "demo")], capture_output=True, text=True, env=env, timeout=60, check=False)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "generate-gateway-certs.sh"), "demo-agent", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "demo" / "agent.crt").exists() and (tmp_path / "demo" / "ca.crt").exists()
     assert _mode(tmp_path / "demo" / "agent.key") == 0o600

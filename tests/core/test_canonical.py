@@ -140,10 +140,14 @@ def test_deep_nesting_is_invalid_request_not_recursion_error() -> None:
 # The fast path must give rfc8785's bytes for every value it accepts (and it accepts most events).
 
 _json = _st.recursive(
-    _st.none() | _st.booleans() | _st.integers(-(2**53) + 1, 2**53 - 1)
-    | _st.floats(allow_nan=False, allow_infinity=False) | _st.text(),
+    _st.none()
+    | _st.booleans()
+    | _st.integers(-(2**53) + 1, 2**53 - 1)
+    | _st.floats(allow_nan=False, allow_infinity=False)
+    | _st.text(),
     lambda inner: _st.lists(inner, max_size=5) | _st.dictionaries(_st.text(max_size=8), inner, max_size=5),
-    max_leaves=25)
+    max_leaves=25,
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -158,10 +162,14 @@ def test_fast_path_matches_rfc8785(value: object) -> None:
     assert canonical_json(value) == want
 
 
-@pytest.mark.parametrize("value", [
-    {"ts": 1790000000.123, "a": "é\u2028\x07", "n": None, "b": True, "l": [1, -2, 0.5]},
-    {"control": "\x00\x1f\x7f\"\\/", "tab": "\t\n\r\b\f"},
-], ids=["event-like", "escapes"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"ts": 1790000000.123, "a": "é\u2028\x07", "n": None, "b": True, "l": [1, -2, 0.5]},
+        {"control": '\x00\x1f\x7f"\\/', "tab": "\t\n\r\b\f"},
+    ],
+    ids=["event-like", "escapes"],
+)
 def test_fast_path_taken_and_identical(value: dict[str, object]) -> None:
     assert _canonical._fast_ok(value)
     assert canonical_json(value) == rfc8785.dumps(value)

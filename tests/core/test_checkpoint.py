@@ -11,9 +11,11 @@ from gateway.core.checkpoint import Checkpoint, NoteError, open_note, parse_veri
 
 # The example of the C2SP signed-note specification (data only).
 SPEC_VKEY = "example.com/foo+530d903a+AekyeRrm56hApGFkyQR4ZCbV54Id2LKaANYcrnKv3U2k"
-SPEC_NOTE = ("This is an example message.\n\n"
-             "\u2014 example.com/foo "
-             "Uw2QOkn8srV1yJGh2VYRlL1Tnagv1YEq6TfXppzi2ONncAlTgK7Ztg1ERYNZXsYjOBH3mFXmRKuwHjG1Yu72IneyaQM=\n")
+SPEC_NOTE = (
+    "This is an example message.\n\n"
+    "\u2014 example.com/foo "
+    "Uw2QOkn8srV1yJGh2VYRlL1Tnagv1YEq6TfXppzi2ONncAlTgK7Ztg1ERYNZXsYjOBH3mFXmRKuwHjG1Yu72IneyaQM=\n"
+)
 
 
 def test_published_signed_note_verifies() -> None:
@@ -41,17 +43,20 @@ def _tamper(note: str, old: str, new: str) -> str:
     return note.replace(old, new, 1)
 
 
-@pytest.mark.parametrize("mutate", [
-    pytest.param(lambda n: _tamper(n, "12345", "12346"), id="size"),
-    pytest.param(lambda n: _tamper(n, "timestamp 1790000000", "timestamp 1790000001"), id="timestamp"),
-    pytest.param(lambda n: _tamper(n, ORIGIN + "\n", "uomp.test/other\n"), id="origin"),
-    pytest.param(lambda n: _tamper(n, "AAECAwQF", "AAECAwQG"), id="root"),
-    pytest.param(lambda n: n[:-2] + ("A" if n[-2] != "A" else "B") + "\n", id="signature-byte"),
-    pytest.param(lambda n: n.split("\n\n")[0] + "\n", id="signature-removed"),
-    pytest.param(lambda n: n.replace("\u2014", "--"), id="dash"),
-    pytest.param(lambda n: n.rstrip("\n"), id="no-final-newline"),
-    pytest.param(lambda n: n.replace("\n\n", "\nextra\n\n"), id="line-added"),
-], )
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda n: _tamper(n, "12345", "12346"), id="size"),
+        pytest.param(lambda n: _tamper(n, "timestamp 1790000000", "timestamp 1790000001"), id="timestamp"),
+        pytest.param(lambda n: _tamper(n, ORIGIN + "\n", "uomp.test/other\n"), id="origin"),
+        pytest.param(lambda n: _tamper(n, "AAECAwQF", "AAECAwQG"), id="root"),
+        pytest.param(lambda n: n[:-2] + ("A" if n[-2] != "A" else "B") + "\n", id="signature-byte"),
+        pytest.param(lambda n: n.split("\n\n")[0] + "\n", id="signature-removed"),
+        pytest.param(lambda n: n.replace("\u2014", "--"), id="dash"),
+        pytest.param(lambda n: n.rstrip("\n"), id="no-final-newline"),
+        pytest.param(lambda n: n.replace("\n\n", "\nextra\n\n"), id="line-added"),
+    ],
+)
 def test_tampered_checkpoints_refused(mutate) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(NoteError):
         Checkpoint.open(mutate(CP.sign(ORIGIN, KEY)), ORIGIN, KEY.public_key())
@@ -73,14 +78,18 @@ def test_bad_note_text_refused(text: str) -> None:
         sign_note(text, ORIGIN, KEY)
 
 
-@pytest.mark.parametrize("body", [
-    "o\n01\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\n",
-    "o\n-1\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\n",
-    "o\n1\nAAAA\ntimestamp 1\n",
-    "o\n1\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\n",
-    "o\n1\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\ntimestamp 2\n",
-    "o\n99999999999999999999\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\n",
-], ids=["leading-zero", "negative", "short-root", "no-timestamp", "two-timestamps", "huge"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "o\n01\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\n",
+        "o\n-1\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\n",
+        "o\n1\nAAAA\ntimestamp 1\n",
+        "o\n1\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\n",
+        "o\n1\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\ntimestamp 2\n",
+        "o\n99999999999999999999\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\ntimestamp 1\n",
+    ],
+    ids=["leading-zero", "negative", "short-root", "no-timestamp", "two-timestamps", "huge"],
+)
 def test_bad_checkpoint_bodies(body: str) -> None:
     with pytest.raises(NoteError):
         Checkpoint.parse(body)

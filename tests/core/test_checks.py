@@ -12,14 +12,34 @@ from gateway.core import checks, tokens
 from gateway.errors import UompError
 
 NOW = int(time.time())
-BASE = tokens.parse_claims({"alg": "EdDSA", "kid": "k"}, tokens.capability_claims(
-    session_id="s", agent_id="agent_a", now=NOW, expires=NOW + 60, read=tokens.Scope(tags=("t",)),
-    profile="remote", audience="https://gw.example:9443", allowed_endpoints=["gw.example:9443"],
-    cnf={"x5t#S256": "X" * 43, "jkt": "J" * 43}))
-MTLS = checks.Presented(token_use="access", profile="remote", audiences={"https://gw.example:9443"},
-                        audience_required=True, endpoint="gw.example:9443", check_endpoint=True,
-                        header_agent="agent_a", require_header_agent=True, proven_agent="agent_a",
-                        x5t="X" * 43, jkt="J" * 43, binding=checks.BIND_EITHER)
+BASE = tokens.parse_claims(
+    {"alg": "EdDSA", "kid": "k"},
+    tokens.capability_claims(
+        session_id="s",
+        agent_id="agent_a",
+        now=NOW,
+        expires=NOW + 60,
+        read=tokens.Scope(tags=("t",)),
+        profile="remote",
+        audience="https://gw.example:9443",
+        allowed_endpoints=["gw.example:9443"],
+        cnf={"x5t#S256": "X" * 43, "jkt": "J" * 43},
+    ),
+)
+MTLS = checks.Presented(
+    token_use="access",
+    profile="remote",
+    audiences={"https://gw.example:9443"},
+    audience_required=True,
+    endpoint="gw.example:9443",
+    check_endpoint=True,
+    header_agent="agent_a",
+    require_header_agent=True,
+    proven_agent="agent_a",
+    x5t="X" * 43,
+    jkt="J" * 43,
+    binding=checks.BIND_EITHER,
+)
 
 CASES: list[tuple[str, dict[str, object], str | None]] = [
     ("all agree", {}, None),
@@ -35,8 +55,7 @@ CASES: list[tuple[str, dict[str, object], str | None]] = [
     ("other certificate and key", {"x5t": "Y" * 43, "jkt": "K" * 43}, "TOKEN_BINDING_MISMATCH"),
     ("nothing proven", {"x5t": None, "jkt": None}, "CERT_REQUIRED"),
     ("dpop other key", {"binding": checks.BIND_JKT, "x5t": None, "jkt": "K" * 43}, "TOKEN_BINDING_MISMATCH"),
-    ("bound token on the local profile", {"binding": checks.BIND_NONE, "profile": "remote"},
-     "TOKEN_BINDING_MISMATCH"),
+    ("bound token on the local profile", {"binding": checks.BIND_NONE, "profile": "remote"}, "TOKEN_BINDING_MISMATCH"),
 ]
 
 
@@ -84,15 +103,18 @@ HEADERS: list[tuple[str, list[tuple[bytes, bytes]], bool, bool]] = [
     ("two dpop", [(b"DPoP", b"a"), (b"dpop", b"b")], False, True),
     ("two hosts", [(b"Host", b"a"), (b"host", b"a")], False, True),
     ("two content-length", [(b"Content-Length", b"1"), (b"content-length", b"1")], False, True),
-    ("two transfer-encoding", [(b"Transfer-Encoding", b"chunked"), (b"transfer-encoding", b"chunked")], False,
-     True),
+    ("two transfer-encoding", [(b"Transfer-Encoding", b"chunked"), (b"transfer-encoding", b"chunked")], False, True),
     ("two agent ids", [(b"X-UOMP-Agent-Id", b"a"), (b"x-uomp-agent-id", b"a")], False, True),
     ("two accepts are fine", [(b"Accept", b"a"), (b"accept", b"b")], False, False),
     ("client verified header", [(b"X-UOMP-Verified-Agent", b"a")], False, True),
     ("verified header on the socket", [(b"X-UOMP-Verified-Agent", b"a")], True, False),
     ("unknown verified header on the socket", [(b"X-UOMP-Verified-Root", b"1")], True, True),
-    ("verified header twice on the socket", [(b"X-UOMP-Verified-Token", b"a"), (b"x-uomp-verified-token", b"a")],
-     True, True),
+    (
+        "verified header twice on the socket",
+        [(b"X-UOMP-Verified-Token", b"a"), (b"x-uomp-verified-token", b"a")],
+        True,
+        True,
+    ),
 ]
 
 
@@ -108,4 +130,5 @@ def test_an_endpoint_refusal_says_where_to_send_the_token_instead() -> None:
     assert err.value.message == (
         "token is not allowed on this endpoint: it is for gw.example:9443, this request came to host "
         "'other.example:9443'; send it to https://gw.example:9443 (the URL it was authorized for), or authorize "
-        "the agent again with --gateway-url https://other.example:9443")
+        "the agent again with --gateway-url https://other.example:9443"
+    )

@@ -12,8 +12,10 @@ from gateway.errors import UompError
 
 def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "config.toml"
-    f.write_text('[gateway]\nlisten_port = 10443\nendpoints = ["https://a.example"]\nmax_body_bytes = 5\n'
-                 '[guard]\naggregate_min_items = 5\n')
+    f.write_text(
+        '[gateway]\nlisten_port = 10443\nendpoints = ["https://a.example"]\nmax_body_bytes = 5\n'
+        "[guard]\naggregate_min_items = 5\n"
+    )
     assert load_section(GatewayConfig, "gateway", file=None) == GatewayConfig()
     cfg = load_section(GatewayConfig, "gateway", file=f)
     assert (cfg.listen_port, cfg.endpoints, cfg.max_body_bytes) == (10443, ["https://a.example"], 5)
@@ -27,21 +29,29 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert GatewayConfig().listen_host == "127.0.0.1" and GuardConfig().tcp_host == "127.0.0.1"
 
 
-@pytest.mark.parametrize(("text", "env", "fragment"), [
-    ("[gateway]\nlisten_prot = 1\n", None, "'listen_prot' (did you mean 'listen_port'?)"),
-    ("[gatway]\nlisten_port = 1\n", None, "unknown section(s) in the config file: 'gatway' (did you mean 'gateway'?)"),
-    ("listen_port = 1\n", None, "unknown section(s) in the config file: 'listen_port'"),
-    ("[guard]\ntcp_prot = 1\n", None, "unknown setting(s) in [guard]: 'tcp_prot' (did you mean 'tcp_port'?)"),
-    ("[gateway.tls]\nx = 1\n", None, "unknown setting(s) in [gateway]: 'tls'"),
-    ("[anchor]\nbackend = \"none\"\n[dashbaord]\nport = 0\n", None, "'dashbaord' (did you mean 'dashboard'?)"),
-    ("[gateway]\nlisten_port = \"many\"\n", None, "wrong type"),
-    ("[gateway]\nallow_non_loopback = \"maybe\"\n", None, "wrong type"),
-    ("[gateway\n", None, "cannot read config"),
-    ("gateway = 3\n", None, "must be a table"),
-    ("", ("UOMP_GATEWAY_LISTEN_PORT", "x"), "wrong type"),
-])
-def test_bad_settings_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
-                              env: tuple[str, str] | None, fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "env", "fragment"),
+    [
+        ("[gateway]\nlisten_prot = 1\n", None, "'listen_prot' (did you mean 'listen_port'?)"),
+        (
+            "[gatway]\nlisten_port = 1\n",
+            None,
+            "unknown section(s) in the config file: 'gatway' (did you mean 'gateway'?)",
+        ),
+        ("listen_port = 1\n", None, "unknown section(s) in the config file: 'listen_port'"),
+        ("[guard]\ntcp_prot = 1\n", None, "unknown setting(s) in [guard]: 'tcp_prot' (did you mean 'tcp_port'?)"),
+        ("[gateway.tls]\nx = 1\n", None, "unknown setting(s) in [gateway]: 'tls'"),
+        ('[anchor]\nbackend = "none"\n[dashbaord]\nport = 0\n', None, "'dashbaord' (did you mean 'dashboard'?)"),
+        ('[gateway]\nlisten_port = "many"\n', None, "wrong type"),
+        ('[gateway]\nallow_non_loopback = "maybe"\n', None, "wrong type"),
+        ("[gateway\n", None, "cannot read config"),
+        ("gateway = 3\n", None, "must be a table"),
+        ("", ("UOMP_GATEWAY_LISTEN_PORT", "x"), "wrong type"),
+    ],
+)
+def test_bad_settings_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, env: tuple[str, str] | None, fragment: str
+) -> None:
     f = tmp_path / "config.toml"
     f.write_text(text)
     if env:
@@ -51,8 +61,7 @@ def test_bad_settings_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, t
     assert exc.value.code == "CONFIG_ERROR" and fragment in exc.value.message
 
 
-def test_every_known_section_loads_and_a_good_file_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                ) -> None:
+def test_every_known_section_loads_and_a_good_file_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway.config import CONFIG_SECTIONS
 
     monkeypatch.delenv("UOMP_DASHBOARD_PORT", raising=False)  # conftest's free-port default
@@ -60,7 +69,7 @@ def test_every_known_section_loads_and_a_good_file_is_accepted(tmp_path: Path, m
     f.write_text("".join(f"[{name}]\n" for name in CONFIG_SECTIONS))
     for name, cls in CONFIG_SECTIONS.items():
         assert load_section(cls, name, file=f) == cls()
-    f.write_text('[guard]\naggregate_min_items = 5\n[dashboard]\nport = 0\n')
+    f.write_text("[guard]\naggregate_min_items = 5\n[dashboard]\nport = 0\n")
     assert load_section(GuardConfig, "guard", file=f).aggregate_min_items == 5
 
 
@@ -92,8 +101,13 @@ def test_example_config_names_every_setting_with_its_default() -> None:
     text = (root / "config" / "uomp.example.toml").read_text(encoding="utf-8")
     doc = tomllib.loads(text)
     assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard"}
-    for section, cls in (("guard", GuardConfig), ("gateway", GatewayConfig), ("tunnel", TunnelSettings),
-                         ("anchor", AnchorConfig), ("dashboard", DashboardConfig)):
+    for section, cls in (
+        ("guard", GuardConfig),
+        ("gateway", GatewayConfig),
+        ("tunnel", TunnelSettings),
+        ("anchor", AnchorConfig),
+        ("dashboard", DashboardConfig),
+    ):
         defaults = cls()
         names = {f.name for f in dataclasses.fields(cls)}
         assert set(doc[section]) <= names, f"[{section}] names settings the loader refuses"

@@ -78,13 +78,15 @@ async def wakes() -> AsyncIterator[_Wakes]:
 
 
 async def test_queued_results_reach_the_loop_in_one_wake_up(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: DbWorker, wakes: _Wakes) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: DbWorker, wakes: _Wakes
+) -> None:
     monkeypatch.setattr(dbmod, "HANDOVER_SECONDS", 60.0)  # a busy CI machine may pause the worker
     conn = connect(tmp_path / "x.db", schema="CREATE TABLE IF NOT EXISTS t (v INTEGER);")
     conn.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(40)])
     n = 20  # below HANDOVER_JOBS
     results = await _queued_behind_a_gate(
-        worker, n, lambda i: conn.execute("SELECT v FROM t WHERE v = ?", (i,)).fetchone()[0])
+        worker, n, lambda i: conn.execute("SELECT v FROM t WHERE v = ?", (i,)).fetchone()[0]
+    )
     conn.close()
     assert results == [True, *range(n)]  # each caller its own answer, in order
     # before: one wake-up per job (21); now the gate's job and the 20 behind it share one
@@ -98,7 +100,8 @@ async def test_a_lone_job_is_answered_at_once(worker: DbWorker, wakes: _Wakes) -
 
 
 async def test_a_batch_is_bounded_and_keeps_each_outcome(
-        monkeypatch: pytest.MonkeyPatch, worker: DbWorker, wakes: _Wakes) -> None:
+    monkeypatch: pytest.MonkeyPatch, worker: DbWorker, wakes: _Wakes
+) -> None:
     monkeypatch.setattr(dbmod, "HANDOVER_SECONDS", 60.0)  # the job bound alone, whatever the machine
 
     def job(i: int) -> int:

@@ -410,18 +410,20 @@ def test_one_key_filling_its_partition_does_not_lock_out_another() -> None:
     # another key is untouched, and a replay is still a replay on both
     other = make_dpop_proof(ED_OTHER, method=METHOD, url=URL, access_token=TOKEN, now=NOW)
     verify(other, replay=cache, expected_jkt=jose.key_thumbprint(ED_OTHER))
-    for proof, jkt in ((craft(claims={"jti": "a"}), jose.key_thumbprint(ED)),
-                       (other, jose.key_thumbprint(ED_OTHER))):
+    for proof, jkt in ((craft(claims={"jti": "a"}), jose.key_thumbprint(ED)), (other, jose.key_thumbprint(ED_OTHER))):
         with pytest.raises(UompError) as e:
             verify(proof, replay=cache, expected_jkt=jkt)
         assert e.value.message == "DPoP proof jti was already used"
 
 
-@pytest.mark.parametrize(("held", "newcomer_size", "accepted"), [
-    pytest.param({"a": 5, "b": 5}, 0, True, id="new key below its share takes the oldest of the largest"),
-    pytest.param({"a": 6, "b": 4}, 4, True, id="small key below its share"),
-    pytest.param({"a": 5, "b": 5}, 5, False, id="key at its fair share is refused"),
-])
+@pytest.mark.parametrize(
+    ("held", "newcomer_size", "accepted"),
+    [
+        pytest.param({"a": 5, "b": 5}, 0, True, id="new key below its share takes the oldest of the largest"),
+        pytest.param({"a": 6, "b": 4}, 4, True, id="small key below its share"),
+        pytest.param({"a": 5, "b": 5}, 5, False, id="key at its fair share is refused"),
+    ],
+)
 def test_global_bound_is_shared_fairly(held: dict[str, int], newcomer_size: int, accepted: bool) -> None:
     cache = ReplayCache(10 + newcomer_size, per_key_entries=10)
     for part, n in held.items():

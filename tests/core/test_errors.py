@@ -32,9 +32,17 @@ def test_error_carries_its_codes_status(code: ErrorCode) -> None:
 
 
 def test_spec_codes_keep_their_statuses() -> None:
-    spec = {"INVALID_TOKEN": 401, "TOKEN_EXPIRED": 401, "SESSION_REVOKED": 401, "ACCESS_DENIED": 403,
-            "QUOTA_EXCEEDED": 429, "WRITE_NOT_AVAILABLE": 403, "STORE_UNAVAILABLE": 503,
-            "SESSION_NOT_FOUND": 404, "INVALID_REQUEST": 400}
+    spec = {
+        "INVALID_TOKEN": 401,
+        "TOKEN_EXPIRED": 401,
+        "SESSION_REVOKED": 401,
+        "ACCESS_DENIED": 403,
+        "QUOTA_EXCEEDED": 429,
+        "WRITE_NOT_AVAILABLE": 403,
+        "STORE_UNAVAILABLE": 503,
+        "SESSION_NOT_FOUND": 404,
+        "INVALID_REQUEST": 400,
+    }
     assert {name: STATUS[ErrorCode(name)] for name in spec} == spec
 
 
@@ -43,8 +51,7 @@ def test_no_per_call_status_override() -> None:
         UompError(ErrorCode.INVALID_REQUEST, "x", status=431)  # type: ignore[call-arg]
 
 
-@pytest.mark.parametrize("value", ["INVALID_TOKN", "invalid_token", "", " INVALID_TOKEN", "HTTP_500", "OK"],
-                         ids=repr)
+@pytest.mark.parametrize("value", ["INVALID_TOKN", "invalid_token", "", " INVALID_TOKEN", "HTTP_500", "OK"], ids=repr)
 def test_unknown_strings_are_refused_at_conversion(value: str) -> None:
     with pytest.raises(ValueError):
         ErrorCode(value)
@@ -54,8 +61,9 @@ def test_unknown_strings_are_refused_at_conversion(value: str) -> None:
     assert parse_code(value, ErrorCode.UPSTREAM_ERROR) is ErrorCode.UPSTREAM_ERROR
 
 
-@pytest.mark.parametrize("value", [None, 401, 4.0, ["INVALID_TOKEN"], {"code": "INVALID_TOKEN"}, b"INVALID_TOKEN"],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "value", [None, 401, 4.0, ["INVALID_TOKEN"], {"code": "INVALID_TOKEN"}, b"INVALID_TOKEN"], ids=repr
+)
 def test_non_strings_are_refused_at_conversion(value: object) -> None:
     assert known_code(value) is None
     assert parse_code(value, ErrorCode.SESSION_REVOKED) is ErrorCode.SESSION_REVOKED
@@ -71,7 +79,8 @@ def test_wire_format_is_the_plain_string() -> None:
     body = err.body()
     assert type(body["error"]["code"]) is str
     assert json.dumps(body, separators=(",", ":")) == (
-        '{"error":{"code":"SESSION_REVOKED","message":"gone","session_id":"s1","details":{"n":1}}}')
+        '{"error":{"code":"SESSION_REVOKED","message":"gone","session_id":"s1","details":{"n":1}}}'
+    )
     assert json.dumps({"c": ErrorCode.INTERNAL}) == '{"c": "INTERNAL"}'  # a member that slips into JSON as is
     assert str(err) == "SESSION_REVOKED: gone"
     assert f"{ErrorCode.NOT_FOUND}" == "NOT_FOUND"
@@ -80,12 +89,28 @@ def test_wire_format_is_the_plain_string() -> None:
 def test_a_misspelt_code_is_a_type_error(tmp_path: Path) -> None:
     """mypy (strict, as in CI) refuses a misspelt member and a bare string where an ErrorCode is due."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from gateway.errors import ErrorCode, UompError\n"
-                     "UompError(ErrorCode.INVALID_TOKEN, 'fine')\n"
-                     "UompError(ErrorCode.INVALD_TOKEN, 'typo')\n"
-                     "UompError('INVALID_TOKEN', 'a bare string')\n")
-    out = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--follow-imports=silent",
-                          "--config-file=", str(probe)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    probe.write_text(
+        "from gateway.errors import ErrorCode, UompError\n"
+        "UompError(ErrorCode.INVALID_TOKEN, 'fine')\n"
+        "UompError(ErrorCode.INVALD_TOKEN, 'typo')\n"
+        "UompError('INVALID_TOKEN', 'a bare string')\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "--follow-imports=silent",
+            "--config-file=",
+            str(probe),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ": error:" in ln]
     assert any("probe.py:3:" in ln and "INVALD_TOKEN" in ln for ln in lines), out.stdout
@@ -117,14 +142,17 @@ async def test_guard_answers_refused_requests_with_the_transport_status_and_json
         assert "www-authenticate" not in headers
 
         status, headers, body = await _raw(
-            home, b"GET /v1/health HTTP/1.1\r\nHost: g\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+            home, b"GET /v1/health HTTP/1.1\r\nHost: g\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"
+        )
         assert status == 400 and json.loads(body)["error"]["code"] == "INVALID_REQUEST"
 
         status, headers, body = await _raw(home, b"GET /no/such/route HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
         assert status == 404 and json.loads(body)["error"]["code"] == "NOT_FOUND"
 
         status, headers, body = await _raw(
-            home, b"POST /v1/sessions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+            home,
+            b"POST /v1/sessions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+        )
         assert status == 401 and json.loads(body)["error"]["code"] == "UNAUTHORIZED"
         assert headers["www-authenticate"] == 'Bearer realm="uomp"'

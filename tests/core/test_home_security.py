@@ -45,8 +45,9 @@ def uomp(home: Path, *args: str, umask: int | None = None) -> subprocess.Complet
         if umask is not None:
             os.umask(umask)
 
-    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60,
-                          preexec_fn=pre)
+    return subprocess.run(
+        [*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60, preexec_fn=pre
+    )
 
 
 # -------------------------------------------------------------------------------- creation modes
@@ -79,14 +80,17 @@ def test_issue_out_keeps_an_existing_directory_mode(home: Paths, tmp_path: Path)
     assert mode(shared / "agent.key") == 0o600 and mode(shared / "agent.crt") == 0o600
 
 
-@pytest.mark.parametrize("setup", [
-    pytest.param(lambda d: os.chmod(d, 0o777), id="world-writable"),
-    pytest.param(lambda d: os.chmod(d, 0o770), id="group-writable"),
-    pytest.param(lambda d: os.chown(d, OTHER_UID, -1), id="owned-by-another-user"),
-])
-def test_issue_out_refuses_a_directory_others_can_write(home: Paths, tmp_path: Path,
-                                                        setup: Callable[[Path], None],
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "setup",
+    [
+        pytest.param(lambda d: os.chmod(d, 0o777), id="world-writable"),
+        pytest.param(lambda d: os.chmod(d, 0o770), id="group-writable"),
+        pytest.param(lambda d: os.chown(d, OTHER_UID, -1), id="owned-by-another-user"),
+    ],
+)
+def test_issue_out_refuses_a_directory_others_can_write(
+    home: Paths, tmp_path: Path, setup: Callable[[Path], None], capsys: pytest.CaptureFixture[str]
+) -> None:
     ca_store.init_all(home)
     out = tmp_path / "out"
     out.mkdir(mode=0o700)
@@ -123,13 +127,22 @@ BREAKS = [
     pytest.param(lambda h: os.chown(h.parent, OTHER_UID, -1), "a parent of", id="parent-other-owner"),
 ]
 
-COMMANDS = [["init"], ["sessions", "list"], ["agent", "list"], ["keys", "rotate"], ["audit"],
-            ["agent", "issue", "bot", "--out", "OUT"], ["ca", "init"], ["memory", "list"]]
+COMMANDS = [
+    ["init"],
+    ["sessions", "list"],
+    ["agent", "list"],
+    ["keys", "rotate"],
+    ["audit"],
+    ["agent", "issue", "bot", "--out", "OUT"],
+    ["ca", "init"],
+    ["memory", "list"],
+]
 
 
 @pytest.mark.parametrize(("brk", "what"), BREAKS)
-def test_every_command_refuses_an_unsafe_home(tmp_path: Path, brk: Callable[[Path], None], what: str,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_command_refuses_an_unsafe_home(
+    tmp_path: Path, brk: Callable[[Path], None], what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     home = tmp_path / "p" / "home"
     assert main(["--home", str(home), "init"]) == 0
     brk(home)
@@ -208,8 +221,7 @@ async def _poll(check: Callable[[], object], what: str) -> None:
 
 async def test_rotate_revoke_old_kills_tokens_in_the_running_guard(home: Paths) -> None:
     seed(home)
-    async with running_guard(home, guard_config()) as g, unix_session(home) as s, \
-            aiohttp.ClientSession() as tcp:
+    async with running_guard(home, guard_config()) as g, unix_session(home) as s, aiohttp.ClientSession() as tcp:
         base = f"http://127.0.0.1:{g.tcp_port}"
         old = await grant(s, home, read={"tags": ["preference"], "keys": []}, audience=base)
         status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=old["token"], base=base)
@@ -229,15 +241,17 @@ async def test_rotate_revoke_old_kills_tokens_in_the_running_guard(home: Paths) 
 
 
 async def test_rotate_revoke_old_kills_tokens_in_the_running_gateway(
-        home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
+    home: Paths, capsys: pytest.CaptureFixture[str]
+) -> None:
     async with appliance(home) as app:
         a = app.agent("agent_a")
         kept = await app.grant(a)
         ended = await app.grant(a)
         async with agent_session(a, home) as s:
             for g in (kept, ended):
-                st, item, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                               agent_id="agent_a")
+                st, item, _ = await agent_call(
+                    s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id="agent_a"
+                )
                 assert st == 200, item
         # by default the sessions holding old tokens are revoked, and the output names them
         assert main(["--home", str(home.home), "keys", "rotate", "--revoke-old"]) == 0
@@ -254,14 +268,16 @@ async def test_rotate_revoke_old_kills_tokens_in_the_running_gateway(
             if json.loads(jose.b64u_decode(g2["token"].split(".")[0]))["kid"] in old_kids:
                 return False  # the guard has not picked up the new signing key yet
             async with agent_session(a, home) as s:
-                st, _, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g2["token"],
-                                            agent_id="agent_a")
+                st, _, _ = await agent_call(
+                    s, app.base, "/v1/memory/preference.theme", token=g2["token"], agent_id="agent_a"
+                )
             fresh.append(g2["token"])
             return st == 200
 
         await _poll(gateway_reloaded, "the gateway takes the new key")
         assert app.gateway.state is not None and not old_kids & set(app.gateway.state.public_keys)
         async with agent_session(a, home) as s:
-            st, err, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=kept["token"],
-                                          agent_id="agent_a")
+            st, err, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=kept["token"], agent_id="agent_a"
+            )
         assert st == 401 and err["error"]["code"] == "INVALID_TOKEN", err

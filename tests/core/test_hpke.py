@@ -79,9 +79,12 @@ def test_open_refuses_wrong_aad_info_key_and_order() -> None:
     sk_r = X25519PrivateKey.generate()
     enc, ct = hpke.seal(suite, sk_r.public_key(), b"info", b"secret", b"aad")
     assert hpke.open_(suite, enc, sk_r, b"info", ct, b"aad") == b"secret"
-    for args in [(enc, sk_r, b"info", ct, b"aaX"), (enc, sk_r, b"infX", ct, b"aad"),
-                 (enc, X25519PrivateKey.generate(), b"info", ct, b"aad"),
-                 (enc, sk_r, b"info", ct[:-1] + bytes([ct[-1] ^ 1]), b"aad")]:
+    for args in [
+        (enc, sk_r, b"info", ct, b"aaX"),
+        (enc, sk_r, b"infX", ct, b"aad"),
+        (enc, X25519PrivateKey.generate(), b"info", ct, b"aad"),
+        (enc, sk_r, b"info", ct[:-1] + bytes([ct[-1] ^ 1]), b"aad"),
+    ]:
         with pytest.raises(HpkeError):
             hpke.open_(suite, *args)
     # Second message opened first: the sequence number binds the order.

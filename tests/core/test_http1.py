@@ -88,10 +88,8 @@ HEADS: list[tuple[str, bytes, str, Any]] = [
     ("fields-at-limit", head(OK, *[b"X-A: a"] * (MAX_HEADERS - 1), CL0), "GET", (200, LENGTH, 0, True)),
     ("fields-over-limit", head(OK, *[b"X-A: a"] * MAX_HEADERS, CL0), "GET", "too many header fields"),
     # -- size of the head
-    ("head-at-limit", head(OK, b"X-A: " + b"a" * (MAX_HEAD_BYTES - len(OK) - 7)), "GET",
-     (200, UNTIL_CLOSE, 0, False)),
-    ("head-over-limit", head(OK, b"X-A: " + b"a" * (MAX_HEAD_BYTES - len(OK) - 6)), "GET",
-     "header section too large"),
+    ("head-at-limit", head(OK, b"X-A: " + b"a" * (MAX_HEAD_BYTES - len(OK) - 7)), "GET", (200, UNTIL_CLOSE, 0, False)),
+    ("head-over-limit", head(OK, b"X-A: " + b"a" * (MAX_HEAD_BYTES - len(OK) - 6)), "GET", "header section too large"),
     ("head-unended-over-limit", OK + CRLF + b"X-A: " + b"a" * MAX_HEAD_BYTES, "GET", "header section too large"),
     ("head-unended", OK + CRLF + CL0 + CRLF, "GET", "pending"),
     ("head-ended-by-bare-lfs", OK + b"\nContent-Length: 0\n\n", "GET", "pending"),
@@ -106,8 +104,7 @@ HEADS: list[tuple[str, bytes, str, Any]] = [
     ("connection-list-close", head(OK, CL0, b"Connection: keep-alive, Close"), "GET", (200, LENGTH, 0, False)),
     ("connection-keep-alive", head(OK, CL0, b"Connection: keep-alive"), "GET", (200, LENGTH, 0, True)),
     ("duplicate-cl-same", head(OK, b"Content-Length: 5", b"content-length: 5"), "GET", (200, LENGTH, 5, True)),
-    ("duplicate-cl-differs", head(OK, b"Content-Length: 5", b"Content-Length: 6"), "GET",
-     "conflicting Content-Length"),
+    ("duplicate-cl-differs", head(OK, b"Content-Length: 5", b"Content-Length: 6"), "GET", "conflicting Content-Length"),
     ("cl-list-in-one-field", head(OK, b"Content-Length: 5, 5"), "GET", "bad Content-Length"),
     ("cl-negative", head(OK, b"Content-Length: -1"), "GET", "bad Content-Length"),
     ("cl-plus-sign", head(OK, b"Content-Length: +5"), "GET", "bad Content-Length"),
@@ -116,20 +113,39 @@ HEADS: list[tuple[str, bytes, str, Any]] = [
     ("cl-non-ascii-digit", head(OK, "Content-Length: \u0665".encode()), "GET", "bad Content-Length"),
     ("cl-leading-zeros", head(OK, b"Content-Length: 000000000005"), "GET", (200, LENGTH, 5, True)),
     ("cl-thirteen-digits", head(OK, b"Content-Length: 0000000000005"), "GET", "bad Content-Length"),
-    ("cl-at-body-cap", head(OK, b"Content-Length: %d" % MAX_BODY_BYTES), "GET",
-     (200, LENGTH, MAX_BODY_BYTES, True)),
-    ("cl-over-body-cap", head(OK, b"Content-Length: %d" % (MAX_BODY_BYTES + 1)), "GET",
-     "body larger than the gateway accepts"),
-    ("cl-and-te", head(OK, b"Content-Length: 5", b"Transfer-Encoding: chunked"), "GET",
-     "both Content-Length and Transfer-Encoding"),
-    ("te-and-cl", head(OK, b"Transfer-Encoding: chunked", b"Content-Length: 5"), "GET",
-     "both Content-Length and Transfer-Encoding"),
+    ("cl-at-body-cap", head(OK, b"Content-Length: %d" % MAX_BODY_BYTES), "GET", (200, LENGTH, MAX_BODY_BYTES, True)),
+    (
+        "cl-over-body-cap",
+        head(OK, b"Content-Length: %d" % (MAX_BODY_BYTES + 1)),
+        "GET",
+        "body larger than the gateway accepts",
+    ),
+    (
+        "cl-and-te",
+        head(OK, b"Content-Length: 5", b"Transfer-Encoding: chunked"),
+        "GET",
+        "both Content-Length and Transfer-Encoding",
+    ),
+    (
+        "te-and-cl",
+        head(OK, b"Transfer-Encoding: chunked", b"Content-Length: 5"),
+        "GET",
+        "both Content-Length and Transfer-Encoding",
+    ),
     ("te-gzip", head(OK, b"Transfer-Encoding: gzip"), "GET", "unsupported Transfer-Encoding"),
     ("te-gzip-chunked", head(OK, b"Transfer-Encoding: gzip, chunked"), "GET", "unsupported Transfer-Encoding"),
-    ("te-twice", head(OK, b"Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"), "GET",
-     "repeated Transfer-Encoding"),
-    ("te-on-204-still-checked", head(b"HTTP/1.1 204 X", b"Transfer-Encoding: gzip"), "GET",
-     "unsupported Transfer-Encoding"),
+    (
+        "te-twice",
+        head(OK, b"Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"),
+        "GET",
+        "repeated Transfer-Encoding",
+    ),
+    (
+        "te-on-204-still-checked",
+        head(b"HTTP/1.1 204 X", b"Transfer-Encoding: gzip"),
+        "GET",
+        "unsupported Transfer-Encoding",
+    ),
 ]
 
 
@@ -205,10 +221,13 @@ def test_chunk_line_end(buf: bytes, expected: int | str) -> None:
     assert got == expected
 
 
-@pytest.mark.parametrize(("received", "ok"), [
-    pytest.param(MAX_BODY_BYTES, True, id="at-cap"),
-    pytest.param(MAX_BODY_BYTES + 1, False, id="over-cap"),
-])
+@pytest.mark.parametrize(
+    ("received", "ok"),
+    [
+        pytest.param(MAX_BODY_BYTES, True, id="at-cap"),
+        pytest.param(MAX_BODY_BYTES + 1, False, id="over-cap"),
+    ],
+)
 def test_body_cap(received: int, ok: bool) -> None:
     if ok:
         http1.check_body_size(received)
@@ -221,23 +240,54 @@ def test_body_cap(received: int, ok: bool) -> None:
 
 REQUESTS: list[tuple[str, dict[str, Any], bytes | None]] = [
     # (id, arguments, exact bytes | None for a refusal)
-    ("get", {"method": "GET", "target": "/v1/memory/a", "headers": {"X-A": "1"}},
-     b"GET /v1/memory/a HTTP/1.1\r\nHost: uomp-guard\r\nX-A: 1\r\n\r\n"),
-    ("post-without-body", {"method": "POST", "target": "/v1/x", "headers": {}},
-     b"POST /v1/x HTTP/1.1\r\nHost: uomp-guard\r\nContent-Length: 0\r\n\r\n"),
-    ("put-with-body", {"method": "PUT", "target": "/v1/x", "headers": {}, "body": b"{}"},
-     b"PUT /v1/x HTTP/1.1\r\nHost: uomp-guard\r\nContent-Length: 2\r\n\r\n{}"),
-    ("get-with-empty-body", {"method": "GET", "target": "/x", "headers": {}, "body": b""},
-     b"GET /x HTTP/1.1\r\nHost: uomp-guard\r\nContent-Length: 0\r\n\r\n"),
-    ("prefix", {"method": "GET", "target": "/x", "headers": {}, "prefix": "/guard"},
-     b"GET /guard/x HTTP/1.1\r\nHost: uomp-guard\r\n\r\n"),
-    ("hop-headers-dropped", {"method": "GET", "target": "/x", "headers": {
-        "Host": "evil", "Transfer-Encoding": "chunked", "Content-Length": "9", "connection": "close",
-        "TE": "trailers", "Upgrade": "h2c", "Expect": "100-continue", "X-Kept": "yes"}},
-     b"GET /x HTTP/1.1\r\nHost: uomp-guard\r\nX-Kept: yes\r\n\r\n"),
-    ("value-utf8-surrogateescape", {"method": "GET", "target": "/x",
-                                    "headers": {"X-A": b"caf\xc3\xa9".decode("utf-8", "surrogateescape")}},
-     b"GET /x HTTP/1.1\r\nHost: uomp-guard\r\nX-A: caf\xc3\xa9\r\n\r\n"),
+    (
+        "get",
+        {"method": "GET", "target": "/v1/memory/a", "headers": {"X-A": "1"}},
+        b"GET /v1/memory/a HTTP/1.1\r\nHost: uomp-guard\r\nX-A: 1\r\n\r\n",
+    ),
+    (
+        "post-without-body",
+        {"method": "POST", "target": "/v1/x", "headers": {}},
+        b"POST /v1/x HTTP/1.1\r\nHost: uomp-guard\r\nContent-Length: 0\r\n\r\n",
+    ),
+    (
+        "put-with-body",
+        {"method": "PUT", "target": "/v1/x", "headers": {}, "body": b"{}"},
+        b"PUT /v1/x HTTP/1.1\r\nHost: uomp-guard\r\nContent-Length: 2\r\n\r\n{}",
+    ),
+    (
+        "get-with-empty-body",
+        {"method": "GET", "target": "/x", "headers": {}, "body": b""},
+        b"GET /x HTTP/1.1\r\nHost: uomp-guard\r\nContent-Length: 0\r\n\r\n",
+    ),
+    (
+        "prefix",
+        {"method": "GET", "target": "/x", "headers": {}, "prefix": "/guard"},
+        b"GET /guard/x HTTP/1.1\r\nHost: uomp-guard\r\n\r\n",
+    ),
+    (
+        "hop-headers-dropped",
+        {
+            "method": "GET",
+            "target": "/x",
+            "headers": {
+                "Host": "evil",
+                "Transfer-Encoding": "chunked",
+                "Content-Length": "9",
+                "connection": "close",
+                "TE": "trailers",
+                "Upgrade": "h2c",
+                "Expect": "100-continue",
+                "X-Kept": "yes",
+            },
+        },
+        b"GET /x HTTP/1.1\r\nHost: uomp-guard\r\nX-Kept: yes\r\n\r\n",
+    ),
+    (
+        "value-utf8-surrogateescape",
+        {"method": "GET", "target": "/x", "headers": {"X-A": b"caf\xc3\xa9".decode("utf-8", "surrogateescape")}},
+        b"GET /x HTTP/1.1\r\nHost: uomp-guard\r\nX-A: caf\xc3\xa9\r\n\r\n",
+    ),
     ("method-lower-case", {"method": "get", "target": "/x", "headers": {}}, None),
     ("method-too-long", {"method": "A" * 17, "target": "/x", "headers": {}}, None),
     ("target-without-slash", {"method": "GET", "target": "x", "headers": {}}, None),

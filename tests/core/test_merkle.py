@@ -13,8 +13,10 @@ from gateway.core.merkle import MemoryTree, ProofError
 
 # The reference leaves and tree heads published with RFC 6962 implementations (Certificate
 # Transparency, transparency-dev/merkle): data only.
-LEAVES = [bytes.fromhex(h) for h in (
-    "", "00", "10", "2021", "3031", "40414243", "5051525354555657", "606162636465666768696a6b6c6d6e6f")]
+LEAVES = [
+    bytes.fromhex(h)
+    for h in ("", "00", "10", "2021", "3031", "40414243", "5051525354555657", "606162636465666768696a6b6c6d6e6f")
+]
 ROOTS = [
     "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
     "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
@@ -28,27 +30,63 @@ ROOTS = [
 ]
 INCLUSION = [  # (leaf index, tree size, path)
     (0, 1, []),
-    (0, 8, ["96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
+    (
+        0,
+        8,
+        [
+            "96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
             "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
-            "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4"]),
-    (5, 8, ["bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+            "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+        ],
+    ),
+    (
+        5,
+        8,
+        [
+            "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
             "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
-            "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7"]),
+            "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+        ],
+    ),
     (2, 3, ["fac54203e7cc696cf0dfcb42c92a1d9dbaf70ad9e621f4bd8d98662f00e3c125"]),
-    (1, 5, ["6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
+    (
+        1,
+        5,
+        [
+            "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
             "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
-            "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b"]),
+            "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+        ],
+    ),
 ]
 CONSISTENCY = [  # (old size, new size, path)
     (1, 1, []),
-    (1, 8, ["96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
+    (
+        1,
+        8,
+        [
+            "96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
             "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
-            "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4"]),
-    (6, 8, ["0ebc5d3437fbe2db158b9f126a1d118e308181031d0a949f8dededebc558ef6a",
+            "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+        ],
+    ),
+    (
+        6,
+        8,
+        [
+            "0ebc5d3437fbe2db158b9f126a1d118e308181031d0a949f8dededebc558ef6a",
             "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
-            "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7"]),
-    (2, 5, ["5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
-            "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b"]),
+            "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+        ],
+    ),
+    (
+        2,
+        5,
+        [
+            "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+            "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+        ],
+    ),
 ]
 SOME_HASH = bytes.fromhex("abacaba000000000000000000000000000000000000000000060061e00123456")
 
@@ -83,16 +121,18 @@ def test_hash_domain_separation() -> None:
 def test_inclusion_vectors(index: int, size: int, path: list[str]) -> None:
     tree = reference_tree()
     assert [h.hex() for h in tree.inclusion_proof(index, size)] == path
-    merkle.verify_inclusion(index, size, merkle.leaf_hash(LEAVES[index]), [bytes.fromhex(h) for h in path],
-                            bytes.fromhex(ROOTS[size]))
+    merkle.verify_inclusion(
+        index, size, merkle.leaf_hash(LEAVES[index]), [bytes.fromhex(h) for h in path], bytes.fromhex(ROOTS[size])
+    )
 
 
 @pytest.mark.parametrize(("old", "new", "path"), CONSISTENCY, ids=lambda v: str(v)[:12])
 def test_consistency_vectors(old: int, new: int, path: list[str]) -> None:
     tree = reference_tree()
     assert [h.hex() for h in tree.consistency_proof(old, new)] == path
-    merkle.verify_consistency(old, new, bytes.fromhex(ROOTS[old]), bytes.fromhex(ROOTS[new]),
-                              [bytes.fromhex(h) for h in path])
+    merkle.verify_consistency(
+        old, new, bytes.fromhex(ROOTS[old]), bytes.fromhex(ROOTS[new]), [bytes.fromhex(h) for h in path]
+    )
 
 
 def _flip(h: bytes, bit: int = 3) -> bytes:
@@ -112,7 +152,7 @@ def inclusion_mutations(index: int, size: int, leaf: bytes, path: list[bytes], r
     yield "trailing root", (index, size, leaf, [*path, root], root)
     yield "preceding root", (index, size, leaf, [root, *path], root)
     for i in range(len(path)):
-        yield f"flip proof[{i}]", (index, size, leaf, [*path[:i], _flip(path[i]), *path[i + 1:]], root)
+        yield f"flip proof[{i}]", (index, size, leaf, [*path[:i], _flip(path[i]), *path[i + 1 :]], root)
     if path:
         yield "removed component", (index, size, leaf, path[:-1], root)
     if len(path) > 1:
@@ -155,8 +195,10 @@ def test_consistency_every_pair_and_mutations() -> None:
                 (old, new, roots[old], roots[new], [*proof, roots[old]]),
                 (old, new, roots[old], roots[new], [roots[new], *proof]),
                 (old, new, roots[old], roots[new], proof[:-1]),
-                *[(old, new, roots[old], roots[new], [*proof[:i], _flip(proof[i], 4), *proof[i + 1:]])
-                  for i in range(len(proof))],
+                *[
+                    (old, new, roots[old], roots[new], [*proof[:i], _flip(proof[i], 4), *proof[i + 1 :]])
+                    for i in range(len(proof))
+                ],
             ]
             for args in bad:
                 if args[0] < 0:
@@ -165,18 +207,31 @@ def test_consistency_every_pair_and_mutations() -> None:
                     merkle.verify_consistency(*args)
 
 
-@pytest.mark.parametrize(("old", "new", "r1", "r2", "proof", "ok"), [
-    (0, 0, merkle.EMPTY_ROOT, merkle.EMPTY_ROOT, [], True),
-    (0, 1, merkle.EMPTY_ROOT, SOME_HASH, [], True),
-    (1, 1, SOME_HASH, SOME_HASH, [], True),
-    (1, 0, SOME_HASH, SOME_HASH, [], False),
-    (2, 1, SOME_HASH, SOME_HASH, [], False),
-    (1, 2, SOME_HASH, merkle.EMPTY_ROOT, [], False),
-    (1, 1, merkle.EMPTY_ROOT, SOME_HASH, [], False),
-    (1, 1, SOME_HASH, SOME_HASH, [SOME_HASH], False),
-    (0, 1, merkle.EMPTY_ROOT, SOME_HASH, [SOME_HASH], False),
-], ids=["0-0", "0-1", "1-1", "back-in-time", "back-in-time-2", "empty-proof", "same-size-diff-root",
-        "same-size-nonempty-proof", "from-empty-nonempty-proof"])
+@pytest.mark.parametrize(
+    ("old", "new", "r1", "r2", "proof", "ok"),
+    [
+        (0, 0, merkle.EMPTY_ROOT, merkle.EMPTY_ROOT, [], True),
+        (0, 1, merkle.EMPTY_ROOT, SOME_HASH, [], True),
+        (1, 1, SOME_HASH, SOME_HASH, [], True),
+        (1, 0, SOME_HASH, SOME_HASH, [], False),
+        (2, 1, SOME_HASH, SOME_HASH, [], False),
+        (1, 2, SOME_HASH, merkle.EMPTY_ROOT, [], False),
+        (1, 1, merkle.EMPTY_ROOT, SOME_HASH, [], False),
+        (1, 1, SOME_HASH, SOME_HASH, [SOME_HASH], False),
+        (0, 1, merkle.EMPTY_ROOT, SOME_HASH, [SOME_HASH], False),
+    ],
+    ids=[
+        "0-0",
+        "0-1",
+        "1-1",
+        "back-in-time",
+        "back-in-time-2",
+        "empty-proof",
+        "same-size-diff-root",
+        "same-size-nonempty-proof",
+        "from-empty-nonempty-proof",
+    ],
+)
 def test_consistency_edge_cases(old: int, new: int, r1: bytes, r2: bytes, proof: list[bytes], ok: bool) -> None:
     if ok:
         merkle.verify_consistency(old, new, r1, r2, proof)
@@ -228,7 +283,7 @@ def test_property_any_tree(leaves: list[bytes], data: st.DataObject) -> None:
         bad = bytearray(proof[i])
         bad[byte] ^= 1
         with pytest.raises(ProofError):
-            merkle.verify_consistency(old, n, tree.root(old), tree.root(), [*proof[:i], bytes(bad), *proof[i + 1:]])
+            merkle.verify_consistency(old, n, tree.root(old), tree.root(), [*proof[:i], bytes(bad), *proof[i + 1 :]])
 
 
 def _mth(hashes: list[bytes]) -> bytes:

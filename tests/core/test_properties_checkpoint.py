@@ -20,10 +20,16 @@ KEY = Ed25519PrivateKey.generate()
 NAME = "uomp.test/log"
 
 
-@pytest.mark.parametrize("root_line", [
-    "AAAAAAAAAAA53oO82qwfONGSwALxa7KKf0HnpGRR7xNKY4P8XkIUDB/AXQO\xff\xff\xffSA5XPA53SMIAgE=",  # found by fuzz
-    "é" * 44, "ＡＡＡＡ", "AAAA\u200b",
-], ids=["fuzz-crash", "latin1", "fullwidth", "zero-width"])
+@pytest.mark.parametrize(
+    "root_line",
+    [
+        "AAAAAAAAAAA53oO82qwfONGSwALxa7KKf0HnpGRR7xNKY4P8XkIUDB/AXQO\xff\xff\xffSA5XPA53SMIAgE=",  # found by fuzz
+        "é" * 44,
+        "ＡＡＡＡ",
+        "AAAA\u200b",
+    ],
+    ids=["fuzz-crash", "latin1", "fullwidth", "zero-width"],
+)
 def test_non_ascii_root_is_a_note_error(root_line: str) -> None:
     """Found by scripts/fuzz.sh (checkpoint target): a non-ASCII root line escaped as a bare ValueError."""
     with pytest.raises(NoteError):
@@ -49,7 +55,7 @@ def test_altered_note_never_opens_to_other_text(pos: int, ch: str) -> None:
     cp = Checkpoint(NAME, 7, bytes(range(32)), 1_780_000_000)
     note = cp.sign(NAME, KEY)
     i = pos % len(note)
-    forged = note[:i] + ch + note[i + 1:]
+    forged = note[:i] + ch + note[i + 1 :]
     try:
         got = Checkpoint.open(forged, NAME, KEY.public_key())
     except NoteError:
@@ -60,8 +66,11 @@ def test_altered_note_never_opens_to_other_text(pos: int, ch: str) -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.text(max_size=300))
 def test_any_text_raises_note_error_only(text: str) -> None:
-    for fn in (lambda: Checkpoint.parse(text), lambda: checkpoint.open_note(text, NAME, KEY.public_key()),
-               lambda: checkpoint.parse_verifier_key(text)):
+    for fn in (
+        lambda: Checkpoint.parse(text),
+        lambda: checkpoint.open_note(text, NAME, KEY.public_key()),
+        lambda: checkpoint.parse_verifier_key(text),
+    ):
         try:
             fn()
         except NoteError:

@@ -27,31 +27,48 @@ NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._:-", min_size=1,
 
 
 def _token(read: tokens.Scope, agent: str, fields: list[str] | None, agg: bool) -> str:
-    claims = tokens.capability_claims(session_id="sess_p", agent_id=agent, now=NOW - 5, expires=NOW + 300,
-                                      read=read, max_read_queries=5, allowed_fields=fields, aggregation_only=agg,
-                                      audience="http://127.0.0.1:9374")
+    claims = tokens.capability_claims(
+        session_id="sess_p",
+        agent_id=agent,
+        now=NOW - 5,
+        expires=NOW + 300,
+        read=read,
+        max_read_queries=5,
+        allowed_fields=fields,
+        aggregation_only=agg,
+        audience="http://127.0.0.1:9374",
+    )
     return tokens.sign_token(claims, KEY, "k1")
 
 
-SCOPES = st.builds(lambda t, k, dt, dk: tokens.Scope(tags=tuple(t), keys=tuple(k), deny_tags=tuple(dt),
-                                                      deny_keys=tuple(dk)),
-                   st.lists(NAMES, max_size=4, unique=True), st.lists(NAMES, max_size=4, unique=True),
-                   st.lists(NAMES, max_size=3, unique=True), st.lists(NAMES, max_size=3, unique=True))
+SCOPES = st.builds(
+    lambda t, k, dt, dk: tokens.Scope(tags=tuple(t), keys=tuple(k), deny_tags=tuple(dt), deny_keys=tuple(dk)),
+    st.lists(NAMES, max_size=4, unique=True),
+    st.lists(NAMES, max_size=4, unique=True),
+    st.lists(NAMES, max_size=3, unique=True),
+    st.lists(NAMES, max_size=3, unique=True),
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(read=SCOPES, agent=NAMES, fields=st.none() | st.lists(st.sampled_from(["key", "value", "tags"]),
-                                                              unique=True), agg=st.booleans(),
-       pos=st.integers(min_value=0), ch=st.sampled_from("AQgw_-0z"))
-def test_token_round_trip_and_any_change_refused(read: tokens.Scope, agent: str, fields: list[str] | None,
-                                                  agg: bool, pos: int, ch: str) -> None:
+@given(
+    read=SCOPES,
+    agent=NAMES,
+    fields=st.none() | st.lists(st.sampled_from(["key", "value", "tags"]), unique=True),
+    agg=st.booleans(),
+    pos=st.integers(min_value=0),
+    ch=st.sampled_from("AQgw_-0z"),
+)
+def test_token_round_trip_and_any_change_refused(
+    read: tokens.Scope, agent: str, fields: list[str] | None, agg: bool, pos: int, ch: str
+) -> None:
     tok = _token(read, agent, fields, agg)
     cap = tokens.verify_token(tok, KEYS, now=NOW)
     assert (cap.read.tags, cap.read.keys, cap.agent_id, cap.aggregation_only) == (read.tags, read.keys, agent, agg)
     i = pos % len(tok)
     if tok[i] == "." or tok[i] == ch:
         return
-    forged = tok[:i] + ch + tok[i + 1:]
+    forged = tok[:i] + ch + tok[i + 1 :]
     try:
         got = tokens.verify_token(forged, KEYS, now=NOW)
     except UompError as exc:
@@ -61,8 +78,9 @@ def test_token_round_trip_and_any_change_refused(read: tokens.Scope, agent: str,
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.binary(max_size=70_000), split=st.integers(1, 70_000), fmt=st.sampled_from(["text/plain",
-                                                                                           "text/markdown"]))
+@given(
+    data=st.binary(max_size=70_000), split=st.integers(1, 70_000), fmt=st.sampled_from(["text/plain", "text/markdown"])
+)
 def test_payload_seal_envelope_open_round_trip(data: bytes, split: int, fmt: str) -> None:
     binding = sealing.Binding(payloads.new_payload_id(), "sess_p", "agent_p", fmt)
     env_doc = payloads.seal_small(PAYLOAD_KEY.public_key(), binding, data)
@@ -71,7 +89,7 @@ def test_payload_seal_envelope_open_round_trip(data: bytes, split: int, fmt: str
     assert text is not None
     sealed = envelope.decode_ciphertext(text)
     assert sealing.ciphertext_hash(sealed) == env.hash and len(sealed) == env.size
-    blocks = [sealed[j:j + split] for j in range(0, len(sealed), split)]
+    blocks = [sealed[j : j + split] for j in range(0, len(sealed), split)]
     assert b"".join(sealing.open_stream(PAYLOAD_KEY, env.binding(), env.encryption, blocks)) == data
     other = sealing.Binding(binding.payload_id, "sess_other", binding.agent_id, fmt)
     with pytest.raises(sealing.SealError):
@@ -79,8 +97,10 @@ def test_payload_seal_envelope_open_round_trip(data: bytes, split: int, fmt: str
 
 
 @settings(max_examples=40, deadline=None)
-@given(field=st.sampled_from(["payload_id", "session_id", "agent_id", "timestamp", "format", "size", "hash"]),
-       value=st.one_of(st.text(max_size=80), st.integers(), st.none(), st.booleans(), st.lists(st.integers())))
+@given(
+    field=st.sampled_from(["payload_id", "session_id", "agent_id", "timestamp", "format", "size", "hash"]),
+    value=st.one_of(st.text(max_size=80), st.integers(), st.none(), st.booleans(), st.lists(st.integers())),
+)
 def test_envelope_field_changed_is_refused_or_well_formed(field: str, value: object) -> None:
     binding = sealing.Binding(payloads.new_payload_id(), "sess_p", "agent_p", "text/plain")
     doc = payloads.seal_small(PAYLOAD_KEY.public_key(), binding, b"x")
@@ -113,8 +133,9 @@ def test_merkle_proofs_round_trip_and_wrong_index_refused(n: int, data: st.DataO
             merkle.verify_consistency(old, n, tree.root(), tree.root(), tree.consistency_proof(old, n))
 
 
-SEGMENT = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x24f, exclude_characters="/"),
-                  min_size=1, max_size=12).filter(lambda s: s not in (".", ".."))
+SEGMENT = st.text(
+    alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x24F, exclude_characters="/"), min_size=1, max_size=12
+).filter(lambda s: s not in (".", ".."))
 
 
 @settings(max_examples=150, deadline=None)
@@ -141,16 +162,30 @@ def test_envelope_b64_of_wrong_length_refused() -> None:
         envelope.parse(doc, streaming=False)
 
 
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=20),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(NAMES, c, max_size=3), max_leaves=8)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(NAMES, c, max_size=3),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.lists(st.tuples(NAMES, JSON_VALUES, st.lists(NAMES, min_size=1, max_size=3, unique=True),
-                               st.sampled_from(["low", "medium", "high"])),
-                     min_size=1, max_size=6, unique_by=lambda r: r[0]))
-def test_json_import_round_trip(rows: list[tuple[str, object, list[str], str]], tmp_path_factory: pytest.TempPathFactory
-                                ) -> None:
+@given(
+    rows=st.lists(
+        st.tuples(
+            NAMES,
+            JSON_VALUES,
+            st.lists(NAMES, min_size=1, max_size=3, unique=True),
+            st.sampled_from(["low", "medium", "high"]),
+        ),
+        min_size=1,
+        max_size=6,
+        unique_by=lambda r: r[0],
+    )
+)
+def test_json_import_round_trip(
+    rows: list[tuple[str, object, list[str], str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     import json
 
     from gateway.guard.importer import import_file

@@ -28,10 +28,20 @@ class Disk:
         return QuotaLedger(self.load, self.persist, **kw)
 
 
-@pytest.mark.parametrize(("limit", "block"), [
-    (0, MIN_BLOCK), (1, MIN_BLOCK), (100, MIN_BLOCK), (1024, MIN_BLOCK), (1087, MIN_BLOCK), (1088, 17),
-    (6400, 100), (64 * 4096, MAX_BLOCK), (10_000_000, MAX_BLOCK),
-])
+@pytest.mark.parametrize(
+    ("limit", "block"),
+    [
+        (0, MIN_BLOCK),
+        (1, MIN_BLOCK),
+        (100, MIN_BLOCK),
+        (1024, MIN_BLOCK),
+        (1087, MIN_BLOCK),
+        (1088, 17),
+        (6400, 100),
+        (64 * 4096, MAX_BLOCK),
+        (10_000_000, MAX_BLOCK),
+    ],
+)
 def test_block_adapts_to_the_limit(limit: int, block: int) -> None:
     assert reservation_block(limit) == block
     assert QuotaLedger(lambda k: 0, lambda k, m: None).block_for(limit) == block

@@ -76,36 +76,57 @@ def test_trust_add_list_rm(home: Paths, capsys: pytest.CaptureFixture[str]) -> N
     assert "not in your trust list" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("did", "name", "needle"), [
-    ("did:web:bank.example", "Bank", "did:web identities cannot be verified"),
-    ("did:ethr:0xabc", "Bank", "did:ethr identities cannot be verified"),
-    ("did:key:z6MkNOTBASE58", "Bank", "not a valid Ed25519 did:key"),
-    ("did:key:zQ3shokFTS3brHcDQrn82RUDfCZESWL1ZdCEJwekUDPQiYBme", "Bank", "not a valid Ed25519 did:key"),  # secp256k1
-    ("bank", "Bank", "give a DID"),
-    (None, "Bank\u202eknaB", "printable"),
-    (None, "Bank\nInc", "printable"),
-    (None, "", "printable"),
-], ids=["did-web", "did-ethr", "did-key-garbage", "did-key-not-ed25519", "not-a-did", "bidi-name",
-        "newline-name", "empty-name"])
-def test_trust_add_refusals(home: Paths, capsys: pytest.CaptureFixture[str], did: str | None, name: str,
-                            needle: str) -> None:
+@pytest.mark.parametrize(
+    ("did", "name", "needle"),
+    [
+        ("did:web:bank.example", "Bank", "did:web identities cannot be verified"),
+        ("did:ethr:0xabc", "Bank", "did:ethr identities cannot be verified"),
+        ("did:key:z6MkNOTBASE58", "Bank", "not a valid Ed25519 did:key"),
+        (
+            "did:key:zQ3shokFTS3brHcDQrn82RUDfCZESWL1ZdCEJwekUDPQiYBme",
+            "Bank",
+            "not a valid Ed25519 did:key",
+        ),  # secp256k1
+        ("bank", "Bank", "give a DID"),
+        (None, "Bank\u202eknaB", "printable"),
+        (None, "Bank\nInc", "printable"),
+        (None, "", "printable"),
+    ],
+    ids=[
+        "did-web",
+        "did-ethr",
+        "did-key-garbage",
+        "did-key-not-ed25519",
+        "not-a-did",
+        "bidi-name",
+        "newline-name",
+        "empty-name",
+    ],
+)
+def test_trust_add_refusals(
+    home: Paths, capsys: pytest.CaptureFixture[str], did: str | None, name: str, needle: str
+) -> None:
     did = did or did_of(ed25519.Ed25519PrivateKey.generate())
     assert cli(home, "trust", "add", did, "--name", name) == 1
     assert needle in capsys.readouterr().err
     assert not home.trust_file.exists()
 
 
-@pytest.mark.parametrize(("content", "mode", "needle"), [
-    (b"{not json", 0o600, "invalid"),
-    (b'{"uomp_trust": 1, "entries": {}}', 0o600, "invalid"),
-    (b'{"uomp_trust": 2, "entries": []}', 0o600, "invalid"),
-    (b'{"uomp_trust": 1, "entries": [{"kind": "did", "id": "did:key:zzz", "name": "x"}]}', 0o600, "invalid"),
-    (b'{"uomp_trust": 1, "entries": []}', 0o666, "writable by other users"),
-    (b'{"uomp_trust": 1, "entries": []}', 0o620, "writable by other users"),
-], ids=["not-json", "entries-not-list", "future-version", "bad-did-key", "world-writable", "group-writable"])
-def test_a_bad_trust_list_is_refused_not_read_as_empty(home: Paths, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str], content: bytes,
-                                                       mode: int, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "mode", "needle"),
+    [
+        (b"{not json", 0o600, "invalid"),
+        (b'{"uomp_trust": 1, "entries": {}}', 0o600, "invalid"),
+        (b'{"uomp_trust": 2, "entries": []}', 0o600, "invalid"),
+        (b'{"uomp_trust": 1, "entries": [{"kind": "did", "id": "did:key:zzz", "name": "x"}]}', 0o600, "invalid"),
+        (b'{"uomp_trust": 1, "entries": []}', 0o666, "writable by other users"),
+        (b'{"uomp_trust": 1, "entries": []}', 0o620, "writable by other users"),
+    ],
+    ids=["not-json", "entries-not-list", "future-version", "bad-did-key", "world-writable", "group-writable"],
+)
+def test_a_bad_trust_list_is_refused_not_read_as_empty(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, mode: int, needle: str
+) -> None:
     home.trust_file.write_bytes(content)
     os.chmod(home.trust_file, mode)
     assert cli(home, "trust", "list") == 1
@@ -142,8 +163,9 @@ def _authorize(home: Paths, agent: Path, env: Path, *extra: str) -> int:
     return cli(home, "authorize", str(agent), "--yes", "--env-file", str(env), *extra)
 
 
-def test_trusted_key_is_named_by_the_users_name(home: Paths, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_trusted_key_is_named_by_the_users_name(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     key = ed25519.Ed25519PrivateKey.generate()
     trust.add(home, did_of(key), "My Bank")
     agent = write_agent(tmp_path / "a", signed(key))
@@ -192,17 +214,28 @@ def _did_web_claim(home: Paths, attacker: ed25519.Ed25519PrivateKey) -> dict[str
     return doc
 
 
-@pytest.mark.parametrize(("build", "needle"), [
-    (_self_signed, "SIGNED BY A KEY YOU HAVE NEVER TRUSTED"),
-    (_same_publisher_name, "SIGNED BY A KEY YOU HAVE NEVER TRUSTED"),
-    (_trusted_did_other_signer, "UNVERIFIED PUBLISHER"),
-    (_altered_after_signing, "UNVERIFIED PUBLISHER"),
-    (_unsigned, "UNVERIFIED PUBLISHER"),
-    (_did_web_claim, "UNVERIFIED PUBLISHER"),
-], ids=["self-made-did-key", "trusted-name-other-key", "trusted-did-other-signer", "altered-after-signing",
-        "unsigned", "did-web-claim"])
-def test_untrusted_identities_are_not_verified(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                               build: Any, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (_self_signed, "SIGNED BY A KEY YOU HAVE NEVER TRUSTED"),
+        (_same_publisher_name, "SIGNED BY A KEY YOU HAVE NEVER TRUSTED"),
+        (_trusted_did_other_signer, "UNVERIFIED PUBLISHER"),
+        (_altered_after_signing, "UNVERIFIED PUBLISHER"),
+        (_unsigned, "UNVERIFIED PUBLISHER"),
+        (_did_web_claim, "UNVERIFIED PUBLISHER"),
+    ],
+    ids=[
+        "self-made-did-key",
+        "trusted-name-other-key",
+        "trusted-did-other-signer",
+        "altered-after-signing",
+        "unsigned",
+        "did-web-claim",
+    ],
+)
+def test_untrusted_identities_are_not_verified(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str], build: Any, needle: str
+) -> None:
     attacker = ed25519.Ed25519PrivateKey.generate()
     agent = write_agent(tmp_path / "a", build(home, attacker))
     env = tmp_path / "a.env"
@@ -219,8 +252,7 @@ def test_untrusted_identities_are_not_verified(home: Paths, tmp_path: Path, caps
     assert needle in out and "Publisher: Big Bank" not in out
 
 
-def test_untrusted_key_shows_its_fingerprint(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                             ) -> None:
+def test_untrusted_key_shows_its_fingerprint(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     key = ed25519.Ed25519PrivateKey.generate()
     agent = write_agent(tmp_path / "a", signed(key))
     assert _authorize(home, agent, tmp_path / "a.env") == 0
@@ -243,10 +275,12 @@ def test_trust_on_first_use_by_flag(home: Paths, tmp_path: Path, capsys: pytest.
     assert "Publisher: Bank I checked (signed by a key in your trust list" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("build", [_unsigned, _trusted_did_other_signer, _did_web_claim],
-                         ids=["unsigned", "bad-signature", "did-web"])
-def test_trust_publisher_needs_a_verified_signature(home: Paths, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str], build: Any) -> None:
+@pytest.mark.parametrize(
+    "build", [_unsigned, _trusted_did_other_signer, _did_web_claim], ids=["unsigned", "bad-signature", "did-web"]
+)
+def test_trust_publisher_needs_a_verified_signature(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str], build: Any
+) -> None:
     agent = write_agent(tmp_path / "a", build(home, ed25519.Ed25519PrivateKey.generate()))
     before = trust.load(home).entries
     assert _authorize(home, agent, tmp_path / "a.env", "--trust-publisher", "Bank") == 1
@@ -254,14 +288,24 @@ def test_trust_publisher_needs_a_verified_signature(home: Paths, tmp_path: Path,
     assert trust.load(home).entries == before
 
 
-@pytest.mark.parametrize(("answers", "trusted", "rc"), [
-    (["Acme Payroll", "y"], "Acme Payroll", 0),
-    (["", "y"], None, 0),
-    (["Acme Payroll", "n"], "Acme Payroll", 1),
-], ids=["trust-and-grant", "skip-trust-grant", "trust-then-decline-grant"])
-def test_trust_on_first_use_asked_interactively(home: Paths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str], answers: list[str],
-                                                trusted: str | None, rc: int) -> None:
+@pytest.mark.parametrize(
+    ("answers", "trusted", "rc"),
+    [
+        (["Acme Payroll", "y"], "Acme Payroll", 0),
+        (["", "y"], None, 0),
+        (["Acme Payroll", "n"], "Acme Payroll", 1),
+    ],
+    ids=["trust-and-grant", "skip-trust-grant", "trust-then-decline-grant"],
+)
+def test_trust_on_first_use_asked_interactively(
+    home: Paths,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    answers: list[str],
+    trusted: str | None,
+    rc: int,
+) -> None:
     key = ed25519.Ed25519PrivateKey.generate()
     agent = write_agent(tmp_path / "a", signed(key))
     replies = iter(answers)
@@ -279,8 +323,9 @@ def test_trust_on_first_use_asked_interactively(home: Paths, tmp_path: Path, mon
     assert names == ([trusted] if trusted else [])
 
 
-def test_a_description_cannot_forge_the_trusted_line(home: Paths, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_description_cannot_forge_the_trusted_line(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     real = ed25519.Ed25519PrivateKey.generate()
     trust.add(home, did_of(real), "My Bank")
     forged = f"Reads your balance.\nPublisher: My Bank (signed by a key in your trust list: {did_of(real)})"

@@ -29,10 +29,10 @@ FAKE = str(Path(__file__).parents[1] / "fake_cloudflared.py")
 pytestmark = pytest.mark.timeout(120)
 
 
-def uomp(home: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
-         ) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=90,
-                         env=env)
+def uomp(
+    home: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=90, env=env)
     if check and res.returncode != 0:
         raise AssertionError(f"uomp {' '.join(args)} -> {res.returncode}\n{res.stdout}\n{res.stderr}")
     return res
@@ -48,13 +48,19 @@ class Running:
 
     def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.home = home
-        self.proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
-                                      "--no-local-port", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            [*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.out: list[str] = []
         self.err: list[str] = []
-        self._threads = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
-                         threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -119,9 +125,12 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-MANIFEST = {"uomp_version": "1.0", "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
-            "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-            "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}
+MANIFEST = {
+    "uomp_version": "1.0",
+    "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
+    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+    "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+}
 
 
 def agent_dir(tmp: Path) -> Path:
@@ -138,8 +147,7 @@ async def test_quick_tunnel_appliance_end_to_end(home: Path, tmp_path: Path) -> 
     edge_file = tmp_path / "edge"
     env = {**os.environ, "FAKE_CF_EDGE_FILE": str(edge_file)}
     uomp(home, "init")
-    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
-         "--sensitivity", "low")
+    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
     app = Running(home, "--tunnel", "quick", "--cloudflared", FAKE, env=env)
     try:
         port = app.port
@@ -163,17 +171,28 @@ async def test_quick_tunnel_appliance_end_to_end(home: Path, tmp_path: Path) -> 
         # a second start on the same home: refused, naming the first
         second = uomp(home, "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port", check=False)
         assert second.returncode == 1 and "Traceback" not in second.stderr
-        assert second.stderr.startswith(f"error ALREADY_RUNNING: the appliance is already running on {home} "
-                                        f"(pid {app.proc.pid}")
+        assert second.stderr.startswith(
+            f"error ALREADY_RUNNING: the appliance is already running on {home} (pid {app.proc.pid}"
+        )
         # authorize for the tunnel URL (accepted, not a certificate name: TLS ends at the edge) and read
         # through the stand-in edge with DPoP
-        res = uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--gateway-url", url,
-                   "--out", str(tmp_path / "agent-files"), "--yes")
+        res = uomp(
+            home,
+            "authorize",
+            str(agent_dir(tmp_path)),
+            "--remote",
+            "--gateway-url",
+            url,
+            "--out",
+            str(tmp_path / "agent-files"),
+            "--yes",
+        )
         assert "not an endpoint" not in res.stdout and "does not name" not in res.stdout
         bundle = tmp_path / "agent-files" / "bundle.json"  # --out puts the bundle there too
         edge_port = int(edge_file.read_text().split()[0])
-        async with UompClient.from_bundle(bundle, mode="dpop", base_url=f"http://127.0.0.1:{edge_port}",
-                                          public_url=url) as c:
+        async with UompClient.from_bundle(
+            bundle, mode="dpop", base_url=f"http://127.0.0.1:{edge_port}", public_url=url
+        ) as c:
             assert (await c.get("preference.theme"))["value"] == "dark"
         # and over mTLS on the local URL with the same bundle's key and certificate
         async with UompClient.from_bundle(bundle, mode="mtls", base_url=f"https://localhost:{port}") as c:
@@ -183,8 +202,16 @@ async def test_quick_tunnel_appliance_end_to_end(home: Path, tmp_path: Path) -> 
             assert f"token audience {url!r} is not an endpoint of this listener" in refused.value.message
             assert f"https://localhost:{port}" in refused.value.message
         # a URL the gateway does not accept: refused while it runs, naming what it accepts
-        bad = uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--gateway-url",
-                   "https://my-box.example:9443", "--yes", check=False)
+        bad = uomp(
+            home,
+            "authorize",
+            str(agent_dir(tmp_path)),
+            "--remote",
+            "--gateway-url",
+            "https://my-box.example:9443",
+            "--yes",
+            check=False,
+        )
         assert bad.returncode == 1 and "is not an endpoint this gateway accepts" in bad.stderr
         assert url in bad.stderr and "uomp init --hostname https://my-box.example:9443" in bad.stderr
     finally:
@@ -209,34 +236,59 @@ def test_tunnel_dies_and_its_new_url_is_accepted_at_once(home: Path, tmp_path: P
         assert changed.group(2) == first and new != first
         line = next(x for x in app.out if x.startswith("tunnel: the public URL changed"))
         assert "It is accepted now" in line and f"--gateway-url {new}" in line
-        until(lambda: json.loads((home / "gateway" / "addresses.json").read_text())["tunnel"]["url"] != first,
-              30, "new URL recorded")
+        until(
+            lambda: json.loads((home / "gateway" / "addresses.json").read_text())["tunnel"]["url"] != first,
+            30,
+            "new URL recorded",
+        )
         s = status(home)
         assert s["tunnel"]["restarts"] >= 1  # type: ignore[index]
         # the new URL is an accepted endpoint: authorize for it is not refused
         cur = json.loads((home / "gateway" / "addresses.json").read_text())["tunnel"]["url"]
-        res = uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--gateway-url", cur,
-                   "--out", str(tmp_path / "files"), "--yes", check=False)
+        res = uomp(
+            home,
+            "authorize",
+            str(agent_dir(tmp_path)),
+            "--remote",
+            "--gateway-url",
+            cur,
+            "--out",
+            str(tmp_path / "files"),
+            "--yes",
+            check=False,
+        )
         assert res.returncode == 0, res.stderr
     finally:
         assert app.stop() == 0
 
 
-@pytest.mark.parametrize(("mode", "config", "expect"), [
-    ("exit", "backoff_initial_seconds = 0.2\nbackoff_max_seconds = 0.5\nready_wait_seconds = 2.0\n",
-     "exit status 1"),
-    ("no-url", "url_timeout_seconds = 1.0\nbackoff_initial_seconds = 0.2\nready_wait_seconds = 0.5\n",
-     "no public URL within"),
-], ids=["cloudflared-exits-at-once", "no-url-before-time-out"])
+@pytest.mark.parametrize(
+    ("mode", "config", "expect"),
+    [
+        (
+            "exit",
+            "backoff_initial_seconds = 0.2\nbackoff_max_seconds = 0.5\nready_wait_seconds = 2.0\n",
+            "exit status 1",
+        ),
+        (
+            "no-url",
+            "url_timeout_seconds = 1.0\nbackoff_initial_seconds = 0.2\nready_wait_seconds = 0.5\n",
+            "no public URL within",
+        ),
+    ],
+    ids=["cloudflared-exits-at-once", "no-url-before-time-out"],
+)
 def test_a_failing_tunnel_never_stops_the_gateway(home: Path, mode: str, config: str, expect: str) -> None:
     write_config(home, "[tunnel]\n" + config)
     app = Running(home, "--tunnel", "quick", "--cloudflared", FAKE, env={**os.environ, "FAKE_CF_MODE": mode})
     try:
         app.wait_line(r"^tunnel: quick: \S+, no public URL yet")
         port = app.port
+
         def retried() -> bool:
             t = status(home)["tunnel"] or {}
             return expect in (t.get("last_error") or "") and t.get("restarts", 0) >= 1  # type: ignore[union-attr]
+
         until(retried, 60, "tunnel retried")
         s = status(home)
         assert s["running"] is True and s["guard"]["reachable"] is True  # type: ignore[index]
@@ -267,6 +319,7 @@ def test_init_hostname_drives_certificate_endpoints_and_authorize(home: Path, tm
     from cryptography import x509
 
     from gateway.core import ca
+
     cert = x509.load_pem_x509_certificate((home / "ca" / "gateway.crt").read_bytes())
     assert "my-box.example" in ca.server_cert_names(cert)
     s = status(home)
@@ -276,8 +329,17 @@ def test_init_hostname_drives_certificate_endpoints_and_authorize(home: Path, tm
     b = json.loads((tmp_path / "f" / "bundle.json").read_text())
     assert b["gateway_url"] == "https://my-box.example:9443"
     # a URL neither recorded nor in the certificate: warned about (the appliance is not running)
-    res = uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--gateway-url", "https://other.example",
-               "--out", str(tmp_path / "g"), "--yes")
+    res = uomp(
+        home,
+        "authorize",
+        str(agent_dir(tmp_path)),
+        "--remote",
+        "--gateway-url",
+        "https://other.example",
+        "--out",
+        str(tmp_path / "g"),
+        "--yes",
+    )
     assert "!! https://other.example is not an endpoint this gateway accepts" in res.stdout
     # doctor: coherent now; an address recorded without re-issuing the certificate is a problem with its fix
     assert uomp(home, "doctor", env=own_ports_env()).returncode == 0
@@ -315,16 +377,27 @@ def test_doctor_names_each_problem_with_its_fix(home: Path) -> None:
 # ----------------------------------------------------------------------------- clear failures
 
 
-@pytest.mark.parametrize(("args", "code", "words"), [
-    (["gateway", "start", "--listen", "127.0.0.1:99999"], "CONFIG_ERROR", "--listen port 99999 is out of range"),
-    (["gateway", "start", "--listen", "nonsense"], "CONFIG_ERROR", "is not HOST:PORT"),
-    (["gateway", "start", "--metrics-port", "70000"], "CONFIG_ERROR", "--metrics-port 70000 is out of range"),
-    (["gateway", "start", "--tunnel", "named"], "TUNNEL_ERROR", "needs its public host name"),
-    (["gateway", "start", "--tunnel", "bogus"], "USAGE", "invalid choice"),
-    (["gateway", "start", "--public-url", "http://x.example"], "CONFIG_ERROR", "is not a public gateway URL"),
-    (["memory", "show"], "USAGE", "required: KEY"),
-], ids=["port-out-of-range", "listen-not-host-port", "metrics-port-range", "named-without-host", "bad-tunnel-mode",
-        "public-url-not-https", "missing-argument"])
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["gateway", "start", "--listen", "127.0.0.1:99999"], "CONFIG_ERROR", "--listen port 99999 is out of range"),
+        (["gateway", "start", "--listen", "nonsense"], "CONFIG_ERROR", "is not HOST:PORT"),
+        (["gateway", "start", "--metrics-port", "70000"], "CONFIG_ERROR", "--metrics-port 70000 is out of range"),
+        (["gateway", "start", "--tunnel", "named"], "TUNNEL_ERROR", "needs its public host name"),
+        (["gateway", "start", "--tunnel", "bogus"], "USAGE", "invalid choice"),
+        (["gateway", "start", "--public-url", "http://x.example"], "CONFIG_ERROR", "is not a public gateway URL"),
+        (["memory", "show"], "USAGE", "required: KEY"),
+    ],
+    ids=[
+        "port-out-of-range",
+        "listen-not-host-port",
+        "metrics-port-range",
+        "named-without-host",
+        "bad-tunnel-mode",
+        "public-url-not-https",
+        "missing-argument",
+    ],
+)
 def test_bad_arguments_are_one_line(home: Path, args: list[str], code: str, words: str) -> None:
     res = uomp(home, *args, check=False)
     assert res.returncode in (1, 2)
@@ -341,15 +414,15 @@ def test_port_already_taken(home: Path) -> None:
         port = busy.getsockname()[1]
         res = uomp(home, "gateway", "start", "--listen", f"127.0.0.1:{port}", "--no-local-port", check=False)
     assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert res.stderr.startswith(f"error PORT_IN_USE: the gateway cannot listen on 127.0.0.1:{port}: the port is "
-                                 "already in use; ")
+    assert res.stderr.startswith(
+        f"error PORT_IN_USE: the gateway cannot listen on 127.0.0.1:{port}: the port is already in use; "
+    )
     assert "--listen HOST:PORT" in res.stderr
     assert not (home / "guard.sock").exists()
     assert status(home)["running"] is False
 
 
-@pytest.mark.parametrize("command", [["gateway", "start", "--listen", "127.0.0.1:0"], ["init"]],
-                         ids=["start", "init"])
+@pytest.mark.parametrize("command", [["gateway", "start", "--listen", "127.0.0.1:0"], ["init"]], ids=["start", "init"])
 def test_unwritable_home(tmp_path: Path, command: list[str]) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -372,8 +445,7 @@ def test_closed_pipe_is_silent(home: Path) -> None:
 
 def test_memory_show_is_get(home: Path) -> None:
     uomp(home, "init")
-    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
-         "--sensitivity", "low")
+    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
     assert json.loads(uomp(home, "memory", "show", "preference.theme").stdout)["value"] == "dark"
 
 
@@ -389,13 +461,11 @@ async def test_sigterm_under_load_drains_and_loses_no_acknowledged_event(home: P
     from gateway.client.tls import build_client_context
 
     uomp(home, "init")
-    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
-         "--sensitivity", "low")
+    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
     app = Running(home)
     port = app.port
     files = tmp_path / "files"
-    uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--out", str(files), "--yes",
-         "--max-reads", "100000")
+    uomp(home, "authorize", str(agent_dir(tmp_path)), "--remote", "--out", str(files), "--yes", "--max-reads", "100000")
     b = load_bundle(files / "bundle.json")
     ctx = build_client_context(files / "ca.crt", files / "agent.crt", files / "agent.key")
     headers = {"Authorization": f"Bearer {b.access_token}", "X-UOMP-Agent-Id": "calendar_agent"}
@@ -407,8 +477,11 @@ async def test_sigterm_under_load_drains_and_loses_no_acknowledged_event(home: P
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=1)) as s:
             while True:
                 try:
-                    async with s.get(f"https://localhost:{port}/v1/memory/preference.theme", headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    async with s.get(
+                        f"https://localhost:{port}/v1/memory/preference.theme",
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=30),
+                    ) as resp:
                         await resp.read()
                         statuses.append(resp.status)
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -434,8 +507,9 @@ async def test_sigterm_under_load_drains_and_loses_no_acknowledged_event(home: P
     # every acknowledged read has its audit event (acknowledged means durable)
     log = json.loads(uomp(home, "audit", "--session", b.session_id, "--json", "--limit", "1000000").stdout)
     rows = log if isinstance(log, list) else log.get("logs", [])
-    reads = [r for r in rows if r.get("action") in ("read", "read_key", "memory.read") or
-             "preference.theme" in json.dumps(r)]
+    reads = [
+        r for r in rows if r.get("action") in ("read", "read_key", "memory.read") or "preference.theme" in json.dumps(r)
+    ]
     assert len(reads) >= len(statuses), (len(reads), len(statuses), rows[:2])
     assert not (home / "guard.sock").exists()
 
@@ -448,8 +522,9 @@ def test_named_tunnel_token_from_a_private_file_never_on_a_command_line(home: Pa
     token_file.write_text("eyJhIjoiZmFrZS10dW5uZWwtdG9rZW4ifQ\n")
     os.chmod(token_file, 0o600)
     write_config(home, f'[tunnel]\ntoken_file = "{token_file}"\nhostname = "gw.example.test"\n')
-    app = Running(home, "--tunnel", "named", "--cloudflared", FAKE,
-                  env={**os.environ, "FAKE_CF_HOSTNAME": "gw.example.test"})
+    app = Running(
+        home, "--tunnel", "named", "--cloudflared", FAKE, env={**os.environ, "FAKE_CF_HOSTNAME": "gw.example.test"}
+    )
     try:
         app.wait_line(r"^public URL: https://gw\.example\.test \(named tunnel, DPoP\)")
         s = status(home)
@@ -462,10 +537,14 @@ def test_named_tunnel_token_from_a_private_file_never_on_a_command_line(home: Pa
         assert app.stop() == 0
 
 
-@pytest.mark.parametrize(("mode", "content", "words"), [
-    (0o644, "tok", "is readable by others (mode 644); run chmod 600"),
-    (0o600, "", "is empty"),
-], ids=["group-readable", "empty"])
+@pytest.mark.parametrize(
+    ("mode", "content", "words"),
+    [
+        (0o644, "tok", "is readable by others (mode 644); run chmod 600"),
+        (0o600, "", "is empty"),
+    ],
+    ids=["group-readable", "empty"],
+)
 def test_named_tunnel_token_file_refused(home: Path, tmp_path: Path, mode: int, content: str, words: str) -> None:
     token_file = tmp_path / "tunnel-token"
     token_file.write_text(content)

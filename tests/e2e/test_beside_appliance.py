@@ -15,9 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 DEFAULT_PORTS = (9443, 9374, 9380)
-PORT_SENSITIVE = ["tests/e2e/test_appliance.py::test_doctor_names_each_problem_with_its_fix",
-                  "tests/e2e/test_appliance.py::test_init_hostname_drives_certificate_endpoints_and_authorize",
-                  "tests/cli/test_home_files.py"]
+PORT_SENSITIVE = [
+    "tests/e2e/test_appliance.py::test_doctor_names_each_problem_with_its_fix",
+    "tests/e2e/test_appliance.py::test_init_hostname_drives_certificate_endpoints_and_authorize",
+    "tests/cli/test_home_files.py",
+]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,15 +36,24 @@ def test_port_sensitive_tests_pass_while_an_appliance_holds_the_default_ports(tm
             pytest.skip("some default ports are taken by something else: cannot lay out the case")
         home = Path(os.environ.get("TMPDIR", "/tmp")) / f"uomp-beside-{os.getpid()}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("UOMP_")}
-        proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [*UOMP, "--home", str(home), "gateway", "start"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         deadline = time.monotonic() + 60
         while not all(held(p) for p in DEFAULT_PORTS):
             assert proc.poll() is None and time.monotonic() < deadline, "the appliance did not come up"
             time.sleep(0.2)
     try:
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PORT_SENSITIVE],
-                             cwd=ROOT, capture_output=True, text=True, timeout=280)
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PORT_SENSITIVE],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
         assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
         assert all(held(p) for p in DEFAULT_PORTS)  # it ran beside them the whole time
     finally:

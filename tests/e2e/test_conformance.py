@@ -63,10 +63,25 @@ def _check(out: Path, mode: str) -> dict[str, object]:
 async def test_guard_passes_conformance(home: Paths, tmp_path: Path) -> None:
     async with running_guard(home, guard_config()) as g:
         _load_fixture(home)
-        rc = await asyncio.to_thread(main, [
-            "conformance", "run", "--target", f"http://127.0.0.1:{g.tcp_port}", "--mode", "guard",
-            "--admin-token-file", str(_admin_file(home)), "--report", str(tmp_path / "r.txt"),
-            "--junit", str(tmp_path / "r.xml"), "--json", str(tmp_path / "r.json")])
+        rc = await asyncio.to_thread(
+            main,
+            [
+                "conformance",
+                "run",
+                "--target",
+                f"http://127.0.0.1:{g.tcp_port}",
+                "--mode",
+                "guard",
+                "--admin-token-file",
+                str(_admin_file(home)),
+                "--report",
+                str(tmp_path / "r.txt"),
+                "--junit",
+                str(tmp_path / "r.xml"),
+                "--json",
+                str(tmp_path / "r.json"),
+            ],
+        )
     counts = _check(tmp_path, "guard")
     assert rc == 0
     assert counts["skip"] == 0  # with the admin credential, every guard-mode case can be set up
@@ -76,14 +91,37 @@ async def test_gateway_passes_conformance(home: Paths, tmp_path: Path) -> None:
     async with appliance(home) as app:
         _load_fixture(home)
         agent = app.agent("conformance_agent")
-        rc = await asyncio.to_thread(main, [
-            "conformance", "run", "--target", app.base, "--mode", "gateway",
-            "--admin-url", f"unix:{home.guard_sock}", "--admin-token-file", str(_admin_file(home)),
-            "--ca", str(agent.files.ca_file), "--cert", str(agent.files.cert_file),
-            "--key", str(agent.files.key_file), "--agent-id", "conformance_agent",
-            "--payload-public-key", userkey.public_b64(home),
-            "--report", str(tmp_path / "r.txt"), "--junit", str(tmp_path / "r.xml"),
-            "--json", str(tmp_path / "r.json")])
+        rc = await asyncio.to_thread(
+            main,
+            [
+                "conformance",
+                "run",
+                "--target",
+                app.base,
+                "--mode",
+                "gateway",
+                "--admin-url",
+                f"unix:{home.guard_sock}",
+                "--admin-token-file",
+                str(_admin_file(home)),
+                "--ca",
+                str(agent.files.ca_file),
+                "--cert",
+                str(agent.files.cert_file),
+                "--key",
+                str(agent.files.key_file),
+                "--agent-id",
+                "conformance_agent",
+                "--payload-public-key",
+                userkey.public_b64(home),
+                "--report",
+                str(tmp_path / "r.txt"),
+                "--junit",
+                str(tmp_path / "r.xml"),
+                "--json",
+                str(tmp_path / "r.json"),
+            ],
+        )
     counts = _check(tmp_path, "gateway")
     assert rc == 0
     assert counts["skip"] == 0
@@ -134,8 +172,11 @@ def test_suite_is_black_box() -> None:
     for f in [*PACKAGE.glob("*.py"), PACKAGE.parent / "cli" / "conformance.py"]:
         tree = ast.parse(f.read_text())
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             for n in names:
                 assert not n.startswith(("gateway.guard", "gateway.remote")), (f.name, n)
 

@@ -61,8 +61,7 @@ class Clock:
 
 
 @contextlib.asynccontextmanager
-async def dashboard(paths: Paths, *, clock: Callable[[], float] | None = None, **cfg: Any
-                    ) -> AsyncIterator[Dashboard]:
+async def dashboard(paths: Paths, *, clock: Callable[[], float] | None = None, **cfg: Any) -> AsyncIterator[Dashboard]:
     d = Dashboard(paths, DashboardConfig(port=0, **cfg), **({"clock": clock} if clock else {}))
     await d.start()
     try:
@@ -89,13 +88,15 @@ class Browser:
     async def get(self, path: str, **kw: Any) -> tuple[int, str, Any]:
         return await self.request("GET", path, **kw)
 
-    async def request(self, method: str, path: str, *, headers: dict[str, str] | None = None,
-                      data: Any = None) -> tuple[int, str, Any]:
+    async def request(
+        self, method: str, path: str, *, headers: dict[str, str] | None = None, data: Any = None
+    ) -> tuple[int, str, Any]:
         hdrs = dict(headers or {})
         if self.cookie is not None:
             hdrs.setdefault("Cookie", f"{security.COOKIE_NAME}={self.cookie}")
-        async with self.http.request(method, self.d.base_url + path, headers=hdrs, data=data,
-                                     allow_redirects=False) as r:
+        async with self.http.request(
+            method, self.d.base_url + path, headers=hdrs, data=data, allow_redirects=False
+        ) as r:
             return r.status, await r.text(errors="replace"), r.headers
 
     async def login(self) -> str:
@@ -161,8 +162,10 @@ async def test_login_link_once_then_cookie_then_refused_without_it(app: Applianc
 
 async def test_stale_or_made_up_cookie_and_expired_link_refused(app: Appliance) -> None:
     clock = Clock()
-    async with dashboard(app.paths, clock=clock, idle_timeout_seconds=60, max_session_seconds=600,
-                         login_ttl_seconds=30) as d, browser(d) as b:
+    async with (
+        dashboard(app.paths, clock=clock, idle_timeout_seconds=60, max_session_seconds=600, login_ttl_seconds=30) as d,
+        browser(d) as b,
+    ):
         await b.login()
         assert (await b.get("/sessions"))[0] == 200
         clock.now += 59
@@ -190,10 +193,16 @@ async def test_forged_host_refused_before_anything(app: Appliance) -> None:
     async with dashboard(app.paths) as d, browser(d) as b:
         link = d.login_link()
         path = link.removeprefix(d.base_url)
-        for host in ("evil.example", f"evil.example:{d.port}", f"127.0.0.1:{d.port + 1}", "127.0.0.1",
-                     f"attacker.test.127.0.0.1.nip.io:{d.port}"):
+        for host in (
+            "evil.example",
+            f"evil.example:{d.port}",
+            f"127.0.0.1:{d.port + 1}",
+            "127.0.0.1",
+            f"attacker.test.127.0.0.1.nip.io:{d.port}",
+        ):
             raw = await asyncio.to_thread(
-                raw_request, d.port, f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                raw_request, d.port, f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+            )
             assert raw.startswith(b"HTTP/1.1 421"), (host, raw[:80])
             assert b"Content-Security-Policy" in raw
         # a rebinding attempt did not spend the link: the real host name still works, once
@@ -236,12 +245,20 @@ async def test_cross_site_posts_refused_and_same_site_post_revokes(app: Applianc
         assert (await anon.request("POST", f"/sessions/{sid}/revoke", data={**form, "csrf": token}))[0] == 401
         # our own form: without confirmation a confirm page, then the revocation
         # (what Chromium sends from our page under Referrer-Policy: no-referrer: Origin null, same-origin)
-        status, html, _ = await b.request("POST", f"/sessions/{sid}/revoke", data={"csrf": token, "confirmed": "no"},
-                                          headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"})
+        status, html, _ = await b.request(
+            "POST",
+            f"/sessions/{sid}/revoke",
+            data={"csrf": token, "confirmed": "no"},
+            headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"},
+        )
         assert status == 200 and f"Revoke session {sid}?" in html and 'value="yes"' in html
         assert await asyncio.to_thread(_session_status, app.paths, sid) == "active"
-        status, _, hdrs = await b.request("POST", f"/sessions/{sid}/revoke", data={"csrf": token, "confirmed": "yes"},
-                                          headers={"Origin": f"http://127.0.0.1:{d.port}"})
+        status, _, hdrs = await b.request(
+            "POST",
+            f"/sessions/{sid}/revoke",
+            data={"csrf": token, "confirmed": "yes"},
+            headers={"Origin": f"http://127.0.0.1:{d.port}"},
+        )
         assert status == 303 and hdrs["Location"] == "/sessions"
         assert await asyncio.to_thread(_session_status, app.paths, sid) == "revoked"
         status, html, _ = await b.get("/sessions")
@@ -249,8 +266,9 @@ async def test_cross_site_posts_refused_and_same_site_post_revokes(app: Applianc
         assert f"Session {sid} revoked." not in (await b.get("/sessions"))[1]
     # the agent's next request is refused
     async with agent_session(agent, app.paths) as s:
-        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                           agent_id=agent.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=agent.agent_id
+        )
         assert status == 401 and body["error"]["code"] == "SESSION_REVOKED"
 
 
@@ -273,8 +291,16 @@ def _non_loopback_ipv4() -> str | None:
 async def test_non_loopback_peer_refused(app: Appliance) -> None:
     assert security.peer_is_loopback(("127.0.0.1", 5)) and security.peer_is_loopback(("127.3.4.5", 5))
     assert security.peer_is_loopback(("::1", 5, 0, 0)) and security.peer_is_loopback(("::ffff:127.0.0.1", 5, 0, 0))
-    for peer in (("10.0.0.5", 5), ("192.168.1.2", 5), ("::ffff:10.0.0.5", 5, 0, 0), ("fe80::1%eth0", 5, 0, 0),
-                 ("2001:db8::1", 5, 0, 0), None, "127.0.0.1", ("not-an-ip", 5)):
+    for peer in (
+        ("10.0.0.5", 5),
+        ("192.168.1.2", 5),
+        ("::ffff:10.0.0.5", 5, 0, 0),
+        ("fe80::1%eth0", 5, 0, 0),
+        ("2001:db8::1", 5, 0, 0),
+        None,
+        "127.0.0.1",
+        ("not-an-ip", 5),
+    ):
         assert not security.peer_is_loopback(peer), peer
     # configuration cannot bind the dashboard beyond loopback
     for host in ("0.0.0.0", "192.168.1.2", "localhost", "::"):
@@ -306,7 +332,8 @@ async def test_non_loopback_peer_refused(app: Appliance) -> None:
 
 
 async def test_security_headers_on_every_response_and_no_secret_anywhere(
-        app: Appliance, caplog: pytest.LogCaptureFixture) -> None:
+    app: Appliance, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     agent = app.agent("calendar_agent")
     g = await app.grant(agent)
@@ -319,8 +346,19 @@ async def test_security_headers_on_every_response_and_no_secret_anywhere(
         responses.append(await b.get(link.removeprefix(d.base_url)))  # spent
         async with agent_session(agent, app.paths) as s:
             await agent_call(s, app.base, "/v1/memory/user.password", token=g["token"], agent_id=agent.agent_id)
-        for path in ("/", "/sessions", "/audit", "/audit?verdict=refused&period=day", "/agents", "/payloads",
-                     "/appliance", "/static/dashboard.css", "/static/dashboard.js", "/static/nothing.js", "/nowhere"):
+        for path in (
+            "/",
+            "/sessions",
+            "/audit",
+            "/audit?verdict=refused&period=day",
+            "/agents",
+            "/payloads",
+            "/appliance",
+            "/static/dashboard.css",
+            "/static/dashboard.js",
+            "/static/nothing.js",
+            "/nowhere",
+        ):
             responses.append(await b.get(path))
         event = re.search(r'href="/audit/([^/]+)/proof.json"', responses[-9][1])
         assert event
@@ -328,8 +366,9 @@ async def test_security_headers_on_every_response_and_no_secret_anywhere(
         responses.append(await b.get("/", headers={"Host": "evil.example"}))
         responses.append(await b.request("POST", f"/sessions/{g['session_id']}/close", data={"csrf": "x"}))
         csrf = await b.csrf()
-        responses.append(await b.request("POST", f"/sessions/{g['session_id']}/close",
-                                         data={"csrf": csrf, "confirmed": "no"}))
+        responses.append(
+            await b.request("POST", f"/sessions/{g['session_id']}/close", data={"csrf": csrf, "confirmed": "no"})
+        )
         for status, body, hdrs in responses:
             for name, value in HEADERS.items():
                 assert hdrs.get(name) == value, (status, name)
@@ -349,20 +388,22 @@ async def test_security_headers_on_every_response_and_no_secret_anywhere(
 # ----------------------------------------------------------------------------- what it shows
 
 
-async def test_timeline_refusals_in_words_filters_and_a_proof_that_verifies(app: Appliance, tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+async def test_timeline_refusals_in_words_filters_and_a_proof_that_verifies(
+    app: Appliance, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     agent = app.agent("calendar_agent")
     g = await app.grant(agent, read={"tags": ["preference"], "keys": []})
     other = app.agent("mail_agent")
     await app.grant(other)
     async with agent_session(agent, app.paths) as s:
-        assert (await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                 agent_id=agent.agent_id))[0] == 200
-        assert (await agent_call(s, app.base, "/v1/memory/h.aapl", token=g["token"],
-                                 agent_id=agent.agent_id))[0] == 403
+        assert (
+            await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=agent.agent_id)
+        )[0] == 200
+        assert (await agent_call(s, app.base, "/v1/memory/h.aapl", token=g["token"], agent_id=agent.agent_id))[0] == 403
         # refused by the gateway itself: the header names another agent than the certificate and token
-        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.lang", token=g["token"],
-                                           agent_id="mail_agent")
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.lang", token=g["token"], agent_id="mail_agent"
+        )
         assert status == 403 and body["error"]["code"] == "AGENT_MISMATCH"
     async with dashboard(app.paths) as d, browser(d) as b:
         await b.login()
@@ -412,12 +453,14 @@ async def test_timeline_refusals_in_words_filters_and_a_proof_that_verifies(app:
 
 async def test_sessions_in_words_agents_revoke_and_appliance(app: Appliance) -> None:
     agent = app.agent("calendar_agent")
-    g = await app.grant(agent, read={"tags": ["preference"], "keys": ["user.display_name"]},
-                        limits={"max_read_queries": 5})
+    g = await app.grant(
+        agent, read={"tags": ["preference"], "keys": ["user.display_name"]}, limits={"max_read_queries": 5}
+    )
     async with agent_session(agent, app.paths) as s:
         for _ in range(2):
-            assert (await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                     agent_id=agent.agent_id))[0] == 200
+            assert (
+                await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=agent.agent_id)
+            )[0] == 200
     async with dashboard(app.paths) as d, browser(d) as b:
         await b.login()
         _, html, _ = await b.get("/sessions")
@@ -429,8 +472,9 @@ async def test_sessions_in_words_agents_revoke_and_appliance(app: Appliance) -> 
         csrf = await b.csrf("/agents")
         status, html, _ = await b.request("POST", "/agents/revoke", data={"csrf": csrf, "target": "../x"})
         assert status == 400
-        status, _, _ = await b.request("POST", "/agents/revoke", data={"csrf": csrf, "confirmed": "yes",
-                                                                       "target": f"serial:{serial.group(1)}"})
+        status, _, _ = await b.request(
+            "POST", "/agents/revoke", data={"csrf": csrf, "confirmed": "yes", "target": f"serial:{serial.group(1)}"}
+        )
         assert status == 303
         _, html, _ = await b.get("/agents")
         assert "1 session(s) bound to them revoked too" in html and "revoked" in html
@@ -450,8 +494,9 @@ async def test_payload_decrypts_in_memory_as_a_download_and_deletes(app: Applian
     g = await app.grant(agent)
     doc = _upload_doc(app.paths, g["session_id"], agent.agent_id, SECRET)
     async with agent_session(agent, app.paths) as s:
-        status, body, _ = await agent_call(s, app.base, "/v1/payload/upload", token=g["token"],
-                                           agent_id=agent.agent_id, method="POST", json_body=doc)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/payload/upload", token=g["token"], agent_id=agent.agent_id, method="POST", json_body=doc
+        )
         assert status in (200, 201), body
     pid = doc["payload_id"]
     before = {p for p in app.paths.home.rglob("*") if p.is_file()}
@@ -470,7 +515,8 @@ async def test_payload_decrypts_in_memory_as_a_download_and_deletes(app: Applian
             if p.is_file():
                 assert SECRET not in p.read_bytes(), p
         assert {p for p in app.paths.home.rglob("*") if p.is_file()} - before <= {
-            p for p in app.paths.home.rglob("*") if p.suffix in (".db-wal", ".db-shm", ".db", "")}
+            p for p in app.paths.home.rglob("*") if p.suffix in (".db-wal", ".db-shm", ".db", "")
+        }
         _, html, _ = await b.get("/payloads")
         assert re.search(rf"{pid}.*?<td>yes</td>", html, re.S)  # marked opened
         status, _, _ = await b.request("POST", f"/payloads/{pid}/delete", data={"csrf": csrf, "confirmed": "yes"})
@@ -481,8 +527,9 @@ async def test_payload_decrypts_in_memory_as_a_download_and_deletes(app: Applian
         assert status == 404
 
 
-async def test_uomp_dashboard_hands_a_link_to_the_running_appliance(app: Appliance,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+async def test_uomp_dashboard_hands_a_link_to_the_running_appliance(
+    app: Appliance, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`uomp dashboard` while the appliance serves the dashboard: a new link, usable once, via the
     hand-over file (hashes only, 0600)."""
     async with dashboard(app.paths) as d, browser(d) as b:
@@ -507,8 +554,9 @@ async def test_uomp_dashboard_hands_a_link_to_the_running_appliance(app: Applian
 
 
 @pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
-async def test_anchored_events_show_their_transaction_and_prove_on_chain(home: Paths, tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+async def test_anchored_events_show_their_transaction_and_prove_on_chain(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """With [anchor] on a real local chain (anvil): the timeline says 'anchored' with the transaction,
     the appliance page the backlog, and the downloaded bundle verifies against the chain."""
     from eth_account import Account
@@ -523,18 +571,25 @@ async def test_anchored_events_show_their_transaction_and_prove_on_chain(home: P
         key_file = tmp_path / "owner.key"
         write_private_key(key_file, owner)
         capsys.readouterr()
-        assert await asyncio.to_thread(uomp, ["--home", str(home.home), "anchor", "deploy", "--rpc", node.url,
-                                              "--key-file", str(key_file)]) == 0
+        assert (
+            await asyncio.to_thread(
+                uomp, ["--home", str(home.home), "anchor", "deploy", "--rpc", node.url, "--key-file", str(key_file)]
+            )
+            == 0
+        )
         contract = json.loads(capsys.readouterr().out)["contract"]
-        home.config_file.write_text(f'[anchor]\nbackend = "evm"\nrpc_url = "{node.url}"\ncontract = "{contract}"\n'
-                                    f'chain_id = 31337\nkey_file = "{key_file}"\nconfirmations = 1\n'
-                                    'poll_seconds = 0.1\n')
+        home.config_file.write_text(
+            f'[anchor]\nbackend = "evm"\nrpc_url = "{node.url}"\ncontract = "{contract}"\n'
+            f'chain_id = 31337\nkey_file = "{key_file}"\nconfirmations = 1\n'
+            "poll_seconds = 0.1\n"
+        )
         async with appliance(home, guard_cfg=guard_config(audit_checkpoint_events=1)) as app:
             agent = app.agent("calendar_agent")
             g = await app.grant(agent)
             async with agent_session(agent, app.paths) as s:
-                assert (await agent_call(s, app.base, "/v1/memory/h.nvda", token=g["token"],
-                                         agent_id=agent.agent_id))[0] == 403
+                assert (await agent_call(s, app.base, "/v1/memory/h.nvda", token=g["token"], agent_id=agent.agent_id))[
+                    0
+                ] == 403
             for _ in range(600):  # bounded wait for the worker; the chain is mined as it goes
                 b = await asyncio.to_thread(_backlog, home)
                 if b["counts"]["confirmed"] and not (b["counts"]["queued"] + b["counts"]["submitted"]):
@@ -560,8 +615,12 @@ async def test_anchored_events_show_their_transaction_and_prove_on_chain(home: P
         f.write_text(body)
         await asyncio.to_thread(node.mine, 3)
         capsys.readouterr()
-        assert await asyncio.to_thread(uomp, ["--home", str(home.home), "audit", "verify-proof", str(f),
-                                              "--rpc", node.url]) == 0
+        assert (
+            await asyncio.to_thread(
+                uomp, ["--home", str(home.home), "audit", "verify-proof", str(f), "--rpc", node.url]
+            )
+            == 0
+        )
         assert "checked on chain" in capsys.readouterr().out
     finally:
         await asyncio.to_thread(node.stop)
@@ -596,14 +655,17 @@ def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Pa
     env = {**os.environ, "UOMP_DASHBOARD_PORT": "0"}
     run = Running(home, env=env)
     try:
-        m = run.wait_line(r"^dashboard: (http://127\.0\.0\.1:(\d+)) \(loopback only\); 'uomp dashboard' prints "
-                          r"a one-time login link \(none printed here: this output is not a terminal")
+        m = run.wait_line(
+            r"^dashboard: (http://127\.0\.0\.1:(\d+)) \(loopback only\); 'uomp dashboard' prints "
+            r"a one-time login link \(none printed here: this output is not a terminal"
+        )
         base = m.group(1)
         assert not any("login?t=" in line for line in run.out + run.err)
 
         class NoRedirect(urllib.request.HTTPRedirectHandler):
             def redirect_request(self, *a: Any, **k: Any) -> None:
                 return None
+
         opener = urllib.request.build_opener(NoRedirect)
 
         def status_of(url: str) -> int:
@@ -612,10 +674,16 @@ def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Pa
                     return int(r.status)
             except urllib.error.HTTPError as e:
                 return int(e.code)
+
         info = json.loads((home / "gateway" / "appliance.json").read_text())
         assert info["listeners"]["dashboard"] == base
-        out = subprocess.run([sys.executable, "-m", "gateway.cli.main", "--home", str(home), "dashboard"],
-                             capture_output=True, text=True, timeout=60, env=env)
+        out = subprocess.run(
+            [sys.executable, "-m", "gateway.cli.main", "--home", str(home), "dashboard"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr
         fresh = re.search(r"(http://127\.0\.0\.1:\d+/login\?t=\S+)", out.stdout)
         assert fresh and fresh.group(1).startswith(base)
@@ -644,9 +712,24 @@ def test_gateway_start_prints_the_login_link_to_a_terminal(tmp_path: Path) -> No
     home = Path(tempfile.mkdtemp(prefix="uomp-tty-", dir="/tmp")) / "home"
     env = {**os.environ, "UOMP_DASHBOARD_PORT": "0"}
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "--home", str(home), "gateway", "start",
-                             "--listen", "127.0.0.1:0", "--no-local-port"], stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli.main",
+            "--home",
+            str(home),
+            "gateway",
+            "start",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-local-port",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     os.close(slave)
     seen: list[bytes] = []
 
@@ -663,8 +746,10 @@ def test_gateway_start_prints_the_login_link_to_a_terminal(tmp_path: Path) -> No
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
-        rx = re.compile(rb"dashboard: (http://127\.0\.0\.1:\d+) \(loopback only\); one-time login link, valid "
-                        rb"[0-9.]+ s: (\S+/login\?t=\S+)")
+        rx = re.compile(
+            rb"dashboard: (http://127\.0\.0\.1:\d+) \(loopback only\); one-time login link, valid "
+            rb"[0-9.]+ s: (\S+/login\?t=\S+)"
+        )
         deadline = time.monotonic() + 60
         m = None
         while m is None and time.monotonic() < deadline and proc.poll() is None:
@@ -684,6 +769,7 @@ def test_gateway_start_prints_the_login_link_to_a_terminal(tmp_path: Path) -> No
                     return int(r.status)
             except urllib.error.HTTPError as e:
                 return int(e.code)
+
         assert status_of(link) == 303 and status_of(link) == 403
     finally:
         if proc.poll() is None:

@@ -66,8 +66,11 @@ class World:
         self.thread = threading.Thread(target=self.loop.run_forever, name="dashboard-world", daemon=True)
         self.thread.start()
         self._stack = contextlib.AsyncExitStack()
-        self.app: Appliance = self.run(self._stack.enter_async_context(
-            appliance(self.paths, guard_cfg=guard_config(audit_checkpoint_events=1), status_cache_seconds=0)))
+        self.app: Appliance = self.run(
+            self._stack.enter_async_context(
+                appliance(self.paths, guard_cfg=guard_config(audit_checkpoint_events=1), status_cache_seconds=0)
+            )
+        )
         self.dash = Dashboard(self.paths, DashboardConfig(port=0))
         self.run(self.dash.start())
 
@@ -93,14 +96,17 @@ class World:
             async with agent_session(agent, self.paths) as s:
                 status, body, _ = await agent_call(s, self.app.base, path, token=token, agent_id=agent.agent_id)
                 return status, body
+
         return self.run(go())
 
     def agent_post(self, agent: Agent, token: str, path: str, body: Any) -> tuple[int, Any]:
         async def go() -> tuple[int, Any]:
             async with agent_session(agent, self.paths) as s:
-                status, answer, _ = await agent_call(s, self.app.base, path, token=token, agent_id=agent.agent_id,
-                                                     method="POST", json_body=body)
+                status, answer, _ = await agent_call(
+                    s, self.app.base, path, token=token, agent_id=agent.agent_id, method="POST", json_body=body
+                )
                 return status, answer
+
         return self.run(go())
 
 
@@ -132,12 +138,23 @@ def driver(world: World, downloads: Path) -> Iterator[Any]:
     profile = tempfile.mkdtemp(prefix="uomp-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = str(CHROMIUM)
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1280,900"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,900",
+    ):
         opts.add_argument(flag)
-    opts.add_experimental_option("prefs", {"download.default_directory": str(downloads),
-                                           "download.prompt_for_download": False})
+    opts.add_experimental_option(
+        "prefs", {"download.default_directory": str(downloads), "download.prompt_for_download": False}
+    )
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     # Selenium Manager must not look for (or download) a driver: the system one is given
     d = webdriver.Chrome(options=opts, service=Service(executable_path=str(CHROMEDRIVER)))
@@ -165,9 +182,12 @@ def shot(driver: Any, shots: Path, name: str) -> None:
 
 def no_csp_violations(driver: Any) -> None:
     """The strict CSP never had to block anything on our own pages (no inline script or style)."""
-    problems = [e["message"] for e in driver.get_log("browser")
-                if "Content Security Policy" in e["message"]  # a blocked inline script/style, a foreign asset
-                or (e.get("level") == "SEVERE" and "Failed to load resource" not in e["message"])]  # a JS error
+    problems = [
+        e["message"]
+        for e in driver.get_log("browser")
+        if "Content Security Policy" in e["message"]  # a blocked inline script/style, a foreign asset
+        or (e.get("level") == "SEVERE" and "Failed to load resource" not in e["message"])
+    ]  # a JS error
     assert not problems, problems
 
 
@@ -206,8 +226,7 @@ def test_login_link_works_once(world: World, driver: Any, signed_in: str, shots:
     no_csp_violations(driver)
 
 
-def test_revoke_from_the_page_and_the_agent_is_refused(world: World, driver: Any, signed_in: str,
-                                                       shots: Path) -> None:
+def test_revoke_from_the_page_and_the_agent_is_refused(world: World, driver: Any, signed_in: str, shots: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -245,8 +264,9 @@ def test_revoke_from_the_page_and_the_agent_is_refused(world: World, driver: Any
     no_csp_violations(driver)
 
 
-def test_refusal_in_the_timeline_and_its_proof_verifies(world: World, driver: Any, signed_in: str, shots: Path,
-                                                        downloads: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_refusal_in_the_timeline_and_its_proof_verifies(
+    world: World, driver: Any, signed_in: str, shots: Path, downloads: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
@@ -281,16 +301,18 @@ def test_refusal_in_the_timeline_and_its_proof_verifies(world: World, driver: An
     no_csp_violations(driver)
 
 
-def test_pull_a_payload_and_see_agents_and_appliance(world: World, driver: Any, signed_in: str, shots: Path,
-                                                     downloads: Path) -> None:
+def test_pull_a_payload_and_see_agents_and_appliance(
+    world: World, driver: Any, signed_in: str, shots: Path, downloads: Path
+) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
     agent, g = world.grant("report_agent")
     pub = envelope.parse_public_key(userkey.public_b64(world.paths))
-    doc = sdk_payloads.seal_small(pub, sealing.Binding(sdk_payloads.new_payload_id(), g["session_id"],
-                                                       agent.agent_id, "text/plain"), SECRET)
+    doc = sdk_payloads.seal_small(
+        pub, sealing.Binding(sdk_payloads.new_payload_id(), g["session_id"], agent.agent_id, "text/plain"), SECRET
+    )
     status, body = world.agent_post(agent, g["token"], "/v1/payload/upload", doc)
     assert status in (200, 201), body
     pid = doc["payload_id"]

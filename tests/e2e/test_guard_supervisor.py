@@ -95,15 +95,30 @@ async def _metrics(port: int) -> str:
 async def test_lost_socket_or_hung_guard_is_restarted(tmp_path: Path, sv_home: Path) -> None:
     home = sv_home
     _uomp(home, "init")
-    _uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
-          "--sensitivity", "low")
-    proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
-                             "--no-local-port", "--metrics-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
+    proc = subprocess.Popen(
+        [
+            *UOMP,
+            "--home",
+            str(home),
+            "gateway",
+            "start",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-local-port",
+            "--metrics-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     err_lines: list[str] = []
     assert proc.stderr is not None
-    reader = threading.Thread(target=lambda: err_lines.extend(iter(proc.stderr.readline, "")),  # type: ignore[union-attr]
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: err_lines.extend(iter(proc.stderr.readline, "")),  # type: ignore[union-attr]
+        daemon=True,
+    )
     reader.start()
     guard_pids: list[int] = []
     measured: dict[str, float] = {}
@@ -119,12 +134,29 @@ async def test_lost_socket_or_hung_guard_is_restarted(tmp_path: Path, sv_home: P
         metrics_port = int(mp.group(1))
         agent_dir = tmp_path / "agent"
         agent_dir.mkdir()
-        (agent_dir / "uom.json").write_text(json.dumps({
-            "uomp_version": "1.0", "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
-            "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-            "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}))
-        _uomp(home, "authorize", str(agent_dir), "--yes", "--remote", "--gateway-url", f"https://localhost:{port}",
-              "--out", str(tmp_path / "agentfiles"), "--bundle", str(tmp_path / "bundle.json"))
+        (agent_dir / "uom.json").write_text(
+            json.dumps(
+                {
+                    "uomp_version": "1.0",
+                    "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
+                    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                    "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+                }
+            )
+        )
+        _uomp(
+            home,
+            "authorize",
+            str(agent_dir),
+            "--yes",
+            "--remote",
+            "--gateway-url",
+            f"https://localhost:{port}",
+            "--out",
+            str(tmp_path / "agentfiles"),
+            "--bundle",
+            str(tmp_path / "bundle.json"),
+        )
         b = load_bundle(tmp_path / "bundle.json")
         files = tmp_path / "agentfiles"
         ctx = build_client_context(files / "ca.crt", files / "agent.crt", files / "agent.key")
@@ -132,14 +164,18 @@ async def test_lost_socket_or_hung_guard_is_restarted(tmp_path: Path, sv_home: P
         base = f"https://localhost:{port}"
 
         async def read() -> int:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s, \
-                    s.get(f"{base}/v1/memory/preference.theme", headers=headers) as resp:
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s,
+                s.get(f"{base}/v1/memory/preference.theme", headers=headers) as resp,
+            ):
                 await resp.read()
                 return resp.status
 
         async def health() -> int:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s, \
-                    s.get(f"{base}/v1/health") as resp:
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s,
+                s.get(f"{base}/v1/health") as resp,
+            ):
                 await resp.read()
                 return resp.status
 

@@ -27,26 +27,45 @@ def terminal_writes(source: str) -> list[int]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
             lines.append(node.lineno)
-        elif (isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr")
-              and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("stdout", "stderr")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
             lines.append(node.lineno)
-        elif isinstance(node, ast.ImportFrom) and node.module == "sys" and any(
-                a.name in ("stdout", "stderr") for a in node.names):
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "sys"
+            and any(a.name in ("stdout", "stderr") for a in node.names)
+        ):
             lines.append(node.lineno)
     return sorted(lines)
 
 
-@pytest.mark.parametrize(("source", "found"), [
-    ("print('x')\n", [1]),
-    ("import sys\nsys.stderr.write('x')\n", [2]),
-    ("import sys\nprint('x', file=sys.stderr)\n", [2, 2]),
-    ("from sys import stdout\n", [1]),
-    ("def f():\n    return print\n", []),  # a reference, not a call
-    ("log.info('print(x)')  # print(y)\n", []),  # strings and comments
-    ("obj.print('x')\n", []),  # somebody's method
-    ("import sys\nsys.exit(1)\n", []),
-], ids=["print", "sys-stderr", "print-to-stderr", "from-sys-import", "reference", "string-comment", "method",
-        "other-sys"])
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("print('x')\n", [1]),
+        ("import sys\nsys.stderr.write('x')\n", [2]),
+        ("import sys\nprint('x', file=sys.stderr)\n", [2, 2]),
+        ("from sys import stdout\n", [1]),
+        ("def f():\n    return print\n", []),  # a reference, not a call
+        ("log.info('print(x)')  # print(y)\n", []),  # strings and comments
+        ("obj.print('x')\n", []),  # somebody's method
+        ("import sys\nsys.exit(1)\n", []),
+    ],
+    ids=[
+        "print",
+        "sys-stderr",
+        "print-to-stderr",
+        "from-sys-import",
+        "reference",
+        "string-comment",
+        "method",
+        "other-sys",
+    ],
+)
 def test_scanner_finds_terminal_writes(source: str, found: list[int]) -> None:
     assert terminal_writes(source) == found
 
@@ -79,7 +98,13 @@ def test_import_contracts_stay_declared() -> None:
         assert c["type"] == "forbidden" and not c.get("allow_indirect_imports", False), c["id"]
         assert not c.get("ignore_imports"), c["id"]
     assert set(contracts["core-pure"]["forbidden_modules"]) >= {
-        "aiohttp", "sqlite3", "socket", "asyncio", "ssl", "subprocess"}
+        "aiohttp",
+        "sqlite3",
+        "socket",
+        "asyncio",
+        "ssl",
+        "subprocess",
+    }
     assert contracts["core-pure"]["source_modules"] == ["gateway.core"]
     assert contracts["remote-fronts-any-guard"]["source_modules"] == ["gateway.remote"]
     assert contracts["remote-fronts-any-guard"]["forbidden_modules"] == ["gateway.guard"]
@@ -94,18 +119,27 @@ DATA_DIRS = {"home", "secrets", "ca_dir", "gateway_dir"}  # Paths attributes who
 
 def home_joins(source: str) -> list[int]:
     """Lines joining a data directory of Paths with a literal name (``paths.home / "x.db"``)."""
-    return sorted(n.lineno for n in ast.walk(ast.parse(source))
-                  if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
-                  and isinstance(n.left, ast.Attribute) and n.left.attr in DATA_DIRS
-                  and isinstance(n.right, ast.Constant | ast.JoinedStr))
+    return sorted(
+        n.lineno
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.BinOp)
+        and isinstance(n.op, ast.Div)
+        and isinstance(n.left, ast.Attribute)
+        and n.left.attr in DATA_DIRS
+        and isinstance(n.right, ast.Constant | ast.JoinedStr)
+    )
 
 
-@pytest.mark.parametrize(("source", "found"), [
-    ('p = paths.gateway_dir / "quota.db"\n', [1]),
-    ('p = self.paths.home / f"{name}.json"\n', [1]),
-    ("p = paths.quota_db\n", []),
-    ('p = out / "agent.crt"\n', []),  # an output directory the user chose, not $UOMP_HOME
-], ids=["literal", "f-string", "property", "elsewhere"])
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ('p = paths.gateway_dir / "quota.db"\n', [1]),
+        ('p = self.paths.home / f"{name}.json"\n', [1]),
+        ("p = paths.quota_db\n", []),
+        ('p = out / "agent.crt"\n', []),  # an output directory the user chose, not $UOMP_HOME
+    ],
+    ids=["literal", "f-string", "property", "elsewhere"],
+)
 def test_scanner_finds_home_joins(source: str, found: list[int]) -> None:
     assert home_joins(source) == found
 

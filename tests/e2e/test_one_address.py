@@ -32,8 +32,7 @@ def uomp(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def curl(line: str) -> tuple[int, dict[str, object]]:
-    res = subprocess.run(["bash", "-c", line + " -sS -w '\\n%{http_code}'"], capture_output=True, text=True,
-                         timeout=30)
+    res = subprocess.run(["bash", "-c", line + " -sS -w '\\n%{http_code}'"], capture_output=True, text=True, timeout=30)
     body, _, code = res.stdout.rpartition("\n")
     return int(code), json.loads(body)
 
@@ -41,9 +40,13 @@ def curl(line: str) -> tuple[int, dict[str, object]]:
 @contextmanager
 def appliance(home: Path, listen: str) -> Iterator[list[str]]:
     """`uomp gateway start` until its banner's endpoints line; yields the banner's lines."""
-    proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", listen, "--no-local-port"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "UOMP_DASHBOARD_ENABLED": "0"})
+    proc = subprocess.Popen(
+        [*UOMP, "--home", str(home), "gateway", "start", "--listen", listen, "--no-local-port"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "UOMP_DASHBOARD_ENABLED": "0"},
+    )
     lines: list[str] = []
     assert proc.stdout is not None
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
@@ -77,8 +80,7 @@ def authorize(home: Path, out: Path, *extra: str) -> tuple[str, str, dict[str, o
 def new_home(tmp_path: Path, *init: str) -> Path:
     home = tmp_path / "home"
     uomp(home, "init", *init)
-    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity",
-         "low")
+    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
     return home
 
 
@@ -94,8 +96,7 @@ def test_the_url_a_user_copies_is_the_one_tokens_are_for(tmp_path: Path) -> None
         code, body = curl(line.replace("/v1/memory/KEY", "/v1/memory/preference.theme"))
         assert code == 200 and body["value"] == "dark"
         # the same token at the loopback address the listener is bound to: one endpoint
-        code, body = curl(line.replace(f"{url}/v1/memory/KEY",
-                                       f"https://127.0.0.1:{port}/v1/memory/preference.theme"))
+        code, body = curl(line.replace(f"{url}/v1/memory/KEY", f"https://127.0.0.1:{port}/v1/memory/preference.theme"))
         assert code == 200 and body["value"] == "dark"
 
 
@@ -117,8 +118,9 @@ def test_a_public_url_comes_first_and_a_token_for_another_endpoint_names_its_own
         local = f"https://localhost:{port}"
         said, line, _ = authorize(home, tmp_path / "loc", "--gateway-url", local)
         assert said == local
-        code, body = curl(line.replace("curl ", resolve, 1)
-                          .replace(f"{local}/v1/memory/KEY", f"{public}/v1/memory/preference.theme"))
+        code, body = curl(
+            line.replace("curl ", resolve, 1).replace(f"{local}/v1/memory/KEY", f"{public}/v1/memory/preference.theme")
+        )
         assert code == 403, body
         err = body["error"]
         assert isinstance(err, dict) and err["code"] == "ACCESS_DENIED"

@@ -23,18 +23,24 @@ METHODS = {"GET", "POST", "PUT", "DELETE", "PATCH"}
 
 def documented(listener: str) -> set[tuple[str, str]]:
     doc = openapi.document()
-    return {(m.upper(), p) for p, item in doc["paths"].items() for m, op in item.items()
-            if listener in op["x-uomp-served-by"]}
+    return {
+        (m.upper(), p)
+        for p, item in doc["paths"].items()
+        for m, op in item.items()
+        if listener in op["x-uomp-served-by"]
+    }
 
 
 def _aiohttp_routes(app: aiohttp.web.Application) -> set[tuple[str, str]]:
-    return {(r.method, r.resource.canonical) for r in app.router.routes()
-            if r.method in METHODS and r.resource is not None}
+    return {
+        (r.method, r.resource.canonical) for r in app.router.routes() if r.method in METHODS and r.resource is not None
+    }
 
 
 def test_committed_document_is_current() -> None:
-    assert json.loads(DOC.read_text()) == openapi.document(), \
+    assert json.loads(DOC.read_text()) == openapi.document(), (
         "docs/openapi.json is stale: python -c 'from gateway import openapi; print(openapi.render(), end=\"\")'"
+    )
     assert openapi.document()["openapi"] == "3.1.0"
 
 
@@ -42,8 +48,10 @@ async def test_guard_route_tables_match_the_document(home: Paths) -> None:
     async with running_guard(home, guard_config()) as g:
         assert g.services is not None
         # the apps the runner serves are built by create_app; build them again to read their tables
-        apps = {"guard-tcp": create_app(g.services, listener="tcp"),
-                "guard-unix": create_app(g.services, listener="unix")}
+        apps = {
+            "guard-tcp": create_app(g.services, listener="tcp"),
+            "guard-unix": create_app(g.services, listener="unix"),
+        }
         for name, app in apps.items():
             assert _aiohttp_routes(app) == documented(name), name
         # served on both local listeners, byte for byte the document
@@ -71,19 +79,32 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
-HEADER_TEXT = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e), max_size=60)
-AUTH = st.one_of(st.none(), st.just("Bearer "), HEADER_TEXT.map(lambda t: "Bearer " + t),
-                 st.sampled_from(["Bearer a.b.c", "Basic eA==", "DPoP x", "Bearer eyJhbGciOiJFZERTQSJ9.e30.AA"]))
-BODY = st.one_of(st.none(), st.binary(max_size=200), st.recursive(
-    st.none() | st.booleans() | st.integers() | TEXT,
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3), max_leaves=6).map(
-        lambda v: json.dumps(v).encode()))
+HEADER_TEXT = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=60)
+AUTH = st.one_of(
+    st.none(),
+    st.just("Bearer "),
+    HEADER_TEXT.map(lambda t: "Bearer " + t),
+    st.sampled_from(["Bearer a.b.c", "Basic eA==", "DPoP x", "Bearer eyJhbGciOiJFZERTQSJ9.e30.AA"]),
+)
+BODY = st.one_of(
+    st.none(),
+    st.binary(max_size=200),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | TEXT,
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3),
+        max_leaves=6,
+    ).map(lambda v: json.dumps(v).encode()),
+)
 
 
 def _ops(listener: str) -> list[tuple[str, str, dict[str, object]]]:
     doc = openapi.document()
-    return sorted((m.upper(), p, op) for p, item in doc["paths"].items() for m, op in item.items()
-                  if listener in op["x-uomp-served-by"])
+    return sorted(
+        (m.upper(), p, op)
+        for p, item in doc["paths"].items()
+        for m, op in item.items()
+        if listener in op["x-uomp-served-by"]
+    )
 
 
 def _check_answer(method: str, path: str, status: int, ctype: str, raw: bytes) -> None:
@@ -104,11 +125,16 @@ async def test_guard_answers_random_requests_per_the_document(home: Paths) -> No
     async with running_guard(home, guard_config()) as g, aiohttp.ClientSession() as s:
         base = f"http://127.0.0.1:{g.tcp_port}"
         for method, path, _op in _ops("guard-tcp"):
-            @settings(max_examples=25, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(seg=TEXT, query=st.dictionaries(st.sampled_from(["tag", "op", "field", "cursor", "limit",
-                                                                     "status", "x"]), TEXT, max_size=3),
-                   auth=AUTH, body=BODY)
+
+            @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+            @given(
+                seg=TEXT,
+                query=st.dictionaries(
+                    st.sampled_from(["tag", "op", "field", "cursor", "limit", "status", "x"]), TEXT, max_size=3
+                ),
+                auth=AUTH,
+                body=BODY,
+            )
             def one(seg: str, query: dict[str, str], auth: str | None, body: bytes | None) -> None:
                 url = base + re.sub(r"\{\w+\}", urllib.parse.quote(seg or "x", safe=""), path)  # noqa: B023
                 if query:
@@ -120,7 +146,9 @@ async def test_guard_answers_random_requests_per_the_document(home: Paths) -> No
                 async def go() -> None:
                     async with s.request(method, url, headers=headers, data=body) as r:  # noqa: B023
                         _check_answer(method, path, r.status, r.headers.get("Content-Type", ""), await r.read())  # noqa: B023
+
                 asyncio.run_coroutine_threadsafe(go(), loop).result(timeout=60)
+
             await asyncio.to_thread(one)
 
 
@@ -135,15 +163,18 @@ async def test_gateway_answers_random_requests_per_the_document(home: Paths) -> 
         token = (await app.grant(agent))["token"]
         async with agent_session(agent, home) as s:
             for method, path, _op in _ops("gateway"):
-                @settings(max_examples=15, deadline=None, database=None,
-                          suppress_health_check=list(HealthCheck))
-                @given(seg=TEXT,
-                       query=st.dictionaries(st.sampled_from(["tag", "op", "field", "cursor", "x"]), TEXT,
-                                                       max_size=3),
-                       auth=st.one_of(AUTH, st.just(f"Bearer {token}")), agent_hdr=st.sampled_from(
-                           [None, "fuzz_agent", "other"]), body=BODY)
-                def one(seg: str, query: dict[str, str], auth: str | None, agent_hdr: str | None,
-                        body: bytes | None) -> None:
+
+                @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+                @given(
+                    seg=TEXT,
+                    query=st.dictionaries(st.sampled_from(["tag", "op", "field", "cursor", "x"]), TEXT, max_size=3),
+                    auth=st.one_of(AUTH, st.just(f"Bearer {token}")),
+                    agent_hdr=st.sampled_from([None, "fuzz_agent", "other"]),
+                    body=BODY,
+                )
+                def one(
+                    seg: str, query: dict[str, str], auth: str | None, agent_hdr: str | None, body: bytes | None
+                ) -> None:
                     url = app.base + re.sub(r"\{\w+\}", urllib.parse.quote(seg or "x", safe=""), path)  # noqa: B023
                     if query:
                         url += "?" + urllib.parse.urlencode(query)
@@ -157,12 +188,17 @@ async def test_gateway_answers_random_requests_per_the_document(home: Paths) -> 
                         async with s.request(method, url, headers=headers, data=body) as r:  # noqa: B023
                             answer = (r.status, r.headers.get("Content-Type", ""), await r.read())
                             _check_answer(method, path, *answer)  # noqa: B023
+
                     asyncio.run_coroutine_threadsafe(go(), loop).result(timeout=60)
+
                 await asyncio.to_thread(one)
 
 
-@pytest.mark.parametrize("path", ["/v1/memory/%0A", "/v1/sessions/%0A/deletion-proof", "/v1/%0D%0A",
-                                  "/v1/memory/a%0Ab"], ids=["key-lf", "sid-lf", "crlf", "mid-lf"])
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/memory/%0A", "/v1/sessions/%0A/deletion-proof", "/v1/%0D%0A", "/v1/memory/a%0Ab"],
+    ids=["key-lf", "sid-lf", "crlf", "mid-lf"],
+)
 async def test_gateway_newline_in_path_gets_the_error_shape(home: Paths, path: str) -> None:
     """Found by the document-driven fuzzing above: the catch-all '/{tail:.*}' did not match a decoded
     newline, so aiohttp answered 404 text/plain before the gateway's entry (no §8.4 body, no
@@ -177,8 +213,9 @@ async def test_gateway_newline_in_path_gets_the_error_shape(home: Paths, path: s
             assert 400 <= r.status < 500 and "error" in json.loads(raw)
 
 
-@pytest.mark.parametrize("limit", ["%C2%B2", "%C2%B9%E2%81%B0", "%D9%A3"], ids=["superscript-2", "superscript-10",
-                                                                            "arabic-indic-3"])
+@pytest.mark.parametrize(
+    "limit", ["%C2%B2", "%C2%B9%E2%81%B0", "%D9%A3"], ids=["superscript-2", "superscript-10", "arabic-indic-3"]
+)
 async def test_tag_read_limit_takes_ascii_digits_only(home: Paths, limit: str) -> None:
     """Found checking the document's `limit: integer` against the handler: str.isdigit() is True for
     '²', which int() refuses, so `limit=²` was a 500 INTERNAL (forwarded as such by the gateway);
@@ -190,10 +227,12 @@ async def test_tag_read_limit_takes_ascii_digits_only(home: Paths, limit: str) -
         base = f"http://127.0.0.1:{g.tcp_port}"
         token = (await grant(admin, home, read={"tags": ["preference"], "keys": []}, audience=base))["token"]
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"{base}/v1/memory?tag=preference&limit={limit}",
-                             headers={"Authorization": f"Bearer {token}"}) as r:
+            async with s.get(
+                f"{base}/v1/memory?tag=preference&limit={limit}", headers={"Authorization": f"Bearer {token}"}
+            ) as r:
                 body = await r.json()
                 assert r.status == 400 and body["error"]["code"] == "INVALID_REQUEST", body
-            async with s.get(f"{base}/v1/memory?tag=preference&limit=1",
-                             headers={"Authorization": f"Bearer {token}"}) as r:
+            async with s.get(
+                f"{base}/v1/memory?tag=preference&limit=1", headers={"Authorization": f"Bearer {token}"}
+            ) as r:
                 assert r.status == 200 and len((await r.json())["items"]) == 1

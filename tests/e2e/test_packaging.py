@@ -45,10 +45,16 @@ def test_dockerfile_promises() -> None:
 
 def test_entrypoint_names_the_host_and_the_healthcheck_follows_the_guard() -> None:
     home = Path(tempfile.mkdtemp(prefix="uomp-ct-", dir="/tmp")) / "data"
-    env = env_for(home, UOMP_HOSTNAME="my-box.example, backup.example",
-                  UOMP_GATEWAY_GUARD_HEALTH_FAILURES="1000")  # the supervisor leaves a stopped guard alone
-    proc = subprocess.Popen(["sh", str(ENTRY), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = env_for(
+        home, UOMP_HOSTNAME="my-box.example, backup.example", UOMP_GATEWAY_GUARD_HEALTH_FAILURES="1000"
+    )  # the supervisor leaves a stopped guard alone
+    proc = subprocess.Popen(
+        ["sh", str(ENTRY), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     status = [sys.executable, "-m", "gateway.cli.main", "status"]  # the HEALTHCHECK command
     try:
         deadline = time.monotonic() + 60
@@ -58,12 +64,14 @@ def test_entrypoint_names_the_host_and_the_healthcheck_follows_the_guard() -> No
         from cryptography import x509
 
         from gateway.core import ca
+
         names = ca.server_cert_names(x509.load_pem_x509_certificate((home / "ca" / "gateway.crt").read_bytes()))
         assert {"my-box.example", "backup.example"} <= names
         out = subprocess.run(status, env=env, capture_output=True, text=True).stdout
         assert "public URL: https://my-box.example:9443 (mTLS)" in out
         # the guard stops answering: the health check fails; it answers again: healthy again
         import json
+
         guard_pid = json.loads((home / "gateway" / "status.json").read_text())["guard"]["pid"]
         os.kill(guard_pid, 19)  # SIGSTOP
         try:
@@ -79,8 +87,9 @@ def test_entrypoint_names_the_host_and_the_healthcheck_follows_the_guard() -> No
             assert time.monotonic() < deadline, "not healthy again"
             time.sleep(0.2)
     finally:
-        subprocess.run([sys.executable, "-m", "gateway.cli.main", "gateway", "stop"], env=env, capture_output=True,
-                       timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "gateway.cli.main", "gateway", "stop"], env=env, capture_output=True, timeout=60
+        )
         proc.wait(30)
     assert proc.returncode == 0
 
@@ -88,8 +97,13 @@ def test_entrypoint_names_the_host_and_the_healthcheck_follows_the_guard() -> No
 def test_entrypoint_unwritable_volume_is_one_clear_line(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    res = subprocess.run(["sh", str(ENTRY), "gateway", "start"], env=env_for(blocker / "data"), capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        ["sh", str(ENTRY), "gateway", "start"],
+        env=env_for(blocker / "data"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1
     assert res.stderr.startswith(("error HOME_UNWRITABLE: ", "error UNSAFE_PERMISSIONS: ")), res.stderr
     assert "--home or UOMP_HOME" in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -42,9 +42,22 @@ def test_the_readme_has_a_walkthrough() -> None:
     blocks = walkthrough_blocks(README.read_text())
     script = "\n".join(blocks)
     assert len(blocks) >= 6
-    for needed in ("uomp init", "uomp import examples/holdings.csv --map ticker=key", "uomp gateway start",
-                   "uomp authorize", "curl", "remote_agent.py", "c.refresh()", "uomp sessions revoke",
-                   "uomp audit", "?tag=", "aggregate", "--tunnel quick", "--dpop", "uomp gateway stop"):
+    for needed in (
+        "uomp init",
+        "uomp import examples/holdings.csv --map ticker=key",
+        "uomp gateway start",
+        "uomp authorize",
+        "curl",
+        "remote_agent.py",
+        "c.refresh()",
+        "uomp sessions revoke",
+        "uomp audit",
+        "?tag=",
+        "aggregate",
+        "--tunnel quick",
+        "--dpop",
+        "uomp gateway stop",
+    ):
         assert needed in script, needed
     assert (ROOT / "examples" / "holdings.csv").is_file()
 
@@ -68,8 +81,15 @@ def test_walkthrough_runs_as_written() -> None:
     env["PYTHONPATH"] = str(ROOT)  # the SDK examples import gateway from this checkout
     env["UOMP_GATEWAY_LISTEN_PORT"] = str(gw)  # the same free ports for the commands that do not name them
     env["UOMP_GUARD_TCP_PORT"] = str(local)
-    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -78,8 +98,22 @@ def test_walkthrough_runs_as_written() -> None:
         raise AssertionError("the walkthrough did not finish:\n" + out) from None
     finally:
         # never leave an appliance behind, whatever happened
-        subprocess.run([sys.executable, "-m", "gateway.cli.main", "--home", str(work / "demo-home"), "gateway",
-                        "stop", "--timeout", "30"], capture_output=True, env=env, timeout=60)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli.main",
+                "--home",
+                str(work / "demo-home"),
+                "gateway",
+                "stop",
+                "--timeout",
+                "30",
+            ],
+            capture_output=True,
+            env=env,
+            timeout=60,
+        )
     log = (work / "gateway.log").read_text() if (work / "gateway.log").exists() else ""
     assert proc.returncode == 0, f"walkthrough failed ({proc.returncode}):\n{out}\n--- gateway.log:\n{log}"
     # what the walkthrough says happens, happened

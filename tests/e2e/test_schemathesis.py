@@ -68,12 +68,12 @@ DOC = openapi.document()
 # fuzzing examples per operation (half without credentials), on top of the coverage phase's
 # deterministic cases; UOMP_SCHEMATHESIS_EXAMPLES=300 for a deeper run by hand (about 8 minutes)
 EXAMPLES = int(os.environ.get("UOMP_SCHEMATHESIS_EXAMPLES", "12"))
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 # without credentials every request stops at the first check: fewer examples find what there is
 SETTINGS_REFUSED = settings(SETTINGS, max_examples=max(1, EXAMPLES // 2))
-CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance]
+CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance, response_headers_conformance]
 TIMEOUT = 30
 QUOTA = "X-UOMP-Quota-Remaining"
 
@@ -143,8 +143,9 @@ class UnixAdapter(requests.adapters.HTTPAdapter):
         self.path = str(path)
         self.pool = _UnixPool("localhost", socket_path=self.path)
 
-    def get_connection_with_tls_context(self, request: Any, verify: Any, proxies: Any = None,
-                                        cert: Any = None) -> urllib3.HTTPConnectionPool:
+    def get_connection_with_tls_context(
+        self, request: Any, verify: Any, proxies: Any = None, cert: Any = None
+    ) -> urllib3.HTTPConnectionPool:
         return self.pool
 
     def close(self) -> None:
@@ -171,8 +172,9 @@ class Target:
             for scheme in requirement:
                 if scheme in self.creds:
                     out["Authorization"] = f"Bearer {self.creds[scheme]}"
-        if self.agent_id is not None and any(p["name"] == "X-UOMP-Agent-Id"
-                                             for p in case.operation.definition.raw.get("parameters", [])):
+        if self.agent_id is not None and any(
+            p["name"] == "X-UOMP-Agent-Id" for p in case.operation.definition.raw.get("parameters", [])
+        ):
             out["X-UOMP-Agent-Id"] = self.agent_id
         return out
 
@@ -200,15 +202,19 @@ def servers() -> Iterator[dict[str, Target]]:
     stack = contextlib.AsyncExitStack()
     targets: dict[str, Target] = {}
     with _home() as guard_home, _home() as gw_home:
+
         async def start() -> None:
             seed(guard_home)
             g = await stack.enter_async_context(running_guard(guard_home, guard_config()))
             admin = await stack.enter_async_context(unix_session(guard_home))
             base = f"http://127.0.0.1:{g.tcp_port}"
             local = await grant(admin, guard_home, read=READ, audience=base, limits=LIMITS)
-            targets["tcp"] = Target(base, requests.Session(), {"token": local["token"],
-                                                               "admin": keys.load_admin(guard_home)},
-                                    sid=local["session_id"])
+            targets["tcp"] = Target(
+                base,
+                requests.Session(),
+                {"token": local["token"], "admin": keys.load_admin(guard_home)},
+                sid=local["session_id"],
+            )
 
             app = await stack.enter_async_context(appliance(gw_home))
             agent = app.agent("st_agent")
@@ -217,15 +223,24 @@ def servers() -> Iterator[dict[str, Target]]:
             gw = requests.Session()
             gw.cert = (str(agent.files.cert_file), str(agent.files.key_file))
             gw.verify = str(agent.files.ca_file)
-            targets["gateway"] = Target(app.base, gw, {"token": access["token"], "refresh": refresh["refresh_token"]},
-                                        agent_id=agent.agent_id, sid=access["session_id"],
-                                        refresh_sid=refresh["session_id"], extra={"paths": gw_home, "app": app})
+            targets["gateway"] = Target(
+                app.base,
+                gw,
+                {"token": access["token"], "refresh": refresh["refresh_token"]},
+                agent_id=agent.agent_id,
+                sid=access["session_id"],
+                refresh_sid=refresh["session_id"],
+                extra={"paths": gw_home, "app": app},
+            )
             unix_local = await grant(app.admin, gw_home, read=READ, limits=LIMITS)
             unix = requests.Session()
             unix.mount("http://", UnixAdapter(gw_home.guard_sock))
-            targets["unix"] = Target("http://guard", unix, {"token": unix_local["token"],
-                                                            "admin": keys.load_admin(gw_home)},
-                                     sid=unix_local["session_id"])
+            targets["unix"] = Target(
+                "http://guard",
+                unix,
+                {"token": unix_local["token"], "admin": keys.load_admin(gw_home)},
+                sid=unix_local["session_id"],
+            )
 
         try:
             loop.run(start())
@@ -281,24 +296,30 @@ def _pass(name: str, authorised: bool) -> Callable[..., None]:
     def test(case: schemathesis.Case, servers: dict[str, Target]) -> None:
         target = servers[name]
         _validate(case, _send(target, case, authorised=authorised), authorised=authorised)
+
     return test
 
 
 test_guard_tcp_authorised = _schema(openapi.TCP, coverage=True).parametrize()(SETTINGS(_pass("tcp", True)))
 test_guard_tcp_without_credentials = _schema(openapi.TCP, coverage=False).parametrize()(
-    SETTINGS_REFUSED(_pass("tcp", False)))
+    SETTINGS_REFUSED(_pass("tcp", False))
+)
 test_guard_unix_authorised = _schema(openapi.UNIX, coverage=True).parametrize()(SETTINGS(_pass("unix", True)))
 test_guard_unix_without_credentials = _schema(openapi.UNIX, coverage=False).parametrize()(
-    SETTINGS_REFUSED(_pass("unix", False)))
+    SETTINGS_REFUSED(_pass("unix", False))
+)
 test_gateway_authorised = _schema(openapi.GW, coverage=True).parametrize()(SETTINGS(_pass("gateway", True)))
 test_gateway_without_credentials = _schema(openapi.GW, coverage=False).parametrize()(
-    SETTINGS_REFUSED(_pass("gateway", False)))
+    SETTINGS_REFUSED(_pass("gateway", False))
+)
 
 
 # ------------------------------------------------------------- explicit requests that succeed
 
-EXPLICIT = {name: _schema(listener, coverage=False) for name, listener in
-            (("tcp", openapi.TCP), ("unix", openapi.UNIX), ("gateway", openapi.GW))}
+EXPLICIT = {
+    name: _schema(listener, coverage=False)
+    for name, listener in (("tcp", openapi.TCP), ("unix", openapi.UNIX), ("gateway", openapi.GW))
+}
 EXPLICIT["unix-all"] = schemathesis.openapi.from_dict(_subdocument(openapi.UNIX))
 
 
@@ -306,8 +327,18 @@ def _case(target_name: str, method: str, path: str, **kwargs: Any) -> schemathes
     return EXPLICIT[target_name][path][method].Case(**kwargs)
 
 
-def _check(servers: dict[str, Target], target_name: str, method: str, path: str, expect: int, *,
-           authorised: bool = True, code: str | None = None, present: tuple[str, ...] = (), **kwargs: Any) -> Any:
+def _check(
+    servers: dict[str, Target],
+    target_name: str,
+    method: str,
+    path: str,
+    expect: int,
+    *,
+    authorised: bool = True,
+    code: str | None = None,
+    present: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> Any:
     """One request built by Schemathesis from the document, sent, validated; returns the body."""
     target = servers[target_name.removesuffix("-all")]
     case = _case(target_name, method, path, **kwargs)
@@ -328,51 +359,122 @@ def test_guard_success_and_refusal_paths_match_the_document(servers: dict[str, T
     for name in ("tcp", "unix-all"):
         _check(servers, name, "GET", "/v1/health", 200)
         assert _check(servers, name, "GET", "/v1/openapi.json", 200) == DOC
-        item = _check(servers, name, "GET", "/v1/memory/{key}", 200, path_parameters={"key": "preference.theme"},
-                      present=(QUOTA,))
+        item = _check(
+            servers, name, "GET", "/v1/memory/{key}", 200, path_parameters={"key": "preference.theme"}, present=(QUOTA,)
+        )
         assert item["key"] == "preference.theme"
-        _check(servers, name, "GET", "/v1/memory/{key}", 403, path_parameters={"key": "user.password"},
-               code="ACCESS_DENIED", present=(QUOTA,))
+        _check(
+            servers,
+            name,
+            "GET",
+            "/v1/memory/{key}",
+            403,
+            path_parameters={"key": "user.password"},
+            code="ACCESS_DENIED",
+            present=(QUOTA,),
+        )
         page = _check(servers, name, "GET", "/v1/memory", 200, query={"tag": "preference", "limit": 1})
         assert len(page["items"]) == 1 and page["next"]
         page = _check(servers, name, "GET", "/v1/memory", 200, query={"tag": "preference", "cursor": page["next"]})
         assert page["items"]
-        agg = _check(servers, name, "GET", "/v1/memory/aggregate", 200,
-                     query={"tag": "portfolio:holdings", "op": "count"})
+        agg = _check(
+            servers, name, "GET", "/v1/memory/aggregate", 200, query={"tag": "portfolio:holdings", "op": "count"}
+        )
         assert agg == {"op": "count", "tag": "portfolio:holdings", "result": 3}
         assert _check(servers, name, "GET", "/v1/audit", 200, query={"limit": 5})["logs"]
-        _check(servers, name, "PUT", "/v1/memory/{key}", 403, path_parameters={"key": "preference.theme"},
-               code="WRITE_NOT_AVAILABLE")
-        _check(servers, name, "DELETE", "/v1/memory/{key}", 403, path_parameters={"key": "preference.theme"},
-               code="WRITE_NOT_AVAILABLE")
+        _check(
+            servers,
+            name,
+            "PUT",
+            "/v1/memory/{key}",
+            403,
+            path_parameters={"key": "preference.theme"},
+            code="WRITE_NOT_AVAILABLE",
+        )
+        _check(
+            servers,
+            name,
+            "DELETE",
+            "/v1/memory/{key}",
+            403,
+            path_parameters={"key": "preference.theme"},
+            code="WRITE_NOT_AVAILABLE",
+        )
         _check(servers, name, "POST", "/v1/memory/query", 501, code="NOT_IMPLEMENTED")
-        _check(servers, name, "GET", "/v1/memory/{key}", 401, authorised=False,
-               path_parameters={"key": "preference.theme"}, headers={"Authorization": "Bearer nope"},
-               code="INVALID_TOKEN", present=("WWW-Authenticate",))
+        _check(
+            servers,
+            name,
+            "GET",
+            "/v1/memory/{key}",
+            401,
+            authorised=False,
+            path_parameters={"key": "preference.theme"},
+            headers={"Authorization": "Bearer nope"},
+            code="INVALID_TOKEN",
+            present=("WWW-Authenticate",),
+        )
 
         # the management API, with the user's admin credential
-        created = _check(servers, name, "POST", "/v1/sessions", 201, body={
-            "agent_id": "st_mgmt", "requested_scopes": {"read": {"tags": ["preference"], "keys": []}}})
+        created = _check(
+            servers,
+            name,
+            "POST",
+            "/v1/sessions",
+            201,
+            body={"agent_id": "st_mgmt", "requested_scopes": {"read": {"tags": ["preference"], "keys": []}}},
+        )
         sid = created["session_id"]
         assert any(s["session_id"] == sid for s in _check(servers, name, "GET", "/v1/sessions", 200)["sessions"])
-        assert _check(servers, name, "GET", "/v1/sessions/{sid}", 200, path_parameters={"sid": sid})["status"] == \
-            "created"
-        _check(servers, name, "GET", "/v1/sessions/{sid}", 404, path_parameters={"sid": "sess_nope"},
-               code="SESSION_NOT_FOUND")
-        granted = _check(servers, name, "POST", "/v1/sessions/{sid}/grant", 200, path_parameters={"sid": sid},
-                         body={"granted_scopes": {"read": {"tags": ["preference"], "keys": []}},
-                               "allowed_fields": ["key", "value"]})
+        assert (
+            _check(servers, name, "GET", "/v1/sessions/{sid}", 200, path_parameters={"sid": sid})["status"] == "created"
+        )
+        _check(
+            servers,
+            name,
+            "GET",
+            "/v1/sessions/{sid}",
+            404,
+            path_parameters={"sid": "sess_nope"},
+            code="SESSION_NOT_FOUND",
+        )
+        granted = _check(
+            servers,
+            name,
+            "POST",
+            "/v1/sessions/{sid}/grant",
+            200,
+            path_parameters={"sid": sid},
+            body={"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}, "allowed_fields": ["key", "value"]},
+        )
         assert granted["session_id"] == sid
-        _check(servers, name, "POST", "/v1/sessions/{sid}/grant", 409, path_parameters={"sid": sid},
-               body={"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}}, code="INVALID_STATE")
-        assert _check(servers, name, "GET", "/v1/sessions/{sid}", 200, path_parameters={"sid": sid})["status"] == \
-            "active"
-        assert _check(servers, name, "POST", "/v1/sessions/{sid}/close", 200, path_parameters={"sid": sid}) == \
-            {"session_id": sid, "status": "closed"}
-        _check(servers, name, "POST", "/v1/sessions/{sid}/revoke", 409, path_parameters={"sid": sid},
-               code="INVALID_STATE")
-        other = _check(servers, name, "POST", "/v1/sessions", 201, body={
-            "agent_id": "st_mgmt", "requested_scopes": {"read": {"tags": ["preference"], "keys": []}}})
+        _check(
+            servers,
+            name,
+            "POST",
+            "/v1/sessions/{sid}/grant",
+            409,
+            path_parameters={"sid": sid},
+            body={"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}},
+            code="INVALID_STATE",
+        )
+        assert (
+            _check(servers, name, "GET", "/v1/sessions/{sid}", 200, path_parameters={"sid": sid})["status"] == "active"
+        )
+        assert _check(servers, name, "POST", "/v1/sessions/{sid}/close", 200, path_parameters={"sid": sid}) == {
+            "session_id": sid,
+            "status": "closed",
+        }
+        _check(
+            servers, name, "POST", "/v1/sessions/{sid}/revoke", 409, path_parameters={"sid": sid}, code="INVALID_STATE"
+        )
+        other = _check(
+            servers,
+            name,
+            "POST",
+            "/v1/sessions",
+            201,
+            body={"agent_id": "st_mgmt", "requested_scopes": {"read": {"tags": ["preference"], "keys": []}}},
+        )
         _check(servers, name, "POST", "/v1/sessions/{sid}/revoke", 200, path_parameters={"sid": other["session_id"]})
         _check(servers, name, "GET", "/v1/sessions", 401, authorised=False, code="UNAUTHORIZED")
 
@@ -385,43 +487,99 @@ def test_guard_unix_internal_routes_match_the_document(servers: dict[str, Target
     assert bad["valid"] is False and bad["code"] == "INVALID_TOKEN"
     _check(servers, "unix", "POST", "/v1/tokens/validate", 400, body={"token": 5}, code="INVALID_REQUEST")
     event = {"action": "payload_refused", "session_id": unix.sid, "agent_id": "st_agent", "code": "PAYLOAD_INVALID"}
-    assert _check(servers, "unix", "POST", "/v1/payload/audit", 200, body=event,
-                  headers={"X-UOMP-Verified-Agent": "st_agent"}) == {"recorded": True}
-    _check(servers, "unix", "POST", "/v1/payload/audit", 403, body=event,
-           headers={"X-UOMP-Verified-Agent": "another"}, code="AGENT_MISMATCH")
+    assert _check(
+        servers, "unix", "POST", "/v1/payload/audit", 200, body=event, headers={"X-UOMP-Verified-Agent": "st_agent"}
+    ) == {"recorded": True}
+    _check(
+        servers,
+        "unix",
+        "POST",
+        "/v1/payload/audit",
+        403,
+        body=event,
+        headers={"X-UOMP-Verified-Agent": "another"},
+        code="AGENT_MISMATCH",
+    )
     _check(servers, "unix", "POST", "/v1/payload/audit", 400, body={"action": "payload_read"}, code="INVALID_REQUEST")
-
 
 
 def test_gateway_success_and_refusal_paths_match_the_document(servers: dict[str, Target]) -> None:
     gw = servers["gateway"]
     _check(servers, "gateway", "GET", "/v1/health", 200)
-    assert _check(servers, "gateway", "GET", "/v1/memory/{key}", 200, path_parameters={"key": "preference.theme"},
-                  present=(QUOTA,))["value"] == "dark"
-    _check(servers, "gateway", "GET", "/v1/memory/{key}", 403, path_parameters={"key": "user.password"},
-           code="ACCESS_DENIED")
+    assert (
+        _check(
+            servers,
+            "gateway",
+            "GET",
+            "/v1/memory/{key}",
+            200,
+            path_parameters={"key": "preference.theme"},
+            present=(QUOTA,),
+        )["value"]
+        == "dark"
+    )
+    _check(
+        servers,
+        "gateway",
+        "GET",
+        "/v1/memory/{key}",
+        403,
+        path_parameters={"key": "user.password"},
+        code="ACCESS_DENIED",
+    )
     page = _check(servers, "gateway", "GET", "/v1/memory", 200, query={"tag": "preference", "limit": 1})
     assert page["next"]
     _check(servers, "gateway", "GET", "/v1/memory/aggregate", 200, query={"tag": "portfolio:holdings", "op": "count"})
     assert _check(servers, "gateway", "GET", "/v1/audit", 200, query={"limit": 5})["logs"]
-    _check(servers, "gateway", "PUT", "/v1/memory/{key}", 403, path_parameters={"key": "preference.theme"},
-           code="WRITE_NOT_AVAILABLE")
+    _check(
+        servers,
+        "gateway",
+        "PUT",
+        "/v1/memory/{key}",
+        403,
+        path_parameters={"key": "preference.theme"},
+        code="WRITE_NOT_AVAILABLE",
+    )
     _check(servers, "gateway", "POST", "/v1/memory/query", 501, code="NOT_IMPLEMENTED")
-    _check(servers, "gateway", "GET", "/v1/payload/{pid}", 404, path_parameters={"pid": "pay_abcdefghijkl"},
-           code="NOT_FOUND")
+    _check(
+        servers,
+        "gateway",
+        "GET",
+        "/v1/payload/{pid}",
+        404,
+        path_parameters={"pid": "pay_abcdefghijkl"},
+        code="NOT_FOUND",
+    )
     # another agent's id in the header (§15.4)
-    _check(servers, "gateway", "GET", "/v1/memory/{key}", 403, path_parameters={"key": "preference.theme"},
-           headers={"X-UOMP-Agent-Id": "someone_else"}, code="AGENT_MISMATCH")
+    _check(
+        servers,
+        "gateway",
+        "GET",
+        "/v1/memory/{key}",
+        403,
+        path_parameters={"key": "preference.theme"},
+        headers={"X-UOMP-Agent-Id": "someone_else"},
+        code="AGENT_MISMATCH",
+    )
 
     # refresh: rotates; the spent token again revokes the family
     spent = gw.creds["refresh"]
-    rotated = _check(servers, "gateway", "POST", "/v1/sessions/{sid}/refresh", 200,
-                     path_parameters={"sid": gw.refresh_sid})
+    rotated = _check(
+        servers, "gateway", "POST", "/v1/sessions/{sid}/refresh", 200, path_parameters={"sid": gw.refresh_sid}
+    )
     assert rotated["refresh_token"] != spent and rotated["session_id"] == gw.refresh_sid
     # its successor is used (a spent token whose successor was never used is a retry, answered anew)
     _check(servers, "gateway", "POST", "/v1/sessions/{sid}/refresh", 200, path_parameters={"sid": gw.refresh_sid})
-    _check(servers, "gateway", "POST", "/v1/sessions/{sid}/refresh", 401, path_parameters={"sid": gw.refresh_sid},
-           headers={"Authorization": f"Bearer {spent}"}, code="REFRESH_REUSED")
+    _check(
+        servers,
+        "gateway",
+        "POST",
+        "/v1/sessions/{sid}/refresh",
+        401,
+        path_parameters={"sid": gw.refresh_sid},
+        headers={"Authorization": f"Bearer {spent}"},
+        code="REFRESH_REUSED",
+    )
 
     # certificate renewal: too early for this certificate
     _check(servers, "gateway", "POST", "/v1/certificates/renew", 409, code="RENEWAL_TOO_EARLY")
@@ -433,11 +591,18 @@ def test_gateway_without_a_client_certificate_is_refused_per_the_document(server
     bare.verify = gw.session.verify
     try:
         target = dataclasses.replace(gw, session=bare)
-        for method, path, params in (("GET", "/v1/memory/{key}", {"key": "preference.theme"}),
-                                     ("POST", "/v1/certificates/renew", {})):
+        for method, path, params in (
+            ("GET", "/v1/memory/{key}", {"key": "preference.theme"}),
+            ("POST", "/v1/certificates/renew", {}),
+        ):
             case = _case("gateway", method, path, path_parameters=params)
-            response = case.call(base_url=target.base, session=bare, headers=target.headers(case, authorised=True),
-                                 timeout=TIMEOUT, verify=bare.verify)
+            response = case.call(
+                base_url=target.base,
+                session=bare,
+                headers=target.headers(case, authorised=True),
+                timeout=TIMEOUT,
+                verify=bare.verify,
+            )
             assert response.status_code == 401 and response.json()["error"]["code"] == "CERT_REQUIRED"
             _validate(case, response, authorised=True)
     finally:
@@ -448,8 +613,13 @@ def test_certificate_renewal_in_its_window_matches_the_document(servers: dict[st
     gw = servers["gateway"]
     paths: Paths = gw.extra["paths"]
     lifetime = dt.timedelta(hours=24)
-    late = ca_store.issue_with_key(paths, "st_renewer", paths.home / "agents-test" / "st_renewer", lifetime,
-                                   now=dt.datetime.now(dt.UTC) - lifetime * 0.9)
+    late = ca_store.issue_with_key(
+        paths,
+        "st_renewer",
+        paths.home / "agents-test" / "st_renewer",
+        lifetime,
+        now=dt.datetime.now(dt.UTC) - lifetime * 0.9,
+    )
     session = requests.Session()
     session.cert, session.verify = (str(late.cert_file), str(late.key_file)), str(late.ca_file)
     try:
@@ -479,16 +649,28 @@ def test_payload_relay_paths_match_the_document(servers: dict[str, Target]) -> N
     assert again == stored  # the same upload again (a lost answer retried): the stored entry, no second payload
     binding = sealing.Binding(doc["payload_id"], gw.sid, "st_agent", "text/plain")
     clash = sdk_payloads.seal_small(recipient, binding, b"other bytes under the same id")
-    _check(servers, "gateway", "POST", "/v1/payload/upload", 409, body=clash, media_type="application/json",
-           code="PAYLOAD_EXISTS")
+    _check(
+        servers,
+        "gateway",
+        "POST",
+        "/v1/payload/upload",
+        409,
+        body=clash,
+        media_type="application/json",
+        code="PAYLOAD_EXISTS",
+    )
 
     streamed = sealed()
     raw = base64.b64decode(streamed.pop("ciphertext"))
     url = _check(servers, "gateway", "POST", "/v1/payload/upload-url", 201, body={"size": len(raw)})
     token = urllib.parse.parse_qs(urllib.parse.urlsplit(url["upload_url"]).query)["t"][0]
     header = base64.urlsafe_b64encode(json.dumps(streamed).encode()).rstrip(b"=").decode()
-    put = {"query": {"t": token}, "headers": {"X-UOMP-Payload-Envelope": header}, "body": raw,
-           "media_type": "application/octet-stream"}
+    put = {
+        "query": {"t": token},
+        "headers": {"X-UOMP-Payload-Envelope": header},
+        "body": raw,
+        "media_type": "application/octet-stream",
+    }
     _check(servers, "gateway", "PUT", "/v1/payload/presigned", 201, **put)
     _check(servers, "gateway", "PUT", "/v1/payload/presigned", 403, code="UPLOAD_URL_INVALID", **put)
 
@@ -496,14 +678,19 @@ def test_payload_relay_paths_match_the_document(servers: dict[str, Target]) -> N
     pid = doc["payload_id"]
     listed = _check(servers, "unix", "GET", "/v1/payloads", 200)["payloads"]
     assert {p["payload_id"] for p in listed} >= {pid, streamed["payload_id"]}
-    assert _check(servers, "unix", "GET", "/v1/payloads/{pid}", 200, path_parameters={"pid": pid})["hash"] == \
-        doc["hash"]
+    assert (
+        _check(servers, "unix", "GET", "/v1/payloads/{pid}", 200, path_parameters={"pid": pid})["hash"] == doc["hash"]
+    )
     octets = _check(servers, "unix", "GET", "/v1/payloads/{pid}/ciphertext", 200, path_parameters={"pid": pid})
-    assert octets.content == base64.b64decode(doc["ciphertext"]) and octets.headers["x-uomp-payload-hash"] == \
-        [doc["hash"]]
-    assert _check(servers, "unix", "POST", "/v1/payloads/{pid}/opened", 200, path_parameters={"pid": pid}) == \
-        {"payload_id": pid, "opened": True}
-    assert _check(servers, "unix", "DELETE", "/v1/payloads/{pid}", 200, path_parameters={"pid": pid}) == \
-        {"payload_id": pid, "removed": True}
+    assert octets.content == base64.b64decode(doc["ciphertext"]) and octets.headers["x-uomp-payload-hash"] == [
+        doc["hash"]
+    ]
+    assert _check(servers, "unix", "POST", "/v1/payloads/{pid}/opened", 200, path_parameters={"pid": pid}) == {
+        "payload_id": pid,
+        "opened": True,
+    }
+    assert _check(servers, "unix", "DELETE", "/v1/payloads/{pid}", 200, path_parameters={"pid": pid}) == {
+        "payload_id": pid,
+        "removed": True,
+    }
     _check(servers, "unix", "GET", "/v1/payloads/{pid}", 404, path_parameters={"pid": pid}, code="NOT_FOUND")
-

@@ -22,8 +22,10 @@ FAKE = str(Path(__file__).parents[1] / "fake_cloudflared.py")
 @pytest.fixture
 async def origin() -> AsyncIterator[str]:
     async def echo(request: web.Request) -> web.Response:
-        return web.json_response({"host": request.host, "path": request.path_qs,
-                                  "proto": request.headers.get("X-Forwarded-Proto")})
+        return web.json_response(
+            {"host": request.host, "path": request.path_qs, "proto": request.headers.get("X-Forwarded-Proto")}
+        )
+
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", echo)
     runner = web.AppRunner(app)
@@ -36,9 +38,15 @@ async def origin() -> AsyncIterator[str]:
 
 
 def cfg(origin: str, **kw: object) -> TunnelConfig:
-    base: dict[str, object] = {"mode": "quick", "origin_url": origin, "cloudflared": FAKE,
-                               "backoff_initial_seconds": 0.05, "backoff_max_seconds": 0.2,
-                               "rate_limit_backoff_seconds": 0.3, "url_timeout_seconds": 20.0}
+    base: dict[str, object] = {
+        "mode": "quick",
+        "origin_url": origin,
+        "cloudflared": FAKE,
+        "backoff_initial_seconds": 0.05,
+        "backoff_max_seconds": 0.2,
+        "rate_limit_backoff_seconds": 0.3,
+        "url_timeout_seconds": 20.0,
+    }
     base.update(kw)
     return TunnelConfig(**base)  # type: ignore[arg-type]
 
@@ -69,7 +77,9 @@ async def test_quick_tunnel_url_and_forwarding(origin: str, tmp_path: Path, monk
             conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=10)
             conn.request("GET", "/v1/health?x=1")
             import json
+
             return json.loads(conn.getresponse().read())
+
         answer = await asyncio.to_thread(get)
         assert answer == {"host": host, "path": "/v1/health?x=1", "proto": "https"}
     finally:
@@ -90,17 +100,23 @@ async def test_dead_tunnel_restarts_with_a_new_url(origin: str, monkeypatch: pyt
         await sup.stop()
 
 
-@pytest.mark.parametrize(("mode", "status", "error"), [
-    ("exit", "restarting", "stand-in told to exit"),
-    ("rate-limited", "rate-limited", "rate-limiting"),
-    ("no-url", "restarting", "no public URL"),
-], ids=["exits-at-once", "rate-limited", "no-url"])
-async def test_failures_are_reported_and_retried(origin: str, monkeypatch: pytest.MonkeyPatch, mode: str,
-                                                 status: str, error: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "status", "error"),
+    [
+        ("exit", "restarting", "stand-in told to exit"),
+        ("rate-limited", "rate-limited", "rate-limiting"),
+        ("no-url", "restarting", "no public URL"),
+    ],
+    ids=["exits-at-once", "rate-limited", "no-url"],
+)
+async def test_failures_are_reported_and_retried(
+    origin: str, monkeypatch: pytest.MonkeyPatch, mode: str, status: str, error: str
+) -> None:
     monkeypatch.setenv("FAKE_CF_MODE", mode)
     states: list[tuple[str, str | None]] = []
-    sup = TunnelSupervisor(cfg(origin, url_timeout_seconds=1.0),
-                           on_state=lambda s: states.append((s.status, s.last_error)))
+    sup = TunnelSupervisor(
+        cfg(origin, url_timeout_seconds=1.0), on_state=lambda s: states.append((s.status, s.last_error))
+    )
     sup.start()
     try:
         await _until(lambda: sup.state.restarts >= 2)
@@ -122,8 +138,9 @@ async def test_rate_limit_backs_off_longer(origin: str, monkeypatch: pytest.Monk
         await sup.stop()
 
 
-async def test_missing_binary_is_one_clear_message(origin: str, tmp_path: Path,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+async def test_missing_binary_is_one_clear_message(
+    origin: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sup = TunnelSupervisor(cfg(origin, cloudflared=str(tmp_path / "nope")))
     with caplog.at_level(logging.ERROR, logger="uomp.tunnel"):
         sup.start()
@@ -132,8 +149,9 @@ async def test_missing_binary_is_one_clear_message(origin: str, tmp_path: Path,
     await sup.stop()
 
 
-async def test_named_tunnel_token_stays_off_the_command_line(origin: str, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_named_tunnel_token_stays_off_the_command_line(
+    origin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_CF_HOSTNAME", "gw.example.test")
     token = "eyJhIjoic2VjcmV0LXR1bm5lbC10b2tlbiJ9"
     sup = TunnelSupervisor(cfg(origin, mode="named", token=token, hostname="gw.example.test"))
@@ -170,8 +188,9 @@ async def test_named_tunnel_token_stays_off_the_command_line(origin: str, tmp_pa
         TunnelConfig(mode="quick", origin_url="http://0.0.0.0:1")
 
 
-async def test_user_config_gets_a_private_home(origin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+async def test_user_config_gets_a_private_home(
+    origin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     home = tmp_path / "home"
     (home / ".cloudflared").mkdir(parents=True)
     (home / ".cloudflared" / "config.yml").write_text("tunnel: 1234\ncredentials-file: x.json\n")

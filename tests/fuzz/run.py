@@ -34,9 +34,19 @@ def main() -> int:
         from targets import TARGETS
     target = TARGETS[name]
     sys.stdout.flush()
-    atheris.Setup([sys.argv[0], str(corpus), f"-max_total_time={seconds}", "-print_final_stats=1",
-                   "-rss_limit_mb=1024", "-timeout=10", f"-artifact_prefix={work}/", "-max_len=4096"],
-                  target)
+    atheris.Setup(
+        [
+            sys.argv[0],
+            str(corpus),
+            f"-max_total_time={seconds}",
+            "-print_final_stats=1",
+            "-rss_limit_mb=1024",
+            "-timeout=10",
+            f"-artifact_prefix={work}/",
+            "-max_len=4096",
+        ],
+        target,
+    )
     atheris.Fuzz()
     return 0
 
@@ -50,8 +60,7 @@ def _hypothesis(name: str, seconds: int) -> int:
     count = 0
     start = time.monotonic()
 
-    @settings(max_examples=10**9, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=10**9, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.binary(max_size=4096))
     def run(data: bytes) -> None:
         nonlocal count

@@ -46,9 +46,15 @@ def _text(data: bytes) -> str:
 
 def good_token(**changes: Any) -> str:
     claims = tokens.capability_claims(
-        session_id="sess_fuzz", agent_id="fuzz_agent", read=tokens.Scope(tags=("preference",)),
-        now=NOW - 10, expires=NOW + 300, max_read_queries=10, profile="local",
-        audience="http://127.0.0.1:8750")
+        session_id="sess_fuzz",
+        agent_id="fuzz_agent",
+        read=tokens.Scope(tags=("preference",)),
+        now=NOW - 10,
+        expires=NOW + 300,
+        max_read_queries=10,
+        profile="local",
+        audience="http://127.0.0.1:8750",
+    )
     claims.update(changes)
     return tokens.sign_token(claims, SIGNING, KID)
 
@@ -68,7 +74,7 @@ def t_token(data: bytes) -> None:
         i %= len(tok)
         repl = chr(data[-1] % 94 + 33)
         if repl != tok[i]:
-            forged = tok[:i] + repl + tok[i + 1:]
+            forged = tok[:i] + repl + tok[i + 1 :]
             try:
                 cap = tokens.verify_token(forged, KEYS, now=NOW)
             except UompError as exc:
@@ -95,8 +101,16 @@ def t_dpop(data: bytes) -> None:
     proof = parts[0]
     url = parts[1] if len(parts) > 1 else "https://gw.example/v1/memory/x"
     try:
-        dpop.verify_dpop(proof, method="GET", url=url, access_token="tok", now=NOW, window_seconds=60,
-                         replay=replay, expected_jkt=None)
+        dpop.verify_dpop(
+            proof,
+            method="GET",
+            url=url,
+            access_token="tok",
+            now=NOW,
+            window_seconds=60,
+            replay=replay,
+            expected_jkt=None,
+        )
     except UompError as exc:
         assert exc.code in ("DPOP_INVALID", "INVALID_REQUEST"), exc.code
     try:
@@ -168,12 +182,15 @@ def t_sealing(data: bytes) -> None:
     else:
         if i == len(buf):
             i -= 1
-        buf[i] ^= (data[-1] or 1)
+        buf[i] ^= data[-1] or 1
         mutated = bytes(buf)
     step = max(1, data[0] * 97 + 1)
     try:
-        out = b"".join(sealing.open_stream(PAYLOAD_KEY, BINDING, _ENC,
-                                           (mutated[j:j + step] for j in range(0, len(mutated), step))))
+        out = b"".join(
+            sealing.open_stream(
+                PAYLOAD_KEY, BINDING, _ENC, (mutated[j : j + step] for j in range(0, len(mutated), step))
+            )
+        )
     except sealing.SealError:
         return
     raise AssertionError(f"altered ciphertext opened ({len(out)} bytes)")
@@ -192,7 +209,7 @@ def t_merkle(data: bytes) -> None:
     merkle.verify_inclusion(idx, n, leaf, proof, tree.root())
     rest = data[2:]
     # arbitrary proof from the input
-    path = [rest[j:j + 32].ljust(32, b"\0") for j in range(0, min(len(rest), 32 * 12), 32)]
+    path = [rest[j : j + 32].ljust(32, b"\0") for j in range(0, min(len(rest), 32 * 12), 32)]
     try:
         merkle.verify_inclusion(idx, n, leaf, path, tree.root())
     except merkle.ProofError:
@@ -254,7 +271,7 @@ def t_checkpoint(data: bytes) -> None:
         i = int.from_bytes(data[:2].ljust(2, b"\0"), "big") % len(_NOTE)
         c = chr(data[-1] % 94 + 33)
         if c != _NOTE[i]:
-            forged = _NOTE[:i] + c + _NOTE[i + 1:]
+            forged = _NOTE[:i] + c + _NOTE[i + 1 :]
             try:
                 got = checkpoint.open_note(forged, NOTE_NAME, NOTE_KEY.public_key())
             except checkpoint.NoteError:

@@ -29,24 +29,31 @@ from gateway.errors import UompError
 
 pytestmark = pytest.mark.timeout(120)
 
+
 async def read(app: Appliance, agent: Agent, token: str) -> tuple[int, Any]:
     async with agent_session(agent, app.paths) as s:
-        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=token,
-                                           agent_id=agent.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=token, agent_id=agent.agent_id
+        )
         return status, body
 
 
 async def refresh(app: Appliance, agent: Agent, sid: str, rt: str) -> tuple[int, Any]:
     async with agent_session(agent, app.paths) as s:
-        status, body, _ = await agent_call(s, app.base, f"/v1/sessions/{sid}/refresh", token=rt,
-                                           agent_id=agent.agent_id, method="POST")
+        status, body, _ = await agent_call(
+            s, app.base, f"/v1/sessions/{sid}/refresh", token=rt, agent_id=agent.agent_id, method="POST"
+        )
         return status, body
 
 
 async def create_session(app: Appliance) -> tuple[int, Any]:
-    status, body, _ = await call(app.admin, "POST", "/v1/sessions", headers=admin_headers(app.paths),
-                                 json_body={"agent_id": "another_agent", "requested_scopes": {"read": {
-                                     "tags": ["preference"], "keys": []}}})
+    status, body, _ = await call(
+        app.admin,
+        "POST",
+        "/v1/sessions",
+        headers=admin_headers(app.paths),
+        json_body={"agent_id": "another_agent", "requested_scopes": {"read": {"tags": ["preference"], "keys": []}}},
+    )
     return status, body
 
 
@@ -105,8 +112,9 @@ async def test_a_database_locked_by_another_process(home: Paths, db: str) -> Non
         # the agent's audit read goes through the gateway (the guard's socket serves a remote token
         # only with the gateway's assertion)
         async with agent_session(agent, app.paths) as s:
-            status, logs, _ = await agent_call(s, app.base, f"/v1/audit?session_id={sid}", token=new_access,
-                                               agent_id=agent.agent_id)
+            status, logs, _ = await agent_call(
+                s, app.base, f"/v1/audit?session_id={sid}", token=new_access, agent_id=agent.agent_id
+            )
         assert status == 200 and any(r["action"] == "read" and r["allowed"] for r in logs["logs"])
 
 
@@ -157,7 +165,9 @@ async def test_a_call_queued_too_long_is_refused_without_running(tmp_path: Path)
             results = await asyncio.gather(first, second, return_exceptions=True)
         assert all(isinstance(r, UompError) and r.code == "STORE_BUSY" for r in results), results
         assert [r.details for r in results if isinstance(r, UompError)] == [
-            {"reason": "SQLITE_BUSY"}, {"reason": "QUEUE_TIMEOUT"}]
+            {"reason": "SQLITE_BUSY"},
+            {"reason": "QUEUE_TIMEOUT"},
+        ]
         assert ran == ["first"]  # the second never ran
         await worker.run(write, "third")  # released: works again
         assert ran == ["first", "third"]

@@ -71,8 +71,9 @@ async def test_failed_batch_reaches_every_waiter_once(tmp_path: Path) -> None:
         written.append(batch)
 
     failed: list[list[int]] = []
-    w: GroupCommitWriter[int] = GroupCommitWriter("test log", write, max_pending=100,
-                                                  on_failed=lambda b, e: failed.append(b))
+    w: GroupCommitWriter[int] = GroupCommitWriter(
+        "test log", write, max_pending=100, on_failed=lambda b, e: failed.append(b)
+    )
     try:
         tickets = [w.submit(i) for i in range(5)]
         waiters = [asyncio.ensure_future(w.flush(t)) for t in tickets]
@@ -109,12 +110,16 @@ def test_pending_bound_refuses_rather_than_grows() -> None:
         w.close()
 
 
-@pytest.mark.parametrize("exc,reason", [
-    (OSError(errno.ENOSPC, "No space left on device"), "disk full"),
-    (sqlite3.OperationalError("database or disk is full"), "disk full"),
-    (sqlite3.OperationalError("database is locked"), "database is locked"),
-    (OSError(errno.EIO, "Input/output error"), "input/output error"),
-], ids=["enospc", "sqlite-full", "sqlite-locked", "eio"])
+@pytest.mark.parametrize(
+    "exc,reason",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "disk full"),
+        (sqlite3.OperationalError("database or disk is full"), "disk full"),
+        (sqlite3.OperationalError("database is locked"), "database is locked"),
+        (OSError(errno.EIO, "Input/output error"), "input/output error"),
+    ],
+    ids=["enospc", "sqlite-full", "sqlite-locked", "eio"],
+)
 def test_failure_reasons(exc: BaseException, reason: str) -> None:
     assert describe_failure(exc) == reason
 
@@ -130,8 +135,9 @@ def test_tally_take_and_done() -> None:
     assert t.counts == {"a": 1}
 
 
-async def test_full_audit_db_is_503_and_rows_say_what_the_agent_got(home: Paths,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_full_audit_db_is_503_and_rows_say_what_the_agent_got(
+    home: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A full audit.db: STORE_UNAVAILABLE (503), the lost rows counted per session, recovery at the
     next batch that fits, and the row finally written says 503, not the intended 'allowed'."""
     log = AuditLog(home.audit_db)
@@ -174,11 +180,15 @@ def test_prune_drops_expired_token_rows_only(home: Paths) -> None:
         now = auth.clock()
         old, live = now - PRUNE_MARGIN_SECONDS - 10, now + 600
         for i, exp in enumerate((old, old, live)):
-            auth.db.execute("INSERT INTO issued_tokens (token_hash, session_id, jti, kind, expires_at) "
-                            "VALUES (?,?,?,?,?)", (f"h{i}", "s", f"j{i}", "access", exp))
+            auth.db.execute(
+                "INSERT INTO issued_tokens (token_hash, session_id, jti, kind, expires_at) VALUES (?,?,?,?,?)",
+                (f"h{i}", "s", f"j{i}", "access", exp),
+            )
             auth.db.execute("INSERT INTO token_blacklist VALUES (?,?,?,?)", (f"h{i}", "s", exp, "revoked"))
-            auth.db.execute("INSERT INTO refresh_tokens (jti, family_id, session_id, status, expires_at) "
-                            "VALUES (?,?,?,?,?)", (f"r{i}", "f", "s", "spent", exp))
+            auth.db.execute(
+                "INSERT INTO refresh_tokens (jti, family_id, session_id, status, expires_at) VALUES (?,?,?,?,?)",
+                (f"r{i}", "f", "s", "spent", exp),
+            )
         out = auth.prune(batch=1)  # sliced: one row per table per call
         assert out["issued_tokens"] == out["token_blacklist"] == out["refresh_tokens"] == 1
         auth.prune()
@@ -206,7 +216,8 @@ def test_large_wal_left_by_a_killed_writer_is_truncated_at_open(tmp_path: Path) 
         "c.execute('CREATE TABLE t (b BLOB)')\n"
         "c.execute('BEGIN'); [c.execute('INSERT INTO t VALUES (?)', (os.urandom(4096),)) for _ in range(3000)]\n"
         "c.execute('COMMIT')\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n")
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     subprocess.run([sys.executable, "-c", script], check=False)
     wal = tmp_path / "x.db-wal"
     assert wal.stat().st_size > WAL_TRUNCATE_AT_OPEN_BYTES
@@ -320,8 +331,9 @@ def test_write_here_if_idle_leaves_a_busy_writer_alone_and_never_overlaps() -> N
 def test_write_here_failure_is_the_batch_failure_for_every_waiter() -> None:
     failed: list[list[int]] = []
     rec = Recorder(fail=1)
-    w: GroupCommitWriter[int] = GroupCommitWriter("t", rec, max_pending=100,
-                                                  on_failed=lambda batch, exc: failed.append(list(batch)))
+    w: GroupCommitWriter[int] = GroupCommitWriter(
+        "t", rec, max_pending=100, on_failed=lambda batch, exc: failed.append(list(batch))
+    )
     try:
         t1, t2 = w.submit(1), w.submit(2)
         with pytest.raises(UompError) as exc:

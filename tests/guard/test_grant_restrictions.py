@@ -95,30 +95,63 @@ def _check_no_write(cap: Capability) -> None:
 
 
 RESTRICTIONS: list[Any] = [
-    pytest.param(lambda d: _read(d).update(allowed_fields=["key", "value"]), _check_fields, "allowed_fields=['key', "
-                 "'value']", id="read.allowed_fields"),
-    pytest.param(lambda d: _read(d).update(deny_tags=["private"]), _check_deny_tags, "deny_tags=['private']",
-                 id="read.deny_tags"),
-    pytest.param(lambda d: _read(d).update(deny_keys=["user.password"]), _check_deny_keys,
-                 "deny_keys=['user.password']", id="read.deny_keys"),
-    pytest.param(lambda d: _read(d).update(tags=["preference"], keys=["user.display_name"]), _check_tags_keys,
-                 "keys=['user.display_name']", id="read.tags+keys"),
-    pytest.param(lambda d: d.update(required_capabilities=["memory.aggregate"]), _check_aggregate_only,
-                 "aggregates only", id="capabilities-aggregate-only"),
-    pytest.param(lambda d: d.update(optional_capabilities=["memory.aggregate"]), _check_aggregate_only,
-                 "aggregates only", id="optional-capabilities-aggregate-only"),
-    pytest.param(lambda d: d.update(required_capabilities=["memory.read"], optional_capabilities=["memory.aggregate"]),
-                 _check_items_allowed, "memory.read", id="capabilities-read-and-aggregate"),
-    pytest.param(lambda d: d["requested_scopes"].update(write={"tags": ["preference"], "keys": []}),
-                 _check_no_write, "writes are not available", id="write-scope-never-granted"),
+    pytest.param(
+        lambda d: _read(d).update(allowed_fields=["key", "value"]),
+        _check_fields,
+        "allowed_fields=['key', 'value']",
+        id="read.allowed_fields",
+    ),
+    pytest.param(
+        lambda d: _read(d).update(deny_tags=["private"]), _check_deny_tags, "deny_tags=['private']", id="read.deny_tags"
+    ),
+    pytest.param(
+        lambda d: _read(d).update(deny_keys=["user.password"]),
+        _check_deny_keys,
+        "deny_keys=['user.password']",
+        id="read.deny_keys",
+    ),
+    pytest.param(
+        lambda d: _read(d).update(tags=["preference"], keys=["user.display_name"]),
+        _check_tags_keys,
+        "keys=['user.display_name']",
+        id="read.tags+keys",
+    ),
+    pytest.param(
+        lambda d: d.update(required_capabilities=["memory.aggregate"]),
+        _check_aggregate_only,
+        "aggregates only",
+        id="capabilities-aggregate-only",
+    ),
+    pytest.param(
+        lambda d: d.update(optional_capabilities=["memory.aggregate"]),
+        _check_aggregate_only,
+        "aggregates only",
+        id="optional-capabilities-aggregate-only",
+    ),
+    pytest.param(
+        lambda d: d.update(required_capabilities=["memory.read"], optional_capabilities=["memory.aggregate"]),
+        _check_items_allowed,
+        "memory.read",
+        id="capabilities-read-and-aggregate",
+    ),
+    pytest.param(
+        lambda d: d["requested_scopes"].update(write={"tags": ["preference"], "keys": []}),
+        _check_no_write,
+        "writes are not available",
+        id="write-scope-never-granted",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("change", "check", "shown"), RESTRICTIONS)
-def test_each_manifest_restriction_reaches_the_token(home: Paths, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str],
-                                                     change: Callable[[dict[str, Any]], None],
-                                                     check: Callable[[Capability], None], shown: str) -> None:
+def test_each_manifest_restriction_reaches_the_token(
+    home: Paths,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    change: Callable[[dict[str, Any]], None],
+    check: Callable[[Capability], None],
+    shown: str,
+) -> None:
     rc, cap = authorize(home, tmp_path, manifest_with(change))
     assert rc == 0 and cap is not None
     check(cap)
@@ -126,8 +159,12 @@ def test_each_manifest_restriction_reaches_the_token(home: Paths, tmp_path: Path
 
 
 def test_capabilities_are_shown(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    doc = manifest_with(lambda d: d.update(required_capabilities=["memory.read", "memory.write", "memory.teleport"],
-                                           optional_capabilities=["memory.query"]))
+    doc = manifest_with(
+        lambda d: d.update(
+            required_capabilities=["memory.read", "memory.write", "memory.teleport"],
+            optional_capabilities=["memory.query"],
+        )
+    )
     assert authorize(home, tmp_path, doc)[0] == 0
     out = capsys.readouterr().out
     assert "required memory.read (read single items by key)" in out
@@ -154,22 +191,39 @@ def test_proof_required_is_kept_on_the_session(home: Paths, tmp_path: Path) -> N
 FIELDS = lambda d: _read(d).update(allowed_fields=["key", "value", "tags"])  # noqa: E731
 
 
-@pytest.mark.parametrize(("change", "args", "fields"), [
-    (FIELDS, ["--allowed-field", "key"], ("key",)),
-    (FIELDS, ["--allowed-field", "key", "--allowed-field", "source"], None),
-    (FIELDS, ["--allowed-field", "key", "--allowed-field", "source", "--widen"], ("key", "source")),
-    (lambda d: None, ["--allowed-field", "key"], ("key",)),
-    (lambda d: _read(d).update(deny_tags=["private"]), ["--deny-tag", "identity"], "deny"),
-    (lambda d: None, ["--tag", "preference"], "narrow-tags"),
-    (lambda d: None, ["--tag", "financial"], None),
-    (lambda d: None, ["--tag", "financial", "--widen"], "wide-tags"),
-    (lambda d: d.update(required_capabilities=["memory.aggregate"]), ["--aggregation-only"], "agg"),
-], ids=["narrow-fields", "extra-field-refused", "extra-field-widen", "fields-where-none-asked",
-        "add-deny-tag", "narrow-tags", "extra-tag-refused", "extra-tag-widen", "aggregation-only-twice"])
-def test_user_narrows_freely_and_widens_only_with_widen(home: Paths, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str],
-                                                        change: Callable[[dict[str, Any]], None], args: list[str],
-                                                        fields: Any) -> None:
+@pytest.mark.parametrize(
+    ("change", "args", "fields"),
+    [
+        (FIELDS, ["--allowed-field", "key"], ("key",)),
+        (FIELDS, ["--allowed-field", "key", "--allowed-field", "source"], None),
+        (FIELDS, ["--allowed-field", "key", "--allowed-field", "source", "--widen"], ("key", "source")),
+        (lambda d: None, ["--allowed-field", "key"], ("key",)),
+        (lambda d: _read(d).update(deny_tags=["private"]), ["--deny-tag", "identity"], "deny"),
+        (lambda d: None, ["--tag", "preference"], "narrow-tags"),
+        (lambda d: None, ["--tag", "financial"], None),
+        (lambda d: None, ["--tag", "financial", "--widen"], "wide-tags"),
+        (lambda d: d.update(required_capabilities=["memory.aggregate"]), ["--aggregation-only"], "agg"),
+    ],
+    ids=[
+        "narrow-fields",
+        "extra-field-refused",
+        "extra-field-widen",
+        "fields-where-none-asked",
+        "add-deny-tag",
+        "narrow-tags",
+        "extra-tag-refused",
+        "extra-tag-widen",
+        "aggregation-only-twice",
+    ],
+)
+def test_user_narrows_freely_and_widens_only_with_widen(
+    home: Paths,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    change: Callable[[dict[str, Any]], None],
+    args: list[str],
+    fields: Any,
+) -> None:
     rc, cap = authorize(home, tmp_path, manifest_with(change), *args)
     if fields is None:
         assert rc == 1 and cap is None
@@ -193,8 +247,9 @@ def test_user_narrows_freely_and_widens_only_with_widen(home: Paths, tmp_path: P
 # ------------------------------------------------------------------- requires_remote
 
 
-def test_requires_remote_is_refused_locally_unless_overridden(home: Paths, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_requires_remote_is_refused_locally_unless_overridden(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     doc = manifest_with(lambda d: d.update(requires_remote=True))
     assert authorize(home, tmp_path, doc)[0] == 1
     captured = capsys.readouterr()
@@ -205,8 +260,20 @@ def test_requires_remote_is_refused_locally_unless_overridden(home: Paths, tmp_p
     assert "runs on this machine although it declares requires_remote" in capsys.readouterr().out
     ca_store.init_all(home)
     agent = tmp_path / "agent"
-    assert cli(home, "authorize", str(agent), "--yes", "--remote", "--out", str(tmp_path / "files"),
-               "--bundle", str(tmp_path / "bundle.json")) == 0
+    assert (
+        cli(
+            home,
+            "authorize",
+            str(agent),
+            "--yes",
+            "--remote",
+            "--out",
+            str(tmp_path / "files"),
+            "--bundle",
+            str(tmp_path / "bundle.json"),
+        )
+        == 0
+    )
 
 
 # ------------------------------------------------------------- the Auth Service enforces too
@@ -214,22 +281,37 @@ def test_requires_remote_is_refused_locally_unless_overridden(home: Paths, tmp_p
 REQUESTED = {"tags": ["preference"], "keys": [], "deny_tags": ["private"], "allowed_fields": ["key", "value"]}
 
 
-@pytest.mark.parametrize(("read", "extra", "why"), [
-    ({**REQUESTED}, {}, None),
-    ({**REQUESTED, "allowed_fields": ["key"]}, {}, None),
-    ({**REQUESTED, "deny_tags": ["private", "identity"]}, {}, None),
-    ({**REQUESTED, "allowed_fields": None}, {"allowed_fields": ["key", "source"]}, "fields not requested: source"),
-    ({**REQUESTED}, {"allowed_fields": ["key", "source"]}, None),  # intersection: key
-    ({**REQUESTED, "deny_tags": []}, {}, "denied tags the agent asked to be kept from: private"),
-    ({**REQUESTED, "allowed_fields": None}, {}, "whole items although the agent asked only for fields"),
-    ({**REQUESTED, "allowed_fields": ["key", "value", "source"]}, {}, "fields not requested: source"),
-    ({**REQUESTED, "tags": ["preference", "financial"]}, {}, "tags not requested: financial"),
-], ids=["as-requested", "fewer-fields", "more-denies", "top-level-extra-field", "top-level-intersects",
-        "deny-dropped", "fields-dropped", "scope-extra-field", "extra-tag"])
-def test_auth_service_grant_keeps_requested_limits(home: Paths, read: dict[str, Any], extra: dict[str, Any],
-                                                   why: str | None) -> None:
+@pytest.mark.parametrize(
+    ("read", "extra", "why"),
+    [
+        ({**REQUESTED}, {}, None),
+        ({**REQUESTED, "allowed_fields": ["key"]}, {}, None),
+        ({**REQUESTED, "deny_tags": ["private", "identity"]}, {}, None),
+        ({**REQUESTED, "allowed_fields": None}, {"allowed_fields": ["key", "source"]}, "fields not requested: source"),
+        ({**REQUESTED}, {"allowed_fields": ["key", "source"]}, None),  # intersection: key
+        ({**REQUESTED, "deny_tags": []}, {}, "denied tags the agent asked to be kept from: private"),
+        ({**REQUESTED, "allowed_fields": None}, {}, "whole items although the agent asked only for fields"),
+        ({**REQUESTED, "allowed_fields": ["key", "value", "source"]}, {}, "fields not requested: source"),
+        ({**REQUESTED, "tags": ["preference", "financial"]}, {}, "tags not requested: financial"),
+    ],
+    ids=[
+        "as-requested",
+        "fewer-fields",
+        "more-denies",
+        "top-level-extra-field",
+        "top-level-intersects",
+        "deny-dropped",
+        "fields-dropped",
+        "scope-extra-field",
+        "extra-tag",
+    ],
+)
+def test_auth_service_grant_keeps_requested_limits(
+    home: Paths, read: dict[str, Any], extra: dict[str, Any], why: str | None
+) -> None:
     auth = open_auth(home, GuardConfig())
     try:
+
         def grant(widen: bool) -> dict[str, Any]:
             sid = auth.create_session({"agent_id": "cal", "requested_scopes": {"read": REQUESTED}})["session_id"]
             body = {"granted_scopes": {"read": {k: v for k, v in read.items() if v is not None}}, **extra}

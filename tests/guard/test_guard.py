@@ -17,8 +17,12 @@ from gateway import keys
 from gateway.config import Paths
 from gateway.core import tokens
 
-READ_PREFS = {"tags": ["preference"], "keys": ["user.passport"], "deny_keys": ["preference.lang"],
-              "deny_tags": ["private"]}
+READ_PREFS = {
+    "tags": ["preference"],
+    "keys": ["user.passport"],
+    "deny_keys": ["preference.lang"],
+    "deny_tags": ["private"],
+}
 
 
 @pytest.fixture
@@ -46,8 +50,13 @@ async def test_read_rules_deny_before_allow_and_sensitivity(seeded: Paths) -> No
         assert status == 200 and body["value"] == "X1234567"
         assert "sensitivity" not in body and "source" not in body  # §19.2 default for high items
         denied = {}
-        for key in ("user.password", "preference.lang", "preference.secret_hobby", "user.display_name",
-                    "does.not.exist"):
+        for key in (
+            "user.password",
+            "preference.lang",
+            "preference.secret_hobby",
+            "user.display_name",
+            "does.not.exist",
+        ):
             status, body, _ = await call(s, "GET", f"/v1/memory/{key}", token=tok)
             assert status == 403 and body["error"]["code"] == "ACCESS_DENIED", key
             denied[key] = body
@@ -66,8 +75,9 @@ async def test_read_rules_deny_before_allow_and_sensitivity(seeded: Paths) -> No
 
 async def test_allowed_fields_filter_every_item(seeded: Paths) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
-        tok = (await grant(s, seeded, read={"tags": ["preference"], "keys": []},
-                           allowed_fields=["key", "value"]))["token"]
+        tok = (await grant(s, seeded, read={"tags": ["preference"], "keys": []}, allowed_fields=["key", "value"]))[
+            "token"
+        ]
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=tok)
         assert (status, body) == (200, {"key": "preference.theme", "value": "dark"})
         status, body, _ = await call(s, "GET", "/v1/memory?tag=preference", token=tok)
@@ -77,8 +87,15 @@ async def test_allowed_fields_filter_every_item(seeded: Paths) -> None:
 async def test_aggregate_and_aggregation_only(seeded: Paths) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
         # min/max single out one value: they need the user's explicit grant (docs/aggregates.md)
-        tok = (await grant(s, seeded, read={"tags": ["portfolio:holdings", "portfolio:tiny"], "keys": []},
-                           aggregation_only=True, aggregate_min_max=True))["token"]
+        tok = (
+            await grant(
+                s,
+                seeded,
+                read={"tags": ["portfolio:holdings", "portfolio:tiny"], "keys": []},
+                aggregation_only=True,
+                aggregate_min_max=True,
+            )
+        )["token"]
         q = "/v1/memory/aggregate?tag=portfolio:holdings&field=value.market_value&op="
         expected = {"sum": 39000, "avg": 13000, "min": 7000, "max": 20000}
         for op, result in expected.items():
@@ -88,7 +105,8 @@ async def test_aggregate_and_aggregation_only(seeded: Paths) -> None:
         assert body == {"op": "count", "tag": "portfolio:holdings", "result": 3}
         # fewer than 3 items: refused so min/max cannot single out a value
         status, body, _ = await call(
-            s, "GET", "/v1/memory/aggregate?tag=portfolio:tiny&op=max&field=value.market_value", token=tok)
+            s, "GET", "/v1/memory/aggregate?tag=portfolio:tiny&op=max&field=value.market_value", token=tok
+        )
         assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
         # aggregation_only: raw reads refused
         for path in ("/v1/memory/h.aapl", "/v1/memory?tag=portfolio:holdings"):
@@ -101,8 +119,9 @@ async def test_aggregate_and_aggregation_only(seeded: Paths) -> None:
 
 async def test_quota_enforced_and_survives_restart(seeded: Paths) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
-        tok = (await grant(s, seeded, read={"tags": ["preference"], "keys": []},
-                           limits={"max_read_queries": 3}))["token"]
+        tok = (await grant(s, seeded, read={"tags": ["preference"], "keys": []}, limits={"max_read_queries": 3}))[
+            "token"
+        ]
         results = await asyncio.gather(*[call(s, "GET", "/v1/memory/preference.theme", token=tok) for _ in range(2)])
         assert [r[0] for r in results] == [200, 200]
     async with running_guard(seeded), unix_session(seeded) as s:
@@ -116,10 +135,10 @@ async def test_quota_enforced_and_survives_restart(seeded: Paths) -> None:
 
 async def test_quota_atomic_under_concurrency(seeded: Paths) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
-        tok = (await grant(s, seeded, read={"tags": ["preference"], "keys": []},
-                           limits={"max_read_queries": 10}))["token"]
-        results = await asyncio.gather(*[call(s, "GET", "/v1/memory/preference.theme", token=tok)
-                                         for _ in range(40)])
+        tok = (await grant(s, seeded, read={"tags": ["preference"], "keys": []}, limits={"max_read_queries": 10}))[
+            "token"
+        ]
+        results = await asyncio.gather(*[call(s, "GET", "/v1/memory/preference.theme", token=tok) for _ in range(40)])
         assert sorted(r[0] for r in results) == [200] * 10 + [429] * 30
 
 
@@ -142,8 +161,13 @@ async def test_revoke_close_and_expiry(seeded: Paths) -> None:
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=g2["token"])
         assert status == 401 and body["error"]["code"] == "SESSION_REVOKED"
         # grant on a closed session is refused
-        status, body, _ = await call(s, "POST", f"/v1/sessions/{g2['session_id']}/grant",
-                                     headers=admin_headers(seeded), json_body={"granted_scopes": {}})
+        status, body, _ = await call(
+            s,
+            "POST",
+            f"/v1/sessions/{g2['session_id']}/grant",
+            headers=admin_headers(seeded),
+            json_body={"granted_scopes": {}},
+        )
         assert status == 409 and body["error"]["code"] == "INVALID_STATE"
 
 
@@ -153,8 +177,13 @@ async def test_expired_token_and_session(seeded: Paths) -> None:
         signing = keys.load_signing_key(seeded)
         # same claims, already expired, validly signed: TOKEN_EXPIRED
         now = time.time()
-        claims = tokens.capability_claims(session_id=g["session_id"], agent_id="calendar_agent", now=now - 100,
-                                          expires=now - 1, read=tokens.Scope(tags=("preference",)))
+        claims = tokens.capability_claims(
+            session_id=g["session_id"],
+            agent_id="calendar_agent",
+            now=now - 100,
+            expires=now - 1,
+            read=tokens.Scope(tags=("preference",)),
+        )
         expired = tokens.sign_token(claims, signing.key, signing.kid)
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=expired)
         assert status == 401 and body["error"]["code"] == "TOKEN_EXPIRED"
@@ -163,11 +192,14 @@ async def test_expired_token_and_session(seeded: Paths) -> None:
 async def test_management_needs_admin_credential(seeded: Paths) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
         g = await grant(s, seeded, read={"tags": ["preference"], "keys": []})
-        for method, path in (("POST", "/v1/sessions"), ("GET", "/v1/sessions"),
-                             ("POST", f"/v1/sessions/{g['session_id']}/revoke"),
-                             ("POST", f"/v1/sessions/{g['session_id']}/close"),
-                             ("POST", f"/v1/sessions/{g['session_id']}/grant"),
-                             ("GET", f"/v1/sessions/{g['session_id']}")):
+        for method, path in (
+            ("POST", "/v1/sessions"),
+            ("GET", "/v1/sessions"),
+            ("POST", f"/v1/sessions/{g['session_id']}/revoke"),
+            ("POST", f"/v1/sessions/{g['session_id']}/close"),
+            ("POST", f"/v1/sessions/{g['session_id']}/grant"),
+            ("GET", f"/v1/sessions/{g['session_id']}"),
+        ):
             for hdrs in ({}, {"Authorization": f"Bearer {g['token']}"}, {"Authorization": "Bearer uadm_wrong"}):
                 status, body, _ = await call(s, method, path, headers=hdrs, json_body={})
                 assert status == 401 and body["error"]["code"] == "UNAUTHORIZED", (method, path, hdrs)
@@ -182,17 +214,23 @@ async def test_grant_must_not_exceed_request(seeded: Paths) -> None:
         _, created, _ = await call(s, "POST", "/v1/sessions", headers=admin_headers(seeded), json_body=body)
         sid = created["session_id"]
         wider = {"granted_scopes": {"read": {"tags": ["preference", "identity"], "keys": []}}}
-        status, err, _ = await call(s, "POST", f"/v1/sessions/{sid}/grant", headers=admin_headers(seeded),
-                                    json_body=wider)
+        status, err, _ = await call(
+            s, "POST", f"/v1/sessions/{sid}/grant", headers=admin_headers(seeded), json_body=wider
+        )
         assert status == 400 and err["error"]["code"] == "INVALID_REQUEST"
-        status, ok, _ = await call(s, "POST", f"/v1/sessions/{sid}/grant", headers=admin_headers(seeded),
-                                   json_body={**wider, "widen": True})
+        status, ok, _ = await call(
+            s, "POST", f"/v1/sessions/{sid}/grant", headers=admin_headers(seeded), json_body={**wider, "widen": True}
+        )
         assert status == 200 and ok["token_type"] == "Bearer"
         # write scopes are never granted (§20.4)
         _, created, _ = await call(s, "POST", "/v1/sessions", headers=admin_headers(seeded), json_body=body)
-        status, err, _ = await call(s, "POST", f"/v1/sessions/{created['session_id']}/grant",
-                                    headers=admin_headers(seeded),
-                                    json_body={"granted_scopes": {"write": {"tags": ["x"], "keys": []}}, "widen": True})
+        status, err, _ = await call(
+            s,
+            "POST",
+            f"/v1/sessions/{created['session_id']}/grant",
+            headers=admin_headers(seeded),
+            json_body={"granted_scopes": {"write": {"tags": ["x"], "keys": []}}, "widen": True},
+        )
         assert status == 403 and err["error"]["code"] == "WRITE_NOT_AVAILABLE"
 
 
@@ -225,8 +263,9 @@ async def test_tcp_listener_takes_local_tokens_only(seeded: Paths) -> None:
     cfg = guard_config()
     async with running_guard(seeded, cfg) as g, unix_session(seeded) as s, aiohttp.ClientSession() as tcp:
         base = f"http://127.0.0.1:{g.tcp_port}"
-        local = await grant(s, seeded, read={"tags": ["preference"], "keys": []},
-                            audience=f"http://127.0.0.1:{cfg.tcp_port}")
+        local = await grant(
+            s, seeded, read={"tags": ["preference"], "keys": []}, audience=f"http://127.0.0.1:{cfg.tcp_port}"
+        )
         # the audience names the configured port (9374 by default); the test binds port 0, so check
         # acceptance with a token minted for that same configured port
         status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=local["token"], base=base)
@@ -234,16 +273,18 @@ async def test_tcp_listener_takes_local_tokens_only(seeded: Paths) -> None:
         bound = await grant(s, seeded, read={"tags": ["preference"], "keys": []}, audience=base)
         status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=bound["token"], base=base)
         assert status == 200, body  # the port actually bound is an audience too
-        remote = await grant(s, seeded, read={"tags": ["preference"], "keys": []}, profile="remote",
-                             audience="https://gw.example:9443")
+        remote = await grant(
+            s, seeded, read={"tags": ["preference"], "keys": []}, profile="remote", audience="https://gw.example:9443"
+        )
         status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=remote["token"], base=base)
         assert status == 401 and body["error"]["code"] == "INVALID_TOKEN"
         wrong_aud = await grant(s, seeded, read={"tags": ["preference"], "keys": []}, audience="http://10.0.0.9:9374")
         status, body, _ = await call(tcp, "GET", "/v1/memory/preference.theme", token=wrong_aud["token"], base=base)
         assert status == 401 and body["error"]["code"] == "INVALID_TOKEN"
         # the internal refresh route does not exist on TCP
-        status, body, _ = await call(tcp, "POST", f"/v1/sessions/{remote['session_id']}/refresh",
-                                     token=remote["token"], base=base)
+        status, body, _ = await call(
+            tcp, "POST", f"/v1/sessions/{remote['session_id']}/refresh", token=remote["token"], base=base
+        )
         assert status == 404 and body["error"]["code"] == "NOT_FOUND"
 
 
@@ -254,8 +295,12 @@ async def test_validate_endpoint(seeded: Paths) -> None:
         assert status == 200 and body["valid"] is True and body["session_id"] == g["session_id"]
         await call(s, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(seeded))
         status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": g["token"]})
-        assert body == {"valid": False, "code": "SESSION_REVOKED", "session_id": g["session_id"],
-                        "message": "session is revoked: revoked by the user"}
+        assert body == {
+            "valid": False,
+            "code": "SESSION_REVOKED",
+            "session_id": g["session_id"],
+            "message": "session is revoked: revoked by the user",
+        }
         status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": "x.y.z"})
         assert body["valid"] is False and body["code"] == "INVALID_TOKEN"
 
@@ -267,14 +312,32 @@ BAD_INPUTS: list[tuple[str, str, str, Any, str, int]] = [
     ("agent_id number", "POST", "/v1/sessions", {"agent_id": 5}, "INVALID_REQUEST", 400),
     ("agent_id empty", "POST", "/v1/sessions", {"agent_id": ""}, "INVALID_REQUEST", 400),
     ("scopes not object", "POST", "/v1/sessions", {"agent_id": "a", "requested_scopes": "all"}, "INVALID_REQUEST", 400),
-    ("scope tags not list", "POST", "/v1/sessions", {"agent_id": "a", "requested_scopes": {"read": {"tags": "x"}}},
-     "INVALID_REQUEST", 400),
-    ("unknown scope action", "POST", "/v1/sessions", {"agent_id": "a", "requested_scopes": {"admin": {}}},
-     "INVALID_REQUEST", 400),
+    (
+        "scope tags not list",
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "requested_scopes": {"read": {"tags": "x"}}},
+        "INVALID_REQUEST",
+        400,
+    ),
+    (
+        "unknown scope action",
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "requested_scopes": {"admin": {}}},
+        "INVALID_REQUEST",
+        400,
+    ),
     ("duration huge", "POST", "/v1/sessions", {"agent_id": "a", "duration_minutes": 10**9}, "INVALID_REQUEST", 400),
     ("duration bool", "POST", "/v1/sessions", {"agent_id": "a", "duration_minutes": True}, "INVALID_REQUEST", 400),
-    ("identity jwk junk", "POST", "/v1/sessions", {"agent_id": "a", "identity_public_jwk": {"kty": "RSA"}},
-     "INVALID_REQUEST", 400),
+    (
+        "identity jwk junk",
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "identity_public_jwk": {"kty": "RSA"}},
+        "INVALID_REQUEST",
+        400,
+    ),
     ("oversized body", "POST", "/v1/sessions", b"{" + b" " * 70000 + b"}", "PAYLOAD_TOO_LARGE", 413),
     ("grant unknown session", "POST", "/v1/sessions/sess_nope/grant", {"granted_scopes": {}}, "SESSION_NOT_FOUND", 404),
     ("unknown route", "GET", "/v1/nothing", None, "NOT_FOUND", 404),
@@ -283,10 +346,12 @@ BAD_INPUTS: list[tuple[str, str, str, Any, str, int]] = [
 ]
 
 
-@pytest.mark.parametrize(("name", "method", "path", "body", "code", "status"), BAD_INPUTS,
-                         ids=[b[0] for b in BAD_INPUTS])
-async def test_bad_management_inputs(seeded: Paths, name: str, method: str, path: str, body: Any, code: str,
-                                     status: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "method", "path", "body", "code", "status"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+async def test_bad_management_inputs(
+    seeded: Paths, name: str, method: str, path: str, body: Any, code: str, status: int
+) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
         kwargs: dict[str, Any] = {"headers": {**admin_headers(seeded), "Content-Type": "application/json"}}
         if isinstance(body, bytes):
@@ -308,8 +373,13 @@ BAD_AGENT_INPUTS = [
     ("tag too long", "/v1/memory?tag=" + "x" * 300, "TOKEN", "INVALID_REQUEST", 400),
     ("aggregate bad op", "/v1/memory/aggregate?tag=preference&op=median&field=value", "TOKEN", "INVALID_REQUEST", 400),
     ("aggregate no field", "/v1/memory/aggregate?tag=preference&op=sum", "TOKEN", "INVALID_REQUEST", 400),
-    ("aggregate field outside value", "/v1/memory/aggregate?tag=preference&op=sum&field=key", "TOKEN",
-     "INVALID_REQUEST", 400),
+    (
+        "aggregate field outside value",
+        "/v1/memory/aggregate?tag=preference&op=sum&field=key",
+        "TOKEN",
+        "INVALID_REQUEST",
+        400,
+    ),
     ("audit limit junk", "/v1/audit?limit=lots", "TOKEN", "INVALID_REQUEST", 400),
     ("audit limit huge", "/v1/audit?limit=100000", "TOKEN", "INVALID_REQUEST", 400),
     # what int() accepts but a limit is not: underscores, a sign, spaces, non-ASCII digits, zero
@@ -324,14 +394,19 @@ BAD_AGENT_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "path", "auth", "code", "status"), BAD_AGENT_INPUTS,
-                         ids=[b[0] for b in BAD_AGENT_INPUTS])
-async def test_bad_agent_inputs(seeded: Paths, name: str, path: str, auth: str | None, code: str | None,
-                                status: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "path", "auth", "code", "status"), BAD_AGENT_INPUTS, ids=[b[0] for b in BAD_AGENT_INPUTS]
+)
+async def test_bad_agent_inputs(
+    seeded: Paths, name: str, path: str, auth: str | None, code: str | None, status: int
+) -> None:
     async with running_guard(seeded), unix_session(seeded) as s:
         tok = (await grant(s, seeded, read={"tags": ["preference"], "keys": []}))["token"]
-        hdrs = {} if auth is None else {"Authorization": auth.replace("TOKEN", f"Bearer {tok}")
-                                        if auth == "TOKEN" else auth}
+        hdrs = (
+            {}
+            if auth is None
+            else {"Authorization": auth.replace("TOKEN", f"Bearer {tok}") if auth == "TOKEN" else auth}
+        )
         status_got, body, _ = await call(s, "GET", path, headers=hdrs)
         if code is None:  # the allowed partners
             assert status_got == status and isinstance(body["logs"], list), body
@@ -368,13 +443,24 @@ async def test_typescript_shaped_token_is_accepted_and_enforced(seeded: Paths) -
         g = await grant(s, seeded, read={"tags": ["preference"], "keys": []})
         signing = keys.load_signing_key(seeded)
         now = int(time.time())
-        claims = {"version": "1.0", "session_id": g["session_id"], "agent_id": "calendar_agent",
-                  "issued_at": tokens.iso(now), "expires_at": tokens.iso(now + 600),
-                  "scopes": {"read": {"tags": ["preference"], "keys": [], "denyTags": ["ui"], "denyKeys": []},
-                             "write": {"tags": [], "keys": [], "denyTags": [], "denyKeys": []}},
-                  "limits": {"maxReadQueries": 100, "maxWriteQueries": 0}, "profile": "local",
-                  "audience": "http://127.0.0.1:9374", "aggregation_only": False, "task_bound": False,
-                  "iat": now, "exp": now + 600}
+        claims = {
+            "version": "1.0",
+            "session_id": g["session_id"],
+            "agent_id": "calendar_agent",
+            "issued_at": tokens.iso(now),
+            "expires_at": tokens.iso(now + 600),
+            "scopes": {
+                "read": {"tags": ["preference"], "keys": [], "denyTags": ["ui"], "denyKeys": []},
+                "write": {"tags": [], "keys": [], "denyTags": [], "denyKeys": []},
+            },
+            "limits": {"maxReadQueries": 100, "maxWriteQueries": 0},
+            "profile": "local",
+            "audience": "http://127.0.0.1:9374",
+            "aggregation_only": False,
+            "task_bound": False,
+            "iat": now,
+            "exp": now + 600,
+        }
         tok = tokens.jose.sign_compact({"alg": "EdDSA", "kid": signing.kid}, claims, signing.key)
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=tok)
         assert status == 403  # denyTags ["ui"] honoured

@@ -144,22 +144,37 @@ CELLS: list[tuple[str, str, dict[str, Any], Any, list[tuple[str, str | None]]]] 
     ("dates-off-number-stays", "42", {"dates": False}, 42, [("number", None)]),
     ("numbers-off-date-stays", "Jan 5 2026", {"numbers": False}, "2026-01-05", [("date", None)]),
     ("numbers-off-number-text", "42", {"numbers": False}, "42", []),
-    ("text-column-number", "42", {"numbers": False, "dates": False, "text_reason": "--keep-text"}, "42",
-     [("kept_text", "--keep-text")]),
-    ("text-column-date", "Jan 5 2026", {"numbers": False, "dates": False, "text_reason": "x"}, "Jan 5 2026",
-     [("kept_text", "x")]),
-    ("text-column-leading-zero", "02134", {"numbers": False, "dates": False, "text_reason": "zip"}, "02134",
-     [("kept_text", "zip")]),
+    (
+        "text-column-number",
+        "42",
+        {"numbers": False, "dates": False, "text_reason": "--keep-text"},
+        "42",
+        [("kept_text", "--keep-text")],
+    ),
+    (
+        "text-column-date",
+        "Jan 5 2026",
+        {"numbers": False, "dates": False, "text_reason": "x"},
+        "Jan 5 2026",
+        [("kept_text", "x")],
+    ),
+    (
+        "text-column-leading-zero",
+        "02134",
+        {"numbers": False, "dates": False, "text_reason": "zip"},
+        "02134",
+        [("kept_text", "zip")],
+    ),
     ("text-column-plain-text", "hello", {"numbers": False, "dates": False, "text_reason": "x"}, "hello", []),
     ("spaces-kept-in-value", " 7 ", {}, 7, [("number", None)]),
     ("spaces-kept-in-text", " hi ", {}, " hi ", []),
 ]
 
 
-@pytest.mark.parametrize(("cell", "options", "value", "changes"),
-                         [pytest.param(c, o, v, ch, id=i) for i, c, o, v, ch in CELLS])
-def test_clean_text(cell: str, options: dict[str, Any], value: Any,
-                    changes: list[tuple[str, str | None]]) -> None:
+@pytest.mark.parametrize(
+    ("cell", "options", "value", "changes"), [pytest.param(c, o, v, ch, id=i) for i, c, o, v, ch in CELLS]
+)
+def test_clean_text(cell: str, options: dict[str, Any], value: Any, changes: list[tuple[str, str | None]]) -> None:
     opts: dict[str, Any] = {"numbers": True, "dates": True, "text_reason": None, "date_order": None, **options}
     got, got_changes = clean_text(cell.strip(), cell, **opts)
     assert got == value and type(got) is type(value)
@@ -185,11 +200,26 @@ def test_identifier_values(value: str, is_id: bool) -> None:
 
 
 IDENTIFIER_NAMES: list[tuple[str, bool]] = [
-    ("id", True), ("customer_id", True), ("customerId", True), ("UUID", True), ("phone", True),
-    ("zip", True), ("postcode", True), ("iban", True), ("sku", True), ("phone_number", True),
-    ("account no", True), ("order-nr", True), ("promo code", True),
-    ("number", False), ("amount", False), ("ideas", False), ("zipper", False), ("identity", False),
-    ("", False), ("__", False),
+    ("id", True),
+    ("customer_id", True),
+    ("customerId", True),
+    ("UUID", True),
+    ("phone", True),
+    ("zip", True),
+    ("postcode", True),
+    ("iban", True),
+    ("sku", True),
+    ("phone_number", True),
+    ("account no", True),
+    ("order-nr", True),
+    ("promo code", True),
+    ("number", False),
+    ("amount", False),
+    ("ideas", False),
+    ("zipper", False),
+    ("identity", False),
+    ("", False),
+    ("__", False),
 ]
 
 
@@ -235,12 +265,19 @@ def test_parse_timestamp(text: str, order: str | None, expected: Any) -> None:
     assert (utc_text(dt), assumed) == expected
 
 
-@pytest.mark.parametrize(("dt", "text"), [
-    pytest.param(datetime(2026, 1, 5, tzinfo=UTC), "2026-01-05T00:00:00Z", id="utc"),
-    pytest.param(datetime(2026, 1, 5, 1, tzinfo=timezone(timedelta(hours=3))), "2026-01-04T22:00:00Z",
-                 id="offset-crosses-midnight"),
-    pytest.param(datetime(2026, 1, 5, microsecond=120000, tzinfo=UTC), "2026-01-05T00:00:00.12Z",
-                 id="fraction-trimmed"),
-])
+@pytest.mark.parametrize(
+    ("dt", "text"),
+    [
+        pytest.param(datetime(2026, 1, 5, tzinfo=UTC), "2026-01-05T00:00:00Z", id="utc"),
+        pytest.param(
+            datetime(2026, 1, 5, 1, tzinfo=timezone(timedelta(hours=3))),
+            "2026-01-04T22:00:00Z",
+            id="offset-crosses-midnight",
+        ),
+        pytest.param(
+            datetime(2026, 1, 5, microsecond=120000, tzinfo=UTC), "2026-01-05T00:00:00.12Z", id="fraction-trimmed"
+        ),
+    ],
+)
 def test_utc_text(dt: datetime, text: str) -> None:
     assert utc_text(dt) == text

@@ -64,8 +64,9 @@ def durable_events(app: Appliance, sid: str) -> list[dict[str, Any]]:
     """The session's events as a separate read-only connection sees them: committed ones only."""
     conn = sqlite3.connect(f"file:{app.paths.audit_db}?mode=ro", uri=True)
     try:
-        rows = conn.execute("SELECT body FROM ledger_events WHERE session_id = ? AND body IS NOT NULL ORDER BY seq",
-                            (sid,)).fetchall()
+        rows = conn.execute(
+            "SELECT body FROM ledger_events WHERE session_id = ? AND body IS NOT NULL ORDER BY seq", (sid,)
+        ).fetchall()
     finally:
         conn.close()
     return [json.loads(r[0]) for r in rows]
@@ -154,8 +155,9 @@ async def test_mixed_load_every_answer_has_exactly_one_event(home: Paths) -> Non
         async with agent_session(agent, app.paths) as s:
 
             async def one(key: str) -> None:
-                status, _body, _ = await agent_call(s, app.base, f"/v1/memory/{key}", token=token,
-                                                    agent_id=agent.agent_id)
+                status, _body, _ = await agent_call(
+                    s, app.base, f"/v1/memory/{key}", token=token, agent_id=agent.agent_id
+                )
                 statuses.append((key, status))
 
             here, written = writer.batches_here, writer.batches_written

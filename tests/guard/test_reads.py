@@ -79,14 +79,20 @@ async def test_tag_read_pages_through_every_item_with_a_next_cursor(home: Paths)
 
 async def test_pages_apply_every_key_rule_in_the_database(home: Paths) -> None:
     rows = bulk(300)
-    rows[10] = item(rows[10].key, 1, "bulk", "private")          # deny_tags
+    rows[10] = item(rows[10].key, 1, "bulk", "private")  # deny_tags
     rows[20] = item(rows[20].key, 1, "bulk", sensitivity="high")  # high, not granted by key
     rows[30] = item(rows[30].key, 1, "bulk", sensitivity="high")  # high, granted by key
     seed(home, rows)
     denied = {rows[10].key, rows[20].key, rows[40].key}
     async with running_guard(home), unix_session(home) as s:
-        tok = (await grant(s, home, read={"tags": ["bulk"], "keys": [rows[30].key], "deny_tags": ["private"],
-                                          "deny_keys": [rows[40].key]}, limits={"max_read_queries": 1000}))["token"]
+        tok = (
+            await grant(
+                s,
+                home,
+                read={"tags": ["bulk"], "keys": [rows[30].key], "deny_tags": ["private"], "deny_keys": [rows[40].key]},
+                limits={"max_read_queries": 1000},
+            )
+        )["token"]
         items, _ = await read_all(s, tok, "bulk", limit=7)
         assert {i["key"] for i in items} == {r.key for r in rows} - denied
 
@@ -111,7 +117,7 @@ async def test_cursor_is_opaque_when_keys_are_hidden(home: Paths) -> None:
 
 def _flip(cursor: str) -> str:
     i = len(cursor) // 2
-    return cursor[:i] + ("A" if cursor[i] != "A" else "B") + cursor[i + 1:]
+    return cursor[:i] + ("A" if cursor[i] != "A" else "B") + cursor[i + 1 :]
 
 
 CURSOR_ATTACKS = [
@@ -166,8 +172,9 @@ async def test_cursor_expires(home: Paths) -> None:
         assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
 
 
-@pytest.mark.parametrize("limit", ["0", "-1", "1001", "x", "1.5"], ids=["zero", "negative", "over-max", "word",
-                                                                      "fraction"])
+@pytest.mark.parametrize(
+    "limit", ["0", "-1", "1001", "x", "1.5"], ids=["zero", "negative", "over-max", "word", "fraction"]
+)
 async def test_bad_page_limits_are_refused(home: Paths, limit: str) -> None:
     seed(home, bulk(5))
     async with running_guard(home), unix_session(home) as s:
@@ -218,8 +225,12 @@ def test_sql_key_rules_agree_with_the_policy(home: Paths) -> None:
         store.put_many(rows)
         for _ in range(40):
             keys = tuple(r.key for r in rng.sample(rows, 30))
-            scope = Scope(tags=("t",), keys=keys, deny_tags=tuple(rng.sample(tags[1:], rng.randint(0, 2))),
-                          deny_keys=tuple(r.key for r in rng.sample(rows, rng.randint(0, 20))))
+            scope = Scope(
+                tags=("t",),
+                keys=keys,
+                deny_tags=tuple(rng.sample(tags[1:], rng.randint(0, 2))),
+                deny_keys=tuple(r.key for r in rng.sample(rows, rng.randint(0, 20))),
+            )
             expected = [r.key for r in rows if policy.key_decision(scope, r.key, list(r.tags), r.sensitivity).allowed]
             flt = ReadFilter(keys=scope.keys, deny_keys=scope.deny_keys, deny_tags=scope.deny_tags)
             got, more = store.tag_page("t", flt, after=None, limit=1000, max_bytes=1 << 20)
@@ -234,14 +245,14 @@ def test_sql_key_rules_agree_with_the_policy(home: Paths) -> None:
 
 def holdings() -> list[MemoryItem]:
     out = []
-    for i in range(1, 7):   # all = a1..a6, all_but_one = a1..a5
+    for i in range(1, 7):  # all = a1..a6, all_but_one = a1..a5
         out.append(item(f"a{i}", {"mv": 100 * i, "qty": i}, "all", *(("all_but_one",) if i < 6 else ())))
-    for i in range(1, 4):   # three = b1..b3
+    for i in range(1, 4):  # three = b1..b3
         out.append(item(f"b{i}", {"mv": 1000 * i}, "three"))
-    for i in range(1, 8):   # whole = c1..c7, part1 = c1..c3, part2 = c4..c6: whole - part1 - part2 = c7
+    for i in range(1, 8):  # whole = c1..c7, part1 = c1..c3, part2 = c4..c6: whole - part1 - part2 = c7
         part = ("part1",) if i <= 3 else ("part2",) if i <= 6 else ()
         out.append(item(f"c{i}", {"mv": 10 * i}, "whole", *part))
-    for i in range(1, 7):   # big = d1..d6, big_half = d1..d3: every group keeps 3 items
+    for i in range(1, 7):  # big = d1..d6, big_half = d1..d3: every group keeps 3 items
         out.append(item(f"d{i}", {"mv": i}, "big", *(("big_half",) if i <= 3 else ())))
     for i in range(1, 5):
         out.append(item(f"g{i}", {"mv": i}, "grow"))
@@ -267,8 +278,7 @@ INFERENCE_ATTACKS: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("three-way-combination", {}, [q("whole", "sum"), q("part1", "sum")], q("part2", "sum")),
     ("three-way-any-order", {}, [q("part1", "sum"), q("part2", "sum")], q("whole", "sum")),
     ("field-outside-allowed-fields", {"allowed_fields": ["key", "tags"]}, [], q("all", "sum")),
-    ("sibling-of-allowed-subfield", {"allowed_fields": ["value.qty"]}, [q("all", "sum", "value.qty")],
-     q("all", "sum")),
+    ("sibling-of-allowed-subfield", {"allowed_fields": ["value.qty"]}, [q("all", "sum", "value.qty")], q("all", "sum")),
     ("min-max-grant-is-not-exact", {"aggregate_min_max": True}, [q("all_but_one", "sum")], q("all", "sum")),
     ("exact-grant-is-not-min-max", {"aggregate_exact": True}, [], q("all", "max")),
 ]
@@ -281,18 +291,19 @@ ALLOWED_PARTNERS: list[tuple[str, dict[str, Any], list[str]]] = [
     ("other-field-is-its-own-history", {}, [q("all_but_one", "sum"), q("all", "sum", "value.qty")]),
     ("min-max-granted", {"aggregate_min_max": True}, [q("all", "min"), q("all", "max")]),
     ("exact-granted-difference", {"aggregate_exact": True}, [q("all_but_one", "sum"), q("all", "sum")]),
-    ("exact-granted-three-way", {"aggregate_exact": True}, [q("whole", "sum"), q("part1", "sum"),
-                                                            q("part2", "sum")]),
+    ("exact-granted-three-way", {"aggregate_exact": True}, [q("whole", "sum"), q("part1", "sum"), q("part2", "sum")]),
     ("allowed-fields-value", {"allowed_fields": ["key", "value"]}, [q("all", "sum")]),
     ("allowed-fields-subfield", {"allowed_fields": ["value.mv"]}, [q("all", "sum")]),
     ("count-without-value-field", {"allowed_fields": ["key"]}, [q("all", "count")]),
 ]
 
 
-@pytest.mark.parametrize(("case", "options", "before", "attack"), INFERENCE_ATTACKS,
-                         ids=[a[0] for a in INFERENCE_ATTACKS])
-async def test_aggregate_inference_is_refused(home: Paths, case: str, options: dict[str, Any], before: list[str],
-                                              attack: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "options", "before", "attack"), INFERENCE_ATTACKS, ids=[a[0] for a in INFERENCE_ATTACKS]
+)
+async def test_aggregate_inference_is_refused(
+    home: Paths, case: str, options: dict[str, Any], before: list[str], attack: str
+) -> None:
     seed(home, holdings())
     async with running_guard(home), unix_session(home) as s:
         tok = (await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregation_only=True, **options))["token"]
@@ -368,11 +379,20 @@ async def test_the_user_sees_the_aggregate_grant(home: Paths) -> None:
         g = await grant(s, home, read={"tags": AGG_TAGS, "keys": []}, aggregate_min_max=True)
         status, body, _ = await call(s, "GET", f"/v1/sessions/{g['session_id']}", headers=admin_headers(home))
         assert body["aggregates"] == {"min_max": True, "exact": False}
-        status, body, _ = await call(s, "POST", "/v1/sessions", headers=admin_headers(home), json_body={
-            "agent_id": "x", "requested_scopes": {"read": {"tags": ["all"]}}})
-        status, body, _ = await call(s, "POST", f"/v1/sessions/{body['session_id']}/grant",
-                                     headers=admin_headers(home), json_body={
-                                         "granted_scopes": {"read": {"tags": ["all"]}}, "aggregate_exact": "yes"})
+        status, body, _ = await call(
+            s,
+            "POST",
+            "/v1/sessions",
+            headers=admin_headers(home),
+            json_body={"agent_id": "x", "requested_scopes": {"read": {"tags": ["all"]}}},
+        )
+        status, body, _ = await call(
+            s,
+            "POST",
+            f"/v1/sessions/{body['session_id']}/grant",
+            headers=admin_headers(home),
+            json_body={"granted_scopes": {"read": {"tags": ["all"]}}, "aggregate_exact": "yes"},
+        )
         assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
 
 
@@ -386,8 +406,11 @@ TIMING_ITEMS = [
 ]
 
 
-@pytest.mark.parametrize("key", ["big.denied", "big.high", "big.denytag", "no.such.key"],
-                         ids=["not-granted", "high-by-tag", "deny-tag", "missing"])
+@pytest.mark.parametrize(
+    "key",
+    ["big.denied", "big.high", "big.denytag", "no.such.key"],
+    ids=["not-granted", "high-by-tag", "deny-tag", "missing"],
+)
 async def test_a_refused_read_never_loads_the_value(home: Paths, key: str) -> None:
     seed(home, TIMING_ITEMS)
     async with running_guard(home) as guard, unix_session(home) as s:
@@ -453,7 +476,8 @@ def test_cursor_unit_cases() -> None:
     c = paging.seal(key, session_id="s1", agent_id="a1", tag="t", after=long_key, limit=10, expires_at=2000)
     assert len(c) <= paging.MAX_CURSOR_CHARS
     assert paging.open_cursor(key, c, session_id="s1", agent_id="a1", tag="t", now=1000) == paging.CursorState(
-        long_key, 10)
+        long_key, 10
+    )
     for kwargs in ({"session_id": "s2"}, {"agent_id": "a2"}, {"tag": "u"}):
         args = {"session_id": "s1", "agent_id": "a1", "tag": "t", **kwargs}
         with pytest.raises(UompError) as err:
@@ -490,28 +514,35 @@ async def test_paging_through_the_gateway_over_mtls(home: Paths) -> None:
                     break
                 cursor = body["next"]
                 # another agent replaying alice's cursor through the gateway is refused
-                status, body, _ = await agent_call(sb, app.base, f"/v1/memory?tag=bulk&cursor={cursor}",
-                                                   token=tok_b, agent_id="bob_agent")
+                status, body, _ = await agent_call(
+                    sb, app.base, f"/v1/memory?tag=bulk&cursor={cursor}", token=tok_b, agent_id="bob_agent"
+                )
                 assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
             assert keys == [f"b{i:05d}" for i in range(1500)]
 
 
-@pytest.mark.parametrize(("flags", "max_status", "shown"), [
-    ((), 403, "no min/max"),
-    (("--aggregate-min-max",), 200, "MIN/MAX GRANTED"),
-    (("--aggregate-exact",), 403, "EXACT AGGREGATES GRANTED"),
-], ids=["default", "min-max", "exact-only"])
-async def test_uomp_authorize_grants_and_shows_aggregate_flags(home: Paths, tmp_path: Any,
-                                                               capsys: pytest.CaptureFixture[str],
-                                                               flags: tuple[str, ...], max_status: int,
-                                                               shown: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "max_status", "shown"),
+    [
+        ((), 403, "no min/max"),
+        (("--aggregate-min-max",), 200, "MIN/MAX GRANTED"),
+        (("--aggregate-exact",), 403, "EXACT AGGREGATES GRANTED"),
+    ],
+    ids=["default", "min-max", "exact-only"],
+)
+async def test_uomp_authorize_grants_and_shows_aggregate_flags(
+    home: Paths, tmp_path: Any, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], max_status: int, shown: str
+) -> None:
     import json
 
     from gateway.cli.main import main
 
     seed(home, holdings())
-    doc = {"uomp_version": "1.0", "agent": {"id": "calc_agent", "name": "Calc", "version": "1.0.0"},
-           "requested_scopes": {"read": {"tags": ["all"], "keys": []}}}
+    doc = {
+        "uomp_version": "1.0",
+        "agent": {"id": "calc_agent", "name": "Calc", "version": "1.0.0"},
+        "requested_scopes": {"read": {"tags": ["all"], "keys": []}},
+    }
     (tmp_path / "uom.json").write_text(json.dumps(doc))
     assert main(["--home", str(home.home), "authorize", str(tmp_path), "--yes", "--print", *flags]) == 0
     out = capsys.readouterr().out
@@ -525,19 +556,23 @@ async def test_uomp_authorize_grants_and_shows_aggregate_flags(home: Paths, tmp_
 # ----------------------------------------------------------------- the rules, pure
 
 
-@pytest.mark.parametrize(("field", "allowed", "ok"), [
-    ("value.mv", None, True),
-    ("value.mv", ["value"], True),
-    ("value.mv", ["key", "value"], True),
-    ("value.mv", ["value.mv"], True),
-    ("value.mv.x", ["value.mv"], True),
-    ("value.mvx", ["value.mv"], False),
-    ("value", ["value.mv"], False),
-    ("value.qty", ["value.mv"], False),
-    ("value.mv", ["key", "tags", "sensitivity"], False),
-    ("value.mv", [], False),
-    ("value.mv", ["mv"], False),
-], ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    ("field", "allowed", "ok"),
+    [
+        ("value.mv", None, True),
+        ("value.mv", ["value"], True),
+        ("value.mv", ["key", "value"], True),
+        ("value.mv", ["value.mv"], True),
+        ("value.mv.x", ["value.mv"], True),
+        ("value.mvx", ["value.mv"], False),
+        ("value", ["value.mv"], False),
+        ("value.qty", ["value.mv"], False),
+        ("value.mv", ["key", "tags", "sensitivity"], False),
+        ("value.mv", [], False),
+        ("value.mv", ["mv"], False),
+    ],
+    ids=lambda x: str(x),
+)
 def test_allowed_fields_bound_aggregated_fields(field: str, allowed: list[str] | None, ok: bool) -> None:
     assert policy.aggregate_field_allowed(field, allowed) is ok
 
@@ -631,10 +666,15 @@ def test_a_long_scan_does_not_hold_up_reads_by_key(home: Paths) -> None:
 async def test_nested_allowed_fields_select_that_part_of_item_reads_as_of_aggregates(home: Paths) -> None:
     """`--allowed-field value.shares` returns the shares of each item (it emptied item reads while aggregates
     used it); nothing else of the value, and the other fields' aggregates stay refused."""
-    seed(home, [item("AAPL", {"shares": 3, "cost_basis": 450.0, "note": "private"}, "portfolio"),
-                item("MSFT", {"shares": 5, "cost_basis": 1200.0}, "portfolio"),
-                item("NVDA", {"shares": 2, "cost_basis": 900.0}, "portfolio"),
-                item("CASH", 1000, "portfolio")])
+    seed(
+        home,
+        [
+            item("AAPL", {"shares": 3, "cost_basis": 450.0, "note": "private"}, "portfolio"),
+            item("MSFT", {"shares": 5, "cost_basis": 1200.0}, "portfolio"),
+            item("NVDA", {"shares": 2, "cost_basis": 900.0}, "portfolio"),
+            item("CASH", 1000, "portfolio"),
+        ],
+    )
     async with running_guard(home), unix_session(home) as s:
         read = {"tags": ["portfolio"], "keys": []}
         tok = (await grant(s, home, read=read, allowed_fields=["key", "value.shares"]))["token"]
@@ -644,8 +684,11 @@ async def test_nested_allowed_fields_select_that_part_of_item_reads_as_of_aggreg
         assert (status, body) == (200, {"key": "CASH"})
         status, body, _ = await call(s, "GET", "/v1/memory?tag=portfolio", token=tok)
         assert status == 200 and sorted(body["items"], key=lambda x: x["key"]) == [
-            {"key": "AAPL", "value": {"shares": 3}}, {"key": "CASH"}, {"key": "MSFT", "value": {"shares": 5}},
-            {"key": "NVDA", "value": {"shares": 2}}]
+            {"key": "AAPL", "value": {"shares": 3}},
+            {"key": "CASH"},
+            {"key": "MSFT", "value": {"shares": 5}},
+            {"key": "NVDA", "value": {"shares": 2}},
+        ]
         status, body, _ = await call(s, "GET", f"{AGG}?tag=portfolio&op=sum&field=value.shares", token=tok)
         assert status == 200 and body["result"] == 10, body
         status, body, _ = await call(s, "GET", f"{AGG}?tag=portfolio&op=sum&field=value.cost_basis", token=tok)

@@ -81,6 +81,7 @@ def test_memory_get_if_reads_the_value_only_when_allowed(mem: MemoryStorage) -> 
         def decide(meta: Any) -> bool:
             seen.append(meta)
             return ok
+
         return decide
 
     meta, got = mem.get_if("k", allow(True))
@@ -117,10 +118,16 @@ def test_memory_list_by_tag_with_paging(mem: MemoryStorage) -> None:
 
 
 def test_memory_tag_page_applies_the_grant_rules(mem: MemoryStorage) -> None:
-    mem.put_many([
-        item("a", tags=("t",)), item("b", tags=("t", "private")), item("c", tags=("t",), sensitivity="high"),
-        item("d", tags=("t",), sensitivity="high"), item("e", tags=("t",)), item("z", tags=("other",)),
-    ])
+    mem.put_many(
+        [
+            item("a", tags=("t",)),
+            item("b", tags=("t", "private")),
+            item("c", tags=("t",), sensitivity="high"),
+            item("d", tags=("t",), sensitivity="high"),
+            item("e", tags=("t",)),
+            item("z", tags=("other",)),
+        ]
+    )
     flt = ReadFilter(keys=("d",), deny_keys=("e",), deny_tags=("private",))
     items, more = mem.tag_page("t", flt, after=None, limit=10, max_bytes=1 << 20)
     assert [i.key for i in items] == ["a", "d"] and more is False  # b: denied tag; c: high, not named; e: denied
@@ -135,10 +142,15 @@ def test_memory_tag_page_applies_the_grant_rules(mem: MemoryStorage) -> None:
 
 
 def test_memory_aggregate_counts_only_granted_numbers(mem: MemoryStorage) -> None:
-    mem.put_many([
-        item("a", {"n": 5}, ("h",)), item("b", {"n": 7}, ("h",)), item("c", {"n": "x"}, ("h",)),
-        item("d", {"n": 100}, ("h",), sensitivity="high"), item("e", {"n": 1000}, ("other",)),
-    ])
+    mem.put_many(
+        [
+            item("a", {"n": 5}, ("h",)),
+            item("b", {"n": 7}, ("h",)),
+            item("c", {"n": "x"}, ("h",)),
+            item("d", {"n": 100}, ("h",), sensitivity="high"),
+            item("e", {"n": 1000}, ("other",)),
+        ]
+    )
     path = json_path("value.n")
     assert path is not None
     row = mem.aggregate("h", ReadFilter(), path=path)
@@ -221,14 +233,25 @@ def pay(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PayloadStora
     store.close()
 
 
-def upload(store: PayloadStorage, pid: str, data: bytes, *, session: str = "s1", now: float | None = None,
-           declared_hash: str | None = None, declared_size: int | None = None) -> Any:
+def upload(
+    store: PayloadStorage,
+    pid: str,
+    data: bytes,
+    *,
+    session: str = "s1",
+    now: float | None = None,
+    declared_hash: str | None = None,
+    declared_size: int | None = None,
+) -> Any:
     up = store.begin(payload_id=pid, session_id=session, agent_id="ag", format="json", encryption={"alg": "x"})
     up.write(data[: len(data) // 2])
-    up.write(data[len(data) // 2:])
+    up.write(data[len(data) // 2 :])
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    return up.commit(declared_hash=declared_hash or digest, declared_size=len(data) if declared_size is None
-                     else declared_size, now=now)
+    return up.commit(
+        declared_hash=declared_hash or digest,
+        declared_size=len(data) if declared_size is None else declared_size,
+        now=now,
+    )
 
 
 def payload_code(fn: Callable[[], Any]) -> str:
@@ -255,10 +278,14 @@ def test_payload_roundtrip(pay: PayloadStorage) -> None:
     assert payload_code(lambda: pay.open_blob("pay_aaaaaaaa")) == ErrorCode.NOT_FOUND
 
 
-@pytest.mark.parametrize(("declared", "code"), [
-    ({"declared_hash": "sha256:" + "0" * 64}, ErrorCode.PAYLOAD_HASH_MISMATCH),
-    ({"declared_size": 3}, ErrorCode.PAYLOAD_SIZE_MISMATCH),
-], ids=["hash", "size"])
+@pytest.mark.parametrize(
+    ("declared", "code"),
+    [
+        ({"declared_hash": "sha256:" + "0" * 64}, ErrorCode.PAYLOAD_HASH_MISMATCH),
+        ({"declared_size": 3}, ErrorCode.PAYLOAD_SIZE_MISMATCH),
+    ],
+    ids=["hash", "size"],
+)
 def test_payload_mismatch_keeps_nothing(pay: PayloadStorage, declared: dict[str, Any], code: str) -> None:
     assert payload_code(lambda: upload(pay, "pay_bbbbbbbb", b"ciphertext", **declared)) == code
     assert payload_code(lambda: pay.get("pay_bbbbbbbb")) == ErrorCode.NOT_FOUND
@@ -297,10 +324,14 @@ def test_upload_url_is_single_use_and_bounded(pay: PayloadStorage) -> None:
     late, _ = pay.issue_upload_url(session_id="s1", agent_id="ag", max_size=500, ttl=60, now=1000.0)
     assert payload_code(lambda: pay.consume_upload_url(late, now=1060.0)) == ErrorCode.UPLOAD_URL_INVALID
     assert payload_code(lambda: pay.consume_upload_url("never-issued", now=1000.0)) == ErrorCode.UPLOAD_URL_INVALID
-    assert payload_code(lambda: pay.issue_upload_url(session_id="s1", agent_id="ag", max_size=500,
-                                                     ttl=601)) == ErrorCode.INVALID_REQUEST
-    assert payload_code(lambda: pay.issue_upload_url(session_id="s1", agent_id="ag", max_size=1001,
-                                                     ttl=60)) == ErrorCode.PAYLOAD_TOO_LARGE
+    assert (
+        payload_code(lambda: pay.issue_upload_url(session_id="s1", agent_id="ag", max_size=500, ttl=601))
+        == ErrorCode.INVALID_REQUEST
+    )
+    assert (
+        payload_code(lambda: pay.issue_upload_url(session_id="s1", agent_id="ag", max_size=1001, ttl=60))
+        == ErrorCode.PAYLOAD_TOO_LARGE
+    )
 
 
 def test_payload_gc_removes_only_expired(pay: PayloadStorage) -> None:

@@ -46,12 +46,22 @@ def test_every_observer_and_a_second_service_write_one_event(home: Paths) -> Non
     other_audit = open_audit(home, cfg)  # another process on the same files (the CLI's `uomp sessions list`)
     other = AuthService(home, cfg, other_audit, clock=lambda: clock[0])
     try:
-        sid = auth.create_session({"agent_id": "a1", "requested_scopes": {"read": READ}, "duration_minutes": 1,
-                                   "data_retention_policy": {"proof_required": True, "max_retention_seconds": 0,
-                                                             "deletion_method": "process_termination"}})["session_id"]
+        sid = auth.create_session(
+            {
+                "agent_id": "a1",
+                "requested_scopes": {"read": READ},
+                "duration_minutes": 1,
+                "data_retention_policy": {
+                    "proof_required": True,
+                    "max_retention_seconds": 0,
+                    "deletion_method": "process_termination",
+                },
+            }
+        )["session_id"]
         auth.grant(sid, {"granted_scopes": {"read": READ}})
-        live = auth.create_session({"agent_id": "a2", "requested_scopes": {"read": READ},
-                                    "duration_minutes": 30})["session_id"]
+        live = auth.create_session({"agent_id": "a2", "requested_scopes": {"read": READ}, "duration_minutes": 30})[
+            "session_id"
+        ]
         auth.grant(live, {"granted_scopes": {"read": READ}})
         assert auth.session(sid).status == "active" and events(home, "session_expired") == []
         clock[0] += 61
@@ -114,8 +124,9 @@ def test_a_failed_transition_writes_nothing(home: Paths) -> None:
     audit = open_audit(home, cfg)
     auth = AuthService(home, cfg, audit, clock=lambda: clock[0])
     try:
-        sid = auth.create_session({"agent_id": "a1", "requested_scopes": {"read": READ},
-                                   "duration_minutes": 1})["session_id"]
+        sid = auth.create_session({"agent_id": "a1", "requested_scopes": {"read": READ}, "duration_minutes": 1})[
+            "session_id"
+        ]
         auth.grant(sid, {"granted_scopes": {"read": READ}})
         auth.close(sid)
         clock[0] += 120

@@ -46,8 +46,18 @@ def agent_dir(tmp_path: Path) -> Path:
 
 def remote(home: Paths, tmp_path: Path, *extra: str) -> int:
     ca_store.init_all(home)
-    return cli(home, "authorize", str(agent_dir(tmp_path)), "--yes", "--remote", "--out", str(tmp_path / "files"),
-               "--bundle", str(tmp_path / "bundle.json"), *extra)
+    return cli(
+        home,
+        "authorize",
+        str(agent_dir(tmp_path)),
+        "--yes",
+        "--remote",
+        "--out",
+        str(tmp_path / "files"),
+        "--bundle",
+        str(tmp_path / "bundle.json"),
+        *extra,
+    )
 
 
 def session_length(home: Paths, session_id: str) -> float:
@@ -63,8 +73,9 @@ def session_length(home: Paths, session_id: str) -> float:
 # ------------------------------------------------------------------------------ CLI, remote
 
 
-def test_remote_default_is_the_configured_maximum_with_7_day_refresh(home: Paths, tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_remote_default_is_the_configured_maximum_with_7_day_refresh(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert remote(home, tmp_path) == 0
     out = capsys.readouterr().out
     b = load_bundle(tmp_path / "bundle.json")
@@ -80,14 +91,19 @@ def test_remote_default_is_the_configured_maximum_with_7_day_refresh(home: Paths
     assert "Session:   30 days" in out and "--session-ttl" in out  # before the yes, with how to shorten
 
 
-@pytest.mark.parametrize(("ttl", "seconds", "refresh_seconds"), [
-    ("2d", 2 * DAY, 2 * DAY),  # refresh never past the session end
-    ("12h", 12 * 3600, 12 * 3600),
-    ("8d", 8 * DAY, 7 * DAY),
-    ("30d", 30 * DAY, 7 * DAY),
-], ids=["2-days", "12-hours", "8-days", "30-days"])
-def test_remote_session_can_be_shortened(home: Paths, tmp_path: Path, ttl: str, seconds: int,
-                                         refresh_seconds: int) -> None:
+@pytest.mark.parametrize(
+    ("ttl", "seconds", "refresh_seconds"),
+    [
+        ("2d", 2 * DAY, 2 * DAY),  # refresh never past the session end
+        ("12h", 12 * 3600, 12 * 3600),
+        ("8d", 8 * DAY, 7 * DAY),
+        ("30d", 30 * DAY, 7 * DAY),
+    ],
+    ids=["2-days", "12-hours", "8-days", "30-days"],
+)
+def test_remote_session_can_be_shortened(
+    home: Paths, tmp_path: Path, ttl: str, seconds: int, refresh_seconds: int
+) -> None:
     assert remote(home, tmp_path, "--session-ttl", ttl) == 0
     b = load_bundle(tmp_path / "bundle.json")
     assert session_length(home, b.session_id) == pytest.approx(seconds, abs=5)
@@ -95,8 +111,9 @@ def test_remote_session_can_be_shortened(home: Paths, tmp_path: Path, ttl: str, 
     assert refresh.expires_at - refresh.issued_at == pytest.approx(refresh_seconds, abs=5)
 
 
-def test_remote_longer_than_the_maximum_is_refused_until_configured(home: Paths, tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_remote_longer_than_the_maximum_is_refused_until_configured(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert remote(home, tmp_path, "--session-ttl", "31d") == 1
     err = capsys.readouterr().err
     assert "INVALID_REQUEST" in err and "30 days" in err and "remote_session_max_minutes" in err
@@ -116,22 +133,46 @@ def test_local_sessions_keep_their_defaults(home: Paths, tmp_path: Path, capsys:
     cap = tokens.verify_token(token, keys.load_public_keys(home), now=time.time())
     assert session_length(home, cap.session_id) == pytest.approx(30 * 60, abs=5)
     assert cap.expires_at - cap.issued_at <= 30 * 60
-    assert cli(home, "authorize", str(agent_dir(tmp_path)), "--yes", "--env-file", str(env),
-               "--session-ttl", "2d") == 1
+    assert cli(home, "authorize", str(agent_dir(tmp_path)), "--yes", "--env-file", str(env), "--session-ttl", "2d") == 1
     assert "session_max_minutes" in capsys.readouterr().err
     assert cli(home, "authorize", str(agent_dir(tmp_path)), "--yes", "--env-file", str(env), "--duration", "90") == 0
 
 
-@pytest.mark.parametrize(("text", "seconds"), [
-    ("30", 1800), ("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 7 * DAY), ("1.5h", 5400), (" 2D ", 2 * DAY),
-], ids=["bare-minutes", "seconds", "minutes", "hours", "days", "fraction", "spaces-upper"])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 1800),
+        ("90s", 90),
+        ("30m", 1800),
+        ("12h", 43200),
+        ("7d", 7 * DAY),
+        ("1.5h", 5400),
+        (" 2D ", 2 * DAY),
+    ],
+    ids=["bare-minutes", "seconds", "minutes", "hours", "days", "fraction", "spaces-upper"],
+)
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "0", "0m", "-5m", "abc", "5w", "nan", "inf", "1e400d", "d", "5 m m", "١٢h"],
-                         ids=["empty", "zero", "zero-minutes", "negative", "word", "weeks", "nan", "inf", "huge",
-                              "unit-only", "two-units", "non-ascii-digits"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "0", "0m", "-5m", "abc", "5w", "nan", "inf", "1e400d", "d", "5 m m", "١٢h"],
+    ids=[
+        "empty",
+        "zero",
+        "zero-minutes",
+        "negative",
+        "word",
+        "weeks",
+        "nan",
+        "inf",
+        "huge",
+        "unit-only",
+        "two-units",
+        "non-ascii-digits",
+    ],
+)
 def test_parse_duration_refusals(text: str) -> None:
     with pytest.raises(ValueError):
         parse_duration(text)
@@ -154,24 +195,37 @@ def _auth(home: Paths, clock: list[float], **cfg: Any) -> Any:
 
 
 CNF = {"x5t#S256": "A" * 43, "jkt": "B" * 43}
-REMOTE_GRANT: dict[str, Any] = {"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}, "profile": "remote",
-                                "audience": "https://gw.example:9443", "cnf": CNF, "refresh": True}
+REMOTE_GRANT: dict[str, Any] = {
+    "granted_scopes": {"read": {"tags": ["preference"], "keys": []}},
+    "profile": "remote",
+    "audience": "https://gw.example:9443",
+    "cnf": CNF,
+    "refresh": True,
+}
 
 
-@pytest.mark.parametrize(("profile", "minutes", "ok"), [
-    ("remote", 30 * 24 * 60, True),
-    ("remote", 30 * 24 * 60 + 1, False),
-    ("local", 24 * 60, True),
-    ("local", 24 * 60 + 1, False),
-    (None, 24 * 60 + 1, False),  # no profile: local bounds
-    ("elsewhere", 30, False),
-], ids=["remote-30-days", "remote-over-max", "local-1-day", "local-over-max", "default-local", "bad-profile"])
-def test_create_session_bounds_by_profile(home: Paths, clock: list[float], profile: str | None, minutes: int,
-                                          ok: bool) -> None:
+@pytest.mark.parametrize(
+    ("profile", "minutes", "ok"),
+    [
+        ("remote", 30 * 24 * 60, True),
+        ("remote", 30 * 24 * 60 + 1, False),
+        ("local", 24 * 60, True),
+        ("local", 24 * 60 + 1, False),
+        (None, 24 * 60 + 1, False),  # no profile: local bounds
+        ("elsewhere", 30, False),
+    ],
+    ids=["remote-30-days", "remote-over-max", "local-1-day", "local-over-max", "default-local", "bad-profile"],
+)
+def test_create_session_bounds_by_profile(
+    home: Paths, clock: list[float], profile: str | None, minutes: int, ok: bool
+) -> None:
     auth = _auth(home, clock)
     try:
-        body: dict[str, Any] = {"agent_id": "a", "requested_scopes": {"read": {"tags": ["t"], "keys": []}},
-                                "duration_minutes": minutes}
+        body: dict[str, Any] = {
+            "agent_id": "a",
+            "requested_scopes": {"read": {"tags": ["t"], "keys": []}},
+            "duration_minutes": minutes,
+        }
         if profile is not None:
             body["profile"] = profile
         if ok:
@@ -189,8 +243,14 @@ def test_create_session_bounds_by_profile(home: Paths, clock: list[float], profi
 def test_a_long_remote_session_cannot_be_granted_as_local(home: Paths, clock: list[float]) -> None:
     auth = _auth(home, clock)
     try:
-        sid = auth.create_session({"agent_id": "a", "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-                                   "duration_minutes": 7 * 24 * 60, "profile": "remote"})["session_id"]
+        sid = auth.create_session(
+            {
+                "agent_id": "a",
+                "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                "duration_minutes": 7 * 24 * 60,
+                "profile": "remote",
+            }
+        )["session_id"]
         with pytest.raises(UompError) as info:
             auth.grant(sid, {"granted_scopes": {"read": {"tags": ["preference"], "keys": []}}})
         assert info.value.code == "INVALID_REQUEST" and "local" in info.value.message
@@ -205,8 +265,14 @@ def test_refresh_chain_across_days_ends_at_the_session_end(home: Paths, clock: l
     auth = _auth(home, clock, remote_token_lifetime_seconds=3600)
     try:
         start = clock[0]
-        sid = auth.create_session({"agent_id": "a", "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-                                   "duration_minutes": 30 * 24 * 60, "profile": "remote"})["session_id"]
+        sid = auth.create_session(
+            {
+                "agent_id": "a",
+                "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                "duration_minutes": 30 * 24 * 60,
+                "profile": "remote",
+            }
+        )["session_id"]
         answer = auth.grant(sid, REMOTE_GRANT)
         end = tokens.parse_iso(answer["session_expires_at"])
         assert end == pytest.approx(start + 30 * DAY, abs=1)

@@ -25,8 +25,13 @@ from gateway.guard.store import (
 TS = "2026-07-12T10:00:00Z"
 
 
-def item(key: str = "preference.theme", value: Any = "dark", tags: tuple[str, ...] = ("preference", "ui"),
-         sensitivity: str = "low", **kw: Any) -> MemoryItem:
+def item(
+    key: str = "preference.theme",
+    value: Any = "dark",
+    tags: tuple[str, ...] = ("preference", "ui"),
+    sensitivity: str = "low",
+    **kw: Any,
+) -> MemoryItem:
     fields: dict[str, Any] = {"source": "user", "created_at": "2026-07-01T10:00:00Z", "updated_at": TS}
     fields.update(kw)
     return MemoryItem(key=key, value=value, tags=tags, sensitivity=sensitivity, **fields)
@@ -49,6 +54,7 @@ def unavailable(excinfo: pytest.ExceptionInfo[UompError]) -> UompError:
 
 # ------------------------------------------------------------------------------------ basics
 
+
 def test_round_trip_and_spec_shape(store: MemoryStore) -> None:
     it = item(description="User interface theme preference")
     store.put(it)
@@ -68,8 +74,7 @@ def test_round_trip_and_spec_shape(store: MemoryStore) -> None:
     assert store.get("missing") is None
 
 
-@pytest.mark.parametrize("value", ["dark", 42, 3.5, None, True, [1, "two", None],
-                                   {"a": {"b": [1, 2]}, "ü": "ñ ✓"}, ""])
+@pytest.mark.parametrize("value", ["dark", 42, 3.5, None, True, [1, "two", None], {"a": {"b": [1, 2]}, "ü": "ñ ✓"}, ""])
 def test_any_json_value_round_trips(store: MemoryStore, value: Any) -> None:
     store.put(item(value=value))
     got = store.get("preference.theme")
@@ -91,9 +96,14 @@ def test_by_tag_ordered_by_key_and_limited(store: MemoryStore) -> None:
 
 
 def test_by_tag_is_an_index_lookup(store: MemoryStore) -> None:
-    plan = " ".join(str(r) for r in store._conn.execute(
-        "EXPLAIN QUERY PLAN SELECT i.key FROM item_tags t JOIN items i ON i.key = t.item_key "
-        "WHERE t.tag = ? ORDER BY t.item_key LIMIT 10", ("x",)).fetchall())
+    plan = " ".join(
+        str(r)
+        for r in store._conn.execute(
+            "EXPLAIN QUERY PLAN SELECT i.key FROM item_tags t JOIN items i ON i.key = t.item_key "
+            "WHERE t.tag = ? ORDER BY t.item_key LIMIT 10",
+            ("x",),
+        ).fetchall()
+    )
     assert "SEARCH t USING PRIMARY KEY (tag=?)" in plan
     assert "SCAN" not in plan and "TEMP B-TREE" not in plan
 
@@ -198,12 +208,19 @@ def test_invalid_items_refused(store: MemoryStore, name: str, change: dict[str, 
 
 
 def test_limits_accepted_at_the_edge(store: MemoryStore) -> None:
-    store.put(item(key="k" * MAX_KEY_CHARS, tags=tuple(f"t{i}" for i in range(MAX_TAGS)),
-                   description="line one\nline two", created_at="2026-07-01T10:00:00+02:00"))
+    store.put(
+        item(
+            key="k" * MAX_KEY_CHARS,
+            tags=tuple(f"t{i}" for i in range(MAX_TAGS)),
+            description="line one\nline two",
+            created_at="2026-07-01T10:00:00+02:00",
+        )
+    )
     assert store.count() == 1
 
 
 # ------------------------------------------------------------------------------------ durability, files
+
 
 def test_wal_full_sync_and_schema_version(tmp_path: Path) -> None:
     path = tmp_path / "memory.db"
@@ -265,6 +282,7 @@ def test_usable_from_another_thread(store: MemoryStore) -> None:
 
 
 # ------------------------------------------------------------------------------------ STORE_UNAVAILABLE
+
 
 def test_missing_file_without_create(tmp_path: Path) -> None:
     with pytest.raises(UompError) as e:
@@ -394,8 +412,9 @@ def test_disk_full_mid_batch_leaves_the_store_as_it_was(store: MemoryStore) -> N
 
 def test_failure_on_the_last_row_rolls_back_everything(store: MemoryStore) -> None:
     store.put_many([item(key=f"k{i}", value="old") for i in range(3)])
-    store._conn.execute("CREATE TRIGGER fail_last BEFORE INSERT ON items WHEN NEW.key = 'k9' "
-                        "BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    store._conn.execute(
+        "CREATE TRIGGER fail_last BEFORE INSERT ON items WHEN NEW.key = 'k9' BEGIN SELECT RAISE(ABORT, 'injected'); END"
+    )
     batch = [item(key=f"k{i}", value="new", tags=("new",)) for i in range(10)]
     with pytest.raises(UompError) as e:
         store.put_many(batch, replace=True)
@@ -406,6 +425,7 @@ def test_failure_on_the_last_row_rolls_back_everything(store: MemoryStore) -> No
 
 
 # ------------------------------------------------------------------------------------ bulk writer
+
 
 def test_bulk_writer_commits_only_when_asked(store: MemoryStore) -> None:
     store.put(item(key="old"))
@@ -531,8 +551,11 @@ def test_bulk_writer_dry_run_writes_nothing_and_locks_nothing(tmp_path: Path) ->
 def test_writes_through_the_store_while_a_bulk_writer_is_open_are_refused(store: MemoryStore) -> None:
     with store.bulk_writer() as w:
         w.add(item(key="a"))
-        for call in (lambda: store.put(item(key="b")), lambda: store.delete("a"),
-                     lambda: store.bulk_writer().__enter__()):
+        for call in (
+            lambda: store.put(item(key="b")),
+            lambda: store.delete("a"),
+            lambda: store.bulk_writer().__enter__(),
+        ):
             with pytest.raises(RuntimeError):
                 call()
         w.commit()

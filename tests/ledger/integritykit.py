@@ -24,9 +24,13 @@ class Guard:
 
     def __init__(self, paths: Paths, env: dict[str, str] | None = None) -> None:
         self.paths = paths
-        self.proc = subprocess.Popen([*UOMP, "--home", str(paths.home), "guard", "serve", "--no-tcp"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [*UOMP, "--home", str(paths.home), "guard", "serve", "--no-tcp"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.health: dict[str, Any] = {}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -45,10 +49,14 @@ class Guard:
     def call(self, method: str, path: str, body: Any = None, *, admin: bool = False) -> tuple[int, Any]:
         async def go() -> tuple[int, Any]:
             conn = aiohttp.UnixConnector(path=str(self.paths.guard_sock))
-            async with aiohttp.ClientSession(connector=conn) as s, s.request(
-                    method, "http://guard" + path, json=body,
-                    headers=admin_headers(self.paths) if admin else None) as resp:
+            async with (
+                aiohttp.ClientSession(connector=conn) as s,
+                s.request(
+                    method, "http://guard" + path, json=body, headers=admin_headers(self.paths) if admin else None
+                ) as resp,
+            ):
                 return resp.status, await resp.json(content_type=None)
+
         return asyncio.run(go())
 
     def refusing(self, within: float = 0.0) -> dict[str, Any] | None:
@@ -75,5 +83,3 @@ class Guard:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-

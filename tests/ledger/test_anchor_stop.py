@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = r'''
+SCRIPT = r"""
 import asyncio, sys
 from pathlib import Path
 from gateway.ledger import anchoring
@@ -29,11 +29,12 @@ async def main() -> None:
     print("stopped cleanly")
 
 asyncio.run(main())
-'''
+"""
 
 
 def test_stop_waits_for_the_running_statement_before_closing(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "audit.db")], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "audit.db")], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
     assert res.stdout.strip() == "stopped cleanly"

@@ -23,8 +23,10 @@ from gateway.core.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
-LIBS = [Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"),
-        Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1")]
+LIBS = [
+    Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"),
+    Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1"),
+]
 
 
 def _lib() -> Path:
@@ -43,8 +45,15 @@ def clock(home: Paths) -> Iterator[tuple[Path, dict[str, str]]]:
     offset.write_text("+0\n")
     # libfaketime 0.9.10 makes clock_nanosleep fail (EINVAL) when it leaves the monotonic clock real;
     # the guard's paths here never call time.sleep (asyncio waits on epoll), the test process is not faked.
-    yield offset, {"LD_PRELOAD": str(lib), "FAKETIME_TIMESTAMP_FILE": str(offset), "FAKETIME_NO_CACHE": "1",
-                   "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    yield (
+        offset,
+        {
+            "LD_PRELOAD": str(lib),
+            "FAKETIME_TIMESTAMP_FILE": str(offset),
+            "FAKETIME_NO_CACHE": "1",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        },
+    )
 
 
 def _step(offset: Path, value: str) -> None:
@@ -56,8 +65,10 @@ def _step(offset: Path, value: str) -> None:
 def _state(paths: Paths) -> tuple[int, list[Checkpoint]]:
     with sqlite3.connect(paths.audit_db) as conn:
         size = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM ledger_events").fetchone()[0])
-        cps = [Checkpoint.parse(str(n).split("\n\n")[0] + "\n")
-               for (n,) in conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size")]
+        cps = [
+            Checkpoint.parse(str(n).split("\n\n")[0] + "\n")
+            for (n,) in conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size")
+        ]
     return size, cps
 
 
@@ -73,16 +84,22 @@ def _signed(paths: Paths, within: float) -> bool:
 
 
 def _event(g: Guard) -> None:
-    status, body = g.call("POST", "/v1/sessions", {"agent_id": "a", "agent_name": "A",
-                                                   "requested_scopes": {"read": {"tags": ["x"]}}}, admin=True)
+    status, body = g.call(
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "agent_name": "A", "requested_scopes": {"read": {"tags": ["x"]}}},
+        admin=True,
+    )
     assert status == 201, body  # session_created: not an urgent action, signed by the timer
 
 
-def test_checkpoints_keep_coming_after_the_wall_clock_steps_back(home: Paths,
-                                                                 clock: tuple[Path, dict[str, str]]) -> None:
+def test_checkpoints_keep_coming_after_the_wall_clock_steps_back(
+    home: Paths, clock: tuple[Path, dict[str, str]]
+) -> None:
     offset, env = clock
-    home.config_file.write_text("[guard]\naudit_checkpoint_seconds = 0.3\naudit_checkpoint_events = 1000\n"
-                                "audit_full_verify_at_start = false\n")
+    home.config_file.write_text(
+        "[guard]\naudit_checkpoint_seconds = 0.3\naudit_checkpoint_events = 1000\naudit_full_verify_at_start = false\n"
+    )
     g = Guard(home, env)
     try:
         assert g.health == {"status": "ok"}
@@ -99,17 +116,24 @@ def test_checkpoints_keep_coming_after_the_wall_clock_steps_back(home: Paths,
         assert cps[-1].timestamp == before.timestamp  # clamped to the previous one, not an hour back
     finally:
         g.stop()
-    ver = subprocess.run([*UOMP, "--home", str(home.home), "audit", "verify", "--json"], capture_output=True,
-                         text=True, timeout=60, check=False)
+    ver = subprocess.run(
+        [*UOMP, "--home", str(home.home), "audit", "verify", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert ver.returncode == 0, ver.stdout
     assert json.loads(ver.stdout)["warnings"] == []
 
 
 def test_a_forward_jump_between_an_event_and_its_checkpoint_is_a_verify_warning(
-        home: Paths, clock: tuple[Path, dict[str, str]]) -> None:
+    home: Paths, clock: tuple[Path, dict[str, str]]
+) -> None:
     offset, env = clock
-    home.config_file.write_text("[guard]\naudit_checkpoint_seconds = 3\naudit_checkpoint_events = 1000\n"
-                                "audit_full_verify_at_start = false\n")
+    home.config_file.write_text(
+        "[guard]\naudit_checkpoint_seconds = 3\naudit_checkpoint_events = 1000\naudit_full_verify_at_start = false\n"
+    )
     g = Guard(home, env)
     try:
         _event(g)
@@ -121,8 +145,13 @@ def test_a_forward_jump_between_an_event_and_its_checkpoint_is_a_verify_warning(
         assert cps[-1].timestamp - cps[-2].timestamp > 3600
     finally:
         g.stop()
-    ver = subprocess.run([*UOMP, "--home", str(home.home), "audit", "verify", "--json"], capture_output=True,
-                         text=True, timeout=60, check=False)
+    ver = subprocess.run(
+        [*UOMP, "--home", str(home.home), "audit", "verify", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     out = json.loads(ver.stdout)
     assert ver.returncode == 0 and out["ok"] is True  # a clock is not the log's integrity
     assert any("jumped forward" in w for w in out["warnings"]), out

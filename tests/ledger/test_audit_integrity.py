@@ -50,9 +50,16 @@ def _uomp(paths: Paths, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _row(i: int, *, allowed: bool = True, session: str = "sess_int") -> tuple[Any, ...]:
-    return make_row(session_id=session, agent_id="agent-1", action="read", allowed=allowed,
-                    reason="scope matched" if allowed else "not in scope", key=f"k.{i}", response_size=3,
-                    extra=None if allowed else {"code": "ACCESS_DENIED"})
+    return make_row(
+        session_id=session,
+        agent_id="agent-1",
+        action="read",
+        allowed=allowed,
+        reason="scope matched" if allowed else "not in scope",
+        key=f"k.{i}",
+        response_size=3,
+        extra=None if allowed else {"code": "ACCESS_DENIED"},
+    )
 
 
 def _fill(paths: Paths, n: int, *, refused_every: int = 0) -> None:
@@ -61,8 +68,9 @@ def _fill(paths: Paths, n: int, *, refused_every: int = 0) -> None:
     log = open_audit(paths, guard_config(audit_checkpoint_events=100))
     try:
         for b in range(0, n, 500):
-            log.write_now([_row(i, allowed=not (refused_every and i % refused_every == 0))
-                           for i in range(b, min(n, b + 500))])
+            log.write_now(
+                [_row(i, allowed=not (refused_every and i % refused_every == 0)) for i in range(b, min(n, b + 500))]
+            )
     finally:
         log.close()
 
@@ -78,8 +86,10 @@ def _size(paths: Paths) -> int:
 
 def _checkpoints(paths: Paths) -> dict[int, bytes]:
     with _db(paths) as conn:
-        return {int(s): Checkpoint.parse(str(n).split("\n\n")[0] + "\n").root
-                for s, n in conn.execute("SELECT size, note FROM ledger_checkpoints")}
+        return {
+            int(s): Checkpoint.parse(str(n).split("\n\n")[0] + "\n").root
+            for s, n in conn.execute("SELECT size, note FROM ledger_checkpoints")
+        }
 
 
 def _rollback(paths: Paths, keep: int) -> None:
@@ -133,8 +143,12 @@ def _assert_refused(g: Guard, paths: Paths, code: str, *, first_bad: int | None)
     err = g.refusing(within=15)
     assert err is not None and err["code"] == code, err
     before = _size(paths)
-    status, body = g.call("POST", "/v1/sessions", {"agent_id": "a", "agent_name": "A",
-                                                   "requested_scopes": {"read": {"tags": ["x"]}}}, admin=True)
+    status, body = g.call(
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "agent_name": "A", "requested_scopes": {"read": {"tags": ["x"]}}},
+        admin=True,
+    )
     assert status == 503 and body["error"]["code"] == code, body
     assert "uomp audit verify" in body["error"]["message"] or "witness record" in body["error"]["message"]
     status, body = g.call("GET", "/v1/audit")
@@ -153,15 +167,20 @@ def _assert_refused(g: Guard, paths: Paths, code: str, *, first_bad: int | None)
         assert out["first_bad_seq"] == first_bad, out
 
 
-def test_a_sound_log_is_served_and_its_witness_record_follows_every_checkpoint(paths: Paths,
-                                                                                guards: list[Guard]) -> None:
+def test_a_sound_log_is_served_and_its_witness_record_follows_every_checkpoint(
+    paths: Paths, guards: list[Guard]
+) -> None:
     """The allowed partner: a sound log starts, serves, is green everywhere; the witness record is
     the newest checkpoint, outside audit.db, 0600."""
     _fill(paths, 250)
     g = _start(paths, guards)
     assert g.health == {"status": "ok"}
-    status, _ = g.call("POST", "/v1/sessions", {"agent_id": "a", "agent_name": "A",
-                                                "requested_scopes": {"read": {"tags": ["x"]}}}, admin=True)
+    status, _ = g.call(
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "agent_name": "A", "requested_scopes": {"read": {"tags": ["x"]}}},
+        admin=True,
+    )
     assert status == 201
     g.stop()
     rec = json.loads(paths.audit_witness.read_text())
@@ -189,11 +208,19 @@ def test_a_rollback_is_never_signed_over_while_the_guard_runs(paths: Paths, guar
     signed = _checkpoints(paths)
     g = _start(paths, guards)
     _rollback(paths, 150)
-    g.call("POST", "/v1/sessions", {"agent_id": "a", "agent_name": "A",
-                                    "requested_scopes": {"read": {"tags": ["x"]}}}, admin=True)
+    g.call(
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "agent_name": "A", "requested_scopes": {"read": {"tags": ["x"]}}},
+        admin=True,
+    )
     time.sleep(0.8)  # past a checkpoint interval
-    g.call("POST", "/v1/sessions", {"agent_id": "a", "agent_name": "A",
-                                    "requested_scopes": {"read": {"tags": ["x"]}}}, admin=True)
+    g.call(
+        "POST",
+        "/v1/sessions",
+        {"agent_id": "a", "agent_name": "A", "requested_scopes": {"read": {"tags": ["x"]}}},
+        admin=True,
+    )
     err = g.refusing(within=5)
     assert err is not None and err["code"] == "AUDIT_LOG_INCONSISTENT"
     for size, root in _checkpoints(paths).items():
@@ -245,8 +272,9 @@ def test_a_fork_same_size_another_root_is_refused(paths: Paths, guards: list[Gua
         if Path(str(backup) + suffix).exists():
             shutil.copyfile(str(backup) + suffix, str(paths.audit_db) + suffix)
     key = auditkey.load(paths)
-    forger = AuditLog(paths.audit_db, ledger=LedgerOptions(key, auditkey.origin_for(key.public_key()),
-                                                        checkpoint_events=100))  # keeps no witness
+    forger = AuditLog(
+        paths.audit_db, ledger=LedgerOptions(key, auditkey.origin_for(key.public_key()), checkpoint_events=100)
+    )  # keeps no witness
     try:
         forger.write_now([_row(10_000 + i) for i in range(100)])
     finally:
@@ -256,8 +284,9 @@ def test_a_fork_same_size_another_root_is_refused(paths: Paths, guards: list[Gua
     _assert_refused(g, paths, "AUDIT_LOG_INCONSISTENT", first_bad=300)
 
 
-def test_a_flipped_body_byte_deep_in_the_log_is_found_by_the_background_verify(paths: Paths,
-                                                                               guards: list[Guard]) -> None:
+def test_a_flipped_body_byte_deep_in_the_log_is_found_by_the_background_verify(
+    paths: Paths, guards: list[Guard]
+) -> None:
     """Beyond the start-up check's tail (1,024 events before the newest checkpoint): the guard
     starts, and its full verify in the background refuses the log within seconds."""
     paths.config_file.write_text(CONFIG.format("true"))
@@ -293,9 +322,11 @@ def test_an_edited_index_column_is_red_and_never_shown(paths: Paths, guards: lis
     """A refused read hidden from --refused (allowed flipped), renamed (id) or moved to another
     session's view: verify is red; the readers never show or select what the body does not say."""
     _fill(paths, 200, refused_every=10)  # events 1, 11, 21, ... refused
-    sql = {"allowed": "UPDATE ledger_events SET allowed = 1 WHERE seq = 191",
-           "id": "UPDATE ledger_events SET id = 'log_forged' WHERE seq = 191",
-           "session_id": "UPDATE ledger_events SET session_id = 'sess_other' WHERE seq = 191"}[edit]
+    sql = {
+        "allowed": "UPDATE ledger_events SET allowed = 1 WHERE seq = 191",
+        "id": "UPDATE ledger_events SET id = 'log_forged' WHERE seq = 191",
+        "session_id": "UPDATE ledger_events SET session_id = 'sess_other' WHERE seq = 191",
+    }[edit]
     with _db(paths) as conn:
         conn.execute(sql)
     shown = _uomp(paths, "audit", "--allowed", "--json", "--limit", "1000")
@@ -311,8 +342,9 @@ def test_an_edited_index_column_is_red_and_never_shown(paths: Paths, guards: lis
 
 
 @pytest.mark.parametrize("point", ["audit_events_committed", "audit_witness_written"])
-def test_a_kill_around_the_witness_write_recovers_with_one_root_per_size(paths: Paths, guards: list[Guard],
-                                                                         point: str) -> None:
+def test_a_kill_around_the_witness_write_recovers_with_one_root_per_size(
+    paths: Paths, guards: list[Guard], point: str
+) -> None:
     """kill -9 after the events committed (nothing signed yet) and after the witness record was
     written (its checkpoint row not committed: the record is ahead of audit.db, over events that are
     there). Either way the next start serves, stores what the record signed, and verify is green."""
@@ -321,8 +353,12 @@ def test_a_kill_around_the_witness_write_recovers_with_one_root_per_size(paths: 
     arm.write_text("")
     g = _start(paths, guards, env={"UOMP_FAULT": point, "UOMP_FAULT_ARM": str(arm)})
     with contextlib.suppress(aiohttp.ClientError, OSError):
-        g.call("POST", "/v1/sessions", {"agent_id": "a", "agent_name": "A",
-                                        "requested_scopes": {"read": {"tags": ["x"]}}}, admin=True)
+        g.call(
+            "POST",
+            "/v1/sessions",
+            {"agent_id": "a", "agent_name": "A", "requested_scopes": {"read": {"tags": ["x"]}}},
+            admin=True,
+        )
     assert g.proc.wait(timeout=15) == -signal.SIGKILL
     witness = Checkpoint.parse(json.loads(paths.audit_witness.read_text())["note"].split("\n\n")[0] + "\n")
     stored = _checkpoints(paths)

@@ -35,8 +35,7 @@ def own_events(logs: list[dict[str, Any]], action: str, allowed: bool) -> str:
     return str(next(e["id"] for e in logs if e["action"] == action and e["allowed"] is allowed))
 
 
-async def _gw(s: aiohttp.ClientSession, app: Appliance, agent: Agent, token: str | None, path: str
-              ) -> tuple[int, Any]:
+async def _gw(s: aiohttp.ClientSession, app: Appliance, agent: Agent, token: str | None, path: str) -> tuple[int, Any]:
     status, body, _ = await agent_call(s, app.base, path, token=token, agent_id=agent.agent_id)
     return status, body
 
@@ -72,8 +71,15 @@ async def test_through_the_gateway_own_events_only(home: Paths) -> None:
             # ... and b gets its own one, not a's
             assert (await _gw(sb, app, b, gb["token"], f"/v1/audit/{theirs}/proof"))[0] == 200
             assert (await _gw(sb, app, b, gb["token"], f"/v1/audit/{mine}/proof")) == (
-                404, {"error": {"code": "NOT_FOUND", "message": other[1]["error"]["message"],
-                                "session_id": gb["session_id"]}})
+                404,
+                {
+                    "error": {
+                        "code": "NOT_FOUND",
+                        "message": other[1]["error"]["message"],
+                        "session_id": gb["session_id"],
+                    }
+                },
+            )
 
             # own refused event: its body holds the user's detail, so its proof is the user's
             status, body = await _gw(sa, app, a, ga["token"], f"/v1/audit/{refused}/proof")
@@ -82,8 +88,9 @@ async def test_through_the_gateway_own_events_only(home: Paths) -> None:
             # no token; another agent's token on a's certificate
             status, body = await _gw(sa, app, a, None, f"/v1/audit/{mine}/proof")
             assert status == 401 and body["error"]["code"] == "INVALID_TOKEN"
-            status, body, _ = await agent_call(sa, app.base, f"/v1/audit/{mine}/proof", token=gb["token"],
-                                               agent_id=b.agent_id)
+            status, body, _ = await agent_call(
+                sa, app.base, f"/v1/audit/{mine}/proof", token=gb["token"], agent_id=b.agent_id
+            )
             assert status in (401, 403) and body["error"]["code"] != "NOT_FOUND"
 
             # the requests are audited, and a proof is not a read: the quota is untouched
@@ -91,15 +98,23 @@ async def test_through_the_gateway_own_events_only(home: Paths) -> None:
             proofs = [e for e in body["logs"] if e["action"] == "audit_proof"]
             verdicts = [e["allowed"] for e in proofs]  # newest first: refused, unknown, other's, ok
             assert verdicts[:4] == [False, False, False, True] and proofs[3]["key"] == mine
-            status, _, hdrs = await agent_call(sa, app.base, "/v1/memory/preference.lang", token=ga["token"],
-                                               agent_id=a.agent_id)
+            status, _, hdrs = await agent_call(
+                sa, app.base, "/v1/memory/preference.lang", token=ga["token"], agent_id=a.agent_id
+            )
             assert status == 200 and hdrs["X-UOMP-Quota-Remaining"] == "97"  # three reads, whatever the proofs
 
         # the SDK's audit_proof(), over mTLS
         key = serialization.load_pem_private_key(a.files.key_file.read_bytes(), password=None)
-        async with UompClient(agent_id=a.agent_id, session_id=ga["session_id"], access_token=ga["token"],
-                              base_url=app.base, mode="mtls", ca_cert=a.files.ca_file.read_text(),
-                              agent_cert=a.files.cert_file.read_text(), agent_key=key) as client:  # type: ignore[arg-type]
+        async with UompClient(
+            agent_id=a.agent_id,
+            session_id=ga["session_id"],
+            access_token=ga["token"],
+            base_url=app.base,
+            mode="mtls",
+            ca_cert=a.files.ca_file.read_text(),
+            agent_cert=a.files.cert_file.read_text(),
+            agent_key=key,
+        ) as client:  # type: ignore[arg-type]
             assert verify_bundle(await client.audit_proof(mine), trusted_key=verifier(home)).event["id"] == mine
             with pytest.raises(UompClientError) as exc:
                 await client.audit_proof(theirs)

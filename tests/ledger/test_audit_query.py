@@ -55,8 +55,17 @@ def _fill(audit: AuditLog, now: float) -> None:
         ("s1", "a1", "read", True, now - 60),
     ]
     for sid, agent, action, allowed, ts in rows:
-        audit.record(session_id=sid, agent_id=agent, action=action, allowed=allowed, reason=f"{action} {allowed}",
-                     detail="user only", via="local", key="k", now=ts)
+        audit.record(
+            session_id=sid,
+            agent_id=agent,
+            action=action,
+            allowed=allowed,
+            reason=f"{action} {allowed}",
+            detail="user only",
+            via="local",
+            key="k",
+            now=ts,
+        )
     audit.flush_sync()
 
 
@@ -93,8 +102,12 @@ def test_filters_newest_last_and_their_partners(home: Paths) -> None:
         assert len(allowed) + len(refused) == 8 and len(refused) == 3
         # time range: since is inclusive, until exclusive; relative and ISO forms
         recent = q(AuditFilter(since=parse_time("2h", now=now))).events
-        assert _actions(recent) == ["s2:aggregate:False", "s1:audit:True", "unknown:gateway_refused:False",
-                                    "s1:read:True"]
+        assert _actions(recent) == [
+            "s2:aggregate:False",
+            "s1:audit:True",
+            "unknown:gateway_refused:False",
+            "s1:read:True",
+        ]
         older = q(AuditFilter(until=parse_time("2d", now=now))).events
         assert _actions(older) == ["s1:session_granted:True"]
         window = q(AuditFilter(since=now - 2 * DAY, until=now - DAY + 1)).events
@@ -134,11 +147,19 @@ def test_after_seq_cursor_pages_forward_and_skips_what_did_not_match(home: Paths
         audit.close()
 
 
-@pytest.mark.parametrize("flt", [
-    AuditFilter(limit=0), AuditFilter(limit=1001), AuditFilter(after_seq=-1), AuditFilter(session_id=""),
-    AuditFilter(agent_id="x" * 300), AuditFilter(action=("",)), AuditFilter(since=10.0, until=10.0),
-    AuditFilter(since=20.0, until=10.0),
-])
+@pytest.mark.parametrize(
+    "flt",
+    [
+        AuditFilter(limit=0),
+        AuditFilter(limit=1001),
+        AuditFilter(after_seq=-1),
+        AuditFilter(session_id=""),
+        AuditFilter(agent_id="x" * 300),
+        AuditFilter(action=("",)),
+        AuditFilter(since=10.0, until=10.0),
+        AuditFilter(since=20.0, until=10.0),
+    ],
+)
 def test_bad_filters_are_refused(home: Paths, flt: AuditFilter) -> None:
     audit = AuditLog(home.audit_db)
     try:
@@ -166,17 +187,30 @@ def test_parse_time() -> None:
 
 
 def test_agent_view_is_an_allow_list(home: Paths) -> None:
-    event = {"id": "log_1", "seq": 7, "ts": 1.0, "timestamp": "t", "session_id": "s", "agent_id": "a",
-             "action": "read", "allowed": False, "reason": "key is not within granted scope",
-             "detail": "key does not exist", "via": "gateway:mtls:01", "listener": "mtls", "cert_serial": "01"}
+    event = {
+        "id": "log_1",
+        "seq": 7,
+        "ts": 1.0,
+        "timestamp": "t",
+        "session_id": "s",
+        "agent_id": "a",
+        "action": "read",
+        "allowed": False,
+        "reason": "key is not within granted scope",
+        "detail": "key does not exist",
+        "via": "gateway:mtls:01",
+        "listener": "mtls",
+        "cert_serial": "01",
+    }
     seen = agent_view(event)
     assert set(seen) <= set(AGENT_FIELDS)
     assert "detail" not in seen and "via" not in seen and "seq" not in seen and "listener" not in seen
     assert seen["reason"] == event["reason"]
     audit = AuditLog(home.audit_db)
     try:
-        audit.record(session_id="s", agent_id="a", action="read", allowed=False, reason="r", detail="secret why",
-                     via="local")
+        audit.record(
+            session_id="s", agent_id="a", action="read", allowed=False, reason="r", detail="secret why", via="local"
+        )
         audit.flush_sync()
         [mine] = audit.for_session("s")
         assert "detail" not in mine and "via" not in mine and mine["reason"] == "r"
@@ -190,8 +224,9 @@ def test_retention_prunes_bodies_shows_them_honestly_and_old_proofs_verify(home:
     now = time.time()
     audit = open_audit(home, _cfg(audit_checkpoint_events=1, audit_retention_days=90))
     try:
-        audit.record(session_id="s1", agent_id="a1", action="read", allowed=True, reason="old", key="k",
-                     now=now - 91 * DAY)
+        audit.record(
+            session_id="s1", agent_id="a1", action="read", allowed=True, reason="old", key="k", now=now - 91 * DAY
+        )
         audit.flush_sync()
         old_id = audit.query(AuditFilter()).events[-1]["id"]
         bundle = audit.proof_for_session(old_id, "s1")  # issued while the body was kept
@@ -238,8 +273,23 @@ CREATE TABLE IF NOT EXISTS audit_logs (
 CREATE INDEX IF NOT EXISTS idx_audit_session ON audit_logs(session_id, seq);
 CREATE INDEX IF NOT EXISTS idx_audit_ts ON audit_logs(ts);
 """
-COLS = ("id", "ts", "timestamp", "session_id", "agent_id", "action", "key", "tags", "allowed", "reason", "detail",
-        "request_size", "response_size", "query_count_remaining", "via")
+COLS = (
+    "id",
+    "ts",
+    "timestamp",
+    "session_id",
+    "agent_id",
+    "action",
+    "key",
+    "tags",
+    "allowed",
+    "reason",
+    "detail",
+    "request_size",
+    "response_size",
+    "query_count_remaining",
+    "via",
+)
 
 
 def _old_rows(db: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
@@ -258,9 +308,22 @@ def _tables(path: Any) -> set[str]:
 
 def test_migrates_a_db_of_the_old_schema(home: Paths) -> None:
     now = time.time()
-    rows = [make_row(session_id="s1", agent_id="a1", action="read", allowed=i % 2 == 0, reason=f"r{i}", key=f"k{i}",
-                     tags=["t"] if i == 1 else None, detail="why", via="local", query_count_remaining=9 - i,
-                     now=now - (5 - i) * 3600) for i in range(5)]
+    rows = [
+        make_row(
+            session_id="s1",
+            agent_id="a1",
+            action="read",
+            allowed=i % 2 == 0,
+            reason=f"r{i}",
+            key=f"k{i}",
+            tags=["t"] if i == 1 else None,
+            detail="why",
+            via="local",
+            query_count_remaining=9 - i,
+            now=now - (5 - i) * 3600,
+        )
+        for i in range(5)
+    ]
     db = sqlite3.connect(home.audit_db)
     _old_rows(db, rows)  # an audit.db made by the old version: no event log at all
     db.close()
@@ -308,8 +371,9 @@ def test_migration_keeps_what_only_the_old_table_has_and_doubles_nothing(home: P
         both = audit.query(AuditFilter()).events
     finally:
         audit.close()
-    only_old = make_row(session_id="s9", agent_id="a9", action="read", allowed=False, reason="only old",
-                        now=now - 30 * DAY)
+    only_old = make_row(
+        session_id="s9", agent_id="a9", action="read", allowed=False, reason="only old", now=now - 30 * DAY
+    )
     dual = [tuple(e.get(c) if c != "allowed" else int(e[c]) for c in COLS) for e in both]
     db = sqlite3.connect(home.audit_db)
     _old_rows(db, [*dual[:2], only_old, dual[2]])
@@ -379,10 +443,24 @@ def test_summaries_for_the_dashboard(home: Paths) -> None:
     audit = open_audit(home, _cfg())
     try:
         _fill(audit, now)
-        audit.record(session_id="s2", agent_id="a2", action="read", allowed=True, reason="r",
-                     query_count_remaining=41, now=now - 30)
-        audit.record(session_id="s1", agent_id="a1", action="read", allowed=True, reason="r",
-                     query_count_remaining=7, now=now - 20)
+        audit.record(
+            session_id="s2",
+            agent_id="a2",
+            action="read",
+            allowed=True,
+            reason="r",
+            query_count_remaining=41,
+            now=now - 30,
+        )
+        audit.record(
+            session_id="s1",
+            agent_id="a1",
+            action="read",
+            allowed=True,
+            reason="r",
+            query_count_remaining=7,
+            now=now - 20,
+        )
         audit.record(session_id="s1", agent_id="a1", action="session_revoked", allowed=True, reason="r", now=now - 10)
         audit.flush_sync()
         conn = sqlite3.connect(home.audit_db)
@@ -392,8 +470,12 @@ def test_summaries_for_the_dashboard(home: Paths) -> None:
             assert known_sessions(conn, limit=1) == ["s1"]
             assert quota_remaining(conn, ["s1", "s2", "s3"]) == {"s1": 7, "s2": 41}  # the newest; none for s3
             counts = hourly_counts(conn, since=now - 2 * 3600, exclude_actions=("session_revoked",))
-            assert sorted(counts) == [("a1", True, 1, 3), ("a2", False, 1, 1), ("a2", True, 1, 1),
-                                      ("unknown", False, 1, 1)]
+            assert sorted(counts) == [
+                ("a1", True, 1, 3),
+                ("a2", False, 1, 1),
+                ("a2", True, 1, 1),
+                ("unknown", False, 1, 1),
+            ]
         finally:
             conn.close()
     finally:

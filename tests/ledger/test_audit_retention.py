@@ -23,10 +23,20 @@ DAY = 86_400.0
 
 
 def _row(now: float | None = None) -> tuple[object, ...]:
-    return make_row(session_id="sess_ret", agent_id="agent-1", action="read", allowed=True, reason="scope matched",
-                    key="preference.theme", tags=["preference"], response_size=12, query_count_remaining=9,
-                    via="gateway:mtls:test", now=now,
-                    extra={"listener": "mtls", "client": "127.0.0.1:40001", "request_id": "req_0011223344556677"})
+    return make_row(
+        session_id="sess_ret",
+        agent_id="agent-1",
+        action="read",
+        allowed=True,
+        reason="scope matched",
+        key="preference.theme",
+        tags=["preference"],
+        response_size=12,
+        query_count_remaining=9,
+        via="gateway:mtls:test",
+        now=now,
+        extra={"listener": "mtls", "client": "127.0.0.1:40001", "request_id": "req_0011223344556677"},
+    )
 
 
 def _fill(log: AuditLog, n: int, start: float, step: float = 0.01) -> None:
@@ -36,12 +46,16 @@ def _fill(log: AuditLog, n: int, start: float, step: float = 0.01) -> None:
 
 def _bodies(db: Path, before: float) -> int:
     with sqlite3.connect(db) as conn:
-        return int(conn.execute("SELECT COUNT(*) FROM ledger_events WHERE ts < ? AND body IS NOT NULL",
-                                (before,)).fetchone()[0])
+        return int(
+            conn.execute("SELECT COUNT(*) FROM ledger_events WHERE ts < ? AND body IS NOT NULL", (before,)).fetchone()[
+                0
+            ]
+        )
 
 
-def test_a_large_purge_lets_reads_commit_between_its_slices(home: Paths, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_large_purge_lets_reads_commit_between_its_slices(
+    home: Paths, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """20,000 events past retention, pruned while another thread commits a read's event: the commit
     is durable while the purge still has bodies to drop (one UPDATE held every commit until it had
     dropped them all), the WAL stays bounded, and the pruned log still verifies."""
@@ -126,7 +140,8 @@ def test_a_log_with_no_body_left_is_not_walked_again(tmp_path: Path) -> None:
 
 
 def test_a_purge_that_meets_another_writer_is_store_busy_and_resumes_after(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """audit.db held by another process (a user's sqlite3 shell) in the middle of the bodies due: the
     purge is refused STORE_BUSY within the busy timeout, what it pruned before stays pruned, the rest
     keep their bodies, and the next run (the lock gone) finishes from where the log stands."""

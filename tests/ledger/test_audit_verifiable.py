@@ -36,6 +36,7 @@ async def _traffic(home: Paths, cfg_overrides: dict[str, object] | None = None) 
             assert (await call(s, "GET", "/v1/memory/user.password", token=tok, headers=hdr))[0] in (403, 404)
             assert (await call(s, "GET", "/v1/memory?tag=preference", token=tok, headers=hdr))[0] == 200
             from guardkit import admin_headers
+
             assert (await call(s, "POST", f"/v1/sessions/{sid}/revoke", headers=admin_headers(home)))[0] == 200
             assert (await call(s, "GET", "/v1/memory/preference.theme", token=tok, headers=hdr))[0] == 401
         await g.services.audit.writer.probe()  # type: ignore[union-attr]
@@ -69,8 +70,9 @@ def test_verify_proof_and_tamper(home: Paths, tmp_path: Path, capsys: pytest.Cap
     assert "INVALID" in capsys.readouterr().out
     # Tamper with the file: flip a refusal into an allow, keep the leaf; verify names the event.
     seq, body = conn.execute("SELECT seq, body FROM ledger_events WHERE allowed = 0 ORDER BY seq LIMIT 1").fetchone()
-    conn.execute("UPDATE ledger_events SET body = ? WHERE seq = ?", (body.replace('"allowed":false',
-                                                                                '"allowed":true'), seq))
+    conn.execute(
+        "UPDATE ledger_events SET body = ? WHERE seq = ?", (body.replace('"allowed":false', '"allowed":true'), seq)
+    )
     conn.commit()
     assert cli(home, "audit", "verify", "--json") == 1
     bad = json.loads(capsys.readouterr().out)
@@ -106,9 +108,11 @@ def test_anchored_on_a_local_chain(home: Paths, tmp_path: Path, capsys: pytest.C
         write_private_key(key_file, owner)
         assert cli(home, "anchor", "deploy", "--rpc", anvil.url, "--key-file", str(key_file)) == 0
         contract = json.loads(capsys.readouterr().out)["contract"]
-        home.config_file.write_text(f'[anchor]\nbackend = "evm"\nrpc_url = "{anvil.url}"\ncontract = "{contract}"\n'
-                                    f'chain_id = 31337\nkey_file = "{key_file}"\nconfirmations = 1\n'
-                                    f'poll_seconds = 0.2\n')
+        home.config_file.write_text(
+            f'[anchor]\nbackend = "evm"\nrpc_url = "{anvil.url}"\ncontract = "{contract}"\n'
+            f'chain_id = 31337\nkey_file = "{key_file}"\nconfirmations = 1\n'
+            f"poll_seconds = 0.2\n"
+        )
 
         async def run() -> None:
             await _traffic(home, {"audit_checkpoint_seconds": 0.2})
@@ -117,14 +121,16 @@ def test_anchored_on_a_local_chain(home: Paths, tmp_path: Path, capsys: pytest.C
                 for _ in range(300):
                     conn = sqlite3.connect(home.audit_db)
                     done = conn.execute("SELECT COUNT(*) FROM ledger_anchors WHERE state = 'confirmed'").fetchone()[0]
-                    pending = conn.execute("SELECT COUNT(*) FROM ledger_anchors WHERE state IN ('queued', "
-                                           "'submitted')").fetchone()[0]
+                    pending = conn.execute(
+                        "SELECT COUNT(*) FROM ledger_anchors WHERE state IN ('queued', 'submitted')"
+                    ).fetchone()[0]
                     conn.close()
                     if done and not pending:
                         return
                     await asyncio.to_thread(anvil.mine, 1)
                     await asyncio.sleep(0.1)
                 raise AssertionError("the backlog was not anchored")
+
         asyncio.run(run())
         assert cli(home, "audit", "verify", "--json") == 0
         report = json.loads(capsys.readouterr().out)
@@ -155,9 +161,13 @@ def test_two_writers_on_one_log_take_turns_without_a_fork(home: Paths, capsys: p
     cfg = guard_config()
     a, b = open_audit(home, cfg), open_audit(home, cfg)
     try:
+
         def rows(who: str, n: int) -> list[tuple[object, ...]]:
-            return [make_row(session_id=f"sess_{who}", agent_id=who, action="read", allowed=True, reason="ok",
-                             key=f"k{i}") for i in range(n)]
+            return [
+                make_row(session_id=f"sess_{who}", agent_id=who, action="read", allowed=True, reason="ok", key=f"k{i}")
+                for i in range(n)
+            ]
+
         for n in (1, 3, 1, 2, 5):
             for log in (a, b, a):
                 if n == 1:  # through the group-commit writer

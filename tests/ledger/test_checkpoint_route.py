@@ -40,8 +40,9 @@ def opened(home: Paths, answer: dict[str, Any]) -> Checkpoint:
 
 def consistent(old: Checkpoint, new: Checkpoint, consistency: dict[str, Any]) -> None:
     assert (consistency["old_size"], consistency["new_size"]) == (old.size, new.size)
-    merkle.verify_consistency(old.size, new.size, old.root, new.root,
-                              [base64.b64decode(h) for h in consistency["path"]])
+    merkle.verify_consistency(
+        old.size, new.size, old.root, new.root, [base64.b64decode(h) for h in consistency["path"]]
+    )
 
 
 async def test_through_the_gateway(home: Paths) -> None:
@@ -49,6 +50,7 @@ async def test_through_the_gateway(home: Paths) -> None:
         a = app.agent("agent_a")
         ga = await app.grant(a, read=READ)
         async with agent_session(a, home) as sa:
+
             async def get(path: str, token: str | None = ga["token"]) -> tuple[int, Any]:
                 status, body, _ = await agent_call(sa, app.base, path, token=token, agent_id=a.agent_id)
                 return status, body
@@ -110,8 +112,7 @@ async def test_through_the_gateway(home: Paths) -> None:
 
 async def test_on_the_local_profile_listener(home: Paths) -> None:
     seed(home)
-    async with running_guard(home, guard_config(**CFG)) as g, unix_session(home) as s, \
-            aiohttp.ClientSession() as tcp:
+    async with running_guard(home, guard_config(**CFG)) as g, unix_session(home) as s, aiohttp.ClientSession() as tcp:
         base = f"http://127.0.0.1:{g.tcp_port}"
         a = await grant(s, home, read=READ, audience=base)
         remote = await grant(s, home, read=READ, profile="remote", audience="https://localhost:9443")
@@ -119,12 +120,14 @@ async def test_on_the_local_profile_listener(home: Paths) -> None:
         assert status == 200, first
         cp1 = opened(home, first)
         assert (await call(tcp, "GET", "/v1/memory/preference.lang", token=a["token"], base=base))[0] == 200
-        status, second, _ = await call(tcp, "GET", f"/v1/audit/checkpoint?since={cp1.size}", token=a["token"],
-                                       base=base)
+        status, second, _ = await call(
+            tcp, "GET", f"/v1/audit/checkpoint?since={cp1.size}", token=a["token"], base=base
+        )
         assert status == 200
         consistent(cp1, opened(home, second), second["consistency"])
-        status, body, _ = await call(tcp, "GET", f"/v1/audit/checkpoint?since={second['tree_size'] + 5}",
-                                     token=a["token"], base=base)
+        status, body, _ = await call(
+            tcp, "GET", f"/v1/audit/checkpoint?since={second['tree_size'] + 5}", token=a["token"], base=base
+        )
         assert status == 400 and body["error"]["code"] == "AUDIT_SIZE_UNKNOWN"
         status, body, _ = await call(tcp, "GET", "/v1/audit/checkpoint", base=base)
         assert status == 401

@@ -20,10 +20,21 @@ GW_ID = re.compile(r"gw_([0-9a-f]{12})([0-9a-f]{20})")
 
 
 def _row(now: float | None = None, event_id: str | None = None) -> tuple[object, ...]:
-    return make_row(session_id="sess_ids", agent_id="agent-1", action="read", allowed=True, reason="scope matched",
-                    key="preference.theme", tags=["preference"], response_size=12, query_count_remaining=9,
-                    via="gateway:mtls:test", now=now, event_id=event_id,
-                    extra={"listener": "mtls", "client": "127.0.0.1:40001", "request_id": "req_0011223344556677"})
+    return make_row(
+        session_id="sess_ids",
+        agent_id="agent-1",
+        action="read",
+        allowed=True,
+        reason="scope matched",
+        key="preference.theme",
+        tags=["preference"],
+        response_size=12,
+        query_count_remaining=9,
+        via="gateway:mtls:test",
+        now=now,
+        event_id=event_id,
+        extra={"listener": "mtls", "client": "127.0.0.1:40001", "request_id": "req_0011223344556677"},
+    )
 
 
 def test_a_log_id_is_the_events_millisecond_then_64_random_bits() -> None:
@@ -97,10 +108,11 @@ def _index_pages_of_one_commit(db: Path, rows: list[tuple[object, ...]]) -> int:
     finally:
         log.close()
     data = Path(str(db) + "-wal").read_bytes()
-    pages = {struct.unpack(">I", data[off:off + 4])[0] for off in range(32, len(data) - 23, 24 + 4096)}
+    pages = {struct.unpack(">I", data[off : off + 4])[0] for off in range(32, len(data) - 23, 24 + 4096)}
     with sqlite3.connect(db) as conn:
-        index = {p for (p,) in conn.execute(
-            "SELECT pageno FROM dbstat WHERE name = 'sqlite_autoindex_ledger_events_1'")}
+        index = {
+            p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'sqlite_autoindex_ledger_events_1'")
+        }
     return len(pages & index)
 
 

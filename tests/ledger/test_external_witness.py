@@ -53,7 +53,7 @@ def _cosignature(note: str) -> tuple[str, bytes]:
     """The last signature line: (signer name, decoded blob)."""
     line = note.rstrip("\n").split("\n")[-1]
     assert line.startswith(SIG_PREFIX)
-    name, b64 = line[len(SIG_PREFIX):].split(" ")
+    name, b64 = line[len(SIG_PREFIX) :].split(" ")
     return name, base64.b64decode(b64)
 
 
@@ -140,8 +140,7 @@ def test_a_forked_log_under_the_same_key_is_refused(home: Paths, wdir: Path, tmp
     assert _witness(home, wdir)[0].returncode == 0  # the honest log is still up to date
 
 
-def test_verify_with_the_witness_dir_catches_a_rollback_that_took_the_witness_record(home: Paths,
-                                                                                     wdir: Path) -> None:
+def test_verify_with_the_witness_dir_catches_a_rollback_that_took_the_witness_record(home: Paths, wdir: Path) -> None:
     _fill(home, 200)
     _fill(home, 100)
     assert _witness(home, wdir)[0].returncode == 0
@@ -194,10 +193,12 @@ def _forged_checkpoint(wdir: Path, tmp_path: Path, home: Paths) -> None:
     (wdir / cosign.CHECKPOINT_FILE).write_text("\n".join(lines))
 
 
-@pytest.mark.parametrize("tamper", [_tamper_cosignature, _backdate_cosignature, _swap_key, _swap_vkey_only,
-                                    _forged_checkpoint])
-def test_a_tampered_cosignature_or_another_witness_key_is_never_trusted(home: Paths, wdir: Path, tmp_path: Path,
-                                                                        tamper: Any) -> None:
+@pytest.mark.parametrize(
+    "tamper", [_tamper_cosignature, _backdate_cosignature, _swap_key, _swap_vkey_only, _forged_checkpoint]
+)
+def test_a_tampered_cosignature_or_another_witness_key_is_never_trusted(
+    home: Paths, wdir: Path, tmp_path: Path, tamper: Any
+) -> None:
     _fill(home, 200)
     assert _witness(home, wdir)[0].returncode == 0
     assert _verify(home, "--witness-dir", str(wdir))["ok"]

@@ -20,8 +20,12 @@ def _fill(paths: Paths, n: int) -> None:
     log = open_audit(paths, guard_config(audit_checkpoint_events=100))
     try:
         for b in range(0, n, 500):
-            log.write_now([make_row(session_id="s", agent_id="a", action="read", allowed=True, reason="ok",
-                                    key=f"k.{i}") for i in range(b, min(n, b + 500))])
+            log.write_now(
+                [
+                    make_row(session_id="s", agent_id="a", action="read", allowed=True, reason="ok", key=f"k.{i}")
+                    for i in range(b, min(n, b + 500))
+                ]
+            )
     finally:
         log.close()
 
@@ -64,17 +68,24 @@ def test_a_trusted_checkpoint_from_elsewhere_catches_a_rollback_and_a_fork(home:
     key = auditkey.load(home)
     origin = auditkey.origin_for(key.public_key())
     with sqlite3.connect(home.audit_db, isolation_level=None) as conn:
-        root200 = merkle.root(lambda lv, i: bytes(conn.execute(
-            "SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (lv, i)).fetchone()[0]), 200)
-        good = verify_log(conn, origin=origin, public_key=key.public_key(),
-                          trusted=[TrustedCheckpoint(200, root200, "the anchor")])
+        root200 = merkle.root(
+            lambda lv, i: bytes(
+                conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (lv, i)).fetchone()[0]
+            ),
+            200,
+        )
+        good = verify_log(
+            conn, origin=origin, public_key=key.public_key(), trusted=[TrustedCheckpoint(200, root200, "the anchor")]
+        )
         assert good.ok
-        ahead = verify_log(conn, origin=origin, public_key=key.public_key(),
-                           trusted=[TrustedCheckpoint(400, root200, "the anchor")])
+        ahead = verify_log(
+            conn, origin=origin, public_key=key.public_key(), trusted=[TrustedCheckpoint(400, root200, "the anchor")]
+        )
         assert not ahead.ok and ahead.inconsistent and ahead.first_bad_seq == 301
         assert "the anchor signed 400 events" in ahead.problems[0]
-        fork = verify_log(conn, origin=origin, public_key=key.public_key(),
-                          trusted=[TrustedCheckpoint(200, bytes(32), "the anchor")])
+        fork = verify_log(
+            conn, origin=origin, public_key=key.public_key(), trusted=[TrustedCheckpoint(200, bytes(32), "the anchor")]
+        )
         assert not fork.ok and fork.inconsistent and fork.first_bad_seq == 200
 
 
@@ -87,8 +98,11 @@ async def test_an_edited_session_column_never_hands_a_proof_or_a_listing_to_anot
 
     seed(home)
     read = {"tags": ["preference"], "keys": []}
-    async with running_guard(home, guard_config(audit_checkpoint_events=1)) as g, unix_session(home) as s, \
-            aiohttp.ClientSession() as tcp:
+    async with (
+        running_guard(home, guard_config(audit_checkpoint_events=1)) as g,
+        unix_session(home) as s,
+        aiohttp.ClientSession() as tcp,
+    ):
         base = f"http://127.0.0.1:{g.tcp_port}"
         a = await grant(s, home, read=read, audience=base)
         b = await grant(s, home, read=read, audience=base, agent_id="other")

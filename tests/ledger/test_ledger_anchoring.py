@@ -40,8 +40,19 @@ async def backend(anvil: Anvil) -> AsyncIterator[object]:
     owner = Account.create()
     anvil.fund(owner.address)
     address = await deploy(anvil.url, owner)
-    b = EvmBackend(EvmSettings(rpc_url=anvil.url, contract=address, chain_id=31337, confirmations=2,
-                               rpc_attempts=1, backoff_initial_s=0.05, backoff_max_s=0.1, rpc_timeout_s=3.0), owner)
+    b = EvmBackend(
+        EvmSettings(
+            rpc_url=anvil.url,
+            contract=address,
+            chain_id=31337,
+            confirmations=2,
+            rpc_attempts=1,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.1,
+            rpc_timeout_s=3.0,
+        ),
+        owner,
+    )
     yield b
     await b.close()
 
@@ -54,8 +65,12 @@ def _log(path: Path) -> EventLog:
 
 def _append(log: EventLog, n: int, start: int, now: float) -> str:
     log.conn.execute("BEGIN IMMEDIATE")
-    log.append([{"id": f"evt_{i}", "ts": now, "action": "read", "session_id": "sess_a", "allowed": True}
-                for i in range(start, start + n)])
+    log.append(
+        [
+            {"id": f"evt_{i}", "ts": now, "action": "read", "session_id": "sess_a", "allowed": True}
+            for i in range(start, start + n)
+        ]
+    )
     note = log.checkpoint(now=now)
     log.conn.execute("COMMIT")
     assert note is not None
@@ -101,8 +116,14 @@ async def test_rpc_down_backlog_catches_up(tmp_path: Path, anvil: Anvil, backend
     assert log.conn.execute("SELECT attempts FROM ledger_anchors WHERE size = 7").fetchone()[0] >= 1
     anvil.start()
     await _drain(anchorer, anvil, log.conn, 7)
-    assert backlog(log.conn)["counts"] == {"queued": 0, "submitted": 0, "confirmed": 2, "rejected": 0,
-                                           "superseded": 0, "failed": 0}
+    assert backlog(log.conn)["counts"] == {
+        "queued": 0,
+        "submitted": 0,
+        "confirmed": 2,
+        "rejected": 0,
+        "superseded": 0,
+        "failed": 0,
+    }
     await anchorer.stop()
 
 

@@ -26,8 +26,17 @@ def _conn(path: Path) -> sqlite3.Connection:
 
 
 def _event(i: int, **extra: object) -> dict[str, object]:
-    return {"id": f"evt_{i:04d}", "ts": 1_790_000_000 + i, "action": "read", "session_id": f"sess_{i % 3}",
-            "agent_id": "agent_a", "allowed": i % 4 != 0, "reason": "granted", "key": f"k{i}", **extra}
+    return {
+        "id": f"evt_{i:04d}",
+        "ts": 1_790_000_000 + i,
+        "action": "read",
+        "session_id": f"sess_{i % 3}",
+        "agent_id": "agent_a",
+        "allowed": i % 4 != 0,
+        "reason": "granted",
+        "key": f"k{i}",
+        **extra,
+    }
 
 
 def build(path: Path, n: int = 40, every: int = 10) -> EventLog:
@@ -110,21 +119,25 @@ def _sql(*stmts: str) -> Callable[[sqlite3.Connection], None]:
     def run(conn: sqlite3.Connection) -> None:
         for s in stmts:
             conn.execute(s)
+
     return run
 
 
-def _edit_body(seq: int, field: str, value: object, *, fix_leaf: bool = False,
-               fix_node: bool = False) -> Callable[[sqlite3.Connection], None]:
+def _edit_body(
+    seq: int, field: str, value: object, *, fix_leaf: bool = False, fix_node: bool = False
+) -> Callable[[sqlite3.Connection], None]:
     def run(conn: sqlite3.Connection) -> None:
         body = json.loads(conn.execute("SELECT body FROM ledger_events WHERE seq = ?", (seq,)).fetchone()[0])
         body[field] = value
         from gateway.ledger.log import event_leaf
+
         raw, leaf = event_leaf(body)
         conn.execute("UPDATE ledger_events SET body = ? WHERE seq = ?", (raw.decode(), seq))
         if fix_leaf:
             conn.execute("UPDATE ledger_events SET leaf = ? WHERE seq = ?", (leaf, seq))
         if fix_node:
             conn.execute("UPDATE merkle_nodes SET hash = ? WHERE level = 0 AND idx = ?", (leaf, seq - 1))
+
     return run
 
 
@@ -134,6 +147,7 @@ def _swap(a: int, b: int) -> Callable[[sqlite3.Connection], None]:
         rb = conn.execute("SELECT body, leaf FROM ledger_events WHERE seq = ?", (b,)).fetchone()
         conn.execute("UPDATE ledger_events SET body = ?, leaf = ? WHERE seq = ?", (rb[0], rb[1], a))
         conn.execute("UPDATE ledger_events SET body = ?, leaf = ? WHERE seq = ?", (ra[0], ra[1], b))
+
     return run
 
 
@@ -143,10 +157,14 @@ def _insert_after(seq: int) -> Callable[[sqlite3.Connection], None]:
         conn.execute("UPDATE ledger_events SET seq = -seq WHERE seq > ?", (seq,))
         conn.execute("UPDATE ledger_events SET seq = -seq + 1 WHERE seq < 0")
         from gateway.ledger.log import event_leaf
+
         body = {**_event(500), "seq": seq + 1}
         raw, leaf = event_leaf(body)
-        conn.execute("INSERT INTO ledger_events (seq, id, ts, action, body, leaf) VALUES (?, ?, ?, ?, ?, ?)",
-                     (seq + 1, "evt_forged", 1.0, "read", raw.decode(), leaf))
+        conn.execute(
+            "INSERT INTO ledger_events (seq, id, ts, action, body, leaf) VALUES (?, ?, ?, ?, ?, ?)",
+            (seq + 1, "evt_forged", 1.0, "read", raw.decode(), leaf),
+        )
+
     return run
 
 
@@ -157,17 +175,23 @@ TAMPERING = [
     pytest.param(_sql("DELETE FROM ledger_events WHERE seq = 22"), 22, id="deleted-event"),
     pytest.param(_swap(5, 6), 5, id="reordered"),
     pytest.param(_insert_after(30), 31, id="inserted-event"),
-    pytest.param(_sql("DELETE FROM ledger_events WHERE seq > 35",
-                      "DELETE FROM merkle_nodes WHERE idx >= 35 AND level = 0"),
-                 36, id="truncated-tail"),
-    pytest.param(_sql("UPDATE ledger_checkpoints SET note = replace(note, 'timestamp', 'timestamq') WHERE size = 30"),
-                 21, id="checkpoint-edited"),
+    pytest.param(
+        _sql("DELETE FROM ledger_events WHERE seq > 35", "DELETE FROM merkle_nodes WHERE idx >= 35 AND level = 0"),
+        36,
+        id="truncated-tail",
+    ),
+    pytest.param(
+        _sql("UPDATE ledger_checkpoints SET note = replace(note, 'timestamp', 'timestamq') WHERE size = 30"),
+        21,
+        id="checkpoint-edited",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("tamper", "first_bad"), TAMPERING)
-def test_tampering_is_found_with_its_first_bad_sequence(tmp_path: Path, tamper: Callable[[sqlite3.Connection], None],
-                                                        first_bad: int) -> None:
+def test_tampering_is_found_with_its_first_bad_sequence(
+    tmp_path: Path, tamper: Callable[[sqlite3.Connection], None], first_bad: int
+) -> None:
     log = build(tmp_path / "a.db")
     tamper(log.conn)
     report = verify_log(log.conn, origin=ORIGIN, public_key=KEY.public_key())

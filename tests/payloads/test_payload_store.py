@@ -17,12 +17,13 @@ from gateway.payloads.store import Limits, PayloadError, PayloadStore, new_paylo
 ENC = {"algorithm": "HPKE-X25519-SHA256-AES256GCM-STREAM64K", "sender_public_key": "AA==", "nonce": "AA=="}
 
 
-def _upload(store: PayloadStore, data: bytes, *, session: str = "sess_a", pid: str | None = None,
-            declared: str | None = "auto") -> str:
+def _upload(
+    store: PayloadStore, data: bytes, *, session: str = "sess_a", pid: str | None = None, declared: str | None = "auto"
+) -> str:
     pid = pid or new_payload_id()
     up = store.begin(payload_id=pid, session_id=session, agent_id="agent_a", format="text/plain", encryption=ENC)
     for i in range(0, len(data), 1000):
-        up.write(data[i:i + 1000])
+        up.write(data[i : i + 1000])
     digest = "sha256:" + hashlib.sha256(data).hexdigest() if declared == "auto" else declared
     up.commit(declared_hash=digest, declared_size=len(data))
     return pid
@@ -44,9 +45,13 @@ def test_round_trip_and_listing(tmp_path: Path) -> None:
     assert e.value.code == "NOT_FOUND"
 
 
-@pytest.mark.parametrize(("declared", "code"), [
-    ("sha256:" + "0" * 64, "PAYLOAD_HASH_MISMATCH"),
-], ids=["hash-mismatch"])
+@pytest.mark.parametrize(
+    ("declared", "code"),
+    [
+        ("sha256:" + "0" * 64, "PAYLOAD_HASH_MISMATCH"),
+    ],
+    ids=["hash-mismatch"],
+)
 def test_refused_commits_leave_nothing(tmp_path: Path, declared: str, code: str) -> None:
     store = PayloadStore.open(tmp_path / "p")
     with pytest.raises(PayloadError) as e:
@@ -145,8 +150,9 @@ def test_upload_urls_are_single_use_bounded_and_expire(tmp_path: Path) -> None:
 @contextlib.contextmanager
 def small_fs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                       capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True
+    )
     if r.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root): " + r.stderr.decode()[:100])
     try:
@@ -176,8 +182,12 @@ def test_a_pending_row_is_invisible_until_published_and_survives_recovery(tmp_pa
     pid = new_payload_id()
     up = store.begin(payload_id=pid, session_id="sess_a", agent_id="agent_a", format="text/plain", encryption=ENC)
     up.write(b"sealed")
-    meta = up.commit(declared_hash="sha256:" + hashlib.sha256(b"sealed").hexdigest(), declared_size=6,
-                     event_id="gw_" + "0" * 32, origin={"X-UOMP-Verified-Listener": "mtls"})
+    meta = up.commit(
+        declared_hash="sha256:" + hashlib.sha256(b"sealed").hexdigest(),
+        declared_size=6,
+        event_id="gw_" + "0" * 32,
+        origin={"X-UOMP-Verified-Listener": "mtls"},
+    )
     assert meta.state == "pending" and meta.event_id == "gw_" + "0" * 32
     with pytest.raises(PayloadError) as e:
         store.get(pid)
@@ -193,10 +203,16 @@ def test_a_pending_row_is_invisible_until_published_and_survives_recovery(tmp_pa
     store = PayloadStore.open(tmp_path / "p")  # a restart keeps it (complete and checked), still pending
     found = store.find(pid)
     assert found is not None and found.state == "pending" and found.origin == {"X-UOMP-Verified-Listener": "mtls"}
-    assert found.same_upload(session_id="sess_a", agent_id="agent_a", format="text/plain", size=6,
-                             digest="sha256:" + hashlib.sha256(b"sealed").hexdigest())
-    assert not found.same_upload(session_id="sess_a", agent_id="agent_a", format="text/plain", size=6,
-                                 digest="sha256:" + "0" * 64)
+    assert found.same_upload(
+        session_id="sess_a",
+        agent_id="agent_a",
+        format="text/plain",
+        size=6,
+        digest="sha256:" + hashlib.sha256(b"sealed").hexdigest(),
+    )
+    assert not found.same_upload(
+        session_id="sess_a", agent_id="agent_a", format="text/plain", size=6, digest="sha256:" + "0" * 64
+    )
     assert store.publish(pid).state == "stored" and store.publish(pid).state == "stored"  # idempotent
     assert [m.payload_id for m in store.list()] == [pid] and store.pending() == []
     assert store.get(pid).opened_at is None
@@ -208,11 +224,14 @@ def test_an_index_from_before_pending_rows_is_migrated(tmp_path: Path) -> None:
     import sqlite3
 
     conn = sqlite3.connect(root / "index.db")
-    conn.executescript("CREATE TABLE payloads (payload_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, agent_id TEXT"
-                       " NOT NULL, format TEXT NOT NULL, size INTEGER NOT NULL, hash TEXT NOT NULL, encryption TEXT"
-                       " NOT NULL, created_at REAL NOT NULL, expires_at REAL NOT NULL, opened_at REAL);"
-                       "INSERT INTO payloads VALUES ('pay_oldoldold1', 's', 'a', 'text/plain', 3, 'sha256:"
-                       + "1" * 64 + "', '{}', 1.0, 9e12, NULL);")
+    conn.executescript(
+        "CREATE TABLE payloads (payload_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, agent_id TEXT"
+        " NOT NULL, format TEXT NOT NULL, size INTEGER NOT NULL, hash TEXT NOT NULL, encryption TEXT"
+        " NOT NULL, created_at REAL NOT NULL, expires_at REAL NOT NULL, opened_at REAL);"
+        "INSERT INTO payloads VALUES ('pay_oldoldold1', 's', 'a', 'text/plain', 3, 'sha256:"
+        + "1" * 64
+        + "', '{}', 1.0, 9e12, NULL);"
+    )
     conn.commit()
     conn.close()
     (root / "blobs").mkdir(mode=0o700)

@@ -38,8 +38,10 @@ pytestmark = pytest.mark.timeout(120)
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 MARK = b"PLAINTEXT-MARKER-5c1e9d"
 PLAIN = (MARK + b" quarterly figures " + b"." * 4000 + b"\n") * 1500  # ~6 MB, the marker in every 4 KB
-FALLBACK = ("import sys; import gateway.payloads.pulltemp as t; t.ANONYMOUS = False; "
-            "from gateway.cli.main import main; sys.exit(main(sys.argv[1:]))")
+FALLBACK = (
+    "import sys; import gateway.payloads.pulltemp as t; t.ANONYMOUS = False; "
+    "from gateway.cli.main import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 def _env(fault: str | None = None, arm: Path | None = None) -> dict[str, str]:
@@ -78,12 +80,12 @@ def store_payload(paths: Paths, data: bytes = PLAIN, *, recipient: Any = None) -
     """A sealed payload in the relay's store, as an upload leaves it."""
     pub = recipient or envelope.parse_public_key(userkey.public_b64(paths))
     pid = sdk_payloads.new_payload_id()
-    enc, sealed = sealing.seal_bytes(pub, sealing.Binding(pid, "sess_pullcrash1", "calendar_agent", "text/plain"),
-                                     data)
+    enc, sealed = sealing.seal_bytes(pub, sealing.Binding(pid, "sess_pullcrash1", "calendar_agent", "text/plain"), data)
     store = PayloadStore.open(paths.payload_dir)
     try:
-        up = store.begin(payload_id=pid, session_id="sess_pullcrash1", agent_id="calendar_agent",
-                         format="text/plain", encryption=enc)
+        up = store.begin(
+            payload_id=pid, session_id="sess_pullcrash1", agent_id="calendar_agent", format="text/plain", encryption=enc
+        )
         up.write(sealed)
         up.commit(declared_hash="sha256:" + hashlib.sha256(sealed).hexdigest(), declared_size=len(sealed))
     finally:
@@ -106,8 +108,16 @@ class Guard:
 
     async def start(self, env: dict[str, str] | None = None) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            *UOMP, "--home", str(self.paths.home), "guard", "serve", "--no-tcp", stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, env=env or _env())
+            *UOMP,
+            "--home",
+            str(self.paths.home),
+            "guard",
+            "serve",
+            "--no-tcp",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            env=env or _env(),
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError, aiohttp.ClientError):
@@ -147,12 +157,24 @@ async def guard(home: Paths) -> AsyncIterator[Guard]:
         await g.stop()
 
 
-async def pull(paths: Paths, pid: str, out: Path, *extra: str, env: dict[str, str] | None = None,
-               fallback: bool = False) -> asyncio.subprocess.Process:
+async def pull(
+    paths: Paths, pid: str, out: Path, *extra: str, env: dict[str, str] | None = None, fallback: bool = False
+) -> asyncio.subprocess.Process:
     head = [sys.executable, "-c", FALLBACK] if fallback else UOMP
-    return await asyncio.create_subprocess_exec(*head, "--home", str(paths.home), "payload", "pull", pid, "--out",
-                                                str(out), *extra, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, env=env or _env())
+    return await asyncio.create_subprocess_exec(
+        *head,
+        "--home",
+        str(paths.home),
+        "payload",
+        "pull",
+        pid,
+        "--out",
+        str(out),
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env or _env(),
+    )
 
 
 async def pull_done(paths: Paths, pid: str, out: Path, *extra: str) -> tuple[int, str]:
@@ -164,14 +186,17 @@ async def pull_done(paths: Paths, pid: str, out: Path, *extra: str) -> tuple[int
 
 def _part_in(directory: Path) -> bool:
     """A named temporary plaintext file of at least 1 MiB beside --out (how an older pull kept it)."""
-    return any(p.name.endswith(".part") and p.stat().st_size >= 1 << 20 for p in directory.iterdir()
-               if p.is_file())
+    return any(p.name.endswith(".part") and p.stat().st_size >= 1 << 20 for p in directory.iterdir() if p.is_file())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
-                         ids=["SIGKILL", "SIGTERM", "SIGINT", "SIGHUP"])
-async def test_pull_ended_mid_decrypt_leaves_no_plaintext_and_the_retry_works(home: Paths, tmp_path: Path,
-                                                                              sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+    ids=["SIGKILL", "SIGTERM", "SIGINT", "SIGHUP"],
+)
+async def test_pull_ended_mid_decrypt_leaves_no_plaintext_and_the_retry_works(
+    home: Paths, tmp_path: Path, sig: signal.Signals
+) -> None:
     out_dir = tmp_path / "reports"
     out_dir.mkdir()
     out = out_dir / "report.md"
@@ -180,8 +205,9 @@ async def test_pull_ended_mid_decrypt_leaves_no_plaintext_and_the_retry_works(ho
         pid = store_payload(home)
         proc = await pull(home, pid, out, env=_env("pull_mid_decrypt", arm))
         held = Path(str(arm) + ".held")
-        await _wait(lambda: held.exists() or _part_in(out_dir) or proc.returncode is not None,
-                    "the pull to be mid-decrypt")
+        await _wait(
+            lambda: held.exists() or _part_in(out_dir) or proc.returncode is not None, "the pull to be mid-decrypt"
+        )
         proc.send_signal(sig)
         await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode != 0
@@ -200,7 +226,8 @@ async def test_pull_ended_mid_decrypt_leaves_no_plaintext_and_the_retry_works(ho
 
 
 async def test_guard_killed_before_the_open_is_recorded_gives_no_output_and_the_retry_works(
-        home: Paths, tmp_path: Path) -> None:
+    home: Paths, tmp_path: Path
+) -> None:
     out = tmp_path / "report.md"
     arm = tmp_path / "arm"
     ca_store.init_all(home)
@@ -212,8 +239,10 @@ async def test_guard_killed_before_the_open_is_recorded_gives_no_output_and_the_
     try:
         proc = await pull(home, pid, out)
         held = Path(str(arm) + ".held")
-        await _wait(lambda: held.exists() or out.exists() or proc.returncode is not None,
-                    "the pull to ask the guard to record the opening")
+        await _wait(
+            lambda: held.exists() or out.exists() or proc.returncode is not None,
+            "the pull to ask the guard to record the opening",
+        )
         await g.kill()  # the appliance dies mid-pull
         _, err = await asyncio.wait_for(proc.communicate(), 60)
         assert not out.exists()
@@ -254,8 +283,9 @@ async def test_refusals_stay_an_existing_file_and_a_foreign_key(home: Paths, tmp
         assert [e["key"] for e in opened_events(home)] == [pid]
 
 
-async def test_named_fallback_killed_is_swept_by_the_next_pull_and_by_the_guard_start(home: Paths,
-                                                                                      tmp_path: Path) -> None:
+async def test_named_fallback_killed_is_swept_by_the_next_pull_and_by_the_guard_start(
+    home: Paths, tmp_path: Path
+) -> None:
     """Without O_TMPFILE the plaintext has a recognisable name until it is published; a SIGKILL
     leaves it, and the next pull or the guard's start-up removes it (its journal's lock is free)."""
     out = tmp_path / "report.md"

@@ -92,8 +92,17 @@ class Gateway:
             self.arm.write_text("armed")
             env.update(UOMP_FAULT=fault, UOMP_FAULT_ARM=str(self.arm))
         self.proc = await asyncio.create_subprocess_exec(
-            *UOMP, "--home", str(self.paths.home), "gateway", "serve", "--listen", f"127.0.0.1:{self.port}",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
+            *UOMP,
+            "--home",
+            str(self.paths.home),
+            "gateway",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env=env,
+        )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -128,16 +137,25 @@ async def _setup(home: Paths, tmp_path: Path) -> AsyncIterator[tuple[Gateway, ai
     async with running_guard(home, guard_config(), serve_tcp=False), unix_session(home) as admin:
         gw = Gateway(home, tmp_path / "arm")
         try:
-            yield gw, admin, KitAgent("calendar_agent", ca_store.issue_with_key(home, "calendar_agent",
-                                                                                  home.home / "agent-files"))
+            yield (
+                gw,
+                admin,
+                KitAgent("calendar_agent", ca_store.issue_with_key(home, "calendar_agent", home.home / "agent-files")),
+            )
         finally:
             await gw.stop()
 
 
 async def _grant(admin: aiohttp.ClientSession, home: Paths, agent: KitAgent, gw: Gateway) -> tuple[str, str]:
-    g = await grant(admin, home, read={"tags": ["preference"], "keys": []}, agent_id=agent.agent_id,
-                    profile="remote", audience=f"https://localhost:{gw.port}",
-                    cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt})
+    g = await grant(
+        admin,
+        home,
+        read={"tags": ["preference"], "keys": []},
+        agent_id=agent.agent_id,
+        profile="remote",
+        audience=f"https://localhost:{gw.port}",
+        cnf={"x5t#S256": agent.x5t, "jkt": agent.jkt},
+    )
     return g["token"], g["session_id"]
 
 
@@ -150,13 +168,19 @@ def _sealed(home: Paths, sid: str, aid: str, pid: str | None = None) -> tuple[di
     return doc, sealed
 
 
-async def _upload(gw: Gateway, agent: KitAgent, home: Paths, token: str, header: dict[str, Any],
-                  sealed: bytes) -> tuple[int, Any]:
-    hdrs = {"Authorization": f"Bearer {token}", "X-UOMP-Agent-Id": agent.agent_id,
-            "Content-Type": "application/octet-stream",
-            envelope.HEADER_NAME: base64.urlsafe_b64encode(json.dumps(header).encode()).rstrip(b"=").decode()}
-    async with agent_session(agent, home) as session, session.post(
-            f"https://localhost:{gw.port}/v1/payload/upload", data=sealed, headers=hdrs) as r:
+async def _upload(
+    gw: Gateway, agent: KitAgent, home: Paths, token: str, header: dict[str, Any], sealed: bytes
+) -> tuple[int, Any]:
+    hdrs = {
+        "Authorization": f"Bearer {token}",
+        "X-UOMP-Agent-Id": agent.agent_id,
+        "Content-Type": "application/octet-stream",
+        envelope.HEADER_NAME: base64.urlsafe_b64encode(json.dumps(header).encode()).rstrip(b"=").decode(),
+    }
+    async with (
+        agent_session(agent, home) as session,
+        session.post(f"https://localhost:{gw.port}/v1/payload/upload", data=sealed, headers=hdrs) as r,
+    ):
         raw = await r.read()
         return r.status, json.loads(raw)
 
@@ -181,8 +205,9 @@ POINTS = [
 
 
 @pytest.mark.parametrize(("point", "held", "kept", "refused"), POINTS)
-async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(home: Paths, tmp_path: Path, point: str,
-                                                                      held: bool, kept: bool, refused: bool) -> None:
+async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(
+    home: Paths, tmp_path: Path, point: str, held: bool, kept: bool, refused: bool
+) -> None:
     async with _setup(home, tmp_path) as (gw, admin, agent):
         token, sid = await _grant(admin, home, agent, gw)
         header, sealed = _sealed(home, sid, agent.agent_id)
@@ -196,8 +221,9 @@ async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(home: Path
             await gw.kill()
             marker.unlink()
         else:
-            await _wait(lambda: gw.proc is not None and gw.proc.returncode is not None, f"the gateway to die at "
-                        f"{point}")
+            await _wait(
+                lambda: gw.proc is not None and gw.proc.returncode is not None, f"the gateway to die at {point}"
+            )
             await gw.kill()
         with pytest.raises(aiohttp.ClientError):
             await task  # the agent got no answer
@@ -216,7 +242,8 @@ async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(home: Path
         assert [e["key"] for e in _events(home, "payload_uploaded")] == ([pid] if kept else [])
         # what the start-up removed is in the audit log: the upload, whose session and agent
         assert [(e["key"], e["session_id"], e["detail"]) for e in _events(home, "payload_refused")] == (
-            [(pid, sid, "STORE_UNAVAILABLE")] if refused else [])
+            [(pid, sid, "STORE_UNAVAILABLE")] if refused else []
+        )
 
         # the agent sends the same upload again (twice): one payload, one payload_uploaded event
         for _ in range(2):
@@ -236,9 +263,17 @@ async def test_kill_9_at_each_upload_step_gives_one_event_per_payload(home: Path
 
 
 async def _guard_process(home: Paths, env: dict[str, str]) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(*UOMP, "--home", str(home.home), "guard", "serve", "--no-tcp",
-                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-                                                env=env)
+    proc = await asyncio.create_subprocess_exec(
+        *UOMP,
+        "--home",
+        str(home.home),
+        "guard",
+        "serve",
+        "--no-tcp",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        env=env,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, aiohttp.ClientError):
@@ -259,8 +294,9 @@ async def test_guard_killed_after_the_event_before_its_answer(home: Paths, tmp_p
     arm = tmp_path / "guard-arm"
     arm.write_text("armed")
     base_env = {k: v for k, v in os.environ.items() if k not in ("UOMP_FAULT", "UOMP_FAULT_ARM")}
-    guard = await _guard_process(home, {**base_env, "UOMP_FAULT": "payload_uploaded_recorded",
-                                        "UOMP_FAULT_ARM": str(arm)})
+    guard = await _guard_process(
+        home, {**base_env, "UOMP_FAULT": "payload_uploaded_recorded", "UOMP_FAULT_ARM": str(arm)}
+    )
     gw = Gateway(home, tmp_path / "arm")
     try:
         await gw.start()

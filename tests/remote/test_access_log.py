@@ -29,8 +29,15 @@ from gateway.remote.access_log import (
 
 
 def ev(i: int, **extra: Any) -> dict[str, Any]:
-    return {"session_id": f"sess_{i % 7}", "agent_id": "agent-a", "endpoint": "/v1/memory/x",
-            "allowed": i % 3 != 0, "status": 200, "n": i, **extra}
+    return {
+        "session_id": f"sess_{i % 7}",
+        "agent_id": "agent-a",
+        "endpoint": "/v1/memory/x",
+        "allowed": i % 3 != 0,
+        "status": 200,
+        "n": i,
+        **extra,
+    }
 
 
 @pytest.fixture
@@ -282,8 +289,7 @@ async def test_concurrent_appends_and_flushes(logpath: Path) -> None:
     log.close()
     assert verify_chain(logpath) == 1000
     recs = [json.loads(x) for x in lines(logpath)]
-    assert sorted((r["worker"], r["n"]) for r in recs) == sorted((w, w * 100 + j)
-                                                                 for w in range(50) for j in range(20))
+    assert sorted((r["worker"], r["n"]) for r in recs) == sorted((w, w * 100 + j) for w in range(50) for j in range(20))
 
 
 async def test_flush_means_durable(logpath: Path) -> None:
@@ -610,9 +616,18 @@ def test_crash_between_index_line_and_rename_is_finished_on_open(logpath: Path) 
         first = log.read(limit=1)[0]
         last_line = log.read_raw(after_seq=9, limit=1)[0]
     # the index line of a rotation is durable, the rename did not happen (killed in between)
-    al._append_index(logpath.parent / "access.index.jsonl", {
-        "file": "access-000000000001.jsonl", "first_seq": 1, "last_seq": 10, "first_prev": first["prev"],
-        "last_hash": al.line_hash(last_line), "bytes": logpath.stat().st_size, "closed": 1.0})
+    al._append_index(
+        logpath.parent / "access.index.jsonl",
+        {
+            "file": "access-000000000001.jsonl",
+            "first_seq": 1,
+            "last_seq": 10,
+            "first_prev": first["prev"],
+            "last_hash": al.line_hash(last_line),
+            "bytes": logpath.stat().st_size,
+            "closed": 1.0,
+        },
+    )
     with AccessLog(logpath) as log:
         assert (logpath.parent / "access-000000000001.jsonl").exists()
         assert log.last_seq == 10

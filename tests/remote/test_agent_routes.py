@@ -27,8 +27,9 @@ def agent_key(agent: Agent) -> Any:
 
 
 async def refresh(s: aiohttp.ClientSession, app: Appliance, agent: Agent, sid: str, rt: str) -> tuple[int, Any]:
-    status, body, _ = await agent_call(s, app.base, f"/v1/sessions/{sid}/refresh", token=rt, agent_id=agent.agent_id,
-                                       method="POST")
+    status, body, _ = await agent_call(
+        s, app.base, f"/v1/sessions/{sid}/refresh", token=rt, agent_id=agent.agent_id, method="POST"
+    )
     return status, body
 
 
@@ -180,12 +181,18 @@ async def test_revoked_session_kills_refresh(home: Paths) -> None:
 async def test_certificate_renewal_over_mtls(home: Paths) -> None:
     async with appliance(home) as app:
         # renewal opens in the last third of a certificate's life: one hour, 50 minutes old
-        files = ca_store.issue_with_key(home, "agent_a", home.home / "agents-test" / "agent_a", dt.timedelta(hours=1),
-                                        now=ca.utcnow() - dt.timedelta(minutes=50))
+        files = ca_store.issue_with_key(
+            home,
+            "agent_a",
+            home.home / "agents-test" / "agent_a",
+            dt.timedelta(hours=1),
+            now=ca.utcnow() - dt.timedelta(minutes=50),
+        )
         a = Agent("agent_a", files)
         async with agent_session(a, home) as s:
-            status, body, _ = await agent_call(s, app.base, "/v1/certificates/renew", token=None, agent_id=None,
-                                               method="POST", json_body={})
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/certificates/renew", token=None, agent_id=None, method="POST", json_body={}
+            )
         assert status == 200, body
         new = x509.load_pem_x509_certificate(body["certificate"].encode())
         old = x509.load_pem_x509_certificate(a.files.cert_file.read_bytes())
@@ -194,20 +201,31 @@ async def test_certificate_renewal_over_mtls(home: Paths) -> None:
         assert new.public_key().public_bytes(*spki) == old.public_key().public_bytes(*spki)  # same key
         # without a client certificate: refused
         async with agent_session(None, home) as s:
-            status, body, _ = await agent_call(s, app.base, "/v1/certificates/renew", token=None, agent_id=None,
-                                               method="POST", json_body={})
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/certificates/renew", token=None, agent_id=None, method="POST", json_body={}
+            )
         assert status == 401 and body["error"]["code"] == "CERT_REQUIRED"
 
 
-async def _tunnel_call(app: Appliance, method: str, path: str, *, token: str | None, agent: str,
-                       proof: str | None, host: str = "tunnel.example") -> tuple[int, Any]:
+async def _tunnel_call(
+    app: Appliance,
+    method: str,
+    path: str,
+    *,
+    token: str | None,
+    agent: str,
+    proof: str | None,
+    host: str = "tunnel.example",
+) -> tuple[int, Any]:
     hdrs = {"Host": host, "X-UOMP-Agent-Id": agent}
     if token:
         hdrs["Authorization"] = f"DPoP {token}"
     if proof:
         hdrs["DPoP"] = proof
-    async with aiohttp.ClientSession() as s, s.request(
-            method, f"http://127.0.0.1:{app.gateway.tunnel_port}{path}", headers=hdrs) as resp:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, f"http://127.0.0.1:{app.gateway.tunnel_port}{path}", headers=hdrs) as resp,
+    ):
         return resp.status, await resp.json(content_type=None)
 
 
@@ -219,43 +237,59 @@ async def test_dpop_tunnel_listener(home: Paths) -> None:
         url = TUNNEL + "/v1/memory/preference.theme"
         now = time.time()
         proof = dpop.make_dpop_proof(key, method="GET", url=url, access_token=g["token"], now=now)
-        status, body = await _tunnel_call(app, "GET", "/v1/memory/preference.theme", token=g["token"],
-                                          agent="agent_a", proof=proof)
+        status, body = await _tunnel_call(
+            app, "GET", "/v1/memory/preference.theme", token=g["token"], agent="agent_a", proof=proof
+        )
         assert status == 200 and body["value"] == "dark"
         other_key = agent_key(app.agent("agent_b"))
         rows = [
             ("replayed proof", proof, "DPOP_INVALID"),
             ("no proof", None, "DPOP_INVALID"),
-            ("other url", dpop.make_dpop_proof(key, method="GET", url=TUNNEL + "/v1/audit", access_token=g["token"],
-                                               now=now), "DPOP_INVALID"),
-            ("other method", dpop.make_dpop_proof(key, method="POST", url=url, access_token=g["token"], now=now),
-             "DPOP_INVALID"),
-            ("other key", dpop.make_dpop_proof(other_key, method="GET", url=url, access_token=g["token"], now=now),
-             "DPOP_INVALID"),
+            (
+                "other url",
+                dpop.make_dpop_proof(key, method="GET", url=TUNNEL + "/v1/audit", access_token=g["token"], now=now),
+                "DPOP_INVALID",
+            ),
+            (
+                "other method",
+                dpop.make_dpop_proof(key, method="POST", url=url, access_token=g["token"], now=now),
+                "DPOP_INVALID",
+            ),
+            (
+                "other key",
+                dpop.make_dpop_proof(other_key, method="GET", url=url, access_token=g["token"], now=now),
+                "DPOP_INVALID",
+            ),
         ]
         for name, p, code in rows:
-            status, body = await _tunnel_call(app, "GET", "/v1/memory/preference.theme", token=g["token"],
-                                              agent="agent_a", proof=p)
+            status, body = await _tunnel_call(
+                app, "GET", "/v1/memory/preference.theme", token=g["token"], agent="agent_a", proof=p
+            )
             assert (status, body["error"]["code"]) == (401, code), name
         # an unknown host on the tunnel listener
-        p = dpop.make_dpop_proof(key, method="GET", url="https://evil.example/v1/memory/preference.theme",
-                                 access_token=g["token"], now=now)
-        status, body = await _tunnel_call(app, "GET", "/v1/memory/preference.theme", token=g["token"],
-                                          agent="agent_a", proof=p, host="evil.example")
+        p = dpop.make_dpop_proof(
+            key, method="GET", url="https://evil.example/v1/memory/preference.theme", access_token=g["token"], now=now
+        )
+        status, body = await _tunnel_call(
+            app, "GET", "/v1/memory/preference.theme", token=g["token"], agent="agent_a", proof=p, host="evil.example"
+        )
         assert status == 401 and body["error"]["code"] == "DPOP_INVALID"
         # renewal is an mTLS-only route: it does not exist on the tunnel listener
-        status, body = await _tunnel_call(app, "POST", "/v1/certificates/renew", token=None, agent="agent_a",
-                                          proof=None)
+        status, body = await _tunnel_call(
+            app, "POST", "/v1/certificates/renew", token=None, agent="agent_a", proof=None
+        )
         assert status == 404 and body["error"]["code"] == "NOT_FOUND"
         # refresh over the tunnel with DPoP
         rurl = f"{TUNNEL}/v1/sessions/{g['session_id']}/refresh"
         p = dpop.make_dpop_proof(key, method="POST", url=rurl, access_token=g["refresh_token"], now=time.time())
-        status, body = await _tunnel_call(app, "POST", f"/v1/sessions/{g['session_id']}/refresh",
-                                          token=g["refresh_token"], agent="agent_a", proof=p)
+        status, body = await _tunnel_call(
+            app, "POST", f"/v1/sessions/{g['session_id']}/refresh", token=g["refresh_token"], agent="agent_a", proof=p
+        )
         assert status == 200 and body["refresh_token"] != g["refresh_token"]
         # a token not bound to a DPoP key is useless through the tunnel
         unbound = await app.grant(a, audience=TUNNEL, bind=False)
         p = dpop.make_dpop_proof(key, method="GET", url=url, access_token=unbound["token"], now=time.time())
-        status, body = await _tunnel_call(app, "GET", "/v1/memory/preference.theme", token=unbound["token"],
-                                          agent="agent_a", proof=p)
+        status, body = await _tunnel_call(
+            app, "GET", "/v1/memory/preference.theme", token=unbound["token"], agent="agent_a", proof=p
+        )
         assert status == 401 and body["error"]["code"] == "TOKEN_BINDING_MISMATCH"

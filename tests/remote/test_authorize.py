@@ -22,10 +22,15 @@ from gateway.core import deletion, jose, manifest, tokens
 MANIFEST: dict[str, Any] = {
     "uomp_version": "1.0",
     "agent": {"id": "calendar_agent", "name": "Calendar Assistant", "version": "1.2.0", "publisher": "example-org"},
-    "requested_scopes": {"read": {"tags": ["preference"], "keys": [], "description": "your preferences"},
-                         "write": {"tags": [], "keys": []}},
-    "data_retention_policy": {"max_retention_seconds": 300, "deletion_method": "process_termination",
-                              "proof_required": True},
+    "requested_scopes": {
+        "read": {"tags": ["preference"], "keys": [], "description": "your preferences"},
+        "write": {"tags": [], "keys": []},
+    },
+    "data_retention_policy": {
+        "max_retention_seconds": 300,
+        "deletion_method": "process_termination",
+        "proof_required": True,
+    },
 }
 
 
@@ -44,8 +49,9 @@ def cli(home: Paths, *args: str) -> int:
     return main(["--home", str(home.home), *args])
 
 
-def test_local_authorize_writes_private_env_file(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                                 ) -> None:
+def test_local_authorize_writes_private_env_file(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     agent = write_manifest(tmp_path / "agent", MANIFEST)
     env = tmp_path / "agent.env"
     assert cli(home, "authorize", str(agent), "--yes", "--env-file", str(env)) == 0
@@ -54,8 +60,9 @@ def test_local_authorize_writes_private_env_file(home: Paths, tmp_path: Path, ca
     assert stat.S_IMODE(os.stat(env).st_mode) == 0o600
     values = dict(line.split("=", 1) for line in env.read_text().splitlines())
     assert values["UOMP_BASE_URL"] == "http://127.0.0.1:9374"
-    cap = tokens.verify_token(values["UOM_TOKEN"], __import__("gateway.keys").keys.load_public_keys(home),
-                              now=time.time())
+    cap = tokens.verify_token(
+        values["UOM_TOKEN"], __import__("gateway.keys").keys.load_public_keys(home), now=time.time()
+    )
     assert cap.agent_id == "calendar_agent" and cap.read.tags == ("preference",) and cap.profile == "local"
     assert values["UOM_TOKEN"] not in out  # written to the file, not echoed
 
@@ -80,15 +87,29 @@ def test_no_guarantee_warning_and_refusals(home: Paths, tmp_path: Path, capsys: 
     assert "MANIFEST_INVALID" in err and "agent.id" in err and "uomp_version" in err
 
 
-def test_verified_identity_and_remote_bundle(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                             ) -> None:
+def test_verified_identity_and_remote_bundle(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     key = ed25519.Ed25519PrivateKey.generate()
     agent = write_manifest(tmp_path / "agent", signed_manifest(key))
     ca_store.init_all(home)
     bundle_path = tmp_path / "bundle.json"
-    assert cli(home, "authorize", str(agent), "--yes", "--remote", "--gateway-url", "https://gw.example:9443",
-               "--out", str(tmp_path / "agentfiles"), "--bundle", str(bundle_path),
-               "--trust-publisher", "Example Org") == 0
+    assert (
+        cli(
+            home,
+            "authorize",
+            str(agent),
+            "--yes",
+            "--remote",
+            "--gateway-url",
+            "https://gw.example:9443",
+            "--out",
+            str(tmp_path / "agentfiles"),
+            "--bundle",
+            str(bundle_path),
+            "--trust-publisher",
+            "Example Org",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "Publisher: Example Org (signed by did:key" in out  # verified, and trusted by the user's word
     assert stat.S_IMODE(os.stat(bundle_path).st_mode) == 0o600
@@ -120,9 +141,15 @@ async def test_deletion_proof_flow(home: Paths, tmp_path: Path) -> None:
     token = dict(line.split("=", 1) for line in env.read_text().splitlines())["UOM_TOKEN"]
     cap = tokens.jose.parse_compact(token).payload
     sid = cap["session_id"]
-    fields = {"deletion_proof_id": "del_1", "session_id": sid, "agent_id": "calendar_agent",
-              "deleted_at": tokens.iso(time.time()), "memory_hash": "sha256:" + "ab" * 32,
-              "fields_accessed": ["key", "value"], "method": "process_termination"}
+    fields = {
+        "deletion_proof_id": "del_1",
+        "session_id": sid,
+        "agent_id": "calendar_agent",
+        "deleted_at": tokens.iso(time.time()),
+        "memory_hash": "sha256:" + "ab" * 32,
+        "fields_accessed": ["key", "value"],
+        "method": "process_termination",
+    }
     async with running_guard(home), unix_session(home) as s:
         assert (await call(s, "GET", "/v1/memory/preference.theme", token=token))[0] == 200
         # refusals first: signed by another key; wrong method; another session in the body
@@ -132,8 +159,13 @@ async def test_deletion_proof_flow(home: Paths, tmp_path: Path) -> None:
         wrong = deletion.sign_deletion_proof({**fields, "method": "secure_wipe"}, key)
         status, body, _ = await call(s, "POST", f"/v1/sessions/{sid}/deletion-proof", token=token, json_body=wrong)
         assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
-        status, body, _ = await call(s, "POST", "/v1/sessions/sess_other/deletion-proof", token=token,
-                                     json_body=deletion.sign_deletion_proof(fields, key))
+        status, body, _ = await call(
+            s,
+            "POST",
+            "/v1/sessions/sess_other/deletion-proof",
+            token=token,
+            json_body=deletion.sign_deletion_proof(fields, key),
+        )
         assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
         # the good one: accepted, and task_bound closes the session
         good = deletion.sign_deletion_proof(fields, key)

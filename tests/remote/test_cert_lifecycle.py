@@ -36,15 +36,23 @@ HOUR = dt.timedelta(hours=1)
 def due_agent(app: Appliance, agent_id: str, *, sub: str | None = None, elapsed: float = 0.8) -> Agent:
     """An agent whose one-hour certificate has lived ``elapsed`` of its life (0.8: due for renewal)."""
     issued = ca.utcnow() - HOUR * elapsed
-    files = ca_store.issue_with_key(app.paths, agent_id, app.paths.home / "agents-test" / (sub or agent_id), HOUR,
-                                    now=issued)
+    files = ca_store.issue_with_key(
+        app.paths, agent_id, app.paths.home / "agents-test" / (sub or agent_id), HOUR, now=issued
+    )
     return Agent(agent_id, files)
 
 
 async def renew_call(app: Appliance, agent: Agent | None, body: Any = None) -> tuple[int, Any]:
     async with agent_session(agent, app.paths) as s:
-        status, answer, _ = await agent_call(s, app.base, "/v1/certificates/renew", token=None, agent_id=None,
-                                             method="POST", json_body=body if body is not None else {})
+        status, answer, _ = await agent_call(
+            s,
+            app.base,
+            "/v1/certificates/renew",
+            token=None,
+            agent_id=None,
+            method="POST",
+            json_body=body if body is not None else {},
+        )
     return status, answer
 
 
@@ -61,8 +69,15 @@ def as_agent(agent: Agent, pem: str, name: str) -> Agent:
     (out / "agent.key").write_bytes(agent.files.key_file.read_bytes())
     (out / "ca.crt").write_bytes(agent.files.ca_file.read_bytes())
     cert = x509.load_pem_x509_certificate(pem.encode())
-    files = ca_store.IssuedFiles(out, out / "agent.key", out / "agent.crt", out / "ca.crt",
-                                 ca.serial_hex(cert.serial_number), cert.not_valid_after_utc, False)
+    files = ca_store.IssuedFiles(
+        out,
+        out / "agent.key",
+        out / "agent.crt",
+        out / "ca.crt",
+        ca.serial_hex(cert.serial_number),
+        cert.not_valid_after_utc,
+        False,
+    )
     return Agent(agent.agent_id, files)
 
 
@@ -81,8 +96,11 @@ async def test_renewal_only_in_the_last_third_and_audited(home: Paths) -> None:
         assert ok["allowed"] and ok["cert_serial"] == due.files.serial and body["serial"] in ok["reason"]
         # refused partners: a fresh certificate, one half-way through its life, and the certificate
         # just renewed (fresh); each refusal is audited with its code
-        for name, agent in (("fresh", app.agent("agent_b")), ("half", due_agent(app, "agent_c", elapsed=0.5)),
-                            ("just renewed", as_agent(due, body["certificate"], "renewed"))):
+        for name, agent in (
+            ("fresh", app.agent("agent_b")),
+            ("half", due_agent(app, "agent_c", elapsed=0.5)),
+            ("just renewed", as_agent(due, body["certificate"], "renewed")),
+        ):
             status, err = await renew_call(app, agent)
             assert (status, err["error"]["code"]) == (409, "RENEWAL_TOO_EARLY"), name
             ev = access_events(home, "renew")[-1]
@@ -207,13 +225,32 @@ def test_registry_prunes_dead_chains_but_keeps_ancestors_of_live_ones(home: Path
 
 def test_legacy_json_registry_is_migrated(home: Paths, tmp_path: Path) -> None:
     ca_store.init_all(home)
-    legacy = {"version": 1, "crl_number": 41, "certs": [
-        {"serial": "abc1", "agent_id": "old", "not_before": "2026-01-01T00:00:00Z",
-         "not_after": "2099-01-01T00:00:00Z", "issued_at": "2026-01-01T00:00:00Z", "status": "revoked",
-         "revoked_at": "2026-01-02T00:00:00Z", "renewed_from": None},
-        {"serial": "abc2", "agent_id": "old", "not_before": "2026-01-01T00:00:00Z",
-         "not_after": "2099-01-01T00:00:00Z", "issued_at": "2026-01-01T00:00:00Z", "status": "active",
-         "revoked_at": None, "renewed_from": "abc1"}]}
+    legacy = {
+        "version": 1,
+        "crl_number": 41,
+        "certs": [
+            {
+                "serial": "abc1",
+                "agent_id": "old",
+                "not_before": "2026-01-01T00:00:00Z",
+                "not_after": "2099-01-01T00:00:00Z",
+                "issued_at": "2026-01-01T00:00:00Z",
+                "status": "revoked",
+                "revoked_at": "2026-01-02T00:00:00Z",
+                "renewed_from": None,
+            },
+            {
+                "serial": "abc2",
+                "agent_id": "old",
+                "not_before": "2026-01-01T00:00:00Z",
+                "not_after": "2099-01-01T00:00:00Z",
+                "issued_at": "2026-01-01T00:00:00Z",
+                "status": "active",
+                "revoked_at": None,
+                "renewed_from": "abc1",
+            },
+        ],
+    }
     ca_store.legacy_registry_path(home).write_text(json.dumps(legacy))
     rows = {r.serial: r for r in ca_store.list_agents(home)}
     assert rows["abc1"].status == "revoked" and rows["abc2"].renewed_from == "abc1"
@@ -254,8 +291,9 @@ def test_revoking_a_serial_revokes_every_renewal_from_it(home: Paths, tmp_path: 
         ca_store.renew(home, legit, now=start + dt.timedelta(hours=19, minutes=30))
 
 
-async def test_thief_renewal_dies_with_the_leaked_serial_and_its_token(home: Paths, capsys: pytest.CaptureFixture[str]
-                                                                      ) -> None:
+async def test_thief_renewal_dies_with_the_leaked_serial_and_its_token(
+    home: Paths, capsys: pytest.CaptureFixture[str]
+) -> None:
     async with appliance(home) as app:
         victim = due_agent(app, "agent_a")
         other = app.agent("agent_b")
@@ -266,8 +304,9 @@ async def test_thief_renewal_dies_with_the_leaked_serial_and_its_token(home: Pat
         assert status == 200, body
         thief = as_agent(victim, body["certificate"], "thief")
         async with agent_session(thief, home) as s:
-            st, item, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                           agent_id="agent_a")
+            st, item, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id="agent_a"
+            )
             assert st == 200, item
         # the user revokes the leaked certificate by serial
         assert main(["--home", str(home.home), "agent", "revoke", f"serial:{victim.files.serial}"]) == 0
@@ -284,8 +323,9 @@ async def test_thief_renewal_dies_with_the_leaked_serial_and_its_token(home: Pat
         assert info["status"] == "revoked", info
         # a session bound to another agent's key is untouched
         async with agent_session(other, home) as s:
-            st, item, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g_other["token"],
-                                           agent_id="agent_b")
+            st, item, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g_other["token"], agent_id="agent_b"
+            )
             assert st == 200, item
 
 
@@ -328,15 +368,32 @@ async def test_agent_revoke_keep_sessions(home: Paths, capsys: pytest.CaptureFix
 # -------------------------------------------------------------------- authorize reuses the cert
 
 
-def test_authorize_remote_reuses_the_agents_good_certificate(home: Paths, tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_authorize_remote_reuses_the_agents_good_certificate(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ca_store.init_all(home)
     agent = write_manifest(tmp_path / "agent", MANIFEST)
 
     def authorize(*extra: str) -> str:
         bundle = tmp_path / "bundle.json"
-        assert main(["--home", str(home.home), "authorize", str(agent), "--yes", "--remote", "--gateway-url",
-                     "https://gw.example:9443", "--bundle", str(bundle), *extra]) == 0
+        assert (
+            main(
+                [
+                    "--home",
+                    str(home.home),
+                    "authorize",
+                    str(agent),
+                    "--yes",
+                    "--remote",
+                    "--gateway-url",
+                    "https://gw.example:9443",
+                    "--bundle",
+                    str(bundle),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         b = load_bundle(bundle)
         return ca.serial_hex(x509.load_pem_x509_certificate((b.agent_cert or "").encode()).serial_number)
 
@@ -363,7 +420,9 @@ def test_certificate_due_for_renewal_is_not_reused(home: Paths, tmp_path: Path) 
     assert ca_store.issue_with_key(home, "bot", out, reuse=True).serial == again.serial
     # another agent's certificate in that directory is not reused for this one
     other = ca_store.issue_with_key(home, "other", out, reuse=True)
-    assert not other.reused_cert and ca.agent_id_from_cert(x509.load_pem_x509_certificate(
-        other.cert_file.read_bytes())) == "other"
+    assert (
+        not other.reused_cert
+        and ca.agent_id_from_cert(x509.load_pem_x509_certificate(other.cert_file.read_bytes())) == "other"
+    )
     ctx = build_client_context(other.ca_file, other.cert_file, other.key_file)
     assert ctx is not None

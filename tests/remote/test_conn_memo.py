@@ -62,8 +62,7 @@ async def test_a_new_token_or_agent_header_on_the_connection_is_checked_again(ap
         assert (await agent_call(s, app.base, KEY, token=g["token"], agent_id=a.agent_id))[0] == 200
         status, body, _ = await agent_call(s, app.base, KEY, token=foreign["token"], agent_id=other.agent_id)
         assert status in (401, 403) and refused_by_gateway(app, "AGENT_MISMATCH")
-        status, body, _ = await agent_call(s, app.base, KEY, token=unbound_wrong_audience["token"],
-                                           agent_id=a.agent_id)
+        status, body, _ = await agent_call(s, app.base, KEY, token=unbound_wrong_audience["token"], agent_id=a.agent_id)
         assert status == 401 and refused_by_gateway(app, "INVALID_TOKEN")
         # the token that passed, with another agent header: not the combination that passed
         status, body, _ = await agent_call(s, app.base, KEY, token=g["token"], agent_id=other.agent_id)

@@ -39,8 +39,9 @@ async def _reads(agent: Agent, paths: Paths, base: str, grant: dict[str, Any]) -
     """The status of one read, or None when the TLS handshake is refused."""
     try:
         async with agent_session(agent, paths) as s:
-            status, _, _ = await agent_call(s, base, "/v1/memory/preference.theme", token=grant["token"],
-                                            agent_id=agent.agent_id)
+            status, _, _ = await agent_call(
+                s, base, "/v1/memory/preference.theme", token=grant["token"], agent_id=agent.agent_id
+            )
             return status
     except aiohttp.ClientError:
         return None
@@ -59,7 +60,8 @@ def _current(crl_copy: Path) -> tuple[int, dt.datetime]:
 
 @pytest.mark.parametrize("rollback", ["pre_revocation_backup", "lower_number", "older_this_update"])
 async def test_older_crl_is_refused_and_the_revoked_agent_stays_out(
-        home: Paths, tmp_path: Path, rollback: str, caplog: pytest.LogCaptureFixture) -> None:
+    home: Paths, tmp_path: Path, rollback: str, caplog: pytest.LogCaptureFixture
+) -> None:
     ca_store.init_all(home)
     crl_copy = tmp_path / "agents.crl.pem"
     shutil.copyfile(ca_store.crl_path(home), crl_copy)

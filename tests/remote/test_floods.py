@@ -29,10 +29,16 @@ TUNNEL = "https://tunnel.example"
 FLOOD = 300  # hostile connections per case
 BUDGET = 16  # unverified budget (and per-address budget) in these tests
 DEADLINE = 3.0  # first-byte / idle deadline in these tests (seconds)
-LIMITS = {"max_connections": 8, "max_unverified_connections": BUDGET, "max_unverified_connections_per_ip": BUDGET,
-          "tunnel_max_connections": 8, "tunnel_max_unverified_connections": BUDGET,
-          "first_byte_timeout_seconds": DEADLINE, "tls_handshake_timeout_seconds": DEADLINE,
-          "client_timeout_seconds": 2 * DEADLINE}
+LIMITS = {
+    "max_connections": 8,
+    "max_unverified_connections": BUDGET,
+    "max_unverified_connections_per_ip": BUDGET,
+    "tunnel_max_connections": 8,
+    "tunnel_max_unverified_connections": BUDGET,
+    "first_byte_timeout_seconds": DEADLINE,
+    "tls_handshake_timeout_seconds": DEADLINE,
+    "client_timeout_seconds": 2 * DEADLINE,
+}
 
 
 class Flood:
@@ -43,8 +49,9 @@ class Flood:
         self.writers: list[asyncio.StreamWriter] = []
         self.failed_open = 0
 
-    async def add(self, opener: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
-                  first: bytes = b"") -> None:
+    async def add(
+        self, opener: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]], first: bytes = b""
+    ) -> None:
         try:
             reader, writer = await asyncio.wait_for(opener(), 30)
         except (TimeoutError, OSError, ssl.SSLError):
@@ -80,8 +87,11 @@ class Flood:
 
 
 @contextlib.asynccontextmanager
-async def flood_of(opener: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
-                   n: int = FLOOD, first: bytes = b"") -> AsyncIterator[Flood]:
+async def flood_of(
+    opener: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
+    n: int = FLOOD,
+    first: bytes = b"",
+) -> AsyncIterator[Flood]:
     flood = Flood()
     try:
         sem = asyncio.Semaphore(50)
@@ -96,8 +106,7 @@ async def flood_of(opener: Callable[[], Awaitable[tuple[asyncio.StreamReader, as
         flood.close()
 
 
-def no_cert_tls(port: int, paths: Paths) -> Callable[[], Awaitable[tuple[asyncio.StreamReader,
-                                                                         asyncio.StreamWriter]]]:
+def no_cert_tls(port: int, paths: Paths) -> Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]:
     ctx = build_client_context(ca_file(paths))
     return lambda: asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost")
 
@@ -110,8 +119,9 @@ async def served_mtls(app: Appliance, agent: Agent, token: str, *, rounds: int =
     """The agent, on a new connection each time (a handshake in the middle of the flood), is served."""
     for _ in range(rounds):
         async with agent_session(agent, app.paths, force_close=True) as s:
-            status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=token,
-                                               agent_id=agent.agent_id)
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=token, agent_id=agent.agent_id
+            )
         assert status == 200 and body["value"] == "dark", body
 
 
@@ -151,8 +161,9 @@ async def test_mtls_flood_does_not_starve_a_verified_agent(home: Paths, kind: st
             async with agent_session(a, home) as s:
                 for _ in range(3):
                     async with flood_of(opener, n=BUDGET * 2, first=first):
-                        status, _, _ = await agent_call(s, app.base, "/v1/memory/preference.theme",
-                                                        token=g["token"], agent_id=a.agent_id)
+                        status, _, _ = await agent_call(
+                            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+                        )
                         assert status == 200
             assert await flood.all_closed(timeout=DEADLINE * 10)
         # connections that fit in the budget (nothing evicts them) are closed by their deadline
@@ -169,8 +180,9 @@ async def test_verified_budget_is_not_shared_with_unverified(home: Paths) -> Non
         a = app.agent("agent_a")
         port = app.gateway.port
         assert port is not None
-        held = [await asyncio.open_connection("127.0.0.1", port, ssl=a.ssl(), server_hostname="localhost")
-                for _ in range(8)]
+        held = [
+            await asyncio.open_connection("127.0.0.1", port, ssl=a.ssl(), server_hostname="localhost") for _ in range(8)
+        ]
         reg = app.gateway.registry
         assert await wait_for(lambda: len(reg.verified) == 8)
         async with flood_of(raw_tcp(port), n=BUDGET) as flood:
@@ -196,16 +208,27 @@ async def test_tunnel_origin_flood_does_not_starve_a_dpop_agent(home: Paths) -> 
 
         async def dpop_call(s: aiohttp.ClientSession) -> int:
             url = TUNNEL + "/v1/memory/preference.theme"
-            proof = dpop.make_dpop_proof(key, method="GET", url=url, access_token=g["token"],  # type: ignore[arg-type]
-                                         now=time.time())
-            hdrs = {"Host": "tunnel.example", "X-UOMP-Agent-Id": a.agent_id, "Authorization": f"DPoP {g['token']}",
-                    "DPoP": proof}
+            proof = dpop.make_dpop_proof(
+                key,
+                method="GET",
+                url=url,
+                access_token=g["token"],  # type: ignore[arg-type]
+                now=time.time(),
+            )
+            hdrs = {
+                "Host": "tunnel.example",
+                "X-UOMP-Agent-Id": a.agent_id,
+                "Authorization": f"DPoP {g['token']}",
+                "DPoP": proof,
+            }
             async with s.get(f"http://127.0.0.1:{port}/v1/memory/preference.theme", headers=hdrs) as resp:
                 await resp.read()
                 return resp.status
 
-        async with flood_of(raw_tcp(port)) as flood, flood_of(raw_tcp(port), n=BUDGET,
-                                                              first=b"GET /v1/health HTTP/1.1\r\nHo") as partial:
+        async with (
+            flood_of(raw_tcp(port)) as flood,
+            flood_of(raw_tcp(port), n=BUDGET, first=b"GET /v1/health HTTP/1.1\r\nHo") as partial,
+        ):
             assert flood.held + partial.held <= BUDGET + 1
             for _ in range(5):
                 async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
@@ -219,8 +242,10 @@ async def test_tunnel_origin_flood_does_not_starve_a_dpop_agent(home: Paths) -> 
             assert await flood.all_closed(timeout=DEADLINE * 10)
             assert await partial.all_closed(timeout=DEADLINE * 10)
         # within the budget, silent and half-sent requests are closed by their deadlines
-        async with flood_of(raw_tcp(port), n=BUDGET // 2) as quiet, \
-                flood_of(raw_tcp(port), n=BUDGET // 2, first=b"GET /v1/health HTTP/1.1\r\nHo") as partial:
+        async with (
+            flood_of(raw_tcp(port), n=BUDGET // 2) as quiet,
+            flood_of(raw_tcp(port), n=BUDGET // 2, first=b"GET /v1/health HTTP/1.1\r\nHo") as partial,
+        ):
             assert await quiet.all_closed(timeout=DEADLINE * 10)
             assert await partial.all_closed(timeout=DEADLINE * 10)
         assert reg.closed_by_deadline["first_byte"] >= BUDGET // 2 - 1
@@ -232,8 +257,9 @@ async def test_tunnel_origin_flood_does_not_starve_a_dpop_agent(home: Paths) -> 
 async def test_eviction_order_silent_then_stalled_never_the_request(home: Paths) -> None:
     """With room for two unverified connections: a silent one goes first, then a stalled half
     request; a whole request (already in the kernel or being handled) is never the one closed."""
-    async with appliance(home, tunnel_origin_port=0, tunnel_endpoints=[TUNNEL],
-                         **dict(LIMITS, tunnel_max_unverified_connections=2)) as app:
+    async with appliance(
+        home, tunnel_origin_port=0, tunnel_endpoints=[TUNNEL], **dict(LIMITS, tunnel_max_unverified_connections=2)
+    ) as app:
         a = app.agent("agent_a")
         g = await app.grant(a, audience=TUNNEL)
         key = serialization.load_pem_private_key(a.files.key_file.read_bytes(), password=None)
@@ -245,11 +271,18 @@ async def test_eviction_order_silent_then_stalled_never_the_request(home: Paths)
         stalled = Flood()
         await stalled.add(raw_tcp(port), b"GET /v1/health HT")
         assert await wait_for(lambda: any(c.phase == "headers" for c in reg.unverified))
-        proof = dpop.make_dpop_proof(key, method="GET", url=TUNNEL + "/v1/memory/preference.theme",  # type: ignore[arg-type]
-                                     access_token=g["token"], now=time.time())
-        request = ("GET /v1/memory/preference.theme HTTP/1.1\r\nHost: tunnel.example\r\n"
-                   f"Authorization: DPoP {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nDPoP: {proof}\r\n"
-                   "Connection: close\r\n\r\n").encode()
+        proof = dpop.make_dpop_proof(
+            key,
+            method="GET",
+            url=TUNNEL + "/v1/memory/preference.theme",  # type: ignore[arg-type]
+            access_token=g["token"],
+            now=time.time(),
+        )
+        request = (
+            "GET /v1/memory/preference.theme HTTP/1.1\r\nHost: tunnel.example\r\n"
+            f"Authorization: DPoP {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nDPoP: {proof}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(request)
         answer = await asyncio.wait_for(reader.read(), 30)
@@ -315,10 +348,17 @@ async def test_slow_trickled_body_is_cut_off(home: Paths, who: str) -> None:
         else:
             target = f"/v1/sessions/{g['session_id']}/deletion-proof"
             auth = f"Authorization: Bearer {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\n".encode()
-        head = (f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                f"Content-Length: 10000\r\n").encode() + auth + b"\r\n"
-        tricklers = [await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost")
-                     for _ in range(3)]
+        head = (
+            (
+                f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                f"Content-Length: 10000\r\n"
+            ).encode()
+            + auth
+            + b"\r\n"
+        )
+        tricklers = [
+            await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost") for _ in range(3)
+        ]
         jobs = [asyncio.create_task(_trickle(r, w, head)) for r, w in tricklers]
         await asyncio.sleep(1.0)
         await served_mtls(app, a, g["token"], rounds=3)  # served while the bodies trickle
@@ -364,8 +404,15 @@ def test_fd_soft_limit_is_raised() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), hard))
 
 
-@pytest.mark.parametrize(("field", "value"), [("max_unverified_connections", 0), ("first_byte_timeout_seconds", 0.0),
-                                              ("body_timeout_seconds", -1.0), ("min_body_bytes_per_second", -1)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_unverified_connections", 0),
+        ("first_byte_timeout_seconds", 0.0),
+        ("body_timeout_seconds", -1.0),
+        ("min_body_bytes_per_second", -1),
+    ],
+)
 def test_bad_limits_are_config_errors(field: str, value: Any) -> None:
     from gateway.errors import UompError
 
@@ -380,8 +427,13 @@ def test_bad_limits_are_config_errors(field: str, value: Any) -> None:
 @pytest.mark.parametrize("attacker", ["revoked_agent", "active_agent"])
 async def test_dpop_replay_cache_cannot_lock_out_another_agent(home: Paths, attacker: str) -> None:
     per_key = 6  # 0.05 proofs/s x 2 windows of 60 s
-    async with appliance(home, tunnel_origin_port=0, tunnel_endpoints=[TUNNEL], dpop_replay_cache_entries=100,
-                         dpop_max_proofs_per_second_per_key=0.05) as app:
+    async with appliance(
+        home,
+        tunnel_origin_port=0,
+        tunnel_endpoints=[TUNNEL],
+        dpop_replay_cache_entries=100,
+        dpop_max_proofs_per_second_per_key=0.05,
+    ) as app:
         a, b = app.agent("agent_a"), app.agent("agent_b")
         ga, gb = await app.grant(a, audience=TUNNEL), await app.grant(b, audience=TUNNEL)
         if attacker == "revoked_agent":
@@ -393,10 +445,19 @@ async def test_dpop_replay_cache_cannot_lock_out_another_agent(home: Paths, atta
 
         async def tunnel_get(agent: Agent, token: str, proof: str | None = None) -> tuple[int, Any, str]:
             key = serialization.load_pem_private_key(agent.files.key_file.read_bytes(), password=None)
-            proof = proof or dpop.make_dpop_proof(key, method="GET", url=TUNNEL + path,  # type: ignore[arg-type]
-                                                  access_token=token, now=time.time())
-            hdrs = {"Host": "tunnel.example", "X-UOMP-Agent-Id": agent.agent_id, "Authorization": f"DPoP {token}",
-                    "DPoP": proof}
+            proof = proof or dpop.make_dpop_proof(
+                key,
+                method="GET",
+                url=TUNNEL + path,  # type: ignore[arg-type]
+                access_token=token,
+                now=time.time(),
+            )
+            hdrs = {
+                "Host": "tunnel.example",
+                "X-UOMP-Agent-Id": agent.agent_id,
+                "Authorization": f"DPoP {token}",
+                "DPoP": proof,
+            }
             async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}{path}", headers=hdrs) as r:
                 return r.status, await r.json(content_type=None), proof
 

@@ -69,8 +69,9 @@ class Fake:
 
 
 @contextlib.asynccontextmanager
-async def fake(home: Paths, script: Script, *, timeout: float = 2.0, **kw: Any
-               ) -> AsyncIterator[tuple[Fake, UpstreamClient]]:
+async def fake(
+    home: Paths, script: Script, *, timeout: float = 2.0, **kw: Any
+) -> AsyncIterator[tuple[Fake, UpstreamClient]]:
     f = Fake(script)
     path = str(home.home / "fake.sock")
     f.server = await asyncio.start_unix_server(f.handle, path=path)
@@ -84,8 +85,10 @@ async def fake(home: Paths, script: Script, *, timeout: float = 2.0, **kw: Any
 
 
 def ok(body: bytes = b'{"ok":true}', extra: str = "") -> bytes:
-    return (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
-            .encode() + body)
+    return (
+        f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
+        + body
+    )
 
 
 def serve_forever(answer: bytes) -> Script:
@@ -93,11 +96,17 @@ def serve_forever(answer: bytes) -> Script:
         while await f.read_request(reader) is not None:
             writer.write(answer)
             await writer.drain()
+
     return script
 
 
-async def fetch(client: UpstreamClient, method: str = "GET", target: str = "/v1/memory/a",
-                headers: dict[str, str] | None = None, body: bytes | None = None) -> tuple[int, bytes]:
+async def fetch(
+    client: UpstreamClient,
+    method: str = "GET",
+    target: str = "/v1/memory/a",
+    headers: dict[str, str] | None = None,
+    body: bytes | None = None,
+) -> tuple[int, bytes]:
     resp = await client.request(method, target, headers or {}, body=body)
     try:
         return resp.status, await resp.read(1 << 31)
@@ -110,34 +119,56 @@ async def fetch(client: UpstreamClient, method: str = "GET", target: str = "/v1/
 
 async def test_request_is_reframed_and_only_safe_headers_cross(home: Paths) -> None:
     async with fake(home, serve_forever(ok())) as (f, client):
-        hostile = {"Authorization": "Bearer t", "X-UOMP-Agent-Id": "a", "Transfer-Encoding": "chunked",
-                   "Connection": "close, x-uomp-agent-id", "Content-Length": "999", "Host": "evil",
-                   "Keep-Alive": "timeout=1", "Upgrade": "h2c", "TE": "trailers", "Expect": "100-continue"}
+        hostile = {
+            "Authorization": "Bearer t",
+            "X-UOMP-Agent-Id": "a",
+            "Transfer-Encoding": "chunked",
+            "Connection": "close, x-uomp-agent-id",
+            "Content-Length": "999",
+            "Host": "evil",
+            "Keep-Alive": "timeout=1",
+            "Upgrade": "h2c",
+            "TE": "trailers",
+            "Expect": "100-continue",
+        }
         assert await fetch(client, headers=hostile) == (200, b'{"ok":true}')
-        assert await fetch(client, "POST", "/v1/tokens/validate", {"content-type": "application/json"},
-                           b'{"token":"x"}') == (200, b'{"ok":true}')
+        assert await fetch(
+            client, "POST", "/v1/tokens/validate", {"content-type": "application/json"}, b'{"token":"x"}'
+        ) == (200, b'{"ok":true}')
         assert await fetch(client, "POST", "/v1/x") == (200, b'{"ok":true}')
     get, post, empty_post = f.requests
-    assert get == (b"GET /v1/memory/a HTTP/1.1\r\nHost: uomp-guard\r\nAuthorization: Bearer t\r\n"
-                   b"X-UOMP-Agent-Id: a\r\n\r\n")  # no framing of the agent's, no Content-Length on a GET
-    assert post.endswith(b"Content-Length: 13\r\n\r\n{\"token\":\"x\"}") and b"chunked" not in post.lower()
+    assert get == (
+        b"GET /v1/memory/a HTTP/1.1\r\nHost: uomp-guard\r\nAuthorization: Bearer t\r\nX-UOMP-Agent-Id: a\r\n\r\n"
+    )  # no framing of the agent's, no Content-Length on a GET
+    assert post.endswith(b'Content-Length: 13\r\n\r\n{"token":"x"}') and b"chunked" not in post.lower()
     assert b"Content-Length: 0\r\n\r\n" in empty_post  # POST always says how long it is
     assert f.connections == 1  # all three on one keep-alive connection
 
 
-@pytest.mark.parametrize(("headers", "target"), [
-    ({"X-A": "v\r\nX-Injected: 1"}, "/v1/memory/a"),
-    ({"X-A": "v\nX-Injected: 1"}, "/v1/memory/a"),
-    ({"X-A": "v\x00"}, "/v1/memory/a"),
-    ({"X A": "v"}, "/v1/memory/a"),
-    ({"X-A\r\nX-B": "v"}, "/v1/memory/a"),
-    ({}, "/v1/memory/a HTTP/1.1\r\nX: y"),
-    ({}, "/v1/memory/é"),
-    ({}, "v1/memory/a"),
-], ids=["crlf-value", "lf-value", "nul-value", "space-name", "crlf-name", "target-crlf", "target-non-ascii",
-        "target-not-origin-form"])
-async def test_unsendable_request_is_refused_before_any_byte(home: Paths, headers: dict[str, str],
-                                                              target: str) -> None:
+@pytest.mark.parametrize(
+    ("headers", "target"),
+    [
+        ({"X-A": "v\r\nX-Injected: 1"}, "/v1/memory/a"),
+        ({"X-A": "v\nX-Injected: 1"}, "/v1/memory/a"),
+        ({"X-A": "v\x00"}, "/v1/memory/a"),
+        ({"X A": "v"}, "/v1/memory/a"),
+        ({"X-A\r\nX-B": "v"}, "/v1/memory/a"),
+        ({}, "/v1/memory/a HTTP/1.1\r\nX: y"),
+        ({}, "/v1/memory/é"),
+        ({}, "v1/memory/a"),
+    ],
+    ids=[
+        "crlf-value",
+        "lf-value",
+        "nul-value",
+        "space-name",
+        "crlf-name",
+        "target-crlf",
+        "target-non-ascii",
+        "target-not-origin-form",
+    ],
+)
+async def test_unsendable_request_is_refused_before_any_byte(home: Paths, headers: dict[str, str], target: str) -> None:
     async with fake(home, serve_forever(ok())) as (f, client):
         with pytest.raises(UompError) as exc:
             await fetch(client, target=target, headers=headers)
@@ -150,8 +181,10 @@ async def test_unsendable_request_is_refused_before_any_byte(home: Paths, header
 
 
 async def test_chunked_answer_with_extensions_and_trailers_then_reuse(home: Paths) -> None:
-    answer = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
-              b"5;ext=1\r\n{\"a\":\r\n3\r\n 1}\r\n0\r\nX-Trailer: t\r\n\r\n")
+    answer = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
+        b'5;ext=1\r\n{"a":\r\n3\r\n 1}\r\n0\r\nX-Trailer: t\r\n\r\n'
+    )
     async with fake(home, serve_forever(answer)) as (f, client):
         for _ in range(3):
             resp = await client.request("GET", "/v1/memory", {})
@@ -230,8 +263,7 @@ GARBAGE = [
 
 
 @pytest.mark.parametrize(("name", "answer"), GARBAGE, ids=[g[0] for g in GARBAGE])
-async def test_garbage_is_upstream_error_and_the_connection_is_discarded(home: Paths, name: str,
-                                                                        answer: bytes) -> None:
+async def test_garbage_is_upstream_error_and_the_connection_is_discarded(home: Paths, name: str, answer: bytes) -> None:
     async def script(f: Fake, n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while await f.read_request(reader) is not None:
             writer.write(answer if n == 1 else ok())
@@ -327,12 +359,14 @@ async def test_accepted_then_closed_without_a_byte_is_store_unavailable(home: Pa
 def _close_second_request_on_first_connection(answer: bytes) -> Script:
     """Connection 1 answers one request, then reads the next and closes without a byte: a keep-alive
     connection the server closed just as the client reused it."""
+
     async def script(f: Fake, n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while await f.read_request(reader) is not None:
             if n == 1 and len(f.requests) == 2:
                 return
             writer.write(answer)
             await writer.drain()
+
     return script
 
 
@@ -391,8 +425,11 @@ async def test_connections_are_bounded(home: Paths) -> None:
 
 async def test_json_call_bounds(home: Paths, monkeypatch: pytest.MonkeyPatch) -> None:
     path = str(home.home / "fake.sock")
-    for answer, code in ((ok(b"[1, 2]"), "UPSTREAM_ERROR"), (ok(b"{nope"), "UPSTREAM_ERROR"),
-                         (ok(b'{"a": "' + b"x" * 2000 + b'"}'), "UPSTREAM_ERROR")):
+    for answer, code in (
+        (ok(b"[1, 2]"), "UPSTREAM_ERROR"),
+        (ok(b"{nope"), "UPSTREAM_ERROR"),
+        (ok(b'{"a": "' + b"x" * 2000 + b'"}'), "UPSTREAM_ERROR"),
+    ):
         monkeypatch.setattr("gateway.remote.forward.MAX_JSON_BYTES", 1000)
         f = Fake(serve_forever(answer))
         server = await asyncio.start_unix_server(f.handle, path=path)
@@ -422,24 +459,40 @@ async def test_large_bodies_over_tls_both_ways_in_one_process(home: Paths) -> No
         a = app.agent("agent_a")
         g = await app.grant(a)
         async with agent_session(a, app.paths) as s:
-            status, body, hdrs = await agent_call(s, app.base, "/v1/memory/preference.big", token=g["token"],
-                                                  agent_id=a.agent_id)
+            status, body, hdrs = await agent_call(
+                s, app.base, "/v1/memory/preference.big", token=g["token"], agent_id=a.agent_id
+            )
             assert status == 200 and body["value"] == big
             assert hdrs["X-UOMP-Quota-Remaining"] == "99"
             # 900 KiB up: through the gateway's TLS and the client to the guard, which refuses it (its cap)
-            status, body, _ = await agent_call(s, app.base, f"/v1/sessions/{g['session_id']}/deletion-proof",
-                                               token=g["token"], agent_id=a.agent_id, method="POST",
-                                               data=b"x" * (900 * 1024), headers={"Content-Type": "application/json"})
+            status, body, _ = await agent_call(
+                s,
+                app.base,
+                f"/v1/sessions/{g['session_id']}/deletion-proof",
+                token=g["token"],
+                agent_id=a.agent_id,
+                method="POST",
+                data=b"x" * (900 * 1024),
+                headers={"Content-Type": "application/json"},
+            )
             assert status == 413 and body["error"]["code"] == "PAYLOAD_TOO_LARGE", body
             # 60 KiB of valid JSON (under the guard's cap) arrives in several TLS reads: forwarded whole
             # (one read() of the request stream used to forward only what had arrived so far)
             padded = json.dumps({"pad": "p" * (60 * 1024)}).encode()
-            status, body, _ = await agent_call(s, app.base, f"/v1/sessions/{g['session_id']}/deletion-proof",
-                                               token=g["token"], agent_id=a.agent_id, method="POST",
-                                               data=padded, headers={"Content-Type": "application/json"})
+            status, body, _ = await agent_call(
+                s,
+                app.base,
+                f"/v1/sessions/{g['session_id']}/deletion-proof",
+                token=g["token"],
+                agent_id=a.agent_id,
+                method="POST",
+                data=padded,
+                headers={"Content-Type": "application/json"},
+            )
             assert status == 400 and body["error"]["message"] != "request body is not valid JSON", body
-            status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                               agent_id=a.agent_id)
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
             assert status == 200 and body["value"] == "dark"
 
 
@@ -471,10 +524,12 @@ def sv_home() -> Iterator[Path]:
     shutil.rmtree(top, ignore_errors=True)
 
 
-def _uomp(home: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
-          ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60,
-                          check=check, env=env)
+def _uomp(
+    home: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60, check=check, env=env
+    )
 
 
 def _read_until(proc: subprocess.Popen[str], prefix: str, timeout: float = 30) -> str:
@@ -493,14 +548,19 @@ def _read_until(proc: subprocess.Popen[str], prefix: str, timeout: float = 30) -
 async def test_killed_guard_child_gives_503_then_recovers(tmp_path: Path, sv_home: Path) -> None:
     home = sv_home
     _uomp(home, "init")
-    _uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference",
-          "--sensitivity", "low")
-    proc = subprocess.Popen([*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0",
-                             "--no-local-port"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
+    proc = subprocess.Popen(
+        [*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     err_lines: list[str] = []
     assert proc.stderr is not None
-    reader = threading.Thread(target=lambda: err_lines.extend(iter(proc.stderr.readline, "")),  # type: ignore[union-attr]
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: err_lines.extend(iter(proc.stderr.readline, "")),  # type: ignore[union-attr]
+        daemon=True,
+    )
     reader.start()
     try:
         m = re.search(r"https://127\.0\.0\.1:(\d+)", _read_until(proc, "gateway: "))
@@ -512,12 +572,29 @@ async def test_killed_guard_child_gives_503_then_recovers(tmp_path: Path, sv_hom
         assert guard_pid != proc.pid
         agent_dir = tmp_path / "agent"
         agent_dir.mkdir()
-        (agent_dir / "uom.json").write_text(json.dumps({
-            "uomp_version": "1.0", "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
-            "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-            "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"}}))
-        _uomp(home, "authorize", str(agent_dir), "--yes", "--remote", "--gateway-url", f"https://localhost:{port}",
-              "--out", str(tmp_path / "agentfiles"), "--bundle", str(tmp_path / "bundle.json"))
+        (agent_dir / "uom.json").write_text(
+            json.dumps(
+                {
+                    "uomp_version": "1.0",
+                    "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
+                    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
+                    "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
+                }
+            )
+        )
+        _uomp(
+            home,
+            "authorize",
+            str(agent_dir),
+            "--yes",
+            "--remote",
+            "--gateway-url",
+            f"https://localhost:{port}",
+            "--out",
+            str(tmp_path / "agentfiles"),
+            "--bundle",
+            str(tmp_path / "bundle.json"),
+        )
         b = load_bundle(tmp_path / "bundle.json")
         files = tmp_path / "agentfiles"
         ctx = build_client_context(files / "ca.crt", files / "agent.crt", files / "agent.key")
@@ -616,8 +693,17 @@ def test_live_guard_on_the_socket_is_refused_before_anything_starts(sv_home: Pat
     assert "guard listening" not in res.stderr  # no child was started
 
 
-@pytest.mark.parametrize("spec", ["http://user:pw@127.0.0.1:1", "http://127.0.0.1:99999", "http://:80",
-                                  "http://127.0.0.1:1/?q=1", "https://127.0.0.1:1", "tcp:127.0.0.1:1"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "http://user:pw@127.0.0.1:1",
+        "http://127.0.0.1:99999",
+        "http://:80",
+        "http://127.0.0.1:1/?q=1",
+        "https://127.0.0.1:1",
+        "tcp:127.0.0.1:1",
+    ],
+)
 def test_bad_upstream_is_a_config_error(spec: str) -> None:
     with pytest.raises(UompError) as exc:
         UpstreamClient(Upstream.parse(spec), timeout_seconds=1)

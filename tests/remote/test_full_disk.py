@@ -46,8 +46,7 @@ def audit_reads(paths: Paths, sid: str) -> list[tuple[int, str]]:
         db.close()
 
 
-async def test_enospc_on_the_spool_is_off_the_request_path(home: Paths,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_enospc_on_the_spool_is_off_the_request_path(home: Paths, monkeypatch: pytest.MonkeyPatch) -> None:
     full = {"on": False, "attempts": 0}
     real = al._pwrite_all
 
@@ -80,8 +79,12 @@ async def test_enospc_on_the_spool_is_off_the_request_path(home: Paths,
 
 
 async def test_unauthenticated_refusals_are_rate_limited_and_summarised(home: Paths) -> None:
-    async with appliance(home, access_log_unauth_burst=5, access_log_unauth_events_per_second=0.001,
-                         access_log_summary_interval_seconds=0.0) as app:
+    async with appliance(
+        home,
+        access_log_unauth_burst=5,
+        access_log_unauth_events_per_second=0.001,
+        access_log_summary_interval_seconds=0.0,
+    ) as app:
         a = app.agent("agent_a")
         g = await app.grant(a)
         async with agent_session(a, home) as s:
@@ -108,8 +111,9 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
     where.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-                       capture_output=True, check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], capture_output=True, check=False
+    )
     if r.returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
@@ -178,8 +182,9 @@ async def test_real_full_filesystem_under_the_guard_databases(monkeypatch: pytes
                 filler.unlink()
                 st, body = await read(s, app, a, g["token"])
                 assert st == 200, body
-                st, body, _ = await agent_call(s, app.base, f"/v1/audit?session_id={g['session_id']}",
-                                               token=g["token"], agent_id=a.agent_id)
+                st, body, _ = await agent_call(
+                    s, app.base, f"/v1/audit?session_id={g['session_id']}", token=g["token"], agent_id=a.agent_id
+                )
                 assert st == 200
                 gaps = [r for r in body["logs"] if r["action"] == "audit_gap"]
                 assert gaps and "503" in gaps[0]["reason"], body["logs"]

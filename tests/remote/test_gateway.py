@@ -43,19 +43,26 @@ async def test_granted_reads_pass_and_are_audited(app: Appliance) -> None:
     a = app.agent("calendar_agent")
     g = await app.grant(a, read={"tags": ["preference", "portfolio:holdings"], "keys": []})
     async with agent_session(a, app.paths) as s:
-        status, body, hdrs = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                              agent_id=a.agent_id)
+        status, body, hdrs = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
         assert status == 200 and body["value"] == "dark"
         assert hdrs["X-UOMP-Quota-Remaining"] == "99"
-        status, body, _ = await agent_call(s, app.base, "/v1/memory?tag=preference", token=g["token"],
-                                           agent_id=a.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory?tag=preference", token=g["token"], agent_id=a.agent_id
+        )
         assert status == 200 and {i["key"] for i in body["items"]} >= {"preference.theme"}
         status, body, _ = await agent_call(
-            s, app.base, "/v1/memory/aggregate?tag=portfolio:holdings&op=sum&field=value.market_value",
-            token=g["token"], agent_id=a.agent_id)
+            s,
+            app.base,
+            "/v1/memory/aggregate?tag=portfolio:holdings&op=sum&field=value.market_value",
+            token=g["token"],
+            agent_id=a.agent_id,
+        )
         assert status == 200 and body["result"] == 39000
-        status, body, _ = await agent_call(s, app.base, f"/v1/audit?session_id={g['session_id']}",
-                                           token=g["token"], agent_id=a.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, f"/v1/audit?session_id={g['session_id']}", token=g["token"], agent_id=a.agent_id
+        )
         assert status == 200 and len(body["logs"]) >= 3
         status, body, _ = await agent_call(s, app.base, "/v1/health", token=None, agent_id=None)
         assert (status, body) == (200, {"status": "ok"})
@@ -72,8 +79,9 @@ async def test_no_client_certificate_is_401_json_and_audited(app: Appliance) -> 
     a = app.agent("calendar_agent")
     g = await app.grant(a)
     async with agent_session(None, app.paths) as s:
-        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                           agent_id=a.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
     assert status == 401 and body["error"]["code"] == "CERT_REQUIRED"
     ev = access_events(app.paths)[-1]
     assert ev["allowed"] is False and ev["code"] == "CERT_REQUIRED"
@@ -107,8 +115,9 @@ async def test_revoked_certificate_refused_without_restart(app: Appliance) -> No
     a = app.agent("calendar_agent")
     g = await app.grant(a)
     async with agent_session(a, app.paths) as s:
-        status, _, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                        agent_id=a.agent_id)
+        status, _, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
         assert status == 200
     ca_store.revoke(app.paths, "calendar_agent")
     assert app.gateway.reloader is not None
@@ -122,15 +131,27 @@ async def test_management_routes_never_reachable(app: Appliance) -> None:
     a = app.agent("calendar_agent")
     g = await app.grant(a)
     async with agent_session(a, app.paths) as s:
-        for method, path in (("POST", "/v1/sessions"), ("GET", "/v1/sessions"),
-                             ("POST", f"/v1/sessions/{g['session_id']}/grant"),
-                             ("POST", f"/v1/sessions/{g['session_id']}/revoke"),
-                             ("POST", f"/v1/sessions/{g['session_id']}/close"),
-                             ("POST", "/v1/tokens/validate"), ("PATCH", "/v1/memory/preference.theme"),
-                             ("GET", "/v1/nothing"), ("GET", "/")):
-            status, body, _ = await agent_call(s, app.base, path, token=g["token"], agent_id=a.agent_id,
-                                               method=method, headers=admin_headers(app.paths) | {
-                                                   "Authorization": f"Bearer {g['token']}"}, json_body={})
+        for method, path in (
+            ("POST", "/v1/sessions"),
+            ("GET", "/v1/sessions"),
+            ("POST", f"/v1/sessions/{g['session_id']}/grant"),
+            ("POST", f"/v1/sessions/{g['session_id']}/revoke"),
+            ("POST", f"/v1/sessions/{g['session_id']}/close"),
+            ("POST", "/v1/tokens/validate"),
+            ("PATCH", "/v1/memory/preference.theme"),
+            ("GET", "/v1/nothing"),
+            ("GET", "/"),
+        ):
+            status, body, _ = await agent_call(
+                s,
+                app.base,
+                path,
+                token=g["token"],
+                agent_id=a.agent_id,
+                method=method,
+                headers=admin_headers(app.paths) | {"Authorization": f"Bearer {g['token']}"},
+                json_body={},
+            )
             assert status in (404, 405) and body["error"]["code"] in ("NOT_FOUND", "METHOD_NOT_ALLOWED"), path
 
 
@@ -138,13 +159,15 @@ async def test_revocation_is_seen_within_one_second(app: Appliance) -> None:
     a = app.agent("calendar_agent")
     g = await app.grant(a)
     async with agent_session(a, app.paths) as s:
-        assert (await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                 agent_id=a.agent_id))[0] == 200
+        assert (await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id))[
+            0
+        ] == 200
         await call(app.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(app.paths))
         revoked_at = time.monotonic()
         # the embedded guard refuses at once; the gateway's own status cache expires within 1 s
-        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                           agent_id=a.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
         assert status == 401 and body["error"]["code"] == "SESSION_REVOKED"
         await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - revoked_at)))
         status, body, _ = await agent_call(s, app.base, "/v1/audit", token=g["token"], agent_id=a.agent_id)
@@ -160,14 +183,22 @@ async def test_gateway_quota_atomic_and_persisted(home: Paths) -> None:
         a = app.agent("calendar_agent")
         g = await app.grant(a, limits={"max_read_queries": 5})
         async with agent_session(a, app.paths) as s:
-            results = await asyncio.gather(*[agent_call(s, app.base, "/v1/memory/preference.theme",
-                                                        token=g["token"], agent_id=a.agent_id) for _ in range(3)])
+            results = await asyncio.gather(
+                *[
+                    agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id)
+                    for _ in range(3)
+                ]
+            )
             assert [r[0] for r in results] == [200] * 3
     first_base = app.base
     async with appliance(home, endpoints=[first_base]) as app:
         async with agent_session(a, app.paths) as s:
-            results = await asyncio.gather(*[agent_call(s, app.base, "/v1/memory/preference.theme",
-                                                        token=g["token"], agent_id=a.agent_id) for _ in range(6)])
+            results = await asyncio.gather(
+                *[
+                    agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id)
+                    for _ in range(6)
+                ]
+            )
             codes = sorted(r[0] for r in results)
             assert codes == [200, 200, 429, 429, 429, 429]
             refused = [r for r in results if r[0] == 429]
@@ -197,16 +228,21 @@ async def test_bad_requests_table(app: Appliance) -> None:
         return tokens.sign_token(claims, signing.key, signing.kid)
 
     pub_x = jose.public_jwk(signing.key)["x"].encode()
-    none_tok = (jose.b64u_encode(b'{"alg":"none"}') + "." +
-                jose.b64u_encode(json.dumps(base_claims).encode()) + ".")
+    none_tok = jose.b64u_encode(b'{"alg":"none"}') + "." + jose.b64u_encode(json.dumps(base_claims).encode()) + "."
     closed = await app.grant(a)
     await call(app.admin, "POST", f"/v1/sessions/{closed['session_id']}/close", headers=admin_headers(app.paths))
     revoked = await app.grant(a)
     await call(app.admin, "POST", f"/v1/sessions/{revoked['session_id']}/revoke", headers=admin_headers(app.paths))
     local = await app.grant(a, profile="local", audience="http://127.0.0.1:9374")
-    refresh_claims = tokens.refresh_claims(session_id=ga["session_id"], agent_id="agent_a", now=now,
-                                           expires=now + 600, family_id="fam_x", audience=app.base,
-                                           cnf={"x5t#S256": a.x5t})
+    refresh_claims = tokens.refresh_claims(
+        session_id=ga["session_id"],
+        agent_id="agent_a",
+        now=now,
+        expires=now + 600,
+        family_id="fam_x",
+        audience=app.base,
+        cnf={"x5t#S256": a.x5t},
+    )
     refresh_tok = tokens.sign_token(refresh_claims, signing.key, signing.kid, refresh=True)
     mem = "/v1/memory/preference.theme"
     rows: list[tuple[str, str, str | None, str | None, str, int]] = [
@@ -214,10 +250,22 @@ async def test_bad_requests_table(app: Appliance) -> None:
         ("missing authorization", mem, None, "agent_a", "INVALID_TOKEN", 401),
         ("malformed jwt", mem, "not-a-jwt", "agent_a", "INVALID_TOKEN", 401),
         ("alg none", mem, none_tok, "agent_a", "INVALID_TOKEN", 401),
-        ("hs256 with public key", mem, _forge(base_claims, {"alg": "HS256", "kid": signing.kid}, pub_x),
-         "agent_a", "INVALID_TOKEN", 401),
-        ("unknown kid", mem, tokens.jose.sign_compact({"alg": "EdDSA", "kid": "nope"}, base_claims, signing.key),
-         "agent_a", "INVALID_TOKEN", 401),
+        (
+            "hs256 with public key",
+            mem,
+            _forge(base_claims, {"alg": "HS256", "kid": signing.kid}, pub_x),
+            "agent_a",
+            "INVALID_TOKEN",
+            401,
+        ),
+        (
+            "unknown kid",
+            mem,
+            tokens.jose.sign_compact({"alg": "EdDSA", "kid": "nope"}, base_claims, signing.key),
+            "agent_a",
+            "INVALID_TOKEN",
+            401,
+        ),
         ("expired", mem, signed(exp=int(now) - 5, expires_at=tokens.iso(now - 5)), "agent_a", "TOKEN_EXPIRED", 401),
         ("wrong audience", mem, signed(audience="https://evil.example"), "agent_a", "INVALID_TOKEN", 401),
         ("profile local", mem, local["token"], "agent_a", "INVALID_TOKEN", 401),
@@ -228,10 +276,22 @@ async def test_bad_requests_table(app: Appliance) -> None:
         ("revoked session", mem, revoked["token"], "agent_a", "SESSION_REVOKED", 401),
         ("closed session", mem, closed["token"], "agent_a", "SESSION_REVOKED", 401),
         ("refresh token on memory route", mem, refresh_tok, "agent_a", "INVALID_TOKEN", 401),
-        ("allowed_endpoints excludes this host", mem, signed(allowed_endpoints=["gw.example.net"]), "agent_a",
-         "ACCESS_DENIED", 403),
-        ("other session's audit", f"/v1/audit?session_id={gb['session_id']}", ga["token"], "agent_a",
-         "ACCESS_DENIED", 403),
+        (
+            "allowed_endpoints excludes this host",
+            mem,
+            signed(allowed_endpoints=["gw.example.net"]),
+            "agent_a",
+            "ACCESS_DENIED",
+            403,
+        ),
+        (
+            "other session's audit",
+            f"/v1/audit?session_id={gb['session_id']}",
+            ga["token"],
+            "agent_a",
+            "ACCESS_DENIED",
+            403,
+        ),
     ]
     async with agent_session(a, app.paths) as s:
         for name, path, tok, agent, code, status in rows:
@@ -242,9 +302,17 @@ async def test_bad_requests_table(app: Appliance) -> None:
             assert len(events) == before + 1 and events[-1]["allowed"] is False, name
             assert events[-1]["code"] == code, name
         # path tricks a client library would normalise away: sent byte for byte
-        for raw_target in ("/v1/memory/../sessions", "/v1/memory/%2e%2e/sessions", "/v1/memory/%2E%2E/x",
-                           "/v1/memory/a%2Fb", "/v1/memory/a%252Fb", "/v1/memory/a%5Cb", "/v1//memory/x",
-                           "http://evil.example/v1/memory/x", "/v1/memory/./preference.theme"):
+        for raw_target in (
+            "/v1/memory/../sessions",
+            "/v1/memory/%2e%2e/sessions",
+            "/v1/memory/%2E%2E/x",
+            "/v1/memory/a%2Fb",
+            "/v1/memory/a%252Fb",
+            "/v1/memory/a%5Cb",
+            "/v1//memory/x",
+            "http://evil.example/v1/memory/x",
+            "/v1/memory/./preference.theme",
+        ):
             before = len(access_events(app.paths))
             status, body = await _raw_request(app, a, f"GET {raw_target} HTTP/1.1", ga["token"])
             assert status == 400 and body["error"]["code"] == "INVALID_REQUEST", raw_target
@@ -252,12 +320,16 @@ async def test_bad_requests_table(app: Appliance) -> None:
             assert len(events) == before + 1 and events[-1]["code"] == "INVALID_REQUEST", raw_target
 
 
-async def _raw_request(app: Appliance, agent: Any, request_line: str, token: str,
-                       extra: str = "") -> tuple[int, Any]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", app.gateway.port, ssl=agent.ssl(),
-                                                   server_hostname="localhost")
-    writer.write((f"{request_line}\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n"
-                  f"X-UOMP-Agent-Id: {agent.agent_id}\r\n{extra}Connection: close\r\n\r\n").encode())
+async def _raw_request(app: Appliance, agent: Any, request_line: str, token: str, extra: str = "") -> tuple[int, Any]:
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", app.gateway.port, ssl=agent.ssl(), server_hostname="localhost"
+    )
+    writer.write(
+        (
+            f"{request_line}\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n"
+            f"X-UOMP-Agent-Id: {agent.agent_id}\r\n{extra}Connection: close\r\n\r\n"
+        ).encode()
+    )
     await writer.drain()
     data = await reader.read()
     writer.close()
@@ -272,14 +344,21 @@ async def _raw_request(app: Appliance, agent: Any, request_line: str, token: str
 async def test_oversized_header_and_body(app: Appliance) -> None:
     a = app.agent("agent_a")
     g = await app.grant(a)
-    status, body = await _raw_request(app, a, "GET /v1/memory/preference.theme HTTP/1.1", g["token"],
-                                      extra=f"X-Big: {'a' * 20000}\r\n")
+    status, body = await _raw_request(
+        app, a, "GET /v1/memory/preference.theme HTTP/1.1", g["token"], extra=f"X-Big: {'a' * 20000}\r\n"
+    )
     assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
     async with agent_session(a, app.paths) as s:
-        status, body, _ = await agent_call(s, app.base, f"/v1/sessions/{g['session_id']}/deletion-proof",
-                                           token=g["token"], agent_id=a.agent_id, method="POST",
-                                           data=b"x" * (2 * 1024 * 1024),
-                                           headers={"Content-Type": "application/json"})
+        status, body, _ = await agent_call(
+            s,
+            app.base,
+            f"/v1/sessions/{g['session_id']}/deletion-proof",
+            token=g["token"],
+            agent_id=a.agent_id,
+            method="POST",
+            data=b"x" * (2 * 1024 * 1024),
+            headers={"Content-Type": "application/json"},
+        )
         assert status == 413 and body["error"]["code"] == "PAYLOAD_TOO_LARGE"
     events = access_events(app.paths)
     assert events[-1]["code"] == "PAYLOAD_TOO_LARGE"
@@ -291,13 +370,18 @@ async def test_client_sent_identity_headers_are_not_forwarded(app: Appliance) ->
     g = await app.grant(a)
     async with agent_session(a, app.paths) as s:
         # a client never sends the gateway's assertion: refused outright (issue 15 defect 1)
-        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                           agent_id=a.agent_id,
-                                           headers={"X-UOMP-Verified-Agent": "someone_else",
-                                                    "X-UOMP-Verified-Via": "forged"})
+        status, body, _ = await agent_call(
+            s,
+            app.base,
+            "/v1/memory/preference.theme",
+            token=g["token"],
+            agent_id=a.agent_id,
+            headers={"X-UOMP-Verified-Agent": "someone_else", "X-UOMP-Verified-Via": "forged"},
+        )
         assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
-        status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                           agent_id=a.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
         assert status == 200 and body["value"] == "dark"
     from gateway.guard.audit import AuditLog
 
@@ -323,12 +407,14 @@ async def test_upstream_down_then_recovers(home: Paths) -> None:
     base = f"https://localhost:{gw.port}"
     try:
         async with agent_session(a, home) as s:
-            status, body, _ = await agent_call(s, base, "/v1/memory/preference.theme", token=g["token"],
-                                               agent_id=a.agent_id)
+            status, body, _ = await agent_call(
+                s, base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
             assert status == 503 and body["error"]["code"] == "STORE_UNAVAILABLE"
             async with running_guard(home, serve_tcp=False):
-                status, body, _ = await agent_call(s, base, "/v1/memory/preference.theme", token=g["token"],
-                                                   agent_id=a.agent_id)
+                status, body, _ = await agent_call(
+                    s, base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+                )
                 assert status == 200, body
     finally:
         await gw.stop()
@@ -350,8 +436,9 @@ async def _fake_upstream(path: str, behaviour: str) -> asyncio.AbstractServer:
     return await asyncio.start_unix_server(handle, path=path)
 
 
-@pytest.mark.parametrize(("behaviour", "code", "status"), [("garbage", "UPSTREAM_ERROR", 502),
-                                                           ("hang", "UPSTREAM_TIMEOUT", 504)])
+@pytest.mark.parametrize(
+    ("behaviour", "code", "status"), [("garbage", "UPSTREAM_ERROR", 502), ("hang", "UPSTREAM_TIMEOUT", 504)]
+)
 async def test_upstream_garbage_or_hang(home: Paths, behaviour: str, code: str, status: int) -> None:
     async with appliance(home) as app:
         a = app.agent("agent_a")
@@ -361,13 +448,15 @@ async def test_upstream_garbage_or_hang(home: Paths, behaviour: str, code: str, 
 
     sock = str(home.home / "fake.sock")
     fake = await _fake_upstream(sock, behaviour)
-    gw = GatewayRunner(home, GatewayConfig(listen_port=0, endpoints=[app.base], upstream=f"unix:{sock}",
-                                           upstream_timeout_seconds=1.0))
+    gw = GatewayRunner(
+        home, GatewayConfig(listen_port=0, endpoints=[app.base], upstream=f"unix:{sock}", upstream_timeout_seconds=1.0)
+    )
     await gw.start()
     try:
         async with agent_session(a, home) as s:
-            got, body, _ = await agent_call(s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme",
-                                            token=g["token"], agent_id=a.agent_id)
+            got, body, _ = await agent_call(
+                s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
             assert (got, body["error"]["code"]) == (status, code)
     finally:
         await gw.stop()
@@ -377,8 +466,9 @@ async def test_upstream_garbage_or_hang(home: Paths, behaviour: str, code: str, 
 async def test_slow_client_is_cut_off(home: Paths) -> None:
     async with appliance(home, client_timeout_seconds=0.5) as app:
         a = app.agent("agent_a")
-        reader, writer = await asyncio.open_connection("127.0.0.1", app.gateway.port, ssl=a.ssl(),
-                                                       server_hostname="localhost")
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", app.gateway.port, ssl=a.ssl(), server_hostname="localhost"
+        )
         writer.write(b"GET /v1/health HTTP/1.1\r\nHost: loc")  # never finishes its headers
         await writer.drain()
         data = await asyncio.wait_for(reader.read(), timeout=5)
@@ -390,11 +480,14 @@ async def test_slow_client_is_cut_off(home: Paths) -> None:
 async def test_connection_cap(home: Paths) -> None:
     async with appliance(home, max_connections=2) as app:
         a = app.agent("agent_a")
-        conns = [await asyncio.open_connection("127.0.0.1", app.gateway.port, ssl=a.ssl(), server_hostname="localhost")
-                 for _ in range(2)]
+        conns = [
+            await asyncio.open_connection("127.0.0.1", app.gateway.port, ssl=a.ssl(), server_hostname="localhost")
+            for _ in range(2)
+        ]
         with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
-            r, w = await asyncio.open_connection("127.0.0.1", app.gateway.port, ssl=a.ssl(),
-                                                 server_hostname="localhost")
+            r, w = await asyncio.open_connection(
+                "127.0.0.1", app.gateway.port, ssl=a.ssl(), server_hostname="localhost"
+            )
             w.write(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             await w.drain()
             data = await asyncio.wait_for(r.read(), 5)
@@ -414,9 +507,16 @@ async def test_no_secrets_in_logs(home: Paths, caplog: pytest.LogCaptureFixture)
             for path in ("/v1/memory/user.passport", "/v1/memory/user.password", "/v1/memory?tag=preference"):
                 await agent_call(s, app.base, path, token=g["token"], agent_id=a.agent_id)
             await agent_call(s, app.base, "/v1/memory/x", token=g["token"] + "x", agent_id=a.agent_id)
-    secrets_ = [g["token"], g["token"].split(".")[2], "X1234567", "hunter2", "lockpicking",
-                keys.load_admin(home), jose.private_jwk(keys.load_signing_key(home).key, kid="k")["d"],
-                a.files.key_file.read_text().splitlines()[1]]
+    secrets_ = [
+        g["token"],
+        g["token"].split(".")[2],
+        "X1234567",
+        "hunter2",
+        "lockpicking",
+        keys.load_admin(home),
+        jose.private_jwk(keys.load_signing_key(home).key, kid="k")["d"],
+        a.files.key_file.read_text().splitlines()[1],
+    ]
     texts = [caplog.text, (home.gateway_dir / "access.jsonl").read_text(), json.dumps(ledger_events(home))]
     for t in texts:
         for secret in secrets_:
@@ -449,8 +549,10 @@ async def test_metrics_on_separate_loopback_port(home: Paths) -> None:
             await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id)
             await agent_call(s, app.base, "/v1/memory/preference.theme", token=None, agent_id=a.agent_id)
         assert app.gateway.metrics_port
-        async with aiohttp.ClientSession() as plain, \
-                plain.get(f"http://127.0.0.1:{app.gateway.metrics_port}/metrics") as resp:
+        async with (
+            aiohttp.ClientSession() as plain,
+            plain.get(f"http://127.0.0.1:{app.gateway.metrics_port}/metrics") as resp,
+        ):
             text = await resp.text()
         assert resp.status == 200 and resp.content_type == "text/plain"
         assert 'uomp_gateway_requests_total{route="read_key",code="OK"} 1' in text
@@ -493,12 +595,19 @@ async def test_fronts_another_guard_over_loopback_http(home: Paths) -> None:
     await gw.start()
     try:
         async with agent_session(a, home) as s:
-            status, body, _ = await agent_call(s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme",
-                                               token=g["token"], agent_id=a.agent_id, headers={"Cookie": "x=1"})
+            status, body, _ = await agent_call(
+                s,
+                f"https://localhost:{gw.port}",
+                "/v1/memory/preference.theme",
+                token=g["token"],
+                agent_id=a.agent_id,
+                headers={"Cookie": "x=1"},
+            )
             assert (status, body["value"]) == (200, "from-other-guard")
             # still refused before forwarding: wrong agent header
-            status, body, _ = await agent_call(s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme",
-                                               token=g["token"], agent_id="someone")
+            status, body, _ = await agent_call(
+                s, f"https://localhost:{gw.port}", "/v1/memory/preference.theme", token=g["token"], agent_id="someone"
+            )
             assert status == 403 and body["error"]["code"] == "AGENT_MISMATCH"
     finally:
         await gw.stop()

@@ -44,8 +44,11 @@ async def test_a_new_route_is_one_row_and_one_handler(home: Paths, tmp_path: Pat
 
         # the exercise: one row (a name the table lacks is cast here; in the product it is one line
         # of RouteName) and one handler
-        state.routes.append(app.Route("GET", re.compile(r"/v1/echo/(?P<n>[0-9]+)"), cast(RouteName, "echo"),
-                                      status_check=False, handler=echo))
+        state.routes.append(
+            app.Route(
+                "GET", re.compile(r"/v1/echo/(?P<n>[0-9]+)"), cast(RouteName, "echo"), status_check=False, handler=echo
+            )
+        )
         a = appl.agent("calendar_agent")
         g = await appl.grant(a)
         async with agent_session(a, home) as s:
@@ -58,8 +61,9 @@ async def test_a_new_route_is_one_row_and_one_handler(home: Paths, tmp_path: Pat
             assert (status, body["error"]["code"]) == (403, "AGENT_MISMATCH")
             status, body, _ = await agent_call(s, appl.base, "/v1/echo/x", token=g["token"], agent_id=a.agent_id)
             assert (status, body["error"]["code"]) == (404, "NOT_FOUND")
-            status, body, _ = await agent_call(s, appl.base, "/v1/echo/7", token=g["token"], agent_id=a.agent_id,
-                                               method="POST")
+            status, body, _ = await agent_call(
+                s, appl.base, "/v1/echo/7", token=g["token"], agent_id=a.agent_id, method="POST"
+            )
             assert (status, body["error"]["code"]) == (405, "METHOD_NOT_ALLOWED")
 
 
@@ -70,11 +74,15 @@ def test_the_guards_table_is_what_each_listener_serves(home: Paths) -> None:
     from gateway.guard import payload_routes as guard_payloads
 
     rows = (*guard_app.ROUTES, *guard_payloads.ROUTES)
-    services = cast(guard_app.GuardServices, type("S", (), {"cfg": type("C", (), {"max_body_bytes": 1024})(),
-                                                           "paths": home})())
+    services = cast(
+        guard_app.GuardServices, type("S", (), {"cfg": type("C", (), {"max_body_bytes": 1024})(), "paths": home})()
+    )
     for listener in ("unix", "tcp"):
-        served = {(r.method, r.resource.canonical) for r in guard_app.create_app(services, listener=listener)
-                  .router.routes() if r.method != "HEAD" and r.resource is not None}
+        served = {
+            (r.method, r.resource.canonical)
+            for r in guard_app.create_app(services, listener=listener).router.routes()
+            if r.method != "HEAD" and r.resource is not None
+        }
         assert served == {(row.method, row.path) for row in rows if listener in row.listeners}
     tcp = {row.path for row in rows if "tcp" in row.listeners}
     assert not tcp & {"/v1/tokens/validate", "/v1/internal/events", "/v1/sessions/{sid}/refresh", "/v1/payloads"}

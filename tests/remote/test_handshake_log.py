@@ -28,8 +28,9 @@ def _client(paths: Paths, tmp: Path, variant: str) -> ssl.SSLContext:
     if variant == "foreign":
         ca_key, ca_cert = ca.create_ca()
     if variant == "expired":
-        cert = ca.issue_agent_cert(ca_key, ca_cert, key.public_key(), "bot", dt.timedelta(hours=1),
-                                   now=now - dt.timedelta(hours=2))
+        cert = ca.issue_agent_cert(
+            ca_key, ca_cert, key.public_key(), "bot", dt.timedelta(hours=1), now=now - dt.timedelta(hours=2)
+        )
     elif variant == "not_yet_valid":
         cert = ca.issue_agent_cert(ca_key, ca_cert, key.public_key(), "bot", now=now + dt.timedelta(days=1))
     else:
@@ -79,8 +80,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("variant", "label", "words"), CASES, ids=[c[0] for c in CASES])
-async def test_refused_handshake_is_logged_and_counted(home: Paths, tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                       variant: str, label: str, words: str) -> None:
+async def test_refused_handshake_is_logged_and_counted(
+    home: Paths, tmp_path: Path, caplog: pytest.LogCaptureFixture, variant: str, label: str, words: str
+) -> None:
     caplog.set_level(logging.WARNING, logger="uomp.gateway")
     async with appliance(home) as app:
         port = app.gateway.port

@@ -22,9 +22,13 @@ HEADER = 1.0  # client_timeout_seconds: accept / a request's first byte -> its h
 IDLE = 0.8  # first_byte_timeout_seconds: unverified idle between requests
 KEEPALIVE = 1.2  # keepalive_timeout_seconds: verified idle between requests
 STEP = 0.15
-DEADLINES = {"client_timeout_seconds": HEADER, "first_byte_timeout_seconds": IDLE,
-             "keepalive_timeout_seconds": KEEPALIVE, "tls_handshake_timeout_seconds": 5.0,
-             "body_timeout_seconds": HEADER}
+DEADLINES = {
+    "client_timeout_seconds": HEADER,
+    "first_byte_timeout_seconds": IDLE,
+    "keepalive_timeout_seconds": KEEPALIVE,
+    "tls_handshake_timeout_seconds": 5.0,
+    "body_timeout_seconds": HEADER,
+}
 
 
 class Wire:
@@ -97,8 +101,9 @@ async def test_a_busy_keepalive_connection_outlives_the_header_deadline(home: Pa
         ctx = a.ssl() if verified else build_client_context(ca_file(app.paths))
         wire = await Wire.open(app.gateway.port or 0, ctx)
         try:
-            head = wire.head("/v1/memory/preference.theme",
-                             {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id})
+            head = wire.head(
+                "/v1/memory/preference.theme", {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id}
+            )
             statuses = await _busy(wire, head, 3 * HEADER)
             want = 200 if verified else 401
             assert len(statuses) >= 3 * HEADER / (STEP + 0.1), statuses
@@ -120,12 +125,13 @@ async def test_a_slow_header_on_a_later_request_is_cut(home: Paths, verified: bo
         ctx = a.ssl() if verified else build_client_context(ca_file(app.paths))
         wire = await Wire.open(app.gateway.port or 0, ctx)
         try:
-            head = wire.head("/v1/memory/preference.theme",
-                             {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id})
+            head = wire.head(
+                "/v1/memory/preference.theme", {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id}
+            )
             statuses = await _busy(wire, head, 1.5 * HEADER)
             assert len(statuses) >= 3 and len(set(statuses)) == 1, statuses
             # request N: a first part of its header, then a trickle that never ends it (slowloris)
-            await wire.send(head[:head.index(b"\r\n") + 2])  # the request line, no header yet
+            await wire.send(head[: head.index(b"\r\n") + 2])  # the request line, no header yet
             loop = asyncio.get_running_loop()
             started = loop.time()
 
@@ -157,8 +163,9 @@ async def test_idle_between_requests_is_cut_after_the_idle_timeout(home: Paths, 
         ctx = a.ssl() if verified else build_client_context(ca_file(app.paths))
         wire = await Wire.open(app.gateway.port or 0, ctx)
         try:
-            head = wire.head("/v1/memory/preference.theme",
-                             {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id})
+            head = wire.head(
+                "/v1/memory/preference.theme", {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id}
+            )
             statuses = await _busy(wire, head, 1.5 * HEADER)
             assert len(statuses) >= 3 and len(set(statuses)) == 1, statuses
             loop = asyncio.get_running_loop()
@@ -182,8 +189,9 @@ async def test_the_connection_lifetime_ends_a_busy_connection_between_requests(h
         g = await app.grant(a)
         wire = await Wire.open(app.gateway.port or 0, a.ssl())
         try:
-            head = wire.head("/v1/memory/preference.theme",
-                             {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id})
+            head = wire.head(
+                "/v1/memory/preference.theme", {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": a.agent_id}
+            )
             statuses: list[int] = []
             loop = asyncio.get_running_loop()
             end = loop.time() + 3 * HEADER
@@ -214,8 +222,10 @@ def test_the_lifetime_is_long_by_default_and_positive() -> None:
 
 
 def _post(wire: Wire, path: str, headers: dict[str, str], body: bytes, length: int | None = None) -> bytes:
-    head = wire.head(path, {**headers, "Content-Type": "application/json",
-                            "Content-Length": str(len(body) if length is None else length)})
+    head = wire.head(
+        path,
+        {**headers, "Content-Type": "application/json", "Content-Length": str(len(body) if length is None else length)},
+    )
     return head.replace(b"GET ", b"POST ", 1) + body
 
 
@@ -258,7 +268,7 @@ async def test_a_slow_header_after_a_refused_request_with_a_late_body_is_cut(hom
             await asyncio.sleep(0.3)
             await wire.send(req[cut:])  # the rest of the body, late but within its deadline
             await asyncio.sleep(0.3)
-            await wire.send(req[:req.index(b"\r\n") + 2])  # the next request: its line, then nothing
+            await wire.send(req[: req.index(b"\r\n") + 2])  # the next request: its line, then nothing
             loop = asyncio.get_running_loop()
             started = loop.time()
             assert await wire.closed_within(HEADER + 2.0), "the next request's slow header was not cut"

@@ -23,10 +23,10 @@ from gateway.remote.metrics import (
 
 NS = "uomp_gateway"
 _SAMPLE = re.compile(
-    r'(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
+    r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)"
     r'(?:\{(?P<labels>[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
     r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)\})?'
-    r' (?P<value>[+-]?Inf|NaN|[-+]?[0-9.eE+-]+)'
+    r" (?P<value>[+-]?Inf|NaN|[-+]?[0-9.eE+-]+)"
 )
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
 

@@ -38,12 +38,19 @@ async def test_gateway_refusals_land_once_in_the_guards_ledger(home: Paths) -> N
                 ("/v1/nope", "GET", g["token"], a.agent_id, None, "NOT_FOUND"),
                 ("/v1/memory/aggregate", "POST", g["token"], a.agent_id, None, "METHOD_NOT_ALLOWED"),
                 ("/v1/memory/x", "GET", g["token"], "someone_else", None, "AGENT_MISMATCH"),
-                ("/v1/memory/x", "GET", g["token"], a.agent_id, {"X-UOMP-Verified-Listener": "tunnel"},
-                 "INVALID_REQUEST"),
+                (
+                    "/v1/memory/x",
+                    "GET",
+                    g["token"],
+                    a.agent_id,
+                    {"X-UOMP-Verified-Listener": "tunnel"},
+                    "INVALID_REQUEST",
+                ),
             ]
             for path, method, token, agent_id, headers, code in cases:
-                status, body, _ = await agent_call(s, app.base, path, method=method, token=token, agent_id=agent_id,
-                                                   headers=headers)
+                status, body, _ = await agent_call(
+                    s, app.base, path, method=method, token=token, agent_id=agent_id, headers=headers
+                )
                 assert body["error"]["code"] == code, (path, body)
         async with agent_session(other, home) as s2:  # another agent's certificate with this token
             status, body, _ = await agent_call(s2, app.base, "/v1/memory/x", token=g["token"], agent_id=a.agent_id)
@@ -70,12 +77,14 @@ async def test_forwarded_read_is_one_event_with_the_gateways_fields(home: Paths)
         g = await app.grant(a)
         before = len(ledger_events(home))
         async with agent_session(a, home) as s:
-            status, body, hdrs = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                                  agent_id=a.agent_id)
+            status, body, hdrs = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
             assert status == 200 and body["value"] == "dark"
             assert "X-UOMP-Event-Id" not in hdrs  # the guard's answer to the gateway stays inside
-            status, body, _ = await agent_call(s, app.base, "/v1/memory/secret.key", token=g["token"],
-                                               agent_id=a.agent_id)
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/memory/secret.key", token=g["token"], agent_id=a.agent_id
+            )
             assert (status, body["error"]["code"]) == (403, "ACCESS_DENIED")
         after = ledger_events(home)[before:]
         assert [e["action"] for e in after] == ["read", "read"]  # one event each, not two
@@ -89,19 +98,36 @@ async def test_forwarded_read_is_one_event_with_the_gateways_fields(home: Paths)
 
 
 async def test_client_cannot_forge_the_gateways_audit_headers(home: Paths) -> None:
-    forged = {"X-UOMP-Verified-Listener": "tunnel", "X-UOMP-Verified-Client": "10.9.9.9",
-              "X-UOMP-Verified-Cert-Serial": "ff", "X-UOMP-Verified-Request-Id": "req_forged"}
+    forged = {
+        "X-UOMP-Verified-Listener": "tunnel",
+        "X-UOMP-Verified-Client": "10.9.9.9",
+        "X-UOMP-Verified-Cert-Serial": "ff",
+        "X-UOMP-Verified-Request-Id": "req_forged",
+    }
     async with appliance(home) as app:
         a = app.agent("calendar_agent")
         g = await app.grant(a)
         async with agent_session(a, home) as s:
             for name, value in forged.items():
-                status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                                   agent_id=a.agent_id, headers={name: value})
+                status, body, _ = await agent_call(
+                    s,
+                    app.base,
+                    "/v1/memory/preference.theme",
+                    token=g["token"],
+                    agent_id=a.agent_id,
+                    headers={name: value},
+                )
                 assert (status, body["error"]["code"]) == (400, "INVALID_REQUEST"), name
             # and the internal route is not reachable through the gateway
-            status, body, _ = await agent_call(s, app.base, "/v1/internal/events", method="POST", token=g["token"],
-                                               agent_id=a.agent_id, json_body={"events": []})
+            status, body, _ = await agent_call(
+                s,
+                app.base,
+                "/v1/internal/events",
+                method="POST",
+                token=g["token"],
+                agent_id=a.agent_id,
+                json_body={"events": []},
+            )
             assert body["error"]["code"] == "NOT_FOUND"
         assert not ledger_events(home, request_id="req_forged") and not ledger_events(home, client="10.9.9.9")
     # The guard's Local Profile TCP listener: refused, and no internal route there.
@@ -122,8 +148,9 @@ async def test_one_quota_counter_the_guards(home: Paths) -> None:
         async with agent_session(a, home) as s:
             seen = []
             for _ in range(3):
-                status, body, hdrs = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                                      agent_id=a.agent_id)
+                status, body, hdrs = await agent_call(
+                    s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+                )
                 seen.append((status, hdrs.get("X-UOMP-Quota-Remaining")))
             assert seen == [(200, "1"), (200, "0"), (429, "0")]
             assert body["error"]["code"] == "QUOTA_EXCEEDED"
@@ -174,8 +201,9 @@ async def test_guard_down_refusals_spooled_then_replayed_exactly_once(home: Path
         base = app.base
         await guard_cm.__aexit__(None, None, None)  # the guard goes away
         async with agent_session(a, home) as s:
-            status, body, _ = await agent_call(s, base, "/v1/memory/preference.theme", token=g["token"],
-                                               agent_id=a.agent_id)
+            status, body, _ = await agent_call(
+                s, base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
             assert (status, body["error"]["code"]) == (503, "STORE_UNAVAILABLE")
             for _ in range(3):
                 status, body, _ = await agent_call(s, base, "/v1/nope", token=g["token"], agent_id=a.agent_id)
@@ -206,8 +234,9 @@ async def test_a_flood_of_refusals_is_batched(home: Paths) -> None:
         n = 200
         async with agent_session(a, home, limit=10) as s:
             sent = state.events.requests_sent
-            answers = await asyncio.gather(*[agent_call(s, app.base, "/v1/memory/x", token="garbage",
-                                                        agent_id=a.agent_id) for _ in range(n)])
+            answers = await asyncio.gather(
+                *[agent_call(s, app.base, "/v1/memory/x", token="garbage", agent_id=a.agent_id) for _ in range(n)]
+            )
         assert all(body["error"]["code"] == "INVALID_TOKEN" for _, body, _ in answers)
         internal = state.events.requests_sent - sent
         assert len(ledger_events(home, code="INVALID_TOKEN")) == n
@@ -238,8 +267,9 @@ async def test_a_revoked_sessions_refused_read_names_the_agent_and_session(home:
         await call(app.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(home))
         before = len(ledger_events(home))
         async with agent_session(a, home) as s:
-            status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                               agent_id=a.agent_id)
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
         assert (status, body["error"]["code"]) == (401, "SESSION_REVOKED")
         status, _, _ = await call(app.admin, "GET", "/v1/memory/preference.theme", token=g["token"])
         assert status == 401

@@ -16,8 +16,13 @@ ACCEPTED = [
     ("unreserved escaped", "/v1/memory/%61", "/v1/memory/a", "/v1/memory/a", ""),
     ("lowercase hex", "/v1/memory/%7e%5f", "/v1/memory/~_", "/v1/memory/~_", ""),
     ("space escaped", "/v1/memory/a%20b", "/v1/memory/a b", "/v1/memory/a%20b", ""),
-    ("sub-delims kept", "/v1/memory/a:b@c!$&'()*+,;=", "/v1/memory/a:b@c!$&'()*+,;=",
-     "/v1/memory/a:b@c!$&'()*+,;=", ""),
+    (
+        "sub-delims kept",
+        "/v1/memory/a:b@c!$&'()*+,;=",
+        "/v1/memory/a:b@c!$&'()*+,;=",
+        "/v1/memory/a:b@c!$&'()*+,;=",
+        "",
+    ),
     ("escaped sub-delim unescaped upstream", "/v1/memory/a%3Ab", "/v1/memory/a:b", "/v1/memory/a:b", ""),
     ("unicode key", "/v1/memory/caf%C3%A9", "/v1/memory/café", "/v1/memory/caf%C3%A9", ""),
     ("unicode key lowercase hex", "/v1/memory/caf%c3%a9", "/v1/memory/café", "/v1/memory/caf%C3%A9", ""),
@@ -26,8 +31,13 @@ ACCEPTED = [
     ("three dots is a name", "/v1/memory/...", "/v1/memory/...", "/v1/memory/...", ""),
     ("dot inside name", "/v1/memory/..a", "/v1/memory/..a", "/v1/memory/..a", ""),
     ("query", "/v1/memory?tag=work", "/v1/memory", "/v1/memory", "tag=work"),
-    ("query two params", "/v1/memory/aggregate?tag=a&op=count", "/v1/memory/aggregate",
-     "/v1/memory/aggregate", "tag=a&op=count"),
+    (
+        "query two params",
+        "/v1/memory/aggregate?tag=a&op=count",
+        "/v1/memory/aggregate",
+        "/v1/memory/aggregate",
+        "tag=a&op=count",
+    ),
     ("query escapes kept raw", "/v1/memory?tag=caf%C3%A9+x", "/v1/memory", "/v1/memory", "tag=caf%C3%A9+x"),
     ("query literal percent allowed", "/v1/memory?tag=100%25", "/v1/memory", "/v1/memory", "tag=100%25"),
     ("query slash and question mark", "/v1/memory?tag=a/b?c", "/v1/memory", "/v1/memory", "tag=a/b?c"),
@@ -137,8 +147,12 @@ def test_refused(name: str, raw: str, rule: str) -> None:
 
 def test_refusal_message_never_echoes_the_target() -> None:
     secret_key = "very-private-key-name"
-    for raw in (f"/v1/memory/{secret_key}%2Fx", f"/v1/memory/{secret_key}/..", f"/v1/memory/{secret_key}%zz",
-                f"/v1/memory/{secret_key}?tag=%00"):
+    for raw in (
+        f"/v1/memory/{secret_key}%2Fx",
+        f"/v1/memory/{secret_key}/..",
+        f"/v1/memory/{secret_key}%zz",
+        f"/v1/memory/{secret_key}?tag=%00",
+    ):
         with pytest.raises(UompError) as exc:
             normalize_target(raw)
         assert secret_key not in str(exc.value)

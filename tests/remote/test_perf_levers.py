@@ -34,6 +34,7 @@ READ = {"tags": ["preference"], "keys": []}
 
 # ----------------------------------------------------------------------------------- jsonio
 
+
 def _std_dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
@@ -59,10 +60,16 @@ def _same(a: Any, b: Any) -> bool:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.text() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.integers() | st.integers(min_value=-(2**70), max_value=2**70) | st.sampled_from([2**64, -(2**63) - 1, 2**63]),
+    st.none()
+    | st.booleans()
+    | st.text()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.sampled_from([2**64, -(2**63) - 1, 2**63]),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-    max_leaves=20)
+    max_leaves=20,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -74,16 +81,28 @@ def test_jsonio_round_trips_like_the_standard_library(value: Any) -> None:
     assert _same(jsonio.loads(wire.decode("utf-8")), json.loads(wire))
 
 
-@pytest.mark.parametrize("text", [
-    "18446744073709551616", "-9223372036854775809", "123456789012345678901234567890",
-    '{"n": 99999999999999999999999, "s": "12345678901234567890"}', "9223372036854775807",
-    '"été ✓ 𝄞"', '"\\u00e9\\ud834\\udd1e"', "1e16", "1e-7", "-0", "-0.0", "0.1", "1.7976931348623157e308",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "18446744073709551616",
+        "-9223372036854775809",
+        "123456789012345678901234567890",
+        '{"n": 99999999999999999999999, "s": "12345678901234567890"}',
+        "9223372036854775807",
+        '"été ✓ 𝄞"',
+        '"\\u00e9\\ud834\\udd1e"',
+        "1e16",
+        "1e-7",
+        "-0",
+        "-0.0",
+        "0.1",
+        "1.7976931348623157e308",
+    ],
+)
 def test_jsonio_loads_accepts_exactly_what_json_accepts(text: str) -> None:
     for data in (text, text.encode("utf-8")):
         got, want = _outcome(jsonio.loads, data), _outcome(json.loads, data)
         assert got[0] == want[0] == "ok" and _same(got[1], want[1]), (text, got, want)
-
 
 
 def test_jsonio_loads_keeps_integers_beyond_64_bits_exact() -> None:
@@ -92,10 +111,23 @@ def test_jsonio_loads_keeps_integers_beyond_64_bits_exact() -> None:
         assert type(got) is int and got == n  # orjson alone would answer a float here
 
 
-@pytest.mark.parametrize("text", [
-    "NaN", "-Infinity", "1e999", '"\\ud800"', "[1,]", "{'a': 1}", '"\x01"', "", "01", '{"a"}', "[" * 5000,
-    b"\xff\xfe",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NaN",
+        "-Infinity",
+        "1e999",
+        '"\\ud800"',
+        "[1,]",
+        "{'a': 1}",
+        '"\x01"',
+        "",
+        "01",
+        '{"a"}',
+        "[" * 5000,
+        b"\xff\xfe",
+    ],
+)
 def test_jsonio_loads_refuses_or_accepts_the_oddities_as_json_does(text: str | bytes) -> None:
     got, want = _outcome(jsonio.loads, text), _outcome(json.loads, text)
     assert got[0] == want[0], (text, got, want)
@@ -105,10 +137,20 @@ def test_jsonio_loads_refuses_or_accepts_the_oddities_as_json_does(text: str | b
         assert got[1] is want[1]
 
 
-@pytest.mark.parametrize("value", [
-    float("nan"), [1, {"a": float("inf")}], {"x": -float("inf")}, {1: "int key"}, {"big": 2**80},
-    {"s": "é\u2028"}, object(), {"a": {1, 2}}, "\ud800",
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        float("nan"),
+        [1, {"a": float("inf")}],
+        {"x": -float("inf")},
+        {1: "int key"},
+        {"big": 2**80},
+        {"s": "é\u2028"},
+        object(),
+        {"a": {1, 2}},
+        "\ud800",
+    ],
+)
 def test_jsonio_dumps_refuses_what_json_refuses(value: Any) -> None:
     got, want = _outcome(jsonio.dumps, value), _outcome(_std_dumps, value)
     assert got[0] == want[0], (value, got, want)
@@ -123,6 +165,7 @@ def test_jsonio_uses_orjson() -> None:
 
 
 # ------------------------------------------------------------------------------- event loop
+
 
 async def _loop_kind() -> str:
     return type(asyncio.get_running_loop()).__module__
@@ -147,13 +190,19 @@ def test_aiohttp_c_extensions_are_active_and_doctor_says_so(home: Paths) -> None
     out = subprocess.run([*UOMP, "--home", str(home.home), "doctor"], capture_output=True, text=True, timeout=60)
     assert "aiohttp C extensions active" in out.stdout, out.stdout
     assert "event loop uvloop" in out.stdout and "JSON orjson" in out.stdout
-    off = subprocess.run([*UOMP, "--home", str(home.home), "doctor"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "AIOHTTP_NO_EXTENSIONS": "1", "UOMP_UVLOOP": "0"})
+    off = subprocess.run(
+        [*UOMP, "--home", str(home.home), "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "AIOHTTP_NO_EXTENSIONS": "1", "UOMP_UVLOOP": "0"},
+    )
     assert "aiohttp C extensions OFF" in off.stdout, off.stdout
     assert "event loop asyncio (UOMP_UVLOOP=0)" in off.stdout
 
 
 # -------------------------------------------------------------------- session cache + revocation
+
 
 @pytest.fixture
 def seeded(home: Paths) -> Paths:
@@ -169,8 +218,7 @@ async def test_revoked_through_the_admin_api_the_next_read_is_refused(seeded: Pa
             status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=g["token"])
             assert status == 200, body
         assert auth.rows.hits >= 2  # the cache is what answers the status check (so this test means something)
-        status, body, _ = await call(s, "POST", f"/v1/sessions/{g['session_id']}/revoke",
-                                     headers=admin_headers(seeded))
+        status, body, _ = await call(s, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(seeded))
         assert status == 200, body
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=g["token"])
         assert status in (401, 403) and body["error"]["code"] == "SESSION_REVOKED", body
@@ -190,8 +238,13 @@ async def test_revoked_by_another_process_the_next_read_is_refused(seeded: Paths
             assert status == 200
         hits = auth.rows.hits
         # `uomp sessions revoke` opens auth.db itself: a commit by another process and connection
-        out = await asyncio.to_thread(subprocess.run, [*UOMP, "--home", str(seeded.home), "sessions", "revoke",
-                                                       g["session_id"]], capture_output=True, text=True, timeout=60)
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [*UOMP, "--home", str(seeded.home), "sessions", "revoke", g["session_id"]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=g["token"])
         assert body["error"]["code"] == "SESSION_REVOKED", body
@@ -213,8 +266,9 @@ def test_cached_row_is_never_served_past_the_session_expiry(seeded: Paths) -> No
     cfg = guard_config()
     auth = AuthService(seeded, cfg, open_audit(seeded, cfg), clock=lambda: now[0])
     try:
-        sid = auth.create_session({"agent_id": "a1", "requested_scopes": {"read": READ},
-                                   "duration_minutes": 1})["session_id"]
+        sid = auth.create_session({"agent_id": "a1", "requested_scopes": {"read": READ}, "duration_minutes": 1})[
+            "session_id"
+        ]
         tok = auth.grant(sid, {"granted_scopes": {"read": READ}, "token_lifetime_seconds": 3600})["token"]
         auth.authenticate(tok)
         auth.authenticate(tok)
@@ -274,8 +328,10 @@ def test_a_token_blacklisted_after_its_clean_check_was_cached_is_refused(seeded:
         # another connection (as `uomp` in another process would) blacklists tok1 only
         other = sqlite3.connect(seeded.auth_db)
         with other:
-            other.execute("INSERT INTO token_blacklist (token_hash, session_id, expires_at, reason) "
-                          "VALUES (?, ?, ?, 'revoked')", (token_hash(tok1), sid1, 4e9))
+            other.execute(
+                "INSERT INTO token_blacklist (token_hash, session_id, expires_at, reason) VALUES (?, ?, ?, 'revoked')",
+                (token_hash(tok1), sid1, 4e9),
+            )
         other.close()
         with pytest.raises(Exception) as exc:
             auth.authenticate(tok1)

@@ -23,17 +23,18 @@ def test_status_outside_100_599_is_refused(status: bytes) -> None:
     assert ei.value.code == "UPSTREAM_ERROR"
 
 
-TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-!#$%&'*+.^_`|~",
-                min_size=1, max_size=20)
-VALUE = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7e), max_size=40)
+TOKEN = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-!#$%&'*+.^_`|~", min_size=1, max_size=20
+)
+VALUE = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40)
 
 
 @settings(max_examples=150, deadline=None)
-@given(status=st.integers(100, 599), minor=st.sampled_from([0, 1]),
-       headers=st.lists(st.tuples(TOKEN, VALUE), max_size=10))
+@given(
+    status=st.integers(100, 599), minor=st.sampled_from([0, 1]), headers=st.lists(st.tuples(TOKEN, VALUE), max_size=10)
+)
 def test_well_formed_head_round_trips(status: int, minor: int, headers: list[tuple[str, str]]) -> None:
-    head = f"HTTP/1.{minor} {status} Reason".encode() + b"".join(
-        f"\r\n{n}: {v}".encode() for n, v in headers)
+    head = f"HTTP/1.{minor} {status} Reason".encode() + b"".join(f"\r\n{n}: {v}".encode() for n, v in headers)
     got_status, keep_alive, got_headers, _framing = _parse_head(head)
     assert got_status == status and keep_alive == (minor == 1)
     assert got_headers == headers

@@ -26,8 +26,16 @@ PATH_PAD = "p" * 400  # events of ~600 bytes on the wire, as the gateway's refus
 
 
 def refusal(i: int, pad: int = 1, **extra: Any) -> dict[str, Any]:
-    return {"id": new_event_id(), "action": "read", "allowed": False, "code": "CERT_REQUIRED", "status": 401,
-            "reason": f"refusal {i}", "path": f"/v1/memory/{PATH_PAD * pad}{i}", **extra}
+    return {
+        "id": new_event_id(),
+        "action": "read",
+        "allowed": False,
+        "code": "CERT_REQUIRED",
+        "status": 401,
+        "reason": f"refusal {i}",
+        "path": f"/v1/memory/{PATH_PAD * pad}{i}",
+        **extra,
+    }
 
 
 def sink_for(paths: Paths) -> tuple[EventSink, AccessLog, Forwarder]:
@@ -37,15 +45,20 @@ def sink_for(paths: Paths) -> tuple[EventSink, AccessLog, Forwarder]:
     return EventSink(fwd, spool, unauth_burst=1e9, unauth_events_per_second=1e9), spool, fwd
 
 
-async def raw_post(paths: Paths, parts: list[bytes], *, length: int | None = None, pause: float = 0.0,
-                   close_early: bool = False) -> tuple[int, dict[str, Any]]:
+async def raw_post(
+    paths: Paths, parts: list[bytes], *, length: int | None = None, pause: float = 0.0, close_early: bool = False
+) -> tuple[int, dict[str, Any]]:
     """POST the internal events route over the guard's Unix socket, the body in ``parts`` with
     ``pause`` seconds between them; the status and JSON answer (0, {} when the guard closed)."""
     body_len = sum(len(p) for p in parts) if length is None else length
     reader, writer = await asyncio.open_unix_connection(str(paths.guard_sock))
     try:
-        writer.write((f"POST {contract.INTERNAL_EVENTS_PATH} HTTP/1.1\r\nHost: guard\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {body_len}\r\n\r\n").encode())
+        writer.write(
+            (
+                f"POST {contract.INTERNAL_EVENTS_PATH} HTTP/1.1\r\nHost: guard\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {body_len}\r\n\r\n"
+            ).encode()
+        )
         for p in parts:
             writer.write(p)
             await writer.drain()
@@ -55,8 +68,9 @@ async def raw_post(paths: Paths, parts: list[bytes], *, length: int | None = Non
             writer.write_eof()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 40)
         status = int(head.split()[1])
-        clen = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length"))
+        clen = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
         return status, json.loads(await reader.readexactly(clen))
     except (asyncio.IncompleteReadError, ConnectionError):
         return 0, {}
@@ -75,7 +89,7 @@ async def test_the_guard_reads_a_body_that_arrives_in_pieces_whole(home: Paths, 
         events = [refusal(i) for i in range(count)]  # 400: ~250 KB, more than [guard] max_body_bytes (64 KiB)
         body = body_of(events)
         assert len(body) < contract.MAX_INTERNAL_EVENTS_BYTES
-        pieces = [body[i:i + 7000] for i in range(0, len(body), 7000)]
+        pieces = [body[i : i + 7000] for i in range(0, len(body), 7000)]
         assert len(pieces) > 3
         status, answer = await raw_post(home, pieces, pause=0.02)
         assert (status, answer) == (200, {"accepted": count}), answer
@@ -83,14 +97,18 @@ async def test_the_guard_reads_a_body_that_arrives_in_pieces_whole(home: Paths, 
         assert {e["id"] for e in events} <= ids
 
 
-@pytest.mark.parametrize(("case", "want_status", "want_code"), [
-    pytest.param("over-declared", 413, "PAYLOAD_TOO_LARGE", id="declared-length-over-the-limit"),
-    pytest.param("over-sent", 413, "PAYLOAD_TOO_LARGE", id="bytes-over-the-limit"),
-    pytest.param("not-json", 400, "INVALID_REQUEST", id="malformed-json"),
-    pytest.param("bad-event", 400, "INVALID_REQUEST", id="one-bad-event"),
-])
-async def test_the_guard_refuses_a_body_with_the_right_code(home: Paths, case: str, want_status: int,
-                                                             want_code: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "want_status", "want_code"),
+    [
+        pytest.param("over-declared", 413, "PAYLOAD_TOO_LARGE", id="declared-length-over-the-limit"),
+        pytest.param("over-sent", 413, "PAYLOAD_TOO_LARGE", id="bytes-over-the-limit"),
+        pytest.param("not-json", 400, "INVALID_REQUEST", id="malformed-json"),
+        pytest.param("bad-event", 400, "INVALID_REQUEST", id="one-bad-event"),
+    ],
+)
+async def test_the_guard_refuses_a_body_with_the_right_code(
+    home: Paths, case: str, want_status: int, want_code: str
+) -> None:
     limit = contract.MAX_INTERNAL_EVENTS_BYTES
     async with running_guard(home, serve_tcp=False):
         if case == "over-declared":
@@ -98,9 +116,9 @@ async def test_the_guard_refuses_a_body_with_the_right_code(home: Paths, case: s
         elif case == "over-sent":
             big = body_of([refusal(i) for i in range(2000)])
             assert len(big) > limit
-            status, answer = await raw_post(home, [big[i:i + 65536] for i in range(0, len(big), 65536)])
+            status, answer = await raw_post(home, [big[i : i + 65536] for i in range(0, len(big), 65536)])
         elif case == "not-json":
-            status, answer = await raw_post(home, [b'{"events": [', b"{\"id\": 1"])
+            status, answer = await raw_post(home, [b'{"events": [', b'{"id": 1'])
         else:
             status, answer = await raw_post(home, [body_of([refusal(0), refusal(1, surprise="x")])])
         assert status == want_status and answer["error"]["code"] == want_code, (status, answer)
@@ -114,7 +132,7 @@ async def test_the_guard_refuses_a_body_with_the_right_code(home: Paths, case: s
 async def test_a_body_that_breaks_off_writes_nothing_and_the_guard_goes_on(home: Paths) -> None:
     async with running_guard(home, serve_tcp=False):
         body = body_of([refusal(i) for i in range(50)])
-        status, _ = await raw_post(home, [body[:len(body) // 2]], length=len(body), close_early=True)
+        status, _ = await raw_post(home, [body[: len(body) // 2]], length=len(body), close_early=True)
         assert status in (0, 400)
         assert not ledger_events(home, origin="gateway")
         status, answer = await raw_post(home, [body])
@@ -126,7 +144,7 @@ def test_batches_fit_the_shared_limit() -> None:
     n = fits([wire_size(e) for e in big])
     assert 1 <= n < contract.MAX_INTERNAL_EVENTS
     assert len(json.dumps({"events": big[:n]})) <= contract.MAX_INTERNAL_EVENTS_BYTES
-    assert len(json.dumps({"events": big[:n + 1]})) > contract.MAX_INTERNAL_EVENTS_BYTES
+    assert len(json.dumps({"events": big[: n + 1]})) > contract.MAX_INTERNAL_EVENTS_BYTES
     assert fits([10] * 5000) == contract.MAX_INTERNAL_EVENTS  # small events: the count decides
     assert fits([contract.MAX_INTERNAL_EVENTS_BYTES * 2, 10]) == 1  # a huge one goes alone (and is refused)
     assert fits([]) == 0
@@ -158,8 +176,7 @@ async def _spool_while_down(home: Paths, events: list[dict[str, Any]]) -> None:
         spool.close()
 
 
-async def test_a_poison_event_is_set_aside_and_the_rest_replays(home: Paths, caplog: pytest.LogCaptureFixture
-                                                                ) -> None:
+async def test_a_poison_event_is_set_aside_and_the_rest_replays(home: Paths, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     events = [refusal(i) for i in range(300)]
     events[137] = refusal(137, surprise="secret-looking-field-value")  # the guard refuses this one, always

@@ -46,16 +46,23 @@ class Procs:
         self.guard: subprocess.Popen[bytes] | None = None
         self.gateway: subprocess.Popen[bytes] | None = None
         self.arm = paths.home / "fault.arm"
-        self.env = dict(os.environ, UOMP_HOME=str(paths.home),
-                        # every refusal an event of its own (no per-source rate limit in this test)
-                        UOMP_GATEWAY_ACCESS_LOG_UNAUTH_BURST="1000000",
-                        UOMP_GATEWAY_ACCESS_LOG_UNAUTH_EVENTS_PER_SECOND="1000000",
-                        UOMP_GATEWAY_UPSTREAM_HEALTH_INTERVAL_SECONDS="0.5")
+        self.env = dict(
+            os.environ,
+            UOMP_HOME=str(paths.home),
+            # every refusal an event of its own (no per-source rate limit in this test)
+            UOMP_GATEWAY_ACCESS_LOG_UNAUTH_BURST="1000000",
+            UOMP_GATEWAY_ACCESS_LOG_UNAUTH_EVENTS_PER_SECOND="1000000",
+            UOMP_GATEWAY_UPSTREAM_HEALTH_INTERVAL_SECONDS="0.5",
+        )
         self.env.pop("UOMP_FAULT", None)
 
     def start_guard(self) -> None:
-        self.guard = subprocess.Popen([*UOMP, "--home", str(self.paths.home), "guard", "serve", "--no-tcp"],
-                                      env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.guard = subprocess.Popen(
+            [*UOMP, "--home", str(self.paths.home), "guard", "serve", "--no-tcp"],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _wait(lambda: _connects_unix(self.paths.guard_sock), "the guard did not start")
 
     def start_gateway(self, fault: str | None = None) -> None:
@@ -63,9 +70,12 @@ class Procs:
         if fault:
             self.arm.write_text("armed")
             env.update(UOMP_FAULT=fault, UOMP_FAULT_ARM=str(self.arm))
-        self.gateway = subprocess.Popen([*UOMP, "--home", str(self.paths.home), "gateway", "serve", "--listen",
-                                         f"127.0.0.1:{self.port}"], env=env, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        self.gateway = subprocess.Popen(
+            [*UOMP, "--home", str(self.paths.home), "gateway", "serve", "--listen", f"127.0.0.1:{self.port}"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _wait(lambda: _connects_tcp(self.port), "the gateway did not start")
 
     @staticmethod
@@ -125,9 +135,12 @@ async def refusals(paths: Paths, port: int, n: int) -> None:
     ctx = build_client_context(ca_file(paths))
     sem = asyncio.Semaphore(16)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=16)) as s:
+
         async def one(i: int) -> int:
-            async with sem, s.get(f"https://localhost:{port}/v1/memory/{KEY_PAD}{i}",
-                                  headers={"Authorization": "Bearer x"}) as r:
+            async with (
+                sem,
+                s.get(f"https://localhost:{port}/v1/memory/{KEY_PAD}{i}", headers={"Authorization": "Bearer x"}) as r,
+            ):
                 await r.read()
                 return r.status
 
@@ -206,6 +219,11 @@ async def test_kill_between_the_guards_ack_and_the_marker_replays_each_event_onc
     assert sorted(logged) == sorted(spooled), "an event is missing or twice in the log"
     assert verify_ledger(paths).ok
     # the spool is done with: the marker is at its end
-    _wait(lambda: marker(paths) >= max(json.loads(line)["seq"] for line in
-                                       (paths.gateway_dir / "access.jsonl").read_text().splitlines()),
-          "the marker did not reach the spool's end", 10)
+    _wait(
+        lambda: (
+            marker(paths)
+            >= max(json.loads(line)["seq"] for line in (paths.gateway_dir / "access.jsonl").read_text().splitlines())
+        ),
+        "the marker did not reach the spool's end",
+        10,
+    )

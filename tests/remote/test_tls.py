@@ -86,8 +86,9 @@ class Harness:
                     writer.write(b"PONG\n")
                 elif line.strip() == b"WHO" and self.reloader is not None:
                     try:
-                        ident = self.checker.check(_peer_der(writer.get_extra_info("ssl_object")),
-                                                   revoked=self.reloader.revoked)
+                        ident = self.checker.check(
+                            _peer_der(writer.get_extra_info("ssl_object")), revoked=self.reloader.revoked
+                        )
                         writer.write(f"OK {ident.agent_id}\n".encode())
                     except UompError as exc:
                         writer.write(f"ERR {exc.code} {exc.message}\n".encode())
@@ -197,8 +198,7 @@ async def test_no_client_cert_under_cert_optional_reaches_app_as_cert_required(
 
 
 async def test_no_client_cert_under_cert_required_fails_handshake(certs: CertSet) -> None:
-    ctx = build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl,
-                               require_client_cert=True)
+    ctx = build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl, require_client_cert=True)
     h = await Harness(ctx).start()
     try:
         await refused(certs.client_context(None), h.port)
@@ -273,8 +273,7 @@ APP_REFUSALS = [
 
 
 @pytest.mark.parametrize(("variant", "message"), APP_REFUSALS, ids=[v for v, _ in APP_REFUSALS])
-async def test_cert_refused_by_check_client_cert(certs: CertSet, harness: Harness, variant: str,
-                                                 message: str) -> None:
+async def test_cert_refused_by_check_client_cert(certs: CertSet, harness: Harness, variant: str, message: str) -> None:
     conn = await connect(certs.client_context(variant), harness.port)
     assert conn.greeting == f"ERR CERT_REQUIRED {message}"
     conn.close()
@@ -304,8 +303,10 @@ def ca_home(tmp_path: Path) -> Paths:
 
 def _reloader(paths: Paths) -> TLSReloader:
     return TLSReloader(
-        ca_store.server_cert_path(paths), ca_store.server_key_path(paths),
-        ca_store.ca_cert_path(paths), ca_store.crl_path(paths),
+        ca_store.server_cert_path(paths),
+        ca_store.server_key_path(paths),
+        ca_store.ca_cert_path(paths),
+        ca_store.crl_path(paths),
     )
 
 
@@ -432,9 +433,13 @@ class _ThreadNoting(TLSReloader):
 
     def __init__(self, paths: Paths) -> None:
         self.threads: list[int] = []
-        super().__init__(ca_store.server_cert_path(paths), ca_store.server_key_path(paths),
-                         ca_store.ca_cert_path(paths), ca_store.crl_path(paths),
-                         crl_state=paths.home / "crl-state.json")
+        super().__init__(
+            ca_store.server_cert_path(paths),
+            ca_store.server_key_path(paths),
+            ca_store.ca_cert_path(paths),
+            ca_store.crl_path(paths),
+            crl_state=paths.home / "crl-state.json",
+        )
 
     def _reload(self) -> None:
         self.threads.append(threading.get_ident())
@@ -556,8 +561,9 @@ def test_server_context_settings(certs: CertSet) -> None:
     assert ctx.num_tickets == 0
     stats = ctx.cert_store_stats()
     assert stats["x509_ca"] == 1 and stats["crl"] == 1  # the user CA only, no system roots
-    strict = build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl,
-                                  require_client_cert=True)
+    strict = build_server_context(
+        certs.server_cert, certs.server_key, certs.ca_cert, certs.crl, require_client_cert=True
+    )
     assert strict.verify_mode == ssl.CERT_REQUIRED
 
 
@@ -621,15 +627,19 @@ def test_expiry_is_rechecked_on_long_lived_connections(certs: CertSet) -> None:
 
 # ------------------------------------------------------------------ TLS 1.3 resumption (issue 13)
 
-def _get_over_tls(ctx: ssl.SSLContext, port: int, path: str, headers: dict[str, str],
-                  session: ssl.SSLSession | None = None) -> tuple[bool, ssl.SSLSession | None, int, bytes]:
+
+def _get_over_tls(
+    ctx: ssl.SSLContext, port: int, path: str, headers: dict[str, str], session: ssl.SSLSession | None = None
+) -> tuple[bool, ssl.SSLSession | None, int, bytes]:
     """One blocking connection (the stdlib client can offer a session; asyncio's cannot): TLS 1.3
     handshake (resuming ``session`` if given), one GET with Connection: close, the whole answer.
     Returns (resumed, the session to offer next time, HTTP status, body)."""
     import socket
 
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
-            ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls,
+    ):
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         tls.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost:{port}\r\n{head}Connection: close\r\n\r\n".encode())
         data = b""
@@ -661,8 +671,7 @@ async def test_returning_agent_resumes_and_a_revoked_one_is_refused_at_its_next_
 
         resumed, sess, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"])
         assert (resumed, status) == (False, 200) and sess is not None and sess.has_ticket
-        resumed, sess2, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"],
-                                                            sess)
+        resumed, sess2, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"], sess)
         assert (resumed, status) == (True, 200)  # the returning agent skipped the certificate exchange
         _, other_sess, status, _ = await asyncio.to_thread(_get_over_tls, ctx["other"], port, path, hdrs["other"])
         assert status == 200
@@ -670,8 +679,7 @@ async def test_returning_agent_resumes_and_a_revoked_one_is_refused_at_its_next_
         ca_store.revoke(app.paths, "bot")
         app.gateway.reloader.reload()  # what the watcher does within a second of the new CRL
         # the resumed handshake still succeeds at the TLS layer (no verification on resumption)...
-        resumed, _, status, body = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"],
-                                                           sess2)
+        resumed, _, status, body = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"], sess2)
         assert resumed is True
         # ...and its first request is refused: the per-request check against the live CRL
         assert status == 401 and json.loads(body)["error"]["code"] == "CERT_REQUIRED", body
@@ -679,8 +687,9 @@ async def test_returning_agent_resumes_and_a_revoked_one_is_refused_at_its_next_
         resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"])
         assert (resumed, status) == (False, 0)
         # another agent's resumed session is untouched
-        resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx["other"], port, path, hdrs["other"],
-                                                        other_sess)
+        resumed, _, status, _ = await asyncio.to_thread(
+            _get_over_tls, ctx["other"], port, path, hdrs["other"], other_sess
+        )
         assert (resumed, status) == (True, 200)
 
 

@@ -21,7 +21,7 @@ from test_transport_tls import test_tls_runs_in_the_loops_own_protocol  # noqa: 
 
 # pytest-asyncio 1.x deprecates overriding event_loop_policy in favour of a conftest-wide
 # pytest_asyncio_loop_factories hook; this module is the one place that wants another loop.
-pytestmark = pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture")
+pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture')
 
 
 @pytest.fixture

@@ -30,8 +30,9 @@ async def test_tls_runs_in_the_loops_own_protocol(home: Paths) -> None:
         g = await app.grant(a)
         reg = app.gateway.registry
         async with agent_session(a, home) as s:
-            status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                               agent_id=a.agent_id)
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
             assert status == 200 and body["value"] == "dark", body
             assert len(reg.verified) == 1
             conn = next(iter(reg.verified))
@@ -43,8 +44,9 @@ async def test_tls_runs_in_the_loops_own_protocol(home: Paths) -> None:
             assert conn.handler.transport.get_extra_info("ssl_object") is not None
         # a certificate-less client completes its handshake but is not verified: its request is refused
         async with agent_session(None, home) as s:
-            status, body, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"],
-                                               agent_id=a.agent_id)
+            status, body, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
             assert status == 401 and body["error"]["code"] == "CERT_REQUIRED", body
             assert len(reg.unverified) == 1 and len(reg.verified) == 0
         # every connection is accounted for once closed

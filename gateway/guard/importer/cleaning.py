@@ -17,8 +17,20 @@ CURRENCY_SYMBOLS = "$€£¥"
 
 
 def _month_names() -> dict[str, int]:
-    names = ("january", "february", "march", "april", "may", "june", "july", "august", "september",
-             "october", "november", "december")
+    names = (
+        "january",
+        "february",
+        "march",
+        "april",
+        "may",
+        "june",
+        "july",
+        "august",
+        "september",
+        "october",
+        "november",
+        "december",
+    )
     out = {n: i for i, n in enumerate(names, start=1)}
     out.update({n[:3]: i for i, n in enumerate(names, start=1)})
     out["sept"] = 9
@@ -28,8 +40,10 @@ def _month_names() -> dict[str, int]:
 _MONTHS = _month_names()
 
 _TIME = r"(?:[ T](\d{1,2}):(\d{2})(?::(\d{2}))?)?"
-ISO_VALUE = re.compile(r"\d{4}-\d{2}-\d{2}"
-                       r"(?:[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}(?::?\d{2})?)?)?")
+ISO_VALUE = re.compile(
+    r"\d{4}-\d{2}-\d{2}"
+    r"(?:[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}(?::?\d{2})?)?)?"
+)
 ISO_PREFIX = re.compile(r"\d{4}-\d{2}-\d{2}")
 _YMD = re.compile(r"(\d{4})([/.-])(\d{1,2})\2(\d{1,2})" + _TIME)
 _NUMERIC = re.compile(r"(\d{1,2})([/.-])(\d{1,2})\2(\d{4})" + _TIME)
@@ -88,22 +102,22 @@ def definite_date(text: str) -> datetime | date | bool | None:
     """YMD and month-name forms. A date, None (not such a form), or False (such a form, invalid)."""
     m = _YMD.fullmatch(text)
     if m:
-        return _build(int(m.group(1)), int(m.group(3)), int(m.group(4)),
-                      _time_of(m.group(5), m.group(6), m.group(7))) or False
+        return (
+            _build(int(m.group(1)), int(m.group(3)), int(m.group(4)), _time_of(m.group(5), m.group(6), m.group(7)))
+            or False
+        )
     m = _MONTH_DAY.fullmatch(text)
     if m:
         month = _MONTHS.get(m.group(1).lower())
         if month is None:
             return None
-        return _build(int(m.group(3)), month, int(m.group(2)),
-                      _time_of(m.group(4), m.group(5), m.group(6))) or False
+        return _build(int(m.group(3)), month, int(m.group(2)), _time_of(m.group(4), m.group(5), m.group(6))) or False
     m = _DAY_MONTH.fullmatch(text)
     if m:
         month = _MONTHS.get(m.group(3).lower())
         if month is None:
             return None
-        return _build(int(m.group(4)), month, int(m.group(1)),
-                      _time_of(m.group(5), m.group(6), m.group(7))) or False
+        return _build(int(m.group(4)), month, int(m.group(1)), _time_of(m.group(5), m.group(6), m.group(7))) or False
     return None
 
 
@@ -158,9 +172,31 @@ def parse_amount(text: str) -> tuple[int | float, bool, str | None] | str | None
     return number, "," in m.group("int"), pre or post
 
 
-_ID_LAST = frozenset(("id", "ids", "uuid", "guid", "phone", "tel", "telephone", "mobile", "fax", "zip",
-                      "zipcode", "postcode", "postal", "sku", "iban", "ssn", "pin", "isbn", "ean", "upc",
-                      "code"))
+_ID_LAST = frozenset(
+    (
+        "id",
+        "ids",
+        "uuid",
+        "guid",
+        "phone",
+        "tel",
+        "telephone",
+        "mobile",
+        "fax",
+        "zip",
+        "zipcode",
+        "postcode",
+        "postal",
+        "sku",
+        "iban",
+        "ssn",
+        "pin",
+        "isbn",
+        "ean",
+        "upc",
+        "code",
+    )
+)
 _NUMBER_WORDS = frozenset(("number", "no", "num", "nr"))
 
 
@@ -178,8 +214,7 @@ def identifier_values(s: str) -> str | None:
     if s[0] in "-0$€£¥" and LEADING_ZERO.fullmatch(s):
         return "some values have leading zeros, so the column holds identifiers"
     if len(s) > MAX_NUMBER_DIGITS and parse_amount(s) == "long":
-        return (f"some values are numbers of more than {MAX_NUMBER_DIGITS} digits, "
-                "so the column holds identifiers")
+        return f"some values are numbers of more than {MAX_NUMBER_DIGITS} digits, so the column holds identifiers"
     return None
 
 
@@ -187,8 +222,9 @@ def identifier_values(s: str) -> str | None:
 Change = tuple[str, str | None]
 
 
-def clean_text(s: str, cell: str, *, numbers: bool, dates: bool, text_reason: str | None,
-               date_order: str | None) -> tuple[Any, tuple[Change, ...]]:
+def clean_text(
+    s: str, cell: str, *, numbers: bool, dates: bool, text_reason: str | None, date_order: str | None
+) -> tuple[Any, tuple[Change, ...]]:
     """The value of a non-blank CSV cell (``s`` = ``cell`` stripped) and what was changed.
 
     ``numbers`` / ``dates``: whether the column may hold them (False: identifier-like or

@@ -50,8 +50,7 @@ class _KeyIndex:
             self.conn.execute("PRAGMA journal_mode = OFF")
             self.conn.execute("PRAGMA synchronous = OFF")
             self.conn.execute(f"PRAGMA cache_size = -{self.CACHE_KIB}")
-            self.conn.execute("CREATE TABLE seen (key BLOB NOT NULL PRIMARY KEY, row INTEGER NOT NULL) "
-                              "WITHOUT ROWID")
+            self.conn.execute("CREATE TABLE seen (key BLOB NOT NULL PRIMARY KEY, row INTEGER NOT NULL) WITHOUT ROWID")
             self._secret = secrets.token_bytes(32)
             self.conn.execute("BEGIN")  # one transaction for the whole file
         except sqlite3.Error as exc:
@@ -60,15 +59,19 @@ class _KeyIndex:
     @staticmethod
     def _failed(exc: sqlite3.Error) -> UompError:
         name = str(getattr(exc, "sqlite_errorname", "") or type(exc).__name__)
-        return UompError(ErrorCode.INTERNAL, "the import's temporary key index failed (is the temporary "
-                         "directory full or not writable?)", details={"reason": name})
+        return UompError(
+            ErrorCode.INTERNAL,
+            "the import's temporary key index failed (is the temporary directory full or not writable?)",
+            details={"reason": name},
+        )
 
     def claim(self, key: str, row: int) -> int | None:
         """Record that ``row`` gives ``key``; None if no earlier row did, else that row."""
         digest = hmac.new(self._secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
         try:
-            cur = self.conn.execute("INSERT INTO seen (key, row) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
-                                    (digest, row))
+            cur = self.conn.execute(
+                "INSERT INTO seen (key, row) VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (digest, row)
+            )
             if cur.rowcount == 1:
                 return None
             found = self.conn.execute("SELECT row FROM seen WHERE key = ?", (digest,)).fetchone()
@@ -84,13 +87,30 @@ class _KeyIndex:
 class _Importer(RecordBuilder):
     """The record builder plus the write side: the queue of valid rows and the store's bulk writer."""
 
-    def __init__(self, *, mappings: dict[str, str] | None, extra_tags: Sequence[str],
-                 sensitivity: str | None, replace: bool, date_order: str | None,
-                 keep_text: Sequence[str], limits: ImportLimits, json_rows: bool, keys: _KeyIndex,
-                 open_writer: Callable[[], BulkWriter]) -> None:
-        super().__init__(mappings=mappings, extra_tags=extra_tags, sensitivity=sensitivity,
-                         date_order=date_order, keep_text=keep_text, limits=limits, json_rows=json_rows,
-                         claim=keys.claim)
+    def __init__(
+        self,
+        *,
+        mappings: dict[str, str] | None,
+        extra_tags: Sequence[str],
+        sensitivity: str | None,
+        replace: bool,
+        date_order: str | None,
+        keep_text: Sequence[str],
+        limits: ImportLimits,
+        json_rows: bool,
+        keys: _KeyIndex,
+        open_writer: Callable[[], BulkWriter],
+    ) -> None:
+        super().__init__(
+            mappings=mappings,
+            extra_tags=extra_tags,
+            sensitivity=sensitivity,
+            date_order=date_order,
+            keep_text=keep_text,
+            limits=limits,
+            json_rows=json_rows,
+            claim=keys.claim,
+        )
         self.replace = replace
         self.now = utc_now()
         self.open_writer = open_writer
@@ -126,8 +146,9 @@ class _Importer(RecordBuilder):
             old_created = existing.get(r.key)
             if old_created is not None:
                 if not self.replace:
-                    self.errors.add(r.row, "key", "an item with this key is already in the store "
-                                    "(--replace overwrites it)")
+                    self.errors.add(
+                        r.row, "key", "an item with this key is already in the store (--replace overwrites it)"
+                    )
                     continue
                 self.replaced += 1
             self.valid += 1
@@ -152,8 +173,16 @@ class _Importer(RecordBuilder):
             else:
                 created = self.now
                 self.late_notices.add("created_at", "ts_default_now")
-        return MemoryItem(key=r.key, value=r.value, tags=tuple(r.tags), sensitivity=r.sensitivity,
-                          source=r.source, created_at=created, updated_at=updated, description=r.description)
+        return MemoryItem(
+            key=r.key,
+            value=r.value,
+            tags=tuple(r.tags),
+            sensitivity=r.sensitivity,
+            source=r.source,
+            created_at=created,
+            updated_at=updated,
+            description=r.description,
+        )
 
     # ------------------------------------------------------------------ reading
 
@@ -165,8 +194,7 @@ class _Importer(RecordBuilder):
             raise FileError("the file is empty (no header row)")
         header_line, header = first
         columns = self.csv_header(header, header_line)
-        profiled = [(i, c) for i, c in enumerate(columns)
-                    if isinstance(c.dest, tuple) or c.dest in TIMESTAMP_FIELDS]
+        profiled = [(i, c) for i, c in enumerate(columns) if isinstance(c.dest, tuple) or c.dest in TIMESTAMP_FIELDS]
         for row, cells in records:
             self.csv_profile(profiled, cells, row)
         self.csv_settle_dates(columns, header_line)
@@ -235,14 +263,24 @@ def import_file(
         raise UompError(ErrorCode.INVALID_REQUEST, "--delimiter applies to CSV files only")
     delim = pick_delimiter(path, delimiter) if kind == "csv" else ","
     with contextlib.ExitStack() as stack:  # closed in reverse: the transaction is rolled back first
+
         def open_writer() -> BulkWriter:
             return stack.enter_context(store.bulk_writer(replace=replace, dry_run=dry_run))
 
         keys = _KeyIndex()
         stack.callback(keys.close)
-        imp = _Importer(mappings=mappings, extra_tags=extra_tags, sensitivity=sensitivity,
-                        replace=replace, date_order=date_order, keep_text=keep_text, limits=limits,
-                        json_rows=kind == "json", keys=keys, open_writer=open_writer)
+        imp = _Importer(
+            mappings=mappings,
+            extra_tags=extra_tags,
+            sensitivity=sensitivity,
+            replace=replace,
+            date_order=date_order,
+            keep_text=keep_text,
+            limits=limits,
+            json_rows=kind == "json",
+            keys=keys,
+            open_writer=open_writer,
+        )
         src = Source(path, limits)
         stack.callback(src.close)
         old_limit = csv.field_size_limit()
@@ -265,5 +303,11 @@ def import_file(
         if imp.extra_tags:
             imp.notices.plain.append(f"tags: added {', '.join(imp.extra_tags)} (--tag) to every row")
         written = imp.finish(dry_run)
-    return ImportReport(rows_written=written, notices=imp.notices.render(), rows_valid=imp.valid,
-                        replaced=imp.replaced, dry_run=dry_run, format=kind)
+    return ImportReport(
+        rows_written=written,
+        notices=imp.notices.render(),
+        rows_valid=imp.valid,
+        replaced=imp.replaced,
+        dry_run=dry_run,
+        format=kind,
+    )

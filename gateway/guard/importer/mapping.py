@@ -29,13 +29,22 @@ from gateway.guard.store import (
 
 RESERVED = ("key", "tags", "sensitivity", "source", "description", "created_at", "updated_at")
 ALIASES: dict[str, str] = {
-    "key": "key", "id": "key", "item_id": "key", "record_id": "key",
-    "tags": "tags", "tag": "tags",
-    "sensitivity": "sensitivity", "level": "sensitivity",
-    "source": "source", "origin": "source",
-    "description": "description", "desc": "description",
-    "created_at": "created_at", "created": "created_at",
-    "updated_at": "updated_at", "updated": "updated_at",
+    "key": "key",
+    "id": "key",
+    "item_id": "key",
+    "record_id": "key",
+    "tags": "tags",
+    "tag": "tags",
+    "sensitivity": "sensitivity",
+    "level": "sensitivity",
+    "source": "source",
+    "origin": "source",
+    "description": "description",
+    "desc": "description",
+    "created_at": "created_at",
+    "created": "created_at",
+    "updated_at": "updated_at",
+    "updated": "updated_at",
 }
 TIMESTAMP_FIELDS = ("created_at", "updated_at")
 
@@ -70,8 +79,10 @@ def parse_mapping_dst(dst: str) -> Dest:
     except FileError:
         path = None
     if path is None:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"--map destination {d!r} must be one of {', '.join(RESERVED)}, "
-                        "value or value.<field>[.<field>...]")
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            f"--map destination {d!r} must be one of {', '.join(RESERVED)}, value or value.<field>[.<field>...]",
+        )
     return path
 
 
@@ -113,8 +124,18 @@ def path_taken(value: dict[str, Any], path: tuple[str, ...]) -> bool:
 
 
 class Rec:
-    __slots__ = ("created_at", "description", "key", "mark", "row", "sensitivity",
-                 "source", "tags", "updated_at", "value")
+    __slots__ = (
+        "created_at",
+        "description",
+        "key",
+        "mark",
+        "row",
+        "sensitivity",
+        "source",
+        "tags",
+        "updated_at",
+        "value",
+    )
 
     def __init__(self, row: int, mark: int = 0) -> None:
         self.row = row
@@ -144,9 +165,18 @@ class Column:
 class FieldRules:
     """The import's options, checked once, and the reserved-field rules applied to each row."""
 
-    def __init__(self, *, mappings: dict[str, str] | None, extra_tags: Sequence[str],
-                 sensitivity: str | None, date_order: str | None, keep_text: Sequence[str],
-                 limits: ImportLimits, json_rows: bool, claim: KeyClaim) -> None:
+    def __init__(
+        self,
+        *,
+        mappings: dict[str, str] | None,
+        extra_tags: Sequence[str],
+        sensitivity: str | None,
+        date_order: str | None,
+        keep_text: Sequence[str],
+        limits: ImportLimits,
+        json_rows: bool,
+        claim: KeyClaim,
+    ) -> None:
         self.mappings: dict[str, Dest] = {}
         for src, dst in (mappings or {}).items():
             if not isinstance(src, str) or not src.strip():
@@ -295,8 +325,11 @@ class FieldRules:
         order = self.date_order or (column.date_order if column else None)
         parsed = parse_timestamp(raw.strip(), order)
         if parsed == "ambiguous":
-            self.errors.add(rec.row, fld, f"{fld} is an ambiguous date (day and month could be "
-                            "swapped); use YYYY-MM-DD or pass --date-order")
+            self.errors.add(
+                rec.row,
+                fld,
+                f"{fld} is an ambiguous date (day and month could be swapped); use YYYY-MM-DD or pass --date-order",
+            )
             return
         if isinstance(parsed, str):
             self.errors.add(rec.row, fld, f"{fld} is not a valid ISO 8601 timestamp or a recognised date")

@@ -102,19 +102,21 @@ def _csv_lines(src: Source, progress: Progress, state: dict[str, int]) -> Iterat
         if first:
             first = False
             if raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8):]
+                raw = raw[len(codecs.BOM_UTF8) :]
         try:
             yield raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise FileError(f"line {state['line']} is not valid UTF-8", state["line"]) from exc
 
 
-def csv_records(src: Source, delimiter: str, progress: Progress,
-                 blank: list[int] | None = None) -> Iterator[tuple[int, list[str]]]:
+def csv_records(
+    src: Source, delimiter: str, progress: Progress, blank: list[int] | None = None
+) -> Iterator[tuple[int, list[str]]]:
     """(start line, cells) for each non-blank record."""
     state = {"line": 0}
-    reader = csv.reader(_csv_lines(src, progress, state), delimiter=delimiter, quotechar='"',
-                        doublequote=True, strict=True)
+    reader = csv.reader(
+        _csv_lines(src, progress, state), delimiter=delimiter, quotechar='"', doublequote=True, strict=True
+    )
     consumed = 0
     while True:
         try:
@@ -168,7 +170,7 @@ class JsonElements:
         raw = self.src.fh.read(self.CHUNK)
         if self.pos > self.CHUNK:
             self.dropped += self.pos
-            self.buf = self.buf[self.pos:]
+            self.buf = self.buf[self.pos :]
             self.pos = 0
         if not raw:
             self.eof = True
@@ -182,7 +184,7 @@ class JsonElements:
         if self.first_chunk:
             self.first_chunk = False
             if raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8):]
+                raw = raw[len(codecs.BOM_UTF8) :]
         try:
             self.buf += self.decoder.decode(raw)
         except UnicodeDecodeError as exc:
@@ -209,8 +211,7 @@ class JsonElements:
                     raise FileError(f"item [{index}] is larger than {limit} bytes", index) from exc
                 if self._fill():
                     continue
-                raise FileError(f"invalid JSON in item [{index}] (character {self.dropped + exc.pos})",
-                                 index) from exc
+                raise FileError(f"invalid JSON in item [{index}] (character {self.dropped + exc.pos})", index) from exc
             except RecursionError as exc:
                 raise FileError(f"item [{index}] is nested too deeply", index) from exc
             if end == len(self.buf) and self._fill():
@@ -271,7 +272,9 @@ def pick_delimiter(path: Path, delimiter: str | None) -> str:
         return "\t" if path.suffix.lower() == ".tsv" else ","
     names = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
     d = names.get(delimiter.lower(), delimiter)
-    if len(d) != 1 or d in "\"\r\n" or d.isalnum():
-        raise UompError(ErrorCode.INVALID_REQUEST, "--delimiter must be one character (not a letter, digit, quote or "
-                        "new line), or tab")
+    if len(d) != 1 or d in '"\r\n' or d.isalnum():
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            "--delimiter must be one character (not a letter, digit, quote or new line), or tab",
+        )
     return d

@@ -48,27 +48,44 @@ class RecordBuilder(FieldRules):
             other = next((d for d in (";", "\t", "|", ",") if d in cells[0]), None)
             if other is not None:
                 shown = "tab" if other == "\t" else other
-                problems.insert(0, FileError(f"the header is one column ({cells[0][:60]!r}): the file looks "
-                                             f"delimited by {shown!r}; pass --delimiter '{shown}'", line))
+                problems.insert(
+                    0,
+                    FileError(
+                        f"the header is one column ({cells[0][:60]!r}): the file looks "
+                        f"delimited by {shown!r}; pass --delimiter '{shown}'",
+                        line,
+                    ),
+                )
         by_dest: dict[str, list[str]] = {}
         for c in columns:
             if isinstance(c.dest, str):
                 by_dest.setdefault(c.dest, []).append(c.name)
         for dest, names in by_dest.items():
             if len(names) > 1:
-                problems.append(FileError(f"columns {', '.join(names)} all give {dest}; map all but one "
-                                           "elsewhere with --map NAME=value.NAME", line, dest))
+                problems.append(
+                    FileError(
+                        f"columns {', '.join(names)} all give {dest}; map all but one "
+                        "elsewhere with --map NAME=value.NAME",
+                        line,
+                        dest,
+                    )
+                )
         paths = [(c.dest, c.name) for c in columns if isinstance(c.dest, tuple)]
         for a, b in overlaps(paths):
             problems.append(FileError(f"columns {a} and {b} give the same part of the value", line, b))
         if "key" not in by_dest:
-            problems.append(FileError("no key column (key, id, item_id or record_id; or --map NAME=key)",
-                                       line, "key"))
+            problems.append(FileError("no key column (key, id, item_id or record_id; or --map NAME=key)", line, "key"))
         if "tags" not in by_dest and not self.extra_tags:
             problems.append(FileError("no tags column and no --tag", line, "tags"))
         if "sensitivity" not in by_dest and self.default_sensitivity is None:
-            problems.append(FileError("no sensitivity column: pass --sensitivity low|medium|high "
-                                       "(spec §12.8: sensitivity must be explicit)", line, "sensitivity"))
+            problems.append(
+                FileError(
+                    "no sensitivity column: pass --sensitivity low|medium|high "
+                    "(spec §12.8: sensitivity must be explicit)",
+                    line,
+                    "sensitivity",
+                )
+            )
         if not paths:
             problems.append(FileError("no value columns", line, "value"))
         if problems:
@@ -111,9 +128,14 @@ class RecordBuilder(FieldRules):
             elif len(col.evidence) == 1:
                 col.date_order = next(iter(col.evidence))
             elif len(col.evidence) == 2 and (col.dates or col.dest in TIMESTAMP_FIELDS):
-                problems.append(FileError(
-                    f"column {col.name} has day-first dates (row {col.evidence['dmy']}) and month-first "
-                    f"dates (row {col.evidence['mdy']}); pass --date-order dmy or mdy", line, col.label))
+                problems.append(
+                    FileError(
+                        f"column {col.name} has day-first dates (row {col.evidence['dmy']}) and month-first "
+                        f"dates (row {col.evidence['mdy']}); pass --date-order dmy or mdy",
+                        line,
+                        col.label,
+                    )
+                )
         if problems:
             raise MultiFileError(problems)
 
@@ -123,8 +145,9 @@ class RecordBuilder(FieldRules):
         if not s:
             self.notices.add(col.label, "blank")
             return False, None
-        value, changes = clean_text(s, cell, numbers=col.numbers, dates=col.dates, text_reason=col.text_reason,
-                                    date_order=col.date_order)
+        value, changes = clean_text(
+            s, cell, numbers=col.numbers, dates=col.dates, text_reason=col.text_reason, date_order=col.date_order
+        )
         for kind, extra in changes:
             self.notices.add(col.label, kind, extra)
         return True, value
@@ -212,8 +235,12 @@ class RecordBuilder(FieldRules):
             self.set_timestamp(rec, fld, reserved.get(fld), None)
         if has_whole and implicit:
             names = ", ".join(n for _, n, _ in implicit)
-            self.errors.add(index, "value", f"fields outside value ({names}) have no place: move them into "
-                            "value or map them with --map NAME=value.NAME")
+            self.errors.add(
+                index,
+                "value",
+                f"fields outside value ({names}) have no place: move them into "
+                "value or map them with --map NAME=value.NAME",
+            )
         paths = [(p, n) for p, n, _ in explicit + implicit]
         for a, b in overlaps(paths):
             self.errors.add(index, "value", f"fields {a} and {b} give the same part of the value")
@@ -222,8 +249,7 @@ class RecordBuilder(FieldRules):
             value = whole
             if explicit:
                 if not isinstance(value, dict):
-                    self.errors.add(index, "value", "value is not an object, so mapped fields cannot be "
-                                    "added to it")
+                    self.errors.add(index, "value", "value is not an object, so mapped fields cannot be added to it")
                 else:
                     for path, name, v in explicit:
                         if path_taken(value, path):
@@ -246,6 +272,8 @@ def _no_key_hint(obj: dict[str, Any]) -> str:
     say so: the root must be the list itself."""
     lists = [name for name, v in obj.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
     if len(obj) == 1 and lists:
-        return (f"the item has no key: the file is one object whose {lists[0]!r} holds a list of objects; the "
-                f"root must be that list (e.g. jq '.{lists[0]}' FILE > items.json)")
+        return (
+            f"the item has no key: the file is one object whose {lists[0]!r} holds a list of objects; the "
+            f"root must be that list (e.g. jq '.{lists[0]}' FILE > items.json)"
+        )
     return "the item has no key (a key field, or id, item_id, record_id; or --map NAME=key)"

@@ -70,7 +70,7 @@ class Notices:
         "date_dmy": "converted day-first dates (DD/MM/YYYY) to ISO 8601 in {rows}",
         "date_mdy": "converted month-first dates (MM/DD/YYYY) to ISO 8601 in {rows}",
         "ambiguous": "kept {n} date{s} as text: day and month could be swapped and the column does not "
-                     "tell (pass --date-order dmy or mdy)",
+        "tell (pass --date-order dmy or mdy)",
         "not_a_date": "kept {n} value{s} shaped like dates but not real dates as text",
         "long_number": "kept {n} number{s} longer than 15 digits as text",
         "kept_text": "kept {n} number- or date-like value{s} as text ({extra})",
@@ -119,11 +119,12 @@ class Notices:
                 extras = self.extra.get((label, kind), [])
                 extra = ", ".join(extras)
                 rows = "1 row" if n == 1 else f"{n} rows"
-                out.append(f"{label}: " + self._TEXT[kind].format(n=n, s="" if n == 1 else "s", rows=rows,
-                                                                  extra=extra))
+                out.append(f"{label}: " + self._TEXT[kind].format(n=n, s="" if n == 1 else "s", rows=rows, extra=extra))
                 if kind == "currency" and len(extras) > 1:
-                    out.append(f"{label}: WARNING: amounts in several currencies ({extra}) are now plain "
-                               "numbers and no longer comparable")
+                    out.append(
+                        f"{label}: WARNING: amounts in several currencies ({extra}) are now plain "
+                        "numbers and no longer comparable"
+                    )
         return out
 
 
@@ -161,7 +162,8 @@ class Errors:
         if not self.items and not file_errors:
             return None
         errors: list[dict[str, Any]] = [
-            {"row": fe.row, "field": fe.field_name, "message": fe.message} for fe in file_errors]
+            {"row": fe.row, "field": fe.field_name, "message": fe.message} for fe in file_errors
+        ]
         errors += sorted(self.items, key=lambda e: (e["row"], e["field"]))
         lines = [f"{self.where(e['row'])}: {e['message']}" for e in errors]
         if self.total > len(self.items):
