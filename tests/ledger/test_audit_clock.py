@@ -83,7 +83,7 @@ def _signed(paths: Paths, within: float) -> bool:
     return False
 
 
-def _event(g: Guard) -> None:
+def _event(g: Guard) -> str:
     status, body = g.call(
         "POST",
         "/v1/sessions",
@@ -91,6 +91,12 @@ def _event(g: Guard) -> None:
         admin=True,
     )
     assert status == 201, body  # session_created: not an urgent action, signed by the timer
+    return str(body["session_id"])
+
+
+def _urgent(g: Guard, sid: str) -> None:
+    status, body = g.call("POST", f"/v1/sessions/{sid}/revoke", {}, admin=True)
+    assert status == 200, body  # session_revoked: signed in the same write, whatever the timer
 
 
 def test_checkpoints_keep_coming_after_the_wall_clock_steps_back(
@@ -131,15 +137,19 @@ def test_a_forward_jump_between_an_event_and_its_checkpoint_is_a_verify_warning(
     home: Paths, clock: tuple[Path, dict[str, str]]
 ) -> None:
     offset, env = clock
+    # No timer-signed checkpoint within the test: the checkpoints come from urgent events alone, so
+    # which side of the jump each one falls on does not depend on how loaded the machine is.
     home.config_file.write_text(
-        "[guard]\naudit_checkpoint_seconds = 3\naudit_checkpoint_events = 1000\naudit_full_verify_at_start = false\n"
+        "[guard]\naudit_checkpoint_seconds = 600\naudit_checkpoint_events = 1000\naudit_full_verify_at_start = false\n"
     )
     g = Guard(home, env)
     try:
-        _event(g)
+        _urgent(g, _event(g))
         assert _signed(home, 8)  # (the step-back test above is the partner: no jump, no warning)
-        _event(g)  # within the interval: its checkpoint comes after the jump
+        _event(g)  # not signed yet: its checkpoint comes after the jump
+        assert not _signed(home, 0.5)
         _step(offset, "+2h")
+        _urgent(g, _event(g))  # (the pending session expired with the jump: a new one is revoked)
         assert _signed(home, 8)
         cps = _state(home)[1]
         assert cps[-1].timestamp - cps[-2].timestamp > 3600
