@@ -10,9 +10,7 @@ bash scripts/setup-anvil.sh || { echo "anvil setup failed"; exit 1; }
 bash scripts/setup-browser.sh || { echo "browser setup failed"; exit 1; }
 bash scripts/setup-faketime.sh || { echo "faketime setup failed"; exit 1; }
 status=0
-echo "== ruff"; .venv/bin/ruff check gateway tests scripts benchmarks examples || status=1
-echo "== mypy (strict, gateway/)"; .venv/bin/mypy || status=1
-echo "== import-linter (layering contracts in pyproject.toml)"; .venv/bin/lint-imports --no-cache || status=1
+bash scripts/lint.sh || status=1
 echo "== pytest"
 .venv/bin/python -m pytest -q "$@"
 rc=$?
