@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The quick checks, in seconds and without the heavy setup (no npm, anvil or chromium):
-# format, lint, docstrings of gateway/'s public names, strict types, layering contracts.
+# format, lint, strict types, layering contracts.
 # Needs only the Python dev tools: `bash scripts/setup.sh --dev` once.
 set -uo pipefail
 cd "$(dirname "$0")/.."

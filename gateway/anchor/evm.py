@@ -295,8 +295,8 @@ class EvmBackend:
         try:
             gas = await self._rpc(
                 "eth_estimateGas",
-                lambda: self._w3.eth.estimate_gas(probe),
-                rpc_errors=True,  # type: ignore[arg-type]
+                lambda: self._w3.eth.estimate_gas(probe),  # type: ignore[arg-type]
+                rpc_errors=True,
             )
         except ContractLogicError:
             raise
