@@ -948,6 +948,9 @@ async def grant_session(request: web.Request) -> web.Response:
     _admin(request)
     body = await _json_body(request)
     svc = request.app[SERVICES]
+    from gateway.guard.write_routes import check_write_grant  # (it imports this module)
+
+    await check_write_grant(svc, body)
     return _json_response(await svc.authdb(svc.auth.grant, request.match_info["sid"], body))
 
 
@@ -1184,8 +1187,6 @@ ROUTES: tuple[GuardRoute, ...] = (
     GuardRoute("GET", "/v1/memory/aggregate", aggregate),
     GuardRoute("POST", "/v1/memory/query", query_refused),
     GuardRoute("GET", "/v1/memory/{key}", get_key),
-    GuardRoute("PUT", "/v1/memory/{key}", write_refused),
-    GuardRoute("DELETE", "/v1/memory/{key}", write_refused),
     GuardRoute("GET", "/v1/memory", get_by_tag),
     GuardRoute("GET", "/v1/audit", get_audit),
     GuardRoute("GET", "/v1/audit/checkpoint", get_audit_checkpoint),
@@ -1210,9 +1211,9 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     app[SERVICES] = services
     app[LISTENER] = listener
     app.on_response_prepare.append(_server_header)
-    from gateway.guard import payload_routes  # imported here: it imports this module
+    from gateway.guard import payload_routes, write_routes  # imported here: they import this module
 
-    for row in (*ROUTES, *payload_routes.ROUTES):
+    for row in (*ROUTES, *payload_routes.ROUTES, *write_routes.ROUTES):
         if listener in row.listeners:
             app.router.add_route(row.method, row.path, row.handler)
     if listener == "unix":

@@ -72,8 +72,9 @@ def test_the_guards_table_is_what_each_listener_serves(home: Paths) -> None:
     # validation, the gateway's events, refresh, the payload inbox) exist on the Unix socket only.
     from gateway.guard import app as guard_app
     from gateway.guard import payload_routes as guard_payloads
+    from gateway.guard import write_routes as guard_writes
 
-    rows = (*guard_app.ROUTES, *guard_payloads.ROUTES)
+    rows = (*guard_app.ROUTES, *guard_payloads.ROUTES, *guard_writes.ROUTES)
     services = cast(
         guard_app.GuardServices, type("S", (), {"cfg": type("C", (), {"max_body_bytes": 1024})(), "paths": home})()
     )
