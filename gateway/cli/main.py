@@ -28,6 +28,7 @@ from gateway.keys import check_home
 COMMAND_MODULES = (
     "gateway.cli.home",
     "gateway.cli.memory",
+    "gateway.cli.proposals",
     "gateway.cli.guard",
     "gateway.cli.audit",
     "gateway.cli.authorize",

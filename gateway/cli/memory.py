@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gateway.cli import home, userlog
+from gateway.cli import history, home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
@@ -291,6 +291,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     r.add_argument("key", metavar="KEY")
     r.set_defaults(func=_rm)
+    history.register_memory(msub)
 
     i = sub.add_parser(
         "import",

@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from gateway import jsonio
+from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.items import MemoryItem, utc_now
 from gateway.guard.store import MemoryStore
@@ -144,4 +145,5 @@ def rollback(store: MemoryStore, key: str, to_version: int) -> int:
             ),
         )
         conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", [(t, key) for t in item.tags])
+        fault_point("rollback_apply")  # crash tests: the item rewritten, not committed
         return int(conn.execute("SELECT version FROM items WHERE key = ?", (key,)).fetchone()[0])

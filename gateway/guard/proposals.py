@@ -40,6 +40,7 @@ from gateway import jsonio
 from gateway.config import GuardConfig
 from gateway.core import writes
 from gateway.core.tokens import Scope, iso
+from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.items import (
     MemoryItem,
@@ -572,6 +573,7 @@ class ProposalBook:
                             "('uomp proposals show ID') and approve what it shows",
                         )
                     applied = self._apply(conn, p, old)
+                    fault_point("proposal_apply")  # crash tests: the item changed, the decision not yet
                     conn.execute(
                         "UPDATE proposals SET status = 'approved', decided_at = ?, decided_by = ?, "
                         "applied_version = ? WHERE proposal_id = ? AND status = 'pending'",
