@@ -50,6 +50,8 @@ from gateway.core.tokens import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.guard.proposals import write_grant_problem
+from gateway.guard.store import MemoryStore
 from gateway.ledger import auditkey
 from gateway.payloads import userkey
 
@@ -183,7 +185,7 @@ def _show_capabilities(m: manifest.Manifest) -> None:
         parts.append("optional " + described(m.optional_capabilities))
     print("Capabilities: " + ("; ".join(parts) if parts else "none declared"))
     if "memory.write" in m.required_capabilities:
-        _warn("the agent REQUIRES memory.write, which this gateway does not provide: it may not work")
+        _warn("the agent REQUIRES memory.write: without --grant-writes it cannot propose changes and may not work")
 
 
 def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
@@ -197,7 +199,9 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
     if m.read_description:
         print(_quoted(m.read_description))
     if not m.write.is_empty():
-        print(_scope_line("write", m.write) + "  (writes are not available; they will not be granted)")
+        print(_scope_line("write", m.write) + "  (proposals only, each waits for your approval)")
+        if m.write_description:
+            print(_quoted(m.write_description))
     _show_capabilities(m)
     print(
         f"Remote:    requires_remote: {'true' if m.requires_remote else 'false'}"
@@ -315,6 +319,25 @@ def _plan(m: manifest.Manifest, args: argparse.Namespace) -> restrictions.ReadGr
     return plan
 
 
+def _write_grant(m: manifest.Manifest, args: argparse.Namespace, paths: Paths) -> dict[str, Any] | None:
+    """The write scope granted: the one requested, only with ``--grant-writes`` (docs/writes.md).
+    It lets the agent propose changes; each one waits for the user's approval."""
+    if m.write.is_empty():
+        if args.grant_writes:
+            raise UompError(ErrorCode.INVALID_REQUEST, "--grant-writes: this agent requests no write scope")
+        return None
+    if not args.grant_writes:
+        print("Writes:    NOT granted (add --grant-writes to let it propose changes you approve one by one)")
+        return None
+    claim = m.write.to_claim()
+    with MemoryStore(paths.memory_db, create=True) as store:
+        problem = write_grant_problem(store, {"granted_scopes": {"write": claim}})
+    if problem is not None:
+        raise UompError(ErrorCode.ACCESS_DENIED, problem + "; ask the publisher for a manifest without that key")
+    print("Writes:    granted as proposals: nothing changes until you approve it ('uomp proposals')")
+    return claim
+
+
 def _cert_binding(cert_pem: bytes) -> dict[str, str]:
     cert = x509.load_pem_x509_certificate(cert_pem)
     der = cert.public_bytes(serialization.Encoding.DER)
@@ -337,6 +360,7 @@ def _authorize(args: argparse.Namespace) -> int:
     if args.remote:
         _check_gateway_url(args, paths)
     _show(m, ident, trusted)
+    writes = _write_grant(m, args, paths)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)
@@ -367,7 +391,10 @@ def _authorize(args: argparse.Namespace) -> int:
         create: dict[str, Any] = {
             "agent_id": m.agent.id,
             "agent_name": m.agent.name,
-            "requested_scopes": {"read": m.read.to_claim()},
+            "requested_scopes": {
+                "read": m.read.to_claim(),
+                **({} if m.write.is_empty() else {"write": m.write.to_claim()}),
+            },
             "duration_minutes": seconds / 60,
             "profile": "remote" if args.remote else "local",
         }
@@ -381,7 +408,7 @@ def _authorize(args: argparse.Namespace) -> int:
             }
         session_id = str(auth.create_session(create)["session_id"])
         grant: dict[str, Any] = {
-            "granted_scopes": {"read": plan.scope.to_claim()},
+            "granted_scopes": {"read": plan.scope.to_claim(), **({"write": writes} if writes else {})},
             "widen": bool(plan.widened),
             "aggregation_only": plan.aggregation_only,
             "task_bound": args.task_bound,
@@ -678,6 +705,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--task-bound", action="store_true", help="one task; the session closes on its deletion proof")
     p.add_argument("--max-reads", type=int, help="read query quota (default 100)")
+    p.add_argument(
+        "--grant-writes",
+        action="store_true",
+        help="grant the requested write scope: the agent may propose changes, each waits for your approval",
+    )
     p.add_argument(
         "--require-verified",
         action="store_true",

@@ -260,6 +260,22 @@ def base_version_of(body: Mapping[str, Any] | None, if_match: str | None) -> int
     return named[0] if named else None
 
 
+def write_grant_problem(store: MemoryStore, body: Mapping[str, Any]) -> str | None:
+    """A grant whose write scope names a high-sensitivity item by key is refused (§11.3, §20.4):
+    agents never write those, so the grant would promise what the guard refuses."""
+    scopes = body.get("granted_scopes")
+    write = scopes.get("write") if isinstance(scopes, dict) else None
+    keys = write.get("keys") if isinstance(write, dict) else None
+    if not isinstance(keys, list):
+        return None
+    for key in keys[:1024]:
+        if isinstance(key, str):
+            meta = store.get_meta(key)
+            if meta is not None and meta.sensitivity == "high":
+                return "a write scope cannot name a high-sensitivity item: agents never write those"
+    return None
+
+
 class ProposalBook:
     """Proposals in ``memory.db`` (table ``proposals``), over one :class:`MemoryStore`."""
 

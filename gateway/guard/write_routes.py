@@ -28,7 +28,7 @@ from aiohttp import web
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import AgentCall, GuardRoute, GuardServices, _answer_refusal, _json_body, _via
 from gateway.guard.history import set_retention
-from gateway.guard.proposals import ProposalBook, WriteBudgets, WriteRefused
+from gateway.guard.proposals import ProposalBook, WriteBudgets, WriteRefused, write_grant_problem
 from gateway.guard.store import MemoryStore
 
 _BOOKS: weakref.WeakKeyDictionary[MemoryStore, ProposalBook] = weakref.WeakKeyDictionary()
@@ -47,22 +47,6 @@ def book_for(svc: GuardServices) -> ProposalBook:
         book = ProposalBook(store, WriteBudgets.from_config(svc.cfg))
         _BOOKS[store] = book
     return book
-
-
-def write_grant_problem(store: MemoryStore, body: Mapping[str, Any]) -> str | None:
-    """A grant whose write scope names a high-sensitivity item by key is refused (§11.3, §20.4):
-    agents never write those, so the grant would promise what the guard refuses."""
-    scopes = body.get("granted_scopes")
-    write = scopes.get("write") if isinstance(scopes, dict) else None
-    keys = write.get("keys") if isinstance(write, dict) else None
-    if not isinstance(keys, list):
-        return None
-    for key in keys[:1024]:
-        if isinstance(key, str):
-            meta = store.get_meta(key)
-            if meta is not None and meta.sensitivity == "high":
-                return "a write scope cannot name a high-sensitivity item: agents never write those"
-    return None
 
 
 async def check_write_grant(svc: GuardServices, body: Mapping[str, Any]) -> None:

@@ -46,7 +46,7 @@ async def test_proposals_over_mtls(home: Paths) -> None:
         gr = await app.grant(r)  # read only
         before = items(home)
         async with agent_session(a, home) as s:
-            status, body, headers = await agent_call(
+            status, body, _ = await agent_call(
                 s,
                 app.base,
                 "/v1/memory/preference.theme",
