@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "gateway.cli.home",
     "gateway.cli.memory",
     "gateway.cli.proposals",
+    "gateway.cli.exchange",
     "gateway.cli.guard",
     "gateway.cli.audit",
     "gateway.cli.authorize",

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gateway.cli import history, home, userlog
+from gateway.cli import exchange, history, home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
@@ -166,6 +166,8 @@ class ProgressBar:
 
 
 def _import(args: argparse.Namespace) -> int:
+    if exchange.wants_envelope(args):
+        return exchange.import_file(args)
     path = Path(args.file)
     progress = args.progress
     if not progress and sys.stderr.isatty():
@@ -324,6 +326,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--replace", action="store_true", help="overwrite items whose key is already in the store (default: refuse)"
     )
     i.add_argument("--dry-run", action="store_true", help="validate and report, write nothing")
+    i.add_argument(
+        "--adapter",
+        choices=exchange.ADAPTER_CHOICES,
+        help="the file is another store's export: uomp-export (from 'uomp export', also recognised "
+        "without this), mem0, claude-md (CLAUDE.md / memory files), dsh-export (memory-export-v1)",
+    )
     i.add_argument(
         "--date-order",
         choices=DATE_ORDERS,
