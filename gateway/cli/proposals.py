@@ -116,18 +116,57 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def approve_shown(paths: Paths, book: ProposalBook, pid: str, shown: str, *, via: str = "cli") -> dict[str, Any]:
+    """Apply proposal ``pid`` if ``shown`` is the hash of its change as it is now, and audit the
+    outcome: ``proposal_approved``, or ``proposal_stale`` / ``proposal_expired`` before the refusal
+    is raised. The CLI and the dashboard both decide through here."""
+    view = book.show(pid)
+    try:
+        with userlog.change(paths, via=via) as event:
+            done = book.approve(pid, shown)
+            event.action, event.agent_id, event.key = "proposal_approved", done["agent_id"], view["key"]
+            event.reason = "the user approved an agent's proposal"
+            event.detail = pid
+            event.extra = {"proposal_id": pid, "change_hash": shown}
+    except UompError as exc:
+        if exc.code == ErrorCode.VERSION_CONFLICT or (
+            exc.code == ErrorCode.INVALID_STATE and (exc.details or {}).get("status") == "expired"
+        ):
+            action = "proposal_stale" if exc.code == ErrorCode.VERSION_CONFLICT else "proposal_expired"
+            with userlog.change(paths, via=via) as event:
+                event.action, event.agent_id, event.key = action, view["agent_id"], view["key"]
+                event.reason = "an agent's proposal could not be approved: " + exc.message.split(";")[0]
+                event.detail = pid
+                event.extra = {"proposal_id": pid}
+        raise
+    return {**done, "key": view["key"]}
+
+
+def reject(paths: Paths, book: ProposalBook, pid: str, *, via: str = "cli") -> dict[str, Any]:
+    view = book.show(pid)
+    with userlog.change(paths, via=via) as event:
+        done = book.reject(pid)
+        event.action, event.agent_id, event.key = "proposal_rejected", done["agent_id"], view["key"]
+        event.reason = "the user rejected an agent's proposal"
+        event.detail = pid
+        event.extra = {"proposal_id": pid}
+    return {**done, "key": view["key"]}
+
+
 def _decide_one(paths: Paths, book: ProposalBook, pid: str, args: argparse.Namespace) -> str:
     view = book.show(pid)
     if view["status"] != "pending":
         raise UompError(ErrorCode.INVALID_STATE, f"proposal {pid} is {view['status']}, not pending")
-    approve = args.decision == "approve"
-    if approve:
-        shown = args.hash
-        if shown is None:
-            print(render(view))
-            if view["stale"] or not view["change_hash"]:
-                shown = ""
-            elif not args.yes:
+    if args.decision != "approve":
+        reject(paths, book, pid)
+        return f"{pid}: rejected"
+    shown = args.hash
+    if shown is None:
+        print(render(view))
+        if view["stale"] or not view["change_hash"]:
+            shown = ""
+        else:
+            if not args.yes:
                 if not sys.stdin.isatty():
                     raise UompError(
                         ErrorCode.USAGE,
@@ -135,34 +174,9 @@ def _decide_one(paths: Paths, book: ProposalBook, pid: str, args: argparse.Names
                     )
                 if input("Approve this change? [y/N] ").strip().lower() not in ("y", "yes"):
                     return f"{pid}: left pending"
-            if shown is None:
-                shown = view["change_hash"]
-        try:
-            with userlog.change(paths) as event:
-                done = book.approve(pid, shown)
-                event.action, event.agent_id, event.key = "proposal_approved", done["agent_id"], view["key"]
-                event.reason = "the user approved an agent's proposal"
-                event.detail = pid
-                event.extra = {"proposal_id": pid, "change_hash": shown}
-        except UompError as exc:
-            if exc.code == ErrorCode.VERSION_CONFLICT or (
-                exc.code == ErrorCode.INVALID_STATE and (exc.details or {}).get("status") == "expired"
-            ):
-                action = "proposal_stale" if exc.code == ErrorCode.VERSION_CONFLICT else "proposal_expired"
-                with userlog.change(paths) as event:
-                    event.action, event.agent_id, event.key = action, view["agent_id"], view["key"]
-                    event.reason = "an agent's proposal could not be approved: " + exc.message.split(";")[0]
-                    event.detail = pid
-                    event.extra = {"proposal_id": pid}
-            raise
-        return f"{pid}: approved; {view['key']} is now at version {done['applied_version']}"
-    with userlog.change(paths) as event:
-        done = book.reject(pid)
-        event.action, event.agent_id, event.key = "proposal_rejected", done["agent_id"], view["key"]
-        event.reason = "the user rejected an agent's proposal"
-        event.detail = pid
-        event.extra = {"proposal_id": pid}
-    return f"{pid}: rejected"
+            shown = view["change_hash"]
+    done = approve_shown(paths, book, pid, shown)
+    return f"{pid}: approved; {view['key']} is now at version {done['applied_version']}"
 
 
 def _decide(args: argparse.Namespace) -> int:

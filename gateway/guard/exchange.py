@@ -226,6 +226,10 @@ def _fields_problem(e: dict[str, Any], *, times: tuple[str, ...]) -> str | None:
     )
 
 
+def _tags_text(tags: tuple[str, ...]) -> str:
+    return json.dumps(list(tags), ensure_ascii=False, separators=(",", ":"))
+
+
 def _item(key: str, e: dict[str, Any]) -> MemoryItem:
     return MemoryItem(
         key, e["value"], tuple(e["tags"]), e["sensitivity"], e["source"], e["created_at"], e["updated_at"],
@@ -260,7 +264,7 @@ def restore(store: MemoryStore, entries: list[dict[str, Any]], *, replace: bool)
                         conn.execute(
                             "INSERT OR REPLACE INTO item_versions (key, version, deleted, value, tags, sensitivity, "
                             "source, created_at, updated_at, description, replaced_at) VALUES (?,?,0,?,?,?,?,?,?,?,?)",
-                            (key, h["version"], encode_value(it.value), json.dumps(list(it.tags), ensure_ascii=False, separators=(",", ":")),
+                            (key, h["version"], encode_value(it.value), _tags_text(it.tags),
                              it.sensitivity, it.source, it.created_at, it.updated_at, it.description,
                              h.get("replaced_at") or utc_now()),
                         )  # fmt: skip

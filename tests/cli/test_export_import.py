@@ -170,7 +170,7 @@ BAD_ADAPTER_FILES = [
         "dsh-export",
         b'{"schema": "memory-export-v1", "entries": [{"id": "1", "text": "x", "track": "x"}]}',
         id="dsh-bad-track",
-    ),  # fmt: skip
+    ),
     pytest.param("mem0", b'[{"id": "1", "memory": "x"}, {"id": "1", "memory": "y"}]', id="mem0-id-twice"),
     pytest.param("mem0", b'[{"id": "1", "memory": "x", "categories": ["a\\u0000b"]}]', id="mem0-control-tag"),
 ]
