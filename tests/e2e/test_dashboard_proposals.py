@@ -104,3 +104,54 @@ async def test_inbox_approve_one_reject_another(app: Appliance) -> None:  # noqa
         ("proposal_approved", one),
         ("proposal_rejected", two),
     ]
+
+
+async def test_memory_pages_history_readers_rollback_delete(app: Appliance) -> None:  # noqa: F811
+    from gateway.cli.main import main as uomp
+
+    agent = app.agent("reader")
+    g = await app.grant(agent)
+    async with agent_session(agent, app.paths) as s:
+        status, _, _ = await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id="reader")
+        assert status == 200
+    home = str(app.paths.home)
+    args = ["--home", home, "memory", "add", "preference.theme", "--value", '"sepia"', "--tag", "preference",
+            "--sensitivity", "low", "--replace"]  # fmt: skip
+    assert await asyncio.to_thread(uomp, args) == 0
+    async with dashboard(app.paths) as d, browser(d) as b:
+        await b.login()
+        status, page, _ = await b.get("/memory?q=preference.&tag=private")
+        assert status == 200 and "preference.secret_hobby" in page and "preference.theme" not in page  # by tag
+        status, page, _ = await b.get("/memory?q=h.")
+        assert "h.aapl" in page and "preference.theme" not in page and "4 of 4 items" in page  # by key prefix
+        status, page, _ = await b.get("/memory/item?key=preference.theme")
+        assert status == 200 and "reader: 1 time" in page  # who read it, from the audit log
+        assert 'id="v-2"' in page and 'id="v-1"' in page and str(escape('"dark"')) in page
+        token = re.search(r'name="csrf" value="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+        ok = {"Origin": f"http://127.0.0.1:{d.port}"}
+        for headers, form, want in (
+            (ok, {"confirmed": "yes", "key": "preference.theme", "version": "1"}, 403),  # no token
+            (
+                {"Origin": "http://evil.example"},
+                {"csrf": token, "confirmed": "yes", "key": "preference.theme", "version": "1"},
+                403,
+            ),
+            (ok, {"csrf": token, "confirmed": "yes", "key": " bad", "version": "1"}, 400),
+            (ok, {"csrf": token, "confirmed": "yes", "key": "preference.theme", "version": "x"}, 400),
+            (ok, {"csrf": token, "confirmed": "yes", "key": "preference.theme", "version": "9"}, 400),
+        ):
+            status, _, _ = await b.request("POST", "/memory/rollback", headers=headers, data=form)
+            assert status == want, form
+        assert item(app, "preference.theme") == ('"sepia"', "user", 2)
+        form = {"csrf": token, "confirmed": "yes", "key": "preference.theme", "version": "1"}
+        status, _, _ = await b.request("POST", "/memory/rollback", headers=ok, data=form)
+        assert status == 303
+        assert item(app, "preference.theme") == ('"dark"', "user", 3)
+        status, _, _ = await b.request(
+            "POST", "/memory/delete", headers=ok, data={"csrf": token, "confirmed": "yes", "key": "preference.theme"}
+        )
+        assert status == 303 and item(app, "preference.theme") is None
+        status, page, _ = await b.get("/memory/item?key=preference.theme")
+        assert status == 200 and "Deleted; its history is kept." in page
+    events = await asyncio.to_thread(ledger_events, app.paths, origin="dashboard")
+    assert [e["action"] for e in events] == ["memory_rolled_back", "memory_deleted"]
