@@ -18,6 +18,7 @@ from gateway.cli import exchange, history, home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import history as item_history
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
 from gateway.guard.store import SENSITIVITIES, MemoryItem, MemoryStore, utc_now
 
@@ -106,10 +107,21 @@ def _list(args: argparse.Namespace) -> int:
 
 def _rm(args: argparse.Namespace) -> int:
     with _open_store(args) as store, userlog.change(paths_from(args)) as event:
-        if not store.delete(args.key):
-            raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
-        event.action, event.reason, event.key = "memory_deleted", "the user deleted a memory item", args.key
-    print(f"deleted {args.key}")
+        if args.purge:
+            existed = store.get_meta(args.key) is not None
+            dropped = item_history.purge(store, args.key)
+            if not existed and not dropped:
+                raise UompError(ErrorCode.INVALID_REQUEST, "no memory item or history has this key")
+            event.action, event.key = "memory_purged", args.key
+            event.reason = "the user deleted a memory item and every kept version of it"
+        else:
+            if not store.delete(args.key):
+                raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
+            event.action, event.reason, event.key = "memory_deleted", "the user deleted a memory item", args.key
+    print(
+        f"{'purged' if args.purge else 'deleted'} {args.key}"
+        + ("" if args.purge else " (its history is kept: --purge removes it)")
+    )
     return 0
 
 
@@ -289,9 +301,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r = msub.add_parser(
         "rm",
         help="delete one Memory Item",
-        description="Delete one Memory Item (its bytes are overwritten in the file).",
+        description="Delete one Memory Item. Its last version stays in its history ('uomp memory history', "
+        "rollback); --purge removes the item and every kept version (their bytes are overwritten in the file).",
     )
     r.add_argument("key", metavar="KEY")
+    r.add_argument("--purge", action="store_true", help="also remove every kept version of the item")
     r.set_defaults(func=_rm)
     history.register_memory(msub)
 

@@ -147,3 +147,12 @@ def rollback(store: MemoryStore, key: str, to_version: int) -> int:
         conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", [(t, key) for t in item.tags])
         fault_point("rollback_apply")  # crash tests: the item rewritten, not committed
         return int(conn.execute("SELECT version FROM items WHERE key = ?", (key,)).fetchone()[0])
+
+
+def purge(store: MemoryStore, key: str) -> int:
+    """Remove ``key``'s item and every kept version of it, in one transaction (``secure_delete``
+    overwrites their bytes); how many history rows went."""
+    with store.writing() as conn:
+        conn.execute("DELETE FROM item_tags WHERE item_key = ?", (key,))
+        conn.execute("DELETE FROM items WHERE key = ?", (key,))  # (the trigger keeps it: removed below)
+        return int(conn.execute("DELETE FROM item_versions WHERE key = ?", (key,)).rowcount)

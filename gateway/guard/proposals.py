@@ -28,6 +28,7 @@ No value is logged; the audit events (written by the callers) carry keys and pro
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import secrets
 import sqlite3
@@ -426,22 +427,28 @@ class ProposalBook:
         return _proposal_of(row), d.detail
 
     def for_session(self, session_id: str, *, limit: int = 100) -> builtins.list[Proposal]:
-        self.expire_due()
+        """This session's proposals, newest first; a pending one past its lifetime is shown
+        ``expired`` (the user's side records the expiry, with its audit event)."""
+        now = self.clock()
         with self.store.reading() as conn:
             rows = conn.execute(
                 f"SELECT {_SQL_COLS} FROM proposals WHERE session_id = ? ORDER BY created_at DESC, proposal_id LIMIT ?",
                 (session_id, max(1, min(limit, MAX_LIST))),
             ).fetchall()
-        return [_proposal_of(r) for r in rows]
+        out = [_proposal_of(r) for r in rows]
+        return [dataclasses.replace(p, status="expired") if p.status == "pending" and p.expires_at <= now else p
+                for p in out]  # fmt: skip
 
     def withdraw(self, proposal_id: str, session_id: str) -> Proposal:
         """The agent takes back its own pending proposal. Another session's (or an unknown id) is
-        NOT_FOUND, the same answer; a decided one INVALID_STATE."""
-        self.expire_due()
+        NOT_FOUND, the same answer; a decided or expired one INVALID_STATE."""
         with self.store.writing() as conn:
             p = self._get(conn, proposal_id)
             if p is None or p.session_id != session_id:
                 raise UompError(ErrorCode.NOT_FOUND, "no such proposal in this session", session_id=session_id)
+            if p.status == "pending" and p.expires_at <= self.clock():
+                raise UompError(ErrorCode.INVALID_STATE, "the proposal has expired", session_id=session_id,
+                                details={"status": "expired"})  # fmt: skip
             if p.status != "pending":
                 raise UompError(
                     ErrorCode.INVALID_STATE,

@@ -242,3 +242,36 @@ def test_kill_9_inside_the_transaction(seeded: Paths, point: str, capsys: pytest
     proc = subprocess.run([sys.executable, "-c", CRASH, "--home", str(seeded.home), *args], env=env, timeout=60)
     assert proc.returncode == 0
     assert state(seeded)[1] == before[1] + 1
+
+
+def test_rm_keeps_history_and_purge_removes_it(seeded: Paths, capsys: pytest.CaptureFixture[str]) -> None:
+    assert uomp(seeded, "memory", "rm", "preference.lang") == 0
+    assert "its history is kept" in capsys.readouterr().out
+    with MemoryStore(seeded.memory_db) as store:
+        assert [e["version"] for e in history.history(store, "preference.lang")] == [2, 1]
+    assert uomp(seeded, "memory", "rm", "preference.lang", "--purge") == 0  # no item left, its history goes
+    with MemoryStore(seeded.memory_db) as store:
+        assert history.history(store, "preference.lang") == []
+    assert uomp(seeded, "memory", "rm", "preference.lang", "--purge") == 1  # nothing left to purge
+    assert uomp(seeded, "memory", "rm", "preference.theme", "--purge") == 0  # item and history at once
+    with MemoryStore(seeded.memory_db) as store:
+        assert store.get("preference.theme") is None and history.history(store, "preference.theme") == []
+    assert [e["action"] for e in ledger_events(seeded) if e["key"].startswith("preference.")] == [
+        "memory_deleted",
+        "memory_purged",
+        "memory_purged",
+    ]
+
+
+def test_agent_side_sees_expiry_and_cannot_withdraw_an_expired_one(seeded: Paths) -> None:
+    lifetime = WriteBudgets().lifetime_seconds
+    pid = propose(seeded, clock=lambda: time.time() - lifetime - 5)
+    fresh = propose(seeded)
+    with MemoryStore(seeded.memory_db) as store:
+        book = ProposalBook(store)
+        assert {p.proposal_id: p.status for p in book.for_session("sess_test")} == {pid: "expired", fresh: "pending"}
+        with pytest.raises(UompError) as err:
+            book.withdraw(pid, "sess_test")
+        assert err.value.code == "INVALID_STATE" and err.value.details == {"status": "expired"}
+        assert book.withdraw(fresh, "sess_test").status == "withdrawn"
+    assert [p[1] for p in state(seeded)[2]] == ["pending", "withdrawn"]  # the expiry is the user's side to record
