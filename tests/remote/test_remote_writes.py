@@ -9,7 +9,9 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events
+from guardkit import guard_config
 from test_agent_routes import TUNNEL, agent_key
 
 from gateway.config import Paths
@@ -155,3 +157,39 @@ async def test_proposal_over_the_dpop_tunnel(home: Paths) -> None:
         assert [p[4].split(":")[:2] for p in proposals(home)] == [["gateway", "tunnel"]] * 2
         got = {k: (v, n) for k, v, n in items(home)}
         assert got["preference.lang"] == ('"en"', 1) and got["preference.theme"] == ('"dark"', 1)
+
+
+async def test_sdk_proposes_lists_and_withdraws(home: Paths) -> None:
+    from gateway.client import UompClient
+    from gateway.client.errors import AccessDenied, InvalidRequest, QuotaExceeded
+    from gateway.core import ca
+
+    async with appliance(home, guard_cfg=guard_config(write_max_pending_per_session=2)) as app:
+        a = app.agent("writer")
+        g = await write_grant(app, a)
+        c = UompClient(
+            agent_id="writer",
+            session_id=g["session_id"],
+            access_token=g["token"],
+            base_url=app.base,
+            mode="mtls",
+            ca_cert=a.files.ca_file.read_text(),
+            agent_cert=a.files.cert_file.read_text(),
+            agent_key=ca.load_private_key(a.files.key_file.read_bytes()),
+        )
+        async with c:
+            p = await c.propose("preference.theme", "light", base_version=1)
+            assert p["status"] == "pending" and p["base_version"] == 1
+            d = await c.propose_delete("preference.lang")
+            assert d["op"] == "delete"
+            with pytest.raises(QuotaExceeded) as budget:
+                await c.propose("preference.theme", "blue")
+            assert budget.value.code == "BUDGET_EXCEEDED"
+            assert (await c.withdraw(d["proposal_id"]))["status"] == "withdrawn"
+            with pytest.raises(InvalidRequest) as stale:
+                await c.propose("preference.theme", "blue", base_version=5)
+            assert stale.value.code == "VERSION_CONFLICT"
+            with pytest.raises(AccessDenied):
+                await c.propose("user.passport", "x")
+            assert [x["status"] for x in await c.proposals()] == ["withdrawn", "pending"]
+        assert dict((k, v) for k, v, _ in items(home))["preference.theme"] == '"dark"'
