@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from gateway.cli import exchange, history, home, userlog
 from gateway.cli.main import paths_from
-from gateway.config import Paths
+from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
 from gateway.guard import history as item_history
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
@@ -26,7 +26,17 @@ LIST_DEFAULT_LIMIT = 100
 
 
 def _open_store(args: argparse.Namespace) -> MemoryStore:
-    return MemoryStore(paths_from(args).memory_db, create=True)
+    """The store, with the history retention of ``[guard] history_max_versions`` applied."""
+    paths = paths_from(args)
+    store = MemoryStore(paths.memory_db, create=True)
+    try:
+        item_history.set_retention(
+            store, load_section(GuardConfig, "guard", file=paths.config_file).history_max_versions
+        )
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def _init_store(paths: Paths) -> dict[str, bool]:

@@ -275,3 +275,12 @@ def test_agent_side_sees_expiry_and_cannot_withdraw_an_expired_one(seeded: Paths
         assert err.value.code == "INVALID_STATE" and err.value.details == {"status": "expired"}
         assert book.withdraw(fresh, "sess_test").status == "withdrawn"
     assert [p[1] for p in state(seeded)[2]] == ["pending", "withdrawn"]  # the expiry is the user's side to record
+
+
+def test_cli_applies_the_configured_retention(seeded: Paths) -> None:
+    (seeded.home / "config.toml").write_text("[guard]\nhistory_max_versions = 2\n")
+    for n in range(4):
+        assert uomp(seeded, "memory", "add", "preference.lang", "--value", f'"v{n}"', "--tag", "preference",
+                    "--sensitivity", "low", "--replace") == 0  # fmt: skip
+    with MemoryStore(seeded.memory_db) as store:
+        assert [e["version"] for e in history.history(store, "preference.lang")] == [5, 4, 3]

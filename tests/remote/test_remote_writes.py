@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events
+from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events, verify_ledger
 from guardkit import guard_config
 from test_agent_routes import TUNNEL, agent_key
 
@@ -120,6 +120,7 @@ async def test_proposals_over_mtls(home: Paths) -> None:
             (False, False),
         ]
         assert all(e["listener"] == "mtls" for e in writes)
+        assert verify_ledger(home).ok  # the proposals' events are in the one verifiable log like every other
 
 
 async def test_proposal_over_the_dpop_tunnel(home: Paths) -> None:
