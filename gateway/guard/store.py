@@ -27,7 +27,8 @@ collected in Python lists: an aggregate over a million items runs in constant me
 
 Durability and concurrency: WAL journal (readers never wait for the writer), ``synchronous=FULL``
 (a write that returned is on disk), a busy timeout so a second writer waits a few seconds before
-giving up, ``secure_delete`` so a deleted item's bytes are overwritten in the file. The file is
+giving up, ``secure_delete`` so removed rows' bytes are overwritten in the file (a deleted item's
+last version stays in ``item_versions`` until it is purged or ages out of the retention). The file is
 created 0600; SQLite gives its ``-wal``/``-shm`` companions the same mode. One connection per store,
 usable from any thread (``check_same_thread=False``), serialised by a lock; long reads (tag pages,
 aggregates) use a second, query-only connection with its own lock, so a scan of a million items
@@ -130,9 +131,9 @@ _MIGRATE_1_TO_2 = "CREATE INDEX IF NOT EXISTS items_meta ON items(key, sensitivi
 # ``item_versions`` holds every earlier state of a key, by version; a deletion leaves the last state
 # and a tombstone (``deleted`` 1, no value) one version above it, so a key re-created later goes on
 # counting. ``history_settings`` holds how many earlier versions a key keeps (0: all).
+_ADD_VERSION = "ALTER TABLE items ADD COLUMN version INTEGER NOT NULL DEFAULT 1"
 _HISTORY_SQL = """
-ALTER TABLE items ADD COLUMN version INTEGER NOT NULL DEFAULT 1;
-CREATE TABLE item_versions (
+CREATE TABLE IF NOT EXISTS item_versions (
     key         TEXT NOT NULL,
     version     INTEGER NOT NULL,
     deleted     INTEGER NOT NULL DEFAULT 0,
@@ -146,12 +147,12 @@ CREATE TABLE item_versions (
     replaced_at TEXT NOT NULL,
     PRIMARY KEY (key, version)
 ) WITHOUT ROWID;
-CREATE TABLE history_settings (
+CREATE TABLE IF NOT EXISTS history_settings (
     id           INTEGER PRIMARY KEY CHECK (id = 1),
     max_versions INTEGER NOT NULL CHECK (max_versions >= 0)
 );
-INSERT INTO history_settings (id, max_versions) VALUES (1, 50);
-CREATE TRIGGER items_keep_update AFTER UPDATE OF value, tags, sensitivity, source, created_at, updated_at,
+INSERT OR IGNORE INTO history_settings (id, max_versions) VALUES (1, 50);
+CREATE TRIGGER IF NOT EXISTS items_keep_update AFTER UPDATE OF value, tags, sensitivity, source, created_at, updated_at,
     description ON items
 BEGIN
     INSERT OR REPLACE INTO item_versions (key, version, deleted, value, tags, sensitivity, source,
@@ -163,7 +164,7 @@ BEGIN
         AND (SELECT max_versions FROM history_settings WHERE id = 1) > 0
         AND version <= OLD.version - (SELECT max_versions FROM history_settings WHERE id = 1);
 END;
-CREATE TRIGGER items_keep_delete BEFORE DELETE ON items
+CREATE TRIGGER IF NOT EXISTS items_keep_delete BEFORE DELETE ON items
 BEGIN
     INSERT OR REPLACE INTO item_versions (key, version, deleted, value, tags, sensitivity, source,
         created_at, updated_at, description, replaced_at)
@@ -172,13 +173,13 @@ BEGIN
     INSERT OR REPLACE INTO item_versions (key, version, deleted, replaced_at)
     VALUES (OLD.key, OLD.version + 1, 1, strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));
 END;
-CREATE TRIGGER items_keep_insert AFTER INSERT ON items
+CREATE TRIGGER IF NOT EXISTS items_keep_insert AFTER INSERT ON items
     WHEN EXISTS (SELECT 1 FROM item_versions WHERE key = NEW.key)
 BEGIN
     UPDATE items SET version = (SELECT max(version) FROM item_versions WHERE key = NEW.key) + 1
         WHERE key = NEW.key;
 END;
-CREATE TABLE proposals (
+CREATE TABLE IF NOT EXISTS proposals (
     proposal_id   TEXT NOT NULL PRIMARY KEY,
     session_id    TEXT NOT NULL,
     agent_id      TEXT NOT NULL,
@@ -199,9 +200,9 @@ CREATE TABLE proposals (
     applied_version INTEGER,
     via           TEXT
 );
-CREATE INDEX proposals_by_session ON proposals(session_id, status);
-CREATE INDEX proposals_by_agent ON proposals(agent_id, created_at);
-CREATE INDEX proposals_by_status ON proposals(status, created_at);
+CREATE INDEX IF NOT EXISTS proposals_by_session ON proposals(session_id, status);
+CREATE INDEX IF NOT EXISTS proposals_by_agent ON proposals(agent_id, created_at);
+CREATE INDEX IF NOT EXISTS proposals_by_status ON proposals(status, created_at);
 PRAGMA user_version = 3;
 """
 
@@ -577,10 +578,14 @@ class MemoryStore(MemoryStorage):
                         details={"reason": "EMPTY"},
                     )
                 _script(conn, _SCHEMA)
+                conn.execute(_ADD_VERSION)
                 _script(conn, _HISTORY_SQL)
             else:
                 if version == 1:
                     conn.execute(_MIGRATE_1_TO_2)
+                # each step only where it is missing (a file may have been labelled older than it is)
+                if not any(r[1] == "version" for r in conn.execute("PRAGMA table_info(items)")):
+                    conn.execute(_ADD_VERSION)
                 _script(conn, _HISTORY_SQL)
             conn.execute("COMMIT")
         except BaseException:
