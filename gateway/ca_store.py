@@ -40,22 +40,15 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from gateway.ca_registry import (  # noqa: F401  (registry names importable from here as before)
-    CRL_KEEP_AFTER_EXPIRY,
-    REGISTRY_BUSY_TIMEOUT_SECONDS,
-    REGISTRY_RETENTION,
+from gateway.ca_registry import (
     Entry,
     Registry,
     epoch,
     from_epoch,
-    legacy_registry_path,
     locked,
-    parse_ts,
     registry,
-    registry_path,
     ts,
 )
-from gateway.ca_registry import locked as _locked  # noqa: F401  (the old private name, used by tests)
 from gateway.config import Paths
 from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError

@@ -371,7 +371,7 @@ class GatewayConfig:
     # are still checked on every request against the live CRL (gateway/remote/tls.py).
     tls_session_tickets: int = 1
     # SO_REUSEPORT on the mTLS listener: lets a second gateway process (its own home copy, the same
-    # guard as upstream) share the port. Off: one gateway process (benchmarks/README.md, issue 13:
+    # guard as upstream) share the port. Off: one gateway process (benchmarks/README.md, bench_levers:
     # a second worker does not pay on 2 cores, and quota, DPoP replay cache and status cache would
     # have to be shared first).
     listen_reuse_port: bool = False

@@ -13,8 +13,8 @@ The verified-identity headers (gateway -> guard)
                     request whose ``Authorization`` token hashes differently, so the two sides can
                     never act on different tokens.
 
-    Audit only (one log, issue 10: the guard writes the one event of a forwarded request and puts
-    these in it; they decide nothing):
+    Audit only (one log: the guard writes the one event of a forwarded request and puts these in
+    it; they decide nothing):
     ``Listener``    the gateway listener the request arrived on (``mtls`` or ``tunnel``);
     ``Client``      the client's address as the gateway saw it;
     ``Cert-Serial`` the serial (hex) of the client certificate (mTLS listener);
@@ -135,7 +135,7 @@ def header_problem(raw_headers: Iterable[tuple[bytes, bytes]], *, verified_allow
 def event_id_time(now: float | None = None) -> str:
     """The time part of an event id, guard's (``log_``) and gateway's (``gw_``) alike: 12 hex digits
     of the time in milliseconds, so the ids of one moment sit side by side in the log's ``id`` index
-    (issue 13: a random id cost each event its own index page). The random part follows it."""
+    (a random id would cost each event its own index page). The random part follows it."""
     return f"{int((time.time() if now is None else now) * 1000) & 0xFFFF_FFFF_FFFF:012x}"
 
 

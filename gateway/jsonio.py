@@ -59,7 +59,7 @@ def loads(data: str | bytes | bytearray | memoryview) -> Any:
             if pattern.search(data) is None:  # type: ignore[arg-type]
                 return _orjson.loads(data)
         except (_orjson.JSONDecodeError, TypeError):
-            pass  # the standard library decides: same answer or same refusal as before
+            pass  # the standard library decides: its answer or its refusal
     if isinstance(data, memoryview):
         data = bytes(data)
     return json.loads(data)
@@ -85,7 +85,7 @@ def dumps(obj: Any) -> bytes:
         try:
             out: bytes = _orjson.dumps(obj, option=_OPTS)
         except TypeError:
-            pass  # the standard library encodes it (big int, int keys) or refuses it as before
+            pass  # the standard library encodes it (big int, int keys) or refuses it
         else:
             if b"null" not in out or not _non_finite(obj):
                 return out

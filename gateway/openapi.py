@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints (issue 14).
+"""The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints.
 
 :func:`document` builds it; ``docs/openapi.json`` is its committed rendering and the guard serves it
 at ``GET /v1/openapi.json`` on both local listeners (:func:`serve`). ``tests/e2e/test_openapi.py``
@@ -722,7 +722,7 @@ def document() -> dict[str, Any]:
         },
         "/v1/internal/events": {
             "post": _op(
-                "the gateway's own events into the one log (issue 10; Unix socket only, idempotent by event id)",
+                "the gateway's own events into the one log (Unix socket only, idempotent by event id)",
                 (UNIX,),
                 ok=_ok(_closed(["accepted"], {"accepted": {"type": "integer", "minimum": 0}})),
                 refusals=(400, 413, 503),

@@ -57,7 +57,7 @@ RED = "\033[1;31m"
 RESET = "\033[0m"
 
 
-LOCAL_DEFAULT_SESSION_SECONDS = 30 * 60  # §20.1's 30 minutes, as before
+LOCAL_DEFAULT_SESSION_SECONDS = 30 * 60  # §20.1's 30 minutes
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", re.ASCII | re.IGNORECASE)
 _UNIT_SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86_400}
 MAX_DURATION_SECONDS = 10 * 365 * 86_400  # parsing bound only; the config's maxima decide

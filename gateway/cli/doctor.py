@@ -239,7 +239,7 @@ def _audit_log(r: Report, paths: Paths) -> None:
 
 
 def _speed(r: Report) -> None:
-    """What the servers run on (issue 13): aiohttp's C HTTP parser, the event loop, the JSON codec.
+    """What the servers run on: aiohttp's C HTTP parser, the event loop, the JSON codec.
     Each is only speed (the pure-Python fallbacks behave the same), so these are notes, not problems."""
     from gateway import eventloop, jsonio
 

@@ -179,7 +179,7 @@ class Checkpoint:
             raise NoteError("bad checkpoint origin or size")
         try:
             root = base64.b64decode(root_b64, validate=True)
-        except (binascii.Error, ValueError):  # ValueError: non-ASCII text (found by fuzzing, issue 14)
+        except (binascii.Error, ValueError):  # ValueError: non-ASCII text (found by fuzzing)
             raise NoteError("checkpoint root is not base64") from None
         if len(root) != 32:
             raise NoteError("checkpoint root is not 32 bytes")

@@ -21,7 +21,7 @@ A lock held by another process past the busy timeout makes a batch fail with STO
 shortly) in the same way. Reads of the log run on their own thread (:attr:`AuditLog.reader`),
 never on the event loop.
 
-Verifiable (issue 10, docs/audit.md): with :class:`LedgerOptions` (every production opener, see
+Verifiable (docs/audit.md): with :class:`LedgerOptions` (every production opener, see
 :func:`open_audit`) each row is also an event of the Merkle event log (:mod:`gateway.ledger.log`)
 in the *same* transaction: gap-free sequence, RFC 9162 leaf, tree nodes, and a signed C2SP
 checkpoint every ``audit_checkpoint_events`` events or ``audit_checkpoint_seconds`` seconds (a
@@ -66,7 +66,7 @@ from gateway.ledger.query import AuditFilter, AuditPage, event_owner, query_even
 
 log = logging.getLogger("uomp.audit")
 
-# The table of older versions (before issue 10's reader): rows that exist only there are moved into the
+# The table of older versions (before the Merkle event log): rows that exist only there are moved into the
 # event log when the audit log is opened (:meth:`AuditLog._migrate_legacy`), then the table is dropped.
 LEGACY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_logs (
@@ -174,7 +174,7 @@ def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True) -> AuditL
     )
 
 
-# Fields an event may carry besides :data:`COLUMNS` (the gateway's, issue 10's one log): where and how
+# Fields an event may carry besides :data:`COLUMNS` (the gateway's, in the one log): where and how
 # the request arrived, its stable code and HTTP status, and counts of rate-limited events.
 EXTRA_FIELDS = frozenset(
     {
@@ -235,11 +235,11 @@ class _EventIds:
     """Unique event ids: ``log_`` + 12 hex digits of the time in milliseconds + 16 hex digits from the
     OS's CSPRNG (``log_0193d3a5c1f2`` ``9f0c...``).
 
-    The random part makes an id unique and unguessable, as before (64 bits). The time part puts the
+    The random part makes an id unique and unguessable (64 bits). The time part puts the
     ids of one moment side by side in the log's ``id`` index, so a commit dirties the index's last
     page or two instead of one random page per event: with 200,000 events in the log a random id
-    cost ~20-30 µs more per event, and the cost grows with the log (issue 13,
-    ``benchmarks/bench_audit_commit.py``). Like the reference's ``generateId`` (time, then random),
+    cost ~20-30 µs more per event, and the cost grows with the log
+    (``benchmarks/bench_audit_commit.py``). Like the reference's ``generateId`` (time, then random),
     the spec (§18.1) only fixes the ``log_`` prefix. The random parts are drawn 512 at a time: one
     system call per event cost ~30 µs on the VMs this runs on."""
 
@@ -805,7 +805,7 @@ class AuditLog:
         In slices of :data:`PURGE_SLICE_EVENTS`, each its own short transaction, with the write
         connection let go between them: the group-commit writer's batches (every read's event) go in
         between, where one UPDATE of an hour's events held them for as long as it ran (0.6-0.75 s for
-        200,000 events here; issue 13, "bounded everywhere"). Each run starts where the last one
+        200,000 events here). Each run starts where the last one
         stopped (events are pruned in time order), so the hourly run does not walk the pruned ones
         again: the first run of a process finds the oldest body once, on a connection of its own that
         blocks no writer. An event written later with a time before the last cutoff (a gateway spool

@@ -176,7 +176,7 @@ class EventLog:
         """:meth:`reload` if another connection (the CLI, another process) committed since this one
         last read its state; call it inside the write transaction (nobody else can commit then).
         ``PRAGMA data_version`` changes with every commit of *another* connection, never this one's,
-        so a writer that is alone does not re-read the tree's edge for every batch (issue 13)."""
+        so a writer that is alone does not re-read the tree's edge for every batch."""
         if self._seen_version is None or self._data_version() != self._seen_version:
             self.reload()
 

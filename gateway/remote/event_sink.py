@@ -1,4 +1,4 @@
-"""The gateway's events into the guard's one log (issue 10), with a durable local spool.
+"""The gateway's events into the guard's one log, with a durable local spool.
 
 A request the guard answers is recorded by the guard alone (the gateway hands over its fields as
 verified contract headers, :mod:`gateway.contract`). What the gateway decides alone (its refusals,

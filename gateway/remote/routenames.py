@@ -1,5 +1,5 @@
 """The gateway's route names, as a type: a route row, a metrics label or an audit action that names a
-route which does not exist is a mypy error, not a silent "other" at run time (issue 7).
+route which does not exist is a mypy error, not a silent "other" at run time.
 
 The rows themselves live beside their handlers (:data:`gateway.remote.app.ROUTES`, the refresh and
 renewal rows in :mod:`gateway.remote.agent_routes`, the payload rows in

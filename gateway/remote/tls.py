@@ -325,8 +325,8 @@ class TLSReloader:
         # and trust store (CA + CRL) only. The front IS the first inner context: until the first
         # reload the callback "switches" to the context the connection already has, which OpenSSL
         # skips (SSL_set_SSL_CTX returns at once), where a real switch costs the server ~0.1-0.5 ms
-        # per handshake (it copies the certificate state; benchmarks/README.md, issue 13 session 4).
-        # After a reload, new handshakes switch to the new inner context as before.
+        # per handshake (it copies the certificate state; benchmarks/RUNS.md, "native TLS").
+        # After a reload, each new handshake switches to the newest inner context.
         self._front = self._inner
         self._front.sni_callback = self._select
 

@@ -7,7 +7,7 @@ timed from the moment it is **accepted**, before any TLS byte is read: the TLS l
 plain TCP (:class:`TLSAcceptProtocol`) and, once the client's first bytes are in, hands the raw
 transport to the event loop's own TLS protocol, neither subclassed nor wrapped: under uvloop (the
 product's loop) that is uvloop's native one, so the handshake and every request's record layer
-run outside Python (benchmarks/README.md, "Issue 13, session 4: native TLS"):
+run outside Python (benchmarks/RUNS.md, "native TLS"):
 
 * **Two budgets per listener.** A connection starts *unverified*. On the mTLS listener it becomes
   *verified* when its handshake completes with a client certificate OpenSSL verified against the
