@@ -1,5 +1,5 @@
 """The agent SDK installs without the server: importing ``gateway.client`` (every module of it) loads
-neither ``gateway.remote`` nor ``gateway.guard`` (issue 7, layering)."""
+neither ``gateway.remote`` nor ``gateway.guard``."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ MANIFEST: dict[str, Any] = json.loads((ROOT / "examples" / "calendar_agent" / "u
 async def sdk_appliance(
     paths: Paths, *, guard: dict[str, Any] | None = None, **gateway: Any
 ) -> AsyncIterator[Appliance]:
-    """gatewaykit.appliance with guard settings too (refresh grace window), and the tunnel listener."""
+    """Gatewaykit.appliance with guard settings too (refresh grace window), and the tunnel listener."""
     ca_store.init_all(paths)
     seed(paths)
     gateway.setdefault("tunnel_origin_port", 0)
@@ -85,7 +85,7 @@ async def app(home: Paths) -> AsyncIterator[Appliance]:
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    """The one log: the guard's ledger holds the gateway's events too."""
     return ledger_events(paths)
 
 
@@ -966,7 +966,7 @@ async def test_example_agent_cli(app: Appliance, tmp_path: Path) -> None:
 async def test_refresh_is_retried_on_503_and_keeps_working(
     app: Appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 9 #1: the SDK retries a refresh that got 503 (here: the one log, the guard's audit log,
+    """The SDK retries a refresh that got 503 (here: the one log, the guard's audit log,
     cannot be written for the first two tries) with bounded back-off, and the session survives."""
     from gateway.client import ClientOptions
     from gateway.errors import UompError

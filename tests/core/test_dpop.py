@@ -391,7 +391,7 @@ def test_replay_cache_rejects_bad_size() -> None:
         ReplayCache(0)
 
 
-# ------------------------------------------------------------- partitions (issue 15, defect 6)
+# ------------------------------------------------------------- partitions
 
 
 def test_partition_size_comes_from_the_proof_lifetime() -> None:

@@ -1,4 +1,4 @@
-"""Issue 14: round-trip and tamper properties of the parsers (bounded hypothesis runs).
+"""Round-trip and tamper properties of the parsers (bounded hypothesis runs).
 
 The arbitrary-input side (only the documented error escapes) is in test_properties_fuzz_targets.py;
 here valid inputs are generated and must survive a round trip, and any single change must be refused.

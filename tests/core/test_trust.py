@@ -1,4 +1,4 @@
-"""The trust list (spec §16.4) and the three identity states ``uomp authorize`` shows (issue 8, defect 2).
+"""The trust list (spec §16.4) and the three identity states ``uomp authorize`` shows.
 
 A did:key signature proves only that some key signed the manifest: the publisher is named only
 when that key is in the user's trust list, and only by the name the user gave it.

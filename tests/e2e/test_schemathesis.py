@@ -1,4 +1,4 @@
-"""Issue 14: Schemathesis runs against the running guard and gateway with docs/openapi.json.
+"""Schemathesis runs against the running guard and gateway with docs/openapi.json.
 
 Three targets, each a real server started once for the module in a background event loop:
 
@@ -136,7 +136,7 @@ class _UnixPool(urllib3.HTTPConnectionPool):
 
 
 class UnixAdapter(requests.adapters.HTTPAdapter):
-    """requests over the guard's Unix socket (any http:// URL given to a session it is mounted on)."""
+    """Requests over the guard's Unix socket (any http:// URL given to a session it is mounted on)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()

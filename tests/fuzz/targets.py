@@ -1,4 +1,4 @@
-"""One fuzz target per parser (issue 14): ``TARGETS[name](data: bytes) -> None``.
+"""One fuzz target per parser: ``TARGETS[name](data: bytes) -> None``.
 
 Each target feeds arbitrary bytes to one parser and checks its contract: the only exception that
 may escape is the module's documented error (UompError with the documented code, SealError,

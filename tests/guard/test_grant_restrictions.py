@@ -1,4 +1,4 @@
-"""Every limit a manifest asks for reaches the grant (issue 8, defect 3), through the real CLI, the
+"""Every limit a manifest asks for reaches the grant, through the real CLI, the
 Auth Service and the guard.
 
 The user may narrow further; anything wider than the agent asked for needs ``--widen`` (CLI) or

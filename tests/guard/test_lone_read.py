@@ -1,4 +1,4 @@
-"""Issue 13: the guard's only read in flight has its event written by the auth.db worker itself.
+"""The guard's only read in flight has its event written by the auth.db worker itself.
 
 Under load a read's event joins the audit writer thread's group commit. A read that is alone (no
 other read in flight, the writer idle) used to make four thread hand-overs for one commit:

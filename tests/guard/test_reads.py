@@ -1,8 +1,6 @@
 """Reads of the Memory Guard past 1,000 items, aggregates that leak nothing individual, and reads
 that decide on metadata before any value is loaded. Real guard on a real Unix socket, real SQLite.
-
-Issue 8 defect 1 (silent cut at max_tag_results), issue 15 defects 3 (aggregate inference) and 8
-(existence through timing)."""
+No silent cut at max_tag_results, no inference through aggregates, no existence through timing."""
 
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ def bulk(n: int, tag: str = "bulk") -> list[MemoryItem]:
     return [item(f"b{i:05d}", {"mv": i, "qty": 2}, tag) for i in range(n)]
 
 
-# ------------------------------------------------------------------ issue 8: no silent cut
+# ------------------------------------------------------------------ no silent cut
 
 
 async def test_aggregates_count_and_sum_every_item_past_the_page_limit(home: Paths) -> None:
@@ -240,7 +238,7 @@ def test_sql_key_rules_agree_with_the_policy(home: Paths) -> None:
         store.close()
 
 
-# ------------------------------------------------------------- issue 15.3: aggregate inference
+# ------------------------------------------------------------- aggregate inference
 
 
 def holdings() -> list[MemoryItem]:
@@ -396,7 +394,7 @@ async def test_the_user_sees_the_aggregate_grant(home: Paths) -> None:
         assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
 
 
-# ------------------------------------------------------------- issue 15.8: existence and timing
+# ------------------------------------------------------------- existence and timing
 
 TIMING_ITEMS = [
     item("big.denied", {"blob": "x" * 900_000}, "vault"),

@@ -1,4 +1,4 @@
-"""Event ids (issue 13): unique and unguessable as before, and ordered by time, so that the events of
+"""Event ids: unique and unguessable, and ordered by time, so that the events of
 one commit land side by side in the log's ``id`` index instead of one random index page each."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Agent certificate life cycle (issue 15 defects 4 and 5, issue 8 defect 7), against the real
+"""Agent certificate life cycle, against the real
 appliance on 127.0.0.1: renewal only late in a certificate's life, rate-limited per agent, off the
 event loop and audited; the registry indexed and bounded; revoking a serial revokes every
 certificate renewed from it and the sessions bound to those keys; ``authorize --remote`` reuses
@@ -57,7 +57,7 @@ async def renew_call(app: Appliance, agent: Agent | None, body: Any = None) -> t
 
 
 def access_events(paths: Paths, action: str) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    """The one log: the guard's ledger holds the gateway's events too."""
     return ledger_events(paths, action=action)
 
 

@@ -1,4 +1,4 @@
-"""Connection floods against the real appliance on 127.0.0.1 (issue 15, defect 2).
+"""Connection floods against the real appliance on 127.0.0.1.
 
 In every case an attacker without a verified identity opens many connections and a well-behaved
 agent (valid certificate and token, or a DPoP-bound token on the tunnel origin) must keep being
@@ -421,7 +421,7 @@ def test_bad_limits_are_config_errors(field: str, value: Any) -> None:
     assert err.value.code == "CONFIG_ERROR"
 
 
-# ------------------------------------------------------- DPoP replay cache (issue 15, defect 6)
+# ------------------------------------------------------- DPoP replay cache
 
 
 @pytest.mark.parametrize("attacker", ["revoked_agent", "active_agent"])

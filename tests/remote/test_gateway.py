@@ -35,7 +35,7 @@ async def app(home: Paths) -> Any:
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    """The one log: the guard's ledger holds the gateway's events too."""
     return ledger_events(paths)
 
 
@@ -369,7 +369,7 @@ async def test_client_sent_identity_headers_are_not_forwarded(app: Appliance) ->
     a = app.agent("agent_a")
     g = await app.grant(a)
     async with agent_session(a, app.paths) as s:
-        # a client never sends the gateway's assertion: refused outright (issue 15 defect 1)
+        # a client never sends the gateway's assertion: refused outright
         status, body, _ = await agent_call(
             s,
             app.base,
@@ -565,7 +565,7 @@ async def test_metrics_on_separate_loopback_port(home: Paths) -> None:
 
 
 async def test_fronts_another_guard_over_loopback_http(home: Paths) -> None:
-    """upstream = http://127.0.0.1:PORT (e.g. the TypeScript reference server): same checks, then forwarded."""
+    """Upstream = http://127.0.0.1:PORT (e.g. the TypeScript reference server): same checks, then forwarded."""
     from aiohttp import web
 
     from gateway.config import GatewayConfig

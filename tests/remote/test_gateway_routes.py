@@ -1,4 +1,4 @@
-"""The gateway's one route table (issue 7): every route name has exactly one row, every row's name is
+"""The gateway's one route table: every route name has exactly one row, every row's name is
 a known name (a typo is a mypy error: ``RouteName`` is a ``Literal``), metrics labels come from the
 table, and a new route is one row plus one handler."""
 
