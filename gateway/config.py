@@ -21,6 +21,23 @@ from gateway.errors import ErrorCode, UompError
 DEFAULT_HOME = "~/.uomp"
 LOCAL_PORT = 9374
 
+# The words a boolean setting or switch may be spelled with (case and surrounding blanks ignored).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_bool(value: str) -> bool | None:
+    """``True``/``False`` for one of :data:`TRUE_WORDS`/:data:`FALSE_WORDS`, ``None`` for anything else."""
+    word = value.strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
+
+
+def switch_on(name: str) -> bool:
+    """A speed switch of the environment (``UOMP_UVLOOP``, ``UOMP_ORJSON``, ``UOMP_SESSION_CACHE``):
+    on unless set to one of :data:`FALSE_WORDS`. Each only changes speed, never behaviour, so a value
+    that is not a boolean word leaves it on rather than stopping a server at import."""
+    return parse_bool(os.environ.get(name, "1")) is not False
+
 
 def resolve_home(cli_home: str | None = None) -> Path:
     raw = cli_home or os.environ.get("UOMP_HOME") or DEFAULT_HOME
@@ -486,9 +503,10 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
         if typ is bool:
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return value.lower() in ("1", "true", "yes", "on")
-            raise ValueError
+            word = parse_bool(value) if isinstance(value, str) else None
+            if word is None:
+                raise ValueError
+            return word
         if typ is int:
             if isinstance(value, bool):
                 raise ValueError

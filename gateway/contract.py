@@ -139,6 +139,41 @@ def event_id_time(now: float | None = None) -> str:
     return f"{int((time.time() if now is None else now) * 1000) & 0xFFFF_FFFF_FFFF:012x}"
 
 
+def assertion_headers(
+    *,
+    token: str,
+    agent_id: str,
+    listener: str,
+    via: str,
+    client: str | None = None,
+    serial: str | None = None,
+    x5t: str | None = None,
+    jkt: str | None = None,
+    digest: str | None = None,
+) -> dict[str, str]:
+    """The headers the gateway forwards a verified request with, the request id aside (it changes per
+    request; the rest is the same for every request of a connection with one token): the token, the
+    agent header, the assertion (agent, via, token digest, the thumbprints the client proved) and the
+    audit-only fields. ``digest`` is :func:`token_digest` of ``token`` when the caller has it."""
+    headers = {
+        "Authorization": f"Bearer {token}",
+        AGENT_HEADER: agent_id,
+        VERIFIED_AGENT_HEADER: agent_id,
+        VERIFIED_VIA_HEADER: via,
+        VERIFIED_TOKEN_HEADER: digest or token_digest(token),
+        VERIFIED_LISTENER_HEADER: listener,  # audit only, like the client and the serial
+    }
+    if client:
+        headers[VERIFIED_CLIENT_HEADER] = client
+    if serial is not None:
+        headers[VERIFIED_SERIAL_HEADER] = serial
+    if x5t is not None:
+        headers[VERIFIED_X5T_HEADER] = x5t
+    if jkt is not None:
+        headers[VERIFIED_JKT_HEADER] = jkt
+    return headers
+
+
 def token_digest(token: str) -> str:
     """The value of :data:`VERIFIED_TOKEN_HEADER` for ``token`` (SHA-256, hex)."""
     return hashlib.sha256(token.encode("ascii", "replace")).hexdigest()

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from typing import Any
+
+from gateway.config import switch_on
 
 try:  # an optional speed-up: everything works without it
     import orjson as _orjson
 except ImportError:  # pragma: no cover - the dependency is declared
     _orjson = None  # type: ignore[assignment]
 
-ENABLED = _orjson is not None and os.environ.get("UOMP_ORJSON", "1") not in ("0", "false", "no", "off")
+ENABLED = _orjson is not None and switch_on("UOMP_ORJSON")
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 _LONG_DIGITS_STR = re.compile(r"[0-9]{19}")

@@ -33,7 +33,6 @@ Mode = Literal["mtls", "dpop", "bearer"]
 AgentKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 JSONObject = dict[str, Any]
 
-AGENT_HEADER = "X-UOMP-Agent-Id"
 LOCAL_BASE_URL = "http://127.0.0.1:9374"
 # Characters left unescaped in a path segment: the gateway's canonical spelling (pathnorm.SEGMENT_SAFE).
 SEGMENT_SAFE = "!$&'()*+,;=:@-._~"

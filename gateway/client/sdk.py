@@ -99,7 +99,6 @@ from gateway.client.errors import (
     error_from_answer,
 )
 from gateway.client.options import (  # noqa: F401  (importable from gateway.client.sdk as before)
-    AGENT_HEADER,
     AGGREGATE_OPS,
     LOCAL_BASE_URL,
     READ_CHUNK,

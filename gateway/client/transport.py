@@ -17,8 +17,9 @@ from yarl import URL
 
 from gateway.client import payloads
 from gateway.client.errors import CertificateError, ConfigError, ProtocolError, Unavailable, UompClientError
-from gateway.client.options import AGENT_HEADER, READ_CHUNK, ClientState
+from gateway.client.options import READ_CHUNK, ClientState
 from gateway.client.tls import describe, ssl_in_chain, transport_context
+from gateway.contract import AGENT_HEADER
 from gateway.core.dpop import make_dpop_proof
 from gateway.core.envelope import HEADER_NAME, encode_header
 from gateway.netutil import is_loopback

@@ -21,6 +21,7 @@ from gateway.core import jose
 from gateway.errors import UompError
 
 FIXTURE = Path(__file__).with_name("fixture.json")
+# Spelled here, not imported: the suite checks the wire against the spec, not against our own constants.
 AGENT_HEADER = "X-UOMP-Agent-Id"
 # §8.4 codes a refusal may carry (the spec's list; implementations may add their own for new cases)
 SPEC_CODES = {

@@ -25,9 +25,7 @@ independently of the cache, a revocation also blacklists every token of the sess
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import secrets
 import sqlite3
 from collections.abc import Mapping
@@ -35,12 +33,14 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
+from gateway.config import switch_on
+from gateway.contract import token_digest
 from gateway.core import tokens
 from gateway.core.tokens import Scope
 from gateway.errors import ErrorCode, UompError
 
 SESSION_CACHE_ENTRIES = 4096  # decoded session rows kept (cleared whole when full: refilled on demand)
-SESSION_CACHE = os.environ.get("UOMP_SESSION_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+SESSION_CACHE = switch_on("UOMP_SESSION_CACHE")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -139,7 +139,8 @@ def ended_message(row: SessionRow) -> str:
 
 
 def token_hash(token: str) -> str:
-    return "sha256:" + hashlib.sha256(token.encode("ascii", "replace")).hexdigest()
+    """How auth.db keys a token: :func:`gateway.contract.token_digest` with its algorithm named."""
+    return "sha256:" + token_digest(token)
 
 
 def _new_id(prefix: str) -> str:

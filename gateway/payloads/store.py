@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from gateway.contract import token_digest
 from gateway.errors import ErrorCode
 from gateway.fsutil import ensure_private_dir, fsync_dir
 
@@ -584,14 +585,14 @@ class PayloadStore(PayloadStorage):
         token = secrets.token_urlsafe(32)
         self.conn.execute(
             "INSERT INTO upload_urls (token_hash, session_id, agent_id, max_size, expires_at) VALUES (?, ?, ?, ?, ?)",
-            (_token_hash(token), session_id, agent_id, max_size, now + ttl),
+            (token_digest(token), session_id, agent_id, max_size, now + ttl),
         )
         return token, now + ttl
 
     def consume_upload_url(self, token: str, *, now: float | None = None) -> tuple[str, str, int]:
         """Spend a token once: (session_id, agent_id, max_size). Late, reused or unknown: refused alike."""
         now = time.time() if now is None else now
-        th = _token_hash(token)
+        th = token_digest(token)
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             cur = self.conn.execute(
@@ -691,7 +692,3 @@ class PayloadStore(PayloadStorage):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.blobs / payload_id)
         return cur.rowcount == 1
-
-
-def _token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
