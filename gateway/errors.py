@@ -50,7 +50,7 @@ class ErrorCode(StrEnum):
     MANIFEST_INVALID = "MANIFEST_INVALID"
     CA_ERROR = "CA_ERROR"
     RENEWAL_TOO_EARLY = "RENEWAL_TOO_EARLY"  # certificate renewal before the last part of the certificate's life
-    RATE_LIMITED = "RATE_LIMITED"  # too many certificate renewals for one agent in the configured window
+    RATE_LIMITED = "RATE_LIMITED"  # too many renewals for one agent, or DPoP proofs from one key, in a window
     UNSAFE_PERMISSIONS = "UNSAFE_PERMISSIONS"  # data directory owned by someone else or group/other-writable
     NOT_INITIALISED = "NOT_INITIALISED"  # the data directory was never set up by `uomp init`
     ANCHOR_UNAVAILABLE = "ANCHOR_UNAVAILABLE"  # chain RPC unreachable, timed out or not final yet: retry later

@@ -476,5 +476,5 @@ async def test_dpop_replay_cache_cannot_lock_out_another_agent(home: Paths, atta
             assert set(codes) == {"SESSION_REVOKED"}
             assert len(replay) == 1  # agent_a's one proof: the refused ones were never recorded
         else:
-            assert codes[:per_key] == [200] * per_key and set(codes[per_key:]) == {"DPOP_INVALID"}
+            assert codes[:per_key] == [200] * per_key and set(codes[per_key:]) == {"RATE_LIMITED"}
             assert replay.partition_size(b.jkt) == per_key
