@@ -157,6 +157,8 @@ def write_private_key(path: Path, account: LocalAccount) -> None:
 
 
 class EvmBackend:
+    """Anchors on an EVM chain through ``UompAnchor.sol`` (web3.py), every answer checked against the chain."""
+
     name = "evm"
 
     def __init__(self, settings: EvmSettings, account: LocalAccount | None = None) -> None:

@@ -197,6 +197,8 @@ def _hex(n: int) -> str:
 
 
 class StarknetBackend:
+    """Anchors on Starknet through the Cairo contract (starknet-py); tested only against a local stand-in."""
+
     name = "starknet"
 
     def __init__(self, settings: StarknetSettings, key_pair: KeyPair | None = None) -> None:

@@ -66,10 +66,12 @@ MAX_CERT_BYTES = 16 * 1024
 
 
 def utcnow() -> dt.datetime:
+    """The current time, timezone-aware UTC."""
     return dt.datetime.now(dt.UTC)
 
 
 def aware_utc(now: dt.datetime | None) -> dt.datetime:
+    """``now`` as an aware UTC datetime (the current time for ``None``); ValueError for a naive one."""
     if now is None:
         return utcnow()
     if now.tzinfo is None:
@@ -112,6 +114,7 @@ def random_serial() -> int:
 
 
 def new_key(key_type: KeyType = "p256") -> AgentPrivateKey:
+    """A fresh agent or CA private key of ``key_type`` (P-256 or Ed25519); CA_ERROR for any other type."""
     if key_type == "p256":
         return ec.generate_private_key(ec.SECP256R1())
     if key_type == "ed25519":
@@ -365,6 +368,7 @@ def load_cert(data: bytes) -> x509.Certificate:
 
 
 def csr_public_key(csr: x509.CertificateSigningRequest) -> AgentPublicKey:
+    """The public key a CSR carries, refused unless it is a key type the CA issues for."""
     pub = csr.public_key()
     _check_key_type(pub, "the agent key")
     assert isinstance(pub, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey)
@@ -501,6 +505,7 @@ def build_crl(
 
 
 def crl_number(crl: x509.CertificateRevocationList) -> int:
+    """The CRL's number (0 when it has no CRLNumber extension): a newer CRL has a larger one."""
     try:
         return int(crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number)
     except x509.ExtensionNotFound:
@@ -511,6 +516,7 @@ def crl_number(crl: x509.CertificateRevocationList) -> int:
 
 
 def cert_pem(cert: x509.Certificate) -> bytes:
+    """The certificate as PEM bytes."""
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
@@ -522,6 +528,7 @@ def key_pem(key: CAPrivateKey) -> bytes:
 
 
 def crl_pem(crl: x509.CertificateRevocationList) -> bytes:
+    """The CRL as PEM bytes."""
     return crl.public_bytes(serialization.Encoding.PEM)
 
 

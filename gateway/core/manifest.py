@@ -100,6 +100,8 @@ def is_display_safe(text: str) -> bool:
 
 @dataclass(frozen=True)
 class AgentInfo:
+    """Who the agent says it is (§16.2 ``agent``): id, name, version, publisher."""
+
     id: str
     name: str
     version: str
@@ -109,6 +111,8 @@ class AgentInfo:
 
 @dataclass(frozen=True)
 class RetentionPolicy:
+    """What the agent promises to do with what it reads (§16.2 ``retention``)."""
+
     max_retention_seconds: float
     deletion_method: str  # one of DELETION_METHODS
     proof_required: bool = False
@@ -130,6 +134,8 @@ class IdentityClaim:
 
 @dataclass(frozen=True)
 class Manifest:
+    """A parsed and checked agent manifest (§16): the agent, the scopes it asks for and its promises."""
+
     uomp_version: str
     agent: AgentInfo
     read: Scope

@@ -32,6 +32,8 @@ DID_PATTERN = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._:%-]+")
 
 @dataclass(frozen=True)
 class IdentityResult:
+    """What a publisher identity check found: verified or not, by which method, and why."""
+
     verified: bool
     method: str  # "did:key", "did:ethr", "did:web", "gpg", "x509", "registry" or "none"
     did: str | None

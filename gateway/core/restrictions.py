@@ -56,6 +56,8 @@ def asks_aggregation_only(capabilities: Iterable[str]) -> bool:
 
 @dataclass(frozen=True)
 class ReadGrant:
+    """The read part of a grant as the user approved it, with what it widens beyond the request."""
+
     scope: Scope  # allowed_fields inside the scope equals ``allowed_fields`` below
     allowed_fields: tuple[str, ...] | None
     aggregation_only: bool

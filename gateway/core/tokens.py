@@ -65,6 +65,8 @@ def parse_iso(text: Any) -> float:
 
 @dataclass(frozen=True)
 class Scope:
+    """A read or write scope (§7.3): granted tags and keys, denied ones, and the fields a read may return."""
+
     tags: tuple[str, ...] = ()
     keys: tuple[str, ...] = ()
     deny_tags: tuple[str, ...] = ()
@@ -151,6 +153,7 @@ def _pick(obj: Mapping[str, Any], snake: str, camel: str) -> Any:
 
 
 def parse_scope(obj: Any, name: str) -> Scope:
+    """A scope from its claim object (both spellings of each member); INVALID_TOKEN for a malformed one."""
     if obj is None:
         return EMPTY_SCOPE
     if not isinstance(obj, dict):
@@ -287,6 +290,7 @@ def verify_token(token: str, keys: Mapping[str, jose.PublicKey], *, now: float) 
 
 
 def new_jti() -> str:
+    """A fresh random token id."""
     return "jti_" + secrets.token_urlsafe(18)
 
 
@@ -347,6 +351,7 @@ def refresh_claims(
     audience: str | None,
     cnf: dict[str, str] | None,
 ) -> dict[str, Any]:
+    """The claims of a refresh token for one session and token family."""
     claims: dict[str, Any] = {
         "version": TOKEN_VERSION,
         "token_use": "refresh",
@@ -369,6 +374,7 @@ def refresh_claims(
 
 
 def sign_token(claims: dict[str, Any], key: ed25519.Ed25519PrivateKey, kid: str, *, refresh: bool = False) -> str:
+    """``claims`` as a compact EdDSA JWS signed with the Auth Service's key ``kid``."""
     header: dict[str, Any] = {"alg": "EdDSA", "kid": kid}
     if refresh:
         header["typ"] = REFRESH_TYP

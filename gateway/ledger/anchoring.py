@@ -508,6 +508,8 @@ def summary(b: dict[str, Any] | None) -> str:
 
 @dataclass(frozen=True)
 class AnchorPolicy:
+    """How the anchoring worker paces itself: polling, backoff, and re-checking confirmed anchors."""
+
     poll_seconds: float = 2.0
     backoff_initial_seconds: float = 2.0
     backoff_max_seconds: float = 300.0

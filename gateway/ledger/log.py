@@ -91,6 +91,8 @@ class LedgerError(Exception):
 
 @dataclass(frozen=True)
 class Appended:
+    """One appended event: its sequence number, id and leaf hash."""
+
     seq: int
     id: str
     leaf: bytes
@@ -132,6 +134,8 @@ def checkpoint_hash(note: str) -> bytes:
 
 
 class EventLog:
+    """The Merkle event log in ``audit.db``: gap-free appends, signed checkpoints, proofs."""
+
     def __init__(
         self,
         conn: sqlite3.Connection,

@@ -46,6 +46,8 @@ def insert_rows(conn: sqlite3.Connection, head: str, rows: Sequence[tuple[Any, .
 
 
 class TreeStore:
+    """The log's Merkle tree as stored complete subtrees, with its right edge kept in memory."""
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         conn.executescript(SCHEMA)

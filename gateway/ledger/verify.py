@@ -73,6 +73,8 @@ def check_anchored_head(conn: sqlite3.Connection, size: int, root: bytes) -> str
 
 @dataclass
 class Report:
+    """What a verify found: counts, the first bad event, the problems and the warnings."""
+
     ok: bool = True
     events: int = 0
     pruned: int = 0
@@ -345,6 +347,8 @@ def _stored_node(conn: sqlite3.Connection, level: int, index: int) -> bytes | No
 
 @dataclass(frozen=True)
 class VerifiedProof:
+    """A proof bundle that checked out: the event, its place, the checkpoint and anchor it rests on."""
+
     event: dict[str, Any]
     seq: int
     checkpoint: Checkpoint
@@ -353,6 +357,8 @@ class VerifiedProof:
 
 
 class ProofBundleError(ValueError):
+    """A proof bundle that does not check out (the message says which part)."""
+
     pass
 
 
