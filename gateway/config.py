@@ -40,6 +40,7 @@ def switch_on(name: str) -> bool:
 
 
 def resolve_home(cli_home: str | None = None) -> Path:
+    """The data directory: ``--home``, else ``$UOMP_HOME``, else ``~/.uomp``, resolved."""
     raw = cli_home or os.environ.get("UOMP_HOME") or DEFAULT_HOME
     return Path(raw).expanduser().resolve()
 

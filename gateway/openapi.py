@@ -410,6 +410,7 @@ SCOPE_IN = {
 
 @functools.cache
 def document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every endpoint of the guard, the Auth Service and the gateway."""
     paths: dict[str, dict[str, Any]] = {
         "/v1/health": {
             "get": _op(
@@ -906,8 +907,10 @@ def document() -> dict[str, Any]:
 
 
 def render() -> str:
+    """The document as the JSON text kept in docs/openapi.json."""
     return json.dumps(document(), indent=2, ensure_ascii=False) + "\n"
 
 
 async def serve(request: web.Request) -> web.Response:
+    """``GET /v1/openapi.json``."""
     return web.Response(text=render(), content_type="application/json")

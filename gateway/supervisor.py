@@ -107,6 +107,7 @@ def guard_command(
 
 
 def describe_exit(rc: int | None) -> str:
+    """A child's exit status in words (its code, or the signal that killed it)."""
     if rc is None:
         return "still running"
     if rc < 0:

@@ -871,6 +871,7 @@ def _init_key(paths: Paths) -> dict[str, bool]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp audit`` to the command line."""
     from gateway.cli import home
 
     if _init_key not in home.INIT_HOOKS:

@@ -646,6 +646,7 @@ def _remote_grant(
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp authorize`` to the command line."""
     p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
     p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask; grant what is shown (for scripts)")

@@ -24,6 +24,8 @@ CERT_WARN_DAYS = 7
 
 
 class Report:
+    """What ``uomp doctor`` found: its lines, and how many problems."""
+
     def __init__(self) -> None:
         self.problems = 0
         self.lines: list[str] = []
@@ -273,6 +275,7 @@ def _anchoring(r: Report, paths: Paths) -> None:
 
 
 def run_checks(paths: Paths) -> Report:
+    """Every check of the home, in order; a missing home is the one problem reported."""
     r = Report()
     steps: list[Callable[[], None]] = []
     if not paths.home.exists():
@@ -316,6 +319,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp doctor`` to the command line."""
     p = sub.add_parser(
         "doctor",
         help="check permissions, keys, CA, config, addresses vs certificate, ports and "

@@ -51,6 +51,7 @@ def _port_flag(value: int | None, flag: str, *, low: int) -> None:
 
 
 def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
+    """The gateway settings from the config file with the command's flags on top, the flags checked."""
     overrides: dict[str, Any] = {}
     if args.listen:
         host, _, port = args.listen.rpartition(":")
@@ -79,6 +80,7 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
 
 
 def tunnel_settings(args: argparse.Namespace, paths: Paths) -> TunnelSettings:
+    """The tunnel settings from the config file with the command's flags on top."""
     overrides: dict[str, Any] = {}
     if getattr(args, "tunnel", None):
         overrides["mode"] = args.tunnel
@@ -123,6 +125,7 @@ def tunnel_token(t: TunnelSettings) -> str:
 
 
 def check_tunnel(t: TunnelSettings) -> None:
+    """TUNNEL_ERROR for a tunnel setting that cannot work (a named tunnel without its host name or token)."""
     if t.mode in ("named", "tcp"):
         if not t.hostname:
             raise UompError(
@@ -606,6 +609,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp gateway`` to the command line."""
     g = sub.add_parser("gateway", help="the remote gateway (TLS 1.3 + mTLS) for agents on other machines")
     gsub = g.add_subparsers(dest="gateway_command", metavar="ACTION", required=True)
     s = gsub.add_parser("serve", help="run the gateway alone, in front of an already running guard")

@@ -14,6 +14,7 @@ from gateway.guard.auth import AuthService
 
 
 def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
+    """The guard settings from the config file with the command's flags on top."""
     overrides: dict[str, Any] = {}
     for name in ("tcp_host", "tcp_port"):
         if getattr(args, name, None) is not None:
@@ -24,6 +25,7 @@ def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
 
 
 def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
+    """The Auth Service on this home, with its audit log."""
     return AuthService(paths, cfg, open_audit(paths, cfg))
 
 
@@ -68,6 +70,7 @@ def _sessions(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp guard`` to the command line."""
     g = sub.add_parser("guard", help="the local Auth Service + Memory Guard")
     gsub = g.add_subparsers(dest="guard_command", metavar="ACTION", required=True)
     s = gsub.add_parser(

@@ -29,6 +29,8 @@ RESTORE = "restore it from your backup of {home}; it is never re-made silently"
 
 @dataclass(frozen=True)
 class FileProblem:
+    """A file the home depends on that is missing or broken, and the fix to print."""
+
     path: Path
     what: str
     problem: str  # "is missing" or what is wrong with it

@@ -127,6 +127,7 @@ def _tag_subparsers(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``uomp`` argument parser with every command registered."""
     parser = Parser(
         prog="uomp",
         description="User-Owned Memory Protocol appliance: your memory store, its guard, and the "
@@ -154,6 +155,7 @@ def setup_logging(verbose: bool, service: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one ``uomp`` command; its exit code. The one place that catches errors and prints them."""
     parser = build_parser()
     Parser.argv = list(sys.argv[1:] if argv is None else argv)
     args, extras = parser.parse_known_args(argv)

@@ -221,6 +221,7 @@ column (a day over 12 settles it) or from --date-order.
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp memory`` and ``uomp import`` to the command line."""
     if _init_store not in home.INIT_HOOKS:
         home.INIT_HOOKS.append(_init_store)
 

@@ -49,6 +49,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp trust`` to the command line."""
     p = sub.add_parser("trust", help="the publisher identities you trust, by the names you give them (spec §16.4)")
     tsub = p.add_subparsers(dest="trust_command", metavar="ACTION", required=True)
     a = tsub.add_parser("add", help="trust a publisher key (a did:key) under a name of your choosing")

@@ -21,10 +21,12 @@ from gateway.core import ca
 
 
 def spki(key: Any) -> bytes:
+    """A public key's DER SubjectPublicKeyInfo (what a certificate binds)."""
     return bytes(key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
 def load_key_pem(data: bytes, what: str) -> AgentKey:
+    """A P-256 or Ed25519 private key from PEM; CONFIG_ERROR naming ``what`` otherwise."""
     try:
         return ca.load_private_key(data)
     except (ValueError, TypeError) as exc:
@@ -32,6 +34,7 @@ def load_key_pem(data: bytes, what: str) -> AgentKey:
 
 
 def bundle_key(bundle: AgentBundle, bundle_path: Path) -> AgentKey | None:
+    """The agent's private key from its bundle (inline or its key file), or None when it has none."""
     if bundle.agent_key:
         return load_key_pem(bundle.agent_key.encode(), "the bundle's agent_key")
     if not bundle.agent_key_file:

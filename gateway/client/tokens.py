@@ -39,6 +39,7 @@ def token_claims(token: str) -> JSONObject:
 
 
 def iso_ts(value: Any) -> float | None:
+    """An ISO 8601 timestamp as seconds since the epoch, or None when it is not one."""
     try:
         return parse_iso(value)
     except (ValueError, OverflowError, TypeError):
@@ -46,6 +47,7 @@ def iso_ts(value: Any) -> float | None:
 
 
 def num(value: Any) -> float | None:
+    """A JSON number as a float, or None (booleans are not numbers)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
