@@ -67,11 +67,10 @@ from gateway.core.tokens import Capability, iso
 from gateway.errors import ErrorCode, UompError
 from gateway.payloads.store import (
     MAX_UPLOAD_URL_TTL,
-    PayloadError,
     PayloadMeta,
 )
 from gateway.remote.call import record
-from gateway.remote.payload_service import MAX_URL_BODY, PayloadService, Unsettled, as_uomp_error, read_chunk
+from gateway.remote.payload_service import MAX_URL_BODY, PayloadService, Unsettled, read_chunk
 from gateway.remote.request import Call, Route
 from gateway.remote.state import GatewayState, register_route
 
@@ -170,14 +169,9 @@ async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
     if size > service.cfg.payload_max_bytes:
         raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"a payload is at most {service.cfg.payload_max_bytes} bytes")
     ttl = min(service.cfg.payload_upload_url_seconds, MAX_UPLOAD_URL_TTL)
-    try:
-        token, expires = await service.worker.run(
-            lambda: service.store.issue_upload_url(
-                session_id=cap.session_id, agent_id=cap.agent_id, max_size=size, ttl=ttl
-            )
-        )
-    except PayloadError as exc:
-        raise as_uomp_error(exc) from None
+    token, expires = await service.worker.run(
+        lambda: service.store.issue_upload_url(session_id=cap.session_id, agent_id=cap.agent_id, max_size=size, ttl=ttl)
+    )
     url = f"https://{call.request.host}/v1/payload/presigned?t={token}"
     await record(call, status=201, allowed=True, reason="single-use upload URL issued", code=None)
     return web.json_response(
@@ -202,10 +196,7 @@ async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
             )
         env = _header_envelope(request)
         holder["payload_id"] = env.payload_id
-        try:
-            sid, aid, max_size = await service.worker.run(service.store.consume_upload_url, tokens[0])
-        except PayloadError as exc:
-            raise as_uomp_error(exc) from None
+        sid, aid, max_size = await service.worker.run(service.store.consume_upload_url, tokens[0])
         if sid != cap.session_id or aid != cap.agent_id:
             raise UompError(ErrorCode.UPLOAD_URL_INVALID, "this upload URL is unknown, used or expired")
         return await service.receive(call, env, max_bytes=min(max_size, service.cfg.payload_max_bytes), body=None)

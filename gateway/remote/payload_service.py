@@ -43,10 +43,6 @@ MAX_URL_BODY = 1024
 SETTLE_RETRY_SECONDS = 1.0  # a pending payload the guard could not confirm: tried again this soon
 
 
-def as_uomp_error(exc: PayloadError) -> UompError:
-    return UompError(exc.code, str(exc))
-
-
 class Unsettled(UompError):
     """The payload is stored pending, but its event was not confirmed: no refusal is recorded (a
     retry or the sweep settles it)."""
@@ -238,19 +234,16 @@ class PayloadService:
             raise UompError(ErrorCode.AGENT_MISMATCH, "the envelope's agent_id is not the token's agent")
 
     async def _begin(self, cap: Capability, env: Envelope) -> PayloadUploading:
-        try:
-            return await self.worker.run(
-                lambda: self.store.begin(
-                    payload_id=env.payload_id,
-                    session_id=cap.session_id,
-                    agent_id=cap.agent_id,
-                    format=env.format,
-                    encryption=env.encryption,
-                    max_bytes=env.size,
-                )
+        return await self.worker.run(
+            lambda: self.store.begin(
+                payload_id=env.payload_id,
+                session_id=cap.session_id,
+                agent_id=cap.agent_id,
+                format=env.format,
+                encryption=env.encryption,
+                max_bytes=env.size,
             )
-        except PayloadError as exc:
-            raise as_uomp_error(exc) from None
+        )
 
     async def _stream(self, request: web.Request, upload: PayloadUploading) -> None:
         """The body into ``upload``, in blocks of at most WRITE_BLOCK bytes, each written in a thread."""
@@ -267,10 +260,7 @@ class PayloadService:
             if held >= WRITE_BLOCK or (not chunk and held):
                 block = b"".join(pending)
                 pending, held = [], 0
-                try:
-                    await asyncio.to_thread(upload.write, block)
-                except PayloadError as exc:
-                    raise as_uomp_error(exc) from None
+                await asyncio.to_thread(upload.write, block)
             if not chunk:
                 return
 
@@ -281,10 +271,7 @@ class PayloadService:
     async def _existing(self, call: Call, cap: Capability, env: Envelope) -> PayloadMeta | None:
         """An upload of an id already kept: the same payload again is answered with what is kept
         (settled first when pending); anything else under that id is PAYLOAD_EXISTS."""
-        try:
-            found = await self.worker.run(self.store.find, env.payload_id)
-        except PayloadError as exc:
-            raise as_uomp_error(exc) from None
+        found = await self.worker.run(self.store.find, env.payload_id)
         if found is None:
             return None
         if not found.same_upload(
@@ -299,7 +286,7 @@ class PayloadService:
             try:
                 found = await self._settle(found)
             except PayloadError as exc:
-                raise Unsettled(exc.code, str(exc)) from None
+                raise Unsettled(exc.code, exc.message) from None
             except UompError as exc:
                 raise Unsettled(exc.code, f"{exc.message}; send the same upload again") from None
         call.recorded = False  # this request's own event: an access event (the payload's one is kept)
@@ -334,10 +321,8 @@ class PayloadService:
             digest = upload.hash
             if digest != env.hash:
                 raise UompError(ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the envelope's hash")
-            try:  # what commit would refuse (caps), checked before anything is kept
-                await self.worker.run(self._precheck, cap.session_id, upload.size)
-            except PayloadError as exc:
-                raise as_uomp_error(exc) from None
+            # what commit would refuse (caps), checked before anything is kept
+            await self.worker.run(self._precheck, cap.session_id, upload.size)
         except BaseException:
             await asyncio.shield(asyncio.to_thread(upload.abort))
             raise
@@ -352,7 +337,7 @@ class PayloadService:
                 again = await self._existing(call, cap, env)
                 if again is not None:
                     return again
-            raise as_uomp_error(exc) from None  # commit removed what it wrote
+            raise  # commit removed what it wrote
         except UompError:
             upload.abort()  # the worker refused the call before commit ran (STORE_BUSY)
             raise

@@ -43,7 +43,7 @@ from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import make_row
 from gateway.guard.http import SERVICES, UNIX_ONLY, GuardRoute, event_fields, json_body, query_param, require_admin
 from gateway.payloads import pulltemp
-from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore, fault_hold
+from gateway.payloads.store import PAYLOAD_ID, PayloadStorage, PayloadStore, fault_hold
 
 log = logging.getLogger("uomp.guard.payloads")
 
@@ -64,10 +64,7 @@ class GuardPayloads:
         self.store.close()
 
     async def run(self, fn: Any, *args: Any) -> Any:
-        try:
-            return await self.worker.run(fn, *args)
-        except PayloadError as exc:
-            raise UompError(exc.code, str(exc)) from None
+        return await self.worker.run(fn, *args)
 
 
 PAYLOADS = web.AppKey("payloads", GuardPayloads)
@@ -98,10 +95,7 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
     p = request.app[PAYLOADS]
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
-    try:
-        fh = await asyncio.to_thread(p.store.open_blob, pid)
-    except PayloadError as exc:
-        raise UompError(exc.code, str(exc)) from None
+    fh = await asyncio.to_thread(p.store.open_blob, pid)
     try:
         if (await asyncio.to_thread(os.fstat, fh.fileno())).st_size != meta.size:
             raise UompError(
