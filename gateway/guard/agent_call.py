@@ -215,7 +215,7 @@ class AgentCall:
         )
 
     async def respond(self, body: Any) -> web.Response:
-        data = jsonio.dumps(body)  # orjson where it gives json's answer (issue 13)
+        data = jsonio.dumps(body)  # orjson where it gives json's answer
         self.record(True, self._reason, self._detail, response_size=len(data))
         await self.svc.audit.flush(self.ticket)
         return self._response(data)

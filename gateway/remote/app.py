@@ -25,7 +25,7 @@ One catch-all aiohttp route receives every request, so the raw request-target is
    token the gateway verified (never a client header copy) and the verified-identity headers of
    :mod:`gateway.contract`, among them the token's hash, which the guard compares with its own.
 
-One log (issue 10): every request, allowed or refused, becomes one event in the guard's ledger
+One log: every request, allowed or refused, becomes one event in the guard's ledger
 before its response is sent. A request the guard answered is recorded by the guard alone (it
 answers with :data:`gateway.contract.EVENT_ID_HEADER`), with the gateway's fields handed over as
 verified contract headers (listener, client address, certificate serial, request id); what the

@@ -36,7 +36,7 @@ async def get_audit(request: web.Request) -> web.Response:
 
 
 async def get_audit_proof(request: web.Request) -> web.Response:
-    """``GET /v1/audit/{event_id}/proof`` (issue 10): the proof bundle of one of the agent's *own
+    """``GET /v1/audit/{event_id}/proof``: the proof bundle of one of the agent's *own
     session's* events, as ``uomp audit proof`` writes it. Another session's event and an unknown id
     answer the same 404 NOT_FOUND (spec §21); see :meth:`AuditLog.proof_for_session`."""
     svc = request.app[SERVICES]

@@ -224,7 +224,7 @@ async def audit_event(request: web.Request) -> web.Response:
         )
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
-    # This is the upload request's one event (issue 10): the gateway writes none of its own.
+    # This is the upload request's one event: the gateway writes none of its own.
     return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
 
 

@@ -44,7 +44,7 @@ def _key_verdict(
 
 def _read_key_on_worker(cap: Capability, call: AgentCall, store: MemoryStorage, key: str) -> _KeyRead | Durable:
     """The store's part of a read by key, in the same worker job as the authentication (one thread
-    trip per read, issue 13): metadata first and the decision on it alone; the value only after an
+    trip per read): metadata first and the decision on it alone; the value only after an
     allow (a denied item and a missing key do the same work), both in one read transaction.
 
     For the guard's only read in flight (``call.context`` set), an allowed answer is made here too and its
