@@ -9,7 +9,7 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -31,7 +31,6 @@ from gateway.guard.auth import token_hash
 from gateway.guard.services import GuardServices
 
 log = logging.getLogger("uomp.guard")
-T = TypeVar("T")
 
 MAX_QUERY_PARAM = 256
 

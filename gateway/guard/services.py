@@ -4,7 +4,6 @@ state, and the auth.db worker thread every Auth Service call runs on."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,7 +20,6 @@ from gateway.guard.auth import AuthService
 from gateway.guard.reads import ReadState
 from gateway.guard.store import MemoryStorage, MemoryStore
 
-log = logging.getLogger("uomp.guard")
 T = TypeVar("T")
 
 

@@ -3,7 +3,6 @@ assertion to the guard, the request's one event (:func:`record`), the §8.4 erro
 
 from __future__ import annotations
 
-import logging
 import time
 
 from aiohttp import web
@@ -24,8 +23,6 @@ from gateway.errors import ErrorCode, UompError, known_code
 from gateway.remote.request import Call
 from gateway.remote.state import STATE, GatewayState, host_key
 from gateway.remote.tls import server_name_of
-
-log = logging.getLogger("uomp.gateway")
 
 
 def error_response(exc: UompError) -> web.Response:
