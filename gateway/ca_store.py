@@ -102,7 +102,7 @@ def _read(path: Path, code: ErrorCode, what: str) -> bytes:
         raise UompError(code, f"cannot read {what} {path}: {exc.strerror}") from exc
 
 
-def _load_key_file(path: Path, what: str) -> ca.CAPrivateKey:
+def load_key_file(path: Path, what: str) -> ca.CAPrivateKey:
     data = _read(path, ErrorCode.KEY_ERROR, what)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
@@ -137,7 +137,7 @@ def load_ca(paths: Paths) -> tuple[ca.CAPrivateKey, x509.Certificate]:
     if not kp.exists() and not cp.exists():
         raise UompError(ErrorCode.CA_ERROR, f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')")
     try:
-        key = _load_key_file(kp, "CA key")
+        key = load_key_file(kp, "CA key")
     except FileNotFoundError as exc:
         raise UompError(ErrorCode.KEY_ERROR, f"{kp} is missing but {cp} exists; {_RESTORE_KEY}") from exc
     try:
@@ -242,7 +242,7 @@ def _ensure_server_cert(
             return False
         names = sorted(have | wanted)
     if kp.exists():
-        server_key = _load_key_file(kp, "gateway key")
+        server_key = load_key_file(kp, "gateway key")
     else:
         server_key = ca.new_key("p256")
         atomic_write(kp, ca.key_pem(server_key), mode=0o600)
@@ -268,7 +268,7 @@ def init_all(
         created = False
         if kp.exists():
             if not cp.exists():
-                key = _load_key_file(kp, "CA key")
+                key = load_key_file(kp, "CA key")
                 _, remade = ca.create_ca(key, now=now)
                 atomic_write(cp, ca.cert_pem(remade), mode=0o644)
             key, cert = load_ca(paths)
@@ -409,7 +409,7 @@ def _reusable(
         current = ca.load_cert(cf.read_bytes())
     except (OSError, UompError):
         return None
-    agent_key = _load_key_file(kf, "agent key")
+    agent_key = load_key_file(kf, "agent key")
     spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     if (
         not ca.is_issued_by(current, load_ca_cert(paths))
@@ -466,7 +466,7 @@ def issue_with_key(
     if new_key:
         agent_key = ca.new_key(key_type)
     else:
-        agent_key = _load_key_file(kf, "agent key")
+        agent_key = load_key_file(kf, "agent key")
     cert = _issue(paths, agent_id, agent_key.public_key(), lifetime, now)
     if new_key:
         atomic_write(kf, ca.key_pem(agent_key), mode=0o600)

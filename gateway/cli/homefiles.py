@@ -81,7 +81,7 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
     ca_key = one(
         ca_store.ca_key_path(paths),
         "CA key",
-        lambda: ca_store._load_key_file(ca_store.ca_key_path(paths), "CA key"),
+        lambda: ca_store.load_key_file(ca_store.ca_key_path(paths), "CA key"),
         restore,
     )
     ca_cert = one(
@@ -95,7 +95,7 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
     server_key = one(
         ca_store.server_key_path(paths),
         "gateway key",
-        lambda: ca_store._load_key_file(ca_store.server_key_path(paths), "gateway key"),
+        lambda: ca_store.load_key_file(ca_store.server_key_path(paths), "gateway key"),
         REMAKE,
         fix_broken=f"move it and ca/gateway.crt aside, then {REMAKE}",
     )
@@ -104,7 +104,7 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
 
         def server() -> None:
             cert = x509.load_pem_x509_certificate(ca_store.server_cert_path(paths).read_bytes())
-            key = ca_store._load_key_file(ca_store.server_key_path(paths), "gateway key")
+            key = ca_store.load_key_file(ca_store.server_key_path(paths), "gateway key")
             if cert.public_key() != key.public_key():
                 raise ValueError("it does not match ca/gateway.key")
             try:

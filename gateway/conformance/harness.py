@@ -109,7 +109,7 @@ def case(
     return deco
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
@@ -331,7 +331,7 @@ def tamper_signature(token: str) -> str:
     head, payload, sig = token.split(".")
     raw = bytearray(_unb64(sig))
     raw[len(raw) // 2] ^= 0x01
-    return f"{head}.{payload}.{_b64(bytes(raw))}"
+    return f"{head}.{payload}.{b64(bytes(raw))}"
 
 
 def tamper_claims(token: str, **changes: Any) -> str:
@@ -339,13 +339,13 @@ def tamper_claims(token: str, **changes: Any) -> str:
     head, payload, sig = token.split(".")
     claims = json.loads(_unb64(payload))
     claims.update(changes)
-    return f"{head}.{_b64(json.dumps(claims).encode())}.{sig}"
+    return f"{head}.{b64(json.dumps(claims).encode())}.{sig}"
 
 
 def alg_none(token: str) -> str:
     """``token``'s claims under an unsigned ``alg: none`` header."""
     _head, payload, _sig = token.split(".")
-    return f"{_b64(json.dumps({'alg': 'none', 'typ': 'JWT'}).encode())}.{payload}."
+    return f"{b64(json.dumps({'alg': 'none', 'typ': 'JWT'}).encode())}.{payload}."
 
 
 AUTH_REFUSED = (401,)

@@ -45,7 +45,7 @@ def key_decision(scope: Scope, key: str, item_tags: Sequence[str] | None, sensit
            ``gateway/core/checks.py`` (one ordered list, the gateway and the Auth Service alike);
       5.   the read quota: counted by the Auth Service in the same trip to ``auth.db`` as step 4
            (the one counter; a refusal is QUOTA_EXCEEDED);
-      5b.  an ``aggregation_only`` token reads nothing by key or tag (``guard/app.py``, before any
+      5b.  an ``aggregation_only`` token reads nothing by key or tag (``guard/routes/reads.py``, before any
            item is looked at);
       6-8. this function, in this order (below);
       9.   ``allowed_fields`` shapes what is returned: :func:`filter_fields`.

@@ -1,5 +1,8 @@
 """The guard's audit log (spec §18): its own SQLite file, apart from the Memory Store.
 
+Longer than ~500 lines on purpose: one class, the log's writer, reader and proof paths over one
+SQLite file and one group-commit writer, whose steps share the same connection rules.
+
 Every decision, allowed or not, becomes a row with the §18.2 fields plus ``query_count_remaining``.
 ``reason`` is what the agent may see in ``GET /v1/audit`` (no existence leak, see core.policy);
 ``detail`` is for the user only.

@@ -1,5 +1,8 @@
 """Auth Service (spec §9, §13, §15.5, §19.4): sessions, tokens, blacklist, quotas, refresh families.
 
+Longer than ~500 lines on purpose: one class, every Auth Service transaction on ``auth.db``
+(authenticate, consume a read, create/grant/close/revoke, prune), each an atomic unit of its own.
+
 State lives in ``auth.db`` (WAL, synchronous=FULL): a revocation is durable before it is
 acknowledged. The session records, their states and the decoded-row cache are in
 :mod:`gateway.guard.sessions`; refresh-token rotation (§15.5) is :mod:`gateway.guard.refresh`.
@@ -32,10 +35,10 @@ from gateway.errors import ErrorCode, UompError
 from gateway.guard import refresh
 from gateway.guard.audit import AuditLog, make_row
 from gateway.guard.sessions import (  # re-exported: the public names stay importable from here
-    _MAX_SETTING,
     DEFAULT_SESSION_MINUTES,
     LIVE,
     MAX_DURATION_MINUTES_FLOOR,
+    MAX_SETTING,
     MIGRATIONS,
     PROFILES,
     PRUNE_BATCH_ROWS,
@@ -48,15 +51,15 @@ from gateway.guard.sessions import (  # re-exported: the public names stay impor
     Minted,
     SessionCache,
     SessionRow,
-    _new_id,
-    _opt_bool,
-    _opt_str_list,
-    _req_str,
-    _scopes_from_body,
-    _scopes_json,
     decode_row,
     ended_message,
     minutes_text,
+    new_id,
+    opt_bool,
+    opt_str_list,
+    req_str,
+    scopes_from_body,
+    scopes_json,
     token_hash,
 )
 
@@ -221,11 +224,11 @@ class AuthService:
         return len(ids)
 
     def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        agent_id = _req_str(body, "agent_id")
+        agent_id = req_str(body, "agent_id")
         agent_name = body.get("agent_name")
         if agent_name is not None and (not isinstance(agent_name, str) or len(agent_name) > 256):
             raise UompError(ErrorCode.INVALID_REQUEST, "agent_name must be a string of at most 256 characters")
-        read, write = _scopes_from_body(body.get("requested_scopes"), "requested_scopes")
+        read, write = scopes_from_body(body.get("requested_scopes"), "requested_scopes")
         profile = body.get("profile", "local")
         if profile not in PROFILES:
             raise UompError(ErrorCode.INVALID_REQUEST, "profile must be local or remote")
@@ -239,7 +242,7 @@ class AuthService:
             raise UompError(
                 ErrorCode.INVALID_REQUEST,
                 f"duration_minutes must be a number from 1 to {most} for a {profile} "
-                f"session ({minutes_text(most)}; the {_MAX_SETTING[profile]} setting)",
+                f"session ({minutes_text(most)}; the {MAX_SETTING[profile]} setting)",
             )
         identity = body.get("identity_public_jwk")
         if identity is not None:
@@ -252,7 +255,7 @@ class AuthService:
         if retention is not None and not isinstance(retention, dict):
             raise UompError(ErrorCode.INVALID_REQUEST, "data_retention_policy must be an object")
         now = self.clock()
-        sid = _new_id("sess")
+        sid = new_id("sess")
         expires = now + float(minutes) * 60
         with transaction(self.db, what="session database"):
             self.db.execute(
@@ -265,7 +268,7 @@ class AuthService:
                     "created",
                     now,
                     expires,
-                    _scopes_json(read, write),
+                    scopes_json(read, write),
                     json.dumps(identity) if identity else None,
                     json.dumps(retention) if retention else None,
                 ),
@@ -278,7 +281,7 @@ class AuthService:
             "session_id": sid,
             "status": "created",
             "agent_id": agent_id,
-            "requested_scopes": json.loads(_scopes_json(read, write)),
+            "requested_scopes": json.loads(scopes_json(read, write)),
             "expires_at": tokens.iso(expires),
         }
 
@@ -290,13 +293,13 @@ class AuthService:
                 f"session is {row.status}; only a created session can be granted",
                 session_id=session_id,
             )
-        read, write = _scopes_from_body(body.get("granted_scopes"), "granted_scopes")
+        read, write = scopes_from_body(body.get("granted_scopes"), "granted_scopes")
         req_read = tokens.parse_scope(row.requested.get("read"), "read")
         req_write = tokens.parse_scope(row.requested.get("write"), "write")
-        widen = _opt_bool(body, "widen")
+        widen = opt_bool(body, "widen")
         # The fields a token returns: the narrower of the scope's and the top-level claim's, written
         # into both so that every reader of the token sees the same limit.
-        fields = restrictions.effective_fields(read.allowed_fields, _opt_str_list(body, "allowed_fields"))
+        fields = restrictions.effective_fields(read.allowed_fields, opt_str_list(body, "allowed_fields"))
         read = dataclasses.replace(read, allowed_fields=fields)
         wider = restrictions.widenings(read, req_read) + [
             "write " + w for w in restrictions.widenings(write, req_write)
@@ -349,24 +352,24 @@ class AuthService:
                 or not all(isinstance(v, str) and len(v) == 43 for v in cnf.values())
             ):
                 raise UompError(ErrorCode.INVALID_REQUEST, "cnf must hold x5t#S256 and/or jkt SHA-256 thumbprints")
-        issue_refresh = _opt_bool(body, "refresh")
+        issue_refresh = opt_bool(body, "refresh")
         if issue_refresh and (profile != "remote" or not cnf):
             raise UompError(ErrorCode.INVALID_REQUEST, "refresh tokens are issued only for remote, key-bound grants")
         options: dict[str, Any] = {
             "profile": profile,
             "audience": audience,
-            "allowed_endpoints": _opt_str_list(body, "allowed_endpoints"),
+            "allowed_endpoints": opt_str_list(body, "allowed_endpoints"),
             "allowed_fields": None if fields is None else list(fields),
-            "aggregation_only": _opt_bool(body, "aggregation_only"),
-            "task_bound": _opt_bool(body, "task_bound"),
+            "aggregation_only": opt_bool(body, "aggregation_only"),
+            "task_bound": opt_bool(body, "task_bound"),
             # docs/aggregates.md: both off unless the user grants them knowingly
-            "aggregate_min_max": _opt_bool(body, "aggregate_min_max"),
-            "aggregate_exact": _opt_bool(body, "aggregate_exact"),
+            "aggregate_min_max": opt_bool(body, "aggregate_min_max"),
+            "aggregate_exact": opt_bool(body, "aggregate_exact"),
             "max_read_queries": mrq,
             "cnf": cnf,
             "lifetime": self._lifetime(profile, body.get("token_lifetime_seconds")),
         }
-        granted = _scopes_json(read, write)
+        granted = scopes_json(read, write)
         with transaction(self.db, what="session database"):
             cur = self.db.execute(
                 "UPDATE sessions SET status='active', granted_scopes=?, grant_options=? "
@@ -389,7 +392,7 @@ class AuthService:
         }
         minted = [access]
         if issue_refresh:
-            rt = self.mint_refresh(row, family_id=_new_id("fam"))
+            rt = self.mint_refresh(row, family_id=new_id("fam"))
             minted.append(rt)
             out["refresh_token"] = rt.token
             out["refresh_expires_at"] = tokens.iso(rt.exp)

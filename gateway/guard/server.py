@@ -18,8 +18,10 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.app import GuardServices, create_app, error_response
+from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
+from gateway.guard.http import error_response
+from gateway.guard.services import GuardServices
 from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
 from gateway.ledger import integrity
 from gateway.netutil import check_bind, claim_socket_path

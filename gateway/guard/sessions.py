@@ -118,7 +118,7 @@ PROFILES = ("local", "remote")
 MAX_DURATION_MINUTES_FLOOR = 1
 DEFAULT_SESSION_MINUTES = 30  # §9.1's example; the CLI picks its own defaults per profile
 REMOTE_ACCESS_MAX_SECONDS = 600  # §15.2: remote access tokens SHOULD NOT exceed 10 minutes; a config cannot
-_MAX_SETTING = {"local": "session_max_minutes", "remote": "remote_session_max_minutes"}
+MAX_SETTING = {"local": "session_max_minutes", "remote": "remote_session_max_minutes"}
 
 
 def minutes_text(minutes: float) -> str:
@@ -143,11 +143,11 @@ def token_hash(token: str) -> str:
     return "sha256:" + token_digest(token)
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_urlsafe(12)}"
 
 
-def _req_str(body: Mapping[str, Any], name: str, *, max_len: int = ID_ALPHABET_MAX) -> str:
+def req_str(body: Mapping[str, Any], name: str, *, max_len: int = ID_ALPHABET_MAX) -> str:
     v = body.get(name)
     if not isinstance(v, str) or not v.strip() or len(v) > max_len:
         raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a non-empty string of at most {max_len} characters")
@@ -161,7 +161,7 @@ def _scope_from_body(obj: Any, name: str) -> Scope:
         raise UompError(ErrorCode.INVALID_REQUEST, exc.message.replace("claim ", "")) from exc
 
 
-def _scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
+def scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
@@ -172,18 +172,18 @@ def _scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
     return _scope_from_body(obj.get("read"), f"{name}.read"), _scope_from_body(obj.get("write"), f"{name}.write")
 
 
-def _scopes_json(read: Scope, write: Scope) -> str:
+def scopes_json(read: Scope, write: Scope) -> str:
     return json.dumps({"read": read.to_claim(), "write": write.to_claim()})
 
 
-def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
+def opt_bool(body: Mapping[str, Any], name: str) -> bool:
     v = body.get(name, False)
     if not isinstance(v, bool):
         raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a boolean")
     return v
 
 
-def _opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
+def opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
     v = body.get(name)
     if v is None:
         return None

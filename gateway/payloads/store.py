@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from gateway.contract import token_digest
-from gateway.errors import ErrorCode
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import ensure_private_dir, fsync_dir
 
 SCHEMA = """
@@ -114,12 +114,9 @@ def fault_hold(name: str) -> None:
     os.kill(os.getpid(), 9)
 
 
-class PayloadError(Exception):
-    """A refused or failed payload operation with a stable code (spec §8.4 names where they exist)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class PayloadError(UompError):
+    """A refused or failed payload operation with a stable code (spec §8.4 names where they exist);
+    a :class:`UompError`, so a route answers it as it is."""
 
 
 @dataclass(frozen=True)

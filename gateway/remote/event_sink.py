@@ -57,8 +57,8 @@ from gateway import contract
 from gateway.durable import RefusalTally, fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write, fsync_dir
-from gateway.remote.access_log import GAP_TYPE, MAX_SOURCES, SUPPRESSED_TYPE, AccessLog, _Buckets
-from gateway.remote.forward import Forwarder
+from gateway.remote.access_log import GAP_TYPE, MAX_SOURCES, SUPPRESSED_TYPE, AccessLog, SourceBuckets
+from gateway.remote.guard_client import Forwarder
 
 log = logging.getLogger("uomp.gateway")
 
@@ -125,7 +125,7 @@ class EventSink:
         self.spool = spool
         self.clock = clock
         self.summary_interval = float(summary_interval_seconds)
-        self._buckets = _Buckets(unauth_events_per_second, unauth_burst)
+        self._buckets = SourceBuckets(unauth_events_per_second, unauth_burst)
         self.suppressed = RefusalTally(max_buckets=MAX_SOURCES)
         self._last_summary = clock()
         self._pending: list[tuple[dict[str, Any], asyncio.Future[None] | None]] = []

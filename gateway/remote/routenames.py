@@ -1,7 +1,7 @@
 """The gateway's route names, as a type: a route row, a metrics label or an audit action that names a
 route which does not exist is a mypy error, not a silent "other" at run time.
 
-The rows themselves live beside their handlers (:data:`gateway.remote.app.ROUTES`, the refresh and
+The rows themselves live beside their handlers (:data:`gateway.remote.routes.ROUTES`, the refresh and
 renewal rows in :mod:`gateway.remote.agent_routes`, the payload rows in
 :mod:`gateway.remote.payload_routes`); ``tests/remote/test_gateway_routes.py`` checks that every name here
 has exactly one row and every row's name is here.

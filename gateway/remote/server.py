@@ -16,11 +16,12 @@ from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.netutil import check_bind
-from gateway.remote import agent_routes, payload_routes, transport
+from gateway.remote import agent_routes, payload_routes, payload_service, transport
 from gateway.remote.access_log import AccessLog
-from gateway.remote.app import GatewayState, create_gateway_app
-from gateway.remote.forward import Forwarder, Upstream
+from gateway.remote.app import create_gateway_app
+from gateway.remote.guard_client import Forwarder, Upstream
 from gateway.remote.metrics import Metrics, create_metrics_app
+from gateway.remote.state import GatewayState
 from gateway.remote.tls import TLSReloader
 from gateway.remote.upstream_health import UpstreamMonitor
 
@@ -67,7 +68,7 @@ class GatewayRunner:
         # Extra sections of the status file ($UOMP_HOME/gateway/status.json), e.g. "guard" (supervisor).
         self.status_sources: dict[str, Callable[[], dict[str, Any]]] = {}
         self.monitor: UpstreamMonitor | None = None
-        self.payloads: payload_routes.PayloadService | None = None
+        self.payloads: payload_service.PayloadService | None = None
 
     def _runner_kwargs(self) -> dict[str, Any]:
         return {

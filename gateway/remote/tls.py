@@ -111,7 +111,7 @@ def build_server_context(
     # A resumed session skips client certificate *verification*: a certificate revoked (new CRL) or
     # expired since the first handshake resumes at the TLS layer. It gets no further: every request
     # re-checks the peer certificate (kept in the session) against the live CRL's serials and its
-    # validity period (ClientCertChecker.check(revoked=TLSReloader.revoked), remote/app.py), so it
+    # validity period (ClientCertChecker.check(revoked=TLSReloader.revoked), remote/identity.py), so it
     # is refused at its first request (tests/remote/test_tls.py). Ticket keys belong to the listening
     # context (the SNI switch to a reloaded context keeps them) and die with the process.
     ctx.num_tickets = max(0, int(session_tickets))

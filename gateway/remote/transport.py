@@ -1,5 +1,8 @@
 """Listening sockets for the gateway, with the limits aiohttp does not have on its own.
 
+Longer than ~500 lines on purpose: the accept protocol, the per-connection record and the
+registry share each connection's budget and timer bookkeeping, so they stay together.
+
 aiohttp's server bounds header sizes and idle keep-alive time, but it has no cap on connections,
 and asyncio only hands a TLS connection to it after the handshake, so connections that never
 finish (or never start) a handshake are invisible to it. Here every connection is counted and

@@ -36,7 +36,7 @@ from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, l
 from guardkit import guard_config, held_lock
 
 from gateway.config import Paths
-from gateway.guard.app import GuardServices
+from gateway.guard.services import GuardServices
 
 pytestmark = pytest.mark.timeout(120)
 

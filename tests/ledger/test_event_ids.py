@@ -11,8 +11,8 @@ import struct
 import time
 from pathlib import Path
 
-from gateway.guard.app import _EVENT_ID as GUARD_ACCEPTS_GATEWAY_ID
 from gateway.guard.audit import AuditLog, make_row
+from gateway.guard.routes.internal import GATEWAY_EVENT_ID as GUARD_ACCEPTS_GATEWAY_ID
 from gateway.remote.event_sink import new_event_id
 
 LOG_ID = re.compile(r"log_([0-9a-f]{12})([0-9a-f]{16})")
