@@ -1192,12 +1192,9 @@ ROUTES: tuple[GuardRoute, ...] = (
     GuardRoute("GET", "/v1/audit/{event_id}/proof", get_audit_proof),
     GuardRoute("POST", "/v1/sessions", create_session),
     GuardRoute("GET", "/v1/sessions", list_sessions),
-    GuardRoute("GET", "/v1/sessions/{sid}", get_session),
     GuardRoute("POST", "/v1/sessions/{sid}/grant", grant_session),
-    GuardRoute("POST", "/v1/sessions/{sid}/close", close_session),
     GuardRoute("POST", "/v1/sessions/{sid}/revoke", revoke_session),
     GuardRoute("POST", "/v1/sessions/{sid}/deletion-proof", deletion_proof),
-    GuardRoute("POST", "/v1/tokens/validate", validate_token, UNIX_ONLY),
     GuardRoute("POST", contract.INTERNAL_EVENTS_PATH, internal_events, UNIX_ONLY),
     GuardRoute("POST", "/v1/sessions/{sid}/refresh", refresh_internal, UNIX_ONLY),
 )
@@ -1210,9 +1207,9 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     app[SERVICES] = services
     app[LISTENER] = listener
     app.on_response_prepare.append(_server_header)
-    from gateway.guard import payload_routes  # imported here: it imports this module
+    from gateway.guard import payload_routes, self_routes  # imported here: they import this module
 
-    for row in (*ROUTES, *payload_routes.ROUTES):
+    for row in (*ROUTES, *payload_routes.ROUTES, *self_routes.ROUTES):
         if listener in row.listeners:
             app.router.add_route(row.method, row.path, row.handler)
     if listener == "unix":

@@ -112,7 +112,8 @@ class Route:
     handler: Handler | None = None  # None: forwarded to the guard after every check (:func:`forward`)
 
 
-# §15.4. Session create, grant, close, revoke and list are deliberately absent: never reachable here.
+# §15.4. Session create, grant, revoke and list are deliberately absent: never reachable here. Close,
+# status and token validation are the agent's own session's only (gateway/guard/self_routes.py).
 ROUTES: list[Route] = [
     Route("GET", re.compile(r"/v1/health"), "health", auth=False),
     Route("GET", re.compile(r"/v1/memory/aggregate"), "aggregate", reads=True, status_check=False),
@@ -123,6 +124,9 @@ ROUTES: list[Route] = [
     # own session only (the guard decides)
     Route("GET", re.compile(r"/v1/audit/(?P<event_id>[^/]+)/proof"), "audit_proof", status_check=False),
     Route("GET", re.compile(r"/v1/audit/checkpoint"), "audit_checkpoint", status_check=False),
+    Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/close"), "session_close", status_check=False),
+    Route("GET", re.compile(r"/v1/sessions/(?P<sid>[^/]+)"), "session_status", status_check=False),
+    Route("POST", re.compile(r"/v1/tokens/validate"), "token_validate", status_check=False),
     # §10.1 / §20.4: no agent writes and no semantic query in this version. Forwarded (after every
     # check) so the agent gets the guard's own answer (WRITE_NOT_AVAILABLE / NOT_IMPLEMENTED) and
     # the guard's audit log records the attempt, exactly as on the guard itself.

@@ -72,8 +72,9 @@ def test_the_guards_table_is_what_each_listener_serves(home: Paths) -> None:
     # validation, the gateway's events, refresh, the payload inbox) exist on the Unix socket only.
     from gateway.guard import app as guard_app
     from gateway.guard import payload_routes as guard_payloads
+    from gateway.guard import self_routes
 
-    rows = (*guard_app.ROUTES, *guard_payloads.ROUTES)
+    rows = (*guard_app.ROUTES, *guard_payloads.ROUTES, *self_routes.ROUTES)
     services = cast(
         guard_app.GuardServices, type("S", (), {"cfg": type("C", (), {"max_body_bytes": 1024})(), "paths": home})()
     )
@@ -85,4 +86,6 @@ def test_the_guards_table_is_what_each_listener_serves(home: Paths) -> None:
         }
         assert served == {(row.method, row.path) for row in rows if listener in row.listeners}
     tcp = {row.path for row in rows if "tcp" in row.listeners}
-    assert not tcp & {"/v1/tokens/validate", "/v1/internal/events", "/v1/sessions/{sid}/refresh", "/v1/payloads"}
+    # token validation is on both, but unauthenticated (the gateway's status check) on the socket only:
+    # tests/guard/test_agent_self.py
+    assert not tcp & {"/v1/internal/events", "/v1/sessions/{sid}/refresh", "/v1/payloads"}

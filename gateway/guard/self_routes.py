@@ -1,0 +1,156 @@
+"""An agent's calls about its OWN session (spec §9.3, §9.5): close it, read its status, validate its
+token. The reference SDK's ``session.close``, ``session.isActive`` and ``auth.validate`` use them.
+
+The three paths are shared with the management API, so each handler first decides who is asking:
+
+* the user's admin credential (``Authorization: Bearer <admin>``): the management call, as before
+  (any session);
+* the gateway's internal status check (``POST /v1/tokens/validate`` on the Unix socket with neither
+  an ``Authorization`` header nor the gateway's assertion): answered as before, ``{valid, code ...}``
+  for any token;
+* anything else is an agent: its token is authenticated exactly as on a read (§10.4 steps 1-4: the
+  gateway's assertion on the socket, the Local Profile's checks on the TCP listener), without the
+  read quota, and the call is refused unless it names the token's own session:
+
+  ``POST /v1/sessions/{id}/close``  ``{"session_id", "status": "closed"}``; another id: 403
+  ACCESS_DENIED. The session ends as when the user closes it (its tokens blacklisted at once).
+  ``GET /v1/sessions/{id}``  the session's own view (:meth:`SessionRow.public`); another id: 403.
+  ``POST /v1/tokens/validate``  body ``{"token": T}`` with T the token of the ``Authorization``
+  header (or no body): ``{"valid": true, "session_id", "agent_id", "expires_at", "status"}``.
+  Another token in the body: 403 ACCESS_DENIED (an agent validates only itself).
+
+A token whose session ended, expired or is unknown fails its own authentication, so these answer
+401 with that code (SESSION_REVOKED, TOKEN_EXPIRED, ...): ``isActive`` is false on any non-2xx.
+Every agent call is one audit event (``session_close``, ``session_status``, ``token_validate``),
+allowed or refused. No other management call accepts an agent token: they stay admin-only (401).
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+
+from aiohttp import web
+
+from gateway import keys as keyfiles
+from gateway.core.tokens import iso
+from gateway.errors import ErrorCode, UompError
+from gateway.guard.app import (
+    LISTENER,
+    SERVICES,
+    AgentCall,
+    GuardRoute,
+    _answer_refusal,
+    _asserted,
+    _json_body,
+    close_session,
+    get_session,
+    validate_token,
+)
+
+
+def _is_admin(request: web.Request) -> bool:
+    """The request carries the user's admin credential (never true for a forwarded agent request:
+    the gateway asserts the agent token it verified)."""
+    if _asserted(request):
+        return False
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and keyfiles.admin_matches(value.strip(), request.app[SERVICES].admin_credential)
+
+
+def _own(call: AgentCall, session_id: str, what: str) -> None:
+    cap = call.cap
+    assert cap is not None
+    if not hmac.compare_digest(cap.session_id.encode(), session_id.encode()):
+        raise UompError(
+            ErrorCode.ACCESS_DENIED,
+            f"an agent token may {what} only its own session; use this token's session_id",
+            session_id=cap.session_id,
+        )
+
+
+async def close(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{sid}/close``: the user's (admin) or the agent's own."""
+    if _is_admin(request):
+        return await close_session(request)
+    svc = request.app[SERVICES]
+    sid = request.match_info["sid"]
+    call = AgentCall(request, "session_close")
+    try:
+        cap = await call.authenticate()
+    except UompError as exc:
+        return await _answer_refusal(call, exc)
+    try:
+        _own(call, sid, "close")
+        answer = await svc.authdb(functools.partial(svc.auth.close, sid, reason="closed by the agent"))
+    except UompError as exc:
+        return await call.refuse(exc)
+    call.allow("own session closed", cap.session_id)
+    return await call.respond(answer)
+
+
+async def status(request: web.Request) -> web.Response:
+    """``GET /v1/sessions/{sid}``: the user's (admin) view of any session, or the agent's own."""
+    if _is_admin(request):
+        return await get_session(request)
+    svc = request.app[SERVICES]
+    sid = request.match_info["sid"]
+    call = AgentCall(request, "session_status")
+    try:
+        await call.authenticate()
+    except UompError as exc:
+        return await _answer_refusal(call, exc)
+    try:
+        _own(call, sid, "read the status of")
+        row = await svc.authdb(svc.auth.session, sid)
+    except UompError as exc:
+        return await call.refuse(exc)
+    call.allow("own session", row.status)
+    return await call.respond(row.public())
+
+
+async def validate(request: web.Request) -> web.Response:
+    """``POST /v1/tokens/validate``: the gateway's status check and the user's (any token), or an
+    agent validating its own token."""
+    internal = request.app[LISTENER] == "unix" and not _asserted(request) and "Authorization" not in request.headers
+    if internal or _is_admin(request):
+        return await validate_token(request)
+    call = AgentCall(request, "token_validate")
+    try:
+        cap = await call.authenticate()
+    except UompError as exc:
+        return await _answer_refusal(call, exc)
+    try:
+        body = await _json_body(request)
+        presented = request.headers["Authorization"].partition(" ")[2].strip()
+        token = body.get("token", presented)
+        if not isinstance(token, str):
+            raise UompError(ErrorCode.INVALID_REQUEST, "token must be a string", session_id=cap.session_id)
+        if not hmac.compare_digest(token.encode(), presented.encode()):
+            raise UompError(
+                ErrorCode.ACCESS_DENIED,
+                "an agent may validate only the token it presents; send the same token in the body "
+                "as in the Authorization header (or no body)",
+                session_id=cap.session_id,
+            )
+        row = call.row
+        assert row is not None
+    except UompError as exc:
+        return await call.refuse(exc)
+    call.allow("own token", cap.session_id)
+    return await call.respond(
+        {
+            "valid": True,
+            "session_id": cap.session_id,
+            "agent_id": cap.agent_id,
+            "expires_at": iso(cap.expires_at),
+            "status": row.status,
+        }
+    )
+
+
+ROUTES: tuple[GuardRoute, ...] = (
+    GuardRoute("GET", "/v1/sessions/{sid}", status),
+    GuardRoute("POST", "/v1/sessions/{sid}/close", close),
+    GuardRoute("POST", "/v1/tokens/validate", validate),
+)
