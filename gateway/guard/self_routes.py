@@ -3,14 +3,14 @@ token. The reference SDK's ``session.close``, ``session.isActive`` and ``auth.va
 
 The three paths are shared with the management API, so each handler first decides who is asking:
 
-* the user's admin credential (``Authorization: Bearer <admin>``): the management call, as before
-  (any session);
+* anything but an agent token (the user's admin credential, a wrong one, none): the management
+  call, as before (any session with the admin credential, 401 UNAUTHORIZED without it);
 * the gateway's internal status check (``POST /v1/tokens/validate`` on the Unix socket with neither
   an ``Authorization`` header nor the gateway's assertion): answered as before, ``{valid, code ...}``
   for any token;
-* anything else is an agent: its token is authenticated exactly as on a read (§10.4 steps 1-4: the
-  gateway's assertion on the socket, the Local Profile's checks on the TCP listener), without the
-  read quota, and the call is refused unless it names the token's own session:
+* an agent token (the gateway's assertion, or a compact JWS): authenticated exactly as on a read
+  (§10.4 steps 1-4: the gateway's assertion on the socket, the Local Profile's checks on the TCP
+  listener), without the read quota, and the call is refused unless it names the token's own session:
 
   ``POST /v1/sessions/{id}/close``  ``{"session_id", "status": "closed"}``; another id: 403
   ACCESS_DENIED. The session ends as when the user closes it (its tokens blacklisted at once).
@@ -32,7 +32,6 @@ import hmac
 
 from aiohttp import web
 
-from gateway import keys as keyfiles
 from gateway.core.tokens import iso
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import (
@@ -40,6 +39,7 @@ from gateway.guard.app import (
     SERVICES,
     AgentCall,
     GuardRoute,
+    _admin,
     _answer_refusal,
     _asserted,
     _json_body,
@@ -49,13 +49,14 @@ from gateway.guard.app import (
 )
 
 
-def _is_admin(request: web.Request) -> bool:
-    """The request carries the user's admin credential (never true for a forwarded agent request:
-    the gateway asserts the agent token it verified)."""
+def _is_agent(request: web.Request) -> bool:
+    """An agent's request: the gateway's assertion on the socket, or a token that has the form of a
+    capability token (a compact JWS). Anything else (the admin credential, a wrong one, none) is
+    for the management handler, which answers 401 UNAUTHORIZED unless it is the admin credential."""
     if _asserted(request):
-        return False
+        return True
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and keyfiles.admin_matches(value.strip(), request.app[SERVICES].admin_credential)
+    return scheme.lower() in ("bearer", "dpop") and value.strip().count(".") == 2
 
 
 def _own(call: AgentCall, session_id: str, what: str) -> None:
@@ -71,7 +72,7 @@ def _own(call: AgentCall, session_id: str, what: str) -> None:
 
 async def close(request: web.Request) -> web.Response:
     """``POST /v1/sessions/{sid}/close``: the user's (admin) or the agent's own."""
-    if _is_admin(request):
+    if not _is_agent(request):
         return await close_session(request)
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
@@ -91,7 +92,7 @@ async def close(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     """``GET /v1/sessions/{sid}``: the user's (admin) view of any session, or the agent's own."""
-    if _is_admin(request):
+    if not _is_agent(request):
         return await get_session(request)
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
@@ -112,8 +113,9 @@ async def status(request: web.Request) -> web.Response:
 async def validate(request: web.Request) -> web.Response:
     """``POST /v1/tokens/validate``: the gateway's status check and the user's (any token), or an
     agent validating its own token."""
-    internal = request.app[LISTENER] == "unix" and not _asserted(request) and "Authorization" not in request.headers
-    if internal or _is_admin(request):
+    if not _is_agent(request):
+        if request.app[LISTENER] != "unix" or "Authorization" in request.headers:
+            _admin(request)  # off the socket, or with a credential: the user's only
         return await validate_token(request)
     call = AgentCall(request, "token_validate")
     try:

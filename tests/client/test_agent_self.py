@@ -151,8 +151,16 @@ async def test_unauthenticated_validation_only_on_the_socket(app: Appliance, tmp
     assert status == 200 and body["valid"] is True and body["session_id"] == g["session_id"]
     async with aiohttp.ClientSession() as s:
         base = f"http://127.0.0.1:{app.guard.tcp_port}"
-        status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": g["token"]}, base=base)
-        assert (status, body["error"]["code"]) == (401, "INVALID_TOKEN")
+        for hdrs in ({}, {"Authorization": "Bearer uadm_wrong"}):
+            status, body, _ = await call(
+                s, "POST", "/v1/tokens/validate", headers=hdrs, json_body={"token": g["token"]}, base=base
+            )
+            assert (status, body["error"]["code"]) == (401, "UNAUTHORIZED")
+    status, body, _ = await call(
+        app.admin, "POST", "/v1/tokens/validate", headers={"Authorization": "Bearer uadm_wrong"}, json_body={}
+    )
+    assert (status, body["error"]["code"]) == (401, "UNAUTHORIZED")  # a credential on the socket: the user's
+    async with aiohttp.ClientSession() as s:
         # a remote token presented on the Local Profile port is not a local agent
         status, body, _ = await call(
             s, "POST", "/v1/tokens/validate", token=g["token"], json_body={"token": g["token"]}, base=base
