@@ -45,6 +45,35 @@ def _identity_key(path: str | None) -> ed25519.Ed25519PrivateKey | None:
     return key
 
 
+MIN_HTTP_TOKEN = 32
+
+
+def _http_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        if p.stat().st_mode & 0o077:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"{p} holds the HTTP token and must not be readable by others; chmod 600 it"
+            )
+        token = p.read_text(errors="strict")[:4096].strip()
+    except FileNotFoundError:
+        raise UompError(
+            ErrorCode.CONFIG_ERROR, f"no HTTP token file at {p}; make one: head -c 32 /dev/urandom | base64 > {p}"
+        ) from None
+    except UnicodeDecodeError:
+        raise UompError(
+            ErrorCode.CONFIG_ERROR, f"{p} is not text; make one: head -c 32 /dev/urandom | base64 > {p}"
+        ) from None
+    if len(token) < MIN_HTTP_TOKEN or not token.isascii() or any(c.isspace() for c in token):
+        raise UompError(
+            ErrorCode.CONFIG_ERROR,
+            f"{p} must hold one word of at least {MIN_HTTP_TOKEN} characters: head -c 32 /dev/urandom | base64 > {p}",
+        )
+    return token
+
+
 def _address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
@@ -67,6 +96,9 @@ def _serve(args: argparse.Namespace) -> int:
             server.loopback_host(http[0])
         except ValueError as exc:
             raise UompError(ErrorCode.CONFIG_ERROR, str(exc)) from None
+    if args.http_token_file and http is None:
+        raise UompError(ErrorCode.CONFIG_ERROR, "--http-token-file is for --http; stdio needs no token")
+    token = _http_token(args.http_token_file)
     key = _identity_key(args.identity_key)
     kwargs: dict[str, Any] = {"mode": "dpop" if args.dpop else "auto"}
     if args.base_url:
@@ -80,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         if http is None:
             asyncio.run(server.serve_stdio(agent))
         else:
-            asyncio.run(server.serve_http(agent, *http))
+            asyncio.run(server.serve_http(agent, *http, token=token))
     except UompClientError as exc:
         raise UompError(ErrorCode.CONFIG_ERROR, f"{exc.code}: {exc.message}") from None
     return 0
@@ -98,6 +130,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     s.add_argument("--bundle", required=True, metavar="FILE", help="the agent bundle (uomp authorize --remote)")
     s.add_argument("--http", metavar="HOST:PORT", help="streamable HTTP at http://HOST:PORT/mcp (loopback only)")
+    s.add_argument(
+        "--http-token-file",
+        metavar="FILE",
+        help="with --http: every request needs Authorization: Bearer <this file's word> (0600, >= 32 chars)",
+    )
     s.add_argument("--dpop", action="store_true", help="DPoP through the tunnel URL instead of mTLS")
     s.add_argument("--base-url", metavar="URL", help="connect here instead of the bundle's gateway_url")
     s.add_argument(

@@ -20,10 +20,11 @@ the MCP client reaches exactly what the user granted this agent, and the gateway
 from __future__ import annotations
 
 import contextlib
+import hmac
 import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -206,13 +207,54 @@ def loopback_host(host: str) -> str:
     raise ValueError(f"--http binds loopback only (127.0.0.1, ::1, localhost), not {host!r}")
 
 
-async def serve_http(agent: Agent, host: str, port: int) -> None:
-    """Streamable HTTP at ``http://HOST:PORT/mcp`` (loopback only; DNS-rebinding protection on)."""
+ASGI = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+UNAUTHORIZED_BODY = (
+    b'{"error":{"code":"UNAUTHORIZED","message":"this MCP server needs Authorization: Bearer '
+    b'<the contents of its --http-token-file>"}}'
+)
+
+
+def bearer_gate(app: ASGI, token: str) -> ASGI:
+    """``app`` behind ``Authorization: Bearer <token>`` (compared in constant time): a local process
+    that does not hold the token file gets 401 and never reaches a tool."""
+    want = b"Bearer " + token.encode()
+
+    async def gate(
+        scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+    ) -> None:
+        if scope.get("type") == "http":
+            got = b""
+            for name, value in scope.get("headers") or ():
+                if name.lower() == b"authorization":
+                    got = value
+            if not hmac.compare_digest(got, want):
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"www-authenticate", b'Bearer realm="uomp-mcp"'),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": UNAUTHORIZED_BODY})
+                return
+        await app(scope, receive, send)
+
+    return gate
+
+
+async def serve_http(agent: Agent, host: str, port: int, *, token: str | None = None) -> None:
+    """Streamable HTTP at ``http://HOST:PORT/mcp`` (loopback only; DNS-rebinding protection on;
+    with ``token``, every request needs ``Authorization: Bearer <token>``)."""
     import uvicorn
 
     host = loopback_host(host)
     async with opened(agent) as server:
-        app = server.streamable_http_app(host=host)
+        app: Any = server.streamable_http_app(host=host)
+        if token is not None:
+            app = bearer_gate(app, token)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
         log.info("serving MCP on http://%s:%d/mcp for session %s", host, port, agent.client.session_id)
         await uvicorn.Server(config).serve()

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from gatewaykit import Appliance, ledger_events
 from guardkit import admin_headers, call
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from portkit import free_port
 
@@ -256,9 +258,24 @@ async def test_http_dpop_refresh_and_revocation_mid_session(app: Appliance, tmp_
     first = secrets_of(bundle)
     origin = f"http://127.0.0.1:{app.gateway.tunnel_port}"
     errlog = tmp_path / "stderr.log"
+    word = secrets.token_urlsafe(32)
+    token_file = tmp_path / "mcp-http.token"
+    token_file.write_text(word + "\n")
+    token_file.chmod(0o600)
     args = ["mcp", "serve", "--bundle", str(bundle), "--dpop", "--base-url", origin]
+    args += ["--http-token-file", str(token_file)]
     async with http_server(args, errlog) as url:
-        async with streamable_http_client(url) as (read, write), ClientSession(read, write) as s:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        async with aiohttp.ClientSession() as h:  # a local process without the token file: 401, no tool runs
+            for hdrs in ({}, {"Authorization": "Bearer " + word[:-1]}, {"Authorization": word}):
+                async with h.post(url, json=body, headers=hdrs) as r:
+                    assert r.status == 401 and (await r.json())["error"]["code"] == "UNAUTHORIZED"
+        http = create_mcp_http_client(headers={"Authorization": f"Bearer {word}"})
+        async with (
+            http,
+            streamable_http_client(url, http_client=http) as (read, write),
+            ClientSession(read, write) as s,
+        ):
             await s.initialize()
             sid = g["session_id"]
             # the token the bundle came with, then refreshed by the server mid-session
@@ -278,10 +295,10 @@ async def test_http_dpop_refresh_and_revocation_mid_session(app: Appliance, tmp_
             assert await refused(s, "memory_read", {"key": "preference.theme"}) == "SESSION_REVOKED"
         # not for a page of another origin (DNS rebinding): refused before any tool runs
         async with aiohttp.ClientSession() as h:
-            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
-            async with h.post(url, json=body, headers={"Host": "evil.example", "Origin": "http://evil.example"}) as r:
+            hdrs = {"Host": "evil.example", "Origin": "http://evil.example", "Authorization": f"Bearer {word}"}
+            async with h.post(url, json=body, headers=hdrs) as r:
                 assert r.status in (400, 403, 421)
-    assert_clean(errlog, first | secrets_of(bundle), ("dark", "lockpicking"))
+    assert_clean(errlog, first | secrets_of(bundle) | {word}, ("dark", "lockpicking"))
 
 
 def test_http_binds_loopback_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -293,3 +310,24 @@ def test_http_binds_loopback_only(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "HOST:PORT" in capsys.readouterr().err
     assert uomp(["mcp", "serve", "--bundle", str(bundle)]) == 1
     assert "CONFIG_ERROR" in capsys.readouterr().err
+    weak = tmp_path / "weak.token"
+    weak.write_text("short")
+    weak.chmod(0o600)
+    open_file = tmp_path / "open.token"
+    open_file.write_text("x" * 40)
+    open_file.chmod(0o644)
+    for token_file, says in ((weak, "at least 32"), (open_file, "chmod 600"), (tmp_path / "none", "no HTTP token")):
+        argv = [
+            "mcp",
+            "serve",
+            "--bundle",
+            str(bundle),
+            "--http",
+            "127.0.0.1:8765",
+            "--http-token-file",
+            str(token_file),
+        ]
+        assert uomp(argv) == 1
+        assert says in capsys.readouterr().err
+    assert uomp(["mcp", "serve", "--bundle", str(bundle), "--http-token-file", str(weak)]) == 1  # stdio: no token
+    assert "for --http" in capsys.readouterr().err
