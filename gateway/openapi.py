@@ -726,6 +726,7 @@ def document() -> dict[str, Any]:
                 ok=_ok(_ref("Validation")),
                 refusals=(*AGENT, 413),
                 body={"type": "object", "properties": {"token": STR}},
+                security=None,  # the socket's status check takes none; an agent's token: the same as the body's
             )
         },
         "/v1/internal/events": {
