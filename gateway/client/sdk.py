@@ -568,6 +568,11 @@ class UompClient(ClientCertificates):
         path = f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}/deletion-proof"
         return self._object(await self._call("POST", path, body=proof))
 
+    def token_claims(self) -> JSONObject:
+        """The current access token's claims as sent (scopes, limits, expiry): for describing the
+        grant, not verified here (the gateway verifies every token it is shown)."""
+        return token_claims(self._access_token)
+
     async def session(self) -> JSONObject:
         """``GET /v1/sessions/{id}``: this session's own view (status, expiry, granted scopes,
         retention). A session that ended raises (``SESSION_REVOKED``, ``TOKEN_EXPIRED`` ...)."""

@@ -59,7 +59,7 @@ class SecretFilter(logging.Filter):
         self.agent = agent
 
     def filter(self, record: logging.LogRecord) -> bool:
-        secrets = list(self.agent.client._recent)
+        secrets = list(self.agent.client._recent)  # the SDK's own list of its live and recent tokens
         text = record.getMessage()
         clean = scrub(text, secrets)
         if clean != text:

@@ -20,7 +20,6 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from gateway.client import UompClient, memory_hash
 from gateway.client.errors import ConfigError, InvalidRequest
 from gateway.client.options import AGGREGATE_OPS, JSONObject
-from gateway.client.tokens import token_claims
 from gateway.core.manifest import DELETION_METHODS
 
 MAX_KEY = 512
@@ -246,11 +245,11 @@ class Agent:
 
     async def grant(self) -> JSONObject:
         session = await self.client.session()
-        claims = token_claims(self.client._access_token)
+        claims = self.client.token_claims()
         return {"session": session, "token": _token_facts(claims), "words": describe(session, claims)}
 
     def granted_tags(self) -> list[str]:
-        claims = token_claims(self.client._access_token)
+        claims = self.client.token_claims()
         scope = (claims.get("scopes") or {}).get("read") or {}
         tags = scope.get("tags") if isinstance(scope, dict) else None
         return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
