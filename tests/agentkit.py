@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from guardkit import grant, guard_config, running_guard, seed, unix_session
 from gateway import ca_store
 from gateway.bundle import AgentBundle, write_bundle
 from gateway.config import GatewayConfig, Paths
-from gateway.core import jose
+from gateway.core import ca, jose
 from gateway.core.checkpoint import verifier_key
 from gateway.ledger import auditkey
 from gateway.payloads import userkey
@@ -65,14 +66,23 @@ async def make_bundle(
     read: dict[str, Any] | None = None,
     url: str | None = None,
     create_extra: dict[str, Any] | None = None,
+    cert_age: tuple[dt.timedelta, dt.timedelta] | None = None,
     **grant_extra: Any,
 ) -> tuple[Path, dict[str, Any]]:
     """A 0600 bundle for a real remote grant (refresh token included) to ``url`` (default the mTLS
-    listener; :data:`TUNNEL` for DPoP); the grant answer too."""
-    files = ca_store.issue_with_key(app.paths, agent_id, path.parent / (path.stem + "-files"))
+    listener; :data:`TUNNEL` for DPoP); the grant answer too. ``cert_age`` = (lifetime, age): a
+    certificate issued ``age`` ago for ``lifetime``, its tokens bound by key (``jkt``) alone, so they
+    outlive its renewal."""
+    out = path.parent / (path.stem + "-files")
+    if cert_age is None:
+        files = ca_store.issue_with_key(app.paths, agent_id, out)
+    else:
+        files = ca_store.issue_with_key(app.paths, agent_id, out, cert_age[0], now=ca.utcnow() - cert_age[1])
+        grant_extra.setdefault("cnf", {"jkt": binding(files.cert_file.read_bytes())["jkt"]})
     cert_pem = files.cert_file.read_bytes()
     url = url or app.base
     pub = auditkey.load(app.paths).public_key()
+    grant_extra.setdefault("cnf", binding(cert_pem))
     g = await grant(
         app.admin,
         app.paths,
@@ -80,7 +90,6 @@ async def make_bundle(
         agent_id=agent_id,
         profile="remote",
         audience=url,
-        cnf=binding(cert_pem),
         refresh=True,
         create_extra=create_extra,
         **grant_extra,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import os
 import secrets
@@ -188,10 +189,16 @@ async def test_every_tool_over_stdio_and_a_clean_debug_log(app: Appliance, tmp_p
     assert "tool memory_read answered" in text and "DEBUG" in text  # it does log, at debug level too
 
 
-async def test_refusals_quota_and_revocation_mid_session(app: Appliance, tmp_path: Path) -> None:
-    bundle, g = await make_bundle(app, tmp_path / "bundle.json", limits={"max_read_queries": 3})
+async def test_refusals_quota_renewal_and_revocation_mid_session(app: Appliance, tmp_path: Path) -> None:
+    # the agent certificate is 50 minutes into its hour: the SDK under the server renews it first
+    age = (dt.timedelta(hours=1), dt.timedelta(minutes=50))
+    bundle, g = await make_bundle(app, tmp_path / "bundle.json", limits={"max_read_queries": 3}, cert_age=age)
+    old_cert = load_bundle(bundle).agent_cert
     errlog = tmp_path / "stderr.log"
     async with stdio_session(["mcp", "serve", "--bundle", str(bundle)], errlog) as s:
+        assert (await tool(s, "grant_describe"))["token"]["max_read_queries"] == 3
+        assert load_bundle(bundle).agent_cert != old_cert  # renewed underneath, written back
+        assert len(ledger_events(app.paths, action="renew", allowed=True)) == 1
         # the gateway's refusals
         assert await refused(s, "memory_read", {"key": "user.password"}) == "ACCESS_DENIED"
         assert await refused(s, "memory_list", {"tag": "identity"}) == "ACCESS_DENIED"
