@@ -56,7 +56,8 @@ def _is_agent(request: web.Request) -> bool:
     if _asserted(request):
         return True
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() in ("bearer", "dpop") and value.strip().count(".") == 2
+    value = value.strip()
+    return scheme.lower() in ("bearer", "dpop") and value.count(".") == 2 and not value.startswith("uadm_")
 
 
 def _own(call: AgentCall, session_id: str, what: str) -> None:
