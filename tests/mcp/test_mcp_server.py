@@ -175,6 +175,8 @@ async def test_every_tool_over_stdio_and_a_clean_debug_log(app: Appliance, tmp_p
         blobs = [p for p in app.paths.home.rglob("*") if p.is_file() and up["payload_id"] in p.name]
         assert blobs and all(PLAINTEXT.encode() not in p.read_bytes() for p in blobs)
 
+        # not the manifest's deletion method: the Auth Service refuses the signed proof
+        assert await refused(s, "deletion_proof_submit", {"method": "secure_wipe"}) == "INVALID_REQUEST"
         done = await tool(s, "deletion_proof_submit", {"fields_accessed": ["key", "value"]})
         assert done["status"] == "accepted"
         sid = load_bundle(bundle).session_id
