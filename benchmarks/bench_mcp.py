@@ -8,7 +8,8 @@ call at a time, alternating ``--rounds`` times:
 
 * direct: ``UompClient.get(key)`` in this process (mTLS keep-alive to the gateway);
 * MCP: ``ClientSession.call_tool("memory_read", {"key": ...})`` of the official ``mcp`` SDK over stdio
-  to a ``uomp mcp serve --bundle`` child process, whose own UompClient makes the same read.
+  to a ``uomp mcp serve --bundle`` child process, whose own UompClient makes the same read;
+* ping: ``ClientSession.send_ping()`` on the same session (the MCP round trip alone, no tool).
 
 Printed: p50/p99/mean of each, and the ratios MCP/direct (and the difference of the medians: what
 the MCP hop adds: JSON-RPC over pipes, schema check, one more process). Bounded: at most
@@ -105,6 +106,7 @@ async def run(args: argparse.Namespace) -> None:
             params = StdioServerParameters(command=uomp, args=["mcp", "serve", "--bundle", str(bundle)])
             direct: list[float] = []
             via_mcp: list[float] = []
+            ping: list[float] = []
             with open("/dev/null", "w") as devnull:
                 async with (
                     UompClient.from_bundle(bundle) as client,
@@ -126,12 +128,17 @@ async def run(args: argparse.Namespace) -> None:
                             via_mcp.append(time.perf_counter() - t)
                             if result.is_error:
                                 raise SystemExit(f"MCP call refused: {result.content[0].text}")
+                        for _ in range(calls):
+                            t = time.perf_counter()
+                            await session.send_ping()
+                            ping.append(time.perf_counter() - t)
         finally:
             await gw.stop()
             await guard.stop()
     print(c.machine_line())
     print(_row("direct", direct))
     print(_row("mcp", via_mcp))
+    print(_row("ping", ping) + "   (MCP ping over the same stdio: the protocol's round trip, no tool)")
     p50, p99 = _pct(via_mcp, 50) / _pct(direct, 50), _pct(via_mcp, 99) / _pct(direct, 99)
     added = (_pct(via_mcp, 50) - _pct(direct, 50)) * 1000
     print(f"ratio mcp/direct: p50 {p50:.2f}x  p99 {p99:.2f}x  (the MCP hop adds {added:.2f} ms at the median)")
