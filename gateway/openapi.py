@@ -365,6 +365,12 @@ def _op(
     return op
 
 
+def _either(op: dict[str, Any]) -> dict[str, Any]:
+    """An operation that takes an agent token or the admin credential."""
+    op["security"] = [{"token": []}, {"admin": []}]
+    return op
+
+
 SID = _param("sid", "path", description="session id")
 SINCE = _param(
     "since",
@@ -611,13 +617,14 @@ def document() -> dict[str, Any]:
             ),
         },
         "/v1/sessions/{sid}": {
-            "get": _op(
-                "one session (admin)",
-                LOCAL,
-                ok=_ok(_ref("Session")),
-                refusals=(*ADMIN, 404),
-                security="admin",
-                params=[SID],
+            "get": _either(
+                _op(
+                    "one session (admin: any; an agent token: its own session only, 403 otherwise)",
+                    ALL,
+                    ok=_ok(_ref("Session")),
+                    refusals=(*AGENT, 404),
+                    params=[SID],
+                )
             )
         },
         "/v1/sessions/{sid}/grant": {
@@ -652,13 +659,14 @@ def document() -> dict[str, Any]:
             )
         },
         "/v1/sessions/{sid}/close": {
-            "post": _op(
-                "close (§13; admin)",
-                LOCAL,
-                ok=_ok(_ref("SessionEnded")),
-                refusals=(*ADMIN, 404, 409),
-                security="admin",
-                params=[SID],
+            "post": _either(
+                _op(
+                    "close (§9.3, §13; admin: any; an agent token: its own session only, 403 otherwise)",
+                    ALL,
+                    ok=_ok(_ref("SessionEnded")),
+                    refusals=(*AGENT, 404, 409),
+                    params=[SID],
+                )
             )
         },
         "/v1/sessions/{sid}/revoke": {
@@ -713,12 +721,13 @@ def document() -> dict[str, Any]:
         },
         "/v1/tokens/validate": {
             "post": _op(
-                "validate a token (§9; the gateway's status check, Unix socket only)",
-                (UNIX,),
+                "validate a token (§9.5): an agent its own (the Authorization token; another: 403); "
+                "without Authorization on the Unix socket: any token (the gateway's status check)",
+                ALL,
                 ok=_ok(_ref("Validation")),
-                refusals=(400, 413, 503),
+                refusals=(*AGENT, 413),
                 body={"type": "object", "properties": {"token": STR}},
-                security=None,
+                security=None,  # the socket's status check takes none; an agent's token: the same as the body's
             )
         },
         "/v1/internal/events": {

@@ -93,6 +93,7 @@ from gateway.client.certs import ClientCertificates, bundle_key
 from gateway.client.errors import (
     AuditCheckpointInvalid,
     AuditLogForked,
+    AuthError,
     ConfigError,
     ProtocolError,
     UompClientError,
@@ -121,6 +122,9 @@ from gateway.core.envelope import parse_public_key
 from gateway.core.sealing import Binding
 from gateway.core.tokens import iso
 from gateway.errors import UompError
+
+# the codes of a session that can no longer be used (is_active: False rather than an error)
+ENDED_CODES = frozenset({"SESSION_REVOKED", "TOKEN_EXPIRED", "SESSION_NOT_FOUND", "REFRESH_REUSED"})
 
 
 def memory_hash(items: Iterable[Mapping[str, Any]]) -> str:
@@ -562,6 +566,40 @@ class UompClient(ClientCertificates):
         proof = sign_deletion_proof(fields, identity_key)
         path = f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}/deletion-proof"
         return self._object(await self._call("POST", path, body=proof))
+
+    def token_claims(self) -> JSONObject:
+        """The current access token's claims as sent (scopes, limits, expiry): for describing the
+        grant, not verified here (the gateway verifies every token it is shown)."""
+        return token_claims(self._access_token)
+
+    async def session(self) -> JSONObject:
+        """``GET /v1/sessions/{id}``: this session's own view (status, expiry, granted scopes,
+        retention). A session that ended raises (``SESSION_REVOKED``, ``TOKEN_EXPIRED`` ...)."""
+        return self._object(await self._call("GET", self._session_path()))
+
+    async def is_active(self) -> bool:
+        """True while this session can still be used; False once it was revoked, closed, expired
+        or is unknown. Other failures (network, gateway down) raise."""
+        try:
+            answer = await self.session()
+        except AuthError as exc:
+            if exc.code in ENDED_CODES:
+                return False
+            raise
+        return answer.get("status") == "active"
+
+    async def validate_token(self) -> JSONObject:
+        """§9.5 ``POST /v1/tokens/validate`` for this client's own access token:
+        ``{"valid": true, "session_id", "agent_id", "expires_at", "status"}``; raises once it is not."""
+        return self._object(await self._call("POST", "/v1/tokens/validate", body={"token": self._access_token}))
+
+    async def close_session(self) -> JSONObject:
+        """§9.3 ``POST /v1/sessions/{id}/close``: end this session now (``{"session_id", "status":
+        "closed"}``). Its tokens stop working at once; submit a deletion proof first if one is due."""
+        return self._object(await self._call("POST", self._session_path() + "/close"))
+
+    def _session_path(self) -> str:
+        return f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}"
 
     async def upload_payload(self, data: bytes | os.PathLike[str], *, format: str, presigned: bool = False) -> str:
         """§15.6: seal ``data`` to the user's payload key (the bundle's ``payload_public_key``) and upload

@@ -23,6 +23,9 @@ RouteName = Literal[
     "write",  # PUT /v1/memory/{key} (refused by the guard: WRITE_NOT_AVAILABLE)
     "delete",  # DELETE /v1/memory/{key} (idem)
     "query",  # POST /v1/memory/query (refused by the guard: NOT_IMPLEMENTED)
+    "session_close",  # POST /v1/sessions/{id}/close (the token's own session: the guard decides)
+    "session_status",  # GET /v1/sessions/{id} (idem)
+    "token_validate",  # POST /v1/tokens/validate (the token presented: idem)
     "refresh",  # POST /v1/sessions/{id}/refresh
     "renew",  # POST /v1/certificates/renew
     "payload_upload",  # POST /v1/payload/upload

@@ -400,7 +400,9 @@ async def test_local_port_takes_local_tokens_only_on_every_route(
         assert (got, answer["error"]["code"]) == (400, "INVALID_REQUEST")
 
 
-INTERNAL = [("validate", "POST", "/v1/tokens/validate"), ("refresh", "POST", "/v1/sessions/SID/refresh")]
+# POST /v1/tokens/validate is on both listeners now, an agent's own token only off the socket:
+# tests/client/test_agent_self.py (test_unauthenticated_validation_only_on_the_socket)
+INTERNAL = [("refresh", "POST", "/v1/sessions/SID/refresh")]
 
 
 @pytest.mark.parametrize(("name", "method", "path"), INTERNAL, ids=[r[0] for r in INTERNAL])
@@ -419,10 +421,6 @@ async def test_internal_routes_are_unix_socket_only(home: Paths, name: str, meth
                 base=f"http://127.0.0.1:{g.tcp_port}",
             )
         assert (status, body["error"]["code"]) == (404, "NOT_FOUND")
-    if name == "validate":  # partner: on the socket it answers
-        async with running_guard(home, serve_tcp=False), unix_session(home) as s:
-            status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": local["token"]})
-            assert status == 200 and body["valid"] is True
 
 
 # --------------------------------------------------- endpoints per listener

@@ -136,8 +136,7 @@ async def test_management_routes_never_reachable(app: Appliance) -> None:
             ("GET", "/v1/sessions"),
             ("POST", f"/v1/sessions/{g['session_id']}/grant"),
             ("POST", f"/v1/sessions/{g['session_id']}/revoke"),
-            ("POST", f"/v1/sessions/{g['session_id']}/close"),
-            ("POST", "/v1/tokens/validate"),
+            # close, status and validate exist for the token's own session only: test_agent_self.py
             ("PATCH", "/v1/memory/preference.theme"),
             ("GET", "/v1/nothing"),
             ("GET", "/"),
@@ -153,6 +152,19 @@ async def test_management_routes_never_reachable(app: Appliance) -> None:
                 json_body={},
             )
             assert status in (404, 405) and body["error"]["code"] in ("NOT_FOUND", "METHOD_NOT_ALLOWED"), path
+        # the admin credential is no token at the gateway: the shared paths refuse it, the session lives on
+        for method, path in (
+            ("POST", f"/v1/sessions/{g['session_id']}/close"),
+            ("GET", f"/v1/sessions/{g['session_id']}"),
+        ):
+            status, body, _ = await agent_call(
+                s, app.base, path, token=None, agent_id=a.agent_id, method=method, headers=admin_headers(app.paths)
+            )
+            assert (status, body["error"]["code"]) == (401, "INVALID_TOKEN"), path
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
+        assert status == 200, body
 
 
 async def test_revocation_is_seen_within_one_second(app: Appliance) -> None:
