@@ -119,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp mcp`` to the command line."""
     p = sub.add_parser("mcp", help="the agent's MCP server: any MCP client reads what the user granted")
     msub = p.add_subparsers(dest="mcp_command", metavar="ACTION", required=True)
     s = msub.add_parser(

@@ -110,6 +110,7 @@ def case(
 
 
 def b64(data: bytes) -> str:
+    """Base64url without padding."""
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 

@@ -68,6 +68,8 @@ ROUTES: tuple[GuardRoute, ...] = (
 
 
 def create_app(services: GuardServices, *, listener: str) -> web.Application:
+    """The guard's aiohttp app for ``listener`` (``unix`` or ``tcp``): the rows of :data:`ROUTES`
+    that listener serves."""
     if listener not in BOTH:
         raise ValueError("listener must be unix or tcp")
     app = web.Application(middlewares=[errors_middleware], client_max_size=services.cfg.max_body_bytes)

@@ -140,6 +140,8 @@ URGENT_ACTIONS = frozenset(
 
 @dataclass(frozen=True)
 class LedgerOptions:
+    """How the audit log signs: its key and origin, when checkpoints are due, and where the witness record lives."""
+
     key: Ed25519PrivateKey
     origin: str
     checkpoint_events: int = 1000
@@ -313,6 +315,9 @@ def make_row(
 
 
 class AuditLog:
+    """The audit log in ``audit.db``: group-committed events of the one Merkle log, signed checkpoints, and the
+    integrity state."""
+
     def __init__(
         self,
         path: Path,

@@ -40,6 +40,7 @@ LISTENER = web.AppKey("listener", str)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """``body`` as a JSON answer (orjson where it gives json's bytes)."""
     return web.Response(
         body=jsonio.dumps(body), status=status, content_type="application/json", charset="utf-8", headers=headers
     )
@@ -61,6 +62,7 @@ _HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 413:
 async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
+    """Every guard answer that is not a success is a §8.4 error body; the request's headers are checked first."""
     try:
         # Single-valued headers once; identity headers only as the gateway's assertion on the socket.
         problem = contract.header_problem(request.raw_headers, verified_allowed=request.app[LISTENER] == "unix")
@@ -90,6 +92,7 @@ async def errors_middleware(
 
 
 def bearer_token(request: web.Request) -> str:
+    """The token of the ``Authorization: Bearer`` (or ``DPoP``) header; INVALID_TOKEN without one."""
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() not in ("bearer", "dpop") or not value.strip():
@@ -98,6 +101,7 @@ def bearer_token(request: web.Request) -> str:
 
 
 def require_admin(request: web.Request) -> None:
+    """UNAUTHORIZED unless the request carries the user's admin credential (compared in constant time)."""
     svc = request.app[SERVICES]
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
@@ -138,6 +142,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 async def json_body(request: web.Request, limit: int | None = None) -> dict[str, Any]:
+    """The request body as a JSON object, read to its end within ``limit``; ``{}`` for an empty body."""
     svc = request.app[SERVICES]
     raw = await read_body(request, svc.cfg.max_body_bytes if limit is None else limit)
     if not raw.strip():
@@ -154,6 +159,7 @@ async def json_body(request: web.Request, limit: int | None = None) -> dict[str,
 def query_param(
     request: web.Request, name: str, *, required: bool = True, max_len: int = MAX_QUERY_PARAM
 ) -> str | None:
+    """The one value of query parameter ``name`` (bounded); INVALID_REQUEST when repeated or missing and required."""
     values = request.query.getall(name, [])
     if len(values) > 1:
         raise UompError(ErrorCode.INVALID_REQUEST, f"query parameter {name} given more than once")
@@ -240,6 +246,7 @@ MAX_AUDIT_FIELD = 200
 
 
 def event_via(request: web.Request) -> str:
+    """How the request reached the guard, for its event: the gateway's ``Via`` on the socket, else ``local``."""
     return request.headers.get(VERIFIED_VIA_HEADER, "local") if request.app[LISTENER] == "unix" else "local"
 
 
@@ -277,6 +284,7 @@ class GuardRoute:
 
 
 def page_limit(request: web.Request, maximum: int) -> int | None:
+    """The ``limit`` query parameter as 1..``maximum``, or None when absent; INVALID_REQUEST otherwise."""
     raw = query_param(request, "limit", required=False)
     if raw is None:
         return None

@@ -296,6 +296,7 @@ class GuardRunner:
 def install_signals(
     loop: asyncio.AbstractEventLoop, stop_event: asyncio.Event, on_hup: list[object] | None = None
 ) -> None:
+    """SIGINT/SIGTERM stop the server; SIGHUP runs each of ``on_hup``."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_event.set)
     if on_hup:
@@ -311,6 +312,7 @@ def install_signals(
 
 
 async def run_guard(paths: Paths, cfg: GuardConfig, *, serve_tcp: bool | None = None) -> None:
+    """Runs the guard until a stop signal: its listeners, background workers, and a clean stop."""
     runner = GuardRunner(paths, cfg, serve_tcp=serve_tcp)
     await runner.start()
     stop = asyncio.Event()

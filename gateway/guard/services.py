@@ -25,6 +25,9 @@ T = TypeVar("T")
 
 @dataclass
 class GuardServices:
+    """What the guard's handlers share: the settings, audit log, Auth Service, memory store, read state and the auth.db
+    worker."""
+
     paths: Paths
     cfg: GuardConfig
     audit: AuditLog

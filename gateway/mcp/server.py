@@ -68,6 +68,7 @@ class SecretFilter(logging.Filter):
 
 
 def quiet_logging(agent: Agent) -> None:
+    """Keeps the MCP SDK's loggers at WARNING and filters this agent's secrets out of every log line."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
@@ -79,6 +80,7 @@ def _text(doc: Any) -> str:
 
 
 def tool_error(code: str, message: str) -> types.CallToolResult:
+    """An MCP tool error carrying our stable code and the one-line reason."""
     return types.CallToolResult(
         content=[types.TextContent(text=f"{code}: {message}")],
         structured_content={"error": {"code": code, "message": message}},
@@ -184,12 +186,14 @@ def build_server(agent: Agent) -> Server[Any]:
 
 @contextlib.asynccontextmanager
 async def opened(agent: Agent) -> AsyncIterator[Server[Any]]:
+    """The MCP server over the agent's open SDK client (closed on exit)."""
     quiet_logging(agent)
     async with agent.client:
         yield build_server(agent)
 
 
 async def serve_stdio(agent: Agent) -> None:
+    """Serves MCP on stdin/stdout until the client goes away."""
     async with opened(agent) as server, stdio_server() as (read, write):
         log.info("serving MCP on stdio for session %s", agent.client.session_id)
         await server.run(read, write, server.create_initialization_options())

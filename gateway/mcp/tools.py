@@ -44,6 +44,8 @@ def _object(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[
 
 @dataclasses.dataclass(frozen=True)
 class ToolSpec:
+    """One MCP tool: its name, title, description and exact input schema."""
+
     name: str
     title: str
     description: str

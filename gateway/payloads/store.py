@@ -121,6 +121,8 @@ class PayloadError(UompError):
 
 @dataclass(frozen=True)
 class Limits:
+    """The relay's bounds: one payload's size, payloads and bytes per session, and how long they are kept."""
+
     max_bytes: int = 64 << 20  # one payload's ciphertext
     max_per_session: int = 100  # payloads kept per session
     max_bytes_per_session: int = 256 << 20
@@ -129,6 +131,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class PayloadMeta:
+    """One stored payload's metadata (never its plaintext): ids, format, size, hashes, times."""
+
     payload_id: str
     session_id: str
     agent_id: str
@@ -193,6 +197,7 @@ def tmp_name(payload_id: str, session_id: str, agent_id: str) -> str:
 
 
 def new_payload_id() -> str:
+    """A fresh random payload id."""
     return "pay_" + secrets.token_urlsafe(18)
 
 
@@ -402,6 +407,8 @@ class Upload(PayloadUploading):
 
 
 class PayloadStore(PayloadStorage):
+    """The payload relay's store: ciphertext files under ``blobs/`` and their index in ``index.db``."""
+
     def __init__(self, root: Path, *, limits: Limits | None = None) -> None:
         self.root = ensure_private_dir(root)
         self.blobs = ensure_private_dir(root / "blobs")

@@ -97,6 +97,7 @@ def encode_record(record: Mapping[str, Any]) -> bytes:
 
 
 def iso_ms(ts: float) -> str:
+    """``ts`` as an ISO 8601 UTC timestamp with milliseconds."""
     return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -128,6 +129,7 @@ def _check_value(value: Any, depth: int) -> None:
 
 
 def prepare(event: Mapping[str, Any]) -> dict[str, Any]:
+    """An event ready for the spool: JSON-safe, bounded, without the chain's own fields; ValueError otherwise."""
     if not isinstance(event, Mapping):
         raise ValueError("access log event must be a mapping")
     reserved = RESERVED_FIELDS.intersection(event)
@@ -158,6 +160,7 @@ def rfind_newline(fd: int, end: int) -> int:
 
 
 def parse_line(line: bytes, *, seq: int | None) -> dict[str, Any]:
+    """One spool line as its record; ChainError naming ``seq`` for a line that is not one."""
     try:
         rec = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -203,6 +206,7 @@ class _Index:
 
 
 def load_index(path: Path) -> _Index:
+    """The spool's segment index (what each rotated segment held), empty when there is none."""
     idx = _Index()
     try:
         raw = path.read_bytes()
@@ -225,6 +229,7 @@ def load_index(path: Path) -> _Index:
 
 
 def append_index(path: Path, rec: Mapping[str, Any]) -> None:
+    """Appends one record to the segment index, durably."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, encode_record(rec) + b"\n")

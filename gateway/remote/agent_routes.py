@@ -39,6 +39,8 @@ MAX_CSR_BYTES = 16 * 1024
 
 
 async def refresh(call: Call) -> web.StreamResponse:
+    """``POST /v1/sessions/{id}/refresh``: the agent's refresh, forwarded to the Auth Service with the gateway's
+    assertion."""
     state = call.request.app[STATE]
     assert call.cap is not None and call.token is not None
     headers = verified_headers(call)
@@ -77,6 +79,7 @@ MAX_LIMITED_AGENTS = 10_000
 
 
 async def renew_certificate(call: Call) -> web.StreamResponse:
+    """``POST /v1/certificates/renew``: a new certificate for the presented one, within its rate and window."""
     state = call.request.app[STATE]
     cfg = state.cfg
     request = call.request
@@ -179,6 +182,7 @@ ROUTES = (
 
 
 def install(state: GatewayState) -> None:
+    """Registers the refresh and renewal routes, and the tunnel listener's DPoP identity."""
     for route, handler in ROUTES:
         register_route(state, route, handler)
     state.transport_auth["tunnel"] = dpop_identity

@@ -61,6 +61,7 @@ log = logging.getLogger("uomp.gateway")
 
 
 async def entry(request: web.Request) -> web.StreamResponse:
+    """Every request of a gateway listener: route, identity, checks, then the handler or the forward; one event each."""
     transport.request_started(request)
     state = request.app[STATE]
     listener = request.app[LISTENER]
@@ -150,6 +151,7 @@ class _EveryRequest(web.UrlDispatcher):
 
 
 def create_gateway_app(state: GatewayState, *, listener: str) -> web.Application:
+    """The gateway's aiohttp app for ``listener`` (``mtls``, ``tunnel`` or ``metrics``)."""
     with warnings.catch_warnings():  # aiohttp 3 calls a custom router deprecated (it stays in every 3.x)
         warnings.simplefilter("ignore", DeprecationWarning)
         app = web.Application(client_max_size=state.cfg.max_body_bytes, router=_EveryRequest())

@@ -21,11 +21,13 @@ from gateway.remote.tls import server_name_of
 
 
 def error_response(exc: UompError) -> web.Response:
+    """The §8.4 error answer of ``exc`` (with ``WWW-Authenticate`` on 401)."""
     headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if exc.status == 401 else None
     return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
 def bearer_token(request: web.Request) -> str:
+    """The token of the ``Authorization: Bearer`` (or ``DPoP``) header; INVALID_TOKEN without one."""
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() not in ("bearer", "dpop") or not value.strip():
         raise UompError(ErrorCode.INVALID_TOKEN, "missing Authorization: Bearer token")
@@ -160,6 +162,7 @@ def assertion_block(call: Call) -> http1.HeaderBlock:
 
 
 def error_code(raw: bytes) -> ErrorCode | None:
+    """The §8.4 code of a guard answer's body, or None when it has none."""
     try:
         doc = jsonio.loads(raw)
         code = doc["error"]["code"]

@@ -465,6 +465,7 @@ def _parse_iso(s: str) -> float:
 
 
 def spool_path(gateway_dir: Path) -> Path:
+    """The gateway's durable spool of events the guard has not acknowledged."""
     return gateway_dir / "access.jsonl"
 
 

@@ -21,6 +21,7 @@ MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
 
 
 async def forward(call: Call) -> web.StreamResponse:
+    """A verified request to the guard (allow-listed headers and the assertion) and its answer back."""
     state = call.request.app[STATE]
     request = call.request
     assert call.target is not None and call.cap is not None and call.token is not None

@@ -42,6 +42,8 @@ MAX_JSON_BYTES = 1024 * 1024  # a JSON exchange with the guard (token validation
 
 
 class Forwarder:
+    """The gateway's client of the guard over :mod:`gateway.remote.upstream`, with its time-out and failure codes."""
+
     def __init__(
         self, upstream: Upstream, *, timeout_seconds: float, max_connections: int = DEFAULT_MAX_CONNECTIONS
     ) -> None:

@@ -79,10 +79,14 @@ _HINTS = {
 
 
 class Counter(Protocol):
+    """Where refused handshakes are counted (the metrics)."""
+
     def tls_handshake_rejected(self, listener: str, reason: str) -> None: ...
 
 
 class Events(Protocol):
+    """Where refused handshakes are recorded (the one log)."""
+
     def append(self, event: dict[str, Any], *, source: str | None = None) -> Any: ...
 
 

@@ -16,6 +16,7 @@ from gateway.remote.state import STATE, GatewayState
 
 
 async def mtls_identity(call: Call) -> None:
+    """The request's identity from its client certificate (verified in the handshake, checked again against the CRL)."""
     ssl_obj = call.request.transport.get_extra_info("ssl_object") if call.request.transport else None
     der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
     if not der:
@@ -55,6 +56,7 @@ def public_url(state: GatewayState, request: web.Request, path: str) -> str:
 
 
 async def dpop_identity(call: Call) -> None:
+    """The request's identity from its DPoP proof (RFC 9449) on the tunnel listener."""
     state = call.request.app[STATE]
     request = call.request
     assert call.target is not None

@@ -137,6 +137,8 @@ class PayloadAudit:
 
 
 class PayloadService:
+    """The relay's upload side: sealed payloads in, bounded, each recorded once in the guard's log."""
+
     def __init__(self, state: GatewayState) -> None:
         cfg = state.cfg
         self.state = state

@@ -29,6 +29,7 @@ log = logging.getLogger("uomp.gateway")
 
 
 def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]:
+    """The server certificate, its key, the agent CA and the CRL the mTLS listener uses."""
     return (
         Path(cfg.server_cert) if cfg.server_cert else ca_store.server_cert_path(paths),
         Path(cfg.server_key) if cfg.server_key else ca_store.server_key_path(paths),
@@ -43,6 +44,8 @@ def _flush_done(fut: asyncio.Future[None]) -> None:
 
 
 class GatewayRunner:
+    """Starts and stops the gateway's listeners, state, watchers and workers."""
+
     def __init__(self, paths: Paths, cfg: GatewayConfig) -> None:
         self.paths = paths
         self.cfg = cfg

@@ -93,6 +93,8 @@ def host_key(host_header: str, scheme: str) -> str:
 
 
 class GatewayState:
+    """What every gateway request shares: settings, keys, endpoints, the route table, the guard client and caches."""
+
     def __init__(
         self,
         paths: Paths,

@@ -273,6 +273,8 @@ def write_crl_state(path: Path, mark: CRLMark) -> None:
 
 @dataclass(frozen=True)
 class TLSFiles:
+    """The files the mTLS listener's context is built from."""
+
     cert_file: Path
     key_file: Path
     ca_file: Path

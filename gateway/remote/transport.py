@@ -190,6 +190,7 @@ def raise_fd_limit() -> int:
 
 
 def backlog_for(fd_limit: int) -> int:
+    """The listen backlog for a process allowed ``fd_limit`` descriptors."""
     return max(16, min(MAX_BACKLOG, fd_limit // 16))
 
 
@@ -807,11 +808,13 @@ class TLSAcceptProtocol(asyncio.Protocol):
 
 
 def request_started(request: web.BaseRequest) -> None:
+    """Arms the connection's body deadline for the request now being read."""
     if isinstance(request.protocol, GuardedHandler):
         request.protocol.conn.request_started(request.content)
 
 
 def request_finished(request: web.BaseRequest) -> None:
+    """Ends the request's deadlines; the idle timer runs again until the next one."""
     if isinstance(request.protocol, GuardedHandler):
         request.protocol.conn.request_finished()
 

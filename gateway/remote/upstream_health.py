@@ -56,6 +56,8 @@ def _iso(ts: float | None) -> str | None:
 
 
 class UpstreamMonitor:
+    """Checks the guard's health in the background, so the gateway answers 503 at once while it is down."""
+
     def __init__(
         self,
         upstream: Upstream,

@@ -16,6 +16,7 @@ from gateway.guard.http import SERVICES, json_response, page_limit, query_param
 
 
 async def get_audit(request: web.Request) -> web.Response:
+    """``GET /v1/audit``: the agent's own session's events, paged."""
     svc = request.app[SERVICES]
     call = AgentCall(request, "audit")
     try:

@@ -55,6 +55,8 @@ MAX_FIELD = 256
 
 
 class GuardPayloads:
+    """The payload store on its own worker thread, for the user's payload routes."""
+
     def __init__(self, store: PayloadStorage) -> None:
         self.store = store
         self.worker = DbWorker("guard-payloads", what="payload store")
@@ -78,6 +80,7 @@ def _pid(request: web.Request) -> str:
 
 
 async def list_payloads(request: web.Request) -> web.Response:
+    """``GET /v1/payloads`` (admin): the stored payloads' metadata, optionally of one session."""
     require_admin(request)
     sid = query_param(request, "session_id", required=False)
     metas = await request.app[PAYLOADS].run(functools.partial(request.app[PAYLOADS].store.list, session_id=sid))
@@ -85,12 +88,14 @@ async def list_payloads(request: web.Request) -> web.Response:
 
 
 async def get_payload(request: web.Request) -> web.Response:
+    """``GET /v1/payloads/{id}`` (admin): one payload's metadata."""
     require_admin(request)
     meta = await request.app[PAYLOADS].run(request.app[PAYLOADS].store.get, _pid(request))
     return web.json_response(meta.public())
 
 
 async def get_ciphertext(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/payloads/{id}/ciphertext`` (admin): the sealed bytes, streamed."""
     require_admin(request)
     p = request.app[PAYLOADS]
     pid = _pid(request)
@@ -119,6 +124,7 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
 
 
 async def opened(request: web.Request) -> web.Response:
+    """``POST /v1/payloads/{id}/opened`` (admin): records that the user opened it (``payload_opened``)."""
     require_admin(request)
     p = request.app[PAYLOADS]
     pid = _pid(request)
@@ -132,6 +138,7 @@ async def opened(request: web.Request) -> web.Response:
 
 
 async def remove(request: web.Request) -> web.Response:
+    """``DELETE /v1/payloads/{id}`` (admin): removes it, and records that."""
     require_admin(request)
     p = request.app[PAYLOADS]
     pid = _pid(request)

@@ -285,6 +285,7 @@ async def _refuse_authenticated(request: web.Request, action: str, code: ErrorCo
 
 
 async def write_refused(request: web.Request) -> web.Response:
+    """``PUT``/``DELETE /v1/memory/{key}``: authenticated and audited, then WRITE_NOT_AVAILABLE."""
     return await _refuse_authenticated(
         request,
         "write" if request.method == "PUT" else "delete",
@@ -294,6 +295,7 @@ async def write_refused(request: web.Request) -> web.Response:
 
 
 async def query_refused(request: web.Request) -> web.Response:
+    """``POST /v1/memory/query``: authenticated and audited, then NOT_IMPLEMENTED (§22)."""
     return await _refuse_authenticated(
         request, "query", ErrorCode.NOT_IMPLEMENTED, "semantic query is not implemented (spec §22)"
     )

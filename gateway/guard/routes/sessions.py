@@ -46,12 +46,14 @@ from gateway.guard.http import LISTENER, SERVICES, is_asserted, json_body, json_
 
 
 async def create_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions`` (admin): a session in state ``created`` for an agent's request."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.create_session, await json_body(request)), 201)
 
 
 async def grant_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/grant`` (admin): the user's grant, and the session's tokens."""
     require_admin(request)
     body = await json_body(request)
     svc = request.app[SERVICES]
@@ -59,18 +61,21 @@ async def grant_session(request: web.Request) -> web.Response:
 
 
 async def close_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/close`` for the user (admin)."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.close, request.match_info["sid"]))
 
 
 async def revoke_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/revoke`` (admin): the session ends and its tokens are blacklisted."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.revoke, request.match_info["sid"]))
 
 
 async def list_sessions(request: web.Request) -> web.Response:
+    """``GET /v1/sessions`` (admin), optionally of one status."""
     require_admin(request)
     status = query_param(request, "status", required=False)
     svc = request.app[SERVICES]
@@ -78,18 +83,21 @@ async def list_sessions(request: web.Request) -> web.Response:
 
 
 async def get_session(request: web.Request) -> web.Response:
+    """``GET /v1/sessions/{id}`` for the user (admin)."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response((await svc.authdb(svc.auth.session, request.match_info["sid"])).public())
 
 
 async def validate_token(request: web.Request) -> web.Response:
+    """``POST /v1/tokens/validate`` for the user or the gateway's status check: ``{valid, ...}`` for any token."""
     body = await json_body(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.validate, body.get("token")))
 
 
 async def deletion_proof(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/deletion-proof``: the agent's signed §19 deletion proof, checked and recorded."""
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
     call = AgentCall(request, "deletion_proof")
