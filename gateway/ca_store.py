@@ -27,6 +27,9 @@ Every write is atomic (:func:`gateway.fsutil.atomic_write`, SQLite transactions)
 committed before the CRL is written: the registry is the truth, and :func:`refresh_crl` rebuilds a
 CRL that disagrees with it. Before a CA file is trusted, the data directory and ``ca/`` must be the
 user's and not group/other-writable (UNSAFE_PERMISSIONS otherwise).
+
+Longer than ~500 lines on purpose: every change of the CA's files (init, issue, renew, revoke, the
+CRL) runs under the same lock and the same atomic-write rules.
 """
 
 from __future__ import annotations

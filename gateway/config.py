@@ -3,6 +3,9 @@
 Precedence, lowest first: the defaults below, ``$UOMP_HOME/config.toml`` (or ``--config``), the
 environment (``UOMP_GUARD_<FIELD>``, ``UOMP_GATEWAY_<FIELD>``), command-line flags. Every limit is
 named, with its unit in the name.
+
+Longer than ~500 lines on purpose: every setting is named here and nowhere else, with its unit and
+default.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ What the document promises, and the tests hold the running apps to:
 
 The wire names are the TypeScript reference's where we are compatible with it (snake_case
 ``session_id``, ``expires_at``, ``token``, ``token_type``; the §11.1 item; the §8.4 error).
+
+Longer than ~500 lines on purpose: one document, written as data, one operation per endpoint;
+splitting it would only scatter the schemas the operations share.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ web3.py's async client on any EVM JSON-RPC node.
   (must equal the committed artifact's), the receipt (status, target, the exact event sequence),
   the event log queried separately with ``eth_getLogs``, and ``anchoredBlock``; and it requires
   the configured number of confirmations.
+
+Longer than ~500 lines on purpose: one backend; sending, finding and checking an anchor against the
+chain share the same RPC calls and their failure rules.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ real Starknet node (none installs here); the Cairo contract is committed but not
   ``FullNodeClient``; transport failures are retried with backoff, then AnchorUnavailable.
 * Events as the Cairo contract emits them: ``keys = [selector(name), *key fields]``,
   ``data = [*other fields]`` (:func:`expected_events`).
+
+Longer than ~500 lines on purpose: one backend, with the transaction encoding it signs offline.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ minutes): local sessions default to 30 minutes (at most ``session_max_minutes``)
 default to ``remote_session_max_minutes`` (30 days) and live on refresh tokens of
 ``refresh_lifetime_seconds`` (7 days, never past the session end) and access tokens of at most 10
 minutes.
+
+Longer than ~500 lines on purpose: one consent flow, all or nothing: inputs checked, the screen
+shown, the session granted and its files written, or nothing left behind.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ module), and the gateway in this one, so each gets its own core and event loop. 
 * the child's output (its log lines) is relayed to this process's stderr; the supervisor's view
   of the child (pid, restarts, last reason) goes into the gateway's status file
   (``$UOMP_HOME/gateway/status.json``) and metrics.
+
+Longer than ~500 lines on purpose: ``uomp gateway start`` supervises the guard, the gateway and the
+tunnel as one appliance; its settings, banner and shutdown belong together.
 """
 
 from __future__ import annotations

@@ -68,6 +68,9 @@ Bounded: every call has a total time-out and a connect time-out, answers are rea
 
 Secrets: no token or key appears in a log line, an exception or a ``repr``. The SDK logs to the
 ``uomp.client`` logger (refreshes, renewals, session ids; never tokens, keys or memory values).
+
+Longer than ~500 lines on purpose: the SDK's public API, one method per protocol call with its
+documented behaviour; the transport, the tokens and the certificates live in their own modules.
 """
 
 from __future__ import annotations

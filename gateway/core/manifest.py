@@ -34,6 +34,8 @@ of that key, nothing more: who the key belongs to is the user's trust list (§16
 Every other method (``did:ethr``, ``did:web``, GPG, X.509, registry) is reported as
 unverified with the reason ``"method not supported by this verifier: reported as unverified
 publisher"``; nothing is ever reported verified that was not checked.
+
+Longer than ~500 lines on purpose: one document's parser; every field's rule sits with the field.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ sweep, or when the agent sends the same upload again) writes its event again und
 
 Test-only fault points (:func:`fault_hold`): inert unless the environment names the point and an
 arm file exists, which only the crash tests set up.
+
+Longer than ~500 lines on purpose: the storage Protocol and its one engine, whose index rows and
+ciphertext files are written and published by the same crash-safe steps.
 """
 
 from __future__ import annotations
