@@ -99,13 +99,10 @@ from gateway.client.errors import (
     UompClientError,
     error_from_answer,
 )
-from gateway.client.options import (  # noqa: F401  (importable from gateway.client.sdk as before)
+from gateway.client.options import (
     AGGREGATE_OPS,
     LOCAL_BASE_URL,
-    READ_CHUNK,
     REMEMBERED_SECRETS,
-    RETRY_REFRESH_CODES,
-    RETRY_REFRESH_STATUSES,
     SEGMENT_SAFE,
     AgentKey,
     ClientOptions,

@@ -8,17 +8,22 @@ import asyncio
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import aiohttp
+from cryptography import x509
 from yarl import URL
 
+from gateway.bundle import AgentBundle
 from gateway.client import payloads
 from gateway.client.errors import CertificateError, ConfigError, ProtocolError, Unavailable, UompClientError
-from gateway.client.options import READ_CHUNK, ClientState
+from gateway.client.options import READ_CHUNK, AgentKey, ClientOptions, Mode
 from gateway.client.tls import describe, ssl_in_chain, transport_context
+from gateway.client.witness import WitnessFile
 from gateway.contract import AGENT_HEADER
 from gateway.core.dpop import make_dpop_proof
 from gateway.core.envelope import HEADER_NAME, encode_header
@@ -64,6 +69,43 @@ class Pool:
         self.inflight -= 1
         if self.retired and self.inflight == 0 and not self.session.closed:
             await self.session.close()
+
+
+class ClientState:
+    """The attributes the client's layers share (set in :meth:`UompClient.__init__`)."""
+
+    _mode: Mode
+    _agent_id: str
+    _session_id: str
+    _opts: ClientOptions
+    _clock: Callable[[], float]
+    _base: str  # where the client connects
+    _public: str  # where requests are addressed (DPoP htu); differs behind a tunnel origin
+    _host_header: str | None
+    _ca_file: Path | None
+    _ca_cert: str | None
+    _key: AgentKey | None
+    _bundle: AgentBundle | None
+    _bundle_path: Path | None
+    _witness: WitnessFile | None
+    _audit_vkey: str | None
+    _cert: x509.Certificate | None
+    _cert_pem: str | None
+    _renew_at: float
+    _renew_blocked_until: float
+    _access_token: str
+    _access_exp: float
+    _access_iat: float | None
+    _refresh_token: str | None
+    _refresh_exp: float | None
+    _recent: deque[str]
+    _refresh_lock: asyncio.Lock
+    _cert_lock: asyncio.Lock
+    _open_lock: asyncio.Lock
+    _conn: Pool | None
+    _retired: list[Pool]
+    _closed: bool
+    refresh_count: int
 
 
 def _query(query: Mapping[str, str] | None) -> str:

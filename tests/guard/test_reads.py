@@ -14,7 +14,7 @@ from guardkit import NOW, admin_headers, call, grant, guard_config, running_guar
 from gateway.client import UompClient
 from gateway.config import Paths
 from gateway.core import policy
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 from gateway.guard.items import MemoryItem
 from gateway.guard.store import MemoryStore
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway import jsonio
 from gateway.core import paging, policy
-from gateway.core.tokens import Capability
+from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.agent_call import AgentCall, answer_refusal
