@@ -1,10 +1,9 @@
-"""The agent SDK's options, shared types and constants, and the state every layer of the client reads.
+"""The agent SDK's options, shared types and constants (:class:`ClientOptions`, :data:`Mode`,
+:class:`RenewedCertificate`, the limits and retry rules the client's parts share).
 
-:class:`UompClient` is built in layers, one module each: :mod:`.transport` (URLs, TLS, the
-connection pools, one HTTP exchange), :mod:`.tokens` (token times, refresh, the bundle file and
-its lock), :mod:`.certs` (the agent certificate and its renewal) and :mod:`.sdk` (the public
-calls). :class:`~gateway.client.transport.ClientState` declares the attributes they share;
-:meth:`UompClient.__init__` sets them.
+:class:`~gateway.client.sdk.UompClient` is built from parts, one module each: :mod:`.transport`
+(URLs, TLS, the connection pools, one HTTP exchange), :mod:`.tokens` (token times, refresh, the
+bundle file and its lock), :mod:`.certs` (the agent certificate and its renewal).
 """
 
 from __future__ import annotations
