@@ -247,6 +247,9 @@ class GuardConfig:
     tcp_port: int = LOCAL_PORT
     serve_tcp: bool = True
     allow_non_loopback: bool = False
+    # The Memory Store implementation, by name (gateway/guard/stores.py MEMORY_STORES; an unknown
+    # name is refused when the guard opens it): "sqlite" is memory.db under $UOMP_HOME.
+    store: str = "sqlite"
     token_lifetime_seconds: int = 30 * 60
     remote_token_lifetime_seconds: int = 10 * 60
     refresh_lifetime_seconds: int = 7 * 24 * 3600

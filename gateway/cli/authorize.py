@@ -49,7 +49,7 @@ from gateway.cli.guard import guard_config, open_auth
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths
 from gateway.core import didkey, jose, manifest, restrictions, tokens
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text

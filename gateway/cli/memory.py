@@ -19,7 +19,8 @@ from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
-from gateway.guard.store import SENSITIVITIES, MemoryItem, MemoryStore, utc_now
+from gateway.guard.items import SENSITIVITIES, MemoryItem, utc_now
+from gateway.guard.store import MemoryStore
 
 LIST_DEFAULT_LIMIT = 100
 

@@ -1,31 +1,21 @@
-"""The agent SDK's options, shared types and constants, and the state every layer of the client reads.
+"""The agent SDK's options, shared types and constants (:class:`ClientOptions`, :data:`Mode`,
+:class:`RenewedCertificate`, the limits and retry rules the client's parts share).
 
-:class:`UompClient` is built in layers, one module each: :mod:`.transport` (URLs, TLS, the
-connection pools, one HTTP exchange), :mod:`.tokens` (token times, refresh, the bundle file and
-its lock), :mod:`.certs` (the agent certificate and its renewal) and :mod:`.sdk` (the public
-calls). :class:`ClientState` declares the attributes they share; :meth:`UompClient.__init__` sets them.
+:class:`~gateway.client.sdk.UompClient` is built from parts, one module each: :mod:`.transport`
+(URLs, TLS, the connection pools, one HTTP exchange), :mod:`.tokens` (token times, refresh, the
+bundle file and its lock), :mod:`.certs` (the agent certificate and its renewal).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from gateway.bundle import AgentBundle
 from gateway.client.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gateway.client.transport import Pool
-    from gateway.client.witness import WitnessFile
 
 log = logging.getLogger("uomp.client")
 
@@ -85,40 +75,3 @@ class RenewedCertificate:
     not_after: dt.datetime
     certificate: str  # PEM
     new_key: bool
-
-
-class ClientState:
-    """The attributes the client's layers share (set in :meth:`UompClient.__init__`)."""
-
-    _mode: Mode
-    _agent_id: str
-    _session_id: str
-    _opts: ClientOptions
-    _clock: Callable[[], float]
-    _base: str  # where the client connects
-    _public: str  # where requests are addressed (DPoP htu); differs behind a tunnel origin
-    _host_header: str | None
-    _ca_file: Path | None
-    _ca_cert: str | None
-    _key: AgentKey | None
-    _bundle: AgentBundle | None
-    _bundle_path: Path | None
-    _witness: WitnessFile | None
-    _audit_vkey: str | None
-    _cert: x509.Certificate | None
-    _cert_pem: str | None
-    _renew_at: float
-    _renew_blocked_until: float
-    _access_token: str
-    _access_exp: float
-    _access_iat: float | None
-    _refresh_token: str | None
-    _refresh_exp: float | None
-    _recent: deque[str]
-    _refresh_lock: asyncio.Lock
-    _cert_lock: asyncio.Lock
-    _open_lock: asyncio.Lock
-    _conn: Pool | None
-    _retired: list[Pool]
-    _closed: bool
-    refresh_count: int

@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.core.capability import Scope
 from gateway.core.didkey import b58btc_decode as b58btc_decode  # re-exported for callers of this module
 from gateway.core.didkey import b58btc_encode as b58btc_encode
 from gateway.core.didkey import did_key_from_public as did_key_from_public
@@ -60,7 +61,7 @@ from gateway.core.publisher import IdentityResult as IdentityResult
 from gateway.core.publisher import manifest_signing_input as manifest_signing_input
 from gateway.core.publisher import sign_manifest as sign_manifest
 from gateway.core.publisher import verify_identity as verify_identity
-from gateway.core.tokens import Scope, parse_iso
+from gateway.core.tokens import parse_iso
 from gateway.errors import ErrorCode, UompError
 
 UOMP_VERSION = "1.0"

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 
 NOT_IN_SCOPE = "key is not within granted scope"
 TAG_NOT_IN_SCOPE = "tag is not within granted scope"

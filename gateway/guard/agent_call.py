@@ -14,7 +14,7 @@ from gateway.contract import (
     QUOTA_HEADER,
 )
 from gateway.core import checks
-from gateway.core.tokens import Capability
+from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import UompError
 from gateway.guard.audit import (

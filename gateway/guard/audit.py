@@ -226,12 +226,12 @@ def anchor_chain(paths: Paths) -> dict[str, Any]:
 def ledger_refusal(exc: LedgerError, *, session_id: str | None = None) -> UompError:
     """A :class:`LedgerError` as the error a reader answers."""
     if exc.code == "PROOF_PENDING":
-        return UompError(ErrorCode.STORE_BUSY, str(exc), session_id=session_id, details={"reason": "PROOF_PENDING"})
+        return UompError(ErrorCode.STORE_BUSY, exc.message, session_id=session_id, details={"reason": "PROOF_PENDING"})
     if exc.code == "NOT_FOUND":
-        return UompError(ErrorCode.NOT_FOUND, str(exc), session_id=session_id)
+        return UompError(ErrorCode.NOT_FOUND, exc.message, session_id=session_id)
     return UompError(
         ErrorCode.STORE_UNAVAILABLE,
-        f"the audit log cannot answer ({exc}); run 'uomp audit verify'",
+        f"the audit log cannot answer ({exc.message}); run 'uomp audit verify'",
         session_id=session_id,
     )
 
@@ -370,7 +370,7 @@ class AuditLog:
             )
         except LedgerError as exc:
             raise UompError(
-                ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'"
             ) from exc
         except sqlite3.DatabaseError as exc:
             if isinstance(exc, sqlite3.OperationalError):
@@ -631,24 +631,25 @@ class AuditLog:
                         self._known_size = max(self._known_size, self.ledger.size)
                 else:
                     self._transaction(lambda conn: None)
+            except LedgerError as exc:  # (a UompError too: before the general clause)
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE,
+                    f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'",
+                ) from exc
             except UompError as exc:
                 if exc.code in (ErrorCode.AUDIT_LOG_INCONSISTENT, ErrorCode.AUDIT_LOG_DAMAGED):
                     self.refuse(exc)
                 raise
-            except LedgerError as exc:
-                raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
-                ) from exc
             except sqlite3.Error as exc:
                 raise self._write_error(exc) from exc
             if not due:
                 return
             try:  # the events are durable: a checkpoint that fails now is retried at the next batch or probe
                 self._transaction(self._sign)
+            except (LedgerError, OSError, sqlite3.Error) as exc:  # (a UompError too: before the general clause)
+                log.warning("audit log: checkpoint not signed: %s", type(exc).__name__)
             except UompError as exc:
                 log.warning("audit log: checkpoint not signed: %s", exc.code)
-            except (LedgerError, OSError, sqlite3.Error) as exc:
-                log.warning("audit log: checkpoint not signed: %s", type(exc).__name__)
 
     @staticmethod
     def _write_error(exc: sqlite3.Error) -> UompError:
@@ -675,7 +676,8 @@ class AuditLog:
                 self._transaction(self._sign)
             except LedgerError as exc:
                 raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                    ErrorCode.STORE_UNAVAILABLE,
+                    f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'",
                 ) from exc
             except sqlite3.Error as exc:
                 raise db_error(exc, what="audit log") from exc

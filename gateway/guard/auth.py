@@ -28,12 +28,12 @@ from typing import Any
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
 from gateway.core import checks, jose, restrictions, tokens
+from gateway.core.capability import Capability
 from gateway.core.quota import QuotaLedger
-from gateway.core.tokens import Capability
 from gateway.db import connect, transaction
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import refresh
 from gateway.guard.audit import AuditLog, make_row
+from gateway.guard.refresh import RefreshRotation
 from gateway.guard.sessions import (  # re-exported: the public names stay importable from here
     DEFAULT_SESSION_MINUTES,
     LIVE,
@@ -97,6 +97,7 @@ class AuthService:
         )
         self._migrate()
         self.rows = SessionCache(self.db)  # decoded session rows (forget() wherever this class writes one)
+        self.refreshes = RefreshRotation(self)  # §15.5 rotation, on this service's database and clock
         self._used: set[str] = set()
         try:
             self.replay_outbox()
@@ -598,7 +599,7 @@ class AuthService:
             self.rows.keep_not_blacklisted(th)
         else:
             if hit[0] == "superseded":
-                self._chain_forked(row)
+                self.refreshes.chain_forked(row)
             raise UompError(ErrorCode.SESSION_REVOKED, "token has been revoked", session_id=cap.session_id)
         if not cap.is_refresh:
             self._note_use(th)
@@ -689,19 +690,15 @@ class AuthService:
         presented_jkt: str | None,
         extra: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], int]:
-        """§15.5 rotation with reuse detection (:mod:`gateway.guard.refresh`): the answer and the
+        """§15.5 rotation with reuse detection (:class:`gateway.guard.refresh.RefreshRotation`): the answer and the
         audit ticket to wait for before answering."""
-        return refresh.refresh_audited(
-            self,
+        return self.refreshes.rotate(
             refresh_token,
             session_id=session_id,
             presented_x5t=presented_x5t,
             presented_jkt=presented_jkt,
             extra=extra,
         )
-
-    def _chain_forked(self, row: SessionRow) -> None:
-        refresh.chain_forked(self, row)
 
     def prune(self, *, now: float | None = None, batch: int = PRUNE_BATCH_ROWS) -> dict[str, int]:
         """Drop rows nothing can need any more (called periodically by the guard and at open).

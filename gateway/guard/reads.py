@@ -30,7 +30,7 @@ from gateway.core import paging
 from gateway.core.policy import AtomCheck, Fingerprint, check_atoms
 from gateway.db import connect, transaction
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.store import HASH_PRIME, Atom
+from gateway.guard.storage import HASH_PRIME, Atom
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB NOT NULL);

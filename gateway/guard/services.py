@@ -18,7 +18,8 @@ from gateway.guard.audit import (
 )
 from gateway.guard.auth import AuthService
 from gateway.guard.reads import ReadState
-from gateway.guard.store import MemoryStorage, MemoryStore
+from gateway.guard.storage import MemoryStorage
+from gateway.guard.stores import open_memory_store
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ class GuardServices:
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
         audit = open_audit(paths, cfg, strict=False)  # a refused log: served as refusals (errors_middleware)
         auth = AuthService(paths, cfg, audit)
-        store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
+        store = open_memory_store(paths, cfg)
         # a read that is the guard's only one has its event written by this worker (get_key)
         worker = DbWorker(
             "auth",

@@ -36,7 +36,7 @@ from typing import Any
 from gateway.config import switch_on
 from gateway.contract import token_digest
 from gateway.core import tokens
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 from gateway.errors import ErrorCode, UompError
 
 SESSION_CACHE_ENTRIES = 4096  # decoded session rows kept (cleared whole when full: refilled on demand)

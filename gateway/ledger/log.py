@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from gateway.core import merkle
 from gateway.core.canonical import canonical_json
 from gateway.core.checkpoint import Checkpoint, verifier_key
-from gateway.errors import ErrorCode
+from gateway.errors import ErrorCode, UompError
 from gateway.ledger.tree import TreeStore, insert_rows
 
 SCHEMA = """
@@ -81,12 +81,10 @@ BUNDLE_VERSION = 1
 MAX_PRUNE_PARAMS = 500  # events per UPDATE of a retention slice (bound variables)
 
 
-class LedgerError(Exception):
-    """A request the log cannot answer (unknown event, event not yet in a checkpoint)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class LedgerError(UompError):
+    """A request the log cannot answer (unknown event, event not yet in a checkpoint, no key, a
+    log whose events and tree disagree). A :class:`UompError`: ``message`` is the sentence alone;
+    the guard maps it to the code a reader or writer answers (``guard.audit.ledger_refusal``)."""
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS
 
 from gateway import __version__
-from gateway.client.errors import UompClientError, scrub
+from gateway.client.errors import UompClientError
 from gateway.mcp.tools import TOOLS, Agent, ArgumentError, check_arguments
 
 log = logging.getLogger("uomp.mcp")
@@ -59,9 +59,8 @@ class SecretFilter(logging.Filter):
         self.agent = agent
 
     def filter(self, record: logging.LogRecord) -> bool:
-        secrets = list(self.agent.client._recent)  # the SDK's own list of its live and recent tokens
         text = record.getMessage()
-        clean = scrub(text, secrets)
+        clean = self.agent.client.scrub(text)  # the SDK's own live and recent tokens
         if clean != text:
             record.msg, record.args = clean, None
         return True

@@ -12,7 +12,7 @@ from gateway.contract import (
     AGENT_HEADER,
 )
 from gateway.core import checks, http1
-from gateway.core.tokens import Capability
+from gateway.core.capability import Capability
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError, known_code
 from gateway.remote.request import Call

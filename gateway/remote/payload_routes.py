@@ -62,8 +62,9 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core import envelope
+from gateway.core.capability import Capability
 from gateway.core.envelope import Envelope
-from gateway.core.tokens import Capability, iso
+from gateway.core.tokens import iso
 from gateway.errors import ErrorCode, UompError
 from gateway.payloads.store import (
     MAX_UPLOAD_URL_TTL,

@@ -15,8 +15,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway import contract
 from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
+from gateway.core.capability import Capability
 from gateway.core.envelope import Envelope
-from gateway.core.tokens import Capability
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
 from gateway.payloads.store import (

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core import http1
-from gateway.core.tokens import Capability
+from gateway.core.capability import Capability
 from gateway.remote import pathnorm
 from gateway.remote.routenames import Listener, RouteName, TokenUse
 from gateway.remote.tls import ClientIdentity

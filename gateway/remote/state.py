@@ -13,8 +13,8 @@ from gateway import contract
 from gateway import keys as keyfiles
 from gateway.config import GatewayConfig, GuardConfig, Paths, load_section
 from gateway.core import checks, tokens
+from gateway.core.capability import Capability
 from gateway.core.dpop import ReplayCache
-from gateway.core.tokens import Capability
 from gateway.errors import ErrorCode, UompError, parse_code
 from gateway.remote.access_log import AccessLog
 from gateway.remote.event_sink import EventSink

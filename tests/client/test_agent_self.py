@@ -66,7 +66,7 @@ async def check_own_session_only(c: UompClient, other: UompClient, *, management
             await c._call(method, path)
         assert denied.value.code == "ACCESS_DENIED" and "own session" in denied.value.message
     with pytest.raises(AccessDenied) as denied:  # another session's token in the body
-        await c._call("POST", "/v1/tokens/validate", body={"token": other._access_token})
+        await c._call("POST", "/v1/tokens/validate", body={"token": other._tokens.access_token})
     assert denied.value.code == "ACCESS_DENIED"
     with pytest.raises(InvalidRequest):
         await c._call("POST", "/v1/tokens/validate", body={"token": 7})

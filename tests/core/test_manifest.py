@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core import jose
 from gateway.core.canonical import canonical_json
+from gateway.core.capability import Scope
 from gateway.core.manifest import (
     UNSUPPORTED_REASON,
     RetentionPolicy,
@@ -25,7 +26,6 @@ from gateway.core.manifest import (
     sign_manifest,
     verify_identity,
 )
-from gateway.core.tokens import Scope
 from gateway.errors import UompError
 
 # Spec Appendix B, verbatim.

@@ -21,7 +21,7 @@ from gateway.cli.guard import open_auth
 from gateway.cli.main import main
 from gateway.config import GuardConfig, Paths
 from gateway.core import jose, restrictions, tokens
-from gateway.core.tokens import Capability, Scope
+from gateway.core.capability import Capability, Scope
 from gateway.errors import UompError
 
 BASE: dict[str, Any] = {

@@ -15,7 +15,7 @@ from guardkit import admin_headers, call, grant, guard_config, running_guard, se
 
 from gateway import keys
 from gateway.config import Paths
-from gateway.core import tokens
+from gateway.core import capability, tokens
 
 READ_PREFS = {
     "tags": ["preference"],
@@ -182,7 +182,7 @@ async def test_expired_token_and_session(seeded: Paths) -> None:
             agent_id="calendar_agent",
             now=now - 100,
             expires=now - 1,
-            read=tokens.Scope(tags=("preference",)),
+            read=capability.Scope(tags=("preference",)),
         )
         expired = tokens.sign_token(claims, signing.key, signing.kid)
         status, body, _ = await call(s, "GET", "/v1/memory/preference.theme", token=expired)

@@ -14,8 +14,9 @@ from guardkit import NOW, admin_headers, call, grant, guard_config, running_guar
 from gateway.client import UompClient
 from gateway.config import Paths
 from gateway.core import policy
-from gateway.core.tokens import Scope
-from gateway.guard.store import MemoryItem, MemoryStore
+from gateway.core.capability import Scope
+from gateway.guard.items import MemoryItem
+from gateway.guard.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,7 +211,7 @@ async def test_sdk_by_tag_follows_every_page(home: Paths) -> None:
 
 def test_sql_key_rules_agree_with_the_policy(home: Paths) -> None:
     """ReadFilter (SQL) against policy.key_decision (Python) on random items and grants."""
-    from gateway.guard.store import ReadFilter
+    from gateway.guard.storage import ReadFilter
 
     rng = random.Random(7)
     tags = ["t", "a", "b", "c"]
@@ -645,7 +646,7 @@ def test_a_long_scan_does_not_hold_up_reads_by_key(home: Paths) -> None:
     another thread go through (they would wait for the scan if both shared the store's lock)."""
     import concurrent.futures
 
-    from gateway.guard.store import ReadFilter
+    from gateway.guard.storage import ReadFilter
 
     st = MemoryStore(home.memory_db)
     try:

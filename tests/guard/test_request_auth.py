@@ -25,7 +25,7 @@ from guardkit import admin_headers, call, grant, guard_config, running_guard, se
 
 from gateway import keys
 from gateway.config import Paths
-from gateway.core import dpop, jose, tokens
+from gateway.core import capability, dpop, jose, tokens
 from gateway.errors import UompError
 from gateway.guard.audit import AuditLog
 
@@ -624,7 +624,7 @@ def _claims(session_id: str, agent_id: str, **change: Any) -> dict[str, Any]:
         agent_id=agent_id,
         now=now,
         expires=now + 600,
-        read=tokens.Scope(tags=("preference",)),
+        read=capability.Scope(tags=("preference",)),
         max_read_queries=100,
         audience="http://127.0.0.1:9374",
     )

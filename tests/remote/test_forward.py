@@ -29,7 +29,7 @@ from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import http1
 from gateway.errors import UompError
-from gateway.guard.store import MemoryItem
+from gateway.guard.items import MemoryItem
 from gateway.remote import transport, upstream
 from gateway.remote.guard_client import Forwarder
 from gateway.remote.upstream import Upstream, UpstreamClient

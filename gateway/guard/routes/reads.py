@@ -13,14 +13,14 @@ from aiohttp import web
 
 from gateway import jsonio
 from gateway.core import paging, policy
-from gateway.core.tokens import Capability
+from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.http import page_limit, query_param
 from gateway.guard.items import MemoryItem
 from gateway.guard.reads import TOO_MANY_GROUPS
-from gateway.guard.store import AggregateRow, ItemMeta, MemoryStorage, ReadFilter, json_path
+from gateway.guard.storage import AggregateRow, ItemMeta, MemoryStorage, ReadFilter, json_path
 
 _KeyRead = tuple[ItemMeta | None, MemoryItem | None, bytes | None]
 
