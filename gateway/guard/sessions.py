@@ -36,6 +36,7 @@ from dataclasses import field as dataclass_field
 from typing import Any
 
 from gateway.core import tokens
+from gateway.core.tokencache import ExpiringMap
 from gateway.core.tokens import Scope
 from gateway.errors import ErrorCode, UompError
 
@@ -263,7 +264,7 @@ class SessionCache:
         self.max_entries = max_entries
         self._rows: dict[str, SessionRow] = {}
         # token hashes seen absent from token_blacklist at self._version (one SELECT saved per read)
-        self._clean: set[str] = set()
+        self._clean: ExpiringMap[bool] = ExpiringMap(max_entries * 4)
         self._version = self._data_version()
         self.hits = 0
         self.misses = 0
@@ -299,12 +300,15 @@ class SessionCache:
         checked (call it right after ``lookup``, as :meth:`AuthService.authenticate` does)."""
         return self.enabled and th in self._clean
 
-    def keep_not_blacklisted(self, th: str) -> None:
+    def keep_not_blacklisted(self, th: str, until: float, now: float) -> None:
+        """Remember ``th`` as absent from the blacklist until the token expires (then it goes)."""
         if not self.enabled:
             return
-        if len(self._clean) >= self.max_entries * 4:
-            self._clean.clear()
-        self._clean.add(th)
+        self._clean.put(th, True, until, now)
+
+    @property
+    def clean_count(self) -> int:
+        return len(self._clean)
 
     def blacklist_changed(self) -> None:
         """This process wrote to ``token_blacklist`` (its own commits leave data_version alone)."""
