@@ -72,10 +72,19 @@ from gateway.guard.audit import (
 from gateway.guard.auth import AuthService, SessionRow, token_hash
 from gateway.guard.items import MemoryItem
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
-from gateway.guard.store import AggregateRow, ItemMeta, MemoryStorage, MemoryStore, ReadFilter, json_path
+from gateway.guard.store import (
+    CURRENCY_MEMBER,
+    AggregateRow,
+    ItemMeta,
+    MemoryStorage,
+    MemoryStore,
+    ReadFilter,
+    json_path,
+)
 
 log = logging.getLogger("uomp.guard")
 T = TypeVar("T")
+MIXED_CURRENCY = "amounts in more than one currency"  # aggregate's own refusal marker (compared by identity)
 
 MAX_QUERY_PARAM = 256
 
@@ -769,9 +778,14 @@ async def aggregate(request: web.Request) -> web.Response:
     min_items = svc.cfg.aggregate_min_items
     tracked = op in ("sum", "avg") and not grant.exact
 
+    def mixed() -> bool:  # amounts in two currencies or more add up to nothing meaningful
+        return path is not None and svc.store.currencies(tag, flt, path=path) > 1
+
     def compute() -> tuple[policy.AggregateResult, str | None, str | None]:
         store, reads = svc.store, svc.reads
         if not tracked:
+            if mixed():
+                return policy.AggregateResult(True, {}, 0, ""), MIXED_CURRENCY, "amounts in several currencies"
             agg: AggregateRow = store.aggregate(tag, flt, path=path)
             return (
                 policy.aggregate_result(
@@ -791,6 +805,8 @@ async def aggregate(request: web.Request) -> web.Response:
         # One pass answers and checks: the overlap groups of the session's tags of this field (the new
         # tag last) carry their sums; the answer, the check and the record see the same items.
         with store.read_snapshot(), reads.history(cap.session_id, field) as history:
+            if mixed():  # before anything is recorded: a refused sum adds nothing to the history
+                return policy.AggregateResult(True, {}, 0, ""), MIXED_CURRENCY, "amounts in several currencies"
             full = history.full_for(tag, max_tags=62)
             if full is not None:
                 return policy.AggregateResult(True, {}, 0, ""), full.reason, full.detail
@@ -827,6 +843,15 @@ async def aggregate(request: web.Request) -> web.Response:
                 session_id=cap.session_id,
             ),
             res.detail,
+        )
+    if refused is MIXED_CURRENCY:
+        message = (
+            f"the items of tag {tag!r} hold {field} in more than one currency (their value's "
+            f"{CURRENCY_MEMBER!r} differs, or is missing on some): a {op} across currencies means nothing; "
+            "aggregate a tag whose items share one currency, or ask op=count"
+        )
+        return await call.refuse(
+            UompError(ErrorCode.AGGREGATE_MIXED_CURRENCY, message, session_id=cap.session_id), detail
         )
     if refused is not None:
         return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, refused, session_id=cap.session_id), detail)

@@ -145,6 +145,12 @@ _SQL_AGG_NUM_FROM = (
     "ON i.key = t.item_key WHERE t.tag = :tag "
     "AND json_type(i.value, :path) IN ('integer', 'real')"
 )
+# the items holding a number at :path: how many distinct currencies (:cpath), how many without one
+_SQL_CURRENCIES = (
+    "SELECT count(DISTINCT c), count(*) - count(c) FROM (SELECT json_extract(i.value, :cpath) AS c "
+    "FROM item_tags t JOIN items i ON i.key = t.item_key WHERE t.tag = :tag "
+    "AND json_type(i.value, :path) IN ('integer', 'real')"
+)
 _P = "2147483647"  # HASH_PRIME
 _SQL_ATOMS_HEAD = (
     "WITH q AS (SELECT key AS bit, value AS tag FROM json_each(:tags)), "
@@ -289,6 +295,21 @@ MAX_FIELD_SEGMENTS = 16
 _FIELD_SEGMENT = re.compile(r"[A-Za-z0-9_\-:@]{1,128}")
 
 
+CURRENCY_MEMBER = "currency"  # the member of a value that names the currency of its amounts
+
+
+def currency_path(path: str) -> str | None:
+    """The JSON path of the ``currency`` member beside the number at ``path`` (``$."cost"`` ->
+    ``$."currency"``, ``$."a"."b"`` -> ``$."a"."currency"``); None for the whole value or the
+    currency member itself."""
+    if path == "$" or not path.startswith("$."):
+        return None
+    head, _, last = path.rpartition(".")
+    if last == f'"{CURRENCY_MEMBER}"':
+        return None
+    return f'{head}."{CURRENCY_MEMBER}"'
+
+
 def json_path(field_path: str) -> str | None:
     """``value`` -> ``$``, ``value.a.b`` -> ``$."a"."b"``; None for a path this store will not address
     (a segment outside ``[A-Za-z0-9_-:@]``, an empty one, too many)."""
@@ -373,6 +394,13 @@ class MemoryStorage(Protocol):
         ...
 
     def aggregate(self, tag: str, flt: ReadFilter, *, path: str | None) -> AggregateRow: ...
+
+    def currencies(self, tag: str, flt: ReadFilter, *, path: str) -> int:
+        """How many currencies the numbers at ``path`` of the items carrying ``tag`` (through
+        ``flt``) are in: the distinct values of the ``currency`` member beside ``path`` among the
+        items holding a number there, an item without one counting as one more when others have
+        one. 0 when none of them names a currency (see :func:`currency_path`)."""
+        ...
 
     def atoms(
         self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int
@@ -669,6 +697,17 @@ class MemoryStore(MemoryStorage):
                     raise
                 row = conn.execute("SELECT count(*), total(x), min(x), max(x) " + body, params).fetchone()
         return AggregateRow(int(row[0]), row[1], row[2], row[3])
+
+    def currencies(self, tag: str, flt: ReadFilter, *, path: str) -> int:
+        cpath = currency_path(path)
+        if cpath is None:
+            return 0
+        where, params = flt.sql()
+        params.update({"tag": tag, "path": path, "cpath": cpath})
+        with self._scan() as conn:
+            named, unnamed = conn.execute(_SQL_CURRENCIES + " AND " + where + ")", params).fetchone()  # fixed text
+        named = int(named or 0)
+        return named + (1 if named and unnamed else 0)
 
     def atoms(
         self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int

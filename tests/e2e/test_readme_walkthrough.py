@@ -119,7 +119,8 @@ def test_walkthrough_runs_as_written() -> None:
     # what the walkthrough says happens, happened
     assert '"value": "dark"' in out or '"value":"dark"' in out  # curl read the key
     assert '{"key": "preference.theme", "value": "dark"}' in out  # the SDK example read it
-    assert "AAPL" in out and '"op":"sum"' in out.replace(" ", "")  # ?tag= and the aggregate
+    assert "AAPL" in out and '"op":"count"' in out.replace(" ", "")  # ?tag= and the aggregate
+    assert "AGGREGATE_MIXED_CURRENCY" in out  # the sum over USD, CHF and EUR amounts is refused
     assert "SESSION_REVOKED" in out  # the revoked session was refused
     # the tunnel part read through the stand-in's origin (DPoP), after the mTLS reads
     assert out.count('{"key": "preference.theme", "value": "dark"}') >= 2, out
