@@ -136,6 +136,11 @@ class Paths:
         return self.home / "agents"
 
     @property
+    def memtrace_dir(self) -> Path:
+        """Memory-trace snapshots of a run with ``UOMP_TRACEMALLOC=1`` (gateway/memtrace.py)."""
+        return self.home / "memtrace"
+
+    @property
     def payload_dir(self) -> Path:
         """Sealed payloads the gateway relays (ciphertext only), see gateway/payloads/store.py."""
         return self.home / "payloads"
@@ -527,6 +532,38 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise UompError(ErrorCode.CONFIG_ERROR, f"{name} has the wrong type (want {typ.__name__})") from exc
     raise UompError(ErrorCode.CONFIG_ERROR, f"{name}: unsupported type")
+
+
+_SWITCH_ON = ("1", "true", "yes", "on")
+_SWITCH_OFF = ("0", "false", "no", "off", "")
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment switch (``1/true/yes/on``, ``0/false/no/off``); anything else is a
+    CONFIG_ERROR naming the variable, so a mistyped value never silently picks a side."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _SWITCH_ON:
+        return True
+    if value in _SWITCH_OFF:
+        return False
+    raise UompError(ErrorCode.CONFIG_ERROR, f"{name}={raw!r} is not a switch; set it to 1 or 0")
+
+
+def env_seconds(name: str, default: float, *, minimum: float = 0.0, maximum: float = 86400.0) -> float:
+    """A bounded number of seconds from the environment; out of range or not a number: CONFIG_ERROR."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not minimum <= value <= maximum:
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{name}={raw!r} must be seconds between {minimum:g} and {maximum:g}")
+    return value
 
 
 def _read_toml(path: Path | None) -> dict[str, Any]:

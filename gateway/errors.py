@@ -63,6 +63,8 @@ class ErrorCode(StrEnum):
     AUDIT_LOG_INCONSISTENT = "AUDIT_LOG_INCONSISTENT"
     AUDIT_LOG_DAMAGED = "AUDIT_LOG_DAMAGED"  # the audit log fails its own checks (edited, deleted, unreadable)
     INTERNAL = "INTERNAL"
+    # an aggregate of amounts in more than one currency (docs/aggregates.md "Currencies")
+    AGGREGATE_MIXED_CURRENCY = "AGGREGATE_MIXED_CURRENCY"
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     PAYLOAD_HASH_MISMATCH = "PAYLOAD_HASH_MISMATCH"  # the ciphertext received is not what the envelope's hash names
     PAYLOAD_SIZE_MISMATCH = "PAYLOAD_SIZE_MISMATCH"  # the ciphertext received is not as long as the envelope's size
@@ -125,6 +127,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.AUDIT_LOG_INCONSISTENT: 503,
     ErrorCode.AUDIT_LOG_DAMAGED: 503,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.AGGREGATE_MIXED_CURRENCY: 400,
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     ErrorCode.PAYLOAD_HASH_MISMATCH: 400,
     ErrorCode.PAYLOAD_SIZE_MISMATCH: 400,

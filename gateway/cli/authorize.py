@@ -636,7 +636,13 @@ def _remote_grant(
     )
     print(f"Agent bundle written to {out_path} (mode 0600): hand it to the agent over a private channel.")
     print(f"The agent's gateway URL (its tokens are for this address): {url}")
-    if key_dir is not None:
+    if _dpop_url(paths, url):
+        # TLS ends at Cloudflare's edge: through the tunnel an agent proves its key with a DPoP proof
+        # per request (RFC 9449), which curl cannot make; an mTLS curl line would only be refused
+        print("Through the tunnel the agent uses DPoP (a signed proof per request, so no curl line): with the SDK,")
+        print(f'  UompClient.from_bundle("{out_path}", mode="dpop"); in a checkout of this project:')
+        print(f"  python examples/remote_agent.py --bundle {out_path} --dpop KEY")
+    elif key_dir is not None:
         d = key_dir
         print("A first read from the agent's side, with these files (any key it may read):")
         print(
@@ -646,6 +652,14 @@ def _remote_grant(
             f'["access_token"])\' {out_path})" {url}/v1/memory/KEY'
         )
     return 0
+
+
+def _dpop_url(paths: Paths, url: str) -> bool:
+    """Is ``url`` the recorded quick or named tunnel's (where agents use DPoP, never mTLS)?"""
+    from gateway import appliance
+
+    recorded = appliance.load_addresses(paths)["tunnel"] or {}
+    return recorded.get("mode") in ("quick", "named") and str(recorded.get("url", "")).rstrip("/") == url.rstrip("/")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -502,7 +502,10 @@ def _relay_line(line: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway import memtrace
+
     paths = paths_from(args)
+    memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(_run(paths, gateway_config(args, paths), with_guard=False, args=args))
     return 0
 
@@ -536,6 +539,9 @@ def _start(args: argparse.Namespace) -> int:
         created = [what for what, new in made.items() if new]
         if created:
             _say(f"first run: created in {paths.home}: {', '.join(created).replace('_', ' ')}")
+        from gateway import memtrace
+
+        memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
         eventloop.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
     finally:
         lock.release()

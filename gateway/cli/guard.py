@@ -30,10 +30,12 @@ def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway import memtrace
     from gateway.guard.server import run_guard
 
     paths = paths_from(args)
     cfg = guard_config(args, paths)
+    memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
     return 0
 

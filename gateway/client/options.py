@@ -31,6 +31,10 @@ READ_CHUNK = 64 * 1024
 # A refresh that got no answer is tried again on these (see _post_refresh).
 RETRY_REFRESH_CODES = ("TIMEOUT", "CONNECTION_FAILED", "CONNECTION_CLOSED")
 RETRY_REFRESH_STATUSES = (502, 503, 504)
+# A payload upload that got no answer, or an answer that says the relay may yet accept it, is sent
+# again: the same sealed envelope (payload_id and bytes), which the relay answers idempotently.
+RETRY_UPLOAD_CODES = RETRY_REFRESH_CODES
+RETRY_UPLOAD_STATUSES = RETRY_REFRESH_STATUSES
 # Recently held tokens, scrubbed from any message the gateway sends back.
 REMEMBERED_SECRETS = 8
 
@@ -52,6 +56,9 @@ class ClientOptions:
     refresh_retry_initial_seconds: float = 0.5  # first back-off, doubled after each try ...
     refresh_retry_max_seconds: float = 8.0  # ... up to this (docs/security.md "Refresh rule")
     payload_timeout_seconds: float = 1800.0  # one streamed payload upload, start to answer
+    # an upload that got no answer (closed, timed out, 502/503/504) is sent again, the same sealed
+    # bytes under the same payload_id, at most this many tries in all (back-off: refresh_retry_*)
+    payload_retry_attempts: int = 4
 
     def __post_init__(self) -> None:
         if self.timeout_seconds <= 0 or self.connect_timeout_seconds <= 0 or self.max_response_bytes <= 0:
@@ -60,10 +67,12 @@ class ClientOptions:
             raise ConfigError("CONFIG_ERROR", "renew_at_fraction and refresh_before_fraction must lie in (0, 1)")
         if (
             self.refresh_retry_attempts < 1
+            or self.payload_retry_attempts < 1
             or not 0 <= self.refresh_retry_initial_seconds <= self.refresh_retry_max_seconds
         ):
             raise ConfigError(
-                "CONFIG_ERROR", "refresh_retry_attempts must be >= 1 and the back-off 0 <= initial <= max"
+                "CONFIG_ERROR",
+                "refresh_retry_attempts and payload_retry_attempts must be >= 1 and the back-off 0 <= initial <= max",
             )
 
 

@@ -82,7 +82,7 @@ import hashlib
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -99,6 +99,7 @@ from gateway.client.errors import (
     AuthError,
     ConfigError,
     ProtocolError,
+    Unavailable,
     UompClientError,
     error_from_answer,
     scrub,
@@ -106,6 +107,8 @@ from gateway.client.errors import (
 from gateway.client.options import (
     AGGREGATE_OPS,
     LOCAL_BASE_URL,
+    RETRY_UPLOAD_CODES,
+    RETRY_UPLOAD_STATUSES,
     SEGMENT_SAFE,
     AgentKey,
     ClientOptions,
@@ -230,6 +233,7 @@ class UompClient:
         if ca_file is not None and mode == "mtls":
             raise ConfigError("CONFIG_ERROR", "mTLS trusts the CA in the bundle only; ca_file is for dpop/bearer")
 
+        self._opts = opts
         # the parts: the transport, the bundle file, the tokens and the certificate over them
         self._transport = ClientTransport(
             mode=mode,
@@ -666,40 +670,46 @@ class UompClient:
         binding = Binding(payloads.new_payload_id(), self._session_id, self._agent_id, format)
         if isinstance(data, bytes | bytearray) and not presigned and len(data) <= payloads.JSON_MAX_SEALED - 256:
             doc = await asyncio.to_thread(payloads.seal_small, recipient, binding, bytes(data))
-            answer = self._object(await self._call("POST", "/v1/payload/upload", body=doc))
+
+            async def send_doc() -> tuple[int, Any]:
+                return await self._upload_exchange(
+                    lambda t: self._transport.send("POST", "/v1/payload/upload", None, doc, t)
+                )
+
+            answer = await self._upload_retrying(binding.payload_id, send_doc)
             return payloads.check_answer(answer, binding.payload_id, str(doc["hash"]), self._session_id)
         sealed = await asyncio.to_thread(
             payloads.seal_to_file, recipient, binding, data if isinstance(data, bytes | bytearray) else Path(data)
         )
         try:
-            path, query, method = "/v1/payload/upload", None, "POST"
-            if presigned:
-                grant = self._object(
-                    await self._call("POST", "/v1/payload/upload-url", body={"size": sealed.envelope.size})
-                )
-                url = grant.get("upload_url")
-                token = urlsplit(url).query.partition("t=")[2] if isinstance(url, str) else ""
-                if not token:
-                    raise ProtocolError(
-                        "BAD_RESPONSE", "the upload-url answer has no upload_url", None, self._session_id
+
+            async def send_file() -> tuple[int, Any]:
+                path, query, method = "/v1/payload/upload", None, "POST"
+                if presigned:  # a URL is single-use: each try asks for its own, for the same bytes
+                    grant = self._object(
+                        await self._call("POST", "/v1/payload/upload-url", body={"size": sealed.envelope.size})
                     )
-                path, query, method = "/v1/payload/presigned", {"t": token}, "PUT"
-            answer = self._object(await self._stream_payload(method, path, query, sealed))
+                    url = grant.get("upload_url")
+                    token = urlsplit(url).query.partition("t=")[2] if isinstance(url, str) else ""
+                    if not token:
+                        raise ProtocolError(
+                            "BAD_RESPONSE", "the upload-url answer has no upload_url", None, self._session_id
+                        )
+                    path, query, method = "/v1/payload/presigned", {"t": token}, "PUT"
+                return await self._upload_exchange(
+                    lambda t: self._transport.send_stream(method, path, query, sealed, t), refresh_retry=query is None
+                )
+
+            answer = await self._upload_retrying(binding.payload_id, send_file)
             return payloads.check_answer(answer, binding.payload_id, sealed.envelope.hash, self._session_id)
         finally:
             await asyncio.to_thread(sealed.remove)
 
-    async def _stream_payload(
-        self,
-        method: str,
-        path: str,
-        query: Mapping[str, str] | None,
-        sealed: payloads.SealedFile,
-        *,
-        retried: bool = False,
-    ) -> Any:
-        """An upload streamed from the sealed file (:meth:`ClientTransport.send_stream`), refreshed and retried once
-        like :meth:`_call`."""
+    async def _upload_exchange(
+        self, send: Callable[[str], Awaitable[tuple[int, Any]]], *, refresh_retry: bool = True
+    ) -> tuple[int, Any]:
+        """One try of an upload: (status, answer), after the usual certificate and token upkeep; an
+        access token refused as expired is refreshed and the same bytes sent once more."""
         await self.open()
         if self._transport.mode == "mtls":
             await self._certs.ensure()
@@ -707,16 +717,53 @@ class UompClient:
         if tokens.refresh_token and tokens.refresh_due():
             await tokens.refresh(stale=None, force=False)
         token = tokens.access_token
-        status, answer = await self._transport.send_stream(method, path, query, sealed, token)
-        if status < 300:
-            if answer is None:
-                raise ProtocolError("BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id)
-            return answer
-        err = error_from_answer(status, answer, session_id=self._session_id, secrets=tokens.recent)
-        if err.code == "TOKEN_EXPIRED" and not retried and tokens.refresh_token and query is None:
-            await tokens.refresh(stale=token, force=True)
-            return await self._stream_payload(method, path, query, sealed, retried=True)
-        raise err
+        status, answer = await send(token)
+        if status >= 300 and refresh_retry and tokens.refresh_token:
+            err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._tokens.recent)
+            if err.code == "TOKEN_EXPIRED":
+                await tokens.refresh(stale=token, force=True)
+                status, answer = await send(tokens.access_token)
+        return status, answer
+
+    async def _upload_retrying(self, payload_id: str, exchange: Callable[[], Awaitable[tuple[int, Any]]]) -> JSONObject:
+        """Send one sealed upload until it is answered: a try that got no answer (connection closed or
+        failed, timed out) or a 502/503/504 is sent again with the same envelope, the same payload_id
+        and the same bytes, which the relay answers like the first (one payload, one event) whether
+        or not the earlier try arrived. Never sealed again: new bytes under that id are 409
+        PAYLOAD_EXISTS. At most ``payload_retry_attempts`` tries, with the refresh back-off."""
+        o = self._opts
+        delay = o.refresh_retry_initial_seconds
+        for attempt in range(1, o.payload_retry_attempts + 1):
+            last = attempt >= o.payload_retry_attempts
+            try:
+                status, answer = await exchange()
+            except Unavailable as exc:
+                if exc.code not in RETRY_UPLOAD_CODES or last:
+                    raise
+                reason = exc.code
+            else:
+                if status < 300:
+                    if answer is None:
+                        raise ProtocolError(
+                            "BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id
+                        )
+                    return self._object(answer)
+                if status not in RETRY_UPLOAD_STATUSES or last:
+                    raise error_from_answer(status, answer, session_id=self._session_id, secrets=self._tokens.recent)
+                reason = f"{error_from_answer(status, answer, session_id=self._session_id).code} (HTTP {status})"
+            log.warning(
+                "payload upload %s for session %s got no answer (%s); sending the same upload again in %.1f s "
+                "(try %d of %d)",
+                payload_id,
+                self._session_id,
+                reason,
+                delay,
+                attempt + 1,
+                o.payload_retry_attempts,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, o.refresh_retry_max_seconds)
+        raise AssertionError("unreachable")  # the last try returns or raises
 
     async def refresh(self) -> None:
         """Rotate the tokens now (normally automatic), and save them to the bundle."""

@@ -30,6 +30,7 @@ from gateway.config import GuardConfig, Paths
 from gateway.core import checks, jose, restrictions, tokens
 from gateway.core.capability import Capability
 from gateway.core.quota import QuotaLedger
+from gateway.core.tokencache import ExpiringMap, remember_verified, token_until
 from gateway.db import connect, transaction
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.audit import AuditLog, make_row
@@ -98,14 +99,14 @@ class AuthService:
         self._migrate()
         self.rows = SessionCache(self.db)  # decoded session rows (forget() wherever this class writes one)
         self.refreshes = RefreshRotation(self)  # §15.5 rotation, on this service's database and clock
-        self._used: set[str] = set()
+        self._used: ExpiringMap[bool] = ExpiringMap(USED_CACHE_ENTRIES)  # token hash -> until its expiry
+        self._verified: ExpiringMap[Capability] = ExpiringMap(self.cfg.token_cache_entries)
         try:
             self.replay_outbox()
         except UompError as exc:  # audit.db unwritable (full disk): start anyway, the rows stay in the outbox
             log.warning("auth: audit outbox not replayed yet (%s)", exc.message)
         self.reload_keys()
         self.quota = QuotaLedger(self._quota_load, self._quota_persist)
-        self._verified: dict[str, Capability] = {}
 
     def _migrate(self) -> None:
         for table, column, decl in MIGRATIONS:
@@ -130,7 +131,7 @@ class AuthService:
         lifetime = max(self.cfg.token_lifetime_seconds, self.cfg.refresh_lifetime_seconds)
         self.signing = keyfiles.load_signing_key(self.paths)
         self.public_keys = keyfiles.load_public_keys(self.paths, now=self.clock(), max_token_lifetime=lifetime)
-        self._verified = {}
+        self._verified.clear()
 
     # ------------------------------------------------------------------------- sessions
 
@@ -511,7 +512,7 @@ class AuthService:
             )
             self._blacklist_session(session_id, status)
         self.rows.forget(session_id)
-        self._verified = {}
+        self._verified.clear()
         self.quota.forget(session_id)
         self.audit.record(
             session_id=session_id,
@@ -543,18 +544,20 @@ class AuthService:
 
     # --------------------------------------------------------------------------- tokens
 
+    def cache_sizes(self) -> dict[str, int]:
+        """Entries in the per-token caches (each holds live tokens only, gateway/core/tokencache.py)."""
+        return {"verified": len(self._verified), "used": len(self._used), "not_blacklisted": self.rows.clean_count}
+
     def verify(self, token: str, th: str | None = None) -> Capability:
         """Signature + exp/expires_at, cached by token hash (``th``, computed if not given).
         Session status is NOT checked here."""
         now = self.clock()
         th = th or token_hash(token)
-        cap = self._verified.get(th)
-        if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
+        cap = self._verified.get(th, now)
+        if cap is not None:
             return cap
         cap = tokens.verify_token(token, self.public_keys, now=now)
-        if len(self._verified) >= self.cfg.token_cache_entries:
-            self._verified.clear()  # simple bound; refilled on demand
-        self._verified[th] = cap
+        remember_verified(self._verified, th, cap, now)
         return cap
 
     def authenticate(
@@ -590,24 +593,26 @@ class AuthService:
         if row.status != "active":
             raise UompError(ErrorCode.SESSION_REVOKED, ended_message(row), session_id=cap.session_id)
         # the blacklist, unless this token was seen absent from it with auth.db unchanged since
+        now = self.clock()
         hit = (
             None
             if self.rows.not_blacklisted(th)
             else self.db.execute("SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
         )
         if hit is None:
-            self.rows.keep_not_blacklisted(th)
+            if not cap.is_refresh:  # a refresh token is spent by its one use: not worth keeping
+                self.rows.keep_not_blacklisted(th, token_until(cap), now)
         else:
             if hit[0] == "superseded":
                 self.refreshes.chain_forked(row)
             raise UompError(ErrorCode.SESSION_REVOKED, "token has been revoked", session_id=cap.session_id)
         if not cap.is_refresh:
-            self._note_use(th)
+            self._note_use(th, token_until(cap), now)
         return cap, row
 
-    def _note_use(self, th: str) -> None:
+    def _note_use(self, th: str, until: float, now: float) -> None:
         """Record an access token's first use, durably, before the request is answered (refresh rule)."""
-        if th in self._used:
+        if self._used.get(th, now):
             return
         try:
             self.db.execute(
@@ -615,9 +620,7 @@ class AuthService:
             )
         except sqlite3.Error as exc:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the session database is unavailable") from exc
-        if len(self._used) >= USED_CACHE_ENTRIES:
-            self._used.clear()
-        self._used.add(th)
+        self._used.put(th, True, until, now)  # kept while the token lives (gateway/core/tokencache.py)
 
     def validate(self, token: Any) -> dict[str, Any]:
         """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a

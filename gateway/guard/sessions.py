@@ -37,6 +37,7 @@ from gateway.config import switch_on
 from gateway.contract import token_digest
 from gateway.core import tokens
 from gateway.core.capability import Scope
+from gateway.core.tokencache import ExpiringMap
 from gateway.errors import ErrorCode, UompError
 
 SESSION_CACHE_ENTRIES = 4096  # decoded session rows kept (cleared whole when full: refilled on demand)
@@ -264,7 +265,7 @@ class SessionCache:
         self.max_entries = max_entries
         self._rows: dict[str, SessionRow] = {}
         # token hashes seen absent from token_blacklist at self._version (one SELECT saved per read)
-        self._clean: set[str] = set()
+        self._clean: ExpiringMap[bool] = ExpiringMap(max_entries * 4)
         self._version = self._data_version()
         self.hits = 0
         self.misses = 0
@@ -300,12 +301,15 @@ class SessionCache:
         checked (call it right after ``lookup``, as :meth:`AuthService.authenticate` does)."""
         return self.enabled and th in self._clean
 
-    def keep_not_blacklisted(self, th: str) -> None:
+    def keep_not_blacklisted(self, th: str, until: float, now: float) -> None:
+        """Remember ``th`` as absent from the blacklist until the token expires (then it goes)."""
         if not self.enabled:
             return
-        if len(self._clean) >= self.max_entries * 4:
-            self._clean.clear()
-        self._clean.add(th)
+        self._clean.put(th, True, until, now)
+
+    @property
+    def clean_count(self) -> int:
+        return len(self._clean)
 
     def blacklist_changed(self) -> None:
         """This process wrote to ``token_blacklist`` (its own commits leave data_version alone)."""

@@ -89,6 +89,21 @@ MAX_FIELD_SEGMENTS = 16
 _FIELD_SEGMENT = re.compile(r"[A-Za-z0-9_\-:@]{1,128}")
 
 
+CURRENCY_MEMBER = "currency"  # the member of a value that names the currency of its amounts
+
+
+def currency_path(path: str) -> str | None:
+    """The JSON path of the ``currency`` member beside the number at ``path`` (``$."cost"`` ->
+    ``$."currency"``, ``$."a"."b"`` -> ``$."a"."currency"``); None for the whole value or the
+    currency member itself."""
+    if path == "$" or not path.startswith("$."):
+        return None
+    head, _, last = path.rpartition(".")
+    if last == f'"{CURRENCY_MEMBER}"':
+        return None
+    return f'{head}."{CURRENCY_MEMBER}"'
+
+
 def json_path(field_path: str) -> str | None:
     """``value`` -> ``$``, ``value.a.b`` -> ``$."a"."b"``; None for a path this store will not address
     (a segment outside ``[A-Za-z0-9_-:@]``, an empty one, too many)."""
@@ -159,6 +174,13 @@ class MemoryStorage(Protocol):
         ...
 
     def aggregate(self, tag: str, flt: ReadFilter, *, path: str | None) -> AggregateRow: ...
+
+    def currencies(self, tag: str, flt: ReadFilter, *, path: str) -> int:
+        """How many currencies the numbers at ``path`` of the items carrying ``tag`` (through
+        ``flt``) are in: the distinct values of the ``currency`` member beside ``path`` among the
+        items holding a number there, an item without one counting as one more when others have
+        one. 0 when none of them names a currency (see :func:`currency_path`)."""
+        ...
 
     def atoms(
         self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int

@@ -70,7 +70,7 @@ from gateway.db import trim_wal
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.bulk import BULK_CHUNK, BulkHandle, BulkWriter
 from gateway.guard.items import MemoryItem
-from gateway.guard.storage import AggregateRow, Atom, ItemMeta, MemoryStorage, ReadFilter
+from gateway.guard.storage import AggregateRow, Atom, ItemMeta, MemoryStorage, ReadFilter, currency_path
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,11 @@ _SQL_AGG_NUM_FROM = (
     "AND json_type(i.value, :path) IN ('integer', 'real')"
 )
 _P = "2147483647"  # HASH_PRIME
+_SQL_CURRENCIES = (
+    "SELECT count(DISTINCT c), count(*) - count(c) FROM (SELECT json_extract(i.value, :cpath) AS c "
+    "FROM item_tags t JOIN items i ON i.key = t.item_key WHERE t.tag = :tag "
+    "AND json_type(i.value, :path) IN ('integer', 'real')"
+)
 _SQL_ATOMS_HEAD = (
     "WITH q AS (SELECT key AS bit, value AS tag FROM json_each(:tags)), "
     "m AS (SELECT t.item_key AS k, sum(1 << q.bit) AS pattern FROM q JOIN item_tags t ON t.tag = q.tag "
@@ -483,6 +488,17 @@ class MemoryStore(MemoryStorage):
                     raise
                 row = conn.execute("SELECT count(*), total(x), min(x), max(x) " + body, params).fetchone()
         return AggregateRow(int(row[0]), row[1], row[2], row[3])
+
+    def currencies(self, tag: str, flt: ReadFilter, *, path: str) -> int:
+        cpath = currency_path(path)
+        if cpath is None:
+            return 0
+        where, params = flt.sql()
+        params.update({"tag": tag, "path": path, "cpath": cpath})
+        with self._scan() as conn:
+            named, unnamed = conn.execute(_SQL_CURRENCIES + " AND " + where + ")", params).fetchone()  # fixed text
+        named = int(named or 0)
+        return named + (1 if named and unnamed else 0)
 
     def atoms(
         self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int

@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig, GuardConfig, Paths, load_section
 from gateway.core import checks, tokens
 from gateway.core.capability import Capability
 from gateway.core.dpop import ReplayCache
+from gateway.core.tokencache import ExpiringMap, remember_verified
 from gateway.errors import ErrorCode, UompError, parse_code
 from gateway.remote.access_log import AccessLog
 from gateway.remote.event_sink import EventSink
@@ -135,7 +136,7 @@ class GatewayState:
         self.handlers: dict[RouteName, Handler] = {}  # handlers bound at start-up (register_route)
         self.transport_auth: dict[str, Callable[[Call], Awaitable[None]]] = {}
         self.certs = ClientCertChecker()
-        self._verified: dict[str, Capability] = {}
+        self._verified: ExpiringMap[Capability] = ExpiringMap(cfg.token_cache_entries)
         self._route_index: dict[tuple[str, str], list[Route]] = {}
         self._route_index_of: tuple[Route, ...] = ()
         self.replay = ReplayCache.sized(
@@ -160,25 +161,28 @@ class GatewayState:
             guard.token_lifetime_seconds, guard.remote_token_lifetime_seconds, guard.refresh_lifetime_seconds
         )
         self.public_keys = keyfiles.load_public_keys(self.paths, now=time.time(), max_token_lifetime=lifetime)
-        self._verified = {}
+        self._verified.clear()
         self.generation += 1
 
     def verify_digest(self, token: str) -> tuple[Capability, str]:
-        """tokens.verify_token with a bounded cache of verified tokens (expiry re-checked on every hit),
-        and the token's SHA-256 (the cache key, and what the guard is told)."""
+        """tokens.verify_token with a cache of the access tokens verified and still alive
+        (gateway/core/tokencache.py), and the token's SHA-256 (the cache key, and what the guard is told)."""
         now = time.time()
         key = contract.token_digest(token)
-        cap = self._verified.get(key)
-        if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
+        cap = self._verified.get(key, now)
+        if cap is not None:
             return cap, key
         cap = tokens.verify_token(token, self.public_keys, now=now)
-        if len(self._verified) >= self.cfg.token_cache_entries:
-            self._verified = {}
-        self._verified[key] = cap
+        remember_verified(self._verified, key, cap, now)
         return cap, key
 
     def verify(self, token: str) -> Capability:
         return self.verify_digest(token)[0]
+
+    @property
+    def verified_cached(self) -> int:
+        """Access tokens in the verification cache (live ones only, gateway/core/tokencache.py)."""
+        return len(self._verified)
 
     @property
     def endpoints(self) -> set[str]:

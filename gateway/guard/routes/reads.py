@@ -20,9 +20,11 @@ from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.http import page_limit, query_param
 from gateway.guard.items import MemoryItem
 from gateway.guard.reads import TOO_MANY_GROUPS
-from gateway.guard.storage import AggregateRow, ItemMeta, MemoryStorage, ReadFilter, json_path
+from gateway.guard.storage import CURRENCY_MEMBER, AggregateRow, ItemMeta, MemoryStorage, ReadFilter, json_path
 
 _KeyRead = tuple[ItemMeta | None, MemoryItem | None, bytes | None]
+
+MIXED_CURRENCY = "amounts in more than one currency"  # the aggregate's own refusal marker (compared by identity)
 
 
 def _key_verdict(
@@ -208,9 +210,14 @@ async def aggregate(request: web.Request) -> web.Response:
     min_items = svc.cfg.aggregate_min_items
     tracked = op in ("sum", "avg") and not grant.exact
 
+    def mixed() -> bool:  # amounts in two currencies or more add up to nothing meaningful
+        return path is not None and op != "count" and svc.store.currencies(tag, flt, path=path) > 1
+
     def compute() -> tuple[policy.AggregateResult, str | None, str | None]:
         store, reads = svc.store, svc.reads
         if not tracked:
+            if mixed():
+                return policy.AggregateResult(True, {}, 0, ""), MIXED_CURRENCY, "amounts in several currencies"
             agg: AggregateRow = store.aggregate(tag, flt, path=path)
             return (
                 policy.aggregate_result(
@@ -230,6 +237,8 @@ async def aggregate(request: web.Request) -> web.Response:
         # One pass answers and checks: the overlap groups of the session's tags of this field (the new
         # tag last) carry their sums; the answer, the check and the record see the same items.
         with store.read_snapshot(), reads.history(cap.session_id, field) as history:
+            if mixed():  # before anything is recorded: a refused sum adds nothing to the history
+                return policy.AggregateResult(True, {}, 0, ""), MIXED_CURRENCY, "amounts in several currencies"
             full = history.full_for(tag, max_tags=62)
             if full is not None:
                 return policy.AggregateResult(True, {}, 0, ""), full.reason, full.detail
@@ -266,6 +275,15 @@ async def aggregate(request: web.Request) -> web.Response:
                 session_id=cap.session_id,
             ),
             res.detail,
+        )
+    if refused is MIXED_CURRENCY:
+        message = (
+            f"the items of tag {tag!r} hold {field} in more than one currency (their value's "
+            f"{CURRENCY_MEMBER!r} differs, or is missing on some): a {op} across currencies means nothing; "
+            "aggregate a tag whose items share one currency, or ask op=count"
+        )
+        return await call.refuse(
+            UompError(ErrorCode.AGGREGATE_MIXED_CURRENCY, message, session_id=cap.session_id), detail
         )
     if refused is not None:
         return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, refused, session_id=cap.session_id), detail)
