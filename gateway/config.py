@@ -149,6 +149,24 @@ class Paths:
         return self.home / ".trust.lock"
 
     @property
+    def master_slot(self) -> Path:
+        """The sealed master key that protects the private keys at rest (0600), see gateway/atrest/vault.py."""
+        return self.secrets / "master.json"
+
+    @property
+    def atrest_lock(self) -> Path:
+        return self.secrets / ".atrest.lock"
+
+    @property
+    def atrest_journal(self) -> Path:
+        """A committed seal / unseal, rolled forward by the next process that opens the home."""
+        return self.secrets / ".atrest-journal"
+
+    def atrest_stage(self, tag: str) -> Path:
+        """A seal / unseal being prepared (not committed: removed by the next process)."""
+        return self.secrets / f".atrest-stage-{tag}"
+
+    @property
     def revoked_keys(self) -> Path:
         """Signing keys the user revoked (never trusted again), see gateway/keys.py."""
         return self.secrets / "revoked-keys.json"
