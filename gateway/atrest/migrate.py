@@ -253,11 +253,12 @@ def _keyring_store(master: MasterKey) -> None:
         raise UompError(
             ErrorCode.CONFIG_ERROR, "the keyring package is not installed; pip install 'uomp-gateway[keychain]'"
         ) from None
-    backend = kr.get_keyring()
-    if type(backend).__module__.startswith("keyring.backends.fail") or getattr(backend, "priority", 1) <= 0:
+    name = keyring_backend_name()
+    if name is None:
         raise UompError(
             ErrorCode.CONFIG_ERROR,
-            f"no usable OS keychain here (keyring backend {type(backend).__name__}); seal with a passphrase instead",
+            "no OS keychain here (keyring finds only backends that keep secrets in plain files, or none); "
+            "seal with a passphrase instead, or name a backend you trust in PYTHON_KEYRING_BACKEND",
         )
     try:
         kr.set_password(sealing.KEYRING_SERVICE, master.home_id, master.key.hex())
@@ -267,3 +268,24 @@ def _keyring_store(master: MasterKey) -> None:
         raise UompError(
             ErrorCode.CONFIG_ERROR, f"the OS keychain refused the key ({type(exc).__name__}); seal with a passphrase"
         ) from None
+
+
+# keyring backends that keep nothing (fail, null) or keep secrets in a file of their own
+# (keyrings.alt): never chosen by default; a user who wants one names it in PYTHON_KEYRING_BACKEND.
+_NOT_A_KEYCHAIN = ("keyring.backends.fail", "keyring.backends.null", "keyrings.alt")
+
+
+def keyring_backend_name() -> str | None:
+    """The keychain ``keyring`` would write to (``module.Class``); None when, without
+    ``PYTHON_KEYRING_BACKEND``, any backend it would try is not a keychain (or there is none)."""
+    import keyring as kr
+
+    backend = kr.get_keyring()
+    members = list(getattr(backend, "backends", [backend]))
+    if not members:
+        return None
+    if not os.environ.get("PYTHON_KEYRING_BACKEND") and any(
+        type(b).__module__.startswith(_NOT_A_KEYCHAIN) for b in members
+    ):
+        return None
+    return f"{type(members[0]).__module__}.{type(members[0]).__name__}"

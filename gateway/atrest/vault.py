@@ -191,7 +191,6 @@ def _from_handover(paths: Paths, slot: dict[str, object]) -> MasterKey | None:
 def _from_keyring(slot: dict[str, object]) -> MasterKey:
     try:
         import keyring  # optional: pip install 'uomp-gateway[keychain]'
-        from keyring.errors import KeyringError
     except ImportError:
         raise UompError(
             ErrorCode.SECRETS_LOCKED,
@@ -200,9 +199,10 @@ def _from_keyring(slot: dict[str, object]) -> MasterKey:
         ) from None
     try:
         value = keyring.get_password(str(slot["service"]), str(slot["id"]))
-    except KeyringError as exc:
+    except Exception as exc:  # a backend's own failure (locked, unreachable, a damaged store file)
         raise UompError(
-            ErrorCode.SECRETS_LOCKED, f"the OS keychain did not answer ({type(exc).__name__}); unlock it and retry"
+            ErrorCode.SECRETS_LOCKED,
+            f"the OS keychain did not give the key ({type(exc).__name__}); unlock it (or repair it) and retry",
         ) from None
     if value is None:
         raise UompError(

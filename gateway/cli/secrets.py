@@ -52,7 +52,7 @@ def _seal(args: argparse.Namespace) -> int:
     _refuse_running(paths)
     if args.keyring:
         master = migrate.seal(paths, keyring=True)
-        how = "the OS keychain"
+        how = f"the OS keychain ({migrate.keyring_backend_name()})"
     else:
         master = migrate.seal(paths, passphrase=_new_passphrase(args))
         how = "your passphrase (Argon2id)"
