@@ -63,6 +63,11 @@ class Paths:
         return self.home / "memory.db"
 
     @property
+    def memory_db_convert(self) -> Path:
+        """memory.db being encrypted or decrypted (gateway/atrest/memdb.py), renamed over it when done."""
+        return self.home / "memory.db.convert"
+
+    @property
     def auth_db(self) -> Path:
         return self.home / "auth.db"
 

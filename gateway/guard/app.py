@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway import contract, jsonio, openapi
 from gateway import keys as keyfiles
+from gateway.atrest import memdb
 from gateway.config import GuardConfig, Paths
 from gateway.contract import (
     AGENT_HEADER,
@@ -104,7 +105,7 @@ class GuardServices:
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
         audit = open_audit(paths, cfg, strict=False)  # a refused log: served as refusals (errors_middleware)
         auth = AuthService(paths, cfg, audit)
-        store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds)
+        store = MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds, key=memdb.key_for(paths))
         # a read that is the guard's only one has its event written by this worker (get_key)
         worker = DbWorker(
             "auth",

@@ -16,7 +16,7 @@ import pytest
 from test_sealed_cli import REPO, UOMP, env, pp_file, uomp
 from test_sealed_keys import PASSPHRASE, scan, secret_markers
 
-from gateway.atrest import vault
+from gateway.atrest import memdb, vault
 from gateway.client import UompClient
 from gateway.config import Paths
 
@@ -60,7 +60,15 @@ async def test_the_appliance_runs_on_a_sealed_home_and_no_secret_leaks(tmp_path:
     assert run("init").returncode == 0
     assert (
         run(
-            "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low"
+            "memory",
+            "add",
+            "preference.theme",
+            "--value",
+            '"dark-marker-7f3a"',
+            "--tag",
+            "preference",
+            "--sensitivity",
+            "low",
         ).returncode
         == 0
     )
@@ -114,7 +122,7 @@ async def test_the_appliance_runs_on_a_sealed_home_and_no_secret_leaks(tmp_path:
         assert auth.returncode == 0, auth.stderr
         async with UompClient.from_bundle(str(tmp_path / "agent" / "bundle.json")) as client:
             item = await client.get("preference.theme")
-        assert item["value"] == "dark"
+        assert item["value"] == "dark-marker-7f3a"
         busy = run("secrets", "unseal")
         assert busy.returncode == 1 and "error ALREADY_RUNNING" in busy.stderr, busy.stderr
         assert paths.master_slot.exists()
@@ -137,5 +145,11 @@ async def test_the_appliance_runs_on_a_sealed_home_and_no_secret_leaks(tmp_path:
     text = "".join(log) + "".join(outputs)
     assert not [m for m in markers if m.decode("latin-1") in text], "a secret in the output"
     assert scan(home, markers) == []
+    # the memory store is SQLCipher: the value is in none of memory.db, -wal, -shm
+    assert not memdb.is_plaintext(paths.memory_db)
+    for suffix in ("", "-wal", "-shm"):
+        db = Path(str(paths.memory_db) + suffix)
+        assert not db.exists() or b"dark-marker-7f3a" not in db.read_bytes(), db
+    assert b"dark-marker-7f3a" not in (home / "audit.db").read_bytes()  # the log records keys, never values
     # the agent's own files hold the agent's key, never one of the home's
     assert scan(tmp_path / "agent", markers) == []

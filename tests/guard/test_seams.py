@@ -26,6 +26,8 @@ TS = "2026-07-12T10:00:00Z"
 
 MEMORY_STORES: dict[str, Callable[[Path], MemoryStorage]] = {
     "sqlite": lambda d: MemoryStore(d / "memory.db"),
+    # a sealed home's store: SQLCipher under a 256-bit key (gateway/atrest/memdb.py)
+    "sqlcipher": lambda d: MemoryStore(d / "memory.db", key=hashlib.sha256(b"seam test key").digest()),
 }
 PAYLOAD_STORES: dict[str, Callable[[Path, Limits], PayloadStorage]] = {
     "files+sqlite": lambda d, limits: PayloadStore.open(d / "payloads", limits=limits),
@@ -212,8 +214,9 @@ def test_memory_read_snapshot_sees_one_state(mem: MemoryStorage) -> None:
 
 
 def test_memory_closed_store_refuses(tmp_path: Path) -> None:
-    for factory in MEMORY_STORES.values():
-        store = factory(tmp_path)
+    for name, factory in MEMORY_STORES.items():
+        (tmp_path / name).mkdir()
+        store = factory(tmp_path / name)
         store.put(item("a"))
         store.close()
         with pytest.raises(UompError) as e:
