@@ -159,6 +159,11 @@ class Paths:
         return self.secrets / "master.json"
 
     @property
+    def backup_stage(self) -> Path:
+        """Database snapshots of a backup being written (gateway/atrest/backup.py), removed when done."""
+        return self.home / ".backup-stage"
+
+    @property
     def atrest_lock(self) -> Path:
         return self.secrets / ".atrest.lock"
 

@@ -42,6 +42,7 @@ COMMAND_MODULES = (
     "gateway.cli.conformance",
     "gateway.cli.dashboard",
     "gateway.cli.secrets",
+    "gateway.cli.backup",
 )
 
 
