@@ -52,6 +52,7 @@ CHUNK = 64 * 1024
 MAX_HEADER = 4096
 MANIFEST = "MANIFEST.json"
 MAX_MEMBERS = 100_000
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 SKIP_SUFFIXES = ("-wal", "-shm", "-journal", ".lock", ".tmp")
 SKIP_NAMES = {".lock", ".atrest.lock", "appliance.json", "status.json"}
 
@@ -217,11 +218,8 @@ def create(paths: Paths, out: Path, passphrase: bytes, *, kdf: dict[str, Any] | 
                     if p.suffix == ".db":
                         src = paths.backup_stage / f"{len(manifest['files'])}.db"
                         _snapshot(paths, p, src)
-                    data = src.read_bytes()
-                    _add(tar, rel, data)
-                    manifest["files"].append(
-                        {"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                    )
+                    size, digest = _add_file(tar, rel, src)
+                    manifest["files"].append({"path": rel, "size": size, "sha256": digest})
                     if src != p:
                         src.unlink()
                 manifest["sealed"] = paths.master_slot.exists()
@@ -236,6 +234,34 @@ def create(paths: Paths, out: Path, passphrase: bytes, *, kdf: dict[str, Any] | 
             os.unlink(tmp)
         shutil.rmtree(paths.backup_stage, ignore_errors=True)
     return manifest
+
+
+class _Hashing(io.RawIOBase):
+    """Reads a file for the tar stream and hashes what it gave."""
+
+    def __init__(self, fh: IO[bytes], size: int) -> None:
+        self.fh, self.h, self.left = fh, hashlib.sha256(), size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.fh.read(min(len(b), self.left))  # never past the size in the member's header
+        self.left -= len(data)
+        b[: len(data)] = data
+        self.h.update(data)
+        return len(data)
+
+
+def _add_file(tar: tarfile.TarFile, name: str, path: Path) -> tuple[int, str]:
+    """One member from ``path`` streamed (bounded memory); its size and SHA-256 as written."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size  # a file that grows meanwhile is cut at this size
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = size, 0o600, int(time.time())
+        src = _Hashing(fh, size)
+        tar.addfile(info, io.BufferedReader(src, CHUNK))
+        return size, src.h.hexdigest()
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -283,19 +309,25 @@ def restore(src: Path, home: Path, passphrase: bytes, *, force: bool = False) ->
                     raise _invalid(f"unexpected member {info.name[:80]!r}")
                 f = tar.extractfile(info)
                 assert f is not None
-                data = f.read()
                 if info.name == MANIFEST:
-                    manifest = json.loads(data)
+                    if info.size > MAX_MANIFEST_BYTES:
+                        raise _invalid("manifest too large")
+                    try:
+                        manifest = json.loads(f.read())
+                    except ValueError:
+                        raise _invalid("unreadable manifest") from None
                     continue
                 target = stage / info.name
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.write(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                got[info.name] = hashlib.sha256(data).hexdigest()
+                h = hashlib.sha256()
+                with open(target, "xb") as out:
+                    os.chmod(target, 0o600)
+                    while block := f.read(CHUNK):
+                        h.update(block)
+                        out.write(block)
+                    out.flush()
+                    os.fsync(out.fileno())
+                got[info.name] = h.hexdigest()
         if manifest is None:
             raise _invalid("no manifest")
         want = {e["path"]: e["sha256"] for e in manifest.get("files", [])}
