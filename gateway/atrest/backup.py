@@ -222,6 +222,7 @@ def create(paths: Paths, out: Path, passphrase: bytes, *, kdf: dict[str, Any] | 
                     manifest["files"].append({"path": rel, "size": size, "sha256": digest})
                     if src != p:
                         src.unlink()
+                        fault_point("atrest.backup_after_snapshot")
                 manifest["sealed"] = paths.master_slot.exists()
                 _add(tar, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             w.finish()

@@ -197,3 +197,31 @@ async def test_a_sealed_homes_backup_restores_sealed() -> None:
     with MemoryStore(restored.memory_db, key=memdb.key_for(restored), create=False) as s:
         assert s.get("note.secret").value == MARK  # type: ignore[union-attr]
     assert json.loads(restored.master_slot.read_bytes())["id"] == json.loads(paths.master_slot.read_bytes())["id"]
+
+
+async def test_a_backup_killed_midway_leaves_no_backup_and_the_next_one_works(tmp_path: Path) -> None:
+    paths = make_home()
+    seed(paths)
+    pp = pp_file(tmp_path, BACKUP_PASS.decode())
+    out = tmp_path / "b.uompbak"
+    arm = tmp_path / "arm"
+    arm.touch()
+    res = uomp(
+        paths.home,
+        "backup",
+        "create",
+        str(out),
+        "--passphrase-file",
+        str(pp),
+        e=env(UOMP_FAULT="atrest.backup_after_snapshot", UOMP_FAULT_ARM=str(arm)),
+    )
+    assert res.returncode == -9, res.stderr
+    assert not out.exists()  # only a whole backup ever has the name asked for
+    ok = uomp(paths.home, "backup", "create", str(out), "--passphrase-file", str(pp))
+    assert ok.returncode == 0, ok.stderr
+    assert not paths.backup_stage.exists()
+    again = uomp(paths.home, "backup", "create", str(out), "--passphrase-file", str(pp))
+    assert again.returncode == 1 and "error IO_ERROR" in again.stderr  # never overwrites a backup
+    target = new_home()
+    backup.restore(out, target, BACKUP_PASS)
+    assert loaded(Paths(target)) == loaded(paths)
