@@ -1,8 +1,9 @@
 """The read-path cost of the encrypted memory store (SQLCipher, gateway/atrest/memdb.py) beside
 the plain one, same items, same run: ``get_if`` by random key (what every GET /v1/memory/{key}
 does in the guard), a tag page of 100, a sum aggregate over every item of a tag. Rounds alternate
-plain / encrypted so drift on a shared machine falls on both. Prints ops/s and the ratio
-encrypted / plain; asserts nothing.
+plain / encrypted so drift on a shared machine falls on both. A third store runs SQLCipher's
+engine without a key, so the cost of the encryption itself shows apart from the engine's version.
+Prints ops/s and the ratios; asserts nothing.
 
     .venv/bin/python benchmarks/bench_atrest_reads.py [--items 20000] [--seconds 2] [--rounds 3]
 """
@@ -12,14 +13,27 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sqlite3
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gateway.atrest import memdb
 from gateway.guard.store import MemoryItem, MemoryStore, ReadFilter
 
 TS = "2026-01-01T00:00:00Z"
+
+
+class SameEngine(MemoryStore):
+    """SQLCipher's own SQLite without a key: separates the cost of encryption from the engine's
+    version (sqlcipher3 bundles a newer SQLite than the standard library's)."""
+
+    def _connect(self, uri: str) -> sqlite3.Connection:
+        conn: sqlite3.Connection = memdb.cipher.connect(
+            uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False
+        )
+        return conn
 
 
 def fill(store: MemoryStore, n: int) -> None:
@@ -49,7 +63,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="uomp-bench-atrest-"))
-    stores = {"plain": MemoryStore(d / "plain.db"), "encrypted": MemoryStore(d / "enc.db", key=os.urandom(32))}
+    stores = {
+        "plain": MemoryStore(d / "plain.db"),
+        "sqlcipher-nokey": SameEngine(d / "same.db"),
+        "encrypted": MemoryStore(d / "enc.db", key=os.urandom(32)),
+    }
     for s in stores.values():
         fill(s, a.items)
     rng = random.Random(7)
@@ -71,10 +89,14 @@ def main() -> None:
                 fn()  # warm the page cache
                 results.setdefault(op, {}).setdefault(name, []).append(rate(fn, a.seconds))
     print(f"items={a.items} rounds={a.rounds} seconds/op/round={a.seconds}")
+    print("ratio: encrypted / plain (stdlib SQLite); encryption alone: encrypted / SQLCipher's engine without a key")
     for op, by in results.items():
-        plain = sorted(by["plain"])[len(by["plain"]) // 2]
-        enc = sorted(by["encrypted"])[len(by["encrypted"]) // 2]
-        print(f"{op:<24} plain {plain:>10.0f}/s  encrypted {enc:>10.0f}/s  ratio {enc / plain:.2f}")
+        med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+        plain, same, enc = med["plain"], med["sqlcipher-nokey"], med["encrypted"]
+        print(
+            f"{op:<24} plain {plain:>8.0f}/s  engine-only {same:>8.0f}/s  encrypted {enc:>8.0f}/s  "
+            f"ratio {enc / plain:.2f}  encryption alone {enc / same:.2f}"
+        )
     for s in stores.values():
         s.close()
 
