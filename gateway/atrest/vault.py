@@ -361,6 +361,12 @@ def ssl_key_file(path: Path) -> Iterator[tuple[str, bytes | None]]:
     password = secrets.token_bytes(32)
     enc = serialization.BestAvailableEncryption(password)
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc)
+    if not hasattr(os, "memfd_create"):
+        raise UompError(
+            ErrorCode.CONFIG_ERROR,
+            "a sealed gateway TLS key is opened in an anonymous memory file, which this system lacks (Linux only); "
+            "'uomp secrets unseal' to run here",
+        )
     fd = os.memfd_create("uomp-tls-key", os.MFD_CLOEXEC)
     try:
         os.write(fd, pem)
