@@ -43,6 +43,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from gateway.atrest import vault
 from gateway.ca_registry import (
     Entry,
     Registry,
@@ -106,7 +107,12 @@ def _read(path: Path, code: ErrorCode, what: str) -> bytes:
 
 
 def load_key_file(path: Path, what: str) -> ca.CAPrivateKey:
-    data = _read(path, ErrorCode.KEY_ERROR, what)
+    try:
+        data = vault.read_key(path)  # sealed in a sealed home (gateway/atrest/vault.py)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise UompError(ErrorCode.KEY_ERROR, f"cannot read {what} {path}: {exc.strerror}") from exc
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
         raise UompError(ErrorCode.KEY_ERROR, f"{path} is readable by others (mode {mode:o}); chmod 600 it")
@@ -248,7 +254,7 @@ def _ensure_server_cert(
         server_key = load_key_file(kp, "gateway key")
     else:
         server_key = ca.new_key("p256")
-        atomic_write(kp, ca.key_pem(server_key), mode=0o600)
+        vault.write_key(kp, ca.key_pem(server_key))
     server_cert = ca.issue_server_cert(key, cert, server_key.public_key(), names, now=now)
     atomic_write(cp, ca.cert_pem(server_cert), mode=0o644)
     return True
@@ -284,7 +290,7 @@ def init_all(
             # re-makes; never a CA without its registry, which only a deletion makes.
             with registry(paths, write=True, create=True):
                 pass
-            atomic_write(kp, ca.key_pem(key), mode=0o600)
+            vault.write_key(kp, ca.key_pem(key))
             atomic_write(cp, ca.cert_pem(cert), mode=0o644)
             created = True
         server = _ensure_server_cert(paths, key, cert, hostnames, now)

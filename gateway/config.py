@@ -84,6 +84,11 @@ class Paths:
         return self.home / "memory.db"
 
     @property
+    def memory_db_convert(self) -> Path:
+        """memory.db being encrypted or decrypted (gateway/atrest/memdb.py), renamed over it when done."""
+        return self.home / "memory.db.convert"
+
+    @property
     def auth_db(self) -> Path:
         return self.home / "auth.db"
 
@@ -173,6 +178,29 @@ class Paths:
     @property
     def trust_lock(self) -> Path:
         return self.home / ".trust.lock"
+
+    @property
+    def master_slot(self) -> Path:
+        """The sealed master key that protects the private keys at rest (0600), see gateway/atrest/vault.py."""
+        return self.secrets / "master.json"
+
+    @property
+    def backup_stage(self) -> Path:
+        """Database snapshots of a backup being written (gateway/atrest/backup.py), removed when done."""
+        return self.home / ".backup-stage"
+
+    @property
+    def atrest_lock(self) -> Path:
+        return self.secrets / ".atrest.lock"
+
+    @property
+    def atrest_journal(self) -> Path:
+        """A committed seal / unseal, rolled forward by the next process that opens the home."""
+        return self.secrets / ".atrest-journal"
+
+    def atrest_stage(self, tag: str) -> Path:
+        """A seal / unseal being prepared (not committed: removed by the next process)."""
+        return self.secrets / f".atrest-stage-{tag}"
 
     @property
     def revoked_keys(self) -> Path:

@@ -46,6 +46,10 @@ class ErrorCode(StrEnum):
     UPSTREAM_TIMEOUT = "UPSTREAM_TIMEOUT"
     CONFIG_ERROR = "CONFIG_ERROR"
     KEY_ERROR = "KEY_ERROR"  # a key file is missing, unreadable or malformed
+    SECRETS_LOCKED = "SECRETS_LOCKED"  # the keys are sealed and no passphrase (or keychain) unlocked them
+    PASSPHRASE_WRONG = "PASSPHRASE_WRONG"  # the passphrase does not open this home's sealed master key
+    BACKUP_INVALID = "BACKUP_INVALID"  # a backup file that is damaged, truncated or not a UOMP backup
+    HOME_NOT_EMPTY = "HOME_NOT_EMPTY"  # a restore onto a data directory that already holds files
     IMPORT_INVALID = "IMPORT_INVALID"
     MANIFEST_INVALID = "MANIFEST_INVALID"
     CA_ERROR = "CA_ERROR"
@@ -111,6 +115,10 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UPSTREAM_TIMEOUT: 504,
     ErrorCode.CONFIG_ERROR: 500,
     ErrorCode.KEY_ERROR: 500,
+    ErrorCode.SECRETS_LOCKED: 503,
+    ErrorCode.PASSPHRASE_WRONG: 401,
+    ErrorCode.BACKUP_INVALID: 400,
+    ErrorCode.HOME_NOT_EMPTY: 409,
     ErrorCode.IMPORT_INVALID: 400,
     ErrorCode.MANIFEST_INVALID: 400,
     ErrorCode.CA_ERROR: 400,

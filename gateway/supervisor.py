@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gateway.atrest import vault
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.netutil import remove_dead_socket
@@ -230,13 +231,18 @@ class GuardProcess:
         loop = asyncio.get_running_loop()
         self._tail.clear()
         self._held = []
-        self.proc = proc = await asyncio.create_subprocess_exec(
-            *self.command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self.env,
-        )
+        handover = vault.child_handover(self.paths)  # a sealed home's master key, on a pipe
+        try:
+            self.proc = proc = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**self.env, **handover.env},
+                pass_fds=handover.fds,
+            )
+        finally:
+            handover.close()
         assert proc.stdout is not None
         self._relay = loop.create_task(self._pump(proc.stdout))
         self._started_at = loop.time()

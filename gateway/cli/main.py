@@ -10,16 +10,18 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import getpass
 import importlib
 import logging
 import os
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, NoReturn
 
 from gateway import __version__
+from gateway.atrest import vault
 from gateway.config import Paths, resolve_home
 from gateway.errors import ErrorCode, UompError
 from gateway.keys import check_home
@@ -40,6 +42,8 @@ COMMAND_MODULES = (
     "gateway.cli.conformance",
     "gateway.cli.dashboard",
     "gateway.cli.mcp",
+    "gateway.cli.secrets",
+    "gateway.cli.backup",
 )
 
 
@@ -52,6 +56,12 @@ def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
     ``gateway start``) or report on one (``status``, ``doctor``, ``gateway stop``) pass False."""
     paths = Paths(resolve_home(getattr(args, "home", None)))
     check_home(paths)
+    # A sealed home (gateway/atrest/): a service unlocks it now, before it starts anything; a one-shot
+    # command asks for the passphrase only if it reads a key.
+    prompt = _passphrase_prompt(paths)
+    vault.set_prompt(prompt)
+    if getattr(args, "service", False):
+        vault.open_home(paths, prompt=prompt)
     if needs_init and not paths.private_jwk.exists():
         where = f"{paths.home} has not been set up" if paths.home.exists() else f"{paths.home} does not exist"
         raise UompError(
@@ -59,6 +69,18 @@ def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
             f"data directory {where}; run 'uomp init' first (or pass --home / set UOMP_HOME to the one you use)",
         )
     return paths
+
+
+def _passphrase_prompt(paths: Paths) -> Callable[[], str] | None:
+    """Ask in the terminal (no echo) when there is one; None otherwise (then the passphrase must
+    come from UOMP_PASSPHRASE_FILE, a systemd credential or the keychain)."""
+    if not sys.stdin.isatty():
+        return None
+
+    def ask() -> str:
+        return getpass.getpass(f"passphrase for the keys of {paths.home}: ")
+
+    return ask
 
 
 _INVALID_CHOICE = re.compile(r"argument (?P<arg>.+?): invalid choice: '(?P<value>.*)' \(choose from (?P<choices>.*)\)$")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from gateway.atrest import memdb
 from gateway.cli import home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
@@ -26,13 +27,14 @@ LIST_DEFAULT_LIMIT = 100
 
 
 def _open_store(args: argparse.Namespace) -> MemoryStore:
-    return MemoryStore(paths_from(args).memory_db, create=True)
+    paths = paths_from(args)
+    return MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths))  # encrypted in a sealed home
 
 
 def _init_store(paths: Paths) -> dict[str, bool]:
     """``uomp init`` step: create the (empty) Memory Store if it is not there yet."""
     existed = paths.memory_db.exists()
-    MemoryStore(paths.memory_db, create=True).close()
+    MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths)).close()
     return {"memory store": not existed}
 
 

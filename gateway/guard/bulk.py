@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
 
+from gateway.atrest import memdb
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.items import MemoryItem, Row, row_of
 
@@ -39,9 +40,12 @@ _SQL_UPSERT = (
 )
 
 
-def _integrity(exc: sqlite3.IntegrityError) -> UompError | None:
+def _integrity(exc: Exception) -> UompError | None:
     """The INVALID_REQUEST for an insert over an existing key; None for any other constraint."""
     name = str(getattr(exc, "sqlite_errorname", ""))
+    # SQLCipher's driver reports the primary result code only; its message names the constraint
+    if name == "SQLITE_CONSTRAINT" and str(exc).startswith("UNIQUE constraint failed"):
+        name = "SQLITE_CONSTRAINT_UNIQUE"
     if name in ("SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"):
         return UompError(ErrorCode.INVALID_REQUEST, "an item with this key already exists (replace it explicitly)")
     return None
@@ -114,7 +118,7 @@ class BulkWriter:
     def _rollback(self) -> None:
         self._state = "rolled_back"
         self._drop_buffer()
-        with contextlib.suppress(sqlite3.Error):
+        with contextlib.suppress(*memdb.ERRORS):
             self._handle.conn.execute("ROLLBACK")
 
     def _drop_buffer(self) -> None:
@@ -164,7 +168,7 @@ class BulkWriter:
                 else:
                     try:
                         conn.executemany(_SQL_INSERT, rows)
-                    except sqlite3.IntegrityError as exc:
+                    except memdb.INTEGRITY as exc:
                         refusal = _integrity(exc)
                         if refusal is not None:
                             raise refusal from exc

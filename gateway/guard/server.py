@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from gateway.atrest import vault
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.app import create_app
@@ -174,15 +175,21 @@ class GuardRunner:
         assert svc is not None
         started = time.monotonic()
         # the child lowers its own priority (no preexec_fn: this process has threads)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            VERIFY_CHILD,
-            str(self.paths.home),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
+        handover = vault.child_handover(self.paths)  # a sealed home: the audit key opens in the child too
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                VERIFY_CHILD,
+                str(self.paths.home),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **handover.env},
+                pass_fds=handover.fds,
+            )
+        finally:
+            handover.close()
         try:
             out, _ = await proc.communicate()
         except asyncio.CancelledError:

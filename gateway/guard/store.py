@@ -66,6 +66,7 @@ from types import TracebackType
 from typing import Any
 
 from gateway import jsonio
+from gateway.atrest import memdb
 from gateway.db import trim_wal
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.bulk import BULK_CHUNK, BulkHandle, BulkWriter
@@ -73,6 +74,12 @@ from gateway.guard.items import MemoryItem
 from gateway.guard.storage import AggregateRow, Atom, ItemMeta, MemoryStorage, ReadFilter, currency_path
 
 log = logging.getLogger(__name__)
+
+# Either driver's exceptions: the store is the standard library's SQLite or SQLCipher (``key``).
+_DB_ERRORS = memdb.ERRORS
+_DB_OPERATIONAL = memdb.OPERATIONAL
+_DB_PROGRAMMING = memdb.PROGRAMMING
+_DB_OR_OS_ERRORS: tuple[type[Exception], ...] = (*memdb.ERRORS, OSError)
 
 SCHEMA_VERSION = 2
 
@@ -179,7 +186,7 @@ def _item_of(row: tuple[Any, ...]) -> MemoryItem:
 
 
 def _unavailable(exc: BaseException) -> UompError:
-    if isinstance(exc, sqlite3.ProgrammingError):
+    if isinstance(exc, _DB_PROGRAMMING):
         return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store is closed", details={"reason": "CLOSED"})
     if isinstance(exc, OSError):
         return UompError(
@@ -224,8 +231,18 @@ def _meta_of(row: Any) -> ItemMeta | None:
 class MemoryStore(MemoryStorage):
     """The Memory Store (see the module docstring). Every method may raise STORE_UNAVAILABLE."""
 
-    def __init__(self, path: Path, *, create: bool = True, busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        create: bool = True,
+        busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS,
+        key: bytes | None = None,
+    ) -> None:
+        """``key``: the file is a SQLCipher database under this 256-bit key (a sealed home's store,
+        :func:`gateway.atrest.memdb.key_for`); None: a plain SQLite file."""
         self.path = Path(path)
+        self._key = key
         self._lock = threading.RLock()
         self._closed = False
         self.value_loads = 0  # calls that read an item's value by key (see get_meta)
@@ -242,7 +259,7 @@ class MemoryStore(MemoryStorage):
                 self._create_file()
             # mode=rw: SQLite never creates the file itself (that is done above, 0600).
             uri = self.path.resolve().as_uri() + "?mode=rw"
-            conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
+            conn = self._connect(uri)
             self._conn = conn
             self._bulk = BulkHandle(conn, self._lock, self._guard)
             self._setup(busy_timeout, create=create)
@@ -250,13 +267,29 @@ class MemoryStore(MemoryStorage):
             if conn is not None:
                 conn.close()
             raise
-        except (sqlite3.Error, OSError) as exc:
+        except _DB_OR_OS_ERRORS as exc:
             if conn is not None:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     conn.close()
             raise _unavailable(exc) from exc
 
     # ----------------------------------------------------------------- opening
+
+    def _connect(self, uri: str) -> sqlite3.Connection:
+        """A connection to the file: SQLCipher under the store's key when it has one (a sealed home,
+        gateway/atrest/memdb.py), else the standard library's SQLite."""
+        kwargs: dict[str, Any] = {
+            "uri": True,
+            "timeout": self._busy_timeout,
+            "isolation_level": None,
+            "check_same_thread": False,
+        }
+        conn: sqlite3.Connection
+        if self._key is None:
+            conn = sqlite3.connect(uri, **kwargs)
+        else:
+            conn = memdb.connect(uri, self._key, **kwargs)
+        return conn
 
     def _create_file(self) -> None:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -308,7 +341,7 @@ class MemoryStore(MemoryStorage):
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*_DB_ERRORS):
                 conn.execute("ROLLBACK")
             raise
 
@@ -346,7 +379,7 @@ class MemoryStore(MemoryStorage):
                 if self._closed:
                     raise sqlite3.ProgrammingError("closed")
                 yield self._conn
-            except (sqlite3.Error, OSError) as exc:
+            except _DB_OR_OS_ERRORS as exc:
                 raise _unavailable(exc) from exc
 
     @contextlib.contextmanager
@@ -360,15 +393,13 @@ class MemoryStore(MemoryStorage):
                     raise sqlite3.ProgrammingError("closed")
                 if self._scanner is None:
                     uri = self.path.resolve().as_uri() + "?mode=rw"
-                    conn = sqlite3.connect(
-                        uri, uri=True, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
-                    )
+                    conn = self._connect(uri)
                     conn.execute(f"PRAGMA busy_timeout = {max(0, int(self._busy_timeout * 1000))}")
                     conn.execute("PRAGMA query_only = ON")
                     conn.execute("PRAGMA trusted_schema = OFF")
                     self._scanner = conn
                 yield self._scanner
-            except (sqlite3.Error, OSError) as exc:
+            except _DB_OR_OS_ERRORS as exc:
                 raise _unavailable(exc) from exc
 
     @contextlib.contextmanager
@@ -382,7 +413,7 @@ class MemoryStore(MemoryStorage):
                 yield conn
                 conn.execute("COMMIT")
             except BaseException:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     conn.execute("ROLLBACK")
                 raise
 
@@ -410,7 +441,7 @@ class MemoryStore(MemoryStorage):
             try:
                 yield
             finally:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     conn.execute("COMMIT")
 
     def get_meta(self, key: str) -> ItemMeta | None:
@@ -435,7 +466,7 @@ class MemoryStore(MemoryStorage):
                 row = conn.execute(_SQL_GET, (key,)).fetchone()
             finally:
                 if own:
-                    with contextlib.suppress(sqlite3.Error):
+                    with contextlib.suppress(*_DB_ERRORS):
                         conn.execute("COMMIT")
         return meta, (_item_of(row) if row is not None else None)
 
@@ -483,7 +514,7 @@ class MemoryStore(MemoryStorage):
         with self._scan() as conn:
             try:
                 row = conn.execute("SELECT count(*), sum(x), min(x), max(x) " + body, params).fetchone()
-            except sqlite3.OperationalError as exc:
+            except _DB_OPERATIONAL as exc:
                 if "overflow" not in str(exc).lower():
                     raise
                 row = conn.execute("SELECT count(*), total(x), min(x), max(x) " + body, params).fetchone()
@@ -517,7 +548,7 @@ class MemoryStore(MemoryStorage):
         with self._scan() as conn:
             try:
                 rows = conn.execute(sql.replace("@TOTAL@", "sum(json_extract(i.value, :path))"), params).fetchall()
-            except sqlite3.OperationalError as exc:
+            except _DB_OPERATIONAL as exc:
                 if "overflow" not in str(exc).lower():
                     raise
                 rows = conn.execute(sql.replace("@TOTAL@", "total(json_extract(i.value, :path))"), params).fetchall()
@@ -595,11 +626,11 @@ class MemoryStore(MemoryStorage):
             if self._closed:
                 return
             self._closed = True
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*_DB_ERRORS):
                 self._conn.close()
         with self._scan_lock:
             if self._scanner is not None:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     self._scanner.close()
                 self._scanner = None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.atrest import memdb
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.storage import MemoryStorage
@@ -17,7 +18,10 @@ MemoryStoreFactory = Callable[[Paths, GuardConfig], MemoryStorage]
 
 # name (the value of ``[guard] store``) -> how to open that store under $UOMP_HOME
 MEMORY_STORES: dict[str, MemoryStoreFactory] = {
-    "sqlite": lambda paths, cfg: MemoryStore(paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds),
+    # SQLite; a SQLCipher file in a sealed home (gateway/atrest/memdb.py)
+    "sqlite": lambda paths, cfg: MemoryStore(
+        paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds, key=memdb.key_for(paths)
+    ),
 }
 
 

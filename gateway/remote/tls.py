@@ -48,6 +48,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from gateway.atrest import vault
 from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
@@ -81,7 +82,8 @@ def build_server_context(
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     # Our certificate (issued by the user CA, EKU serverAuth) and its key.
-    ctx.load_cert_chain(certfile=os.fspath(cert_file), keyfile=os.fspath(key_file))
+    with vault.ssl_key_file(Path(os.fspath(key_file))) as (keyfile, password):  # sealed: opened in memory only
+        ctx.load_cert_chain(certfile=os.fspath(cert_file), keyfile=keyfile, password=password)
     # Trust anchors for CLIENT certificates: the user's agent CA and nothing else. A server context
     # starts with an empty store; we never call load_default_certs(), so a certificate from any
     # public CA is "unable to get local issuer certificate".

@@ -39,9 +39,15 @@ def item(key: str, value: Any = "v", tags: tuple[str, ...] = ("t",), sensitivity
     return MemoryItem(key, value, tags, sensitivity, "user", TS, TS)
 
 
-@pytest.fixture(params=sorted(MEMORY_STORES))
+SEALED = "sqlite, sealed home (SQLCipher)"  # the production store as a sealed home opens it (gateway/atrest/memdb.py)
+
+
+@pytest.fixture(params=[*sorted(MEMORY_STORES), SEALED])
 def mem(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MemoryStorage]:
-    store = open_memory_store(Paths(tmp_path), GuardConfig(store=request.param))
+    if request.param == SEALED:
+        store: MemoryStorage = MemoryStore(Paths(tmp_path).memory_db, key=hashlib.sha256(b"seam test key").digest())
+    else:
+        store = open_memory_store(Paths(tmp_path), GuardConfig(store=request.param))
     yield store
     store.close()
 
