@@ -218,6 +218,19 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
 
 
+def _show_listing(path: Path, raw: bytes) -> None:
+    """Where ``uomp registry install`` got this manifest from (nothing when it did not install it)."""
+    from gateway.registry.ops import provenance
+
+    found = provenance(path, raw)
+    if found is None:
+        return
+    for line in found.lines:
+        print(line)
+    for text in found.warnings:
+        _warn(text)
+
+
 def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace, cfg: GuardConfig) -> None:
     reads = args.max_reads if args.max_reads is not None else cfg.default_max_read_queries
     extras = [f"at most {reads} reads in the session (--max-reads)"]
@@ -337,6 +350,7 @@ def _authorize(args: argparse.Namespace) -> int:
     if args.remote:
         _check_gateway_url(args, paths)
     _show(m, ident, trusted)
+    _show_listing(path, raw)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)

@@ -95,18 +95,19 @@ def test_example_config_names_every_setting_with_its_default() -> None:
     import math
     import tomllib
 
-    from gateway.config import AnchorConfig, DashboardConfig, TunnelSettings
+    from gateway.config import AnchorConfig, DashboardConfig, RegistryConfig, TunnelSettings
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "config" / "uomp.example.toml").read_text(encoding="utf-8")
     doc = tomllib.loads(text)
-    assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard"}
+    assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard", "registry"}
     for section, cls in (
         ("guard", GuardConfig),
         ("gateway", GatewayConfig),
         ("tunnel", TunnelSettings),
         ("anchor", AnchorConfig),
         ("dashboard", DashboardConfig),
+        ("registry", RegistryConfig),
     ):
         defaults = cls()
         names = {f.name for f in dataclasses.fields(cls)}
