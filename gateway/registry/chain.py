@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.anchor.base import redact_url
-from gateway.anchor.encoding import keccak256
 from gateway.errors import ErrorCode, UompError
 
 MAX_RPC_ANSWER_BYTES = 16 * 1024 * 1024
@@ -33,17 +32,20 @@ _HEX = re.compile(r"0x[0-9a-fA-F]*")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{40}")
 
 
+# keccak-256 of the signatures, written out (tests/registry checks each against keccak and the ABI)
+SELECTORS = {
+    "supportsInterface(bytes4)": bytes.fromhex("01ffc9a7"),
+    "ownerOf(uint256)": bytes.fromhex("6352211e"),
+    "tokenURI(uint256)": bytes.fromhex("c87b56dd"),
+    "getMetadata(uint256,string)": bytes.fromhex("cb4799f2"),
+}
+REGISTERED = "0xca52e62c367d81bb2e328eb795f7c7ba24afb478408a26c0e201d155c449bc4a"  # Registered(uint256,string,address)
+URI_UPDATED = "0x3a2c7fffc2cba7582c690e3b82c453ea02a308326a98a3ad7576c606336409fb"  # URIUpdated(uint256,string,address)
+TRANSFER = "0xddf252ad1be2c89b69c2b068fc378daa952ba7f163c4a11628f55a4df523b3ef"  # Transfer(address,address,uint256)
+
+
 def selector(signature: str) -> bytes:
-    return keccak256(signature.encode())[:4]
-
-
-def topic(signature: str) -> str:
-    return "0x" + keccak256(signature.encode()).hex()
-
-
-REGISTERED = topic("Registered(uint256,string,address)")
-URI_UPDATED = topic("URIUpdated(uint256,string,address)")
-TRANSFER = topic("Transfer(address,address,uint256)")
+    return SELECTORS[signature]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from gateway.anchor.base import check_rpc_url, redact_url
-from gateway.anchor.encoding import keccak256
 from gateway.config import Paths, RegistryConfig
 from gateway.core import manifest as manifest_mod
 from gateway.errors import ErrorCode, UompError
@@ -182,7 +181,14 @@ def redact(rpc_url: str) -> str:
 
 
 def khex(data: bytes) -> str:
-    return "0x" + keccak256(data).hex()
+    """``0x`` + KECCAK-256 of ``data`` (ERC-8004's hash of off-chain files)."""
+    try:
+        from Crypto.Hash import keccak  # pycryptodome: the [registry] extra
+    except ImportError as exc:
+        raise UompError(
+            ErrorCode.CONFIG_ERROR, "keccak-256 needs pycryptodome: pip install 'uomp-gateway[registry]'"
+        ) from exc
+    return "0x" + keccak.new(data=data, digest_bits=256).hexdigest()
 
 
 # ------------------------------------------------------------------------------ search
