@@ -340,10 +340,10 @@ def test_add_refuses_wrong_chain_no_code_and_non_registry(
 class _Garbage(BaseHTTPRequestHandler):
     answers: list[bytes] = []
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", "0")))
         body = self.answers[0] if len(self.answers) == 1 else self.answers.pop(0)
         self.send_response(200)
