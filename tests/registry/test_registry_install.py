@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from anchorkit import ANVIL, ANVIL_MISSING, Anvil, free_port
@@ -338,7 +338,7 @@ def test_add_refuses_wrong_chain_no_code_and_non_registry(
 
 
 class _Garbage(BaseHTTPRequestHandler):
-    answers: list[bytes] = []
+    answers: ClassVar[list[bytes]] = []
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
