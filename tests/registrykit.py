@@ -156,7 +156,7 @@ class DocServer:
                         self.wfile.write(body)
                     elif how == "drip":
                         self.send_response(200)
-                        self.send_header("Content-Length", "1000000")
+                        self.send_header("Content-Length", "1000")
                         self.end_headers()
                         while not outer.stop_event.is_set():
                             self.wfile.write(b" ")
@@ -199,7 +199,7 @@ class DocServer:
             self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
         self.port = self.httpd.server_address[1]
         self.scheme = "http" if plain else "https"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
