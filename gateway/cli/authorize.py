@@ -50,6 +50,7 @@ from gateway.core.tokens import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.identity.verify import PublisherResult
 from gateway.ledger import auditkey
 from gateway.payloads import userkey
 
@@ -102,14 +103,21 @@ def _scope_line(name: str, scope: Scope) -> str:
 
 def _identity_state(ident: manifest.IdentityResult, trusted: trust.TrustList) -> trust.TrustEntry | None:
     """The trust entry that names this manifest's publisher: only for a verified signature by a key in the list."""
-    return trusted.find_did(ident.did) if ident.verified else None
+    if not ident.verified:
+        return None
+    if isinstance(ident, PublisherResult):
+        return ident.trust_entry or trusted.find_did(ident.did)
+    return trusted.find_did(ident.did)
 
 
 def _show_identity(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
     claim = m.agent.publisher
     entry = _identity_state(ident, trusted)
     if entry is not None:
-        print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        if ident.did:
+            print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        else:
+            print(f"Publisher: {entry.name} (verified, {ident.method}: {ident.reason})")
         if claim and claim != entry.name:
             print(f'           "{claim}" (the manifest\'s own claim)')
         return
@@ -216,6 +224,17 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
             _warn("the agent says it SHARES your data with third parties")
     if level == "no_guarantee":
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
+
+
+def _verify_publisher(m: manifest.Manifest, trusted: trust.TrustList, paths: Paths) -> PublisherResult:
+    """The publisher, checked by the method the manifest names (did:key, did:web, X.509, OpenPGP);
+    did:web documents are fetched under the [registry] fetch rules."""
+    from gateway.config import RegistryConfig, load_section
+    from gateway.identity.verify import verify_publisher
+    from gateway.registry.ops import policy
+
+    cfg = load_section(RegistryConfig, "registry", file=paths.config_file)
+    return verify_publisher(m.raw, trusted, policy(cfg))
 
 
 def _show_listing(path: Path, raw: bytes) -> None:
@@ -344,8 +363,8 @@ def _authorize(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
     m = manifest.parse_manifest(raw)
-    ident = manifest.verify_identity(m.raw)
     trusted = trust.load(paths)
+    ident = _verify_publisher(m, trusted, paths)
     cfg = guard_config(args, paths)
     if args.remote:
         _check_gateway_url(args, paths)

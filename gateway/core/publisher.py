@@ -81,6 +81,30 @@ def _signature_candidates(value: str) -> list[bytes]:
     return out
 
 
+def proof_verifies(manifest_raw: Mapping[str, Any], pub: ed25519.Ed25519PublicKey) -> bool:
+    """Whether ``identity.proof.proofValue`` is ``pub``'s Ed25519 signature over :func:`manifest_signing_input`
+    (the construction of the module docstring, whatever DID method named the key)."""
+    identity = manifest_raw.get("identity")
+    proof = identity.get("proof") if isinstance(identity, dict) else None
+    if not isinstance(proof, dict):
+        return False
+    member = _proof_value_member(proof)
+    value = proof.get(member) if member else None
+    if not isinstance(value, str) or len(value) > MAX_PROOF_VALUE:
+        return False
+    try:
+        signed = manifest_signing_input(manifest_raw)
+    except UompError:
+        return False
+    for sig in _signature_candidates(value):
+        try:
+            pub.verify(sig, signed)
+        except InvalidSignature:
+            continue
+        return True
+    return False
+
+
 def _unverified(method: str, did: str | None, reason: str) -> IdentityResult:
     return IdentityResult(verified=False, method=method, did=did, public_key=None, reason=reason)
 
