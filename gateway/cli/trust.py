@@ -43,6 +43,24 @@ def _add_ca(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_openpgp(args: argparse.Namespace) -> int:
+    from gateway.identity.openpgp import MAX_KEY_BYTES, is_revoked, key_entry
+
+    try:
+        with Path(args.file).open("rb") as fh:
+            armored = fh.read(MAX_KEY_BYTES + 1)
+    except OSError as exc:
+        raise UompError(
+            ErrorCode.IO_ERROR, f"cannot read {args.file}: {exc.strerror}; give the public key file"
+        ) from exc
+    entry, old = trust.add_entry(paths_from(args), key_entry(armored, args.name))
+    state = "already trusted" if old is entry else "trusted"
+    print(f"{state}: the OpenPGP key {entry.id} as {entry.name!r}")
+    if is_revoked(entry):
+        print("!! this key is REVOKED: manifests it signed no longer verify")
+    return 0
+
+
 def _rm(args: argparse.Namespace) -> int:
     gone = trust.remove(paths_from(args), args.did)
     print(f"no longer trusted: {gone.id} ({gone.name!r}); manifests it signs show as signed by an untrusted key")
@@ -75,6 +93,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("file", help="the CA certificate (PEM)")
     c.add_argument("--name", required=True, help="what to call publishers certified by this CA")
     c.set_defaults(func=_add_ca)
+    g = tsub.add_parser("add-openpgp", help="trust an OpenPGP public key: manifests it signs verify")
+    g.add_argument("file", help="the public key (gpg --export -a FINGERPRINT); adding it again updates it")
+    g.add_argument("--name", required=True, help="what to call the publisher of this key")
+    g.set_defaults(func=_add_openpgp)
     r = tsub.add_parser("rm", help="stop trusting a publisher key")
     r.add_argument("did", help="the DID to remove")
     r.set_defaults(func=_rm)

@@ -24,7 +24,7 @@ from cryptography import x509
 
 from gateway.core.publisher import IdentityResult, proof_verifies, verify_identity
 from gateway.errors import UompError
-from gateway.identity import didweb, x509pub
+from gateway.identity import didweb, openpgp, x509pub
 from gateway.registry.fetch import FetchPolicy
 from gateway.trust import TrustEntry, TrustList
 
@@ -55,6 +55,8 @@ def verify_publisher(
     proof_type = proof.get("type") if isinstance(proof, dict) else None
     if isinstance(identity, dict) and proof_type == x509pub.PROOF_TYPE:
         return _x509(manifest_raw, trusted, now)
+    if isinstance(identity, dict) and proof_type == openpgp.PROOF_TYPE:
+        return _openpgp(manifest_raw, trusted)
     did = identity.get("did") if isinstance(identity, dict) else None
     if isinstance(did, str) and did.startswith("did:web:"):
         return _did_web(manifest_raw, did, trusted, policy)
@@ -134,3 +136,18 @@ def _issuing_root(
         if c.subject == top.issuer or c == top:
             return e
     return roots[0][0]
+
+
+def _openpgp(manifest_raw: dict[str, Any], trusted: TrustList) -> PublisherResult:
+    try:
+        entry = openpgp.verify(manifest_raw, trusted)
+    except openpgp.OpenPgpError as exc:
+        return _unverified("gpg", None, str(exc))
+    return PublisherResult(
+        verified=True,
+        method="gpg",
+        did=None,
+        public_key=None,
+        reason=f"manifest signed by the OpenPGP key {entry.id}, which you trust as {entry.name!r}",
+        trust_entry=entry,
+    )
