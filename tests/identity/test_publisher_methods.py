@@ -22,9 +22,9 @@ from registrykit import DocServer
 from gateway import trust
 from gateway.cli.main import main
 from gateway.config import Paths
-from gateway.core import jose
+from gateway.core import dataintegrity, jose
 from gateway.core.didkey import b58btc_encode
-from gateway.core.publisher import PROOF_TYPE, manifest_signing_input
+from gateway.core.publisher import manifest_signing_input
 from gateway.identity import x509pub
 from gateway.identity.verify import verify_publisher
 from gateway.keys import init_home
@@ -71,12 +71,13 @@ def did_document(did: str, pub: ed25519.Ed25519PublicKey, *, form: str = "multik
 
 def sign_did_web(manifest: dict[str, Any], key: ed25519.Ed25519PrivateKey, did: str) -> dict[str, Any]:
     doc = copy.deepcopy(manifest)
-    doc["identity"] = {
-        "did": did,
-        "verification_methods": ["did"],
-        "proof": {"type": PROOF_TYPE, "created": "2026-12-01T00:00:00Z", "verificationMethod": f"{did}#key-1"},
+    doc["identity"] = {"did": did, "verification_methods": ["did"]}
+    options = {
+        "created": "2026-12-01T00:00:00Z",
+        "verificationMethod": f"{did}#key-1",
+        "proofPurpose": "assertionMethod",
     }
-    doc["identity"]["proof"]["proofValue"] = jose.b64u_encode(key.sign(manifest_signing_input(doc)))
+    doc["identity"]["proof"] = dataintegrity.sign_proof(doc, options, key)
     return doc
 
 

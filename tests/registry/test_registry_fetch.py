@@ -192,9 +192,7 @@ def test_registry_ids() -> None:
 
 def test_written_out_selectors_and_topics_are_the_contracts() -> None:
     abi = artifact()["abi"]
-    functions = {
-        f"{e['name']}({','.join(i['type'] for i in e['inputs'])})" for e in abi if e["type"] == "function"
-    }
+    functions = {f"{e['name']}({','.join(i['type'] for i in e['inputs'])})" for e in abi if e["type"] == "function"}
     for signature, sel in chain.SELECTORS.items():
         assert signature in functions
         assert keccak(signature.encode())[:4] == sel
