@@ -155,6 +155,12 @@ class Paths:
         return self.home / "registry-cache"
 
     @property
+    def registry_installs_dir(self) -> Path:
+        """What ``uomp registry install`` verified, one record per installed uom.json (by its keccak-256):
+        ``uomp authorize`` shows a listing only from here, never from a file beside the manifest."""
+        return self.home / "registry-installs"
+
+    @property
     def trust_lock(self) -> Path:
         return self.home / ".trust.lock"
 

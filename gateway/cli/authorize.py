@@ -237,11 +237,11 @@ def _verify_publisher(m: manifest.Manifest, trusted: trust.TrustList, paths: Pat
     return verify_publisher(m.raw, trusted, policy(cfg))
 
 
-def _show_listing(path: Path, raw: bytes) -> None:
+def _show_listing(paths: Paths, path: Path, raw: bytes) -> None:
     """Where ``uomp registry install`` got this manifest from (nothing when it did not install it)."""
     from gateway.registry.ops import provenance
 
-    found = provenance(path, raw)
+    found = provenance(paths, path, raw)
     if found is None:
         return
     for line in found.lines:
@@ -369,7 +369,7 @@ def _authorize(args: argparse.Namespace) -> int:
     if args.remote:
         _check_gateway_url(args, paths)
     _show(m, ident, trusted)
-    _show_listing(path, raw)
+    _show_listing(paths, path, raw)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)

@@ -446,9 +446,13 @@ def install(
         "manifest_pinned": got.manifest_pinned,
         "installed_at": now_iso(),
     }
+    record = (json.dumps(doc, indent=2) + "\n").encode()
+    paths.registry_installs_dir.mkdir(mode=0o700, exist_ok=True)
+    # the user's own record first: authorize trusts only it; the copy beside uom.json is for people
+    atomic_write(paths.registry_installs_dir / f"{got.manifest_hash}.json", record, mode=0o600)
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     atomic_write(target, got.manifest_bytes, mode=0o644)
-    atomic_write(out / PROVENANCE_FILE, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o644)
+    atomic_write(out / PROVENANCE_FILE, record, mode=0o644)
     return got, m
 
 
@@ -461,9 +465,27 @@ class Provenance:
     warnings: tuple[str, ...]
 
 
-def provenance(manifest_path: Path, manifest_bytes: bytes) -> Provenance | None:
-    """What ``uomp authorize`` says of a manifest installed by ``uomp registry install`` (None: not installed so)."""
-    path = manifest_path.parent / PROVENANCE_FILE
+def provenance(paths: Paths, manifest_path: Path, manifest_bytes: bytes) -> Provenance | None:
+    """What ``uomp authorize`` says of a manifest installed by ``uomp registry install`` (None: not installed so).
+
+    Only the user's own record (``Paths.registry_installs_dir``, by the manifest's keccak-256) counts:
+    a ``registry.json`` that came with an agent's files could claim any listing."""
+    beside = manifest_path.parent / PROVENANCE_FILE
+    try:
+        digest = khex(manifest_bytes)
+    except UompError:
+        return None
+    path = paths.registry_installs_dir / f"{digest}.json"
+    if not path.exists():
+        if beside.exists():
+            return Provenance(
+                (),
+                (
+                    f"{beside} claims a registry listing, but `uomp registry install` did not install this "
+                    "uom.json (or it changed since): no listing is shown",
+                ),
+            )
+        return None
     try:
         raw = path.read_bytes()[: 64 * 1024]
         doc = json.loads(raw)
@@ -472,20 +494,10 @@ def provenance(manifest_path: Path, manifest_bytes: bytes) -> Provenance | None:
         installed = str(doc.get("installed_at", "?"))
         pinned = str(doc.get("registration_pinned", "none"))
         m_pinned = bool(doc.get("manifest_pinned"))
-    except FileNotFoundError:
-        return None
     except (OSError, ValueError, KeyError, TypeError):
         return Provenance((), (f"{path} is not a registry install record; ignored",))
-    if not all(manifest_mod.is_display_safe(t) for t in (reg, owner, installed, pinned)):
-        return Provenance((), (f"{path} holds unprintable text; ignored",))
-    if khex(manifest_bytes) != want:
-        return Provenance(
-            (),
-            (
-                f"uom.json was changed after it was installed from registry {reg} (agent {agent_id}): "
-                "the listing does not cover it",
-            ),
-        )
+    if not all(manifest_mod.is_display_safe(t) for t in (reg, owner, installed, pinned)) or want != digest:
+        return Provenance((), (f"{path} is not a valid registry install record; ignored",))
     how = {
         "chain-metadata": "registration file pinned by its on-chain hash",
         "data-uri": "registration file stored on chain",

@@ -144,7 +144,34 @@ def test_search_install_then_authorize_shows_the_listing(
     assert uomp(home, "authorize", str(out), "--yes", "--print", "--allow-local") == 0
     shown = capsys.readouterr().out
     assert "listed in registry" not in shown
-    assert "changed after it was installed from registry" in shown
+    assert "did not install this uom.json (or it changed since)" in shown
+
+
+def test_a_registry_json_shipped_with_an_agent_claims_nothing(
+    chain: tuple[Anvil, Registry], docs: DocServer, home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The listing comes from the user's own install record, never from a file beside the manifest."""
+    anvil, reg = chain
+    agent_id = publish(reg, docs, "Genuine")
+    add(home, anvil, reg)
+    out = tmp_path / "genuine"
+    assert uomp(home, "registry", "install", str(agent_id), "--out", str(out), *fetch_flags(docs)) == 0
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    forged_bytes = MANIFEST.replace(b"Calendar Assistant", b"Calendar Assistant Plus")
+    (forged / "uom.json").write_bytes(forged_bytes)
+    claim = json.loads((out / "registry.json").read_text())  # a real install's record, made to match
+    claim["manifest_keccak256"] = "0x" + keccak(forged_bytes).hex()
+    (forged / "registry.json").write_text(json.dumps(claim))
+    capsys.readouterr()
+    assert uomp(home, "authorize", str(forged), "--yes", "--print", "--allow-local") == 0
+    shown = capsys.readouterr().out
+    assert "listed in registry" not in shown and "no listing is shown" in shown
+    # the same record in another user's home: that home never installed it
+    other = Paths(tmp_path / "other-home")
+    init_home(other)
+    assert uomp(other, "authorize", str(out), "--yes", "--print", "--allow-local") == 0
+    assert "listed in registry" not in capsys.readouterr().out
 
 
 def test_authorize_without_registry_install_says_nothing_of_registries(
