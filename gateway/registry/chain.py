@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -90,9 +91,10 @@ class Chain:
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": list(params)}).encode()
         # the URL is http(s), checked when the registry was added (check_rpc_url)
         req = urllib.request.Request(self.rpc_url, data=body, headers={"Content-Type": "application/json"})  # noqa: S310
+        deadline = time.monotonic() + self.timeout_s
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310
-                raw = resp.read(MAX_RPC_ANSWER_BYTES + 1)
+                raw = self._read(resp, method, deadline)
         except urllib.error.HTTPError as exc:
             raise self._bad(f"answered HTTP {exc.code} to {method}") from exc
         except (urllib.error.URLError, OSError) as exc:
@@ -115,6 +117,20 @@ class Chain:
         if "result" not in out:
             raise self._bad(f"answered {method} without a result")
         return out["result"]
+
+    def _read(self, resp: Any, method: str, deadline: float) -> bytes:
+        """The whole answer by ``deadline`` (however slowly the node drips it), at most the size bound + 1."""
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_RPC_ANSWER_BYTES:
+            if time.monotonic() > deadline:
+                raise self._bad(f"did not finish answering {method} in {self.timeout_s:g} s")
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
 
     def _quantity(self, value: Any, what: str) -> int:
         if not isinstance(value, str) or not _HEX.fullmatch(value) or len(value) < 3 or len(value) > 66:

@@ -12,6 +12,7 @@ import json
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -404,13 +405,47 @@ def test_a_chain_that_answers_garbage_is_refused(
 ) -> None:
     handler = type("G", (_Garbage,), {"answers": list(answers)})
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         assert uomp(home, "registry", "add", f"31337:0x{'33' * 20}", "--rpc", url) == 1
         assert "error REGISTRY_UNAVAILABLE" in capsys.readouterr().err
         assert not home.registries_file.exists()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Drip(BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(200)
+        self.send_header("Content-Length", "100000")
+        self.end_headers()
+        try:
+            for _ in range(2000):  # one byte every 20 ms: each read is quick, the answer never ends in time
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.02)
+        except OSError:
+            pass
+
+
+def test_a_chain_that_drips_its_answer_is_cut_at_the_rpc_timeout(
+    home: Paths, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UOMP_REGISTRY_RPC_TIMEOUT_SECONDS", "0.5")
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Drip)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert uomp(home, "registry", "add", f"31337:0x{'33' * 20}", "--rpc", url) == 1
+        assert "did not finish answering eth_chainId in 0.5 s" in capsys.readouterr().err
     finally:
         server.shutdown()
         server.server_close()
