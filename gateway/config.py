@@ -161,6 +161,11 @@ class Paths:
         return self.home / "registry-installs"
 
     @property
+    def registry_reports(self) -> Path:
+        """Abnormal sessions already reported to a Reputation Registry (``uomp registry report``)."""
+        return self.home / "registry-reports.json"
+
+    @property
     def trust_lock(self) -> Path:
         return self.home / ".trust.lock"
 

@@ -4,6 +4,7 @@
 # cancun: see anchor-tools/build-contract.mjs):
 #   contracts/UompAnchor.sol               -> gateway/anchor/UompAnchor.json
 #   contracts/Erc8004IdentityRegistry.sol  -> gateway/registry/Erc8004IdentityRegistry.json
+#   contracts/Erc8004ReputationRegistry.sol -> gateway/registry/Erc8004ReputationRegistry.json
 #   bash scripts/build-contract.sh           write the artifacts (atomically)
 #   bash scripts/build-contract.sh --check   exit 1 if a committed artifact differs
 set -euo pipefail
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 command -v node >/dev/null 2>&1 || { echo "build-contract: node not found" >&2; exit 1; }
 bash scripts/setup-anvil.sh
 status=0
-for pair in UompAnchor:gateway/anchor Erc8004IdentityRegistry:gateway/registry; do
+for pair in UompAnchor:gateway/anchor Erc8004IdentityRegistry:gateway/registry Erc8004ReputationRegistry:gateway/registry; do
   name=${pair%%:*}
   out=${pair#*:}/$name.json
   tmp=$(mktemp "$out.XXXXXX")

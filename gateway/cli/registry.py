@@ -30,7 +30,15 @@ def _cfg(args: argparse.Namespace) -> RegistryConfig:
 
 def _add(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    entry = ops.add_registry(paths, _cfg(args), args.registry, args.rpc, from_block=args.from_block)
+    entry = ops.add_registry(
+        paths,
+        _cfg(args),
+        args.registry,
+        args.rpc,
+        from_block=args.from_block,
+        reputation=args.reputation or "",
+        feedback_key_file=args.feedback_key or "",
+    )
     print(f"registry {entry.id} added (node {ops.redact(entry.rpc_url)}, chain {entry.chain_id})")
     return 0
 
@@ -129,6 +137,33 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from gateway.cli.guard import guard_config, open_auth
+    from gateway.registry import reputation
+
+    paths = paths_from(args)
+    auth = open_auth(paths, guard_config(args, paths))
+    try:
+        sessions = auth.list_sessions(limit=1000)
+    finally:
+        auth.close_db()
+        auth.audit.close()
+    todo, skipped = reputation.pending(paths, sessions)
+    for why in skipped:
+        print(f"not reported: {why}")
+    if not todo:
+        print("no abnormal session to report")
+        return 0
+    cfg = _cfg(args)
+    for session_id, entry, agent_id in todo:
+        if not args.yes:
+            print(f"would report session {session_id}: agent {agent_id} of {entry.id} (pass --yes to send)")
+            continue
+        done = reputation.send(paths, cfg, session_id, entry, agent_id)
+        print(f"reported session {session_id}: feedback for agent {agent_id} of {entry.id}, transaction {done.tx}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("registry", help="find agents on ERC-8004 registries and install their manifests (spec §17)")
     rsub = p.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
@@ -145,6 +180,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("registry", help="CHAIN_ID:0xADDRESS (or eip155:CHAIN_ID:0xADDRESS)")
     a.add_argument("--rpc", required=True, help="the chain's JSON-RPC URL (kept in registries.json, 0600)")
     a.add_argument("--from-block", type=int, default=0, help="index events from this block on (the deployment block)")
+    a.add_argument(
+        "--reputation", help="opt in to reporting abnormal sessions: the registry's Reputation Registry (0x address)"
+    )
+    a.add_argument("--feedback-key", help="with --reputation: the 0600 key file of the account that reports")
     a.set_defaults(func=_add)
     ls = rsub.add_parser("list", help="the registries you added")
     ls.add_argument("--json", action="store_true")
@@ -164,6 +203,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sh.add_argument("--registry")
     fetch_flags(sh)
     sh.set_defaults(func=_show)
+    rp = rsub.add_parser(
+        "report", help="report abnormal sessions (no deletion proof) to the registries you opted in for (§19.5)"
+    )
+    rp.add_argument("--yes", action="store_true", help="send the feedback (without it: only say what would be sent)")
+    rp.set_defaults(func=_report)
     i = rsub.add_parser("install", help="fetch and check an agent's uom.json into DIR, for uomp authorize DIR")
     i.add_argument("agent", help="N (with one registry or --registry) or CHAIN_ID:0xADDRESS:N")
     i.add_argument("--registry")

@@ -57,6 +57,8 @@ class RegistryEntry:
     rpc_url: str
     added_at: str
     from_block: int = 0
+    reputation: str = ""  # its Reputation Registry (0x address); "" = none: nothing is ever reported
+    feedback_key_file: str = ""  # the 0600 key file of the account that reports (uomp registry report)
 
     def chain(self, cfg: RegistryConfig) -> Chain:
         return Chain(self.rpc_url, self.chain_id, self.address, timeout_s=cfg.rpc_timeout_seconds)
@@ -113,7 +115,16 @@ def _save_registries(paths: Paths, entries: list[RegistryEntry]) -> None:
     atomic_write(paths.registries_file, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o600)
 
 
-def add_registry(paths: Paths, cfg: RegistryConfig, spec: str, rpc_url: str, *, from_block: int = 0) -> RegistryEntry:
+def add_registry(
+    paths: Paths,
+    cfg: RegistryConfig,
+    spec: str,
+    rpc_url: str,
+    *,
+    from_block: int = 0,
+    reputation: str = "",
+    feedback_key_file: str = "",
+) -> RegistryEntry:
     """Add (or update the RPC of) a registry after checking that the node is on its chain and the
     address holds an ERC-721 registry."""
     chain_id, address = card.parse_registry_id(spec)
@@ -128,7 +139,13 @@ def add_registry(paths: Paths, cfg: RegistryConfig, spec: str, rpc_url: str, *, 
         rpc_url=rpc_url,
         added_at=now_iso(),
         from_block=max(0, from_block),
+        reputation=reputation.lower(),
+        feedback_key_file=str(Path(feedback_key_file).resolve()) if feedback_key_file else "",
     )
+    if reputation and not (len(reputation) == 42 and reputation.startswith("0x")):
+        raise UompError(ErrorCode.INVALID_REQUEST, "--reputation must be the 0x address of a Reputation Registry")
+    if bool(reputation) != bool(feedback_key_file):
+        raise UompError(ErrorCode.INVALID_REQUEST, "--reputation and --feedback-key go together (opt-in reporting)")
     entry.chain(cfg).check()
     entries = [e for e in load_registries(paths) if e.id != entry.id]
     if len(entries) >= MAX_REGISTRIES:
@@ -444,6 +461,7 @@ def install(
         "manifest_uri": shown(got.manifest_uri or ""),
         "manifest_keccak256": got.manifest_hash,
         "manifest_pinned": got.manifest_pinned,
+        "manifest_agent_id": m.agent.id,
         "installed_at": now_iso(),
     }
     record = (json.dumps(doc, indent=2) + "\n").encode()
