@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core.publisher import IdentityResult, proof_verifies, verify_identity
 from gateway.errors import UompError
@@ -114,11 +115,13 @@ def _x509(manifest_raw: dict[str, Any], trusted: TrustList, now: dt.datetime | N
     except x509pub.X509Error as exc:
         return _unverified("x509", None, str(exc))
     entry = _issuing_root(leaf, manifest_raw, roots)
+    leaf_key = leaf.public_key()
     return PublisherResult(
         verified=True,
         method="x509",
         did=None,
-        public_key=None,
+        # an Ed25519 leaf key is the identity key deletion proofs are checked against (§19.4)
+        public_key=leaf_key if isinstance(leaf_key, ed25519.Ed25519PublicKey) else None,
         reason=f"manifest signed by the code-signing certificate {x509pub.subject_text(leaf)}, "
         f"which chains to the CA you trust as {entry.name!r}",
         trust_entry=entry,

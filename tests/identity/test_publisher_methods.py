@@ -314,6 +314,8 @@ def test_x509_chain_to_a_trusted_ca_verifies(home: Paths, leaf_type: str) -> Non
     got = verify_publisher(signed, trust.load(home), FetchPolicy())
     assert got.verified and got.method == "x509" and got.trust_entry is not None
     assert got.trust_entry.name == "Corp CA" and "Example Publisher Ltd" in (got.subject or "")
+    # the identity key for deletion proofs: the leaf's, when it is Ed25519
+    assert (got.public_key is not None) == (leaf_type == "ed25519")
 
 
 def _x509_case(case: str) -> tuple[dict[str, Any], x509.Certificate]:
