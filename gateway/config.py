@@ -352,6 +352,26 @@ class RegistryConfig:
             )
 
 
+PUBLISHER_METHODS = ("did:key", "did:web", "x509", "gpg")
+
+
+@dataclass(frozen=True)
+class TrustConfig:
+    """Publisher policy (``[trust]``, ``UOMP_TRUST_*``; spec §16.4, docs/registry.md).
+
+    ``require``: when not empty, ``uomp authorize`` grants only to agents whose publisher verified by
+    one of these methods against the trust list; every other agent gets no session and no token."""
+
+    require: list[str] = field(default_factory=list)  # of did:key, did:web, x509, gpg
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.require if m not in PUBLISHER_METHODS]
+        if bad:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"trust.require: {bad[0]!r} is not one of {', '.join(PUBLISHER_METHODS)}"
+            )
+
+
 LOOPBACK_HOSTS = ("127.0.0.1", "::1")
 
 
@@ -626,4 +646,5 @@ CONFIG_SECTIONS: dict[str, Any] = {
     "anchor": AnchorConfig,
     "dashboard": DashboardConfig,
     "registry": RegistryConfig,
+    "trust": TrustConfig,
 }

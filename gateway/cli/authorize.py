@@ -237,6 +237,23 @@ def _verify_publisher(m: manifest.Manifest, trusted: trust.TrustList, paths: Pat
     return verify_publisher(m.raw, trusted, policy(cfg))
 
 
+def _enforce_policy(paths: Paths, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
+    """``[trust] require`` (spec §16.4 MUST): an agent whose publisher fails it gets no session and no token."""
+    from gateway.config import TrustConfig, load_section
+
+    policy = load_section(TrustConfig, "trust", file=paths.config_file)
+    if not policy.require:
+        return
+    entry = _identity_state(ident, trusted)
+    if entry is None or ident.method not in policy.require:
+        state = f"verified by {ident.method}" if entry is not None else "not verified against your trust list"
+        raise UompError(
+            ErrorCode.ACCESS_DENIED,
+            f"your [trust] require = {policy.require} admits only publishers verified by those methods; this one is "
+            f"{state}: no session is created (change [trust] in {paths.config_file} only if that is your policy)",
+        )
+
+
 def _show_listing(paths: Paths, path: Path, raw: bytes) -> None:
     """Where ``uomp registry install`` got this manifest from (nothing when it did not install it)."""
     from gateway.registry.ops import provenance
@@ -384,6 +401,7 @@ def _authorize(args: argparse.Namespace) -> int:
             )
         _warn("the agent runs on this machine although it declares requires_remote: true (--allow-local)")
     trusted = _offer_trust(args, paths, ident, trusted)
+    _enforce_policy(paths, ident, trusted)
     if args.require_verified and _identity_state(ident, trusted) is None:
         raise UompError(
             ErrorCode.ACCESS_DENIED,

@@ -393,3 +393,39 @@ def test_authorize_with_a_trusted_ca(home: Paths, tmp_path: Path, capsys: pytest
     leaf_pem.write_bytes(make_leaf(ca_key, ca_cert, leaf_key).public_bytes(serialization.Encoding.PEM))
     assert main(["--home", str(home.home), "trust", "add-ca", str(leaf_pem), "--name", "X"]) == 1
     assert "not a CA certificate" in capsys.readouterr().err
+
+
+def test_trust_require_policy_gives_no_session_to_other_publishers(
+    home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[trust] require = ["x509"]: a did:key publisher in the trust list is refused (no session made),
+    an X.509 publisher chaining to a trusted CA is granted."""
+    from gateway.core.manifest import sign_manifest
+
+    home.config_file.parent.mkdir(parents=True, exist_ok=True)
+    home.config_file.write_text('[trust]\nrequire = ["x509"]\n')
+    key = ed25519.Ed25519PrivateKey.generate()
+    signed = sign_manifest(MANIFEST, key)
+    trust.add(home, signed["identity"]["did"], "Key Publisher")
+    by_key = tmp_path / "by-key"
+    by_key.mkdir()
+    (by_key / "uom.json").write_text(json.dumps(signed))
+    h = ["--home", str(home.home)]
+    assert main([*h, "authorize", str(by_key), "--yes", "--print", "--allow-local"]) == 1
+    err = capsys.readouterr().err
+    assert "error ACCESS_DENIED" in err and "verified by did:key" in err and "no session is created" in err
+    assert main([*h, "sessions", "list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    ca_key, ca_cert = make_ca()
+    leaf_key = ed25519.Ed25519PrivateKey.generate()
+    by_ca = tmp_path / "by-ca"
+    by_ca.mkdir()
+    (by_ca / "uom.json").write_text(json.dumps(sign_x509(MANIFEST, leaf_key, [make_leaf(ca_key, ca_cert, leaf_key)])))
+    assert main([*h, "authorize", str(by_ca), "--yes", "--print", "--allow-local"]) == 1  # CA not trusted yet
+    assert "not verified against your trust list" in capsys.readouterr().err
+    trust_ca(home, ca_cert)
+    assert main([*h, "authorize", str(by_ca), "--yes", "--print", "--allow-local"]) == 0
+    # a setting naming no method this version knows is refused, not ignored
+    home.config_file.write_text('[trust]\nrequire = ["blockchain"]\n')
+    assert main([*h, "authorize", str(by_ca), "--yes", "--print", "--allow-local"]) == 1
+    assert "error CONFIG_ERROR" in capsys.readouterr().err
