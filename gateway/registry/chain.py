@@ -27,6 +27,7 @@ from gateway.anchor.base import redact_url
 from gateway.errors import ErrorCode, UompError
 
 MAX_RPC_ANSWER_BYTES = 16 * 1024 * 1024
+MAX_LOGS_ANSWER_BYTES = 4 * 1024 * 1024  # one eth_getLogs answer; a larger range is halved
 MAX_STRING_BYTES = 64 * 1024  # a tokenURI / metadata value longer than this is refused
 ERC721_INTERFACE = bytes.fromhex("80ac58cd")
 _HEX = re.compile(r"0x[0-9a-fA-F]*")
@@ -63,6 +64,10 @@ class RpcRefused(UompError):
     """The node answered with a JSON-RPC error (for eth_call: the contract reverted)."""
 
 
+class AnswerTooLarge(UompError):
+    """The node's answer is over MAX_RPC_ANSWER_BYTES (for eth_getLogs: ask for fewer blocks)."""
+
+
 def _word(n: int) -> bytes:
     return n.to_bytes(32, "big")
 
@@ -87,20 +92,21 @@ class Chain:
             f"the registry's node {self.node} {what}; check the --rpc URL and that it is the chain you meant",
         )
 
-    def rpc(self, method: str, *params: Any) -> Any:
+    def rpc(self, method: str, *params: Any, max_bytes: int | None = None) -> Any:
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": list(params)}).encode()
         # the URL is http(s), checked when the registry was added (check_rpc_url)
         req = urllib.request.Request(self.rpc_url, data=body, headers={"Content-Type": "application/json"})  # noqa: S310
         deadline = time.monotonic() + self.timeout_s
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310
-                raw = self._read(resp, method, deadline)
+                raw = self._read(resp, method, deadline, max_bytes or MAX_RPC_ANSWER_BYTES)
         except urllib.error.HTTPError as exc:
             raise self._bad(f"answered HTTP {exc.code} to {method}") from exc
         except (urllib.error.URLError, OSError) as exc:
             raise self._bad(f"cannot be reached or did not answer {method} in {self.timeout_s:g} s") from exc
-        if len(raw) > MAX_RPC_ANSWER_BYTES:
-            raise self._bad(f"answered {method} with more than {MAX_RPC_ANSWER_BYTES} bytes")
+        if len(raw) > (max_bytes or MAX_RPC_ANSWER_BYTES):
+            bad = self._bad(f"answered {method} with more than {max_bytes or MAX_RPC_ANSWER_BYTES} bytes")
+            raise AnswerTooLarge(bad.code, bad.message)
         try:
             out = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -118,11 +124,11 @@ class Chain:
             raise self._bad(f"answered {method} without a result")
         return out["result"]
 
-    def _read(self, resp: Any, method: str, deadline: float) -> bytes:
+    def _read(self, resp: Any, method: str, deadline: float, limit: int) -> bytes:
         """The whole answer by ``deadline`` (however slowly the node drips it), at most the size bound + 1."""
         chunks: list[bytes] = []
         size = 0
-        while size <= MAX_RPC_ANSWER_BYTES:
+        while size <= limit:
             if time.monotonic() > deadline:
                 raise self._bad(f"did not finish answering {method} in {self.timeout_s:g} s")
             chunk = resp.read1(65536)
@@ -210,24 +216,36 @@ class Chain:
     # ---------------------------------------------------------------- events
 
     def events(self, from_block: int, to_block: int, block_range: int) -> Iterator[LogEvent]:
-        """Registered, URIUpdated and Transfer events of the registry in [from_block, to_block], in chain order."""
+        """Registered, URIUpdated and Transfer events of the registry in [from_block, to_block], in chain order.
+
+        At most ``block_range`` blocks a call; a range whose answer is over the size bound is halved
+        and asked again (down to one block, whose answer over the bound is an error)."""
         start = from_block
+        span = block_range
         while start <= to_block:
-            end = min(to_block, start + block_range - 1)
-            logs = self.rpc(
-                "eth_getLogs",
-                {
-                    "address": self.address,
-                    "fromBlock": hex(start),
-                    "toBlock": hex(end),
-                    "topics": [[REGISTERED, URI_UPDATED, TRANSFER]],
-                },
-            )
+            end = min(to_block, start + span - 1)
+            try:
+                logs = self.rpc(
+                    "eth_getLogs",
+                    {
+                        "address": self.address,
+                        "fromBlock": hex(start),
+                        "toBlock": hex(end),
+                        "topics": [[REGISTERED, URI_UPDATED, TRANSFER]],
+                    },
+                    max_bytes=MAX_LOGS_ANSWER_BYTES,
+                )
+            except AnswerTooLarge:
+                if end == start:
+                    raise
+                span = max(1, (end - start + 1) // 2)
+                continue
             if not isinstance(logs, list):
                 raise self._bad("answered eth_getLogs with something that is not a list")
             parsed = [self._log(entry) for entry in logs]
             yield from sorted((e for e in parsed if e is not None), key=lambda e: (e.block, e.index))
             start = end + 1
+            span = block_range
 
     def _log(self, entry: Any) -> LogEvent | None:
         if not isinstance(entry, dict):

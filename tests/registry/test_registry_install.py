@@ -479,3 +479,29 @@ def test_search_is_cached_and_follows_uri_updates(
     assert uomp(home, "registry", "search", "cached agent", "--json", *fetch_flags(docs)) == 0
     assert agent_id not in [r["agent_id"] for r in json.loads(capsys.readouterr().out)["results"]]
     assert home.registries_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_search_halves_a_block_range_whose_logs_are_over_the_answer_bound(
+    chain: tuple[Anvil, Registry],
+    docs: DocServer,
+    home: Paths,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many registrations in one log range (10,000 agents do it at 16 MiB) must not make search fail."""
+    import gateway.registry.chain as chain_mod
+
+    anvil, reg = chain
+    first = publish(reg, docs, "Needle One")
+    second = publish(reg, docs, "Needle Two")
+    add(home, anvil, reg)
+    capsys.readouterr()
+    monkeypatch.setattr(chain_mod, "MAX_LOGS_ANSWER_BYTES", 2500)  # one block's two logs per answer at most
+    assert uomp(home, "registry", "search", "needle", "--json", *fetch_flags(docs)) == 0
+    ids = [r["agent_id"] for r in json.loads(capsys.readouterr().out)["results"]]
+    assert first in ids and second in ids
+    # one block whose logs alone are over the bound is still refused, not skipped
+    monkeypatch.setattr(chain_mod, "MAX_LOGS_ANSWER_BYTES", 200)
+    home.registry_cache_dir.joinpath(f"31337-{reg.address.lower()}.json").unlink()
+    assert uomp(home, "registry", "search", "needle", *fetch_flags(docs)) == 1
+    assert "error REGISTRY_UNAVAILABLE" in capsys.readouterr().err
