@@ -176,6 +176,27 @@ class Paths:
         return self.home / "trust.json"
 
     @property
+    def registries_file(self) -> Path:
+        """The agent registries the user added (``uomp registry add``), see gateway/registry/store.py."""
+        return self.home / "registries.json"
+
+    @property
+    def registry_cache_dir(self) -> Path:
+        """What ``uomp registry search`` indexed of each registry (events and registration files)."""
+        return self.home / "registry-cache"
+
+    @property
+    def registry_installs_dir(self) -> Path:
+        """What ``uomp registry install`` verified, one record per installed uom.json (by its keccak-256):
+        ``uomp authorize`` shows a listing only from here, never from a file beside the manifest."""
+        return self.home / "registry-installs"
+
+    @property
+    def registry_reports(self) -> Path:
+        """Abnormal sessions already reported to a Reputation Registry (``uomp registry report``)."""
+        return self.home / "registry-reports.json"
+
+    @property
     def trust_lock(self) -> Path:
         return self.home / ".trust.lock"
 
@@ -359,6 +380,53 @@ class AnchorConfig:
             )
         if self.confirmations < 1 or self.poll_seconds <= 0 or self.backoff_max_seconds <= 0:
             raise UompError(ErrorCode.CONFIG_ERROR, "anchor.confirmations must be >= 1 and the intervals > 0")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Agent registries (``[registry]``, ``UOMP_REGISTRY_*``; docs/registry.md): the bounds of every
+    chain call and every fetch of a registration file, manifest or DID document.
+
+    Fetches are https only, to public addresses only; ``allow_internal`` lets them reach loopback
+    and private addresses (and plain http on loopback), for a registry you run yourself."""
+
+    fetch_max_bytes: int = 256 * 1024  # one registration file / uom.json / DID document
+    fetch_timeout_seconds: float = 10.0  # one whole fetch, connect to last byte, redirects included
+    fetch_max_redirects: int = 3
+    rpc_timeout_seconds: float = 10.0  # one JSON-RPC call to the registry's chain
+    log_block_range: int = 10_000  # blocks per eth_getLogs call while indexing Registered events
+    search_max_fetches: int = 200  # registration files fetched by one search (the rest on the next)
+    ca_file: str = ""  # extra CA certificates (PEM) for https fetches; "" = the system's
+    allow_internal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fetch_max_bytes < 1024 or self.fetch_timeout_seconds <= 0 or self.rpc_timeout_seconds <= 0:
+            raise UompError(ErrorCode.CONFIG_ERROR, "registry: fetch_max_bytes >= 1024 and the timeouts > 0")
+        if not 0 <= self.fetch_max_redirects <= 10 or self.log_block_range < 1 or self.search_max_fetches < 0:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR,
+                "registry: fetch_max_redirects 0-10, log_block_range >= 1, search_max_fetches >= 0",
+            )
+
+
+PUBLISHER_METHODS = ("did:key", "did:web", "x509", "gpg")
+
+
+@dataclass(frozen=True)
+class TrustConfig:
+    """Publisher policy (``[trust]``, ``UOMP_TRUST_*``; spec §16.4, docs/registry.md).
+
+    ``require``: when not empty, ``uomp authorize`` grants only to agents whose publisher verified by
+    one of these methods against the trust list; every other agent gets no session and no token."""
+
+    require: list[str] = field(default_factory=list)  # of did:key, did:web, x509, gpg
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.require if m not in PUBLISHER_METHODS]
+        if bad:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"trust.require: {bad[0]!r} is not one of {', '.join(PUBLISHER_METHODS)}"
+            )
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1")
@@ -667,4 +735,6 @@ CONFIG_SECTIONS: dict[str, Any] = {
     "tunnel": TunnelSettings,
     "anchor": AnchorConfig,
     "dashboard": DashboardConfig,
+    "registry": RegistryConfig,
+    "trust": TrustConfig,
 }

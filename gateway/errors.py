@@ -84,6 +84,12 @@ class ErrorCode(StrEnum):
     IO_ERROR = "IO_ERROR"  # a file could not be read or written
     USAGE = "USAGE"  # bad command-line arguments
     TUNNEL_ERROR = "TUNNEL_ERROR"  # the tunnel cannot be set up as configured
+    # agent registries (gateway/registry/, `uomp registry`)
+    REGISTRY_UNKNOWN = "REGISTRY_UNKNOWN"  # no registry of that id is configured (uomp registry add)
+    REGISTRY_UNAVAILABLE = "REGISTRY_UNAVAILABLE"  # the registry's chain is unreachable or answers nonsense
+    FETCH_FAILED = "FETCH_FAILED"  # a registration file, manifest or DID document could not be fetched within the rules
+    REGISTRATION_INVALID = "REGISTRATION_INVALID"  # a registration file that is malformed or names another agent
+    CONTENT_HASH_MISMATCH = "CONTENT_HASH_MISMATCH"  # fetched bytes are not those whose hash the registry records
 
 
 # code -> HTTP status, once. Spec §8.4 codes first, then ours (documented in docs/errors.md).
@@ -149,6 +155,11 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.PORT_IN_USE: 500,
     ErrorCode.HOME_UNWRITABLE: 500,
     ErrorCode.IO_ERROR: 500,
+    ErrorCode.REGISTRY_UNKNOWN: 404,
+    ErrorCode.REGISTRY_UNAVAILABLE: 503,
+    ErrorCode.FETCH_FAILED: 502,
+    ErrorCode.REGISTRATION_INVALID: 422,
+    ErrorCode.CONTENT_HASH_MISMATCH: 409,
     ErrorCode.USAGE: 400,
     ErrorCode.TUNNEL_ERROR: 500,
 }

@@ -158,8 +158,11 @@ SCHEMAS: dict[str, Any] = {
             "data_retention_policy": {"type": "object"},
             "deletion_proof_id": STR,
             "status_reason": STR,
+            "abnormal": {"type": "boolean"},
+            "abnormal_reason": STR,
         },
-        "§13.2: the user's view of a session (never token material)",
+        "§13.2: the user's view of a session (never token material); abnormal (§19.5): ended without the "
+        "deletion proof its agent owed",
     ),
     "SessionList": _closed(["sessions"], {"sessions": {"type": "array", "items": _ref("Session")}}),
     "SessionEnded": _closed(["session_id", "status"], {"session_id": STR, "status": {"enum": ["closed", "revoked"]}}),

@@ -53,6 +53,7 @@ from gateway.core.capability import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.identity.verify import PublisherResult
 from gateway.ledger import auditkey
 from gateway.payloads import userkey
 
@@ -105,14 +106,21 @@ def _scope_line(name: str, scope: Scope) -> str:
 
 def _identity_state(ident: manifest.IdentityResult, trusted: trust.TrustList) -> trust.TrustEntry | None:
     """The trust entry that names this manifest's publisher: only for a verified signature by a key in the list."""
-    return trusted.find_did(ident.did) if ident.verified else None
+    if not ident.verified:
+        return None
+    if isinstance(ident, PublisherResult):
+        return ident.trust_entry or trusted.find_did(ident.did)
+    return trusted.find_did(ident.did)
 
 
 def _show_identity(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
     claim = m.agent.publisher
     entry = _identity_state(ident, trusted)
     if entry is not None:
-        print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        if ident.did:
+            print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        else:
+            print(f"Publisher: {entry.name} (verified, {ident.method}: {ident.reason})")
         if claim and claim != entry.name:
             print(f'           "{claim}" (the manifest\'s own claim)')
         return
@@ -219,6 +227,47 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
             _warn("the agent says it SHARES your data with third parties")
     if level == "no_guarantee":
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
+
+
+def _verify_publisher(m: manifest.Manifest, trusted: trust.TrustList, paths: Paths) -> PublisherResult:
+    """The publisher, checked by the method the manifest names (did:key, did:web, X.509, OpenPGP);
+    did:web documents are fetched under the [registry] fetch rules."""
+    from gateway.config import RegistryConfig, load_section
+    from gateway.identity.verify import verify_publisher
+    from gateway.registry.ops import policy
+
+    cfg = load_section(RegistryConfig, "registry", file=paths.config_file)
+    return verify_publisher(m.raw, trusted, policy(cfg))
+
+
+def _enforce_policy(paths: Paths, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
+    """``[trust] require`` (spec §16.4 MUST): an agent whose publisher fails it gets no session and no token."""
+    from gateway.config import TrustConfig, load_section
+
+    policy = load_section(TrustConfig, "trust", file=paths.config_file)
+    if not policy.require:
+        return
+    entry = _identity_state(ident, trusted)
+    if entry is None or ident.method not in policy.require:
+        state = f"verified by {ident.method}" if entry is not None else "not verified against your trust list"
+        raise UompError(
+            ErrorCode.ACCESS_DENIED,
+            f"your [trust] require = {policy.require} admits only publishers verified by those methods; this one is "
+            f"{state}: no session is created (change [trust] in {paths.config_file} only if that is your policy)",
+        )
+
+
+def _show_listing(paths: Paths, path: Path, raw: bytes) -> None:
+    """Where ``uomp registry install`` got this manifest from (nothing when it did not install it)."""
+    from gateway.registry.ops import provenance
+
+    found = provenance(paths, path, raw)
+    if found is None:
+        return
+    for line in found.lines:
+        print(line)
+    for text in found.warnings:
+        _warn(text)
 
 
 def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace, cfg: GuardConfig) -> None:
@@ -334,12 +383,13 @@ def _authorize(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
     m = manifest.parse_manifest(raw)
-    ident = manifest.verify_identity(m.raw)
     trusted = trust.load(paths)
+    ident = _verify_publisher(m, trusted, paths)
     cfg = guard_config(args, paths)
     if args.remote:
         _check_gateway_url(args, paths)
     _show(m, ident, trusted)
+    _show_listing(paths, path, raw)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)
@@ -354,6 +404,7 @@ def _authorize(args: argparse.Namespace) -> int:
             )
         _warn("the agent runs on this machine although it declares requires_remote: true (--allow-local)")
     trusted = _offer_trust(args, paths, ident, trusted)
+    _enforce_policy(paths, ident, trusted)
     if args.require_verified and _identity_state(ident, trusted) is None:
         raise UompError(
             ErrorCode.ACCESS_DENIED,

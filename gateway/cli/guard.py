@@ -58,6 +58,7 @@ def _sessions(args: argparse.Namespace) -> int:
                     print(
                         f"{r['session_id']:<24} {r['agent_id']:<24} {r['status']:<8} "
                         f"{r.get('profile', '-'):<7} {r['expires_at']:<20} {r.get('status_reason', '')}"
+                        + ("  ABNORMAL: no deletion proof" if r.get("abnormal") else "")
                     )
         elif args.sessions_command == "show":
             _print(auth.session(args.session_id).public())

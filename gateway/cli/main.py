@@ -34,6 +34,7 @@ COMMAND_MODULES = (
     "gateway.cli.audit",
     "gateway.cli.authorize",
     "gateway.cli.trust",
+    "gateway.cli.registry",
     "gateway.cli.agent",
     "gateway.cli.gateway",
     "gateway.cli.payload",

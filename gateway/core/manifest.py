@@ -31,9 +31,13 @@ proof member names; it is NOT the W3C Data Integrity ``Ed25519Signature2020`` al
 hashes RDF-canonicalised data). A verified ``did:key`` proves the manifest was signed by the holder
 of that key, nothing more: who the key belongs to is the user's trust list (§16.4).
 
-Every other method (``did:ethr``, ``did:web``, GPG, X.509, registry) is reported as
+Here every other method (``did:ethr``, ``did:web``, GPG, X.509, registry) is reported as
 unverified with the reason ``"method not supported by this verifier: reported as unverified
-publisher"``; nothing is ever reported verified that was not checked.
+publisher"``; nothing is ever reported verified that was not checked. did:web, X.509 and OpenPGP
+need I/O or the trust list and are checked by :mod:`gateway.identity.verify`, which ``uomp
+authorize`` uses. The standard proof is W3C Data Integrity ``eddsa-jcs-2022``
+(:mod:`gateway.core.dataintegrity`); the construction above is the legacy one, accepted until
+``LEGACY_PROOF_UNTIL`` (:mod:`gateway.core.publisher`).
 
 Longer than ~500 lines on purpose: one document's parser; every field's rule sits with the field.
 """

@@ -221,6 +221,15 @@ class SessionRow:
     deletion_proof_id: str | None
     status_reason: str | None = None
 
+    @property
+    def abnormal(self) -> bool:
+        """§19.5: the session ended although its agent owed a deletion proof (proof_required) and gave none."""
+        return (
+            self.status not in LIVE
+            and bool((self.retention or {}).get("proof_required"))
+            and not self.deletion_proof_id
+        )
+
     def public(self) -> dict[str, Any]:
         """§13.2 view for the user (never token material)."""
         out: dict[str, Any] = {
@@ -248,6 +257,9 @@ class SessionRow:
             out["deletion_proof_id"] = self.deletion_proof_id
         if self.status_reason:
             out["status_reason"] = self.status_reason
+        out["abnormal"] = self.abnormal
+        if self.abnormal:
+            out["abnormal_reason"] = "ended without the deletion proof its agent owed (spec §19.5)"
         return out
 
 

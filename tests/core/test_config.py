@@ -96,18 +96,20 @@ def test_example_config_names_every_setting_with_its_default() -> None:
     import math
     import tomllib
 
-    from gateway.config import AnchorConfig, DashboardConfig, TunnelSettings
+    from gateway.config import AnchorConfig, DashboardConfig, RegistryConfig, TrustConfig, TunnelSettings
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "config" / "uomp.example.toml").read_text(encoding="utf-8")
     doc = tomllib.loads(text)
-    assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard"}
+    assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard", "registry", "trust"}
     for section, cls in (
         ("guard", GuardConfig),
         ("gateway", GatewayConfig),
         ("tunnel", TunnelSettings),
         ("anchor", AnchorConfig),
         ("dashboard", DashboardConfig),
+        ("registry", RegistryConfig),
+        ("trust", TrustConfig),
     ):
         defaults = cls()
         names = {f.name for f in dataclasses.fields(cls)}
