@@ -106,13 +106,13 @@ class _Reader(io.RawIOBase):
         header = header[:-1]
         try:
             doc = json.loads(header)
-            kdf = sealing._kdf_params(doc["kdf"])
+            kdf = sealing.kdf_params(doc["kdf"])
             self.prefix = bytes.fromhex(doc["nonce_prefix"])
             if len(self.prefix) != 8 or doc.get("v") != 1:
                 raise ValueError("header")
         except (ValueError, KeyError, TypeError) as exc:
             raise _invalid(f"bad header: {exc}") from None
-        self.src, self.aead = src, AESGCM(sealing._derive(passphrase, kdf))
+        self.src, self.aead = src, AESGCM(sealing.derive(passphrase, kdf))
         self.hh = hashlib.sha256(header).digest()
         self.n, self.buf, self.done, self.first = 0, b"", False, True
 
@@ -198,12 +198,12 @@ def _files(paths: Paths) -> list[tuple[str, Path]]:
 def create(paths: Paths, out: Path, passphrase: bytes, *, kdf: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the backup of ``paths`` to ``out`` (atomically: a temp file renamed); its manifest."""
     params = dict(sealing.DEFAULT_KDF if kdf is None else kdf)
-    params["salt"] = sealing._b64(secrets.token_bytes(16))
-    params = sealing._kdf_params(params)
+    params["salt"] = sealing.b64(secrets.token_bytes(16))
+    params = sealing.kdf_params(params)
     header = json.dumps(
         {"v": 1, "kdf": params, "nonce_prefix": secrets.token_hex(8), "chunk": CHUNK}, sort_keys=True
     ).encode()
-    key = sealing._derive(sealing.passphrase_bytes(passphrase), params)
+    key = sealing.derive(sealing.passphrase_bytes(passphrase), params)
     shutil.rmtree(paths.backup_stage, ignore_errors=True)
     os.mkdir(paths.backup_stage, 0o700)
     tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")

@@ -84,7 +84,7 @@ def seal(
             raise UompError(ErrorCode.NOT_INITIALISED, f"{paths.home} holds no key to seal; run 'uomp init' first")
         plain = []
         for f, role in files:
-            data = vault._read_bounded(f)
+            data = vault.read_bounded(f)
             if sealing.is_sealed(data):
                 raise UompError(
                     ErrorCode.KEY_ERROR, f"{f} is sealed but {paths.master_slot} is missing; restore it from a backup"
@@ -115,7 +115,7 @@ def unseal(paths: Paths, master: MasterKey) -> None:
         ops: list[dict[str, str]] = []
         try:
             for i, (f, role) in enumerate(present_key_files(paths)):
-                journal.write_synced(stage / f"f{i}", sealing.open_file(master, role, vault._read_bounded(f), str(f)))
+                journal.write_synced(stage / f"f{i}", sealing.open_file(master, role, vault.read_bounded(f), str(f)))
                 ops.append({"op": "put", "src": f"f{i}", "dst": role})
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)

@@ -49,7 +49,8 @@ DEFAULT_KDF = {"alg": "argon2id", "iterations": 3, "lanes": 4, "memory_kib": 64 
 KDF_BOUNDS = {"iterations": (1, 16), "lanes": (1, 16), "memory_kib": (8 * 1024, 1024 * 1024)}
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
+    """Standard base64 text of ``data``."""
     return base64.b64encode(data).decode("ascii")
 
 
@@ -94,7 +95,8 @@ def passphrase_bytes(passphrase: str | bytes) -> bytes:
     return raw
 
 
-def _kdf_params(kdf: Any) -> dict[str, Any]:
+def kdf_params(kdf: Any) -> dict[str, Any]:
+    """The Argon2id parameters of a slot or backup, their bounds checked; KEY_ERROR otherwise."""
     if not isinstance(kdf, dict) or kdf.get("alg") != "argon2id":
         raise ValueError("unknown KDF")
     out: dict[str, Any] = {"alg": "argon2id"}
@@ -112,7 +114,8 @@ def _kdf_params(kdf: Any) -> dict[str, Any]:
     return out
 
 
-def _derive(passphrase: bytes, kdf: dict[str, Any]) -> bytes:
+def derive(passphrase: bytes, kdf: dict[str, Any]) -> bytes:
+    """The 32-byte key Argon2id derives from ``passphrase`` under ``kdf``."""
     return Argon2id(
         salt=_unb64(kdf["salt"], "salt"),
         length=32,
@@ -130,19 +133,19 @@ def _slot_aad(slot: dict[str, Any]) -> bytes:
 def wrap_with_passphrase(master: MasterKey, passphrase: str | bytes, kdf: dict[str, Any] | None = None) -> bytes:
     """The ``master.json`` bytes of a passphrase slot."""
     params = dict(DEFAULT_KDF if kdf is None else kdf)
-    params["salt"] = _b64(secrets.token_bytes(16))
-    params = _kdf_params(params)
+    params["salt"] = b64(secrets.token_bytes(16))
+    params = kdf_params(params)
     slot: dict[str, Any] = {"v": SLOT_VERSION, "id": master.home_id, "method": "passphrase", "kdf": params}
     nonce = secrets.token_bytes(12)
-    wrapped = AESGCM(_derive(passphrase_bytes(passphrase), params)).encrypt(nonce, master.key, _slot_aad(slot))
-    slot.update({"nonce": _b64(nonce), "wrapped": _b64(wrapped)})
+    wrapped = AESGCM(derive(passphrase_bytes(passphrase), params)).encrypt(nonce, master.key, _slot_aad(slot))
+    slot.update({"nonce": b64(nonce), "wrapped": b64(wrapped)})
     return _canonical(slot) + b"\n"
 
 
 def keyring_slot(master: MasterKey) -> bytes:
     """The ``master.json`` bytes of a keychain slot (the key itself goes into the keychain)."""
     slot: dict[str, Any] = {"v": SLOT_VERSION, "id": master.home_id, "method": "keyring", "service": KEYRING_SERVICE}
-    slot["check"] = _b64(hmac.new(master.subkey("keyring-check"), _slot_aad(slot), "sha256").digest())
+    slot["check"] = b64(hmac.new(master.subkey("keyring-check"), _slot_aad(slot), "sha256").digest())
     return _canonical(slot) + b"\n"
 
 
@@ -159,7 +162,7 @@ def parse_slot(raw: bytes, where: str) -> dict[str, Any]:
             raise ValueError("bad id")
         method = slot.get("method")
         if method == "passphrase":
-            slot["kdf"] = _kdf_params(slot.get("kdf"))
+            slot["kdf"] = kdf_params(slot.get("kdf"))
             if len(_unb64(slot.get("nonce"), "nonce")) != 12 or len(_unb64(slot.get("wrapped"), "wrapped")) != 48:
                 raise ValueError("bad wrapped key")
         elif method == "keyring":
@@ -180,7 +183,7 @@ def parse_slot(raw: bytes, where: str) -> dict[str, Any]:
 def unwrap_with_passphrase(slot: dict[str, Any], passphrase: str | bytes) -> MasterKey:
     """The master key of a passphrase slot; PASSPHRASE_WRONG when the passphrase does not open it
     (AES-GCM's tag check, constant time; the Argon2id cost is paid on every attempt)."""
-    key = _derive(passphrase_bytes(passphrase), slot["kdf"])
+    key = derive(passphrase_bytes(passphrase), slot["kdf"])
     try:
         raw = AESGCM(key).decrypt(_unb64(slot["nonce"], "nonce"), _unb64(slot["wrapped"], "wrapped"), _slot_aad(slot))
     except InvalidTag:
@@ -218,7 +221,7 @@ def seal_file(master: MasterKey, role: str, plaintext: bytes) -> bytes:
     """``plaintext`` sealed under the master key, bound to this home and the file's role."""
     nonce = secrets.token_bytes(12)
     ct = AESGCM(master.subkey("files")).encrypt(nonce, plaintext, _file_aad(master.home_id, role))
-    body = {"v": 1, "home": master.home_id, "role": role, "nonce": _b64(nonce), "ct": _b64(ct)}
+    body = {"v": 1, "home": master.home_id, "role": role, "nonce": b64(nonce), "ct": b64(ct)}
     return SEALED_MAGIC + _canonical(body) + b"\n"
 
 

@@ -285,7 +285,8 @@ def open_home(paths: Paths, *, prompt: Callable[[], str] | None = None) -> bool:
 # ------------------------------------------------------------------------------- key files
 
 
-def _read_bounded(path: Path) -> bytes:
+def read_bounded(path: Path) -> bytes:
+    """A small file's bytes, refused past its size bound."""
     with open(path, "rb") as fh:
         raw = fh.read(MAX_KEY_BYTES + 1)
     if len(raw) > MAX_KEY_BYTES:
@@ -299,7 +300,7 @@ def read_key(path: Path) -> bytes:
     In a sealed home a key file of :func:`sealed_files` is opened with the master key, and a
     plaintext one there is refused; elsewhere the file is returned as it is."""
     path = Path(path)
-    raw = _read_bounded(path)
+    raw = read_bounded(path)
     hit = role_of(path)
     if hit is None:
         if sealing.is_sealed(raw):

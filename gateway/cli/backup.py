@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gateway import appliance
 from gateway.atrest import backup, vault
-from gateway.cli.main import _passphrase_prompt, paths_from
+from gateway.cli.main import passphrase_prompt, paths_from
 from gateway.config import Paths, resolve_home
 from gateway.errors import ErrorCode, UompError
 from gateway.keys import check_home
@@ -85,7 +85,7 @@ def _restore(args: argparse.Namespace) -> int:
         if appliance.is_running(paths):
             raise UompError(ErrorCode.ALREADY_RUNNING, f"the appliance is running on {paths.home}; stop it first")
     manifest = backup.restore(Path(args.file), paths.home, _passphrase(args, confirm=False), force=args.force)
-    vault.set_prompt(_passphrase_prompt(paths))  # a sealed home's keys, to verify its audit log
+    vault.set_prompt(passphrase_prompt(paths))  # a sealed home's keys, to verify its audit log
     print(f"restored: {len(manifest['files'])} files into {paths.home}, every hash checked")
     if manifest.get("moved_aside"):
         print(f"the data directory that was there is now {manifest['moved_aside']}")

@@ -59,7 +59,7 @@ def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
     check_home(paths)
     # A sealed home (gateway/atrest/): a service unlocks it now, before it starts anything; a one-shot
     # command asks for the passphrase only if it reads a key.
-    prompt = _passphrase_prompt(paths)
+    prompt = passphrase_prompt(paths)
     vault.set_prompt(prompt)
     if getattr(args, "service", False):
         vault.open_home(paths, prompt=prompt)
@@ -72,7 +72,7 @@ def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
     return paths
 
 
-def _passphrase_prompt(paths: Paths) -> Callable[[], str] | None:
+def passphrase_prompt(paths: Paths) -> Callable[[], str] | None:
     """Ask in the terminal (no echo) when there is one; None otherwise (then the passphrase must
     come from UOMP_PASSPHRASE_FILE, a systemd credential or the keychain)."""
     if not sys.stdin.isatty():

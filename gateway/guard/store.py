@@ -49,6 +49,10 @@ While it is open: other connections (the running guard) keep reading the last co
 other threads using this same ``MemoryStore`` wait for the writer to finish (the store's lock is
 held); a write through this store from the writer's own thread is a programming error
 (``RuntimeError``). :meth:`MemoryStore.put_many` is a bulk writer over a sequence.
+
+Longer than ~500 lines on purpose: the read path every request takes stays in one class next to the
+SQL it runs; the seam is gateway.guard.storage, the item rules gateway.guard.items, bulk writes
+gateway.guard.bulk.
 """
 
 from __future__ import annotations

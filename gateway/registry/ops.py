@@ -19,6 +19,9 @@ agent id in this registry (``REGISTRATION_INVALID``); its ``UOMP`` service names
 fetched the same way and checked against its ``manifestHash`` when given; the manifest must be
 valid (``MANIFEST_INVALID``). Then ``DIR/uom.json`` (the bytes as fetched) and ``DIR/registry.json``
 (where it came from, what was checked) are written atomically.
+
+Longer than ~500 lines on purpose: the registry commands (add, search, install, the install record
+authorize reads) share one file set and one fetch policy.
 """
 
 from __future__ import annotations
