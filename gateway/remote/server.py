@@ -236,10 +236,12 @@ class GatewayRunner:
             self.metrics_port = msrv.sockets[0].getsockname()[1]
         loop = asyncio.get_running_loop()
 
+        crl_watch = ca_store.CrlWatch(self.paths)  # the registry is opened only when a file changed
+
         def tick() -> None:  # in a worker thread, every TLS watch interval
             if key_watch.changed():  # `uomp keys rotate [--revoke-old]`: reload without a SIGHUP
                 self.reload_keys()  # reads key files: here, in the thread (GatewayState swaps whole dicts)
-            ca_store.refresh_crl(self.paths)
+            crl_watch.tick()
 
         self._tasks.append(loop.create_task(self.reloader.watch(cfg.tls_watch_interval_seconds, tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
