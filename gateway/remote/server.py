@@ -258,6 +258,18 @@ class GatewayRunner:
         if self.monitor is not None:
             self.monitor.wake()
 
+    def guard_checked(self, why: str | None) -> None:
+        """The supervisor health-checked its guard child on ``guard.sock`` (``why`` None: it
+        passed). When that is this gateway's upstream, a pass stands for the monitor's own probe
+        (:meth:`UpstreamMonitor.passed_elsewhere`) and a failure makes it check at once."""
+        monitor = self.monitor
+        if monitor is None or monitor.upstream != Upstream("unix", str(self.paths.guard_sock)):
+            return
+        if why is None:
+            monitor.passed_elsewhere()
+        else:
+            monitor.wake()
+
     def _fit_limits(self, registries: list[transport.ConnectionRegistry]) -> None:
         """Raise the soft file-descriptor limit to the hard one and shrink the budgets to fit under it."""
         self.fd_limit = fd_limit = transport.raise_fd_limit()
