@@ -7,7 +7,8 @@ connections idle out, and then every request fails. So :class:`UpstreamMonitor`
 * checks the guard on a *new* connection (``GET /v1/health``, within ``timeout`` seconds) every
   ``interval`` seconds, unless another check of the same kind passed within the interval
   (:meth:`UpstreamMonitor.passed_elsewhere`: the appliance's guard supervisor probes the same
-  socket file every second, so one probe serves both), and at once (at most every :data:`MIN_PROBE_GAP_SECONDS`) after a request
+  socket file every second, so one probe serves both), and at once (at most every
+  :data:`MIN_PROBE_GAP_SECONDS`) after a request
   could not reach it; the last check decides :attr:`UpstreamMonitor.up`, which the gateway's own
   ``GET /v1/health`` reports (503 STORE_UNAVAILABLE while the guard is unreachable);
 * hears of every failed exchange with the guard (``STORE_UNAVAILABLE``, ``UPSTREAM_ERROR``,
