@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,10 @@ from gateway.ca_registry import (
     Registry,
     epoch,
     from_epoch,
+    legacy_registry_path,
     locked,
     registry,
+    registry_path,
     ts,
 )
 from gateway.config import Paths
@@ -225,6 +228,63 @@ def refresh_crl(
             pem = _prepare_crl(paths, key, cert, reg, now)
         atomic_write(crl_path(paths), pem, mode=0o644)
     return True
+
+
+# How often a CrlWatch runs the whole check although none of its files changed: the CRL's
+# nextUpdate comes nearer with no file changing (it is re-signed CRL_REFRESH_BEFORE, days, ahead).
+CRL_RECHECK_SECONDS = 3600.0
+
+
+class CrlWatch:
+    """:func:`refresh_crl` for a watcher that asks every few seconds (the gateway's TLS watch).
+
+    The check opens the registry (SQLite), reads the CA certificate and parses and verifies the
+    CRL; here it runs only when a file it reads changed since the last check (mtime, size and
+    inode of the CA certificate, the CRL, the registry, its WAL and the legacy registry), when
+    ``recheck_seconds`` of wall time have passed (or the clock went back), or when the last check
+    failed or re-signed. A revocation commits to the registry, which changes it: the next call
+    re-signs a CRL that is behind it, as :func:`refresh_crl` does. The files' stamps are taken
+    before the check, so a change during it is seen by the next call. Not thread-safe: one
+    watcher calls it."""
+
+    def __init__(self, paths: Paths, *, recheck_seconds: float = CRL_RECHECK_SECONDS) -> None:
+        self.paths = paths
+        self.recheck_seconds = recheck_seconds
+        self.checks = 0  # whole checks run (diagnostics and tests)
+        self._stamp: tuple[tuple[int, int, int] | None, ...] | None = None
+        self._checked_at = 0.0
+
+    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+        reg = registry_path(self.paths)
+        files = (
+            ca_cert_path(self.paths),
+            crl_path(self.paths),
+            reg,
+            reg.with_name(reg.name + "-wal"),
+            legacy_registry_path(self.paths),
+        )
+        out: list[tuple[int, int, int] | None] = []
+        for f in files:
+            try:
+                st = f.stat()
+            except OSError:
+                out.append(None)
+                continue
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def tick(self, now: float | None = None) -> bool:
+        """Re-sign the CRL if it is due (see :func:`refresh_crl`); True when re-signed."""
+        t = time.time() if now is None else now
+        stamp = self._stamps()
+        if stamp == self._stamp and self._checked_at <= t < self._checked_at + self.recheck_seconds:
+            return False
+        self._stamp = None  # until this check has run to its end
+        self.checks += 1
+        resigned = refresh_crl(self.paths)
+        self._checked_at = t
+        self._stamp = None if resigned else stamp  # a new CRL file: its own stamp is taken next time
+        return resigned
 
 
 # ------------------------------------------------------------------------------------ init

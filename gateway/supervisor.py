@@ -150,6 +150,8 @@ class GuardProcess:
         self.health_failures = max(1, int(health_failures))
         self.output = output
         self.on_restart = on_restart  # called with the reason once a restarted child is healthy
+        # called after each health check of a running child: None when it passed, else why not
+        self.on_health: Callable[[str | None], None] | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.stopping = False
         self.restarts = 0
@@ -299,6 +301,8 @@ class GuardProcess:
                 why = await self._check(probe)
                 if proc.returncode is not None or self.stopping:
                     return None
+                if self.on_health is not None:
+                    self.on_health(why)
                 if why is None:
                     if self.failed_checks:
                         log.warning("guard process %s answers its health check again", proc.pid)

@@ -226,6 +226,7 @@ async def _run(
     if guard is not None:
         gw.status_sources["guard"] = guard.status  # into $UOMP_HOME/gateway/status.json
         guard.on_restart = gw.guard_restarted  # metrics and the status file
+        guard.on_health = gw.guard_checked  # one probe of guard.sock serves the gateway's monitor too
     sup: TunnelSupervisor | None = None
     try:
         try:

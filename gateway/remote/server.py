@@ -240,10 +240,12 @@ class GatewayRunner:
             self.metrics_port = msrv.sockets[0].getsockname()[1]
         loop = asyncio.get_running_loop()
 
+        crl_watch = ca_store.CrlWatch(self.paths)  # the registry is opened only when a file changed
+
         def tick() -> None:  # in a worker thread, every TLS watch interval
             if key_watch.changed():  # `uomp keys rotate [--revoke-old]`: reload without a SIGHUP
                 self.reload_keys()  # reads key files: here, in the thread (GatewayState swaps whole dicts)
-            ca_store.refresh_crl(self.paths)
+            crl_watch.tick()
 
         self._tasks.append(loop.create_task(self.reloader.watch(cfg.tls_watch_interval_seconds, tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
@@ -259,6 +261,18 @@ class GatewayRunner:
             self.state.metrics.guard_restarted()
         if self.monitor is not None:
             self.monitor.wake()
+
+    def guard_checked(self, why: str | None) -> None:
+        """The supervisor health-checked its guard child on ``guard.sock`` (``why`` None: it
+        passed). When that is this gateway's upstream, a pass stands for the monitor's own probe
+        (:meth:`UpstreamMonitor.passed_elsewhere`) and a failure makes it check at once."""
+        monitor = self.monitor
+        if monitor is None or monitor.upstream != Upstream("unix", str(self.paths.guard_sock)):
+            return
+        if why is None:
+            monitor.passed_elsewhere()
+        else:
+            monitor.wake()
 
     def _fit_limits(self, registries: list[transport.ConnectionRegistry]) -> None:
         """Raise the soft file-descriptor limit to the hard one and shrink the budgets to fit under it."""

@@ -465,16 +465,20 @@ class TLSReloader:
         logged, never fatal.
         """
         loop = asyncio.get_running_loop()
-        while True:
+
+        def step() -> None:  # one trip to a worker thread per look: file reads, fsync, off the loop
             if tick is not None:
                 try:
-                    await loop.run_in_executor(None, tick)
+                    tick()
                 except Exception as exc:  # a failing refresh must not stop the watcher
                     log.warning("TLS watch tick failed: %s: %s", type(exc).__name__, exc)
             try:
-                await loop.run_in_executor(None, self.reload_if_changed)  # file reads, fsync: off the loop
+                self.reload_if_changed()
             except UompError as exc:
                 log.warning("%s", exc.message)
+
+        while True:
+            await loop.run_in_executor(None, step)
             await asyncio.sleep(interval)
 
 
