@@ -19,7 +19,7 @@ from gateway.cli.main import paths_from
 from gateway.errors import ErrorCode, UompError
 from gateway.guard import exchange
 from gateway.guard.adapters import ADAPTERS
-from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 ADAPTER_CHOICES = ("uomp-export", *ADAPTERS)
 
@@ -31,6 +31,7 @@ def wants_envelope(args: argparse.Namespace) -> bool:
 
 
 def import_file(args: argparse.Namespace) -> int:
+    """``uomp import FILE`` of our export envelope or through an ``--adapter``: all or nothing."""
     paths = paths_from(args)
     path = Path(args.file)
     adapter = args.adapter or "uomp-export"
@@ -39,7 +40,7 @@ def import_file(args: argparse.Namespace) -> int:
         print(f"dry run: {path.name} is a valid uomp export; nothing was written")
         return 0
     data = exchange.read_bounded(path)
-    with MemoryStore(paths.memory_db, create=True) as store:
+    with open_user_store(paths) as store:
         if adapter == "uomp-export":
             entries = exchange.parse_envelope(data)
             with userlog.change(paths) as event:
@@ -63,7 +64,7 @@ def import_file(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    with MemoryStore(paths.memory_db, create=True) as store:
+    with open_user_store(paths) as store:
         if args.out == "-":
             n = exchange.write_export(store, sys.stdout)
             print(f"exported {n} items", file=sys.stderr)
@@ -77,6 +78,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp export``."""
     e = sub.add_parser(
         "export",
         help="write the whole memory store (items, versions, history) as one JSON document",

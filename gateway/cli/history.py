@@ -14,15 +14,14 @@ import json
 
 from gateway.cli import userlog
 from gateway.cli.main import paths_from
-from gateway.config import GuardConfig, load_section
 from gateway.errors import ErrorCode, UompError
 from gateway.guard import history
-from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 
 def _history(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    with MemoryStore(paths.memory_db, create=True) as store:
+    with open_user_store(paths) as store:
         entries = history.history(store, args.key, limit=args.limit)
     if args.json:
         print(json.dumps(entries, indent=2, ensure_ascii=True))
@@ -45,9 +44,7 @@ def _history(args: argparse.Namespace) -> int:
 
 def _rollback(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    cfg = load_section(GuardConfig, "guard", file=paths.config_file)
-    with MemoryStore(paths.memory_db, create=True) as store, userlog.change(paths) as event:
-        history.set_retention(store, cfg.history_max_versions)
+    with open_user_store(paths) as store, userlog.change(paths) as event:
         new = history.rollback(store, args.key, args.to)
         event.action, event.key = "memory_rolled_back", args.key
         event.reason = "the user rolled a memory item back to an earlier version"

@@ -14,35 +14,29 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from gateway.atrest import memdb
 from gateway.cli import exchange, history, home, userlog
 from gateway.cli.main import paths_from
-from gateway.config import GuardConfig, Paths, load_section
+from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.guard import history as item_history
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
-from gateway.guard.store import SENSITIVITIES, MemoryItem, MemoryStore, utc_now
+from gateway.guard.items import SENSITIVITIES, MemoryItem, utc_now
+from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 LIST_DEFAULT_LIMIT = 100
 
 
 def _open_store(args: argparse.Namespace) -> MemoryStore:
     """The store, with the history retention of ``[guard] history_max_versions`` applied."""
-    paths = paths_from(args)
-    store = MemoryStore(paths.memory_db, create=True)
-    try:
-        item_history.set_retention(
-            store, load_section(GuardConfig, "guard", file=paths.config_file).history_max_versions
-        )
-    except BaseException:
-        store.close()
-        raise
-    return store
+    return open_user_store(paths_from(args))
 
 
 def _init_store(paths: Paths) -> dict[str, bool]:
     """``uomp init`` step: create the (empty) Memory Store if it is not there yet."""
     existed = paths.memory_db.exists()
-    MemoryStore(paths.memory_db, create=True).close()
+    MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths)).close()
     return {"memory store": not existed}
 
 
@@ -245,12 +239,13 @@ column (a day over 12 settles it) or from --date-order.
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp memory`` and ``uomp import`` to the command line."""
     if _init_store not in home.INIT_HOOKS:
         home.INIT_HOOKS.append(_init_store)
 
     m = sub.add_parser(
         "memory",
-        help="add, show, list and delete Memory Items",
+        help="add, show, list and delete Memory Items; their history and rollback",
         description="Manage the Memory Items in $UOMP_HOME/memory.db directly.",
     )
     msub = m.add_subparsers(dest="memory_command", metavar="ACTION", required=True)
@@ -321,7 +316,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     i = sub.add_parser(
         "import",
-        help="import Memory Items from a CSV or JSON file (spec §12)",
+        help="import Memory Items from a CSV or JSON file (spec §12), an export, or another store's (--adapter)",
         description="Import Memory Items from a CSV or JSON file into $UOMP_HOME/memory.db.",
         epilog=_IMPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -28,14 +28,15 @@ from gateway.cli import userlog
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.proposals import STATUSES, Proposal, ProposalBook, WriteBudgets
+from gateway.guard.proposal_rules import WriteBudgets
+from gateway.guard.proposals import STATUSES, Proposal, ProposalBook
 from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 
 def _book(paths: Paths) -> tuple[MemoryStore, ProposalBook]:
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
-    store = MemoryStore(paths.memory_db, create=True)
-    return store, ProposalBook(store, WriteBudgets.from_config(cfg))
+    return (store := open_user_store(paths, cfg)), ProposalBook(store, WriteBudgets.from_config(cfg))
 
 
 def _safe(value: Any) -> str:
@@ -143,6 +144,7 @@ def approve_shown(paths: Paths, book: ProposalBook, pid: str, shown: str, *, via
 
 
 def reject(paths: Paths, book: ProposalBook, pid: str, *, via: str = "cli") -> dict[str, Any]:
+    """Reject one pending proposal, audited with its origin ``via`` (the CLI or the dashboard)."""
     view = book.show(pid)
     with userlog.change(paths, via=via) as event:
         done = book.reject(pid)
@@ -201,6 +203,7 @@ def _decide(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp proposals list|show|approve|reject``."""
     p = sub.add_parser(
         "proposals",
         help="agents' proposed memory changes: list, show, approve, reject",

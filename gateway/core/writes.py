@@ -35,8 +35,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.core.canonical import canonical_json
+from gateway.core.capability import Scope
 from gateway.core.policy import Decision
-from gateway.core.tokens import Scope
 
 NOT_WRITABLE = "key is not within the granted write scope"
 HIGH_NOT_WRITABLE = "agents may not write high-sensitivity items"

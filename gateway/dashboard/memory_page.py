@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gateway.cli import userlog
-from gateway.config import GuardConfig, Paths, load_section
+from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.guard import history
 from gateway.guard.items import key_problem, tag_problem
-from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 if TYPE_CHECKING:
     from gateway.dashboard.server import Dashboard
@@ -37,7 +37,7 @@ def _safe(value: Any) -> str:
 
 def browse(paths: Paths, *, q: str, tag: str) -> tuple[list[dict[str, Any]], int]:
     """Items whose key starts with ``q`` (and that carry ``tag``), first :data:`PAGE`, and the total."""
-    with MemoryStore(paths.memory_db, create=True) as store, store.reading() as conn:
+    with open_user_store(paths) as store, store.reading() as conn:
         where, args = ["i.key >= ? AND i.key < ?"], [q, q + "\U0010ffff"]
         if tag:
             where.append("EXISTS (SELECT 1 FROM item_tags t WHERE t.item_key = i.key AND t.tag = ?)")
@@ -82,7 +82,8 @@ def readers(paths: Paths, key: str) -> list[tuple[str, int]]:
 
 
 def one(paths: Paths, key: str) -> dict[str, Any]:
-    with MemoryStore(paths.memory_db, create=True) as store:
+    """One key as the item page shows it: its current item (if any) and kept versions, escaped."""
+    with open_user_store(paths) as store:
         entries = history.history(store, key)
     if not entries:
         raise UompError(ErrorCode.NOT_FOUND, "no item and no history for this key")
@@ -95,9 +96,8 @@ def one(paths: Paths, key: str) -> dict[str, Any]:
 
 
 def rollback(paths: Paths, key: str, version: int) -> int:
-    cfg = load_section(GuardConfig, "guard", file=paths.config_file)
-    with MemoryStore(paths.memory_db, create=True) as store, userlog.change(paths, via="dashboard") as event:
-        history.set_retention(store, cfg.history_max_versions)
+    """Make ``version`` current again (a new version, audited with origin dashboard); the new version."""
+    with open_user_store(paths) as store, userlog.change(paths, via="dashboard") as event:
         new = history.rollback(store, key, version)
         event.action, event.key = "memory_rolled_back", key
         event.reason = "the user rolled a memory item back to an earlier version"
@@ -106,7 +106,8 @@ def rollback(paths: Paths, key: str, version: int) -> int:
 
 
 def delete(paths: Paths, key: str) -> None:
-    with MemoryStore(paths.memory_db, create=True) as store, userlog.change(paths, via="dashboard") as event:
+    """Delete the item (its history is kept), audited with origin dashboard."""
+    with open_user_store(paths) as store, userlog.change(paths, via="dashboard") as event:
         if not store.delete(key):
             raise UompError(ErrorCode.NOT_FOUND, "no item with this key")
         event.action, event.key, event.reason = "memory_deleted", key, "the user deleted a memory item"
@@ -119,6 +120,8 @@ def _key(raw: Any) -> str:
 
 
 class MemoryPages:
+    """The Memory page's handlers: browse, one item, and its changes (delete, rollback)."""
+
     def __init__(self, dash: Dashboard) -> None:
         self.dash = dash
 
@@ -174,6 +177,7 @@ class MemoryPages:
 
 
 def register(app: web.Application, dash: Dashboard) -> None:
+    """Adds the Memory page's routes to the dashboard app."""
     pages = MemoryPages(dash)
     app.router.add_get("/memory", pages.page)
     app.router.add_get("/memory/item", pages.item)

@@ -22,8 +22,10 @@ from gateway.cli import proposals as proposals_cli
 from gateway.cli import userlog
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.proposals import ProposalBook, WriteBudgets
+from gateway.guard.proposal_rules import WriteBudgets
+from gateway.guard.proposals import ProposalBook
 from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 if TYPE_CHECKING:
     from gateway.dashboard.server import Dashboard
@@ -47,8 +49,7 @@ def _side(view: dict[str, Any] | None) -> list[tuple[str, str]] | None:
 
 def _open(paths: Paths) -> tuple[MemoryStore, ProposalBook]:
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
-    store = MemoryStore(paths.memory_db, create=True)
-    return store, ProposalBook(store, WriteBudgets.from_config(cfg))
+    return (store := open_user_store(paths, cfg)), ProposalBook(store, WriteBudgets.from_config(cfg))
 
 
 def inbox(paths: Paths) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -74,6 +75,7 @@ def inbox(paths: Paths) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def decide(paths: Paths, pid: str, how: str, shown: str) -> dict[str, Any]:
+    """Approve (the change shown: ``shown`` is its hash) or reject one proposal, audited with origin dashboard."""
     store, book = _open(paths)
     with store:
         if how == "approve":
@@ -121,6 +123,7 @@ class ProposalPages:
 
 
 def register(app: web.Application, dash: Dashboard) -> None:
+    """Adds the Proposals inbox's routes to the dashboard app."""
     pages = ProposalPages(dash)
     app.router.add_get("/proposals", pages.page)
     app.router.add_post("/proposals/{pid}/{how:approve|reject}", pages.decide)

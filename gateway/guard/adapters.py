@@ -91,6 +91,7 @@ def _dedup(tags: list[str]) -> tuple[str, ...]:
 
 
 def mem0(data: bytes, *, sensitivity: str) -> Iterator[MemoryItem]:
+    """Items of a mem0 export (a list, or ``results`` / ``memories``), each with ``sensitivity``."""
     doc = _json(data, "mem0")
     rows = doc.get("results", doc.get("memories")) if isinstance(doc, dict) else doc
     if not isinstance(rows, list):
@@ -116,6 +117,7 @@ def mem0(data: bytes, *, sensitivity: str) -> Iterator[MemoryItem]:
 
 
 def claude_md(data: bytes, *, sensitivity: str) -> Iterator[MemoryItem]:
+    """Items of a Claude Code memory markdown file (CLAUDE.md), each with ``sensitivity``."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -160,6 +162,7 @@ def claude_md(data: bytes, *, sensitivity: str) -> Iterator[MemoryItem]:
 
 
 def dsh_export(data: bytes, *, sensitivity: str) -> Iterator[MemoryItem]:
+    """Items of a dsh ``memory-export-v1`` envelope, each with ``sensitivity``."""
     doc = _json(data, "dsh-export")
     if not isinstance(doc, dict) or doc.get("schema") != "memory-export-v1":
         got = doc.get("schema") if isinstance(doc, dict) else None

@@ -42,7 +42,7 @@ from gateway.guard.items import (
     timestamp_problem,
     utc_now,
 )
-from gateway.guard.store import MemoryStore
+from gateway.guard.storage import MemoryStorage
 
 SCHEMA = "uomp-memory-export"
 SCHEMA_VERSION = 1
@@ -77,7 +77,7 @@ def _history_rows(conn: Any, key: str) -> list[dict[str, Any]]:
     return out
 
 
-def export_items(store: MemoryStore) -> Iterator[dict[str, Any]]:
+def export_items(store: MemoryStorage) -> Iterator[dict[str, Any]]:
     """Every item (and deleted key with history) of ``store`` as envelope entries, in key order."""
     with store.reading() as conn:
         keys = conn.execute("SELECT key FROM items UNION SELECT DISTINCT key FROM item_versions ORDER BY 1").fetchall()
@@ -110,7 +110,7 @@ def export_items(store: MemoryStore) -> Iterator[dict[str, Any]]:
         yield entry
 
 
-def write_export(store: MemoryStore, out: IO[str]) -> int:
+def write_export(store: MemoryStorage, out: IO[str]) -> int:
     """Write the envelope to ``out``, one item at a time; how many entries."""
     head = {
         "schema": SCHEMA,
@@ -127,7 +127,7 @@ def write_export(store: MemoryStore, out: IO[str]) -> int:
     return n
 
 
-def export_file(store: MemoryStore, path: Path) -> int:
+def export_file(store: MemoryStorage, path: Path) -> int:
     """The envelope into ``path``, streamed into a 0600 temporary file beside it (it holds every
     value), flushed to disk and renamed over ``path``: a crash leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -237,7 +237,7 @@ def _item(key: str, e: dict[str, Any]) -> MemoryItem:
     )  # fmt: skip
 
 
-def restore(store: MemoryStore, entries: list[dict[str, Any]], *, replace: bool) -> tuple[int, int]:
+def restore(store: MemoryStorage, entries: list[dict[str, Any]], *, replace: bool) -> tuple[int, int]:
     """Write validated envelope entries in ONE transaction: (items written, keys replaced)."""
     replaced = 0
     written = 0
@@ -292,6 +292,7 @@ def restore(store: MemoryStore, entries: list[dict[str, Any]], *, replace: bool)
 
 
 def read_bounded(path: Path) -> bytes:
+    """The file's bytes; IMPORT_INVALID when it is larger than :data:`MAX_IMPORT_BYTES`."""
     try:
         size = path.stat().st_size
         if size > MAX_IMPORT_BYTES:
@@ -325,7 +326,7 @@ def adapt(adapter: str, data: bytes, *, sensitivity: str) -> list[MemoryItem]:
     return items
 
 
-def write_items(store: MemoryStore, items: Iterable[MemoryItem], *, replace: bool) -> tuple[int, int]:
+def write_items(store: MemoryStorage, items: Iterable[MemoryItem], *, replace: bool) -> tuple[int, int]:
     """Validated items in one transaction: (written, replaced)."""
     items = list(items)
     with store.bulk_writer(replace=replace) as w:

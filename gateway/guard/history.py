@@ -19,7 +19,7 @@ from gateway import jsonio
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.items import MemoryItem, utc_now
-from gateway.guard.store import MemoryStore
+from gateway.guard.storage import MemoryStorage
 
 MAX_HISTORY = 1000
 
@@ -31,7 +31,7 @@ _SQL_UPSERT = (
 )
 
 
-def set_retention(store: MemoryStore, max_versions: int) -> None:
+def set_retention(store: MemoryStorage, max_versions: int) -> None:
     """How many earlier versions each key keeps from now on (0: all)."""
     if isinstance(max_versions, bool) or not isinstance(max_versions, int) or max_versions < 0:
         raise UompError(ErrorCode.CONFIG_ERROR, "history_max_versions must be an integer >= 0 (0 keeps all)")
@@ -62,7 +62,7 @@ def _version_entry(row: tuple[Any, ...]) -> dict[str, Any]:
     return out
 
 
-def history(store: MemoryStore, key: str, *, limit: int = 100) -> list[dict[str, Any]]:
+def history(store: MemoryStorage, key: str, *, limit: int = 100) -> list[dict[str, Any]]:
     """Every kept version of ``key``, newest first; the current item (if any) first with
     ``"current": true``. Empty when the key was never used (or its history was not kept)."""
     limit = max(1, min(limit, MAX_HISTORY))
@@ -105,7 +105,7 @@ def history(store: MemoryStore, key: str, *, limit: int = 100) -> list[dict[str,
     return out[:limit]
 
 
-def rollback(store: MemoryStore, key: str, to_version: int) -> int:
+def rollback(store: MemoryStorage, key: str, to_version: int) -> int:
     """Make version ``to_version`` of ``key`` current again, as a new version (one transaction);
     the new version. INVALID_REQUEST for a version that is not kept, is a deletion, or is current."""
     with store.writing() as conn:
@@ -149,7 +149,7 @@ def rollback(store: MemoryStore, key: str, to_version: int) -> int:
         return int(conn.execute("SELECT version FROM items WHERE key = ?", (key,)).fetchone()[0])
 
 
-def purge(store: MemoryStore, key: str) -> int:
+def purge(store: MemoryStorage, key: str) -> int:
     """Remove ``key``'s item and every kept version of it, in one transaction (``secure_delete``
     overwrites their bytes); how many history rows went."""
     with store.writing() as conn:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import json
-import secrets
 import sqlite3
 import time
 from collections.abc import Mapping
@@ -38,29 +37,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import jsonio
-from gateway.config import GuardConfig
 from gateway.core import writes
-from gateway.core.tokens import Scope, iso
+from gateway.core.capability import Scope
+from gateway.core.tokens import iso
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.items import (
-    MemoryItem,
-    description_problem,
-    encode_value,
-    key_problem,
-    tags_problem,
-    utc_now,
+from gateway.guard.items import MemoryItem, encode_value, key_problem, utc_now
+from gateway.guard.proposal_rules import (
+    WriteBudgets,
+    WriteRefused,
+    base_version_of,
+    budget_exceeded,
+    check_budgets,
+    item_and_version,
+    new_proposal_id,
+    parse_put_body,
 )
-from gateway.guard.store import MemoryStore
+from gateway.guard.storage import MemoryStorage
 
 STATUSES = ("pending", "approved", "rejected", "withdrawn", "expired", "stale")
 MAX_LIST = 1000
-_ID_CHARS = 22
-
-_SQL_ITEM = (
-    "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description, version "
-    "FROM items WHERE key = ?"
-)
 _SQL_COLS = (
     "proposal_id, session_id, agent_id, op, key, value, tags, sensitivity, description, base_version, size, "
     "status, created_at, expires_at, decided_at, decided_by, applied_version, via"
@@ -74,28 +70,9 @@ _SQL_UPSERT = (
 
 
 @dataclass(frozen=True)
-class WriteBudgets:
-    max_pending_per_session: int = 20
-    max_per_session: int = 100
-    max_per_agent_hour: int = 60
-    max_pending_total: int = 1000
-    max_value_bytes: int = 16 * 1024
-    lifetime_seconds: int = 7 * 24 * 3600
-
-    @classmethod
-    def from_config(cls, cfg: GuardConfig) -> WriteBudgets:
-        return cls(
-            max_pending_per_session=cfg.write_max_pending_per_session,
-            max_per_session=cfg.write_max_per_session,
-            max_per_agent_hour=cfg.write_max_per_agent_hour,
-            max_pending_total=cfg.write_max_pending_total,
-            max_value_bytes=cfg.write_max_value_bytes,
-            lifetime_seconds=cfg.write_proposal_lifetime_seconds,
-        )
-
-
-@dataclass(frozen=True)
 class Proposal:
+    """One proposal as stored: the change, its base version, its status and decision."""
+
     proposal_id: str
     session_id: str
     agent_id: str
@@ -183,104 +160,10 @@ def _proposal_of(row: tuple[Any, ...]) -> Proposal:
     )
 
 
-def _item_and_version(conn: sqlite3.Connection, key: str) -> tuple[MemoryItem | None, int]:
-    """The item (None if absent) and the version of the key's state: the item's ``version``, or for
-    an absent key the highest version its history reached (0: never used)."""
-    row = conn.execute(_SQL_ITEM, (key,)).fetchone()
-    if row is not None:
-        k, value, tags, sens, source, created, updated, desc, version = row
-        item = MemoryItem(k, jsonio.loads(value), tuple(jsonio.loads(tags)), sens, source, created, updated, desc)
-        return item, int(version)
-    top = conn.execute("SELECT max(version) FROM item_versions WHERE key = ?", (key,)).fetchone()[0]
-    return None, int(top or 0)
-
-
-class WriteRefused(UompError):
-    """ACCESS_DENIED for a change outside the write scope; ``audit_detail`` (which rule) is for the
-    user's audit view only, never the agent's answer (spec §21)."""
-
-    def __init__(self, message: str, *, session_id: str | None, audit_detail: str) -> None:
-        super().__init__(ErrorCode.ACCESS_DENIED, message, session_id=session_id)
-        self.audit_detail = audit_detail
-
-
-def _budget(name: str, used: int, limit: int, needed: int, message: str, session_id: str | None) -> UompError:
-    return UompError(
-        ErrorCode.BUDGET_EXCEEDED,
-        f"{message} ({used} used of {limit}, {needed} more needed); wait for the user to decide or withdraw some",
-        session_id=session_id,
-        details={"budget": name, "used": used, "limit": limit, "needed": needed},
-    )
-
-
-def new_proposal_id() -> str:
-    return "prop_" + secrets.token_urlsafe(16)[:_ID_CHARS]
-
-
-def parse_put_body(body: Mapping[str, Any], old: MemoryItem | None) -> tuple[Any, tuple[str, ...], str, str | None]:
-    """(value, tags, sensitivity, description) of a proposed put; missing members keep the item's
-    (a new item: no tags, ``medium``, no description). INVALID_REQUEST names the bad member."""
-    unknown = set(body) - {"value", "tags", "sensitivity", "description", "base_version"}
-    if unknown:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"unknown member {sorted(unknown)[0][:40]!r} in the write body")
-    if "value" not in body:
-        raise UompError(ErrorCode.INVALID_REQUEST, "the write body needs a value (any JSON value)")
-    tags = body.get("tags", list(old.tags) if old else [])
-    problem = tags_problem(tags)
-    if problem:
-        raise UompError(ErrorCode.INVALID_REQUEST, problem)
-    sensitivity = body.get("sensitivity", old.sensitivity if old else "medium")
-    if sensitivity not in ("low", "medium", "high"):
-        raise UompError(ErrorCode.INVALID_REQUEST, "sensitivity must be low or medium")
-    description = body.get("description", old.description if old else None)
-    problem = description_problem(description)
-    if problem:
-        raise UompError(ErrorCode.INVALID_REQUEST, problem)
-    return body["value"], tuple(tags), str(sensitivity), description
-
-
-def base_version_of(body: Mapping[str, Any] | None, if_match: str | None) -> int | None:
-    """The version the agent says it based the change on: ``If-Match: "N"`` or ``base_version``;
-    both must agree. None: not named (the version at the time of the proposal is taken)."""
-    named: list[int] = []
-    if if_match is not None:
-        text = if_match.strip()
-        if text.startswith("W/"):
-            raise UompError(ErrorCode.INVALID_REQUEST, 'If-Match must be a strong version tag such as "3"')
-        text = text.strip('"')
-        if not (text.isascii() and text.isdigit()) or len(text) > 15:
-            raise UompError(ErrorCode.INVALID_REQUEST, 'If-Match must be an item version such as "3"')
-        named.append(int(text))
-    if body is not None and "base_version" in body:
-        v = body["base_version"]
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**53:
-            raise UompError(ErrorCode.INVALID_REQUEST, "base_version must be a non-negative integer")
-        named.append(v)
-    if len(set(named)) > 1:
-        raise UompError(ErrorCode.INVALID_REQUEST, "If-Match and base_version name different versions")
-    return named[0] if named else None
-
-
-def write_grant_problem(store: MemoryStore, body: Mapping[str, Any]) -> str | None:
-    """A grant whose write scope names a high-sensitivity item by key is refused (§11.3, §20.4):
-    agents never write those, so the grant would promise what the guard refuses."""
-    scopes = body.get("granted_scopes")
-    write = scopes.get("write") if isinstance(scopes, dict) else None
-    keys = write.get("keys") if isinstance(write, dict) else None
-    if not isinstance(keys, list):
-        return None
-    for key in keys[:1024]:
-        if isinstance(key, str):
-            meta = store.get_meta(key)
-            if meta is not None and meta.sensitivity == "high":
-                return "a write scope cannot name a high-sensitivity item: agents never write those"
-    return None
-
-
 class ProposalBook:
-    """Proposals in ``memory.db`` (table ``proposals``), over one :class:`MemoryStore`."""
+    """Proposals in ``memory.db`` (table ``proposals``), over one memory store."""
 
-    def __init__(self, store: MemoryStore, budgets: WriteBudgets | None = None, *, clock: Any = time.time) -> None:
+    def __init__(self, store: MemoryStorage, budgets: WriteBudgets | None = None, *, clock: Any = time.time) -> None:
         self.store = store
         self.budgets = budgets or WriteBudgets()
         self.clock = clock
@@ -318,7 +201,7 @@ class ProposalBook:
         b = self.budgets
         now = self.clock()
         with self.store.writing() as conn:
-            old, version = _item_and_version(conn, key)
+            old, version = item_and_version(conn, key)
             value_text = tags_text = sensitivity = description = None
             size = 0
             if op == "put":
@@ -352,7 +235,7 @@ class ProposalBook:
                 value_text = encode_value(value)
                 size = len(value_text.encode("utf-8"))
                 if size > b.max_value_bytes:
-                    raise _budget(
+                    raise budget_exceeded(
                         "value_bytes", 0, b.max_value_bytes, size, "the proposed value is too large", session_id
                     )
                 tags_text = json.dumps(list(tags), ensure_ascii=False, separators=(",", ":"))
@@ -363,46 +246,7 @@ class ProposalBook:
                     session_id=session_id,
                     details={"current_version": version, "base_version": claimed},
                 )
-            pending = conn.execute(
-                "SELECT count(*) FROM proposals WHERE session_id = ? AND status = 'pending'", (session_id,)
-            ).fetchone()[0]
-            if pending + 1 > b.max_pending_per_session:
-                raise _budget(
-                    "pending_per_session",
-                    pending,
-                    b.max_pending_per_session,
-                    1,
-                    "this session has too many proposals waiting",
-                    session_id,
-                )
-            limit = b.max_per_session if max_per_session is None else min(b.max_per_session, max_per_session)
-            made = conn.execute("SELECT count(*) FROM proposals WHERE session_id = ?", (session_id,)).fetchone()[0]
-            if made + 1 > limit:
-                raise _budget(
-                    "per_session", made, limit, 1, "this session has made all the proposals it may", session_id
-                )
-            hour = conn.execute(
-                "SELECT count(*) FROM proposals WHERE agent_id = ? AND created_at > ?", (agent_id, now - 3600)
-            ).fetchone()[0]
-            if hour + 1 > b.max_per_agent_hour:
-                raise _budget(
-                    "per_agent_hour",
-                    hour,
-                    b.max_per_agent_hour,
-                    1,
-                    "this agent has made too many proposals in the last hour",
-                    session_id,
-                )
-            total = conn.execute("SELECT count(*) FROM proposals WHERE status = 'pending'").fetchone()[0]
-            if total + 1 > b.max_pending_total:
-                raise _budget(
-                    "pending_total",
-                    total,
-                    b.max_pending_total,
-                    1,
-                    "too many proposals are waiting for the user",
-                    session_id,
-                )
+            check_budgets(conn, b, session_id=session_id, agent_id=agent_id, now=now, max_per_session=max_per_session)
             pid = new_proposal_id()
             conn.execute(
                 f"INSERT INTO proposals ({_SQL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,'pending',?,?,NULL,NULL,NULL,?)",
@@ -517,7 +361,7 @@ class ProposalBook:
             p = self._get(conn, proposal_id)
             if p is None:
                 raise UompError(ErrorCode.NOT_FOUND, "no such proposal; 'uomp proposals list' shows them")
-            old, version = _item_and_version(conn, p.key)
+            old, version = item_and_version(conn, p.key)
         return self._view(p, old, version)
 
     @staticmethod
@@ -574,7 +418,7 @@ class ProposalBook:
                     ErrorCode.INVALID_STATE, f"the proposal is {p.status}, not pending", details={"status": p.status}
                 )
             else:
-                old, version = _item_and_version(conn, p.key)
+                old, version = item_and_version(conn, p.key)
                 if version != p.base_version:
                     conn.execute(
                         "UPDATE proposals SET status = 'stale', decided_at = ?, decided_by = ? "
@@ -615,7 +459,7 @@ class ProposalBook:
         if p.op == "delete":
             conn.execute("DELETE FROM item_tags WHERE item_key = ?", (p.key,))
             conn.execute("DELETE FROM items WHERE key = ?", (p.key,))
-            return _item_and_version(conn, p.key)[1]
+            return item_and_version(conn, p.key)[1]
         now = utc_now()
         created = old.created_at if old is not None else now
         value_text = encode_value(p.value)
@@ -634,7 +478,7 @@ class ProposalBook:
             ),
         )
         conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", [(t, p.key) for t in tags])
-        return _item_and_version(conn, p.key)[1]
+        return item_and_version(conn, p.key)[1]
 
     def reject(self, proposal_id: str, *, by: str = "user") -> dict[str, Any]:
         now = self.clock()

@@ -19,10 +19,11 @@ from guardkit import seed
 
 from gateway.cli.main import main
 from gateway.config import Paths
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 from gateway.errors import UompError
 from gateway.guard import history
-from gateway.guard.proposals import ProposalBook, WriteBudgets
+from gateway.guard.proposal_rules import WriteBudgets
+from gateway.guard.proposals import ProposalBook
 from gateway.guard.store import MemoryStore
 
 SCOPE = Scope(tags=("preference",), keys=())

@@ -12,54 +12,25 @@ gateway's (mTLS and tunnel):
 
 Every request, allowed or refused, is one audit event of the requesting session (``write``,
 ``delete``, ``proposals``, ``proposal_withdraw``) with the proposal id; the value is never logged.
-Uses the private request helpers of :mod:`gateway.guard.app` (``_json_body``) until they have
-public names.
+The proposals themselves are :mod:`gateway.guard.proposals` (:meth:`GuardServices.proposal_book`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import Mapping
-from typing import Any
 
 from aiohttp import web
 
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.app import AgentCall, GuardRoute, GuardServices, _answer_refusal, _json_body, _via
-from gateway.guard.history import set_retention
-from gateway.guard.proposals import ProposalBook, WriteBudgets, WriteRefused, write_grant_problem
-from gateway.guard.store import MemoryStore
+from gateway.guard.agent_call import AgentCall, answer_refusal
+from gateway.guard.http import GuardRoute, event_via, json_body
+from gateway.guard.proposal_rules import WriteRefused
 
-_BOOKS: weakref.WeakKeyDictionary[MemoryStore, ProposalBook] = weakref.WeakKeyDictionary()
 MAX_PROPOSAL_ID = 64
 
 
-def book_for(svc: GuardServices) -> ProposalBook:
-    """The guard's proposal book over its memory store (made on first use; sets the history
-    retention of the store from ``[guard] history_max_versions``)."""
-    store = svc.store
-    if not isinstance(store, MemoryStore):
-        raise UompError(ErrorCode.WRITE_NOT_AVAILABLE, "this memory store does not take proposals")
-    book = _BOOKS.get(store)
-    if book is None:
-        set_retention(store, svc.cfg.history_max_versions)
-        book = ProposalBook(store, WriteBudgets.from_config(svc.cfg))
-        _BOOKS[store] = book
-    return book
-
-
-async def check_write_grant(svc: GuardServices, body: Mapping[str, Any]) -> None:
-    """Called by the grant route before the Auth Service grants: see :func:`write_grant_problem`."""
-    store = svc.store
-    if not isinstance(store, MemoryStore):
-        return
-    problem = await asyncio.to_thread(write_grant_problem, store, body)
-    if problem is not None:
-        raise UompError(ErrorCode.ACCESS_DENIED, problem + "; leave that key out of the write grant")
-
-
 async def propose(request: web.Request) -> web.Response:
+    """``PUT``/``DELETE /v1/memory/{key}``: a proposal under the token's write scope (202), nothing applied."""
     op = "put" if request.method == "PUT" else "delete"
     key = request.match_info["key"]
     call = AgentCall(request, "write" if op == "put" else "delete", key=key)
@@ -67,7 +38,7 @@ async def propose(request: web.Request) -> web.Response:
     try:
         cap = await call.authenticate()
     except UompError as exc:
-        return await _answer_refusal(call, exc)
+        return await answer_refusal(call, exc)
     if cap.write.is_empty():
         return await call.refuse(
             UompError(
@@ -77,13 +48,13 @@ async def propose(request: web.Request) -> web.Response:
             )
         )
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
     except UompError as exc:
         return await call.refuse(UompError(exc.code, exc.message, session_id=cap.session_id))
     try:
-        book = book_for(svc)
+        via = event_via(request)
         proposal, detail = await asyncio.to_thread(
-            lambda: book.propose(
+            lambda: svc.proposal_book().propose(
                 scope=cap.write,
                 session_id=cap.session_id,
                 agent_id=cap.agent_id,
@@ -91,7 +62,7 @@ async def propose(request: web.Request) -> web.Response:
                 key=key,
                 body=body if (body or op == "put") else None,
                 if_match=request.headers.get("If-Match"),
-                via=_via(request),
+                via=via,
                 max_per_session=cap.max_write_queries,
             )
         )
@@ -110,14 +81,14 @@ async def propose(request: web.Request) -> web.Response:
 
 
 async def own_proposals(request: web.Request) -> web.Response:
+    """``GET /v1/proposals``: the requesting session's own proposals and their outcome."""
     call = AgentCall(request, "proposals")
     try:
         cap = await call.authenticate()
     except UompError as exc:
-        return await _answer_refusal(call, exc)
+        return await answer_refusal(call, exc)
     try:
-        book = book_for(call.svc)
-        found = await asyncio.to_thread(book.for_session, cap.session_id)
+        found = await asyncio.to_thread(lambda: call.svc.proposal_book().for_session(cap.session_id))
     except UompError as exc:
         return await call.refuse(exc)
     call.allow("own session's proposals", f"{len(found)} proposals")
@@ -125,16 +96,16 @@ async def own_proposals(request: web.Request) -> web.Response:
 
 
 async def withdraw(request: web.Request) -> web.Response:
+    """``POST /v1/proposals/{id}/withdraw``: take back one of the session's own pending proposals."""
     pid = request.match_info["pid"][:MAX_PROPOSAL_ID]
     call = AgentCall(request, "proposal_withdraw")
     call.fields["proposal_id"] = pid
     try:
         cap = await call.authenticate()
     except UompError as exc:
-        return await _answer_refusal(call, exc)
+        return await answer_refusal(call, exc)
     try:
-        book = book_for(call.svc)
-        done = await asyncio.to_thread(book.withdraw, pid, cap.session_id)
+        done = await asyncio.to_thread(lambda: call.svc.proposal_book().withdraw(pid, cap.session_id))
     except UompError as exc:
         return await call.refuse(exc)
     call.key = done.key
@@ -142,7 +113,7 @@ async def withdraw(request: web.Request) -> web.Response:
     return await call.respond(done.summary())
 
 
-ROUTES = (
+ROUTES: tuple[GuardRoute, ...] = (
     GuardRoute("PUT", "/v1/memory/{key}", propose),
     GuardRoute("DELETE", "/v1/memory/{key}", propose),
     GuardRoute("GET", "/v1/proposals", own_proposals),
