@@ -59,6 +59,7 @@ from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.db import DbWorker, Durable
 from gateway.errors import ErrorCode, UompError
+from gateway.guard.fieldname import aggregate_field
 from gateway.guard.audit import (
     EXTRA_FIELDS,
     GATEWAY_ID_PREFIX,
@@ -392,7 +393,7 @@ class AgentCall:
         if not read:
             return cap, row, None, None
         try:
-            return cap, row, self.svc.auth.consume_read(cap), None
+            return cap, row, self.svc.auth.consume_read(cap, row), None
         except UompError as exc:
             return cap, row, 0, exc
 
@@ -737,7 +738,7 @@ async def aggregate(request: web.Request) -> web.Response:
     try:
         tag = _param(request, "tag")
         op = _param(request, "op")
-        field = _param(request, "field", required=False)
+        field = aggregate_field(_param(request, "field", required=False))
         assert tag is not None and op is not None
         call.tags = [tag]
         if op not in policy.OPS:
@@ -748,8 +749,8 @@ async def aggregate(request: web.Request) -> web.Response:
             if path is None:
                 raise UompError(
                     ErrorCode.INVALID_REQUEST,
-                    "field is required for numeric ops: value or "
-                    "value.<name>[.<name>...] with names of letters, digits, _ - : @",
+                    "field is required for numeric ops: value, value.<name>[.<name>...] or <name>[.<name>...] "
+                    "(short for value.<name>...), with names of letters, digits, _ - : @",
                 )
         cap = await call.authenticate(read=True)
     except UompError as exc:
