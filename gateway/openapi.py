@@ -485,7 +485,8 @@ def document() -> dict[str, Any]:
                     ),
                     _param(
                         "field",
-                        description="value, value.<name>... or <name>... (short for value.<name>...): needed for every op but count",
+                        description="value, value.<name>... or <name>... (short for value.<name>...): "
+                        "needed for every op but count",
                         example="value.market_value",
                     ),
                 ],

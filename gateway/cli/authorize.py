@@ -322,20 +322,14 @@ def _cert_binding(cert_pem: bytes) -> dict[str, str]:
     return {"x5t#S256": jose.cert_thumbprint(der), "jkt": jose.key_thumbprint(pub)}  # type: ignore[arg-type]
 
 
-def _authorize(args: argparse.Namespace) -> int:
-    paths = paths_from(args)
-    agent_dir = Path(args.agent_dir)
-    path = agent_dir / "uom.json" if agent_dir.is_dir() else agent_dir
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
-    m = manifest.parse_manifest(raw)
-    ident = manifest.verify_identity(m.raw)
+def consent(
+    args: argparse.Namespace, paths: Paths, m: manifest.Manifest, ident: manifest.IdentityResult, cfg: GuardConfig
+) -> tuple[restrictions.ReadGrant, float]:
+    """The consent panel and every refusal of ``uomp authorize`` before anything is made: what the
+    agent asks for (scopes, retention, publisher), the grant (narrowed by the user; wider only with
+    ``--widen``), the session, the aggregates; then the user's yes. Returns the read grant and the
+    session length. Used by ``uomp authorize`` and by ``uomp requests approve``."""
     trusted = trust.load(paths)
-    cfg = guard_config(args, paths)
-    if args.remote:
-        _check_gateway_url(args, paths)
     _show(m, ident, trusted)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
@@ -358,47 +352,127 @@ def _authorize(args: argparse.Namespace) -> int:
             "--require-verified is set; see uomp trust",
         )
     _confirm(args)
+    return plan, seconds
+
+
+def session_request(
+    m: manifest.Manifest, ident: manifest.IdentityResult, seconds: float, *, remote: bool
+) -> dict[str, Any]:
+    """The Auth Service's create-session body for this manifest (what the agent asked for)."""
+    create: dict[str, Any] = {
+        "agent_id": m.agent.id,
+        "agent_name": m.agent.name,
+        "requested_scopes": {"read": m.read.to_claim()},
+        "duration_minutes": seconds / 60,
+        "profile": "remote" if remote else "local",
+    }
+    if ident.verified and ident.public_key is not None:
+        create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
+    if m.retention is not None:
+        create["data_retention_policy"] = {
+            "max_retention_seconds": m.retention.max_retention_seconds,
+            "deletion_method": m.retention.deletion_method,
+            "proof_required": m.retention.proof_required,
+        }
+    return create
+
+
+def grant_request(plan: restrictions.ReadGrant, args: argparse.Namespace) -> dict[str, Any]:
+    """The Auth Service's grant body: the read grant the user consented to and the grant flags."""
+    grant: dict[str, Any] = {
+        "granted_scopes": {"read": plan.scope.to_claim()},
+        "widen": bool(plan.widened),
+        "aggregation_only": plan.aggregation_only,
+        "task_bound": args.task_bound,
+        "aggregate_min_max": args.aggregate_min_max,
+        "aggregate_exact": args.aggregate_exact,
+    }
+    if plan.allowed_fields is not None:
+        grant["allowed_fields"] = list(plan.allowed_fields)
+    if args.max_reads is not None:
+        grant["limits"] = {"max_read_queries": args.max_reads}
+    return grant
+
+
+def bind_remote(grant: dict[str, Any], m: manifest.Manifest, url: str, cert_pem: bytes) -> None:
+    """Make ``grant`` a Remote Profile grant for ``url``, bound to the agent certificate's key."""
+    from gateway.core import ca
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    if ca.agent_id_from_cert(cert) != m.agent.id:
+        raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
+    parts = urlsplit(url)
+    host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+    grant.update(
+        {
+            "profile": "remote",
+            "audience": url,
+            "allowed_endpoints": [host],
+            "cnf": _cert_binding(cert_pem),
+            "refresh": True,
+        }
+    )
+
+
+def remote_bundle(
+    paths: Paths,
+    m: manifest.Manifest,
+    session_id: str,
+    url: str,
+    answer: dict[str, Any],
+    cert_pem: bytes,
+    *,
+    agent_key: str | None = None,
+    agent_key_file: str | None = None,
+) -> AgentBundle:
+    """What a remote agent needs after a grant (its key only when this side made it)."""
+    return AgentBundle(
+        agent_id=m.agent.id,
+        session_id=session_id,
+        gateway_url=url,
+        access_token=answer["token"],
+        access_expires_at=answer["expires_at"],
+        refresh_token=answer.get("refresh_token"),
+        refresh_expires_at=answer.get("refresh_expires_at"),
+        session_expires_at=answer.get("session_expires_at"),
+        ca_cert=ca_store.ca_cert_path(paths).read_text(),
+        agent_cert=cert_pem.decode(),
+        agent_key=agent_key,
+        agent_key_file=agent_key_file,
+        payload_public_key=userkey.public_b64(paths),
+        audit_verifier_key=_audit_verifier_key(paths),
+    )
+
+
+def _authorize(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    agent_dir = Path(args.agent_dir)
+    path = agent_dir / "uom.json" if agent_dir.is_dir() else agent_dir
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
+    m = manifest.parse_manifest(raw)
+    ident = manifest.verify_identity(m.raw)
+    cfg = guard_config(args, paths)
+    if args.remote:
+        _check_gateway_url(args, paths)
+    plan, seconds = consent(args, paths, m, ident, cfg)
     # Everything that can be checked is checked before anything is made: a refused authorize leaves
     # no session, no certificate and no file behind.
     given = _remote_inputs(args, paths, m) if args.remote else None
     auth = open_auth(paths, cfg)
     session_id: str | None = None
     try:
-        create: dict[str, Any] = {
-            "agent_id": m.agent.id,
-            "agent_name": m.agent.name,
-            "requested_scopes": {"read": m.read.to_claim()},
-            "duration_minutes": seconds / 60,
-            "profile": "remote" if args.remote else "local",
-        }
-        if ident.verified and ident.public_key is not None:
-            create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
-        if m.retention is not None:
-            create["data_retention_policy"] = {
-                "max_retention_seconds": m.retention.max_retention_seconds,
-                "deletion_method": m.retention.deletion_method,
-                "proof_required": m.retention.proof_required,
-            }
-        session_id = str(auth.create_session(create)["session_id"])
-        grant: dict[str, Any] = {
-            "granted_scopes": {"read": plan.scope.to_claim()},
-            "widen": bool(plan.widened),
-            "aggregation_only": plan.aggregation_only,
-            "task_bound": args.task_bound,
-            "aggregate_min_max": args.aggregate_min_max,
-            "aggregate_exact": args.aggregate_exact,
-        }
-        if plan.allowed_fields is not None:
-            grant["allowed_fields"] = list(plan.allowed_fields)
-        if args.max_reads is not None:
-            grant["limits"] = {"max_read_queries": args.max_reads}
+        session_id = str(auth.create_session(session_request(m, ident, seconds, remote=args.remote))["session_id"])
+        grant = grant_request(plan, args)
         if given is not None:
             return _remote(args, paths, auth, session_id, m, grant, given)
         _local(args, paths, cfg, m, auth.grant(session_id, grant))
         return 0
     except BaseException as exc:
         if session_id is not None:
-            _abandon(auth, session_id, exc)
+            abandon(auth, session_id, exc)
         raise
     finally:
         auth.close_db()
@@ -422,7 +496,7 @@ def _local(
     print(f"  env $(cat {env}) <agent command>")
 
 
-def _abandon(auth: Any, session_id: str, exc: BaseException) -> None:
+def abandon(auth: Any, session_id: str, exc: BaseException) -> None:
     """A session whose authorize failed after it was created ends at once, and the audit says why
     (its creation is already in the log, so it is ended, not erased)."""
     why = exc.code if isinstance(exc, UompError) else type(exc).__name__
@@ -584,37 +658,10 @@ def _remote_grant(
     agent_key_file: str | None,
     key_dir: Path | None,
 ) -> int:
-    cert = x509.load_pem_x509_certificate(cert_pem)
-    from gateway.core import ca
-
-    if ca.agent_id_from_cert(cert) != m.agent.id:
-        raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
-    host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-    grant.update(
-        {
-            "profile": "remote",
-            "audience": url,
-            "allowed_endpoints": [host],
-            "cnf": _cert_binding(cert_pem),
-            "refresh": True,
-        }
-    )
+    bind_remote(grant, m, url, cert_pem)
     answer = auth.grant(session_id, grant)
-    bundle = AgentBundle(
-        agent_id=m.agent.id,
-        session_id=session_id,
-        gateway_url=url,
-        access_token=answer["token"],
-        access_expires_at=answer["expires_at"],
-        refresh_token=answer.get("refresh_token"),
-        refresh_expires_at=answer.get("refresh_expires_at"),
-        session_expires_at=answer.get("session_expires_at"),
-        ca_cert=ca_store.ca_cert_path(paths).read_text(),
-        agent_cert=cert_pem.decode(),
-        agent_key=agent_key,
-        agent_key_file=agent_key_file,
-        payload_public_key=userkey.public_b64(paths),
-        audit_verifier_key=_audit_verifier_key(paths),
+    bundle = remote_bundle(
+        paths, m, session_id, url, answer, cert_pem, agent_key=agent_key, agent_key_file=agent_key_file
     )
     # with --out, everything for the agent (key, certificate, CA, bundle) is in that one directory
     out_path = Path(
@@ -645,9 +692,8 @@ def _remote_grant(
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
-    p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
+def add_grant_arguments(p: argparse.ArgumentParser) -> None:
+    """The consent flags (what to grant, how long, which publishers), shared with ``uomp requests approve``."""
     p.add_argument("-y", "--yes", action="store_true", help="do not ask; grant what is shown (for scripts)")
     p.add_argument(
         "--session-ttl",
@@ -693,6 +739,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="authorize on this machine an agent that declares requires_remote: true",
     )
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
+    p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
+    add_grant_arguments(p)
     p.add_argument(
         "--env-file",
         help="local profile: where to write UOM_TOKEN/UOMP_BASE_URL "

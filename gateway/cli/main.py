@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "gateway.cli.authorize",
     "gateway.cli.trust",
     "gateway.cli.agent",
+    "gateway.cli.enroll",
     "gateway.cli.gateway",
     "gateway.cli.payload",
     "gateway.cli.status",

@@ -59,7 +59,6 @@ from gateway.core import checks, deletion, jose, paging, policy
 from gateway.core.tokens import Capability
 from gateway.db import DbWorker, Durable
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.fieldname import aggregate_field
 from gateway.guard.audit import (
     EXTRA_FIELDS,
     GATEWAY_ID_PREFIX,
@@ -71,6 +70,7 @@ from gateway.guard.audit import (
     open_audit,
 )
 from gateway.guard.auth import AuthService, SessionRow, token_hash
+from gateway.guard.fieldname import aggregate_field
 from gateway.guard.items import MemoryItem
 from gateway.guard.reads import TOO_MANY_GROUPS, ReadState
 from gateway.guard.store import AggregateRow, ItemMeta, MemoryStorage, MemoryStore, ReadFilter, json_path
