@@ -36,7 +36,7 @@ from gateway.errors import ErrorCode, UompError
 from gateway.remote.app import STATE, Call, GatewayState, Route, _record, register_route
 
 MAX_BODY_BYTES = 128 * 1024
-POLL_AFTER_SECONDS = 2
+POLL_AFTER_SECONDS = 1
 MAX_SOURCES = 10_000
 
 
