@@ -741,6 +741,43 @@ def document() -> dict[str, Any]:
                 body={"type": "object", "properties": {"csr": STR}},
             )
         },
+        "/v1/enroll/ca": {
+            "get": _op(
+                "the user's CA certificate and its fingerprint, for an agent that enrolls (docs/enrollment.md): "
+                "it checks the fingerprint from its enrollment line before it sends anything",
+                (GW,),
+                ok=_ok(_closed(["ca_cert", "fingerprint"], {"ca_cert": STR, "fingerprint": STR})),
+                refusals=(400, 503),
+                security=None,
+            )
+        },
+        "/v1/enroll": {
+            "post": _op(
+                "enroll with a one-time code (docs/enrollment.md): code, manifest, CSR and a one-time X25519 key; "
+                "202 with the request id and its poll secret; every code that opens nothing: ENROLL_CODE_INVALID",
+                (GW,),
+                ok=_ok({"type": "object"}, "request opened, waiting for the user"),
+                status="202",
+                refusals=(400, 403, 413, 429, 503),
+                body=_closed(
+                    ["code", "manifest", "csr", "seal_key"],
+                    {"code": STR, "manifest": STR, "csr": STR, "seal_key": STR},
+                ),
+                security=None,
+            )
+        },
+        "/v1/enroll/{rid}/status": {
+            "post": _op(
+                "poll an enrollment request with its secret: 202 pending, 200 approved (the answer sealed to the "
+                "agent's key, handed over once), ENROLL_DENIED, 404 for an unknown id or a wrong secret alike",
+                (GW,),
+                ok=_ok({"type": "object"}),
+                refusals=(400, 403, 404, 409, 413, 429, 503),
+                body=_closed(["poll_token"], {"poll_token": STR}),
+                params=[_param("rid", "path", description="enrollment request id")],
+                security=None,
+            )
+        },
         "/v1/payload/upload": {
             "post": _op(
                 "upload a sealed payload (§15.6): the JSON envelope, or the streaming form "
