@@ -397,3 +397,39 @@ async def test_rate_limit_refuses_even_the_right_code(gw: Gateway) -> None:
     # another address is not held back by this one's failures, and the code was not spent
     status, body = await _post(gw, "/v1/enroll", _csr_body(good, manifest), source="127.0.0.6")
     assert status == 202, body
+
+
+async def _dashboard_agents_page(home: Path) -> str:
+    from gateway.config import DashboardConfig
+    from gateway.dashboard import security
+    from gateway.dashboard.server import Dashboard
+
+    d = Dashboard(Paths(home), DashboardConfig(port=0))
+    await d.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            link = d.login_link()
+            async with http.get(link, allow_redirects=False) as r:
+                m = re.match(rf"{security.COOKIE_NAME}=([^;]+);", r.headers["Set-Cookie"])
+                assert m
+            cookie = {"Cookie": f"{security.COOKIE_NAME}={m.group(1)}"}
+            async with http.get(d.base_url + "/agents", headers=cookie) as r:
+                assert r.status == 200
+                return await r.text()
+    finally:
+        await d.stop()
+
+
+async def test_dashboard_shows_what_a_pending_request_asks_for(gw: Gateway) -> None:
+    manifest = (CALENDAR / "uom.json").read_bytes()
+    status, opened = await _post(gw, "/v1/enroll", _csr_body(_code(invite(gw)), manifest))
+    assert status == 202
+    html = await _dashboard_agents_page(gw.home)
+    row = html[html.index(opened["request_id"]) :]
+    row = row[: row.index("</tr>")]
+    assert "pending" in row and "Calendar Assistant" in row
+    assert "read tags [&#39;preference&#39;]" in row or "read tags ['preference']" in row
+    assert "Retention: keeps data up to 300 s" in row
+    assert "Publisher: &#34;example-org&#34; (not verified" in row or 'Publisher: "example-org" (not verified' in row
+    assert f"uomp requests approve {opened['request_id']}" in row and opened["key_fingerprint"] in row
+    assert opened["poll_token"] not in html  # the agent's poll secret is never shown
