@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives import serialization
 
 from gateway import ca_store, trust
 from gateway.bundle import AgentBundle, write_bundle
+from gateway.cli import layout
 from gateway.cli.guard import guard_config, open_auth
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths
@@ -455,6 +456,18 @@ def _authorize(args: argparse.Namespace) -> int:
     m = manifest.parse_manifest(raw)
     ident = manifest.verify_identity(m.raw)
     cfg = guard_config(args, paths)
+    if args.layout != "uomp" and not args.remote:
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            f"--layout {args.layout} is for a remote agent's files: add --remote --out DIR (a local agent "
+            "gets UOM_TOKEN/UOMP_BASE_URL in its env file already, or run it with uomp run)",
+        )
+    if args.layout == "uomp-core" and (not args.out or args.cert or args.csr or args.bundle):
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            "--layout uomp-core writes the reference SDK's files into --out DIR (the agent's ~/.uomp): give --out, "
+            "without --cert, --csr or --bundle",
+        )
     if args.remote:
         _check_gateway_url(args, paths)
     plan, seconds = consent(args, paths, m, ident, cfg)
@@ -622,8 +635,14 @@ def _remote(
                 agent_key_file = str(Path(args.key_file).resolve())
         else:
             out = Path(args.out or (paths.agents_dir / m.agent.id))
-            # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
-            files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
+            if args.layout == "uomp-core":
+                # a new key each time, under the names the reference SDK reads
+                files = layout.rename_for_reference(
+                    ca_store.issue_with_key(paths, m.agent.id, layout.certs_dir(out), lifetime, reuse=False)
+                )
+            else:
+                # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
+                files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
             if files.new_key:
                 made.append(files.key_file)
             if not files.reused_cert:
@@ -634,7 +653,7 @@ def _remote(
             )
             cert_pem = files.cert_file.read_bytes()
             agent_key = files.key_file.read_text()
-            key_dir = files.out_dir
+            key_dir = files.out_dir if args.layout == "uomp" else None  # (the curl hint names agent.*)
         return _remote_grant(
             args, paths, auth, session_id, m, grant, url, parts, cert_pem, agent_key, agent_key_file, key_dir
         )
@@ -674,6 +693,15 @@ def _remote_grant(
     )
     out_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_bundle(out_path, bundle)
+    if args.layout == "uomp-core":
+        env = layout.write_env(Path(args.out), token=answer["token"], base_url=url, session_id=session_id)
+        print(f"For the reference SDK (@uomp/sdk): {Path(args.out)} is the agent's ~/.uomp")
+        print(f"  {layout.certs_dir(Path(args.out))}/client.crt, client.key (0600), ca.crt: its mTLS files")
+        print(f"  {env} (0600): UOM_TOKEN, UOMP_BASE_URL, UOMP_SESSION_ID")
+        print(
+            "  on the agent's machine: copy it to ~/.uomp, then: env $(cat ~/.uomp/uomp.env) node index.js "
+            "(the reference does not refresh tokens: its access token lasts the access lifetime above)"
+        )
     print(
         f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
         f"{answer['expires_at']}, refresh token until {answer.get('refresh_expires_at')} (renewed on each refresh)."
@@ -775,6 +803,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--key-file", help="with --csr or --cert: where the agent keeps its key (path recorded in the bundle)"
     )
     r.add_argument("--out", help="make key and certificate for the agent in this directory (key in the bundle)")
+    r.add_argument(
+        "--layout",
+        choices=layout.LAYOUTS,
+        default="uomp",
+        help="with --out: uomp (agent.key, agent.crt, ca.crt, bundle.json) or uomp-core (the reference SDK's "
+        "~/.uomp layout: .gateway-certs/client.crt, client.key, ca.crt and uomp.env with UOM_TOKEN, UOMP_BASE_URL)",
+    )
     r.add_argument("--cert-hours", type=float, default=24, help="agent certificate lifetime in hours (default 24)")
     r.add_argument(
         "--new-cert",
