@@ -506,7 +506,8 @@ def _local(
     atomic_write(env, f"UOM_TOKEN={answer['token']}\nUOMP_BASE_URL={base}\n".encode(), mode=0o600)
     print(f"Session {answer['session_id']} active until {answer['expires_at']}.")
     print(f"Token written to {env} (mode 0600). Start the agent with its variables, e.g.:")
-    print(f"  env $(cat {env}) <agent command>")
+    print(f"  (set -a; . {env}; exec <agent command>)   # the shell reads the file: no token on a command line")
+    print(f"or let uomp start it with a session of its own: uomp run {args.agent_dir} -- <agent command>")
 
 
 def abandon(auth: Any, session_id: str, exc: BaseException) -> None:
@@ -699,7 +700,7 @@ def _remote_grant(
         print(f"  {layout.certs_dir(Path(args.out))}/client.crt, client.key (0600), ca.crt: its mTLS files")
         print(f"  {env} (0600): UOM_TOKEN, UOMP_BASE_URL, UOMP_SESSION_ID")
         print(
-            "  on the agent's machine: copy it to ~/.uomp, then: env $(cat ~/.uomp/uomp.env) node index.js "
+            "  on the agent's machine: copy it to ~/.uomp, then: (set -a; . ~/.uomp/uomp.env; exec node index.js) "
             "(the reference does not refresh tokens: its access token lasts the access lifetime above)"
         )
     print(

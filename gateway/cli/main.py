@@ -34,6 +34,7 @@ COMMAND_MODULES = (
     "gateway.cli.trust",
     "gateway.cli.agent",
     "gateway.cli.enroll",
+    "gateway.cli.run",
     "gateway.cli.gateway",
     "gateway.cli.payload",
     "gateway.cli.status",
@@ -143,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+REST_COMMANDS = ("run",)  # commands whose arguments after the first `--` are a command line of their own
+
+
+def _split_rest(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``uomp [--home H] [-v] run ... -- COMMAND...``: (what argparse reads, COMMAND...); for every
+    other command (argv, None), argparse's own ``--`` rule unchanged."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if argv[i] == "--home" else 1
+    if i < len(argv) and argv[i] in REST_COMMANDS and "--" in argv[i:]:
+        cut = argv.index("--", i)
+        return argv[:cut], argv[cut + 1 :]
+    return argv, None
+
+
 def setup_logging(verbose: bool, service: bool = False) -> None:
     """``-v``: DEBUG. A service (``gateway start``, ``guard serve``, ...) logs INFO: its stderr is the
     service's log. A one-shot command says only warnings and errors: its result is its output."""
@@ -157,7 +173,10 @@ def setup_logging(verbose: bool, service: bool = False) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     Parser.argv = list(sys.argv[1:] if argv is None else argv)
-    args, extras = parser.parse_known_args(argv)
+    head, rest = _split_rest(Parser.argv)
+    args, extras = parser.parse_known_args(head)
+    if rest is not None:
+        args.command_rest = rest
     if extras:
         owner = getattr(args, "_cli_parser", parser)
         assert isinstance(owner, Parser)
