@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
@@ -127,11 +128,13 @@ def _approve(args: argparse.Namespace) -> int:
     seal_to = enrolment.seal_public_key(p.seal_key)
     auth = open_auth(paths, cfg)
     session_id: str | None = None
+    serial: str | None = None
     try:
         session_id = str(auth.create_session(authorize.session_request(m, ident, seconds, remote=True))["session_id"])
         with userlog.change(paths) as event:
             cert_pem = ca_store.issue_from_csr(paths, m.agent.id, p.csr.encode(), dt.timedelta(hours=args.cert_hours))
             cert = ca.load_cert(cert_pem)
+            serial = ca.serial_hex(cert.serial_number)
             event.action, event.agent_id = "cert_issued", m.agent.id
             event.reason = "the user approved an enrollment request (certificate from the agent's CSR)"
             event.detail = f"serial {ca.serial_hex(cert.serial_number)}, request {p.request_id}"
@@ -150,6 +153,8 @@ def _approve(args: argparse.Namespace) -> int:
     except BaseException as exc:
         if session_id is not None:
             authorize.abandon(auth, session_id, exc)
+        if serial is not None:  # issued for a grant that did not happen: never usable
+            _revoke_unused(paths, serial)
         raise
     finally:
         auth.close_db()
@@ -159,6 +164,17 @@ def _approve(args: argparse.Namespace) -> int:
         "collects its certificate and tokens on its next poll (sealed to its key; nothing to hand over)."
     )
     return 0
+
+
+def _revoke_unused(paths: Any, serial: str) -> None:
+    try:
+        with userlog.change(paths) as event:
+            ca_store.revoke_target(paths, f"serial:{serial}")
+            event.action, event.count = "cert_revoked", 1
+            event.reason = "the approval did not finish; the certificate issued for it is revoked"
+            event.detail = f"serial {serial}"
+    except UompError as exc:
+        print(f"error {exc.code}: certificate {serial} could not be revoked; run: uomp agent revoke serial:{serial}")
 
 
 def _deny(args: argparse.Namespace) -> int:
