@@ -120,11 +120,32 @@ async def enroll(
     out = Path(out)
     _prepare_out(out)
     agent_id = _manifest_agent_id(manifest)
+    made: list[Path] = []
+    try:
+        return await _enroll(line, manifest, out, agent_id, made, wait_seconds, on_request, key_type)
+    except BaseException:
+        for p in made:  # a refused or abandoned enrollment leaves nothing behind: the same --out works again
+            p.unlink(missing_ok=True)
+        raise
+
+
+async def _enroll(
+    line: enrolment.Line,
+    manifest: bytes,
+    out: Path,
+    agent_id: str,
+    made: list[Path],
+    wait_seconds: float,
+    on_request: Callable[[Requested], None] | None,
+    key_type: ca.KeyType,
+) -> Path:
     key = ca.new_key(key_type)
     key_file = out / "agent.key"
+    made.append(key_file)
     atomic_write(key_file, ca.key_pem(key), mode=0o600)
     ca_pem = await fetch_pinned_ca(line)
     ca_file = out / "ca.crt"
+    made.append(ca_file)
     atomic_write(ca_file, ca_pem, mode=0o644)
     csr = ca.make_csr(key, agent_id).public_bytes(serialization.Encoding.PEM).decode()
     seal_key = X25519PrivateKey.generate()
@@ -163,6 +184,7 @@ async def enroll(
     bundle = _bundle(plain, key_file, agent_id)
     cert_pem = (bundle.agent_cert or "").encode()
     _check_cert(cert_pem, key, agent_id)
+    made.append(out / "agent.crt")
     atomic_write(out / "agent.crt", cert_pem, mode=0o644)
     path = out / "bundle.json"
     write_bundle(path, bundle)

@@ -6,6 +6,8 @@ subprocess, the agent as its child (whose /proc/PID/cmdline the test reads)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 from guardkit import running_guard, seed
 
+from gateway.cli.main import main
 from gateway.config import Paths
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
@@ -106,8 +109,15 @@ def _drive(home: Paths, script: Path, base: str) -> None:
 
 
 async def _run(home: Paths, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [*UOMP, "--home", str(home.home), "run", *args]
-    return await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=60)
+    """``uomp run`` refused: in this process (no agent is started), off the loop the guard answers on."""
+
+    def call() -> subprocess.CompletedProcess[str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["--home", str(home.home), "run", *args])
+        return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+    return await asyncio.to_thread(call)
 
 
 async def test_run_refusals_start_nothing(home: Paths, tmp_path: Path) -> None:

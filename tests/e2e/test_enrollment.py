@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,8 +107,17 @@ class Gateway:
         self._t.join(5)
 
 
+MADE: list[Path] = []  # temporary homes of this module (keys and tokens inside): removed at its end
+
+
+def _tmpdir(prefix: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: Unix socket paths are limited
+    MADE.append(d)
+    return d
+
+
 def _new_home(config: str) -> tuple[Path, dict[str, str]]:
-    base = Path(tempfile.mkdtemp(prefix="uomp-en-", dir="/tmp"))
+    base = _tmpdir("uomp-en-")
     home = base / "home"
     env = own_ports_env()
     ok(home, "init")
@@ -126,6 +136,8 @@ def gw() -> Iterator[Gateway]:
         yield g
     finally:
         g.stop()
+        for d in MADE:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def invite(g: Gateway, manifest: Path = CALENDAR) -> str:
@@ -139,7 +151,7 @@ class Enroller:
     """``uomp enroll`` on the agent's side: its own HOME and working directory, a process of its own."""
 
     def __init__(self, line: str, manifest: Path = CALENDAR, *extra: str) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="uomp-agent-", dir="/tmp"))
+        self.base = _tmpdir("uomp-agent-")
         self.out = self.base / "agent-files"
         env = dict(os.environ, HOME=str(self.base), UOMP_HOME=str(self.base / "never-used"))
         self.proc = subprocess.Popen(
@@ -334,8 +346,10 @@ async def test_wrong_ca_fingerprint_sends_nothing(gw: Gateway) -> None:
     line = invite(gw)
     forged = re.sub(r"ca=sha256:[0-9a-f]{64}", "ca=sha256:" + "ab" * 32, line)
     before = len(ledger_events(Paths(gw.home), action="enroll"))
-    rc, out, err = Enroller(forged).finish()
+    agent = Enroller(forged)
+    rc, out, err = agent.finish()
     assert rc == 1 and "error CA_ERROR" in err and "fingerprint mismatch" in err, out + err
+    assert not (agent.out / "agent.key").exists()
     assert len(ledger_events(Paths(gw.home), action="enroll")) == before  # the code never reached the gateway
     # the code is still good for the real gateway
     status, body = await _post(gw, "/v1/enroll", _csr_body(_code(line), (CALENDAR / "uom.json").read_bytes()))
@@ -350,7 +364,7 @@ def test_denied_request_grants_nothing(gw: Gateway) -> None:
     assert "Denied" in out
     rc, out, err = agent.finish()
     assert rc == 1 and "error ENROLL_DENIED" in err and "not today" in err, out + err
-    assert not (agent.out / "bundle.json").exists() and not (agent.out / "agent.crt").exists()
+    assert list(agent.out.iterdir()) == []  # nothing left behind: the same --out can enroll again
     assert json.loads(ok(gw.home, "sessions", "list", "--json")) == before
     # decided once: neither approve nor deny acts on it again
     again = run(gw.home, "requests", "approve", rid, "--yes")
