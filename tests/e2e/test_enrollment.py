@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -447,3 +448,51 @@ async def test_dashboard_shows_what_a_pending_request_asks_for(gw: Gateway) -> N
     assert "Publisher: &#34;example-org&#34; (not verified" in row or 'Publisher: "example-org" (not verified' in row
     assert f"uomp requests approve {opened['request_id']}" in row and opened["key_fingerprint"] in row
     assert opened["poll_token"] not in html  # the agent's poll secret is never shown
+
+
+def test_a_request_decided_during_the_approval_leaves_no_grant(gw: Gateway) -> None:
+    """The user answers the panel on a terminal while the request is denied from another one: the
+    approval finds it no longer pending, and ends the session and revokes the certificate it made."""
+    import pty
+
+    before = {s["session_id"] for s in json.loads(ok(gw.home, "sessions", "list", "--json"))}
+    agent = Enroller(invite(gw))
+    rid, _ = agent.request()
+    leader, follower = pty.openpty()
+    approve = subprocess.Popen(
+        [*UOMP, "--home", str(gw.home), "requests", "approve", rid],
+        stdin=follower,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # stdin a terminal: the panel asks
+    os.close(follower)
+    try:
+        assert approve.stdout is not None
+        fd = approve.stdout.fileno()
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"Grant this access?" not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if ready:
+                chunk = os.read(fd, 4096)  # the panel, then input()'s prompt (flushed)
+                if not chunk:
+                    break
+                seen += chunk
+        assert b"Grant this access?" in seen, seen
+        ok(gw.home, "requests", "deny", rid, "--reason", "changed my mind")
+        os.write(leader, b"y\n")
+        rest, err = approve.communicate(timeout=60)
+        out = seen.decode() + rest
+    finally:
+        os.close(leader)
+    assert approve.returncode == 1 and "INVALID_STATE" in err, out + err
+    rc, _, agent_err = agent.finish()
+    assert rc == 1 and "changed my mind" in agent_err
+    [made] = [s for s in json.loads(ok(gw.home, "sessions", "list", "--json")) if s["session_id"] not in before]
+    assert made["status"] == "revoked" and "authorize did not finish" in made.get("status_reason", ""), made
+    [issued] = [e for e in ledger_events(Paths(gw.home), action="cert_issued") if rid in (e.get("detail") or "")]
+    serial = re.search(r"serial ([0-9a-f]+)", issued["detail"])
+    assert serial
+    [cert] = [c for c in json.loads(ok(gw.home, "agent", "list", "--json")) if c["serial"] == serial.group(1)]
+    assert cert["status"] == "revoked", cert
