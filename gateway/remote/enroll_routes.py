@@ -115,6 +115,10 @@ def _text(body: dict[str, Any], name: str) -> str:
     value = body.get(name)
     if not isinstance(value, str) or not value:
         raise UompError(ErrorCode.INVALID_REQUEST, f"{name} is required (a string; docs/enrollment.md)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (\ud800) parses as JSON but is no text
+        raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be valid Unicode text") from exc
     return value
 
 

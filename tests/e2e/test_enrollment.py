@@ -496,3 +496,24 @@ def test_a_request_decided_during_the_approval_leaves_no_grant(gw: Gateway) -> N
     assert serial
     [cert] = [c for c in json.loads(ok(gw.home, "agent", "list", "--json")) if c["serial"] == serial.group(1)]
     assert cert["status"] == "revoked", cert
+
+
+@pytest.mark.parametrize("field", ["manifest", "csr", "seal_key", "code"])
+async def test_malformed_requests_are_clear_refusals(gw: Gateway, field: str) -> None:
+    source = f"127.0.1.{['manifest', 'csr', 'seal_key', 'code'].index(field) + 1}"  # (its own failure count)
+    body = _csr_body("0" * 12, (CALENDAR / "uom.json").read_bytes())
+    raw = json.dumps({**body, field: "PLACEHOLDER"}).replace('"PLACEHOLDER"', '"\\ud800"').encode()
+    ctx = build_client_context(ca_store.ca_cert_path(Paths(gw.home)))
+    connector = aiohttp.TCPConnector(ssl=ctx, local_addr=(source, 0))
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.post(gw.url + "/v1/enroll", data=raw, headers={"Content-Type": "application/json"}) as r,
+    ):
+        answer = await r.json(content_type=None)
+    expected = 403 if field == "code" else 400  # a code that is no code is a wrong code
+    assert r.status == expected, answer
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, local_addr=(source, 0))) as s,
+        s.post(gw.url + "/v1/enroll/enr_0/status", data=b'{"poll_token": "\\ud800"}') as r,
+    ):
+        assert r.status == 400, await r.text()
