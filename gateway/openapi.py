@@ -408,6 +408,12 @@ SCOPE_IN = {
 }
 
 
+def _with_response(op: dict[str, Any], status: str, response: dict[str, Any]) -> dict[str, Any]:
+    """``op`` with one more success answer (an operation with two, like a poll's 200 and 202)."""
+    op["responses"] = dict(sorted({**op["responses"], status: response}.items()))
+    return op
+
+
 @functools.cache
 def document() -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {
@@ -767,15 +773,19 @@ def document() -> dict[str, Any]:
             )
         },
         "/v1/enroll/{rid}/status": {
-            "post": _op(
-                "poll an enrollment request with its secret: 202 pending, 200 approved (the answer sealed to the "
-                "agent's key, handed over once), ENROLL_DENIED, 404 for an unknown id or a wrong secret alike",
-                (GW,),
-                ok=_ok({"type": "object"}),
-                refusals=(400, 403, 404, 409, 413, 429, 503),
-                body=_closed(["poll_token"], {"poll_token": STR}),
-                params=[_param("rid", "path", description="enrollment request id")],
-                security=None,
+            "post": _with_response(
+                _op(
+                    "poll an enrollment request with its secret: 202 pending, 200 approved (the answer sealed to the "
+                    "agent's key, handed over once), ENROLL_DENIED, 404 for an unknown id or a wrong secret alike",
+                    (GW,),
+                    ok=_ok({"type": "object"}, "approved: the sealed answer"),
+                    refusals=(400, 403, 404, 409, 413, 429, 503),
+                    body=_closed(["poll_token"], {"poll_token": STR}),
+                    params=[_param("rid", "path", description="enrollment request id")],
+                    security=None,
+                ),
+                "202",
+                _ok({"type": "object"}, "pending: ask again after poll_after_seconds"),
             )
         },
         "/v1/payload/upload": {
