@@ -95,7 +95,8 @@ def seed_store(paths: Any, n_keys: int = 200, n_other: int = 1000) -> list[str]:
     """``n_keys`` readable items (tag ``preference``) plus ``n_other`` items under other tags.
 
     Returns the readable keys (the workload cycles through them)."""
-    from gateway.guard.store import MemoryItem, MemoryStore
+    from gateway.guard.items import MemoryItem
+    from gateway.guard.store import MemoryStore
 
     items = []
     keys = []

@@ -94,14 +94,14 @@ class Appliance:
         hdrs = {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": agent["agent_id"]}
         # (a) is what the gateway sends the guard: the token plus its verified-identity assertion
         # (a remote-profile token is served on the socket only with it; gateway/contract.py).
-        asserted = {
-            **hdrs,
-            contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
-            contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
-            contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
-            contract.VERIFIED_X5T_HEADER: agent["x5t"],
-            contract.VERIFIED_JKT_HEADER: agent["jkt"],
-        }
+        asserted = contract.assertion_headers(
+            token=g["token"],
+            agent_id=agent["agent_id"],
+            listener="mtls",
+            via="gateway:mtls:bench",
+            x5t=agent["x5t"],
+            jkt=agent["jkt"],
+        )
         self.reqs = {
             "gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
             "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys],

@@ -97,6 +97,8 @@ def _hash(secret: str) -> str:
 
 @dataclass(frozen=True)
 class Invite:
+    """A code just made: the code itself exists only here and in what the CLI prints."""
+
     invite_id: str
     code: str
     agent_id: str
@@ -107,6 +109,7 @@ class Invite:
 def create_invite(
     paths: Paths, *, agent_id: str, manifest_digest: str, gateway_url: str, seconds: float, now: float | None = None
 ) -> Invite:
+    """A one-time code for one manifest, lasting ``seconds`` (one minute to 7 days); the store keeps its hash."""
     if not 60 <= seconds <= MAX_INVITE_SECONDS:
         raise UompError(ErrorCode.INVALID_REQUEST, "--expires: a code lasts between one minute and 7 days")
     now = time.time() if now is None else now
@@ -139,6 +142,8 @@ def create_invite(
 
 @dataclass(frozen=True)
 class Opened:
+    """A request a code opened: its id and the poll secret the agent alone is told."""
+
     request_id: str
     poll_token: str
     agent_id: str
@@ -231,6 +236,7 @@ def poll(paths: Paths, request_id: str, poll_token: str, *, now: float | None = 
 
 
 def list_requests(paths: Paths, *, status: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
+    """The newest 500 requests (no secrets), with their status as of ``now``; only ``status`` ones if given."""
     now = time.time() if now is None else now
     with _db(paths) as conn:
         rows = conn.execute("SELECT * FROM requests ORDER BY created_at DESC LIMIT 500").fetchall()
@@ -256,6 +262,8 @@ def _public(row: sqlite3.Row, now: float) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Pending:
+    """A pending request as ``uomp requests approve`` needs it (manifest, CSR, sealing key)."""
+
     request_id: str
     agent_id: str
     manifest: bytes

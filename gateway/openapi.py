@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints (issue 14).
+"""The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints.
 
 :func:`document` builds it; ``docs/openapi.json`` is its committed rendering and the guard serves it
 at ``GET /v1/openapi.json`` on both local listeners (:func:`serve`). ``tests/e2e/test_openapi.py``
@@ -18,6 +18,9 @@ What the document promises, and the tests hold the running apps to:
 
 The wire names are the TypeScript reference's where we are compatible with it (snake_case
 ``session_id``, ``expires_at``, ``token``, ``token_type``; the §11.1 item; the §8.4 error).
+
+Longer than ~500 lines on purpose: one document, written as data, one operation per endpoint;
+splitting it would only scatter the schemas the operations share.
 """
 
 from __future__ import annotations
@@ -155,8 +158,11 @@ SCHEMAS: dict[str, Any] = {
             "data_retention_policy": {"type": "object"},
             "deletion_proof_id": STR,
             "status_reason": STR,
+            "abnormal": {"type": "boolean"},
+            "abnormal_reason": STR,
         },
-        "§13.2: the user's view of a session (never token material)",
+        "§13.2: the user's view of a session (never token material); abnormal (§19.5): ended without the "
+        "deletion proof its agent owed",
     ),
     "SessionList": _closed(["sessions"], {"sessions": {"type": "array", "items": _ref("Session")}}),
     "SessionEnded": _closed(["session_id", "status"], {"session_id": STR, "status": {"enum": ["closed", "revoked"]}}),
@@ -365,6 +371,12 @@ def _op(
     return op
 
 
+def _either(op: dict[str, Any]) -> dict[str, Any]:
+    """An operation that takes an agent token or the admin credential."""
+    op["security"] = [{"token": []}, {"admin": []}]
+    return op
+
+
 SID = _param("sid", "path", description="session id")
 SINCE = _param(
     "since",
@@ -416,6 +428,7 @@ def _with_response(op: dict[str, Any], status: str, response: dict[str, Any]) ->
 
 @functools.cache
 def document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every endpoint of the guard, the Auth Service and the gateway."""
     paths: dict[str, dict[str, Any]] = {
         "/v1/health": {
             "get": _op(
@@ -617,13 +630,14 @@ def document() -> dict[str, Any]:
             ),
         },
         "/v1/sessions/{sid}": {
-            "get": _op(
-                "one session (admin)",
-                LOCAL,
-                ok=_ok(_ref("Session")),
-                refusals=(*ADMIN, 404),
-                security="admin",
-                params=[SID],
+            "get": _either(
+                _op(
+                    "one session (admin: any; an agent token: its own session only, 403 otherwise)",
+                    ALL,
+                    ok=_ok(_ref("Session")),
+                    refusals=(*AGENT, 404),
+                    params=[SID],
+                )
             )
         },
         "/v1/sessions/{sid}/grant": {
@@ -658,13 +672,14 @@ def document() -> dict[str, Any]:
             )
         },
         "/v1/sessions/{sid}/close": {
-            "post": _op(
-                "close (§13; admin)",
-                LOCAL,
-                ok=_ok(_ref("SessionEnded")),
-                refusals=(*ADMIN, 404, 409),
-                security="admin",
-                params=[SID],
+            "post": _either(
+                _op(
+                    "close (§9.3, §13; admin: any; an agent token: its own session only, 403 otherwise)",
+                    ALL,
+                    ok=_ok(_ref("SessionEnded")),
+                    refusals=(*AGENT, 404, 409),
+                    params=[SID],
+                )
             )
         },
         "/v1/sessions/{sid}/revoke": {
@@ -719,17 +734,18 @@ def document() -> dict[str, Any]:
         },
         "/v1/tokens/validate": {
             "post": _op(
-                "validate a token (§9; the gateway's status check, Unix socket only)",
-                (UNIX,),
+                "validate a token (§9.5): an agent its own (the Authorization token; another: 403); "
+                "without Authorization on the Unix socket: any token (the gateway's status check)",
+                ALL,
                 ok=_ok(_ref("Validation")),
-                refusals=(400, 413, 503),
+                refusals=(*AGENT, 413),
                 body={"type": "object", "properties": {"token": STR}},
-                security=None,
+                security=None,  # the socket's status check takes none; an agent's token: the same as the body's
             )
         },
         "/v1/internal/events": {
             "post": _op(
-                "the gateway's own events into the one log (issue 10; Unix socket only, idempotent by event id)",
+                "the gateway's own events into the one log (Unix socket only, idempotent by event id)",
                 (UNIX,),
                 ok=_ok(_closed(["accepted"], {"accepted": {"type": "integer", "minimum": 0}})),
                 refusals=(400, 413, 503),
@@ -954,8 +970,10 @@ def document() -> dict[str, Any]:
 
 
 def render() -> str:
+    """The document as the JSON text kept in docs/openapi.json."""
     return json.dumps(document(), indent=2, ensure_ascii=False) + "\n"
 
 
 async def serve(request: web.Request) -> web.Response:
+    """``GET /v1/openapi.json``."""
     return web.Response(text=render(), content_type="application/json")

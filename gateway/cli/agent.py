@@ -197,6 +197,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp ca`` and ``uomp agent`` to the command line."""
     c = sub.add_parser("ca", help="the certificate authority that issues agent client certificates")
     csub = c.add_subparsers(dest="ca_command", metavar="ACTION", required=True)
     ci = csub.add_parser(

@@ -22,6 +22,9 @@ minutes): local sessions default to 30 minutes (at most ``session_max_minutes``)
 default to ``remote_session_max_minutes`` (30 days) and live on refresh tokens of
 ``refresh_lifetime_seconds`` (7 days, never past the session end) and access tokens of at most 10
 minutes.
+
+Longer than ~500 lines on purpose: one consent flow, all or nothing: inputs checked, the screen
+shown, the session granted and its files written, or nothing left behind.
 """
 
 from __future__ import annotations
@@ -47,10 +50,11 @@ from gateway.cli.guard import guard_config, open_auth
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths
 from gateway.core import didkey, jose, manifest, restrictions, tokens
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.identity.verify import PublisherResult
 from gateway.ledger import auditkey
 from gateway.payloads import userkey
 
@@ -58,7 +62,7 @@ RED = "\033[1;31m"
 RESET = "\033[0m"
 
 
-LOCAL_DEFAULT_SESSION_SECONDS = 30 * 60  # §20.1's 30 minutes, as before
+LOCAL_DEFAULT_SESSION_SECONDS = 30 * 60  # §20.1's 30 minutes
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", re.ASCII | re.IGNORECASE)
 _UNIT_SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86_400}
 MAX_DURATION_SECONDS = 10 * 365 * 86_400  # parsing bound only; the config's maxima decide
@@ -103,14 +107,21 @@ def _scope_line(name: str, scope: Scope) -> str:
 
 def _identity_state(ident: manifest.IdentityResult, trusted: trust.TrustList) -> trust.TrustEntry | None:
     """The trust entry that names this manifest's publisher: only for a verified signature by a key in the list."""
-    return trusted.find_did(ident.did) if ident.verified else None
+    if not ident.verified:
+        return None
+    if isinstance(ident, PublisherResult):
+        return ident.trust_entry or trusted.find_did(ident.did)
+    return trusted.find_did(ident.did)
 
 
 def _show_identity(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
     claim = m.agent.publisher
     entry = _identity_state(ident, trusted)
     if entry is not None:
-        print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        if ident.did:
+            print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        else:
+            print(f"Publisher: {entry.name} (verified, {ident.method}: {ident.reason})")
         if claim and claim != entry.name:
             print(f'           "{claim}" (the manifest\'s own claim)')
         return
@@ -219,6 +230,47 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
 
 
+def verify_publisher(m: manifest.Manifest, paths: Paths) -> PublisherResult:
+    """The publisher, checked by the method the manifest names (did:key, did:web, X.509, OpenPGP);
+    did:web documents are fetched under the [registry] fetch rules."""
+    from gateway.config import RegistryConfig, load_section
+    from gateway.identity.verify import verify_publisher as verify
+    from gateway.registry.ops import policy
+
+    cfg = load_section(RegistryConfig, "registry", file=paths.config_file)
+    return verify(m.raw, trust.load(paths), policy(cfg))
+
+
+def _enforce_policy(paths: Paths, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
+    """``[trust] require`` (spec §16.4 MUST): an agent whose publisher fails it gets no session and no token."""
+    from gateway.config import TrustConfig, load_section
+
+    policy = load_section(TrustConfig, "trust", file=paths.config_file)
+    if not policy.require:
+        return
+    entry = _identity_state(ident, trusted)
+    if entry is None or ident.method not in policy.require:
+        state = f"verified by {ident.method}" if entry is not None else "not verified against your trust list"
+        raise UompError(
+            ErrorCode.ACCESS_DENIED,
+            f"your [trust] require = {policy.require} admits only publishers verified by those methods; this one is "
+            f"{state}: no session is created (change [trust] in {paths.config_file} only if that is your policy)",
+        )
+
+
+def _show_listing(paths: Paths, path: Path, raw: bytes) -> None:
+    """Where ``uomp registry install`` got this manifest from (nothing when it did not install it)."""
+    from gateway.registry.ops import provenance
+
+    found = provenance(paths, path, raw)
+    if found is None:
+        return
+    for line in found.lines:
+        print(line)
+    for text in found.warnings:
+        _warn(text)
+
+
 def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace, cfg: GuardConfig) -> None:
     reads = args.max_reads if args.max_reads is not None else cfg.default_max_read_queries
     extras = [f"at most {reads} reads in the session (--max-reads)"]
@@ -324,14 +376,24 @@ def _cert_binding(cert_pem: bytes) -> dict[str, str]:
 
 
 def consent(
-    args: argparse.Namespace, paths: Paths, m: manifest.Manifest, ident: manifest.IdentityResult, cfg: GuardConfig
+    args: argparse.Namespace,
+    paths: Paths,
+    m: manifest.Manifest,
+    ident: manifest.IdentityResult,
+    cfg: GuardConfig,
+    *,
+    source: tuple[Path, bytes] | None = None,
 ) -> tuple[restrictions.ReadGrant, float]:
     """The consent panel and every refusal of ``uomp authorize`` before anything is made: what the
-    agent asks for (scopes, retention, publisher), the grant (narrowed by the user; wider only with
-    ``--widen``), the session, the aggregates; then the user's yes. Returns the read grant and the
-    session length. Used by ``uomp authorize`` and by ``uomp requests approve``."""
+    agent asks for (scopes, retention, publisher, where ``uomp registry install`` found the manifest
+    at ``source``: its path and bytes), the grant (narrowed by the user; wider only with
+    ``--widen``), the session, the aggregates, the ``[trust] require`` policy; then the user's yes.
+    Returns the read grant and the session length. Used by ``uomp authorize``, ``uomp run`` and
+    ``uomp requests approve``."""
     trusted = trust.load(paths)
     _show(m, ident, trusted)
+    if source is not None:
+        _show_listing(paths, *source)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)
@@ -346,6 +408,7 @@ def consent(
             )
         _warn("the agent runs on this machine although it declares requires_remote: true (--allow-local)")
     trusted = _offer_trust(args, paths, ident, trusted)
+    _enforce_policy(paths, ident, trusted)
     if args.require_verified and _identity_state(ident, trusted) is None:
         raise UompError(
             ErrorCode.ACCESS_DENIED,
@@ -454,7 +517,7 @@ def _authorize(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
     m = manifest.parse_manifest(raw)
-    ident = manifest.verify_identity(m.raw)
+    ident = verify_publisher(m, paths)
     cfg = guard_config(args, paths)
     if args.layout != "uomp" and not args.remote:
         raise UompError(
@@ -470,7 +533,7 @@ def _authorize(args: argparse.Namespace) -> int:
         )
     if args.remote:
         _check_gateway_url(args, paths)
-    plan, seconds = consent(args, paths, m, ident, cfg)
+    plan, seconds = consent(args, paths, m, ident, cfg, source=(path, raw))
     # Everything that can be checked is checked before anything is made: a refused authorize leaves
     # no session, no certificate and no file behind.
     given = _remote_inputs(args, paths, m) if args.remote else None
@@ -709,7 +772,13 @@ def _remote_grant(
     )
     print(f"Agent bundle written to {out_path} (mode 0600): hand it to the agent over a private channel.")
     print(f"The agent's gateway URL (its tokens are for this address): {url}")
-    if key_dir is not None:
+    if _dpop_url(paths, url):
+        # TLS ends at Cloudflare's edge: through the tunnel an agent proves its key with a DPoP proof
+        # per request (RFC 9449), which curl cannot make; an mTLS curl line would only be refused
+        print("Through the tunnel the agent uses DPoP (a signed proof per request, so no curl line): with the SDK,")
+        print(f'  UompClient.from_bundle("{out_path}", mode="dpop"); in a checkout of this project:')
+        print(f"  python examples/remote_agent.py --bundle {out_path} --dpop KEY")
+    elif key_dir is not None:
         d = key_dir
         print("A first read from the agent's side, with these files (any key it may read):")
         print(
@@ -719,6 +788,14 @@ def _remote_grant(
             f'["access_token"])\' {out_path})" {url}/v1/memory/KEY'
         )
     return 0
+
+
+def _dpop_url(paths: Paths, url: str) -> bool:
+    """Is ``url`` the recorded quick or named tunnel's (where agents use DPoP, never mTLS)?"""
+    from gateway import appliance
+
+    recorded = appliance.load_addresses(paths)["tunnel"] or {}
+    return recorded.get("mode") in ("quick", "named") and str(recorded.get("url", "")).rstrip("/") == url.rstrip("/")
 
 
 def add_grant_arguments(p: argparse.ArgumentParser) -> None:
@@ -771,6 +848,7 @@ def add_grant_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp authorize`` to the command line."""
     p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
     p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
     add_grant_arguments(p)

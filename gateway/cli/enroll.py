@@ -117,9 +117,9 @@ def _approve(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     p = enrollment.pending(paths, args.request_id)
     m = manifest.parse_manifest(p.manifest)
-    ident = manifest.verify_identity(m.raw)
     if m.agent.id != p.agent_id:  # the manifest's digest was checked against the code's at redeem
         raise UompError(ErrorCode.MANIFEST_INVALID, "the request's manifest names another agent than its code")
+    ident = authorize.verify_publisher(m, paths)
     cfg = guard_config(args, paths)
     args.remote = True
     args.allow_local = False
@@ -263,6 +263,7 @@ def register_invite(asub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp requests`` (the user's side) and ``uomp enroll`` (the agent's side) to the command line."""
     r = sub.add_parser("requests", help="agents' enrollment requests: list, approve (the consent panel), deny")
     rsub = r.add_subparsers(dest="requests_command", metavar="ACTION", required=True)
     ls = rsub.add_parser("list", help="enrollment requests, newest first")

@@ -24,6 +24,7 @@ ENV_FILE = "uomp.env"
 
 
 def certs_dir(out: Path) -> Path:
+    """Where the reference SDK looks for its mTLS files under its home ``out`` (its ``~/.uomp``)."""
     return out / CERT_DIR
 
 
@@ -36,6 +37,7 @@ def rename_for_reference(files: ca_store.IssuedFiles) -> ca_store.IssuedFiles:
 
 
 def write_env(out: Path, *, token: str, base_url: str, session_id: str) -> Path:
+    """The env file (0600) with the names the reference's agents read; its path."""
     path = out / ENV_FILE
     text = f"UOM_TOKEN={token}\nUOMP_BASE_URL={base_url}\nUOMP_SESSION_ID={session_id}\n"
     atomic_write(path, text.encode(), mode=0o600)

@@ -58,12 +58,12 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
     m = manifest.parse_manifest(raw)
-    ident = manifest.verify_identity(m.raw)
+    ident = authorize.verify_publisher(m, paths)
     cfg = guard_config(args, paths)
     base = f"http://127.0.0.1:{cfg.tcp_port}"
     _check_local_profile(base)
     args.remote = False
-    plan, seconds = authorize.consent(args, paths, m, ident, cfg)
+    plan, seconds = authorize.consent(args, paths, m, ident, cfg, source=(path, raw))
     auth = open_auth(paths, cfg)
     session_id: str | None = None
     try:
@@ -113,6 +113,7 @@ def _close(paths: Paths, args: argparse.Namespace, session_id: str, reason: str)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp run`` to the command line."""
     p = sub.add_parser(
         "run",
         help="grant a local agent a session (the consent panel of uomp authorize) and start it with its "

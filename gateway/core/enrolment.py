@@ -43,6 +43,7 @@ _SUITE = hpke.X25519_SHA256_AES256GCM
 
 
 def new_code() -> str:
+    """A fresh one-time code (random, from the unambiguous alphabet), in groups of four."""
     raw = "".join(secrets.choice(ALPHABET) for _ in range(CODE_CHARS))
     return "-".join(raw[i : i + 4] for i in range(0, CODE_CHARS, 4))
 
@@ -56,10 +57,12 @@ def normalize_code(text: object) -> str | None:
 
 
 def code_hash(code: str) -> str:
+    """What the store keeps of a canonical code (never the code itself)."""
     return hashlib.sha256(b"uomp-enroll-code\x00" + code.encode()).hexdigest()
 
 
 def digest_equal(a: str, b: str) -> bool:
+    """Constant-time equality of two hex digests or secrets."""
     return hmac.compare_digest(a.encode(), b.encode())
 
 
@@ -77,11 +80,14 @@ def manifest_digest(raw: bytes) -> str:
 
 
 def ca_fingerprint(ca_der: bytes) -> str:
+    """The CA certificate's pin as the enrollment line carries it: ``sha256:`` and the DER's hex digest."""
     return "sha256:" + hashlib.sha256(ca_der).hexdigest()
 
 
 @dataclass(frozen=True)
 class Line:
+    """The one line ``uomp agent invite`` prints: gateway URL, code, CA fingerprint."""
+
     url: str  # https://host[:port], no path
     code: str  # canonical form
     ca_fingerprint: str
@@ -92,6 +98,7 @@ class Line:
 
 
 def parse_line(text: str) -> Line:
+    """The enrollment line's parts; INVALID_REQUEST (saying what a line looks like) otherwise."""
     bad = "not an enrollment line; give the whole line 'uomp agent invite' printed (https://HOST:PORT/enroll#code=...&ca=sha256:...)"
     parts = urlsplit(text.strip())
     if parts.scheme != "https" or not parts.hostname or parts.path not in ("/enroll", "/enroll/"):
@@ -105,10 +112,12 @@ def parse_line(text: str) -> Line:
 
 
 def b64u(raw: bytes) -> str:
+    """base64url without padding."""
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 def unb64u(text: str) -> bytes:
+    """The bytes of unpadded base64url (ValueError when it is not)."""
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
@@ -125,11 +134,13 @@ def seal_public_key(text: object) -> X25519PublicKey:
 
 
 def seal(recipient: X25519PublicKey, request_id: str, plaintext: bytes) -> dict[str, str]:
+    """The approved answer sealed (HPKE) to the agent's one-time key, bound to its request id."""
     enc, ct = hpke.seal(_SUITE, recipient, SEAL_INFO + request_id.encode(), plaintext)
     return {"enc": b64u(enc), "ciphertext": b64u(ct)}
 
 
 def open_sealed(key: X25519PrivateKey, request_id: str, sealed: object) -> bytes:
+    """The agent's side of :func:`seal`; INVALID_REQUEST when it does not open."""
     try:
         if not isinstance(sealed, dict):
             raise ValueError("not an object")

@@ -33,7 +33,9 @@ from cryptography.hazmat.primitives import serialization
 from gateway import ca_store, enrollment
 from gateway.core import ca, enrolment, jose
 from gateway.errors import ErrorCode, UompError
-from gateway.remote.app import STATE, Call, GatewayState, Route, _record, register_route
+from gateway.remote.call import record
+from gateway.remote.request import Call, Route
+from gateway.remote.state import STATE, GatewayState, register_route
 
 MAX_BODY_BYTES = 128 * 1024
 POLL_AFTER_SECONDS = 1
@@ -123,6 +125,7 @@ def _text(body: dict[str, Any], name: str) -> str:
 
 
 async def ca_certificate(call: Call) -> web.StreamResponse:
+    """``GET /v1/enroll/ca``: the CA certificate and its fingerprint."""
     state = call.request.app[STATE]
     pem = await asyncio.to_thread(ca_store.ca_cert_path(state.paths).read_bytes)
     der = ca.load_cert(pem).public_bytes(serialization.Encoding.DER)
@@ -134,6 +137,7 @@ def _source(call: Call) -> str:
 
 
 async def enroll(call: Call) -> web.StreamResponse:
+    """``POST /v1/enroll``: a code, manifest, CSR and sealing key open a request (202), or the one refusal."""
     state = call.request.app[STATE]
     limiter = _limiter(state)
     source = _source(call)
@@ -164,14 +168,14 @@ async def enroll(call: Call) -> web.StreamResponse:
         )
     except enrollment.CodeRefused as exc:
         limiter.note(source)
-        await _record(call, status=exc.status, allowed=False, reason=f"enrollment refused: {exc.why}", code=exc.code)
+        await record(call, status=exc.status, allowed=False, reason=f"enrollment refused: {exc.why}", code=exc.code)
         raise
     except UompError as exc:
         if exc.status < 500:
             limiter.note(source)
         raise
     call.key = opened.request_id
-    await _record(
+    await record(
         call,
         status=202,
         allowed=True,
@@ -193,6 +197,7 @@ async def enroll(call: Call) -> web.StreamResponse:
 
 
 async def status(call: Call) -> web.StreamResponse:
+    """``POST /v1/enroll/{request_id}/status``: the poll (pending, the sealed answer once, denied)."""
     state = call.request.app[STATE]
     limiter = _limiter(state)
     source = _source(call)
@@ -217,7 +222,7 @@ async def status(call: Call) -> web.StreamResponse:
             {"request_id": request_id, "status": st, "poll_after_seconds": POLL_AFTER_SECONDS}, status=202
         )
     if st == enrollment.APPROVED:
-        await _record(
+        await record(
             call,
             status=200,
             allowed=True,
@@ -252,5 +257,6 @@ ROUTES = (
 
 
 def install(state: GatewayState) -> None:
+    """Registers the enrollment routes (answered without an agent credential: the agent has none yet)."""
     for route, handler in ROUTES:
         register_route(state, route, handler)

@@ -29,7 +29,7 @@ from guardkit import admin_headers, call, grant, running_guard, seed, unix_sessi
 
 from gateway import keys
 from gateway.config import Paths
-from gateway.core import jose, tokens
+from gateway.core import capability, jose, tokens
 from gateway.errors import UompError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,7 +208,7 @@ def test_theirs_to_ours_ts_keys_and_token_in_python(tmp_path: Path) -> None:
     assert cap.read.tags == ("preference",) and cap.read.keys == ("user.passport",)
     assert cap.read.deny_tags == ("private",) and cap.read.deny_keys == ("preference.lang",)
     assert cap.read.allowed_fields == ("key", "value") and cap.allowed_fields == ("key", "value")
-    assert cap.write == tokens.EMPTY_SCOPE
+    assert cap.write == capability.EMPTY_SCOPE
     assert (cap.max_read_queries, cap.max_write_queries) == (100, 0)
     assert (cap.profile, cap.audience, cap.jti) == ("local", TS_AUDIENCE, None)  # the reference sets no jti
     # millisecond ISO timestamps (Date.toISOString) parse; jose's exp is expires_at floored to the second
