@@ -79,7 +79,8 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _duration_arg(text: str) -> float:
+def duration_arg(text: str) -> float:
+    """argparse type for a duration (90m, 12h, 7d; a bare number is minutes): its seconds."""
     try:
         return parse_duration(text)
     except ValueError as exc:
@@ -532,7 +533,7 @@ def _authorize(args: argparse.Namespace) -> int:
             "without --cert, --csr or --bundle",
         )
     if args.remote:
-        _check_gateway_url(args, paths)
+        check_gateway_url(args, paths)
     plan, seconds = consent(args, paths, m, ident, cfg, source=(path, raw))
     # Everything that can be checked is checked before anything is made: a refused authorize leaves
     # no session, no certificate and no file behind.
@@ -654,7 +655,7 @@ def _remote_inputs(args: argparse.Namespace, paths: Any, m: manifest.Manifest) -
     return _RemoteInputs(url, cert_pem, csr_pem)
 
 
-def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
+def check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
     """The one source of truth for where the gateway is (gateway/appliance.py): the default
     --gateway-url comes from it; another URL is refused while the appliance runs and warned about
     otherwise when the gateway would not accept it or its certificate does not name it."""
@@ -805,7 +806,7 @@ def add_grant_arguments(p: argparse.ArgumentParser) -> None:
         "--session-ttl",
         "--duration",
         dest="duration",
-        type=_duration_arg,
+        type=duration_arg,
         metavar="DURATION",
         help="session length: 90m, 12h, 7d (a bare number is minutes); default 30m locally, "
         "remote_session_max_minutes (30 days) with --remote",

@@ -57,7 +57,7 @@ def _invite(args: argparse.Namespace) -> int:
     m = manifest.parse_manifest(raw)
     digest = enrolment.manifest_digest(raw)
     args.remote = True
-    authorize._check_gateway_url(args, paths)
+    authorize.check_gateway_url(args, paths)
     url = args.gateway_url.rstrip("/")
     ca_der = ca_store.load_ca_cert(paths).public_bytes(serialization.Encoding.DER)
     with userlog.change(paths) as event:
@@ -232,7 +232,7 @@ def _enroll(args: argparse.Namespace) -> int:
 
 
 def _duration(text: str) -> float:
-    return authorize._duration_arg(text)
+    return authorize.duration_arg(text)
 
 
 def register_invite(asub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
