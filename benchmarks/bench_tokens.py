@@ -157,8 +157,7 @@ def main() -> None:
                 "  part: blacklist SELECT",
                 lambda: auth.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (th,)).fetchone(),
             )
-            sess_row = auth._row(sid)
-            assert sess_row is not None
+            sess_row = auth.session(sid)
             row("AuthService.consume_read (amortised)", lambda: auth.consume_read(cap, sess_row))
             # hot-path JSON (gateway/jsonio.py): a read answer encoded, a stored value decoded
             import json
