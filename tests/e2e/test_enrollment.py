@@ -398,6 +398,27 @@ def test_approval_has_the_consent_rules_of_authorize(gw: Gateway) -> None:
     assert sorted(claims["scopes"]["read"]["tags"]) == ["identity", "preference"]
 
 
+def test_approval_applies_the_trust_require_policy(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[trust] require (spec §16.4) holds for an approval as for uomp authorize: an unverified
+    publisher gets no session and no certificate, and the request stays pending; without the
+    policy the same request is granted."""
+    agent = Enroller(invite(gw))
+    rid, _ = agent.request()
+    sessions = json.loads(ok(gw.home, "sessions", "list", "--json"))
+    certs = ok(gw.home, "agent", "list", "--json")
+    monkeypatch.setenv("UOMP_TRUST_REQUIRE", "did:key")
+    refused = run(gw.home, "requests", "approve", rid, "--yes")
+    assert refused.returncode == 1 and "error ACCESS_DENIED" in refused.stderr, refused.stderr
+    assert "no session is created" in refused.stderr
+    assert json.loads(ok(gw.home, "sessions", "list", "--json")) == sessions
+    assert ok(gw.home, "agent", "list", "--json") == certs
+    assert [r["request_id"] for r in _pending(gw) if r["request_id"] == rid] == [rid]
+    monkeypatch.delenv("UOMP_TRUST_REQUIRE")
+    ok(gw.home, "requests", "approve", rid, "--yes")
+    rc, _, err = agent.finish()
+    assert rc == 0, err
+
+
 async def test_rate_limit_refuses_even_the_right_code(gw: Gateway) -> None:
     manifest = (CALENDAR / "uom.json").read_bytes()
     good = _code(invite(gw))
