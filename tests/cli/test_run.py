@@ -120,7 +120,7 @@ async def _run(home: Paths, *args: str) -> subprocess.CompletedProcess[str]:
     return await asyncio.to_thread(call)
 
 
-async def test_run_refusals_start_nothing(home: Paths, tmp_path: Path) -> None:
+async def test_run_refusals_start_nothing(home: Paths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seed(home)
     marker = tmp_path / "started"
     cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
@@ -133,6 +133,10 @@ async def test_run_refusals_start_nothing(home: Paths, tmp_path: Path) -> None:
         assert remote_only.returncode == 1 and "requires_remote" in remote_only.stderr
         wider = await _run(home, str(CALENDAR), "--yes", "--allow-local", "--tag", "identity", "--", *cmd)
         assert wider.returncode == 1 and "add --widen" in wider.stderr
+        monkeypatch.setenv("UOMP_TRUST_REQUIRE", "did:key")  # [trust] require: this publisher is unverified
+        policy = await _run(home, str(CALENDAR), "--yes", "--allow-local", "--", *cmd)
+        assert policy.returncode == 1 and "error ACCESS_DENIED" in policy.stderr and "no session" in policy.stderr
+        monkeypatch.delenv("UOMP_TRUST_REQUIRE")
         assert not marker.exists()
         missing = await _run(home, str(CALENDAR), "--yes", "--allow-local", "--", str(tmp_path / "no-such-agent"))
         assert missing.returncode == 1 and "cannot start" in missing.stderr
