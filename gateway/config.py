@@ -102,6 +102,11 @@ class Paths:
         return self.home / "reads.db"
 
     @property
+    def enroll_db(self) -> Path:
+        """One-time enrollment codes and agents' enrollment requests (gateway/enrollment.py)."""
+        return self.home / "enroll.db"
+
+    @property
     def guard_sock(self) -> Path:
         return self.home / "guard.sock"
 
@@ -544,6 +549,13 @@ class GatewayConfig:
     renew_window_fraction: float = 1 / 3
     renew_max_per_agent: int = 12
     renew_rate_window_seconds: int = 3600
+    # Enrollment (POST /v1/enroll, docs/enrollment.md): at most enroll_max_failures_per_source
+    # refused attempts (a code that does not open a request, a malformed request, a wrong poll
+    # secret) per client address, and enroll_max_failures in all, per enroll_failure_window_seconds;
+    # beyond them every attempt is refused (RATE_LIMITED) before any code is looked at.
+    enroll_max_failures_per_source: int = 10
+    enroll_max_failures: int = 100
+    enroll_failure_window_seconds: float = 600.0
     access_log_segment_bytes: int = 64 * 1024 * 1024  # access.jsonl is closed into a segment beyond this
     access_log_max_total_bytes: int = 4 * 1024 * 1024 * 1024  # kept segments + active file, oldest go first
     access_log_retention_days: float = 90.0  # closed segments older than this go (index lines stay)

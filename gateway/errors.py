@@ -55,6 +55,10 @@ class ErrorCode(StrEnum):
     CA_ERROR = "CA_ERROR"
     RENEWAL_TOO_EARLY = "RENEWAL_TOO_EARLY"  # certificate renewal before the last part of the certificate's life
     RATE_LIMITED = "RATE_LIMITED"  # too many renewals for one agent, or DPoP proofs from one key, in a window
+    ENROLL_CODE_INVALID = (
+        "ENROLL_CODE_INVALID"  # an enrollment code that is wrong, used, expired or for another manifest
+    )
+    ENROLL_DENIED = "ENROLL_DENIED"  # the user denied the enrollment request, or let it expire
     UNSAFE_PERMISSIONS = "UNSAFE_PERMISSIONS"  # data directory owned by someone else or group/other-writable
     NOT_INITIALISED = "NOT_INITIALISED"  # the data directory was never set up by `uomp init`
     ANCHOR_UNAVAILABLE = "ANCHOR_UNAVAILABLE"  # chain RPC unreachable, timed out or not final yet: retry later
@@ -134,6 +138,8 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.CA_ERROR: 400,
     ErrorCode.RENEWAL_TOO_EARLY: 409,
     ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.ENROLL_CODE_INVALID: 403,
+    ErrorCode.ENROLL_DENIED: 403,
     ErrorCode.UNSAFE_PERMISSIONS: 500,
     ErrorCode.NOT_INITIALISED: 500,
     ErrorCode.ANCHOR_UNAVAILABLE: 503,

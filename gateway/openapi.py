@@ -450,6 +450,12 @@ SCOPE_IN = {
 }
 
 
+def _with_response(op: dict[str, Any], status: str, response: dict[str, Any]) -> dict[str, Any]:
+    """``op`` with one more success answer (an operation with two, like a poll's 200 and 202)."""
+    op["responses"] = dict(sorted({**op["responses"], status: response}.items()))
+    return op
+
+
 @functools.cache
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of every endpoint of the guard, the Auth Service and the gateway."""
@@ -548,7 +554,8 @@ def document() -> dict[str, Any]:
                     ),
                     _param(
                         "field",
-                        description="value or value.<name>...: needed for every op but count",
+                        description="value, value.<name>... or <name>... (short for value.<name>...): "
+                        "needed for every op but count",
                         example="value.market_value",
                     ),
                 ],
@@ -804,6 +811,47 @@ def document() -> dict[str, Any]:
                 refusals=(400, 401, 409, 413, 429, 503),
                 security="mtls",
                 body={"type": "object", "properties": {"csr": STR}},
+            )
+        },
+        "/v1/enroll/ca": {
+            "get": _op(
+                "the user's CA certificate and its fingerprint, for an agent that enrolls (docs/enrollment.md): "
+                "it checks the fingerprint from its enrollment line before it sends anything",
+                (GW,),
+                ok=_ok(_closed(["ca_cert", "fingerprint"], {"ca_cert": STR, "fingerprint": STR})),
+                refusals=(400, 503),
+                security=None,
+            )
+        },
+        "/v1/enroll": {
+            "post": _op(
+                "enroll with a one-time code (docs/enrollment.md): code, manifest, CSR and a one-time X25519 key; "
+                "202 with the request id and its poll secret; every code that opens nothing: ENROLL_CODE_INVALID",
+                (GW,),
+                ok=_ok({"type": "object"}, "request opened, waiting for the user"),
+                status="202",
+                refusals=(400, 403, 413, 429, 503),
+                body=_closed(
+                    ["code", "manifest", "csr", "seal_key"],
+                    {"code": STR, "manifest": STR, "csr": STR, "seal_key": STR},
+                ),
+                security=None,
+            )
+        },
+        "/v1/enroll/{rid}/status": {
+            "post": _with_response(
+                _op(
+                    "poll an enrollment request with its secret: 202 pending, 200 approved (the answer sealed to the "
+                    "agent's key, handed over once), ENROLL_DENIED, 404 for an unknown id or a wrong secret alike",
+                    (GW,),
+                    ok=_ok({"type": "object"}, "approved: the sealed answer"),
+                    refusals=(400, 403, 404, 409, 413, 429, 503),
+                    body=_closed(["poll_token"], {"poll_token": STR}),
+                    params=[_param("rid", "path", description="enrollment request id")],
+                    security=None,
+                ),
+                "202",
+                _ok({"type": "object"}, "pending: ask again after poll_after_seconds"),
             )
         },
         "/v1/payload/upload": {

@@ -282,3 +282,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     al = asub.add_parser("list", help="certificates issued by the CA: agent, serial, expiry, status")
     al.add_argument("--json", action="store_true", help="machine-readable output")
     al.set_defaults(func=_list)
+
+    from gateway.cli import enroll
+
+    enroll.register_invite(asub)

@@ -45,6 +45,7 @@ from cryptography.hazmat.primitives import serialization
 
 from gateway import ca_store, trust
 from gateway.bundle import AgentBundle, write_bundle
+from gateway.cli import layout
 from gateway.cli.guard import guard_config, open_auth
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths
@@ -80,7 +81,8 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _duration_arg(text: str) -> float:
+def duration_arg(text: str) -> float:
+    """argparse type for a duration (90m, 12h, 7d; a bare number is minutes): its seconds."""
     try:
         return parse_duration(text)
     except ValueError as exc:
@@ -233,15 +235,15 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
 
 
-def _verify_publisher(m: manifest.Manifest, trusted: trust.TrustList, paths: Paths) -> PublisherResult:
+def verify_publisher(m: manifest.Manifest, paths: Paths) -> PublisherResult:
     """The publisher, checked by the method the manifest names (did:key, did:web, X.509, OpenPGP);
     did:web documents are fetched under the [registry] fetch rules."""
     from gateway.config import RegistryConfig, load_section
-    from gateway.identity.verify import verify_publisher
+    from gateway.identity.verify import verify_publisher as verify
     from gateway.registry.ops import policy
 
     cfg = load_section(RegistryConfig, "registry", file=paths.config_file)
-    return verify_publisher(m.raw, trusted, policy(cfg))
+    return verify(m.raw, trust.load(paths), policy(cfg))
 
 
 def _enforce_policy(paths: Paths, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
@@ -371,23 +373,29 @@ def _plan(m: manifest.Manifest, args: argparse.Namespace) -> restrictions.ReadGr
     return plan
 
 
-def _write_grant(m: manifest.Manifest, args: argparse.Namespace, paths: Paths) -> dict[str, Any] | None:
-    """The write scope granted: the one requested, only with ``--grant-writes`` (docs/writes.md).
-    It lets the agent propose changes; each one waits for the user's approval."""
+def _granted_writes(m: manifest.Manifest, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The write scope claim granted: the one requested, only with ``--grant-writes``."""
+    if m.write.is_empty() or not getattr(args, "grant_writes", False):
+        return None
+    return m.write.to_claim()
+
+
+def _write_grant(m: manifest.Manifest, args: argparse.Namespace, paths: Paths) -> None:
+    """Show (and check) the write scope granted (docs/writes.md): the one requested, only with
+    ``--grant-writes``. It lets the agent propose changes; each one waits for the user's approval."""
+    wants = getattr(args, "grant_writes", False)
     if m.write.is_empty():
-        if args.grant_writes:
+        if wants:
             raise UompError(ErrorCode.INVALID_REQUEST, "--grant-writes: this agent requests no write scope")
-        return None
-    if not args.grant_writes:
+        return
+    if not wants:
         print("Writes:    NOT granted (add --grant-writes to let it propose changes you approve one by one)")
-        return None
-    claim = m.write.to_claim()
+        return
     with open_user_store(paths) as store:
-        problem = write_grant_problem(store, {"granted_scopes": {"write": claim}})
+        problem = write_grant_problem(store, {"granted_scopes": {"write": m.write.to_claim()}})
     if problem is not None:
         raise UompError(ErrorCode.ACCESS_DENIED, problem + "; ask the publisher for a manifest without that key")
     print("Writes:    granted as proposals: nothing changes until you approve it ('uomp proposals')")
-    return claim
 
 
 def _cert_binding(cert_pem: bytes) -> dict[str, str]:
@@ -397,23 +405,26 @@ def _cert_binding(cert_pem: bytes) -> dict[str, str]:
     return {"x5t#S256": jose.cert_thumbprint(der), "jkt": jose.key_thumbprint(pub)}  # type: ignore[arg-type]
 
 
-def _authorize(args: argparse.Namespace) -> int:
-    paths = paths_from(args)
-    agent_dir = Path(args.agent_dir)
-    path = agent_dir / "uom.json" if agent_dir.is_dir() else agent_dir
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
-    m = manifest.parse_manifest(raw)
+def consent(
+    args: argparse.Namespace,
+    paths: Paths,
+    m: manifest.Manifest,
+    ident: manifest.IdentityResult,
+    cfg: GuardConfig,
+    *,
+    source: tuple[Path, bytes] | None = None,
+) -> tuple[restrictions.ReadGrant, float]:
+    """The consent panel and every refusal of ``uomp authorize`` before anything is made: what the
+    agent asks for (scopes, retention, publisher, where ``uomp registry install`` found the manifest
+    at ``source``: its path and bytes), the grant (narrowed by the user; wider only with
+    ``--widen``), the session, the aggregates, the ``[trust] require`` policy; then the user's yes.
+    Returns the read grant and the session length. Used by ``uomp authorize``, ``uomp run`` and
+    ``uomp requests approve``."""
     trusted = trust.load(paths)
-    ident = _verify_publisher(m, trusted, paths)
-    cfg = guard_config(args, paths)
-    if args.remote:
-        _check_gateway_url(args, paths)
     _show(m, ident, trusted)
-    _show_listing(paths, path, raw)
-    writes = _write_grant(m, args, paths)
+    if source is not None:
+        _show_listing(paths, *source)
+    _write_grant(m, args, paths)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)
@@ -436,50 +447,145 @@ def _authorize(args: argparse.Namespace) -> int:
             "--require-verified is set; see uomp trust",
         )
     _confirm(args)
+    return plan, seconds
+
+
+def session_request(
+    m: manifest.Manifest, ident: manifest.IdentityResult, seconds: float, *, remote: bool
+) -> dict[str, Any]:
+    """The Auth Service's create-session body for this manifest (what the agent asked for)."""
+    create: dict[str, Any] = {
+        "agent_id": m.agent.id,
+        "agent_name": m.agent.name,
+        "requested_scopes": {
+            "read": m.read.to_claim(),
+            **({} if m.write.is_empty() else {"write": m.write.to_claim()}),
+        },
+        "duration_minutes": seconds / 60,
+        "profile": "remote" if remote else "local",
+    }
+    if ident.verified and ident.public_key is not None:
+        create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
+    if m.retention is not None:
+        create["data_retention_policy"] = {
+            "max_retention_seconds": m.retention.max_retention_seconds,
+            "deletion_method": m.retention.deletion_method,
+            "proof_required": m.retention.proof_required,
+        }
+    return create
+
+
+def grant_request(plan: restrictions.ReadGrant, args: argparse.Namespace, m: manifest.Manifest) -> dict[str, Any]:
+    """The Auth Service's grant body: the read grant the user consented to, the grant flags, and
+    the write scope ``m`` requests when ``--grant-writes`` granted it (proposals only, checked and
+    shown by :func:`consent`)."""
+    writes = _granted_writes(m, args)
+    grant: dict[str, Any] = {
+        "granted_scopes": {"read": plan.scope.to_claim(), **({"write": writes} if writes else {})},
+        "widen": bool(plan.widened),
+        "aggregation_only": plan.aggregation_only,
+        "task_bound": args.task_bound,
+        "aggregate_min_max": args.aggregate_min_max,
+        "aggregate_exact": args.aggregate_exact,
+    }
+    if plan.allowed_fields is not None:
+        grant["allowed_fields"] = list(plan.allowed_fields)
+    if args.max_reads is not None:
+        grant["limits"] = {"max_read_queries": args.max_reads}
+    return grant
+
+
+def bind_remote(grant: dict[str, Any], m: manifest.Manifest, url: str, cert_pem: bytes) -> None:
+    """Make ``grant`` a Remote Profile grant for ``url``, bound to the agent certificate's key."""
+    from gateway.core import ca
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    if ca.agent_id_from_cert(cert) != m.agent.id:
+        raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
+    parts = urlsplit(url)
+    host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+    grant.update(
+        {
+            "profile": "remote",
+            "audience": url,
+            "allowed_endpoints": [host],
+            "cnf": _cert_binding(cert_pem),
+            "refresh": True,
+        }
+    )
+
+
+def remote_bundle(
+    paths: Paths,
+    m: manifest.Manifest,
+    session_id: str,
+    url: str,
+    answer: dict[str, Any],
+    cert_pem: bytes,
+    *,
+    agent_key: str | None = None,
+    agent_key_file: str | None = None,
+) -> AgentBundle:
+    """What a remote agent needs after a grant (its key only when this side made it)."""
+    return AgentBundle(
+        agent_id=m.agent.id,
+        session_id=session_id,
+        gateway_url=url,
+        access_token=answer["token"],
+        access_expires_at=answer["expires_at"],
+        refresh_token=answer.get("refresh_token"),
+        refresh_expires_at=answer.get("refresh_expires_at"),
+        session_expires_at=answer.get("session_expires_at"),
+        ca_cert=ca_store.ca_cert_path(paths).read_text(),
+        agent_cert=cert_pem.decode(),
+        agent_key=agent_key,
+        agent_key_file=agent_key_file,
+        payload_public_key=userkey.public_b64(paths),
+        audit_verifier_key=_audit_verifier_key(paths),
+    )
+
+
+def _authorize(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    agent_dir = Path(args.agent_dir)
+    path = agent_dir / "uom.json" if agent_dir.is_dir() else agent_dir
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
+    m = manifest.parse_manifest(raw)
+    ident = verify_publisher(m, paths)
+    cfg = guard_config(args, paths)
+    if args.layout != "uomp" and not args.remote:
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            f"--layout {args.layout} is for a remote agent's files: add --remote --out DIR (a local agent "
+            "gets UOM_TOKEN/UOMP_BASE_URL in its env file already, or run it with uomp run)",
+        )
+    if args.layout == "uomp-core" and (not args.out or args.cert or args.csr or args.bundle):
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            "--layout uomp-core writes the reference SDK's files into --out DIR (the agent's ~/.uomp): give --out, "
+            "without --cert, --csr or --bundle",
+        )
+    if args.remote:
+        check_gateway_url(args, paths)
+    plan, seconds = consent(args, paths, m, ident, cfg, source=(path, raw))
     # Everything that can be checked is checked before anything is made: a refused authorize leaves
     # no session, no certificate and no file behind.
     given = _remote_inputs(args, paths, m) if args.remote else None
     auth = open_auth(paths, cfg)
     session_id: str | None = None
     try:
-        create: dict[str, Any] = {
-            "agent_id": m.agent.id,
-            "agent_name": m.agent.name,
-            "requested_scopes": {
-                "read": m.read.to_claim(),
-                **({} if m.write.is_empty() else {"write": m.write.to_claim()}),
-            },
-            "duration_minutes": seconds / 60,
-            "profile": "remote" if args.remote else "local",
-        }
-        if ident.verified and ident.public_key is not None:
-            create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
-        if m.retention is not None:
-            create["data_retention_policy"] = {
-                "max_retention_seconds": m.retention.max_retention_seconds,
-                "deletion_method": m.retention.deletion_method,
-                "proof_required": m.retention.proof_required,
-            }
-        session_id = str(auth.create_session(create)["session_id"])
-        grant: dict[str, Any] = {
-            "granted_scopes": {"read": plan.scope.to_claim(), **({"write": writes} if writes else {})},
-            "widen": bool(plan.widened),
-            "aggregation_only": plan.aggregation_only,
-            "task_bound": args.task_bound,
-            "aggregate_min_max": args.aggregate_min_max,
-            "aggregate_exact": args.aggregate_exact,
-        }
-        if plan.allowed_fields is not None:
-            grant["allowed_fields"] = list(plan.allowed_fields)
-        if args.max_reads is not None:
-            grant["limits"] = {"max_read_queries": args.max_reads}
+        session_id = str(auth.create_session(session_request(m, ident, seconds, remote=args.remote))["session_id"])
+        grant = grant_request(plan, args, m)
         if given is not None:
             return _remote(args, paths, auth, session_id, m, grant, given)
         _local(args, paths, cfg, m, auth.grant(session_id, grant))
         return 0
     except BaseException as exc:
         if session_id is not None:
-            _abandon(auth, session_id, exc)
+            abandon(auth, session_id, exc)
         raise
     finally:
         auth.close_db()
@@ -500,10 +606,11 @@ def _local(
     atomic_write(env, f"UOM_TOKEN={answer['token']}\nUOMP_BASE_URL={base}\n".encode(), mode=0o600)
     print(f"Session {answer['session_id']} active until {answer['expires_at']}.")
     print(f"Token written to {env} (mode 0600). Start the agent with its variables, e.g.:")
-    print(f"  env $(cat {env}) <agent command>")
+    print(f"  (set -a; . {env}; exec <agent command>)   # the shell reads the file: no token on a command line")
+    print(f"or let uomp start it with a session of its own: uomp run {args.agent_dir} -- <agent command>")
 
 
-def _abandon(auth: Any, session_id: str, exc: BaseException) -> None:
+def abandon(auth: Any, session_id: str, exc: BaseException) -> None:
     """A session whose authorize failed after it was created ends at once, and the audit says why
     (its creation is already in the log, so it is ended, not erased)."""
     why = exc.code if isinstance(exc, UompError) else type(exc).__name__
@@ -584,7 +691,7 @@ def _remote_inputs(args: argparse.Namespace, paths: Any, m: manifest.Manifest) -
     return _RemoteInputs(url, cert_pem, csr_pem)
 
 
-def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
+def check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
     """The one source of truth for where the gateway is (gateway/appliance.py): the default
     --gateway-url comes from it; another URL is refused while the appliance runs and warned about
     otherwise when the gateway would not accept it or its certificate does not name it."""
@@ -629,8 +736,14 @@ def _remote(
                 agent_key_file = str(Path(args.key_file).resolve())
         else:
             out = Path(args.out or (paths.agents_dir / m.agent.id))
-            # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
-            files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
+            if args.layout == "uomp-core":
+                # a new key each time, under the names the reference SDK reads
+                files = layout.rename_for_reference(
+                    ca_store.issue_with_key(paths, m.agent.id, layout.certs_dir(out), lifetime, reuse=False)
+                )
+            else:
+                # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
+                files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
             if files.new_key:
                 made.append(files.key_file)
             if not files.reused_cert:
@@ -641,7 +754,7 @@ def _remote(
             )
             cert_pem = files.cert_file.read_bytes()
             agent_key = files.key_file.read_text()
-            key_dir = files.out_dir
+            key_dir = files.out_dir if args.layout == "uomp" else None  # (the curl hint names agent.*)
         return _remote_grant(
             args, paths, auth, session_id, m, grant, url, parts, cert_pem, agent_key, agent_key_file, key_dir
         )
@@ -665,37 +778,10 @@ def _remote_grant(
     agent_key_file: str | None,
     key_dir: Path | None,
 ) -> int:
-    cert = x509.load_pem_x509_certificate(cert_pem)
-    from gateway.core import ca
-
-    if ca.agent_id_from_cert(cert) != m.agent.id:
-        raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
-    host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-    grant.update(
-        {
-            "profile": "remote",
-            "audience": url,
-            "allowed_endpoints": [host],
-            "cnf": _cert_binding(cert_pem),
-            "refresh": True,
-        }
-    )
+    bind_remote(grant, m, url, cert_pem)
     answer = auth.grant(session_id, grant)
-    bundle = AgentBundle(
-        agent_id=m.agent.id,
-        session_id=session_id,
-        gateway_url=url,
-        access_token=answer["token"],
-        access_expires_at=answer["expires_at"],
-        refresh_token=answer.get("refresh_token"),
-        refresh_expires_at=answer.get("refresh_expires_at"),
-        session_expires_at=answer.get("session_expires_at"),
-        ca_cert=ca_store.ca_cert_path(paths).read_text(),
-        agent_cert=cert_pem.decode(),
-        agent_key=agent_key,
-        agent_key_file=agent_key_file,
-        payload_public_key=userkey.public_b64(paths),
-        audit_verifier_key=_audit_verifier_key(paths),
+    bundle = remote_bundle(
+        paths, m, session_id, url, answer, cert_pem, agent_key=agent_key, agent_key_file=agent_key_file
     )
     # with --out, everything for the agent (key, certificate, CA, bundle) is in that one directory
     out_path = Path(
@@ -708,6 +794,15 @@ def _remote_grant(
     )
     out_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_bundle(out_path, bundle)
+    if args.layout == "uomp-core":
+        env = layout.write_env(Path(args.out), token=answer["token"], base_url=url, session_id=session_id)
+        print(f"For the reference SDK (@uomp/sdk): {Path(args.out)} is the agent's ~/.uomp")
+        print(f"  {layout.certs_dir(Path(args.out))}/client.crt, client.key (0600), ca.crt: its mTLS files")
+        print(f"  {env} (0600): UOM_TOKEN, UOMP_BASE_URL, UOMP_SESSION_ID")
+        print(
+            "  on the agent's machine: copy it to ~/.uomp, then: (set -a; . ~/.uomp/uomp.env; exec node index.js) "
+            "(the reference does not refresh tokens: its access token lasts the access lifetime above)"
+        )
     print(
         f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
         f"{answer['expires_at']}, refresh token until {answer.get('refresh_expires_at')} (renewed on each refresh)."
@@ -740,16 +835,14 @@ def _dpop_url(paths: Paths, url: str) -> bool:
     return recorded.get("mode") in ("quick", "named") and str(recorded.get("url", "")).rstrip("/") == url.rstrip("/")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Adds ``uomp authorize`` to the command line."""
-    p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
-    p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
+def add_grant_arguments(p: argparse.ArgumentParser) -> None:
+    """The consent flags (what to grant, how long, which publishers), shared with ``uomp requests approve``."""
     p.add_argument("-y", "--yes", action="store_true", help="do not ask; grant what is shown (for scripts)")
     p.add_argument(
         "--session-ttl",
         "--duration",
         dest="duration",
-        type=_duration_arg,
+        type=duration_arg,
         metavar="DURATION",
         help="session length: 90m, 12h, 7d (a bare number is minutes); default 30m locally, "
         "remote_session_max_minutes (30 days) with --remote",
@@ -794,6 +887,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="authorize on this machine an agent that declares requires_remote: true",
     )
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp authorize`` to the command line."""
+    p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
+    p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
+    add_grant_arguments(p)
     p.add_argument(
         "--env-file",
         help="local profile: where to write UOM_TOKEN/UOMP_BASE_URL "
@@ -824,6 +924,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--key-file", help="with --csr or --cert: where the agent keeps its key (path recorded in the bundle)"
     )
     r.add_argument("--out", help="make key and certificate for the agent in this directory (key in the bundle)")
+    r.add_argument(
+        "--layout",
+        choices=layout.LAYOUTS,
+        default="uomp",
+        help="with --out: uomp (agent.key, agent.crt, ca.crt, bundle.json) or uomp-core (the reference SDK's "
+        "~/.uomp layout: .gateway-certs/client.crt, client.key, ca.crt and uomp.env with UOM_TOKEN, UOMP_BASE_URL)",
+    )
     r.add_argument("--cert-hours", type=float, default=24, help="agent certificate lifetime in hours (default 24)")
     r.add_argument(
         "--new-cert",

@@ -39,6 +39,8 @@ COMMAND_MODULES = (
     "gateway.cli.trust",
     "gateway.cli.registry",
     "gateway.cli.agent",
+    "gateway.cli.enroll",
+    "gateway.cli.run",
     "gateway.cli.gateway",
     "gateway.cli.payload",
     "gateway.cli.status",
@@ -74,6 +76,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "ca": ("gateway.cli.agent", "the certificate authority that issues agent client certificates"),
     "agent": ("gateway.cli.agent", "issue, revoke and list agent client certificates"),
+    "requests": ("gateway.cli.enroll", "agents' enrollment requests: list, approve (the consent panel), deny"),
+    "enroll": (
+        "gateway.cli.enroll",
+        "(agent side) enroll with the line from 'uomp agent invite': make a key here, send a CSR, wait "
+        "for the user's approval, write certificate and tokens to --out",
+    ),
+    "run": (
+        "gateway.cli.run",
+        "grant a local agent a session (the consent panel of uomp authorize) and start it with its "
+        "token in its environment (UOM_TOKEN, UOMP_BASE_URL); the session closes when it exits",
+    ),
     "gateway": ("gateway.cli.gateway", "the remote gateway (TLS 1.3 + mTLS) for agents on other machines"),
     "payload": ("gateway.cli.payload", "encrypted payloads agents sent you: list, pull (decrypt), remove"),
     "status": (
@@ -268,6 +281,21 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+REST_COMMANDS = ("run",)  # commands whose arguments after the first `--` are a command line of their own
+
+
+def _split_rest(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``uomp [--home H] [-v] run ... -- COMMAND...``: (what argparse reads, COMMAND...); for every
+    other command (argv, None), argparse's own ``--`` rule unchanged."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if argv[i] == "--home" else 1
+    if i < len(argv) and argv[i] in REST_COMMANDS and "--" in argv[i:]:
+        cut = argv.index("--", i)
+        return argv[:cut], argv[cut + 1 :]
+    return argv, None
+
+
 def setup_logging(verbose: bool, service: bool = False) -> None:
     """``-v``: DEBUG. A service (``gateway start``, ``guard serve``, ...) logs INFO: its stderr is the
     service's log. A one-shot command says only warnings and errors: its result is its output."""
@@ -283,7 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one ``uomp`` command; its exit code. The one place that catches errors and prints them."""
     Parser.argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(Parser.argv)
-    args, extras = parser.parse_known_args(argv)
+    head, rest = _split_rest(Parser.argv)
+    args, extras = parser.parse_known_args(head)
+    if rest is not None:
+        args.command_rest = rest
     if extras:
         owner = getattr(args, "_cli_parser", parser)
         assert isinstance(owner, Parser)

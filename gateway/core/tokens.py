@@ -137,7 +137,7 @@ def parse_claims(header: Mapping[str, Any], claims: Mapping[str, Any]) -> Capabi
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _fail(f"claim {name} must be a number")
     assert isinstance(exp, int | float) and isinstance(iat, int | float)
-    # §7.2 MUST claims (version, issued_at, expires_at; limits below for access tokens). The
+    # §7.2 MUST claims (version, issued_at, expires_at). The
     # reference writes them snake_case; camelCase spellings are read too.
     version = claims.get("version")
     if not isinstance(version, str) or version.split(".", 1)[0] != TOKEN_VERSION.split(".", 1)[0]:
@@ -163,11 +163,9 @@ def parse_claims(header: Mapping[str, Any], claims: Mapping[str, Any]) -> Capabi
         read = parse_scope(scopes.get("read"), "read")
         write = parse_scope(scopes.get("write"), "write")
 
+    # §7.2: ``limits`` is OPTIONAL. What it says is informational for the agent: the read quota is
+    # the session's grant, enforced by the Auth Service whatever the token carries.
     limits = claims.get("limits")
-    if limits is None and token_use == "access":
-        # Spec table says OPTIONAL, but without it no quota applies; every issuer we trust (ours
-        # and the TypeScript reference's Auth Service) always writes it.
-        raise _fail("claim limits is required")
     if limits is not None and not isinstance(limits, dict):
         raise _fail("claim limits must be an object")
     limits = limits or {}

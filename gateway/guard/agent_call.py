@@ -73,7 +73,7 @@ class AgentCall:
         if not read:
             return AuthOutcome(cap, row, None, None)
         try:
-            return AuthOutcome(cap, row, self.svc.auth.consume_read(cap), None)
+            return AuthOutcome(cap, row, self.svc.auth.consume_read(cap, row), None)
         except UompError as exc:
             return AuthOutcome(cap, row, 0, exc)
 

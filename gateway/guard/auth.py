@@ -672,9 +672,13 @@ class AuthService:
                 (session_id, mark),
             )
 
-    def consume_read(self, cap: Capability) -> int | None:
-        """§10.4 step 5 (enforced here, though the draft leaves it optional). Returns the remaining count."""
-        remaining = self.quota.consume(cap.session_id, cap.max_read_queries)
+    def consume_read(self, cap: Capability, row: SessionRow) -> int | None:
+        """§10.4 step 5 (enforced here, though the draft leaves it optional). Returns the remaining count.
+
+        The limit is the session's grant (``max_read_queries`` as the user granted it), never the
+        token's own ``limits`` claim: §7.2 makes that claim OPTIONAL, and a token another issuer
+        signed with the user's key may carry any number there."""
+        remaining = self.quota.consume(cap.session_id, row.options.get("max_read_queries"))
         if remaining == -1:
             raise UompError(ErrorCode.QUOTA_EXCEEDED, "read query quota is exhausted", session_id=cap.session_id)
         return remaining

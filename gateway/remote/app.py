@@ -115,6 +115,8 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     assert route is not None
     await state.access.ready()  # fail closed while the access log cannot be written (tries one write)
     if not route.auth:
+        if (own := route.handler or state.handlers.get(route.name)) is not None:
+            return await own(call)  # answers for agents without credentials yet (enroll_routes.py)
         if not state.upstream_ok():
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory guard is unreachable")
         resp = web.json_response({"status": "ok"})

@@ -34,6 +34,9 @@ RouteName = Literal[
     "payload_upload_url",  # POST /v1/payload/upload-url
     "payload_presigned",  # PUT /v1/payload/presigned
     "payload_get",  # GET /v1/payload/{id}
+    "enroll_ca",  # GET /v1/enroll/ca
+    "enroll",  # POST /v1/enroll
+    "enroll_status",  # POST /v1/enroll/{request_id}/status
 ]
 ROUTE_NAMES: tuple[RouteName, ...] = get_args(RouteName)
 

@@ -16,7 +16,7 @@ from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.netutil import check_bind
-from gateway.remote import agent_routes, payload_routes, payload_service, transport
+from gateway.remote import agent_routes, enroll_routes, payload_routes, payload_service, transport
 from gateway.remote.access_log import AccessLog
 from gateway.remote.app import create_gateway_app
 from gateway.remote.guard_client import Forwarder, Upstream
@@ -147,6 +147,7 @@ class GatewayRunner:
         state.revoked_serials = lambda: reloader.revoked
         state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
+        enroll_routes.install(state)
         self.payloads = payload_routes.install(state)
         self.payloads.start()
         for hook in self.setup_hooks:

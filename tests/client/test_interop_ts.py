@@ -256,7 +256,9 @@ async def test_theirs_to_our_running_guard(home: Paths, tmp_path: Path) -> None:
 
         status, body, hdrs = await call(s, "GET", "/v1/memory/preference.theme", token=ts_tok)
         assert status == 200 and body["value"] == "dark", body
-        assert hdrs["X-UOMP-Quota-Remaining"] == "99"  # the reference's limits.maxReadQueries (100) applies
+        assert (
+            hdrs["X-UOMP-Quota-Remaining"] == "99"
+        )  # the grant's quota (100 by default) applies, whatever the token says
         # the camelCase deny lists are enforced, not silently dropped
         status, body, _ = await call(s, "GET", "/v1/memory/preference.lang", token=ts_tok)
         assert status == 403 and body["error"]["message"] == "key explicitly denied"

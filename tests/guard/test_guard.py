@@ -376,9 +376,11 @@ BAD_AGENT_INPUTS = [
     ("tag too long", "/v1/memory?tag=" + "x" * 300, "TOKEN", "INVALID_REQUEST", 400),
     ("aggregate bad op", "/v1/memory/aggregate?tag=preference&op=median&field=value", "TOKEN", "INVALID_REQUEST", 400),
     ("aggregate no field", "/v1/memory/aggregate?tag=preference&op=sum", "TOKEN", "INVALID_REQUEST", 400),
+    # a bare name is short for value.NAME (field=key is value.key, never the item's key:
+    # tests/guard/test_aggregate_field.py); what is no path at all is refused
     (
-        "aggregate field outside value",
-        "/v1/memory/aggregate?tag=preference&op=sum&field=key",
+        "aggregate field no path",
+        "/v1/memory/aggregate?tag=preference&op=sum&field=key%24",
         "TOKEN",
         "INVALID_REQUEST",
         400,

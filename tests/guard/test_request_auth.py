@@ -642,7 +642,6 @@ MISSING = [
     ("version number", {"version": 1}),
     ("no issued_at", {"issued_at": None}),
     ("no expires_at", {"expires_at": None}),
-    ("no limits", {"limits": None}),
     ("limits not an object", {"limits": [1]}),
 ]
 
@@ -675,10 +674,14 @@ async def test_tokens_without_must_claims_are_refused_by_every_verifier(
         assert (body["valid"], body["code"]) == (False, "INVALID_TOKEN")
 
 
-@pytest.mark.parametrize("name", ["no version", "no issued_at", "no limits"])
+@pytest.mark.parametrize("name", ["no version", "no issued_at", "no expires_at"])
 async def test_gateway_refuses_tokens_without_must_claims(world: World, name: str) -> None:
     signing = keys.load_signing_key(world.app.paths)
-    change = {"no version": {"version": None}, "no issued_at": {"issued_at": None}, "no limits": {"limits": None}}
+    change = {
+        "no version": {"version": None},
+        "no issued_at": {"issued_at": None},
+        "no expires_at": {"expires_at": None},
+    }
     claims = _claims(
         world.own["session_id"],
         "agent_a",

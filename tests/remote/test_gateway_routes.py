@@ -12,11 +12,16 @@ from aiohttp import web
 from gatewaykit import agent_call, agent_session, appliance
 
 from gateway.config import Paths
-from gateway.remote import agent_routes, payload_routes, request, routes
+from gateway.remote import agent_routes, enroll_routes, payload_routes, request, routes
 from gateway.remote.metrics import DEFAULT_ROUTES, OTHER, Metrics
 from gateway.remote.routenames import ROUTE_NAMES, RouteName
 
-ALL_ROWS = [*routes.ROUTES, *(r for r, _ in agent_routes.ROUTES), *(r for r, _ in payload_routes.ROUTES)]
+ALL_ROWS = [
+    *routes.ROUTES,
+    *(r for r, _ in agent_routes.ROUTES),
+    *(r for r, _ in payload_routes.ROUTES),
+    *(r for r, _ in enroll_routes.ROUTES),
+]
 
 
 def test_every_name_has_exactly_one_row_and_every_row_a_known_name() -> None:

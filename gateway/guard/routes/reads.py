@@ -17,6 +17,7 @@ from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.agent_call import AgentCall, answer_refusal
+from gateway.guard.fieldname import aggregate_field
 from gateway.guard.http import page_limit, query_param
 from gateway.guard.items import MemoryItem
 from gateway.guard.reads import TOO_MANY_GROUPS
@@ -178,7 +179,7 @@ async def aggregate(request: web.Request) -> web.Response:
     try:
         tag = query_param(request, "tag")
         op = query_param(request, "op")
-        field = query_param(request, "field", required=False)
+        field = aggregate_field(query_param(request, "field", required=False))
         assert tag is not None and op is not None
         call.tags = [tag]
         if op not in policy.OPS:
@@ -189,8 +190,8 @@ async def aggregate(request: web.Request) -> web.Response:
             if path is None:
                 raise UompError(
                     ErrorCode.INVALID_REQUEST,
-                    "field is required for numeric ops: value or "
-                    "value.<name>[.<name>...] with names of letters, digits, _ - : @",
+                    "field is required for numeric ops: value, value.<name>[.<name>...] or <name>[.<name>...] "
+                    "(short for value.<name>...), with names of letters, digits, _ - : @",
                 )
         cap = await call.authenticate(read=True)
     except UompError as exc:
