@@ -352,6 +352,16 @@ class GuardConfig:
     # audit retention and auth.db pruning run every purge_interval_seconds.
     sweep_interval_seconds: float = 5.0
     purge_interval_seconds: float = 3600.0
+    # Agent write proposals (docs/writes.md): budgets per session and per agent, each refusal
+    # BUDGET_EXCEEDED with its numbers; a proposal nobody decided expires after its lifetime.
+    write_max_pending_per_session: int = 20  # undecided proposals of one session at once
+    write_max_per_session: int = 100  # proposals one session may ever make (the token's max_write_queries)
+    write_max_per_agent_hour: int = 60  # proposals of one agent (all its sessions) in the last hour
+    write_max_pending_total: int = 1000  # undecided proposals in the store, all agents
+    write_max_value_bytes: int = 16 * 1024  # one proposed value as JSON (UTF-8); never truncated
+    write_proposal_lifetime_seconds: int = 7 * 24 * 3600
+    # Version history: earlier versions kept per key (0: all of them), for every writer alike.
+    history_max_versions: int = 50
 
     def __post_init__(self) -> None:
         _check_port(self.tcp_port, "guard.tcp_port", low=0)

@@ -81,6 +81,10 @@ class ErrorCode(StrEnum):
     PAYLOAD_STORE_FULL = "PAYLOAD_STORE_FULL"  # the payload store's disk is full; nothing was kept
     UPLOAD_URL_INVALID = "UPLOAD_URL_INVALID"  # a single-use upload URL that is unknown, spent or expired
     PAYLOAD_INVALID = "PAYLOAD_INVALID"  # a sealed payload that does not open: wrong key, tampered, truncated
+    # agent write proposals (gateway/guard/proposals.py, docs/writes.md)
+    BUDGET_EXCEEDED = "BUDGET_EXCEEDED"  # a write budget is used up: details budget, used, limit, needed
+    VERSION_CONFLICT = "VERSION_CONFLICT"  # the item is not at the version the proposal was based on
+    APPROVAL_MISMATCH = "APPROVAL_MISMATCH"  # the change approved is not the change the proposal makes now
     # CLI-side (``uomp`` prints ``error CODE: what happened; what to do``)
     ALREADY_RUNNING = "ALREADY_RUNNING"  # an appliance already holds this data directory's lock
     PORT_IN_USE = "PORT_IN_USE"  # a listener's port is taken (or not allowed)
@@ -156,6 +160,10 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.PAYLOAD_STORE_FULL: 507,
     ErrorCode.UPLOAD_URL_INVALID: 403,
     ErrorCode.PAYLOAD_INVALID: 400,
+    # agent write proposals
+    ErrorCode.BUDGET_EXCEEDED: 429,
+    ErrorCode.VERSION_CONFLICT: 409,
+    ErrorCode.APPROVAL_MISMATCH: 409,
     # CLI-side (``uomp`` prints ``error CODE: what happened; what to do``)
     ErrorCode.ALREADY_RUNNING: 409,
     ErrorCode.PORT_IN_USE: 500,

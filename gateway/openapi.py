@@ -266,6 +266,22 @@ SCHEMAS: dict[str, Any] = {
         },
     ),
     "PayloadList": _closed(["payloads"], {"payloads": {"type": "array", "items": _ref("Payload")}}),
+    "Proposal": _closed(
+        ["proposal_id", "op", "key", "status", "base_version", "created_at", "expires_at"],
+        {
+            "proposal_id": STR,
+            "op": {"enum": ["put", "delete"]},
+            "key": STR,
+            "status": {"enum": ["pending", "approved", "rejected", "withdrawn", "expired", "stale"]},
+            "base_version": INT,
+            "applied_version": {"type": ["integer", "null"]},
+            "created_at": STR,
+            "expires_at": STR,
+            "decided_at": {"type": ["string", "null"]},
+        },
+        "An agent's staged write (docs/writes.md): nothing changes until the user approves it",
+    ),
+    "ProposalList": _closed(["proposals"], {"proposals": {"type": "array", "items": _ref("Proposal")}}),
     "Error": _closed(
         ["error"],
         {
@@ -402,6 +418,20 @@ ENVELOPE = _param(
     "the envelope without its ciphertext; the body is then the sealed bytes",
 )
 
+IF_MATCH = _param("If-Match", "header", description='the item version the change is based on, as "N"')
+WRITE_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["value"],
+    "properties": {
+        "value": {"description": "the proposed value (any JSON)"},
+        "tags": STR_LIST,
+        "sensitivity": {"enum": ["low", "medium"]},
+        "description": STR,
+        "base_version": INT,
+    },
+    "additionalProperties": False,
+}
+
 # What every agent route can answer on any listener: a malformed or repeated header (400), no or a
 # bad token or certificate (401), a rule (403), a database busy past its bounded wait or the guard
 # unreachable (503); through the gateway also the guard's failures (502, 504).
@@ -459,19 +489,39 @@ def document() -> dict[str, Any]:
                 "read one item by key (§10.2)", ALL, ok=_ok(_ref("Item"), headers=QUOTA), refusals=READ, params=[KEY]
             ),
             "put": _op(
-                "agent write: refused 403 WRITE_NOT_AVAILABLE after authentication (§10.1, §20.4)",
+                "agent write: a proposal the user approves (202; docs/writes.md); 403 WRITE_NOT_AVAILABLE "
+                "without a write scope (§10.1, §20.4)",
                 ALL,
-                ok=None,
-                refusals=(*AGENT, 413),
-                params=[KEY],
+                ok=_ok(_ref("Proposal"), "proposal stored; nothing changed yet"),
+                status="202",
+                refusals=(*AGENT, 409, 413, 429),
+                params=[KEY, IF_MATCH],
+                body=WRITE_BODY,
+                body_example={"value": "light"},
             ),
             "delete": _op(
-                "agent delete: refused 403 WRITE_NOT_AVAILABLE after authentication (§10.1, §20.4)",
+                "agent delete: a proposal the user approves (202; docs/writes.md); 403 WRITE_NOT_AVAILABLE "
+                "without a write scope (§10.1, §20.4)",
                 ALL,
-                ok=None,
-                refusals=AGENT,
-                params=[KEY],
+                ok=_ok(_ref("Proposal"), "proposal stored; nothing changed yet"),
+                status="202",
+                refusals=(*AGENT, 409, 413, 429),
+                params=[KEY, IF_MATCH],
             ),
+        },
+        "/v1/proposals": {
+            "get": _op(
+                "this session's own proposals and their outcome", ALL, ok=_ok(_ref("ProposalList")), refusals=AGENT
+            )
+        },
+        "/v1/proposals/{pid}/withdraw": {
+            "post": _op(
+                "withdraw one of this session's pending proposals (another session's: 404, as an unknown one)",
+                ALL,
+                ok=_ok(_ref("Proposal")),
+                refusals=(*AGENT, 404, 409),
+                params=[_param("pid", "path", description="proposal id")],
+            )
         },
         "/v1/memory": {
             "get": _op(

@@ -54,6 +54,8 @@ from gateway.core.capability import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.guard.proposal_rules import write_grant_problem
+from gateway.guard.stores import open_user_store
 from gateway.identity.verify import PublisherResult
 from gateway.ledger import auditkey
 from gateway.payloads import userkey
@@ -196,7 +198,7 @@ def _show_capabilities(m: manifest.Manifest) -> None:
         parts.append("optional " + described(m.optional_capabilities))
     print("Capabilities: " + ("; ".join(parts) if parts else "none declared"))
     if "memory.write" in m.required_capabilities:
-        _warn("the agent REQUIRES memory.write, which this gateway does not provide: it may not work")
+        _warn("the agent REQUIRES memory.write: without --grant-writes it cannot propose changes and may not work")
 
 
 def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
@@ -210,7 +212,9 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
     if m.read_description:
         print(_quoted(m.read_description))
     if not m.write.is_empty():
-        print(_scope_line("write", m.write) + "  (writes are not available; they will not be granted)")
+        print(_scope_line("write", m.write) + "  (proposals only, each waits for your approval)")
+        if m.write_description:
+            print(_quoted(m.write_description))
     _show_capabilities(m)
     print(
         f"Remote:    requires_remote: {'true' if m.requires_remote else 'false'}"
@@ -369,6 +373,31 @@ def _plan(m: manifest.Manifest, args: argparse.Namespace) -> restrictions.ReadGr
     return plan
 
 
+def _granted_writes(m: manifest.Manifest, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The write scope claim granted: the one requested, only with ``--grant-writes``."""
+    if m.write.is_empty() or not getattr(args, "grant_writes", False):
+        return None
+    return m.write.to_claim()
+
+
+def _write_grant(m: manifest.Manifest, args: argparse.Namespace, paths: Paths) -> None:
+    """Show (and check) the write scope granted (docs/writes.md): the one requested, only with
+    ``--grant-writes``. It lets the agent propose changes; each one waits for the user's approval."""
+    wants = getattr(args, "grant_writes", False)
+    if m.write.is_empty():
+        if wants:
+            raise UompError(ErrorCode.INVALID_REQUEST, "--grant-writes: this agent requests no write scope")
+        return
+    if not wants:
+        print("Writes:    NOT granted (add --grant-writes to let it propose changes you approve one by one)")
+        return
+    with open_user_store(paths) as store:
+        problem = write_grant_problem(store, {"granted_scopes": {"write": m.write.to_claim()}})
+    if problem is not None:
+        raise UompError(ErrorCode.ACCESS_DENIED, problem + "; ask the publisher for a manifest without that key")
+    print("Writes:    granted as proposals: nothing changes until you approve it ('uomp proposals')")
+
+
 def _cert_binding(cert_pem: bytes) -> dict[str, str]:
     cert = x509.load_pem_x509_certificate(cert_pem)
     der = cert.public_bytes(serialization.Encoding.DER)
@@ -395,6 +424,7 @@ def consent(
     _show(m, ident, trusted)
     if source is not None:
         _show_listing(paths, *source)
+    _write_grant(m, args, paths)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)
@@ -427,7 +457,10 @@ def session_request(
     create: dict[str, Any] = {
         "agent_id": m.agent.id,
         "agent_name": m.agent.name,
-        "requested_scopes": {"read": m.read.to_claim()},
+        "requested_scopes": {
+            "read": m.read.to_claim(),
+            **({} if m.write.is_empty() else {"write": m.write.to_claim()}),
+        },
         "duration_minutes": seconds / 60,
         "profile": "remote" if remote else "local",
     }
@@ -442,10 +475,13 @@ def session_request(
     return create
 
 
-def grant_request(plan: restrictions.ReadGrant, args: argparse.Namespace) -> dict[str, Any]:
-    """The Auth Service's grant body: the read grant the user consented to and the grant flags."""
+def grant_request(plan: restrictions.ReadGrant, args: argparse.Namespace, m: manifest.Manifest) -> dict[str, Any]:
+    """The Auth Service's grant body: the read grant the user consented to, the grant flags, and
+    the write scope ``m`` requests when ``--grant-writes`` granted it (proposals only, checked and
+    shown by :func:`consent`)."""
+    writes = _granted_writes(m, args)
     grant: dict[str, Any] = {
-        "granted_scopes": {"read": plan.scope.to_claim()},
+        "granted_scopes": {"read": plan.scope.to_claim(), **({"write": writes} if writes else {})},
         "widen": bool(plan.widened),
         "aggregation_only": plan.aggregation_only,
         "task_bound": args.task_bound,
@@ -542,7 +578,7 @@ def _authorize(args: argparse.Namespace) -> int:
     session_id: str | None = None
     try:
         session_id = str(auth.create_session(session_request(m, ident, seconds, remote=args.remote))["session_id"])
-        grant = grant_request(plan, args)
+        grant = grant_request(plan, args, m)
         if given is not None:
             return _remote(args, paths, auth, session_id, m, grant, given)
         _local(args, paths, cfg, m, auth.grant(session_id, grant))
@@ -831,6 +867,11 @@ def add_grant_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--task-bound", action="store_true", help="one task; the session closes on its deletion proof")
     p.add_argument("--max-reads", type=int, help="read query quota (default 100)")
+    p.add_argument(
+        "--grant-writes",
+        action="store_true",
+        help="grant the requested write scope: the agent may propose changes, each waits for your approval",
+    )
     p.add_argument(
         "--require-verified",
         action="store_true",

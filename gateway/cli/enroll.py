@@ -138,7 +138,7 @@ def _approve(args: argparse.Namespace) -> int:
             event.action, event.agent_id = "cert_issued", m.agent.id
             event.reason = "the user approved an enrollment request (certificate from the agent's CSR)"
             event.detail = f"serial {ca.serial_hex(cert.serial_number)}, request {p.request_id}"
-        grant = authorize.grant_request(plan, args)
+        grant = authorize.grant_request(plan, args, m)
         authorize.bind_remote(grant, m, p.gateway_url, cert_pem)
         answer = auth.grant(session_id, grant)
         bundle = authorize.remote_bundle(paths, m, session_id, p.gateway_url, answer, cert_pem)

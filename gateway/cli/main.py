@@ -31,6 +31,8 @@ from gateway.errors import ErrorCode, UompError
 COMMAND_MODULES = (
     "gateway.cli.home",
     "gateway.cli.memory",
+    "gateway.cli.proposals",
+    "gateway.cli.exchange",
     "gateway.cli.guard",
     "gateway.cli.audit",
     "gateway.cli.authorize",
@@ -55,8 +57,13 @@ COMMAND_MODULES = (
 COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("gateway.cli.home", "create the data directory, signing key, admin credential and CA"),
     "keys": ("gateway.cli.home", "Auth Service signing keys"),
-    "memory": ("gateway.cli.memory", "add, show, list and delete Memory Items"),
-    "import": ("gateway.cli.memory", "import Memory Items from a CSV or JSON file (spec §12)"),
+    "memory": ("gateway.cli.memory", "add, show, list and delete Memory Items; their history and rollback"),
+    "import": (
+        "gateway.cli.memory",
+        "import Memory Items from a CSV or JSON file (spec §12), an export, or another store's (--adapter)",
+    ),
+    "proposals": ("gateway.cli.proposals", "agents' proposed memory changes: list, show, approve, reject"),
+    "export": ("gateway.cli.exchange", "write the whole memory store (items, versions, history) as one JSON document"),
     "guard": ("gateway.cli.guard", "the local Auth Service + Memory Guard"),
     "sessions": ("gateway.cli.guard", "see, close and revoke sessions (spec §21)"),
     "audit": ("gateway.cli.audit", "what agents asked for and got; verify the log; proofs for one event"),

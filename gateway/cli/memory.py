@@ -15,20 +15,22 @@ from pathlib import Path
 from typing import IO, Any
 
 from gateway.atrest import memdb
-from gateway.cli import home, userlog
+from gateway.cli import exchange, history, home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import history as item_history
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
 from gateway.guard.items import SENSITIVITIES, MemoryItem, utc_now
 from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 LIST_DEFAULT_LIMIT = 100
 
 
 def _open_store(args: argparse.Namespace) -> MemoryStore:
-    paths = paths_from(args)
-    return MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths))  # encrypted in a sealed home
+    """The store, with the history retention of ``[guard] history_max_versions`` applied."""
+    return open_user_store(paths_from(args))
 
 
 def _init_store(paths: Paths) -> dict[str, bool]:
@@ -109,10 +111,21 @@ def _list(args: argparse.Namespace) -> int:
 
 def _rm(args: argparse.Namespace) -> int:
     with _open_store(args) as store, userlog.change(paths_from(args)) as event:
-        if not store.delete(args.key):
-            raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
-        event.action, event.reason, event.key = "memory_deleted", "the user deleted a memory item", args.key
-    print(f"deleted {args.key}")
+        if args.purge:
+            existed = store.get_meta(args.key) is not None
+            dropped = item_history.purge(store, args.key)
+            if not existed and not dropped:
+                raise UompError(ErrorCode.INVALID_REQUEST, "no memory item or history has this key")
+            event.action, event.key = "memory_purged", args.key
+            event.reason = "the user deleted a memory item and every kept version of it"
+        else:
+            if not store.delete(args.key):
+                raise UompError(ErrorCode.INVALID_REQUEST, "no memory item has this key")
+            event.action, event.reason, event.key = "memory_deleted", "the user deleted a memory item", args.key
+    print(
+        f"{'purged' if args.purge else 'deleted'} {args.key}"
+        + ("" if args.purge else " (its history is kept: --purge removes it)")
+    )
     return 0
 
 
@@ -169,6 +182,8 @@ class ProgressBar:
 
 
 def _import(args: argparse.Namespace) -> int:
+    if exchange.wants_envelope(args):
+        return exchange.import_file(args)
     path = Path(args.file)
     progress = args.progress
     if not progress and sys.stderr.isatty():
@@ -230,7 +245,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     m = sub.add_parser(
         "memory",
-        help="add, show, list and delete Memory Items",
+        help="add, show, list and delete Memory Items; their history and rollback",
         description="Manage the Memory Items in $UOMP_HOME/memory.db directly.",
     )
     msub = m.add_subparsers(dest="memory_command", metavar="ACTION", required=True)
@@ -291,14 +306,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r = msub.add_parser(
         "rm",
         help="delete one Memory Item",
-        description="Delete one Memory Item (its bytes are overwritten in the file).",
+        description="Delete one Memory Item. Its last version stays in its history ('uomp memory history', "
+        "rollback); --purge removes the item and every kept version (their bytes are overwritten in the file).",
     )
     r.add_argument("key", metavar="KEY")
+    r.add_argument("--purge", action="store_true", help="also remove every kept version of the item")
     r.set_defaults(func=_rm)
+    history.register_memory(msub)
 
     i = sub.add_parser(
         "import",
-        help="import Memory Items from a CSV or JSON file (spec §12)",
+        help="import Memory Items from a CSV or JSON file (spec §12), an export, or another store's (--adapter)",
         description="Import Memory Items from a CSV or JSON file into $UOMP_HOME/memory.db.",
         epilog=_IMPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -327,6 +345,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--replace", action="store_true", help="overwrite items whose key is already in the store (default: refuse)"
     )
     i.add_argument("--dry-run", action="store_true", help="validate and report, write nothing")
+    i.add_argument(
+        "--adapter",
+        choices=exchange.ADAPTER_CHOICES,
+        help="the file is another store's export: uomp-export (from 'uomp export', also recognised "
+        "without this), mem0, claude-md (CLAUDE.md / memory files), dsh-export (memory-export-v1)",
+    )
     i.add_argument(
         "--date-order",
         choices=DATE_ORDERS,

@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     session_id: str | None = None
     try:
         session_id = str(auth.create_session(authorize.session_request(m, ident, seconds, remote=False))["session_id"])
-        answer = auth.grant(session_id, authorize.grant_request(plan, args))
+        answer = auth.grant(session_id, authorize.grant_request(plan, args, m))
     except BaseException as exc:
         if session_id is not None:
             authorize.abandon(auth, session_id, exc)

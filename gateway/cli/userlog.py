@@ -40,6 +40,7 @@ class UserEvent:
     key: str | None = None
     detail: str | None = None
     count: int | None = None
+    extra: dict[str, Any] | None = None  # more event fields (gateway.guard.audit.EXTRA_FIELDS only)
 
 
 @contextlib.contextmanager
@@ -57,6 +58,8 @@ def change(paths: Paths, *, via: str = "cli") -> Iterator[UserEvent]:
         extra: dict[str, Any] = {"origin": via}
         if event.count is not None:
             extra["count"] = event.count
+        for name, value in (event.extra or {}).items():
+            extra.setdefault(name, value)
         ticket = audit.record(
             session_id=USER_SESSION,
             agent_id=event.agent_id,

@@ -19,10 +19,10 @@ class                      codes
 :class:`CertificateError`  CERT_REQUIRED, CA_ERROR (renewal refused); SDK: CERT_EXPIRED,
 (an AuthError)             TLS_HANDSHAKE_FAILED, SERVER_CERT_INVALID
 :class:`AccessDenied`      ACCESS_DENIED, WRITE_NOT_AVAILABLE
-:class:`QuotaExceeded`     QUOTA_EXCEEDED
+:class:`QuotaExceeded`     QUOTA_EXCEEDED, BUDGET_EXCEEDED (a write budget)
 :class:`InvalidRequest`    INVALID_REQUEST, NOT_FOUND, METHOD_NOT_ALLOWED, PAYLOAD_TOO_LARGE,
-                           NOT_IMPLEMENTED, INVALID_STATE, AGGREGATE_MIXED_CURRENCY, and any
-                           other 4xx
+                           NOT_IMPLEMENTED, INVALID_STATE, AGGREGATE_MIXED_CURRENCY,
+                           VERSION_CONFLICT, APPROVAL_MISMATCH, and any other 4xx
 :class:`Unavailable`       STORE_UNAVAILABLE, UPSTREAM_ERROR, UPSTREAM_TIMEOUT, INTERNAL, any
                            other 5xx; SDK: TIMEOUT, CONNECTION_FAILED, CONNECTION_CLOSED
                            (the gateway closed the connection before answering: it
@@ -137,6 +137,8 @@ CODE_CLASSES: dict[str, type[UompClientError]] = {
     ),
     **dict.fromkeys(("ACCESS_DENIED", "WRITE_NOT_AVAILABLE"), AccessDenied),
     "QUOTA_EXCEEDED": QuotaExceeded,
+    "BUDGET_EXCEEDED": QuotaExceeded,  # a write budget (details: budget, used, limit, needed)
+    **dict.fromkeys(("VERSION_CONFLICT", "APPROVAL_MISMATCH"), InvalidRequest),
     **dict.fromkeys(
         (
             "INVALID_REQUEST",

@@ -502,6 +502,40 @@ class UompClient:
             query["field"] = field
         return self._object(await self._call("GET", "/v1/memory/aggregate", query=query))
 
+    async def propose(
+        self,
+        key: str,
+        value: Any,
+        *,
+        tags: list[str] | None = None,
+        sensitivity: str | None = None,
+        description: str | None = None,
+        base_version: int | None = None,
+    ) -> JSONObject:
+        """Propose creating or replacing ``key`` (docs/writes.md): nothing changes until the user
+        approves it. The proposal (``proposal_id``, ``status`` "pending", ``base_version``)."""
+        body: dict[str, Any] = {"value": value}
+        for name, given in (
+            ("tags", tags), ("sensitivity", sensitivity), ("description", description), ("base_version", base_version)
+        ):  # fmt: skip
+            if given is not None:
+                body[name] = given
+        return self._object(await self._call("PUT", "/v1/memory/" + quote(key, safe=SEGMENT_SAFE), body=body))
+
+    async def propose_delete(self, key: str, *, base_version: int | None = None) -> JSONObject:
+        """Propose deleting ``key``; it stays until the user approves."""
+        body = {"base_version": base_version} if base_version is not None else None
+        return self._object(await self._call("DELETE", "/v1/memory/" + quote(key, safe=SEGMENT_SAFE), body=body))
+
+    async def proposals(self) -> list[JSONObject]:
+        """This session's own proposals and their outcome (pending, approved, rejected, ...)."""
+        return self._list(self._object(await self._call("GET", "/v1/proposals")), "proposals")
+
+    async def withdraw(self, proposal_id: str) -> JSONObject:
+        """Take back one of this session's pending proposals."""
+        path = "/v1/proposals/" + quote(proposal_id, safe=SEGMENT_SAFE) + "/withdraw"
+        return self._object(await self._call("POST", path))
+
     async def audit(self, limit: int | None = None) -> list[JSONObject]:
         """§18 ``GET /v1/audit``: this session's audit entries (newest first, ``limit`` 1-1000)."""
         query = {"session_id": self._session_id}

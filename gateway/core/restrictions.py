@@ -17,7 +17,8 @@ manifest                                   grant / token
                                            nor ``memory.query`` (it asked for sums, not items)
 ``requires_remote: true``                  refused on the Local Profile unless the user
                                            overrides (the CLI's ``--allow-local``)
-``requested_scopes.write``                 never granted (§20.4: agent writes not available)
+``requested_scopes.write``                 ``scopes.write`` only when the user grants writes
+                                           (proposals the user approves, docs/writes.md)
 ``data_retention_policy.proof_required``   kept on the session (§19.4)
 =========================================  ===============================================
 
@@ -42,7 +43,7 @@ CAPABILITIES: dict[str, str] = {
     "memory.read": "read single items by key",
     "memory.query": "read items by tag",
     "memory.aggregate": "sum/avg/count/min/max over a tag, never items",
-    "memory.write": "write items (NOT available in this version)",
+    "memory.write": "propose changes to items, each applied only once the user approves it",
 }
 ITEM_CAPABILITIES = frozenset({"memory.read", "memory.query"})
 AGGREGATE_CAPABILITY = "memory.aggregate"

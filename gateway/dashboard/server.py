@@ -85,6 +85,10 @@ class Dashboard:
         r.add_post("/payloads/{pid}/open", self.open_payload)
         r.add_post("/payloads/{pid}/delete", self.delete_payload)
         r.add_get("/appliance", self.appliance_page)
+        from gateway.dashboard import memory_page, proposals_page  # (they import this module)
+
+        proposals_page.register(app, self)
+        memory_page.register(app, self)
         r.add_post("/logout", self.logout)
         return app
 

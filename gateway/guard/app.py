@@ -30,7 +30,7 @@ from aiohttp import web
 
 from gateway import contract, openapi
 from gateway.guard.http import BOTH, EVENT_KEY, LISTENER, SERVICES, UNIX_ONLY, GuardRoute, errors_middleware
-from gateway.guard.routes import audit, internal, payloads, reads, sessions
+from gateway.guard.routes import audit, internal, payloads, reads, sessions, writes
 from gateway.guard.services import GuardServices
 
 
@@ -48,8 +48,6 @@ ROUTES: tuple[GuardRoute, ...] = (
     GuardRoute("GET", "/v1/memory/aggregate", reads.aggregate),
     GuardRoute("POST", "/v1/memory/query", reads.query_refused),
     GuardRoute("GET", "/v1/memory/{key}", reads.get_key),
-    GuardRoute("PUT", "/v1/memory/{key}", reads.write_refused),
-    GuardRoute("DELETE", "/v1/memory/{key}", reads.write_refused),
     GuardRoute("GET", "/v1/memory", reads.get_by_tag),
     GuardRoute("GET", "/v1/audit", audit.get_audit),
     GuardRoute("GET", "/v1/audit/checkpoint", audit.get_audit_checkpoint),
@@ -76,7 +74,7 @@ def create_app(services: GuardServices, *, listener: str) -> web.Application:
     app[SERVICES] = services
     app[LISTENER] = listener
     app.on_response_prepare.append(_server_header)
-    for row in (*ROUTES, *payloads.ROUTES):
+    for row in (*ROUTES, *payloads.ROUTES, *writes.ROUTES):
         if listener in row.listeners:
             app.router.add_route(row.method, row.path, row.handler)
     if listener == "unix":

@@ -200,6 +200,8 @@ EXTRA_FIELDS = frozenset(
         "last",
         "expires_at",
         "memory_hash",
+        "proposal_id",
+        "change_hash",
     }
 )  # §18.4.1 inputs: a grant's expiry, a deletion proof's hash
 GATEWAY_ID_PREFIX = "gw_"  # ids the gateway gives its events: deduplicated on write (spool replays)

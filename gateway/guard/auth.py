@@ -314,13 +314,9 @@ class AuthService:
                 + '); pass "widen": true to grant that',
                 session_id=session_id,
             )
-        if not write.is_empty():
-            # §20.4: agents MUST NOT write in this version; a write grant would be a lie.
-            raise UompError(
-                ErrorCode.WRITE_NOT_AVAILABLE,
-                "write scopes cannot be granted: agent writes are not available",
-                session_id=session_id,
-            )
+        # A write scope lets the agent propose changes only; each waits for the user's approval
+        # (§20.4, gateway/guard/proposals.py). High-sensitivity items are refused at request time
+        # (and a grant naming one by key, by the grant route).
         profile = body.get("profile", "local")
         if profile not in PROFILES:
             raise UompError(ErrorCode.INVALID_REQUEST, "profile must be local or remote")
@@ -368,6 +364,7 @@ class AuthService:
             "aggregate_min_max": opt_bool(body, "aggregate_min_max"),
             "aggregate_exact": opt_bool(body, "aggregate_exact"),
             "max_read_queries": mrq,
+            "max_write_queries": 0 if write.is_empty() else self._max_write(limits),
             "cnf": cnf,
             "lifetime": self._lifetime(profile, body.get("token_lifetime_seconds")),
         }
@@ -412,6 +409,14 @@ class AuthService:
         self.audit.flush_sync()
         return out
 
+    def _max_write(self, limits: Mapping[str, Any]) -> int:
+        """The proposals a write grant may make in all: the grant's ``max_write_queries``, never
+        more than ``[guard] write_max_per_session``."""
+        mwq = limits.get("max_write_queries", limits.get("maxWriteQueries", self.cfg.write_max_per_session))
+        if isinstance(mwq, bool) or not isinstance(mwq, int) or mwq < 0:
+            raise UompError(ErrorCode.INVALID_REQUEST, "limits.max_write_queries must be a non-negative integer")
+        return min(mwq, self.cfg.write_max_per_session)
+
     def _session_max_minutes(self, profile: str) -> int:
         return self.cfg.remote_session_max_minutes if profile == "remote" else self.cfg.session_max_minutes
 
@@ -441,7 +446,7 @@ class AuthService:
             read=tokens.parse_scope(row.granted.get("read"), "read"),
             write=tokens.parse_scope(row.granted.get("write"), "write"),
             max_read_queries=o["max_read_queries"],
-            max_write_queries=0,
+            max_write_queries=int(o.get("max_write_queries", 0)),
             profile=o["profile"],
             audience=o["audience"],
             allowed_endpoints=o["allowed_endpoints"],

@@ -1,5 +1,6 @@
 """The guard's services, shared by both listeners: audit log, Auth Service, memory store, read
-state, and the auth.db worker thread every Auth Service call runs on."""
+state, the agents' proposals over the store, and the auth.db worker thread every Auth Service call
+runs on."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from gateway.guard.audit import (
     open_audit,
 )
 from gateway.guard.auth import AuthService
+from gateway.guard.history import set_retention
+from gateway.guard.proposal_rules import WriteBudgets
+from gateway.guard.proposals import ProposalBook
 from gateway.guard.reads import ReadState
 from gateway.guard.storage import MemoryStorage
 from gateway.guard.stores import open_memory_store
@@ -41,11 +45,20 @@ class GuardServices:
     # Local Profile audiences this guard answers to (the configured port, and the bound one)
     local_audiences: set[str] = dataclasses.field(default_factory=set)
     reads_in_flight: int = 0  # reads by key being answered (see get_key)
+    proposals: ProposalBook | None = None  # made on first use: proposal_book()
 
     def add_local_port(self, port: int) -> None:
         self.local_audiences.update(
             checks.norm_endpoint(u) for u in (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
         )
+
+    def proposal_book(self) -> ProposalBook:
+        """The agents' proposals over this guard's memory store, made on first use (which applies
+        ``[guard] history_max_versions`` to the store); call it off the event loop (it may write)."""
+        if self.proposals is None:
+            set_retention(self.store, self.cfg.history_max_versions)
+            self.proposals = ProposalBook(self.store, WriteBudgets.from_config(self.cfg))
+        return self.proposals
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:

@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import json
 import re
+import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -202,6 +203,17 @@ class MemoryStorage(Protocol):
 
     def delete(self, key: str) -> bool:
         """False when there was no such item."""
+        ...
+
+    def reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """The store's connection for the tables kept beside the items in the same file (item
+        versions and their retention, proposals: gateway/guard/history.py, proposals.py), reads."""
+        ...
+
+    def writing(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One all-or-nothing transaction on that connection: an item change, the version it
+        replaced (kept by the store in the same transaction, whoever writes) and a proposal's
+        decision commit together or not at all."""
         ...
 
     def close(self) -> None: ...

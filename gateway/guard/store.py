@@ -13,6 +13,10 @@ Layout (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
     item_tags(tag, item_key) WITHOUT ROWID, primary key (tag, item_key)   -- by_tag is a range scan
     index item_tags_by_key(item_key)                                       -- delete / replace
     index items_meta(key, sensitivity, tags)    -- covering: a policy decision never reads a value
+    items.version                 -- 1 for a new key; +1 on every change (triggers, any writer)
+    item_versions(key, version)   -- every earlier state of a key; a deletion adds a tombstone
+    history_settings              -- how many earlier versions a key keeps (0: all)
+    proposals(proposal_id)        -- agents' staged changes (gateway/guard/proposals.py)
 
 Reads for the Memory Guard (spec §10, §21) decide on metadata before any value is loaded:
 :meth:`MemoryStore.get_meta` answers from the covering index ``items_meta`` alone (the value, which may
@@ -24,7 +28,8 @@ collected in Python lists: an aggregate over a million items runs in constant me
 
 Durability and concurrency: WAL journal (readers never wait for the writer), ``synchronous=FULL``
 (a write that returned is on disk), a busy timeout so a second writer waits a few seconds before
-giving up, ``secure_delete`` so a deleted item's bytes are overwritten in the file. The file is
+giving up, ``secure_delete`` so removed rows' bytes are overwritten in the file (a deleted item's
+last version stays in ``item_versions`` until it is purged or ages out of the retention). The file is
 created 0600; SQLite gives its ``-wal``/``-shm`` companions the same mode. One connection per store,
 usable from any thread (``check_same_thread=False``), serialised by a lock; long reads (tag pages,
 aggregates) use a second, query-only connection with its own lock, so a scan of a million items
@@ -85,7 +90,7 @@ _DB_OPERATIONAL = memdb.OPERATIONAL
 _DB_PROGRAMMING = memdb.PROGRAMMING
 _DB_OR_OS_ERRORS: tuple[type[Exception], ...] = (*memdb.ERRORS, OSError)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 MAX_LIST_LIMIT = 100_000
 DEFAULT_BUSY_TIMEOUT_SECONDS = 5.0
@@ -112,6 +117,85 @@ PRAGMA user_version = {SCHEMA_VERSION};
 """
 # Version 1 -> 2: the covering metadata index (decide on metadata before loading a value).
 _MIGRATE_1_TO_2 = "CREATE INDEX IF NOT EXISTS items_meta ON items(key, sensitivity, tags)"
+# Version 2 -> 3: item versions and their history (every change keeps the state it replaced, in
+# the same transaction, whichever path wrote it: triggers), and the agents' staged proposals.
+# ``item_versions`` holds every earlier state of a key, by version; a deletion leaves the last state
+# and a tombstone (``deleted`` 1, no value) one version above it, so a key re-created later goes on
+# counting. ``history_settings`` holds how many earlier versions a key keeps (0: all).
+_ADD_VERSION = "ALTER TABLE items ADD COLUMN version INTEGER NOT NULL DEFAULT 1"
+_HISTORY_SQL = """
+CREATE TABLE IF NOT EXISTS item_versions (
+    key         TEXT NOT NULL,
+    version     INTEGER NOT NULL,
+    deleted     INTEGER NOT NULL DEFAULT 0,
+    value       TEXT,
+    tags        TEXT,
+    sensitivity TEXT,
+    source      TEXT,
+    created_at  TEXT,
+    updated_at  TEXT,
+    description TEXT,
+    replaced_at TEXT NOT NULL,
+    PRIMARY KEY (key, version)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS history_settings (
+    id           INTEGER PRIMARY KEY CHECK (id = 1),
+    max_versions INTEGER NOT NULL CHECK (max_versions >= 0)
+);
+INSERT OR IGNORE INTO history_settings (id, max_versions) VALUES (1, 50);
+CREATE TRIGGER IF NOT EXISTS items_keep_update AFTER UPDATE OF value, tags, sensitivity, source, created_at, updated_at,
+    description ON items
+BEGIN
+    INSERT OR REPLACE INTO item_versions (key, version, deleted, value, tags, sensitivity, source,
+        created_at, updated_at, description, replaced_at)
+    VALUES (OLD.key, OLD.version, 0, OLD.value, OLD.tags, OLD.sensitivity, OLD.source, OLD.created_at,
+        OLD.updated_at, OLD.description, strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));
+    UPDATE items SET version = OLD.version + 1 WHERE key = NEW.key;
+    DELETE FROM item_versions WHERE key = OLD.key
+        AND (SELECT max_versions FROM history_settings WHERE id = 1) > 0
+        AND version <= OLD.version - (SELECT max_versions FROM history_settings WHERE id = 1);
+END;
+CREATE TRIGGER IF NOT EXISTS items_keep_delete BEFORE DELETE ON items
+BEGIN
+    INSERT OR REPLACE INTO item_versions (key, version, deleted, value, tags, sensitivity, source,
+        created_at, updated_at, description, replaced_at)
+    VALUES (OLD.key, OLD.version, 0, OLD.value, OLD.tags, OLD.sensitivity, OLD.source, OLD.created_at,
+        OLD.updated_at, OLD.description, strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));
+    INSERT OR REPLACE INTO item_versions (key, version, deleted, replaced_at)
+    VALUES (OLD.key, OLD.version + 1, 1, strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));
+END;
+CREATE TRIGGER IF NOT EXISTS items_keep_insert AFTER INSERT ON items
+    WHEN EXISTS (SELECT 1 FROM item_versions WHERE key = NEW.key)
+BEGIN
+    UPDATE items SET version = (SELECT max(version) FROM item_versions WHERE key = NEW.key) + 1
+        WHERE key = NEW.key;
+END;
+CREATE TABLE IF NOT EXISTS proposals (
+    proposal_id   TEXT NOT NULL PRIMARY KEY,
+    session_id    TEXT NOT NULL,
+    agent_id      TEXT NOT NULL,
+    op            TEXT NOT NULL CHECK (op IN ('put', 'delete')),
+    key           TEXT NOT NULL,
+    value         TEXT,
+    tags          TEXT,
+    sensitivity   TEXT CHECK (sensitivity IS NULL OR sensitivity IN ('low', 'medium')),
+    description   TEXT,
+    base_version  INTEGER NOT NULL,
+    size          INTEGER NOT NULL,
+    status        TEXT NOT NULL CHECK (status IN ('pending', 'approved', 'rejected', 'withdrawn', 'expired',
+                      'stale')),
+    created_at    REAL NOT NULL,
+    expires_at    REAL NOT NULL,
+    decided_at    REAL,
+    decided_by    TEXT,
+    applied_version INTEGER,
+    via           TEXT
+);
+CREATE INDEX IF NOT EXISTS proposals_by_session ON proposals(session_id, status);
+CREATE INDEX IF NOT EXISTS proposals_by_agent ON proposals(agent_id, created_at);
+CREATE INDEX IF NOT EXISTS proposals_by_status ON proposals(status, created_at);
+PRAGMA user_version = 3;
+"""
 
 _SQL_GET = "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description FROM items WHERE key = ?"
 _SQL_META = "SELECT tags, sensitivity FROM items INDEXED BY items_meta WHERE key = ?"
@@ -164,6 +248,18 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("SQLITE_IOERR", "disk I/O error on the memory store"),
     ("SQLITE_CONSTRAINT", "the memory store refused the write"),
 )
+
+
+def _script(conn: sqlite3.Connection, text: str) -> None:
+    """Run the statements of ``text`` one by one inside the caller's transaction (``executescript``
+    would commit it first); a statement ends where SQLite says it is complete (triggers included)."""
+    pending = ""
+    for part in text.split(";"):
+        pending += part + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                conn.execute(pending)
+            pending = ""
 
 
 def _item_of(row: tuple[Any, ...]) -> MemoryItem:
@@ -337,12 +433,16 @@ class MemoryStore(MemoryStorage):
                         "the memory store has not been initialised",
                         details={"reason": "EMPTY"},
                     )
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-            elif version == 1:
-                conn.execute(_MIGRATE_1_TO_2)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                _script(conn, _SCHEMA)
+                conn.execute(_ADD_VERSION)
+                _script(conn, _HISTORY_SQL)
+            else:
+                if version == 1:
+                    conn.execute(_MIGRATE_1_TO_2)
+                # each step only where it is missing (a file may have been labelled older than it is)
+                if not any(r[1] == "version" for r in conn.execute("PRAGMA table_info(items)")):
+                    conn.execute(_ADD_VERSION)
+                _script(conn, _HISTORY_SQL)
             conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(*_DB_ERRORS):
@@ -420,6 +520,17 @@ class MemoryStore(MemoryStorage):
                 with contextlib.suppress(*_DB_ERRORS):
                     conn.execute("ROLLBACK")
                 raise
+
+    def reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """The store's connection under its lock, for the modules that keep their own tables in this
+        file (:mod:`gateway.guard.proposals`, :mod:`gateway.guard.history`); sqlite3 failures become
+        STORE_UNAVAILABLE."""
+        return self._guard()
+
+    def writing(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction on the store's connection (committed on success,
+        rolled back on any exception): an item change and its proposal's decision together."""
+        return self._write()
 
     @staticmethod
     def _check_limit(limit: int, offset: int = 0) -> None:

@@ -2,6 +2,8 @@
 :func:`open_memory_store` opens it. The guard's services open their store here, and
 ``tests/guard/test_seams.py`` runs its contract tests over every name in the same table, so a store
 added here is one the seam tests hold to the :class:`~gateway.guard.storage.MemoryStorage` contract.
+The user's tools (``uomp memory``, ``uomp proposals``, ``uomp export``/``import``, the dashboard)
+open the SQLite store directly with :func:`open_user_store`.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.atrest import memdb
-from gateway.config import GuardConfig, Paths
+from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
+from gateway.guard.history import set_retention
 from gateway.guard.storage import MemoryStorage
 from gateway.guard.store import MemoryStore
 
@@ -36,3 +39,18 @@ def open_memory_store(paths: Paths, cfg: GuardConfig) -> MemoryStorage:
             f"guard.store must be one of {valid}, not {cfg.store!r}; set [guard] store in config.toml",
         )
     return factory(paths, cfg)
+
+
+def open_user_store(paths: Paths, cfg: GuardConfig | None = None) -> MemoryStore:
+    """``memory.db`` as the user's tools open it: created if absent, SQLCipher under the home's key
+    in a sealed home, the history retention of ``[guard] history_max_versions`` applied (``cfg``,
+    else the home's config file)."""
+    if cfg is None:
+        cfg = load_section(GuardConfig, "guard", file=paths.config_file)
+    store = MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths))
+    try:
+        set_retention(store, cfg.history_max_versions)
+    except BaseException:
+        store.close()
+        raise
+    return store

@@ -20,8 +20,10 @@ RouteName = Literal[
     "audit_proof",  # GET /v1/audit/{event_id}/proof
     "audit_checkpoint",  # GET /v1/audit/checkpoint?since=
     "deletion_proof",  # POST /v1/sessions/{id}/deletion-proof
-    "write",  # PUT /v1/memory/{key} (refused by the guard: WRITE_NOT_AVAILABLE)
+    "write",  # PUT /v1/memory/{key}: a proposal (docs/writes.md), WRITE_NOT_AVAILABLE without a write scope
     "delete",  # DELETE /v1/memory/{key} (idem)
+    "proposals",  # GET /v1/proposals: the session's own proposals
+    "proposal_withdraw",  # POST /v1/proposals/{id}/withdraw
     "query",  # POST /v1/memory/query (refused by the guard: NOT_IMPLEMENTED)
     "session_close",  # POST /v1/sessions/{id}/close (the token's own session: the guard decides)
     "session_status",  # GET /v1/sessions/{id} (idem)

@@ -23,10 +23,12 @@ ROUTES: list[Route] = [
     Route("POST", re.compile(r"/v1/sessions/(?P<sid>[^/]+)/close"), "session_close", status_check=False),
     Route("GET", re.compile(r"/v1/sessions/(?P<sid>[^/]+)"), "session_status", status_check=False),
     Route("POST", re.compile(r"/v1/tokens/validate"), "token_validate", status_check=False),
-    # §10.1 / §20.4: no agent writes and no semantic query in this version. Forwarded (after every
-    # check) so the agent gets the guard's own answer (WRITE_NOT_AVAILABLE / NOT_IMPLEMENTED) and
-    # the guard's audit log records the attempt, exactly as on the guard itself.
+    # §10.1 / §20.4: agent writes are proposals the user approves (the guard decides and stages
+    # them: docs/writes.md; WRITE_NOT_AVAILABLE without a write scope); no semantic query in this
+    # version (NOT_IMPLEMENTED). Forwarded after every check, so the guard's audit log records each.
     Route("PUT", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "write", status_check=False),
     Route("DELETE", re.compile(r"/v1/memory/(?P<key>[^/]+)"), "delete", status_check=False),
+    Route("GET", re.compile(r"/v1/proposals"), "proposals", status_check=False),
+    Route("POST", re.compile(r"/v1/proposals/(?P<pid>[^/]+)/withdraw"), "proposal_withdraw", status_check=False),
     Route("POST", re.compile(r"/v1/memory/query"), "query", status_check=False),
 ]

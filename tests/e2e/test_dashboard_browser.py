@@ -336,3 +336,46 @@ def test_pull_a_payload_and_see_agents_and_appliance(
     assert "mail_agent" in driver.page_source
     shot(driver, shots, "10-overview")
     no_csp_violations(driver)
+
+
+def test_approve_one_proposal_and_reject_another(world: World, driver: Any, signed_in: str, shots: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    scopes = {"read": {"tags": ["preference"], "keys": []}, "write": {"tags": ["preference"], "keys": []}}
+    agent = world.app.agent("writer_agent")
+    g = world.run(world.app.grant(agent, requested=scopes, granted_scopes=scopes))
+
+    def put(key: str, value: Any) -> str:
+        async def go() -> str:
+            async with agent_session(agent, world.paths) as s:
+                status, body, _ = await agent_call(
+                    s, world.app.base, f"/v1/memory/{key}", token=g["token"], agent_id=agent.agent_id, method="PUT",
+                    json_body={"value": value},
+                )  # fmt: skip
+                assert status == 202, body
+                return str(body["proposal_id"])
+
+        return world.run(go())
+
+    keep, drop = put("preference.theme", "solarized"), put("preference.lang", "fr")
+    driver.get(world.dash.base_url + "/proposals")
+    card = driver.find_element(By.ID, f"p-{keep}")
+    assert '"solarized"' in card.text and '"dark"' in card.text  # the change, now and proposed
+    shot(driver, shots, "11-proposals")
+    card.find_element(By.CSS_SELECTOR, f'form[action="/proposals/{keep}/approve"] button').click()
+    WebDriverWait(driver, 10).until(ec.alert_is_present()).dismiss()  # cancelled: nothing applied
+    assert world.agent_get(agent, g["token"], "/v1/memory/preference.theme")[1]["value"] == "dark"
+    driver.find_element(By.CSS_SELECTOR, f'form[action="/proposals/{keep}/approve"] button').click()
+    WebDriverWait(driver, 10).until(ec.alert_is_present()).accept()
+    WebDriverWait(driver, 10).until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, ".flash"), "approved"))
+    driver.find_element(By.CSS_SELECTOR, f'form[action="/proposals/{drop}/reject"] button').click()
+    WebDriverWait(driver, 10).until(ec.alert_is_present()).accept()
+    WebDriverWait(driver, 10).until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, ".flash"), "rejected"))
+    shot(driver, shots, "12-proposals-decided")
+    assert world.agent_get(agent, g["token"], "/v1/memory/preference.theme")[1]["value"] == "solarized"
+    assert world.agent_get(agent, g["token"], "/v1/memory/preference.lang")[1]["value"] == "en"
+    _, own = world.agent_get(agent, g["token"], "/v1/proposals")
+    assert {p["proposal_id"]: p["status"] for p in own["proposals"]} == {keep: "approved", drop: "rejected"}
+    no_csp_violations(driver)

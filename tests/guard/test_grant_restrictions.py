@@ -137,8 +137,8 @@ RESTRICTIONS: list[Any] = [
     pytest.param(
         lambda d: d["requested_scopes"].update(write={"tags": ["preference"], "keys": []}),
         _check_no_write,
-        "writes are not available",
-        id="write-scope-never-granted",
+        "Writes:    NOT granted",
+        id="write-scope-not-granted-by-default",
     ),
 ]
 
@@ -168,7 +168,7 @@ def test_capabilities_are_shown(home: Paths, tmp_path: Path, capsys: pytest.Capt
     assert authorize(home, tmp_path, doc)[0] == 0
     out = capsys.readouterr().out
     assert "required memory.read (read single items by key)" in out
-    assert "memory.write (write items (NOT available in this version))" in out
+    assert "memory.write (propose changes to items, each applied only once the user approves it)" in out
     assert "memory.teleport (unknown to this gateway)" in out
     assert "optional memory.query (read items by tag)" in out
 
@@ -358,3 +358,22 @@ async def test_the_guard_returns_only_the_requested_fields(home: Paths, tmp_path
         assert status == 200 and body == {"key": "preference.theme", "value": "dark"}
         status, body, _ = await call(s, "GET", "/v1/memory/preference.secret_hobby", token=token)
         assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
+
+
+def test_grant_writes_reaches_the_token(home: Paths, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from guardkit import seed
+
+    seed(home)
+    write = {"tags": ["preference"], "keys": ["note.todo"], "deny_tags": ["private"]}
+    doc = manifest_with(lambda d: d["requested_scopes"].update(write=write))
+    rc, cap = authorize(home, tmp_path, doc, "--grant-writes")
+    assert rc == 0 and cap is not None
+    assert cap.write.tags == ("preference",) and cap.write.keys == ("note.todo",)
+    assert cap.write.deny_tags == ("private",) and cap.claims["limits"]["max_write_queries"] == 100
+    assert "granted as proposals" in capsys.readouterr().out
+    # a write scope naming a high-sensitivity item by key is refused, nothing made
+    doc = manifest_with(lambda d: d["requested_scopes"].update(write={"tags": [], "keys": ["user.passport"]}))
+    assert authorize(home, tmp_path, doc, "--grant-writes")[0] == 1
+    assert "ACCESS_DENIED" in capsys.readouterr().err
+    # --grant-writes for an agent that asks no write scope is a usage mistake
+    assert authorize(home, tmp_path, manifest_with(lambda d: None), "--grant-writes")[0] == 1

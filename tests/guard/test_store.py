@@ -576,3 +576,57 @@ def test_bulk_writer_on_a_closed_store(tmp_path: Path) -> None:
     with pytest.raises(UompError) as e, s.bulk_writer():
         pass
     unavailable(e)
+
+
+def test_a_version_2_store_gains_history_and_proposals(tmp_path: Path) -> None:
+    """A store written by schema 2 (no versions, no history, no proposals) is migrated in place: its
+    items become version 1 and keep their history from then on."""
+    import sqlite3
+
+    from gateway.guard import store as store_mod
+
+    path = tmp_path / "m.db"
+    conn = sqlite3.connect(path)
+    for statement in store_mod._SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute(
+        "INSERT INTO items VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
+        ("a", "1", '["t"]', "low", "user", "2026-07-12T10:00:00Z", "2026-07-12T10:00:00Z"),
+    )
+    conn.execute("INSERT INTO item_tags VALUES ('t', 'a')")
+    conn.commit()
+    conn.close()
+    with MemoryStore(path, create=False) as st:
+        with st.reading() as c:
+            assert c.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+            assert c.execute("SELECT version FROM items WHERE key = 'a'").fetchone()[0] == 1
+        old = st.get("a")
+        assert old is not None
+        st.put(MemoryItem("a", 2, ("t",), "low", "user", old.created_at, old.updated_at), replace=True)
+        with st.reading() as c:
+            assert c.execute("SELECT version, value FROM item_versions").fetchall() == [(1, "1")]
+            assert c.execute("SELECT version FROM items").fetchone()[0] == 2
+
+
+def test_a_sealed_homes_store_keeps_versions_and_history_through_the_conversion(tmp_path: Path) -> None:
+    """Schema 3 on SQLCipher: the triggers keep versions there too, and sealing a plain store
+    (sqlcipher_export) keeps every item's version and its history."""
+    from gateway.atrest import memdb
+    from gateway.config import Paths
+    from gateway.guard import history
+
+    paths = Paths(tmp_path)
+    ts = "2026-07-12T10:00:00Z"
+    with MemoryStore(paths.memory_db) as plain:
+        plain.put(MemoryItem("k", "one", ("t",), "low", "user", ts, ts))
+        plain.put(MemoryItem("k", "two", ("t",), "low", "user", ts, ts), replace=True)
+    key = bytes(range(32))
+    assert memdb.ensure_encrypted(paths, key) and not memdb.is_plaintext(paths.memory_db)
+    with MemoryStore(paths.memory_db, key=key) as sealed:
+        entries = history.history(sealed, "k")
+        assert [(e["version"], e["value"]) for e in entries] == [(2, "two"), (1, "one")]
+        sealed.put(MemoryItem("k", "three", ("t",), "low", "user", ts, ts), replace=True)
+        assert [e["version"] for e in history.history(sealed, "k")] == [3, 2, 1]
+        assert history.rollback(sealed, "k", 1) == 4 and sealed.get("k").value == "one"  # type: ignore[union-attr]

@@ -78,8 +78,9 @@ def test_the_guards_table_is_what_each_listener_serves(home: Paths) -> None:
     from gateway.guard import app as guard_app
     from gateway.guard import services as guard_services
     from gateway.guard.routes import payloads as guard_payloads
+    from gateway.guard.routes import writes as guard_writes
 
-    rows = (*guard_app.ROUTES, *guard_payloads.ROUTES)
+    rows = (*guard_app.ROUTES, *guard_payloads.ROUTES, *guard_writes.ROUTES)
     services = cast(
         guard_services.GuardServices, type("S", (), {"cfg": type("C", (), {"max_body_bytes": 1024})(), "paths": home})()
     )

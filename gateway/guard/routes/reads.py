@@ -1,5 +1,5 @@
-"""Agent reads of memory: by key, by tag, aggregates; the memory routes that exist but never
-serve an agent (writes, semantic query)."""
+"""Agent reads of memory: by key, by tag, aggregates; the memory route that exists but never
+serves an agent (semantic query). Agent writes are proposals: :mod:`gateway.guard.routes.writes`."""
 
 from __future__ import annotations
 
@@ -301,16 +301,6 @@ async def _refuse_authenticated(request: web.Request, action: str, code: ErrorCo
     except UompError as exc:
         return await answer_refusal(call, exc)
     return await call.refuse(UompError(code, message, session_id=cap.session_id))
-
-
-async def write_refused(request: web.Request) -> web.Response:
-    """``PUT``/``DELETE /v1/memory/{key}``: authenticated and audited, then WRITE_NOT_AVAILABLE."""
-    return await _refuse_authenticated(
-        request,
-        "write" if request.method == "PUT" else "delete",
-        ErrorCode.WRITE_NOT_AVAILABLE,
-        "agent writes are not available (spec §20.4)",
-    )
 
 
 async def query_refused(request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ allowed or refused. No other management call accepts an agent token: they stay a
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import time
@@ -41,6 +42,7 @@ from gateway.core.tokens import iso
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.http import LISTENER, SERVICES, is_asserted, json_body, json_response, query_param, require_admin
+from gateway.guard.proposal_rules import write_grant_problem
 
 # ---------------------------------------------------------------------------- sessions
 
@@ -57,6 +59,9 @@ async def grant_session(request: web.Request) -> web.Response:
     require_admin(request)
     body = await json_body(request)
     svc = request.app[SERVICES]
+    problem = await asyncio.to_thread(write_grant_problem, svc.store, body)
+    if problem is not None:
+        raise UompError(ErrorCode.ACCESS_DENIED, problem + "; leave that key out of the write grant")
     return json_response(await svc.authdb(svc.auth.grant, request.match_info["sid"], body))
 
 
