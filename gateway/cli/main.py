@@ -39,6 +39,7 @@ COMMAND_MODULES = (
     "gateway.cli.doctor",
     "gateway.cli.conformance",
     "gateway.cli.dashboard",
+    "gateway.cli.uplink",
 )
 
 

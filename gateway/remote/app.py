@@ -444,8 +444,13 @@ def register_route(state: GatewayState, route: Route, handler: Handler) -> None:
     state.handlers[route.name] = handler
 
 
+RETRY_AFTER_SECONDS = "2"
+
+
 def _error(exc: UompError) -> web.Response:
     headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if exc.status == 401 else None
+    if exc.status == 503:  # the guard (or the uplink to it) is away or busy: a client retries after this
+        headers = {"Retry-After": RETRY_AFTER_SECONDS}
     return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 

@@ -23,6 +23,7 @@ from gateway.remote.forward import Forwarder, Upstream
 from gateway.remote.metrics import Metrics, create_metrics_app
 from gateway.remote.tls import TLSReloader
 from gateway.remote.upstream_health import UpstreamMonitor
+from gateway.uplink.hub import UplinkHub, uplink_hub
 
 log = logging.getLogger("uomp.gateway")
 
@@ -68,6 +69,8 @@ class GatewayRunner:
         self.status_sources: dict[str, Callable[[], dict[str, Any]]] = {}
         self.monitor: UpstreamMonitor | None = None
         self.payloads: payload_routes.PayloadService | None = None
+        self.uplink: UplinkHub | None = None  # the guard at home, over the outbound uplink
+        self.uplink_port: int | None = None
 
     def _runner_kwargs(self) -> dict[str, Any]:
         return {
@@ -95,8 +98,13 @@ class GatewayRunner:
         self.reloader = TLSReloader(
             cert, key, ca, crl, crl_state=self.paths.crl_state, session_tickets=cfg.tls_session_tickets
         )
-        upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
-        forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
+        if cfg.uplink_listen_port >= 0:  # the guard is at home, behind the uplink (docs/vps.md)
+            self.uplink = hub = uplink_hub(self.paths, cfg)
+            upstream = Upstream("uplink", f"{cfg.uplink_listen_host}:{cfg.uplink_listen_port}")
+            forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds, client=hub)
+        else:
+            upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
+            forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
         self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         access = AccessLog(
             self.paths.access_log,
@@ -116,7 +124,11 @@ class GatewayRunner:
             timeout=cfg.upstream_health_timeout_seconds,
             log_seconds=cfg.upstream_failure_log_seconds,
             sources=self.status_sources,
+            probe=self.uplink.probe if self.uplink is not None else None,
         )
+        if self.uplink is not None:
+            self.status_sources["uplink"] = self.uplink.snapshot
+            self.uplink.on_change = monitor.wake
         forwarder.on_failure = monitor.request_failed
         # the spool's state, and the events counted instead of written (spool failures + rate limit)
         metrics.access_log_state = lambda: (
@@ -234,12 +246,16 @@ class GatewayRunner:
             )
             self._servers.append(msrv)
             self.metrics_port = msrv.sockets[0].getsockname()[1]
+        if self.uplink is not None:
+            check_bind(cfg.uplink_listen_host, cfg.allow_non_loopback, "the uplink listener")
+            self.uplink_port = await self.uplink.listen(cfg.uplink_listen_host, cfg.uplink_listen_port)
         loop = asyncio.get_running_loop()
 
         def tick() -> None:  # in a worker thread, every TLS watch interval
             if key_watch.changed():  # `uomp keys rotate [--revoke-old]`: reload without a SIGHUP
                 self.reload_keys()  # reads key files: here, in the thread (GatewayState swaps whole dicts)
-            ca_store.refresh_crl(self.paths)
+            if self.paths.ca_key.exists():  # a VPS gateway has no CA key: its CRL comes from home
+                ca_store.refresh_crl(self.paths)
 
         self._tasks.append(loop.create_task(self.reloader.watch(cfg.tls_watch_interval_seconds, tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
@@ -288,6 +304,8 @@ class GatewayRunner:
                 log.error("key reload failed: %s", exc.message)
 
     async def stop(self) -> None:
+        if self.uplink is not None:
+            await self.uplink.close()
         for t in self._tasks:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
