@@ -106,7 +106,9 @@ async def split(home: Paths, *, home_side: bool = True, **gateway_overrides: Any
             await gw.stop()
 
 
-def home_process(home: Paths, url: str, *, fault: str | None = None, arm: Path | None = None) -> subprocess.Popen[bytes]:
+def home_process(
+    home: Paths, url: str, *, fault: str | None = None, arm: Path | None = None
+) -> subprocess.Popen[bytes]:
     """``uomp guard uplink URL`` as a real process (``fault``: a named kill point, armed by ``arm``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("UOMP_")}
     env["UOMP_HOME"] = str(home.home)
