@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 
 import aiohttp
-
 import pytest
 from gatewaykit import agent_call, agent_session
 from guardkit import ITEMS, NOW, admin_headers, call, seed
@@ -27,7 +26,7 @@ async def test_agent_reads_through_the_uplink_and_revocation_holds(home: Paths) 
         a = app.agent("calendar_agent")
         g = await app.grant(a, read={"tags": ["preference"], "keys": []})
         async with agent_session(a, app.paths) as sess:
-            status, body, hdrs = await agent_call(
+            status, body, _ = await agent_call(
                 sess, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
             )
             assert status == 200 and body["value"] == "dark", body
