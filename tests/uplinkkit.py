@@ -53,7 +53,7 @@ class Split:
             key_file=kw.pop("key_file", home.uplink_home_key),
             ca_file=kw.pop("ca_file", home.uplink_ca_cert),
             pins_file=kw.pop("pins_file", home.uplink_pins),
-            guard=Upstream("unix", str(home.guard_sock)),
+            guard=kw.pop("guard", Upstream("unix", str(home.guard_sock))),
             **kw,
         )
 

@@ -57,8 +57,17 @@ def _timeout() -> UompError:
 class UplinkResponse:
     """The guard's answer over the uplink, shaped like :class:`gateway.remote.upstream.UpstreamResponse`."""
 
-    def __init__(self, hub: UplinkHub, stream: Stream, status: int, headers: list[tuple[str, str]], deadline: float):
+    def __init__(
+        self,
+        hub: UplinkHub,
+        stream: Stream,
+        status: int,
+        headers: list[tuple[str, str]],
+        deadline: float,
+        counted: bool = True,
+    ):
         self.status = status
+        self._counted = counted
         self.headers = headers
         self.body: bytes | None = None
         self._hub = hub
@@ -134,7 +143,8 @@ class UplinkResponse:
         st, self._stream = self._stream, None
         if st is not None:
             st.link.forget(st)
-            self._hub._slot_free()
+            if self._counted:
+                self._hub._slot_free()
 
 
 class UplinkHub:
@@ -334,13 +344,22 @@ class UplinkHub:
         body: bytes | None = None,
         block: http1.HeaderBlock | None = None,
         timeout: float | None = None,
+        probe: bool = False,
     ) -> UplinkResponse:
+        """One request to the guard over the uplink. ``probe``: a health check, outside the in-flight
+        budget (so a full uplink is not reported as a lost guard), on a stream of its own."""
         h = self._headers(method, target, headers, block)
         if body is not None or method in ("POST", "PUT", "PATCH"):
             h.append((b"content-length", str(len(body or b"")).encode()))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if timeout is None else timeout)
-        link = await self._slot(deadline)
+        if probe:
+            link_or = self.link
+            if link_or is None or link_or.closed:
+                raise _down()
+            link = link_or
+        else:
+            link = await self._slot(deadline)
         stream: Stream | None = None
         try:
             stream = link.open_stream(h, end_stream=not body)
@@ -348,15 +367,15 @@ class UplinkHub:
                 if body:
                     await link.send_data(stream.sid, body, end_stream=True)
                 raw = await stream.response_headers()
-            resp = self._response(stream, raw, deadline)
+            resp = self._response(stream, raw, deadline, counted=not probe)
         except TimeoutError as exc:
-            self._give_back(link, stream)
+            self._give_back(link, stream, counted=not probe)
             raise _timeout() from exc
         except (LinkDown, StreamReset) as exc:
-            self._give_back(link, stream)
+            self._give_back(link, stream, counted=not probe)
             raise _down() from exc
         except BaseException:
-            self._give_back(link, stream)
+            self._give_back(link, stream, counted=not probe)
             raise
         if resp._length is not None and resp._length <= BUFFER_BODY_BYTES:
             try:
@@ -370,12 +389,13 @@ class UplinkHub:
             resp.release()
         return resp
 
-    def _give_back(self, link: Link, stream: Stream | None) -> None:
+    def _give_back(self, link: Link, stream: Stream | None, *, counted: bool) -> None:
         if stream is not None:
             link.forget(stream)
-        self._slot_free()
+        if counted:
+            self._slot_free()
 
-    def _response(self, stream: Stream, raw: Headers, deadline: float) -> UplinkResponse:
+    def _response(self, stream: Stream, raw: Headers, deadline: float, *, counted: bool) -> UplinkResponse:
         status = -1
         out: list[tuple[str, str]] = []
         for k, v in raw:
@@ -385,14 +405,14 @@ class UplinkHub:
                 out.append((k.decode("latin-1"), v.decode("utf-8", "surrogateescape")))
         if not 200 <= status <= 599:
             raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard's answer over the uplink has no valid status")
-        return UplinkResponse(self, stream, status, out, deadline)
+        return UplinkResponse(self, stream, status, out, deadline, counted)
 
     async def probe(self, timeout: float) -> str | None:
         """One health check of the guard through the uplink: None when it answers 200, else why not."""
         if not self.connected:
             return ErrorCode.STORE_UNAVAILABLE
         try:
-            resp = await self.request("GET", "/v1/health", {}, timeout=min(self.timeout, timeout))
+            resp = await self.request("GET", "/v1/health", {}, timeout=min(self.timeout, timeout), probe=True)
         except UompError as exc:
             return exc.code
         status = resp.status

@@ -140,6 +140,7 @@ class Link(asyncio.Protocol):
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.peer_goaway: bytes | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._serving: dict[int, asyncio.Task[None]] = {}  # server side: the task of each open request
         self._window_waiters: list[asyncio.Future[None]] = []
         self._drain: asyncio.Future[None] | None = None
         self._write_paused = False
@@ -230,6 +231,7 @@ class Link(asyncio.Protocol):
                 return
             task = asyncio.get_running_loop().create_task(self._serve(st))
             self._tasks.add(task)
+            self._serving[sid] = task
             task.add_done_callback(self._tasks.discard)
         elif isinstance(ev, h2.events.ResponseReceived):
             st_or = self.streams.get(ev.stream_id)
@@ -261,6 +263,9 @@ class Link(asyncio.Protocol):
             if st_or is not None:
                 st_or.error = StreamReset(f"the peer reset the stream ({ev.error_code!s})")
                 st_or._wake()
+            serving = self._serving.pop(ev.stream_id, None) if ev.stream_id is not None else None
+            if serving is not None:
+                serving.cancel()  # the peer gave up: so does the work for it (the guard exchange included)
             self._wake_windows()
         elif isinstance(ev, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
             self._wake_windows()
@@ -282,6 +287,7 @@ class Link(asyncio.Protocol):
             log.warning("uplink: a request failed (%s)", type(exc).__name__)
             self._reset(st.sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
         finally:
+            self._serving.pop(st.sid, None)
             self.forget(st)
 
     # ------------------------------------------------------------------ sending
