@@ -411,6 +411,11 @@ class GatewayConfig:
     uplink_max_in_flight: int = 256  # requests on the uplink at once (also capped by the home side's streams)
     uplink_max_queue: int = 1024  # requests waiting for a place; beyond: 503 STORE_BUSY
     uplink_keepalive_seconds: float = 5.0  # PING interval; a link silent for 3 intervals is dropped
+    # Replicas (gateway/remote/shared_state.py, docs/vps.md): with a Redis URL every gateway process
+    # keeps the DPoP replay cache and the DPoP per-key rate in Redis, under this appliance's prefix.
+    shared_redis_url: str = ""  # "" = in-process state (one gateway); e.g. redis://127.0.0.1:6379/0
+    shared_key_prefix: str = "uomp:"  # one prefix per appliance sharing a Redis
+    shared_timeout_seconds: float = 1.0  # one Redis operation; past it: SHARED_STATE_UNAVAILABLE
     # Deadlines (seconds). The first three count from accept.
     tls_handshake_timeout_seconds: float = 10.0  # accept -> TLS handshake complete
     tls_shutdown_timeout_seconds: float = 5.0  # wait for the peer's close_notify before dropping

@@ -78,6 +78,8 @@ class ErrorCode(StrEnum):
     IO_ERROR = "IO_ERROR"  # a file could not be read or written
     USAGE = "USAGE"  # bad command-line arguments
     TUNNEL_ERROR = "TUNNEL_ERROR"  # the tunnel cannot be set up as configured
+    # gateway replicas (gateway/remote/shared_state.py)
+    SHARED_STATE_UNAVAILABLE = "SHARED_STATE_UNAVAILABLE"  # Redis unreachable: DPoP proofs are refused (fail closed)
 
 
 # code -> HTTP status, once. Spec §8.4 codes first, then ours (documented in docs/errors.md).
@@ -105,6 +107,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_IMPLEMENTED: 501,
     ErrorCode.INVALID_STATE: 409,
     ErrorCode.STORE_BUSY: 503,
+    ErrorCode.SHARED_STATE_UNAVAILABLE: 503,
     ErrorCode.UPSTREAM_ERROR: 502,
     ErrorCode.UPSTREAM_TIMEOUT: 504,
     ErrorCode.CONFIG_ERROR: 500,

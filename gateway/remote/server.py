@@ -71,6 +71,7 @@ class GatewayRunner:
         self.payloads: payload_routes.PayloadService | None = None
         self.uplink: UplinkHub | None = None  # the guard at home, over the outbound uplink
         self.uplink_port: int | None = None
+        self.shared: Any = None  # gateway.remote.shared_state.SharedState when shared_redis_url is set
 
     def _runner_kwargs(self) -> dict[str, Any]:
         return {
@@ -155,6 +156,13 @@ class GatewayRunner:
         state.revoked_serials = lambda: reloader.revoked
         state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
+        if cfg.shared_redis_url:  # replicas: the DPoP replay cache and rate in Redis
+            from gateway.remote import shared_state
+
+            self.shared = shared_state.SharedState(
+                cfg.shared_redis_url, prefix=cfg.shared_key_prefix, timeout_seconds=cfg.shared_timeout_seconds
+            )
+            shared_state.install(state, self.shared)
         self.payloads = payload_routes.install(state)
         self.payloads.start()
         for hook in self.setup_hooks:
@@ -319,6 +327,9 @@ class GatewayRunner:
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 5)
+        if self.shared is not None:
+            await self.shared.close()
+            self.shared = None
         if self.payloads is not None:
             await self.payloads.close()
             self.payloads = None

@@ -149,6 +149,8 @@ def init(paths: Paths, vps_hosts: Sequence[str], vps_dir: Path, *, force: bool =
 def export_gateway_files(paths: Paths, vps: Paths) -> None:
     """The files of the agent-facing gateway the VPS needs (public material and the gateway's own
     TLS identity): copied again after `uomp agent revoke` (CRL) or `uomp keys rotate` (jwks)."""
+    for d, what in ((vps.home, "data directory"), (vps.ca_dir, "CA directory"), (vps.secrets, "secrets directory")):
+        ensure_private_dir(d, what)
     for src, dst, mode in (
         (paths.ca_cert, vps.ca_cert, 0o644),
         (paths.gateway_cert, vps.gateway_cert, 0o644),
