@@ -369,7 +369,10 @@ def _run_info(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | 
         listeners["tunnel_origin"] = f"http://{gcfg.tunnel_origin_host}:{gw.tunnel_port}"
     if gw.metrics_port:
         listeners["metrics"] = f"http://127.0.0.1:{gw.metrics_port}/metrics"
-    listeners["guard_socket"] = f"unix:{paths.guard_sock}"
+    if gw.uplink_port is not None:  # a VPS gateway: its guard dials in here
+        listeners["uplink"] = f"https://{gcfg.uplink_listen_host}:{gw.uplink_port}"
+    else:
+        listeners["guard_socket"] = f"unix:{paths.guard_sock}"
     if guard is not None and guard.tcp_url:
         listeners["local_profile"] = guard.tcp_url
     live = set(gw.state.endpoints) if gw.state is not None else set()
