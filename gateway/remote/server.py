@@ -42,6 +42,14 @@ def _flush_done(fut: asyncio.Future[None]) -> None:
         log.error("one log: an event could not be recorded (%s)", type(fut.exception()).__name__)
 
 
+async def _renewal_at_home(call: Any) -> web.StreamResponse:
+    raise UompError(
+        ErrorCode.NOT_IMPLEMENTED,
+        "certificate renewal is not served by a VPS gateway (its CA key stays at home); "
+        "get a new certificate at home: uomp authorize --remote (docs/vps.md)",
+    )
+
+
 class GatewayRunner:
     def __init__(self, paths: Paths, cfg: GatewayConfig) -> None:
         self.paths = paths
@@ -156,6 +164,8 @@ class GatewayRunner:
         state.revoked_serials = lambda: reloader.revoked
         state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
+        if self.uplink is not None and not self.paths.ca_key.exists():
+            state.handlers["renew"] = _renewal_at_home  # a VPS gateway holds no CA key
         if cfg.shared_redis_url:  # replicas: the DPoP replay cache and rate in Redis
             from gateway.remote import shared_state
 

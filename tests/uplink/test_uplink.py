@@ -39,6 +39,13 @@ async def test_agent_reads_through_the_uplink_and_revocation_holds(home: Paths) 
                 sess, app.base, "/v1/memory/user.password", token=g["token"], agent_id=a.agent_id
             )
             assert status == 403 and body["error"]["code"] == "ACCESS_DENIED"
+            # the VPS has no CA key: renewal is refused with the fix, not a missing-file error
+            status, body, _ = await agent_call(
+                sess, app.base, "/v1/certificates/renew", token=None, agent_id=a.agent_id, method="POST"
+            )
+            assert (
+                status == 501 and body["error"]["code"] == "NOT_IMPLEMENTED" and "at home" in body["error"]["message"]
+            )
             await call(app.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(home))
             status, body, _ = await agent_call(
                 sess, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
