@@ -147,6 +147,9 @@ class Link(asyncio.Protocol):
         self._last_seen = 0.0
         self._keepalive_task: asyncio.Task[None] | None = None
         self.peer_cert_der: bytes | None = None
+        # frame boundaries of what the peer sent (_frame_lengths_ok); a server first gets the 24-byte preface
+        self._skip = 0 if client_side else 24
+        self._head = bytearray()
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -184,6 +187,11 @@ class Link(asyncio.Protocol):
         if self.closed:
             return
         self._last_seen = asyncio.get_running_loop().time()
+        if not self._frame_lengths_ok(data):
+            self._close(
+                "the peer broke the HTTP/2 protocol (a frame over its size)", h2.errors.ErrorCodes.FRAME_SIZE_ERROR
+            )
+            return
         try:
             events = self.conn.receive_data(data)
         except h2.exceptions.TooManyStreamsError:
@@ -199,6 +207,28 @@ class Link(asyncio.Protocol):
             if self.closed:
                 return
         self._flush()
+
+    def _frame_lengths_ok(self, data: bytes) -> bool:
+        """Every frame header so far announces at most :data:`MAX_FRAME` bytes. h2 checks a frame's
+        length only once the whole frame is buffered, so without this a peer could make us buffer
+        16 MiB before being refused."""
+        i, n = 0, len(data)
+        while i < n:
+            if self._skip:
+                take = min(self._skip, n - i)
+                self._skip -= take
+                i += take
+                continue
+            part = data[i : i + 9 - len(self._head)]
+            self._head += part
+            i += len(part)
+            if len(self._head) == 9:
+                length = int.from_bytes(self._head[:3], "big")
+                self._head.clear()
+                if length > MAX_FRAME:
+                    return False
+                self._skip = length
+        return True
 
     def eof_received(self) -> bool:
         self._close("the peer closed the connection")

@@ -89,14 +89,19 @@ async def test_full_uplink_answers_store_busy_at_once_and_timeouts_are_stable(ho
             task.cancel()
 
 
-async def test_garbage_on_the_uplink_listener_drops_only_that_connection(home: Paths) -> None:
+# a frame header announcing 16 MiB (over the 64 KiB allowed): refused at its header, not buffered
+HUGE_FRAME = b"\xff\xff\xff\x00\x00\x00\x00\x00\x01" + b"x" * 64
+
+
+@pytest.mark.parametrize("garbage", [BAD_FRAME, HUGE_FRAME], ids=["data-on-stream-0", "huge-frame"])
+async def test_garbage_on_the_uplink_listener_drops_only_that_connection(home: Paths, garbage: bytes) -> None:
     async with split(home, home_side=False) as s:
         hub = s.gateway.uplink
         assert hub is not None
         ctx = tlsctx.client_context(home.uplink_home_cert, home.uplink_home_key, home.uplink_ca_cert)
         reader, writer = await asyncio.open_connection("localhost", s.gateway.uplink_port, ssl=ctx)
         await _wait(lambda: hub.connected, "the pinned home certificate is accepted")
-        writer.write(BAD_FRAME)
+        writer.write(garbage)
         await writer.drain()
         with contextlib.suppress(ConnectionError, ssl.SSLError):
             while await reader.read(65536):
