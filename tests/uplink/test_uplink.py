@@ -248,3 +248,35 @@ async def test_home_side_killed_mid_response_then_restarted(home: Paths, tmp_pat
         finally:
             proc.kill()
             proc.wait()
+
+
+async def test_tunnel_listener_of_a_vps_gateway_reads_through_the_uplink(home: Paths) -> None:
+    """cloudflared (or any tunnel) in front of the VPS gateway: DPoP there, the uplink behind."""
+    import time
+
+    from cryptography.hazmat.primitives import serialization
+
+    from gateway.core import dpop
+
+    tunnel = "https://tunnel.example"
+    async with split(home, tunnel_origin_port=0, tunnel_endpoints=[tunnel]) as s:
+        app = s.app
+        a = app.agent("calendar_agent")
+        g = await app.grant(a, audience=tunnel)
+        key = serialization.load_pem_private_key(a.files.key_file.read_bytes(), password=None)
+        url = tunnel + "/v1/memory/preference.theme"
+
+        async def read(proof: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+            hdrs = {"Host": "tunnel.example", "X-UOMP-Agent-Id": a.agent_id, "Authorization": f"DPoP {g['token']}"}
+            hdrs["DPoP"] = proof
+            async with (
+                aiohttp.ClientSession() as sess,
+                sess.get(f"http://127.0.0.1:{s.gateway.tunnel_port}/v1/memory/preference.theme", headers=hdrs) as r,
+            ):
+                return r.status, await r.json(content_type=None)
+
+        proof = dpop.make_dpop_proof(key, method="GET", url=url, access_token=g["token"], now=time.time())  # type: ignore[arg-type]
+        status, body = await read(proof)
+        assert status == 200 and body["value"] == "dark", body
+        status, body = await read(proof)  # denied partner: the same proof again
+        assert status == 401 and body["error"]["code"] == "DPOP_INVALID"
