@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from urllib.parse import urlsplit
 import h2.errors
 
 from gateway.core import http1
-from gateway.durable import fault_point
+from gateway.durable import FAULT_ENV, fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.remote.upstream import Upstream, UpstreamClient
 from gateway.uplink import certs, tlsctx
@@ -40,6 +41,13 @@ MAX_REQUEST_BODY = 8 * 1024 * 1024
 STABLE_SECONDS = 30.0
 CONNECT_TIMEOUT = 15.0
 _DROP = frozenset({b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te"})
+
+
+def _after_head(link: Link) -> None:
+    """The kill point of the tests: the answer's head is on the wire, its body is not."""
+    if os.environ.get(FAULT_ENV) == "uplink.home.after-head":
+        link.flush_now()
+        fault_point("uplink.home.after-head")
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -202,14 +210,14 @@ class HomeUplink:
             if resp.body is not None:
                 out.append((b"content-length", str(len(resp.body)).encode()))
                 link.send_headers(st.sid, out, end_stream=not resp.body)
-                fault_point("uplink.home.after-head")
+                _after_head(link)
                 if resp.body:
                     await link.send_data(st.sid, resp.body, end_stream=True)
                 return
             if resp.content_length is not None:
                 out.append((b"content-length", str(resp.content_length).encode()))
             link.send_headers(st.sid, out, end_stream=False)
-            fault_point("uplink.home.after-head")
+            _after_head(link)
             async for chunk in resp.iter_chunks(64 * 1024):
                 await link.send_data(st.sid, chunk, end_stream=False)
             await link.send_data(st.sid, b"", end_stream=True)

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import Any, cast
 
 import h2.config
 import h2.connection
@@ -34,6 +34,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 
 log = logging.getLogger("uomp.uplink")
 
@@ -46,6 +47,15 @@ DEFAULT_KEEPALIVE = 5.0
 SILENT_FACTOR = 3.0  # a connection silent for this many keep-alive intervals is dead
 
 Headers = list[tuple[bytes, bytes]]
+
+
+class _PlainEncoder(hpack.Encoder):
+    """HPACK without Huffman coding: the uplink spends CPU, not bytes. In a profile of the uplink,
+    Huffman coding and decoding of headers that are never indexed (``authorization`` is sent
+    never-indexed by h2) was its largest cost."""
+
+    def encode(self, headers: Any, huffman: bool = False) -> bytes:
+        return super().encode(headers, huffman=False)
 
 
 class LinkDown(Exception):
@@ -133,6 +143,7 @@ class Link(asyncio.Protocol):
         self.on_open = on_open
         self.on_close = on_close
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=client_side, header_encoding=None))
+        self.conn.encoder = _PlainEncoder()
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
         self.closed = False
@@ -150,6 +161,7 @@ class Link(asyncio.Protocol):
         # frame boundaries of what the peer sent (_frame_lengths_ok); a server first gets the 24-byte preface
         self._skip = 0 if client_side else 24
         self._head = bytearray()
+        self._flush_scheduled = False
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -323,6 +335,18 @@ class Link(asyncio.Protocol):
     # ------------------------------------------------------------------ sending
 
     def _flush(self) -> None:
+        """Write what h2 has queued, once, at the end of this turn of the event loop: the frames of
+        several streams (and a response's HEADERS and DATA) go out in one TLS write."""
+        if not self._flush_scheduled and self.transport is not None and not self.closed:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def flush_now(self) -> None:
+        """Write what is queued now (before a kill point in the tests)."""
+        self._flush_now()
+
+    def _flush_now(self) -> None:
+        self._flush_scheduled = False
         if self.transport is None or self.closed:
             return
         data = self.conn.data_to_send()
@@ -476,7 +500,7 @@ class Link(asyncio.Protocol):
         if self.transport is not None and (code is not None or tell_peer is not None):
             with contextlib.suppress(Exception):
                 self.conn.close_connection(code or h2.errors.ErrorCodes.NO_ERROR, additional_data=tell_peer)
-                self._flush()
+                self._flush_now()
         self.closed = True
         self.close_reason = reason
         if self.transport is not None:
