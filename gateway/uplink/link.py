@@ -132,7 +132,7 @@ class Link(asyncio.Protocol):
         keepalive: float = DEFAULT_KEEPALIVE,
         verify_peer: Callable[[ssl.SSLObject | None], str | None] | None = None,
         on_request: Callable[[Link, Stream], Awaitable[None]] | None = None,
-        on_open: Callable[[Link], None] | None = None,
+        on_open: Callable[[Link], None] | None = None,  # once the peer's first SETTINGS arrived
         on_close: Callable[[Link, str], None] | None = None,
     ) -> None:
         self.client_side = client_side
@@ -147,6 +147,7 @@ class Link(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
         self.closed = False
+        self.ready = False  # the peer's first SETTINGS arrived (on_open is called then)
         self.close_reason = ""
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.peer_goaway: bytes | None = None
@@ -192,8 +193,6 @@ class Link(asyncio.Protocol):
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()
         self._keepalive_task = loop.create_task(self._keepalive_loop())
-        if self.on_open is not None:
-            self.on_open(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -309,7 +308,13 @@ class Link(asyncio.Protocol):
             if serving is not None:
                 serving.cancel()  # the peer gave up: so does the work for it (the guard exchange included)
             self._wake_windows()
-        elif isinstance(ev, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+        elif isinstance(ev, h2.events.RemoteSettingsChanged):
+            if not self.ready:  # the peer's first SETTINGS: it speaks HTTP/2, the link is usable
+                self.ready = True
+                if self.on_open is not None:
+                    self.on_open(self)
+            self._wake_windows()
+        elif isinstance(ev, h2.events.WindowUpdated):
             self._wake_windows()
         elif isinstance(ev, h2.events.ConnectionTerminated):
             self.peer_goaway = ev.additional_data or b""

@@ -100,6 +100,9 @@ async def test_garbage_on_the_uplink_listener_drops_only_that_connection(home: P
         assert hub is not None
         ctx = tlsctx.client_context(home.uplink_home_cert, home.uplink_home_key, home.uplink_ca_cert)
         reader, writer = await asyncio.open_connection("localhost", s.gateway.uplink_port, ssl=ctx)
+        server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        server.initiate_connection()  # a home side's preface: its SETTINGS
+        writer.write(server.data_to_send())
         await _wait(lambda: hub.connected, "the pinned home certificate is accepted")
         writer.write(garbage)
         await writer.drain()
@@ -164,3 +167,24 @@ async def test_home_side_drops_a_misbehaving_gateway_and_dials_again(home: Paths
                     await task
         expected = {"garbage": "protocol", "streams": "more streams", "stall": "silent"}[behaviour]
         assert expected in why, why
+
+
+async def test_a_silent_home_side_never_takes_the_uplink(home: Paths) -> None:
+    """TLS and the pin pass, then nothing: not the uplink (no SETTINGS), dropped by the keep-alive,
+    and a real home side connecting meanwhile is served."""
+    async with split(home, home_side=False) as s:
+        hub = s.gateway.uplink
+        assert hub is not None
+        ctx = tlsctx.client_context(home.uplink_home_cert, home.uplink_home_key, home.uplink_ca_cert)
+        reader, writer = await asyncio.open_connection("localhost", s.gateway.uplink_port, ssl=ctx)
+        task = asyncio.get_running_loop().create_task(s.home_side().run())
+        try:
+            await s.wait_connected()
+            assert hub.connects == 1  # the real one; the silent one was never taken
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                while await reader.read(65536):
+                    pass  # the gateway's SETTINGS and PINGs, then EOF: dropped as silent
+            assert hub.connected
+        finally:
+            task.cancel()
+            writer.close()
