@@ -48,7 +48,8 @@ from gateway.remote.app import Call, GatewayState, _bearer
 
 # One round trip, atomic: KEYS = born, rate set of this key, the proof's entry;
 # ARGV = now ms, the proof's iat ms, rate window ms, rate limit, entry TTL ms, born if missing.
-# -1: the proof is from a second before the cache's birth (Redis lost its data since: fail closed); -2: over the rate; 0: a replay; 1: accepted.
+# -1: the proof is from a second before the cache's birth (Redis lost its data since: fail closed);
+# -2: over the rate; 0: a replay; 1: accepted.
 _CLAIM = """
 local born = redis.call('GET', KEYS[1])
 if not born then redis.call('SET', KEYS[1], ARGV[6]); born = ARGV[6] end

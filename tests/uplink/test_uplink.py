@@ -116,6 +116,15 @@ async def test_uplink_down_is_503_with_retry_after_and_the_spool_is_replayed(hom
         assert MOTTO.value.encode() not in blob and g["token"].encode() not in blob
         assert not s.vps.memory_db.exists() and not s.vps.private_jwk.exists() and not s.vps.ca_key.exists()
         assert not s.vps.audit_key.exists() and not s.vps.uplink_ca_key.exists()
+        # `uomp doctor` on the VPS: its own checks, no "restore the signing key" advice; a home key here is flagged
+        from gateway.cli.doctor import run_checks
+
+        report = run_checks(s.vps)
+        assert report.problems == 0, report.lines
+        assert any("VPS gateway" in line for line in report.lines)
+        s.vps.ca_key.write_bytes(home.ca_key.read_bytes())
+        report = run_checks(s.vps)
+        assert report.problems == 1 and any("agent CA key is on this VPS" in line for line in report.lines)
 
 
 async def test_wrong_certificates_refused_on_either_side(home: Paths, tmp_path) -> None:  # type: ignore[no-untyped-def]
