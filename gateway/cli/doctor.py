@@ -313,7 +313,12 @@ def _vps_checks(r: Report, paths: Paths) -> Report:
                 f"no home side is connected ({up.get('last_error') or 'never connected'})",
                 "at home: uomp guard uplink https://THIS-HOST:PORT (the uplink listener of `uomp status`)",
             )
-    for step in (lambda: _ports(r, paths, gcfg, None), lambda: _tunnel(r, tunnel), lambda: _speed(r)):
+    steps: list[Callable[[], None]] = [
+        lambda: _ports(r, paths, gcfg, None),
+        lambda: _tunnel(r, tunnel),
+        lambda: _speed(r),
+    ]
+    for step in steps:
         try:
             step()
         except UompError as exc:
