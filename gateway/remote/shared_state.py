@@ -62,6 +62,7 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 ACCEPTED, REPLAYED, OVER_RATE, PREDATES = 1, 0, -2, -1
+MAX_CONNECTIONS = 64  # to Redis, per gateway process
 
 
 def _unavailable() -> UompError:
@@ -75,13 +76,18 @@ def _unavailable() -> UompError:
 class SharedState:
     def __init__(self, url: str, *, prefix: str, timeout_seconds: float) -> None:
         self.prefix = prefix
-        self.redis: Any = aioredis.Redis.from_url(
+        # a bounded pool: a request waits at most the time-out for a connection, then fails closed
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_seconds,
             socket_timeout=timeout_seconds,
             socket_connect_timeout=timeout_seconds,
             retry_on_timeout=False,
             health_check_interval=0,
         )
+        self._pool = pool
+        self.redis: Any = aioredis.Redis(connection_pool=pool)
         self._claim = self.redis.register_script(_CLAIM)
         self.failures = 0  # operations that found Redis away
         self.seen_born = False  # this replica has seen the cache's birth mark (so its loss is a loss)
@@ -130,6 +136,7 @@ class SharedState:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await self._pool.disconnect()
 
 
 def install(state: GatewayState, shared: SharedState) -> None:
