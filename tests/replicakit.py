@@ -72,6 +72,8 @@ class Redis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 @contextlib.contextmanager
@@ -114,3 +116,5 @@ backend gateways
     finally:
         proc.kill()
         proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()

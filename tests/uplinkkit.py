@@ -121,5 +121,5 @@ def home_process(
         env=env,
         cwd=str(ROOT),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # it logs every redial: a pipe nobody reads would fill and block it
     )
