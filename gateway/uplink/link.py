@@ -75,7 +75,8 @@ class Stream:
         self.headers: Headers | None = None
         self.chunks: collections.deque[tuple[bytes, int]] = collections.deque()
         self.buffered = 0
-        self.ended = False
+        self.ended = False  # the peer ended the stream
+        self.sent_end = False  # we ended it
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -142,7 +143,16 @@ class Link(asyncio.Protocol):
         self.on_request = on_request
         self.on_open = on_open
         self.on_close = on_close
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=client_side, header_encoding=None))
+        # outbound headers are checked before they get here (gateway.core.http1 on the gateway, field
+        # names from the guard at home); what comes in is validated by h2
+        self.conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=client_side,
+                header_encoding=None,
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+            )
+        )
         self.conn.encoder = _PlainEncoder()
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
@@ -382,6 +392,7 @@ class Link(asyncio.Protocol):
         except h2.exceptions.ProtocolError as exc:
             raise LinkDown(f"no stream could be opened ({type(exc).__name__})") from exc
         st = Stream(self, sid)
+        st.sent_end = end_stream
         self.streams[sid] = st
         self._flush()
         return st
@@ -401,6 +412,8 @@ class Link(asyncio.Protocol):
             self.conn.send_headers(sid, headers, end_stream=end_stream)
         except h2.exceptions.StreamClosedError as exc:
             raise StreamReset("the stream was closed") from exc
+        if end_stream:
+            self._sent_end(sid)
         self._flush()
 
     async def send_data(self, sid: int, data: bytes, *, end_stream: bool) -> None:
@@ -415,6 +428,7 @@ class Link(asyncio.Protocol):
                         self.conn.end_stream(sid)
                     except h2.exceptions.StreamClosedError as exc:
                         raise StreamReset("the stream was closed") from exc
+                    self._sent_end(sid)
                     self._flush()
                 return
             try:
@@ -430,6 +444,8 @@ class Link(asyncio.Protocol):
                 self.conn.send_data(sid, view[off : off + size].tobytes(), end_stream=last)
             except h2.exceptions.StreamClosedError as exc:
                 raise StreamReset("the stream was closed") from exc
+            if last:
+                self._sent_end(sid)
             off += size
             self._flush()
             await self._drained()
@@ -462,11 +478,16 @@ class Link(asyncio.Protocol):
             self.conn.reset_stream(sid, code)
         self._flush()
 
+    def _sent_end(self, sid: int) -> None:
+        st = self.streams.get(sid)
+        if st is not None:
+            st.sent_end = True
+
     def forget(self, st: Stream) -> None:
         """The stream's reader is done with it: reset it if it is still open, give back its window."""
         st.discard()
-        if self.streams.pop(st.sid, None) is not None:
-            self._reset(st.sid)  # refused by h2 (suppressed) once both sides ended the stream
+        if self.streams.pop(st.sid, None) is not None and not (st.ended and st.sent_end):
+            self._reset(st.sid)
         self._wake_windows()
 
     def reset(self, st: Stream, code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.CANCEL) -> None:

@@ -70,7 +70,9 @@ async def _wait(pred, what: str, seconds: float = 20.0) -> None:  # type: ignore
     raise AssertionError(f"not reached: {what}")
 
 
-async def test_uplink_down_is_503_with_retry_after_and_the_spool_is_replayed(home: Paths) -> None:
+async def test_uplink_down_is_503_with_retry_after_and_the_spool_is_replayed(
+    home: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from gatewaykit import ledger_events
 
     async with split(home, home_side=False) as s:
@@ -101,8 +103,9 @@ async def test_uplink_down_is_503_with_retry_after_and_the_spool_is_replayed(hom
                     sess, app.base, "/v1/memory/preference.motto", token=g["token"], agent_id=a.agent_id
                 )
                 assert status == 200 and body["value"] == MOTTO.value
-                await _wait(lambda: len(ledger_events(home, code="STORE_UNAVAILABLE")) > before, "spool replayed")
-                assert s.gateway.state.events.backlog == 0
+                events = s.gateway.state.events
+                await _wait(lambda: events.backlog == 0, "the whole spool replayed")
+                assert len(ledger_events(home, code="STORE_UNAVAILABLE")) > before
             finally:
                 task.cancel()
             # the home side leaves: 503 again, at once (no wait for a time-out)
@@ -117,7 +120,11 @@ async def test_uplink_down_is_503_with_retry_after_and_the_spool_is_replayed(hom
         assert not s.vps.memory_db.exists() and not s.vps.private_jwk.exists() and not s.vps.ca_key.exists()
         assert not s.vps.audit_key.exists() and not s.vps.uplink_ca_key.exists()
         # `uomp doctor` on the VPS: its own checks, no "restore the signing key" advice; a home key here is flagged
+        from portkit import free_port
+
         from gateway.cli.doctor import run_checks
+
+        monkeypatch.setenv("UOMP_GATEWAY_LISTEN_PORT", str(free_port()))  # not a port someone else uses
 
         report = run_checks(s.vps)
         assert report.problems == 0, report.lines
