@@ -1,8 +1,10 @@
-// Compile contracts/UompAnchor.sol with the pinned solc-js (package.json) and print the artifact
-// (ABI, creation and runtime bytecode, compiler version and settings) as JSON on stdout.
+// Compile one contract file (contracts/NAME.sol, holding the contract NAME) with the pinned solc-js
+// (package.json) and print the artifact (ABI, creation and runtime bytecode, compiler version and
+// settings) as JSON on stdout.
 // Deterministic: same source + same compiler + these fixed settings = the same bytes.
 import { createHash } from "node:crypto";
 import { readFileSync } from "node:fs";
+import { basename } from "node:path";
 import { createRequire } from "node:module";
 
 const require = createRequire(import.meta.url);
@@ -20,6 +22,8 @@ if (!version.startsWith(PINNED + "+")) {
   process.exit(1);
 }
 const source = readFileSync(sourcePath, "utf8");
+const fileName = basename(sourcePath);
+const contractName = fileName.replace(/\.sol$/, "");
 const settings = {
   optimizer: { enabled: true, runs: 200 },
   viaIR: true,
@@ -29,17 +33,17 @@ const settings = {
 };
 const input = {
   language: "Solidity",
-  sources: { "UompAnchor.sol": { content: source } },
+  sources: { [fileName]: { content: source } },
   settings,
 };
 const output = JSON.parse(solc.compile(JSON.stringify(input)));
 const errors = (output.errors || []).filter((e) => e.severity === "error");
 for (const e of output.errors || []) console.error(e.formattedMessage);
 if (errors.length) process.exit(1);
-const c = output.contracts["UompAnchor.sol"].UompAnchor;
+const c = output.contracts[fileName][contractName];
 const artifact = {
-  contractName: "UompAnchor",
-  source: "contracts/UompAnchor.sol",
+  contractName,
+  source: `contracts/${fileName}`,
   sourceSha256: createHash("sha256").update(source, "utf8").digest("hex"),
   compiler: { name: "solc-js", version },
   settings: { optimizer: settings.optimizer, viaIR: settings.viaIR, evmVersion: settings.evmVersion, metadata: settings.metadata },

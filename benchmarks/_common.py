@@ -95,7 +95,8 @@ def seed_store(paths: Any, n_keys: int = 200, n_other: int = 1000) -> list[str]:
     """``n_keys`` readable items (tag ``preference``) plus ``n_other`` items under other tags.
 
     Returns the readable keys (the workload cycles through them)."""
-    from gateway.guard.store import MemoryItem, MemoryStore
+    from gateway.guard.items import MemoryItem
+    from gateway.guard.store import MemoryStore
 
     items = []
     keys = []
@@ -305,6 +306,7 @@ def start_server(
     layout: str = "split",
     gateway_config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    tree: Path | None = None,
 ) -> ServerProc:
     """Start the guard alone (``GuardRunner``), or the appliance, in a child process.
 
@@ -316,8 +318,11 @@ def start_server(
     product's adaptive one) are experiment knobs of the benchmark, never set by default.
     ``gateway_config``: GatewayConfig fields to set (e.g. ``tunnel_origin_port=0``); the info line
     then also carries ``tunnel_port``. ``env``: variables set for the server and its guard child
-    (e.g. ``UOMP_UVLOOP=0``: the levers' switches, bench_levers.py)."""
-    cmd = [PYTHON, str(Path(__file__).resolve()), "serve", "--home", str(paths.home)]
+    (e.g. ``UOMP_UVLOOP=0``: the levers' switches, bench_levers.py). ``tree``: another checkout of
+    this project whose code serves (its own ``benchmarks/_common.py serve``, the tree first on
+    ``PYTHONPATH`` for the server and its guard child); the home is made by this tree's code."""
+    script = (tree / "benchmarks" / "_common.py") if tree is not None else Path(__file__).resolve()
+    cmd = [PYTHON, str(script), "serve", "--home", str(paths.home)]
     if gateway:
         cmd += ["--gateway", "--layout", layout]
     if tcp_port is not None:
@@ -333,6 +338,8 @@ def start_server(
     if gateway_config:
         cmd += ["--gateway-config", json.dumps(gateway_config)]
     child_env = {**os.environ, **env} if env else None
+    if tree is not None:
+        child_env = {**(child_env or os.environ), "PYTHONPATH": str(tree)}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=child_env)
     try:
         info = _read_json_line(proc, 60, what)

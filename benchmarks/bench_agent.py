@@ -52,7 +52,13 @@ async def _serve(home: str) -> None:
     gw = GatewayRunner(
         paths,
         GatewayConfig(
-            listen_port=0, tunnel_origin_port=0, endpoints=["https://localhost:1"], tunnel_endpoints=[TUNNEL]
+            listen_port=0,
+            tunnel_origin_port=0,
+            endpoints=["https://localhost:1"],
+            tunnel_endpoints=[TUNNEL],
+            # one key sends ~700 proofs/s here, past the product's per-key pace (50/s): this measures
+            # the cost of a proof, not that limit
+            dpop_max_proofs_per_second_per_key=2000.0,
         ),
     )
     await gw.start()
@@ -122,6 +128,7 @@ async def _refresh_phase(
         "p50": _pct(lat, 50) * 1e3,
         "p99": _pct(lat, 99) * 1e3,
         "cpu_us": cpu / max(1, len(lat)) * 1e6,
+        "refusals": {},
     }
 
 
@@ -136,6 +143,7 @@ async def _get_phase(
 
     lat: list[float] = []
     bad = 0
+    refusals: dict[str, int] = {}
     key = serialization.load_pem_private_key(Path(agent["key"]).read_bytes(), password=None)
 
     async def worker(w: int) -> None:
@@ -164,10 +172,15 @@ async def _get_phase(
                     )
                 t0 = time.perf_counter()
                 async with s.get(f"{base}/v1/memory/{k}", headers=headers) as resp:
-                    await resp.read()
+                    raw = await resp.read()
                 lat.append(time.perf_counter() - t0)
                 if resp.status != 200:
                     bad += 1
+                    try:
+                        code = json.loads(raw)["error"]["code"]
+                    except (ValueError, KeyError, TypeError):
+                        code = "?"
+                    refusals[f"{resp.status} {code}"] = refusals.get(f"{resp.status} {code}", 0) + 1
 
     cpu0 = c.proc_cpu_seconds(info["pid"])
     t0 = time.perf_counter()
@@ -181,6 +194,7 @@ async def _get_phase(
         "p50": _pct(lat, 50) * 1e3,
         "p99": _pct(lat, 99) * 1e3,
         "cpu_us": cpu / max(1, len(lat)) * 1e6,
+        "refusals": refusals,
     }
 
 
@@ -237,6 +251,8 @@ def main() -> None:
                     )
                     results[mode].append(r)
                     print(_row(f"GET by key, {mode}, {args.clients} clients", r))
+                    if r["refusals"]:
+                        print(f"    refused: {r['refusals']}")
         finally:
             proc.terminate()
             proc.wait(30)

@@ -59,7 +59,8 @@ def measured(name: str, fn: Callable[[], T]) -> T:
 
 
 def seed(paths: Any, n: int) -> None:
-    from gateway.guard.store import MemoryItem, MemoryStore
+    from gateway.guard.items import MemoryItem
+    from gateway.guard.store import MemoryStore
 
     store = MemoryStore(paths.memory_db)
     t0 = time.perf_counter()
@@ -76,7 +77,8 @@ def seed(paths: Any, n: int) -> None:
 
 
 def store_alone(paths: Any, n: int, page: int) -> None:
-    from gateway.guard.store import MemoryStore, ReadFilter
+    from gateway.guard.storage import ReadFilter
+    from gateway.guard.store import MemoryStore
 
     print("store alone (this process):")
     store = MemoryStore(paths.memory_db, create=False)

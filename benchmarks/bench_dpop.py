@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from gateway.core import jose, tokens
+from gateway.core import capability, jose, tokens
 from gateway.core.dpop import ReplayCache, make_dpop_proof, verify_dpop
 
 URL = "https://gw.example.com/v1/memory/preference.theme"
@@ -45,7 +45,7 @@ def main() -> None:
         agent_id="bench_agent",
         now=now,
         expires=now + 3600,
-        read=tokens.Scope(tags=("preference",)),
+        read=capability.Scope(tags=("preference",)),
         profile="remote",
         cnf={"jkt": "x" * 43},
     )

@@ -1,7 +1,7 @@
 """The remote gateway's cost: the same read-by-key load straight to the guard and through mTLS, one run.
 
     .venv/bin/python benchmarks/bench_gateway.py [--duration S] [--clients N] [--rounds R] [--fsyncs]
-        [--handshake-clients N] [--idle N] [--experiments]
+        [--handshake-clients N] [--idle N] [--experiments] [--baseline PATH]
 
 The appliance is laid out like ``uomp gateway start``: ``GatewayRunner`` (TLS 1.3, client
 certificates from the user's CA, forwarding over the Unix socket) in a child process of this
@@ -37,6 +37,10 @@ keep-alive phases; (2) a fixed ``QuotaLedger`` reservation block of 16 instead o
 buffer at CPython's 256 KiB instead of the gateway's 32 KiB (``asyncio.sslproto.SSLProtocol.max_size``):
 new connections per second and RSS.
 
+``--baseline PATH`` also starts an appliance served by another checkout's code (e.g. the tree before
+a refactoring; the home and its items are made by this tree) and interleaves its rounds with this
+tree's, on every phase: the RATIOS line then says this/baseline for each figure.
+
 Every phase counts answers by status; under 99 % of 200s stops the script (a run of 429s measures
 nothing). Issue 13's aims are printed with the measured figures: gateway/direct req/s >= 0.8 and
 unloaded p50 overhead <= 1 ms. Its handshake aim is a ratio against an older tree in the same run
@@ -66,7 +70,14 @@ class Appliance:
     a session granted for it, and the request bytes."""
 
     def __init__(
-        self, *, label: str, max_connections: int | None, keep: bool = False, layout: str = "split", **knobs: Any
+        self,
+        *,
+        label: str,
+        max_connections: int | None,
+        keep: bool = False,
+        layout: str = "split",
+        tree: Path | None = None,
+        **knobs: Any,
     ) -> None:
         self.label = label
         self.keep = keep
@@ -75,7 +86,7 @@ class Appliance:
             self.keys = keys = c.seed_store(paths)
             self.agent = agent = c.issue_agent(paths)
             self.srv = c.start_server(
-                paths, gateway=True, max_connections=max_connections, what=label, layout=layout, **knobs
+                paths, gateway=True, max_connections=max_connections, what=label, layout=layout, tree=tree, **knobs
             )
         except BaseException:
             c.remove_home(paths, keep)
@@ -94,14 +105,14 @@ class Appliance:
         hdrs = {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": agent["agent_id"]}
         # (a) is what the gateway sends the guard: the token plus its verified-identity assertion
         # (a remote-profile token is served on the socket only with it; gateway/contract.py).
-        asserted = {
-            **hdrs,
-            contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
-            contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
-            contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
-            contract.VERIFIED_X5T_HEADER: agent["x5t"],
-            contract.VERIFIED_JKT_HEADER: agent["jkt"],
-        }
+        asserted = contract.assertion_headers(
+            token=g["token"],
+            agent_id=agent["agent_id"],
+            listener="mtls",
+            via="gateway:mtls:bench",
+            x5t=agent["x5t"],
+            jkt=agent["jkt"],
+        )
         self.reqs = {
             "gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
             "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys],
@@ -251,6 +262,7 @@ def main() -> None:
         help="also run the one-process, quota block 16 and 256 KiB TLS buffer appliances (see above)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
+    ap.add_argument("--baseline", type=Path, help="another checkout whose appliance runs beside this one's")
     ap.add_argument(
         "--fsyncs",
         action="store_true",
@@ -268,6 +280,8 @@ def main() -> None:
             "--clients 1..1000, --duration 0..600, --rounds 1..10, --handshake-clients 1..200, --idle 0..5000"
         )
     args.handshake_duration = args.handshake_duration or max(1.0, args.duration / 2)
+    if args.baseline is not None and not (args.baseline / "benchmarks" / "_common.py").exists():
+        raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project")
 
     from gateway.config import GatewayConfig
 
@@ -289,6 +303,13 @@ def main() -> None:
             apps["buf"] = Appliance(
                 label="experiment 256 KiB TLS buffer", max_connections=max_conn, keep=args.keep, ssl_read_buffer_kib=256
             )
+        if args.baseline is not None:
+            apps["old"] = Appliance(
+                label=f"baseline {args.baseline}",
+                max_connections=max_conn,
+                keep=args.keep,
+                tree=args.baseline.resolve(),
+            )
         base = apps["base"]
         info = base.srv.info
         print(
@@ -303,20 +324,25 @@ def main() -> None:
             f"{args.handshake_duration:g} s; {args.idle} idle connections"
             + ("; experiments interleaved" if args.experiments else "")
         )
-        ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota")]
-        hs_apps = [a for k, a in apps.items() if k in ("base", "buf")]
+        ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota", "old")]
+        hs_apps = [a for k, a in apps.items() if k in ("base", "buf", "old")]
         for _ in range(args.rounds):
             for app in ka_apps:
                 for kind in ("direct", "gateway"):
                     app.runs[kind].append(app.keepalive(kind, args))
-        one = {
-            kind: base.keepalive(kind, args, clients=1, duration=min(args.duration, 5), warmup=0.5)
-            for kind in ("direct", "gateway")
+        unloaded = {
+            key: {
+                kind: app.keepalive(kind, args, clients=1, duration=min(args.duration, 5), warmup=0.5)
+                for kind in ("direct", "gateway")
+            }
+            for key, app in apps.items()
+            if key in ("base", "old")
         }
+        one = unloaded["base"]
         for _ in range(args.rounds):
             for app in hs_apps:
                 app.runs["handshakes"].append(app.handshakes(args))
-        rss = {k: a.rss(args.idle) for k, a in apps.items() if k in ("base", "buf") and args.idle}
+        rss = {k: a.rss(args.idle) for k, a in apps.items() if k in ("base", "buf", "old") and args.idle}
         syncs = {kind: base.fsyncs(kind, args) for kind in ("direct", "gateway")} if args.fsyncs else {}
     finally:
         for a in apps.values():
@@ -357,6 +383,33 @@ def main() -> None:
         )
         if "buf" in rss:
             print(_rss_line("256 KiB TLS buffer", rss["buf"]))
+
+    if args.baseline is not None:
+        o = res["old"]
+        print(f"\nbaseline tree {args.baseline} (rounds interleaved with this tree's):")
+        c.print_table(
+            [
+                (f"baseline (a) direct, {args.clients} clients", o["direct"]),
+                (f"baseline (b) gateway, {args.clients} clients", o["gateway"]),
+                ("baseline (a) direct, 1 client", unloaded["old"]["direct"]),
+                ("baseline (b) gateway, 1 client", unloaded["old"]["gateway"]),
+                (f"baseline new mTLS conn, {args.handshake_clients} cl.", o["handshakes"]),
+            ]
+        )
+        if "old" in rss:
+            print(_rss_line("baseline", rss["old"]))
+        print(
+            f"RATIOS this/baseline: direct req/s x{m['direct']['rps'] / o['direct']['rps']:.2f}, gateway req/s "
+            f"x{m['gateway']['rps'] / o['gateway']['rps']:.2f}, gateway p50 "
+            f"{m['gateway']['p50_ms']:.2f}/{o['gateway']['p50_ms']:.2f} ms, unloaded gateway p50 "
+            f"{one['gateway']['p50_ms']:.2f}/{unloaded['old']['gateway']['p50_ms']:.2f} ms, new mTLS conn/s "
+            f"x{hs['rps'] / o['handshakes']['rps']:.2f}"
+            + (
+                f", KiB per idle connection {rss['base']['per_conn']:.0f}/{rss['old']['per_conn']:.0f}"
+                if "old" in rss
+                else ""
+            )
+        )
 
     d, gw = m["direct"], m["gateway"]
     ratio = gw["rps"] / d["rps"]

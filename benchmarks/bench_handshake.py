@@ -109,7 +109,8 @@ def _rsa_cert(ca_key: Any, ca_cert: x509.Certificate, pub: Any, *, agent_id: str
     )
     if agent_id:
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False).add_extension(
-            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(ca.agent_uri(agent_id))]), critical=False
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(ca.AGENT_URI_PREFIX + agent_id)]),
+            critical=False,
         )
     else:
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False).add_extension(

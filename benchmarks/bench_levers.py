@@ -73,14 +73,14 @@ class App:
             self.stop()
             raise
         hdrs = {"Authorization": f"Bearer {g['token']}", "X-UOMP-Agent-Id": agent["agent_id"]}
-        asserted = {
-            **hdrs,
-            contract.VERIFIED_AGENT_HEADER: agent["agent_id"],
-            contract.VERIFIED_VIA_HEADER: "gateway:mtls:bench",
-            contract.VERIFIED_TOKEN_HEADER: contract.token_digest(g["token"]),
-            contract.VERIFIED_X5T_HEADER: agent["x5t"],
-            contract.VERIFIED_JKT_HEADER: agent["jkt"],
-        }
+        asserted = contract.assertion_headers(
+            token=g["token"],
+            agent_id=agent["agent_id"],
+            listener="mtls",
+            via="gateway:mtls:bench",
+            x5t=agent["x5t"],
+            jkt=agent["jkt"],
+        )
         self.reqs = {
             "gateway": [c.http_get(f"/v1/memory/{k}", host=f"localhost:{port}", headers=hdrs) for k in keys],
             "direct": [c.http_get(f"/v1/memory/{k}", host="localhost", headers=asserted) for k in keys],

@@ -13,7 +13,10 @@ Printed: the RSS of each process at start (agents connected), after the warm-up 
 slope of a least-squares line through the samples after the warm-up (KiB per hour) and the
 end/after-warm-up ratio; requests and refreshes done, errors by code. A slope that keeps rising run
 after run is a leak to find; a step during the warm-up is caches filling (TLS sessions, the status
-cache, SQLite's page cache). ``--json FILE`` also writes every sample.
+cache, SQLite's page cache). ``--json FILE`` also writes every sample;
+``--env NAME=VALUE`` sets the appliance's environment (a test with ``MALLOC_ARENA_MAX=2``, or
+memory tracing with ``UOMP_TRACEMALLOC=1``: gateway/memtrace.py). Two runs side by side (one with
+``PYTHONPATH`` at another checkout) compare two versions under the same load.
 """
 
 from __future__ import annotations
@@ -58,13 +61,13 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def start_appliance(home: Path) -> tuple[subprocess.Popen[str], int]:
+def start_appliance(home: Path, extra_env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
         [*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env={**os.environ, "UOMP_DASHBOARD_PORT": "0"},
+        env={**os.environ, "UOMP_DASHBOARD_PORT": "0", **extra_env},
     )  # never a running appliance's 9380
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
@@ -154,6 +157,14 @@ async def main() -> None:
     ap.add_argument("--refresh-every", type=float, default=60.0, help="seconds between one agent's refreshes")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write every sample to this file")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="for the appliance only, e.g. MALLOC_ARENA_MAX=2, or UOMP_TRACEMALLOC=1 with "
+        "UOMP_TRACEMALLOC_INTERVAL=60 (snapshots in <work>/home/memtrace, benchmarks/memtrace_diff.py)",
+    )
     args = ap.parse_args()
     duration = min(args.duration, MAX_DURATION)
     random.seed(args.seed)
@@ -161,7 +172,8 @@ async def main() -> None:
     home = work / "home"
     run(home, "init")
     run(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
-    proc, port = start_appliance(home)
+    extra_env = dict(e.split("=", 1) for e in args.env)
+    proc, port = start_appliance(home, extra_env)
     try:
         bundles = [authorize(home, port, work, i) for i in range(args.agents)]
         stats: dict[str, Any] = {"requests": 0, "refreshes": 0, "errors": {}}
@@ -199,6 +211,8 @@ async def main() -> None:
         "requests": stats["requests"],
         "refreshes": stats["refreshes"],
         "errors": stats["errors"],
+        "env": extra_env,
+        "work": str(work),
     }
     for role in ("gateway", "guard"):
         k = f"{role}_kib"

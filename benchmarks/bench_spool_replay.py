@@ -28,7 +28,7 @@ from gateway.config import Paths
 from gateway.keys import init_home
 from gateway.remote.access_log import AccessLog
 from gateway.remote.event_sink import EventSink, new_event_id, spool_path
-from gateway.remote.forward import Forwarder, Upstream
+from gateway.remote.guard_client import Forwarder, Upstream
 
 
 def sink_for(paths: Paths) -> tuple[EventSink, AccessLog, Forwarder]:

@@ -157,7 +157,8 @@ def main() -> None:
                 "  part: blacklist SELECT",
                 lambda: auth.db.execute("SELECT 1 FROM token_blacklist WHERE token_hash=?", (th,)).fetchone(),
             )
-            row("AuthService.consume_read (amortised)", lambda: auth.consume_read(cap))
+            sess_row = auth.session(sid)
+            row("AuthService.consume_read (amortised)", lambda: auth.consume_read(cap, sess_row))
             # hot-path JSON (gateway/jsonio.py): a read answer encoded, a stored value decoded
             import json
 

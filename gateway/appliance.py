@@ -41,18 +41,22 @@ from gateway.fsutil import atomic_write
 
 
 def addresses_path(paths: Paths) -> Path:
+    """Where the running appliance keeps its public addresses (the tunnel URL, public URLs)."""
     return paths.appliance_addresses
 
 
 def lock_path(paths: Paths) -> Path:
+    """The lock one running appliance per home holds."""
     return paths.appliance_lock
 
 
 def run_path(paths: Paths) -> Path:
+    """Where the running appliance says what it runs (pids, ports, started)."""
     return paths.appliance_run
 
 
 def iso(ts: float) -> str:
+    """``ts`` (seconds since the epoch) as an ISO 8601 UTC timestamp."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
@@ -92,6 +96,7 @@ def normalize_public_url(value: str, *, default_port: int | None = None) -> str:
 
 
 def load_addresses(paths: Paths) -> dict[str, Any]:
+    """The appliance's recorded addresses; none when it never recorded any."""
     p = addresses_path(paths)
     try:
         data = json.loads(p.read_text())
@@ -145,12 +150,14 @@ def public_urls(paths: Paths, cfg: GatewayConfig) -> list[str]:
 
 
 def tunnel_url(paths: Paths) -> str | None:
+    """The current tunnel's public URL, if a tunnel is up."""
     t = load_addresses(paths)["tunnel"]
     url = t.get("url") if t else None
     return url if isinstance(url, str) else None
 
 
 def local_urls(port: int) -> list[str]:
+    """The loopback URLs of the mTLS listener on ``port`` (one endpoint: localhost and 127.0.0.1)."""
     return [f"https://localhost:{port}", f"https://127.0.0.1:{port}"]
 
 
@@ -228,6 +235,7 @@ class ApplianceLock:
 
 
 def read_run(paths: Paths) -> dict[str, Any] | None:
+    """What the running appliance recorded about itself, or None."""
     try:
         data = json.loads(run_path(paths).read_text())
     except (OSError, ValueError):
@@ -267,6 +275,8 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
 
 
 def port_error(host: str, port: int, what: str, flag: str, exc: OSError) -> UompError:
+    """The error for a listener that could not bind: in use (PORT_IN_USE, with how to find the
+    user) or another OS error."""
     if exc.errno == errno.EADDRINUSE:
         return UompError(
             ErrorCode.PORT_IN_USE,

@@ -32,6 +32,8 @@ MAX_BUNDLE_BYTES = 256 * 1024
 
 @dataclass(frozen=True)
 class AgentBundle:
+    """What an authorized remote agent holds: its ids, the gateway URL, its tokens and certificate files."""
+
     agent_id: str
     session_id: str
     gateway_url: str
@@ -62,10 +64,12 @@ class AgentBundle:
 
 
 def write_bundle(path: Path, bundle: AgentBundle) -> None:
+    """Writes the bundle atomically, readable by its owner only (it holds live tokens)."""
     atomic_write(Path(path), bundle.to_json(), mode=0o600)
 
 
 def load_bundle(path: Path) -> AgentBundle:
+    """The bundle at ``path``, refused unless only its owner can read it."""
     p = Path(path)
     try:
         if p.stat().st_mode & 0o077:

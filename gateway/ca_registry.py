@@ -36,6 +36,7 @@ REGISTRY_BUSY_TIMEOUT_SECONDS = 10.0
 
 
 def registry_path(paths: Paths) -> Path:
+    """The certificate registry: every certificate the CA issued, and which are revoked."""
     return paths.ca_registry
 
 
@@ -46,6 +47,7 @@ def legacy_registry_path(paths: Paths) -> Path:
 
 @contextlib.contextmanager
 def locked(paths: Paths) -> Iterator[None]:
+    """The CA lock for one change of CA state at a time (migrating a legacy registry first)."""
     ensure_private_dir(paths.ca_dir, "CA directory")
     fd = os.open(paths.ca_lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -80,10 +82,12 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 
 
 def ts(value: dt.datetime) -> str:
+    """``value`` as an ISO 8601 UTC timestamp."""
     return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_ts(value: Any) -> dt.datetime:
+    """An ISO 8601 timestamp with a time zone; ValueError for anything else."""
     if not isinstance(value, str):
         raise ValueError("timestamp is not a string")
     parsed = dt.datetime.fromisoformat(value)
@@ -93,15 +97,19 @@ def parse_ts(value: Any) -> dt.datetime:
 
 
 def epoch(value: dt.datetime) -> int:
+    """``value`` in whole seconds since the epoch."""
     return int(value.timestamp())
 
 
 def from_epoch(value: int) -> dt.datetime:
+    """Seconds since the epoch as an aware UTC datetime."""
     return dt.datetime.fromtimestamp(value, dt.UTC)
 
 
 @dataclass
 class Entry:
+    """One issued certificate in the registry: serial, agent, validity and revocation."""
+
     serial: str
     agent_id: str
     not_before: int
@@ -238,6 +246,7 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def missing_registry(path: Path) -> UompError:
+    """CA_ERROR for a lost registry: restore it, never replace it (a new one would un-revoke every certificate)."""
     return UompError(
         ErrorCode.CA_ERROR,
         f"the certificate registry {path} (every certificate your CA issued and "

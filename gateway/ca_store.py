@@ -27,12 +27,16 @@ Every write is atomic (:func:`gateway.fsutil.atomic_write`, SQLite transactions)
 committed before the CRL is written: the registry is the truth, and :func:`refresh_crl` rebuilds a
 CRL that disagrees with it. Before a CA file is trusted, the data directory and ``ca/`` must be the
 user's and not group/other-writable (UNSAFE_PERMISSIONS otherwise).
+
+Longer than ~500 lines on purpose: every change of the CA's files (init, issue, renew, revoke, the
+CRL) runs under the same lock and the same atomic-write rules.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,22 +44,18 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from gateway.ca_registry import (  # noqa: F401  (registry names importable from here as before)
-    CRL_KEEP_AFTER_EXPIRY,
-    REGISTRY_BUSY_TIMEOUT_SECONDS,
-    REGISTRY_RETENTION,
+from gateway.atrest import vault
+from gateway.ca_registry import (
     Entry,
     Registry,
     epoch,
     from_epoch,
     legacy_registry_path,
     locked,
-    parse_ts,
     registry,
     registry_path,
     ts,
 )
-from gateway.ca_registry import locked as _locked  # noqa: F401  (the old private name, used by tests)
 from gateway.config import Paths
 from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError
@@ -109,8 +109,13 @@ def _read(path: Path, code: ErrorCode, what: str) -> bytes:
         raise UompError(code, f"cannot read {what} {path}: {exc.strerror}") from exc
 
 
-def _load_key_file(path: Path, what: str) -> ca.CAPrivateKey:
-    data = _read(path, ErrorCode.KEY_ERROR, what)
+def load_key_file(path: Path, what: str) -> ca.CAPrivateKey:
+    try:
+        data = vault.read_key(path)  # sealed in a sealed home (gateway/atrest/vault.py)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise UompError(ErrorCode.KEY_ERROR, f"cannot read {what} {path}: {exc.strerror}") from exc
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
         raise UompError(ErrorCode.KEY_ERROR, f"{path} is readable by others (mode {mode:o}); chmod 600 it")
@@ -144,7 +149,7 @@ def load_ca(paths: Paths) -> tuple[ca.CAPrivateKey, x509.Certificate]:
     if not kp.exists() and not cp.exists():
         raise UompError(ErrorCode.CA_ERROR, f"no CA in {paths.ca_dir}; run 'uomp ca init' (or 'uomp init')")
     try:
-        key = _load_key_file(kp, "CA key")
+        key = load_key_file(kp, "CA key")
     except FileNotFoundError as exc:
         raise UompError(ErrorCode.KEY_ERROR, f"{kp} is missing but {cp} exists; {_RESTORE_KEY}") from exc
     try:
@@ -225,6 +230,63 @@ def refresh_crl(
     return True
 
 
+# How often a CrlWatch runs the whole check although none of its files changed: the CRL's
+# nextUpdate comes nearer with no file changing (it is re-signed CRL_REFRESH_BEFORE, days, ahead).
+CRL_RECHECK_SECONDS = 3600.0
+
+
+class CrlWatch:
+    """:func:`refresh_crl` for a watcher that asks every few seconds (the gateway's TLS watch).
+
+    The check opens the registry (SQLite), reads the CA certificate and parses and verifies the
+    CRL; here it runs only when a file it reads changed since the last check (mtime, size and
+    inode of the CA certificate, the CRL, the registry, its WAL and the legacy registry), when
+    ``recheck_seconds`` of wall time have passed (or the clock went back), or when the last check
+    failed or re-signed. A revocation commits to the registry, which changes it: the next call
+    re-signs a CRL that is behind it, as :func:`refresh_crl` does. The files' stamps are taken
+    before the check, so a change during it is seen by the next call. Not thread-safe: one
+    watcher calls it."""
+
+    def __init__(self, paths: Paths, *, recheck_seconds: float = CRL_RECHECK_SECONDS) -> None:
+        self.paths = paths
+        self.recheck_seconds = recheck_seconds
+        self.checks = 0  # whole checks run (diagnostics and tests)
+        self._stamp: tuple[tuple[int, int, int] | None, ...] | None = None
+        self._checked_at = 0.0
+
+    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+        reg = registry_path(self.paths)
+        files = (
+            ca_cert_path(self.paths),
+            crl_path(self.paths),
+            reg,
+            reg.with_name(reg.name + "-wal"),
+            legacy_registry_path(self.paths),
+        )
+        out: list[tuple[int, int, int] | None] = []
+        for f in files:
+            try:
+                st = f.stat()
+            except OSError:
+                out.append(None)
+                continue
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def tick(self, now: float | None = None) -> bool:
+        """Re-sign the CRL if it is due (see :func:`refresh_crl`); True when re-signed."""
+        t = time.time() if now is None else now
+        stamp = self._stamps()
+        if stamp == self._stamp and self._checked_at <= t < self._checked_at + self.recheck_seconds:
+            return False
+        self._stamp = None  # until this check has run to its end
+        self.checks += 1
+        resigned = refresh_crl(self.paths)
+        self._checked_at = t
+        self._stamp = None if resigned else stamp  # a new CRL file: its own stamp is taken next time
+        return resigned
+
+
 # ------------------------------------------------------------------------------------ init
 
 
@@ -249,10 +311,10 @@ def _ensure_server_cert(
             return False
         names = sorted(have | wanted)
     if kp.exists():
-        server_key = _load_key_file(kp, "gateway key")
+        server_key = load_key_file(kp, "gateway key")
     else:
         server_key = ca.new_key("p256")
-        atomic_write(kp, ca.key_pem(server_key), mode=0o600)
+        vault.write_key(kp, ca.key_pem(server_key))
     server_cert = ca.issue_server_cert(key, cert, server_key.public_key(), names, now=now)
     atomic_write(cp, ca.cert_pem(server_cert), mode=0o644)
     return True
@@ -275,7 +337,7 @@ def init_all(
         created = False
         if kp.exists():
             if not cp.exists():
-                key = _load_key_file(kp, "CA key")
+                key = load_key_file(kp, "CA key")
                 _, remade = ca.create_ca(key, now=now)
                 atomic_write(cp, ca.cert_pem(remade), mode=0o644)
             key, cert = load_ca(paths)
@@ -288,7 +350,7 @@ def init_all(
             # re-makes; never a CA without its registry, which only a deletion makes.
             with registry(paths, write=True, create=True):
                 pass
-            atomic_write(kp, ca.key_pem(key), mode=0o600)
+            vault.write_key(kp, ca.key_pem(key))
             atomic_write(cp, ca.cert_pem(cert), mode=0o644)
             created = True
         server = _ensure_server_cert(paths, key, cert, hostnames, now)
@@ -416,7 +478,7 @@ def _reusable(
         current = ca.load_cert(cf.read_bytes())
     except (OSError, UompError):
         return None
-    agent_key = _load_key_file(kf, "agent key")
+    agent_key = load_key_file(kf, "agent key")
     spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     if (
         not ca.is_issued_by(current, load_ca_cert(paths))
@@ -473,7 +535,7 @@ def issue_with_key(
     if new_key:
         agent_key = ca.new_key(key_type)
     else:
-        agent_key = _load_key_file(kf, "agent key")
+        agent_key = load_key_file(kf, "agent key")
     cert = _issue(paths, agent_id, agent_key.public_key(), lifetime, now)
     if new_key:
         atomic_write(kf, ca.key_pem(agent_key), mode=0o600)

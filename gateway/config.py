@@ -3,6 +3,9 @@
 Precedence, lowest first: the defaults below, ``$UOMP_HOME/config.toml`` (or ``--config``), the
 environment (``UOMP_GUARD_<FIELD>``, ``UOMP_GATEWAY_<FIELD>``), command-line flags. Every limit is
 named, with its unit in the name.
+
+Longer than ~500 lines on purpose: every setting is named here and nowhere else, with its unit and
+default.
 """
 
 from __future__ import annotations
@@ -21,8 +24,26 @@ from gateway.errors import ErrorCode, UompError
 DEFAULT_HOME = "~/.uomp"
 LOCAL_PORT = 9374
 
+# The words a boolean setting or switch may be spelled with (case and surrounding blanks ignored).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_bool(value: str) -> bool | None:
+    """``True``/``False`` for one of :data:`TRUE_WORDS`/:data:`FALSE_WORDS`, ``None`` for anything else."""
+    word = value.strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
+
+
+def switch_on(name: str) -> bool:
+    """A speed switch of the environment (``UOMP_UVLOOP``, ``UOMP_ORJSON``, ``UOMP_SESSION_CACHE``):
+    on unless set to one of :data:`FALSE_WORDS`. Each only changes speed, never behaviour, so a value
+    that is not a boolean word leaves it on rather than stopping a server at import."""
+    return parse_bool(os.environ.get(name, "1")) is not False
+
 
 def resolve_home(cli_home: str | None = None) -> Path:
+    """The data directory: ``--home``, else ``$UOMP_HOME``, else ``~/.uomp``, resolved."""
     raw = cli_home or os.environ.get("UOMP_HOME") or DEFAULT_HOME
     return Path(raw).expanduser().resolve()
 
@@ -63,6 +84,11 @@ class Paths:
         return self.home / "memory.db"
 
     @property
+    def memory_db_convert(self) -> Path:
+        """memory.db being encrypted or decrypted (gateway/atrest/memdb.py), renamed over it when done."""
+        return self.home / "memory.db.convert"
+
+    @property
     def auth_db(self) -> Path:
         return self.home / "auth.db"
 
@@ -74,6 +100,11 @@ class Paths:
     def reads_db(self) -> Path:
         """The guard's state about agents' reads: cursor key, per-session aggregate history."""
         return self.home / "reads.db"
+
+    @property
+    def enroll_db(self) -> Path:
+        """One-time enrollment codes and agents' enrollment requests (gateway/enrollment.py)."""
+        return self.home / "enroll.db"
 
     @property
     def guard_sock(self) -> Path:
@@ -115,6 +146,11 @@ class Paths:
         return self.home / "agents"
 
     @property
+    def memtrace_dir(self) -> Path:
+        """Memory-trace snapshots of a run with ``UOMP_TRACEMALLOC=1`` (gateway/memtrace.py)."""
+        return self.home / "memtrace"
+
+    @property
     def payload_dir(self) -> Path:
         """Sealed payloads the gateway relays (ciphertext only), see gateway/payloads/store.py."""
         return self.home / "payloads"
@@ -145,8 +181,52 @@ class Paths:
         return self.home / "trust.json"
 
     @property
+    def registries_file(self) -> Path:
+        """The agent registries the user added (``uomp registry add``), see gateway/registry/store.py."""
+        return self.home / "registries.json"
+
+    @property
+    def registry_cache_dir(self) -> Path:
+        """What ``uomp registry search`` indexed of each registry (events and registration files)."""
+        return self.home / "registry-cache"
+
+    @property
+    def registry_installs_dir(self) -> Path:
+        """What ``uomp registry install`` verified, one record per installed uom.json (by its keccak-256):
+        ``uomp authorize`` shows a listing only from here, never from a file beside the manifest."""
+        return self.home / "registry-installs"
+
+    @property
+    def registry_reports(self) -> Path:
+        """Abnormal sessions already reported to a Reputation Registry (``uomp registry report``)."""
+        return self.home / "registry-reports.json"
+
+    @property
     def trust_lock(self) -> Path:
         return self.home / ".trust.lock"
+
+    @property
+    def master_slot(self) -> Path:
+        """The sealed master key that protects the private keys at rest (0600), see gateway/atrest/vault.py."""
+        return self.secrets / "master.json"
+
+    @property
+    def backup_stage(self) -> Path:
+        """Database snapshots of a backup being written (gateway/atrest/backup.py), removed when done."""
+        return self.home / ".backup-stage"
+
+    @property
+    def atrest_lock(self) -> Path:
+        return self.secrets / ".atrest.lock"
+
+    @property
+    def atrest_journal(self) -> Path:
+        """A committed seal / unseal, rolled forward by the next process that opens the home."""
+        return self.secrets / ".atrest-journal"
+
+    def atrest_stage(self, tag: str) -> Path:
+        """A seal / unseal being prepared (not committed: removed by the next process)."""
+        return self.secrets / f".atrest-stage-{tag}"
 
     @property
     def revoked_keys(self) -> Path:
@@ -266,6 +346,9 @@ class GuardConfig:
     tcp_port: int = LOCAL_PORT
     serve_tcp: bool = True
     allow_non_loopback: bool = False
+    # The Memory Store implementation, by name (gateway/guard/stores.py MEMORY_STORES; an unknown
+    # name is refused when the guard opens it): "sqlite" is memory.db under $UOMP_HOME.
+    store: str = "sqlite"
     token_lifetime_seconds: int = 30 * 60
     remote_token_lifetime_seconds: int = 10 * 60
     refresh_lifetime_seconds: int = 7 * 24 * 3600
@@ -342,6 +425,53 @@ class AnchorConfig:
             )
         if self.confirmations < 1 or self.poll_seconds <= 0 or self.backoff_max_seconds <= 0:
             raise UompError(ErrorCode.CONFIG_ERROR, "anchor.confirmations must be >= 1 and the intervals > 0")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Agent registries (``[registry]``, ``UOMP_REGISTRY_*``; docs/registry.md): the bounds of every
+    chain call and every fetch of a registration file, manifest or DID document.
+
+    Fetches are https only, to public addresses only; ``allow_internal`` lets them reach loopback
+    and private addresses (and plain http on loopback), for a registry you run yourself."""
+
+    fetch_max_bytes: int = 256 * 1024  # one registration file / uom.json / DID document
+    fetch_timeout_seconds: float = 10.0  # one whole fetch, connect to last byte, redirects included
+    fetch_max_redirects: int = 3
+    rpc_timeout_seconds: float = 10.0  # one JSON-RPC call to the registry's chain
+    log_block_range: int = 10_000  # blocks per eth_getLogs call while indexing Registered events
+    search_max_fetches: int = 200  # registration files fetched by one search (the rest on the next)
+    ca_file: str = ""  # extra CA certificates (PEM) for https fetches; "" = the system's
+    allow_internal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fetch_max_bytes < 1024 or self.fetch_timeout_seconds <= 0 or self.rpc_timeout_seconds <= 0:
+            raise UompError(ErrorCode.CONFIG_ERROR, "registry: fetch_max_bytes >= 1024 and the timeouts > 0")
+        if not 0 <= self.fetch_max_redirects <= 10 or self.log_block_range < 1 or self.search_max_fetches < 0:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR,
+                "registry: fetch_max_redirects 0-10, log_block_range >= 1, search_max_fetches >= 0",
+            )
+
+
+PUBLISHER_METHODS = ("did:key", "did:web", "x509", "gpg")
+
+
+@dataclass(frozen=True)
+class TrustConfig:
+    """Publisher policy (``[trust]``, ``UOMP_TRUST_*``; spec §16.4, docs/registry.md).
+
+    ``require``: when not empty, ``uomp authorize`` grants only to agents whose publisher verified by
+    one of these methods against the trust list; every other agent gets no session and no token."""
+
+    require: list[str] = field(default_factory=list)  # of did:key, did:web, x509, gpg
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.require if m not in PUBLISHER_METHODS]
+        if bad:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"trust.require: {bad[0]!r} is not one of {', '.join(PUBLISHER_METHODS)}"
+            )
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1")
@@ -424,7 +554,7 @@ class GatewayConfig:
     # are still checked on every request against the live CRL (gateway/remote/tls.py).
     tls_session_tickets: int = 1
     # SO_REUSEPORT on the mTLS listener: lets a second gateway process (its own home copy, the same
-    # guard as upstream) share the port. Off: one gateway process (benchmarks/README.md, issue 13:
+    # guard as upstream) share the port. Off: one gateway process (benchmarks/README.md, bench_levers:
     # a second worker does not pay on 2 cores, and quota, DPoP replay cache and status cache would
     # have to be shared first).
     listen_reuse_port: bool = False
@@ -462,6 +592,13 @@ class GatewayConfig:
     renew_window_fraction: float = 1 / 3
     renew_max_per_agent: int = 12
     renew_rate_window_seconds: int = 3600
+    # Enrollment (POST /v1/enroll, docs/enrollment.md): at most enroll_max_failures_per_source
+    # refused attempts (a code that does not open a request, a malformed request, a wrong poll
+    # secret) per client address, and enroll_max_failures in all, per enroll_failure_window_seconds;
+    # beyond them every attempt is refused (RATE_LIMITED) before any code is looked at.
+    enroll_max_failures_per_source: int = 10
+    enroll_max_failures: int = 100
+    enroll_failure_window_seconds: float = 600.0
     access_log_segment_bytes: int = 64 * 1024 * 1024  # access.jsonl is closed into a segment beyond this
     access_log_max_total_bytes: int = 4 * 1024 * 1024 * 1024  # kept segments + active file, oldest go first
     access_log_retention_days: float = 90.0  # closed segments older than this go (index lines stay)
@@ -545,9 +682,10 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
         if typ is bool:
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return value.lower() in ("1", "true", "yes", "on")
-            raise ValueError
+            word = parse_bool(value) if isinstance(value, str) else None
+            if word is None:
+                raise ValueError
+            return word
         if typ is int:
             if isinstance(value, bool):
                 raise ValueError
@@ -561,6 +699,38 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise UompError(ErrorCode.CONFIG_ERROR, f"{name} has the wrong type (want {typ.__name__})") from exc
     raise UompError(ErrorCode.CONFIG_ERROR, f"{name}: unsupported type")
+
+
+_SWITCH_ON = ("1", "true", "yes", "on")
+_SWITCH_OFF = ("0", "false", "no", "off", "")
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment switch (``1/true/yes/on``, ``0/false/no/off``); anything else is a
+    CONFIG_ERROR naming the variable, so a mistyped value never silently picks a side."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _SWITCH_ON:
+        return True
+    if value in _SWITCH_OFF:
+        return False
+    raise UompError(ErrorCode.CONFIG_ERROR, f"{name}={raw!r} is not a switch; set it to 1 or 0")
+
+
+def env_seconds(name: str, default: float, *, minimum: float = 0.0, maximum: float = 86400.0) -> float:
+    """A bounded number of seconds from the environment; out of range or not a number: CONFIG_ERROR."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not minimum <= value <= maximum:
+        raise UompError(ErrorCode.CONFIG_ERROR, f"{name}={raw!r} must be seconds between {minimum:g} and {maximum:g}")
+    return value
 
 
 def _read_toml(path: Path | None) -> dict[str, Any]:
@@ -636,4 +806,6 @@ CONFIG_SECTIONS: dict[str, Any] = {
     "tunnel": TunnelSettings,
     "anchor": AnchorConfig,
     "dashboard": DashboardConfig,
+    "registry": RegistryConfig,
+    "trust": TrustConfig,
 }

@@ -13,8 +13,8 @@ The verified-identity headers (gateway -> guard)
                     request whose ``Authorization`` token hashes differently, so the two sides can
                     never act on different tokens.
 
-    Audit only (one log, issue 10: the guard writes the one event of a forwarded request and puts
-    these in it; they decide nothing):
+    Audit only (one log: the guard writes the one event of a forwarded request and puts these in
+    it; they decide nothing):
     ``Listener``    the gateway listener the request arrived on (``mtls`` or ``tunnel``);
     ``Client``      the client's address as the gateway saw it;
     ``Cert-Serial`` the serial (hex) of the client certificate (mTLS listener);
@@ -135,8 +135,43 @@ def header_problem(raw_headers: Iterable[tuple[bytes, bytes]], *, verified_allow
 def event_id_time(now: float | None = None) -> str:
     """The time part of an event id, guard's (``log_``) and gateway's (``gw_``) alike: 12 hex digits
     of the time in milliseconds, so the ids of one moment sit side by side in the log's ``id`` index
-    (issue 13: a random id cost each event its own index page). The random part follows it."""
+    (a random id would cost each event its own index page). The random part follows it."""
     return f"{int((time.time() if now is None else now) * 1000) & 0xFFFF_FFFF_FFFF:012x}"
+
+
+def assertion_headers(
+    *,
+    token: str,
+    agent_id: str,
+    listener: str,
+    via: str,
+    client: str | None = None,
+    serial: str | None = None,
+    x5t: str | None = None,
+    jkt: str | None = None,
+    digest: str | None = None,
+) -> dict[str, str]:
+    """The headers the gateway forwards a verified request with, the request id aside (it changes per
+    request; the rest is the same for every request of a connection with one token): the token, the
+    agent header, the assertion (agent, via, token digest, the thumbprints the client proved) and the
+    audit-only fields. ``digest`` is :func:`token_digest` of ``token`` when the caller has it."""
+    headers = {
+        "Authorization": f"Bearer {token}",
+        AGENT_HEADER: agent_id,
+        VERIFIED_AGENT_HEADER: agent_id,
+        VERIFIED_VIA_HEADER: via,
+        VERIFIED_TOKEN_HEADER: digest or token_digest(token),
+        VERIFIED_LISTENER_HEADER: listener,  # audit only, like the client and the serial
+    }
+    if client:
+        headers[VERIFIED_CLIENT_HEADER] = client
+    if serial is not None:
+        headers[VERIFIED_SERIAL_HEADER] = serial
+    if x5t is not None:
+        headers[VERIFIED_X5T_HEADER] = x5t
+    if jkt is not None:
+        headers[VERIFIED_JKT_HEADER] = jkt
+    return headers
 
 
 def token_digest(token: str) -> str:

@@ -221,9 +221,9 @@ class DbWorker:
         :data:`HANDOVER_JOBS` of them are done, or the oldest has waited :data:`HANDOVER_SECONDS`
         (checked between jobs), and then reach each loop in one callback. One hand-over per job
         cost the guard about a third of its CPU per read under load: each woke the event loop, which
-        then fought this thread for the GIL on every SQLite call of the next job (issue 13: 3.5-6.7
-        context switches per request before, about 1.3 after; ``benchmarks/bench_guard_cpu.py``).
-        A lone job (no load) is handed over at once, as before."""
+        then fought this thread for the GIL on every SQLite call of the next job (3.5-6.7 context
+        switches per request, against about 1.3 in batches; ``benchmarks/bench_guard_cpu.py``).
+        A lone job (no load) is handed over at once."""
         q = self._queue
         done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]] = []
         oldest = 0.0

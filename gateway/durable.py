@@ -11,7 +11,7 @@ or raises having made none of it durable (rolled back). Around that it provides:
   so under load one fsync covers many requests. A batch starts only when someone waits for it.
 * **one outcome per batch**: a failed batch raises its error (``STORE_UNAVAILABLE``) in every
   waiter of that batch, once; a later flush with nothing pending returns at once, and the next
-  batch is tried afresh, so the writer stays usable (issue 7: the old audit writer hung forever).
+  batch is tried afresh, so the writer stays usable (a failed batch never wedges it).
   The log's ``on_failed(batch, exc)`` runs on the writer thread *before* the waiters are woken,
   so the log can count the lost records as the refusals their clients are about to get.
 * **a bound**: at most ``max_pending`` records / ``max_pending_bytes`` bytes wait; beyond that

@@ -46,11 +46,19 @@ class ErrorCode(StrEnum):
     UPSTREAM_TIMEOUT = "UPSTREAM_TIMEOUT"
     CONFIG_ERROR = "CONFIG_ERROR"
     KEY_ERROR = "KEY_ERROR"  # a key file is missing, unreadable or malformed
+    SECRETS_LOCKED = "SECRETS_LOCKED"  # the keys are sealed and no passphrase (or keychain) unlocked them
+    PASSPHRASE_WRONG = "PASSPHRASE_WRONG"  # the passphrase does not open this home's sealed master key
+    BACKUP_INVALID = "BACKUP_INVALID"  # a backup file that is damaged, truncated or not a UOMP backup
+    HOME_NOT_EMPTY = "HOME_NOT_EMPTY"  # a restore onto a data directory that already holds files
     IMPORT_INVALID = "IMPORT_INVALID"
     MANIFEST_INVALID = "MANIFEST_INVALID"
     CA_ERROR = "CA_ERROR"
     RENEWAL_TOO_EARLY = "RENEWAL_TOO_EARLY"  # certificate renewal before the last part of the certificate's life
-    RATE_LIMITED = "RATE_LIMITED"  # too many certificate renewals for one agent in the configured window
+    RATE_LIMITED = "RATE_LIMITED"  # too many renewals for one agent, or DPoP proofs from one key, in a window
+    ENROLL_CODE_INVALID = (
+        "ENROLL_CODE_INVALID"  # an enrollment code that is wrong, used, expired or for another manifest
+    )
+    ENROLL_DENIED = "ENROLL_DENIED"  # the user denied the enrollment request, or let it expire
     UNSAFE_PERMISSIONS = "UNSAFE_PERMISSIONS"  # data directory owned by someone else or group/other-writable
     NOT_INITIALISED = "NOT_INITIALISED"  # the data directory was never set up by `uomp init`
     ANCHOR_UNAVAILABLE = "ANCHOR_UNAVAILABLE"  # chain RPC unreachable, timed out or not final yet: retry later
@@ -63,6 +71,8 @@ class ErrorCode(StrEnum):
     AUDIT_LOG_INCONSISTENT = "AUDIT_LOG_INCONSISTENT"
     AUDIT_LOG_DAMAGED = "AUDIT_LOG_DAMAGED"  # the audit log fails its own checks (edited, deleted, unreadable)
     INTERNAL = "INTERNAL"
+    # an aggregate of amounts in more than one currency (docs/aggregates.md "Currencies")
+    AGGREGATE_MIXED_CURRENCY = "AGGREGATE_MIXED_CURRENCY"
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     PAYLOAD_HASH_MISMATCH = "PAYLOAD_HASH_MISMATCH"  # the ciphertext received is not what the envelope's hash names
     PAYLOAD_SIZE_MISMATCH = "PAYLOAD_SIZE_MISMATCH"  # the ciphertext received is not as long as the envelope's size
@@ -78,6 +88,12 @@ class ErrorCode(StrEnum):
     IO_ERROR = "IO_ERROR"  # a file could not be read or written
     USAGE = "USAGE"  # bad command-line arguments
     TUNNEL_ERROR = "TUNNEL_ERROR"  # the tunnel cannot be set up as configured
+    # agent registries (gateway/registry/, `uomp registry`)
+    REGISTRY_UNKNOWN = "REGISTRY_UNKNOWN"  # no registry of that id is configured (uomp registry add)
+    REGISTRY_UNAVAILABLE = "REGISTRY_UNAVAILABLE"  # the registry's chain is unreachable or answers nonsense
+    FETCH_FAILED = "FETCH_FAILED"  # a registration file, manifest or DID document could not be fetched within the rules
+    REGISTRATION_INVALID = "REGISTRATION_INVALID"  # a registration file that is malformed or names another agent
+    CONTENT_HASH_MISMATCH = "CONTENT_HASH_MISMATCH"  # fetched bytes are not those whose hash the registry records
     # gateway replicas (gateway/remote/shared_state.py)
     SHARED_STATE_UNAVAILABLE = "SHARED_STATE_UNAVAILABLE"  # Redis unreachable: DPoP proofs are refused (fail closed)
 
@@ -112,11 +128,17 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UPSTREAM_TIMEOUT: 504,
     ErrorCode.CONFIG_ERROR: 500,
     ErrorCode.KEY_ERROR: 500,
+    ErrorCode.SECRETS_LOCKED: 503,
+    ErrorCode.PASSPHRASE_WRONG: 401,
+    ErrorCode.BACKUP_INVALID: 400,
+    ErrorCode.HOME_NOT_EMPTY: 409,
     ErrorCode.IMPORT_INVALID: 400,
     ErrorCode.MANIFEST_INVALID: 400,
     ErrorCode.CA_ERROR: 400,
     ErrorCode.RENEWAL_TOO_EARLY: 409,
     ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.ENROLL_CODE_INVALID: 403,
+    ErrorCode.ENROLL_DENIED: 403,
     ErrorCode.UNSAFE_PERMISSIONS: 500,
     ErrorCode.NOT_INITIALISED: 500,
     ErrorCode.ANCHOR_UNAVAILABLE: 503,
@@ -128,6 +150,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.AUDIT_LOG_INCONSISTENT: 503,
     ErrorCode.AUDIT_LOG_DAMAGED: 503,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.AGGREGATE_MIXED_CURRENCY: 400,
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     ErrorCode.PAYLOAD_HASH_MISMATCH: 400,
     ErrorCode.PAYLOAD_SIZE_MISMATCH: 400,
@@ -141,6 +164,11 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.PORT_IN_USE: 500,
     ErrorCode.HOME_UNWRITABLE: 500,
     ErrorCode.IO_ERROR: 500,
+    ErrorCode.REGISTRY_UNKNOWN: 404,
+    ErrorCode.REGISTRY_UNAVAILABLE: 503,
+    ErrorCode.FETCH_FAILED: 502,
+    ErrorCode.REGISTRATION_INVALID: 422,
+    ErrorCode.CONTENT_HASH_MISMATCH: 409,
     ErrorCode.USAGE: 400,
     ErrorCode.TUNNEL_ERROR: 500,
 }

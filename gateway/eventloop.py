@@ -8,17 +8,17 @@ switch changes speed, not behaviour. ``uomp doctor`` says which loop the servers
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-T = TypeVar("T")
+from gateway.config import switch_on
 
-_OFF = ("0", "false", "no", "off")
+T = TypeVar("T")
 
 
 def uvloop_wanted() -> bool:
-    return os.environ.get("UOMP_UVLOOP", "1").strip().lower() not in _OFF
+    """``UOMP_UVLOOP`` is not switched off (:func:`gateway.config.switch_on`)."""
+    return switch_on("UOMP_UVLOOP")
 
 
 def describe() -> str:

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from typing import Any
+
+from gateway.config import switch_on
 
 try:  # an optional speed-up: everything works without it
     import orjson as _orjson
 except ImportError:  # pragma: no cover - the dependency is declared
     _orjson = None  # type: ignore[assignment]
 
-ENABLED = _orjson is not None and os.environ.get("UOMP_ORJSON", "1") not in ("0", "false", "no", "off")
+ENABLED = _orjson is not None and switch_on("UOMP_ORJSON")
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 _LONG_DIGITS_STR = re.compile(r"[0-9]{19}")
@@ -59,7 +60,7 @@ def loads(data: str | bytes | bytearray | memoryview) -> Any:
             if pattern.search(data) is None:  # type: ignore[arg-type]
                 return _orjson.loads(data)
         except (_orjson.JSONDecodeError, TypeError):
-            pass  # the standard library decides: same answer or same refusal as before
+            pass  # the standard library decides: its answer or its refusal
     if isinstance(data, memoryview):
         data = bytes(data)
     return json.loads(data)
@@ -85,7 +86,7 @@ def dumps(obj: Any) -> bytes:
         try:
             out: bytes = _orjson.dumps(obj, option=_OPTS)
         except TypeError:
-            pass  # the standard library encodes it (big int, int keys) or refuses it as before
+            pass  # the standard library encodes it (big int, int keys) or refuses it
         else:
             if b"null" not in out or not _non_finite(obj):
                 return out

@@ -36,6 +36,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from gateway.atrest import vault
 from gateway.config import Paths
 from gateway.core import jose
 from gateway.errors import ErrorCode, UompError
@@ -72,6 +73,20 @@ def _new_kid() -> str:
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise UompError(
+            ErrorCode.KEY_ERROR,
+            f"{path} exists but cannot be read as JSON ({type(exc).__name__}); "
+            "fix or restore it: keys are never regenerated silently",
+        ) from exc
+
+
+def _read_private_json(path: Path) -> Any:
+    """A private key file as JSON, opened first when its home is sealed (gateway/atrest/vault.py)."""
+    try:
+        return json.loads(vault.read_key(path))
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as exc:
@@ -123,7 +138,7 @@ def _install(paths: Paths, key: ed25519.Ed25519PrivateKey, kid: str, previous: l
     # Order matters for a crash: the JWKS (what verifiers trust) first, then the private key, so a
     # crash in between leaves an extra trusted key, never a signing key nobody trusts.
     _write_jwks(paths, [pub, *previous])
-    atomic_write(paths.private_jwk, _dump(jose.private_jwk(key, kid=kid)), mode=0o600)
+    vault.write_key(paths.private_jwk, _dump(jose.private_jwk(key, kid=kid)))
     atomic_write(paths.public_jwk, _dump(pub), mode=0o644)
 
 
@@ -138,7 +153,7 @@ def load_signing_key(paths: Paths) -> SigningKey:
             ErrorCode.KEY_ERROR,
             f"{paths.private_jwk} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it",
         )
-    jwk = _read_json(paths.private_jwk)
+    jwk = _read_private_json(paths.private_jwk)
     try:
         key = jose.load_private_jwk(jwk)
     except ValueError as exc:

@@ -15,6 +15,7 @@ from gateway.errors import ErrorCode, UompError
 
 
 def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address."""
     if host == "localhost":
         return True
     try:
@@ -24,6 +25,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, allow_non_loopback: bool, what: str) -> None:
+    """CONFIG_ERROR for a listener on a non-loopback host unless it was explicitly allowed."""
     if not is_loopback(host) and not allow_non_loopback:
         raise UompError(
             ErrorCode.CONFIG_ERROR,

@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints (issue 14).
+"""The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints.
 
 :func:`document` builds it; ``docs/openapi.json`` is its committed rendering and the guard serves it
 at ``GET /v1/openapi.json`` on both local listeners (:func:`serve`). ``tests/e2e/test_openapi.py``
@@ -18,6 +18,9 @@ What the document promises, and the tests hold the running apps to:
 
 The wire names are the TypeScript reference's where we are compatible with it (snake_case
 ``session_id``, ``expires_at``, ``token``, ``token_type``; the §11.1 item; the §8.4 error).
+
+Longer than ~500 lines on purpose: one document, written as data, one operation per endpoint;
+splitting it would only scatter the schemas the operations share.
 """
 
 from __future__ import annotations
@@ -155,8 +158,11 @@ SCHEMAS: dict[str, Any] = {
             "data_retention_policy": {"type": "object"},
             "deletion_proof_id": STR,
             "status_reason": STR,
+            "abnormal": {"type": "boolean"},
+            "abnormal_reason": STR,
         },
-        "§13.2: the user's view of a session (never token material)",
+        "§13.2: the user's view of a session (never token material); abnormal (§19.5): ended without the "
+        "deletion proof its agent owed",
     ),
     "SessionList": _closed(["sessions"], {"sessions": {"type": "array", "items": _ref("Session")}}),
     "SessionEnded": _closed(["session_id", "status"], {"session_id": STR, "status": {"enum": ["closed", "revoked"]}}),
@@ -365,6 +371,12 @@ def _op(
     return op
 
 
+def _either(op: dict[str, Any]) -> dict[str, Any]:
+    """An operation that takes an agent token or the admin credential."""
+    op["security"] = [{"token": []}, {"admin": []}]
+    return op
+
+
 SID = _param("sid", "path", description="session id")
 SINCE = _param(
     "since",
@@ -408,8 +420,15 @@ SCOPE_IN = {
 }
 
 
+def _with_response(op: dict[str, Any], status: str, response: dict[str, Any]) -> dict[str, Any]:
+    """``op`` with one more success answer (an operation with two, like a poll's 200 and 202)."""
+    op["responses"] = dict(sorted({**op["responses"], status: response}.items()))
+    return op
+
+
 @functools.cache
 def document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every endpoint of the guard, the Auth Service and the gateway."""
     paths: dict[str, dict[str, Any]] = {
         "/v1/health": {
             "get": _op(
@@ -485,7 +504,8 @@ def document() -> dict[str, Any]:
                     ),
                     _param(
                         "field",
-                        description="value or value.<name>...: needed for every op but count",
+                        description="value, value.<name>... or <name>... (short for value.<name>...): "
+                        "needed for every op but count",
                         example="value.market_value",
                     ),
                 ],
@@ -610,13 +630,14 @@ def document() -> dict[str, Any]:
             ),
         },
         "/v1/sessions/{sid}": {
-            "get": _op(
-                "one session (admin)",
-                LOCAL,
-                ok=_ok(_ref("Session")),
-                refusals=(*ADMIN, 404),
-                security="admin",
-                params=[SID],
+            "get": _either(
+                _op(
+                    "one session (admin: any; an agent token: its own session only, 403 otherwise)",
+                    ALL,
+                    ok=_ok(_ref("Session")),
+                    refusals=(*AGENT, 404),
+                    params=[SID],
+                )
             )
         },
         "/v1/sessions/{sid}/grant": {
@@ -651,13 +672,14 @@ def document() -> dict[str, Any]:
             )
         },
         "/v1/sessions/{sid}/close": {
-            "post": _op(
-                "close (§13; admin)",
-                LOCAL,
-                ok=_ok(_ref("SessionEnded")),
-                refusals=(*ADMIN, 404, 409),
-                security="admin",
-                params=[SID],
+            "post": _either(
+                _op(
+                    "close (§9.3, §13; admin: any; an agent token: its own session only, 403 otherwise)",
+                    ALL,
+                    ok=_ok(_ref("SessionEnded")),
+                    refusals=(*AGENT, 404, 409),
+                    params=[SID],
+                )
             )
         },
         "/v1/sessions/{sid}/revoke": {
@@ -712,17 +734,18 @@ def document() -> dict[str, Any]:
         },
         "/v1/tokens/validate": {
             "post": _op(
-                "validate a token (§9; the gateway's status check, Unix socket only)",
-                (UNIX,),
+                "validate a token (§9.5): an agent its own (the Authorization token; another: 403); "
+                "without Authorization on the Unix socket: any token (the gateway's status check)",
+                ALL,
                 ok=_ok(_ref("Validation")),
-                refusals=(400, 413, 503),
+                refusals=(*AGENT, 413),
                 body={"type": "object", "properties": {"token": STR}},
-                security=None,
+                security=None,  # the socket's status check takes none; an agent's token: the same as the body's
             )
         },
         "/v1/internal/events": {
             "post": _op(
-                "the gateway's own events into the one log (issue 10; Unix socket only, idempotent by event id)",
+                "the gateway's own events into the one log (Unix socket only, idempotent by event id)",
                 (UNIX,),
                 ok=_ok(_closed(["accepted"], {"accepted": {"type": "integer", "minimum": 0}})),
                 refusals=(400, 413, 503),
@@ -738,6 +761,47 @@ def document() -> dict[str, Any]:
                 refusals=(400, 401, 409, 413, 429, 503),
                 security="mtls",
                 body={"type": "object", "properties": {"csr": STR}},
+            )
+        },
+        "/v1/enroll/ca": {
+            "get": _op(
+                "the user's CA certificate and its fingerprint, for an agent that enrolls (docs/enrollment.md): "
+                "it checks the fingerprint from its enrollment line before it sends anything",
+                (GW,),
+                ok=_ok(_closed(["ca_cert", "fingerprint"], {"ca_cert": STR, "fingerprint": STR})),
+                refusals=(400, 503),
+                security=None,
+            )
+        },
+        "/v1/enroll": {
+            "post": _op(
+                "enroll with a one-time code (docs/enrollment.md): code, manifest, CSR and a one-time X25519 key; "
+                "202 with the request id and its poll secret; every code that opens nothing: ENROLL_CODE_INVALID",
+                (GW,),
+                ok=_ok({"type": "object"}, "request opened, waiting for the user"),
+                status="202",
+                refusals=(400, 403, 413, 429, 503),
+                body=_closed(
+                    ["code", "manifest", "csr", "seal_key"],
+                    {"code": STR, "manifest": STR, "csr": STR, "seal_key": STR},
+                ),
+                security=None,
+            )
+        },
+        "/v1/enroll/{rid}/status": {
+            "post": _with_response(
+                _op(
+                    "poll an enrollment request with its secret: 202 pending, 200 approved (the answer sealed to the "
+                    "agent's key, handed over once), ENROLL_DENIED, 404 for an unknown id or a wrong secret alike",
+                    (GW,),
+                    ok=_ok({"type": "object"}, "approved: the sealed answer"),
+                    refusals=(400, 403, 404, 409, 413, 429, 503),
+                    body=_closed(["poll_token"], {"poll_token": STR}),
+                    params=[_param("rid", "path", description="enrollment request id")],
+                    security=None,
+                ),
+                "202",
+                _ok({"type": "object"}, "pending: ask again after poll_after_seconds"),
             )
         },
         "/v1/payload/upload": {
@@ -906,8 +970,10 @@ def document() -> dict[str, Any]:
 
 
 def render() -> str:
+    """The document as the JSON text kept in docs/openapi.json."""
     return json.dumps(document(), indent=2, ensure_ascii=False) + "\n"
 
 
 async def serve(request: web.Request) -> web.Response:
+    """``GET /v1/openapi.json``."""
     return web.Response(text=render(), content_type="application/json")

@@ -14,8 +14,9 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
+from gateway.atrest import vault
 from gateway.errors import ErrorCode, UompError
-from gateway.fsutil import create_private_file, ensure_private_dir
+from gateway.fsutil import ensure_private_dir
 
 MAX_KEY_FILE_BYTES = 4096
 
@@ -28,7 +29,7 @@ def ensure(path: Path, generate: Callable[[], PrivateKeyTypes], kind: Any, *, wh
     ensure_private_dir(path.parent)
     key = generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    made = create_private_file(path, pem)
+    made = vault.create_key(path, pem)  # sealed in a sealed home
     load(path, kind, what=what, restore=restore)
     return made
 
@@ -46,7 +47,9 @@ def load(path: Path, kind: Any, *, what: str, restore: str) -> PrivateKeyTypes:
     if st.st_size > MAX_KEY_FILE_BYTES:
         raise UompError(ErrorCode.KEY_ERROR, f"{path} is too large to be a {what}")
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        key = serialization.load_pem_private_key(vault.read_key(path), password=None)
+    except UompError:
+        raise
     except (OSError, ValueError, TypeError) as exc:
         raise UompError(
             ErrorCode.KEY_ERROR, f"{path} is not a readable {what} ({type(exc).__name__}); restore it: {restore}"

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gateway.atrest import vault
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.netutil import remove_dead_socket
@@ -107,6 +108,7 @@ def guard_command(
 
 
 def describe_exit(rc: int | None) -> str:
+    """A child's exit status in words (its code, or the signal that killed it)."""
     if rc is None:
         return "still running"
     if rc < 0:
@@ -148,6 +150,8 @@ class GuardProcess:
         self.health_failures = max(1, int(health_failures))
         self.output = output
         self.on_restart = on_restart  # called with the reason once a restarted child is healthy
+        # called after each health check of a running child: None when it passed, else why not
+        self.on_health: Callable[[str | None], None] | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.stopping = False
         self.restarts = 0
@@ -229,13 +233,18 @@ class GuardProcess:
         loop = asyncio.get_running_loop()
         self._tail.clear()
         self._held = []
-        self.proc = proc = await asyncio.create_subprocess_exec(
-            *self.command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self.env,
-        )
+        handover = vault.child_handover(self.paths)  # a sealed home's master key, on a pipe
+        try:
+            self.proc = proc = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**self.env, **handover.env},
+                pass_fds=handover.fds,
+            )
+        finally:
+            handover.close()
         assert proc.stdout is not None
         self._relay = loop.create_task(self._pump(proc.stdout))
         self._started_at = loop.time()
@@ -292,6 +301,8 @@ class GuardProcess:
                 why = await self._check(probe)
                 if proc.returncode is not None or self.stopping:
                     return None
+                if self.on_health is not None:
+                    self.on_health(why)
                 if why is None:
                     if self.failed_checks:
                         log.warning("guard process %s answers its health check again", proc.pid)

@@ -12,10 +12,13 @@ file so two ``uomp trust add`` at once cannot lose one)::
      "entries": [{"kind": "did", "id": "did:key:z6Mk…", "name": "Big Bank", "fingerprint": "SHA256:…",
                   "added_at": "2026-07-12T10:00:00Z", "how": "trust add" | "authorize"}]}
 
-Kinds: ``did`` is the only one this version can verify, and of DIDs only ``did:key`` (Ed25519).
-The other §16.4 kinds (GPG key ids, CAs, registries) and other DID methods are refused when added,
-since no manifest could ever be verified against them (they become addable once verifiable). A
-file written by a later version with other kinds is read, and those entries are kept and listed.
+Kinds: ``did`` (``did:key`` with an Ed25519 key, or ``did:web``, resolved when a manifest names
+it), ``x509-ca`` (a CA certificate, its PEM in ``data``, id its SHA-256 fingerprint: manifests
+signed by a code-signing certificate chaining to it verify, gateway/identity/x509pub.py) and
+``openpgp`` (a public key, armored in ``data``, id its fingerprint: gateway/identity/openpgp.py).
+Other DID methods and registries are refused when added, since no manifest could ever be verified
+against them. A file written by a later version with other kinds is read, and those entries are
+kept and listed.
 
 A trust list writable by anyone else than its owner would let them vouch for keys: such a file is
 refused (CONFIG_ERROR), as is one that is not a valid list (never silently treated as empty).
@@ -43,6 +46,7 @@ from gateway.fsutil import atomic_write
 TRUST_VERSION = 1
 MAX_TRUST_FILE_BYTES = 4 * 1024 * 1024
 MAX_TRUST_ENTRIES = 10_000
+MAX_ENTRY_DATA = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class TrustEntry:
     fingerprint: str | None
     added_at: str
     how: str = "trust add"
+    data: str | None = None  # x509-ca: the CA certificate (PEM); openpgp: the public key (armored)
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,12 @@ class TrustList:
                 return e
         return None
 
+    def of_kind(self, kind: str) -> tuple[TrustEntry, ...]:
+        return tuple(e for e in self.entries if e.kind == kind and e.data)
+
     def to_json(self) -> bytes:
-        doc = {"uomp_trust": TRUST_VERSION, "entries": [asdict(e) for e in self.entries]}
+        rows = [{k: v for k, v in asdict(e).items() if not (k == "data" and v is None)} for e in self.entries]
+        doc = {"uomp_trust": TRUST_VERSION, "entries": rows}
         return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
 
 
@@ -82,16 +91,24 @@ def check_name(name: Any) -> str:
     return name.strip()
 
 
-def check_did(did: Any) -> tuple[str, str]:
+def check_did(did: Any) -> tuple[str, str | None]:
     """A trustable DID and its key fingerprint; INVALID_REQUEST for anything this version cannot verify."""
     if not isinstance(did, str) or not did.startswith("did:") or len(did) > MAX_DID or not is_display_safe(did):
         raise UompError(ErrorCode.INVALID_REQUEST, "give a DID such as did:key:z6Mk…")
+    if did.startswith("did:web:"):
+        from gateway.identity.didweb import DidWebError, did_web_url
+
+        try:
+            did_web_url(did)
+        except DidWebError as exc:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"not a valid did:web: {exc}") from exc
+        return did, None
     if not did.startswith("did:key:"):
         method = ":".join(did.split(":")[:2])
         raise UompError(
             ErrorCode.INVALID_REQUEST,
             f"{method} identities cannot be verified by this version, so trusting "
-            "one would never match a manifest; only did:key (Ed25519) can be trusted",
+            "one would never match a manifest; only did:key (Ed25519) and did:web can be trusted",
         )
     try:
         pub = didkey.public_key_from_did_key(did)
@@ -111,6 +128,9 @@ def _entry(obj: Any, where: str) -> TrustEntry:
         texts[label] = v
     kind, ident, name = texts["kind"], texts["id"], texts["name"]
     fp, added, how = obj.get("fingerprint"), obj.get("added_at", ""), obj.get("how", "trust add")
+    data = obj.get("data")
+    if data is not None and (not isinstance(data, str) or len(data) > MAX_ENTRY_DATA):
+        raise ValueError(f"{where}.data is not text of at most {MAX_ENTRY_DATA} characters")
     if fp is not None and not isinstance(fp, str):
         raise ValueError(f"{where}.fingerprint is not text")
     if not isinstance(added, str) or not isinstance(how, str):
@@ -120,7 +140,7 @@ def _entry(obj: Any, where: str) -> TrustEntry:
             fp = didkey.fingerprint(didkey.public_key_from_did_key(ident))
         except ValueError as exc:
             raise ValueError(f"{where}.id is not a valid did:key") from exc
-    return TrustEntry(kind=kind, id=ident, name=name, fingerprint=fp, added_at=added, how=how)
+    return TrustEntry(kind=kind, id=ident, name=name, fingerprint=fp, added_at=added, how=how, data=data)
 
 
 def _check_file(path: Path) -> None:
@@ -202,3 +222,27 @@ def remove(paths: Paths, ident: str) -> TrustEntry:
         kept = tuple(e for e in current.entries if e.id != ident)
         atomic_write(paths.trust_file, TrustList(kept).to_json(), mode=0o600)
     return gone[0]
+
+
+def add_entry(paths: Paths, entry: TrustEntry) -> tuple[TrustEntry, TrustEntry | None]:
+    """Trust ``entry`` (an ``x509-ca`` or ``openpgp`` entry); replaces the one of the same kind and id."""
+    name = check_name(entry.name)
+    with _locked(paths):
+        current = load(paths)
+        old = next((e for e in current.entries if e.kind == entry.kind and e.id == entry.id), None)
+        if old is not None and old.name == name and old.data == entry.data:
+            return old, old
+        if old is None and len(current.entries) >= MAX_TRUST_ENTRIES:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"the trust list already holds {MAX_TRUST_ENTRIES} entries")
+        new = TrustEntry(
+            kind=entry.kind,
+            id=entry.id,
+            name=name,
+            fingerprint=entry.fingerprint,
+            added_at=_now(),
+            how=entry.how,
+            data=entry.data,
+        )
+        kept = [e for e in current.entries if e is not old]
+        atomic_write(paths.trust_file, TrustList((*kept, new)).to_json(), mode=0o600)
+    return new, old

@@ -61,6 +61,8 @@ OnUrl = Callable[[str, str | None], Awaitable[None] | None]
 
 @dataclass(frozen=True)
 class TunnelConfig:
+    """How to run the Cloudflare tunnel: its mode, origin, cloudflared binary and named-tunnel settings."""
+
     mode: str = "none"  # quick | named | tcp | none
     origin_url: str = ""  # quick: http://127.0.0.1:<tunnel-origin-port>
     cloudflared: str | None = None  # explicit path; None: look on PATH
@@ -85,6 +87,8 @@ class TunnelConfig:
 
 @dataclass
 class TunnelState:
+    """What the tunnel is doing now: its status, public URL, process and restarts."""
+
     mode: str
     status: str = "stopped"  # stopped | missing | starting | running | restarting | rate-limited
     public_url: str | None = None
@@ -118,6 +122,7 @@ def _die_with_parent() -> None:
 
 
 def find_cloudflared(configured: str | None) -> str | None:
+    """The cloudflared binary to run: the configured path if executable, else the one on PATH."""
     if configured:
         p = Path(configured).expanduser()
         return str(p) if p.is_file() and os.access(p, os.X_OK) else None
@@ -136,6 +141,8 @@ def user_configs() -> list[Path]:
 
 
 class TunnelSupervisor:
+    """Runs cloudflared, reads its public URL, and restarts it with backoff when it dies."""
+
     def __init__(
         self, cfg: TunnelConfig, *, on_url: OnUrl | None = None, on_state: Callable[[TunnelState], None] | None = None
     ) -> None:

@@ -122,7 +122,7 @@ async def agent_call(
 
 
 def ledger_events(paths: Paths, **match: Any) -> list[dict[str, Any]]:
-    """The one log (issue 10): every event body of the guard's ledger, in sequence order, whose
+    """The one log: every event body of the guard's ledger, in sequence order, whose
     fields equal ``match`` (e.g. ``action="read"``, ``listener="mtls"``). Read from audit.db as it is
     on disk: what a test sees here is durable."""
     import json

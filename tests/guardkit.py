@@ -14,8 +14,9 @@ import aiohttp
 
 from gateway import keys
 from gateway.config import GuardConfig, Paths
+from gateway.guard.items import MemoryItem
 from gateway.guard.server import GuardRunner
-from gateway.guard.store import MemoryItem, MemoryStore
+from gateway.guard.store import MemoryStore
 
 NOW = "2026-07-12T10:00:00Z"
 

@@ -77,6 +77,8 @@ def _check_hash(name: str, value: bytes) -> None:
 
 @dataclass(frozen=True)
 class SessionGranted:
+    """§18.4.1 SessionGranted: hashes of the session and agent, and when the grant ends."""
+
     session_hash: bytes
     agent_hash: bytes
     expires_at: int  # Unix seconds
@@ -90,6 +92,8 @@ class SessionGranted:
 
 @dataclass(frozen=True)
 class SessionRevoked:
+    """§18.4.1 SessionRevoked: hashes of the session and agent."""
+
     session_hash: bytes
     agent_hash: bytes
 
@@ -100,6 +104,8 @@ class SessionRevoked:
 
 @dataclass(frozen=True)
 class GatewayAccess:
+    """§18.4.1 GatewayAccess: hashes of the session, agent and endpoint, and whether it was allowed."""
+
     session_hash: bytes
     agent_hash: bytes
     endpoint_hash: bytes
@@ -115,6 +121,8 @@ class GatewayAccess:
 
 @dataclass(frozen=True)
 class PayloadAnchored:
+    """§18.4.1 PayloadAnchored: hashes of the payload, session and agent."""
+
     payload_hash: bytes
     session_hash: bytes
     agent_hash: bytes
@@ -127,6 +135,8 @@ class PayloadAnchored:
 
 @dataclass(frozen=True)
 class DataDeletionProofSubmitted:
+    """§18.4.1 DataDeletionProofSubmitted: hashes of the session, agent and deletion proof."""
+
     session_hash: bytes
     agent_hash: bytes
     deletion_proof_hash: bytes
@@ -235,6 +245,8 @@ class Confirmation:
 
 @runtime_checkable
 class AnchorBackend(Protocol):
+    """What anchoring needs of a chain: submit an anchor, read its confirmation, check it on the chain."""
+
     name: str
 
     async def submit(self, anchor: Anchor) -> Submitted: ...

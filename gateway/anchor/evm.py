@@ -18,6 +18,9 @@ web3.py's async client on any EVM JSON-RPC node.
   (must equal the committed artifact's), the receipt (status, target, the exact event sequence),
   the event log queried separately with ``eth_getLogs``, and ``anchoredBlock``; and it requires
   the configured number of confirmations.
+
+Longer than ~500 lines on purpose: one backend; sending, finding and checking an anchor against the
+chain share the same RPC calls and their failure rules.
 """
 
 from __future__ import annotations
@@ -157,6 +160,8 @@ def write_private_key(path: Path, account: LocalAccount) -> None:
 
 
 class EvmBackend:
+    """Anchors on an EVM chain through ``UompAnchor.sol`` (web3.py), every answer checked against the chain."""
+
     name = "evm"
 
     def __init__(self, settings: EvmSettings, account: LocalAccount | None = None) -> None:

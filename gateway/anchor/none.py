@@ -14,6 +14,8 @@ from gateway.anchor.base import Anchor, AnchorMismatch, Confirmation, Submitted
 
 
 class NoneBackend:
+    """No chain: signed checkpoints only; every anchor is confirmed at once and proves nothing more."""
+
     name = "none"
 
     async def submit(self, anchor: Anchor) -> Submitted:

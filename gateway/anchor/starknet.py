@@ -15,6 +15,8 @@ real Starknet node (none installs here); the Cairo contract is committed but not
   ``FullNodeClient``; transport failures are retried with backoff, then AnchorUnavailable.
 * Events as the Cairo contract emits them: ``keys = [selector(name), *key fields]``,
   ``data = [*other fields]`` (:func:`expected_events`).
+
+Longer than ~500 lines on purpose: one backend, with the transaction encoding it signs offline.
 """
 
 from __future__ import annotations
@@ -197,6 +199,8 @@ def _hex(n: int) -> str:
 
 
 class StarknetBackend:
+    """Anchors on Starknet through the Cairo contract (starknet-py); tested only against a local stand-in."""
+
     name = "starknet"
 
     def __init__(self, settings: StarknetSettings, key_pair: KeyPair | None = None) -> None:

@@ -197,6 +197,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp ca`` and ``uomp agent`` to the command line."""
     c = sub.add_parser("ca", help="the certificate authority that issues agent client certificates")
     csub = c.add_subparsers(dest="ca_command", metavar="ACTION", required=True)
     ci = csub.add_parser(
@@ -281,3 +282,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     al = asub.add_parser("list", help="certificates issued by the CA: agent, serial, expiry, status")
     al.add_argument("--json", action="store_true", help="machine-readable output")
     al.set_defaults(func=_list)
+
+    from gateway.cli import enroll
+
+    enroll.register_invite(asub)

@@ -4,6 +4,10 @@
 verifiable event log (every leaf, the tree, every signed checkpoint, and each anchored root against
 the chain when one is configured); ``proof`` writes a self-contained bundle for one event, which
 ``verify-proof`` checks with nothing else (and, with ``--rpc``, against the chain).
+
+Longer than ~500 lines on purpose: every action of ``uomp audit`` and ``uomp anchor`` reads the same
+log with the same trust roots and prints findings the same way; the checks themselves live in
+:mod:`gateway.ledger`.
 """
 
 from __future__ import annotations
@@ -871,6 +875,7 @@ def _init_key(paths: Paths) -> dict[str, bool]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp audit`` to the command line."""
     from gateway.cli import home
 
     if _init_key not in home.INIT_HOOKS:

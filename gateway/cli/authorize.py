@@ -22,6 +22,9 @@ minutes): local sessions default to 30 minutes (at most ``session_max_minutes``)
 default to ``remote_session_max_minutes`` (30 days) and live on refresh tokens of
 ``refresh_lifetime_seconds`` (7 days, never past the session end) and access tokens of at most 10
 minutes.
+
+Longer than ~500 lines on purpose: one consent flow, all or nothing: inputs checked, the screen
+shown, the session granted and its files written, or nothing left behind.
 """
 
 from __future__ import annotations
@@ -42,14 +45,16 @@ from cryptography.hazmat.primitives import serialization
 
 from gateway import ca_store, trust
 from gateway.bundle import AgentBundle, write_bundle
+from gateway.cli import layout
 from gateway.cli.guard import guard_config, open_auth
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths
 from gateway.core import didkey, jose, manifest, restrictions, tokens
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.auth import REMOTE_ACCESS_MAX_SECONDS, minutes_text
+from gateway.identity.verify import PublisherResult
 from gateway.ledger import auditkey
 from gateway.payloads import userkey
 
@@ -57,7 +62,7 @@ RED = "\033[1;31m"
 RESET = "\033[0m"
 
 
-LOCAL_DEFAULT_SESSION_SECONDS = 30 * 60  # §20.1's 30 minutes, as before
+LOCAL_DEFAULT_SESSION_SECONDS = 30 * 60  # §20.1's 30 minutes
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", re.ASCII | re.IGNORECASE)
 _UNIT_SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86_400}
 MAX_DURATION_SECONDS = 10 * 365 * 86_400  # parsing bound only; the config's maxima decide
@@ -74,7 +79,8 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _duration_arg(text: str) -> float:
+def duration_arg(text: str) -> float:
+    """argparse type for a duration (90m, 12h, 7d; a bare number is minutes): its seconds."""
     try:
         return parse_duration(text)
     except ValueError as exc:
@@ -102,14 +108,21 @@ def _scope_line(name: str, scope: Scope) -> str:
 
 def _identity_state(ident: manifest.IdentityResult, trusted: trust.TrustList) -> trust.TrustEntry | None:
     """The trust entry that names this manifest's publisher: only for a verified signature by a key in the list."""
-    return trusted.find_did(ident.did) if ident.verified else None
+    if not ident.verified:
+        return None
+    if isinstance(ident, PublisherResult):
+        return ident.trust_entry or trusted.find_did(ident.did)
+    return trusted.find_did(ident.did)
 
 
 def _show_identity(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
     claim = m.agent.publisher
     entry = _identity_state(ident, trusted)
     if entry is not None:
-        print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        if ident.did:
+            print(f"Publisher: {entry.name} (signed by a key in your trust list: {ident.did})")
+        else:
+            print(f"Publisher: {entry.name} (verified, {ident.method}: {ident.reason})")
         if claim and claim != entry.name:
             print(f'           "{claim}" (the manifest\'s own claim)')
         return
@@ -218,6 +231,47 @@ def _show(m: manifest.Manifest, ident: manifest.IdentityResult, trusted: trust.T
         _warn("NO RETENTION GUARANTEE: this agent may keep what it reads indefinitely")
 
 
+def verify_publisher(m: manifest.Manifest, paths: Paths) -> PublisherResult:
+    """The publisher, checked by the method the manifest names (did:key, did:web, X.509, OpenPGP);
+    did:web documents are fetched under the [registry] fetch rules."""
+    from gateway.config import RegistryConfig, load_section
+    from gateway.identity.verify import verify_publisher as verify
+    from gateway.registry.ops import policy
+
+    cfg = load_section(RegistryConfig, "registry", file=paths.config_file)
+    return verify(m.raw, trust.load(paths), policy(cfg))
+
+
+def _enforce_policy(paths: Paths, ident: manifest.IdentityResult, trusted: trust.TrustList) -> None:
+    """``[trust] require`` (spec §16.4 MUST): an agent whose publisher fails it gets no session and no token."""
+    from gateway.config import TrustConfig, load_section
+
+    policy = load_section(TrustConfig, "trust", file=paths.config_file)
+    if not policy.require:
+        return
+    entry = _identity_state(ident, trusted)
+    if entry is None or ident.method not in policy.require:
+        state = f"verified by {ident.method}" if entry is not None else "not verified against your trust list"
+        raise UompError(
+            ErrorCode.ACCESS_DENIED,
+            f"your [trust] require = {policy.require} admits only publishers verified by those methods; this one is "
+            f"{state}: no session is created (change [trust] in {paths.config_file} only if that is your policy)",
+        )
+
+
+def _show_listing(paths: Paths, path: Path, raw: bytes) -> None:
+    """Where ``uomp registry install`` got this manifest from (nothing when it did not install it)."""
+    from gateway.registry.ops import provenance
+
+    found = provenance(paths, path, raw)
+    if found is None:
+        return
+    for line in found.lines:
+        print(line)
+    for text in found.warnings:
+        _warn(text)
+
+
 def _show_grant(plan: restrictions.ReadGrant, args: argparse.Namespace, cfg: GuardConfig) -> None:
     reads = args.max_reads if args.max_reads is not None else cfg.default_max_read_queries
     extras = [f"at most {reads} reads in the session (--max-reads)"]
@@ -322,21 +376,25 @@ def _cert_binding(cert_pem: bytes) -> dict[str, str]:
     return {"x5t#S256": jose.cert_thumbprint(der), "jkt": jose.key_thumbprint(pub)}  # type: ignore[arg-type]
 
 
-def _authorize(args: argparse.Namespace) -> int:
-    paths = paths_from(args)
-    agent_dir = Path(args.agent_dir)
-    path = agent_dir / "uom.json" if agent_dir.is_dir() else agent_dir
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
-    m = manifest.parse_manifest(raw)
-    ident = manifest.verify_identity(m.raw)
+def consent(
+    args: argparse.Namespace,
+    paths: Paths,
+    m: manifest.Manifest,
+    ident: manifest.IdentityResult,
+    cfg: GuardConfig,
+    *,
+    source: tuple[Path, bytes] | None = None,
+) -> tuple[restrictions.ReadGrant, float]:
+    """The consent panel and every refusal of ``uomp authorize`` before anything is made: what the
+    agent asks for (scopes, retention, publisher, where ``uomp registry install`` found the manifest
+    at ``source``: its path and bytes), the grant (narrowed by the user; wider only with
+    ``--widen``), the session, the aggregates, the ``[trust] require`` policy; then the user's yes.
+    Returns the read grant and the session length. Used by ``uomp authorize``, ``uomp run`` and
+    ``uomp requests approve``."""
     trusted = trust.load(paths)
-    cfg = guard_config(args, paths)
-    if args.remote:
-        _check_gateway_url(args, paths)
     _show(m, ident, trusted)
+    if source is not None:
+        _show_listing(paths, *source)
     plan = _plan(m, args)
     _show_grant(plan, args, cfg)
     seconds = _session_seconds(args, cfg)
@@ -351,6 +409,7 @@ def _authorize(args: argparse.Namespace) -> int:
             )
         _warn("the agent runs on this machine although it declares requires_remote: true (--allow-local)")
     trusted = _offer_trust(args, paths, ident, trusted)
+    _enforce_policy(paths, ident, trusted)
     if args.require_verified and _identity_state(ident, trusted) is None:
         raise UompError(
             ErrorCode.ACCESS_DENIED,
@@ -358,47 +417,139 @@ def _authorize(args: argparse.Namespace) -> int:
             "--require-verified is set; see uomp trust",
         )
     _confirm(args)
+    return plan, seconds
+
+
+def session_request(
+    m: manifest.Manifest, ident: manifest.IdentityResult, seconds: float, *, remote: bool
+) -> dict[str, Any]:
+    """The Auth Service's create-session body for this manifest (what the agent asked for)."""
+    create: dict[str, Any] = {
+        "agent_id": m.agent.id,
+        "agent_name": m.agent.name,
+        "requested_scopes": {"read": m.read.to_claim()},
+        "duration_minutes": seconds / 60,
+        "profile": "remote" if remote else "local",
+    }
+    if ident.verified and ident.public_key is not None:
+        create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
+    if m.retention is not None:
+        create["data_retention_policy"] = {
+            "max_retention_seconds": m.retention.max_retention_seconds,
+            "deletion_method": m.retention.deletion_method,
+            "proof_required": m.retention.proof_required,
+        }
+    return create
+
+
+def grant_request(plan: restrictions.ReadGrant, args: argparse.Namespace) -> dict[str, Any]:
+    """The Auth Service's grant body: the read grant the user consented to and the grant flags."""
+    grant: dict[str, Any] = {
+        "granted_scopes": {"read": plan.scope.to_claim()},
+        "widen": bool(plan.widened),
+        "aggregation_only": plan.aggregation_only,
+        "task_bound": args.task_bound,
+        "aggregate_min_max": args.aggregate_min_max,
+        "aggregate_exact": args.aggregate_exact,
+    }
+    if plan.allowed_fields is not None:
+        grant["allowed_fields"] = list(plan.allowed_fields)
+    if args.max_reads is not None:
+        grant["limits"] = {"max_read_queries": args.max_reads}
+    return grant
+
+
+def bind_remote(grant: dict[str, Any], m: manifest.Manifest, url: str, cert_pem: bytes) -> None:
+    """Make ``grant`` a Remote Profile grant for ``url``, bound to the agent certificate's key."""
+    from gateway.core import ca
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    if ca.agent_id_from_cert(cert) != m.agent.id:
+        raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
+    parts = urlsplit(url)
+    host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+    grant.update(
+        {
+            "profile": "remote",
+            "audience": url,
+            "allowed_endpoints": [host],
+            "cnf": _cert_binding(cert_pem),
+            "refresh": True,
+        }
+    )
+
+
+def remote_bundle(
+    paths: Paths,
+    m: manifest.Manifest,
+    session_id: str,
+    url: str,
+    answer: dict[str, Any],
+    cert_pem: bytes,
+    *,
+    agent_key: str | None = None,
+    agent_key_file: str | None = None,
+) -> AgentBundle:
+    """What a remote agent needs after a grant (its key only when this side made it)."""
+    return AgentBundle(
+        agent_id=m.agent.id,
+        session_id=session_id,
+        gateway_url=url,
+        access_token=answer["token"],
+        access_expires_at=answer["expires_at"],
+        refresh_token=answer.get("refresh_token"),
+        refresh_expires_at=answer.get("refresh_expires_at"),
+        session_expires_at=answer.get("session_expires_at"),
+        ca_cert=ca_store.ca_cert_path(paths).read_text(),
+        agent_cert=cert_pem.decode(),
+        agent_key=agent_key,
+        agent_key_file=agent_key_file,
+        payload_public_key=userkey.public_b64(paths),
+        audit_verifier_key=_audit_verifier_key(paths),
+    )
+
+
+def _authorize(args: argparse.Namespace) -> int:
+    paths = paths_from(args)
+    agent_dir = Path(args.agent_dir)
+    path = agent_dir / "uom.json" if agent_dir.is_dir() else agent_dir
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UompError(ErrorCode.MANIFEST_INVALID, f"cannot read {path}: {exc.strerror}") from exc
+    m = manifest.parse_manifest(raw)
+    ident = verify_publisher(m, paths)
+    cfg = guard_config(args, paths)
+    if args.layout != "uomp" and not args.remote:
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            f"--layout {args.layout} is for a remote agent's files: add --remote --out DIR (a local agent "
+            "gets UOM_TOKEN/UOMP_BASE_URL in its env file already, or run it with uomp run)",
+        )
+    if args.layout == "uomp-core" and (not args.out or args.cert or args.csr or args.bundle):
+        raise UompError(
+            ErrorCode.INVALID_REQUEST,
+            "--layout uomp-core writes the reference SDK's files into --out DIR (the agent's ~/.uomp): give --out, "
+            "without --cert, --csr or --bundle",
+        )
+    if args.remote:
+        check_gateway_url(args, paths)
+    plan, seconds = consent(args, paths, m, ident, cfg, source=(path, raw))
     # Everything that can be checked is checked before anything is made: a refused authorize leaves
     # no session, no certificate and no file behind.
     given = _remote_inputs(args, paths, m) if args.remote else None
     auth = open_auth(paths, cfg)
     session_id: str | None = None
     try:
-        create: dict[str, Any] = {
-            "agent_id": m.agent.id,
-            "agent_name": m.agent.name,
-            "requested_scopes": {"read": m.read.to_claim()},
-            "duration_minutes": seconds / 60,
-            "profile": "remote" if args.remote else "local",
-        }
-        if ident.verified and ident.public_key is not None:
-            create["identity_public_jwk"] = jose.public_jwk(ident.public_key)
-        if m.retention is not None:
-            create["data_retention_policy"] = {
-                "max_retention_seconds": m.retention.max_retention_seconds,
-                "deletion_method": m.retention.deletion_method,
-                "proof_required": m.retention.proof_required,
-            }
-        session_id = str(auth.create_session(create)["session_id"])
-        grant: dict[str, Any] = {
-            "granted_scopes": {"read": plan.scope.to_claim()},
-            "widen": bool(plan.widened),
-            "aggregation_only": plan.aggregation_only,
-            "task_bound": args.task_bound,
-            "aggregate_min_max": args.aggregate_min_max,
-            "aggregate_exact": args.aggregate_exact,
-        }
-        if plan.allowed_fields is not None:
-            grant["allowed_fields"] = list(plan.allowed_fields)
-        if args.max_reads is not None:
-            grant["limits"] = {"max_read_queries": args.max_reads}
+        session_id = str(auth.create_session(session_request(m, ident, seconds, remote=args.remote))["session_id"])
+        grant = grant_request(plan, args)
         if given is not None:
             return _remote(args, paths, auth, session_id, m, grant, given)
         _local(args, paths, cfg, m, auth.grant(session_id, grant))
         return 0
     except BaseException as exc:
         if session_id is not None:
-            _abandon(auth, session_id, exc)
+            abandon(auth, session_id, exc)
         raise
     finally:
         auth.close_db()
@@ -419,10 +570,11 @@ def _local(
     atomic_write(env, f"UOM_TOKEN={answer['token']}\nUOMP_BASE_URL={base}\n".encode(), mode=0o600)
     print(f"Session {answer['session_id']} active until {answer['expires_at']}.")
     print(f"Token written to {env} (mode 0600). Start the agent with its variables, e.g.:")
-    print(f"  env $(cat {env}) <agent command>")
+    print(f"  (set -a; . {env}; exec <agent command>)   # the shell reads the file: no token on a command line")
+    print(f"or let uomp start it with a session of its own: uomp run {args.agent_dir} -- <agent command>")
 
 
-def _abandon(auth: Any, session_id: str, exc: BaseException) -> None:
+def abandon(auth: Any, session_id: str, exc: BaseException) -> None:
     """A session whose authorize failed after it was created ends at once, and the audit says why
     (its creation is already in the log, so it is ended, not erased)."""
     why = exc.code if isinstance(exc, UompError) else type(exc).__name__
@@ -503,7 +655,7 @@ def _remote_inputs(args: argparse.Namespace, paths: Any, m: manifest.Manifest) -
     return _RemoteInputs(url, cert_pem, csr_pem)
 
 
-def _check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
+def check_gateway_url(args: argparse.Namespace, paths: Any) -> None:
     """The one source of truth for where the gateway is (gateway/appliance.py): the default
     --gateway-url comes from it; another URL is refused while the appliance runs and warned about
     otherwise when the gateway would not accept it or its certificate does not name it."""
@@ -548,8 +700,14 @@ def _remote(
                 agent_key_file = str(Path(args.key_file).resolve())
         else:
             out = Path(args.out or (paths.agents_dir / m.agent.id))
-            # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
-            files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
+            if args.layout == "uomp-core":
+                # a new key each time, under the names the reference SDK reads
+                files = layout.rename_for_reference(
+                    ca_store.issue_with_key(paths, m.agent.id, layout.certs_dir(out), lifetime, reuse=False)
+                )
+            else:
+                # the agent's certificate there is reused while it is good (not revoked, not yet due for renewal)
+                files = ca_store.issue_with_key(paths, m.agent.id, out, lifetime, reuse=not args.new_cert)
             if files.new_key:
                 made.append(files.key_file)
             if not files.reused_cert:
@@ -560,7 +718,7 @@ def _remote(
             )
             cert_pem = files.cert_file.read_bytes()
             agent_key = files.key_file.read_text()
-            key_dir = files.out_dir
+            key_dir = files.out_dir if args.layout == "uomp" else None  # (the curl hint names agent.*)
         return _remote_grant(
             args, paths, auth, session_id, m, grant, url, parts, cert_pem, agent_key, agent_key_file, key_dir
         )
@@ -584,37 +742,10 @@ def _remote_grant(
     agent_key_file: str | None,
     key_dir: Path | None,
 ) -> int:
-    cert = x509.load_pem_x509_certificate(cert_pem)
-    from gateway.core import ca
-
-    if ca.agent_id_from_cert(cert) != m.agent.id:
-        raise UompError(ErrorCode.INVALID_REQUEST, "the agent certificate names another agent than the manifest")
-    host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-    grant.update(
-        {
-            "profile": "remote",
-            "audience": url,
-            "allowed_endpoints": [host],
-            "cnf": _cert_binding(cert_pem),
-            "refresh": True,
-        }
-    )
+    bind_remote(grant, m, url, cert_pem)
     answer = auth.grant(session_id, grant)
-    bundle = AgentBundle(
-        agent_id=m.agent.id,
-        session_id=session_id,
-        gateway_url=url,
-        access_token=answer["token"],
-        access_expires_at=answer["expires_at"],
-        refresh_token=answer.get("refresh_token"),
-        refresh_expires_at=answer.get("refresh_expires_at"),
-        session_expires_at=answer.get("session_expires_at"),
-        ca_cert=ca_store.ca_cert_path(paths).read_text(),
-        agent_cert=cert_pem.decode(),
-        agent_key=agent_key,
-        agent_key_file=agent_key_file,
-        payload_public_key=userkey.public_b64(paths),
-        audit_verifier_key=_audit_verifier_key(paths),
+    bundle = remote_bundle(
+        paths, m, session_id, url, answer, cert_pem, agent_key=agent_key, agent_key_file=agent_key_file
     )
     # with --out, everything for the agent (key, certificate, CA, bundle) is in that one directory
     out_path = Path(
@@ -627,13 +758,28 @@ def _remote_grant(
     )
     out_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_bundle(out_path, bundle)
+    if args.layout == "uomp-core":
+        env = layout.write_env(Path(args.out), token=answer["token"], base_url=url, session_id=session_id)
+        print(f"For the reference SDK (@uomp/sdk): {Path(args.out)} is the agent's ~/.uomp")
+        print(f"  {layout.certs_dir(Path(args.out))}/client.crt, client.key (0600), ca.crt: its mTLS files")
+        print(f"  {env} (0600): UOM_TOKEN, UOMP_BASE_URL, UOMP_SESSION_ID")
+        print(
+            "  on the agent's machine: copy it to ~/.uomp, then: (set -a; . ~/.uomp/uomp.env; exec node index.js) "
+            "(the reference does not refresh tokens: its access token lasts the access lifetime above)"
+        )
     print(
         f"Remote session {session_id}. Session ends {answer.get('session_expires_at')}; access token until "
         f"{answer['expires_at']}, refresh token until {answer.get('refresh_expires_at')} (renewed on each refresh)."
     )
     print(f"Agent bundle written to {out_path} (mode 0600): hand it to the agent over a private channel.")
     print(f"The agent's gateway URL (its tokens are for this address): {url}")
-    if key_dir is not None:
+    if _dpop_url(paths, url):
+        # TLS ends at Cloudflare's edge: through the tunnel an agent proves its key with a DPoP proof
+        # per request (RFC 9449), which curl cannot make; an mTLS curl line would only be refused
+        print("Through the tunnel the agent uses DPoP (a signed proof per request, so no curl line): with the SDK,")
+        print(f'  UompClient.from_bundle("{out_path}", mode="dpop"); in a checkout of this project:')
+        print(f"  python examples/remote_agent.py --bundle {out_path} --dpop KEY")
+    elif key_dir is not None:
         d = key_dir
         print("A first read from the agent's side, with these files (any key it may read):")
         print(
@@ -645,15 +791,22 @@ def _remote_grant(
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
-    p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
+def _dpop_url(paths: Paths, url: str) -> bool:
+    """Is ``url`` the recorded quick or named tunnel's (where agents use DPoP, never mTLS)?"""
+    from gateway import appliance
+
+    recorded = appliance.load_addresses(paths)["tunnel"] or {}
+    return recorded.get("mode") in ("quick", "named") and str(recorded.get("url", "")).rstrip("/") == url.rstrip("/")
+
+
+def add_grant_arguments(p: argparse.ArgumentParser) -> None:
+    """The consent flags (what to grant, how long, which publishers), shared with ``uomp requests approve``."""
     p.add_argument("-y", "--yes", action="store_true", help="do not ask; grant what is shown (for scripts)")
     p.add_argument(
         "--session-ttl",
         "--duration",
         dest="duration",
-        type=_duration_arg,
+        type=duration_arg,
         metavar="DURATION",
         help="session length: 90m, 12h, 7d (a bare number is minutes); default 30m locally, "
         "remote_session_max_minutes (30 days) with --remote",
@@ -693,6 +846,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="authorize on this machine an agent that declares requires_remote: true",
     )
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp authorize`` to the command line."""
+    p = sub.add_parser("authorize", help="grant an agent access to your memory after showing what it asks for")
+    p.add_argument("agent_dir", help="the agent's directory (with uom.json) or the uom.json file itself")
+    add_grant_arguments(p)
     p.add_argument(
         "--env-file",
         help="local profile: where to write UOM_TOKEN/UOMP_BASE_URL "
@@ -723,6 +883,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--key-file", help="with --csr or --cert: where the agent keeps its key (path recorded in the bundle)"
     )
     r.add_argument("--out", help="make key and certificate for the agent in this directory (key in the bundle)")
+    r.add_argument(
+        "--layout",
+        choices=layout.LAYOUTS,
+        default="uomp",
+        help="with --out: uomp (agent.key, agent.crt, ca.crt, bundle.json) or uomp-core (the reference SDK's "
+        "~/.uomp layout: .gateway-certs/client.crt, client.key, ca.crt and uomp.env with UOM_TOKEN, UOMP_BASE_URL)",
+    )
     r.add_argument("--cert-hours", type=float, default=24, help="agent certificate lifetime in hours (default 24)")
     r.add_argument(
         "--new-cert",

@@ -51,6 +51,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp conformance`` to the command line."""
     c = sub.add_parser(
         "conformance",
         help="run the UOMP conformance suite against a guard or gateway",

@@ -95,6 +95,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp dashboard`` to the command line."""
     d = sub.add_parser(
         "dashboard",
         help="the local dashboard: print (and --open) a one-time login link; serves "

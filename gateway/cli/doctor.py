@@ -25,6 +25,8 @@ CERT_WARN_DAYS = 7
 
 
 class Report:
+    """What ``uomp doctor`` found: its lines, and how many problems."""
+
     def __init__(self) -> None:
         self.problems = 0
         self.lines: list[str] = []
@@ -240,7 +242,7 @@ def _audit_log(r: Report, paths: Paths) -> None:
 
 
 def _speed(r: Report) -> None:
-    """What the servers run on (issue 13): aiohttp's C HTTP parser, the event loop, the JSON codec.
+    """What the servers run on: aiohttp's C HTTP parser, the event loop, the JSON codec.
     Each is only speed (the pure-Python fallbacks behave the same), so these are notes, not problems."""
     from gateway import eventloop, jsonio
 
@@ -327,6 +329,7 @@ def _vps_checks(r: Report, paths: Paths) -> Report:
 
 
 def run_checks(paths: Paths) -> Report:
+    """Every check of the home, in order; a missing home is the one problem reported."""
     r = Report()
     steps: list[Callable[[], None]] = []
     if not paths.home.exists():
@@ -372,6 +375,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp doctor`` to the command line."""
     p = sub.add_parser(
         "doctor",
         help="check permissions, keys, CA, config, addresses vs certificate, ports and "

@@ -19,6 +19,9 @@ module), and the gateway in this one, so each gets its own core and event loop. 
 * the child's output (its log lines) is relayed to this process's stderr; the supervisor's view
   of the child (pid, restarts, last reason) goes into the gateway's status file
   (``$UOMP_HOME/gateway/status.json``) and metrics.
+
+Longer than ~500 lines on purpose: ``uomp gateway start`` supervises the guard, the gateway and the
+tunnel as one appliance; its settings, banner and shutdown belong together.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def _port_flag(value: int | None, flag: str, *, low: int) -> None:
 
 
 def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
+    """The gateway settings from the config file with the command's flags on top, the flags checked."""
     overrides: dict[str, Any] = {}
     if args.listen:
         host, _, port = args.listen.rpartition(":")
@@ -88,6 +92,7 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
 
 
 def tunnel_settings(args: argparse.Namespace, paths: Paths) -> TunnelSettings:
+    """The tunnel settings from the config file with the command's flags on top."""
     overrides: dict[str, Any] = {}
     if getattr(args, "tunnel", None):
         overrides["mode"] = args.tunnel
@@ -132,6 +137,7 @@ def tunnel_token(t: TunnelSettings) -> str:
 
 
 def check_tunnel(t: TunnelSettings) -> None:
+    """TUNNEL_ERROR for a tunnel setting that cannot work (a named tunnel without its host name or token)."""
     if t.mode in ("named", "tcp"):
         if not t.hostname:
             raise UompError(
@@ -229,6 +235,7 @@ async def _run(
     if guard is not None:
         gw.status_sources["guard"] = guard.status  # into $UOMP_HOME/gateway/status.json
         guard.on_restart = gw.guard_restarted  # metrics and the status file
+        guard.on_health = gw.guard_checked  # one probe of guard.sock serves the gateway's monitor too
     sup: TunnelSupervisor | None = None
     try:
         try:
@@ -508,7 +515,10 @@ def _relay_line(line: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway import memtrace
+
     paths = paths_from(args, needs_init=not getattr(args, "uplink_listen", None))  # a VPS has no signing key
+    memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(_run(paths, gateway_config(args, paths), with_guard=False, args=args))
     return 0
 
@@ -557,6 +567,9 @@ def _start(args: argparse.Namespace) -> int:
         created = [what for what, new in made.items() if new]
         if created:
             _say(f"first run: created in {paths.home}: {', '.join(created).replace('_', ' ')}")
+        from gateway import memtrace
+
+        memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
         eventloop.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
     finally:
         lock.release()
@@ -638,6 +651,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp gateway`` to the command line."""
     g = sub.add_parser("gateway", help="the remote gateway (TLS 1.3 + mTLS) for agents on other machines")
     gsub = g.add_subparsers(dest="gateway_command", metavar="ACTION", required=True)
     s = gsub.add_parser("serve", help="run the gateway alone, in front of an already running guard")

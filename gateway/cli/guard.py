@@ -14,6 +14,7 @@ from gateway.guard.auth import AuthService
 
 
 def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
+    """The guard settings from the config file with the command's flags on top."""
     overrides: dict[str, Any] = {}
     for name in ("tcp_host", "tcp_port"):
         if getattr(args, name, None) is not None:
@@ -24,14 +25,17 @@ def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
 
 
 def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
+    """The Auth Service on this home, with its audit log."""
     return AuthService(paths, cfg, open_audit(paths, cfg))
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway import memtrace
     from gateway.guard.server import run_guard
 
     paths = paths_from(args)
     cfg = guard_config(args, paths)
+    memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
     return 0
 
@@ -54,6 +58,7 @@ def _sessions(args: argparse.Namespace) -> int:
                     print(
                         f"{r['session_id']:<24} {r['agent_id']:<24} {r['status']:<8} "
                         f"{r.get('profile', '-'):<7} {r['expires_at']:<20} {r.get('status_reason', '')}"
+                        + ("  ABNORMAL: no deletion proof" if r.get("abnormal") else "")
                     )
         elif args.sessions_command == "show":
             _print(auth.session(args.session_id).public())
@@ -68,6 +73,7 @@ def _sessions(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp guard`` to the command line."""
     g = sub.add_parser("guard", help="the local Auth Service + Memory Guard")
     gsub = g.add_subparsers(dest="guard_command", metavar="ACTION", required=True)
     s = gsub.add_parser(

@@ -140,6 +140,7 @@ INIT_HOOKS: list = []  # type: ignore[type-arg]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp init`` to the command line."""
     p = sub.add_parser("init", help="create the data directory, signing key, admin credential and CA")
     p.add_argument(
         "--hostname",

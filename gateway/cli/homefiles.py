@@ -29,6 +29,8 @@ RESTORE = "restore it from your backup of {home}; it is never re-made silently"
 
 @dataclass(frozen=True)
 class FileProblem:
+    """A file the home depends on that is missing or broken, and the fix to print."""
+
     path: Path
     what: str
     problem: str  # "is missing" or what is wrong with it
@@ -79,7 +81,7 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
     ca_key = one(
         ca_store.ca_key_path(paths),
         "CA key",
-        lambda: ca_store._load_key_file(ca_store.ca_key_path(paths), "CA key"),
+        lambda: ca_store.load_key_file(ca_store.ca_key_path(paths), "CA key"),
         restore,
     )
     ca_cert = one(
@@ -93,7 +95,7 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
     server_key = one(
         ca_store.server_key_path(paths),
         "gateway key",
-        lambda: ca_store._load_key_file(ca_store.server_key_path(paths), "gateway key"),
+        lambda: ca_store.load_key_file(ca_store.server_key_path(paths), "gateway key"),
         REMAKE,
         fix_broken=f"move it and ca/gateway.crt aside, then {REMAKE}",
     )
@@ -102,7 +104,7 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
 
         def server() -> None:
             cert = x509.load_pem_x509_certificate(ca_store.server_cert_path(paths).read_bytes())
-            key = ca_store._load_key_file(ca_store.server_key_path(paths), "gateway key")
+            key = ca_store.load_key_file(ca_store.server_key_path(paths), "gateway key")
             if cert.public_key() != key.public_key():
                 raise ValueError("it does not match ca/gateway.key")
             try:

@@ -10,21 +10,24 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import getpass
 import importlib
 import logging
 import os
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, NoReturn
 
 from gateway import __version__
 from gateway.config import Paths, resolve_home
 from gateway.errors import ErrorCode, UompError
-from gateway.keys import check_home
 
-# Each module has ``register(subparsers)``; its commands set ``func(args) -> int``.
+# Each module has ``register(subparsers)``; its commands set ``func(args) -> int``. A command line
+# imports only the module of its command (:data:`COMMANDS`); the others stand in the top-level help
+# as name and one line, so ``uomp --help`` and a one-shot command pay none of the other commands'
+# imports (aiohttp, cryptography, the conformance suite ...).
 COMMAND_MODULES = (
     "gateway.cli.home",
     "gateway.cli.memory",
@@ -32,15 +35,82 @@ COMMAND_MODULES = (
     "gateway.cli.audit",
     "gateway.cli.authorize",
     "gateway.cli.trust",
+    "gateway.cli.registry",
     "gateway.cli.agent",
+    "gateway.cli.enroll",
+    "gateway.cli.run",
     "gateway.cli.gateway",
     "gateway.cli.payload",
     "gateway.cli.status",
     "gateway.cli.doctor",
     "gateway.cli.conformance",
     "gateway.cli.dashboard",
+    "gateway.cli.mcp",
+    "gateway.cli.secrets",
+    "gateway.cli.backup",
     "gateway.cli.uplink",
 )
+
+# Every top-level command: its module and its one line of help, in the order ``uomp --help`` lists
+# them. It must say what the modules register (tests/cli/test_cli_lazy.py compares the two).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "init": ("gateway.cli.home", "create the data directory, signing key, admin credential and CA"),
+    "keys": ("gateway.cli.home", "Auth Service signing keys"),
+    "memory": ("gateway.cli.memory", "add, show, list and delete Memory Items"),
+    "import": ("gateway.cli.memory", "import Memory Items from a CSV or JSON file (spec §12)"),
+    "guard": ("gateway.cli.guard", "the local Auth Service + Memory Guard"),
+    "sessions": ("gateway.cli.guard", "see, close and revoke sessions (spec §21)"),
+    "audit": ("gateway.cli.audit", "what agents asked for and got; verify the log; proofs for one event"),
+    "anchor": ("gateway.cli.audit", "anchoring the audit log's checkpoints on a chain (docs/anchoring.md)"),
+    "authorize": ("gateway.cli.authorize", "grant an agent access to your memory after showing what it asks for"),
+    "trust": ("gateway.cli.trust", "the publisher identities you trust, by the names you give them (spec §16.4)"),
+    "registry": (
+        "gateway.cli.registry",
+        "find agents on ERC-8004 registries and install their manifests (spec §17)",
+    ),
+    "ca": ("gateway.cli.agent", "the certificate authority that issues agent client certificates"),
+    "agent": ("gateway.cli.agent", "issue, revoke and list agent client certificates"),
+    "requests": ("gateway.cli.enroll", "agents' enrollment requests: list, approve (the consent panel), deny"),
+    "enroll": (
+        "gateway.cli.enroll",
+        "(agent side) enroll with the line from 'uomp agent invite': make a key here, send a CSR, wait "
+        "for the user's approval, write certificate and tokens to --out",
+    ),
+    "run": (
+        "gateway.cli.run",
+        "grant a local agent a session (the consent panel of uomp authorize) and start it with its "
+        "token in its environment (UOM_TOKEN, UOMP_BASE_URL); the session closes when it exits",
+    ),
+    "gateway": ("gateway.cli.gateway", "the remote gateway (TLS 1.3 + mTLS) for agents on other machines"),
+    "payload": ("gateway.cli.payload", "encrypted payloads agents sent you: list, pull (decrypt), remove"),
+    "status": (
+        "gateway.cli.status",
+        "is the appliance running, where, its tunnel, guard health, certificates, sessions "
+        "(exit 0 healthy, 1 unhealthy, 3 not running)",
+    ),
+    "doctor": (
+        "gateway.cli.doctor",
+        "check permissions, keys, CA, config, addresses vs certificate, ports and cloudflared; "
+        "each problem with its fix (exit 1 when any)",
+    ),
+    "conformance": ("gateway.cli.conformance", "run the UOMP conformance suite against a guard or gateway"),
+    "dashboard": (
+        "gateway.cli.dashboard",
+        "the local dashboard: print (and --open) a one-time login link; serves it here unless "
+        "'uomp gateway start' already does (docs/dashboard.md)",
+    ),
+    "mcp": ("gateway.cli.mcp", "the agent's MCP server: any MCP client reads what the user granted"),
+    "secrets": ("gateway.cli.secrets", "seal the home's private keys at rest (passphrase or OS keychain)"),
+    "backup": ("gateway.cli.backup", "the whole home in one encrypted file, and back"),
+    "uplink": ("gateway.cli.uplink", "the outbound uplink: a gateway on a VPS, the guard here (docs/vps.md)"),
+}
+
+# Commands that run ``gateway.cli.home.INIT_HOOKS`` (``uomp init``, ``uomp gateway start``): every
+# module adds its step there when imported, so these load all of them.
+ALL_MODULES_FOR = frozenset({"init", "gateway"})
+
+# Top-level options that take a value (the command word is the first token that is none of these).
+_VALUE_OPTIONS = frozenset({"--home"})
 
 
 def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
@@ -50,8 +120,17 @@ def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
     ``needs_init``: refused (NOT_INITIALISED) unless ``uomp init`` made it (its signing key exists),
     before the command creates anything there. Only the commands that make a home (``init``,
     ``gateway start``) or report on one (``status``, ``doctor``, ``gateway stop``) pass False."""
+    from gateway.atrest import vault  # (these import cryptography: not for --help)
+    from gateway.keys import check_home
+
     paths = Paths(resolve_home(getattr(args, "home", None)))
     check_home(paths)
+    # A sealed home (gateway/atrest/): a service unlocks it now, before it starts anything; a one-shot
+    # command asks for the passphrase only if it reads a key.
+    prompt = passphrase_prompt(paths)
+    vault.set_prompt(prompt)
+    if getattr(args, "service", False):
+        vault.open_home(paths, prompt=prompt)
     if needs_init and not paths.private_jwk.exists():
         where = f"{paths.home} has not been set up" if paths.home.exists() else f"{paths.home} does not exist"
         raise UompError(
@@ -59,6 +138,18 @@ def paths_from(args: argparse.Namespace, *, needs_init: bool = True) -> Paths:
             f"data directory {where}; run 'uomp init' first (or pass --home / set UOMP_HOME to the one you use)",
         )
     return paths
+
+
+def passphrase_prompt(paths: Paths) -> Callable[[], str] | None:
+    """Ask in the terminal (no echo) when there is one; None otherwise (then the passphrase must
+    come from UOMP_PASSPHRASE_FILE, a systemd credential or the keychain)."""
+    if not sys.stdin.isatty():
+        return None
+
+    def ask() -> str:
+        return getpass.getpass(f"passphrase for the keys of {paths.home}: ")
+
+    return ask
 
 
 _INVALID_CHOICE = re.compile(r"argument (?P<arg>.+?): invalid choice: '(?P<value>.*)' \(choose from (?P<choices>.*)\)$")
@@ -127,7 +218,41 @@ def _tag_subparsers(parser: argparse.ArgumentParser) -> None:
                 _tag_subparsers(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_word(argv: Sequence[str]) -> str | None:
+    """The top-level command of a command line (the first token that is not a global option or
+    its value), or None."""
+    skip = False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        if tok == "--":
+            return None
+        if tok in _VALUE_OPTIONS:
+            skip = True
+            continue
+        if tok.startswith("-"):
+            continue
+        return tok
+    return None
+
+
+def modules_for(argv: Sequence[str] | None) -> tuple[str, ...]:
+    """The command modules a command line needs: its command's own; all of them when its command
+    runs the init hooks, names no known command, or ``argv`` is None (the whole parser)."""
+    if argv is None:
+        return COMMAND_MODULES
+    word = command_word(argv)
+    if word is None:
+        return ()
+    if word in ALL_MODULES_FOR or word not in COMMANDS:
+        return COMMAND_MODULES
+    return (COMMANDS[word][0],)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``uomp`` argument parser: every command registered (``argv`` None), or only what the
+    command line ``argv`` needs (:func:`modules_for`), the rest as name and help."""
     parser = Parser(
         prog="uomp",
         description="User-Owned Memory Protocol appliance: your memory store, its guard, and the "
@@ -137,10 +262,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--home", help="data directory (default: $UOMP_HOME or ~/.uomp)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    wanted = modules_for(argv)
+    for name, (module, text) in COMMANDS.items():
+        if module in wanted:
+            if name not in sub.choices:
+                importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=text)
+    for module in wanted:  # a module whose commands are not in COMMANDS (kept registered all the same)
+        if not any(m == module for m, _t in COMMANDS.values()):
+            importlib.import_module(module).register(sub)
     _tag_subparsers(parser)
     return parser
+
+
+REST_COMMANDS = ("run",)  # commands whose arguments after the first `--` are a command line of their own
+
+
+def _split_rest(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``uomp [--home H] [-v] run ... -- COMMAND...``: (what argparse reads, COMMAND...); for every
+    other command (argv, None), argparse's own ``--`` rule unchanged."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if argv[i] == "--home" else 1
+    if i < len(argv) and argv[i] in REST_COMMANDS and "--" in argv[i:]:
+        cut = argv.index("--", i)
+        return argv[:cut], argv[cut + 1 :]
+    return argv, None
 
 
 def setup_logging(verbose: bool, service: bool = False) -> None:
@@ -155,9 +303,13 @@ def setup_logging(verbose: bool, service: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """Runs one ``uomp`` command; its exit code. The one place that catches errors and prints them."""
     Parser.argv = list(sys.argv[1:] if argv is None else argv)
-    args, extras = parser.parse_known_args(argv)
+    parser = build_parser(Parser.argv)
+    head, rest = _split_rest(Parser.argv)
+    args, extras = parser.parse_known_args(head)
+    if rest is not None:
+        args.command_rest = rest
     if extras:
         owner = getattr(args, "_cli_parser", parser)
         assert isinstance(owner, Parser)

@@ -14,24 +14,27 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from gateway.atrest import memdb
 from gateway.cli import home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
-from gateway.guard.store import SENSITIVITIES, MemoryItem, MemoryStore, utc_now
+from gateway.guard.items import SENSITIVITIES, MemoryItem, utc_now
+from gateway.guard.store import MemoryStore
 
 LIST_DEFAULT_LIMIT = 100
 
 
 def _open_store(args: argparse.Namespace) -> MemoryStore:
-    return MemoryStore(paths_from(args).memory_db, create=True)
+    paths = paths_from(args)
+    return MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths))  # encrypted in a sealed home
 
 
 def _init_store(paths: Paths) -> dict[str, bool]:
     """``uomp init`` step: create the (empty) Memory Store if it is not there yet."""
     existed = paths.memory_db.exists()
-    MemoryStore(paths.memory_db, create=True).close()
+    MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths)).close()
     return {"memory store": not existed}
 
 
@@ -221,6 +224,7 @@ column (a day over 12 settles it) or from --date-order.
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp memory`` and ``uomp import`` to the command line."""
     if _init_store not in home.INIT_HOOKS:
         home.INIT_HOOKS.append(_init_store)
 

@@ -223,6 +223,7 @@ def open_payload(paths: Paths, payload_id: str) -> tuple[dict[str, Any], Iterato
 
 
 def mark_opened(paths: Paths, payload_id: str) -> None:
+    """Tells the guard the user opened ``payload_id`` (the guard records ``payload_opened``)."""
     GuardClient(paths).json("POST", f"/v1/payloads/{quote(payload_id, safe='')}/opened")
 
 
@@ -304,6 +305,7 @@ def _init_key(paths: Paths) -> dict[str, bool]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp payload`` to the command line."""
     if _init_key not in home.INIT_HOOKS:
         home.INIT_HOOKS.append(_init_key)
     p = sub.add_parser("payload", help="encrypted payloads agents sent you: list, pull (decrypt), remove")

@@ -84,6 +84,8 @@ def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
 
 
 def collect(paths: Paths) -> dict[str, Any]:
+    """Everything ``uomp status`` reports, as one document (running, addresses, guard health,
+    certificates, sessions)."""
     gcfg = load_section(GatewayConfig, "gateway", file=paths.config_file)
     running = appliance.is_running(paths)
     run = appliance.read_run(paths) if running else None
@@ -324,6 +326,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp status`` to the command line."""
     p = sub.add_parser(
         "status",
         help="is the appliance running, where, its tunnel, guard health, certificates, "

@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 from gateway import trust
 from gateway.cli.main import paths_from
+from gateway.errors import ErrorCode, UompError
 
 
 def _add(args: argparse.Namespace) -> int:
@@ -24,6 +26,38 @@ def _add(args: argparse.Namespace) -> int:
         print(f"renamed: {entry.id} is now trusted as {entry.name!r} (was {old.name!r})")
     else:
         print(f"trusted: {entry.id} as {entry.name!r} (key fingerprint {entry.fingerprint})")
+    return 0
+
+
+def _add_ca(args: argparse.Namespace) -> int:
+    from gateway.identity.x509pub import ca_entry
+
+    try:
+        with Path(args.file).open("rb") as fh:
+            pem = fh.read(64 * 1024)
+    except OSError as exc:
+        raise UompError(ErrorCode.IO_ERROR, f"cannot read {args.file}: {exc.strerror}; give the CA's PEM file") from exc
+    entry, old = trust.add_entry(paths_from(args), ca_entry(pem, args.name))
+    state = "already trusted" if old is entry else "trusted"
+    print(f"{state}: the CA {entry.fingerprint} as {entry.name!r}: code-signing certificates it issues verify")
+    return 0
+
+
+def _add_openpgp(args: argparse.Namespace) -> int:
+    from gateway.identity.openpgp import MAX_KEY_BYTES, is_revoked, key_entry
+
+    try:
+        with Path(args.file).open("rb") as fh:
+            armored = fh.read(MAX_KEY_BYTES + 1)
+    except OSError as exc:
+        raise UompError(
+            ErrorCode.IO_ERROR, f"cannot read {args.file}: {exc.strerror}; give the public key file"
+        ) from exc
+    entry, old = trust.add_entry(paths_from(args), key_entry(armored, args.name))
+    state = "already trusted" if old is entry else "trusted"
+    print(f"{state}: the OpenPGP key {entry.id} as {entry.name!r}")
+    if is_revoked(entry):
+        print("!! this key is REVOKED: manifests it signed no longer verify")
     return 0
 
 
@@ -49,12 +83,21 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``uomp trust`` to the command line."""
     p = sub.add_parser("trust", help="the publisher identities you trust, by the names you give them (spec §16.4)")
     tsub = p.add_subparsers(dest="trust_command", metavar="ACTION", required=True)
-    a = tsub.add_parser("add", help="trust a publisher key (a did:key) under a name of your choosing")
-    a.add_argument("did", help="the publisher's DID, as the publisher advertises it (did:key:z6Mk…)")
+    a = tsub.add_parser("add", help="trust a publisher DID (did:key or did:web) under a name of your choosing")
+    a.add_argument("did", help="the publisher's DID, as the publisher advertises it (did:key:z6Mk…, did:web:…)")
     a.add_argument("--name", help="what to call this publisher (default: the DID itself)")
     a.set_defaults(func=_add)
+    c = tsub.add_parser("add-ca", help="trust a CA: manifests signed by code-signing certificates it issues verify")
+    c.add_argument("file", help="the CA certificate (PEM)")
+    c.add_argument("--name", required=True, help="what to call publishers certified by this CA")
+    c.set_defaults(func=_add_ca)
+    g = tsub.add_parser("add-openpgp", help="trust an OpenPGP public key: manifests it signs verify")
+    g.add_argument("file", help="the public key (gpg --export -a FINGERPRINT); adding it again updates it")
+    g.add_argument("--name", required=True, help="what to call the publisher of this key")
+    g.set_defaults(func=_add_openpgp)
     r = tsub.add_parser("rm", help="stop trusting a publisher key")
     r.add_argument("did", help="the DID to remove")
     r.set_defaults(func=_rm)

@@ -80,6 +80,7 @@ def register_guard(gsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``uomp uplink init``."""
     u = sub.add_parser("uplink", help="the outbound uplink: a gateway on a VPS, the guard here (docs/vps.md)")
     usub = u.add_subparsers(dest="uplink_command", metavar="ACTION", required=True)
     i = usub.add_parser("init", help="make the uplink identities and the VPS's data directory")

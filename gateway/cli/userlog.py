@@ -1,4 +1,4 @@
-"""The user's own changes as events of the one audit log (issue 10): memory added, replaced and
+"""The user's own changes as events of the one audit log: memory added, replaced and
 deleted, imports (counts, never values), agent certificates issued and revoked, signing keys rotated.
 
 Agents' reads are not the only thing worth a record: a user (or someone at the user's keyboard)

@@ -19,7 +19,8 @@ from gateway.client.errors import (
     Unavailable,
     UompClientError,
 )
-from gateway.client.sdk import AGGREGATE_OPS, ClientOptions, Mode, RenewedCertificate, UompClient, memory_hash
+from gateway.client.options import AGGREGATE_OPS, ClientOptions, Mode, RenewedCertificate
+from gateway.client.sdk import UompClient, memory_hash
 
 __all__ = [
     "AGGREGATE_OPS",

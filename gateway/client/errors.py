@@ -21,7 +21,8 @@ class                      codes
 :class:`AccessDenied`      ACCESS_DENIED, WRITE_NOT_AVAILABLE
 :class:`QuotaExceeded`     QUOTA_EXCEEDED
 :class:`InvalidRequest`    INVALID_REQUEST, NOT_FOUND, METHOD_NOT_ALLOWED, PAYLOAD_TOO_LARGE,
-                           NOT_IMPLEMENTED, INVALID_STATE, and any other 4xx
+                           NOT_IMPLEMENTED, INVALID_STATE, AGGREGATE_MIXED_CURRENCY, and any
+                           other 4xx
 :class:`Unavailable`       STORE_UNAVAILABLE, UPSTREAM_ERROR, UPSTREAM_TIMEOUT, INTERNAL, any
                            other 5xx; SDK: TIMEOUT, CONNECTION_FAILED, CONNECTION_CLOSED
                            (the gateway closed the connection before answering: it
@@ -137,7 +138,15 @@ CODE_CLASSES: dict[str, type[UompClientError]] = {
     **dict.fromkeys(("ACCESS_DENIED", "WRITE_NOT_AVAILABLE"), AccessDenied),
     "QUOTA_EXCEEDED": QuotaExceeded,
     **dict.fromkeys(
-        ("INVALID_REQUEST", "NOT_FOUND", "METHOD_NOT_ALLOWED", "PAYLOAD_TOO_LARGE", "NOT_IMPLEMENTED", "INVALID_STATE"),
+        (
+            "INVALID_REQUEST",
+            "NOT_FOUND",
+            "METHOD_NOT_ALLOWED",
+            "PAYLOAD_TOO_LARGE",
+            "NOT_IMPLEMENTED",
+            "INVALID_STATE",
+            "AGGREGATE_MIXED_CURRENCY",
+        ),
         InvalidRequest,
     ),
     **dict.fromkeys(

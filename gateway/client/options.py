@@ -1,31 +1,21 @@
-"""The agent SDK's options, shared types and constants, and the state every layer of the client reads.
+"""The agent SDK's options, shared types and constants (:class:`ClientOptions`, :data:`Mode`,
+:class:`RenewedCertificate`, the limits and retry rules the client's parts share).
 
-:class:`UompClient` is built in layers, one module each: :mod:`.transport` (URLs, TLS, the
-connection pools, one HTTP exchange), :mod:`.tokens` (token times, refresh, the bundle file and
-its lock), :mod:`.certs` (the agent certificate and its renewal) and :mod:`.sdk` (the public
-calls). :class:`ClientState` declares the attributes they share; :meth:`UompClient.__init__` sets them.
+:class:`~gateway.client.sdk.UompClient` is built from parts, one module each: :mod:`.transport`
+(URLs, TLS, the connection pools, one HTTP exchange), :mod:`.tokens` (token times, refresh, the
+bundle file and its lock), :mod:`.certs` (the agent certificate and its renewal).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from gateway.bundle import AgentBundle
 from gateway.client.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gateway.client.transport import Pool
-    from gateway.client.witness import WitnessFile
 
 log = logging.getLogger("uomp.client")
 
@@ -33,7 +23,6 @@ Mode = Literal["mtls", "dpop", "bearer"]
 AgentKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 JSONObject = dict[str, Any]
 
-AGENT_HEADER = "X-UOMP-Agent-Id"
 LOCAL_BASE_URL = "http://127.0.0.1:9374"
 # Characters left unescaped in a path segment: the gateway's canonical spelling (pathnorm.SEGMENT_SAFE).
 SEGMENT_SAFE = "!$&'()*+,;=:@-._~"
@@ -42,6 +31,10 @@ READ_CHUNK = 64 * 1024
 # A refresh that got no answer is tried again on these (see _post_refresh).
 RETRY_REFRESH_CODES = ("TIMEOUT", "CONNECTION_FAILED", "CONNECTION_CLOSED")
 RETRY_REFRESH_STATUSES = (502, 503, 504)
+# A payload upload that got no answer, or an answer that says the relay may yet accept it, is sent
+# again: the same sealed envelope (payload_id and bytes), which the relay answers idempotently.
+RETRY_UPLOAD_CODES = RETRY_REFRESH_CODES
+RETRY_UPLOAD_STATUSES = RETRY_REFRESH_STATUSES
 # Recently held tokens, scrubbed from any message the gateway sends back.
 REMEMBERED_SECRETS = 8
 
@@ -63,6 +56,9 @@ class ClientOptions:
     refresh_retry_initial_seconds: float = 0.5  # first back-off, doubled after each try ...
     refresh_retry_max_seconds: float = 8.0  # ... up to this (docs/security.md "Refresh rule")
     payload_timeout_seconds: float = 1800.0  # one streamed payload upload, start to answer
+    # an upload that got no answer (closed, timed out, 502/503/504) is sent again, the same sealed
+    # bytes under the same payload_id, at most this many tries in all (back-off: refresh_retry_*)
+    payload_retry_attempts: int = 4
 
     def __post_init__(self) -> None:
         if self.timeout_seconds <= 0 or self.connect_timeout_seconds <= 0 or self.max_response_bytes <= 0:
@@ -71,10 +67,12 @@ class ClientOptions:
             raise ConfigError("CONFIG_ERROR", "renew_at_fraction and refresh_before_fraction must lie in (0, 1)")
         if (
             self.refresh_retry_attempts < 1
+            or self.payload_retry_attempts < 1
             or not 0 <= self.refresh_retry_initial_seconds <= self.refresh_retry_max_seconds
         ):
             raise ConfigError(
-                "CONFIG_ERROR", "refresh_retry_attempts must be >= 1 and the back-off 0 <= initial <= max"
+                "CONFIG_ERROR",
+                "refresh_retry_attempts and payload_retry_attempts must be >= 1 and the back-off 0 <= initial <= max",
             )
 
 
@@ -86,40 +84,3 @@ class RenewedCertificate:
     not_after: dt.datetime
     certificate: str  # PEM
     new_key: bool
-
-
-class ClientState:
-    """The attributes the client's layers share (set in :meth:`UompClient.__init__`)."""
-
-    _mode: Mode
-    _agent_id: str
-    _session_id: str
-    _opts: ClientOptions
-    _clock: Callable[[], float]
-    _base: str  # where the client connects
-    _public: str  # where requests are addressed (DPoP htu); differs behind a tunnel origin
-    _host_header: str | None
-    _ca_file: Path | None
-    _ca_cert: str | None
-    _key: AgentKey | None
-    _bundle: AgentBundle | None
-    _bundle_path: Path | None
-    _witness: WitnessFile | None
-    _audit_vkey: str | None
-    _cert: x509.Certificate | None
-    _cert_pem: str | None
-    _renew_at: float
-    _renew_blocked_until: float
-    _access_token: str
-    _access_exp: float
-    _access_iat: float | None
-    _refresh_token: str | None
-    _refresh_exp: float | None
-    _recent: deque[str]
-    _refresh_lock: asyncio.Lock
-    _cert_lock: asyncio.Lock
-    _open_lock: asyncio.Lock
-    _conn: Pool | None
-    _retired: list[Pool]
-    _closed: bool
-    refresh_count: int

@@ -32,6 +32,7 @@ READ_BLOCK = 1024 * 1024
 
 
 def new_payload_id() -> str:
+    """A fresh random payload id."""
     return "pay_" + secrets.token_urlsafe(18)
 
 
@@ -57,6 +58,8 @@ def seal_small(recipient: X25519PublicKey, binding: sealing.Binding, data: bytes
 
 @dataclass
 class SealedFile:
+    """A payload sealed to a temporary file, with the envelope that describes it."""
+
     path: Path
     envelope: Envelope
 
@@ -105,6 +108,7 @@ def seal_to_file(
 
 
 def check_format(fmt: str) -> None:
+    """ValueError unless ``fmt`` is a media type."""
     if not isinstance(fmt, str) or not envelope.FORMAT.fullmatch(fmt):
         raise ValueError("format must be a media type such as text/markdown")
 

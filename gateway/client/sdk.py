@@ -1,10 +1,11 @@
 """The Python agent SDK: read the user's memory through a UOMP gateway (spec §8, §10, §15, §19).
 
 This module is the public client class (every call an agent makes) and its user documentation
-below, a little over ~500 lines for that reason; the machinery lives in layers beneath it:
-:mod:`.transport` + :mod:`.tls` (URLs, TLS, pools, one exchange), :mod:`.tokens` (refresh and the
-bundle file), :mod:`.certs` (the agent certificate and its renewal), :mod:`.payloads` (sealing),
-:mod:`.options` (options, constants, the shared state). It imports neither ``gateway.remote`` nor
+below, a little over ~500 lines for that reason. It is built from parts, each in its module:
+a :class:`~.transport.ClientTransport` (+ :mod:`.tls`: URLs, TLS, pools, one exchange), a
+:class:`~.tokens.BundleFile` and :class:`~.tokens.TokenManager` (tokens, refresh, the bundle file),
+a :class:`~.certs.CertificateRenewer` (the agent certificate and its renewal); :mod:`.payloads`
+seals, :mod:`.options` holds the options and constants. It imports neither ``gateway.remote`` nor
 ``gateway.guard``: an agent installs the client without the server.
 
 ::
@@ -68,6 +69,9 @@ Bounded: every call has a total time-out and a connect time-out, answers are rea
 
 Secrets: no token or key appears in a log line, an exception or a ``repr``. The SDK logs to the
 ``uomp.client`` logger (refreshes, renewals, session ids; never tokens, keys or memory values).
+
+Longer than ~500 lines on purpose: the SDK's public API, one method per protocol call with its
+documented behaviour; the transport, the tokens and the certificates live in their own modules.
 """
 
 from __future__ import annotations
@@ -78,8 +82,7 @@ import hashlib
 import os
 import secrets
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -89,23 +92,23 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.bundle import AgentBundle, load_bundle
 from gateway.client import payloads, witness
-from gateway.client.certs import ClientCertificates, bundle_key
+from gateway.client.certs import CertificateRenewer, bundle_key
 from gateway.client.errors import (
     AuditCheckpointInvalid,
     AuditLogForked,
+    AuthError,
     ConfigError,
     ProtocolError,
+    Unavailable,
     UompClientError,
     error_from_answer,
+    scrub,
 )
-from gateway.client.options import (  # noqa: F401  (importable from gateway.client.sdk as before)
-    AGENT_HEADER,
+from gateway.client.options import (
     AGGREGATE_OPS,
     LOCAL_BASE_URL,
-    READ_CHUNK,
-    REMEMBERED_SECRETS,
-    RETRY_REFRESH_CODES,
-    RETRY_REFRESH_STATUSES,
+    RETRY_UPLOAD_CODES,
+    RETRY_UPLOAD_STATUSES,
     SEGMENT_SAFE,
     AgentKey,
     ClientOptions,
@@ -114,14 +117,17 @@ from gateway.client.options import (  # noqa: F401  (importable from gateway.cli
     RenewedCertificate,
     log,
 )
-from gateway.client.tokens import iso_ts, num, token_claims
-from gateway.client.transport import check_url
+from gateway.client.tokens import BundleFile, TokenManager, token_claims
+from gateway.client.transport import ClientTransport, check_url
 from gateway.core.canonical import canonical_json
 from gateway.core.deletion import sign_deletion_proof
 from gateway.core.envelope import parse_public_key
 from gateway.core.sealing import Binding
 from gateway.core.tokens import iso
 from gateway.errors import UompError
+
+# the codes of a session that can no longer be used (is_active: False rather than an error)
+ENDED_CODES = frozenset({"SESSION_REVOKED", "TOKEN_EXPIRED", "SESSION_NOT_FOUND", "REFRESH_REUSED"})
 
 
 def memory_hash(items: Iterable[Mapping[str, Any]]) -> str:
@@ -144,7 +150,7 @@ def memory_hash(items: Iterable[Mapping[str, Any]]) -> str:
 # ------------------------------------------------------------------------------- the client
 
 
-class UompClient(ClientCertificates):
+class UompClient:
     """An async UOMP client for one session of one agent. See the module docstring.
 
     Build it with :meth:`from_bundle` (Remote Profile) or :meth:`from_env`; the constructor is the
@@ -178,53 +184,43 @@ class UompClient(ClientCertificates):
             raise ConfigError("CONFIG_ERROR", "mode must be mtls, dpop or bearer")
         if not agent_id or not session_id or not access_token:
             raise ConfigError("CONFIG_ERROR", "agent_id, session_id and an access token are required")
-        self._mode = mode
         self._agent_id = agent_id
         self._session_id = session_id
-        self._opts = options or ClientOptions()
-        self._clock = clock
-        self._base = check_url(base_url, "base_url", allow_loopback_http=mode != "mtls")
-        self._ca_file = Path(ca_file) if ca_file is not None else None
-        self._ca_cert = ca_cert
-        self._key = agent_key
-        self._bundle = bundle
-        self._bundle_path = Path(bundle_path) if bundle_path is not None else None
-        if self._bundle_path is not None and self._bundle is None:
+        opts = options or ClientOptions()
+        base = check_url(base_url, "base_url", allow_loopback_http=mode != "mtls")
+        bundle_file = Path(bundle_path) if bundle_path is not None else None
+        if bundle_file is not None and bundle is None:
             raise ConfigError("CONFIG_ERROR", "bundle_path needs the bundle it was loaded from")
         # the agent as a witness of the audit log (gateway/client/witness.py): the kept checkpoints live
         # beside the bundle unless told otherwise; the trusted audit key is the bundle's
-        if witness_path is None and self._bundle_path is not None:
-            witness_path = self._bundle_path.parent / witness.WITNESS_FILE
+        if witness_path is None and bundle_file is not None:
+            witness_path = bundle_file.parent / witness.WITNESS_FILE
         self._witness = (
             None
             if witness_path is None
-            else witness.WitnessFile(Path(witness_path), lock_timeout_seconds=self._opts.lock_timeout_seconds)
+            else witness.WitnessFile(Path(witness_path), lock_timeout_seconds=opts.lock_timeout_seconds)
         )
         self._audit_vkey = audit_verifier_key or (bundle.audit_verifier_key if bundle is not None else None)
-        self._cert = None
-        self._cert_pem = None
-        self._renew_at = float("inf")
-        self._renew_blocked_until = 0.0
 
         # where requests are addressed (DPoP htu, Host) vs where the client connects
-        base_parts = urlsplit(self._base)
-        self._public = self._base
-        self._host_header = None
+        base_parts = urlsplit(base)
+        public = base
+        host_header = None
         if public_url is not None and mode != "dpop":
             raise ConfigError("CONFIG_ERROR", "public_url is for DPoP mode (a tunnel origin) only")
         if mode == "dpop":
             if agent_key is None:
                 raise ConfigError("CONFIG_ERROR", "DPoP mode needs the agent key (bundle agent_key or agent_key_file)")
             if public_url is not None:
-                self._public = check_url(public_url, "public_url", allow_loopback_http=False)
+                public = check_url(public_url, "public_url", allow_loopback_http=False)
             elif base_parts.scheme == "http":
                 raise ConfigError(
                     "CONFIG_ERROR",
                     "DPoP to a loopback http:// origin needs public_url: the https:// "
                     "URL cloudflared serves (proofs are checked against it)",
                 )
-            pub_parts = urlsplit(self._public)
-            if self._public != self._base:
+            pub_parts = urlsplit(public)
+            if public != base:
                 if base_parts.scheme != "http":
                     raise ConfigError(
                         "CONFIG_ERROR",
@@ -233,33 +229,52 @@ class UompClient(ClientCertificates):
                     )
                 if pub_parts.path.rstrip("/") != base_parts.path.rstrip("/"):
                     raise ConfigError("CONFIG_ERROR", "public_url and base_url must have the same path")
-                self._host_header = pub_parts.netloc
+                host_header = pub_parts.netloc
         if ca_file is not None and mode == "mtls":
             raise ConfigError("CONFIG_ERROR", "mTLS trusts the CA in the bundle only; ca_file is for dpop/bearer")
+
+        self._opts = opts
+        # the parts: the transport, the bundle file, the tokens and the certificate over them
+        self._transport = ClientTransport(
+            mode=mode,
+            agent_id=agent_id,
+            session_id=session_id,
+            options=opts,
+            base=base,
+            public=public,
+            host_header=host_header,
+            ca_file=Path(ca_file) if ca_file is not None else None,
+            ca_cert=ca_cert,
+            key=agent_key,
+        )
+        self._bundle = BundleFile(
+            bundle, bundle_file, session_id=session_id, lock_timeout_seconds=opts.lock_timeout_seconds
+        )
+        self._tokens = TokenManager(
+            self._transport,
+            self._bundle,
+            session_id=session_id,
+            options=opts,
+            clock=clock,
+            access_token=access_token,
+            access_expires_at=access_expires_at,
+            refresh_token=refresh_token,
+            refresh_expires_at=refresh_expires_at,
+        )
+        self._certs = CertificateRenewer(
+            self._transport,
+            self._bundle,
+            agent_id=agent_id,
+            session_id=session_id,
+            options=opts,
+            clock=clock,
+            ca_cert=ca_cert,
+            secrets=self._tokens.recent,
+        )
         if mode == "mtls":
             if not ca_cert or not agent_cert or agent_key is None:
                 raise ConfigError("CONFIG_ERROR", "mTLS needs the CA certificate, the agent certificate and its key")
-            self._set_certificate(agent_cert, agent_key)
-
-        # tokens
-        self._access_token = access_token
-        self._access_exp, self._access_iat = self._token_times(access_token, access_expires_at)
-        self._refresh_token = refresh_token
-        self._refresh_exp = None
-        if refresh_token:
-            self._refresh_exp = (
-                iso_ts(refresh_expires_at) if isinstance(refresh_expires_at, str) else num(refresh_expires_at)
-            ) or num(token_claims(refresh_token).get("exp"))
-        self._recent = deque(maxlen=REMEMBERED_SECRETS)
-        self._remember(access_token, refresh_token)
-
-        self._refresh_lock = asyncio.Lock()
-        self._cert_lock = asyncio.Lock()
-        self._open_lock = asyncio.Lock()
-        self._conn = None
-        self._retired = []
-        self._closed = False
-        self.refresh_count = 0  # rotations done by this client (for monitoring and tests)
+            self._certs.set_certificate(agent_cert, agent_key)
 
     # ----------------------------------------------------------------------- constructors
 
@@ -374,30 +389,58 @@ class UompClient(ClientCertificates):
 
     @property
     def mode(self) -> Mode:
-        return self._mode
+        return self._transport.mode
 
     @property
     def base_url(self) -> str:
-        return self._base
+        return self._transport.base
 
     @property
     def public_url(self) -> str:
-        return self._public
+        return self._transport.public
 
     @property
     def access_expires_at(self) -> float:
         """When the current access token expires (seconds since the epoch)."""
-        return self._access_exp
+        return self._tokens.access_exp
+
+    @property
+    def refresh_count(self) -> int:
+        """Token rotations done by this client (for monitoring and tests)."""
+        return self._tokens.refresh_count
+
+    @property
+    def certificate_serial(self) -> str | None:
+        """The agent certificate's serial (hex), None without one (DPoP, bearer)."""
+        return self._certs.serial
+
+    @property
+    def certificate_not_after(self) -> dt.datetime | None:
+        """When the agent certificate expires, None without one."""
+        return self._certs.not_after
+
+    def scrub(self, text: str) -> str:
+        """``text`` with this client's live and recent tokens replaced by ``[redacted]`` (for a log
+        line or a message that may quote one)."""
+        return scrub(text, self._tokens.recent)
 
     def __repr__(self) -> str:
         return (
-            f"UompClient(agent_id={self._agent_id!r}, session_id={self._session_id!r}, mode={self._mode!r}, "
-            f"base_url={self._base!r}, tokens=<redacted>)"
+            f"UompClient(agent_id={self._agent_id!r}, session_id={self._session_id!r}, mode={self.mode!r}, "
+            f"base_url={self.base_url!r}, tokens=<redacted>)"
         )
 
     __str__ = __repr__
 
     # ------------------------------------------------------------------------ life cycle
+
+    async def open(self) -> None:
+        """Create the connection pool (done on first use too)."""
+        await self._transport.open()
+
+    async def aclose(self) -> None:
+        """Close every connection; the client cannot be used again."""
+        await self._transport.aclose()
 
     async def __aenter__(self) -> UompClient:
         await self.open()
@@ -484,7 +527,7 @@ class UompClient(ClientCertificates):
 
     async def _witnessed(self, path: str, *, bundle: bool) -> JSONObject:
         store = self._witness
-        gateway = self._public
+        gateway = self._transport.public
         kept = None if store is None else await asyncio.to_thread(store.get, gateway)
         try:
             answer = self._object(
@@ -564,6 +607,40 @@ class UompClient(ClientCertificates):
         path = f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}/deletion-proof"
         return self._object(await self._call("POST", path, body=proof))
 
+    def token_claims(self) -> JSONObject:
+        """The current access token's claims as sent (scopes, limits, expiry): for describing the
+        grant, not verified here (the gateway verifies every token it is shown)."""
+        return token_claims(self._tokens.access_token)
+
+    async def session(self) -> JSONObject:
+        """``GET /v1/sessions/{id}``: this session's own view (status, expiry, granted scopes,
+        retention). A session that ended raises (``SESSION_REVOKED``, ``TOKEN_EXPIRED`` ...)."""
+        return self._object(await self._call("GET", self._session_path()))
+
+    async def is_active(self) -> bool:
+        """True while this session can still be used; False once it was revoked, closed, expired
+        or is unknown. Other failures (network, gateway down) raise."""
+        try:
+            answer = await self.session()
+        except AuthError as exc:
+            if exc.code in ENDED_CODES:
+                return False
+            raise
+        return answer.get("status") == "active"
+
+    async def validate_token(self) -> JSONObject:
+        """§9.5 ``POST /v1/tokens/validate`` for this client's own access token:
+        ``{"valid": true, "session_id", "agent_id", "expires_at", "status"}``; raises once it is not."""
+        return self._object(await self._call("POST", "/v1/tokens/validate", body={"token": self._tokens.access_token}))
+
+    async def close_session(self) -> JSONObject:
+        """§9.3 ``POST /v1/sessions/{id}/close``: end this session now (``{"session_id", "status":
+        "closed"}``). Its tokens stop working at once; submit a deletion proof first if one is due."""
+        return self._object(await self._call("POST", self._session_path() + "/close"))
+
+    def _session_path(self) -> str:
+        return f"/v1/sessions/{quote(self._session_id, safe=SEGMENT_SAFE)}"
+
     async def upload_payload(self, data: bytes | os.PathLike[str], *, format: str, presigned: bool = False) -> str:
         """§15.6: seal ``data`` to the user's payload key (the bundle's ``payload_public_key``) and upload
         it; returns the ``payload_id``. Only the user can open it (``uomp payload pull``).
@@ -575,7 +652,7 @@ class UompClient(ClientCertificates):
         gateway checked the hash it answers against ours (:class:`ProtocolError` if not).
         """
         payloads.check_format(format)
-        key_text = self._bundle.payload_public_key if self._bundle is not None else None
+        key_text = self._bundle.bundle.payload_public_key if self._bundle.bundle is not None else None
         if not key_text:
             raise ConfigError(
                 "CONFIG_ERROR",
@@ -593,63 +670,107 @@ class UompClient(ClientCertificates):
         binding = Binding(payloads.new_payload_id(), self._session_id, self._agent_id, format)
         if isinstance(data, bytes | bytearray) and not presigned and len(data) <= payloads.JSON_MAX_SEALED - 256:
             doc = await asyncio.to_thread(payloads.seal_small, recipient, binding, bytes(data))
-            answer = self._object(await self._call("POST", "/v1/payload/upload", body=doc))
+
+            async def send_doc() -> tuple[int, Any]:
+                return await self._upload_exchange(
+                    lambda t: self._transport.send("POST", "/v1/payload/upload", None, doc, t)
+                )
+
+            answer = await self._upload_retrying(binding.payload_id, send_doc)
             return payloads.check_answer(answer, binding.payload_id, str(doc["hash"]), self._session_id)
         sealed = await asyncio.to_thread(
             payloads.seal_to_file, recipient, binding, data if isinstance(data, bytes | bytearray) else Path(data)
         )
         try:
-            path, query, method = "/v1/payload/upload", None, "POST"
-            if presigned:
-                grant = self._object(
-                    await self._call("POST", "/v1/payload/upload-url", body={"size": sealed.envelope.size})
-                )
-                url = grant.get("upload_url")
-                token = urlsplit(url).query.partition("t=")[2] if isinstance(url, str) else ""
-                if not token:
-                    raise ProtocolError(
-                        "BAD_RESPONSE", "the upload-url answer has no upload_url", None, self._session_id
+
+            async def send_file() -> tuple[int, Any]:
+                path, query, method = "/v1/payload/upload", None, "POST"
+                if presigned:  # a URL is single-use: each try asks for its own, for the same bytes
+                    grant = self._object(
+                        await self._call("POST", "/v1/payload/upload-url", body={"size": sealed.envelope.size})
                     )
-                path, query, method = "/v1/payload/presigned", {"t": token}, "PUT"
-            answer = self._object(await self._stream_payload(method, path, query, sealed))
+                    url = grant.get("upload_url")
+                    token = urlsplit(url).query.partition("t=")[2] if isinstance(url, str) else ""
+                    if not token:
+                        raise ProtocolError(
+                            "BAD_RESPONSE", "the upload-url answer has no upload_url", None, self._session_id
+                        )
+                    path, query, method = "/v1/payload/presigned", {"t": token}, "PUT"
+                return await self._upload_exchange(
+                    lambda t: self._transport.send_stream(method, path, query, sealed, t), refresh_retry=query is None
+                )
+
+            answer = await self._upload_retrying(binding.payload_id, send_file)
             return payloads.check_answer(answer, binding.payload_id, sealed.envelope.hash, self._session_id)
         finally:
             await asyncio.to_thread(sealed.remove)
 
-    async def _stream_payload(
-        self,
-        method: str,
-        path: str,
-        query: Mapping[str, str] | None,
-        sealed: payloads.SealedFile,
-        *,
-        retried: bool = False,
-    ) -> Any:
-        """An upload streamed from the sealed file (:meth:`_send_stream`), refreshed and retried once
-        like :meth:`_call`."""
+    async def _upload_exchange(
+        self, send: Callable[[str], Awaitable[tuple[int, Any]]], *, refresh_retry: bool = True
+    ) -> tuple[int, Any]:
+        """One try of an upload: (status, answer), after the usual certificate and token upkeep; an
+        access token refused as expired is refreshed and the same bytes sent once more."""
         await self.open()
-        if self._mode == "mtls":
-            await self._ensure_certificate()
-        if self._refresh_token and self._refresh_due():
-            await self._refresh(stale=None, force=False)
-        token = self._access_token
-        status, answer = await self._send_stream(method, path, query, sealed, token)
-        if status < 300:
-            if answer is None:
-                raise ProtocolError("BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id)
-            return answer
-        err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
-        if err.code == "TOKEN_EXPIRED" and not retried and self._refresh_token and query is None:
-            await self._refresh(stale=token, force=True)
-            return await self._stream_payload(method, path, query, sealed, retried=True)
-        raise err
+        if self._transport.mode == "mtls":
+            await self._certs.ensure()
+        tokens = self._tokens
+        if tokens.refresh_token and tokens.refresh_due():
+            await tokens.refresh(stale=None, force=False)
+        token = tokens.access_token
+        status, answer = await send(token)
+        if status >= 300 and refresh_retry and tokens.refresh_token:
+            err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._tokens.recent)
+            if err.code == "TOKEN_EXPIRED":
+                await tokens.refresh(stale=token, force=True)
+                status, answer = await send(tokens.access_token)
+        return status, answer
+
+    async def _upload_retrying(self, payload_id: str, exchange: Callable[[], Awaitable[tuple[int, Any]]]) -> JSONObject:
+        """Send one sealed upload until it is answered: a try that got no answer (connection closed or
+        failed, timed out) or a 502/503/504 is sent again with the same envelope, the same payload_id
+        and the same bytes, which the relay answers like the first (one payload, one event) whether
+        or not the earlier try arrived. Never sealed again: new bytes under that id are 409
+        PAYLOAD_EXISTS. At most ``payload_retry_attempts`` tries, with the refresh back-off."""
+        o = self._opts
+        delay = o.refresh_retry_initial_seconds
+        for attempt in range(1, o.payload_retry_attempts + 1):
+            last = attempt >= o.payload_retry_attempts
+            try:
+                status, answer = await exchange()
+            except Unavailable as exc:
+                if exc.code not in RETRY_UPLOAD_CODES or last:
+                    raise
+                reason = exc.code
+            else:
+                if status < 300:
+                    if answer is None:
+                        raise ProtocolError(
+                            "BAD_RESPONSE", "the gateway's answer is not JSON", status, self._session_id
+                        )
+                    return self._object(answer)
+                if status not in RETRY_UPLOAD_STATUSES or last:
+                    raise error_from_answer(status, answer, session_id=self._session_id, secrets=self._tokens.recent)
+                reason = f"{error_from_answer(status, answer, session_id=self._session_id).code} (HTTP {status})"
+            log.warning(
+                "payload upload %s for session %s got no answer (%s); sending the same upload again in %.1f s "
+                "(try %d of %d)",
+                payload_id,
+                self._session_id,
+                reason,
+                delay,
+                attempt + 1,
+                o.payload_retry_attempts,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, o.refresh_retry_max_seconds)
+        raise AssertionError("unreachable")  # the last try returns or raises
 
     async def refresh(self) -> None:
         """Rotate the tokens now (normally automatic), and save them to the bundle."""
         await self.open()
-        if self._mode == "mtls":
-            await self._ensure_certificate()
-        await self._refresh(stale=self._access_token, force=True)
+        if self._transport.mode == "mtls":
+            await self._certs.ensure()
+        await self._tokens.refresh(stale=self._tokens.access_token, force=True)
 
     async def renew_certificate(self, csr_key: AgentKey | None = None) -> RenewedCertificate:
         """Renew the agent certificate now (normally automatic at 2/3 of its life); mTLS only.
@@ -658,12 +779,12 @@ class UompClient(ClientCertificates):
         Ed25519 key) a CSR moves the certificate to that key, and the key is saved in the bundle;
         tokens stay bound to the old key, so the user must authorize the agent again after that.
         """
-        if self._mode != "mtls":
+        if self._transport.mode != "mtls":
             raise ConfigError("CONFIG_ERROR", "certificate renewal is an mTLS call (the gateway's mTLS listener)")
         await self.open()
-        self._check_not_expired()
-        async with self._cert_lock:
-            return await self._renew(csr_key)
+        self._certs.check_not_expired()
+        async with self._certs.lock:
+            return await self._certs.renew(csr_key)
 
     # ------------------------------------------------------------------------- plumbing
 
@@ -684,20 +805,21 @@ class UompClient(ClientCertificates):
         self, method: str, path: str, *, query: Mapping[str, str] | None = None, body: Any = None, retried: bool = False
     ) -> Any:
         await self.open()
-        if self._mode == "mtls":
-            await self._ensure_certificate()
-        if self._refresh_token and self._refresh_due():
-            await self._refresh(stale=None, force=False)
-        token = self._access_token
-        status, answer = await self._send(method, path, query, body, token)
+        if self._transport.mode == "mtls":
+            await self._certs.ensure()
+        tokens = self._tokens
+        if tokens.refresh_token and tokens.refresh_due():
+            await tokens.refresh(stale=None, force=False)
+        token = tokens.access_token
+        status, answer = await self._transport.send(method, path, query, body, token)
         if status < 300:
             return answer
-        err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
-        if err.code == "TOKEN_EXPIRED" and not retried and self._refresh_token:
+        err = error_from_answer(status, answer, session_id=self._session_id, secrets=tokens.recent)
+        if err.code == "TOKEN_EXPIRED" and not retried and tokens.refresh_token:
             log.info("access token refused as expired for session %s; refreshing and retrying once", self._session_id)
-            await self._refresh(stale=token, force=True)
+            await tokens.refresh(stale=token, force=True)
             return await self._call(method, path, query=query, body=body, retried=True)
         raise err
 
 
-__all__ = ["AGGREGATE_OPS", "ClientOptions", "Mode", "RenewedCertificate", "UompClient", "memory_hash"]
+__all__ = ["UompClient", "memory_hash"]

@@ -91,6 +91,7 @@ def describe(exc: BaseException) -> str:
 
 
 def ssl_in_chain(exc: BaseException) -> bool:
+    """Whether a TLS error is among the causes of ``exc`` (a few levels deep)."""
     cur: BaseException | None = exc
     for _ in range(6):
         if cur is None:

@@ -2,6 +2,10 @@
 all concurrent callers (a lock here, an ``flock`` on ``<bundle>.lock`` across processes), retried
 with back-off when no answer came, and the rotated pair written back to the bundle file before the
 call returns; tokens another process rotated are adopted from the file.
+
+Two parts of :class:`~gateway.client.sdk.UompClient`: :class:`BundleFile` (the bundle on disk, its
+lock and atomic write-back, shared with the certificate renewer) and :class:`TokenManager` (the
+tokens, their times and the refresh over a :class:`~gateway.client.transport.ClientTransport`).
 """
 
 from __future__ import annotations
@@ -11,16 +15,20 @@ import contextlib
 import fcntl
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from gateway.bundle import AgentBundle, load_bundle, write_bundle
 from gateway.client.errors import AuthError, ConfigError, ProtocolError, Unavailable, error_from_answer
 from gateway.client.options import (
+    REMEMBERED_SECRETS,
     RETRY_REFRESH_CODES,
     RETRY_REFRESH_STATUSES,
     SEGMENT_SAFE,
+    ClientOptions,
     JSONObject,
     log,
 )
@@ -39,6 +47,7 @@ def token_claims(token: str) -> JSONObject:
 
 
 def iso_ts(value: Any) -> float | None:
+    """An ISO 8601 timestamp as seconds since the epoch, or None when it is not one."""
     try:
         return parse_iso(value)
     except (ValueError, OverflowError, TypeError):
@@ -46,20 +55,128 @@ def iso_ts(value: Any) -> float | None:
 
 
 def num(value: Any) -> float | None:
+    """A JSON number as a float, or None (booleans are not numbers)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
 
 
-class ClientTokens(ClientTransport):
-    """The token layer of :class:`~gateway.client.sdk.UompClient`."""
+class BundleFile:
+    """The agent bundle as loaded (``bundle``) and where it lives (``path``; None: nothing is
+    written back). :meth:`lock` is the ``flock`` every writer holds; :meth:`persist` writes under it."""
 
-    def _remember(self, *tokens: str | None) -> None:
+    def __init__(
+        self, bundle: AgentBundle | None, path: Path | None, *, session_id: str, lock_timeout_seconds: float
+    ) -> None:
+        self.bundle = bundle
+        self.path = path
+        self._session_id = session_id
+        self._lock_timeout = lock_timeout_seconds
+
+    @contextlib.asynccontextmanager
+    async def lock(self) -> AsyncIterator[None]:
+        """``flock`` on ``<bundle>.lock``: one refresh at a time across processes sharing the bundle."""
+        if self.path is None:
+            yield
+            return
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ConfigError("CONFIG_ERROR", f"cannot open the lock file {lock_path}: {exc.strerror}") from None
+        try:
+            deadline = time.monotonic() + self._lock_timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise Unavailable(
+                            "LOCK_TIMEOUT",
+                            f"another process held {lock_path} for more than {self._lock_timeout:g} s",
+                            None,
+                            self._session_id,
+                        ) from None
+                    await asyncio.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    async def persist(self, update: Callable[[AgentBundle], AgentBundle], what: str) -> None:
+        """Write ``update(bundle)`` to the bundle file (caller holds the bundle lock)."""
+        path, mine = self.path, self.bundle
+        if path is None or mine is None:
+            return
+
+        def write() -> AgentBundle:
+            base = mine
+            with contextlib.suppress(UompError):
+                disk = load_bundle(path)
+                if disk.session_id == mine.session_id:
+                    base = disk  # keep what another process wrote (newer tokens or certificate)
+            new = update(base)
+            write_bundle(path, new)
+            return new
+
+        try:
+            self.bundle = await asyncio.to_thread(write)
+        except OSError as exc:
+            log.error("could not save %s to the agent bundle %s", what, path)
+            raise ConfigError(
+                "CONFIG_ERROR",
+                f"could not save {what} to {path} ({exc.strerror}); fix this before the "
+                "agent restarts: a restarted agent holding a spent refresh token revokes its own "
+                "session",
+                None,
+                self._session_id,
+            ) from None
+
+
+class TokenManager:
+    """The session's tokens (``access_token``, ``refresh_token`` and their times) and their
+    rotation: one refresh at a time for every caller of this client (a lock) and of this bundle (the
+    bundle's ``flock``), the rotated pair saved before it is used. ``recent`` holds the last secrets
+    seen, for redaction in errors; ``refresh_count`` the rotations done."""
+
+    def __init__(
+        self,
+        transport: ClientTransport,
+        bundle: BundleFile,
+        *,
+        session_id: str,
+        options: ClientOptions,
+        clock: Callable[[], float],
+        access_token: str,
+        access_expires_at: str | float | None,
+        refresh_token: str | None,
+        refresh_expires_at: str | float | None,
+    ) -> None:
+        self._transport = transport
+        self._bundle = bundle
+        self._session_id = session_id
+        self._opts = options
+        self._clock = clock
+        self.access_token = access_token
+        self.access_exp, self.access_iat = self.token_times(access_token, access_expires_at)
+        self.refresh_token = refresh_token
+        self.refresh_exp: float | None = None
+        if refresh_token:
+            self.refresh_exp = (
+                iso_ts(refresh_expires_at) if isinstance(refresh_expires_at, str) else num(refresh_expires_at)
+            ) or num(token_claims(refresh_token).get("exp"))
+        self.recent: deque[str] = deque(maxlen=REMEMBERED_SECRETS)
+        self.remember(access_token, refresh_token)
+        self._lock = asyncio.Lock()
+        self.refresh_count = 0
+
+    def remember(self, *tokens: str | None) -> None:
         for t in tokens:
-            if t and t not in self._recent:
-                self._recent.append(t)
+            if t and t not in self.recent:
+                self.recent.append(t)
 
-    def _token_times(self, token: str, expires_at: str | float | None) -> tuple[float, float | None]:
+    @staticmethod
+    def token_times(token: str, expires_at: str | float | None) -> tuple[float, float | None]:
         claims = token_claims(token)
         exp = iso_ts(expires_at) if isinstance(expires_at, str) else num(expires_at)
         if exp is None:
@@ -67,24 +184,24 @@ class ClientTokens(ClientTransport):
         iat = num(claims.get("iat")) or iso_ts(claims.get("issued_at"))
         return (exp if exp is not None else float("inf")), iat
 
-    def _refresh_due(self) -> bool:
-        remaining = self._access_exp - self._clock()
+    def refresh_due(self) -> bool:
+        remaining = self.access_exp - self._clock()
         margin = self._opts.refresh_before_seconds
-        if self._access_iat is not None:
-            life = self._access_exp - self._access_iat
+        if self.access_iat is not None:
+            life = self.access_exp - self.access_iat
             if life > 0:
                 margin = min(max(margin, life * self._opts.refresh_before_fraction), life / 2)
         return remaining <= margin
 
-    async def _refresh(self, *, stale: str | None, force: bool) -> None:
+    async def refresh(self, *, stale: str | None, force: bool) -> None:
         """One refresh for all concurrent callers. ``force``: the gateway refused ``stale`` as
         expired (skip if another caller already replaced it)."""
-        async with self._refresh_lock, self._bundle_lock():
+        async with self._lock, self._bundle.lock():
             self._adopt_from_disk()
             if force:
-                if stale is not None and self._access_token != stale:
+                if stale is not None and self.access_token != stale:
                     return
-            elif not self._refresh_due():
+            elif not self.refresh_due():
                 return
             answer = await self._post_refresh()
             self._apply_tokens(answer)
@@ -92,10 +209,10 @@ class ClientTokens(ClientTransport):
             log.info(
                 "tokens rotated for session %s; access token valid until %s", self._session_id, answer["expires_at"]
             )
-            await self._persist(lambda b: b.with_tokens(answer), "the rotated tokens")
+            await self._bundle.persist(lambda b: b.with_tokens(answer), "the rotated tokens")
 
     async def _post_refresh(self) -> JSONObject:
-        rt = self._refresh_token
+        rt = self.refresh_token
         if not rt:
             raise AuthError(
                 "TOKEN_EXPIRED",
@@ -104,10 +221,10 @@ class ClientTokens(ClientTransport):
                 None,
                 self._session_id,
             )
-        if self._refresh_exp is not None and self._clock() >= self._refresh_exp:
+        if self.refresh_exp is not None and self._clock() >= self.refresh_exp:
             raise AuthError(
                 "TOKEN_EXPIRED",
-                f"the refresh token expired at {iso(self._refresh_exp)}; ask the user to authorize the agent again",
+                f"the refresh token expired at {iso(self.refresh_exp)}; ask the user to authorize the agent again",
                 None,
                 self._session_id,
             )
@@ -120,7 +237,7 @@ class ClientTokens(ClientTransport):
         for attempt in range(1, max(1, o.refresh_retry_attempts) + 1):
             last = attempt >= o.refresh_retry_attempts
             try:
-                status, answer = await self._send("POST", path, None, None, rt)
+                status, answer = await self._transport.send("POST", path, None, None, rt)
             except Unavailable as exc:
                 if exc.code not in RETRY_REFRESH_CODES or last:
                     raise
@@ -141,7 +258,7 @@ class ClientTokens(ClientTransport):
             await asyncio.sleep(delay)
             delay = min(delay * 2, o.refresh_retry_max_seconds)
         if status >= 300:
-            err = error_from_answer(status, answer, session_id=self._session_id, secrets=self._recent)
+            err = error_from_answer(status, answer, session_id=self._session_id, secrets=self.recent)
             if err.code == "REFRESH_REUSED":
                 log.error(
                     "the gateway saw a spent refresh token for session %s: the session is revoked "
@@ -163,30 +280,30 @@ class ClientTokens(ClientTransport):
         return answer
 
     def _apply_tokens(self, answer: Mapping[str, Any]) -> None:
-        self._access_token = str(answer["access_token"])
-        self._access_exp, self._access_iat = self._token_times(self._access_token, answer["expires_at"])
+        self.access_token = str(answer["access_token"])
+        self.access_exp, self.access_iat = self.token_times(self.access_token, answer["expires_at"])
         new_rt = answer.get("refresh_token")
         if isinstance(new_rt, str) and new_rt:
-            self._refresh_token = new_rt
-            self._refresh_exp = iso_ts(answer.get("refresh_expires_at")) or num(token_claims(new_rt).get("exp"))
-        self._remember(self._access_token, self._refresh_token)
+            self.refresh_token = new_rt
+            self.refresh_exp = iso_ts(answer.get("refresh_expires_at")) or num(token_claims(new_rt).get("exp"))
+        self.remember(self.access_token, self.refresh_token)
 
     def _adopt_from_disk(self) -> None:
         """Another process of this agent may have rotated the tokens in the bundle: take them."""
-        if self._bundle_path is None:
+        if self._bundle.path is None:
             return
         try:
-            disk = load_bundle(self._bundle_path)
+            disk = load_bundle(self._bundle.path)
         except UompError:
             return
         if (
             disk.session_id != self._session_id
-            or disk.refresh_token == self._refresh_token
-            or disk.access_token == self._access_token
+            or disk.refresh_token == self.refresh_token
+            or disk.access_token == self.access_token
         ):
             return
         exp = iso_ts(disk.access_expires_at)
-        if exp is None or exp < self._access_exp:
+        if exp is None or exp < self.access_exp:
             return
         log.info("adopting tokens another process rotated for session %s", self._session_id)
         self._apply_tokens(
@@ -197,63 +314,4 @@ class ClientTokens(ClientTransport):
                 "refresh_expires_at": disk.refresh_expires_at,
             }
         )
-        self._bundle = disk
-
-    @contextlib.asynccontextmanager
-    async def _bundle_lock(self) -> AsyncIterator[None]:
-        """``flock`` on ``<bundle>.lock``: one refresh at a time across processes sharing the bundle."""
-        if self._bundle_path is None:
-            yield
-            return
-        lock_path = self._bundle_path.with_name(self._bundle_path.name + ".lock")
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise ConfigError("CONFIG_ERROR", f"cannot open the lock file {lock_path}: {exc.strerror}") from None
-        try:
-            deadline = time.monotonic() + self._opts.lock_timeout_seconds
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise Unavailable(
-                            "LOCK_TIMEOUT",
-                            f"another process held {lock_path} for more than {self._opts.lock_timeout_seconds:g} s",
-                            None,
-                            self._session_id,
-                        ) from None
-                    await asyncio.sleep(0.05)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    async def _persist(self, update: Callable[[AgentBundle], AgentBundle], what: str) -> None:
-        """Write ``update(bundle)`` to the bundle file (caller holds the bundle lock)."""
-        path, mine = self._bundle_path, self._bundle
-        if path is None or mine is None:
-            return
-
-        def write() -> AgentBundle:
-            base = mine
-            with contextlib.suppress(UompError):
-                disk = load_bundle(path)
-                if disk.session_id == mine.session_id:
-                    base = disk  # keep what another process wrote (newer tokens or certificate)
-            new = update(base)
-            write_bundle(path, new)
-            return new
-
-        try:
-            self._bundle = await asyncio.to_thread(write)
-        except OSError as exc:
-            log.error("could not save %s to the agent bundle %s", what, path)
-            raise ConfigError(
-                "CONFIG_ERROR",
-                f"could not save {what} to {path} ({exc.strerror}); fix this before the "
-                "agent restarts: a restarted agent holding a spent refresh token revokes its own "
-                "session",
-                None,
-                self._session_id,
-            ) from None
+        self._bundle.bundle = disk

@@ -9,6 +9,7 @@ import json
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -17,8 +18,9 @@ from yarl import URL
 
 from gateway.client import payloads
 from gateway.client.errors import CertificateError, ConfigError, ProtocolError, Unavailable, UompClientError
-from gateway.client.options import AGENT_HEADER, READ_CHUNK, ClientState
+from gateway.client.options import READ_CHUNK, AgentKey, ClientOptions, Mode
 from gateway.client.tls import describe, ssl_in_chain, transport_context
+from gateway.contract import AGENT_HEADER
 from gateway.core.dpop import make_dpop_proof
 from gateway.core.envelope import HEADER_NAME, encode_header
 from gateway.netutil import is_loopback
@@ -69,8 +71,41 @@ def _query(query: Mapping[str, str] | None) -> str:
     return ("?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query.items())) if query else ""
 
 
-class ClientTransport(ClientState):
-    """The bottom layer of :class:`~gateway.client.sdk.UompClient`: pools and exchanges."""
+class ClientTransport:
+    """The connection part of :class:`~gateway.client.sdk.UompClient`: where it connects and how
+    (TLS material by ``mode``), the connection pools, and one exchange (:meth:`send`,
+    :meth:`send_stream`). The certificate renewer moves it to a new certificate with
+    :meth:`use_certificate`; nothing else changes after construction."""
+
+    def __init__(
+        self,
+        *,
+        mode: Mode,
+        agent_id: str,
+        session_id: str,
+        options: ClientOptions,
+        base: str,
+        public: str,
+        host_header: str | None,
+        ca_file: Path | None,
+        ca_cert: str | None,
+        key: AgentKey | None,
+    ) -> None:
+        self.mode = mode
+        self.base = base  # where the client connects
+        self.public = public  # where requests are addressed (DPoP htu); differs behind a tunnel origin
+        self.host_header = host_header
+        self._agent_id = agent_id
+        self._session_id = session_id
+        self._opts = options
+        self._ca_file = ca_file
+        self._ca_cert = ca_cert
+        self.key = key  # the agent key: the client certificate's (mTLS), the DPoP proofs' signer
+        self._cert_pem: str | None = None
+        self._open_lock = asyncio.Lock()
+        self._conn: Pool | None = None
+        self._retired: list[Pool] = []
+        self._closed = False
 
     async def open(self) -> None:
         """Create the connection pool (done on first use too)."""
@@ -89,6 +124,23 @@ class ClientTransport(ClientState):
         for c in conns:
             if not c.session.closed:
                 await c.session.close()
+
+    def set_certificate(self, cert_pem: str, key: AgentKey) -> None:
+        """The client certificate (and its key) for connections made from now on."""
+        self._cert_pem, self.key = cert_pem, key
+
+    async def use_certificate(self, cert_pem: str, key: AgentKey) -> None:
+        """Move to a new client certificate: new connections use it; calls in flight finish on the
+        old pool, which closes when its last call ends."""
+        self.set_certificate(cert_pem, key)
+        old, self._conn = self._conn, self._new_conn()
+        self._retired = [c for c in self._retired if not c.session.closed]
+        if old is not None:
+            old.retired = True
+            if old.inflight == 0:
+                await old.session.close()
+            else:
+                self._retired.append(old)
 
     def _new_conn(self) -> Pool:
         o = self._opts
@@ -110,10 +162,10 @@ class ClientTransport(ClientState):
 
     def _ssl_context(self) -> ssl.SSLContext:
         return transport_context(
-            self._mode, ca_cert=self._ca_cert, cert_pem=self._cert_pem, key=self._key, ca_file=self._ca_file
+            self.mode, ca_cert=self._ca_cert, cert_pem=self._cert_pem, key=self.key, ca_file=self._ca_file
         )
 
-    async def _send(
+    async def send(
         self, method: str, path: str, query: Mapping[str, str] | None, body: Any, token: str | None
     ) -> tuple[int, Any]:
         """One HTTP exchange: (status, decoded JSON or None). Transport failures become errors."""
@@ -122,15 +174,15 @@ class ClientTransport(ClientState):
             raise ConfigError("CONFIG_ERROR", "this client is closed")
         target = path + _query(query)
         headers = {"Accept": "application/json", AGENT_HEADER: self._agent_id}
-        if self._host_header is not None:
-            headers["Host"] = self._host_header
+        if self.host_header is not None:
+            headers["Host"] = self.host_header
         if token is not None:
-            if self._mode == "dpop":
-                assert self._key is not None
+            if self.mode == "dpop":
+                assert self.key is not None
                 headers["Authorization"] = f"DPoP {token}"
                 # RFC 9449 §4.2: htu is the URL the request is addressed to, without query/fragment.
                 headers["DPoP"] = make_dpop_proof(
-                    self._key, method=method, url=self._public + path, access_token=token, now=time.time()
+                    self.key, method=method, url=self.public + path, access_token=token, now=time.time()
                 )
             else:
                 headers["Authorization"] = f"Bearer {token}"
@@ -141,7 +193,7 @@ class ClientTransport(ClientState):
         conn.inflight += 1
         try:
             async with conn.session.request(
-                method, URL(self._base + target, encoded=True), headers=headers, data=data, allow_redirects=False
+                method, URL(self.base + target, encoded=True), headers=headers, data=data, allow_redirects=False
             ) as resp:
                 status = resp.status
                 raw = await self._read_capped(resp)
@@ -171,7 +223,7 @@ class ClientTransport(ClientState):
             )
             # A plain close is also what a gateway that stopped or restarted mid-request looks like:
             # one fresh handshake tells the two apart (refused again, or the gateway is fine / down).
-            refused = self._mode == "mtls" and closed and not await self._handshake_ok()
+            refused = self.mode == "mtls" and closed and not await self._handshake_ok()
             if closed and not refused:
                 raise Unavailable(
                     "CONNECTION_CLOSED",
@@ -214,7 +266,7 @@ class ClientTransport(ClientState):
         the gateway simply not there)? False when it is refused again: a certificate refusal."""
         o = self._opts
         timeout = aiohttp.ClientTimeout(total=o.connect_timeout_seconds * 2, connect=o.connect_timeout_seconds)
-        headers = {"Host": self._host_header} if self._host_header is not None else None
+        headers = {"Host": self.host_header} if self.host_header is not None else None
         try:
             async with (
                 aiohttp.ClientSession(
@@ -223,7 +275,7 @@ class ClientTransport(ClientState):
                     cookie_jar=aiohttp.DummyCookieJar(),
                     trust_env=False,
                 ) as probe,
-                probe.get(URL(self._base + "/v1/health", encoded=True), headers=headers, allow_redirects=False) as resp,
+                probe.get(URL(self.base + "/v1/health", encoded=True), headers=headers, allow_redirects=False) as resp,
             ):
                 await resp.read()
                 return True
@@ -252,7 +304,7 @@ class ClientTransport(ClientState):
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _send_stream(
+    async def send_stream(
         self, method: str, path: str, query: Mapping[str, str] | None, sealed: payloads.SealedFile, token: str
     ) -> tuple[int, Any]:
         """The streaming form of an upload (its own exchange: a body from a file, a longer time-out):
@@ -267,13 +319,13 @@ class ClientTransport(ClientState):
             "Content-Length": str(sealed.envelope.size),
             HEADER_NAME: encode_header(sealed.envelope),
         }
-        if self._host_header is not None:
-            headers["Host"] = self._host_header
-        if self._mode == "dpop":
-            assert self._key is not None
+        if self.host_header is not None:
+            headers["Host"] = self.host_header
+        if self.mode == "dpop":
+            assert self.key is not None
             headers["Authorization"] = f"DPoP {token}"
             headers["DPoP"] = make_dpop_proof(
-                self._key, method=method, url=self._public + path, access_token=token, now=time.time()
+                self.key, method=method, url=self.public + path, access_token=token, now=time.time()
             )
         else:
             headers["Authorization"] = f"Bearer {token}"
@@ -298,7 +350,7 @@ class ClientTransport(ClientState):
         try:
             async with conn.session.request(
                 method,
-                URL(self._base + target, encoded=True),
+                URL(self.base + target, encoded=True),
                 headers=headers,
                 data=body(),
                 allow_redirects=False,

@@ -28,7 +28,7 @@ from gateway.conformance.harness import (
     Fail,
     Runner,
     Skip,
-    _b64,
+    b64,
     case,
     check_error_shape,
     claims_of,
@@ -117,7 +117,7 @@ async def _self_cert(r: Runner) -> None:
 
 @case("GW-04", "§15.2", "a token bound to another certificate is refused", modes=("gateway",))
 async def _binding(r: Runner) -> None:
-    other = _b64(hashlib.sha256(b"another certificate").digest())
+    other = b64(hashlib.sha256(b"another certificate").digest())
     g = await r.grant({"tags": ["conf.pref"], "keys": []}, cnf={"x5t#S256": other, "jkt": other})
     expect_error(await r.read_key(str(g["token"]), "conf.pref.theme"), AUTH_REFUSED, TOKEN_CODES)
 

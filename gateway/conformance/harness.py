@@ -21,6 +21,7 @@ from gateway.core import jose
 from gateway.errors import UompError
 
 FIXTURE = Path(__file__).with_name("fixture.json")
+# Spelled here, not imported: the suite checks the wire against the spec, not against our own constants.
 AGENT_HEADER = "X-UOMP-Agent-Id"
 # §8.4 codes a refusal may carry (the spec's list; implementations may add their own for new cases)
 SPEC_CODES = {
@@ -46,6 +47,8 @@ class Fail(Exception):
 
 @dataclasses.dataclass
 class Target:
+    """What the suite runs against: a guard or gateway URL, how to reach its admin API, the agent's credentials."""
+
     url: str
     mode: str = "guard"  # guard | gateway
     admin_url: str | None = None  # http(s)://host:port or unix:/path/to/guard.sock
@@ -66,6 +69,8 @@ class Target:
 
 @dataclasses.dataclass
 class Answer:
+    """One HTTP answer as a case sees it: status, parsed body, headers."""
+
     status: int
     body: Any
     headers: dict[str, str]
@@ -80,6 +85,8 @@ CaseFn = Callable[["Runner"], Awaitable[None]]
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """One conformance case: its id, the spec section, what it expects, the modes it runs in."""
+
     id: str
     section: str
     expectation: str
@@ -93,6 +100,8 @@ CASES: list[Case] = []
 def case(
     cid: str, section: str, expectation: str, modes: tuple[str, ...] = ("guard", "gateway")
 ) -> Callable[[CaseFn], CaseFn]:
+    """Registers the decorated coroutine as conformance case ``cid`` of ``section``."""
+
     def deco(fn: CaseFn) -> CaseFn:
         CASES.append(Case(cid, section, expectation, modes, fn))
         return fn
@@ -100,7 +109,8 @@ def case(
     return deco
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
+    """Base64url without padding."""
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
@@ -109,6 +119,8 @@ def _unb64(text: str) -> bytes:
 
 
 class Runner:
+    """Makes the requests of the cases against one :class:`Target` (sessions, tokens, TLS)."""
+
     def __init__(self, target: Target) -> None:
         self.t = target
         self._sessions: list[aiohttp.ClientSession] = []
@@ -280,6 +292,7 @@ class Runner:
 
 
 def expect_error(a: Answer, statuses: tuple[int, ...], codes: tuple[str, ...] | None = None) -> None:
+    """Fails unless ``a`` is a §8.4 error with one of ``statuses`` (and of ``codes`` when given)."""
     if a.status not in statuses:
         raise Fail(f"expected HTTP {'/'.join(map(str, statuses))}, got {a.status} ({a.code()})")
     check_error_shape(a)
@@ -288,6 +301,7 @@ def expect_error(a: Answer, statuses: tuple[int, ...], codes: tuple[str, ...] | 
 
 
 def check_error_shape(a: Answer) -> None:
+    """Fails unless ``a``'s body is the §8.4 error object with string code and message."""
     body = a.body
     if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
         raise Fail(f'error body is not the §8.4 shape {{"error": {{...}}}}: {str(body)[:120]!r}')
@@ -299,12 +313,14 @@ def check_error_shape(a: Answer) -> None:
 
 
 def expect_ok(a: Answer) -> Any:
+    """The body of a 200 answer; fails on any other status."""
     if a.status != 200:
         raise Fail(f"expected 200, got {a.status} ({a.code()})")
     return a.body
 
 
 def item_keys(body: Any) -> set[str]:
+    """The keys of a tag read answer's items; fails when it has no items list."""
     items = body.get("items") if isinstance(body, dict) else None
     if not isinstance(items, list):
         raise Fail("tag read answer has no items list")
@@ -312,22 +328,25 @@ def item_keys(body: Any) -> set[str]:
 
 
 def tamper_signature(token: str) -> str:
+    """``token`` with one bit of its signature flipped."""
     head, payload, sig = token.split(".")
     raw = bytearray(_unb64(sig))
     raw[len(raw) // 2] ^= 0x01
-    return f"{head}.{payload}.{_b64(bytes(raw))}"
+    return f"{head}.{payload}.{b64(bytes(raw))}"
 
 
 def tamper_claims(token: str, **changes: Any) -> str:
+    """``token`` with ``changes`` applied to its claims and the old signature kept."""
     head, payload, sig = token.split(".")
     claims = json.loads(_unb64(payload))
     claims.update(changes)
-    return f"{head}.{_b64(json.dumps(claims).encode())}.{sig}"
+    return f"{head}.{b64(json.dumps(claims).encode())}.{sig}"
 
 
 def alg_none(token: str) -> str:
+    """``token``'s claims under an unsigned ``alg: none`` header."""
     _head, payload, _sig = token.split(".")
-    return f"{_b64(json.dumps({'alg': 'none', 'typ': 'JWT'}).encode())}.{payload}."
+    return f"{b64(json.dumps({'alg': 'none', 'typ': 'JWT'}).encode())}.{payload}."
 
 
 AUTH_REFUSED = (401,)
@@ -335,6 +354,7 @@ TOKEN_CODES = ("INVALID_TOKEN", "TOKEN_EXPIRED", "SESSION_REVOKED", "TOKEN_BINDI
 
 
 def claims_of(token: str) -> dict[str, Any]:
+    """A compact JWS's claims, unverified; fails when it is not one."""
     try:
         claims = json.loads(_unb64(token.split(".")[1]))
     except (ValueError, IndexError) as exc:
@@ -345,5 +365,6 @@ def claims_of(token: str) -> dict[str, Any]:
 
 
 def comparable(a: Answer) -> tuple[int, str | None, str]:
+    """What two refusals must share to be indistinguishable: status, code and the error's member names."""
     err = a.body.get("error", {}) if isinstance(a.body, dict) else {}
     return a.status, a.code(), json.dumps(sorted(err)) if isinstance(err, dict) else ""

@@ -13,6 +13,8 @@ VERDICTS = ("pass", "fail", "skip")
 
 @dataclasses.dataclass(frozen=True)
 class Result:
+    """One case's verdict (pass, fail or skip), with the reason and how long it took."""
+
     id: str
     section: str
     expectation: str
@@ -25,15 +27,18 @@ class Result:
 
 
 def counts(results: list[Result]) -> dict[str, int]:
+    """How many results have each verdict."""
     c = Counter(r.verdict for r in results)
     return {v: c.get(v, 0) for v in VERDICTS}
 
 
 def by_section(results: list[Result]) -> dict[str, int]:
+    """How many results each spec section has."""
     return dict(sorted(Counter(r.section for r in results).items()))
 
 
 def table(results: list[Result], *, target: str, mode: str) -> str:
+    """The results as a plain-text table for a terminal."""
     wid = max([len(r.id) for r in results] + [4])
     sec = max([len(r.section) for r in results] + [7])
     lines = [
@@ -51,6 +56,7 @@ def table(results: list[Result], *, target: str, mode: str) -> str:
 
 
 def junit(results: list[Result], *, target: str, mode: str) -> str:
+    """The results as JUnit XML for CI systems."""
     c = counts(results)
     suite = ET.Element(
         "testsuite",
@@ -74,6 +80,7 @@ def junit(results: list[Result], *, target: str, mode: str) -> str:
 
 
 def to_json(results: list[Result], *, target: str, mode: str) -> str:
+    """The results as a JSON document."""
     return (
         json.dumps(
             {

@@ -38,10 +38,12 @@ from gateway.conformance import cases_gateway  # noqa: F401  (§15.2, §15.5, §
 
 
 def selected(mode: str) -> list[Case]:
+    """The cases that run in ``mode`` (guard or gateway)."""
     return [c for c in CASES if mode in c.modes]
 
 
 async def run(target: Target, *, only: list[str] | None = None) -> list[Result]:
+    """Runs the selected cases (or ``only``) against ``target``, one result per case."""
     if target.mode not in ("guard", "gateway"):
         raise ValueError("mode must be guard or gateway")
     runner = Runner(target)

@@ -17,6 +17,9 @@ Three kinds of certificate come out of this module (RFC 5280 profile, checked by
 Agent ids are restricted to ``[A-Za-z0-9._-]{1,128}`` (not all dots) so an id can never smuggle
 URI syntax (``/``, ``?``, ``#``, ``%``, ``@``) into the SAN, and ``agent_id_from_cert`` refuses
 anything that would not have come out of this module.
+
+Longer than ~500 lines on purpose: the builders and the checks of the same certificates and CRLs,
+side by side, so a rule is written once for both.
 """
 
 from __future__ import annotations
@@ -66,10 +69,12 @@ MAX_CERT_BYTES = 16 * 1024
 
 
 def utcnow() -> dt.datetime:
+    """The current time, timezone-aware UTC."""
     return dt.datetime.now(dt.UTC)
 
 
 def aware_utc(now: dt.datetime | None) -> dt.datetime:
+    """``now`` as an aware UTC datetime (the current time for ``None``); ValueError for a naive one."""
     if now is None:
         return utcnow()
     if now.tzinfo is None:
@@ -112,6 +117,7 @@ def random_serial() -> int:
 
 
 def new_key(key_type: KeyType = "p256") -> AgentPrivateKey:
+    """A fresh agent or CA private key of ``key_type`` (P-256 or Ed25519); CA_ERROR for any other type."""
     if key_type == "p256":
         return ec.generate_private_key(ec.SECP256R1())
     if key_type == "ed25519":
@@ -365,6 +371,7 @@ def load_cert(data: bytes) -> x509.Certificate:
 
 
 def csr_public_key(csr: x509.CertificateSigningRequest) -> AgentPublicKey:
+    """The public key a CSR carries, refused unless it is a key type the CA issues for."""
     pub = csr.public_key()
     _check_key_type(pub, "the agent key")
     assert isinstance(pub, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey)
@@ -501,6 +508,7 @@ def build_crl(
 
 
 def crl_number(crl: x509.CertificateRevocationList) -> int:
+    """The CRL's number (0 when it has no CRLNumber extension): a newer CRL has a larger one."""
     try:
         return int(crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number)
     except x509.ExtensionNotFound:
@@ -511,6 +519,7 @@ def crl_number(crl: x509.CertificateRevocationList) -> int:
 
 
 def cert_pem(cert: x509.Certificate) -> bytes:
+    """The certificate as PEM bytes."""
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
@@ -522,6 +531,7 @@ def key_pem(key: CAPrivateKey) -> bytes:
 
 
 def crl_pem(crl: x509.CertificateRevocationList) -> bytes:
+    """The CRL as PEM bytes."""
     return crl.public_bytes(serialization.Encoding.PEM)
 
 

@@ -54,6 +54,7 @@ def key_id(name: str, public_key: Ed25519PublicKey, kind: bytes = ED25519) -> by
 
 
 def verifier_key(name: str, public_key: Ed25519PublicKey, kind: bytes = ED25519) -> str:
+    """The signed-note verifier key ``name+keyid+base64(kind || key)`` for ``public_key``."""
     _check_name(name)
     return f"{name}+{key_id(name, public_key, kind).hex()}+{base64.b64encode(kind + _raw_public(public_key)).decode()}"
 
@@ -91,6 +92,8 @@ def _check_text(text: str) -> None:
 
 
 def sign_note(text: str, name: str, private_key: Ed25519PrivateKey) -> str:
+    """``text`` signed by ``name``'s key as a signed note (text, blank line, one signature line);
+    NoteError past the size bound."""
     _check_name(name)
     _check_text(text)
     sig = private_key.sign(text.encode())
@@ -154,6 +157,8 @@ def signature_lines(lines: list[str]) -> Iterator[tuple[str, bytes]]:
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A C2SP tlog checkpoint: the log's origin, its size, the root over that many events, and when it was signed."""
+
     origin: str
     size: int
     root: bytes
@@ -179,7 +184,7 @@ class Checkpoint:
             raise NoteError("bad checkpoint origin or size")
         try:
             root = base64.b64decode(root_b64, validate=True)
-        except (binascii.Error, ValueError):  # ValueError: non-ASCII text (found by fuzzing, issue 14)
+        except (binascii.Error, ValueError):  # ValueError: non-ASCII text (found by fuzzing)
             raise NoteError("checkpoint root is not base64") from None
         if len(root) != 32:
             raise NoteError("checkpoint root is not 32 bytes")

@@ -26,13 +26,10 @@ import functools
 import hmac
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from gateway.core.capability import Capability
 from gateway.errors import ErrorCode, UompError
-
-if TYPE_CHECKING:
-    from gateway.core.tokens import Capability
 
 # binding modes
 BIND_EITHER = "either"  # mTLS (or the gateway's assertion): x5t#S256 or jkt matches; an unbound token passes

@@ -73,6 +73,8 @@ _MEMORY_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class DeletionProof:
+    """A verified §19 deletion proof: which session's data the agent deleted, when, and the hash of what it had read."""
+
     deletion_proof_id: str
     session_id: str
     agent_id: str

@@ -79,6 +79,15 @@ def _fail(message: str) -> UompError:
     return UompError(ErrorCode.DPOP_INVALID, message)
 
 
+def _too_many(live: int) -> UompError:
+    """A key past its share of the replay cache: a valid proof sent too fast, not a bad one (429)."""
+    return UompError(
+        ErrorCode.RATE_LIMITED,
+        f"too many DPoP proofs from this key ({live} still live); slow down and retry in a few seconds "
+        "(the gateway's [gateway] dpop_max_proofs_per_second_per_key sets the pace)",
+    )
+
+
 # ------------------------------------------------------------------------------ replay cache
 
 
@@ -185,7 +194,7 @@ class ReplayCache:
     def check_and_add(self, key: str, expires_at: float, *, now: float, partition: str = "") -> bool:
         """True: ``key`` was new and is now recorded until ``expires_at``. False: a live replay.
 
-        Raises ``DPOP_INVALID`` when ``partition`` may not hold another live entry (fail closed).
+        Raises ``RATE_LIMITED`` when ``partition`` may not hold another live entry (fail closed).
         """
         self._purge(now)
         part = self._parts.get(partition)
@@ -195,11 +204,11 @@ class ReplayCache:
             return True
         size = len(part) if part is not None else 0
         if size >= self.per_key_entries:
-            raise _fail("DPoP replay cache is full; proof refused, retry shortly")
+            raise _too_many(size)
         if self._total >= self.max_entries:
             live = len(self._parts) + (0 if part is not None else 1)
             if size >= self.max_entries / live:
-                raise _fail("DPoP replay cache is full; proof refused, retry shortly")
+                raise _too_many(size)
             largest_name = max(self._parts, key=lambda n: len(self._parts[n]))
             largest = self._parts[largest_name]
             if largest.pop_soonest() is not None:

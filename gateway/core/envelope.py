@@ -45,6 +45,8 @@ FORMAT = re.compile(rf"{_TOKEN}/{_TOKEN}(;[ ]?[A-Za-z0-9_.-]{{1,32}}=[A-Za-z0-9_
 
 @dataclass(frozen=True)
 class Envelope:
+    """The §15.6 payload envelope header: whose payload it is, how it is sealed, its format and size."""
+
     payload_id: str
     session_id: str
     agent_id: str
@@ -152,6 +154,7 @@ def parse(doc: Any, *, streaming: bool) -> tuple[Envelope, str | None]:
 
 
 def decode_ciphertext(text: str) -> bytes:
+    """Standard base64 ciphertext as bytes; INVALID_REQUEST for anything else."""
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
@@ -165,6 +168,7 @@ def encode_header(env: Envelope) -> str:
 
 
 def decode_header(value: str) -> Envelope:
+    """The envelope from its header value (base64url JSON, bounded); INVALID_REQUEST for a malformed one."""
     if not value or len(value) > MAX_HEADER_CHARS or not re.fullmatch(r"[A-Za-z0-9_-]+", value):
         raise UompError(
             ErrorCode.INVALID_REQUEST, f"{HEADER_NAME} must be base64url (no padding) of the envelope header"

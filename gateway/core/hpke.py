@@ -39,6 +39,8 @@ class HpkeError(ValueError):
 
 @dataclass(frozen=True)
 class Suite:
+    """An HPKE ciphersuite with the X25519/HKDF-SHA256 KEM: the AEAD and its key length."""
+
     aead_id: int
     key_len: int  # Nk
 
@@ -70,10 +72,12 @@ def _expand(prk: bytes, info: bytes, length: int) -> bytes:
 
 
 def labeled_extract(suite_id: bytes, salt: bytes, label: bytes, ikm: bytes) -> bytes:
+    """LabeledExtract (RFC 9180 §4)."""
     return _extract(salt, _VERSION + suite_id + label + ikm)
 
 
 def labeled_expand(suite_id: bytes, prk: bytes, label: bytes, info: bytes, length: int) -> bytes:
+    """LabeledExpand (RFC 9180 §4)."""
     return _expand(prk, length.to_bytes(2, "big") + _VERSION + suite_id + label + info, length)
 
 
@@ -82,6 +86,7 @@ def _raw(pk: X25519PublicKey) -> bytes:
 
 
 def public_key_from_bytes(raw: bytes) -> X25519PublicKey:
+    """An X25519 public key from its 32 raw bytes; HpkeError for another length."""
     if len(raw) != N_ENC:
         raise HpkeError("an X25519 public key is 32 bytes")
     return X25519PublicKey.from_public_bytes(raw)
@@ -119,6 +124,7 @@ def encap(pk_r: X25519PublicKey, *, eph: X25519PrivateKey | None = None) -> tupl
 
 
 def decap(enc: bytes, sk_r: X25519PrivateKey) -> bytes:
+    """Decap (RFC 9180 §4.1): the shared secret from the sender's ``enc`` and the recipient's key."""
     pk_e = public_key_from_bytes(enc)
     return _extract_and_expand(_dh(sk_r, pk_e), enc + _raw(sk_r.public_key()))
 
@@ -171,11 +177,13 @@ def key_schedule(suite: Suite, shared_secret: bytes, info: bytes) -> Context:
 def setup_sender(
     suite: Suite, pk_r: X25519PublicKey, info: bytes, *, eph: X25519PrivateKey | None = None
 ) -> tuple[bytes, Context]:
+    """SetupBaseS (RFC 9180 §5.1.1): (enc, the sender's context)."""
     shared, enc = encap(pk_r, eph=eph)
     return enc, key_schedule(suite, shared, info)
 
 
 def setup_receiver(suite: Suite, enc: bytes, sk_r: X25519PrivateKey, info: bytes) -> Context:
+    """SetupBaseR (RFC 9180 §5.1.1): the recipient's context for ``enc``."""
     return key_schedule(suite, decap(enc, sk_r), info)
 
 
@@ -186,4 +194,5 @@ def seal(suite: Suite, pk_r: X25519PublicKey, info: bytes, plaintext: bytes, aad
 
 
 def open_(suite: Suite, enc: bytes, sk_r: X25519PrivateKey, info: bytes, ciphertext: bytes, aad: bytes = b"") -> bytes:
+    """Single-shot open (RFC 9180 §6.1); the AEAD refuses a changed ciphertext or ``aad``."""
     return setup_receiver(suite, enc, sk_r, info).open(ciphertext, aad)

@@ -79,6 +79,7 @@ def field_name(name: str) -> str | None:
 
 
 def garbage(what: str) -> UompError:
+    """UPSTREAM_ERROR for an invalid guard answer, named by a fixed phrase (never the upstream's bytes)."""
     # ``what`` is a fixed phrase: never the upstream's bytes (they may hold a memory value)
     return UompError(ErrorCode.UPSTREAM_ERROR, f"the memory guard answered with an invalid response ({what})")
 
@@ -178,6 +179,7 @@ def chunk_size(line: bytes) -> int:
 
 
 def check_body_size(received: int) -> None:
+    """Refuses a guard answer whose body passed :data:`MAX_BODY_BYTES`."""
     if received > MAX_BODY_BYTES:
         raise garbage("body larger than the gateway accepts")
 

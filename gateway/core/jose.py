@@ -31,6 +31,7 @@ SUPPORTED_ALGS = frozenset({"EdDSA", "ES256"})
 
 
 def b64u_encode(data: bytes) -> str:
+    """Base64url without padding (RFC 7515 §2)."""
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
@@ -106,6 +107,7 @@ def load_public_jwk(jwk: Any) -> PublicKey:
 
 
 def load_private_jwk(jwk: Any) -> ed25519.Ed25519PrivateKey:
+    """An Ed25519 private key from its OKP JWK; ValueError unless ``d`` (and ``x`` when present) are right."""
     if not isinstance(jwk, dict) or jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
         raise ValueError("not an Ed25519 private JWK")
     d = b64u_decode(jwk.get("d", ""))
@@ -131,6 +133,7 @@ def jwk_thumbprint(jwk: dict[str, Any]) -> str:
 
 
 def key_thumbprint(key: PublicKey | PrivateKey) -> str:
+    """The RFC 7638 JWK thumbprint of a key's public half (what ``cnf.jkt`` binds)."""
     return jwk_thumbprint(public_jwk(key))
 
 
@@ -162,6 +165,8 @@ def sign_compact(header: dict[str, Any], payload: dict[str, Any], key: PrivateKe
 
 @dataclass(frozen=True)
 class ParsedJWS:
+    """A compact JWS split and decoded, its signature not yet checked."""
+
     header: dict[str, Any]
     payload: dict[str, Any]
     signing_input: bytes

@@ -31,9 +31,15 @@ proof member names; it is NOT the W3C Data Integrity ``Ed25519Signature2020`` al
 hashes RDF-canonicalised data). A verified ``did:key`` proves the manifest was signed by the holder
 of that key, nothing more: who the key belongs to is the user's trust list (§16.4).
 
-Every other method (``did:ethr``, ``did:web``, GPG, X.509, registry) is reported as
+Here every other method (``did:ethr``, ``did:web``, GPG, X.509, registry) is reported as
 unverified with the reason ``"method not supported by this verifier: reported as unverified
-publisher"``; nothing is ever reported verified that was not checked.
+publisher"``; nothing is ever reported verified that was not checked. did:web, X.509 and OpenPGP
+need I/O or the trust list and are checked by :mod:`gateway.identity.verify`, which ``uomp
+authorize`` uses. The standard proof is W3C Data Integrity ``eddsa-jcs-2022``
+(:mod:`gateway.core.dataintegrity`); the construction above is the legacy one, accepted until
+``LEGACY_PROOF_UNTIL`` (:mod:`gateway.core.publisher`).
+
+Longer than ~500 lines on purpose: one document's parser; every field's rule sits with the field.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.core.capability import Scope
 from gateway.core.didkey import b58btc_decode as b58btc_decode  # re-exported for callers of this module
 from gateway.core.didkey import b58btc_encode as b58btc_encode
 from gateway.core.didkey import did_key_from_public as did_key_from_public
@@ -58,7 +65,7 @@ from gateway.core.publisher import IdentityResult as IdentityResult
 from gateway.core.publisher import manifest_signing_input as manifest_signing_input
 from gateway.core.publisher import sign_manifest as sign_manifest
 from gateway.core.publisher import verify_identity as verify_identity
-from gateway.core.tokens import Scope, parse_iso
+from gateway.core.tokens import parse_iso
 from gateway.errors import ErrorCode, UompError
 
 UOMP_VERSION = "1.0"
@@ -100,6 +107,8 @@ def is_display_safe(text: str) -> bool:
 
 @dataclass(frozen=True)
 class AgentInfo:
+    """Who the agent says it is (§16.2 ``agent``): id, name, version, publisher."""
+
     id: str
     name: str
     version: str
@@ -109,6 +118,8 @@ class AgentInfo:
 
 @dataclass(frozen=True)
 class RetentionPolicy:
+    """What the agent promises to do with what it reads (§16.2 ``retention``)."""
+
     max_retention_seconds: float
     deletion_method: str  # one of DELETION_METHODS
     proof_required: bool = False
@@ -130,6 +141,8 @@ class IdentityClaim:
 
 @dataclass(frozen=True)
 class Manifest:
+    """A parsed and checked agent manifest (§16): the agent, the scopes it asks for and its promises."""
+
     uomp_version: str
     agent: AgentInfo
     read: Scope

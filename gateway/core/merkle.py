@@ -35,10 +35,12 @@ class ProofError(ValueError):
 
 
 def leaf_hash(data: bytes) -> bytes:
+    """RFC 9162 §2.1.1 leaf hash: SHA-256(0x00 || data)."""
     return hashlib.sha256(_LEAF + data).digest()
 
 
 def node_hash(left: bytes, right: bytes) -> bytes:
+    """RFC 9162 §2.1.1 interior node hash: SHA-256(0x01 || left || right)."""
     return hashlib.sha256(_NODE + left + right).digest()
 
 

@@ -40,11 +40,14 @@ EXPIRED_CURSOR = "cursor has expired; start the read again without it"
 
 @dataclass(frozen=True)
 class CursorState:
+    """What a page cursor carries back: the last key served and the page size."""
+
     after: str  # the last key already served
     limit: int  # the page size the agent asked for
 
 
 def new_key() -> bytes:
+    """A fresh random cursor key (kept by the guard; cursors are sealed with it)."""
     return os.urandom(KEY_BYTES)
 
 
@@ -53,6 +56,7 @@ def _aad(session_id: str, agent_id: str, tag: str) -> bytes:
 
 
 def seal(key: bytes, *, session_id: str, agent_id: str, tag: str, after: str, limit: int, expires_at: int) -> str:
+    """A cursor for the next page, sealed (AES-GCM) to this session, agent and tag, expiring at ``expires_at``."""
     nonce = os.urandom(NONCE_BYTES)
     payload = _HEAD.pack(limit, max(0, int(expires_at))) + after.encode("utf-8")
     box = AESGCM(key).encrypt(nonce, payload, _aad(session_id, agent_id, tag))

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 
 NOT_IN_SCOPE = "key is not within granted scope"
 TAG_NOT_IN_SCOPE = "tag is not within granted scope"
@@ -30,6 +30,8 @@ HIGH_SENSITIVITY_HIDDEN = ("sensitivity", "source")
 
 @dataclass(frozen=True)
 class Decision:
+    """An access decision: allowed or not, the reason the agent may see, and the detail for the user."""
+
     allowed: bool
     reason: str  # what the agent may see (audit ``reason``)
     detail: str  # what the user sees in their own audit view
@@ -43,7 +45,7 @@ def key_decision(scope: Scope, key: str, item_tags: Sequence[str] | None, sensit
            ``gateway/core/checks.py`` (one ordered list, the gateway and the Auth Service alike);
       5.   the read quota: counted by the Auth Service in the same trip to ``auth.db`` as step 4
            (the one counter; a refusal is QUOTA_EXCEEDED);
-      5b.  an ``aggregation_only`` token reads nothing by key or tag (``guard/app.py``, before any
+      5b.  an ``aggregation_only`` token reads nothing by key or tag (``guard/routes/reads.py``, before any
            item is looked at);
       6-8. this function, in this order (below);
       9.   ``allowed_fields`` shapes what is returned: :func:`filter_fields`.
@@ -74,6 +76,7 @@ def key_decision(scope: Scope, key: str, item_tags: Sequence[str] | None, sensit
 
 
 def tag_decision(scope: Scope, tag: str) -> Decision:
+    """Whether ``scope`` grants reading by ``tag``: a denied tag wins, then the granted tags."""
     if tag in scope.deny_tags:
         return Decision(False, "tag explicitly denied", "tag in deny_tags")
     if tag in scope.tags:
@@ -172,6 +175,8 @@ def _number(x: Any) -> int | float | None:
 
 @dataclass(frozen=True)
 class AggregateResult:
+    """An aggregate's answer (or refusal) and how many items contributed to it."""
+
     ok: bool
     body: dict[str, Any]
     contributing: int
@@ -218,6 +223,8 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class AtomCheck:
+    """Whether an aggregate may be answered without isolating one item, and each tag's set as it is now."""
+
     ok: bool
     detail: str
     fingerprints: dict[str, Fingerprint]  # each tag's set as it is now

@@ -1,5 +1,12 @@
 """The publisher identity of an agent manifest (spec §16), pure: verify or make a did:key proof.
 
+Two proof forms verify. The standard one: a W3C Data Integrity proof, ``type: "DataIntegrityProof"``,
+``cryptosuite: "eddsa-jcs-2022"`` (:mod:`gateway.core.dataintegrity`) over the manifest without
+``identity.proof``; :func:`sign_manifest` makes it. The legacy UOMP construction (type
+``Ed25519Signature2020``, a plain Ed25519 signature over the canonical manifest without
+``proofValue``; see :mod:`gateway.core.manifest`) still verifies until ``LEGACY_PROOF_UNTIL``, its
+reason saying so; after that date it is reported unverified with the way to re-sign.
+
 The rules (what is signed, which encodings of ``proofValue`` are accepted, why every other method
 is "unverified") are documented in :mod:`gateway.core.manifest`, which re-exports this module's
 public names; the did:key and base58btc encodings are :mod:`gateway.core.didkey`.
@@ -17,7 +24,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from gateway.core import jose
+from gateway.core import dataintegrity, jose
 from gateway.core.canonical import canonical_json
 from gateway.core.didkey import b58btc_decode, did_key_from_public, public_key_from_did_key
 from gateway.errors import ErrorCode, UompError
@@ -25,13 +32,19 @@ from gateway.errors import ErrorCode, UompError
 MAX_DID = 2048
 MAX_PROOF_VALUE = 4096
 VERIFICATION_METHODS = ("did", "gpg", "x509", "registry")
-PROOF_TYPE = "Ed25519Signature2020"
+PROOF_TYPE = "Ed25519Signature2020"  # the legacy UOMP construction (not the W3C suite of that name)
+LEGACY_PROOF_UNTIL = datetime(2027, 7, 1, tzinfo=UTC)  # legacy proofs verify before this instant
+LEGACY_NOTE = (
+    "legacy UOMP proof, accepted until 2027-07-01: the publisher should re-sign with DataIntegrityProof eddsa-jcs-2022"
+)
 UNSUPPORTED_REASON = "method not supported by this verifier: reported as unverified publisher"
 DID_PATTERN = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._:%-]+")
 
 
 @dataclass(frozen=True)
 class IdentityResult:
+    """What a publisher identity check found: verified or not, by which method, and why."""
+
     verified: bool
     method: str  # "did:key", "did:ethr", "did:web", "gpg", "x509", "registry" or "none"
     did: str | None
@@ -81,11 +94,43 @@ def _signature_candidates(value: str) -> list[bytes]:
     return out
 
 
+def proof_verifies(manifest_raw: Mapping[str, Any], pub: ed25519.Ed25519PublicKey) -> bool:
+    """Whether ``identity.proof.proofValue`` is ``pub``'s Ed25519 signature over :func:`manifest_signing_input`
+    (the construction of the module docstring, whatever DID method named the key)."""
+    identity = manifest_raw.get("identity")
+    proof = identity.get("proof") if isinstance(identity, dict) else None
+    if not isinstance(proof, dict):
+        return False
+    if dataintegrity.is_eddsa_jcs(proof):
+        try:
+            dataintegrity.verify_proof(dataintegrity.unsecured_manifest(manifest_raw), proof, pub)
+        except dataintegrity.ProofError:
+            return False
+        return True
+    if proof.get("type") != PROOF_TYPE or datetime.now(UTC) >= LEGACY_PROOF_UNTIL:
+        return False
+    member = _proof_value_member(proof)
+    value = proof.get(member) if member else None
+    if not isinstance(value, str) or len(value) > MAX_PROOF_VALUE:
+        return False
+    try:
+        signed = manifest_signing_input(manifest_raw)
+    except UompError:
+        return False
+    for sig in _signature_candidates(value):
+        try:
+            pub.verify(sig, signed)
+        except InvalidSignature:
+            continue
+        return True
+    return False
+
+
 def _unverified(method: str, did: str | None, reason: str) -> IdentityResult:
     return IdentityResult(verified=False, method=method, did=did, public_key=None, reason=reason)
 
 
-def verify_identity(manifest_raw: Mapping[str, Any]) -> IdentityResult:
+def verify_identity(manifest_raw: Mapping[str, Any], *, now: datetime | None = None) -> IdentityResult:
     """Verify the publisher identity of a decoded manifest (see the module docstring).
 
     Never raises for a bad or unsupported identity: the answer is ``verified=False`` with a
@@ -122,14 +167,39 @@ def verify_identity(manifest_raw: Mapping[str, Any]) -> IdentityResult:
     proof = identity.get("proof")
     if not isinstance(proof, dict):
         return _unverified("did:key", did, "identity.proof is missing: reported as unverified publisher")
-    if proof.get("type") != PROOF_TYPE:
-        return _unverified("did:key", did, f"identity.proof.type is not {PROOF_TYPE}: reported as unverified publisher")
     vm = proof.get("verificationMethod")
     if vm is not None and (not isinstance(vm, str) or (vm != did and not vm.startswith(did + "#"))):
         return _unverified(
             "did:key",
             did,
             "identity.proof.verificationMethod names another key: reported as unverified publisher",
+        )
+    if dataintegrity.is_eddsa_jcs(proof):
+        try:
+            dataintegrity.verify_proof(dataintegrity.unsecured_manifest(manifest_raw), proof, pub)
+        except dataintegrity.ProofError as exc:
+            return _unverified("did:key", did, f"{exc}: reported as unverified publisher")
+        return IdentityResult(
+            verified=True,
+            method="did:key",
+            did=did,
+            public_key=pub,
+            reason="manifest proof (DataIntegrityProof eddsa-jcs-2022) verified for this did:key (the key is "
+            "self-certifying: compare the DID with the one the publisher advertises)",
+        )
+    if proof.get("type") != PROOF_TYPE:
+        return _unverified(
+            "did:key",
+            did,
+            f"identity.proof is neither a {dataintegrity.PROOF_TYPE} ({dataintegrity.CRYPTOSUITE}) nor a "
+            f"legacy {PROOF_TYPE} proof: reported as unverified publisher",
+        )
+    if (now or datetime.now(UTC)) >= LEGACY_PROOF_UNTIL:
+        return _unverified(
+            "did:key",
+            did,
+            "legacy UOMP proofs are no longer accepted (since 2027-07-01); the publisher must re-sign with "
+            "DataIntegrityProof eddsa-jcs-2022: reported as unverified publisher",
         )
     member = _proof_value_member(proof)
     value = proof.get(member) if member else None
@@ -158,7 +228,7 @@ def verify_identity(manifest_raw: Mapping[str, Any]) -> IdentityResult:
             did=did,
             public_key=pub,
             reason="manifest signature verified for this did:key (the key is self-certifying: "
-            "compare the DID with the one the publisher advertises)",
+            f"compare the DID with the one the publisher advertises); {LEGACY_NOTE}",
         )
     return _unverified(
         "did:key",
@@ -174,8 +244,12 @@ def sign_manifest(
     did: str | None = None,
     *,
     created: str | None = None,
+    suite: str = dataintegrity.CRYPTOSUITE,
 ) -> dict[str, Any]:
     """A copy of ``manifest`` with ``identity`` set to a did:key and a fresh proof (tests, examples).
+
+    ``suite``: ``"eddsa-jcs-2022"`` (default, a W3C DataIntegrityProof) or ``"legacy"`` (the old
+    UOMP construction, for transition tests).
 
     ``did`` defaults to the key's own did:key; a ``did`` that is not the key's did:key is
     refused (KEY_ERROR), since nothing could verify it. ``identity.verification_methods``
@@ -191,9 +265,18 @@ def sign_manifest(
     if "verification_methods" not in identity and "verificationMethods" not in identity:
         identity["verification_methods"] = ["did"]
     fragment = own[len("did:key:") :]
+    when = created or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if suite == dataintegrity.CRYPTOSUITE:
+        identity.pop("proof", None)
+        doc["identity"] = identity
+        options = {"created": when, "verificationMethod": f"{own}#{fragment}", "proofPurpose": "assertionMethod"}
+        identity["proof"] = dataintegrity.sign_proof(dataintegrity.unsecured_manifest(doc), options, private_key)
+        return doc
+    if suite != "legacy":
+        raise UompError(ErrorCode.INVALID_REQUEST, f"unknown proof suite {suite!r}: eddsa-jcs-2022 or legacy")
     identity["proof"] = {
         "type": PROOF_TYPE,
-        "created": created or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": when,
         "verificationMethod": f"{own}#{fragment}",
     }
     doc["identity"] = identity

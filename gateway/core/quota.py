@@ -34,6 +34,8 @@ def reservation_block(limit: int) -> int:
 
 
 class QuotaLedger:
+    """Read quotas counted in memory and persisted in reserved blocks, so most reads cost no write."""
+
     def __init__(
         self, load: Callable[[str], int], persist: Callable[[str, int], None], *, block: int | None = None
     ) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
 
 # Capability names this gateway knows (spec §6.3 names memory.read and memory.query; aggregate
 # and write follow the same pattern). Any other name is shown as unknown, never dropped silently.
@@ -56,6 +56,8 @@ def asks_aggregation_only(capabilities: Iterable[str]) -> bool:
 
 @dataclass(frozen=True)
 class ReadGrant:
+    """The read part of a grant as the user approved it, with what it widens beyond the request."""
+
     scope: Scope  # allowed_fields inside the scope equals ``allowed_fields`` below
     allowed_fields: tuple[str, ...] | None
     aggregation_only: bool

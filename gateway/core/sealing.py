@@ -262,6 +262,7 @@ class Opener:
 
 
 def ciphertext_hash(sealed: bytes) -> str:
+    """``sha256:<hex>`` of the sealed bytes (what the relay stores and the envelope names)."""
     return "sha256:" + hashlib.sha256(sealed).hexdigest()
 
 
@@ -272,6 +273,7 @@ def seal_bytes(recipient: X25519PublicKey, binding: Binding, plaintext: bytes) -
 
 
 def open_bytes(private_key: X25519PrivateKey, binding: Binding, encryption: Mapping[str, Any], sealed: bytes) -> bytes:
+    """The plaintext of a payload sealed to ``private_key`` under ``binding``; SealError if anything was changed."""
     if len(sealed) < PREFIX_LEN:
         raise SealError("truncated: no key block")
     o = Opener(private_key, binding, encryption, sealed[:PREFIX_LEN])

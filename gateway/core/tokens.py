@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core import checks, jose
+from gateway.core.capability import EMPTY_SCOPE, Capability, Scope
 from gateway.errors import ErrorCode, UompError
 
 TOKEN_VERSION = "1.0"
@@ -63,63 +63,6 @@ def parse_iso(text: Any) -> float:
     return dt.timestamp()
 
 
-@dataclass(frozen=True)
-class Scope:
-    tags: tuple[str, ...] = ()
-    keys: tuple[str, ...] = ()
-    deny_tags: tuple[str, ...] = ()
-    deny_keys: tuple[str, ...] = ()
-    allowed_fields: tuple[str, ...] | None = None
-
-    def to_claim(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "tags": list(self.tags),
-            "keys": list(self.keys),
-            "deny_tags": list(self.deny_tags),
-            "deny_keys": list(self.deny_keys),
-        }
-        if self.allowed_fields is not None:
-            out["allowed_fields"] = list(self.allowed_fields)
-        return out
-
-    def is_empty(self) -> bool:
-        return not self.tags and not self.keys
-
-
-EMPTY_SCOPE = Scope()
-
-
-@dataclass(frozen=True)
-class Capability:
-    """A verified token's claims, normalised."""
-
-    session_id: str
-    agent_id: str
-    issued_at: float
-    expires_at: float
-    read: Scope
-    write: Scope
-    max_read_queries: int | None
-    max_write_queries: int | None
-    profile: str
-    audience: str | None
-    allowed_endpoints: tuple[str, ...] | None
-    allowed_fields: tuple[str, ...] | None
-    aggregation_only: bool
-    task_bound: bool
-    jti: str | None
-    kid: str
-    token_use: str  # "access" or "refresh"
-    cnf_x5t: str | None = None
-    cnf_jkt: str | None = None
-    family_id: str | None = None
-    claims: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def is_refresh(self) -> bool:
-        return self.token_use == "refresh"
-
-
 def _fail(message: str) -> UompError:
     return UompError(ErrorCode.INVALID_TOKEN, message)
 
@@ -151,6 +94,7 @@ def _pick(obj: Mapping[str, Any], snake: str, camel: str) -> Any:
 
 
 def parse_scope(obj: Any, name: str) -> Scope:
+    """A scope from its claim object (both spellings of each member); INVALID_TOKEN for a malformed one."""
     if obj is None:
         return EMPTY_SCOPE
     if not isinstance(obj, dict):
@@ -193,7 +137,7 @@ def parse_claims(header: Mapping[str, Any], claims: Mapping[str, Any]) -> Capabi
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _fail(f"claim {name} must be a number")
     assert isinstance(exp, int | float) and isinstance(iat, int | float)
-    # §7.2 MUST claims (version, issued_at, expires_at; limits below for access tokens). The
+    # §7.2 MUST claims (version, issued_at, expires_at). The
     # reference writes them snake_case; camelCase spellings are read too.
     version = claims.get("version")
     if not isinstance(version, str) or version.split(".", 1)[0] != TOKEN_VERSION.split(".", 1)[0]:
@@ -219,11 +163,9 @@ def parse_claims(header: Mapping[str, Any], claims: Mapping[str, Any]) -> Capabi
         read = parse_scope(scopes.get("read"), "read")
         write = parse_scope(scopes.get("write"), "write")
 
+    # §7.2: ``limits`` is OPTIONAL. What it says is informational for the agent: the read quota is
+    # the session's grant, enforced by the Auth Service whatever the token carries.
     limits = claims.get("limits")
-    if limits is None and token_use == "access":
-        # Spec table says OPTIONAL, but without it no quota applies; every issuer we trust (ours
-        # and the TypeScript reference's Auth Service) always writes it.
-        raise _fail("claim limits is required")
     if limits is not None and not isinstance(limits, dict):
         raise _fail("claim limits must be an object")
     limits = limits or {}
@@ -287,6 +229,7 @@ def verify_token(token: str, keys: Mapping[str, jose.PublicKey], *, now: float) 
 
 
 def new_jti() -> str:
+    """A fresh random token id."""
     return "jti_" + secrets.token_urlsafe(18)
 
 
@@ -347,6 +290,7 @@ def refresh_claims(
     audience: str | None,
     cnf: dict[str, str] | None,
 ) -> dict[str, Any]:
+    """The claims of a refresh token for one session and token family."""
     claims: dict[str, Any] = {
         "version": TOKEN_VERSION,
         "token_use": "refresh",
@@ -369,6 +313,7 @@ def refresh_claims(
 
 
 def sign_token(claims: dict[str, Any], key: ed25519.Ed25519PrivateKey, kid: str, *, refresh: bool = False) -> str:
+    """``claims`` as a compact EdDSA JWS signed with the Auth Service's key ``kid``."""
     header: dict[str, Any] = {"alg": "EdDSA", "kid": kid}
     if refresh:
         header["typ"] = REFRESH_TYP

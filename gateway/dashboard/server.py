@@ -22,7 +22,7 @@ import jinja2
 from aiohttp import web
 
 from gateway.config import DashboardConfig, Paths
-from gateway.dashboard import charts, data, security
+from gateway.dashboard import charts, data, enroll_view, security
 from gateway.errors import STATUS, ErrorCode, UompError
 
 log = logging.getLogger("uomp.dashboard")
@@ -320,7 +320,8 @@ class Dashboard:
 
     async def agents_page(self, request: web.Request) -> web.StreamResponse:
         rows = await asyncio.to_thread(data.agents, self.paths)
-        return self._render(request, "agents.html", title="Agents and certificates", rows=rows)
+        asked = await asyncio.to_thread(enroll_view.requests, self.paths)
+        return self._render(request, "agents.html", title="Agents and certificates", rows=rows, requests=asked)
 
     async def revoke_agent(self, request: web.Request) -> web.StreamResponse:
         target = str(request[FORM_KEY].get("target", ""))

@@ -1,5 +1,8 @@
 """The guard's audit log (spec §18): its own SQLite file, apart from the Memory Store.
 
+Longer than ~500 lines on purpose: one class, the log's writer, reader and proof paths over one
+SQLite file and one group-commit writer, whose steps share the same connection rules.
+
 Every decision, allowed or not, becomes a row with the §18.2 fields plus ``query_count_remaining``.
 ``reason`` is what the agent may see in ``GET /v1/audit`` (no existence leak, see core.policy);
 ``detail`` is for the user only.
@@ -21,7 +24,7 @@ A lock held by another process past the busy timeout makes a batch fail with STO
 shortly) in the same way. Reads of the log run on their own thread (:attr:`AuditLog.reader`),
 never on the event loop.
 
-Verifiable (issue 10, docs/audit.md): with :class:`LedgerOptions` (every production opener, see
+Verifiable (docs/audit.md): with :class:`LedgerOptions` (every production opener, see
 :func:`open_audit`) each row is also an event of the Merkle event log (:mod:`gateway.ledger.log`)
 in the *same* transaction: gap-free sequence, RFC 9162 leaf, tree nodes, and a signed C2SP
 checkpoint every ``audit_checkpoint_events`` events or ``audit_checkpoint_seconds`` seconds (a
@@ -66,7 +69,7 @@ from gateway.ledger.query import AuditFilter, AuditPage, event_owner, query_even
 
 log = logging.getLogger("uomp.audit")
 
-# The table of older versions (before issue 10's reader): rows that exist only there are moved into the
+# The table of older versions (before the Merkle event log): rows that exist only there are moved into the
 # event log when the audit log is opened (:meth:`AuditLog._migrate_legacy`), then the table is dropped.
 LEGACY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_logs (
@@ -137,6 +140,8 @@ URGENT_ACTIONS = frozenset(
 
 @dataclass(frozen=True)
 class LedgerOptions:
+    """How the audit log signs: its key and origin, when checkpoints are due, and where the witness record lives."""
+
     key: Ed25519PrivateKey
     origin: str
     checkpoint_events: int = 1000
@@ -174,7 +179,7 @@ def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True) -> AuditL
     )
 
 
-# Fields an event may carry besides :data:`COLUMNS` (the gateway's, issue 10's one log): where and how
+# Fields an event may carry besides :data:`COLUMNS` (the gateway's, in the one log): where and how
 # the request arrived, its stable code and HTTP status, and counts of rate-limited events.
 EXTRA_FIELDS = frozenset(
     {
@@ -221,12 +226,12 @@ def anchor_chain(paths: Paths) -> dict[str, Any]:
 def ledger_refusal(exc: LedgerError, *, session_id: str | None = None) -> UompError:
     """A :class:`LedgerError` as the error a reader answers."""
     if exc.code == "PROOF_PENDING":
-        return UompError(ErrorCode.STORE_BUSY, str(exc), session_id=session_id, details={"reason": "PROOF_PENDING"})
+        return UompError(ErrorCode.STORE_BUSY, exc.message, session_id=session_id, details={"reason": "PROOF_PENDING"})
     if exc.code == "NOT_FOUND":
-        return UompError(ErrorCode.NOT_FOUND, str(exc), session_id=session_id)
+        return UompError(ErrorCode.NOT_FOUND, exc.message, session_id=session_id)
     return UompError(
         ErrorCode.STORE_UNAVAILABLE,
-        f"the audit log cannot answer ({exc}); run 'uomp audit verify'",
+        f"the audit log cannot answer ({exc.message}); run 'uomp audit verify'",
         session_id=session_id,
     )
 
@@ -235,11 +240,11 @@ class _EventIds:
     """Unique event ids: ``log_`` + 12 hex digits of the time in milliseconds + 16 hex digits from the
     OS's CSPRNG (``log_0193d3a5c1f2`` ``9f0c...``).
 
-    The random part makes an id unique and unguessable, as before (64 bits). The time part puts the
+    The random part makes an id unique and unguessable (64 bits). The time part puts the
     ids of one moment side by side in the log's ``id`` index, so a commit dirties the index's last
     page or two instead of one random page per event: with 200,000 events in the log a random id
-    cost ~20-30 µs more per event, and the cost grows with the log (issue 13,
-    ``benchmarks/bench_audit_commit.py``). Like the reference's ``generateId`` (time, then random),
+    cost ~20-30 µs more per event, and the cost grows with the log
+    (``benchmarks/bench_audit_commit.py``). Like the reference's ``generateId`` (time, then random),
     the spec (§18.1) only fixes the ``log_`` prefix. The random parts are drawn 512 at a time: one
     system call per event cost ~30 µs on the VMs this runs on."""
 
@@ -310,6 +315,9 @@ def make_row(
 
 
 class AuditLog:
+    """The audit log in ``audit.db``: group-committed events of the one Merkle log, signed checkpoints, and the
+    integrity state."""
+
     def __init__(
         self,
         path: Path,
@@ -362,7 +370,7 @@ class AuditLog:
             )
         except LedgerError as exc:
             raise UompError(
-                ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'"
             ) from exc
         except sqlite3.DatabaseError as exc:
             if isinstance(exc, sqlite3.OperationalError):
@@ -623,24 +631,25 @@ class AuditLog:
                         self._known_size = max(self._known_size, self.ledger.size)
                 else:
                     self._transaction(lambda conn: None)
+            except LedgerError as exc:  # (a UompError too: before the general clause)
+                raise UompError(
+                    ErrorCode.STORE_UNAVAILABLE,
+                    f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'",
+                ) from exc
             except UompError as exc:
                 if exc.code in (ErrorCode.AUDIT_LOG_INCONSISTENT, ErrorCode.AUDIT_LOG_DAMAGED):
                     self.refuse(exc)
                 raise
-            except LedgerError as exc:
-                raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
-                ) from exc
             except sqlite3.Error as exc:
                 raise self._write_error(exc) from exc
             if not due:
                 return
             try:  # the events are durable: a checkpoint that fails now is retried at the next batch or probe
                 self._transaction(self._sign)
+            except (LedgerError, OSError, sqlite3.Error) as exc:  # (a UompError too: before the general clause)
+                log.warning("audit log: checkpoint not signed: %s", type(exc).__name__)
             except UompError as exc:
                 log.warning("audit log: checkpoint not signed: %s", exc.code)
-            except (LedgerError, OSError, sqlite3.Error) as exc:
-                log.warning("audit log: checkpoint not signed: %s", type(exc).__name__)
 
     @staticmethod
     def _write_error(exc: sqlite3.Error) -> UompError:
@@ -667,7 +676,8 @@ class AuditLog:
                 self._transaction(self._sign)
             except LedgerError as exc:
                 raise UompError(
-                    ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc}); run 'uomp audit verify'"
+                    ErrorCode.STORE_UNAVAILABLE,
+                    f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'",
                 ) from exc
             except sqlite3.Error as exc:
                 raise db_error(exc, what="audit log") from exc
@@ -805,7 +815,7 @@ class AuditLog:
         In slices of :data:`PURGE_SLICE_EVENTS`, each its own short transaction, with the write
         connection let go between them: the group-commit writer's batches (every read's event) go in
         between, where one UPDATE of an hour's events held them for as long as it ran (0.6-0.75 s for
-        200,000 events here; issue 13, "bounded everywhere"). Each run starts where the last one
+        200,000 events here). Each run starts where the last one
         stopped (events are pruned in time order), so the hourly run does not walk the pruned ones
         again: the first run of a process finds the oldest body once, on a connection of its own that
         blocks no writer. An event written later with a time before the last cutoff (a gateway spool

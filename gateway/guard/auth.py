@@ -1,5 +1,8 @@
 """Auth Service (spec §9, §13, §15.5, §19.4): sessions, tokens, blacklist, quotas, refresh families.
 
+Longer than ~500 lines on purpose: one class, every Auth Service transaction on ``auth.db``
+(authenticate, consume a read, create/grant/close/revoke, prune), each an atomic unit of its own.
+
 State lives in ``auth.db`` (WAL, synchronous=FULL): a revocation is durable before it is
 acknowledged. The session records, their states and the decoded-row cache are in
 :mod:`gateway.guard.sessions`; refresh-token rotation (§15.5) is :mod:`gateway.guard.refresh`.
@@ -25,17 +28,18 @@ from typing import Any
 from gateway import keys as keyfiles
 from gateway.config import GuardConfig, Paths
 from gateway.core import checks, jose, restrictions, tokens
+from gateway.core.capability import Capability
 from gateway.core.quota import QuotaLedger
-from gateway.core.tokens import Capability
+from gateway.core.tokencache import ExpiringMap, remember_verified, token_until
 from gateway.db import connect, transaction
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import refresh
 from gateway.guard.audit import AuditLog, make_row
+from gateway.guard.refresh import RefreshRotation
 from gateway.guard.sessions import (  # re-exported: the public names stay importable from here
-    _MAX_SETTING,
     DEFAULT_SESSION_MINUTES,
     LIVE,
     MAX_DURATION_MINUTES_FLOOR,
+    MAX_SETTING,
     MIGRATIONS,
     PROFILES,
     PRUNE_BATCH_ROWS,
@@ -48,15 +52,15 @@ from gateway.guard.sessions import (  # re-exported: the public names stay impor
     Minted,
     SessionCache,
     SessionRow,
-    _new_id,
-    _opt_bool,
-    _opt_str_list,
-    _req_str,
-    _scopes_from_body,
-    _scopes_json,
     decode_row,
     ended_message,
     minutes_text,
+    new_id,
+    opt_bool,
+    opt_str_list,
+    req_str,
+    scopes_from_body,
+    scopes_json,
     token_hash,
 )
 
@@ -94,14 +98,15 @@ class AuthService:
         )
         self._migrate()
         self.rows = SessionCache(self.db)  # decoded session rows (forget() wherever this class writes one)
-        self._used: set[str] = set()
+        self.refreshes = RefreshRotation(self)  # §15.5 rotation, on this service's database and clock
+        self._used: ExpiringMap[bool] = ExpiringMap(USED_CACHE_ENTRIES)  # token hash -> until its expiry
+        self._verified: ExpiringMap[Capability] = ExpiringMap(self.cfg.token_cache_entries)
         try:
             self.replay_outbox()
         except UompError as exc:  # audit.db unwritable (full disk): start anyway, the rows stay in the outbox
             log.warning("auth: audit outbox not replayed yet (%s)", exc.message)
         self.reload_keys()
         self.quota = QuotaLedger(self._quota_load, self._quota_persist)
-        self._verified: dict[str, Capability] = {}
 
     def _migrate(self) -> None:
         for table, column, decl in MIGRATIONS:
@@ -126,7 +131,7 @@ class AuthService:
         lifetime = max(self.cfg.token_lifetime_seconds, self.cfg.refresh_lifetime_seconds)
         self.signing = keyfiles.load_signing_key(self.paths)
         self.public_keys = keyfiles.load_public_keys(self.paths, now=self.clock(), max_token_lifetime=lifetime)
-        self._verified = {}
+        self._verified.clear()
 
     # ------------------------------------------------------------------------- sessions
 
@@ -221,11 +226,11 @@ class AuthService:
         return len(ids)
 
     def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        agent_id = _req_str(body, "agent_id")
+        agent_id = req_str(body, "agent_id")
         agent_name = body.get("agent_name")
         if agent_name is not None and (not isinstance(agent_name, str) or len(agent_name) > 256):
             raise UompError(ErrorCode.INVALID_REQUEST, "agent_name must be a string of at most 256 characters")
-        read, write = _scopes_from_body(body.get("requested_scopes"), "requested_scopes")
+        read, write = scopes_from_body(body.get("requested_scopes"), "requested_scopes")
         profile = body.get("profile", "local")
         if profile not in PROFILES:
             raise UompError(ErrorCode.INVALID_REQUEST, "profile must be local or remote")
@@ -239,7 +244,7 @@ class AuthService:
             raise UompError(
                 ErrorCode.INVALID_REQUEST,
                 f"duration_minutes must be a number from 1 to {most} for a {profile} "
-                f"session ({minutes_text(most)}; the {_MAX_SETTING[profile]} setting)",
+                f"session ({minutes_text(most)}; the {MAX_SETTING[profile]} setting)",
             )
         identity = body.get("identity_public_jwk")
         if identity is not None:
@@ -252,7 +257,7 @@ class AuthService:
         if retention is not None and not isinstance(retention, dict):
             raise UompError(ErrorCode.INVALID_REQUEST, "data_retention_policy must be an object")
         now = self.clock()
-        sid = _new_id("sess")
+        sid = new_id("sess")
         expires = now + float(minutes) * 60
         with transaction(self.db, what="session database"):
             self.db.execute(
@@ -265,7 +270,7 @@ class AuthService:
                     "created",
                     now,
                     expires,
-                    _scopes_json(read, write),
+                    scopes_json(read, write),
                     json.dumps(identity) if identity else None,
                     json.dumps(retention) if retention else None,
                 ),
@@ -278,7 +283,7 @@ class AuthService:
             "session_id": sid,
             "status": "created",
             "agent_id": agent_id,
-            "requested_scopes": json.loads(_scopes_json(read, write)),
+            "requested_scopes": json.loads(scopes_json(read, write)),
             "expires_at": tokens.iso(expires),
         }
 
@@ -290,13 +295,13 @@ class AuthService:
                 f"session is {row.status}; only a created session can be granted",
                 session_id=session_id,
             )
-        read, write = _scopes_from_body(body.get("granted_scopes"), "granted_scopes")
+        read, write = scopes_from_body(body.get("granted_scopes"), "granted_scopes")
         req_read = tokens.parse_scope(row.requested.get("read"), "read")
         req_write = tokens.parse_scope(row.requested.get("write"), "write")
-        widen = _opt_bool(body, "widen")
+        widen = opt_bool(body, "widen")
         # The fields a token returns: the narrower of the scope's and the top-level claim's, written
         # into both so that every reader of the token sees the same limit.
-        fields = restrictions.effective_fields(read.allowed_fields, _opt_str_list(body, "allowed_fields"))
+        fields = restrictions.effective_fields(read.allowed_fields, opt_str_list(body, "allowed_fields"))
         read = dataclasses.replace(read, allowed_fields=fields)
         wider = restrictions.widenings(read, req_read) + [
             "write " + w for w in restrictions.widenings(write, req_write)
@@ -349,24 +354,24 @@ class AuthService:
                 or not all(isinstance(v, str) and len(v) == 43 for v in cnf.values())
             ):
                 raise UompError(ErrorCode.INVALID_REQUEST, "cnf must hold x5t#S256 and/or jkt SHA-256 thumbprints")
-        issue_refresh = _opt_bool(body, "refresh")
+        issue_refresh = opt_bool(body, "refresh")
         if issue_refresh and (profile != "remote" or not cnf):
             raise UompError(ErrorCode.INVALID_REQUEST, "refresh tokens are issued only for remote, key-bound grants")
         options: dict[str, Any] = {
             "profile": profile,
             "audience": audience,
-            "allowed_endpoints": _opt_str_list(body, "allowed_endpoints"),
+            "allowed_endpoints": opt_str_list(body, "allowed_endpoints"),
             "allowed_fields": None if fields is None else list(fields),
-            "aggregation_only": _opt_bool(body, "aggregation_only"),
-            "task_bound": _opt_bool(body, "task_bound"),
+            "aggregation_only": opt_bool(body, "aggregation_only"),
+            "task_bound": opt_bool(body, "task_bound"),
             # docs/aggregates.md: both off unless the user grants them knowingly
-            "aggregate_min_max": _opt_bool(body, "aggregate_min_max"),
-            "aggregate_exact": _opt_bool(body, "aggregate_exact"),
+            "aggregate_min_max": opt_bool(body, "aggregate_min_max"),
+            "aggregate_exact": opt_bool(body, "aggregate_exact"),
             "max_read_queries": mrq,
             "cnf": cnf,
             "lifetime": self._lifetime(profile, body.get("token_lifetime_seconds")),
         }
-        granted = _scopes_json(read, write)
+        granted = scopes_json(read, write)
         with transaction(self.db, what="session database"):
             cur = self.db.execute(
                 "UPDATE sessions SET status='active', granted_scopes=?, grant_options=? "
@@ -389,7 +394,7 @@ class AuthService:
         }
         minted = [access]
         if issue_refresh:
-            rt = self.mint_refresh(row, family_id=_new_id("fam"))
+            rt = self.mint_refresh(row, family_id=new_id("fam"))
             minted.append(rt)
             out["refresh_token"] = rt.token
             out["refresh_expires_at"] = tokens.iso(rt.exp)
@@ -507,7 +512,7 @@ class AuthService:
             )
             self._blacklist_session(session_id, status)
         self.rows.forget(session_id)
-        self._verified = {}
+        self._verified.clear()
         self.quota.forget(session_id)
         self.audit.record(
             session_id=session_id,
@@ -539,18 +544,20 @@ class AuthService:
 
     # --------------------------------------------------------------------------- tokens
 
+    def cache_sizes(self) -> dict[str, int]:
+        """Entries in the per-token caches (each holds live tokens only, gateway/core/tokencache.py)."""
+        return {"verified": len(self._verified), "used": len(self._used), "not_blacklisted": self.rows.clean_count}
+
     def verify(self, token: str, th: str | None = None) -> Capability:
         """Signature + exp/expires_at, cached by token hash (``th``, computed if not given).
         Session status is NOT checked here."""
         now = self.clock()
         th = th or token_hash(token)
-        cap = self._verified.get(th)
-        if cap is not None and cap.claims.get("exp", 0) > now and cap.expires_at > now:
+        cap = self._verified.get(th, now)
+        if cap is not None:
             return cap
         cap = tokens.verify_token(token, self.public_keys, now=now)
-        if len(self._verified) >= self.cfg.token_cache_entries:
-            self._verified.clear()  # simple bound; refilled on demand
-        self._verified[th] = cap
+        remember_verified(self._verified, th, cap, now)
         return cap
 
     def authenticate(
@@ -586,24 +593,26 @@ class AuthService:
         if row.status != "active":
             raise UompError(ErrorCode.SESSION_REVOKED, ended_message(row), session_id=cap.session_id)
         # the blacklist, unless this token was seen absent from it with auth.db unchanged since
+        now = self.clock()
         hit = (
             None
             if self.rows.not_blacklisted(th)
             else self.db.execute("SELECT reason FROM token_blacklist WHERE token_hash=?", (th,)).fetchone()
         )
         if hit is None:
-            self.rows.keep_not_blacklisted(th)
+            if not cap.is_refresh:  # a refresh token is spent by its one use: not worth keeping
+                self.rows.keep_not_blacklisted(th, token_until(cap), now)
         else:
             if hit[0] == "superseded":
-                self._chain_forked(row)
+                self.refreshes.chain_forked(row)
             raise UompError(ErrorCode.SESSION_REVOKED, "token has been revoked", session_id=cap.session_id)
         if not cap.is_refresh:
-            self._note_use(th)
+            self._note_use(th, token_until(cap), now)
         return cap, row
 
-    def _note_use(self, th: str) -> None:
+    def _note_use(self, th: str, until: float, now: float) -> None:
         """Record an access token's first use, durably, before the request is answered (refresh rule)."""
-        if th in self._used:
+        if self._used.get(th, now):
             return
         try:
             self.db.execute(
@@ -611,9 +620,7 @@ class AuthService:
             )
         except sqlite3.Error as exc:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the session database is unavailable") from exc
-        if len(self._used) >= USED_CACHE_ENTRIES:
-            self._used.clear()
-        self._used.add(th)
+        self._used.put(th, True, until, now)  # kept while the token lives (gateway/core/tokencache.py)
 
     def validate(self, token: Any) -> dict[str, Any]:
         """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a
@@ -660,9 +667,13 @@ class AuthService:
                 (session_id, mark),
             )
 
-    def consume_read(self, cap: Capability) -> int | None:
-        """§10.4 step 5 (enforced here, though the draft leaves it optional). Returns the remaining count."""
-        remaining = self.quota.consume(cap.session_id, cap.max_read_queries)
+    def consume_read(self, cap: Capability, row: SessionRow) -> int | None:
+        """§10.4 step 5 (enforced here, though the draft leaves it optional). Returns the remaining count.
+
+        The limit is the session's grant (``max_read_queries`` as the user granted it), never the
+        token's own ``limits`` claim: §7.2 makes that claim OPTIONAL, and a token another issuer
+        signed with the user's key may carry any number there."""
+        remaining = self.quota.consume(cap.session_id, row.options.get("max_read_queries"))
         if remaining == -1:
             raise UompError(ErrorCode.QUOTA_EXCEEDED, "read query quota is exhausted", session_id=cap.session_id)
         return remaining
@@ -686,19 +697,15 @@ class AuthService:
         presented_jkt: str | None,
         extra: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], int]:
-        """§15.5 rotation with reuse detection (:mod:`gateway.guard.refresh`): the answer and the
+        """§15.5 rotation with reuse detection (:class:`gateway.guard.refresh.RefreshRotation`): the answer and the
         audit ticket to wait for before answering."""
-        return refresh.refresh_audited(
-            self,
+        return self.refreshes.rotate(
             refresh_token,
             session_id=session_id,
             presented_x5t=presented_x5t,
             presented_jkt=presented_jkt,
             extra=extra,
         )
-
-    def _chain_forked(self, row: SessionRow) -> None:
-        refresh.chain_forked(self, row)
 
     def prune(self, *, now: float | None = None, batch: int = PRUNE_BATCH_ROWS) -> dict[str, int]:
         """Drop rows nothing can need any more (called periodically by the guard and at open).

@@ -1,7 +1,9 @@
 """Bulk writes into the Memory Store: :class:`BulkWriter` streams any number of items into ONE
 ``BEGIN IMMEDIATE`` transaction in chunks (the rules are in :mod:`gateway.guard.store`'s docstring,
-"Bulk writes"); it is the SQLite implementation of :class:`~gateway.guard.store.MemoryBulkWriting`.
-Made by :meth:`MemoryStore.bulk_writer`; the write side of imports, not the read path.
+"Bulk writes"); it is the SQLite implementation of :class:`~gateway.guard.storage.MemoryBulkWriting`.
+Made by :meth:`MemoryStore.bulk_writer`, which hands it the store's :class:`BulkHandle` (its
+connection, its lock and the slot naming the one open writer) and nothing else of the store; the
+write side of imports, not the read path.
 """
 
 from __future__ import annotations
@@ -9,15 +11,15 @@ from __future__ import annotations
 import builtins
 import contextlib
 import sqlite3
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
 
+from gateway.atrest import memdb
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.items import MemoryItem, Row, row_of
-
-if TYPE_CHECKING:
-    from gateway.guard.store import MemoryStore
 
 # Chunk size for ``key IN (...)`` look-ups: far below SQLite's bound-variable limit.
 IN_CHUNK = 500
@@ -38,19 +40,36 @@ _SQL_UPSERT = (
 )
 
 
-def _integrity(exc: sqlite3.IntegrityError) -> UompError | None:
+def _integrity(exc: Exception) -> UompError | None:
     """The INVALID_REQUEST for an insert over an existing key; None for any other constraint."""
     name = str(getattr(exc, "sqlite_errorname", ""))
+    # SQLCipher's driver reports the primary result code only; its message names the constraint
+    if name == "SQLITE_CONSTRAINT" and str(exc).startswith("UNIQUE constraint failed"):
+        name = "SQLITE_CONSTRAINT_UNIQUE"
     if name in ("SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"):
         return UompError(ErrorCode.INVALID_REQUEST, "an item with this key already exists (replace it explicitly)")
     return None
 
 
+@dataclass(eq=False)
+class BulkHandle:
+    """What a :class:`BulkWriter` uses of its store. ``lock`` is the store's lock: the open writer
+    holds it from ``__enter__`` to ``__exit__``, so the store's other threads wait. ``guarded()``
+    holds it too and yields ``conn`` with every ``sqlite3`` failure turned into STORE_UNAVAILABLE.
+    ``conn`` bare is for the ROLLBACK that must not raise. ``writer`` is the one open writer (None
+    when there is none); the store refuses its own writes while it is set."""
+
+    conn: sqlite3.Connection
+    lock: threading.RLock
+    guarded: Callable[[], AbstractContextManager[sqlite3.Connection]]
+    writer: BulkWriter | None = None
+
+
 class BulkWriter:
     """Items streamed into one transaction; made by :meth:`MemoryStore.bulk_writer` (see there)."""
 
-    def __init__(self, store: MemoryStore, *, replace: bool, dry_run: bool, chunk: int) -> None:
-        self._store = store
+    def __init__(self, handle: BulkHandle, *, replace: bool, dry_run: bool, chunk: int) -> None:
+        self._handle = handle
         self.replace = replace
         self.dry_run = dry_run
         self._chunk = max(1, chunk)
@@ -65,42 +84,42 @@ class BulkWriter:
     def __enter__(self) -> BulkWriter:
         if self._state != "new":
             raise RuntimeError("a BulkWriter is entered once")
-        store = self._store
-        store._lock.acquire()
+        handle = self._handle
+        handle.lock.acquire()
         try:
-            if store._bulk is not None:
+            if handle.writer is not None:
                 raise RuntimeError("a bulk writer is already open on this memory store")
-            with store._guard() as conn:
+            with handle.guarded() as conn:
                 if self.dry_run:
                     # A read transaction: one consistent snapshot for the look-ups, no write lock.
                     conn.execute("BEGIN")
                     conn.execute("SELECT count(*) FROM items WHERE key = ''").fetchone()
                 else:
                     conn.execute("BEGIN IMMEDIATE")
-            store._bulk = self
+            handle.writer = self
             self._state = "open"
         except BaseException:
-            store._lock.release()
+            handle.lock.release()
             raise
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        store = self._store
+        handle = self._handle
         try:
             if self._state == "open":
                 self._rollback()
         finally:
-            if store._bulk is self:
-                store._bulk = None
-                store._lock.release()
+            if handle.writer is self:
+                handle.writer = None
+                handle.lock.release()
 
     def _rollback(self) -> None:
         self._state = "rolled_back"
         self._drop_buffer()
-        with contextlib.suppress(sqlite3.Error):
-            self._store._conn.execute("ROLLBACK")
+        with contextlib.suppress(*memdb.ERRORS):
+            self._handle.conn.execute("ROLLBACK")
 
     def _drop_buffer(self) -> None:
         self._rows.clear()
@@ -142,14 +161,14 @@ class BulkWriter:
             return
         rows, tags, keys = self._rows, self._tags, self._buffered_keys
         try:
-            with self._store._guard() as conn:
+            with self._handle.guarded() as conn:
                 if self.replace:
                     conn.executemany("DELETE FROM item_tags WHERE item_key = ?", ((k,) for k in keys))
                     conn.executemany(_SQL_UPSERT, rows)
                 else:
                     try:
                         conn.executemany(_SQL_INSERT, rows)
-                    except sqlite3.IntegrityError as exc:
+                    except memdb.INTEGRITY as exc:
                         refusal = _integrity(exc)
                         if refusal is not None:
                             raise refusal from exc
@@ -167,7 +186,7 @@ class BulkWriter:
         if not self.dry_run:
             self.flush()
         found: dict[str, str] = {}
-        with self._store._guard() as conn:
+        with self._handle.guarded() as conn:
             for chunk in chunks(keys, IN_CHUNK):
                 marks = ",".join("?" * len(chunk))
                 found.update(
@@ -185,7 +204,7 @@ class BulkWriter:
             raise RuntimeError("a dry-run bulk writer never commits")
         try:
             self.flush()
-            with self._store._guard() as conn:
+            with self._handle.guarded() as conn:
                 conn.execute("COMMIT")
         except BaseException:
             self._rollback()

@@ -2,7 +2,7 @@
 
 The limits, :class:`MemoryItem`, and one ``*_problem`` check per field (each None when the input
 is fine, else a fixed sentence that names the field but never repeats the offending text, which
-may be a misplaced secret). :mod:`gateway.guard.store` re-exports every name here; the importer
+may be a misplaced secret). The storage seam (:mod:`gateway.guard.storage`), the importer
 and the bulk writer use them too.
 """
 

@@ -30,7 +30,7 @@ from gateway.core import paging
 from gateway.core.policy import AtomCheck, Fingerprint, check_atoms
 from gateway.db import connect, transaction
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.store import HASH_PRIME, Atom
+from gateway.guard.storage import HASH_PRIME, Atom
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB NOT NULL);
@@ -53,6 +53,8 @@ WHAT = "read-state database"
 
 @dataclass(frozen=True)
 class HistoryDecision:
+    """Whether an aggregate may be answered given what this session already aggregated, and why."""
+
     ok: bool
     reason: str  # for the agent
     detail: str  # for the user's audit view
@@ -109,6 +111,8 @@ class History:
 
 
 class ReadState:
+    """What each session aggregated before (``reads.db``), so no two answers together isolate one item."""
+
     def __init__(
         self, path: Path, *, max_sets_per_session: int, max_rows: int, clock: Callable[[], float] = time.time
     ) -> None:

@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from gateway.atrest import vault
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.app import GuardServices, create_app, error_response
+from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
+from gateway.guard.http import error_response
+from gateway.guard.services import GuardServices
 from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
 from gateway.ledger import integrity
 from gateway.netutil import check_bind, claim_socket_path
@@ -172,15 +175,21 @@ class GuardRunner:
         assert svc is not None
         started = time.monotonic()
         # the child lowers its own priority (no preexec_fn: this process has threads)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            VERIFY_CHILD,
-            str(self.paths.home),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
+        handover = vault.child_handover(self.paths)  # a sealed home: the audit key opens in the child too
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                VERIFY_CHILD,
+                str(self.paths.home),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **handover.env},
+                pass_fds=handover.fds,
+            )
+        finally:
+            handover.close()
         try:
             out, _ = await proc.communicate()
         except asyncio.CancelledError:
@@ -294,6 +303,7 @@ class GuardRunner:
 def install_signals(
     loop: asyncio.AbstractEventLoop, stop_event: asyncio.Event, on_hup: list[object] | None = None
 ) -> None:
+    """SIGINT/SIGTERM stop the server; SIGHUP runs each of ``on_hup``."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_event.set)
     if on_hup:
@@ -309,6 +319,7 @@ def install_signals(
 
 
 async def run_guard(paths: Paths, cfg: GuardConfig, *, serve_tcp: bool | None = None) -> None:
+    """Runs the guard until a stop signal: its listeners, background workers, and a clean stop."""
     runner = GuardRunner(paths, cfg, serve_tcp=serve_tcp)
     await runner.start()
     stop = asyncio.Event()

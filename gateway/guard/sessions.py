@@ -25,9 +25,7 @@ independently of the cache, a revocation also blacklists every token of the sess
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import secrets
 import sqlite3
 from collections.abc import Mapping
@@ -35,12 +33,15 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
+from gateway.config import switch_on
+from gateway.contract import token_digest
 from gateway.core import tokens
-from gateway.core.tokens import Scope
+from gateway.core.capability import Scope
+from gateway.core.tokencache import ExpiringMap
 from gateway.errors import ErrorCode, UompError
 
 SESSION_CACHE_ENTRIES = 4096  # decoded session rows kept (cleared whole when full: refilled on demand)
-SESSION_CACHE = os.environ.get("UOMP_SESSION_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+SESSION_CACHE = switch_on("UOMP_SESSION_CACHE")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -118,7 +119,7 @@ PROFILES = ("local", "remote")
 MAX_DURATION_MINUTES_FLOOR = 1
 DEFAULT_SESSION_MINUTES = 30  # §9.1's example; the CLI picks its own defaults per profile
 REMOTE_ACCESS_MAX_SECONDS = 600  # §15.2: remote access tokens SHOULD NOT exceed 10 minutes; a config cannot
-_MAX_SETTING = {"local": "session_max_minutes", "remote": "remote_session_max_minutes"}
+MAX_SETTING = {"local": "session_max_minutes", "remote": "remote_session_max_minutes"}
 
 
 def minutes_text(minutes: float) -> str:
@@ -139,14 +140,15 @@ def ended_message(row: SessionRow) -> str:
 
 
 def token_hash(token: str) -> str:
-    return "sha256:" + hashlib.sha256(token.encode("ascii", "replace")).hexdigest()
+    """How auth.db keys a token: :func:`gateway.contract.token_digest` with its algorithm named."""
+    return "sha256:" + token_digest(token)
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_urlsafe(12)}"
 
 
-def _req_str(body: Mapping[str, Any], name: str, *, max_len: int = ID_ALPHABET_MAX) -> str:
+def req_str(body: Mapping[str, Any], name: str, *, max_len: int = ID_ALPHABET_MAX) -> str:
     v = body.get(name)
     if not isinstance(v, str) or not v.strip() or len(v) > max_len:
         raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a non-empty string of at most {max_len} characters")
@@ -160,7 +162,7 @@ def _scope_from_body(obj: Any, name: str) -> Scope:
         raise UompError(ErrorCode.INVALID_REQUEST, exc.message.replace("claim ", "")) from exc
 
 
-def _scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
+def scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
@@ -171,18 +173,18 @@ def _scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:
     return _scope_from_body(obj.get("read"), f"{name}.read"), _scope_from_body(obj.get("write"), f"{name}.write")
 
 
-def _scopes_json(read: Scope, write: Scope) -> str:
+def scopes_json(read: Scope, write: Scope) -> str:
     return json.dumps({"read": read.to_claim(), "write": write.to_claim()})
 
 
-def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
+def opt_bool(body: Mapping[str, Any], name: str) -> bool:
     v = body.get(name, False)
     if not isinstance(v, bool):
         raise UompError(ErrorCode.INVALID_REQUEST, f"{name} must be a boolean")
     return v
 
 
-def _opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
+def opt_str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
     v = body.get(name)
     if v is None:
         return None
@@ -219,6 +221,15 @@ class SessionRow:
     deletion_proof_id: str | None
     status_reason: str | None = None
 
+    @property
+    def abnormal(self) -> bool:
+        """§19.5: the session ended although its agent owed a deletion proof (proof_required) and gave none."""
+        return (
+            self.status not in LIVE
+            and bool((self.retention or {}).get("proof_required"))
+            and not self.deletion_proof_id
+        )
+
     def public(self) -> dict[str, Any]:
         """§13.2 view for the user (never token material)."""
         out: dict[str, Any] = {
@@ -246,6 +257,9 @@ class SessionRow:
             out["deletion_proof_id"] = self.deletion_proof_id
         if self.status_reason:
             out["status_reason"] = self.status_reason
+        out["abnormal"] = self.abnormal
+        if self.abnormal:
+            out["abnormal_reason"] = "ended without the deletion proof its agent owed (spec §19.5)"
         return out
 
 
@@ -263,7 +277,7 @@ class SessionCache:
         self.max_entries = max_entries
         self._rows: dict[str, SessionRow] = {}
         # token hashes seen absent from token_blacklist at self._version (one SELECT saved per read)
-        self._clean: set[str] = set()
+        self._clean: ExpiringMap[bool] = ExpiringMap(max_entries * 4)
         self._version = self._data_version()
         self.hits = 0
         self.misses = 0
@@ -299,12 +313,15 @@ class SessionCache:
         checked (call it right after ``lookup``, as :meth:`AuthService.authenticate` does)."""
         return self.enabled and th in self._clean
 
-    def keep_not_blacklisted(self, th: str) -> None:
+    def keep_not_blacklisted(self, th: str, until: float, now: float) -> None:
+        """Remember ``th`` as absent from the blacklist until the token expires (then it goes)."""
         if not self.enabled:
             return
-        if len(self._clean) >= self.max_entries * 4:
-            self._clean.clear()
-        self._clean.add(th)
+        self._clean.put(th, True, until, now)
+
+    @property
+    def clean_count(self) -> int:
+        return len(self._clean)
 
     def blacklist_changed(self) -> None:
         """This process wrote to ``token_blacklist`` (its own commits leave data_version alone)."""

@@ -1,9 +1,10 @@
 """The Memory Store: the user's Memory Items (spec §11) in one SQLite file.
 
-Longer than ~500 lines on purpose: the read path every request takes (:meth:`MemoryStore.get_meta`,
-``get``, tag pages, aggregates) stays in one class next to the SQL it runs, with no extra layer of
-calls, and the seam (:class:`MemoryStorage`) is declared next to it; the item rules are
-:mod:`gateway.guard.items`, bulk writes :mod:`gateway.guard.bulk`.
+The SQLite implementation of the seam :class:`~gateway.guard.storage.MemoryStorage` (declared, with
+the values that cross it, in :mod:`gateway.guard.storage`); the item rules are
+:mod:`gateway.guard.items`, bulk writes :mod:`gateway.guard.bulk`. Longer than ~500 lines on
+purpose: the read path every request takes (:meth:`MemoryStore.get_meta`, ``get``, tag pages,
+aggregates) stays in one class next to the SQL it runs, with no extra layer of calls.
 
 Layout (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
 
@@ -48,6 +49,10 @@ While it is open: other connections (the running guard) keep reading the last co
 other threads using this same ``MemoryStore`` wait for the writer to finish (the store's lock is
 held); a write through this store from the writer's own thread is a programming error
 (``RuntimeError``). :meth:`MemoryStore.put_many` is a bulk writer over a sequence.
+
+Longer than ~500 lines on purpose: the read path every request takes stays in one class next to the
+SQL it runs; the seam is gateway.guard.storage, the item rules gateway.guard.items, bulk writes
+gateway.guard.bulk.
 """
 
 from __future__ import annotations
@@ -57,42 +62,28 @@ import contextlib
 import json
 import logging
 import os
-import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 from gateway import jsonio
+from gateway.atrest import memdb
 from gateway.db import trim_wal
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.bulk import BULK_CHUNK, BulkWriter
-from gateway.guard.items import (
-    MAX_DESCRIPTION_CHARS,
-    MAX_KEY_CHARS,
-    MAX_TAG_CHARS,
-    MAX_TAGS,
-    MAX_TIMESTAMP_CHARS,
-    MAX_VALUE_BYTES,
-    SENSITIVITIES,
-    SOURCES,
-    MemoryItem,
-    description_problem,
-    encode_value,
-    item_problem,
-    key_problem,
-    sensitivity_problem,
-    source_problem,
-    tag_problem,
-    tags_problem,
-    timestamp_problem,
-    utc_now,
-)
+from gateway.guard.bulk import BULK_CHUNK, BulkHandle, BulkWriter
+from gateway.guard.items import MemoryItem
+from gateway.guard.storage import AggregateRow, Atom, ItemMeta, MemoryStorage, ReadFilter, currency_path
 
 log = logging.getLogger(__name__)
+
+# Either driver's exceptions: the store is the standard library's SQLite or SQLCipher (``key``).
+_DB_ERRORS = memdb.ERRORS
+_DB_OPERATIONAL = memdb.OPERATIONAL
+_DB_PROGRAMMING = memdb.PROGRAMMING
+_DB_OR_OS_ERRORS: tuple[type[Exception], ...] = (*memdb.ERRORS, OSError)
 
 SCHEMA_VERSION = 2
 
@@ -146,6 +137,11 @@ _SQL_AGG_NUM_FROM = (
     "AND json_type(i.value, :path) IN ('integer', 'real')"
 )
 _P = "2147483647"  # HASH_PRIME
+_SQL_CURRENCIES = (
+    "SELECT count(DISTINCT c), count(*) - count(c) FROM (SELECT json_extract(i.value, :cpath) AS c "
+    "FROM item_tags t JOIN items i ON i.key = t.item_key WHERE t.tag = :tag "
+    "AND json_type(i.value, :path) IN ('integer', 'real')"
+)
 _SQL_ATOMS_HEAD = (
     "WITH q AS (SELECT key AS bit, value AS tag FROM json_each(:tags)), "
     "m AS (SELECT t.item_key AS k, sum(1 << q.bit) AS pattern FROM q JOIN item_tags t ON t.tag = q.tag "
@@ -194,7 +190,7 @@ def _item_of(row: tuple[Any, ...]) -> MemoryItem:
 
 
 def _unavailable(exc: BaseException) -> UompError:
-    if isinstance(exc, sqlite3.ProgrammingError):
+    if isinstance(exc, _DB_PROGRAMMING):
         return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store is closed", details={"reason": "CLOSED"})
     if isinstance(exc, OSError):
         return UompError(
@@ -222,116 +218,6 @@ def _unavailable(exc: BaseException) -> UompError:
 _ItemList = list[MemoryItem]
 
 
-@dataclass(frozen=True)
-class ItemMeta:
-    """What a policy decision needs about an item, and nothing else (no value)."""
-
-    tags: tuple[str, ...]
-    sensitivity: str
-
-
-@dataclass(frozen=True)
-class ReadFilter:
-    """The key rules of a grant (spec §10.4 steps 6-8) for items reached through a tag that is
-    itself granted, as SQL: not in ``deny_keys``; no tag in ``deny_tags``; ``sensitivity=high``
-    only when the key is in ``keys``. Equivalent to :func:`gateway.core.policy.key_decision` for
-    such items (a test checks the two agree)."""
-
-    keys: tuple[str, ...] = ()
-    deny_keys: tuple[str, ...] = ()
-    deny_tags: tuple[str, ...] = ()
-
-    def sql(self) -> tuple[str, dict[str, Any]]:
-        """A WHERE fragment over ``items i`` (fixed text, named parameters only) and its parameters."""
-        parts = []
-        params: dict[str, Any] = {}
-        if self.deny_keys:
-            parts.append("i.key NOT IN (SELECT value FROM json_each(:f_deny_keys))")
-            params["f_deny_keys"] = json.dumps(list(self.deny_keys))
-        if self.deny_tags:
-            parts.append(
-                "NOT EXISTS (SELECT 1 FROM item_tags d WHERE d.item_key = i.key "
-                "AND d.tag IN (SELECT value FROM json_each(:f_deny_tags)))"
-            )
-            params["f_deny_tags"] = json.dumps(list(self.deny_tags))
-        parts.append("(i.sensitivity != 'high' OR i.key IN (SELECT value FROM json_each(:f_keys)))")
-        params["f_keys"] = json.dumps(list(self.keys))
-        return " AND ".join(parts), params
-
-
-@dataclass(frozen=True)
-class AggregateRow:
-    """count of contributing items and, for a numeric field, their sum, min and max (None if none)."""
-
-    count: int
-    total: int | float | None = None
-    minimum: int | float | None = None
-    maximum: int | float | None = None
-
-
-@dataclass(frozen=True)
-class Atom:
-    """One group of items that the same tags of an aggregate history select: ``pattern`` has bit j
-    set for the j-th tag. ``h1``/``h2`` are keyed sums over the members (their row ids, and row ids
-    with the field's value) that change when membership or a value changes; ``total`` is the sum
-    of the members' values at the field (the aggregate is answered from the same pass)."""
-
-    pattern: int
-    count: int
-    h1: int
-    h2: int
-    total: int | float = 0
-
-
-# A prime below 2**31: every product in the keyed sums stays below 2**62 (SQLite integers).
-HASH_PRIME = 2_147_483_647
-MAX_FIELD_SEGMENTS = 16
-_FIELD_SEGMENT = re.compile(r"[A-Za-z0-9_\-:@]{1,128}")
-
-
-def json_path(field_path: str) -> str | None:
-    """``value`` -> ``$``, ``value.a.b`` -> ``$."a"."b"``; None for a path this store will not address
-    (a segment outside ``[A-Za-z0-9_-:@]``, an empty one, too many)."""
-    parts = field_path.split(".")
-    if not parts or parts[0] != "value":
-        return None
-    segments = parts[1:]
-    if len(segments) > MAX_FIELD_SEGMENTS or not all(_FIELD_SEGMENT.fullmatch(p) for p in segments):
-        return None
-    return "$" + "".join(f'."{p}"' for p in segments)
-
-
-# ============================================================================ the seam
-# What the guard, the importer and the CLI need of a memory store. MemoryStore (SQLite, below) is the
-# one implementation; tests/guard/test_seams.py is the behaviour any other must show. Every method may raise
-# UompError STORE_UNAVAILABLE (or STORE_BUSY); bad items are INVALID_REQUEST.
-
-
-class MemoryBulkWriting(Protocol):
-    """Items streamed into ONE all-or-nothing write: nothing is visible before :meth:`commit`;
-    leaving the ``with`` block without it (or with an exception) writes nothing."""
-
-    written: int
-
-    def __enter__(self) -> MemoryBulkWriting: ...
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None: ...
-
-    def add(self, item: MemoryItem) -> None:
-        """Validate and queue one item (INVALID_REQUEST for a bad one, which is not queued)."""
-        ...
-
-    def existing(self, keys: Iterable[str]) -> dict[str, str]:
-        """Those of ``keys`` in the store as this write sees it, each with its ``created_at``."""
-        ...
-
-    def commit(self) -> int:
-        """Make everything added durable at once; how many items were written."""
-        ...
-
-
 def _meta_of(row: Any) -> ItemMeta | None:
     if row is None:
         return None
@@ -346,70 +232,23 @@ def _meta_of(row: Any) -> ItemMeta | None:
     return ItemMeta(tuple(tags), str(row[1]))
 
 
-class MemoryStorage(Protocol):
-    """The memory store seam: items by key, pages and aggregates by tag under a grant's key rules
-    (:class:`ReadFilter`), whole-item writes. Reads never return an item a filter excludes."""
-
-    def get(self, key: str) -> MemoryItem | None: ...
-
-    def get_meta(self, key: str) -> ItemMeta | None:
-        """Tags and sensitivity only: a policy decision is made without reading the value."""
-        ...
-
-    def get_if(self, key: str, allow: Callable[[ItemMeta | None], bool]) -> tuple[ItemMeta | None, MemoryItem | None]:
-        """:meth:`get_meta`, then :meth:`get` only when ``allow(meta)``: both from one state of the
-        store. The value is never read for a refused (or missing) key."""
-        ...
-
-    def read_snapshot(self) -> contextlib.AbstractContextManager[None]:
-        """Every read inside sees the same state."""
-        ...
-
-    def tag_page(
-        self, tag: str, flt: ReadFilter, *, after: str | None, limit: int, max_bytes: int
-    ) -> tuple[builtins.list[MemoryItem], bool]:
-        """Items carrying ``tag`` that pass ``flt``, in key order after ``after``, at most ``limit``
-        and about ``max_bytes`` (always at least one item); and whether more follow."""
-        ...
-
-    def aggregate(self, tag: str, flt: ReadFilter, *, path: str | None) -> AggregateRow: ...
-
-    def atoms(
-        self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int
-    ) -> builtins.list[Atom] | None: ...
-
-    def list(self, *, tag: str | None = None, limit: int = 100, offset: int = 0) -> builtins.list[MemoryItem]: ...
-
-    def count(self) -> int: ...
-
-    def put(self, item: MemoryItem, *, replace: bool = False) -> None:
-        """An existing key is INVALID_REQUEST unless ``replace``."""
-        ...
-
-    def put_many(self, items: Sequence[MemoryItem], *, replace: bool = False) -> int:
-        """All of ``items`` or none."""
-        ...
-
-    def bulk_writer(self, *, replace: bool = False, dry_run: bool = False) -> MemoryBulkWriting: ...
-
-    def delete(self, key: str) -> bool:
-        """False when there was no such item."""
-        ...
-
-    def close(self) -> None: ...
-
-
-# ============================================================================ SQLite
-
-
 class MemoryStore(MemoryStorage):
     """The Memory Store (see the module docstring). Every method may raise STORE_UNAVAILABLE."""
 
-    def __init__(self, path: Path, *, create: bool = True, busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        create: bool = True,
+        busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS,
+        key: bytes | None = None,
+    ) -> None:
+        """``key``: the file is a SQLCipher database under this 256-bit key (a sealed home's store,
+        :func:`gateway.atrest.memdb.key_for`); None: a plain SQLite file."""
         self.path = Path(path)
+        self._key = key
         self._lock = threading.RLock()
         self._closed = False
-        self._bulk: BulkWriter | None = None
         self.value_loads = 0  # calls that read an item's value by key (see get_meta)
         self._busy_timeout = busy_timeout
         self._scan_lock = threading.RLock()
@@ -424,20 +263,37 @@ class MemoryStore(MemoryStorage):
                 self._create_file()
             # mode=rw: SQLite never creates the file itself (that is done above, 0600).
             uri = self.path.resolve().as_uri() + "?mode=rw"
-            conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
+            conn = self._connect(uri)
             self._conn = conn
+            self._bulk = BulkHandle(conn, self._lock, self._guard)
             self._setup(busy_timeout, create=create)
         except UompError:
             if conn is not None:
                 conn.close()
             raise
-        except (sqlite3.Error, OSError) as exc:
+        except _DB_OR_OS_ERRORS as exc:
             if conn is not None:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     conn.close()
             raise _unavailable(exc) from exc
 
     # ----------------------------------------------------------------- opening
+
+    def _connect(self, uri: str) -> sqlite3.Connection:
+        """A connection to the file: SQLCipher under the store's key when it has one (a sealed home,
+        gateway/atrest/memdb.py), else the standard library's SQLite."""
+        kwargs: dict[str, Any] = {
+            "uri": True,
+            "timeout": self._busy_timeout,
+            "isolation_level": None,
+            "check_same_thread": False,
+        }
+        conn: sqlite3.Connection
+        if self._key is None:
+            conn = sqlite3.connect(uri, **kwargs)
+        else:
+            conn = memdb.connect(uri, self._key, **kwargs)
+        return conn
 
     def _create_file(self) -> None:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -489,7 +345,7 @@ class MemoryStore(MemoryStorage):
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*_DB_ERRORS):
                 conn.execute("ROLLBACK")
             raise
 
@@ -527,7 +383,7 @@ class MemoryStore(MemoryStorage):
                 if self._closed:
                     raise sqlite3.ProgrammingError("closed")
                 yield self._conn
-            except (sqlite3.Error, OSError) as exc:
+            except _DB_OR_OS_ERRORS as exc:
                 raise _unavailable(exc) from exc
 
     @contextlib.contextmanager
@@ -541,29 +397,27 @@ class MemoryStore(MemoryStorage):
                     raise sqlite3.ProgrammingError("closed")
                 if self._scanner is None:
                     uri = self.path.resolve().as_uri() + "?mode=rw"
-                    conn = sqlite3.connect(
-                        uri, uri=True, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
-                    )
+                    conn = self._connect(uri)
                     conn.execute(f"PRAGMA busy_timeout = {max(0, int(self._busy_timeout * 1000))}")
                     conn.execute("PRAGMA query_only = ON")
                     conn.execute("PRAGMA trusted_schema = OFF")
                     self._scanner = conn
                 yield self._scanner
-            except (sqlite3.Error, OSError) as exc:
+            except _DB_OR_OS_ERRORS as exc:
                 raise _unavailable(exc) from exc
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction: committed on success, rolled back on any exception."""
         with self._guard() as conn:
-            if self._bulk is not None:
+            if self._bulk.writer is not None:
                 raise RuntimeError("a bulk writer is open on this memory store: write through it")
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
                 conn.execute("COMMIT")
             except BaseException:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     conn.execute("ROLLBACK")
                 raise
 
@@ -591,7 +445,7 @@ class MemoryStore(MemoryStorage):
             try:
                 yield
             finally:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     conn.execute("COMMIT")
 
     def get_meta(self, key: str) -> ItemMeta | None:
@@ -616,7 +470,7 @@ class MemoryStore(MemoryStorage):
                 row = conn.execute(_SQL_GET, (key,)).fetchone()
             finally:
                 if own:
-                    with contextlib.suppress(sqlite3.Error):
+                    with contextlib.suppress(*_DB_ERRORS):
                         conn.execute("COMMIT")
         return meta, (_item_of(row) if row is not None else None)
 
@@ -664,11 +518,22 @@ class MemoryStore(MemoryStorage):
         with self._scan() as conn:
             try:
                 row = conn.execute("SELECT count(*), sum(x), min(x), max(x) " + body, params).fetchone()
-            except sqlite3.OperationalError as exc:
+            except _DB_OPERATIONAL as exc:
                 if "overflow" not in str(exc).lower():
                     raise
                 row = conn.execute("SELECT count(*), total(x), min(x), max(x) " + body, params).fetchone()
         return AggregateRow(int(row[0]), row[1], row[2], row[3])
+
+    def currencies(self, tag: str, flt: ReadFilter, *, path: str) -> int:
+        cpath = currency_path(path)
+        if cpath is None:
+            return 0
+        where, params = flt.sql()
+        params.update({"tag": tag, "path": path, "cpath": cpath})
+        with self._scan() as conn:
+            named, unnamed = conn.execute(_SQL_CURRENCIES + " AND " + where + ")", params).fetchone()  # fixed text
+        named = int(named or 0)
+        return named + (1 if named and unnamed else 0)
 
     def atoms(
         self, tags: Sequence[str], flt: ReadFilter, *, path: str, keys: tuple[int, int, int, int], max_atoms: int
@@ -687,7 +552,7 @@ class MemoryStore(MemoryStorage):
         with self._scan() as conn:
             try:
                 rows = conn.execute(sql.replace("@TOTAL@", "sum(json_extract(i.value, :path))"), params).fetchall()
-            except sqlite3.OperationalError as exc:
+            except _DB_OPERATIONAL as exc:
                 if "overflow" not in str(exc).lower():
                     raise
                 rows = conn.execute(sql.replace("@TOTAL@", "total(json_extract(i.value, :path))"), params).fetchall()
@@ -749,7 +614,7 @@ class MemoryStore(MemoryStorage):
         the transaction is a read snapshot (no write lock taken), ``commit()`` is refused.
         Concurrency while it is open: see the module docstring.
         """
-        return BulkWriter(self, replace=replace, dry_run=dry_run, chunk=chunk)
+        return BulkWriter(self._bulk, replace=replace, dry_run=dry_run, chunk=chunk)
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; False when there was no such item."""
@@ -765,11 +630,11 @@ class MemoryStore(MemoryStorage):
             if self._closed:
                 return
             self._closed = True
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*_DB_ERRORS):
                 self._conn.close()
         with self._scan_lock:
             if self._scanner is not None:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*_DB_ERRORS):
                     self._scanner.close()
                 self._scanner = None
 
@@ -780,42 +645,3 @@ class MemoryStore(MemoryStorage):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-# Importable from here as before the items and the bulk writer had modules of their own.
-__all__ = [
-    "BULK_CHUNK",
-    "DEFAULT_BUSY_TIMEOUT_SECONDS",
-    "HASH_PRIME",
-    "MAX_DESCRIPTION_CHARS",
-    "MAX_FIELD_SEGMENTS",
-    "MAX_KEY_CHARS",
-    "MAX_LIST_LIMIT",
-    "MAX_TAGS",
-    "MAX_TAG_CHARS",
-    "MAX_TIMESTAMP_CHARS",
-    "MAX_VALUE_BYTES",
-    "SCHEMA_VERSION",
-    "SENSITIVITIES",
-    "SOURCES",
-    "AggregateRow",
-    "Atom",
-    "BulkWriter",
-    "ItemMeta",
-    "MemoryBulkWriting",
-    "MemoryItem",
-    "MemoryStorage",
-    "MemoryStore",
-    "ReadFilter",
-    "description_problem",
-    "encode_value",
-    "item_problem",
-    "json_path",
-    "key_problem",
-    "sensitivity_problem",
-    "source_problem",
-    "tag_problem",
-    "tags_problem",
-    "timestamp_problem",
-    "utc_now",
-]

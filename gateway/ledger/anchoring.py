@@ -39,6 +39,10 @@ transaction):
   facts is never superseded: it is sent itself. A ``failed`` one gives its facts back to the next.
 * A fact's state is its anchor's: ``confirmed`` only once that anchor was checked on chain,
   ``rejected`` with the anchor's reason, ``queued`` while unbound.
+
+Longer than ~500 lines on purpose: the backlog, the facts derived from the log and the worker share
+one SQLite connection and its lock; each anchor's life (queued, sent, checked, confirmed or
+rejected) reads top to bottom here.
 """
 
 from __future__ import annotations
@@ -508,6 +512,8 @@ def summary(b: dict[str, Any] | None) -> str:
 
 @dataclass(frozen=True)
 class AnchorPolicy:
+    """How the anchoring worker paces itself: polling, backoff, and re-checking confirmed anchors."""
+
     poll_seconds: float = 2.0
     backoff_initial_seconds: float = 2.0
     backoff_max_seconds: float = 300.0

@@ -30,11 +30,13 @@ def ensure(paths: Paths) -> bool:
 
 
 def load(paths: Paths) -> Ed25519PrivateKey:
+    """The audit log's Ed25519 signing key from the home; KEY_ERROR with the restore hint when it is missing or bad."""
     key = pemkeys.load(paths.audit_key, Ed25519PrivateKey, what="audit signing key", restore=_RESTORE)
     assert isinstance(key, Ed25519PrivateKey)  # pemkeys.load checked the type
     return key
 
 
 def origin_for(public_key: Ed25519PublicKey) -> str:
+    """The log's checkpoint origin, named by its key: ``uomp-audit/`` and 16 hex digits of the key's SHA-256."""
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return "uomp-audit/" + hashlib.sha256(raw).hexdigest()[:16]

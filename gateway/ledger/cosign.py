@@ -60,14 +60,17 @@ def _raw(key: Ed25519PublicKey) -> bytes:
 
 
 def key_id(name: str, public_key: Ed25519PublicKey) -> bytes:
+    """The cosignature/v1 key id of a witness key."""
     return checkpoint.key_id(name, public_key, COSIGNATURE_V1)
 
 
 def verifier_key(name: str, public_key: Ed25519PublicKey) -> str:
+    """The cosignature/v1 verifier key string of a witness key."""
     return checkpoint.verifier_key(name, public_key, COSIGNATURE_V1)
 
 
 def parse_verifier_key(vkey: str) -> tuple[str, Ed25519PublicKey]:
+    """A cosignature/v1 verifier key, its id checked; NoteError for anything else."""
     return checkpoint.parse_verifier_key(vkey, COSIGNATURE_V1)
 
 
@@ -114,12 +117,16 @@ class WitnessDirError(ValueError):
 
 @dataclass(frozen=True)
 class Cosigned:
+    """A checkpoint the external witness cosigned: the note with its cosignature line, and when."""
+
     note: str  # the appliance's signed note with the cosignature line
     checkpoint: Checkpoint
     timestamp: int
 
 
 class WitnessDir:
+    """The external witness's directory (a mount): its key, its state, the notes it cosigned."""
+
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 

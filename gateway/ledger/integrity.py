@@ -67,6 +67,7 @@ def refusal(code: ErrorCode, problem: str, *, first_bad_seq: int | None = None) 
 
 
 def report_refusal(report: Report) -> UompError | None:
+    """The refusal a failed verify report stands for (inconsistent or damaged), or None when it passed."""
     if report.ok:
         return None
     code = ErrorCode.AUDIT_LOG_INCONSISTENT if report.inconsistent else ErrorCode.AUDIT_LOG_DAMAGED
@@ -80,6 +81,8 @@ def report_refusal(report: Report) -> UompError | None:
 
 @dataclass(frozen=True)
 class Witness:
+    """The witness record: the latest signed checkpoint, kept outside ``audit.db``."""
+
     note: str
     checkpoint: Checkpoint
 

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from gateway.core import merkle
 from gateway.core.canonical import canonical_json
 from gateway.core.checkpoint import Checkpoint, verifier_key
-from gateway.errors import ErrorCode
+from gateway.errors import ErrorCode, UompError
 from gateway.ledger.tree import TreeStore, insert_rows
 
 SCHEMA = """
@@ -81,16 +81,16 @@ BUNDLE_VERSION = 1
 MAX_PRUNE_PARAMS = 500  # events per UPDATE of a retention slice (bound variables)
 
 
-class LedgerError(Exception):
-    """A request the log cannot answer (unknown event, event not yet in a checkpoint)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class LedgerError(UompError):
+    """A request the log cannot answer (unknown event, event not yet in a checkpoint, no key, a
+    log whose events and tree disagree). A :class:`UompError`: ``message`` is the sentence alone;
+    the guard maps it to the code a reader or writer answers (``guard.audit.ledger_refusal``)."""
 
 
 @dataclass(frozen=True)
 class Appended:
+    """One appended event: its sequence number, id and leaf hash."""
+
     seq: int
     id: str
     leaf: bytes
@@ -132,6 +132,8 @@ def checkpoint_hash(note: str) -> bytes:
 
 
 class EventLog:
+    """The Merkle event log in ``audit.db``: gap-free appends, signed checkpoints, proofs."""
+
     def __init__(
         self,
         conn: sqlite3.Connection,
@@ -176,7 +178,7 @@ class EventLog:
         """:meth:`reload` if another connection (the CLI, another process) committed since this one
         last read its state; call it inside the write transaction (nobody else can commit then).
         ``PRAGMA data_version`` changes with every commit of *another* connection, never this one's,
-        so a writer that is alone does not re-read the tree's edge for every batch (issue 13)."""
+        so a writer that is alone does not re-read the tree's edge for every batch."""
         if self._seen_version is None or self._data_version() != self._seen_version:
             self.reload()
 

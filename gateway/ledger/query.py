@@ -115,6 +115,8 @@ class AuditFilter:
 
 @dataclass
 class AuditPage:
+    """One page of audit events matching a filter, with the cursor for the next page."""
+
     events: list[dict[str, Any]]  # newest last
     pruned: int  # matching events whose bodies are past retention and are not in ``events``
     cursor: int  # pass as ``after_seq`` to get what comes next
@@ -170,6 +172,7 @@ def _stub(row: sqlite3.Row | tuple[Any, ...]) -> dict[str, Any]:
 
 
 def agent_view(event: dict[str, Any]) -> dict[str, Any]:
+    """The fields of an event an agent may see of its own session's events."""
     return {k: event[k] for k in AGENT_FIELDS if k in event}
 
 
@@ -254,6 +257,7 @@ def session_known(conn: sqlite3.Connection, session_id: str) -> bool:
 
 
 def require_session(conn: sqlite3.Connection, session_id: str) -> None:
+    """SESSION_NOT_FOUND unless the audit log knows ``session_id``."""
     if not session_known(conn, session_id):
         raise UompError(
             ErrorCode.SESSION_NOT_FOUND,

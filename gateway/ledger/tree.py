@@ -35,7 +35,7 @@ def insert_rows(conn: sqlite3.Connection, head: str, rows: Sequence[tuple[Any, .
     """``head`` (``INSERT INTO t (a, b) VALUES ``) with ``rows`` as multi-row VALUES statements, up
     to :data:`MAX_ROWS_PER_INSERT` rows per statement. One statement step for a whole batch, where
     ``executemany`` steps (and lets go of the GIL) once per row: under load every such release hands
-    the GIL to another thread of the guard and back (issue 13)."""
+    the GIL to another thread of the guard and back."""
     if not rows:
         return
     width = len(rows[0])
@@ -46,6 +46,8 @@ def insert_rows(conn: sqlite3.Connection, head: str, rows: Sequence[tuple[Any, .
 
 
 class TreeStore:
+    """The log's Merkle tree as stored complete subtrees, with its right edge kept in memory."""
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         conn.executescript(SCHEMA)

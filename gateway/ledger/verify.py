@@ -73,6 +73,8 @@ def check_anchored_head(conn: sqlite3.Connection, size: int, root: bytes) -> str
 
 @dataclass
 class Report:
+    """What a verify found: counts, the first bad event, the problems and the warnings."""
+
     ok: bool = True
     events: int = 0
     pruned: int = 0
@@ -139,15 +141,27 @@ def verify_log(
     """Check the log; an unreadable database is a finding (the first event it cannot read), never an
     exception. ``trusted``: checkpoints from outside ``audit.db`` the log must be consistent with.
     ``after``: check only the events after that many (the start-up check): the O(log n) stored
-    nodes of the prefix are taken as they are, and are proven by the newest checkpoint's root."""
+    nodes of the prefix are taken as they are, and are proven by the newest checkpoint's root.
+
+    The whole check reads one snapshot: the caller's transaction, or a read transaction of its own
+    (WAL), so a log that grows meanwhile (a running guard, the CLI) is checked as it was when the
+    check began, never its events from one moment and its tree or checkpoints from a later one."""
     report = Report()
+    own = False
     try:
+        if not conn.in_transaction:
+            conn.execute("BEGIN")
+            own = True
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # the snapshot starts here
         _verify(conn, report, origin, public_key, trusted, after)
     except (sqlite3.DatabaseError, merkle.ProofError) as exc:
         seq = report.first_bad_seq or (after + report.events + 1)
         report.fail(
             seq, f"audit.db cannot be read from event {seq} on ({type(exc).__name__}: {exc}): truncated or damaged"
         )
+    finally:
+        if own and conn.in_transaction:
+            conn.execute("ROLLBACK")
     return report
 
 
@@ -218,6 +232,13 @@ def _verify(
                 inconsistent=True,
             )
         next_trusted += 1
+    # A checkpoint of exactly the first ``after`` events signs the stored edge itself.
+    while next_cp < len(cps) and cps[next_cp].size == after:
+        cp = cps[next_cp]
+        if cr.root() != cp.root:
+            report.fail(after, f"checkpoint at {after} events does not match the stored tree", upto=after)
+        prev_cp_size, prev_stamp = cp.size, cp.timestamp
+        next_cp += 1
     expected = after + 1
     rows = conn.execute(
         "SELECT seq, id, ts, action, session_id, agent_id, allowed, code, body, leaf"
@@ -326,6 +347,8 @@ def _stored_node(conn: sqlite3.Connection, level: int, index: int) -> bytes | No
 
 @dataclass(frozen=True)
 class VerifiedProof:
+    """A proof bundle that checked out: the event, its place, the checkpoint and anchor it rests on."""
+
     event: dict[str, Any]
     seq: int
     checkpoint: Checkpoint
@@ -334,6 +357,8 @@ class VerifiedProof:
 
 
 class ProofBundleError(ValueError):
+    """A proof bundle that does not check out (the message says which part)."""
+
     pass
 
 

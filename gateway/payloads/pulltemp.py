@@ -42,6 +42,7 @@ _NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT)
 
 
 def journal_dir(paths: Paths) -> Path:
+    """Where a pull without O_TMPFILE keeps its locked journal of named temporary files."""
     return paths.payload_dir / "pulls"
 
 

@@ -27,6 +27,9 @@ sweep, or when the agent sends the same upload again) writes its event again und
 
 Test-only fault points (:func:`fault_hold`): inert unless the environment names the point and an
 arm file exists, which only the crash tests set up.
+
+Longer than ~500 lines on purpose: the storage Protocol and its one engine, whose index rows and
+ciphertext files are written and published by the same crash-safe steps.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from gateway.errors import ErrorCode
+from gateway.contract import token_digest
+from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import ensure_private_dir, fsync_dir
 
 SCHEMA = """
@@ -113,16 +117,15 @@ def fault_hold(name: str) -> None:
     os.kill(os.getpid(), 9)
 
 
-class PayloadError(Exception):
-    """A refused or failed payload operation with a stable code (spec §8.4 names where they exist)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class PayloadError(UompError):
+    """A refused or failed payload operation with a stable code (spec §8.4 names where they exist);
+    a :class:`UompError`, so a route answers it as it is."""
 
 
 @dataclass(frozen=True)
 class Limits:
+    """The relay's bounds: one payload's size, payloads and bytes per session, and how long they are kept."""
+
     max_bytes: int = 64 << 20  # one payload's ciphertext
     max_per_session: int = 100  # payloads kept per session
     max_bytes_per_session: int = 256 << 20
@@ -131,6 +134,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class PayloadMeta:
+    """One stored payload's metadata (never its plaintext): ids, format, size, hashes, times."""
+
     payload_id: str
     session_id: str
     agent_id: str
@@ -195,6 +200,7 @@ def tmp_name(payload_id: str, session_id: str, agent_id: str) -> str:
 
 
 def new_payload_id() -> str:
+    """A fresh random payload id."""
     return "pay_" + secrets.token_urlsafe(18)
 
 
@@ -404,6 +410,8 @@ class Upload(PayloadUploading):
 
 
 class PayloadStore(PayloadStorage):
+    """The payload relay's store: ciphertext files under ``blobs/`` and their index in ``index.db``."""
+
     def __init__(self, root: Path, *, limits: Limits | None = None) -> None:
         self.root = ensure_private_dir(root)
         self.blobs = ensure_private_dir(root / "blobs")
@@ -584,14 +592,14 @@ class PayloadStore(PayloadStorage):
         token = secrets.token_urlsafe(32)
         self.conn.execute(
             "INSERT INTO upload_urls (token_hash, session_id, agent_id, max_size, expires_at) VALUES (?, ?, ?, ?, ?)",
-            (_token_hash(token), session_id, agent_id, max_size, now + ttl),
+            (token_digest(token), session_id, agent_id, max_size, now + ttl),
         )
         return token, now + ttl
 
     def consume_upload_url(self, token: str, *, now: float | None = None) -> tuple[str, str, int]:
         """Spend a token once: (session_id, agent_id, max_size). Late, reused or unknown: refused alike."""
         now = time.time() if now is None else now
-        th = _token_hash(token)
+        th = token_digest(token)
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             cur = self.conn.execute(
@@ -691,7 +699,3 @@ class PayloadStore(PayloadStorage):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.blobs / payload_id)
         return cur.rowcount == 1
-
-
-def _token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()

@@ -35,12 +35,14 @@ def ensure(paths: Paths) -> bool:
 
 
 def load_private(paths: Paths) -> X25519PrivateKey:
+    """The user's X25519 payload key; KEY_ERROR with the restore hint when missing or bad."""
     key = pemkeys.load(paths.payload_private_key, X25519PrivateKey, what="payload key", restore=_RESTORE)
     assert isinstance(key, X25519PrivateKey)  # pemkeys.load checked the type
     return key
 
 
 def public_raw(key: X25519PrivateKey | X25519PublicKey) -> bytes:
+    """The payload public key's 32 raw bytes (what agents seal to)."""
     pub = key.public_key() if isinstance(key, X25519PrivateKey) else key
     return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 

@@ -96,7 +96,8 @@ def encode_record(record: Mapping[str, Any]) -> bytes:
     )
 
 
-def _iso_ms(ts: float) -> str:
+def iso_ms(ts: float) -> str:
+    """``ts`` as an ISO 8601 UTC timestamp with milliseconds."""
     return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -127,7 +128,8 @@ def _check_value(value: Any, depth: int) -> None:
     raise ValueError(f"access log event holds a value of type {type(value).__name__}")
 
 
-def _prepare(event: Mapping[str, Any]) -> dict[str, Any]:
+def prepare(event: Mapping[str, Any]) -> dict[str, Any]:
+    """An event ready for the spool: JSON-safe, bounded, without the chain's own fields; ValueError otherwise."""
     if not isinstance(event, Mapping):
         raise ValueError("access log event must be a mapping")
     reserved = RESERVED_FIELDS.intersection(event)
@@ -144,7 +146,7 @@ def _prepare(event: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- file helpers
 
 
-def _rfind_newline(fd: int, end: int) -> int:
+def rfind_newline(fd: int, end: int) -> int:
     """Offset of the last ``\\n`` before ``end``, or -1."""
     pos = end
     while pos > 0:
@@ -157,7 +159,8 @@ def _rfind_newline(fd: int, end: int) -> int:
     return -1
 
 
-def _parse_line(line: bytes, *, seq: int | None) -> dict[str, Any]:
+def parse_line(line: bytes, *, seq: int | None) -> dict[str, Any]:
+    """One spool line as its record; ChainError naming ``seq`` for a line that is not one."""
     try:
         rec = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -170,7 +173,7 @@ def _parse_line(line: bytes, *, seq: int | None) -> dict[str, Any]:
     return rec
 
 
-def _locate(f: IO[bytes], size: int, after_seq: int) -> int:
+def locate(f: IO[bytes], size: int, after_seq: int) -> int:
     """A line start at or before the first line whose seq > ``after_seq`` (lines are in seq order).
 
     Bisects on byte offsets (O(log n) reads) until the window is small, then the caller scans.
@@ -186,7 +189,7 @@ def _locate(f: IO[bytes], size: int, after_seq: int) -> int:
         if start >= hi:
             break
         line = f.readline()
-        if _parse_line(line.rstrip(b"\n"), seq=None)["seq"] <= after_seq:
+        if parse_line(line.rstrip(b"\n"), seq=None)["seq"] <= after_seq:
             lo = start + len(line)
         else:
             hi = start
@@ -202,7 +205,8 @@ class _Index:
     pruned: set[str] = field(default_factory=set)
 
 
-def _load_index(path: Path) -> _Index:
+def load_index(path: Path) -> _Index:
+    """The spool's segment index (what each rotated segment held), empty when there is none."""
     idx = _Index()
     try:
         raw = path.read_bytes()
@@ -224,7 +228,8 @@ def _load_index(path: Path) -> _Index:
     return idx
 
 
-def _append_index(path: Path, rec: Mapping[str, Any]) -> None:
+def append_index(path: Path, rec: Mapping[str, Any]) -> None:
+    """Appends one record to the segment index, durably."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, encode_record(rec) + b"\n")
@@ -233,7 +238,7 @@ def _append_index(path: Path, rec: Mapping[str, Any]) -> None:
         os.close(fd)
 
 
-def _finish_rotation(active: Path, idx: _Index) -> None:
+def finish_rotation(active: Path, idx: _Index) -> None:
     """A crash between the index line and the rename: finish the rename."""
     if not idx.segments:
         return
@@ -243,7 +248,7 @@ def _finish_rotation(active: Path, idx: _Index) -> None:
         return
     fd = os.open(active, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        first = _first_of(fd, os.fstat(fd).st_size)
+        first = first_of(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
     if first is not None and first[0] == int(last["first_seq"]):
@@ -252,7 +257,7 @@ def _finish_rotation(active: Path, idx: _Index) -> None:
         log.warning("access log: finished a rotation cut short (%s)", last["file"])
 
 
-def _first_of(fd: int, size: int) -> tuple[int, str] | None:
+def first_of(fd: int, size: int) -> tuple[int, str] | None:
     """(seq, prev) of a file's first line, or None when empty."""
     if size == 0:
         return None
@@ -260,7 +265,7 @@ def _first_of(fd: int, size: int) -> tuple[int, str] | None:
     end = head.find(b"\n")
     if end < 0:
         return None
-    rec = _parse_line(head[:end], seq=None)
+    rec = parse_line(head[:end], seq=None)
     return int(rec["seq"]), str(rec.get("prev"))
 
 
@@ -274,7 +279,7 @@ def _verify_file(path: Path, expected: int, prev: str) -> tuple[int, str]:
             if not raw.endswith(b"\n"):
                 raise ChainError("last line is torn (no newline)", seq=expected)
             line = raw[:-1]
-            rec = _parse_line(line, seq=expected)
+            rec = parse_line(line, seq=expected)
             if rec["seq"] != expected:
                 raise ChainError(f"seq is {rec['seq']}, expected {expected}", seq=expected)
             if rec.get("prev") != prev:
@@ -297,7 +302,7 @@ def verify_chain(path: Path) -> int:
     segment that is missing without a ``pruned`` line. Pruned segments are skipped: the chain is
     checked from the oldest kept segment on, anchored at the hashes the index keeps."""
     path = Path(path)
-    idx = _load_index(path.with_name(path.stem + ".index.jsonl"))
+    idx = load_index(path.with_name(path.stem + ".index.jsonl"))
     expected, prev = 1, GENESIS_PREV
     checked = 0
     for e in idx.segments:

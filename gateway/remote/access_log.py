@@ -1,5 +1,8 @@
 """The gateway's access log: durable, append-only, hash-chained JSON Lines (spec §15.4, §18).
 
+A little over ~500 lines: one class, the append/rotate/read paths of one file set, which share
+its lock and its segment index.
+
 Every request the gateway answers becomes one event of type ``gateway_access``. A later stage
 batches events into RFC 9162 Merkle trees and anchors the roots on a chain (§18.4.2), so the log
 is built to be read back by sequence number and to make tampering evident on its own.
@@ -85,15 +88,15 @@ from gateway.remote.access_chain import GENESIS_PREV as GENESIS_PREV
 from gateway.remote.access_chain import MAX_EVENT_BYTES as MAX_EVENT_BYTES
 from gateway.remote.access_chain import ChainError as ChainError
 from gateway.remote.access_chain import (
-    _append_index,
-    _finish_rotation,
-    _first_of,
-    _iso_ms,
-    _load_index,
-    _locate,
-    _parse_line,
-    _prepare,
-    _rfind_newline,
+    append_index,
+    finish_rotation,
+    first_of,
+    iso_ms,
+    load_index,
+    locate,
+    parse_line,
+    prepare,
+    rfind_newline,
 )
 from gateway.remote.access_chain import encode_record as encode_record
 from gateway.remote.access_chain import line_hash as line_hash
@@ -128,7 +131,7 @@ GAP_TYPE = "access_log_gap"
 SUPPRESSED_TYPE = "access_log_suppressed"
 
 
-class _Buckets:
+class SourceBuckets:
     """Per-source token buckets (bounded map)."""
 
     def __init__(self, rate: float, burst: float) -> None:
@@ -180,8 +183,8 @@ class AccessLog:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise UompError(ErrorCode.STORE_UNAVAILABLE, "access log is in use by another writer") from None
-            self._index = _load_index(self.index_path)
-            _finish_rotation(self.path, self._index)
+            self._index = load_index(self.index_path)
+            finish_rotation(self.path, self._index)
             existed = self.path.exists()
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
@@ -205,12 +208,12 @@ class AccessLog:
         self._size = size  # durable bytes of the active file
         self._last_seq = last_seq  # written and fsynced
         self._prev = prev  # hash of the last written line
-        self._active_first: tuple[int, str] | None = _first_of(fd, size)
+        self._active_first: tuple[int, str] | None = first_of(fd, size)
         self._closed = False
         self._broken = False  # a failed write could not be cut back: refuse everything
         self.lost = RefusalTally()  # events clients got 503 for, not yet summarised
         self.suppressed = RefusalTally(max_buckets=MAX_SOURCES)  # rate-limited unauthenticated events
-        self._buckets = _Buckets(unauth_events_per_second, unauth_burst)
+        self._buckets = SourceBuckets(unauth_events_per_second, unauth_burst)
         self._last_summary = self._clock()
         self.events_counted = 0  # events counted instead of written (lost + suppressed), for metrics
         self.writer: GroupCommitWriter[dict[str, Any]] = GroupCommitWriter(
@@ -227,7 +230,7 @@ class AccessLog:
     def _recover(fd: int) -> tuple[int, int, str, int]:
         """(size, last seq, prev hash, torn bytes cut) from the file's tail."""
         size = os.fstat(fd).st_size
-        end = _rfind_newline(fd, size) + 1  # just past the last newline; 0 when there is none
+        end = rfind_newline(fd, size) + 1  # just past the last newline; 0 when there is none
         torn = size - end
         if torn:
             os.ftruncate(fd, end)
@@ -235,9 +238,9 @@ class AccessLog:
             log.warning("access log: cut %d bytes of a torn last line", torn)
         if end == 0:
             return 0, 0, GENESIS_PREV, torn
-        start = _rfind_newline(fd, end - 1) + 1
+        start = rfind_newline(fd, end - 1) + 1
         line = os.pread(fd, end - 1 - start, start)
-        rec = _parse_line(line, seq=None)
+        rec = parse_line(line, seq=None)
         return end, int(rec["seq"]), line_hash(line), torn
 
     # ----------------------------------------------------------------------------- writing
@@ -247,9 +250,9 @@ class AccessLog:
 
         ``source`` marks an event without a verified session: it is rate-limited per source.
         Raises ``STORE_UNAVAILABLE`` while the log cannot be written (the event is counted as a 503)."""
-        record = _prepare(event)
+        record = prepare(event)
         now = self._clock()
-        record["timestamp"] = _iso_ms(now)
+        record["timestamp"] = iso_ms(now)
         try:
             size = len(encode_record(record)) + LINE_OVERHEAD
         except (UnicodeEncodeError, TypeError, ValueError):
@@ -317,9 +320,9 @@ class AccessLog:
                     "by_action": snap["counts"],
                     "reason": f"the access log could not be written ({snap['reason'] or 'failed'}); "
                     "these requests were refused with 503",
-                    "first": _iso_ms(snap["first"]),
-                    "last": _iso_ms(snap["last"]),
-                    "timestamp": _iso_ms(now),
+                    "first": iso_ms(snap["first"]),
+                    "last": iso_ms(snap["last"]),
+                    "timestamp": iso_ms(now),
                 }
             )
             taken.append((self.lost, snap))
@@ -333,9 +336,9 @@ class AccessLog:
                         "count": sum(snap["counts"].values()),
                         "by_source_code": snap["counts"],
                         "reason": "unauthenticated requests beyond the per-source logging rate, counted",
-                        "first": _iso_ms(snap["first"]),
-                        "last": _iso_ms(snap["last"]),
-                        "timestamp": _iso_ms(now),
+                        "first": iso_ms(snap["first"]),
+                        "last": iso_ms(snap["last"]),
+                        "timestamp": iso_ms(now),
                     }
                 )
                 taken.append((self.suppressed, snap))
@@ -405,7 +408,7 @@ class AccessLog:
             "bytes": self._size,
             "closed": now,
         }
-        _append_index(self.index_path, entry)
+        append_index(self.index_path, entry)
         self._index.segments.append(entry)
         os.rename(self.path, self.path.with_name(name))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -423,7 +426,7 @@ class AccessLog:
         for e in kept:
             if total <= self.max_total_bytes and now - float(e["closed"]) <= self.retention_seconds:
                 break
-            _append_index(self.index_path, {"pruned": e["file"], "at": now})
+            append_index(self.index_path, {"pruned": e["file"], "at": now})
             self._index.pruned.add(e["file"])
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path.with_name(e["file"]))
@@ -489,13 +492,13 @@ class AccessLog:
             if nxt is not None and nxt <= after_seq + 1:
                 continue  # everything wanted is later
             with open(path, "rb") as f:
-                f.seek(_locate(f, size, after_seq) if first_seq <= after_seq else 0)
+                f.seek(locate(f, size, after_seq) if first_seq <= after_seq else 0)
                 while len(out) < limit and f.tell() < size:
                     raw = f.readline()
                     if not raw.endswith(b"\n"):
                         break
                     line = raw[:-1]
-                    if out or _parse_line(line, seq=None)["seq"] > after_seq:
+                    if out or parse_line(line, seq=None)["seq"] > after_seq:
                         out.append(line)
             if len(out) >= limit:
                 break

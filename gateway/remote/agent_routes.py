@@ -28,23 +28,19 @@ import weakref
 from aiohttp import web
 
 from gateway import ca_store
-from gateway.core import ca, dpop
+from gateway.core import ca
 from gateway.errors import ErrorCode, UompError, parse_code
-from gateway.remote.app import (
-    STATE,
-    Call,
-    GatewayState,
-    Route,
-    _bearer,
-    _record,
-    register_route,
-    verified_headers,
-)
+from gateway.remote.call import record, verified_headers
+from gateway.remote.identity import dpop_identity
+from gateway.remote.request import Call, Route
+from gateway.remote.state import STATE, GatewayState, register_route
 
 MAX_CSR_BYTES = 16 * 1024
 
 
 async def refresh(call: Call) -> web.StreamResponse:
+    """``POST /v1/sessions/{id}/refresh``: the agent's refresh, forwarded to the Auth Service with the gateway's
+    assertion."""
     state = call.request.app[STATE]
     assert call.cap is not None and call.token is not None
     headers = verified_headers(call)
@@ -68,7 +64,7 @@ async def refresh(call: Call) -> web.StreamResponse:
         ):
             code = ErrorCode.UPSTREAM_ERROR
         raise UompError(code, str(err.get("message", "refresh refused"))[:200], session_id=call.cap.session_id)
-    await _record(call, status=200, allowed=True, reason="refresh token rotated", code=None)
+    await record(call, status=200, allowed=True, reason="refresh token rotated", code=None)
     return web.json_response(body)
 
 
@@ -83,6 +79,7 @@ MAX_LIMITED_AGENTS = 10_000
 
 
 async def renew_certificate(call: Call) -> web.StreamResponse:
+    """``POST /v1/certificates/renew``: a new certificate for the presented one, within its rate and window."""
     state = call.request.app[STATE]
     cfg = state.cfg
     request = call.request
@@ -127,7 +124,7 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
     cert = ca.load_cert(pem)
     serial = ca.serial_hex(cert.serial_number)
     not_after = cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
-    await _record(
+    await record(
         call,
         status=200,
         allowed=True,
@@ -166,47 +163,6 @@ async def _read_csr(request: web.Request) -> bytes | None:
     return csr_text.encode()
 
 
-def _public_url(state: GatewayState, request: web.Request, path: str) -> str:
-    """The URL the agent addressed, as it must appear in the proof's ``htu``.
-
-    Behind cloudflared the Host header is the public tunnel host name; it must be one of the
-    tunnel listener's endpoints (the same list tokens' ``audience`` is checked against there).
-    """
-    host = state.match_endpoint("tunnel", request.headers.get("Host", ""))
-    if host is None:
-        raise UompError(ErrorCode.DPOP_INVALID, "request host is not one of this gateway's tunnel endpoints")
-    return f"https://{host}" + path
-
-
-async def dpop_identity(call: Call) -> None:
-    state = call.request.app[STATE]
-    request = call.request
-    assert call.target is not None
-    if call.route is not None and call.route.token_use == "none":
-        raise UompError(ErrorCode.CERT_REQUIRED, "this route needs a client certificate (mTLS listener)")
-    cap = state.verify(_bearer(request))  # signature first: a proof is only checked for a real token
-    if cap.cnf_jkt is None:
-        raise UompError(
-            ErrorCode.TOKEN_BINDING_MISMATCH,
-            "tokens used through the tunnel must be bound to a DPoP key",
-            session_id=cap.session_id,
-        )
-    result = dpop.verify_dpop(
-        request.headers.getall("DPoP", []),
-        method=request.method,
-        url=_public_url(state, request, call.target.upstream_path),
-        access_token=_bearer(request),
-        now=time.time(),
-        window_seconds=state.cfg.dpop_window_seconds,
-        replay=state.replay,
-        expected_jkt=cap.cnf_jkt,
-        record=False,
-    )
-    call.jkt = result.jkt
-    # recorded only once the token and the session passed their checks (a revoked agent records nothing)
-    call.on_authenticated.append(lambda: dpop.record_proof(state.replay, result, now=time.time()))
-
-
 ROUTES = (
     (
         Route(
@@ -226,6 +182,7 @@ ROUTES = (
 
 
 def install(state: GatewayState) -> None:
+    """Registers the refresh and renewal routes, and the tunnel listener's DPoP identity."""
     for route, handler in ROUTES:
         register_route(state, route, handler)
     state.transport_auth["tunnel"] = dpop_identity

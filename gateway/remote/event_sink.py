@@ -1,4 +1,4 @@
-"""The gateway's events into the guard's one log (issue 10), with a durable local spool.
+"""The gateway's events into the guard's one log, with a durable local spool.
 
 A request the guard answers is recorded by the guard alone (the gateway hands over its fields as
 verified contract headers, :mod:`gateway.contract`). What the gateway decides alone (its refusals,
@@ -57,8 +57,8 @@ from gateway import contract
 from gateway.durable import RefusalTally, fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write, fsync_dir
-from gateway.remote.access_log import GAP_TYPE, MAX_SOURCES, SUPPRESSED_TYPE, AccessLog, _Buckets
-from gateway.remote.forward import Forwarder
+from gateway.remote.access_log import GAP_TYPE, MAX_SOURCES, SUPPRESSED_TYPE, AccessLog, SourceBuckets
+from gateway.remote.guard_client import Forwarder
 
 log = logging.getLogger("uomp.gateway")
 
@@ -125,7 +125,7 @@ class EventSink:
         self.spool = spool
         self.clock = clock
         self.summary_interval = float(summary_interval_seconds)
-        self._buckets = _Buckets(unauth_events_per_second, unauth_burst)
+        self._buckets = SourceBuckets(unauth_events_per_second, unauth_burst)
         self.suppressed = RefusalTally(max_buckets=MAX_SOURCES)
         self._last_summary = clock()
         self._pending: list[tuple[dict[str, Any], asyncio.Future[None] | None]] = []
@@ -465,6 +465,7 @@ def _parse_iso(s: str) -> float:
 
 
 def spool_path(gateway_dir: Path) -> Path:
+    """The gateway's durable spool of events the guard has not acknowledged."""
     return gateway_dir / "access.jsonl"
 
 

@@ -1,145 +1,92 @@
-"""Forwarding verified requests to the Memory Guard: Unix socket (default) or loopback HTTP.
-
-Both go through :mod:`gateway.remote.upstream`, a small strict HTTP/1.1 client with a pool of
-keep-alive connections (aiohttp's client was the largest single cost of a forwarded request).
-Only an allow-list of headers crosses in either direction, so hop-by-hop headers (RFC 9110
-§7.6.1), anything named in ``Connection``, and any client-sent copy of the ``X-UOMP-Verified-*``
-identity headers never reach the guard; the request is re-framed by the client (``Content-Length``
-only, never the agent's framing). Failures map to stable codes: the guard unreachable is 503
-STORE_UNAVAILABLE (the gateway stays up and recovers by itself on the next request), garbage is
-502 UPSTREAM_ERROR, a hang is 504 UPSTREAM_TIMEOUT. Each such failure is reported to
-``on_failure`` (the gateway's :class:`~gateway.remote.upstream_health.UpstreamMonitor`: it logs,
-counts and re-checks the guard).
-"""
+"""Forwarding a verified request to the Memory Guard (:func:`forward`, the handler of every row
+without its own): allow-listed headers, the gateway's assertion, a bounded body, the guard's
+answer streamed back and its event recorded."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, Protocol
+import logging
 
-from gateway import contract, jsonio
-from gateway.core.http1 import HeaderBlock
+from aiohttp import web
+
+from gateway import contract
 from gateway.errors import ErrorCode, UompError
-from gateway.remote.upstream import DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
+from gateway.remote.call import EVENT_ID_LOWER, assertion_block, error_code, record
+from gateway.remote.guard_client import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS
+from gateway.remote.request import Call
+from gateway.remote.state import STATE
 
-__all__ = [
-    "CHUNK",
-    "FORWARD_REQUEST_HEADERS",
-    "FORWARD_RESPONSE_HEADERS",
-    "MAX_JSON_BYTES",
-    "Forwarder",
-    "Upstream",
-    "UpstreamResponse",
-]
+log = logging.getLogger("uomp.gateway")
 
-# Request headers the gateway copies from the client (lower-case; everything else is dropped) and
-# response headers passed back: the gateway<->guard contract.
-FORWARD_REQUEST_HEADERS = contract.FORWARD_REQUEST_HEADERS
-FORWARD_RESPONSE_HEADERS = contract.FORWARD_RESPONSE_HEADERS
-CHUNK = 64 * 1024
-MAX_JSON_BYTES = 1024 * 1024  # a JSON exchange with the guard (token validation, refresh)
+MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
 
 
-class Answer(Protocol):
-    """The guard's answer as the gateway reads it (:class:`UpstreamResponse`, or the uplink's)."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes | None
-
-    def header(self, name: str) -> str | None: ...
-    @property
-    def content_type(self) -> str: ...
-    @property
-    def content_length(self) -> int | None: ...
-    async def read(self, limit: int) -> bytes: ...
-    def iter_chunks(self, size: int = ...) -> AsyncIterator[bytes]: ...
-    def release(self) -> None: ...
-
-
-class Client(Protocol):
-    """What carries requests to the guard: the Unix-socket/HTTP pool, or the uplink hub."""
-
-    async def request(
-        self,
-        method: str,
-        target: str,
-        headers: Mapping[str, str],
-        *,
-        body: bytes | None = None,
-        block: HeaderBlock | None = None,
-    ) -> Answer: ...
-
-    async def close(self) -> None: ...
-
-
-class Forwarder:
-    def __init__(
-        self,
-        upstream: Upstream,
-        *,
-        timeout_seconds: float,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        client: Client | None = None,
-    ) -> None:
-        self.upstream = upstream
-        self.client: Client = (
-            client
-            if client is not None
-            else UpstreamClient(upstream, timeout_seconds=timeout_seconds, max_connections=max_connections)
-        )
-        self.on_failure: Callable[[ErrorCode], None] | None = None  # called with the code of a failed exchange
-
-    def _failed(self, exc: UompError) -> None:
-        if self.on_failure is not None and exc.code in (
-            ErrorCode.STORE_UNAVAILABLE,
-            ErrorCode.UPSTREAM_ERROR,
-            ErrorCode.UPSTREAM_TIMEOUT,
-        ):
-            self.on_failure(exc.code)
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    async def request(
-        self,
-        method: str,
-        path_and_query: str,
-        headers: Mapping[str, str],
-        *,
-        body: bytes | None = None,
-        block: HeaderBlock | None = None,
-    ) -> Answer:
-        """Send one request; the caller reads (``body`` or ``iter_chunks``) and ``release()``s the answer.
-        ``block``: header lines checked once already (:func:`gateway.core.http1.header_block`)."""
+async def forward(call: Call) -> web.StreamResponse:
+    """A verified request to the guard (allow-listed headers and the assertion) and its answer back."""
+    state = call.request.app[STATE]
+    request = call.request
+    assert call.target is not None and call.cap is not None and call.token is not None
+    # Only allow-listed client headers (each single-valued or harmless: never Authorization or
+    # X-UOMP-Agent-Id), the request's id, and the assertion's lines (the verified token and agent).
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
+    headers[contract.VERIFIED_REQUEST_ID_HEADER] = call.request_id
+    block = assertion_block(call)
+    body: bytes | None = None
+    if request.method in ("POST", "PUT"):
+        if request.content_length is not None and request.content_length > state.cfg.max_body_bytes:
+            raise UompError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                session_id=call.cap.session_id,
+            )
+        # The whole body (one read() returns only what has arrived so far), bounded.
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > state.cfg.max_body_bytes:
+                raise UompError(
+                    ErrorCode.PAYLOAD_TOO_LARGE,
+                    f"request body exceeds {state.cfg.max_body_bytes} bytes",
+                    session_id=call.cap.session_id,
+                )
+            parts.append(chunk)
+        body = b"".join(parts)
+    path = call.target.upstream_target
+    upstream = await state.forwarder.request(request.method, path, headers, body=body, block=block)
+    try:
+        if upstream.status >= 500 and upstream.content_type != "application/json":
+            raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an invalid response")
+        # The guard's quota header passes through: its counter is the only one.
+        headers_out = {}
+        for k, v in upstream.headers:
+            low = k.lower()
+            if low in FORWARD_RESPONSE_HEADERS:
+                headers_out[k] = v
+            if low == EVENT_ID_LOWER:
+                # The guard wrote this request's one event (with the gateway's fields): nothing to add here.
+                call.recorded = True
+        if upstream.status >= 400:
+            # A refusal is small: read it whole (bounded) so the access log records the guard's code.
+            raw = await upstream.read(MAX_UPSTREAM_ERROR_BYTES)
+            code = error_code(raw) or f"HTTP_{upstream.status}"
+            await record(call, status=upstream.status, allowed=False, reason="refused by the memory guard", code=code)
+            return web.Response(body=raw, status=upstream.status, headers=headers_out)
+        if upstream.body is not None:  # read whole already (every JSON answer of the guard)
+            await record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)
+            return web.Response(body=upstream.body, status=upstream.status, headers=headers_out)
+        resp = web.StreamResponse(status=upstream.status, headers=headers_out)
+        if upstream.content_length is not None:
+            resp.content_length = upstream.content_length
+        await record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)
+        await resp.prepare(request)
         try:
-            return await self.client.request(method, path_and_query, headers, body=body, block=block)
-        except UompError as exc:
-            self._failed(exc)
-            raise
-
-    async def json_call(
-        self, method: str, path: str, *, body: Any = None, headers: Mapping[str, str] | None = None
-    ) -> tuple[int, dict[str, Any]]:
-        """A small JSON exchange with the guard (token validation, refresh)."""
-        hdrs = {"content-type": "application/json", **(headers or {})}
-        data = json.dumps(body).encode() if body is not None else None
-        resp = await self.request(method, path, hdrs, body=data)
-        try:
-            raw = await resp.read(MAX_JSON_BYTES + 1)
-        finally:
-            resp.release()
-        try:
-            if len(raw) > MAX_JSON_BYTES:
-                raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an oversized response")
-            try:
-                parsed = jsonio.loads(raw) if raw else {}
-            except ValueError as exc:
-                raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with invalid JSON") from exc
-            if not isinstance(parsed, dict):
-                raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an unexpected shape")
-        except UompError as exc:
-            self._failed(exc)
-            raise
-        return resp.status, parsed
+            async for chunk in upstream.iter_chunks(CHUNK):
+                await resp.write(chunk)
+        except UompError as exc:  # timed out or broken mid-response: the status line is already sent
+            log.warning("upstream %s mid-response on %s", exc.code, call.route.name if call.route else "?")
+            resp.force_close()
+            return resp
+        await resp.write_eof()
+        return resp
+    finally:
+        upstream.release()

@@ -1,7 +1,7 @@
 """Refused TLS handshakes: one log line each (rate-limited) and a labelled counter.
 
 A client that fails the handshake (revoked, expired or foreign certificate, TLS 1.2 or older,
-plain HTTP sent to the TLS port) used to get an empty reply and leave the operator nothing.
+plain HTTP sent to the TLS port) is never silent for the operator.
 :class:`HandshakeLog` is told of each by the listener's
 :class:`gateway.remote.transport.ConnectionRegistry` (``on_handshake_failed``) and
 
@@ -79,10 +79,14 @@ _HINTS = {
 
 
 class Counter(Protocol):
+    """Where refused handshakes are counted (the metrics)."""
+
     def tls_handshake_rejected(self, listener: str, reason: str) -> None: ...
 
 
 class Events(Protocol):
+    """Where refused handshakes are recorded (the one log)."""
+
     def append(self, event: dict[str, Any], *, source: str | None = None) -> Any: ...
 
 

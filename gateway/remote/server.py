@@ -16,11 +16,12 @@ from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.netutil import check_bind
-from gateway.remote import agent_routes, payload_routes, transport
+from gateway.remote import agent_routes, enroll_routes, payload_routes, payload_service, transport
 from gateway.remote.access_log import AccessLog
-from gateway.remote.app import GatewayState, create_gateway_app
-from gateway.remote.forward import Forwarder, Upstream
+from gateway.remote.app import create_gateway_app
+from gateway.remote.guard_client import Forwarder, Upstream
 from gateway.remote.metrics import Metrics, create_metrics_app
+from gateway.remote.state import GatewayState
 from gateway.remote.tls import TLSReloader
 from gateway.remote.upstream_health import UpstreamMonitor
 from gateway.uplink.hub import UplinkHub, uplink_hub
@@ -29,6 +30,7 @@ log = logging.getLogger("uomp.gateway")
 
 
 def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]:
+    """The server certificate, its key, the agent CA and the CRL the mTLS listener uses."""
     return (
         Path(cfg.server_cert) if cfg.server_cert else ca_store.server_cert_path(paths),
         Path(cfg.server_key) if cfg.server_key else ca_store.server_key_path(paths),
@@ -51,6 +53,8 @@ async def _renewal_at_home(call: Any) -> web.StreamResponse:
 
 
 class GatewayRunner:
+    """Starts and stops the gateway's listeners, state, watchers and workers."""
+
     def __init__(self, paths: Paths, cfg: GatewayConfig) -> None:
         self.paths = paths
         self.cfg = cfg
@@ -76,7 +80,7 @@ class GatewayRunner:
         # Extra sections of the status file ($UOMP_HOME/gateway/status.json), e.g. "guard" (supervisor).
         self.status_sources: dict[str, Callable[[], dict[str, Any]]] = {}
         self.monitor: UpstreamMonitor | None = None
-        self.payloads: payload_routes.PayloadService | None = None
+        self.payloads: payload_service.PayloadService | None = None
         self.uplink: UplinkHub | None = None  # the guard at home, over the outbound uplink
         self.uplink_port: int | None = None
         self.shared: Any = None  # gateway.remote.shared_state.SharedState when shared_redis_url is set
@@ -164,6 +168,7 @@ class GatewayRunner:
         state.revoked_serials = lambda: reloader.revoked
         state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
+        enroll_routes.install(state)
         if self.uplink is not None and not self.paths.ca_key.exists():
             state.handlers["renew"] = _renewal_at_home  # a VPS gateway holds no CA key
         if cfg.shared_redis_url:  # replicas: the DPoP replay cache and rate in Redis
@@ -269,11 +274,13 @@ class GatewayRunner:
             self.uplink_port = await self.uplink.listen(cfg.uplink_listen_host, cfg.uplink_listen_port)
         loop = asyncio.get_running_loop()
 
+        crl_watch = ca_store.CrlWatch(self.paths)  # the registry is opened only when a file changed
+
         def tick() -> None:  # in a worker thread, every TLS watch interval
             if key_watch.changed():  # `uomp keys rotate [--revoke-old]`: reload without a SIGHUP
                 self.reload_keys()  # reads key files: here, in the thread (GatewayState swaps whole dicts)
             if self.paths.ca_key.exists():  # a VPS gateway has no CA key: its CRL comes from home
-                ca_store.refresh_crl(self.paths)
+                crl_watch.tick()
 
         self._tasks.append(loop.create_task(self.reloader.watch(cfg.tls_watch_interval_seconds, tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
@@ -289,6 +296,18 @@ class GatewayRunner:
             self.state.metrics.guard_restarted()
         if self.monitor is not None:
             self.monitor.wake()
+
+    def guard_checked(self, why: str | None) -> None:
+        """The supervisor health-checked its guard child on ``guard.sock`` (``why`` None: it
+        passed). When that is this gateway's upstream, a pass stands for the monitor's own probe
+        (:meth:`UpstreamMonitor.passed_elsewhere`) and a failure makes it check at once."""
+        monitor = self.monitor
+        if monitor is None or monitor.upstream != Upstream("unix", str(self.paths.guard_sock)):
+            return
+        if why is None:
+            monitor.passed_elsewhere()
+        else:
+            monitor.wake()
 
     def _fit_limits(self, registries: list[transport.ConnectionRegistry]) -> None:
         """Raise the soft file-descriptor limit to the hard one and shrink the budgets to fit under it."""

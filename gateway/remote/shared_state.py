@@ -38,13 +38,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
-from aiohttp import web
 
-from gateway import contract
 from gateway.core import dpop
 from gateway.errors import ErrorCode, UompError
-from gateway.remote.agent_routes import _public_url
-from gateway.remote.app import Call, GatewayState, _bearer
+from gateway.remote.identity import verify_proof
+from gateway.remote.request import Call
+from gateway.remote.state import GatewayState
 
 # One round trip, atomic: KEYS = born, rate set of this key, the proof's entry;
 # ARGV = now ms, the proof's iat ms, rate window ms, rate limit, entry TTL ms, born if missing.
@@ -74,6 +73,8 @@ def _unavailable() -> UompError:
 
 
 class SharedState:
+    """The replicas' shared DPoP replay cache and per-key rate in Redis (fails closed when Redis is away)."""
+
     def __init__(self, url: str, *, prefix: str, timeout_seconds: float) -> None:
         self.prefix = prefix
         # a bounded pool: a request waits at most the time-out for a connection, then fails closed
@@ -145,40 +146,12 @@ def install(state: GatewayState, shared: SharedState) -> None:
     per_key = max(1, math.ceil(cfg.dpop_max_proofs_per_second_per_key * 2 * cfg.dpop_window_seconds))
     rate_window = 2 * cfg.dpop_window_seconds
 
-    async def dpop_identity_shared(call: Call) -> None:
-        request: web.Request = call.request
-        assert call.target is not None
-        if call.route is not None and call.route.token_use == "none":
-            raise UompError(ErrorCode.CERT_REQUIRED, "this route needs a client certificate (mTLS listener)")
-        token = _bearer(request)
-        cap = state.verify(token)  # signature first: a proof is only checked for a real token
-        if cap.cnf_jkt is None:
-            raise UompError(
-                ErrorCode.TOKEN_BINDING_MISMATCH,
-                "tokens used through the tunnel must be bound to a DPoP key",
-                session_id=cap.session_id,
-            )
-        now = time.time()
-        result = dpop.verify_dpop(
-            request.headers.getall("DPoP", []),
-            method=request.method,
-            url=_public_url(state, request, call.target.upstream_path),
-            access_token=token,
-            now=now,
-            window_seconds=cfg.dpop_window_seconds,
-            replay=state.replay,  # nothing recorded here (record=False): Redis is the one cache
-            expected_jkt=cap.cnf_jkt,
-            record=False,
-        )
-        call.jkt = result.jkt
-        # a revoked or unknown session records nothing (as in one gateway): its status first
-        if call.route is None or call.route.token_use == "access":
-            await state.status.check(token, cap, contract.token_digest(token))
+    async def claim(result: dpop.DpopResult) -> None:
         verdict = await shared.claim_proof(
             result.jkt,
             result.replay_key,
             iat=result.iat,
-            ttl_seconds=result.expires_at - now + 1.0,
+            ttl_seconds=result.expires_at - time.time() + 1.0,
             limit=per_key,
             window_seconds=rate_window,
         )
@@ -190,5 +163,10 @@ def install(state: GatewayState, shared: SharedState) -> None:
             raise UompError(ErrorCode.DPOP_INVALID, "DPoP proof is older than the shared replay cache; make a new one")
         if verdict != ACCEPTED:
             raise _unavailable()
+
+    async def dpop_identity_shared(call: Call) -> None:
+        result = verify_proof(call)  # nothing recorded in this process: Redis is the one cache
+        # claimed once the token and the session passed their checks (a revoked agent records nothing)
+        call.on_authenticated.append(lambda: claim(result))
 
     state.transport_auth["tunnel"] = dpop_identity_shared

@@ -48,6 +48,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from gateway.atrest import vault
 from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
@@ -81,7 +82,8 @@ def build_server_context(
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     # Our certificate (issued by the user CA, EKU serverAuth) and its key.
-    ctx.load_cert_chain(certfile=os.fspath(cert_file), keyfile=os.fspath(key_file))
+    with vault.ssl_key_file(Path(os.fspath(key_file))) as (keyfile, password):  # sealed: opened in memory only
+        ctx.load_cert_chain(certfile=os.fspath(cert_file), keyfile=keyfile, password=password)
     # Trust anchors for CLIENT certificates: the user's agent CA and nothing else. A server context
     # starts with an empty store; we never call load_default_certs(), so a certificate from any
     # public CA is "unable to get local issuer certificate".
@@ -111,7 +113,7 @@ def build_server_context(
     # A resumed session skips client certificate *verification*: a certificate revoked (new CRL) or
     # expired since the first handshake resumes at the TLS layer. It gets no further: every request
     # re-checks the peer certificate (kept in the session) against the live CRL's serials and its
-    # validity period (ClientCertChecker.check(revoked=TLSReloader.revoked), remote/app.py), so it
+    # validity period (ClientCertChecker.check(revoked=TLSReloader.revoked), remote/identity.py), so it
     # is refused at its first request (tests/remote/test_tls.py). Ticket keys belong to the listening
     # context (the SNI switch to a reloaded context keeps them) and die with the process.
     ctx.num_tickets = max(0, int(session_tickets))
@@ -273,6 +275,8 @@ def write_crl_state(path: Path, mark: CRLMark) -> None:
 
 @dataclass(frozen=True)
 class TLSFiles:
+    """The files the mTLS listener's context is built from."""
+
     cert_file: Path
     key_file: Path
     ca_file: Path
@@ -325,8 +329,8 @@ class TLSReloader:
         # and trust store (CA + CRL) only. The front IS the first inner context: until the first
         # reload the callback "switches" to the context the connection already has, which OpenSSL
         # skips (SSL_set_SSL_CTX returns at once), where a real switch costs the server ~0.1-0.5 ms
-        # per handshake (it copies the certificate state; benchmarks/README.md, issue 13 session 4).
-        # After a reload, new handshakes switch to the new inner context as before.
+        # per handshake (it copies the certificate state; benchmarks/RUNS.md, "native TLS").
+        # After a reload, each new handshake switches to the newest inner context.
         self._front = self._inner
         self._front.sni_callback = self._select
 
@@ -461,16 +465,20 @@ class TLSReloader:
         logged, never fatal.
         """
         loop = asyncio.get_running_loop()
-        while True:
+
+        def step() -> None:  # one trip to a worker thread per look: file reads, fsync, off the loop
             if tick is not None:
                 try:
-                    await loop.run_in_executor(None, tick)
+                    tick()
                 except Exception as exc:  # a failing refresh must not stop the watcher
                     log.warning("TLS watch tick failed: %s: %s", type(exc).__name__, exc)
             try:
-                await loop.run_in_executor(None, self.reload_if_changed)  # file reads, fsync: off the loop
+                self.reload_if_changed()
             except UompError as exc:
                 log.warning("%s", exc.message)
+
+        while True:
+            await loop.run_in_executor(None, step)
             await asyncio.sleep(interval)
 
 

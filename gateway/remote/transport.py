@@ -1,5 +1,8 @@
 """Listening sockets for the gateway, with the limits aiohttp does not have on its own.
 
+Longer than ~500 lines on purpose: the accept protocol, the per-connection record and the
+registry share each connection's budget and timer bookkeeping, so they stay together.
+
 aiohttp's server bounds header sizes and idle keep-alive time, but it has no cap on connections,
 and asyncio only hands a TLS connection to it after the handshake, so connections that never
 finish (or never start) a handshake are invisible to it. Here every connection is counted and
@@ -7,7 +10,7 @@ timed from the moment it is **accepted**, before any TLS byte is read: the TLS l
 plain TCP (:class:`TLSAcceptProtocol`) and, once the client's first bytes are in, hands the raw
 transport to the event loop's own TLS protocol, neither subclassed nor wrapped: under uvloop (the
 product's loop) that is uvloop's native one, so the handshake and every request's record layer
-run outside Python (benchmarks/README.md, "Issue 13, session 4: native TLS"):
+run outside Python (benchmarks/RUNS.md, "native TLS"):
 
 * **Two budgets per listener.** A connection starts *unverified*. On the mTLS listener it becomes
   *verified* when its handshake completes with a client certificate OpenSSL verified against the
@@ -187,6 +190,7 @@ def raise_fd_limit() -> int:
 
 
 def backlog_for(fd_limit: int) -> int:
+    """The listen backlog for a process allowed ``fd_limit`` descriptors."""
     return max(16, min(MAX_BACKLOG, fd_limit // 16))
 
 
@@ -804,11 +808,13 @@ class TLSAcceptProtocol(asyncio.Protocol):
 
 
 def request_started(request: web.BaseRequest) -> None:
+    """Arms the connection's body deadline for the request now being read."""
     if isinstance(request.protocol, GuardedHandler):
         request.protocol.conn.request_started(request.content)
 
 
 def request_finished(request: web.BaseRequest) -> None:
+    """Ends the request's deadlines; the idle timer runs again until the next one."""
     if isinstance(request.protocol, GuardedHandler):
         request.protocol.conn.request_finished()
 

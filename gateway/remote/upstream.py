@@ -91,6 +91,8 @@ class _NoAnswer(Exception):
 
 @dataclass(frozen=True)
 class Upstream:
+    """Where the guard is: a Unix socket path or an http URL."""
+
     kind: str  # "unix" or "http"
     target: str  # socket path or base URL
 

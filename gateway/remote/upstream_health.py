@@ -5,7 +5,10 @@ socket nobody listens on, while the guard process lives, the pool keeps working 
 connections idle out, and then every request fails. So :class:`UpstreamMonitor`
 
 * checks the guard on a *new* connection (``GET /v1/health``, within ``timeout`` seconds) every
-  ``interval`` seconds, and at once (at most every :data:`MIN_PROBE_GAP_SECONDS`) after a request
+  ``interval`` seconds, unless another check of the same kind passed within the interval
+  (:meth:`UpstreamMonitor.passed_elsewhere`: the appliance's guard supervisor probes the same
+  socket file every second, so one probe serves both), and at once (at most every
+  :data:`MIN_PROBE_GAP_SECONDS`) after a request
   could not reach it; the last check decides :attr:`UpstreamMonitor.up`, which the gateway's own
   ``GET /v1/health`` reports (503 STORE_UNAVAILABLE while the guard is unreachable);
 * hears of every failed exchange with the guard (``STORE_UNAVAILABLE``, ``UPSTREAM_ERROR``,
@@ -56,6 +59,8 @@ def _iso(ts: float | None) -> str | None:
 
 
 class UpstreamMonitor:
+    """Checks the guard's health in the background, so the gateway answers 503 at once while it is down."""
+
     def __init__(
         self,
         upstream: Upstream,
@@ -88,6 +93,7 @@ class UpstreamMonitor:
         self._last_log = -float("inf")
         self._unlogged = 0
         self._wake = asyncio.Event()
+        self._vouched_at = -float("inf")  # monotonic time of the last check passed elsewhere
         self._dirty = True
         self._written = -float("inf")
         self.running = True
@@ -111,6 +117,14 @@ class UpstreamMonitor:
         else:
             self._unlogged += 1
         self._wake.set()  # check now: is it down, or was that one exchange?
+
+    def passed_elsewhere(self) -> None:
+        """Another part of this process checked the same upstream the same way (a new connection
+        through the socket file, ``GET /v1/health`` answered 200) and it passed: taken as this
+        monitor's own check, so :meth:`run` skips its next probe if it is due within ``interval``.
+        A failed check elsewhere is not taken: call :meth:`wake` (this monitor checks itself)."""
+        self._vouched_at = time.monotonic()
+        self._ok()
 
     def wake(self) -> None:
         """Check now (e.g. the supervisor restarted the guard)."""
@@ -160,9 +174,7 @@ class UpstreamMonitor:
             finally:
                 await client.close()
         if why is None:
-            self.failed_checks = 0
-            self.last_ok_at = time.time()
-            self._set(True, None)
+            self._ok()
         else:
             self.failed_checks += 1
             self.last_error = why
@@ -170,13 +182,21 @@ class UpstreamMonitor:
             self._set(False, why)
         return why is None
 
+    def _ok(self) -> None:
+        self.failed_checks = 0
+        self.last_ok_at = time.time()
+        self._set(True, None)
+
     # ------------------------------------------------------------------ running
 
     async def run(self) -> None:
-        """Check, report, wait (``interval``, or less when woken); until cancelled."""
+        """Check (unless woken by nothing and a check passed elsewhere within ``interval``), report,
+        wait (``interval``, or less when woken); until cancelled."""
         while True:
+            woken = self._wake.is_set()
             self._wake.clear()
-            await self.check()
+            if woken or time.monotonic() - self._vouched_at >= self.interval:
+                await self.check()
             await self.write_status()
             await asyncio.sleep(MIN_PROBE_GAP_SECONDS)
             with contextlib.suppress(TimeoutError):

@@ -45,6 +45,7 @@ def spki_pin(cert: x509.Certificate) -> str:
 
 
 def pin_of_der(der: bytes) -> str:
+    """The SPKI pin (SHA-256 of the certificate's public key) of a DER certificate."""
     return spki_pin(x509.load_der_x509_certificate(der))
 
 
@@ -82,6 +83,7 @@ def _write_pins(path: Path, pins: Sequence[str]) -> None:
 
 
 def load_pins(path: Path) -> set[str]:
+    """The pins in ``path`` (one a line); CONFIG_ERROR when missing or empty."""
     try:
         doc = json.loads(path.read_bytes())
         pins = doc["pins"]
@@ -98,6 +100,8 @@ def load_pins(path: Path) -> set[str]:
 
 @dataclass(frozen=True)
 class UplinkInit:
+    """What ``uomp uplink init`` made: the VPS's directory and the two pins."""
+
     vps_dir: Path  # the VPS's data directory, to copy as a whole
     home_pin: str
     server_pin: str

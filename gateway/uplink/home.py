@@ -51,6 +51,7 @@ def _after_head(link: Link) -> None:
 
 
 def parse_url(url: str) -> tuple[str, int]:
+    """``https://HOST:PORT`` of the VPS's uplink listener as (host, port)."""
     parts = urlsplit(url)
     try:
         port = parts.port or 443
@@ -62,6 +63,8 @@ def parse_url(url: str) -> tuple[str, int]:
 
 
 class HomeUplink:
+    """The home end of the uplink: dial out with backoff, serve each stream from the guard's socket."""
+
     def __init__(
         self,
         url: str,

@@ -18,6 +18,7 @@ from gateway.uplink import certs
 
 
 def server_context(cert: Path, key: Path, ca_file: Path) -> ssl.SSLContext:
+    """The uplink listener's TLS 1.3 context (client certificate from the uplink CA required)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.load_cert_chain(cert, key)
@@ -29,6 +30,7 @@ def server_context(cert: Path, key: Path, ca_file: Path) -> ssl.SSLContext:
 
 
 def client_context(cert: Path, key: Path, ca_file: Path) -> ssl.SSLContext:
+    """The home side's TLS 1.3 client context (its uplink certificate; the VPS checked by the uplink CA)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.load_verify_locations(cafile=str(ca_file))

@@ -1,4 +1,4 @@
-"""The user's own changes are events of the one log (issue 10): memory add/replace/rm and imports
+"""The user's own changes are events of the one log: memory add/replace/rm and imports
 (counts, never values), agent certificates issued and revoked, signing keys rotated. A command that
 is refused changes nothing and records nothing."""
 

@@ -1,5 +1,5 @@
 """The agent SDK installs without the server: importing ``gateway.client`` (every module of it) loads
-neither ``gateway.remote`` nor ``gateway.guard`` (issue 7, layering)."""
+neither ``gateway.remote`` nor ``gateway.guard``."""
 
 from __future__ import annotations
 
@@ -22,3 +22,12 @@ def test_the_sdk_loads_no_server_package() -> None:
     assert "gateway.client.sdk" in loaded and "gateway.client.transport" in loaded
     server = [m for m in loaded if m.split(".")[1] in ("remote", "guard", "cli", "supervisor")]
     assert server == []
+
+
+def test_the_mcp_server_loads_no_server_package() -> None:
+    """``uomp mcp serve`` runs on the agent's machine: the SDK under it, no guard and no gateway."""
+    code = CODE.replace("gateway.client", "gateway.mcp")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    loaded = json.loads(out)
+    assert "gateway.mcp.server" in loaded and "gateway.client.sdk" in loaded
+    assert [m for m in loaded if m.split(".")[1] in ("remote", "guard", "cli", "supervisor")] == []

@@ -29,7 +29,7 @@ from guardkit import admin_headers, call, grant, running_guard, seed, unix_sessi
 
 from gateway import keys
 from gateway.config import Paths
-from gateway.core import jose, tokens
+from gateway.core import capability, jose, tokens
 from gateway.errors import UompError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,7 +208,7 @@ def test_theirs_to_ours_ts_keys_and_token_in_python(tmp_path: Path) -> None:
     assert cap.read.tags == ("preference",) and cap.read.keys == ("user.passport",)
     assert cap.read.deny_tags == ("private",) and cap.read.deny_keys == ("preference.lang",)
     assert cap.read.allowed_fields == ("key", "value") and cap.allowed_fields == ("key", "value")
-    assert cap.write == tokens.EMPTY_SCOPE
+    assert cap.write == capability.EMPTY_SCOPE
     assert (cap.max_read_queries, cap.max_write_queries) == (100, 0)
     assert (cap.profile, cap.audience, cap.jti) == ("local", TS_AUDIENCE, None)  # the reference sets no jti
     # millisecond ISO timestamps (Date.toISOString) parse; jose's exp is expires_at floored to the second
@@ -256,7 +256,9 @@ async def test_theirs_to_our_running_guard(home: Paths, tmp_path: Path) -> None:
 
         status, body, hdrs = await call(s, "GET", "/v1/memory/preference.theme", token=ts_tok)
         assert status == 200 and body["value"] == "dark", body
-        assert hdrs["X-UOMP-Quota-Remaining"] == "99"  # the reference's limits.maxReadQueries (100) applies
+        assert (
+            hdrs["X-UOMP-Quota-Remaining"] == "99"
+        )  # the grant's quota (100 by default) applies, whatever the token says
         # the camelCase deny lists are enforced, not silently dropped
         status, body, _ = await call(s, "GET", "/v1/memory/preference.lang", token=ts_tok)
         assert status == 403 and body["error"]["message"] == "key explicitly denied"

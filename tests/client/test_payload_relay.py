@@ -1,4 +1,4 @@
-"""Issue 11: the encrypted payload relay end to end on 127.0.0.1: the real guard on its Unix socket,
+"""The encrypted payload relay end to end on 127.0.0.1: the real guard on its Unix socket,
 the gateway with real TLS 1.3 (mTLS listener and the DPoP tunnel-origin listener), bundles made by
 the real ``uomp authorize --remote``, the SDK sealing and uploading, the CLI pulling and opening.
 Every accepted case has refused partners, each with its code; refusals leave nothing behind."""

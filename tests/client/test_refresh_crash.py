@@ -1,4 +1,4 @@
-"""Issue 9 defect 1: a crash during a refresh must not revoke a working agent.
+"""A crash during a refresh must not revoke a working agent.
 
 The appliance runs as the user runs it (``uomp gateway start`` in a subprocess: the gateway and
 its supervised guard child); a fault hook (``UOMP_FAULT`` + an arm file, gateway.durable.fault_point)

@@ -62,7 +62,7 @@ MANIFEST: dict[str, Any] = json.loads((ROOT / "examples" / "calendar_agent" / "u
 async def sdk_appliance(
     paths: Paths, *, guard: dict[str, Any] | None = None, **gateway: Any
 ) -> AsyncIterator[Appliance]:
-    """gatewaykit.appliance with guard settings too (refresh grace window), and the tunnel listener."""
+    """Gatewaykit.appliance with guard settings too (refresh grace window), and the tunnel listener."""
     ca_store.init_all(paths)
     seed(paths)
     gateway.setdefault("tunnel_origin_port", 0)
@@ -85,7 +85,7 @@ async def app(home: Paths) -> AsyncIterator[Appliance]:
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    """The one log: the guard's ledger holds the gateway's events too."""
     return ledger_events(paths)
 
 
@@ -251,11 +251,11 @@ async def test_csr_authorize_read_and_many_refreshes_each_persisted(
         with pytest.raises(ValueError):
             await c.aggregate("preference", "median")
         for n in range(6):
-            old_access = c._access_token
+            old_access = c._tokens.access_token
             await c.refresh()
             on_disk = load_bundle(bundle)
-            assert on_disk.refresh_token == c._refresh_token and on_disk.refresh_token not in seen_refresh, n
-            assert on_disk.access_token == c._access_token != old_access
+            assert on_disk.refresh_token == c._tokens.refresh_token and on_disk.refresh_token not in seen_refresh, n
+            assert on_disk.access_token == c._tokens.access_token != old_access
             assert on_disk.agent_key_file == b0.agent_key_file and on_disk.agent_cert == b0.agent_cert
             seen_refresh.add(on_disk.refresh_token)
             assert (await c.get("preference.lang"))["value"] == "en"
@@ -387,7 +387,7 @@ async def test_two_clients_on_one_bundle_adopt_rather_than_reuse(app: Appliance,
     async with UompClient.from_bundle(bundle) as one, UompClient.from_bundle(bundle) as two:
         await one.refresh()
         await two.refresh()  # holds the spent token in memory: adopts the file's instead
-        assert two.refresh_count == 0 and two._refresh_token == one._refresh_token
+        assert two.refresh_count == 0 and two._tokens.refresh_token == one._tokens.refresh_token
         assert (await one.get("preference.theme"))["value"] == "dark"
         assert (await two.get("preference.lang"))["value"] == "en"
         await two.refresh()  # now a real rotation; `one` adopts it next time
@@ -672,7 +672,7 @@ async def test_dpop_through_the_tunnel_origin(app: Appliance, tmp_path: Path) ->
             await c.get("user.password")
         for _ in range(3):
             await c.refresh()  # Authorization: DPoP <refresh token> + a proof for the refresh URL
-            assert load_bundle(bundle).refresh_token == c._refresh_token
+            assert load_bundle(bundle).refresh_token == c._tokens.refresh_token
         assert (await c.get("preference.lang"))["value"] == "en"
         with pytest.raises(ConfigError):
             await c.renew_certificate()  # mTLS listener only
@@ -868,7 +868,7 @@ async def _exercise_and_check_secrets(
         await c.get("preference.theme")
         await c.refresh()
         await c.refresh()
-        secrets_seen |= {c._access_token, c._refresh_token or ""}
+        secrets_seen |= {c._tokens.access_token, c._tokens.refresh_token or ""}
         for call_ in (lambda: c.get("user.password"), lambda: c.by_tag("identity"), lambda: c.audit(limit=0)):
             try:
                 await call_()
@@ -966,7 +966,7 @@ async def test_example_agent_cli(app: Appliance, tmp_path: Path) -> None:
 async def test_refresh_is_retried_on_503_and_keeps_working(
     app: Appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 9 #1: the SDK retries a refresh that got 503 (here: the one log, the guard's audit log,
+    """The SDK retries a refresh that got 503 (here: the one log, the guard's audit log,
     cannot be written for the first two tries) with bounded back-off, and the session survives."""
     from gateway.client import ClientOptions
     from gateway.errors import UompError

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gateway import ca_store
+from gateway import ca_registry, ca_store
 from gateway.cli.main import main
 from gateway.config import Paths
 from gateway.core import ca
@@ -314,7 +314,7 @@ def test_init_creates_files_with_private_modes(paths: Paths) -> None:
     assert _mode(paths.ca_dir) == 0o700
     assert _mode(ca_store.ca_key_path(paths)) == 0o600
     assert _mode(ca_store.server_key_path(paths)) == 0o600
-    assert _mode(ca_store.registry_path(paths)) == 0o600
+    assert _mode(ca_registry.registry_path(paths)) == 0o600
     key, cert = ca_store.load_ca(paths)
     server = x509.load_pem_x509_certificate(ca_store.server_cert_path(paths).read_bytes())
     server.verify_directly_issued_by(cert)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from gateway import contract
-from gateway.core import checks, tokens
+from gateway.core import capability, checks, tokens
 from gateway.errors import UompError
 
 NOW = int(time.time())
@@ -19,7 +19,7 @@ BASE = tokens.parse_claims(
         agent_id="agent_a",
         now=NOW,
         expires=NOW + 60,
-        read=tokens.Scope(tags=("t",)),
+        read=capability.Scope(tags=("t",)),
         profile="remote",
         audience="https://gw.example:9443",
         allowed_endpoints=["gw.example:9443"],

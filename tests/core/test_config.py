@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway import config
 from gateway.config import GatewayConfig, GuardConfig, load_section, resolve_home
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 
 def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,18 +96,20 @@ def test_example_config_names_every_setting_with_its_default() -> None:
     import math
     import tomllib
 
-    from gateway.config import AnchorConfig, DashboardConfig, TunnelSettings
+    from gateway.config import AnchorConfig, DashboardConfig, RegistryConfig, TrustConfig, TunnelSettings
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "config" / "uomp.example.toml").read_text(encoding="utf-8")
     doc = tomllib.loads(text)
-    assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard"}
+    assert set(doc) == {"guard", "gateway", "tunnel", "anchor", "dashboard", "registry", "trust"}
     for section, cls in (
         ("guard", GuardConfig),
         ("gateway", GatewayConfig),
         ("tunnel", TunnelSettings),
         ("anchor", AnchorConfig),
         ("dashboard", DashboardConfig),
+        ("registry", RegistryConfig),
+        ("trust", TrustConfig),
     ):
         defaults = cls()
         names = {f.name for f in dataclasses.fields(cls)}
@@ -121,3 +124,42 @@ def test_example_config_names_every_setting_with_its_default() -> None:
                 assert math.isclose(value, default, rel_tol=1e-3), (section, name, value, default)
             else:
                 assert value == default, (section, name, value, default)
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        ("1", True),
+        (" Yes ", True),
+        ("ON", True),
+        ("0", False),
+        ("false", False),
+        (" Off\n", False),
+        ("maybe", None),
+        ("", None),
+    ],
+)
+def test_one_boolean_parser_for_settings_and_switches(raw: str, want: bool | None) -> None:
+    assert config.parse_bool(raw) is want
+
+
+@pytest.mark.parametrize(
+    ("raw", "on"), [(None, True), ("1", True), ("off", False), (" NO ", False), ("0", False), ("maybe", True)]
+)
+def test_speed_switches_are_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch, raw: str | None, on: bool) -> None:
+    if raw is None:
+        monkeypatch.delenv("UOMP_ORJSON", raising=False)
+    else:
+        monkeypatch.setenv("UOMP_ORJSON", raw)
+    assert config.switch_on("UOMP_ORJSON") is on
+
+
+def test_a_boolean_setting_takes_the_same_words_and_refuses_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UOMP_GATEWAY_LISTEN_REUSE_PORT", " On ")
+    assert load_section(GatewayConfig, "gateway", file=None).listen_reuse_port is True
+    monkeypatch.setenv("UOMP_GATEWAY_LISTEN_REUSE_PORT", "off")
+    assert load_section(GatewayConfig, "gateway", file=None).listen_reuse_port is False
+    monkeypatch.setenv("UOMP_GATEWAY_LISTEN_REUSE_PORT", "maybe")
+    with pytest.raises(UompError) as err:
+        load_section(GatewayConfig, "gateway", file=None)
+    assert err.value.code is ErrorCode.CONFIG_ERROR

@@ -1,4 +1,4 @@
-"""gateway.db.DbWorker hands results back to the event loop in batches (issue 13).
+"""Gateway.db.DbWorker hands results back to the event loop in batches.
 
 Under load, one ``call_soon_threadsafe`` per finished job woke the event loop for every job, and the
 loop then fought the worker for the GIL on each SQLite call of the next one: about a third of the
@@ -150,7 +150,7 @@ async def test_a_cancelled_caller_does_not_lose_the_others(worker: DbWorker) -> 
     assert [r for j, r in enumerate(results[1:]) if j != 2] == [0, 1, 3, 4, 5]
 
 
-# ------------------------------------------------------------------ Durable results (issue 13)
+# ------------------------------------------------------------------ Durable results
 
 
 async def test_a_durable_result_is_handed_over_after_its_hook() -> None:

@@ -1,4 +1,4 @@
-"""The data directory and the signing keys (issue 15 defects 12 and 14).
+"""The data directory and the signing keys.
 
 * Every directory ``uomp`` creates is 0700 whatever the umask (parents of UOMP_HOME included).
 * A data directory, ``.secrets`` or ``ca/`` owned by another user or writable by group/others is

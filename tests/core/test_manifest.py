@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core import jose
 from gateway.core.canonical import canonical_json
+from gateway.core.capability import Scope
 from gateway.core.manifest import (
     UNSUPPORTED_REASON,
     RetentionPolicy,
@@ -25,7 +26,6 @@ from gateway.core.manifest import (
     sign_manifest,
     verify_identity,
 )
-from gateway.core.tokens import Scope
 from gateway.errors import UompError
 
 # Spec Appendix B, verbatim.
@@ -483,7 +483,8 @@ def test_sign_and_verify_round_trip() -> None:
     signed = sign_manifest(base(), KEY, created="2026-07-12T10:00:00Z")
     did = did_key_from_public(KEY.public_key())
     assert signed["identity"]["did"] == did
-    assert signed["identity"]["proof"]["type"] == "Ed25519Signature2020"
+    assert signed["identity"]["proof"]["type"] == "DataIntegrityProof"
+    assert signed["identity"]["proof"]["cryptosuite"] == "eddsa-jcs-2022"
     # The manifest still parses, and the signed manifest verifies.
     assert parse_manifest(json.dumps(signed).encode()).identity is not None
     result = verify_identity(signed)
@@ -496,7 +497,7 @@ def test_sign_and_verify_round_trip() -> None:
 
 
 def test_signing_input_is_whole_manifest_without_proof_value() -> None:
-    signed = sign_manifest(base(), KEY)
+    signed = sign_manifest(base(), KEY, suite="legacy")
     expected = copy.deepcopy(signed)
     del expected["identity"]["proof"]["proofValue"]
     assert manifest_signing_input(signed) == canonical_json(expected)
@@ -505,7 +506,7 @@ def test_signing_input_is_whole_manifest_without_proof_value() -> None:
 
 
 def test_multibase_proof_value_is_accepted() -> None:
-    signed = sign_manifest(base(), KEY)
+    signed = sign_manifest(base(), KEY, suite="legacy")
     sig = jose.b64u_decode(signed["identity"]["proof"]["proofValue"])
     signed["identity"]["proof"]["proofValue"] = "z" + b58btc_encode(sig)
     assert verify_identity(signed).verified
@@ -567,7 +568,8 @@ UNVERIFIED = [
         "wrong proof type",
         {"did": "DIDKEY", "proof": {"type": "RsaSignature2018", "proofValue": "x"}},
         "did:key",
-        "identity.proof.type is not Ed25519Signature2020: reported as unverified publisher",
+        "identity.proof is neither a DataIntegrityProof (eddsa-jcs-2022) nor a legacy Ed25519Signature2020 proof: "
+        "reported as unverified publisher",
     ),
     (
         "no proofValue",
@@ -619,4 +621,4 @@ def test_uncanonicalisable_manifest_is_unverified() -> None:
     signed["huge"] = 2**60
     result = verify_identity(signed)
     assert not result.verified
-    assert result.reason == "manifest cannot be canonicalised: reported as unverified publisher"
+    assert result.reason == "the document cannot be canonicalised (JCS): reported as unverified publisher"

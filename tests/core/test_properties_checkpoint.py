@@ -1,4 +1,4 @@
-"""Issue 14: property tests of the signed-note / checkpoint parser (gateway/core/checkpoint.py).
+"""Property tests of the signed-note / checkpoint parser (gateway/core/checkpoint.py).
 
 Documented error: NoteError only. Round trip: a signed checkpoint opens to itself; any changed
 character of the note is refused or opens to the same checkpoint.

@@ -1,4 +1,4 @@
-"""Issue 14: properties of the DPoP htu normaliser (gateway/core/dpop.py).
+"""Properties of the DPoP htu normaliser (gateway/core/dpop.py).
 
 Documented error: ValueError. A URI that normalises normalises to itself again (idempotent), so
 the proof's htu and the request URI are compared in one canonical form.

@@ -1,4 +1,4 @@
-"""Issue 14: round-trip and tamper properties of the parsers (bounded hypothesis runs).
+"""Round-trip and tamper properties of the parsers (bounded hypothesis runs).
 
 The arbitrary-input side (only the documented error escapes) is in test_properties_fuzz_targets.py;
 here valid inputs are generated and must survive a round trip, and any single change must be refused.
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.client import payloads
-from gateway.core import envelope, merkle, sealing, tokens
+from gateway.core import capability, envelope, merkle, sealing, tokens
 from gateway.errors import UompError
 from gateway.remote import pathnorm
 
@@ -26,7 +26,7 @@ PAYLOAD_KEY = X25519PrivateKey.generate()
 NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._:-", min_size=1, max_size=24)
 
 
-def _token(read: tokens.Scope, agent: str, fields: list[str] | None, agg: bool) -> str:
+def _token(read: capability.Scope, agent: str, fields: list[str] | None, agg: bool) -> str:
     claims = tokens.capability_claims(
         session_id="sess_p",
         agent_id=agent,
@@ -42,7 +42,7 @@ def _token(read: tokens.Scope, agent: str, fields: list[str] | None, agg: bool) 
 
 
 SCOPES = st.builds(
-    lambda t, k, dt, dk: tokens.Scope(tags=tuple(t), keys=tuple(k), deny_tags=tuple(dt), deny_keys=tuple(dk)),
+    lambda t, k, dt, dk: capability.Scope(tags=tuple(t), keys=tuple(k), deny_tags=tuple(dt), deny_keys=tuple(dk)),
     st.lists(NAMES, max_size=4, unique=True),
     st.lists(NAMES, max_size=4, unique=True),
     st.lists(NAMES, max_size=3, unique=True),
@@ -60,7 +60,7 @@ SCOPES = st.builds(
     ch=st.sampled_from("AQgw_-0z"),
 )
 def test_token_round_trip_and_any_change_refused(
-    read: tokens.Scope, agent: str, fields: list[str] | None, agg: bool, pos: int, ch: str
+    read: capability.Scope, agent: str, fields: list[str] | None, agg: bool, pos: int, ch: str
 ) -> None:
     tok = _token(read, agent, fields, agg)
     cap = tokens.verify_token(tok, KEYS, now=NOW)

@@ -196,7 +196,7 @@ async def test_quick_tunnel_appliance_end_to_end(home: Path, tmp_path: Path) -> 
             assert (await c.get("preference.theme"))["value"] == "dark"
         # and over mTLS on the local URL with the same bundle's key and certificate
         async with UompClient.from_bundle(bundle, mode="mtls", base_url=f"https://localhost:{port}") as c:
-            # the token names the tunnel URL, which the mTLS listener does not serve (issue 15 #9)
+            # the token names the tunnel URL, which the mTLS listener does not serve
             with pytest.raises(AuthError) as refused:
                 await c.get("preference.theme")
             assert f"token audience {url!r} is not an endpoint of this listener" in refused.value.message

@@ -1,4 +1,4 @@
-"""Issue 14: our guard and gateway pass the black-box conformance suite (gateway/conformance/).
+"""Our guard and gateway pass the black-box conformance suite (gateway/conformance/).
 
 The real appliance runs (guard on its Unix socket and loopback TCP listener, gateway with TLS 1.3
 mutual TLS); the suite reaches it over HTTP(S) only, through the `uomp conformance run` CLI, and

@@ -1,4 +1,4 @@
-"""Issue 16: the local dashboard's security and behaviour, against a real server on 127.0.0.1.
+"""The local dashboard's security and behaviour, against a real server on 127.0.0.1.
 
 The dashboard runs in-process on a real loopback socket next to the real appliance of
 tests/gatewaykit.py (guard on its Unix socket, gateway with real TLS 1.3 and mTLS agents). Each

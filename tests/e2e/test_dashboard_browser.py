@@ -1,4 +1,4 @@
-"""Issue 16: the dashboard in a real headless Chromium (Debian's ``chromium`` and ``chromium-driver``,
+"""The dashboard in a real headless Chromium (Debian's ``chromium`` and ``chromium-driver``,
 installed by scripts/setup-browser.sh, driven by Selenium; nothing is downloaded at run time).
 
 One browser and one appliance for the module (the appliance of tests/gatewaykit.py: real guard on

@@ -1,4 +1,4 @@
-"""Issue 9 defect 2: the guard's socket lost (removed, replaced by a dead socket) or the guard hung,
+"""The guard's socket lost (removed, replaced by a dead socket) or the guard hung,
 while its process lives. Before: the gateway served from pooled connections until they idled out,
 then answered 503 forever with no log line; the supervisor only reacted to the child exiting.
 

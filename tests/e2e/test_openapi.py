@@ -1,4 +1,4 @@
-"""Issue 14: docs/openapi.json is the document gateway/openapi.py builds, the guard serves it, and
+"""Docs/openapi.json is the document gateway/openapi.py builds, the guard serves it, and
 its operations are exactly the routes the running guard (both listeners) and gateway serve."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14: every parser's fuzz target (tests/fuzz/targets.py) under hypothesis, bounded.
+"""Every parser's fuzz target (tests/fuzz/targets.py) under hypothesis, bounded.
 
 The same targets run coverage-guided under atheris in scripts/fuzz.sh. Here each gets arbitrary
 bytes plus its committed seed corpus (tests/fuzz/corpus/<name>/), so a crash the fuzzer found once

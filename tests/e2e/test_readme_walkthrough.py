@@ -119,9 +119,43 @@ def test_walkthrough_runs_as_written() -> None:
     # what the walkthrough says happens, happened
     assert '"value": "dark"' in out or '"value":"dark"' in out  # curl read the key
     assert '{"key": "preference.theme", "value": "dark"}' in out  # the SDK example read it
-    assert "AAPL" in out and '"op":"sum"' in out.replace(" ", "")  # ?tag= and the aggregate
+    assert "AAPL" in out and '"op":"count"' in out.replace(" ", "")  # ?tag= and the aggregate
+    assert "AGGREGATE_MIXED_CURRENCY" in out  # the sum over USD, CHF and EUR amounts is refused
     assert "SESSION_REVOKED" in out  # the revoked session was refused
     # the tunnel part read through the stand-in's origin (DPoP), after the mTLS reads
     assert out.count('{"key": "preference.theme", "value": "dark"}') >= 2, out
     assert "Traceback" not in out and "Traceback" not in log
     assert not (work / "demo-home" / "guard.sock").exists()
+
+
+def test_the_walkthrough_wait_stops_when_the_appliance_dies() -> None:
+    """The port held by something else (an appliance from `scripts/run.sh`, say): `uomp gateway start`
+    exits with PORT_IN_USE, and the first block's wait ends at once with the end of gateway.log,
+    instead of asking `uomp status` until its bound (each try costs a process start)."""
+    first = walkthrough_blocks(README.read_text())[0]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        gw = int(holder.getsockname()[1])
+        script = first.replace("9443", str(gw)).replace("9374", str(free_port()))
+        work = Path(tempfile.mkdtemp(prefix="uomp-rd-", dir="/tmp"))
+        (work / "examples").symlink_to(ROOT / "examples")
+        (work / ".venv").mkdir()
+        (work / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
+        if not (work / ".venv" / "bin" / "activate").exists():
+            pytest.skip("no virtualenv activate script next to this python")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("UOMP_", "VIRTUAL_ENV"))}
+        env["PYTHONPATH"] = str(ROOT)
+        env["UOMP_GATEWAY_LISTEN_PORT"] = str(gw)
+        env["UOMP_DASHBOARD_ENABLED"] = "0"
+        # bounded well below the 60 s the wait allows a live appliance plus a try per half second
+        res = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+    assert res.returncode != 0
+    assert "not ready; the end of gateway.log:" in res.stderr and "PORT_IN_USE" in res.stderr, res.stderr

@@ -1,4 +1,4 @@
-"""Issue 14: Schemathesis runs against the running guard and gateway with docs/openapi.json.
+"""Schemathesis runs against the running guard and gateway with docs/openapi.json.
 
 Three targets, each a real server started once for the module in a background event loop:
 
@@ -136,7 +136,7 @@ class _UnixPool(urllib3.HTTPConnectionPool):
 
 
 class UnixAdapter(requests.adapters.HTTPAdapter):
-    """requests over the guard's Unix socket (any http:// URL given to a session it is mounted on)."""
+    """Requests over the guard's Unix socket (any http:// URL given to a session it is mounted on)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -264,7 +264,9 @@ def _send(target: Target, case: schemathesis.Case, *, authorised: bool) -> schem
         # half the generated session ids become the token's own, so the body checks behind the
         # own-session rule (deletion proof, refresh) are reached too
         own = target.refresh_sid if case.operation.path.endswith("/refresh") else target.sid
-        if own and case.operation.definition.raw.get("security") not in ([], [{"admin": []}]):
+        # (never for close: the target's own session would end for every later example)
+        destructive = case.operation.path.endswith("/close")
+        if own and not destructive and case.operation.definition.raw.get("security") not in ([], [{"admin": []}]):
             case.path_parameters = {**(case.path_parameters or {}), "sid": own}
     given = {k.lower() for k in (case.headers or {})} if case.meta is None else set()  # set by the explicit tests
     headers = {k: v for k, v in target.headers(case, authorised=authorised).items() if k.lower() not in given}

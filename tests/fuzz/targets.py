@@ -1,4 +1,4 @@
-"""One fuzz target per parser (issue 14): ``TARGETS[name](data: bytes) -> None``.
+"""One fuzz target per parser: ``TARGETS[name](data: bytes) -> None``.
 
 Each target feeds arbitrary bytes to one parser and checks its contract: the only exception that
 may escape is the module's documented error (UompError with the documented code, SealError,
@@ -22,7 +22,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from gateway.core import checkpoint, dpop, envelope, http1, jose, merkle, sealing, tokens
+from gateway.core import capability, checkpoint, dpop, envelope, http1, jose, merkle, sealing, tokens
 from gateway.errors import UompError
 from gateway.guard.importer import import_file
 from gateway.guard.store import MemoryStore
@@ -48,7 +48,7 @@ def good_token(**changes: Any) -> str:
     claims = tokens.capability_claims(
         session_id="sess_fuzz",
         agent_id="fuzz_agent",
-        read=tokens.Scope(tags=("preference",)),
+        read=capability.Scope(tags=("preference",)),
         now=NOW - 10,
         expires=NOW + 300,
         max_read_queries=10,

@@ -1,4 +1,4 @@
-"""Issue 9 defect 4: another process holding a write lock on one of the guard's SQLite files.
+"""Another process holding a write lock on one of the guard's SQLite files.
 
 A real second process (``python -c`` with the stdlib sqlite3) runs ``BEGIN IMMEDIATE`` on
 ``audit.db``, ``auth.db`` or ``memory.db`` and holds it, while agents go through the real gateway
@@ -119,7 +119,7 @@ async def test_a_database_locked_by_another_process(home: Paths, db: str) -> Non
 
 
 async def test_the_one_quota_counter_locked_through_the_gateway(home: Paths) -> None:
-    """One quota counter (issue 10): the guard's, in auth.db; the gateway keeps none. A read whose
+    """One quota counter: the guard's, in auth.db; the gateway keeps none. A read whose
     quota reservation meets a locked auth.db waits off both event loops (the gateway's /v1/health
     answers meanwhile), then gets 503 STORE_BUSY through the gateway; the next read recovers."""
     async with appliance(home) as app:

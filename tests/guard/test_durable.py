@@ -1,7 +1,7 @@
 """The shared group-commit writer (gateway.durable) and the guard audit log on top of it.
 
-Issue 7: after one failed audit write, a later flush with nothing pending never returned.
-Issue 9 defect 3: a full audit.db answered 500 and rows recorded what the agent did not get.
+After one failed audit write, a later flush with nothing pending never returned.
+A full audit.db answered 500 and rows recorded what the agent did not get.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class FailFirst:
 
 
 async def test_audit_flush_after_a_failed_batch_returns(home: Paths, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 7 reproduction: first _write_batch raises, then flush() twice must return (it hung)."""
+    """First _write_batch raises, then flush() twice must return (it hung)."""
     hook = FailFirst(AuditLog._write_batch)
     monkeypatch.setattr(AuditLog, "_write_batch", lambda self, rows: hook(self, rows))
     log = AuditLog(home.audit_db)
@@ -230,7 +230,7 @@ def test_large_wal_left_by_a_killed_writer_is_truncated_at_open(tmp_path: Path) 
     assert os.path.exists(db)
 
 
-# ------------------------------------------------------------------ caller-runs (write_here, issue 13)
+# ------------------------------------------------------------------ caller-runs
 
 
 class Recorder:

@@ -1,4 +1,4 @@
-"""Every limit a manifest asks for reaches the grant (issue 8, defect 3), through the real CLI, the
+"""Every limit a manifest asks for reaches the grant, through the real CLI, the
 Auth Service and the guard.
 
 The user may narrow further; anything wider than the agent asked for needs ``--widen`` (CLI) or
@@ -21,7 +21,7 @@ from gateway.cli.guard import open_auth
 from gateway.cli.main import main
 from gateway.config import GuardConfig, Paths
 from gateway.core import jose, restrictions, tokens
-from gateway.core.tokens import Capability, Scope
+from gateway.core.capability import Capability, Scope
 from gateway.errors import UompError
 
 BASE: dict[str, Any] = {

@@ -16,10 +16,11 @@ import pytest
 
 from gateway.cli.memory import ProgressBar
 from gateway.errors import UompError
+from gateway.guard import bulk as bulk_mod
 from gateway.guard import importer
-from gateway.guard import store as store_mod
 from gateway.guard.importer import ImportLimits, import_file, readers
-from gateway.guard.store import MemoryItem, MemoryStore
+from gateway.guard.items import MemoryItem
+from gateway.guard.store import MemoryStore
 
 NOW_ISH = "20"  # timestamps defaulted to the import time start with the century
 
@@ -816,13 +817,14 @@ def test_store_failure_on_the_last_row_leaves_the_store_as_it_was(store: MemoryS
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from gateway.guard import store as store_mod
+    from gateway.guard import bulk as bulk_mod
     from gateway.guard.importer import import_file
+    from gateway.guard.store import MemoryStore
 
-    store = store_mod.MemoryStore(Path(sys.argv[1]))
+    store = MemoryStore(Path(sys.argv[1]))
     store._conn.execute("PRAGMA cache_size = 8")  # spill dirty pages to the WAL before COMMIT
     stall_at = int(sys.argv[3])
-    real_add = store_mod.BulkWriter.add
+    real_add = bulk_mod.BulkWriter.add
 
     def add(self, item):
         real_add(self, item)
@@ -831,7 +833,7 @@ KILL_SCRIPT = textwrap.dedent("""
             print("MID-TRANSACTION", flush=True)
             time.sleep(120)
 
-    store_mod.BulkWriter.add = add
+    bulk_mod.BulkWriter.add = add
     import_file(store, Path(sys.argv[2]), sensitivity="low", extra_tags=["bulk"], replace=True)
     print("FINISHED", flush=True)
 """)
@@ -938,13 +940,13 @@ def old_items(n: int, prefix: str = "k") -> list[MemoryItem]:
 def count_adds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the items the importer hands to the store's bulk writer."""
     added = [0]
-    real = store_mod.BulkWriter.add
+    real = bulk_mod.BulkWriter.add
 
-    def add(self: store_mod.BulkWriter, item: MemoryItem) -> None:
+    def add(self: bulk_mod.BulkWriter, item: MemoryItem) -> None:
         added[0] += 1
         real(self, item)
 
-    monkeypatch.setattr(store_mod.BulkWriter, "add", add)
+    monkeypatch.setattr(bulk_mod.BulkWriter, "add", add)
     return added
 
 
@@ -1006,9 +1008,9 @@ def test_reader_sees_the_old_state_during_the_import(
 ) -> None:
     store.put_many(old_items(5))
     seen: list[tuple[int, Any, list[str]]] = []
-    real = store_mod.BulkWriter.add
+    real = bulk_mod.BulkWriter.add
 
-    def add(self: store_mod.BulkWriter, item: MemoryItem) -> None:
+    def add(self: bulk_mod.BulkWriter, item: MemoryItem) -> None:
         real(self, item)
         if self.written == 2500:
             self.flush()
@@ -1016,7 +1018,7 @@ def test_reader_sees_the_old_state_during_the_import(
                 k0 = reader.get("k0")
                 seen.append((reader.count(), k0.value if k0 else None, [i.key for i in reader.by_tag("new")]))
 
-    monkeypatch.setattr(store_mod.BulkWriter, "add", add)
+    monkeypatch.setattr(bulk_mod.BulkWriter, "add", add)
     rows = "".join(f"k{i},new,low,v{i}\n" for i in range(3000))
     run(store, tmp_path, "in.csv", "key,tags,sensitivity,title\n" + rows, replace=True)
     assert seen == [(5, {"old": 0}, [])]
@@ -1028,10 +1030,10 @@ def test_reader_sees_the_old_state_during_the_import(
 def test_dry_run_takes_no_write_lock(store: MemoryStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dry run reads one snapshot and writes nothing: another writer is not blocked meanwhile."""
     store.put_many(old_items(2))
-    real = store_mod.BulkWriter.add
+    real = bulk_mod.BulkWriter.add
     wrote: list[bool] = []
 
-    def add(self: store_mod.BulkWriter, item: MemoryItem) -> None:
+    def add(self: bulk_mod.BulkWriter, item: MemoryItem) -> None:
         real(self, item)
         if self.dry_run and not wrote:  # (other.put goes through a BulkWriter too)
             with MemoryStore(store.path, create=False, busy_timeout=0.2) as other:
@@ -1048,7 +1050,7 @@ def test_dry_run_takes_no_write_lock(store: MemoryStore, tmp_path: Path, monkeyp
                 )
                 wrote.append(True)
 
-    monkeypatch.setattr(store_mod.BulkWriter, "add", add)
+    monkeypatch.setattr(bulk_mod.BulkWriter, "add", add)
     rows = "".join(f"k{i},new,low,v{i}\n" for i in range(1500))
     report = run(store, tmp_path, "in.csv", "key,tags,sensitivity,title\n" + rows, dry_run=True, replace=True)
     assert wrote == [True]

@@ -1,4 +1,4 @@
-"""Issue 13: the guard's only read in flight has its event written by the auth.db worker itself.
+"""The guard's only read in flight has its event written by the auth.db worker itself.
 
 Under load a read's event joins the audit writer thread's group commit. A read that is alone (no
 other read in flight, the writer idle) used to make four thread hand-overs for one commit:
@@ -36,7 +36,7 @@ from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, l
 from guardkit import guard_config, held_lock
 
 from gateway.config import Paths
-from gateway.guard.app import GuardServices
+from gateway.guard.services import GuardServices
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,8 +1,6 @@
 """Reads of the Memory Guard past 1,000 items, aggregates that leak nothing individual, and reads
 that decide on metadata before any value is loaded. Real guard on a real Unix socket, real SQLite.
-
-Issue 8 defect 1 (silent cut at max_tag_results), issue 15 defects 3 (aggregate inference) and 8
-(existence through timing)."""
+No silent cut at max_tag_results, no inference through aggregates, no existence through timing."""
 
 from __future__ import annotations
 
@@ -16,8 +14,9 @@ from guardkit import NOW, admin_headers, call, grant, guard_config, running_guar
 from gateway.client import UompClient
 from gateway.config import Paths
 from gateway.core import policy
-from gateway.core.tokens import Scope
-from gateway.guard.store import MemoryItem, MemoryStore
+from gateway.core.capability import Scope
+from gateway.guard.items import MemoryItem
+from gateway.guard.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +31,7 @@ def bulk(n: int, tag: str = "bulk") -> list[MemoryItem]:
     return [item(f"b{i:05d}", {"mv": i, "qty": 2}, tag) for i in range(n)]
 
 
-# ------------------------------------------------------------------ issue 8: no silent cut
+# ------------------------------------------------------------------ no silent cut
 
 
 async def test_aggregates_count_and_sum_every_item_past_the_page_limit(home: Paths) -> None:
@@ -212,7 +211,7 @@ async def test_sdk_by_tag_follows_every_page(home: Paths) -> None:
 
 def test_sql_key_rules_agree_with_the_policy(home: Paths) -> None:
     """ReadFilter (SQL) against policy.key_decision (Python) on random items and grants."""
-    from gateway.guard.store import ReadFilter
+    from gateway.guard.storage import ReadFilter
 
     rng = random.Random(7)
     tags = ["t", "a", "b", "c"]
@@ -240,7 +239,7 @@ def test_sql_key_rules_agree_with_the_policy(home: Paths) -> None:
         store.close()
 
 
-# ------------------------------------------------------------- issue 15.3: aggregate inference
+# ------------------------------------------------------------- aggregate inference
 
 
 def holdings() -> list[MemoryItem]:
@@ -396,7 +395,7 @@ async def test_the_user_sees_the_aggregate_grant(home: Paths) -> None:
         assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
 
 
-# ------------------------------------------------------------- issue 15.8: existence and timing
+# ------------------------------------------------------------- existence and timing
 
 TIMING_ITEMS = [
     item("big.denied", {"blob": "x" * 900_000}, "vault"),
@@ -647,7 +646,7 @@ def test_a_long_scan_does_not_hold_up_reads_by_key(home: Paths) -> None:
     another thread go through (they would wait for the scan if both shared the store's lock)."""
     import concurrent.futures
 
-    from gateway.guard.store import ReadFilter
+    from gateway.guard.storage import ReadFilter
 
     st = MemoryStore(home.memory_db)
     try:

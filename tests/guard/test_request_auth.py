@@ -1,6 +1,5 @@
-"""Request authentication across the gateway and the guard (issue 15 defects 1, 7, 9, 13; issue 8
-defects 5, 6), spoken byte for byte over real mTLS, the real tunnel-origin listener, the guard's real
-Unix socket and its real Local Profile TCP port.
+"""Request authentication across the gateway and the guard, spoken byte for byte over real mTLS,
+the real tunnel-origin listener, the guard's real Unix socket and its real Local Profile TCP port.
 
 The gateway and the guard must act on one token: a request with a second ``Authorization`` (or any
 single-valued header we rely on) is refused before anything reads it; what the gateway forwards is
@@ -26,7 +25,7 @@ from guardkit import admin_headers, call, grant, guard_config, running_guard, se
 
 from gateway import keys
 from gateway.config import Paths
-from gateway.core import dpop, jose, tokens
+from gateway.core import capability, dpop, jose, tokens
 from gateway.errors import UompError
 from gateway.guard.audit import AuditLog
 
@@ -41,7 +40,7 @@ OWN = {"tags": ["preference"], "keys": []}
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    """The one log: the guard's ledger holds the gateway's events too."""
     if not paths.audit_db.exists():
         return []
     return ledger_events(paths)
@@ -157,7 +156,7 @@ async def world(home: Paths) -> AsyncIterator[World]:
         yield World(app, a, own, stolen_bound, stolen_local)
 
 
-# ------------------------------------------------ issue 15 defect 1: one token, gateway and guard
+# ------------------------------------------------ one token, gateway and guard
 
 SPELLINGS = [
     ("Authorization", "Authorization"),
@@ -343,7 +342,7 @@ async def test_guard_checks_the_gateway_assertion_on_its_socket(
     assert got == 200, body
 
 
-# ---------------------------------------- issue 15 defect 7: the Local Profile port, every route
+# ---------------------------------------- the Local Profile port, every route
 
 TCP_ROUTES = [
     ("read key", "GET", "/v1/memory/preference.theme", None, 200),
@@ -401,7 +400,9 @@ async def test_local_port_takes_local_tokens_only_on_every_route(
         assert (got, answer["error"]["code"]) == (400, "INVALID_REQUEST")
 
 
-INTERNAL = [("validate", "POST", "/v1/tokens/validate"), ("refresh", "POST", "/v1/sessions/SID/refresh")]
+# POST /v1/tokens/validate is on both listeners now, an agent's own token only off the socket:
+# tests/client/test_agent_self.py (test_unauthenticated_validation_only_on_the_socket)
+INTERNAL = [("refresh", "POST", "/v1/sessions/SID/refresh")]
 
 
 @pytest.mark.parametrize(("name", "method", "path"), INTERNAL, ids=[r[0] for r in INTERNAL])
@@ -420,13 +421,9 @@ async def test_internal_routes_are_unix_socket_only(home: Paths, name: str, meth
                 base=f"http://127.0.0.1:{g.tcp_port}",
             )
         assert (status, body["error"]["code"]) == (404, "NOT_FOUND")
-    if name == "validate":  # partner: on the socket it answers
-        async with running_guard(home, serve_tcp=False), unix_session(home) as s:
-            status, body, _ = await call(s, "POST", "/v1/tokens/validate", json_body={"token": local["token"]})
-            assert status == 200 and body["valid"] is True
 
 
-# --------------------------------------------------- issue 15 defect 9: endpoints per listener
+# --------------------------------------------------- endpoints per listener
 
 
 def agent_key(agent: Agent) -> Any:
@@ -523,7 +520,7 @@ async def test_endpoint_checks_follow_the_listener(home: Paths) -> None:
         assert (status, body["error"]["code"]) == (401, "INVALID_TOKEN")
 
 
-# ------------------------------------------- issue 15 defect 13: what aiohttp would answer itself
+# ------------------------------------------- what aiohttp would answer itself
 
 MALFORMED = [
     ("encoded newline in path", b"GET /v1/memory/a%0Ab HTTP/1.1\r\nHost: H\r\nConnection: close\r\n\r\n"),
@@ -617,7 +614,7 @@ async def test_deeply_nested_json_is_400_not_500(world: World) -> None:
         assert (resp.status, got["error"]["code"]) == (400, "INVALID_REQUEST")
 
 
-# ------------------------------------------------------ issue 8 defect 5: the §7.2 MUST claims
+# ------------------------------------------------------ the §7.2 MUST claims
 
 
 def _claims(session_id: str, agent_id: str, **change: Any) -> dict[str, Any]:
@@ -627,7 +624,7 @@ def _claims(session_id: str, agent_id: str, **change: Any) -> dict[str, Any]:
         agent_id=agent_id,
         now=now,
         expires=now + 600,
-        read=tokens.Scope(tags=("preference",)),
+        read=capability.Scope(tags=("preference",)),
         max_read_queries=100,
         audience="http://127.0.0.1:9374",
     )
@@ -645,7 +642,6 @@ MISSING = [
     ("version number", {"version": 1}),
     ("no issued_at", {"issued_at": None}),
     ("no expires_at", {"expires_at": None}),
-    ("no limits", {"limits": None}),
     ("limits not an object", {"limits": [1]}),
 ]
 
@@ -678,10 +674,14 @@ async def test_tokens_without_must_claims_are_refused_by_every_verifier(
         assert (body["valid"], body["code"]) == (False, "INVALID_TOKEN")
 
 
-@pytest.mark.parametrize("name", ["no version", "no issued_at", "no limits"])
+@pytest.mark.parametrize("name", ["no version", "no issued_at", "no expires_at"])
 async def test_gateway_refuses_tokens_without_must_claims(world: World, name: str) -> None:
     signing = keys.load_signing_key(world.app.paths)
-    change = {"no version": {"version": None}, "no issued_at": {"issued_at": None}, "no limits": {"limits": None}}
+    change = {
+        "no version": {"version": None},
+        "no issued_at": {"issued_at": None},
+        "no expires_at": {"expires_at": None},
+    }
     claims = _claims(
         world.own["session_id"],
         "agent_a",
@@ -715,7 +715,7 @@ def test_camel_case_time_claims_are_read() -> None:
     assert cap.max_read_queries == 7 and cap.expires_at == now + 600
 
 
-# ------------------------------------------------ issue 8 defect 6: writes answer alike through both
+# ------------------------------------------------ writes answer alike through both
 
 WRITES = [
     ("put", "PUT", "/v1/memory/preference.theme", 403, "WRITE_NOT_AVAILABLE"),

@@ -1,8 +1,10 @@
 """Contract tests for the seams: what ANY memory store or payload store must do, run against every
 implementation (one each today). Behaviour, not signatures: mypy checks the signatures against the
-Protocols (gateway.guard.store.MemoryStorage, gateway.payloads.store.PayloadStorage).
+Protocols (gateway.guard.storage.MemoryStorage, gateway.payloads.store.PayloadStorage).
 
-To add an implementation, add a factory to MEMORY_STORES or PAYLOAD_STORES. The anchoring seam
+A memory store is run here once it is in the production table (gateway.guard.stores.MEMORY_STORES,
+chosen by ``[guard] store``), opened the way the guard opens it; a payload store is added to
+PAYLOAD_STORES. The anchoring seam
 (gateway.anchor.base.AnchorBackend) has its contract test in tests/anchor/test_anchor_contract.py, run over
 the none, evm and starknet backends.
 """
@@ -18,15 +20,16 @@ import pytest
 
 from gateway.anchor.base import AnchorBackend
 from gateway.anchor.none import NoneBackend
+from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.store import MemoryItem, MemoryStorage, MemoryStore, ReadFilter, json_path
+from gateway.guard.items import MemoryItem
+from gateway.guard.storage import MemoryStorage, ReadFilter, json_path
+from gateway.guard.store import MemoryStore
+from gateway.guard.stores import MEMORY_STORES, open_memory_store
 from gateway.payloads.store import Limits, PayloadError, PayloadStorage, PayloadStore
 
 TS = "2026-07-12T10:00:00Z"
 
-MEMORY_STORES: dict[str, Callable[[Path], MemoryStorage]] = {
-    "sqlite": lambda d: MemoryStore(d / "memory.db"),
-}
 PAYLOAD_STORES: dict[str, Callable[[Path, Limits], PayloadStorage]] = {
     "files+sqlite": lambda d, limits: PayloadStore.open(d / "payloads", limits=limits),
 }
@@ -36,11 +39,32 @@ def item(key: str, value: Any = "v", tags: tuple[str, ...] = ("t",), sensitivity
     return MemoryItem(key, value, tags, sensitivity, "user", TS, TS)
 
 
-@pytest.fixture(params=sorted(MEMORY_STORES))
+SEALED = "sqlite, sealed home (SQLCipher)"  # the production store as a sealed home opens it (gateway/atrest/memdb.py)
+
+
+@pytest.fixture(params=[*sorted(MEMORY_STORES), SEALED])
 def mem(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MemoryStorage]:
-    store = MEMORY_STORES[request.param](tmp_path)
+    if request.param == SEALED:
+        store: MemoryStorage = MemoryStore(Paths(tmp_path).memory_db, key=hashlib.sha256(b"seam test key").digest())
+    else:
+        store = open_memory_store(Paths(tmp_path), GuardConfig(store=request.param))
     yield store
     store.close()
+
+
+def test_the_configured_store_is_the_one_opened_and_an_unknown_name_is_refused(tmp_path: Path) -> None:
+    default = open_memory_store(Paths(tmp_path), GuardConfig())
+    try:
+        assert GuardConfig().store == "sqlite" and isinstance(default, MemoryStore)
+        assert default.path == Paths(tmp_path).memory_db
+    finally:
+        default.close()
+    for name in ("", "SQLite", "postgres", "sqlite "):
+        with pytest.raises(UompError) as e:
+            open_memory_store(Paths(tmp_path / "other"), GuardConfig(store=name))
+        assert e.value.code == ErrorCode.CONFIG_ERROR
+        assert "guard.store" in e.value.message and all(n in e.value.message for n in MEMORY_STORES)
+    assert not (tmp_path / "other").exists()  # nothing was created for a refused name
 
 
 def code_of(excinfo: pytest.ExceptionInfo[Any]) -> str:
@@ -212,8 +236,9 @@ def test_memory_read_snapshot_sees_one_state(mem: MemoryStorage) -> None:
 
 
 def test_memory_closed_store_refuses(tmp_path: Path) -> None:
-    for factory in MEMORY_STORES.values():
-        store = factory(tmp_path)
+    for name in sorted(MEMORY_STORES):
+        (tmp_path / name).mkdir()
+        store = open_memory_store(Paths(tmp_path / name), GuardConfig(store=name))
         store.put(item("a"))
         store.close()
         with pytest.raises(UompError) as e:

@@ -1,4 +1,4 @@
-"""Session, refresh and access token lifetimes (issue 8, defect 4; spec §15.5, §20.1).
+"""Session, refresh and access token lifetimes (spec §15.5, §20.1).
 
 Remote sessions may last up to the user's configured maximum (default 30 days); the refresh
 token lives 7 days by default and never past the session end; the access token at most 10

@@ -12,15 +12,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import UompError
-from gateway.guard.store import (
-    MAX_KEY_CHARS,
-    MAX_TAG_CHARS,
-    MAX_TAGS,
-    MAX_VALUE_BYTES,
-    SCHEMA_VERSION,
-    MemoryItem,
-    MemoryStore,
-)
+from gateway.guard.items import MAX_KEY_CHARS, MAX_TAG_CHARS, MAX_TAGS, MAX_VALUE_BYTES, MemoryItem
+from gateway.guard.store import SCHEMA_VERSION, MemoryStore
 
 TS = "2026-07-12T10:00:00Z"
 

@@ -262,7 +262,7 @@ def test_retention_prunes_bodies_shows_them_honestly_and_old_proofs_verify(home:
         audit.close()
 
 
-# The table as versions before issue 10's reader created it (copied, so that it stays the old one).
+# The table as versions before the Merkle event log created it (copied, so that it stays the old one).
 OLD_SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_logs (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, ts REAL NOT NULL, timestamp TEXT NOT NULL,

@@ -154,7 +154,7 @@ def test_anchored_on_a_local_chain(home: Paths, tmp_path: Path, capsys: pytest.C
 def test_two_writers_on_one_log_take_turns_without_a_fork(home: Paths, capsys: pytest.CaptureFixture[str]) -> None:
     """Two audit logs open on the same file (the guard and `uomp` in another process) append in
     turns. Each batch re-reads the tree's edge only when another connection committed since its
-    own last write (PRAGMA data_version, issue 13): a skipped re-read would append on a stale edge
+    own last write (PRAGMA data_version): a skipped re-read would append on a stale edge
     and fork the tree, which `uomp audit verify` finds. Batches of one and of several events."""
     from gateway.guard.audit import make_row, open_audit
 

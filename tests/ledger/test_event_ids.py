@@ -1,4 +1,4 @@
-"""Event ids (issue 13): unique and unguessable as before, and ordered by time, so that the events of
+"""Event ids: unique and unguessable, and ordered by time, so that the events of
 one commit land side by side in the log's ``id`` index instead of one random index page each."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import struct
 import time
 from pathlib import Path
 
-from gateway.guard.app import _EVENT_ID as GUARD_ACCEPTS_GATEWAY_ID
 from gateway.guard.audit import AuditLog, make_row
+from gateway.guard.routes.internal import GATEWAY_EVENT_ID as GUARD_ACCEPTS_GATEWAY_ID
 from gateway.remote.event_sink import new_event_id
 
 LOG_ID = re.compile(r"log_([0-9a-f]{12})([0-9a-f]{16})")

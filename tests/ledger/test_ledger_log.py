@@ -217,3 +217,46 @@ def test_reopen_continues_the_same_tree(tmp_path: Path) -> None:
         ref.append(bytes(leaf))
     assert log.tree.root() == ref.root()
     assert verify_log(log.conn, origin=ORIGIN, public_key=KEY.public_key()).ok
+
+
+@pytest.mark.parametrize("after", [0, 20])
+def test_verify_reads_one_snapshot_while_the_log_grows(tmp_path: Path, after: int) -> None:
+    """A verify of a live log (the guard's background verify, `uomp audit verify` beside a running
+    guard) sees one state: another connection committing between any two of its statements must
+    not show a longer tree, a newer checkpoint or more events than the rows it checked."""
+    path = tmp_path / "live.db"
+    writer = build(path, n=40, every=10)
+    reader = _conn(path)
+    grown = [40]
+
+    def append_now(sql: str) -> None:  # runs as each statement of the verify starts
+        start = grown[0]
+        writer.conn.execute("BEGIN IMMEDIATE")
+        writer.append([_event(i) for i in range(start, start + 3)])
+        writer.checkpoint(now=1_790_000_000 + start)
+        writer.conn.execute("COMMIT")
+        grown[0] += 3
+
+    reader.set_trace_callback(append_now)
+    report = verify_log(reader, origin=ORIGIN, public_key=KEY.public_key(), after=after)
+    reader.set_trace_callback(None)
+    assert grown[0] > 40 + 3  # the writer did commit between the verify's statements
+    assert report.ok, report.problems
+    assert report.events + after in range(40, grown[0] + 1)
+    final = verify_log(reader, origin=ORIGIN, public_key=KEY.public_key())
+    assert final.ok and final.events == grown[0], final.problems
+
+
+@pytest.mark.parametrize("after", [0, 5, 10, 20, 39, 40])
+def test_a_tail_check_may_start_at_a_checkpoint_or_between_two(tmp_path: Path, after: int) -> None:
+    """The start-up check verifies the events after ``after``; a checkpoint of exactly that many
+    events (10, 20, 40 here) is checked against the stored edge, not reported as beyond the log."""
+    log = build(tmp_path / "a.db", n=40, every=10)
+    report = verify_log(log.conn, origin=ORIGIN, public_key=KEY.public_key(), after=after)
+    assert report.ok and report.events == 40 - after, report.problems
+    # the denied partner: that checkpoint's root replaced by another's is found
+    if after in (10, 20):
+        other = log.conn.execute("SELECT note FROM ledger_checkpoints WHERE size = 30").fetchone()[0]
+        log.conn.execute("UPDATE ledger_checkpoints SET note = ? WHERE size = ?", (other, after))
+        bad = verify_log(log.conn, origin=ORIGIN, public_key=KEY.public_key(), after=after)
+        assert not bad.ok

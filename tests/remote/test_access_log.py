@@ -616,7 +616,7 @@ def test_crash_between_index_line_and_rename_is_finished_on_open(logpath: Path) 
         first = log.read(limit=1)[0]
         last_line = log.read_raw(after_seq=9, limit=1)[0]
     # the index line of a rotation is durable, the rename did not happen (killed in between)
-    al._append_index(
+    access_chain.append_index(
         logpath.parent / "access.index.jsonl",
         {
             "file": "access-000000000001.jsonl",

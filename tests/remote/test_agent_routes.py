@@ -79,7 +79,7 @@ async def test_refresh_rotates_and_reuse_revokes_family(home: Paths) -> None:
             async with agent_session(b, home) as sb:
                 status, err = await refresh(sb, app, b, sid, rt)
                 assert status in (401, 403) and err["error"]["code"] in ("AGENT_MISMATCH", "TOKEN_BINDING_MISMATCH")
-            # the fork (issue 15 #10): the successor of spent[-1] was used, so even right away (inside
+            # the fork: the successor of spent[-1] was used, so even right away (inside
             # the old 10 s grace) presenting spent[-1] again is reuse, not a second live chain
             status, err = await refresh(s, app, a, sid, spent[-1])
             assert status == 401 and err["error"]["code"] == "REFRESH_REUSED"
@@ -119,7 +119,7 @@ async def test_spent_token_after_successor_used_is_reuse(home: Paths, presented:
 
 
 async def test_retry_long_after_a_lost_answer_keeps_the_agent_working(home: Paths) -> None:
-    """Issue 9 #1: the answer to a refresh was lost; the agent retries an hour later (far past the
+    """The answer to a refresh was lost; the agent retries an hour later (far past the
     old 10 s grace): it gets a fresh pair, the pair it never received is dead, and it keeps working."""
     async with appliance(home) as app:
         a = app.agent("agent_a")

@@ -1,4 +1,4 @@
-"""Agent certificate life cycle (issue 15 defects 4 and 5, issue 8 defect 7), against the real
+"""Agent certificate life cycle, against the real
 appliance on 127.0.0.1: renewal only late in a certificate's life, rate-limited per agent, off the
 event loop and audited; the registry indexed and bounded; revoking a serial revokes every
 certificate renewed from it and the sessions bound to those keys; ``authorize --remote`` reuses
@@ -21,7 +21,7 @@ from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, l
 from guardkit import admin_headers, call
 from test_authorize import MANIFEST, write_manifest
 
-from gateway import ca_store
+from gateway import ca_registry, ca_store
 from gateway.bundle import load_bundle
 from gateway.cli.main import main
 from gateway.client.tls import build_client_context
@@ -57,7 +57,7 @@ async def renew_call(app: Appliance, agent: Agent | None, body: Any = None) -> t
 
 
 def access_events(paths: Paths, action: str) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    """The one log: the guard's ledger holds the gateway's events too."""
     return ledger_events(paths, action=action)
 
 
@@ -158,7 +158,7 @@ async def test_renewal_does_not_block_the_event_loop(home: Paths) -> None:
         gave_up: list[bool] = []
 
         def hold_lock() -> None:
-            with ca_store._locked(home):
+            with ca_registry.locked(home):
                 held.set()
                 # a blocked event loop could never tell us to let go: give up after a generous wait
                 gave_up.append(not release.wait(30))
@@ -192,7 +192,7 @@ def test_registry_is_indexed_sqlite_and_issuance_adds_a_row(home: Paths, tmp_pat
     ca_store.init_all(home)
     for i in range(50):
         ca_store.issue_with_key(home, f"a{i}", tmp_path / f"a{i}")
-    db = sqlite3.connect(ca_store.registry_path(home))
+    db = sqlite3.connect(ca_registry.registry_path(home))
     try:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         plan = " ".join(str(r) for r in db.execute("EXPLAIN QUERY PLAN SELECT * FROM certs WHERE renewed_from = 'x'"))
@@ -200,7 +200,7 @@ def test_registry_is_indexed_sqlite_and_issuance_adds_a_row(home: Paths, tmp_pat
         assert db.execute("SELECT COUNT(*) FROM certs").fetchone()[0] == 50
     finally:
         db.close()
-    assert not ca_store.legacy_registry_path(home).exists()
+    assert not ca_registry.legacy_registry_path(home).exists()
 
 
 def test_registry_prunes_dead_chains_but_keeps_ancestors_of_live_ones(home: Paths, tmp_path: Path) -> None:
@@ -251,10 +251,10 @@ def test_legacy_json_registry_is_migrated(home: Paths, tmp_path: Path) -> None:
             },
         ],
     }
-    ca_store.legacy_registry_path(home).write_text(json.dumps(legacy))
+    ca_registry.legacy_registry_path(home).write_text(json.dumps(legacy))
     rows = {r.serial: r for r in ca_store.list_agents(home)}
     assert rows["abc1"].status == "revoked" and rows["abc2"].renewed_from == "abc1"
-    assert not ca_store.legacy_registry_path(home).exists()
+    assert not ca_registry.legacy_registry_path(home).exists()
     assert ca_store.revoke(home, "serial:abc1") == ["abc2"]  # lineage survived the migration
     crl = x509.load_pem_x509_crl(ca_store.crl_path(home).read_bytes())
     assert ca.crl_number(crl) > 41

@@ -1,4 +1,4 @@
-"""Issue 9 defect 5: an older but validly signed CRL (a pre-revocation backup put back) is refused on
+"""An older but validly signed CRL (a pre-revocation backup put back) is refused on
 reload and at start; the gateway keeps the last good one, and a restart remembers the highest CRL
 Number and thisUpdate seen (``$UOMP_HOME/gateway/crl-state.json``).
 

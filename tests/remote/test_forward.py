@@ -29,9 +29,9 @@ from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import http1
 from gateway.errors import UompError
-from gateway.guard.store import MemoryItem
+from gateway.guard.items import MemoryItem
 from gateway.remote import transport, upstream
-from gateway.remote.forward import Forwarder
+from gateway.remote.guard_client import Forwarder
 from gateway.remote.upstream import Upstream, UpstreamClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -430,7 +430,7 @@ async def test_json_call_bounds(home: Paths, monkeypatch: pytest.MonkeyPatch) ->
         (ok(b"{nope"), "UPSTREAM_ERROR"),
         (ok(b'{"a": "' + b"x" * 2000 + b'"}'), "UPSTREAM_ERROR"),
     ):
-        monkeypatch.setattr("gateway.remote.forward.MAX_JSON_BYTES", 1000)
+        monkeypatch.setattr("gateway.remote.guard_client.MAX_JSON_BYTES", 1000)
         f = Fake(serve_forever(answer))
         server = await asyncio.start_unix_server(f.handle, path=path)
         fw = Forwarder(Upstream("unix", path), timeout_seconds=1)

@@ -1,4 +1,4 @@
-"""Issue 9 defect 3 / issue 15 defect 11: a full disk fails closed with a clear error, nothing queues
+"""A full disk fails closed with a clear error, nothing queues
 up one by one while full, writing resumes as soon as the next small batch fits, and every event says
 what the client actually got. First with an injected write hook (ENOSPC), then, as root, with a real
 small tmpfs filling up."""
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def events(paths: Paths) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger."""
+    """The one log: the guard's ledger."""
     return ledger_events(paths)
 
 
@@ -65,7 +65,7 @@ async def test_enospc_on_the_spool_is_off_the_request_path(home: Paths, monkeypa
             assert (await read(s, app, a, g["token"]))[0] == 200
             ok_before = len(events(home))
             full["on"] = True
-            # One log (issue 10): access.jsonl is only the spool for a guard outage. With the guard
+            # One log: access.jsonl is only the spool for a guard outage. With the guard
             # up, a full gateway disk is not on any request's path: answers and events as usual.
             for i in range(10):
                 st, body = await read(s, app, a, g["token"] if i % 2 == 0 else "not-a-token")
@@ -144,7 +144,7 @@ async def test_real_full_filesystem_under_the_access_log(home: Paths) -> None:
             async with agent_session(a, home) as s:
                 assert (await read(s, app, a, g["token"]))[0] == 200
                 filler = fill(gw_dir)
-                # One log (issue 10): with the guard up, the gateway writes nothing of its own on a
+                # One log: with the guard up, the gateway writes nothing of its own on a
                 # request's path (access.jsonl is the outage spool): a full gateway disk refuses nothing.
                 answers = [await read(s, app, a, g["token"]) for _ in range(20)]
                 assert {st for st, _ in answers} == {200}, answers
@@ -158,7 +158,7 @@ async def test_real_full_filesystem_under_the_access_log(home: Paths) -> None:
 
 
 async def test_real_full_filesystem_under_the_guard_databases(monkeypatch: pytest.MonkeyPatch) -> None:
-    """audit.db (and auth.db) on a full filesystem: the agent gets 503 STORE_UNAVAILABLE, not 500,
+    """Audit.db (and auth.db) on a full filesystem: the agent gets 503 STORE_UNAVAILABLE, not 500,
     and reads work again once space returns."""
     import shutil
     import tempfile

@@ -35,7 +35,7 @@ async def app(home: Paths) -> Any:
 
 
 def access_events(paths: Paths) -> list[dict[str, Any]]:
-    """The one log (issue 10): the guard's ledger holds the gateway's events too."""
+    """The one log: the guard's ledger holds the gateway's events too."""
     return ledger_events(paths)
 
 
@@ -136,8 +136,7 @@ async def test_management_routes_never_reachable(app: Appliance) -> None:
             ("GET", "/v1/sessions"),
             ("POST", f"/v1/sessions/{g['session_id']}/grant"),
             ("POST", f"/v1/sessions/{g['session_id']}/revoke"),
-            ("POST", f"/v1/sessions/{g['session_id']}/close"),
-            ("POST", "/v1/tokens/validate"),
+            # close, status and validate exist for the token's own session only: test_agent_self.py
             ("PATCH", "/v1/memory/preference.theme"),
             ("GET", "/v1/nothing"),
             ("GET", "/"),
@@ -153,6 +152,19 @@ async def test_management_routes_never_reachable(app: Appliance) -> None:
                 json_body={},
             )
             assert status in (404, 405) and body["error"]["code"] in ("NOT_FOUND", "METHOD_NOT_ALLOWED"), path
+        # the admin credential is no token at the gateway: the shared paths refuse it, the session lives on
+        for method, path in (
+            ("POST", f"/v1/sessions/{g['session_id']}/close"),
+            ("GET", f"/v1/sessions/{g['session_id']}"),
+        ):
+            status, body, _ = await agent_call(
+                s, app.base, path, token=None, agent_id=a.agent_id, method=method, headers=admin_headers(app.paths)
+            )
+            assert (status, body["error"]["code"]) == (401, "INVALID_TOKEN"), path
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
+        assert status == 200, body
 
 
 async def test_revocation_is_seen_within_one_second(app: Appliance) -> None:
@@ -369,7 +381,7 @@ async def test_client_sent_identity_headers_are_not_forwarded(app: Appliance) ->
     a = app.agent("agent_a")
     g = await app.grant(a)
     async with agent_session(a, app.paths) as s:
-        # a client never sends the gateway's assertion: refused outright (issue 15 defect 1)
+        # a client never sends the gateway's assertion: refused outright
         status, body, _ = await agent_call(
             s,
             app.base,
@@ -565,7 +577,7 @@ async def test_metrics_on_separate_loopback_port(home: Paths) -> None:
 
 
 async def test_fronts_another_guard_over_loopback_http(home: Paths) -> None:
-    """upstream = http://127.0.0.1:PORT (e.g. the TypeScript reference server): same checks, then forwarded."""
+    """Upstream = http://127.0.0.1:PORT (e.g. the TypeScript reference server): same checks, then forwarded."""
     from aiohttp import web
 
     from gateway.config import GatewayConfig

@@ -1,5 +1,5 @@
 """Every refused TLS handshake at the gateway is one log line with its reason and a labelled
-metric (issue 12): a foreign, revoked, expired or not-yet-valid certificate, TLS 1.2, plain HTTP
+metric: a foreign, revoked, expired or not-yet-valid certificate, TLS 1.2, plain HTTP
 on the TLS port. A good certificate is not logged; a handshake flood is not a log flood."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One log (issue 10): every decision of the gateway lands once in the guard's ledger, a forwarded read
+"""One log: every decision of the gateway lands once in the guard's ledger, a forwarded read
 costs one durable write (the guard's), one quota counter (the guard's), refused TLS handshakes are
 events, and the gateway's spool carries its events over a guard outage, replayed exactly once."""
 

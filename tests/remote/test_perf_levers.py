@@ -1,4 +1,4 @@
-"""Issue 13's speed levers are correct (their speed is measured in benchmarks/, never here):
+"""The speed levers are correct (their speed is measured in benchmarks/, never here):
 
 * gateway/jsonio.py answers exactly as the standard library (values, big integers, non-ASCII,
   floats, refusals);
@@ -306,7 +306,7 @@ def test_session_cache_off_switch(seeded: Paths, monkeypatch: pytest.MonkeyPatch
 
 def test_a_token_blacklisted_after_its_clean_check_was_cached_is_refused(seeded: Paths) -> None:
     """The blacklist lookup is skipped for a token already seen absent from it while auth.db is
-    unchanged (issue 13). Blacklisting that token later, by another connection (another process:
+    unchanged. Blacklisting that token later, by another connection (another process:
     its commit changes PRAGMA data_version) or by this service itself (its own commits do not), is
     seen at the next authentication. The session stays active, so only the blacklist can refuse."""
     from guardkit import guard_config

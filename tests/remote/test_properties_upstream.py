@@ -1,4 +1,4 @@
-"""Issue 14: property tests of the upstream HTTP/1.1 response-head parser (gateway/core/http1.py).
+"""Property tests of the upstream HTTP/1.1 response-head parser (gateway/core/http1.py).
 
 Documented error: UompError UPSTREAM_ERROR. A head that parses has a status in 100..599 (RFC 9110
 §15: other values are invalid) and header values free of CR, LF and NUL; a well-formed head round

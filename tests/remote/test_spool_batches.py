@@ -20,7 +20,7 @@ from gateway import contract
 from gateway.config import Paths
 from gateway.remote.access_log import AccessLog
 from gateway.remote.event_sink import EventSink, fits, new_event_id, spool_path, wire_size
-from gateway.remote.forward import Forwarder, Upstream
+from gateway.remote.guard_client import Forwarder, Upstream
 
 PATH_PAD = "p" * 400  # events of ~600 bytes on the wire, as the gateway's refusals with long paths are
 

@@ -1,4 +1,4 @@
-"""gateway.remote.tls against real sockets on 127.0.0.1, with certificates made here (no ssl mocks).
+"""Gateway.remote.tls against real sockets on 127.0.0.1, with certificates made here (no ssl mocks).
 
 The harness server accepts TCP and upgrades with ``start_tls`` so the server side of a failed
 handshake is observable (the reason OpenSSL gave); the aiohttp test runs the real listener shape
@@ -620,12 +620,12 @@ def test_checker_cache_still_checks_time(certs: CertSet) -> None:
 
 
 def test_expiry_is_rechecked_on_long_lived_connections(certs: CertSet) -> None:
-    """check_client_cert takes ``now``: the gateway re-checks per request on keep-alive connections."""
+    """Check_client_cert takes ``now``: the gateway re-checks per request on keep-alive connections."""
     ident = check_client_cert(certs.agents["good"].der)
     assert ident.not_after - ident.not_before == ca.AGENT_CERT_LIFETIME + ca.CLOCK_SKEW
 
 
-# ------------------------------------------------------------------ TLS 1.3 resumption (issue 13)
+# ------------------------------------------------------------------ TLS 1.3 resumption
 
 
 def _get_over_tls(

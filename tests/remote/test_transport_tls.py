@@ -1,4 +1,4 @@
-"""The mTLS listener's TLS runs in the event loop's own protocol (issue 13, native TLS): the
+"""The mTLS listener's TLS runs in the event loop's own protocol: the
 gateway accepts plain TCP (:class:`gateway.remote.transport.TLSAcceptProtocol`, counted at accept)
 and hands the connection to the loop's TLS protocol unchanged: uvloop's native one on uvloop (the
 product's loop; test_transport_native.py runs this again there), asyncio's on asyncio's loop

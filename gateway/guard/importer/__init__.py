@@ -81,7 +81,7 @@ Memory and the transaction
 CSV files are read twice from disk (pass 1: header and the per-column profile that settles date
 order and text columns; pass 2: conversion) and never held whole; JSON is parsed one array element
 at a time (an element is bounded by ``max_line_bytes``). In pass 2 / the JSON pass, each valid row
-is queued; every :data:`~gateway.guard.store.BULK_CHUNK` rows the queue's keys are looked up in the
+is queued; every :data:`~gateway.guard.bulk.BULK_CHUNK` rows the queue's keys are looked up in the
 store inside the import transaction (existing key: an error unless ``replace``; with ``replace``
 the old ``created_at`` is kept), then the rows are handed to the store's bulk writer, which
 inserts them into the open ``BEGIN IMMEDIATE`` transaction. Once any row is bad nothing more is

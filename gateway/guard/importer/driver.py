@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gateway.errors import ErrorCode, UompError
+from gateway.guard.bulk import BULK_CHUNK, BulkWriter
 from gateway.guard.importer.mapping import TIMESTAMP_FIELDS, Rec
 from gateway.guard.importer.readers import (
     JsonElements,
@@ -29,7 +30,8 @@ from gateway.guard.importer.readers import (
 )
 from gateway.guard.importer.records import RecordBuilder
 from gateway.guard.importer.report import Errors, FileError, ImportLimits, ImportReport, MultiFileError, Notices
-from gateway.guard.store import BULK_CHUNK, BulkWriter, MemoryItem, MemoryStore, utc_now
+from gateway.guard.items import MemoryItem, utc_now
+from gateway.guard.store import MemoryStore
 
 PROGRESS_MIN_BYTES = 1024 * 1024  # the CLI shows a bar on a terminal only for files at least this big
 

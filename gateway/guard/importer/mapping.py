@@ -18,14 +18,7 @@ from typing import Any
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.importer.cleaning import DATE_ORDERS, parse_timestamp, utc_text
 from gateway.guard.importer.report import Errors, FileError, ImportLimits, Notices
-from gateway.guard.store import (
-    MAX_TAGS,
-    SENSITIVITIES,
-    description_problem,
-    key_problem,
-    source_problem,
-    tags_problem,
-)
+from gateway.guard.items import MAX_TAGS, SENSITIVITIES, description_problem, key_problem, source_problem, tags_problem
 
 RESERVED = ("key", "tags", "sensitivity", "source", "description", "created_at", "updated_at")
 ALIASES: dict[str, str] = {

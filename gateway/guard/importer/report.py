@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.store import MAX_VALUE_BYTES
+from gateway.guard.items import MAX_VALUE_BYTES
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,10 @@ from aiohttp import web
 from gateway.contract import EVENT_ID_HEADER, VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.app import SERVICES, UNIX_ONLY, GuardRoute, _admin, _json_body, _param, event_fields
 from gateway.guard.audit import make_row
+from gateway.guard.http import SERVICES, UNIX_ONLY, GuardRoute, event_fields, json_body, query_param, require_admin
 from gateway.payloads import pulltemp
-from gateway.payloads.store import PAYLOAD_ID, PayloadError, PayloadStorage, PayloadStore, fault_hold
+from gateway.payloads.store import PAYLOAD_ID, PayloadStorage, PayloadStore, fault_hold
 
 log = logging.getLogger("uomp.guard.payloads")
 
@@ -55,6 +55,8 @@ MAX_FIELD = 256
 
 
 class GuardPayloads:
+    """The payload store on its own worker thread, for the user's payload routes."""
+
     def __init__(self, store: PayloadStorage) -> None:
         self.store = store
         self.worker = DbWorker("guard-payloads", what="payload store")
@@ -64,10 +66,7 @@ class GuardPayloads:
         self.store.close()
 
     async def run(self, fn: Any, *args: Any) -> Any:
-        try:
-            return await self.worker.run(fn, *args)
-        except PayloadError as exc:
-            raise UompError(exc.code, str(exc)) from None
+        return await self.worker.run(fn, *args)
 
 
 PAYLOADS = web.AppKey("payloads", GuardPayloads)
@@ -81,27 +80,27 @@ def _pid(request: web.Request) -> str:
 
 
 async def list_payloads(request: web.Request) -> web.Response:
-    _admin(request)
-    sid = _param(request, "session_id", required=False)
+    """``GET /v1/payloads`` (admin): the stored payloads' metadata, optionally of one session."""
+    require_admin(request)
+    sid = query_param(request, "session_id", required=False)
     metas = await request.app[PAYLOADS].run(functools.partial(request.app[PAYLOADS].store.list, session_id=sid))
     return web.json_response({"payloads": [m.public() for m in metas]})
 
 
 async def get_payload(request: web.Request) -> web.Response:
-    _admin(request)
+    """``GET /v1/payloads/{id}`` (admin): one payload's metadata."""
+    require_admin(request)
     meta = await request.app[PAYLOADS].run(request.app[PAYLOADS].store.get, _pid(request))
     return web.json_response(meta.public())
 
 
 async def get_ciphertext(request: web.Request) -> web.StreamResponse:
-    _admin(request)
+    """``GET /v1/payloads/{id}/ciphertext`` (admin): the sealed bytes, streamed."""
+    require_admin(request)
     p = request.app[PAYLOADS]
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
-    try:
-        fh = await asyncio.to_thread(p.store.open_blob, pid)
-    except PayloadError as exc:
-        raise UompError(exc.code, str(exc)) from None
+    fh = await asyncio.to_thread(p.store.open_blob, pid)
     try:
         if (await asyncio.to_thread(os.fstat, fh.fileno())).st_size != meta.size:
             raise UompError(
@@ -125,7 +124,8 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
 
 
 async def opened(request: web.Request) -> web.Response:
-    _admin(request)
+    """``POST /v1/payloads/{id}/opened`` (admin): records that the user opened it (``payload_opened``)."""
+    require_admin(request)
     p = request.app[PAYLOADS]
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
@@ -138,7 +138,8 @@ async def opened(request: web.Request) -> web.Response:
 
 
 async def remove(request: web.Request) -> web.Response:
-    _admin(request)
+    """``DELETE /v1/payloads/{id}`` (admin): removes it, and records that."""
+    require_admin(request)
     p = request.app[PAYLOADS]
     pid = _pid(request)
     meta = await p.run(p.store.get, pid)
@@ -181,7 +182,7 @@ def _field(
 async def audit_event(request: web.Request) -> web.Response:
     """The gateway's payload events (see the module docstring)."""
     svc = request.app[SERVICES]
-    body = await _json_body(request)
+    body = await json_body(request)
     action = body.get("action")
     if action not in ("payload_uploaded", "payload_refused"):
         raise UompError(ErrorCode.INVALID_REQUEST, "action must be payload_uploaded or payload_refused")
@@ -230,7 +231,7 @@ async def audit_event(request: web.Request) -> web.Response:
         )
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
-    # This is the upload request's one event (issue 10): the gateway writes none of its own.
+    # This is the upload request's one event: the gateway writes none of its own.
     return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
 
 

@@ -1,0 +1,11 @@
+"""Secrets at rest: the home's private keys sealed under one master key.
+
+* :mod:`gateway.atrest.sealing`: the formats and the cryptography (Argon2id, AES-256-GCM, HKDF);
+  no file or process state;
+* :mod:`gateway.atrest.vault`: the process's unlocked master keys, where a passphrase comes from,
+  and the two calls every key loader and writer goes through (:func:`~gateway.atrest.vault.read_key`,
+  :func:`~gateway.atrest.vault.write_key`);
+* :mod:`gateway.atrest.migrate`: ``uomp secrets seal`` / ``unseal``, one journal, crash-safe.
+
+docs/security.md "Keys at rest" is the user's description.
+"""
