@@ -16,6 +16,9 @@ connection), :data:`STREAM_WINDOW` bytes buffered per stream and :data:`CONNECTI
 connection (received data is acknowledged only once its reader took it), header lists of at most
 :data:`MAX_HEADER_LIST` bytes. Anything h2 refuses as a protocol error closes the connection.
 Keep-alive: a PING every ``keepalive`` seconds; a connection silent for ``3 * keepalive`` is dropped.
+
+A little over ~500 lines: one HTTP/2 connection's state (streams, flow control, keep-alives,
+bounds and their failure modes) is one job; split, each half would reach into the other's state.
 """
 
 from __future__ import annotations
