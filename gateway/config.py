@@ -233,6 +233,46 @@ class Paths:
         """Signing keys the user revoked (never trusted again), see gateway/keys.py."""
         return self.secrets / "revoked-keys.json"
 
+    # ---- the outbound uplink (gateway/uplink/): at home the uplink CA and the home identity, on
+    # the VPS the uplink listener's identity and the pin of the home side
+
+    @property
+    def uplink_dir(self) -> Path:
+        return self.home / "uplink"
+
+    @property
+    def uplink_ca_key(self) -> Path:
+        """The dedicated uplink CA's key (home only, 0600; never copied to the VPS)."""
+        return self.uplink_dir / "uplink-ca.key"
+
+    @property
+    def uplink_ca_cert(self) -> Path:
+        return self.uplink_dir / "uplink-ca.crt"
+
+    @property
+    def uplink_home_key(self) -> Path:
+        """The home side's client key (home only, 0600)."""
+        return self.uplink_dir / "home.key"
+
+    @property
+    def uplink_home_cert(self) -> Path:
+        return self.uplink_dir / "home.crt"
+
+    @property
+    def uplink_server_key(self) -> Path:
+        """The uplink listener's key (VPS only, 0600)."""
+        return self.uplink_dir / "server.key"
+
+    @property
+    def uplink_server_cert(self) -> Path:
+        return self.uplink_dir / "server.crt"
+
+    @property
+    def uplink_pins(self) -> Path:
+        """The SHA-256 SPKI pins of the peer: at home the VPS's uplink certificate, on the VPS the
+        home side's (JSON, 0600)."""
+        return self.uplink_dir / "pins.json"
+
     # ---- the user's CA (gateway/ca_store.py)
 
     @property
@@ -503,6 +543,19 @@ class GatewayConfig:
     metrics_max_connections: int = 16  # metrics listener (loopback, unauthenticated)
     fd_reserve: int = 256  # file descriptors kept free for everything but client connections
     upstream_timeout_seconds: float = 10.0
+    # The outbound uplink (gateway/uplink/, docs/vps.md): a port >= 0 makes this a gateway whose
+    # guard is at home, reached over the one mTLS HTTP/2 connection the home side dials in here
+    # (instead of `upstream`). -1 = off; 0 = any free port.
+    uplink_listen_host: str = "127.0.0.1"
+    uplink_listen_port: int = -1
+    uplink_max_in_flight: int = 256  # requests on the uplink at once (also capped by the home side's streams)
+    uplink_max_queue: int = 1024  # requests waiting for a place; beyond: 503 STORE_BUSY
+    uplink_keepalive_seconds: float = 5.0  # PING interval; a link silent for 3 intervals is dropped
+    # Replicas (gateway/remote/shared_state.py, docs/vps.md): with a Redis URL every gateway process
+    # keeps the DPoP replay cache and the DPoP per-key rate in Redis, under this appliance's prefix.
+    shared_redis_url: str = ""  # "" = in-process state (one gateway); e.g. redis://127.0.0.1:6379/0
+    shared_key_prefix: str = "uomp:"  # one prefix per appliance sharing a Redis
+    shared_timeout_seconds: float = 1.0  # one Redis operation; past it: SHARED_STATE_UNAVAILABLE
     # Deadlines (seconds). The first three count from accept.
     tls_handshake_timeout_seconds: float = 10.0  # accept -> TLS handshake complete
     tls_shutdown_timeout_seconds: float = 5.0  # wait for the peer's close_notify before dropping
@@ -581,6 +634,12 @@ class GatewayConfig:
         _check_port(self.listen_port, "gateway.listen_port", low=0)
         _check_port(self.tunnel_origin_port, "gateway.tunnel_origin_port", low=-1)
         _check_port(self.metrics_port, "gateway.metrics_port", low=-1)
+        _check_port(self.uplink_listen_port, "gateway.uplink_listen_port", low=-1)
+        if self.uplink_max_in_flight < 1 or self.uplink_max_queue < 0 or self.uplink_keepalive_seconds <= 0:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR,
+                "gateway.uplink_max_in_flight must be >= 1, uplink_max_queue >= 0, uplink_keepalive_seconds > 0",
+            )
 
 
 @dataclass(frozen=True)

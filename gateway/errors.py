@@ -98,6 +98,8 @@ class ErrorCode(StrEnum):
     FETCH_FAILED = "FETCH_FAILED"  # a registration file, manifest or DID document could not be fetched within the rules
     REGISTRATION_INVALID = "REGISTRATION_INVALID"  # a registration file that is malformed or names another agent
     CONTENT_HASH_MISMATCH = "CONTENT_HASH_MISMATCH"  # fetched bytes are not those whose hash the registry records
+    # gateway replicas (gateway/remote/shared_state.py)
+    SHARED_STATE_UNAVAILABLE = "SHARED_STATE_UNAVAILABLE"  # Redis unreachable: DPoP proofs are refused (fail closed)
 
 
 # code -> HTTP status, once. Spec §8.4 codes first, then ours (documented in docs/errors.md).
@@ -125,6 +127,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_IMPLEMENTED: 501,
     ErrorCode.INVALID_STATE: 409,
     ErrorCode.STORE_BUSY: 503,
+    ErrorCode.SHARED_STATE_UNAVAILABLE: 503,
     ErrorCode.UPSTREAM_ERROR: 502,
     ErrorCode.UPSTREAM_TIMEOUT: 504,
     ErrorCode.CONFIG_ERROR: 500,

@@ -9,6 +9,8 @@ bash scripts/setup-interop.sh || { echo "interop setup failed"; exit 1; }
 bash scripts/setup-anvil.sh || { echo "anvil setup failed"; exit 1; }
 bash scripts/setup-browser.sh || { echo "browser setup failed"; exit 1; }
 bash scripts/setup-faketime.sh || { echo "faketime setup failed"; exit 1; }
+bash scripts/setup-redis.sh || { echo "redis setup failed"; exit 1; }
+bash scripts/setup-haproxy.sh || { echo "haproxy setup failed"; exit 1; }
 status=0
 bash scripts/lint.sh || status=1
 echo "== pytest"

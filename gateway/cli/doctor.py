@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import stat
 from collections.abc import Callable
@@ -274,6 +275,59 @@ def _anchoring(r: Report, paths: Paths) -> None:
         r.note(f"WARNING: {w}")
 
 
+def _vps_checks(r: Report, paths: Paths) -> Report:
+    """A VPS gateway holds its TLS identities and public material only: check those, and that
+    nothing that must stay at home is here."""
+    from gateway.uplink import certs
+
+    r.note(f"{paths.home} is a VPS gateway's data directory (its guard is at home, docs/vps.md)")
+    gcfg, _guard, tunnel = _configs(r, paths)
+    for p, what in ((paths.gateway_key, "gateway key"), (paths.uplink_server_key, "uplink key")):
+        if not p.exists():
+            r.problem(f"{what} {p} is missing", "at home: uomp uplink init --vps-host HOST --out DIR, copy DIR here")
+        else:
+            _check_private(r, p, what)
+    try:
+        certs.load_pins(paths.uplink_pins)
+        r.ok(f"the home side's pin {paths.uplink_pins}")
+    except UompError as exc:
+        r.problem(exc.message.split(";")[0], exc.message.split(";", 1)[-1].strip())
+    for p, what in (
+        (paths.private_jwk, "the token signing key"),
+        (paths.ca_key, "the agent CA key"),
+        (paths.uplink_ca_key, "the uplink CA key"),
+        (paths.audit_key, "the audit key"),
+        (paths.payload_private_key, "the payload key"),
+        (paths.admin_credential, "the admin credential"),
+        (paths.memory_db, "the memory store"),
+    ):
+        if p.exists():
+            r.problem(f"{what} is on this VPS ({p}); it belongs at home", f"move it home, then remove {p}")
+    if appliance.is_running(paths):
+        try:
+            up = json.loads(paths.gateway_status.read_text()).get("uplink") or {}
+        except (OSError, ValueError):
+            up = {}
+        if up.get("connected"):
+            r.ok("the home side is connected over the uplink")
+        else:
+            r.problem(
+                f"no home side is connected ({up.get('last_error') or 'never connected'})",
+                "at home: uomp guard uplink https://THIS-HOST:PORT (the uplink listener of `uomp status`)",
+            )
+    steps: list[Callable[[], None]] = [
+        lambda: _ports(r, paths, gcfg, None),
+        lambda: _tunnel(r, tunnel),
+        lambda: _speed(r),
+    ]
+    for step in steps:
+        try:
+            step()
+        except UompError as exc:
+            r.problem(exc.message, "see the message")
+    return r
+
+
 def run_checks(paths: Paths) -> Report:
     """Every check of the home, in order; a missing home is the one problem reported."""
     r = Report()
@@ -286,6 +340,8 @@ def run_checks(paths: Paths) -> Report:
     except UompError as exc:
         r.problem(exc.message.split(";")[0], exc.message.split(";", 1)[-1].strip())
     _check_private(r, paths.home, "data directory", dir_=True)
+    if not paths.private_jwk.exists() and paths.uplink_server_cert.exists():
+        return _vps_checks(r, paths)  # a VPS gateway's directory (uomp uplink init): its own checks
     _check_private(r, paths.private_jwk, "signing key")
     _check_private(r, paths.admin_credential, "admin credential")
     gcfg, guard, tunnel = _configs(r, paths)

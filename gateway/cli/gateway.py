@@ -73,6 +73,15 @@ def gateway_config(args: argparse.Namespace, paths: Paths) -> GatewayConfig:
         overrides["tunnel_endpoints"] = list(args.tunnel_endpoint)
     if args.force_non_loopback:
         overrides["allow_non_loopback"] = True
+    if getattr(args, "uplink_listen", None):
+        host, _, port = args.uplink_listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"--uplink-listen {args.uplink_listen!r} is not HOST:PORT; e.g. 0.0.0.0:9444"
+            )
+        _port_flag(int(port), "--uplink-listen port", low=0)
+        overrides["uplink_listen_host"] = host.strip("[]")
+        overrides["uplink_listen_port"] = int(port)
     _port_flag(args.metrics_port, "--metrics-port", low=0)
     _port_flag(args.tunnel_origin_port, "--tunnel-origin-port", low=0)
     if args.metrics_port is not None:
@@ -367,7 +376,10 @@ def _run_info(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | 
         listeners["tunnel_origin"] = f"http://{gcfg.tunnel_origin_host}:{gw.tunnel_port}"
     if gw.metrics_port:
         listeners["metrics"] = f"http://127.0.0.1:{gw.metrics_port}/metrics"
-    listeners["guard_socket"] = f"unix:{paths.guard_sock}"
+    if gw.uplink_port is not None:  # a VPS gateway: its guard dials in here
+        listeners["uplink"] = f"https://{gcfg.uplink_listen_host}:{gw.uplink_port}"
+    else:
+        listeners["guard_socket"] = f"unix:{paths.guard_sock}"
     if guard is not None and guard.tcp_url:
         listeners["local_profile"] = guard.tcp_url
     live = set(gw.state.endpoints) if gw.state is not None else set()
@@ -505,9 +517,22 @@ def _relay_line(line: str) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from gateway import memtrace
 
-    paths = paths_from(args)
+    paths = paths_from(args, needs_init=not getattr(args, "uplink_listen", None))  # a VPS has no signing key
     memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(_run(paths, gateway_config(args, paths), with_guard=False, args=args))
+    return 0
+
+
+def _start_vps(paths: Paths, gcfg: GatewayConfig, args: argparse.Namespace, tcfg: TunnelSettings) -> int:
+    """The gateway alone, its guard at home behind the uplink: nothing is created here (no signing
+    key, no CA key, no memory); the data directory is the one `uomp uplink init` wrote."""
+    appliance.check_home_writable(paths.home)
+    lock = appliance.ApplianceLock(paths)
+    lock.acquire()
+    try:
+        eventloop.run(_run(paths, gcfg, with_guard=False, args=args, tunnel=tcfg, lock=lock))
+    finally:
+        lock.release()
     return 0
 
 
@@ -518,6 +543,8 @@ def _start(args: argparse.Namespace) -> int:
     gcfg = gateway_config(args, paths)  # bad flags and config refused before anything is written
     tcfg = tunnel_settings(args, paths)
     check_tunnel(tcfg)
+    if gcfg.uplink_listen_port >= 0:
+        return _start_vps(paths, gcfg, args, tcfg)
     appliance.check_home_writable(paths.home)
     lock = appliance.ApplianceLock(paths)
     lock.acquire()
@@ -610,6 +637,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="the tunnel's public URL (repeatable): the only endpoint the tunnel-origin listener serves; "
         "tokens used through the tunnel name it as audience",
+    )
+    p.add_argument(
+        "--uplink-listen",
+        metavar="HOST:PORT",
+        help="a gateway on a VPS: the guard is at home and dials in here over mTLS ('uomp guard uplink'; docs/vps.md)",
     )
     p.add_argument(
         "--force-non-loopback",

@@ -88,6 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="allow a non-loopback --tcp-host (exposes the guard beyond this machine)",
     )
     s.set_defaults(func=_serve, service=True)
+    from gateway.cli import uplink
+
+    uplink.register_guard(gsub)
 
     ss = sub.add_parser("sessions", help="see, close and revoke sessions (spec §21)")
     ssub = ss.add_subparsers(dest="sessions_command", metavar="ACTION", required=True)

@@ -50,6 +50,7 @@ COMMAND_MODULES = (
     "gateway.cli.mcp",
     "gateway.cli.secrets",
     "gateway.cli.backup",
+    "gateway.cli.uplink",
 )
 
 # Every top-level command: its module and its one line of help, in the order ``uomp --help`` lists
@@ -108,6 +109,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mcp": ("gateway.cli.mcp", "the agent's MCP server: any MCP client reads what the user granted"),
     "secrets": ("gateway.cli.secrets", "seal the home's private keys at rest (passphrase or OS keychain)"),
     "backup": ("gateway.cli.backup", "the whole home in one encrypted file, and back"),
+    "uplink": ("gateway.cli.uplink", "the outbound uplink: a gateway on a VPS, the guard here (docs/vps.md)"),
 }
 
 # Commands that run ``gateway.cli.home.INIT_HOOKS`` (``uomp init``, ``uomp gateway start``): every

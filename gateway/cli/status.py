@@ -13,6 +13,7 @@ import argparse
 import datetime as dt
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from gateway import appliance, ca_store
@@ -128,6 +129,7 @@ def collect(paths: Paths) -> dict[str, Any]:
                 else {}
             ),
         },
+        "uplink": (status or {}).get("uplink"),
         "public_urls": appliance.public_urls(paths, gcfg),
         "tunnel": (
             (status or {}).get("tunnel") or (run or {}).get("tunnel") or appliance.load_addresses(paths)["tunnel"]
@@ -239,7 +241,9 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
 
 
 def _text(s: dict[str, Any]) -> None:
-    if not s["initialised"]:
+    if not s["initialised"] and Paths(Path(s["home"])).uplink_server_cert.exists():
+        print(f"VPS gateway data directory {s['home']} (from 'uomp uplink init'; its guard is at home)")
+    elif not s["initialised"]:
         print(
             f"data directory {s['home']} has not been set up: run 'uomp init' (or pass --home / set UOMP_HOME "
             "to the one you use)"
@@ -260,6 +264,13 @@ def _text(s: dict[str, Any]) -> None:
         )
         if s["status_file_stale"]:
             print("  !! the status file has not been updated for a while: the gateway may be hung")
+    up = s.get("uplink")
+    if s["running"] and up:
+        state = "home side connected" if up.get("connected") else f"NO HOME SIDE ({up.get('last_error') or 'never'})"
+        print(
+            f"uplink: {state}; {up.get('connects', 0)} connections accepted, {up.get('refused', 0)} refused, "
+            f"{up.get('in_flight', 0)} requests in flight"
+        )
     for u in s["public_urls"]:
         print(f"public URL: {u} (mTLS)")
     t = s["tunnel"]

@@ -132,7 +132,8 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     if route.status_check or (call.on_authenticated and route.token_use == "access"):
         await state.status.check(call.token, cap, call.token_digest)
     for done in call.on_authenticated:
-        done()
+        if (pending := done()) is not None:
+            await pending
     transport.authenticated(request)  # the connection leaves the unverified budget (tunnel listener)
     handler = route.handler or state.handlers.get(route.name, forward)
     return await handler(call)

@@ -19,10 +19,14 @@ from gateway.remote.request import Call
 from gateway.remote.state import STATE, GatewayState, host_key
 from gateway.remote.tls import server_name_of
 
+RETRY_AFTER_SECONDS = "2"
+
 
 def error_response(exc: UompError) -> web.Response:
-    """The §8.4 error answer of ``exc`` (with ``WWW-Authenticate`` on 401)."""
+    """The §8.4 error answer of ``exc`` (with ``WWW-Authenticate`` on 401, ``Retry-After`` on 503)."""
     headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if exc.status == 401 else None
+    if exc.status == 503:  # the guard (or the uplink to it, or the shared state) is away or busy: retry after this
+        headers = {"Retry-After": RETRY_AFTER_SECONDS}
     return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 

@@ -15,8 +15,8 @@ counts and re-checks the guard).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
 
 from gateway import contract, jsonio
 from gateway.core.http1 import HeaderBlock
@@ -28,6 +28,8 @@ __all__ = [
     "FORWARD_REQUEST_HEADERS",
     "FORWARD_RESPONSE_HEADERS",
     "MAX_JSON_BYTES",
+    "Answer",
+    "Client",
     "Forwarder",
     "Upstream",
     "UpstreamResponse",
@@ -41,14 +43,57 @@ CHUNK = 64 * 1024
 MAX_JSON_BYTES = 1024 * 1024  # a JSON exchange with the guard (token validation, refresh)
 
 
+class Answer(Protocol):
+    """The guard's answer as the gateway reads it (:class:`UpstreamResponse`, or the uplink's)."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes | None
+
+    def header(self, name: str) -> str | None: ...
+    @property
+    def content_type(self) -> str: ...
+    @property
+    def content_length(self) -> int | None: ...
+    async def read(self, limit: int) -> bytes: ...
+    def iter_chunks(self, size: int = ...) -> AsyncIterator[bytes]: ...
+    def release(self) -> None: ...
+
+
+class Client(Protocol):
+    """What carries requests to the guard: the Unix-socket/HTTP pool (:class:`UpstreamClient`), or the uplink hub."""
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        *,
+        body: bytes | None = None,
+        block: HeaderBlock | None = None,
+    ) -> Answer: ...
+
+    async def close(self) -> None: ...
+
+
 class Forwarder:
-    """The gateway's client of the guard over :mod:`gateway.remote.upstream`, with its time-out and failure codes."""
+    """The gateway's client of the guard, with its time-out and failure codes: over
+    :mod:`gateway.remote.upstream` by default, or over another :class:`Client` (the uplink hub)."""
 
     def __init__(
-        self, upstream: Upstream, *, timeout_seconds: float, max_connections: int = DEFAULT_MAX_CONNECTIONS
+        self,
+        upstream: Upstream,
+        *,
+        timeout_seconds: float,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        client: Client | None = None,
     ) -> None:
         self.upstream = upstream
-        self.client = UpstreamClient(upstream, timeout_seconds=timeout_seconds, max_connections=max_connections)
+        self.client: Client = (
+            client
+            if client is not None
+            else UpstreamClient(upstream, timeout_seconds=timeout_seconds, max_connections=max_connections)
+        )
         self.on_failure: Callable[[ErrorCode], None] | None = None  # called with the code of a failed exchange
 
     def _failed(self, exc: UompError) -> None:
@@ -70,7 +115,7 @@ class Forwarder:
         *,
         body: bytes | None = None,
         block: HeaderBlock | None = None,
-    ) -> UpstreamResponse:
+    ) -> Answer:
         """Send one request; the caller reads (``body`` or ``iter_chunks``) and ``release()``s the answer.
         ``block``: header lines checked once already (:func:`gateway.core.http1.header_block`)."""
         try:

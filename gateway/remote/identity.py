@@ -55,8 +55,9 @@ def public_url(state: GatewayState, request: web.Request, path: str) -> str:
     return f"https://{host}" + path
 
 
-async def dpop_identity(call: Call) -> None:
-    """The request's identity from its DPoP proof (RFC 9449) on the tunnel listener."""
+def verify_proof(call: Call) -> dpop.DpopResult:
+    """The tunnel request's token signature and DPoP proof (RFC 9449), checked and not yet recorded:
+    the caller records the proof once the token and the session passed their checks."""
     state = call.request.app[STATE]
     request = call.request
     assert call.target is not None
@@ -81,5 +82,13 @@ async def dpop_identity(call: Call) -> None:
         record=False,
     )
     call.jkt = result.jkt
+    return result
+
+
+async def dpop_identity(call: Call) -> None:
+    """The request's identity from its DPoP proof (RFC 9449) on the tunnel listener, its proof
+    recorded in this process's replay cache."""
+    state = call.request.app[STATE]
+    result = verify_proof(call)
     # recorded only once the token and the session passed their checks (a revoked agent records nothing)
     call.on_authenticated.append(lambda: dpop.record_proof(state.replay, result, now=time.time()))

@@ -57,8 +57,9 @@ class Call:
     jkt: str | None = None
     recorded: bool = False
     memo: ConnMemo | None = None  # what this request's TLS connection established already (mTLS)
-    # run once the token and the session passed their checks (the DPoP proof is recorded then)
-    on_authenticated: list[Callable[[], None]] = field(default_factory=list)
+    # run (and awaited when they return an awaitable) once the token and the session passed their
+    # checks: the DPoP proof is recorded then, in this process or in the replicas' shared state
+    on_authenticated: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
     def event(self, *, status: int, allowed: bool, reason: str, code: str | None) -> dict[str, Any]:
         """The request's event for the guard's one log (§18.1/§18.2 fields, listener, via, code)."""

@@ -24,6 +24,7 @@ from gateway.remote.metrics import Metrics, create_metrics_app
 from gateway.remote.state import GatewayState
 from gateway.remote.tls import TLSReloader
 from gateway.remote.upstream_health import UpstreamMonitor
+from gateway.uplink.hub import UplinkHub, uplink_hub
 
 log = logging.getLogger("uomp.gateway")
 
@@ -41,6 +42,14 @@ def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]
 def _flush_done(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("one log: an event could not be recorded (%s)", type(fut.exception()).__name__)
+
+
+async def _renewal_at_home(call: Any) -> web.StreamResponse:
+    raise UompError(
+        ErrorCode.NOT_IMPLEMENTED,
+        "certificate renewal is not served by a VPS gateway (its CA key stays at home); "
+        "get a new certificate at home: uomp authorize --remote (docs/vps.md)",
+    )
 
 
 class GatewayRunner:
@@ -72,6 +81,9 @@ class GatewayRunner:
         self.status_sources: dict[str, Callable[[], dict[str, Any]]] = {}
         self.monitor: UpstreamMonitor | None = None
         self.payloads: payload_service.PayloadService | None = None
+        self.uplink: UplinkHub | None = None  # the guard at home, over the outbound uplink
+        self.uplink_port: int | None = None
+        self.shared: Any = None  # gateway.remote.shared_state.SharedState when shared_redis_url is set
 
     def _runner_kwargs(self) -> dict[str, Any]:
         return {
@@ -99,8 +111,13 @@ class GatewayRunner:
         self.reloader = TLSReloader(
             cert, key, ca, crl, crl_state=self.paths.crl_state, session_tickets=cfg.tls_session_tickets
         )
-        upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
-        forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
+        if cfg.uplink_listen_port >= 0:  # the guard is at home, behind the uplink (docs/vps.md)
+            self.uplink = hub = uplink_hub(self.paths, cfg)
+            upstream = Upstream("uplink", f"{cfg.uplink_listen_host}:{cfg.uplink_listen_port}")
+            forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds, client=hub)
+        else:
+            upstream = Upstream.parse(cfg.upstream or f"unix:{self.paths.guard_sock}")
+            forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds)
         self.paths.gateway_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         access = AccessLog(
             self.paths.access_log,
@@ -120,7 +137,11 @@ class GatewayRunner:
             timeout=cfg.upstream_health_timeout_seconds,
             log_seconds=cfg.upstream_failure_log_seconds,
             sources=self.status_sources,
+            probe=self.uplink.probe if self.uplink is not None else None,
         )
+        if self.uplink is not None:
+            self.status_sources["uplink"] = self.uplink.snapshot
+            self.uplink.on_change = monitor.wake
         forwarder.on_failure = monitor.request_failed
         # the spool's state, and the events counted instead of written (spool failures + rate limit)
         metrics.access_log_state = lambda: (
@@ -148,6 +169,15 @@ class GatewayRunner:
         state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
         enroll_routes.install(state)
+        if self.uplink is not None and not self.paths.ca_key.exists():
+            state.handlers["renew"] = _renewal_at_home  # a VPS gateway holds no CA key
+        if cfg.shared_redis_url:  # replicas: the DPoP replay cache and rate in Redis
+            from gateway.remote import shared_state
+
+            self.shared = shared_state.SharedState(
+                cfg.shared_redis_url, prefix=cfg.shared_key_prefix, timeout_seconds=cfg.shared_timeout_seconds
+            )
+            shared_state.install(state, self.shared)
         self.payloads = payload_routes.install(state)
         self.payloads.start()
         for hook in self.setup_hooks:
@@ -239,6 +269,9 @@ class GatewayRunner:
             )
             self._servers.append(msrv)
             self.metrics_port = msrv.sockets[0].getsockname()[1]
+        if self.uplink is not None:
+            check_bind(cfg.uplink_listen_host, cfg.allow_non_loopback, "the uplink listener")
+            self.uplink_port = await self.uplink.listen(cfg.uplink_listen_host, cfg.uplink_listen_port)
         loop = asyncio.get_running_loop()
 
         crl_watch = ca_store.CrlWatch(self.paths)  # the registry is opened only when a file changed
@@ -246,7 +279,8 @@ class GatewayRunner:
         def tick() -> None:  # in a worker thread, every TLS watch interval
             if key_watch.changed():  # `uomp keys rotate [--revoke-old]`: reload without a SIGHUP
                 self.reload_keys()  # reads key files: here, in the thread (GatewayState swaps whole dicts)
-            crl_watch.tick()
+            if self.paths.ca_key.exists():  # a VPS gateway has no CA key: its CRL comes from home
+                crl_watch.tick()
 
         self._tasks.append(loop.create_task(self.reloader.watch(cfg.tls_watch_interval_seconds, tick=tick)))
         await monitor.check()  # /v1/health tells the truth from the first request on
@@ -307,6 +341,8 @@ class GatewayRunner:
                 log.error("key reload failed: %s", exc.message)
 
     async def stop(self) -> None:
+        if self.uplink is not None:
+            await self.uplink.close()
         for t in self._tasks:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -320,6 +356,9 @@ class GatewayRunner:
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 5)
+        if self.shared is not None:
+            await self.shared.close()
+            self.shared = None
         if self.payloads is not None:
             await self.payloads.close()
             self.payloads = None

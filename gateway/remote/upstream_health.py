@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +71,11 @@ class UpstreamMonitor:
         timeout: float = 2.0,
         log_seconds: float = 30.0,
         sources: dict[str, Callable[[], dict[str, Any]]] | None = None,
+        probe: Callable[[float], Awaitable[str | None]] | None = None,
     ) -> None:
         self.upstream = upstream
+        # the check itself when the guard is not behind a socket (the uplink): None = healthy, else why not
+        self.probe = probe
         self.metrics = metrics
         self.status_file = status_file
         self.interval = max(0.05, float(interval))
@@ -155,18 +158,21 @@ class UpstreamMonitor:
             self._last_log = time.monotonic()
 
     async def check(self) -> bool:
-        """One health check on a new connection; updates :attr:`up`."""
-        client = UpstreamClient(self.upstream, timeout_seconds=self.timeout, max_idle=0)
+        """One health check on a new connection (or the probe); updates :attr:`up`."""
         why: str | None = None
-        try:
-            resp = await client.request("GET", "/v1/health", {})
-            if resp.status != 200:
-                why = f"HTTP {resp.status}"
-            resp.release()
-        except UompError as exc:
-            why = exc.code
-        finally:
-            await client.close()
+        if self.probe is not None:
+            why = await self.probe(self.timeout)
+        else:
+            client = UpstreamClient(self.upstream, timeout_seconds=self.timeout, max_idle=0)
+            try:
+                resp = await client.request("GET", "/v1/health", {})
+                if resp.status != 200:
+                    why = f"HTTP {resp.status}"
+                resp.release()
+            except UompError as exc:
+                why = exc.code
+            finally:
+                await client.close()
         if why is None:
             self._ok()
         else:

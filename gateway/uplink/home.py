@@ -1,0 +1,244 @@
+"""The home end of the uplink: dial the gateway on the VPS (outbound only: no port is opened at
+home), keep the connection, and hand each request that arrives on it to the guard's Unix socket.
+
+* TLS 1.3 with the home certificate; the gateway must present the pinned uplink certificate and the
+  name dialled (:mod:`gateway.uplink.tlsctx`). A gateway that fails either is dropped and logged.
+* Reconnect with exponential backoff and jitter (``backoff_min`` doubling to ``backoff_max``; back to
+  ``backoff_min`` after a link that stayed up :data:`STABLE_SECONDS`).
+* Each request: at most :data:`MAX_REQUEST_BODY` bytes of body, then one exchange with the guard
+  through :class:`gateway.remote.upstream.UpstreamClient` (the same strict HTTP/1.1 hop the local
+  gateway uses), the answer streamed back within the stream's flow-control window. A guard that is
+  down answers the gateway with the §8.4 body of ``STORE_UNAVAILABLE`` (503), so the gateway relays
+  a stable code.
+* At most ``max_streams`` requests at once (advertised to the gateway as
+  SETTINGS_MAX_CONCURRENT_STREAMS; a gateway that opens more loses the connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import h2.errors
+
+from gateway.core import http1
+from gateway.durable import FAULT_ENV, fault_point
+from gateway.errors import ErrorCode, UompError
+from gateway.remote.upstream import Upstream, UpstreamClient
+from gateway.uplink import certs, tlsctx
+from gateway.uplink.link import DEFAULT_MAX_STREAMS, Headers, Link, Stream
+
+log = logging.getLogger("uomp.uplink")
+
+MAX_REQUEST_BODY = 8 * 1024 * 1024
+STABLE_SECONDS = 30.0
+CONNECT_TIMEOUT = 15.0
+_DROP = frozenset({b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te"})
+
+
+def _after_head(link: Link) -> None:
+    """The kill point of the tests: the answer's head is on the wire, its body is not."""
+    if os.environ.get(FAULT_ENV) == "uplink.home.after-head":
+        link.flush_now()
+        fault_point("uplink.home.after-head")
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """``https://HOST:PORT`` of the VPS's uplink listener as (host, port)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or 443
+    except ValueError:
+        port = -1
+    if parts.scheme != "https" or not parts.hostname or port < 1 or parts.path not in ("", "/") or parts.query:
+        raise UompError(ErrorCode.USAGE, "the uplink URL must be https://HOST:PORT (the gateway's uplink listener)")
+    return parts.hostname, port
+
+
+class HomeUplink:
+    """The home end of the uplink: dial out with backoff, serve each stream from the guard's socket."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cert_file: Path,
+        key_file: Path,
+        ca_file: Path,
+        pins_file: Path,
+        guard: Upstream,
+        guard_timeout: float = 10.0,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        keepalive: float = 5.0,
+        backoff_min: float = 0.2,
+        backoff_max: float = 30.0,
+    ) -> None:
+        self.host, self.port = parse_url(url)
+        self.context = tlsctx.client_context(cert_file, key_file, ca_file)
+        self.pins = certs.load_pins(pins_file)
+        self.guard = UpstreamClient(guard, timeout_seconds=guard_timeout, max_connections=max_streams)
+        self.max_streams = max_streams
+        self.keepalive = keepalive
+        self.backoff_min = backoff_min
+        self.backoff_max = backoff_max
+        self.link: Link | None = None
+        self.connects = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.connected = asyncio.Event()
+        self._check = tlsctx.peer_check(self.pins, want_home_role=False)
+        self._refused: str | None = None
+
+    def _verify(self, obj: object) -> str | None:
+        import ssl
+
+        why = self._check(obj if isinstance(obj, ssl.SSLObject) else None)
+        if why is not None:
+            self._refused = why
+        return why
+
+    async def connect_once(self) -> Link:
+        """One dial; the link once it passed the pin check, else UompError(UPSTREAM_ERROR / STORE_UNAVAILABLE)."""
+        loop = asyncio.get_running_loop()
+        self._refused = None
+
+        def factory() -> Link:
+            return Link(
+                client_side=False,
+                max_streams=self.max_streams,
+                keepalive=self.keepalive,
+                verify_peer=self._verify,
+                on_request=self._serve,
+            )
+
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                _t, link = await loop.create_connection(
+                    factory,
+                    self.host,
+                    self.port,
+                    ssl=self.context,
+                    server_hostname=self.host,
+                    ssl_handshake_timeout=CONNECT_TIMEOUT,
+                )
+        except TimeoutError as exc:
+            raise UompError(ErrorCode.UPSTREAM_TIMEOUT, "the gateway did not answer the uplink dial in time") from exc
+        except OSError as exc:  # refused, unreachable, TLS verification failed (ssl.SSLError is an OSError)
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE, f"the gateway's uplink listener refused the dial ({type(exc).__name__})"
+            ) from exc
+        if self._refused is not None or link.closed:
+            raise UompError(ErrorCode.UPSTREAM_ERROR, self._refused or link.close_reason)
+        return link
+
+    async def run(self) -> None:
+        """Dial, serve, and dial again with backoff; until cancelled."""
+        delay = self.backoff_min
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    link = await self.connect_once()
+                except UompError as exc:
+                    self.failures += 1
+                    self.last_error = exc.message
+                    log.warning("uplink: cannot connect to %s:%s: %s", self.host, self.port, exc.message)
+                else:
+                    self.link = link
+                    self.connects += 1
+                    self.connected.set()
+                    log.warning("uplink: connected to the gateway at %s:%s", self.host, self.port)
+                    reason = await asyncio.shield(link.done)
+                    self.connected.clear()
+                    self.link = None
+                    self.last_error = reason
+                    log.warning("uplink: the link to the gateway ended (%s); dialling again", reason)
+                    if time.monotonic() - started >= STABLE_SECONDS:
+                        delay = self.backoff_min
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))  # noqa: S311 (jitter, not a secret)
+                delay = min(self.backoff_max, delay * 2)
+        finally:
+            if self.link is not None:
+                self.link.close("the home side is stopping")
+            await self.guard.close()
+
+    # ------------------------------------------------------------------ one request
+
+    async def _serve(self, link: Link, st: Stream) -> None:
+        hdrs = st.headers or []
+        method = path = ""
+        fwd: dict[str, str] = {}
+        for k, v in hdrs:
+            if k == b":method":
+                method = v.decode("ascii", "replace")
+            elif k == b":path":
+                path = v.decode("utf-8", "surrogateescape")
+            elif k.startswith(b":") or k in _DROP:
+                continue
+            else:
+                name = k.decode("latin-1")
+                value = v.decode("utf-8", "surrogateescape")
+                fwd[name] = f"{fwd[name]}, {value}" if name in fwd else value
+        parts: list[bytes] = []
+        got = 0
+        while True:
+            piece = await st.read_chunk()
+            if not piece:
+                break
+            got += len(piece)
+            if got > MAX_REQUEST_BODY:
+                link.reset(st, h2.errors.ErrorCodes.REFUSED_STREAM)
+                return
+            parts.append(piece)
+        body = b"".join(parts) if parts or method in ("POST", "PUT", "PATCH") else None
+        try:
+            resp = await self.guard.request(method, path, fwd, body=body)
+        except UompError as exc:
+            await self._answer_error(link, st, exc)
+            return
+        try:
+            out: Headers = [(b":status", str(resp.status).encode())]
+            for name, value in resp.headers:
+                low = name.lower().encode("latin-1")
+                if low in _DROP or http1.field_name(name) is None:
+                    continue
+                out.append((low, value.encode("utf-8", "surrogateescape")))
+            if resp.body is not None:
+                out.append((b"content-length", str(len(resp.body)).encode()))
+                link.send_headers(st.sid, out, end_stream=not resp.body)
+                _after_head(link)
+                if resp.body:
+                    await link.send_data(st.sid, resp.body, end_stream=True)
+                return
+            if resp.content_length is not None:
+                out.append((b"content-length", str(resp.content_length).encode()))
+            link.send_headers(st.sid, out, end_stream=False)
+            _after_head(link)
+            async for chunk in resp.iter_chunks(64 * 1024):
+                await link.send_data(st.sid, chunk, end_stream=False)
+            await link.send_data(st.sid, b"", end_stream=True)
+        except UompError:  # the guard's answer broke mid-way: the gateway sees the stream cut
+            link.reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
+        finally:
+            resp.release()
+
+    async def _answer_error(self, link: Link, st: Stream, exc: UompError) -> None:
+        body = json.dumps(exc.body()).encode()
+        with contextlib.suppress(Exception):
+            link.send_headers(
+                st.sid,
+                [
+                    (b":status", str(exc.status).encode()),
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+                end_stream=False,
+            )
+            await link.send_data(st.sid, body, end_stream=True)
