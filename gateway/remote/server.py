@@ -52,6 +52,14 @@ async def _renewal_at_home(call: Any) -> web.StreamResponse:
     )
 
 
+async def _enrollment_at_home(call: Any) -> web.StreamResponse:
+    raise UompError(
+        ErrorCode.NOT_IMPLEMENTED,
+        "enrollment is not served by a VPS gateway (its codes and requests are kept at home); "
+        "enroll at home, or authorize the agent there: uomp authorize --remote (docs/vps.md)",
+    )
+
+
 class GatewayRunner:
     """Starts and stops the gateway's listeners, state, watchers and workers."""
 
@@ -171,6 +179,8 @@ class GatewayRunner:
         enroll_routes.install(state)
         if self.uplink is not None and not self.paths.ca_key.exists():
             state.handlers["renew"] = _renewal_at_home  # a VPS gateway holds no CA key
+            for route, _handler in enroll_routes.ROUTES:  # nor the home's enroll.db
+                state.handlers[route.name] = _enrollment_at_home
         if cfg.shared_redis_url:  # replicas: the DPoP replay cache and rate in Redis
             from gateway.remote import shared_state
 

@@ -46,6 +46,11 @@ async def test_agent_reads_through_the_uplink_and_revocation_holds(home: Paths) 
             assert (
                 status == 501 and body["error"]["code"] == "NOT_IMPLEMENTED" and "at home" in body["error"]["message"]
             )
+            # nor enrollment: its codes and requests live in the home's enroll.db, never seen from the VPS
+            for method, path in (("GET", "/v1/enroll/ca"), ("POST", "/v1/enroll"), ("POST", "/v1/enroll/r1/status")):
+                status, body, _ = await agent_call(sess, app.base, path, token=None, agent_id=a.agent_id, method=method)
+                assert status == 501 and body["error"]["code"] == "NOT_IMPLEMENTED", (path, status, body)
+                assert "at home" in body["error"]["message"]
             await call(app.admin, "POST", f"/v1/sessions/{g['session_id']}/revoke", headers=admin_headers(home))
             status, body, _ = await agent_call(
                 sess, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
