@@ -282,8 +282,8 @@ def main() -> None:
     print(
         f"\nAIMS (issue 34): ours/nginx req/s {_ratio(o['rps'], n['rps'])} (aim >= {AIM_OURS_NGINX}: "
         f"{'met' if o['rps'] >= AIM_OURS_NGINX * n['rps'] else 'NOT met'}); unloaded p50 overhead over direct "
-        f"+{over_ours:.2f} ms (aim <= {AIM_P50_OVERHEAD_MS} ms: "
-        f"{'met' if over_ours <= AIM_P50_OVERHEAD_MS else 'NOT met'}; nginx +{over_nginx:.2f} ms)"
+        f"{over_ours:+.2f} ms (aim <= {AIM_P50_OVERHEAD_MS} ms: "
+        f"{'met' if over_ours <= AIM_P50_OVERHEAD_MS else 'NOT met'}; nginx {over_nginx:+.2f} ms)"
     )
     line = (
         f"RATIOS req/s ours/nginx {_ratio(o['rps'], n['rps'])}, nginx/direct {_ratio(n['rps'], d['rps'])}, "
