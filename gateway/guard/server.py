@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from gateway.ledger.anchoring import Anchorer
 
 log = logging.getLogger("uomp.guard")
+# The Unix socket's listen backlog. A non-blocking connect() to a Unix socket whose backlog is full
+# fails at once (EAGAIN), where TCP would wait: the gateway, which opens a connection per
+# concurrent request beyond its idle pool, would answer 503 for it. The kernel caps it at somaxconn.
+UNIX_BACKLOG = 4096
 
 VERIFY_NICE = 10  # the background verify's niceness increment (its own process)
 MAX_VERIFY_OUTPUT = 1 << 20  # bytes of its JSON report read
@@ -107,7 +111,7 @@ class GuardRunner:
         await unix_runner.setup()
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
-            await web.UnixSite(unix_runner, str(sock)).start()
+            await web.UnixSite(unix_runner, str(sock), backlog=UNIX_BACKLOG).start()
         finally:
             os.umask(old)
         os.chmod(sock, 0o600)

@@ -20,7 +20,13 @@ run outside Python (benchmarks/RUNS.md, "native TLS"):
   full an older unverified connection is evicted (closed at once), never the new one: first those
   that sit still (a finished certificate-less handshake, a silent socket), then, among those
   receiving, the one whose last byte is oldest (:meth:`Conn.eviction_key`). So a flood cannot keep
-  an agent from reaching the end of its handshake. Verified connections have their own budget
+  an agent from reaching the end of its handshake. The per-address budget has a grace: a
+  connection accepted within :data:`LIVE_SECONDS` that has sent nothing yet, or a handshake whose
+  whole ClientHello arrived within it, is not closed for a newcomer from its address (one client
+  opening many connections at once: ``ab -c 50``, a pool warming up, agents behind one NAT
+  address); the address may then hold more than its budget, never more than ``max_unverified``
+  (whose eviction has no grace), and once the grace of its connections has passed it is cut back
+  to its budget (:meth:`ConnectionRegistry.trim`). Verified connections have their own budget
   (``max_verified``) which unverified ones never touch; a verified connection over it is refused
   (closed) after its handshake.
 * **Deadlines from accept.** The TLS handshake (``handshake_timeout``) and the first request byte
@@ -87,6 +93,10 @@ _TIMER_PHASE = {"first_byte": "accepted", "body_rate": "body"}
 MAX_BACKLOG = 1024
 # Upper bound for the soft file-descriptor limit when the hard limit is "unlimited".
 FD_SOFT_CEILING = 1 << 20
+# The per-address budget's grace (seconds): a connection accepted this recently with no byte yet,
+# or a handshake whose whole ClientHello arrived this recently, is not evicted for a newcomer from
+# the same address (ConnectionRegistry.open); the address is cut back to its budget after it.
+LIVE_SECONDS = 1.0
 
 
 def shrink_tls_read_buffer(size: int | None = None) -> bool:
@@ -243,6 +253,7 @@ class Conn:
         "closed",
         "handler",
         "handshaken",
+        "hello",
         "ip",
         "last_progress",
         "loop",
@@ -268,6 +279,7 @@ class Conn:
         self.verified = False
         self.closed = False
         self.handshaken = False
+        self.hello = False  # the TLS protocol was handed a whole ClientHello record
         self.timer: asyncio.TimerHandle | None = None
         self.phase = "accepted"  # accepted, headers, body, handling, idle
         self.bytes_in = 0
@@ -292,13 +304,16 @@ class Conn:
 
         Class 0: ready for a request and sending none (a finished handshake without a
         certificate, an idle plain connection); 1: a connection that has sent no byte yet;
-        2: receiving (handshake, headers or body); 3: a whole request received and waiting for
-        or in its handler. Within a class, the connection whose last byte is oldest. A client
-        that is getting somewhere (an agent's handshake, a request on its way) outlives ones that
-        sit still, whatever their age.
+        2: receiving (a partial ClientHello, headers or body); 3: a whole first message received
+        (a ClientHello whose handshake is under way, a request waiting for or in its handler).
+        Within a class, the connection whose last byte is oldest. A client that is getting
+        somewhere (an agent's handshake, a request on its way) outlives ones that sit still,
+        whatever their age.
         """
         phase = self.phase
         if phase == "handling" or self.queued or self.waiting == 3:
+            cls = 3
+        elif phase == "accepted" and self.hello and not self.handshaken:
             cls = 3
         elif phase in ("headers", "body"):
             cls = 2
@@ -308,6 +323,17 @@ class Conn:
         else:
             cls = 0
         return cls, self.last_progress
+
+    def grace_left(self) -> float:
+        """Seconds of the per-address grace left (0: none): a TLS connection that has sent no byte
+        since its accept, or whose whole ClientHello (read, or waiting in the kernel) is in and
+        whose handshake is under way, counted from its last byte (:data:`LIVE_SECONDS`)."""
+        loop = self.loop
+        if loop is None or not self.handler.tls or self.phase != "accepted" or self.handshaken:
+            return 0.0
+        if not (self.hello or self.waiting == 3 or (self.raw_bytes == 0 and self.waiting == 0)):
+            return 0.0
+        return max(0.0, self.last_progress + LIVE_SECONDS - loop.time())
 
     def peek_waiting(self) -> int:
         """Classify what the kernel holds from this peer that asyncio has not read yet.
@@ -479,6 +505,9 @@ class ConnectionRegistry:
         self.accepted = 0
         self.refused = 0  # verified connections over max_verified, closed after the handshake
         self.evicted = 0  # unverified connections closed to make room for a newer one
+        # addresses over their budget while some of their connections are in their grace: the
+        # timer that cuts them back when it ends (ConnectionRegistry.trim)
+        self.trims: dict[str, asyncio.TimerHandle] = {}
         self.closed_by_deadline: collections.Counter[str] = collections.Counter()
         self.closed_before_handshake: collections.Counter[str] = collections.Counter()
         # called (exception, client address) for each handshake OpenSSL refused (remote/handshake_log.py)
@@ -519,15 +548,44 @@ class ConnectionRegistry:
             self.on_open()
         lim = self.limits
         if lim.max_unverified_per_ip and len(bucket) > lim.max_unverified_per_ip:
-            self._evict(self._victim(bucket, conn))
+            self.trim(conn.ip, newcomer=conn)
         while len(self.unverified) > lim.max_unverified:
             # from the address holding the most unverified connections: a flood from one address
             # does not push out another address's clients
             largest = max(self.per_ip.values(), key=len)
-            self._evict(self._victim(largest if len(largest) > 1 else self.unverified, conn))
+            victim = self._victim(largest if len(largest) > 1 else self.unverified, conn)
+            assert victim is not None  # (the pool holds at least the newcomer)
+            self._evict(victim)
+
+    def trim(self, ip: str, newcomer: Conn | None = None) -> None:
+        """Cut ``ip``'s unverified connections back to its budget, closing the ones getting least
+        far first (:meth:`_victim`) but none still in its grace (:meth:`Conn.grace_left`) and never
+        ``newcomer``: while only such are left, the address keeps more (bounded by
+        ``max_unverified``) and this runs again when the first grace ends."""
+        budget = self.limits.max_unverified_per_ip
+        while True:
+            bucket = self.per_ip.get(ip)
+            if bucket is None or len(bucket) <= budget:
+                return
+            others = [c for c in bucket if c is not newcomer]
+            pool = {c: None for c in others if c.grace_left() <= 0}
+            if pool:
+                victim = self._victim(pool, None)
+                if victim is not None and victim.grace_left() <= 0:
+                    self._evict(victim)
+                    continue
+                continue  # a peek found its first bytes waiting: in its grace now, choose again
+            left = min((c.grace_left() for c in others), default=0.0)
+            if left > 0 and ip not in self.trims:
+                self.trims[ip] = asyncio.get_running_loop().call_later(left + 0.01, self._trim_later, ip)
+            return
+
+    def _trim_later(self, ip: str) -> None:
+        self.trims.pop(ip, None)
+        self.trim(ip)
 
     @staticmethod
-    def _victim(pool: dict[Conn, None], newcomer: Conn) -> Conn:
+    def _victim(pool: dict[Conn, None], newcomer: Conn | None) -> Conn | None:
         """The unverified connection to close (lowest :meth:`Conn.eviction_key`); never the one
         just accepted, which has had no chance to show progress yet. A silent candidate whose
         bytes are already waiting in the kernel counts as receiving, or as a whole request when
@@ -615,6 +673,9 @@ class ConnectionRegistry:
         self._drop(conn)
 
     def close_all(self) -> None:
+        for timer in self.trims.values():
+            timer.cancel()
+        self.trims.clear()
         for conn in [*self.unverified, *self.verified]:
             self._close(conn)
 
@@ -760,6 +821,7 @@ class TLSAcceptProtocol(asyncio.Protocol):
             raw.close()
             return
         self._head = b""
+        conn.hello = len(head) >= 5 and len(head) >= 5 + int.from_bytes(head[3:5], "big")
         self._start_tls(raw, head)
 
     def _start_tls(self, raw: asyncio.BaseTransport, head: bytes) -> None:

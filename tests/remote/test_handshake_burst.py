@@ -1,0 +1,121 @@
+"""A burst of agent handshakes from one address, more than its unverified budget, on 127.0.0.1.
+
+A client that opens many mTLS connections at once (``ab -k -c 50``, a pool warming up, agents
+behind one NAT address) has more connections in their handshake from its address than
+``max_unverified_connections_per_ip`` allows, some of them still silent (connected, ClientHello
+not yet written). None of them is closed: a connection in its grace (``transport.LIVE_SECONDS``:
+just accepted and silent, or its whole ClientHello in) is not evicted for a newcomer of its
+address. The denied partners: past the grace the address is cut back to its budget (silent ones
+first), and a ClientHello that stopped there is closed for a newcomer, as before. Real TLS,
+certificates made in the test, the real appliance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+import ssl
+import time
+from collections.abc import Callable
+
+import pytest
+from gatewaykit import appliance
+
+from gateway.config import Paths
+
+BUDGET = 4  # unverified connections per address
+BURST = 24  # agent connections opened at once
+
+
+def _finish(tls: ssl.SSLSocket, request: bytes) -> str:
+    """Complete the handshake, send one request, read its status line: "200" or what went wrong."""
+    try:
+        tls.settimeout(20)
+        tls.do_handshake()
+        tls.sendall(request)
+        got = b""
+        while b"\r\n" not in got:
+            chunk = tls.recv(4096)
+            if not chunk:
+                return "closed"
+            got += chunk
+        return got.split(b" ", 2)[1].decode()
+    except (OSError, ssl.SSLError) as exc:
+        return type(exc).__name__
+    finally:
+        tls.close()
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _send_hello(ctx: ssl.SSLContext, raw: socket.socket) -> ssl.SSLSocket:
+    tls = ctx.wrap_socket(raw, server_hostname="localhost", do_handshake_on_connect=False)
+    tls.setblocking(False)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return tls
+
+
+async def _wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.parametrize("when", ["hello_before_accept", "hello_after_accept"])
+async def test_a_burst_of_handshakes_from_one_address_is_served_whole(home: Paths, when: str) -> None:
+    """hello_before_accept: every ClientHello is in the kernel before the loop accepts any of the
+    connections; hello_after_accept: the loop has accepted them all while they were still silent
+    (the client had connected and not yet written its ClientHello)."""
+    async with appliance(home, max_unverified_connections_per_ip=BUDGET, max_unverified_connections=64) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a)
+        port = app.gateway.port
+        assert port is not None
+        reg = app.gateway.registry
+        request = (
+            f"GET /v1/memory/preference.theme HTTP/1.1\r\nHost: localhost:{port}\r\n"
+            f"Authorization: Bearer {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        ctx = a.ssl()
+        if when == "hello_before_accept":  # no await in between: one burst for the loop
+            socks = [_send_hello(ctx, _connect(port)) for _ in range(BURST)]
+        else:
+            raws = [_connect(port) for _ in range(BURST)]
+            assert await _wait_for(lambda: reg.accepted >= BURST)
+            socks = [_send_hello(ctx, r) for r in raws]
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=BURST) as pool:
+            outcomes = await asyncio.gather(*(loop.run_in_executor(pool, _finish, t, request) for t in socks))
+        assert outcomes == ["200"] * BURST, outcomes
+        assert reg.evicted == 0 and reg.accepted == BURST
+
+        # Denied partners: past the grace, the address is cut back to its budget, the least
+        # advanced first: silent connections, then ClientHellos that stopped there.
+        silent = [_connect(port) for _ in range(3)]
+        stalled = [_send_hello(ctx, _connect(port)) for _ in range(BUDGET)]
+        assert await _wait_for(lambda: reg.accepted >= BURST + 3 + BUDGET)
+        assert len(reg.per_ip.get("127.0.0.1", ())) == 3 + BUDGET  # within their grace: kept
+        assert await _wait_for(lambda: len(reg.per_ip.get("127.0.0.1", ())) <= BUDGET)
+        assert reg.evicted == 3
+        for raw in silent:  # the silent ones were closed (reset): nothing more to read
+            raw.settimeout(10)
+            try:
+                assert raw.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        # a newcomer past the others' grace: one stalled ClientHello makes room for it
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            late = await loop.run_in_executor(pool, _finish, _send_hello(ctx, _connect(port)), request)
+        assert late == "200"
+        assert reg.evicted == 4
+        for s in [*silent, *stalled]:
+            s.close()
