@@ -21,6 +21,7 @@ from gateway.contract import (
     REQUIRED_VERIFIED,
     VERIFIED_AGENT_HEADER,
     VERIFIED_JKT_HEADER,
+    VERIFIED_SERIAL_HEADER,
     VERIFIED_TOKEN_HEADER,
     VERIFIED_VIA_HEADER,
     VERIFIED_X5T_HEADER,
@@ -201,6 +202,8 @@ def presented_for(request: web.Request, th: str, *, use: str = "access") -> chec
             raise UompError(ErrorCode.INVALID_REQUEST, "incomplete gateway assertion")
         if not hmac.compare_digest(th.removeprefix("sha256:").encode(), h[VERIFIED_TOKEN_HEADER].encode()):
             raise UompError(ErrorCode.INVALID_TOKEN, "the token is not the one the gateway verified")
+        if svc.revoked is not None:  # a gateway with a stale CRL (a VPS) does not let a revoked certificate in
+            svc.revoked.check(serial=h.get(VERIFIED_SERIAL_HEADER), x5t=h.get(VERIFIED_X5T_HEADER))
         return checks.Presented(
             token_use=use,
             profile="remote",

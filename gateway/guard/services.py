@@ -22,6 +22,7 @@ from gateway.guard.history import set_retention
 from gateway.guard.proposal_rules import WriteBudgets
 from gateway.guard.proposals import ProposalBook
 from gateway.guard.reads import ReadState
+from gateway.guard.revocation import RevokedCertificates
 from gateway.guard.storage import MemoryStorage
 from gateway.guard.stores import open_memory_store
 
@@ -46,6 +47,8 @@ class GuardServices:
     local_audiences: set[str] = dataclasses.field(default_factory=set)
     reads_in_flight: int = 0  # reads by key being answered (see get_key)
     proposals: ProposalBook | None = None  # made on first use: proposal_book()
+    # agent certificates revoked in this home, held to the gateway's assertion (guard/revocation.py)
+    revoked: RevokedCertificates | None = None
 
     def add_local_port(self, port: int) -> None:
         self.local_audiences.update(
@@ -78,6 +81,7 @@ class GuardServices:
             max_rows=cfg.aggregate_history_max_rows,
         )
         svc = cls(paths, cfg, audit, auth, store, keyfiles.load_admin(paths), worker, reads)
+        svc.revoked = RevokedCertificates(paths)
         svc.add_local_port(cfg.tcp_port)
         return svc
 

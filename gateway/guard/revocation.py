@@ -1,0 +1,80 @@
+"""Certificates revoked at home, as the guard holds them to the gateway's assertion.
+
+The gateway refuses a revoked client certificate in the TLS handshake and again per request
+(remote/identity.py). A gateway elsewhere (a VPS behind the uplink, docs/vps.md) has only a copy of
+the CRL, possibly stale; so the guard also refuses an asserted request whose certificate is revoked
+in this home's registry, by its thumbprint (``X-UOMP-Verified-X5t``) or its serial. This holds an
+honest gateway with a stale CRL; a gateway that lies in its assertion is the threat docs/vps.md
+describes (it can claim any certificate), and session revocation is what holds against it.
+
+The revoked set is read from the CA registry only when the registry or the CRL file changed (every
+revocation rewrites the CRL), looked at most once per ``recheck_seconds``: a revocation holds at the
+guard within that time. A home without a CA registry has issued no certificate: nothing is revoked.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from gateway import ca_registry
+from gateway.config import Paths
+from gateway.errors import ErrorCode, UompError
+
+RECHECK_SECONDS = 1.0
+
+Stamp = tuple[tuple[int, int, int] | None, ...]
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class RevokedCertificates:
+    """The serials and thumbprints of this home's revoked agent certificates, reloaded on change."""
+
+    def __init__(self, paths: Paths, *, recheck_seconds: float = RECHECK_SECONDS) -> None:
+        self.paths = paths
+        self.recheck_seconds = recheck_seconds
+        self._looked = -float("inf")
+        self._stamp: Stamp | None = None
+        self.serials: frozenset[str] = frozenset()
+        self.thumbprints: frozenset[str] = frozenset()
+
+    def _files(self) -> tuple[Path, ...]:
+        return (ca_registry.registry_path(self.paths), self.paths.crl)
+
+    def refresh(self, now: float | None = None) -> None:
+        """Reload the sets if a file changed since the last look (at most once per ``recheck_seconds``)."""
+        now = time.monotonic() if now is None else now
+        if now - self._looked < self.recheck_seconds:
+            return
+        self._looked = now
+        stamp = tuple(_stamp(p) for p in self._files())
+        if stamp == self._stamp:
+            return
+        if stamp[0] is None:  # no registry: no certificate was ever issued here
+            serials: set[str] = set()
+            thumbprints: set[str] = set()
+        else:
+            with ca_registry.registry(self.paths) as reg:
+                revoked = [e for e in reg.all() if e.status == "revoked"]
+            serials = {e.serial for e in revoked}
+            thumbprints = {e.x5t for e in revoked if e.x5t}
+        self.serials, self.thumbprints = frozenset(serials), frozenset(thumbprints)
+        self._stamp = stamp
+
+    def check(self, *, serial: str | None, x5t: str | None) -> None:
+        """Refuse (401 CERT_REQUIRED) a certificate revoked here, named by its serial or thumbprint."""
+        self.refresh()
+        if (x5t and x5t in self.thumbprints) or (serial and serial.lower() in self.serials):
+            raise UompError(
+                ErrorCode.CERT_REQUIRED,
+                "the client certificate has been revoked (by the user, at home); "
+                "the agent needs a new certificate: uomp authorize --remote",
+            )
