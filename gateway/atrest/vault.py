@@ -2,7 +2,7 @@
 the two calls every key loader and writer goes through.
 
 A home is *sealed* when ``.secrets/master.json`` exists. Then each of :func:`sealed_files`
-(signing key, audit key, payload key, CA key, gateway TLS key) is a sealed file
+(signing key, audit key, payload key, CA key, gateway TLS key, admin credential) is a sealed file
 (:mod:`gateway.atrest.sealing`), and a plaintext file in its place is refused (``KEY_ERROR``):
 someone put it there, and a planted CA or signing key must not be trusted. A home without a slot
 is *plain*: its key files are PKCS#8 / JWK files as ``uomp init`` writes them.

@@ -306,7 +306,7 @@ def run_checks(paths: Paths) -> Report:
     _check_private(r, paths.home, "data directory", dir_=True)
     plain = not paths.master_slot.exists()
     _check_private(r, paths.private_jwk, "signing key", plain=plain)
-    _check_private(r, paths.admin_credential, "admin credential", plain=True)  # never sealed (docs/security.md)
+    _check_private(r, paths.admin_credential, "admin credential", plain=plain)
     _at_rest(r, paths)
     gcfg, guard, tunnel = _configs(r, paths)
     steps += [

@@ -88,3 +88,29 @@ def test_doctor_cli_runs_without_a_terminal_prompt() -> None:
         stdin=subprocess.DEVNULL,
     )
     assert json.loads(p.stdout)["keys_at_rest"]["sealed_by"] == "passphrase"
+
+
+def test_the_admin_token_is_sealed_with_the_other_keys_and_a_planted_one_is_refused() -> None:
+    from gateway import keys
+    from gateway.atrest import sealing
+    from gateway.errors import ErrorCode, UompError
+
+    paths = make_home()
+    token = keys.load_admin(paths)
+    migrate.seal(paths, passphrase=PASSPHRASE, kdf=FAST)
+    raw = paths.admin_credential.read_bytes()
+    assert raw.startswith(sealing.SEALED_MAGIC) and token.encode() not in raw
+    vault.forget()
+    with pytest.raises(UompError) as locked:
+        keys.load_admin(paths)  # nothing unlocked it: the token is not readable
+    assert locked.value.code == ErrorCode.SECRETS_LOCKED
+    vault.unlock_with_passphrase(paths, PASSPHRASE)
+    assert keys.load_admin(paths) == token
+    paths.admin_credential.write_text("uadm_" + "p" * 43 + "\n")  # planted in plaintext
+    paths.admin_credential.chmod(0o600)
+    with pytest.raises(UompError) as planted:
+        keys.load_admin(paths)
+    assert planted.value.code == ErrorCode.KEY_ERROR
+    paths.admin_credential.write_bytes(raw)
+    migrate.unseal(paths, vault.master(paths))
+    assert paths.admin_credential.read_text().strip() == token
