@@ -49,6 +49,7 @@ class ErrorCode(StrEnum):
     SECRETS_LOCKED = "SECRETS_LOCKED"  # the keys are sealed and no passphrase (or keychain) unlocked them
     PASSPHRASE_WRONG = "PASSPHRASE_WRONG"  # the passphrase does not open this home's sealed master key
     BACKUP_INVALID = "BACKUP_INVALID"  # a backup file that is damaged, truncated or not a UOMP backup
+    BACKUP_KEY_WRONG = "BACKUP_KEY_WRONG"  # the backup is encrypted to another recipient, or to a passphrase / identity
     HOME_NOT_EMPTY = "HOME_NOT_EMPTY"  # a restore onto a data directory that already holds files
     IMPORT_INVALID = "IMPORT_INVALID"
     MANIFEST_INVALID = "MANIFEST_INVALID"
@@ -135,6 +136,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.SECRETS_LOCKED: 503,
     ErrorCode.PASSPHRASE_WRONG: 401,
     ErrorCode.BACKUP_INVALID: 400,
+    ErrorCode.BACKUP_KEY_WRONG: 401,
     ErrorCode.HOME_NOT_EMPTY: 409,
     ErrorCode.IMPORT_INVALID: 400,
     ErrorCode.MANIFEST_INVALID: 400,

@@ -323,7 +323,7 @@ def init_admin(paths: Paths) -> bool:
     if paths.admin_credential.exists():
         load_admin(paths)
         return False
-    atomic_write(paths.admin_credential, ("uadm_" + secrets.token_urlsafe(32) + "\n").encode(), mode=0o600)
+    vault.write_key(paths.admin_credential, ("uadm_" + secrets.token_urlsafe(32) + "\n").encode())
     return True
 
 
@@ -331,7 +331,7 @@ def load_admin(paths: Paths) -> str:
     _check_secrets(paths)
     try:
         st = paths.admin_credential.stat()
-        text = paths.admin_credential.read_text().strip()
+        text = vault.read_key(paths.admin_credential).decode("utf-8", "replace").strip()
     except FileNotFoundError as exc:
         raise UompError(
             ErrorCode.KEY_ERROR, f"no admin credential at {paths.admin_credential}; run 'uomp init'"

@@ -4,7 +4,8 @@ The file: ``UOMP-BACKUP/1`` on the first line, a JSON header on the second (Argo
 and salt, a random nonce prefix, the chunk size), then a tar stream in chunks of at most
 :data:`CHUNK` bytes, each ``[4-byte length][AES-256-GCM ciphertext]`` under a key derived from the
 backup passphrase, with the header's hash, the chunk's number and whether it is the last as
-associated data: a changed byte, a chunk removed, reordered or cut off (truncation), or anything
+associated data, and a check value of the key (HMAC) that tells a wrong passphrase from damage:
+a changed byte, a chunk removed, reordered or cut off (truncation), or anything
 after the last chunk is ``BACKUP_INVALID``.
 
 The tar holds every file of the home (sockets, locks, SQLite ``-wal``/``-shm`` companions and run
@@ -13,6 +14,13 @@ are copied with SQLite's online backup (a consistent snapshot while the applianc
 home's memory.db stays SQLCipher under its own key), into ``.backup-stage`` in the home, removed
 when done. Order: plain files first (the audit witness record among them), databases after, the
 audit log last, so the log in the backup is never behind its witness record.
+
+Encrypted to a recipient instead (``--to-recipient PUBKEY``, the idea of age's X25519 recipients):
+the header (``v: 2``) carries a fresh ephemeral X25519 public key and the recipient's; the chunk
+key is ``HKDF-SHA256(X25519(ephemeral, recipient), salt = ephemeral || recipient, info =
+"uomp-backup/2/x25519")``. Only the recipient's identity file opens it: another identity or any
+passphrase is ``BACKUP_KEY_WRONG``. :func:`verify` reads every chunk, every member's hash and the
+manifest without writing anything.
 
 Restore goes into a new directory beside the target (``<home>.restore-<tag>``): each member's name
 is checked (relative, no ``..``, regular files), every hash against the manifest, nothing missing
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -39,9 +48,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gateway.atrest import memdb, sealing, vault
+from gateway.atrest import memdb, recipient, sealing, vault
 from gateway.config import Paths
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
@@ -55,6 +65,15 @@ MAX_MEMBERS = 100_000
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 SKIP_SUFFIXES = ("-wal", "-shm", "-journal", ".lock", ".tmp")
 SKIP_NAMES = {".lock", ".atrest.lock", "appliance.json", "status.json"}
+
+
+def _key_wrong(why: str) -> UompError:
+    return UompError(ErrorCode.BACKUP_KEY_WRONG, why)
+
+
+def _check_value(key: bytes) -> str:
+    """A value in the header that tells a wrong passphrase from a damaged first chunk."""
+    return hmac.new(key, b"uomp-backup/check", "sha256").hexdigest()[:32]
 
 
 def _invalid(why: str) -> UompError:
@@ -97,7 +116,7 @@ class _Writer(io.RawIOBase):
 class _Reader(io.RawIOBase):
     """The reverse of :class:`_Writer`: every chunk checked; a missing last chunk is an error."""
 
-    def __init__(self, src: IO[bytes], passphrase: bytes) -> None:
+    def __init__(self, src: IO[bytes], passphrase: bytes | None, identity: X25519PrivateKey | None) -> None:
         if src.read(len(MAGIC)) != MAGIC:
             raise _invalid("no UOMP-BACKUP/1 line")
         header = src.readline(MAX_HEADER)
@@ -106,13 +125,43 @@ class _Reader(io.RawIOBase):
         header = header[:-1]
         try:
             doc = json.loads(header)
-            kdf = sealing.kdf_params(doc["kdf"])
             self.prefix = bytes.fromhex(doc["nonce_prefix"])
-            if len(self.prefix) != 8 or doc.get("v") != 1:
+            if len(self.prefix) != 8 or doc.get("v") not in (1, 2):
                 raise ValueError("header")
+            if doc["v"] == 1:
+                kdf = sealing.kdf_params(doc["kdf"])
+            else:
+                epk, rpk = bytes.fromhex(doc["epk"]), bytes.fromhex(doc["recipient"])
+                if len(epk) != 32 or len(rpk) != 32:
+                    raise ValueError("recipient")
         except (ValueError, KeyError, TypeError) as exc:
             raise _invalid(f"bad header: {exc}") from None
-        self.src, self.aead = src, AESGCM(sealing.derive(passphrase, kdf))
+        self.recipient = doc["v"] == 2
+        if doc["v"] == 1:
+            if passphrase is None:
+                raise _key_wrong("this backup is encrypted to a passphrase, not to an identity; give its passphrase")
+            key = sealing.derive(sealing.passphrase_bytes(passphrase), kdf)
+        else:
+            if identity is None:
+                raise _key_wrong(
+                    f"this backup is encrypted to the recipient {recipient.PREFIX}{rpk.hex()}, not to a passphrase; "
+                    "give that recipient's identity file (--identity FILE)"
+                )
+            if recipient.raw(identity.public_key()) != rpk:
+                raise _key_wrong(
+                    f"this backup is encrypted to {recipient.PREFIX}{rpk.hex()}, not to this identity; give that "
+                    "recipient's identity file"
+                )
+            key = recipient.derive_key(identity.exchange(X25519PublicKey.from_public_bytes(epk)), epk, rpk)
+        check = doc.get("check")
+        self.checked = isinstance(check, str)  # a backup made without one: a bad first chunk may be either
+        if self.checked and not hmac.compare_digest(str(check), _check_value(key)):
+            if doc["v"] == 1:
+                raise UompError(
+                    ErrorCode.PASSPHRASE_WRONG, "the passphrase does not open this backup; give the backup's passphrase"
+                )
+            raise _invalid("its header does not match its recipient")
+        self.src, self.aead = src, AESGCM(key)
         self.hh = hashlib.sha256(header).digest()
         self.n, self.buf, self.done, self.first = 0, b"", False, True
 
@@ -142,7 +191,7 @@ class _Reader(io.RawIOBase):
                 if self.src.read(1):
                     raise _invalid("data after its end")
             return
-        if self.first:
+        if self.first and not self.recipient and not self.checked:
             raise UompError(
                 ErrorCode.PASSPHRASE_WRONG,
                 "the passphrase does not open this backup (or its first part is damaged); give the backup's passphrase",
@@ -195,15 +244,32 @@ def _files(paths: Paths) -> list[tuple[str, Path]]:
     return out
 
 
-def create(paths: Paths, out: Path, passphrase: bytes, *, kdf: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write the backup of ``paths`` to ``out`` (atomically: a temp file renamed); its manifest."""
-    params = dict(sealing.DEFAULT_KDF if kdf is None else kdf)
-    params["salt"] = sealing.b64(secrets.token_bytes(16))
-    params = sealing.kdf_params(params)
-    header = json.dumps(
-        {"v": 1, "kdf": params, "nonce_prefix": secrets.token_hex(8), "chunk": CHUNK}, sort_keys=True
-    ).encode()
-    key = sealing.derive(sealing.passphrase_bytes(passphrase), params)
+def create(
+    paths: Paths,
+    out: Path,
+    passphrase: bytes | None = None,
+    *,
+    kdf: dict[str, Any] | None = None,
+    to: X25519PublicKey | None = None,
+) -> dict[str, Any]:
+    """Write the backup of ``paths`` to ``out`` (atomically: a temp file renamed), encrypted to
+    ``passphrase`` or to the recipient ``to``; its manifest."""
+    doc: dict[str, Any] = {"nonce_prefix": secrets.token_hex(8), "chunk": CHUNK}
+    if to is not None:
+        eph = X25519PrivateKey.generate()
+        epk, rpk = recipient.raw(eph.public_key()), recipient.raw(to)
+        key = recipient.derive_key(eph.exchange(to), epk, rpk)
+        doc.update({"v": 2, "alg": "x25519-hkdf-sha256", "epk": epk.hex(), "recipient": rpk.hex()})
+    else:
+        if passphrase is None:
+            raise UompError(ErrorCode.USAGE, "a backup needs a passphrase or a recipient; give one")
+        params = dict(sealing.DEFAULT_KDF if kdf is None else kdf)
+        params["salt"] = sealing.b64(secrets.token_bytes(16))
+        params = sealing.kdf_params(params)
+        key = sealing.derive(sealing.passphrase_bytes(passphrase), params)
+        doc.update({"v": 1, "kdf": params})
+    doc["check"] = _check_value(key)
+    header = json.dumps(doc, sort_keys=True).encode()
     shutil.rmtree(paths.backup_stage, ignore_errors=True)
     os.mkdir(paths.backup_stage, 0o700)
     tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
@@ -224,6 +290,7 @@ def create(paths: Paths, out: Path, passphrase: bytes, *, kdf: dict[str, Any] | 
                         src.unlink()
                         fault_point("atrest.backup_after_snapshot")
                 manifest["sealed"] = paths.master_slot.exists()
+                manifest["encrypted_to"] = "recipient" if to is not None else "passphrase"
                 _add(tar, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             w.finish()
             fh.flush()
@@ -272,9 +339,9 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def _members(src: Path, passphrase: bytes) -> Iterator[tarfile.TarFile]:
+def _members(src: Path, passphrase: bytes | None, identity: X25519PrivateKey | None) -> Iterator[tarfile.TarFile]:
     with open(src, "rb") as fh:
-        reader = io.BufferedReader(_Reader(fh, sealing.passphrase_bytes(passphrase)), CHUNK)
+        reader = io.BufferedReader(_Reader(fh, passphrase, identity), CHUNK)
         try:
             with tarfile.open(fileobj=reader, mode="r|") as tar:
                 yield tar
@@ -287,7 +354,70 @@ def _safe(name: str) -> bool:
     return bool(name) and not name.startswith("/") and ".." not in parts and "" not in parts and "\\" not in name
 
 
-def restore(src: Path, home: Path, passphrase: bytes, *, force: bool = False) -> dict[str, Any]:
+def _read_all(
+    src: Path, passphrase: bytes | None, identity: X25519PrivateKey | None, stage: Path | None
+) -> dict[str, Any]:
+    """Every member read, hashed and checked against the manifest (written under ``stage`` when one
+    is given); the manifest. BACKUP_INVALID for any damage, BACKUP_KEY_WRONG / PASSPHRASE_WRONG for
+    the wrong secret."""
+    got: dict[str, str] = {}
+    manifest: dict[str, Any] | None = None
+    with _members(src, passphrase, identity) as tar:
+        for n, info in enumerate(tar):
+            if n > MAX_MEMBERS or not info.isreg() or not _safe(info.name) or manifest is not None:
+                raise _invalid(f"unexpected member {info.name[:80]!r}")
+            f = tar.extractfile(info)
+            assert f is not None
+            if info.name == MANIFEST:
+                if info.size > MAX_MANIFEST_BYTES:
+                    raise _invalid("manifest too large")
+                try:
+                    manifest = json.loads(f.read())
+                except ValueError:
+                    raise _invalid("unreadable manifest") from None
+                continue
+            if info.name in got:
+                raise _invalid(f"member {info.name[:80]!r} twice")
+            h = hashlib.sha256()
+            if stage is None:
+                while block := f.read(CHUNK):
+                    h.update(block)
+            else:
+                target = stage / info.name
+                target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                with open(target, "xb") as out:
+                    os.chmod(target, 0o600)
+                    while block := f.read(CHUNK):
+                        h.update(block)
+                        out.write(block)
+                    out.flush()
+                    os.fsync(out.fileno())
+            got[info.name] = h.hexdigest()
+    if not isinstance(manifest, dict):
+        raise _invalid("no manifest")
+    try:
+        want = {e["path"]: e["sha256"] for e in manifest.get("files", [])}
+    except (TypeError, KeyError, AttributeError):
+        raise _invalid("unreadable manifest") from None
+    if want != got:
+        raise _invalid("its files do not match its manifest")
+    return manifest
+
+
+def verify(src: Path, passphrase: bytes | None = None, *, identity: X25519PrivateKey | None = None) -> dict[str, Any]:
+    """Check every chunk, every member's hash and the manifest of the backup ``src`` without
+    restoring (nothing is written); its manifest."""
+    return _read_all(src, passphrase, identity, None)
+
+
+def restore(
+    src: Path,
+    home: Path,
+    passphrase: bytes | None = None,
+    *,
+    force: bool = False,
+    identity: X25519PrivateKey | None = None,
+) -> dict[str, Any]:
     """Restore the backup ``src`` as the home ``home`` (see the module docstring); its manifest."""
     home = Path(os.path.abspath(home))
     if home.exists() and any(home.iterdir()) and not force:
@@ -302,38 +432,7 @@ def restore(src: Path, home: Path, passphrase: bytes, *, force: bool = False) ->
     stage = home.with_name(f"{home.name}.restore-{secrets.token_hex(4)}")
     os.mkdir(stage, 0o700)
     try:
-        got: dict[str, str] = {}
-        manifest: dict[str, Any] | None = None
-        with _members(src, passphrase) as tar:
-            for n, info in enumerate(tar):
-                if n > MAX_MEMBERS or not info.isreg() or not _safe(info.name) or manifest is not None:
-                    raise _invalid(f"unexpected member {info.name[:80]!r}")
-                f = tar.extractfile(info)
-                assert f is not None
-                if info.name == MANIFEST:
-                    if info.size > MAX_MANIFEST_BYTES:
-                        raise _invalid("manifest too large")
-                    try:
-                        manifest = json.loads(f.read())
-                    except ValueError:
-                        raise _invalid("unreadable manifest") from None
-                    continue
-                target = stage / info.name
-                target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                h = hashlib.sha256()
-                with open(target, "xb") as out:
-                    os.chmod(target, 0o600)
-                    while block := f.read(CHUNK):
-                        h.update(block)
-                        out.write(block)
-                    out.flush()
-                    os.fsync(out.fileno())
-                got[info.name] = h.hexdigest()
-        if manifest is None:
-            raise _invalid("no manifest")
-        want = {e["path"]: e["sha256"] for e in manifest.get("files", [])}
-        if want != got:
-            raise _invalid("its files do not match its manifest")
+        manifest = _read_all(src, passphrase, identity, stage)
         _modes(stage)
         fault_point("atrest.restore_before_rename")
         if home.exists():

@@ -142,5 +142,12 @@ def apply(paths: Paths, journal: Path) -> None:
 
 def sealed_files(paths: Paths) -> list[tuple[Path, str]]:
     """Every key file that a sealed home keeps sealed, with its role (its place in the home)."""
-    files = [paths.private_jwk, paths.audit_key, paths.payload_private_key, paths.ca_key, paths.gateway_key]
+    files = [
+        paths.private_jwk,
+        paths.audit_key,
+        paths.payload_private_key,
+        paths.ca_key,
+        paths.gateway_key,
+        paths.admin_credential,
+    ]
     return [(f, f"{f.parent.name}/{f.name}") for f in files]

@@ -2,7 +2,7 @@
 the two calls every key loader and writer goes through.
 
 A home is *sealed* when ``.secrets/master.json`` exists. Then each of :func:`sealed_files`
-(signing key, audit key, payload key, CA key, gateway TLS key) is a sealed file
+(signing key, audit key, payload key, CA key, gateway TLS key, admin credential) is a sealed file
 (:mod:`gateway.atrest.sealing`), and a plaintext file in its place is refused (``KEY_ERROR``):
 someone put it there, and a planted CA or signing key must not be trusted. A home without a slot
 is *plain*: its key files are PKCS#8 / JWK files as ``uomp init`` writes them.
@@ -222,6 +222,56 @@ def _passphrase_sources() -> list[Path]:
     if cred_dir and (Path(cred_dir) / CREDENTIAL_NAME).exists():
         out.append(Path(cred_dir) / CREDENTIAL_NAME)
     return out
+
+
+PLAIN_WARNING = "--no-passphrase: anyone running as you can read the keys"
+
+
+def at_rest_state(paths: Paths) -> dict[str, object]:
+    """How the keys of ``paths`` are kept, without unlocking anything (for ``doctor`` / ``status``).
+
+    ``sealed_by`` is ``passphrase`` (unlocked from a terminal prompt), ``passphrase-file``
+    (``UOMP_PASSPHRASE_FILE``), ``credential`` (systemd ``$CREDENTIALS_DIRECTORY``), ``keychain``, or
+    ``none`` for a plain home (0600 files, :data:`PLAIN_WARNING`). A slot that does not read is
+    ``sealed_by: "unreadable"`` with the error's message."""
+    journal.recover(paths)
+    if not paths.master_slot.exists():
+        return {"sealed": False, "sealed_by": "none", "warning": PLAIN_WARNING}
+    try:
+        slot = read_slot(paths)
+    except UompError as exc:
+        return {"sealed": True, "sealed_by": "unreadable", "problem": exc.message}
+    out: dict[str, object] = {"sealed": True, "master_key_id": slot["id"]}
+    if slot["method"] == "keyring":
+        out["sealed_by"] = "keychain"
+        return out
+    cred_dir = os.environ.get("CREDENTIALS_DIRECTORY")
+    if os.environ.get(PASSPHRASE_FILE_ENV):
+        out["sealed_by"] = "passphrase-file"
+    elif cred_dir and (Path(cred_dir) / CREDENTIAL_NAME).exists():
+        out["sealed_by"] = "credential"
+    else:
+        out["sealed_by"] = "passphrase"
+    kdf = slot["kdf"]
+    assert isinstance(kdf, dict)
+    out["kdf"] = {k: v for k, v in kdf.items() if k != "salt"}
+    return out
+
+
+def describe_state(state: dict[str, object]) -> str:
+    """One line for a person: how the keys are kept (see :func:`at_rest_state`)."""
+    by = state["sealed_by"]
+    if by == "none":
+        return f"keys NOT sealed: plain 0600 files ({PLAIN_WARNING}); 'uomp secrets seal' protects them"
+    if by == "unreadable":
+        return f"keys sealed, but the master key slot does not read: {state.get('problem')}"
+    how = {
+        "passphrase": "a passphrase (Argon2id; asked in the terminal)",
+        "passphrase-file": f"a passphrase (Argon2id; read from {PASSPHRASE_FILE_ENV})",
+        "credential": f"a passphrase (Argon2id; systemd credential {CREDENTIAL_NAME})",
+        "keychain": "the OS keychain",
+    }[str(by)]
+    return f"keys sealed by {how}, master key {state.get('master_key_id')}"
 
 
 def locked_error(paths: Paths) -> UompError:

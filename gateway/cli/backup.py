@@ -1,5 +1,6 @@
-"""``uomp backup create FILE`` / ``uomp backup restore FILE [--force]``: the whole home in one file
-encrypted to a passphrase (gateway/atrest/backup.py), restored only whole and verified."""
+"""``uomp backup create FILE [--to-recipient PUBKEY]`` / ``restore FILE [--identity ID] [--force]`` /
+``verify FILE`` / ``keygen IDENTITY``: the whole home in one file encrypted to a passphrase or to an
+X25519 recipient (gateway/atrest/backup.py), checked without restoring, restored only whole and verified."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 from gateway import appliance
-from gateway.atrest import backup, vault
+from gateway.atrest import backup, recipient, vault
 from gateway.cli.main import passphrase_prompt, paths_from
 from gateway.config import Paths, resolve_home
 from gateway.errors import ErrorCode, UompError
@@ -44,13 +45,39 @@ def _create(args: argparse.Namespace) -> int:
         raise UompError(ErrorCode.IO_ERROR, f"{out} exists; choose a new file name (a backup never overwrites one)")
     if out.is_relative_to(paths.home.absolute()):
         raise UompError(ErrorCode.USAGE, f"{out} is inside the data directory; write the backup elsewhere")
-    manifest = backup.create(paths, out, _passphrase(args, confirm=True))
+    if args.to_recipient:
+        manifest = backup.create(paths, out, to=recipient.parse_recipient(args.to_recipient))
+    else:
+        manifest = backup.create(paths, out, _passphrase(args, confirm=True))
     size = sum(f["size"] for f in manifest["files"])
     print(
         f"backup: {out} ({len(manifest['files'])} files, {size} bytes before encryption; keys "
         f"{'sealed' if manifest['sealed'] else 'plaintext'} inside)"
     )
-    print(f"check it with: uomp --home NEW_DIR backup restore {out}")
+    print(f"check it with: uomp backup verify {out}")
+    return 0
+
+
+def _secret(args: argparse.Namespace) -> dict[str, object]:
+    """The keyword arguments that open a backup: the identity file given, else the passphrase."""
+    if getattr(args, "identity", None):
+        return {"identity": recipient.load_identity(Path(args.identity))}
+    return {"passphrase": _passphrase(args, confirm=False)}
+
+
+def _verify(args: argparse.Namespace) -> int:
+    manifest = backup.verify(Path(args.file), **_secret(args))  # type: ignore[arg-type]
+    size = sum(f["size"] for f in manifest["files"])
+    print(f"backup verified: {args.file} ({len(manifest['files'])} files, {size} bytes, every chunk and hash checked)")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    path = Path(args.identity)
+    if path.exists():
+        raise UompError(ErrorCode.IO_ERROR, f"{path} exists; choose a new file name (an identity is never overwritten)")
+    print(recipient.recipient_text(recipient.new_identity(path)))
+    print(f"identity written to {path} (0600): keep it apart from the backups; restore with --identity {path}")
     return 0
 
 
@@ -84,7 +111,7 @@ def _restore(args: argparse.Namespace) -> int:
         check_home(paths)
         if appliance.is_running(paths):
             raise UompError(ErrorCode.ALREADY_RUNNING, f"the appliance is running on {paths.home}; stop it first")
-    manifest = backup.restore(Path(args.file), paths.home, _passphrase(args, confirm=False), force=args.force)
+    manifest = backup.restore(Path(args.file), paths.home, force=args.force, **_secret(args))  # type: ignore[arg-type]
     vault.set_prompt(passphrase_prompt(paths))  # a sealed home's keys, to verify its audit log
     print(f"restored: {len(manifest['files'])} files into {paths.home}, every hash checked")
     if manifest.get("moved_aside"):
@@ -100,9 +127,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c = s.add_parser("create", help="write an encrypted, consistent backup of the home (while it runs, too)")
     c.add_argument("file")
     c.add_argument("--passphrase-file", help=f"the backup passphrase from FILE (or {PASSPHRASE_ENV}; default: ask)")
+    c.add_argument("--to-recipient", metavar="PUBKEY", help="encrypt to this public key ('uomp backup keygen')")
     c.set_defaults(func=_create)
     r = s.add_parser("restore", help="restore a backup into an empty data directory, checked and verified")
     r.add_argument("file")
     r.add_argument("--passphrase-file", help=f"the backup passphrase from FILE (or {PASSPHRASE_ENV}; default: ask)")
     r.add_argument("--force", action="store_true", help="move a non-empty data directory aside first")
+    r.add_argument("--identity", metavar="FILE", help="the identity file of the backup's recipient")
     r.set_defaults(func=_restore)
+    v = s.add_parser("verify", help="check every chunk and hash of a backup without restoring (exit 1 on damage)")
+    v.add_argument("file")
+    v.add_argument("--passphrase-file", help=f"the backup passphrase from FILE (or {PASSPHRASE_ENV}; default: ask)")
+    v.add_argument("--identity", metavar="FILE", help="the identity file of the backup's recipient")
+    v.set_defaults(func=_verify)
+    k = s.add_parser("keygen", help="make an X25519 identity file for backups; prints its public key")
+    k.add_argument("identity")
+    k.set_defaults(func=_keygen)

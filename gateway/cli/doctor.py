@@ -47,7 +47,8 @@ def _mode(p: Path) -> int:
     return stat.S_IMODE(p.stat().st_mode)
 
 
-def _check_private(r: Report, p: Path, what: str, *, dir_: bool = False) -> bool:
+def _check_private(r: Report, p: Path, what: str, *, dir_: bool = False, plain: bool = False) -> bool:
+    """``ok`` for a private file or directory (``plain``: the ``ok`` says the file is not sealed)."""
     if not p.exists():
         if dir_:
             r.problem(f"{what} {p} is missing", "run: uomp init")
@@ -64,7 +65,7 @@ def _check_private(r: Report, p: Path, what: str, *, dir_: bool = False) -> bool
         )
         r.flagged.add(p)
         return False
-    r.ok(f"{p} is private (mode {m:o})")
+    r.ok(f"{p} is private (mode {m:o})" + (", plaintext: NOT sealed" if plain else ""))
     return True
 
 
@@ -90,8 +91,9 @@ def _ca(r: Report, paths: Paths, gcfg: GatewayConfig | None) -> None:
     from gateway.cli import homefiles
     from gateway.core import ca
 
-    _check_private(r, ca_store.ca_key_path(paths), "CA key")
-    _check_private(r, ca_store.server_key_path(paths), "gateway key")
+    plain = not paths.master_slot.exists()
+    _check_private(r, ca_store.ca_key_path(paths), "CA key", plain=plain)
+    _check_private(r, ca_store.server_key_path(paths), "gateway key", plain=plain)
     bad, good = homefiles.check(paths)
     for f in bad:
         if f.path not in r.flagged:
@@ -328,6 +330,22 @@ def _vps_checks(r: Report, paths: Paths) -> Report:
     return r
 
 
+def _at_rest(r: Report, paths: Paths) -> None:
+    """How the keys are kept: sealed (and by what), or plain 0600 files, said as such."""
+    from gateway.atrest import vault
+
+    if not paths.secrets.exists():
+        return
+    state = vault.at_rest_state(paths)
+    line = vault.describe_state(state)
+    if state["sealed_by"] == "unreadable":
+        r.problem(line, "restore .secrets/master.json from a backup of this home")
+    elif state["sealed"]:
+        r.ok(line)
+    else:
+        r.note(line)
+
+
 def run_checks(paths: Paths) -> Report:
     """Every check of the home, in order; a missing home is the one problem reported."""
     r = Report()
@@ -342,8 +360,10 @@ def run_checks(paths: Paths) -> Report:
     _check_private(r, paths.home, "data directory", dir_=True)
     if not paths.private_jwk.exists() and paths.uplink_server_cert.exists():
         return _vps_checks(r, paths)  # a VPS gateway's directory (uomp uplink init): its own checks
-    _check_private(r, paths.private_jwk, "signing key")
-    _check_private(r, paths.admin_credential, "admin credential")
+    plain = not paths.master_slot.exists()
+    _check_private(r, paths.private_jwk, "signing key", plain=plain)
+    _check_private(r, paths.admin_credential, "admin credential", plain=plain)
+    _at_rest(r, paths)
     gcfg, guard, tunnel = _configs(r, paths)
     steps += [
         lambda: _ca(r, paths, gcfg),

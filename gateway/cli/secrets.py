@@ -1,7 +1,7 @@
 """``uomp secrets seal | unseal | status``: the home's private keys sealed at rest (gateway/atrest/).
 
 ``seal`` puts every private key of the home (token signing key, audit key, payload key, CA key,
-gateway TLS key) under one new master key, itself sealed by a passphrase (Argon2id) or kept in the
+gateway TLS key, admin credential) under one new master key, itself sealed by a passphrase (Argon2id) or kept in the
 OS keychain (``--keyring``). From then on every command and the appliance unlock it at start: from
 the terminal, ``UOMP_PASSPHRASE_FILE``, a systemd credential or the keychain. ``unseal`` puts the
 keys back in plaintext. Both are atomic: a crash at any point leaves the old state or the new one.

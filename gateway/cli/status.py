@@ -83,6 +83,12 @@ def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
         auth.audit.close()
 
 
+def _keys_at_rest(paths: Paths) -> dict[str, object] | None:
+    from gateway.atrest import vault
+
+    return vault.at_rest_state(paths) if paths.secrets.exists() else None
+
+
 def collect(paths: Paths) -> dict[str, Any]:
     """Everything ``uomp status`` reports, as one document (running, addresses, guard health,
     certificates, sessions)."""
@@ -140,6 +146,7 @@ def collect(paths: Paths) -> dict[str, Any]:
         "active_sessions": _sessions(paths),
         "anchoring": _anchoring(paths),
         "audit_log": audit_log,
+        "keys_at_rest": _keys_at_rest(paths),
     }
 
 
@@ -298,6 +305,10 @@ def _text(s: dict[str, Any]) -> None:
         print(f"active sessions: {len(sessions)}")
         for x in sessions[:20]:
             print(f"  {x['session_id']:<24} {x['agent_id']:<24} {x.get('profile') or '-':<7} until {x['expires_at']}")
+    if s["keys_at_rest"] is not None:
+        from gateway.atrest import vault
+
+        print(vault.describe_state(s["keys_at_rest"]))
     print(f"anchoring: {s['anchoring']['note']}")
     if s["anchoring"].get("rejected"):
         print("  !! anchors REJECTED: the chain does not show what the node claimed; see 'uomp anchor status'")
