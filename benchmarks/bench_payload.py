@@ -125,6 +125,12 @@ def vm_kib(pid: int, field: str) -> int:
     return 0
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -193,13 +199,16 @@ def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int,
     guard_pid = children(gw_pid)[0]
     gw_before, guard_before = vm_kib(gw_pid, "VmRSS"), vm_kib(guard_pid, "VmRSS")
 
+    cpu0 = (cpu_s(gw_pid), cpu_s(guard_pid))
     up_s, up_rss, out = run_measured(
         [PYTHON, str(HERE / "bench_payload.py"), "--upload-child", str(bundle), str(src)], env
     )
+    cpu1 = (cpu_s(gw_pid), cpu_s(guard_pid))
     up = json.loads(out.strip().splitlines()[-1])
     pid = up["payload_id"]
     dst = top / f"output-{mib}.bin"
     pull_s, pull_rss, _ = run_measured([*UOMP, "--home", str(home), "payload", "pull", pid, "--out", str(dst)], env)
+    cpu2 = (cpu_s(gw_pid), cpu_s(guard_pid))
     out_digest = hashlib.sha256()
     with open(dst, "rb") as fh:
         while block := fh.read(BLOCK):
@@ -234,6 +243,10 @@ def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int,
     print(
         f"  RATIOS upload/bare PUT {put_s / up['upload_total_s']:.2f} (send + store only "
         f"{put_s / max(send_s, 1e-9):.2f}), pull+open/bare GET {get_s / pull_s:.2f}"
+    )
+    print(
+        f"  CPU during upload: gateway {cpu1[0] - cpu0[0]:.1f} s, guard {cpu1[1] - cpu0[1]:.1f} s; "
+        f"during pull: gateway {cpu2[0] - cpu1[0]:.1f} s, guard {cpu2[1] - cpu1[1]:.1f} s"
     )
     print(f"  plaintext identical: {out_digest.digest() == digest.digest()}")
     print(
