@@ -13,6 +13,12 @@
   is compared with the input's;
 * peak RSS (VmHWM / ``wait4`` ru_maxrss) of the gateway process, the guard process, the SDK
   process and the CLI process;
+* the bare line in the same run: Python ``ssl``, TLS 1.3, the gateway's own certificate and key, over
+  loopback, ``--mib`` bytes each way in 1 MiB writes (the SDK's and the CLI's read block), the
+  receiver writing 1 MiB blocks to a file and fsyncing once (its own process each side); RATIOS
+  upload/bare and pull+open/bare;
+* ``--sizes 128,1024``: the whole round at each size in one run, so a peak RSS independent of the
+  payload size shows as equal columns;
 * then ``bench_sealing.py`` (seal and open beside raw AES-256-GCM over the same data) in the same run.
 
 Nothing here asserts a timing; it prints what it measured.
@@ -37,6 +43,79 @@ ROOT = HERE.parent
 PYTHON = sys.executable
 UOMP = [PYTHON, "-m", "gateway.cli.main"]
 BLOCK = 16 << 20
+WIRE_BLOCK = 1 << 20  # the SDK's, the CLI's and the guard's read block
+
+
+def bare_server(cert: str, key: str, out_dir: str) -> None:
+    """Runs in its own process: one TLS 1.3 listener on 127.0.0.1; per connection, the first line
+    says ``PUT n`` (receive n bytes, write them in 1 MiB blocks to a file, fsync once, answer
+    ``ok``) or ``GET path`` (send that file in 1 MiB writes)."""
+    import socket
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(cert, key)
+    lsock = socket.create_server(("127.0.0.1", 0))
+    print(lsock.getsockname()[1], flush=True)
+    while True:
+        raw, _ = lsock.accept()
+        with ctx.wrap_socket(raw, server_side=True) as conn:
+            head = b""
+            while not head.endswith(b"\n"):
+                head += conn.recv(1)
+            verb, arg = head.decode().split()
+            if verb == "PUT":
+                left = int(arg)
+                fd = os.open(Path(out_dir, "bare.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                buf = bytearray(WIRE_BLOCK)
+                view = memoryview(buf)
+                while left > 0:
+                    got = 0
+                    while got < WIRE_BLOCK and left - got > 0:
+                        n = conn.recv_into(view[got:], min(WIRE_BLOCK - got, left - got))
+                        if n == 0:
+                            raise SystemExit("bare: short PUT")
+                        got += n
+                    os.write(fd, view[:got])
+                    left -= got
+                os.fsync(fd)
+                os.close(fd)
+                conn.sendall(b"ok\n")
+            elif verb == "GET":
+                with open(arg, "rb") as fh:
+                    while block := fh.read(WIRE_BLOCK):
+                        conn.sendall(block)
+            else:
+                return
+
+
+def bare_client(port: int, ca: str, verb: str, src: str, dst: str) -> None:
+    """Runs in its own process: PUT ``src`` to the bare server, or GET ``src`` into ``dst`` (1 MiB
+    writes, fsync once, rename), verifying the server's certificate against the user's CA."""
+    import socket
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_verify_locations(cafile=ca)
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="localhost") as conn:
+        if verb == "PUT":
+            size = os.path.getsize(src)
+            conn.sendall(f"PUT {size}\n".encode())
+            with open(src, "rb") as fh:
+                while block := fh.read(WIRE_BLOCK):
+                    conn.sendall(block)
+            if conn.recv(3) != b"ok\n":
+                raise SystemExit("bare: no ok")
+        else:
+            conn.sendall(f"GET {src}\n".encode())
+            fd = os.open(dst + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            while block := conn.recv(WIRE_BLOCK):
+                os.write(fd, block)
+            os.fsync(fd)
+            os.close(fd)
+            os.replace(dst + ".part", dst)
 
 
 def vm_kib(pid: int, field: str) -> int:
@@ -44,6 +123,12 @@ def vm_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:
@@ -102,16 +187,100 @@ def upload_child(bundle: str, path: str) -> None:
     print(json.dumps(res), flush=True)
 
 
+def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int, bundle: Path, port: int) -> None:
+    """One size: upload, pull + open, the bare TLS 1.3 transfer of the same bytes each way; printed."""
+    src = top / f"input-{mib}.bin"
+    digest = hashlib.sha256()
+    with open(src, "wb") as fh:
+        for _ in range(max(1, mib * (1 << 20) // BLOCK)):
+            block = os.urandom(min(BLOCK, mib << 20))
+            digest.update(block)
+            fh.write(block)
+    guard_pid = children(gw_pid)[0]
+    gw_before, guard_before = vm_kib(gw_pid, "VmRSS"), vm_kib(guard_pid, "VmRSS")
+
+    cpu0 = (cpu_s(gw_pid), cpu_s(guard_pid))
+    up_s, up_rss, out = run_measured(
+        [PYTHON, str(HERE / "bench_payload.py"), "--upload-child", str(bundle), str(src)], env
+    )
+    cpu1 = (cpu_s(gw_pid), cpu_s(guard_pid))
+    up = json.loads(out.strip().splitlines()[-1])
+    pid = up["payload_id"]
+    dst = top / f"output-{mib}.bin"
+    pull_s, pull_rss, _ = run_measured([*UOMP, "--home", str(home), "payload", "pull", pid, "--out", str(dst)], env)
+    cpu2 = (cpu_s(gw_pid), cpu_s(guard_pid))
+    out_digest = hashlib.sha256()
+    with open(dst, "rb") as fh:
+        while block := fh.read(BLOCK):
+            out_digest.update(block)
+    dst.unlink()
+    gw_peak, guard_peak = vm_kib(gw_pid, "VmHWM"), vm_kib(guard_pid, "VmHWM")
+
+    # the bare line: same bytes, same certificate, same host, same run
+    bare_in, bare_out = top / "bare-in", top / "bare-out.bin"
+    bare_in.mkdir(exist_ok=True)
+    put_s, _, _ = run_measured(
+        [PYTHON, str(HERE / "bench_payload.py"), "--bare-client", str(port), "PUT", str(src), "-"], env
+    )
+    get_s, _, _ = run_measured(
+        [PYTHON, str(HERE / "bench_payload.py"), "--bare-client", str(port), "GET", str(src), str(bare_out)], env
+    )
+    bare_out.unlink()
+    src.unlink()
+    send_s = up["upload_total_s"] - up["seal_to_file_s"]
+    print(f"payload relay, {mib} MiB of random bytes, gateway + guard + SDK + CLI on one 2-core host")
+    print(
+        f"  upload (SDK: seal to temp file + stream over mTLS): {up['upload_total_s']:7.1f} s  "
+        f"{mib / up['upload_total_s']:7.1f} MiB/s"
+    )
+    print(
+        f"    of which seal to file ~{up['seal_to_file_s']:.1f} s, send + store ~{send_s:.1f} s "
+        f"({mib / max(send_s, 1e-9):.1f} MiB/s)"
+    )
+    print(f"  pull + open (CLI over the guard's socket):          {pull_s:7.1f} s  {mib / pull_s:7.1f} MiB/s")
+    print(f"  bare TLS 1.3 PUT (1 MiB writes, fsync once):        {put_s:7.1f} s  {mib / put_s:7.1f} MiB/s")
+    print(f"  bare TLS 1.3 GET (1 MiB writes, fsync once):        {get_s:7.1f} s  {mib / get_s:7.1f} MiB/s")
+    print(
+        f"  RATIOS upload/bare PUT {put_s / up['upload_total_s']:.2f} (send + store only "
+        f"{put_s / max(send_s, 1e-9):.2f}), pull+open/bare GET {get_s / pull_s:.2f}"
+    )
+    print(
+        f"  CPU during upload: gateway {cpu1[0] - cpu0[0]:.1f} s, guard {cpu1[1] - cpu0[1]:.1f} s; "
+        f"during pull: gateway {cpu2[0] - cpu1[0]:.1f} s, guard {cpu2[1] - cpu1[1]:.1f} s"
+    )
+    print(f"  plaintext identical: {out_digest.digest() == digest.digest()}")
+    print(
+        f"  peak RSS: gateway {gw_peak / 1024:6.1f} MiB (before {gw_before / 1024:.1f}), "
+        f"guard {guard_peak / 1024:6.1f} MiB (before {guard_before / 1024:.1f}), "
+        f"SDK process {up_rss / 1024:6.1f} MiB, CLI pull {pull_rss / 1024:6.1f} MiB "
+        f"(whole upload child process {up_s:.1f} s)"
+    )
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
-    ap.add_argument("--seal-mib", type=int, default=256, help="data size for the bench_sealing.py part")
+    ap.add_argument(
+        "--sizes", default="", help="comma-separated MiB sizes, one round each in this run (default: --mib)"
+    )
+    ap.add_argument("--seal-mib", type=int, default=256, help="data size for the bench_sealing.py part (0: skip)")
     ap.add_argument("--keep", action="store_true", help="keep the throwaway home")
     ap.add_argument("--upload-child", nargs=2, metavar=("BUNDLE", "FILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--bare-server", nargs=3, metavar=("CERT", "KEY", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--bare-client", nargs=4, metavar=("PORT", "VERB", "SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.upload_child:
         upload_child(*args.upload_child)
         return
+    if args.bare_server:
+        bare_server(*args.bare_server)
+        return
+    if args.bare_client:
+        port_s, verb, src_s, dst_s = args.bare_client
+        bare_client(int(port_s), os.environ["UOMP_BENCH_CA"], verb, src_s, dst_s)
+        return
+    sizes = [int(x) for x in args.sizes.split(",") if x] or [args.mib]
 
     top = Path(tempfile.mkdtemp(prefix="uomp-bpay-", dir="/tmp"))
     home = top / "home"
@@ -119,10 +288,11 @@ def main() -> None:
         **os.environ,
         "UOMP_HOME": str(home),
         "PYTHONPATH": str(ROOT),
-        "UOMP_GATEWAY_PAYLOAD_MAX_BYTES": str((args.mib + 64) << 20),
-        "UOMP_GATEWAY_PAYLOAD_MAX_BYTES_PER_SESSION": str((args.mib + 64) << 20),
+        "UOMP_GATEWAY_PAYLOAD_MAX_BYTES": str((max(sizes) + 64) << 20),
+        "UOMP_GATEWAY_PAYLOAD_MAX_BYTES_PER_SESSION": str((sum(sizes) + 64) << 20),
     }
     gw: subprocess.Popen[str] | None = None
+    bare: subprocess.Popen[str] | None = None
     try:
         subprocess.run([*UOMP, "--home", str(home), "init"], env=env, check=True, capture_output=True)
         gw = subprocess.Popen(
@@ -167,49 +337,33 @@ def main() -> None:
             check=True,
             capture_output=True,
         )
-        src = top / "input.bin"
-        digest = hashlib.sha256()
-        with open(src, "wb") as fh:
-            for _ in range(args.mib * (1 << 20) // BLOCK):
-                block = os.urandom(BLOCK)
-                digest.update(block)
-                fh.write(block)
-        guard_pid = children(gw.pid)[0]
-        gw_before, guard_before = vm_kib(gw.pid, "VmRSS"), vm_kib(guard_pid, "VmRSS")
+        sys.path.insert(0, str(ROOT))
+        from gateway.config import Paths
 
-        up_s, up_rss, out = run_measured(
-            [PYTHON, str(HERE / "bench_payload.py"), "--upload-child", str(bundle), str(src)], env
+        paths = Paths(home)
+        (top / "bare-in").mkdir()
+        bare = subprocess.Popen(
+            [
+                PYTHON,
+                str(HERE / "bench_payload.py"),
+                "--bare-server",
+                str(paths.gateway_cert),
+                str(paths.gateway_key),
+                str(top / "bare-in"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        up = json.loads(out.strip().splitlines()[-1])
-        pid = up["payload_id"]
-        dst = top / "output.bin"
-        pull_s, pull_rss, _ = run_measured([*UOMP, "--home", str(home), "payload", "pull", pid, "--out", str(dst)], env)
-        out_digest = hashlib.sha256()
-        with open(dst, "rb") as fh:
-            while block := fh.read(BLOCK):
-                out_digest.update(block)
-        gw_peak, guard_peak = vm_kib(gw.pid, "VmHWM"), vm_kib(guard_pid, "VmHWM")
-        mib = args.mib
-        send_s = up["upload_total_s"] - up["seal_to_file_s"]
-        print(f"payload relay, {mib} MiB of random bytes, gateway + guard + SDK + CLI on one 2-core host")
-        print(
-            f"  upload (SDK: seal to temp file + stream over mTLS): {up['upload_total_s']:7.1f} s  "
-            f"{mib / up['upload_total_s']:7.1f} MiB/s"
-        )
-        print(
-            f"    of which seal to file ~{up['seal_to_file_s']:.1f} s, send + store ~{send_s:.1f} s "
-            f"({mib / max(send_s, 1e-9):.1f} MiB/s)"
-        )
-        print(f"  pull + open (CLI over the guard's socket):          {pull_s:7.1f} s  {mib / pull_s:7.1f} MiB/s")
-        print(f"  plaintext identical: {out_digest.digest() == digest.digest()}")
-        print(
-            f"  peak RSS: gateway {gw_peak / 1024:6.1f} MiB (idle before {gw_before / 1024:.1f}), "
-            f"guard {guard_peak / 1024:6.1f} MiB (before {guard_before / 1024:.1f}), "
-            f"SDK process {up_rss / 1024:6.1f} MiB, CLI pull {pull_rss / 1024:6.1f} MiB "
-            f"(whole upload child process {up_s:.1f} s)"
-        )
-        sys.stdout.flush()
+        assert bare.stdout is not None
+        env["UOMP_BENCH_CA"] = str(paths.ca_cert)
+        bare_port = int(bare.stdout.readline())
+        for mib in sizes:
+            one_round(mib, top, home, env, gw.pid, bundle, bare_port)
     finally:
+        if bare is not None and bare.poll() is None:
+            bare.kill()
+            bare.wait()
         if gw is not None and gw.poll() is None:
             gw.terminate()
             try:
@@ -219,8 +373,17 @@ def main() -> None:
                 gw.wait()
         if not args.keep:
             shutil.rmtree(top, ignore_errors=True)
-    print()
-    subprocess.run([PYTHON, str(HERE / "bench_sealing.py"), "--mib", str(args.seal_mib)], check=True)
+    if args.seal_mib:
+        print()
+        subprocess.run(
+            [
+                PYTHON,
+                str(HERE / "bench_payload.py").replace("bench_payload", "bench_sealing"),
+                "--mib",
+                str(args.seal_mib),
+            ],
+            check=True,
+        )
 
 
 if __name__ == "__main__":
