@@ -2,10 +2,10 @@
 line the user hands to the agent, the manifest digest a code is bound to, and the sealing of the
 approved answer to the agent's one-time X25519 key.
 
-* The code: 12 characters of Crockford base32 (60 random bits), shown as ``XXXX-XXXX-XXXX``. Read
-  back case-insensitively, without dashes or spaces, with ``O`` as ``0`` and ``I``/``L`` as ``1``.
-  Only its SHA-256 is stored.
-* The line: ``https://HOST:PORT/enroll#code=XXXX-XXXX-XXXX&ca=sha256:<64 hex>``. The fragment is
+* The code: 12 characters of Crockford base32 (60 random bits), shown in three groups of four
+  (``7K2M-QP4R-X9TZ``). Read back case-insensitively, without dashes or spaces, with ``O`` as ``0``
+  and ``I``/``L`` as ``1``. Only its SHA-256 is stored.
+* The line: ``https://HOST:PORT/enroll#code=7K2M-QP4R-X9TZ&ca=sha256:<64 hex>``. The fragment is
   never sent by an HTTP client; the agent reads the code and the CA fingerprint from it and talks to
   ``https://HOST:PORT``.
 * The manifest digest: ``sha256:`` + hex SHA-256 of the manifest's RFC 8785 canonical JSON, so
