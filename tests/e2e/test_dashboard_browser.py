@@ -192,13 +192,25 @@ def no_csp_violations(driver: Any) -> None:
 
 
 def wait_file(directory: Path, suffix: str, deadline_s: float = 20.0) -> Path:
+    """The downloaded file once Chromium has finished writing it.
+
+    Chromium may create the final name before the bytes are in it, so a file counts as done only when no
+    partial download is left in the directory and its size held still across two polls.
+    """
     end = time.monotonic() + deadline_s
+    seen: dict[Path, int] = {}
     while time.monotonic() < end:
-        done = [p for p in directory.iterdir() if p.name.endswith(suffix)]
-        if done:
-            return done[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no *{suffix} downloaded into {directory}: {sorted(p.name for p in directory.iterdir())}")
+        names = list(directory.iterdir())
+        partial = any(p.name.endswith((".crdownload", ".tmp")) for p in names)
+        for p in names:
+            if not p.name.endswith(suffix) or partial:
+                continue
+            size = p.stat().st_size
+            if size > 0 and seen.get(p) == size:
+                return p
+            seen[p] = size
+        time.sleep(0.1)
+    raise AssertionError(f"no complete *{suffix} downloaded into {directory}: {sorted(p.name for p in directory.iterdir())}")
 
 
 @pytest.fixture(scope="module")
