@@ -210,7 +210,9 @@ def wait_file(directory: Path, suffix: str, deadline_s: float = 20.0) -> Path:
                 return p
             seen[p] = size
         time.sleep(0.1)
-    raise AssertionError(f"no complete *{suffix} downloaded into {directory}: {sorted(p.name for p in directory.iterdir())}")
+    raise AssertionError(
+        f"no complete *{suffix} downloaded into {directory}: {sorted(p.name for p in directory.iterdir())}"
+    )
 
 
 @pytest.fixture(scope="module")
