@@ -15,17 +15,33 @@ from gateway.dashboard import words
 from gateway.errors import UompError
 
 
-def _publisher(m: manifest.Manifest, paths: Paths) -> tuple[str, str]:
-    """(state, words): trusted / untrusted key / unverified, as ``uomp authorize`` shows them."""
-    ident = manifest.verify_identity(m.raw)
+def publisher_view(m: manifest.Manifest, paths: Paths) -> tuple[str, str]:
+    """(state, words) for the manifest's publisher: trusted / untrusted key / unverified / unchecked.
+
+    The checks of ``uomp requests approve`` that need no network (did:key, X.509 to a CA in the trust
+    list, OpenPGP to a key in it). A did:web publisher is "unchecked" here: rendering a page never
+    fetches anything; its DID document is fetched, under the [registry] fetch rules, when the user approves.
+    """
+    from gateway.identity.verify import method_of, verify_publisher
+    from gateway.registry.fetch import FetchPolicy
+
     claim = m.agent.publisher or "(none named)"
-    if ident.verified and ident.public_key is not None:
-        entry = trust.load(paths).find_did(ident.did)
-        if entry is not None:
-            return "trusted", f"{entry.name} (signed by a key in your trust list)"
+    if method_of(m.raw) == "did:web":
+        did = m.raw["identity"]["did"]
+        return "unchecked", (
+            f'"{claim}" claims {did}: its DID document is fetched and checked when you approve, not on this page'
+        )
+    trusted = trust.load(paths)
+    ident = verify_publisher(m.raw, trusted, FetchPolicy())
+    entry = (ident.trust_entry or trusted.find_did(ident.did)) if ident.verified else None
+    if entry is not None:
+        return "trusted", f"{entry.name} (verified, {ident.method}: in your trust list)"
+    if ident.verified and ident.public_key is not None and ident.method == "did:key":
         return "untrusted", (
             f'"{claim}" signed by a key you have never trusted ({didkey.fingerprint(ident.public_key)})'
         )
+    if ident.verified:
+        return "untrusted", f'"{claim}" verified by {ident.method} but not in your trust list'
     return "unverified", f'"{claim}" (not verified: {ident.reason})'
 
 
@@ -67,7 +83,7 @@ def requests(paths: Paths) -> list[dict[str, Any]]:
             else:
                 view["scopes"] = f"tags {list(m.read.tags)}, keys {list(m.read.keys)}"
                 view["retention"] = _retention(m)
-                view["publisher_state"], view["publisher"] = _publisher(m, paths)
+                view["publisher_state"], view["publisher"] = publisher_view(m, paths)
                 view["name"] = m.agent.name
         out.append(view)
     return out

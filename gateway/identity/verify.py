@@ -49,20 +49,32 @@ def _methods(identity: dict[str, Any]) -> list[str]:
     return [x for x in m if isinstance(x, str)] if isinstance(m, list) else []
 
 
+def method_of(manifest_raw: Any) -> str:
+    """The check ``verify_publisher`` applies: "x509", "openpgp", "did:web" (the only one that fetches), else "did"."""
+    identity = manifest_raw.get("identity") if isinstance(manifest_raw, dict) else None
+    if not isinstance(identity, dict):
+        return "did"
+    proof = identity.get("proof")
+    proof_type = proof.get("type") if isinstance(proof, dict) else None
+    if proof_type == x509pub.PROOF_TYPE:
+        return "x509"
+    if proof_type == openpgp.PROOF_TYPE:
+        return "openpgp"
+    did = identity.get("did")
+    return "did:web" if isinstance(did, str) and did.startswith("did:web:") else "did"
+
+
 def verify_publisher(
     manifest_raw: Any, trusted: TrustList, policy: FetchPolicy, *, now: dt.datetime | None = None
 ) -> PublisherResult:
     """Never raises for a bad identity: the answer says why it is unverified."""
-    identity = manifest_raw.get("identity") if isinstance(manifest_raw, dict) else None
-    proof = identity.get("proof") if isinstance(identity, dict) else None
-    proof_type = proof.get("type") if isinstance(proof, dict) else None
-    if isinstance(identity, dict) and proof_type == x509pub.PROOF_TYPE:
+    method = method_of(manifest_raw)
+    if method == "x509":
         return _x509(manifest_raw, trusted, now)
-    if isinstance(identity, dict) and proof_type == openpgp.PROOF_TYPE:
+    if method == "openpgp":
         return _openpgp(manifest_raw, trusted)
-    did = identity.get("did") if isinstance(identity, dict) else None
-    if isinstance(did, str) and did.startswith("did:web:"):
-        return _did_web(manifest_raw, did, trusted, policy)
+    if method == "did:web":
+        return _did_web(manifest_raw, manifest_raw["identity"]["did"], trusted, policy)
     base = verify_identity(manifest_raw)
     entry = trusted.find_did(base.did) if base.verified else None
     return PublisherResult(

@@ -429,3 +429,47 @@ def test_trust_require_policy_gives_no_session_to_other_publishers(
     home.config_file.write_text('[trust]\nrequire = ["blockchain"]\n')
     assert main([*h, "authorize", str(by_ca), "--yes", "--print", "--allow-local"]) == 1
     assert "error CONFIG_ERROR" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the dashboard's enrollment view
+
+
+def test_dashboard_enrollment_view_checks_x509_as_approve_does(home: Paths) -> None:
+    """The agents page shows an X.509-signed manifest as ``uomp requests approve`` would check it: unverified
+    until its CA is trusted, then trusted by the CA's name; another CA's chain stays unverified."""
+    from gateway.core import manifest
+    from gateway.dashboard.enroll_view import publisher_view
+
+    ca_key, ca_cert = make_ca()
+    leaf_key = ed25519.Ed25519PrivateKey.generate()
+    signed = manifest.parse_manifest(
+        json.dumps(sign_x509(MANIFEST, leaf_key, [make_leaf(ca_key, ca_cert, leaf_key)])).encode()
+    )
+    state, text = publisher_view(signed, home)
+    assert state == "unverified" and "no CA is in your trust list" in text
+    other_key, other_cert = make_ca("Someone Else CA")
+    foreign = manifest.parse_manifest(
+        json.dumps(sign_x509(MANIFEST, leaf_key, [make_leaf(other_key, other_cert, leaf_key)])).encode()
+    )
+    trust_ca(home, ca_cert)
+    assert publisher_view(signed, home) == ("trusted", "Corp CA (verified, x509: in your trust list)")
+    state, text = publisher_view(foreign, home)
+    assert state == "unverified" and "does not verify against your trusted CAs" in text
+
+
+def test_dashboard_enrollment_view_never_fetches_a_did_web_document(docs: DocServer, home: Paths) -> None:
+    """Rendering the page fetches nothing: a did:web publisher is "unchecked" there (its document is served and
+    would verify), and checked at approval time; a did:key manifest is still checked on the page."""
+    from gateway.core import manifest
+    from gateway.dashboard.enroll_view import publisher_view
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    did = did_of(docs)
+    serve_did(docs, did_document(did, key.public_key()))
+    signed = manifest.parse_manifest(json.dumps(sign_did_web(MANIFEST, key, did)).encode())
+    state, text = publisher_view(signed, home)
+    assert state == "unchecked" and did in text and "when you approve" in text
+    assert docs.hits == {}
+    assert verify_publisher(signed.raw, trust.load(home), policy(docs)).verified  # the approval's check passes
+    plain = manifest.parse_manifest((ROOT / "examples" / "calendar_agent" / "uom.json").read_bytes())
+    assert publisher_view(plain, home)[0] in ("unverified", "untrusted")
