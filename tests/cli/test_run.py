@@ -144,3 +144,37 @@ async def test_run_refusals_start_nothing(home: Paths, tmp_path: Path, monkeypat
     dead = await _run(home, str(CALENDAR), "--yes", "--allow-local", "--", *cmd)
     assert dead.returncode == 1 and "STORE_UNAVAILABLE" in dead.stderr and "uomp gateway start" in dead.stderr
     assert not marker.exists()
+
+
+SCOPES = textwrap.dedent(
+    """
+    import base64, json, os, sys
+    body = os.environ["UOM_TOKEN"].split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    open(sys.argv[1], "w").write(json.dumps(claims["scopes"].get("write") or {}))
+    """
+)
+
+
+async def test_run_grants_the_write_scope_only_with_grant_writes(home: Paths, tmp_path: Path) -> None:
+    seed(home)
+    doc = json.loads((CALENDAR / "uom.json").read_text())
+    doc["requested_scopes"]["write"] = {"tags": ["preference"], "keys": []}
+    agent_dir = tmp_path / "writer"
+    agent_dir.mkdir()
+    (agent_dir / "uom.json").write_text(json.dumps(doc))
+    script = tmp_path / "scopes.py"
+    script.write_text(SCOPES)
+    async with running_guard(home) as g:
+        assert g.tcp_port is not None
+        _config(home, g.tcp_port)
+        seen = {}
+        for flag in ((), ("--grant-writes",)):
+            out = tmp_path / f"write{len(flag)}.json"
+            cmd = [*UOMP, "--home", str(home.home), "run", str(agent_dir), "--yes", "--allow-local", *flag, "--",
+                   sys.executable, str(script), str(out)]  # fmt: skip
+            done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            seen[flag] = json.loads(out.read_text())
+    assert not seen[()].get("tags") and not seen[()].get("keys")
+    assert seen[("--grant-writes",)]["tags"] == ["preference"]

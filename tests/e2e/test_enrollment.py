@@ -538,3 +538,26 @@ async def test_malformed_requests_are_clear_refusals(gw: Gateway, field: str) ->
         s.post(gw.url + "/v1/enroll/enr_0/status", data=b'{"poll_token": "\\ud800"}') as r,
     ):
         assert r.status == 400, await r.text()
+
+
+def test_approve_grants_the_write_scope_only_with_grant_writes(gw: Gateway) -> None:
+    """An enrolled agent whose manifest asks to write gets proposals rights only when the user approves with
+    ``--grant-writes``; approved without it, its token carries no write scope."""
+    doc = json.loads((CALENDAR / "uom.json").read_text())
+    doc["requested_scopes"]["write"] = {"tags": ["preference"], "keys": []}
+    for flag in ((), ("--grant-writes",)):
+        where = _tmpdir("uomp-writer-") / "manifest"
+        where.mkdir()
+        (where / "uom.json").write_text(json.dumps(doc))
+        agent = Enroller(invite(gw, where), where)
+        rid, _ = agent.request()
+        out = ok(gw.home, "requests", "approve", rid, "--yes", *flag)
+        rc, _, err = agent.finish()
+        assert rc == 0, err
+        bundle = json.loads((agent.out / "bundle.json").read_text())
+        claims = json.loads(base64.urlsafe_b64decode(bundle["access_token"].split(".")[1] + "=="))
+        if flag:
+            assert claims["scopes"]["write"]["tags"] == ["preference"] and "granted as proposals" in out
+        else:
+            write = claims["scopes"].get("write") or {}
+            assert not write.get("tags") and not write.get("keys") and "Writes:    NOT granted" in out
