@@ -9,15 +9,7 @@ set -euo pipefail
 if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
   exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "setup-browser: apt-get not found; chromium not installed" >&2
-  exit 0
-fi
-if [ "$(id -u)" -ne 0 ]; then
-  echo "setup-browser: not root; install chromium and chromium-driver yourself (apt-get install chromium chromium-driver)" >&2
-  exit 0
-fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
-echo "setup-browser: $(/usr/bin/chromium --version 2>/dev/null || echo chromium installed)"
+# shellcheck source=scripts/lib/apt.sh
+source "$(dirname "$0")/lib/apt.sh"
+apt_install setup-browser chromium chromium-driver
+[ -x /usr/bin/chromium ] && echo "setup-browser: $(/usr/bin/chromium --version 2>/dev/null || echo chromium installed)" || true

@@ -7,15 +7,7 @@ set -euo pipefail
 if command -v faketime >/dev/null 2>&1; then
   exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "setup-faketime: apt-get not found; faketime not installed" >&2
-  exit 0
-fi
-if [ "$(id -u)" -ne 0 ]; then
-  echo "setup-faketime: not root; install faketime yourself (apt-get install faketime)" >&2
-  exit 0
-fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -qq --no-install-recommends faketime >/dev/null 2>&1 \
-  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends faketime >/dev/null; }
-echo "setup-faketime: $(command -v faketime)"
+# shellcheck source=scripts/lib/apt.sh
+source "$(dirname "$0")/lib/apt.sh"
+apt_install setup-faketime faketime
+command -v faketime >/dev/null 2>&1 && echo "setup-faketime: $(command -v faketime)" || true

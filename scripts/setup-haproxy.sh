@@ -7,21 +7,7 @@ set -euo pipefail
 if command -v haproxy >/dev/null 2>&1; then
   exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "setup-haproxy: apt-get not found; haproxy not installed" >&2
-  exit 0
-fi
-if [ "$(id -u)" -ne 0 ]; then
-  echo "setup-haproxy: not root; install haproxy yourself (apt-get install haproxy)" >&2
-  exit 0
-fi
-export DEBIAN_FRONTEND=noninteractive
-policy=/usr/sbin/policy-rc.d
-made_policy=0
-if [ ! -e "$policy" ]; then
-  printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
-fi
-trap '[ "$made_policy" = 1 ] && rm -f "$policy"' EXIT
-apt-get install -y -qq --no-install-recommends haproxy >/dev/null 2>&1 \
-  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends haproxy >/dev/null; }
-echo "setup-haproxy: $(command -v haproxy)"
+# shellcheck source=scripts/lib/apt.sh
+source "$(dirname "$0")/lib/apt.sh"
+apt_install setup-haproxy haproxy
+command -v haproxy >/dev/null 2>&1 && echo "setup-haproxy: $(command -v haproxy)" || true

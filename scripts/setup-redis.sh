@@ -7,21 +7,7 @@ set -euo pipefail
 if command -v redis-server >/dev/null 2>&1; then
   exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "setup-redis: apt-get not found; redis-server not installed" >&2
-  exit 0
-fi
-if [ "$(id -u)" -ne 0 ]; then
-  echo "setup-redis: not root; install redis-server yourself (apt-get install redis-server)" >&2
-  exit 0
-fi
-export DEBIAN_FRONTEND=noninteractive
-policy=/usr/sbin/policy-rc.d
-made_policy=0
-if [ ! -e "$policy" ]; then
-  printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
-fi
-trap '[ "$made_policy" = 1 ] && rm -f "$policy"' EXIT
-apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 \
-  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
-echo "setup-redis: $(command -v redis-server)"
+# shellcheck source=scripts/lib/apt.sh
+source "$(dirname "$0")/lib/apt.sh"
+apt_install setup-redis redis-server
+command -v redis-server >/dev/null 2>&1 && echo "setup-redis: $(command -v redis-server)" || true
