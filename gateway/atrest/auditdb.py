@@ -20,8 +20,8 @@ new one, whole; :func:`is_encrypted` says which. The check for a plaintext file 
 header, so it runs once per process and file, before that process holds any connection to it
 (closing a second descriptor of a SQLite file would drop the process's POSIX locks on it).
 
-A file that does not open with the key (copied from another home, a wrong key, damaged) is
-``AUDIT_LOG_DAMAGED`` with the reason, never INTERNAL (:func:`check_opens`).
+A file that does not open with the key (copied from another home, a wrong key, a damaged first
+page) is ``AUDIT_LOG_DAMAGED`` with reason ``key_mismatch``, never INTERNAL (:func:`check_opens`).
 """
 
 from __future__ import annotations
@@ -122,31 +122,28 @@ def key_for(path: Path) -> bytes | None:
     return key
 
 
-def refusal(path: Path, exc: BaseException, *, keyed: bool) -> UompError:
-    """AUDIT_LOG_DAMAGED for a file SQLite does not read as a database (``exc``), with the reason."""
-    if keyed:
-        return UompError(
-            ErrorCode.AUDIT_LOG_DAMAGED,
-            f"{path.name} does not open with this home's audit key ({type(exc).__name__}: {exc}): a file from "
-            "another home, or damaged; put back this home's audit.db from a backup (docs/audit.md)",
-            details={"reason": "key_mismatch"},
-        )
+def refusal(path: Path, exc: BaseException) -> UompError:
+    """AUDIT_LOG_DAMAGED for a SQLCipher file its home's key does not open (``exc``), with the reason."""
     return UompError(
         ErrorCode.AUDIT_LOG_DAMAGED,
-        f"{path.name} cannot be read ({type(exc).__name__}: {exc}): truncated or not an audit log; "
-        "put back audit.db from a backup (docs/audit.md)",
+        f"{path.name} does not open with this home's audit key ({type(exc).__name__}: {exc}): a file from "
+        "another home, or damaged; put back this home's audit.db from a backup (docs/audit.md)",
+        details={"reason": "key_mismatch"},
     )
 
 
-def check_opens(conn: Any, path: Path, *, keyed: bool) -> None:
-    """Read the schema once: a key that does not open the file fails here, as a named refusal."""
+def check_opens(conn: Any, path: Path) -> None:
+    """Read the schema of a keyed connection once: a key that does not open the file (SQLite's
+    "not a database") is the named refusal here. Any other failure (a truncated file) is left to
+    the reader, which names the first bad event, as for a plain file."""
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
     except DATABASE as exc:
-        if isinstance(exc, OPERATIONAL):
-            raise
+        name = str(getattr(exc, "sqlite_errorname", "") or "")
+        if isinstance(exc, OPERATIONAL) or not (name == "SQLITE_NOTADB" or "not a database" in str(exc)):
+            return
         conn.close()
-        raise refusal(path, exc, keyed=keyed) from exc
+        raise refusal(path, exc) from exc
 
 
 def connect(
@@ -178,5 +175,5 @@ def connect(
         conn = memdb.connect(target, key, **kwargs)
         if rows:
             conn.row_factory = memdb.ROW
-    check_opens(conn, path, keyed=key is not None)
+        check_opens(conn, path)
     return conn
