@@ -216,12 +216,12 @@ def _skip(rel: str, name: str) -> bool:
 def _snapshot(paths: Paths, src: Path, dst: Path) -> None:
     """SQLite online backup of ``src`` into ``dst`` (SQLCipher under its own key for a sealed home's
     memory.db and audit.db: the copy is as encrypted as the file)."""
-    key: bytes | None = None
-    if src == paths.memory_db and not memdb.is_plaintext(src) and src.stat().st_size:
+    if src == paths.audit_db:  # its one opener (no second descriptor of a file the guard may hold)
+        key = auditdb.key_for(src)
+        a = auditdb.connect(src, readonly=True)
+        b = memdb.connect(str(dst), key) if key is not None else sqlite3.connect(str(dst))
+    elif src == paths.memory_db and not memdb.is_plaintext(src) and src.stat().st_size:
         key = memdb.memory_key(paths)
-    elif src == paths.audit_db and auditdb.is_encrypted(src):
-        key = auditdb.audit_key(paths)
-    if key is not None:
         a = memdb.connect(src.resolve().as_uri() + "?mode=ro", key, uri=True)
         b = memdb.connect(str(dst), key)
     else:

@@ -149,6 +149,11 @@ async def test_every_opener_reads_the_encrypted_log(capsys: pytest.CaptureFixtur
     bundle = tmp_path / "proof.json"
     assert cli(paths, "audit", "proof", event_id, "--out", str(bundle)) == 0
     capsys.readouterr()
+    cli(paths, "status", "--json")
+    assert json.loads(capsys.readouterr().out)["audit_log"]["ok"] is True
+    cli(paths, "doctor")
+    said = capsys.readouterr().out
+    assert "is encrypted at rest" in said and "INTERNAL" not in said, said
 
     # the refusals: without the master key nothing opens the log, and says why ...
     vault.forget()
