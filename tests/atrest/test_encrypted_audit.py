@@ -243,9 +243,7 @@ def plain_count(db: Path) -> int:
         conn.close()
 
 
-@pytest.mark.parametrize(
-    "point", ["atrest.before_commit", "atrest.after_commit", "atrest.memdb_before_rename", auditdb.FAULT_BEFORE_RENAME]
-)
+@pytest.mark.parametrize("point", ["atrest.before_commit", "atrest.after_commit", auditdb.FAULT_BEFORE_RENAME])
 async def test_seal_killed_at_each_point_leaves_the_old_log_or_the_new(point: str, tmp_path: Path) -> None:
     paths = home(sealed=False)
     await traffic(paths)
