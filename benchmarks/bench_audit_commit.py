@@ -1,6 +1,8 @@
-"""What one audit commit costs the guard as the log grows: random event ids vs time-ordered ones (issue 13).
+"""What one audit commit costs the guard as the log grows: random event ids vs time-ordered ones (issue 13),
+or a plain audit.db vs a sealed home's encrypted one (``--compare at-rest``).
 
     .venv/bin/python benchmarks/bench_audit_commit.py [--sizes 0,200000,1000000] [--batches 15,22] [--commits 300]
+    .venv/bin/python benchmarks/bench_audit_commit.py --compare at-rest --sizes 0,50000 --commits 100
 
 Two audit.db files side by side (``AuditLog``, the product's writer path: the Merkle event log,
 canonical JSON, leaf hash, tree nodes and the three indexes, ``synchronous=FULL``), one per id
@@ -10,6 +12,9 @@ scheme:
   own page of the log's ``id`` index);
 * ``ordered``: the product's ids (``gateway.guard.audit._EventIds``: the event's millisecond, then 64
   random bits), which land side by side at the end of the index.
+
+With ``--compare at-rest``: both logs use the product's ids; ``plain`` is a plain home's audit.db,
+``encrypted`` a sealed home's (SQLCipher under ``HKDF(master, "audit-db")``, gateway/atrest/auditdb.py).
 
 Both logs are grown in step to each size of ``--sizes`` (commits of 500 events of the same shape
 as a forwarded read's), then ``--commits`` commits of each batch size of ``--batches`` are timed,
@@ -28,7 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from gateway.atrest import migrate, vault
+from gateway.config import Paths
 from gateway.guard.audit import AuditLog, Row, make_row
+from gateway.keys import init_home
 
 PREFILL_BATCH = 500
 
@@ -77,12 +85,25 @@ def timed(log: AuditLog, random_id: bool, batch: int, commits: int) -> tuple[flo
     return (c1 - c0) / (commits * batch) * 1e6, (w1 - w0) / commits * 1e3
 
 
+def open_logs(d: Path, compare: str) -> dict[str, AuditLog]:
+    """The two logs side by side: two id schemes, or a plain home's and a sealed home's."""
+    if compare == "ids":
+        return {"random": AuditLog(d / "random.db"), "ordered": AuditLog(d / "ordered.db")}
+    sealed = Paths(d / "sealed")
+    init_home(sealed)
+    fast = {"alg": "argon2id", "iterations": 1, "lanes": 1, "memory_kib": 8 * 1024}  # unlocked once, here
+    migrate.seal(sealed, passphrase="bench-audit-at-rest", kdf=fast)
+    assert vault.unlocked(sealed) is not None
+    return {"plain": AuditLog(d / "plain.db"), "encrypted": AuditLog(sealed.audit_db)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="0,200000,1000000", help="log sizes (events) to measure at")
     ap.add_argument("--batches", default="15,22", help="events per commit")
     ap.add_argument("--commits", type=int, default=300, help="timed commits per batch size, log and round")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compare", choices=["ids", "at-rest"], default="ids", help="what the two logs differ in")
     args = ap.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -98,28 +119,29 @@ def main() -> None:
         f"bench_audit_commit: {time.strftime('%Y-%m-%d %H:%M:%S')}; batches {batches}, {args.commits} commits "
         f"each, {args.rounds} rounds"
     )
+    a, b = ("random", "ordered") if args.compare == "ids" else ("plain", "encrypted")
     print(
-        f"{'log size':>10} {'batch':>6} {'random µs/event':>16} {'ordered µs/event':>17} {'ordered/random':>15} "
-        f"{'commit ms random':>17} {'ordered':>8}"
+        f"{'log size':>10} {'batch':>6} {a + ' µs/event':>16} {b + ' µs/event':>17} {b + '/' + a:>15} "
+        f"{'commit ms ' + a:>17} {b:>8}"
     )
     with tempfile.TemporaryDirectory(prefix="uomp-bac-") as d:
-        logs = {"random": AuditLog(Path(d) / "random.db"), "ordered": AuditLog(Path(d) / "ordered.db")}
-        have = {"random": 0, "ordered": 0}
+        logs = open_logs(Path(d), args.compare)
+        have = {a: 0, b: 0}
         try:
             for size in sizes:
                 for scheme, log in logs.items():
                     grow(log, scheme == "random", have[scheme], size)
                     have[scheme] = size
                 for batch in batches:
-                    got: dict[str, list[tuple[float, float]]] = {"random": [], "ordered": []}
+                    got: dict[str, list[tuple[float, float]]] = {a: [], b: []}
                     for _ in range(args.rounds):
                         for scheme, log in logs.items():
                             got[scheme].append(timed(log, scheme == "random", batch, args.commits))
                             have[scheme] += batch * args.commits
-                    r = statistics.median(x[0] for x in got["random"])
-                    o = statistics.median(x[0] for x in got["ordered"])
-                    rw = statistics.median(x[1] for x in got["random"])
-                    ow = statistics.median(x[1] for x in got["ordered"])
+                    r = statistics.median(x[0] for x in got[a])
+                    o = statistics.median(x[0] for x in got[b])
+                    rw = statistics.median(x[1] for x in got[a])
+                    ow = statistics.median(x[1] for x in got[b])
                     print(
                         f"{size:>10,} {batch:>6} {r:>16.1f} {o:>17.1f} {o / r:>15.2f} {rw:>17.2f} {ow:>8.2f}",
                         flush=True,

@@ -36,12 +36,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import sqlcipher3.dbapi2 as cipher  # type: ignore[import-untyped]
+
 from gateway.errors import ErrorCode, UompError
 
 DEFAULT_BUSY_TIMEOUT_SECONDS = 2.0
 DEFAULT_QUEUE_TIMEOUT_SECONDS = 5.0
 
 T = TypeVar("T")
+
+# Both drivers' exceptions: a database may be a SQLCipher file (a sealed home's, gateway/atrest/).
+SQL_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, cipher.Error)
+SQL_OPERATIONAL: tuple[type[Exception], ...] = (sqlite3.OperationalError, cipher.OperationalError)
+SQL_OR_OS_ERRORS: tuple[type[Exception], ...] = (*SQL_ERRORS, OSError)
 # (loop, future, deadline, function, arguments): one call queued for a DbWorker
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", float, Callable[..., Any], tuple[Any, ...]]
 
@@ -50,7 +57,7 @@ _BUSY_NAMES = ("SQLITE_BUSY", "SQLITE_LOCKED")
 
 def is_busy(exc: BaseException) -> bool:
     """True when ``exc`` is SQLite saying another connection holds a lock (busy / locked)."""
-    if not isinstance(exc, sqlite3.OperationalError):
+    if not isinstance(exc, SQL_OPERATIONAL):
         return False
     name = str(getattr(exc, "sqlite_errorname", "") or "")
     if name:
@@ -97,14 +104,20 @@ def connect(
     code: ErrorCode = ErrorCode.STORE_UNAVAILABLE,
     what: str = "database",
     busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS,
+    opener: Callable[[Path], Any] | None = None,
 ) -> sqlite3.Connection:
-    """Open (creating 0600 if absent) and apply ``schema``. Any sqlite failure is ``code`` (or STORE_BUSY)."""
+    """Open (creating 0600 if absent) and apply ``schema``. Any sqlite failure is ``code`` (or STORE_BUSY).
+    ``opener(path)``: the connection instead of the standard library's (rows by column name,
+    autocommit, usable from any thread), e.g. :func:`gateway.atrest.auditdb.connect`."""
     try:
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             os.close(fd)
-        conn = sqlite3.connect(path, timeout=busy_timeout, check_same_thread=False, isolation_level=None)
-        conn.row_factory = sqlite3.Row
+        if opener is None:
+            conn = sqlite3.connect(path, timeout=busy_timeout, check_same_thread=False, isolation_level=None)
+            conn.row_factory = sqlite3.Row
+        else:
+            conn = opener(path)
         conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
@@ -117,7 +130,7 @@ def connect(
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(str(path) + suffix, 0o600)
         return conn
-    except (sqlite3.Error, OSError) as exc:
+    except SQL_OR_OS_ERRORS as exc:
         raise db_error(exc, code=code, what=what) from exc
 
 
@@ -128,15 +141,15 @@ def transaction(
     """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any error; sqlite errors become ``code`` (or STORE_BUSY)."""
     try:
         conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.Error as exc:
+    except SQL_ERRORS as exc:
         raise db_error(exc, code=code, what=what) from exc
     try:
         yield conn
         conn.execute("COMMIT")
     except BaseException as exc:
-        with contextlib.suppress(sqlite3.Error):
+        with contextlib.suppress(*SQL_ERRORS):
             conn.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.Error):
+        if isinstance(exc, SQL_ERRORS):
             raise db_error(exc, code=code, what=what) from exc
         raise
 
@@ -273,7 +286,7 @@ class DbWorker:
             )
         try:
             return fn(*args)
-        except sqlite3.Error as exc:
+        except SQL_ERRORS as exc:
             raise db_error(exc, what=self.what) from exc
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

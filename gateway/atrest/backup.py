@@ -51,7 +51,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gateway.atrest import memdb, recipient, sealing, vault
+from gateway.atrest import auditdb, memdb, recipient, sealing, vault
 from gateway.config import Paths
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
@@ -63,7 +63,7 @@ MAX_HEADER = 4096
 MANIFEST = "MANIFEST.json"
 MAX_MEMBERS = 100_000
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-SKIP_SUFFIXES = ("-wal", "-shm", "-journal", ".lock", ".tmp")
+SKIP_SUFFIXES = ("-wal", "-shm", "-journal", ".lock", ".tmp", ".convert")
 SKIP_NAMES = {".lock", ".atrest.lock", "appliance.json", "status.json"}
 
 
@@ -214,8 +214,13 @@ def _skip(rel: str, name: str) -> bool:
 
 
 def _snapshot(paths: Paths, src: Path, dst: Path) -> None:
-    """SQLite online backup of ``src`` into ``dst`` (SQLCipher for a sealed home's memory.db)."""
-    if src == paths.memory_db and not memdb.is_plaintext(src) and src.stat().st_size:
+    """SQLite online backup of ``src`` into ``dst`` (SQLCipher under its own key for a sealed home's
+    memory.db and audit.db: the copy is as encrypted as the file)."""
+    if src == paths.audit_db:  # its one opener (no second descriptor of a file the guard may hold)
+        key = auditdb.key_for(src)
+        a = auditdb.connect(src, readonly=True)
+        b = memdb.connect(str(dst), key) if key is not None else sqlite3.connect(str(dst))
+    elif src == paths.memory_db and not memdb.is_plaintext(src) and src.stat().st_size:
         key = memdb.memory_key(paths)
         a = memdb.connect(src.resolve().as_uri() + "?mode=ro", key, uri=True)
         b = memdb.connect(str(dst), key)

@@ -44,6 +44,8 @@ ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, cipher.Error)
 PROGRAMMING: tuple[type[Exception], ...] = (sqlite3.ProgrammingError, cipher.ProgrammingError)
 OPERATIONAL: tuple[type[Exception], ...] = (sqlite3.OperationalError, cipher.OperationalError)
 INTEGRITY: tuple[type[Exception], ...] = (sqlite3.IntegrityError, cipher.IntegrityError)
+DATABASE: tuple[type[Exception], ...] = (sqlite3.DatabaseError, cipher.DatabaseError)
+ROW: Any = cipher.Row  # rows by column name, for a SQLCipher connection
 
 
 def _key_pragma(key: bytes) -> str:
@@ -95,8 +97,11 @@ def _remove_companions(path: Path) -> None:
             os.unlink(str(path) + suffix)
 
 
-def _convert(paths: Paths, src_key: bytes | None, dst_key: bytes | None) -> None:
-    db, tmp = paths.memory_db, paths.memory_db_convert
+def convert_file(db: Path, tmp: Path, src_key: bytes | None, dst_key: bytes | None, *, what: str, fault: str) -> None:
+    """Rewrite the SQLite file ``db`` under ``dst_key`` (None: plaintext) from ``src_key``, through
+    ``tmp`` (fsynced, checked, renamed over ``db``): a crash leaves ``db`` old or new, never half.
+    Nothing else may write ``db`` meanwhile (STORE_BUSY when its WAL cannot be checkpointed).
+    ``fault``: the name of the fault point just before the rename."""
     _remove_companions(tmp)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
@@ -108,9 +113,7 @@ def _convert(paths: Paths, src_key: bytes | None, dst_key: bytes | None) -> None
         conn.isolation_level = None
         conn.execute("PRAGMA busy_timeout = 5000")
         if conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()[0][0] != 0:
-            raise UompError(
-                ErrorCode.STORE_BUSY, "the memory store is in use by another process; stop it and try again"
-            )
+            raise UompError(ErrorCode.STORE_BUSY, f"the {what} is in use by another process; stop it and try again")
         version = int(conn.execute("PRAGMA user_version").fetchall()[0][0])
         rows = int(conn.execute("SELECT count(*) FROM sqlite_master").fetchall()[0][0])
         dst = f"\"x'{dst_key.hex()}'\"" if dst_key else "''"
@@ -126,7 +129,7 @@ def _convert(paths: Paths, src_key: bytes | None, dst_key: bytes | None) -> None
         check.isolation_level = None
         checked = check.execute("PRAGMA quick_check").fetchall()
         if checked != [("ok",)] or rows != int(check.execute("SELECT count(*) FROM sqlite_master").fetchall()[0][0]):
-            raise UompError(ErrorCode.STORE_UNAVAILABLE, "the converted memory store does not check; nothing changed")
+            raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the converted {what} does not check; nothing changed")
     finally:
         check.close()
     fd = os.open(tmp, os.O_RDONLY)
@@ -135,10 +138,21 @@ def _convert(paths: Paths, src_key: bytes | None, dst_key: bytes | None) -> None
     finally:
         os.close(fd)
     _remove_companions(tmp)
-    fault_point("atrest.memdb_before_rename")
+    fault_point(fault)
     _remove_companions(db)  # checkpointed and truncated above: nothing in them
     os.replace(tmp, db)
     fsync_dir(db.parent)
+
+
+def _convert(paths: Paths, src_key: bytes | None, dst_key: bytes | None) -> None:
+    convert_file(
+        paths.memory_db,
+        paths.memory_db_convert,
+        src_key,
+        dst_key,
+        what="memory store",
+        fault="atrest.memdb_before_rename",
+    )
 
 
 def ensure_encrypted(paths: Paths, key: bytes) -> bool:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway.atrest import auditdb
 from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core import merkle
@@ -38,6 +39,8 @@ from gateway.ledger.query import MAX_LIMIT, AuditFilter, parse_time
 from gateway.ledger.verify import ProofBundleError, TrustedCheckpoint, verify_bundle, verify_log
 
 MAX_BUNDLE_BYTES = 1 << 20
+
+_DAMAGED: tuple[type[Exception], ...] = (merkle.ProofError, *auditdb.DATABASE)  # a file or tree that does not read
 
 
 def _cfg(paths: Paths) -> GuardConfig:
@@ -200,7 +203,7 @@ class _Stop:
 def _ro(paths: Paths) -> sqlite3.Connection:
     if not paths.audit_db.exists():
         raise UompError(ErrorCode.NOT_FOUND, f"no audit log at {paths.audit_db}; run 'uomp init'")
-    conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True, isolation_level=None)
+    conn: sqlite3.Connection = auditdb.connect(paths.audit_db, readonly=True)
     return conn
 
 
@@ -322,7 +325,7 @@ def _verify(args: argparse.Namespace) -> int:
         if backend is not None and not report.damaged:
             try:
                 anchored = asyncio.run(_verify_anchors(conn, backend))
-            except sqlite3.DatabaseError as exc:
+            except auditdb.DATABASE as exc:
                 anchored = (0, [f"the anchors cannot be read ({exc})"])
     finally:
         conn.close()
@@ -342,6 +345,7 @@ def _verify(args: argparse.Namespace) -> int:
         "witness_size": witness.checkpoint.size if witness is not None else None,
         "external_witness_size": external.size if external is not None else None,
         "verifier_key": EventLog(_mem(), origin=origin, key=key).verifier_key(),
+        "encrypted": auditdb.is_encrypted(paths.audit_db),  # after conn.close(): it reads the file's header
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -364,6 +368,9 @@ def _verify(args: argparse.Namespace) -> int:
         for w in report.warnings:
             print(f"  warning: {w}")
         print(f"verifier key: {out['verifier_key']}")
+        print(
+            "at rest: " + ("encrypted (SQLCipher, the audit key of the sealed home)" if out["encrypted"] else "plain")
+        )
     return 0 if out["ok"] else 1
 
 
@@ -500,7 +507,7 @@ def _witness_locked(args: argparse.Namespace, paths: Paths, wd: cosign.WitnessDi
                     merkle.verify_consistency(
                         old.size, cp.size, old.root, cp.root, merkle.consistency_proof(node, old.size, cp.size)
                     )
-            except (merkle.ProofError, sqlite3.DatabaseError) as exc:
+            except _DAMAGED as exc:
                 raise _witness_refusal(
                     f"audit.db's checkpoint at {cp.size} events is not consistent with the one the "
                     f"witness cosigned at {old.size} ({exc}): a forked or replaced log, diverging "
@@ -551,7 +558,7 @@ def proof_bundle(paths: Paths, event_id: str, *, sign_if_stopped: bool = False) 
     from gateway.ledger.anchoring import ensure_schema
 
     key = auditkey.load(paths)
-    conn = sqlite3.connect(paths.audit_db, isolation_level=None, timeout=_cfg(paths).db_busy_timeout_seconds)
+    conn = auditdb.connect(paths.audit_db, timeout=_cfg(paths).db_busy_timeout_seconds)
     try:
         log = EventLog(
             conn,
@@ -619,7 +626,7 @@ def _sign_while_stopped(paths: Paths, conn: sqlite3.Connection, log: EventLog) -
                 raise
         except LedgerError as exc:
             raise ledger_refusal(exc) from None
-        except sqlite3.Error as exc:
+        except auditdb.ERRORS as exc:
             from gateway.db import db_error
 
             raise db_error(exc, what="audit log") from exc
@@ -822,7 +829,7 @@ def _anchor_status(paths: Paths, acfg: AnchorConfig, anchor_status: Any) -> int:
             status["backlog"] = backlog(conn)
         finally:
             conn.close()
-    except (sqlite3.Error, UompError) as exc:
+    except auditdb.ERRORS_OR_REFUSED as exc:
         status["backlog_error"] = str(exc)[:200]
     ok = status["backlog"] is not None
     try:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import getpass
 import os
-import sqlite3
 import sys
 from pathlib import Path
 
 from gateway import appliance
-from gateway.atrest import backup, recipient, vault
+from gateway.atrest import auditdb, backup, recipient, vault
 from gateway.cli.main import passphrase_prompt, paths_from
 from gateway.config import Paths, resolve_home
 from gateway.errors import ErrorCode, UompError
@@ -88,7 +87,7 @@ def verify_restored(paths: Paths) -> str:
     witness = integrity.read_witness(paths.audit_witness, origin=origin, public_key=key.public_key())
     if not paths.audit_db.exists():
         return "no audit log in the backup"
-    conn = sqlite3.connect(paths.audit_db.resolve().as_uri() + "?mode=ro", uri=True)
+    conn = auditdb.connect(paths.audit_db, readonly=True)
     try:
         report = verify_log(
             conn, origin=origin, public_key=key.public_key(), trusted=[witness.trusted()] if witness else []

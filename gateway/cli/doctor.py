@@ -342,8 +342,22 @@ def _at_rest(r: Report, paths: Paths) -> None:
         r.problem(line, "restore .secrets/master.json from a backup of this home")
     elif state["sealed"]:
         r.ok(line)
+        _audit_at_rest(r, paths)
     else:
         r.note(line)
+
+
+def _audit_at_rest(r: Report, paths: Paths) -> None:
+    """A sealed home's audit log is encrypted; a plaintext one is converted at its next open."""
+    from gateway.atrest import auditdb, memdb
+
+    if auditdb.is_encrypted(paths.audit_db):
+        r.ok(f"the audit log {paths.audit_db} is encrypted at rest (SQLCipher, its own key)")
+    elif memdb.is_plaintext(paths.audit_db):
+        r.problem(
+            f"the audit log {paths.audit_db} is a plaintext file in a sealed home",
+            "run 'uomp audit verify' (or start the appliance): its first open encrypts it",
+        )
 
 
 def run_checks(paths: Paths) -> Report:

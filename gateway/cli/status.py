@@ -213,8 +213,7 @@ def _guard_refusal(paths: Paths) -> dict[str, Any] | None:
 
 def _anchoring(paths: Paths) -> dict[str, Any]:
     """The audit log's checkpoints and the anchoring backlog (read-only; docs/audit.md)."""
-    import sqlite3
-
+    from gateway.atrest import auditdb
     from gateway.config import AnchorConfig
     from gateway.errors import UompError
     from gateway.ledger.anchoring import backlog, summary
@@ -225,7 +224,7 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
         return {"configured": False, "backlog": None, "note": f"[anchor] is invalid: {exc.message}"}
     out: dict[str, Any] = {"configured": backend != "none", "backend": backend, "backlog": None}
     try:
-        conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True)
+        conn = auditdb.connect(paths.audit_db, readonly=True)
         try:
             cp = conn.execute("SELECT MAX(size) FROM ledger_checkpoints").fetchone()[0]
             out["checkpointed_events"] = int(cp or 0)
@@ -233,7 +232,7 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
                 out["backlog"] = backlog(conn)
         finally:
             conn.close()
-    except sqlite3.Error:
+    except auditdb.ERRORS_OR_REFUSED:  # no table yet, or a sealed home not unlocked here
         pass
     if backend == "none":
         out["note"] = (

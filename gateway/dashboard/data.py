@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import ca_store
+from gateway.atrest import auditdb
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.dashboard import words
 from gateway.errors import STATUS, ErrorCode, UompError
@@ -34,8 +35,7 @@ def _guard_cfg(paths: Paths) -> GuardConfig:
 def _ro(paths: Paths) -> sqlite3.Connection | None:
     if not paths.audit_db.exists():
         return None
-    conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True, isolation_level=None, timeout=5.0)
-    conn.row_factory = sqlite3.Row
+    conn: sqlite3.Connection = auditdb.connect(paths.audit_db, readonly=True, timeout=5.0, rows=True)
     return conn
 
 
@@ -49,7 +49,7 @@ def _reads_left(paths: Paths, session_ids: list[str]) -> dict[str, int]:
         return {}
     try:
         return query.quota_remaining(conn, session_ids)
-    except sqlite3.Error:
+    except auditdb.ERRORS:
         return {}
     finally:
         conn.close()
@@ -152,7 +152,7 @@ def _proof_states(conn: sqlite3.Connection) -> tuple[int, list[int], list[dict[s
             (int(r[0]), str(r[1] or ""))
             for r in conn.execute("SELECT size, last_error FROM ledger_anchors WHERE state = 'rejected' ORDER BY size")
         ]
-    except sqlite3.Error:
+    except auditdb.ERRORS:
         return 0, [], [], []
     return cp, [a["size"] for a in anchors], anchors, rejected
 
@@ -176,7 +176,7 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
     try:
         try:
             events = query.query_events(conn, flt).events
-        except sqlite3.OperationalError:  # no event log yet (the guard has not opened this audit.db)
+        except auditdb.OPERATIONAL:  # no event log yet (the guard has not opened this audit.db)
             return []
         cp, sizes, anchors, rejected = _proof_states(conn)
     finally:
@@ -234,7 +234,7 @@ def known_agents_and_sessions(paths: Paths) -> tuple[list[str], list[str]]:
         return [], []
     try:
         return query.known_agents(conn), query.known_sessions(conn)
-    except sqlite3.Error:
+    except auditdb.ERRORS:
         return [], []
     finally:
         conn.close()
@@ -257,7 +257,7 @@ def activity(paths: Paths, *, hours: int = 24, now: float | None = None) -> dict
     out: dict[str, list[tuple[int, int]]] = {}
     try:
         rows = query.hourly_counts(conn, since=start, exclude_actions=SESSION_ACTIONS)
-    except sqlite3.Error:
+    except auditdb.ERRORS:
         return {}
     finally:
         conn.close()

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from gateway.atrest import auditdb
 from gateway.cli import userlog
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
@@ -66,7 +66,7 @@ def readers(paths: Paths, key: str) -> list[tuple[str, int]]:
     """Agents that read ``key`` by key, allowed, with how many times (newest events first, bounded)."""
     if not paths.audit_db.exists():
         return []
-    conn = sqlite3.connect(f"file:{paths.audit_db}?mode=ro", uri=True, timeout=5.0)
+    conn = auditdb.connect(paths.audit_db, readonly=True, timeout=5.0)
     try:
         rows = conn.execute(
             "SELECT json_extract(body, '$.agent_id'), count(*) FROM ledger_events WHERE body IS NOT NULL "
@@ -74,7 +74,7 @@ def readers(paths: Paths, key: str) -> list[tuple[str, int]]:
             "AND json_extract(body, '$.allowed') IN (1, 'true') GROUP BY 1 ORDER BY 2 DESC LIMIT ?",
             (key, MAX_READERS),
         ).fetchall()
-    except sqlite3.OperationalError:
+    except auditdb.OPERATIONAL:
         return []
     finally:
         conn.close()

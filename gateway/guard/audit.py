@@ -58,6 +58,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gateway import contract
+from gateway.atrest import auditdb
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
 from gateway.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
@@ -114,6 +115,9 @@ COLUMNS = (
     "via",
 )
 MAX_AUDIT_PAGE = 1000
+
+# what a failed batch raises (before the general clause: LedgerError is a UompError)
+_WRITE_FAILURES: tuple[type[Exception], ...] = (LedgerError, OSError, *auditdb.ERRORS)
 
 
 MAX_PENDING_ROWS = 100_000  # rows waiting for the writer (beyond: STORE_UNAVAILABLE)
@@ -333,11 +337,17 @@ class AuditLog:
         self.path = path
         self.retention_days = retention_days
         try:
-            self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
-            self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout)
+
+            def opener(p: Path) -> Any:  # a sealed home's audit.db is SQLCipher (gateway/atrest/auditdb.py)
+                return auditdb.connect(p, timeout=busy_timeout, check_same_thread=False, rows=True)
+
+            self._read = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout, opener=opener)
+            self._write = connect(path, schema=SCHEMA, what="audit log", busy_timeout=busy_timeout, opener=opener)
         except UompError as exc:
-            if isinstance(exc.__cause__, sqlite3.DatabaseError) and not isinstance(
-                exc.__cause__, sqlite3.OperationalError
+            if (
+                exc.code != ErrorCode.AUDIT_LOG_DAMAGED  # auditdb's refusal already says why
+                and isinstance(exc.__cause__, auditdb.DATABASE)
+                and not isinstance(exc.__cause__, auditdb.OPERATIONAL)
             ):
                 raise integrity.refusal(
                     ErrorCode.AUDIT_LOG_DAMAGED,
@@ -374,11 +384,11 @@ class AuditLog:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'"
             ) from exc
-        except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError):
+        except auditdb.DATABASE as exc:
+            if isinstance(exc, auditdb.OPERATIONAL):
                 raise db_error(exc, what="audit log") from exc
             raise integrity.refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"{path.name} cannot be read ({exc})") from exc
-        except sqlite3.Error as exc:
+        except auditdb.ERRORS as exc:
             raise db_error(exc, what="audit log") from exc
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
         self._maint = threading.Lock()  # the write connection: writer thread vs purge/replay
@@ -430,7 +440,7 @@ class AuditLog:
                     ledger.store_checkpoint(checked.recover, time.time())  # (another opener may have already)
                 conn.execute("COMMIT")
             except BaseException:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*auditdb.ERRORS):
                     conn.execute("ROLLBACK")
                 raise
             ledger.reload()
@@ -610,10 +620,10 @@ class AuditLog:
             out = body(conn)
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*auditdb.ERRORS):
                 conn.execute("ROLLBACK")
             if self.ledger is not None:
-                with contextlib.suppress(sqlite3.Error, LedgerError):
+                with contextlib.suppress(*auditdb.ERRORS, LedgerError):
                     self.ledger.reload()
             raise
         return out
@@ -642,19 +652,19 @@ class AuditLog:
                 if exc.code in (ErrorCode.AUDIT_LOG_INCONSISTENT, ErrorCode.AUDIT_LOG_DAMAGED):
                     self.refuse(exc)
                 raise
-            except sqlite3.Error as exc:
+            except auditdb.ERRORS as exc:
                 raise self._write_error(exc) from exc
             if not due:
                 return
             try:  # the events are durable: a checkpoint that fails now is retried at the next batch or probe
                 self._transaction(self._sign)
-            except (LedgerError, OSError, sqlite3.Error) as exc:  # (a UompError too: before the general clause)
+            except _WRITE_FAILURES as exc:  # (a UompError too: before the general clause)
                 log.warning("audit log: checkpoint not signed: %s", type(exc).__name__)
             except UompError as exc:
                 log.warning("audit log: checkpoint not signed: %s", exc.code)
 
     @staticmethod
-    def _write_error(exc: sqlite3.Error) -> UompError:
+    def _write_error(exc: Exception) -> UompError:
         err = db_error(exc, what="audit log")
         if err.code == ErrorCode.STORE_UNAVAILABLE:
             err = UompError(
@@ -681,7 +691,7 @@ class AuditLog:
                     ErrorCode.STORE_UNAVAILABLE,
                     f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'",
                 ) from exc
-            except sqlite3.Error as exc:
+            except auditdb.ERRORS as exc:
                 raise db_error(exc, what="audit log") from exc
             last = ledger.latest_checkpoint()
             after = last[0].size if last is not None else 0
@@ -843,10 +853,10 @@ class AuditLog:
                         n, since = ledger.prune_slice(since, cutoff, PURGE_SLICE_EVENTS)
                         conn.execute("COMMIT")
                     except BaseException:
-                        with contextlib.suppress(sqlite3.Error):
+                        with contextlib.suppress(*auditdb.ERRORS):
                             conn.execute("ROLLBACK")
                         raise
-                except sqlite3.Error as exc:
+                except auditdb.ERRORS as exc:
                     raise db_error(exc, what="audit log") from exc
             total += n
             if n < PURGE_SLICE_EVENTS:
@@ -856,10 +866,10 @@ class AuditLog:
         return total
 
     def _oldest_body_ts(self) -> float | None:
-        conn = sqlite3.connect(self.path, timeout=DEFAULT_BUSY_TIMEOUT_SECONDS)
+        conn = auditdb.connect(self.path, timeout=DEFAULT_BUSY_TIMEOUT_SECONDS)
         try:
             return oldest_body_ts(conn)
-        except sqlite3.Error as exc:
+        except auditdb.ERRORS as exc:
             raise db_error(exc, what="audit log") from exc
         finally:
             conn.close()
@@ -889,9 +899,9 @@ class AuditLog:
             conn.execute("DROP TABLE audit_logs")
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*auditdb.ERRORS):
                 conn.execute("ROLLBACK")
-            with contextlib.suppress(sqlite3.Error, LedgerError):
+            with contextlib.suppress(*auditdb.ERRORS, LedgerError):
                 ledger.reload()
             raise
         if moved:

@@ -70,6 +70,7 @@ from gateway.anchor.base import (
     SessionRevoked,
     Submitted,
 )
+from gateway.atrest import auditdb
 from gateway.durable import fault_point
 from gateway.ledger.log import ANCHOR_SCHEMA
 
@@ -140,7 +141,7 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
                 conn.execute(f"ALTER TABLE ledger_anchors ADD COLUMN {name} {decl}")
                 if name == "events_fixed":  # rows from before may have been sent without facts: keep them so
                     conn.execute("UPDATE ledger_anchors SET events_fixed = 1")
-            except sqlite3.OperationalError as exc:
+            except auditdb.OPERATIONAL as exc:
                 if "duplicate column" not in str(exc):  # another process added it first: fine
                     raise  # busy (the writer holds the lock): the caller tries again next round
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_anchor_scan'").fetchone() is None:
@@ -284,7 +285,7 @@ def derive_facts(conn: sqlite3.Connection, *, now: float | None = None, batch: i
             moved = int(top) - cursor
         conn.execute("COMMIT")
     except BaseException:
-        with contextlib.suppress(sqlite3.Error):
+        with contextlib.suppress(*auditdb.ERRORS):
             conn.execute("ROLLBACK")
         raise
     return moved
@@ -467,7 +468,7 @@ def backlog(conn: sqlite3.Connection, *, now: float | None = None) -> dict[str, 
 def counts_of(db_path: Path) -> dict[str, int] | None:
     """The backlog's counts per state, read-only (metrics); None while there is no readable table."""
     try:
-        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=0.5)
+        conn = auditdb.connect(db_path, readonly=True, timeout=0.5)
         try:
             counts = {s: 0 for s in STATES}
             for state, n in conn.execute("SELECT state, COUNT(*) FROM ledger_anchors GROUP BY state"):
@@ -475,7 +476,7 @@ def counts_of(db_path: Path) -> dict[str, int] | None:
             return counts
         finally:
             conn.close()
-    except sqlite3.Error:
+    except auditdb.ERRORS_OR_REFUSED:  # no table yet, locked, or a sealed home not unlocked here
         return None
 
 
@@ -547,11 +548,11 @@ class Anchorer:
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
-            conn = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=2.0)
+            conn = auditdb.connect(self.db_path, check_same_thread=False, timeout=2.0)
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
                 ensure_schema(conn)
-            except sqlite3.Error:
+            except auditdb.ERRORS:
                 conn.close()
                 raise
             self._conn = conn
@@ -668,7 +669,7 @@ class Anchorer:
                 conn.execute("UPDATE ledger_anchors SET events_fixed = 1 WHERE size = ?", (size,))
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*auditdb.ERRORS):
                 conn.execute("ROLLBACK")
             raise
 

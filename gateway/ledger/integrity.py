@@ -38,6 +38,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from gateway.atrest import auditdb
 from gateway.core import merkle
 from gateway.core.checkpoint import Checkpoint, NoteError
 from gateway.errors import ErrorCode, UompError
@@ -58,6 +59,9 @@ FIX = {
         "run 'uomp audit verify' for the first bad event and restore audit.db from a backup (docs/audit.md)"
     ),
 }
+
+# a file SQLite does not read, or a tree that does not prove
+_DAMAGED: tuple[type[Exception], ...] = (*auditdb.DATABASE, merkle.ProofError)
 
 
 def refusal(code: ErrorCode, problem: str, *, first_bad_seq: int | None = None) -> UompError:
@@ -245,7 +249,7 @@ def check_log(
         if report.ok and witness is not None and newest < witness.checkpoint.size:
             recover = witness.note
         return Checked(report_refusal(report), size, after, recover, wsize)
-    except (sqlite3.DatabaseError, merkle.ProofError) as exc:
+    except _DAMAGED as exc:
         return Checked(
             refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({type(exc).__name__}: {exc})"), 0, 0
         )
@@ -260,7 +264,7 @@ def home_state(audit_db: Path, witness_path: Path, *, origin: str, public_key: E
     try:
         witness = read_witness(witness_path, origin=origin, public_key=public_key)
         out["witness_size"] = None if witness is None else witness.checkpoint.size
-        conn = sqlite3.connect(f"file:{audit_db}?mode=ro", uri=True, isolation_level=None, timeout=2.0)
+        conn = auditdb.connect(audit_db, readonly=True, timeout=2.0)
         try:
             if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_events'").fetchone() is None:
                 return out  # not opened by a guard yet
@@ -272,10 +276,12 @@ def home_state(audit_db: Path, witness_path: Path, *, origin: str, public_key: E
         out["events"] = checked.events
         error = checked.error
     except UompError as exc:
+        if exc.code == ErrorCode.SECRETS_LOCKED:  # a sealed home not unlocked here: not a finding about the log
+            return {**out, "ok": None, "message": f"audit.db could not be checked ({exc.message})"}
         error = exc
-    except sqlite3.OperationalError as exc:  # locked, or cannot be opened: not a finding about the log
+    except auditdb.OPERATIONAL as exc:  # locked, or cannot be opened: not a finding about the log
         return {**out, "ok": None, "message": f"audit.db could not be checked ({exc})"}
-    except sqlite3.DatabaseError as exc:
+    except auditdb.DATABASE as exc:
         error = refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({exc})")
     if error is not None:
         out.update(

@@ -1,5 +1,6 @@
 """The guard on a sealed home: its background full audit verification runs in a child process,
-which gets the master key on a pipe (no passphrase source in its environment) and verifies."""
+which gets the master key on a pipe (no passphrase source in its environment) and verifies the
+audit log, encrypted at rest under the key the child derives from it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from guardkit import guard_config, running_guard
 from test_sealed_keys import FAST, PASSPHRASE, make_home
 
-from gateway.atrest import migrate, vault
+from gateway.atrest import auditdb, migrate, vault
 
 
 @pytest.fixture(autouse=True)
@@ -32,5 +33,6 @@ async def test_the_background_full_verify_opens_the_sealed_audit_key(caplog: pyt
             if any("verified in full" in m or "did not run" in m for m in said):
                 break
             await asyncio.sleep(0.05)
+    assert auditdb.is_encrypted(paths.audit_db)
     assert any("verified in full" in m for m in said), said
     assert not any("did not run to its end" in m for m in said), said
