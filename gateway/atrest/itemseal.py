@@ -8,7 +8,8 @@ triggers copy from it) as one JSON string::
 The AES-256-GCM key is derived per item: ``HKDF-SHA256(root, info = "uomp-sealed-item/1" 0x00 key)``,
 and the associated data is the item's key and sensitivity, so a blob copied to another key,
 relabelled (``sensitivity`` changed in the file), taken from another home or changed in any byte
-does not open (``ITEM_SEAL_INVALID``). The root is 32 random bytes in ``.secrets/items.key``, one
+does not open (``ITEM_SEAL_INVALID``). The root is 32 random bytes in ``.secrets/items.key`` (a JWK,
+``kty: oct``), one
 of the home's key files (:func:`gateway.atrest.journal.sealed_files`): sealed under the master key
 in a sealed home, a 0600 file in a plain one; ``uomp secrets seal`` / ``unseal`` move it like the
 other keys, so the sealed values never need rewriting. ``memory.db`` alone (even decrypted with
@@ -46,6 +47,7 @@ MARKER = "uomp-sealed-item/1:"
 STORED_PREFIX = '"' + MARKER
 SEALED = "high"  # the sensitivity whose values are sealed
 ROOT_BYTES = 32
+KEY_USE = "uomp-sealed-item/1"
 _INFO = b"uomp-sealed-item/1\0"
 
 
@@ -91,15 +93,10 @@ class ItemSealer:
 
     def seal(self, key: str, sensitivity: str, text: str) -> str:
         """The stored text for the value text ``text`` of an item: sealed when ``sensitivity`` is
-        high (a blob already sealed for this key and sensitivity is kept as it is, after checking
-        that it opens); otherwise ``text``, refused if it carries the sealed marker."""
-        if is_sealed_text(text):
-            if sensitivity != SEALED:
-                return refuse_marker(key, text)
-            self.open(key, sensitivity, text)  # raises unless it belongs exactly here
-            return text
+        high (whatever the text holds); otherwise ``text``, refused if it carries the sealed
+        marker."""
         if sensitivity != SEALED:
-            return text
+            return refuse_marker(key, text)
         nonce = secrets.token_bytes(12)
         ct = self._aead(key).encrypt(nonce, text.encode("utf-8"), _aad(key, sensitivity))
         return json.dumps(MARKER + base64.b64encode(nonce + ct).decode("ascii"))
@@ -150,15 +147,19 @@ def sealer_for(paths: Paths) -> ItemSealer:
     with contextlib.suppress(FileNotFoundError):
         return _sealer_of(path, vault.read_key(path))
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    vault.create_key(path, secrets.token_bytes(ROOT_BYTES).hex().encode() + b"\n")
+    k = base64.urlsafe_b64encode(secrets.token_bytes(ROOT_BYTES)).rstrip(b"=").decode("ascii")
+    vault.create_key(path, json.dumps({"kty": "oct", "use": KEY_USE, "k": k}).encode() + b"\n")
     return _sealer_of(path, vault.read_key(path))
 
 
 def _sealer_of(path: Path, raw: bytes) -> ItemSealer:
     try:
-        root = bytes.fromhex(raw.decode("ascii").strip())
-        return ItemSealer(root)
-    except (ValueError, UnicodeDecodeError):
+        jwk = json.loads(raw)
+        if not isinstance(jwk, dict) or jwk.get("kty") != "oct" or jwk.get("use") != KEY_USE:
+            raise ValueError("not an item key")
+        k = str(jwk["k"])
+        return ItemSealer(base64.urlsafe_b64decode(k + "=" * (-len(k) % 4)))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, binascii.Error):
         raise UompError(
             ErrorCode.KEY_ERROR,
             f"{path} is not a readable item key; restore it from a backup of this home (without it the "

@@ -487,8 +487,8 @@ class MemoryStore(MemoryStorage):
 
     def seal_text(self, key: str, sensitivity: str, text: str) -> str:
         """The stored text of an item's value text: sealed when the store has a sealer and the item
-        is high (:mod:`gateway.atrest.itemseal`); a value carrying the sealed marker is refused
-        unless it is a blob that opens for exactly this key and sensitivity."""
+        is high (:mod:`gateway.atrest.itemseal`); a value of another sensitivity carrying the
+        sealed marker is refused (INVALID_REQUEST)."""
         if self._sealer is None:
             return itemseal.refuse_marker(key, text)
         return self._sealer.seal(key, sensitivity, text)
@@ -547,7 +547,8 @@ class MemoryStore(MemoryStorage):
         args = {"n": len(itemseal.STORED_PREFIX), "prefix": itemseal.STORED_PREFIX}
         with self._guard():
             found = conn.execute(
-                f"SELECT EXISTS (SELECT 1 FROM items WHERE {clear}) OR EXISTS (SELECT 1 FROM item_versions WHERE {clear})",
+                f"SELECT EXISTS (SELECT 1 FROM items WHERE {clear}) "
+                f"OR EXISTS (SELECT 1 FROM item_versions WHERE {clear})",
                 args,
             ).fetchone()[0]
             if not found:

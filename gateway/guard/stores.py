@@ -46,8 +46,9 @@ def open_memory_store(paths: Paths, cfg: GuardConfig) -> MemoryStorage:
 
 def open_user_store(paths: Paths, cfg: GuardConfig | None = None) -> MemoryStore:
     """``memory.db`` as the user's tools open it: created if absent, SQLCipher under the home's key
-    in a sealed home, high-sensitivity values sealed per item (:mod:`gateway.atrest.itemseal`), the history retention of ``[guard] history_max_versions`` applied (``cfg``,
-    else the home's config file)."""
+    in a sealed home, high-sensitivity values sealed per item (:mod:`gateway.atrest.itemseal`), the
+    history retention of ``[guard] history_max_versions`` applied (``cfg``, else the home's config
+    file)."""
     if cfg is None:
         cfg = load_section(GuardConfig, "guard", file=paths.config_file)
     store = MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths), sealer=itemseal.sealer_for(paths))
