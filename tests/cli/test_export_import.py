@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from guardkit import seed
 
-from gateway.cli.main import main
 from gateway.atrest import itemseal
+from gateway.cli.main import main
 from gateway.config import Paths
 from gateway.keys import init_home
 
