@@ -98,7 +98,7 @@ def test_high_values_are_sealed_in_the_file_and_open_on_an_authorized_read(kind:
         store.put(changed, replace=True)  # the first version goes to item_versions
         got = store.get("bank.pin")
         assert got is not None and got.value == {"pin": HIGH_MARK + "-v2"}
-        meta, item = store.get_if("bank.pin", lambda m: m is not None)
+        _meta, item = store.get_if("bank.pin", lambda m: m is not None)
         assert item is not None and item.value["pin"] == HIGH_MARK + "-v2"
         flt = ReadFilter(keys=("bank.pin",))
         page, _ = store.tag_page("bank", flt, after=None, limit=10, max_bytes=1 << 20)
@@ -234,8 +234,8 @@ def test_the_sealing_of_an_old_store_killed_before_its_commit_leaves_it_whole(tm
     arm = tmp_path / "arm"
     arm.touch()
     script = (
-        "import sys; from pathlib import Path; from gateway.config import Paths; from gateway.guard.stores import open_user_store; "
-        + ("open_user_store(Paths(Path(sys.argv[1]))).close()")
+        "import sys; from pathlib import Path; from gateway.config import Paths; "
+        "from gateway.guard.stores import open_user_store; open_user_store(Paths(Path(sys.argv[1]))).close()"
     )
     env = {**os.environ, "UOMP_FAULT": "atrest.items_sealed_before_commit", "UOMP_FAULT_ARM": str(arm)}
     res = subprocess.run(
