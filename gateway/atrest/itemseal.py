@@ -53,7 +53,7 @@ _INFO = b"uomp-sealed-item/1\0"
 
 def items_key_path(paths: Paths) -> Path:
     """The home's item-sealing root key file."""
-    return paths.secrets / "items.key"
+    return paths.items_key
 
 
 def is_sealed_text(text: object) -> bool:

@@ -35,6 +35,12 @@ usable from any thread (``check_same_thread=False``), serialised by a lock; long
 aggregates) use a second, query-only connection with its own lock, so a scan of a million items
 never holds up a read by key or a write.
 
+Values of ``sensitivity: high`` items are sealed per item when the store has the home's sealer
+(:mod:`gateway.atrest.itemseal`): sealed on every write (:meth:`MemoryStore.seal_text`), opened
+only when an item is handed out whole (:meth:`MemoryStore.open_text`), sealed on open where an older
+writer left them in clear; numeric aggregates that would include one are refused
+(``AGGREGATE_HIGH_SENSITIVITY``).
+
 Failures: every ``sqlite3`` error (file missing with ``create=False``, locked past the timeout,
 not a database, corrupt, disk full, I/O error, closed) becomes
 ``UompError(ErrorCode.STORE_UNAVAILABLE, <fixed sentence>)`` with the SQLite error name in

@@ -44,6 +44,9 @@ async def test_aggregate_refuses_high_items_by_key(home: Paths) -> None:
         status, body, _ = await call(s, "GET", agg.format(op="sum"), token=with_high)
         assert status == 403 and body["error"]["code"] == "AGGREGATE_HIGH_SENSITIVITY", body
         assert "result" not in body and MARK not in json.dumps(body) and "100" not in body["error"]["message"]
+        tracked = (await grant(s, home, read={"tags": ["bank"], "keys": ["bank.pin"]}))["token"]  # history check on
+        status, body, _ = await call(s, "GET", agg.format(op="avg"), token=tracked)
+        assert status == 403 and body["error"]["code"] == "AGGREGATE_HIGH_SENSITIVITY", body
         status, body, _ = await call(s, "GET", "/v1/memory/aggregate?tag=bank&op=count", token=with_high)
         assert status == 200 and body["result"] == 4, body
         status, body, _ = await call(s, "GET", "/v1/memory/bank.pin", token=with_high)
@@ -67,4 +70,4 @@ async def test_aggregate_refuses_high_items_by_key(home: Paths) -> None:
     finally:
         conn.close()
     refused = [e for e in events if not e["allowed"]]
-    assert len(refused) == 1 and "AGGREGATE_HIGH_SENSITIVITY" in json.dumps(refused[0]), events
+    assert len(refused) == 2 and all("AGGREGATE_HIGH_SENSITIVITY" in json.dumps(e) for e in refused), events
