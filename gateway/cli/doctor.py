@@ -387,6 +387,7 @@ def run_checks(paths: Paths) -> Report:
     plain = not paths.master_slot.exists()
     _check_private(r, paths.private_jwk, "signing key", plain=plain)
     _check_private(r, paths.admin_credential, "admin credential", plain=plain)
+    _check_private(r, paths.items_key, "item sealing key", plain=plain)  # made by the store's first open
     _at_rest(r, paths)
     gcfg, guard, tunnel = _configs(r, paths)
     steps += [
