@@ -80,6 +80,11 @@ class Paths:
         return self.secrets / "admin-token"
 
     @property
+    def items_key(self) -> Path:
+        """The root key of the high-sensitivity items' per-item sealing (gateway/atrest/itemseal.py)."""
+        return self.secrets / "items.key"
+
+    @property
     def memory_db(self) -> Path:
         return self.home / "memory.db"
 

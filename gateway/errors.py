@@ -48,6 +48,8 @@ class ErrorCode(StrEnum):
     KEY_ERROR = "KEY_ERROR"  # a key file is missing, unreadable or malformed
     SECRETS_LOCKED = "SECRETS_LOCKED"  # the keys are sealed and no passphrase (or keychain) unlocked them
     PASSPHRASE_WRONG = "PASSPHRASE_WRONG"  # the passphrase does not open this home's sealed master key
+    # a high-sensitivity item's sealed value does not open (moved, relabelled, another home's, damaged)
+    ITEM_SEAL_INVALID = "ITEM_SEAL_INVALID"
     BACKUP_INVALID = "BACKUP_INVALID"  # a backup file that is damaged, truncated or not a UOMP backup
     BACKUP_KEY_WRONG = "BACKUP_KEY_WRONG"  # the backup is encrypted to another recipient, or to a passphrase / identity
     HOME_NOT_EMPTY = "HOME_NOT_EMPTY"  # a restore onto a data directory that already holds files
@@ -74,6 +76,8 @@ class ErrorCode(StrEnum):
     INTERNAL = "INTERNAL"
     # an aggregate of amounts in more than one currency (docs/aggregates.md "Currencies")
     AGGREGATE_MIXED_CURRENCY = "AGGREGATE_MIXED_CURRENCY"
+    # a sum, average, min or max that would include high-sensitivity items (sealed per item, read by key only)
+    AGGREGATE_HIGH_SENSITIVITY = "AGGREGATE_HIGH_SENSITIVITY"
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     PAYLOAD_HASH_MISMATCH = "PAYLOAD_HASH_MISMATCH"  # the ciphertext received is not what the envelope's hash names
     PAYLOAD_SIZE_MISMATCH = "PAYLOAD_SIZE_MISMATCH"  # the ciphertext received is not as long as the envelope's size
@@ -135,6 +139,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.KEY_ERROR: 500,
     ErrorCode.SECRETS_LOCKED: 503,
     ErrorCode.PASSPHRASE_WRONG: 401,
+    ErrorCode.ITEM_SEAL_INVALID: 500,
     ErrorCode.BACKUP_INVALID: 400,
     ErrorCode.BACKUP_KEY_WRONG: 401,
     ErrorCode.HOME_NOT_EMPTY: 409,
@@ -157,6 +162,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.AUDIT_LOG_DAMAGED: 503,
     ErrorCode.INTERNAL: 500,
     ErrorCode.AGGREGATE_MIXED_CURRENCY: 400,
+    ErrorCode.AGGREGATE_HIGH_SENSITIVITY: 403,
     # payload relay (gateway/payloads/store.py, gateway/remote/payload_routes.py)
     ErrorCode.PAYLOAD_HASH_MISMATCH: 400,
     ErrorCode.PAYLOAD_SIZE_MISMATCH: 400,

@@ -5,6 +5,8 @@
 * :mod:`gateway.atrest.vault`: the process's unlocked master keys, where a passphrase comes from,
   and the two calls every key loader and writer goes through (:func:`~gateway.atrest.vault.read_key`,
   :func:`~gateway.atrest.vault.write_key`);
+* :mod:`gateway.atrest.itemseal`: the values of high-sensitivity memory items sealed one by one
+  (AES-256-GCM, a key per item), under ``.secrets/items.key``;
 * :mod:`gateway.atrest.migrate`: ``uomp secrets seal`` / ``unseal``, one journal, crash-safe;
 * :mod:`gateway.atrest.backup`: ``uomp backup create | verify | restore``, to a passphrase or to an
   X25519 recipient (:mod:`gateway.atrest.recipient`).

@@ -149,5 +149,6 @@ def sealed_files(paths: Paths) -> list[tuple[Path, str]]:
         paths.ca_key,
         paths.gateway_key,
         paths.admin_credential,
+        paths.items_key,  # gateway.atrest.itemseal's root
     ]
     return [(f, f"{f.parent.name}/{f.name}") for f in files]

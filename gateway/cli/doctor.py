@@ -19,9 +19,15 @@ from urllib.parse import urlsplit
 from gateway import appliance, ca_store
 from gateway.cli.main import paths_from
 from gateway.config import GatewayConfig, GuardConfig, Paths, TunnelSettings, load_section
-from gateway.errors import UompError
+from gateway.errors import ErrorCode, UompError
 
 CERT_WARN_DAYS = 7
+# How to give a sealed home's passphrase to a one-shot command (gateway/atrest/vault.py's sources).
+UNLOCK_FIX = (
+    "give the passphrase to check them: run 'uomp doctor' in a terminal (it asks), or "
+    "UOMP_PASSPHRASE_FILE=FILE uomp doctor (systemd: LoadCredential=uomp-passphrase:FILE; or the keychain "
+    "after 'uomp secrets seal --keyring')"
+)
 
 
 class Report:
@@ -41,6 +47,10 @@ class Report:
 
     def note(self, text: str) -> None:
         self.lines.append(f"note     {text}")
+
+    def locked(self, text: str, fix: str) -> None:
+        """A sealed key that could not be checked because nothing unlocked it: not a problem."""
+        self.lines.append(f"locked   {text}\n         fix: {fix}")
 
 
 def _mode(p: Path) -> int:
@@ -95,9 +105,15 @@ def _ca(r: Report, paths: Paths, gcfg: GatewayConfig | None) -> None:
     _check_private(r, ca_store.ca_key_path(paths), "CA key", plain=plain)
     _check_private(r, ca_store.server_key_path(paths), "gateway key", plain=plain)
     bad, good = homefiles.check(paths)
+    locked = [f for f in bad if f.cause is ErrorCode.SECRETS_LOCKED]
     for f in bad:
-        if f.path not in r.flagged:
+        if f.path not in r.flagged and f not in locked:
             r.problem(f"{f.what} {f.path} {f.problem}", f.fix)
+    if locked:
+        r.locked(
+            "sealed, not checked (no passphrase given): " + ", ".join(f.what for f in locked),
+            UNLOCK_FIX,
+        )
     for line in good:
         r.ok(f"{line} (parsed)")
     cp = ca_store.server_cert_path(paths)
@@ -343,6 +359,14 @@ def _at_rest(r: Report, paths: Paths) -> None:
     elif state["sealed"]:
         r.ok(line)
         _audit_at_rest(r, paths)
+        try:
+            vault.master(paths)
+        except UompError as exc:
+            if exc.code is ErrorCode.SECRETS_LOCKED:
+                r.locked("the keys are locked: sealed, and no passphrase was given to this command", UNLOCK_FIX)
+            else:
+                problem, _, fix = exc.message.partition("; ")
+                r.problem(f"{exc.code.value}: {problem}", fix or "see the message")
     else:
         r.note(line)
 
@@ -377,6 +401,7 @@ def run_checks(paths: Paths) -> Report:
     plain = not paths.master_slot.exists()
     _check_private(r, paths.private_jwk, "signing key", plain=plain)
     _check_private(r, paths.admin_credential, "admin credential", plain=plain)
+    _check_private(r, paths.items_key, "item sealing key", plain=plain)  # made by the store's first open
     _at_rest(r, paths)
     gcfg, guard, tunnel = _configs(r, paths)
     steps += [

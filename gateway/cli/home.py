@@ -21,6 +21,8 @@ def _init(args: argparse.Namespace) -> int:
 
     paths = paths_from(args, needs_init=False)
     appliance.check_home_writable(paths.home)
+    if sealed_and_locked(paths):
+        return _init_locked(paths, bool(args.hostname))
     if args.hostname:
         gcfg = load_section(GatewayConfig, "gateway", file=paths.config_file)
         urls = [appliance.normalize_public_url(h, default_port=gcfg.listen_port) for h in args.hostname]
@@ -38,6 +40,66 @@ def _init(args: argparse.Namespace) -> int:
     print(f"data directory: {paths.home}")
     for what, new in made.items():
         print(f"  {what}: {'created' if new else 'kept'}")
+    return 0
+
+
+def sealed_and_locked(paths: Paths) -> bool:
+    """True for a sealed home that nothing unlocks for this command (no passphrase file, credential,
+    keychain or terminal answer)."""
+    from gateway.atrest import vault
+    from gateway.errors import ErrorCode, UompError
+
+    if not paths.secrets.exists() or not vault.is_sealed_home(paths):
+        return False
+    try:
+        vault.master(paths)
+    except UompError as exc:
+        if exc.code is ErrorCode.SECRETS_LOCKED:
+            return True
+        raise
+    return False
+
+
+def _init_locked(paths: Paths, hostname: bool) -> int:
+    """``uomp init`` again on a sealed home without its passphrase: nothing to make is fine (every
+    file is there; none is opened), anything to make or a ``--hostname`` (a new gateway
+    certificate) is SECRETS_LOCKED naming what needs the keys and how to give the passphrase."""
+    from gateway import ca_store
+    from gateway.atrest import itemseal, journal, vault
+    from gateway.errors import ErrorCode, UompError
+
+    give = (
+        f"give the passphrase: run 'uomp init' in a terminal (it asks), or {vault.PASSPHRASE_FILE_ENV}=FILE uomp "
+        f"init (systemd: LoadCredential={vault.CREDENTIAL_NAME}:FILE)"
+    )
+    if hostname:
+        raise UompError(
+            ErrorCode.SECRETS_LOCKED,
+            f"the keys of {paths.home} are sealed and locked: --hostname re-issues the gateway certificate "
+            f"with the sealed CA key; {give}",
+        )
+    wanted = [f for f, _role in journal.sealed_files(paths) if f != itemseal.items_key_path(paths)]
+    wanted += [
+        paths.public_jwk,
+        ca_store.ca_cert_path(paths),
+        ca_store.server_cert_path(paths),
+        ca_store.crl_path(paths),
+    ]
+    wanted += [paths.memory_db, itemseal.items_key_path(paths)]
+    missing = [f for f in wanted if not f.exists()]
+    if missing:
+        names = ", ".join(str(f.relative_to(paths.home)) for f in missing)
+        raise UompError(
+            ErrorCode.SECRETS_LOCKED,
+            f"the keys of {paths.home} are sealed and locked, and uomp init must make {names} with them; {give}",
+        )
+    print(f"data directory: {paths.home}")
+    for f in wanted:
+        print(f"  {f.relative_to(paths.home)}: kept")
+    print(
+        "the keys are sealed and locked: nothing was made or opened; to check them and renew the gateway "
+        f"certificate or CRL when due, {give}"
+    )
     return 0
 
 

@@ -36,18 +36,19 @@ class FileProblem:
     problem: str  # "is missing" or what is wrong with it
     fix: str
     code: ErrorCode = ErrorCode.KEY_ERROR
+    cause: ErrorCode | None = None  # the code of the error that loading it raised, if any
 
     def error(self) -> UompError:
         return UompError(self.code, f"{self.what} {self.path} {self.problem}; {self.fix}")
 
 
-def _loads(check: Callable[[], object]) -> str | None:
+def _loads(check: Callable[[], object]) -> tuple[str, ErrorCode | None] | None:
     try:
         check()
     except UompError as exc:
-        return exc.message
+        return exc.message, exc.code
     except (OSError, ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}", None
     return None
 
 
@@ -69,9 +70,10 @@ def check(paths: Paths) -> tuple[list[FileProblem], list[str]]:
         if not path.exists():
             bad.append(FileProblem(path, what, "is missing", fix_missing, code))
             return False
-        why = _loads(load)
-        if why is not None:
-            bad.append(FileProblem(path, what, f"cannot be used ({why})", fix_broken or restore, code))
+        failed = _loads(load)
+        if failed is not None:
+            why, cause = failed
+            bad.append(FileProblem(path, what, f"cannot be used ({why})", fix_broken or restore, code, cause))
             return False
         good.append(f"{what} {path}")
         return True

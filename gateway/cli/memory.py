@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gateway.atrest import memdb
+from gateway.atrest import itemseal, memdb
 from gateway.cli import exchange, history, home, userlog
 from gateway.cli.main import paths_from
 from gateway.config import Paths
@@ -36,8 +36,9 @@ def _open_store(args: argparse.Namespace) -> MemoryStore:
 def _init_store(paths: Paths) -> dict[str, bool]:
     """``uomp init`` step: create the (empty) Memory Store if it is not there yet."""
     existed = paths.memory_db.exists()
-    MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths)).close()
-    return {"memory store": not existed}
+    had_key = itemseal.items_key_path(paths).exists()
+    MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths), sealer=itemseal.sealer_for(paths)).close()
+    return {"memory store": not existed, "item sealing key": not had_key}
 
 
 def _parse_value(text: str) -> Any:

@@ -57,12 +57,14 @@ class BulkHandle:
     holds it from ``__enter__`` to ``__exit__``, so the store's other threads wait. ``guarded()``
     holds it too and yields ``conn`` with every ``sqlite3`` failure turned into STORE_UNAVAILABLE.
     ``conn`` bare is for the ROLLBACK that must not raise. ``writer`` is the one open writer (None
-    when there is none); the store refuses its own writes while it is set."""
+    when there is none); the store refuses its own writes while it is set. ``seal`` turns a row as
+    :func:`row_of` makes it into the row stored (the store's per-item sealing of high values)."""
 
     conn: sqlite3.Connection
     lock: threading.RLock
     guarded: Callable[[], AbstractContextManager[sqlite3.Connection]]
     writer: BulkWriter | None = None
+    seal: Callable[[Row], Row] | None = None
 
 
 class BulkWriter:
@@ -140,6 +142,8 @@ class BulkWriter:
         (use :meth:`existing` to look keys up)."""
         self._check_open()
         row = row_of(item)
+        if self._handle.seal is not None:
+            row = self._handle.seal(row)
         if self.dry_run:
             self.written += 1
             return

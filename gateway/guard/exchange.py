@@ -50,7 +50,7 @@ MAX_IMPORT_BYTES = 2 * 1024 * 1024 * 1024
 MAX_HISTORY_ENTRIES = 10_000
 
 
-def _history_rows(conn: Any, key: str) -> list[dict[str, Any]]:
+def _history_rows(store: MemoryStorage, conn: Any, key: str) -> list[dict[str, Any]]:
     out = []
     for version, deleted, value, tags, sens, source, created, updated, desc, replaced in conn.execute(
         "SELECT version, deleted, value, tags, sensitivity, source, created_at, updated_at, description, "
@@ -63,7 +63,7 @@ def _history_rows(conn: Any, key: str) -> list[dict[str, Any]]:
         entry = {
             "version": version,
             "deleted": False,
-            "value": jsonio.loads(value),
+            "value": jsonio.loads(store.open_text(key, sens, value)),
             "tags": jsonio.loads(tags),
             "sensitivity": sens,
             "source": source,
@@ -88,7 +88,7 @@ def export_items(store: MemoryStorage) -> Iterator[dict[str, Any]]:
                 "FROM items WHERE key = ?",
                 (key,),
             ).fetchone()
-            hist = _history_rows(conn, key)
+            hist = _history_rows(store, conn, key)
         if row is None:
             top = max((h["version"] for h in hist), default=0)
             yield {"key": key, "deleted": True, "version": top, "history": hist}
@@ -96,7 +96,7 @@ def export_items(store: MemoryStorage) -> Iterator[dict[str, Any]]:
         value, tags, sens, source, created, updated, desc, version = row
         entry: dict[str, Any] = {
             "key": key,
-            "value": jsonio.loads(value),
+            "value": jsonio.loads(store.open_text(key, sens, value)),
             "tags": jsonio.loads(tags),
             "sensitivity": sens,
             "source": source,
@@ -264,7 +264,8 @@ def restore(store: MemoryStorage, entries: list[dict[str, Any]], *, replace: boo
                         conn.execute(
                             "INSERT OR REPLACE INTO item_versions (key, version, deleted, value, tags, sensitivity, "
                             "source, created_at, updated_at, description, replaced_at) VALUES (?,?,0,?,?,?,?,?,?,?,?)",
-                            (key, h["version"], encode_value(it.value), _tags_text(it.tags),
+                            (key, h["version"], store.seal_text(key, it.sensitivity, encode_value(it.value)),
+                             _tags_text(it.tags),
                              it.sensitivity, it.source, it.created_at, it.updated_at, it.description,
                              h.get("replaced_at") or utc_now()),
                         )  # fmt: skip
@@ -281,7 +282,8 @@ def restore(store: MemoryStorage, entries: list[dict[str, Any]], *, replace: boo
                 "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(key) DO UPDATE SET value = excluded.value, tags = excluded.tags, "
                 "sensitivity = excluded.sensitivity, source = excluded.source, created_at = excluded.created_at, "
                 "updated_at = excluded.updated_at, description = excluded.description",
-                (key, encode_value(item.value), tags_json, item.sensitivity, item.source, item.created_at,
+                (key, store.seal_text(key, item.sensitivity, encode_value(item.value)), tags_json,
+                 item.sensitivity, item.source, item.created_at,
                  item.updated_at, item.description),
             )  # fmt: skip
             conn.executemany("INSERT INTO item_tags (tag, item_key) VALUES (?, ?)", [(t, key) for t in item.tags])

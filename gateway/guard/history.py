@@ -43,14 +43,14 @@ def set_retention(store: MemoryStorage, max_versions: int) -> None:
         conn.execute("UPDATE history_settings SET max_versions = ? WHERE id = 1", (max_versions,))
 
 
-def _version_entry(row: tuple[Any, ...]) -> dict[str, Any]:
+def _version_entry(store: MemoryStorage, key: str, row: tuple[Any, ...]) -> dict[str, Any]:
     version, deleted, value, tags, sens, source, _created, updated, desc, replaced = row
     if deleted:
         return {"version": int(version), "deleted": True, "at": replaced}
     out: dict[str, Any] = {
         "version": int(version),
         "deleted": False,
-        "value": jsonio.loads(value),
+        "value": jsonio.loads(store.open_text(key, sens, value)),
         "tags": jsonio.loads(tags),
         "sensitivity": sens,
         "source": source,
@@ -88,7 +88,7 @@ def history(store: MemoryStorage, key: str, *, limit: int = 100) -> list[dict[st
             "version": int(version),
             "current": True,
             "deleted": False,
-            "value": jsonio.loads(value),
+            "value": jsonio.loads(store.open_text(key, sens, value)),
             "tags": jsonio.loads(tags),
             "sensitivity": sens,
             "source": source,
@@ -98,7 +98,7 @@ def history(store: MemoryStorage, key: str, *, limit: int = 100) -> list[dict[st
             entry["description"] = desc
         out.append(entry)
     for row in rows:
-        out.append(_version_entry(row))
+        out.append(_version_entry(store, key, row))
     for entry in out:
         if entry["version"] in agents:
             entry["agent_id"] = agents[entry["version"]]

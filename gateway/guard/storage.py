@@ -205,6 +205,16 @@ class MemoryStorage(Protocol):
         """False when there was no such item."""
         ...
 
+    def seal_text(self, key: str, sensitivity: str, text: str) -> str:
+        """The text to store for an item's encoded value (high values sealed per item, see
+        gateway/atrest/itemseal.py), for the modules that write ``items`` / ``item_versions`` rows
+        themselves."""
+        ...
+
+    def open_text(self, key: str, sensitivity: str, text: str) -> str:
+        """The encoded value behind a stored text, for a read the caller has authorized."""
+        ...
+
     def reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         """The store's connection for the tables kept beside the items in the same file (item
         versions and their retention, proposals: gateway/guard/history.py, proposals.py), reads."""

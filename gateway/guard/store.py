@@ -35,6 +35,12 @@ usable from any thread (``check_same_thread=False``), serialised by a lock; long
 aggregates) use a second, query-only connection with its own lock, so a scan of a million items
 never holds up a read by key or a write.
 
+Values of ``sensitivity: high`` items are sealed per item when the store has the home's sealer
+(:mod:`gateway.atrest.itemseal`): sealed on every write (:meth:`MemoryStore.seal_text`), opened
+only when an item is handed out whole (:meth:`MemoryStore.open_text`), sealed on open where an older
+writer left them in clear; numeric aggregates that would include one are refused
+(``AGGREGATE_HIGH_SENSITIVITY``).
+
 Failures: every ``sqlite3`` error (file missing with ``create=False``, locked past the timeout,
 not a database, corrupt, disk full, I/O error, closed) becomes
 ``UompError(ErrorCode.STORE_UNAVAILABLE, <fixed sentence>)`` with the SQLite error name in
@@ -75,11 +81,13 @@ from types import TracebackType
 from typing import Any
 
 from gateway import jsonio
-from gateway.atrest import memdb
+from gateway.atrest import itemseal, memdb
+from gateway.atrest.itemseal import ItemSealer
 from gateway.db import trim_wal
+from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.bulk import BULK_CHUNK, BulkHandle, BulkWriter
-from gateway.guard.items import MemoryItem
+from gateway.guard.items import MemoryItem, Row
 from gateway.guard.storage import AggregateRow, Atom, ItemMeta, MemoryStorage, ReadFilter, currency_path
 
 log = logging.getLogger(__name__)
@@ -338,11 +346,17 @@ class MemoryStore(MemoryStorage):
         create: bool = True,
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS,
         key: bytes | None = None,
+        sealer: ItemSealer | None = None,
     ) -> None:
         """``key``: the file is a SQLCipher database under this 256-bit key (a sealed home's store,
-        :func:`gateway.atrest.memdb.key_for`); None: a plain SQLite file."""
+        :func:`gateway.atrest.memdb.key_for`); None: a plain SQLite file. ``sealer``: the home's
+        item sealer (:func:`gateway.atrest.itemseal.sealer_for`): high-sensitivity values are
+        sealed per item on write, opened when an item is read whole, and those left in clear by
+        an older store are sealed when it opens; None: values are stored as given and a sealed
+        one does not open (``ITEM_SEAL_INVALID``)."""
         self.path = Path(path)
         self._key = key
+        self._sealer = sealer
         self._lock = threading.RLock()
         self._closed = False
         self.value_loads = 0  # calls that read an item's value by key (see get_meta)
@@ -361,8 +375,10 @@ class MemoryStore(MemoryStorage):
             uri = self.path.resolve().as_uri() + "?mode=rw"
             conn = self._connect(uri)
             self._conn = conn
-            self._bulk = BulkHandle(conn, self._lock, self._guard)
+            self._bulk = BulkHandle(conn, self._lock, self._guard, seal=self._seal_row)
             self._setup(busy_timeout, create=create)
+            if sealer is not None:
+                self._seal_clear_values()
         except UompError:
             if conn is not None:
                 conn.close()
@@ -473,6 +489,105 @@ class MemoryStore(MemoryStorage):
     def _version(self) -> int:
         return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
 
+    # ----------------------------------------------------------------- sealed values
+
+    def seal_text(self, key: str, sensitivity: str, text: str) -> str:
+        """The stored text of an item's value text: sealed when the store has a sealer and the item
+        is high (:mod:`gateway.atrest.itemseal`); a value of another sensitivity carrying the
+        sealed marker is refused (INVALID_REQUEST)."""
+        if self._sealer is None:
+            return itemseal.refuse_marker(key, text)
+        return self._sealer.seal(key, sensitivity, text)
+
+    def open_text(self, key: str, sensitivity: str, text: str) -> str:
+        """The value text behind a stored text (a sealed blob opened, ``ITEM_SEAL_INVALID`` if it
+        does not open here); call it only for a read the caller has authorized."""
+        if self._sealer is None:
+            return itemseal.open_without_sealer(key, text)
+        return self._sealer.open(key, sensitivity, text)
+
+    def _seal_row(self, row: Row) -> Row:
+        key, value, tags, sensitivity, source, created_at, updated_at, description = row
+        return (
+            key,
+            self.seal_text(key, sensitivity, value),
+            tags,
+            sensitivity,
+            source,
+            created_at,
+            updated_at,
+            description,
+        )
+
+    def _item(self, row: tuple[Any, ...]) -> MemoryItem:
+        """An item row handed out whole: its value opened first."""
+        if itemseal.is_sealed_text(row[1]):
+            row = (row[0], self.open_text(row[0], row[3], row[1]), *row[2:])
+        return _item_of(row)
+
+    def _refuse_high_aggregate(self, conn: sqlite3.Connection, where: str, params: dict[str, Any]) -> None:
+        """Numeric aggregates never include high items (sealed per item: SQL cannot read them, and
+        spec §10.4/§11.3 let them out by key only): AGGREGATE_HIGH_SENSITIVITY when the authorized
+        items of the tag include one. Metadata only (the covering index), no value read."""
+        sql = _SQL_AGG_FROM + " AND i.sensitivity = 'high' AND " + where + " LIMIT 1"  # fixed text only
+        if conn.execute(sql.replace("count(*)", "1", 1), params).fetchone() is not None:
+            raise UompError(
+                ErrorCode.AGGREGATE_HIGH_SENSITIVITY,
+                "the items of this tag that the grant reaches include high-sensitivity ones, which are "
+                "sealed one by one and read by key only: a sum, average, min or max cannot include them; "
+                "leave their keys out of the grant, or ask op=count",
+                details={"reason": "HIGH_SENSITIVITY_ITEMS"},
+            )
+
+    def _seal_clear_values(self) -> None:
+        """Seal the high values left in clear (a store from before per-item sealing, or written
+        without the item key), in ``items`` and ``item_versions``, in ONE transaction: a crash
+        leaves every one of them as it was or every one sealed. Item versions and history are
+        unchanged (what the update triggers add for the rewrite is taken back in the same
+        transaction). Afterwards the ``-wal`` is checkpointed and truncated, so the clear values'
+        old pages are gone from it (``secure_delete`` overwrites them in the file)."""
+        sealer = self._sealer
+        assert sealer is not None
+        conn = self._conn
+        clear = "sensitivity = 'high' AND value IS NOT NULL AND substr(value, 1, :n) != :prefix"
+        args = {"n": len(itemseal.STORED_PREFIX), "prefix": itemseal.STORED_PREFIX}
+        with self._guard():
+            found = conn.execute(
+                f"SELECT EXISTS (SELECT 1 FROM items WHERE {clear}) "
+                f"OR EXISTS (SELECT 1 FROM item_versions WHERE {clear})",
+                args,
+            ).fetchone()[0]
+            if not found:
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                keep = conn.execute("SELECT max_versions FROM history_settings WHERE id = 1").fetchone()
+                conn.execute("UPDATE history_settings SET max_versions = 0 WHERE id = 1")  # no trimming meanwhile
+                for key, value, version in conn.execute(
+                    f"SELECT key, value, version FROM items WHERE {clear}", args
+                ).fetchall():
+                    conn.execute("UPDATE items SET value = ? WHERE key = ?", (sealer.seal(key, "high", value), key))
+                    # the update trigger kept the clear state as a version and counted one more: undo both
+                    conn.execute("DELETE FROM item_versions WHERE key = ? AND version >= ?", (key, version))
+                    conn.execute("UPDATE items SET version = ? WHERE key = ?", (version, key))
+                for key, version, value in conn.execute(
+                    f"SELECT key, version, value FROM item_versions WHERE {clear}", args
+                ).fetchall():
+                    conn.execute(
+                        "UPDATE item_versions SET value = ? WHERE key = ? AND version = ?",
+                        (sealer.seal(key, "high", value), key, version),
+                    )
+                if keep is not None:
+                    conn.execute("UPDATE history_settings SET max_versions = ? WHERE id = 1", (keep[0],))
+                fault_point("atrest.items_sealed_before_commit")
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(*_DB_ERRORS):
+                    conn.execute("ROLLBACK")
+                raise
+            with contextlib.suppress(*_DB_ERRORS):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
     # ----------------------------------------------------------------- plumbing
 
     @contextlib.contextmanager
@@ -546,7 +661,7 @@ class MemoryStore(MemoryStorage):
         with self._guard() as conn:
             self.value_loads += 1
             row = conn.execute(_SQL_GET, (key,)).fetchone()
-        return _item_of(row) if row is not None else None
+        return self._item(row) if row is not None else None
 
     @contextlib.contextmanager
     def read_snapshot(self) -> Iterator[None]:
@@ -583,7 +698,7 @@ class MemoryStore(MemoryStorage):
                 if own:
                     with contextlib.suppress(*_DB_ERRORS):
                         conn.execute("COMMIT")
-        return meta, (_item_of(row) if row is not None else None)
+        return meta, (self._item(row) if row is not None else None)
 
     def tag_page(
         self, tag: str, flt: ReadFilter, *, after: str | None, limit: int, max_bytes: int
@@ -607,7 +722,7 @@ class MemoryStore(MemoryStorage):
                     if len(out) >= limit or (out and size + row_size > max_bytes):
                         more = True
                         break
-                    out.append(_item_of(row))
+                    out.append(self._item(row))
                     size += row_size
             finally:
                 cur.close()
@@ -627,6 +742,7 @@ class MemoryStore(MemoryStorage):
         params["path"] = path
         body = _SQL_AGG_NUM_FROM + " AND " + where + ")"
         with self._scan() as conn:
+            self._refuse_high_aggregate(conn, where, params)
             try:
                 row = conn.execute("SELECT count(*), sum(x), min(x), max(x) " + body, params).fetchone()
             except _DB_OPERATIONAL as exc:
@@ -636,11 +752,14 @@ class MemoryStore(MemoryStorage):
         return AggregateRow(int(row[0]), row[1], row[2], row[3])
 
     def currencies(self, tag: str, flt: ReadFilter, *, path: str) -> int:
+        where, params = flt.sql()
+        params["tag"] = tag
+        with self._scan() as conn:
+            self._refuse_high_aggregate(conn, where, params)  # before any numeric aggregate is answered
         cpath = currency_path(path)
         if cpath is None:
             return 0
-        where, params = flt.sql()
-        params.update({"tag": tag, "path": path, "cpath": cpath})
+        params.update({"path": path, "cpath": cpath})
         with self._scan() as conn:
             named, unnamed = conn.execute(_SQL_CURRENCIES + " AND " + where + ")", params).fetchone()  # fixed text
         named = int(named or 0)
@@ -683,7 +802,7 @@ class MemoryStore(MemoryStorage):
                 rows = conn.execute(_SQL_LIST, (limit, offset)).fetchall()
             else:
                 rows = conn.execute(_SQL_BY_TAG, (tag, limit, offset)).fetchall()
-        return [_item_of(r) for r in rows]
+        return [self._item(r) for r in rows]
 
     def count(self) -> int:
         with self._guard() as conn:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.atrest import memdb
+from gateway.atrest import itemseal, memdb
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.history import set_retention
@@ -23,7 +23,10 @@ MemoryStoreFactory = Callable[[Paths, GuardConfig], MemoryStorage]
 MEMORY_STORES: dict[str, MemoryStoreFactory] = {
     # SQLite; a SQLCipher file in a sealed home (gateway/atrest/memdb.py)
     "sqlite": lambda paths, cfg: MemoryStore(
-        paths.memory_db, busy_timeout=cfg.db_busy_timeout_seconds, key=memdb.key_for(paths)
+        paths.memory_db,
+        busy_timeout=cfg.db_busy_timeout_seconds,
+        key=memdb.key_for(paths),
+        sealer=itemseal.sealer_for(paths),
     ),
 }
 
@@ -43,11 +46,12 @@ def open_memory_store(paths: Paths, cfg: GuardConfig) -> MemoryStorage:
 
 def open_user_store(paths: Paths, cfg: GuardConfig | None = None) -> MemoryStore:
     """``memory.db`` as the user's tools open it: created if absent, SQLCipher under the home's key
-    in a sealed home, the history retention of ``[guard] history_max_versions`` applied (``cfg``,
-    else the home's config file)."""
+    in a sealed home, high-sensitivity values sealed per item (:mod:`gateway.atrest.itemseal`), the
+    history retention of ``[guard] history_max_versions`` applied (``cfg``, else the home's config
+    file)."""
     if cfg is None:
         cfg = load_section(GuardConfig, "guard", file=paths.config_file)
-    store = MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths))
+    store = MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths), sealer=itemseal.sealer_for(paths))
     try:
         set_retention(store, cfg.history_max_versions)
     except BaseException:

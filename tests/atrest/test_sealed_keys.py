@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from gateway import ca_store, keys
-from gateway.atrest import journal, migrate, sealing, vault
+from gateway.atrest import itemseal, journal, migrate, sealing, vault
 from gateway.config import Paths
 from gateway.core import ca
 from gateway.errors import ErrorCode, UompError
@@ -49,6 +49,7 @@ def make_home() -> Paths:
     ca_store.init_all(paths, ["localhost"])
     auditkey.ensure(paths)
     userkey.ensure(paths)
+    itemseal.sealer_for(paths)  # .secrets/items.key, as the memory store's first open makes it
     return paths
 
 
@@ -72,6 +73,7 @@ def loaded(paths: Paths) -> dict[str, bytes]:
         "ca": ca_key.private_bytes(der, pk8, none),
         "gateway": gw.private_bytes(der, pk8, none),
         "admin": keys.load_admin(paths).encode(),
+        "items": vault.read_key(itemseal.items_key_path(paths)),
     }
 
 

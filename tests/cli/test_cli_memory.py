@@ -42,9 +42,10 @@ def test_init_hook_creates_the_store(home_dir: str) -> None:
     build_parser()
     assert home_cli.INIT_HOOKS.count(memory_cli._init_store) == 1
     paths = Paths(Path(home_dir))
-    assert memory_cli._init_store(paths) == {"memory store": True}
-    assert memory_cli._init_store(paths) == {"memory store": False}
+    assert memory_cli._init_store(paths) == {"memory store": True, "item sealing key": True}
+    assert memory_cli._init_store(paths) == {"memory store": False, "item sealing key": False}
     assert paths.memory_db.stat().st_mode & 0o777 == 0o600
+    assert (paths.secrets / "items.key").stat().st_mode & 0o777 == 0o600
 
 
 def test_add_get_list_rm_round_trip(home_dir: str, capsys: pytest.CaptureFixture[str]) -> None:

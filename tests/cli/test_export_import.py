@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from guardkit import seed
 
+from gateway.atrest import itemseal
 from gateway.cli.main import main
 from gateway.config import Paths
 from gateway.keys import init_home
@@ -37,17 +38,21 @@ def uomp(paths: Paths, *args: str) -> int:
 
 
 def dump(paths: Paths) -> tuple[list[Any], list[Any], list[Any]]:
+    """Every row of the store, high values opened (each home seals them under its own item key)."""
+    sealer = itemseal.sealer_for(paths)
     conn = sqlite3.connect(f"file:{paths.memory_db}?mode=ro", uri=True)
     try:
+        items = conn.execute(
+            "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description, version "
+            "FROM items ORDER BY key"
+        ).fetchall()
+        versions = conn.execute(
+            "SELECT key, version, deleted, value, tags, sensitivity, source, created_at, updated_at, description "
+            "FROM item_versions ORDER BY key, version"
+        ).fetchall()
         return (
-            conn.execute(
-                "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description, version "
-                "FROM items ORDER BY key"
-            ).fetchall(),
-            conn.execute(
-                "SELECT key, version, deleted, value, tags, sensitivity, source, created_at, updated_at, description "
-                "FROM item_versions ORDER BY key, version"
-            ).fetchall(),
+            [(r[0], sealer.open(r[0], r[3], r[1]), *r[2:]) for r in items],
+            [(*r[:3], None if r[3] is None else sealer.open(r[0], r[5], r[3]), *r[4:]) for r in versions],
             conn.execute("SELECT tag, item_key FROM item_tags ORDER BY tag, item_key").fetchall(),
         )
     finally:

@@ -180,7 +180,11 @@ def test_memory_aggregate_counts_only_granted_numbers(mem: MemoryStorage) -> Non
     row = mem.aggregate("h", ReadFilter(), path=path)
     assert (row.count, row.total, row.minimum, row.maximum) == (2, 12, 5, 7)
     assert mem.aggregate("h", ReadFilter(), path=None).count == 3
-    assert mem.aggregate("h", ReadFilter(keys=("d",)), path=path).total == 112
+    # a high item the grant reaches by key: counted, never summed (sealed per item, docs/security.md)
+    assert mem.aggregate("h", ReadFilter(keys=("d",)), path=None).count == 4
+    with pytest.raises(UompError) as refused:
+        mem.aggregate("h", ReadFilter(keys=("d",)), path=path)
+    assert refused.value.code is ErrorCode.AGGREGATE_HIGH_SENSITIVITY
     assert mem.aggregate("h", ReadFilter(deny_keys=("a",)), path=path).total == 7
     assert mem.aggregate("nothing", ReadFilter(), path=path).count == 0
 

@@ -267,7 +267,14 @@ async def aggregate(request: web.Request) -> web.Response:
                 return res, saved.reason, saved.detail
             return res, None, verdict.detail
 
-    res, refused, detail = await asyncio.to_thread(compute)
+    try:
+        res, refused, detail = await asyncio.to_thread(compute)
+    except UompError as exc:
+        if exc.code is not ErrorCode.AGGREGATE_HIGH_SENSITIVITY:
+            raise
+        return await call.refuse(
+            UompError(exc.code, exc.message, session_id=cap.session_id), "high-sensitivity items under the tag"
+        )
     if not res.ok:
         return await call.refuse(
             UompError(
