@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import jsonio
+from gateway.atrest import itemseal
 from gateway.core import writes
 from gateway.core.capability import Scope
 from gateway.core.tokens import iso
@@ -233,6 +234,12 @@ class ProposalBook:
                 raise WriteRefused(d.reason, session_id=session_id, audit_detail=d.detail)
             if op == "put":
                 value_text = encode_value(value)
+                if itemseal.is_sealed_text(value_text):  # it would read as a sealed blob once applied
+                    raise UompError(
+                        ErrorCode.INVALID_REQUEST,
+                        f"the value starts with {itemseal.MARKER!r}, which marks sealed values; propose it differently",
+                        session_id=session_id,
+                    )
                 size = len(value_text.encode("utf-8"))
                 if size > b.max_value_bytes:
                     raise budget_exceeded(
@@ -462,7 +469,7 @@ class ProposalBook:
             return item_and_version(conn, p.key)[1]
         now = utc_now()
         created = old.created_at if old is not None else now
-        value_text = encode_value(p.value)
+        value_text = itemseal.refuse_marker(p.key, encode_value(p.value))  # agents never write high items
         tags = list(p.tags or ())
         conn.execute("DELETE FROM item_tags WHERE item_key = ?", (p.key,))
         conn.execute(

@@ -166,6 +166,15 @@ REFUSALS = [
         "PUT", "preference.theme", {"value": "x" * 20_000}, None, 429, "BUDGET_EXCEEDED", id="value-over-budget"
     ),
     pytest.param("PUT", "preference.theme", b'{"value": NaN}', None, 400, "INVALID_REQUEST", id="nan-value"),
+    pytest.param(
+        "PUT",
+        "preference.theme",
+        {"value": "uomp-sealed-item/1:AAAA"},
+        None,
+        400,
+        "INVALID_REQUEST",
+        id="value-carrying-the-sealed-marker",
+    ),
     pytest.param("PUT", "preference.theme", {"value": 1}, '"7"', 409, "VERSION_CONFLICT", id="if-match-stale"),
     pytest.param(
         "PUT", "preference.theme", {"value": 1, "base_version": 3}, None, 409, "VERSION_CONFLICT", id="base-stale"
