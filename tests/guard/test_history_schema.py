@@ -289,3 +289,24 @@ def test_a_kill_during_the_migration_leaves_the_old_file_then_migrates(tmp_path:
             assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert _history(path) == old
     assert "WITHOUT ROWID" not in _table_sql(path, "item_versions").upper()
+
+
+def test_a_sealed_schema_3_store_is_migrated_under_its_key(tmp_path: Path) -> None:
+    """The SQLCipher store (a sealed home) runs the same migration, inside the encrypted file."""
+    from gateway.atrest import memdb
+    from gateway.config import Paths
+    from gateway.guard import history
+
+    paths = Paths(tmp_path)
+    old = _v3_file(paths.memory_db, 20, KIB)
+    key = bytes(range(32))
+    assert memdb.ensure_encrypted(paths, key) and not memdb.is_plaintext(paths.memory_db)
+    with MemoryStore(paths.memory_db, key=key) as sealed:
+        with sealed.reading() as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+            sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'item_versions'").fetchone()[0]
+            assert "WITHOUT ROWID" not in str(sql).upper()
+            assert conn.execute("SELECT * FROM item_versions ORDER BY key, version").fetchall() == old
+        assert [e["version"] for e in history.history(sealed, "k")][:3] == [21, 20, 19]
+        first, later = _flat_then(sealed, "k", 20)
+        assert later < first * 1.3, (first, later)
