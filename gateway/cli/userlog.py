@@ -13,6 +13,12 @@ that is inconsistent refuses the command with nothing changed. The event is dura
 command reports success. What is left: a disk that fills up between the change and its event (the
 change and the log share ``$UOMP_HOME``); the command then says the change was made and its event
 is missing.
+
+The check at open costs the same whatever the log's size: the counts, the tree against the witness
+record, the newest checkpoint's signature and every event after it, and
+:data:`~gateway.ledger.integrity.CHANGE_TAIL_EVENTS` events before it in full
+(:mod:`gateway.ledger.integrity`; the guard's check at its start reads a longer tail). So one approval
+after a thousand others costs what the first did, and a log that fails any of it is still refused.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import UompError
 from gateway.guard.audit import open_audit
+from gateway.ledger.integrity import CHANGE_TAIL_EVENTS
 
 USER_SESSION = "user"
 USER_AGENT = "user"
@@ -48,7 +55,7 @@ def change(paths: Paths, *, via: str = "cli") -> Iterator[UserEvent]:
     """Around one change the user makes (see the module docstring). The block makes the change and
     fills in the event it yields; an exception from the block records nothing and goes on."""
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
-    audit = open_audit(paths, cfg)
+    audit = open_audit(paths, cfg, tail=CHANGE_TAIL_EVENTS)
     try:
         audit.writer.probe_sync()  # a write transaction now: refused here, before anything changes
         event = UserEvent()

@@ -169,17 +169,18 @@ class LedgerOptions:
         )
 
 
-def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True) -> AuditLog:
+def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True, tail: int = integrity.TAIL_EVENTS) -> AuditLog:
     """The audit log as every process of the appliance opens it: with its verifiable event log,
     checked at open (:mod:`gateway.ledger.integrity`). ``strict``: a log that fails the check is an
     error (the CLI); otherwise (the guard) it is opened refusing everything, :attr:`AuditLog.integrity`
-    says why."""
+    says why. ``tail``: events before the newest checkpoint the check reads in full."""
     return AuditLog(
         paths.audit_db,
         retention_days=cfg.audit_retention_days,
         busy_timeout=cfg.db_busy_timeout_seconds,
         ledger=LedgerOptions.for_home(paths, cfg),
         strict=strict,
+        tail=tail,
     )
 
 
@@ -333,8 +334,11 @@ class AuditLog:
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT_SECONDS,
         ledger: LedgerOptions | None = None,
         strict: bool = True,
+        tail: int = integrity.TAIL_EVENTS,
     ) -> None:
         self.path = path
+        self.startup: integrity.Checked | None = None  # what the check at open found (with LedgerOptions)
+        self._tail = tail
         self.retention_days = retention_days
         try:
 
@@ -418,18 +422,23 @@ class AuditLog:
             return exc
         conn.execute("BEGIN")
         try:
-            checked = integrity.check_log(conn, origin=opts.origin, public_key=opts.key.public_key(), witness=witness)
+            checked = integrity.check_log(
+                conn, origin=opts.origin, public_key=opts.key.public_key(), witness=witness, tail=self._tail
+            )
         finally:
             conn.execute("COMMIT")
+        self.startup = checked
         if checked.error is not None:
             log.error("audit log: %s", checked.error.message)
             return checked.error
         self._known_size = checked.events
         log.debug(
-            "audit log: start-up check passed (%d events; events %d-%d in full; witness record at %s)",
+            "audit log: start-up check passed (%d events; events %d-%d in full; %d checkpoint signatures; "
+            "witness record at %s)",
             checked.events,
             checked.checked_from + 1,
             checked.events,
+            checked.signatures,
             "none" if witness is None else witness.checkpoint.size,
         )
         if checked.recover is not None:

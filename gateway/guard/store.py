@@ -14,8 +14,10 @@ Layout (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
     index item_tags_by_key(item_key)                                       -- delete / replace
     index items_meta(key, sensitivity, tags)    -- covering: a policy decision never reads a value
     items.version                 -- 1 for a new key; +1 on every change (triggers, any writer)
-    item_versions(key, version)   -- every earlier state of a key; a deletion adds a tombstone
-    history_settings              -- how many earlier versions a key keeps (0: all)
+    item_versions(key, version)   -- every earlier state of a key; a deletion adds a tombstone; a rowid
+                                     table, unique index on (key, version)
+    history_settings              -- how many earlier versions a key keeps (0: all; the trim trigger
+                                     runs only when bounded)
     proposals(proposal_id)        -- agents' staged changes (gateway/guard/proposals.py)
 
 Reads for the Memory Guard (spec §10, §21) decide on metadata before any value is loaded:
@@ -98,7 +100,7 @@ _DB_OPERATIONAL = memdb.OPERATIONAL
 _DB_PROGRAMMING = memdb.PROGRAMMING
 _DB_OR_OS_ERRORS: tuple[type[Exception], ...] = (*memdb.ERRORS, OSError)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 MAX_LIST_LIMIT = 100_000
 DEFAULT_BUSY_TIMEOUT_SECONDS = 5.0
@@ -130,9 +132,14 @@ _MIGRATE_1_TO_2 = "CREATE INDEX IF NOT EXISTS items_meta ON items(key, sensitivi
 # ``item_versions`` holds every earlier state of a key, by version; a deletion leaves the last state
 # and a tombstone (``deleted`` 1, no value) one version above it, so a key re-created later goes on
 # counting. ``history_settings`` holds how many earlier versions a key keeps (0: all).
+# Version 3 -> 4 (:func:`_migrate_history`): ``item_versions`` is an ordinary rowid table (a row of a
+# few KiB stays on its leaf page; in an index b-tree, as WITHOUT ROWID made it, any row over ~1 KB took
+# an overflow page of its own), its primary key a unique index on (key, version); and the trim of old
+# versions is a trigger of its own that runs only when the retention is bounded (with 0 nothing of the
+# key's history is visited on a change). Triggers are dropped and recreated by every migration, so an
+# existing file gets the current ones.
 _ADD_VERSION = "ALTER TABLE items ADD COLUMN version INTEGER NOT NULL DEFAULT 1"
-_HISTORY_SQL = """
-CREATE TABLE IF NOT EXISTS item_versions (
+_VERSIONS_COLUMNS = """(
     key         TEXT NOT NULL,
     version     INTEGER NOT NULL,
     deleted     INTEGER NOT NULL DEFAULT 0,
@@ -145,7 +152,13 @@ CREATE TABLE IF NOT EXISTS item_versions (
     description TEXT,
     replaced_at TEXT NOT NULL,
     PRIMARY KEY (key, version)
-) WITHOUT ROWID;
+)"""
+_VERSIONS_FIELDS = (
+    "key, version, deleted, value, tags, sensitivity, source, created_at, updated_at, description, replaced_at"
+)
+_HISTORY_TRIGGERS = ("items_keep_update", "items_keep_trim", "items_keep_delete", "items_keep_insert")
+_HISTORY_SQL = f"""
+CREATE TABLE IF NOT EXISTS item_versions {_VERSIONS_COLUMNS};
 CREATE TABLE IF NOT EXISTS history_settings (
     id           INTEGER PRIMARY KEY CHECK (id = 1),
     max_versions INTEGER NOT NULL CHECK (max_versions >= 0)
@@ -159,8 +172,12 @@ BEGIN
     VALUES (OLD.key, OLD.version, 0, OLD.value, OLD.tags, OLD.sensitivity, OLD.source, OLD.created_at,
         OLD.updated_at, OLD.description, strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));
     UPDATE items SET version = OLD.version + 1 WHERE key = NEW.key;
+END;
+CREATE TRIGGER IF NOT EXISTS items_keep_trim AFTER UPDATE OF value, tags, sensitivity, source, created_at, updated_at,
+    description ON items
+    WHEN (SELECT max_versions FROM history_settings WHERE id = 1) > 0
+BEGIN
     DELETE FROM item_versions WHERE key = OLD.key
-        AND (SELECT max_versions FROM history_settings WHERE id = 1) > 0
         AND version <= OLD.version - (SELECT max_versions FROM history_settings WHERE id = 1);
 END;
 CREATE TRIGGER IF NOT EXISTS items_keep_delete BEFORE DELETE ON items
@@ -202,8 +219,30 @@ CREATE TABLE IF NOT EXISTS proposals (
 CREATE INDEX IF NOT EXISTS proposals_by_session ON proposals(session_id, status);
 CREATE INDEX IF NOT EXISTS proposals_by_agent ON proposals(agent_id, created_at);
 CREATE INDEX IF NOT EXISTS proposals_by_status ON proposals(status, created_at);
-PRAGMA user_version = 3;
 """
+
+
+def _migrate_history(conn: sqlite3.Connection) -> None:
+    """Inside the caller's transaction: the history tables and triggers as :data:`_HISTORY_SQL`
+    states them, whatever an older file holds. The triggers are dropped and recreated; an
+    ``item_versions`` that is WITHOUT ROWID is copied, every row, into a rowid table that then
+    takes its name. One transaction: a crash at any point leaves the old file or the new one."""
+    for name in _HISTORY_TRIGGERS:
+        conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+    row = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'item_versions'").fetchone()
+    if row is not None and "WITHOUT ROWID" in " ".join(str(row[0]).upper().split()):
+        conn.execute("DROP TABLE IF EXISTS item_versions_new")
+        conn.execute(f"CREATE TABLE item_versions_new {_VERSIONS_COLUMNS}")
+        conn.execute(
+            f"INSERT INTO item_versions_new ({_VERSIONS_FIELDS}) SELECT {_VERSIONS_FIELDS} FROM item_versions "
+            "ORDER BY key, version"
+        )
+        fault_point("store.history_copied")
+        conn.execute("DROP TABLE item_versions")
+        conn.execute("ALTER TABLE item_versions_new RENAME TO item_versions")
+    _script(conn, _HISTORY_SQL)
+    fault_point("store.history_migrated")
+
 
 _SQL_GET = "SELECT key, value, tags, sensitivity, source, created_at, updated_at, description FROM items WHERE key = ?"
 _SQL_META = "SELECT tags, sensitivity FROM items INDEXED BY items_meta WHERE key = ?"
@@ -458,7 +497,8 @@ class MemoryStore(MemoryStorage):
                 # each step only where it is missing (a file may have been labelled older than it is)
                 if not any(r[1] == "version" for r in conn.execute("PRAGMA table_info(items)")):
                     conn.execute(_ADD_VERSION)
-                _script(conn, _HISTORY_SQL)
+                _migrate_history(conn)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(*_DB_ERRORS):

@@ -24,8 +24,20 @@ sequence numbers (one deleted row anywhere), the tree's leaf count, the newest c
 signature, the witness record's consistency, and the last :data:`TAIL_EVENTS` events before the
 newest checkpoint plus every event after it, in full (body against leaf, sequence, every index
 column, the tree recomputed from those leaves and the stored right edge of the prefix, equal to the
-newest checkpoint's root). What it does not see: a changed body, leaf or node *inside* the older
-part of the log (that needs every leaf: ``uomp audit verify``, or the guard's background verify
+newest checkpoint's root). Every checkpoint inside that window is parsed and its root compared with
+the recomputed tree; the signatures of the newest :data:`TAIL_SIGNATURES` of them are verified (a
+short-lived writer, the CLI, signs one per change: the window may hold a thousand, and a signature
+costs more than an event). A short-lived writer that opens the log for one change (the user's
+command, a dashboard decision: :mod:`gateway.cli.userlog`) reads :data:`CHANGE_TAIL_EVENTS` events
+before the newest checkpoint instead, so a change costs the same whatever the log holds; the counts,
+the tree against the witness record, the newest checkpoints' signatures and every event after the
+newest checkpoint are checked as at any open. What that gives up: an in-place edit of an event
+further back than that is not seen by a change; the guard's check at its start (:data:`TAIL_EVENTS`)
+and ``uomp audit verify`` (every event) see it.
+
+What the start-up check does not see: a changed body, leaf or node *inside* the older part of the
+log, a damaged signature of an older checkpoint whose root is right (that needs every leaf and
+signature: ``uomp audit verify``, or the guard's background verify
 at start, ``audit_full_verify_at_start``).
 """
 
@@ -49,6 +61,8 @@ WITNESS_VERSION = 1
 MAX_WITNESS_BYTES = 16 * 1024
 TAIL_EVENTS = 1024  # events before the newest checkpoint checked in full at start
 MAX_TAIL_EVENTS = 100_000  # at most this many events checked in full at start (a long run without a checkpoint)
+CHANGE_TAIL_EVENTS = 128  # the same, when a short-lived writer opens the log for one change (gateway.cli.userlog)
+TAIL_SIGNATURES = 8  # the newest checkpoints whose signatures the start-up check verifies
 
 FIX = {
     ErrorCode.AUDIT_LOG_INCONSISTENT: (
@@ -183,6 +197,7 @@ class Checked:
     checked_from: int  # events after this one were checked in full
     recover: str | None = None
     witness_size: int | None = None
+    signatures: int = 0  # checkpoint signatures verified
 
 
 def check_log(
@@ -192,8 +207,11 @@ def check_log(
     public_key: Ed25519PublicKey,
     witness: Witness | None,
     tail: int = TAIL_EVENTS,
+    signatures: int = TAIL_SIGNATURES,
 ) -> Checked:
-    """The bounded start-up check (module docstring), in the caller's snapshot (a read transaction)."""
+    """The bounded start-up check (module docstring), in the caller's snapshot (a read transaction).
+    ``tail``: events before the newest checkpoint checked in full; ``signatures``: the newest
+    checkpoints whose signatures are verified (at least 1)."""
     try:
         size = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM ledger_events").fetchone()[0])
         rows = int(conn.execute("SELECT COUNT(*) FROM ledger_events").fetchone()[0])
@@ -237,7 +255,18 @@ def check_log(
         after = max(0, min(newest, size) - max(0, tail))
         after = max(after, size - MAX_TAIL_EVENTS)
         trusted = [witness.trusted()] if witness is not None and witness.checkpoint.size >= after else []
-        report = verify_log(conn, origin=origin, public_key=public_key, trusted=trusted, after=after)
+        nth = conn.execute(
+            "SELECT size FROM ledger_checkpoints WHERE size >= ? ORDER BY size DESC LIMIT 1 OFFSET ?",
+            (after, max(1, signatures) - 1),
+        ).fetchone()
+        report = verify_log(
+            conn,
+            origin=origin,
+            public_key=public_key,
+            trusted=trusted,
+            after=after,
+            signed_from=0 if nth is None else int(nth[0]),
+        )
         if report.ok and newest and newest <= after:  # the newest checkpoint is before the window: its root here
             note = conn.execute("SELECT note FROM ledger_checkpoints WHERE size = ?", (newest,)).fetchone()[0]
             try:
@@ -248,7 +277,7 @@ def check_log(
         recover = None
         if report.ok and witness is not None and newest < witness.checkpoint.size:
             recover = witness.note
-        return Checked(report_refusal(report), size, after, recover, wsize)
+        return Checked(report_refusal(report), size, after, recover, wsize, report.signatures)
     except _DAMAGED as exc:
         return Checked(
             refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({type(exc).__name__}: {exc})"), 0, 0

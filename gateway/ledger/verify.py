@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from gateway.atrest import auditdb
 from gateway.core import merkle
-from gateway.core.checkpoint import Checkpoint, NoteError, parse_verifier_key
+from gateway.core.checkpoint import MAX_NOTE_BYTES, Checkpoint, NoteError, parse_verifier_key
 from gateway.errors import UompError
 from gateway.ledger.log import BUNDLE_VERSION, INDEX_COLUMNS, checkpoint_hash, event_leaf, index_values
 
@@ -84,6 +84,7 @@ class Report:
     events: int = 0
     pruned: int = 0
     checkpoints: int = 0
+    signatures: int = 0  # checkpoint signatures verified (every checkpoint's, unless ``signed_from``)
     first_bad_seq: int | None = None
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # findings that do not make the log untrustworthy
@@ -142,11 +143,15 @@ def verify_log(
     public_key: Ed25519PublicKey,
     trusted: Sequence[TrustedCheckpoint] = (),
     after: int = 0,
+    signed_from: int = 0,
 ) -> Report:
     """Check the log; an unreadable database is a finding (the first event it cannot read), never an
     exception. ``trusted``: checkpoints from outside ``audit.db`` the log must be consistent with.
     ``after``: check only the events after that many (the start-up check): the O(log n) stored
     nodes of the prefix are taken as they are, and are proven by the newest checkpoint's root.
+    ``signed_from``: the signatures of checkpoints of fewer events are not verified (the start-up
+    check: their notes are parsed and their roots compared with the recomputed tree as every other's;
+    the newest checkpoints' signatures vouch for the roots the tree ends in).
 
     The whole check reads one snapshot: the caller's transaction, or a read transaction of its own
     (WAL), so a log that grows meanwhile (a running guard, the CLI) is checked as it was when the
@@ -158,7 +163,7 @@ def verify_log(
             conn.execute("BEGIN")
             own = True
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # the snapshot starts here
-        _verify(conn, report, origin, public_key, trusted, after)
+        _verify(conn, report, origin, public_key, trusted, after, signed_from)
     except _DAMAGED as exc:
         seq = report.first_bad_seq or (after + report.events + 1)
         report.fail(
@@ -177,6 +182,7 @@ def _verify(
     public_key: Ed25519PublicKey,
     trusted: Sequence[TrustedCheckpoint],
     after: int,
+    signed_from: int = 0,
 ) -> None:
     # 1. checkpoints, oldest first.
     cps: list[Checkpoint] = []
@@ -184,7 +190,17 @@ def _verify(
     prev_cp: Checkpoint | None = None
     for size, note in conn.execute("SELECT size, note FROM ledger_checkpoints WHERE size >= ? ORDER BY size", (after,)):
         try:
-            cp = Checkpoint.open(str(note), origin, public_key)
+            if int(size) < signed_from:  # the text up to the signature block, not its characters one by one
+                text = str(note)
+                cut = text.rfind("\n\n")
+                if cut < 0 or len(text.encode()) > MAX_NOTE_BYTES:
+                    raise NoteError("checkpoint note is malformed")
+                cp = Checkpoint.parse(text[: cut + 1])
+                if cp.origin != origin:
+                    raise NoteError("checkpoint origin is not the signer's name")
+            else:
+                cp = Checkpoint.open(str(note), origin, public_key)
+                report.signatures += 1
         except NoteError as exc:
             report.fail(prev_size + 1, f"checkpoint after event {prev_size}: {exc}")
             continue
