@@ -32,6 +32,7 @@ from gateway import ca_store
 from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import ca
+from gateway.dashboard.data import Filters, timeline
 from gateway.remote.transport import REFUSED_CERT_IDLE_SECONDS
 
 WAIT = 10.0
@@ -171,6 +172,11 @@ async def test_revoked_certificate_gets_a_named_401_then_the_close(
         req = await _until(lambda: ledger_events(app.paths, code="CERT_REQUIRED", status=401), "the 401 event")
         assert (req[0]["agent_id"], req[0]["cert_serial"], req[0]["allowed"]) == ("bot", serial, False)
         assert req[0]["reason"] == err["message"]
+        # the dashboard's audit view names the agent, and says why in plain words
+        rows = [r for r in timeline(app.paths, Filters(agent="bot")) if not r["allowed"]]
+        assert {r["action"] for r in rows} == {"tls_handshake", "unknown"}, rows
+        shown = next(r for r in rows if r["action"] == "tls_handshake")
+        assert shown["agent_id"] == "bot" and shown["explained"].startswith("The agent's certificate is revoked")
 
 
 @pytest.mark.parametrize(
