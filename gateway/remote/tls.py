@@ -28,6 +28,10 @@ Who enforces what on a client certificate:
   its validity period and the CRL signed by it (OpenSSL no longer reads the CRL): an expired CA or a
   foreign CRL refuses the start, and a reload keeps the previous context.
 
+Longer than ~500 lines on purpose: the server context's flags, the judgement of what they leave
+out (:func:`judge`, :class:`Trust`) and the reloader that builds both from the same CA and CRL files
+change together; the split is by section below.
+
 Reload without dropping connections (:class:`TLSReloader`): the listening socket keeps one
 "front" context for its whole life; its SNI callback (which OpenSSL runs for every ClientHello,
 with or without a server name) points each new handshake at the *current* inner context, whose

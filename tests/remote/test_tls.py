@@ -754,3 +754,62 @@ async def test_no_resumption_when_tickets_are_off(home: Paths) -> None:
         assert (resumed, status) == (False, 200)
         resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx, port, "/v1/health", hdrs, sess)
         assert (resumed, status) == (False, 200)  # no ticket was sent: every connection is a full handshake
+
+
+# ------------------------------------------------------- what OpenSSL no longer checks: CA, CRL
+
+
+def _expired_ca(certs: CertSet, out: Path) -> Path:
+    """The cert set's CA key in a CA certificate that expired an hour ago (same name and key)."""
+    key = ca.load_private_key(certs.ca_key_file.read_bytes())
+    _, cert = ca.create_ca(key, now=ca.utcnow() - dt.timedelta(hours=3), validity=dt.timedelta(hours=2))
+    out.write_bytes(ca.cert_pem(cert))
+    return out
+
+
+def test_an_expired_agent_ca_refuses_the_start_and_a_reload_keeps_the_previous(certs: CertSet, tmp_path: Path) -> None:
+    expired = _expired_ca(certs, tmp_path / "expired-ca.crt")
+    with pytest.raises(UompError) as err:
+        TLSReloader(certs.server_cert, certs.server_key, expired, certs.crl)
+    assert err.value.code == "CA_ERROR"
+    assert f"the agent CA certificate {expired} expired on " in err.value.message
+    # the partner: the same files with the valid CA start, and a reload onto the expired CA is refused
+    live = tmp_path / "ca.crt"
+    live.write_bytes(certs.ca_cert.read_bytes())
+    reloader = TLSReloader(certs.server_cert, certs.server_key, live, certs.crl)
+    before = reloader.current
+    live.write_bytes(expired.read_bytes())
+    with pytest.raises(UompError) as err:
+        reloader.reload()
+    assert err.value.code == "CA_ERROR" and reloader.current is before and reloader.generation == 0
+
+
+def test_a_crl_not_signed_by_the_agent_ca_is_refused(certs: CertSet, tmp_path: Path) -> None:
+    crl = tmp_path / "crl.pem"
+    crl.write_bytes(certs.crl.read_bytes())
+    reloader = TLSReloader(certs.server_cert, certs.server_key, certs.ca_cert, crl)
+    other_key, other_ca = ca.create_ca()
+    crl.write_bytes(ca.crl_pem(ca.build_crl(other_key, other_ca, [], ca.utcnow() + dt.timedelta(seconds=5))))
+    with pytest.raises(UompError) as err:
+        reloader.reload()
+    assert err.value.code == "CONFIG_ERROR" and "is not signed by the agent CA" in err.value.message
+    assert reloader.generation == 0
+
+
+def test_judge_fails_closed_when_the_ca_or_the_crl_is_out_of_date(certs: CertSet) -> None:
+    from gateway.remote.tls import Trust, judge
+
+    ident = check_client_cert(certs.agents["good"].der)
+    now = ca.utcnow()
+    hour = dt.timedelta(hours=1)
+    judge(ident, Trust(ca_not_before=now - hour, ca_not_after=now + hour, crl_next_update=now + hour), now)
+    for trust, reason in (
+        (Trust(ca_not_before=now - 2 * hour, ca_not_after=now - hour), "ca_invalid"),
+        (Trust(ca_not_before=now + hour, ca_not_after=now + 2 * hour), "ca_invalid"),
+        (Trust(crl_next_update=now - dt.timedelta(seconds=1)), "crl_expired"),
+        (Trust(revoked=frozenset({ident.serial})), "revoked"),
+    ):
+        with pytest.raises(CertRefused) as err:
+            judge(ident, trust, now)
+        assert err.value.reason == reason and err.value.status == 401
+        assert trust.open_at(now.timestamp()) is (reason == "revoked")
