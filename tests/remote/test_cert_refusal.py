@@ -331,3 +331,27 @@ async def test_curl_shows_the_named_refusal(home: Paths, tmp_path: Path) -> None
         assert err["reason"] == "revoked" and f"(agent bot, serial 0x{serial}) was revoked on " in err["message"]
         ok = await asyncio.to_thread(run, good)
         assert ok.stdout.rpartition("\n")[2] == "200", ok
+
+
+async def test_refused_certificates_count_in_their_address_budget(home: Paths) -> None:
+    async with appliance(home, max_unverified_connections_per_ip=2, first_byte_timeout_seconds=60.0) as app:
+        port = app.gateway.port
+        assert port is not None
+        reg = app.gateway.registry
+        good = app.agent("good")
+        bot, _ = _revoked(app)
+        held = []
+        for _ in range(4):  # more than the address's budget, each finishing its handshake
+            held.append(await asyncio.open_connection("127.0.0.1", port, ssl=bot.ssl(), server_hostname="localhost"))
+            await _until(lambda: reg.accepted >= len(held), "the connection to be counted")
+        await _until(lambda: len(reg.per_ip.get("127.0.0.1", {})) <= 2, "the address cut back to its budget")
+        assert reg.evicted >= 2 and not reg.verified
+        # a good certificate from the same address is verified, outside that budget
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=good.ssl(), server_hostname="localhost")
+        await _until(lambda: len(reg.verified) == 1, "the good connection to be verified")
+        writer.write(_get("/v1/health"))
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), WAIT)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        for _, w in held:
+            w.close()
