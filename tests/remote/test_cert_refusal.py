@@ -355,3 +355,12 @@ async def test_refused_certificates_count_in_their_address_budget(home: Paths) -
         writer.close()
         for _, w in held:
             w.close()
+
+
+def test_the_reasons_are_in_the_published_error_shape() -> None:
+    from gateway import openapi
+    from gateway.remote.tls import REFUSAL_REASONS
+
+    assert openapi.CERT_REFUSAL_REASONS == REFUSAL_REASONS
+    schema = json.loads(openapi.render())["components"]["schemas"]["Error"]["properties"]["error"]
+    assert schema["properties"]["reason"] == {"enum": list(REFUSAL_REASONS)}
