@@ -36,6 +36,7 @@ import ssl
 import time
 from typing import Any, Protocol
 
+from gateway.errors import UompError
 from gateway.remote.tls import CertRefused
 
 log = logging.getLogger("uomp.gateway")
@@ -112,6 +113,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
     words, naming the certificate, for a :class:`CertRefused`)."""
     if isinstance(exc, CertRefused):
         return exc.reason, f"agent {exc.identity.agent_id}, serial 0x{exc.identity.serial}"
+    if isinstance(exc, UompError):  # chains to our CA, but is no agent's (no clientAuth EKU, no agent URI SAN)
+        return "cert_invalid", exc.message
     if isinstance(exc, ssl.SSLCertVerificationError):
         msg = str(exc.verify_message or exc.reason or "certificate verification failed")
         return _VERIFY.get(msg, "cert_invalid"), msg
@@ -150,7 +153,7 @@ class HandshakeLog:
                 "allowed": False,
                 "code": HANDSHAKE_CODE,
                 "detail": label,
-                "reason": f"TLS handshake refused: {detail[:200]}" if ours is None else ours.message,
+                "reason": exc.message if isinstance(exc, UompError) else f"TLS handshake refused: {detail[:200]}",
                 "listener": self.listener,
                 "client": ip or None,
                 "via": f"gateway:{self.listener}",
@@ -174,7 +177,7 @@ class HandshakeLog:
             self.suppressed = 0
         log.warning(
             "TLS %s refused on %s from %s: %s (%s)%s%s",
-            "handshake" if ours is None else "client certificate",
+            "client certificate" if isinstance(exc, UompError) else "handshake",
             self.listener,
             ip or "?",
             label,

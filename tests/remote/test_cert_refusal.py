@@ -364,3 +364,34 @@ def test_the_reasons_are_in_the_published_error_shape() -> None:
     assert openapi.CERT_REFUSAL_REASONS == REFUSAL_REASONS
     schema = json.loads(openapi.render())["components"]["schemas"]["Error"]["properties"]["error"]
     assert schema["properties"]["reason"] == {"enum": list(REFUSAL_REASONS)}
+
+
+async def test_a_certificate_of_our_ca_naming_no_agent_is_never_verified(
+    home: Paths, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from tests.certutil import custom_agent_cert
+
+    caplog.set_level(logging.WARNING, logger="uomp.gateway")
+    async with appliance(home) as app:
+        port = app.gateway.port
+        assert port is not None
+        key = ca.new_key()
+        ca_key, ca_cert = ca_store.load_ca(home)
+        cert = custom_agent_cert(
+            ca_key, ca_cert, key.public_key(), "bot", eku=[ExtendedKeyUsageOID.CLIENT_AUTH], uri_san=False
+        )
+        (tmp_path / "nosan.crt").write_bytes(ca.cert_pem(cert))
+        (tmp_path / "nosan.key").write_bytes(ca.key_pem(key))
+        ctx = build_client_context(ca_store.ca_cert_path(home), tmp_path / "nosan.crt", tmp_path / "nosan.key")
+        data, closed = await _raw(port, ctx, _get("/v1/health"))
+        status, _, body = _answer(data)
+        assert (status, body["error"]["code"], closed) == (401, "CERT_REQUIRED", True)
+        assert "reason" not in body["error"] and "names no agent" in body["error"]["message"]
+        assert not app.gateway.registry.verified
+        lines = [r.getMessage() for r in caplog.records if " refused on mtls " in r.getMessage()]
+        assert lines == [
+            "TLS client certificate refused on mtls from 127.0.0.1: cert_invalid "
+            "(the client certificate names no agent (needs one uomp://agent/<id> URI SAN))"
+        ], lines
