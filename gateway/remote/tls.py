@@ -16,7 +16,7 @@ Who enforces what on a client certificate:
   revoked, expired or not yet valid completes the handshake so that its holder can be told why, by
   name, in a JSON 401 at its first request (OpenSSL's alert cannot be flushed on asyncio/uvloop,
   and Python's ``ssl`` has no verify callback to read the refused certificate);
-* :func:`judge`, per connection and per request (:func:`gateway.remote.identity.peer_check`, the one
+* :func:`judge`, per connection and per request (:func:`gateway.remote.identity.judged_memo`, the one
   entry point): the validity period, the CRL's serials (:class:`Trust`, swapped whole on reload), the
   CRL's own nextUpdate and the CA's validity period (a CA that expires while the gateway runs);
   refusals are :class:`CertRefused` (code CERT_REQUIRED, a ``reason`` and the certificate named);
