@@ -50,6 +50,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import ssl
@@ -218,13 +219,18 @@ class Trust:
     crl_next_update: dt.datetime | None = None
     ca_not_before: dt.datetime | None = None
     ca_not_after: dt.datetime | None = None
+    # (start, end) epoch seconds of :meth:`open_at`, computed once (it runs on every request)
+    _window: tuple[float, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        start = self.ca_not_before.timestamp() if self.ca_not_before is not None else -math.inf
+        ends = [t.timestamp() for t in (self.ca_not_after, self.crl_next_update) if t is not None]
+        object.__setattr__(self, "_window", (start, min(ends, default=math.inf)))
 
     def open_at(self, now: float) -> bool:
         """The CA is within its validity period and the CRL not past its nextUpdate at ``now`` (epoch)."""
-        if self.ca_not_before is not None and now < self.ca_not_before.timestamp():
-            return False
-        ends = [t.timestamp() for t in (self.ca_not_after, self.crl_next_update) if t is not None]
-        return not ends or now <= min(ends)
+        start, end = self._window
+        return start <= now <= end
 
 
 NO_TRUST_LIMITS = Trust()
