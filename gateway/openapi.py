@@ -34,6 +34,10 @@ from aiohttp import web
 from gateway.core.manifest import DELETION_METHODS
 from gateway.errors import STATUS
 
+# Why a client certificate of the user's CA was refused (the error's ``reason``); the same tuple as
+# gateway.remote.tls.REFUSAL_REASONS (tests/remote/test_cert_refusal.py compares them).
+CERT_REFUSAL_REASONS = ("revoked", "expired", "not_yet_valid", "ca_invalid", "crl_expired")
+
 TCP, UNIX, GW = "guard-tcp", "guard-unix", "gateway"
 LOCAL = (TCP, UNIX)
 ALL = (TCP, UNIX, GW)
@@ -287,7 +291,14 @@ SCHEMAS: dict[str, Any] = {
         {
             "error": _closed(
                 ["code", "message"],
-                {"code": {"enum": sorted(STATUS)}, "message": STR, "session_id": STR, "details": {"type": "object"}},
+                {
+                    "code": {"enum": sorted(STATUS)},
+                    "message": STR,
+                    "session_id": STR,
+                    "details": {"type": "object"},
+                    # CERT_REQUIRED for a certificate of the user's CA (gateway.remote.tls.REFUSAL_REASONS)
+                    "reason": {"enum": list(CERT_REFUSAL_REASONS)},
+                },
             )
         },
         "§8.4",

@@ -128,15 +128,21 @@ code=$(mtls_get)
 [ "$code" = 401 ] || fail "a revoked session answered $code"
 grep -q SESSION_REVOKED "$WORK/body" || fail "revoked session: $(cat "$WORK/body")"
 
-step "revoke the certificate: the handshake is refused"
+step "revoke the certificate: a 401 that names it and says why"
 "$UOMP" agent revoke remote_test_agent >/dev/null
 refused=""
 for _ in $(seq 1 100); do  # the gateway reloads the CRL when the file changes
   code=$(mtls_get)
-  if [ "$code" = 000 ] || grep -q '"CERT_' "$WORK/body" 2>/dev/null; then refused=yes; break; fi
+  if [ "$code" = 401 ] && grep -q '"CERT_REQUIRED"' "$WORK/body" 2>/dev/null; then refused=yes; break; fi
   sleep 0.1
 done
-[ -n "$refused" ] || fail "a revoked certificate was still accepted"
+[ -n "$refused" ] || fail "a revoked certificate was still accepted (last answer $code: $(cat "$WORK/body" 2>/dev/null))"
+grep -q '"reason": *"revoked"' "$WORK/body" || fail "the refusal gives no reason: $(cat "$WORK/body")"
+grep -q '(agent remote_test_agent, serial 0x[0-9a-f]*) was revoked on ' "$WORK/body" \
+  || fail "the refusal does not name the certificate: $(cat "$WORK/body")"
+code=$(curl -s -o /dev/null -w '%{http_code}' --cacert "$AGENT/files/ca.crt" --cert "$AGENT/files/agent.crt" \
+  --key "$AGENT/files/agent.key" "$GW/v1/health" || true)
+[ "$code" = 401 ] || fail "a revoked certificate reached /v1/health ($code)"
 
 step "stop: nothing left behind"
 "$UOMP" gateway stop >/dev/null

@@ -31,6 +31,7 @@ VARIANTS = {
     "expired": "from the CA, expired an hour ago",
     "not_yet_valid": "from the CA, valid from tomorrow",
     "wrong_ca": "same agent id, issued by another CA",
+    "wrong_ca_expired": "same agent id, issued by another CA, expired an hour ago",
     "no_eku": "from the CA, no extended key usage extension at all",
     "server_eku": "from the CA, EKU serverAuth only",
     "no_san": "from the CA, EKU clientAuth but no uomp://agent/ URI SAN",
@@ -167,6 +168,10 @@ def make_cert_set(
             cert = ca.issue_agent_cert(ca_key, ca_cert, pub, agent_id, now=now + dt.timedelta(days=1))
         elif name == "wrong_ca":
             cert = ca.issue_agent_cert(other_key, other_ca, pub, agent_id, now=now)
+        elif name == "wrong_ca_expired":
+            cert = ca.issue_agent_cert(
+                other_key, other_ca, pub, agent_id, dt.timedelta(hours=1), now=now - dt.timedelta(hours=2)
+            )
         elif name == "no_eku":
             cert = custom_agent_cert(ca_key, ca_cert, pub, agent_id, eku=None, now=now)
         elif name == "server_eku":

@@ -81,6 +81,12 @@ DETAILS: dict[str, str] = {
     "key does not exist": "The agent asked for a memory that does not exist (it was only told it is out of scope).",
     "no granted key or tag matches": "The agent asked for a memory outside what you granted.",
     "tag not in tags": "The agent searched a tag you did not grant.",
+    # a certificate of your CA refused after the handshake (the event names the agent and the serial)
+    "revoked": "The agent's certificate is revoked; it was told so and let in nowhere.",
+    "expired": "The agent's certificate has expired; it needs a new one from you.",
+    "not_yet_valid": "The agent's certificate is not valid yet: a clock (the agent's or the gateway's) is wrong.",
+    "ca_invalid": "Your agent CA is outside its validity period, so no agent certificate can be trusted.",
+    "crl_expired": "The gateway's list of revoked certificates is out of date, so no certificate was accepted.",
 }
 
 

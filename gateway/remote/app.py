@@ -10,9 +10,12 @@ One catch-all aiohttp route receives every request, so the raw request-target is
    ``X-UOMP-*``, ``Host``, framing) at most once, no client-sent ``X-UOMP-Verified-*``
    (:func:`gateway.contract.header_problem`); the endpoint the request arrived on is the
    listener's own endpoint its ``Host`` names (on TLS, ``Host`` must agree with the SNI name);
-3. transport identity: on the mTLS listener the client certificate (chain, validity and CRL were
-   checked in the handshake; the URI SAN ``uomp://agent/<id>`` and EKU clientAuth here). A
-   listener without client certificates (the tunnel origin) plugs in its own authenticator;
+3. transport identity: on the mTLS listener the client certificate (chain and purpose were
+   checked in the handshake; the URI SAN ``uomp://agent/<id>``, EKU clientAuth, validity period
+   and CRL here). A certificate of ours that is revoked, expired or not yet valid is refused
+   before step 1, on every route (:func:`gateway.remote.identity.peer_check`: 401 CERT_REQUIRED
+   with its ``reason``, the connection closed after the answer). A listener without client
+   certificates (the tunnel origin) plugs in its own authenticator;
 4. the token (§7.3, §15.2, §15.4): ``Authorization: Bearer`` and ``X-UOMP-Agent-Id``; signature and
    claims (:func:`gateway.core.tokens.verify_token`), then the checks of
    :mod:`gateway.core.checks` in their documented order (token use, profile remote, audience one
@@ -53,7 +56,7 @@ from gateway.remote.call import (
     unrecorded_response,
 )
 from gateway.remote.forward import forward
-from gateway.remote.identity import mtls_identity
+from gateway.remote.identity import mtls_identity, peer_check
 from gateway.remote.request import Call
 from gateway.remote.state import LISTENER, STATE, GatewayState
 
@@ -97,9 +100,11 @@ async def entry(request: web.Request) -> web.StreamResponse:
 
 async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     request = call.request
+    listener = request.app[LISTENER]
+    if listener == "mtls":
+        peer_check(call)  # a revoked or expired certificate of ours: 401 before anything else
     check_headers(state, call)
     call.target = pathnorm.normalize_target(request.raw_path)
-    listener = request.app[LISTENER]
     # the first route of the table (in order) with this method whose pattern matches
     for route in state.routes_for(listener, request.method):
         m = route.pattern.fullmatch(call.target.path)

@@ -1,24 +1,30 @@
 """Refused TLS handshakes: one log line each (rate-limited) and a labelled counter.
 
-A client that fails the handshake (revoked, expired or foreign certificate, TLS 1.2 or older,
-plain HTTP sent to the TLS port) is never silent for the operator.
+A client that fails the handshake (foreign certificate, wrong purpose, TLS 1.2 or older, plain
+HTTP sent to the TLS port), or whose certificate of our CA is refused once the handshake is done
+(revoked, expired, not yet valid: :class:`gateway.remote.tls.CertRefused`, told by the registry's
+``check_peer``), is never silent for the operator.
 :class:`HandshakeLog` is told of each by the listener's
 :class:`gateway.remote.transport.ConnectionRegistry` (``on_handshake_failed``) and
 
 * counts it in ``uomp_gateway_tls_handshakes_rejected_total{listener, reason}``;
-* logs one line: ``TLS handshake refused on mtls from 203.0.113.7: revoked (certificate revoked)``,
+* logs one line: ``TLS handshake refused on mtls from 203.0.113.7: unknown_ca (unable to get local
+  issuer certificate)``, or for a certificate of ours ``TLS client certificate refused on mtls from
+  203.0.113.7: revoked (agent mail_agent, serial 0x3f...)``,
   at most ``per_second`` lines a second after a burst of ``burst`` (a handshake flood must not
   become a log flood); the lines not written are counted and reported in the next line written.
 
 * and, with ``events`` (the gateway's :class:`gateway.remote.event_sink.EventSink`), writes one
   ``tls_handshake`` event into the guard's one log: ``allowed`` false, code
   ``TLS_HANDSHAKE_REFUSED``, ``detail`` the reason label, ``reason`` OpenSSL's words, ``listener``,
-  ``client`` (address). Rate-limited per client address like every event without a session
-  (beyond the rate: counted, and the count is an event).
+  ``client`` (address), and for a certificate of ours ``agent_id`` and ``cert_serial``. Rate-limited
+  per client address like every event without a session (beyond the rate: counted, and the count
+  is an event).
 
-``reason`` is one of :data:`REASONS`. The certificate's serial cannot be logged: Python's ``ssl``
-module gives no access to a peer certificate whose verification failed (no verify callback, and
-``getpeercert`` needs a finished handshake); ``uomp agent list`` maps a revoked agent's serials.
+``reason`` is one of :data:`REASONS`. A certificate refused by OpenSSL cannot be named: Python's
+``ssl`` module gives no access to a peer certificate whose verification failed (no verify callback,
+and ``getpeercert`` needs a finished handshake). That is why time and revocation are not checked by
+OpenSSL (:mod:`gateway.remote.tls`): those certificates finish the handshake and are named here.
 Plain HTTP on the TLS port also gets a short plain-text 400 answer saying "use https://" (transport.py).
 No log line carries bytes the client sent: only the address, the label and OpenSSL's message.
 """
@@ -30,12 +36,17 @@ import ssl
 import time
 from typing import Any, Protocol
 
+from gateway.errors import UompError
+from gateway.remote.tls import CertRefused
+
 log = logging.getLogger("uomp.gateway")
 
 REASONS = (
     "revoked",
     "expired",
     "not_yet_valid",
+    "ca_invalid",
+    "crl_expired",
     "unknown_ca",
     "bad_purpose",
     "cert_invalid",
@@ -74,7 +85,11 @@ _HINTS = {
     "plain_http": "; plain HTTP on the TLS port: the client must use https://",
     "tls_version": "; this gateway speaks TLS 1.3 only",
     "unknown_ca": "; the certificate is not from this appliance's agent CA",
-    "revoked": "; the agent's certificate is on the CRL (uomp agent list)",
+    "revoked": "; the agent's certificate is on the CRL (uomp agent list); it is told so in a 401",
+    "expired": "; it is told so in a 401",
+    "not_yet_valid": "; it is told so in a 401 (check the clocks)",
+    "ca_invalid": "; the agent CA is outside its validity period: renew the CA",
+    "crl_expired": "; the CRL is past its nextUpdate: refresh it",
 }
 
 
@@ -94,7 +109,12 @@ HANDSHAKE_CODE = "TLS_HANDSHAKE_REFUSED"
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
-    """``(reason label, OpenSSL's words)`` for a failed server-side handshake."""
+    """``(reason label, OpenSSL's words)`` for a failed server-side handshake (the gateway's own
+    words, naming the certificate, for a :class:`CertRefused`)."""
+    if isinstance(exc, CertRefused):
+        return exc.reason, f"agent {exc.identity.agent_id}, serial 0x{exc.identity.serial}"
+    if isinstance(exc, UompError):  # chains to our CA, but is no agent's (no clientAuth EKU, no agent URI SAN)
+        return "cert_invalid", exc.message
     if isinstance(exc, ssl.SSLCertVerificationError):
         msg = str(exc.verify_message or exc.reason or "certificate verification failed")
         return _VERIFY.get(msg, "cert_invalid"), msg
@@ -125,21 +145,23 @@ class HandshakeLog:
     def __call__(self, exc: BaseException, ip: str) -> None:
         label, detail = classify(exc)
         self.metrics.tls_handshake_rejected(self.listener, label)
+        ours = exc if isinstance(exc, CertRefused) else None
         if self.events is not None:
-            # No serial: Python's ssl does not show a certificate that failed verification.
-            done = self.events.append(
-                {
-                    "action": "tls_handshake",
-                    "allowed": False,
-                    "code": HANDSHAKE_CODE,
-                    "detail": label,
-                    "reason": f"TLS handshake refused: {detail[:200]}",
-                    "listener": self.listener,
-                    "client": ip or None,
-                    "via": f"gateway:{self.listener}",
-                },
-                source=ip or "unknown",
-            )
+            # Named only when ours: Python's ssl does not show a certificate that failed verification.
+            event: dict[str, Any] = {
+                "action": "tls_handshake",
+                "allowed": False,
+                "code": HANDSHAKE_CODE,
+                "detail": label,
+                "reason": exc.message if isinstance(exc, UompError) else f"TLS handshake refused: {detail[:200]}",
+                "listener": self.listener,
+                "client": ip or None,
+                "via": f"gateway:{self.listener}",
+            }
+            if ours is not None:
+                event["agent_id"] = ours.identity.agent_id
+                event["cert_serial"] = ours.identity.serial
+            done = self.events.append(event, source=ip or "unknown")
             if done is not None and hasattr(done, "add_done_callback"):
                 done.add_done_callback(_retrieve)
         now = time.monotonic()
@@ -154,7 +176,8 @@ class HandshakeLog:
             more = f" ({self.suppressed} more refused handshakes not logged; see the metric)"
             self.suppressed = 0
         log.warning(
-            "TLS handshake refused on %s from %s: %s (%s)%s%s",
+            "TLS %s refused on %s from %s: %s (%s)%s%s",
+            "client certificate" if isinstance(exc, UompError) else "handshake",
             self.listener,
             ip or "?",
             label,

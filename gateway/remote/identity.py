@@ -1,5 +1,6 @@
-"""Who is calling, per listener: the client certificate on the mTLS listener (:func:`mtls_identity`),
-the RFC 9449 DPoP proof on the tunnel-origin listener (:func:`dpop_identity`)."""
+"""Who is calling, per listener: the client certificate on the mTLS listener (:func:`mtls_identity`,
+judged at the connection's start and on every request by :func:`judged_memo`, the one place), the
+RFC 9449 DPoP proof on the tunnel-origin listener (:func:`dpop_identity`)."""
 
 from __future__ import annotations
 
@@ -10,37 +11,84 @@ from aiohttp import web
 
 from gateway.core import dpop
 from gateway.errors import ErrorCode, UompError
+from gateway.remote import tls, transport
 from gateway.remote.call import bearer_token
 from gateway.remote.request import MEMO_ATTRIBUTE, Call, ConnMemo
 from gateway.remote.state import STATE, GatewayState
 
 
-async def mtls_identity(call: Call) -> None:
-    """The request's identity from its client certificate (verified in the handshake, checked again against the CRL)."""
-    ssl_obj = call.request.transport.get_extra_info("ssl_object") if call.request.transport else None
-    der = ssl_obj.getpeercert(binary_form=True) if isinstance(ssl_obj, ssl.SSLObject) else None
+def judged_memo(state: GatewayState, ssl_obj: ssl.SSLObject) -> ConnMemo | None:
+    """The one check of an mTLS connection's client certificate, at the connection's start and on
+    every request: None when the connection has no certificate, else its memo (the parsed identity,
+    kept on the connection). Raises CERT_REQUIRED for a certificate that is not an agent's, and
+    :class:`CertRefused` (with its reason, naming the agent and serial) for one of our CA that is
+    revoked, expired, not yet valid, or that cannot be checked now (see :func:`tls.judge`).
+
+    OpenSSL verified only the chain and purpose (``build_server_context``): time and revocation are
+    judged here, against the CRL and CA loaded last (``GatewayState.tls_trust``), so a keep-alive
+    connection made before a revocation (or a resumed session) is refused at its next request."""
+    der = ssl_obj.getpeercert(binary_form=True)
     if not der:
-        raise UompError(ErrorCode.CERT_REQUIRED, "a client certificate issued by the user's agent CA is required")
-    state = call.request.app[STATE]
-    # The CRL is checked at the handshake; a keep-alive connection made before a revocation is
-    # refused here too, on its next request.
-    revoked = state.revoked_serials()
+        return None
+    trust = state.tls_trust()
     memo: ConnMemo | None = getattr(ssl_obj, MEMO_ATTRIBUTE, None)
     if memo is not None and memo.der == der:
         # The same certificate as this connection's earlier requests: its parsed identity is kept,
-        # its validity period and the CRL are checked again now (as ClientCertChecker.check does).
+        # its validity period, the CRL and the CA are judged again now (judge() words a refusal).
         now = time.time()
-        if now < memo.not_before:
-            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate is not valid yet")
-        if now > memo.not_after:
-            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has expired")
-        if memo.identity.serial in revoked:
-            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has been revoked")
-    else:
-        memo = ConnMemo(der, state.certs.check(der, revoked=revoked))
-        setattr(ssl_obj, MEMO_ATTRIBUTE, memo)
-    call.identity = memo.identity
-    call.memo = memo
+        if not (
+            memo.not_before <= now <= memo.not_after
+            and memo.identity.serial not in trust.revoked
+            and trust.open_at(now)
+        ):
+            tls.judge(memo.identity, trust)
+        return memo
+    ident = state.certs.identity(der)
+    tls.judge(ident, trust)
+    memo = ConnMemo(der, ident)
+    setattr(ssl_obj, MEMO_ATTRIBUTE, memo)
+    return memo
+
+
+def connection_refusal(state: GatewayState, ssl_obj: object) -> UompError | None:
+    """:func:`judged_memo` when an mTLS handshake has completed (``ConnectionRegistry.check_peer``):
+    the refusal, or None (no certificate, or one that passed: the connection may be verified)."""
+    if not isinstance(ssl_obj, ssl.SSLObject):
+        return None
+    try:
+        judged_memo(state, ssl_obj)
+    except UompError as exc:
+        return exc
+    return None
+
+
+def peer_check(call: Call) -> None:
+    """Before routing, on the mTLS listener, every request: a client certificate, when the
+    connection has one, passes :func:`judged_memo` or the request is refused (401 CERT_REQUIRED, the
+    answer closes the connection, nothing reaches a handler or the guard); the identity it names
+    is the request's (or, refused, its event's: ``Call.refused``)."""
+    request = call.request
+    ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
+    if not isinstance(ssl_obj, ssl.SSLObject):
+        return
+    try:
+        memo = judged_memo(request.app[STATE], ssl_obj)
+    except UompError as exc:
+        transport.close_after_answer(request)
+        if isinstance(exc, tls.CertRefused):
+            call.refused = exc.identity
+        raise
+    if memo is not None:
+        call.identity = memo.identity
+        call.memo = memo
+
+
+async def mtls_identity(call: Call) -> None:
+    """The request's identity from its client certificate (judged by :func:`peer_check` before routing)."""
+    if call.memo is None:
+        peer_check(call)
+    if call.memo is None:
+        raise UompError(ErrorCode.CERT_REQUIRED, "a client certificate issued by the user's agent CA is required")
 
 
 def public_url(state: GatewayState, request: web.Request, path: str) -> str:

@@ -57,6 +57,8 @@ class Call:
     jkt: str | None = None
     recorded: bool = False
     memo: ConnMemo | None = None  # what this request's TLS connection established already (mTLS)
+    # a client certificate of our CA refused (revoked, expired...): named in the event, never an identity
+    refused: ClientIdentity | None = None
     # run (and awaited when they return an awaitable) once the token and the session passed their
     # checks: the DPoP proof is recorded then, in this process or in the replicas' shared state
     on_authenticated: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
@@ -64,10 +66,10 @@ class Call:
     def event(self, *, status: int, allowed: bool, reason: str, code: str | None) -> dict[str, Any]:
         """The request's event for the guard's one log (§18.1/§18.2 fields, listener, via, code)."""
         cap = self.cap
-        ident = self.identity
+        ident = self.identity or self.refused
         return {
             "session_id": cap.session_id if cap else None,
-            "agent_id": cap.agent_id if cap else (self.identity.agent_id if self.identity else None),
+            "agent_id": cap.agent_id if cap else (ident.agent_id if ident else None),
             "action": self.route.name if self.route else "unknown",
             "key": self.key,
             "tag": self.tag,

@@ -173,7 +173,7 @@ class GatewayRunner:
         ev = state.events
         metrics.spool_state = lambda: (ev.backlog, ev.batches_refused, ev.events_set_aside, ev.events_replayed)
         reloader = self.reloader
-        state.revoked_serials = lambda: reloader.revoked
+        state.tls_trust = lambda: reloader.trust
         state.upstream_ok = lambda: monitor.up is not False
         agent_routes.install(state)
         enroll_routes.install(state)
@@ -210,10 +210,12 @@ class GatewayRunner:
             registries.append(self.metrics_registry)
         self._fit_limits(registries)
         from gateway.remote.handshake_log import HandshakeLog
+        from gateway.remote.identity import connection_refusal
 
         self.registry.on_handshake_failed = HandshakeLog(
             metrics, "mtls", per_second=cfg.handshake_log_per_second, burst=cfg.handshake_log_burst, events=state.events
         )
+        self.registry.check_peer = lambda ssl_obj: connection_refusal(state, ssl_obj)
         for reg in (self.registry, self.tunnel_registry):
             reg.on_rejected = rejected
             reg.on_open = metrics.connection_opened

@@ -24,7 +24,7 @@ from gateway.remote.metrics import Metrics
 from gateway.remote.request import Call, Handler, Route
 from gateway.remote.routenames import RouteName
 from gateway.remote.routes import ROUTES
-from gateway.remote.tls import ClientCertChecker
+from gateway.remote.tls import NO_TRUST_LIMITS, ClientCertChecker, Trust
 
 MAX_STATUS_CACHE_SECONDS = 1.0
 
@@ -144,8 +144,9 @@ class GatewayState:
             max_entries=cfg.dpop_replay_cache_entries,
             proofs_per_second_per_key=cfg.dpop_max_proofs_per_second_per_key,
         )
-        # serials (hex) on the CRL last loaded; the server points this at its TLS reloader
-        self.revoked_serials: Callable[[], frozenset[str]] = frozenset
+        # the CRL and CA last loaded (revoked serials, nextUpdate, CA validity) for the per-connection
+        # certificate check (identity.peer_check); the server points this at its TLS reloader
+        self.tls_trust: Callable[[], Trust] = lambda: NO_TRUST_LIMITS
         # False while the guard is known to be unreachable; the server points this at its upstream monitor
         self.upstream_ok: Callable[[], bool] = lambda: True
         self.reload_keys()

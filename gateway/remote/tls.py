@@ -8,15 +8,29 @@ a restart.
 
 Who enforces what on a client certificate:
 
-* OpenSSL, during the handshake: chain to the user CA (and only it), signature, validity period,
-  CRL (leaf), RFC 5280 strictness, and the ``sslclient`` purpose: OpenSSL sets that purpose itself
-  when a server verifies a client, so a certificate whose EKU lacks clientAuth (the gateway's own
-  server certificate, say) fails the handshake with "unsuitable certificate purpose";
-* :func:`check_client_cert`, per connection, in the gateway: a certificate with *no* EKU extension
+* OpenSSL, during the handshake: chain to the user CA (and only it), signature, RFC 5280
+  strictness, and the ``sslclient`` purpose: OpenSSL sets that purpose itself when a server
+  verifies a client, so a certificate whose EKU lacks clientAuth (the gateway's own server
+  certificate, say) fails the handshake with "unsuitable certificate purpose". It does NOT check
+  time or revocation (``X509_V_FLAG_NO_CHECK_TIME``, no CRL flag): a certificate of ours that is
+  revoked, expired or not yet valid completes the handshake so that its holder can be told why, by
+  name, in a JSON 401 at its first request (OpenSSL's alert cannot be flushed on asyncio/uvloop,
+  and Python's ``ssl`` has no verify callback to read the refused certificate);
+* :func:`judge`, per connection and per request (:func:`gateway.remote.identity.judged_memo`, the one
+  entry point): the validity period, the CRL's serials (:class:`Trust`, swapped whole on reload), the
+  CRL's own nextUpdate and the CA's validity period (a CA that expires while the gateway runs);
+  refusals are :class:`CertRefused` (code CERT_REQUIRED, a ``reason`` and the certificate named);
+* :func:`check_client_cert` / :class:`ClientCertChecker`: a certificate with *no* EKU extension
   passes OpenSSL's purpose check, and Python cannot set ``X509_PURPOSE`` on a context, so the
-  gateway itself requires clientAuth, exactly one ``uomp://agent/<id>`` URI SAN, a supported key
-  type, and re-checks the validity period (a long-lived keep-alive connection outlives a 24 h
-  certificate). It yields the agent id, the serial and the RFC 8705 ``x5t#S256`` thumbprint.
+  gateway itself requires clientAuth, exactly one ``uomp://agent/<id>`` URI SAN and a supported key
+  type. It yields the agent id, the serial and the RFC 8705 ``x5t#S256`` thumbprint.
+* at load (start and every reload, :meth:`TLSReloader._load`): the CA certificate must be within
+  its validity period and the CRL signed by it (OpenSSL no longer reads the CRL): an expired CA or a
+  foreign CRL refuses the start, and a reload keeps the previous context.
+
+Longer than ~500 lines on purpose: the server context's flags, the judgement of what they leave
+out (:func:`judge`, :class:`Trust`) and the reloader that builds both from the same CA and CRL files
+change together; the split is by section below.
 
 Reload without dropping connections (:class:`TLSReloader`): the listening socket keeps one
 "front" context for its whole life; its SNI callback (which OpenSSL runs for every ClientHello,
@@ -36,14 +50,16 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import ssl
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
@@ -59,6 +75,9 @@ StrPath = str | os.PathLike[str]
 
 # Parsed client certificates kept per checker (keyed by SHA-256 of the DER).
 CLIENT_CERT_CACHE_ENTRIES = 4096
+# OpenSSL's X509_V_FLAG_NO_CHECK_TIME (x509_vfy.h): no validity-period check of any certificate or
+# CRL in the chain. Python's ``ssl`` has no name for it and passes the bit through verify_flags.
+X509_V_FLAG_NO_CHECK_TIME = 0x200000
 
 
 # ------------------------------------------------------------------------------- contexts
@@ -88,18 +107,19 @@ def build_server_context(
     # starts with an empty store; we never call load_default_certs(), so a certificate from any
     # public CA is "unable to get local issuer certificate".
     ctx.load_verify_locations(cafile=os.fspath(ca_file))
-    # RFC 5280 §6.3: check the leaf against the CA's CRL. The CRL goes into the same store (PEM file
-    # with an X509 CRL). With this flag a missing or expired CRL fails every client handshake
-    # (fail closed), which is why ca_store always writes one and keeps it fresh.
-    ctx.load_verify_locations(cafile=os.fspath(crl_file))
-    ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+    # No time and no revocation check in OpenSSL (see the module docstring): a certificate that
+    # chains to our CA completes the handshake, and judge() refuses it by name at its first request
+    # when it is revoked (RFC 5280 §6.3), expired or not yet valid. NO_CHECK_TIME also skips the
+    # CA's own validity period, which TLSReloader checks at load and judge() on every connection.
+    # ``crl_file`` is read by TLSReloader (its serials, signature and nextUpdate), not by OpenSSL.
+    ctx.verify_flags |= X509_V_FLAG_NO_CHECK_TIME
     # RFC 5280 strictness in OpenSSL (AKI/SKI present, positive serials, well-formed extensions...):
     # our CA builds conforming certificates, so anything non-conforming is not ours.
     ctx.verify_flags |= ssl.VERIFY_X509_STRICT
     # CERT_OPTIONAL (default): the server asks for a certificate (RFC 8446 §4.3.2 CertificateRequest);
     # a client that sends none still completes the handshake so the gateway can answer a JSON 401
-    # CERT_REQUIRED and audit it; a client that sends one gets it verified in full (chain, time,
-    # CRL, purpose) and the handshake fails if it is bad. CERT_REQUIRED refuses certificate-less
+    # CERT_REQUIRED and audit it; a client that sends one gets its chain and purpose verified and
+    # the handshake fails if they are bad. CERT_REQUIRED refuses certificate-less
     # clients at the TLS layer (alert certificate_required, RFC 8446 §6.2).
     ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
     # No TLS compression (CRIME); TLS 1.3 has none anyway (RFC 8446 §4.1.2), stated for older libs.
@@ -113,8 +133,8 @@ def build_server_context(
     # A resumed session skips client certificate *verification*: a certificate revoked (new CRL) or
     # expired since the first handshake resumes at the TLS layer. It gets no further: every request
     # re-checks the peer certificate (kept in the session) against the live CRL's serials and its
-    # validity period (ClientCertChecker.check(revoked=TLSReloader.revoked), remote/identity.py), so it
-    # is refused at its first request (tests/remote/test_tls.py). Ticket keys belong to the listening
+    # validity period (judge(), remote/identity.py), as it does for a full handshake, so it is
+    # refused at its first request (tests/remote/test_tls.py). Ticket keys belong to the listening
     # context (the SNI switch to a reloaded context keeps them) and die with the process.
     ctx.num_tickets = max(0, int(session_tickets))
     return ctx
@@ -169,45 +189,117 @@ def _static_identity(der: bytes) -> ClientIdentity:
     )
 
 
-def _check_time(ident: ClientIdentity, now: dt.datetime | None) -> None:
+REFUSAL_REASONS = ("revoked", "expired", "not_yet_valid", "ca_invalid", "crl_expired")
+
+
+class CertRefused(UompError):
+    """A client certificate of our CA refused after the handshake: CERT_REQUIRED (401) with a
+    machine-readable ``reason`` (one of :data:`REFUSAL_REASONS`) and the certificate named
+    (agent, serial) in the message and in ``details``."""
+
+    def __init__(self, reason: str, message: str, ident: ClientIdentity) -> None:
+        super().__init__(ErrorCode.CERT_REQUIRED, message, details={"agent_id": ident.agent_id, "serial": ident.serial})
+        self.reason = reason
+        self.identity = ident
+
+    def body(self) -> dict[str, Any]:
+        """The §8.4 body with ``reason`` beside ``code``."""
+        out = super().body()
+        out["error"]["reason"] = self.reason
+        return out
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What :func:`judge` compares a certificate with: the CRL's revoked serials (hex) and their
+    revocation dates, the CRL's nextUpdate and the CA's validity period. Replaced whole on reload."""
+
+    revoked: frozenset[str] = frozenset()
+    revoked_at: Mapping[str, dt.datetime] = field(default_factory=dict)
+    crl_next_update: dt.datetime | None = None
+    ca_not_before: dt.datetime | None = None
+    ca_not_after: dt.datetime | None = None
+    # (start, end) epoch seconds of :meth:`open_at`, computed once (it runs on every request)
+    _window: tuple[float, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        start = self.ca_not_before.timestamp() if self.ca_not_before is not None else -math.inf
+        ends = [t.timestamp() for t in (self.ca_not_after, self.crl_next_update) if t is not None]
+        object.__setattr__(self, "_window", (start, min(ends, default=math.inf)))
+
+    def open_at(self, now: float) -> bool:
+        """The CA is within its validity period and the CRL not past its nextUpdate at ``now`` (epoch)."""
+        start, end = self._window
+        return start <= now <= end
+
+
+NO_TRUST_LIMITS = Trust()
+
+
+def _day(t: dt.datetime) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def judge(ident: ClientIdentity, trust: Trust = NO_TRUST_LIMITS, now: dt.datetime | None = None) -> None:
+    """Refuse (:class:`CertRefused`) a certificate that is revoked, expired or not yet valid, or
+    that cannot be checked now (the CA outside its validity period, the CRL past its nextUpdate)."""
     now = ca.utcnow() if now is None else now
-    if now < ident.not_before:
-        raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate is not valid yet")
+    named = f"the client certificate (agent {ident.agent_id}, serial 0x{ident.serial})"
+    if ident.serial in trust.revoked:
+        when = trust.revoked_at.get(ident.serial)
+        on = f" on {_day(when)}" if when is not None else ""
+        raise CertRefused("revoked", f"{named} was revoked{on}; ask the user for a new one", ident)
     if now > ident.not_after:
-        raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has expired")
+        raise CertRefused("expired", f"{named} expired on {_day(ident.not_after)}; ask the user for a new one", ident)
+    if now < ident.not_before:
+        raise CertRefused(
+            "not_yet_valid",
+            f"{named} is not valid before {_day(ident.not_before)}; check the clock of this machine and the gateway's",
+            ident,
+        )
+    if (trust.ca_not_after is not None and now > trust.ca_not_after) or (
+        trust.ca_not_before is not None and now < trust.ca_not_before
+    ):
+        raise CertRefused(
+            "ca_invalid",
+            f"{named} is from the user's agent CA, which is outside its validity period; the user must renew the CA",
+            ident,
+        )
+    if trust.crl_next_update is not None and now > trust.crl_next_update:
+        raise CertRefused(
+            "crl_expired",
+            f"{named} cannot be checked: the gateway's revocation list expired on {_day(trust.crl_next_update)}; "
+            "the user must refresh it (the gateway re-signs it when it holds the CA key)",
+            ident,
+        )
 
 
 def check_client_cert(der: bytes | None, *, now: dt.datetime | None = None) -> ClientIdentity:
-    """Identity from the peer certificate OpenSSL already verified; CERT_REQUIRED if unusable.
+    """Identity from the peer certificate whose chain OpenSSL verified; CERT_REQUIRED if unusable
+    (:class:`CertRefused` when out of its validity period).
 
     ``der`` is ``ssl_object.getpeercert(binary_form=True)``: None means no certificate was sent.
     """
     if not der:
         raise UompError(ErrorCode.CERT_REQUIRED, "no client certificate was presented")
     ident = _static_identity(der)
-    _check_time(ident, now)
+    judge(ident, now=now)
     return ident
 
 
 class ClientCertChecker:
     """:func:`check_client_cert` with a bounded LRU cache keyed by the DER's SHA-256.
 
-    Parsing and thumbprints are cached (successes and refusals alike); the validity period is
-    checked again on every call, so a cached certificate still expires on time.
+    Parsing and thumbprints are cached (successes and refusals alike); :func:`judge` runs again on
+    every call, so a cached certificate still expires (or is revoked) on time.
     """
 
     def __init__(self, max_entries: int = CLIENT_CERT_CACHE_ENTRIES) -> None:
         self.max_entries = max_entries
         self._cache: OrderedDict[bytes, ClientIdentity | UompError] = OrderedDict()
 
-    def check(
-        self, der: bytes | None, *, now: dt.datetime | None = None, revoked: Collection[str] = ()
-    ) -> ClientIdentity:
-        """``revoked``: serials (hex) to refuse even on a connection made before they were revoked,
-        e.g. :attr:`TLSReloader.revoked` (opt-in defence in depth: the TLS layer only checks the CRL
-        at handshake time)."""
-        if not der:
-            raise UompError(ErrorCode.CERT_REQUIRED, "no client certificate was presented")
+    def identity(self, der: bytes) -> ClientIdentity:
+        """The certificate's parsed identity (cached); CERT_REQUIRED when it is not an agent's."""
         digest = hashlib.sha256(der).digest()
         hit = self._cache.get(digest)
         if hit is None:
@@ -222,13 +314,40 @@ class ClientCertChecker:
             self._cache.move_to_end(digest)
         if isinstance(hit, UompError):
             raise UompError(hit.code, hit.message)
-        _check_time(hit, now)
-        if hit.serial in revoked:
-            raise UompError(ErrorCode.CERT_REQUIRED, "the client certificate has been revoked")
         return hit
+
+    def check(
+        self, der: bytes | None, *, now: dt.datetime | None = None, trust: Trust = NO_TRUST_LIMITS
+    ) -> ClientIdentity:
+        """The identity of ``der``, judged against ``trust`` (:attr:`TLSReloader.trust`) now."""
+        if not der:
+            raise UompError(ErrorCode.CERT_REQUIRED, "no client certificate was presented")
+        ident = self.identity(der)
+        judge(ident, trust, now)
+        return ident
 
 
 # ------------------------------------------------------------------------------- reloading
+
+
+def check_agent_ca(ca_file: Path, now: dt.datetime | None = None) -> x509.Certificate:
+    """The agent CA certificate of ``ca_file``; CA_ERROR, naming the file and the date, when it is
+    not valid now (OpenSSL does not check the CA's validity period: :func:`build_server_context`)."""
+    cert = x509.load_pem_x509_certificate(ca_file.read_bytes())
+    now = ca.utcnow() if now is None else now
+    if now > cert.not_valid_after_utc:
+        raise UompError(
+            ErrorCode.CA_ERROR,
+            f"the agent CA certificate {ca_file} expired on {_day(cert.not_valid_after_utc)}: no agent certificate "
+            "can be trusted; make a new agent CA and issue the agents new certificates",
+        )
+    if now < cert.not_valid_before_utc:
+        raise UompError(
+            ErrorCode.CA_ERROR,
+            f"the agent CA certificate {ca_file} is not valid before {_day(cert.not_valid_before_utc)}; "
+            "check this machine's clock",
+        )
+    return cert
 
 
 SNI_ATTRIBUTE = "_uomp_server_name"
@@ -319,9 +438,9 @@ class TLSReloader:
         self.crl_state = Path(crl_state) if crl_state is not None else None
         self.crl_mark: CRLMark | None = read_crl_state(self.crl_state)
         self._stamp = self._stamps()
-        # Serials (hex) on the CRL last loaded: for ClientCertChecker.check(revoked=...).
-        self.revoked: frozenset[str]
-        self._inner, self.revoked, mark = self._load()
+        # The CRL and CA last loaded, as judge() needs them (ClientCertChecker.check(trust=...)).
+        self.trust: Trust
+        self._inner, self.trust, mark = self._load()
         self._accept(mark)
         # The front context must carry the same protocol settings as the inner ones: OpenSSL copies
         # verify mode, verify flags, versions, options and ticket count into each connection when
@@ -340,6 +459,11 @@ class TLSReloader:
         return self._front
 
     @property
+    def revoked(self) -> frozenset[str]:
+        """Serials (hex) on the CRL last loaded."""
+        return self.trust.revoked
+
+    @property
     def current(self) -> ssl.SSLContext:
         """The context new handshakes are switched to."""
         return self._inner
@@ -355,8 +479,10 @@ class TLSReloader:
             session_tickets=self.session_tickets,
         )
 
-    def _load(self) -> tuple[ssl.SSLContext, frozenset[str], CRLMark]:
-        """A fresh inner context, the CRL's revoked serials and its (number, thisUpdate).
+    def _load(self) -> tuple[ssl.SSLContext, Trust, CRLMark]:
+        """A fresh inner context, what judge() checks against (:class:`Trust`) and the CRL's
+        (number, thisUpdate). The CA certificate must be valid now and the CRL signed by it (OpenSSL
+        checks neither in the handshake: :func:`build_server_context`).
 
         A CRL older than the newest one accepted (lower CRL Number, RFC 5280 §5.2.3, or earlier
         thisUpdate, §5.1.2.4) is refused: a validly signed backup from before a revocation must not
@@ -374,10 +500,25 @@ class TLSReloader:
                 f"{last.this_update:%Y-%m-%dT%H:%M:%SZ}); keeping the previous CRL. Put the current CRL back "
                 f"(the gateway re-signs {self.files.crl_file.name} from the CA registry when it is the CA's own)",
             )
+        ca_cert = check_agent_ca(self.files.ca_file)
+        if crl.issuer != ca_cert.subject or not crl.is_signature_valid(ca_cert.public_key()):  # type: ignore[arg-type]
+            raise UompError(
+                ErrorCode.CONFIG_ERROR,
+                f"the CRL {self.files.crl_file} is not signed by the agent CA {self.files.ca_file}; keeping the "
+                "previous CRL. Put the CA's own CRL back (the gateway re-signs it when it holds the CA key)",
+            )
         ctx = self._build()
         if self.files.crl_file.read_bytes() != raw:
             raise ValueError("the CRL file changed while it was being loaded")
-        return ctx, frozenset(ca.serial_hex(r.serial_number) for r in crl), mark
+        revoked_at = {ca.serial_hex(r.serial_number): r.revocation_date_utc for r in crl}
+        trust = Trust(
+            revoked=frozenset(revoked_at),
+            revoked_at=revoked_at,
+            crl_next_update=crl.next_update_utc,
+            ca_not_before=ca_cert.not_valid_before_utc,
+            ca_not_after=ca_cert.not_valid_after_utc,
+        )
+        return ctx, trust, mark
 
     def _accept(self, mark: CRLMark) -> None:
         """Remember ``mark`` as the newest CRL seen (durably, when a state file is configured)."""
@@ -417,7 +558,7 @@ class TLSReloader:
     def _reload(self) -> None:
         stamp = self._stamps()  # before reading: a change during the build triggers another reload
         try:
-            fresh, revoked, mark = self._load()
+            fresh, trust, mark = self._load()
         except UompError:
             self._stamp = stamp  # an older CRL: refused once, not on every tick
             raise
@@ -428,7 +569,7 @@ class TLSReloader:
                 f"TLS reload failed, keeping the previous certificates: {type(exc).__name__}: {exc}",
             ) from exc
         self._inner = fresh
-        self.revoked = revoked
+        self.trust = trust
         self._accept(mark)
         self._stamp = stamp
         self.generation += 1

@@ -14,7 +14,9 @@ run outside Python (benchmarks/RUNS.md, "native TLS"):
 
 * **Two budgets per listener.** A connection starts *unverified*. On the mTLS listener it becomes
   *verified* when its handshake completes with a client certificate OpenSSL verified against the
-  agent CA and CRL; on the tunnel-origin listener when one of its requests passed token, DPoP and
+  agent CA that also passes the gateway's validity and CRL check (``check_peer``; one that fails
+  it stays unverified, is answered a named 401 and closed: :func:`close_after_answer`); on the
+  tunnel-origin listener when one of its requests passed token, DPoP and
   session checks (:func:`authenticated`). Unverified connections have their own small budget
   (``max_unverified``) and a per-source-address budget (``max_unverified_per_ip``); when either is
   full an older unverified connection is evicted (closed at once), never the new one: first those
@@ -97,6 +99,9 @@ FD_SOFT_CEILING = 1 << 20
 # or a handshake whose whole ClientHello arrived this recently, is not evicted for a newcomer from
 # the same address (ConnectionRegistry.open); the address is cut back to its budget after it.
 LIVE_SECONDS = 1.0
+# A connection whose client certificate was refused after its handshake (revoked, expired...) is
+# closed if it sends no request within this many seconds: its holder gets one named 401, no more.
+REFUSED_CERT_IDLE_SECONDS = 3.0
 
 
 def shrink_tls_read_buffer(size: int | None = None) -> bool:
@@ -250,6 +255,7 @@ class Conn:
         "body_bytes",
         "body_started",
         "bytes_in",
+        "cert_refused",
         "closed",
         "handler",
         "handshaken",
@@ -279,6 +285,9 @@ class Conn:
         self.verified = False
         self.closed = False
         self.handshaken = False
+        # its client certificate was refused after the handshake (ConnectionRegistry.check_peer) or at a
+        # request: it stays unverified, and the answer to its request is its last
+        self.cert_refused = False
         self.hello = False  # the TLS protocol was handed a whole ClientHello record
         self.timer: asyncio.TimerHandle | None = None
         self.phase = "accepted"  # accepted, headers, body, handling, idle
@@ -406,6 +415,17 @@ class Conn:
         self._arm(self.accepted_at + self.registry.limits.first_byte_timeout, "first_byte")
         self.registry.open(self)
 
+    def refused_certificate(self) -> None:
+        """The client certificate was refused after the handshake: the connection stays unverified
+        (its address's budget, evicted first when sitting still) and is closed if it sends no
+        request within :data:`REFUSED_CERT_IDLE_SECONDS` (or the first-byte deadline, if sooner)."""
+        self.cert_refused = True
+        loop = self.loop
+        if self.phase == "accepted" and loop is not None and not self.closed:
+            lim = self.registry.limits
+            when = min(loop.time() + REFUSED_CERT_IDLE_SECONDS, self.accepted_at + lim.first_byte_timeout)
+            self._arm(when, "first_byte")
+
     def lost(self, exc: BaseException | None) -> None:
         self._cancel()
         if self.closed:
@@ -512,6 +532,10 @@ class ConnectionRegistry:
         self.closed_before_handshake: collections.Counter[str] = collections.Counter()
         # called (exception, client address) for each handshake OpenSSL refused (remote/handshake_log.py)
         self.on_handshake_failed: Callable[[BaseException, str], None] | None = None
+        # called (ssl object) when a TLS handshake with a client certificate completed: the
+        # certificate's refusal (revoked, expired... : remote/identity.py), told to on_handshake_failed
+        # like OpenSSL's, or None; a refused connection stays unverified (REFUSED_CERT_IDLE_SECONDS)
+        self.check_peer: Callable[[Any], BaseException | None] | None = None
         # called (status, code, message) when aiohttp itself rejects a request before routing
         self.on_rejected: Callable[[int, ErrorCode, str], None] | None = None
         # told about connections opening and closing (the metrics' open_connections gauge)
@@ -703,13 +727,21 @@ class GuardedHandler(RequestHandler):
         if not self.tls:
             conn.opened(transport)
         else:
-            # The handshake is done; a certificate here passed OpenSSL's verification (chain to the
-            # agent CA, validity, CRL) or the handshake would have failed.
+            # The handshake is done; a certificate here chains to the agent CA with the clientAuth
+            # purpose (OpenSSL's verification) or the handshake would have failed. Its validity period
+            # and the CRL are judged now (check_peer): only a certificate that passes is verified.
             conn.handshaken = True
             ssl_obj = transport.get_extra_info("ssl_object")
             der = ssl_obj.getpeercert(binary_form=True) if ssl_obj is not None else None
-            if der and not conn.registry.promote(conn):
-                conn.registry.refuse(conn)
+            if der:
+                registry = conn.registry
+                refusal = registry.check_peer(ssl_obj) if registry.check_peer is not None else None
+                if refusal is not None:
+                    conn.refused_certificate()
+                    if registry.on_handshake_failed is not None:
+                        registry.on_handshake_failed(refusal, conn.ip)
+                elif not registry.promote(conn):
+                    registry.refuse(conn)
         if conn.closed:
             return
         self._uomp_admitted = True
@@ -882,9 +914,18 @@ def request_finished(request: web.BaseRequest) -> None:
 
 
 def last_answer(request: web.BaseRequest, resp: web.StreamResponse) -> None:
-    """Close the connection after ``resp`` when it is past its lifetime (:meth:`Conn.past_lifetime`)."""
-    if isinstance(request.protocol, GuardedHandler) and request.protocol.conn.past_lifetime():
-        resp.force_close()
+    """Close the connection after ``resp`` when it is past its lifetime (:meth:`Conn.past_lifetime`)
+    or its client certificate was refused (:func:`close_after_answer`)."""
+    if isinstance(request.protocol, GuardedHandler):
+        conn = request.protocol.conn
+        if conn.cert_refused or conn.past_lifetime():
+            resp.force_close()
+
+
+def close_after_answer(request: web.BaseRequest) -> None:
+    """The request's client certificate was refused: the answer now being made is the connection's last."""
+    if isinstance(request.protocol, GuardedHandler):
+        request.protocol.conn.cert_refused = True
 
 
 @web.middleware

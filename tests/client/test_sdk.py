@@ -451,7 +451,9 @@ async def test_token_expired_answer_refreshes_once_and_retries(app: Appliance, t
 # ------------------------------------------------------------------------ certificates
 
 
-async def test_revoked_certificate_refused_at_next_handshake_without_restart(app: Appliance, tmp_path: Path) -> None:
+async def test_revoked_certificate_refused_by_name_at_next_connection_without_restart(
+    app: Appliance, tmp_path: Path
+) -> None:
     bundle = authorize_csr(app, tmp_path)
     async with UompClient.from_bundle(bundle) as c:
         assert (await c.get("preference.theme"))["value"] == "dark"
@@ -461,9 +463,12 @@ async def test_revoked_certificate_refused_at_next_handshake_without_restart(app
     async with UompClient.from_bundle(bundle) as c:
         with pytest.raises(CertificateError) as exc:
             await c.get("preference.theme")
-        assert exc.value.code == "TLS_HANDSHAKE_FAILED" and exc.value.status is None
-        with pytest.raises(CertificateError):
-            await c.renew_certificate()  # the renewal route sits behind the same handshake
+        # the handshake completes; the gateway names the refusal in a 401
+        assert (exc.value.code, exc.value.status) == ("CERT_REQUIRED", 401)
+        assert "(agent calendar_agent, serial 0x" in str(exc.value) and " was revoked on " in str(exc.value)
+        with pytest.raises(CertificateError) as exc:
+            await c.renew_certificate()  # the renewal route refuses it too, before anything else
+        assert (exc.value.code, exc.value.status) == ("CERT_REQUIRED", 401)
 
 
 async def test_revoked_certificate_refused_on_a_kept_alive_connection(app: Appliance, tmp_path: Path) -> None:
@@ -613,18 +618,18 @@ async def test_expired_certificate_is_too_late_to_renew(app: Appliance, tmp_path
         assert exc.value.code == "CERT_EXPIRED"
         with pytest.raises(CertificateError):
             await c.renew_certificate()
-    # the gateway itself refuses it in the handshake (an SDK with a wrong clock still fails closed) ...
+    # the gateway itself refuses it, by name (an SDK with a wrong clock still fails closed) ...
     async with UompClient.from_bundle(bundle, clock=lambda: time.time() - 7200) as lying:
         with pytest.raises(CertificateError) as exc2:
             await lying.get("preference.theme")
-        assert exc2.value.code == "TLS_HANDSHAKE_FAILED"
+        assert (exc2.value.code, exc2.value.status) == ("CERT_REQUIRED", 401)
+        assert "(agent calendar_agent, serial 0x" in str(exc2.value) and " expired on " in str(exc2.value)
         with pytest.raises(CertificateError):
             await lying.renew_certificate()
     ctx = build_client_context(files.ca_file, files.cert_file, files.key_file)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s:
-        with pytest.raises(aiohttp.ClientError):
-            async with s.post(app.base + "/v1/certificates/renew", json={}) as resp:
-                await resp.read()
+        async with s.post(app.base + "/v1/certificates/renew", json={}) as resp:
+            assert resp.status == 401 and (await resp.json())["error"]["reason"] == "expired"
     # ... and so does the CA
     with pytest.raises(UompError, match="expired") as ca_exc:
         ca_store.renew(app.paths, files.cert_file.read_bytes())

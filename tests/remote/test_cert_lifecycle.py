@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from cryptography import x509
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events
@@ -314,10 +313,12 @@ async def test_thief_renewal_dies_with_the_leaked_serial_and_its_token(
         assert f"revoked {thief.files.serial}" in out and g["session_id"] in out
         assert app.gateway.reloader is not None
         app.gateway.reloader.reload_if_changed()  # what the watcher does within its interval
-        # the renewed certificate no longer connects ...
-        with pytest.raises(aiohttp.ClientError):
-            async with agent_session(thief, home) as s:
-                await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id="agent_a")
+        # the renewed certificate is refused by name ...
+        async with agent_session(thief, home) as s:
+            st, item, _ = await agent_call(
+                s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id="agent_a"
+            )
+        assert (st, item["error"]["reason"], item["error"]["details"]["serial"]) == (401, "revoked", thief.files.serial)
         # ... and the session holding the key-bound token is revoked (its refresh token too)
         status, info, _ = await call(app.admin, "GET", f"/v1/sessions/{g['session_id']}", headers=admin_headers(home))
         assert info["status"] == "revoked", info

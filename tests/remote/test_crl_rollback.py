@@ -78,7 +78,7 @@ async def test_older_crl_is_refused_and_the_revoked_agent_stays_out(
         gen = reloader.generation
         reloader.reload()  # what SIGHUP or the watcher does
         assert reloader.generation == gen + 1
-        assert await _reads(bad, home, app.base, g_bad) is None  # revoked: refused in the handshake
+        assert await _reads(bad, home, app.base, g_bad) == 401  # revoked: refused by name at its first request
         number, this_update = _current(crl_copy)
 
         if rollback == "pre_revocation_backup":
@@ -93,7 +93,7 @@ async def test_older_crl_is_refused_and_the_revoked_agent_stays_out(
             reloader.reload()
         assert exc.value.code == "CONFIG_ERROR" and "older" in exc.value.message
         assert reloader.generation == gen + 1  # the last good CRL is still the one in use
-        assert await _reads(bad, home, app.base, g_bad) is None
+        assert await _reads(bad, home, app.base, g_bad) == 401
         assert await _reads(good, home, app.base, g_good) == 200  # everyone else keeps working
         assert reloader.revoked  # the revoked serial is still known to the application layer
 
@@ -101,7 +101,7 @@ async def test_older_crl_is_refused_and_the_revoked_agent_stays_out(
         _put(crl_copy, old + b"\n")  # a new stamp: the watcher looks again
         reloader.reload_logged()
         assert any("older" in r.getMessage() for r in caplog.records)
-        assert await _reads(bad, home, app.base, g_bad) is None
+        assert await _reads(bad, home, app.base, g_bad) == 401
 
     # a restart remembers the highest CRL seen: the old file is refused at start, clearly
     state = json.loads((home.gateway_dir / "crl-state.json").read_text())

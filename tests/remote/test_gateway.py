@@ -123,8 +123,10 @@ async def test_revoked_certificate_refused_without_restart(app: Appliance) -> No
     assert app.gateway.reloader is not None
     app.gateway.reloader.reload_if_changed()  # what the watcher does within its interval
     async with agent_session(a, app.paths) as s:
-        with pytest.raises(aiohttp.ClientError):
-            await agent_call(s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id)
+        status, body, _ = await agent_call(
+            s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+        )
+    assert (status, body["error"]["code"], body["error"]["reason"]) == (401, "CERT_REQUIRED", "revoked")
 
 
 async def test_management_routes_never_reachable(app: Appliance) -> None:

@@ -29,6 +29,9 @@ from gateway.config import Paths
 from gateway.core import ca, jose
 from gateway.errors import UompError
 from gateway.remote.tls import (
+    NO_TRUST_LIMITS,
+    X509_V_FLAG_NO_CHECK_TIME,
+    CertRefused,
     ClientCertChecker,
     TLSReloader,
     build_server_context,
@@ -51,7 +54,7 @@ class Harness:
 
     def __init__(self, ctx: ssl.SSLContext, reloader: TLSReloader | None = None) -> None:
         self.ctx = ctx
-        self.reloader = reloader  # when set, PING re-checks the peer against reloader.revoked
+        self.reloader = reloader  # when set, the greeting and WHO judge the peer against reloader.trust
         self.failures: list[BaseException] = []
         self.checker = ClientCertChecker()
         self.server: asyncio.Server | None = None
@@ -75,7 +78,7 @@ class Harness:
             writer.close()
             return
         try:
-            ident = self.checker.check(_peer_der(writer.get_extra_info("ssl_object")))
+            ident = self.checker.check(_peer_der(writer.get_extra_info("ssl_object")), trust=self._trust())
             writer.write(f"OK {ident.agent_id} {ident.serial} {ident.x5t_s256}\n".encode())
         except UompError as exc:
             writer.write(f"ERR {exc.code} {exc.message}\n".encode())
@@ -86,9 +89,7 @@ class Harness:
                     writer.write(b"PONG\n")
                 elif line.strip() == b"WHO" and self.reloader is not None:
                     try:
-                        ident = self.checker.check(
-                            _peer_der(writer.get_extra_info("ssl_object")), revoked=self.reloader.revoked
-                        )
+                        ident = self.checker.check(_peer_der(writer.get_extra_info("ssl_object")), trust=self._trust())
                         writer.write(f"OK {ident.agent_id}\n".encode())
                     except UompError as exc:
                         writer.write(f"ERR {exc.code} {exc.message}\n".encode())
@@ -97,6 +98,9 @@ class Harness:
             pass
         finally:
             writer.close()
+
+    def _trust(self):  # type: ignore[no-untyped-def]
+        return self.reloader.trust if self.reloader is not None else NO_TRUST_LIMITS
 
     async def failure(self) -> BaseException:
         for _ in range(200):
@@ -229,8 +233,7 @@ async def test_tls12_only_client_is_refused(certs: CertSet, harness: Harness) ->
 HANDSHAKE_REFUSALS = [
     # (variant, OpenSSL's verify message on the server)
     ("wrong_ca", "unable to get local issuer certificate"),
-    ("expired", "certificate has expired"),
-    ("not_yet_valid", "certificate is not yet valid"),
+    ("wrong_ca_expired", "unable to get local issuer certificate"),
     ("server_eku", "unsuitable certificate purpose"),
 ]
 
@@ -243,13 +246,41 @@ async def test_bad_client_cert_fails_handshake(certs: CertSet, harness: Harness,
     assert exc.verify_message == reason
 
 
+TIME_REFUSALS = [
+    # (variant, reason, words): our CA's certificates that complete the handshake and are refused by name
+    ("expired", "expired", "expired on "),
+    ("not_yet_valid", "not_yet_valid", "is not valid before "),
+]
+
+
+@pytest.mark.parametrize(("variant", "reason", "words"), TIME_REFUSALS, ids=[v for v, _, _ in TIME_REFUSALS])
+async def test_our_cert_out_of_its_validity_completes_the_handshake_and_is_refused_by_name(
+    certs: CertSet, harness: Harness, variant: str, reason: str, words: str
+) -> None:
+    conn = await connect(certs.client_context(variant), harness.port)
+    serial = certs.agents[variant].serial
+    assert conn.greeting.startswith(
+        f"ERR CERT_REQUIRED the client certificate (agent agent-1, serial 0x{serial}) {words}"
+    )
+    conn.close()
+    assert not harness.failures  # the handshake itself succeeded
+    with pytest.raises(CertRefused) as err:
+        check_client_cert(certs.agents[variant].der)
+    assert err.value.reason == reason and err.value.body()["error"]["reason"] == reason
+
+
 async def test_certutil_revoke_helper(certs: CertSet) -> None:
     certs.revoke("good")
-    h = await Harness(build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl)).start()
+    reloader = TLSReloader(certs.server_cert, certs.server_key, certs.ca_cert, certs.crl)
+    h = await Harness(reloader.context, reloader).start()
     try:
-        await refused(certs.client_context("good"), h.port)
-        exc = await h.failure()
-        assert isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message == "certificate revoked"
+        conn = await connect(certs.client_context("good"), h.port)  # the handshake completes...
+        assert conn.greeting.startswith(  # ...and the certificate is refused by name
+            f"ERR CERT_REQUIRED the client certificate (agent agent-1, serial 0x{certs.agents['good'].serial}) "
+            "was revoked on "
+        ), conn.greeting
+        conn.close()
+        assert not h.failures
         ok = await connect(certs.client_context("ed25519"), h.port)
         assert ok.greeting.startswith("OK agent-1 ")
         ok.close()
@@ -339,14 +370,14 @@ async def test_revoked_cert_refused_after_crl_reload_while_live_connection_survi
         assert len(revoked) == 1
         await _until(lambda: reloader.generation >= 1, "the watcher to reload the CRL")
 
-        await refused(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
-        exc = await h.failure()
-        assert isinstance(exc, ssl.SSLCertVerificationError)
-        assert exc.verify_message == "certificate revoked"
+        again = await connect(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        assert again.greeting.startswith("ERR CERT_REQUIRED the client certificate (agent bot, serial 0x")
+        assert " was revoked on " in again.greeting and not h.failures
+        again.close()
 
-        assert await live.ping() == "PONG"  # the connection made before the reload is untouched
-        # ...and the application layer can still refuse the revoked agent on it (opt-in re-check)
-        assert await live.ping("WHO") == "ERR CERT_REQUIRED the client certificate has been revoked"
+        assert await live.ping() == "PONG"  # the connection made before the reload is untouched at TLS...
+        # ...and the application layer refuses the revoked agent on it
+        assert (await live.ping("WHO")).startswith("ERR CERT_REQUIRED the client certificate (agent bot, serial 0x")
         assert reloader.revoked == set(revoked)
         other = await connect(_agent_ctx(ca_home, tmp_path / "other"), h.port)
         assert other.greeting.startswith("OK other ")  # unrelated agents keep working
@@ -363,7 +394,7 @@ async def test_without_reload_the_old_crl_still_applies(ca_home: Paths, tmp_path
     """The partner of the test above: proves the reload is what made the difference."""
     ca_store.issue_with_key(ca_home, "bot", tmp_path / "bot")
     reloader = _reloader(ca_home)
-    h = await Harness(reloader.context).start()
+    h = await Harness(reloader.context, reloader).start()
     try:
         ca_store.revoke(ca_home, "bot")
         assert reloader.changed()
@@ -371,7 +402,9 @@ async def test_without_reload_the_old_crl_still_applies(ca_home: Paths, tmp_path
         assert conn.greeting.startswith("OK bot ")
         conn.close()
         assert reloader.reload_if_changed() is True
-        await refused(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        conn = await connect(_agent_ctx(ca_home, tmp_path / "bot"), h.port)
+        assert conn.greeting.startswith("ERR CERT_REQUIRED the client certificate (agent bot, serial 0x")
+        conn.close()
         assert reloader.reload_if_changed() is False
     finally:
         await h.stop()
@@ -505,7 +538,7 @@ async def test_aiohttp_listener_with_reloader(ca_home: Paths, tmp_path: Path) ->
     async def whoami(request: web.Request) -> web.Response:
         try:
             ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
-            ident = checker.check(_peer_der(ssl_object))
+            ident = checker.check(_peer_der(ssl_object), trust=reloader.trust)
         except UompError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return web.json_response({"agent_id": ident.agent_id, "serial": ident.serial})
@@ -536,11 +569,11 @@ async def test_aiohttp_listener_with_reloader(ca_home: Paths, tmp_path: Path) ->
             ca_store.revoke(ca_home, "bot")
             reloader.reload()
             async with aiohttp.ClientSession() as fresh:
-                with pytest.raises(aiohttp.ClientError):
-                    async with fresh.get(url, ssl=_agent_ctx(ca_home, tmp_path / "bot")) as r:
-                        await r.read()
+                async with fresh.get(url, ssl=_agent_ctx(ca_home, tmp_path / "bot")) as r:
+                    assert r.status == 401  # the handshake completes; the request is refused by name
+                    assert (await r.json())["error"]["reason"] == "revoked"
             async with live.get(url, ssl=live_ctx) as r:
-                assert r.status == 200  # pooled keep-alive connection, made before the reload
+                assert r.status == 401  # pooled keep-alive connection, made before the reload: judged again
         finally:
             await live.close()
     finally:
@@ -555,12 +588,14 @@ def test_server_context_settings(certs: CertSet) -> None:
     assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3
     assert ctx.maximum_version == ssl.TLSVersion.TLSv1_3
     assert ctx.verify_mode == ssl.CERT_OPTIONAL
-    assert ctx.verify_flags & ssl.VERIFY_CRL_CHECK_LEAF
+    # time and revocation are judged after the handshake (judge()), so the refusal can name the certificate
+    assert not ctx.verify_flags & ssl.VERIFY_CRL_CHECK_LEAF
+    assert ctx.verify_flags & X509_V_FLAG_NO_CHECK_TIME
     assert ctx.verify_flags & ssl.VERIFY_X509_STRICT
     assert ctx.options & ssl.OP_NO_COMPRESSION
     assert ctx.num_tickets == 0
     stats = ctx.cert_store_stats()
-    assert stats["x509_ca"] == 1 and stats["crl"] == 1  # the user CA only, no system roots
+    assert stats["x509_ca"] == 1 and stats["crl"] == 0  # the user CA only, no system roots; the CRL is ours
     strict = build_server_context(
         certs.server_cert, certs.server_key, certs.ca_cert, certs.crl, require_client_cert=True
     )
@@ -576,10 +611,14 @@ def test_client_context_settings(certs: CertSet) -> None:
 
 def test_missing_crl_is_an_error(certs: CertSet, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        build_server_context(certs.server_cert, certs.server_key, certs.ca_cert, tmp_path / "nope.pem")
+        TLSReloader(certs.server_cert, certs.server_key, certs.ca_cert, tmp_path / "nope.pem")
 
 
 # ------------------------------------------------------------------- check_client_cert unit
+
+
+def _utc(t: dt.datetime) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def test_check_client_cert_messages(certs: CertSet) -> None:
@@ -589,12 +628,21 @@ def test_check_client_cert_messages(certs: CertSet) -> None:
     assert ident.serial == good.serial
     assert ident.x5t_s256 == jose.cert_thumbprint(good.der)
     assert ident.jkt == jose.key_thumbprint(good.cert.public_key())  # type: ignore[arg-type]
+    named = f"the client certificate (agent agent-1, serial 0x{good.serial})"
     cases: list[tuple[bytes | None, dt.datetime | None, str]] = [
         (None, None, "no client certificate was presented"),
         (b"", None, "no client certificate was presented"),
         (b"\x30\x03garbage", None, "the client certificate cannot be parsed"),
-        (good.der, ident.not_after + dt.timedelta(seconds=1), "the client certificate has expired"),
-        (good.der, ident.not_before - dt.timedelta(seconds=1), "the client certificate is not valid yet"),
+        (
+            good.der,
+            ident.not_after + dt.timedelta(seconds=1),
+            f"{named} expired on {_utc(ident.not_after)}; ask the user for a new one",
+        ),
+        (
+            good.der,
+            ident.not_before - dt.timedelta(seconds=1),
+            f"{named} is not valid before {_utc(ident.not_before)}; check the clock of this machine and the gateway's",
+        ),
         (certs.agents["no_eku"].der, None, APP_REFUSALS[0][1]),
         (certs.agents["server_eku"].der, None, APP_REFUSALS[0][1]),
         (certs.agents["no_san"].der, None, APP_REFUSALS[1][1]),
@@ -610,7 +658,7 @@ def test_checker_cache_still_checks_time(certs: CertSet) -> None:
     good = certs.agents["good"]
     first = checker.check(good.der)
     assert checker.check(good.der) is first
-    with pytest.raises(UompError, match="has expired"):
+    with pytest.raises(CertRefused, match="expired on"):
         checker.check(good.der, now=first.not_after + dt.timedelta(minutes=1))
     for _ in range(2):  # cached refusals raise the same error each time
         with pytest.raises(UompError, match="names no agent"):
@@ -682,10 +730,11 @@ async def test_returning_agent_resumes_and_a_revoked_one_is_refused_at_its_next_
         resumed, _, status, body = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"], sess2)
         assert resumed is True
         # ...and its first request is refused: the per-request check against the live CRL
-        assert status == 401 and json.loads(body)["error"]["code"] == "CERT_REQUIRED", body
-        # a full handshake with the revoked certificate fails in TLS, as before: no answer at all
-        resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"])
-        assert (resumed, status) == (False, 0)
+        err = json.loads(body)["error"]
+        assert status == 401 and (err["code"], err["reason"]) == ("CERT_REQUIRED", "revoked"), body
+        # a full handshake with the revoked certificate completes too, and gets the same named 401
+        resumed, _, status, body = await asyncio.to_thread(_get_over_tls, ctx["bot"], port, path, hdrs["bot"])
+        assert (resumed, status) == (False, 401) and json.loads(body)["error"]["reason"] == "revoked", body
         # another agent's resumed session is untouched
         resumed, _, status, _ = await asyncio.to_thread(
             _get_over_tls, ctx["other"], port, path, hdrs["other"], other_sess
@@ -705,3 +754,62 @@ async def test_no_resumption_when_tickets_are_off(home: Paths) -> None:
         assert (resumed, status) == (False, 200)
         resumed, _, status, _ = await asyncio.to_thread(_get_over_tls, ctx, port, "/v1/health", hdrs, sess)
         assert (resumed, status) == (False, 200)  # no ticket was sent: every connection is a full handshake
+
+
+# ------------------------------------------------------- what OpenSSL no longer checks: CA, CRL
+
+
+def _expired_ca(certs: CertSet, out: Path) -> Path:
+    """The cert set's CA key in a CA certificate that expired an hour ago (same name and key)."""
+    key = ca.load_private_key(certs.ca_key_file.read_bytes())
+    _, cert = ca.create_ca(key, now=ca.utcnow() - dt.timedelta(hours=3), validity=dt.timedelta(hours=2))
+    out.write_bytes(ca.cert_pem(cert))
+    return out
+
+
+def test_an_expired_agent_ca_refuses_the_start_and_a_reload_keeps_the_previous(certs: CertSet, tmp_path: Path) -> None:
+    expired = _expired_ca(certs, tmp_path / "expired-ca.crt")
+    with pytest.raises(UompError) as err:
+        TLSReloader(certs.server_cert, certs.server_key, expired, certs.crl)
+    assert err.value.code == "CA_ERROR"
+    assert f"the agent CA certificate {expired} expired on " in err.value.message
+    # the partner: the same files with the valid CA start, and a reload onto the expired CA is refused
+    live = tmp_path / "ca.crt"
+    live.write_bytes(certs.ca_cert.read_bytes())
+    reloader = TLSReloader(certs.server_cert, certs.server_key, live, certs.crl)
+    before = reloader.current
+    live.write_bytes(expired.read_bytes())
+    with pytest.raises(UompError) as err:
+        reloader.reload()
+    assert err.value.code == "CA_ERROR" and reloader.current is before and reloader.generation == 0
+
+
+def test_a_crl_not_signed_by_the_agent_ca_is_refused(certs: CertSet, tmp_path: Path) -> None:
+    crl = tmp_path / "crl.pem"
+    crl.write_bytes(certs.crl.read_bytes())
+    reloader = TLSReloader(certs.server_cert, certs.server_key, certs.ca_cert, crl)
+    other_key, other_ca = ca.create_ca()
+    crl.write_bytes(ca.crl_pem(ca.build_crl(other_key, other_ca, [], ca.utcnow() + dt.timedelta(seconds=5))))
+    with pytest.raises(UompError) as err:
+        reloader.reload()
+    assert err.value.code == "CONFIG_ERROR" and "is not signed by the agent CA" in err.value.message
+    assert reloader.generation == 0
+
+
+def test_judge_fails_closed_when_the_ca_or_the_crl_is_out_of_date(certs: CertSet) -> None:
+    from gateway.remote.tls import Trust, judge
+
+    ident = check_client_cert(certs.agents["good"].der)
+    now = ca.utcnow()
+    hour = dt.timedelta(hours=1)
+    judge(ident, Trust(ca_not_before=now - hour, ca_not_after=now + hour, crl_next_update=now + hour), now)
+    for trust, reason in (
+        (Trust(ca_not_before=now - 2 * hour, ca_not_after=now - hour), "ca_invalid"),
+        (Trust(ca_not_before=now + hour, ca_not_after=now + 2 * hour), "ca_invalid"),
+        (Trust(crl_next_update=now - dt.timedelta(seconds=1)), "crl_expired"),
+        (Trust(revoked=frozenset({ident.serial})), "revoked"),
+    ):
+        with pytest.raises(CertRefused) as err:
+            judge(ident, trust, now)
+        assert err.value.reason == reason and err.value.status == 401
+        assert trust.open_at(now.timestamp()) is (reason == "revoked")
