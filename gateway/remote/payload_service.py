@@ -409,6 +409,7 @@ class BodyReader:
         self._since: float | None = None  # when the read in progress began
         self._timer: asyncio.TimerHandle | None = None
         self._expired = False
+        self._cancelling = 0
 
     def _check(self) -> None:
         self._timer = None
@@ -417,6 +418,7 @@ class BodyReader:
         due = self._since + self.idle
         if self._loop.time() >= due:
             self._expired = True
+            self._cancelling = self._task.cancelling()  # cancellations asked by others before this one
             self._task.cancel()
         else:
             self._timer = self._loop.call_at(due, self._check)
@@ -431,10 +433,10 @@ class BodyReader:
         try:
             return await self._content.readany()
         except asyncio.CancelledError:
-            if not self._expired:
-                raise
-            self._task.uncancel()
-            raise self._stalled() from None
+            # ours alone becomes the refusal; one asked by anyone else as well stays a cancellation
+            if self._expired and self._task.uncancel() <= self._cancelling:
+                raise self._stalled() from None
+            raise
         except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
             raise UompError(ErrorCode.INVALID_REQUEST, f"the upload broke off ({type(exc).__name__})") from None
         finally:
