@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -258,6 +259,113 @@ def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int,
     sys.stdout.flush()
 
 
+def stream_client(port: int, nbytes: int) -> None:
+    """Runs in its own process: one POST of ``nbytes`` random bytes (Content-Length) over TLS 1.3,
+    in 1 MiB writes, to the stream-CPU server."""
+    import socket
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # a throwaway self-signed server on loopback: what is timed is the server
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port))) as sock:
+        sock.sendall(b"POST /u HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % nbytes)
+        block = os.urandom(WIRE_BLOCK)
+        left = nbytes
+        while left:
+            k = min(left, len(block))
+            sock.sendall(block[:k])
+            left -= k
+        sock.recv(4096)
+
+
+def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
+    """The gateway's upload loop alone (``PayloadService._stream`` into a real ``PayloadStore``
+    upload, behind a real aiohttp TLS 1.3 listener), CPU per GiB of this process split into the
+    event loop's thread (TLS, HTTP parsing, the loop itself) and the others (hash and write), for
+    this tree and, alternating, ``baseline``'s ``gateway/remote/payload_service.py``. CPU, not
+    wall time: it stays comparable on a loaded machine."""
+    import importlib.util
+    import resource
+    import ssl
+    import statistics
+    import types
+
+    from aiohttp import web
+
+    sys.path.insert(0, str(ROOT))
+    from gateway.payloads.store import Limits, PayloadStore
+    from gateway.remote import payload_service
+
+    trees: dict[str, Any] = {"this tree": payload_service.PayloadService}
+    if baseline is not None:
+        spec = importlib.util.spec_from_file_location(
+            "baseline_payload_service", baseline / "gateway" / "remote" / "payload_service.py"
+        )
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        trees["baseline"] = mod.PayloadService
+    tmp = Path(tempfile.mkdtemp(prefix="uomp-bstream-", dir="/tmp"))
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout",
+         str(tmp / "k.pem"), "-out", str(tmp / "c.pem"), "-subj", "/CN=127.0.0.1", "-days", "1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    store = PayloadStore(tmp / "store", limits=Limits(max_bytes=(mib + 1) << 20, max_bytes_per_session=1 << 40))
+    fake = types.SimpleNamespace(cfg=types.SimpleNamespace(payload_body_idle_timeout_seconds=30.0))
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in trees}
+    current: list[Any] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        name, cls = current[0]
+        up = store.begin(
+            payload_id="pay_benchstream0001", session_id="s", agent_id="a", format="x", encryption={},
+            max_bytes=(mib + 1) << 20,
+        )  # fmt: skip
+        r0, m0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
+        await cls._stream(fake, request, up)
+        r1, m1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
+        up.abort()
+        cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        results[name].append((cpu, m1 - m0, t1 - t0))
+        return web.Response(text="ok")
+
+    async def run() -> None:
+        app = web.Application(client_max_size=(mib + 1) << 20)
+        app.router.add_post("/u", handler)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_cert_chain(tmp / "c.pem", tmp / "k.pem")
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
+        await site.start()
+        port = runner.addresses[0][1]
+        for _ in range(rounds):
+            for item in trees.items():
+                current[:] = [item]
+                proc = await asyncio.create_subprocess_exec(
+                    PYTHON, __file__, "--stream-client", str(port), str(mib << 20)
+                )
+                await proc.wait()
+        await runner.cleanup()
+
+    try:
+        asyncio.run(run())
+    finally:
+        store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    gib = mib / 1024
+    print(f"upload loop alone, {mib} MiB per round, {rounds} round(s), medians (CPU s per GiB; wall MiB/s)")
+    for name, got in results.items():
+        cpu = statistics.median(g[0] for g in got) / gib
+        loop = statistics.median(g[1] for g in got) / gib
+        wall = statistics.median(g[2] for g in got)
+        print(f"  {name:10s} CPU {cpu:5.2f}  event-loop thread {loop:5.2f}  other threads {cpu - loop:5.2f}"
+              f"  wall {mib / wall:6.1f} MiB/s")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
@@ -269,7 +377,17 @@ def main() -> None:
     ap.add_argument("--upload-child", nargs=2, metavar=("BUNDLE", "FILE"), help=argparse.SUPPRESS)
     ap.add_argument("--bare-server", nargs=3, metavar=("CERT", "KEY", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--bare-client", nargs=4, metavar=("PORT", "VERB", "SRC", "DST"), help=argparse.SUPPRESS)
+    ap.add_argument("--stream-cpu", type=int, metavar="MIB", help="only the upload loop's CPU per GiB (see stream_cpu)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per tree for --stream-cpu")
+    ap.add_argument("--baseline", type=Path, help="an older checkout measured beside this one (--stream-cpu)")
+    ap.add_argument("--stream-client", nargs=2, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.stream_client:
+        stream_client(int(args.stream_client[0]), int(args.stream_client[1]))
+        return
+    if args.stream_cpu:
+        stream_cpu(args.stream_cpu, args.rounds, args.baseline)
+        return
     if args.upload_child:
         upload_child(*args.upload_child)
         return

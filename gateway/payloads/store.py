@@ -42,6 +42,7 @@ import os
 import re
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -322,7 +323,9 @@ class PayloadStorage(Protocol):
 
 
 class Upload(PayloadUploading):
-    """One upload in flight: write ciphertext pieces, then :meth:`commit` or :meth:`abort`."""
+    """One upload in flight: write ciphertext pieces, then :meth:`commit` or :meth:`abort`. Safe to
+    call from several threads: a write still running in one finishes before an abort or a commit
+    from another touches the file (the relay writes a block while it reads the next)."""
 
     def __init__(self, store: PayloadStore, meta: Mapping[str, Any], max_bytes: int) -> None:
         self.store = store
@@ -330,6 +333,7 @@ class Upload(PayloadUploading):
         self.max_bytes = max_bytes
         self.size = 0
         self._hash = hashlib.sha256()
+        self._lock = threading.RLock()
         self.path = store.tmp / tmp_name(str(meta["payload_id"]), str(meta["session_id"]), str(meta["agent_id"]))
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -338,6 +342,10 @@ class Upload(PayloadUploading):
         self._fh: BinaryIO | None = os.fdopen(fd, "wb")
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        with self._lock:
+            self._write(data)
+
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
         if self._fh is None:
             raise PayloadError(ErrorCode.INVALID_REQUEST, "upload already finished")
         if self.size + len(data) > self.max_bytes:
@@ -356,12 +364,13 @@ class Upload(PayloadUploading):
         return "sha256:" + self._hash.hexdigest()
 
     def abort(self) -> None:
-        if self._fh is not None:
-            with contextlib.suppress(OSError):
-                self._fh.close()
-            self._fh = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        with self._lock:
+            if self._fh is not None:
+                with contextlib.suppress(OSError):
+                    self._fh.close()
+                self._fh = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def commit(
         self,
@@ -371,6 +380,17 @@ class Upload(PayloadUploading):
         now: float | None = None,
         event_id: str | None = None,
         origin: Mapping[str, str] | None = None,
+    ) -> PayloadMeta:
+        with self._lock:
+            return self._commit(declared_hash, declared_size, now, event_id, origin)
+
+    def _commit(
+        self,
+        declared_hash: str | None,
+        declared_size: int | None,
+        now: float | None,
+        event_id: str | None,
+        origin: Mapping[str, str] | None,
     ) -> PayloadMeta:
         if self._fh is None:
             raise PayloadError(ErrorCode.INVALID_REQUEST, "upload already finished")

@@ -71,7 +71,7 @@ from gateway.payloads.store import (
     PayloadMeta,
 )
 from gateway.remote.call import record
-from gateway.remote.payload_service import MAX_URL_BODY, PayloadService, Unsettled, read_chunk
+from gateway.remote.payload_service import MAX_URL_BODY, BodyReader, PayloadService, Unsettled
 from gateway.remote.request import Call, Route
 from gateway.remote.state import GatewayState, register_route
 
@@ -86,11 +86,17 @@ async def _json(request: web.Request, limit: int, idle: float) -> Any:
         raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the JSON body exceeds {limit} bytes; use the streaming form")
     parts: list[bytes] = []
     size = 0
-    while chunk := await read_chunk(request, idle):  # (read(n) returns only what has arrived so far)
-        size += len(chunk)
-        if size > limit:
-            raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the JSON body exceeds {limit} bytes; use the streaming form")
-        parts.append(chunk)
+    reader = BodyReader(request, idle)
+    try:
+        while chunk := await reader.read():
+            size += len(chunk)
+            if size > limit:
+                raise UompError(
+                    ErrorCode.PAYLOAD_TOO_LARGE, f"the JSON body exceeds {limit} bytes; use the streaming form"
+                )
+            parts.append(chunk)
+    finally:
+        reader.close()
     try:
         return json.loads(b"".join(parts))
     except (ValueError, UnicodeDecodeError):

@@ -248,23 +248,37 @@ class PayloadService:
         )
 
     async def _stream(self, request: web.Request, upload: PayloadUploading) -> None:
-        """The body into ``upload``, in blocks of at most WRITE_BLOCK bytes, each written in a thread."""
-        idle = self.cfg.payload_body_idle_timeout_seconds
-        pending: list[bytes] = []
+        """The body into ``upload`` in blocks of about WRITE_BLOCK bytes, each written (and hashed)
+        in a thread while the next is read: at most two blocks are held, and the upload's own lock
+        keeps an abort from touching the file while a write is still running."""
+        loop = asyncio.get_running_loop()
+        reader = BodyReader(request, self.cfg.payload_body_idle_timeout_seconds)
+        pieces: list[bytes] = []
         held = 0
-        while True:
-            chunk = await read_chunk(request, idle)
-            if chunk:
-                if upload.size + held + len(chunk) > upload.max_bytes:
-                    raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the body is longer than the envelope's size")
-                pending.append(chunk)
-                held += len(chunk)
-            if held >= WRITE_BLOCK or (not chunk and held):
-                block = b"".join(pending)
-                pending, held = [], 0
-                await asyncio.to_thread(upload.write, block)
-            if not chunk:
-                return
+        received = upload.size
+        writing: asyncio.Future[None] | None = None
+        try:
+            while True:
+                chunk = await reader.read()
+                if chunk:
+                    received += len(chunk)
+                    if received > upload.max_bytes:
+                        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the body is longer than the envelope's size")
+                    pieces.append(chunk)
+                    held += len(chunk)
+                if held >= WRITE_BLOCK or (not chunk and held):
+                    if writing is not None:
+                        await writing  # the block before is on disk (or its error raised here)
+                    writing = loop.run_in_executor(None, write_pieces, upload, pieces)
+                    pieces, held = [], 0
+                if not chunk:
+                    if writing is not None:
+                        await writing
+                    return
+        finally:
+            reader.close()
+            if writing is not None and not writing.done():
+                writing.add_done_callback(_consume)  # its error, if any, is the abort's business now
 
     def _precheck(self, session_id: str, size: int) -> None:
         """On the worker: refuse now what the commit would refuse (commit checks again, atomically)."""
@@ -364,13 +378,76 @@ class PayloadService:
         return meta
 
 
-async def read_chunk(request: web.Request, idle: float) -> bytes:
-    """The next piece of the body (b"" at its end); a stall of ``idle`` seconds or a dropped
-    connection is INVALID_REQUEST (so the refusal is audited like any other)."""
-    try:
-        async with asyncio.timeout(idle):
-            return await request.content.readany()
-    except TimeoutError:
-        raise UompError(ErrorCode.INVALID_REQUEST, f"the upload sent nothing for {idle:g} s") from None
-    except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
-        raise UompError(ErrorCode.INVALID_REQUEST, f"the upload broke off ({type(exc).__name__})") from None
+def write_pieces(upload: PayloadUploading, pieces: list[bytes]) -> None:
+    """In a thread: append ``pieces`` to ``upload`` in order (no join: each is written and hashed
+    as it came off the wire)."""
+    for piece in pieces:
+        upload.write(piece)
+
+
+def _consume(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class BodyReader:
+    """A request body, piece by piece, each read allowed ``idle`` seconds to bring bytes (a stall is
+    INVALID_REQUEST, like a dropped connection, so the refusal is audited like any other).
+
+    One timer serves the whole body: it fires at most once per ``idle`` seconds, and re-arms itself
+    for the read in progress instead of each piece creating and cancelling its own deadline. The
+    bound is exact: a read still waiting ``idle`` seconds after it began is cancelled then. Use it
+    from the task that awaits :meth:`read`; :meth:`close` when done."""
+
+    def __init__(self, request: web.Request, idle: float) -> None:
+        self.idle = idle
+        self._content = request.content
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._since: float | None = None  # when the read in progress began
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
+        self._cancelling = 0
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._since is None:  # no read waiting: the next read arms the timer again
+            return
+        due = self._since + self.idle
+        if self._loop.time() >= due:
+            self._expired = True
+            self._cancelling = self._task.cancelling()  # cancellations asked by others before this one
+            self._task.cancel()
+        else:
+            self._timer = self._loop.call_at(due, self._check)
+
+    async def read(self) -> bytes:
+        """The next piece (b"" at the body's end)."""
+        if self._expired:
+            raise self._stalled()
+        self._since = now = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(now + self.idle, self._check)
+        try:
+            return await self._content.readany()
+        except asyncio.CancelledError:
+            # ours alone becomes the refusal; one asked by anyone else as well stays a cancellation
+            if self._expired and self._task.uncancel() <= self._cancelling:
+                raise self._stalled() from None
+            raise
+        except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
+            raise UompError(ErrorCode.INVALID_REQUEST, f"the upload broke off ({type(exc).__name__})") from None
+        finally:
+            self._since = None
+
+    def _stalled(self) -> UompError:
+        return UompError(ErrorCode.INVALID_REQUEST, f"the upload sent nothing for {self.idle:g} s")
+
+    def close(self) -> None:
+        """Stop the timer (the body is read, or abandoned)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._since = None
