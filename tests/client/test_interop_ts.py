@@ -276,14 +276,16 @@ async def test_theirs_to_our_running_guard(home: Paths, tmp_path: Path) -> None:
             assert status == 401 and body["error"]["code"] == "SESSION_REVOKED", body
 
     # the guard ran on the reference's two files alone: nothing of ours was written next to them
-    # The reference's key files were used as they are; the only new secrets are the audit log's own:
-    # its checkpoint signing key, which the guard makes on first start, and its witness record.
+    # The reference's key files were used as they are; the only new secrets are the audit log's own
+    # (its checkpoint signing key, which the guard makes on first start, and its witness record) and
+    # the key that seals high-sensitivity values, made when the store first opens.
     assert sorted(p.name for p in home.secrets.iterdir()) == [
         "admin-token",
         "audit-ed25519.key",
         "audit-witness.json",
         "ed25519-private.jwk",
         "ed25519-public.jwk",
+        "items.key",
     ]
 
 
