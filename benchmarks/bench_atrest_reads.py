@@ -3,6 +3,8 @@ the plain one, same items, same run: ``get_if`` by random key (what every GET /v
 does in the guard), a tag page of 100, a sum aggregate over every item of a tag. Rounds alternate
 plain / encrypted so drift on a shared machine falls on both. A third store runs SQLCipher's
 engine without a key, so the cost of the encryption itself shows apart from the engine's version.
+Then the cost of a high-sensitivity read: in an encrypted store whose high items are also sealed one
+by one (gateway/atrest/itemseal.py), ``get_if`` of a high item beside one of a low item, same rounds.
 Prints ops/s and the ratios; asserts nothing.
 
     .venv/bin/python benchmarks/bench_atrest_reads.py [--items 20000] [--seconds 2] [--rounds 3]
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gateway.atrest import memdb
+from gateway.atrest.itemseal import ItemSealer
 from gateway.guard.store import MemoryItem, MemoryStore, ReadFilter
 
 TS = "2026-01-01T00:00:00Z"
@@ -36,12 +39,14 @@ class SameEngine(MemoryStore):
         return conn
 
 
-def fill(store: MemoryStore, n: int) -> None:
+def fill(store: MemoryStore, n: int, *, high_every: int = 0) -> None:
+    """``n`` items; with ``high_every`` N, every N-th one is of sensitivity high."""
     with store.bulk_writer() as w:
         for i in range(n):
+            sens = "high" if high_every and i % high_every == 0 else "low"
             w.add(
                 MemoryItem(
-                    f"k{i:07}", {"shares": i % 100, "note": "x" * 64}, ("all", f"g{i % 10}"), "low", "user", TS, TS
+                    f"k{i:07}", {"shares": i % 100, "note": "x" * 64}, ("all", f"g{i % 10}"), sens, "user", TS, TS
                 )
             )
         w.commit()
@@ -99,6 +104,34 @@ def main() -> None:
         )
     for s in stores.values():
         s.close()
+    high_read(d, a)
+
+
+def high_read(d: Path, a: argparse.Namespace) -> None:
+    """get_if of a high item (opened: one HKDF and one AES-GCM) beside a low one, same sealed store."""
+    store = MemoryStore(d / "sealed.db", key=os.urandom(32), sealer=ItemSealer(os.urandom(32)))
+    fill(store, a.items, high_every=2)
+    rng = random.Random(11)
+    high = [f"k{2 * rng.randrange(a.items // 2):07}" for _ in range(10_000)]
+    low = [f"k{2 * rng.randrange(a.items // 2) + 1:07}" for _ in range(10_000)]
+    allowed = lambda m: m is not None  # noqa: E731
+
+    def reader(keys: list[str]) -> Callable[[], object]:
+        it = iter(range(10**12))
+        return lambda: store.get_if(keys[next(it) % len(keys)], allowed)
+
+    by: dict[str, list[float]] = {"high": [], "low": []}
+    for _ in range(a.rounds):
+        for name, keys in (("low", low), ("high", high)):
+            fn = reader(keys)
+            fn()
+            by[name].append(rate(fn, a.seconds))
+    med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+    print(
+        f"{'get_if, sealed store':<24} low {med['low']:>8.0f}/s  high {med['high']:>8.0f}/s  "
+        f"time per read high / low {med['low'] / med['high']:.2f}"
+    )
+    store.close()
 
 
 if __name__ == "__main__":
