@@ -54,6 +54,7 @@ class Split:
             ca_file=kw.pop("ca_file", home.uplink_ca_cert),
             pins_file=kw.pop("pins_file", home.uplink_pins),
             guard=kw.pop("guard", Upstream("unix", str(home.guard_sock))),
+            paths=kw.pop("paths", home),  # the home's CRL and keys go to the gateway over the uplink
             **kw,
         )
 
