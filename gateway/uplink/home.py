@@ -110,6 +110,7 @@ class HomeUplink:
         self.trust = trust.TrustSource(paths) if paths is not None else None
         self.keep_crl = keep_crl  # re-sign this home's CRL before it goes stale (when its CA key is here)
         self.connected_since: float | None = None
+        self._running = False  # run() is dialling or serving (the status file says so)
 
     def _verify(self, obj: object) -> str | None:
         import ssl
@@ -164,12 +165,12 @@ class HomeUplink:
             "failures": self.failures,
             "last_error": self.last_error,
             "updated_at": time.time(),
+            "pid": os.getpid(),
+            "running": self._running,
         }
         t = self.trust
         if t is not None:
-            out.update(
-                crl_pushed_at=t.sent_at, crl_acked_at=t.acked_at, vps_crl_number=t.vps_crl_number, pid=os.getpid()
-            )
+            out.update(crl_pushed_at=t.sent_at, crl_acked_at=t.acked_at, vps_crl_number=t.vps_crl_number)
         return out
 
     def write_status(self) -> None:
@@ -197,6 +198,7 @@ class HomeUplink:
     async def run(self) -> None:
         """Dial, serve, and dial again with backoff; until cancelled."""
         delay = self.backoff_min
+        self._running = True
         crl_task = None
         if self.keep_crl and self.paths is not None and self.paths.ca_key.exists():
             crl_task = asyncio.get_running_loop().create_task(self._keep_crl(self.paths))
@@ -235,6 +237,7 @@ class HomeUplink:
                 self.link.close("the home side is stopping")
             self.link = None
             self.connected_since = None
+            self._running = False
             self.write_status()
             await self.guard.close()
 
