@@ -74,7 +74,7 @@ async def test_appliance_page_shows_the_uplink(home: Paths) -> None:
                     assert hub is not None and hub.link is not None
                     hub.link.goaway("the gateway is stopping <b>now</b>")
                     await _wait(lambda: side.failures > 0 or side.connects > 1, "the link dropped")
-                    await _wait(lambda: "connected" in status_file.read_text(), "status written")
+                    await _wait(lambda: json.loads(status_file.read_text()).get("last_error"), "status written")
                     row = _uplink_row(await _page(d, http, cookie))
                     assert "last error:" in row and "<b>" not in row  # escaped, never markup
                 finally:

@@ -136,7 +136,9 @@ async def test_older_or_foreign_crl_and_bad_keys_are_refused(home: Paths, caplog
             await _wait(lambda: sink.crl_pushed_at is not None, "the CRL pushed on connect")
             assert s.vps.crl.read_bytes() == home.crl.read_bytes()
             ca_store.revoke(home, a.agent_id)
-            await _wait(lambda: a.files.serial in _listed(s.vps.crl), "the revocation pushed")
+            took = await _wait(lambda: a.files.serial in reloader.revoked, "the revocation pushed")
+            print(f"home CRL written -> the VPS refuses the serial: {took:.2f} s")
+            assert a.files.serial in _listed(s.vps.crl)
             held = s.vps.crl.read_bytes()
             mark = reloader.crl_mark
             assert mark is not None
