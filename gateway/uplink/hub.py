@@ -6,8 +6,8 @@ verified-identity contract of :mod:`gateway.contract`).
   is alive is sent away with a GOAWAY that says so (the first one keeps serving); a dead one is
   noticed by the keep-alive (:mod:`gateway.uplink.link`) and then the next dial is taken.
 * At most ``max_in_flight`` requests on the link (and no more than the home side's
-  SETTINGS_MAX_CONCURRENT_STREAMS); at most ``max_queue`` more wait for a place within their
-  deadline; beyond that 503 ``STORE_BUSY``.
+  SETTINGS_MAX_CONCURRENT_STREAMS less the hub's own :data:`OWN_STREAMS`); at most ``max_queue``
+  more wait for a place within their deadline; beyond that 503 ``STORE_BUSY``.
 * No home connection: 503 ``STORE_UNAVAILABLE`` at once (the gateway adds ``Retry-After``), and the
   gateway spools its own events as with a lost Unix socket. The link dropped before the answer's
   head: ``STORE_UNAVAILABLE``; after it (cut short): ``UPSTREAM_ERROR``; no answer within the
@@ -37,6 +37,7 @@ log = logging.getLogger("uomp.uplink")
 
 BUFFER_BODY_BYTES = 256 * 1024  # answers framed by length up to this are read whole before returning
 HANDSHAKE_TIMEOUT = 10.0
+OWN_STREAMS = 2  # the hub's own streams on the link: the trust long-poll and one health probe
 _METHOD = re.compile(r"[A-Z]{1,16}")
 _AUTHORITY = b"uomp-guard"
 
@@ -305,8 +306,13 @@ class UplinkHub:
                 w.set_result(None)
 
     def _budget(self) -> int:
+        """Agent requests on the link at once: ours and the home side's stream limit, less the
+        streams the hub keeps for itself (the trust poll, a health probe), so those never make an
+        agent request fail to open its stream."""
         link = self.link
-        return min(self.max_in_flight, link.stream_budget) if link is not None else self.max_in_flight
+        if link is None:
+            return self.max_in_flight
+        return min(self.max_in_flight, max(1, link.stream_budget - OWN_STREAMS))
 
     async def _slot(self, deadline: float) -> Link:
         """A place on the current link (waiting within ``deadline`` behind at most ``max_queue`` others)."""

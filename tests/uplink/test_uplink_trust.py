@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from cryptography import x509
 from gatewaykit import Agent, agent_call, agent_session
-from uplinkkit import ROOT, home_process, split
+from uplinkkit import ROOT, home_process, split, stalling_guard
 
 from gateway import ca_store, keys
 from gateway.config import Paths
@@ -135,7 +135,7 @@ async def test_older_or_foreign_crl_and_bad_keys_are_refused(home: Paths, caplog
             await s.wait_connected()
             await _wait(lambda: sink.crl_pushed_at is not None, "the CRL pushed on connect")
             assert s.vps.crl.read_bytes() == home.crl.read_bytes()
-            ca_store.revoke(home, a.agent_id)
+            await asyncio.to_thread(ca_store.revoke, home, a.agent_id)
             took = await _wait(lambda: a.files.serial in reloader.revoked, "the revocation pushed")
             print(f"home CRL written -> the VPS refuses the serial: {took:.2f} s")
             assert a.files.serial in _listed(s.vps.crl)
@@ -223,3 +223,37 @@ async def test_no_trust_route_on_the_agent_listener(home: Paths) -> None:
             )
             assert status == 200
         assert s.vps.crl.read_bytes() == crl and s.vps.jwks.read_bytes() == jwks and hub.trust.refused == 0
+
+
+async def test_full_uplink_still_carries_the_trust_poll_and_agents_get_places(home: Paths) -> None:
+    """The trust poll holds a stream of the home side's few: a full uplink still queues agent
+    requests (never a failed stream open, 503 STORE_UNAVAILABLE) and still carries a revocation."""
+    async with (
+        stalling_guard() as stall,
+        split(home, home_side=False, upstream_timeout_seconds=3.0, upstream_health_interval_seconds=600.0) as s,
+    ):
+        app = s.app
+        hub = s.gateway.uplink
+        assert hub is not None and hub.trust is not None
+        sink = hub.trust
+        a, b = app.agent("calendar_agent"), app.agent("mail_agent")
+        g = await app.grant(a)
+        task = asyncio.get_running_loop().create_task(s.home_side(guard=stall, max_streams=4, keep_crl=False).run())
+        try:
+            await s.wait_connected()
+            await _wait(lambda: sink.crl_pushed_at is not None, "the CRL pushed on connect")
+            async with agent_session(a, app.paths, limit=10) as sess:
+                held = [
+                    asyncio.ensure_future(
+                        agent_call(sess, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id)
+                    )
+                    for _ in range(4)
+                ]
+                await _wait(lambda: hub._in_flight == 2 and len(hub._waiters) == 2, "two in flight, two queued")
+                await asyncio.to_thread(ca_store.revoke, home, b.agent_id)  # while the uplink is full
+                await _wait(lambda: b.files.serial in _listed(s.vps.crl), "the revocation pushed")
+                for t in held:
+                    status, body, _ = await asyncio.wait_for(t, 30)
+                    assert status == 504 and body["error"]["code"] == "UPSTREAM_TIMEOUT", body
+        finally:
+            task.cancel()
