@@ -44,7 +44,7 @@ from gateway.uplink.link import DEFAULT_MAX_STREAMS, Headers, Link, Stream
 log = logging.getLogger("uomp.uplink")
 
 MAX_REQUEST_BODY = 8 * 1024 * 1024
-STATUS_FILE = "home-status.json"  # in the home's uplink/ directory: what `uomp status` and the dashboard show
+STATUS_FILE = "home-status.json"  # in the home's uplink/ directory: what the dashboard shows
 CRL_TICK_SECONDS = 5.0
 STABLE_SECONDS = 30.0
 CONNECT_TIMEOUT = 15.0
