@@ -23,6 +23,9 @@ insert, so concurrent proposals cannot overshoot them; each refusal is BUDGET_EX
 (:mod:`gateway.guard.items`) and never truncated.
 
 No value is logged; the audit events (written by the callers) carry keys and proposal ids only.
+
+A little over ~500 lines: the proposal's whole lifecycle (propose, list, approve, reject, withdraw,
+expire) in one class over one transaction discipline.
 """
 
 from __future__ import annotations
