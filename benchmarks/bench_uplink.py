@@ -6,6 +6,13 @@ gateway, home side, clients) shares one process and one event loop, so the ratio
 on the same CPU; loopback only; bounded by time and by ``--max-requests``.
 
     .venv/bin/python benchmarks/bench_uplink.py [--duration 8] [--clients 50] [--max-requests 200000]
+
+``--payload-mib N``: instead, one sealed payload of N MiB in each topology, the same run: the agent
+streams it to ``POST /v1/payload/upload`` (mTLS; the guard authorizes it and records its event,
+over the socket or the uplink), then the user pulls its ciphertext from the guard
+(``GET /v1/payloads/ID/ciphertext`` on ``guard.sock``, as ``uomp payload pull`` does). Prints MiB/s
+of each and the upload ratio. On the VPS the relay keeps the ciphertext in the gateway's own
+``payloads/``: the bytes do not cross the uplink, and the pull at home answers what the guard says.
 """
 
 from __future__ import annotations
@@ -66,7 +73,85 @@ def fresh_home() -> Paths:
     return p
 
 
+async def payload_round(app: Any, mib: int) -> tuple[float, float | None, str]:
+    """(upload MiB/s, pull MiB/s or None, what the pull answered) for one payload of ``mib`` MiB."""
+    import base64
+    import json
+    import os
+
+    import aiohttp
+
+    from gateway.client import payloads as sdk_payloads
+    from gateway.core import envelope, sealing
+    from gateway.payloads import userkey
+
+    a = app.agent("bench_agent")
+    g = await app.grant(a, read={"tags": ["preference"], "keys": []})
+    pub = envelope.parse_public_key(userkey.public_b64(app.paths))
+    binding = sealing.Binding(sdk_payloads.new_payload_id(), g["session_id"], a.agent_id, "application/octet-stream")
+    src = Path(tempfile.mkdtemp(prefix="uomp-bp-", dir="/tmp")) / "src"
+    with open(src, "wb") as fh:
+        for _ in range(mib):
+            fh.write(os.urandom(1 << 20))
+    sealed = await asyncio.to_thread(sdk_payloads.seal_to_file, pub, binding, src, directory=str(src.parent))
+    header = base64.urlsafe_b64encode(json.dumps(sealed.envelope.header()).encode()).rstrip(b"=").decode()
+    hdrs = {
+        "Authorization": f"Bearer {g['token']}",
+        "X-UOMP-Agent-Id": a.agent_id,
+        "Content-Type": "application/octet-stream",
+        "Content-Length": str(sealed.envelope.size),
+        envelope.HEADER_NAME: header,
+    }
+
+    async def body() -> Any:
+        with open(sealed.path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                yield block
+
+    size = sealed.envelope.size / (1 << 20)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=a.ssl())) as s:
+            t0 = time.perf_counter()
+            async with s.post(app.base + "/v1/payload/upload", data=body(), headers=hdrs) as r:
+                answer = await r.read()
+                assert r.status in (200, 201), (r.status, answer[:300])
+            up = size / (time.perf_counter() - t0)
+        from guardkit import admin_headers
+
+        t0 = time.perf_counter()
+        got = 0
+        async with app.admin.get(
+            f"http://guard/v1/payloads/{binding.payload_id}/ciphertext", headers=admin_headers(app.paths)
+        ) as r:
+            async for chunk in r.content.iter_chunked(1 << 20):
+                got += len(chunk)
+            status = r.status
+        took = time.perf_counter() - t0
+        if status == 200 and got == sealed.envelope.size:
+            return up, size / took, "pulled whole"
+        return up, None, f"HTTP {status} (the ciphertext is not at home)"
+    finally:
+        sealed.remove()
+        src.unlink()
+
+
+async def payload_main(args: argparse.Namespace) -> None:
+    big = (args.payload_mib + 16) << 20
+    lim = {"payload_max_bytes": big, "payload_max_bytes_per_session": big * 2, "upstream_timeout_seconds": 120.0}
+    async with appliance(fresh_home(), **lim) as app:
+        sock = await payload_round(app, args.payload_mib)
+    async with split(fresh_home(), **lim) as s:
+        up = await payload_round(s.app, args.payload_mib)
+    for name, (u, p, what) in (("unix socket", sock), ("uplink", up)):
+        pull = f"{p:7.1f} MiB/s" if p is not None else "      -"
+        print(f"{name:12} {args.payload_mib} MiB: upload {u:7.1f} MiB/s   pull at home {pull}   ({what})")
+    print(f"uplink / socket: upload x{up[0] / sock[0]:.2f}")
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.payload_mib:
+        await payload_main(args)
+        return
     lim = {"max_unverified_connections_per_ip": 256, "max_unverified_connections": 256}
     async with appliance(fresh_home(), **lim) as app:
         sock = await load(app, args.duration, args.clients, args.max_requests)
@@ -82,4 +167,5 @@ if __name__ == "__main__":
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--max-requests", type=int, default=200_000)
+    ap.add_argument("--payload-mib", type=int, default=0, help="one payload of N MiB up and back instead")
     asyncio.run(main(ap.parse_args()))

@@ -87,11 +87,16 @@ def redis_server(workdir: Path) -> Iterator[Redis]:
 
 
 @contextlib.contextmanager
-def haproxy(workdir: Path, backends: list[int]) -> Iterator[int]:
-    """haproxy in TCP mode on a free port, round robin over ``backends`` (one backend per connection)."""
+def haproxy(workdir: Path, backends: list[int], *, check: bool = False, port: int | None = None) -> Iterator[int]:
+    """haproxy in TCP mode on a free port, round robin over ``backends`` (one backend per connection).
+    ``check``: a TCP health check every 100 ms (down after one failure) and a failed connect retried
+    on another backend (``retries`` + ``option redispatch``), as one runs replicas in production."""
     binary = need("haproxy")
-    port = free_port()
-    servers = "\n".join(f"  server g{i} 127.0.0.1:{p}" for i, p in enumerate(backends))
+    port = free_port() if port is None else port
+    opts = " check inter 100ms fall 1 rise 2" if check else ""
+    servers = "\n".join(f"  server g{i} 127.0.0.1:{p}{opts}" for i, p in enumerate(backends))
+    if check:
+        servers = "  retries 3\n  option redispatch\n" + servers
     cfg = workdir / "haproxy.cfg"
     cfg.write_text(
         f"""global

@@ -54,6 +54,7 @@ class Split:
             ca_file=kw.pop("ca_file", home.uplink_ca_cert),
             pins_file=kw.pop("pins_file", home.uplink_pins),
             guard=kw.pop("guard", Upstream("unix", str(home.guard_sock))),
+            paths=kw.pop("paths", home),  # the home's CRL and keys go to the gateway over the uplink
             **kw,
         )
 
@@ -123,3 +124,29 @@ def home_process(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,  # it logs every redial: a pipe nobody reads would fill and block it
     )
+
+
+@contextlib.asynccontextmanager
+async def stalling_guard():  # type: ignore[no-untyped-def]
+    """A Unix socket that answers /v1/health and never answers anything else."""
+    path = short_dir("uomp-stall-") / "g.sock"
+    held: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        with contextlib.suppress(Exception):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"GET /v1/health "):
+                    await asyncio.sleep(3600)
+                body = b'{"status": "ok"}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 16\r\n\r\n" + body)
+                await writer.drain()
+
+    srv = await asyncio.start_unix_server(serve, str(path))
+    try:
+        yield Upstream("unix", str(path))
+    finally:
+        srv.close()
+        for w in held:
+            w.close()

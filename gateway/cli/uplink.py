@@ -47,6 +47,7 @@ async def _dial(paths: Paths, url: str, max_streams: int) -> None:
         ca_file=paths.uplink_ca_cert,
         pins_file=paths.uplink_pins,
         guard=Upstream("unix", str(paths.guard_sock)),
+        paths=paths,
         max_streams=max_streams,
     )
     loop = asyncio.get_running_loop()

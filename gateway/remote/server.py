@@ -25,6 +25,7 @@ from gateway.remote.state import GatewayState
 from gateway.remote.tls import TLSReloader
 from gateway.remote.upstream_health import UpstreamMonitor
 from gateway.uplink.hub import UplinkHub, uplink_hub
+from gateway.uplink.trust import TrustSink
 
 log = logging.getLogger("uomp.gateway")
 
@@ -121,6 +122,8 @@ class GatewayRunner:
         )
         if cfg.uplink_listen_port >= 0:  # the guard is at home, behind the uplink (docs/vps.md)
             self.uplink = hub = uplink_hub(self.paths, cfg)
+            # the CRL and the verification keys come from home over the uplink (gateway/uplink/trust.py)
+            hub.trust = TrustSink(self.paths, self.reloader, on_keys=self.reload_keys)
             upstream = Upstream("uplink", f"{cfg.uplink_listen_host}:{cfg.uplink_listen_port}")
             forwarder = Forwarder(upstream, timeout_seconds=cfg.upstream_timeout_seconds, client=hub)
         else:

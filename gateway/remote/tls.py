@@ -40,7 +40,12 @@ context they were made with, so nothing live is dropped. ``watch()`` reloads whe
 (``uomp agent revoke`` writes a new CRL), ``install_sighup()`` reloads on SIGHUP. A CRL older than
 the newest one accepted (lower CRL Number or earlier thisUpdate: a pre-revocation backup put back)
 is refused, on reload and at start; the newest (number, thisUpdate) is kept in a state file
-(``$UOMP_HOME/gateway/crl-state.json``) so a restart remembers it.
+(``$UOMP_HOME/gateway/crl-state.json``) so a restart remembers it. A CRL received from home over
+the uplink (:meth:`TLSReloader.install_crl`) passes the same rule, and the agent CA's signature.
+
+A little over ~500 lines: the server context, the client-certificate check and the reloader with
+its CRL rules are one decision (who may open the agent listener); split, each part would need the
+others' invariants restated.
 """
 
 from __future__ import annotations
@@ -490,16 +495,7 @@ class TLSReloader:
         again after the build; a file replaced in between is a failed load, retried next tick)."""
         raw = self.files.crl_file.read_bytes()
         crl = x509.load_pem_x509_crl(raw)
-        mark = CRLMark(ca.crl_number(crl), crl.last_update_utc)
-        last = self.crl_mark
-        if last is not None and (mark.number < last.number or mark.this_update < last.this_update):
-            raise UompError(
-                ErrorCode.CONFIG_ERROR,
-                f"refusing an older CRL (CRL Number {mark.number}, thisUpdate {mark.this_update:%Y-%m-%dT%H:%M:%SZ}) "
-                f"than the one already accepted (CRL Number {last.number}, thisUpdate "
-                f"{last.this_update:%Y-%m-%dT%H:%M:%SZ}); keeping the previous CRL. Put the current CRL back "
-                f"(the gateway re-signs {self.files.crl_file.name} from the CA registry when it is the CA's own)",
-            )
+        mark = self._not_older(crl)
         ca_cert = check_agent_ca(self.files.ca_file)
         if crl.issuer != ca_cert.subject or not crl.is_signature_valid(ca_cert.public_key()):  # type: ignore[arg-type]
             raise UompError(
@@ -519,6 +515,19 @@ class TLSReloader:
             ca_not_after=ca_cert.not_valid_after_utc,
         )
         return ctx, trust, mark
+
+    def _not_older(self, crl: x509.CertificateRevocationList) -> CRLMark:
+        """``crl``'s mark; CONFIG_ERROR when it is older than the newest CRL accepted."""
+        mark, last = CRLMark(ca.crl_number(crl), crl.last_update_utc), self.crl_mark
+        if last is not None and (mark.number < last.number or mark.this_update < last.this_update):
+            raise UompError(
+                ErrorCode.CONFIG_ERROR,
+                f"refusing an older CRL (CRL Number {mark.number}, thisUpdate {mark.this_update:%Y-%m-%dT%H:%M:%SZ}) "
+                f"than the one already accepted (CRL Number {last.number}, thisUpdate "
+                f"{last.this_update:%Y-%m-%dT%H:%M:%SZ}); keeping the previous CRL. Put the current CRL back "
+                f"(the gateway re-signs {self.files.crl_file.name} from the CA registry when it is the CA's own)",
+            )
+        return mark
 
     def _accept(self, mark: CRLMark) -> None:
         """Remember ``mark`` as the newest CRL seen (durably, when a state file is configured)."""
@@ -574,6 +583,41 @@ class TLSReloader:
         self._stamp = stamp
         self.generation += 1
         log.info("TLS certificates, CA and CRL reloaded (generation %d)", self.generation)
+
+    def install_crl(self, pem: bytes, *, now: dt.datetime | None = None) -> bool:
+        """A CRL received from the CA's home (the uplink): checked, written atomically over the CRL
+        file, and loaded like a changed file. False when it is the CRL already held (nothing done).
+
+        Refused (UompError CONFIG_ERROR, the file and the context kept) when it is not a CRL, is not
+        issued and signed by the agent CA this listener trusts, is past its nextUpdate, or is older
+        than the newest one accepted (CRL Number or thisUpdate, as :meth:`reload` refuses it).
+        Blocking (file reads, fsyncs): call it from a worker thread when an event loop is serving."""
+        try:
+            crl = x509.load_pem_x509_crl(pem)
+            ca_cert = ca.load_cert(self.files.ca_file.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise UompError(
+                ErrorCode.CONFIG_ERROR, f"the CRL received is not a PEM CRL ({type(exc).__name__})"
+            ) from exc
+        pub = ca_cert.public_key()
+        if crl.issuer != ca_cert.subject or not isinstance(pub, ca.AgentPublicKey) or not crl.is_signature_valid(pub):
+            raise UompError(
+                ErrorCode.CONFIG_ERROR,
+                f"the CRL received is not signed by the agent CA of {self.files.ca_file}; keeping the previous CRL",
+            )
+        next_update = crl.next_update_utc
+        if next_update is None or next_update < ca.aware_utc(now):
+            raise UompError(ErrorCode.CONFIG_ERROR, "the CRL received is past its nextUpdate; keeping the previous CRL")
+        with self._reload_lock:
+            mark = self._not_older(crl)
+            try:
+                if self.files.crl_file.read_bytes() == pem and mark == self.crl_mark:
+                    return False
+            except OSError:
+                pass
+            atomic_write(self.files.crl_file, pem, mode=0o644)
+            self._reload()
+        return True
 
     def changed(self) -> bool:
         return self._stamps() != self._stamp

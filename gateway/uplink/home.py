@@ -10,6 +10,10 @@ home), keep the connection, and hand each request that arrives on it to the guar
   gateway uses), the answer streamed back within the stream's flow-control window. A guard that is
   down answers the gateway with the §8.4 body of ``STORE_UNAVAILABLE`` (503), so the gateway relays
   a stable code.
+* The gateway's own trust poll (``:authority`` :data:`gateway.uplink.trust.AUTHORITY`) is answered
+  here, never by the guard: this home's CRL and key files (:mod:`gateway.uplink.trust`), at once
+  when they differ from what the gateway holds, else when they change (or 204 after the wait).
+  While the home side runs, a CRL nearing its nextUpdate is re-signed here when the CA key is here.
 * At most ``max_streams`` requests at once (advertised to the gateway as
   SETTINGS_MAX_CONCURRENT_STREAMS; a gateway that opens more loses the connection).
 """
@@ -24,20 +28,24 @@ import os
 import random
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import h2.errors
 
+from gateway.config import Paths
 from gateway.core import http1
 from gateway.durable import FAULT_ENV, fault_point
 from gateway.errors import ErrorCode, UompError
+from gateway.fsutil import atomic_write
 from gateway.remote.upstream import Upstream, UpstreamClient
-from gateway.uplink import certs, tlsctx
+from gateway.uplink import certs, tlsctx, trust
 from gateway.uplink.link import DEFAULT_MAX_STREAMS, Headers, Link, Stream
 
 log = logging.getLogger("uomp.uplink")
 
 MAX_REQUEST_BODY = 8 * 1024 * 1024
+STATUS_FILE = "home-status.json"  # in the home's uplink/ directory: what the dashboard shows
+CRL_TICK_SECONDS = 5.0
 STABLE_SECONDS = 30.0
 CONNECT_TIMEOUT = 15.0
 _DROP = frozenset({b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te"})
@@ -74,6 +82,8 @@ class HomeUplink:
         ca_file: Path,
         pins_file: Path,
         guard: Upstream,
+        paths: Paths | None = None,
+        keep_crl: bool = True,
         guard_timeout: float = 10.0,
         max_streams: int = DEFAULT_MAX_STREAMS,
         keepalive: float = 5.0,
@@ -95,6 +105,12 @@ class HomeUplink:
         self.connected = asyncio.Event()
         self._check = tlsctx.peer_check(self.pins, want_home_role=False)
         self._refused: str | None = None
+        self.url = url
+        self.paths = paths
+        self.trust = trust.TrustSource(paths) if paths is not None else None
+        self.keep_crl = keep_crl  # re-sign this home's CRL before it goes stale (when its CA key is here)
+        self.connected_since: float | None = None
+        self._running = False  # run() is dialling or serving (the status file says so)
 
     def _verify(self, obj: object) -> str | None:
         import ssl
@@ -138,9 +154,54 @@ class HomeUplink:
             raise UompError(ErrorCode.UPSTREAM_ERROR, self._refused or link.close_reason)
         return link
 
+    def snapshot(self) -> dict[str, object]:
+        """The home side's state (what the status file holds; no key, no token)."""
+        out: dict[str, object] = {
+            "target": self.url,
+            "connected": self.link is not None and not self.link.closed,
+            "connected_since": self.connected_since,
+            "connects": self.connects,
+            "reconnects": max(0, self.connects - 1),
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "updated_at": time.time(),
+            "pid": os.getpid(),
+            "running": self._running,
+        }
+        t = self.trust
+        if t is not None:
+            out.update(crl_pushed_at=t.sent_at, crl_acked_at=t.acked_at, vps_crl_number=t.vps_crl_number)
+        return out
+
+    def write_status(self) -> None:
+        """The snapshot into ``uplink/home-status.json`` (atomic; a failure is logged, never fatal)."""
+        if self.paths is None:
+            return
+        try:
+            atomic_write(self.paths.uplink_dir / STATUS_FILE, json.dumps(self.snapshot()).encode() + b"\n", mode=0o600)
+        except OSError as exc:
+            log.warning("uplink: cannot write the status file (%s)", exc.strerror)
+
+    async def _keep_crl(self, paths: Paths) -> None:
+        """Re-sign this home's CRL before it goes stale (it is what the gateway is sent)."""
+        from gateway import ca_store
+
+        watch = ca_store.CrlWatch(paths)
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.run_in_executor(None, watch.tick)
+            except Exception as exc:  # a failing refresh never stops the home side
+                log.warning("uplink: refreshing the CRL failed (%s)", type(exc).__name__)
+            await asyncio.sleep(CRL_TICK_SECONDS)
+
     async def run(self) -> None:
         """Dial, serve, and dial again with backoff; until cancelled."""
         delay = self.backoff_min
+        self._running = True
+        crl_task = None
+        if self.keep_crl and self.paths is not None and self.paths.ca_key.exists():
+            crl_task = asyncio.get_running_loop().create_task(self._keep_crl(self.paths))
         try:
             while True:
                 started = time.monotonic()
@@ -150,23 +211,34 @@ class HomeUplink:
                     self.failures += 1
                     self.last_error = exc.message
                     log.warning("uplink: cannot connect to %s:%s: %s", self.host, self.port, exc.message)
+                    self.write_status()
                 else:
                     self.link = link
                     self.connects += 1
+                    self.connected_since = time.time()
                     self.connected.set()
                     log.warning("uplink: connected to the gateway at %s:%s", self.host, self.port)
+                    self.write_status()
                     reason = await asyncio.shield(link.done)
                     self.connected.clear()
                     self.link = None
+                    self.connected_since = None
                     self.last_error = reason
+                    self.write_status()
                     log.warning("uplink: the link to the gateway ended (%s); dialling again", reason)
                     if time.monotonic() - started >= STABLE_SECONDS:
                         delay = self.backoff_min
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))  # noqa: S311 (jitter, not a secret)
                 delay = min(self.backoff_max, delay * 2)
         finally:
+            if crl_task is not None:
+                crl_task.cancel()
             if self.link is not None:
                 self.link.close("the home side is stopping")
+            self.link = None
+            self.connected_since = None
+            self._running = False
+            self.write_status()
             await self.guard.close()
 
     # ------------------------------------------------------------------ one request
@@ -174,12 +246,15 @@ class HomeUplink:
     async def _serve(self, link: Link, st: Stream) -> None:
         hdrs = st.headers or []
         method = path = ""
+        authority = b""
         fwd: dict[str, str] = {}
         for k, v in hdrs:
             if k == b":method":
                 method = v.decode("ascii", "replace")
             elif k == b":path":
                 path = v.decode("utf-8", "surrogateescape")
+            elif k == b":authority":
+                authority = v
             elif k.startswith(b":") or k in _DROP:
                 continue
             else:
@@ -197,6 +272,9 @@ class HomeUplink:
                 link.reset(st, h2.errors.ErrorCodes.REFUSED_STREAM)
                 return
             parts.append(piece)
+        if authority == trust.AUTHORITY:
+            await self._serve_trust(link, st, method, path)
+            return
         body = b"".join(parts) if parts or method in ("POST", "PUT", "PATCH") else None
         try:
             resp = await self.guard.request(method, path, fwd, body=body)
@@ -228,6 +306,52 @@ class HomeUplink:
             link.reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
         finally:
             resp.release()
+
+    async def _serve_trust(self, link: Link, st: Stream, method: str, path: str) -> None:
+        """The gateway's trust poll: this home's CRL and keys when they differ from ``have``."""
+        target = urlsplit(path)
+        source = self.trust
+        if method != "GET" or target.path != trust.PATH or source is None:
+            await self._answer_error(
+                link, st, UompError(ErrorCode.NOT_FOUND, "this home side does not serve that uplink request")
+            )
+            return
+        q = parse_qs(target.query)
+        have = (q.get("have") or [""])[0]
+        try:
+            wait = min(trust.MAX_WAIT, max(0.0, float((q.get("wait") or ["0"])[0])))
+        except ValueError:
+            wait = 0.0
+        crl_raw = (q.get("crl") or [""])[0]
+        source.polled(have, int(crl_raw) if crl_raw.isdigit() and len(crl_raw) < 40 else None)
+        self.write_status()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait
+        while True:
+            try:
+                bundle = await loop.run_in_executor(None, source.current)
+            except UompError as exc:
+                await self._answer_error(link, st, exc)
+                return
+            if bundle.etag != have:
+                break
+            if loop.time() >= until:
+                link.send_headers(st.sid, [(b":status", b"204")], end_stream=True)
+                return
+            await asyncio.sleep(min(trust.LOOK_SECONDS, max(0.0, until - loop.time())))
+        body = bundle.encode()
+        link.send_headers(
+            st.sid,
+            [
+                (b":status", b"200"),
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            end_stream=False,
+        )
+        await link.send_data(st.sid, body, end_stream=True)
+        source.sent(bundle)
+        self.write_status()
 
     async def _answer_error(self, link: Link, st: Stream, exc: UompError) -> None:
         body = json.dumps(exc.body()).encode()

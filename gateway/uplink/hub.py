@@ -6,13 +6,16 @@ verified-identity contract of :mod:`gateway.contract`).
   is alive is sent away with a GOAWAY that says so (the first one keeps serving); a dead one is
   noticed by the keep-alive (:mod:`gateway.uplink.link`) and then the next dial is taken.
 * At most ``max_in_flight`` requests on the link (and no more than the home side's
-  SETTINGS_MAX_CONCURRENT_STREAMS); at most ``max_queue`` more wait for a place within their
-  deadline; beyond that 503 ``STORE_BUSY``.
+  SETTINGS_MAX_CONCURRENT_STREAMS less the hub's own :data:`OWN_STREAMS`); at most ``max_queue``
+  more wait for a place within their deadline; beyond that 503 ``STORE_BUSY``.
 * No home connection: 503 ``STORE_UNAVAILABLE`` at once (the gateway adds ``Retry-After``), and the
   gateway spools its own events as with a lost Unix socket. The link dropped before the answer's
   head: ``STORE_UNAVAILABLE``; after it (cut short): ``UPSTREAM_ERROR``; no answer within the
   deadline: ``UPSTREAM_TIMEOUT`` — the codes of :mod:`gateway.remote.upstream`.
 * Nothing is kept: bodies pass through memory only, per stream, bounded by the flow-control windows.
+* The trust material from home (CRL, ``jwks.json``, revoked keys; :mod:`gateway.uplink.trust`):
+  while a home connection is up, one long-poll stream of the hub's own (outside the in-flight
+  budget) fetches it on connect and on every change, and hands it to :attr:`UplinkHub.trust`.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from pathlib import Path
 from gateway.config import GatewayConfig, Paths
 from gateway.core import http1
 from gateway.errors import ErrorCode, UompError
-from gateway.uplink import certs, tlsctx
+from gateway.uplink import certs, tlsctx, trust
 from gateway.uplink.link import Headers, Link, LinkDown, Stream, StreamReset
 
 log = logging.getLogger("uomp.uplink")
 
 BUFFER_BODY_BYTES = 256 * 1024  # answers framed by length up to this are read whole before returning
 HANDSHAKE_TIMEOUT = 10.0
+OWN_STREAMS = 2  # the hub's own streams on the link: the trust long-poll and one health probe
 _METHOD = re.compile(r"[A-Z]{1,16}")
 _AUTHORITY = b"uomp-guard"
 
@@ -179,6 +183,9 @@ class UplinkHub:
         self.last_error: str | None = None
         self._check = tlsctx.peer_check(self.pins, want_home_role=True)
         self.on_change: Callable[[], None] | None = None  # the gateway's upstream monitor checks again
+        self.trust: trust.TrustSink | None = None  # where the CRL and keys from home go (None: not fetched)
+        self.trust_retry_seconds = 5.0  # after a failed poll, on the same link
+        self._trust_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ listener
 
@@ -223,12 +230,17 @@ class UplinkHub:
         self.last_error = None
         log.warning("uplink: the home side is connected")
         self._wake()
+        if self.trust is not None:
+            self._trust_task = asyncio.get_running_loop().create_task(self._trust_loop(link, self.trust))
         if self.on_change is not None:
             self.on_change()
 
     def _closed(self, link: Link, reason: str) -> None:
         if self.link is link:
             self.link = None
+            if self._trust_task is not None:
+                self._trust_task.cancel()
+                self._trust_task = None
             self.connected_since = None
             self.last_error = reason
             log.warning("uplink: the home side is gone (%s): requests are answered 503 until it is back", reason)
@@ -241,7 +253,7 @@ class UplinkHub:
         return self.link is not None and not self.link.closed
 
     def snapshot(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "listen_port": self.port,
             "connected": self.connected,
             "connected_since": self.connected_since,
@@ -250,8 +262,29 @@ class UplinkHub:
             "in_flight": self._in_flight,
             "last_error": self.last_error,
         }
+        if self.trust is not None:
+            out["trust"] = self.trust.snapshot()
+        return out
+
+    # ------------------------------------------------------------------ trust from home
+
+    async def _fetch_trust(self, target: str) -> tuple[int, bytes]:
+        """One trust poll on a stream of the hub's own: (status, body)."""
+        resp = await self.request("GET", target, {}, timeout=trust.WAIT + 10.0, probe=True, authority=trust.AUTHORITY)
+        try:
+            return resp.status, (await resp.read(trust.MAX_BUNDLE_BYTES + 1) if resp.status == 200 else b"")
+        finally:
+            resp.release()
+
+    async def _trust_loop(self, link: Link, sink: trust.TrustSink) -> None:
+        await trust.follow(
+            self._fetch_trust, lambda: self.link is link and not link.closed, sink, self.trust_retry_seconds
+        )
 
     async def close(self) -> None:
+        if self._trust_task is not None:
+            self._trust_task.cancel()
+            self._trust_task = None
         if self.server is not None:
             self.server.close()
         link, self.link = self.link, None
@@ -273,8 +306,13 @@ class UplinkHub:
                 w.set_result(None)
 
     def _budget(self) -> int:
+        """Agent requests on the link at once: ours and the home side's stream limit, less the
+        streams the hub keeps for itself (the trust poll, a health probe), so those never make an
+        agent request fail to open its stream."""
         link = self.link
-        return min(self.max_in_flight, link.stream_budget) if link is not None else self.max_in_flight
+        if link is None:
+            return self.max_in_flight
+        return min(self.max_in_flight, max(1, link.stream_budget - OWN_STREAMS))
 
     async def _slot(self, deadline: float) -> Link:
         """A place on the current link (waiting within ``deadline`` behind at most ``max_queue`` others)."""
@@ -313,7 +351,13 @@ class UplinkHub:
     # ------------------------------------------------------------------ requests
 
     @staticmethod
-    def _headers(method: str, target: str, headers: Mapping[str, str], block: http1.HeaderBlock | None) -> Headers:
+    def _headers(
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        block: http1.HeaderBlock | None,
+        authority: bytes = _AUTHORITY,
+    ) -> Headers:
         if _METHOD.fullmatch(method) is None:
             raise UompError(ErrorCode.INVALID_REQUEST, "method cannot be forwarded")
         if not target.startswith("/") or http1.BAD_TARGET.search(target):
@@ -322,7 +366,7 @@ class UplinkHub:
         out: Headers = [
             (b":method", method.encode()),
             (b":scheme", b"https"),
-            (b":authority", _AUTHORITY),
+            (b":authority", authority),
             (b":path", target.encode("utf-8", "surrogateescape")),
         ]
         for line in lines.split("\r\n"):
@@ -345,10 +389,13 @@ class UplinkHub:
         block: http1.HeaderBlock | None = None,
         timeout: float | None = None,
         probe: bool = False,
+        authority: bytes = _AUTHORITY,
     ) -> UplinkResponse:
-        """One request to the guard over the uplink. ``probe``: a health check, outside the in-flight
-        budget (so a full uplink is not reported as a lost guard), on a stream of its own."""
-        h = self._headers(method, target, headers, block)
+        """One request to the guard over the uplink. ``probe``: a health check (or the hub's own
+        trust poll), outside the in-flight budget (so a full uplink is not reported as a lost
+        guard), on a stream of its own. ``authority``: the hub's own streams only
+        (:data:`gateway.uplink.trust.AUTHORITY`); what an agent asked for always goes as the guard's."""
+        h = self._headers(method, target, headers, block, authority)
         if body is not None or method in ("POST", "PUT", "PATCH"):
             h.append((b"content-length", str(len(body or b"")).encode()))
         loop = asyncio.get_running_loop()

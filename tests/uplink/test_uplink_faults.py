@@ -10,10 +10,9 @@ import h2.config
 import h2.connection
 import pytest
 from gatewaykit import agent_call, agent_session
-from uplinkkit import short_dir, split
+from uplinkkit import split, stalling_guard
 
 from gateway.config import Paths
-from gateway.remote.upstream import Upstream
 from gateway.uplink import tlsctx
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,32 +27,6 @@ async def _wait(pred, what: str, seconds: float = 20.0) -> None:  # type: ignore
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"not reached: {what}")
-
-
-@contextlib.asynccontextmanager
-async def stalling_guard():  # type: ignore[no-untyped-def]
-    """A Unix socket that answers /v1/health and never answers anything else."""
-    path = short_dir("uomp-stall-") / "g.sock"
-    held: list[asyncio.StreamWriter] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        with contextlib.suppress(Exception):
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if not head.startswith(b"GET /v1/health "):
-                    await asyncio.sleep(3600)
-                body = b'{"status": "ok"}'
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 16\r\n\r\n" + body)
-                await writer.drain()
-
-    srv = await asyncio.start_unix_server(serve, str(path))
-    try:
-        yield Upstream("unix", str(path))
-    finally:
-        srv.close()
-        for w in held:
-            w.close()
 
 
 async def test_full_uplink_answers_store_busy_at_once_and_timeouts_are_stable(home: Paths) -> None:
