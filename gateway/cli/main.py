@@ -112,9 +112,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "uplink": ("gateway.cli.uplink", "the outbound uplink: a gateway on a VPS, the guard here (docs/vps.md)"),
 }
 
-# Commands that run ``gateway.cli.home.INIT_HOOKS`` (``uomp init``, ``uomp gateway start``): every
-# module adds its step there when imported, so these load all of them.
-ALL_MODULES_FOR = frozenset({"init", "gateway"})
+# Commands that run ``gateway.cli.home.INIT_HOOKS`` (``uomp init``, ``uomp gateway start``) and the
+# modules that add a step there when imported: those commands load these besides their own.
+# tests/cli/test_cli_lazy.py holds the list to every module that appends to INIT_HOOKS.
+INIT_COMMANDS = frozenset({"init", "gateway"})
+INIT_HOOK_MODULES = ("gateway.cli.memory", "gateway.cli.agent", "gateway.cli.audit", "gateway.cli.payload")
 
 # Top-level options that take a value (the command word is the first token that is none of these).
 _VALUE_OPTIONS = frozenset({"--home"})
@@ -245,16 +247,20 @@ def command_word(argv: Sequence[str]) -> str | None:
 
 
 def modules_for(argv: Sequence[str] | None) -> tuple[str, ...]:
-    """The command modules a command line needs: its command's own; all of them when its command
-    runs the init hooks, names no known command, or ``argv`` is None (the whole parser)."""
+    """The command modules a command line needs: its command's own, and those with an init step
+    when it runs the init hooks; all of them when it names no known command (to suggest one) or
+    ``argv`` is None (the whole parser)."""
     if argv is None:
         return COMMAND_MODULES
     word = command_word(argv)
     if word is None:
         return ()
-    if word in ALL_MODULES_FOR or word not in COMMANDS:
+    if word not in COMMANDS:
         return COMMAND_MODULES
-    return (COMMANDS[word][0],)
+    own = COMMANDS[word][0]
+    if word in INIT_COMMANDS:
+        return (own, *(m for m in INIT_HOOK_MODULES if m != own))
+    return (own,)
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

@@ -105,17 +105,26 @@ def test_command_word_skips_global_options() -> None:
     assert word(["-v", "--home=/x", "memory", "show"]) == "memory"
     assert word(["--help"]) is None and word([]) is None and word(["--", "status"]) is None
     assert cli_main.modules_for(["status"]) == ("gateway.cli.status",)
-    assert cli_main.modules_for(["init"]) == cli_main.COMMAND_MODULES
-    assert cli_main.modules_for(["gateway", "start"]) == cli_main.COMMAND_MODULES
+    assert cli_main.modules_for(["init"]) == ("gateway.cli.home", *cli_main.INIT_HOOK_MODULES)
+    assert cli_main.modules_for(["gateway", "start"]) == ("gateway.cli.gateway", *cli_main.INIT_HOOK_MODULES)
     assert cli_main.modules_for(["statsu"]) == cli_main.COMMAND_MODULES  # a misspelling: every name to suggest from
     assert cli_main.modules_for(["--version"]) == ()
+
+
+def test_the_init_hook_modules_are_every_module_with_an_init_step() -> None:
+    """A module that appends to INIT_HOOKS must be in INIT_HOOK_MODULES, or `uomp init` and
+    `uomp gateway start` would skip its step; and no module is listed that has none."""
+    cli_dir = Path(cli_main.__file__).parent
+    with_hooks = {f"gateway.cli.{p.stem}" for p in cli_dir.glob("*.py") if "INIT_HOOKS.append(" in p.read_text()}
+    assert with_hooks and set(cli_main.INIT_HOOK_MODULES) == with_hooks
 
 
 def test_init_still_runs_every_modules_init_step(tmp_path: Path) -> None:
     home = tmp_path / "h"
     rc, modules, _out = run_cli(tmp_path, "--home", str(home), "init")
     assert rc == 0
-    assert all(m in modules for m in cli_main.COMMAND_MODULES)
+    assert all(m in modules for m in cli_main.INIT_HOOK_MODULES)
+    assert "gateway.cli.conformance" not in modules and "gateway.conformance" not in modules
     paths = Paths(home)
     assert paths.memory_db.exists()  # gateway.cli.memory's step
     assert any((home / "ca").iterdir())  # gateway.cli.agent's step
