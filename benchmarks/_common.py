@@ -75,6 +75,23 @@ def make_home(prefix: str = "uomp-lb-") -> Any:
     return paths
 
 
+def seal_home(paths: Any, passphrase: str = "bench passphrase, not a secret") -> str:
+    """Seal ``paths``'s keys by a passphrase (``uomp secrets seal``: memory.db and audit.db become
+    SQLCipher files); return the passphrase file, also set as UOMP_PASSPHRASE_FILE in this process
+    (its admin calls unlock the sealed admin credential with it; plain homes ignore it)."""
+    pf = paths.home / "bench-passphrase"
+    pf.write_text(passphrase + "\n")
+    pf.chmod(0o600)
+    subprocess.run(
+        [PYTHON, "-m", "gateway.cli.main", "--home", str(paths.home), "secrets", "seal", "--passphrase-file", str(pf)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=120,
+    )
+    os.environ["UOMP_PASSPHRASE_FILE"] = str(pf)
+    return str(pf)
+
+
 def remove_home(paths: Any, keep: bool = False) -> None:
     if keep:
         print(f"(kept {paths.home})")

@@ -77,6 +77,7 @@ class Appliance:
         keep: bool = False,
         layout: str = "split",
         tree: Path | None = None,
+        sealed: bool = False,
         **knobs: Any,
     ) -> None:
         self.label = label
@@ -85,6 +86,8 @@ class Appliance:
         try:
             self.keys = keys = c.seed_store(paths)
             self.agent = agent = c.issue_agent(paths)
+            if sealed:  # keys sealed by a passphrase, memory.db and audit.db encrypted, high items sealed
+                knobs["env"] = {"UOMP_PASSPHRASE_FILE": c.seal_home(paths)}
             self.srv = c.start_server(
                 paths, gateway=True, max_connections=max_connections, what=label, layout=layout, tree=tree, **knobs
             )
@@ -264,6 +267,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
     ap.add_argument("--baseline", type=Path, help="another checkout whose appliance runs beside this one's")
     ap.add_argument(
+        "--sealed",
+        action="store_true",
+        help="also run an appliance on a sealed home (encrypted memory.db and audit.db), rounds interleaved",
+    )
+    ap.add_argument(
         "--fsyncs",
         action="store_true",
         help="also count fsync/fdatasync per request on each path (strace -c -f, its own phase)",
@@ -310,6 +318,8 @@ def main() -> None:
                 keep=args.keep,
                 tree=args.baseline.resolve(),
             )
+        if args.sealed:
+            apps["sealed"] = Appliance(label="sealed home", max_connections=max_conn, keep=args.keep, sealed=True)
         base = apps["base"]
         info = base.srv.info
         print(
@@ -324,7 +334,7 @@ def main() -> None:
             f"{args.handshake_duration:g} s; {args.idle} idle connections"
             + ("; experiments interleaved" if args.experiments else "")
         )
-        ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota", "old")]
+        ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota", "old", "sealed")]
         hs_apps = [a for k, a in apps.items() if k in ("base", "buf", "old")]
         for _ in range(args.rounds):
             for app in ka_apps:
@@ -409,6 +419,21 @@ def main() -> None:
                 if "old" in rss
                 else ""
             )
+        )
+
+    if args.sealed:
+        e = res["sealed"]
+        print("\nsealed home (rounds interleaved with the plain home's):")
+        c.print_table(
+            [
+                (f"sealed (a) direct, {args.clients} clients", e["direct"]),
+                (f"sealed (b) gateway, {args.clients} clients", e["gateway"]),
+            ]
+        )
+        print(
+            f"RATIOS sealed/plain: direct req/s x{e['direct']['rps'] / m['direct']['rps']:.2f}, gateway req/s "
+            f"x{e['gateway']['rps'] / m['gateway']['rps']:.2f} (aim >= 0.9), gateway p50 "
+            f"{e['gateway']['p50_ms']:.2f}/{m['gateway']['p50_ms']:.2f} ms"
         )
 
     d, gw = m["direct"], m["gateway"]
