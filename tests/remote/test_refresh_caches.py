@@ -6,7 +6,7 @@ on 127.0.0.1 (mTLS, the guard on its Unix socket), spoken on the wire."""
 
 from __future__ import annotations
 
-from gatewaykit import appliance, agent_session
+from gatewaykit import agent_session, appliance
 from guardkit import admin_headers, call
 from test_agent_routes import read_theme, refresh
 
