@@ -9,7 +9,7 @@ refresh token rotates, the bundle is rewritten), every tenth round its own audit
 0.1-0.5 s (bounded load: about 5 requests per second per agent). Every ``--sample`` seconds the
 gateway's and the guard's VmRSS (``/proc/<pid>/status``) are recorded.
 
-Printed: the RSS of each process at start (agents connected), after the warm-up and at the end; the
+Printed: the RSS of each process at start (agents connected), after the warm-up, half-way and at the end; the
 slope of a least-squares line through the samples after the warm-up (KiB per hour) and the
 end/after-warm-up ratio; requests and refreshes done, errors by code. A slope that keeps rising run
 after run is a leak to find; a step during the warm-up is caches filling (TLS sessions, the status
@@ -214,12 +214,14 @@ async def main() -> None:
         "env": extra_env,
         "work": str(work),
     }
+    half = min(samples, key=lambda s: abs(s["t"] - samples[-1]["t"] / 2))  # the sample nearest half-time
     for role in ("gateway", "guard"):
         k = f"{role}_kib"
         series = [(s["t"], int(s[k])) for s in after]
         report[role] = {
             "start_mib": round(samples[0][k] / 1024, 1),
             "after_warmup_mib": round(after[0][k] / 1024, 1),
+            "half_way_mib": round(half[k] / 1024, 1),
             "end_mib": round(samples[-1][k] / 1024, 1),
             "end_over_warmup": round(samples[-1][k] / after[0][k], 3),
             "slope_mib_per_hour": round(slope_kib_per_hour(series) / 1024, 2),

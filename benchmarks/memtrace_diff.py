@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/memtrace_diff.py BEFORE.snap AFTER.snap [--top 25] [--key lineno|filename|traceback]
 
 With ``--native DIR``: also the process's VmRSS, traced bytes, SQLite's and glibc's counts at each
-snapshot (the ``<role>-<pid>.jsonl`` files in DIR), in MiB.
+snapshot (the ``<role>-<pid>.jsonl`` files in DIR), in MiB. glibc's counts of a traced process
+include tracemalloc's own tables and each snapshot's transient copy (``malloc_free`` grows with
+them): judge native growth on an untraced run (benchmarks/README.md, bench_soak.py).
 """
 
 from __future__ import annotations

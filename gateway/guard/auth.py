@@ -606,17 +606,19 @@ class AuthService:
         )
         if hit is None:
             if not cap.is_refresh:  # a refresh token is spent by its one use: not worth keeping
-                self.rows.keep_not_blacklisted(th, token_until(cap), now)
+                self.rows.keep_not_blacklisted(th, token_until(cap), now, session_id=cap.session_id)
         else:
             if hit[0] == "superseded":
                 self.refreshes.chain_forked(row)
             raise UompError(ErrorCode.SESSION_REVOKED, "token has been revoked", session_id=cap.session_id)
         if not cap.is_refresh:
-            self._note_use(th, token_until(cap), now)
+            self._note_use(th, token_until(cap), now, session_id=cap.session_id)
         return cap, row
 
-    def _note_use(self, th: str, until: float, now: float) -> None:
-        """Record an access token's first use, durably, before the request is answered (refresh rule)."""
+    def _note_use(self, th: str, until: float, now: float, *, session_id: str) -> None:
+        """Record an access token's first use, durably, before the request is answered (refresh rule).
+        Remembered per session (the newest tokens): a token that went from the set is looked up again,
+        and the UPDATE only ever sets a first use."""
         if self._used.get(th, now):
             return
         try:
@@ -625,7 +627,7 @@ class AuthService:
             )
         except sqlite3.Error as exc:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the session database is unavailable") from exc
-        self._used.put(th, True, until, now)  # kept while the token lives (gateway/core/tokencache.py)
+        self._used.put(th, True, until, now, group=session_id)  # gateway/core/tokencache.py
 
     def validate(self, token: Any) -> dict[str, Any]:
         """POST /v1/tokens/validate: {valid, session_id, expires_at, status?, code?}. Never raises for a

@@ -313,11 +313,12 @@ class SessionCache:
         checked (call it right after ``lookup``, as :meth:`AuthService.authenticate` does)."""
         return self.enabled and th in self._clean
 
-    def keep_not_blacklisted(self, th: str, until: float, now: float) -> None:
-        """Remember ``th`` as absent from the blacklist until the token expires (then it goes)."""
+    def keep_not_blacklisted(self, th: str, until: float, now: float, *, session_id: str) -> None:
+        """Remember ``th`` as absent from the blacklist until the token expires, or until newer tokens
+        of ``session_id`` push it out (gateway/core/tokencache.py)."""
         if not self.enabled:
             return
-        self._clean.put(th, True, until, now)
+        self._clean.put(th, True, until, now, group=session_id)
 
     @property
     def clean_count(self) -> int:

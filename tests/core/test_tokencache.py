@@ -89,3 +89,35 @@ def test_only_access_tokens_are_kept_until_the_sooner_expiry() -> None:
 def test_max_entries_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ExpiringMap(0)
+
+
+def test_a_group_keeps_its_newest_entries_and_leaves_other_groups_alone() -> None:
+    m: ExpiringMap[int] = ExpiringMap(1000, per_group=2)
+    m.put("other", 0, NOW + 600, NOW, group="s2")
+    for i in range(50):  # one session's rotations: every token still alive
+        m.put(f"t{i}", i, NOW + 600, NOW + i, group="s1")
+    assert len(m) == 3 and m.groups == 2
+    assert m.get("t49", NOW + 50) == 49 and m.get("t48", NOW + 50) == 48
+    assert m.get("t47", NOW + 50) is None  # pushed out by the newer ones, though alive
+    assert m.get("other", NOW + 50) == 0  # another session's entry stays
+    m.put("t48", 48, NOW + 600, NOW + 51, group="s1")  # written again: now the newest of s1
+    m.put("t50", 50, NOW + 600, NOW + 52, group="s1")
+    assert m.get("t48", NOW + 53) == 48 and m.get("t49", NOW + 53) is None
+    m.put("free", 1, NOW + 600, NOW + 53)  # no group: only the other bounds apply
+    assert len(m) == 4
+
+
+def test_groups_follow_the_entries_through_expiry_discard_and_clear() -> None:
+    m: ExpiringMap[int] = ExpiringMap(1000, per_group=2, sweep_seconds=1e9)
+    m.put("a", 1, NOW + 10, NOW, group="s1")
+    m.put("b", 2, NOW + 600, NOW, group="s2")
+    assert m.get("a", NOW + 11) is None and m.groups == 1  # expired on read
+    m.discard("b")
+    assert len(m) == 0 and m.groups == 0
+    m.put("c", 3, NOW + 10, NOW, group="s3")
+    assert m.sweep(NOW + 20) == 1 and m.groups == 0
+    m.put("d", 4, NOW + 600, NOW, group="s4")
+    m.clear()
+    assert len(m) == 0 and m.groups == 0
+    with pytest.raises(ValueError):
+        ExpiringMap(10, per_group=0)
