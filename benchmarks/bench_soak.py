@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,7 +164,14 @@ async def main() -> None:
         default=[],
         metavar="NAME=VALUE",
         help="for the appliance only, e.g. MALLOC_ARENA_MAX=2, or UOMP_TRACEMALLOC=1 with "
-        "UOMP_TRACEMALLOC_INTERVAL=60 (snapshots in <work>/home/memtrace, benchmarks/memtrace_diff.py)",
+        "UOMP_TRACEMALLOC_INTERVAL=60 (snapshots in <work>/home/memtrace, benchmarks/memtrace_diff.py; "
+        "add --keep)",
+    )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the work directory (the home, its memtrace snapshots and the agents' bundles, which hold "
+        "live tokens); removed at the end otherwise",
     )
     args = ap.parse_args()
     duration = min(args.duration, MAX_DURATION)
@@ -204,6 +212,8 @@ async def main() -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if not args.keep:  # the bundles hold live tokens: nothing of the run is left behind
+            shutil.rmtree(work, ignore_errors=True)
     after = [s for s in samples if s["t"] >= min(args.warmup, duration / 2)] or samples
     report: dict[str, Any] = {
         "agents": args.agents,
@@ -212,7 +222,7 @@ async def main() -> None:
         "refreshes": stats["refreshes"],
         "errors": stats["errors"],
         "env": extra_env,
-        "work": str(work),
+        "work": str(work) if args.keep else None,
     }
     half = min(samples, key=lambda s: abs(s["t"] - samples[-1]["t"] / 2))  # the sample nearest half-time
     for role in ("gateway", "guard"):
