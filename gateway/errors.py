@@ -213,7 +213,9 @@ class UompError(Exception):
 
     The HTTP status is ``STATUS[code]``, always: there is no per-call override.
     ``session_id`` is echoed in the §8.4 body when known; ``details`` carries extra,
-    non-secret, machine-readable facts (row numbers of a bad import, for example).
+    non-secret, machine-readable facts (row numbers of a bad import, for example); ``reason``, a
+    machine-readable word beside ``code`` where one code has several causes a client acts on
+    differently (a refused client certificate: gateway/openapi.py's CERT_REFUSAL_REASONS).
     """
 
     def __init__(
@@ -223,6 +225,7 @@ class UompError(Exception):
         *,
         session_id: str | None = None,
         details: dict[str, Any] | None = None,
+        reason: str | None = None,
     ) -> None:
         code = ErrorCode(code)  # an unknown string is a ValueError here, for callers mypy does not see
         super().__init__(f"{code}: {message}")
@@ -230,11 +233,14 @@ class UompError(Exception):
         self.message = message
         self.session_id = session_id
         self.details = details
+        self.reason = reason
         self.status = STATUS[code]
 
     def body(self) -> dict[str, Any]:
         """The spec §8.4 error body."""
         err: dict[str, Any] = {"code": str(self.code), "message": self.message}
+        if self.reason:
+            err["reason"] = self.reason
         if self.session_id:
             err["session_id"] = self.session_id
         if self.details:

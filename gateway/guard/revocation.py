@@ -45,6 +45,9 @@ class RevokedCertificates:
         self._stamp: Stamp | None = None
         self.serials: frozenset[str] = frozenset()
         self.thumbprints: frozenset[str] = frozenset()
+        # serial -> (agent id, revoked at, epoch seconds or None); thumbprint -> serial
+        self._named: dict[str, tuple[str, int | None]] = {}
+        self._serial_of: dict[str, str] = {}
 
     def _files(self) -> tuple[Path, ...]:
         return (ca_registry.registry_path(self.paths), self.paths.crl)
@@ -58,23 +61,30 @@ class RevokedCertificates:
         stamp = tuple(_stamp(p) for p in self._files())
         if stamp == self._stamp:
             return
-        if stamp[0] is None:  # no registry: no certificate was ever issued here
-            serials: set[str] = set()
-            thumbprints: set[str] = set()
-        else:
+        revoked: list[ca_registry.Entry] = []
+        if stamp[0] is not None:  # no registry: no certificate was ever issued here
             with ca_registry.registry(self.paths) as reg:
                 revoked = [e for e in reg.all() if e.status == "revoked"]
-            serials = {e.serial for e in revoked}
-            thumbprints = {e.x5t for e in revoked if e.x5t}
-        self.serials, self.thumbprints = frozenset(serials), frozenset(thumbprints)
+        self._named = {e.serial.lower(): (e.agent_id, e.revoked_at) for e in revoked}
+        self._serial_of = {e.x5t: e.serial.lower() for e in revoked if e.x5t}
+        self.serials, self.thumbprints = frozenset(self._named), frozenset(self._serial_of)
         self._stamp = stamp
 
     def check(self, *, serial: str | None, x5t: str | None) -> None:
-        """Refuse (401 CERT_REQUIRED) a certificate revoked here, named by its serial or thumbprint."""
+        """Refuse a certificate revoked here, found by its thumbprint or serial: 401 CERT_REQUIRED,
+        reason ``revoked``, the certificate named as the gateway names it (remote/tls.py judge)."""
         self.refresh()
-        if (x5t and x5t in self.thumbprints) or (serial and serial.lower() in self.serials):
-            raise UompError(
-                ErrorCode.CERT_REQUIRED,
-                "the client certificate has been revoked (by the user, at home); "
-                "the agent needs a new certificate: uomp authorize --remote",
-            )
+        found = self._serial_of.get(x5t) if x5t else None
+        if found is None and serial and serial.lower() in self._named:
+            found = serial.lower()
+        if found is None:
+            return
+        agent_id, revoked_at = self._named[found]
+        on = time.strftime(" on %Y-%m-%d %H:%M:%S UTC", time.gmtime(revoked_at)) if revoked_at else ""
+        raise UompError(
+            ErrorCode.CERT_REQUIRED,
+            f"the client certificate (agent {agent_id}, serial 0x{found}) was revoked{on} (by the user, at home); "
+            "ask the user for a new one",
+            details={"agent_id": agent_id, "serial": found},
+            reason="revoked",
+        )

@@ -64,7 +64,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
@@ -202,16 +201,16 @@ class CertRefused(UompError):
     machine-readable ``reason`` (one of :data:`REFUSAL_REASONS`) and the certificate named
     (agent, serial) in the message and in ``details``."""
 
-    def __init__(self, reason: str, message: str, ident: ClientIdentity) -> None:
-        super().__init__(ErrorCode.CERT_REQUIRED, message, details={"agent_id": ident.agent_id, "serial": ident.serial})
-        self.reason = reason
-        self.identity = ident
+    reason: str
 
-    def body(self) -> dict[str, Any]:
-        """The §8.4 body with ``reason`` beside ``code``."""
-        out = super().body()
-        out["error"]["reason"] = self.reason
-        return out
+    def __init__(self, reason: str, message: str, ident: ClientIdentity) -> None:
+        super().__init__(
+            ErrorCode.CERT_REQUIRED,
+            message,
+            details={"agent_id": ident.agent_id, "serial": ident.serial},
+            reason=reason,
+        )
+        self.identity = ident
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ async def test_a_certificate_revoked_at_home_is_refused_by_the_guard_whatever_th
         assert refused is not None, "the revoked certificate's requests were still answered"
         status, body = refused
         assert status == 401 and body["error"]["code"] == "CERT_REQUIRED" and "revoked" in body["error"]["message"]
+        # the same refusal the gateway gives when it catches the revocation itself: reason and certificate named
+        serial = a.files.serial.lower()
+        assert body["error"]["reason"] == "revoked"
+        assert body["error"]["details"] == {"agent_id": "agent_a", "serial": serial}
+        assert f"(agent agent_a, serial 0x{serial}) was revoked on " in body["error"]["message"]
         # named by either: the thumbprint alone, the serial alone (upper-case as openssl prints it)
         assert (await read(home, asserted(a, ga["token"], serial=None, x5t=a.x5t)))[0] == 401
         assert (await read(home, asserted(a, ga["token"], serial=a.files.serial.upper(), x5t=None)))[0] == 401
