@@ -34,6 +34,7 @@ from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
 from gateway.guard.audit import AuditLog, anchor_chain, ledger_refusal, open_audit
 from gateway.ledger import auditkey, cosign, integrity
+from gateway.ledger import tree as stored_tree
 from gateway.ledger.log import EventLog, LedgerError
 from gateway.ledger.query import MAX_LIMIT, AuditFilter, parse_time
 from gateway.ledger.verify import ProofBundleError, TrustedCheckpoint, verify_bundle, verify_log
@@ -460,7 +461,7 @@ def _witness_locked(args: argparse.Namespace, paths: Paths, wd: cosign.WitnessDi
     try:
         row = conn.execute("SELECT note FROM ledger_checkpoints ORDER BY size DESC LIMIT 1").fetchone()
         if row is None and last is not None:
-            held = conn.execute("SELECT COUNT(*) FROM merkle_nodes WHERE level = 0").fetchone()[0]
+            held = stored_tree.leaf_count(conn)
             raise _witness_refusal(
                 f"audit.db holds no signed checkpoint but the witness cosigned "
                 f"{last.checkpoint.size} events: events {held + 1}-{last.checkpoint.size} are gone "
@@ -481,11 +482,7 @@ def _witness_locked(args: argparse.Namespace, paths: Paths, wd: cosign.WitnessDi
                 f"the newest checkpoint in audit.db is not signed by the audit key ({exc})", None, fix
             ) from None
 
-        def node(level: int, index: int) -> bytes:
-            hit = conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (level, index)).fetchone()
-            if hit is None:
-                raise merkle.ProofError(f"merkle node {level}/{index} is missing")
-            return bytes(hit[0])
+        node = stored_tree.node_reader(conn)
 
         status = "cosigned"
         if last is not None:

@@ -55,6 +55,7 @@ from gateway.core import merkle
 from gateway.core.checkpoint import Checkpoint, NoteError
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
+from gateway.ledger import tree as stored_tree
 from gateway.ledger.verify import Report, TrustedCheckpoint, verify_log
 
 WITNESS_VERSION = 1
@@ -142,16 +143,6 @@ def write_witness(path: Path, note: str) -> None:
     atomic_write(path, json.dumps({"version": WITNESS_VERSION, "note": note}).encode() + b"\n")
 
 
-def _node_reader(conn: sqlite3.Connection) -> merkle.NodeReader:
-    def node(level: int, index: int) -> bytes:
-        row = conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (level, index)).fetchone()
-        if row is None:
-            raise merkle.ProofError(f"merkle node {level}/{index} is missing")
-        return bytes(row[0])
-
-    return node
-
-
 def witness_problem(conn: sqlite3.Connection, size: int, witness: Witness | None) -> UompError | None:
     """None when the tree of ``size`` stored leaves extends the witness record (a consistency proof
     from the record's root to the tree's current root, from the stored nodes, verifies)."""
@@ -165,7 +156,7 @@ def witness_problem(conn: sqlite3.Connection, size: int, witness: Witness | None
             f"{w.size} are gone (rolled back, truncated or replaced)",
             first_bad_seq=size + 1,
         )
-    node = _node_reader(conn)
+    node = stored_tree.node_reader(conn)
     try:
         if w.size == size:
             if merkle.root(node, size) != w.root:
@@ -233,8 +224,7 @@ def check_log(
                 size,
                 witness_size=wsize,
             )
-        row = conn.execute("SELECT MAX(idx) FROM merkle_nodes WHERE level = 0").fetchone()
-        leaves = 0 if row[0] is None else int(row[0]) + 1
+        leaves = stored_tree.leaf_count(conn)
         problem = witness_problem(conn, min(size, leaves), witness)
         if problem is not None:
             return Checked(problem, size, size, witness_size=wsize)
@@ -270,7 +260,10 @@ def check_log(
         if report.ok and newest and newest <= after:  # the newest checkpoint is before the window: its root here
             note = conn.execute("SELECT note FROM ledger_checkpoints WHERE size = ?", (newest,)).fetchone()[0]
             try:
-                if merkle.root(_node_reader(conn), newest) != Checkpoint.open(str(note), origin, public_key).root:
+                if (
+                    merkle.root(stored_tree.node_reader(conn), newest)
+                    != Checkpoint.open(str(note), origin, public_key).root
+                ):
                     report.fail(1, f"the checkpoint at {newest} events does not match the stored tree")
             except NoteError as exc:
                 report.fail(newest, f"the checkpoint at {newest} events: {exc}")

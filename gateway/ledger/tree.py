@@ -1,7 +1,8 @@
 """The Merkle tree of the event log, kept in SQLite beside the events it covers.
 
-One table holds the hash of every complete aligned subtree (level 0 = the leaf hashes). Appending
-a leaf writes the one to ~log2(n) nodes it completes, in the caller's transaction, so the events and
+One table holds the hash of every complete aligned subtree (level 0 = the leaf hashes), keyed by the
+leaf whose append completes it, then its level: appends only ever write at the end of that B-tree.
+Appending a leaf writes the one to ~log2(n) nodes it completes, in the caller's transaction, so the events and
 their tree commit or roll back together. Roots and proofs for any size up to the current one are
 computed by :mod:`gateway.core.merkle` from O(log n) stored nodes; nothing rehashes the log.
 
@@ -16,16 +17,108 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.atrest import memdb
 from gateway.core import merkle
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS merkle_nodes (
+  last INTEGER NOT NULL,
   level INTEGER NOT NULL,
-  idx INTEGER NOT NULL,
   hash BLOB NOT NULL,
-  PRIMARY KEY (level, idx)
+  idx INTEGER GENERATED ALWAYS AS (((last + 1) >> level) - 1) VIRTUAL,
+  PRIMARY KEY (last, level)
 ) WITHOUT ROWID;
 """
+
+# The layout before nodes were keyed by the leaf that completes them: one B-tree region per level, so
+# every commit rewrote the right-most page of each level (about ten pages for fifteen events, each
+# one encrypted and authenticated again in a sealed home). Opened read-only as it is; converted in
+# one transaction by the first writable open (:func:`convert_layout`).
+LEGACY_LAYOUT = "level_idx"
+LAYOUT = "last_level"
+
+
+def last_leaf(level: int, index: int) -> int:
+    """The leaf whose append completes node ``index`` of ``level``: the key nodes are stored under,
+    so appends only ever write at the end of one B-tree."""
+    return ((index + 1) << level) - 1
+
+
+def layout(conn: sqlite3.Connection) -> str:
+    """:data:`LAYOUT`, or :data:`LEGACY_LAYOUT` for a table written by an older version."""
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_xinfo(merkle_nodes)")}
+    return LAYOUT if "last" in cols or not cols else LEGACY_LAYOUT
+
+
+def convert_layout(conn: sqlite3.Connection) -> bool:
+    """Rewrite a legacy-layout table into :data:`LAYOUT` in one ``BEGIN IMMEDIATE`` transaction
+    (all of it or nothing, also when killed). Only outside a transaction, on a connection that may
+    write; True when it converted. A read-only connection keeps reading the legacy layout."""
+    if conn.in_transaction or layout(conn) == LAYOUT:
+        return False
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except memdb.OPERATIONAL:  # read-only, or busy past the timeout: read the legacy layout
+        return False
+    try:
+        if layout(conn) == LAYOUT:  # another process converted it while this one waited
+            conn.execute("ROLLBACK")
+            return False
+        try:
+            conn.execute("ALTER TABLE merkle_nodes RENAME TO merkle_nodes_legacy")
+        except memdb.OPERATIONAL:  # a read-only file (mode=ro, or no write permission)
+            conn.execute("ROLLBACK")
+            return False
+        conn.execute(SCHEMA.strip().rstrip(";"))
+        conn.execute(
+            "INSERT INTO merkle_nodes (last, level, hash) "
+            "SELECT ((idx + 1) << level) - 1, level, hash FROM merkle_nodes_legacy ORDER BY 1, 2"
+        )
+        conn.execute("DROP TABLE merkle_nodes_legacy")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return True
+
+
+def read_node(conn: sqlite3.Connection, level: int, index: int, kind: str = LAYOUT) -> bytes | None:
+    """The stored hash of node ``index`` of ``level``, None when it is not stored."""
+    if kind == LAYOUT:
+        row = conn.execute(
+            "SELECT hash FROM merkle_nodes WHERE last = ? AND level = ?", (last_leaf(level, index), level)
+        ).fetchone()
+    else:
+        row = conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (level, index)).fetchone()
+    return None if row is None else bytes(row[0])
+
+
+def node_reader(conn: sqlite3.Connection) -> merkle.NodeReader:
+    """A :class:`gateway.core.merkle.NodeReader` over the stored nodes; a missing node is a ProofError."""
+    kind = layout(conn)
+
+    def node(level: int, index: int) -> bytes:
+        h = read_node(conn, level, index, kind)
+        if h is None:
+            raise merkle.ProofError(f"merkle node {level}/{index} is missing")
+        return h
+
+    return node
+
+
+def leaf_count(conn: sqlite3.Connection, kind: str | None = None) -> int:
+    """How many leaves the stored tree holds (the largest stored leaf index + 1)."""
+    col = "last" if (kind or layout(conn)) == LAYOUT else "idx"
+    row = conn.execute(f"SELECT MAX({col}) FROM merkle_nodes WHERE level = 0").fetchone()
+    return 0 if row[0] is None else int(row[0]) + 1
+
+
+def nodes_in_append_order(conn: sqlite3.Connection) -> sqlite3.Cursor:
+    """Every stored node as (level, idx, hash), in the order appends create them (by the leaf that
+    completes each, then level): the table's own order, one pass."""
+    if layout(conn) == LAYOUT:
+        return conn.execute("SELECT level, idx, hash FROM merkle_nodes ORDER BY last, level")
+    return conn.execute("SELECT level, idx, hash FROM merkle_nodes ORDER BY ((idx + 1) << level), level")
 
 
 MAX_ROWS_PER_INSERT = 256  # x at most 10 columns: well under SQLite's 32,766 bound variables
@@ -51,14 +144,15 @@ class TreeStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         conn.executescript(SCHEMA)
+        convert_layout(conn)
+        self.kind = layout(conn)  # a legacy table is read (and, if never converted, written) as it is
         self._edge: dict[tuple[int, int], bytes] = {}
         self.size = 0
         self.reload()
 
     def reload(self) -> None:
         """Re-read the size and the right edge from the table (after open or a rollback)."""
-        row = self.conn.execute("SELECT MAX(idx) FROM merkle_nodes WHERE level = 0").fetchone()
-        self.size = 0 if row[0] is None else int(row[0]) + 1
+        self.size = leaf_count(self.conn, self.kind)
         self._edge = {}
         n, level = self.size, 0
         while n >> level:
@@ -68,10 +162,10 @@ class TreeStore:
             level += 1
 
     def _read(self, level: int, index: int) -> bytes:
-        row = self.conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (level, index)).fetchone()
-        if row is None:
+        h = read_node(self.conn, level, index, self.kind)
+        if h is None:
             raise merkle.ProofError(f"merkle node {level}/{index} is missing")
-        return bytes(row[0])
+        return h
 
     def node(self, level: int, index: int) -> bytes:
         cached = self._edge.get((level, index))
@@ -90,7 +184,11 @@ class TreeStore:
                 else:
                     self._edge.pop((level, i - 1), None)
             self.size += 1
-        insert_rows(self.conn, "INSERT INTO merkle_nodes (level, idx, hash) VALUES ", rows)
+        if self.kind == LAYOUT:
+            keyed = [(last_leaf(level, i), level, h) for level, i, h in rows]
+            insert_rows(self.conn, "INSERT INTO merkle_nodes (last, level, hash) VALUES ", keyed)
+        else:
+            insert_rows(self.conn, "INSERT INTO merkle_nodes (level, idx, hash) VALUES ", rows)
         return first
 
     def _check(self, size: int) -> int:

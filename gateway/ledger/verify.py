@@ -47,6 +47,7 @@ from gateway.atrest import auditdb
 from gateway.core import merkle
 from gateway.core.checkpoint import MAX_NOTE_BYTES, Checkpoint, NoteError, parse_verifier_key
 from gateway.errors import UompError
+from gateway.ledger import tree as stored_tree
 from gateway.ledger.log import BUNDLE_VERSION, INDEX_COLUMNS, checkpoint_hash, event_leaf, index_values
 
 CLOCK_JUMP_SECONDS = 600  # a checkpoint this far after the first event it is the first to cover: the clock jumped
@@ -238,11 +239,7 @@ def _verify(
     # Stored nodes in the order appends create them (a node completes with leaf ((idx + 1) << level) - 1):
     # one sorted pass for the whole log; a tail (``after``) looks each node up by its key instead (the
     # sort would walk every node of the log).
-    stored = conn.execute(
-        "SELECT level, idx, hash FROM merkle_nodes ORDER BY ((idx + 1) << level), level"
-        if after == 0
-        else "SELECT 0, 0, x'' WHERE 0"
-    )
+    stored = stored_tree.nodes_in_append_order(conn) if after == 0 else conn.execute("SELECT 0, 0, x'' WHERE 0")
     ahead = stored.fetchone()
     while next_trusted < len(trust) and trust[next_trusted].size <= after:  # below ``after``: the caller's
         t = trust[next_trusted]
@@ -342,8 +339,7 @@ def _verify(
             next_trusted += 1
         expected = seq + 1
     # 5. a checkpoint or a stored tree beyond the end: the tail was cut off.
-    row = conn.execute("SELECT MAX(idx) FROM merkle_nodes WHERE level = 0").fetchone()
-    leaves = 0 if row[0] is None else int(row[0]) + 1
+    leaves = stored_tree.leaf_count(conn)
     if leaves > cr.size:
         report.fail(cr.size + 1, f"the log ends at event {cr.size} but its tree has {leaves} leaves (truncated)")
     if next_cp < len(cps):
@@ -362,8 +358,7 @@ def _verify(
 
 
 def _stored_node(conn: sqlite3.Connection, level: int, index: int) -> bytes | None:
-    row = conn.execute("SELECT hash FROM merkle_nodes WHERE level = ? AND idx = ?", (level, index)).fetchone()
-    return None if row is None else bytes(row[0])
+    return stored_tree.read_node(conn, level, index, stored_tree.layout(conn))
 
 
 @dataclass(frozen=True)
