@@ -22,13 +22,21 @@ from gateway.cli.main import paths_from
 from gateway.config import Paths, resolve_home
 from gateway.errors import ErrorCode, UompError
 from gateway.keys import check_home
+from gateway.netutil import socket_is_live
 
 
 def _refuse_running(paths: Paths) -> None:
+    """ALREADY_RUNNING while the appliance, or a guard on its own (``uomp guard serve``, which holds
+    no appliance lock), serves this home: both keep memory.db and audit.db open."""
     if appliance.is_running(paths):
         raise UompError(
             ErrorCode.ALREADY_RUNNING,
             f"the appliance is running on {paths.home}; stop it first ('uomp gateway stop'), then run this again",
+        )
+    if socket_is_live(paths.guard_sock):
+        raise UompError(
+            ErrorCode.ALREADY_RUNNING,
+            f"a guard is serving {paths.home} (its socket answers); stop it first, then run this again",
         )
 
 

@@ -7,6 +7,7 @@ the lock waits for it, then writes into the converted store."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import sqlite3
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from guardkit import seed
+from guardkit import guard_config, running_guard, seed
 from test_sealed_cli import UOMP, env, pp_file, uomp
 from test_sealed_keys import make_home
 
@@ -185,3 +186,15 @@ def test_a_tool_started_during_a_seal_waits_for_it(tmp_path: Path) -> None:
                 p.kill()
                 p.wait()
     assert "waited.key" in keys_in(paths)
+
+
+async def test_a_seal_is_refused_while_a_guard_serves_the_home_on_its_own(tmp_path: Path) -> None:
+    paths = make_home()
+    seed(paths)
+    pp = pp_file(tmp_path)
+    async with running_guard(paths, guard_config(), serve_tcp=False):  # no appliance lock: a guard alone
+        refused = await asyncio.to_thread(uomp, paths.home, "secrets", "seal", "--passphrase-file", str(pp))
+        assert refused.returncode == 1 and "error ALREADY_RUNNING" in refused.stderr, refused.stdout + refused.stderr
+        assert not paths.master_slot.exists() and memdb.is_plaintext(paths.memory_db)
+    ok = uomp(paths.home, "secrets", "seal", "--passphrase-file", str(pp))  # the partner: once it stopped
+    assert ok.returncode == 0, ok.stderr
