@@ -20,6 +20,7 @@ from test_sealed_keys import FAST, PASSPHRASE, make_home
 from gateway.atrest import backup, memdb, migrate, vault
 from gateway.config import Paths
 from gateway.guard.store import MemoryStore
+from gateway.guard.stores import open_user_store
 
 BACKUP_PASS = b"locks-pass-0c4e"
 REPO = Path(__file__).resolve().parents[2]
@@ -102,3 +103,21 @@ def test_a_backup_leaves_this_processs_database_locks_held(sealed: bool, tmp_pat
     assert probe(paths.memory_db, key) == "delete"
     manifest = backup.verify(tmp_path / "b.uompbak", BACKUP_PASS)
     assert "memory.db" in {f["path"] for f in manifest["files"]}
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+def test_a_second_store_opened_in_the_same_process_leaves_the_first_ones_locks_held(sealed: bool) -> None:
+    """The same class in the store's own opener: a tool or the dashboard opening the store again in
+    a process that has it open (the existing file is not opened to set its mode; the plaintext
+    check of a sealed home's file runs once per process and file)."""
+    paths, _key = home(sealed)
+    first = open_user_store(paths)
+    try:
+        assert first.get(MARKED_KEY) is not None
+        assert shared_lock(paths.memory_db) == "held"
+        with open_user_store(paths) as second:
+            assert second.get(MARKED_KEY) is not None
+        assert shared_lock(paths.memory_db) == "held"  # the first store's lock is still there
+    finally:
+        first.close()
+    assert shared_lock(paths.memory_db) == "free"
