@@ -8,6 +8,7 @@ the lock waits for it, then writes into the converted store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import sqlite3
@@ -68,6 +69,19 @@ def lock_taken(paths: Paths) -> bool:
         return True
     finally:
         os.close(fd)
+    return False
+
+
+def has_open(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has ``path`` open (its /proc fd links; one may close meanwhile)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # it ended
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
     return False
 
 
@@ -169,10 +183,7 @@ def test_a_tool_started_during_a_seal_waits_for_it(tmp_path: Path) -> None:
             cwd=REPO,
         )
         lock = str(writers.lock_path(paths))
-        until(
-            lambda: any(os.readlink(f"/proc/{tool.pid}/fd/{fd}") == lock for fd in os.listdir(f"/proc/{tool.pid}/fd")),
-            "the tool asks for the writers' lock",
-        )
+        until(lambda: has_open(tool.pid, lock), "the tool asks for the writers' lock")
         assert tool.poll() is None  # waiting: the seal holds the lock
         assert "waited.key" not in keys_in(paths)
         assert holder.stdin is not None
@@ -198,3 +209,53 @@ async def test_a_seal_is_refused_while_a_guard_serves_the_home_on_its_own(tmp_pa
         assert not paths.master_slot.exists() and memdb.is_plaintext(paths.memory_db)
     ok = uomp(paths.home, "secrets", "seal", "--passphrase-file", str(pp))  # the partner: once it stopped
     assert ok.returncode == 0, ok.stderr
+
+
+# A command that opens the Auth Service (``uomp authorize``, ``enroll``, ``run``: their events go to
+# audit.db), held open until told to close on stdin.
+AUTH_TOOL = """
+import sys
+from pathlib import Path
+from gateway.cli.guard import open_auth
+from gateway.config import GuardConfig, Paths
+paths = Paths(Path(sys.argv[1]))
+auth = open_auth(paths, GuardConfig())
+print("open", flush=True)
+sys.stdin.readline()
+auth.close_db()
+auth.audit.close()
+print("closed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_seal_is_refused_while_a_command_has_the_auth_service_open(tmp_path: Path) -> None:
+    paths = make_home()
+    seed(paths)
+    pp = pp_file(tmp_path)
+    tool = subprocess.Popen(
+        [*UOMP[:1], "-c", AUTH_TOOL, str(paths.home)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+        cwd=REPO,
+    )
+    try:
+        assert tool.stdout is not None and tool.stdin is not None
+        assert tool.stdout.readline().strip() == "open"
+        refused = uomp(paths.home, "secrets", "seal", "--passphrase-file", str(pp))
+        assert refused.returncode == 1 and "error STORE_BUSY" in refused.stderr, refused.stdout + refused.stderr
+        assert not paths.master_slot.exists()
+        tool.stdin.write("\n")
+        tool.stdin.flush()
+        assert tool.stdout.readline().strip() == "closed"  # its audit log closed: the lock let go
+        ok = uomp(paths.home, "secrets", "seal", "--passphrase-file", str(pp))
+        assert ok.returncode == 0, ok.stderr
+        tool.stdin.close()
+        assert tool.wait(timeout=BOUND) == 0
+    finally:
+        if tool.poll() is None:
+            tool.kill()
+            tool.wait()
