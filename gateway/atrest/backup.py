@@ -215,15 +215,20 @@ def _skip(rel: str, name: str) -> bool:
 
 def _snapshot(paths: Paths, src: Path, dst: Path) -> None:
     """SQLite online backup of ``src`` into ``dst`` (SQLCipher under its own key for a sealed home's
-    memory.db and audit.db: the copy is as encrypted as the file)."""
+    memory.db and audit.db: the copy is as encrypted as the file).
+
+    Every open of ``src`` is SQLite's, through the driver its other users in this process have (the
+    standard library's for a plain file, SQLCipher's for an encrypted one): this process may hold
+    connections to it (a guard's store, a tool's), and closing a descriptor SQLite does not manage
+    would drop their POSIX locks. So whether memory.db is encrypted is decided from the home's
+    sealed state and the connection itself (a plaintext store left from before the seal does not
+    read under the key), never by reading the file's header beside SQLite."""
     if src == paths.audit_db:  # its one opener (no second descriptor of a file the guard may hold)
         key = auditdb.key_for(src)
         a = auditdb.connect(src, readonly=True)
         b = memdb.connect(str(dst), key) if key is not None else sqlite3.connect(str(dst))
-    elif src == paths.memory_db and not memdb.is_plaintext(src) and src.stat().st_size:
-        key = memdb.memory_key(paths)
-        a = memdb.connect(src.resolve().as_uri() + "?mode=ro", key, uri=True)
-        b = memdb.connect(str(dst), key)
+    elif src == paths.memory_db and vault.is_sealed_home(paths) and (a := _sealed_source(paths, src)) is not None:
+        b = memdb.connect(str(dst), memdb.memory_key(paths))
     else:
         a = sqlite3.connect(src.resolve().as_uri() + "?mode=ro", uri=True)
         b = sqlite3.connect(str(dst))
@@ -232,6 +237,21 @@ def _snapshot(paths: Paths, src: Path, dst: Path) -> None:
     finally:
         b.close()
         a.close()
+
+
+def _sealed_source(paths: Paths, src: Path) -> Any:
+    """A read-only SQLCipher connection to a sealed home's memory.db, its first page read under the
+    key; None for a file that does not read under it as SQLCipher (empty, or plaintext from before
+    the seal: copied as it is)."""
+    if src.stat().st_size == 0:
+        return None
+    a = memdb.connect(src.resolve().as_uri() + "?mode=ro", memdb.memory_key(paths), uri=True)
+    try:
+        a.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    except memdb.DATABASE:
+        a.close()
+        return None
+    return a
 
 
 def _files(paths: Paths) -> list[tuple[str, Path]]:

@@ -81,13 +81,33 @@ def memory_key(paths: Paths) -> bytes:
     return vault.master(paths).subkey("memory-db")
 
 
+# The memory.db files (path, device, inode) this process found SQLCipher (or converted): their header is
+# not read again, since this process may hold connections to them by then (closing a descriptor of
+# the file beside SQLite would drop their POSIX locks). A file replaced since (a restore, an
+# unseal and a seal) is another inode, checked again.
+_encrypted: set[tuple[str, int, int]] = set()
+
+
+def _identity(path: Path) -> tuple[str, int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (os.path.abspath(path), st.st_dev, st.st_ino) if st.st_size > 0 else None
+
+
 def key_for(paths: Paths) -> bytes | None:
     """The key to open ``memory.db`` with: None in a plain home; in a sealed one, the store's key,
-    after converting a plaintext store left from before the seal."""
+    after converting a plaintext store left from before the seal (the file's header is read once
+    per process and file, see ``_encrypted``)."""
     if not vault.is_sealed_home(paths):
         return None
     key = memory_key(paths)
-    ensure_encrypted(paths, key)
+    if _identity(paths.memory_db) not in _encrypted:
+        ensure_encrypted(paths, key)
+        ident = _identity(paths.memory_db)
+        if ident is not None:
+            _encrypted.add(ident)
     return key
 
 

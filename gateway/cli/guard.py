@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from typing import Any
 
 from gateway import eventloop
+from gateway.atrest import writers
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.guard.audit import open_audit
@@ -25,8 +27,18 @@ def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
 
 
 def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
-    """The Auth Service on this home, with its audit log."""
-    return AuthService(paths, cfg, open_audit(paths, cfg))
+    """The Auth Service on this home, with its audit log; the home's writers' lock
+    (:func:`gateway.atrest.writers.writing`) held from before the log opens until it closes
+    (``auth.audit.close()``, else the process's end), so no seal rewrites audit.db under it."""
+    hold = contextlib.ExitStack()
+    hold.enter_context(writers.writing(paths))
+    try:
+        audit = open_audit(paths, cfg)
+    except BaseException:
+        hold.close()
+        raise
+    audit.on_close.append(hold.close)
+    return AuthService(paths, cfg, audit)
 
 
 def _serve(args: argparse.Namespace) -> int:

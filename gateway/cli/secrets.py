@@ -17,18 +17,26 @@ import sys
 from pathlib import Path
 
 from gateway import appliance
-from gateway.atrest import auditdb, journal, memdb, migrate, vault
+from gateway.atrest import auditdb, journal, memdb, migrate, vault, writers
 from gateway.cli.main import paths_from
 from gateway.config import Paths, resolve_home
 from gateway.errors import ErrorCode, UompError
 from gateway.keys import check_home
+from gateway.netutil import socket_is_live
 
 
 def _refuse_running(paths: Paths) -> None:
+    """ALREADY_RUNNING while the appliance, or a guard on its own (``uomp guard serve``, which holds
+    no appliance lock), serves this home: both keep memory.db and audit.db open."""
     if appliance.is_running(paths):
         raise UompError(
             ErrorCode.ALREADY_RUNNING,
             f"the appliance is running on {paths.home}; stop it first ('uomp gateway stop'), then run this again",
+        )
+    if socket_is_live(paths.guard_sock):
+        raise UompError(
+            ErrorCode.ALREADY_RUNNING,
+            f"a guard is serving {paths.home} (its socket answers); stop it first, then run this again",
         )
 
 
@@ -50,16 +58,18 @@ def _new_passphrase(args: argparse.Namespace) -> bytes:
 def _seal(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     _refuse_running(paths)
-    if args.keyring:
-        master = migrate.seal(paths, keyring=True)
-        how = f"the OS keychain ({migrate.keyring_backend_name()})"
-    else:
-        master = migrate.seal(paths, passphrase=_new_passphrase(args))
-        how = "your passphrase (Argon2id)"
-    if memdb.ensure_encrypted(paths, memdb.memory_key(paths)):
-        print(f"encrypted: {paths.memory_db} (SQLCipher, a key derived from the master key)")
-    if auditdb.ensure_encrypted(paths, auditdb.audit_key(paths)):
-        print(f"encrypted: {paths.audit_db} (SQLCipher, its own key derived from the master key)")
+    passphrase = None if args.keyring else _new_passphrase(args)  # asked before the lock: no tool waits on it
+    with writers.sealing(paths):  # no tool writes memory.db or audit.db until both are converted
+        if passphrase is None:
+            master = migrate.seal(paths, keyring=True)
+            how = f"the OS keychain ({migrate.keyring_backend_name()})"
+        else:
+            master = migrate.seal(paths, passphrase=passphrase)
+            how = "your passphrase (Argon2id)"
+        if memdb.ensure_encrypted(paths, memdb.memory_key(paths)):
+            print(f"encrypted: {paths.memory_db} (SQLCipher, a key derived from the master key)")
+        if auditdb.ensure_encrypted(paths, auditdb.audit_key(paths)):
+            print(f"encrypted: {paths.audit_db} (SQLCipher, its own key derived from the master key)")
     files = ", ".join(role for _f, role in migrate.present_key_files(paths))
     print(f"sealed: {files}")
     print(f"master key {master.home_id} protected by {how}, in {paths.master_slot}")
@@ -75,11 +85,13 @@ def _unseal(args: argparse.Namespace) -> int:
     _refuse_running(paths)
     if not vault.is_sealed_home(paths):
         raise UompError(ErrorCode.INVALID_STATE, f"the keys of {paths.home} are not sealed; nothing was changed")
-    if memdb.ensure_plaintext(paths, memdb.memory_key(paths)):  # first: the keys still open it after a crash
-        print(f"decrypted: {paths.memory_db} is a plain SQLite file again")
-    if auditdb.ensure_plaintext(paths, auditdb.audit_key(paths)):
-        print(f"decrypted: {paths.audit_db} is a plain SQLite file again")
-    migrate.unseal(paths, vault.master(paths))
+    master = vault.master(paths)  # unlocked (a prompt, maybe) before the lock: no tool waits on it
+    with writers.sealing(paths):  # no tool writes memory.db or audit.db while they are rewritten
+        if memdb.ensure_plaintext(paths, memdb.memory_key(paths)):  # first: the keys still open it after a crash
+            print(f"decrypted: {paths.memory_db} is a plain SQLite file again")
+        if auditdb.ensure_plaintext(paths, auditdb.audit_key(paths)):
+            print(f"decrypted: {paths.audit_db} is a plain SQLite file again")
+        migrate.unseal(paths, master)
     print(f"unsealed: the keys of {paths.home} are plaintext files (0600) again; {paths.master_slot} removed")
     return 0
 

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.atrest import writers
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import UompError
 from gateway.guard.audit import open_audit
@@ -55,6 +56,11 @@ def change(paths: Paths, *, via: str = "cli") -> Iterator[UserEvent]:
     """Around one change the user makes (see the module docstring). The block makes the change and
     fills in the event it yields; an exception from the block records nothing and goes on."""
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
+    with writers.writing(paths):  # no seal rewrites audit.db while this change writes it
+        yield from _change(paths, cfg, via)
+
+
+def _change(paths: Paths, cfg: GuardConfig, via: str) -> Iterator[UserEvent]:
     audit = open_audit(paths, cfg, tail=CHANGE_TAIL_EVENTS)
     try:
         audit.writer.probe_sync()  # a write transaction now: refused here, before anything changes

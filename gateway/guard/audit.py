@@ -51,6 +51,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,6 +338,7 @@ class AuditLog:
         tail: int = integrity.TAIL_EVENTS,
     ) -> None:
         self.path = path
+        self.on_close: list[Callable[[], None]] = []  # run by close(), last (an opener's lock let go)
         self.startup: integrity.Checked | None = None  # what the check at open found (with LedgerOptions)
         self._tail = tail
         self.retention_days = retention_days
@@ -925,7 +927,11 @@ class AuditLog:
                 with contextlib.suppress(UompError):
                     self.writer.probe_sync()
         finally:
-            self.writer.close()
-            self.reader.close()
-        self._read.close()
-        self._write.close()
+            try:
+                self.writer.close()
+                self.reader.close()
+                self._read.close()
+                self._write.close()
+            finally:
+                for fn in self.on_close:
+                    fn()

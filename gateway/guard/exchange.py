@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from gateway import __version__, jsonio
+from gateway import __version__
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import fsync_dir
 from gateway.guard.items import (
@@ -38,6 +38,7 @@ from gateway.guard.items import (
     key_problem,
     sensitivity_problem,
     source_problem,
+    stored_fields,
     tags_problem,
     timestamp_problem,
     utc_now,
@@ -60,19 +61,10 @@ def _history_rows(store: MemoryStorage, conn: Any, key: str) -> list[dict[str, A
         if deleted:
             out.append({"version": version, "deleted": True, "replaced_at": replaced})
             continue
-        entry = {
-            "version": version,
-            "deleted": False,
-            "value": jsonio.loads(store.open_text(key, sens, value)),
-            "tags": jsonio.loads(tags),
-            "sensitivity": sens,
-            "source": source,
-            "created_at": created,
-            "updated_at": updated,
-            "replaced_at": replaced,
-        }
-        if desc is not None:
-            entry["description"] = desc
+        fields = stored_fields(
+            store, key, (value, tags, sens, source, desc), created_at=created, updated_at=updated, replaced_at=replaced
+        )
+        entry = {"version": version, "deleted": False, **fields}
         out.append(entry)
     return out
 
@@ -94,19 +86,16 @@ def export_items(store: MemoryStorage) -> Iterator[dict[str, Any]]:
             yield {"key": key, "deleted": True, "version": top, "history": hist}
             continue
         value, tags, sens, source, created, updated, desc, version = row
-        entry: dict[str, Any] = {
-            "key": key,
-            "value": jsonio.loads(store.open_text(key, sens, value)),
-            "tags": jsonio.loads(tags),
-            "sensitivity": sens,
-            "source": source,
-            "created_at": created,
-            "updated_at": updated,
-            "version": version,
-            "history": hist,
-        }
-        if desc is not None:
-            entry["description"] = desc
+        fields = stored_fields(
+            store,
+            key,
+            (value, tags, sens, source, desc),
+            created_at=created,
+            updated_at=updated,
+            version=version,
+            history=hist,
+        )
+        entry: dict[str, Any] = {"key": key, **fields}
         yield entry
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from gateway import jsonio
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.items import MemoryItem, utc_now
+from gateway.guard.items import MemoryItem, stored_fields, utc_now
 from gateway.guard.storage import MemoryStorage
 
 MAX_HISTORY = 1000
@@ -47,18 +47,8 @@ def _version_entry(store: MemoryStorage, key: str, row: tuple[Any, ...]) -> dict
     version, deleted, value, tags, sens, source, _created, updated, desc, replaced = row
     if deleted:
         return {"version": int(version), "deleted": True, "at": replaced}
-    out: dict[str, Any] = {
-        "version": int(version),
-        "deleted": False,
-        "value": jsonio.loads(store.open_text(key, sens, value)),
-        "tags": jsonio.loads(tags),
-        "sensitivity": sens,
-        "source": source,
-        "updated_at": updated,
-        "replaced_at": replaced,
-    }
-    if desc is not None:
-        out["description"] = desc
+    fields = stored_fields(store, key, (value, tags, sens, source, desc), updated_at=updated, replaced_at=replaced)
+    out: dict[str, Any] = {"version": int(version), "deleted": False, **fields}
     return out
 
 
@@ -84,18 +74,8 @@ def history(store: MemoryStorage, key: str, *, limit: int = 100) -> list[dict[st
     out: list[dict[str, Any]] = []
     if cur is not None:
         version, value, tags, sens, source, updated, desc = cur
-        entry: dict[str, Any] = {
-            "version": int(version),
-            "current": True,
-            "deleted": False,
-            "value": jsonio.loads(store.open_text(key, sens, value)),
-            "tags": jsonio.loads(tags),
-            "sensitivity": sens,
-            "source": source,
-            "updated_at": updated,
-        }
-        if desc is not None:
-            entry["description"] = desc
+        fields = stored_fields(store, key, (value, tags, sens, source, desc), updated_at=updated)
+        entry: dict[str, Any] = {"version": int(version), "current": True, "deleted": False, **fields}
         out.append(entry)
     for row in rows:
         out.append(_version_entry(store, key, row))

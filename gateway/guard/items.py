@@ -12,8 +12,9 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
+from gateway import jsonio
 from gateway.errors import ErrorCode, UompError
 
 SENSITIVITIES = ("low", "medium", "high")
@@ -198,3 +199,34 @@ def row_of(item: MemoryItem) -> Row:
         item.updated_at,
         item.description,
     )
+
+
+class ValueOpener(Protocol):
+    """What turns a stored value text back into its JSON text (the store: a high item's per-item
+    seal opened, see :mod:`gateway.atrest.itemseal`)."""
+
+    def open_text(self, key: str, sensitivity: str, text: str) -> str: ...
+
+
+def stored_fields(
+    opener: ValueOpener,
+    key: str,
+    stored: tuple[str, str, str, str, str | None],
+    **fields: Any,
+) -> dict[str, Any]:
+    """One ``items`` or ``item_versions`` row as the user's reads hand it out (export, history):
+    ``stored`` is the row's (value, tags, sensitivity, source, description); the value opened by
+    ``opener`` and parsed, the tags parsed, then the caller's ``fields`` (times, versions) in their
+    order, and ``description`` last, only when the row has one. Call it only for a read the caller
+    has authorized (it opens sealed values)."""
+    value, tags, sensitivity, source, description = stored
+    out: dict[str, Any] = {
+        "value": jsonio.loads(opener.open_text(key, sensitivity, value)),
+        "tags": jsonio.loads(tags),
+        "sensitivity": sensitivity,
+        "source": source,
+        **fields,
+    }
+    if description is not None:
+        out["description"] = description
+    return out

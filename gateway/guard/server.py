@@ -19,6 +19,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway.atrest import vault
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
+from gateway.eventloop import cancel_all
 from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.guard.http import error_response
@@ -279,10 +280,8 @@ class GuardRunner:
             with contextlib.suppress(Exception):
                 await self.anchorer.backend.close()
             self.anchorer = None
-        for t in self._tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(self._tasks)  # bounded: a task that lost its cancellation is cancelled again
+        self._tasks.clear()
         for r in self._runners:
             await r.cleanup()
         self._runners.clear()

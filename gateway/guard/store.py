@@ -76,6 +76,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -447,6 +448,17 @@ class MemoryStore(MemoryStorage):
         return conn
 
     def _create_file(self) -> None:
+        """The file, 0600, made if absent. An existing regular file is not opened beside SQLite
+        (closing that descriptor would drop the POSIX locks this process's other connections hold
+        on it): its mode is set by path. Anything else goes to the open below (a link: refused)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            if st.st_mode & 0o777 != 0o600:
+                os.chmod(self.path, 0o600)
+            return
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(self.path, flags, 0o600)
         try:

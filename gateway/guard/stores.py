@@ -8,9 +8,10 @@ open the SQLite store directly with :func:`open_user_store`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
-from gateway.atrest import itemseal, memdb
+from gateway.atrest import itemseal, memdb, writers
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.history import set_retention
@@ -44,14 +45,37 @@ def open_memory_store(paths: Paths, cfg: GuardConfig) -> MemoryStorage:
     return factory(paths, cfg)
 
 
+class UserStore(MemoryStore):
+    """The memory store as a user's tool opened it: it holds the home's writers' lock
+    (:func:`gateway.atrest.writers.writing`) from before its file was opened until it is closed, so
+    a ``uomp secrets seal`` never rewrites the file under it."""
+
+    def __init__(self, paths: Paths, hold: contextlib.ExitStack) -> None:
+        self.writers_hold = hold
+        super().__init__(paths.memory_db, create=True, key=memdb.key_for(paths), sealer=itemseal.sealer_for(paths))
+
+    def close(self) -> None:
+        """Close the store, then let go of the writers' lock."""
+        try:
+            super().close()
+        finally:
+            self.writers_hold.close()
+
+
 def open_user_store(paths: Paths, cfg: GuardConfig | None = None) -> MemoryStore:
     """``memory.db`` as the user's tools open it: created if absent, SQLCipher under the home's key
     in a sealed home, high-sensitivity values sealed per item (:mod:`gateway.atrest.itemseal`), the
     history retention of ``[guard] history_max_versions`` applied (``cfg``, else the home's config
-    file)."""
+    file), the home's writers' lock held until it is closed (:class:`UserStore`)."""
     if cfg is None:
         cfg = load_section(GuardConfig, "guard", file=paths.config_file)
-    store = MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths), sealer=itemseal.sealer_for(paths))
+    hold = contextlib.ExitStack()
+    hold.enter_context(writers.writing(paths))  # before the file is opened and its key decided
+    try:
+        store = UserStore(paths, hold)
+    except BaseException:
+        hold.close()
+        raise
     try:
         set_retention(store, cfg.history_max_versions)
     except BaseException:

@@ -72,6 +72,7 @@ from gateway.anchor.base import (
 )
 from gateway.atrest import auditdb
 from gateway.durable import fault_point
+from gateway.eventloop import cancel_all
 from gateway.ledger.log import ANCHOR_SCHEMA
 
 log = logging.getLogger("uomp.anchor")
@@ -567,9 +568,7 @@ class Anchorer:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_all([self._task])  # bounded: run()'s wait_for can lose a cancellation
             self._task = None
         await asyncio.to_thread(self._close)
 

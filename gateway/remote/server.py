@@ -15,6 +15,7 @@ from aiohttp import web
 from gateway import ca_store, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import ErrorCode, UompError
+from gateway.eventloop import cancel_all
 from gateway.netutil import check_bind
 from gateway.remote import agent_routes, enroll_routes, payload_routes, payload_service, transport
 from gateway.remote.access_log import AccessLog
@@ -28,29 +29,6 @@ from gateway.uplink.hub import UplinkHub, uplink_hub
 from gateway.uplink.trust import TrustSink
 
 log = logging.getLogger("uomp.gateway")
-
-# How long stop() keeps cancelling a background task that has not ended (then it goes on without it).
-CANCEL_SECONDS = 10.0
-
-
-async def cancel_all(tasks: list[asyncio.Task[None]], *, seconds: float = CANCEL_SECONDS) -> None:
-    """Cancel ``tasks`` and wait for them to end, cancelling again those still running every 0.2 s:
-    a cancellation can be lost (Python 3.11's ``asyncio.wait_for`` swallows one that arrives as its
-    inner wait completes), and a stop must not wait on it for ever. Bounded by ``seconds``."""
-    for t in tasks:
-        t.cancel()
-    pending = {t for t in tasks if not t.done()}
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while pending and loop.time() < deadline:
-        _done, pending = await asyncio.wait(pending, timeout=0.2)
-        for t in pending:
-            t.cancel()
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            log.warning("background task %s ended with %r", t.get_name(), t.exception())
-    if pending:
-        log.warning("%d background task(s) did not end within %.0f s of the stop", len(pending), seconds)
 
 
 def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
+from backupkit import DAMAGES, damaged, marked_value, new_home, no_restore_stage, put_marked, refusals
 from guardkit import call, grant, guard_config, running_guard, seed, unix_session
 from test_sealed_cli import env, pp_file, uomp
 from test_sealed_keys import FAST, PASSPHRASE, loaded, make_home, secret_markers
@@ -20,20 +20,14 @@ from gateway.atrest import backup, memdb, migrate, vault
 from gateway.cli.backup import verify_restored
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
-from gateway.guard.store import MemoryItem, MemoryStore
 
 BACKUP_PASS = b"backup-pass-9d2c"
 MARK = "backup-value-marker-31a7"
-TS = "2026-01-01T00:00:00Z"
 
 
 @pytest.fixture(autouse=True)
 def _clean_vault() -> None:
     vault.forget()
-
-
-def new_home() -> Path:
-    return Path(tempfile.mkdtemp(prefix="uomp-bk-", dir="/tmp")) / "home"
 
 
 async def populated(*, sealed: bool = False) -> tuple[Paths, Path]:
@@ -42,9 +36,7 @@ async def populated(*, sealed: bool = False) -> tuple[Paths, Path]:
     seed(paths)
     if sealed:
         migrate.seal(paths, passphrase=PASSPHRASE, kdf=FAST)
-    store = MemoryStore(paths.memory_db, key=memdb.key_for(paths))
-    store.put(MemoryItem("note.secret", MARK, ("preference",), "low", "user", TS, TS))
-    store.close()
+    put_marked(paths, MARK)
     out = paths.home.parent / "home.uompbak"
     async with running_guard(paths, guard_config(), serve_tcp=False) as _g, unix_session(paths) as s:
         g = await grant(s, paths, read={"tags": ["preference"], "keys": []})
@@ -71,14 +63,13 @@ async def test_a_backup_taken_while_running_restores_whole_and_verifies(tmp_path
         "ca/ca.key",
     }
     assert loaded(restored) == before
-    with MemoryStore(restored.memory_db, create=False) as s:
-        assert s.get("note.secret").value == MARK  # type: ignore[union-attr]
+    assert marked_value(restored) == MARK
     # the witness record in the backup is the one the snapshot's log extends (the original's moved on
     # since: the guard signed again at its stop)
     assert restored.audit_witness.exists()
     said = verify_restored(restored)
     assert "consistent with its witness record" in said and "0 events" not in said, said
-    assert not [p for p in target.parent.iterdir() if ".restore-" in p.name]
+    assert no_restore_stage(target)
     # the user's check: `uomp audit verify` on the restored home, and the restore's own message
     res = uomp(target, "audit", "verify")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -89,43 +80,16 @@ async def test_a_backup_taken_while_running_restores_whole_and_verifies(tmp_path
         assert status == 200 and body["value"] == MARK
 
 
-@pytest.mark.parametrize(
-    "damage", ["flip_middle", "flip_last", "truncate", "drop_last_chunk", "trailing", "foreign", "header"]
-)
+@pytest.mark.parametrize("damage", DAMAGES)
 async def test_a_damaged_backup_is_refused_and_nothing_is_restored(damage: str) -> None:
     _paths, out = await populated()
-    data = bytearray(out.read_bytes())
-    if damage == "flip_middle":
-        data[len(data) // 2] ^= 1
-    elif damage == "flip_last":
-        data[-1] ^= 1
-    elif damage == "truncate":
-        del data[len(data) * 2 // 3 :]
-    elif damage == "drop_last_chunk":
-        # the chunks are [len][ct]; walk them and drop the last one: a clean cut between chunks
-        header_end = data.index(b"\n", len(backup.MAGIC)) + 1
-        pos, last = header_end, header_end
-        while pos < len(data):
-            last = pos
-            pos += 4 + int.from_bytes(data[pos : pos + 4], "big")
-        del data[last:]
-    elif damage == "trailing":
-        data += b"\x00"
-    elif damage == "foreign":
-        data = bytearray(b"PK\x03\x04 not ours" * 10)
-    elif damage == "header":
-        data[len(backup.MAGIC) + 5] ^= 1
-    out.write_bytes(bytes(data))
+    out.write_bytes(damaged(out.read_bytes(), damage))
     target = new_home()
     with pytest.raises(UompError) as exc:
         backup.restore(out, target, BACKUP_PASS)
-    assert (
-        exc.value.code in (ErrorCode.BACKUP_INVALID, ErrorCode.PASSPHRASE_WRONG)
-        if damage == "header"
-        else (exc.value.code == ErrorCode.BACKUP_INVALID)
-    ), exc.value
+    assert exc.value.code in refusals(damage), exc.value
     assert not target.exists()
-    assert not [p for p in target.parent.iterdir() if ".restore-" in p.name]
+    assert no_restore_stage(target)
 
 
 async def test_wrong_passphrase_and_a_non_empty_home() -> None:
@@ -176,7 +140,7 @@ async def test_a_restore_killed_before_its_rename_leaves_the_target_as_it_was(tm
     assert not target.exists()
     ok = uomp(target, "backup", "restore", str(out), "--passphrase-file", str(pp))
     assert ok.returncode == 0, ok.stderr
-    assert not [p for p in target.parent.iterdir() if ".restore-" in p.name], "the killed restore's stage is gone"
+    assert no_restore_stage(target), "the killed restore's stage is gone"
 
 
 async def test_a_sealed_homes_backup_restores_sealed() -> None:
@@ -194,8 +158,7 @@ async def test_a_sealed_homes_backup_restores_sealed() -> None:
     assert locked.value.code == ErrorCode.SECRETS_LOCKED
     vault.unlock_with_passphrase(restored, PASSPHRASE)
     assert loaded(restored) == before
-    with MemoryStore(restored.memory_db, key=memdb.key_for(restored), create=False) as s:
-        assert s.get("note.secret").value == MARK  # type: ignore[union-attr]
+    assert marked_value(restored) == MARK
     assert json.loads(restored.master_slot.read_bytes())["id"] == json.loads(paths.master_slot.read_bytes())["id"]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.remote.server import cancel_all
+from gateway.eventloop import cancel_all
 
 
 async def _loses_one_cancel(ended: list[str]) -> None:
