@@ -8,11 +8,12 @@ ahead of the editable install: the script prints which ``gateway`` package each 
 one throwaway UOMP_HOME under /tmp made by ``uomp init`` with one Memory Item. ``status`` finds no
 appliance running (exit 3): what it costs to say so. ``gateway start`` (``--listen 127.0.0.1:0
 --no-local-port``) is timed from the spawn to its "gateway: https://" line (printed once it
-listens, its guard up), then stopped with SIGTERM. The trees' runs alternate (A B A B ...,
-``--rounds`` each); the figure per command is the median of its rounds, and the ratio
-this/baseline is taken inside the run. Also: how many modules each command had loaded and
-whether any of the heavy ones (aiohttp, cryptography, web3, starknet_py, jinja2) were among
-them. Nothing asserts a timing.
+listens, its guard up), then stopped with SIGTERM; the median time to each step it logs on the
+way (guard bound, gateway bound, dashboard bound; the dashboard on any free port) is printed under
+it. The trees' runs alternate (A B A B ..., ``--rounds`` each); the figure per command is the
+median of its rounds, and the ratio this/baseline is taken inside the run. Also: how many modules
+each command had loaded and whether any of the heavy ones (aiohttp, cryptography, web3,
+starknet_py, jinja2) were among them. Nothing asserts a timing.
 """
 
 from __future__ import annotations
@@ -85,7 +86,18 @@ def run_command(tree: Path, home: Path, argv: list[str]) -> tuple[float, dict[st
     return wall, info
 
 
-def gateway_start(tree: Path, home: Path) -> float:
+# The start's steps, seen in its output (the guard child's log lines are relayed to stderr): the guard
+# bound guard.sock, the gateway its mTLS port, the dashboard its port, and the ready banner.
+PHASES = {
+    "guard bound": b"guard listening on unix:",
+    "gateway bound": b"gateway listening on https://",
+    "dashboard bound": b"dashboard: listening on http://",
+}
+READY = b"gateway: https://"
+
+
+def gateway_start(tree: Path, home: Path) -> tuple[float, dict[str, float]]:
+    """Seconds from the spawn to the ready line, and to each of :data:`PHASES` seen before it."""
     cmd = [c.PYTHON, "-m", "gateway.cli.main", "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -94,6 +106,7 @@ def gateway_start(tree: Path, home: Path) -> float:
     assert proc.stdout is not None
     buf = b""
     ready = float("nan")
+    phases: dict[str, float] = {}
     try:
         while time.perf_counter() - t0 < START_TIMEOUT:
             r, _w, _x = select.select([proc.stdout], [], [], 1.0)
@@ -105,8 +118,12 @@ def gateway_start(tree: Path, home: Path) -> float:
             if not chunk:
                 break
             buf += chunk
-            if b"gateway: https://" in buf:
-                ready = time.perf_counter() - t0
+            now = time.perf_counter() - t0
+            for name, marker in PHASES.items():
+                if name not in phases and marker in buf:
+                    phases[name] = now
+            if READY in buf:
+                ready = now
                 break
     finally:
         if proc.poll() is None:
@@ -118,7 +135,7 @@ def gateway_start(tree: Path, home: Path) -> float:
                 proc.wait()
     if ready != ready:
         print(f"warning: {tree}: gateway start did not get ready: {buf[-400:].decode(errors='replace')}")
-    return ready
+    return ready, phases
 
 
 def prepare_home(tree: Path) -> Path:
@@ -134,6 +151,8 @@ def prepare_home(tree: Path) -> Path:
             stdout=subprocess.DEVNULL,
             cwd=tree,
         )
+    # the dashboard on any free port: one that another process holds would leave it out of the start
+    (home / "config.toml").write_text("[dashboard]\nport = 0\n")
     return home
 
 
@@ -155,6 +174,7 @@ def main() -> None:
     names = [*COMMANDS, *([] if args.no_gateway else ["uomp gateway start (to ready)"])]
     walls: dict[str, dict[str, list[float]]] = {t: {n: [] for n in names} for t in trees}
     infos: dict[str, dict[str, dict[str, object]]] = {t: {} for t in trees}
+    steps: dict[str, dict[str, list[float]]] = {t: {p: [] for p in PHASES} for t in trees}
     try:
         for _ in range(args.rounds):
             for name in names:
@@ -163,7 +183,9 @@ def main() -> None:
                         wall, info = run_command(tree, home, COMMANDS[name])
                         infos[label][name] = info
                     else:
-                        wall = gateway_start(tree, home)
+                        wall, seen = gateway_start(tree, home)
+                        for phase, at in seen.items():
+                            steps[label][phase].append(at)
                     walls[label][name].append(wall)
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -177,6 +199,13 @@ def main() -> None:
         if len(trees) > 1:
             line += f"    x{med['this'] / med['baseline']:.2f}"
         print(line)
+    if not args.no_gateway:
+        print(
+            "  gateway start, median seconds to each step: "
+            + "; ".join(
+                f"{t} " + ", ".join(f"{p} {statistics.median(v):.3f}" for p, v in steps[t].items() if v) for t in trees
+            )
+        )
     print("\nmodules loaded (heavy ones among them):")
     for name in COMMANDS:
         parts = []
