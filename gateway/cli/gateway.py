@@ -13,7 +13,9 @@ module), and the gateway in this one, so each gets its own core and event loop. 
 
 * before anything starts: the gateway's (and tunnel origin's, and Local Profile's) bind address is
   checked, and a live server on ``guard.sock`` is refused (a stale socket file is removed);
-* the gateway starts only once the child answers ``GET /v1/health``;
+* the child is spawned first, and this process loads the gateway's server code (and the dashboard's,
+  when enabled) while the child boots; the gateway starts only once the child answers
+  ``GET /v1/health``;
 * SIGTERM / SIGINT: the gateway stops (in-flight requests finish), then the child;
   SIGHUP reloads the gateway's certificates, CRL and keys and is forwarded to the child;
 * the child's output (its log lines) is relayed to this process's stderr; the supervisor's view
@@ -511,9 +513,10 @@ def _banner(
 
 
 async def _spawned(guard: GuardProcess, starting: asyncio.Task[None]) -> None:
-    """Until ``guard.start()`` has its child process (or ended): the loop steps it runs to spawn."""
+    """Until ``guard.start()`` has its child process (or ended): the few loop steps it takes to spawn
+    it (its pipes connected), each a millisecond apart at most."""
     while guard.proc is None and not starting.done():
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
 
 
 def _dashboard_config(paths: Paths) -> Any:
