@@ -24,9 +24,11 @@ def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
     return load_section(GuardConfig, "guard", file=paths.config_file, overrides=overrides)
 
 
-def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
-    """The Auth Service on this home, with its audit log."""
-    return AuthService(paths, cfg, open_audit(paths, cfg))
+def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) -> AuthService:
+    """The Auth Service on this home, with its audit log. ``audit_tail``: the events before the newest
+    checkpoint the log's check at open reads in full (default: the guard's own)."""
+    audit = open_audit(paths, cfg) if audit_tail is None else open_audit(paths, cfg, tail=audit_tail)
+    return AuthService(paths, cfg, audit)
 
 
 def _serve(args: argparse.Namespace) -> int:
