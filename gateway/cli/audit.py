@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.atrest import auditdb
+from gateway.cli import home
 from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core import merkle
@@ -878,12 +879,12 @@ def _init_key(paths: Paths) -> dict[str, bool]:
     return {"audit signing key (.secrets/audit-ed25519.key)": auditkey.ensure(paths)}
 
 
+if _init_key not in home.INIT_HOOKS:  # (at import: `uomp init` and `gateway start` import this module for it)
+    home.INIT_HOOKS.append(_init_key)
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds ``uomp audit`` to the command line."""
-    from gateway.cli import home
-
-    if _init_key not in home.INIT_HOOKS:
-        home.INIT_HOOKS.append(_init_key)
     a = sub.add_parser(
         "audit",
         help="what agents asked for and got; verify the log; proofs for one event",

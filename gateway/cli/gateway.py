@@ -13,7 +13,9 @@ module), and the gateway in this one, so each gets its own core and event loop. 
 
 * before anything starts: the gateway's (and tunnel origin's, and Local Profile's) bind address is
   checked, and a live server on ``guard.sock`` is refused (a stale socket file is removed);
-* the gateway starts only once the child answers ``GET /v1/health``;
+* the child is spawned first, and this process loads the gateway's server code (and the dashboard's,
+  when enabled) while the child boots; the gateway starts only once the child answers
+  ``GET /v1/health``;
 * SIGTERM / SIGINT: the gateway stops (in-flight requests finish), then the child;
   SIGHUP reloads the gateway's certificates, CRL and keys and is forwarded to the child;
 * the child's output (its log lines) is relayed to this process's stderr; the supervisor's view
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -203,12 +206,10 @@ async def _run(
     tunnel: TunnelSettings | None = None,
     lock: appliance.ApplianceLock | None = None,
 ) -> None:
-    from gateway.remote.server import GatewayRunner
-    from gateway.tunnel import TunnelConfig, TunnelSupervisor
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     guard: GuardProcess | None = None
+    guard_up: asyncio.Task[None] | None = None
     serve_tcp = not getattr(args, "no_local_port", False)
     tmode = tunnel.mode if tunnel is not None else "none"
     if tmode in ("quick", "named") and gcfg.tunnel_origin_port < 0:
@@ -230,8 +231,27 @@ async def _run(
             health_failures=gcfg.guard_health_failures,
             output=_relay_line,
         )
-        await guard.start()
-    gw = GatewayRunner(paths, gcfg)
+        guard_up = loop.create_task(guard.start())
+        await _spawned(guard, guard_up)
+    try:
+        # While the guard child boots (its own interpreter, imports and databases), this process
+        # loads what needs no guard: the gateway's server code and, when enabled, the dashboard's.
+        # The gateway binds only once the guard answers its health check (``await guard_up``).
+        from gateway.remote.server import GatewayRunner
+        from gateway.tunnel import TunnelConfig, TunnelSupervisor
+
+        dash_cfg = _dashboard_config(paths) if with_guard else None
+        gw = GatewayRunner(paths, gcfg)
+        if guard_up is not None:
+            await guard_up
+    except BaseException:
+        if guard_up is not None and not guard_up.done():
+            guard_up.cancel()  # GuardProcess.start stops the child it spawned
+            with contextlib.suppress(BaseException):
+                await guard_up
+        if guard is not None:
+            await guard.stop()
+        raise
     if guard is not None:
         gw.status_sources["guard"] = guard.status  # into $UOMP_HOME/gateway/status.json
         guard.on_restart = gw.guard_restarted  # metrics and the status file
@@ -269,7 +289,7 @@ async def _run(
             await guard.stop()
         raise
 
-    dash = await _start_dashboard(paths) if with_guard else None
+    dash = await _start_dashboard(paths, dash_cfg) if dash_cfg is not None else None
 
     def _stop() -> None:
         if stop.is_set():  # a second Ctrl-C / SIGTERM while draining: say so, keep draining
@@ -492,16 +512,34 @@ def _banner(
     _say("Ctrl-C (or SIGTERM) stops everything; SIGHUP reloads certificates, CRL and keys.")
 
 
-async def _start_dashboard(paths: Paths) -> Any:
-    """The local dashboard ([dashboard], docs/dashboard.md); a port it cannot have is said, not fatal."""
+async def _spawned(guard: GuardProcess, starting: asyncio.Task[None]) -> None:
+    """Until ``guard.start()`` has its child process (or ended): the few loop steps it takes to spawn
+    it (its pipes connected), each a millisecond apart at most."""
+    while guard.proc is None and not starting.done():
+        await asyncio.sleep(0.001)
+
+
+def _dashboard_config(paths: Paths) -> Any:
+    """The [dashboard] section when the dashboard is to run, its modules (and jinja2) loaded;
+    None when it is disabled (nothing of it loaded) or its section is refused (said here)."""
     from gateway.config import DashboardConfig, load_section
-    from gateway.dashboard.server import start_for_appliance
 
     try:
         cfg = load_section(DashboardConfig, "dashboard", file=paths.config_file)
     except UompError as exc:
         _say(f"dashboard: NOT started ({exc.message})")
         return None
+    if not cfg.enabled:
+        return None
+    from gateway.dashboard import memory_page, proposals_page, server  # noqa: F401  (loaded before it starts)
+
+    return cfg
+
+
+async def _start_dashboard(paths: Paths, cfg: Any) -> Any:
+    """The local dashboard ([dashboard], docs/dashboard.md); a port it cannot have is said, not fatal."""
+    from gateway.dashboard.server import start_for_appliance
+
     try:
         return await start_for_appliance(paths, cfg=cfg)
     except OSError as exc:

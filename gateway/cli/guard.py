@@ -26,14 +26,16 @@ def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
     return load_section(GuardConfig, "guard", file=paths.config_file, overrides=overrides)
 
 
-def open_auth(paths: Paths, cfg: GuardConfig) -> AuthService:
+def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) -> AuthService:
     """The Auth Service on this home, with its audit log; the home's writers' lock
     (:func:`gateway.atrest.writers.writing`) held from before the log opens until it closes
-    (``auth.audit.close()``, else the process's end), so no seal rewrites audit.db under it."""
+    (``auth.audit.close()``, else the process's end), so no seal rewrites audit.db under it.
+    ``audit_tail``: the events before the newest checkpoint the log's check at open reads in full
+    (default: the guard's own)."""
     hold = contextlib.ExitStack()
     hold.enter_context(writers.writing(paths))
     try:
-        audit = open_audit(paths, cfg)
+        audit = open_audit(paths, cfg) if audit_tail is None else open_audit(paths, cfg, tail=audit_tail)
     except BaseException:
         hold.close()
         raise

@@ -10,7 +10,6 @@ from typing import Any
 
 from gateway import keys
 from gateway.cli import userlog
-from gateway.cli.guard import open_auth
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
 
@@ -131,6 +130,8 @@ def revoke_sessions(
     sweep = SessionSweep()
     if not paths.auth_db.exists():
         return sweep
+    from gateway.cli.guard import open_auth
+
     agents, jk, x5 = set(agent_ids), set(jkts), set(x5ts)
     auth = open_auth(paths, load_section(GuardConfig, "guard", file=paths.config_file))
     try:

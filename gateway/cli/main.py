@@ -113,7 +113,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Commands that run ``gateway.cli.home.INIT_HOOKS`` (``uomp init``, ``uomp gateway start``) and the
-# modules that add a step there when imported: those commands load these besides their own.
+# modules that add a step there when imported: those commands import these besides their own (and
+# register only their own parsers).
 # tests/cli/test_cli_lazy.py holds the list to every module that appends to INIT_HOOKS.
 INIT_COMMANDS = frozenset({"init", "gateway"})
 INIT_HOOK_MODULES = ("gateway.cli.memory", "gateway.cli.agent", "gateway.cli.audit", "gateway.cli.payload")
@@ -276,14 +277,20 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = modules_for(argv)
+    word = command_word(argv) if argv is not None else None
+    # the command's own module registers its parsers; an init-step module is only imported (its
+    # step joins INIT_HOOKS at import), so none of its commands' own imports are paid
+    own = {COMMANDS[word][0]} if word in COMMANDS else set(wanted)
     for name, (module, text) in COMMANDS.items():
-        if module in wanted:
+        if module in own:
             if name not in sub.choices:
                 importlib.import_module(module).register(sub)
         else:
             sub.add_parser(name, help=text)
-    for module in wanted:  # a module whose commands are not in COMMANDS (kept registered all the same)
-        if not any(m == module for m, _t in COMMANDS.values()):
+    for module in wanted:
+        if module not in own:
+            importlib.import_module(module)
+        elif not any(m == module for m, _t in COMMANDS.values()):  # commands not in COMMANDS: registered all the same
             importlib.import_module(module).register(sub)
     _tag_subparsers(parser)
     return parser

@@ -41,6 +41,10 @@ def _init_store(paths: Paths) -> dict[str, bool]:
     return {"memory store": not existed, "item sealing key": not had_key}
 
 
+if _init_store not in home.INIT_HOOKS:  # (at import: `uomp init` and `gateway start` import this module for it)
+    home.INIT_HOOKS.append(_init_store)
+
+
 def _parse_value(text: str) -> Any:
     def no_constants(name: str) -> Any:
         raise ValueError(name)
@@ -241,9 +245,6 @@ column (a day over 12 settles it) or from --date-order.
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds ``uomp memory`` and ``uomp import`` to the command line."""
-    if _init_store not in home.INIT_HOOKS:
-        home.INIT_HOOKS.append(_init_store)
-
     m = sub.add_parser(
         "memory",
         help="add, show, list and delete Memory Items; their history and rollback",

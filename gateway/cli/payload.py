@@ -304,10 +304,12 @@ def _init_key(paths: Paths) -> dict[str, bool]:
     return {"payload key": userkey.ensure(paths)}
 
 
+if _init_key not in home.INIT_HOOKS:  # (at import: `uomp init` and `gateway start` import this module for it)
+    home.INIT_HOOKS.append(_init_key)
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds ``uomp payload`` to the command line."""
-    if _init_key not in home.INIT_HOOKS:
-        home.INIT_HOOKS.append(_init_key)
     p = sub.add_parser("payload", help="encrypted payloads agents sent you: list, pull (decrypt), remove")
     psub = p.add_subparsers(dest="payload_command", metavar="ACTION", required=True)
     k = psub.add_parser("pubkey", help="print your payload public key (what agents seal to; in every agent bundle)")

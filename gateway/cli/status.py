@@ -61,9 +61,14 @@ def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
         return []
     from gateway.cli.guard import open_auth
     from gateway.config import GuardConfig
+    from gateway.ledger.integrity import CHANGE_TAIL_EVENTS
 
     try:
-        auth = open_auth(paths, load_section(GuardConfig, "guard", file=paths.config_file))
+        # only read here: the log's own bounded check is audit_integrity's (the one status reports),
+        # so this open reads the short tail of a one-shot command, not the guard's again
+        auth = open_auth(
+            paths, load_section(GuardConfig, "guard", file=paths.config_file), audit_tail=CHANGE_TAIL_EVENTS
+        )
     except Exception:
         return None
     try:

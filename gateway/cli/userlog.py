@@ -31,8 +31,6 @@ from typing import Any
 from gateway.atrest import writers
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.errors import UompError
-from gateway.guard.audit import open_audit
-from gateway.ledger.integrity import CHANGE_TAIL_EVENTS
 
 USER_SESSION = "user"
 USER_AGENT = "user"
@@ -55,6 +53,9 @@ class UserEvent:
 def change(paths: Paths, *, via: str = "cli") -> Iterator[UserEvent]:
     """Around one change the user makes (see the module docstring). The block makes the change and
     fills in the event it yields; an exception from the block records nothing and goes on."""
+    from gateway.guard.audit import open_audit  # (the audit log's code: only for a command that changes something)
+    from gateway.ledger.integrity import CHANGE_TAIL_EVENTS
+
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
     with writers.writing(paths):  # no seal rewrites audit.db while this change writes it
         yield from _change(paths, cfg, via)
