@@ -53,15 +53,15 @@ class UserEvent:
 def change(paths: Paths, *, via: str = "cli") -> Iterator[UserEvent]:
     """Around one change the user makes (see the module docstring). The block makes the change and
     fills in the event it yields; an exception from the block records nothing and goes on."""
-    from gateway.guard.audit import open_audit  # (the audit log's code: only for a command that changes something)
-    from gateway.ledger.integrity import CHANGE_TAIL_EVENTS
-
     cfg = load_section(GuardConfig, "guard", file=paths.config_file)
     with writers.writing(paths):  # no seal rewrites audit.db while this change writes it
         yield from _change(paths, cfg, via)
 
 
 def _change(paths: Paths, cfg: GuardConfig, via: str) -> Iterator[UserEvent]:
+    from gateway.guard.audit import open_audit  # (the audit log's code: only for a command that changes something)
+    from gateway.ledger.integrity import CHANGE_TAIL_EVENTS
+
     audit = open_audit(paths, cfg, tail=CHANGE_TAIL_EVENTS)
     try:
         audit.writer.probe_sync()  # a write transaction now: refused here, before anything changes
