@@ -4,8 +4,9 @@ Reads only what the running appliance and the data directory say: the appliance 
 ``gateway/appliance.json`` (pid, listeners), ``gateway/status.json`` (guard health, tunnel state,
 written by the running gateway), ``gateway/addresses.json`` (public URLs), the CA registry
 (certificate expiries), ``auth.db`` (active sessions) and, at a home that serves a VPS gateway,
-``uplink/home-status.json`` (the home side of the uplink, written by ``uomp guard uplink``). Exit status 0 when the appliance runs
-and its guard answers, 3 when it is not running, 1 when it runs but something is unhealthy.
+``uplink/home-status.json`` (the home side of the uplink, written by ``uomp guard uplink``). Exit
+status 0 when the appliance runs and its guard answers, 3 when it is not running, 1 when it runs
+but something is unhealthy.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ Every route but the audit one needs the user's admin credential (``Authorization
 * ``DELETE /v1/payloads/{id}``: remove it (audited ``payload_removed``).
 
 ``POST /v1/payload/audit`` is the gateway's: it records ``payload_uploaded`` / ``payload_refused``
-in this guard's audit log and answers once the record is durable. A ``payload_uploaded`` carries
+in this guard's audit log and answers once the record is durable; and the home side of an uplink's
+(:mod:`gateway.uplink.relay`): ``payload_arrived``, a payload uploaded at a VPS gateway now in this
+home's store (``via`` names the uplink it came over; under an id derived from the payload, so kept
+once). A ``payload_uploaded`` carries
 the id the gateway gave the event (``gw_`` + 32 hex digits, kept with the pending payload): the log
 keeps one event per id, so the gateway can send it again after a crash or a lost answer and the
 payload still has exactly one ``payload_uploaded``. The ``payload_refused`` recording the removal of
@@ -184,15 +187,17 @@ async def audit_event(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     body = await json_body(request)
     action = body.get("action")
-    if action not in ("payload_uploaded", "payload_refused"):
-        raise UompError(ErrorCode.INVALID_REQUEST, "action must be payload_uploaded or payload_refused")
+    if action not in ("payload_uploaded", "payload_refused", "payload_arrived"):
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, "action must be payload_uploaded, payload_refused or payload_arrived"
+        )
     sid = _field(body, "session_id")
     aid = _field(body, "agent_id")
     if request.headers.get(VERIFIED_AGENT_HEADER) != aid:
         raise UompError(ErrorCode.AGENT_MISMATCH, "verified agent does not match the event")
     assert sid is not None and aid is not None
     via = request.headers.get(VERIFIED_VIA_HEADER)
-    if action == "payload_uploaded":
+    if action in ("payload_uploaded", "payload_arrived"):
         pid = _field(body, "payload_id", PAYLOAD_ID)
         digest = _field(body, "hash", HASH)
         size = body.get("size")
@@ -202,10 +207,10 @@ async def audit_event(request: web.Request) -> web.Response:
         row = make_row(
             session_id=sid,
             agent_id=aid,
-            action="payload_uploaded",
+            action=action,
             key=pid,
             allowed=True,
-            reason="sealed payload stored",
+            reason="sealed payload stored" if action == "payload_uploaded" else "sealed payload relayed home",
             detail=digest,
             request_size=size,
             via=via,
@@ -231,7 +236,7 @@ async def audit_event(request: web.Request) -> web.Response:
         )
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
-    # This is the upload request's one event: the gateway writes none of its own.
+    # This is the upload request's (or the arrival's) one event: the gateway writes none of its own.
     return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
 
 
