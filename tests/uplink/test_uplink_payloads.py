@@ -176,7 +176,7 @@ async def test_changed_relabelled_or_foreign_payloads_are_refused_at_home(home: 
         out = _fast(s)
         out.paused = True  # they wait on the VPS
         await asyncio.sleep(0.2)
-        changed, sealed = await _upload(app, a, g, b"the bytes the agent sent" * 100)
+        changed, _ = await _upload(app, a, g, b"the bytes the agent sent" * 100)
         foreign, _ = await _upload(app, a, g, b"sealed to someone else", to=X25519PrivateKey.generate().public_key())
         good, _ = await _upload(app, a, g, b"this one is fine")
         assert {changed.payload_id, foreign.payload_id, good.payload_id} <= _vps_ids(s)
