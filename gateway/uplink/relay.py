@@ -264,12 +264,13 @@ class Inbox:
         self._worker: DbWorker | None = None
         self._key: Any = None
         self._busy = 0
+        self.idle_seconds = IDLE_SECONDS
         self.arrived = 0
         self.refused = 0
         self.last_refusal: str | None = None
 
     def snapshot(self) -> dict[str, object]:
-        return {"arrived": self.arrived, "refused": self.refused, "last_refusal": self.last_refusal}
+        return {"arrived": self.arrived, "refused": self.refused, "last_refusal": self.last_refusal, "busy": self._busy}
 
     async def _open(self) -> tuple[PayloadStore, DbWorker]:
         if self._store is None or self._worker is None:
@@ -405,7 +406,7 @@ class Inbox:
             raise PayloadError(
                 ErrorCode.PAYLOAD_TOO_LARGE, f"a payload at home is at most {self.limits.max_bytes} bytes"
             )
-        head = await _read_at_least(st, sealing.PREFIX_LEN)
+        head = await _read_at_least(st, sealing.PREFIX_LEN, self.idle_seconds)
         self._check_sealed(env, head[: sealing.PREFIX_LEN])
         upload = await worker.run(
             lambda: store.begin_arrival(
@@ -423,7 +424,7 @@ class Inbox:
             held = 0
             first = True
             while True:
-                async with asyncio.timeout(IDLE_SECONDS):
+                async with asyncio.timeout(self.idle_seconds):
                     piece = await st.read_chunk()
                 if piece:
                     pieces.append(piece)
@@ -451,7 +452,9 @@ class Inbox:
             )
         except TimeoutError:
             await asyncio.shield(asyncio.to_thread(upload.abort))
-            raise UompError(ErrorCode.INVALID_REQUEST, f"the gateway sent nothing for {IDLE_SECONDS:g} s") from None
+            raise UompError(
+                ErrorCode.INVALID_REQUEST, f"the gateway sent nothing for {self.idle_seconds:g} s"
+            ) from None
         except BaseException:
             await asyncio.shield(asyncio.to_thread(upload.abort))
             raise
@@ -467,11 +470,14 @@ def _write_all(upload: Any, pieces: list[bytes]) -> None:
         upload.write(piece)
 
 
-async def _read_at_least(st: Stream, n: int) -> bytes:
+async def _read_at_least(st: Stream, n: int, idle: float) -> bytes:
     got = b""
     while len(got) < n:
-        async with asyncio.timeout(IDLE_SECONDS):
-            piece = await st.read_chunk()
+        try:
+            async with asyncio.timeout(idle):
+                piece = await st.read_chunk()
+        except TimeoutError:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"the gateway sent nothing for {idle:g} s") from None
         if not piece:
             raise PayloadError(ErrorCode.PAYLOAD_INVALID, "the relayed payload is shorter than its key block")
         got += piece

@@ -103,6 +103,33 @@ def _fast(s: Split) -> relay.Outbox:
     return out  # type: ignore[return-value]
 
 
+async def _offer(
+    link: Any, path: str, header: str, body: bytes = b"x" * 200, *, end: bool = True
+) -> tuple[int, dict[str, Any]]:
+    """An offer as a VPS may make it, on the gateway's own stream: (status, answer)."""
+    st = link.open_stream(
+        [
+            (b":method", b"PUT"),
+            (b":scheme", b"https"),
+            (b":authority", trust.AUTHORITY),
+            (b":path", path.encode()),
+            (relay.META_HEADER, header.encode()),
+        ],
+        end_stream=False,
+    )
+    try:
+        with contextlib.suppress(Exception):
+            await link.send_data(st.sid, body, end_stream=end)
+        raw_headers = await asyncio.wait_for(st.response_headers(), 10)
+        status = int(dict(raw_headers)[b":status"])
+        data = b""
+        while piece := await asyncio.wait_for(st.read_chunk(), 10):
+            data += piece
+        return status, json.loads(data)
+    finally:
+        link.forget(st)
+
+
 async def _pulled_and_opened(app: Appliance, binding: sealing.Binding, plain: bytes) -> None:
     status, meta = await _home_get(app, binding.payload_id)
     assert status == 200, meta
@@ -214,27 +241,7 @@ async def test_changed_relabelled_or_foreign_payloads_are_refused_at_home(home: 
         before = set((home.payload_dir / "blobs").iterdir())
 
         async def offer(path: str, header: str, body: bytes = b"x" * 200) -> tuple[int, dict[str, Any]]:
-            st = link.open_stream(
-                [
-                    (b":method", b"PUT"),
-                    (b":scheme", b"https"),
-                    (b":authority", trust.AUTHORITY),
-                    (b":path", path.encode()),
-                    (relay.META_HEADER, header.encode()),
-                ],
-                end_stream=False,
-            )
-            try:
-                with contextlib.suppress(Exception):
-                    await link.send_data(st.sid, body, end_stream=True)
-                raw_headers = await asyncio.wait_for(st.response_headers(), 10)
-                status = int(dict(raw_headers)[b":status"])
-                data = b""
-                while piece := await asyncio.wait_for(st.read_chunk(), 10):
-                    data += piece
-                return status, json.loads(data)
-            finally:
-                link.forget(st)
+            return await _offer(link, path, header, body)
 
         hdr = envelope.encode_header(env)
         status, body = await offer(relay.PATH + meta.payload_id, hdr, blob.read_bytes())
@@ -253,6 +260,69 @@ async def test_changed_relabelled_or_foreign_payloads_are_refused_at_home(home: 
         assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
         assert set((home.payload_dir / "blobs").iterdir()) == before
         assert not any((home.payload_dir / "arriving").iterdir())
+
+
+async def test_offers_beyond_the_bounds_are_refused_and_leave_nothing(home: Paths) -> None:
+    async with split(home, home_side=False) as s:
+        app = s.app
+        a = app.agent("calendar_agent")
+        g = await app.grant(a)
+        side = s.home_side()
+        assert side.inbox is not None
+        side.inbox.idle_seconds = 0.5
+        task = asyncio.get_running_loop().create_task(side.run())
+        try:
+            await s.wait_connected()
+            out = _fast(s)
+            out.paused = True
+            await asyncio.sleep(0.2)
+            plain = os.urandom(200_000)
+            binding, sealed = await _upload(app, a, g, plain)
+            vps = PayloadStore(s.vps.payload_dir)
+            try:
+                meta = vps.get(binding.payload_id)
+            finally:
+                vps.close()
+            env = envelope.Envelope(
+                meta.payload_id, meta.session_id, meta.agent_id, "2026-12-03T12:00:00Z",
+                dict(meta.encryption), meta.format, meta.size, meta.hash,
+            )  # fmt: skip
+            hub = s.gateway.uplink
+            assert hub is not None and hub.link is not None
+            link = hub.link
+            path = relay.PATH + meta.payload_id
+
+            def hdr(**change: Any) -> str:
+                return envelope.encode_header(dataclasses.replace(env, **change))
+
+            # more bytes than the envelope says: cut off at its size
+            status, body = await _offer(link, path, hdr(size=len(sealed) - 100), sealed)
+            assert status == 413 and body["error"]["code"] == "PAYLOAD_TOO_LARGE", body
+            # fewer: the size is checked before anything is kept
+            status, body = await _offer(link, path, hdr(), sealed[:-100])
+            assert body["error"]["code"] == "PAYLOAD_SIZE_MISMATCH", body
+            # beyond this home's limit: refused before a byte is read
+            status, body = await _offer(link, path, hdr(size=1 << 40), sealed[:100])
+            assert status == 413 and body["error"]["code"] == "PAYLOAD_TOO_LARGE", body
+            # offers that stall: at most two at once (a third is busy), each given up after the idle time
+            stalled = [asyncio.ensure_future(_offer(link, path, hdr(), sealed[:1000], end=False)) for _ in range(2)]
+            await _wait(lambda: side.inbox is not None and side.inbox.snapshot()["busy"] == 2, "two arrivals held")
+            status, body = await _offer(link, path, hdr(), sealed)
+            assert status == 503 and body["error"]["code"] == "STORE_BUSY", body
+            for t in stalled:
+                status, body = await asyncio.wait_for(t, 10)
+                assert status == 400 and "sent nothing" in body["error"]["message"], body
+            assert not any((home.payload_dir / "arriving").iterdir())
+            assert meta.payload_id not in _home_rows(home)
+            assert (await _home_get(app, meta.payload_id))[0] == 404
+            # the home side still takes the genuine offer whole
+            out.paused = False
+            await _wait(lambda: meta.payload_id not in _vps_ids(s), "the genuine payload went home")
+            await _pulled_and_opened(app, binding, plain)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 @pytest.mark.parametrize("point", ["arrival_mid_body", "arrival_before_event"])
