@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -198,7 +199,7 @@ class HomeUplink:
             VERIFIED_AGENT_HEADER: str(body["agent_id"]),
             VERIFIED_VIA_HEADER: f"uplink:{self.host}:{self.port}",
             VERIFIED_LISTENER_HEADER: "uplink",
-            VERIFIED_REQUEST_ID_HEADER: relay.request_id(),
+            VERIFIED_REQUEST_ID_HEADER: "upl_" + secrets.token_hex(8),
             "Content-Type": "application/json",
         }
         resp = await self.guard.request("POST", "/v1/payload/audit", headers, body=json.dumps(body).encode())

@@ -44,7 +44,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, BinaryIO
@@ -498,8 +497,3 @@ async def answer(link: Link, st: Stream, status: int, doc: dict[str, Any]) -> No
             end_stream=False,
         )
         await link.send_data(st.sid, body, end_stream=True)
-
-
-def request_id() -> str:
-    """A request id for the home side's own calls to the guard."""
-    return "upl_" + secrets.token_hex(8)
