@@ -208,9 +208,13 @@ class HomeUplink:
         finally:
             resp.release()
         try:
-            recorded = resp.status == 200 and json.loads(raw).get("recorded") is True
+            doc = json.loads(raw)
+            recorded = resp.status == 200 and doc.get("recorded") is True
+            code = doc.get("error", {}).get("code") if 400 <= resp.status < 500 else None
         except (ValueError, AttributeError):
-            recorded = False
+            recorded, code = False, None
+        if code in (ErrorCode.PAYLOAD_HASH_MISMATCH, ErrorCode.INVALID_REQUEST, ErrorCode.AGENT_MISMATCH):
+            raise UompError(ErrorCode(code), str(doc["error"].get("message", ""))[:300])  # refused, not failed
         if not recorded:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, "the audit log did not record the payload event; nothing was kept"

@@ -35,6 +35,9 @@ published) when the gateway offers it again, or when the home side connects.
 Bounds: at most :data:`MAX_ARRIVALS` arrivals at once at home (more: 503 ``STORE_BUSY``); each
 read or write of a transfer must move a byte within :data:`IDLE_SECONDS`; the home's answer comes
 within :data:`ANSWER_SECONDS` of the last byte.
+
+A little over ~500 lines: both ends of one exchange, the offer and the checks of its taker, kept
+together so that the path, the headers and the answers they agree on are written once.
 """
 
 from __future__ import annotations
@@ -309,21 +312,29 @@ class Inbox:
         return done
 
     async def _settle(self, meta: PayloadMeta) -> PayloadMeta:
-        await self.record(
-            {
-                "action": "payload_arrived",
-                "session_id": meta.session_id,
-                "agent_id": meta.agent_id,
-                "payload_id": meta.payload_id,
-                "hash": meta.hash,
-                "size": meta.size,
-                "event_id": arrival_event_id(meta.payload_id, meta.hash),
-            }
-        )
+        """The arrival's event, then the row published; refused by the log (not the bytes uploaded): removed."""
         store, worker = await self._open()
+        try:
+            await self.record(self._arrived(meta))
+        except UompError as exc:
+            if 400 <= exc.status < 500:  # never visible
+                await worker.run(store.delete, meta.payload_id)
+            raise
         published = await worker.run(store.publish, meta.payload_id)
         assert isinstance(published, PayloadMeta)
         return published
+
+    @staticmethod
+    def _arrived(meta: PayloadMeta) -> dict[str, Any]:
+        return {
+            "action": "payload_arrived",
+            "session_id": meta.session_id,
+            "agent_id": meta.agent_id,
+            "payload_id": meta.payload_id,
+            "hash": meta.hash,
+            "size": meta.size,
+            "event_id": arrival_event_id(meta.payload_id, meta.hash),
+        }
 
     @staticmethod
     def offer(method: str, path: str, headers: Headers) -> Envelope:

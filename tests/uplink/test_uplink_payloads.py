@@ -206,16 +206,34 @@ async def test_changed_relabelled_or_foreign_payloads_are_refused_at_home(home: 
         changed, _ = await _upload(app, a, g, b"the bytes the agent sent" * 100)
         foreign, _ = await _upload(app, a, g, b"sealed to someone else", to=X25519PrivateKey.generate().public_key())
         good, _ = await _upload(app, a, g, b"this one is fine")
-        assert {changed.payload_id, foreign.payload_id, good.payload_id} <= _vps_ids(s)
+        swapped, _ = await _upload(app, a, g, b"what the agent sealed")
+        assert {changed.payload_id, foreign.payload_id, good.payload_id, swapped.payload_id} <= _vps_ids(s)
+        # a VPS that reseals other bytes to the home's key for the same payload, and rewrites its index to match
+        enc, other = sealing.seal_bytes(
+            envelope.parse_public_key(userkey.public_b64(home)), swapped, b"what the VPS wants you to read"
+        )
+        (s.vps.payload_dir / "blobs" / swapped.payload_id).write_bytes(other)
+        vps_store = PayloadStore(s.vps.payload_dir)
+        try:
+            vps_store.conn.execute(
+                "UPDATE payloads SET hash = ?, size = ?, encryption = ? WHERE payload_id = ?",
+                (sealing.ciphertext_hash(other), len(other), json.dumps(enc), swapped.payload_id),
+            )
+        finally:
+            vps_store.close()
         blob = s.vps.payload_dir / "blobs" / changed.payload_id
         raw = bytearray(blob.read_bytes())
         raw[-5] ^= 0x01  # changed on the VPS after the upload: same size, same recorded hash
         blob.write_bytes(bytes(raw))
         out.paused = False
         await _wait(lambda: good.payload_id not in _vps_ids(s), "the good one went home")
-        await _wait(lambda: out.refused >= 2, "the two bad ones refused")
+        await _wait(lambda: out.refused >= 3, "the three bad ones refused")
         await _pulled_and_opened(app, good, b"this one is fine")
-        for bad, code in ((changed, "PAYLOAD_HASH_MISMATCH"), (foreign, "PAYLOAD_INVALID")):
+        for bad, code in (
+            (changed, "PAYLOAD_HASH_MISMATCH"),
+            (foreign, "PAYLOAD_INVALID"),
+            (swapped, "PAYLOAD_HASH_MISMATCH"),  # not the hash the home's log recorded at upload
+        ):
             assert (await _home_get(app, bad.payload_id))[0] == 404  # never visible
             assert bad.payload_id not in _home_rows(home)
             assert not (home.payload_dir / "blobs" / bad.payload_id).exists()

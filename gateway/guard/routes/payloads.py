@@ -16,7 +16,8 @@ Every route but the audit one needs the user's admin credential (``Authorization
 in this guard's audit log and answers once the record is durable; and the home side of an uplink's
 (:mod:`gateway.uplink.relay`): ``payload_arrived``, a payload uploaded at a VPS gateway now in this
 home's store (``via`` names the uplink it came over; under an id derived from the payload, so kept
-once). A ``payload_uploaded`` carries
+once), recorded only when this log holds the session's ``payload_uploaded`` of that id with the
+same hash and size (else ``PAYLOAD_HASH_MISMATCH``). A ``payload_uploaded`` carries
 the id the gateway gave the event (``gw_`` + 32 hex digits, kept with the pending payload): the log
 keeps one event per id, so the gateway can send it again after a crash or a lost answer and the
 payload still has exactly one ``payload_uploaded``. The ``payload_refused`` recording the removal of
@@ -234,10 +235,37 @@ async def audit_event(request: web.Request) -> web.Response:
             extra=event_fields(request, code=code),
             event_id=event_id,
         )
+    if action == "payload_arrived":
+        await svc.audit.reader.run(_as_uploaded, svc.audit, sid, aid, pid, digest, size)
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
     # This is the upload request's (or the arrival's) one event: the gateway writes none of its own.
     return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
+
+
+def _as_uploaded(audit: Any, sid: str, aid: str, pid: str | None, digest: str | None, size: int) -> None:
+    """An arrival must be the bytes this log recorded when they were uploaded (the session's
+    ``payload_uploaded`` of that id, its hash and size); else PAYLOAD_HASH_MISMATCH."""
+    from gateway.ledger.query import MAX_LIMIT, AuditFilter
+
+    after: int | None = None
+    while True:
+        page = audit.query(
+            AuditFilter(session_id=sid, agent_id=aid, action=("payload_uploaded",), after_seq=after, limit=MAX_LIMIT)
+        )
+        for e in page.events:
+            if e.get("key") == pid:
+                if e.get("detail") == digest and e.get("request_size") == size:
+                    return
+                break
+        else:
+            if len(page.events) == MAX_LIMIT:
+                after = page.cursor
+                continue
+        raise UompError(
+            ErrorCode.PAYLOAD_HASH_MISMATCH,
+            "the relayed payload is not the one recorded at its upload (no such upload, or other bytes); refused",
+        )
 
 
 async def _close(app: web.Application) -> None:
