@@ -3,8 +3,10 @@
 Reads only what the running appliance and the data directory say: the appliance lock and
 ``gateway/appliance.json`` (pid, listeners), ``gateway/status.json`` (guard health, tunnel state,
 written by the running gateway), ``gateway/addresses.json`` (public URLs), the CA registry
-(certificate expiries) and ``auth.db`` (active sessions). Exit status 0 when the appliance runs
-and its guard answers, 3 when it is not running, 1 when it runs but something is unhealthy.
+(certificate expiries), ``auth.db`` (active sessions) and, at a home that serves a VPS gateway,
+``uplink/home-status.json`` (the home side of the uplink, written by ``uomp guard uplink``). Exit
+status 0 when the appliance runs and its guard answers, 3 when it is not running, 1 when it runs
+but something is unhealthy.
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
         auth.audit.close()
 
 
+def _home_uplink(paths: Paths) -> dict[str, Any] | None:
+    """The home side of the uplink (``uomp guard uplink``) as ``uplink/home-status.json`` says, read
+    as the dashboard reads it; None when this home never ran one."""
+    from gateway.dashboard.data import home_uplink
+
+    return home_uplink(paths)
+
+
 def _keys_at_rest(paths: Paths) -> dict[str, object] | None:
     from gateway.atrest import vault
 
@@ -141,6 +151,7 @@ def collect(paths: Paths) -> dict[str, Any]:
             ),
         },
         "uplink": (status or {}).get("uplink"),
+        "home_uplink": _home_uplink(paths),
         "public_urls": appliance.public_urls(paths, gcfg),
         "tunnel": (
             (status or {}).get("tunnel") or (run or {}).get("tunnel") or appliance.load_addresses(paths)["tunnel"]
@@ -281,6 +292,18 @@ def _text(s: dict[str, Any]) -> None:
         print(
             f"uplink: {state}; {up.get('connects', 0)} connections accepted, {up.get('refused', 0)} refused, "
             f"{up.get('in_flight', 0)} requests in flight"
+        )
+    h = s.get("home_uplink")
+    if h:
+        if not h["running"]:
+            state = f"home side NOT RUNNING (start it: uomp guard uplink {h['target']}; last status {h['updated_at']})"
+        elif h["connected"]:
+            state = f"connected since {h['connected_since']}"
+        else:
+            state = "NOT CONNECTED, dialling again"
+        print(
+            f"uplink to {h['target']}: {state}; {h['reconnects']} reconnect(s), {h['failures']} failed dial(s)"
+            + (f"; last error: {h['last_error']}" if h["last_error"] else "")
         )
     for u in s["public_urls"]:
         print(f"public URL: {u} (mTLS)")

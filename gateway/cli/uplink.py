@@ -37,8 +37,12 @@ def _init(args: argparse.Namespace) -> int:
 
 
 async def _dial(paths: Paths, url: str, max_streams: int) -> None:
+    from gateway.config import GatewayConfig, load_section
+    from gateway.payloads.store import Limits
     from gateway.remote.upstream import Upstream
     from gateway.uplink.home import HomeUplink
+
+    gcfg = load_section(GatewayConfig, "gateway", file=paths.config_file)  # the payload limits of this home
 
     home = HomeUplink(
         url,
@@ -49,6 +53,12 @@ async def _dial(paths: Paths, url: str, max_streams: int) -> None:
         guard=Upstream("unix", str(paths.guard_sock)),
         paths=paths,
         max_streams=max_streams,
+        payload_limits=Limits(
+            max_bytes=gcfg.payload_max_bytes,
+            max_per_session=gcfg.payload_max_per_session,
+            max_bytes_per_session=gcfg.payload_max_bytes_per_session,
+            ttl_seconds=gcfg.payload_ttl_seconds,
+        ),
     )
     loop = asyncio.get_running_loop()
     task = loop.create_task(home.run())

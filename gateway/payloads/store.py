@@ -3,7 +3,8 @@
 Only ciphertext ever reaches this module; it cannot decrypt (the user's private key is not here).
 
 Layout under ``$UOMP_HOME/payloads/`` (0700): ``index.db`` (WAL), ``blobs/<payload_id>`` (0600, the
-sealed bytes), ``tmp/`` (uploads in flight).
+sealed bytes), ``tmp/`` (uploads in flight), ``arriving/`` (at home: payloads relayed from a VPS
+gateway in flight, :class:`Arrival`).
 
 Durability and crash safety, in the order an upload commits:
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -85,6 +87,7 @@ PAYLOAD_ID = re.compile(r"pay_[A-Za-z0-9_-]{8,64}")
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
 MAX_UPLOAD_URL_TTL = 600.0
 PENDING = "pending"  # complete and durable, its audit event not yet confirmed: invisible
+ARRIVING = "arriving"  # at home: relayed from a VPS gateway, checked and durable, its arrival event not yet confirmed
 STORED = "stored"  # its audit event is durable: a payload
 COLUMNS_ADDED = (("state", "TEXT NOT NULL DEFAULT 'stored'"), ("event_id", "TEXT"), ("origin", "TEXT"))
 
@@ -327,14 +330,16 @@ class Upload(PayloadUploading):
     call from several threads: a write still running in one finishes before an abort or a commit
     from another touches the file (the relay writes a block while it reads the next)."""
 
-    def __init__(self, store: PayloadStore, meta: Mapping[str, Any], max_bytes: int) -> None:
+    def __init__(self, store: PayloadStore, meta: Mapping[str, Any], max_bytes: int, path: Path | None = None) -> None:
         self.store = store
         self.meta = dict(meta)
         self.max_bytes = max_bytes
         self.size = 0
         self._hash = hashlib.sha256()
         self._lock = threading.RLock()
-        self.path = store.tmp / tmp_name(str(meta["payload_id"]), str(meta["session_id"]), str(meta["agent_id"]))
+        self.path = path or store.tmp / tmp_name(
+            str(meta["payload_id"]), str(meta["session_id"]), str(meta["agent_id"])
+        )
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -429,6 +434,74 @@ class Upload(PayloadUploading):
             raise
 
 
+class Arrival(Upload):
+    """At home: a payload relayed from a VPS gateway over the uplink (:mod:`gateway.uplink.relay`).
+
+    Streams into ``arriving/<payload_id>~<random>.part`` under an exclusive ``flock`` held while it
+    is written (so :meth:`PayloadStore.sweep_arrivals`, in this or another process, removes only the
+    files of arrivals whose process died); never into ``tmp/``, which the gateway's start-up
+    recovery owns. :meth:`commit` checks size and hash, makes the file durable, renames it into
+    ``blobs/`` (over a leftover blob without a row, which only a crash leaves) and inserts the row
+    *arriving*: invisible to every reader, and never settled by a gateway, until
+    :meth:`PayloadStore.publish` once the arrival's audit event is durable."""
+
+    def __init__(self, store: PayloadStore, meta: Mapping[str, Any], max_bytes: int) -> None:
+        super().__init__(store, meta, max_bytes, store.arrivals / f"{meta['payload_id']}~{secrets.token_hex(12)}.part")
+        assert self._fh is not None
+        fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh O_EXCL file: never contended
+
+    def _commit(
+        self,
+        declared_hash: str | None,
+        declared_size: int | None,
+        now: float | None,
+        event_id: str | None,
+        origin: Mapping[str, str] | None,
+    ) -> PayloadMeta:
+        if self._fh is None:
+            raise PayloadError(ErrorCode.INVALID_REQUEST, "upload already finished")
+        if declared_size is not None and declared_size != self.size:
+            self.abort()
+            raise PayloadError(ErrorCode.PAYLOAD_SIZE_MISMATCH, f"declared {declared_size} bytes, received {self.size}")
+        if declared_hash is None or not secrets.compare_digest(declared_hash, self.hash):
+            self.abort()
+            raise PayloadError(
+                ErrorCode.PAYLOAD_HASH_MISMATCH,
+                "the relayed ciphertext does not match the hash recorded at upload (changed on the way); refused",
+            )
+        pid = str(self.meta["payload_id"])
+        final = self.store.blobs / pid
+        try:
+            if self.store.find(pid) is not None:
+                raise PayloadError(ErrorCode.PAYLOAD_EXISTS, "a payload with this id already exists")
+            self._fh.flush()
+            fault_hold("arrival_before_fsync")
+            os.fsync(self._fh.fileno())
+            os.replace(self.path, final)  # a blob without a row under this id is a crash's leftover
+            fsync_dir(self.store.blobs)
+            self._fh.close()  # the lock goes with it
+            self._fh = None
+            fault_hold("arrival_after_rename")
+        except PayloadError:
+            self.abort()
+            raise
+        except OSError as exc:
+            self.abort()
+            raise _full(exc) from exc
+        try:
+            meta = self.store._index(
+                self.meta, size=self.size, digest=self.hash, now=now, event_id=event_id, origin=origin, state=ARRIVING
+            )
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final)
+            raise
+        if not final.exists():  # removed meanwhile by a gateway's start-up recovery (a blob it saw without a row)
+            self.store.conn.execute("DELETE FROM payloads WHERE payload_id = ? AND state = ?", (pid, ARRIVING))
+            raise PayloadError(ErrorCode.STORE_UNAVAILABLE, "the arrived ciphertext was removed before its row; resend")
+        return meta
+
+
 class PayloadStore(PayloadStorage):
     """The payload relay's store: ciphertext files under ``blobs/`` and their index in ``index.db``."""
 
@@ -436,6 +509,7 @@ class PayloadStore(PayloadStorage):
         self.root = ensure_private_dir(root)
         self.blobs = ensure_private_dir(root / "blobs")
         self.tmp = ensure_private_dir(root / "tmp")
+        self.arrivals = ensure_private_dir(root / "arriving")
         self.limits = limits or Limits()
         self.interrupted: list[Interrupted] = []  # found by recover(), not yet audited and removed
         db = root / "index.db"
@@ -490,6 +564,50 @@ class PayloadStore(PayloadStorage):
             if not (self.blobs / pid).exists():
                 self.conn.execute("DELETE FROM payloads WHERE payload_id = ?", (pid,))
         return removed
+
+    def sweep_arrivals(self) -> int:
+        """Remove the part files of arrivals whose process is gone (their lock is free); how many."""
+        removed = 0
+        for p in self.arrivals.iterdir():
+            try:
+                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # still being written
+            finally:
+                os.close(fd)  # releases the lock taken, if any
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed += 1
+        return removed
+
+    def begin_arrival(
+        self, *, payload_id: str, session_id: str, agent_id: str, format: str, encryption: Mapping[str, Any], size: int
+    ) -> Arrival:
+        """A payload relayed home from a VPS gateway (:class:`Arrival`), at most ``size`` bytes."""
+        if not PAYLOAD_ID.fullmatch(payload_id):
+            raise PayloadError(
+                ErrorCode.INVALID_REQUEST, "payload_id must be pay_ followed by 8-64 URL-safe characters"
+            )
+        if size > self.limits.max_bytes:
+            raise PayloadError(ErrorCode.PAYLOAD_TOO_LARGE, f"payload exceeds {self.limits.max_bytes} bytes")
+        self.check_caps(session_id, extra_bytes=size)
+        meta = {
+            "payload_id": payload_id,
+            "session_id": session_id,
+            "agent_id": agent_id,
+            "format": format,
+            "encryption": dict(encryption),
+        }
+        return Arrival(self, meta, size)
+
+    def arriving(self) -> list[PayloadMeta]:
+        """Rows relayed home whose arrival event is not confirmed yet, oldest first."""
+        rows = self.conn.execute("SELECT * FROM payloads WHERE state = ? ORDER BY created_at", (ARRIVING,))
+        return [self._meta(r) for r in rows]
 
     def forget_interrupted(self, item: Interrupted) -> None:
         """Remove an interrupted upload's temporary file (its removal is audited)."""
@@ -560,8 +678,10 @@ class PayloadStore(PayloadStorage):
         now: float | None,
         event_id: str | None = None,
         origin: Mapping[str, str] | None = None,
+        state: str | None = None,
     ) -> PayloadMeta:
         now = time.time() if now is None else now
+        state = state or (STORED if event_id is None else PENDING)
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             self.check_caps(str(meta["session_id"]), extra_bytes=size)
@@ -578,7 +698,7 @@ class PayloadStore(PayloadStorage):
                     json.dumps(meta["encryption"], sort_keys=True),
                     now,
                     now + self.limits.ttl_seconds,
-                    STORED if event_id is None else PENDING,
+                    state,
                     event_id,
                     None if origin is None else json.dumps(dict(origin), sort_keys=True),
                 ),
@@ -679,7 +799,8 @@ class PayloadStore(PayloadStorage):
 
     def publish(self, payload_id: str) -> PayloadMeta:
         self.conn.execute(
-            "UPDATE payloads SET state = ? WHERE payload_id = ? AND state = ?", (STORED, payload_id, PENDING)
+            "UPDATE payloads SET state = ? WHERE payload_id = ? AND state IN (?, ?)",
+            (STORED, payload_id, PENDING, ARRIVING),
         )
         return self.get(payload_id)
 

@@ -26,6 +26,7 @@ from gateway.remote.state import GatewayState
 from gateway.remote.tls import TLSReloader
 from gateway.remote.upstream_health import UpstreamMonitor
 from gateway.uplink.hub import UplinkHub, uplink_hub
+from gateway.uplink.relay import Outbox
 from gateway.uplink.trust import TrustSink
 
 log = logging.getLogger("uomp.gateway")
@@ -194,6 +195,8 @@ class GatewayRunner:
             shared_state.install(state, self.shared)
         self.payloads = payload_routes.install(state)
         self.payloads.start()
+        if self.uplink is not None:  # the sealed payloads go home over the uplink (gateway/uplink/relay.py)
+            self.uplink.payloads = Outbox(self.payloads.store, self.payloads.worker)
         for hook in self.setup_hooks:
             hook(state)
 

@@ -7,6 +7,8 @@ that the home side dials out.
   pinned home connection and forwards agent requests over it.
 * :mod:`gateway.uplink.home`: the home end (TLS client, HTTP/2 server): it dials the gateway with
   backoff and hands each request to the guard's Unix socket.
+* :mod:`gateway.uplink.relay`: the sealed payloads uploaded at the gateway, offered home over the
+  link and taken into the home's payload store (checked, audited), then removed at the gateway.
 * :mod:`gateway.uplink.certs`: the dedicated uplink CA (kept at home), the two certificates and
   their pins, and the VPS's data directory.
 

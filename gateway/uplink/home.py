@@ -14,6 +14,9 @@ home), keep the connection, and hand each request that arrives on it to the guar
   here, never by the guard: this home's CRL and key files (:mod:`gateway.uplink.trust`), at once
   when they differ from what the gateway holds, else when they change (or 204 after the wait).
   While the home side runs, a CRL nearing its nextUpdate is re-signed here when the CA key is here.
+* The payloads the gateway relays (``:authority`` :data:`gateway.uplink.trust.AUTHORITY`, path
+  :data:`gateway.uplink.relay.PATH`) go into this home's payload store, streamed, checked, audited
+  (:mod:`gateway.uplink.relay`).
 * At most ``max_streams`` requests at once (advertised to the gateway as
   SETTINGS_MAX_CONCURRENT_STREAMS; a gateway that opens more loses the connection).
 """
@@ -26,6 +29,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -33,12 +37,19 @@ from urllib.parse import parse_qs, urlsplit
 import h2.errors
 
 from gateway.config import Paths
+from gateway.contract import (
+    VERIFIED_AGENT_HEADER,
+    VERIFIED_LISTENER_HEADER,
+    VERIFIED_REQUEST_ID_HEADER,
+    VERIFIED_VIA_HEADER,
+)
 from gateway.core import http1
 from gateway.durable import FAULT_ENV, fault_point
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
+from gateway.payloads.store import Limits
 from gateway.remote.upstream import Upstream, UpstreamClient
-from gateway.uplink import certs, tlsctx, trust
+from gateway.uplink import certs, relay, tlsctx, trust
 from gateway.uplink.link import DEFAULT_MAX_STREAMS, Headers, Link, Stream
 
 log = logging.getLogger("uomp.uplink")
@@ -89,6 +100,7 @@ class HomeUplink:
         keepalive: float = 5.0,
         backoff_min: float = 0.2,
         backoff_max: float = 30.0,
+        payload_limits: Limits | None = None,
     ) -> None:
         self.host, self.port = parse_url(url)
         self.context = tlsctx.client_context(cert_file, key_file, ca_file)
@@ -109,6 +121,12 @@ class HomeUplink:
         self.paths = paths
         self.trust = trust.TrustSource(paths) if paths is not None else None
         self.keep_crl = keep_crl  # re-sign this home's CRL before it goes stale (when its CA key is here)
+        # payloads uploaded at the gateway come home over the link (gateway/uplink/relay.py)
+        self.inbox = (
+            relay.Inbox(paths, via=f"uplink:{self.host}:{self.port}", record=self._record, limits=payload_limits)
+            if paths is not None
+            else None
+        )
         self.connected_since: float | None = None
         self._running = False  # run() is dialling or serving (the status file says so)
 
@@ -171,7 +189,48 @@ class HomeUplink:
         t = self.trust
         if t is not None:
             out.update(crl_pushed_at=t.sent_at, crl_acked_at=t.acked_at, vps_crl_number=t.vps_crl_number)
+        if self.inbox is not None:
+            out["payloads"] = self.inbox.snapshot()
         return out
+
+    async def _record(self, body: dict[str, object]) -> None:
+        """One payload event into the guard's audit log (``POST /v1/payload/audit``), durable on return."""
+        headers = {
+            VERIFIED_AGENT_HEADER: str(body["agent_id"]),
+            VERIFIED_VIA_HEADER: f"uplink:{self.host}:{self.port}",
+            VERIFIED_LISTENER_HEADER: "uplink",
+            VERIFIED_REQUEST_ID_HEADER: "upl_" + secrets.token_hex(8),
+            "Content-Type": "application/json",
+        }
+        resp = await self.guard.request("POST", "/v1/payload/audit", headers, body=json.dumps(body).encode())
+        try:
+            raw = resp.body if resp.body is not None else await resp.read(64 * 1024)
+        finally:
+            resp.release()
+        try:
+            doc = json.loads(raw)
+            recorded = resp.status == 200 and doc.get("recorded") is True
+            code = doc.get("error", {}).get("code") if 400 <= resp.status < 500 else None
+        except (ValueError, AttributeError):
+            recorded, code = False, None
+        if code in (ErrorCode.PAYLOAD_HASH_MISMATCH, ErrorCode.INVALID_REQUEST, ErrorCode.AGENT_MISMATCH):
+            raise UompError(ErrorCode(code), str(doc["error"].get("message", ""))[:300])  # refused, not failed
+        if not recorded:
+            raise UompError(
+                ErrorCode.STORE_UNAVAILABLE, "the audit log did not record the payload event; nothing was kept"
+            )
+
+    async def _settle_arriving(self) -> None:
+        """Arrivals a crash left unconfirmed are settled once the link is up (failures: the next offer does it)."""
+        if self.inbox is None:
+            return
+        try:
+            done = await self.inbox.settle_arriving()
+        except Exception as exc:  # the guard may be away: the gateway's next offer settles it
+            log.warning("uplink: settling payloads that arrived before a crash failed (%s)", type(exc).__name__)
+        else:
+            if done:
+                log.info("uplink: settled %d payload(s) that arrived before a crash", done)
 
     def write_status(self) -> None:
         """The snapshot into ``uplink/home-status.json`` (atomic; a failure is logged, never fatal)."""
@@ -219,7 +278,9 @@ class HomeUplink:
                     self.connected.set()
                     log.warning("uplink: connected to the gateway at %s:%s", self.host, self.port)
                     self.write_status()
+                    settling = asyncio.get_running_loop().create_task(self._settle_arriving())
                     reason = await asyncio.shield(link.done)
+                    settling.cancel()
                     self.connected.clear()
                     self.link = None
                     self.connected_since = None
@@ -240,6 +301,8 @@ class HomeUplink:
             self._running = False
             self.write_status()
             await self.guard.close()
+            if self.inbox is not None:
+                self.inbox.close()
 
     # ------------------------------------------------------------------ one request
 
@@ -261,6 +324,15 @@ class HomeUplink:
                 name = k.decode("latin-1")
                 value = v.decode("utf-8", "surrogateescape")
                 fwd[name] = f"{fwd[name]}, {value}" if name in fwd else value
+        if authority == trust.AUTHORITY and path.startswith(relay.PATH):  # a payload the gateway relays: streamed
+            if self.inbox is None:
+                await self._answer_error(
+                    link, st, UompError(ErrorCode.NOT_FOUND, "this home side does not take payloads")
+                )
+            else:
+                await self.inbox.serve(link, st, method, path)
+                self.write_status()
+            return
         parts: list[bytes] = []
         got = 0
         while True:

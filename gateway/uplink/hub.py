@@ -16,6 +16,8 @@ verified-identity contract of :mod:`gateway.contract`).
 * The trust material from home (CRL, ``jwks.json``, revoked keys; :mod:`gateway.uplink.trust`):
   while a home connection is up, one long-poll stream of the hub's own (outside the in-flight
   budget) fetches it on connect and on every change, and hands it to :attr:`UplinkHub.trust`.
+* The payloads uploaded here: :attr:`UplinkHub.payloads` offers each one home on a stream of the
+  hub's own and removes it once home holds it (:mod:`gateway.uplink.relay`).
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from pathlib import Path
 from gateway.config import GatewayConfig, Paths
 from gateway.core import http1
 from gateway.errors import ErrorCode, UompError
-from gateway.uplink import certs, tlsctx, trust
+from gateway.uplink import certs, relay, tlsctx, trust
 from gateway.uplink.link import Headers, Link, LinkDown, Stream, StreamReset
 
 log = logging.getLogger("uomp.uplink")
 
 BUFFER_BODY_BYTES = 256 * 1024  # answers framed by length up to this are read whole before returning
 HANDSHAKE_TIMEOUT = 10.0
-OWN_STREAMS = 2  # the hub's own streams on the link: the trust long-poll and one health probe
+OWN_STREAMS = 3  # the hub's own streams on the link: the trust long-poll, one payload offer, one health probe
 _METHOD = re.compile(r"[A-Z]{1,16}")
 _AUTHORITY = b"uomp-guard"
 
@@ -186,6 +188,8 @@ class UplinkHub:
         self.trust: trust.TrustSink | None = None  # where the CRL and keys from home go (None: not fetched)
         self.trust_retry_seconds = 5.0  # after a failed poll, on the same link
         self._trust_task: asyncio.Task[None] | None = None
+        self.payloads: relay.Outbox | None = None  # the relay's stored payloads, offered home (None: not relayed)
+        self._payload_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ listener
 
@@ -232,15 +236,20 @@ class UplinkHub:
         self._wake()
         if self.trust is not None:
             self._trust_task = asyncio.get_running_loop().create_task(self._trust_loop(link, self.trust))
+        if self.payloads is not None:
+            self._payload_task = asyncio.get_running_loop().create_task(
+                self.payloads.follow(link, lambda: self.link is link and not link.closed)
+            )
         if self.on_change is not None:
             self.on_change()
 
     def _closed(self, link: Link, reason: str) -> None:
         if self.link is link:
             self.link = None
-            if self._trust_task is not None:
-                self._trust_task.cancel()
-                self._trust_task = None
+            for task in (self._trust_task, self._payload_task):
+                if task is not None:
+                    task.cancel()
+            self._trust_task = self._payload_task = None
             self.connected_since = None
             self.last_error = reason
             log.warning("uplink: the home side is gone (%s): requests are answered 503 until it is back", reason)
@@ -264,6 +273,8 @@ class UplinkHub:
         }
         if self.trust is not None:
             out["trust"] = self.trust.snapshot()
+        if self.payloads is not None:
+            out["payloads"] = self.payloads.snapshot()
         return out
 
     # ------------------------------------------------------------------ trust from home
@@ -282,9 +293,10 @@ class UplinkHub:
         )
 
     async def close(self) -> None:
-        if self._trust_task is not None:
-            self._trust_task.cancel()
-            self._trust_task = None
+        for task in (self._trust_task, self._payload_task):
+            if task is not None:
+                task.cancel()
+        self._trust_task = self._payload_task = None
         if self.server is not None:
             self.server.close()
         link, self.link = self.link, None

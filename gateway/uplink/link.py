@@ -106,10 +106,10 @@ class Stream:
     async def read_chunk(self) -> bytes:
         """The next piece of the body, b"" once it ended; LinkDown / StreamReset if it broke."""
         while not self.chunks:
+            if self.ended:  # the peer's side is complete (a reset or a lost link after it takes nothing away)
+                return b""
             if self.error is not None:
                 raise self.error
-            if self.ended:
-                return b""
             await self._wait()
         data, flow = self.chunks.popleft()
         self.buffered -= len(data)
@@ -202,6 +202,10 @@ class Link(asyncio.Protocol):
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,
             },
         )
+        # h2 took its inbound limits from the default settings it was made with: what we advertise
+        # must be what it enforces (else the peer's first frame over 16 KiB breaks the connection)
+        conn.max_inbound_frame_size = MAX_FRAME
+        conn.decoder.max_header_list_size = MAX_HEADER_LIST
         conn.initiate_connection()
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()

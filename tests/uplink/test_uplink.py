@@ -301,3 +301,27 @@ async def test_tunnel_listener_of_a_vps_gateway_reads_through_the_uplink(home: P
         assert status == 200 and body["value"] == "dark", body
         status, body = await read(proof)  # denied partner: the same proof again
         assert status == 401 and body["error"]["code"] == "DPOP_INVALID"
+
+
+async def test_answers_and_bodies_larger_than_the_default_frame_cross_the_uplink(home: Paths) -> None:
+    """Both ends enforce the frame size they advertise (64 KiB), not h2's 16 KiB default: an answer
+    of a few hundred KiB comes back whole, and the link stays up."""
+    big = MemoryItem("preference.essay", "zq_" + "e" * 200_000, ("preference",), "low", "user", NOW, NOW)
+    async with split(home) as s:
+        seed(home, [*ITEMS, big])
+        app = s.app
+        a = app.agent("calendar_agent")
+        g = await app.grant(a, read={"tags": ["preference"], "keys": []})
+        hub = s.gateway.uplink
+        assert hub is not None
+        link = hub.link
+        async with agent_session(a, app.paths) as sess:
+            status, body, _ = await agent_call(
+                sess, app.base, "/v1/memory/preference.essay", token=g["token"], agent_id=a.agent_id
+            )
+            assert status == 200 and body["value"] == big.value, (status, str(body)[:300])
+            status, body, _ = await agent_call(
+                sess, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=a.agent_id
+            )
+            assert status == 200 and body["value"] == "dark"
+        assert hub.link is link and link is not None and not link.closed  # the same connection throughout

@@ -238,7 +238,8 @@ async def test_full_uplink_still_carries_the_trust_poll_and_agents_get_places(ho
         sink = hub.trust
         a, b = app.agent("calendar_agent"), app.agent("mail_agent")
         g = await app.grant(a)
-        task = asyncio.get_running_loop().create_task(s.home_side(guard=stall, max_streams=4, keep_crl=False).run())
+        # 5 streams: the trust poll, a payload offer, a health probe (hub.OWN_STREAMS), two agent requests
+        task = asyncio.get_running_loop().create_task(s.home_side(guard=stall, max_streams=5, keep_crl=False).run())
         try:
             await s.wait_connected()
             await _wait(lambda: sink.crl_pushed_at is not None, "the CRL pushed on connect")

@@ -13,7 +13,11 @@ Every route but the audit one needs the user's admin credential (``Authorization
 * ``DELETE /v1/payloads/{id}``: remove it (audited ``payload_removed``).
 
 ``POST /v1/payload/audit`` is the gateway's: it records ``payload_uploaded`` / ``payload_refused``
-in this guard's audit log and answers once the record is durable. A ``payload_uploaded`` carries
+in this guard's audit log and answers once the record is durable; and the home side of an uplink's
+(:mod:`gateway.uplink.relay`): ``payload_arrived``, a payload uploaded at a VPS gateway now in this
+home's store (``via`` names the uplink it came over; under an id derived from the payload, so kept
+once), recorded only when this log holds the session's ``payload_uploaded`` of that id with the
+same hash and size (else ``PAYLOAD_HASH_MISMATCH``). A ``payload_uploaded`` carries
 the id the gateway gave the event (``gw_`` + 32 hex digits, kept with the pending payload): the log
 keeps one event per id, so the gateway can send it again after a crash or a lost answer and the
 payload still has exactly one ``payload_uploaded``. The ``payload_refused`` recording the removal of
@@ -184,15 +188,17 @@ async def audit_event(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     body = await json_body(request)
     action = body.get("action")
-    if action not in ("payload_uploaded", "payload_refused"):
-        raise UompError(ErrorCode.INVALID_REQUEST, "action must be payload_uploaded or payload_refused")
+    if action not in ("payload_uploaded", "payload_refused", "payload_arrived"):
+        raise UompError(
+            ErrorCode.INVALID_REQUEST, "action must be payload_uploaded, payload_refused or payload_arrived"
+        )
     sid = _field(body, "session_id")
     aid = _field(body, "agent_id")
     if request.headers.get(VERIFIED_AGENT_HEADER) != aid:
         raise UompError(ErrorCode.AGENT_MISMATCH, "verified agent does not match the event")
     assert sid is not None and aid is not None
     via = request.headers.get(VERIFIED_VIA_HEADER)
-    if action == "payload_uploaded":
+    if action in ("payload_uploaded", "payload_arrived"):
         pid = _field(body, "payload_id", PAYLOAD_ID)
         digest = _field(body, "hash", HASH)
         size = body.get("size")
@@ -202,10 +208,10 @@ async def audit_event(request: web.Request) -> web.Response:
         row = make_row(
             session_id=sid,
             agent_id=aid,
-            action="payload_uploaded",
+            action=action,
             key=pid,
             allowed=True,
-            reason="sealed payload stored",
+            reason="sealed payload stored" if action == "payload_uploaded" else "sealed payload relayed home",
             detail=digest,
             request_size=size,
             via=via,
@@ -229,10 +235,37 @@ async def audit_event(request: web.Request) -> web.Response:
             extra=event_fields(request, code=code),
             event_id=event_id,
         )
+    if action == "payload_arrived":
+        await svc.audit.reader.run(_as_uploaded, svc.audit, sid, aid, pid, digest, size)
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
-    # This is the upload request's one event: the gateway writes none of its own.
+    # This is the upload request's (or the arrival's) one event: the gateway writes none of its own.
     return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
+
+
+def _as_uploaded(audit: Any, sid: str, aid: str, pid: str | None, digest: str | None, size: int) -> None:
+    """An arrival must be the bytes this log recorded when they were uploaded (the session's
+    ``payload_uploaded`` of that id, its hash and size); else PAYLOAD_HASH_MISMATCH."""
+    from gateway.ledger.query import MAX_LIMIT, AuditFilter
+
+    after: int | None = None
+    while True:
+        page = audit.query(
+            AuditFilter(session_id=sid, agent_id=aid, action=("payload_uploaded",), after_seq=after, limit=MAX_LIMIT)
+        )
+        for e in page.events:
+            if e.get("key") == pid:
+                if e.get("detail") == digest and e.get("request_size") == size:
+                    return
+                break
+        else:
+            if len(page.events) == MAX_LIMIT:
+                after = page.cursor
+                continue
+        raise UompError(
+            ErrorCode.PAYLOAD_HASH_MISMATCH,
+            "the relayed payload is not the one recorded at its upload (no such upload, or other bytes); refused",
+        )
 
 
 async def _close(app: web.Application) -> None:
