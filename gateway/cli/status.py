@@ -93,9 +93,9 @@ def _sessions(paths: Paths) -> list[dict[str, Any]] | None:
 def _home_uplink(paths: Paths) -> dict[str, Any] | None:
     """The home side of the uplink (``uomp guard uplink``) as ``uplink/home-status.json`` says, read
     as the dashboard reads it; None when this home never ran one."""
-    from gateway.dashboard.data import home_uplink
+    from gateway.uplink import homestatus
 
-    return home_uplink(paths)
+    return homestatus.read(paths)
 
 
 def _keys_at_rest(paths: Paths) -> dict[str, object] | None:

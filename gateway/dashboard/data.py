@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import bisect
 import datetime as dt
-import json
-import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -363,50 +361,8 @@ def appliance(paths: Paths) -> dict[str, Any]:
     return out
 
 
-UPLINK_STATUS_MAX_BYTES = 64 * 1024
-
-
-def _utc(t: Any) -> str | None:
-    if isinstance(t, bool) or not isinstance(t, int | float):
-        return None
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
-
-
-def _alive(pid: Any) -> bool:
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def home_uplink(paths: Paths) -> dict[str, Any] | None:
-    """The home side of the uplink (``uomp guard uplink``) as its status file says, None when this
-    home never ran one. A status whose process is gone reads as not running (it may have been killed)."""
-    from gateway.uplink.home import STATUS_FILE
+    """The home side of the uplink (``uomp guard uplink``), :func:`gateway.uplink.homestatus.read`."""
+    from gateway.uplink import homestatus
 
-    try:
-        with open(paths.uplink_dir / STATUS_FILE, "rb") as fh:
-            doc = json.loads(fh.read(UPLINK_STATUS_MAX_BYTES))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict):
-        return None
-    running = doc.get("running") is True and _alive(doc.get("pid"))
-    return {
-        "target": str(doc.get("target") or ""),
-        "running": running,
-        "connected": running and doc.get("connected") is True,
-        "connected_since": _utc(doc.get("connected_since")) if running else None,
-        "reconnects": doc.get("reconnects") if isinstance(doc.get("reconnects"), int) else 0,
-        "failures": doc.get("failures") if isinstance(doc.get("failures"), int) else 0,
-        "last_error": str(doc["last_error"])[:300] if doc.get("last_error") else None,
-        "crl_pushed_at": _utc(doc.get("crl_pushed_at")),
-        "crl_acked_at": _utc(doc.get("crl_acked_at")),
-        "vps_crl_number": doc.get("vps_crl_number") if isinstance(doc.get("vps_crl_number"), int) else None,
-        "updated_at": _utc(doc.get("updated_at")),
-    }
+    return homestatus.read(paths)

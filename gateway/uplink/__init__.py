@@ -9,6 +9,8 @@ that the home side dials out.
   backoff and hands each request to the guard's Unix socket.
 * :mod:`gateway.uplink.relay`: the sealed payloads uploaded at the gateway, offered home over the
   link and taken into the home's payload store (checked, audited), then removed at the gateway.
+* :mod:`gateway.uplink.homestatus`: the home side's status file, read by ``uomp status`` and the
+  dashboard (standard library only).
 * :mod:`gateway.uplink.certs`: the dedicated uplink CA (kept at home), the two certificates and
   their pins, and the VPS's data directory.
 

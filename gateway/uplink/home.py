@@ -50,12 +50,12 @@ from gateway.fsutil import atomic_write
 from gateway.payloads.store import Limits
 from gateway.remote.upstream import Upstream, UpstreamClient
 from gateway.uplink import certs, relay, tlsctx, trust
+from gateway.uplink.homestatus import STATUS_FILE
 from gateway.uplink.link import DEFAULT_MAX_STREAMS, Headers, Link, Stream
 
 log = logging.getLogger("uomp.uplink")
 
 MAX_REQUEST_BODY = 8 * 1024 * 1024
-STATUS_FILE = "home-status.json"  # in the home's uplink/ directory: what the dashboard shows
 CRL_TICK_SECONDS = 5.0
 STABLE_SECONDS = 30.0
 CONNECT_TIMEOUT = 15.0
