@@ -16,7 +16,7 @@ from gateway.core.capability import Capability
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError, known_code
 from gateway.remote.request import Call
-from gateway.remote.state import STATE, GatewayState, host_key
+from gateway.remote.state import GatewayState, host_key
 from gateway.remote.tls import server_name_of
 
 RETRY_AFTER_SECONDS = "2"
@@ -181,10 +181,10 @@ async def record(call: Call, *, status: int, allowed: bool, reason: str, code: s
     already wrote the request's event.
 
     An event without a verified session is rate-limited per source (counted beyond the rate)."""
-    state = call.request.app[STATE]
     if call.recorded:  # the guard wrote it
         fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
         return
+    state = call.state
     call.recorded = True
     source = None if call.cap is not None else (call.request.remote or "unknown")
     done = state.events.append(call.event(status=status, allowed=allowed, reason=reason, code=code), source=source)
