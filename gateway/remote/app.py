@@ -118,7 +118,8 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
         raise UompError(ErrorCode.NOT_FOUND, "no such endpoint")
     route = call.route
     assert route is not None
-    await state.access.ready()  # fail closed while the access log cannot be written (tries one write)
+    if not state.access.writable:
+        await state.access.ready()  # fail closed while the access log cannot be written (tries one write)
     if not route.auth:
         if (own := route.handler or state.handlers.get(route.name)) is not None:
             return await own(call)  # answers for agents without credentials yet (enroll_routes.py)

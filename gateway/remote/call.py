@@ -46,8 +46,10 @@ def check_headers(state: GatewayState, call: Call) -> None:
     if problem is not None:
         raise UompError(ErrorCode.INVALID_REQUEST, problem)
     host = request.headers.get("Host", "")
-    if call.via == "mtls" and request.transport is not None:
-        sni = server_name_of(request.transport.get_extra_info("ssl_object"))
+    transport = request.transport
+    if call.via == "mtls" and transport is not None:
+        ssl_obj = call.ssl_object if call.ssl_object is not None else transport.get_extra_info("ssl_object")
+        sni = server_name_of(ssl_obj)
         if sni is not None and host_key(host, "https").rsplit(":", 1)[0].strip("[]") != sni:
             raise UompError(ErrorCode.INVALID_REQUEST, "the Host header does not name the TLS server name (SNI)")
     call.endpoint = state.match_endpoint(call.via, host)

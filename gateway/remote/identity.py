@@ -72,6 +72,7 @@ def peer_check(call: Call) -> None:
     is the request's (or, refused, its event's: ``Call.refused``)."""
     request = call.request
     ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
+    call.ssl_object = ssl_obj
     if not isinstance(ssl_obj, ssl.SSLObject):
         return
     try:

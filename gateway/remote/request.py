@@ -40,7 +40,7 @@ class Route:
     handler: Handler | None = None  # None: forwarded to the guard after every check (:func:`forward`)
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One request as it goes through the checks; becomes the ``gateway_access`` event."""
 
@@ -61,6 +61,8 @@ class Call:
     jkt: str | None = None
     recorded: bool = False
     memo: ConnMemo | None = None  # what this request's TLS connection established already (mTLS)
+    # the connection's ``ssl_object`` extra, read once per request by peer_check (mTLS; None: not read)
+    ssl_object: object = None
     # a client certificate of our CA refused (revoked, expired...): named in the event, never an identity
     refused: ClientIdentity | None = None
     # run (and awaited when they return an awaitable) once the token and the session passed their
