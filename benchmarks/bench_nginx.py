@@ -191,6 +191,16 @@ def _cpu_ratio(this: dict[str, Any], base: dict[str, Any]) -> str:
     return f"x{a / b:.2f} ({a:.0f}/{b:.0f} µs)" if a is not None and b else "-"
 
 
+def _cpu_per_request(r: dict[str, Any] | None) -> tuple[float, float, float] | None:
+    """(total, front, guard) CPU µs per request of a phase: the front is the gateway or nginx's processes."""
+    if r is None or not r.get("rps"):
+        return None
+    parts = r.get("server_cpu_parts") or {}
+    guard = parts.get("guard", 0.0)
+    front = sum(v for k, v in parts.items() if k != "guard")
+    return (front + guard) / r["rps"] * 1e6, front / r["rps"] * 1e6, guard / r["rps"] * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=8.0, help="timed seconds per phase and round (default 8)")
@@ -341,6 +351,18 @@ def main() -> None:
     if "reference" in m:
         line += f"; ours/reference {_ratio(o['rps'], m['reference']['rps'])} (aim >= 5)"
     print(line)
+    cpu = {
+        k: _cpu_per_request(r) for k, r in (("ours", o), ("nginx", n), ("direct", d), ("baseline", m.get("baseline")))
+    }
+    if cpu["ours"] is not None and cpu["nginx"] is not None:
+        # On a machine whose cores are the limit (2 shared cores), req/s go as 1 / (all the CPU a request costs).
+        parts = ", ".join(
+            f"{k} {v[0]:.0f} µs (front {v[1]:.0f} + guard {v[2]:.0f})" for k, v in cpu.items() if v is not None
+        )
+        print(
+            f"CPU per request (front + guard, 50 clients): {parts}; nginx/ours {cpu['nginx'][0] / cpu['ours'][0]:.2f} "
+            "(the req/s ratio a CPU-bound machine would give)"
+        )
     if "reference" not in m:
         print(
             "reference: not in this run (no --reference); build uomp-core as bench_reference.py's docstring says, "

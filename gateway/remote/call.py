@@ -186,7 +186,7 @@ async def record(call: Call, *, status: int, allowed: bool, reason: str, code: s
     if call.recorded:  # the guard wrote it
         fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
         return
-    state = call.state
+    state: GatewayState = call.state
     call.recorded = True
     source = None if call.cap is not None else (call.request.remote or "unknown")
     done = state.events.append(call.event(status=status, allowed=allowed, reason=reason, code=code), source=source)

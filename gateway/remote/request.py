@@ -8,7 +8,7 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -17,9 +17,6 @@ from gateway.core.capability import Capability
 from gateway.remote import pathnorm
 from gateway.remote.routenames import Listener, RouteName, TokenUse
 from gateway.remote.tls import ClientIdentity
-
-if TYPE_CHECKING:
-    from gateway.remote.state import GatewayState
 
 Handler = Callable[["Call"], Awaitable[web.StreamResponse]]
 
@@ -45,7 +42,9 @@ class Call:
     """One request as it goes through the checks; becomes the ``gateway_access`` event."""
 
     request: web.Request
-    state: GatewayState  # the listener's app's (``request.app[STATE]``), looked up once per request
+    # the listener app's GatewayState (``request.app[STATE]``), looked up once per request; typed
+    # where it is read (this module must not import gateway.remote.state: the layering contract)
+    state: Any
     route: Route | None = None
     target: pathnorm.Target | None = None
     params: dict[str, str] = field(default_factory=dict)
