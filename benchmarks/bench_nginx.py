@@ -25,7 +25,8 @@ certificate, a remote-profile session bound to it). The same guard is then reach
 (3) direct: plain HTTP on the guard's Unix socket with the same assertion.
 
 Load: ``_common.py``'s generator (another process), ``--clients`` keep-alive connections cycling
-``GET /v1/memory/<key>`` over 200 keys; the rounds interleave (1) (2) (3). Then unloaded latency
+``GET /v1/memory/<key>`` over 200 keys; the rounds interleave (1) (2) (3), odd rounds in the
+reverse order (ABBA: no path is always first after a pause or last in a round). Then unloaded latency
 (1 client) of each. ``srv cpu`` counts the front's processes and the guard's. RATIOS: ours/nginx,
 nginx/direct, ours/direct (req/s), p50 and p99 of each, unloaded p50 overhead over direct.
 
@@ -268,24 +269,34 @@ def main() -> None:
             c.check_ok(f"nginx GET by key ({clients} clients)", r)
             return r
 
-        for _ in range(args.rounds):
-            runs["ours"].append(app.keepalive("gateway", args))
-            runs["nginx"].append(nginx_load(args.clients, args.duration, args.warmup))
-            runs["direct"].append(app.keepalive("direct", args))
-            if base is not None:
-                runs["baseline"].append(base.keepalive("gateway", args))
-            if ref_load is not None:
-                r = c.run_load(
-                    ref_load[0],
-                    ref_load[1],
-                    clients=args.clients,
-                    duration=args.duration,
-                    warmup=args.warmup,
-                    max_requests=args.max_requests,
-                    server_pid=ref.pids,
-                )
-                c.check_ok("reference gateway", r)
-                runs["reference"].append(r)
+        def reference_load() -> dict[str, Any]:
+            assert ref_load is not None
+            r = c.run_load(
+                ref_load[0],
+                ref_load[1],
+                clients=args.clients,
+                duration=args.duration,
+                warmup=args.warmup,
+                max_requests=args.max_requests,
+                server_pid=ref.pids,
+            )
+            c.check_ok("reference gateway", r)
+            return r
+
+        phases: list[tuple[str, Any]] = [
+            ("ours", lambda: app.keepalive("gateway", args)),
+            ("nginx", lambda: nginx_load(args.clients, args.duration, args.warmup)),
+            ("direct", lambda: app.keepalive("direct", args)),
+        ]
+        if base is not None:
+            phases.append(("baseline", lambda: base.keepalive("gateway", args)))
+        if ref_load is not None:
+            phases.append(("reference", reference_load))
+        for i in range(args.rounds):
+            # odd rounds in the reverse order (A B C D, D C B A, ...): a drift of the machine within a
+            # round, or a phase warming the next, favours no path
+            for name, phase in phases if i % 2 == 0 else phases[::-1]:
+                runs[name].append(phase())
         one = min(args.duration, 5)
         unloaded["ours"] = app.keepalive("gateway", args, clients=1, duration=one, warmup=0.5)
         unloaded["nginx"] = nginx_load(1, one, 0.5)
