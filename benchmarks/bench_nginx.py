@@ -1,7 +1,7 @@
 """Our gateway beside nginx in front of the same guard, and the guard direct, one run.
 
     .venv/bin/python benchmarks/bench_nginx.py [--duration S] [--clients N] [--rounds R]
-        [--nginx-workers N] [--reference PATH]
+        [--nginx-workers N] [--reference PATH] [--baseline TREE]
 
 nginx comes from Debian (``bash scripts/setup-bench.sh`` installs it; nothing else is needed).
 
@@ -25,12 +25,19 @@ certificate, a remote-profile session bound to it). The same guard is then reach
 (3) direct: plain HTTP on the guard's Unix socket with the same assertion.
 
 Load: ``_common.py``'s generator (another process), ``--clients`` keep-alive connections cycling
-``GET /v1/memory/<key>`` over 200 keys; the rounds interleave (1) (2) (3). Then unloaded latency
+``GET /v1/memory/<key>`` over 200 keys; the rounds interleave (1) (2) (3), odd rounds in the
+reverse order (ABBA: no path is always first after a pause or last in a round). Then unloaded latency
 (1 client) of each. ``srv cpu`` counts the front's processes and the guard's. RATIOS: ours/nginx,
 nginx/direct, ours/direct (req/s), p50 and p99 of each, unloaded p50 overhead over direct.
 
 ``--reference PATH`` (or UOMP_REFERENCE_DIR): also the TypeScript reference's gateway, in the same
 rounds (``bench_reference.py``'s ``Reference``); without it the command to run is printed.
+
+``--baseline TREE``: a second appliance served by another checkout's code (``bench_gateway.py``'s
+``--baseline``: e.g. ``git worktree add --detach /tmp/base main``), its gateway loaded in the same
+rounds as (1) (2) (3); the RATIOS line then adds this/baseline through the gateways and the
+baseline's own ours/nginx, so a change to the gateway is compared with nginx and with the code before
+it on the same noisy machine at the same time.
 """
 
 from __future__ import annotations
@@ -174,6 +181,27 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "-"
 
 
+def _cpu_ratio(this: dict[str, Any], base: dict[str, Any]) -> str:
+    """The gateway process's CPU per request, this tree / the baseline's (``x0.90 (300/333 µs)``)."""
+
+    def per_request(r: dict[str, Any]) -> float | None:
+        share = (r.get("server_cpu_parts") or {}).get("gateway")
+        return share / r["rps"] * 1e6 if share is not None and r.get("rps") else None
+
+    a, b = per_request(this), per_request(base)
+    return f"x{a / b:.2f} ({a:.0f}/{b:.0f} µs)" if a is not None and b else "-"
+
+
+def _cpu_per_request(r: dict[str, Any] | None) -> tuple[float, float, float] | None:
+    """(total, front, guard) CPU µs per request of a phase: the front is the gateway or nginx's processes."""
+    if r is None or not r.get("rps"):
+        return None
+    parts = r.get("server_cpu_parts") or {}
+    guard = parts.get("guard", 0.0)
+    front = sum(v for k, v in parts.items() if k != "guard")
+    return (front + guard) / r["rps"] * 1e6, front / r["rps"] * 1e6, guard / r["rps"] * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=8.0, help="timed seconds per phase and round (default 8)")
@@ -184,7 +212,10 @@ def main() -> None:
     ap.add_argument("--nginx-workers", type=int, default=1, help="nginx worker_processes (default 1, like ours)")
     ap.add_argument("--reference", default=os.environ.get("UOMP_REFERENCE_DIR"), help="a built uomp-core checkout")
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
+    ap.add_argument("--baseline", type=Path, help="another checkout whose gateway runs in the same rounds")
     args = ap.parse_args()
+    if args.baseline is not None and not (args.baseline / "benchmarks" / "_common.py").exists():
+        raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project")
     if not (1 <= args.clients <= 1000 and 0 < args.duration <= 600 and 1 <= args.rounds <= 10):
         raise SystemExit("--clients 1..1000, --duration 0..600, --rounds 1..10")
     if not 1 <= args.nginx_workers <= 8:
@@ -198,15 +229,20 @@ def main() -> None:
         f"{args.duration:g} s per path, interleaved"
     )
     app: Appliance | None = None
+    base: Appliance | None = None
     ngx: Nginx | None = None
     ref: Any = None
-    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "nginx": [], "direct": [], "reference": []}
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "nginx": [], "direct": [], "reference": [], "baseline": []}
     unloaded: dict[str, dict[str, Any]] = {}
     try:
         app = Appliance(label="appliance", max_connections=None, keep=args.keep)
         hdr = app.reqs["gateway"][0].decode("latin-1")
         app.token = hdr.split("Authorization: Bearer ", 1)[1].split("\r\n", 1)[0]  # type: ignore[attr-defined]
         ngx = Nginx(app, args.nginx_workers)
+        if args.baseline is not None:
+            base = Appliance(
+                label=f"baseline {args.baseline}", max_connections=None, keep=args.keep, tree=args.baseline.resolve()
+            )
         guard_pid = int(app.srv.info["guard_pid"])
         ref_load = None
         if args.reference:
@@ -233,31 +269,48 @@ def main() -> None:
             c.check_ok(f"nginx GET by key ({clients} clients)", r)
             return r
 
-        for _ in range(args.rounds):
-            runs["ours"].append(app.keepalive("gateway", args))
-            runs["nginx"].append(nginx_load(args.clients, args.duration, args.warmup))
-            runs["direct"].append(app.keepalive("direct", args))
-            if ref_load is not None:
-                r = c.run_load(
-                    ref_load[0],
-                    ref_load[1],
-                    clients=args.clients,
-                    duration=args.duration,
-                    warmup=args.warmup,
-                    max_requests=args.max_requests,
-                    server_pid=ref.pids,
-                )
-                c.check_ok("reference gateway", r)
-                runs["reference"].append(r)
+        def reference_load() -> dict[str, Any]:
+            assert ref_load is not None
+            r = c.run_load(
+                ref_load[0],
+                ref_load[1],
+                clients=args.clients,
+                duration=args.duration,
+                warmup=args.warmup,
+                max_requests=args.max_requests,
+                server_pid=ref.pids,
+            )
+            c.check_ok("reference gateway", r)
+            return r
+
+        phases: list[tuple[str, Any]] = [
+            ("ours", lambda: app.keepalive("gateway", args)),
+            ("nginx", lambda: nginx_load(args.clients, args.duration, args.warmup)),
+            ("direct", lambda: app.keepalive("direct", args)),
+        ]
+        if base is not None:
+            phases.append(("baseline", lambda: base.keepalive("gateway", args)))
+        if ref_load is not None:
+            phases.append(("reference", reference_load))
+        for i in range(args.rounds):
+            # odd rounds in the reverse order (A B C D, D C B A, ...): a drift of the machine within a
+            # round, or a phase warming the next, favours no path
+            for name, phase in phases if i % 2 == 0 else phases[::-1]:
+                runs[name].append(phase())
         one = min(args.duration, 5)
         unloaded["ours"] = app.keepalive("gateway", args, clients=1, duration=one, warmup=0.5)
         unloaded["nginx"] = nginx_load(1, one, 0.5)
         unloaded["direct"] = app.keepalive("direct", args, clients=1, duration=one, warmup=0.5)
+        if base is not None:
+            unloaded["baseline"] = base.keepalive("gateway", args, clients=1, duration=one, warmup=0.5)
+            unloaded["baseline direct"] = base.keepalive("direct", args, clients=1, duration=one, warmup=0.5)
     finally:
         if ref is not None:
             ref.stop()
         if ngx is not None:
             ngx.stop()
+        if base is not None:
+            base.stop()
         if app is not None:
             app.stop()
 
@@ -270,11 +323,18 @@ def main() -> None:
     ]
     if "reference" in m:
         rows.append((f"reference gateway (mTLS), {args.clients} cl.", m["reference"]))
+    if "baseline" in m:
+        rows.append((f"baseline tree's gateway, {args.clients} cl.", m["baseline"]))
     rows += [
         ("(1) ours, 1 client (unloaded)", unloaded["ours"]),
         ("(2) nginx, 1 client (unloaded)", unloaded["nginx"]),
         ("(3) direct, 1 client (unloaded)", unloaded["direct"]),
     ]
+    if "baseline" in unloaded:
+        rows += [
+            ("baseline gateway, 1 client (unloaded)", unloaded["baseline"]),
+            ("baseline direct, 1 client (unloaded)", unloaded["baseline direct"]),
+        ]
     c.print_table(rows)
     o, n, d = m["ours"], m["nginx"], m["direct"]
     over_ours = unloaded["ours"]["p50_ms"] - unloaded["direct"]["p50_ms"]
@@ -291,9 +351,29 @@ def main() -> None:
         f"{d['p50_ms']:.2f} ms, p99 {o['p99_ms']:.2f}/{n['p99_ms']:.2f}/{d['p99_ms']:.2f} ms; unloaded p50 "
         f"{unloaded['ours']['p50_ms']:.2f}/{unloaded['nginx']['p50_ms']:.2f}/{unloaded['direct']['p50_ms']:.2f} ms"
     )
+    if "baseline" in m:
+        b, ub = m["baseline"], unloaded["baseline"]
+        line += (
+            f"; BASELINE {args.baseline}: gateway req/s this/baseline x{o['rps'] / b['rps']:.2f} "
+            f"(baseline/nginx {_ratio(b['rps'], n['rps'])}), gateway cpu/request this/baseline "
+            f"{_cpu_ratio(o, b)}, unloaded p50 overhead over its own direct this {over_ours:+.2f} / baseline "
+            f"{ub['p50_ms'] - unloaded['baseline direct']['p50_ms']:+.2f} ms"
+        )
     if "reference" in m:
         line += f"; ours/reference {_ratio(o['rps'], m['reference']['rps'])} (aim >= 5)"
     print(line)
+    cpu = {
+        k: _cpu_per_request(r) for k, r in (("ours", o), ("nginx", n), ("direct", d), ("baseline", m.get("baseline")))
+    }
+    if cpu["ours"] is not None and cpu["nginx"] is not None:
+        # On a machine whose cores are the limit (2 shared cores), req/s go as 1 / (all the CPU a request costs).
+        parts = ", ".join(
+            f"{k} {v[0]:.0f} µs (front {v[1]:.0f} + guard {v[2]:.0f})" for k, v in cpu.items() if v is not None
+        )
+        print(
+            f"CPU per request (front + guard, 50 clients): {parts}; nginx/ours {cpu['nginx'][0] / cpu['ours'][0]:.2f} "
+            "(the req/s ratio a CPU-bound machine would give)"
+        )
     if "reference" not in m:
         print(
             "reference: not in this run (no --reference); build uomp-core as bench_reference.py's docstring says, "

@@ -291,6 +291,11 @@ class AccessLog:
         """Why the last write failed, while the log is in fail-closed mode; else None."""
         return "unusable after a failed write" if self._broken else self.writer.failing
 
+    @property
+    def writable(self) -> bool:
+        """True while the log takes writes (:meth:`ready` would return at once): a check without a coroutine."""
+        return self.writer.failing is None and not self._broken
+
     async def ready(self) -> None:
         """Raise ``STORE_UNAVAILABLE`` if the log cannot be written; while failing, try one small
         write (the pending summary) first, so the gateway recovers as soon as it fits."""

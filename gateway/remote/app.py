@@ -69,7 +69,7 @@ async def entry(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     listener = request.app[LISTENER]
     started = time.perf_counter()
-    call = Call(request, via=listener)
+    call = Call(request, state, via=listener)
     resp: web.StreamResponse
     code: str | None = None
     try:
@@ -100,7 +100,7 @@ async def entry(request: web.Request) -> web.StreamResponse:
 
 async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     request = call.request
-    listener = request.app[LISTENER]
+    listener = call.via
     if listener == "mtls":
         peer_check(call)  # a revoked or expired certificate of ours: 401 before anything else
     check_headers(state, call)
@@ -118,7 +118,8 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
         raise UompError(ErrorCode.NOT_FOUND, "no such endpoint")
     route = call.route
     assert route is not None
-    await state.access.ready()  # fail closed while the access log cannot be written (tries one write)
+    if not state.access.writable:
+        await state.access.ready()  # fail closed while the access log cannot be written (tries one write)
     if not route.auth:
         if (own := route.handler or state.handlers.get(route.name)) is not None:
             return await own(call)  # answers for agents without credentials yet (enroll_routes.py)

@@ -16,7 +16,7 @@ from gateway.core.capability import Capability
 from gateway.durable import fault_point
 from gateway.errors import ErrorCode, UompError, known_code
 from gateway.remote.request import Call
-from gateway.remote.state import STATE, GatewayState, host_key
+from gateway.remote.state import GatewayState, host_key
 from gateway.remote.tls import server_name_of
 
 RETRY_AFTER_SECONDS = "2"
@@ -46,8 +46,10 @@ def check_headers(state: GatewayState, call: Call) -> None:
     if problem is not None:
         raise UompError(ErrorCode.INVALID_REQUEST, problem)
     host = request.headers.get("Host", "")
-    if call.via == "mtls" and request.transport is not None:
-        sni = server_name_of(request.transport.get_extra_info("ssl_object"))
+    transport = request.transport
+    if call.via == "mtls" and transport is not None:
+        ssl_obj = call.ssl_object if call.ssl_object is not None else transport.get_extra_info("ssl_object")
+        sni = server_name_of(ssl_obj)
         if sni is not None and host_key(host, "https").rsplit(":", 1)[0].strip("[]") != sni:
             raise UompError(ErrorCode.INVALID_REQUEST, "the Host header does not name the TLS server name (SNI)")
     call.endpoint = state.match_endpoint(call.via, host)
@@ -181,10 +183,10 @@ async def record(call: Call, *, status: int, allowed: bool, reason: str, code: s
     already wrote the request's event.
 
     An event without a verified session is rate-limited per source (counted beyond the rate)."""
-    state = call.request.app[STATE]
     if call.recorded:  # the guard wrote it
         fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
         return
+    state: GatewayState = call.state
     call.recorded = True
     source = None if call.cap is not None else (call.request.remote or "unknown")
     done = state.events.append(call.event(status=status, allowed=allowed, reason=reason, code=code), source=source)

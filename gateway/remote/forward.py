@@ -13,7 +13,7 @@ from gateway.errors import ErrorCode, UompError
 from gateway.remote.call import EVENT_ID_LOWER, assertion_block, error_code, record
 from gateway.remote.guard_client import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS
 from gateway.remote.request import Call
-from gateway.remote.state import STATE
+from gateway.remote.state import GatewayState
 
 log = logging.getLogger("uomp.gateway")
 
@@ -22,7 +22,7 @@ MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
 
 async def forward(call: Call) -> web.StreamResponse:
     """A verified request to the guard (allow-listed headers and the assertion) and its answer back."""
-    state = call.request.app[STATE]
+    state: GatewayState = call.state
     request = call.request
     assert call.target is not None and call.cap is not None and call.token is not None
     # Only allow-listed client headers (each single-valued or harmless: never Authorization or

@@ -27,14 +27,14 @@ def judged_memo(state: GatewayState, ssl_obj: ssl.SSLObject) -> ConnMemo | None:
     OpenSSL verified only the chain and purpose (``build_server_context``): time and revocation are
     judged here, against the CRL and CA loaded last (``GatewayState.tls_trust``), so a keep-alive
     connection made before a revocation (or a resumed session) is refused at its next request."""
-    der = ssl_obj.getpeercert(binary_form=True)
-    if not der:
-        return None
     trust = state.tls_trust()
     memo: ConnMemo | None = getattr(ssl_obj, MEMO_ATTRIBUTE, None)
-    if memo is not None and memo.der == der:
-        # The same certificate as this connection's earlier requests: its parsed identity is kept,
-        # its validity period, the CRL and the CA are judged again now (judge() words a refusal).
+    if memo is not None:
+        # The certificate of this connection's earlier requests: the listener speaks TLS 1.3 only,
+        # without renegotiation or post-handshake authentication (tls.build_server_context), so a
+        # connection's peer certificate is the one of its handshake; the memo lives on the
+        # connection's SSLObject. Its parsed identity is kept; its validity period, the CRL and
+        # the CA are judged again now (judge() words a refusal).
         now = time.time()
         if not (
             memo.not_before <= now <= memo.not_after
@@ -43,6 +43,9 @@ def judged_memo(state: GatewayState, ssl_obj: ssl.SSLObject) -> ConnMemo | None:
         ):
             tls.judge(memo.identity, trust)
         return memo
+    der = ssl_obj.getpeercert(binary_form=True)
+    if not der:
+        return None
     ident = state.certs.identity(der)
     tls.judge(ident, trust)
     memo = ConnMemo(der, ident)
@@ -69,6 +72,7 @@ def peer_check(call: Call) -> None:
     is the request's (or, refused, its event's: ``Call.refused``)."""
     request = call.request
     ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
+    call.ssl_object = ssl_obj
     if not isinstance(ssl_obj, ssl.SSLObject):
         return
     try:

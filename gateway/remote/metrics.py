@@ -160,10 +160,10 @@ class Metrics:
         ``code``: the error code (``UompError.code``), or None / ``"OK"`` for success; an HTTP
         status is accepted too (coarser: ``OK`` or ``HTTP_<status>``).
         """
-        r, c = self.route_label(route), self.code_label(code)
-        if not math.isfinite(seconds):
+        r = route if route in self.routes else OTHER
+        c = OK if code is None else self.code_label(code)
+        if not 0.0 <= seconds < math.inf:  # negative, infinite or NaN: counted as 0
             seconds = 0.0
-        seconds = max(0.0, seconds)
         # index of the first bucket whose upper bound holds the value (len(buckets) is +Inf)
         idx = bisect.bisect_left(self.buckets, seconds)
         with self._lock:

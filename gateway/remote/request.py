@@ -37,11 +37,14 @@ class Route:
     handler: Handler | None = None  # None: forwarded to the guard after every check (:func:`forward`)
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One request as it goes through the checks; becomes the ``gateway_access`` event."""
 
     request: web.Request
+    # the listener app's GatewayState (``request.app[STATE]``), looked up once per request; typed
+    # where it is read (this module must not import gateway.remote.state: the layering contract)
+    state: Any
     route: Route | None = None
     target: pathnorm.Target | None = None
     params: dict[str, str] = field(default_factory=dict)
@@ -57,6 +60,8 @@ class Call:
     jkt: str | None = None
     recorded: bool = False
     memo: ConnMemo | None = None  # what this request's TLS connection established already (mTLS)
+    # the connection's ``ssl_object`` extra, read once per request by peer_check (mTLS; None: not read)
+    ssl_object: object = None
     # a client certificate of our CA refused (revoked, expired...): named in the event, never an identity
     refused: ClientIdentity | None = None
     # run (and awaited when they return an awaitable) once the token and the session passed their

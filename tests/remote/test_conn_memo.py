@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from gatewaykit import Appliance, agent_call, agent_session, appliance, ledger_events
 
 from gateway import ca_store, keys
+from gateway.client.tls import build_client_context
 from gateway.config import GuardConfig, Paths
+from gateway.core import ca
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,3 +116,35 @@ async def test_a_remembered_token_still_expires_on_time(home: Paths) -> None:
             await asyncio.sleep(2.2)
             status, _, _ = await agent_call(s, app.base, KEY, token=g["token"], agent_id=a.agent_id)
             assert status == 401 and refused_by_gateway(app, "TOKEN_EXPIRED")
+
+
+async def test_a_certificate_that_expires_on_an_open_connection_is_refused_at_its_next_request(
+    home: Paths, tmp_path: Path
+) -> None:
+    # The connection's certificate is read and parsed once (its memo); its validity period is still
+    # judged on every request: the same connection, good a moment ago, is refused once it expired.
+    async with appliance(home) as app:
+        life = ca.AGENT_CERT_MIN_LIFETIME
+        key = ca.new_key()
+        ca_key, ca_cert = ca_store.load_ca(home)
+        cert = ca.issue_agent_cert(
+            ca_key, ca_cert, key.public_key(), "bot", life, now=ca.utcnow() - life + dt.timedelta(seconds=4)
+        )
+        not_after = cert.not_valid_after_utc
+        crt, kf = tmp_path / "short.crt", tmp_path / "short.key"
+        crt.write_bytes(ca.cert_pem(cert))
+        kf.write_bytes(ca.key_pem(key))
+        ctx = build_client_context(ca_store.ca_cert_path(home), crt, kf)
+        good = app.agent("calendar_agent")  # a certificate that stays valid, on its own connection
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=1)) as s,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=good.ssl(), limit=1)) as g,
+        ):
+            for _ in range(3):
+                assert (await agent_call(s, app.base, "/v1/health", token=None, agent_id=None))[0] == 200
+                assert (await agent_call(g, app.base, "/v1/health", token=None, agent_id=None))[0] == 200
+            await asyncio.sleep(max(0.0, (not_after - ca.utcnow()).total_seconds()) + 1.2)
+            status, body, headers = await agent_call(s, app.base, "/v1/health", token=None, agent_id=None)
+            assert (status, body["error"]["code"], body["error"]["reason"]) == (401, "CERT_REQUIRED", "expired")
+            assert headers["Connection"] == "close"
+            assert (await agent_call(g, app.base, "/v1/health", token=None, agent_id=None))[0] == 200

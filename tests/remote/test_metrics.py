@@ -97,7 +97,7 @@ def test_counters_increment() -> None:
 
 def test_histogram_buckets_cumulative() -> None:
     m = Metrics()
-    durations = [0.001, 0.005, 0.007, 0.2, 0.2, 3.0, 60.0, -1.0, math.nan]
+    durations = [0.001, 0.005, 0.007, 0.2, 0.2, 3.0, 60.0, -1.0, math.nan, math.inf, -math.inf]
     for d in durations:
         m.observe_request("read_tag", None, d)
     _, samples = parse(m.render())
@@ -106,14 +106,14 @@ def test_histogram_buckets_cumulative() -> None:
     assert [le for le, _ in buckets] == [format_value(b) for b in DEFAULT_BUCKETS] + ["+Inf"]
     counts = [v for _, v in buckets]
     assert counts == sorted(counts)  # cumulative: never decreasing
-    # expected from the raw data (negative and NaN durations count as 0 s)
+    # expected from the raw data (negative, infinite and NaN durations count as 0 s)
     clean = [max(0.0, d) if math.isfinite(d) else 0.0 for d in durations]
     for le, v in buckets:
         bound = math.inf if le == "+Inf" else float(le)
         assert v == sum(1 for d in clean if d <= bound), le
     assert counts[-1] == value(samples, f"{name}_count", route="read_tag") == len(durations)
     assert value(samples, f"{name}_sum", route="read_tag") == pytest.approx(sum(clean))
-    assert dict(buckets)["0.005"] == 4  # bounds are inclusive (le)
+    assert dict(buckets)["0.005"] == 6  # bounds are inclusive (le)
 
 
 def test_gauges() -> None:
