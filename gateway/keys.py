@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from gateway.atrest import vault
 from gateway.config import Paths
 from gateway.core import jose
 from gateway.errors import ErrorCode, UompError
-from gateway.fsutil import atomic_write, check_parents, check_private_dir, ensure_private_dir
+from gateway.fsutil import Stamps, atomic_write, check_parents, check_private_dir, ensure_private_dir, stamps
 
 # How often a running guard / gateway looks at the key files for a rotation or revocation.
 KEY_WATCH_INTERVAL_SECONDS = 1.0
@@ -288,6 +287,11 @@ def _record_revoked(paths: Paths, jwks: list[dict[str, Any]], now: float) -> Non
     atomic_write(path, _dump({"keys": entries}), mode=0o644)
 
 
+def key_files(paths: Paths) -> tuple[Path, ...]:
+    """The files a running guard or gateway reloads its keys from (what :class:`KeyWatch` watches)."""
+    return (paths.jwks, paths.public_jwk, paths.private_jwk, revoked_keys_path(paths))
+
+
 class KeyWatch:
     """Notices a change of the key files (rotation, revocation) by their stat stamps; cheap to poll."""
 
@@ -295,16 +299,8 @@ class KeyWatch:
         self.paths = paths
         self._stamp = self._read()
 
-    def _read(self) -> tuple[tuple[int, int, int] | None, ...]:
-        out: list[tuple[int, int, int] | None] = []
-        for p in (self.paths.jwks, self.paths.public_jwk, self.paths.private_jwk, revoked_keys_path(self.paths)):
-            try:
-                st = os.stat(p)
-            except OSError:
-                out.append(None)
-            else:
-                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-        return tuple(out)
+    def _read(self) -> Stamps:
+        return stamps(key_files(self.paths))
 
     def changed(self) -> bool:
         """True once after each change (the next call compares with what this one saw)."""
