@@ -16,8 +16,10 @@ Files under ``$UOMP_HOME/.secrets`` (0700):
 
 Before a key file is read, the data directory and ``.secrets`` must be owned by the user and not
 group/other-writable (:func:`check_home`): keys found in a directory someone else controls are not
-trusted. A running guard and gateway notice changed key files within :data:`KEY_WATCH_INTERVAL_SECONDS`
-(:class:`KeyWatch`) and on SIGHUP.
+trusted. A running guard and gateway reload the keys at once on SIGHUP, which the commands that
+change them send (:func:`gateway.reloads.notify_running`), and notice a file changed by hand within
+their fallback look (:class:`KeyWatch`; the guard's ``key_watch_fallback_seconds``, the gateway's
+``tls_watch_interval_seconds``).
 
 Nothing here regenerates a key silently: a file that exists but cannot be read or parsed is a
 ``KEY_ERROR`` telling the user which file, never a new key that would orphan every live token.
@@ -42,7 +44,6 @@ from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import Stamps, atomic_write, check_parents, check_private_dir, ensure_private_dir, stamps
 
 # How often a running guard / gateway looks at the key files for a rotation or revocation.
-KEY_WATCH_INTERVAL_SECONDS = 1.0
 
 
 def revoked_keys_path(paths: Paths) -> Path:

@@ -79,7 +79,10 @@ def die_with_parent(parent: int) -> bool:
 
 
 def guard_child_main(argv: list[str]) -> int:
-    """Entry of the guard child process: ``argv`` = [parent pid, uomp arguments...]."""
+    """Entry of the guard child process: ``argv`` = [parent pid, uomp arguments...]. SIGHUP (the
+    parent forwards it to reload the keys) is ignored until the guard's own handler replaces it:
+    one that comes while the child still imports must not kill it (its keys are read after)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if not die_with_parent(int(argv[0])):
         return 1
     from gateway.cli.main import main
