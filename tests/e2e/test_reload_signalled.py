@@ -232,9 +232,9 @@ async def test_keys_rotate_revoke_old_is_refused_by_gateway_and_guard_at_once(ho
 
         # --revoke-old: refused at once, by the gateway and by the guard on its own
         uomp(home, "keys", "rotate", "--revoke-old", "--keep-sessions")
-        status, body = await until_status(a.read, 401, "through the gateway")
+        _, body = await until_status(a.read, 401, "through the gateway")
         assert body["error"]["code"] in ("INVALID_TOKEN", "TOKEN_REVOKED"), body
-        status, body = await until_status(lambda: a.read_at_guard(paths), 401, "at the guard")
+        _, body = await until_status(lambda: a.read_at_guard(paths), 401, "at the guard")
         assert body["error"]["code"] in ("INVALID_TOKEN", "TOKEN_REVOKED"), body
         assert "dark" not in json.dumps(body)
     finally:
