@@ -18,7 +18,9 @@ written. The running processes reload at once instead of at their next fallback 
   creates the socket.
 
 Best effort by design: no process running, another user's process, or a platform without
-``SO_PEERCRED`` is no error (the fallback looks still reload within their period).
+``SO_PEERCRED`` is no error (the fallback looks still reload within their period). A process is
+signalled only when it catches SIGHUP (:func:`handles_sighup`): a guard embedded in a process
+that does not (a test's) is left to its fallback look.
 """
 
 from __future__ import annotations
@@ -65,7 +67,26 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
+def handles_sighup(pid: int) -> bool:
+    """True when ``pid`` catches SIGHUP (Linux ``/proc/PID/status`` ``SigCgt``): only such a process
+    is signalled, never one whose default action would end it (a test's process serving a guard,
+    a program embedding one)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            try:
+                return bool(int(line.split()[1], 16) >> (signal.SIGHUP - 1) & 1)
+            except (ValueError, IndexError):
+                return False
+    return False
+
+
 def _hup(pid: int) -> bool:
+    if not handles_sighup(pid):
+        return False
     try:
         os.kill(pid, signal.SIGHUP)
     except (ProcessLookupError, PermissionError):

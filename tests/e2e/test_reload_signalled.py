@@ -265,3 +265,32 @@ async def test_who_is_told(home: Path) -> None:
         assert app.proc.poll() is None
     finally:
         app.stop()
+
+
+def test_a_process_that_does_not_catch_sighup_is_never_signalled(home: Path) -> None:
+    """A guard embedded in a process without a SIGHUP handler (a test's, a program's): left alone,
+    where the signal's default action would end it."""
+    prepare(home, "")
+    paths = Paths(home)
+    code = (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from gateway.config import GuardConfig, Paths\n"
+        "from gateway.guard.server import GuardRunner\n"
+        "async def main():\n"
+        "    r = GuardRunner(Paths(Path(sys.argv[1])), GuardConfig(), serve_tcp=False)\n"
+        "    await r.start()\n"
+        "    print('serving', flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(home)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "serving"
+        assert socket_owner(paths.guard_sock) == proc.pid
+        assert notify_running(paths) == []
+        time.sleep(0.3)
+        assert proc.poll() is None  # still serving
+    finally:
+        proc.kill()
+        proc.wait()
