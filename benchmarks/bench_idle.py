@@ -150,7 +150,7 @@ def main() -> None:
         "--settle",
         type=float,
         default=20.0,
-        help="seconds left alone before measuring (default 20: the health checks back off to their longest wait in ~15 s)",
+        help="seconds left alone before measuring (default 20: the health checks reach full back-off in ~15 s)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="runs per tree and dashboard setting (default 1)")
     args = ap.parse_args()
