@@ -59,7 +59,7 @@ from gateway.ca_registry import (
 from gateway.config import Paths
 from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError
-from gateway.fsutil import atomic_write, check_private_dir, ensure_output_dir, ensure_private_dir
+from gateway.fsutil import Stamps, atomic_write, check_private_dir, ensure_output_dir, ensure_private_dir, stamps
 
 # Re-sign the CRL when less than this is left before its nextUpdate (CRL validity is 7 days).
 CRL_REFRESH_BEFORE = dt.timedelta(days=4)
@@ -251,27 +251,20 @@ class CrlWatch:
         self.paths = paths
         self.recheck_seconds = recheck_seconds
         self.checks = 0  # whole checks run (diagnostics and tests)
-        self._stamp: tuple[tuple[int, int, int] | None, ...] | None = None
+        self._stamp: Stamps | None = None
         self._checked_at = 0.0
 
-    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+    def _stamps(self) -> Stamps:
         reg = registry_path(self.paths)
-        files = (
-            ca_cert_path(self.paths),
-            crl_path(self.paths),
-            reg,
-            reg.with_name(reg.name + "-wal"),
-            legacy_registry_path(self.paths),
+        return stamps(
+            (
+                ca_cert_path(self.paths),
+                crl_path(self.paths),
+                reg,
+                reg.with_name(reg.name + "-wal"),
+                legacy_registry_path(self.paths),
+            )
         )
-        out: list[tuple[int, int, int] | None] = []
-        for f in files:
-            try:
-                st = f.stat()
-            except OSError:
-                out.append(None)
-                continue
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        return tuple(out)
 
     def tick(self, now: float | None = None) -> bool:
         """Re-sign the CRL if it is due (see :func:`refresh_crl`); True when re-signed."""

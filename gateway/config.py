@@ -397,6 +397,9 @@ class GuardConfig:
     # audit retention and auth.db pruning run every purge_interval_seconds.
     sweep_interval_seconds: float = 5.0
     purge_interval_seconds: float = 3600.0
+    # The key files are looked at this often (four stats) for a change made by hand; the commands
+    # that change them signal the running guard, which reloads at once (gateway/reloads.py).
+    key_watch_fallback_seconds: float = 30.0
     # Agent write proposals (docs/writes.md): budgets per session and per agent, each refusal
     # BUDGET_EXCEEDED with its numbers; a proposal nobody decided expires after its lifetime.
     write_max_pending_per_session: int = 20  # undecided proposals of one session at once
@@ -585,7 +588,10 @@ class GatewayConfig:
     status_cache_seconds: float = 0.5
     status_cache_entries: int = 16384  # sessions whose status is remembered; beyond, expired ones go, then all
     token_cache_entries: int = 4096  # verified access tokens remembered (expiry re-checked on every hit)
-    tls_watch_interval_seconds: float = 2.0  # certificate, key, CA and CRL files are looked at this often
+    # certificate, key, CA and CRL files (and the CA registry, the key files) are looked at this
+    # often for a change made by hand; the commands that change them signal the gateway (SIGHUP,
+    # gateway/reloads.py), which reloads at once
+    tls_watch_interval_seconds: float = 30.0
     dpop_window_seconds: int = 60
     dpop_replay_cache_entries: int = 100_000  # all DPoP keys together
     dpop_max_proofs_per_second_per_key: float = 50.0  # sizes one key's replay partition (x 2 windows)

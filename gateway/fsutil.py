@@ -17,6 +17,7 @@ import contextlib
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from gateway.errors import ErrorCode, UompError
@@ -172,3 +173,24 @@ def create_private_file(path: Path, data: bytes) -> bool:
             os.unlink(tmp)
     fsync_dir(path.parent)
     return made
+
+
+Stamp = tuple[int, int, int] | None  # (inode, mtime ns, size) of one file; None: missing or unreadable
+Stamps = tuple[Stamp, ...]
+
+
+def stamps(paths: Iterable[str | os.PathLike[str]]) -> Stamps:
+    """One ``os.stat`` per file: (inode, mtime in ns, size), None for a file that cannot be stat'ed.
+
+    Two results differ when any file was written, replaced (``os.replace`` gives a new inode even
+    within one mtime tick), created or removed in between: what a watcher compares to decide
+    whether to read the files again. Cheap (no file is opened): fine on an event loop."""
+    out: list[Stamp] = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(out)

@@ -16,8 +16,10 @@ Files under ``$UOMP_HOME/.secrets`` (0700):
 
 Before a key file is read, the data directory and ``.secrets`` must be owned by the user and not
 group/other-writable (:func:`check_home`): keys found in a directory someone else controls are not
-trusted. A running guard and gateway notice changed key files within :data:`KEY_WATCH_INTERVAL_SECONDS`
-(:class:`KeyWatch`) and on SIGHUP.
+trusted. A running guard and gateway reload the keys at once on SIGHUP, which the commands that
+change them send (:func:`gateway.reloads.notify_running`), and notice a file changed by hand within
+their fallback look (:class:`KeyWatch`; the guard's ``key_watch_fallback_seconds``, the gateway's
+``tls_watch_interval_seconds``).
 
 Nothing here regenerates a key silently: a file that exists but cannot be read or parsed is a
 ``KEY_ERROR`` telling the user which file, never a new key that would orphan every live token.
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -40,10 +41,9 @@ from gateway.atrest import vault
 from gateway.config import Paths
 from gateway.core import jose
 from gateway.errors import ErrorCode, UompError
-from gateway.fsutil import atomic_write, check_parents, check_private_dir, ensure_private_dir
+from gateway.fsutil import Stamps, atomic_write, check_parents, check_private_dir, ensure_private_dir, stamps
 
 # How often a running guard / gateway looks at the key files for a rotation or revocation.
-KEY_WATCH_INTERVAL_SECONDS = 1.0
 
 
 def revoked_keys_path(paths: Paths) -> Path:
@@ -288,6 +288,11 @@ def _record_revoked(paths: Paths, jwks: list[dict[str, Any]], now: float) -> Non
     atomic_write(path, _dump({"keys": entries}), mode=0o644)
 
 
+def key_files(paths: Paths) -> tuple[Path, ...]:
+    """The files a running guard or gateway reloads its keys from (what :class:`KeyWatch` watches)."""
+    return (paths.jwks, paths.public_jwk, paths.private_jwk, revoked_keys_path(paths))
+
+
 class KeyWatch:
     """Notices a change of the key files (rotation, revocation) by their stat stamps; cheap to poll."""
 
@@ -295,16 +300,8 @@ class KeyWatch:
         self.paths = paths
         self._stamp = self._read()
 
-    def _read(self) -> tuple[tuple[int, int, int] | None, ...]:
-        out: list[tuple[int, int, int] | None] = []
-        for p in (self.paths.jwks, self.paths.public_jwk, self.paths.private_jwk, revoked_keys_path(self.paths)):
-            try:
-                st = os.stat(p)
-            except OSError:
-                out.append(None)
-            else:
-                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-        return tuple(out)
+    def _read(self) -> Stamps:
+        return stamps(key_files(self.paths))
 
     def changed(self) -> bool:
         """True once after each change (the next call compares with what this one saw)."""

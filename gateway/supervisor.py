@@ -8,11 +8,18 @@ parent's side:
   :data:`GUARD_START_SECONDS`; a child that dies first, or does not answer in time, is a clear
   error carrying the child's own output;
 * while it runs, the child is health-checked over the socket: ``GET /v1/health`` on a *new*
-  connection (so a removed or replaced socket file is noticed, not hidden by pooled connections)
-  every ``health_interval`` seconds, each with a ``health_timeout``. After ``health_failures``
-  failures in a row (socket file gone, replaced by a dead socket, the guard hung or stopped) the
-  child is stopped (SIGTERM and SIGCONT, SIGKILL after :data:`UNHEALTHY_KILL_SECONDS`) and
-  restarted like a child that died;
+  connection (so a removed or replaced socket file is noticed, not hidden by pooled connections),
+  each with a ``health_timeout``. The first check comes ``health_interval`` seconds after the
+  start; each check that passes doubles the wait before the next, up to ``health_max_interval``
+  (an idle appliance wakes for it every 10 s, not every second); a failed check, a restart, or
+  :meth:`GuardProcess.check_soon` (the gateway saw a request to the guard fail) brings it back to
+  ``health_interval``. After ``health_failures`` failures in a row (socket file gone, replaced by a
+  dead socket, the guard hung or stopped) the child is stopped (SIGTERM and SIGCONT, SIGKILL after
+  :data:`UNHEALTHY_KILL_SECONDS`) and restarted like a child that died. A hung child is so stopped
+  at the latest ``health_max_interval + health_failures * health_timeout + (health_failures - 1) *
+  health_interval`` seconds after it hung (18 s with the defaults), sooner under traffic;
+* a child that *exits* is not waited for by a check: its exit is an event (the child watcher), and
+  the restart begins at once;
 * if the child dies (or is stopped as unhealthy), the gateway keeps answering (503
   STORE_UNAVAILABLE for anything that needs the guard) and the child is restarted with
   exponential backoff (:data:`RESTART_FIRST_SECONDS` doubling to :data:`RESTART_MAX_SECONDS`,
@@ -54,6 +61,7 @@ GUARD_STOP_SECONDS = 10.0  # SIGTERM, then SIGKILL after this
 UNHEALTHY_KILL_SECONDS = 3.0  # a child that failed its health checks: SIGTERM, then SIGKILL after this
 HEALTH_POLL_SECONDS = 0.05  # during start-up
 HEALTH_INTERVAL_SECONDS = 1.0  # defaults of GatewayConfig.guard_health_*
+HEALTH_MAX_INTERVAL_SECONDS = 10.0  # the wait between checks doubles up to this while they pass
 HEALTH_TIMEOUT_SECONDS = 2.0
 HEALTH_FAILURES = 3
 RESTART_FIRST_SECONDS = 0.5
@@ -79,7 +87,10 @@ def die_with_parent(parent: int) -> bool:
 
 
 def guard_child_main(argv: list[str]) -> int:
-    """Entry of the guard child process: ``argv`` = [parent pid, uomp arguments...]."""
+    """Entry of the guard child process: ``argv`` = [parent pid, uomp arguments...]. SIGHUP (the
+    parent forwards it to reload the keys) is ignored until the guard's own handler replaces it:
+    one that comes while the child still imports must not kill it (its keys are read after)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if not die_with_parent(int(argv[0])):
         return 1
     from gateway.cli.main import main
@@ -137,6 +148,7 @@ class GuardProcess:
         health_interval: float = HEALTH_INTERVAL_SECONDS,
         health_timeout: float = HEALTH_TIMEOUT_SECONDS,
         health_failures: int = HEALTH_FAILURES,
+        health_max_interval: float = HEALTH_MAX_INTERVAL_SECONDS,
         output: Callable[[str], None] = _log_output,
         on_restart: Callable[[str], None] | None = None,
     ) -> None:
@@ -148,10 +160,13 @@ class GuardProcess:
         self.health_interval = max(0.05, float(health_interval))
         self.health_timeout = max(0.05, float(health_timeout))
         self.health_failures = max(1, int(health_failures))
+        self.health_max_interval = max(self.health_interval, float(health_max_interval))
+        self.next_check_in = self.health_interval  # the wait before the next check (backs off while they pass)
         self.output = output
         self.on_restart = on_restart  # called with the reason once a restarted child is healthy
-        # called after each health check of a running child: None when it passed, else why not
-        self.on_health: Callable[[str | None], None] | None = None
+        # called after each health check of a running child: None when it passed, else why not;
+        # and the seconds until the next check (what a pass vouches for, to whoever shares it)
+        self.on_health: Callable[[str | None, float], None] | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.stopping = False
         self.restarts = 0
@@ -165,6 +180,7 @@ class GuardProcess:
         self._supervisor: asyncio.Task[None] | None = None
         self._started_at = 0.0
         self._wake = asyncio.Event()
+        self._check_soon = asyncio.Event()  # check_soon(): the next check now, the wait back to its first
 
     @property
     def pid(self) -> int | None:
@@ -288,21 +304,35 @@ class GuardProcess:
         finally:
             resp.release()
 
+    def check_soon(self) -> None:
+        """Check the child now and come back to the first interval (e.g. a request to it failed)."""
+        self._check_soon.set()
+
     async def _watch(self, proc: asyncio.subprocess.Process) -> str | None:
         """Until ``proc`` exits: None when it exited by itself; the reason when it was stopped here
         because it failed ``health_failures`` health checks in a row."""
         waiter = asyncio.ensure_future(proc.wait())
+        soon = asyncio.ensure_future(self._check_soon.wait())
         probe = self._probe_client(self.health_timeout)
+        self.next_check_in = self.health_interval
         try:
             while True:
-                done, _ = await asyncio.wait({waiter}, timeout=self.health_interval)
-                if done or self.stopping:
+                done, _ = await asyncio.wait({waiter, soon}, timeout=self.next_check_in, return_when="FIRST_COMPLETED")
+                if waiter in done or self.stopping:
                     return None
+                if soon in done:
+                    self.next_check_in = self.health_interval  # doubled from the first again if it passes
+                    self._check_soon.clear()
+                    soon = asyncio.ensure_future(self._check_soon.wait())
                 why = await self._check(probe)
                 if proc.returncode is not None or self.stopping:
                     return None
+                if why is None:
+                    self.next_check_in = min(self.next_check_in * 2, self.health_max_interval)
+                else:
+                    self.next_check_in = self.health_interval
                 if self.on_health is not None:
-                    self.on_health(why)
+                    self.on_health(why, self.next_check_in)
                 if why is None:
                     if self.failed_checks:
                         log.warning("guard process %s answers its health check again", proc.pid)
@@ -321,9 +351,10 @@ class GuardProcess:
                     await self._stop_unhealthy(proc)
                     return reason
         finally:
-            waiter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiter
+            for fut in (waiter, soon):
+                fut.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fut
             await probe.close()
 
     @staticmethod

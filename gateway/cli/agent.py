@@ -117,6 +117,10 @@ def revoke_agent(
             event.agent_id = done.agent_ids[0] if len(done.agent_ids) == 1 else userlog.USER_AGENT
             event.reason = f"the user revoked {len(done.revoked)} agent certificate(s)"
             event.detail = f"target {target[:120]}"
+    if done.revoked:
+        from gateway.reloads import notify_running
+
+        notify_running(paths)  # the running gateway and guard reload the CRL now
     by_agent = [a for a in done.agent_ids if target in (a, f"agent:{a}")]
     sweep = home.revoke_sessions(
         paths,
@@ -140,8 +144,8 @@ def _revoke(args: argparse.Namespace) -> int:
     if len(done.serials) > 1 and not args.target.startswith("agent:") and args.target not in done.agent_ids:
         print(f"  (serial {args.target} and the {len(done.serials) - 1} certificate(s) renewed from it)")
     print(
-        f"CRL re-signed: {ca_store.crl_path(paths)}; a running gateway reloads it within seconds (or on "
-        "SIGHUP) and refuses these certificates, on open connections too"
+        f"CRL re-signed: {ca_store.crl_path(paths)}; a running gateway and guard of this home were told to "
+        "reload it and refuse these certificates at once, on open connections too"
     )
     if args.keep_sessions:
         print(

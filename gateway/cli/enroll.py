@@ -173,6 +173,9 @@ def _revoke_unused(paths: Any, serial: str) -> None:
             event.action, event.count = "cert_revoked", 1
             event.reason = "the approval did not finish; the certificate issued for it is revoked"
             event.detail = f"serial {serial}"
+        from gateway.reloads import notify_running
+
+        notify_running(paths)  # the running gateway and guard reload the CRL now
     except UompError as exc:
         print(f"error {exc.code}: certificate {serial} could not be revoked; run: uomp agent revoke serial:{serial}")
 

@@ -265,6 +265,8 @@ async def _run(
                 gcfg.listen_host, gcfg.listen_port, "the gateway", "--listen HOST:PORT", exc
             ) from None
         assert gw.state is not None and gw.port is not None
+        if guard is not None and gw.monitor is not None:
+            gw.monitor.on_suspect = guard.check_soon  # a request to the guard failed: the supervisor looks now
         state = gw.state
         _anchor_metrics(paths, state.metrics)
         if gcfg.listen_port == 0:  # the placeholder audiences of "any free port" are not addresses

@@ -168,6 +168,9 @@ def _rotate(args: argparse.Namespace) -> int:
         event.reason = "the user rotated the token signing key" + (
             " and revoked the old keys" if args.revoke_old else ""
         )
+    from gateway.reloads import notify_running
+
+    told = notify_running(paths)  # the running guard and gateway reload the keys now
     print(f"new signing key {kid}")
     if not args.revoke_old:
         print(
@@ -175,13 +178,19 @@ def _rotate(args: argparse.Namespace) -> int:
             "'uomp keys rotate --revoke-old' distrusts them at once"
         )
         print(
-            f"a running guard and gateway pick the new key up within {keys.KEY_WATCH_INTERVAL_SECONDS:g} s "
-            "(they watch the key files) or on SIGHUP"
+            "the running guard and gateway of this home were told to pick the new key up"
+            if told
+            else "no running guard or gateway of this home was found to tell (one not found notices the key files "
+            "within its fallback look, 30 s by default)"
         )
         return 0
     print(
-        f"REVOKED: {', '.join(sorted(before))}; every token they signed is refused by a running guard and "
-        "gateway within about 2 s (they watch the key files), at once after a SIGHUP"
+        f"REVOKED: {', '.join(sorted(before))}; every token they signed is refused "
+        + (
+            "by the running guard and gateway at once (told to reload)"
+            if told
+            else "by a guard or gateway of this home when it starts, or within its fallback look (30 s by default)"
+        )
     )
     sweep = revoke_sessions(
         paths,

@@ -14,25 +14,15 @@ guard within that time. A home without a CA registry has issued no certificate: 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 from gateway import ca_registry
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
+from gateway.fsutil import Stamps, stamps
 
 RECHECK_SECONDS = 1.0
-
-Stamp = tuple[tuple[int, int, int] | None, ...]
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class RevokedCertificates:
@@ -42,7 +32,7 @@ class RevokedCertificates:
         self.paths = paths
         self.recheck_seconds = recheck_seconds
         self._looked = -float("inf")
-        self._stamp: Stamp | None = None
+        self._stamp: Stamps | None = None
         self.serials: frozenset[str] = frozenset()
         self.thumbprints: frozenset[str] = frozenset()
         # serial -> (agent id, revoked at, epoch seconds or None); thumbprint -> serial
@@ -58,7 +48,7 @@ class RevokedCertificates:
         if now - self._looked < self.recheck_seconds:
             return
         self._looked = now
-        stamp = tuple(_stamp(p) for p in self._files())
+        stamp = stamps(self._files())
         if stamp == self._stamp:
             return
         revoked: list[ca_registry.Entry] = []

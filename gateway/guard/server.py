@@ -24,7 +24,7 @@ from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.guard.http import error_response
 from gateway.guard.services import GuardServices
-from gateway.keys import KEY_WATCH_INTERVAL_SECONDS, KeyWatch
+from gateway.keys import KeyWatch
 from gateway.ledger import integrity
 from gateway.netutil import check_bind, claim_socket_path
 
@@ -90,6 +90,7 @@ class GuardRunner:
         self._claimed = False  # True once the socket path is ours (only then do we remove it)
         self.anchorer: Anchorer | None = None
         self._serving = False  # True once start() finished: only a guard that served signs at stop
+        self._keys_signalled = asyncio.Event()  # set by SIGHUP (keys_changed): the key watch reloads at once
 
     async def start(self) -> None:
         try:
@@ -264,12 +265,22 @@ class GuardRunner:
             await self.services.authdb(self.services.auth.reload_keys)
             log.info("signing keys reloaded")
 
+    def keys_changed(self) -> None:
+        """The key files changed (SIGHUP, sent by `uomp keys rotate` and the like): reload them now."""
+        self._keys_signalled.set()
+
     async def _key_watcher(self, watch: KeyWatch) -> None:
-        """Reload the keys when their files change (`uomp keys rotate [--revoke-old]`), no SIGHUP needed."""
+        """Reload the keys when told (:meth:`keys_changed`) and when their files changed, looked at
+        every ``key_watch_fallback_seconds`` (a file replaced by hand). The look is four ``stat``
+        calls, on the loop; only a reload goes to the auth.db worker."""
+        fallback = max(0.05, float(self.cfg.key_watch_fallback_seconds))
         while True:
-            await asyncio.sleep(KEY_WATCH_INTERVAL_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._keys_signalled.wait(), fallback)
+            signalled = self._keys_signalled.is_set()
+            self._keys_signalled.clear()
             try:
-                if await asyncio.to_thread(watch.changed):
+                if watch.changed() or signalled:  # changed() first: its stamp is taken either way
                     await self.reload_keys_async()
             except UompError as exc:
                 log.error("key reload failed, keeping the previous keys: %s", exc.message)
@@ -324,25 +335,15 @@ def install_signals(
 async def run_guard(paths: Paths, cfg: GuardConfig, *, serve_tcp: bool | None = None) -> None:
     """Runs the guard until a stop signal: its listeners, background workers, and a clean stop."""
     runner = GuardRunner(paths, cfg, serve_tcp=serve_tcp)
+    loop = asyncio.get_running_loop()
+    # SIGHUP before the socket exists: a command that finds this guard by its socket and signals
+    # it (gateway/reloads.py) must never meet the default action (termination). The key watch
+    # reloads on the auth.db worker, off the loop; one that arrives during start-up is kept.
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGHUP, runner.keys_changed)
     await runner.start()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    reloads: set[asyncio.Task[None]] = set()
-
-    def reload_keys() -> None:  # SIGHUP: the key files are read on the auth.db worker, not on the loop
-        task = loop.create_task(runner.reload_keys_async())
-        reloads.add(task)
-        task.add_done_callback(_reload_done)
-
-    def _reload_done(task: asyncio.Task[None]) -> None:
-        reloads.discard(task)
-        exc = None if task.cancelled() else task.exception()
-        if isinstance(exc, UompError):
-            log.error("reload failed: %s", exc.message)
-        elif exc is not None:
-            log.error("reload failed: %s", type(exc).__name__)
-
-    install_signals(loop, stop, [reload_keys])
+    install_signals(loop, stop)
     try:
         await stop.wait()
     finally:

@@ -21,7 +21,8 @@ The guard unreachable (or refusing to write): the batch goes to the gateway's du
 ``$UOMP_HOME/gateway/access.jsonl`` (the hash-chained, group-committed
 :class:`gateway.remote.access_log.AccessLog`) and the futures resolve once it is fsynced there. The
 spool is replayed into the guard's log, oldest first, as soon as the guard answers again (before
-any newer batch, and by a timer every :data:`REPLAY_INTERVAL_SECONDS`); ``access.replayed`` holds
+any newer batch, and by a timer every :data:`REPLAY_INTERVAL_SECONDS` that runs only while the
+spool holds events: an empty spool is waited on, not polled); ``access.replayed`` holds
 the spool sequence number replayed so far (written atomically after the guard acknowledged).
 A crash between the guard's answer and that write replays a batch again: the ids make that a no-op.
 When neither the guard nor the spool can take an event, the futures fail with
@@ -135,6 +136,7 @@ class EventSink:
         self.marker = spool.path.with_name(spool.path.stem + ".replayed")
         self.set_aside_file = spool.path.with_name(spool.path.stem + ".setaside.jsonl")
         self.replayed_seq = self._read_marker()
+        self._spooled = asyncio.Event()  # set when events went to the spool: the replayer has work
         # counters (metrics, tests, benchmarks)
         self.requests_sent = 0  # internal requests to the guard (batches + replays)
         self.events_sent = 0
@@ -263,6 +265,7 @@ class EventSink:
                 self.spool.path.name,
             )
         self.events_spooled += len(events)
+        self._spooled.set()
 
     # ------------------------------------------------------------------------- replay
 
@@ -398,12 +401,17 @@ class EventSink:
         self, interval: float = REPLAY_INTERVAL_SECONDS, backoff_max: float = REPLAY_BACKOFF_MAX_SECONDS
     ) -> None:
         """Background task: replay the spool whenever it holds events and the guard answers; while it
-        does not, the wait doubles up to ``backoff_max``."""
+        does not, the wait doubles up to ``backoff_max``. An empty spool is waited on (the next
+        events spooled wake it), so an idle gateway has no timer here."""
         wait = interval
         while True:
-            await asyncio.sleep(wait)
             if not self.backlog:
                 wait = interval
+                self._spooled.clear()
+                if not self.backlog:  # nothing spooled between the look and the clear
+                    await self._spooled.wait()
+            await asyncio.sleep(wait)
+            if not self.backlog:  # a live delivery replayed it first (it replays before posting)
                 continue
             try:
                 await self.replay()

@@ -316,15 +316,16 @@ class GatewayRunner:
         if self.monitor is not None:
             self.monitor.wake()
 
-    def guard_checked(self, why: str | None) -> None:
+    def guard_checked(self, why: str | None, next_check_in: float | None = None) -> None:
         """The supervisor health-checked its guard child on ``guard.sock`` (``why`` None: it
-        passed). When that is this gateway's upstream, a pass stands for the monitor's own probe
+        passed; its next check in ``next_check_in`` seconds). When that is this gateway's upstream,
+        a pass stands for the monitor's own probe until then
         (:meth:`UpstreamMonitor.passed_elsewhere`) and a failure makes it check at once."""
         monitor = self.monitor
         if monitor is None or monitor.upstream != Upstream("unix", str(self.paths.guard_sock)):
             return
         if why is None:
-            monitor.passed_elsewhere()
+            monitor.passed_elsewhere(next_check_in)
         else:
             monitor.wake()
 

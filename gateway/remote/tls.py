@@ -71,7 +71,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from gateway.atrest import vault
 from gateway.core import ca, jose
 from gateway.errors import ErrorCode, UompError
-from gateway.fsutil import atomic_write
+from gateway.fsutil import Stamps, atomic_write, stamps
 
 log = logging.getLogger(__name__)
 
@@ -406,9 +406,6 @@ class TLSFiles:
     crl_file: Path
 
 
-_Stamp = tuple[tuple[int, int, int] | None, ...]
-
-
 class TLSReloader:
     """A stable listening context whose handshakes use the most recently loaded files.
 
@@ -545,17 +542,9 @@ class TLSReloader:
         ssl_object.context = self._inner
         setattr(ssl_object, SNI_ATTRIBUTE, server_name)  # read back by server_name_of()
 
-    def _stamps(self) -> _Stamp:
-        out: list[tuple[int, int, int] | None] = []
-        for p in (self.files.cert_file, self.files.key_file, self.files.ca_file, self.files.crl_file):
-            try:
-                st = p.stat()
-            except OSError:
-                out.append(None)
-                continue
-            # inode catches os.replace (atomic writes) even within one mtime tick.
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        return tuple(out)
+    def _stamps(self) -> Stamps:
+        f = self.files
+        return stamps((f.cert_file, f.key_file, f.ca_file, f.crl_file))
 
     def reload(self) -> None:
         """Load the files again and switch new handshakes to them; UompError (old context kept) on failure.

@@ -26,7 +26,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from typing import Any, Protocol
 from gateway.config import Paths
 from gateway.core import jose
 from gateway.errors import ErrorCode, UompError
-from gateway.fsutil import atomic_write, ensure_private_dir
+from gateway.fsutil import Stamps, atomic_write, ensure_private_dir, stamps
 from gateway.remote.tls import CRLMark
 
 log = logging.getLogger("uomp.uplink")
@@ -111,23 +110,15 @@ class TrustSource:
 
     def __init__(self, paths: Paths) -> None:
         self.files = (paths.crl, paths.jwks, paths.revoked_keys)
-        self._stamp: tuple[tuple[int, int, int] | None, ...] | None = None
+        self._stamp: Stamps | None = None
         self._bundle: Bundle | None = None
         self.sent_at: float | None = None  # a bundle last went to the gateway (wall clock)
         self.sent_etag: str | None = None
         self.acked_at: float | None = None  # the gateway last said it holds what was sent
         self.vps_crl_number: int | None = None  # the CRL Number the gateway says it holds
 
-    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
-        out: list[tuple[int, int, int] | None] = []
-        for p in self.files:
-            try:
-                st = os.stat(p)
-            except OSError:
-                out.append(None)
-            else:
-                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-        return tuple(out)
+    def _stamps(self) -> Stamps:
+        return stamps(self.files)
 
     def current(self) -> Bundle:
         """The bundle of the files now (a file replaced while read is read again next time)."""

@@ -81,3 +81,43 @@ async def test_supervisor_checks_stand_for_the_monitors_probes(home: Paths) -> N
         await _until(lambda: len(probes) >= base + 2, "the monitor probing again")
         home.guard_sock.unlink()
         await _until(lambda: monitor.up is False, "the lost guard socket reported")
+
+
+async def test_one_timer_backs_off_for_both_and_a_failure_brings_it_back(home: Paths) -> None:
+    async with appliance(home, upstream_health_interval_seconds=0.05) as app:
+        gw = app.gateway
+        monitor = gw.monitor
+        assert monitor is not None
+        monitor.max_interval = 0.4
+        waits: list[float] = []
+        real = monitor.check
+
+        async def recording() -> bool:
+            ok = await real()
+            waits.append(monitor.next_check_in)
+            return ok
+
+        monitor.check = recording  # type: ignore[method-assign]
+        monitor.wake()  # from the first interval, like after a restart
+        # its own checks, passing: each doubles the wait before the next, up to the maximum
+        await _until(lambda: len(waits) >= 5, "the monitor's own checks")
+        assert waits[:5] == [0.1, 0.2, 0.4, 0.4, 0.4]
+
+        # the supervisor's check passed and says its next one is 30 s away: no probe of our own
+        # meanwhile (a vouch used to last the monitor's own interval only)
+        gw.guard_checked(None, 30.0)
+        await asyncio.sleep(0.1)  # a probe already under way may finish
+        base = len(waits)
+        await asyncio.sleep(1.5)  # more than three of the monitor's backed-off periods
+        assert len(waits) == base, f"{len(waits) - base} probes while the supervisor vouched"
+
+        # a failed request: a probe at once, and the guard gone is seen; the wait back to the first
+        suspected: list[bool] = []
+        monitor.on_suspect = lambda: suspected.append(True)
+        home.guard_sock.rename(home.guard_sock.with_name("moved.sock"))
+        base = len(waits)
+        monitor.request_failed(ErrorCode.STORE_UNAVAILABLE)
+        await _until(lambda: len(waits) > base and monitor.up is False, "the probe after a failed request")
+        assert waits[base] == 0.05 and suspected  # and the supervisor was told to look too
+        home.guard_sock.with_name("moved.sock").rename(home.guard_sock)
+        await _until(lambda: monitor.up is True, "the guard back")
