@@ -375,7 +375,11 @@ def _tunnel_supervisor(
                 "(a named tunnel keeps one URL: --tunnel named)"
             )
 
-    sup = sup_cls(tc, on_url=on_url)
+    def on_state(_state: Any) -> None:
+        if gw.monitor is not None:
+            gw.monitor.report_changed()  # uomp status sees missing / restarting / rate-limited at once
+
+    sup = sup_cls(tc, on_url=on_url, on_state=on_state)
     holder["sup"] = sup
     return sup
 

@@ -146,6 +146,12 @@ class UpstreamMonitor:
         self._ok()
         self._wake.set()  # the wait is recomputed (same loop tick: no wake-up of its own)
 
+    def report_changed(self) -> None:
+        """Something the status file reports (a source such as the tunnel's state) changed: the file
+        is rewritten at once, without a check of the guard."""
+        self._dirty = True
+        self._wake.set()
+
     def wake(self) -> None:
         """Check now, the waits from the first interval again (e.g. the supervisor restarted the guard)."""
         self._dirty = True
