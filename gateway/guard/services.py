@@ -4,12 +4,14 @@ runs on."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway import keys as keyfiles
+from gateway.atrest import writers
 from gateway.config import GuardConfig, Paths
 from gateway.core import checks
 from gateway.db import DbWorker
@@ -49,6 +51,9 @@ class GuardServices:
     proposals: ProposalBook | None = None  # made on first use: proposal_book()
     # agent certificates revoked in this home, held to the gateway's assertion (guard/revocation.py)
     revoked: RevokedCertificates | None = None
+    # the home's writers' lock (gateway/atrest/writers.py), shared, from before the first database is
+    # opened until close(): no seal or unseal rewrites memory.db or audit.db under a guard
+    writers_hold: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
     def add_local_port(self, port: int) -> None:
         self.local_audiences.update(
@@ -65,6 +70,21 @@ class GuardServices:
 
     @classmethod
     def open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
+        """Open the guard's databases and services, holding the home's writers' lock (shared) from
+        before the first of them until :meth:`close`; a guard started during a seal waits for it (at
+        most ``writers.WAIT_SECONDS``, then STORE_BUSY)."""
+        hold = contextlib.ExitStack()
+        hold.enter_context(writers.writing(paths))
+        try:
+            svc = cls._open(paths, cfg)
+        except BaseException:
+            hold.close()
+            raise
+        svc.writers_hold = hold
+        return svc
+
+    @classmethod
+    def _open(cls, paths: Paths, cfg: GuardConfig) -> GuardServices:
         audit = open_audit(paths, cfg, strict=False)  # a refused log: served as refusals (errors_middleware)
         auth = AuthService(paths, cfg, audit)
         store = open_memory_store(paths, cfg)
@@ -91,8 +111,12 @@ class GuardServices:
         return await self.auth_worker.run(fn, *args)
 
     def close(self) -> None:
-        self.auth_worker.close()
-        self.auth.close_db()
-        self.store.close()
-        self.reads.close()
-        self.audit.close()
+        """Close the databases, then let go of the writers' lock."""
+        try:
+            self.auth_worker.close()
+            self.auth.close_db()
+            self.store.close()
+            self.reads.close()
+            self.audit.close()
+        finally:
+            self.writers_hold.close()

@@ -259,3 +259,57 @@ def test_a_seal_is_refused_while_a_command_has_the_auth_service_open(tmp_path: P
         if tool.poll() is None:
             tool.kill()
             tool.wait()
+
+
+async def test_a_running_guard_holds_the_writers_lock_until_it_stops(tmp_path: Path) -> None:
+    # the guard's databases are open from before its socket is bound: the lock, not the socket, is what
+    # stops a seal in that window
+    paths = make_home()
+    seed(paths)
+    assert not lock_taken(paths)
+    async with running_guard(paths, guard_config(), serve_tcp=False):
+        assert lock_taken(paths)
+    assert not lock_taken(paths)  # the partner: let go at the stop
+
+
+def test_a_guard_started_during_a_seal_waits_for_it_then_serves(tmp_path: Path) -> None:
+    paths = make_home()
+    seed(paths)
+    holder = subprocess.Popen(
+        [*UOMP[:1], "-c", HOLDER, str(paths.home)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    guard = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        guard = subprocess.Popen(
+            [*UOMP, "--home", str(paths.home), "guard", "serve", "--no-tcp"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+            cwd=REPO,
+        )
+        lock = str(writers.lock_path(paths))
+        until(lambda: has_open(guard.pid, lock), "the guard asks for the writers' lock")
+        assert guard.poll() is None
+        # waiting before any database: neither file is open in the guard yet
+        assert not has_open(guard.pid, str(paths.audit_db)) and not has_open(guard.pid, str(paths.memory_db))
+        assert holder.stdin is not None
+        holder.stdin.close()  # the seal ends
+        assert holder.wait(timeout=BOUND) == 0
+        until(lambda: has_open(guard.pid, str(paths.audit_db)), "the guard opens its databases after the seal")
+        assert guard.poll() is None
+        assert lock_taken(paths)  # and holds the lock while it serves
+    finally:
+        for p in (holder, guard):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=BOUND)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
