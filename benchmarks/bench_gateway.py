@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -63,6 +64,29 @@ from gateway import contract
 
 AIM_RATIO = 0.8  # issue 13
 AIM_P50_OVERHEAD_MS = 1.0  # unloaded (1 client)
+
+
+def _cpu_us(run: dict[str, Any]) -> float | None:
+    """The appliance's CPU per request in one run (gateway + guard), in µs."""
+    cpu = run.get("server_cpu")
+    return None if cpu is None or not run["rps"] else cpu / 100 / run["rps"] * 1e6
+
+
+def _paired_line(kind: str, runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> str:
+    """The rounds of two appliances paired (round i of one against round i of the other, the order
+    alternating per round): each round's req/s ratio, their median, and the same for CPU per request.
+    A paired median is what a noisy shared machine still resolves; the totals above weigh a round
+    slowed by another process's burst as much as the rest."""
+    ratios = [a["rps"] / b["rps"] for a, b in zip(runs, base, strict=True) if b["rps"]]
+    cpus = [(ca / cb) for a, b in zip(runs, base, strict=True) if (ca := _cpu_us(a)) and (cb := _cpu_us(b))]
+
+    def fmt(xs: list[float]) -> str:
+        return f"[{', '.join(f'{x:.2f}' for x in xs)}], median x{statistics.median(xs):.2f}"
+
+    line = f"{kind}: req/s ratio per round {fmt(ratios)}"
+    if cpus:
+        line += f"; CPU per request ratio per round {fmt(cpus)}"
+    return line
 
 
 class Appliance:
@@ -336,8 +360,9 @@ def main() -> None:
         )
         ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota", "old", "sealed")]
         hs_apps = [a for k, a in apps.items() if k in ("base", "buf", "old")]
-        for _ in range(args.rounds):
-            for app in ka_apps:
+        for r in range(args.rounds):
+            # A B, then B A: neither tree always runs first in its round (or always after the other's load)
+            for app in ka_apps if r % 2 == 0 else ka_apps[::-1]:
                 for kind in ("direct", "gateway"):
                     app.runs[kind].append(app.keepalive(kind, args))
         unloaded = {
@@ -435,6 +460,8 @@ def main() -> None:
             f"x{e['gateway']['rps'] / m['gateway']['rps']:.2f} (aim >= 0.9), gateway p50 "
             f"{e['gateway']['p50_ms']:.2f}/{m['gateway']['p50_ms']:.2f} ms"
         )
+        for kind in ("direct", "gateway"):
+            print("  " + _paired_line(kind, apps["sealed"].runs[kind], apps["base"].runs[kind]))
 
     d, gw = m["direct"], m["gateway"]
     ratio = gw["rps"] / d["rps"]
