@@ -278,8 +278,11 @@ async def test_theirs_to_our_running_guard(home: Paths, tmp_path: Path) -> None:
     # the guard ran on the reference's two files alone: nothing of ours was written next to them
     # The reference's key files were used as they are; the only new secrets are the audit log's own
     # (its checkpoint signing key, which the guard makes on first start, and its witness record) and
-    # the key that seals high-sensitivity values, made when the store first opens.
-    assert sorted(p.name for p in home.secrets.iterdir()) == [
+    # the key that seals high-sensitivity values, made when the store first opens. Beside them is the
+    # home's writers' lock, which a running guard holds shared: an empty file, no secret in it.
+    lock = home.secrets / ".writers.lock"
+    assert lock.stat().st_size == 0
+    assert sorted(p.name for p in home.secrets.iterdir() if p != lock) == [
         "admin-token",
         "audit-ed25519.key",
         "audit-witness.json",
