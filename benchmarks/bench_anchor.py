@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from anchorkit import ANVIL, ANVIL_MISSING, Anvil, included, sample_anchor
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+from gateway.ledger.anchorer import Anchorer, AnchorPolicy
 from gateway.ledger.log import EventLog
 
 KEY = Ed25519PrivateKey.generate()

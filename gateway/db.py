@@ -24,7 +24,6 @@ committed is never reported as failed because its caller gave up waiting).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import queue
@@ -34,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlcipher3.dbapi2 as cipher  # type: ignore[import-untyped]
 
@@ -50,7 +49,10 @@ SQL_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, cipher.Error)
 SQL_OPERATIONAL: tuple[type[Exception], ...] = (sqlite3.OperationalError, cipher.OperationalError)
 SQL_OR_OS_ERRORS: tuple[type[Exception], ...] = (*SQL_ERRORS, OSError)
 # (loop, future, deadline, function, arguments): one call queued for a DbWorker
-_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", float, Callable[..., Any], tuple[Any, ...]]
+if TYPE_CHECKING:  # (asyncio is imported by the async callers only: a one-shot command that reads needs none of it)
+    import asyncio
+
+    _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", float, Callable[..., Any], tuple[Any, ...]]
 
 _BUSY_NAMES = ("SQLITE_BUSY", "SQLITE_LOCKED")
 
@@ -294,6 +296,8 @@ class DbWorker:
         runs to its end even if the caller stops waiting."""
         if self._closed:
             raise UompError(ErrorCode.STORE_UNAVAILABLE, f"the {self.what} is closed")
+        import asyncio
+
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._queue.put((loop, fut, time.monotonic() + self.queue_timeout, fn, args))

@@ -32,7 +32,6 @@ cannot write, or refusals logged too often, become one summary record when writi
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import errno
 import logging
@@ -43,9 +42,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gateway.errors import ErrorCode, UompError
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger("uomp.durable")
 
@@ -191,6 +193,8 @@ class GroupCommitWriter(Generic[T]):
 
         Raises ``STORE_UNAVAILABLE`` if its batch failed. With no ticket and nothing unsettled this
         returns at once, even after a failure (each failure is reported to its own waiters once)."""
+        import asyncio  # (only async callers need it: the one-shot commands that write sync load none of it)
+
         with self._cond:
             fut, failed = self._future_for(ticket, defer=True)
             deferred = fut is not None and fut is self._open
@@ -207,6 +211,8 @@ class GroupCommitWriter(Generic[T]):
     def _async_of(self, fut: Future[None]) -> asyncio.Future[None]:
         """One asyncio future per batch and loop, shared by all its waiters: the writer thread wakes
         them with one call, so they all resume in the same loop iteration (and batch together next)."""
+        import asyncio
+
         loop = asyncio.get_running_loop()
         key = (id(fut), id(loop))
         with self._cond:
@@ -234,6 +240,8 @@ class GroupCommitWriter(Generic[T]):
 
     async def probe(self) -> None:
         """Run one batch now, even an empty one (a log writes its pending summary in it)."""
+        import asyncio
+
         with self._cond:
             fut, _ = self._future_for(None, force=True)
         assert fut is not None

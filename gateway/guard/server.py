@@ -29,7 +29,7 @@ from gateway.ledger import integrity
 from gateway.netutil import check_bind, claim_socket_path
 
 if TYPE_CHECKING:
-    from gateway.ledger.anchoring import Anchorer
+    from gateway.ledger.anchorer import Anchorer
 
 log = logging.getLogger("uomp.guard")
 # The Unix socket's listen backlog. A non-blocking connect() to a Unix socket whose backlog is full
@@ -228,7 +228,7 @@ class GuardRunner:
         if acfg.backend == "none":
             return
         from gateway.anchor.ops import make_backend
-        from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+        from gateway.ledger.anchorer import Anchorer, AnchorPolicy
 
         backend = make_backend(
             acfg.backend,

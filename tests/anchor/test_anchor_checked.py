@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from lying_rpc import OTHER, LyingRpc
 
 from gateway.anchor.base import Anchor, plain_http_remote
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy, backlog, summary
+from gateway.ledger.anchorer import Anchorer, AnchorPolicy
+from gateway.ledger.anchoring import backlog, summary
 from gateway.ledger.log import EventLog
 
 pytestmark = pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)

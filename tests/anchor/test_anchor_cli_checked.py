@@ -152,7 +152,7 @@ async def test_verify_proof_trusts_the_users_chain_not_the_bundles(
     from eth_account import Account
 
     from gateway.anchor.evm import EvmBackend, EvmSettings, deploy
-    from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+    from gateway.ledger.anchorer import Anchorer, AnchorPolicy
 
     node = Anvil(tmp_path)
     await asyncio.to_thread(node.start)
@@ -220,7 +220,7 @@ async def test_verify_checks_the_log_against_the_newest_anchor_on_chain(
     from eth_account import Account
 
     from gateway.anchor.evm import EvmBackend, EvmSettings, deploy
-    from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+    from gateway.ledger.anchorer import Anchorer, AnchorPolicy
 
     node = Anvil(tmp_path)
     await asyncio.to_thread(node.start)

@@ -27,7 +27,8 @@ from lying_rpc import LyingRpc
 
 from gateway.anchor import encoding as enc
 from gateway.config import Paths
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy, backlog, check_facts, summary
+from gateway.ledger.anchorer import Anchorer, AnchorPolicy
+from gateway.ledger.anchoring import backlog, check_facts, summary
 from gateway.ledger.log import EventLog
 
 pytestmark = pytest.mark.skipif(not ANVIL.exists(), reason=ANVIL_MISSING)
@@ -182,7 +183,7 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 from eth_account import Account
 from gateway.anchor.evm import EvmBackend, EvmSettings, load_private_key
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+from gateway.ledger.anchorer import Anchorer, AnchorPolicy
 
 async def main():
     b = EvmBackend(EvmSettings(rpc_url={url!r}, contract={contract!r}, chain_id=31337, confirmations=1,

@@ -14,7 +14,8 @@ from starknet_standin import StandIn, StandInServer
 
 from gateway.anchor import encoding as enc
 from gateway.anchor.starknet import StarknetBackend, StarknetSettings, expected_events
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy, anchor_for, backlog, check_facts
+from gateway.ledger.anchorer import Anchorer, AnchorPolicy
+from gateway.ledger.anchoring import anchor_for, backlog, check_facts
 from gateway.ledger.log import EventLog
 
 CHAIN = int(StarknetChainId.SEPOLIA)

@@ -17,7 +17,7 @@ from guardkit import call, guard_config, unix_session
 from gateway.anchor.none import NoneBackend
 from gateway.config import Paths
 from gateway.guard.server import GuardRunner
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy
+from gateway.ledger.anchorer import Anchorer, AnchorPolicy
 
 HANG = 30  # a stop still running after this long is the defect (it would never end)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 SCRIPT = r"""
 import asyncio, sys
 from pathlib import Path
-from gateway.ledger import anchoring
+from gateway.ledger import anchorer
 
 def long_derivation(conn, now=None):  # a derivation over a large backlog: many statements in the thread
     for i in range(200_000):
@@ -19,8 +19,8 @@ def long_derivation(conn, now=None):  # a derivation over a large backlog: many 
     return 0
 
 async def main() -> None:
-    worker = anchoring.Anchorer(Path(sys.argv[1]), backend=None)
-    anchoring.derive_facts = long_derivation
+    worker = anchorer.Anchorer(Path(sys.argv[1]), backend=None)
+    anchorer.derive_facts = long_derivation
     for _ in range(20):
         round_ = asyncio.ensure_future(worker.step())
         await asyncio.sleep(0.05)  # the derivation is running in its thread

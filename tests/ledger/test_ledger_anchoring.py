@@ -13,7 +13,8 @@ from anchorkit import ANVIL, ANVIL_MISSING, Anvil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gateway.anchor.base import Anchor
-from gateway.ledger.anchoring import Anchorer, AnchorPolicy, backlog
+from gateway.ledger.anchorer import Anchorer, AnchorPolicy
+from gateway.ledger.anchoring import backlog
 from gateway.ledger.log import EventLog
 from gateway.ledger.verify import verify_bundle
 
