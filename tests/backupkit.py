@@ -3,8 +3,9 @@ restore targets, and the seven kinds of damage every reader of a backup must ref
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
+
+from shortdir import short_dir
 
 from gateway.atrest import backup, memdb
 from gateway.config import Paths
@@ -18,7 +19,7 @@ DAMAGES = ["flip_middle", "flip_last", "truncate", "drop_last_chunk", "trailing"
 
 def new_home() -> Path:
     """A restore target that does not exist yet, in a fresh directory of its own (short path)."""
-    return Path(tempfile.mkdtemp(prefix="uomp-bk-", dir="/tmp")) / "home"
+    return short_dir("uomp-bk-") / "home"
 
 
 def put_marked(paths: Paths, mark: str) -> Paths:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shortdir import PREFIX, remove_all, short_dir
 
 from gateway.config import Paths
 from gateway.keys import init_home
@@ -15,6 +16,28 @@ from gateway.keys import init_home
 # The dashboard of every appliance a test starts takes a free port, never the default 9380 that an
 # appliance the user runs beside the suite holds (tests that need a fixed one set it themselves).
 os.environ.setdefault("UOMP_DASHBOARD_PORT", "0")
+
+_TMP = Path("/tmp")
+_before: set[str] = set()
+
+
+def _ours() -> set[str]:
+    return {p.name for p in _TMP.glob(PREFIX + "*")}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _before.update(_ours())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The tests' short directories (their homes: keys, tokens, values) go with the session. Under CI,
+    where nothing else writes /tmp, any ``/tmp/uomp-*`` made during the run and still there is a
+    failure: it is a test (or an appliance it ran) that leaves secrets behind."""
+    remove_all()
+    left = sorted(_ours() - _before)
+    if left and os.environ.get("CI"):
+        print(f"\nleft behind in /tmp by this run: {', '.join(left[:20])}{' ...' if len(left) > 20 else ''}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)
@@ -32,9 +55,7 @@ def _root_logging_restored() -> Iterator[None]:
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Paths:
     """An initialised UOMP_HOME under a short path (Unix socket paths are limited to 108 bytes)."""
-    import tempfile
-
-    short = Path(tempfile.mkdtemp(prefix="uomp-", dir="/tmp"))
+    short = short_dir("uomp-")
     paths = Paths(short)
     init_home(paths)
     monkeypatch.setenv("UOMP_HOME", str(short))

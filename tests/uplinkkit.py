@@ -11,13 +11,13 @@ import dataclasses
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from gatewaykit import Appliance
 from guardkit import running_guard, seed, unix_session
+from shortdir import short_dir
 
 from gateway import ca_store
 from gateway.config import GatewayConfig, Paths
@@ -66,10 +66,6 @@ class Split:
                 return
             await asyncio.sleep(0.02)
         raise AssertionError(f"uplink connected={hub.connected}, wanted {want}")
-
-
-def short_dir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
 @contextlib.asynccontextmanager

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from shortdir import short_dir
 from test_sealed_cli import REPO, UOMP, env, pp_file, uomp
 from test_sealed_keys import PASSPHRASE, scan, secret_markers
 
@@ -47,7 +47,7 @@ def _children(pid: int) -> list[int]:
 
 
 async def test_the_appliance_runs_on_a_sealed_home_and_no_secret_leaks(tmp_path: Path) -> None:
-    home = Path(tempfile.mkdtemp(prefix="uomp-sc-", dir="/tmp")) / "home"
+    home = short_dir("uomp-sc-") / "home"
     pp = pp_file(tmp_path)
     e = env(**{vault.PASSPHRASE_FILE_ENV: str(pp)})
     outputs: list[str] = []

@@ -8,12 +8,12 @@ from __future__ import annotations
 import base64
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives import serialization
+from shortdir import short_dir
 
 from gateway import ca_store, keys
 from gateway.atrest import itemseal, journal, migrate, sealing, vault
@@ -44,7 +44,7 @@ def _clean_vault() -> Iterator[None]:
 
 
 def make_home() -> Paths:
-    paths = Paths(Path(tempfile.mkdtemp(prefix="uomp-sk-", dir="/tmp")) / "home")
+    paths = Paths(short_dir("uomp-sk-") / "home")
     keys.init_home(paths)
     ca_store.init_all(paths, ["localhost"])
     auditkey.ensure(paths)

@@ -12,12 +12,12 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shortdir import short_dir
 
 UOMP = [sys.executable, "-m", "gateway.cli.main"]
 WAIT = 60.0  # a bound for a process to come up or stop (a safety net, not a timing claim)
@@ -32,7 +32,7 @@ def uomp(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def home() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="uomp-st-", dir="/tmp")) / "home"
+    d = short_dir("uomp-st-") / "home"
     assert uomp(d, "init").returncode == 0
     (d / "config.toml").write_text(CONFIG)
     yield d

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from gatewaykit import ledger_events
+from shortdir import short_dir
 
 from gateway.bundle import load_bundle
 from gateway.client.tls import build_client_context
@@ -30,9 +31,8 @@ def run(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
 
 @pytest.fixture
 def fresh_home(tmp_path: Path) -> Path:
-    import tempfile
 
-    return Path(tempfile.mkdtemp(prefix="uomp-e2e-", dir="/tmp")) / "home"
+    return short_dir("uomp-e2e-") / "home"
 
 
 def test_help_tells_the_truth() -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shortdir import short_dir
 
 from gateway.cli import home as home_cli
 from gateway.cli import memory as memory_cli
@@ -22,7 +22,7 @@ from gateway.keys import init_home
 def home_dir() -> Iterator[str]:
     import shutil
 
-    d = tempfile.mkdtemp(prefix="uomp-mem-", dir="/tmp")
+    d = short_dir("uomp-mem-")
     init_home(Paths(Path(d)))
     yield d
     shutil.rmtree(d, ignore_errors=True)

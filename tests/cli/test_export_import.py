@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from guardkit import seed
+from shortdir import short_dir
 
 from gateway.atrest import itemseal
 from gateway.cli.main import main
@@ -26,7 +26,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 def other() -> Iterator[Paths]:
     import shutil
 
-    d = Path(tempfile.mkdtemp(prefix="uomp-imp-", dir="/tmp"))
+    d = short_dir("uomp-imp-")
     paths = Paths(d)
     init_home(paths)
     yield paths

@@ -15,13 +15,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from shortdir import short_dir
 
 from gateway.client import ClientOptions, Unavailable, UompClient
 from gateway.ledger.query import MAX_LIMIT, AuditFilter, query_events
@@ -94,7 +94,7 @@ class Appliance:
 
 @pytest.fixture
 def appliance(tmp_path: Path) -> Iterator[Appliance]:
-    home = Path(tempfile.mkdtemp(prefix="uomp-crash-", dir="/tmp")) / "home"
+    home = short_dir("uomp-crash-") / "home"
     run(home, "init")
     run(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
     app = Appliance(home, tmp_path / "fault.arm")

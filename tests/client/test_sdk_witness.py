@@ -12,7 +12,6 @@ import base64
 import json
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from gatewaykit import appliance
 from guardkit import call, grant, guard_config, running_guard, seed, unix_session
+from shortdir import short_dir
 
 from gateway.client import AuditCheckpointInvalid, AuditLogError, AuditLogForked, UompClient
 from gateway.client import witness as witness_mod
@@ -89,7 +89,7 @@ async def test_honest_log_advances_and_a_fork_or_rollback_is_caught(home: Paths,
             assert bundle["event"]["id"] == read and "consistency" in bundle
 
     # the copy: the same keys, sessions and log up to here
-    fork_dir = Path(tempfile.mkdtemp(prefix="uomp-f", dir="/tmp"))
+    fork_dir = short_dir("uomp-f")
     try:
         shutil.rmtree(fork_dir)
         shutil.copytree(home.home, fork_dir, ignore=shutil.ignore_patterns("*.sock"))

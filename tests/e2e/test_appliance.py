@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from portkit import own_ports_env
+from shortdir import short_dir
 
 from gateway.client import UompClient
 from gateway.client.errors import AuthError
@@ -98,7 +98,7 @@ class Running:
 @pytest.fixture
 def home() -> Iterator[Path]:
     # short path: Unix socket names are limited to ~100 bytes
-    d = Path(tempfile.mkdtemp(prefix="uomp-ap-", dir="/tmp"))
+    d = short_dir("uomp-ap-")
     yield d / "home"
 
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from anchorkit import ANVIL, ANVIL_MISSING, Anvil
 from gatewaykit import Appliance, agent_call, agent_session, appliance
 from guardkit import guard_config
+from shortdir import short_dir
 
 from gateway import appliance as appliance_state
 from gateway import keys
@@ -645,13 +646,12 @@ def test_gateway_start_serves_it_and_uomp_dashboard_hands_out_links(tmp_path: Pa
     import os
     import subprocess
     import sys
-    import tempfile
     import urllib.error
     import urllib.request
 
     from test_appliance import Running
 
-    home = Path(tempfile.mkdtemp(prefix="uomp-db-", dir="/tmp")) / "home"
+    home = short_dir("uomp-db-") / "home"
     env = {**os.environ, "UOMP_DASHBOARD_PORT": "0"}
     run = Running(home, env=env)
     try:
@@ -703,13 +703,12 @@ def test_gateway_start_prints_the_login_link_to_a_terminal(tmp_path: Path) -> No
     import signal
     import subprocess
     import sys
-    import tempfile
     import threading
     import time
     import urllib.error
     import urllib.request
 
-    home = Path(tempfile.mkdtemp(prefix="uomp-tty-", dir="/tmp")) / "home"
+    home = short_dir("uomp-tty-") / "home"
     env = {**os.environ, "UOMP_DASHBOARD_PORT": "0"}
     master, slave = pty.openpty()
     proc = subprocess.Popen(

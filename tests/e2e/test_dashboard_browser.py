@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import pytest
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance
 from guardkit import guard_config
+from shortdir import short_dir
 
 from gateway.cli.main import main as uomp
 from gateway.client import payloads as sdk_payloads
@@ -60,7 +61,7 @@ class World:
     """The appliance and the dashboard, on their own event loop in a thread."""
 
     def __init__(self) -> None:
-        self.paths = Paths(Path(tempfile.mkdtemp(prefix="uomp-", dir="/tmp")))
+        self.paths = Paths(short_dir("uomp-"))
         init_home(self.paths)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="dashboard-world", daemon=True)

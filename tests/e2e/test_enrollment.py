@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from gatewaykit import ledger_events
 from portkit import own_ports_env
+from shortdir import short_dir
 
 from gateway import ca_store, enrollment
 from gateway.cli.main import main
@@ -112,7 +112,7 @@ MADE: list[Path] = []  # temporary homes of this module (keys and tokens inside)
 
 
 def _tmpdir(prefix: str) -> Path:
-    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: Unix socket paths are limited
+    d = short_dir(prefix)  # short: Unix socket paths are limited
     MADE.append(d)
     return d
 

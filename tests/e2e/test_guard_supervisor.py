@@ -32,6 +32,7 @@ import aiohttp
 import pytest
 from gatewaykit import agent_call, agent_session, appliance
 from guardkit import running_guard
+from shortdir import short_dir
 
 from gateway.bundle import load_bundle
 from gateway.client.tls import build_client_context
@@ -44,9 +45,8 @@ RECOVERY_BOUND_SECONDS = 20.0  # generous: detection (3 checks, 1 s apart, 2 s t
 @pytest.fixture
 def sv_home() -> Any:
     import shutil
-    import tempfile
 
-    top = Path(tempfile.mkdtemp(prefix="uomp-sup-", dir="/tmp"))
+    top = short_dir("uomp-sup-")
     yield top / "home"
     shutil.rmtree(top, ignore_errors=True)
 

@@ -9,11 +9,11 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from shortdir import short_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = ROOT / "config" / "docker-entrypoint.sh"
@@ -44,7 +44,7 @@ def test_dockerfile_promises() -> None:
 
 
 def test_entrypoint_names_the_host_and_the_healthcheck_follows_the_guard() -> None:
-    home = Path(tempfile.mkdtemp(prefix="uomp-ct-", dir="/tmp")) / "data"
+    home = short_dir("uomp-ct-") / "data"
     env = env_for(
         home, UOMP_HOSTNAME="my-box.example, backup.example", UOMP_GATEWAY_GUARD_HEALTH_FAILURES="1000"
     )  # the supervisor leaves a stopped guard alone

@@ -17,10 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from shortdir import short_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -66,7 +66,7 @@ def test_walkthrough_runs_as_written() -> None:
     script = "\n".join(walkthrough_blocks(README.read_text()))
     gw, local = free_port(), free_port()
     script = script.replace("9443", str(gw)).replace("9374", str(local))
-    work = Path(tempfile.mkdtemp(prefix="uomp-rd-", dir="/tmp"))
+    work = short_dir("uomp-rd-")
     (work / "examples").symlink_to(ROOT / "examples")
     venv = work / ".venv"
     venv.mkdir()
@@ -138,7 +138,7 @@ def test_the_walkthrough_wait_stops_when_the_appliance_dies() -> None:
         holder.listen()
         gw = int(holder.getsockname()[1])
         script = first.replace("9443", str(gw)).replace("9374", str(free_port()))
-        work = Path(tempfile.mkdtemp(prefix="uomp-rd-", dir="/tmp"))
+        work = short_dir("uomp-rd-")
         (work / "examples").symlink_to(ROOT / "examples")
         (work / ".venv").mkdir()
         (work / ".venv" / "bin").symlink_to(Path(sys.executable).parent)

@@ -21,7 +21,6 @@ import signal
 import ssl
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from guardkit import call, unix_session
+from shortdir import short_dir
 
 from gateway import contract
 from gateway.bundle import load_bundle
@@ -103,7 +103,7 @@ class Proc:
 
 @pytest.fixture
 def home() -> Iterator[Path]:
-    top = Path(tempfile.mkdtemp(prefix="uomp-rl-", dir="/tmp"))  # short: Unix socket names
+    top = short_dir("uomp-rl-")  # short: Unix socket names
     yield top / "home"
     shutil.rmtree(top, ignore_errors=True)
 

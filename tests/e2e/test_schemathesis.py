@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import threading
 import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator
@@ -56,6 +55,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from shortdir import short_dir
 
 from gateway import ca_store, keys, openapi
 from gateway.client import payloads as sdk_payloads
@@ -181,7 +181,7 @@ class Target:
 
 @contextlib.contextmanager
 def _home() -> Iterator[Paths]:
-    short = Path(tempfile.mkdtemp(prefix="uomp-st-", dir="/tmp"))
+    short = short_dir("uomp-st-")
     paths = Paths(short)
     keys.init_home(paths)
     try:

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
+from shortdir import short_dir
 
 from gateway.config import Paths
 from gateway.supervisor import GuardProcess, guard_command
@@ -26,9 +26,8 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.fixture
 def paths() -> Iterator[Paths]:
     import shutil
-    import tempfile
 
-    top = Path(tempfile.mkdtemp(prefix="uomp-bo-", dir="/tmp"))  # short: Unix socket names
+    top = short_dir("uomp-bo-")  # short: Unix socket names
     subprocess.run([sys.executable, "-m", "gateway.cli.main", "--home", str(top / "home"), "init"], check=True,
                    capture_output=True, timeout=60)  # fmt: skip
     yield Paths(top / "home")

@@ -17,7 +17,8 @@ import pytest
 from gatewaykit import Agent, agent_call, agent_session
 from guardkit import grant, seed, unix_session
 from portkit import free_port
-from uplinkkit import ROOT, short_dir
+from shortdir import short_dir
+from uplinkkit import ROOT
 
 from gateway import ca_store
 from gateway.config import Paths

@@ -10,10 +10,12 @@ suite (tests/e2e/test_properties_fuzz_targets.py, bounded) and under atheris, co
 
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -281,6 +283,7 @@ def t_checkpoint(data: bytes) -> None:
 
 
 _IMPORT_DIR = Path(tempfile.mkdtemp(prefix="uomp-fuzz-import-"))
+atexit.register(shutil.rmtree, _IMPORT_DIR, True)
 
 
 def t_importer(data: bytes) -> None:

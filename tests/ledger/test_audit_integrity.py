@@ -13,7 +13,6 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import aiohttp
 import pytest
 from guardkit import guard_config
 from integritykit import Guard
+from shortdir import short_dir
 
 from gateway.cli.main import main
 from gateway.config import Paths
@@ -248,7 +248,7 @@ def test_a_truncated_log_is_an_audit_finding_never_internal(paths: Paths, guards
 
 def test_another_homes_audit_db_is_refused(paths: Paths, guards: list[Guard]) -> None:
     _fill(paths, 120)
-    other = Paths(Path(tempfile.mkdtemp(prefix="uomp-o-", dir="/tmp")))
+    other = Paths(short_dir("uomp-o-"))
     try:
         init_home(other)
         _fill(other, 400)
@@ -400,7 +400,7 @@ def test_a_running_appliance_on_a_refused_log_is_unhealthy_in_uomp_status(tmp_pa
     1 naming the code (the partner: exit 0 on the sound log first)."""
     from client.test_refresh_crash import Appliance
 
-    home = Path(tempfile.mkdtemp(prefix="uomp-app-", dir="/tmp")) / "home"
+    home = short_dir("uomp-app-") / "home"
     paths = Paths(home)
     try:
         assert _uomp(paths, "init").returncode == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Any, ClassVar
 import pytest
 from anchorkit import ANVIL, ANVIL_MISSING, Anvil, free_port
 from registrykit import DocServer, Registry, keccak, registration
+from shortdir import short_dir
 
 from gateway.cli.main import main
 from gateway.config import Paths
@@ -34,7 +34,7 @@ MANIFEST = (ROOT / "examples" / "calendar_agent" / "uom.json").read_bytes()
 
 @pytest.fixture(scope="module")
 def chain() -> Iterator[tuple[Anvil, Registry]]:
-    work = Path(tempfile.mkdtemp(prefix="uomp-reg-", dir="/tmp"))
+    work = short_dir("uomp-reg-")
     node = Anvil(work)
     node.start()
     try:

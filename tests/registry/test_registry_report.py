@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 from anchorkit import ANVIL, ANVIL_MISSING, Anvil
 from registrykit import DocServer, Registry, keccak, registration
+from shortdir import short_dir
 from web3 import Web3
 
 from gateway.cli.main import main
@@ -50,7 +50,7 @@ def reputation_artifact() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def chain() -> Iterator[tuple[Anvil, Registry, Any]]:
-    work = Path(tempfile.mkdtemp(prefix="uomp-rep-", dir="/tmp"))
+    work = short_dir("uomp-rep-")
     node = Anvil(work)
     node.start()
     try:

@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 from gatewaykit import agent_call, agent_session, appliance
 from guardkit import ITEMS, NOW, seed
+from shortdir import short_dir
 
 from gateway.bundle import load_bundle
 from gateway.client.tls import build_client_context
@@ -517,9 +518,8 @@ UOMP = [sys.executable, "-m", "gateway.cli.main"]
 def sv_home() -> Iterator[Path]:
     """A fresh UOMP_HOME under a short /tmp path (Unix socket paths are limited), removed afterwards."""
     import shutil
-    import tempfile
 
-    top = Path(tempfile.mkdtemp(prefix="uomp-sv-", dir="/tmp"))
+    top = short_dir("uomp-sv-")
     yield top / "home"
     shutil.rmtree(top, ignore_errors=True)
 

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from gatewaykit import Agent, Appliance, agent_call, agent_session, appliance, ledger_events, verify_ledger
+from shortdir import short_dir
 
 from gateway.config import Paths
 from gateway.remote import access_log as al
@@ -161,11 +162,10 @@ async def test_real_full_filesystem_under_the_guard_databases(monkeypatch: pytes
     """Audit.db (and auth.db) on a full filesystem: the agent gets 503 STORE_UNAVAILABLE, not 500,
     and reads work again once space returns."""
     import shutil
-    import tempfile
 
     from gateway.keys import init_home
 
-    base = Path(tempfile.mkdtemp(prefix="uomp-fs-", dir="/tmp"))  # short: Unix socket path limit
+    base = short_dir("uomp-fs-")  # short: Unix socket path limit
     with tmpfs(base / "h", "24m") as root:
         home = Paths(root)
         init_home(home)

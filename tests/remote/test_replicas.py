@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from gatewaykit import Agent, Appliance, agent_call, agent_session
 from guardkit import admin_headers, call, running_guard, seed, unix_session
 from replicakit import Redis, haproxy, redis_server
-from uplinkkit import short_dir
+from shortdir import short_dir
 
 from gateway import ca_store
 from gateway.config import GatewayConfig, Paths

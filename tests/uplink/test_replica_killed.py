@@ -22,7 +22,8 @@ from gatewaykit import agent_call, agent_session, ledger_events
 from guardkit import running_guard, seed, unix_session
 from portkit import free_port
 from replicakit import haproxy, redis_server
-from uplinkkit import ROOT, short_dir
+from shortdir import short_dir
+from uplinkkit import ROOT
 
 from gateway import ca_store
 from gateway.config import GatewayConfig, Paths
