@@ -35,9 +35,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     failure: it is a test (or an appliance it ran) that leaves secrets behind."""
     remove_all()
     left = sorted(_ours() - _before)
-    if left and os.environ.get("CI"):
-        print(f"\nleft behind in /tmp by this run: {', '.join(left[:20])}{' ...' if len(left) > 20 else ''}")
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if left:  # (outside CI another process may have made some of these meanwhile: said, not failed)
+        print(f"\nleft behind in /tmp during this run: {', '.join(left[:20])}{' ...' if len(left) > 20 else ''}")
+        if os.environ.get("CI"):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)
