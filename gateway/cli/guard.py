@@ -7,7 +7,6 @@ import contextlib
 import json
 from typing import Any
 
-from gateway import eventloop
 from gateway.atrest import writers
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
@@ -44,7 +43,7 @@ def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway import memtrace
+    from gateway import eventloop, memtrace
     from gateway.guard.server import run_guard
 
     paths = paths_from(args)
