@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import signal
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gateway.atrest import auditdb
+from gateway.atrest import auditdb, writers
 from gateway.cli import home
 from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
@@ -114,8 +115,16 @@ def _emit(events: list[dict[str, Any]], *, as_json: bool, lines: bool) -> None:
 def _show(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     flt = _filter(args)
-    # migrates an older version's audit_logs table on open; a refused log is still shown, said so
-    audit = open_audit(paths, _cfg(paths), strict=False)
+    # migrates an older version's audit_logs table on open (so it holds the home's writers' lock until
+    # the log closes, as every writer does); a refused log is still shown, said so
+    hold = contextlib.ExitStack()
+    hold.enter_context(writers.writing(paths))
+    try:
+        audit = open_audit(paths, _cfg(paths), strict=False)
+    except BaseException:
+        hold.close()
+        raise
+    audit.on_close.append(hold.close)
     if audit.integrity is not None:
         print(f"!! {audit.integrity.code}: {audit.integrity.message}", file=sys.stderr)
     stop = _Stop() if args.follow else None
@@ -552,7 +561,16 @@ def proof_bundle(paths: Paths, event_id: str, *, sign_if_stopped: bool = False) 
     ``audit_checkpoint_seconds`` (PROOF_PENDING, retry). With ``sign_if_stopped`` and no guard
     running, this process signs it (it holds the same audit key): under the appliance lock, so no
     ``uomp gateway start`` begins meanwhile, and only when nothing answers on the guard's socket (a
-    guard started on its own, ``uomp guard serve``, holds no appliance lock)."""
+    guard started on its own, ``uomp guard serve``, holds no appliance lock). A process that may sign
+    holds the home's writers' lock (:mod:`gateway.atrest.writers`) from before the log opens, so no
+    seal or unseal rewrites audit.db under its checkpoint."""
+    if sign_if_stopped:
+        with writers.writing(paths):
+            return _proof_bundle(paths, event_id, sign_if_stopped=True)
+    return _proof_bundle(paths, event_id, sign_if_stopped=False)
+
+
+def _proof_bundle(paths: Paths, event_id: str, *, sign_if_stopped: bool) -> dict[str, Any]:
     from gateway.ledger.anchoring import ensure_schema
 
     key = auditkey.load(paths)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import os
 import sqlite3
 import subprocess
@@ -313,3 +314,47 @@ def test_a_guard_started_during_a_seal_waits_for_it_then_serves(tmp_path: Path) 
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+
+
+@pytest.mark.parametrize("what", ["show", "proof"])
+def test_audit_commands_that_write_the_log_wait_for_a_seal(what: str, tmp_path: Path) -> None:
+    """``uomp audit`` (it migrates an older table at open) and ``uomp audit proof`` (it signs a
+    checkpoint when no guard runs) write audit.db: started during a seal they wait for it, then run
+    on the converted file."""
+    paths = make_home()
+    seed(paths)
+    added = uomp(paths.home, "memory", "add", "proof.key", "--value", "1", "--tag", "t", "--sensitivity", "low")
+    assert added.returncode == 0, added.stderr
+    listed = uomp(paths.home, "audit", "--session", "user", "--json")
+    assert listed.returncode == 0, listed.stderr
+    event_id = next(e["id"] for e in json.loads(listed.stdout) if e.get("key") == "proof.key")
+    argv = ["audit", "--session", "user", "--json"] if what == "show" else ["audit", "proof", event_id]
+    holder = subprocess.Popen(
+        [*UOMP[:1], "-c", HOLDER, str(paths.home)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    tool = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        tool = subprocess.Popen(
+            [*UOMP, "--home", str(paths.home), *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+            cwd=REPO,
+        )
+        lock = str(writers.lock_path(paths))
+        until(lambda: has_open(tool.pid, lock), "the command asks for the writers' lock")
+        time.sleep(0.3)
+        assert tool.poll() is None  # waiting: the seal holds the lock
+        assert holder.stdin is not None
+        holder.stdin.close()  # the seal ends
+        assert holder.wait(timeout=BOUND) == 0
+        out, err = tool.communicate(timeout=BOUND)
+        assert tool.returncode == 0, out + err
+        assert event_id in out
+    finally:
+        for p in (holder, tool):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
