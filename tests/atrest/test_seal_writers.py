@@ -15,6 +15,7 @@ import os
 import sqlite3
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -149,34 +150,18 @@ with writers.sealing(Paths(Path(sys.argv[1]))):
 """
 
 
-def test_a_tool_started_during_a_seal_waits_for_it(tmp_path: Path) -> None:
-    paths = make_home()
-    seed(paths)
+def run_during_a_seal(paths: Paths, argv: list[str], while_held: Callable[[], None] = lambda: None) -> str:
+    """``uomp ARGV`` started while another process holds the seal's lock: it asks for the writers'
+    lock and waits (``while_held`` checks the files meanwhile); once the seal ends it runs to
+    exit 0. Its standard output."""
     holder = subprocess.Popen(
-        [*UOMP[:1], "-c", HOLDER, str(paths.home)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
+        [*UOMP[:1], "-c", HOLDER, str(paths.home)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
     tool = None
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         tool = subprocess.Popen(
-            [
-                *UOMP,
-                "--home",
-                str(paths.home),
-                "memory",
-                "add",
-                "waited.key",
-                "--value",
-                "1",
-                "--tag",
-                "t",
-                "--sensitivity",
-                "low",
-            ],
+            [*UOMP, "--home", str(paths.home), *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -184,19 +169,32 @@ def test_a_tool_started_during_a_seal_waits_for_it(tmp_path: Path) -> None:
             cwd=REPO,
         )
         lock = str(writers.lock_path(paths))
-        until(lambda: has_open(tool.pid, lock), "the tool asks for the writers' lock")
+        until(lambda: has_open(tool.pid, lock), "the command asks for the writers' lock")
+        time.sleep(0.3)
         assert tool.poll() is None  # waiting: the seal holds the lock
-        assert "waited.key" not in keys_in(paths)
+        while_held()
         assert holder.stdin is not None
         holder.stdin.close()  # the seal ends
         assert holder.wait(timeout=BOUND) == 0
         out, err = tool.communicate(timeout=BOUND)
         assert tool.returncode == 0, out + err
+        return out
     finally:
         for p in (holder, tool):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_tool_started_during_a_seal_waits_for_it(tmp_path: Path) -> None:
+    paths = make_home()
+    seed(paths)
+
+    def not_yet() -> None:
+        assert "waited.key" not in keys_in(paths)
+
+    add = ["memory", "add", "waited.key", "--value", "1", "--tag", "t", "--sensitivity", "low"]
+    run_during_a_seal(paths, add, not_yet)
     assert "waited.key" in keys_in(paths)
 
 
@@ -329,32 +327,4 @@ def test_audit_commands_that_write_the_log_wait_for_a_seal(what: str, tmp_path: 
     assert listed.returncode == 0, listed.stderr
     event_id = next(e["id"] for e in json.loads(listed.stdout) if e.get("key") == "proof.key")
     argv = ["audit", "--session", "user", "--json"] if what == "show" else ["audit", "proof", event_id]
-    holder = subprocess.Popen(
-        [*UOMP[:1], "-c", HOLDER, str(paths.home)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
-    )
-    tool = None
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        tool = subprocess.Popen(
-            [*UOMP, "--home", str(paths.home), *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env(),
-            cwd=REPO,
-        )
-        lock = str(writers.lock_path(paths))
-        until(lambda: has_open(tool.pid, lock), "the command asks for the writers' lock")
-        time.sleep(0.3)
-        assert tool.poll() is None  # waiting: the seal holds the lock
-        assert holder.stdin is not None
-        holder.stdin.close()  # the seal ends
-        assert holder.wait(timeout=BOUND) == 0
-        out, err = tool.communicate(timeout=BOUND)
-        assert tool.returncode == 0, out + err
-        assert event_id in out
-    finally:
-        for p in (holder, tool):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+    assert event_id in run_during_a_seal(paths, argv)
