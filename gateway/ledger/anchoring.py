@@ -56,13 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.anchor.base import (
-    Anchor,
-    DataDeletionProofSubmitted,
-    PayloadAnchored,
-    SessionGranted,
-    SessionRevoked,
-)
+from gateway.anchor.base import Anchor, DataDeletionProofSubmitted, PayloadAnchored, SessionGranted, SessionRevoked
 from gateway.atrest import auditdb
 from gateway.durable import fault_point
 from gateway.ledger.log import ANCHOR_SCHEMA

@@ -22,7 +22,7 @@ from gateway.keys import init_home
 def home_dir() -> Iterator[str]:
     import shutil
 
-    d = short_dir("uomp-mem-")
+    d = str(short_dir("uomp-mem-"))
     init_home(Paths(Path(d)))
     yield d
     shutil.rmtree(d, ignore_errors=True)
