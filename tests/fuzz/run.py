@@ -9,6 +9,7 @@ Without atheris (not built for this Python) it falls back to hypothesis for the 
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -22,6 +23,7 @@ sys.path.insert(0, str(HERE))
 def main() -> int:
     name, seconds = sys.argv[1], int(sys.argv[2])
     work = Path(sys.argv[3]) if len(sys.argv) > 3 else Path(tempfile.mkdtemp(prefix=f"uomp-fuzz-{name}-"))
+    os.environ["UOMP_FUZZ_WORK"] = str(work)  # the targets' scratch files go there too (tests/fuzz/targets.py)
     corpus = work / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
     for f in (HERE / "corpus" / name).glob("*"):

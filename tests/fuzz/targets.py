@@ -282,8 +282,14 @@ def t_checkpoint(data: bytes) -> None:
                 assert got == _NOTE_TEXT, "an altered note verified with other text"
 
 
-_IMPORT_DIR = Path(tempfile.mkdtemp(prefix="uomp-fuzz-import-"))
-atexit.register(shutil.rmtree, _IMPORT_DIR, True)
+# The importer's scratch files: in the fuzz run's own work directory (tests/fuzz/run.py names it;
+# scripts/fuzz.sh removes it), else (under pytest) a temporary directory removed at exit.
+if os.environ.get("UOMP_FUZZ_WORK"):
+    _IMPORT_DIR = Path(os.environ["UOMP_FUZZ_WORK"]) / "importer-scratch"
+    _IMPORT_DIR.mkdir(parents=True, exist_ok=True)
+else:
+    _IMPORT_DIR = Path(tempfile.mkdtemp(prefix="uomp-fuzz-import-"))
+    atexit.register(shutil.rmtree, _IMPORT_DIR, True)
 
 
 def t_importer(data: bytes) -> None:
