@@ -33,8 +33,8 @@ import pytest
 from gatewaykit import agent_call, agent_session, appliance
 from guardkit import running_guard
 from shortdir import short_dir
+from startkit import read_until, remote_calendar
 
-from gateway.bundle import load_bundle
 from gateway.client.tls import build_client_context
 from gateway.config import Paths
 
@@ -53,18 +53,6 @@ def sv_home() -> Any:
 
 def _uomp(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60, check=True)
-
-
-def _read_until(proc: subprocess.Popen[str], prefix: str, timeout: float = 60) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith(prefix):
-            return line
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"no {prefix!r} line")
 
 
 def remove_socket(sock: Path) -> None:
@@ -123,44 +111,16 @@ async def test_lost_socket_or_hung_guard_is_restarted(tmp_path: Path, sv_home: P
     guard_pids: list[int] = []
     measured: dict[str, float] = {}
     try:
-        m = re.search(r"https://127\.0\.0\.1:(\d+)", _read_until(proc, "gateway: "))
+        m = re.search(r"https://127\.0\.0\.1:(\d+)", read_until(proc, "gateway: "))
         assert m
         port = int(m.group(1))
-        g = re.search(r"\(process (\d+)", _read_until(proc, "guard: "))
+        g = re.search(r"\(process (\d+)", read_until(proc, "guard: "))
         assert g
         guard_pids.append(int(g.group(1)))
-        mp = re.search(r"127\.0\.0\.1:(\d+)/metrics", _read_until(proc, "metrics: "))
+        mp = re.search(r"127\.0\.0\.1:(\d+)/metrics", read_until(proc, "metrics: "))
         assert mp
         metrics_port = int(mp.group(1))
-        agent_dir = tmp_path / "agent"
-        agent_dir.mkdir()
-        (agent_dir / "uom.json").write_text(
-            json.dumps(
-                {
-                    "uomp_version": "1.0",
-                    "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
-                    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-                    "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
-                }
-            )
-        )
-        _uomp(
-            home,
-            "authorize",
-            str(agent_dir),
-            "--yes",
-            "--remote",
-            "--gateway-url",
-            f"https://localhost:{port}",
-            "--out",
-            str(tmp_path / "agentfiles"),
-            "--bundle",
-            str(tmp_path / "bundle.json"),
-        )
-        b = load_bundle(tmp_path / "bundle.json")
-        files = tmp_path / "agentfiles"
-        ctx = build_client_context(files / "ca.crt", files / "agent.crt", files / "agent.key")
-        headers = {"Authorization": f"Bearer {b.access_token}", "X-UOMP-Agent-Id": "calendar_agent"}
+        ctx, headers = remote_calendar(_uomp, home, tmp_path, port)
         base = f"https://localhost:{port}"
 
         async def read() -> int:
@@ -239,7 +199,7 @@ async def test_lost_socket_or_hung_guard_is_restarted(tmp_path: Path, sv_home: P
     for name, seconds in measured.items():
         assert seconds < RECOVERY_BOUND_SECONDS, f"{name}: recovery took {seconds:.1f} s"
     assert err.count("failed 3 health checks in a row") >= 3
-    assert "guard_hung" not in err and b.access_token not in err
+    assert "guard_hung" not in err and headers["Authorization"][7:] not in err
     status = json.loads((home / "gateway" / "status.json").read_text())
     assert status["running"] is False  # a clean stop is recorded
 

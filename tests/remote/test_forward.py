@@ -24,9 +24,8 @@ import pytest
 from gatewaykit import agent_call, agent_session, appliance
 from guardkit import ITEMS, NOW, seed
 from shortdir import short_dir
+from startkit import read_until, remote_calendar
 
-from gateway.bundle import load_bundle
-from gateway.client.tls import build_client_context
 from gateway.config import Paths
 from gateway.core import http1
 from gateway.errors import UompError
@@ -532,18 +531,6 @@ def _uomp(
     )
 
 
-def _read_until(proc: subprocess.Popen[str], prefix: str, timeout: float = 30) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith(prefix):
-            return line
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"no {prefix!r} line")
-
-
 @pytest.mark.timeout(90)
 async def test_killed_guard_child_gives_503_then_recovers(tmp_path: Path, sv_home: Path) -> None:
     home = sv_home
@@ -563,42 +550,14 @@ async def test_killed_guard_child_gives_503_then_recovers(tmp_path: Path, sv_hom
     )
     reader.start()
     try:
-        m = re.search(r"https://127\.0\.0\.1:(\d+)", _read_until(proc, "gateway: "))
+        m = re.search(r"https://127\.0\.0\.1:(\d+)", read_until(proc, "gateway: "))
         assert m
         port = int(m.group(1))
-        g = re.search(r"\(process (\d+)", _read_until(proc, "guard: "))
+        g = re.search(r"\(process (\d+)", read_until(proc, "guard: "))
         assert g
         guard_pid = int(g.group(1))
         assert guard_pid != proc.pid
-        agent_dir = tmp_path / "agent"
-        agent_dir.mkdir()
-        (agent_dir / "uom.json").write_text(
-            json.dumps(
-                {
-                    "uomp_version": "1.0",
-                    "agent": {"id": "calendar_agent", "name": "Calendar", "version": "1.0.0"},
-                    "requested_scopes": {"read": {"tags": ["preference"], "keys": []}},
-                    "data_retention_policy": {"max_retention_seconds": 0, "deletion_method": "process_termination"},
-                }
-            )
-        )
-        _uomp(
-            home,
-            "authorize",
-            str(agent_dir),
-            "--yes",
-            "--remote",
-            "--gateway-url",
-            f"https://localhost:{port}",
-            "--out",
-            str(tmp_path / "agentfiles"),
-            "--bundle",
-            str(tmp_path / "bundle.json"),
-        )
-        b = load_bundle(tmp_path / "bundle.json")
-        files = tmp_path / "agentfiles"
-        ctx = build_client_context(files / "ca.crt", files / "agent.crt", files / "agent.key")
-        headers = {"Authorization": f"Bearer {b.access_token}", "X-UOMP-Agent-Id": "calendar_agent"}
+        ctx, headers = remote_calendar(_uomp, home, tmp_path, port)
         url = f"https://localhost:{port}/v1/memory/preference.theme"
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s:
             async with s.get(url, headers=headers) as resp:
@@ -635,7 +594,7 @@ async def test_killed_guard_child_gives_503_then_recovers(tmp_path: Path, sv_hom
     with contextlib.suppress(ProcessLookupError):
         os.kill(new_pid, 0)
         raise AssertionError("the guard child outlived the appliance")
-    assert b.access_token not in out + err
+    assert headers["Authorization"][7:] not in out + err
 
 
 def _wait_dead(pid: int, timeout: float = 5.0) -> None:
