@@ -283,8 +283,9 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     """The gateway's upload loop alone (``PayloadService._stream`` into a real ``PayloadStore``
     upload, behind a real aiohttp TLS 1.3 listener), CPU per GiB of this process split into the
     event loop's thread (TLS, HTTP parsing, the loop itself) and the others (hash and write), for
-    this tree and, alternating, ``baseline``'s ``gateway/remote/payload_service.py``. CPU, not
-    wall time: it stays comparable on a loaded machine."""
+    this tree and, alternating, ``baseline``'s ``gateway/remote/payload_service.py``. On the
+    product's event loop (``gateway.eventloop.run``: uvloop; ``UOMP_UVLOOP=0`` for asyncio's). CPU,
+    not wall time: it stays comparable on a loaded machine."""
     import importlib.util
     import resource
     import ssl
@@ -294,6 +295,7 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     from aiohttp import web
 
     sys.path.insert(0, str(ROOT))
+    from gateway import eventloop
     from gateway.payloads.store import Limits, PayloadStore
     from gateway.remote import payload_service
 
@@ -352,7 +354,7 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
         await runner.cleanup()
 
     try:
-        asyncio.run(run())
+        eventloop.run(run())  # the product's loop (uvloop unless UOMP_UVLOOP=0)
     finally:
         store.close()
         shutil.rmtree(tmp, ignore_errors=True)
