@@ -253,7 +253,7 @@ class PayloadService:
     async def _stream(self, request: web.Request, upload: PayloadUploading) -> None:
         """The body into ``upload`` in blocks of about WRITE_BLOCK bytes, each written (and hashed)
         in a thread while the next is read. Held at most: the block being written, the one being
-        gathered, and aiohttp's buffer (2 x BODY_BUFFER), whatever the payload's size. The pieces
+        gathered, and aiohttp's buffer (about 2 x BODY_BUFFER), whatever the payload's size. The pieces
         are the bytes as they came off the wire, never joined or sliced here; the upload's own lock
         keeps an abort from touching the file while a write is still running."""
         loop = asyncio.get_running_loop()
