@@ -17,6 +17,9 @@
   loopback, ``--mib`` bytes each way in 1 MiB writes (the SDK's and the CLI's read block), the
   receiver writing 1 MiB blocks to a file and fsyncing once (its own process each side); RATIOS
   upload/bare and pull+open/bare;
+* before each timed step, ``2 x --mib`` of scratch file is written and removed
+  (:func:`recycle_pages`), so every step writes into just-freed page cache, whatever its place
+  in the round;
 * ``--sizes 128,1024``: the whole round at each size in one run, so a peak RSS independent of the
   payload size shows as equal columns;
 * then ``bench_sealing.py`` (seal and open beside raw AES-256-GCM over the same data) in the same run.
@@ -112,8 +115,14 @@ def bare_client(port: int, ca: str, verb: str, src: str, dst: str) -> None:
         else:
             conn.sendall(f"GET {src}\n".encode())
             fd = os.open(dst + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            while block := conn.recv(WIRE_BLOCK):
-                os.write(fd, block)
+            buf = bytearray(WIRE_BLOCK)
+            view = memoryview(buf)
+            got = -1
+            while got:  # 1 MiB writes (a TLS recv brings one 16 KiB record at most)
+                got = 0
+                while got < WIRE_BLOCK and (n := conn.recv_into(view[got:])):
+                    got += n
+                os.write(fd, view[:got])
             os.fsync(fd)
             os.close(fd)
             os.replace(dst + ".part", dst)
@@ -188,6 +197,22 @@ def upload_child(bundle: str, path: str) -> None:
     print(json.dumps(res), flush=True)
 
 
+def recycle_pages(top: Path, mib: int) -> None:
+    """Write then remove ``2 * mib`` MiB of scratch file, so that the step timed next writes its
+    files (the SDK's sealed copy and the gateway's blob; the CLI's or the bare receiver's output)
+    into page-cache pages just freed, like every other step. On a virtual machine a page the guest
+    has not touched lately costs far more to fill (writing 1 GiB on the 2-core VM of
+    benchmarks/README.md: 0.5-1.0 s of system time into fresh pages, 0.27 s into just-freed ones),
+    and without this the order of the steps decided who paid it: the upload ran first on fresh
+    pages, the pull and the bare PUT reused the pages freed before them."""
+    scratch = top / "recycle.bin"
+    block = bytes(BLOCK)
+    with open(scratch, "wb") as fh:
+        for _ in range(max(1, 2 * mib * (1 << 20) // BLOCK)):
+            fh.write(block)
+    scratch.unlink()
+
+
 def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int, bundle: Path, port: int) -> None:
     """One size: upload, pull + open, the bare TLS 1.3 transfer of the same bytes each way; printed."""
     src = top / f"input-{mib}.bin"
@@ -200,6 +225,7 @@ def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int,
     guard_pid = children(gw_pid)[0]
     gw_before, guard_before = vm_kib(gw_pid, "VmRSS"), vm_kib(guard_pid, "VmRSS")
 
+    recycle_pages(top, mib)
     cpu0 = (cpu_s(gw_pid), cpu_s(guard_pid))
     up_s, up_rss, out = run_measured(
         [PYTHON, str(HERE / "bench_payload.py"), "--upload-child", str(bundle), str(src)], env
@@ -208,6 +234,8 @@ def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int,
     up = json.loads(out.strip().splitlines()[-1])
     pid = up["payload_id"]
     dst = top / f"output-{mib}.bin"
+    recycle_pages(top, mib)
+    cpu_pull0 = (cpu_s(gw_pid), cpu_s(guard_pid))
     pull_s, pull_rss, _ = run_measured([*UOMP, "--home", str(home), "payload", "pull", pid, "--out", str(dst)], env)
     cpu2 = (cpu_s(gw_pid), cpu_s(guard_pid))
     out_digest = hashlib.sha256()
@@ -220,9 +248,11 @@ def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int,
     # the bare line: same bytes, same certificate, same host, same run
     bare_in, bare_out = top / "bare-in", top / "bare-out.bin"
     bare_in.mkdir(exist_ok=True)
+    recycle_pages(top, mib)
     put_s, _, _ = run_measured(
         [PYTHON, str(HERE / "bench_payload.py"), "--bare-client", str(port), "PUT", str(src), "-"], env
     )
+    recycle_pages(top, mib)
     get_s, _, _ = run_measured(
         [PYTHON, str(HERE / "bench_payload.py"), "--bare-client", str(port), "GET", str(src), str(bare_out)], env
     )
@@ -247,7 +277,7 @@ def one_round(mib: int, top: Path, home: Path, env: dict[str, str], gw_pid: int,
     )
     print(
         f"  CPU during upload: gateway {cpu1[0] - cpu0[0]:.1f} s, guard {cpu1[1] - cpu0[1]:.1f} s; "
-        f"during pull: gateway {cpu2[0] - cpu1[0]:.1f} s, guard {cpu2[1] - cpu1[1]:.1f} s"
+        f"during pull: gateway {cpu2[0] - cpu_pull0[0]:.1f} s, guard {cpu2[1] - cpu_pull0[1]:.1f} s"
     )
     print(f"  plaintext identical: {out_digest.digest() == digest.digest()}")
     print(
@@ -283,8 +313,9 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     """The gateway's upload loop alone (``PayloadService._stream`` into a real ``PayloadStore``
     upload, behind a real aiohttp TLS 1.3 listener), CPU per GiB of this process split into the
     event loop's thread (TLS, HTTP parsing, the loop itself) and the others (hash and write), for
-    this tree and, alternating, ``baseline``'s ``gateway/remote/payload_service.py``. CPU, not
-    wall time: it stays comparable on a loaded machine."""
+    this tree and, alternating, ``baseline``'s ``gateway/remote/payload_service.py``. On the
+    product's event loop (``gateway.eventloop.run``: uvloop; ``UOMP_UVLOOP=0`` for asyncio's). CPU,
+    not wall time: it stays comparable on a loaded machine."""
     import importlib.util
     import resource
     import ssl
@@ -294,6 +325,7 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     from aiohttp import web
 
     sys.path.insert(0, str(ROOT))
+    from gateway import eventloop
     from gateway.payloads.store import Limits, PayloadStore
     from gateway.remote import payload_service
 
@@ -352,7 +384,7 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
         await runner.cleanup()
 
     try:
-        asyncio.run(run())
+        eventloop.run(run())  # the product's loop (uvloop unless UOMP_UVLOOP=0)
     finally:
         store.close()
         shutil.rmtree(tmp, ignore_errors=True)

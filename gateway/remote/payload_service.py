@@ -37,6 +37,9 @@ from gateway.remote.state import GatewayState
 log = logging.getLogger("uomp.gateway.payloads")
 
 WRITE_BLOCK = 1024 * 1024  # body bytes gathered before one write to the temporary file
+# aiohttp's buffer for an upload's body: reading pauses above twice this, resumes below it (its
+# default, 64 KiB, pauses and resumes the socket for nearly every piece a TLS read brings)
+BODY_BUFFER = WRITE_BLOCK
 
 AUDIT_PATH = "/v1/payload/audit"  # the guard's internal route (Unix socket)
 MAX_URL_BODY = 1024
@@ -249,9 +252,12 @@ class PayloadService:
 
     async def _stream(self, request: web.Request, upload: PayloadUploading) -> None:
         """The body into ``upload`` in blocks of about WRITE_BLOCK bytes, each written (and hashed)
-        in a thread while the next is read: at most two blocks are held, and the upload's own lock
+        in a thread while the next is read. Held at most: the block being written, the one being
+        gathered, and aiohttp's buffer (about 2 x BODY_BUFFER), whatever the payload's size. The pieces
+        are the bytes as they came off the wire, never joined or sliced here; the upload's own lock
         keeps an abort from touching the file while a write is still running."""
         loop = asyncio.get_running_loop()
+        request.content.set_read_chunk_size(BODY_BUFFER)
         reader = BodyReader(request, self.cfg.payload_body_idle_timeout_seconds)
         pieces: list[bytes] = []
         held = 0
@@ -424,14 +430,18 @@ class BodyReader:
             self._timer = self._loop.call_at(due, self._check)
 
     async def read(self) -> bytes:
-        """The next piece (b"" at the body's end)."""
+        """The next piece (b"" at the body's end): one piece as aiohttp received it, not a join of
+        all it holds (no copy here)."""
         if self._expired:
             raise self._stalled()
         self._since = now = self._loop.time()
         if self._timer is None:
             self._timer = self._loop.call_at(now + self.idle, self._check)
         try:
-            return await self._content.readany()
+            while True:
+                data, end_of_http_chunk = await self._content.readchunk()
+                if data or not end_of_http_chunk:  # (b"", True) only marks a chunk's end in a chunked body
+                    return data
         except asyncio.CancelledError:
             # ours alone becomes the refusal; one asked by anyone else as well stays a cancellation
             if self._expired and self._task.uncancel() <= self._cancelling:

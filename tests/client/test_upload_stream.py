@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 from gatewaykit import Appliance
-from test_payload_relay import Sealed, agent_for, audit_rows, chunks, seal_consistent, store_state
+from test_payload_relay import Sealed, agent_for, audit_rows, b64h, chunks, seal_consistent, store_state
 from test_sdk import sdk_appliance
 
 from gateway.config import Paths
+from gateway.core import envelope
 from gateway.remote.payload_service import WRITE_BLOCK
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,3 +106,126 @@ async def test_a_body_of_many_blocks_is_kept_whole_and_its_faults_refused(idle_a
             assert blob == s.sealed
             assert s.doc["hash"] == "sha256:" + hashlib.sha256(blob).hexdigest()
     assert store_state(idle_app.paths)[2] == []
+
+
+async def pieces_of(data: bytes, sizes: tuple[int, ...]) -> AsyncIterator[bytes]:
+    """``data`` cut in turn into pieces of each of ``sizes`` (cycling), each its own write."""
+    i = k = 0
+    while i < len(data):
+        step = sizes[k % len(sizes)]
+        yield data[i : i + step]
+        i += step
+        k += 1
+
+
+async def broken_off(data: bytes, after: int) -> AsyncIterator[bytes]:
+    """The first ``after`` bytes, then the sender fails: the connection is dropped mid-body."""
+    yield data[:after]
+    raise ConnectionResetError("the sender went away")
+
+
+async def test_the_body_is_kept_whatever_its_pieces_and_a_cut_body_leaves_nothing(idle_app: Appliance) -> None:
+    """The relay takes each piece as it came off the wire: a body in one-byte pieces, in odd-sized
+    ones (with Content-Length, and chunked where an HTTP chunk's end carries no bytes), and in one
+    write of several blocks is kept byte for byte; a body cut off or longer than declared is refused
+    and leaves nothing."""
+    size = 2 * WRITE_BLOCK + 4099
+
+    def length(s: Sealed) -> dict[str, str]:
+        return {"Content-Length": str(len(s.sealed))}
+
+    async with agent_for(idle_app) as a:
+        kept: list[str] = []
+
+        async def stored(s: Sealed, body: Any, headers: dict[str, str] | None = None) -> None:
+            got = await a.send(
+                "POST",
+                "/v1/payload/upload",
+                data=body,
+                headers={
+                    "Content-Type": "application/octet-stream",
+                    envelope.HEADER_NAME: b64h(s.header()),
+                    **(headers or {}),
+                },
+            )
+            assert got[0] == 201, got
+            blob = (idle_app.paths.payload_dir / "blobs" / s.doc["payload_id"]).read_bytes()
+            assert blob == s.sealed
+            assert got[1]["hash"] == s.doc["hash"] == "sha256:" + hashlib.sha256(blob).hexdigest()
+            kept.append(s.doc["payload_id"])
+
+        small = big(idle_app.paths, a, 3000)
+        await stored(small, chunks(small.sealed, 1), length(small))  # Content-Length, one byte a write
+        small = big(idle_app.paths, a, 3000)
+        await stored(small, chunks(small.sealed, 1))  # chunked: one-byte HTTP chunks
+        odd = (1, 7, 4093, 16385, 65537, 1, 999_983)
+        s = big(idle_app.paths, a, size)
+        await stored(s, pieces_of(s.sealed, odd), length(s))
+        s = big(idle_app.paths, a, size)
+        await stored(s, pieces_of(s.sealed, odd))
+        s = big(idle_app.paths, a, size)
+        await stored(s, s.sealed)  # one write of several blocks, with Content-Length
+
+        # cut off mid-body (Content-Length promised more): refused, nothing of it kept
+        s = big(idle_app.paths, a, size)
+        with pytest.raises(aiohttp.ClientError):
+            await a.send(
+                "POST",
+                "/v1/payload/upload",
+                data=broken_off(s.sealed, WRITE_BLOCK + 5),
+                headers={
+                    "Content-Type": "application/octet-stream",
+                    envelope.HEADER_NAME: b64h(s.header()),
+                    **length(s),
+                },
+            )
+        # longer than declared, in odd pieces (chunked, so only the relay's count can refuse it)
+        got = await a.stream(s, pieces_of(s.sealed + b"\0" * 3, odd))
+        assert (got[0], got[1]["error"]["code"]) == (413, "PAYLOAD_TOO_LARGE"), got
+    for _ in range(100):  # the cut-off upload's refusal is recorded once its handler has seen the drop
+        if len(refused_codes(idle_app.paths)) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert sorted(refused_codes(idle_app.paths)) == ["INVALID_REQUEST", "PAYLOAD_TOO_LARGE"]
+    rows, blobs, tmp = store_state(idle_app.paths)
+    assert sorted(rows) == sorted(kept) == blobs and tmp == []
+
+
+async def raw_upload(app: Appliance, agent: Any, token: str, s: Sealed, frames: list[bytes]) -> tuple[int, Any]:
+    """A chunked upload over the agent's own mTLS connection, its chunked framing written by hand:
+    each of ``frames`` is one write, a short pause after each so that it arrives on its own."""
+    host, port = app.base.removeprefix("https://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=agent.ssl(), server_hostname="localhost")
+    try:
+        head = (
+            f"POST /v1/payload/upload HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
+            f"X-UOMP-Agent-Id: {agent.agent_id}\r\nContent-Type: application/octet-stream\r\n"
+            f"{envelope.HEADER_NAME}: {b64h(s.header())}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        for frame in [head.encode(), *frames]:
+            writer.write(frame)
+            await writer.drain()
+            await asyncio.sleep(IDLE / 6)
+        status = int((await reader.readline()).split()[1])
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        return status, json.loads(await reader.read())
+    finally:
+        writer.close()
+
+
+async def test_a_chunk_end_arriving_after_its_bytes_is_not_the_body_end(idle_app: Appliance) -> None:
+    """A chunked body whose chunk ends (the CRLF after a chunk's bytes) arrive apart from the bytes,
+    after the relay has taken them: the body goes on to its last chunk and is kept whole."""
+    agent = idle_app.agent("calendar_agent", sub="raw")
+    g = await idle_app.grant(agent)
+    s = seal_consistent(idle_app.paths, g["session_id"], agent.agent_id, os.urandom(5000))
+    data = s.sealed
+    cut = (0, 1, 1000, len(data) - 7, len(data))
+    frames: list[bytes] = []
+    for lo, hi in itertools.pairwise(cut):
+        frames += [b"%x\r\n" % (hi - lo) + data[lo:hi], b"\r\n"]
+    frames.append(b"0\r\n\r\n")
+    got = await raw_upload(idle_app, agent, g["token"], s, frames)
+    assert got[0] == 201, got
+    assert (idle_app.paths.payload_dir / "blobs" / s.doc["payload_id"]).read_bytes() == data
