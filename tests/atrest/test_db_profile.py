@@ -35,14 +35,18 @@ def _clean_vault() -> None:
     vault.set_prompt(None)
 
 
-def sealed_home(profile: memdb.Profile = memdb.CURRENT) -> Paths:
+CURRENT, OLD = "sqlcipher4-sha256", "sqlcipher4"  # (names, not the module's objects: this file
+# is also run against the code from before the formats, where each test but the old home's fails)
+
+
+def sealed_home(profile: str = CURRENT) -> Paths:
     paths = make_home()
     with MemoryStore(paths.memory_db) as s:
         s.put(MemoryItem(KEY, {"v": 7}, ("preference",), "low", "user", TS, TS))
-    if profile == memdb.CURRENT:
+    if profile == CURRENT:
         migrate.seal(paths, passphrase=PASSPHRASE, kdf=FAST)  # what `uomp secrets seal` does
-    else:
-        migrate.seal(paths, passphrase=PASSPHRASE, kdf=FAST, profile=profile)
+    else:  # a home as sealed before formats were recorded: SQLCipher's defaults, no record
+        migrate.seal(paths, passphrase=PASSPHRASE, kdf=FAST, profile=memdb.PROFILES[profile])
     return paths
 
 
@@ -122,7 +126,7 @@ async def test_a_new_sealed_homes_databases_use_hmac_sha256(tmp_path: Path) -> N
 
 
 async def test_a_home_sealed_with_the_old_defaults_opens_serves_and_verifies(tmp_path: Path) -> None:
-    paths = sealed_home(memdb.LEGACY)
+    paths = sealed_home(OLD)
     assert "db" not in slot(paths)  # the slot of a home sealed before formats were recorded
     await serve(paths)
     assert formats(paths) == {"memory.db": "sha512", "audit.db": "sha512"}
@@ -133,7 +137,7 @@ async def test_a_home_sealed_with_the_old_defaults_opens_serves_and_verifies(tmp
 
 
 async def test_unseal_then_seal_moves_an_old_home_to_the_current_format(tmp_path: Path) -> None:
-    paths = sealed_home(memdb.LEGACY)
+    paths = sealed_home(OLD)
     await serve(paths)
     vault.forget()
     pp = str(pp_file(tmp_path))
@@ -149,12 +153,12 @@ async def test_unseal_then_seal_moves_an_old_home_to_the_current_format(tmp_path
     await serve(paths)
 
 
-@pytest.mark.parametrize("profile", [memdb.CURRENT, memdb.LEGACY], ids=["current", "old-defaults"])
+@pytest.mark.parametrize("profile", [CURRENT, OLD], ids=["current", "old-defaults"])
 @pytest.mark.parametrize("kind", ["passphrase", "recipient"])
-async def test_a_backup_restores_the_databases_in_their_format(kind: str, profile: memdb.Profile) -> None:
+async def test_a_backup_restores_the_databases_in_their_format(kind: str, profile: str) -> None:
     paths = sealed_home(profile)
     await serve(paths)
-    want = "sha256" if profile == memdb.CURRENT else "sha512"
+    want = "sha256" if profile == CURRENT else "sha512"
     out = paths.home.parent / "home.uompbak"
     identity = X25519PrivateKey.generate()
     if kind == "passphrase":
@@ -208,13 +212,13 @@ def refusal_of(paths: Paths, opener: str) -> UompError:
 @pytest.mark.parametrize(
     ("profile", "record"),
     [
-        pytest.param(memdb.CURRENT, None, id="current-files-record-missing"),
-        pytest.param(memdb.CURRENT, "sqlcipher4", id="current-files-record-says-old"),
-        pytest.param(memdb.LEGACY, "sqlcipher4-sha256", id="old-files-record-says-current"),
+        pytest.param(CURRENT, None, id="current-files-record-missing"),
+        pytest.param(CURRENT, OLD, id="current-files-record-says-old"),
+        pytest.param(OLD, CURRENT, id="old-files-record-says-current"),
     ],
 )
 async def test_a_missing_or_wrong_record_is_a_named_refusal_and_changes_nothing(
-    tmp_path: Path, profile: memdb.Profile, record: str | None
+    tmp_path: Path, profile: str, record: str | None
 ) -> None:
     paths = sealed_home(profile)
     await serve(paths, reads=1)
@@ -224,12 +228,12 @@ async def test_a_missing_or_wrong_record_is_a_named_refusal_and_changes_nothing(
     for opener in ("audit", "memory"):
         exc = refusal_of(paths, opener)
         assert exc.code == ErrorCode.KEY_ERROR and exc.details["reason"] == "profile_mismatch", exc
-        assert exc.details["profile"] == profile.name, exc
+        assert exc.details["profile"] == profile, exc
     vault.forget()
     res = uomp(paths.home, "audit", "verify", "--json", e=env(UOMP_PASSPHRASE_FILE=str(pp_file(tmp_path))))
     assert res.returncode != 0 and "KEY_ERROR" in res.stdout + res.stderr, res.stdout + res.stderr
     assert digests(paths) == before  # nothing was rewritten under the wrong format
-    rewrite_slot(paths, None if profile == memdb.LEGACY else profile.name)  # the right record back: all works
+    rewrite_slot(paths, None if profile == OLD else profile)  # the right record back: all works
     vault.unlock_with_passphrase(paths, PASSPHRASE)
     assert read_value(paths) == {"v": 7}
     verify_cli(paths, tmp_path)
