@@ -115,6 +115,8 @@ async def test_a_new_sealed_homes_databases_use_hmac_sha256(tmp_path: Path) -> N
     await serve(paths)
     assert slot(paths)["db"] == "sqlcipher4-sha256"
     assert formats(paths) == {"memory.db": "sha256", "audit.db": "sha256"}
+    res = uomp(paths.home, "secrets", "status", "--json", stdin="")
+    assert json.loads(res.stdout)["db_format"] == CURRENT, res.stdout + res.stderr
     conn = auditdb.connect(paths.audit_db, readonly=True)  # the product's connection reads the settings back
     try:
         assert conn.execute("PRAGMA cipher_hmac_algorithm").fetchall() == [("HMAC_SHA256",)]
@@ -128,6 +130,8 @@ async def test_a_new_sealed_homes_databases_use_hmac_sha256(tmp_path: Path) -> N
 async def test_a_home_sealed_with_the_old_defaults_opens_serves_and_verifies(tmp_path: Path) -> None:
     paths = sealed_home(OLD)
     assert "db" not in slot(paths)  # the slot of a home sealed before formats were recorded
+    res = uomp(paths.home, "secrets", "status", "--json", stdin="")
+    assert json.loads(res.stdout)["db_format"] == OLD, res.stdout + res.stderr
     await serve(paths)
     assert formats(paths) == {"memory.db": "sha512", "audit.db": "sha512"}
     assert read_value(paths) == {"v": 7}
