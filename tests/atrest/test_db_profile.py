@@ -21,6 +21,7 @@ from test_sealed_keys import FAST, PASSPHRASE, make_home
 from gateway.atrest import auditdb, backup, memdb, migrate, vault
 from gateway.cli.backup import verify_restored
 from gateway.config import Paths
+from gateway.dashboard import memory_page
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.store import MemoryItem, MemoryStore
 
@@ -136,6 +137,13 @@ async def test_a_home_sealed_with_the_old_defaults_opens_serves_and_verifies(tmp
     assert formats(paths) == {"memory.db": "sha512", "audit.db": "sha512"}
     assert read_value(paths) == {"v": 7}
     verify_cli(paths, tmp_path)
+    # the other openers of audit.db: status, doctor, the dashboard
+    e = env(UOMP_PASSPHRASE_FILE=str(pp_file(tmp_path)))
+    res = uomp(paths.home, "status", "--json", e=e)
+    assert json.loads(res.stdout)["audit_log"]["ok"] is True, res.stdout + res.stderr
+    res = uomp(paths.home, "doctor", e=e)
+    assert "is encrypted at rest" in res.stdout and "INTERNAL" not in res.stdout + res.stderr, res.stdout
+    assert memory_page.readers(paths, KEY) != []
     await serve(paths)  # a second start: the files it wrote stay in their format
     assert formats(paths) == {"memory.db": "sha512", "audit.db": "sha512"}
 
