@@ -75,19 +75,32 @@ def make_home(prefix: str = "uomp-lb-") -> Any:
     return paths
 
 
-def seal_home(paths: Any, passphrase: str = "bench passphrase, not a secret") -> str:
+# A seal as ``uomp secrets seal`` did before the database formats were recorded (SQLCipher's defaults).
+_SEAL_OLD_FORMAT = """
+import sys
+from pathlib import Path
+from gateway.atrest import auditdb, memdb, migrate
+from gateway.config import Paths
+paths = Paths(Path(sys.argv[1]))
+migrate.seal(paths, passphrase=Path(sys.argv[2]).read_text().rstrip("\\n"), profile=memdb.LEGACY)
+memdb.ensure_encrypted(paths, memdb.memory_key(paths))
+auditdb.ensure_encrypted(paths, auditdb.audit_key(paths))
+"""
+
+
+def seal_home(paths: Any, passphrase: str = "bench passphrase, not a secret", *, old_format: bool = False) -> str:
     """Seal ``paths``'s keys by a passphrase (``uomp secrets seal``: memory.db and audit.db become
     SQLCipher files); return the passphrase file, also set as UOMP_PASSPHRASE_FILE in this process
-    (its admin calls unlock the sealed admin credential with it; plain homes ignore it)."""
+    (its admin calls unlock the sealed admin credential with it; plain homes ignore it).
+    ``old_format``: the databases in SQLCipher's default format (HMAC-SHA512), as a home sealed
+    before the formats were recorded (gateway/atrest/memdb.py)."""
     pf = paths.home / "bench-passphrase"
     pf.write_text(passphrase + "\n")
     pf.chmod(0o600)
-    subprocess.run(
-        [PYTHON, "-m", "gateway.cli.main", "--home", str(paths.home), "secrets", "seal", "--passphrase-file", str(pf)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        timeout=120,
-    )
+    cmd = [PYTHON, "-m", "gateway.cli.main", "--home", str(paths.home), "secrets", "seal", "--passphrase-file", str(pf)]
+    if old_format:
+        cmd = [PYTHON, "-c", _SEAL_OLD_FORMAT, str(paths.home), str(pf)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=120)
     os.environ["UOMP_PASSPHRASE_FILE"] = str(pf)
     return str(pf)
 

@@ -1,8 +1,10 @@
 """What one audit commit costs the guard as the log grows: random event ids vs time-ordered ones (issue 13),
-or a plain audit.db vs a sealed home's encrypted one (``--compare at-rest``).
+or a plain audit.db vs a sealed home's encrypted one (``--compare at-rest``), or a sealed home's log in
+the old database format vs the current one (``--compare formats``).
 
     .venv/bin/python benchmarks/bench_audit_commit.py [--sizes 0,200000,1000000] [--batches 15,22] [--commits 300]
     .venv/bin/python benchmarks/bench_audit_commit.py --compare at-rest --sizes 0,50000 --commits 100
+    .venv/bin/python benchmarks/bench_audit_commit.py --compare formats --sizes 20000 --commits 150 --rounds 6
 
 Two audit.db files side by side (``AuditLog``, the product's writer path: the Merkle event log,
 canonical JSON, leaf hash, tree nodes and the three indexes, ``synchronous=FULL``), one per id
@@ -15,6 +17,8 @@ scheme:
 
 With ``--compare at-rest``: both logs use the product's ids; ``plain`` is a plain home's audit.db,
 ``encrypted`` a sealed home's (SQLCipher under ``HKDF(master, "audit-db")``, gateway/atrest/auditdb.py).
+With ``--compare formats``: two sealed homes, ``sha512`` sealed in the old format (SQLCipher's
+defaults, HMAC-SHA512 page HMACs) and ``sha256`` in the current one (gateway/atrest/memdb.py).
 
 Both logs are grown in step to each size of ``--sizes`` (commits of 500 events of the same shape
 as a forwarded read's), then ``--commits`` commits of each batch size of ``--batches`` are timed,
@@ -33,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gateway.atrest import migrate, vault
+from gateway.atrest import memdb, migrate, vault
 from gateway.config import Paths
 from gateway.guard.audit import AuditLog, Row, make_row
 from gateway.keys import init_home
@@ -89,12 +93,18 @@ def open_logs(d: Path, compare: str) -> dict[str, AuditLog]:
     """The two logs side by side: two id schemes, or a plain home's and a sealed home's."""
     if compare == "ids":
         return {"random": AuditLog(d / "random.db"), "ordered": AuditLog(d / "ordered.db")}
-    sealed = Paths(d / "sealed")
-    init_home(sealed)
-    fast = {"alg": "argon2id", "iterations": 1, "lanes": 1, "memory_kib": 8 * 1024}  # unlocked once, here
-    migrate.seal(sealed, passphrase="bench-audit-at-rest", kdf=fast)
-    assert vault.unlocked(sealed) is not None
-    return {"plain": AuditLog(d / "plain.db"), "encrypted": AuditLog(sealed.audit_db)}
+
+    def sealed_log(name: str, profile: memdb.Profile) -> AuditLog:
+        sealed = Paths(d / name)
+        init_home(sealed)
+        fast = {"alg": "argon2id", "iterations": 1, "lanes": 1, "memory_kib": 8 * 1024}  # unlocked once, here
+        migrate.seal(sealed, passphrase="bench-audit-at-rest", kdf=fast, profile=profile)
+        assert vault.unlocked(sealed) is not None
+        return AuditLog(sealed.audit_db)
+
+    if compare == "formats":
+        return {"sha512": sealed_log("sha512", memdb.LEGACY), "sha256": sealed_log("sha256", memdb.CURRENT)}
+    return {"plain": AuditLog(d / "plain.db"), "encrypted": sealed_log("sealed", memdb.CURRENT)}
 
 
 def main() -> None:
@@ -103,7 +113,9 @@ def main() -> None:
     ap.add_argument("--batches", default="15,22", help="events per commit")
     ap.add_argument("--commits", type=int, default=300, help="timed commits per batch size, log and round")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--compare", choices=["ids", "at-rest"], default="ids", help="what the two logs differ in")
+    ap.add_argument(
+        "--compare", choices=["ids", "at-rest", "formats"], default="ids", help="what the two logs differ in"
+    )
     args = ap.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -119,7 +131,9 @@ def main() -> None:
         f"bench_audit_commit: {time.strftime('%Y-%m-%d %H:%M:%S')}; batches {batches}, {args.commits} commits "
         f"each, {args.rounds} rounds"
     )
-    a, b = ("random", "ordered") if args.compare == "ids" else ("plain", "encrypted")
+    a, b = {"ids": ("random", "ordered"), "at-rest": ("plain", "encrypted"), "formats": ("sha512", "sha256")}[
+        args.compare
+    ]
     print(
         f"{'log size':>10} {'batch':>6} {a + ' µs/event':>16} {b + ' µs/event':>17} {b + '/' + a:>15} "
         f"{'commit ms ' + a:>17} {b:>8}"

@@ -102,6 +102,7 @@ class Appliance:
         layout: str = "split",
         tree: Path | None = None,
         sealed: bool = False,
+        old_format: bool = False,
         **knobs: Any,
     ) -> None:
         self.label = label
@@ -111,7 +112,7 @@ class Appliance:
             self.keys = keys = c.seed_store(paths)
             self.agent = agent = c.issue_agent(paths)
             if sealed:  # keys sealed by a passphrase, memory.db and audit.db encrypted, high items sealed
-                knobs["env"] = {"UOMP_PASSPHRASE_FILE": c.seal_home(paths)}
+                knobs["env"] = {"UOMP_PASSPHRASE_FILE": c.seal_home(paths, old_format=old_format)}
             self.srv = c.start_server(
                 paths, gateway=True, max_connections=max_connections, what=label, layout=layout, tree=tree, **knobs
             )
@@ -296,6 +297,11 @@ def main() -> None:
         help="also run an appliance on a sealed home (encrypted memory.db and audit.db), rounds interleaved",
     )
     ap.add_argument(
+        "--sealed-old",
+        action="store_true",
+        help="with --sealed: also one on a home sealed in the databases' old format (HMAC-SHA512 pages)",
+    )
+    ap.add_argument(
         "--fsyncs",
         action="store_true",
         help="also count fsync/fdatasync per request on each path (strace -c -f, its own phase)",
@@ -344,6 +350,10 @@ def main() -> None:
             )
         if args.sealed:
             apps["sealed"] = Appliance(label="sealed home", max_connections=max_conn, keep=args.keep, sealed=True)
+        if args.sealed and args.sealed_old:
+            apps["sealed_old"] = Appliance(
+                label="sealed home, old format", max_connections=max_conn, keep=args.keep, sealed=True, old_format=True
+            )
         base = apps["base"]
         info = base.srv.info
         print(
@@ -358,7 +368,7 @@ def main() -> None:
             f"{args.handshake_duration:g} s; {args.idle} idle connections"
             + ("; experiments interleaved" if args.experiments else "")
         )
-        ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota", "old", "sealed")]
+        ka_apps = [a for k, a in apps.items() if k in ("base", "one", "quota", "old", "sealed", "sealed_old")]
         hs_apps = [a for k, a in apps.items() if k in ("base", "buf", "old")]
         for r in range(args.rounds):
             # A B, then B A: neither tree always runs first in its round (or always after the other's load)
@@ -462,6 +472,15 @@ def main() -> None:
         )
         for kind in ("direct", "gateway"):
             print("  " + _paired_line(kind, apps["sealed"].runs[kind], apps["base"].runs[kind]))
+        if "sealed_old" in res:
+            e2 = res["sealed_old"]
+            print(
+                f"RATIOS sealed in the old format (HMAC-SHA512)/plain: direct req/s "
+                f"x{e2['direct']['rps'] / m['direct']['rps']:.2f}, gateway req/s "
+                f"x{e2['gateway']['rps'] / m['gateway']['rps']:.2f}"
+            )
+            for kind in ("direct", "gateway"):
+                print("  old format: " + _paired_line(kind, apps["sealed_old"].runs[kind], apps["base"].runs[kind]))
 
     d, gw = m["direct"], m["gateway"]
     ratio = gw["rps"] / d["rps"]

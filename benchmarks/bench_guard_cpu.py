@@ -2,7 +2,11 @@
 of the guard halved versus today's").
 
     .venv/bin/python benchmarks/bench_guard_cpu.py [--baseline PATH] [--duration S] [--clients N] [--rounds R]
-        [--log-events N]
+        [--log-events N] [--sealed]
+
+``--sealed``: this tree also on a sealed home (memory.db and audit.db SQLCipher files) and on one
+sealed in the databases' old format (HMAC-SHA512 page HMACs, gateway/atrest/memdb.py), rounds
+alternated with the plain home's; prints sealed/plain ratios.
 
 ``--baseline PATH``: a checkout of an older commit (for issue 13, the commit the issue was measured
 on: ``git worktree add /tmp/base13 8be383b``). Each phase runs in a child process started with
@@ -127,8 +131,11 @@ def child(args: argparse.Namespace) -> None:
     with c.bench_home(False) as paths:
         keys = c.seed_store(paths)
         prefill_audit(paths, args.log_events)
+        knobs: dict[str, Any] = {}
+        if args.seal != "none":  # memory.db and audit.db SQLCipher files, in the current format or the old one
+            knobs["env"] = {"UOMP_PASSPHRASE_FILE": c.seal_home(paths, old_format=args.seal == "old")}
         port = c.free_port()
-        with c.start_server(paths, tcp_port=port, what="guard") as srv:
+        with c.start_server(paths, tcp_port=port, what="guard", **knobs) as srv:
             g = c.grant(paths, profile="local", audience=f"http://127.0.0.1:{port}")
             hdrs = {"Authorization": f"Bearer {g['token']}"}
             reqs = [c.http_get(f"/v1/memory/{k}", host=f"127.0.0.1:{port}", headers=hdrs) for k in keys]
@@ -172,7 +179,7 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
-def run_phase(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_phase(tree: Path, args: argparse.Namespace, seal: str = "none") -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [
         sys.executable,
@@ -186,6 +193,8 @@ def run_phase(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         str(args.clients),
         "--log-events",
         str(args.log_events),
+        "--seal",
+        seal,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -206,6 +215,12 @@ def main() -> None:
         default=0,
         help="grow each home's audit log to this many events first (default 0: an empty log)",
     )
+    ap.add_argument(
+        "--sealed",
+        action="store_true",
+        help="this tree on a plain home, a sealed one and one sealed in the databases' old format (HMAC-SHA512)",
+    )
+    ap.add_argument("--seal", choices=["none", "current", "old"], default="none", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", default=str(ROOT), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -224,6 +239,10 @@ def main() -> None:
 
     print(f"bench_guard_cpu: {c.machine_line()}")
     trees = {"this": ROOT}
+    seals = {"this": "none"}
+    if args.sealed:
+        trees.update({"sealed": ROOT, "sealed-old": ROOT})
+        seals.update({"sealed": "current", "sealed-old": "old"})
     if args.baseline is not None:
         if not (args.baseline / "gateway" / "__init__.py").exists():
             raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project")
@@ -236,7 +255,7 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():
-            results[name].append(run_phase(tree, args))
+            results[name].append(run_phase(tree, args, seals.get(name, "none")))
     summary: dict[str, dict[str, dict[str, float]]] = {}
     print(f"\n{'tree':9s} {'phase':9s} {'req/s':>7s} {'p50 ms':>7s} {'CPU us/req':>10s}  per thread (us/req)")
     for name, runs in results.items():
@@ -259,6 +278,15 @@ def main() -> None:
                 f"req/s {[round(r['rps']) for r in rows]}; of the CPU, system "
                 f"{statistics.median(r['sys_us'] for r in rows):.0f} us/req; context switches "
                 f"{statistics.median(r['switches'] for r in rows):.2f}/req"
+            )
+    for name in ("sealed", "sealed-old"):
+        if name in summary:
+            one, plain = summary[name], summary["this"]
+            loaded = one["loaded"]["cpu"] / plain["loaded"]["cpu"]
+            print(
+                f"\nRATIOS {name}/plain: CPU per read (50 clients) x{loaded:.2f}, "
+                f"(1 client) x{one['unloaded']['cpu'] / plain['unloaded']['cpu']:.2f}; req/s "
+                f"x{one['loaded']['rps'] / plain['loaded']['rps']:.2f} (aim of issue 31: >= 0.9)"
             )
     if "baseline" in summary:
         this, base = summary["this"], summary["baseline"]

@@ -21,7 +21,9 @@ header, so it runs once per process and file, before that process holds any conn
 (closing a second descriptor of a SQLite file would drop the process's POSIX locks on it).
 
 A file that does not open with the key (copied from another home, a wrong key, a damaged first
-page) is ``AUDIT_LOG_DAMAGED`` with reason ``key_mismatch``, never INTERNAL (:func:`check_opens`).
+page) is ``AUDIT_LOG_DAMAGED`` with reason ``key_mismatch``, never INTERNAL (:func:`check_opens`);
+one that opens under another file format than the home's slot records is ``KEY_ERROR`` with reason
+``profile_mismatch`` (formats: :mod:`gateway.atrest.memdb`).
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ def home_of(path: Path) -> Paths | None:
     return paths if paths.audit_db == p else None
 
 
-def audit_key(paths: Paths) -> bytes:
-    """The audit log's SQLCipher key, derived from the unlocked master key (SECRETS_LOCKED if not)."""
-    return vault.master(paths).subkey(LABEL)
+def audit_key(paths: Paths) -> memdb.DbKey:
+    """The audit log's SQLCipher key, derived from the unlocked master key (SECRETS_LOCKED if not),
+    with the home's file format (:func:`gateway.atrest.memdb.home_profile`)."""
+    return memdb.DbKey(vault.master(paths).subkey(LABEL), memdb.home_profile(paths))
 
 
 def convert_path(db: Path) -> Path:
@@ -105,7 +108,7 @@ def ensure_plaintext(paths: Paths, key: bytes) -> bool:
     return True
 
 
-def key_for(path: Path) -> bytes | None:
+def key_for(path: Path) -> memdb.DbKey | None:
     """The key to open the audit log ``path`` with: None in a plain home (or outside a home); in a
     sealed one, its key, after converting a plaintext file left from before the seal (once per
     process and file)."""
@@ -132,18 +135,18 @@ def refusal(path: Path, exc: BaseException) -> UompError:
     )
 
 
-def check_opens(conn: Any, path: Path) -> None:
+def check_opens(conn: Any, path: Path, target: str, key: bytes) -> None:
     """Read the schema of a keyed connection once: a key that does not open the file (SQLite's
-    "not a database") is the named refusal here. Any other failure (a truncated file) is left to
-    the reader, which names the first bad event, as for a plain file."""
+    "not a database") is the named refusal here: KEY_ERROR (``profile_mismatch``) when the file is
+    of another format than the home's slot names, else AUDIT_LOG_DAMAGED. Any other failure (a
+    truncated file) is left to the reader, which names the first bad event, as for a plain file."""
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
     except DATABASE as exc:
-        name = str(getattr(exc, "sqlite_errorname", "") or "")
-        if isinstance(exc, OPERATIONAL) or not (name == "SQLITE_NOTADB" or "not a database" in str(exc)):
+        if not memdb.is_not_a_database(exc):
             return
         conn.close()
-        raise refusal(path, exc) from exc
+        raise memdb.profile_mismatch(target, key, exc, "audit log") or refusal(path, exc) from exc
 
 
 def connect(
@@ -175,5 +178,5 @@ def connect(
         conn = memdb.connect(target, key, **kwargs)
         if rows:
             conn.row_factory = memdb.ROW
-        check_opens(conn, path)
+        check_opens(conn, path, target, key)
     return conn

@@ -2,7 +2,7 @@
 
 Why SQLCipher (``sqlcipher3``, binary wheels with their own SQLite for Linux x86-64 and aarch64 and
 macOS) rather than encrypting each value in the application: every page is encrypted (AES-256,
-HMAC-SHA512 per page), so keys, tags and metadata are covered as well as values, the ``-wal``
+an HMAC per page), so keys, tags and metadata are covered as well as values, the ``-wal``
 frames too; and the guard's SQL (covering index for metadata, tag pages, ``json_extract``
 aggregates, the keyed sums of aggregate histories) runs unchanged, in SQLite, in constant memory.
 Per-value AES-GCM would leave tags and keys in clear, and every aggregate would have to decrypt
@@ -11,6 +11,24 @@ each row through a Python callback.
 The key is ``HKDF(master, "memory-db")`` (:class:`gateway.atrest.sealing.MasterKey`), given to
 SQLCipher as a raw 256-bit key (no per-open PBKDF2); it exists only in the memory of a process
 that unlocked the home. A plain home's ``memory.db`` stays a plain SQLite file.
+
+The file format (:data:`PROFILES`), one per sealed home, named by the ``db`` field of its master
+key slot (:func:`gateway.atrest.sealing.parse_slot`) and applied to memory.db and audit.db alike:
+
+* ``sqlcipher4-sha256`` (:data:`CURRENT`, every home sealed now): SQLCipher 4's settings with the
+  page HMAC taken as HMAC-SHA256 instead of HMAC-SHA512 (``PRAGMA cipher_hmac_algorithm``), 4 KiB
+  pages. Each page a commit writes is encrypted and HMACed: the audit log writes ~14.5 pages per
+  15-event commit, and SHA-256 (SHA-NI on x86-64 and ARMv8 crypto) hashes a page in about half
+  SHA-512's time. Integrity stays a full 256-bit HMAC per page. Smaller pages were measured and
+  are slower: an append then touches more pages of deeper trees (benchmarks/README.md, "At rest");
+* ``sqlcipher4`` (:data:`LEGACY`): SQLCipher 4's defaults (HMAC-SHA512, 4 KiB pages), the format of
+  a home sealed before profiles were recorded, whose slot has no ``db`` field. It keeps opening
+  and working; ``uomp secrets unseal`` then ``seal`` moves a home to the current profile.
+
+A key travels with its file's profile (:class:`DbKey`), so a connection, a conversion and a backup
+copy always use the settings of the file they open. The profile is not secret: a wrong one cannot
+open a file (the page HMAC under the key fails on page 1), and :func:`other_profile` names it in the
+refusal.
 
 Conversion (:func:`ensure_encrypted`, run by :func:`key_for` before the store is opened, and by
 ``uomp secrets seal``): with nothing else writing (the appliance is stopped, or this is its guard
@@ -26,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +67,44 @@ DATABASE: tuple[type[Exception], ...] = (sqlite3.DatabaseError, cipher.DatabaseE
 ROW: Any = cipher.Row  # rows by column name, for a SQLCipher connection
 
 
+@dataclass(frozen=True)
+class Profile:
+    """A SQLCipher file format: the statements that follow the key (empty: SQLCipher 4's defaults)."""
+
+    name: str
+    settings: tuple[tuple[str, str], ...]
+
+    def pragmas(self, schema: str = "") -> list[str]:
+        """The ``PRAGMA`` statements that select this format, for ``schema`` (an attached database)."""
+        prefix = f"{schema}." if schema else ""
+        return [f"PRAGMA {prefix}{name} = {value}" for name, value in self.settings]
+
+
+LEGACY = Profile("sqlcipher4", ())
+CURRENT = Profile("sqlcipher4-sha256", (("cipher_hmac_algorithm", "HMAC_SHA256"), ("cipher_page_size", "4096")))
+PROFILES: dict[str, Profile] = {p.name: p for p in (LEGACY, CURRENT)}
+
+
+class DbKey(bytes):
+    """A 256-bit SQLCipher key and the :class:`Profile` of the files it opens. ``repr`` never shows
+    the key. Plain ``bytes`` given as a key are for files of the :data:`CURRENT` profile."""
+
+    profile: Profile
+
+    def __new__(cls, key: bytes, profile: Profile) -> DbKey:
+        out = super().__new__(cls, key)
+        out.profile = profile
+        return out
+
+    def __repr__(self) -> str:
+        return f"DbKey(profile={self.profile.name!r})"
+
+
+def profile_of(key: bytes) -> Profile:
+    """The file format ``key`` is for (:class:`DbKey`), :data:`CURRENT` for plain bytes."""
+    return key.profile if isinstance(key, DbKey) else CURRENT
+
+
 def _key_pragma(key: bytes) -> str:
     if len(key) != 32:
         raise ValueError("a 256-bit key")
@@ -55,16 +112,62 @@ def _key_pragma(key: bytes) -> str:
 
 
 def connect(target: str, key: bytes, **kwargs: Any) -> Any:
-    """A SQLCipher connection to ``target`` with ``key`` (the first statement, as SQLCipher requires).
-    Temporary tables and sort spills stay in memory."""
+    """A SQLCipher connection to ``target`` with ``key`` (the first statement, as SQLCipher requires)
+    and its profile's settings. Temporary tables and sort spills stay in memory."""
     conn = cipher.connect(target, **kwargs)
     try:
         conn.execute(_key_pragma(key))
+        for pragma in profile_of(key).pragmas():
+            conn.execute(pragma)
         conn.execute("PRAGMA temp_store = MEMORY")
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def other_profile(target: str, key: bytes) -> Profile | None:
+    """The profile, other than ``key``'s, that opens ``target`` under ``key``; None when none does.
+    Only for naming a refusal: run after ``key`` failed to open the file, never on the way in."""
+    for profile in PROFILES.values():
+        if profile == profile_of(key):
+            continue
+        try:
+            conn = connect(target, DbKey(key, profile), uri=target.startswith("file:"))
+        except ERRORS:
+            continue
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
+            return profile
+        except ERRORS:
+            continue
+        finally:
+            conn.close()
+    return None
+
+
+def is_not_a_database(exc: BaseException) -> bool:
+    """True for SQLite's "file is not a database" (a key or profile that does not open the file)."""
+    if not isinstance(exc, DATABASE) or isinstance(exc, OPERATIONAL):
+        return False
+    return str(getattr(exc, "sqlite_errorname", "") or "") == "SQLITE_NOTADB" or "not a database" in str(exc)
+
+
+def profile_mismatch(target: str, key: bytes, exc: BaseException, what: str) -> UompError | None:
+    """KEY_ERROR (reason ``profile_mismatch``) when ``key`` did not open ``target`` (``exc``) because
+    the file is of another profile than the one its home's slot names; None otherwise."""
+    if not is_not_a_database(exc):
+        return None
+    found = other_profile(target, key)
+    if found is None:
+        return None
+    return UompError(
+        ErrorCode.KEY_ERROR,
+        f"the {what} is a SQLCipher file of format {found.name}, but this home's master key slot names "
+        f"{profile_of(key).name}: the slot's 'db' record is missing or wrong; put back this home's master.json "
+        "from the backup the file came with (nothing was changed)",
+        details={"reason": "profile_mismatch", "profile": found.name, "slot_profile": profile_of(key).name},
+    )
 
 
 def is_plaintext(path: Path) -> bool:
@@ -76,9 +179,24 @@ def is_plaintext(path: Path) -> bool:
         return False
 
 
-def memory_key(paths: Paths) -> bytes:
-    """The memory store's SQLCipher key, derived from the unlocked master key."""
-    return vault.master(paths).subkey("memory-db")
+def home_profile(paths: Paths) -> Profile:
+    """The file format of the sealed home's databases: the ``db`` field of its slot (see above; none:
+    :data:`LEGACY`). A name this version does not know is KEY_ERROR (reason ``unknown_profile``)."""
+    name = vault.read_slot(paths).get("db", LEGACY.name)
+    profile = PROFILES.get(name) if isinstance(name, str) else None
+    if profile is None:
+        raise UompError(
+            ErrorCode.KEY_ERROR,
+            f"{paths.master_slot} names a database format this version does not know ({str(name)[:40]!r}); "
+            "upgrade, or put back the master.json the home's databases were sealed with",
+            details={"reason": "unknown_profile"},
+        )
+    return profile
+
+
+def memory_key(paths: Paths) -> DbKey:
+    """The memory store's SQLCipher key, derived from the unlocked master key, with the home's profile."""
+    return DbKey(vault.master(paths).subkey("memory-db"), home_profile(paths))
 
 
 # The memory.db files (path, device, inode) this process found SQLCipher (or converted): their header is
@@ -96,7 +214,7 @@ def _identity(path: Path) -> tuple[str, int, int] | None:
     return (os.path.abspath(path), st.st_dev, st.st_ino) if st.st_size > 0 else None
 
 
-def key_for(paths: Paths) -> bytes | None:
+def key_for(paths: Paths) -> DbKey | None:
     """The key to open ``memory.db`` with: None in a plain home; in a sealed one, the store's key,
     after converting a plaintext store left from before the seal (the file's header is read once
     per process and file, see ``_encrypted``)."""
@@ -138,6 +256,8 @@ def convert_file(db: Path, tmp: Path, src_key: bytes | None, dst_key: bytes | No
         rows = int(conn.execute("SELECT count(*) FROM sqlite_master").fetchall()[0][0])
         dst = f"\"x'{dst_key.hex()}'\"" if dst_key else "''"
         conn.execute(f"ATTACH DATABASE ? AS conv KEY {dst}", (str(tmp),))
+        for pragma in profile_of(dst_key).pragmas("conv") if dst_key else []:
+            conn.execute(pragma).fetchall()
         conn.execute("SELECT sqlcipher_export('conv')").fetchall()
         conn.execute(f"PRAGMA conv.user_version = {version}").fetchall()
         conn.execute("DETACH DATABASE conv").fetchall()

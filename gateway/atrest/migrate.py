@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gateway.atrest import journal, sealing, vault
+from gateway.atrest import journal, memdb, sealing, vault
 from gateway.atrest.sealing import MasterKey
 from gateway.config import Paths
 from gateway.durable import fault_point
@@ -59,20 +59,28 @@ def present_key_files(paths: Paths) -> list[tuple[Path, str]]:
 
 
 def seal(
-    paths: Paths, *, passphrase: str | bytes | None = None, keyring: bool = False, kdf: dict[str, Any] | None = None
+    paths: Paths,
+    *,
+    passphrase: str | bytes | None = None,
+    keyring: bool = False,
+    kdf: dict[str, Any] | None = None,
+    profile: memdb.Profile = memdb.CURRENT,
 ) -> MasterKey:
     """Seal every key file of the plain home ``paths`` under a new master key, itself sealed by
     ``passphrase`` or kept in the OS keychain (``keyring``). INVALID_STATE if already sealed.
     ``kdf``: Argon2id parameters (default :data:`gateway.atrest.sealing.DEFAULT_KDF`), within the
-    bounds every slot is held to."""
+    bounds every slot is held to. ``profile``: the format the home's databases will be encrypted in,
+    recorded in the slot (:data:`gateway.atrest.memdb.LEGACY`: no record, a home as sealed before
+    formats were recorded)."""
     if (passphrase is None) == (not keyring):
         raise ValueError("a passphrase or the keychain, one of them")
     journal.recover(paths)
     master = MasterKey.generate()
+    db = None if profile == memdb.LEGACY else profile.name
     slot = (
-        sealing.wrap_with_passphrase(master, passphrase, kdf)
+        sealing.wrap_with_passphrase(master, passphrase, kdf, db=db)
         if passphrase is not None
-        else sealing.keyring_slot(master)
+        else sealing.keyring_slot(master, db=db)
     )
     with journal.locked(paths):
         if paths.master_slot.exists():

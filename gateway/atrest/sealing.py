@@ -11,6 +11,11 @@ Master key: 32 random bytes and a random id (16 hex) that names the home it belo
   :data:`KEYRING_SERVICE`, user name the id); the slot holds a check value so a keychain entry of
   another home is refused.
 
+Either may carry ``db``: the name of the file format of the home's SQLCipher databases
+(:data:`gateway.atrest.memdb.PROFILES`; none is the format of a home sealed before it was recorded).
+It is not secret and not in the associated data: a wrong name opens no database (their page HMAC
+refuses it), and the refusal names it.
+
 A sealed key file is ``UOMP-SEALED/1`` on the first line and one JSON object on the second:
 ``{"v": 1, "home": id, "role": ".secrets/ed25519-private.jwk", "nonce", "ct"}``, AES-256-GCM under
 ``HKDF-SHA256(master, info="uomp-atrest/v1/files")`` with the home id and the role (the file's
@@ -130,8 +135,10 @@ def _slot_aad(slot: dict[str, Any]) -> bytes:
     return b"uomp-master-slot/1\0" + _canonical(head)
 
 
-def wrap_with_passphrase(master: MasterKey, passphrase: str | bytes, kdf: dict[str, Any] | None = None) -> bytes:
-    """The ``master.json`` bytes of a passphrase slot."""
+def wrap_with_passphrase(
+    master: MasterKey, passphrase: str | bytes, kdf: dict[str, Any] | None = None, *, db: str | None = None
+) -> bytes:
+    """The ``master.json`` bytes of a passphrase slot; ``db``: the home's database format (its ``db``)."""
     params = dict(DEFAULT_KDF if kdf is None else kdf)
     params["salt"] = b64(secrets.token_bytes(16))
     params = kdf_params(params)
@@ -139,13 +146,17 @@ def wrap_with_passphrase(master: MasterKey, passphrase: str | bytes, kdf: dict[s
     nonce = secrets.token_bytes(12)
     wrapped = AESGCM(derive(passphrase_bytes(passphrase), params)).encrypt(nonce, master.key, _slot_aad(slot))
     slot.update({"nonce": b64(nonce), "wrapped": b64(wrapped)})
+    if db is not None:
+        slot["db"] = db
     return _canonical(slot) + b"\n"
 
 
-def keyring_slot(master: MasterKey) -> bytes:
+def keyring_slot(master: MasterKey, *, db: str | None = None) -> bytes:
     """The ``master.json`` bytes of a keychain slot (the key itself goes into the keychain)."""
     slot: dict[str, Any] = {"v": SLOT_VERSION, "id": master.home_id, "method": "keyring", "service": KEYRING_SERVICE}
     slot["check"] = b64(hmac.new(master.subkey("keyring-check"), _slot_aad(slot), "sha256").digest())
+    if db is not None:
+        slot["db"] = db
     return _canonical(slot) + b"\n"
 
 
@@ -170,6 +181,8 @@ def parse_slot(raw: bytes, where: str) -> dict[str, Any]:
                 raise ValueError("bad keyring slot")
         else:
             raise ValueError("unknown method")
+        if "db" in slot and not (isinstance(slot["db"], str) and 0 < len(slot["db"]) <= 64):
+            raise ValueError("bad db format name")
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise UompError(
             ErrorCode.KEY_ERROR,

@@ -105,6 +105,7 @@ def _status(args: argparse.Namespace) -> int:
     if sealed:
         slot = vault.read_slot(paths)
         doc.update({"method": slot["method"], "master_key_id": slot["id"]})
+        doc["db_format"] = str(slot.get("db", memdb.LEGACY.name))  # memory.db's and audit.db's (memdb.PROFILES)
         if slot["method"] == "passphrase":
             kdf = slot["kdf"]
             assert isinstance(kdf, dict)
@@ -116,6 +117,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     if sealed:
         print(f"sealed: the keys of {paths.home} ({', '.join(files)}) by {doc['method']}")
+        print(f"databases: memory.db and audit.db in SQLCipher format {doc['db_format']}")
     else:
         print(f"not sealed: the keys of {paths.home} are plaintext files (0600); 'uomp secrets seal' protects them")
     return 0

@@ -408,11 +408,11 @@ class MemoryStore(MemoryStorage):
                 ErrorCode.STORE_UNAVAILABLE, "the memory store file does not exist", details={"reason": "MISSING"}
             )
         conn: sqlite3.Connection | None = None
+        # mode=rw: SQLite never creates the file itself (that is done below, 0600).
+        uri = self.path.resolve().as_uri() + "?mode=rw"
         try:
             if create:
                 self._create_file()
-            # mode=rw: SQLite never creates the file itself (that is done above, 0600).
-            uri = self.path.resolve().as_uri() + "?mode=rw"
             conn = self._connect(uri)
             self._conn = conn
             self._bulk = BulkHandle(conn, self._lock, self._guard, seal=self._seal_row)
@@ -427,7 +427,8 @@ class MemoryStore(MemoryStorage):
             if conn is not None:
                 with contextlib.suppress(*_DB_ERRORS):
                     conn.close()
-            raise _unavailable(exc) from exc
+            mismatch = None if key is None else memdb.profile_mismatch(uri, key, exc, "memory store")
+            raise mismatch or _unavailable(exc) from exc
 
     # ----------------------------------------------------------------- opening
 
