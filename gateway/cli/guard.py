@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from typing import Any
 
 from gateway import eventloop
@@ -44,12 +45,14 @@ def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway import memtrace
     from gateway.guard.server import run_guard
 
     paths = paths_from(args)
     cfg = guard_config(args, paths)
-    memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
+    if "UOMP_TRACEMALLOC" in os.environ:  # the tracer's modules (tracemalloc, ctypes) only when it is asked for
+        from gateway import memtrace
+
+        memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
     return 0
 
