@@ -6,14 +6,15 @@ import argparse
 import contextlib
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway import eventloop
 from gateway.atrest import writers
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
-from gateway.guard.audit import open_audit
-from gateway.guard.auth import AuthService
+
+if TYPE_CHECKING:  # (`gateway start` imports guard_config from here, and never the guard's code)
+    from gateway.guard.auth import AuthService
 
 
 def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
@@ -33,6 +34,9 @@ def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) 
     (``auth.audit.close()``, else the process's end), so no seal rewrites audit.db under it.
     ``audit_tail``: the events before the newest checkpoint the log's check at open reads in full
     (default: the guard's own)."""
+    from gateway.guard.audit import open_audit
+    from gateway.guard.auth import AuthService
+
     hold = contextlib.ExitStack()
     hold.enter_context(writers.writing(paths))
     try:
