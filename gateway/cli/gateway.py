@@ -320,6 +320,7 @@ async def _run(
     _banner(paths, gcfg, gw, guard, sup, info, with_guard=with_guard)
     if dash is not None:
         _say(_dashboard_line(dash.base_url, dash.cfg.login_ttl_seconds, dash.login_link, sys.stdout.isatty()))
+    eventloop.release_free_heap()  # what start-up freed goes back to the system (an idle gateway keeps little)
     try:
         await stop.wait()
     finally:
