@@ -492,9 +492,9 @@ def _guard_child(args: argparse.Namespace) -> None:
     import logging
 
     from gateway import eventloop
+    from gateway.childboot import die_with_parent
     from gateway.config import GuardConfig, Paths
     from gateway.guard.server import run_guard
-    from gateway.supervisor import die_with_parent
 
     if not die_with_parent(args.parent):
         raise SystemExit(1)

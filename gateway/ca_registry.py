@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import Paths
-from gateway.core import ca
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import ensure_private_dir
 
@@ -207,6 +206,8 @@ class Registry:
     def revoked_for_crl(self, now: dt.datetime) -> list[tuple[int, dt.datetime]]:
         keep_from = epoch(now - CRL_KEEP_AFTER_EXPIRY)
         rows = self._rows(_SELECT + " WHERE status = 'revoked' AND not_after >= ?", (keep_from,))
+        from gateway.core import ca  # (cryptography.x509: the CA's writers need it, the guard's revocation check not)
+
         return [(ca.parse_serial(e.serial), from_epoch(e.revoked_at or e.issued_at)) for e in rows]
 
     def prune(self, now: dt.datetime) -> int:
@@ -287,6 +288,8 @@ def registry(paths: Paths, *, write: bool = False, create: bool = False) -> Iter
 
 def _migrate_json(paths: Paths) -> None:
     """Move the rows of a version-1 ``issued.json`` into the SQLite registry (called under the lock)."""
+    from gateway.core import ca
+
     legacy = legacy_registry_path(paths)
     try:
         raw = legacy.read_bytes()

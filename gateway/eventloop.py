@@ -9,6 +9,7 @@ switch changes speed, not behaviour. ``uomp doctor`` says which loop the servers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -72,3 +73,16 @@ def run(main: Coroutine[Any, Any, T]) -> T:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 return runner.run(main)
     return asyncio.run(main)
+
+
+def release_free_heap() -> None:
+    """Once a server is up: hand the C heap's free pages back to the system (glibc ``malloc_trim``).
+
+    Start-up (parsing the config, reading and checking keys and certificates, opening and checking
+    the databases) leaves freed memory inside the heap that glibc keeps for later; a server that
+    then idles never reuses most of it. Nothing is freed that is in use: the pages come back on
+    demand. Elsewhere than glibc (musl, macOS) a no-op."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)

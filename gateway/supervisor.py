@@ -71,31 +71,9 @@ OUTPUT_TAIL_LINES = 40  # the child's last lines kept for an error message
 OUTPUT_LINE_CHARS = 2000
 _LISTENING = re.compile(r"guard listening on unix:\S+ and http://(\S+):(\d+)")
 
-# The child's entry point: die with the parent, then the ordinary CLI (``uomp ... guard serve``).
-_CHILD_BOOT = "import sys; from gateway.supervisor import guard_child_main; sys.exit(guard_child_main(sys.argv[1:]))"
-
-
-def die_with_parent(parent: int) -> bool:
-    """Ask the kernel for SIGTERM when the parent dies, however it dies (Linux ``PR_SET_PDEATHSIG``;
-    elsewhere a no-op). False if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    return os.getppid() == parent  # checked after: the parent may have died before the call
-
-
-def guard_child_main(argv: list[str]) -> int:
-    """Entry of the guard child process: ``argv`` = [parent pid, uomp arguments...]. SIGHUP (the
-    parent forwards it to reload the keys) is ignored until the guard's own handler replaces it:
-    one that comes while the child still imports must not kill it (its keys are read after)."""
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    if not die_with_parent(int(argv[0])):
-        return 1
-    from gateway.cli.main import main
-
-    return main(argv[1:])
+# The child's entry point (:mod:`gateway.childboot`): die with the parent, then the ordinary CLI
+# (``uomp ... guard serve``); it imports neither this module nor the gateway's code.
+_CHILD_BOOT = "import sys; from gateway.childboot import guard_child_main; sys.exit(guard_child_main(sys.argv[1:]))"
 
 
 def guard_command(

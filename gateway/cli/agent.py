@@ -1,6 +1,6 @@
 """``uomp ca …`` and ``uomp agent …``: the user's CA and the agents' client certificates.
 
-Importing this module also adds the CA step to ``uomp init`` (``gateway.cli.home.INIT_HOOKS``).
+``uomp init`` makes the CA (:func:`gateway.cli.initsteps.init_ca`); ``uomp ca init`` the same, with more names.
 """
 
 from __future__ import annotations
@@ -12,30 +12,12 @@ import sys
 from pathlib import Path
 
 from gateway import ca_store
-from gateway.cli import home, userlog
+from gateway.cli import home, initsteps, userlog
 from gateway.cli.main import paths_from
-from gateway.config import GatewayConfig, Paths, load_section
+from gateway.config import Paths
 from gateway.core import ca
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
-
-
-def _hostnames(paths: Paths, extra: list[str]) -> list[str]:
-    """Host names for the gateway certificate: the listen host and the public addresses
-    (:func:`gateway.appliance.cert_hostnames`), plus ``extra``."""
-    from gateway import appliance
-
-    cfg = load_section(GatewayConfig, "gateway", file=paths.config_file)
-    return appliance.cert_hostnames(paths, cfg, extra)
-
-
-def init_hook(paths: Paths) -> dict[str, bool]:
-    """The ``uomp init`` step: CA, gateway server certificate (configured names), CRL."""
-    return ca_store.init_all(paths, _hostnames(paths, []))
-
-
-if init_hook not in home.INIT_HOOKS:
-    home.INIT_HOOKS.append(init_hook)
 
 
 def _lifetime(hours: float) -> dt.timedelta:
@@ -47,7 +29,7 @@ def _lifetime(hours: float) -> dt.timedelta:
 
 def _ca_init(args: argparse.Namespace) -> int:
     paths = paths_from(args)
-    made = ca_store.init_all(paths, _hostnames(paths, args.hostname), key_type=args.key_type)
+    made = ca_store.init_all(paths, initsteps.cert_hostnames(paths, args.hostname), key_type=args.key_type)
     print(f"CA directory: {paths.ca_dir}")
     for what, new in made.items():
         print(f"  {what}: {'created' if new else 'kept'}")

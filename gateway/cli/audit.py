@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from gateway.atrest import auditdb, writers
-from gateway.cli import home
 from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core import merkle
@@ -891,14 +890,6 @@ def _anchor_status(paths: Paths, acfg: AnchorConfig, anchor_status: Any) -> int:
         lines.append("  !! the code at the contract address is not the expected UompAnchor (code hash differs)")
     print("\n".join(lines), file=sys.stderr)
     return 0 if ok else 1
-
-
-def _init_key(paths: Paths) -> dict[str, bool]:
-    return {"audit signing key (.secrets/audit-ed25519.key)": auditkey.ensure(paths)}
-
-
-if _init_key not in home.INIT_HOOKS:  # (at import: `uomp init` and `gateway start` import this module for it)
-    home.INIT_HOOKS.append(_init_key)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -320,6 +320,7 @@ async def _run(
     _banner(paths, gcfg, gw, guard, sup, info, with_guard=with_guard)
     if dash is not None:
         _say(_dashboard_line(dash.base_url, dash.cfg.login_ttl_seconds, dash.login_link, sys.stdout.isatty()))
+    eventloop.release_free_heap()  # what start-up freed goes back to the system (an idle gateway keeps little)
     try:
         await stop.wait()
     finally:
@@ -429,24 +430,28 @@ def _run_info(paths: Paths, gcfg: GatewayConfig, gw: Any, guard: GuardProcess | 
 def _anchor_metrics(paths: Paths, metrics: Any) -> None:
     """The anchoring backlog per state into the gateway's metrics, when [anchor] names a chain."""
     from gateway.config import AnchorConfig
-    from gateway.ledger.anchoring import counts_of
 
     try:
         if load_section(AnchorConfig, "anchor", file=paths.config_file).backend == "none":
             return
     except UompError:
         return
+    from gateway.ledger.anchoring import counts_of  # (the anchoring code only when a chain is named)
+
     metrics.anchor_state = lambda: counts_of(paths.audit_db)
 
 
 def _anchor_warnings(paths: Paths) -> None:
-    from gateway.anchor.ops import rpc_warnings
     from gateway.config import AnchorConfig
 
     try:
         acfg = load_section(AnchorConfig, "anchor", file=paths.config_file)
     except UompError:
         return  # the guard refuses the section at its start, with the reason
+    if acfg.backend == "none":
+        return  # (no warnings, and the anchor backends' code stays unloaded)
+    from gateway.anchor.ops import rpc_warnings
+
     for w in rpc_warnings(acfg.backend, acfg.rpc_url):
         _say(f"anchoring: WARNING: {w}")
 
@@ -554,15 +559,22 @@ async def _start_dashboard(paths: Paths, cfg: Any) -> Any:
         return None
 
 
+def _memtrace(paths: Paths) -> None:
+    """Memory tracing of this process when ``UOMP_TRACEMALLOC`` asks for it (:mod:`gateway.memtrace`);
+    without the variable its modules (tracemalloc, ctypes) are not loaded."""
+    if "UOMP_TRACEMALLOC" in os.environ:
+        from gateway import memtrace
+
+        memtrace.start_if_enabled(paths, "gateway")
+
+
 def _relay_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway import memtrace
-
     paths = paths_from(args, needs_init=not getattr(args, "uplink_listen", None))  # a VPS has no signing key
-    memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
+    _memtrace(paths)
     eventloop.run(_run(paths, gateway_config(args, paths), with_guard=False, args=args))
     return 0
 
@@ -611,9 +623,7 @@ def _start(args: argparse.Namespace) -> int:
         created = [what for what, new in made.items() if new]
         if created:
             _say(f"first run: created in {paths.home}: {', '.join(created).replace('_', ' ')}")
-        from gateway import memtrace
-
-        memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
+        _memtrace(paths)
         eventloop.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
     finally:
         lock.release()

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 from gateway.atrest import writers
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
-from gateway.guard.audit import open_audit
-from gateway.guard.auth import AuthService
+
+if TYPE_CHECKING:  # (`gateway start` imports guard_config from here, and never the guard's code)
+    from gateway.guard.auth import AuthService
 
 
 def guard_config(args: argparse.Namespace, paths: Paths) -> GuardConfig:
@@ -31,6 +33,9 @@ def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) 
     (``auth.audit.close()``, else the process's end), so no seal rewrites audit.db under it.
     ``audit_tail``: the events before the newest checkpoint the log's check at open reads in full
     (default: the guard's own)."""
+    from gateway.guard.audit import open_audit
+    from gateway.guard.auth import AuthService
+
     hold = contextlib.ExitStack()
     hold.enter_context(writers.writing(paths))
     try:
@@ -43,12 +48,15 @@ def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway import eventloop, memtrace
+    from gateway import eventloop
     from gateway.guard.server import run_guard
 
     paths = paths_from(args)
     cfg = guard_config(args, paths)
-    memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
+    if "UOMP_TRACEMALLOC" in os.environ:  # the tracer's modules (tracemalloc, ctypes) only when it is asked for
+        from gateway import memtrace
+
+        memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
     return 0
 

@@ -117,7 +117,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # register only their own parsers).
 # tests/cli/test_cli_lazy.py holds the list to every module that appends to INIT_HOOKS.
 INIT_COMMANDS = frozenset({"init", "gateway"})
-INIT_HOOK_MODULES = ("gateway.cli.memory", "gateway.cli.agent", "gateway.cli.audit", "gateway.cli.payload")
+INIT_HOOK_MODULES = ("gateway.cli.initsteps",)
 
 # Top-level options that take a value (the command word is the first token that is none of these).
 _VALUE_OPTIONS = frozenset({"--home"})

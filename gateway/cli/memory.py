@@ -1,7 +1,7 @@
 """``uomp memory add|get|list|rm`` and ``uomp import``: the user's own view of the Memory Store.
 
 These commands open ``$UOMP_HOME/memory.db`` directly (SQLite WAL lets them run next to a live
-guard). ``uomp init`` also creates the store, through :data:`gateway.cli.home.INIT_HOOKS`.
+guard). ``uomp init`` also creates the store (:func:`gateway.cli.initsteps.init_store`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gateway.atrest import itemseal, memdb
-from gateway.cli import exchange, history, home, userlog
+from gateway.cli import exchange, history, userlog
 from gateway.cli.main import paths_from
-from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.guard import history as item_history
 from gateway.guard.importer import DATE_ORDERS, PROGRESS_MIN_BYTES, import_file
@@ -31,18 +29,6 @@ LIST_DEFAULT_LIMIT = 100
 def _open_store(args: argparse.Namespace) -> MemoryStore:
     """The store, with the history retention of ``[guard] history_max_versions`` applied."""
     return open_user_store(paths_from(args))
-
-
-def _init_store(paths: Paths) -> dict[str, bool]:
-    """``uomp init`` step: create the (empty) Memory Store if it is not there yet."""
-    existed = paths.memory_db.exists()
-    had_key = itemseal.items_key_path(paths).exists()
-    MemoryStore(paths.memory_db, create=True, key=memdb.key_for(paths), sealer=itemseal.sealer_for(paths)).close()
-    return {"memory store": not existed, "item sealing key": not had_key}
-
-
-if _init_store not in home.INIT_HOOKS:  # (at import: `uomp init` and `gateway start` import this module for it)
-    home.INIT_HOOKS.append(_init_store)
 
 
 def _parse_value(text: str) -> Any:

@@ -18,7 +18,7 @@ leave no output and no plaintext at all (a SIGKILL leaves none either with an an
 named one is removed by the next pull or the guard's start-up). So a failed pull is retried as it
 was, without ``--force``; an existing file at ``--out`` is never replaced without ``--force``.
 
-``uomp init`` makes the payload key (:data:`gateway.cli.home.INIT_HOOKS`); any command that needs it
+``uomp init`` makes the payload key (:func:`gateway.cli.initsteps.init_payload_key`); any command that needs it
 makes it when an older data directory has none.
 """
 
@@ -41,7 +41,6 @@ from typing import Any
 from urllib.parse import quote
 
 from gateway import keys
-from gateway.cli import home
 from gateway.cli.main import paths_from
 from gateway.config import Paths
 from gateway.core import sealing
@@ -298,14 +297,6 @@ def _rm(args: argparse.Namespace) -> int:
     client.json("DELETE", f"/v1/payloads/{quote(args.payload_id, safe='')}")
     print(f"removed {args.payload_id}")
     return 0
-
-
-def _init_key(paths: Paths) -> dict[str, bool]:
-    return {"payload key": userkey.ensure(paths)}
-
-
-if _init_key not in home.INIT_HOOKS:  # (at import: `uomp init` and `gateway start` import this module for it)
-    home.INIT_HOOKS.append(_init_key)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

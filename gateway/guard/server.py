@@ -19,7 +19,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway.atrest import vault
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
-from gateway.eventloop import cancel_all
+from gateway.eventloop import cancel_all, release_free_heap
 from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.guard.http import error_response
@@ -344,6 +344,7 @@ async def run_guard(paths: Paths, cfg: GuardConfig, *, serve_tcp: bool | None = 
     await runner.start()
     stop = asyncio.Event()
     install_signals(loop, stop)
+    release_free_heap()  # what start-up freed goes back to the system (an idle guard keeps little)
     try:
         await stop.wait()
     finally:

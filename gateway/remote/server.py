@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -25,9 +25,9 @@ from gateway.remote.metrics import Metrics, create_metrics_app
 from gateway.remote.state import GatewayState
 from gateway.remote.tls import TLSReloader
 from gateway.remote.upstream_health import UpstreamMonitor
-from gateway.uplink.hub import UplinkHub, uplink_hub
-from gateway.uplink.relay import Outbox
-from gateway.uplink.trust import TrustSink
+
+if TYPE_CHECKING:  # the uplink's code (h2, hpack) is loaded only by a gateway that has one
+    from gateway.uplink.hub import UplinkHub
 
 log = logging.getLogger("uomp.gateway")
 
@@ -123,6 +123,9 @@ class GatewayRunner:
             cert, key, ca, crl, crl_state=self.paths.crl_state, session_tickets=cfg.tls_session_tickets
         )
         if cfg.uplink_listen_port >= 0:  # the guard is at home, behind the uplink (docs/vps.md)
+            from gateway.uplink.hub import uplink_hub
+            from gateway.uplink.trust import TrustSink
+
             self.uplink = hub = uplink_hub(self.paths, cfg)
             # the CRL and the verification keys come from home over the uplink (gateway/uplink/trust.py)
             hub.trust = TrustSink(self.paths, self.reloader, on_keys=self.reload_keys)
@@ -196,6 +199,8 @@ class GatewayRunner:
         self.payloads = payload_routes.install(state)
         self.payloads.start()
         if self.uplink is not None:  # the sealed payloads go home over the uplink (gateway/uplink/relay.py)
+            from gateway.uplink.relay import Outbox
+
             self.uplink.payloads = Outbox(self.payloads.store, self.payloads.worker)
         for hook in self.setup_hooks:
             hook(state)

@@ -126,8 +126,8 @@ def test_init_still_runs_every_modules_init_step(tmp_path: Path) -> None:
     assert all(m in modules for m in cli_main.INIT_HOOK_MODULES)
     assert "gateway.cli.conformance" not in modules and "gateway.conformance" not in modules
     paths = Paths(home)
-    assert paths.memory_db.exists()  # gateway.cli.memory's step
-    assert any((home / "ca").iterdir())  # gateway.cli.agent's step
+    assert paths.memory_db.exists()  # the memory store's step
+    assert any((home / "ca").iterdir())  # the CA's step
 
 
 def test_a_misspelt_command_is_still_refused_with_a_suggestion(tmp_path: Path) -> None:

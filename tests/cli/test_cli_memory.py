@@ -11,7 +11,7 @@ import pytest
 from shortdir import short_dir
 
 from gateway.cli import home as home_cli
-from gateway.cli import memory as memory_cli
+from gateway.cli import initsteps
 from gateway.cli.main import build_parser, main
 from gateway.config import Paths
 from gateway.guard.store import MemoryStore
@@ -40,10 +40,10 @@ def count(home_dir: str) -> int:
 def test_init_hook_creates_the_store(home_dir: str) -> None:
     build_parser()
     build_parser()
-    assert home_cli.INIT_HOOKS.count(memory_cli._init_store) == 1
+    assert home_cli.INIT_HOOKS.count(initsteps.init_store) == 1
     paths = Paths(Path(home_dir))
-    assert memory_cli._init_store(paths) == {"memory store": True, "item sealing key": True}
-    assert memory_cli._init_store(paths) == {"memory store": False, "item sealing key": False}
+    assert initsteps.init_store(paths) == {"memory store": True, "item sealing key": True}
+    assert initsteps.init_store(paths) == {"memory store": False, "item sealing key": False}
     assert paths.memory_db.stat().st_mode & 0o777 == 0o600
     assert (paths.secrets / "items.key").stat().st_mode & 0o777 == 0o600
 

@@ -2,10 +2,14 @@
 stopped and running) and ``uomp memory show`` none of the server, chain or template libraries;
 ``uomp gateway start`` has its guard child running before it loads the gateway's own server code
 (the two boot side by side), and loads the dashboard (jinja2) only when the dashboard is enabled.
+Each of its two processes holds its own code only: the guard child none of the gateway's (nor the
+supervisor's), the gateway none of the guard's server, of the commands' or of what a default
+config does not use (the uplink's HTTP/2 stack, the chains, memory tracing).
 
 Each command runs in a fresh interpreter whose ``sys.modules`` (and, for the start, from an audit
 hook: whether the guard child was running when the gateway's server code was first imported) is
-written out at its exit. No timings."""
+written out at its exit; the guard child's, from a ``sitecustomize`` the test puts on its
+``PYTHONPATH``. No timings, no memory figures (benchmarks/bench_idle.py measures those)."""
 
 from __future__ import annotations
 
@@ -42,6 +46,56 @@ AUDIT_LOG = ("gateway.guard.audit", "gateway.ledger")
 NO_LOOP = ("asyncio",)
 # Never loaded by the parent of `uomp gateway start` (its own code and the init steps need none).
 NOT_IN_START = ("web3", "starknet_py", "gateway.conformance", "gateway.cli.conformance", "gateway.cli.authorize")
+# Not loaded by the parent of `uomp gateway start` with a default config (no uplink, no chain, no
+# UOMP_TRACEMALLOC): the uplink's HTTP/2 stack, the anchor backends, memory tracing; the guard's
+# audit log and Auth Service; the commands whose init steps it runs (gateway/cli/initsteps.py).
+NOT_IN_IDLE_GATEWAY = (
+    "h2",
+    "hpack",
+    "hyperframe",
+    "gateway.uplink",
+    "gateway.anchor",
+    "gateway.ledger.anchoring",
+    "tracemalloc",
+    "gateway.guard.audit",
+    "gateway.guard.auth",
+    "gateway.guard.importer",
+    "gateway.guard.exchange",
+    "gateway.ledger.verify",
+    "gateway.cli.memory",
+    "gateway.cli.audit",
+    "gateway.cli.payload",
+    "gateway.cli.agent",
+    "csv",
+)
+# Not loaded by the guard child (default config): the gateway's code and the supervisor (its boot is
+# gateway/childboot.py), the CA builder (cryptography.x509: its revocation check reads serials
+# only), memory tracing.
+NOT_IN_GUARD_CHILD = ("gateway.remote", "gateway.supervisor", "cryptography.x509", "tracemalloc")
+# ... nor the gateway's other stacks, the commands of the gateway side, the chains or the templates.
+NEVER_IN_GUARD_CHILD = (
+    "h2",
+    "gateway.uplink",
+    "gateway.dashboard",
+    "jinja2",
+    "gateway.registry",
+    "gateway.enrollment",
+    "gateway.cli.gateway",
+    "gateway.anchor",
+    "web3",
+    "starknet_py",
+)
+
+# On the guard child's PYTHONPATH: its modules, written at its exit.
+CHILD_PROBE = """
+import atexit, json, os, sys
+
+if "guard" in sys.argv and "serve" in sys.argv and os.environ.get("WEIGHT_CHILD_OUT"):
+    def _write():
+        with open(os.path.join(os.environ["WEIGHT_CHILD_OUT"], f"guard-{os.getpid()}.json"), "w") as f:
+            json.dump(sorted(sys.modules), f)
+    atexit.register(_write)
+"""
 
 PROBE = """
 import json, os, sys
@@ -78,20 +132,20 @@ with open(out, "w") as f:
 
 
 def env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "UOMP_HOME"}
+    return {k: v for k, v in os.environ.items() if k not in ("UOMP_HOME", "UOMP_TRACEMALLOC")}
 
 
 def loaded(modules: list[str], names: tuple[str, ...]) -> list[str]:
     return sorted(n for n in names if any(m == n or m.startswith(n + ".") for m in modules))
 
 
-def probe(tmp: Path, argv: list[str]) -> subprocess.Popen[bytes]:
+def probe(tmp: Path, argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     out = tmp / f"probe-{time.monotonic_ns()}.json"
     proc = subprocess.Popen(
         [sys.executable, "-c", PROBE, json.dumps(argv), str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=env(),
+        env={**env(), **(extra_env or {})},
         cwd=tmp,
     )
     proc.out_file = out  # type: ignore[attr-defined]
@@ -126,9 +180,10 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return h
 
 
-def start(tmp: Path, home: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start(tmp: Path, home: Path, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """``uomp gateway start`` in a probe, until it says it is ready; (the process, its output)."""
-    proc = probe(tmp, ["--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"])
+    argv = ["--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"]
+    proc = probe(tmp, argv, extra_env)
     assert proc.stdout is not None
     buf = b""
     deadline = time.monotonic() + 60
@@ -213,5 +268,50 @@ def test_gateway_start_spawns_the_guard_first_and_loads_the_dashboard_only_when_
         assert "jinja2" in modules and "gateway.dashboard.server" in modules
         assert data["order"] == [["gateway.remote.server", True], ["jinja2", True]]
         assert loaded(modules, NOT_IN_START) == []
+    finally:
+        (home / "config.toml").unlink(missing_ok=True)
+
+
+def child_probe(tmp: Path) -> tuple[dict[str, str], Path]:
+    """The environment that makes the guard child write its modules at its exit, and where."""
+    site, out = tmp / "site", tmp / "child-modules"
+    site.mkdir()
+    out.mkdir()
+    (site / "sitecustomize.py").write_text(CHILD_PROBE)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "WEIGHT_CHILD_OUT": str(out)}, out
+
+
+def guard_child_modules(out: Path) -> list[str]:
+    files = list(out.glob("guard-*.json"))
+    assert len(files) == 1, files  # one guard child, which ran and stopped cleanly
+    modules: list[str] = json.loads(files[0].read_text())
+    files[0].unlink()
+    return modules
+
+
+def test_the_guard_child_and_the_gateway_each_hold_only_their_own_code(tmp_path: Path, home: Path) -> None:
+    set_dashboard(home, False)
+    extra, out = child_probe(tmp_path)
+    try:
+        proc, _out = start(tmp_path, home, extra)
+        data, _rest = stop(proc)
+        gateway: list[str] = data["modules"]  # type: ignore[assignment]
+        guard = guard_child_modules(out)
+        # the probes saw the servers (each process's own code is there) ...
+        assert "gateway.remote.server" in gateway and "gateway.guard.server" not in gateway
+        assert "gateway.guard.server" in guard and "aiohttp.web" in guard
+        # ... and none of the other's, nor what a default config does not use
+        assert loaded(gateway, NOT_IN_IDLE_GATEWAY) == []
+        assert loaded(guard, NOT_IN_GUARD_CHILD) == []
+        assert loaded(guard, NEVER_IN_GUARD_CHILD) == []
+
+        # the partner: UOMP_TRACEMALLOC=1 still traces both processes (snapshots of each in the home)
+        proc, _out = start(tmp_path, home, {**extra, "UOMP_TRACEMALLOC": "1"})
+        data, _rest = stop(proc)
+        assert "tracemalloc" in data["modules"]  # type: ignore[operator]
+        assert "tracemalloc" in guard_child_modules(out)
+        snaps = {p.name.split("-")[0] for p in (home / "memtrace").glob("*.snap")}
+        assert snaps == {"gateway", "guard"}
     finally:
         (home / "config.toml").unlink(missing_ok=True)
