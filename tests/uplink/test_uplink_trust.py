@@ -88,7 +88,9 @@ async def test_revocation_at_home_is_refused_by_the_vps_itself(home: Paths) -> N
                 await _wait(lambda: a.files.serial in _listed(s.vps.crl), "the VPS's CRL lists the serial")
                 print(f"revoke at home -> the VPS's CRL lists it: {time.monotonic() - t0:.2f} s (CLI start included)")
                 gw_reloader = s.gateway.reloader
-                assert gw_reloader is not None and a.files.serial in gw_reloader.revoked
+                assert gw_reloader is not None
+                # the file is written first, then the list in memory reloaded from it (install_crl)
+                await _wait(lambda: a.files.serial in gw_reloader.revoked, "the VPS's gateway holds the new CRL")
                 # the connection made before the revocation: refused at its next request, by the VPS
                 status, body, _ = await agent_call(
                     kept, app.base, "/v1/memory/preference.theme", token=ga["token"], agent_id=a.agent_id
