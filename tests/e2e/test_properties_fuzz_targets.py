@@ -7,13 +7,18 @@ stays a regression test.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shortdir import short_dir
 
+# the targets' scratch files in a directory the session removes (an atexit clean-up would run after
+# the session's check for leftovers)
+os.environ.setdefault("UOMP_FUZZ_WORK", str(short_dir("uomp-fuzz-")))
 sys.path.insert(0, str(Path(__file__).parents[1] / "fuzz"))
 from targets import TARGETS
 
