@@ -72,6 +72,17 @@ def _cpu_us(run: dict[str, Any]) -> float | None:
     return None if cpu is None or not run["rps"] else cpu / 100 / run["rps"] * 1e6
 
 
+def _sealed_ratios(label: str, e: dict[str, Any], m: dict[str, Any], app: Any, base: Any, prefix: str) -> None:
+    """One sealed home's req/s against the plain home's (aim >= 0.9), then its per-round pairs."""
+    print(
+        f"RATIOS {label}: direct req/s x{e['direct']['rps'] / m['direct']['rps']:.2f}, gateway req/s "
+        f"x{e['gateway']['rps'] / m['gateway']['rps']:.2f} (aim >= 0.9), gateway p50 "
+        f"{e['gateway']['p50_ms']:.2f}/{m['gateway']['p50_ms']:.2f} ms"
+    )
+    for kind in ("direct", "gateway"):
+        print(prefix + _paired_line(kind, app.runs[kind], base.runs[kind]))
+
+
 def _paired_line(kind: str, runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> str:
     """The rounds of two appliances paired (round i of one against round i of the other, the order
     alternating per round): each round's req/s ratio, their median, and the same for CPU per request.
@@ -465,22 +476,10 @@ def main() -> None:
                 (f"sealed (b) gateway, {args.clients} clients", e["gateway"]),
             ]
         )
-        print(
-            f"RATIOS sealed/plain: direct req/s x{e['direct']['rps'] / m['direct']['rps']:.2f}, gateway req/s "
-            f"x{e['gateway']['rps'] / m['gateway']['rps']:.2f} (aim >= 0.9), gateway p50 "
-            f"{e['gateway']['p50_ms']:.2f}/{m['gateway']['p50_ms']:.2f} ms"
-        )
-        for kind in ("direct", "gateway"):
-            print("  " + _paired_line(kind, apps["sealed"].runs[kind], apps["base"].runs[kind]))
+        _sealed_ratios("sealed/plain", e, m, apps["sealed"], apps["base"], "  ")
         if "sealed_old" in res:
-            e2 = res["sealed_old"]
-            print(
-                f"RATIOS sealed in the old format (HMAC-SHA512)/plain: direct req/s "
-                f"x{e2['direct']['rps'] / m['direct']['rps']:.2f}, gateway req/s "
-                f"x{e2['gateway']['rps'] / m['gateway']['rps']:.2f}"
-            )
-            for kind in ("direct", "gateway"):
-                print("  old format: " + _paired_line(kind, apps["sealed_old"].runs[kind], apps["base"].runs[kind]))
+            old = "sealed in the old format (HMAC-SHA512)/plain"
+            _sealed_ratios(old, res["sealed_old"], m, apps["sealed_old"], apps["base"], "  old format: ")
 
     d, gw = m["direct"], m["gateway"]
     ratio = gw["rps"] / d["rps"]

@@ -30,10 +30,10 @@ def put_marked(paths: Paths, mark: str) -> Paths:
     return paths
 
 
-def marked_value(paths: Paths) -> object:
-    """The value of :data:`MARKED_KEY` in the (restored) home's store."""
+def marked_value(paths: Paths, key: str = MARKED_KEY) -> object:
+    """The value of ``key`` (:data:`MARKED_KEY`) in the (restored) home's store, as the home opens it."""
     with MemoryStore(paths.memory_db, key=memdb.key_for(paths), create=False) as store:
-        item = store.get(MARKED_KEY)
+        item = store.get(key)
     assert item is not None
     return item.value
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import sqlcipher3.dbapi2 as cipher  # type: ignore[import-untyped]
+from backupkit import marked_value
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from guardkit import call, grant, guard_config, running_guard, unix_session
 from test_sealed_cli import env, pp_file, uomp
@@ -104,13 +105,6 @@ def verify_cli(paths: Paths, tmp: Path) -> dict[str, object]:
     return report
 
 
-def read_value(paths: Paths) -> object:
-    with MemoryStore(paths.memory_db, key=memdb.key_for(paths), create=False) as s:
-        item = s.get(KEY)
-    assert item is not None
-    return item.value
-
-
 async def test_a_new_sealed_homes_databases_use_hmac_sha256(tmp_path: Path) -> None:
     paths = sealed_home()
     await serve(paths)
@@ -135,7 +129,7 @@ async def test_a_home_sealed_with_the_old_defaults_opens_serves_and_verifies(tmp
     assert json.loads(res.stdout)["db_format"] == OLD, res.stdout + res.stderr
     await serve(paths)
     assert formats(paths) == {"memory.db": "sha512", "audit.db": "sha512"}
-    assert read_value(paths) == {"v": 7}
+    assert marked_value(paths, KEY) == {"v": 7}
     verify_cli(paths, tmp_path)
     # the other openers of audit.db: status, doctor, the dashboard
     e = env(UOMP_PASSPHRASE_FILE=str(pp_file(tmp_path)))
@@ -160,7 +154,7 @@ async def test_unseal_then_seal_moves_an_old_home_to_the_current_format(tmp_path
     assert res.returncode == 0 and f"encrypted: {paths.audit_db}" in res.stdout, res.stdout + res.stderr
     assert slot(paths)["db"] == "sqlcipher4-sha256"
     assert formats(paths) == {"memory.db": "sha256", "audit.db": "sha256"}
-    assert read_value(paths) == {"v": 7}
+    assert marked_value(paths, KEY) == {"v": 7}
     verify_cli(paths, tmp_path)
     await serve(paths)
 
@@ -186,7 +180,7 @@ async def test_a_backup_restores_the_databases_in_their_format(kind: str, profil
     restored = Paths(target)
     assert slot(restored).get("db") == slot(paths).get("db")
     assert formats(restored) == {"memory.db": want, "audit.db": want}
-    assert read_value(restored) == {"v": 7}
+    assert marked_value(restored, KEY) == {"v": 7}
     assert verify_restored(restored).startswith("audit log verified")
     await serve(restored)
 
@@ -247,7 +241,7 @@ async def test_a_missing_or_wrong_record_is_a_named_refusal_and_changes_nothing(
     assert digests(paths) == before  # nothing was rewritten under the wrong format
     rewrite_slot(paths, None if profile == OLD else profile)  # the right record back: all works
     vault.unlock_with_passphrase(paths, PASSPHRASE)
-    assert read_value(paths) == {"v": 7}
+    assert marked_value(paths, KEY) == {"v": 7}
     verify_cli(paths, tmp_path)
 
 
