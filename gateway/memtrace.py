@@ -11,19 +11,19 @@ tracemalloc traces, SQLite's own allocator (``sqlite3_memory_used``) and glibc's
 ``python benchmarks/memtrace_diff.py DIR/guard-123-1.snap DIR/guard-123-9.snap``.
 
 Tracing costs CPU and memory (about 2x allocation time); it is a diagnostic, never for service.
+A process that does not trace loads neither :mod:`tracemalloc` nor :mod:`ctypes` for it: both are
+imported where a tracer or a reading uses them, so the servers call :func:`start_if_enabled` always.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
+import functools
 import json
 import os
 import signal
 import threading
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,21 @@ from gateway.config import Paths, env_seconds, env_switch
 _started: list[Tracer] = []
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
-            *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
-        )
-    ]
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``struct mallinfo2``, as a ctypes structure."""
+    import ctypes
+
+    fields = (
+        *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
+        *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
+    )
+    return type("Mallinfo2", (ctypes.Structure,), {"_fields_": [(name, ctypes.c_size_t) for name in fields]})
 
 
 def _libc() -> Any:
+    import ctypes
+
     with contextlib.suppress(OSError):
         return ctypes.CDLL(None)
     return None
@@ -50,6 +54,8 @@ def _libc() -> Any:
 
 def _sqlite() -> Any:
     """The SQLite library the ``sqlite3`` module runs on (the same copy, so the same counters)."""
+    import ctypes
+    import ctypes.util
     import sqlite3  # noqa: F401  (loads the library into the process first)
 
     name = ctypes.util.find_library("sqlite3")
@@ -62,6 +68,9 @@ def _sqlite() -> Any:
 
 def native_stats() -> dict[str, int]:
     """VmRSS and the allocators' own counts, in bytes (a field is absent when the platform has none)."""
+    import ctypes
+    import tracemalloc
+
     out: dict[str, int] = {}
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
@@ -75,7 +84,7 @@ def native_stats() -> dict[str, int]:
         out["sqlite_memory_used"] = int(lib.sqlite3_memory_used())
     libc = _libc()
     if libc is not None and hasattr(libc, "mallinfo2"):
-        libc.mallinfo2.restype = _Mallinfo2
+        libc.mallinfo2.restype = _mallinfo2()
         mi = libc.mallinfo2()
         out["malloc_arena"] = int(mi.arena)
         out["malloc_mmap"] = int(mi.hblkhd)
@@ -99,6 +108,8 @@ class Tracer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        import tracemalloc
+
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
         if not tracemalloc.is_tracing():
@@ -123,6 +134,8 @@ class Tracer:
             self.count += 1
             stem = f"{self.role}-{os.getpid()}"
             path = self.directory / f"{stem}-{self.count}.snap"
+            import tracemalloc
+
             snap = tracemalloc.take_snapshot()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.close(fd)
@@ -158,6 +171,8 @@ def start_if_enabled(paths: Paths, role: str) -> Tracer | None:
 
 def diff(before: Path, after: Path, *, top: int = 25, key: str = "lineno") -> list[str]:
     """The lines that grew most from ``before`` to ``after`` (two snapshots of one process)."""
+    import tracemalloc
+
     old = tracemalloc.Snapshot.load(str(before))
     new = tracemalloc.Snapshot.load(str(after))
     stats = new.compare_to(old, key)

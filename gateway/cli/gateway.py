@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gateway import appliance, eventloop
+from gateway import appliance, eventloop, memtrace
 from gateway.cli.guard import guard_config
 from gateway.cli.main import paths_from
 from gateway.config import GatewayConfig, GuardConfig, Paths, TunnelSettings, load_section
@@ -559,22 +559,13 @@ async def _start_dashboard(paths: Paths, cfg: Any) -> Any:
         return None
 
 
-def _memtrace(paths: Paths) -> None:
-    """Memory tracing of this process when ``UOMP_TRACEMALLOC`` asks for it (:mod:`gateway.memtrace`);
-    without the variable its modules (tracemalloc, ctypes) are not loaded."""
-    if "UOMP_TRACEMALLOC" in os.environ:
-        from gateway import memtrace
-
-        memtrace.start_if_enabled(paths, "gateway")
-
-
 def _relay_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def _serve(args: argparse.Namespace) -> int:
     paths = paths_from(args, needs_init=not getattr(args, "uplink_listen", None))  # a VPS has no signing key
-    _memtrace(paths)
+    memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(_run(paths, gateway_config(args, paths), with_guard=False, args=args))
     return 0
 
@@ -623,7 +614,7 @@ def _start(args: argparse.Namespace) -> int:
         created = [what for what, new in made.items() if new]
         if created:
             _say(f"first run: created in {paths.home}: {', '.join(created).replace('_', ' ')}")
-        _memtrace(paths)
+        memtrace.start_if_enabled(paths, "gateway")  # UOMP_TRACEMALLOC=1 only
         eventloop.run(_run(paths, gcfg, with_guard=True, args=args, tunnel=tcfg, lock=lock))
     finally:
         lock.release()
