@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import json
 import signal
@@ -33,7 +32,7 @@ from gateway.core import merkle
 from gateway.core.checkpoint import Checkpoint, NoteError
 from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import atomic_write
-from gateway.guard.audit import AuditLog, anchor_chain, ledger_refusal, open_audit
+from gateway.guard.audit import AuditLog, anchor_chain, ledger_refusal, open_audit_writing
 from gateway.ledger import auditkey, cosign, integrity
 from gateway.ledger import tree as stored_tree
 from gateway.ledger.log import EventLog, LedgerError
@@ -114,16 +113,8 @@ def _emit(events: list[dict[str, Any]], *, as_json: bool, lines: bool) -> None:
 def _show(args: argparse.Namespace) -> int:
     paths = paths_from(args)
     flt = _filter(args)
-    # migrates an older version's audit_logs table on open (so it holds the home's writers' lock until
-    # the log closes, as every writer does); a refused log is still shown, said so
-    hold = contextlib.ExitStack()
-    hold.enter_context(writers.writing(paths))
-    try:
-        audit = open_audit(paths, _cfg(paths), strict=False)
-    except BaseException:
-        hold.close()
-        raise
-    audit.on_close.append(hold.close)
+    # migrates an older version's audit_logs table on open (a writer); a refused log is still shown, said so
+    audit = open_audit_writing(paths, _cfg(paths), strict=False)
     if audit.integrity is not None:
         print(f"!! {audit.integrity.code}: {audit.integrity.message}", file=sys.stderr)
     stop = _Stop() if args.follow else None

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 from typing import TYPE_CHECKING, Any
 
-from gateway.atrest import writers
 from gateway.cli.main import paths_from
 from gateway.config import GuardConfig, Paths, load_section
 
@@ -33,30 +30,20 @@ def open_auth(paths: Paths, cfg: GuardConfig, *, audit_tail: int | None = None) 
     (``auth.audit.close()``, else the process's end), so no seal rewrites audit.db under it.
     ``audit_tail``: the events before the newest checkpoint the log's check at open reads in full
     (default: the guard's own)."""
-    from gateway.guard.audit import open_audit
+    from gateway.guard.audit import open_audit_writing
     from gateway.guard.auth import AuthService
 
-    hold = contextlib.ExitStack()
-    hold.enter_context(writers.writing(paths))
-    try:
-        audit = open_audit(paths, cfg) if audit_tail is None else open_audit(paths, cfg, tail=audit_tail)
-    except BaseException:
-        hold.close()
-        raise
-    audit.on_close.append(hold.close)
+    audit = open_audit_writing(paths, cfg) if audit_tail is None else open_audit_writing(paths, cfg, tail=audit_tail)
     return AuthService(paths, cfg, audit)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway import eventloop
+    from gateway import eventloop, memtrace
     from gateway.guard.server import run_guard
 
     paths = paths_from(args)
     cfg = guard_config(args, paths)
-    if "UOMP_TRACEMALLOC" in os.environ:  # the tracer's modules (tracemalloc, ctypes) only when it is asked for
-        from gateway import memtrace
-
-        memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
+    memtrace.start_if_enabled(paths, "guard")  # UOMP_TRACEMALLOC=1 only
     eventloop.run(run_guard(paths, cfg, serve_tcp=not args.no_tcp))
     return 0
 

@@ -59,7 +59,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gateway import contract
-from gateway.atrest import auditdb
+from gateway.atrest import auditdb, writers
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
 from gateway.db import DEFAULT_BUSY_TIMEOUT_SECONDS, DbWorker, connect, db_error
@@ -183,6 +183,21 @@ def open_audit(paths: Paths, cfg: GuardConfig, *, strict: bool = True, tail: int
         strict=strict,
         tail=tail,
     )
+
+
+def open_audit_writing(paths: Paths, cfg: GuardConfig, **kwargs: Any) -> AuditLog:
+    """:func:`open_audit` for a user's command that may write the log: the home's writers' lock
+    (:func:`gateway.atrest.writers.writing`) is held from before the log opens until it closes, so no
+    seal or unseal rewrites audit.db under it."""
+    hold = contextlib.ExitStack()
+    hold.enter_context(writers.writing(paths))
+    try:
+        audit = open_audit(paths, cfg, **kwargs)
+    except BaseException:
+        hold.close()
+        raise
+    audit.on_close.append(hold.close)
+    return audit
 
 
 # Fields an event may carry besides :data:`COLUMNS` (the gateway's, in the one log): where and how
