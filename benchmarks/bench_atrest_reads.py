@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.atrest import memdb
+from gateway import sqldriver
 from gateway.atrest.itemseal import ItemSealer
 from gateway.guard.store import MemoryItem, MemoryStore, ReadFilter
 
@@ -33,7 +33,7 @@ class SameEngine(MemoryStore):
     version (sqlcipher3 bundles a newer SQLite than the standard library's)."""
 
     def _connect(self, uri: str) -> sqlite3.Connection:
-        conn: sqlite3.Connection = memdb.cipher.connect(
+        conn: sqlite3.Connection = sqldriver.cipher().connect(
             uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False
         )
         return conn

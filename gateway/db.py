@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import sqlcipher3.dbapi2 as cipher  # type: ignore[import-untyped]
-
+from gateway import sqldriver
 from gateway.errors import ErrorCode, UompError
 
 DEFAULT_BUSY_TIMEOUT_SECONDS = 2.0
@@ -44,10 +43,6 @@ DEFAULT_QUEUE_TIMEOUT_SECONDS = 5.0
 
 T = TypeVar("T")
 
-# Both drivers' exceptions: a database may be a SQLCipher file (a sealed home's, gateway/atrest/).
-SQL_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, cipher.Error)
-SQL_OPERATIONAL: tuple[type[Exception], ...] = (sqlite3.OperationalError, cipher.OperationalError)
-SQL_OR_OS_ERRORS: tuple[type[Exception], ...] = (*SQL_ERRORS, OSError)
 # (loop, future, deadline, function, arguments): one call queued for a DbWorker
 if TYPE_CHECKING:  # (asyncio is imported by the async callers only: a one-shot command that reads needs none of it)
     import asyncio
@@ -59,7 +54,7 @@ _BUSY_NAMES = ("SQLITE_BUSY", "SQLITE_LOCKED")
 
 def is_busy(exc: BaseException) -> bool:
     """True when ``exc`` is SQLite saying another connection holds a lock (busy / locked)."""
-    if not isinstance(exc, SQL_OPERATIONAL):
+    if not isinstance(exc, sqldriver.OPERATIONAL):
         return False
     name = str(getattr(exc, "sqlite_errorname", "") or "")
     if name:
@@ -132,7 +127,7 @@ def connect(
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(str(path) + suffix, 0o600)
         return conn
-    except SQL_OR_OS_ERRORS as exc:
+    except sqldriver.errors(OSError) as exc:
         raise db_error(exc, code=code, what=what) from exc
 
 
@@ -143,15 +138,15 @@ def transaction(
     """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any error; sqlite errors become ``code`` (or STORE_BUSY)."""
     try:
         conn.execute("BEGIN IMMEDIATE")
-    except SQL_ERRORS as exc:
+    except sqldriver.ERRORS as exc:
         raise db_error(exc, code=code, what=what) from exc
     try:
         yield conn
         conn.execute("COMMIT")
     except BaseException as exc:
-        with contextlib.suppress(*SQL_ERRORS):
+        with contextlib.suppress(*sqldriver.ERRORS):
             conn.execute("ROLLBACK")
-        if isinstance(exc, SQL_ERRORS):
+        if isinstance(exc, sqldriver.ERRORS):
             raise db_error(exc, code=code, what=what) from exc
         raise
 
@@ -288,7 +283,7 @@ class DbWorker:
             )
         try:
             return fn(*args)
-        except SQL_ERRORS as exc:
+        except sqldriver.ERRORS as exc:
             raise db_error(exc, what=self.what) from exc
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

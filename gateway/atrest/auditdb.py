@@ -35,6 +35,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gateway import sqldriver
 from gateway.atrest import journal, memdb, vault
 from gateway.config import Paths
 from gateway.errors import ErrorCode, UompError
@@ -42,12 +43,6 @@ from gateway.errors import ErrorCode, UompError
 LABEL = "audit-db"  # the HKDF purpose of the audit log's key (memory.db's is "memory-db")
 FAULT_BEFORE_RENAME = "atrest.auditdb_before_rename"
 
-ERRORS = memdb.ERRORS
-OPERATIONAL = memdb.OPERATIONAL
-DATABASE = memdb.DATABASE
-INTEGRITY = memdb.INTEGRITY
-# a SQLite error, or this module's refusals (SECRETS_LOCKED, AUDIT_LOG_DAMAGED)
-ERRORS_OR_REFUSED: tuple[type[Exception], ...] = (*ERRORS, UompError)
 
 _checked: set[str] = set()  # audit.db files this process found encrypted (or converted)
 _lock = threading.Lock()
@@ -142,7 +137,7 @@ def check_opens(conn: Any, path: Path, target: str, key: bytes) -> None:
     truncated file) is left to the reader, which names the first bad event, as for a plain file."""
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
-    except DATABASE as exc:
+    except sqldriver.DATABASE as exc:
         if not memdb.is_not_a_database(exc):
             return
         conn.close()
@@ -177,6 +172,6 @@ def connect(
     else:
         conn = memdb.connect(target, key, **kwargs)
         if rows:
-            conn.row_factory = memdb.ROW
+            conn.row_factory = sqldriver.cipher().Row
         check_opens(conn, path, target, key)
     return conn

@@ -51,6 +51,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from gateway import sqldriver
 from gateway.atrest import auditdb, memdb, recipient, sealing, vault
 from gateway.config import Paths
 from gateway.durable import fault_point
@@ -248,7 +249,7 @@ def _sealed_source(paths: Paths, src: Path) -> Any:
     a = memdb.connect(src.resolve().as_uri() + "?mode=ro", memdb.memory_key(paths), uri=True)
     try:
         a.execute("SELECT count(*) FROM sqlite_master").fetchall()
-    except memdb.DATABASE:
+    except sqldriver.DATABASE:
         a.close()
         return None
     return a

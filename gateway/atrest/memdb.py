@@ -43,13 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import sqlcipher3.dbapi2 as cipher  # type: ignore[import-untyped]
-
+from gateway import sqldriver
 from gateway.atrest import vault
 from gateway.config import Paths
 from gateway.durable import fault_point
@@ -57,14 +55,6 @@ from gateway.errors import ErrorCode, UompError
 from gateway.fsutil import fsync_dir
 
 SQLITE_HEADER = b"SQLite format 3\x00"
-
-# The exception classes of both drivers, for code that handles either kind of connection.
-ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, cipher.Error)
-PROGRAMMING: tuple[type[Exception], ...] = (sqlite3.ProgrammingError, cipher.ProgrammingError)
-OPERATIONAL: tuple[type[Exception], ...] = (sqlite3.OperationalError, cipher.OperationalError)
-INTEGRITY: tuple[type[Exception], ...] = (sqlite3.IntegrityError, cipher.IntegrityError)
-DATABASE: tuple[type[Exception], ...] = (sqlite3.DatabaseError, cipher.DatabaseError)
-ROW: Any = cipher.Row  # rows by column name, for a SQLCipher connection
 
 
 @dataclass(frozen=True)
@@ -114,7 +104,7 @@ def _key_pragma(key: bytes) -> str:
 def connect(target: str, key: bytes, **kwargs: Any) -> Any:
     """A SQLCipher connection to ``target`` with ``key`` (the first statement, as SQLCipher requires)
     and its profile's settings. Temporary tables and sort spills stay in memory."""
-    conn = cipher.connect(target, **kwargs)
+    conn = sqldriver.cipher().connect(target, **kwargs)
     try:
         conn.execute(_key_pragma(key))
         for pragma in profile_of(key).pragmas():
@@ -134,12 +124,12 @@ def other_profile(target: str, key: bytes) -> Profile | None:
             continue
         try:
             conn = connect(target, DbKey(key, profile), uri=target.startswith("file:"))
-        except ERRORS:
+        except sqldriver.ERRORS:
             continue
         try:
             conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
             return profile
-        except ERRORS:
+        except sqldriver.ERRORS:
             continue
         finally:
             conn.close()
@@ -148,7 +138,7 @@ def other_profile(target: str, key: bytes) -> Profile | None:
 
 def is_not_a_database(exc: BaseException) -> bool:
     """True for SQLite's "file is not a database" (a key or profile that does not open the file)."""
-    if not isinstance(exc, DATABASE) or isinstance(exc, OPERATIONAL):
+    if not isinstance(exc, sqldriver.DATABASE) or isinstance(exc, sqldriver.OPERATIONAL):
         return False
     return str(getattr(exc, "sqlite_errorname", "") or "") == "SQLITE_NOTADB" or "not a database" in str(exc)
 
@@ -246,7 +236,9 @@ def convert_file(db: Path, tmp: Path, src_key: bytes | None, dst_key: bytes | No
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
     uri = db.resolve().as_uri() + "?mode=rw"
-    conn = connect(uri, src_key, uri=True, isolation_level=None) if src_key else cipher.connect(uri, uri=True)
+    conn = (
+        connect(uri, src_key, uri=True, isolation_level=None) if src_key else sqldriver.cipher().connect(uri, uri=True)
+    )
     try:
         conn.isolation_level = None
         conn.execute("PRAGMA busy_timeout = 5000")
@@ -264,7 +256,7 @@ def convert_file(db: Path, tmp: Path, src_key: bytes | None, dst_key: bytes | No
     finally:
         conn.close()
     check_uri = tmp.resolve().as_uri() + "?mode=rw"
-    check = connect(check_uri, dst_key, uri=True) if dst_key else cipher.connect(check_uri, uri=True)
+    check = connect(check_uri, dst_key, uri=True) if dst_key else sqldriver.cipher().connect(check_uri, uri=True)
     try:
         check.isolation_level = None
         checked = check.execute("PRAGMA quick_check").fetchall()

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway import sqldriver
 from gateway.atrest import auditdb, writers
 from gateway.cli.main import paths_from
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
@@ -40,8 +41,6 @@ from gateway.ledger.query import MAX_LIMIT, AuditFilter, parse_time
 from gateway.ledger.verify import ProofBundleError, TrustedCheckpoint, verify_bundle, verify_log
 
 MAX_BUNDLE_BYTES = 1 << 20
-
-_DAMAGED: tuple[type[Exception], ...] = (merkle.ProofError, *auditdb.DATABASE)  # a file or tree that does not read
 
 
 def _cfg(paths: Paths) -> GuardConfig:
@@ -326,7 +325,7 @@ def _verify(args: argparse.Namespace) -> int:
         if backend is not None and not report.damaged:
             try:
                 anchored = asyncio.run(_verify_anchors(conn, backend))
-            except auditdb.DATABASE as exc:
+            except sqldriver.DATABASE as exc:
                 anchored = (0, [f"the anchors cannot be read ({exc})"])
     finally:
         conn.close()
@@ -504,7 +503,7 @@ def _witness_locked(args: argparse.Namespace, paths: Paths, wd: cosign.WitnessDi
                     merkle.verify_consistency(
                         old.size, cp.size, old.root, cp.root, merkle.consistency_proof(node, old.size, cp.size)
                     )
-            except _DAMAGED as exc:
+            except sqldriver.database_errors(merkle.ProofError) as exc:  # a file or tree that does not read
                 raise _witness_refusal(
                     f"audit.db's checkpoint at {cp.size} events is not consistent with the one the "
                     f"witness cosigned at {old.size} ({exc}): a forked or replaced log, diverging "
@@ -632,7 +631,7 @@ def _sign_while_stopped(paths: Paths, conn: sqlite3.Connection, log: EventLog) -
                 raise
         except LedgerError as exc:
             raise ledger_refusal(exc) from None
-        except auditdb.ERRORS as exc:
+        except sqldriver.ERRORS as exc:
             from gateway.db import db_error
 
             raise db_error(exc, what="audit log") from exc
@@ -835,7 +834,7 @@ def _anchor_status(paths: Paths, acfg: AnchorConfig, anchor_status: Any) -> int:
             status["backlog"] = backlog(conn)
         finally:
             conn.close()
-    except auditdb.ERRORS_OR_REFUSED as exc:
+    except sqldriver.errors(UompError) as exc:
         status["backlog_error"] = str(exc)[:200]
     ok = status["backlog"] is not None
     try:

@@ -229,6 +229,7 @@ def _guard_refusal(paths: Paths) -> dict[str, Any] | None:
 
 def _anchoring(paths: Paths) -> dict[str, Any]:
     """The audit log's checkpoints and the anchoring backlog (read-only; docs/audit.md)."""
+    from gateway import sqldriver
     from gateway.atrest import auditdb
     from gateway.config import AnchorConfig
     from gateway.errors import UompError
@@ -248,7 +249,7 @@ def _anchoring(paths: Paths) -> dict[str, Any]:
                 out["backlog"] = backlog(conn)
         finally:
             conn.close()
-    except auditdb.ERRORS_OR_REFUSED:  # no table yet, or a sealed home not unlocked here
+    except sqldriver.errors(UompError):  # no table yet, or a sealed home not unlocked here
         pass
     if backend == "none":
         out["note"] = (

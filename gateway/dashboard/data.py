@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import ca_store
+from gateway import ca_store, sqldriver
 from gateway.atrest import auditdb
 from gateway.config import GuardConfig, Paths, load_section
 from gateway.dashboard import words
@@ -49,7 +49,7 @@ def _reads_left(paths: Paths, session_ids: list[str]) -> dict[str, int]:
         return {}
     try:
         return query.quota_remaining(conn, session_ids)
-    except auditdb.ERRORS:
+    except sqldriver.ERRORS:
         return {}
     finally:
         conn.close()
@@ -152,7 +152,7 @@ def _proof_states(conn: sqlite3.Connection) -> tuple[int, list[int], list[dict[s
             (int(r[0]), str(r[1] or ""))
             for r in conn.execute("SELECT size, last_error FROM ledger_anchors WHERE state = 'rejected' ORDER BY size")
         ]
-    except auditdb.ERRORS:
+    except sqldriver.ERRORS:
         return 0, [], [], []
     return cp, [a["size"] for a in anchors], anchors, rejected
 
@@ -176,7 +176,7 @@ def timeline(paths: Paths, f: Filters, *, limit: int = 200, now: float | None = 
     try:
         try:
             events = query.query_events(conn, flt).events
-        except auditdb.OPERATIONAL:  # no event log yet (the guard has not opened this audit.db)
+        except sqldriver.OPERATIONAL:  # no event log yet (the guard has not opened this audit.db)
             return []
         cp, sizes, anchors, rejected = _proof_states(conn)
     finally:
@@ -234,7 +234,7 @@ def known_agents_and_sessions(paths: Paths) -> tuple[list[str], list[str]]:
         return [], []
     try:
         return query.known_agents(conn), query.known_sessions(conn)
-    except auditdb.ERRORS:
+    except sqldriver.ERRORS:
         return [], []
     finally:
         conn.close()
@@ -257,7 +257,7 @@ def activity(paths: Paths, *, hours: int = 24, now: float | None = None) -> dict
     out: dict[str, list[tuple[int, int]]] = {}
     try:
         rows = query.hourly_counts(conn, since=start, exclude_actions=SESSION_ACTIONS)
-    except auditdb.ERRORS:
+    except sqldriver.ERRORS:
         return {}
     finally:
         conn.close()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from gateway import sqldriver
 from gateway.atrest import auditdb
 from gateway.cli import userlog
 from gateway.config import Paths
@@ -74,7 +75,7 @@ def readers(paths: Paths, key: str) -> list[tuple[str, int]]:
             "AND json_extract(body, '$.allowed') IN (1, 'true') GROUP BY 1 ORDER BY 2 DESC LIMIT ?",
             (key, MAX_READERS),
         ).fetchall()
-    except auditdb.OPERATIONAL:
+    except sqldriver.OPERATIONAL:
         return []
     finally:
         conn.close()

@@ -58,7 +58,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gateway import contract
+from gateway import contract, sqldriver
 from gateway.atrest import auditdb, writers
 from gateway.config import AnchorConfig, GuardConfig, Paths, load_section
 from gateway.core.tokens import iso
@@ -116,9 +116,6 @@ COLUMNS = (
     "via",
 )
 MAX_AUDIT_PAGE = 1000
-
-# what a failed batch raises (before the general clause: LedgerError is a UompError)
-_WRITE_FAILURES: tuple[type[Exception], ...] = (LedgerError, OSError, *auditdb.ERRORS)
 
 
 MAX_PENDING_ROWS = 100_000  # rows waiting for the writer (beyond: STORE_UNAVAILABLE)
@@ -367,8 +364,8 @@ class AuditLog:
         except UompError as exc:
             if (
                 exc.code != ErrorCode.AUDIT_LOG_DAMAGED  # auditdb's refusal already says why
-                and isinstance(exc.__cause__, auditdb.DATABASE)
-                and not isinstance(exc.__cause__, auditdb.OPERATIONAL)
+                and isinstance(exc.__cause__, sqldriver.DATABASE)
+                and not isinstance(exc.__cause__, sqldriver.OPERATIONAL)
             ):
                 raise integrity.refusal(
                     ErrorCode.AUDIT_LOG_DAMAGED,
@@ -405,11 +402,11 @@ class AuditLog:
             raise UompError(
                 ErrorCode.STORE_UNAVAILABLE, f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'"
             ) from exc
-        except auditdb.DATABASE as exc:
-            if isinstance(exc, auditdb.OPERATIONAL):
+        except sqldriver.DATABASE as exc:
+            if isinstance(exc, sqldriver.OPERATIONAL):
                 raise db_error(exc, what="audit log") from exc
             raise integrity.refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"{path.name} cannot be read ({exc})") from exc
-        except auditdb.ERRORS as exc:
+        except sqldriver.ERRORS as exc:
             raise db_error(exc, what="audit log") from exc
         self.reader = DbWorker("audit-read", what="audit log")  # for_session / recent from the event loop
         self._maint = threading.Lock()  # the write connection: writer thread vs purge/replay
@@ -466,7 +463,7 @@ class AuditLog:
                     ledger.store_checkpoint(checked.recover, time.time())  # (another opener may have already)
                 conn.execute("COMMIT")
             except BaseException:
-                with contextlib.suppress(*auditdb.ERRORS):
+                with contextlib.suppress(*sqldriver.ERRORS):
                     conn.execute("ROLLBACK")
                 raise
             ledger.reload()
@@ -646,10 +643,10 @@ class AuditLog:
             out = body(conn)
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(*auditdb.ERRORS):
+            with contextlib.suppress(*sqldriver.ERRORS):
                 conn.execute("ROLLBACK")
             if self.ledger is not None:
-                with contextlib.suppress(*auditdb.ERRORS, LedgerError):
+                with contextlib.suppress(*sqldriver.ERRORS, LedgerError):
                     self.ledger.reload()
             raise
         return out
@@ -678,13 +675,13 @@ class AuditLog:
                 if exc.code in (ErrorCode.AUDIT_LOG_INCONSISTENT, ErrorCode.AUDIT_LOG_DAMAGED):
                     self.refuse(exc)
                 raise
-            except auditdb.ERRORS as exc:
+            except sqldriver.ERRORS as exc:
                 raise self._write_error(exc) from exc
             if not due:
                 return
             try:  # the events are durable: a checkpoint that fails now is retried at the next batch or probe
                 self._transaction(self._sign)
-            except _WRITE_FAILURES as exc:  # (a UompError too: before the general clause)
+            except sqldriver.errors(LedgerError, OSError) as exc:  # (a UompError too: before the general clause)
                 log.warning("audit log: checkpoint not signed: %s", type(exc).__name__)
             except UompError as exc:
                 log.warning("audit log: checkpoint not signed: %s", exc.code)
@@ -717,7 +714,7 @@ class AuditLog:
                     ErrorCode.STORE_UNAVAILABLE,
                     f"the audit log is inconsistent ({exc.message}); run 'uomp audit verify'",
                 ) from exc
-            except auditdb.ERRORS as exc:
+            except sqldriver.ERRORS as exc:
                 raise db_error(exc, what="audit log") from exc
             last = ledger.latest_checkpoint()
             after = last[0].size if last is not None else 0
@@ -879,10 +876,10 @@ class AuditLog:
                         n, since = ledger.prune_slice(since, cutoff, PURGE_SLICE_EVENTS)
                         conn.execute("COMMIT")
                     except BaseException:
-                        with contextlib.suppress(*auditdb.ERRORS):
+                        with contextlib.suppress(*sqldriver.ERRORS):
                             conn.execute("ROLLBACK")
                         raise
-                except auditdb.ERRORS as exc:
+                except sqldriver.ERRORS as exc:
                     raise db_error(exc, what="audit log") from exc
             total += n
             if n < PURGE_SLICE_EVENTS:
@@ -895,7 +892,7 @@ class AuditLog:
         conn = auditdb.connect(self.path, timeout=DEFAULT_BUSY_TIMEOUT_SECONDS)
         try:
             return oldest_body_ts(conn)
-        except auditdb.ERRORS as exc:
+        except sqldriver.ERRORS as exc:
             raise db_error(exc, what="audit log") from exc
         finally:
             conn.close()
@@ -925,9 +922,9 @@ class AuditLog:
             conn.execute("DROP TABLE audit_logs")
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(*auditdb.ERRORS):
+            with contextlib.suppress(*sqldriver.ERRORS):
                 conn.execute("ROLLBACK")
-            with contextlib.suppress(*auditdb.ERRORS, LedgerError):
+            with contextlib.suppress(*sqldriver.ERRORS, LedgerError):
                 ledger.reload()
             raise
         if moved:

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
 
-from gateway.atrest import memdb
+from gateway import sqldriver
 from gateway.errors import ErrorCode, UompError
 from gateway.guard.items import MemoryItem, Row, row_of
 
@@ -120,7 +120,7 @@ class BulkWriter:
     def _rollback(self) -> None:
         self._state = "rolled_back"
         self._drop_buffer()
-        with contextlib.suppress(*memdb.ERRORS):
+        with contextlib.suppress(*sqldriver.ERRORS):
             self._handle.conn.execute("ROLLBACK")
 
     def _drop_buffer(self) -> None:
@@ -172,7 +172,7 @@ class BulkWriter:
                 else:
                     try:
                         conn.executemany(_SQL_INSERT, rows)
-                    except memdb.INTEGRITY as exc:
+                    except sqldriver.INTEGRITY as exc:
                         refusal = _integrity(exc)
                         if refusal is not None:
                             raise refusal from exc

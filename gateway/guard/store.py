@@ -83,7 +83,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gateway import jsonio
+from gateway import jsonio, sqldriver
 from gateway.atrest import itemseal, memdb
 from gateway.atrest.itemseal import ItemSealer
 from gateway.db import trim_wal
@@ -94,12 +94,6 @@ from gateway.guard.items import MemoryItem, Row
 from gateway.guard.storage import AggregateRow, Atom, ItemMeta, MemoryStorage, ReadFilter, currency_path
 
 log = logging.getLogger(__name__)
-
-# Either driver's exceptions: the store is the standard library's SQLite or SQLCipher (``key``).
-_DB_ERRORS = memdb.ERRORS
-_DB_OPERATIONAL = memdb.OPERATIONAL
-_DB_PROGRAMMING = memdb.PROGRAMMING
-_DB_OR_OS_ERRORS: tuple[type[Exception], ...] = (*memdb.ERRORS, OSError)
 
 SCHEMA_VERSION = 4
 
@@ -334,7 +328,7 @@ def _item_of(row: tuple[Any, ...]) -> MemoryItem:
 
 
 def _unavailable(exc: BaseException) -> UompError:
-    if isinstance(exc, _DB_PROGRAMMING):
+    if isinstance(exc, sqldriver.PROGRAMMING):
         return UompError(ErrorCode.STORE_UNAVAILABLE, "the memory store is closed", details={"reason": "CLOSED"})
     if isinstance(exc, OSError):
         return UompError(
@@ -423,9 +417,9 @@ class MemoryStore(MemoryStorage):
             if conn is not None:
                 conn.close()
             raise
-        except _DB_OR_OS_ERRORS as exc:
+        except sqldriver.errors(OSError) as exc:
             if conn is not None:
-                with contextlib.suppress(*_DB_ERRORS):
+                with contextlib.suppress(*sqldriver.ERRORS):
                     conn.close()
             mismatch = None if key is None else memdb.profile_mismatch(uri, key, exc, "memory store")
             raise mismatch or _unavailable(exc) from exc
@@ -514,7 +508,7 @@ class MemoryStore(MemoryStorage):
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(*_DB_ERRORS):
+            with contextlib.suppress(*sqldriver.ERRORS):
                 conn.execute("ROLLBACK")
             raise
 
@@ -635,10 +629,10 @@ class MemoryStore(MemoryStorage):
                 fault_point("atrest.items_sealed_before_commit")
                 conn.execute("COMMIT")
             except BaseException:
-                with contextlib.suppress(*_DB_ERRORS):
+                with contextlib.suppress(*sqldriver.ERRORS):
                     conn.execute("ROLLBACK")
                 raise
-            with contextlib.suppress(*_DB_ERRORS):
+            with contextlib.suppress(*sqldriver.ERRORS):
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     # ----------------------------------------------------------------- plumbing
@@ -651,7 +645,7 @@ class MemoryStore(MemoryStorage):
                 if self._closed:
                     raise sqlite3.ProgrammingError("closed")
                 yield self._conn
-            except _DB_OR_OS_ERRORS as exc:
+            except sqldriver.errors(OSError) as exc:
                 raise _unavailable(exc) from exc
 
     @contextlib.contextmanager
@@ -671,7 +665,7 @@ class MemoryStore(MemoryStorage):
                     conn.execute("PRAGMA trusted_schema = OFF")
                     self._scanner = conn
                 yield self._scanner
-            except _DB_OR_OS_ERRORS as exc:
+            except sqldriver.errors(OSError) as exc:
                 raise _unavailable(exc) from exc
 
     @contextlib.contextmanager
@@ -685,7 +679,7 @@ class MemoryStore(MemoryStorage):
                 yield conn
                 conn.execute("COMMIT")
             except BaseException:
-                with contextlib.suppress(*_DB_ERRORS):
+                with contextlib.suppress(*sqldriver.ERRORS):
                     conn.execute("ROLLBACK")
                 raise
 
@@ -724,7 +718,7 @@ class MemoryStore(MemoryStorage):
             try:
                 yield
             finally:
-                with contextlib.suppress(*_DB_ERRORS):
+                with contextlib.suppress(*sqldriver.ERRORS):
                     conn.execute("COMMIT")
 
     def get_meta(self, key: str) -> ItemMeta | None:
@@ -749,7 +743,7 @@ class MemoryStore(MemoryStorage):
                 row = conn.execute(_SQL_GET, (key,)).fetchone()
             finally:
                 if own:
-                    with contextlib.suppress(*_DB_ERRORS):
+                    with contextlib.suppress(*sqldriver.ERRORS):
                         conn.execute("COMMIT")
         return meta, (self._item(row) if row is not None else None)
 
@@ -798,7 +792,7 @@ class MemoryStore(MemoryStorage):
             self._refuse_high_aggregate(conn, where, params)
             try:
                 row = conn.execute("SELECT count(*), sum(x), min(x), max(x) " + body, params).fetchone()
-            except _DB_OPERATIONAL as exc:
+            except sqldriver.OPERATIONAL as exc:
                 if "overflow" not in str(exc).lower():
                     raise
                 row = conn.execute("SELECT count(*), total(x), min(x), max(x) " + body, params).fetchone()
@@ -835,7 +829,7 @@ class MemoryStore(MemoryStorage):
         with self._scan() as conn:
             try:
                 rows = conn.execute(sql.replace("@TOTAL@", "sum(json_extract(i.value, :path))"), params).fetchall()
-            except _DB_OPERATIONAL as exc:
+            except sqldriver.OPERATIONAL as exc:
                 if "overflow" not in str(exc).lower():
                     raise
                 rows = conn.execute(sql.replace("@TOTAL@", "total(json_extract(i.value, :path))"), params).fetchall()
@@ -913,11 +907,11 @@ class MemoryStore(MemoryStorage):
             if self._closed:
                 return
             self._closed = True
-            with contextlib.suppress(*_DB_ERRORS):
+            with contextlib.suppress(*sqldriver.ERRORS):
                 self._conn.close()
         with self._scan_lock:
             if self._scanner is not None:
-                with contextlib.suppress(*_DB_ERRORS):
+                with contextlib.suppress(*sqldriver.ERRORS):
                     self._scanner.close()
                 self._scanner = None
 

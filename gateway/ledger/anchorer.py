@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway import sqldriver
 from gateway.anchor.base import MAX_EVENTS_PER_ANCHOR, Anchor, AnchorBackend, AnchorError, AnchorMismatch, Submitted
 from gateway.atrest import auditdb
 from gateway.durable import fault_point
@@ -76,7 +77,7 @@ class Anchorer:
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
                 ensure_schema(conn)
-            except auditdb.ERRORS:
+            except sqldriver.ERRORS:
                 conn.close()
                 raise
             self._conn = conn
@@ -191,7 +192,7 @@ class Anchorer:
                 conn.execute("UPDATE ledger_anchors SET events_fixed = 1 WHERE size = ?", (size,))
             conn.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(*auditdb.ERRORS):
+            with contextlib.suppress(*sqldriver.ERRORS):
                 conn.execute("ROLLBACK")
             raise
 

@@ -56,9 +56,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway import sqldriver
 from gateway.anchor.base import Anchor, DataDeletionProofSubmitted, PayloadAnchored, SessionGranted, SessionRevoked
 from gateway.atrest import auditdb
 from gateway.durable import fault_point
+from gateway.errors import UompError
 from gateway.ledger.log import ANCHOR_SCHEMA
 
 log = logging.getLogger("uomp.anchor")
@@ -128,7 +130,7 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
                 conn.execute(f"ALTER TABLE ledger_anchors ADD COLUMN {name} {decl}")
                 if name == "events_fixed":  # rows from before may have been sent without facts: keep them so
                     conn.execute("UPDATE ledger_anchors SET events_fixed = 1")
-            except auditdb.OPERATIONAL as exc:
+            except sqldriver.OPERATIONAL as exc:
                 if "duplicate column" not in str(exc):  # another process added it first: fine
                     raise  # busy (the writer holds the lock): the caller tries again next round
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_anchor_scan'").fetchone() is None:
@@ -272,7 +274,7 @@ def derive_facts(conn: sqlite3.Connection, *, now: float | None = None, batch: i
             moved = int(top) - cursor
         conn.execute("COMMIT")
     except BaseException:
-        with contextlib.suppress(*auditdb.ERRORS):
+        with contextlib.suppress(*sqldriver.ERRORS):
             conn.execute("ROLLBACK")
         raise
     return moved
@@ -463,7 +465,7 @@ def counts_of(db_path: Path) -> dict[str, int] | None:
             return counts
         finally:
             conn.close()
-    except auditdb.ERRORS_OR_REFUSED:  # no table yet, locked, or a sealed home not unlocked here
+    except sqldriver.errors(UompError):  # no table yet, locked, or a sealed home not unlocked here
         return None
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from gateway import sqldriver
 from gateway.atrest import auditdb
 from gateway.core import merkle
 from gateway.core.checkpoint import Checkpoint, NoteError
@@ -74,9 +75,6 @@ FIX = {
         "run 'uomp audit verify' for the first bad event and restore audit.db from a backup (docs/audit.md)"
     ),
 }
-
-# a file SQLite does not read, or a tree that does not prove
-_DAMAGED: tuple[type[Exception], ...] = (*auditdb.DATABASE, merkle.ProofError)
 
 
 def refusal(code: ErrorCode, problem: str, *, first_bad_seq: int | None = None) -> UompError:
@@ -271,7 +269,7 @@ def check_log(
         if report.ok and witness is not None and newest < witness.checkpoint.size:
             recover = witness.note
         return Checked(report_refusal(report), size, after, recover, wsize, report.signatures)
-    except _DAMAGED as exc:
+    except sqldriver.database_errors(merkle.ProofError) as exc:
         return Checked(
             refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({type(exc).__name__}: {exc})"), 0, 0
         )
@@ -301,9 +299,9 @@ def home_state(audit_db: Path, witness_path: Path, *, origin: str, public_key: E
         if exc.code == ErrorCode.SECRETS_LOCKED:  # a sealed home not unlocked here: not a finding about the log
             return {**out, "ok": None, "message": f"audit.db could not be checked ({exc.message})"}
         error = exc
-    except auditdb.OPERATIONAL as exc:  # locked, or cannot be opened: not a finding about the log
+    except sqldriver.OPERATIONAL as exc:  # locked, or cannot be opened: not a finding about the log
         return {**out, "ok": None, "message": f"audit.db could not be checked ({exc})"}
-    except auditdb.DATABASE as exc:
+    except sqldriver.DATABASE as exc:
         error = refusal(ErrorCode.AUDIT_LOG_DAMAGED, f"audit.db cannot be read ({exc})")
     if error is not None:
         out.update(

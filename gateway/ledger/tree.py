@@ -17,7 +17,7 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.atrest import memdb
+from gateway import sqldriver
 from gateway.core import merkle
 
 SCHEMA = """
@@ -58,7 +58,7 @@ def convert_layout(conn: sqlite3.Connection) -> bool:
         return False
     try:
         conn.execute("BEGIN IMMEDIATE")
-    except memdb.OPERATIONAL:  # read-only, or busy past the timeout: read the legacy layout
+    except sqldriver.OPERATIONAL:  # read-only, or busy past the timeout: read the legacy layout
         return False
     try:
         if layout(conn) == LAYOUT:  # another process converted it while this one waited
@@ -66,7 +66,7 @@ def convert_layout(conn: sqlite3.Connection) -> bool:
             return False
         try:
             conn.execute("ALTER TABLE merkle_nodes RENAME TO merkle_nodes_legacy")
-        except memdb.OPERATIONAL:  # a read-only file (mode=ro, or no write permission)
+        except sqldriver.OPERATIONAL:  # a read-only file (mode=ro, or no write permission)
             conn.execute("ROLLBACK")
             return False
         conn.execute(SCHEMA.strip().rstrip(";"))

@@ -43,7 +43,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from gateway.atrest import auditdb
+from gateway import sqldriver
 from gateway.core import merkle
 from gateway.core.checkpoint import MAX_NOTE_BYTES, Checkpoint, NoteError, parse_verifier_key
 from gateway.errors import UompError
@@ -51,10 +51,6 @@ from gateway.ledger import tree as stored_tree
 from gateway.ledger.log import BUNDLE_VERSION, INDEX_COLUMNS, checkpoint_hash, event_leaf, index_values
 
 CLOCK_JUMP_SECONDS = 600  # a checkpoint this far after the first event it is the first to cover: the clock jumped
-
-# what a log that cannot be read raises: any SQLite error / a damaged file, or a tree that does not prove
-_UNREADABLE: tuple[type[Exception], ...] = (*auditdb.ERRORS, merkle.ProofError)
-_DAMAGED: tuple[type[Exception], ...] = (*auditdb.DATABASE, merkle.ProofError)
 
 
 def check_anchored_head(conn: sqlite3.Connection, size: int, root: bytes) -> str | None:
@@ -72,7 +68,7 @@ def check_anchored_head(conn: sqlite3.Connection, size: int, root: bytes) -> str
             )
         if tree.root(size) != root:
             return f"the log's root at size {size} is not the one anchored on chain: a second history"
-    except _UNREADABLE as exc:
+    except sqldriver.errors(merkle.ProofError) as exc:
         return f"the log cannot be checked against the chain's anchor of size {size}: {exc}"
     return None
 
@@ -165,7 +161,7 @@ def verify_log(
             own = True
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # the snapshot starts here
         _verify(conn, report, origin, public_key, trusted, after, signed_from)
-    except _DAMAGED as exc:
+    except sqldriver.database_errors(merkle.ProofError) as exc:
         seq = report.first_bad_seq or (after + report.events + 1)
         report.fail(
             seq, f"audit.db cannot be read from event {seq} on ({type(exc).__name__}: {exc}): truncated or damaged"

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 # exclusive lock, without waiting; prints "locked" or the new journal mode.
 PROBE = """
 import sqlite3, sys
+from gateway import sqldriver
 from gateway.atrest import memdb
 key = sys.stdin.read().strip()
 db = sys.argv[1]
@@ -36,7 +37,7 @@ conn = memdb.connect(db, bytes.fromhex(key), timeout=0) if key else sqlite3.conn
 conn.isolation_level = None
 try:
     print(conn.execute("PRAGMA journal_mode=DELETE").fetchall()[0][0])
-except memdb.OPERATIONAL as exc:
+except sqldriver.OPERATIONAL as exc:
     print("locked" if "locked" in str(exc) else f"error {exc}")
 """
 

@@ -21,6 +21,7 @@ from guardkit import call, grant, guard_config, running_guard, unix_session
 from test_sealed_cli import env, pp_file, uomp
 from test_sealed_keys import FAST, PASSPHRASE, make_home
 
+from gateway import sqldriver
 from gateway.atrest import auditdb, backup, memdb, migrate, vault
 from gateway.cli.audit import proof_bundle
 from gateway.cli.backup import verify_restored
@@ -208,7 +209,7 @@ async def test_a_log_that_does_not_open_with_the_homes_key_is_a_named_refusal(ho
     await traffic(a)
     # the log's own key, not memory.db's: the memory key does not open it
     assert auditdb.audit_key(a) != memdb.memory_key(a)
-    with pytest.raises(memdb.DATABASE, match="not a database"):
+    with pytest.raises(sqldriver.DATABASE, match="not a database"):
         memdb.connect(str(a.audit_db), memdb.memory_key(a)).execute("SELECT count(*) FROM ledger_events")
     if how == "other_home":  # audit.db copied into another sealed home
         target = make_home()

@@ -39,6 +39,7 @@ HEAVY = (
     "gateway.guard.server",
     "gateway.cli.conformance",
     "gateway.cli.authorize",
+    "sqlcipher3",  # a plain home's files are read with the standard library's sqlite3
 )
 # The audit log's code: a command that only reads memory needs none of it.
 AUDIT_LOG = ("gateway.guard.audit", "gateway.ledger")
@@ -67,11 +68,12 @@ NOT_IN_IDLE_GATEWAY = (
     "gateway.cli.payload",
     "gateway.cli.agent",
     "csv",
+    "sqlcipher3",
 )
 # Not loaded by the guard child (default config): the gateway's code and the supervisor (its boot is
 # gateway/childboot.py), the CA builder (cryptography.x509: its revocation check reads serials
 # only), memory tracing.
-NOT_IN_GUARD_CHILD = ("gateway.remote", "gateway.supervisor", "cryptography.x509", "tracemalloc")
+NOT_IN_GUARD_CHILD = ("gateway.remote", "gateway.supervisor", "cryptography.x509", "tracemalloc", "sqlcipher3")
 # ... nor the gateway's other stacks, the commands of the gateway side, the chains or the templates.
 NEVER_IN_GUARD_CHILD = (
     "h2",
@@ -315,3 +317,24 @@ def test_the_guard_child_and_the_gateway_each_hold_only_their_own_code(tmp_path:
         assert snaps == {"gateway", "guard"}
     finally:
         (home / "config.toml").unlink(missing_ok=True)
+
+
+def test_a_sealed_homes_guard_child_loads_sqlcipher(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The partner of the plain home's lists above: SQLCipher is there once the files are encrypted."""
+    sealed = tmp_path_factory.mktemp("weight-sealed") / "h"
+    pp = tmp_path / "pp"
+    pp.write_text("correct horse battery staple\n")
+    pp.chmod(0o600)
+    for argv in (["init"], ["secrets", "seal", "--passphrase-file", str(pp)]):
+        subprocess.run(
+            [sys.executable, "-m", "gateway.cli.main", "--home", str(sealed), *argv],
+            check=True,
+            capture_output=True,
+            env=env(),
+            timeout=120,
+        )
+    set_dashboard(sealed, False)
+    extra, out = child_probe(tmp_path)
+    proc, _out = start(tmp_path, sealed, {**extra, "UOMP_PASSPHRASE_FILE": str(pp)})
+    stop(proc)
+    assert "sqlcipher3" in guard_child_modules(out)
