@@ -393,9 +393,10 @@ class GuardConfig:
     # holds the log to the newest checkpoint it cosigned. Empty: none. A directory that is absent
     # (not mounted) or has cosigned nothing yet is a warning; a tampered one is red.
     audit_witness_dir: str = ""
-    # Housekeeping, off the event loop: expired sessions are closed every sweep_interval_seconds;
-    # audit retention and auth.db pruning run every purge_interval_seconds.
-    sweep_interval_seconds: float = 5.0
+    # Housekeeping, off the event loop: each session is closed at its expiry (the sweeper sleeps
+    # until the next one, at most sweep_interval_seconds and 60 s, the shortest session); audit
+    # retention and auth.db pruning run every purge_interval_seconds.
+    sweep_interval_seconds: float = 60.0
     purge_interval_seconds: float = 3600.0
     # The key files are looked at this often (four stats) for a change made by hand; the commands
     # that change them signal the running guard, which reloads at once (gateway/reloads.py).

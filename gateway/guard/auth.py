@@ -225,6 +225,13 @@ class AuthService:
             self._row(sid)
         return len(ids)
 
+    def sweep(self) -> float | None:
+        """:meth:`expire_due`, then the seconds until the next live session expires (None: none is
+        live): the guard's sweeper sleeps that long."""
+        self.expire_due()
+        row = self.db.execute("SELECT MIN(expires_at) FROM sessions WHERE status IN ('created','active')").fetchone()
+        return None if row[0] is None else max(0.0, float(row[0]) - self.clock())
+
     def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
         agent_id = req_str(body, "agent_id")
         agent_name = body.get("agent_name")

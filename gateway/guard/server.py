@@ -24,6 +24,7 @@ from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.guard.http import error_response
 from gateway.guard.services import GuardServices
+from gateway.guard.sessions import MAX_DURATION_MINUTES_FLOOR
 from gateway.keys import KeyWatch
 from gateway.ledger import integrity
 from gateway.netutil import check_bind, claim_socket_path
@@ -36,6 +37,8 @@ log = logging.getLogger("uomp.guard")
 # fails at once (EAGAIN), where TCP would wait: the gateway, which opens a connection per
 # concurrent request beyond its idle pool, would answer 503 for it. The kernel caps it at somaxconn.
 UNIX_BACKLOG = 4096
+SHORTEST_SESSION_SECONDS = MAX_DURATION_MINUTES_FLOOR * 60.0  # the sweeper's longest sleep (_sweeper)
+EXPIRY_SLACK_SECONDS = 0.01  # the sweeper wakes this long after an expiry, so that it is past
 
 VERIFY_NICE = 10  # the background verify's niceness increment (its own process)
 MAX_VERIFY_OUTPUT = 1 << 20  # bytes of its JSON report read
@@ -142,22 +145,29 @@ class GuardRunner:
         )
 
     async def _sweeper(self) -> None:
+        """Closes each session at its expiry (its ``session_expired`` event then, not at the next
+        tick), and runs retention and pruning every ``purge_interval_seconds``. Between two looks it
+        sleeps until the next expiry it knows of, and at most ``sweep_interval_seconds`` and the
+        shortest session's duration: a session granted meanwhile (by this guard, or by a command
+        in another process) is seen before it can expire. An idle guard wakes once a minute."""
         svc = self.services
         assert svc is not None
         loop = asyncio.get_running_loop()
-        since_purge = 0.0
+        cap = max(0.05, min(self.cfg.sweep_interval_seconds, SHORTEST_SESSION_SECONDS))
+        purge_at = loop.time() + self.cfg.purge_interval_seconds
         while True:
-            await asyncio.sleep(self.cfg.sweep_interval_seconds)
+            next_expiry: float | None = None
             try:  # both off the event loop: another process may hold a lock on either database
-                await svc.authdb(svc.auth.expire_due)
-                since_purge += self.cfg.sweep_interval_seconds
-                if since_purge >= self.cfg.purge_interval_seconds:
+                next_expiry = await svc.authdb(svc.auth.sweep)
+                if loop.time() >= purge_at:
+                    purge_at = loop.time() + self.cfg.purge_interval_seconds
                     await loop.run_in_executor(None, svc.audit.purge)
                     while max((await svc.authdb(svc.auth.prune)).values()) >= PRUNE_BATCH_ROWS:
                         pass  # a large backlog goes in slices, each its own trip to the auth.db worker
-                    since_purge = 0.0
             except UompError as exc:
                 log.warning("sweeper: %s", exc.code)
+            delay = cap if next_expiry is None else min(cap, next_expiry + EXPIRY_SLACK_SECONDS)
+            await asyncio.sleep(max(0.0, min(delay, purge_at - loop.time())))
 
     async def _checkpointer(self) -> None:
         """A signed checkpoint within audit_checkpoint_seconds of the last event, even when idle."""

@@ -5,6 +5,7 @@ files and a real guard; the Auth Service's clock is moved instead of waiting out
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import sqlite3
@@ -115,6 +116,41 @@ async def test_a_running_guard_reads_sweeps_and_restarts(home: Paths) -> None:
     expired = events(home, "session_expired")
     assert [e["session_id"] for e in expired] == [a["session_id"]], expired
     assert signed_size(home) >= expired[0]["seq"]
+
+
+def stored_status(home: Paths, session_id: str) -> str:
+    """The session's row as auth.db holds it (reading it through the guard would expire it)."""
+    conn = sqlite3.connect(f"file:{home.auth_db}?mode=ro", uri=True)
+    try:
+        return str(conn.execute("SELECT status FROM sessions WHERE session_id = ?", (session_id,)).fetchone()[0])
+    finally:
+        conn.close()
+
+
+async def test_the_sweeper_closes_a_session_at_its_expiry_not_at_its_next_tick(home: Paths) -> None:
+    """With the sweeper looking every 5 s, a session that ends 0.8 s after one look is closed at its
+    end, by the sweeper alone (no request touches it), and not before. A sweeper that only ticks
+    would close it at the next tick, ~5 s late."""
+    seed(home)
+    cfg = guard_config(sweep_interval_seconds=5.0)
+    async with running_guard(home, cfg) as g, unix_session(home) as s:
+        started = time.monotonic()  # the sweeper's first look is now: the next one 5 s on
+        a = await grant(s, home, read=READ, duration_minutes=1)
+        svc = g.services
+        assert svc is not None
+        sid = a["session_id"]
+        end_in = 5.8 - (time.monotonic() - started)
+        expires_at = (await svc.authdb(svc.auth.session, sid)).expires_at
+        shift = expires_at - (time.time() + end_in)
+        svc.auth.clock = lambda: time.time() + shift  # the session now ends 5.8 s after the first look
+        svc.auth.rows.forget(sid)
+        while time.monotonic() - started < 5.6:
+            assert stored_status(home, sid) == "active"  # not before its end
+            await asyncio.sleep(0.1)
+        while stored_status(home, sid) == "active" and time.monotonic() - started < 7.5:
+            await asyncio.sleep(0.05)
+        assert stored_status(home, sid) == "expired", time.monotonic() - started
+    assert [e["session_id"] for e in events(home, "session_expired")] == [sid]
 
 
 def test_a_failed_transition_writes_nothing(home: Paths) -> None:
