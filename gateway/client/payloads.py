@@ -16,6 +16,8 @@ import os
 import secrets
 import tempfile
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from gateway.core.tokens import iso
 
 JSON_MAX_SEALED = 256 * 1024  # sealed bytes sent inside the JSON envelope; larger: the streaming form
 READ_BLOCK = 1024 * 1024
+HASH_AHEAD = 4  # sealed blocks handed to the hashing thread and not yet hashed, at most
 
 
 def new_payload_id() -> str:
@@ -75,19 +78,31 @@ def seal_to_file(
     *,
     directory: str | None = None,
 ) -> SealedFile:
-    """Seal ``source`` (bytes, or a file read in blocks) into a private temporary file."""
+    """Seal ``source`` (bytes, or a file read in blocks) into a private temporary file.
+
+    This thread reads, encrypts and writes; one worker thread counts the SHA-256 of the same sealed
+    blocks meanwhile (hashlib, the AEAD and file writes let go of the GIL on large buffers, so the
+    two overlap), at most :data:`HASH_AHEAD` blocks behind. A bytes-like ``source`` is read in
+    place, not copied: the caller must not change it until this returns. On any error or interrupt
+    the worker is stopped, the file removed, and the error raised.
+    """
     sealer = sealing.Sealer(recipient, binding)
     fd, name = tempfile.mkstemp(prefix="uomp-payload-", suffix=".sealed", dir=directory)
     digest = hashlib.sha256()
     size = 0
     try:
-        with os.fdopen(fd, "wb") as out:
+        with os.fdopen(fd, "wb") as out, ThreadPoolExecutor(1, thread_name_prefix="uomp-seal-hash") as hasher:
+            hashing: deque[Future[None]] = deque()
 
             def put(b: bytes | bytearray) -> None:
+                # Each block is a new object nobody changes afterwards, so the worker may read it while
+                # this thread goes on; a single worker takes them in order.
                 nonlocal size
                 if b:
+                    if len(hashing) == HASH_AHEAD:
+                        hashing.popleft().result()
+                    hashing.append(hasher.submit(digest.update, b))
                     out.write(b)
-                    digest.update(b)
                     size += len(b)
 
             put(sealer.prefix)
@@ -96,10 +111,14 @@ def seal_to_file(
                 for at in range(0, len(view), READ_BLOCK):
                     put(sealer.update(view[at : at + READ_BLOCK]))
             else:
+                block = bytearray(READ_BLOCK)  # reused: the sealer copies whatever it keeps of a block
+                read = memoryview(block)
                 with open(source, "rb") as src:
-                    while block := src.read(READ_BLOCK):
-                        put(sealer.update(block))
+                    while n := src.readinto(block):
+                        put(sealer.update(read[:n]))
             put(sealer.finish())
+            for pending in hashing:
+                pending.result()
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
