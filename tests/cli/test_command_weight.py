@@ -165,21 +165,26 @@ def run(tmp: Path, argv: list[str]) -> tuple[dict[str, object], str]:
     return finish(probe(tmp, argv))
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    h = tmp_path_factory.mktemp("weight") / "h"
-    for argv in (
-        ["init"],
-        ["memory", "add", "weight.key", "--value", '"light"', "--tag", "t", "--sensitivity", "low"],
-    ):
+def make_home(h: Path, *commands: list[str]) -> Path:
+    """A home at ``h`` made by the CLI commands given, each in its own process."""
+    for argv in commands:
         subprocess.run(
             [sys.executable, "-m", "gateway.cli.main", "--home", str(h), *argv],
             check=True,
             capture_output=True,
             env=env(),
-            timeout=60,
+            timeout=120,
         )
     return h
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_home(
+        tmp_path_factory.mktemp("weight") / "h",
+        ["init"],
+        ["memory", "add", "weight.key", "--value", '"light"', "--tag", "t", "--sensitivity", "low"],
+    )
 
 
 def start(tmp: Path, home: Path, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -321,18 +326,12 @@ def test_the_guard_child_and_the_gateway_each_hold_only_their_own_code(tmp_path:
 
 def test_a_sealed_homes_guard_child_loads_sqlcipher(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The partner of the plain home's lists above: SQLCipher is there once the files are encrypted."""
-    sealed = tmp_path_factory.mktemp("weight-sealed") / "h"
     pp = tmp_path / "pp"
     pp.write_text("correct horse battery staple\n")
     pp.chmod(0o600)
-    for argv in (["init"], ["secrets", "seal", "--passphrase-file", str(pp)]):
-        subprocess.run(
-            [sys.executable, "-m", "gateway.cli.main", "--home", str(sealed), *argv],
-            check=True,
-            capture_output=True,
-            env=env(),
-            timeout=120,
-        )
+    sealed = make_home(
+        tmp_path_factory.mktemp("weight-sealed") / "h", ["init"], ["secrets", "seal", "--passphrase-file", str(pp)]
+    )
     set_dashboard(sealed, False)
     extra, out = child_probe(tmp_path)
     proc, _out = start(tmp_path, sealed, {**extra, "UOMP_PASSPHRASE_FILE": str(pp)})

@@ -94,17 +94,22 @@ def test_a_bytearray_and_a_memoryview_seal_like_bytes(tmp_path: Path) -> None:
         assert sealing.open_bytes(SK, B, sealed.envelope.encryption, got) == data
 
 
+def seal_traced(src: Path, tmp_path: Path) -> tuple[payloads.SealedFile, int]:
+    """``src`` sealed, and the peak of the Python allocations while it was."""
+    tracemalloc.start()
+    try:
+        sealed = payloads.seal_to_file(PK, B, src, directory=str(tmp_path))
+        return sealed, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_memory_stays_a_few_blocks_whatever_the_size(tmp_path: Path) -> None:
     src = tmp_path / "plain.bin"
     with open(src, "wb") as fh:
         for _ in range(48):
             fh.write(os.urandom(READ_BLOCK))
-    tracemalloc.start()
-    try:
-        sealed = payloads.seal_to_file(PK, B, src, directory=str(tmp_path))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    sealed, peak = seal_traced(src, tmp_path)
     sealed.remove()
     assert peak < (payloads.HASH_AHEAD + 4) * READ_BLOCK, peak
 
@@ -244,12 +249,7 @@ def test_a_slow_hash_keeps_the_order_and_a_few_blocks_in_memory(
     monkeypatch.setattr(payloads, "hashlib", types.SimpleNamespace(sha256=_Digest))
     src = tmp_path / "plain.bin"
     src.write_bytes(os.urandom(24 * READ_BLOCK + 5))
-    tracemalloc.start()
-    try:
-        sealed = payloads.seal_to_file(PK, B, src, directory=str(tmp_path))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    sealed, peak = seal_traced(src, tmp_path)
     got = sealed.path.read_bytes()
     sealed.remove()
     assert sealed.envelope.hash == "sha256:" + hashlib.sha256(got).hexdigest()
