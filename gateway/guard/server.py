@@ -38,7 +38,7 @@ log = logging.getLogger("uomp.guard")
 # concurrent request beyond its idle pool, would answer 503 for it. The kernel caps it at somaxconn.
 UNIX_BACKLOG = 4096
 SHORTEST_SESSION_SECONDS = MAX_DURATION_MINUTES_FLOOR * 60.0  # the sweeper's longest sleep (_sweeper)
-EXPIRY_SLACK_SECONDS = 0.01  # the sweeper wakes this long after an expiry, so that it is past
+EXPIRY_SLACK_SECONDS = 0.05  # the sweeper wakes this long after an expiry (so it is past), never sooner than this
 
 VERIFY_NICE = 10  # the background verify's niceness increment (its own process)
 MAX_VERIFY_OUTPUT = 1 << 20  # bytes of its JSON report read
