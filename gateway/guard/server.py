@@ -160,10 +160,11 @@ class GuardRunner:
             try:  # both off the event loop: another process may hold a lock on either database
                 next_expiry = await svc.authdb(svc.auth.sweep)
                 if loop.time() >= purge_at:
-                    purge_at = loop.time() + self.cfg.purge_interval_seconds
+                    purge_at = loop.time() + cap  # one that fails is tried again at the next look
                     await loop.run_in_executor(None, svc.audit.purge)
                     while max((await svc.authdb(svc.auth.prune)).values()) >= PRUNE_BATCH_ROWS:
                         pass  # a large backlog goes in slices, each its own trip to the auth.db worker
+                    purge_at = loop.time() + self.cfg.purge_interval_seconds
             except UompError as exc:
                 log.warning("sweeper: %s", exc.code)
             delay = cap if next_expiry is None else min(cap, next_expiry + EXPIRY_SLACK_SECONDS)
