@@ -1,0 +1,800 @@
+"""The guard's HTTP/1.1 server: llhttp (through :mod:`httptools`) parses every request, this module
+routes it to a handler and writes the answer.
+
+The guard serves one small route table to its own clients: the gateway and the CLI on the Unix
+socket, local agents on 127.0.0.1. It needs this much of an HTTP server, and no more:
+
+* **Strict parsing.** llhttp without any leniency: a bad request line, bad header bytes, a conflicting
+  ``Content-Length`` / ``Transfer-Encoding`` are refused before any handler (400, the connection then
+  closed). The answer is built by ``App.refusal`` (the guard's §8.4 JSON); no request byte is echoed
+  or logged.
+* **Bounded.** The request target at most :data:`MAX_LINE` bytes, each header line at most
+  :data:`MAX_FIELD`, at most :data:`MAX_HEADERS` headers (431 past them). A body is read by its
+  handler within the handler's own limit, and at most :data:`BODY_BUFFER` bytes of it wait unread
+  (reading from the client pauses beyond that). A request's headers must arrive within
+  :data:`HEADER_SECONDS` of its first byte, and a connection idle between requests is closed after
+  ``keepalive_seconds``.
+* **In order.** One request at a time per connection; pipelined requests wait their turn (reading
+  pauses while one waits). Keep-alive unless the client asks to close (or speaks HTTP/1.0 without
+  keep-alive) or an answer must end the connection: one to a request that could not be parsed, one
+  whose body its handler did not read to its end. The rest of such a body is read and dropped for
+  up to :data:`LINGER_SECONDS` (and :data:`LINGER_BYTES`) before the connection is closed, so a
+  client still sending it gets to read the answer (a close with unread bytes would reset it).
+* **Answers.** Every answer has a ``Content-Length``: a :class:`Response` carries its bytes, a
+  :class:`StreamResponse` declares its length and writes in pieces, each write waiting while the
+  client's side of the socket is full.
+* **Stop.** :meth:`Server.close` stops accepting, closes idle connections and gives requests in
+  progress ``grace`` seconds to finish before their connections are cut.
+
+Longer than ~500 lines on purpose: the parser's callbacks, the per-connection queue, flow control
+and deadlines share each connection's state, and the request and answer types are what every
+route imports, so they stay in one module.
+
+Handlers are never cancelled when their client goes away: a request that reached its handler runs
+to its end (its audit event is written), and the answer is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from http import HTTPStatus
+from typing import Any, Generic, TypeVar, cast, overload
+from urllib.parse import parse_qsl, unquote
+
+import httptools
+
+log = logging.getLogger("uomp.guard.httpd")
+
+T = TypeVar("T")
+
+MAX_LINE = 8190  # bytes of the request target
+MAX_FIELD = 8190  # bytes of one header line (name and value)
+MAX_HEADERS = 128  # header lines of one request
+BODY_BUFFER = 256 * 1024  # request body bytes held ahead of the handler; reading pauses past it
+HEADER_SECONDS = 30.0  # a request's headers arrive whole within this of its first byte
+KEEPALIVE_SECONDS = 75.0  # an idle keep-alive connection is closed after this
+LINGER_SECONDS = 10.0  # the unread rest of a refused body is read and dropped for at most this long
+LINGER_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes
+STOP_GRACE_SECONDS = 30.0  # at stop, requests in progress get this long to finish
+
+
+class AppKey(Generic[T]):
+    """A typed key of an :class:`App`'s state (``app[KEY]``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str, _type: type[T] | None = None) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<AppKey {self.name}>"
+
+
+class RequestKey(Generic[T]):
+    """A typed key of one request's state (``request[KEY]``, ``request.get(KEY)``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str, _type: type[T] | None = None) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<RequestKey {self.name}>"
+
+
+class HTTPError(Exception):
+    """Raised by the router: no route for the path (404), or not for this method (405)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class Headers:
+    """A request's headers: case-insensitive, the first value of each name (a repeated single-valued
+    header is refused before any handler by :func:`gateway.contract.header_problem`). Values are
+    decoded as UTF-8 (bytes that are not kept as surrogates); names iterate in lower case."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, raw: tuple[tuple[bytes, bytes], ...]) -> None:
+        d: dict[str, str] = {}
+        for name, value in raw:
+            d.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
+        self._d = d
+
+    def __getitem__(self, name: str) -> str:
+        return self._d[name.lower()]
+
+    @overload
+    def get(self, name: str) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self._d.get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._d
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class Query:
+    """The query string's parameters (``+`` and percent escapes decoded, blank values kept)."""
+
+    __slots__ = ("_pairs",)
+
+    def __init__(self, query_string: str) -> None:
+        self._pairs = parse_qsl(query_string, keep_blank_values=True) if query_string else []
+
+    def getall(self, name: str, default: list[str]) -> list[str]:
+        values = [v for k, v in self._pairs if k == name]
+        return values or default
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        for k, v in self._pairs:
+            if k == name:
+                return v
+        return default
+
+    def __contains__(self, name: object) -> bool:
+        return any(k == name for k, _ in self._pairs)
+
+
+class Body:
+    """A request's body as it arrives: :meth:`readany` gives the next piece, ``b""`` at its end, and
+    raises :class:`ConnectionResetError` when the connection broke before the end."""
+
+    __slots__ = ("_chunks", "_conn", "_continue", "_dropped", "_eof", "_error", "_size", "_waiter")
+
+    def __init__(self, conn: _Connection, expect_continue: bool) -> None:
+        self._conn = conn
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._continue = expect_continue  # "Expect: 100-continue": answered at the first read
+        self._dropped: int | None = None  # bytes dropped once nobody will read the rest (discard)
+
+    @property
+    def at_eof(self) -> bool:
+        return self._eof and not self._chunks
+
+    @property
+    def ended(self) -> bool:
+        """The whole body has arrived (read or not)."""
+        return self._eof
+
+    def discard(self) -> None:
+        """Nobody reads the rest: what is buffered and what still comes is dropped, and counted."""
+        self._dropped = 0
+        self._chunks.clear()
+        self._size = 0
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def feed(self, data: bytes) -> None:
+        if self._dropped is not None:
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self._conn.close()
+            return
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size > BODY_BUFFER:
+            self._conn.pause_for_body()
+        self._wake()
+
+    def end(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def fail(self) -> None:
+        if not self._eof:
+            self._error = ConnectionResetError("the connection closed before the request body's end")
+        self._wake()
+
+    async def readany(self) -> bytes:
+        if self._continue:
+            self._continue = False
+            if not self._eof and not self._chunks:
+                self._conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while not self._chunks:
+            if self._eof:
+                return b""
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunk = self._chunks.popleft()
+        self._size -= len(chunk)
+        if self._size <= BODY_BUFFER // 2:
+            self._conn.resume_for_body()
+        return chunk
+
+
+class Request:
+    """One parsed request, as a handler sees it."""
+
+    __slots__ = (
+        "_query",
+        "_state",
+        "app",
+        "conn",
+        "content",
+        "content_length",
+        "headers",
+        "keep_alive",
+        "match_info",
+        "method",
+        "path",
+        "query_string",
+        "raw_headers",
+    )
+
+    def __init__(
+        self,
+        app: App,
+        conn: _Connection,
+        method: str,
+        target: bytes,
+        raw_headers: tuple[tuple[bytes, bytes], ...],
+        keep_alive: bool,
+    ) -> None:
+        self.app = app
+        self.conn = conn
+        self.method = method
+        raw_path, _, query = target.partition(b"?")
+        raw_path = raw_path.partition(b"#")[0]
+        self.path = raw_path.decode("latin-1")  # percent-escaped; handlers read match_info (decoded)
+        self.query_string = query.partition(b"#")[0].decode("latin-1")
+        self.raw_headers = raw_headers
+        self.headers = Headers(raw_headers)
+        self.match_info: dict[str, str] = {}
+        self.keep_alive = keep_alive
+        length = self.headers.get("content-length")
+        self.content_length: int | None = int(length) if length is not None and length.isdigit() else None
+        expect = self.headers.get("expect", "").lower() == "100-continue"
+        self.content = Body(conn, expect)
+        self._state: dict[RequestKey[Any], Any] = {}
+        self._query: Query | None = None
+
+    @property
+    def query(self) -> Query:
+        if self._query is None:
+            self._query = Query(self.query_string)
+        return self._query
+
+    def get(self, key: RequestKey[T], default: T | None = None) -> T | None:
+        return self._state.get(key, default)
+
+    def __getitem__(self, key: RequestKey[T]) -> T:
+        return self._state[key]  # type: ignore[no-any-return]
+
+    def __setitem__(self, key: RequestKey[T], value: T) -> None:
+        self._state[key] = value
+
+
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
+def _head(status: int, headers: Mapping[str, str], length: int, close: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
+    lines.extend(f"{k}: {v}" for k, v in headers.items())
+    lines.append(f"Content-Length: {length}")
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class Response:
+    """An answer whose body is in memory."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self,
+        body: bytes = b"",
+        status: int = 200,
+        headers: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.headers: dict[str, str] = dict(headers) if headers else {}
+        if content_type is not None:
+            self.headers["Content-Type"] = content_type
+
+
+class StreamResponse:
+    """An answer of a declared length written in pieces: :meth:`prepare` sends the head, each
+    :meth:`write` waits while the client's side of the socket is full, :meth:`write_eof` ends it."""
+
+    __slots__ = ("_conn", "_sent", "content_length", "headers", "prepared", "status")
+
+    def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
+        self.status = status
+        self.headers: dict[str, str] = dict(headers) if headers else {}
+        self.content_length: int | None = None
+        self._conn: _Connection | None = None
+        self._sent = 0
+        self.prepared = False
+
+    async def prepare(self, request: Request) -> None:
+        if self.content_length is None:
+            raise ValueError("a streamed answer declares its length first")
+        request.app.decorate(request, self.headers)
+        self._conn = request.conn
+        self._conn.stream = self
+        self.prepared = True
+        self._conn.write(_head(self.status, self.headers, self.content_length, not request.keep_alive))
+
+    async def write(self, data: bytes) -> None:
+        assert self._conn is not None and self.content_length is not None
+        if self._sent + len(data) > self.content_length:
+            raise ValueError("more bytes than the declared length")
+        self._sent += len(data)
+        self._conn.write(data)
+        await self._conn.drain()
+
+    async def write_eof(self) -> None:
+        assert self._conn is not None
+        await self._conn.drain()
+
+    @property
+    def complete(self) -> bool:
+        return self.content_length is not None and self._sent == self.content_length
+
+
+AnyResponse = Response | StreamResponse
+Handler = Callable[[Request], Awaitable[AnyResponse]]
+Middleware = Callable[[Request, Handler], Awaitable[AnyResponse]]
+
+_SEGMENT = re.compile(r"\{(\w+)\}")
+
+
+class Router:
+    """Routes by method and path: ``/v1/memory/{key}`` matches one path segment per ``{name}``
+    (percent escapes decoded in the value; ``%2F`` stays inside one segment, an empty segment
+    matches nothing). A path that matches no pattern is 404; one that matches only other methods'
+    patterns is 405."""
+
+    def __init__(self) -> None:
+        self._table: set[tuple[str, str]] = set()
+        self._static: dict[str, dict[str, Handler]] = {}  # decoded path -> method -> handler
+        # by segment count: (parts: (is_var, name or literal), method -> handler)
+        self._dynamic: dict[int, list[tuple[tuple[tuple[bool, str], ...], dict[str, Handler]]]] = {}
+
+    def add_route(self, method: str, pattern: str, handler: Handler) -> None:
+        self._table.add((method, pattern))
+        parts = tuple(
+            (True, m.group(1)) if (m := _SEGMENT.fullmatch(seg)) else (False, seg) for seg in pattern.split("/")
+        )
+        if not any(is_var for is_var, _ in parts):
+            self._static.setdefault(pattern, {})[method] = handler
+            return
+        rows = self._dynamic.setdefault(len(parts), [])
+        for row_parts, methods in rows:
+            if row_parts == parts:
+                methods[method] = handler
+                return
+        rows.append((parts, {method: handler}))
+
+    def table(self) -> set[tuple[str, str]]:
+        """``(method, pattern)`` of every route."""
+        return set(self._table)
+
+    def resolve(self, method: str, path: str) -> tuple[Handler, dict[str, str]]:
+        """The handler and the path's ``{name}`` values: a literal path's routes first, then the
+        patterns in the order they were added; the first that has ``method`` wins."""
+        if "%" in path:
+            segments = [unquote(seg, errors="surrogateescape") for seg in path.split("/")]
+            literal = None if any("/" in seg for seg in segments) else "/".join(segments)
+        else:
+            segments = path.split("/")
+            literal = path
+        matched = False
+        methods = self._static.get(literal) if literal is not None else None
+        if methods is not None:
+            handler = methods.get(method)
+            if handler is not None:
+                return handler, {}
+            matched = True
+        for parts, row_methods in self._dynamic.get(len(segments), ()):
+            match: dict[str, str] = {}
+            for (is_var, name), seg in zip(parts, segments, strict=True):
+                if is_var:
+                    if not seg:
+                        break
+                    match[name] = seg
+                elif seg != name:
+                    break
+            else:
+                handler = row_methods.get(method)
+                if handler is not None:
+                    return handler, match
+                matched = True
+        raise HTTPError(405 if matched else 404)
+
+
+class App:
+    """A route table, its middleware, its state (``app[KEY]``), the answer to a request that could
+    not be parsed (``refusal``, given the transport status) and the headers every answer gets
+    (``decorate``)."""
+
+    def __init__(
+        self,
+        *,
+        middleware: Middleware,
+        refusal: Callable[[int], Response],
+        decorate: Callable[[Request, dict[str, str]], None] | None = None,
+    ) -> None:
+        self.router = Router()
+        self._middleware = middleware
+        self.refusal = refusal
+        self._decorate = decorate
+        self._state: dict[AppKey[Any], Any] = {}
+        self.on_cleanup: list[Callable[[App], Awaitable[None]]] = []
+
+    def __getitem__(self, key: AppKey[T]) -> T:
+        return self._state[key]  # type: ignore[no-any-return]
+
+    def __setitem__(self, key: AppKey[T], value: T) -> None:
+        self._state[key] = value
+
+    def decorate(self, request: Request, headers: dict[str, str]) -> None:
+        if self._decorate is not None:
+            self._decorate(request, headers)
+
+    async def _route(self, request: Request) -> AnyResponse:
+        handler, request.match_info = self.router.resolve(request.method, request.path)
+        return await handler(request)
+
+    async def handle(self, request: Request) -> AnyResponse:
+        return await self._middleware(request, self._route)
+
+    async def cleanup(self) -> None:
+        for cb in self.on_cleanup:
+            try:
+                await cb(self)
+            except Exception as exc:  # one failing cleanup does not keep the others from running
+                log.warning("cleanup failed: %s", type(exc).__name__)
+
+
+class _Refused(Exception):
+    """A limit of this module, found by a parser callback: answered with ``status``."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: the parser's callbacks queue requests, :meth:`_serve` answers them in order."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.app = server.app
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[Request] = deque()
+        self.parsing: Request | None = None
+        self.worker: asyncio.Task[None] | None = None
+        self.closing = False
+        self.busy = False  # a request is with its handler or being answered
+        self._target = bytearray()
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._in_message = False
+        self._paused_by = 0  # bit 1: a request waits in the queue; bit 2: a body's buffer is full
+        self._write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.peer_eof = False  # the client closed its side: no request follows those queued
+        self.stream: StreamResponse | None = None  # the streamed answer of the request in hand
+        self.lingering = False  # answered; the unread rest of its body is being dropped, then the end
+        self._refusal: int | None = None  # bytes that could not be parsed, answered after those queued
+
+    # -- the transport's side --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        self.server.connections.add(self)
+        self._arm(self.server.keepalive_seconds)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closing = True
+        self.server.connections.discard(self)
+        self._cancel_timer()
+        if self.parsing is not None:
+            self.parsing.content.fail()
+        for request in self.queue:
+            request.content.fail()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("the client went away"))
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        if not self._in_message and not self.busy and not self.queue and not self.lingering:
+            self._arm(HEADER_SECONDS)  # a new request's first bytes: its headers have a deadline now
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # no protocol is switched to: the request is answered as HTTP/1.1, then the connection ends
+            if self.queue:
+                self.queue[-1].keep_alive = False
+                self._pause(4)  # never resumed
+            else:
+                self.close()
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            self._refuse(cause.status if isinstance(cause, _Refused) else 400)
+        except httptools.HttpParserError:
+            self._refuse(400)
+
+    def eof_received(self) -> bool | None:
+        self.peer_eof = True
+        if self.parsing is not None:
+            self.parsing.content.fail()
+        if not self.busy and not self.queue:
+            self.close()
+        return True  # half-closed: the answers to what was sent are still written
+
+    # -- the parser's callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        self._target.clear()
+        self._headers = []
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+        if len(self._target) > MAX_LINE:
+            raise _Refused(414)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) + 2 > MAX_FIELD:
+            raise _Refused(431)
+        self._headers.append((name, value))
+        if len(self._headers) > MAX_HEADERS:
+            raise _Refused(431)
+
+    def on_headers_complete(self) -> None:
+        if self.lingering:
+            return  # nothing more is answered on this connection
+        parser = self.parser
+        keep_alive = parser.should_keep_alive() and not self.closing
+        request = Request(
+            self.app,
+            self,
+            parser.get_method().decode("ascii"),
+            bytes(self._target),
+            tuple(self._headers),
+            keep_alive,
+        )
+        url = httptools.parse_url(request.path.encode("latin-1")) if request.path[:1] != "/" else None
+        if url is not None:  # the absolute form (http://host/path): the path of it
+            request.path = (url.path or b"/").decode("latin-1")
+        self.parsing = request
+        self.queue.append(request)
+        if self.worker is None:
+            self.busy = True
+            self._cancel_timer()
+            self.worker = self.loop.create_task(self._serve())
+        else:
+            self._pause(1)  # one at a time: the next waits, and nothing more is read meanwhile
+
+    def on_body(self, body: bytes) -> None:
+        if self.parsing is not None:
+            self.parsing.content.feed(body)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        if self.parsing is not None:
+            self.parsing.content.end()
+            self.parsing = None
+        if self.lingering:
+            self.close()  # the refused body's end: the answer was read or will be
+
+    # -- answering ---------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        try:
+            while self.queue and not self.closing:
+                request = self.queue[0]
+                if len(self.queue) == 1:
+                    self._resume(1)  # none waits behind it: its own body may still be arriving
+                try:
+                    response = await self.app.handle(request)
+                except Exception as exc:
+                    log.error("unhandled %s answering %s", type(exc).__name__, request.method)
+                    self._refuse(500)
+                    return
+                self.queue.popleft()
+                # a body left unread: the rest of it is not looked for, the connection ends here
+                keep = request.keep_alive and request.content.at_eof and not self.closing
+                stream, self.stream = self.stream, None
+                if stream is not None or isinstance(response, StreamResponse):
+                    # a head already sent: whatever the handler returned, the connection goes on
+                    # only after a whole body
+                    if stream is None or not stream.complete or not keep:
+                        self._end(request)
+                        return
+                else:
+                    self.app.decorate(request, response.headers)
+                    self.write(_head(response.status, response.headers, len(response.body), not keep) + response.body)
+                    if not keep:
+                        self._end(request)
+                        return
+        finally:
+            self.worker = None
+            self.busy = False
+            if self._refusal is not None:
+                self._refuse(self._refusal)
+            if not self.closing and not self.queue and not self.lingering:
+                if self.peer_eof or self.transport is None or self.transport.is_closing():
+                    self.close()
+                else:
+                    self._arm(self.server.keepalive_seconds if not self._in_message else HEADER_SECONDS)
+            self.server.idle_changed()
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self.transport is None:
+            raise ConnectionResetError("the client went away")
+        if self._write_paused:
+            self._drain = self.loop.create_future()
+            try:
+                await self._drain
+            finally:
+                self._drain = None
+
+    def _end(self, request: Request) -> None:
+        """The connection ends after this answer: now, or once the unread rest of the request's
+        body has arrived (read and dropped) or :data:`LINGER_SECONDS` have passed."""
+        if request.content.ended or self.closing or self.peer_eof or self.transport is None:
+            self.close()
+            return
+        self.lingering = True
+        request.content.discard()
+        self.queue.clear()
+        self._arm(LINGER_SECONDS)
+        if self._paused_by:
+            self._paused_by = 0
+            self.transport.resume_reading()
+
+    def _refuse(self, status: int) -> None:
+        """A request that could not be parsed or that broke a limit: its answer, then the end. While
+        requests before it are in hand, it waits for their answers (answers go out in order)."""
+        if self.closing:
+            return
+        if self.busy:
+            self._refusal = status
+            self._pause(4)  # never resumed: nothing after the bad bytes is read
+            return
+        resp = self.app.refusal(status)
+        self.write(_head(resp.status, resp.headers, len(resp.body), True) + resp.body)
+        self.close()
+
+    # -- flow and time ------------------------------------------------------------------------
+
+    def _pause(self, why: int) -> None:
+        if not self._paused_by and self.transport is not None:
+            self.transport.pause_reading()
+        self._paused_by |= why
+
+    def _resume(self, why: int) -> None:
+        was = self._paused_by
+        self._paused_by &= ~why
+        if was and not self._paused_by and self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
+    def pause_for_body(self) -> None:
+        self._pause(2)
+
+    def resume_for_body(self) -> None:
+        self._resume(2)
+
+    def _arm(self, seconds: float) -> None:
+        self._cancel_timer()
+        self._timer = self.loop.call_later(seconds, self._expired)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self.busy or self.lingering:
+            self.close()  # idle past keep-alive, headers that never finished, a body dropped too long
+
+    def close(self) -> None:
+        self.closing = True
+        self._cancel_timer()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closing = True
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Server:
+    """The listeners of one :class:`App` and the connections they accepted."""
+
+    def __init__(self, app: App, *, keepalive_seconds: float = KEEPALIVE_SECONDS) -> None:
+        self.app = app
+        self.loop = asyncio.get_running_loop()
+        self.keepalive_seconds = keepalive_seconds
+        self.connections: set[_Connection] = set()
+        self.listeners: list[asyncio.AbstractServer] = []
+        self._idle: asyncio.Event | None = None
+
+    def protocol(self) -> _Connection:
+        return _Connection(self)
+
+    async def serve_unix(self, path: str, *, backlog: int) -> None:
+        self.listeners.append(await self.loop.create_unix_server(self.protocol, path, backlog=backlog))
+
+    async def serve_tcp(self, host: str, port: int, *, backlog: int = 128) -> int:
+        """Listens on ``host:port`` (0: any free port); returns the port."""
+        srv = await self.loop.create_server(self.protocol, host, port, backlog=backlog, reuse_address=True)
+        self.listeners.append(srv)
+        return int(srv.sockets[0].getsockname()[1])
+
+    def idle_changed(self) -> None:
+        if self._idle is not None and not any(c.busy for c in self.connections):
+            self._idle.set()
+
+    async def close(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """Stop accepting; close idle connections; give busy ones ``grace`` seconds; cut the rest."""
+        for srv in self.listeners:
+            srv.close()
+        self.listeners.clear()
+        for conn in list(self.connections):
+            if not conn.busy:
+                conn.close()
+            else:
+                conn.closing = True  # the answer in progress is written, then the connection ends
+        if any(c.busy for c in self.connections):
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._idle.wait()
+        for conn in list(self.connections):
+            conn.abort()
+        await self.app.cleanup()
