@@ -29,8 +29,6 @@ import functools
 import json
 from typing import Any
 
-from aiohttp import web
-
 from gateway.core.manifest import DELETION_METHODS
 from gateway.errors import STATUS
 
@@ -1033,8 +1031,3 @@ def document() -> dict[str, Any]:
 def render() -> str:
     """The document as the JSON text kept in docs/openapi.json."""
     return json.dumps(document(), indent=2, ensure_ascii=False) + "\n"
-
-
-async def serve(request: web.Request) -> web.Response:
-    """``GET /v1/openapi.json``."""
-    return web.Response(text=render(), content_type="application/json")

@@ -7,8 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from aiohttp import web
-
 from gateway import jsonio
 from gateway.contract import (
     QUOTA_HEADER,
@@ -17,6 +15,7 @@ from gateway.core import checks
 from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import UompError
+from gateway.guard import httpd
 from gateway.guard.audit import (
     Row,
     make_row,
@@ -44,7 +43,7 @@ class AgentCall:
     """One authenticated agent request: runs §10.4 steps 1-4 and records the audit event."""
 
     def __init__(
-        self, request: web.Request, action: str, *, key: str | None = None, tags: list[str] | None = None
+        self, request: httpd.Request, action: str, *, key: str | None = None, tags: list[str] | None = None
     ) -> None:
         self.request = request
         self.svc = request.app[SERVICES]
@@ -214,24 +213,24 @@ class AgentCall:
             )
         )
 
-    async def respond(self, body: Any) -> web.Response:
+    async def respond(self, body: Any) -> httpd.Response:
         data = jsonio.dumps(body)  # orjson where it gives json's answer
         self.record(True, self._reason, self._detail, response_size=len(data))
         await self.svc.audit.flush(self.ticket)
         return self._response(data)
 
-    async def answer(self, data: bytes) -> web.Response:
+    async def answer(self, data: bytes) -> httpd.Response:
         """The answer made on the worker (:meth:`record_on_worker`), once its event is durable."""
         assert self.event_id is not None
         self.request[EVENT_KEY] = self.event_id
         await self.svc.audit.flush(self.ticket)  # returns at once when the worker wrote it
         return self._response(data)
 
-    def _response(self, data: bytes) -> web.Response:
+    def _response(self, data: bytes) -> httpd.Response:
         headers = {QUOTA_HEADER: str(self.remaining)} if self.remaining is not None else None
-        return web.Response(body=data, content_type="application/json", charset="utf-8", headers=headers)
+        return httpd.Response(data, 200, headers, "application/json; charset=utf-8")
 
-    async def refuse(self, exc: UompError, detail: str | None = None) -> web.Response:
+    async def refuse(self, exc: UompError, detail: str | None = None) -> httpd.Response:
         self.record(False, exc.message, detail or exc.code, code=exc.code)
         await self.svc.audit.flush(self.ticket)
         resp = error_response(exc)
@@ -246,7 +245,7 @@ class AgentCall:
         self._reason, self._detail = reason, detail
 
 
-async def answer_refusal(call: AgentCall, exc: UompError) -> web.Response:
+async def answer_refusal(call: AgentCall, exc: UompError) -> httpd.Response:
     """The refusal was audited by AgentCall; make it durable, then answer (with the quota header)."""
     await call.svc.audit.flush(call.ticket)
     resp = error_response(exc)

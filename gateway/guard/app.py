@@ -26,25 +26,34 @@ STORE_BUSY while other requests keep being served.
 
 from __future__ import annotations
 
-from aiohttp import web
-
-from gateway import contract, openapi
-from gateway.guard.http import BOTH, EVENT_KEY, LISTENER, SERVICES, UNIX_ONLY, GuardRoute, errors_middleware
+from gateway import contract
+from gateway.guard import httpd
+from gateway.guard.http import (
+    BOTH,
+    EVENT_KEY,
+    LISTENER,
+    SERVER_NAME,
+    SERVICES,
+    UNIX_ONLY,
+    GuardRoute,
+    errors_middleware,
+    refusal,
+)
 from gateway.guard.routes import audit, internal, payloads, reads, sessions, writes
 from gateway.guard.services import GuardServices
 
 
-async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    response.headers["Server"] = "uomp-guard"
+def _server_header(request: httpd.Request, headers: dict[str, str]) -> None:
+    headers["Server"] = SERVER_NAME
     if request.app[LISTENER] == "unix":
         event_id = request.get(EVENT_KEY)
         if event_id is not None:
-            response.headers[contract.EVENT_ID_HEADER] = event_id
+            headers[contract.EVENT_ID_HEADER] = event_id
 
 
 ROUTES: tuple[GuardRoute, ...] = (
     GuardRoute("GET", "/v1/health", internal.health),
-    GuardRoute("GET", "/v1/openapi.json", openapi.serve),  # the OpenAPI document (gateway/openapi.py)
+    GuardRoute("GET", "/v1/openapi.json", internal.openapi_document),
     GuardRoute("GET", "/v1/memory/aggregate", reads.aggregate),
     GuardRoute("POST", "/v1/memory/query", reads.query_refused),
     GuardRoute("GET", "/v1/memory/{key}", reads.get_key),
@@ -65,15 +74,14 @@ ROUTES: tuple[GuardRoute, ...] = (
 )
 
 
-def create_app(services: GuardServices, *, listener: str) -> web.Application:
-    """The guard's aiohttp app for ``listener`` (``unix`` or ``tcp``): the rows of :data:`ROUTES`
-    that listener serves."""
+def create_app(services: GuardServices, *, listener: str) -> httpd.App:
+    """The guard's app for ``listener`` (``unix`` or ``tcp``): the rows of :data:`ROUTES` that
+    listener serves. Request bodies are bounded by the handlers (http.read_body)."""
     if listener not in BOTH:
         raise ValueError("listener must be unix or tcp")
-    app = web.Application(middlewares=[errors_middleware], client_max_size=services.cfg.max_body_bytes)
+    app = httpd.App(middleware=errors_middleware, refusal=refusal, decorate=_server_header)
     app[SERVICES] = services
     app[LISTENER] = listener
-    app.on_response_prepare.append(_server_header)
     for row in (*ROUTES, *payloads.ROUTES, *writes.ROUTES):
         if listener in row.listeners:
             app.router.add_route(row.method, row.path, row.handler)

@@ -7,12 +7,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-
-from aiohttp import ClientPayloadError, web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway import contract, jsonio
 from gateway import keys as keyfiles
@@ -28,6 +24,7 @@ from gateway.contract import (
 )
 from gateway.core import checks
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import httpd
 from gateway.guard.auth import token_hash
 from gateway.guard.services import GuardServices
 
@@ -36,21 +33,19 @@ log = logging.getLogger("uomp.guard")
 MAX_QUERY_PARAM = 256
 
 
-SERVICES = web.AppKey("services", GuardServices)
-LISTENER = web.AppKey("listener", str)
+SERVICES = httpd.AppKey("services", GuardServices)
+LISTENER = httpd.AppKey("listener", str)
 
 
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> httpd.Response:
     """``body`` as a JSON answer (orjson where it gives json's bytes)."""
-    return web.Response(
-        body=jsonio.dumps(body), status=status, content_type="application/json", charset="utf-8", headers=headers
-    )
+    return httpd.Response(jsonio.dumps(body), status, headers, "application/json; charset=utf-8")
 
 
-def error_response(exc: UompError, *, transport_status: int | None = None) -> web.Response:
-    """The §8.4 answer for ``exc``, with its code's status. ``transport_status``: the status aiohttp
-    chose for a request it refused before any handler (400, 411, 431, ...), kept on the wire as it was;
-    the body's code is then INVALID_REQUEST (or INTERNAL for a 5xx)."""
+def error_response(exc: UompError, *, transport_status: int | None = None) -> httpd.Response:
+    """The §8.4 answer for ``exc``, with its code's status. ``transport_status``: the status the HTTP
+    layer chose for a request it refused before any handler (400, 414, 431, ...), kept on the wire as
+    it was; the body's code is then INVALID_REQUEST (or INTERNAL for a 5xx)."""
     status = exc.status if transport_status is None else transport_status
     headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if status == 401 else None
     return json_response(exc.body(), status, headers)
@@ -59,10 +54,22 @@ def error_response(exc: UompError, *, transport_status: int | None = None) -> we
 _HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 413: ErrorCode.PAYLOAD_TOO_LARGE}
 
 
-@web.middleware
-async def errors_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
+def refusal(status: int) -> httpd.Response:
+    """The answer to a request the HTTP layer could not parse or that broke one of its limits: the
+    §8.4 shape under the transport's status, nothing of the request in it."""
+    if status < 500:
+        err = UompError(ErrorCode.INVALID_REQUEST, "malformed or oversized request")
+    else:
+        err = UompError(ErrorCode.INTERNAL, "internal error")
+    resp = error_response(err, transport_status=status)
+    resp.headers["Server"] = SERVER_NAME
+    return resp
+
+
+SERVER_NAME = "uomp-guard"
+
+
+async def errors_middleware(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
     """Every guard answer that is not a success is a §8.4 error body; the request's headers are checked first."""
     try:
         # Single-valued headers once; identity headers only as the gateway's assertion on the socket.
@@ -75,9 +82,7 @@ async def errors_middleware(
         return await handler(request)
     except UompError as exc:
         return error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
+    except httpd.HTTPError as exc:
         code = _HTTP_CODES.get(exc.status, ErrorCode.INVALID_REQUEST)
         msg = {
             ErrorCode.NOT_FOUND: "no such endpoint",
@@ -92,7 +97,7 @@ async def errors_middleware(
         return error_response(UompError(ErrorCode.INTERNAL, "internal error"))
 
 
-def bearer_token(request: web.Request) -> str:
+def bearer_token(request: httpd.Request) -> str:
     """The token of the ``Authorization: Bearer`` (or ``DPoP``) header; INVALID_TOKEN without one."""
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
@@ -101,7 +106,7 @@ def bearer_token(request: web.Request) -> str:
     return value.strip()
 
 
-def require_admin(request: web.Request) -> None:
+def require_admin(request: httpd.Request) -> None:
     """UNAUTHORIZED unless the request carries the user's admin credential (compared in constant time)."""
     svc = request.app[SERVICES]
     header = request.headers.get("Authorization", "")
@@ -113,7 +118,7 @@ def require_admin(request: web.Request) -> None:
 BODY_READ_SECONDS = 30.0  # a request body arrives whole within this, or the request is refused (400)
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: httpd.Request, limit: int) -> bytes:
     """The whole request body, at most ``limit`` bytes: read until its end (one ``read()`` returns
     only what has arrived so far, so a body that comes in pieces is joined here). Larger is 413
     PAYLOAD_TOO_LARGE (from the declared length, before anything is read, or once the bytes read pass
@@ -135,14 +140,14 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             ErrorCode.INVALID_REQUEST,
             f"the request body did not arrive whole within {BODY_READ_SECONDS:g} s; send it at once",
         ) from None
-    except (OSError, HttpProcessingError, ClientPayloadError) as exc:
+    except OSError as exc:
         raise UompError(
             ErrorCode.INVALID_REQUEST, f"the request body broke off ({type(exc).__name__}); send it again"
         ) from None
     return b"".join(parts)
 
 
-async def json_body(request: web.Request, limit: int | None = None) -> dict[str, Any]:
+async def json_body(request: httpd.Request, limit: int | None = None) -> dict[str, Any]:
     """The request body as a JSON object, read to its end within ``limit``; ``{}`` for an empty body."""
     svc = request.app[SERVICES]
     raw = await read_body(request, svc.cfg.max_body_bytes if limit is None else limit)
@@ -158,7 +163,7 @@ async def json_body(request: web.Request, limit: int | None = None) -> dict[str,
 
 
 def query_param(
-    request: web.Request, name: str, *, required: bool = True, max_len: int = MAX_QUERY_PARAM
+    request: httpd.Request, name: str, *, required: bool = True, max_len: int = MAX_QUERY_PARAM
 ) -> str | None:
     """The one value of query parameter ``name`` (bounded); INVALID_REQUEST when repeated or missing and required."""
     values = request.query.getall(name, [])
@@ -173,10 +178,10 @@ def query_param(
     return values[0]
 
 
-ASSERTED_KEY = web.RequestKey("uomp_asserted", bool)
+ASSERTED_KEY = httpd.RequestKey("uomp_asserted", bool)
 
 
-def is_asserted(request: web.Request) -> bool:
+def is_asserted(request: httpd.Request) -> bool:
     """True when the request carries the gateway's verified-identity headers (Unix socket only);
     worked out once per request."""
     known = request.get(ASSERTED_KEY)
@@ -188,7 +193,7 @@ def is_asserted(request: web.Request) -> bool:
     return known
 
 
-def presented_for(request: web.Request, th: str, *, use: str = "access") -> checks.Presented:
+def presented_for(request: httpd.Request, th: str, *, use: str = "access") -> checks.Presented:
     """What this listener knows about the request, for :func:`gateway.core.checks.run_checks`.
 
     On the Unix socket with the gateway's assertion: the token must be exactly the one the gateway
@@ -236,7 +241,7 @@ def presented_for(request: web.Request, th: str, *, use: str = "access") -> chec
     )
 
 
-def prepare(request: web.Request, *, use: str = "access") -> tuple[str, str, checks.Presented]:
+def prepare(request: httpd.Request, *, use: str = "access") -> tuple[str, str, checks.Presented]:
     """The token, its hash and what the listener presents, for :meth:`AuthService.authenticate` (on
     the event loop: headers and one SHA-256, no I/O)."""
     token = bearer_token(request)
@@ -244,16 +249,16 @@ def prepare(request: web.Request, *, use: str = "access") -> tuple[str, str, che
     return token, th, presented_for(request, th, use=use)
 
 
-EVENT_KEY = web.RequestKey("uomp_event_id", str)  # the id of the event written for this request
+EVENT_KEY = httpd.RequestKey("uomp_event_id", str)  # the id of the event written for this request
 MAX_AUDIT_FIELD = 200
 
 
-def event_via(request: web.Request) -> str:
+def event_via(request: httpd.Request) -> str:
     """How the request reached the guard, for its event: the gateway's ``Via`` on the socket, else ``local``."""
     return request.headers.get(VERIFIED_VIA_HEADER, "local") if request.app[LISTENER] == "unix" else "local"
 
 
-def event_fields(request: web.Request, *, code: str | None = None) -> dict[str, Any]:
+def event_fields(request: httpd.Request, *, code: str | None = None) -> dict[str, Any]:
     """The one-log fields of a request's event: the listener it came in on and, for a request the
     gateway forwarded (its assertion, on the Unix socket only), the gateway's audit headers
     (:data:`gateway.contract.AUDIT_HEADERS`): listener, client address, certificate serial and
@@ -281,12 +286,12 @@ class GuardRoute:
     """One row of the guard's route table: adding a route is one row plus its handler."""
 
     method: str
-    path: str  # aiohttp pattern
-    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    path: str  # a pattern of httpd.Router: {name} is one path segment
+    handler: httpd.Handler
     listeners: tuple[GuardListener, ...] = BOTH  # UNIX_ONLY: the gateway's (and the CLI's) internal routes
 
 
-def page_limit(request: web.Request, maximum: int) -> int | None:
+def page_limit(request: httpd.Request, maximum: int) -> int | None:
     """The ``limit`` query parameter as 1..``maximum``, or None when absent; INVALID_REQUEST otherwise."""
     raw = query_param(request, "limit", required=False)
     if raw is None:

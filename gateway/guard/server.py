@@ -13,16 +13,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
-
 from gateway.atrest import vault
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.eventloop import cancel_all, release_free_heap
+from gateway.guard import httpd
 from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
-from gateway.guard.http import error_response
 from gateway.guard.services import GuardServices
 from gateway.guard.sessions import MAX_DURATION_MINUTES_FLOOR
 from gateway.keys import KeyWatch
@@ -48,37 +45,6 @@ VERIFY_CHILD = (
 )
 
 
-class _JsonErrorHandler(RequestHandler):
-    """aiohttp's protocol, but a request it cannot parse (bad request line, bad header bytes,
-    oversized header) gets the §8.4 JSON shape instead of aiohttp's text/plain (which could echo
-    request bytes), and nothing of the request is logged."""
-
-    def handle_error(
-        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
-    ) -> web.StreamResponse:
-        if status < 500:
-            err = UompError(ErrorCode.INVALID_REQUEST, "malformed or oversized request")
-        else:
-            err = UompError(ErrorCode.INTERNAL, "internal error")
-        resp = error_response(err, transport_status=status)
-        resp.force_close()
-        return resp
-
-
-class _JsonErrorServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
-
-
-class GuardAppRunner(web.AppRunner):
-    """An AppRunner whose connections use :class:`_JsonErrorHandler`."""
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _JsonErrorServer  # same state, one overridden factory method
-        return server
-
-
 class GuardRunner:
     """Starts both listeners; ``stop()`` closes them and the databases."""
 
@@ -87,7 +53,7 @@ class GuardRunner:
         self.cfg = cfg
         self.serve_tcp = cfg.serve_tcp if serve_tcp is None else serve_tcp
         self.services: GuardServices | None = None
-        self._runners: list[web.AppRunner] = []
+        self._servers: list[httpd.Server] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.tcp_port: int | None = None
         self._claimed = False  # True once the socket path is ours (only then do we remove it)
@@ -112,25 +78,19 @@ class GuardRunner:
         self.services = GuardServices.open(self.paths, self.cfg)
         self.services.audit.purge()
         self.services.auth.prune()
-        unix_runner = GuardAppRunner(create_app(self.services, listener="unix"), access_log=None)
-        await unix_runner.setup()
+        unix = httpd.Server(create_app(self.services, listener="unix"))
+        self._servers.append(unix)
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
-            await web.UnixSite(unix_runner, str(sock), backlog=UNIX_BACKLOG).start()
+            await unix.serve_unix(str(sock), backlog=UNIX_BACKLOG)
         finally:
             os.umask(old)
         os.chmod(sock, 0o600)
-        self._runners.append(unix_runner)
         if self.serve_tcp:
-            tcp_runner = GuardAppRunner(create_app(self.services, listener="tcp"), access_log=None)
-            await tcp_runner.setup()
-            site = web.TCPSite(tcp_runner, self.cfg.tcp_host, self.cfg.tcp_port)
-            await site.start()
-            self._runners.append(tcp_runner)
-            sockets = getattr(site._server, "sockets", None)
-            if sockets:
-                self.tcp_port = sockets[0].getsockname()[1]
-                self.services.add_local_port(self.tcp_port)
+            tcp = httpd.Server(create_app(self.services, listener="tcp"))
+            self._servers.append(tcp)
+            self.tcp_port = await tcp.serve_tcp(self.cfg.tcp_host, self.cfg.tcp_port)
+            self.services.add_local_port(self.tcp_port)
         self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper()))
         self._tasks.append(asyncio.get_running_loop().create_task(self._key_watcher(key_watch)))
         self._tasks.append(asyncio.get_running_loop().create_task(self._checkpointer()))
@@ -304,9 +264,9 @@ class GuardRunner:
             self.anchorer = None
         await cancel_all(self._tasks)  # bounded: a task that lost its cancellation is cancelled again
         self._tasks.clear()
-        for r in self._runners:
-            await r.cleanup()
-        self._runners.clear()
+        for server in self._servers:
+            await server.close()
+        self._servers.clear()
         if self.services is not None and self._serving:
             self._serving = False
             # a clean stop leaves no event outside a signed checkpoint (queued for anchoring if configured)

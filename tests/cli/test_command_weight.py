@@ -72,8 +72,15 @@ NOT_IN_IDLE_GATEWAY = (
 )
 # Not loaded by the guard child (default config): the gateway's code and the supervisor (its boot is
 # gateway/childboot.py), the CA builder (cryptography.x509: its revocation check reads serials
-# only), memory tracing.
-NOT_IN_GUARD_CHILD = ("gateway.remote", "gateway.supervisor", "cryptography.x509", "tracemalloc", "sqlcipher3")
+# only), memory tracing, aiohttp (the guard's HTTP server is gateway/guard/httpd.py).
+NOT_IN_GUARD_CHILD = (
+    "gateway.remote",
+    "gateway.supervisor",
+    "cryptography.x509",
+    "tracemalloc",
+    "sqlcipher3",
+    "aiohttp",
+)
 # ... nor the gateway's other stacks, the commands of the gateway side, the chains or the templates.
 NEVER_IN_GUARD_CHILD = (
     "h2",
@@ -307,7 +314,8 @@ def test_the_guard_child_and_the_gateway_each_hold_only_their_own_code(tmp_path:
         guard = guard_child_modules(out)
         # the probes saw the servers (each process's own code is there) ...
         assert "gateway.remote.server" in gateway and "gateway.guard.server" not in gateway
-        assert "gateway.guard.server" in guard and "aiohttp.web" in guard
+        assert "gateway.guard.server" in guard and "httptools" in guard
+        assert "aiohttp.web" in gateway  # the gateway's server is aiohttp's
         # ... and none of the other's, nor what a default config does not use
         assert loaded(gateway, NOT_IN_IDLE_GATEWAY) == []
         assert loaded(guard, NOT_IN_GUARD_CHILD) == []

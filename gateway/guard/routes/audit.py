@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from aiohttp import web
-
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.audit import (
     MAX_AUDIT_PAGE,
@@ -15,7 +14,7 @@ from gateway.guard.audit import (
 from gateway.guard.http import SERVICES, json_response, page_limit, query_param
 
 
-async def get_audit(request: web.Request) -> web.Response:
+async def get_audit(request: httpd.Request) -> httpd.Response:
     """``GET /v1/audit``: the agent's own session's events, paged."""
     svc = request.app[SERVICES]
     call = AgentCall(request, "audit")
@@ -36,7 +35,7 @@ async def get_audit(request: web.Request) -> web.Response:
     )
 
 
-async def get_audit_proof(request: web.Request) -> web.Response:
+async def get_audit_proof(request: httpd.Request) -> httpd.Response:
     """``GET /v1/audit/{event_id}/proof``: the proof bundle of one of the agent's *own
     session's* events, as ``uomp audit proof`` writes it. Another session's event and an unknown id
     answer the same 404 NOT_FOUND (spec §21); see :meth:`AuditLog.proof_for_session`."""
@@ -61,7 +60,7 @@ async def get_audit_proof(request: web.Request) -> web.Response:
 MAX_SINCE_DIGITS = 20  # a tree size (checkpoint.MAX_TREE_SIZE) in ASCII digits
 
 
-def _since(request: web.Request, session_id: str) -> int | None:
+def _since(request: httpd.Request, session_id: str) -> int | None:
     """``since=SIZE``: a tree size the agent saw signed, ASCII digits only; absent: None."""
     raw = query_param(request, "since", required=False, max_len=MAX_SINCE_DIGITS)
     if raw is None:
@@ -71,7 +70,7 @@ def _since(request: web.Request, session_id: str) -> int | None:
     return int(raw)
 
 
-async def get_audit_checkpoint(request: web.Request) -> web.Response:
+async def get_audit_checkpoint(request: httpd.Request) -> httpd.Response:
     """``GET /v1/audit/checkpoint?since=SIZE``: the log's newest signed checkpoint, and the RFC 9162
     consistency proof from ``SIZE`` (the last size the agent verified) to it, so an agent can check
     that the log it is shown extends the one it saw (docs/audit.md "Agents as witnesses"). Same

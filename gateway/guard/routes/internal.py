@@ -7,15 +7,14 @@ import functools
 import re
 from typing import Any
 
-from aiohttp import web
-
-from gateway import contract
+from gateway import contract, openapi
 from gateway.contract import (
     VERIFIED_AGENT_HEADER,
     VERIFIED_JKT_HEADER,
     VERIFIED_X5T_HEADER,
 )
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import httpd
 from gateway.guard.audit import (
     EXTRA_FIELDS,
     GATEWAY_ID_PREFIX,
@@ -34,7 +33,7 @@ from gateway.guard.http import (
 )
 
 
-async def refresh_internal(request: web.Request) -> web.Response:
+async def refresh_internal(request: httpd.Request) -> httpd.Response:
     """Only on the Unix socket, called by the gateway after it checked the transport (cert or DPoP)."""
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
@@ -72,7 +71,12 @@ async def refresh_internal(request: web.Request) -> web.Response:
     return json_response(answer)
 
 
-async def health(request: web.Request) -> web.Response:
+async def openapi_document(request: httpd.Request) -> httpd.Response:
+    """``GET /v1/openapi.json``: the OpenAPI document of gateway/openapi.py."""
+    return httpd.Response(openapi.render().encode(), content_type="application/json; charset=utf-8")
+
+
+async def health(request: httpd.Request) -> httpd.Response:
     """200 while the process runs (the supervisor's check); ``audit`` names a log that is refused."""
     refused = request.app[SERVICES].audit.integrity
     if refused is not None:
@@ -141,7 +145,7 @@ def _gateway_row(ev: Any) -> Row:
     )
 
 
-async def internal_events(request: web.Request) -> web.Response:
+async def internal_events(request: httpd.Request) -> httpd.Response:
     """``POST /v1/internal/events`` (Unix socket only): the events of requests the remote gateway
     answered alone (its refusals, rejected TLS handshakes, its spool when replayed), written into the
     one log in one group commit, answered once durable. Idempotent by event id (``gw_...``): an event

@@ -39,13 +39,21 @@ import os
 import re
 from typing import Any
 
-from aiohttp import web
-
 from gateway.contract import EVENT_ID_HEADER, VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import httpd
 from gateway.guard.audit import make_row
-from gateway.guard.http import SERVICES, UNIX_ONLY, GuardRoute, event_fields, json_body, query_param, require_admin
+from gateway.guard.http import (
+    SERVICES,
+    UNIX_ONLY,
+    GuardRoute,
+    event_fields,
+    json_body,
+    json_response,
+    query_param,
+    require_admin,
+)
 from gateway.payloads import pulltemp
 from gateway.payloads.store import PAYLOAD_ID, PayloadStorage, PayloadStore, fault_hold
 
@@ -73,32 +81,32 @@ class GuardPayloads:
         return await self.worker.run(fn, *args)
 
 
-PAYLOADS = web.AppKey("payloads", GuardPayloads)
+PAYLOADS = httpd.AppKey("payloads", GuardPayloads)
 
 
-def _pid(request: web.Request) -> str:
+def _pid(request: httpd.Request) -> str:
     pid = request.match_info["pid"]
     if not PAYLOAD_ID.fullmatch(pid):
         raise UompError(ErrorCode.NOT_FOUND, "no such payload")
     return pid
 
 
-async def list_payloads(request: web.Request) -> web.Response:
+async def list_payloads(request: httpd.Request) -> httpd.Response:
     """``GET /v1/payloads`` (admin): the stored payloads' metadata, optionally of one session."""
     require_admin(request)
     sid = query_param(request, "session_id", required=False)
     metas = await request.app[PAYLOADS].run(functools.partial(request.app[PAYLOADS].store.list, session_id=sid))
-    return web.json_response({"payloads": [m.public() for m in metas]})
+    return json_response({"payloads": [m.public() for m in metas]})
 
 
-async def get_payload(request: web.Request) -> web.Response:
+async def get_payload(request: httpd.Request) -> httpd.Response:
     """``GET /v1/payloads/{id}`` (admin): one payload's metadata."""
     require_admin(request)
     meta = await request.app[PAYLOADS].run(request.app[PAYLOADS].store.get, _pid(request))
-    return web.json_response(meta.public())
+    return json_response(meta.public())
 
 
-async def get_ciphertext(request: web.Request) -> web.StreamResponse:
+async def get_ciphertext(request: httpd.Request) -> httpd.StreamResponse:
     """``GET /v1/payloads/{id}/ciphertext`` (admin): the sealed bytes, streamed."""
     require_admin(request)
     p = request.app[PAYLOADS]
@@ -113,7 +121,7 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
                 "(changed on disk); it cannot be trusted",
             )
         remaining = meta.size
-        resp = web.StreamResponse(
+        resp = httpd.StreamResponse(
             headers={"Content-Type": "application/octet-stream", "X-UOMP-Payload-Hash": meta.hash}
         )
         resp.content_length = meta.size
@@ -127,7 +135,7 @@ async def get_ciphertext(request: web.Request) -> web.StreamResponse:
         await asyncio.to_thread(fh.close)
 
 
-async def opened(request: web.Request) -> web.Response:
+async def opened(request: httpd.Request) -> httpd.Response:
     """``POST /v1/payloads/{id}/opened`` (admin): records that the user opened it (``payload_opened``)."""
     require_admin(request)
     p = request.app[PAYLOADS]
@@ -138,10 +146,10 @@ async def opened(request: web.Request) -> web.Response:
     _user_event(request, "payload_opened", meta.session_id, meta.agent_id, pid, meta.hash)
     await request.app[SERVICES].audit.flush()
     await p.run(p.store.mark_opened, pid)
-    return web.json_response({"payload_id": pid, "opened": True})
+    return json_response({"payload_id": pid, "opened": True})
 
 
-async def remove(request: web.Request) -> web.Response:
+async def remove(request: httpd.Request) -> httpd.Response:
     """``DELETE /v1/payloads/{id}`` (admin): removes it, and records that."""
     require_admin(request)
     p = request.app[PAYLOADS]
@@ -150,10 +158,10 @@ async def remove(request: web.Request) -> web.Response:
     await p.run(p.store.delete, pid)
     _user_event(request, "payload_removed", meta.session_id, meta.agent_id, pid, meta.hash)
     await request.app[SERVICES].audit.flush()
-    return web.json_response({"payload_id": pid, "removed": True})
+    return json_response({"payload_id": pid, "removed": True})
 
 
-def _user_event(request: web.Request, action: str, sid: str, aid: str, pid: str, digest: str) -> None:
+def _user_event(request: httpd.Request, action: str, sid: str, aid: str, pid: str, digest: str) -> None:
     request.app[SERVICES].audit.record(
         session_id=sid,
         agent_id=aid,
@@ -183,7 +191,7 @@ def _field(
     return v
 
 
-async def audit_event(request: web.Request) -> web.Response:
+async def audit_event(request: httpd.Request) -> httpd.Response:
     """The gateway's payload events (see the module docstring)."""
     svc = request.app[SERVICES]
     body = await json_body(request)
@@ -240,7 +248,7 @@ async def audit_event(request: web.Request) -> web.Response:
     await svc.audit.flush(svc.audit.submit(row))
     fault_hold(f"{action}_recorded")
     # This is the upload request's (or the arrival's) one event: the gateway writes none of its own.
-    return web.json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
+    return json_response({"recorded": True}, headers={EVENT_ID_HEADER: row[0]})
 
 
 def _as_uploaded(audit: Any, sid: str, aid: str, pid: str | None, digest: str | None, size: int) -> None:
@@ -268,7 +276,7 @@ def _as_uploaded(audit: Any, sid: str, aid: str, pid: str | None, digest: str | 
         )
 
 
-async def _close(app: web.Application) -> None:
+async def _close(app: httpd.App) -> None:
     app[PAYLOADS].close()
 
 
@@ -282,7 +290,7 @@ ROUTES = (  # Unix socket only: the user's CLI and the gateway, never the Local 
 )
 
 
-def open_store(app: web.Application) -> None:
+def open_store(app: httpd.App) -> None:
     """The payload store of the Unix-socket app (its routes are rows of :data:`ROUTES`); at start-up,
     the part files of ``uomp payload pull`` runs that were killed are removed."""
     paths = app[SERVICES].paths

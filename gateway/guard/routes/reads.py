@@ -9,13 +9,12 @@ import time
 from collections.abc import Iterable
 from typing import cast
 
-from aiohttp import web
-
 from gateway import jsonio
 from gateway.core import paging, policy
 from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.fieldname import aggregate_field
 from gateway.guard.http import page_limit, query_param
@@ -70,7 +69,7 @@ def _read_key_on_worker(cap: Capability, call: AgentCall, store: MemoryStorage, 
     return Durable(call.record_on_worker(data), (meta, item, data))
 
 
-async def get_key(request: web.Request) -> web.Response:
+async def get_key(request: httpd.Request) -> httpd.Response:
     """§10.2. The decision is made on metadata alone (:meth:`MemoryStore.get_meta`, never the value);
     the value is loaded only after an allow, so a denied item and a missing key do the same work."""
     key = request.match_info["key"]
@@ -113,7 +112,7 @@ def _read_filter(cap: Capability) -> ReadFilter:
     return ReadFilter(keys=cap.read.keys, deny_keys=cap.read.deny_keys, deny_tags=cap.read.deny_tags)
 
 
-async def get_by_tag(request: web.Request) -> web.Response:
+async def get_by_tag(request: httpd.Request) -> httpd.Response:
     """§10.3, paged: ``{"items": [...], "next": <cursor> | null}``. ``next`` is null only when the
     page holds the last authorized item; otherwise ``?tag=<tag>&cursor=<next>`` gives the next page.
     A page holds at most ``limit`` (default and maximum ``max_tag_results``) items and ends early
@@ -168,7 +167,7 @@ async def get_by_tag(request: web.Request) -> web.Response:
     )
 
 
-async def aggregate(request: web.Request) -> web.Response:
+async def aggregate(request: httpd.Request) -> httpd.Response:
     """§10.5 over every authorized item, computed in SQL. What may be answered (docs/aggregates.md):
     min/max only with the user's min/max grant; a field only within ``allowed_fields``; at least
     ``aggregate_min_items`` contributing items; and, unless the user granted exact aggregates, sums
@@ -299,7 +298,7 @@ async def aggregate(request: web.Request) -> web.Response:
     return await call.respond(res.body)
 
 
-async def _refuse_authenticated(request: web.Request, action: str, code: ErrorCode, message: str) -> web.Response:
+async def _refuse_authenticated(request: httpd.Request, action: str, code: ErrorCode, message: str) -> httpd.Response:
     """Routes that exist but never serve an agent: authenticate (so the refusal is audited with who
     asked), then refuse with ``code``."""
     call = AgentCall(request, action, key=request.match_info.get("key"))
@@ -310,7 +309,7 @@ async def _refuse_authenticated(request: web.Request, action: str, code: ErrorCo
     return await call.refuse(UompError(code, message, session_id=cap.session_id))
 
 
-async def query_refused(request: web.Request) -> web.Response:
+async def query_refused(request: httpd.Request) -> httpd.Response:
     """``POST /v1/memory/query``: authenticated and audited, then NOT_IMPLEMENTED (§22)."""
     return await _refuse_authenticated(
         request, "query", ErrorCode.NOT_IMPLEMENTED, "semantic query is not implemented (spec §22)"

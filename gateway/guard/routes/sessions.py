@@ -34,12 +34,12 @@ import functools
 import hmac
 import time
 
-from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from gateway.core import deletion, jose
 from gateway.core.tokens import iso
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.http import LISTENER, SERVICES, is_asserted, json_body, json_response, query_param, require_admin
 from gateway.guard.proposal_rules import write_grant_problem
@@ -47,14 +47,14 @@ from gateway.guard.proposal_rules import write_grant_problem
 # ---------------------------------------------------------------------------- sessions
 
 
-async def create_session(request: web.Request) -> web.Response:
+async def create_session(request: httpd.Request) -> httpd.Response:
     """``POST /v1/sessions`` (admin): a session in state ``created`` for an agent's request."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.create_session, await json_body(request)), 201)
 
 
-async def grant_session(request: web.Request) -> web.Response:
+async def grant_session(request: httpd.Request) -> httpd.Response:
     """``POST /v1/sessions/{id}/grant`` (admin): the user's grant, and the session's tokens."""
     require_admin(request)
     body = await json_body(request)
@@ -65,21 +65,21 @@ async def grant_session(request: web.Request) -> web.Response:
     return json_response(await svc.authdb(svc.auth.grant, request.match_info["sid"], body))
 
 
-async def close_session(request: web.Request) -> web.Response:
+async def close_session(request: httpd.Request) -> httpd.Response:
     """``POST /v1/sessions/{id}/close`` for the user (admin)."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.close, request.match_info["sid"]))
 
 
-async def revoke_session(request: web.Request) -> web.Response:
+async def revoke_session(request: httpd.Request) -> httpd.Response:
     """``POST /v1/sessions/{id}/revoke`` (admin): the session ends and its tokens are blacklisted."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.revoke, request.match_info["sid"]))
 
 
-async def list_sessions(request: web.Request) -> web.Response:
+async def list_sessions(request: httpd.Request) -> httpd.Response:
     """``GET /v1/sessions`` (admin), optionally of one status."""
     require_admin(request)
     status = query_param(request, "status", required=False)
@@ -87,21 +87,21 @@ async def list_sessions(request: web.Request) -> web.Response:
     return json_response({"sessions": await svc.authdb(functools.partial(svc.auth.list_sessions, status=status))})
 
 
-async def get_session(request: web.Request) -> web.Response:
+async def get_session(request: httpd.Request) -> httpd.Response:
     """``GET /v1/sessions/{id}`` for the user (admin)."""
     require_admin(request)
     svc = request.app[SERVICES]
     return json_response((await svc.authdb(svc.auth.session, request.match_info["sid"])).public())
 
 
-async def validate_token(request: web.Request) -> web.Response:
+async def validate_token(request: httpd.Request) -> httpd.Response:
     """``POST /v1/tokens/validate`` for the user or the gateway's status check: ``{valid, ...}`` for any token."""
     body = await json_body(request)
     svc = request.app[SERVICES]
     return json_response(await svc.authdb(svc.auth.validate, body.get("token")))
 
 
-async def deletion_proof(request: web.Request) -> web.Response:
+async def deletion_proof(request: httpd.Request) -> httpd.Response:
     """``POST /v1/sessions/{id}/deletion-proof``: the agent's signed §19 deletion proof, checked and recorded."""
     svc = request.app[SERVICES]
     sid = request.match_info["sid"]
@@ -146,7 +146,7 @@ async def deletion_proof(request: web.Request) -> web.Response:
 # ----------------------------------------------------- an agent's calls about its own session
 
 
-def _is_agent(request: web.Request) -> bool:
+def _is_agent(request: httpd.Request) -> bool:
     """An agent's request: the gateway's assertion on the socket, or a token that has the form of a
     capability token (a compact JWS). Anything else (the admin credential, a wrong one, none) is
     for the management handler, which answers 401 UNAUTHORIZED unless it is the admin credential."""
@@ -168,7 +168,7 @@ def _own(call: AgentCall, session_id: str, what: str) -> None:
         )
 
 
-async def session_close(request: web.Request) -> web.Response:
+async def session_close(request: httpd.Request) -> httpd.Response:
     """``POST /v1/sessions/{sid}/close``: the user's (admin) or the agent's own."""
     if not _is_agent(request):
         return await close_session(request)
@@ -188,7 +188,7 @@ async def session_close(request: web.Request) -> web.Response:
     return await call.respond(answer)
 
 
-async def session_status(request: web.Request) -> web.Response:
+async def session_status(request: httpd.Request) -> httpd.Response:
     """``GET /v1/sessions/{sid}``: the user's (admin) view of any session, or the agent's own."""
     if not _is_agent(request):
         return await get_session(request)
@@ -208,7 +208,7 @@ async def session_status(request: web.Request) -> web.Response:
     return await call.respond(row.public())
 
 
-async def token_validate(request: web.Request) -> web.Response:
+async def token_validate(request: httpd.Request) -> httpd.Response:
     """``POST /v1/tokens/validate``: the gateway's status check and the user's (any token), or an
     agent validating its own token."""
     if not _is_agent(request):

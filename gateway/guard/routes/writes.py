@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
-
 from gateway.errors import ErrorCode, UompError
+from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.http import GuardRoute, event_via, json_body
 from gateway.guard.proposal_rules import WriteRefused
@@ -29,7 +28,7 @@ from gateway.guard.proposal_rules import WriteRefused
 MAX_PROPOSAL_ID = 64
 
 
-async def propose(request: web.Request) -> web.Response:
+async def propose(request: httpd.Request) -> httpd.Response:
     """``PUT``/``DELETE /v1/memory/{key}``: a proposal under the token's write scope (202), nothing applied."""
     op = "put" if request.method == "PUT" else "delete"
     key = request.match_info["key"]
@@ -75,12 +74,12 @@ async def propose(request: web.Request) -> web.Response:
     call.fields["proposal_id"] = proposal.proposal_id
     call.allow("change proposed; it waits for the user's decision", detail)
     resp = await call.respond(proposal.summary())
-    resp.set_status(202)
+    resp.status = 202
     resp.headers["Location"] = f"/v1/proposals/{proposal.proposal_id}"
     return resp
 
 
-async def own_proposals(request: web.Request) -> web.Response:
+async def own_proposals(request: httpd.Request) -> httpd.Response:
     """``GET /v1/proposals``: the requesting session's own proposals and their outcome."""
     call = AgentCall(request, "proposals")
     try:
@@ -95,7 +94,7 @@ async def own_proposals(request: web.Request) -> web.Response:
     return await call.respond({"proposals": [p.summary() for p in found]})
 
 
-async def withdraw(request: web.Request) -> web.Response:
+async def withdraw(request: httpd.Request) -> httpd.Response:
     """``POST /v1/proposals/{id}/withdraw``: take back one of the session's own pending proposals."""
     pid = request.match_info["pid"][:MAX_PROPOSAL_ID]
     call = AgentCall(request, "proposal_withdraw")
