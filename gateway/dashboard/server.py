@@ -1,4 +1,6 @@
 """The dashboard's HTTP server (aiohttp, Jinja2 templates, everything shipped in the package).
+Jinja2 is loaded at the first page rendered: an appliance whose dashboard nobody opens holds none
+of it.
 
 Loopback only, behind the gate of :mod:`gateway.dashboard.security`; served by the appliance
 (``uomp gateway start``, :func:`start_for_appliance`) or alone (``uomp dashboard``). Every
@@ -18,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
-import jinja2
 from aiohttp import web
 
 from gateway.config import DashboardConfig, Paths
@@ -62,7 +63,7 @@ class Dashboard:
         self.sessions = security.Sessions(idle=cfg.idle_timeout_seconds, max_age=cfg.max_session_seconds, clock=clock)
         self.port: int = cfg.port
         self._runner: web.AppRunner | None = None
-        self._env = jinja2.Environment(loader=jinja2.PackageLoader("gateway.dashboard", "templates"), autoescape=True)
+        self._env: Any = None  # the jinja2.Environment, made at the first page rendered (_template)
         pkg = resources.files("gateway.dashboard") / "static"
         self._static = {name: (pkg.joinpath(name).read_bytes(), ctype) for name, ctype in STATIC.items()}
 
@@ -183,12 +184,20 @@ class Dashboard:
 
     # ------------------------------------------------------------------------- rendering
 
+    def _template(self, name: str) -> Any:
+        if self._env is None:
+            import jinja2
+
+            loader = jinja2.PackageLoader("gateway.dashboard", "templates")
+            self._env = jinja2.Environment(loader=loader, autoescape=True)
+        return self._env.get_template(name)
+
     def _render(self, request: web.Request, template: str, *, status: int = 200, **ctx: Any) -> web.Response:
         session: security.DashSession | None = ctx.pop("session", request.get(SESSION_KEY))
         flash: list[str] = []
         if session is not None:
             flash, session.flash = session.flash, []
-        html = self._env.get_template(template).render(
+        html = self._template(template).render(
             csrf=session.csrf if session else "",
             csrf_field=security.CSRF_FIELD,
             signed_in=session is not None,

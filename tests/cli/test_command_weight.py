@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -194,21 +197,23 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def start(tmp: Path, home: Path, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """``uomp gateway start`` in a probe, until it says it is ready; (the process, its output)."""
+def start(
+    tmp: Path, home: Path, extra_env: dict[str, str] | None = None, *, until: bytes = b"gateway: https://"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``uomp gateway start`` in a probe, until it says ``until`` (that it is ready); (the process, its output)."""
     argv = ["--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"]
     proc = probe(tmp, argv, extra_env)
     assert proc.stdout is not None
     buf = b""
     deadline = time.monotonic() + 60
-    while b"gateway: https://" not in buf and time.monotonic() < deadline:
+    while until not in buf and time.monotonic() < deadline:
         r, _w, _x = select.select([proc.stdout], [], [], 1.0)
         if r:
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
                 break
             buf += chunk
-    if b"gateway: https://" not in buf:
+    if until not in buf:
         proc.kill()
         _out, err = proc.communicate()
         pytest.fail(f"gateway start did not get ready: {buf[-500:]!r} {err[-1500:]!r}")
@@ -273,15 +278,27 @@ def test_gateway_start_spawns_the_guard_first_and_loads_the_dashboard_only_when_
         assert loaded(modules, ("jinja2", "gateway.dashboard")) == []
         assert loaded(modules, NOT_IN_START) == []
 
-        # the partner: enabled, the dashboard is served, and loaded before the gateway binds
+        # the partner: enabled, the dashboard is served, loaded before the gateway binds; its
+        # templates (jinja2) only once a page is asked for
         set_dashboard(home, True)
         proc, out = start(tmp_path, home)
         data, rest = stop(proc)
         assert "dashboard: http://127.0.0.1:" in out + rest
         modules = data["modules"]  # type: ignore[assignment]
-        assert "jinja2" in modules and "gateway.dashboard.server" in modules
-        assert data["order"] == [["gateway.remote.server", True], ["jinja2", True]]
+        assert "gateway.dashboard.server" in modules and "jinja2" not in modules
         assert loaded(modules, NOT_IN_START) == []
+        proc, out = start(tmp_path, home, until=b"dashboard: http")
+        try:
+            m = re.search(r"dashboard: (http://127\.0\.0\.1:\d+)", out)
+            assert m, out
+            with pytest.raises(urllib.error.HTTPError) as refused:  # not signed in: a page that says so
+                urllib.request.urlopen(m.group(1) + "/", timeout=10)
+            assert refused.value.code in (401, 403) and b"<html" in refused.value.read().lower()
+        finally:
+            data, rest = stop(proc)
+        modules = data["modules"]  # type: ignore[assignment]
+        assert "jinja2" in modules
+        assert data["order"] == [["gateway.remote.server", True], ["jinja2", True]]
     finally:
         (home / "config.toml").unlink(missing_ok=True)
 
