@@ -83,6 +83,7 @@ NOT_IN_GUARD_CHILD = (
     "tracemalloc",
     "sqlcipher3",
     "aiohttp",
+    "gateway.openapi",  # loaded at the first GET /v1/openapi.json
 )
 # ... nor the gateway's other stacks, the commands of the gateway side, the chains or the templates.
 NEVER_IN_GUARD_CHILD = (
