@@ -531,8 +531,9 @@ async def _spawned(guard: GuardProcess, starting: asyncio.Task[None]) -> None:
 
 
 def _dashboard_config(paths: Paths) -> Any:
-    """The [dashboard] section when the dashboard is to run, its modules (and jinja2) loaded;
-    None when it is disabled (nothing of it loaded) or its section is refused (said here)."""
+    """The [dashboard] section when the dashboard is to run, its server's module loaded (its pages'
+    and jinja2 at their first request); None when it is disabled (nothing of it loaded) or its
+    section is refused (said here)."""
     from gateway.config import DashboardConfig, load_section
 
     try:
@@ -542,7 +543,7 @@ def _dashboard_config(paths: Paths) -> Any:
         return None
     if not cfg.enabled:
         return None
-    from gateway.dashboard import memory_page, proposals_page, server  # noqa: F401  (loaded before it starts)
+    from gateway.dashboard import server  # noqa: F401  (loaded before it starts)
 
     return cfg
 

@@ -175,11 +175,3 @@ class MemoryPages:
             await asyncio.to_thread(delete, self.dash.paths, key)
             message = f"Deleted {key}."
         return self.dash._back(request, "/memory", message)
-
-
-def register(app: web.Application, dash: Dashboard) -> None:
-    """Adds the Memory page's routes to the dashboard app."""
-    pages = MemoryPages(dash)
-    app.router.add_get("/memory", pages.page)
-    app.router.add_get("/memory/item", pages.item)
-    app.router.add_post("/memory/{how:rollback|delete}", pages.change)

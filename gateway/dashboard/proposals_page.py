@@ -120,10 +120,3 @@ class ProposalPages:
         done = await asyncio.to_thread(decide, self.dash.paths, pid, how, str(shown))
         what = f"approved: {done['key']} is now version {done['applied_version']}" if how == "approve" else "rejected"
         return self.dash._back(request, "/proposals", f"Proposal {pid} {what}.")
-
-
-def register(app: web.Application, dash: Dashboard) -> None:
-    """Adds the Proposals inbox's routes to the dashboard app."""
-    pages = ProposalPages(dash)
-    app.router.add_get("/proposals", pages.page)
-    app.router.add_post("/proposals/{pid}/{how:approve|reject}", pages.decide)

@@ -1,6 +1,7 @@
 """The dashboard's HTTP server (aiohttp, Jinja2 templates, everything shipped in the package).
-Jinja2 is loaded at the first page rendered: an appliance whose dashboard nobody opens holds none
-of it.
+Jinja2 and the pages' own code (the data readers, the Memory and Proposals pages, the charts,
+the enrolment view) are imported at the first request that needs them: an appliance whose
+dashboard nobody opens holds none of it.
 
 Loopback only, behind the gate of :mod:`gateway.dashboard.security`; served by the appliance
 (``uomp gateway start``, :func:`start_for_appliance`) or alone (``uomp dashboard``). Every
@@ -12,19 +13,50 @@ no-store``. There is no access log: a request line could carry a login token.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from gateway.config import DashboardConfig, Paths
-from gateway.dashboard import charts, data, enroll_view, security
+from gateway.dashboard import security
 from gateway.errors import STATUS, ErrorCode, UompError
+
+
+class _Later:
+    """A module imported at its first attribute read."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+
+# (method, path, module, class, method) of the pages whose module is imported at their first request
+LATER_PAGES = (
+    ("GET", "/proposals", "proposals_page", "ProposalPages", "page"),
+    ("POST", "/proposals/{pid}/{how:approve|reject}", "proposals_page", "ProposalPages", "decide"),
+    ("GET", "/memory", "memory_page", "MemoryPages", "page"),
+    ("GET", "/memory/item", "memory_page", "MemoryPages", "item"),
+    ("POST", "/memory/{how:rollback|delete}", "memory_page", "MemoryPages", "change"),
+)
+
+if TYPE_CHECKING:
+    from gateway.dashboard import charts, data, enroll_view
+else:
+    charts = _Later("gateway.dashboard.charts")
+    data = _Later("gateway.dashboard.data")
+    enroll_view = _Later("gateway.dashboard.enroll_view")
 
 log = logging.getLogger("uomp.dashboard")
 
@@ -64,6 +96,7 @@ class Dashboard:
         self.port: int = cfg.port
         self._runner: web.AppRunner | None = None
         self._env: Any = None  # the jinja2.Environment, made at the first page rendered (_template)
+        self._pages: dict[str, Any] = {}  # the LATER_PAGES objects, by class, made at their first request
         pkg = resources.files("gateway.dashboard") / "static"
         self._static = {name: (pkg.joinpath(name).read_bytes(), ctype) for name, ctype in STATIC.items()}
 
@@ -86,12 +119,23 @@ class Dashboard:
         r.add_post("/payloads/{pid}/open", self.open_payload)
         r.add_post("/payloads/{pid}/delete", self.delete_payload)
         r.add_get("/appliance", self.appliance_page)
-        from gateway.dashboard import memory_page, proposals_page  # (they import this module)
-
-        proposals_page.register(app, self)
-        memory_page.register(app, self)
+        for method, path, module, cls, name in LATER_PAGES:
+            r.add_route(method, path, self._later(module, cls, name))
         r.add_post("/logout", self.logout)
         return app
+
+    def _later(self, module: str, cls: str, name: str) -> Handler:
+        """The handler ``cls(self).name`` of ``gateway.dashboard.module``, imported at its first request
+        (one instance of ``cls`` per dashboard)."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            pages = self._pages.get(cls)
+            if pages is None:
+                pages = self._pages[cls] = getattr(importlib.import_module(f"gateway.dashboard.{module}"), cls)(self)
+            result: web.StreamResponse = await getattr(pages, name)(request)
+            return result
+
+        return handler
 
     async def start(self) -> None:
         self._runner = web.AppRunner(self.create_app(), access_log=None, handle_signals=False)
