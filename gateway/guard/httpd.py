@@ -174,8 +174,8 @@ class Body:
 
     @property
     def ended(self) -> bool:
-        """The whole body has arrived (read or not)."""
-        return self._eof
+        """Nothing more of the body will arrive: all of it came (read or not), or it broke off."""
+        return self._eof or self._error is not None
 
     def discard(self) -> None:
         """Nobody reads the rest: what is buffered and what still comes is dropped, and counted."""
@@ -204,9 +204,9 @@ class Body:
         self._eof = True
         self._wake()
 
-    def fail(self) -> None:
+    def fail(self, why: str = "the connection closed before the request body's end") -> None:
         if not self._eof:
-            self._error = ConnectionResetError("the connection closed before the request body's end")
+            self._error = ConnectionResetError(why)
         self._wake()
 
     async def readany(self) -> bytes:
@@ -639,7 +639,7 @@ class _Connection(asyncio.Protocol):
                     self._refuse(500)
                     return
                 self.queue.popleft()
-                # a body left unread: the rest of it is not looked for, the connection ends here
+                # a body left unread: the connection ends after this answer (_end)
                 keep = request.keep_alive and request.content.at_eof and not self.closing
                 stream, self.stream = self.stream, None
                 if stream is not None or isinstance(response, StreamResponse):
@@ -700,8 +700,15 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return
         if self.busy:
-            self._refusal = status
             self._pause(4)  # never resumed: nothing after the bad bytes is read
+            if self.parsing is not None:
+                # the bad bytes are in the body of a request already queued: that request gets the
+                # one answer (its handler's; a read of the body fails), then the connection ends
+                self.parsing.content.fail("the request body is malformed")
+                self.parsing.keep_alive = False
+                self.parsing = None
+            else:
+                self._refusal = status  # a request head after those in hand: answered after them
             return
         resp = self.app.refusal(status)
         self.write(_head(resp.status, resp.headers, len(resp.body), True) + resp.body)
