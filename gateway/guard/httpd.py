@@ -23,6 +23,10 @@ socket, local agents on 127.0.0.1. It needs this much of an HTTP server, and no 
 * **Answers.** Every answer has a ``Content-Length``: a :class:`Response` carries its bytes, a
   :class:`StreamResponse` declares its length and writes in pieces, each write waiting while the
   client's side of the socket is full.
+* **A budget of connections** per listener (``max_connections``). When it is full, a newcomer
+  takes the place of the connection idle the longest (between requests, or still sending a head);
+  only when every connection is in the middle of a request is the newcomer closed at once. So idle
+  and silent sockets cannot keep a client out, and the descriptors stay bounded.
 * **Stop.** :meth:`Server.close` stops accepting, closes idle connections and gives requests in
   progress ``grace`` seconds to finish before their connections are cut.
 
@@ -61,6 +65,8 @@ KEEPALIVE_SECONDS = 75.0  # an idle keep-alive connection is closed after this
 LINGER_SECONDS = 10.0  # the unread rest of a refused body is read and dropped for at most this long
 LINGER_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes
 STOP_GRACE_SECONDS = 30.0  # at stop, requests in progress get this long to finish
+MAX_CONNECTIONS = 1024  # a listener's connections (Server's default budget)
+BUDGET_LOG_SECONDS = 60.0  # a full budget is logged at most this often
 
 
 class AppKey(Generic[T]):
@@ -512,11 +518,16 @@ class _Connection(asyncio.Protocol):
         self.stream: StreamResponse | None = None  # the streamed answer of the request in hand
         self.lingering = False  # answered; the unread rest of its body is being dropped, then the end
         self._refusal: int | None = None  # bytes that could not be parsed, answered after those queued
+        self.last_active = self.loop.time()  # the last byte read or answer written (Server.admit)
 
     # -- the transport's side --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        if not self.server.admit():
+            self.closing = True
+            self.transport.abort()
+            return
         self.server.connections.add(self)
         self._arm(self.server.keepalive_seconds)
 
@@ -543,6 +554,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
+        self.last_active = self.loop.time()
         if not self._in_message and not self.busy and not self.queue and not self.lingering:
             self._arm(HEADER_SECONDS)  # a new request's first bytes: its headers have a deadline now
         try:
@@ -651,6 +663,7 @@ class _Connection(asyncio.Protocol):
                 else:
                     self.app.decorate(request, response.headers)
                     self.write(_head(response.status, response.headers, len(response.body), not keep) + response.body)
+                    self.last_active = self.loop.time()
                     if not keep:
                         self._end(request)
                         return
@@ -763,13 +776,52 @@ class _Connection(asyncio.Protocol):
 class Server:
     """The listeners of one :class:`App` and the connections they accepted."""
 
-    def __init__(self, app: App, *, keepalive_seconds: float = KEEPALIVE_SECONDS) -> None:
+    def __init__(
+        self,
+        app: App,
+        *,
+        name: str = "http",
+        max_connections: int = MAX_CONNECTIONS,
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
+    ) -> None:
         self.app = app
+        self.name = name
         self.loop = asyncio.get_running_loop()
+        self.max_connections = max(1, max_connections)
         self.keepalive_seconds = keepalive_seconds
         self.connections: set[_Connection] = set()
         self.listeners: list[asyncio.AbstractServer] = []
         self._idle: asyncio.Event | None = None
+        self.evicted = 0  # idle connections closed to make room for a newcomer
+        self.refused = 0  # newcomers closed because every connection was in a request
+        self._said_at: float | None = None
+
+    def admit(self) -> bool:
+        """Room for one more connection: under the budget, or once the connection idle the longest
+        is closed. False (the newcomer is closed) when every connection is in a request."""
+        if len(self.connections) < self.max_connections:
+            return True
+        idle = [c for c in self.connections if not c.busy]
+        if idle:
+            victim = min(idle, key=lambda c: c.last_active)
+            self.connections.discard(victim)
+            victim.abort()
+            self.evicted += 1
+            admitted = True
+        else:
+            self.refused += 1
+            admitted = False
+        now = self.loop.time()
+        if self._said_at is None or now - self._said_at >= BUDGET_LOG_SECONDS:
+            self._said_at = now
+            log.warning(
+                "%s listener: all %d connections in use; %d idle ones closed for newcomers, %d newcomers refused",
+                self.name,
+                self.max_connections,
+                self.evicted,
+                self.refused,
+            )
+        return admitted
 
     def protocol(self) -> _Connection:
         return _Connection(self)

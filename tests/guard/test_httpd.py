@@ -455,3 +455,66 @@ async def test_a_pipelined_request_whose_body_comes_later_is_not_stuck(h: Harnes
     writer.write(b"cde")
     assert (await asyncio.wait_for(read_answer(reader), 5))[2] == b"5:abcde"
     writer.close()
+
+
+async def test_a_full_budget_closes_the_longest_idle_connection_for_a_newcomer(h: Harness) -> None:
+    h.server.max_connections = 3
+    first = await h.open()
+    await asyncio.sleep(0.02)
+    others = [await h.open() for _ in range(2)]
+    # partner: under the budget nobody was closed; each answers
+    for reader, writer in (first, *others):
+        writer.write(b"GET /v1/echo/a HTTP/1.1\r\nHost: g\r\n\r\n")
+        assert (await read_answer(reader))[0] == 200
+    await asyncio.sleep(0.02)
+    for reader, writer in others:  # the first is now the one idle the longest
+        writer.write(b"GET /v1/echo/b HTTP/1.1\r\nHost: g\r\n\r\n")
+        await read_answer(reader)
+    newcomer = await h.open()
+    newcomer[1].write(b"GET /v1/echo/new HTTP/1.1\r\nHost: g\r\n\r\n")
+    assert (await read_answer(newcomer[0]))[0] == 200
+    assert await closed(first[0], 3)  # the longest idle made room
+    for reader, writer in others:  # the others kept theirs
+        writer.write(b"GET /v1/echo/c HTTP/1.1\r\nHost: g\r\n\r\n")
+        assert (await read_answer(reader))[0] == 200
+    assert h.server.evicted == 1 and h.server.refused == 0
+    for _r, w in (first, *others, newcomer):
+        w.close()
+
+
+async def test_a_budget_of_busy_connections_refuses_the_newcomer(h: Harness) -> None:
+    h.server.max_connections = 2
+    busy = [await h.open() for _ in range(2)]
+    for _r, w in busy:
+        w.write(b"GET /v1/held HTTP/1.1\r\nHost: g\r\n\r\n")
+    while h.seen.count("held") < 2:
+        await asyncio.sleep(0.01)
+    reader, writer = await h.open()
+    writer.write(b"GET /v1/echo/late HTTP/1.1\r\nHost: g\r\n\r\n")
+    try:  # closed at once (aborted: an EOF or a reset), never answered
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    assert "late" not in h.seen and h.server.refused == 1
+    writer.close()
+    h.release.set()
+    for r, _w in busy:  # the requests in hand were not touched
+        assert (await read_answer(r))[2] == b"done"
+    reader, writer = await h.open()  # room again
+    writer.write(b"GET /v1/echo/later HTTP/1.1\r\nHost: g\r\n\r\n")
+    assert (await read_answer(reader))[0] == 200
+    writer.close()
+    for _r, w in busy:
+        w.close()
+
+
+def test_the_guards_budgets_fit_its_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    from gateway.guard import server
+
+    for soft, want in ((1024, (720, 240)), (20000, (4096, 256)), (256, (144, 48))):
+        monkeypatch.setattr(resource, "getrlimit", lambda _r, s=soft: (s, 1 << 20))
+        unix, tcp = server.connection_budgets()
+        assert (unix, tcp) == want
+        assert unix + tcp + server.FD_RESERVE <= max(soft, 128 + server.FD_RESERVE)
