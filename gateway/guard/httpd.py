@@ -69,28 +69,28 @@ MAX_CONNECTIONS = 1024  # a listener's connections (Server's default budget)
 BUDGET_LOG_SECONDS = 60.0  # a full budget is logged at most this often
 
 
-class AppKey(Generic[T]):
+class _Key(Generic[T]):
+    """A typed key: its value's type is ``T`` (given as the second argument, for the reader)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str, _type: type[T] | None = None) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class AppKey(_Key[T]):
     """A typed key of an :class:`App`'s state (``app[KEY]``)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str, _type: type[T] | None = None) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<AppKey {self.name}>"
+    __slots__ = ()
 
 
-class RequestKey(Generic[T]):
+class RequestKey(_Key[T]):
     """A typed key of one request's state (``request[KEY]``, ``request.get(KEY)``)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str, _type: type[T] | None = None) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<RequestKey {self.name}>"
+    __slots__ = ()
 
 
 class HTTPError(Exception):

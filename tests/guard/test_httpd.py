@@ -41,6 +41,14 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
     return status, headers, body
 
 
+async def post_mib(writer: asyncio.StreamWriter, path: bytes, mib: int) -> None:
+    """A POST of ``mib`` MiB of ``y``, sent in 64 KiB writes, each waiting for the socket."""
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: g\r\nContent-Length: %d\r\n\r\n" % (mib << 20))
+    for _ in range(mib * 16):
+        writer.write(b"y" * 65536)
+        await writer.drain()
+
+
 async def closed(reader: asyncio.StreamReader, within: float = 5.0) -> bool:
     try:
         return await asyncio.wait_for(reader.read(), within) == b""
@@ -280,11 +288,7 @@ async def test_a_client_still_sending_a_refused_body_reads_the_answer(h: Harness
     # 16 MiB sent while the handler answers at once without reading: the client finishes sending
     # (the rest is dropped, not reset) and reads the answer
     reader, writer = await h.open()
-    size = 16 * 1024 * 1024
-    writer.write(b"POST /v1/ignore HTTP/1.1\r\nHost: g\r\nContent-Length: %d\r\n\r\n" % size)
-    for _ in range(size // 65536):
-        writer.write(b"z" * 65536)
-        await writer.drain()
+    await post_mib(writer, b"/v1/ignore", 16)
     _status, headers, body = await read_answer(reader)
     assert body == b"not read" and headers["connection"] == "close"
     assert await closed(reader)
@@ -318,12 +322,8 @@ async def test_dropping_a_refused_body_is_bounded_in_time_and_bytes(
 
 async def test_a_large_body_is_read_with_bounded_buffering(h: Harness) -> None:
     reader, writer = await h.open()
-    size = 8 * 1024 * 1024
-    writer.write(b"POST /v1/body HTTP/1.1\r\nHost: g\r\nContent-Length: %d\r\n\r\n" % size)
-    for _ in range(size // 65536):
-        writer.write(b"y" * 65536)
-        await writer.drain()
-    assert (await read_answer(reader))[2] == b"%d:%s" % (size, b"y" * 16)
+    await post_mib(writer, b"/v1/body", 8)
+    assert (await read_answer(reader))[2] == b"%d:%s" % (8 << 20, b"y" * 16)
     writer.close()
 
 
