@@ -302,9 +302,17 @@ class Request:
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
 
+_BREAKS = re.compile(r"[\r\n\x00]")
+
+
 def _head(status: int, headers: Mapping[str, str], length: int, close: bool) -> bytes:
+    """The status line and headers of an answer; ValueError for a header that would break its line
+    (a CR, LF or NUL in a name or value could start a header or an answer of its own)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
-    lines.extend(f"{k}: {v}" for k, v in headers.items())
+    for k, v in headers.items():
+        if _BREAKS.search(k) or _BREAKS.search(v):
+            raise ValueError("a header name or value holds a line break")
+        lines.append(f"{k}: {v}")
     lines.append(f"Content-Length: {length}")
     if close:
         lines.append("Connection: close")
@@ -348,10 +356,11 @@ class StreamResponse:
         if self.content_length is None:
             raise ValueError("a streamed answer declares its length first")
         request.app.decorate(request, self.headers)
+        head = _head(self.status, self.headers, self.content_length, not request.keep_alive)
         self._conn = request.conn
         self._conn.stream = self
         self.prepared = True
-        self._conn.write(_head(self.status, self.headers, self.content_length, not request.keep_alive))
+        self._conn.write(head)
 
     async def write(self, data: bytes) -> None:
         assert self._conn is not None and self.content_length is not None
@@ -510,7 +519,9 @@ class _Connection(asyncio.Protocol):
         self._target = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
         self._in_message = False
-        self._paused_by = 0  # bit 1: a request waits in the queue; bit 2: a body's buffer is full
+        # why reading is paused: bit 1 a request waits in the queue, bit 2 a body's buffer is full,
+        # bit 4 for good (bad bytes were read, or an Upgrade): nothing more is read
+        self._paused_by = 0
         self._write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -662,7 +673,13 @@ class _Connection(asyncio.Protocol):
                         return
                 else:
                     self.app.decorate(request, response.headers)
-                    self.write(_head(response.status, response.headers, len(response.body), not keep) + response.body)
+                    try:
+                        head = _head(response.status, response.headers, len(response.body), not keep)
+                    except ValueError:
+                        log.error("an answer to %s held a header with a line break", request.method)
+                        self._refuse(500)
+                        return
+                    self.write(head + response.body)
                     self.last_active = self.loop.time()
                     if not keep:
                         self._end(request)

@@ -109,6 +109,9 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
         await resp.write_eof()
         return resp
 
+    async def split(request: httpd.Request) -> httpd.Response:
+        return httpd.Response(b"x", headers={"X-Echo": request.headers.get("x-in", "") + "\r\nX-Injected: 1"})
+
     for method, pattern, handler in (
         ("GET", "/v1/echo/{name}", echo),
         ("GET", "/v1/echo/fixed", echo),
@@ -117,6 +120,7 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
         ("POST", "/v1/body", body),
         ("POST", "/v1/ignore", ignore_body),
         ("GET", "/v1/stream/{size}", stream),
+        ("GET", "/v1/split", split),
     ):
         app.router.add_route(method, pattern, handler)
     await server.serve_unix(str(harness.sock), backlog=16)
@@ -518,3 +522,18 @@ def test_the_guards_budgets_fit_its_descriptor_limit(monkeypatch: pytest.MonkeyP
         unix, tcp = server.connection_budgets()
         assert (unix, tcp) == want
         assert unix + tcp + server.FD_RESERVE <= max(soft, 128 + server.FD_RESERVE)
+
+
+async def test_an_answer_header_with_a_line_break_is_never_written(h: Harness) -> None:
+    reader, writer = await h.open()
+    writer.write(b"GET /v1/split HTTP/1.1\r\nHost: g\r\n\r\n")
+    status, headers, body = await read_answer(reader)
+    assert status == 500 and json.loads(body) == {"refused": 500}
+    assert "x-injected" not in headers and "x-echo" not in headers
+    assert await closed(reader)
+    writer.close()
+    # partner: the same route's neighbours answer normally on a new connection
+    reader, writer = await h.open()
+    writer.write(b"GET /v1/echo/fine HTTP/1.1\r\nHost: g\r\n\r\n")
+    assert (await read_answer(reader))[0] == 200
+    writer.close()
