@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 document of the guard, Auth Service and gateway endpoints.
 
 :func:`document` builds it; ``docs/openapi.json`` is its committed rendering and the guard serves it
-at ``GET /v1/openapi.json`` on both local listeners (:func:`serve`). ``tests/e2e/test_openapi.py``
-keeps it true: the committed file equals :func:`document`, and each operation's
+at ``GET /v1/openapi.json`` on both local listeners (``gateway.guard.routes.internal``).
+``tests/e2e/test_openapi.py`` keeps it true: the committed file equals :func:`document`, and each operation's
 ``x-uomp-served-by`` (``guard-tcp``: the Local Profile listener; ``guard-unix``: the guard's Unix
 socket; ``gateway``: the mTLS gateway) matches the running apps' route tables exactly.
 ``tests/e2e/test_schemathesis.py`` runs Schemathesis against the running guard and gateway with it.
@@ -424,7 +424,8 @@ ENVELOPE = _param(
     "X-UOMP-Payload-Envelope",
     "header",
     description="the streaming form: base64url (no padding) of "
-    "the envelope without its ciphertext; the body is then the sealed bytes",
+    "the envelope without its ciphertext; the body is then the sealed bytes, "
+    'followed by their raw 32-byte SHA-256 when the envelope\'s hash is "sha256:trailer"',
 )
 
 IF_MATCH = _param("If-Match", "header", description='the item version the change is based on, as "N"')

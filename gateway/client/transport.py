@@ -16,13 +16,12 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 from yarl import URL
 
-from gateway.client import payloads
 from gateway.client.errors import CertificateError, ConfigError, ProtocolError, Unavailable, UompClientError
 from gateway.client.options import READ_CHUNK, AgentKey, ClientOptions, Mode
 from gateway.client.tls import describe, ssl_in_chain, transport_context
 from gateway.contract import AGENT_HEADER
 from gateway.core.dpop import make_dpop_proof
-from gateway.core.envelope import HEADER_NAME, encode_header
+from gateway.core.envelope import HEADER_NAME, TRAILER_LEN, Envelope, encode_header
 from gateway.netutil import is_loopback
 
 
@@ -305,19 +304,27 @@ class ClientTransport:
         return b"".join(chunks)
 
     async def send_stream(
-        self, method: str, path: str, query: Mapping[str, str] | None, sealed: payloads.SealedFile, token: str
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None,
+        env: Envelope,
+        body: AsyncIterator[bytes | memoryview],
+        token: str,
     ) -> tuple[int, Any]:
-        """The streaming form of an upload (its own exchange: a body from a file, a longer time-out):
-        (status, decoded JSON or None)."""
+        """The streaming form of an upload (its own exchange: a body streamed, a longer time-out):
+        ``env`` in its header, ``body`` the sealed bytes (then their SHA-256 when ``env``'s hash is
+        the trailer); (status, decoded JSON or None)."""
         conn = self._conn
         if conn is None:
             raise ConfigError("CONFIG_ERROR", "this client is closed")
+        length = env.size + (TRAILER_LEN if env.trailer else 0)
         headers = {
             "Accept": "application/json",
             AGENT_HEADER: self._agent_id,
             "Content-Type": "application/octet-stream",
-            "Content-Length": str(sealed.envelope.size),
-            HEADER_NAME: encode_header(sealed.envelope),
+            "Content-Length": str(length),
+            HEADER_NAME: encode_header(env),
         }
         if self.host_header is not None:
             headers["Host"] = self.host_header
@@ -330,15 +337,6 @@ class ClientTransport:
         else:
             headers["Authorization"] = f"Bearer {token}"
         target = path + _query(query)
-
-        async def body() -> AsyncIterator[bytes]:
-            fh = await asyncio.to_thread(open, sealed.path, "rb")
-            try:
-                while block := await asyncio.to_thread(fh.read, payloads.READ_BLOCK):
-                    yield block
-            finally:
-                await asyncio.to_thread(fh.close)
-
         o = self._opts
         timeout = aiohttp.ClientTimeout(
             total=o.payload_timeout_seconds,
@@ -352,7 +350,7 @@ class ClientTransport:
                 method,
                 URL(self.base + target, encoded=True),
                 headers=headers,
-                data=body(),
+                data=body,
                 allow_redirects=False,
                 timeout=timeout,
             ) as resp:

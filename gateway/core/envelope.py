@@ -5,7 +5,10 @@ Two forms travel to ``POST /v1/payload/upload``:
 * the JSON form: exactly the §15.6 fields, ``ciphertext`` the standard base64 of the sealed bytes;
 * the streaming form: the same object without ``ciphertext`` (the *header*), sent as the
   ``X-UOMP-Payload-Envelope`` request header (base64url of its UTF-8 JSON, no padding), the sealed
-  bytes being the request body.
+  bytes being the request body. Its ``hash`` may instead be :data:`HASH_TRAILER`: the body is then
+  the sealed bytes followed by their raw 32-byte SHA-256 (:data:`TRAILER_LEN`), so a sender can
+  send while it seals; the relay checks that hash before it keeps anything, as it checks a declared
+  one. Only where the caller allows it (``trailer=True``): the agent-facing upload routes.
 
 :func:`parse` refuses anything else with ``INVALID_REQUEST`` and a fixed sentence naming the field
 (never echoing a value): a missing or extra field, a wrong type, an unknown algorithm, a key or
@@ -38,6 +41,8 @@ MAX_HEADER_CHARS = 4096  # the base64url header; a real one is about 700 charact
 
 PAYLOAD_ID = re.compile(r"pay_[A-Za-z0-9_-]{8,64}")
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
+HASH_TRAILER = "sha256:trailer"  # the streaming header's hash: the body's last TRAILER_LEN bytes carry it
+TRAILER_LEN = 32
 TIMESTAMP = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?Z")
 _TOKEN = r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}"
 FORMAT = re.compile(rf"{_TOKEN}/{_TOKEN}(;[ ]?[A-Za-z0-9_.-]{{1,32}}=[A-Za-z0-9_.-]{{1,64}}){{0,4}}")
@@ -55,6 +60,11 @@ class Envelope:
     format: str
     size: int
     hash: str
+
+    @property
+    def trailer(self) -> bool:
+        """The hash follows the sealed bytes in the body (the streaming form only)."""
+        return self.hash == HASH_TRAILER
 
     def binding(self) -> sealing.Binding:
         return sealing.Binding(self.payload_id, self.session_id, self.agent_id, self.format)
@@ -88,8 +98,9 @@ def _b64(value: Any, field: str, length: int) -> None:
         raise _bad(field, f"must be {length} bytes")
 
 
-def parse(doc: Any, *, streaming: bool) -> tuple[Envelope, str | None]:
-    """(envelope, the base64 ciphertext of the JSON form or None). Shape only; see the module docstring."""
+def parse(doc: Any, *, streaming: bool, trailer: bool = False) -> tuple[Envelope, str | None]:
+    """(envelope, the base64 ciphertext of the JSON form or None). Shape only; see the module docstring.
+    ``trailer``: a streaming header may name :data:`HASH_TRAILER` as its hash."""
     if not isinstance(doc, dict):
         raise UompError(ErrorCode.INVALID_REQUEST, "the envelope must be a JSON object")
     want = HEADER_FIELDS if streaming else JSON_FIELDS
@@ -132,8 +143,14 @@ def parse(doc: Any, *, streaming: bool) -> tuple[Envelope, str | None]:
     if not isinstance(size, int) or isinstance(size, bool) or size < MIN_SEALED_BYTES:
         raise _bad("size", f"must be an integer of at least {MIN_SEALED_BYTES} (the sealed bytes' length)")
     digest = doc["hash"]
-    if not isinstance(digest, str) or not HASH.fullmatch(digest):
-        raise _bad("hash", "must be sha256: followed by 64 lower-case hex digits")
+    later = trailer and streaming and digest == HASH_TRAILER
+    if not isinstance(digest, str) or not (later or HASH.fullmatch(digest)):
+        raise _bad(
+            "hash",
+            f"must be sha256: followed by 64 lower-case hex digits (or {HASH_TRAILER}, in an upload's streaming form)"
+            if streaming
+            else "must be sha256: followed by 64 lower-case hex digits",
+        )
     ciphertext: str | None = None
     if not streaming:
         ct = doc["ciphertext"]
@@ -167,8 +184,9 @@ def encode_header(env: Envelope) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
-def decode_header(value: str) -> Envelope:
-    """The envelope from its header value (base64url JSON, bounded); INVALID_REQUEST for a malformed one."""
+def decode_header(value: str, *, trailer: bool = False) -> Envelope:
+    """The envelope from its header value (base64url JSON, bounded); INVALID_REQUEST for a malformed one.
+    ``trailer``: its hash may be :data:`HASH_TRAILER`."""
     if not value or len(value) > MAX_HEADER_CHARS or not re.fullmatch(r"[A-Za-z0-9_-]+", value):
         raise UompError(
             ErrorCode.INVALID_REQUEST, f"{HEADER_NAME} must be base64url (no padding) of the envelope header"
@@ -177,7 +195,7 @@ def decode_header(value: str) -> Envelope:
         doc = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
     except (binascii.Error, ValueError):
         raise UompError(ErrorCode.INVALID_REQUEST, f"{HEADER_NAME} does not decode to a JSON object") from None
-    return parse(doc, streaming=True)[0]
+    return parse(doc, streaming=True, trailer=trailer)[0]
 
 
 def parse_public_key(text: str) -> X25519PublicKey:

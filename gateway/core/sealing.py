@@ -261,6 +261,14 @@ class Opener:
         return pt
 
 
+def sealed_size(plaintext: int) -> int:
+    """The length of ``plaintext`` bytes once sealed: the key block, then every chunk with its tag
+    (the last holds 1 to CHUNK bytes, or none for an empty payload)."""
+    if plaintext < 0:
+        raise ValueError("a length is not negative")
+    return PREFIX_LEN + plaintext + max(1, -(-plaintext // CHUNK)) * TAG
+
+
 def ciphertext_hash(sealed: bytes) -> str:
     """``sha256:<hex>`` of the sealed bytes (what the relay stores and the envelope names)."""
     return "sha256:" + hashlib.sha256(sealed).hexdigest()

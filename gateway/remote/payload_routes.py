@@ -109,7 +109,7 @@ def _header_envelope(request: web.Request) -> Envelope:
         raise UompError(
             ErrorCode.INVALID_REQUEST, f"the streaming form needs exactly one {envelope.HEADER_NAME} header"
         )
-    return envelope.decode_header(values[0].strip())
+    return envelope.decode_header(values[0].strip(), trailer=True)
 
 
 async def _answer(call: Call, meta: PayloadMeta) -> web.Response:

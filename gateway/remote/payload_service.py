@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hmac
 import logging
 from typing import Any
 
@@ -15,6 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway import contract
 from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
+from gateway.core import envelope
 from gateway.core.capability import Capability
 from gateway.core.envelope import Envelope
 from gateway.db import DbWorker
@@ -250,12 +253,14 @@ class PayloadService:
             )
         )
 
-    async def _stream(self, request: web.Request, upload: PayloadUploading) -> None:
+    async def _stream(self, request: web.Request, upload: PayloadUploading, trailer: bytearray | None) -> None:
         """The body into ``upload`` in blocks of about WRITE_BLOCK bytes, each written (and hashed)
         in a thread while the next is read. Held at most: the block being written, the one being
         gathered, and aiohttp's buffer (about 2 x BODY_BUFFER), whatever the payload's size. The pieces
-        are the bytes as they came off the wire, never joined or sliced here; the upload's own lock
-        keeps an abort from touching the file while a write is still running."""
+        are the bytes as they came off the wire, never joined (only the one the sealed bytes end in
+        is cut, when a trailer follows); the upload's own lock keeps an abort from touching the file
+        while a write is still running. ``trailer``: the bytes after the envelope's size, at most
+        TRAILER_LEN, go there instead of into the upload."""
         loop = asyncio.get_running_loop()
         request.content.set_read_chunk_size(BODY_BUFFER)
         reader = BodyReader(request, self.cfg.payload_body_idle_timeout_seconds)
@@ -268,10 +273,21 @@ class PayloadService:
                 chunk = await reader.read()
                 if chunk:
                     received += len(chunk)
-                    if received > upload.max_bytes:
-                        raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the body is longer than the envelope's size")
-                    pieces.append(chunk)
-                    held += len(chunk)
+                    piece = chunk
+                    over = received - upload.max_bytes
+                    if over > 0:
+                        if trailer is None or over > envelope.TRAILER_LEN:
+                            raise UompError(
+                                ErrorCode.PAYLOAD_TOO_LARGE,
+                                "the body is longer than the envelope's size"
+                                + ("" if trailer is None else " and its hash"),
+                            )
+                        cut = len(chunk) - (over - len(trailer))  # where this chunk passes the size
+                        trailer += chunk[cut:]
+                        piece = chunk[:cut]
+                    if piece:
+                        pieces.append(piece)
+                        held += len(piece)
                 if held >= WRITE_BLOCK or (not chunk and held):
                     if writing is not None:
                         await writing  # the block before is on disk (or its error raised here)
@@ -296,6 +312,12 @@ class PayloadService:
         found = await self.worker.run(self.store.find, env.payload_id)
         if found is None:
             return None
+        if env.trailer:  # its hash is not known yet: a retry names it in the envelope
+            raise UompError(
+                ErrorCode.PAYLOAD_EXISTS,
+                "a payload with this payload_id is stored; a retry of the same bytes names their hash in the "
+                "envelope, else choose a new payload_id",
+            )
         if not found.same_upload(
             session_id=cap.session_id, agent_id=cap.agent_id, format=env.format, size=env.size, digest=env.hash
         ):
@@ -322,8 +344,15 @@ class PayloadService:
         request = call.request
         if env.size > max_bytes:
             raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the payload's declared size exceeds {max_bytes} bytes")
-        if body is None and request.content_length is not None and request.content_length != env.size:
-            raise UompError(ErrorCode.PAYLOAD_SIZE_MISMATCH, "Content-Length is not the envelope's size")
+        trailer = bytearray() if env.trailer else None
+        if body is not None and trailer is not None:
+            raise UompError(ErrorCode.INVALID_REQUEST, f"hash {envelope.HASH_TRAILER} is for the streaming form only")
+        length = env.size + (0 if trailer is None else envelope.TRAILER_LEN)
+        if body is None and request.content_length is not None and request.content_length != length:
+            raise UompError(
+                ErrorCode.PAYLOAD_SIZE_MISMATCH,
+                "Content-Length is not the envelope's size" + ("" if trailer is None else " plus its 32-byte hash"),
+            )
         again = await self._existing(call, cap, env)
         if again is not None:
             return again
@@ -335,13 +364,22 @@ class PayloadService:
                     raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, "the ciphertext is longer than the envelope's size")
                 await asyncio.to_thread(upload.write, body)
             else:
-                await self._stream(request, upload)
-            if upload.size != env.size:
+                await self._stream(request, upload, trailer)
+            if upload.size != env.size or (trailer is not None and len(trailer) != envelope.TRAILER_LEN):
                 raise UompError(
-                    ErrorCode.PAYLOAD_SIZE_MISMATCH, f"the envelope declared {env.size} bytes, {upload.size} arrived"
+                    ErrorCode.PAYLOAD_SIZE_MISMATCH,
+                    f"the envelope declared {env.size} bytes, {upload.size} arrived"
+                    if upload.size != env.size
+                    else "the sealed bytes must be followed by their 32-byte SHA-256",
                 )
             digest = upload.hash
-            if digest != env.hash:
+            if trailer is not None:
+                if not hmac.compare_digest(digest, "sha256:" + trailer.hex()):
+                    raise UompError(
+                        ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the hash that follows it"
+                    )
+                env = dataclasses.replace(env, hash=digest)  # checked: from here on, as if declared
+            elif digest != env.hash:
                 raise UompError(ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the envelope's hash")
             # what commit would refuse (caps), checked before anything is kept
             await self.worker.run(self._precheck, cap.session_id, upload.size)

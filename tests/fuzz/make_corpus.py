@@ -43,6 +43,7 @@ def seeds() -> dict[str, list[bytes]]:
         "envelope": [
             json.dumps(env).encode(),
             json.dumps({k: v for k, v in env.items() if k != "ciphertext"}).encode(),
+            json.dumps({**{k: v for k, v in env.items() if k != "ciphertext"}, "hash": "sha256:trailer"}).encode(),
         ],
         "sealing": [b"\x00\x00\x10\x00\x01", b"\x01\x02\x03\x01x", b"\xff\xff\xff\x00\x02"],
         "merkle": [b"\x07\x03\x02", b"\x27\x00\x10" + bytes(64), b"\x01\x00\x00"],

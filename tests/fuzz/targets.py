@@ -142,22 +142,26 @@ def t_envelope(data: bytes) -> None:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
         doc = None
-    for streaming in (False, True):
+    for streaming, trailer in ((False, False), (False, True), (True, False), (True, True)):
         try:
-            env, text = envelope.parse(doc, streaming=streaming)
+            env, text = envelope.parse(doc, streaming=streaming, trailer=trailer)
         except UompError as exc:
             assert exc.code == "INVALID_REQUEST", exc.code
             continue
-        assert envelope.decode_header(envelope.encode_header(env)) == env
+        assert not env.trailer or (streaming and trailer)  # the hash after the bytes: uploads streamed only
+        assert envelope.decode_header(envelope.encode_header(env), trailer=trailer) == env
         if text is not None:
             try:
                 envelope.decode_ciphertext(text)
             except UompError as exc:
                 assert exc.code == "INVALID_REQUEST"
-    try:
-        envelope.decode_header(data.decode("latin-1"))
-    except UompError as exc:
-        assert exc.code == "INVALID_REQUEST"
+    for trailer in (False, True):
+        try:
+            env = envelope.decode_header(data.decode("latin-1"), trailer=trailer)
+        except UompError as exc:
+            assert exc.code == "INVALID_REQUEST"
+        else:
+            assert trailer or not env.trailer
 
 
 _ENC, _SEALED = sealing.seal_bytes(PAYLOAD_KEY.public_key(), BINDING, b"fuzz plaintext " * 300)
