@@ -255,6 +255,23 @@ def main() -> None:
         f"gateway/direct ours {og / m['ours direct']['rps']:.2f}, reference {rg / m['ref direct']['rps']:.2f}; "
         f"p50 ours {m['ours gateway']['p50_ms']:.1f} ms vs reference {m['ref gateway']['p50_ms']:.1f} ms"
     )
+    # The load generator shares the cores with both: req/s is diluted by its own CPU per request,
+    # the same for both. CPU per answered request of each side's own processes is not.
+    per = {k: _cpu_per_request(m[k]) for k in ("ours gateway", "ref gateway")}
+    if all(v is not None for v in per.values()):
+        o_us, r_us = per["ours gateway"], per["ref gateway"]
+        assert o_us is not None and r_us is not None
+        cli = _cpu_per_request(m["ours gateway"], "client_cpu")
+        print(
+            f"CPU per answered request through the gateway (its processes, all threads): ours {o_us:.0f} µs, "
+            f"reference {r_us:.0f} µs, reference/ours x{r_us / o_us:.2f}"
+            + (f"; the load generator {cli:.0f} µs per request beside ours" if cli is not None else "")
+        )
+
+
+def _cpu_per_request(r: dict[str, Any], field: str = "server_cpu") -> float | None:
+    share, rps = r.get(field), r.get("rps")
+    return share / rps * 1e6 if share and rps else None
 
 
 if __name__ == "__main__":

@@ -344,9 +344,7 @@ class PayloadService:
         request = call.request
         if env.size > max_bytes:
             raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the payload's declared size exceeds {max_bytes} bytes")
-        trailer = bytearray() if env.trailer else None
-        if body is not None and trailer is not None:
-            raise UompError(ErrorCode.INVALID_REQUEST, f"hash {envelope.HASH_TRAILER} is for the streaming form only")
+        trailer = bytearray() if env.trailer else None  # only a streamed body has one (envelope.parse)
         length = env.size + (0 if trailer is None else envelope.TRAILER_LEN)
         if body is None and request.content_length is not None and request.content_length != length:
             raise UompError(
@@ -372,15 +370,11 @@ class PayloadService:
                     if upload.size != env.size
                     else "the sealed bytes must be followed by their 32-byte SHA-256",
                 )
-            digest = upload.hash
-            if trailer is not None:
-                if not hmac.compare_digest(digest, "sha256:" + trailer.hex()):
-                    raise UompError(
-                        ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the hash that follows it"
-                    )
-                env = dataclasses.replace(env, hash=digest)  # checked: from here on, as if declared
-            elif digest != env.hash:
-                raise UompError(ErrorCode.PAYLOAD_HASH_MISMATCH, "the ciphertext does not match the envelope's hash")
+            digest, declared = upload.hash, env.hash if trailer is None else "sha256:" + trailer.hex()
+            if not hmac.compare_digest(digest, declared):
+                where = "the envelope's hash" if trailer is None else "the hash that follows it"
+                raise UompError(ErrorCode.PAYLOAD_HASH_MISMATCH, f"the ciphertext does not match {where}")
+            env = dataclasses.replace(env, hash=digest)  # a trailer's hash checked: from here on, as if named
             # what commit would refuse (caps), checked before anything is kept
             await self.worker.run(self._precheck, cap.session_id, upload.size)
         except BaseException:
