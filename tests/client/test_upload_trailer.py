@@ -16,8 +16,10 @@ gateway that wants the hash first the same bytes go again with the hash named, o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,12 +27,13 @@ from typing import Any
 import pytest
 from gatewaykit import Appliance
 from test_payload_relay import CAP, acli, agent_for, audit_rows, b64h, chunks, seal_consistent, small, store_state
-from test_sdk import authorize_csr, sdk_appliance
+from test_sdk import authorize_csr, resign, sdk_appliance
 
-from gateway.client import UompClient
+from gateway.bundle import load_bundle, write_bundle
+from gateway.client import AuthError, UompClient
 from gateway.client import payloads as sdk_payloads
 from gateway.config import Paths
-from gateway.core import envelope, sealing
+from gateway.core import envelope, sealing, tokens
 from gateway.core.envelope import HASH_TRAILER
 from gateway.errors import ErrorCode, UompError
 from gateway.payloads import userkey
@@ -313,3 +316,41 @@ async def test_sdk_sends_while_sealing_and_falls_back_for_a_gateway_that_wants_t
         with pytest.raises(IsADirectoryError):
             await c.upload_payload(unreadable, format="application/octet-stream")
     assert len(store_state(app.paths)[0]) == 4 and _temp_files(sealtmp) == []
+
+
+async def test_an_upload_refused_for_an_expired_token_is_sent_again_with_its_hash(
+    app: Appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway refuses the expired token before it reads the body, so the first pass never ran to
+    its end: after the refresh the SDK learns the hash by sealing once more, then names it."""
+    bundle = authorize_csr(app, tmp_path)
+    b = load_bundle(bundle)
+    now = time.time()
+    expired = resign(b.access_token, app.paths, exp=int(now) - 5, expires_at=tokens.iso(now - 5))
+    data = os.urandom(3 * sdk_payloads.READ_BLOCK + 11)
+    seen: list[str] = []
+    taken = payload_routes._header_envelope
+
+    def spy(request: Any) -> envelope.Envelope:
+        env = taken(request)
+        seen.append(env.hash)
+        return env
+
+    monkeypatch.setattr(payload_routes, "_header_envelope", spy)
+    write_bundle(bundle, dataclasses.replace(b, access_token=expired))
+    async with UompClient.from_bundle(bundle) as c:
+        pid = await c.upload_payload(data, format="application/octet-stream")
+        assert c.refresh_count == 1
+    named = "sha256:" + hashlib.sha256((app.paths.payload_dir / "blobs" / pid).read_bytes()).hexdigest()
+    assert seen == [named]  # the expired try was refused before its envelope was read; the retry names it
+    rc, _, err = await acli(app.paths, "payload", "pull", pid, "--out", str(tmp_path / "out"))
+    assert rc == 0, err
+    assert (tmp_path / "out").read_bytes() == data
+    # partner: without a refresh token the refusal is the caller's, and nothing is kept (a body
+    # that fits the sockets' buffers: the refused connection then closes at once, never lingering)
+    write_bundle(bundle, dataclasses.replace(b, access_token=expired, refresh_token=None, refresh_expires_at=None))
+    async with UompClient.from_bundle(bundle) as c:
+        with pytest.raises(AuthError) as exc:
+            await c.upload_payload(data[:600_000], format="application/octet-stream")
+        assert exc.value.code == "TOKEN_EXPIRED"
+    assert store_state(app.paths)[0] == [pid] and store_state(app.paths)[2] == []
