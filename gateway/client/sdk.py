@@ -693,8 +693,11 @@ class UompClient:
         it; returns the ``payload_id``. Only the user can open it (``uomp payload pull``).
 
         ``bytes`` up to :data:`gateway.client.payloads.JSON_MAX_SEALED` go as the JSON envelope; a
-        path (or larger bytes) is sealed into a private temporary file first and streamed from it, so
-        memory stays constant. ``presigned``: ask for a single-use upload URL first and upload to it.
+        path (or larger bytes) is sealed while it is sent, its hash after the bytes
+        (:class:`gateway.client.payloads.SealedStream`): memory stays constant and nothing sealed is
+        written to disk; a retry seals the same bytes again and names their hash. The source must not
+        change until this returns (a file that does fails the upload). ``presigned``: ask for a
+        single-use upload URL first and upload to it.
         Refusals raise the usual errors (``PAYLOAD_TOO_LARGE``, ``PAYLOAD_QUOTA_EXCEEDED`` ...); the
         gateway checked the hash it answers against ours (:class:`ProtocolError` if not).
         """
@@ -798,8 +801,9 @@ class UompClient:
         """Send one sealed upload until it is answered: a try that got no answer (connection closed or
         failed, timed out) or a 502/503/504 is sent again with the same envelope, the same payload_id
         and the same bytes, which the relay answers like the first (one payload, one event) whether
-        or not the earlier try arrived. Never sealed again: new bytes under that id are 409
-        PAYLOAD_EXISTS. At most ``payload_retry_attempts`` tries, with the refresh back-off."""
+        or not the earlier try arrived. Never sealed anew: other bytes under that id would be 409
+        PAYLOAD_EXISTS (a large payload is sealed again with the same keys, hence the same bytes).
+        At most ``payload_retry_attempts`` tries, with the refresh back-off."""
         o = self._opts
         delay = o.refresh_retry_initial_seconds
         for attempt in range(1, o.payload_retry_attempts + 1):
