@@ -1,7 +1,7 @@
 """The SDK's payload upload survives a connection dropped after the relay received the upload: it sends
-the SAME sealed envelope again (same payload_id, same bytes), which the relay answers idempotently,
-so one payload and one ``payload_uploaded`` event come of it, never a re-seal (409 PAYLOAD_EXISTS)
-or a second payload.
+the SAME payload again (same payload_id, same sealed bytes, now with their hash named in the
+envelope), which the relay answers idempotently, so one payload and one ``payload_uploaded`` event
+come of it, never other bytes under that id (409 PAYLOAD_EXISTS) or a second payload.
 
 Real parts: the guard on its Unix socket, the gateway's mTLS listener with real TLS 1.3, a bundle from
 ``uomp authorize --remote --csr``, the SDK. Between the SDK and the gateway a plain TCP relay (TLS
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,9 +22,11 @@ import pytest
 from gatewaykit import Appliance
 from test_payload_relay import acli, audit_rows, store_state
 from test_sdk import authorize_csr, sdk_appliance
+from test_upload_trailer import hashes_seen
 
 from gateway.client import ClientOptions, InvalidRequest, Unavailable, UompClient
 from gateway.config import Paths
+from gateway.core.envelope import HASH_TRAILER
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,9 +39,10 @@ class CuttingRelay:
     bytes (an upload's body has passed) is cut, both ways, when the gateway's first answer bytes
     arrive: those bytes are never delivered. ``cuts`` such cuts are made, then it relays faithfully."""
 
-    def __init__(self, target_port: int, threshold: int, cuts: int) -> None:
+    def __init__(self, target_port: int, threshold: int, cuts: int, *, mid_body: bool = False) -> None:
         self.target_port = target_port
         self.threshold = threshold
+        self.mid_body = mid_body  # cut as soon as the client has sent more than threshold bytes
         self.cuts_left = cuts
         self.cut = 0
         self.uploads_seen = 0  # connections that carried more than threshold bytes
@@ -82,6 +86,11 @@ class CuttingRelay:
                     if sent[0] > self.threshold and not counted[0]:
                         counted[0] = True
                         self.uploads_seen += 1
+                        if self.mid_body and self.cuts_left > 0:
+                            self.cuts_left -= 1
+                            self.cut += 1
+                            abort()
+                            return
                     uw.write(data)
                     await uw.drain()
             with contextlib.suppress(OSError):
@@ -112,9 +121,11 @@ class CuttingRelay:
 
 
 @contextlib.asynccontextmanager
-async def relayed(app: Appliance, tmp: Path, *, threshold: int, cuts: int) -> AsyncIterator[tuple[CuttingRelay, Path]]:
+async def relayed(
+    app: Appliance, tmp: Path, *, threshold: int, cuts: int, mid_body: bool = False
+) -> AsyncIterator[tuple[CuttingRelay, Path]]:
     assert app.gateway.port is not None and app.gateway.state is not None
-    async with CuttingRelay(app.gateway.port, threshold, cuts) as relay:
+    async with CuttingRelay(app.gateway.port, threshold, cuts, mid_body=mid_body) as relay:
         url = f"https://localhost:{relay.port}"
         app.gateway.state.add_endpoint(url)  # the relay's address is one the gateway serves
         yield relay, authorize_csr(app, tmp, url=url)
@@ -163,6 +174,32 @@ async def test_dropped_answer_is_retried_with_the_same_envelope(
         rc, _, err = await acli(app.paths, "payload", "pull", pid, "--out", str(out))
         assert rc == 0, err
         assert out.read_bytes() == data
+
+
+async def test_an_upload_cut_mid_body_is_sealed_again_and_sent_with_its_hash(
+    app: Appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first try (sent while sealed, its hash to follow) is cut half-way: nothing of it is kept; the
+    SDK seals the same bytes once more to learn their hash and sends them with it named."""
+    seen = hashes_seen(monkeypatch)
+    data = os.urandom(3 << 20)
+    source = tmp_path / "big.bin"
+    source.write_bytes(data)
+    async with (
+        relayed(app, tmp_path, threshold=1 << 20, cuts=1, mid_body=True) as (relay, bundle),
+        UompClient.from_bundle(bundle, options=FAST) as c,
+    ):
+        pid = await c.upload_payload(source, format="application/octet-stream")
+    assert relay.cut == 1 and relay.uploads_seen == 2
+    assert uploads(app) == ([pid], [pid])
+    blob = (app.paths.payload_dir / "blobs" / pid).read_bytes()
+    assert seen == [HASH_TRAILER, "sha256:" + hashlib.sha256(blob).hexdigest()]
+    _rows, blobs, tmp = store_state(app.paths)
+    assert blobs == [pid] and tmp == []  # the cut try's part file is gone
+    out = tmp_path / "out.bin"
+    rc, _, err = await acli(app.paths, "payload", "pull", pid, "--out", str(out))
+    assert rc == 0, err
+    assert out.read_bytes() == data
 
 
 async def test_retries_are_bounded_and_still_one_payload(app: Appliance, tmp_path: Path) -> None:

@@ -261,7 +261,7 @@ async def app(home: Paths) -> AsyncIterator[Appliance]:
         yield a
 
 
-def _hashes_seen(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def hashes_seen(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The hash field of every streamed upload's envelope the gateway reads, in order."""
     seen: list[str] = []
     taken = payload_routes._header_envelope
@@ -288,7 +288,7 @@ async def test_sdk_sends_while_sealing_and_falls_back_for_a_gateway_that_wants_t
     monkeypatch.setenv("TMPDIR", str(sealtmp))
     monkeypatch.setattr("tempfile.tempdir", None)
     data = os.urandom(5 * sdk_payloads.READ_BLOCK + 3)
-    seen = _hashes_seen(monkeypatch)
+    seen = hashes_seen(monkeypatch)
     async with UompClient.from_bundle(bundle) as c:
         pid = await c.upload_payload(data, format="application/octet-stream")
         pid_url = await c.upload_payload(data[:400_000], format="application/octet-stream", presigned=True)
@@ -334,7 +334,7 @@ async def test_an_upload_refused_for_an_expired_token_is_sent_again_with_its_has
     now = time.time()
     expired = resign(b.access_token, app.paths, exp=int(now) - 5, expires_at=tokens.iso(now - 5))
     data = os.urandom(3 * sdk_payloads.READ_BLOCK + 11)
-    seen = _hashes_seen(monkeypatch)
+    seen = hashes_seen(monkeypatch)
     write_bundle(bundle, dataclasses.replace(b, access_token=expired))
     async with UompClient.from_bundle(bundle) as c:
         pid = await c.upload_payload(data, format="application/octet-stream")
