@@ -39,8 +39,8 @@ from gateway.core.tokens import iso
 JSON_MAX_SEALED = 256 * 1024  # sealed bytes sent inside the JSON envelope; larger: the streaming form
 READ_BLOCK = 1024 * 1024
 HASH_AHEAD = 4  # sealed blocks handed to the hashing thread and not yet hashed, at most
-TEE_AHEAD = 4  # sealed blocks a SealedStream's pass holds for its sender, at most
-TEE_POLL = 0.1  # seconds between looks at whether the other side of a pass went away
+PASS_AHEAD = 4  # sealed blocks a SealedStream's pass holds for its sender, at most
+PASS_POLL = 0.1  # seconds between looks at whether the other side of a pass went away
 # The body is handed to the transport in pieces of this size: what a socket does not take at once
 # asyncio's transport copies into its own growing buffer and moves along as it drains (on Python
 # 3.11 most of an upload's CPU went there with 1 MiB writes); a piece this size mostly goes at once.
@@ -190,7 +190,7 @@ class SealedStream:
     A source whose bytes change between passes seals to other bytes, which the relay refuses as a
     hash mismatch; one whose length changes fails the pass (ValueError).
 
-    A pass runs in a worker thread at most :data:`TEE_AHEAD` blocks ahead of its sender; it ends
+    A pass runs in a worker thread at most :data:`PASS_AHEAD` blocks ahead of its sender; it ends
     when the sender stops reading (its generator closed, or :meth:`close`), and :meth:`close` waits
     for it, so nothing reads the source after the upload returns.
     """
@@ -226,19 +226,11 @@ class SealedStream:
             raise ValueError("the payload's source changed while it was sent")
         self.digest = digest
 
-    async def _pass(self, sink: Callable[[bytes | bytearray], object]) -> None:
-        await self.close()
-        self._stop = stop = threading.Event()
-        self._running = asyncio.ensure_future(asyncio.to_thread(seal_blocks, self._sealer(), self._source, sink, stop))
-        try:
-            self._sealed(*await asyncio.shield(self._running))
-        finally:
-            stop.set()
-
     async def learn_digest(self) -> str:
         """The sealed bytes' hash: sealed once more without sending, unless a pass already told it."""
         if self.digest is None:
-            await self._pass(lambda b: None)
+            async for _ in self.body(trailer=False):
+                pass
         assert self.digest is not None
         return self.digest
 
@@ -247,13 +239,13 @@ class SealedStream:
         made, then (``trailer``) their raw SHA-256. Raises, so the request is broken off rather than
         completed, if the seal fails or brings other than the declared length."""
         await self.close()
-        pieces: queue.Queue[bytes | bytearray | _End | _Failed] = queue.Queue(TEE_AHEAD)
+        pieces: queue.Queue[bytes | bytearray | _End | _Failed] = queue.Queue(PASS_AHEAD)
         self._stop = stop = threading.Event()
 
         def give(item: bytes | bytearray | _End | _Failed) -> None:
             while not stop.is_set():
                 try:
-                    pieces.put(item, timeout=TEE_POLL)
+                    pieces.put(item, timeout=PASS_POLL)
                     return
                 except queue.Full:
                     continue
@@ -273,7 +265,7 @@ class SealedStream:
         def take() -> bytes | bytearray | _End | _Failed | None:
             while True:
                 try:
-                    return pieces.get(timeout=TEE_POLL)
+                    return pieces.get(timeout=PASS_POLL)
                 except queue.Empty:
                     if stop.is_set():
                         return None

@@ -222,7 +222,7 @@ async def test_a_pass_waits_for_its_sender_and_stops_with_it(home: Paths, tmp_pa
     running = stream._running
     assert running is not None
     await asyncio.sleep(0.5)
-    assert not running.done()  # held back: at most TEE_AHEAD blocks ahead of a sender that is not reading
+    assert not running.done()  # held back: at most PASS_AHEAD blocks ahead of a sender that is not reading
     await stream.close()  # the sender goes away: the pass stops and is waited for
     assert running.done() and isinstance(running.exception(), sdk_payloads.SealStopped)
     assert stream.digest is None and await stream.failure() is None
