@@ -4,9 +4,6 @@ on asyncio's loop; the cases here run the same defences again on uvloop."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
-
 import pytest
 
 uvloop = pytest.importorskip("uvloop")
@@ -18,16 +15,4 @@ from test_floods import (  # noqa: E402,F401  (collected again here, on uvloop)
 from test_handshake_log import test_refused_handshake_is_logged_and_counted  # noqa: E402,F401
 from test_tls import test_returning_agent_resumes_and_a_revoked_one_is_refused_at_its_next_request  # noqa: E402,F401
 from test_transport_tls import test_tls_runs_in_the_loops_own_protocol  # noqa: E402,F401
-
-# pytest-asyncio 1.x deprecates overriding event_loop_policy in favour of a conftest-wide
-# pytest_asyncio_loop_factories hook; this module is the one place that wants another loop.
-pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture')
-
-
-@pytest.fixture
-def event_loop_policy() -> Iterator[asyncio.AbstractEventLoopPolicy]:
-    yield uvloop.EventLoopPolicy()
-
-
-async def test_loop_is_uvloop() -> None:
-    assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+from uvloopkit import event_loop_policy, pytestmark, test_loop_is_uvloop  # noqa: E402,F401
