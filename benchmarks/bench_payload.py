@@ -391,7 +391,8 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
         store.close()
         shutil.rmtree(tmp, ignore_errors=True)
     if failures or not all(results.values()):
-        raise SystemExit("bench_payload --stream-cpu: the upload loop failed: " + "; ".join(failures or ["no round ran"]))
+        why = "; ".join(failures or ["no round ran"])
+        raise SystemExit(f"bench_payload --stream-cpu: the upload loop failed: {why}")
     gib = mib / 1024
     print(f"upload loop alone, {mib} MiB per round, {rounds} round(s), medians (CPU s per GiB; wall MiB/s)")
     for name, got in results.items():
