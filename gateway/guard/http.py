@@ -9,6 +9,7 @@ import hmac
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import unquote
 
 from gateway import contract, jsonio
 from gateway import keys as keyfiles
@@ -93,8 +94,23 @@ async def errors_middleware(request: httpd.Request, handler: httpd.Handler) -> h
             UompError(code, msg), transport_status=exc.status if code == ErrorCode.INVALID_REQUEST else None
         )
     except Exception as exc:  # never leak internals; never 500 with a stack trace to a client
-        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path)
+        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, endpoint(request))
         return error_response(UompError(ErrorCode.INTERNAL, "internal error"))
+
+
+def endpoint(request: httpd.Request) -> str:
+    """The request's path as a log line may show it: each segment the router matched to a ``{name}``
+    shown as ``{name}``, so no memory key, session or payload id from the path reaches the log; a
+    path that matched no route (or was not routed yet) only when it is a literal route."""
+    names = {value: name for name, value in request.match_info.items()}
+    if names:
+        return "/".join(
+            f"{{{names[seg_value]}}}" if (seg_value := unquote(seg, errors="surrogateescape")) in names else seg
+            for seg in request.path.split("/")
+        )
+    if any(pattern == request.path for _, pattern in request.app.router.table()):
+        return request.path
+    return "(a path of no literal route)"
 
 
 def bearer_token(request: httpd.Request) -> str:
