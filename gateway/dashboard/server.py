@@ -188,7 +188,7 @@ class Dashboard:
         request[SESSION_KEY] = session
         if request.method == "POST":
             if not security.origin_ok(request.headers.get("Origin"), request.headers.get("Sec-Fetch-Site"), self.port):
-                log.warning("dashboard: refused a cross-site POST to %s", request.path)
+                log.warning("dashboard: refused a cross-site POST to %s", _endpoint(request))
                 return self._render(
                     request,
                     "error.html",
@@ -200,7 +200,7 @@ class Dashboard:
             request[FORM_KEY] = form
             presented = form.get(security.CSRF_FIELD)
             if not isinstance(presented, str) or not security.csrf_ok(session, presented):
-                log.warning("dashboard: refused a POST to %s without the right form token", request.path)
+                log.warning("dashboard: refused a POST to %s without the right form token", _endpoint(request))
                 return self._render(
                     request,
                     "error.html",
@@ -217,7 +217,7 @@ class Dashboard:
         except web.HTTPException:
             raise
         except Exception:
-            log.exception("dashboard: %s %s failed", request.method, request.path)
+            log.exception("dashboard: %s %s failed", request.method, _endpoint(request))
             return self._render(
                 request,
                 "error.html",
@@ -449,6 +449,13 @@ class Dashboard:
     async def appliance_page(self, request: web.Request) -> web.StreamResponse:
         status = await asyncio.to_thread(data.appliance, self.paths)
         return self._render(request, "appliance.html", title="Appliance", s=status, dashboard_url=self.base_url)
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route a request matched, as a log line may show it (``/payloads/{pid}/open``): never the
+    path's own text, which is decoded (a ``%0A`` in it would start a forged log line)."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "(a path of no route)"
 
 
 async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -776,3 +776,25 @@ def test_gateway_start_prints_the_login_link_to_a_terminal(tmp_path: Path) -> No
         assert proc.wait(60) == 0
         reader.join(5)
         os.close(master)
+
+
+async def test_refused_posts_log_the_route_not_the_path(app: Appliance, caplog: pytest.LogCaptureFixture) -> None:
+    """A refused POST is logged by the route it matched: a path's own text, decoded, could start a
+    forged line (``%0A``) or carry what the page's address held."""
+    caplog.set_level(logging.WARNING, logger="uomp.dashboard")
+    async with dashboard(app.paths) as d, browser(d) as b:
+        await b.login()
+        token = await b.csrf()
+        forged = "s_x%0A2026-12-07 INFO uomp.guard forged"
+        for headers, data in (
+            ({"Sec-Fetch-Site": "cross-site"}, {"csrf": token, "confirmed": "yes"}),  # foreign origin
+            ({}, {"csrf": "wrong", "confirmed": "yes"}),  # no right form token
+        ):
+            status, html, _ = await b.request("POST", f"/sessions/{forged}/revoke", headers=headers, data=data)
+            assert status == 403 and "Refused" in html
+    lines = [r.getMessage() for r in caplog.records if r.name == "uomp.dashboard"]
+    assert lines == [
+        "dashboard: refused a cross-site POST to /sessions/{sid}/{how}",
+        "dashboard: refused a POST to /sessions/{sid}/{how} without the right form token",
+    ]
+    assert "forged" not in caplog.text and "s_x" not in caplog.text
