@@ -311,11 +311,25 @@ def _split_rest(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv, None
 
 
+# C0 controls and DEL, escaped in a log message: one record is one line, whatever text it quotes
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+
+
+class OneLineFormatter(logging.Formatter):
+    """Each record's message on one line: a newline or other control character in text a message
+    quotes (a name a peer sent, an exception's text) is escaped, so nobody can forge a line of the
+    service's log. A traceback still follows its record, as logging writes it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_CONTROLS)
+        return super().formatMessage(record)
+
+
 def setup_logging(verbose: bool, service: bool = False) -> None:
     """``-v``: DEBUG. A service (``gateway start``, ``guard serve``, ...) logs INFO: its stderr is the
     service's log. A one-shot command says only warnings and errors: its result is its output."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO if service else logging.WARNING)
