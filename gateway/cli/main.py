@@ -18,7 +18,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 from gateway import __version__
 from gateway.config import Paths, resolve_home
@@ -315,14 +315,28 @@ def _split_rest(argv: list[str]) -> tuple[list[str], list[str] | None]:
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 
 
+_TEXT_CONTROLS = {c: v for c, v in _CONTROLS.items() if c != 0x0A}  # a traceback keeps its line breaks
+
+
 class OneLineFormatter(logging.Formatter):
-    """Each record's message on one line: a newline or other control character in text a message
-    quotes (a name a peer sent, an exception's text) is escaped, so nobody can forge a line of the
-    service's log. A traceback still follows its record, as logging writes it."""
+    """Every line that starts at the left margin is a record of its own: a newline or other control
+    character in text a message quotes (a name a peer sent) is escaped, and the lines of a traceback
+    or stack that follow their record are indented, so an exception's text cannot start a line of
+    its own either. Nobody can forge a line of the service's log."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = record.message.translate(_CONTROLS)
         return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join("  " + line for line in text.translate(_TEXT_CONTROLS).split("\n"))
 
 
 def setup_logging(verbose: bool, service: bool = False) -> None:
