@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from gateway import jsonio
+from gateway import httpd, jsonio
 from gateway.contract import (
     QUOTA_HEADER,
 )
@@ -15,7 +15,6 @@ from gateway.core import checks
 from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import UompError
-from gateway.guard import httpd
 from gateway.guard.audit import (
     Row,
     make_row,

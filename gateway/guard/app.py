@@ -26,8 +26,7 @@ STORE_BUSY while other requests keep being served.
 
 from __future__ import annotations
 
-from gateway import contract
-from gateway.guard import httpd
+from gateway import contract, httpd
 from gateway.guard.http import (
     BOTH,
     EVENT_KEY,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
 
-from gateway import contract, jsonio
+from gateway import contract, httpd, jsonio
 from gateway import keys as keyfiles
 from gateway.contract import (
     AGENT_HEADER,
@@ -25,7 +25,6 @@ from gateway.contract import (
 )
 from gateway.core import checks
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import httpd
 from gateway.guard.auth import token_hash
 from gateway.guard.services import GuardServices
 

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway import httpd
 from gateway.atrest import vault
 from gateway.config import GuardConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.eventloop import cancel_all, release_free_heap
-from gateway.guard import httpd
 from gateway.guard.app import create_app
 from gateway.guard.auth import PRUNE_BATCH_ROWS
 from gateway.guard.services import GuardServices

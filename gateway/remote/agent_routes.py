@@ -25,9 +25,7 @@ import ssl
 import time
 import weakref
 
-from aiohttp import web
-
-from gateway import ca_store
+from gateway import ca_store, httpd
 from gateway.core import ca
 from gateway.errors import ErrorCode, UompError, parse_code
 from gateway.remote.call import record, verified_headers
@@ -38,7 +36,7 @@ from gateway.remote.state import STATE, GatewayState, register_route
 MAX_CSR_BYTES = 16 * 1024
 
 
-async def refresh(call: Call) -> web.StreamResponse:
+async def refresh(call: Call) -> httpd.AnyResponse:
     """``POST /v1/sessions/{id}/refresh``: the agent's refresh, forwarded to the Auth Service with the gateway's
     assertion."""
     state = call.request.app[STATE]
@@ -65,7 +63,7 @@ async def refresh(call: Call) -> web.StreamResponse:
             code = ErrorCode.UPSTREAM_ERROR
         raise UompError(code, str(err.get("message", "refresh refused"))[:200], session_id=call.cap.session_id)
     await record(call, status=200, allowed=True, reason="refresh token rotated", code=None)
-    return web.json_response(body)
+    return httpd.json_response(body)
 
 
 # Agents with a renewal in progress, per gateway: a second concurrent renewal is refused at once.
@@ -78,7 +76,7 @@ RATE_LIMIT_MEMORY_SECONDS = 60.0
 MAX_LIMITED_AGENTS = 10_000
 
 
-async def renew_certificate(call: Call) -> web.StreamResponse:
+async def renew_certificate(call: Call) -> httpd.AnyResponse:
     """``POST /v1/certificates/renew``: a new certificate for the presented one, within its rate and window."""
     state = call.request.app[STATE]
     cfg = state.cfg
@@ -131,10 +129,10 @@ async def renew_certificate(call: Call) -> web.StreamResponse:
         code=None,
         reason=f"certificate renewed: new serial {serial}, valid until {not_after}",
     )
-    return web.json_response({"certificate": pem.decode(), "serial": serial, "not_after": not_after})
+    return httpd.json_response({"certificate": pem.decode(), "serial": serial, "not_after": not_after})
 
 
-async def _read_csr(request: web.Request) -> bytes | None:
+async def _read_csr(request: httpd.Request) -> bytes | None:
     if not request.can_read_body:
         return None
     if request.content_length is not None and request.content_length > MAX_CSR_BYTES:

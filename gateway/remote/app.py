@@ -1,6 +1,7 @@
 """The remote gateway (spec §15): who may in, what may pass, and the record of both.
 
-One catch-all aiohttp route receives every request, so the raw request-target is normalised once
+Every request that :mod:`gateway.httpd` parsed comes to :func:`entry`, whatever its path (an
+encoded newline, say, would match no route pattern), so the raw request-target is normalised once
 (:mod:`gateway.remote.pathnorm`) before any routing decision. Then, in order:
 
 1. route lookup in :data:`ROUTES` (unknown: 404 NOT_FOUND, §8.4 shape);
@@ -38,12 +39,11 @@ the guard's alone: the agent sees the guard's ``X-UOMP-Quota-Remaining``.
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import time
-import warnings
 
-from aiohttp import web
-
+from gateway import httpd
 from gateway.errors import ErrorCode, UompError
 from gateway.remote import pathnorm, transport
 from gateway.remote.call import (
@@ -63,14 +63,14 @@ from gateway.remote.state import LISTENER, STATE, GatewayState
 log = logging.getLogger("uomp.gateway")
 
 
-async def entry(request: web.Request) -> web.StreamResponse:
+async def entry(request: httpd.Request) -> httpd.AnyResponse:
     """Every request of a gateway listener: route, identity, checks, then the handler or the forward; one event each."""
     transport.request_started(request)
     state = request.app[STATE]
     listener = request.app[LISTENER]
     started = time.perf_counter()
     call = Call(request, state, via=listener)
-    resp: web.StreamResponse
+    resp: httpd.AnyResponse
     code: str | None = None
     try:
         resp = await _dispatch(state, call)
@@ -98,7 +98,7 @@ async def entry(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
+async def _dispatch(state: GatewayState, call: Call) -> httpd.AnyResponse:
     request = call.request
     listener = call.via
     if listener == "mtls":
@@ -125,7 +125,7 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
             return await own(call)  # answers for agents without credentials yet (enroll_routes.py)
         if not state.upstream_ok():
             raise UompError(ErrorCode.STORE_UNAVAILABLE, "the memory guard is unreachable")
-        resp = web.json_response({"status": "ok"})
+        resp = httpd.json_response({"status": "ok"})
         return resp  # health answers are not decisions about anyone's data: not in the log
     await state.transport_auth[listener](call)
     if route.token_use == "none":
@@ -145,32 +145,45 @@ async def _dispatch(state: GatewayState, call: Call) -> web.StreamResponse:
     return await handler(call)
 
 
-class _EveryRequest(web.UrlDispatcher):
-    """aiohttp's router with one answer: every request that aiohttp parsed goes to :func:`entry`,
-    whatever its path (an encoded newline, say, would match no route pattern), which routes it
-    itself (:data:`ROUTES`): one JSON answer shape, one access event. Without a path walk or a
-    middleware per request (they cost more than the rest of the routing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._route = self.add_route("*", "/{tail:.*}", entry)
-
-    async def resolve(self, request: web.Request) -> web.UrlMappingMatchInfo:
-        return web.UrlMappingMatchInfo({}, self._route)
+async def _every_request(request: httpd.Request, _handler: httpd.Handler) -> httpd.AnyResponse:
+    # The app's one middleware: no route lookup of httpd's (entry routes by the gateway's own table).
+    return await entry(request)
 
 
-def create_gateway_app(state: GatewayState, *, listener: str) -> web.Application:
-    """The gateway's aiohttp app for ``listener`` (``mtls``, ``tunnel`` or ``metrics``)."""
-    with warnings.catch_warnings():  # aiohttp 3 calls a custom router deprecated (it stays in every 3.x)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        app = web.Application(client_max_size=state.cfg.max_body_bytes, router=_EveryRequest())
+def _decorate(request: httpd.Request, headers: dict[str, str]) -> None:
+    server_headers(headers)
+
+
+def server_headers(headers: dict[str, str]) -> None:
+    """What every answer of a gateway listener carries: ``Server`` (no library or Python version
+    advertised to the internet) and ``Date`` (RFC 9110 §6.6.1)."""
+    headers["Server"] = "uomp-gateway"
+    headers["Date"] = http_date()
+
+
+_date = [0, ""]
+
+
+def http_date() -> str:
+    """Now as an IMF-fixdate, made at most once a second."""
+    now = int(time.time())
+    if now != _date[0]:
+        _date[0], _date[1] = now, email.utils.formatdate(now, usegmt=True)
+    return str(_date[1])
+
+
+def _refusal(status: int) -> httpd.Response:
+    code = ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL
+    text = "malformed or oversized request" if status < 500 else "internal error"
+    resp = httpd.json_response(UompError(code, text).body(), status=status)  # the transport's status kept
+    server_headers(resp.headers)
+    return resp
+
+
+def create_gateway_app(state: GatewayState, *, listener: str) -> httpd.App:
+    """The gateway's app for ``listener`` (``mtls``, ``tunnel`` or ``metrics``)."""
+    app = httpd.App(middleware=_every_request, refusal=_refusal, decorate=_decorate)
     app[STATE] = state
     state.transport_auth.setdefault("mtls", mtls_identity)
     app[LISTENER] = listener
-    app.on_response_prepare.append(_server_header)
     return app
-
-
-async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    # No library or Python version advertised to the internet.
-    response.headers["Server"] = "uomp-gateway"

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import time
 
-from aiohttp import web
-
-from gateway import contract, jsonio
+from gateway import contract, httpd, jsonio
 from gateway.contract import (
     AGENT_HEADER,
 )
@@ -22,15 +20,15 @@ from gateway.remote.tls import server_name_of
 RETRY_AFTER_SECONDS = "2"
 
 
-def error_response(exc: UompError) -> web.Response:
+def error_response(exc: UompError) -> httpd.Response:
     """The §8.4 error answer of ``exc`` (with ``WWW-Authenticate`` on 401, ``Retry-After`` on 503)."""
     headers = {"WWW-Authenticate": 'Bearer realm="uomp"'} if exc.status == 401 else None
     if exc.status == 503:  # the guard (or the uplink to it, or the shared state) is away or busy: retry after this
         headers = {"Retry-After": RETRY_AFTER_SECONDS}
-    return web.json_response(exc.body(), status=exc.status, headers=headers)
+    return httpd.json_response(exc.body(), status=exc.status, headers=headers)
 
 
-def bearer_token(request: web.Request) -> str:
+def bearer_token(request: httpd.Request) -> str:
     """The token of the ``Authorization: Bearer`` (or ``DPoP``) header; INVALID_TOKEN without one."""
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() not in ("bearer", "dpop") or not value.strip():
@@ -195,7 +193,7 @@ async def record(call: Call, *, status: int, allowed: bool, reason: str, code: s
     fault_point(f"gateway_answer_{call.route.name if call.route else 'unknown'}")
 
 
-def unrecorded_response(exc: UompError) -> web.Response:
+def unrecorded_response(exc: UompError) -> httpd.Response:
     """The answer when the event could not be made durable: 503, as the counted event says."""
     return error_response(
         exc if exc.code == ErrorCode.STORE_UNAVAILABLE else UompError(ErrorCode.STORE_UNAVAILABLE, "access log failed")

@@ -27,10 +27,9 @@ import time
 import weakref
 from typing import Any
 
-from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
-from gateway import ca_store, enrollment
+from gateway import ca_store, enrollment, httpd
 from gateway.core import ca, enrolment, jose
 from gateway.errors import ErrorCode, UompError
 from gateway.remote.call import record
@@ -94,7 +93,7 @@ def _limiter(state: GatewayState) -> FailureLimiter:
     return lim
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
+async def _read_json(request: httpd.Request) -> dict[str, Any]:
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"an enrollment request is at most {MAX_BODY_BYTES} bytes")
     parts: list[bytes] = []
@@ -124,19 +123,19 @@ def _text(body: dict[str, Any], name: str) -> str:
     return value
 
 
-async def ca_certificate(call: Call) -> web.StreamResponse:
+async def ca_certificate(call: Call) -> httpd.AnyResponse:
     """``GET /v1/enroll/ca``: the CA certificate and its fingerprint."""
     state = call.request.app[STATE]
     pem = await asyncio.to_thread(ca_store.ca_cert_path(state.paths).read_bytes)
     der = ca.load_cert(pem).public_bytes(serialization.Encoding.DER)
-    return web.json_response({"ca_cert": pem.decode("ascii"), "fingerprint": enrolment.ca_fingerprint(der)})
+    return httpd.json_response({"ca_cert": pem.decode("ascii"), "fingerprint": enrolment.ca_fingerprint(der)})
 
 
 def _source(call: Call) -> str:
     return call.request.remote or "unknown"
 
 
-async def enroll(call: Call) -> web.StreamResponse:
+async def enroll(call: Call) -> httpd.AnyResponse:
     """``POST /v1/enroll``: a code, manifest, CSR and sealing key open a request (202), or the one refusal."""
     state = call.request.app[STATE]
     limiter = _limiter(state)
@@ -183,7 +182,7 @@ async def enroll(call: Call) -> web.StreamResponse:
         reason=f"enrollment request {opened.request_id} for agent {opened.agent_id} (code {opened.invite_id}); "
         "waiting for the user's decision",
     )
-    return web.json_response(
+    return httpd.json_response(
         {
             "request_id": opened.request_id,
             "poll_token": opened.poll_token,
@@ -196,7 +195,7 @@ async def enroll(call: Call) -> web.StreamResponse:
     )
 
 
-async def status(call: Call) -> web.StreamResponse:
+async def status(call: Call) -> httpd.AnyResponse:
     """``POST /v1/enroll/{request_id}/status``: the poll (pending, the sealed answer once, denied)."""
     state = call.request.app[STATE]
     limiter = _limiter(state)
@@ -218,7 +217,7 @@ async def status(call: Call) -> web.StreamResponse:
         raise
     st = answer["status"]
     if st == enrollment.PENDING:  # nothing decided: not an event (an agent polls every few seconds)
-        return web.json_response(
+        return httpd.json_response(
             {"request_id": request_id, "status": st, "poll_after_seconds": POLL_AFTER_SECONDS}, status=202
         )
     if st == enrollment.APPROVED:
@@ -230,7 +229,7 @@ async def status(call: Call) -> web.StreamResponse:
             reason=f"enrollment {request_id}: the approved answer (session {answer['session_id']}) handed to agent "
             f"{answer['agent_id']}",
         )
-        return web.json_response(
+        return httpd.json_response(
             {"request_id": request_id, "status": st, "session_id": answer["session_id"], "sealed": answer["sealed"]}
         )
     if st == enrollment.COLLECTED:

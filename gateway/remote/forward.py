@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from aiohttp import web
-
-from gateway import contract
+from gateway import contract, httpd
 from gateway.errors import ErrorCode, UompError
 from gateway.remote.call import EVENT_ID_LOWER, assertion_block, error_code, record
 from gateway.remote.guard_client import CHUNK, FORWARD_REQUEST_HEADERS, FORWARD_RESPONSE_HEADERS
@@ -20,7 +18,7 @@ log = logging.getLogger("uomp.gateway")
 MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
 
 
-async def forward(call: Call) -> web.StreamResponse:
+async def forward(call: Call) -> httpd.AnyResponse:
     """A verified request to the guard (allow-listed headers and the assertion) and its answer back."""
     state: GatewayState = call.state
     request = call.request
@@ -70,11 +68,11 @@ async def forward(call: Call) -> web.StreamResponse:
             raw = await upstream.read(MAX_UPSTREAM_ERROR_BYTES)
             code = error_code(raw) or f"HTTP_{upstream.status}"
             await record(call, status=upstream.status, allowed=False, reason="refused by the memory guard", code=code)
-            return web.Response(body=raw, status=upstream.status, headers=headers_out)
+            return httpd.Response(body=raw, status=upstream.status, headers=headers_out)
         if upstream.body is not None:  # read whole already (every JSON answer of the guard)
             await record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)
-            return web.Response(body=upstream.body, status=upstream.status, headers=headers_out)
-        resp = web.StreamResponse(status=upstream.status, headers=headers_out)
+            return httpd.Response(body=upstream.body, status=upstream.status, headers=headers_out)
+        resp = httpd.StreamResponse(status=upstream.status, headers=headers_out)
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length
         await record(call, status=upstream.status, allowed=True, reason="forwarded", code=None)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import ssl
 import time
 
-from aiohttp import web
-
+from gateway import httpd
 from gateway.core import dpop
 from gateway.errors import ErrorCode, UompError
 from gateway.remote import tls, transport
@@ -95,7 +94,7 @@ async def mtls_identity(call: Call) -> None:
         raise UompError(ErrorCode.CERT_REQUIRED, "a client certificate issued by the user's agent CA is required")
 
 
-def public_url(state: GatewayState, request: web.Request, path: str) -> str:
+def public_url(state: GatewayState, request: httpd.Request, path: str) -> str:
     """The URL the agent addressed, as it must appear in the proof's ``htu``.
 
     Behind cloudflared the Host header is the public tunnel host name; it must be one of the

@@ -37,9 +37,9 @@ import math
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from http import HTTPStatus
 
-from aiohttp import web
-
+from gateway import httpd
 from gateway.errors import STATUS
 from gateway.remote.routenames import ROUTE_NAMES, UNKNOWN
 
@@ -328,18 +328,39 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
-METRICS_KEY = web.AppKey("uomp_metrics", Metrics)
+METRICS_KEY = httpd.AppKey("uomp_metrics", Metrics)
 
 
-async def _serve_metrics(request: web.Request) -> web.Response:
+async def _serve_metrics(request: httpd.Request) -> httpd.Response:
     metrics = request.app[METRICS_KEY]
     text = await asyncio.to_thread(metrics.render) if metrics.anchor_state is not None else metrics.render()
-    return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
+    return httpd.Response(
+        body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"}
+    )
 
 
-def create_metrics_app(metrics: Metrics) -> web.Application:
-    """An aiohttp app serving ``GET /metrics`` (and HEAD). Bind it to loopback only."""
-    app = web.Application()
+def _refusal(status: int) -> httpd.Response:
+    return httpd.Response(HTTPStatus(status).phrase.encode() + b"\n", status, content_type="text/plain; charset=utf-8")
+
+
+async def _plain_errors(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
+    try:
+        return await handler(request)
+    except httpd.HTTPError as exc:  # no route (404), or not this method (405)
+        return _refusal(exc.status)
+
+
+def create_metrics_app(metrics: Metrics, *, middleware: httpd.Middleware | None = None) -> httpd.App:
+    """An app serving ``GET /metrics`` (and HEAD); ``middleware`` runs around every request.
+    Bind it to loopback only."""
+
+    async def errors(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
+        if middleware is None:
+            return await _plain_errors(request, handler)
+        return await middleware(request, lambda r: _plain_errors(r, handler))
+
+    app = httpd.App(middleware=errors, refusal=_refusal)
     app[METRICS_KEY] = metrics
-    app.router.add_get("/metrics", _serve_metrics)
+    app.router.add_route("GET", "/metrics", _serve_metrics)
+    app.router.add_route("HEAD", "/metrics", _serve_metrics)
     return app

@@ -59,8 +59,7 @@ import json
 import re
 from typing import Any
 
-from aiohttp import web
-
+from gateway import httpd
 from gateway.core import envelope
 from gateway.core.capability import Capability
 from gateway.core.envelope import Envelope
@@ -81,7 +80,7 @@ def _cap(call: Call) -> Capability:
     return call.cap
 
 
-async def _json(request: web.Request, limit: int, idle: float) -> Any:
+async def _json(request: httpd.Request, limit: int, idle: float) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise UompError(ErrorCode.PAYLOAD_TOO_LARGE, f"the JSON body exceeds {limit} bytes; use the streaming form")
     parts: list[bytes] = []
@@ -103,7 +102,7 @@ async def _json(request: web.Request, limit: int, idle: float) -> Any:
         raise UompError(ErrorCode.INVALID_REQUEST, "the body is not valid JSON") from None
 
 
-def _header_envelope(request: web.Request) -> Envelope:
+def _header_envelope(request: httpd.Request) -> Envelope:
     values = request.headers.getall(envelope.HEADER_NAME, [])
     if len(values) != 1:
         raise UompError(
@@ -112,7 +111,7 @@ def _header_envelope(request: web.Request) -> Envelope:
     return envelope.decode_header(values[0].strip(), trailer=True)
 
 
-async def _answer(call: Call, meta: PayloadMeta) -> web.Response:
+async def _answer(call: Call, meta: PayloadMeta) -> httpd.Response:
     await record(
         call,
         status=201,
@@ -120,13 +119,13 @@ async def _answer(call: Call, meta: PayloadMeta) -> web.Response:
         reason=f"payload {meta.payload_id} stored ({meta.hash})" + ("" if call.recorded else ", sent again"),
         code=None,
     )
-    return web.json_response(
+    return httpd.json_response(
         {"payload_id": meta.payload_id, "hash": meta.hash, "size": meta.size, "expires_at": iso(meta.expires_at)},
         status=201,
     )
 
 
-async def _audited(service: PayloadService, call: Call, work: Any) -> web.StreamResponse:
+async def _audited(service: PayloadService, call: Call, work: Any) -> httpd.AnyResponse:
     """Run ``work(holder)``; a refusal is audited in the guard, then raised (the access log has it too)."""
     holder: dict[str, str | None] = {"payload_id": None}
     try:
@@ -139,7 +138,7 @@ async def _audited(service: PayloadService, call: Call, work: Any) -> web.Stream
     return await _answer(call, meta)
 
 
-async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
+async def upload(service: PayloadService, call: Call) -> httpd.AnyResponse:
     request = call.request
 
     async def work(holder: dict[str, str | None]) -> PayloadMeta:
@@ -167,7 +166,7 @@ async def upload(service: PayloadService, call: Call) -> web.StreamResponse:
     return await _audited(service, call, work)
 
 
-async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
+async def upload_url(service: PayloadService, call: Call) -> httpd.AnyResponse:
     cap = _cap(call)
     doc = await _json(call.request, MAX_URL_BODY, service.cfg.payload_body_idle_timeout_seconds)
     size = doc.get("size") if isinstance(doc, dict) else None
@@ -181,7 +180,7 @@ async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
     )
     url = f"https://{call.request.host}/v1/payload/presigned?t={token}"
     await record(call, status=201, allowed=True, reason="single-use upload URL issued", code=None)
-    return web.json_response(
+    return httpd.json_response(
         {"upload_url": url, "method": "PUT", "max_size": size, "expires_at": iso(expires)}, status=201
     )
 
@@ -189,7 +188,7 @@ async def upload_url(service: PayloadService, call: Call) -> web.StreamResponse:
 _URL_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
 
 
-async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
+async def presigned(service: PayloadService, call: Call) -> httpd.AnyResponse:
     request = call.request
 
     async def work(holder: dict[str, str | None]) -> PayloadMeta:
@@ -211,7 +210,7 @@ async def presigned(service: PayloadService, call: Call) -> web.StreamResponse:
     return await _audited(service, call, work)
 
 
-async def agent_get(service: PayloadService, call: Call) -> web.StreamResponse:
+async def agent_get(service: PayloadService, call: Call) -> httpd.AnyResponse:
     # Agents never read payloads. One answer whatever the id: no existence leak, no store lookup.
     raise UompError(ErrorCode.NOT_FOUND, "no such payload")
 

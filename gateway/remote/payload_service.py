@@ -11,11 +11,7 @@ import hmac
 import logging
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-
-from gateway import contract
+from gateway import contract, httpd
 from gateway.contract import VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
 from gateway.core import envelope
 from gateway.core.capability import Capability
@@ -40,8 +36,8 @@ from gateway.remote.state import GatewayState
 log = logging.getLogger("uomp.gateway.payloads")
 
 WRITE_BLOCK = 1024 * 1024  # body bytes gathered before one write to the temporary file
-# aiohttp's buffer for an upload's body: reading pauses above twice this, resumes below it (its
-# default, 64 KiB, pauses and resumes the socket for nearly every piece a TLS read brings)
+# the unread body bytes of an upload held before reading pauses (it resumes below half): a small
+# buffer pauses and resumes the socket for nearly every piece a TLS read brings
 BODY_BUFFER = WRITE_BLOCK
 
 AUDIT_PATH = "/v1/payload/audit"  # the guard's internal route (Unix socket)
@@ -253,16 +249,16 @@ class PayloadService:
             )
         )
 
-    async def _stream(self, request: web.Request, upload: PayloadUploading, trailer: bytearray | None) -> None:
+    async def _stream(self, request: httpd.Request, upload: PayloadUploading, trailer: bytearray | None) -> None:
         """The body into ``upload`` in blocks of about WRITE_BLOCK bytes, each written (and hashed)
         in a thread while the next is read. Held at most: the block being written, the one being
-        gathered, and aiohttp's buffer (about 2 x BODY_BUFFER), whatever the payload's size. The pieces
+        gathered, and the server's buffer (about BODY_BUFFER), whatever the payload's size. The pieces
         are the bytes as they came off the wire, never joined (only the one the sealed bytes end in
         is cut, when a trailer follows); the upload's own lock keeps an abort from touching the file
         while a write is still running. ``trailer``: the bytes after the envelope's size, at most
         TRAILER_LEN, go there instead of into the upload."""
         loop = asyncio.get_running_loop()
-        request.content.set_read_chunk_size(BODY_BUFFER)
+        request.content.set_buffer(BODY_BUFFER)
         reader = BodyReader(request, self.cfg.payload_body_idle_timeout_seconds)
         pieces: list[bytes] = []
         held = 0
@@ -437,7 +433,7 @@ class BodyReader:
     bound is exact: a read still waiting ``idle`` seconds after it began is cancelled then. Use it
     from the task that awaits :meth:`read`; :meth:`close` when done."""
 
-    def __init__(self, request: web.Request, idle: float) -> None:
+    def __init__(self, request: httpd.Request, idle: float) -> None:
         self.idle = idle
         self._content = request.content
         self._loop = asyncio.get_running_loop()
@@ -462,24 +458,21 @@ class BodyReader:
             self._timer = self._loop.call_at(due, self._check)
 
     async def read(self) -> bytes:
-        """The next piece (b"" at the body's end): one piece as aiohttp received it, not a join of
-        all it holds (no copy here)."""
+        """The next piece (b"" at the body's end): one piece as the server received it, not a join
+        of all it holds (no copy here)."""
         if self._expired:
             raise self._stalled()
         self._since = now = self._loop.time()
         if self._timer is None:
             self._timer = self._loop.call_at(now + self.idle, self._check)
         try:
-            while True:
-                data, end_of_http_chunk = await self._content.readchunk()
-                if data or not end_of_http_chunk:  # (b"", True) only marks a chunk's end in a chunked body
-                    return data
+            return await self._content.readany()
         except asyncio.CancelledError:
             # ours alone becomes the refusal; one asked by anyone else as well stays a cancellation
             if self._expired and self._task.uncancel() <= self._cancelling:
                 raise self._stalled() from None
             raise
-        except (OSError, aiohttp.ClientError, HttpProcessingError) as exc:  # dropped mid-body
+        except OSError as exc:  # dropped mid-body, or its bytes were malformed
             raise UompError(ErrorCode.INVALID_REQUEST, f"the upload broke off ({type(exc).__name__})") from None
         finally:
             self._since = None

@@ -10,15 +10,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
+from gateway import httpd
 from gateway.core import http1
 from gateway.core.capability import Capability
 from gateway.remote import pathnorm
 from gateway.remote.routenames import Listener, RouteName, TokenUse
 from gateway.remote.tls import ClientIdentity
 
-Handler = Callable[["Call"], Awaitable[web.StreamResponse]]
+Handler = Callable[["Call"], Awaitable[httpd.AnyResponse]]
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class Route:
 class Call:
     """One request as it goes through the checks; becomes the ``gateway_access`` event."""
 
-    request: web.Request
+    request: httpd.Request
     # the listener app's GatewayState (``request.app[STATE]``), looked up once per request; typed
     # where it is read (this module must not import gateway.remote.state: the layering contract)
     state: Any

@@ -10,9 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
-from gateway import ca_store, keys
+from gateway import ca_store, httpd, keys
 from gateway.config import GatewayConfig, Paths
 from gateway.errors import ErrorCode, UompError
 from gateway.eventloop import cancel_all
@@ -31,6 +29,9 @@ if TYPE_CHECKING:  # the uplink's code (h2, hpack) is loaded only by a gateway t
 
 log = logging.getLogger("uomp.gateway")
 
+MAX_HEADERS = 64  # header lines of one request
+STOP_GRACE_SECONDS = 30.0  # at stop, requests in progress get this long to finish
+
 
 def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]:
     """The server certificate, its key, the agent CA and the CRL the mTLS listener uses."""
@@ -47,7 +48,7 @@ def _flush_done(fut: asyncio.Future[None]) -> None:
         log.error("one log: an event could not be recorded (%s)", type(fut.exception()).__name__)
 
 
-async def _renewal_at_home(call: Any) -> web.StreamResponse:
+async def _renewal_at_home(call: Any) -> httpd.AnyResponse:
     raise UompError(
         ErrorCode.NOT_IMPLEMENTED,
         "certificate renewal is not served by a VPS gateway (its CA key stays at home); "
@@ -55,7 +56,7 @@ async def _renewal_at_home(call: Any) -> web.StreamResponse:
     )
 
 
-async def _enrollment_at_home(call: Any) -> web.StreamResponse:
+async def _enrollment_at_home(call: Any) -> httpd.AnyResponse:
     raise UompError(
         ErrorCode.NOT_IMPLEMENTED,
         "enrollment is not served by a VPS gateway (its codes and requests are kept at home); "
@@ -81,7 +82,7 @@ class GatewayRunner:
         )
         self.fd_limit: int | None = None
         self._servers: list[asyncio.Server] = []
-        self._runners: list[web.AppRunner] = []
+        self._http: list[httpd.Server] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
         self.tunnel_port: int | None = None
@@ -96,14 +97,19 @@ class GatewayRunner:
         self.uplink_port: int | None = None
         self.shared: Any = None  # gateway.remote.shared_state.SharedState when shared_redis_url is set
 
-    def _runner_kwargs(self) -> dict[str, Any]:
-        return {
-            "access_log": None,
-            "max_line_size": self.cfg.max_header_bytes,
-            "max_field_size": self.cfg.max_header_bytes,
-            "max_headers": 64,
-            "keepalive_timeout": self.cfg.keepalive_timeout_seconds,
-        }
+    def _http_server(self, app: httpd.App, name: str) -> httpd.Server:
+        # no connection budget here: the listener's ConnectionRegistry counts from accept
+        server = httpd.Server(
+            app,
+            name=name,
+            max_connections=None,
+            keepalive_seconds=self.cfg.keepalive_timeout_seconds,
+            max_line=self.cfg.max_header_bytes,
+            max_field=self.cfg.max_header_bytes,
+            max_headers=MAX_HEADERS,
+        )
+        self._http.append(server)
+        return server
 
     async def start(self) -> None:
         try:
@@ -206,7 +212,7 @@ class GatewayRunner:
             hook(state)
 
         def rejected(status: int, code: ErrorCode, message: str) -> None:
-            # aiohttp answers these itself (synchronously): the event goes to the one log
+            # the HTTP server answers these itself (synchronously): the event goes to the one log
             # (rate-limited per source), durable without waiting for a later request.
             done = state.events.append(
                 {"action": "malformed", "allowed": False, "reason": message, "code": code, "status": status},
@@ -234,11 +240,8 @@ class GatewayRunner:
             reg.on_close = metrics.connection_closed
         backlog = transport.backlog_for(self.fd_limit or transport.MAX_BACKLOG * 16)
 
-        runner = web.AppRunner(create_gateway_app(state, listener="mtls"), **self._runner_kwargs())
-        await runner.setup()
-        self._runners.append(runner)
         srv = await transport.listen(
-            runner,
+            self._http_server(create_gateway_app(state, listener="mtls"), "mtls"),
             cfg.listen_host,
             cfg.listen_port,
             ssl_context=self.reloader.context,
@@ -259,11 +262,8 @@ class GatewayRunner:
                 )
             # cloudflared runs on this host: the origin listener is loopback-only, no override.
             check_bind(cfg.tunnel_origin_host, False, "the tunnel-origin listener")
-            trunner = web.AppRunner(create_gateway_app(state, listener="tunnel"), **self._runner_kwargs())
-            await trunner.setup()
-            self._runners.append(trunner)
             tsrv = await transport.listen(
-                trunner,
+                self._http_server(create_gateway_app(state, listener="tunnel"), "tunnel"),
                 cfg.tunnel_origin_host,
                 cfg.tunnel_origin_port,
                 ssl_context=None,
@@ -278,13 +278,9 @@ class GatewayRunner:
                     "until the tunnel's public URL is configured"
                 )
         if cfg.metrics_port >= 0:
-            mapp = create_metrics_app(metrics)
-            mapp.middlewares.append(transport.phase_middleware)
-            mrunner = web.AppRunner(mapp, **self._runner_kwargs())
-            await mrunner.setup()
-            self._runners.append(mrunner)
+            mapp = create_metrics_app(metrics, middleware=transport.phase_middleware)
             msrv = await transport.listen(
-                mrunner,
+                self._http_server(mapp, "metrics"),
                 "127.0.0.1",
                 cfg.metrics_port,
                 ssl_context=None,
@@ -371,10 +367,12 @@ class GatewayRunner:
         await cancel_all(self._tasks)
         for srv in self._servers:
             srv.close()
-        for runner in self._runners:
-            await runner.cleanup()
         for reg in (self.registry, self.tunnel_registry, self.metrics_registry):
-            reg.close_all()  # what aiohttp does not know about: connections still in their handshake
+            reg.close_unverified_handshakes()  # the HTTP servers know nothing of these yet
+        await asyncio.gather(*(server.close(STOP_GRACE_SECONDS) for server in self._http))
+        self._http.clear()
+        for reg in (self.registry, self.tunnel_registry, self.metrics_registry):
+            reg.close_all()
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 5)

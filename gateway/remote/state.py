@@ -7,9 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
-
-from gateway import contract
+from gateway import contract, httpd
 from gateway import keys as keyfiles
 from gateway.config import GatewayConfig, GuardConfig, Paths, load_section
 from gateway.core import checks, tokens
@@ -232,8 +230,8 @@ class GatewayState:
         self.access.close()
 
 
-STATE = web.AppKey("gateway_state", GatewayState)
-LISTENER = web.AppKey("gateway_listener", str)
+STATE = httpd.AppKey("gateway_state", GatewayState)
+LISTENER = httpd.AppKey("gateway_listener", str)
 
 
 def register_route(state: GatewayState, route: Route, handler: Handler) -> None:

@@ -74,9 +74,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
-
+from gateway import httpd
 from gateway.config import GatewayConfig
 from gateway.errors import ErrorCode, UompError
 
@@ -276,7 +274,7 @@ class Conn:
         "waiting",
     )
 
-    def __init__(self, registry: ConnectionRegistry, handler: GuardedHandler) -> None:
+    def __init__(self, registry: ConnectionRegistry, handler: GuardedConnection) -> None:
         self.registry = registry
         self.handler = handler
         self.raw: asyncio.BaseTransport | None = None
@@ -296,7 +294,7 @@ class Conn:
         self.body_bytes = 0
         self.payload: Any = None
         self.pending = False  # bytes of a next request arrived while this one was handled
-        self.answered = False  # the handler is done while the body still arrives (aiohttp drains it)
+        self.answered = False  # the handler is done while the body still arrives (read and dropped)
         self.requests = 0
         # bytes received: on TLS, the first bytes (a ClientHello) before the loop's TLS protocol takes over,
         # then the decrypted ones (last_progress: the newest of either)
@@ -459,7 +457,7 @@ class Conn:
 
     def _body_done(self) -> bool:
         p = self.payload
-        return p is None or bool(p.is_eof())
+        return p is None or bool(p.ended)
 
     def _check_body(self) -> None:
         # Called at the request's start and then by its own timer: either way the connection's one
@@ -499,7 +497,7 @@ class Conn:
         if self.phase == "body":
             if not self._body_done():
                 self.answered = True
-                return  # aiohttp may still read (linger on) the body: the body deadline keeps running
+                return  # the server may still read (linger on) the body: the body deadline keeps running
             self.payload = None
         self._cancel()
         if self.pending:
@@ -536,7 +534,7 @@ class ConnectionRegistry:
         # certificate's refusal (revoked, expired... : remote/identity.py), told to on_handshake_failed
         # like OpenSSL's, or None; a refused connection stays unverified (REFUSED_CERT_IDLE_SECONDS)
         self.check_peer: Callable[[Any], BaseException | None] | None = None
-        # called (status, code, message) when aiohttp itself rejects a request before routing
+        # called (status, code, message) when the HTTP server itself rejects a request before routing
         self.on_rejected: Callable[[int, ErrorCode, str], None] | None = None
         # told about connections opening and closing (the metrics' open_connections gauge)
         self.on_open: Callable[[], None] | None = None
@@ -696,6 +694,12 @@ class ConnectionRegistry:
             self.closed_before_handshake[reason] += 1
         self._drop(conn)
 
+    def close_unverified_handshakes(self) -> None:
+        """Close the connections still in their TLS handshake (no HTTP server knows of them yet)."""
+        for conn in [*self.unverified, *self.verified]:
+            if conn.handler.tls and not conn.handshaken:
+                self._close(conn)
+
     def close_all(self) -> None:
         for timer in self.trims.values():
             timer.cancel()
@@ -707,23 +711,19 @@ class ConnectionRegistry:
 # ------------------------------------------------------------------------------ protocols
 
 
-class GuardedHandler(RequestHandler):
-    """aiohttp's RequestHandler plus the budgets and deadlines of :class:`ConnectionRegistry`."""
+class GuardedConnection(httpd.Connection):
+    """An HTTP connection of :mod:`gateway.httpd` plus the budgets and deadlines of
+    :class:`ConnectionRegistry` (``record``). ``tls``: a connection of the TLS listener (its HTTP
+    starts once the handshake is done)."""
 
-    __slots__ = ("_uomp_admitted", "_uomp_conn", "tls")
-
-    def __init__(self, manager: web.Server, registry: ConnectionRegistry, *, tls: bool, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self._uomp_conn = Conn(registry, self)
-        self._uomp_admitted = False
+    def __init__(self, server: httpd.Server, registry: ConnectionRegistry, *, tls: bool) -> None:
+        super().__init__(server)
+        self.record = Conn(registry, self)
         self.tls = tls
-
-    @property
-    def conn(self) -> Conn:
-        return self._uomp_conn
+        self._admitted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        conn = self._uomp_conn
+        conn = self.record
         if not self.tls:
             conn.opened(transport)
         else:
@@ -743,37 +743,38 @@ class GuardedHandler(RequestHandler):
                 elif not registry.promote(conn):
                     registry.refuse(conn)
         if conn.closed:
+            self.closing = True
             return
-        self._uomp_admitted = True
+        self._admitted = True
+        with contextlib.suppress(OSError):  # dead peers are found by the kernel's keep-alive probes
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._uomp_conn.lost(exc)  # (a TLS connection lost before its handshake ended: TLSAcceptProtocol)
-        if self._uomp_admitted:
-            self._uomp_admitted = False
+        self.record.lost(exc)  # (a TLS connection lost before its handshake ended: TLSAcceptProtocol)
+        if self._admitted:
+            self._admitted = False
             super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        conn = self._uomp_conn
+        conn = self.record
         conn.data(len(data))
+        last = self.queue[-1] if self.queue else None
         super().data_received(data)
-        if self._messages and not conn.verified:
-            conn.queued = True  # aiohttp parsed a whole request head: it waits for its handler
+        if self.queue and self.queue[-1] is not last and not conn.verified:
+            conn.queued = True  # a whole request head was parsed: it waits for its handler
 
-    def handle_error(
-        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
-    ) -> web.StreamResponse:
-        # aiohttp answers unparsable requests (oversized header, bad request line) itself with a
-        # text/plain body and logs the exception, which can quote the request. Replace both with a
-        # §8.4 JSON error and an audit event that carries no request bytes.
+    def refused(self, status: int) -> httpd.Response:
+        # Bytes that could not be parsed, or past a limit: the §8.4 JSON answer (no request byte in
+        # it or in the log) and an audit event that carries none either.
         code = ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL
         text = "malformed or oversized request" if status < 500 else "internal error"
-        registry = self._uomp_conn.registry
+        registry = self.record.registry
         if registry.on_rejected is not None:
             registry.on_rejected(status, code, text)
-        resp = web.json_response(UompError(code, text).body(), status=status)  # the transport's status kept
-        resp.force_close()
-        return resp
+        return super().refused(status)
 
 
 USE_HTTPS = (
@@ -809,7 +810,7 @@ class TLSAcceptProtocol(asyncio.Protocol):
     The client's first bytes decide: plain HTTP gets :data:`USE_HTTPS` and the close; anything else
     goes to the loop's own TLS protocol (uvloop's native one under uvloop; it is neither subclassed
     nor wrapped, so the handshake and every record of every request run outside Python), which is
-    handed the raw transport and the bytes read so far; :class:`GuardedHandler` gets the TLS
+    handed the raw transport and the bytes read so far; :class:`GuardedConnection` gets the TLS
     transport once the handshake is done. The handshake's outcome comes back through its waiter
     future (:meth:`_handshake_done`): a refusal (SSLError), the handshake deadline
     (ConnectionAbortedError) or a drop, for the registry's counters and the refusal log. The
@@ -819,11 +820,11 @@ class TLSAcceptProtocol(asyncio.Protocol):
     __slots__ = ("_head", "_plain_http", "_tls_class", "conn", "context", "handler", "loop")
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, handler: GuardedHandler, context: ssl.SSLContext, tls_class: Any
+        self, loop: asyncio.AbstractEventLoop, handler: GuardedConnection, context: ssl.SSLContext, tls_class: Any
     ) -> None:
         self.loop = loop
         self.handler = handler
-        self.conn = handler.conn
+        self.conn = handler.record
         self.context = context
         self._tls_class = tls_class
         self._head = b""
@@ -890,7 +891,7 @@ class TLSAcceptProtocol(asyncio.Protocol):
         conn = self.conn
         exc = None if waiter.cancelled() else waiter.exception()
         if conn.handshaken and exc is None:
-            return  # GuardedHandler has the connection (and is told when it is lost)
+            return  # GuardedConnection has the connection (and is told when it is lost)
         # refused, past its deadline, or dropped during the handshake
         conn.lost(exc)
 
@@ -901,56 +902,57 @@ class TLSAcceptProtocol(asyncio.Protocol):
         self.conn.lost(self._plain_http or exc)
 
 
-def request_started(request: web.BaseRequest) -> None:
+def _record(request: httpd.Request) -> Conn | None:
+    conn = request.conn
+    return conn.record if isinstance(conn, GuardedConnection) else None
+
+
+def request_started(request: httpd.Request) -> None:
     """Arms the connection's body deadline for the request now being read."""
-    if isinstance(request.protocol, GuardedHandler):
-        request.protocol.conn.request_started(request.content)
+    if (conn := _record(request)) is not None:
+        conn.request_started(request.content)
 
 
-def request_finished(request: web.BaseRequest) -> None:
+def request_finished(request: httpd.Request) -> None:
     """Ends the request's deadlines; the idle timer runs again until the next one."""
-    if isinstance(request.protocol, GuardedHandler):
-        request.protocol.conn.request_finished()
+    if (conn := _record(request)) is not None:
+        conn.request_finished()
 
 
-def last_answer(request: web.BaseRequest, resp: web.StreamResponse) -> None:
+def last_answer(request: httpd.Request, resp: httpd.AnyResponse) -> None:
     """Close the connection after ``resp`` when it is past its lifetime (:meth:`Conn.past_lifetime`)
     or its client certificate was refused (:func:`close_after_answer`)."""
-    if isinstance(request.protocol, GuardedHandler):
-        conn = request.protocol.conn
-        if conn.cert_refused or conn.past_lifetime():
-            resp.force_close()
+    if (conn := _record(request)) is not None and (conn.cert_refused or conn.past_lifetime()):
+        resp.force_close()
 
 
-def close_after_answer(request: web.BaseRequest) -> None:
+def close_after_answer(request: httpd.Request) -> None:
     """The request's client certificate was refused: the answer now being made is the connection's last."""
-    if isinstance(request.protocol, GuardedHandler):
-        request.protocol.conn.cert_refused = True
+    if (conn := _record(request)) is not None:
+        conn.cert_refused = True
 
 
-@web.middleware
-async def phase_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def phase_middleware(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
     """For apps other than the gateway's (whose entry point calls these itself): tell the
     connection when a request's headers are in and when it has been handled."""
     request_started(request)
     try:
-        resp: web.StreamResponse = await handler(request)
+        resp = await handler(request)
         last_answer(request, resp)
         return resp
     finally:
         request_finished(request)
 
 
-def authenticated(request: web.BaseRequest) -> None:
+def authenticated(request: httpd.Request) -> None:
     """The request's connection carried an authenticated request: it leaves the unverified budget
     (if the verified one has room). For the tunnel-origin listener; a no-op where already verified."""
-    if isinstance(request.protocol, GuardedHandler):
-        conn = request.protocol.conn
+    if (conn := _record(request)) is not None:
         conn.registry.promote(conn)
 
 
 async def listen(
-    runner: web.AppRunner,
+    server: httpd.Server,
     host: str,
     port: int,
     *,
@@ -959,25 +961,22 @@ async def listen(
     backlog: int = MAX_BACKLOG,
     reuse_port: bool = False,
 ) -> asyncio.Server:
-    """Start serving ``runner`` (already set up) on host:port with the wrapped protocols. ``reuse_port``:
-    SO_REUSEPORT, so that several gateway processes can share the port (the kernel spreads accepts)."""
+    """Serve ``server``'s app on host:port with the guarded protocols (the listener is added to
+    ``server.listeners``, so its ``close`` stops it). ``reuse_port``: SO_REUSEPORT, so that several
+    gateway processes can share the port (the kernel spreads accepts)."""
     loop = asyncio.get_running_loop()
-    server = runner.server
-    assert server is not None
-    kwargs_h = dict(server._kwargs)
 
     if ssl_context is None:
 
         def factory() -> asyncio.BaseProtocol:
-            return GuardedHandler(server, registry, tls=False, loop=loop, **kwargs_h)
+            return GuardedConnection(server, registry, tls=False)
     else:
         shrink_tls_read_buffer()  # asyncio's TLS protocol (no uvloop); uvloop's reads in place
         ctx = ssl_context
         tls_class = _tls_protocol_class(loop)
 
         def factory() -> asyncio.BaseProtocol:
-            handler = GuardedHandler(server, registry, tls=True, loop=loop, **kwargs_h)
-            return TLSAcceptProtocol(loop, handler, ctx, tls_class)
+            return TLSAcceptProtocol(loop, GuardedConnection(server, registry, tls=True), ctx, tls_class)
 
     # TLS starts in the protocol, so the loop sees a plain server and calls connection_made at accept.
     srv = await loop.create_server(
@@ -989,4 +988,5 @@ async def listen(
         reuse_port=reuse_port or None,
         family=socket.AF_INET6 if ":" in host else socket.AF_INET,
     )
+    server.listeners.append(srv)
     return srv

@@ -75,7 +75,7 @@ NOT_IN_IDLE_GATEWAY = (
 )
 # Not loaded by the guard child (default config): the gateway's code and the supervisor (its boot is
 # gateway/childboot.py), the CA builder (cryptography.x509: its revocation check reads serials
-# only), memory tracing, aiohttp (the guard's HTTP server is gateway/guard/httpd.py).
+# only), memory tracing, aiohttp (the guard's HTTP server is gateway/httpd.py).
 NOT_IN_GUARD_CHILD = (
     "gateway.remote",
     "gateway.supervisor",

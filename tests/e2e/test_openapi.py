@@ -13,9 +13,8 @@ import pytest
 from gatewaykit import appliance
 from guardkit import guard_config, running_guard, unix_session
 
-from gateway import openapi
+from gateway import httpd, openapi
 from gateway.config import Paths
-from gateway.guard import httpd
 from gateway.guard.app import create_app
 
 DOC = Path(__file__).parents[2] / "docs" / "openapi.json"

@@ -1,4 +1,4 @@
-"""The guard's HTTP/1.1 server (gateway/guard/httpd.py) on a real Unix socket and a real loopback
+"""The guard's HTTP/1.1 server (gateway/httpd.py) on a real Unix socket and a real loopback
 TCP port, driven by raw bytes: keep-alive and pipelining, the parser's refusals and this module's
 limits (each with the partner just inside it), deadlines, flow control both ways, routing, stop."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.guard import httpd
+from gateway import httpd
 
 
 def refusal(status: int) -> httpd.Response:

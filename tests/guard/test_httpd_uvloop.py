@@ -1,4 +1,4 @@
-"""The guard's HTTP server (gateway/guard/httpd.py) on uvloop, the loop the guard runs on
+"""The guard's HTTP server (gateway/httpd.py) on uvloop, the loop the guard runs on
 (gateway/eventloop.py): every case of test_httpd again, with uvloop's transports."""
 
 from __future__ import annotations

@@ -569,7 +569,7 @@ async def test_malformed_requests_get_json_and_an_event_at_the_gateway(world: Wo
 
 GUARD_MALFORMED = [
     *(m for m in MALFORMED if m[0] != "absolute-form to another host"),  # the guard has no host
-    # the guard's own limits (gateway/guard/httpd.py): target, header line, header count
+    # the guard's own limits (gateway/httpd.py): target, header line, header count
     ("target too long", b"GET /v1/memory/" + b"a" * 9000 + b" HTTP/1.1\r\nHost: H\r\n\r\n"),
     ("header line too long", b"GET /v1/health HTTP/1.1\r\nHost: H\r\nX-A: " + b"a" * 9000 + b"\r\n\r\n"),
     ("too many headers", b"GET /v1/health HTTP/1.1\r\nHost: H\r\n" + b"X-A: a\r\n" * 200 + b"\r\n"),

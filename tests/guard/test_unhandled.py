@@ -12,9 +12,9 @@ from typing import cast
 import pytest
 from guardkit import call, grant, running_guard, seed, unix_session
 
+from gateway import httpd
 from gateway.config import Paths
 from gateway.guard import http as guard_http
-from gateway.guard import httpd
 from gateway.guard.routes import reads
 
 pytestmark = pytest.mark.timeout(60)

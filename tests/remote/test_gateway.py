@@ -361,7 +361,8 @@ async def test_oversized_header_and_body(app: Appliance) -> None:
     status, body = await _raw_request(
         app, a, "GET /v1/memory/preference.theme HTTP/1.1", g["token"], extra=f"X-Big: {'a' * 20000}\r\n"
     )
-    assert status == 400 and body["error"]["code"] == "INVALID_REQUEST"
+    # 431 Request Header Fields Too Large (RFC 6585 §5), the §8.4 body's code INVALID_REQUEST
+    assert status == 431 and body["error"]["code"] == "INVALID_REQUEST"
     async with agent_session(a, app.paths) as s:
         status, body, _ = await agent_call(
             s,
@@ -376,7 +377,7 @@ async def test_oversized_header_and_body(app: Appliance) -> None:
         assert status == 413 and body["error"]["code"] == "PAYLOAD_TOO_LARGE"
     events = access_events(app.paths)
     assert events[-1]["code"] == "PAYLOAD_TOO_LARGE"
-    assert any(e["action"] == "malformed" and e["status"] == 400 for e in events)
+    assert any(e["action"] == "malformed" and e["status"] == 431 for e in events)
 
 
 async def test_client_sent_identity_headers_are_not_forwarded(app: Appliance) -> None:

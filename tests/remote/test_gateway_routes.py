@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 from typing import cast
 
-from aiohttp import web
 from gatewaykit import agent_call, agent_session, appliance
 
+from gateway import httpd
 from gateway.config import Paths
 from gateway.remote import agent_routes, enroll_routes, payload_routes, request, routes
 from gateway.remote.metrics import DEFAULT_ROUTES, OTHER, Metrics
@@ -43,9 +43,9 @@ async def test_a_new_route_is_one_row_and_one_handler(home: Paths, tmp_path: Pat
         state = appl.gateway.state
         assert state is not None
 
-        async def echo(call: request.Call) -> web.StreamResponse:
+        async def echo(call: request.Call) -> httpd.AnyResponse:
             assert call.cap is not None  # the row's checks ran before the handler
-            return web.json_response({"agent": call.cap.agent_id, "n": call.params["n"]})
+            return httpd.json_response({"agent": call.cap.agent_id, "n": call.params["n"]})
 
         # the exercise: one row (a name the table lacks is cast here; in the product it is one line
         # of RouteName) and one handler

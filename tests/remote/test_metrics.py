@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from gateway import httpd
 from gateway.errors import STATUS
 from gateway.remote.metrics import (
     CONTENT_TYPE,
@@ -202,13 +202,10 @@ def test_render_is_deterministic() -> None:
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Metrics, str]]:
     m = Metrics()
-    runner = web.AppRunner(create_metrics_app(m))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    server = httpd.Server(create_metrics_app(m), name="metrics")
+    port = await server.serve_tcp("127.0.0.1", 0)
     yield m, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    await server.close(grace=1.0)
 
 
 async def test_app_serves_metrics(served: tuple[Metrics, str]) -> None:

@@ -40,7 +40,7 @@ async def test_tls_runs_in_the_loops_own_protocol(home: Paths) -> None:
             tls = conn.raw.get_protocol()  # type: ignore[attr-defined]
             # the loop's class itself: not a subclass with Python hooks on every read
             assert type(tls) is _expected_tls_class()
-            assert isinstance(conn.handler, transport.GuardedHandler) and conn.handler.transport is not None
+            assert isinstance(conn.handler, transport.GuardedConnection) and conn.handler.transport is not None
             assert conn.handler.transport.get_extra_info("ssl_object") is not None
         # a certificate-less client completes its handshake but is not verified: its request is refused
         async with agent_session(None, home) as s:

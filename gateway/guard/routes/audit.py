@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
+from gateway import httpd
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.audit import (
     MAX_AUDIT_PAGE,

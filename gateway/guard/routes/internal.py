@@ -7,14 +7,13 @@ import functools
 import re
 from typing import Any
 
-from gateway import contract
+from gateway import contract, httpd
 from gateway.contract import (
     VERIFIED_AGENT_HEADER,
     VERIFIED_JKT_HEADER,
     VERIFIED_X5T_HEADER,
 )
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import httpd
 from gateway.guard.audit import (
     EXTRA_FIELDS,
     GATEWAY_ID_PREFIX,

@@ -39,10 +39,10 @@ import os
 import re
 from typing import Any
 
+from gateway import httpd
 from gateway.contract import EVENT_ID_HEADER, VERIFIED_AGENT_HEADER, VERIFIED_VIA_HEADER
 from gateway.db import DbWorker
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import httpd
 from gateway.guard.audit import make_row
 from gateway.guard.http import (
     SERVICES,

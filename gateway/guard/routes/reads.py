@@ -9,12 +9,11 @@ import time
 from collections.abc import Iterable
 from typing import cast
 
-from gateway import jsonio
+from gateway import httpd, jsonio
 from gateway.core import paging, policy
 from gateway.core.capability import Capability
 from gateway.db import Durable
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.fieldname import aggregate_field
 from gateway.guard.http import page_limit, query_param

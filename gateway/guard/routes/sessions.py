@@ -36,10 +36,10 @@ import time
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from gateway import httpd
 from gateway.core import deletion, jose
 from gateway.core.tokens import iso
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.http import LISTENER, SERVICES, is_asserted, json_body, json_response, query_param, require_admin
 from gateway.guard.proposal_rules import write_grant_problem

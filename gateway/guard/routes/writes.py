@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway import httpd
 from gateway.errors import ErrorCode, UompError
-from gateway.guard import httpd
 from gateway.guard.agent_call import AgentCall, answer_refusal
 from gateway.guard.http import GuardRoute, event_via, json_body
 from gateway.guard.proposal_rules import WriteRefused

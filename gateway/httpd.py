@@ -1,32 +1,38 @@
-"""The guard's HTTP/1.1 server: llhttp (through :mod:`httptools`) parses every request, this module
-routes it to a handler and writes the answer.
+"""The HTTP/1.1 server of the guard and of the gateway's listeners: llhttp (through
+:mod:`httptools`) parses every request, this module routes it to a handler and writes the answer.
 
-The guard serves one small route table to its own clients: the gateway and the CLI on the Unix
-socket, local agents on 127.0.0.1. It needs this much of an HTTP server, and no more:
+The guard serves one small route table to its own clients (the gateway and the CLI on the Unix
+socket, local agents on 127.0.0.1); the gateway serves remote agents over TLS
+(:mod:`gateway.remote.transport` puts its connection budgets and deadlines around
+:class:`Connection`). They need this much of an HTTP server, and no more:
 
 * **Strict parsing.** llhttp without any leniency: a bad request line, bad header bytes, a conflicting
   ``Content-Length`` / ``Transfer-Encoding`` are refused before any handler (400, the connection then
-  closed). The answer is built by ``App.refusal`` (the guard's §8.4 JSON); no request byte is echoed
-  or logged.
-* **Bounded.** The request target at most :data:`MAX_LINE` bytes, each header line at most
-  :data:`MAX_FIELD`, at most :data:`MAX_HEADERS` headers (431 past them). A body is read by its
-  handler within the handler's own limit, and at most :data:`BODY_BUFFER` bytes of it wait unread
-  (reading from the client pauses beyond that). A request's headers must arrive within
-  :data:`HEADER_SECONDS` of its first byte, and a connection idle between requests is closed after
-  ``keepalive_seconds``.
+  closed), as is a transfer coding other than one ``chunked`` (RFC 9112 §6.1: another parser on
+  the way could frame the body differently) and an HTTP version other than 1.0 or 1.1 (505). The
+  answer is built by ``App.refusal`` (the §8.4 JSON); no request byte is echoed or logged.
+* **Bounded.** The request target at most ``max_line`` bytes (414 past it), each header line at most
+  ``max_field``, at most ``max_headers`` headers (431 past them); :data:`MAX_LINE`,
+  :data:`MAX_FIELD` and :data:`MAX_HEADERS` unless the :class:`Server` is given others. A body is
+  read by its handler within the handler's own limit, and at most :data:`BODY_BUFFER` bytes of it
+  wait unread (reading from the client pauses beyond that; :meth:`Body.set_buffer` for a reader of
+  larger blocks). A request's headers must arrive within :data:`HEADER_SECONDS` of its first byte,
+  and a connection idle between requests is closed after ``keepalive_seconds``.
 * **In order.** One request at a time per connection; pipelined requests wait their turn (reading
   pauses while one waits). Keep-alive unless the client asks to close (or speaks HTTP/1.0 without
   keep-alive) or an answer must end the connection: one to a request that could not be parsed, one
-  whose body its handler did not read to its end. The rest of such a body is read and dropped for
-  up to :data:`LINGER_SECONDS` (and :data:`LINGER_BYTES`) before the connection is closed, so a
-  client still sending it gets to read the answer (a close with unread bytes would reset it).
-* **Answers.** Every answer has a ``Content-Length``: a :class:`Response` carries its bytes, a
-  :class:`StreamResponse` declares its length and writes in pieces, each write waiting while the
-  client's side of the socket is full.
-* **A budget of connections** per listener (``max_connections``). When it is full, a newcomer
-  takes the place of the connection idle the longest (between requests, or still sending a head);
-  only when every connection is in the middle of a request is the newcomer closed at once. So idle
-  and silent sockets cannot keep a client out, and the descriptors stay bounded.
+  answered (``force_close``) to end it, one whose body had not all arrived when it was answered.
+  The rest of such a body is read and dropped for up to :data:`LINGER_SECONDS` (and
+  :data:`LINGER_BYTES`) before the connection is closed, so a client still sending it gets to read
+  the answer (a close with unread bytes would reset it).
+* **Answers.** A :class:`Response` carries its bytes (``Content-Length``); a
+  :class:`StreamResponse` writes in pieces, each write waiting while the client's side of the
+  socket is full, of a declared length or else chunked. The answer to ``HEAD`` is the head alone.
+* **A budget of connections** per listener (``max_connections``; None where the caller keeps its
+  own). When it is full, a newcomer takes the place of the connection idle the longest (between
+  requests, or still sending a head); only when every connection is in the middle of a request is
+  the newcomer closed at once. So idle and silent sockets cannot keep a client out, and the
+  descriptors stay bounded.
 * **Stop.** :meth:`Server.close` stops accepting, closes idle connections and gives requests in
   progress ``grace`` seconds to finish before their connections are cut.
 
@@ -52,7 +58,9 @@ from urllib.parse import parse_qsl, unquote
 
 import httptools
 
-log = logging.getLogger("uomp.guard.httpd")
+from gateway import jsonio
+
+log = logging.getLogger("uomp.httpd")
 
 T = TypeVar("T")
 
@@ -106,13 +114,24 @@ class Headers:
     header is refused before any handler by :func:`gateway.contract.header_problem`). Values are
     decoded as UTF-8 (bytes that are not kept as surrogates); names iterate in lower case."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_raw")
 
     def __init__(self, raw: tuple[tuple[bytes, bytes], ...]) -> None:
         d: dict[str, str] = {}
         for name, value in raw:
             d.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
         self._d = d
+        self._raw = raw
+
+    def getall(self, name: str, default: list[str]) -> list[str]:
+        """Every value of ``name``, in the order received (``default`` when there is none)."""
+        low = name.lower().encode("latin-1")
+        values = [v.decode("utf-8", "surrogateescape") for k, v in self._raw if k.lower() == low]
+        return values or default
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        """``(name, value)`` of each name's first value (names in lower case)."""
+        return iter(self._d.items())
 
     def __getitem__(self, name: str) -> str:
         return self._d[name.lower()]
@@ -162,9 +181,9 @@ class Body:
     """A request's body as it arrives: :meth:`readany` gives the next piece, ``b""`` at its end, and
     raises :class:`ConnectionResetError` when the connection broke before the end."""
 
-    __slots__ = ("_chunks", "_conn", "_continue", "_dropped", "_eof", "_error", "_size", "_waiter")
+    __slots__ = ("_chunks", "_conn", "_continue", "_dropped", "_eof", "_error", "_limit", "_size", "_waiter")
 
-    def __init__(self, conn: _Connection, expect_continue: bool) -> None:
+    def __init__(self, conn: Connection, expect_continue: bool) -> None:
         self._conn = conn
         self._chunks: deque[bytes] = deque()
         self._size = 0
@@ -173,10 +192,20 @@ class Body:
         self._waiter: asyncio.Future[None] | None = None
         self._continue = expect_continue  # "Expect: 100-continue": answered at the first read
         self._dropped: int | None = None  # bytes dropped once nobody will read the rest (discard)
+        self._limit = BODY_BUFFER
+
+    def set_buffer(self, limit: int) -> None:
+        """Hold up to ``limit`` unread bytes before reading pauses (for a reader of large blocks)."""
+        self._limit = max(limit, 1)
 
     @property
     def at_eof(self) -> bool:
         return self._eof and not self._chunks
+
+    @property
+    def complete(self) -> bool:
+        """All of the body has arrived (read or not): the connection is at the next request."""
+        return self._eof
 
     @property
     def ended(self) -> bool:
@@ -202,7 +231,7 @@ class Body:
             return
         self._chunks.append(data)
         self._size += len(data)
-        if self._size > BODY_BUFFER:
+        if self._size > self._limit:
             self._conn.pause_for_body()
         self._wake()
 
@@ -232,7 +261,7 @@ class Body:
                 self._waiter = None
         chunk = self._chunks.popleft()
         self._size -= len(chunk)
-        if self._size <= BODY_BUFFER // 2:
+        if self._size <= self._limit // 2:
             self._conn.resume_for_body()
         return chunk
 
@@ -254,20 +283,25 @@ class Request:
         "path",
         "query_string",
         "raw_headers",
+        "raw_path",
+        "version",
     )
 
     def __init__(
         self,
         app: App,
-        conn: _Connection,
+        conn: Connection,
         method: str,
         target: bytes,
         raw_headers: tuple[tuple[bytes, bytes], ...],
         keep_alive: bool,
+        version: str = "1.1",
     ) -> None:
         self.app = app
         self.conn = conn
         self.method = method
+        self.version = version
+        self.raw_path = target.decode("latin-1")  # the request-target exactly as it was sent
         raw_path, _, query = target.partition(b"?")
         raw_path = raw_path.partition(b"#")[0]
         self.path = raw_path.decode("latin-1")  # percent-escaped; handlers read match_info (decoded)
@@ -289,6 +323,35 @@ class Request:
             self._query = Query(self.query_string)
         return self._query
 
+    @property
+    def can_read_body(self) -> bool:
+        """Body bytes are still to be read (none: no body, an empty one, or all of it read)."""
+        return not self.content.at_eof
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection's transport (None once it is lost)."""
+        return self.conn.transport
+
+    @property
+    def remote(self) -> str | None:
+        """The client's address (its IP on TCP; None on a Unix socket or once the connection is lost)."""
+        return self.conn.remote
+
+    @property
+    def host(self) -> str:
+        """The ``Host`` header ('' without one)."""
+        return self.headers.get("host", "")
+
+    @property
+    def content_type(self) -> str:
+        """The media type of ``Content-Type``, lower case, without parameters (default
+        ``application/octet-stream``, RFC 9110 §8.3)."""
+        value = self.headers.get("content-type")
+        if value is None:
+            return "application/octet-stream"
+        return value.partition(";")[0].strip().lower()
+
     def get(self, key: RequestKey[T], default: T | None = None) -> T | None:
         return self._state.get(key, default)
 
@@ -305,24 +368,28 @@ _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _BREAKS = re.compile(r"[\r\n\x00]")
 
 
-def _head(status: int, headers: Mapping[str, str], length: int, close: bool) -> bytes:
+def _head(status: int, headers: Mapping[str, str], length: int | None, close: bool) -> bytes:
     """The status line and headers of an answer; ValueError for a header that would break its line
-    (a CR, LF or NUL in a name or value could start a header or an answer of its own)."""
+    (a CR, LF or NUL in a name or value could start a header or an answer of its own). ``length``
+    None: the body is chunked (``close`` False) or ends with the connection (``close`` True)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
     for k, v in headers.items():
         if _BREAKS.search(k) or _BREAKS.search(v):
             raise ValueError("a header name or value holds a line break")
         lines.append(f"{k}: {v}")
-    lines.append(f"Content-Length: {length}")
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    elif not close:
+        lines.append("Transfer-Encoding: chunked")
     if close:
         lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class Response:
-    """An answer whose body is in memory."""
+    """An answer whose body is in memory (``force_close``: the connection ends after it)."""
 
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("body", "closes", "headers", "status")
 
     def __init__(
         self,
@@ -336,47 +403,93 @@ class Response:
         self.headers: dict[str, str] = dict(headers) if headers else {}
         if content_type is not None:
             self.headers["Content-Type"] = content_type
+        self.closes = False
+
+    def force_close(self) -> None:
+        """The connection ends after this answer."""
+        self.closes = True
 
 
 class StreamResponse:
-    """An answer of a declared length written in pieces: :meth:`prepare` sends the head, each
-    :meth:`write` waits while the client's side of the socket is full, :meth:`write_eof` ends it."""
+    """An answer written in pieces: :meth:`prepare` sends the head, each :meth:`write` waits while
+    the client's side of the socket is full, :meth:`write_eof` ends it. Of a declared
+    ``content_length``, or else chunked (to an HTTP/1.0 client: ended by the connection's close).
+    The answer to ``HEAD`` is its head alone. ``force_close``: the connection ends after it."""
 
-    __slots__ = ("_conn", "_sent", "content_length", "headers", "prepared", "status")
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_eof",
+        "_head_only",
+        "_sent",
+        "closes",
+        "content_length",
+        "headers",
+        "prepared",
+        "status",
+    )
 
     def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
         self.headers: dict[str, str] = dict(headers) if headers else {}
         self.content_length: int | None = None
-        self._conn: _Connection | None = None
+        self._conn: Connection | None = None
         self._sent = 0
+        self._chunked = False
+        self._eof = False
+        self._head_only = False
         self.prepared = False
+        self.closes = False
+
+    def force_close(self) -> None:
+        """The connection ends after this answer."""
+        self.closes = True
 
     async def prepare(self, request: Request) -> None:
-        if self.content_length is None:
-            raise ValueError("a streamed answer declares its length first")
         request.app.decorate(request, self.headers)
-        head = _head(self.status, self.headers, self.content_length, not request.keep_alive)
+        if self.content_length is None and request.version != "1.1":
+            self.closes = True  # an HTTP/1.0 client: the body ends with the connection
+        close = self.closes or not request.keep_alive
+        self._chunked = self.content_length is None and not close
+        head = _head(self.status, self.headers, self.content_length, close)
+        self._head_only = request.method == "HEAD"
         self._conn = request.conn
         self._conn.stream = self
         self.prepared = True
         self._conn.write(head)
 
     async def write(self, data: bytes) -> None:
-        assert self._conn is not None and self.content_length is not None
-        if self._sent + len(data) > self.content_length:
+        assert self._conn is not None
+        if self._eof:
+            raise ValueError("the answer has ended")
+        if self.content_length is not None and self._sent + len(data) > self.content_length:
             raise ValueError("more bytes than the declared length")
         self._sent += len(data)
-        self._conn.write(data)
+        if self._head_only or not data:
+            return
+        if self._chunked:
+            self._conn.write(b"%x\r\n" % len(data) + data + b"\r\n")
+        else:
+            self._conn.write(data)
         await self._conn.drain()
 
     async def write_eof(self) -> None:
         assert self._conn is not None
+        if self._chunked and not self._eof and not self._head_only:
+            self._conn.write(b"0\r\n\r\n")
+        self._eof = True
         await self._conn.drain()
 
     @property
     def complete(self) -> bool:
-        return self.content_length is not None and self._sent == self.content_length
+        if self.content_length is None:
+            return self._eof and not self.closes
+        return self._sent == self.content_length
+
+
+def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    """``body`` as a JSON answer (orjson where it gives json's bytes)."""
+    return Response(jsonio.dumps(body), status, headers, "application/json; charset=utf-8")
 
 
 AnyResponse = Response | StreamResponse
@@ -502,7 +615,7 @@ class _Refused(Exception):
         self.status = status
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One client connection: the parser's callbacks queue requests, :meth:`_serve` answers them in order."""
 
     def __init__(self, server: Server) -> None:
@@ -510,6 +623,8 @@ class _Connection(asyncio.Protocol):
         self.app = server.app
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None  # the peer's IP on TCP
+        self.tls = False  # on a TLS transport: no half-close (asyncio's TLS has none)
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Request] = deque()
         self.parsing: Request | None = None
@@ -535,6 +650,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        peer = transport.get_extra_info("peername")
+        self.remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        self.tls = transport.get_extra_info("ssl_object") is not None
         if not self.server.admit():
             self.closing = True
             self.transport.abort()
@@ -589,7 +707,8 @@ class _Connection(asyncio.Protocol):
             self.parsing.content.fail()
         if not self.busy and not self.queue:
             self.close()
-        return True  # half-closed: the answers to what was sent are still written
+        # half-closed: the answers to what was sent are still written (TLS in asyncio cannot)
+        return None if self.tls else True
 
     # -- the parser's callbacks ------------------------------------------------------------
 
@@ -600,20 +719,28 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._target += url
-        if len(self._target) > MAX_LINE:
+        if len(self._target) > self.server.max_line:
             raise _Refused(414)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) + 2 > MAX_FIELD:
+        if len(name) + len(value) + 2 > self.server.max_field:
             raise _Refused(431)
         self._headers.append((name, value))
-        if len(self._headers) > MAX_HEADERS:
+        if len(self._headers) > self.server.max_headers:
             raise _Refused(431)
 
     def on_headers_complete(self) -> None:
         if self.lingering:
             return  # nothing more is answered on this connection
         parser = self.parser
+        version = parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            raise _Refused(505)
+        codings = [v for k, v in self._headers if k.lower() == b"transfer-encoding"]
+        if codings and (len(codings) > 1 or codings[0].strip().lower() != b"chunked"):
+            # one coding is understood, chunked, alone (RFC 9112 §6.1): anything else could frame
+            # the body differently for another parser on the way (request smuggling)
+            raise _Refused(400)
         keep_alive = parser.should_keep_alive() and not self.closing
         request = Request(
             self.app,
@@ -622,6 +749,7 @@ class _Connection(asyncio.Protocol):
             bytes(self._target),
             tuple(self._headers),
             keep_alive,
+            version,
         )
         url = httptools.parse_url(request.path.encode("latin-1")) if request.path[:1] != "/" else None
         if url is not None:  # the absolute form (http://host/path): the path of it
@@ -659,16 +787,23 @@ class _Connection(asyncio.Protocol):
                     response = await self.app.handle(request)
                 except Exception as exc:
                     log.error("unhandled %s answering %s", type(exc).__name__, request.method)
+                    if self.stream is not None:  # its head is out: no other answer can follow
+                        self.stream = None
+                        self.abort()
+                        return
                     self._refuse(500)
                     return
                 self.queue.popleft()
-                # a body left unread: the connection ends after this answer (_end)
-                keep = request.keep_alive and request.content.at_eof and not self.closing
+                # a body that has not all arrived: the connection ends after this answer (_end); one
+                # that has, read or not, leaves the connection at the next request
+                keep = request.keep_alive and request.content.complete and not self.closing and not response.closes
+                if keep:
+                    self._resume(2)  # what the handler left unread no longer holds reading back
                 stream, self.stream = self.stream, None
                 if stream is not None or isinstance(response, StreamResponse):
                     # a head already sent: whatever the handler returned, the connection goes on
                     # only after a whole body
-                    if stream is None or not stream.complete or not keep:
+                    if stream is None or not stream.complete or stream.closes or not keep:
                         self._end(request)
                         return
                 else:
@@ -679,7 +814,7 @@ class _Connection(asyncio.Protocol):
                         log.error("an answer to %s held a header with a line break", request.method)
                         self._refuse(500)
                         return
-                    self.write(head + response.body)
+                    self.write(head + response.body if request.method != "HEAD" else head)
                     self.last_active = self.loop.time()
                     if not keep:
                         self._end(request)
@@ -740,9 +875,13 @@ class _Connection(asyncio.Protocol):
             else:
                 self._refusal = status  # a request head after those in hand: answered after them
             return
-        resp = self.app.refusal(status)
+        resp = self.refused(status)
         self.write(_head(resp.status, resp.headers, len(resp.body), True) + resp.body)
         self.close()
+
+    def refused(self, status: int) -> Response:
+        """The answer to bytes that could not be parsed or broke a limit (the app's ``refusal``)."""
+        return self.app.refusal(status)
 
     # -- flow and time ------------------------------------------------------------------------
 
@@ -798,15 +937,22 @@ class Server:
         app: App,
         *,
         name: str = "http",
-        max_connections: int = MAX_CONNECTIONS,
+        max_connections: int | None = MAX_CONNECTIONS,
         keepalive_seconds: float = KEEPALIVE_SECONDS,
+        max_line: int = MAX_LINE,
+        max_field: int = MAX_FIELD,
+        max_headers: int = MAX_HEADERS,
     ) -> None:
         self.app = app
         self.name = name
         self.loop = asyncio.get_running_loop()
-        self.max_connections = max(1, max_connections)
+        # None: the budget is kept by the caller (gateway.remote.transport counts at accept)
+        self.max_connections = None if max_connections is None else max(1, max_connections)
         self.keepalive_seconds = keepalive_seconds
-        self.connections: set[_Connection] = set()
+        self.max_line = max_line
+        self.max_field = max_field
+        self.max_headers = max_headers
+        self.connections: set[Connection] = set()
         self.listeners: list[asyncio.AbstractServer] = []
         self._idle: asyncio.Event | None = None
         self.evicted = 0  # idle connections closed to make room for a newcomer
@@ -816,7 +962,7 @@ class Server:
     def admit(self) -> bool:
         """Room for one more connection: under the budget, or once the connection idle the longest
         is closed. False (the newcomer is closed) when every connection is in a request."""
-        if len(self.connections) < self.max_connections:
+        if self.max_connections is None or len(self.connections) < self.max_connections:
             return True
         idle = [c for c in self.connections if not c.busy]
         if idle:
@@ -840,8 +986,8 @@ class Server:
             )
         return admitted
 
-    def protocol(self) -> _Connection:
-        return _Connection(self)
+    def protocol(self) -> Connection:
+        return Connection(self)
 
     async def serve_unix(self, path: str, *, backlog: int) -> None:
         self.listeners.append(await self.loop.create_unix_server(self.protocol, path, backlog=backlog))
