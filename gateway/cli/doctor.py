@@ -260,9 +260,18 @@ def _audit_log(r: Report, paths: Paths) -> None:
 
 
 def _speed(r: Report) -> None:
-    """What the servers run on: aiohttp's C HTTP parser, the event loop, the JSON codec.
-    Each is only speed (the pure-Python fallbacks behave the same), so these are notes, not problems."""
+    """What the servers run on: the HTTP parser of the guard and the gateway (llhttp, which has no
+    pure-Python fallback), aiohttp's C HTTP parser (the dashboard and the agent SDK's client), the
+    event loop, the JSON codec. The last three are only speed (the pure-Python fallbacks behave the
+    same), so these are notes, not problems."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from gateway import eventloop, jsonio
+
+    try:
+        r.ok(f"HTTP servers parse with llhttp (httptools {version('httptools')})")
+    except PackageNotFoundError:  # pragma: no cover - a dependency of the package
+        r.problem("httptools is not installed: the guard and the gateway cannot serve HTTP", "bash scripts/setup.sh")
 
     try:
         import aiohttp.http_parser as hp
@@ -271,7 +280,7 @@ def _speed(r: Report) -> None:
     except ImportError:
         active = False
     if active:
-        r.ok("aiohttp C extensions active (HTTP parser aiohttp._http_parser)")
+        r.ok("aiohttp C extensions active (HTTP parser aiohttp._http_parser: the dashboard, the SDK's client)")
     else:
         r.note(
             "aiohttp C extensions OFF (pure-Python HTTP parser: slower; AIOHTTP_NO_EXTENSIONS is "

@@ -7,9 +7,9 @@ an agent could be granted ``/v1/memory/a`` and be served ``/v1/memory/b``. So th
 refuses every spelling that has more than one reading, and re-encodes what it accepted so the
 guard sees exactly one spelling of it.
 
-:func:`normalize_target` takes the request-target exactly as it came off the wire (aiohttp's
-``request.raw_path``: path plus optional ``?query``; aiohttp keeps a ``#fragment`` and the
-absolute form ``http://host/...`` in it, both refused here) and returns a :class:`Target`. Each
+:func:`normalize_target` takes the request-target exactly as it came off the wire
+(``request.raw_path`` of :mod:`gateway.httpd`: path plus optional ``?query``, with a ``#fragment``
+or the absolute form ``http://host/...`` as sent, both refused here) and returns a :class:`Target`. Each
 rule refused is a ``UompError(ErrorCode.INVALID_REQUEST, <fixed sentence>)`` whose ``details["rule"]``
 names the rule; the message never echoes the target (it may hold a memory key).
 
@@ -34,12 +34,12 @@ Rules for the path (RFC 3986 §3.3, RFC 9112 §3.2):
 No Unicode normalisation is applied: ``é`` precomposed and decomposed are different memory keys,
 as they are in the store.
 
-The query is kept raw (aiohttp parses it into ``request.query``) but validated: same length
+The query is kept raw (``request.query`` holds it parsed) but validated: same length
 bound, RFC 3986 query characters only (``pchar``, ``/`` and ``?``), well-formed escapes, and once
-decoded (``+`` as space, as aiohttp does) valid UTF-8 with no control character and no backslash.
+decoded (``+`` as space, as ``request.query`` does) valid UTF-8 with no control character and no backslash.
 A ``%25`` is allowed in the query: query values are data that is decoded once, never a path.
 
-Pure: no aiohttp, no I/O.
+Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Spec §15.2: gateway and remote agent MUST use TLS 1.3, and the gateway SHOULD use mTLS with a
 client certificate issued by the user. The user's own CA (:mod:`gateway.ca_store`) issues those
 certificates; this module turns its files (``ca.crt``, ``crl.pem``, ``gateway.crt``/``.key``) into
-``ssl.SSLContext`` objects that aiohttp (asyncio SSL transports) can use, and reloads them without
+``ssl.SSLContext`` objects that asyncio's (and uvloop's) TLS transports can use, and reloads them without
 a restart.
 
 Who enforces what on a client certificate:
@@ -409,7 +409,7 @@ class TLSFiles:
 class TLSReloader:
     """A stable listening context whose handshakes use the most recently loaded files.
 
-    Give :attr:`context` to aiohttp / ``loop.create_server``. :meth:`reload` builds a fresh inner
+    Give :attr:`context` to the listener (:func:`gateway.remote.transport.listen`). :meth:`reload` builds a fresh inner
     context from the files and swaps it in; only handshakes that start afterwards see it.
     A reload that fails (unreadable key, key/cert mismatch, bad CRL) raises and keeps the previous
     context, so a bad file never takes the listener down.

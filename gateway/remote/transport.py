@@ -1,11 +1,12 @@
-"""Listening sockets for the gateway, with the limits aiohttp does not have on its own.
+"""Listening sockets for the gateway, with the limits an HTTP server does not have on its own.
 
 Longer than ~500 lines on purpose: the accept protocol, the per-connection record and the
 registry share each connection's budget and timer bookkeeping, so they stay together.
 
-aiohttp's server bounds header sizes and idle keep-alive time, but it has no cap on connections,
-and asyncio only hands a TLS connection to it after the handshake, so connections that never
-finish (or never start) a handshake are invisible to it. Here every connection is counted and
+The HTTP server (:mod:`gateway.httpd`, whose :class:`~gateway.httpd.Connection` is
+:class:`GuardedConnection` here) bounds header sizes and idle keep-alive time, but asyncio only
+hands a TLS connection to it after the handshake, so connections that never finish (or never
+start) a handshake are invisible to it. Here every connection is counted and
 timed from the moment it is **accepted**, before any TLS byte is read: the TLS listener accepts
 plain TCP (:class:`TLSAcceptProtocol`) and, once the client's first bytes are in, hands the raw
 transport to the event loop's own TLS protocol, neither subclassed nor wrapped: under uvloop (the
@@ -37,13 +38,13 @@ run outside Python (benchmarks/RUNS.md, "native TLS"):
   a request body must arrive whole within ``body_timeout`` of the end of its headers and keep an
   average of ``min_body_rate`` bytes/s once ``body_rate_grace`` has passed. An unverified
   connection may idle between requests for ``first_byte_timeout`` only (a verified one for
-  aiohttp's keep-alive time). A connection past a deadline is aborted (no TLS close_notify wait).
+  the server's keep-alive time). A connection past a deadline is aborted (no TLS close_notify wait).
   One timer per connection: arming a phase's deadline cancels the previous one, and a timer that
   fires in another phase than its own ends nothing, so every keep-alive request has deadlines of
   its own. A connection older than ``max_lifetime`` is closed after the answer in progress
   (:func:`last_answer`), between requests, never during one.
-* requests aiohttp cannot parse get a §8.4 JSON error and an audit callback instead of aiohttp's
-  text/plain answer (which could echo request bytes into the log);
+* a request the server cannot parse (or past a size limit) gets the app's §8.4 JSON answer and
+  an audit event (``on_rejected``), neither holding any of its bytes;
 * plain HTTP sent to the TLS port gets a short plain-text answer saying "use https://" (and is a
   refused handshake for :mod:`gateway.remote.handshake_log`, as OpenSSL's own HTTP_REQUEST error);
 * on asyncio's loop, its per-connection TLS read buffer is cut from 256 KiB to
@@ -106,8 +107,8 @@ def shrink_tls_read_buffer(size: int | None = None) -> bool:
     """Lower ``asyncio.sslproto.SSLProtocol.max_size`` (never raise it); True if it was changed.
 
     ``max_size`` is a private class attribute, so: only if it exists and is an int. It is process
-    wide: every TLS transport asyncio makes in this process (client ones too: the SDK, aiohttp's
-    client) reads and decrypts at most this much per call, which only means more, smaller reads
+    wide: every TLS transport asyncio makes in this process (client ones too: the SDK, the chain
+    clients) reads and decrypts at most this much per call, which only means more, smaller reads
     for a large body (tests/remote/test_forward.py checks a 900 KiB body over TLS both ways in one process).
     """
     want = TLS_READ_BUFFER_BYTES if size is None else size

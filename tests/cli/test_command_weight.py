@@ -52,8 +52,10 @@ NO_LOOP = ("asyncio",)
 NOT_IN_START = ("web3", "starknet_py", "gateway.conformance", "gateway.cli.conformance", "gateway.cli.authorize")
 # Not loaded by the parent of `uomp gateway start` with a default config (no uplink, no chain, no
 # UOMP_TRACEMALLOC): the uplink's HTTP/2 stack, the anchor backends, memory tracing; the guard's
-# audit log and Auth Service; the commands whose init steps it runs (gateway/cli/initsteps.py).
+# audit log and Auth Service; the commands whose init steps it runs (gateway/cli/initsteps.py);
+# aiohttp (the gateway's listeners are gateway/httpd.py; the dashboard, when enabled, loads it).
 NOT_IN_IDLE_GATEWAY = (
+    "aiohttp",
     "h2",
     "hpack",
     "hyperframe",
@@ -336,7 +338,7 @@ def test_the_guard_child_and_the_gateway_each_hold_only_their_own_code(tmp_path:
         # the probes saw the servers (each process's own code is there) ...
         assert "gateway.remote.server" in gateway and "gateway.guard.server" not in gateway
         assert "gateway.guard.server" in guard and "httptools" in guard
-        assert "aiohttp.web" in gateway  # the gateway's server is aiohttp's
+        assert "gateway.httpd" in gateway and "httptools" in gateway  # the gateway serves with gateway.httpd
         # ... and none of the other's, nor what a default config does not use
         assert loaded(gateway, NOT_IN_IDLE_GATEWAY) == []
         assert loaded(guard, NOT_IN_GUARD_CHILD) == []

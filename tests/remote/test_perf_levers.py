@@ -3,7 +3,8 @@
 * gateway/jsonio.py answers exactly as the standard library (values, big integers, non-ASCII,
   floats, refusals);
 * gateway/eventloop.py runs uvloop by default and asyncio's loop when switched off;
-* aiohttp's C extensions are what the servers use, and ``uomp doctor`` says so;
+* the servers parse HTTP with llhttp, aiohttp's C extensions are what the dashboard and the SDK's
+  client use, and ``uomp doctor`` says both;
 * the decoded-session cache (gateway/guard/sessions.py) never outlives a revocation: revoked through
   the admin API (same process) or by ``uomp sessions revoke`` (another process, writing auth.db
   itself), the very next read is refused; expiry likewise.
@@ -189,6 +190,7 @@ def test_aiohttp_c_extensions_are_active_and_doctor_says_so(home: Paths) -> None
     assert hp.HttpResponseParser.__module__ == "aiohttp._http_parser"
     out = subprocess.run([*UOMP, "--home", str(home.home), "doctor"], capture_output=True, text=True, timeout=60)
     assert "aiohttp C extensions active" in out.stdout, out.stdout
+    assert "HTTP servers parse with llhttp (httptools " in out.stdout, out.stdout
     assert "event loop uvloop" in out.stdout and "JSON orjson" in out.stdout
     off = subprocess.run(
         [*UOMP, "--home", str(home.home), "doctor"],
