@@ -305,7 +305,8 @@ def stream_client(port: int, nbytes: int) -> None:
 
 def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     """The gateway's upload loop alone (``PayloadService._stream`` into a real ``PayloadStore``
-    upload, behind a real aiohttp TLS 1.3 listener), CPU per GiB of this process split into the
+    upload, behind a real TLS 1.3 listener: ``gateway.httpd``'s, or aiohttp's for a tree whose loop
+    reads an aiohttp request), CPU per GiB of this process split into the
     event loop's thread (TLS, HTTP parsing, the loop itself) and the others (hash and write), for
     this tree and, alternating, ``baseline``'s ``gateway/remote/payload_service.py``. On the
     product's event loop (``gateway.eventloop.run``: uvloop; ``UOMP_UVLOOP=0`` for asyncio's). CPU,
@@ -320,12 +321,15 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     from aiohttp import web
 
     sys.path.insert(0, str(ROOT))
-    from gateway import eventloop
+    from gateway import eventloop, httpd
     from gateway.payloads.store import Limits, PayloadStore
     from gateway.remote import payload_service
 
     trees: dict[str, Any] = {"this tree": payload_service.PayloadService}
+    # which server feeds each tree's loop: aiohttp's for one that reads an aiohttp StreamReader
+    on_aiohttp = {"this tree": "set_read_chunk_size" in Path(payload_service.__file__).read_text()}
     if baseline is not None:
+        on_aiohttp["baseline"] = "set_read_chunk_size" in (baseline / "gateway/remote/payload_service.py").read_text()
         spec = importlib.util.spec_from_file_location(
             "baseline_payload_service", baseline / "gateway" / "remote" / "payload_service.py"
         )
@@ -345,7 +349,7 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     failures: list[str] = []
     current: list[Any] = []
 
-    async def handler(request: web.Request) -> web.Response:
+    async def upload(request: Any) -> None:
         name, cls = current[0]
         up = store.begin(
             payload_id="pay_benchstream0001", session_id="s", agent_id="a", format="x", encryption={},
@@ -363,27 +367,45 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
         up.abort()
         cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
         results[name].append((cpu, m1 - m0, t1 - t0))
+
+    async def on_aiohttp_server(request: web.Request) -> web.Response:
+        await upload(request)
         return web.Response(text="ok")
 
+    async def on_httpd(request: httpd.Request) -> httpd.AnyResponse:
+        await upload(request)
+        return httpd.Response(b"ok")
+
+    async def pass_through(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
+        return await handler(request)
+
     async def run() -> None:
-        app = web.Application(client_max_size=(mib + 1) << 20)
-        app.router.add_post("/u", handler)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.load_cert_chain(tmp / "c.pem", tmp / "k.pem")
+        app = web.Application(client_max_size=(mib + 1) << 20)
+        app.router.add_post("/u", on_aiohttp_server)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
         await site.start()
-        port = runner.addresses[0][1]
+        happ = httpd.App(middleware=pass_through, refusal=lambda status: httpd.Response(b"", status))
+        happ.router.add_route("POST", "/u", on_httpd)
+        server = httpd.Server(happ, name="bench")
+        loop = asyncio.get_running_loop()
+        listener = await loop.create_server(server.protocol, "127.0.0.1", 0, ssl=ctx)
+        server.listeners.append(listener)
+        ports = {True: runner.addresses[0][1], False: listener.sockets[0].getsockname()[1]}
         for _ in range(rounds):
             for item in trees.items():
                 current[:] = [item]
+                port = ports[on_aiohttp[item[0]]]
                 proc = await asyncio.create_subprocess_exec(
                     PYTHON, __file__, "--stream-client", str(port), str(mib << 20)
                 )
                 await proc.wait()
         await runner.cleanup()
+        await server.close(grace=1.0)
 
     try:
         eventloop.run(run())  # the product's loop (uvloop unless UOMP_UVLOOP=0)

@@ -791,8 +791,9 @@ class Connection(asyncio.Protocol):
                         self.stream = None
                         self.abort()
                         return
-                    self._refuse(500)
-                    return
+                    # the app's 500, then the end (the rest of the body read and dropped first)
+                    response = self.app.refusal(500)
+                    response.force_close()
                 self.queue.popleft()
                 # a body that has not all arrived: the connection ends after this answer (_end); one
                 # that has, read or not, leaves the connection at the next request

@@ -1,5 +1,5 @@
 """``bench_payload.py --stream-cpu`` drives the relay's upload loop itself (``PayloadService._stream``
-on a real TLS 1.3 aiohttp listener, into a real payload store), so a change to that loop's
+on a real TLS 1.3 listener, into a real payload store), so a change to that loop's
 signature breaks the benchmark, not the product: run it small, and see it fail loudly when the
 loop fails."""
 
