@@ -167,6 +167,12 @@ class Query:
         values = [v for k, v in self._pairs if k == name]
         return values or default
 
+    @overload
+    def get(self, name: str) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+
     def get(self, name: str, default: str | None = None) -> str | None:
         for k, v in self._pairs:
             if k == name:
@@ -284,6 +290,7 @@ class Request:
         "query_string",
         "raw_headers",
         "raw_path",
+        "route",
         "version",
     )
 
@@ -309,6 +316,7 @@ class Request:
         self.raw_headers = raw_headers
         self.headers = Headers(raw_headers)
         self.match_info: dict[str, str] = {}
+        self.route: str | None = None  # the pattern of the route it matched
         self.keep_alive = keep_alive
         length = self.headers.get("content-length")
         self.content_length: int | None = int(length) if length is not None and length.isdigit() else None
@@ -322,6 +330,17 @@ class Request:
         if self._query is None:
             self._query = Query(self.query_string)
         return self._query
+
+    @property
+    def cookies(self) -> dict[str, str]:
+        """The ``Cookie`` header's pairs (RFC 6265 §5.4; the first of a repeated name)."""
+        out: dict[str, str] = {}
+        for value in self.headers.getall("cookie", []):
+            for pair in value.split(";"):
+                name, eq, val = pair.strip().partition("=")
+                if eq and name:
+                    out.setdefault(name, val.strip().strip('"'))
+        return out
 
     @property
     def can_read_body(self) -> bool:
@@ -496,35 +515,41 @@ AnyResponse = Response | StreamResponse
 Handler = Callable[[Request], Awaitable[AnyResponse]]
 Middleware = Callable[[Request, Handler], Awaitable[AnyResponse]]
 
-_SEGMENT = re.compile(r"\{(\w+)\}")
+_SEGMENT = re.compile(r"\{(\w+)(?::([\w.-]+(?:\|[\w.-]+)*))?\}")
+
+
+_Part = tuple[bool, str, frozenset[str] | None]  # (is a {name}, the name or the literal, the values allowed)
 
 
 class Router:
     """Routes by method and path: ``/v1/memory/{key}`` matches one path segment per ``{name}``
     (percent escapes decoded in the value; ``%2F`` stays inside one segment, an empty segment
-    matches nothing). A path that matches no pattern is 404; one that matches only other methods'
-    patterns is 405."""
+    matches nothing), ``{how:approve|reject}`` one of those words only. A path that matches no
+    pattern is 404; one that matches only other methods' patterns is 405."""
 
     def __init__(self) -> None:
         self._table: set[tuple[str, str]] = set()
         self._static: dict[str, dict[str, Handler]] = {}  # decoded path -> method -> handler
-        # by segment count: (parts: (is_var, name or literal), method -> handler)
-        self._dynamic: dict[int, list[tuple[tuple[tuple[bool, str], ...], dict[str, Handler]]]] = {}
+        # by segment count: (pattern, its parts, method -> handler)
+        self._dynamic: dict[int, list[tuple[str, tuple[_Part, ...], dict[str, Handler]]]] = {}
 
     def add_route(self, method: str, pattern: str, handler: Handler) -> None:
         self._table.add((method, pattern))
-        parts = tuple(
-            (True, m.group(1)) if (m := _SEGMENT.fullmatch(seg)) else (False, seg) for seg in pattern.split("/")
+        parts: tuple[_Part, ...] = tuple(
+            (True, m.group(1), frozenset(m.group(2).split("|")) if m.group(2) else None)
+            if (m := _SEGMENT.fullmatch(seg))
+            else (False, seg, None)
+            for seg in pattern.split("/")
         )
-        if not any(is_var for is_var, _ in parts):
+        if not any(is_var for is_var, _, _ in parts):
             self._static.setdefault(pattern, {})[method] = handler
             return
         rows = self._dynamic.setdefault(len(parts), [])
-        for row_parts, methods in rows:
+        for _pattern, row_parts, methods in rows:
             if row_parts == parts:
                 methods[method] = handler
                 return
-        rows.append((parts, {method: handler}))
+        rows.append((_SEGMENT.sub(r"{\1}", pattern), parts, {method: handler}))  # shown as {name}
 
     def table(self) -> set[tuple[str, str]]:
         """``(method, pattern)`` of every route."""
@@ -533,6 +558,11 @@ class Router:
     def resolve(self, method: str, path: str) -> tuple[Handler, dict[str, str]]:
         """The handler and the path's ``{name}`` values: a literal path's routes first, then the
         patterns in the order they were added; the first that has ``method`` wins."""
+        handler, match, _pattern = self.match(method, path)
+        return handler, match
+
+    def match(self, method: str, path: str) -> tuple[Handler, dict[str, str], str]:
+        """:meth:`resolve`, and the pattern that matched."""
         if "%" in path:
             segments = [unquote(seg, errors="surrogateescape") for seg in path.split("/")]
             literal = None if any("/" in seg for seg in segments) else "/".join(segments)
@@ -544,13 +574,14 @@ class Router:
         if methods is not None:
             handler = methods.get(method)
             if handler is not None:
-                return handler, {}
+                assert literal is not None
+                return handler, {}, literal
             matched = True
-        for parts, row_methods in self._dynamic.get(len(segments), ()):
+        for pattern, parts, row_methods in self._dynamic.get(len(segments), ()):
             match: dict[str, str] = {}
-            for (is_var, name), seg in zip(parts, segments, strict=True):
+            for (is_var, name, allowed), seg in zip(parts, segments, strict=True):
                 if is_var:
-                    if not seg:
+                    if not seg or (allowed is not None and seg not in allowed):
                         break
                     match[name] = seg
                 elif seg != name:
@@ -558,7 +589,7 @@ class Router:
             else:
                 handler = row_methods.get(method)
                 if handler is not None:
-                    return handler, match
+                    return handler, match, pattern
                 matched = True
         raise HTTPError(405 if matched else 404)
 
@@ -592,12 +623,18 @@ class App:
         if self._decorate is not None:
             self._decorate(request, headers)
 
-    async def _route(self, request: Request) -> AnyResponse:
-        handler, request.match_info = self.router.resolve(request.method, request.path)
-        return await handler(request)
-
     async def handle(self, request: Request) -> AnyResponse:
-        return await self._middleware(request, self._route)
+        """The request routed (``match_info``, ``route``), then through the middleware to its handler
+        (one that raises the router's :class:`HTTPError` when no route matched)."""
+        try:
+            handler, request.match_info, request.route = self.router.match(request.method, request.path)
+        except HTTPError as exc:
+            refused = exc
+
+            async def handler(_request: Request) -> AnyResponse:
+                raise refused
+
+        return await self._middleware(request, handler)
 
     async def cleanup(self) -> None:
         for cb in self.on_cleanup:

@@ -14,9 +14,7 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
-from gateway import sqldriver
+from gateway import httpd, sqldriver
 from gateway.atrest import auditdb
 from gateway.cli import userlog
 from gateway.config import Paths
@@ -126,7 +124,7 @@ class MemoryPages:
     def __init__(self, dash: Dashboard) -> None:
         self.dash = dash
 
-    async def page(self, request: web.Request) -> web.StreamResponse:
+    async def page(self, request: httpd.Request) -> httpd.AnyResponse:
         q = request.query.get("q", "")[:256]
         tag = request.query.get("tag", "")[:128]
         if tag and tag_problem(tag):
@@ -134,14 +132,14 @@ class MemoryPages:
         rows, total = await asyncio.to_thread(browse, self.dash.paths, q=q, tag=tag)
         return self.dash._render(request, "memory.html", title="Memory", rows=rows, total=total, q=q, tag=tag)
 
-    async def item(self, request: web.Request) -> web.StreamResponse:
+    async def item(self, request: httpd.Request) -> httpd.AnyResponse:
         key = _key(request.query.get("key"))
         got, who = await asyncio.gather(
             asyncio.to_thread(one, self.dash.paths, key), asyncio.to_thread(readers, self.dash.paths, key)
         )
         return self.dash._render(request, "memory_item.html", title="Memory item", item=got, readers=who)
 
-    async def change(self, request: web.Request) -> web.StreamResponse:
+    async def change(self, request: httpd.Request) -> httpd.AnyResponse:
         from gateway.dashboard.server import FORM_KEY
 
         how = request.match_info["how"]

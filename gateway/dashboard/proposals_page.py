@@ -16,8 +16,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
+from gateway import httpd
 from gateway.cli import proposals as proposals_cli
 from gateway.cli import userlog
 from gateway.config import GuardConfig, Paths, load_section
@@ -89,11 +88,11 @@ class ProposalPages:
     def __init__(self, dash: Dashboard) -> None:
         self.dash = dash
 
-    async def page(self, request: web.Request) -> web.StreamResponse:
+    async def page(self, request: httpd.Request) -> httpd.AnyResponse:
         pending, decided = await asyncio.to_thread(inbox, self.dash.paths)
         return self.dash._render(request, "proposals.html", title="Proposals", pending=pending, decided=decided)
 
-    async def decide(self, request: web.Request) -> web.StreamResponse:
+    async def decide(self, request: httpd.Request) -> httpd.AnyResponse:
         from gateway.dashboard.server import FORM_KEY
 
         pid, how = request.match_info["pid"], request.match_info["how"]

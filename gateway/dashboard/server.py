@@ -1,4 +1,4 @@
-"""The dashboard's HTTP server (aiohttp, Jinja2 templates, everything shipped in the package).
+"""The dashboard's HTTP server (:mod:`gateway.httpd`, Jinja2 templates, everything shipped in the package).
 Jinja2 and the pages' own code (the data readers, the Memory and Proposals pages, the charts,
 the enrolment view) are imported at the first request that needs them: an appliance whose
 dashboard nobody opens holds none of it.
@@ -19,11 +19,12 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from importlib import resources
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
 
-from aiohttp import web
-
+from gateway import httpd
 from gateway.config import DashboardConfig, Paths
 from gateway.dashboard import security
 from gateway.errors import STATUS, ErrorCode, UompError
@@ -76,13 +77,47 @@ HEADERS = {
 ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 MAX_OPEN_BYTES = 64 << 20  # the payload store's largest ciphertext; decrypted in memory only
 MAX_FORM_BYTES = 16 * 1024
+STOP_GRACE_SECONDS = 5.0  # at stop, a page being answered gets this long
 PUBLIC_PATHS = ("/login", "/static/")
 STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_key: Any = getattr(web, "RequestKey", lambda name, _t: name)  # typed request keys (aiohttp >= 3.12)
-SESSION_KEY: Any = _key("uomp_dashboard_session", security.DashSession)
-FORM_KEY: Any = _key("uomp_dashboard_form", object)
+Handler = Callable[[httpd.Request], Awaitable[httpd.AnyResponse]]
+SESSION_KEY = httpd.RequestKey("uomp_dashboard_session", security.DashSession)
+FORM_KEY = httpd.RequestKey("uomp_dashboard_form", dict)  # the POST's form: name -> its first value
+MAX_CONNECTIONS = 64  # the listener's budget (loopback: the user's browser)
+
+
+class Redirect(Exception):
+    """Answer ``303 See Other`` to ``location`` (with ``headers``, e.g. ``Set-Cookie``)."""
+
+    def __init__(self, location: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(location)
+        self.response = httpd.Response(b"", 303, {"Location": location, **(headers or {})})
+
+
+def _cookie(name: str, value: str, *, max_age: int) -> str:
+    """A ``Set-Cookie`` value: the dashboard's session cookie, host-only, never sent cross-site."""
+    expired = "; Expires=Thu, 01 Jan 1970 00:00:00 GMT" if max_age == 0 else ""
+    return f"{name}={value}{expired}; HttpOnly; Max-Age={max_age}; Path=/; SameSite=Strict"
+
+
+async def _read_form(request: httpd.Request) -> dict[str, str]:
+    """The urlencoded form of a POST, at most MAX_FORM_BYTES (413 past it); each name's first value."""
+    if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
+        raise httpd.HTTPError(413)
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > MAX_FORM_BYTES:
+            raise httpd.HTTPError(413)
+        parts.append(chunk)
+    if request.content_type != "application/x-www-form-urlencoded":
+        return {}
+    form: dict[str, str] = {}
+    for name, value in parse_qsl(b"".join(parts).decode("utf-8", "replace"), keep_blank_values=True):
+        form.setdefault(name, value)
+    return form
 
 
 class Dashboard:
@@ -94,7 +129,7 @@ class Dashboard:
         self.links = security.LoginLinks(cfg.login_ttl_seconds, paths=paths, clock=clock)
         self.sessions = security.Sessions(idle=cfg.idle_timeout_seconds, max_age=cfg.max_session_seconds, clock=clock)
         self.port: int = cfg.port
-        self._runner: web.AppRunner | None = None
+        self._server: httpd.Server | None = None
         self._env: Any = None  # the jinja2.Environment, made at the first page rendered (_template)
         self._pages: dict[str, Any] = {}  # the LATER_PAGES objects, by class, made at their first request
         pkg = resources.files("gateway.dashboard") / "static"
@@ -102,60 +137,58 @@ class Dashboard:
 
     # ------------------------------------------------------------------------- lifecycle
 
-    def create_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._gate], client_max_size=MAX_FORM_BYTES)
-        app.on_response_prepare.append(_security_headers)
+    def create_app(self) -> httpd.App:
+        app = httpd.App(middleware=self._gate, refusal=_refusal, decorate=_security_headers)
         r = app.router
-        r.add_get("/login", self.login)
-        r.add_get("/static/{name}", self.static)
-        r.add_get("/", self.overview)
-        r.add_get("/sessions", self.sessions_page)
-        r.add_post("/sessions/{sid}/{how:revoke|close}", self.end_session)
-        r.add_get("/audit", self.audit_page)
-        r.add_get("/audit/{eid}/proof.json", self.proof)
-        r.add_get("/agents", self.agents_page)
-        r.add_post("/agents/revoke", self.revoke_agent)
-        r.add_get("/payloads", self.payloads_page)
-        r.add_post("/payloads/{pid}/open", self.open_payload)
-        r.add_post("/payloads/{pid}/delete", self.delete_payload)
-        r.add_get("/appliance", self.appliance_page)
-        for method, path, module, cls, name in LATER_PAGES:
-            r.add_route(method, path, self._later(module, cls, name))
-        r.add_post("/logout", self.logout)
+        for method, path, handler in (
+            ("GET", "/login", self.login),
+            ("GET", "/static/{name}", self.static),
+            ("GET", "/", self.overview),
+            ("GET", "/sessions", self.sessions_page),
+            ("POST", "/sessions/{sid}/{how:revoke|close}", self.end_session),
+            ("GET", "/audit", self.audit_page),
+            ("GET", "/audit/{eid}/proof.json", self.proof),
+            ("GET", "/agents", self.agents_page),
+            ("POST", "/agents/revoke", self.revoke_agent),
+            ("GET", "/payloads", self.payloads_page),
+            ("POST", "/payloads/{pid}/open", self.open_payload),
+            ("POST", "/payloads/{pid}/delete", self.delete_payload),
+            ("GET", "/appliance", self.appliance_page),
+            *((m, path, self._later(module, cls, name)) for m, path, module, cls, name in LATER_PAGES),
+            ("POST", "/logout", self.logout),
+        ):
+            r.add_route(method, path, handler)
+            if method == "GET":
+                r.add_route("HEAD", path, handler)
         return app
 
     def _later(self, module: str, cls: str, name: str) -> Handler:
         """The handler ``cls(self).name`` of ``gateway.dashboard.module``, imported at its first request
         (one instance of ``cls`` per dashboard)."""
 
-        async def handler(request: web.Request) -> web.StreamResponse:
+        async def handler(request: httpd.Request) -> httpd.AnyResponse:
             pages = self._pages.get(cls)
             if pages is None:
                 pages = self._pages[cls] = getattr(importlib.import_module(f"gateway.dashboard.{module}"), cls)(self)
-            result: web.StreamResponse = await getattr(pages, name)(request)
+            result: httpd.AnyResponse = await getattr(pages, name)(request)
             return result
 
         return handler
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.create_app(), access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, reuse_address=True)
+        server = httpd.Server(self.create_app(), name="dashboard", max_connections=MAX_CONNECTIONS)
         try:
-            await site.start()
+            self.port = await server.serve_tcp(self.cfg.host, self.cfg.port)
         except BaseException:
-            await self._runner.cleanup()
-            self._runner = None
+            await server.close(grace=0)
             raise
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = int(sockets[0].getsockname()[1]) if sockets else self.cfg.port
+        self._server = server
         log.info("dashboard: listening on http://%s:%d", self.cfg.host, self.port)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.close(grace=STOP_GRACE_SECONDS)
+            self._server = None
 
     @property
     def base_url(self) -> str:
@@ -168,15 +201,22 @@ class Dashboard:
 
     # ------------------------------------------------------------------------- the gate
 
-    @web.middleware
-    async def _gate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def _gate(self, request: httpd.Request, handler: Handler) -> httpd.AnyResponse:
+        try:
+            return await self._gated(request, handler)
+        except Redirect as exc:
+            return exc.response
+        except httpd.HTTPError as exc:  # no route (404), not this method (405), a form too large (413)
+            return _refusal(exc.status)
+
+    async def _gated(self, request: httpd.Request, handler: Handler) -> httpd.AnyResponse:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         if not security.peer_is_loopback(peer):
             log.warning("dashboard: refused a request from a non-loopback peer")
-            return web.Response(status=403, text="the dashboard answers only on this machine (loopback)\n")
+            return _text(403, "the dashboard answers only on this machine (loopback)\n")
         if not security.host_ok(request.headers.get("Host"), self.port):
             log.warning("dashboard: refused a request for another host name (DNS rebinding?)")
-            return web.Response(status=421, text="wrong Host: open the dashboard at its 127.0.0.1 address\n")
+            return _text(421, "wrong Host: open the dashboard at its 127.0.0.1 address\n")
         if request.path.startswith(PUBLIC_PATHS):
             return await handler(request)
         cookie = request.cookies.get(security.COOKIE_NAME)
@@ -196,7 +236,7 @@ class Dashboard:
                     title="Refused",
                     message="This request came from another site and was refused.",
                 )
-            form = await request.post()
+            form = await _read_form(request)
             request[FORM_KEY] = form
             presented = form.get(security.CSRF_FIELD)
             if not isinstance(presented, str) or not security.csrf_ok(session, presented):
@@ -214,7 +254,7 @@ class Dashboard:
             return self._render(
                 request, "error.html", status=STATUS.get(exc.code, 500), title=exc.code, message=exc.message
             )
-        except web.HTTPException:
+        except (Redirect, httpd.HTTPError):
             raise
         except Exception:
             log.exception("dashboard: %s %s failed", request.method, _endpoint(request))
@@ -236,7 +276,7 @@ class Dashboard:
             self._env = jinja2.Environment(loader=loader, autoescape=True)
         return self._env.get_template(name)
 
-    def _render(self, request: web.Request, template: str, *, status: int = 200, **ctx: Any) -> web.Response:
+    def _render(self, request: httpd.Request, template: str, *, status: int = 200, **ctx: Any) -> httpd.Response:
         session: security.DashSession | None = ctx.pop("session", request.get(SESSION_KEY))
         flash: list[str] = []
         if session is not None:
@@ -249,17 +289,17 @@ class Dashboard:
             path=request.path,
             **ctx,
         )
-        return web.Response(status=status, text=html, content_type="text/html", charset="utf-8")
+        return httpd.Response(html.encode("utf-8"), status, content_type="text/html; charset=utf-8")
 
     @staticmethod
-    def _back(request: web.Request, to: str, message: str) -> web.Response:
+    def _back(request: httpd.Request, to: str, message: str) -> httpd.Response:
         session: security.DashSession = request[SESSION_KEY]
         session.flash.append(message)
-        raise web.HTTPSeeOther(to)
+        raise Redirect(to)
 
     # ------------------------------------------------------------------------- pages
 
-    async def login(self, request: web.Request) -> web.StreamResponse:
+    async def login(self, request: httpd.Request) -> httpd.AnyResponse:
         token = request.query.get("t", "")
         if not await asyncio.to_thread(self.links.redeem, token):
             log.warning("dashboard: a login link was refused (unknown, used or expired)")
@@ -273,30 +313,20 @@ class Dashboard:
             )
         cookie, _ = self.sessions.create()
         log.info("dashboard: signed in with a one-time link")
-        resp = web.HTTPSeeOther("/")
-        resp.set_cookie(
-            security.COOKIE_NAME,
-            cookie,
-            httponly=True,
-            samesite="Strict",
-            path="/",
-            max_age=int(self.cfg.max_session_seconds),
-        )
-        raise resp
+        max_age = int(self.cfg.max_session_seconds)
+        raise Redirect("/", {"Set-Cookie": _cookie(security.COOKIE_NAME, cookie, max_age=max_age)})
 
-    async def logout(self, request: web.Request) -> web.StreamResponse:
+    async def logout(self, request: httpd.Request) -> httpd.AnyResponse:
         self.sessions.end(request.cookies.get(security.COOKIE_NAME))
-        resp = web.HTTPSeeOther("/login")
-        resp.del_cookie(security.COOKIE_NAME, path="/")
-        raise resp
+        raise Redirect("/login", {"Set-Cookie": _cookie(security.COOKIE_NAME, "", max_age=0)})
 
-    async def static(self, request: web.Request) -> web.StreamResponse:
+    async def static(self, request: httpd.Request) -> httpd.AnyResponse:
         item = self._static.get(request.match_info["name"])
         if item is None:
-            raise web.HTTPNotFound()
-        return web.Response(body=item[0], content_type=item[1])
+            raise httpd.HTTPError(404)
+        return httpd.Response(item[0], content_type=item[1])
 
-    async def overview(self, request: web.Request) -> web.StreamResponse:
+    async def overview(self, request: httpd.Request) -> httpd.AnyResponse:
         status, series, sessions = await asyncio.gather(
             asyncio.to_thread(data.appliance, self.paths),
             asyncio.to_thread(data.activity, self.paths),
@@ -315,7 +345,7 @@ class Dashboard:
             refused=refused,
         )
 
-    async def sessions_page(self, request: web.Request) -> web.StreamResponse:
+    async def sessions_page(self, request: httpd.Request) -> httpd.AnyResponse:
         rows = await asyncio.to_thread(data.list_sessions, self.paths)
         return self._render(
             request,
@@ -325,7 +355,7 @@ class Dashboard:
             past=[r for r in rows if not r["live"]],
         )
 
-    async def end_session(self, request: web.Request) -> web.StreamResponse:
+    async def end_session(self, request: httpd.Request) -> httpd.AnyResponse:
         sid, how = request.match_info["sid"], request.match_info["how"]
         if not ID_RE.match(sid):
             raise UompError(ErrorCode.INVALID_REQUEST, "not a session id")
@@ -347,7 +377,7 @@ class Dashboard:
         log.info("dashboard: session %s %s by the user", sid, "revoked" if how == "revoke" else "closed")
         return self._back(request, "/sessions", f"Session {sid} {'revoked' if how == 'revoke' else 'closed'}.")
 
-    async def audit_page(self, request: web.Request) -> web.StreamResponse:
+    async def audit_page(self, request: httpd.Request) -> httpd.AnyResponse:
         f = data.parse_filters(request.query)
         rows, (agents, sessions) = await asyncio.gather(
             asyncio.to_thread(data.timeline, self.paths, f),
@@ -364,23 +394,23 @@ class Dashboard:
             periods=list(data.PERIODS),
         )
 
-    async def proof(self, request: web.Request) -> web.StreamResponse:
+    async def proof(self, request: httpd.Request) -> httpd.AnyResponse:
         eid = request.match_info["eid"]
         if not ID_RE.match(eid):
             raise UompError(ErrorCode.INVALID_REQUEST, "not an event id")
         bundle = await asyncio.to_thread(data.proof_bundle, self.paths, eid)
-        return web.Response(
-            body=json.dumps(bundle, indent=2).encode() + b"\n",
+        return httpd.Response(
+            json.dumps(bundle, indent=2).encode() + b"\n",
             content_type="application/json",
             headers={"Content-Disposition": f'attachment; filename="proof-{eid}.json"'},
         )
 
-    async def agents_page(self, request: web.Request) -> web.StreamResponse:
+    async def agents_page(self, request: httpd.Request) -> httpd.AnyResponse:
         rows = await asyncio.to_thread(data.agents, self.paths)
         asked = await asyncio.to_thread(enroll_view.requests, self.paths)
         return self._render(request, "agents.html", title="Agents and certificates", rows=rows, requests=asked)
 
-    async def revoke_agent(self, request: web.Request) -> web.StreamResponse:
+    async def revoke_agent(self, request: httpd.Request) -> httpd.AnyResponse:
         target = str(request[FORM_KEY].get("target", ""))
         if not ID_RE.match(target):
             raise UompError(ErrorCode.INVALID_REQUEST, "not an agent id or serial")
@@ -406,7 +436,7 @@ class Dashboard:
             f"{len(done['sessions'])} session(s) bound to them revoked too.",
         )
 
-    async def payloads_page(self, request: web.Request) -> web.StreamResponse:
+    async def payloads_page(self, request: httpd.Request) -> httpd.AnyResponse:
         try:
             rows = await asyncio.to_thread(data.payloads, self.paths)
             problem = None
@@ -414,20 +444,20 @@ class Dashboard:
             rows, problem = [], exc.message
         return self._render(request, "payloads.html", title="Payload inbox", rows=rows, problem=problem)
 
-    async def open_payload(self, request: web.Request) -> web.StreamResponse:
+    async def open_payload(self, request: httpd.Request) -> httpd.AnyResponse:
         pid = request.match_info["pid"]
         if not ID_RE.match(pid):
             raise UompError(ErrorCode.INVALID_REQUEST, "not a payload id")
         meta, plain = await asyncio.to_thread(data.open_payload, self.paths, pid, max_bytes=MAX_OPEN_BYTES)
         log.info("dashboard: payload %s opened by the user", pid)
         ext = {"application/json": "json", "text/plain": "txt", "text/csv": "csv"}.get(str(meta["format"]), "bin")
-        return web.Response(
-            body=plain,
+        return httpd.Response(
+            plain,
             content_type="application/octet-stream",
             headers={"Content-Disposition": f'attachment; filename="{pid}.{ext}"'},
         )
 
-    async def delete_payload(self, request: web.Request) -> web.StreamResponse:
+    async def delete_payload(self, request: httpd.Request) -> httpd.AnyResponse:
         pid = request.match_info["pid"]
         if not ID_RE.match(pid):
             raise UompError(ErrorCode.INVALID_REQUEST, "not a payload id")
@@ -446,21 +476,31 @@ class Dashboard:
         await asyncio.to_thread(data.delete_payload, self.paths, pid)
         return self._back(request, "/payloads", f"Payload {pid} deleted.")
 
-    async def appliance_page(self, request: web.Request) -> web.StreamResponse:
+    async def appliance_page(self, request: httpd.Request) -> httpd.AnyResponse:
         status = await asyncio.to_thread(data.appliance, self.paths)
         return self._render(request, "appliance.html", title="Appliance", s=status, dashboard_url=self.base_url)
 
 
-def _endpoint(request: web.Request) -> str:
+def _endpoint(request: httpd.Request) -> str:
     """The route a request matched, as a log line may show it (``/payloads/{pid}/open``): never the
     path's own text, which is decoded (a ``%0A`` in it would start a forged log line)."""
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "(a path of no route)"
+    return request.route or "(a path of no route)"
 
 
-async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+def _security_headers(request: httpd.Request | None, headers: dict[str, str]) -> None:
     for k, v in HEADERS.items():
-        response.headers.setdefault(k, v)
+        headers.setdefault(k, v)
+
+
+def _text(status: int, text: str) -> httpd.Response:
+    resp = httpd.Response(text.encode("utf-8"), status, content_type="text/plain; charset=utf-8")
+    _security_headers(None, resp.headers)
+    return resp
+
+
+def _refusal(status: int) -> httpd.Response:
+    """A request the server could not parse, or no route: the status and its phrase, as plain text."""
+    return _text(status, f"{status}: {HTTPStatus(status).phrase}\n")
 
 
 async def start_for_appliance(paths: Paths, *, cfg: DashboardConfig | None = None) -> Dashboard | None:

@@ -53,7 +53,7 @@ NOT_IN_START = ("web3", "starknet_py", "gateway.conformance", "gateway.cli.confo
 # Not loaded by the parent of `uomp gateway start` with a default config (no uplink, no chain, no
 # UOMP_TRACEMALLOC): the uplink's HTTP/2 stack, the anchor backends, memory tracing; the guard's
 # audit log and Auth Service; the commands whose init steps it runs (gateway/cli/initsteps.py);
-# aiohttp (the gateway's listeners are gateway/httpd.py; the dashboard, when enabled, loads it).
+# aiohttp (the gateway's listeners and the dashboard are served by gateway/httpd.py).
 NOT_IN_IDLE_GATEWAY = (
     "aiohttp",
     "h2",
@@ -293,6 +293,7 @@ def test_gateway_start_spawns_the_guard_first_and_loads_the_dashboard_only_when_
         pages = ("gateway.dashboard.data", "gateway.dashboard.memory_page", "gateway.dashboard.proposals_page")
         assert loaded(modules, ("jinja2", "gateway.dashboard.charts", *pages)) == []
         assert loaded(modules, NOT_IN_START) == []
+        assert loaded(modules, ("aiohttp",)) == []  # the dashboard too serves with gateway/httpd.py
         proc, out = start(tmp_path, home, until=b"dashboard: http")
         try:
             m = re.search(r"dashboard: (http://127\.0\.0\.1:\d+)", out)

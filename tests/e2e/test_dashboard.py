@@ -21,14 +21,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from anchorkit import ANVIL, ANVIL_MISSING, Anvil
 from gatewaykit import Appliance, agent_call, agent_session, appliance
 from guardkit import guard_config
 from shortdir import short_dir
 
 from gateway import appliance as appliance_state
-from gateway import keys
+from gateway import httpd, keys
 from gateway.cli.main import main as uomp
 from gateway.client import payloads as sdk_payloads
 from gateway.config import DashboardConfig, Paths, load_section
@@ -314,12 +313,9 @@ async def test_non_loopback_peer_refused(app: Appliance) -> None:
     app.paths.config_file.unlink()
     # a real peer from another loopback address passes; one from this host's LAN address does not
     d = Dashboard(app.paths, DashboardConfig(port=0))
-    runner = web.AppRunner(d.create_app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "0.0.0.0", 0)  # only here, to let a non-loopback peer in at all
-    await site.start()
+    server = httpd.Server(d.create_app(), name="dashboard")
     try:
-        d.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        d.port = await server.serve_tcp("0.0.0.0", 0)  # only here, to let a non-loopback peer in at all
         req = f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{d.port}\r\nConnection: close\r\n\r\n".encode()
         ok = await asyncio.to_thread(raw_request, d.port, req, source="127.0.0.2")
         assert ok.startswith(b"HTTP/1.1 401")  # passes the peer check, then asks for a sign-in
@@ -329,7 +325,7 @@ async def test_non_loopback_peer_refused(app: Appliance) -> None:
         bad = await asyncio.to_thread(raw_request, d.port, req, source=lan, target=lan)
         assert bad.startswith(b"HTTP/1.1 403") and b"loopback" in bad
     finally:
-        await runner.cleanup()
+        await server.close(grace=1.0)
 
 
 async def test_security_headers_on_every_response_and_no_secret_anywhere(
