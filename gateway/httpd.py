@@ -597,7 +597,8 @@ class Router:
 class App:
     """A route table, its middleware, its state (``app[KEY]``), the answer to a request that could
     not be parsed (``refusal``, given the transport status) and the headers every answer gets
-    (``decorate``)."""
+    (``decorate``). ``routed`` False: no route table, the middleware routes every request itself
+    (the handler it is given raises 404)."""
 
     def __init__(
         self,
@@ -605,8 +606,10 @@ class App:
         middleware: Middleware,
         refusal: Callable[[int], Response],
         decorate: Callable[[Request, dict[str, str]], None] | None = None,
+        routed: bool = True,
     ) -> None:
         self.router = Router()
+        self._routed = routed
         self._middleware = middleware
         self.refusal = refusal
         self._decorate = decorate
@@ -626,6 +629,8 @@ class App:
     async def handle(self, request: Request) -> AnyResponse:
         """The request routed (``match_info``, ``route``), then through the middleware to its handler
         (one that raises the router's :class:`HTTPError` when no route matched)."""
+        if not self._routed:
+            return await self._middleware(request, _not_found)
         try:
             handler, request.match_info, request.route = self.router.match(request.method, request.path)
         except HTTPError as exc:
@@ -642,6 +647,10 @@ class App:
                 await cb(self)
             except Exception as exc:  # one failing cleanup does not keep the others from running
                 log.warning("cleanup failed: %s", type(exc).__name__)
+
+
+async def _not_found(request: Request) -> AnyResponse:
+    raise HTTPError(404)
 
 
 class _Refused(Exception):

@@ -146,7 +146,7 @@ async def _dispatch(state: GatewayState, call: Call) -> httpd.AnyResponse:
 
 
 async def _every_request(request: httpd.Request, _handler: httpd.Handler) -> httpd.AnyResponse:
-    # The app's one middleware: no route lookup of httpd's (entry routes by the gateway's own table).
+    # The app's one middleware, unrouted by httpd: entry routes by the gateway's own table.
     return await entry(request)
 
 
@@ -161,15 +161,21 @@ def server_headers(headers: dict[str, str]) -> None:
     headers["Date"] = http_date()
 
 
-_date = [0, ""]
-
-
-def http_date() -> str:
+class _Clock:
     """Now as an IMF-fixdate, made at most once a second."""
-    now = int(time.time())
-    if now != _date[0]:
-        _date[0], _date[1] = now, email.utils.formatdate(now, usegmt=True)
-    return str(_date[1])
+
+    second = 0
+    text = ""
+
+    @classmethod
+    def now(cls) -> str:
+        second = int(time.time())
+        if second != cls.second:
+            cls.second, cls.text = second, email.utils.formatdate(second, usegmt=True)
+        return cls.text
+
+
+http_date = _Clock.now
 
 
 def _refusal(status: int) -> httpd.Response:
@@ -182,7 +188,7 @@ def _refusal(status: int) -> httpd.Response:
 
 def create_gateway_app(state: GatewayState, *, listener: str) -> httpd.App:
     """The gateway's app for ``listener`` (``mtls``, ``tunnel`` or ``metrics``)."""
-    app = httpd.App(middleware=_every_request, refusal=_refusal, decorate=_decorate)
+    app = httpd.App(middleware=_every_request, refusal=_refusal, decorate=_decorate, routed=False)
     app[STATE] = state
     state.transport_auth.setdefault("mtls", mtls_identity)
     app[LISTENER] = listener

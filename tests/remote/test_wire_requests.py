@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import email.utils
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -178,6 +180,9 @@ def served_by_us(ans: Answer) -> None:
     assert ans.header("server") == "uomp-gateway", ans.raw[:300]
     names = " ".join(f"{k}: {v}" for k, v in ans.headers).lower()
     assert not any(lib in names for lib in LIBRARIES), ans.headers
+    # an origin server with a clock sends Date (RFC 9110 §6.6.1), within a few seconds of now
+    date = ans.header("date")
+    assert date is not None and abs(email.utils.parsedate_to_datetime(date).timestamp() - time.time()) < 5, date
 
 
 async def exchange(env: Env, data: bytes) -> Answer:
