@@ -183,9 +183,14 @@ class Query:
         return any(k == name for k, _ in self._pairs)
 
 
+class BodyError(ConnectionResetError):
+    """The request's body cannot be read to its end: the connection broke, or its framing (a chunk)
+    was malformed. The request is the client's fault, never the server's (a 4xx)."""
+
+
 class Body:
     """A request's body as it arrives: :meth:`readany` gives the next piece, ``b""`` at its end, and
-    raises :class:`ConnectionResetError` when the connection broke before the end."""
+    raises :class:`BodyError` when the connection broke before the end or the body was malformed."""
 
     __slots__ = ("_chunks", "_conn", "_continue", "_dropped", "_eof", "_error", "_limit", "_size", "_waiter")
 
@@ -247,7 +252,7 @@ class Body:
 
     def fail(self, why: str = "the connection closed before the request body's end") -> None:
         if not self._eof:
-            self._error = ConnectionResetError(why)
+            self._error = BodyError(why)
         self._wake()
 
     async def readany(self) -> bytes:

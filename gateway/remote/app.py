@@ -62,6 +62,8 @@ from gateway.remote.state import LISTENER, STATE, GatewayState
 
 log = logging.getLogger("uomp.gateway")
 
+BODY_BROKEN = "the request body broke off or was malformed"
+
 
 async def entry(request: httpd.Request) -> httpd.AnyResponse:
     """Every request of a gateway listener: route, identity, checks, then the handler or the forward; one event each."""
@@ -74,13 +76,15 @@ async def entry(request: httpd.Request) -> httpd.AnyResponse:
     code: str | None = None
     try:
         resp = await _dispatch(state, call)
-    except UompError as exc:
-        code = exc.code
-        if exc.session_id is None and call.cap is not None:
-            exc.session_id = call.cap.session_id
-        resp = error_response(exc)
+    except (UompError, httpd.BodyError) as caught:
+        # a body that broke off or was malformed is the client's: INVALID_REQUEST, never INTERNAL
+        err = caught if isinstance(caught, UompError) else UompError(ErrorCode.INVALID_REQUEST, BODY_BROKEN)
+        code = err.code
+        if err.session_id is None and call.cap is not None:
+            err.session_id = call.cap.session_id
+        resp = error_response(err)
         try:
-            await record(call, status=exc.status, allowed=False, reason=exc.message, code=exc.code)
+            await record(call, status=err.status, allowed=False, reason=err.message, code=err.code)
         except UompError as log_exc:  # the event could not be written: the client gets 503, not 500
             code, resp = ErrorCode.STORE_UNAVAILABLE, unrecorded_response(log_exc)
     except Exception as exc:

@@ -487,3 +487,18 @@ async def test_a_parser_refusal_names_no_library(env: Env, case: str) -> None:
         **SMUGGLING,
     }[case](env)
     served_by_us(await exchange(env, data))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"2\r\n{}\r\nzz\r\n", b"2\r\n{}XX0\r\n\r\n", b"1ffffffffffffffff\r\n{}\r\n0\r\n\r\n"],
+    ids=["bad-size", "no-crlf-after-data", "size-overflow"],
+)
+async def test_a_malformed_chunked_body_is_a_4xx_never_a_5xx(env: Env, body: bytes) -> None:
+    """Broken framing inside the body, after the head was accepted: the request is refused (4xx,
+    the §8.4 JSON, nothing echoed), the connection ends, and the guard never sees it. (A chunk size
+    that can be read but whose bytes never come is the body deadline's business:
+    tests/remote/test_keepalive_deadlines.py.)"""
+    await refused(env, env.post(b"", "Transfer-Encoding: chunked") + body)
+    # the partner: the same request, well framed, is served
+    await served(env, env.post(b"", "Transfer-Encoding: chunked") + b"2\r\n{}\r\n0\r\n\r\n", want=None)
