@@ -56,15 +56,24 @@ async def closed(reader: asyncio.StreamReader, within: float = 5.0) -> bool:
         return False
 
 
+async def status_only(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
+    """The test apps' middleware: the router's 404/405 as an empty answer of that status."""
+    try:
+        return await handler(request)
+    except httpd.HTTPError as exc:
+        return httpd.Response(b"", exc.status)
+
+
+async def serve(server: httpd.Server, sock: Path, routes: tuple[tuple[str, str, httpd.Handler], ...]) -> None:
+    """``routes`` (method, pattern, handler) in ``server``'s app, served on the Unix socket ``sock``."""
+    for method, pattern, handler in routes:
+        server.app.router.add_route(method, pattern, handler)
+    await server.serve_unix(str(sock), backlog=16)
+
+
 @pytest.fixture
 async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    async def mw(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
-        try:
-            return await handler(request)
-        except httpd.HTTPError as exc:
-            return httpd.Response(b"", exc.status)
-
-    app = httpd.App(middleware=mw, refusal=refusal, decorate=lambda r, hd: hd.__setitem__("Server", "t"))
+    app = httpd.App(middleware=status_only, refusal=refusal, decorate=lambda r, hd: hd.__setitem__("Server", "t"))
     server = httpd.Server(app, keepalive_seconds=0.5)
     harness = Harness(server, tmp_path / "t.sock")
 
@@ -112,7 +121,7 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
     async def split(request: httpd.Request) -> httpd.Response:
         return httpd.Response(b"x", headers={"X-Echo": request.headers.get("x-in", "") + "\r\nX-Injected: 1"})
 
-    for method, pattern, handler in (
+    routes: tuple[tuple[str, str, httpd.Handler], ...] = (
         ("GET", "/v1/echo/{name}", echo),
         ("GET", "/v1/echo/fixed", echo),
         ("GET", "/v1/slow/{ms}", slow),
@@ -121,9 +130,8 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
         ("POST", "/v1/ignore", ignore_body),
         ("GET", "/v1/stream/{size}", stream),
         ("GET", "/v1/split", split),
-    ):
-        app.router.add_route(method, pattern, handler)
-    await server.serve_unix(str(harness.sock), backlog=16)
+    )
+    await serve(server, harness.sock, routes)
     try:
         yield harness
     finally:

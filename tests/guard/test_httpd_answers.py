@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from test_httpd import closed, post_mib, read_answer, refusal
+from test_httpd import closed, post_mib, read_answer, refusal, serve, status_only
 
 from gateway import httpd
 
@@ -28,13 +28,7 @@ class Served:
 
 @pytest.fixture
 async def s(tmp_path: Path) -> AsyncIterator[Served]:
-    async def mw(request: httpd.Request, handler: httpd.Handler) -> httpd.AnyResponse:
-        try:
-            return await handler(request)
-        except httpd.HTTPError as exc:
-            return httpd.Response(b"", exc.status)
-
-    app = httpd.App(middleware=mw, refusal=refusal)
+    app = httpd.App(middleware=status_only, refusal=refusal)
     server = httpd.Server(app, keepalive_seconds=2.0)
     served = Served(tmp_path / "a.sock")
 
@@ -63,16 +57,15 @@ async def s(tmp_path: Path) -> AsyncIterator[Served]:
         served.handled.append(f"unread {request.can_read_body}")
         return httpd.Response(b"not read")
 
-    for method, pattern, handler in (
+    routes: tuple[tuple[str, str, httpd.Handler], ...] = (
         ("GET", "/item/{name}", item),
         ("HEAD", "/item/{name}", item),
         ("GET", "/chunks", chunks),
         ("GET", "/last", last),
         ("POST", "/faulty", faulty),
         ("POST", "/unread", unread),
-    ):
-        app.router.add_route(method, pattern, handler)
-    await server.serve_unix(str(served.sock), backlog=16)
+    )
+    await serve(server, served.sock, routes)
     try:
         yield served
     finally:
