@@ -19,14 +19,20 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from importlib import resources
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl
 
 from gateway import httpd
 from gateway.config import DashboardConfig, Paths
 from gateway.dashboard import security
+from gateway.dashboard.answers import (
+    Redirect,
+    read_form,
+    refusal,
+    security_headers,
+    session_cookie,
+    text_answer,
+)
 from gateway.errors import STATUS, ErrorCode, UompError
 
 
@@ -61,22 +67,8 @@ else:
 
 log = logging.getLogger("uomp.dashboard")
 
-CSP = (
-    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; "
-    "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
-)
-HEADERS = {
-    "Content-Security-Policy": CSP,
-    "X-Frame-Options": "DENY",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-    "Cross-Origin-Opener-Policy": "same-origin",
-    "Cross-Origin-Resource-Policy": "same-origin",
-}
 ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 MAX_OPEN_BYTES = 64 << 20  # the payload store's largest ciphertext; decrypted in memory only
-MAX_FORM_BYTES = 16 * 1024
 STOP_GRACE_SECONDS = 5.0  # at stop, a page being answered gets this long
 PUBLIC_PATHS = ("/login", "/static/")
 STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
@@ -85,39 +77,6 @@ Handler = Callable[[httpd.Request], Awaitable[httpd.AnyResponse]]
 SESSION_KEY = httpd.RequestKey("uomp_dashboard_session", security.DashSession)
 FORM_KEY = httpd.RequestKey("uomp_dashboard_form", dict)  # the POST's form: name -> its first value
 MAX_CONNECTIONS = 64  # the listener's budget (loopback: the user's browser)
-
-
-class Redirect(Exception):
-    """Answer ``303 See Other`` to ``location`` (with ``headers``, e.g. ``Set-Cookie``)."""
-
-    def __init__(self, location: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(location)
-        self.response = httpd.Response(b"", 303, {"Location": location, **(headers or {})})
-
-
-def _cookie(name: str, value: str, *, max_age: int) -> str:
-    """A ``Set-Cookie`` value: the dashboard's session cookie, host-only, never sent cross-site."""
-    expired = "; Expires=Thu, 01 Jan 1970 00:00:00 GMT" if max_age == 0 else ""
-    return f"{name}={value}{expired}; HttpOnly; Max-Age={max_age}; Path=/; SameSite=Strict"
-
-
-async def _read_form(request: httpd.Request) -> dict[str, str]:
-    """The urlencoded form of a POST, at most MAX_FORM_BYTES (413 past it); each name's first value."""
-    if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
-        raise httpd.HTTPError(413)
-    parts: list[bytes] = []
-    size = 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > MAX_FORM_BYTES:
-            raise httpd.HTTPError(413)
-        parts.append(chunk)
-    if request.content_type != "application/x-www-form-urlencoded":
-        return {}
-    form: dict[str, str] = {}
-    for name, value in parse_qsl(b"".join(parts).decode("utf-8", "replace"), keep_blank_values=True):
-        form.setdefault(name, value)
-    return form
 
 
 class Dashboard:
@@ -138,7 +97,7 @@ class Dashboard:
     # ------------------------------------------------------------------------- lifecycle
 
     def create_app(self) -> httpd.App:
-        app = httpd.App(middleware=self._gate, refusal=_refusal, decorate=_security_headers)
+        app = httpd.App(middleware=self._gate, refusal=refusal, decorate=security_headers)
         r = app.router
         for method, path, handler in (
             ("GET", "/login", self.login),
@@ -207,16 +166,16 @@ class Dashboard:
         except Redirect as exc:
             return exc.response
         except httpd.HTTPError as exc:  # no route (404), not this method (405), a form too large (413)
-            return _refusal(exc.status)
+            return refusal(exc.status)
 
     async def _gated(self, request: httpd.Request, handler: Handler) -> httpd.AnyResponse:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         if not security.peer_is_loopback(peer):
             log.warning("dashboard: refused a request from a non-loopback peer")
-            return _text(403, "the dashboard answers only on this machine (loopback)\n")
+            return text_answer(403, "the dashboard answers only on this machine (loopback)\n")
         if not security.host_ok(request.headers.get("Host"), self.port):
             log.warning("dashboard: refused a request for another host name (DNS rebinding?)")
-            return _text(421, "wrong Host: open the dashboard at its 127.0.0.1 address\n")
+            return text_answer(421, "wrong Host: open the dashboard at its 127.0.0.1 address\n")
         if request.path.startswith(PUBLIC_PATHS):
             return await handler(request)
         cookie = request.cookies.get(security.COOKIE_NAME)
@@ -236,7 +195,7 @@ class Dashboard:
                     title="Refused",
                     message="This request came from another site and was refused.",
                 )
-            form = await _read_form(request)
+            form = await read_form(request)
             request[FORM_KEY] = form
             presented = form.get(security.CSRF_FIELD)
             if not isinstance(presented, str) or not security.csrf_ok(session, presented):
@@ -314,11 +273,11 @@ class Dashboard:
         cookie, _ = self.sessions.create()
         log.info("dashboard: signed in with a one-time link")
         max_age = int(self.cfg.max_session_seconds)
-        raise Redirect("/", {"Set-Cookie": _cookie(security.COOKIE_NAME, cookie, max_age=max_age)})
+        raise Redirect("/", {"Set-Cookie": session_cookie(security.COOKIE_NAME, cookie, max_age=max_age)})
 
     async def logout(self, request: httpd.Request) -> httpd.AnyResponse:
         self.sessions.end(request.cookies.get(security.COOKIE_NAME))
-        raise Redirect("/login", {"Set-Cookie": _cookie(security.COOKIE_NAME, "", max_age=0)})
+        raise Redirect("/login", {"Set-Cookie": session_cookie(security.COOKIE_NAME, "", max_age=0)})
 
     async def static(self, request: httpd.Request) -> httpd.AnyResponse:
         item = self._static.get(request.match_info["name"])
@@ -485,22 +444,6 @@ def _endpoint(request: httpd.Request) -> str:
     """The route a request matched, as a log line may show it (``/payloads/{pid}/open``): never the
     path's own text, which is decoded (a ``%0A`` in it would start a forged log line)."""
     return request.route or "(a path of no route)"
-
-
-def _security_headers(request: httpd.Request | None, headers: dict[str, str]) -> None:
-    for k, v in HEADERS.items():
-        headers.setdefault(k, v)
-
-
-def _text(status: int, text: str) -> httpd.Response:
-    resp = httpd.Response(text.encode("utf-8"), status, content_type="text/plain; charset=utf-8")
-    _security_headers(None, resp.headers)
-    return resp
-
-
-def _refusal(status: int) -> httpd.Response:
-    """A request the server could not parse, or no route: the status and its phrase, as plain text."""
-    return _text(status, f"{status}: {HTTPStatus(status).phrase}\n")
 
 
 async def start_for_appliance(paths: Paths, *, cfg: DashboardConfig | None = None) -> Dashboard | None:

@@ -33,7 +33,8 @@ from gateway.client import payloads as sdk_payloads
 from gateway.config import DashboardConfig, Paths, load_section
 from gateway.core import envelope, sealing
 from gateway.dashboard import security
-from gateway.dashboard.server import HEADERS, Dashboard
+from gateway.dashboard.answers import HEADERS
+from gateway.dashboard.server import Dashboard
 from gateway.errors import UompError
 from gateway.payloads import userkey
 
