@@ -392,10 +392,12 @@ _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _BREAKS = re.compile(r"[\r\n\x00]")
 
 
-def _head(status: int, headers: Mapping[str, str], length: int | None, close: bool) -> bytes:
+def _head(status: int, headers: Mapping[str, str], length: int | None, close: bool, version: str = "1.1") -> bytes:
     """The status line and headers of an answer; ValueError for a header that would break its line
     (a CR, LF or NUL in a name or value could start a header or an answer of its own). ``length``
-    None: the body is chunked (``close`` False) or ends with the connection (``close`` True)."""
+    None: the body is chunked (``close`` False) or ends with the connection (``close`` True). To an
+    HTTP/1.0 client (``version``) a connection that stays open says so: such a client takes an
+    answer without ``Connection: keep-alive`` to end its connection (RFC 9112 §9.3)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
     for k, v in headers.items():
         if _BREAKS.search(k) or _BREAKS.search(v):
@@ -407,6 +409,8 @@ def _head(status: int, headers: Mapping[str, str], length: int | None, close: bo
         lines.append("Transfer-Encoding: chunked")
     if close:
         lines.append("Connection: close")
+    elif version == "1.0":
+        lines.append("Connection: keep-alive")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
@@ -475,7 +479,7 @@ class StreamResponse:
             self.closes = True  # an HTTP/1.0 client: the body ends with the connection
         close = self.closes or not request.keep_alive
         self._chunked = self.content_length is None and not close
-        head = _head(self.status, self.headers, self.content_length, close)
+        head = _head(self.status, self.headers, self.content_length, close, request.version)
         self._head_only = request.method == "HEAD"
         self._conn = request.conn
         self._conn.stream = self
@@ -861,7 +865,7 @@ class Connection(asyncio.Protocol):
                 else:
                     self.app.decorate(request, response.headers)
                     try:
-                        head = _head(response.status, response.headers, len(response.body), not keep)
+                        head = _head(response.status, response.headers, len(response.body), not keep, request.version)
                     except ValueError:
                         log.error("an answer to %s held a header with a line break", request.method)
                         self._refuse(500)

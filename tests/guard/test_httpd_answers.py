@@ -178,3 +178,20 @@ async def test_an_http_version_other_than_10_or_11_is_505(s: Served) -> None:
     writer.write(b"GET /item/a HTTP/1.0\r\nHost: g\r\n\r\n")
     assert (await read_answer(reader))[0] == 200
     writer.close()
+
+
+async def test_an_http10_keep_alive_client_is_told_the_connection_stays(s: Served) -> None:
+    """``ab -k`` and other HTTP/1.0 clients ask with ``Connection: keep-alive`` and keep the
+    connection only when the answer says so; without it they wait for the close."""
+    reader, writer = await s.open()
+    for name in (b"a", b"b"):
+        writer.write(b"GET /item/" + name + b" HTTP/1.0\r\nHost: g\r\nConnection: Keep-Alive\r\n\r\n")
+        status, headers, body = await read_answer(reader)
+        assert status == 200 and headers["connection"].lower() == "keep-alive", headers
+        assert json.loads(body) == {"name": name.decode()}
+    # the partner: without asking, an HTTP/1.0 client's connection ends after its answer
+    writer.write(b"GET /item/c HTTP/1.0\r\nHost: g\r\n\r\n")
+    _status, headers, _body = await read_answer(reader)
+    assert headers["connection"] == "close"
+    assert await closed(reader)
+    writer.close()

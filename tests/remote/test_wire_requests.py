@@ -415,6 +415,18 @@ async def test_http_1_0_without_keepalive_is_answered_then_closed(env: Env) -> N
     assert guard_saw(env) == before + 1
 
 
+async def test_http_1_0_keepalive_is_told_the_connection_stays_and_is_served_again(env: Env) -> None:
+    # as ab -k asks: an HTTP/1.0 client keeps its connection only when the answer says keep-alive
+    before = guard_saw(env)
+    async with env.wire() as w:
+        for path, want in ((KEY, "dark"), (KEY2, "en")):
+            await w.send(env.get(path, "Connection: Keep-Alive", version="HTTP/1.0"))
+            ans = await w.answer()
+            assert ans.value() == want and (ans.header("connection") or "").lower() == "keep-alive", ans.raw[:300]
+            served_by_us(ans)
+    assert guard_saw(env) == before + 2
+
+
 # ---------------------------------------------------------------------------------------- 7. plain HTTP
 
 
