@@ -23,13 +23,14 @@ run outside Python (benchmarks/RUNS.md, "native TLS"):
   full an older unverified connection is evicted (closed at once), never the new one: first those
   that sit still (a finished certificate-less handshake, a silent socket), then, among those
   receiving, the one whose last byte is oldest (:meth:`Conn.eviction_key`). So a flood cannot keep
-  an agent from reaching the end of its handshake. The per-address budget has a grace: a
-  connection accepted within :data:`LIVE_SECONDS` that has sent nothing yet, or a handshake whose
-  whole ClientHello arrived within it, is not closed for a newcomer from its address (one client
-  opening many connections at once: ``ab -c 50``, a pool warming up, agents behind one NAT
-  address); the address may then hold more than its budget, never more than ``max_unverified``
-  (whose eviction has no grace), and once the grace of its connections has passed it is cut back
-  to its budget (:meth:`ConnectionRegistry.trim`). Verified connections have their own budget
+  an agent from reaching the end of its handshake. Both budgets have a grace: a connection
+  accepted within :data:`LIVE_SECONDS` that has sent nothing yet, or a handshake whose whole
+  ClientHello arrived within it, is not closed for a newcomer (one client opening many
+  connections at once: ``ab -c 200``, a pool warming up, agents behind one NAT address); the
+  address and the listener may then hold more than their budgets, never more than
+  :data:`GRACE_CEILING` times ``max_unverified`` (past that, eviction has no grace), and once the
+  grace of their connections has passed they are cut back to their budgets
+  (:meth:`ConnectionRegistry.trim`, :meth:`ConnectionRegistry.trim_all`). Verified connections have their own budget
   (``max_verified``) which unverified ones never touch; a verified connection over it is refused
   (closed) after its handshake.
 * **Deadlines from accept.** The TLS handshake (``handshake_timeout``) and the first request byte
@@ -98,6 +99,10 @@ FD_SOFT_CEILING = 1 << 20
 # or a handshake whose whole ClientHello arrived this recently, is not evicted for a newcomer from
 # the same address (ConnectionRegistry.open); the address is cut back to its budget after it.
 LIVE_SECONDS = 1.0
+# While the unverified connections are fewer than this many times ``max_unverified``, one still in
+# its grace is not evicted for a newcomer (ConnectionRegistry.trim_all); past it, the budget evicts
+# without grace.
+GRACE_CEILING = 2
 # A connection whose client certificate was refused after its handshake (revoked, expired...) is
 # closed if it sends no request within this many seconds: its holder gets one named 401, no more.
 REFUSED_CERT_IDLE_SECONDS = 3.0
@@ -527,6 +532,7 @@ class ConnectionRegistry:
         # addresses over their budget while some of their connections are in their grace: the
         # timer that cuts them back when it ends (ConnectionRegistry.trim)
         self.trims: dict[str, asyncio.TimerHandle] = {}
+        self._trim_all: asyncio.TimerHandle | None = None  # the listener cut back when a grace ends
         self.closed_by_deadline: collections.Counter[str] = collections.Counter()
         self.closed_before_handshake: collections.Counter[str] = collections.Counter()
         # called (exception, client address) for each handshake OpenSSL refused (remote/handshake_log.py)
@@ -572,13 +578,35 @@ class ConnectionRegistry:
         lim = self.limits
         if lim.max_unverified_per_ip and len(bucket) > lim.max_unverified_per_ip:
             self.trim(conn.ip, newcomer=conn)
+        self.trim_all(newcomer=conn)
+
+    def trim_all(self, newcomer: Conn | None = None) -> None:
+        """Cut the unverified connections back to ``max_unverified``: from the address holding the
+        most (a flood from one address does not push out another address's clients), the one getting
+        least far first, none still in its grace (:meth:`Conn.grace_left`) while the listener holds
+        fewer than ``GRACE_CEILING`` times the budget; never ``newcomer``. A burst of fresh
+        handshakes (a pool opening 200 connections at once) is thus served whole, and cut back
+        when its grace ends, as :meth:`trim` does for one address."""
+        lim = self.limits
         while len(self.unverified) > lim.max_unverified:
-            # from the address holding the most unverified connections: a flood from one address
-            # does not push out another address's clients
             largest = max(self.per_ip.values(), key=len)
-            victim = self._victim(largest if len(largest) > 1 else self.unverified, conn)
+            pool = largest if len(largest) > 1 else self.unverified
+            if len(self.unverified) <= lim.max_unverified * GRACE_CEILING:
+                pool = {c: None for c in pool if c.grace_left() <= 0}
+                if not pool:
+                    pool = {c: None for c in self.unverified if c.grace_left() <= 0}
+                if not pool:  # all in their grace: cut back when the first grace ends
+                    left = min((c.grace_left() for c in self.unverified if c is not newcomer), default=0.0)
+                    if left > 0 and self._trim_all is None:
+                        self._trim_all = asyncio.get_running_loop().call_later(left + 0.01, self._trim_all_later)
+                    return
+            victim = self._victim(pool, newcomer)
             assert victim is not None  # (the pool holds at least the newcomer)
             self._evict(victim)
+
+    def _trim_all_later(self) -> None:
+        self._trim_all = None
+        self.trim_all()
 
     def trim(self, ip: str, newcomer: Conn | None = None) -> None:
         """Cut ``ip``'s unverified connections back to its budget, closing the ones getting least
@@ -705,6 +733,9 @@ class ConnectionRegistry:
         for timer in self.trims.values():
             timer.cancel()
         self.trims.clear()
+        if self._trim_all is not None:
+            self._trim_all.cancel()
+            self._trim_all = None
         for conn in [*self.unverified, *self.verified]:
             self._close(conn)
 

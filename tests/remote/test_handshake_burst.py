@@ -119,3 +119,35 @@ async def test_a_burst_of_handshakes_from_one_address_is_served_whole(home: Path
         assert reg.evicted == 4
         for s in [*silent, *stalled]:
             s.close()
+
+
+@pytest.mark.parametrize("when", ["hello_before_accept", "hello_after_accept"])
+async def test_a_burst_beyond_the_listeners_unverified_budget_is_served_whole(home: Paths, when: str) -> None:
+    """More handshakes at once than ``max_unverified_connections`` (``ab -k -c 200`` against 128):
+    fresh ones are in their grace, so none is evicted while the listener holds fewer than
+    ``transport.GRACE_CEILING`` times the budget. The denied partners are in
+    tests/remote/test_floods.py: silent floods are cut back to the budget when their grace ends."""
+    budget = BURST // 2
+    async with appliance(home, max_unverified_connections_per_ip=BUDGET, max_unverified_connections=budget) as app:
+        a = app.agent("agent_a")
+        g = await app.grant(a)
+        port = app.gateway.port
+        assert port is not None
+        reg = app.gateway.registry
+        request = (
+            f"GET /v1/memory/preference.theme HTTP/1.1\r\nHost: localhost:{port}\r\n"
+            f"Authorization: Bearer {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        ctx = a.ssl()
+        if when == "hello_before_accept":
+            socks = [_send_hello(ctx, _connect(port)) for _ in range(BURST)]
+        else:
+            raws = [_connect(port) for _ in range(BURST)]
+            assert await _wait_for(lambda: reg.accepted >= BURST)
+            assert len(reg.unverified) == BURST  # all held at once, above the budget
+            socks = [_send_hello(ctx, r) for r in raws]
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=BURST) as pool:
+            outcomes = await asyncio.gather(*(loop.run_in_executor(pool, _finish, t, request) for t in socks))
+        assert outcomes == ["200"] * BURST, outcomes
+        assert reg.evicted == 0 and reg.accepted == BURST
