@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from gatewaykit import appliance
+from gatewaykit import Appliance, appliance
 
 from gateway.config import Paths
 
@@ -70,36 +70,54 @@ async def _wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
     return cond()
 
 
+async def _agent_request(app: Appliance) -> tuple[int, bytes, ssl.SSLContext]:
+    """The gateway's port, an agent's request for one memory item (its last on its connection) and
+    the agent's TLS context."""
+    a = app.agent("agent_a")
+    g = await app.grant(a)
+    port = app.gateway.port
+    assert port is not None
+    request = (
+        f"GET /v1/memory/preference.theme HTTP/1.1\r\nHost: localhost:{port}\r\n"
+        f"Authorization: Bearer {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    return port, request, a.ssl()
+
+
+async def _burst(
+    app: Appliance, when: str, *, held: Callable[[], None] | None = None
+) -> tuple[int, bytes, ssl.SSLContext, list[str]]:
+    """BURST connections of one agent at once, each ending its handshake and asking once: their
+    outcomes. hello_before_accept: every ClientHello is in the kernel before the loop accepts any;
+    hello_after_accept: the loop has accepted them all while still silent (then ``held`` runs)."""
+    port, request, ctx = await _agent_request(app)
+    reg = app.gateway.registry
+    if when == "hello_before_accept":  # no await in between: one burst for the loop
+        socks = [_send_hello(ctx, _connect(port)) for _ in range(BURST)]
+    else:
+        raws = [_connect(port) for _ in range(BURST)]
+        assert await _wait_for(lambda: reg.accepted >= BURST)
+        if held is not None:
+            held()
+        socks = [_send_hello(ctx, r) for r in raws]
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=BURST) as pool:
+        outcomes = await asyncio.gather(*(loop.run_in_executor(pool, _finish, t, request) for t in socks))
+    return port, request, ctx, list(outcomes)
+
+
 @pytest.mark.parametrize("when", ["hello_before_accept", "hello_after_accept"])
 async def test_a_burst_of_handshakes_from_one_address_is_served_whole(home: Paths, when: str) -> None:
-    """hello_before_accept: every ClientHello is in the kernel before the loop accepts any of the
-    connections; hello_after_accept: the loop has accepted them all while they were still silent
-    (the client had connected and not yet written its ClientHello)."""
+    """A burst above the address's budget, within the listener's."""
     async with appliance(home, max_unverified_connections_per_ip=BUDGET, max_unverified_connections=64) as app:
-        a = app.agent("agent_a")
-        g = await app.grant(a)
-        port = app.gateway.port
-        assert port is not None
         reg = app.gateway.registry
-        request = (
-            f"GET /v1/memory/preference.theme HTTP/1.1\r\nHost: localhost:{port}\r\n"
-            f"Authorization: Bearer {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nConnection: close\r\n\r\n"
-        ).encode()
-        ctx = a.ssl()
-        if when == "hello_before_accept":  # no await in between: one burst for the loop
-            socks = [_send_hello(ctx, _connect(port)) for _ in range(BURST)]
-        else:
-            raws = [_connect(port) for _ in range(BURST)]
-            assert await _wait_for(lambda: reg.accepted >= BURST)
-            socks = [_send_hello(ctx, r) for r in raws]
-        loop = asyncio.get_running_loop()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=BURST) as pool:
-            outcomes = await asyncio.gather(*(loop.run_in_executor(pool, _finish, t, request) for t in socks))
+        port, request, ctx, outcomes = await _burst(app, when)
         assert outcomes == ["200"] * BURST, outcomes
         assert reg.evicted == 0 and reg.accepted == BURST
 
         # Denied partners: past the grace, the address is cut back to its budget, the least
         # advanced first: silent connections, then ClientHellos that stopped there.
+        loop = asyncio.get_running_loop()
         silent = [_connect(port) for _ in range(3)]
         stalled = [_send_hello(ctx, _connect(port)) for _ in range(BUDGET)]
         assert await _wait_for(lambda: reg.accepted >= BURST + 3 + BUDGET)
@@ -127,27 +145,12 @@ async def test_a_burst_beyond_the_listeners_unverified_budget_is_served_whole(ho
     fresh ones are in their grace, so none is evicted while the listener holds fewer than
     ``transport.GRACE_CEILING`` times the budget. The denied partners are in
     tests/remote/test_floods.py: silent floods are cut back to the budget when their grace ends."""
-    budget = BURST // 2
-    async with appliance(home, max_unverified_connections_per_ip=BUDGET, max_unverified_connections=budget) as app:
-        a = app.agent("agent_a")
-        g = await app.grant(a)
-        port = app.gateway.port
-        assert port is not None
+    async with appliance(home, max_unverified_connections_per_ip=BUDGET, max_unverified_connections=BURST // 2) as app:
         reg = app.gateway.registry
-        request = (
-            f"GET /v1/memory/preference.theme HTTP/1.1\r\nHost: localhost:{port}\r\n"
-            f"Authorization: Bearer {g['token']}\r\nX-UOMP-Agent-Id: {a.agent_id}\r\nConnection: close\r\n\r\n"
-        ).encode()
-        ctx = a.ssl()
-        if when == "hello_before_accept":
-            socks = [_send_hello(ctx, _connect(port)) for _ in range(BURST)]
-        else:
-            raws = [_connect(port) for _ in range(BURST)]
-            assert await _wait_for(lambda: reg.accepted >= BURST)
+
+        def all_held() -> None:
             assert len(reg.unverified) == BURST  # all held at once, above the budget
-            socks = [_send_hello(ctx, r) for r in raws]
-        loop = asyncio.get_running_loop()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=BURST) as pool:
-            outcomes = await asyncio.gather(*(loop.run_in_executor(pool, _finish, t, request) for t in socks))
+
+        *_, outcomes = await _burst(app, when, held=all_held)
         assert outcomes == ["200"] * BURST, outcomes
         assert reg.evicted == 0 and reg.accepted == BURST
