@@ -564,14 +564,10 @@ class Router:
         """``(method, pattern)`` of every route."""
         return set(self._table)
 
-    def resolve(self, method: str, path: str) -> tuple[Handler, dict[str, str]]:
-        """The handler and the path's ``{name}`` values: a literal path's routes first, then the
-        patterns in the order they were added; the first that has ``method`` wins."""
-        handler, match, _pattern = self.match(method, path)
-        return handler, match
-
     def match(self, method: str, path: str) -> tuple[Handler, dict[str, str], str]:
-        """:meth:`resolve`, and the pattern that matched."""
+        """The handler, the path's ``{name}`` values and the pattern that matched (``{name}`` for
+        each, alternatives left out): a literal path's routes first, then the patterns in the order
+        they were added; the first that has ``method`` wins."""
         if "%" in path:
             segments = [unquote(seg, errors="surrogateescape") for seg in path.split("/")]
             literal = None if any("/" in seg for seg in segments) else "/".join(segments)

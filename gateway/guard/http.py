@@ -9,7 +9,6 @@ import hmac
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import unquote
 
 from gateway import contract, httpd, jsonio
 from gateway import keys as keyfiles
@@ -37,9 +36,7 @@ SERVICES = httpd.AppKey("services", GuardServices)
 LISTENER = httpd.AppKey("listener", str)
 
 
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> httpd.Response:
-    """``body`` as a JSON answer (orjson where it gives json's bytes)."""
-    return httpd.Response(jsonio.dumps(body), status, headers, "application/json; charset=utf-8")
+json_response = httpd.json_response
 
 
 def error_response(exc: UompError, *, transport_status: int | None = None) -> httpd.Response:
@@ -98,15 +95,11 @@ async def errors_middleware(request: httpd.Request, handler: httpd.Handler) -> h
 
 
 def endpoint(request: httpd.Request) -> str:
-    """The request's path as a log line may show it: each segment the router matched to a ``{name}``
-    shown as ``{name}``, so no memory key, session or payload id from the path reaches the log; a
-    path that matched no route (or was not routed yet) only when it is a literal route."""
-    names = {value: name for name, value in request.match_info.items()}
-    if names:
-        return "/".join(
-            f"{{{names[seg_value]}}}" if (seg_value := unquote(seg, errors="surrogateescape")) in names else seg
-            for seg in request.path.split("/")
-        )
+    """The request's path as a log line may show it: the pattern of the route it matched
+    (``/v1/memory/{key}``), so no memory key, session or payload id from the path reaches the log;
+    a path that matched no route only when it is a literal route (of another method)."""
+    if request.route is not None:
+        return request.route
     if any(pattern == request.path for _, pattern in request.app.router.table()):
         return request.path
     return "(a path of no literal route)"

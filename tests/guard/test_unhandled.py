@@ -54,10 +54,10 @@ async def _never(request: httpd.Request) -> httpd.Response:
 
 
 class _Req:
-    """What :func:`endpoint` reads of a request: its raw path, what the router matched, the routes."""
+    """What :func:`endpoint` reads of a request: its raw path, the route it matched, the routes."""
 
-    def __init__(self, path: str, match_info: dict[str, str], router: httpd.Router) -> None:
-        self.path, self.match_info = path, match_info
+    def __init__(self, path: str, route: str | None, router: httpd.Router) -> None:
+        self.path, self.route = path, route
         self.app = SimpleNamespace(router=router)
 
 
@@ -68,15 +68,17 @@ def test_endpoint_shows_routes_never_what_a_path_carries() -> None:
     router.add_route("GET", "/v1/payload/{payload_id}/audit/{event}", _never)
 
     def shown(path: str) -> str:
+        route: str | None
         try:
-            _, match = router.resolve("GET", path)
+            _, _, route = router.match("GET", path)
         except httpd.HTTPError:
-            match = {}
-        return guard_http.endpoint(cast(httpd.Request, _Req(path, match, router)))
+            route = None
+        return guard_http.endpoint(cast(httpd.Request, _Req(path, route, router)))
 
     assert shown("/v1/health") == "/v1/health"
     assert shown("/v1/memory/diagnosis.hiv") == "/v1/memory/{key}"
     assert shown("/v1/memory/a%2Fb%20c") == "/v1/memory/{key}"
+    assert shown("/v1/memory/memory") == "/v1/memory/{key}"  # a value equal to a literal segment
     assert shown("/v1/payload/pay_1/audit/ev_2") == "/v1/payload/{payload_id}/audit/{event}"
     # not routed (the fault came first) or no route: nothing of the path
     assert shown("/v1/nothing/diagnosis.hiv") == "(a path of no literal route)"
