@@ -183,9 +183,7 @@ http_date = _Clock.now
 
 
 def _refusal(status: int) -> httpd.Response:
-    code = ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL
-    text = "malformed or oversized request" if status < 500 else "internal error"
-    resp = httpd.json_response(UompError(code, text).body(), status=status)  # the transport's status kept
+    resp = httpd.json_response(transport.parse_refusal(status).body(), status=status)  # the transport's status kept
     server_headers(resp.headers)
     return resp
 

@@ -584,7 +584,7 @@ class ConnectionRegistry:
         """Cut the unverified connections back to ``max_unverified``: from the address holding the
         most (a flood from one address does not push out another address's clients), the one getting
         least far first, none still in its grace (:meth:`Conn.grace_left`) while the listener holds
-        fewer than ``GRACE_CEILING`` times the budget; never ``newcomer``. A burst of fresh
+        fewer than ``GRACE_CEILING`` times the budget; ``newcomer`` only when no other is left. A burst of fresh
         handshakes (a pool opening 200 connections at once) is thus served whole, and cut back
         when its grace ends, as :meth:`trim` does for one address."""
         lim = self.limits
@@ -799,14 +799,20 @@ class GuardedConnection(httpd.Connection):
             conn.queued = True  # a whole request head was parsed: it waits for its handler
 
     def refused(self, status: int) -> httpd.Response:
-        # Bytes that could not be parsed, or past a limit: the §8.4 JSON answer (no request byte in
-        # it or in the log) and an audit event that carries none either.
-        code = ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL
-        text = "malformed or oversized request" if status < 500 else "internal error"
+        # Bytes that could not be parsed, or past a limit: the app's answer (no request byte in it or
+        # in the log) and an audit event that carries none either.
         registry = self.record.registry
         if registry.on_rejected is not None:
-            registry.on_rejected(status, code, text)
+            err = parse_refusal(status)
+            registry.on_rejected(status, err.code, err.message)
         return super().refused(status)
+
+
+def parse_refusal(status: int) -> UompError:
+    """The §8.4 error of a request the HTTP server refused with ``status`` before any handler."""
+    if status < 500:
+        return UompError(ErrorCode.INVALID_REQUEST, "malformed or oversized request")
+    return UompError(ErrorCode.INTERNAL, "internal error")
 
 
 USE_HTTPS = (
