@@ -33,7 +33,7 @@ from gateway.client import payloads as sdk_payloads
 from gateway.config import DashboardConfig, Paths, load_section
 from gateway.core import envelope, sealing
 from gateway.dashboard import security
-from gateway.dashboard.answers import HEADERS
+from gateway.dashboard.answers import HEADERS, MAX_FORM_BYTES
 from gateway.dashboard.server import Dashboard
 from gateway.errors import UompError
 from gateway.payloads import userkey
@@ -271,6 +271,32 @@ async def test_cross_site_posts_refused_and_same_site_post_revokes(app: Applianc
             s, app.base, "/v1/memory/preference.theme", token=g["token"], agent_id=agent.agent_id
         )
         assert status == 401 and body["error"]["code"] == "SESSION_REVOKED"
+
+
+async def test_an_oversized_form_and_an_action_of_no_route_are_refused(app: Appliance) -> None:
+    """Signed in, with the right form token: a form over MAX_FORM_BYTES is 413, an action the route
+    does not name (``/sessions/{sid}/{how:revoke|close}``) is 404, a body that is not a form carries
+    no form token (403); the session stays active through all of them. The partner: the same form,
+    within its limit, revokes it."""
+    g = await app.grant(app.agent("calendar_agent"))
+    sid = g["session_id"]
+    async with dashboard(app.paths) as d, browser(d) as b:
+        await b.login()
+        token = await b.csrf()
+        form = {"csrf": token, "confirmed": "yes"}
+        status, _, _ = await b.request("POST", f"/sessions/{sid}/revoke", data={**form, "pad": "x" * MAX_FORM_BYTES})
+        assert status == 413
+        for how in ("delete", "Revoke", "revoke2", ""):
+            status, _, _ = await b.request("POST", f"/sessions/{sid}/{how}", data=form)
+            assert status == 404, how
+        status, html, _ = await b.request(
+            "POST", f"/sessions/{sid}/revoke", data=json.dumps(form), headers={"Content-Type": "application/json"}
+        )
+        assert status == 403 and "Refused" in html
+        assert await asyncio.to_thread(_session_status, app.paths, sid) == "active"
+        status, _, hdrs = await b.request("POST", f"/sessions/{sid}/revoke", data=form)
+        assert status == 303 and hdrs["Location"] == "/sessions"
+        assert await asyncio.to_thread(_session_status, app.paths, sid) == "revoked"
 
 
 def _session_status(paths: Paths, sid: str) -> str:
