@@ -68,6 +68,7 @@ MAX_LINE = 8190  # bytes of the request target
 MAX_FIELD = 8190  # bytes of one header line (name and value)
 MAX_HEADERS = 128  # header lines of one request
 BODY_BUFFER = 256 * 1024  # request body bytes held ahead of the handler; reading pauses past it
+READ_BUFFER = 256 * 1024  # what one read from a connection takes at most (Server.read_buffer)
 HEADER_SECONDS = 30.0  # a request's headers arrive whole within this of its first byte
 KEEPALIVE_SECONDS = 75.0  # an idle keep-alive connection is closed after this
 LINGER_SECONDS = 10.0  # the unread rest of a refused body is read and dropped for at most this long
@@ -666,8 +667,14 @@ class _Refused(Exception):
         self.status = status
 
 
-class Connection(asyncio.Protocol):
-    """One client connection: the parser's callbacks queue requests, :meth:`_serve` answers them in order."""
+class Connection(asyncio.BufferedProtocol):
+    """One client connection: the parser's callbacks queue requests, :meth:`_serve` answers them in order.
+
+    Reads land in the server's one read buffer (:meth:`Server.read_buffer`), which every read's
+    parse empties before the next read: the parser copies what it keeps (target, headers, body
+    pieces). A copying protocol would have the loop's TLS layer allocate a fresh read-sized bytes
+    object per read (256 KiB under uvloop: above glibc's mmap threshold, so an mmap, mremap and
+    munmap with their page faults for every request; ``benchmarks/bench_tls_transport.py``)."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -731,7 +738,14 @@ class Connection(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.server.read_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self.server.read_buffer()[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        """Bytes read from the client (a view of the server's read buffer: parsed before returning)."""
         if self.closing:
             return
         self.last_active = self.loop.time()
@@ -1010,6 +1024,15 @@ class Server:
         self.evicted = 0  # idle connections closed to make room for a newcomer
         self.refused = 0  # newcomers closed because every connection was in a request
         self._said_at: float | None = None
+        self._read_buffer: memoryview | None = None
+
+    def read_buffer(self) -> memoryview:
+        """The buffer every connection of this server reads into (made at the first read). One is
+        enough: a server belongs to one event loop, and each read is parsed before the loop reads
+        again; its pages are touched only as far as reads fill it."""
+        if self._read_buffer is None:
+            self._read_buffer = memoryview(bytearray(READ_BUFFER))
+        return self._read_buffer
 
     def admit(self) -> bool:
         """Room for one more connection: under the budget, or once the connection idle the longest

@@ -790,7 +790,7 @@ class GuardedConnection(httpd.Connection):
             self._admitted = False
             super().connection_lost(exc)
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         conn = self.record
         conn.data(len(data))
         last = self.queue[-1] if self.queue else None
