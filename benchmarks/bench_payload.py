@@ -310,7 +310,10 @@ def stream_cpu(mib: int, rounds: int, baseline: Path | None) -> None:
     event loop's thread (TLS, HTTP parsing, the loop itself) and the others (hash and write), for
     this tree and, alternating, ``baseline``'s ``gateway/remote/payload_service.py``. On the
     product's event loop (``gateway.eventloop.run``: uvloop; ``UOMP_UVLOOP=0`` for asyncio's). CPU,
-    not wall time: it stays comparable on a loaded machine."""
+    not wall time: it stays comparable on a loaded machine. Its listener lives in this process, whose
+    heap has done enough to raise glibc's mmap threshold: a cost that only a freshly started
+    gateway pays (a read-sized allocation per TLS read; ``bench_tls_transport.py``) does not show
+    here, only in the full run."""
     import importlib.util
     import inspect
     import resource
