@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import queue
 import socket
 import ssl
 import statistics
@@ -157,7 +158,14 @@ def _phase(kind: str, certs: dict[str, str], bulk_mib: int, client: Any, args: t
     server = spawn.Process(target=_serve, args=(kind, certs, bulk_mib * BLOCK, ready), daemon=True)
     server.start()
     try:
-        port = ready.get(timeout=120)
+        port = None
+        deadline = time.monotonic() + 120
+        while port is None:
+            try:
+                port = ready.get(timeout=0.5)
+            except queue.Empty:
+                if not server.is_alive() or time.monotonic() > deadline:
+                    raise SystemExit(f"the {kind} server did not start (exit {server.exitcode})") from None
         assert server.pid is not None
         (cpu0, flt0), t0 = _usage(server.pid), time.perf_counter()
         proc = spawn.Process(target=client, args=(port, certs, *args))
@@ -226,9 +234,13 @@ def main() -> None:
             f"page faults per round trip; bulk {m['mibs']:5.0f} MiB/s, {m['s_gib']:4.2f} s server CPU per GiB"
         )
     cp, bf = med["copying"], med["buffered"]
+
+    def ratio(m: str) -> str:  # a phase too short for the clock's ticks measures no CPU
+        return f"{bf[m] / cp[m]:.2f}" if cp[m] else "n/a"
+
     print(
-        f"RATIOS buffered/copying: CPU per round trip {bf['us'] / cp['us']:.2f}, round trips/s "
-        f"{bf['rt'] / cp['rt']:.2f}; CPU per GiB {bf['s_gib'] / cp['s_gib']:.2f}, MiB/s {bf['mibs'] / cp['mibs']:.2f}"
+        f"RATIOS buffered/copying: CPU per round trip {ratio('us')}, round trips/s {ratio('rt')}; "
+        f"CPU per GiB {ratio('s_gib')}, MiB/s {ratio('mibs')}"
     )
 
 
