@@ -4,28 +4,11 @@ both servers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_tls_transport.py"
-
-
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, **(env or {})},
-    )
+from benchkit import run_bench
 
 
 def test_both_protocols_run_and_report() -> None:
-    out = _run("--rounds", "1", "--requests", "30", "--clients", "2", "--mib", "2")
+    out = run_bench("bench_tls_transport.py", "--rounds", "1", "--requests", "30", "--clients", "2", "--mib", "2")
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     for kind in ("copying", "buffered"):

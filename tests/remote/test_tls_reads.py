@@ -18,26 +18,12 @@ import tracemalloc
 from pathlib import Path
 
 from gateway import httpd
+from gateway.config import GatewayConfig
 from gateway.remote import transport
 from gateway.remote.tls import build_server_context
 from tests.certutil import make_cert_set
 
 ANSWER_BYTES = 64
-
-
-def _limits() -> transport.Limits:
-    return transport.Limits(
-        max_verified=16,
-        max_unverified=16,
-        max_unverified_per_ip=16,
-        handshake_timeout=10.0,
-        shutdown_timeout=5.0,
-        first_byte_timeout=10.0,
-        header_timeout=10.0,
-        body_timeout=30.0,
-        min_body_rate=0,
-        body_rate_grace=5.0,
-    )
 
 
 async def _echo_digest(request: httpd.Request) -> httpd.AnyResponse:
@@ -58,8 +44,13 @@ async def _listener(tmp_path: Path) -> tuple[httpd.Server, int, ssl.SSLContext]:
     app.router.add_route("GET", "/r", _echo_digest)
     app.router.add_route("POST", "/r", _echo_digest)
     server = httpd.Server(app, name="tls-reads")
+    limits = transport.Limits.for_listener(GatewayConfig(), "mtls")  # the product's defaults
     srv = await transport.listen(
-        server, "127.0.0.1", 0, ssl_context=ctx, registry=transport.ConnectionRegistry(_limits())
+        server,
+        "127.0.0.1",
+        0,
+        ssl_context=ctx,
+        registry=transport.ConnectionRegistry(limits),
     )
     return server, int(srv.sockets[0].getsockname()[1]), certs.client_context("good")
 
