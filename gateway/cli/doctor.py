@@ -261,7 +261,7 @@ def _audit_log(r: Report, paths: Paths) -> None:
 
 def _speed(r: Report) -> None:
     """What the servers run on: the HTTP parser of the guard and the gateway (llhttp, which has no
-    pure-Python fallback), aiohttp's C HTTP parser (the dashboard and the agent SDK's client), the
+    pure-Python fallback), aiohttp's C HTTP parser (the agent SDK's client and the chain clients), the
     event loop, the JSON codec. The last three are only speed (the pure-Python fallbacks behave the
     same), so these are notes, not problems."""
     from importlib.metadata import PackageNotFoundError, version
@@ -280,7 +280,7 @@ def _speed(r: Report) -> None:
     except ImportError:
         active = False
     if active:
-        r.ok("aiohttp C extensions active (HTTP parser aiohttp._http_parser: the dashboard, the SDK's client)")
+        r.ok("aiohttp C extensions active (HTTP parser aiohttp._http_parser: the SDK's and the chain clients)")
     else:
         r.note(
             "aiohttp C extensions OFF (pure-Python HTTP parser: slower; AIOHTTP_NO_EXTENSIONS is "

@@ -3,8 +3,8 @@
 * gateway/jsonio.py answers exactly as the standard library (values, big integers, non-ASCII,
   floats, refusals);
 * gateway/eventloop.py runs uvloop by default and asyncio's loop when switched off;
-* the servers parse HTTP with llhttp, aiohttp's C extensions are what the dashboard and the SDK's
-  client use, and ``uomp doctor`` says both;
+* the servers parse HTTP with llhttp, aiohttp's C extensions are what the SDK's client and the
+  chain clients use, and ``uomp doctor`` says both;
 * the decoded-session cache (gateway/guard/sessions.py) never outlives a revocation: revoked through
   the admin API (same process) or by ``uomp sessions revoke`` (another process, writing auth.db
   itself), the very next read is refused; expiry likewise.
