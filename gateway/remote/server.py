@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # the uplink's code (h2, hpack) is loaded only by a gateway t
 log = logging.getLogger("uomp.gateway")
 
 MAX_HEADERS = 64  # header lines of one request
-STOP_GRACE_SECONDS = 30.0  # at stop, requests in progress get this long to finish
 
 
 def tls_paths(paths: Paths, cfg: GatewayConfig) -> tuple[Path, Path, Path, Path]:
@@ -369,7 +368,7 @@ class GatewayRunner:
             srv.close()
         for reg in (self.registry, self.tunnel_registry, self.metrics_registry):
             reg.close_unverified_handshakes()  # the HTTP servers know nothing of these yet
-        await asyncio.gather(*(server.close(STOP_GRACE_SECONDS) for server in self._http))
+        await asyncio.gather(*(server.close() for server in self._http))  # httpd.STOP_GRACE_SECONDS each
         self._http.clear()
         for reg in (self.registry, self.tunnel_registry, self.metrics_registry):
             reg.close_all()
