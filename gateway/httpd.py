@@ -660,11 +660,8 @@ async def _not_found(request: Request) -> AnyResponse:
 
 
 class _Refused(Exception):
-    """A limit of this module, found by a parser callback: answered with ``status``."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
+    """A limit of this module, found by a parser callback: stops the parse (the status to answer is
+    kept on the connection, :meth:`Connection._limit`)."""
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -702,6 +699,7 @@ class Connection(asyncio.BufferedProtocol):
         self.stream: StreamResponse | None = None  # the streamed answer of the request in hand
         self.lingering = False  # answered; the unread rest of its body is being dropped, then the end
         self._refusal: int | None = None  # bytes that could not be parsed, answered after those queued
+        self._limit_status: int | None = None  # set by a parser callback that refuses (_limit)
         self.last_active = self.loop.time()  # the last byte read or answer written (Server.admit)
 
     # -- the transport's side --------------------------------------------------------------
@@ -760,9 +758,11 @@ class Connection(asyncio.BufferedProtocol):
                 self._pause(4)  # never resumed
             else:
                 self.close()
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            self._refuse(cause.status if isinstance(cause, _Refused) else 400)
+        except httptools.HttpParserCallbackError:
+            # the status is the connection's: the parser error's context is whatever exception was
+            # being handled when it was raised, not necessarily the callback's
+            status, self._limit_status = self._limit_status or 400, None
+            self._refuse(status)
         except httptools.HttpParserError:
             self._refuse(400)
 
@@ -777,6 +777,11 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- the parser's callbacks ------------------------------------------------------------
 
+    def _limit(self, status: int) -> _Refused:
+        """A limit found by a callback: ``status`` is answered once the parser stops."""
+        self._limit_status = status
+        return _Refused(status)
+
     def on_message_begin(self) -> None:
         self._in_message = True
         self._target.clear()
@@ -785,14 +790,14 @@ class Connection(asyncio.BufferedProtocol):
     def on_url(self, url: bytes) -> None:
         self._target += url
         if len(self._target) > self.server.max_line:
-            raise _Refused(414)
+            raise self._limit(414)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) + 2 > self.server.max_field:
-            raise _Refused(431)
+            raise self._limit(431)
         self._headers.append((name, value))
         if len(self._headers) > self.server.max_headers:
-            raise _Refused(431)
+            raise self._limit(431)
 
     def on_headers_complete(self) -> None:
         if self.lingering:
@@ -800,12 +805,12 @@ class Connection(asyncio.BufferedProtocol):
         parser = self.parser
         version = parser.get_http_version()
         if version not in ("1.1", "1.0"):
-            raise _Refused(505)
+            raise self._limit(505)
         codings = [v for k, v in self._headers if k.lower() == b"transfer-encoding"]
         if codings and (len(codings) > 1 or codings[0].strip().lower() != b"chunked"):
             # one coding is understood, chunked, alone (RFC 9112 §6.1): anything else could frame
             # the body differently for another parser on the way (request smuggling)
-            raise _Refused(400)
+            raise self._limit(400)
         keep_alive = parser.should_keep_alive() and not self.closing
         request = Request(
             self.app,

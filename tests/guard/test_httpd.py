@@ -545,3 +545,32 @@ async def test_an_answer_header_with_a_line_break_is_never_written(h: Harness) -
     writer.write(b"GET /v1/echo/fine HTTP/1.1\r\nHost: g\r\n\r\n")
     assert (await read_answer(reader))[0] == 200
     writer.close()
+
+
+async def test_a_refusal_keeps_its_status_when_the_parse_runs_inside_a_handled_exception(h: Harness) -> None:
+    """A limit found in a parser callback answers its own status (414, 431, 505) even when the bytes
+    are parsed while another exception is being handled: Python then sets the parser error's context
+    to that exception, so the status cannot be read back from the context. Its partners: a request
+    inside the limits, parsed the same way, is answered 200."""
+    too_long = b"/v1/echo/" + b"a" * httpd.MAX_LINE
+    heads = {
+        414: b"GET " + too_long + b" HTTP/1.1\r\nHost: g\r\n\r\n",
+        431: b"GET /v1/echo/x HTTP/1.1\r\nHost: g\r\n" + b"X-A: b\r\n" * (httpd.MAX_HEADERS + 1) + b"\r\n",
+        505: b"GET /v1/echo/x HTTP/2.0\r\nHost: g\r\n\r\n",
+        200: b"GET /v1/echo/fine HTTP/1.1\r\nHost: g\r\n\r\n",
+    }
+    for status, raw in heads.items():
+        known = set(h.server.connections)
+        reader, writer = await h.open()
+        for _ in range(200):
+            fresh = h.server.connections - known
+            if fresh:
+                break
+            await asyncio.sleep(0.01)
+        (conn,) = fresh
+        try:
+            raise LookupError("handled by someone else while the bytes are parsed")
+        except LookupError:
+            conn.data_received(raw)
+        assert (await read_answer(reader))[0] == status, raw[:40]
+        writer.close()
