@@ -74,27 +74,27 @@ async def entry(request: httpd.Request) -> httpd.AnyResponse:
     call = Call(request, state, via=listener)
     resp: httpd.AnyResponse
     code: str | None = None
+    failed: UompError | None = None  # the refusal whose event is written below
     try:
-        resp = await _dispatch(state, call)
-    except (UompError, httpd.BodyError) as caught:
-        # a body that broke off or was malformed is the client's: INVALID_REQUEST, never INTERNAL
-        err = caught if isinstance(caught, UompError) else UompError(ErrorCode.INVALID_REQUEST, BODY_BROKEN)
-        code = err.code
-        if err.session_id is None and call.cap is not None:
-            err.session_id = call.cap.session_id
-        resp = error_response(err)
         try:
-            await record(call, status=err.status, allowed=False, reason=err.message, code=err.code)
-        except UompError as log_exc:  # the event could not be written: the client gets 503, not 500
-            code, resp = ErrorCode.STORE_UNAVAILABLE, unrecorded_response(log_exc)
-    except Exception as exc:
-        code = ErrorCode.INTERNAL
-        log.error("unhandled %s in gateway handler", type(exc).__name__)
-        resp = error_response(UompError(ErrorCode.INTERNAL, "internal error"))
-        try:
-            await record(call, status=500, allowed=False, reason="internal error", code=ErrorCode.INTERNAL)
-        except UompError as log_exc:
-            code, resp = ErrorCode.STORE_UNAVAILABLE, unrecorded_response(log_exc)
+            resp = await _dispatch(state, call)
+        except (UompError, httpd.BodyError) as caught:
+            # a body that broke off or was malformed is the client's: INVALID_REQUEST, never INTERNAL
+            failed = caught if isinstance(caught, UompError) else UompError(ErrorCode.INVALID_REQUEST, BODY_BROKEN)
+            if failed.session_id is None and call.cap is not None:
+                failed.session_id = call.cap.session_id
+        except Exception as exc:
+            log.error("unhandled %s in gateway handler", type(exc).__name__)
+            failed = UompError(ErrorCode.INTERNAL, "internal error")
+        if failed is not None:
+            # Written after the except clauses, not inside one: nothing caught stays "being handled"
+            # while this waits for the guard (a compiled coroutine does not restore that state when
+            # it suspends), where it would become the context of unrelated exceptions.
+            code, resp = failed.code, error_response(failed)
+            try:
+                await record(call, status=failed.status, allowed=False, reason=failed.message, code=failed.code)
+            except UompError as log_exc:  # the event could not be written: the client gets 503, not 500
+                code, resp = ErrorCode.STORE_UNAVAILABLE, unrecorded_response(log_exc)
     finally:
         transport.request_finished(request)
     transport.last_answer(request, resp)

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import ssl
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,37 @@ async def test_no_client_certificate_is_401_json_and_audited(app: Appliance) -> 
     assert status == 401 and body["error"]["code"] == "CERT_REQUIRED"
     ev = access_events(app.paths)[-1]
     assert ev["allowed"] is False and ev["code"] == "CERT_REQUIRED"
+
+
+async def test_a_refused_request_leaves_no_exception_being_handled(app: Appliance) -> None:
+    """The gateway writes a refused request's event (which waits for the guard) after the clause that
+    caught the refusal, not inside it: nothing stays "being handled" on the loop's thread afterwards,
+    where it would become the context of unrelated exceptions (a parser's refusal among them) and keep
+    the request's objects alive. Partners: a granted read, and the loop's state after each."""
+    a = app.agent("calendar_agent")
+    g = await app.grant(a)
+    loop = asyncio.get_running_loop()
+
+    async def handled_on_the_loop() -> BaseException | None:
+        seen: list[BaseException | None] = []
+        loop.call_soon(lambda: seen.append(sys.exc_info()[1]))
+        await asyncio.sleep(0.05)
+        return seen[0]
+
+    signing = keys.load_signing_key(app.paths)
+    now = time.time()
+    claims = {**jose.parse_compact(g["token"]).payload, "exp": int(now) - 5, "expires_at": tokens.iso(now - 5)}
+    expired = tokens.sign_token(claims, signing.key, signing.kid)
+    async with agent_session(a, app.paths) as s:
+        for token, want in (("not-a-token", 401), (expired, 401), (g["token"], 200), (g["token"] + "x", 401)):
+            answers = await asyncio.gather(
+                *(
+                    agent_call(s, app.base, "/v1/memory/preference.theme", token=token, agent_id=a.agent_id)
+                    for _ in range(10)
+                )
+            )
+            assert {status for status, _, _ in answers} == {want}, answers[0][1]
+            assert await handled_on_the_loop() is None
 
 
 async def test_tls12_client_refused(app: Appliance) -> None:
