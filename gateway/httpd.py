@@ -57,6 +57,7 @@ from typing import Any, Generic, TypeVar, cast, overload
 from urllib.parse import parse_qsl, unquote
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 from gateway import jsonio
 
@@ -184,6 +185,7 @@ class Query:
         return any(k == name for k, _ in self._pairs)
 
 
+@mypyc_attr(native_class=False)  # compiled (gateway/native.py): a native class cannot subclass an OSError
 class BodyError(ConnectionResetError):
     """The request's body cannot be read to its end: the connection broke, or its framing (a chunk)
     was malformed. The request is the client's fault, never the server's (a 4xx)."""
@@ -1076,7 +1078,7 @@ class Server:
         """Listens on ``host:port`` (0: any free port); returns the port."""
         srv = await self.loop.create_server(self.protocol, host, port, backlog=backlog, reuse_address=True)
         self.listeners.append(srv)
-        return int(srv.sockets[0].getsockname()[1])
+        return bound_port(srv)
 
     def idle_changed(self) -> None:
         if self._idle is not None and not any(c.busy for c in self.connections):
@@ -1100,3 +1102,9 @@ class Server:
         for conn in list(self.connections):
             conn.abort()
         await self.app.cleanup()
+
+
+def bound_port(server: asyncio.AbstractServer) -> int:
+    """The port ``server`` listens on (its first socket's). ``sockets`` is read untyped: uvloop's is a
+    list where asyncio's stubs say tuple, and compiled code checks the declared type."""
+    return int(cast(Any, server).sockets[0].getsockname()[1])

@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from mypy_extensions import mypyc_attr
+
 from gateway.errors import ErrorCode, UompError
 
 MAX_HEAD_BYTES = 32 * 1024  # status line + header fields of one answer
@@ -184,6 +186,7 @@ def check_body_size(received: int) -> None:
         raise garbage("body larger than the gateway accepts")
 
 
+@mypyc_attr(native_class=False)  # compiled (gateway/native.py): a native class cannot subclass str
 class HeaderBlock(str):
     """Header lines already checked by :func:`header_block` (a ``str`` of ``Name: value\r\n`` lines):
     a caller that sends the same headers on many requests checks them once."""

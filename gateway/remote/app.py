@@ -42,6 +42,7 @@ from __future__ import annotations
 import email.utils
 import logging
 import time
+from typing import ClassVar
 
 from gateway import httpd
 from gateway.errors import ErrorCode, UompError
@@ -168,8 +169,8 @@ def server_headers(headers: dict[str, str]) -> None:
 class _Clock:
     """Now as an IMF-fixdate, made at most once a second."""
 
-    second = 0
-    text = ""
+    second: ClassVar[int] = 0
+    text: ClassVar[str] = ""
 
     @classmethod
     def now(cls) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from gateway import contract, jsonio
 from gateway.core.http1 import HeaderBlock
 from gateway.errors import ErrorCode, UompError
-from gateway.remote.upstream import DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
+from gateway.remote.upstream import CHUNK_BYTES, DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
 
 __all__ = [
     "CHUNK",
@@ -39,7 +39,7 @@ __all__ = [
 # response headers passed back: the gateway<->guard contract.
 FORWARD_REQUEST_HEADERS = contract.FORWARD_REQUEST_HEADERS
 FORWARD_RESPONSE_HEADERS = contract.FORWARD_RESPONSE_HEADERS
-CHUNK = 64 * 1024
+CHUNK = CHUNK_BYTES
 MAX_JSON_BYTES = 1024 * 1024  # a JSON exchange with the guard (token validation, refresh)
 
 
@@ -56,7 +56,7 @@ class Answer(Protocol):
     @property
     def content_length(self) -> int | None: ...
     async def read(self, limit: int) -> bytes: ...
-    def iter_chunks(self, size: int = ...) -> AsyncIterator[bytes]: ...
+    def iter_chunks(self, size: int = CHUNK_BYTES) -> AsyncIterator[bytes]: ...
     def release(self) -> None: ...
 
 

@@ -249,7 +249,7 @@ class GatewayRunner:
             reuse_port=cfg.listen_reuse_port,
         )
         self._servers.append(srv)
-        self.port = srv.sockets[0].getsockname()[1]
+        self.port = httpd.bound_port(srv)
         if cfg.listen_port == 0:
             # the audience of a test gateway on an ephemeral port
             state.add_endpoint(f"https://localhost:{self.port}")
@@ -270,7 +270,7 @@ class GatewayRunner:
                 backlog=backlog,
             )
             self._servers.append(tsrv)
-            self.tunnel_port = tsrv.sockets[0].getsockname()[1]
+            self.tunnel_port = httpd.bound_port(tsrv)
             if not state.listener_endpoints.get("tunnel"):
                 log.warning(
                     "the tunnel-origin listener has no tunnel_endpoints: it refuses every request "
@@ -287,7 +287,7 @@ class GatewayRunner:
                 backlog=backlog,
             )
             self._servers.append(msrv)
-            self.metrics_port = msrv.sockets[0].getsockname()[1]
+            self.metrics_port = httpd.bound_port(msrv)
         if self.uplink is not None:
             check_bind(cfg.uplink_listen_host, cfg.allow_non_loopback, "the uplink listener")
             self.uplink_port = await self.uplink.listen(cfg.uplink_listen_host, cfg.uplink_listen_port)

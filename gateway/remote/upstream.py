@@ -48,7 +48,7 @@ for a slot within their deadline), at most :data:`MAX_IDLE` idle connections are
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -74,6 +74,7 @@ BUFFER_BODY_BYTES = 256 * 1024  # Content-Length bodies up to this size are read
 READ_HIGH_WATER = 256 * 1024  # stop reading the socket while this much is buffered and unread
 IDLE_SECONDS = 10.0  # an idle pooled connection older than this is closed (the guard keeps 75 s)
 MAX_IDLE = 64  # idle connections kept in the pool
+CHUNK_BYTES = 64 * 1024  # the pieces a streamed answer is read in
 DEFAULT_MAX_CONNECTIONS = 256  # exchanges at once
 
 
@@ -368,23 +369,16 @@ class UpstreamResponse:
         parts: list[bytes] = []
         got = 0
         while got < limit:
-            piece = await self._next(min(64 * 1024, limit - got))
+            piece = await self._next(min(CHUNK_BYTES, limit - got))
             if not piece:
                 break
             parts.append(piece)
             got += len(piece)
         return b"".join(parts)
 
-    async def iter_chunks(self, size: int = 64 * 1024) -> AsyncIterator[bytes]:
-        if self.body is not None:
-            for i in range(0, len(self.body), size):
-                yield self.body[i : i + size]
-            return
-        while True:
-            piece = await self._next(size)
-            if not piece:
-                return
-            yield piece
+    def iter_chunks(self, size: int = CHUNK_BYTES) -> BodyChunks:
+        """The body in pieces of at most ``size`` bytes (``async for``)."""
+        return BodyChunks(self, size)
 
     def _abort(self) -> None:
         conn, self._conn = self._conn, None
@@ -402,6 +396,30 @@ class UpstreamResponse:
         else:
             conn.close()
             self._client._finished(None)
+
+
+class BodyChunks:
+    """An answer's body in pieces of at most ``size`` bytes (a plain async iterator: the module is
+    compiled with mypyc, which has no async generators)."""
+
+    def __init__(self, response: UpstreamResponse, size: int) -> None:
+        self.response = response
+        self.size = size
+        self.offset = 0  # into a body read whole already
+
+    def __aiter__(self) -> BodyChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        body = self.response.body
+        if body is not None:
+            piece = body[self.offset : self.offset + self.size]
+            self.offset += len(piece)
+        else:
+            piece = await self.response._next(self.size)
+        if not piece:
+            raise StopAsyncIteration
+        return piece
 
 
 class UpstreamClient:
