@@ -9,11 +9,18 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating the virtualenv .venv" >&2
   "$PY" -m venv .venv
 fi
-extras=""
-[ "${1:-}" = "--dev" ] && extras="[dev]"
-stamp=".venv/.uomp-installed${extras:+-dev}"
+extras="[native]"
+suffix=""
+if [ "${1:-}" = "--dev" ]; then extras="[dev,native]"; suffix="-dev"; fi
+stamp=".venv/.uomp-installed${suffix}"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+# The request path compiled with mypyc for these sources (gateway/native.py; quick when built
+# already). Without a C compiler it fails and says so: the appliance then runs as plain Python.
+native() {
+  .venv/bin/python -m gateway.cli.native build >&2 || echo "setup: continuing without the compiled request path" >&2
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import gateway" 2>/dev/null; then
+  native
   exit 0
 fi
 echo "setup: installing uomp${extras} and its dependencies into .venv (first run: about a minute)..." >&2
@@ -23,4 +30,5 @@ if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${
 fi
 rm -f "$log"
 echo "$want" > "$stamp"
+native
 echo "setup: done" >&2

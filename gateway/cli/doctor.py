@@ -266,7 +266,7 @@ def _speed(r: Report) -> None:
     same), so these are notes, not problems."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from gateway import eventloop, jsonio
+    from gateway import eventloop, jsonio, native
 
     try:
         r.ok(f"HTTP servers parse with llhttp (httptools {version('httptools')})")
@@ -289,6 +289,7 @@ def _speed(r: Report) -> None:
         )
     loop = eventloop.describe()
     (r.ok if loop.startswith("uvloop") else r.note)(f"event loop {loop}")
+    (r.ok if native.status.startswith("compiled") else r.note)(f"request path {native.status}")
     codec = jsonio.backend()
     (r.ok if codec.startswith("orjson") else r.note)(f"JSON {codec}")
 

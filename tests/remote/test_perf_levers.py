@@ -192,15 +192,17 @@ def test_aiohttp_c_extensions_are_active_and_doctor_says_so(home: Paths) -> None
     assert "aiohttp C extensions active" in out.stdout, out.stdout
     assert "HTTP servers parse with llhttp (httptools " in out.stdout, out.stdout
     assert "event loop uvloop" in out.stdout and "JSON orjson" in out.stdout
+    assert "request path compiled (" in out.stdout, out.stdout
     off = subprocess.run(
         [*UOMP, "--home", str(home.home), "doctor"],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "AIOHTTP_NO_EXTENSIONS": "1", "UOMP_UVLOOP": "0"},
+        env={**os.environ, "AIOHTTP_NO_EXTENSIONS": "1", "UOMP_UVLOOP": "0", "UOMP_NATIVE": "0"},
     )
     assert "aiohttp C extensions OFF" in off.stdout, off.stdout
     assert "event loop asyncio (UOMP_UVLOOP=0)" in off.stdout
+    assert "request path plain Python (UOMP_NATIVE=0)" in off.stdout
 
 
 # -------------------------------------------------------------------- session cache + revocation

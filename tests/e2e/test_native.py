@@ -1,0 +1,160 @@
+"""The request path compiled with mypyc (gateway/native.py): the suite runs it, a build serves only
+the sources it was made from (any edit: plain Python), an incomplete build is never used, and
+``uomp gateway start`` answers the same compiled and as plain Python."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from startkit import read_until, remote_calendar
+
+from gateway import native
+
+SUFFIX = str(sysconfig.get_config_var("EXT_SUFFIX"))
+UOMP = [sys.executable, "-m", "gateway.cli.main"]
+PROBE = (
+    "import json, gateway, gateway.httpd, gateway.remote.app as app;"
+    "print(json.dumps([gateway.native.status, gateway.httpd.__file__, app.__file__]))"
+)
+
+
+def probe(env: dict[str, str] | None = None, pythonpath: Path | None = None) -> tuple[str, str, str]:
+    """(status, gateway.httpd's file, gateway.remote.app's file) in a fresh interpreter."""
+    full = {**os.environ, **(env or {})}
+    if pythonpath is not None:
+        full["PYTHONPATH"] = str(pythonpath)
+    cwd = pythonpath or Path("/")  # (-c puts the working directory first on the path)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, env=full, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    status, httpd_file, app_file = json.loads(out.stdout)
+    return status, httpd_file, app_file
+
+
+def copy_of_sources(dest: Path) -> Path:
+    shutil.copytree(native.PACKAGE_DIR, dest / "gateway", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def test_the_suite_runs_the_compiled_request_path() -> None:
+    status, httpd_file, app_file = probe()
+    assert status.startswith("compiled ("), f"scripts/setup.sh did not compile the request path: {status}"
+    assert httpd_file.endswith(SUFFIX) and app_file.endswith(SUFFIX)
+    # partner: switched off, the same modules run from their sources
+    status, httpd_file, app_file = probe({"UOMP_NATIVE": "0"})
+    assert status == "plain Python (UOMP_NATIVE=0)"
+    assert httpd_file == str(native.PACKAGE_DIR / "httpd.py")
+
+
+def test_a_build_serves_only_the_sources_it_was_made_from(tmp_path: Path) -> None:
+    # the same bytes with other modification times (a fresh checkout): found by its content
+    same = copy_of_sources(tmp_path / "same")
+    status, httpd_file, _ = probe(pythonpath=same)
+    assert status.startswith("compiled (") and httpd_file.endswith(SUFFIX)
+    # one byte more in a compiled module, or in one it was type-checked against: plain Python
+    for edited in ("httpd.py", "errors.py"):
+        tree = copy_of_sources(tmp_path / edited)
+        with (tree / "gateway" / edited).open("a") as fh:
+            fh.write("\n# edited after the build\n")
+        status, httpd_file, app_file = probe(pythonpath=tree)
+        assert status.startswith("plain Python (no build of these sources"), (edited, status)
+        assert httpd_file == str(tree / "gateway" / "httpd.py") and app_file.endswith("app.py")
+
+
+def test_an_incomplete_or_unreadable_build_is_not_used(tmp_path: Path) -> None:
+    hit = native.find()
+    assert hit is not None, native.status
+    builds = tmp_path / "builds"
+    env = {"UOMP_NATIVE_DIR": str(builds)}
+    build = builds / hit[0].name
+    shutil.copytree(hit[0], build)
+    assert probe(env)[0].startswith("compiled (")  # partner: the whole copy serves
+    app_so = next(build.rglob("app" + SUFFIX))
+    app_so.rename(app_so.with_suffix(".gone"))
+    assert probe(env)[0].startswith("plain Python (no build")
+    app_so.with_suffix(".gone").rename(app_so)
+    manifest = build / native.MANIFEST
+    manifest.write_text(manifest.read_text()[:-20])  # cut short
+    assert probe(env)[0].startswith("plain Python (no build")
+    assert probe({"UOMP_NATIVE_DIR": str(tmp_path / "nowhere")})[0].startswith("plain Python (no build")
+
+
+def test_uomp_native_status_and_build_say_what_runs() -> None:
+    status = subprocess.run(
+        [sys.executable, "-m", "gateway.cli.native", "status"], capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0 and status.stdout.startswith("compiled (")
+    built = subprocess.run(
+        [sys.executable, "-m", "gateway.cli.native", "build"], capture_output=True, text=True, timeout=120
+    )
+    assert built.returncode == 0 and built.stdout.startswith("native: up to date (")
+    off = subprocess.run(
+        [sys.executable, "-m", "gateway.cli.native", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "UOMP_NATIVE": "0"},
+    )
+    assert off.returncode == 1 and off.stdout.strip() == "plain Python (UOMP_NATIVE=0)"
+
+
+def _uomp(home: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*UOMP, "--home", str(home), *args], capture_output=True, text=True, timeout=60, check=True, env=env
+    )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["compiled", "plain"])
+async def test_the_appliance_answers_the_same_compiled_and_plain(tmp_path: Path, mode: str) -> None:
+    env = {**os.environ, "UOMP_NATIVE": "1" if mode == "compiled" else "0"}
+    home = tmp_path / "home"
+
+    def uomp(h: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return _uomp(h, *args, env=env)
+
+    uomp(home, "init")
+    uomp(home, "memory", "add", "preference.theme", "--value", '"dark"', "--tag", "preference", "--sensitivity", "low")
+    uomp(home, "memory", "add", "identity.name", "--value", '"Ada"', "--tag", "identity", "--sensitivity", "high")
+    doctor = subprocess.run([*UOMP, "--home", str(home), "doctor"], capture_output=True, text=True, env=env)
+    want = "request path compiled (" if mode == "compiled" else "request path plain Python (UOMP_NATIVE=0)"
+    assert want in doctor.stdout, doctor.stdout
+    proc = subprocess.Popen(
+        [*UOMP, "--home", str(home), "gateway", "start", "--listen", "127.0.0.1:0", "--no-local-port"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        m = re.search(r"https://127\.0\.0\.1:(\d+)", read_until(proc, "gateway: "))
+        assert m
+        port = int(m.group(1))
+        ctx, headers = remote_calendar(uomp, home, tmp_path, port)
+        base = f"https://localhost:{port}/v1/memory/"
+        answers: list[tuple[int, Any]] = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s:
+            for key, hdrs in (
+                ("preference.theme", headers),  # granted
+                ("identity.name", headers),  # not granted
+                ("preference.theme", {**headers, "Authorization": headers["Authorization"] + "x"}),  # forged
+                ("preference.theme", {k: v for k, v in headers.items() if k != "Authorization"}),  # no token
+            ):
+                async with s.get(base + key, headers=hdrs) as resp:
+                    body = await resp.json()
+                    answers.append((resp.status, body.get("value") or body["error"]["code"]))
+        assert answers == [(200, "dark"), (403, "ACCESS_DENIED"), (401, "INVALID_TOKEN"), (401, "INVALID_TOKEN")]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0
