@@ -3,14 +3,16 @@
     git -C /work/main archive main gateway | tar -x -C /tmp/uomp-base      # the "before" tree
     .venv/bin/python benchmarks/bench_gateway_ab.py --base /tmp/uomp-base [--rounds 6] [--duration 5]
         [--clients 50]
+    .venv/bin/python benchmarks/bench_gateway_ab.py --base plain     # plain Python vs compiled
 
 Two appliances, each laid out as in ``bench_gateway.py`` (gateway process + guard child, throwaway
 UOMP_HOME, one agent, 200 keys): "base" runs the ``gateway`` package found in ``--base`` (put first
-on its ``PYTHONPATH``), "this" the package of this checkout. Their keep-alive mTLS phases (GET by
-key, ``--clients`` connections) alternate, base first in even rounds and second in odd ones, so the
-drift of a shared machine hits both alike. Printed per phase and as medians: req/s, the gateway
-process's CPU per request (µs, utime + stime of the process and its threads over the phase /
-answers) and the guard's. On a machine shared with other work the req/s move a lot; the CPU per
+on its ``PYTHONPATH``), "this" the package of this checkout. ``--base plain``: "base" is this checkout
+with ``UOMP_NATIVE=0`` (plain Python), "this" its compiled request path (gateway/native.py). Their
+keep-alive mTLS phases (GET by key, ``--clients`` connections) alternate, base first in even rounds
+and second in odd ones, so the drift of a shared machine hits both alike. Printed per phase and as
+medians: req/s, the gateway process's CPU per request (µs, utime + stime of the process and its
+threads over the phase / answers) and the guard's. On a machine shared with other work the req/s move a lot; the CPU per
 request moves much less, and the paired rounds say which side is cheaper.
 """
 
@@ -27,16 +29,25 @@ import bench_gateway as bg
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--base", required=True, help="a directory holding the 'before' gateway package")
+    ap.add_argument(
+        "--base",
+        required=True,
+        help="a directory holding the 'before' gateway package, or 'plain': this checkout as plain Python "
+        "(UOMP_NATIVE=0) against itself compiled",
+    )
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--clients", type=int, default=50)
     args = ap.parse_args()
-    base = Path(args.base).resolve()
-    if not (base / "gateway" / "__init__.py").is_file():
-        raise SystemExit(f"{base} holds no gateway package")
+    if args.base == "plain":
+        base_env = {"UOMP_NATIVE": "0"}
+    else:
+        base = Path(args.base).resolve()
+        if not (base / "gateway" / "__init__.py").is_file():
+            raise SystemExit(f"{base} holds no gateway package")
+        base_env = {"PYTHONPATH": str(base)}
     print(f"bench_gateway_ab: {c.machine_line()}")
-    apps = {"base": bg.Appliance(label="base", max_connections=None, env={"PYTHONPATH": str(base)})}
+    apps = {"base": bg.Appliance(label="base", max_connections=None, env=base_env)}
     try:
         apps["this"] = bg.Appliance(label="this", max_connections=None)
     except BaseException:
@@ -65,6 +76,9 @@ def main() -> None:
         b = statistics.median(x[1] for x in rows["base"])
         t = statistics.median(x[1] for x in rows["this"])
         print(f"gateway CPU per request this/base: {t / b:.2f} ({t - b:+.0f} µs)")
+        gb = statistics.median(x[2] for x in rows["base"])
+        gt = statistics.median(x[2] for x in rows["this"])
+        print(f"guard CPU per request this/base: {gt / gb:.2f} ({gt - gb:+.0f} µs)")
     finally:
         for a in apps.values():
             a.stop()

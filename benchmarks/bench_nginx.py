@@ -1,7 +1,7 @@
 """Our gateway beside nginx in front of the same guard, and the guard direct, one run.
 
     .venv/bin/python benchmarks/bench_nginx.py [--duration S] [--clients N] [--rounds R]
-        [--nginx-workers N] [--reference PATH] [--baseline TREE]
+        [--nginx-workers N] [--reference PATH] [--baseline TREE | --baseline-plain]
 
 nginx comes from Debian (``bash scripts/setup-bench.sh`` installs it; nothing else is needed).
 
@@ -37,7 +37,9 @@ rounds (``bench_reference.py``'s ``Reference``); without it the command to run i
 ``--baseline``: e.g. ``git worktree add --detach /tmp/base main``), its gateway loaded in the same
 rounds as (1) (2) (3); the RATIOS line then adds this/baseline through the gateways and the
 baseline's own ours/nginx, so a change to the gateway is compared with nginx and with the code before
-it on the same noisy machine at the same time.
+it on the same noisy machine at the same time. ``--baseline-plain``: the baseline is this checkout run
+as plain Python (``UOMP_NATIVE=0``: gateway/native.py), the compiled request path against itself
+uncompiled.
 """
 
 from __future__ import annotations
@@ -213,9 +215,18 @@ def main() -> None:
     ap.add_argument("--reference", default=os.environ.get("UOMP_REFERENCE_DIR"), help="a built uomp-core checkout")
     ap.add_argument("--keep", action="store_true", help="keep the throwaway UOMP_HOME")
     ap.add_argument("--baseline", type=Path, help="another checkout whose gateway runs in the same rounds")
+    ap.add_argument(
+        "--baseline-plain",
+        action="store_true",
+        help="the baseline is this checkout as plain Python (UOMP_NATIVE=0): compiled against not compiled",
+    )
     args = ap.parse_args()
     if args.baseline is not None and not (args.baseline / "benchmarks" / "_common.py").exists():
         raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project")
+    if args.baseline_plain:
+        if args.baseline is not None:
+            raise SystemExit("--baseline and --baseline-plain: one or the other")
+        args.baseline = Path(__file__).resolve().parent.parent
     if not (1 <= args.clients <= 1000 and 0 < args.duration <= 600 and 1 <= args.rounds <= 10):
         raise SystemExit("--clients 1..1000, --duration 0..600, --rounds 1..10")
     if not 1 <= args.nginx_workers <= 8:
@@ -241,7 +252,11 @@ def main() -> None:
         ngx = Nginx(app, args.nginx_workers)
         if args.baseline is not None:
             base = Appliance(
-                label=f"baseline {args.baseline}", max_connections=None, keep=args.keep, tree=args.baseline.resolve()
+                label=f"baseline {args.baseline}",
+                max_connections=None,
+                keep=args.keep,
+                tree=None if args.baseline_plain else args.baseline.resolve(),
+                **({"env": {"UOMP_NATIVE": "0"}} if args.baseline_plain else {}),
             )
         guard_pid = int(app.srv.info["guard_pid"])
         ref_load = None
@@ -354,7 +369,8 @@ def main() -> None:
     if "baseline" in m:
         b, ub = m["baseline"], unloaded["baseline"]
         line += (
-            f"; BASELINE {args.baseline}: gateway req/s this/baseline x{o['rps'] / b['rps']:.2f} "
+            f"; BASELINE {'plain Python (UOMP_NATIVE=0)' if args.baseline_plain else args.baseline}: "
+            f"gateway req/s this/baseline x{o['rps'] / b['rps']:.2f} "
             f"(baseline/nginx {_ratio(b['rps'], n['rps'])}), gateway cpu/request this/baseline "
             f"{_cpu_ratio(o, b)}, unloaded p50 overhead over its own direct this {over_ours:+.2f} / baseline "
             f"{ub['p50_ms'] - unloaded['baseline direct']['p50_ms']:+.2f} ms"
