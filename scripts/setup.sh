@@ -23,7 +23,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "im
   native
   exit 0
 fi
-echo "setup: installing uomp${extras} and its dependencies into .venv (first run: about a minute)..." >&2
+echo "setup: installing uomp${extras} and its dependencies into .venv (first run: a minute or two, with the compile of the request path)..." >&2
 log=$(mktemp)
 if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}" >"$log" 2>&1; then
   cat "$log"; rm -f "$log"; echo "setup: pip install failed" >&2; exit 1
