@@ -158,3 +158,24 @@ async def test_the_appliance_answers_the_same_compiled_and_plain(tmp_path: Path,
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert proc.returncode == 0
+
+
+def test_a_build_found_by_its_bytes_gets_the_new_stamp_from_build(tmp_path: Path) -> None:
+    """A checkout that touched the sources without changing them finds its build by hashing their
+    bytes; ``build`` then records their new stamp, so later starts need one ``stat`` per file only."""
+    hit = native.find()
+    assert hit is not None, native.status
+    build = tmp_path / "builds" / hit[0].name
+    shutil.copytree(hit[0], build)
+    manifest = build / native.MANIFEST
+    doc = json.loads(manifest.read_text())
+    doc["stamp"] = "touched-since"
+    manifest.write_text(json.dumps(doc))
+    env = {**os.environ, "UOMP_NATIVE_DIR": str(build.parent)}
+    assert probe({"UOMP_NATIVE_DIR": str(build.parent)})[0].startswith("compiled (")  # by its bytes
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli.native", "build"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0 and out.stdout.startswith("native: up to date ("), out.stderr
+    assert json.loads(manifest.read_text())["stamp"] == native.stamp()
+    assert not (build / (native.MANIFEST + ".tmp")).exists()
