@@ -179,3 +179,60 @@ def test_a_build_found_by_its_bytes_gets_the_new_stamp_from_build(tmp_path: Path
     assert out.returncode == 0 and out.stdout.startswith("native: up to date ("), out.stderr
     assert json.loads(manifest.read_text())["stamp"] == native.stamp()
     assert not (build / (native.MANIFEST + ".tmp")).exists()
+
+
+EXTRAS_ONLY = ("keyring", "keyrings.alt", "redis", "mcp", "web3", "starknet-py", "pycryptodome", "pysequoia")
+
+
+def _python_without_extras(tmp_path: Path) -> Path:
+    """An interpreter that sees this virtualenv's packages except those of the optional extras, as on a
+    machine set up by ``scripts/run.sh`` (``.[native]`` only): a virtualenv whose one ``.pth`` names a
+    directory of links to every other entry of site-packages."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    hidden: set[str] = set()
+    for name in EXTRAS_ONLY:
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        hidden |= {f.parts[0] for f in dist.files or () if not f.parts[0].startswith("..")}
+    assert "keyring" in hidden
+    site = Path(sysconfig.get_paths()["purelib"])
+    shown = tmp_path / "shown"
+    shown.mkdir()
+    for entry in site.iterdir():
+        if entry.name not in hidden and not entry.name.endswith(".pth"):
+            (shown / entry.name).symlink_to(entry)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    py = venv / "bin" / "python"
+    inner = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    Path(inner, "shown.pth").write_text(f"{shown}\n", encoding="utf-8")
+    return py
+
+
+def test_the_build_type_checks_without_the_optional_extras(tmp_path: Path) -> None:
+    """``scripts/run.sh`` installs the required dependencies only; the build's type check (what
+    mypyc compiles from) must not need keyring, redis, web3 or the others."""
+    py = _python_without_extras(tmp_path)
+    probe = subprocess.run([str(py), "-c", "import keyring"], capture_output=True, timeout=60)
+    assert probe.returncode != 0  # the extras are really out of sight
+    ok = subprocess.run([str(py), "-c", "import aiohttp, httptools, mypy_extensions"], capture_output=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+
+    def check(args: list[str]) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "mypy", "--python-executable", str(py), "--cache-dir", str(tmp_path / "c"), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=native.PACKAGE_DIR.parent)
+
+    out = check(native.build_args())
+    assert out.returncode == 0, out.stdout[-2000:]
+    # partner: the modules alone, without the build's options, need the extras
+    bare = check([a for a in native.build_args() if not a.startswith("-")])
+    assert bare.returncode == 1 and 'module named "keyring"' in bare.stdout
