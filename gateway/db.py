@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway import sqldriver
-from gateway.errors import ErrorCode, UompError
+from gateway.errors import ErrorCode, UompError, caused_by
 
 DEFAULT_BUSY_TIMEOUT_SECONDS = 2.0
 DEFAULT_QUEUE_TIMEOUT_SECONDS = 5.0
@@ -128,7 +128,7 @@ def connect(
                 os.chmod(str(path) + suffix, 0o600)
         return conn
     except sqldriver.errors(OSError) as exc:
-        raise db_error(exc, code=code, what=what) from exc
+        raise caused_by(db_error(exc, code=code, what=what), exc)
 
 
 @contextlib.contextmanager
@@ -139,7 +139,7 @@ def transaction(
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqldriver.ERRORS as exc:
-        raise db_error(exc, code=code, what=what) from exc
+        raise caused_by(db_error(exc, code=code, what=what), exc)
     try:
         yield conn
         conn.execute("COMMIT")
@@ -147,7 +147,7 @@ def transaction(
         with contextlib.suppress(*sqldriver.ERRORS):
             conn.execute("ROLLBACK")
         if isinstance(exc, sqldriver.ERRORS):
-            raise db_error(exc, code=code, what=what) from exc
+            raise caused_by(db_error(exc, code=code, what=what), exc)
         raise
 
 
@@ -220,8 +220,8 @@ class DbWorker:
         self.queue_timeout = float(queue_timeout)
         self.refused = 0  # calls refused because they waited in the queue too long (diagnostics)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=f"db-{name}", daemon=True)
-        self._thread.start()
+        self._worker = threading.Thread(target=self._main, name=f"db-{name}", daemon=True)
+        self._worker.start()
         self._closed = False
 
     def _main(self) -> None:
@@ -284,7 +284,7 @@ class DbWorker:
         try:
             return fn(*args)
         except sqldriver.ERRORS as exc:
-            raise db_error(exc, what=self.what) from exc
+            raise caused_by(db_error(exc, what=self.what), exc)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the worker thread; the event loop is free meanwhile. A call that has started
@@ -303,4 +303,4 @@ class DbWorker:
         if not self._closed:
             self._closed = True
             self._queue.put(None)
-            self._thread.join()
+            self._worker.join()

@@ -12,7 +12,7 @@ callers pass fixed sentences and identifiers only.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 
 class ErrorCode(StrEnum):
@@ -246,3 +246,14 @@ class UompError(Exception):
         if self.details:
             err["details"] = self.details
         return {"error": err}
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def caused_by(err: _E, cause: BaseException | None) -> _E:
+    """``err`` with ``cause`` as its ``__cause__`` (``None``: no cause, the context hidden):
+    ``raise caused_by(err, exc)`` is ``raise err from exc``, which the compiled modules
+    (:mod:`gateway.native`) must not write: mypyc drops a ``from`` clause."""
+    err.__cause__ = cause
+    return err

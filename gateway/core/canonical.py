@@ -29,7 +29,7 @@ from typing import Any
 
 import rfc8785
 
-from gateway.errors import ErrorCode, UompError
+from gateway.errors import ErrorCode, UompError, caused_by
 
 _MAX_SAFE = 2**53 - 1
 _FAST_DEPTH = 32
@@ -87,9 +87,9 @@ def canonical_json(obj: Any) -> bytes:
         out = rfc8785.dumps(obj)
     except (rfc8785.CanonicalizationError, UnicodeError) as exc:
         # UnicodeError: a lone surrogate in an object *name* escapes the library's own check.
-        raise UompError(ErrorCode.INVALID_REQUEST, "value cannot be canonicalised as JSON (RFC 8785)") from exc
+        raise caused_by(UompError(ErrorCode.INVALID_REQUEST, "value cannot be canonicalised as JSON (RFC 8785)"), exc)
     except RecursionError as exc:
-        raise UompError(ErrorCode.INVALID_REQUEST, "value is nested too deeply to canonicalise") from exc
+        raise caused_by(UompError(ErrorCode.INVALID_REQUEST, "value is nested too deeply to canonicalise"), exc)
     if not isinstance(out, bytes):  # pragma: no cover - the library always returns bytes
         raise UompError(ErrorCode.INVALID_REQUEST, "value cannot be canonicalised as JSON (RFC 8785)")
     return out

@@ -24,6 +24,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Protocol
 
+from gateway.errors import caused_by
+
 HASH_SIZE = 32
 EMPTY_ROOT = hashlib.sha256(b"").digest()
 _LEAF = b"\x00"
@@ -313,7 +315,7 @@ class MemoryTree:
         try:
             return self.levels[level][index]
         except IndexError:
-            raise ProofError(f"no complete subtree at level {level} index {index}") from None
+            raise caused_by(ProofError(f"no complete subtree at level {level} index {index}"), None)
 
     def append(self, leaf: bytes) -> int:
         """Append a leaf *hash*; return its index."""

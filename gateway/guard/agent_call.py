@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
+from mypy_extensions import mypyc_attr
+
 from gateway import httpd, jsonio
 from gateway.contract import (
     QUOTA_HEADER,
@@ -25,6 +27,7 @@ from gateway.guard.http import EVENT_KEY, SERVICES, error_response, event_fields
 T = TypeVar("T")
 
 
+@mypyc_attr(native_class=False)  # compiled (gateway/native.py): a generic native class does not load
 @dataclass(frozen=True, slots=True)
 class AuthOutcome(Generic[T]):
     """What one authentication job on the auth.db worker found: the capability and session row

@@ -23,7 +23,7 @@ from gateway.contract import (
     VERIFIED_X5T_HEADER,
 )
 from gateway.core import checks
-from gateway.errors import ErrorCode, UompError
+from gateway.errors import ErrorCode, UompError, caused_by
 from gateway.guard.auth import token_hash
 from gateway.guard.services import GuardServices
 
@@ -144,14 +144,18 @@ async def read_body(request: httpd.Request, limit: int) -> bytes:
                     raise too_large
                 parts.append(chunk)
     except TimeoutError:
-        raise UompError(
-            ErrorCode.INVALID_REQUEST,
-            f"the request body did not arrive whole within {BODY_READ_SECONDS:g} s; send it at once",
-        ) from None
+        raise caused_by(
+            UompError(
+                ErrorCode.INVALID_REQUEST,
+                f"the request body did not arrive whole within {BODY_READ_SECONDS:g} s; send it at once",
+            ),
+            None,
+        )
     except OSError as exc:
-        raise UompError(
-            ErrorCode.INVALID_REQUEST, f"the request body broke off ({type(exc).__name__}); send it again"
-        ) from None
+        raise caused_by(
+            UompError(ErrorCode.INVALID_REQUEST, f"the request body broke off ({type(exc).__name__}); send it again"),
+            None,
+        )
     return b"".join(parts)
 
 
@@ -164,7 +168,7 @@ async def json_body(request: httpd.Request, limit: int | None = None) -> dict[st
     try:
         body = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise UompError(ErrorCode.INVALID_REQUEST, "request body is not valid JSON") from exc
+        raise caused_by(UompError(ErrorCode.INVALID_REQUEST, "request body is not valid JSON"), exc)
     if not isinstance(body, dict):
         raise UompError(ErrorCode.INVALID_REQUEST, "request body must be a JSON object")
     return body

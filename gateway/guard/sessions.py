@@ -38,7 +38,7 @@ from gateway.contract import token_digest
 from gateway.core import tokens
 from gateway.core.capability import Scope
 from gateway.core.tokencache import ExpiringMap
-from gateway.errors import ErrorCode, UompError
+from gateway.errors import ErrorCode, UompError, caused_by
 
 SESSION_CACHE_ENTRIES = 4096  # decoded session rows kept (cleared whole when full: refilled on demand)
 SESSION_CACHE = switch_on("UOMP_SESSION_CACHE")
@@ -159,7 +159,7 @@ def _scope_from_body(obj: Any, name: str) -> Scope:
     try:
         return tokens.parse_scope(obj, name)
     except UompError as exc:
-        raise UompError(ErrorCode.INVALID_REQUEST, exc.message.replace("claim ", "")) from exc
+        raise caused_by(UompError(ErrorCode.INVALID_REQUEST, exc.message.replace("claim ", "")), exc)
 
 
 def scopes_from_body(obj: Any, name: str) -> tuple[Scope, Scope]:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from gateway import contract, jsonio
 from gateway.core.http1 import HeaderBlock
-from gateway.errors import ErrorCode, UompError
+from gateway.errors import ErrorCode, UompError, caused_by
 from gateway.remote.upstream import CHUNK_BYTES, DEFAULT_MAX_CONNECTIONS, Upstream, UpstreamClient, UpstreamResponse
 
 __all__ = [
@@ -141,7 +141,7 @@ class Forwarder:
             try:
                 parsed = jsonio.loads(raw) if raw else {}
             except ValueError as exc:
-                raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with invalid JSON") from exc
+                raise caused_by(UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with invalid JSON"), exc)
             if not isinstance(parsed, dict):
                 raise UompError(ErrorCode.UPSTREAM_ERROR, "the memory guard answered with an unexpected shape")
         except UompError as exc:

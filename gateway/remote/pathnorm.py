@@ -49,7 +49,7 @@ import unicodedata
 from dataclasses import dataclass
 from urllib.parse import quote, unquote_to_bytes
 
-from gateway.errors import ErrorCode, UompError
+from gateway.errors import ErrorCode, UompError, caused_by
 
 MAX_PATH_LENGTH = 2048  # characters of the raw (still encoded) path
 MAX_QUERY_LENGTH = 2048  # characters of the raw query string, without the "?"
@@ -120,7 +120,7 @@ def _decode_segment(raw_segment: str) -> str:
     try:
         seg = decoded_bytes.decode("utf-8", errors="strict")
     except UnicodeDecodeError:
-        raise _refuse("utf8", "request path is not valid UTF-8 once decoded") from None
+        raise caused_by(_refuse("utf8", "request path is not valid UTF-8 once decoded"), None)
     if "/" in seg:
         raise _refuse("encoded_slash", "encoded slash (%2F) in the request path")
     if "\\" in seg:
@@ -144,7 +144,7 @@ def _check_query(query: str) -> None:
     try:
         decoded = unquote_to_bytes(query.replace("+", " ")).decode("utf-8", errors="strict")
     except UnicodeDecodeError:
-        raise _refuse("utf8", "request query is not valid UTF-8 once decoded") from None
+        raise caused_by(_refuse("utf8", "request query is not valid UTF-8 once decoded"), None)
     if any(_is_control(ch) for ch in decoded):
         raise _refuse("control", "encoded control character in the request query")
     if "\\" in decoded:

@@ -68,7 +68,7 @@ from gateway.core.http1 import (  # noqa: F401  (the limits and HOP_HEADERS stay
     UNTIL_CLOSE,
     garbage,
 )
-from gateway.errors import ErrorCode, UompError
+from gateway.errors import ErrorCode, UompError, caused_by
 
 BUFFER_BODY_BYTES = 256 * 1024  # Content-Length bodies up to this size are read whole at once
 READ_HIGH_WATER = 256 * 1024  # stop reading the socket while this much is buffered and unread
@@ -353,7 +353,7 @@ class UpstreamResponse:
             return data
         except TimeoutError as exc:
             self._abort()
-            raise _timeout() from exc
+            raise caused_by(_timeout(), exc)
         except BaseException:
             self._abort()
             raise
@@ -497,7 +497,7 @@ class UpstreamClient:
             try:
                 await asyncio.wait_for(slots.acquire(), max(0.0, deadline - loop.time()))
             except TimeoutError as exc:
-                raise _timeout() from exc
+                raise caused_by(_timeout(), exc)
         else:
             await slots.acquire()
         try:
@@ -535,10 +535,10 @@ class UpstreamClient:
                     if method == "GET" and attempt == 0:
                         self.retries += 1
                         continue
-                raise _unavailable() from None
+                raise caused_by(_unavailable(), None)
             except TimeoutError as exc:
                 conn.close()
-                raise _timeout() from exc
+                raise caused_by(_timeout(), exc)
             except BaseException:
                 conn.close()
                 raise
@@ -570,9 +570,9 @@ class UpstreamClient:
                 else:
                     _t, conn = await loop.create_connection(factory, *self._addr)
         except TimeoutError as exc:
-            raise _timeout() from exc
+            raise caused_by(_timeout(), exc)
         except OSError as exc:  # missing socket, refused, permission, unreachable
-            raise _unavailable() from exc
+            raise caused_by(_unavailable(), exc)
         self.opened += 1
         return conn
 

@@ -79,13 +79,16 @@ async def get_key(request: httpd.Request) -> httpd.Response:
         # alone: no other read in flight and the audit writer idle (else its group commit pays more)
         if svc.reads_in_flight == 1 and svc.audit.writer.idle:
             call.context = call.event_context()
+        failed: UompError | None = None
         try:
             cap, got = await call.authenticate_then(_read_key_on_worker, call, svc.store, key)
             meta, item, data = cast(_KeyRead, got)  # (the worker hands a Durable's value over)
         except UompError as exc:
             if call.event_id is not None:
                 raise  # the answer's event could not be written: its batch's error, as a failed flush
-            return await answer_refusal(call, exc)
+            failed = exc
+        if failed is not None:
+            return await answer_refusal(call, failed)
         if data is not None:  # made (and its event submitted) on the worker
             return await call.answer(data)
         refusal, detail, reason = _key_verdict(cap, key, meta, item)
@@ -119,6 +122,7 @@ async def get_by_tag(request: httpd.Request) -> httpd.Response:
     and the tag (:mod:`gateway.core.paging`)."""
     call = AgentCall(request, "read")
     svc = call.svc
+    failed: UompError | None = None
     try:
         tag = query_param(request, "tag")
         assert tag is not None
@@ -127,7 +131,10 @@ async def get_by_tag(request: httpd.Request) -> httpd.Response:
         limit = page_limit(request, svc.cfg.max_tag_results)
         cap = await call.authenticate(read=True)
     except UompError as exc:
-        return await answer_refusal(call, exc)
+        failed = exc
+    if failed is not None:
+        return await answer_refusal(call, failed)
+    assert tag is not None  # (query_param's required default refused a missing one)
     if cap.aggregation_only:
         return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, policy.AGGREGATION_ONLY, session_id=cap.session_id))
     d = policy.tag_decision(cap.read, tag)
@@ -141,7 +148,9 @@ async def get_by_tag(request: httpd.Request) -> httpd.Response:
                 svc.reads.cursor_key, cursor, session_id=cap.session_id, agent_id=cap.agent_id, tag=tag, now=now
             )
         except UompError as exc:
-            return await call.refuse(exc)
+            failed = exc
+        if failed is not None:
+            return await call.refuse(failed)
         after = state.after
         if limit is None:
             limit = min(state.limit, svc.cfg.max_tag_results)
@@ -174,6 +183,7 @@ async def aggregate(request: httpd.Request) -> httpd.Response:
     than ``aggregate_min_group`` items (the history survives restarts, ``reads.db``)."""
     call = AgentCall(request, "aggregate")
     svc = call.svc
+    failed: UompError | None = None
     try:
         tag = query_param(request, "tag")
         op = query_param(request, "op")
@@ -193,7 +203,10 @@ async def aggregate(request: httpd.Request) -> httpd.Response:
                 )
         cap = await call.authenticate(read=True)
     except UompError as exc:
-        return await answer_refusal(call, exc)
+        failed = exc
+    if failed is not None:
+        return await answer_refusal(call, failed)
+    assert tag is not None and op is not None  # (query_param's required default refused a missing one)
     d = policy.tag_decision(cap.read, tag)
     if not d.allowed:
         return await call.refuse(UompError(ErrorCode.ACCESS_DENIED, d.reason, session_id=cap.session_id), d.detail)
@@ -270,9 +283,9 @@ async def aggregate(request: httpd.Request) -> httpd.Response:
     except UompError as exc:
         if exc.code is not ErrorCode.AGGREGATE_HIGH_SENSITIVITY:
             raise
-        return await call.refuse(
-            UompError(exc.code, exc.message, session_id=cap.session_id), "high-sensitivity items under the tag"
-        )
+        failed = UompError(exc.code, exc.message, session_id=cap.session_id)
+    if failed is not None:
+        return await call.refuse(failed, "high-sensitivity items under the tag")
     if not res.ok:
         return await call.refuse(
             UompError(
@@ -301,10 +314,13 @@ async def _refuse_authenticated(request: httpd.Request, action: str, code: Error
     """Routes that exist but never serve an agent: authenticate (so the refusal is audited with who
     asked), then refuse with ``code``."""
     call = AgentCall(request, action, key=request.match_info.get("key"))
+    failed: UompError | None = None
     try:
         cap = await call.authenticate()
     except UompError as exc:
-        return await answer_refusal(call, exc)
+        failed = exc
+    if failed is not None:
+        return await answer_refusal(call, failed)
     return await call.refuse(UompError(code, message, session_id=cap.session_id))
 
 
