@@ -213,9 +213,8 @@ def build(log: Callable[[str], None]) -> Path:
     hit = find()
     now = stamp()
     if hit is not None:
-        found = _manifest(hit[0])
-        if found is not None and found[0] != now:  # found by the sources' bytes: keep their new stamp
-            doc = json.loads((hit[0] / MANIFEST).read_text(encoding="utf-8"))
+        doc = json.loads((hit[0] / MANIFEST).read_text(encoding="utf-8"))  # (find() checked it whole)
+        if doc["stamp"] != now:  # found by the sources' bytes: keep their new stamp
             doc["stamp"] = now
             staged = hit[0] / (MANIFEST + ".tmp")
             staged.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
