@@ -1143,6 +1143,97 @@ def other_busy_processes(min_cpu_share: float = 0.2, window: float = 0.5) -> lis
     return busy
 
 
+def sign_test(ratios: Sequence[float]) -> tuple[int, int, float]:
+    """(pairs above 1, pairs that differ, two-sided sign-test p) of paired rounds' ratios this/base:
+    how often the pairs favour one side, and how likely a split at least that uneven is when the two
+    sides do not differ at all (each pair then a coin toss). Ties count for neither side."""
+    n = sum(1 for r in ratios if r != 1)
+    k = sum(1 for r in ratios if r > 1)
+    if n == 0:
+        return 0, 0, 1.0
+    import math
+
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
+    return k, n, min(1.0, 2 * tail)
+
+
+def paired_line(what: str, ratios: Sequence[float], ahead: str, *, ahead_below_one: bool = False) -> str:
+    """One line on paired rounds this/base: the median ratio, in how many pairs this side was
+    ``ahead`` (the ratio above 1, or below it with ``ahead_below_one``: a cost), the sign test's p,
+    and whether this run tells the two sides apart (p < 0.05)."""
+    k, n, p = sign_test([1 / r for r in ratios] if ahead_below_one else ratios)
+    verdict = "told apart in this run" if p < 0.05 else "inside this run's spread"
+    return (
+        f"{what} this/base median x{statistics.median(ratios):.2f}, {ahead} in {k} of {n} pairs "
+        f"(sign test p = {p:.2f}: {verdict})"
+    )
+
+
+SPEED_PROBE_ROWS = 20_000
+
+
+def speed_probe() -> float:
+    """The CPU milliseconds this process spends on a fixed piece of work of the request path's kind:
+    small dicts and strings made and dropped, JSON both ways, SHA-256 of short inputs, SQLite rows
+    inserted and read by key in memory. It measures the machine at this moment, not the code: on a
+    shared VM the same work costs up to half more in a slow hour, and a run's ratios between a
+    CPU-bound path (ours) and one that waits on fsync (the reference) move with it. Lower is faster.
+    The median of three runs (the first pays for warming up)."""
+    import hashlib
+    import sqlite3
+
+    spent = []
+    for _ in range(3):
+        conn = sqlite3.connect(":memory:")
+        conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v TEXT)")
+        start = time.process_time()
+        rows = []
+        for i in range(SPEED_PROBE_ROWS):
+            item = {"key": f"preference.k{i}", "tags": ["preference"], "n": i}
+            text = json.dumps(item, sort_keys=True)
+            rows.append((item["key"], hashlib.sha256(text.encode()).hexdigest()))
+            json.loads(text)
+        conn.executemany("INSERT INTO t VALUES (?, ?)", rows)
+        for k, _ in rows:
+            conn.execute("SELECT v FROM t WHERE k = ?", (k,)).fetchone()
+        spent.append(time.process_time() - start)
+        conn.close()
+    return statistics.median(spent) * 1000
+
+
+WAKEUP_PROBE_TRIPS = 2_000
+
+
+def wakeup_probe() -> float:
+    """Microseconds per round trip of one byte between this process and a child over a Unix socket
+    pair, each side blocked in ``recv`` in between: two wake-ups of a sleeping process per trip, the
+    thing a request through the gateway and the guard does several times. On a VM its cost depends
+    on the host (a sleeping virtual CPU is woken by it), and it moves between hours more than
+    :func:`speed_probe`. Median of ten batches."""
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child: echo until the parent closes its end
+        a.close()
+        try:
+            while data := b.recv(1):
+                b.sendall(data)
+        finally:
+            os._exit(0)
+    b.close()
+    try:
+        batches = []
+        for _ in range(10):
+            start = time.perf_counter()
+            for _ in range(WAKEUP_PROBE_TRIPS // 10):
+                a.sendall(b"x")
+                a.recv(1)
+            batches.append((time.perf_counter() - start) / (WAKEUP_PROBE_TRIPS // 10) * 1e6)
+        return statistics.median(batches)
+    finally:
+        a.close()
+        os.waitpid(pid, 0)
+
+
 def machine_line() -> str:
     import platform
 

@@ -13,7 +13,10 @@ keep-alive mTLS phases (GET by key, ``--clients`` connections) alternate, base f
 and second in odd ones, so the drift of a shared machine hits both alike. Printed per phase and as
 medians: req/s, the gateway process's CPU per request (µs, utime + stime of the process and its
 threads over the phase / answers) and the guard's. On a machine shared with other work the req/s move a lot; the CPU per
-request moves much less, and the paired rounds say which side is cheaper.
+request moves much less, and the paired rounds say which side is cheaper. PAIRED ROUNDS: per
+measure, the median of the rounds' own this/base ratios, in how many rounds this side was ahead, and
+a sign test's p (``_common.sign_test``): a split of 9 of 12 has p = 0.15, which a change that does
+nothing gives one run in seven, so it is printed as "inside this run's spread".
 """
 
 from __future__ import annotations
@@ -79,6 +82,15 @@ def main() -> None:
         gb = statistics.median(x[2] for x in rows["base"])
         gt = statistics.median(x[2] for x in rows["this"])
         print(f"guard CPU per request this/base: {gt / gb:.2f} ({gt - gb:+.0f} µs)")
+        pairs = list(zip(rows["this"], rows["base"], strict=True))  # the two phases of one round
+        print("PAIRED ROUNDS (each round's this/base; a lever under ~10 % needs many pairs on a shared VM):")
+        for i, what, ahead in (
+            (0, "req/s", "this faster"),
+            (1, "gateway CPU per request", "this cheaper"),
+            (2, "guard CPU per request", "this cheaper"),
+        ):
+            ratios = [mine[i] / theirs[i] for mine, theirs in pairs]
+            print("  " + c.paired_line(what, ratios, ahead, ahead_below_one=i > 0))
     finally:
         for a in apps.values():
             a.stop()

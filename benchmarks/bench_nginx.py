@@ -28,7 +28,10 @@ Load: ``_common.py``'s generator (another process), ``--clients`` keep-alive con
 ``GET /v1/memory/<key>`` over 200 keys; the rounds interleave (1) (2) (3), odd rounds in the
 reverse order (ABBA: no path is always first after a pause or last in a round). Then unloaded latency
 (1 client) of each. ``srv cpu`` counts the front's processes and the guard's. RATIOS: ours/nginx,
-nginx/direct, ours/direct (req/s), p50 and p99 of each, unloaded p50 overhead over direct.
+nginx/direct, ours/direct (req/s), p50 and p99 of each, unloaded p50 overhead over direct. MACHINE
+PROBES, at the start and at the end: the CPU a fixed workload takes (``_common.speed_probe``) and a
+wake-up round trip between two processes (``_common.wakeup_probe``): the state of a shared machine
+during the run, beside which its ratios are read.
 
 ``--reference PATH`` (or UOMP_REFERENCE_DIR): also the TypeScript reference's gateway, in the same
 rounds (``bench_reference.py``'s ``Reference``); without it the command to run is printed.
@@ -240,6 +243,7 @@ def main() -> None:
         raise SystemExit("nginx is not installed: bash scripts/setup-bench.sh")
     nginx_v = subprocess.run([_nginx_binary() or "nginx", "-v"], capture_output=True, text=True).stderr.strip()
     print(f"bench_nginx: {c.machine_line()}")
+    probe_start = (c.speed_probe(), c.wakeup_probe())
     print(
         f"{nginx_v}, {args.nginx_workers} worker(s); {args.clients} clients; {args.rounds} rounds x "
         f"{args.duration:g} s per path, interleaved"
@@ -356,11 +360,16 @@ def main() -> None:
             ("baseline direct, 1 client (unloaded)", unloaded["baseline direct"]),
         ]
     c.print_table(rows)
+    print(
+        f"\nMACHINE PROBES (lower is faster; _common.py): CPU of a fixed workload {probe_start[0]:.0f} ms at "
+        f"the start, {c.speed_probe():.0f} at the end; a wake-up round trip {probe_start[1]:.0f} µs at the "
+        f"start, {c.wakeup_probe():.0f} at the end"
+    )
     o, n, d = m["ours"], m["nginx"], m["direct"]
     over_ours = unloaded["ours"]["p50_ms"] - unloaded["direct"]["p50_ms"]
     over_nginx = unloaded["nginx"]["p50_ms"] - unloaded["direct"]["p50_ms"]
     print(
-        f"\nAIMS (issue 34): ours/nginx req/s {_ratio(o['rps'], n['rps'])} (aim >= {AIM_OURS_NGINX}: "
+        f"AIMS (issue 34): ours/nginx req/s {_ratio(o['rps'], n['rps'])} (aim >= {AIM_OURS_NGINX}: "
         f"{'met' if o['rps'] >= AIM_OURS_NGINX * n['rps'] else 'NOT met'}); unloaded p50 overhead over direct "
         f"{over_ours:+.2f} ms (aim <= {AIM_P50_OVERHEAD_MS} ms: "
         f"{'met' if over_ours <= AIM_P50_OVERHEAD_MS else 'NOT met'}; nginx {over_nginx:+.2f} ms)"
