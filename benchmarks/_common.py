@@ -1176,7 +1176,7 @@ def speed_probe() -> float:
     """The CPU milliseconds this process spends on a fixed piece of work of the request path's kind:
     small dicts and strings made and dropped, JSON both ways, SHA-256 of short inputs, SQLite rows
     inserted and read by key in memory. It measures the machine at this moment, not the code: on a
-    shared VM the same work costs up to half more in a slow hour, and a run's ratios between a
+    shared VM the same work costs more in some hours than in others, and a run's ratios between a
     CPU-bound path (ours) and one that waits on fsync (the reference) move with it. Lower is faster.
     The median of three runs (the first pays for warming up)."""
     import hashlib
@@ -1208,8 +1208,7 @@ def wakeup_probe() -> float:
     """Microseconds per round trip of one byte between this process and a child over a Unix socket
     pair, each side blocked in ``recv`` in between: two wake-ups of a sleeping process per trip, the
     thing a request through the gateway and the guard does several times. On a VM its cost depends
-    on the host (a sleeping virtual CPU is woken by it), and it moves between hours more than
-    :func:`speed_probe`. Median of ten batches."""
+    on the host (a sleeping virtual CPU is woken by it). Lower is faster. Median of ten batches."""
     a, b = socket.socketpair()
     pid = os.fork()
     if pid == 0:  # the child: echo until the parent closes its end
