@@ -23,6 +23,7 @@ from gateway.errors import ErrorCode, UompError
 
 DEFAULT_HOME = "~/.uomp"
 LOCAL_PORT = 9374
+MAX_CONNECTION_BUDGET = 65536  # the largest connection budget a listener's setting may name
 
 # The words a boolean setting or switch may be spelled with (case and surrounding blanks ignored).
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -393,6 +394,13 @@ class GuardConfig:
     # holds the log to the newest checkpoint it cosigned. Empty: none. A directory that is absent
     # (not mounted) or has cosigned nothing yet is a warning; a tampered one is red.
     audit_witness_dir: str = ""
+    # Connection budgets of the guard's two listeners (docs/security.md, "Limits"): past one, a
+    # newcomer takes the place of the longest-idle connection, and is closed when every connection is
+    # busy. The Unix socket's carries the gateway's connections (up to 256 exchanges at once) and the
+    # CLI's; the Local Profile port's, local agents'. Each is lowered to fit the process's descriptor
+    # limit (gateway/guard/server.py, connection_budgets).
+    unix_max_connections: int = 4096
+    tcp_max_connections: int = 256
     # Housekeeping, off the event loop: each session is closed at its expiry (the sweeper sleeps
     # until the next one, at most sweep_interval_seconds and 60 s, the shortest session); audit
     # retention and auth.db pruning run every purge_interval_seconds.
@@ -414,6 +422,9 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         _check_port(self.tcp_port, "guard.tcp_port", low=0)
+        for name in ("unix_max_connections", "tcp_max_connections"):
+            if not 1 <= getattr(self, name) <= MAX_CONNECTION_BUDGET:
+                raise UompError(ErrorCode.CONFIG_ERROR, f"guard.{name} must be between 1 and {MAX_CONNECTION_BUDGET}")
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,9 @@ log = logging.getLogger("uomp.guard")
 # fails at once (EAGAIN), where TCP would wait: the gateway, which opens a connection per
 # concurrent request beyond its idle pool, would answer 503 for it. The kernel caps it at somaxconn.
 UNIX_BACKLOG = 4096
-# Connection budgets (gateway/guard/httpd.py: a newcomer takes the place of the longest-idle
-# connection): the socket's is the larger (the gateway's pool and its bursts, the CLI), the Local
-# Profile port's smaller; both fit under the process's descriptor limit with FD_RESERVE to spare.
-UNIX_MAX_CONNECTIONS = 4096
-TCP_MAX_CONNECTIONS = 256
+# Connection budgets: ``[guard] unix_max_connections`` and ``tcp_max_connections`` (gateway/httpd.py:
+# a newcomer takes the place of the longest-idle connection), both lowered to fit under the
+# process's descriptor limit with FD_RESERVE to spare (connection_budgets).
 FD_RESERVE = 64  # descriptors kept for the databases, the log, the key watch and the verify child
 SHORTEST_SESSION_SECONDS = MAX_DURATION_MINUTES_FLOOR * 60.0  # the sweeper's longest sleep (_sweeper)
 EXPIRY_SLACK_SECONDS = 0.05  # the sweeper wakes this long after an expiry (so it is past), never sooner than this
@@ -52,13 +50,13 @@ VERIFY_CHILD = (
 )
 
 
-def connection_budgets() -> tuple[int, int]:
+def connection_budgets(unix_ceiling: int, tcp_ceiling: int) -> tuple[int, int]:
     """The (Unix socket, Local Profile port) connection budgets under this process's descriptor
     limit: three quarters of what is left after :data:`FD_RESERVE` for the socket, a quarter for
-    the port, each at most its ceiling."""
+    the port, each at most its ceiling (the ``[guard]`` settings)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     room = max(64, (65536 if soft == resource.RLIM_INFINITY else soft) - FD_RESERVE)
-    return min(UNIX_MAX_CONNECTIONS, room * 3 // 4), min(TCP_MAX_CONNECTIONS, room // 4)
+    return min(unix_ceiling, room * 3 // 4), min(tcp_ceiling, room // 4)
 
 
 class GuardRunner:
@@ -94,7 +92,7 @@ class GuardRunner:
         self.services = GuardServices.open(self.paths, self.cfg)
         self.services.audit.purge()
         self.services.auth.prune()
-        unix_budget, tcp_budget = connection_budgets()
+        unix_budget, tcp_budget = connection_budgets(self.cfg.unix_max_connections, self.cfg.tcp_max_connections)
         unix = httpd.Server(create_app(self.services, listener="unix"), name="unix", max_connections=unix_budget)
         self._servers.append(unix)
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect

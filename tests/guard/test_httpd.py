@@ -523,13 +523,23 @@ async def test_a_budget_of_busy_connections_refuses_the_newcomer(h: Harness) -> 
 def test_the_guards_budgets_fit_its_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
+    from gateway.config import GuardConfig
     from gateway.guard import server
 
+    cfg = GuardConfig()
+    ceilings = (cfg.unix_max_connections, cfg.tcp_max_connections)
+    assert ceilings == (4096, 256)
     for soft, want in ((1024, (720, 240)), (20000, (4096, 256)), (256, (144, 48))):
         monkeypatch.setattr(resource, "getrlimit", lambda _r, s=soft: (s, 1 << 20))
-        unix, tcp = server.connection_budgets()
+        unix, tcp = server.connection_budgets(*ceilings)
         assert (unix, tcp) == want
         assert unix + tcp + server.FD_RESERVE <= max(soft, 128 + server.FD_RESERVE)
+        # settings below the descriptor limit's share are kept as they are; above it, lowered
+        assert server.connection_budgets(100, 10) == (min(100, want[0]), min(10, want[1]))
+        assert server.connection_budgets(1 << 16, 1 << 16) == (
+            max(64, soft - server.FD_RESERVE) * 3 // 4,
+            max(64, soft - server.FD_RESERVE) // 4,
+        )
 
 
 async def test_an_answer_header_with_a_line_break_is_never_written(h: Harness) -> None:
