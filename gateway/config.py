@@ -423,8 +423,11 @@ class GuardConfig:
     def __post_init__(self) -> None:
         _check_port(self.tcp_port, "guard.tcp_port", low=0)
         for name in ("unix_max_connections", "tcp_max_connections"):
-            if not 1 <= getattr(self, name) <= MAX_CONNECTION_BUDGET:
-                raise UompError(ErrorCode.CONFIG_ERROR, f"guard.{name} must be between 1 and {MAX_CONNECTION_BUDGET}")
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_CONNECTION_BUDGET:
+                raise UompError(
+                    ErrorCode.CONFIG_ERROR, f"guard.{name} = {value} is out of range; use 1-{MAX_CONNECTION_BUDGET}"
+                )
 
 
 @dataclass(frozen=True)

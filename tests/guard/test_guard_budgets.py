@@ -56,7 +56,7 @@ def test_the_budgets_are_settings_with_bounds(home: Paths, monkeypatch: pytest.M
         for bad in (0, -1, MAX_CONNECTION_BUDGET + 1):
             with pytest.raises(UompError) as exc:
                 GuardConfig(**{name: bad})
-            assert exc.value.code == "CONFIG_ERROR" and f"guard.{name}" in exc.value.message
+            assert exc.value.code == "CONFIG_ERROR" and f"guard.{name} = {bad} is out of range" in exc.value.message
         assert getattr(GuardConfig(**{name: MAX_CONNECTION_BUDGET}), name) == MAX_CONNECTION_BUDGET
     # from the home's config file and from the environment, as every [guard] setting
     home.config_file.write_text("[guard]\ntcp_max_connections = 32\n")
